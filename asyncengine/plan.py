@@ -1,0 +1,88 @@
+"""BatchPlan: the only thing that crosses from the scheduler to the executor. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncengine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Segment:
+    """One request's share of a forward pass.
+
+    ``input_ids`` are the tokens whose KV is computed now; they sit at positions
+    ``start_pos .. start_pos + len(input_ids) - 1``. Tokens before ``start_pos`` are already in
+    the KV pool (cached prefix and earlier chunks), reachable through page-table row
+    ``table_row``. The pages covering every position up to the segment's end are allocated
+    before the plan is emitted.
+    """
+
+    rid: str
+    table_row: int
+    input_ids: list[int]
+    start_pos: int
+    sample: bool  # sample a token after the last input token (last prefill chunk, decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.input_ids)
+
+
+@dataclass(slots=True)
+class SamplingInfo:
+    """What the sampler needs for one sampled segment."""
+
+    params: SamplingParams
+    prompt_ids: list[int]  # for the repetition penalty
+    output_ids: list[int]  # tokens generated so far (presence/frequency penalties, seed step)
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """One forward: extend segments (prefill chunks), then decode segments (one token each).
+
+    ``sampling`` has one entry per segment with ``sample=True``, in the order extends then
+    decodes, and the executor returns one sampled token per entry in that order.
+    """
+
+    step: int
+    extends: list[Segment] = field(default_factory=list)
+    decodes: list[Segment] = field(default_factory=list)
+    sampling: list[SamplingInfo] = field(default_factory=list)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.extends + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.extends) + len(self.decodes)
+
+    @property
+    def sampled_rids(self) -> list[str]:
+        return [s.rid for s in self.segments if s.sample]
+
+    def is_empty(self) -> bool:
+        return not self.extends and not self.decodes
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (token id, logprob)."""
+
+    token_logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The executor's answer to a BatchPlan: one entry per sampled segment, plan order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    forward_seconds: float = 0.0
