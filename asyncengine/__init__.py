@@ -1,0 +1,47 @@
+"""asyncengine: an LLM serving engine around one asyncio event loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import (
+    EngineError,
+    EngineNotRunningError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+)
+from asyncengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.engine import AsyncEngine
+    from asyncengine.outputs import GenerateOutput, StreamDelta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncEngine",
+    "EngineConfig",
+    "EngineError",
+    "EngineNotRunningError",
+    "GenerateOutput",
+    "InvalidRequestError",
+    "QueueFullError",
+    "RequestFailedError",
+    "SamplingParams",
+    "StreamDelta",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The engine pulls in torch and the model code; import it only when asked for.
+    if name == "AsyncEngine":
+        from asyncengine.engine import AsyncEngine
+
+        return AsyncEngine
+    if name in ("GenerateOutput", "StreamDelta"):
+        from asyncengine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'asyncengine' has no attribute {name!r}")

@@ -1,0 +1,156 @@
+"""The `asyncengine` command: serve, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.loop import run
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+
+# (flag, config key, type, help); every flag overrides the key of the same name in --config
+ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "model", str, "model: 'smollm2-135m' (embedded default), an HF directory or a .gguf file"),
+    ("--policy", "policy", str, "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
+     "'a+b' to compose an ordering with a budget, or 'package.module:Class'"),
+    ("--dtype", "dtype", str, "auto | bfloat16 | float32 (float16 only on CUDA)"),
+    ("--device", "device", str, "auto | cpu | cuda"),
+    ("--page-size", "page_size", int, "tokens per KV page"),
+    ("--kv-cache-tokens", "kv_cache_tokens", int, "KV pool capacity in tokens"),
+    ("--kv-cache-bytes", "kv_cache_bytes", int, "KV pool capacity in bytes (instead of tokens)"),
+    ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
+    ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
+    ("--max-waiting-requests", "max_waiting_requests", int, "queued requests before new ones are refused"),
+    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill tokens per step"),
+    ("--chunked-prefill-size", "chunked_prefill_size", int, "longest prefill chunk (0: no chunking)"),
+    ("--max-consecutive-prefill-steps", "max_consecutive_prefill_steps", int,
+     "prefill-only steps in a row before a decode step"),
+    ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
+    ("--seed", "seed", int, "seed of unseeded sampling"),
+    ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (each flag overrides the same key of --config)")
+    group.add_argument("--config", metavar="FILE", help="TOML engine config (see configs/)")
+    for flag, key, kind, help_text in ENGINE_FLAGS:
+        group.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
+    group.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
+                       default=None, help="turn the radix prefix cache off")
+    group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_const", const=False,
+                       default=None, help="never put decodes and a prefill chunk in one forward")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    keys = [key for _, key, _, _ in ENGINE_FLAGS] + ["enable_prefix_cache", "enable_mixed_batch"]
+    return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="seed this request's sampling")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=list(args.stop),
+    )
+
+
+async def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool) -> None:
+    from asyncengine.engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        request: Any = [{"role": "user", "content": prompt}] if chat else prompt
+        last = None
+        async for delta in engine.stream(request, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            last = delta
+        sys.stdout.write("\n")
+        if last is not None and last.usage is not None and last.metrics is not None:
+            m, u = last.metrics, last.usage
+            tps = u.completion_tokens / m.e2e if m.e2e else 0.0
+            print(
+                f"[{last.finish_reason}] prompt {u.prompt_tokens} tokens, output {u.completion_tokens} tokens, "
+                f"ttft {m.ttft or 0:.3f}s, {tps:.1f} tok/s",
+                file=sys.stderr,
+            )
+
+
+async def _chat(config: EngineConfig, params: SamplingParams, system: str | None) -> None:
+    from asyncengine.engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            reply = []
+            async for delta in engine.stream(history, params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                reply.append(delta.text)
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncengine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible and native HTTP server")
+    add_engine_arguments(serve)
+    from asyncengine.server.serve import add_serve_arguments, serve_main
+
+    add_serve_arguments(serve)
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    add_engine_arguments(gen)
+    add_sampling_arguments(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_arguments(chat)
+    add_sampling_arguments(chat)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        if args.command == "serve":
+            return serve_main(config, args)
+        params = sampling_from_args(args)
+        if args.command == "generate":
+            run(_generate(config, args.prompt, params, args.chat))
+        else:
+            run(_chat(config, params, args.system))
+    except (ConfigError, InvalidRequestError, ValueError) as exc:
+        print(f"asyncengine: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""EngineConfig: every knob of the engine, loadable from TOML with keyword overrides."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+class ConfigError(ValueError):
+    """A config file or override that names an unknown key or holds a bad value."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Engine configuration. Build it directly, or with ``EngineConfig.from_toml(path, **overrides)``.
+
+    Sizes are in tokens unless the name says otherwise.
+    """
+
+    # the model
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: bfloat16 on CPU and CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+
+    # KV memory
+    page_size: int = 16
+    kv_cache_tokens: int | None = None  # KV pool capacity; default 32768 (or from kv_cache_bytes)
+    kv_cache_bytes: int | None = None
+    enable_prefix_cache: bool = True
+
+    # scheduling
+    policy: str = "fcfs"  # a name, "a+b" to compose an ordering with a budget, or "pkg.mod:Class"
+    policy_options: dict[str, Any] = {}
+    max_running_requests: int = 128
+    max_waiting_requests: int = 4096
+    max_prefill_tokens: int = 4096  # prefill tokens per step
+    chunked_prefill_size: int = 1024  # longest prefill chunk; 0 turns chunking off
+    enable_mixed_batch: bool = True  # decodes ride along with a prefill chunk in one forward
+    max_consecutive_prefill_steps: int = 4  # then a decode step, so decodes are never starved
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    # executor
+    attention_backend: str = "auto"
+    enable_cuda_graph: bool = True
+
+    # logging
+    log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"config key {key!r} = {getattr(self, key)!r}: {why}")
+
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise bad("device", f"must be one of {', '.join(DEVICES)}")
+        if self.attention_backend not in BACKENDS:
+            raise bad("attention_backend", f"must be one of {', '.join(BACKENDS)}")
+        if not self.model:
+            raise bad("model", "must name a model or a path")
+        for key in ("page_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens",
+                    "max_consecutive_prefill_steps"):
+            if getattr(self, key) < 1:
+                raise bad(key, "must be >= 1")
+        if self.chunked_prefill_size < 0:
+            raise bad("chunked_prefill_size", "must be >= 0 (0 turns chunking off)")
+        if self.chunked_prefill_size and self.chunked_prefill_size < self.page_size:
+            raise bad("chunked_prefill_size", f"must be 0 or >= page_size ({self.page_size})")
+        for key in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise bad(key, "must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise bad("kv_cache_bytes", "give kv_cache_tokens or kv_cache_bytes, not both")
+        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise bad("init_new_token_ratio", "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+        if not 0 <= self.new_token_ratio_decay < 1:
+            raise bad("new_token_ratio_decay", "must be in [0, 1)")
+        if self.log_interval < 0:
+            raise bad("log_interval", "must be >= 0")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        try:
+            return msgspec.convert(values, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"bad engine config: {exc}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path | None = None, **overrides: Any) -> EngineConfig:
+        """Load ``path`` (top-level keys, or an ``[engine]`` table), then apply non-None overrides."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    values = tomllib.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+            if "engine" in values:
+                extra = sorted(set(values) - {"engine"})
+                if extra:
+                    raise ConfigError(f"config file {path}: unknown top-level keys {extra} beside [engine]")
+                values = dict(values["engine"])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(values)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return EngineConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)

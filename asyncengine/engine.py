@@ -1,0 +1,319 @@
+"""AsyncEngine: the event loop that steps the scheduler and streams results to callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import EngineNotRunningError, QueueFullError, RequestFailedError
+from asyncengine.outputs import GenerateOutput, RequestMetrics, StreamDelta, Usage
+from asyncengine.plan import BatchPlan, TokenLogprobs
+from asyncengine.request import Request
+from asyncengine.request_stream import RequestStream, StreamState
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.scheduler import Scheduler, TokenEvent
+from asyncengine.worker import EngineParts, build_engine_parts
+
+log = logging.getLogger("asyncengine.engine")
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class AsyncEngine:
+    """Serve generations from one asyncio loop; the model forward runs on one worker thread.
+
+    Use ``async with AsyncEngine(config) as engine`` (or ``await start()`` / ``await stop()``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = config or EngineConfig()
+        self.config = config.replace(**overrides) if overrides else config
+        self.parts: EngineParts | None = None
+        self.step_hooks: list[Callable[[BatchPlan], None]] = []  # called after every committed step
+        self._streams: dict[str, StreamState] = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._stopping = False
+        self._counters: dict[str, int] = {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "finished_stop": 0,
+            "finished_length": 0,
+            "finished_abort": 0,
+            "failed": 0,
+        }
+        self._last_log = (time.monotonic(), 0)
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def start(self) -> AsyncEngine:
+        if self._task is not None:
+            return self
+        loop = asyncio.get_running_loop()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-forward")
+        if self.parts is None:
+            self.parts = await loop.run_in_executor(self._worker, build_engine_parts, self.config)
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")
+        return self
+
+    async def stop(self) -> None:
+        """Abort what is still in flight and stop the loop."""
+        if self._task is None:
+            return
+        self._stopping = True
+        for rid in list(self._streams):
+            self.abort(rid)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        await self._task
+        self._task = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._parts().scheduler
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._parts().tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._parts().model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._parts().max_model_len
+
+    def _parts(self) -> EngineParts:
+        if self.parts is None:
+            raise EngineNotRunningError("the engine is not started: use `async with AsyncEngine(...)` or `await engine.start()`")
+        return self.parts
+
+    # -- public API ----------------------------------------------------------------------
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> GenerateOutput:
+        """Run one request to the end and return its whole output."""
+        stream = self.stream(prompt, params, request_id=request_id)
+        texts: list[str] = []
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        async for delta in stream:
+            texts.append(delta.text)
+            tokens.extend(delta.token_ids)
+            if delta.logprobs:
+                logprobs.extend(delta.logprobs)
+            if delta.finished:
+                assert delta.usage is not None and delta.metrics is not None
+                return GenerateOutput(
+                    request_id=delta.request_id,
+                    text="".join(texts),
+                    token_ids=tokens,
+                    finish_reason=delta.finish_reason,
+                    usage=delta.usage,
+                    metrics=delta.metrics,
+                    matched_stop=delta.matched_stop,
+                    logprobs=logprobs if stream.state.req.params.logprobs else None,
+                )
+        raise RequestFailedError(f"request {stream.request_id} ended without a final output")
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and return an async iterator of its StreamDeltas.
+
+        Leaving the iteration early (or cancelling the task that iterates) aborts the request.
+        Bad input raises ``InvalidRequestError`` here, before anything is queued.
+        """
+        if not self.is_running:
+            raise EngineNotRunningError("the engine is not running")
+        parts = self._parts()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        prompt_ids = self._tokenize(prompt)
+        self._check_request(prompt_ids, params)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting_requests); try again later")
+        req = Request(rid, prompt_ids, params, arrival_time=time.monotonic())
+        state = StreamState(req, parts.make_detokenizer(params.skip_special_tokens))
+        self._streams[rid] = state
+        self.scheduler.add_request(req)
+        self._counters["prompt_tokens"] += len(prompt_ids)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return RequestStream(self, state)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request; its KV pages are released (cached prefix kept)."""
+        state = self._streams.get(request_id)
+        if state is None:
+            return False
+        if not state.req.finished:
+            self.scheduler.finish(state.req, "abort")
+        self._finish_stream(state)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        sched = self.scheduler.stats()
+        hit, miss = sched.get("hit_tokens", 0), sched.get("miss_tokens", 0)
+        return {
+            **sched,
+            **self._counters,
+            "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
+            "model": self.model_name,
+            "policy": self.scheduler.policy.name,
+        }
+
+    # -- input checks --------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return tok.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string, list of token ids, or list of chat messages")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self._parts().vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            return list(prompt)
+        if all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"message {i} needs a string 'role' and a string 'content'")
+            return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True))
+        raise InvalidRequestError("prompt list must hold only token ids (int) or only chat messages (dict)")
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        parts = self._parts()
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty after tokenization")
+        if len(prompt_ids) >= parts.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {parts.max_model_len} tokens "
+                "(max_model_len), leaving no room to generate"
+            )
+        bad = [t for t in params.stop_token_ids if t >= parts.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {parts.vocab_size})")
+
+    # -- the loop ------------------------------------------------------------------------
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        runner = self._parts().runner
+        assert self._wakeup is not None
+        try:
+            while not self._stopping:
+                if not sched.has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan = sched.schedule()
+                if plan is None:
+                    await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
+                    continue
+                start = time.perf_counter()
+                try:
+                    output = await loop.run_in_executor(self._worker, runner.execute, plan)
+                except Exception as exc:  # one bad forward fails its batch, not the engine
+                    log.exception("forward of step %d failed; failing its %d requests", plan.step, len(plan.segments))
+                    for req in sched.fail(plan):
+                        self._fail_stream(req, exc)
+                    continue
+                if not output.forward_seconds:
+                    output.forward_seconds = time.perf_counter() - start
+                self._emit(sched.commit(plan, output))
+                for hook in self.step_hooks:
+                    hook(plan)
+                self._maybe_log()
+        except Exception as exc:
+            log.exception("engine loop crashed")
+            for state in list(self._streams.values()):
+                self._fail_stream(state.req, exc)
+            raise
+        finally:
+            for rid in list(self._streams):
+                self.abort(rid)
+
+    def _emit(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            state = self._streams.get(ev.req.rid)
+            if state is None:
+                continue
+            self._counters["generated_tokens"] += 1
+            stop = state.add_token(ev.token_id, ev.logprobs)
+            if stop is not None and not ev.req.finished:
+                self.scheduler.finish(ev.req, "stop", stop)
+            if ev.req.finished:
+                self._finish_stream(state)
+            else:
+                state.flush_delta()
+
+    def _finish_stream(self, state: StreamState) -> None:
+        req = state.req
+        self._streams.pop(req.rid, None)
+        reason = req.finish_reason or "abort"
+        self._counters[f"finished_{reason}"] = self._counters.get(f"finished_{reason}", 0) + 1
+        end = req.finished_time or time.monotonic()
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            queue_time=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            e2e=end - req.arrival_time,
+            itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
+            retractions=req.retractions,
+        )
+        usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+        state.finish(usage, metrics)
+
+    def _fail_stream(self, req: Request, exc: BaseException) -> None:
+        state = self._streams.pop(req.rid, None)
+        if state is None:
+            return
+        self._counters["failed"] += 1
+        state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_interval
+        now = time.monotonic()
+        last_time, last_tokens = self._last_log
+        if not interval or now - last_time < interval:
+            return
+        stats = self.stats()
+        tokens = self._counters["generated_tokens"]
+        log.info(
+            "gen %.1f tok/s | running %d | waiting %d | cache hit %.1f%% | KV pages used %d cached %d free %d / %d",
+            (tokens - last_tokens) / (now - last_time),
+            stats["running"], stats["waiting"], 100 * stats["cache_hit_rate"],
+            stats["pages_used"], stats["pages_cached"], stats["pages_free"], stats["pages_total"],
+        )
+        self._last_log = (now, tokens)

@@ -1,0 +1,55 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncengine.plan import TokenLogprobs
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Seconds. ``queue_time``: arrival to first scheduled; ``ttft``: arrival to first token."""
+
+    arrival_time: float
+    queue_time: float | None
+    ttft: float | None
+    e2e: float
+    itl: list[float] = field(default_factory=list)
+    retractions: int = 0
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    metrics: RequestMetrics
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None

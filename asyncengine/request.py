@@ -1,0 +1,62 @@
+"""Request: one generation's state while the engine holds it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or retracted and waiting to be recomputed
+    PREFILLING = "prefilling"  # admitted; prompt chunks still to compute
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Token-level state of one request. The scheduler owns it; the engine reads it.
+
+    ``all_ids`` (prompt then output) is what the KV cache holds; ``seq`` is the request's KV
+    handle while it is admitted (None while waiting). ``seq.kv_len`` tokens of ``all_ids``
+    have their KV computed (or planned in the forward now running).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    seq: Any = None  # asyncengine.cache.manager.SeqKV while admitted
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: str | int | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    retractions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return 0 if self.seq is None else self.seq.kv_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,131 @@
+"""Per-request output side: detokenize, apply stop strings, and queue deltas for the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
+from asyncengine.plan import TokenLogprobs
+from asyncengine.request import Request
+
+if TYPE_CHECKING:
+    from asyncengine.engine import AsyncEngine
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that could be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+class StreamState:
+    """Text produced so far for one request, and the deltas not yet read by its caller."""
+
+    def __init__(self, req: Request, detokenizer: Any) -> None:
+        self.req = req
+        self.detokenizer = detokenizer
+        self.queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already handed out
+        self.stop_at: int | None = None  # where a matched stop string begins
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.done = False
+
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
+        """Take one sampled token; return the stop string it completed, if any."""
+        self.tokens.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        self.text += self.detokenizer.add([token_id])
+        stops = self.req.params.stop
+        if not stops or self.stop_at is not None:
+            return None
+        window = max(0, self.sent - max(len(s) for s in stops))
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            at = self.text.find(stop, window)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        self.stop_at = best[0]
+        return best[1]
+
+    def flush_delta(self) -> None:
+        """Queue what can be shown now (text that cannot still turn into a stop string)."""
+        end = len(self.text) - held_back(self.text, self.req.params.stop)
+        if end > self.sent or self.tokens:
+            self.queue.put_nowait(self._delta(end))
+
+    def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
+        end = self.stop_at if self.stop_at is not None else len(self.text)
+        delta = self._delta(max(end, self.sent))
+        delta.finished = True
+        delta.finish_reason = self.req.finish_reason or "abort"
+        delta.matched_stop = self.req.matched_stop
+        delta.usage = usage
+        delta.metrics = metrics
+        self.done = True
+        self.queue.put_nowait(delta)
+
+    def fail(self, exc: BaseException) -> None:
+        self.done = True
+        self.queue.put_nowait(exc)
+
+    def _delta(self, end: int) -> StreamDelta:
+        delta = StreamDelta(
+            request_id=self.req.rid,
+            text=self.text[self.sent : end],
+            token_ids=self.tokens,
+            logprobs=self.logprobs or None,
+        )
+        self.sent = max(self.sent, end)
+        self.tokens = []
+        self.logprobs = []
+        return delta
+
+
+class RequestStream:
+    """Async iterator over one request's StreamDeltas; leaving it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, state: StreamState) -> None:
+        self.engine = engine
+        self.state = state
+        self.request_id = state.req.rid
+        self._ended = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            item = await self.state.queue.get()
+        except BaseException:
+            await self.aclose()  # cancelled while waiting: abort the request
+            raise
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        if not self._ended and not self.state.done:
+            loop = self.engine._task.get_loop() if self.engine._task is not None else None
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.engine.abort, self.request_id)

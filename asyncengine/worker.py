@@ -1,0 +1,121 @@
+"""Build everything an engine needs from its config: model, tokenizer, KV memory, scheduler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncengine.cache.kv_pool import KVPool
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.sampler import Sampler
+from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+from asyncengine.scheduler import Scheduler
+from policies import make_policy
+
+log = logging.getLogger("asyncengine.worker")
+
+DEFAULT_KV_TOKENS = 32768
+
+
+@dataclass(slots=True)
+class EngineParts:
+    runner: Any  # ModelRunner, or any object with execute(plan) -> StepOutput
+    scheduler: Scheduler
+    kv: KVCacheManager
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    make_detokenizer: Callable[[bool], Any]
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'device' = 'cuda': no CUDA device is available here")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16
+    if config.dtype == "float16" and device.type == "cpu":
+        raise ConfigError(
+            "config key 'dtype' = 'float16' is refused on CPU: float16 matmuls run ~300x slower there; "
+            "use bfloat16 (fast) or float32 (exact)"
+        )
+    return getattr(torch, config.dtype)
+
+
+def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    if config.kv_cache_bytes is not None:
+        pages = KVPool.num_pages_for_bytes(
+            config.kv_cache_bytes, model.num_layers, model.num_kv_heads, model.head_dim, config.page_size, dtype
+        )
+        if pages < 1:
+            raise ConfigError(f"config key 'kv_cache_bytes' = {config.kv_cache_bytes}: too small for one page")
+        return pages
+    return KVPool.num_pages_for_tokens(config.kv_cache_tokens or DEFAULT_KV_TOKENS, config.page_size)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Load the model and set up KV memory, sampler and scheduler (runs off the event loop)."""
+    started = time.perf_counter()
+    device = pick_device(config)
+    dtype = pick_dtype(config, device)
+    path = resolve_model(config.model, dtype)
+    model_config = ModelConfig.from_hf_dict(load_hf_config(path))
+    tokenizer = Tokenizer(path)
+    weights = load_weights(path, dtype)
+    num_pages = kv_capacity_pages(config, model_config, dtype)
+    capacity = num_pages * config.page_size
+    max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len, capacity)
+    pool = KVPool(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+        num_pages, config.page_size, dtype, device,
+    )
+    kv = KVCacheManager(
+        num_pages,
+        config.page_size,
+        max_requests=config.max_running_requests,
+        max_pages_per_request=-(-max_model_len // config.page_size),
+        enable_prefix_cache=config.enable_prefix_cache,
+    )
+    eos_ids = list(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
+    sampler = Sampler(eos_token_ids=eos_ids, seed=config.seed)
+    runner = ModelRunner(
+        model_config, weights, pool, kv.page_table, dtype=dtype, device=device,
+        backend=config.attention_backend, sampler=sampler,
+    )
+    del weights
+    policy = make_policy(config.policy, config.policy_options)
+    scheduler = Scheduler(config, kv, policy, eos_ids, max_model_len)
+    log.info(
+        "engine ready in %.1fs: model %s (%s, %s), KV %d pages x %d tokens (%.0f MiB), max_model_len %d, policy %s",
+        time.perf_counter() - started, config.model, dtype, device, num_pages, config.page_size,
+        pool.nbytes / 2**20, max_model_len, policy.name,
+    )
+
+    def make_detokenizer(skip_special_tokens: bool) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+
+    return EngineParts(
+        runner=runner,
+        scheduler=scheduler,
+        kv=kv,
+        tokenizer=tokenizer,
+        model_name=config.model,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        make_detokenizer=make_detokenizer,
+    )

@@ -1,0 +1,79 @@
+"""The policy interface: order the waiting queue and budget each step. Policies never touch KV."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
+    from asyncengine.plan import BatchPlan
+    from asyncengine.request import Request
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """Token limits for one step. ``chunk_size`` 0 means: do not split prompts."""
+
+    prefill_tokens: int
+    total_tokens: int | None  # prefill + decode tokens together; None: no joint limit
+    chunk_size: int
+
+
+@dataclass(slots=True)
+class PolicyContext:
+    """What a policy may look at when it decides. Read-only by convention."""
+
+    config: EngineConfig
+    now: float
+    num_running: int
+    num_decodes: int  # decode tokens already in this step
+    prefix_len: Callable[[Sequence[int]], int]  # cached prefix length of a token sequence
+    chunked: Request | None  # the request mid-chunk, if any
+
+
+class Policy:
+    """Base policy: arrival order, the config's budgets. Subclass and override what you need.
+
+    ``order`` returns the waiting requests in the order the scheduler should try to admit them.
+    ``budget`` returns this step's token limits. ``observe`` receives every finished step with
+    its measured forward time (policies that learn from latency use it).
+    """
+
+    name = "base"
+    orders = False  # True when the subclass overrides ``order``
+    budgets = False  # True when the subclass overrides ``budget``
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"policy {self.name!r} takes no options, got {sorted(options)}")
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return waiting
+
+    def budget(self, ctx: PolicyContext) -> StepBudget:
+        return StepBudget(
+            prefill_tokens=ctx.config.max_prefill_tokens,
+            total_tokens=None,
+            chunk_size=ctx.config.chunked_prefill_size,
+        )
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        return None
+
+
+def take_options(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``options`` over ``defaults``; an unknown option raises naming it and the known ones."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"policy {name!r}: unknown option(s) {unknown}; known: {sorted(defaults)}")
+    merged = dict(defaults)
+    for key, value in options.items():
+        expected = type(defaults[key])
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or isinstance(value, bool) != isinstance(defaults[key], bool):
+            raise ValueError(f"policy {name!r}: option {key!r} must be {expected.__name__}, got {value!r}")
+        merged[key] = value
+    return merged

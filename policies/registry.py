@@ -1,0 +1,85 @@
+"""Policies by name: built-ins, "ordering+budget" compositions, and "package.module:Class"."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from asyncengine.plan import BatchPlan
+from asyncengine.request import Request
+from policies.base import Policy, PolicyContext, StepBudget
+from policies.dfs_weight import DFSWeightPolicy
+from policies.dynamic_chunking import DynamicChunkingPolicy
+from policies.fcfs import FCFSPolicy
+from policies.lpm import LPMPolicy
+from policies.token_budget import TokenBudgetPolicy
+
+BUILTIN: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (FCFSPolicy, LPMPolicy, DFSWeightPolicy, TokenBudgetPolicy, DynamicChunkingPolicy)
+}
+
+
+class ComposedPolicy(Policy):
+    """Ordering from the parts that order, budget from the last part that budgets."""
+
+    def __init__(self, parts: list[Policy]) -> None:
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
+        orderers = [p for p in parts if p.orders]
+        budgeters = [p for p in parts if p.budgets]
+        if len(orderers) > 1:
+            raise ValueError(f"policy {self.name!r} names more than one ordering: {[p.name for p in orderers]}")
+        self.orderer = orderers[0] if orderers else None
+        self.budgeter = budgeters[-1] if budgeters else None
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return self.orderer.order(waiting, ctx) if self.orderer else waiting
+
+    def budget(self, ctx: PolicyContext) -> StepBudget:
+        return self.budgeter.budget(ctx) if self.budgeter else Policy.budget(self, ctx)
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        for part in self.parts:
+            part.observe(plan, seconds)
+
+
+def _resolve(name: str) -> type[Policy]:
+    if ":" in name:
+        module_name, _, class_name = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load policy {name!r}: {exc}") from None
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise ValueError(f"policy {name!r} is not a subclass of policies.base.Policy")
+        return cls
+    key = name.strip().lower().replace("_", "-")
+    if key not in BUILTIN:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))} or 'package.module:Class'")
+    return BUILTIN[key]
+
+
+def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
+    """Build a policy from ``"lpm"``, ``"lpm+dynamic-chunking"`` or ``"pkg.mod:Class"``.
+
+    ``options`` maps option names to values for a single policy, or policy names to option
+    tables for a composition (``{"lpm": {...}, "dynamic-chunking": {...}}``).
+    """
+    options = dict(options or {})
+    names = [n for n in spec.split("+") if n.strip()]
+    if not names:
+        raise ValueError("policy must not be empty")
+    classes = [_resolve(n) for n in names]
+    if len(classes) == 1:
+        return classes[0](**options)
+    parts = []
+    for name, cls in zip(names, classes, strict=True):
+        own = options.pop(cls.name, None) or options.pop(name, None) or {}
+        parts.append(cls(**own))
+    if options:
+        raise ValueError(f"policy options {sorted(options)} match no part of {spec!r}")
+    policy = ComposedPolicy(parts)
+    if policy.orderer is None:
+        policy.orderer = FCFSPolicy()
+    return policy

@@ -1,0 +1,233 @@
+"""Scheduler behaviour over a model-free executor: exact outputs, KV invariant every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import EngineConfig
+from asyncengine.plan import BatchPlan
+from asyncengine.request import Request
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.scheduler import Scheduler
+from policies import BUILTIN, make_policy
+from tests.fake_runner import EOS, FakeRunner, reference_output
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_scheduler(
+    num_pages: int = 256,
+    page_size: int = 4,
+    policy: str = "fcfs",
+    max_model_len: int = 4096,
+    **overrides: object,
+) -> tuple[Scheduler, FakeRunner, Clock]:
+    config = EngineConfig(page_size=page_size, policy=policy, **overrides)  # type: ignore[arg-type]
+    kv = KVCacheManager(
+        num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size)
+    )
+    clock = Clock()
+    sched = Scheduler(
+        config, kv, make_policy(policy, config.policy_options), [EOS], max_model_len, clock
+    )
+    return sched, FakeRunner(kv), clock
+
+
+def drive(
+    sched: Scheduler, runner: FakeRunner, clock: Clock, max_steps: int = 5000
+) -> list[BatchPlan]:
+    plans = []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        assert plan is not None, "work is waiting but nothing could be scheduled"
+        plans.append(plan)
+        output = runner.execute(plan)
+        clock.t += output.forward_seconds
+        sched.commit(plan, output)
+        sched.kv.check_invariant()
+    assert not sched.has_work(), "requests left unfinished"
+    stats = sched.kv.stats()
+    assert stats["pages_used"] == 0, stats
+    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+    return plans
+
+
+def workload(seed: int, n: int, shared: int = 3, max_out: int = 24) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(1, 1000) for _ in range(rng.randrange(5, 60))] for _ in range(shared)
+    ]
+    out = []
+    for _ in range(n):
+        prompt = list(rng.choice(prefixes)) if rng.random() < 0.7 else []
+        prompt += [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 80))]
+        out.append((prompt, rng.randrange(1, max_out)))
+    return out
+
+
+def submit(sched: Scheduler, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r") -> list[Request]:
+    reqs = []
+    for i, (prompt, n) in enumerate(items):
+        req = Request(f"{tag}{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0), clock())
+        sched.add_request(req)
+        reqs.append(req)
+    return reqs
+
+
+POLICIES = [*sorted(BUILTIN), "lpm+dynamic-chunking", "dfs-weight+token-budget"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mixed", [True, False])
+def test_outputs_exact_under_chunking_and_retract(policy: str, mixed: bool) -> None:
+    # 40 pages of 4 tokens: far less than the 24 requests need at once, so decode must retract
+    sched, runner, clock = make_scheduler(
+        num_pages=40,
+        page_size=4,
+        policy=policy,
+        chunked_prefill_size=8,
+        max_prefill_tokens=24,
+        enable_mixed_batch=mixed,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.01,
+    )  # an optimistic reservation admits more than fits later: decode has to retract
+    items = workload(seed=1, n=24, max_out=64)
+    reqs = submit(sched, clock, items)
+    plans = drive(sched, runner, clock)
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n), req.rid
+        assert req.finish_reason == "length"
+    assert sched.total_retractions > 0
+    assert any(not s.sample for p in plans for s in p.extends), "no prompt was chunked"
+    assert all(sum(1 for s in p.extends if not s.sample) <= 1 for p in plans), (
+        "two requests mid-chunk"
+    )
+    if mixed:
+        assert any(p.extends and p.decodes for p in plans), "no mixed batch"
+    else:
+        assert not any(p.extends and p.decodes for p in plans)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_sharing_hits_cache(page_size: int) -> None:
+    sched, runner, clock = make_scheduler(num_pages=4096 // page_size, page_size=page_size)
+    system = list(range(1, 65))
+    items = [(system + [100 + i, 200 + i], 4) for i in range(6)]
+    submit(sched, clock, items[:1])
+    drive(sched, runner, clock)
+    reqs = submit(sched, clock, items[1:], tag="later")
+    drive(sched, runner, clock)
+    for req, (prompt, n) in zip(reqs, items[1:], strict=True):
+        assert req.output_ids == reference_output(prompt, n)
+        assert req.cached_tokens == 64
+    assert sched.kv.stats()["hit_tokens"] >= 5 * 64
+
+
+def test_mid_chunk_request_goes_first_and_samples_only_at_the_end() -> None:
+    sched, runner, clock = make_scheduler(chunked_prefill_size=8, max_prefill_tokens=8)
+    long_prompt = list(range(1, 41))
+    submit(sched, clock, [(long_prompt, 3), ([5, 6, 7], 3)])
+    plans = drive(sched, runner, clock)
+    firsts = [p.extends[0] for p in plans if p.extends][:5]
+    assert [s.rid for s in firsts] == ["r0"] * 5
+    assert [s.sample for s in firsts] == [False] * 4 + [True]
+
+
+def test_max_consecutive_prefill_steps_lets_decodes_run() -> None:
+    sched, runner, clock = make_scheduler(
+        enable_mixed_batch=False,
+        chunked_prefill_size=4,
+        max_prefill_tokens=4,
+        max_consecutive_prefill_steps=2,
+    )
+    submit(sched, clock, [([1, 2, 3], 30)])
+    for _ in range(3):
+        plan = sched.schedule()
+        assert plan is not None
+        sched.commit(plan, runner.execute(plan))
+    submit(sched, clock, [(list(range(1, 200)), 2)], tag="long")
+    kinds = []
+    for _ in range(9):
+        plan = sched.schedule()
+        assert plan is not None
+        kinds.append("P" if plan.extends else "D")
+        sched.commit(plan, runner.execute(plan))
+    assert "PPP" not in "".join(kinds), kinds
+    assert "D" in kinds and "P" in kinds
+
+
+def test_abort_at_random_moments_leaks_nothing_and_keeps_others_exact() -> None:
+    rng = random.Random(7)
+    sched, runner, clock = make_scheduler(
+        num_pages=64, page_size=4, chunked_prefill_size=8, max_prefill_tokens=16
+    )
+    items = workload(seed=3, n=20)
+    reqs = submit(sched, clock, items)
+    doomed = {r.rid for r in rng.sample(reqs, 8)}
+    steps = 0
+    while sched.has_work():
+        steps += 1
+        plan = sched.schedule()
+        assert plan is not None
+        for rid in list(doomed):
+            if rng.random() < 0.2:
+                sched.abort(rid)  # while the step "runs": queued, mid-chunk or decoding
+                doomed.discard(rid)
+        sched.commit(plan, runner.execute(plan))
+        sched.kv.check_invariant()
+        assert steps < 5000
+    for rid in doomed:
+        assert sched.abort(rid) is None  # finished before its turn came
+    stats = sched.kv.stats()
+    assert (
+        stats["pages_used"] == 0
+        and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    )
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        if req.finish_reason == "abort":
+            assert req.output_ids == reference_output(prompt, n)[: len(req.output_ids)]
+        else:
+            assert req.output_ids == reference_output(prompt, n), req.rid
+
+
+def test_failed_step_fails_its_requests_and_caches_nothing() -> None:
+    sched, runner, clock = make_scheduler()
+    submit(sched, clock, [(list(range(1, 40)), 4), (list(range(50, 90)), 4)])
+    plan = sched.schedule()
+    assert plan is not None
+    failed = sched.fail(plan)
+    assert {r.rid for r in failed} == {"r0", "r1"}
+    assert all(r.finish_reason == "abort" for r in failed)
+    sched.kv.check_invariant()
+    stats = sched.kv.stats()
+    assert stats["pages_cached"] == 0 and stats["pages_free"] == stats["pages_total"]
+
+
+def test_eos_and_stop_token_ids_finish_with_stop() -> None:
+    sched, runner, clock = make_scheduler()
+    prompt = [3, 1, 4, 1, 5]
+    expected = reference_output(prompt, 10)
+    req = Request("a", prompt, SamplingParams(max_new_tokens=10, stop_token_ids=[expected[2]]), 0.0)
+    sched.add_request(req)
+    drive(sched, runner, clock)
+    assert req.output_ids == expected[:3]
+    assert req.finish_reason == "stop" and req.matched_stop == expected[2]
+
+
+def test_max_model_len_ends_with_length() -> None:
+    sched, runner, clock = make_scheduler(max_model_len=12)
+    req = Request("a", list(range(1, 9)), SamplingParams(max_new_tokens=100), 0.0)
+    sched.add_request(req)
+    drive(sched, runner, clock)
+    assert req.num_tokens == 12 and req.finish_reason == "length"
