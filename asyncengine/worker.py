@@ -13,11 +13,7 @@ import torch
 from asyncengine.cache.kv_pool import KVPool
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
 from asyncengine.executor.model_config import ModelConfig
-from asyncengine.executor.runner import ModelRunner
-from asyncengine.executor.sampler import Sampler
-from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
 from asyncengine.scheduler import Scheduler
 from policies import make_policy
 
@@ -31,7 +27,7 @@ class EngineParts:
     runner: Any  # ModelRunner, or any object with execute(plan) -> StepOutput
     scheduler: Scheduler
     kv: KVCacheManager
-    tokenizer: Tokenizer
+    tokenizer: Any  # asyncengine.executor.tokenizer.Tokenizer
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -70,6 +66,11 @@ def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dty
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model and set up KV memory, sampler and scheduler (runs off the event loop)."""
+    from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
+    from asyncengine.executor.runner import ModelRunner
+    from asyncengine.executor.sampler import Sampler
+    from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+
     started = time.perf_counter()
     device = pick_device(config)
     dtype = pick_dtype(config, device)
@@ -106,7 +107,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         pool.nbytes / 2**20, max_model_len, policy.name,
     )
 
-    def make_detokenizer(skip_special_tokens: bool) -> IncrementalDetokenizer:
+    def make_detokenizer(skip_special_tokens: bool) -> Any:
         return IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
 
     return EngineParts(

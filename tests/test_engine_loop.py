@@ -1,0 +1,208 @@
+"""The engine's event loop over a model-free executor: streaming, stops, abort, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import EngineConfig
+from asyncengine.engine import AsyncEngine
+from asyncengine.errors import QueueFullError, RequestFailedError
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.scheduler import Scheduler
+from asyncengine.worker import EngineParts
+from policies import make_policy
+from tests.fake_runner import EOS, FakeRunner, reference_output
+
+
+class CharTokenizer:
+    """Token t renders as ``<t>``; text encodes one token per character."""
+
+    eos_token_ids = [EOS]
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 998 + 1 for c in text]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+
+class TagDetokenizer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, ids: list[int]) -> str:
+        piece = "".join(f"<{t}>" for t in ids)
+        self.text += piece
+        return piece
+
+
+def render(ids: list[int]) -> str:
+    return "".join(f"<{t}>" for t in ids)
+
+
+def fake_engine(num_pages: int = 128, page_size: int = 4, max_model_len: int = 256, **overrides: object) -> AsyncEngine:
+    config = EngineConfig(page_size=page_size, log_interval=0, **overrides)  # type: ignore[arg-type]
+    kv = KVCacheManager(num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size))
+    sched = Scheduler(config, kv, make_policy(config.policy), [EOS], max_model_len)
+    engine = AsyncEngine(config)
+    engine.parts = EngineParts(
+        runner=FakeRunner(kv), scheduler=sched, kv=kv, tokenizer=CharTokenizer(), model_name="fake",
+        max_model_len=max_model_len, vocab_size=1000, make_detokenizer=lambda skip: TagDetokenizer(),
+    )
+    engine.step_hooks.append(lambda plan: kv.check_invariant())
+    return engine
+
+
+def assert_idle_and_clean(engine: AsyncEngine) -> None:
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["pages_used"] == 0, stats
+    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+
+
+async def wait_idle(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        if not engine.scheduler.has_work():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("engine did not go idle")
+
+
+async def test_generate_and_stream_concurrently() -> None:
+    async with fake_engine() as engine:
+        prompts = [[1 + i, 2, 3, 4 + i] * (i + 1) for i in range(8)]
+        outs = await asyncio.gather(
+            *(engine.generate(p, SamplingParams(max_new_tokens=5 + i)) for i, p in enumerate(prompts))
+        )
+        for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+            expected = reference_output(p, 5 + i)
+            assert out.token_ids == expected
+            assert out.text == render(expected)
+            assert out.finish_reason == "length"
+            assert out.usage.prompt_tokens == len(p) and out.usage.completion_tokens == 5 + i
+            assert out.metrics.ttft is not None and 0 <= out.metrics.ttft <= out.metrics.e2e
+            assert len(out.metrics.itl) == 4 + i
+        deltas = [d async for d in engine.stream([9, 8, 7], SamplingParams(max_new_tokens=6))]
+        assert [t for d in deltas for t in d.token_ids] == reference_output([9, 8, 7], 6)
+        assert deltas[-1].finished and deltas[-1].usage is not None
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+async def test_stop_string_cuts_text_and_frees_kv() -> None:
+    async with fake_engine() as engine:
+        prompt = [5, 6, 7, 8]
+        expected = reference_output(prompt, 20)
+        stop = f"<{expected[3]}>"
+        cut = render(expected).index(stop)
+        out = await engine.generate(prompt, SamplingParams(max_new_tokens=20, stop=[stop]))
+        assert out.finish_reason == "stop" and out.matched_stop == stop
+        assert out.text == render(expected)[:cut]
+        streamed = "".join([d.text async for d in engine.stream(prompt, SamplingParams(max_new_tokens=20, stop=stop))])
+        assert streamed == out.text
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+async def test_chat_messages_and_text_prompts() -> None:
+    async with fake_engine() as engine:
+        out = await engine.generate([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=3))
+        tok = CharTokenizer()
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+        assert out.token_ids == reference_output(ids, 3)
+        out = await engine.generate("hello", SamplingParams(max_new_tokens=2))
+        assert out.token_ids == reference_output(tok.encode("hello"), 2)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("", "empty"),
+        ([], "non-empty"),
+        ([1, 2, 5000], "outside the vocabulary"),
+        (list(range(1, 300)), "no room to generate"),
+        ([{"role": "user"}], "message 0"),
+        ([1, "a"], "only token ids"),
+    ],
+)
+async def test_bad_input_raises_before_queueing(prompt: object, message: str) -> None:
+    async with fake_engine() as engine:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.stream(prompt, SamplingParams())  # type: ignore[arg-type]
+        assert engine.stats()["waiting"] == 0
+
+
+def test_bad_sampling_params_raise() -> None:
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+
+
+async def test_cancel_and_early_exit_abort_without_leaks() -> None:
+    rng = random.Random(5)
+    async with fake_engine(num_pages=64, chunked_prefill_size=8, max_prefill_tokens=16) as engine:
+        keep = [[rng.randrange(1, 999) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+        keep_tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_new_tokens=12))) for p in keep]
+        doomed = [
+            asyncio.create_task(engine.generate([rng.randrange(1, 999) for _ in range(30)], SamplingParams(max_new_tokens=50)))
+            for _ in range(6)
+        ]
+        for task in doomed:
+            for _ in range(rng.randrange(0, 6)):
+                await asyncio.sleep(0)
+            task.cancel()
+        stream = engine.stream([4, 4, 4], SamplingParams(max_new_tokens=40))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        rid = "explicit"
+        explicit = asyncio.create_task(engine.generate([7, 7, 7], SamplingParams(max_new_tokens=40), request_id=rid))
+        await asyncio.sleep(0.001)
+        assert engine.abort(rid)
+        assert (await explicit).finish_reason == "abort"
+        outs = await asyncio.gather(*keep_tasks)
+        for p, out in zip(keep, outs, strict=True):
+            assert out.token_ids == reference_output(p, 12)
+        for task in doomed:
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+async def test_failed_forward_fails_its_batch_and_engine_keeps_serving() -> None:
+    engine = fake_engine()
+    async with engine:
+        runner = engine.parts.runner  # type: ignore[union-attr]
+        runner.fail_on_step = runner.steps + 1
+        with pytest.raises(RequestFailedError, match="injected"):
+            await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+        out = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+        assert out.token_ids == reference_output([1, 2, 3], 4)
+        assert engine.is_running
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+async def test_queue_bound_raises_queue_full() -> None:
+    async with fake_engine(max_waiting_requests=2) as engine:
+        streams = [engine.stream([1, 2], SamplingParams(max_new_tokens=2)) for _ in range(2)]
+        with pytest.raises(QueueFullError):
+            engine.stream([1, 2], SamplingParams(max_new_tokens=2))
+        for s in streams:
+            [d async for d in s]
+
+
+async def test_idle_loop_does_not_spin() -> None:
+    async with fake_engine() as engine:
+        await engine.generate([1, 2], SamplingParams(max_new_tokens=2))
+        steps = engine.scheduler.step_count
+        await asyncio.sleep(0.05)
+        assert engine.scheduler.step_count == steps
