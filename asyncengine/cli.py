@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible and native HTTP server")
     add_engine_arguments(serve)
-    from asyncengine.server.serve import add_serve_arguments, serve_main
+    from asyncengine.server.serve import add_serve_arguments
+    from asyncengine.server.serve import serve as serve_http
 
     add_serve_arguments(serve)
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_config_from_args(args)
         if args.command == "serve":
-            return serve_main(config, args)
+            return serve_http(config, args)
         params = sampling_from_args(args)
         if args.command == "generate":
             run(_generate(config, args.prompt, params, args.chat))

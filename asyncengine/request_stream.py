@@ -65,6 +65,9 @@ class StreamState:
             self.queue.put_nowait(self._delta(end))
 
     def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
+        flush = getattr(self.detokenizer, "flush", None)
+        if flush is not None and self.stop_at is None:
+            self.text += flush()  # bytes held back for an incomplete character
         end = self.stop_at if self.stop_at is not None else len(self.text)
         delta = self._delta(max(end, self.sent))
         delta.finished = True
