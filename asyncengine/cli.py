@@ -13,9 +13,19 @@ from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 
 # (flag, config key, type, help); every flag overrides the key of the same name in --config
 ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--model", "model", str, "model: 'smollm2-135m' (embedded default), an HF directory or a .gguf file"),
-    ("--policy", "policy", str, "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
-     "'a+b' to compose an ordering with a budget, or 'package.module:Class'"),
+    (
+        "--model",
+        "model",
+        str,
+        "model: 'smollm2-135m' (embedded default), an HF directory or a .gguf file",
+    ),
+    (
+        "--policy",
+        "policy",
+        str,
+        "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
+        "'a+b' to compose an ordering with a budget, or 'package.module:Class'",
+    ),
     ("--dtype", "dtype", str, "auto | bfloat16 | float32 (float16 only on CUDA)"),
     ("--device", "device", str, "auto | cpu | cuda"),
     ("--page-size", "page_size", int, "tokens per KV page"),
@@ -23,11 +33,25 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--kv-cache-bytes", "kv_cache_bytes", int, "KV pool capacity in bytes (instead of tokens)"),
     ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
     ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
-    ("--max-waiting-requests", "max_waiting_requests", int, "queued requests before new ones are refused"),
+    (
+        "--max-waiting-requests",
+        "max_waiting_requests",
+        int,
+        "queued requests before new ones are refused",
+    ),
     ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill tokens per step"),
-    ("--chunked-prefill-size", "chunked_prefill_size", int, "longest prefill chunk (0: no chunking)"),
-    ("--max-consecutive-prefill-steps", "max_consecutive_prefill_steps", int,
-     "prefill-only steps in a row before a decode step"),
+    (
+        "--chunked-prefill-size",
+        "chunked_prefill_size",
+        int,
+        "longest prefill chunk (0: no chunking)",
+    ),
+    (
+        "--max-consecutive-prefill-steps",
+        "max_consecutive_prefill_steps",
+        int,
+        "prefill-only steps in a row before a decode step",
+    ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
@@ -39,10 +63,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="TOML engine config (see configs/)")
     for flag, key, kind, help_text in ENGINE_FLAGS:
         group.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
-    group.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
-                       default=None, help="turn the radix prefix cache off")
-    group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_const", const=False,
-                       default=None, help="never put decodes and a prefill chunk in one forward")
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_const",
+        const=False,
+        default=None,
+        help="turn the radix prefix cache off",
+    )
+    group.add_argument(
+        "--no-mixed-batch",
+        dest="enable_mixed_batch",
+        action="store_const",
+        const=False,
+        default=None,
+        help="never put decodes and a prefill chunk in one forward",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -57,14 +93,21 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=-1)
     group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sampling-seed", type=int, default=None, help="seed this request's sampling")
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed this request's sampling"
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=list(args.stop),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=list(args.stop),
     )
 
 
@@ -135,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_arguments(chat)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = engine_config_from_args(args)
         if args.command == "serve":

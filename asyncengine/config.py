@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import tomllib
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,8 +68,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("attention_backend", f"must be one of {', '.join(BACKENDS)}")
         if not self.model:
             raise bad("model", "must name a model or a path")
-        for key in ("page_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens",
-                    "max_consecutive_prefill_steps"):
+        for key in (
+            "page_size",
+            "max_running_requests",
+            "max_waiting_requests",
+            "max_prefill_tokens",
+            "max_consecutive_prefill_steps",
+        ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
         if self.chunked_prefill_size < 0:
@@ -83,7 +88,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
             raise bad("kv_cache_bytes", "give kv_cache_tokens or kv_cache_bytes, not both")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
-            raise bad("init_new_token_ratio", "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+            raise bad(
+                "init_new_token_ratio", "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1"
+            )
         if not 0 <= self.new_token_ratio_decay < 1:
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
         if self.log_interval < 0:
@@ -111,7 +118,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if "engine" in values:
                 extra = sorted(set(values) - {"engine"})
                 if extra:
-                    raise ConfigError(f"config file {path}: unknown top-level keys {extra} beside [engine]")
+                    raise ConfigError(
+                        f"config file {path}: unknown top-level keys {extra} beside [engine]"
+                    )
                 values = dict(values["engine"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)

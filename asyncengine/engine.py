@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineNotRunningError, QueueFullError, RequestFailedError
-from asyncengine.outputs import GenerateOutput, RequestMetrics, StreamDelta, Usage
+from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
 from asyncengine.plan import BatchPlan, TokenLogprobs
 from asyncengine.request import Request
 from asyncengine.request_stream import RequestStream, StreamState
@@ -107,7 +107,9 @@ class AsyncEngine:
 
     def _parts(self) -> EngineParts:
         if self.parts is None:
-            raise EngineNotRunningError("the engine is not started: use `async with AsyncEngine(...)` or `await engine.start()`")
+            raise EngineNotRunningError(
+                "the engine is not started: use `async with AsyncEngine(...)` or `await engine.start()`"
+            )
         return self.parts
 
     # -- public API ----------------------------------------------------------------------
@@ -159,7 +161,9 @@ class AsyncEngine:
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting_requests); try again later")
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting (max_waiting_requests); try again later"
+            )
         req = Request(rid, prompt_ids, params, arrival_time=time.monotonic())
         state = StreamState(req, parts.make_detokenizer(params.skip_special_tokens))
         self._streams[rid] = state
@@ -198,19 +202,27 @@ class AsyncEngine:
                 raise InvalidRequestError("prompt is empty")
             return tok.encode(prompt)
         if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError("prompt must be a non-empty string, list of token ids, or list of chat messages")
+            raise InvalidRequestError(
+                "prompt must be a non-empty string, list of token ids, or list of chat messages"
+            )
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self._parts().vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                )
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"message {i} needs a string 'role' and a string 'content'")
+                    raise InvalidRequestError(
+                        f"message {i} needs a string 'role' and a string 'content'"
+                    )
             return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True))
-        raise InvalidRequestError("prompt list must hold only token ids (int) or only chat messages (dict)")
+        raise InvalidRequestError(
+            "prompt list must hold only token ids (int) or only chat messages (dict)"
+        )
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         parts = self._parts()
@@ -223,7 +235,9 @@ class AsyncEngine:
             )
         bad = [t for t in params.stop_token_ids if t >= parts.vocab_size]
         if bad:
-            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {parts.vocab_size})")
+            raise InvalidRequestError(
+                f"stop token id {bad[0]} is outside the vocabulary [0, {parts.vocab_size})"
+            )
 
     # -- the loop ------------------------------------------------------------------------
     async def _run_loop(self) -> None:
@@ -245,7 +259,11 @@ class AsyncEngine:
                 try:
                     output = await loop.run_in_executor(self._worker, runner.execute, plan)
                 except Exception as exc:  # one bad forward fails its batch, not the engine
-                    log.exception("forward of step %d failed; failing its %d requests", plan.step, len(plan.segments))
+                    log.exception(
+                        "forward of step %d failed; failing its %d requests",
+                        plan.step,
+                        len(plan.segments),
+                    )
                     for req in sched.fail(plan):
                         self._fail_stream(req, exc)
                     continue
@@ -286,7 +304,9 @@ class AsyncEngine:
         end = req.finished_time or time.monotonic()
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
-            queue_time=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+            queue_time=None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time,
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             e2e=end - req.arrival_time,
             itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
@@ -313,7 +333,12 @@ class AsyncEngine:
         log.info(
             "gen %.1f tok/s | running %d | waiting %d | cache hit %.1f%% | KV pages used %d cached %d free %d / %d",
             (tokens - last_tokens) / (now - last_time),
-            stats["running"], stats["waiting"], 100 * stats["cache_hit_rate"],
-            stats["pages_used"], stats["pages_cached"], stats["pages_free"], stats["pages_total"],
+            stats["running"],
+            stats["waiting"],
+            100 * stats["cache_hit_rate"],
+            stats["pages_used"],
+            stats["pages_cached"],
+            stats["pages_free"],
+            stats["pages_total"],
         )
         self._last_log = (now, tokens)

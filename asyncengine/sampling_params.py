@@ -48,16 +48,28 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field."""
 
         def bad(name: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            return InvalidRequestError(
+                f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+            )
 
         for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 raise bad(name, "must be a finite number")
         if self.max_new_tokens < 1:
             raise bad("max_new_tokens", "must be >= 1")
@@ -79,7 +91,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", "must be in (0, 10]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise bad("seed", "must be an integer or None")
         if not 0 <= self.top_logprobs <= 20:
             raise bad("top_logprobs", "must be in [0, 20]")

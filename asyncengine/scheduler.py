@@ -233,13 +233,18 @@ class Scheduler:
             return
         ctx = self._context(num_decodes)
         for req in self.policy.order(list(self.waiting), ctx):
-            if remaining <= 0 or len(self.running) + len(self.prefilling) >= self.config.max_running_requests:
+            if (
+                remaining <= 0
+                or len(self.running) + len(self.prefilling) >= self.config.max_running_requests
+            ):
                 break
             if self.chunked is not None and chunk:
                 break  # at most one request mid-chunk
             ids = req.all_ids
             estimate = len(ids) - self.kv.match_length(ids)
-            need = self._pages_for(0, estimate) + math.ceil(req.remaining_new_tokens * self.new_token_ratio / ps)
+            need = self._pages_for(0, estimate) + math.ceil(
+                req.remaining_new_tokens * self.new_token_ratio / ps
+            )
             alone = not self.running and not self.prefilling and not plan.extends
             if not alone and need + self._reserved_pages(admitted) > self.kv.available_pages:
                 break

@@ -56,12 +56,21 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     if config.kv_cache_bytes is not None:
         pages = KVPool.num_pages_for_bytes(
-            config.kv_cache_bytes, model.num_layers, model.num_kv_heads, model.head_dim, config.page_size, dtype
+            config.kv_cache_bytes,
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            config.page_size,
+            dtype,
         )
         if pages < 1:
-            raise ConfigError(f"config key 'kv_cache_bytes' = {config.kv_cache_bytes}: too small for one page")
+            raise ConfigError(
+                f"config key 'kv_cache_bytes' = {config.kv_cache_bytes}: too small for one page"
+            )
         return pages
-    return KVPool.num_pages_for_tokens(config.kv_cache_tokens or DEFAULT_KV_TOKENS, config.page_size)
+    return KVPool.num_pages_for_tokens(
+        config.kv_cache_tokens or DEFAULT_KV_TOKENS, config.page_size
+    )
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -80,10 +89,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     weights = load_weights(path, dtype)
     num_pages = kv_capacity_pages(config, model_config, dtype)
     capacity = num_pages * config.page_size
-    max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len, capacity)
+    max_model_len = min(
+        config.max_model_len or model_config.max_model_len, model_config.max_model_len, capacity
+    )
     pool = KVPool(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-        num_pages, config.page_size, dtype, device,
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        num_pages,
+        config.page_size,
+        dtype,
+        device,
     )
     kv = KVCacheManager(
         num_pages,
@@ -95,16 +111,29 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     eos_ids = list(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
     sampler = Sampler(eos_token_ids=eos_ids, seed=config.seed)
     runner = ModelRunner(
-        model_config, weights, pool, kv.page_table, dtype=dtype, device=device,
-        backend=config.attention_backend, sampler=sampler,
+        model_config,
+        weights,
+        pool,
+        kv.page_table,
+        dtype=dtype,
+        device=device,
+        backend=config.attention_backend,
+        sampler=sampler,
     )
     del weights
     policy = make_policy(config.policy, config.policy_options)
     scheduler = Scheduler(config, kv, policy, eos_ids, max_model_len)
     log.info(
         "engine ready in %.1fs: model %s (%s, %s), KV %d pages x %d tokens (%.0f MiB), max_model_len %d, policy %s",
-        time.perf_counter() - started, config.model, dtype, device, num_pages, config.page_size,
-        pool.nbytes / 2**20, max_model_len, policy.name,
+        time.perf_counter() - started,
+        config.model,
+        dtype,
+        device,
+        num_pages,
+        config.page_size,
+        pool.nbytes / 2**20,
+        max_model_len,
+        policy.name,
     )
 
     def make_detokenizer(skip_special_tokens: bool) -> Any:

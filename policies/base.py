@@ -73,7 +73,11 @@ def take_options(name: str, options: dict[str, Any], defaults: dict[str, Any]) -
         expected = type(defaults[key])
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, expected) or isinstance(value, bool) != isinstance(defaults[key], bool):
-            raise ValueError(f"policy {name!r}: option {key!r} must be {expected.__name__}, got {value!r}")
+        if not isinstance(value, expected) or isinstance(value, bool) != isinstance(
+            defaults[key], bool
+        ):
+            raise ValueError(
+                f"policy {name!r}: option {key!r} must be {expected.__name__}, got {value!r}"
+            )
         merged[key] = value
     return merged

@@ -58,7 +58,9 @@ class DynamicChunkingPolicy(Policy):
         linear = float(sum(s.num_tokens for s in plan.extends))
         self.samples.append((attn, linear, float(len(plan.decodes)), seconds))
         self._since_fit += 1
-        if len(self.samples) >= self.opts["min_samples"] and (self.coef is None or self._since_fit >= 4):
+        if len(self.samples) >= self.opts["min_samples"] and (
+            self.coef is None or self._since_fit >= 4
+        ):
             self.fit()
 
     def fit(self) -> None:
@@ -91,7 +93,9 @@ class DynamicChunkingPolicy(Policy):
         prefix = ctx.chunked.kv_len if ctx.chunked is not None else 0
         raw = self.chunk_for_prefix(prefix, base)
         alpha = self.opts["smoothing"]
-        self._smoothed = raw if self._smoothed is None else alpha * raw + (1 - alpha) * self._smoothed
+        self._smoothed = (
+            raw if self._smoothed is None else alpha * raw + (1 - alpha) * self._smoothed
+        )
         page = max(ctx.config.page_size, 1)
         chunk = int(min(max(self._smoothed, self.opts["min_chunk"]), self.opts["max_chunk"]))
         chunk = max(page, chunk // page * page)

@@ -19,7 +19,9 @@ class LPMPolicy(Policy):
     orders = True
 
     def __init__(self, **options: Any) -> None:
-        opts = take_options(self.name, options, {"aging_tokens_per_second": 256.0, "max_wait_seconds": 30.0})
+        opts = take_options(
+            self.name, options, {"aging_tokens_per_second": 256.0, "max_wait_seconds": 30.0}
+        )
         self.aging = opts["aging_tokens_per_second"]
         self.max_wait = opts["max_wait_seconds"]
 

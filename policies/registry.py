@@ -29,7 +29,9 @@ class ComposedPolicy(Policy):
         orderers = [p for p in parts if p.orders]
         budgeters = [p for p in parts if p.budgets]
         if len(orderers) > 1:
-            raise ValueError(f"policy {self.name!r} names more than one ordering: {[p.name for p in orderers]}")
+            raise ValueError(
+                f"policy {self.name!r} names more than one ordering: {[p.name for p in orderers]}"
+            )
         self.orderer = orderers[0] if orderers else None
         self.budgeter = budgeters[-1] if budgeters else None
 
@@ -56,7 +58,9 @@ def _resolve(name: str) -> type[Policy]:
         return cls
     key = name.strip().lower().replace("_", "-")
     if key not in BUILTIN:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))} or 'package.module:Class'")
+        raise ValueError(
+            f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))} or 'package.module:Class'"
+        )
     return BUILTIN[key]
 
 

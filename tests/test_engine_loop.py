@@ -26,7 +26,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 998 + 1 for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
 
 
@@ -44,14 +46,24 @@ def render(ids: list[int]) -> str:
     return "".join(f"<{t}>" for t in ids)
 
 
-def fake_engine(num_pages: int = 128, page_size: int = 4, max_model_len: int = 256, **overrides: object) -> AsyncEngine:
+def fake_engine(
+    num_pages: int = 128, page_size: int = 4, max_model_len: int = 256, **overrides: object
+) -> AsyncEngine:
     config = EngineConfig(page_size=page_size, log_interval=0, **overrides)  # type: ignore[arg-type]
-    kv = KVCacheManager(num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size))
+    kv = KVCacheManager(
+        num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size)
+    )
     sched = Scheduler(config, kv, make_policy(config.policy), [EOS], max_model_len)
     engine = AsyncEngine(config)
     engine.parts = EngineParts(
-        runner=FakeRunner(kv), scheduler=sched, kv=kv, tokenizer=CharTokenizer(), model_name="fake",
-        max_model_len=max_model_len, vocab_size=1000, make_detokenizer=lambda skip: TagDetokenizer(),
+        runner=FakeRunner(kv),
+        scheduler=sched,
+        kv=kv,
+        tokenizer=CharTokenizer(),
+        model_name="fake",
+        max_model_len=max_model_len,
+        vocab_size=1000,
+        make_detokenizer=lambda skip: TagDetokenizer(),
     )
     engine.step_hooks.append(lambda plan: kv.check_invariant())
     return engine
@@ -76,7 +88,10 @@ async def test_generate_and_stream_concurrently() -> None:
     async with fake_engine() as engine:
         prompts = [[1 + i, 2, 3, 4 + i] * (i + 1) for i in range(8)]
         outs = await asyncio.gather(
-            *(engine.generate(p, SamplingParams(max_new_tokens=5 + i)) for i, p in enumerate(prompts))
+            *(
+                engine.generate(p, SamplingParams(max_new_tokens=5 + i))
+                for i, p in enumerate(prompts)
+            )
         )
         for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
             expected = reference_output(p, 5 + i)
@@ -102,7 +117,12 @@ async def test_stop_string_cuts_text_and_frees_kv() -> None:
         out = await engine.generate(prompt, SamplingParams(max_new_tokens=20, stop=[stop]))
         assert out.finish_reason == "stop" and out.matched_stop == stop
         assert out.text == render(expected)[:cut]
-        streamed = "".join([d.text async for d in engine.stream(prompt, SamplingParams(max_new_tokens=20, stop=stop))])
+        streamed = "".join(
+            [
+                d.text
+                async for d in engine.stream(prompt, SamplingParams(max_new_tokens=20, stop=stop))
+            ]
+        )
         assert streamed == out.text
         await wait_idle(engine)
         assert_idle_and_clean(engine)
@@ -110,7 +130,9 @@ async def test_stop_string_cuts_text_and_frees_kv() -> None:
 
 async def test_chat_messages_and_text_prompts() -> None:
     async with fake_engine() as engine:
-        out = await engine.generate([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=3))
+        out = await engine.generate(
+            [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=3)
+        )
         tok = CharTokenizer()
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
         assert out.token_ids == reference_output(ids, 3)
@@ -149,9 +171,15 @@ async def test_cancel_and_early_exit_abort_without_leaks() -> None:
     rng = random.Random(5)
     async with fake_engine(num_pages=64, chunked_prefill_size=8, max_prefill_tokens=16) as engine:
         keep = [[rng.randrange(1, 999) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
-        keep_tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_new_tokens=12))) for p in keep]
+        keep_tasks = [
+            asyncio.create_task(engine.generate(p, SamplingParams(max_new_tokens=12))) for p in keep
+        ]
         doomed = [
-            asyncio.create_task(engine.generate([rng.randrange(1, 999) for _ in range(30)], SamplingParams(max_new_tokens=50)))
+            asyncio.create_task(
+                engine.generate(
+                    [rng.randrange(1, 999) for _ in range(30)], SamplingParams(max_new_tokens=50)
+                )
+            )
             for _ in range(6)
         ]
         for task in doomed:
@@ -163,7 +191,9 @@ async def test_cancel_and_early_exit_abort_without_leaks() -> None:
             break
         await stream.aclose()
         rid = "explicit"
-        explicit = asyncio.create_task(engine.generate([7, 7, 7], SamplingParams(max_new_tokens=40), request_id=rid))
+        explicit = asyncio.create_task(
+            engine.generate([7, 7, 7], SamplingParams(max_new_tokens=40), request_id=rid)
+        )
         await asyncio.sleep(0.001)
         assert engine.abort(rid)
         assert (await explicit).finish_reason == "abort"

@@ -26,9 +26,17 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     directory = tmp_path_factory.mktemp("tiny_chat")
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
@@ -48,7 +56,10 @@ def hf_greedy(tiny_chat_model: Path):  # type: ignore[no-untyped-def]
     def run(prompt: list[int], n: int) -> list[int]:
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
                 pad_token_id=0,
             )
         return out[0, len(prompt) :].tolist()
@@ -67,18 +78,30 @@ def prompts(seed: int) -> list[tuple[list[int], int]]:
     return items
 
 
-async def run_engine(model: Path, items: list[tuple[list[int], int]], **config: object) -> tuple[list[list[int]], dict]:
+async def run_engine(
+    model: Path, items: list[tuple[list[int], int]], **config: object
+) -> tuple[list[list[int]], dict]:
     engine = AsyncEngine(
         EngineConfig(
-            model=str(model), dtype="float32", page_size=4, kv_cache_tokens=160,
-            chunked_prefill_size=8, max_prefill_tokens=16, init_new_token_ratio=0.05,
-            min_new_token_ratio=0.01, log_interval=0, **config,  # type: ignore[arg-type]
+            model=str(model),
+            dtype="float32",
+            page_size=4,
+            kv_cache_tokens=160,
+            chunked_prefill_size=8,
+            max_prefill_tokens=16,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.01,
+            log_interval=0,
+            **config,  # type: ignore[arg-type]
         )
     )
     async with engine:
         engine.step_hooks.append(lambda plan: engine.scheduler.kv.check_invariant())
         outs = await asyncio.gather(
-            *(engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)) for p, n in items)
+            *(
+                engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+                for p, n in items
+            )
         )
         stats = engine.stats()
     return [o.token_ids for o in outs], stats
@@ -91,10 +114,17 @@ def expected(hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("policy", [*sorted(BUILTIN), "lpm+dynamic-chunking"])
 @pytest.mark.parametrize("mixed", [True, False])
-def test_engine_greedy_matches_hf(tiny_chat_model: Path, expected: list[list[int]], policy: str, mixed: bool) -> None:
+def test_engine_greedy_matches_hf(
+    tiny_chat_model: Path, expected: list[list[int]], policy: str, mixed: bool
+) -> None:
     items = prompts(seed=11)
-    got, stats = asyncio.run(run_engine(tiny_chat_model, items, policy=policy, enable_mixed_batch=mixed))
+    got, stats = asyncio.run(
+        run_engine(tiny_chat_model, items, policy=policy, enable_mixed_batch=mixed)
+    )
     assert got == expected
     assert stats["retractions"] > 0, "the KV pool was meant to be small enough to force retractions"
-    assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    assert (
+        stats["pages_used"] == 0
+        and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    )
     assert stats["hit_tokens"] > 0

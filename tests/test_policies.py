@@ -16,7 +16,9 @@ def req(rid: str, ids: list[int], arrival: float = 0.0) -> Request:
     return Request(rid, ids, SamplingParams(), arrival)
 
 
-def ctx(prefix_len: dict[tuple[int, ...], int] | None = None, now: float = 0.0, **config: object) -> PolicyContext:
+def ctx(
+    prefix_len: dict[tuple[int, ...], int] | None = None, now: float = 0.0, **config: object
+) -> PolicyContext:
     table = prefix_len or {}
 
     def lookup(ids: list[int]) -> int:
@@ -38,7 +40,11 @@ def test_fcfs_keeps_arrival_order() -> None:
 
 
 def test_lpm_prefers_longest_cached_prefix() -> None:
-    waiting = [req("cold", [9, 9, 9], 0.0), req("warm", [1, 2, 3, 4], 0.0), req("hot", [5, 6, 7, 8], 0.0)]
+    waiting = [
+        req("cold", [9, 9, 9], 0.0),
+        req("warm", [1, 2, 3, 4], 0.0),
+        req("hot", [5, 6, 7, 8], 0.0),
+    ]
     order = make_policy("lpm").order(waiting, ctx({(1, 2): 32, (5, 6): 64}, now=0.1))
     assert [r.rid for r in order] == ["hot", "warm", "cold"]
 
@@ -54,7 +60,10 @@ def test_lpm_aging_serves_a_cold_request_eventually() -> None:
     assert [r.rid for r in policy.order([cold, hot], ctx({(5, 6): 64}, now=5.0))] == ["cold", "hot"]
     # the hard cap works whatever the match
     capped = make_policy("lpm", {"aging_tokens_per_second": 0.0, "max_wait_seconds": 5.0})
-    assert [r.rid for r in capped.order([hot, cold], ctx({(5, 6): 10**6}, now=9.0))] == ["cold", "hot"]
+    assert [r.rid for r in capped.order([hot, cold], ctx({(5, 6): 10**6}, now=9.0))] == [
+        "cold",
+        "hot",
+    ]
 
 
 def test_dfs_weight_groups_siblings_heaviest_first() -> None:
@@ -80,13 +89,20 @@ def _plan(prefix: int, chunk: int) -> BatchPlan:
 
 def test_dynamic_chunking_follows_the_fitted_model() -> None:
     a, b, d = 2e-8, 1e-4, 1e-3  # seconds: attention, per-token, per-step
-    policy = make_policy("dynamic-chunking", {"base_chunk": 256, "min_chunk": 16, "max_chunk": 4096, "smoothing": 1.0})
+    policy = make_policy(
+        "dynamic-chunking",
+        {"base_chunk": 256, "min_chunk": 16, "max_chunk": 4096, "smoothing": 1.0},
+    )
     assert isinstance(policy, DynamicChunkingPolicy)
     for prefix in (0, 256, 1024, 2048, 4096, 8192):
         for chunk in (64, 128, 256, 512):
-            policy.observe(_plan(prefix, chunk), a * (2 * prefix * chunk + chunk * chunk) + b * chunk + d)
+            policy.observe(
+                _plan(prefix, chunk), a * (2 * prefix * chunk + chunk * chunk) + b * chunk + d
+            )
     assert policy.coef is not None
-    assert policy.coef[0] == pytest.approx(a, rel=1e-3) and policy.coef[1] == pytest.approx(b, rel=1e-3)
+    assert policy.coef[0] == pytest.approx(a, rel=1e-3) and policy.coef[1] == pytest.approx(
+        b, rel=1e-3
+    )
     sizes = [policy.chunk_for_prefix(prefix, 256) for prefix in (0, 1000, 4000, 16000)]
     assert sizes[0] == pytest.approx(256, abs=1)
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0] / 2

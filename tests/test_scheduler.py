@@ -76,7 +76,9 @@ def workload(seed: int, n: int, shared: int = 3, max_out: int = 24) -> list[tupl
     return out
 
 
-def submit(sched: Scheduler, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r") -> list[Request]:
+def submit(
+    sched: Scheduler, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r"
+) -> list[Request]:
     reqs = []
     for i, (prompt, n) in enumerate(items):
         req = Request(f"{tag}{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0), clock())
