@@ -236,3 +236,15 @@ async def test_idle_loop_does_not_spin() -> None:
         steps = engine.scheduler.step_count
         await asyncio.sleep(0.05)
         assert engine.scheduler.step_count == steps
+
+
+async def test_shared_prefix_hits_show_in_stats_and_usage() -> None:
+    async with fake_engine(page_size=4) as engine:
+        system = list(range(1, 33))
+        first = await engine.generate(system + [40, 41], SamplingParams(max_new_tokens=3))
+        assert first.usage.cached_tokens == 0
+        second = await engine.generate(system + [50, 51], SamplingParams(max_new_tokens=3))
+        assert second.usage.cached_tokens == 32
+        assert second.token_ids == reference_output(system + [50, 51], 3)
+        stats = engine.stats()
+        assert stats["hit_tokens"] >= 32 and 0 < stats["cache_hit_rate"] < 1
