@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
@@ -59,6 +60,10 @@ class AsyncEngine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-forward")
         if self.parts is None:
             self.parts = await loop.run_in_executor(self._worker, build_engine_parts, self.config)
+        # Start-up leaves torch's and the model's objects behind; freezing them keeps the
+        # collector's full passes (which stall the loop) short for the rest of the run.
+        gc.collect()
+        gc.freeze()
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")

@@ -1,0 +1,85 @@
+"""KVPool: the K and V tensors of every layer, addressed by token slot.
+
+Slot ``page * page_size + offset`` holds one token's keys/values for one layer. Page accounting
+lives in KVCacheManager; this class only owns memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(num_layers, num_kv_heads, head_dim, num_pages, page_size) <= 0:
+            raise ValueError(
+                f"KVPool sizes must be positive: layers={num_layers} kv_heads={num_kv_heads} "
+                f"head_dim={head_dim} pages={num_pages} page_size={page_size}"
+            )
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Keys of one layer: a view ``[num_slots, num_kv_heads, head_dim]``."""
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Values of one layer: a view ``[num_slots, num_kv_heads, head_dim]``."""
+        return self.v[layer]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * _element_size(dtype)
+
+    @staticmethod
+    def num_pages_for_tokens(num_tokens: int, page_size: int) -> int:
+        """Pages needed to hold ``num_tokens`` token slots (rounded up)."""
+        return -(-num_tokens // page_size)
+
+    @classmethod
+    def num_pages_for_bytes(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """The most pages whose K and V fit in ``budget_bytes`` (rounded down)."""
+        page_bytes = cls.token_bytes(num_layers, num_kv_heads, head_dim, dtype) * page_size
+        return budget_bytes // page_bytes

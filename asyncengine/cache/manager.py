@@ -1,0 +1,356 @@
+"""KVCacheManager: the one owner of KV page accounting.
+
+Invariant (``check_invariant``): every page is exactly one of
+- free (in the allocator),
+- held by a live sequence and not in the tree (its private pages), or
+- owned by the radix tree (protected while some live sequence locks it, evictable otherwise).
+
+A live sequence's pages are ``seq.pages``: the first ``seq.num_in_tree // page_size`` of them are
+the tree's pages along the path to ``seq.lock_node`` (which the sequence locks), the rest are its
+own. The sequence's page-table row always mirrors ``seq.pages``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
+from asyncengine.cache.page_table import OutOfRowsError, PageTable
+from asyncengine.cache.radix_cache import RadixCache, RadixNode
+
+Tokens = Sequence[int] | np.ndarray
+
+
+@dataclass(slots=True, eq=False)
+class SeqKV:
+    """KV state of one live sequence."""
+
+    row: int  # page-table row
+    kv_len: int  # tokens with KV slots (positions 0 .. kv_len - 1)
+    num_cached: int  # tokens matched in the prefix cache at open
+    pages: list[int]  # page ids covering positions 0 .. kv_len - 1
+    lock_node: RadixNode  # the tree node this sequence locks
+    num_in_tree: int  # leading tokens whose pages the tree owns (a multiple of page_size)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_requests: int,
+        max_pages_per_request: int,
+        enable_prefix_cache: bool = True,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.allocator = PageAllocator(num_pages)
+        self.tree = RadixCache(page_size)
+        self.page_table = PageTable(max_requests, max_pages_per_request)
+        self._open: dict[int, SeqKV] = {}  # row -> live sequence
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return self.page_table.max_pages_per_request
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.page_table.max_pages_per_request * self.page_size
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get now: free plus evictable from the tree."""
+        return self.allocator.num_free + self.tree.evictable_size // self.page_size
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.page_table.num_free_rows
+
+    def open_seqs(self) -> list[SeqKV]:
+        return list(self._open.values())
+
+    def _match_limit(self, num_tokens: int) -> int:
+        """Most tokens open() may take from the cache: at least one token is left to compute."""
+        if num_tokens <= 1:
+            return 0
+        return (num_tokens - 1) // self.page_size * self.page_size
+
+    def match_length(self, tokens: Tokens) -> int:
+        """Tokens that open(tokens) would take from the cache now; no side effects."""
+        if not self.enable_prefix_cache:
+            return 0
+        limit = self._match_limit(len(tokens))
+        if limit == 0:
+            return 0
+        return self.tree.prefix_length(tokens[:limit])
+
+    def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
+        """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence)."""
+        if seq is None:
+            return -(-num_tokens // self.page_size)
+        return max(0, -(-(seq.kv_len + num_tokens) // self.page_size) - len(seq.pages))
+
+    def can_allocate(self, num_tokens_per_seq: Sequence[tuple[SeqKV | None, int]]) -> bool:
+        """Whether extending every (seq, tokens) pair fits in the available pages together.
+
+        A ``None`` seq stands for a sequence that is not open yet and whose ``tokens`` all need
+        new pages. Note that open() locks the matched prefix, which takes it out of the
+        evictable pages: open first, then ask with the seq, for an exact answer."""
+        needed = sum(self.pages_needed(seq, n) for seq, n in num_tokens_per_seq)
+        return needed <= self.available_pages
+
+    # ----------------------------------------------------------------------------- life cycle
+
+    def open(self, tokens: Tokens) -> SeqKV:
+        """Start a sequence: match its cached prefix (page aligned, at most len - 1 tokens),
+        lock it, take a page-table row and write the matched pages into it."""
+        if len(tokens) > self.max_tokens_per_request:
+            raise ValueError(
+                f"sequence of {len(tokens)} tokens exceeds {self.max_tokens_per_request} "
+                f"tokens per request"
+            )
+        if self.page_table.num_free_rows == 0:
+            raise OutOfRowsError(
+                f"all {self.page_table.max_requests} page-table rows are held by open sequences"
+            )
+        matched_pages: np.ndarray | None = None
+        matched = 0
+        node = self.tree.root
+        limit = self._match_limit(len(tokens)) if self.enable_prefix_cache else 0
+        if limit > 0:
+            matched_pages, matched, node = self.tree.match_prefix(tokens[:limit])
+        self.tree.lock(node)
+        row = self.page_table.acquire()
+        pages: list[int] = []
+        if matched_pages is not None and matched:
+            self.page_table.set_pages(row, 0, matched_pages)
+            pages = matched_pages.tolist()
+        self.hit_tokens += matched
+        self.miss_tokens += len(tokens) - matched
+        seq = SeqKV(
+            row=row,
+            kv_len=matched,
+            num_cached=matched,
+            pages=pages,
+            lock_node=node,
+            num_in_tree=matched,
+        )
+        self._open[row] = seq
+        return seq
+
+    def extend(self, seq: SeqKV, num_tokens: int) -> None:
+        """Give ``seq`` KV slots for positions kv_len .. kv_len + num_tokens - 1, evicting LRU
+        tree leaves when the free list is short. On failure raises OutOfPagesError and changes
+        nothing."""
+        self._check_open(seq)
+        if num_tokens < 0:
+            raise ValueError(f"cannot extend by a negative number of tokens ({num_tokens})")
+        new_len = seq.kv_len + num_tokens
+        total_pages = -(-new_len // self.page_size)
+        if total_pages > self.max_pages_per_request:
+            raise ValueError(
+                f"extending to {new_len} tokens exceeds {self.max_tokens_per_request} "
+                f"tokens per request"
+            )
+        needed = total_pages - len(seq.pages)
+        if needed > 0:
+            free = self.allocator.num_free
+            if needed > free:
+                if needed > self.available_pages:
+                    raise OutOfPagesError(
+                        f"asked for {needed} KV pages but only {free} are free and "
+                        f"{self.tree.evictable_size // self.page_size} evictable "
+                        f"(of {self.num_pages})"
+                    )
+                self.allocator.free(self.tree.evict((needed - free) * self.page_size))
+            new_pages = self.allocator.alloc(needed)
+            self.page_table.set_pages(seq.row, len(seq.pages), new_pages)
+            seq.pages.extend(new_pages.tolist())
+        seq.kv_len = new_len
+
+    def cache(self, seq: SeqKV, tokens: Tokens) -> None:
+        """Insert the whole pages of ``tokens[:seq.kv_len]`` into the tree.
+
+        Where the tree already held some of those tokens under other pages, the sequence's
+        duplicates are freed and it (and its table row) points at the tree's pages. The lock
+        moves to the node ending at the inserted prefix."""
+        self._check_open(seq)
+        if not self.enable_prefix_cache:
+            return
+        # ``tokens`` may stop short of kv_len: slots planned for a step still in flight hold
+        # no KV yet, and only what is written may be shared.
+        ps = self.page_size
+        aligned = min(len(tokens), seq.kv_len) // ps * ps
+        if aligned <= seq.num_in_tree:
+            return
+        prefix = tokens[:aligned]
+        present = self.tree.insert(prefix, np.asarray(seq.pages[: aligned // ps], np.int32))
+        tree_pages, matched, node = self.tree.match_prefix(prefix)
+        assert matched == aligned and present >= seq.num_in_tree, (
+            f"tree lost a locked prefix: matched {matched} of {aligned}, "
+            f"present {present}, locked {seq.num_in_tree}"
+        )
+        first_dup, end_dup = seq.num_in_tree // ps, present // ps
+        if end_dup > first_dup:
+            self.allocator.free(np.asarray(seq.pages[first_dup:end_dup], dtype=np.int32))
+            shared = tree_pages[first_dup:end_dup]
+            seq.pages[first_dup:end_dup] = shared.tolist()
+            self.page_table.set_pages(seq.row, first_dup, shared)
+        self.tree.lock(node)
+        self.tree.unlock(seq.lock_node)
+        seq.lock_node = node
+        seq.num_in_tree = aligned
+
+    def close(self, seq: SeqKV, tokens: Tokens | None = None, cache: bool = True) -> None:
+        """End a sequence: cache its whole pages (when ``cache`` and tokens are given), unlock
+        its prefix, free its own pages and release its table row."""
+        self._check_open(seq)
+        if cache and tokens is not None:
+            self.cache(seq, tokens)
+        self.tree.unlock(seq.lock_node)
+        own = seq.pages[seq.num_in_tree // self.page_size :]
+        if own:
+            self.allocator.free(np.asarray(own, dtype=np.int32))
+        del self._open[seq.row]
+        self.page_table.release(seq.row)
+        seq.pages = []
+        seq.kv_len = 0
+        seq.num_in_tree = 0
+        seq.lock_node = self.tree.root
+
+    def evict(self, num_pages: int) -> int:
+        """Evict at least ``num_pages`` unlocked cached pages (LRU leaves first, fewer when
+        fewer are evictable) back to the free list; returns how many were freed."""
+        freed = self.tree.evict(num_pages * self.page_size)
+        self.allocator.free(freed)
+        return int(freed.size)
+
+    def _check_open(self, seq: SeqKV) -> None:
+        if self._open.get(seq.row) is not seq:
+            raise ValueError(f"sequence in row {seq.row} is not open in this manager")
+
+    # ----------------------------------------------------------------------------- accounting
+
+    def stats(self) -> dict[str, int]:
+        cached = self.tree.total_size // self.page_size
+        free = self.allocator.num_free
+        return {
+            "pages_total": self.num_pages,
+            "pages_free": free,
+            "pages_used": self.num_pages - free - cached,
+            "pages_cached": cached,
+            "pages_evictable": self.tree.evictable_size // self.page_size,
+            "hit_tokens": self.hit_tokens,
+            "miss_tokens": self.miss_tokens,
+        }
+
+    def reset(self, reset_counters: bool = False) -> None:
+        """Drop the whole prefix cache and free every page; only when no sequence is open."""
+        if self._open:
+            raise RuntimeError(f"reset() with {len(self._open)} sequences still open")
+        self.tree.reset()
+        self.allocator.reset()
+        self.page_table.reset()
+        if reset_counters:
+            self.hit_tokens = 0
+            self.miss_tokens = 0
+
+    def check_invariant(self) -> None:
+        """Assert the page accounting invariant; raises AssertionError saying what broke."""
+        ps = self.page_size
+        owner = np.full(self.num_pages, -1, dtype=np.int64)  # -1 nobody, -2 free, -3 tree, row
+
+        def claim(pages: np.ndarray, who: int, what: str) -> None:
+            assert pages.size == 0 or (pages.min() >= 0 and pages.max() < self.num_pages), (
+                f"{what}: page ids out of range: {pages.tolist()[:8]}"
+            )
+            values, counts = np.unique(pages, return_counts=True)
+            assert (counts == 1).all(), f"{what}: pages listed twice: {values[counts > 1][:8]}"
+            clash = pages[owner[pages] != -1]
+            assert clash.size == 0, (
+                f"{what}: pages {clash[:8].tolist()} already belong to "
+                f"{self._owner_name(int(owner[clash[0]]))}"
+            )
+            owner[pages] = who
+
+        free_pages = self.allocator.free_pages()
+        claim(free_pages, -2, "free list")
+        mask = self.allocator.allocated_mask()
+        assert not mask[free_pages].any(), "free list holds pages marked allocated"
+        assert int(mask.sum()) == self.num_pages - free_pages.size, (
+            "allocated mask count disagrees with the free list"
+        )
+
+        self.tree.check()
+        claim(self.tree.all_pages(), -3, "radix tree")
+        tree_pages = self.tree.total_size // ps
+        assert self.tree.total_size % ps == 0, f"tree size {self.tree.total_size} not page aligned"
+
+        expected_locks: dict[int, int] = {}
+        for row, seq in self._open.items():
+            name = f"seq in row {row}"
+            assert seq.row == row, f"{name} says it is in row {seq.row}"
+            assert self.page_table.is_in_use(row), f"{name}: its table row is not in use"
+            assert len(seq.pages) == -(-seq.kv_len // ps), (
+                f"{name}: {len(seq.pages)} pages for kv_len {seq.kv_len} (page_size {ps})"
+            )
+            assert seq.num_in_tree % ps == 0 and seq.num_in_tree <= seq.kv_len, (
+                f"{name}: num_in_tree {seq.num_in_tree} not page aligned or above kv_len"
+            )
+            assert seq.lock_node.prefix_len == seq.num_in_tree, (
+                f"{name}: lock node ends at {seq.lock_node.prefix_len}, "
+                f"num_in_tree is {seq.num_in_tree}"
+            )
+            in_tree = seq.num_in_tree // ps
+            path = self.tree.path_pages(seq.lock_node)
+            assert path.tolist() == seq.pages[:in_tree], (
+                f"{name}: its first {in_tree} pages are not the tree's pages on its lock path"
+            )
+            own = np.asarray(seq.pages[in_tree:], dtype=np.int64)
+            claim(own, row, name)
+            table = self.page_table.row_pages(row, len(seq.pages))
+            assert table.tolist() == seq.pages, f"{name}: page-table row differs from its pages"
+            node = seq.lock_node
+            while node is not self.tree.root:
+                expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
+                assert node.parent is not None, f"{name}: lock node is detached from the tree"
+                node = node.parent
+
+        for node in self.tree.iter_nodes():
+            expected = expected_locks.get(id(node), 0)
+            assert node.lock_ref == expected, (
+                f"{node!r}: lock_ref {node.lock_ref}, but {expected} open sequences lock it"
+            )
+        nobody = np.flatnonzero(owner == -1)
+        assert nobody.size == 0, (
+            f"pages {nobody[:8].tolist()} are neither free, in the tree nor held by a sequence "
+            f"(leaked)"
+        )
+        held = int((owner >= 0).sum())
+        assert free_pages.size + held + tree_pages == self.num_pages, (
+            f"free {free_pages.size} + held {held} + tree {tree_pages} != {self.num_pages}"
+        )
+        stats = self.stats()
+        assert stats["pages_used"] == held, (
+            f"stats pages_used {stats['pages_used']} != pages held by sequences {held}"
+        )
+
+    @staticmethod
+    def _owner_name(owner: int) -> str:
+        if owner == -2:
+            return "the free list"
+        if owner == -3:
+            return "the radix tree"
+        return f"the seq in row {owner}"

@@ -1,0 +1,410 @@
+"""RadixCache: a prefix tree over token ids whose edges hold the KV page ids of their tokens.
+
+Invariants the code keeps:
+- Page aligned: every edge holds a whole number of pages (``len(key) % page_size == 0``), and
+  ``value`` holds ``len(key) // page_size`` page ids. Children are keyed by the first token of
+  their edge (page_size 1) or the tuple of its first page of tokens.
+- ``lock_ref`` of a node counts the locks held on it or any node below it (a lock walks up to
+  the root), so a locked node's ancestors are locked too, and every unlocked node can be reached
+  by repeatedly evicting unlocked leaves.
+- ``evictable_size`` (tokens in unlocked nodes) and ``protected_size`` (tokens in locked nodes)
+  are kept incrementally; their sum is the tree's size.
+- Every unlocked leaf has an entry in ``_heap`` (``in_heap``). Entries are lazy: one may be stale
+  (the node got children, a lock, a newer access time, or was removed) and is checked when
+  popped; a stale time is re-pushed with the node's current time, so LRU order stays exact.
+
+Tokens are held as tuples (edge keys are tuple slices of the inserted sequence) and compared
+with slices at C speed; where an edge and a query diverge, the divergence point is found by a
+binary search over slice equality, not a per-token loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+
+
+class RadixNode:
+    __slots__ = (
+        "children",
+        "in_heap",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "prefix_len",
+        "value",
+    )
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        value: np.ndarray,
+        parent: RadixNode | None,
+        prefix_len: int,
+        last_access: int,
+        lock_ref: int = 0,
+    ) -> None:
+        self.children: dict[object, RadixNode] = {}
+        self.parent = parent
+        self.key = key  # the edge's tokens, from the parent to this node
+        self.value = value  # int32 page ids of the edge's tokens
+        self.prefix_len = prefix_len  # tokens from the root to the end of this node's edge
+        self.lock_ref = lock_ref
+        self.last_access = last_access
+        self.in_heap = False
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        head = self.key[:6]
+        more = "..." if len(self.key) > 6 else ""
+        return (
+            f"RadixNode(key={head}{more} len={len(self.key)}, pages={len(self.value)}, "
+            f"lock_ref={self.lock_ref}, prefix_len={self.prefix_len})"
+        )
+
+
+def _as_token_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+    # Tuples, not lists: the garbage collector stops tracking a tuple of ints, so a tree of
+    # millions of tokens adds nothing to every collection's traversal.
+    if type(tokens) is list:
+        return tuple(tokens)
+    if type(tokens) is tuple:
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return tuple(tokens.tolist())
+    return tuple(tokens)
+
+
+class RadixCache:
+    def __init__(self, page_size: int = 1) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.page_size = page_size
+        self._clock = itertools.count(1)
+        self._heap_ids = itertools.count()
+        self.reset()
+
+    # ----------------------------------------------------------------------------- state
+
+    def reset(self) -> None:
+        """Forget every node (the caller owns the pages they held)."""
+        self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (all of them can be evicted)."""
+        return self._evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in nodes locked by live requests."""
+        return self._protected_size
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def _child_key(self, tokens: tuple[int, ...], pos: int) -> object:
+        if self.page_size == 1:
+            return tokens[pos]
+        return tokens[pos : pos + self.page_size]
+
+    def _common_length(
+        self, edge: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int
+    ) -> int:
+        """Length of the common page-aligned prefix of ``edge`` and ``tokens[pos:end]``.
+
+        The caller knows the first page matches (it selected the child by it)."""
+        ps = self.page_size
+        limit = min(len(edge), end - pos) // ps  # in pages
+        if edge[: limit * ps] == tokens[pos : pos + limit * ps]:
+            return limit * ps
+        low, high = 1, limit  # pages: edge[:low*ps] matches, edge[:high*ps] does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            if edge[: mid * ps] == tokens[pos : pos + mid * ps]:
+                low = mid
+            else:
+                high = mid
+        return low * ps
+
+    def _split(self, node: RadixNode, length: int) -> RadixNode:
+        """Cut ``node``'s edge after ``length`` tokens; returns the new upper node.
+
+        ``node`` keeps its identity as the lower part, so locks held on it stay valid."""
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(
+            node.key[:length],
+            node.value[: length // self.page_size],
+            parent,
+            parent.prefix_len + length,
+            node.last_access,
+            node.lock_ref,
+        )
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[length:]
+        node.value = node.value[length // self.page_size :]
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        return upper
+
+    def _push(self, node: RadixNode) -> None:
+        node.in_heap = True
+        heapq.heappush(self._heap, (node.last_access, next(self._heap_ids), node))
+
+    # ----------------------------------------------------------------------------- queries
+
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int, RadixNode]:
+        """Longest cached page-aligned prefix of ``tokens``.
+
+        Returns (page ids, number of tokens matched, the node where the match ends). Splits a
+        node whose edge the match ends in, so the returned node ends exactly at the match (and
+        can be locked), and touches the access time of exactly the matched nodes."""
+        key = _as_token_tuple(tokens)
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        tick = next(self._clock)
+        node = self.root
+        node.last_access = tick
+        pos = 0
+        chunks: list[np.ndarray] = []
+        while pos < end:
+            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            if child is None:
+                break
+            edge = child.key
+            length = len(edge)
+            if key[pos : pos + length] != edge:
+                length = self._common_length(edge, key, pos, end)
+                child = self._split(child, length)
+            child.last_access = tick
+            chunks.append(child.value)
+            pos += length
+            node = child
+        if not chunks:
+            return _EMPTY_PAGES, 0, node
+        pages = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return pages, pos, node
+
+    def prefix_length(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Length of the cached page-aligned prefix of ``tokens``; no side effects."""
+        key = _as_token_tuple(tokens)
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        node = self.root
+        pos = 0
+        while pos < end:
+            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            if child is None:
+                break
+            edge = child.key
+            length = len(edge)
+            if key[pos : pos + length] == edge:
+                pos += length
+                node = child
+                continue
+            return pos + self._common_length(edge, key, pos, end)
+        return pos
+
+    # ----------------------------------------------------------------------------- updates
+
+    def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray | Sequence[int]) -> int:
+        """Insert the whole pages of ``tokens`` with their page ids.
+
+        Returns how many leading tokens the tree already held; the tree keeps its own pages for
+        them, so the caller should free its duplicates for that range. Like match_prefix, it
+        splits where the tokens leave an edge and touches exactly the nodes they cover."""
+        key = _as_token_tuple(tokens)
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        page_ids = np.asarray(pages, dtype=np.int32)
+        if page_ids.ndim != 1 or page_ids.size < end // ps:
+            raise ValueError(
+                f"insert of {end} tokens needs {end // ps} page ids, got shape {page_ids.shape}"
+            )
+        tick = next(self._clock)
+        node = self.root
+        node.last_access = tick
+        pos = 0
+        while pos < end:
+            child_key = key[pos] if ps == 1 else key[pos : pos + ps]
+            child = node.children.get(child_key)
+            if child is None:
+                leaf = RadixNode(
+                    key[pos:end],
+                    page_ids[pos // ps : end // ps].copy(),
+                    node,
+                    node.prefix_len + end - pos,
+                    tick,
+                )
+                node.children[child_key] = leaf
+                self._evictable_size += end - pos
+                leaf.in_heap = True
+                heapq.heappush(self._heap, (tick, next(self._heap_ids), leaf))
+                return pos
+            edge = child.key
+            length = len(edge)
+            if key[pos : pos + length] != edge:
+                length = self._common_length(edge, key, pos, end)
+                child = self._split(child, length)
+            child.last_access = tick
+            pos += length
+            node = child
+        return end
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (counted; pair with unlock)."""
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                size = len(node.key)
+                self._evictable_size -= size
+                self._protected_size += size
+            node.lock_ref += 1
+            parent = node.parent
+            assert parent is not None, "lock of a node that is no longer in the tree"
+            node = parent
+
+    def unlock(self, node: RadixNode) -> None:
+        root = self.root
+        while node is not root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                size = len(node.key)
+                self._protected_size -= size
+                self._evictable_size += size
+                if not node.children and not node.in_heap:
+                    self._push(node)
+            parent = node.parent
+            assert parent is not None, "unlock of a node that is no longer in the tree"
+            node = parent
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """Evict unlocked leaves, least recently used first, until at least ``num_tokens``
+        tokens are freed or nothing evictable is left; returns the freed page ids."""
+        freed: list[np.ndarray] = []
+        count = 0
+        heap = self._heap
+        root = self.root
+        while count < num_tokens and heap:
+            stamp, _, node = heapq.heappop(heap)
+            node.in_heap = False
+            parent = node.parent
+            if parent is None or node.lock_ref > 0 or node.children:
+                continue  # removed, locked or no longer a leaf: re-pushed when that changes
+            if stamp != node.last_access:
+                self._push(node)  # accessed since it was pushed: take its place again
+                continue
+            del parent.children[self._child_key(node.key, 0)]
+            node.parent = None
+            size = len(node.key)
+            self._evictable_size -= size
+            count += size
+            freed.append(node.value)
+            if parent is not root and not parent.children and parent.lock_ref == 0:
+                if not parent.in_heap:
+                    self._push(parent)
+        if not freed:
+            return _EMPTY_PAGES.copy()
+        return np.concatenate(freed)
+
+    # ----------------------------------------------------------------------------- inspection
+
+    def iter_nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def num_nodes(self) -> int:
+        return sum(1 for _ in self.iter_nodes())
+
+    def all_pages(self) -> np.ndarray:
+        values = [node.value for node in self.iter_nodes()]
+        return np.concatenate(values) if values else _EMPTY_PAGES.copy()
+
+    def path_pages(self, node: RadixNode) -> np.ndarray:
+        """Page ids from the root down to the end of ``node``."""
+        values = []
+        root = self.root
+        while node is not root:
+            values.append(node.value)
+            parent = node.parent
+            assert parent is not None, "node is no longer in the tree"
+            node = parent
+        values.reverse()
+        return np.concatenate(values) if values else _EMPTY_PAGES.copy()
+
+    def check(self) -> None:
+        """Assert the tree's structural invariants (sizes, alignment, keys, heap coverage)."""
+        ps = self.page_size
+        evictable = protected = 0
+        for node in self.iter_nodes():
+            parent = node.parent
+            assert parent is not None, f"{node!r} has no parent"
+            assert parent.children.get(self._child_key(node.key, 0)) is node, (
+                f"{node!r} is not its parent's child under its first key"
+            )
+            assert node.key and len(node.key) % ps == 0, f"{node!r}: edge not page aligned"
+            assert len(node.value) == len(node.key) // ps, f"{node!r}: pages do not match key"
+            assert node.prefix_len == parent.prefix_len + len(node.key), (
+                f"{node!r}: prefix_len {node.prefix_len} != parent's "
+                f"{parent.prefix_len} + {len(node.key)}"
+            )
+            assert node.lock_ref >= 0, f"{node!r}: negative lock_ref"
+            if parent is not self.root:
+                assert parent.lock_ref >= node.lock_ref, (
+                    f"{node!r}: lock_ref above its parent's {parent.lock_ref}"
+                )
+            if node.lock_ref == 0:
+                evictable += len(node.key)
+                if not node.children:
+                    assert node.in_heap, f"evictable leaf {node!r} is missing from the heap"
+            else:
+                protected += len(node.key)
+        assert evictable == self._evictable_size, (
+            f"evictable_size {self._evictable_size} != recount {evictable}"
+        )
+        assert protected == self._protected_size, (
+            f"protected_size {self._protected_size} != recount {protected}"
+        )
+
+    def dump(self) -> str:
+        """The tree as indented text: one line per node."""
+        lines = [
+            f"RadixCache(page_size={self.page_size}, evictable={self._evictable_size}, "
+            f"protected={self._protected_size})"
+        ]
+        stack: list[tuple[RadixNode, int]] = [
+            (child, 1) for child in reversed(list(self.root.children.values()))
+        ]
+        while stack:
+            node, depth = stack.pop()
+            head = " ".join(str(t) for t in node.key[:8])
+            more = f" ... ({len(node.key)} tokens)" if len(node.key) > 8 else ""
+            pages = node.value[:8].tolist()
+            pages_more = "..." if len(node.value) > 8 else ""
+            lines.append(
+                f"{'  ' * depth}[{head}{more}] pages={pages}{pages_more} "
+                f"lock_ref={node.lock_ref} t={node.last_access}"
+            )
+            stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
+        return "\n".join(lines)
