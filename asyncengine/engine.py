@@ -170,7 +170,7 @@ class AsyncEngine:
                 f"{len(self.scheduler.waiting)} requests are waiting (max_waiting_requests); try again later"
             )
         req = Request(rid, prompt_ids, params, arrival_time=time.monotonic())
-        state = StreamState(req, parts.make_detokenizer(params.skip_special_tokens))
+        state = StreamState(req, parts.make_detokenizer(params.skip_special_tokens, prompt_ids))
         self._streams[rid] = state
         self.scheduler.add_request(req)
         self._counters["prompt_tokens"] += len(prompt_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from asyncengine.executor.stop_strings import StopStringFilter
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.request import Request
@@ -13,27 +14,15 @@ if TYPE_CHECKING:
     from asyncengine.engine import AsyncEngine
 
 
-def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that could be the start of a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
-
-
 class StreamState:
     """Text produced so far for one request, and the deltas not yet read by its caller."""
 
     def __init__(self, req: Request, detokenizer: Any) -> None:
         self.req = req
         self.detokenizer = detokenizer
+        self.stops = StopStringFilter(list(req.params.stop))
         self.queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-        self.text = ""
-        self.sent = 0  # characters of ``text`` already handed out
-        self.stop_at: int | None = None  # where a matched stop string begins
+        self.ready = ""  # text cleared for the caller, not yet handed out
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.done = False
@@ -43,33 +32,22 @@ class StreamState:
         self.tokens.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        self.text += self.detokenizer.add([token_id])
-        stops = self.req.params.stop
-        if not stops or self.stop_at is not None:
-            return None
-        window = max(0, self.sent - max(len(s) for s in stops))
-        best: tuple[int, str] | None = None
-        for stop in stops:
-            at = self.text.find(stop, window)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        self.stop_at = best[0]
-        return best[1]
+        scan = self.stops.push(self.detokenizer.add([token_id]))
+        self.ready += scan.emit
+        return scan.matched
 
     def flush_delta(self) -> None:
         """Queue what can be shown now (text that cannot still turn into a stop string)."""
-        end = len(self.text) - held_back(self.text, self.req.params.stop)
-        if end > self.sent or self.tokens:
-            self.queue.put_nowait(self._delta(end))
+        if self.ready or self.tokens:
+            self.queue.put_nowait(self._delta())
 
     def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
-        flush = getattr(self.detokenizer, "flush", None)
-        if flush is not None and self.stop_at is None:
-            self.text += flush()  # bytes held back for an incomplete character
-        end = self.stop_at if self.stop_at is not None else len(self.text)
-        delta = self._delta(max(end, self.sent))
+        if self.stops.matched is None:
+            flush = getattr(self.detokenizer, "flush", None)
+            if flush is not None:  # bytes held back for an incomplete character
+                self.ready += self.stops.push(flush()).emit
+            self.ready += self.stops.flush()
+        delta = self._delta()
         delta.finished = True
         delta.finish_reason = self.req.finish_reason or "abort"
         delta.matched_stop = self.req.matched_stop
@@ -82,14 +60,14 @@ class StreamState:
         self.done = True
         self.queue.put_nowait(exc)
 
-    def _delta(self, end: int) -> StreamDelta:
+    def _delta(self) -> StreamDelta:
         delta = StreamDelta(
             request_id=self.req.rid,
-            text=self.text[self.sent : end],
+            text=self.ready,
             token_ids=self.tokens,
             logprobs=self.logprobs or None,
         )
-        self.sent = max(self.sent, end)
+        self.ready = ""
         self.tokens = []
         self.logprobs = []
         return delta

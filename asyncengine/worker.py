@@ -31,7 +31,7 @@ class EngineParts:
     model_name: str
     max_model_len: int
     vocab_size: int
-    make_detokenizer: Callable[[bool], Any]
+    make_detokenizer: Callable[[bool, list[int]], Any]  # (skip_special_tokens, prompt_ids)
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -136,8 +136,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         policy.name,
     )
 
-    def make_detokenizer(skip_special_tokens: bool) -> Any:
-        return IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    def make_detokenizer(skip_special_tokens: bool, prompt_ids: list[int]) -> Any:
+        return IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
+        )
 
     return EngineParts(
         runner=runner,

@@ -63,7 +63,7 @@ def fake_engine(
         model_name="fake",
         max_model_len=max_model_len,
         vocab_size=1000,
-        make_detokenizer=lambda skip: TagDetokenizer(),
+        make_detokenizer=lambda skip, prompt: TagDetokenizer(),
     )
     engine.step_hooks.append(lambda plan: kv.check_invariant())
     return engine

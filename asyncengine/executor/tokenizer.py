@@ -1,0 +1,255 @@
+"""Tokenizer (encode, decode, chat template) and IncrementalDetokenizer (streamed text deltas).
+
+The tokenizer is the `tokenizers` library's fast tokenizer read straight from tokenizer.json
+(transformers converts a directory that has none); chat templates are rendered with jinja2 the
+way transformers renders them. Decoding is called once or twice per generated token, so it goes
+to the Rust tokenizer without the transformers wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from asyncengine.executor.loader.hf_dir import ModelFilesError, load_eos_token_ids, read_json
+from asyncengine.sampling_params import InvalidRequestError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "spiece.model")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves the template
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The model has no chat template, the messages are malformed, or the template refused them."""
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_backend(model_dir: Path) -> BackendTokenizer:
+    path = model_dir / TOKENIZER_FILE
+    if path.is_file():
+        return BackendTokenizer.from_file(str(path))
+    if not any((model_dir / name).is_file() for name in SLOW_TOKENIZER_FILES):
+        raise ModelFilesError(
+            f"{model_dir} holds no tokenizer ({TOKENIZER_FILE} or {SLOW_TOKENIZER_FILES[0]})"
+        )
+    from transformers import AutoTokenizer  # converts sentencepiece / vocab.json directories
+
+    try:
+        converted = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as error:
+        raise ModelFilesError(f"{model_dir}: cannot build a tokenizer: {error}") from error
+    backend = getattr(converted, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelFilesError(
+            f"{model_dir}: no {TOKENIZER_FILE} and no fast tokenizer could be built"
+        )
+    return backend
+
+
+def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    # Same settings transformers renders chat templates with, so a model's template renders
+    # the same text here as in transformers.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class Tokenizer:
+    """A model directory's tokenizer.
+
+    ``eos_token_ids``: generation_config.json's, config.json's and the tokenizer's EOS token.
+    ``vocab_size``: tokens the tokenizer knows, added tokens included (the model's embedding
+    table may be larger).
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self.model_dir = model_dir
+        self.backend = _load_backend(model_dir)
+        config_path = model_dir / TOKENIZER_CONFIG_FILE
+        config = read_json(config_path) if config_path.is_file() else {}
+        self.chat_template = _load_chat_template(model_dir, config)
+        self.special_tokens: dict[str, str] = {
+            name: content
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (content := _token_content(config.get(name))) is not None
+        }
+        self.bos_token_id = self._special_id("bos_token")
+        self.pad_token_id = self._special_id("pad_token")
+        self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids: list[int] = sorted(
+            index
+            for index, token in self.backend.get_added_tokens_decoder().items()
+            if token.special
+        )
+        eos_ids = load_eos_token_ids(model_dir)
+        if (eos := self._special_id("eos_token")) is not None and eos not in eos_ids:
+            eos_ids.append(eos)
+        self.eos_token_ids: list[int] = eos_ids
+        self._compiled_template: Any = None
+
+    def _special_id(self, name: str) -> int | None:
+        content = self.special_tokens.get(name)
+        return None if content is None else self.backend.token_to_id(content)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text for a conversation (encode it with add_special_tokens=False)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"the model in {self.model_dir} has no chat template: send a plain prompt "
+                "(a string or token ids) instead of chat messages"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise ChatTemplateError(
+                "messages must be a non-empty list of {'role', 'content'} objects"
+            )
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ChatTemplateError(f"messages[{index}] must be an object with a string 'role'")
+        if self._compiled_template is None:
+            self._compiled_template = _chat_environment().from_string(self.chat_template)
+        try:
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **variables,
+            )
+        except TemplateError as error:
+            raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas.
+
+    Each step decodes only a small window: the tokens since the last clean boundary before the
+    previous delta (the prefix, decoded for context: a sentencepiece tokenizer drops the space
+    of a text's first token) plus the new ones, and emits what lies past the text already
+    emitted. Text ending in U+FFFD may be an incomplete UTF-8 character whose remaining bytes
+    are still to come, so it is held back until a later token completes it; ``flush()`` emits
+    whatever is still held when the generation ends.
+
+    Without ``prompt_ids`` the deltas joined (after ``flush()``) equal
+    ``tokenizer.decode(all output ids)``. With them, the last prompt tokens are the first
+    window's context, so the deltas are what the output adds to the decoded prompt.
+    """
+
+    PROMPT_CONTEXT_TOKENS = 5
+    _TRIM_AFTER = (
+        1024  # drop decoded history past this many tokens (keeps memory per request small)
+    )
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT_TOKENS :]) if prompt_ids else []
+        self._prefix_offset = 0  # the window to decode starts here in _ids
+        self._read_offset = len(self._ids)  # tokens before it were decoded in an earlier window
+        # Characters of decode(_ids[_prefix_offset:]) already emitted (or prompt context). A prompt
+        # ending in an incomplete character leaves it out: output that completes it emits it.
+        self._emitted = len(self._decode(self._ids).rstrip(REPLACEMENT_CHAR))
+        self._pieces: list[str] = []
+        self._text: str | None = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated tokens; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        window = self._decode(self._ids[self._prefix_offset :])
+        stable = len(window.rstrip(REPLACEMENT_CHAR))
+        delta = ""
+        if stable > self._emitted:
+            delta = window[self._emitted : stable]
+            self._emitted = stable
+            self._append(delta)
+        if stable == len(window) and len(self._ids) > self._read_offset:
+            # The window ends on a whole character: the tokens just read become the next prefix.
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._emitted = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
+            if self._prefix_offset > self._TRIM_AFTER:
+                del self._ids[: self._prefix_offset]
+                self._read_offset -= self._prefix_offset
+                self._prefix_offset = 0
+        return delta
+
+    def flush(self) -> str:
+        """Emit text still held back (an incomplete character at the end of the generation)."""
+        window = self._decode(self._ids[self._prefix_offset :])
+        delta = window[self._emitted :]
+        self._emitted = max(self._emitted, len(window))
+        self._append(delta)
+        return delta
+
+    def _append(self, delta: str) -> None:
+        if delta:
+            self._pieces.append(delta)
+            self._text = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if self._text is None:
+            self._text = "".join(self._pieces)
+            self._pieces = [self._text]
+        return self._text
