@@ -1,0 +1,147 @@
+"""Prometheus metrics of one server: request outcomes, token counts, latency histograms, and
+engine gauges read from ``engine.stats()`` at scrape time. Each app has its own registry, so
+several servers (tests) in one process never share counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from asyncengine.errors import EngineNotRunningError
+from asyncengine.outputs import RequestMetrics, Usage
+
+# The *_created series (a timestamp per counter and histogram) only double the scrape size.
+disable_created_metrics()
+
+PREFIX = "asyncengine"
+
+# outcome label of asyncengine_requests_total: finished (stop/length) | aborted (client gone,
+# shutdown) | refused with a 4xx | refused with 503 (queue full) | failed (5xx or in-band error)
+OUTCOMES = ("success", "abort", "invalid", "overloaded", "error")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+# gauge name -> (engine.stats() key, help)
+ENGINE_GAUGES: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("running", "Requests running in the engine"),
+    "num_requests_waiting": ("waiting", "Requests waiting to be scheduled"),
+    "kv_pages_total": ("pages_total", "KV pages in the pool"),
+    "kv_pages_free": ("pages_free", "KV pages free"),
+    "kv_pages_used": ("pages_used", "KV pages held by live requests"),
+    "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),
+    "kv_pages_evictable": ("pages_evictable", "Cached KV pages no live request locks"),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Gauges read from ``engine.stats()`` when Prometheus scrapes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.engine.stats()
+        except EngineNotRunningError:
+            return
+        for name, (key, doc) in ENGINE_GAUGES.items():
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+
+    def describe(self) -> Iterator[Metric]:
+        # Describing without scraping keeps registration free of engine calls.
+        return iter(())
+
+
+class ServerMetrics:
+    """The collectors of one HTTP server, in a registry of their own."""
+
+    def __init__(self, engine: Any | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Generation requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Generated tokens", registry=r
+        )
+        self.cache_hit_tokens = Counter(
+            f"{PREFIX}_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.cache_miss_tokens = Counter(
+            f"{PREFIX}_cache_miss_tokens",
+            "Prompt tokens computed (not in the prefix cache)",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between consecutive tokens",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        if engine is not None:
+            r.register(EngineStatsCollector(engine))
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+
+    def observe_finished(self, usage: Usage | None, metrics: RequestMetrics | None) -> None:
+        """Record the tokens and timings of one request that left the engine (any reason)."""
+        if usage is not None:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.generation_tokens.inc(usage.completion_tokens)
+            self.cache_hit_tokens.inc(usage.cached_tokens)
+            self.cache_miss_tokens.inc(max(usage.prompt_tokens - usage.cached_tokens, 0))
+        if metrics is not None:
+            if metrics.ttft is not None:
+                self.ttft.observe(metrics.ttft)
+            if metrics.queue_time is not None:
+                self.queue_time.observe(metrics.queue_time)
+            self.e2e.observe(metrics.e2e)
+            for gap in metrics.itl:
+                self.itl.observe(gap)
+
+    def counter_value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of a sample (e.g. ``asyncengine_requests_total``); 0 when absent."""
+        value = self.registry.get_sample_value(name, labels or {})
+        return value or 0.0
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

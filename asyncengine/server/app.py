@@ -1,0 +1,148 @@
+"""The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
+POST /generate, GET /health, GET /metrics.
+
+- An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
+- With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
+  /health and /metrics stay open for probes and scrapers.
+- Bodies above ``max_body_bytes`` are answered 413.
+- The app does not start or stop the engine; its owner does (see serve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from asyncengine.errors import EngineNotRunningError
+from asyncengine.metrics import ServerMetrics
+from asyncengine.server.errors import ApiError, Handler, error_middleware
+from asyncengine.server.native import add_native_routes
+from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.state import OUTCOME, STATE, ServerState
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# POST path -> endpoint label of the request counter
+GENERATION_ENDPOINTS = {
+    "/v1/chat/completions": "chat_completions",
+    "/v1/completions": "completions",
+    "/generate": "generate",
+}
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _outcome_of_status(status: int) -> str:
+    if status < 400:
+        return "success"
+    if status == 503:
+        return "overloaded"
+    if status < 500:
+        return "invalid"
+    return "error"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    endpoint = GENERATION_ENDPOINTS.get(request.path) if request.method == "POST" else None
+    if endpoint is None:
+        return await handler(request)
+    metrics = request.app[STATE].metrics
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:
+        # The client went away and aiohttp cancelled the handler.
+        metrics.count_request(endpoint, "abort")
+        raise
+    except web.HTTPException as exc:  # only redirects escape the error middleware
+        metrics.count_request(endpoint, _outcome_of_status(exc.status))
+        raise
+    metrics.count_request(endpoint, request.get(OUTCOME) or _outcome_of_status(response.status))
+    return response
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    api_key = request.app[STATE].api_key
+    if api_key is None or request.path in OPEN_PATHS or request.method == "OPTIONS":
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise ApiError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.shutting_down:
+        raise ApiError(
+            503, "the server is shutting down", type="service_unavailable", code="shutting_down"
+        )
+    if not state.engine.is_running:
+        raise ApiError(
+            503, "the engine loop is not running", type="service_unavailable", code="engine_stopped"
+        )
+    return json_response({"status": "ok"})
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _mark_shutting_down(app: web.Application) -> None:
+    app[STATE].shutting_down = True
+
+
+def _default_model_name(engine: Any) -> str:
+    try:
+        return str(engine.model_name)
+    except EngineNotRunningError:  # not started yet: the name it will serve
+        return str(engine.config.model)
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    default_chat_max_tokens: int | None = None,
+    metrics: ServerMetrics | None = None,
+) -> web.Application:
+    """Build the app around a started (or soon started) ``AsyncEngine``."""
+    if max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1")
+    state = ServerState(
+        engine=engine,
+        metrics=metrics or ServerMetrics(engine),
+        served_model_names=list(served_model_names or [_default_model_name(engine)]),
+        api_key=api_key or None,
+        default_chat_max_tokens=default_chat_max_tokens,
+    )
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+    )
+    app[STATE] = state
+    add_openai_routes(app)
+    add_native_routes(app)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_handler)
+    app.on_shutdown.append(_mark_shutting_down)
+    return app

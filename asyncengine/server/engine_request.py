@@ -1,0 +1,63 @@
+"""One engine request seen from an HTTP handler: however the handler ends (done, error, client
+gone, cancelled), the request is released in the engine and its KV pages freed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+class StreamingRequest:
+    """Iterate an ``engine.stream`` call; ``close()`` aborts it unless it finished."""
+
+    def __init__(
+        self, engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.finished = False
+        self._stream: AsyncIterator[StreamDelta] = engine.stream(
+            prompt, params, request_id=request_id
+        )
+
+    async def next(self) -> StreamDelta | None:
+        """The next delta, or None once the stream is exhausted. Engine errors propagate."""
+        try:
+            delta = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            return None
+        except BaseException:
+            # An engine error or cancellation ends the request either way.
+            await self.close()
+            raise
+        if delta.finished:
+            self.finished = True
+        return delta
+
+    async def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def generate(
+    engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
+) -> GenerateOutput:
+    """``engine.generate`` that aborts the request if the caller is cancelled (client gone)."""
+    done = False
+    try:
+        output = await engine.generate(prompt, params, request_id=request_id)
+        done = True
+        return output
+    finally:
+        if not done:
+            engine.abort(request_id)

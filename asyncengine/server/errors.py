@@ -1,0 +1,141 @@
+"""OpenAI-style error bodies and the middleware that turns every failure into one.
+
+Every error the server answers has the body
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` and a 4xx/5xx status.
+A client mistake is always a 4xx that names what is wrong; a 500 means a server bug or a
+failed forward pass, never bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from asyncengine.errors import (
+    EngineNotRunningError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+)
+
+log = logging.getLogger("asyncengine.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+QUEUE_FULL_RETRY_AFTER_SECONDS = 1
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI-style JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=msgspec.json.encode(self.body()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: Exception) -> ApiError:
+    """Map an exception raised by the engine's public API to the error the client sees."""
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc), code="invalid_request")
+    if isinstance(exc, QueueFullError):
+        return ApiError(
+            503,
+            f"the server is at capacity ({exc}); retry later",
+            type="server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)},
+        )
+    if isinstance(exc, EngineNotRunningError):
+        return ApiError(
+            503, "the engine is not running", type="service_unavailable", code="engine_stopped"
+        )
+    if isinstance(exc, RequestFailedError):
+        return ApiError(
+            500,
+            f"the engine failed this request: {exc}",
+            type="server_error",
+            code="request_failed",
+        )
+    raise TypeError(f"not an engine error: {exc!r}")
+
+
+ENGINE_ERRORS = (InvalidRequestError, QueueFullError, EngineNotRunningError, RequestFailedError)
+
+_HTTP_ERROR_TYPES: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:
+    type_, code = _HTTP_ERROR_TYPES.get(exc.status, ("invalid_request_error", None))
+    message = exc.text or exc.reason
+    if exc.status == 404:
+        message = f"no such endpoint: {request.method} {request.path}"
+    elif exc.status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+    headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    return ApiError(exc.status, message, type=type_, code=code, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer ApiError, aiohttp's HTTP errors and any unexpected exception as JSON errors."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except ENGINE_ERRORS as exc:
+        return from_engine_error(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(request, exc).response()
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return ApiError(
+            500, "internal server error", type="server_error", code="internal_error"
+        ).response()

@@ -1,0 +1,276 @@
+"""SGLang-style native endpoint: POST /generate.
+
+Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
+temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, ...), ``stream``, ``rid``,
+``return_logprob``, ``top_logprobs_num``. Response: ``{"text", "output_ids", "meta_info"}``.
+Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative (as SGLang
+streams text), ending with ``data: [DONE]``; ``meta_info`` of a non-final frame carries ``id``,
+``completion_tokens`` so far and ``finish_reason: null``; the final frame carries everything.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta, Struct, field
+
+from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
+from asyncengine.plan import TokenLogprobs
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
+from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
+from asyncengine.server.openai_schema import (
+    MinP,
+    NonNegativeInt,
+    PositiveInt,
+    RepetitionPenalty,
+    Seed,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+    decode_body,
+)
+from asyncengine.server.sse import ClientGone, SSEWriter
+from asyncengine.server.state import OUTCOME, STATE, ServerState
+
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_RID_LENGTH = 256
+
+NativePenalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+NativeTemperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+
+
+class NativeSamplingParams(Struct, kw_only=True):
+    max_new_tokens: PositiveInt = NATIVE_DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: NonNegativeInt = 0
+    temperature: NativeTemperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    frequency_penalty: NativePenalty = 0.0
+    presence_penalty: NativePenalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None  # SGLang's name for seed
+    n: PositiveInt = 1
+
+
+class GenerateRequest(Struct, kw_only=True):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: NativeSamplingParams = field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs = 0
+    return_text_in_logprobs: bool = False
+
+
+def _prompt(req: GenerateRequest) -> Prompt:
+    if (req.text is None) == (req.input_ids is None):
+        raise invalid_request("give exactly one of text and input_ids", param="text")
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return req.text
+        if len(req.text) == 1:
+            return req.text[0]
+        raise invalid_request(
+            f"batched text ({len(req.text)} prompts) is not supported; send one request per prompt",
+            param="text",
+        )
+    ids = req.input_ids or []
+    if len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]
+    if not ids:
+        raise invalid_request("input_ids is empty", param="input_ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise invalid_request(
+            "input_ids must be a list of non-negative integers", param="input_ids"
+        )
+    return list(ids)
+
+
+def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
+    sp = req.sampling_params
+    if sp.n != 1:
+        raise invalid_request(
+            f"sampling_params.n={sp.n} is not supported; only one sample per request",
+            param="sampling_params.n",
+        )
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    try:
+        return SamplingParams(
+            max_new_tokens=min(sp.max_new_tokens, context_len),
+            min_new_tokens=sp.min_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            stop=stop,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            skip_special_tokens=sp.skip_special_tokens,
+            seed=sp.seed if sp.seed is not None else sp.sampling_seed,
+            logprobs=req.return_logprob,
+            top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+        )
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
+
+
+def _request_id(req: GenerateRequest) -> str:
+    if req.rid is None:
+        return uuid.uuid4().hex
+    if not req.rid or len(req.rid) > MAX_RID_LENGTH:
+        raise invalid_request(f"rid must be 1 to {MAX_RID_LENGTH} characters", param="rid")
+    return req.rid
+
+
+def finish_reason_body(
+    reason: str | None, matched: str | int | None, completion_tokens: int
+) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": completion_tokens}
+    if reason == "abort":
+        return {"type": "abort", "message": "the request was aborted"}
+    return {"type": reason, "matched": matched}
+
+
+class NativeResponder:
+    """Builds /generate bodies for one request."""
+
+    def __init__(
+        self, state: ServerState, request_id: str, return_logprob: bool, text_in_logprobs: bool
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.return_logprob = return_logprob
+        self.text_in_logprobs = text_in_logprobs
+        self.token_logprobs: list[list[Any]] = []
+        self.top_logprobs: list[list[list[Any]]] = []
+
+    def _entry(self, logprob: float, token_id: int) -> list[Any]:
+        text = self.state.token_text(token_id) if self.text_in_logprobs else None
+        return [logprob, token_id, text]
+
+    def add_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> None:
+        if not self.return_logprob or logprobs is None:
+            return
+        for token_id, lp in zip(token_ids, logprobs, strict=False):
+            self.token_logprobs.append(self._entry(lp.token_logprob, token_id))
+            self.top_logprobs.append([self._entry(v, t) for t, v in lp.top])
+
+    def body(
+        self,
+        text: str,
+        output_ids: list[int],
+        finish_reason: str | None,
+        matched: str | int | None,
+        usage: Usage | None,
+        metrics: RequestMetrics | None,
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "completion_tokens": len(output_ids) if usage is None else usage.completion_tokens,
+            "finish_reason": finish_reason_body(finish_reason, matched, len(output_ids)),
+        }
+        if usage is not None:
+            meta["prompt_tokens"] = usage.prompt_tokens
+            meta["cached_tokens"] = usage.cached_tokens
+        if metrics is not None:
+            meta["e2e_latency"] = metrics.e2e
+            meta["ttft"] = metrics.ttft
+            meta["queue_time"] = metrics.queue_time
+        if self.return_logprob:
+            meta["output_token_logprobs"] = self.token_logprobs
+            meta["output_top_logprobs"] = self.top_logprobs
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+async def generate_handler(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = decode_body(await request.read(), GenerateRequest)
+    prompt = _prompt(req)
+    params = _sampling_params(req, state.engine.max_model_len)
+    request_id = _request_id(req)
+    responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+    if not req.stream:
+        out = await generate(state.engine, prompt, params, request_id)
+        state.metrics.observe_finished(out.usage, out.metrics)
+        request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
+        responder.add_logprobs(out.token_ids, out.logprobs)
+        body = responder.body(
+            out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
+        )
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+    return await _stream(request, state, prompt, params, responder)
+
+
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    prompt: Prompt,
+    params: SamplingParams,
+    responder: NativeResponder,
+) -> web.StreamResponse:
+    call = StreamingRequest(state.engine, prompt, params, responder.request_id)
+    last: StreamDelta | None = None
+    try:
+        delta = await call.next()  # engine refusals become a 4xx/503 before headers go out
+        writer = SSEWriter(request)
+        await writer.open()
+        text = ""
+        output_ids: list[int] = []
+        try:
+            while delta is not None:
+                last = delta
+                text += delta.text
+                output_ids.extend(delta.token_ids)
+                responder.add_logprobs(delta.token_ids, delta.logprobs)
+                if delta.text or delta.token_ids or delta.finished:
+                    await writer.send(
+                        responder.body(
+                            text,
+                            output_ids,
+                            delta.finish_reason,
+                            delta.matched_stop,
+                            delta.usage,
+                            delta.metrics,
+                        )
+                    )
+                if delta.finished:
+                    break
+                delta = await call.next()
+            await writer.done()
+            request[OUTCOME] = (
+                "abort" if last is not None and last.finish_reason == "abort" else "success"
+            )
+        except ENGINE_ERRORS as exc:
+            request[OUTCOME] = "error"
+            await writer.send(from_engine_error(exc).body())
+            await writer.done()
+        return writer.response
+    except ClientGone:
+        request[OUTCOME] = "abort"
+        return writer.response
+    finally:
+        await call.close()
+        if last is not None and last.finished:
+            state.metrics.observe_finished(last.usage, last.metrics)
+
+
+def add_native_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate_handler)

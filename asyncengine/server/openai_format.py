@@ -1,0 +1,140 @@
+"""OpenAI response bodies: completions, chat completions, their stream chunks, usage, logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from asyncengine.outputs import Usage
+from asyncengine.plan import TokenLogprobs
+
+TokenText = Callable[[int], str]
+
+Json = dict[str, Any]
+
+
+def usage_body(usage: Usage) -> Json:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText
+) -> Json:
+    content = []
+    for token_id, lp in zip(token_ids, logprobs, strict=False):
+        text = token_text(token_id)
+        content.append(
+            {
+                "token": text,
+                "logprob": lp.token_logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                    for t, v in lp.top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText, text_offset: int
+) -> Json:
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for token_id in token_ids:
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.token_logprob for lp in logprobs],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+class ResponseBuilder:
+    """Builds the bodies of one chat or text completion (one id, one creation time)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, object_: str, choices: list[Json]) -> Json:
+        return {
+            "id": self.id,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(
+        self, text: str, finish_reason: str | None, usage: Usage, logprobs: Json | None
+    ) -> Json:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Json | None,
+        *,
+        first: bool = False,
+        include_usage: bool = False,
+    ) -> Json:
+        if self.chat:
+            delta: Json = {"role": "assistant", "content": text} if first else {"content": text}
+            if finish_reason is not None and not text and not first:
+                delta = {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("text_completion", [choice])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> Json:
+        object_ = "chat.completion.chunk" if self.chat else "text_completion"
+        body = self._envelope(object_, [])
+        body["usage"] = usage_body(usage)
+        return body

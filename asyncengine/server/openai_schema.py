@@ -1,0 +1,271 @@
+"""OpenAI request bodies: msgspec Structs, decoding with exact error messages, SamplingParams.
+
+Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
+ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
+Known fields whose meaning we cannot honour (n > 1, tools, logit_bias, echo, ...) are refused
+with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.errors import ApiError, invalid_request
+
+MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str = "text"
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _CommonRequest(Struct, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    n: PositiveInt | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions that vLLM and SGLang also accept.
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_CommonRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_CommonRequest, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: PositiveInt | None = None
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+
+# OpenAI's documented default for /v1/completions.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING_RE = re.compile(r"missing required field `([^`]*)`")
+
+RequestT = TypeVar("RequestT", bound=Struct)
+
+
+def decode_body(body: bytes, request_type: type[RequestT]) -> RequestT:
+    """Decode a JSON body into ``request_type``; raise a 400 ApiError that says what is wrong."""
+    if not body.strip():
+        raise invalid_request(
+            "the request body is empty; expected a JSON object", code="invalid_json"
+        )
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH_RE.search(text)
+        param = match.group(1) if match and match.group(1) else None
+        if missing := _MISSING_RE.search(text):
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        raise invalid_request(
+            f"invalid request body: {text}", param=param, code="invalid_value"
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise invalid_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+
+
+def _unsupported(param: str, why: str) -> ApiError:
+    return invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def _check_common(req: _CommonRequest) -> None:
+    if req.n is not None and req.n > 1:
+        raise _unsupported("n", f"n={req.n} is not supported; only one choice per request (n=1)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported")
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise invalid_request(f"stop[{i}] is an empty string", param="stop")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as ``{"role", "content"}`` dicts with text content, checked."""
+    messages: list[dict[str, str]] = []
+    for i, message in enumerate(req.messages):
+        param = f"messages[{i}]"
+        if message.role not in CHAT_ROLES:
+            raise invalid_request(
+                f"{param}.role {message.role!r} is not one of {sorted(CHAT_ROLES)}",
+                param=f"{param}.role",
+            )
+        content = message.content
+        if content is None:
+            if message.role != "assistant":
+                raise invalid_request(f"{param}.content is missing", param=f"{param}.content")
+            content = ""
+        if isinstance(content, list):
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(
+                        f"{param}.content[{j}] has type {part.type!r}; only text parts are supported",
+                        param=f"{param}.content[{j}].type",
+                        code="unsupported_content",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request: text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise invalid_request("prompt is an empty list", param="prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return list(prompt)
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) > 1:
+            raise _unsupported(
+                "prompt",
+                f"batched prompts ({len(prompt)}) are not supported; send one request per prompt",
+            )
+        (only,) = prompt
+        if isinstance(only, str):
+            return only
+        if only and all(_is_token_id(t) for t in only):
+            return list(only)
+    raise invalid_request(
+        "prompt must be a string, a list of non-negative token ids, or a one-element list of either",
+        param="prompt",
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _sampling_params(
+    req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int, context_len: int
+) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            # No request can outgrow the context; clamping keeps the scheduler's memory
+            # reservation (proportional to max_new_tokens) honest for huge values.
+            max_new_tokens=min(max_tokens, context_len),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_new_tokens=req.min_tokens,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), code="invalid_value") from None
+
+
+def chat_sampling_params(
+    req: ChatCompletionRequest, default_max_tokens: int, context_len: int
+) -> SamplingParams:
+    _check_common(req)
+    if req.tools:
+        raise _unsupported("tools", "tool calling is not supported")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise _unsupported(
+            "response_format", f"response_format type {req.response_format.type!r} is not supported"
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, context_len)
+
+
+def completion_sampling_params(
+    req: CompletionRequest, default_max_tokens: int, context_len: int
+) -> SamplingParams:
+    _check_common(req)
+    if req.echo:
+        raise _unsupported("echo", "echo is not supported")
+    if req.suffix:
+        raise _unsupported("suffix", "suffix is not supported")
+    if req.best_of is not None and req.best_of > 1:
+        raise _unsupported("best_of", f"best_of={req.best_of} is not supported; only 1")
+    max_tokens = req.max_tokens or default_max_tokens
+    logprobs = req.logprobs is not None
+    return _sampling_params(req, max_tokens, logprobs, req.logprobs or 0, context_len)

@@ -1,0 +1,241 @@
+"""Run the HTTP server: engine start, uvloop, SIGINT/SIGTERM, graceful shutdown, periodic log.
+
+Shutdown: on SIGINT/SIGTERM the listening socket closes and /health turns 503; in-flight
+requests get ``shutdown_grace`` seconds to finish, then their handlers are cancelled (which
+aborts their engine requests and frees their KV); then the engine stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from asyncengine.config import EngineConfig
+from asyncengine.metrics import ServerMetrics
+from asyncengine.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from asyncengine.server.state import STATE
+
+log = logging.getLogger("asyncengine.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
+API_KEY_ENV = "ASYNCENGINE_API_KEY"
+# After the grace period the engine aborts what is left; handlers then send their final
+# ("abort") chunk and [DONE], which takes well under this many seconds.
+ABORT_FLUSH_SECONDS = 5.0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's command-line options (engine options are the CLI's)."""
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})"
+    )
+    group.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)"
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer <key>' on /v1/* and /generate (default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="model name(s) clients may ask for (repeatable; default: the engine's model name)",
+    )
+    group.add_argument(
+        "--server-log-interval",
+        dest="server_log_interval",
+        type=float,
+        default=10.0,
+        help="seconds between one-line server summaries; 0 turns them off (default 10)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of chat requests that give none (default: up to the context length)",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)",
+    )
+
+
+async def start_http(
+    app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
+) -> tuple[web.AppRunner, int]:
+    """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # engine request at once instead of when the next token fails to write.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=shutdown_grace, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    return runner, int(runner.addresses[0][1])
+
+
+class ServerLogger:
+    """Logs one line every ``interval`` seconds: HTTP requests served, load, token rates, cache
+    hits and KV use over the last interval."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, interval: float) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.interval = interval
+        self._last = self._snapshot()
+
+    def _snapshot(self) -> dict[str, float]:
+        stats = self.engine.stats()
+        requests = self.metrics.requests.collect()[0].samples
+        return {
+            "time": time.monotonic(),
+            "http": sum(s.value for s in requests if s.name.endswith("_total")),
+            "generated": float(stats.get("generated_tokens", 0)),
+            "hit": float(stats.get("hit_tokens", 0)),
+            "miss": float(stats.get("miss_tokens", 0)),
+        }
+
+    def line(self) -> str:
+        stats = self.engine.stats()
+        now = self._snapshot()
+        last, self._last = self._last, now
+        dt = max(now["time"] - last["time"], 1e-9)
+        hit, miss = now["hit"] - last["hit"], now["miss"] - last["miss"]
+        return (
+            f"running={stats.get('running', 0)} waiting={stats.get('waiting', 0)} "
+            f"http_requests={int(now['http'] - last['http'])} "
+            f"gen_tok/s={(now['generated'] - last['generated']) / dt:.1f} "
+            f"prompt_tok/s={(hit + miss) / dt:.1f} cache_hit={(hit / (hit + miss) if hit + miss else 0.0):.1%} "
+            f"kv_pages used={stats.get('pages_used', 0)} cached={stats.get('pages_cached', 0)} "
+            f"total={stats.get('pages_total', 0)}"
+        )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            log.info("%s", self.line())
+
+
+async def drain(runner: web.AppRunner, engine: Any, grace: float) -> None:
+    """Close the listener, give in-flight requests ``grace`` seconds, then abort the rest."""
+    cleanup = asyncio.create_task(runner.cleanup())
+    done, _ = await asyncio.wait({cleanup}, timeout=grace)
+    if not done:
+        running = engine.stats().get("running", 0) if engine.is_running else 0
+        log.info("grace period over: aborting %s in-flight request(s)", running)
+        await engine.stop()  # aborts every request: each stream ends with finish_reason "abort"
+    await cleanup
+
+
+async def run_server(
+    config: EngineConfig,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    log_interval: float = 10.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    served_model_names: list[str] | None = None,
+    default_chat_max_tokens: int | None = None,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    stop_event: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    install_signal_handlers: bool = True,
+) -> int:
+    """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
+
+    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one).
+    """
+    from asyncengine.engine import AsyncEngine
+
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if install_signal_handlers:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+    engine = AsyncEngine(config)
+    await engine.start()
+    runner: web.AppRunner | None = None
+    logger_task: asyncio.Task[None] | None = None
+    try:
+        app = create_app(
+            engine,
+            served_model_names=served_model_names,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            default_chat_max_tokens=default_chat_max_tokens,
+        )
+        runner, bound_port = await start_http(app, host, port, shutdown_grace)
+        log.info(
+            "serving %s on http://%s:%d (api key %s)",
+            engine.model_name,
+            host,
+            bound_port,
+            "required" if api_key else "off",
+        )
+        if on_ready is not None:
+            on_ready(bound_port)
+        if log_interval > 0:
+            logger_task = asyncio.create_task(
+                ServerLogger(engine, app[STATE].metrics, log_interval).run()
+            )
+        await stop.wait()
+        log.info("shutting down: no new connections; in-flight requests get %.0fs", shutdown_grace)
+        app[STATE].shutting_down = True
+    finally:
+        if logger_task is not None:
+            logger_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await logger_task
+        if runner is not None:
+            await drain(runner, engine, shutdown_grace)
+        await engine.stop()
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+    log.info("server stopped")
+    return 0
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
+    kwargs: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "log_interval": args.server_log_interval,
+        "max_body_bytes": args.max_body_bytes,
+        "served_model_names": args.served_model_name,
+        "default_chat_max_tokens": args.default_max_tokens,
+        "shutdown_grace": args.shutdown_grace,
+    }
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run_server(config, **kwargs))
+    return uvloop.run(run_server(config, **kwargs))

@@ -1,0 +1,52 @@
+"""Server-sent events: ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+    # Tell reverse proxies (nginx) not to buffer the stream.
+    "X-Accel-Buffering": "no",
+}
+
+
+class ClientGone(Exception):
+    """The client closed the connection while we were streaming to it."""
+
+
+def frame(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+class SSEWriter:
+    """Writes SSE frames to one response; a failed write raises ClientGone."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+
+    async def open(self) -> None:
+        await self.response.prepare(self._request)
+
+    async def send(self, payload: Any) -> None:
+        await self._write(frame(payload))
+
+    async def done(self) -> None:
+        await self._write(DONE_FRAME, eof=True)
+
+    async def _write(self, data: bytes, eof: bool = False) -> None:
+        try:
+            await self.response.write(data)
+            if eof:
+                await self.response.write_eof()
+        except (ConnectionResetError, RuntimeError) as exc:
+            # ConnectionResetError: the transport is closing; RuntimeError: it is already gone.
+            raise ClientGone(str(exc)) from exc

@@ -1,0 +1,66 @@
+"""What every handler of one app shares: the engine, metrics, served model names, limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from aiohttp import web
+
+from asyncengine.metrics import ServerMetrics
+from asyncengine.server.errors import ApiError
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Any
+    metrics: ServerMetrics
+    served_model_names: list[str]
+    api_key: str | None = None
+    # Chat requests without max_tokens generate up to this many tokens (None: up to the context
+    # limit, as OpenAI does). Text completions default to 16, OpenAI's documented default.
+    default_chat_max_tokens: int | None = None
+    shutting_down: bool = False
+    token_text: Callable[[int], str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        engine = self.engine
+
+        @lru_cache(maxsize=1 << 16)
+        def token_text(token_id: int) -> str:
+            # The tokenizer exists only once the engine has started: look it up on use.
+            return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        self.token_text = token_text
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 ``model_not_found`` for a model we do not serve."""
+        if requested is None or requested in self.served_model_names:
+            return requested or self.model_name
+        raise ApiError(
+            404,
+            f"the model {requested!r} does not exist on this server; it serves {self.served_model_names}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def chat_max_tokens(self) -> int:
+        if self.default_chat_max_tokens is not None:
+            return self.default_chat_max_tokens
+        return int(self.engine.max_model_len)
+
+
+STATE = web.AppKey("asyncengine_state", ServerState)
+
+# request key under which a handler records how its request ended (see metrics middleware)
+OUTCOME: Any = (
+    web.RequestKey("asyncengine_outcome", str)
+    if hasattr(web, "RequestKey")
+    else "asyncengine_outcome"
+)

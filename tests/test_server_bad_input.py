@@ -1,0 +1,365 @@
+"""Bad requests get the documented 4xx with an OpenAI-style error naming the problem, never a 500
+or a hung connection, and the server stays healthy. Also: body size limit and a full queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tests.server_support import (
+    MAX_MODEL_LEN,
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+MAX_BODY_BYTES = 64 * 1024
+USER = [{"role": "user", "content": "hi"}]
+
+
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    path: str
+    body: Any  # a dict/list/str is sent as JSON; bytes as they are
+    status: int = 400
+    param: str | None = None  # expected error.param, when the error is about one field
+    says: str = ""  # a fragment the message must contain
+    method: str = "POST"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": USER, "max_tokens": 2, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "hi", "max_tokens": 2, **fields}
+
+
+def native(**sampling: Any) -> dict[str, Any]:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 2, **sampling}}
+
+
+LONG_TEXT = "word " * (MAX_MODEL_LEN + 50)
+
+CASES = [
+    # not JSON / not an object
+    Bad("malformed json", CHAT, b'{"messages": [', says="not valid JSON"),
+    Bad("empty body", CHAT, b"", says="empty"),
+    Bad("invalid utf-8", CHAT, b"\xff\xfe{}", says="not valid JSON"),
+    Bad("NaN literal", COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', says="not valid JSON"),
+    Bad("array body", CHAT, [1, 2], says="Expected `object`"),
+    Bad("string body", COMPLETIONS, "hello", says="Expected `object`"),
+    # chat messages
+    Bad("missing messages", CHAT, {"max_tokens": 2}, param="messages", says="messages"),
+    Bad("empty messages", CHAT, chat(messages=[]), param="messages", says="length >= 1"),
+    Bad("messages not a list", CHAT, chat(messages="hi"), param="messages"),
+    Bad("message is a string", CHAT, chat(messages=["hi"]), param="messages[0]"),
+    Bad("message without role", CHAT, chat(messages=[{"content": "hi"}]), param="messages[0].role"),
+    Bad(
+        "unknown role",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        param="messages[0].role",
+    ),
+    Bad(
+        "content is a number",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        param="messages[0].content",
+    ),
+    Bad(
+        "user content missing", CHAT, chat(messages=[{"role": "user"}]), param="messages[0].content"
+    ),
+    Bad(
+        "image content part",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        param="messages[0].content[0].type",
+        says="only text",
+    ),
+    Bad(
+        "prompt too long",
+        CHAT,
+        chat(messages=[{"role": "user", "content": LONG_TEXT}]),
+        says="max_model_len",
+    ),
+    # sampling fields: types and ranges
+    Bad("max_tokens zero", CHAT, chat(max_tokens=0), param="max_tokens", says=">= 1"),
+    Bad("max_tokens negative", COMPLETIONS, completion(max_tokens=-5), param="max_tokens"),
+    Bad("max_tokens string", CHAT, chat(max_tokens="ten"), param="max_tokens", says="got `str`"),
+    Bad("max_tokens float", CHAT, chat(max_tokens=1.5), param="max_tokens", says="got `float`"),
+    Bad(
+        "max_completion_tokens zero",
+        CHAT,
+        chat(max_completion_tokens=0),
+        param="max_completion_tokens",
+    ),
+    Bad("temperature negative", CHAT, chat(temperature=-1), param="temperature"),
+    Bad(
+        "temperature too high",
+        COMPLETIONS,
+        completion(temperature=3),
+        param="temperature",
+        says="<= 2.0",
+    ),
+    Bad("temperature string", CHAT, chat(temperature="hot"), param="temperature"),
+    Bad("temperature bool", CHAT, chat(temperature=True), param="temperature", says="got `bool`"),
+    Bad("top_p zero", CHAT, chat(top_p=0), param="top_p"),
+    Bad("top_p above one", COMPLETIONS, completion(top_p=1.5), param="top_p"),
+    Bad("top_k below -1", CHAT, chat(top_k=-2), param="top_k"),
+    Bad("min_p above one", CHAT, chat(min_p=2), param="min_p"),
+    Bad("presence_penalty", CHAT, chat(presence_penalty=5), param="presence_penalty"),
+    Bad(
+        "frequency_penalty",
+        COMPLETIONS,
+        completion(frequency_penalty=-3),
+        param="frequency_penalty",
+    ),
+    Bad("repetition_penalty zero", CHAT, chat(repetition_penalty=0), param="repetition_penalty"),
+    Bad("n two", CHAT, chat(n=2), param="n", says="n=2"),
+    Bad("n zero", CHAT, chat(n=0), param="n"),
+    Bad("stop number", CHAT, chat(stop=5), param="stop"),
+    Bad("stop empty string", COMPLETIONS, completion(stop=[""]), param="stop"),
+    Bad("too many stops", CHAT, chat(stop=[f"s{i}" for i in range(17)]), says="at most 16"),
+    Bad("seed string", CHAT, chat(seed="abc"), param="seed"),
+    Bad("seed negative", CHAT, chat(seed=-1), param="seed"),
+    Bad("seed huge", CHAT, chat(seed=2**70), param="seed"),
+    Bad("logprobs string", CHAT, chat(logprobs="yes"), param="logprobs"),
+    Bad("top_logprobs too many", CHAT, chat(logprobs=True, top_logprobs=50), param="top_logprobs"),
+    Bad("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), param="top_logprobs"),
+    Bad("stream string", CHAT, chat(stream="yes"), param="stream"),
+    Bad(
+        "stream_options without stream",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        param="stream_options",
+    ),
+    Bad("min_tokens above max", CHAT, chat(min_tokens=5), says="min_new_tokens"),
+    Bad("stop_token_ids negative", CHAT, chat(stop_token_ids=[-1]), param="stop_token_ids[0]"),
+    Bad(
+        "stop_token_ids outside vocab",
+        CHAT,
+        chat(stop_token_ids=[10**9]),
+        says="outside the vocabulary",
+    ),
+    Bad(
+        "tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"
+    ),
+    Bad(
+        "json response_format",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        param="response_format",
+    ),
+    Bad("logit_bias", CHAT, chat(logit_bias={"1": 5}), param="logit_bias"),
+    # model
+    Bad("unknown model", CHAT, chat(model="gpt-4o"), status=404, param="model", says="gpt-4o"),
+    Bad("model not a string", COMPLETIONS, completion(model=123), param="model"),
+    # completions prompt
+    Bad("missing prompt", COMPLETIONS, {"max_tokens": 2}, param="prompt"),
+    Bad("empty prompt", COMPLETIONS, completion(prompt=""), says="empty"),
+    Bad("empty prompt list", COMPLETIONS, completion(prompt=[]), param="prompt"),
+    Bad(
+        "negative token id",
+        COMPLETIONS,
+        completion(prompt=[-1, 5]),
+        param="prompt",
+        says="non-negative",
+    ),
+    Bad(
+        "token id outside vocab",
+        COMPLETIONS,
+        completion(prompt=[10**9]),
+        says="outside the vocabulary",
+    ),
+    Bad(
+        "batched prompts",
+        COMPLETIONS,
+        completion(prompt=["a", "b"]),
+        param="prompt",
+        says="batched",
+    ),
+    Bad("batched token prompts", COMPLETIONS, completion(prompt=[[1, 2], [3]]), param="prompt"),
+    Bad("prompt object", COMPLETIONS, completion(prompt={"text": "hi"}), param="prompt"),
+    Bad("prompt of mixed list", COMPLETIONS, completion(prompt=[1, "a"]), param="prompt"),
+    Bad("completion logprobs too many", COMPLETIONS, completion(logprobs=21), param="logprobs"),
+    Bad("echo", COMPLETIONS, completion(echo=True), param="echo"),
+    Bad("best_of", COMPLETIONS, completion(best_of=3), param="best_of"),
+    Bad("suffix", COMPLETIONS, completion(suffix="end"), param="suffix"),
+    Bad(
+        "prompt too long by ids",
+        COMPLETIONS,
+        completion(prompt=[5] * (MAX_MODEL_LEN + 1)),
+        says="max_model_len",
+    ),
+    # native /generate
+    Bad("neither text nor ids", GENERATE, {"sampling_params": {}}, param="text"),
+    Bad("both text and ids", GENERATE, {"text": "hi", "input_ids": [1]}, param="text"),
+    Bad(
+        "native max_new_tokens zero",
+        GENERATE,
+        native(max_new_tokens=0),
+        param="sampling_params.max_new_tokens",
+    ),
+    Bad(
+        "native temperature negative",
+        GENERATE,
+        native(temperature=-0.5),
+        param="sampling_params.temperature",
+    ),
+    Bad(
+        "native sampling_params list",
+        GENERATE,
+        {"text": "hi", "sampling_params": [{}]},
+        param="sampling_params",
+    ),
+    Bad("native input_ids strings", GENERATE, {"input_ids": ["a"]}, param="input_ids"),
+    Bad("native empty input_ids", GENERATE, {"input_ids": []}, param="input_ids"),
+    Bad("native n", GENERATE, native(n=2), param="sampling_params.n"),
+    Bad("native batched text", GENERATE, {"text": ["a", "b"]}, param="text", says="batched"),
+    Bad("native empty rid", GENERATE, {"text": "hi", "rid": ""}, param="rid"),
+    Bad(
+        "native stop_token_ids string",
+        GENERATE,
+        native(stop_token_ids="2"),
+        param="sampling_params.stop_token_ids",
+    ),
+    Bad("native empty text", GENERATE, {"text": ""}, says="empty"),
+    # HTTP level
+    Bad("body too large", COMPLETIONS, completion(prompt="x" * (MAX_BODY_BYTES + 10)), status=413),
+    Bad("GET on a POST route", COMPLETIONS, None, status=405, method="GET", says="allowed: POST"),
+    Bad("unknown route", "/v1/embeddings", {"input": "hi"}, status=404, says="/v1/embeddings"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(
+        engine_config(tiny_model_dir(tmp_path_factory)), max_body_bytes=MAX_BODY_BYTES
+    )
+    yield running
+    await running.stop()
+
+
+async def send(
+    session: aiohttp.ClientSession, base_url: str, case: Bad
+) -> tuple[int, dict[str, Any], dict]:
+    if case.body is None:
+        data: bytes | None = None
+    elif isinstance(case.body, bytes):
+        data = case.body
+    else:
+        data = json.dumps(case.body).encode()
+    headers = {"Content-Type": "application/json"}
+    async with session.request(
+        case.method, base_url + case.path, data=data, headers=headers
+    ) as resp:
+        return resp.status, await resp.json(), dict(resp.headers)
+
+
+async def test_the_table_is_large_enough() -> None:
+    assert len(CASES) >= 30
+    assert len({case.name for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+async def test_bad_request(server: RunningServer, case: Bad) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        status, body, _ = await send(session, server.base_url, case)
+    assert status == case.status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert case.says in error["message"], error
+    if case.param is not None:
+        assert error["param"] == case.param, error
+    if 400 <= status < 500 and status not in (401, 404):
+        assert error["type"] == "invalid_request_error"
+
+
+async def test_server_is_healthy_after_the_bad_requests(server: RunningServer) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(server.base_url + "/health") as resp:
+            assert resp.status == 200
+        async with session.post(
+            server.base_url + COMPLETIONS, json=completion(max_tokens=3)
+        ) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] >= 1
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)
+    refused = server.metrics.counter_value(
+        "asyncengine_requests_total", {"endpoint": "completions", "outcome": "invalid"}
+    )
+    assert refused >= sum(1 for c in CASES if c.path == COMPLETIONS and c.method == "POST")
+
+
+async def test_duplicate_rid_in_flight_is_refused(server: RunningServer) -> None:
+    body = {
+        "text": "hi",
+        "rid": "twin",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        first = await session.post(server.base_url + GENERATE, json=body)
+        assert first.status == 200
+        async with session.post(server.base_url + GENERATE, json=body) as second:
+            assert second.status == 400
+            assert "already in use" in (await second.json())["error"]["message"]
+        first.close()
+    assert await wait_until(lambda: engine_idle(server.engine))
+
+
+async def test_full_queue_is_503_with_retry_after(tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory), max_running_requests=1, max_waiting_requests=1
+    )
+    small = await start_server(config)
+    long_body = {"prompt": "hi", "stream": True, "max_tokens": 400, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            running = await session.post(small.base_url + COMPLETIONS, json=long_body)
+            assert running.status == 200  # headers come with its first token: it is running
+            waiting = asyncio.create_task(
+                session.post(small.base_url + COMPLETIONS, json=long_body)
+            )
+            assert await wait_until(lambda: small.engine.stats()["waiting"] == 1)
+            async with session.post(small.base_url + COMPLETIONS, json=long_body) as refused:
+                assert refused.status == 503
+                assert refused.headers["Retry-After"] == "1"
+                error = (await refused.json())["error"]
+                assert error["code"] == "queue_full" and "retry" in error["message"]
+            running.close()
+            (await waiting).close()
+        assert await wait_until(lambda: engine_idle(small.engine))
+        assert_no_leak(small.engine)
+        assert (
+            small.metrics.counter_value(
+                "asyncengine_requests_total", {"endpoint": "completions", "outcome": "overloaded"}
+            )
+            == 1
+        )
+    finally:
+        await small.stop()

@@ -1,0 +1,157 @@
+"""/metrics: counters and histograms move exactly as the requests served say; gauges mirror
+engine.stats(); each app has its own registry."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncengine.metrics import ServerMetrics
+from tests.server_support import (
+    RunningServer,
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+async def scrape(session: aiohttp.ClientSession, server: RunningServer) -> Samples:
+    async with session.get(server.base_url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_counters_and_histograms_follow_the_requests(server: RunningServer) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        before = await scrape(session, server)
+        usages = []
+        for i, max_tokens in enumerate((3, 5, 7)):
+            body = {
+                "prompt": f"request number {i} asks",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
+            async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                usages.append((await resp.json())["usage"])
+        body = {
+            "text": "native one",
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            "stream": True,
+        }
+        async with session.post(server.base_url + "/generate", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        async with session.post(
+            server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}
+        ) as resp:
+            assert resp.status == 400
+        # one client that leaves mid-stream
+        body = {"prompt": "leaving early", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        resp = await session.post(server.base_url + "/v1/completions", json=body)
+        await asyncio.wait_for(resp.content.readany(), 30)
+        resp.close()
+        assert await wait_until(lambda: engine_idle(server.engine))
+        assert await wait_until(
+            lambda: (
+                server.metrics.counter_value(
+                    "asyncengine_requests_total", {"endpoint": "completions", "outcome": "abort"}
+                )
+                == value(
+                    before, "asyncengine_requests_total", endpoint="completions", outcome="abort"
+                )
+                + 1
+            )
+        )
+        after = await scrape(session, server)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("asyncengine_requests_total", endpoint="completions", outcome="success") == 3
+    assert delta("asyncengine_requests_total", endpoint="completions", outcome="invalid") == 1
+    assert delta("asyncengine_requests_total", endpoint="completions", outcome="abort") == 1
+    assert delta("asyncengine_requests_total", endpoint="generate", outcome="success") == 1
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    native_prompt = len(server.engine.tokenizer.encode("native one"))
+    # the aborted request never reports usage; the four finished ones do
+    assert delta("asyncengine_prompt_tokens_total") == prompt + native_prompt
+    assert delta("asyncengine_generation_tokens_total") == 3 + 5 + 7 + 4
+    assert delta("asyncengine_cache_hit_tokens_total") + delta(
+        "asyncengine_cache_miss_tokens_total"
+    ) == (prompt + native_prompt)
+    assert delta("asyncengine_cache_hit_tokens_total") >= cached
+    assert delta("asyncengine_time_to_first_token_seconds_count") == 4
+    assert delta("asyncengine_e2e_request_latency_seconds_count") == 4
+    assert delta("asyncengine_queue_time_seconds_count") == 4
+    assert delta("asyncengine_inter_token_latency_seconds_count") == (3 - 1) + (5 - 1) + (7 - 1) + (
+        4 - 1
+    )
+    assert delta("asyncengine_e2e_request_latency_seconds_sum") > 0
+
+
+async def test_gauges_mirror_engine_stats(server: RunningServer) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        body = {"prompt": "keep running", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        resp = await session.post(server.base_url + "/v1/completions", json=body)
+        await asyncio.wait_for(resp.content.readany(), 30)
+        samples = await scrape(session, server)
+        stats = server.engine.stats()
+        resp.close()
+    assert value(samples, "asyncengine_num_requests_running") == 1
+    assert value(samples, "asyncengine_num_requests_waiting") == 0
+    assert value(samples, "asyncengine_kv_pages_total") == stats["pages_total"]
+    assert value(samples, "asyncengine_kv_pages_used") >= 1
+    assert (
+        value(samples, "asyncengine_kv_pages_free")
+        + value(samples, "asyncengine_kv_pages_used")
+        + value(samples, "asyncengine_kv_pages_cached")
+        == stats["pages_total"]
+    )
+    assert await wait_until(lambda: engine_idle(server.engine))
+
+
+async def test_each_metrics_object_has_its_own_registry() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.count_request("completions", "success")
+    assert (
+        first.counter_value(
+            "asyncengine_requests_total", {"endpoint": "completions", "outcome": "success"}
+        )
+        == 1
+    )
+    assert (
+        second.counter_value(
+            "asyncengine_requests_total", {"endpoint": "completions", "outcome": "success"}
+        )
+        == 0
+    )

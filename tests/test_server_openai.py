@@ -1,0 +1,281 @@
+"""The OpenAI-compatible endpoints driven by the official `openai` client over loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+import pytest_asyncio
+
+from asyncengine.sampling_params import SamplingParams
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Explain paged attention in one sentence."},
+]
+PROMPT = "The radix tree shares prefixes between requests, so"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+def greedy(max_new_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def ascii_stop(text: str) -> tuple[str, int]:
+    """A 3-character ASCII stop string from the middle of ``text`` and where it first occurs."""
+    for start in range(len(text) // 3, len(text) - 3):
+        candidate = text[start : start + 3]
+        if candidate.isascii() and candidate.strip():
+            return candidate, text.find(candidate)
+    raise AssertionError(f"no ASCII stop candidate in {text!r}")
+
+
+async def test_models_lists_the_served_model(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    one = await client.models.retrieve(server.model)
+    assert one.id == server.model
+
+
+async def test_chat_equals_engine_generate(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    expected = await server.engine.generate(CHAT, greedy(12))
+    resp = await client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == "length" == expected.finish_reason
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == expected.usage.prompt_tokens + 12
+    # The engine's own request left the prefix in the cache; the HTTP one reused it.
+    assert resp.usage.prompt_tokens_details is not None
+    assert resp.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_max_completion_tokens_wins(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    resp = await client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+    assert resp.choices[0].finish_reason == "length"
+
+
+async def test_completion_equals_engine_generate(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    expected = await server.engine.generate(PROMPT, greedy(10))
+    resp = await client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPT))
+    assert resp.usage.completion_tokens == 10
+
+
+async def test_completion_accepts_token_ids(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    ids = server.engine.tokenizer.encode(PROMPT)
+    by_text = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=6, temperature=0
+    )
+    by_ids = await client.completions.create(
+        model=server.model, prompt=ids, max_tokens=6, temperature=0
+    )
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+async def test_chat_stream_matches_non_stream(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    full = await client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    stream = await client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["length"]
+    assert all(c.id == chunks[0].id for c in chunks)
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1].choices == []
+    assert usage_chunks[0].usage.completion_tokens == 16
+    assert usage_chunks[0].usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+async def test_completion_stream_without_usage(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    full = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=8, temperature=0
+    )
+    stream = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_string_is_honoured(
+    client: openai.AsyncOpenAI, server: RunningServer, stream: bool
+) -> None:
+    base = await server.engine.generate(PROMPT, greedy(24))
+    stop, at = ascii_stop(base.text)
+    kwargs = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": 24,
+        "temperature": 0,
+        "stop": [stop],
+    }
+    if stream:
+        chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        resp = await client.completions.create(**kwargs)
+        text, finish = resp.choices[0].text, resp.choices[0].finish_reason
+    assert text == base.text[:at]
+    assert finish == "stop"
+
+
+async def test_seeded_sampling_is_reproducible(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    kwargs = {
+        "model": server.model,
+        "messages": CHAT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 1234,
+    }
+    first = await client.chat.completions.create(**kwargs)
+    second = await client.chat.completions.create(**kwargs)
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+async def test_chat_logprobs(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    resp = await client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = resp.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content) == 5
+    for entry in logprobs.content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+        assert entry.token == entry.top_logprobs[0].token
+
+
+async def test_completion_logprobs(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    resp = await client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = resp.choices[0].logprobs
+    assert logprobs is not None
+    assert len(logprobs.tokens or []) == len(logprobs.token_logprobs or []) == 4
+    assert all(lp <= 0 for lp in logprobs.token_logprobs or [])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs or [])
+    assert logprobs.text_offset == sorted(logprobs.text_offset or [])
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert info.value.status_code == 404
+    assert info.value.code == "model_not_found"
+    assert "gpt-4o" in info.value.message
+
+
+async def test_n_above_one_is_refused(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2, n=2)
+    assert info.value.param == "n"
+    assert "n=2" in info.value.message
+
+
+async def test_nothing_leaks_after_the_module(server: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)

@@ -1,0 +1,118 @@
+"""serve(): a real server process on uvloop. SIGTERM closes the listener, lets in-flight streams
+finish within the grace period, aborts the rest (their streams still end with a final chunk and
+[DONE]), stops the engine and exits 0; the periodic log line is written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.server_support import split_sse, tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVER_SCRIPT = """
+import logging, sys, argparse
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+from asyncengine.config import EngineConfig
+from asyncengine.server.serve import add_serve_arguments, serve
+parser = argparse.ArgumentParser()
+add_serve_arguments(parser)
+args = parser.parse_args(sys.argv[2:])
+config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", max_model_len=2048,
+                      kv_cache_tokens=8192, log_interval=0)
+sys.exit(serve(config, args))
+"""
+
+
+async def _read_stderr(
+    stream: asyncio.StreamReader, lines: list[str], port: asyncio.Future[int]
+) -> None:
+    while line := await stream.readline():
+        text = line.decode(errors="replace").rstrip()
+        lines.append(text)
+        if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", text):
+            if not port.done():
+                port.set_result(int(match.group(1)))
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, max_tokens: int
+) -> tuple[bytes, asyncio.Task[bytes]]:
+    """Start a streaming completion; return its first bytes and a task reading the rest."""
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    resp = await session.post(url, json=body)
+    assert resp.status == 200
+    first = await resp.content.readany()
+
+    async def rest() -> bytes:
+        try:
+            return await resp.read()
+        finally:
+            resp.release()
+
+    return first, asyncio.create_task(rest())
+
+
+def _finish_reason(raw: bytes) -> str:
+    chunks = [json.loads(p) for p in split_sse(raw)[:-1]]
+    return chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.asyncio
+async def test_sigterm_drains_then_aborts_and_exits_zero(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = tiny_model_dir(tmp_path_factory)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVER_SCRIPT, str(model),
+        "--port", "0", "--shutdown-grace", "3", "--server-log-interval", "0.2",
+        cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    lines: list[str] = []
+    port_future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    assert proc.stderr is not None
+    reader = asyncio.create_task(_read_stderr(proc.stderr, lines, port_future))
+    try:
+        port = await asyncio.wait_for(port_future, 120)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            # a short request that ends within the grace period, a long one that cannot
+            short_head, short_rest = await _stream(session, url, 12)
+            long_head, long_rest = await _stream(session, url, 2000)
+            proc.send_signal(signal.SIGTERM)
+            short_raw = short_head + await short_rest
+            long_raw = long_head + await long_rest
+        assert _finish_reason(short_raw) == "length"
+        assert _finish_reason(long_raw) == "abort"
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        await asyncio.wait_for(reader, 10)
+        log = "\n".join(lines)
+        assert (
+            "shutting down" in log
+            and "grace period over: aborting 1" in log
+            and "server stopped" in log
+        )
+        assert re.search(r"running=\d+ waiting=\d+ http_requests=\d+ gen_tok/s=", log), log[-2000:]
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as session:
+                await session.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
