@@ -127,11 +127,15 @@ class Scheduler:
         ps = self.page_size
         return -(-(kv_len + new_tokens) // ps) - -(-kv_len // ps)
 
+    def _future_tokens(self, req: Request) -> int:
+        """Tokens ``req`` may still generate: its budget, capped by the context length."""
+        return max(0, min(req.remaining_new_tokens, self.max_model_len - req.num_tokens))
+
     def _reserved_pages(self, extra: list[Request]) -> int:
         """Pages kept back for the future tokens of admitted requests (estimated)."""
-        tokens = sum(r.remaining_new_tokens for r in self.running)
-        tokens += sum(r.remaining_new_tokens for r in self.prefilling)
-        tokens += sum(r.remaining_new_tokens for r in extra)
+        tokens = sum(self._future_tokens(r) for r in self.running)
+        tokens += sum(self._future_tokens(r) for r in self.prefilling)
+        tokens += sum(self._future_tokens(r) for r in extra)
         return math.ceil(tokens * self.new_token_ratio / self.page_size)
 
     def schedule(self) -> BatchPlan | None:
@@ -243,7 +247,7 @@ class Scheduler:
             ids = req.all_ids
             estimate = len(ids) - self.kv.match_length(ids)
             need = self._pages_for(0, estimate) + math.ceil(
-                req.remaining_new_tokens * self.new_token_ratio / ps
+                self._future_tokens(req) * self.new_token_ratio / ps
             )
             alone = not self.running and not self.prefilling and not plan.extends
             if not alone and need + self._reserved_pages(admitted) > self.kv.available_pages:
