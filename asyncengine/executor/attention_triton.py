@@ -1,0 +1,107 @@
+"""The Triton attention backend: the executor's GPU path (CPU only under TRITON_INTERPRET=1).
+
+Per layer: one KV-store launch, one extend launch over the extend tokens, one decode launch
+(plus its split merge) over the decode tokens, both writing into one output tensor. Everything
+that does not change between layers (the longest extend, the decode split count) is fixed once
+per forward, so no layer reads a value back from the device. The split count needs the number
+of KV heads, which the batch does not carry: the first layer computes it from its cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine.executor.attention import AttentionBackend, register_backend
+from asyncengine.executor.forward_batch import ForwardBatch
+from kernels.triton_decode_attention import choose_num_splits, decode_attention
+from kernels.triton_extend_attention import extend_attention
+from kernels.triton_kv_store import store_kv
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] int64
+    page_size: int
+    num_extend_tokens: int
+    extend_block_table: torch.Tensor | None  # [Be, Pe] int32
+    extend_cu_seqlens_q: torch.Tensor | None  # [Be + 1] int32
+    extend_seq_lens: torch.Tensor | None  # [Be] int32
+    extend_max_q_len: int
+    decode_block_table: torch.Tensor | None  # [Bd, Pd] int32
+    decode_seq_lens: torch.Tensor | None  # [Bd] int32
+    decode_num_splits: int | None = None  # set by the first layer's forward
+
+
+class TritonBackend(AttentionBackend):
+    """Paged extend and decode attention in Triton kernels (kernels/triton_*.py)."""
+
+    def build_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        has_extends = batch.num_extends > 0 and batch.num_extend_tokens > 0
+        has_decodes = batch.num_decodes > 0
+        return TritonAttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            page_size=batch.page_size,
+            num_extend_tokens=batch.num_extend_tokens,
+            extend_block_table=batch.extend_block_table if has_extends else None,
+            extend_cu_seqlens_q=batch.extend_cu_seqlens_q if has_extends else None,
+            extend_seq_lens=batch.extend_seq_lens if has_extends else None,
+            extend_max_q_len=batch.extend_max_q_len,
+            decode_block_table=batch.decode_block_table if has_decodes else None,
+            decode_seq_lens=batch.decode_seq_lens if has_decodes else None,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TritonAttentionMetadata)
+        m = metadata
+        store_kv(k_cache, v_cache, k, v, m.slot_mapping)
+        out = torch.empty_like(q)
+        n_ext = m.num_extend_tokens
+        if m.extend_block_table is not None:
+            assert m.extend_cu_seqlens_q is not None and m.extend_seq_lens is not None
+            extend_attention(
+                q[:n_ext],
+                k_cache,
+                v_cache,
+                m.extend_block_table,
+                m.extend_cu_seqlens_q,
+                m.extend_seq_lens,
+                m.page_size,
+                scale,
+                max_q_len=m.extend_max_q_len,
+                out=out[:n_ext],
+            )
+        if m.decode_block_table is not None:
+            assert m.decode_seq_lens is not None
+            if m.decode_num_splits is None:
+                m.decode_num_splits = choose_num_splits(
+                    m.decode_seq_lens.shape[0],
+                    k_cache.shape[1],
+                    m.decode_block_table.shape[1] * m.page_size,
+                    q.device,
+                )
+            decode_attention(
+                q[n_ext:],
+                k_cache,
+                v_cache,
+                m.decode_block_table,
+                m.decode_seq_lens,
+                m.page_size,
+                scale,
+                num_splits=m.decode_num_splits,
+                out=out[n_ext:],
+            )
+        return out
+
+
+register_backend("triton", TritonBackend)

@@ -1,0 +1,128 @@
+"""Choosing the attention backend (and the matching elementwise kernels) for a device.
+
+``attention_backend`` in the engine config is one of:
+
+- ``"auto"``: Triton on CUDA (torch when Triton cannot be imported), torch on CPU;
+- ``"torch"``: the torch references (any device);
+- ``"triton"``: the Triton kernels; on CUDA, or on CPU only under ``TRITON_INTERPRET=1`` (the
+  Triton interpreter, for tests: far too slow to serve);
+- ``"flashinfer"``: FlashInfer, on CUDA and only when the optional extra is installed.
+
+A choice that cannot work on the device fails here, with a message that says what to do,
+rather than deep inside the first forward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine.executor.attention import ATTENTION_BACKENDS, AttentionBackend, create_backend
+
+BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The configured attention backend cannot run on this machine."""
+
+
+def _triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """The concrete backend (``torch``, ``triton`` or ``flashinfer``) that ``name`` means here."""
+    device = torch.device(device)
+    if name not in BACKEND_CHOICES:
+        raise ValueError(
+            f"unknown attention backend {name!r}: expected one of {', '.join(BACKEND_CHOICES)}"
+        )
+    on_cuda = device.type == "cuda"
+    if name == "auto":
+        return "triton" if on_cuda and _importable("triton") else "torch"
+    if name == "triton":
+        if not _importable("triton"):
+            raise BackendUnavailableError(
+                "attention_backend='triton' needs the triton package (pip install triton); "
+                "or use attention_backend='torch'"
+            )
+        if not on_cuda and not (device.type == "cpu" and _triton_interpreter()):
+            raise BackendUnavailableError(
+                f"attention_backend='triton' needs a CUDA device, not {device}; use "
+                "attention_backend='torch' (or 'auto') there. Triton runs on CPU only under "
+                "TRITON_INTERPRET=1, the test interpreter, which is far too slow to serve"
+            )
+    if name == "flashinfer":
+        if not on_cuda:
+            raise BackendUnavailableError(
+                f"attention_backend='flashinfer' needs a CUDA device, not {device}; use "
+                "attention_backend='torch' (or 'auto') there"
+            )
+        if not _importable("flashinfer"):
+            raise BackendUnavailableError(
+                "attention_backend='flashinfer' needs FlashInfer: install the optional extra "
+                "with pip install 'asyncengine[flashinfer]' (the flashinfer-python package), "
+                "or use attention_backend='triton'"
+            )
+    return name
+
+
+def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Resolve ``name`` for ``device`` and build that backend."""
+    resolved = resolve_backend_name(name, device)
+    if resolved == "triton":
+        from asyncengine.executor.attention_triton import TritonBackend
+
+        return TritonBackend()
+    if resolved == "flashinfer" and resolved not in ATTENTION_BACKENDS:
+        raise BackendUnavailableError(
+            "FlashInfer is installed, but no 'flashinfer' attention backend is registered in "
+            "asyncengine.executor.attention; use attention_backend='triton'"
+        )
+    return create_backend(resolved)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    """The elementwise kernels beside attention, with the signatures of kernels/*_ref.py."""
+
+    store_kv: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+
+
+def kernel_ops(resolved_backend: str) -> KernelOps:
+    """torch references for the torch backend; the Triton twins for triton and flashinfer.
+
+    Note: the Triton ``apply_rotary`` rotates q and k in place (and returns them); the
+    reference returns new tensors. Callers must use the returned tensors.
+    """
+    if resolved_backend == "torch":
+        from kernels.activation_ref import silu_and_mul
+        from kernels.kv_store_ref import store_kv
+        from kernels.norm_ref import fused_add_rms_norm, rms_norm
+        from kernels.rotary_ref import apply_rotary
+    elif resolved_backend in ("triton", "flashinfer"):
+        from kernels.triton_activation import silu_and_mul
+        from kernels.triton_kv_store import store_kv
+        from kernels.triton_norm import fused_add_rms_norm, rms_norm
+        from kernels.triton_rotary import apply_rotary
+    else:
+        raise ValueError(f"kernel_ops takes a resolved backend name, not {resolved_backend!r}")
+    return KernelOps(
+        store_kv=store_kv,
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        apply_rotary=apply_rotary,
+        silu_and_mul=silu_and_mul,
+    )

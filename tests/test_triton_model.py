@@ -1,0 +1,360 @@
+"""The Triton attention backend inside the executor, and the choice of backend.
+
+Under the Triton interpreter (CPU): the backend against the torch backend on a mixed batch, and
+the whole tiny model's logits with each backend. On a GPU (skipped here): the same model on
+CUDA, Triton against torch, in bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before triton loads (tests/conftest.py sets it too): run the kernels in the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine.cache import KVPool, PageTable
+from asyncengine.executor.attention import TorchBackend
+from asyncengine.executor.attention_triton import TritonBackend
+from asyncengine.executor.backends import (
+    BackendUnavailableError,
+    create_attention_backend,
+    kernel_ops,
+    resolve_backend_name,
+)
+from asyncengine.executor.cuda_graph import DecodeStaticInputs, batch_size_ladder, padded_size
+from asyncengine.executor.forward_batch import build_forward_batch
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.plan import BatchPlan, Segment
+from kernels import norm_ref, triton_norm
+from tests.conftest import TinyCheckpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_LEN = 48
+NUM_ROWS = 4
+
+
+def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) -> Segment:
+    return Segment(rid=rid, table_row=row, input_ids=tokens, start_pos=start, sample=sample)
+
+
+def shuffled_page_table(page_size: int, seed: int) -> tuple[PageTable, int]:
+    """A table whose rows own interleaved pages of a pool with spare pages; (table, pages)."""
+    pages_per_row = -(-MAX_LEN // page_size)
+    num_pages = pages_per_row * NUM_ROWS + 3
+    table = PageTable(NUM_ROWS, pages_per_row)
+    order = np.random.default_rng(seed).permutation(num_pages)
+    for row in range(NUM_ROWS):
+        table.set_pages(row, 0, order[row * pages_per_row : (row + 1) * pages_per_row])
+    return table, num_pages
+
+
+def mixed_plan(step: int) -> BatchPlan:
+    """An extend on a prefix that ends mid-page, a fresh prefill, and two decodes."""
+    rng = np.random.default_rng(step)
+    tokens = rng.integers(3, 90, MAX_LEN).tolist()
+    return BatchPlan(
+        step=step,
+        extends=[seg("a", 0, tokens[19:30], 19), seg("b", 1, tokens[:7], 0)],
+        decodes=[seg("c", 2, [tokens[0]], 33), seg("d", 3, [tokens[1]], 5)],
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_backend_matches_torch_backend_on_a_mixed_batch(page_size: int) -> None:
+    num_kv_heads, group, head_dim = 2, 3, 64
+    table, num_pages = shuffled_page_table(page_size, seed=page_size)
+    batch = build_forward_batch(mixed_plan(1), table.table.numpy(), page_size, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    shape = (num_pages * page_size, num_kv_heads, head_dim)
+    # The prefix tokens are in the pool already; other slots hold NaN (never to be read).
+    cache_k = torch.full(shape, float("nan"))
+    cache_v = torch.full(shape, float("nan"))
+    for row, length in [(0, 19), (2, 33), (3, 5)]:
+        positions = np.arange(length)
+        pages = table.table[row, positions // page_size].long()
+        slots = pages * page_size + torch.from_numpy(positions % page_size)
+        cache_k[slots] = torch.randn((length, num_kv_heads, head_dim), generator=gen)
+        cache_v[slots] = torch.randn((length, num_kv_heads, head_dim), generator=gen)
+    n = batch.num_tokens
+    q = torch.randn((n, num_kv_heads * group, head_dim), generator=gen)
+    k = torch.randn((n, num_kv_heads, head_dim), generator=gen)
+    v = torch.randn((n, num_kv_heads, head_dim), generator=gen)
+
+    outputs, caches = [], []
+    for backend in (TorchBackend(), TritonBackend()):
+        k_cache, v_cache = cache_k.clone(), cache_v.clone()
+        metadata = backend.build_metadata(batch)
+        outputs.append(backend.forward(q, k, v, k_cache, v_cache, metadata, head_dim**-0.5))
+        caches.append((k_cache, v_cache))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+    for want, got in zip(caches[0], caches[1], strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True, atol=0, rtol=0)
+
+
+class RunnerPair:
+    """One torch-backend runner and one Triton-backend runner over identical pools and tables."""
+
+    def __init__(self, ckpt: TinyCheckpoint, page_size: int) -> None:
+        config = ModelConfig.from_hf_dict(ckpt.hf_config)
+        weights = ckpt.load_weights()
+        self.runners: list[ModelRunner] = []
+        for backend in ("torch", "triton"):
+            table, num_pages = shuffled_page_table(page_size, seed=7)
+            pool = KVPool(
+                config.num_layers,
+                config.num_kv_heads,
+                config.head_dim,
+                num_pages,
+                page_size,
+                torch.float32,
+            )
+            pool.k.fill_(float("nan"))
+            pool.v.fill_(float("nan"))
+            self.runners.append(
+                ModelRunner(config, weights, pool, table, torch.float32, backend=backend)
+            )
+
+    def check(self, plan: BatchPlan) -> None:
+        want, got = (runner.forward_logits(plan) for runner in self.runners)
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_model_logits_with_triton_backend_match_torch_backend(
+    tiny_llama: TinyCheckpoint, page_size: int
+) -> None:
+    pair = RunnerPair(tiny_llama, page_size)
+    rng = np.random.default_rng(11)
+    full = {rid: rng.integers(3, 90, MAX_LEN).tolist() for rid in "abc"}
+    # Prefills (c only its first chunk, unsampled), then c's second chunk on a prefix that ends
+    # mid-page beside decodes, then decodes of all three.
+    pair.check(
+        BatchPlan(
+            step=1,
+            extends=[
+                seg("a", 0, full["a"][:5], 0),
+                seg("c", 2, full["c"][:12], 0, sample=False),
+                seg("b", 1, full["b"][:23], 0),
+            ],
+        )
+    )
+    pair.check(
+        BatchPlan(
+            step=2,
+            extends=[seg("c", 2, full["c"][12:17], 12)],
+            decodes=[seg("a", 0, [full["a"][5]], 5), seg("b", 1, [full["b"][23]], 23)],
+        )
+    )
+    pos = {"a": 6, "b": 24, "c": 17}
+    rows = {"a": 0, "b": 1, "c": 2}
+    for step in range(3, 5):
+        decodes = [seg(rid, rows[rid], [full[rid][p]], p) for rid, p in pos.items()]
+        pair.check(BatchPlan(step=step, decodes=decodes))
+        pos = {rid: p + 1 for rid, p in pos.items()}
+
+
+_CUDA_CHECK = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from asyncengine.cache import KVPool, PageTable
+    from asyncengine.executor.cuda_graph import DecodeGraphs
+    from asyncengine.executor.model_config import ModelConfig
+    from asyncengine.executor.runner import ModelRunner
+    from asyncengine.plan import BatchPlan, Segment
+
+    path, device = sys.argv[1], torch.device(sys.argv[2])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = ModelConfig.from_hf_dict(json.load(open(f"{path}/config.json")))
+    weights = load_file(f"{path}/model.safetensors")
+    page_size, rows, pages_per_row = 16, 4, 4
+    tokens = np.random.default_rng(0).integers(3, 90, (rows, 40)).tolist()
+    prefill = BatchPlan(step=1, extends=[
+        Segment(str(r), r, tokens[r][: 5 + 7 * r], 0, True) for r in range(rows)
+    ])
+    decode = BatchPlan(step=2, decodes=[
+        Segment(str(r), r, [tokens[r][5 + 7 * r]], 5 + 7 * r, True) for r in range(rows)
+    ])
+    runners, logits = [], []
+    for backend in ("torch", "triton"):
+        table = PageTable(rows, pages_per_row)
+        order = np.random.default_rng(1).permutation(rows * pages_per_row + 2)
+        for r in range(rows):
+            table.set_pages(r, 0, order[r * pages_per_row : (r + 1) * pages_per_row])
+        pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim,
+                      rows * pages_per_row + 2, page_size, dtype, device)
+        runner = ModelRunner(config, weights, pool, table, dtype, device=device, backend=backend)
+        logits.append(torch.cat([runner.forward_logits(prefill), runner.forward_logits(decode)]))
+        runners.append(runner)
+    scale = logits[0].abs().max().item()
+    print("backend_rel_diff", (logits[1] - logits[0]).abs().max().item() / scale)
+
+    if device.type == "cuda":  # replay a captured decode step against the eager forward
+        runner = runners[1]
+        graphs = DecodeGraphs(runner.model, runner.backend, runner.k_caches, runner.v_caches,
+                              max_batch_size=8, max_pages_per_request=pages_per_row,
+                              page_size=page_size)
+        graphs.capture()
+        step3 = BatchPlan(step=3, decodes=[
+            Segment(str(r), r, [tokens[r][6 + 7 * r]], 6 + 7 * r, True) for r in range(3)
+        ])
+        with torch.inference_mode():
+            batch = runner.prepare(step3)
+            assert graphs.can_run(batch)
+            replayed = graphs.run(batch).clone()
+            eager = runner.model.forward(batch, runner.backend,
+                                         runner.backend.build_metadata(batch),
+                                         runner.k_caches, runner.v_caches)
+        print("graph_rel_diff", (replayed - eager).abs().max().item() / eager.abs().max().item())
+    """
+)
+
+
+def run_cuda_check(checkpoint: TinyCheckpoint, device: str, interpret: bool) -> dict[str, float]:
+    """Run ``_CUDA_CHECK`` in a fresh interpreter, compiled kernels unless ``interpret``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", _CUDA_CHECK, str(checkpoint.path), device],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures: dict[str, float] = {}
+    for line in result.stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("backend_rel_diff", "graph_rel_diff"):
+            figures[name] = float(value)
+    return figures
+
+
+def test_cuda_check_script_runs_on_cpu_under_the_interpreter(tiny_llama: TinyCheckpoint) -> None:
+    """The GPU check below, on CPU (no graph capture): keeps its script from rotting."""
+    figures = run_cuda_check(tiny_llama, "cpu", interpret=True)
+    assert figures["backend_rel_diff"] < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_model_on_cuda_triton_matches_torch_and_graph_replay_matches_eager(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    """Compiled kernels (no interpreter) in bfloat16 on the GPU, then a captured decode step."""
+    figures = run_cuda_check(tiny_llama, "cuda", interpret=False)
+    assert figures["backend_rel_diff"] < 0.05
+    assert figures["graph_rel_diff"] < 1e-2
+
+
+# --- backend selection -------------------------------------------------------------------------
+
+
+def test_auto_is_torch_on_cpu_and_triton_on_cuda() -> None:
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cuda") == "triton"
+    assert isinstance(create_attention_backend("auto", "cpu"), TorchBackend)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(create_attention_backend("triton", "cpu"), TritonBackend)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+        resolve_backend_name("triton", "cpu")
+
+
+def test_flashinfer_needs_cuda_and_the_optional_extra() -> None:
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+        resolve_backend_name("flashinfer", "cpu")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match=r"asyncengine\[flashinfer\]"):
+            resolve_backend_name("flashinfer", "cuda")
+    else:
+        assert resolve_backend_name("flashinfer", "cuda") == "flashinfer"
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
+        resolve_backend_name("sdpa", "cpu")
+
+
+def test_kernel_ops_follow_the_backend() -> None:
+    assert kernel_ops("torch").rms_norm is norm_ref.rms_norm
+    assert kernel_ops("triton").rms_norm is triton_norm.rms_norm
+    with pytest.raises(ValueError, match="resolved backend name"):
+        kernel_ops("auto")
+
+
+# --- CUDA-graph padding (the capture itself needs CUDA) ----------------------------------------
+
+
+def test_batch_size_ladder_and_padding_rungs() -> None:
+    ladder = batch_size_ladder(50)
+    assert ladder[0] == 1 and ladder[-1] == 50 and ladder == sorted(set(ladder))
+    assert padded_size(ladder, 1) == 1
+    assert padded_size(ladder, 3) == 4
+    assert padded_size(ladder, 49) == 50
+    assert padded_size(ladder, 51) is None
+
+
+def test_padded_decode_batch_gives_the_same_hidden_states_and_writes_nothing_more(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    """What a captured graph replays, run eagerly: real rows match, padding rows write nothing."""
+    page_size = 16
+    pair = RunnerPair(tiny_llama, page_size)
+    runner = pair.runners[1]  # triton
+    rng = np.random.default_rng(5)
+    prompts = {rid: rng.integers(3, 90, 20).tolist() for rid in "abc"}
+    lengths = {"a": 9, "b": 17, "c": 3}
+    runner.forward_logits(
+        BatchPlan(
+            step=1,
+            extends=[
+                seg(rid, row, prompts[rid][: lengths[rid]], 0) for row, rid in enumerate("abc")
+            ],
+        )
+    )
+    plan = BatchPlan(
+        step=2,
+        decodes=[
+            seg(rid, row, [prompts[rid][lengths[rid]]], lengths[rid])
+            for row, rid in enumerate("abc")
+        ],
+    )
+    model, backend = runner.model, runner.backend
+    caches = (runner.k_caches, runner.v_caches)
+    with torch.inference_mode():
+        batch = runner.prepare(plan)
+        want = model.forward(batch, backend, backend.build_metadata(batch), *caches)
+        pool_after = (runner.kv_pool.k.clone(), runner.kv_pool.v.clone())
+
+        inputs = DecodeStaticInputs(8, runner.page_table.max_pages_per_request, page_size, "cpu")
+        inputs.fill_for_warmup(8, runner.kv_pool.num_pages)  # stale rows to be overwritten
+        inputs.fill(batch, 5)
+        padded = inputs.batch(5)
+        got = model.forward(padded, backend, backend.build_metadata(padded), *caches)
+    assert got.shape[0] == 5
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+    # Unwritten slots hold NaN: a padding row's write would show as a number there, or as a
+    # different key over a real slot. (The real rows' K/V differ by matmul rounding only.)
+    torch.testing.assert_close(runner.kv_pool.k, pool_after[0], equal_nan=True, atol=1e-5, rtol=0)
+    torch.testing.assert_close(runner.kv_pool.v, pool_after[1], equal_nan=True, atol=1e-5, rtol=0)
