@@ -1,0 +1,175 @@
+"""The llama-family causal LM (Llama, Qwen2, Mistral) as a forward over the paged KV pool.
+
+Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
+are fused into one projection and gate/up into another (fewer, larger matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.backends import KernelOps, kernel_ops
+from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.rope import build_cos_sin_cache
+from kernels import rotary_ref
+
+
+class WeightsError(ValueError):
+    """The weights do not fit the config (a tensor missing or of the wrong shape)."""
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: KernelOps | None = None,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.ops = ops if ops is not None else kernel_ops("torch")
+        # The torch reference rotary gets its cos/sin rows once per forward and rotates q and k
+        # (adjacent in the qkv output) in one call; other kernels take the contract's arguments.
+        self.rotary_once_per_forward = self.ops.apply_rotary is rotary_ref.apply_rotary
+        take = _WeightTaker(weights, dtype, self.device)
+        c = config
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
+        self.scale = c.head_dim**-0.5
+
+    def _load_layer(self, take: _WeightTaker, i: int) -> LayerWeights:
+        c = self.config
+        p = f"model.layers.{i}."
+        h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        qkv = torch.cat(
+            [
+                take(p + "self_attn.q_proj.weight", (q, h)),
+                take(p + "self_attn.k_proj.weight", (kv, h)),
+                take(p + "self_attn.v_proj.weight", (kv, h)),
+            ]
+        )
+        qkv_bias = None
+        if c.attention_bias:
+            qkv_bias = torch.cat(
+                [
+                    take(p + "self_attn.q_proj.bias", (q,)),
+                    take(p + "self_attn.k_proj.bias", (kv,)),
+                    take(p + "self_attn.v_proj.bias", (kv,)),
+                ]
+            )
+        gate_up = torch.cat(
+            [
+                take(p + "mlp.gate_proj.weight", (inter, h)),
+                take(p + "mlp.up_proj.weight", (inter, h)),
+            ]
+        )
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (h,)),
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
+            post_norm=take(p + "post_attention_layernorm.weight", (h,)),
+            gate_up=gate_up,
+            down=take(p + "mlp.down_proj.weight", (h, inter)),
+        )
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        metadata: object,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Run every layer over the batch's tokens; return the final-normed hidden states of the
+        sampled rows only, [num_sampled, hidden]."""
+        c = self.config
+        ops = self.ops
+        n = batch.num_tokens
+        eps = c.rms_norm_eps
+        split = [c.q_size, c.kv_size, c.kv_size]
+        positions = batch.positions
+        qk_heads = c.num_heads + c.num_kv_heads
+        cos = sin = None
+        if self.rotary_once_per_forward:
+            cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
+        hidden = F.embedding(batch.input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            if cos is not None and sin is not None:
+                qk = rotary_ref.rotate_neox(
+                    qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
+                )
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                v = qkv[:, c.q_size + c.kv_size :]
+            else:
+                q, k, v = qkv.split(split, dim=-1)
+                q, k = ops.apply_rotary(
+                    q.view(n, c.num_heads, c.head_dim),
+                    k.view(n, c.num_kv_heads, c.head_dim),
+                    positions,
+                    self.cos_sin_cache,
+                )
+            v = v.view(n, c.num_kv_heads, c.head_dim)
+            attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
+            hidden = F.linear(attn.reshape(n, c.q_size), layer.o_proj)
+            x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        assert residual is not None
+        rows = batch.sample_indices
+        last = hidden.index_select(0, rows) + residual.index_select(0, rows)
+        return ops.rms_norm(last, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+class _WeightTaker:
+    """Fetch an HF-named tensor, check its shape, move it to the model's dtype and device."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.weights.get(name)
+        if tensor is None:
+            raise WeightsError(f"weight {name!r} is missing from the checkpoint")
+        if tuple(tensor.shape) != shape:
+            raise WeightsError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, the config expects {shape}"
+            )
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -1,0 +1,66 @@
+"""RoPE frequencies and the cos/sin cache, computed exactly as Hugging Face computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from asyncengine.executor.model_config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) after the config's scaling (not dynamic)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, config)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    s = config.rope_scaling
+    old_context_len = s.original_max_position_embeddings or config.max_position_embeddings
+    low_freq_wavelen = old_context_len / s.low_freq_factor
+    high_freq_wavelen = old_context_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(config: ModelConfig, max_len: int | None = None) -> torch.Tensor:
+    """[max_len, head_dim] float32: cos in the first half, sin in the second.
+
+    Dynamic NTK: positions inside max_position_embeddings use the plain frequencies; position p
+    beyond uses the base HF derives for seq_len = p + 1, which is what HF applies when it decodes
+    that token alone (HF rescales a whole prefill by its longest position instead).
+    """
+    max_len = config.max_model_len if max_len is None else max_len
+    positions = torch.arange(max_len, dtype=torch.float32)
+    inv_freq = rope_inv_freq(config)
+    freqs = positions[:, None] * inv_freq[None, :]
+    if config.rope_scaling.rope_type == "dynamic" and max_len > config.max_position_embeddings:
+        freqs[config.max_position_embeddings :] = _dynamic_freqs(config, max_len)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _dynamic_freqs(config: ModelConfig, max_len: int) -> torch.Tensor:
+    dim = config.head_dim
+    factor = config.rope_scaling.factor
+    max_pos = config.max_position_embeddings
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    positions = torch.arange(max_pos, max_len, dtype=torch.float64)
+    bases = config.rope_theta * ((factor * (positions + 1) / max_pos) - (factor - 1)) ** (
+        dim / (dim - 2)
+    )
+    inv_freq = 1.0 / (bases[:, None].to(torch.float32) ** exponents[None, :])
+    return positions[:, None].to(torch.float32) * inv_freq

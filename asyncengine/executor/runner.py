@@ -1,0 +1,139 @@
+"""ModelRunner: BatchPlan -> flat tensors -> model forward over the KV pool -> logits -> sampler."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from asyncengine.cache.kv_pool import KVPool
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor.backends import (
+    create_attention_backend,
+    kernel_ops,
+    resolve_backend_name,
+)
+from asyncengine.executor.forward_batch import ForwardBatch, build_forward_batch
+from asyncengine.executor.model import LlamaModel
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class SamplerLike(Protocol):
+    def sample(
+        self, logits: torch.Tensor, sampling: list[SamplingInfo]
+    ) -> tuple[Sequence[int] | torch.Tensor, list[TokenLogprobs | None]]: ...
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name; float16 on CPU is refused (about 300x slower)."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(_DTYPE_NAMES)}")
+        dtype = _DTYPE_NAMES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported model dtype {dtype}: use float32 or bfloat16")
+    if dtype == torch.float16 and torch.device(device).type == "cpu":
+        raise ValueError(
+            "dtype float16 is refused on CPU: its matmuls run about 300x slower there than "
+            "float32 or bfloat16; use bfloat16 (or float32)"
+        )
+    return dtype
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        kv_pool: KVPool,
+        page_table: PageTable,
+        dtype: torch.dtype | str,
+        device: torch.device | str = "cpu",
+        backend: str = "torch",
+        sampler: SamplerLike | None = None,
+    ) -> None:
+        """``backend``: "torch", "triton", "flashinfer" or "auto" (see executor/backends.py);
+        ``sampler`` defaults to ``Sampler(eos_token_ids=model_config.eos_token_ids)``."""
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        _check_pool(model_config, kv_pool, self.dtype)
+        self.config = model_config
+        self.kv_pool = kv_pool
+        self.page_table = page_table
+        self.page_size = kv_pool.page_size
+        self._table = page_table.table.numpy()  # shares memory: sees the manager's writes
+        self.backend_name = resolve_backend_name(backend, self.device)
+        self.backend = create_attention_backend(backend, self.device)
+        ops = kernel_ops(self.backend_name)
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device, ops)
+        self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
+        self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
+        self.sampler = sampler if sampler is not None else _default_sampler(model_config)
+
+    def prepare(self, plan: BatchPlan) -> ForwardBatch:
+        longest = max((s.end_pos for s in plan.segments), default=0)
+        if longest > self.config.max_model_len:
+            raise ValueError(
+                f"a sequence reaches {longest} tokens, past the model's {self.config.max_model_len}"
+            )
+        return build_forward_batch(plan, self._table, self.page_size, self.device)
+
+    def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""
+        with torch.inference_mode():
+            batch = self.prepare(plan)
+            return self._logits(batch)
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.num_tokens == 0:
+            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+        metadata = self.backend.build_metadata(batch)
+        hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
+        return self.model.compute_logits(hidden)
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            batch = self.prepare(plan)
+            if batch.sample_indices.shape[0] != len(plan.sampling):
+                raise ValueError(
+                    f"plan {plan.step} samples {batch.sample_indices.shape[0]} segments but "
+                    f"carries {len(plan.sampling)} SamplingInfo entries"
+                )
+            logits = self._logits(batch)
+            if not plan.sampling:
+                return StepOutput([], [], time.perf_counter() - start)
+            token_ids, logprobs = self.sampler.sample(logits, plan.sampling)
+            ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        return StepOutput(ids, list(logprobs), time.perf_counter() - start)
+
+
+def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
+    expected = (config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    actual = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+    if expected != actual:
+        raise ValueError(
+            f"KV pool (layers, kv_heads, head_dim, dtype)={actual} does not fit the model's {expected}"
+        )
+
+
+def _default_sampler(config: ModelConfig) -> SamplerLike:
+    from asyncengine.executor.sampler import Sampler
+
+    return Sampler(eos_token_ids=config.eos_token_ids)

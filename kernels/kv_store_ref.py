@@ -1,0 +1,17 @@
+"""Writing new tokens' K/V into the paged pool."""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache/v_cache [S, Hkv, D] get k/v [N, Hkv, D] at rows slot_mapping [N] (int64), in place."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))

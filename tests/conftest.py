@@ -1,0 +1,123 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints saved once per test session."""
+
+from __future__ import annotations
+
+import os
+
+# Triton kernel tests run on CPU through the interpreter; it must be chosen before triton loads.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TinyCheckpoint:
+    """A saved HF checkpoint directory (config.json + model.safetensors)."""
+
+    name: str
+    path: Path
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / "model.safetensors"))
+
+    def load_hf_model(self, dtype: torch.dtype = torch.float32) -> Any:
+        """The HF model (loaded once per session and dtype; do not modify it)."""
+        key = (self.path, dtype)
+        if key not in _HF_MODELS:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+            _HF_MODELS[key] = model.eval()
+        return _HF_MODELS[key]
+
+
+_HF_MODELS: dict[tuple[Path, torch.dtype], Any] = {}
+
+
+# Small but not degenerate: GQA (4 q heads over 2 kv heads), several layers, a larger init so
+# that attention is far from uniform and a wrong key or position changes the logits.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.25,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_gqa": ("llama", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
+    "llama_tied": (
+        "llama",
+        {"tie_word_embeddings": True, "num_key_value_heads": 4, "rope_theta": 500.0},
+    ),
+    "qwen2_bias": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1000.0}),
+    "llama3_rope": (
+        "llama",
+        {
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+}
+
+
+def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kind, overrides = TINY_CONFIGS[name]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    config = config_cls(**{**_COMMON, **overrides})
+    config.architectures = [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind],
+    ]
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random biases too, so that a dropped bias shows in the logits
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return TinyCheckpoint(name, directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyCheckpoint]:
+    """Every tiny checkpoint by name: llama_gqa, llama_tied, qwen2_bias, llama3_rope."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return {name: make_tiny_checkpoint(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    """Llama with GQA and untied embeddings."""
+    return tiny_checkpoints["llama_gqa"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    """Qwen2 with q/k/v biases and tied embeddings."""
+    return tiny_checkpoints["qwen2_bias"]

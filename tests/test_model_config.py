@@ -1,0 +1,169 @@
+"""ModelConfig parsing, and the clear refusal of configs the executor does not implement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from asyncengine.executor.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from asyncengine.executor.rope import build_cos_sin_cache, rope_inv_freq
+from tests.conftest import TinyCheckpoint
+
+SMOLLM2_LIKE: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def test_parses_a_llama_config() -> None:
+    c = ModelConfig.from_hf_dict(SMOLLM2_LIKE)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 9, 3, 64)
+    assert (c.q_size, c.kv_size) == (576, 192)
+    assert c.rope_theta == 100000.0
+    assert c.rope_scaling == RopeScaling()
+    assert c.tie_word_embeddings and not c.attention_bias
+    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert c.max_model_len == 8192
+
+
+def test_qwen2_has_attention_bias_and_eos_lists() -> None:
+    c = ModelConfig.from_hf_dict(
+        {
+            **SMOLLM2_LIKE,
+            "architectures": ["Qwen2ForCausalLM"],
+            "eos_token_id": [151643, 151645],
+            "sliding_window": 4096,
+            "use_sliding_window": False,
+        }
+    )
+    assert c.attention_bias
+    assert c.eos_token_ids == (151643, 151645)
+
+
+def test_rope_parameters_of_transformers_5_and_rope_scaling_of_older_files_agree() -> None:
+    llama3 = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    old = ModelConfig.from_hf_dict(
+        {**SMOLLM2_LIKE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **llama3}}
+    )
+    new = ModelConfig.from_hf_dict(
+        {
+            **SMOLLM2_LIKE,
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **llama3},
+        }
+    )
+    assert old == new
+    assert new.rope_scaling.rope_type == "llama3" and new.rope_theta == 500000.0
+    legacy_type_key = ModelConfig.from_hf_dict(
+        {**SMOLLM2_LIKE, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
+    assert legacy_type_key.rope_scaling == RopeScaling(rope_type="linear", factor=2.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "factor"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_unsupported_configs_are_refused_naming_the_field(
+    override: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=field):
+        ModelConfig.from_hf_dict({**SMOLLM2_LIKE, **override})
+
+
+def test_a_sliding_window_that_never_takes_effect_is_accepted() -> None:
+    c = ModelConfig.from_hf_dict(
+        {**SMOLLM2_LIKE, "architectures": ["MistralForCausalLM"], "sliding_window": 8192}
+    )
+    assert c.architecture == "MistralForCausalLM"
+
+
+def test_tiny_checkpoints_parse(tiny_checkpoints: dict[str, TinyCheckpoint]) -> None:
+    configs = {n: ModelConfig.from_hf_dict(ck.hf_config) for n, ck in tiny_checkpoints.items()}
+    assert configs["qwen2_bias"].attention_bias
+    assert configs["llama_tied"].tie_word_embeddings
+    assert not configs["llama_gqa"].tie_word_embeddings
+    assert configs["llama3_rope"].rope_scaling.rope_type == "llama3"
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_inv_freq_and_cos_sin_match_hf(rope: dict[str, Any]) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_dict = {
+        **SMOLLM2_LIKE,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "rope_scaling": rope,
+    }
+    ours = ModelConfig.from_hf_dict(hf_dict)
+    hf_config = LlamaConfig(**{k: v for k, v in hf_dict.items() if k != "architectures"})
+    hf_rope = LlamaRotaryEmbedding(hf_config)
+    torch.testing.assert_close(rope_inv_freq(ours), hf_rope.inv_freq, rtol=0, atol=0)
+
+    positions = torch.arange(200)[None]
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions)
+    cache = build_cos_sin_cache(ours)
+    half = ours.head_dim // 2
+    torch.testing.assert_close(cache[:200, :half], cos[0, :, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cache[:200, half:], sin[0, :, :half], rtol=0, atol=1e-6)
+
+
+def test_dynamic_ntk_stretches_positions_past_the_trained_length() -> None:
+    c = ModelConfig.from_hf_dict(
+        {
+            **SMOLLM2_LIKE,
+            "max_position_embeddings": 64,
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+        }
+    )
+    assert c.max_model_len == 128
+    cache = build_cos_sin_cache(c)
+    assert cache.shape == (128, c.head_dim)
+    plain = torch.arange(128, dtype=torch.float32)[:, None] * rope_inv_freq(c)[None, :]
+    half = c.head_dim // 2
+    torch.testing.assert_close(cache[:64, :half], plain[:64].cos())
+    assert not torch.allclose(cache[100, :half], plain[100].cos())
