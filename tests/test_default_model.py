@@ -1,0 +1,56 @@
+"""The embedded default model end to end: batched greedy output equals HF transformers'."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.executor.loader import resolve_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_continuations() -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    from asyncengine.executor.tokenizer import Tokenizer
+
+    path = resolve_model("smollm2-135m", torch.float32)
+    tokenizer = Tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                do_sample=False, pad_token_id=tokenizer.pad_token_id or 0,
+            )
+            outs.append(out[0, len(ids) :].tolist())
+    return outs
+
+
+def test_default_model_fp32_greedy_batch_equals_hf(hf_continuations: list[list[int]]) -> None:
+    async def run() -> list[list[int]]:
+        config = EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_tokens=4096, log_interval=0)
+        async with AsyncEngine(config) as engine:
+            params = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0)
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+            assert engine.scheduler.step_count < len(PROMPTS) * NEW_TOKENS, "requests were not batched"
+        return [o.token_ids for o in outs]
+
+    assert asyncio.run(run()) == hf_continuations
