@@ -119,6 +119,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device=device,
         backend=config.attention_backend,
         sampler=sampler,
+        enable_cuda_graph=config.enable_cuda_graph,
+        max_batch_size=config.max_running_requests,
     )
     del weights
     policy = make_policy(config.policy, config.policy_options)

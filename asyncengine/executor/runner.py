@@ -14,6 +14,7 @@ from asyncengine.executor.backends import (
     kernel_ops,
     resolve_backend_name,
 )
+from asyncengine.executor.cuda_graph import DecodeGraphs
 from asyncengine.executor.forward_batch import ForwardBatch, build_forward_batch
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
@@ -66,9 +67,13 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         backend: str = "torch",
         sampler: SamplerLike | None = None,
+        enable_cuda_graph: bool = False,
+        max_batch_size: int = 256,
     ) -> None:
         """``backend``: "torch", "triton", "flashinfer" or "auto" (see executor/backends.py);
-        ``sampler`` defaults to ``Sampler(eos_token_ids=model_config.eos_token_ids)``."""
+        ``sampler`` defaults to ``Sampler(eos_token_ids=model_config.eos_token_ids)``.
+        ``enable_cuda_graph`` captures decode forwards up to ``max_batch_size`` requests (CUDA
+        with the triton backend only; elsewhere it has no effect)."""
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
@@ -84,6 +89,18 @@ class ModelRunner:
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
+        self.graphs: DecodeGraphs | None = None
+        if enable_cuda_graph and self.device.type == "cuda" and self.backend_name == "triton":
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                self.k_caches,
+                self.v_caches,
+                max_batch_size,
+                page_table.max_pages_per_request,
+                self.page_size,
+            )
+            self.graphs.capture()
 
     def prepare(self, plan: BatchPlan) -> ForwardBatch:
         longest = max((s.end_pos for s in plan.segments), default=0)
@@ -102,8 +119,11 @@ class ModelRunner:
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.num_tokens == 0:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
-        metadata = self.backend.build_metadata(batch)
-        hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            metadata = self.backend.build_metadata(batch)
+            hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
         return self.model.compute_logits(hidden)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
