@@ -32,25 +32,36 @@ def hf_continuations() -> list[list[int]]:
     path = resolve_model("smollm2-135m", torch.float32)
     tokenizer = Tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, ids))
+    # one left-padded batch: in fp32 it gives the same greedy tokens as one prompt at a time
+    inputs = torch.tensor([[0] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
     with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
-            out = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                do_sample=False, pad_token_id=tokenizer.pad_token_id or 0,
-            )
-            outs.append(out[0, len(ids) :].tolist())
-    return outs
+        out = model.generate(
+            inputs,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [row[width:].tolist() for row in out]
 
 
 def test_default_model_fp32_greedy_batch_equals_hf(hf_continuations: list[list[int]]) -> None:
     async def run() -> list[list[int]]:
-        config = EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_tokens=4096, log_interval=0)
+        config = EngineConfig(
+            model="smollm2-135m", dtype="float32", kv_cache_tokens=4096, log_interval=0
+        )
         async with AsyncEngine(config) as engine:
-            params = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0)
+            params = SamplingParams(
+                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0
+            )
             outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
-            assert engine.scheduler.step_count < len(PROMPTS) * NEW_TOKENS, "requests were not batched"
+            assert engine.scheduler.step_count < len(PROMPTS) * NEW_TOKENS, (
+                "requests were not batched"
+            )
         return [o.token_ids for o in outs]
 
     assert asyncio.run(run()) == hf_continuations
