@@ -30,7 +30,7 @@ TINY_MODEL: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "initializer_range": 0.5,
     "tie_word_embeddings": True,

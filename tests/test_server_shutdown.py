@@ -27,8 +27,8 @@ from asyncengine.server.serve import add_serve_arguments, serve
 parser = argparse.ArgumentParser()
 add_serve_arguments(parser)
 args = parser.parse_args(sys.argv[2:])
-config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", max_model_len=2048,
-                      kv_cache_tokens=8192, log_interval=0)
+config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", max_model_len=8192,
+                      kv_cache_tokens=16384, log_interval=0)
 sys.exit(serve(config, args))
 """
 
@@ -80,7 +80,7 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", SERVER_SCRIPT, str(model),
-        "--port", "0", "--shutdown-grace", "3", "--server-log-interval", "0.2",
+        "--port", "0", "--shutdown-grace", "10", "--server-log-interval", "0.2",
         cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     lines: list[str] = []
@@ -92,8 +92,8 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             # a short request that ends within the grace period, a long one that cannot
-            short_head, short_rest = await _stream(session, url, 12)
-            long_head, long_rest = await _stream(session, url, 2000)
+            short_head, short_rest = await _stream(session, url, 4)
+            long_head, long_rest = await _stream(session, url, 8000)
             proc.send_signal(signal.SIGTERM)
             short_raw = short_head + await short_rest
             long_raw = long_head + await long_rest
