@@ -1,0 +1,65 @@
+"""Replay a workload against the real engine, at its arrival times, into RequestRecords."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+from asyncengine.bench.metrics import RequestRecord
+from asyncengine.config import EngineConfig
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.workloads.trace import WorkloadRequest
+
+
+def params_for(item: WorkloadRequest) -> SamplingParams:
+    """Exactly ``output_len`` tokens, greedy: the same work whatever the model says."""
+    return SamplingParams(max_new_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+
+
+async def replay_real(
+    config: EngineConfig, workload: Sequence[WorkloadRequest], warmup_requests: int = 1
+) -> tuple[list[RequestRecord], dict[str, object]]:
+    """Run ``workload`` on an ``AsyncEngine(config)``; returns the records and engine stats.
+
+    Times in the records are relative to the first arrival. Per-token times come from the
+    engine's own metrics (TTFT, then the inter-token gaps), so they do not include the
+    caller's scheduling jitter.
+    """
+    from asyncengine.engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        for item in itertools.islice(workload, warmup_requests):  # compile, allocate, warm caches
+            await engine.generate(
+                item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
+            )
+        engine.scheduler.kv.reset(reset_counters=True)  # warm-up prompts must not turn into hits
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(item: WorkloadRequest) -> RequestRecord:
+            delay = start + item.arrival_time - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            arrival = loop.time() - start
+            record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+            try:
+                out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
+            except Exception:  # every failure counts as a failed request; the run goes on
+                record.failed = True
+                record.finish_time = loop.time() - start
+                return record
+            metrics = out.metrics
+            ttft = metrics.ttft if metrics.ttft is not None else metrics.e2e
+            times = [arrival + ttft]
+            for gap in metrics.itl:
+                times.append(times[-1] + gap)
+            record.token_times = times
+            record.finish_time = arrival + metrics.e2e
+            record.cached_tokens = out.usage.cached_tokens
+            record.retracts = getattr(metrics, "retractions", 0)
+            record.failed = out.finish_reason == "abort"
+            return record
+
+        records = await asyncio.gather(*(one(item) for item in workload))
+        return list(records), dict(engine.stats())

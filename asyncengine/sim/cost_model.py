@@ -1,0 +1,153 @@
+"""Step-time model of the executor: a linear function of four plan features, fitted by least squares.
+
+seconds = intercept
+        + per_prefill_token * (tokens extended this step)
+        + per_prefill_attention * (sum over extended tokens of the keys each one attends to)
+        + per_decode_request * (decode requests)
+        + per_decode_context * (sum of the decode requests' KV lengths)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from asyncengine.plan import BatchPlan
+
+DEFAULT_COST_MODEL_PATH = Path(__file__).with_name("default_cost_model.json")
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_requests: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def of_plan(cls, plan: BatchPlan) -> StepFeatures:
+        prefill_tokens = prefill_attention = 0
+        for segment in plan.extends:
+            n = segment.num_tokens
+            prefill_tokens += n
+            # query i (0-based) of the segment attends to start_pos + i + 1 keys
+            prefill_attention += n * segment.start_pos + n * (n + 1) // 2
+        return cls(
+            prefill_tokens=prefill_tokens,
+            prefill_attention=prefill_attention,
+            decode_requests=len(plan.decodes),
+            decode_context=sum(segment.end_pos for segment in plan.decodes),
+        )
+
+    def as_row(self) -> list[float]:
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.prefill_attention),
+            float(self.decode_requests),
+            float(self.decode_context),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Coefficients in seconds. ``description`` says where they were measured.
+
+    The defaults are default_cost_model.json rounded: SmolLM2-135M in bfloat16 on one CPU thread.
+    """
+
+    intercept: float = 3.5e-2
+    per_prefill_token: float = 8.3e-4
+    per_prefill_attention: float = 1.4e-6
+    per_decode_request: float = 1.1e-3
+    per_decode_context: float = 5.6e-6
+    description: str = "built-in (SmolLM2-135M bf16, one CPU thread, rounded)"
+
+    def seconds(
+        self,
+        prefill_tokens: int,
+        prefill_attention: int,
+        decode_requests: int,
+        decode_context: int,
+    ) -> float:
+        return (
+            self.intercept
+            + self.per_prefill_token * prefill_tokens
+            + self.per_prefill_attention * prefill_attention
+            + self.per_decode_request * decode_requests
+            + self.per_decode_context * decode_context
+        )
+
+    def time_of(self, features: StepFeatures) -> float:
+        return self.seconds(
+            features.prefill_tokens,
+            features.prefill_attention,
+            features.decode_requests,
+            features.decode_context,
+        )
+
+    def step_time(self, plan: BatchPlan) -> float:
+        return self.time_of(StepFeatures.of_plan(plan))
+
+    @property
+    def coefficients(self) -> list[float]:
+        return [
+            self.intercept,
+            self.per_prefill_token,
+            self.per_prefill_attention,
+            self.per_decode_request,
+            self.per_decode_context,
+        ]
+
+    @classmethod
+    def fit(
+        cls, features: Sequence[StepFeatures], seconds: Sequence[float], description: str = ""
+    ) -> CostModel:
+        """Non-negative least squares on relative error (small decode steps matter as much as
+        big prefills). Features that would get a negative weight are dropped and the rest refit."""
+        if len(features) != len(seconds) or not features:
+            raise ValueError("need one measured time per feature row, and at least one row")
+        times = np.asarray(seconds, dtype=float)
+        if not np.all(times > 0):
+            raise ValueError("measured step times must be positive")
+        design = np.asarray([f.as_row() for f in features], dtype=float) / times[:, None]
+        target = np.ones_like(times)
+        active = list(range(design.shape[1]))
+        coefficients = np.zeros(design.shape[1])
+        while active:
+            solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+            if np.all(solution >= 0):
+                coefficients[active] = solution
+                break
+            active.pop(int(np.argmin(solution)))
+        names = [f.name for f in fields(cls) if f.name != "description"]
+        return cls(**dict(zip(names, coefficients.tolist(), strict=True)), description=description)
+
+    def relative_errors(
+        self, features: Sequence[StepFeatures], seconds: Sequence[float]
+    ) -> np.ndarray:
+        predicted = np.asarray([self.time_of(f) for f in features])
+        return np.abs(predicted - np.asarray(seconds)) / np.asarray(seconds)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown cost model keys {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def default(cls) -> CostModel:
+        """The model fitted on the development machine when shipped, else the built-in guess."""
+        if DEFAULT_COST_MODEL_PATH.exists():
+            return cls.load(DEFAULT_COST_MODEL_PATH)
+        return cls()

@@ -1,0 +1,70 @@
+"""WorkloadRequest and JSONL traces (one request per line, exact round trip)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class WorkloadRequest:
+    """One request of a replayable workload.
+
+    ``arrival_time`` is in seconds relative to the start of the run. ``output_len`` is the
+    exact number of tokens to generate (``max_new_tokens`` with ``ignore_eos``).
+    """
+
+    rid: str
+    arrival_time: float
+    prompt_ids: list[int]
+    output_len: int
+    prompt_text: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        record: dict[str, object] = {
+            "rid": self.rid,
+            "arrival_time": self.arrival_time,
+            "prompt_ids": self.prompt_ids,
+            "output_len": self.output_len,
+        }
+        if self.prompt_text is not None:
+            record["prompt_text"] = self.prompt_text
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, object]) -> WorkloadRequest:
+        prompt_ids = record["prompt_ids"]
+        if not isinstance(prompt_ids, list) or not all(isinstance(t, int) for t in prompt_ids):
+            raise ValueError(f"request {record.get('rid')!r}: prompt_ids must be a list of ints")
+        text = record.get("prompt_text")
+        return cls(
+            rid=str(record["rid"]),
+            arrival_time=float(record["arrival_time"]),  # type: ignore[arg-type]
+            prompt_ids=prompt_ids,
+            output_len=int(record["output_len"]),  # type: ignore[call-overload]
+            prompt_text=None if text is None else str(text),
+        )
+
+
+def save_trace(path: str | Path, requests: Iterable[WorkloadRequest]) -> None:
+    """Write one JSON object per line. Floats use repr, so loading gives back the same values."""
+    with open(path, "w", encoding="utf-8") as f:
+        for request in requests:
+            f.write(json.dumps(request.to_json(), separators=(",", ":")))
+            f.write("\n")
+
+
+def load_trace(path: str | Path) -> list[WorkloadRequest]:
+    """Read a trace written by ``save_trace`` (blank lines are ignored)."""
+    requests: list[WorkloadRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(WorkloadRequest.from_json(json.loads(line)))
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: bad trace line: {exc}") from exc
+    return requests
