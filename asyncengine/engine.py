@@ -12,7 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineNotRunningError, QueueFullError, RequestFailedError
+from asyncengine.errors import (
+    EngineError,
+    EngineNotRunningError,
+    QueueFullError,
+    RequestFailedError,
+)
 from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
 from asyncengine.plan import BatchPlan, TokenLogprobs
 from asyncengine.request import Request
@@ -187,6 +192,12 @@ class AsyncEngine:
             self.scheduler.finish(state.req, "abort")
         self._finish_stream(state)
         return True
+
+    def reset_prefix_cache(self, reset_counters: bool = False) -> None:
+        """Empty the radix cache (and optionally its hit/miss counters); only while idle."""
+        if self.scheduler.has_work():
+            raise EngineError("cannot reset the prefix cache while requests are in the engine")
+        self.scheduler.kv.reset(reset_counters=reset_counters)
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler.stats()

@@ -43,7 +43,8 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output. Read-only: it may be ``prompt_ids`` itself."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def num_tokens(self) -> int:

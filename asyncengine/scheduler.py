@@ -131,12 +131,10 @@ class Scheduler:
         """Tokens ``req`` may still generate: its budget, capped by the context length."""
         return max(0, min(req.remaining_new_tokens, self.max_model_len - req.num_tokens))
 
-    def _reserved_pages(self, extra: list[Request]) -> int:
-        """Pages kept back for the future tokens of admitted requests (estimated)."""
+    def _reserved_tokens(self) -> int:
+        """Future tokens of every admitted request, before ``new_token_ratio``."""
         tokens = sum(self._future_tokens(r) for r in self.running)
-        tokens += sum(self._future_tokens(r) for r in self.prefilling)
-        tokens += sum(self._future_tokens(r) for r in extra)
-        return math.ceil(tokens * self.new_token_ratio / self.page_size)
+        return tokens + sum(self._future_tokens(r) for r in self.prefilling)
 
     def schedule(self) -> BatchPlan | None:
         """Build the next step's plan, or None when there is nothing to run."""
@@ -178,8 +176,8 @@ class Scheduler:
         return plan
 
     def _decode_segment(self, req: Request) -> Segment:
-        pos = req.seq.kv_len - 1
-        return Segment(req.rid, req.seq.row, [req.all_ids[pos]], pos, sample=True)
+        last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+        return Segment(req.rid, req.seq.row, [last], req.seq.kv_len - 1, sample=True)
 
     def _prepare_decodes(self) -> list[Request]:
         """Give every running request a KV slot for its next token, retracting when short."""
@@ -232,25 +230,25 @@ class Scheduler:
                 return
             self._add_extend(plan, req, take)
             remaining -= take
-        admitted: list[Request] = []
-        if not self.waiting:
-            return
-        ctx = self._context(num_decodes)
-        for req in self.policy.order(list(self.waiting), ctx):
-            if (
-                remaining <= 0
-                or len(self.running) + len(self.prefilling) >= self.config.max_running_requests
-            ):
+        slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
+        if not self.waiting or remaining <= 0 or slots <= 0 or (self.chunked is not None and chunk):
+            return  # nothing can be admitted: skip the policy's ordering work
+        reserved = self._reserved_tokens()
+        ratio = self.new_token_ratio
+        # The policy orders the oldest ``policy_window`` requests; the rest wait in arrival
+        # order, which bounds each step's ordering cost when the queue is very long.
+        window = self.waiting[: self.config.policy_window]
+        for req in self.policy.order(window, self._context(num_decodes)):
+            if remaining <= 0 or slots <= 0:
                 break
             if self.chunked is not None and chunk:
                 break  # at most one request mid-chunk
             ids = req.all_ids
             estimate = len(ids) - self.kv.match_length(ids)
-            need = self._pages_for(0, estimate) + math.ceil(
-                self._future_tokens(req) * self.new_token_ratio / ps
-            )
+            future = self._future_tokens(req)
+            need = self._pages_for(0, estimate) + math.ceil((reserved + future) * ratio / ps)
             alone = not self.running and not self.prefilling and not plan.extends
-            if not alone and need + self._reserved_pages(admitted) > self.kv.available_pages:
+            if not alone and need > self.kv.available_pages:
                 break
             if not chunk and estimate > remaining and not alone:
                 break  # chunking off: a prompt over the budget runs alone
@@ -268,9 +266,10 @@ class Scheduler:
             if req.retractions == 0:
                 req.cached_tokens = req.seq.num_cached
             self.prefilling.append(req)
-            admitted.append(req)
             self._add_extend(plan, req, take)
             remaining -= take
+            slots -= 1
+            reserved += future
 
     def _try_extend(self, req: Request, take: int) -> bool:
         try:

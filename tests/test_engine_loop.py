@@ -10,7 +10,7 @@ import pytest
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine
-from asyncengine.errors import QueueFullError, RequestFailedError
+from asyncengine.errors import EngineError, QueueFullError, RequestFailedError
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler
 from asyncengine.worker import EngineParts
@@ -248,3 +248,18 @@ async def test_shared_prefix_hits_show_in_stats_and_usage() -> None:
         assert second.token_ids == reference_output(system + [50, 51], 3)
         stats = engine.stats()
         assert stats["hit_tokens"] >= 32 and 0 < stats["cache_hit_rate"] < 1
+
+
+async def test_reset_prefix_cache_only_while_idle() -> None:
+    async with fake_engine() as engine:
+        await engine.generate(list(range(1, 40)), SamplingParams(max_new_tokens=2))
+        assert engine.stats()["pages_cached"] > 0
+        stream = engine.stream([1, 2, 3], SamplingParams(max_new_tokens=50))
+        with pytest.raises(EngineError, match="while requests"):
+            engine.reset_prefix_cache()
+        await stream.aclose()
+        await wait_idle(engine)
+        engine.reset_prefix_cache(reset_counters=True)
+        stats = engine.stats()
+        assert stats["pages_cached"] == 0 and stats["hit_tokens"] == 0
+        assert stats["pages_free"] == stats["pages_total"]

@@ -154,10 +154,13 @@ class KVCacheManager:
         """Give ``seq`` KV slots for positions kv_len .. kv_len + num_tokens - 1, evicting LRU
         tree leaves when the free list is short. On failure raises OutOfPagesError and changes
         nothing."""
+        new_len = seq.kv_len + num_tokens
+        if 0 <= num_tokens and new_len <= len(seq.pages) * self.page_size and seq.row in self._open:
+            seq.kv_len = new_len  # fast path: the tokens fit in the pages the sequence has
+            return
         self._check_open(seq)
         if num_tokens < 0:
             raise ValueError(f"cannot extend by a negative number of tokens ({num_tokens})")
-        new_len = seq.kv_len + num_tokens
         total_pages = -(-new_len // self.page_size)
         if total_pages > self.max_pages_per_request:
             raise ValueError(
