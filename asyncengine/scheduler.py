@@ -182,11 +182,21 @@ class Scheduler:
     def _prepare_decodes(self) -> list[Request]:
         """Give every running request a KV slot for its next token, retracting when short."""
         ps = self.page_size
+        retracted: list[Request] = []
         while self.running:
             need = sum(1 for r in self.running if r.seq.kv_len % ps == 0)
             if need <= self.kv.available_pages:
                 break
-            self._retract(self._pick_victim())
+            victim = self._pick_victim()
+            self._retract(victim)
+            retracted.append(victim)
+        if retracted:
+            log.warning(
+                "KV pages ran out: retracted %d request(s) (%s) to be recomputed; %d keep decoding",
+                len(retracted),
+                ", ".join(r.rid for r in retracted[:8]) + (" ..." if len(retracted) > 8 else ""),
+                len(self.running),
+            )
         for req in self.running:
             self.kv.extend(req.seq, 1)
         return list(self.running)
@@ -204,12 +214,6 @@ class Scheduler:
         self.total_retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = self.config.init_new_token_ratio
-        log.warning(
-            "retracted request %s (%d prompt + %d output tokens) to free KV pages; it will be recomputed",
-            req.rid,
-            len(req.prompt_ids),
-            len(req.output_ids),
-        )
 
     def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> None:
         """Fill ``plan.extends`` under the step's token budget and the KV memory check."""
