@@ -45,7 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     chunked_prefill_size: int = 1024  # longest prefill chunk; 0 turns chunking off
     enable_mixed_batch: bool = True  # decodes ride along with a prefill chunk in one forward
     max_consecutive_prefill_steps: int = 4  # then a decode step, so decodes are never starved
-    policy_window: int = 1024  # the policy orders at most this many oldest waiting requests
+    policy_window: int = 128  # the policy orders at most this many oldest waiting requests
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
