@@ -239,6 +239,9 @@ class Scheduler:
             return  # nothing can be admitted: skip the policy's ordering work
         reserved = self._reserved_tokens()
         ratio = self.new_token_ratio
+        alone = not self.running and not self.prefilling and not plan.extends
+        if not alone and math.ceil(reserved * ratio / ps) + 1 > self.kv.available_pages:
+            return  # not even a one-page request would fit
         # The policy orders the oldest ``policy_window`` requests; the rest wait in arrival
         # order, which bounds each step's ordering cost when the queue is very long.
         window = self.waiting[: self.config.policy_window]
