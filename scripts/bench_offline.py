@@ -1,0 +1,650 @@
+#!/usr/bin/env python
+"""Offline throughput: asyncengine against Hugging Face transformers on the same requests.
+
+Every system gets the same prompts (token ids) and generates exactly each request's
+``output_len`` tokens, greedily, ignoring EOS, in the same dtype (bfloat16 by default):
+
+- ``asyncengine``: every request submitted at once to one ``AsyncEngine``; wall time from the
+  first submission to the last finish.
+- ``hf-padded``: ``model.generate`` on left-padded batches of ``--batch-size`` requests. The
+  requests are sorted by output length (then prompt length) and cut into batches, so each batch
+  holds similar output lengths; a batch generates ``max_new_tokens`` = its longest request's
+  length, and only each request's own ``output_len`` tokens count as useful output (the rest is
+  the padding waste static batching pays).
+- ``hf-cb``: transformers' continuous batching (``generation/continuous_batching``). Its
+  ``generate_batch`` takes one ``max_new_tokens`` per call, so instead of bucketing we drive its
+  manager directly (``continuous_batching_context_manager`` + ``add_request(...,
+  max_new_tokens=output_len)``): one run, every request its own length, identical work.
+
+Setup (model load, engine start, manager start) is outside the timed region; each system runs
+one small warm-up first. Greedy agreement with asyncengine is reported per HF mode: the
+fraction of requests whose token ids are identical, and the mean fraction of each request's
+tokens before the first difference (batched bf16 numerics may legitimately diverge).
+
+``--shared-prefix`` instead runs the shared-prefix workload on asyncengine twice, radix cache
+on and off, and reports the throughput ratio and the prefill tokens the cache saved.
+
+    python scripts/bench_offline.py --num-requests 256 --out bench_results/offline.json
+    python scripts/bench_offline.py --num-requests 64 --systems asyncengine hf-cb
+    python scripts/bench_offline.py --shared-prefix --out bench_results/prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncengine.config import EngineConfig
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.workloads import make_workload
+from asyncengine.workloads.trace import WorkloadRequest
+
+SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")
+# Not a prefix of any generated prompt (random ids), so the warm-up never turns into cache hits.
+WARMUP_PROMPT = list(range(3, 19))
+log = logging.getLogger("bench_offline")
+
+
+@dataclass(slots=True)
+class Timing:
+    """Wall and CPU time of a timed region, with the machine's 1-minute load around it (the
+    2-core CI machines are shared: a busy neighbour slows every system, see docs/BENCHMARKS.md)."""
+
+    seconds: float = math.nan
+    cpu_seconds: float = math.nan  # this process's CPU time, all threads
+    load_start: float = math.nan
+    load_end: float = math.nan
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Timing]:
+    timing = Timing(load_start=os.getloadavg()[0])
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        yield timing
+    finally:
+        timing.seconds = time.perf_counter() - start
+        timing.cpu_seconds = time.process_time() - cpu_start
+        timing.load_end = os.getloadavg()[0]
+
+
+@dataclass(slots=True)
+class SystemRun:
+    """One system's pass over the workload. ``outputs`` follow the workload's order."""
+
+    system: str
+    timing: Timing
+    output_tokens: int  # useful tokens: the sum of the requests' output_len
+    generated_tokens: int  # tokens the system computed, padding waste included
+    outputs: list[list[int]] = field(repr=False)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.timing.seconds
+
+    @property
+    def cpu_seconds(self) -> float:
+        return self.timing.cpu_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "load_average_start_end": [self.timing.load_start, self.timing.load_end],
+            "output_tokens": self.output_tokens,
+            "generated_tokens": self.generated_tokens,
+            "output_tokens_per_second": self.tokens_per_second,
+            **self.extra,
+        }
+
+
+@dataclass(slots=True)
+class Agreement:
+    """Greedy outputs of one system against a reference, request by request."""
+
+    identical_fraction: float  # requests whose token ids are all equal
+    mean_prefix_fraction: float  # mean of (tokens before the first difference) / output_len
+    min_prefix_fraction: float
+
+
+def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> Agreement:
+    if len(reference) != len(other) or not reference:
+        raise ValueError(f"need equally many outputs, got {len(reference)} and {len(other)}")
+    fractions = []
+    for ref, out in zip(reference, other, strict=True):
+        common = 0
+        for a, b in zip(ref, out, strict=False):
+            if a != b:
+                break
+            common += 1
+        longest = max(len(ref), len(out))
+        fractions.append(common / longest if longest else 1.0)
+    identical = sum(list(a) == list(b) for a, b in zip(reference, other, strict=True))
+    return Agreement(identical / len(reference), sum(fractions) / len(fractions), min(fractions))
+
+
+# -- asyncengine -----------------------------------------------------------------------------
+
+
+def _greedy(output_len: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+
+async def _run_engine(
+    config: EngineConfig, workload: Sequence[WorkloadRequest], label: str, progress: bool
+) -> SystemRun:
+    from asyncengine.engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        await engine.generate(WARMUP_PROMPT, _greedy(4))
+        before = engine.stats()
+        bar = tqdm(total=len(workload), desc=label, unit="req", disable=not progress)
+
+        async def one(item: WorkloadRequest) -> list[int]:
+            out = await engine.generate(item.prompt_ids, _greedy(item.output_len))
+            bar.update(1)
+            return out.token_ids
+
+        with timed() as timing:
+            outputs = await asyncio.gather(*(one(item) for item in workload))
+        bar.close()
+        after = engine.stats()
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
+    hit, miss = delta("hit_tokens"), delta("miss_tokens")
+    useful = sum(item.output_len for item in workload)
+    extra = {
+        "hit_tokens": hit,
+        "miss_tokens": miss,
+        "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
+        "retractions": delta("retractions"),
+        "engine_config": {
+            k: v
+            for k, v in config.to_dict().items()
+            if k
+            in (
+                "policy",
+                "page_size",
+                "kv_cache_tokens",
+                "max_running_requests",
+                "max_prefill_tokens",
+                "chunked_prefill_size",
+                "enable_mixed_batch",
+                "enable_prefix_cache",
+            )
+        },
+    }
+    generated = sum(len(o) for o in outputs)
+    return SystemRun(label, timing, useful, generated, list(outputs), extra)
+
+
+def run_asyncengine(
+    config: EngineConfig,
+    workload: Sequence[WorkloadRequest],
+    label: str = "asyncengine",
+    progress: bool = True,
+) -> SystemRun:
+    return asyncio.run(_run_engine(config, workload, label, progress))
+
+
+# -- Hugging Face transformers ---------------------------------------------------------------
+
+
+def load_hf_model(model: str, dtype_name: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncengine.executor.loader import resolve_model
+
+    dtype = getattr(torch, dtype_name)
+    directory = resolve_model(model, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    hf.eval()
+    # ignore EOS: no stop token anywhere, so generate() never ends a row early
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def padded_batches(workload: Sequence[WorkloadRequest], batch_size: int) -> list[list[int]]:
+    """Request indices grouped for static batching: similar output lengths share a batch."""
+    order = sorted(
+        range(len(workload)), key=lambda i: (workload[i].output_len, len(workload[i].prompt_ids))
+    )
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _pad_id(model: Any) -> int:
+    pad = model.generation_config.pad_token_id
+    return int(pad) if pad is not None else 0
+
+
+def _generate_padded(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Any:
+    import torch
+    from transformers import GenerationConfig
+
+    pad = _pad_id(model)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    return out[:, width:]
+
+
+def run_hf_padded(
+    model: Any, workload: Sequence[WorkloadRequest], batch_size: int, progress: bool = True
+) -> SystemRun:
+    _generate_padded(model, [WARMUP_PROMPT], 4)  # warm-up
+    batches = padded_batches(workload, batch_size)
+    outputs: list[list[int]] = [[] for _ in workload]
+    generated = 0
+    bar = tqdm(total=len(workload), desc="hf-padded", unit="req", disable=not progress)
+    with timed() as timing:
+        for batch in batches:
+            longest = max(workload[i].output_len for i in batch)
+            new_tokens = _generate_padded(model, [workload[i].prompt_ids for i in batch], longest)
+            generated += int(new_tokens.numel())
+            for row, i in enumerate(batch):
+                outputs[i] = new_tokens[row, : workload[i].output_len].tolist()
+            bar.update(len(batch))
+    bar.close()
+    useful = sum(item.output_len for item in workload)
+    return SystemRun("hf-padded", timing, useful, generated, outputs, {"batch_size": batch_size})
+
+
+def run_hf_continuous(
+    model: Any,
+    workload: Sequence[WorkloadRequest],
+    max_batch_tokens: int = 2048,
+    progress: bool = True,
+) -> SystemRun:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    longest = max(item.output_len for item in workload)
+    config = GenerationConfig(
+        max_new_tokens=longest, do_sample=False, eos_token_id=-1, pad_token_id=_pad_id(model)
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(item.prompt_ids) for item in workload),
+        max_generated_length=longest,
+        num_requests=len(workload),
+    )
+    # Room for every request at once (as asyncengine's default pool has for these runs): left to
+    # itself on a CPU, transformers sizes the cache from a guess at free memory (many GiB).
+    page = 256
+    blocks = sum(-(-(len(item.prompt_ids) + item.output_len) // page) for item in workload)
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, num_blocks=blocks + 2, max_batch_tokens=max_batch_tokens
+    )
+    outputs: list[list[int]] = [[] for _ in workload]
+    bar = tqdm(total=len(workload), desc="hf-cb", unit="req", disable=not progress)
+    with model.continuous_batching_context_manager(
+        generation_config=config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        workload_hints=hints,
+    ) as manager:
+        _drain(manager, [WARMUP_PROMPT], [4], None)  # warm-up
+        with timed() as timing:
+            results = _drain(
+                manager,
+                [item.prompt_ids for item in workload],
+                [item.output_len for item in workload],
+                bar,
+            )
+    bar.close()
+    for i, tokens in results.items():
+        outputs[i] = tokens
+    useful = sum(item.output_len for item in workload)
+    extra = {"max_batch_tokens": max_batch_tokens, "num_blocks": blocks + 2, "page_size": page}
+    return SystemRun("hf-cb", timing, useful, sum(len(o) for o in outputs), outputs, extra)
+
+
+def _drain(
+    manager: Any, prompts: Sequence[Sequence[int]], lengths: Sequence[int], bar: tqdm | None
+) -> dict[int, list[int]]:
+    """Submit every prompt, then collect until each one finished; raises on a failed request."""
+    ids = {}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+        rid = f"bench-{time.monotonic_ns()}-{i}"
+        manager.add_request(list(prompt), request_id=rid, max_new_tokens=length, eos_token_id=-1)
+        ids[rid] = i
+    results: dict[int, list[int]] = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+            continue
+        if result.request_id not in ids or not result.is_finished():
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+        results[ids[result.request_id]] = list(result.generated_tokens)
+        if bar is not None:
+            bar.update(1)
+    return results
+
+
+# -- the runs --------------------------------------------------------------------------------
+
+
+def parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values are JSON when they parse (numbers, booleans), else strings."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected key=value, got {pair!r}")
+        try:
+            values[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            values[key.replace("-", "_")] = value
+    return values
+
+
+def engine_config(args: argparse.Namespace, **changes: Any) -> EngineConfig:
+    overrides = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": "cpu" if args.device == "cpu" else args.device,
+        "log_interval": 0.0,
+        **parse_pairs(args.engine_arg),
+        **changes,
+    }
+    return EngineConfig.from_toml(args.config, **overrides)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # OpenMP's default spin-waiting collapses under a busy neighbour (see docs/BENCHMARKS.md)
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _model_vocab(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncengine.executor.loader import resolve_model
+
+    directory = resolve_model(args.model, getattr(torch, args.dtype))
+    with open(Path(directory) / "config.json", encoding="utf-8") as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def offline_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    kwargs: dict[str, Any] = {
+        "num_requests": args.num_requests,
+        "seed": args.seed,
+        "vocab_size": _model_vocab(args),
+        **parse_pairs(args.workload_arg),
+    }
+    return make_workload("random", **kwargs)
+
+
+def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
+    workload = offline_workload(args)
+    progress = not args.no_progress
+    runs: dict[str, SystemRun] = {}
+    if "asyncengine" in args.systems:
+        runs["asyncengine"] = run_asyncengine(engine_config(args), workload, progress=progress)
+    hf_systems = [s for s in args.systems if s.startswith("hf-")]
+    if hf_systems:
+        model = load_hf_model(args.model, args.dtype)
+        if "hf-padded" in hf_systems:
+            runs["hf-padded"] = run_hf_padded(model, workload, args.batch_size, progress)
+        if "hf-cb" in hf_systems:
+            runs["hf-cb"] = run_hf_continuous(
+                model, workload, args.hf_cb_max_batch_tokens, progress
+            )
+    result: dict[str, Any] = {
+        "mode": "systems",
+        "workload": _workload_info(workload, "random", args),
+        "runs": {name: run.to_json() for name, run in runs.items()},
+    }
+    engine = runs.get("asyncengine")
+    if engine is not None:
+        for name, run in runs.items():
+            if name == "asyncengine":
+                continue
+            result["runs"][name]["asyncengine_speedup"] = run.seconds / engine.seconds
+            result["runs"][name]["asyncengine_speedup_cpu_time"] = (
+                run.cpu_seconds / engine.cpu_seconds if engine.cpu_seconds > 0 else math.nan
+            )
+            result["runs"][name]["greedy_agreement_with_asyncengine"] = asdict(
+                agreement(engine.outputs, run.outputs)
+            )
+        hf = [run for name, run in runs.items() if name != "asyncengine"]
+        if hf:
+            fastest = min(hf, key=lambda run: run.seconds)
+            result["fastest_hf"] = fastest.system
+            result["speedup_vs_fastest_hf"] = fastest.seconds / engine.seconds
+    if "hf-padded" in runs and "hf-cb" in runs:  # how far HF's own two modes agree
+        result["greedy_agreement_hf_padded_vs_hf_cb"] = asdict(
+            agreement(runs["hf-padded"].outputs, runs["hf-cb"].outputs)
+        )
+    return result
+
+
+def compare_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "num_groups": args.num_groups,
+        "questions_per_group": args.questions_per_group,
+        "prefix_len": args.prefix_len,
+        "output_len": args.prefix_output_len,
+        "seed": args.seed,
+        "vocab_size": _model_vocab(args),
+        **parse_pairs(args.workload_arg),
+    }
+    workload = make_workload("shared_prefix", **kwargs)
+    progress = not args.no_progress
+    on = run_asyncengine(
+        engine_config(args, enable_prefix_cache=True), workload, "radix-on", progress
+    )
+    off = run_asyncengine(
+        engine_config(args, enable_prefix_cache=False), workload, "radix-off", progress
+    )
+    prompt_tokens = sum(len(item.prompt_ids) for item in workload)
+    on_computed = on.extra["miss_tokens"]
+    off_computed = off.extra["miss_tokens"]
+    return {
+        "mode": "shared_prefix",
+        "workload": _workload_info(workload, "shared_prefix", args, kwargs),
+        "runs": {"radix-on": on.to_json(), "radix-off": off.to_json()},
+        "speedup_radix_on_vs_off": off.seconds / on.seconds,
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_computed_on": on_computed,
+        "prefill_tokens_computed_off": off_computed,
+        "prefill_tokens_saved": off_computed - on_computed,
+        "prefill_saved_fraction": (off_computed - on_computed) / off_computed
+        if off_computed
+        else 0.0,
+        "greedy_agreement_on_vs_off": asdict(agreement(off.outputs, on.outputs)),
+    }
+
+
+def _workload_info(
+    workload: Sequence[WorkloadRequest],
+    name: str,
+    args: argparse.Namespace,
+    kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    inputs = [len(item.prompt_ids) for item in workload]
+    outputs = [item.output_len for item in workload]
+    return {
+        "name": name,
+        "num_requests": len(workload),
+        "seed": args.seed,
+        "arguments": {k: v for k, v in (kwargs or parse_pairs(args.workload_arg)).items()},
+        "prompt_tokens": sum(inputs),
+        "output_tokens": sum(outputs),
+        "prompt_len_mean": sum(inputs) / len(inputs),
+        "prompt_len_max": max(inputs),
+        "output_len_mean": sum(outputs) / len(outputs),
+        "output_len_max": max(outputs),
+    }
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| system | wall s | CPU s | out tok/s | asyncengine speedup (wall) | (CPU time) "
+        "| identical | mean common prefix |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in result["runs"].items():
+        agree = run.get("greedy_agreement_with_asyncengine")
+        speedup = run.get("asyncengine_speedup")
+        speedup_cpu = run.get("asyncengine_speedup_cpu_time")
+        lines.append(
+            f"| {name} | {run['seconds']:.1f} | {run['cpu_seconds']:.1f} | "
+            f"{run['output_tokens_per_second']:.1f} | "
+            + (f"{speedup:.2f}x" if speedup is not None else "-")
+            + " | "
+            + (f"{speedup_cpu:.2f}x" if speedup_cpu is not None else "-")
+            + " | "
+            + (f"{agree['identical_fraction']:.1%}" if agree else "-")
+            + " | "
+            + (f"{agree['mean_prefix_fraction']:.1%}" if agree else "-")
+            + " |"
+        )
+    if result["mode"] == "shared_prefix":
+        lines.append("")
+        lines.append(
+            f"radix on vs off: {result['speedup_radix_on_vs_off']:.2f}x faster; prefill tokens "
+            f"computed {result['prefill_tokens_computed_on']} vs "
+            f"{result['prefill_tokens_computed_off']} "
+            f"({result['prefill_saved_fraction']:.1%} saved)"
+        )
+    elif "speedup_vs_fastest_hf" in result:
+        lines.append("")
+        between = result.get("greedy_agreement_hf_padded_vs_hf_cb")
+        if between:
+            lines.append(
+                f"hf-padded vs hf-cb greedy agreement: {between['identical_fraction']:.1%} "
+                f"identical, {between['mean_prefix_fraction']:.1%} mean common prefix"
+            )
+        lines.append(
+            f"asyncengine vs the fastest HF mode ({result['fastest_hf']}): "
+            f"{result['speedup_vs_fastest_hf']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model name, HF dir or .gguf")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--config", default=None, help="TOML engine config for asyncengine")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="asyncengine config override (repeatable), e.g. max_running_requests=256",
+    )
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="generator argument (repeatable), e.g. output_median=64 max_input_len=1024",
+    )
+    parser.add_argument(
+        "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="what to run"
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="hf-padded batch size")
+    parser.add_argument(
+        "--hf-cb-max-batch-tokens",
+        type=int,
+        default=2048,
+        help="hf-cb: tokens per forward (its prefill chunk budget)",
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="radix cache on vs off on the shared-prefix workload (asyncengine only)",
+    )
+    parser.add_argument("--num-groups", type=int, default=4)
+    parser.add_argument("--questions-per-group", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--prefix-output-len", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    started = time.time()
+    result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)
+    result["machine"] = machine()
+    result["command"] = " ".join(
+        ["scripts/bench_offline.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    result["dtype"] = args.dtype
+    result["model"] = args.model
+    result["bench_seconds"] = time.time() - started
+    print(table(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

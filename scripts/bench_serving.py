@@ -1,0 +1,648 @@
+#!/usr/bin/env python
+"""Online serving benchmark: stream a replayable workload into a running server over loopback.
+
+Each request is a streaming POST to ``/generate`` (SGLang native: cumulative ``output_ids`` per
+SSE frame) or ``/v1/completions`` (OpenAI; one SSE chunk per text delta, usage at the end).
+Requests follow the workload's arrival times (``--arrivals``/``--request-rate`` override them)
+and, with ``--max-concurrency N``, at most N are in flight (burst arrivals + N = a fixed
+concurrency run). Reported: TTFT / TPOT / ITL / E2E mean, p50, p90, p99, max; request and token
+throughput; the prefix-cache hit rate (per-request cached tokens, and the server's /metrics
+counters); failures with their first messages.
+
+Bounded: each request has ``--request-timeout`` seconds; after ``--max-duration`` seconds no
+request starts and the ones in flight are cancelled (counted as failed). Only loopback servers.
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --workload random \
+        --num-requests 64 --request-rate 4 --out bench_results/serving.json
+    python scripts/bench_serving.py --launch --workload long_short --num-requests 24 \
+        --workload-arg output_len=32 -- --chunked-prefill-size 256
+    python scripts/bench_serving.py --launch --config configs/lpm.toml --workload trace.jsonl
+
+With ``--launch`` the script starts ``asyncengine serve`` on 127.0.0.1 and a free port (engine
+flags after ``--``, plus ``--config``/``--model``), waits for /health, and stops it at the end.
+
+ITL: on ``/generate`` every token has its own arrival time (a frame with k new tokens gives k
+tokens at that instant); on ``/v1/completions`` each text chunk counts as one arrival (a chunk
+can hold back or carry several tokens' text), while token counts come from the final usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncengine.bench.metrics import RequestRecord, summarize
+from asyncengine.workloads import Arrivals, load_trace, make_workload
+from asyncengine.workloads.trace import WorkloadRequest
+
+ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}
+DEFAULT_VOCAB = 49152  # the embedded default model's; prompt ids must stay inside the vocabulary
+MAX_ERRORS_KEPT = 10
+
+
+# -- one request -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the client saw of one request (times relative to the run's start)."""
+
+    record: RequestRecord
+    completion_tokens: int = 0  # from the server's count (meta_info / usage); 0 when unknown
+    error: str | None = None
+    sent: bool = True
+
+
+def request_body(
+    item: WorkloadRequest, endpoint: str, model: str | None, text: bool
+) -> dict[str, Any]:
+    prompt: Any = item.prompt_text if text and item.prompt_text is not None else item.prompt_ids
+    if endpoint == "generate":
+        body: dict[str, Any] = {
+            "sampling_params": {
+                "max_new_tokens": item.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            "stream": True,
+            "rid": item.rid,
+        }
+        body["text" if isinstance(prompt, str) else "input_ids"] = prompt
+        return body
+    body = {
+        "prompt": prompt,
+        "max_tokens": item.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+class StreamParser:
+    """Turns SSE ``data:`` payloads into token arrivals for one endpoint."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.tokens_seen = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.prompt_tokens: int | None = None
+        self.done = False
+        self.finished = False
+
+    def feed(self, payload: str) -> int:
+        """New token arrivals in this payload; raises RuntimeError on an in-band error."""
+        if payload == "[DONE]":
+            self.done = True
+            return 0
+        data = json.loads(payload)
+        if "error" in data and data["error"]:
+            raise RuntimeError(f"server error: {json.dumps(data['error'])[:300]}")
+        if self.endpoint == "generate":
+            return self._native(data)
+        return self._openai(data)
+
+    def _native(self, data: dict[str, Any]) -> int:
+        ids = data.get("output_ids") or []
+        new = len(ids) - self.tokens_seen
+        self.tokens_seen = len(ids)
+        meta = data.get("meta_info") or {}
+        if meta.get("finish_reason") is not None:
+            self.finished = True
+            if meta["finish_reason"].get("type") == "abort":
+                raise RuntimeError("the server aborted the request")
+            self.completion_tokens = int(meta.get("completion_tokens", len(ids)))
+            self.cached_tokens = int(meta.get("cached_tokens", 0))
+            if meta.get("prompt_tokens") is not None:
+                self.prompt_tokens = int(meta["prompt_tokens"])
+        return max(new, 0)
+
+    def _openai(self, data: dict[str, Any]) -> int:
+        usage = data.get("usage")
+        if usage:
+            self.completion_tokens = int(usage.get("completion_tokens", 0))
+            self.prompt_tokens = int(usage.get("prompt_tokens", 0))
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached_tokens = int(details.get("cached_tokens") or 0)
+        new = 0
+        for choice in data.get("choices") or []:
+            if choice.get("text"):
+                new += 1
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+                if choice["finish_reason"] == "abort":
+                    raise RuntimeError("the server aborted the request")
+        self.tokens_seen += new
+        return new
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    item: WorkloadRequest,
+    endpoint: str,
+    model: str | None,
+    text: bool,
+    timeout: float,
+    start: float,
+) -> Outcome:
+    arrival = time.perf_counter() - start
+    record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+    outcome = Outcome(record)
+    parser = StreamParser(endpoint)
+    body = request_body(item, endpoint, model, text)
+    try:
+        async with session.post(
+            url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as response:
+            if response.status != 200:
+                detail = (await response.text())[:300]
+                raise RuntimeError(f"HTTP {response.status}: {detail}")
+            async for raw in response.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                new = parser.feed(line[len("data:") :].strip())
+                if new:
+                    now = time.perf_counter() - start
+                    record.token_times.extend([now] * new)
+                if parser.done:
+                    break
+        if not parser.done or not parser.finished:
+            raise RuntimeError("the stream ended without a final frame and [DONE]")
+    except asyncio.CancelledError:
+        outcome.error = "cancelled at the run's max duration"
+        record.failed = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:400]
+        record.failed = True
+    record.finish_time = time.perf_counter() - start
+    if parser.prompt_tokens is not None:
+        record.prompt_tokens = parser.prompt_tokens
+    record.cached_tokens = parser.cached_tokens
+    outcome.completion_tokens = parser.completion_tokens or len(record.token_times)
+    return outcome
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunOptions:
+    base_url: str
+    endpoint: str = "generate"
+    model: str | None = None
+    text: bool = False
+    max_concurrency: int | None = None
+    request_timeout: float = 300.0
+    max_duration: float = 1800.0
+    warmup: int = 1
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class RunResult:
+    outcomes: list[Outcome]
+    duration: float
+    load_average_start_end: tuple[float, float]  # 1-minute load: the machine may be shared
+    metrics_before: dict[str, float] = field(default_factory=dict)
+    metrics_after: dict[str, float] = field(default_factory=dict)
+
+
+async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """Sample values of the server's Prometheus text (empty when /metrics is missing)."""
+    try:
+        async with session.get(
+            base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)
+        ) as response:
+            if response.status != 200:
+                return {}
+            text = await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            values[name] = float(value)
+    return values
+
+
+async def run_workload(workload: Sequence[WorkloadRequest], options: RunOptions) -> RunResult:
+    url = options.base_url + ENDPOINTS[options.endpoint]
+    connector = aiohttp.TCPConnector(limit=0)  # the workload, not the client, bounds concurrency
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for item in list(workload)[: options.warmup]:
+            warm = WorkloadRequest(f"warmup-{item.rid}", 0.0, item.prompt_ids[:8], 2)
+            outcome = await send_request(
+                session,
+                url,
+                warm,
+                options.endpoint,
+                options.model,
+                False,
+                options.request_timeout,
+                time.perf_counter(),
+            )
+            if outcome.error:
+                raise SystemExit(f"warm-up request failed: {outcome.error}")
+        before = await scrape_metrics(session, options.base_url)
+        gate = asyncio.Semaphore(options.max_concurrency or len(workload) or 1)
+        bar = tqdm(total=len(workload), desc="requests", unit="req", disable=not options.progress)
+        start = time.perf_counter()
+        deadline = start + options.max_duration
+
+        async def one(item: WorkloadRequest) -> Outcome:
+            delay = start + item.arrival_time - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with gate:
+                if time.perf_counter() >= deadline:
+                    skipped = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
+                    skipped.failed = True
+                    bar.update(1)
+                    return Outcome(
+                        skipped, error="not sent: the run's max duration passed", sent=False
+                    )
+                outcome = await send_request(
+                    session,
+                    url,
+                    item,
+                    options.endpoint,
+                    options.model,
+                    options.text,
+                    options.request_timeout,
+                    start,
+                )
+            bar.update(1)
+            return outcome
+
+        load_start = os.getloadavg()[0]
+        tasks = [asyncio.create_task(one(item)) for item in workload]
+        _, pending = await asyncio.wait(tasks, timeout=options.max_duration)
+        for task in pending:
+            task.cancel()
+        outcomes: list[Outcome] = []
+        for item, task in zip(workload, tasks, strict=True):
+            try:
+                outcomes.append(await task)
+            except asyncio.CancelledError:
+                record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
+                record.failed = True
+                record.finish_time = time.perf_counter() - start
+                outcomes.append(Outcome(record, error="cancelled at the run's max duration"))
+        duration = time.perf_counter() - start
+        bar.close()
+        after = await scrape_metrics(session, options.base_url)
+    return RunResult(outcomes, duration, (load_start, os.getloadavg()[0]), before, after)
+
+
+def _finite(value: Any) -> Any:
+    """JSON-safe: NaN/inf become null, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def report(result: RunResult, options: RunOptions) -> dict[str, Any]:
+    records = [o.record for o in result.outcomes]
+    summary = summarize(records).to_dict()
+    done = [o for o in result.outcomes if o.record.completed]
+    completion_tokens = sum(o.completion_tokens for o in done)
+    duration = summary["duration"] or result.duration
+    # summarize counts token arrivals; the server's own count is exact for both endpoints
+    summary["output_tokens"] = completion_tokens
+    summary["output_throughput"] = completion_tokens / duration if duration > 0 else math.nan
+    errors = [o.error for o in result.outcomes if o.error]
+
+    def counter(name: str) -> float:
+        return result.metrics_after.get(name, 0.0) - result.metrics_before.get(name, 0.0)
+
+    hit = counter("asyncengine_cache_hit_tokens_total")
+    miss = counter("asyncengine_cache_miss_tokens_total")
+    out: dict[str, Any] = {
+        "endpoint": options.endpoint,
+        "base_url": options.base_url,
+        "max_concurrency": options.max_concurrency,
+        "summary": summary,
+        "num_not_sent": sum(not o.sent for o in result.outcomes),
+        "errors": errors[:MAX_ERRORS_KEPT],
+        "server_metrics": {
+            "cache_hit_tokens": hit,
+            "cache_miss_tokens": miss,
+            "cache_hit_rate": hit / (hit + miss) if hit + miss else None,
+        }
+        if result.metrics_after
+        else None,
+        "wall_seconds": result.duration,
+        "load_average_start_end": list(result.load_average_start_end),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # a launched server inherits it
+    }
+    return _finite(out)
+
+
+def table(result: dict[str, Any]) -> str:
+    s = result["summary"]
+
+    def ms(stats: dict[str, Any], key: str) -> str:
+        value = stats.get(key)
+        return "-" if value is None else f"{value * 1e3:.1f}"
+
+    lines = [
+        f"requests: {s['num_completed']} completed, {s['num_failed']} failed "
+        f"({result['num_not_sent']} not sent) in {s['duration'] or 0:.1f} s",
+        f"throughput: {s['request_throughput'] or 0:.2f} req/s, "
+        f"{s['output_throughput'] or 0:.1f} out tok/s, {s['input_throughput'] or 0:.1f} in tok/s",
+        "cache hit rate (cached/prompt tokens): "
+        + ("-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.1%}"),
+        "",
+        "| metric (ms) | mean | p50 | p90 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        stats = s[name]
+        cells = " | ".join(ms(stats, k) for k in ("mean", "p50", "p90", "p99", "max"))
+        lines.append(f"| {name.upper()} | {cells} |")
+    return "\n".join(lines)
+
+
+# -- launching a server ----------------------------------------------------------------------
+
+
+def check_loopback(base_url: str) -> str:
+    parsed = urlparse(base_url)
+    host = parsed.hostname or ""
+    if parsed.scheme != "http" or not host:
+        raise SystemExit(f"--base-url must be http://HOST:PORT, got {base_url!r}")
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    if not loopback:
+        raise SystemExit(f"only loopback servers are benchmarked; {host!r} is not loopback")
+    return base_url.rstrip("/")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LaunchedServer:
+    """``asyncengine serve`` in a child process on 127.0.0.1; stopped with SIGTERM (then KILL)."""
+
+    def __init__(self, serve_args: Sequence[str], startup_timeout: float, log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            sys.executable,
+            "-m",
+            "asyncengine.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--shutdown-grace",
+            "5",
+            *serve_args,
+        ]
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root
+        )
+        log.close()
+        asyncio.run(self._wait_healthy())
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise SystemExit(
+                        f"the server exited with code {self.process.returncode} while starting; "
+                        f"log: {self.log_path}\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(
+                        self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)
+                    ) as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.25)
+        self.stop()
+        raise SystemExit(
+            f"the server was not healthy after {self.startup_timeout:.0f}s; log: {self.log_path}\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=10)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected key=value, got {pair!r}")
+        try:
+            values[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            values[key.replace("-", "_")] = value
+    return values
+
+
+def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
+        workload = load_trace(args.workload)
+        if args.num_requests is not None:
+            workload = workload[: args.num_requests]
+    else:
+        kwargs: dict[str, Any] = {
+            "seed": args.seed,
+            "vocab_size": args.vocab_size,
+            "text": args.text,
+            **parse_pairs(args.workload_arg),
+        }
+        if args.num_requests is not None:
+            kwargs.setdefault("num_requests", args.num_requests)
+        workload = make_workload(args.workload, **kwargs)
+    arrivals = args.arrivals or (f"poisson:{args.request_rate}" if args.request_rate else None)
+    if arrivals:
+        times = Arrivals.parse(arrivals).times(len(workload), args.seed)
+        for item, at in zip(workload, times, strict=True):
+            item.arrival_time = at
+    return workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after '--' go to 'asyncengine serve' with --launch.",
+    )
+    target = parser.add_argument_group("server")
+    target.add_argument(
+        "--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000"
+    )
+    target.add_argument("--launch", action="store_true", help="start 'asyncengine serve' here")
+    target.add_argument("--config", default=None, help="with --launch: the engine TOML config")
+    target.add_argument("--model", default=None, help="with --launch: the model to serve")
+    target.add_argument("--startup-timeout", type=float, default=300.0)
+    target.add_argument("--server-log", type=Path, default=None, help="with --launch: log file")
+    target.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="generate")
+    target.add_argument("--served-model", default=None, help="'model' of completions requests")
+    load = parser.add_argument_group("workload")
+    load.add_argument("--workload", default="random", help="generator name or a JSONL trace")
+    load.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE")
+    load.add_argument("--num-requests", type=int, default=None)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="prompt ids < this")
+    load.add_argument("--text", action="store_true", help="send pseudo-text prompts, not ids")
+    load.add_argument("--arrivals", default=None, help="burst | poisson:RATE | interval:SECONDS")
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson rate (req/s)")
+    load.add_argument("--max-concurrency", type=int, default=None, help="in-flight requests cap")
+    bounds = parser.add_argument_group("bounds and output")
+    bounds.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    bounds.add_argument("--max-duration", type=float, default=1800.0, help="seconds for the run")
+    bounds.add_argument("--warmup", type=int, default=1, help="short warm-up requests first")
+    bounds.add_argument("--label", default=None, help="a name for this run in the JSON")
+    bounds.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    bounds.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def split_serve_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    own, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
+    if args.launch == (args.base_url is not None):
+        raise SystemExit("give exactly one of --base-url and --launch")
+    if serve_args and not args.launch:
+        raise SystemExit("arguments after '--' are for --launch")
+    workload = load_workload(args)
+    if not workload:
+        raise SystemExit("the workload is empty")
+    server: LaunchedServer | None = None
+    if args.launch:
+        launch_args = list(serve_args)
+        if args.config:
+            launch_args += ["--config", args.config]
+        if args.model:
+            launch_args += ["--model", args.model]
+        log_path = (
+            args.server_log or Path(tempfile.gettempdir()) / f"bench_serving_{os.getpid()}.log"
+        )
+        server = LaunchedServer(launch_args, args.startup_timeout, log_path)
+        server.start()
+        base_url = server.base_url
+    else:
+        base_url = check_loopback(args.base_url)
+    options = RunOptions(
+        base_url=base_url,
+        endpoint=args.endpoint,
+        model=args.served_model,
+        text=args.text,
+        max_concurrency=args.max_concurrency,
+        request_timeout=args.request_timeout,
+        max_duration=args.max_duration,
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
+    try:
+        run = asyncio.run(run_workload(workload, options))
+    finally:
+        exit_code = server.stop() if server is not None else None
+    result = report(run, options)
+    result["label"] = args.label
+    result["workload"] = {
+        "name": args.workload,
+        "num_requests": len(workload),
+        "arguments": parse_pairs(args.workload_arg),
+        "arrivals": args.arrivals
+        or (f"poisson:{args.request_rate}" if args.request_rate else "workload's own"),
+        "seed": args.seed,
+        "prompt_tokens": sum(len(item.prompt_ids) for item in workload),
+        "output_tokens": sum(item.output_len for item in workload),
+    }
+    if server is not None:
+        result["launch"] = {
+            "command": server.command,
+            "log": str(server.log_path),
+            "exit_code": exit_code,
+        }
+    print(table(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
