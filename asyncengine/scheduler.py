@@ -319,6 +319,8 @@ class Scheduler:
                 self.prefilling.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
+                # the whole prompt is in KV now: share it while this request still decodes
+                self.kv.cache(req.seq, req.all_ids[: req.seq.kv_len])
             req.output_ids.append(token)
             req.token_times.append(now)
             if req.first_token_time is None:
