@@ -73,24 +73,15 @@ def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dty
     )
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    """Load the model and set up KV memory, sampler and scheduler (runs off the event loop)."""
-    from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
-    from asyncengine.executor.runner import ModelRunner
-    from asyncengine.executor.sampler import Sampler
-    from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
-
-    started = time.perf_counter()
-    device = pick_device(config)
-    dtype = pick_dtype(config, device)
-    path = resolve_model(config.model, dtype)
-    model_config = ModelConfig.from_hf_dict(load_hf_config(path))
-    tokenizer = Tokenizer(path)
-    weights = load_weights(path, dtype)
+def build_kv_memory(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[KVPool, KVCacheManager, int]:
+    """The KV pool, its manager, and the context length they allow."""
     num_pages = kv_capacity_pages(config, model_config, dtype)
-    capacity = num_pages * config.page_size
     max_model_len = min(
-        config.max_model_len or model_config.max_model_len, model_config.max_model_len, capacity
+        config.max_model_len or model_config.max_model_len,
+        model_config.max_model_len,
+        num_pages * config.page_size,
     )
     pool = KVPool(
         model_config.num_layers,
@@ -108,6 +99,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_pages_per_request=-(-max_model_len // config.page_size),
         enable_prefix_cache=config.enable_prefix_cache,
     )
+    return pool, kv, max_model_len
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Load the model and set up KV memory, sampler and scheduler (runs off the event loop)."""
+    from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
+    from asyncengine.executor.runner import ModelRunner
+    from asyncengine.executor.sampler import Sampler
+    from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    started = time.perf_counter()
+    device = pick_device(config)
+    dtype = pick_dtype(config, device)
+    path = resolve_model(config.model, dtype)
+    model_config = ModelConfig.from_hf_dict(load_hf_config(path))
+    tokenizer = Tokenizer(path)
+    weights = load_weights(path, dtype)
+    pool, kv, max_model_len = build_kv_memory(config, model_config, dtype, device)
     eos_ids = list(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
     sampler = Sampler(eos_token_ids=eos_ids, seed=config.seed)
     runner = ModelRunner(
@@ -131,7 +140,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.model,
         dtype,
         device,
-        num_pages,
+        pool.num_pages,
         config.page_size,
         pool.nbytes / 2**20,
         max_model_len,

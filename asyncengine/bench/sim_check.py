@@ -35,7 +35,6 @@ import torch
 
 from asyncengine.bench.metrics import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.replay import params_for, replay_real
-from asyncengine.cache.kv_pool import KVPool
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
@@ -48,7 +47,7 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler
 from asyncengine.sim.cost_model import CostModel, StepFeatures
 from asyncengine.sim.simulator import VirtualClock, simulate
-from asyncengine.worker import kv_capacity_pages, pick_device, pick_dtype
+from asyncengine.worker import build_kv_memory, pick_device, pick_dtype
 from asyncengine.workloads import WorkloadRequest, random_lengths
 from policies.registry import make_policy
 
@@ -172,28 +171,7 @@ def _build(config: EngineConfig) -> _RealParts:
     dtype = pick_dtype(config, device)
     path = resolve_model(config.model, dtype)
     model_config = ModelConfig.from_hf_dict(load_hf_config(path))
-    num_pages = kv_capacity_pages(config, model_config, dtype)
-    max_model_len = min(
-        config.max_model_len or model_config.max_model_len,
-        model_config.max_model_len,
-        num_pages * config.page_size,
-    )
-    pool = KVPool(
-        model_config.num_layers,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        num_pages,
-        config.page_size,
-        dtype,
-        device,
-    )
-    kv = KVCacheManager(
-        num_pages,
-        config.page_size,
-        max_requests=config.max_running_requests,
-        max_pages_per_request=-(-max_model_len // config.page_size),
-        enable_prefix_cache=config.enable_prefix_cache,
-    )
+    pool, kv, max_model_len = build_kv_memory(config, model_config, dtype, device)
     eos = list(model_config.eos_token_ids)
     runner = ModelRunner(
         model_config,
