@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.config import EngineConfig
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.workloads import make_workload
@@ -58,7 +59,6 @@ from asyncengine.workloads.trace import WorkloadRequest
 SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")
 # Not a prefix of any generated prompt (random ids), so the warm-up never turns into cache hits.
 WARMUP_PROMPT = list(range(3, 19))
-log = logging.getLogger("bench_offline")
 
 
 @dataclass(slots=True)
@@ -492,6 +492,8 @@ def compare_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
         engine_config(args, enable_prefix_cache=False), workload, "radix-off", progress
     )
     prompt_tokens = sum(len(item.prompt_ids) for item in workload)
+    page_size = on.extra["engine_config"]["page_size"]
+    best = optimal_hit([item.prompt_ids for item in workload], page_size)
     on_computed = on.extra["miss_tokens"]
     off_computed = off.extra["miss_tokens"]
     return {
@@ -506,6 +508,8 @@ def compare_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_saved_fraction": (off_computed - on_computed) / off_computed
         if off_computed
         else 0.0,
+        "optimal_hit_tokens": best.hit_tokens,  # the offline bound over all orders
+        "hit_vs_optimal": on.extra["hit_tokens"] / best.hit_tokens if best.hit_tokens else None,
         "greedy_agreement_on_vs_off": asdict(agreement(off.outputs, on.outputs)),
     }
 
@@ -563,7 +567,9 @@ def table(result: dict[str, Any]) -> str:
             f"radix on vs off: {result['speedup_radix_on_vs_off']:.2f}x faster; prefill tokens "
             f"computed {result['prefill_tokens_computed_on']} vs "
             f"{result['prefill_tokens_computed_off']} "
-            f"({result['prefill_saved_fraction']:.1%} saved)"
+            f"({result['prefill_saved_fraction']:.1%} saved); hits "
+            f"{result['runs']['radix-on']['hit_tokens']} of an optimal "
+            f"{result['optimal_hit_tokens']}"
         )
     elif "speedup_vs_fastest_hf" in result:
         lines.append("")

@@ -150,6 +150,7 @@ def test_offline_shared_prefix_saves_prefill(
     # later questions of a group find whole pages (16 tokens) of its prefix in the tree
     assert on["hit_tokens"] >= 16 and on["hit_tokens"] % 16 == 0
     assert result["prefill_tokens_saved"] == on["hit_tokens"]
+    assert 0 < on["hit_tokens"] <= result["optimal_hit_tokens"]
     assert 0 < result["prefill_saved_fraction"] < 1
     assert result["speedup_radix_on_vs_off"] > 0
 
