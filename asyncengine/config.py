@@ -25,7 +25,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     # the model
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto: bfloat16 on CPU and CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU whichever of bf16/fp32 runs faster
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0

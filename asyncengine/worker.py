@@ -13,6 +13,7 @@ import torch
 from asyncengine.cache.kv_pool import KVPool
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.executor.cpu_dtype import fastest_cpu_dtype
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.scheduler import Scheduler
 from policies import make_policy
@@ -44,6 +45,8 @@ def pick_device(config: EngineConfig) -> torch.device:
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
+        if device.type == "cpu":
+            return fastest_cpu_dtype()
         return torch.bfloat16
     if config.dtype == "float16" and device.type == "cpu":
         raise ConfigError(

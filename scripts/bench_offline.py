@@ -14,7 +14,9 @@ Every system gets the same prompts (token ids) and generates exactly each reques
 - ``hf-cb``: transformers' continuous batching (``generation/continuous_batching``). Its
   ``generate_batch`` takes one ``max_new_tokens`` per call, so instead of bucketing we drive its
   manager directly (``continuous_batching_context_manager`` + ``add_request(...,
-  max_new_tokens=output_len)``): one run, every request its own length, identical work.
+  max_new_tokens=output_len)``): one run, every request its own length, identical work. At most
+  ``--batch-size`` requests share a forward (``max_requests_per_batch``): its CPU attention
+  spans one mask over the whole batch, whose cost grows with the square of the batch.
 
 Setup (model load, engine start, manager start) is outside the timed region; each system runs
 one small warm-up first. Greedy agreement with asyncengine is reported per HF mode: the
@@ -286,6 +288,7 @@ def run_hf_continuous(
     model: Any,
     workload: Sequence[WorkloadRequest],
     max_batch_tokens: int = 2048,
+    max_requests_per_batch: int = 32,
     progress: bool = True,
 ) -> SystemRun:
     from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -304,8 +307,13 @@ def run_hf_continuous(
     # itself on a CPU, transformers sizes the cache from a guess at free memory (many GiB).
     page = 256
     blocks = sum(-(-(len(item.prompt_ids) + item.output_len) // page) for item in workload)
+    # Its CPU (sdpa) path attends over one mask spanning every request of the batch, so its cost
+    # grows with the square of the requests in flight: cap them like hf-padded's batch size.
     cb_config = ContinuousBatchingConfig(
-        page_size=page, num_blocks=blocks + 2, max_batch_tokens=max_batch_tokens
+        page_size=page,
+        num_blocks=blocks + 2,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch,
     )
     outputs: list[list[int]] = [[] for _ in workload]
     bar = tqdm(total=len(workload), desc="hf-cb", unit="req", disable=not progress)
@@ -328,7 +336,12 @@ def run_hf_continuous(
     for i, tokens in results.items():
         outputs[i] = tokens
     useful = sum(item.output_len for item in workload)
-    extra = {"max_batch_tokens": max_batch_tokens, "num_blocks": blocks + 2, "page_size": page}
+    extra = {
+        "max_batch_tokens": max_batch_tokens,
+        "max_requests_per_batch": max_requests_per_batch,
+        "num_blocks": blocks + 2,
+        "page_size": page,
+    }
     return SystemRun("hf-cb", timing, useful, sum(len(o) for o in outputs), outputs, extra)
 
 
@@ -433,17 +446,37 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
     workload = offline_workload(args)
     progress = not args.no_progress
     runs: dict[str, SystemRun] = {}
+
+    def finished(run: SystemRun) -> None:
+        """Keep the run, say so, and save what is known: a later system may take hours."""
+        runs[run.system] = run
+        print(
+            f"{run.system}: {run.seconds:.1f} s wall, {run.cpu_seconds:.1f} s CPU, "
+            f"{run.tokens_per_second:.1f} out tok/s",
+            flush=True,
+        )
+        if args.out is not None:
+            write_json(args.out, {**systems_result(runs, workload, args), "partial": True})
+
     if "asyncengine" in args.systems:
-        runs["asyncengine"] = run_asyncengine(engine_config(args), workload, progress=progress)
+        finished(run_asyncengine(engine_config(args), workload, progress=progress))
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     if hf_systems:
         model = load_hf_model(args.model, args.dtype)
         if "hf-padded" in hf_systems:
-            runs["hf-padded"] = run_hf_padded(model, workload, args.batch_size, progress)
+            finished(run_hf_padded(model, workload, args.batch_size, progress))
         if "hf-cb" in hf_systems:
-            runs["hf-cb"] = run_hf_continuous(
-                model, workload, args.hf_cb_max_batch_tokens, progress
+            finished(
+                run_hf_continuous(
+                    model, workload, args.hf_cb_max_batch_tokens, args.batch_size, progress
+                )
             )
+    return systems_result(runs, workload, args)
+
+
+def systems_result(
+    runs: dict[str, SystemRun], workload: Sequence[WorkloadRequest], args: argparse.Namespace
+) -> dict[str, Any]:
     result: dict[str, Any] = {
         "mode": "systems",
         "workload": _workload_info(workload, "random", args),
@@ -586,6 +619,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model name, HF dir or .gguf")
@@ -611,7 +649,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="what to run"
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="hf-padded batch size")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="hf-padded batch size; also hf-cb's cap on requests per forward",
+    )
     parser.add_argument(
         "--hf-cb-max-batch-tokens",
         type=int,
@@ -646,8 +689,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["bench_seconds"] = time.time() - started
     print(table(result))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 

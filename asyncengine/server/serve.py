@@ -209,12 +209,13 @@ async def run_server(
         log.info("shutting down: no new connections; in-flight requests get %.0fs", shutdown_grace)
         app[STATE].shutting_down = True
     finally:
+        # the periodic line goes on while in-flight requests drain: the operator sees them finish
+        if runner is not None:
+            await drain(runner, engine, shutdown_grace)
         if logger_task is not None:
             logger_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await logger_task
-        if runner is not None:
-            await drain(runner, engine, shutdown_grace)
         await engine.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)
