@@ -26,7 +26,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
         "'a+b' to compose an ordering with a budget, or 'package.module:Class'",
     ),
-    ("--dtype", "dtype", str, "auto (CPU: bf16 where it outruns fp32) | bfloat16 | float32 | float16 (CUDA)"),
+    (
+        "--dtype",
+        "dtype",
+        str,
+        "auto (CPU: bf16 where it outruns fp32) | bfloat16 | float32 | float16 (CUDA)",
+    ),
     ("--device", "device", str, "auto | cpu | cuda"),
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--kv-cache-tokens", "kv_cache_tokens", int, "KV pool capacity in tokens"),
