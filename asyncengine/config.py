@@ -41,11 +41,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     policy_options: dict[str, Any] = {}
     max_running_requests: int = 128
     max_waiting_requests: int = 4096
-    max_prefill_tokens: int = 4096  # prefill tokens per step
+    max_prefill_tokens: int = 4096  # prefill tokens per step (and at most one chunk when chunking)
     chunked_prefill_size: int = 1024  # longest prefill chunk; 0 turns chunking off
     enable_mixed_batch: bool = True  # decodes ride along with a prefill chunk in one forward
     max_consecutive_prefill_steps: int = 4  # then a decode step, so decodes are never starved
     policy_window: int = 128  # the policy orders at most this many oldest waiting requests
+    # a waiting prompt that shares an uncached page with a prompt admitted in the same step
+    # waits a step and takes it from the prefix cache instead of computing it again
+    enable_inbatch_prefix_dedup: bool = True
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001

@@ -19,6 +19,7 @@ from asyncengine.cache.manager import KVCacheManager, OutOfPagesError
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.request import Request, RequestStatus
+from asyncengine.step_prefixes import StepPrefixes
 from policies.base import Policy, PolicyContext, StepBudget
 
 log = logging.getLogger("asyncengine.scheduler")
@@ -60,7 +61,12 @@ class Scheduler:
         self.step_count = 0
         self.consecutive_prefill_steps = 0
         self.total_retractions = 0
+        self.total_prefix_deferrals = 0
         self.inflight: BatchPlan | None = None
+        # the uncached prefixes this step's prefills compute, when in-batch dedup is on
+        self.step_prefixes: StepPrefixes | None = None
+        if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
+            self.step_prefixes = StepPrefixes(self.page_size)
 
     # -- queue ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -217,11 +223,17 @@ class Scheduler:
 
     def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> None:
         """Fill ``plan.extends`` under the step's token budget and the KV memory check."""
-        remaining = budget.prefill_tokens
+        chunk = budget.chunk_size
+        # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
+        # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
+        # prompt's last chunk, the next prompt's first and short prompts between them.
+        remaining = min(budget.prefill_tokens, chunk) if chunk else budget.prefill_tokens
         if budget.total_tokens is not None:
             remaining = min(remaining, budget.total_tokens - num_decodes)
-        chunk = budget.chunk_size
         ps = self.page_size
+        dedup = self.step_prefixes
+        if dedup is not None:
+            dedup.clear()
         # the request mid-chunk goes first
         for req in list(self.prefilling):
             if remaining <= 0:
@@ -230,9 +242,12 @@ class Scheduler:
             take = min(todo, remaining, chunk) if chunk else todo
             if take < todo and chunk and take >= ps:
                 take = take // ps * ps
+            computed = req.seq.kv_len
             if not self._try_extend(req, take):
                 return
             self._add_extend(plan, req, take)
+            if dedup is not None:
+                dedup.add(req.all_ids, computed)
             remaining -= take
         slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
         if not self.waiting or remaining <= 0 or slots <= 0 or (self.chunked is not None and chunk):
@@ -251,7 +266,13 @@ class Scheduler:
             if self.chunked is not None and chunk:
                 break  # at most one request mid-chunk
             ids = req.all_ids
-            estimate = len(ids) - self.kv.match_length(ids)
+            matched = self.kv.match_length(ids)
+            if dedup is not None and dedup.shares(ids, matched):
+                # another prompt of this step computes the same uncached page: left waiting,
+                # this one takes it (and whatever more they share) from the cache next step
+                self.total_prefix_deferrals += 1
+                continue
+            estimate = len(ids) - matched
             future = self._future_tokens(req)
             need = self._pages_for(0, estimate) + math.ceil((reserved + future) * ratio / ps)
             alone = not self.running and not self.prefilling and not plan.extends
@@ -274,6 +295,8 @@ class Scheduler:
                 req.cached_tokens = req.seq.num_cached
             self.prefilling.append(req)
             self._add_extend(plan, req, take)
+            if dedup is not None:
+                dedup.add(ids, req.seq.num_cached)
             remaining -= take
             slots -= 1
             reserved += future
@@ -365,6 +388,7 @@ class Scheduler:
             "running": len(self.running) + len(self.prefilling),
             "waiting": len(self.waiting),
             "retractions": self.total_retractions,
+            "prefix_deferrals": self.total_prefix_deferrals,
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

@@ -2,7 +2,8 @@
 """Offline throughput: asyncengine against Hugging Face transformers on the same requests.
 
 Every system gets the same prompts (token ids) and generates exactly each request's
-``output_len`` tokens, greedily, ignoring EOS, in the same dtype (bfloat16 by default):
+``output_len`` tokens, greedily, ignoring EOS, in the same dtype (by default the engine's own pick: on CPU the faster of bfloat16 and
+float32 on this machine):
 
 - ``asyncengine``: every request submitted at once to one ``AsyncEngine``; wall time from the
   first submission to the last finish.
@@ -627,7 +628,12 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model name, HF dir or .gguf")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="auto: the engine's choice (on CPU the faster of bf16 and fp32 on this machine)",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--config", default=None, help="TOML engine config for asyncengine")
     parser.add_argument(
@@ -675,8 +681,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype every system runs in: ``auto`` becomes the engine's own pick for the device."""
+    if dtype != "auto":
+        return dtype
+    from asyncengine.worker import pick_device, pick_dtype
+
+    config = EngineConfig(model="smollm2-135m", dtype="auto", device=device)
+    return str(pick_dtype(config, pick_device(config))).removeprefix("torch.")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype, args.device)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.time()
     result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)

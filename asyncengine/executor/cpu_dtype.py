@@ -16,22 +16,30 @@ import torch
 
 # a decode-sized GEMM: big enough that the kernel path dominates, small enough for a slow path
 _PROBE_SHAPE = (32, 256, 256)
-_PROBE_REPEATS = 3
+_PROBE_REPEATS = 5
 
 
 @functools.cache
 def cpu_matmul_seconds(dtype: torch.dtype) -> float:
-    """Best of a few timings of one [M, K] @ [K, N] product in ``dtype`` on the CPU."""
+    """Best of a few timings of one [M, K] @ [K, N] product in ``dtype`` on the CPU.
+
+    On one thread: a multi-threaded product on a busy machine waits for its slowest thread
+    (seen: a 0.05 ms product taking 20 ms), which measures the load, not the kernel."""
     m, k, n = _PROBE_SHAPE
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=generator).to(dtype)
     b = torch.randn(k, n, generator=generator).to(dtype)
-    torch.mm(a, b)  # the first call picks and primes the kernel
-    best = float("inf")
-    for _ in range(_PROBE_REPEATS):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.mm(a, b)  # the first call picks and primes the kernel
+        best = float("inf")
+        for _ in range(_PROBE_REPEATS):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 

@@ -1,0 +1,198 @@
+"""Admission: in-batch prefix dedup and the chunk bounding a whole step's prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import EngineConfig
+from asyncengine.plan import BatchPlan
+from asyncengine.scheduler import Scheduler
+from asyncengine.step_prefixes import StepPrefixes
+from policies import make_policy
+from tests.fake_runner import EOS, FakeRunner, reference_output
+from tests.test_scheduler import Clock, drive, submit
+
+PAGE = 4
+
+
+def make(
+    policy: str = "fcfs", enable_prefix_cache: bool = True, **overrides: object
+) -> tuple[Scheduler, FakeRunner, Clock]:
+    config = EngineConfig(
+        page_size=PAGE,
+        policy=policy,
+        enable_prefix_cache=enable_prefix_cache,
+        **overrides,  # type: ignore[arg-type]
+    )
+    kv = KVCacheManager(256, PAGE, config.max_running_requests, 1024 // PAGE, enable_prefix_cache)
+    clock = Clock()
+    sched = Scheduler(config, kv, make_policy(policy, config.policy_options), [EOS], 1024, clock)
+    return sched, FakeRunner(kv), clock
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> BatchPlan:
+    plan = sched.schedule()
+    assert plan is not None
+    sched.commit(plan, runner.execute(plan))
+    sched.kv.check_invariant()
+    return plan
+
+
+SHARED = list(range(1, 2 * PAGE + 1))  # two whole pages, not cached at first
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
+def test_sibling_waits_a_step_and_hits_the_shared_pages(policy: str) -> None:
+    sched, runner, clock = make(policy)
+    items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
+    reqs = submit(sched, clock, items)
+    first = step(sched, runner)
+    assert len(first.extends) == 1  # one sibling computes the shared pages, the other waits
+    later = {r.rid for r in reqs} - {first.extends[0].rid}
+    plans = [first, *drive(sched, runner, clock)]
+    second = next(p for p in plans if any(s.rid in later for s in p.extends))
+    (seg,) = [s for s in second.extends if s.rid in later]
+    assert seg.start_pos == len(SHARED)  # only its own suffix is computed
+    waited = next(r for r in reqs if r.rid in later)
+    assert waited.cached_tokens == len(SHARED)
+    assert sched.kv.hit_tokens == len(SHARED)
+    assert sched.stats()["prefix_deferrals"] >= 1
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"enable_inbatch_prefix_dedup": False}, {"enable_prefix_cache": False}],
+    ids=["dedup-off", "cache-off"],
+)
+def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, bool]) -> None:
+    sched, runner, clock = make(**overrides)  # type: ignore[arg-type]
+    reqs = submit(sched, clock, [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)])
+    assert len(step(sched, runner).extends) == 2
+    drive(sched, runner, clock)
+    assert [r.cached_tokens for r in reqs] == [0, 0]
+    assert sched.stats()["prefix_deferrals"] == 0
+
+
+def test_deferral_skips_only_the_sibling_not_the_requests_behind_it() -> None:
+    sched, runner, clock = make()
+    other = list(range(500, 511))
+    reqs = submit(sched, clock, [(SHARED + [100, 101], 2), (SHARED + [200, 201], 2), (other, 2)])
+    assert {s.rid for s in step(sched, runner).extends} == {reqs[0].rid, reqs[2].rid}
+    plan = step(sched, runner)
+    assert [s.rid for s in plan.extends] == [reqs[1].rid]
+    assert plan.extends[0].start_pos == len(SHARED)
+
+
+def test_sharing_less_than_a_whole_uncached_page_is_not_deferred() -> None:
+    sched, runner, clock = make()
+    head = SHARED[: PAGE - 1]  # three tokens: no page the cache could share
+    submit(sched, clock, [(head + [100] * 8, 2), (head + [200] * 8, 2)])
+    assert len(step(sched, runner).extends) == 2
+
+
+def test_a_shared_last_page_the_cache_cannot_serve_is_not_deferred() -> None:
+    # The second prompt is exactly the first shared page: the cache never serves a prompt's
+    # last token, so it would compute that page anyway and has nothing to wait for.
+    sched, runner, clock = make()
+    reqs = submit(sched, clock, [(SHARED + [100, 101], 2), (SHARED[:PAGE], 2)])
+    assert len(step(sched, runner).extends) == 2
+    drive(sched, runner, clock)
+    assert reqs[1].cached_tokens == 0
+
+
+def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
+    sched, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=8)
+    long_prompt = list(range(1, 21))  # chunks [0, 8), [8, 16), [16, 20)
+    sibling = long_prompt + [99, 98, 97, 96, 95]  # shares all five pages of it
+    reqs = submit(sched, clock, [(long_prompt, 2), (sibling, 2)])
+    plans = drive(sched, runner, clock)
+    last_chunk = next(p for p in plans if any(s.rid == "r0" and s.sample for s in p.extends))
+    assert [s.rid for s in last_chunk.extends] == ["r0"]  # room for 4 more, but it waits
+    assert reqs[1].cached_tokens == len(long_prompt)
+    assert reqs[1].output_ids == reference_output(sibling, 2)
+
+
+def test_tree_of_prompts_computes_every_shared_page_once() -> None:
+    # Three levels of a tree, all queued at once: with dedup every page is computed once.
+    root = list(range(1, 3 * PAGE + 1))
+    prompts = []
+    for a in range(3):
+        child = root + [100 + a] * 2 * PAGE
+        for b in range(3):
+            prompts.append(child + [200 + b] * PAGE + [7])
+    distinct_pages = {tuple(p[: i + PAGE]) for p in prompts for i in range(0, len(p) - 1, PAGE)}
+    for dedup, expect_once in [(True, True), (False, False)]:
+        sched, runner, clock = make(enable_inbatch_prefix_dedup=dedup)
+        reqs = submit(sched, clock, [(p, 2) for p in prompts])
+        drive(sched, runner, clock)
+        computed = sum(len(p) for p in prompts) - sched.kv.hit_tokens
+        once = len(distinct_pages) * PAGE + len(prompts)  # every page once, plus each last token
+        assert (computed == once) is expect_once, (dedup, computed, once)
+        for req, prompt in zip(reqs, prompts, strict=True):
+            assert req.output_ids == reference_output(prompt, 2)
+
+
+def test_step_prefixes_confirms_a_key_by_the_cached_head() -> None:
+    prefixes = StepPrefixes(PAGE)
+    page = [9, 9, 9, 9]
+    prefixes.add([1, 2, 3, 4, *page, 5], computed=PAGE)
+    # same length cached and the same next page, but behind another cached head
+    assert not prefixes.shares([6, 6, 6, 6, *page, 7], matched=PAGE)
+    assert prefixes.shares([1, 2, 3, 4, *page, 7], matched=PAGE)
+    prefixes.clear()
+    assert not prefixes.shares([1, 2, 3, 4, *page, 7], matched=PAGE)
+
+
+# -- the chunk bounds the step ------------------------------------------------------------
+
+
+def prefill_tokens(plan: BatchPlan) -> int:
+    return sum(s.num_tokens for s in plan.extends)
+
+
+def long_and_short_items() -> list[tuple[list[int], int]]:
+    # A long prompt's last chunk leaves room that short prompts and the next long prompt's
+    # first chunk would fill if only max_prefill_tokens bounded the step.
+    longs = [list(range(1000 + 30 * i, 1030 + 30 * i)) for i in range(3)]
+    shorts = [[2000 + 10 * i + k for k in range(3)] for i in range(6)]
+    return [(longs[0], 3), *[(s, 3) for s in shorts[:3]], (longs[1], 3)] + [
+        *[(s, 3) for s in shorts[3:]],
+        (longs[2], 3),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "dynamic-chunking"])
+def test_chunk_size_bounds_a_steps_prefill(policy: str) -> None:
+    options = {"min_chunk": PAGE} if policy == "dynamic-chunking" else {}
+    sched, runner, clock = make(
+        policy, chunked_prefill_size=8, max_prefill_tokens=64, policy_options=options
+    )
+    items = long_and_short_items()
+    reqs = submit(sched, clock, items)
+    plans = drive(sched, runner, clock)
+    assert prefill_tokens(plans[0]) == 8
+    assert max(prefill_tokens(p) for p in plans) <= 8
+    assert any(len(p.extends) > 1 for p in plans), "short prompts never shared a step"
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
+
+
+def test_a_policy_budget_below_the_chunk_still_bounds_the_step() -> None:
+    sched, runner, clock = make(
+        "token-budget",
+        chunked_prefill_size=16,
+        max_prefill_tokens=64,
+        policy_options={"prefill_tokens": 8, "total_tokens": 64},
+    )
+    submit(sched, clock, long_and_short_items())
+    plans = drive(sched, runner, clock)
+    assert max(prefill_tokens(p) for p in plans) == 8
+
+
+def test_without_chunking_the_step_budget_is_max_prefill_tokens() -> None:
+    sched, runner, clock = make(chunked_prefill_size=0, max_prefill_tokens=64)
+    submit(sched, clock, [(list(range(1, 31)), 2), (list(range(100, 130)), 2)])
+    assert prefill_tokens(step(sched, runner)) == 60
