@@ -280,6 +280,8 @@ class Scheduler:
                 break
             if not chunk and estimate > remaining and not alone:
                 break  # chunking off: a prompt over the budget runs alone
+            if chunk and ps <= estimate and remaining < ps and not alone:
+                break  # the budget left is less than a page: start this prompt next step
             req.seq = self.kv.open(ids)
             todo = len(ids) - req.seq.kv_len
             take = todo if not chunk else min(todo, remaining, chunk)

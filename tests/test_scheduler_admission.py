@@ -196,3 +196,17 @@ def test_without_chunking_the_step_budget_is_max_prefill_tokens() -> None:
     sched, runner, clock = make(chunked_prefill_size=0, max_prefill_tokens=64)
     submit(sched, clock, [(list(range(1, 31)), 2), (list(range(100, 130)), 2)])
     assert prefill_tokens(step(sched, runner)) == 60
+
+
+def test_a_prompt_does_not_start_with_less_than_a_page() -> None:
+    # 6 tokens of the 8-token step budget go to the first prompt; the 2 left are less than a
+    # page, so the 9-token prompt starts next step with a whole-page chunk instead
+    sched, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=64)
+    first, second = list(range(1, 7)), list(range(100, 109))
+    reqs = submit(sched, clock, [(first, 2), (second, 2)])
+    plan = step(sched, runner)
+    assert [(s.rid, len(s.input_ids)) for s in plan.extends] == [(reqs[0].rid, len(first))]
+    plans = drive(sched, runner, clock)
+    starts = [s for p in plans for s in p.extends if s.rid == reqs[1].rid]
+    assert starts[0].start_pos == 0 and len(starts[0].input_ids) >= PAGE
+    assert [r.output_ids for r in reqs] == [reference_output(first, 2), reference_output(second, 2)]
