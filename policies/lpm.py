@@ -1,35 +1,66 @@
-"""lpm: longest cached prefix first, with aging so a cache miss cannot wait forever."""
+"""lpm: longest cached prefix first, with aging so a cache miss cannot wait forever.
+
+Waiting time is measured in work, not seconds: a request's wait counts as the prompt tokens
+the engine prefills in that time (seconds waited x the measured prefill rate, see
+``PrefillRate``). So the balance between a cache hit and a long wait is the same on a CPU that
+prefills 1,000 tokens per second and on a GPU that prefills 50,000: queue waits scale with the
+machine's speed, and so does the rate.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from asyncengine.plan import BatchPlan
 from asyncengine.request import Request
 from policies.base import Policy, PolicyContext, take_options
+from policies.prefill_rate import PrefillRate
 
 
 class LPMPolicy(Policy):
-    """Priority = cached prefix tokens + ``aging_tokens_per_second`` * seconds waited.
+    """Priority = cached prefix tokens + ``aging`` x (tokens prefilled in the time waited).
 
-    A request that has waited ``max_wait_seconds`` goes before every younger one, whatever
-    its match: the aging term makes that rare, the cap makes it certain.
+    A request that has waited as long as the engine takes to prefill ``max_wait_tokens``
+    tokens goes before every younger one, whatever its match: the aging term makes that rare,
+    the cap makes it certain. Until a prefill step has been observed the rate is unknown and
+    the order is by cached prefix alone.
     """
 
     name = "lpm"
     orders = True
 
     def __init__(self, **options: Any) -> None:
-        opts = take_options(
-            self.name, options, {"aging_tokens_per_second": 256.0, "max_wait_seconds": 30.0}
-        )
-        self.aging = opts["aging_tokens_per_second"]
-        self.max_wait = opts["max_wait_seconds"]
+        opts = take_options(self.name, options, {"aging": 0.01, "max_wait_tokens": 1_000_000})
+        if opts["aging"] < 0 or opts["max_wait_tokens"] < 1:
+            raise ValueError("policy 'lpm': 'aging' must be >= 0 and 'max_wait_tokens' >= 1")
+        self.aging = opts["aging"]
+        self.max_wait_tokens = opts["max_wait_tokens"]
+        self.prefill_rate = PrefillRate()
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        self.prefill_rate.add(plan, seconds)
 
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
-        def key(req: Request) -> tuple[bool, float, float]:
-            waited = ctx.now - req.arrival_time
-            starving = waited >= self.max_wait
-            score = ctx.prefix_len(req.all_ids) + self.aging * waited
-            return (not starving, -score, req.arrival_time)
-
-        return sorted(waiting, key=key)
+        if len(waiting) < 2:
+            return waiting
+        rate = self.prefill_rate.tokens_per_second
+        aging = self.aging * rate  # priority tokens per second waited
+        cap = self.max_wait_tokens
+        now = ctx.now
+        prefix_len = ctx.prefix_len
+        # The cache matches whole pages: a prompt whose first page is not cached matches
+        # nothing, and asking about its first page + 1 tokens (the last token of a prompt is
+        # never matched) is much cheaper than handing over the whole prompt.
+        probe = ctx.config.page_size + 1
+        keyed: list[tuple[bool, float, float, int]] = []
+        for index, req in enumerate(waiting):
+            ids = req.all_ids
+            cached = prefix_len(ids[:probe])
+            if cached and len(ids) > probe:
+                cached = prefix_len(ids)
+            arrival = req.arrival_time
+            waited = now - arrival
+            starving = waited * rate >= cap
+            keyed.append((not starving, -(cached + aging * waited), arrival, index))
+        keyed.sort()
+        return [waiting[item[3]] for item in keyed]

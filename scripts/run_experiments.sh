@@ -32,7 +32,7 @@ compare shared_prefix --workload shared_prefix --arrivals burst \
 
 # 2b. The same requests arriving at 2 per second: LPM's aging now matters.
 compare shared_prefix_poisson --workload shared_prefix --arrivals poisson:2 \
-    --configs "${POLICIES[@]}" "$EXTRA/lpm-slow-aging.toml" --set kv_cache_tokens=4096
+    --configs "${POLICIES[@]}" --set kv_cache_tokens=4096
 
 # 3. Chat: 32 conversations x 4 turns, turn by turn, 4 requests per second; the pool (16384
 #    tokens) holds every conversation.
@@ -48,7 +48,7 @@ compare tree_of_thought --workload tree_of_thought --arrivals burst \
 #    chunked prefill and mixed batches on and off.
 compare long_short --workload long_short --arrivals interval:1 \
     --configs "${POLICIES[@]}" "$EXTRA/fcfs-no-chunk.toml" "$EXTRA/fcfs-no-mixed.toml" \
-    "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-step-budget-1024.toml"
+    "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-chunk-256.toml"
 
 # 6. The simulator against the real engine (SmolLM2-135M, bf16, one torch thread).
 if [[ "${1:-}" == "--real" ]]; then

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, Segment
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
 from policies import PolicyContext, make_policy
 from policies.dynamic_chunking import DynamicChunkingPolicy
+from policies.lpm import LPMPolicy
+from policies.prefill_rate import PrefillRate
 
 
 def req(rid: str, ids: list[int], arrival: float = 0.0) -> Request:
@@ -34,6 +37,18 @@ def ctx(
     )
 
 
+def cached_ctx(*prompts: list[int]) -> PolicyContext:
+    """A context whose prefix lengths come from a real KV cache (page 16) holding ``prompts``."""
+    kv = KVCacheManager(num_pages=64, page_size=16, max_requests=4, max_pages_per_request=16)
+    for prompt in prompts:
+        seq = kv.open(prompt)
+        kv.extend(seq, len(prompt) - seq.kv_len)
+        kv.close(seq, prompt)
+    context = ctx()
+    context.prefix_len = kv.match_length
+    return context
+
+
 def test_fcfs_keeps_arrival_order() -> None:
     waiting = [req("a", [1]), req("b", [2]), req("c", [3])]
     assert make_policy("fcfs").order(waiting, ctx()) == waiting
@@ -49,21 +64,83 @@ def test_lpm_prefers_longest_cached_prefix() -> None:
     assert [r.rid for r in order] == ["hot", "warm", "cold"]
 
 
+def prefill_step(tokens: int) -> BatchPlan:
+    plan = BatchPlan(step=0)
+    plan.extends.append(Segment("p", 0, [1] * tokens, 0, sample=True))
+    return plan
+
+
+def lpm_on_a_machine(prefill_tokens_per_second: float, **options: object) -> LPMPolicy:
+    """An LPM policy that has watched one step prefill at the given speed."""
+    policy = make_policy("lpm", options)
+    assert isinstance(policy, LPMPolicy)
+    policy.observe(prefill_step(1024), 1024 / prefill_tokens_per_second)
+    return policy
+
+
 def test_lpm_aging_serves_a_cold_request_eventually() -> None:
+    policy = lpm_on_a_machine(1000.0, aging=0.01, max_wait_tokens=10**9)
     cold = req("cold", [9, 9, 9], arrival=0.0)
-    policy = make_policy("lpm", {"aging_tokens_per_second": 16.0, "max_wait_seconds": 1000.0})
-    # a fresh hot request (64 cached tokens) goes first while the cold one has waited 2 s ...
+    # a fresh hot request (64 cached tokens) goes first while the cold one has waited 2 s
+    # (2,000 prefilled tokens' worth: 20 tokens of priority) ...
     hot = req("hot", [5, 6, 7, 8], arrival=2.0)
     assert [r.rid for r in policy.order([cold, hot], ctx({(5, 6): 64}, now=2.0))] == ["hot", "cold"]
-    # ... but after 5 s its aging term (16 tokens/s) beats the match of newly arrived hot requests
-    hot = req("hot", [5, 6, 7, 8], arrival=5.0)
-    assert [r.rid for r in policy.order([cold, hot], ctx({(5, 6): 64}, now=5.0))] == ["cold", "hot"]
-    # the hard cap works whatever the match
-    capped = make_policy("lpm", {"aging_tokens_per_second": 0.0, "max_wait_seconds": 5.0})
+    # ... but after 10 s its aging term (100 tokens) beats the match of newly arrived hot ones
+    hot = req("hot", [5, 6, 7, 8], arrival=10.0)
+    assert [r.rid for r in policy.order([cold, hot], ctx({(5, 6): 64}, now=10.0))] == [
+        "cold",
+        "hot",
+    ]
+    # the hard cap works whatever the match: 9 s at 1,000 tokens/s is past 5,000 tokens
+    capped = lpm_on_a_machine(1000.0, aging=0.0, max_wait_tokens=5000)
     assert [r.rid for r in capped.order([hot, cold], ctx({(5, 6): 10**6}, now=9.0))] == [
         "cold",
         "hot",
     ]
+
+
+@pytest.mark.parametrize("waited_tokens", [2_000, 10_000, 40_000])
+def test_lpm_aging_is_the_same_on_a_slow_and_a_fast_machine(waited_tokens: int) -> None:
+    """Waits scale with the machine's speed: a request that waited 100x longer on a machine
+    that prefills 100x slower is in the same position, so it must rank the same."""
+    decisions = []
+    for rate in (200.0, 20_000.0):
+        policy = lpm_on_a_machine(rate, aging=0.01, max_wait_tokens=30_000)
+        now = waited_tokens / rate
+        cold = req("cold", [9, 9, 9], arrival=0.0)
+        warm = req("warm", [1, 2, 3], arrival=now / 2)
+        hot = req("hot", [5, 6, 7, 8], arrival=now)
+        table = {(5, 6): 10**6, (1, 2): 32}
+        order = policy.order([cold, warm, hot], ctx(table, now=now))
+        decisions.append([r.rid for r in order])
+    assert decisions[0] == decisions[1]
+    expected = {
+        2_000: ["hot", "warm", "cold"],  # aging 20 tokens (warm 10 + 32): the matches decide
+        10_000: ["hot", "cold", "warm"],  # cold's aging (100) passes warm's 50 + 32
+        40_000: ["cold", "hot", "warm"],  # the cap: past 30,000 tokens waited, first
+    }
+    assert decisions[0] == expected[waited_tokens]
+
+
+def test_lpm_without_a_measured_rate_orders_by_match_alone() -> None:
+    policy = make_policy("lpm")
+    cold = req("cold", [9, 9, 9], arrival=0.0)
+    hot = req("hot", [5, 6, 7, 8], arrival=10**6)
+    assert [r.rid for r in policy.order([cold, hot], ctx({(5, 6): 16}, now=10**6))] == [
+        "hot",
+        "cold",
+    ]
+
+
+def test_prefill_rate_counts_prefill_steps_and_fades_old_ones() -> None:
+    rate = PrefillRate(decay=0.5)
+    assert rate.tokens_per_second == 0.0
+    rate.add(prefill_step(1000), 1.0)
+    assert rate.tokens_per_second == pytest.approx(1000.0)
+    rate.add(BatchPlan(step=1), 5.0)  # no prefill: not counted
+    assert rate.tokens_per_second == pytest.approx(1000.0)
+    rate.add(prefill_step(1000), 0.25)  # the machine got faster
+    assert rate.tokens_per_second == pytest.approx((500 + 1000) / (0.5 + 0.25))
 
 
 def test_dfs_weight_groups_siblings_heaviest_first() -> None:
@@ -79,6 +156,47 @@ def test_dfs_weight_groups_siblings_heaviest_first() -> None:
     ]
     order = [r.rid for r in make_policy("dfs-weight").order(waiting, ctx())]
     assert order == ["a1", "a2", "a3", "a4", "b1", "b2", "b3"]
+
+
+def test_dfs_weight_finishes_a_cached_group_before_a_heavier_fresh_one() -> None:
+    """Half of group a was served, so its prefix is cached: its last two members go before
+    the four of group b, which would evict that prefix in a small pool."""
+    a, b = [1] * 32, [2] * 32
+    waiting = [
+        req("b1", b + [5] * 8),
+        req("a1", a + [3] * 8),
+        req("b2", b + [6] * 8),
+        req("b3", b + [7] * 8),
+        req("a2", a + [4] * 8),
+        req("b4", b + [8] * 8),
+    ]
+    order = make_policy("dfs-weight").order(waiting, cached_ctx(a))
+    assert [r.rid for r in order] == ["a1", "a2", "b1", "b2", "b3", "b4"]
+    # with nothing cached the heavier group goes first, as before
+    order = make_policy("dfs-weight").order(waiting, ctx())
+    assert [r.rid for r in order] == ["b1", "b2", "b3", "b4", "a1", "a2"]
+
+
+def test_dfs_weight_goes_down_the_cached_branch_first() -> None:
+    """Below a cached prefix, the child whose next block is cached too goes first, even when a
+    sibling has more waiting requests below it."""
+    root, hot, cold = [1] * 16, [2] * 16, [3] * 16
+    waiting = [
+        req("cold1", root + cold + [4] * 16),
+        req("cold2", root + cold + [5] * 16),
+        req("cold3", root + cold + [6] * 16),
+        req("hot1", root + hot + [7] * 16),
+        req("other", [8] * 48),
+    ]
+    order = make_policy("dfs-weight").order(waiting, cached_ctx(root + hot + [9] * 16))
+    assert [r.rid for r in order] == ["hot1", "cold1", "cold2", "cold3", "other"]
+
+
+def test_dfs_weight_breaks_ties_by_queue_position() -> None:
+    """Equal groups and equal arrival times (a burst): the oldest in the queue goes first."""
+    waiting = [req(f"r{i}", [i] * 20) for i in range(5)]
+    order = make_policy("dfs-weight").order(waiting, ctx())
+    assert [r.rid for r in order] == ["r0", "r1", "r2", "r3", "r4"]
 
 
 def _plan(prefix: int, chunk: int) -> BatchPlan:

@@ -12,7 +12,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, Segment
 from asyncengine.sim import CostModel, Simulator, StepFeatures, VirtualClock, simulate
 from asyncengine.sim.simulator import kv_pages_for
-from asyncengine.workloads import WorkloadRequest, multi_turn, shared_prefix
+from asyncengine.workloads import Arrivals, WorkloadRequest, multi_turn, shared_prefix
 
 ONE_SECOND_PER_STEP = CostModel(0.0 + 1.0, 0.0, 0.0, 0.0, 0.0, description="1 s per step")
 
@@ -205,3 +205,44 @@ def test_a_simulator_runs_once() -> None:
     simulator.run([request("a", 0.0, 4, 1)])
     with pytest.raises(RuntimeError):
         simulator.run([request("b", 0.0, 4, 1)])
+
+
+def scaled_world(
+    workload: list[WorkloadRequest], cost: CostModel, factor: float
+) -> tuple[list[WorkloadRequest], CostModel]:
+    """The same workload on a machine ``factor`` times slower, arriving ``factor`` times slower."""
+    slow = CostModel(*(c * factor for c in cost.coefficients), description="scaled")
+    arrivals = [
+        WorkloadRequest(w.rid, w.arrival_time * factor, w.prompt_ids, w.output_len)
+        for w in workload
+    ]
+    return arrivals, slow
+
+
+def test_lpm_schedules_the_same_on_a_slower_machine() -> None:
+    """LPM's aging and starvation cap are in work (prefilled tokens), not seconds: on a machine
+    8x slower with arrivals 8x further apart, every decision is the same and every time is 8x.
+    (A power of two keeps the scaled floating-point times exact.)"""
+    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    workload = shared_prefix(
+        num_groups=4,
+        questions_per_group=10,
+        vocab_size=1000,
+        prefix_len=128,
+        arrivals=Arrivals("poisson", rate=20.0),
+        seed=3,
+    )
+    small = config(
+        policy="lpm",
+        kv_cache_tokens=640,
+        policy_options={"aging": 0.02, "max_wait_tokens": 4000},
+    )
+    cost = CostModel.default()
+    fast = simulate(small, workload, cost)
+    slow_workload, slow_cost = scaled_world(workload, cost, 8.0)
+    slow = simulate(small, slow_workload, slow_cost)
+    assert slow.steps == fast.steps
+    assert [r.cached_tokens for r in slow.records] == [r.cached_tokens for r in fast.records]
+    assert [[t / 8 for t in r.token_times] for r in slow.records] == [
+        r.token_times for r in fast.records
+    ]

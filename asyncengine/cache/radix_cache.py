@@ -16,6 +16,10 @@ Invariants the code keeps:
 Tokens are held as tuples (edge keys are tuple slices of the inserted sequence) and compared
 with slices at C speed; where an edge and a query diverge, the divergence point is found by a
 binary search over slice equality, not a per-token loop.
+
+``_root_heads`` counts the root's children by the first token of their edge, so that
+``prefix_length`` answers a query whose first token starts no cached edge (the common case
+for a scheduler scoring a long queue) without copying the query into a tuple.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class RadixCache:
         self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._heap: list[tuple[int, int, RadixNode]] = []
+        self._root_heads: dict[object, int] = {}  # first token of a root child's edge -> count
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -162,6 +167,13 @@ class RadixCache:
         upper.children[self._child_key(node.key, 0)] = node
         return upper
 
+    def _drop_root_head(self, head: object) -> None:
+        count = self._root_heads[head] - 1
+        if count:
+            self._root_heads[head] = count
+        else:
+            del self._root_heads[head]
+
     def _push(self, node: RadixNode) -> None:
         node.in_heap = True
         heapq.heappush(self._heap, (node.last_access, next(self._heap_ids), node))
@@ -200,11 +212,14 @@ class RadixCache:
         pages = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         return pages, pos, node
 
-    def prefix_length(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """Length of the cached page-aligned prefix of ``tokens``; no side effects."""
-        key = _as_token_tuple(tokens)
+    def prefix_length(self, tokens: Sequence[int] | np.ndarray, end: int | None = None) -> int:
+        """Length of the cached page-aligned prefix of ``tokens[:end]``; no side effects."""
         ps = self.page_size
-        end = len(key) - len(key) % ps
+        end = len(tokens) if end is None else min(end, len(tokens))
+        end -= end % ps
+        if end == 0 or tokens[0] not in self._root_heads:
+            return 0
+        key = _as_token_tuple(tokens)
         node = self.root
         pos = 0
         while pos < end:
@@ -213,7 +228,7 @@ class RadixCache:
                 break
             edge = child.key
             length = len(edge)
-            if key[pos : pos + length] == edge:
+            if pos + length <= end and key[pos : pos + length] == edge:
                 pos += length
                 node = child
                 continue
@@ -252,6 +267,9 @@ class RadixCache:
                     tick,
                 )
                 node.children[child_key] = leaf
+                if node is self.root:
+                    head = key[0]
+                    self._root_heads[head] = self._root_heads.get(head, 0) + 1
                 self._evictable_size += end - pos
                 leaf.in_heap = True
                 heapq.heappush(self._heap, (tick, next(self._heap_ids), leaf))
@@ -312,6 +330,8 @@ class RadixCache:
                 self._push(node)  # accessed since it was pushed: take its place again
                 continue
             del parent.children[self._child_key(node.key, 0)]
+            if parent is root:
+                self._drop_root_head(node.key[0])
             node.parent = None
             size = len(node.key)
             self._evictable_size -= size
@@ -386,6 +406,10 @@ class RadixCache:
         assert protected == self._protected_size, (
             f"protected_size {self._protected_size} != recount {protected}"
         )
+        heads: dict[object, int] = {}
+        for child in self.root.children.values():
+            heads[child.key[0]] = heads.get(child.key[0], 0) + 1
+        assert heads == self._root_heads, "root head counts do not match the root's children"
 
     def dump(self) -> str:
         """The tree as indented text: one line per node."""

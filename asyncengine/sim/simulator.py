@@ -9,6 +9,7 @@ records (and summary) a real run does.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from policies.registry import make_policy
 # x 64 dims x 2 tensors x 2 bytes bf16), to turn kv_cache_bytes into tokens
 DEFAULT_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 DEFAULT_MAX_MODEL_LEN = 8192  # the default model's max_position_embeddings
+
+_start_pos = operator.attrgetter("start_pos")
 
 
 @dataclass(slots=True)
@@ -108,15 +111,16 @@ class Simulator:
         self._used = False
 
     def step_seconds(self, plan: BatchPlan) -> float:
-        prefill_tokens = prefill_attention = decode_context = 0
+        prefill_tokens = prefill_attention = 0
         for seg in plan.extends:
             n = len(seg.input_ids)
             prefill_tokens += n
             prefill_attention += n * seg.start_pos + n * (n + 1) // 2
-        for seg in plan.decodes:
-            decode_context += seg.start_pos + 1
+        decodes = plan.decodes
+        # a decode attends to its start_pos + 1 keys
+        decode_context = sum(map(_start_pos, decodes)) + len(decodes)
         return self.cost_model.seconds(
-            prefill_tokens, prefill_attention, len(plan.decodes), decode_context
+            prefill_tokens, prefill_attention, len(decodes), decode_context
         )
 
     def run(self, workload: Sequence[WorkloadRequest]) -> SimResult:
