@@ -1,21 +1,21 @@
 """Paged attention references: decode (one query per request) and extend (ragged queries).
 
-Both gather each request's keys/values by token slot into padded [B, L, Hkv * D] tensors (one
-``index_select`` of whole token rows, the fastest gather on CPU) and attend under a mask.
-Padding keys repeat the request's last real key, so every gathered value is finite (a slot never
-written may hold anything, and 0 * NaN is NaN even where the mask zeroes the probability).
+Extends gather each request's keys/values by token slot into padded [n, L, Hkv * D] tensors
+(``paged_kv.gather_kv``) and run torch's fused ``scaled_dot_product_attention`` (scores, softmax
+and accumulation in float32 for every input dtype) in buckets of similar lengths
+(``attention_grouping.extend_buckets``): one call per bucket over its own padded [requests,
+longest query, longest key] grid, causal without a mask where no request of the bucket has a
+cached prefix.
 
-Decode is memory bound: with few KV heads it runs as one batched matmul per request over all KV
-heads at once, each query head's vector placed in its own head's block of an otherwise zero
-[H, Hkv * D] matrix (``BLOCK_DIAGONAL_MAX_KV_HEADS``); fewer, larger matmuls beat Hkv * B tiny
-ones, and the zeros add exact zeros. With many KV heads the keys are regrouped per head instead.
+Float32 decodes on CPU read keys and values in place from the pool (``decode_sparse_ref``).
+Others gather chunks of requests of similar lengths whose K/V stay within a few MiB
+(``DECODE_CHUNK_BYTES``, so the rows are still in cache when attention reads them) and run the
+fused attention on them, a request's query heads as the queries of one row per KV head
+([n, Hkv, group, D] against [n, Hkv, L, D]): keys are read once per KV head, not per query head.
+On CPU the fused attention is also the only fast bfloat16 attention (~6x the batched matmuls).
 
-Decode walks the batch in chunks of requests whose gathered K/V stay within a few MiB
-(``DECODE_CHUNK_BYTES``): the gathered rows are then still in cache when the matmuls read them,
-which more than pays for the extra calls (2x faster at batch 64, context 256, bfloat16).
-
-The building blocks are public so that a backend can compute the layout once per forward and
-reuse it in every layer.
+The plans are built once per forward and reused by every layer (``plan_extend``,
+``plan_decode``); ``extend_attention`` and ``decode_attention`` do both in one call.
 """
 
 from __future__ import annotations
@@ -25,188 +25,115 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+from kernels.attention_grouping import (
+    ExtendCost,
+    decode_chunks,
+    extend_buckets,
+    extend_cost_for,
+)
+from kernels.decode_sparse_ref import (
+    SparseDecodePlan,
+    plan_sparse_decode,
+    sparse_decode_attention,
+)
+from kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
+
 DECODE_CHUNK_BYTES = 4 << 20
 
 
-def padded_kv_slots(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int, page_size: int
-) -> torch.Tensor:
-    """[B, max_len] int64 pool slots of keys 0..seq_len-1, padded with the last key's slot."""
-    positions = torch.arange(max_len, device=seq_lens.device).unsqueeze(0)
-    positions = torch.minimum(positions, (seq_lens.long() - 1).unsqueeze(1))
-    pages = block_table.long().gather(1, positions // page_size)
-    return pages * page_size + positions % page_size
-
-
-def decode_mask_bias(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B, 1, max_len] float32: 0 where key j < seq_lens[b] is visible, -inf elsewhere."""
-    keys = torch.arange(max_len, device=seq_lens.device).unsqueeze(0)
-    hidden = keys >= seq_lens.long().unsqueeze(1)
-    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=seq_lens.device)
-    return bias.masked_fill_(hidden, float("-inf")).unsqueeze(1)
-
-
-def gather_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_slots: torch.Tensor,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [B, L, Hkv * D] of the slots [B, L]; ``out`` reuses buffers of that size."""
-    num_slots = k_cache.shape[0]
-    flat = kv_slots.reshape(-1)
-    k_rows, v_rows = k_cache.view(num_slots, -1), v_cache.view(num_slots, -1)
-    shape = (*kv_slots.shape, k_rows.shape[1])
-    if out is None:
-        return k_rows.index_select(0, flat).view(shape), v_rows.index_select(0, flat).view(shape)
-    k_out, v_out = out
-    torch.index_select(k_rows, 0, flat, out=k_out.view(-1, shape[-1]))
-    torch.index_select(v_rows, 0, flat, out=v_out.view(-1, shape[-1]))
-    return k_out.view(shape), v_out.view(shape)
-
-
-def decode_chunk_size(max_len: int, k_cache: torch.Tensor) -> int:
-    """Requests per decode chunk: their gathered K and V together fill ~DECODE_CHUNK_BYTES."""
-    token_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
-    return max(1, DECODE_CHUNK_BYTES // (max_len * token_bytes))
-
-
-def decode_gather_buffers(
-    k_cache: torch.Tensor, kv_slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reusable K and V gather buffers [chunk, L, Hkv * D] for decode over kv_slots [B, L]."""
-    batch, max_len = kv_slots.shape
-    shape = (min(batch, decode_chunk_size(max_len, k_cache)), max_len, k_cache[0].numel())
-    return (
-        torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
-        torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
-    )
-
-
-def decode_attention_paged(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_slots: torch.Tensor,
-    mask_bias: torch.Tensor,
-    scale: float,
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Decode q [B, H, D] over the pool slots kv_slots [B, L], chunk by chunk -> [B, H, D]."""
-    if buffers is None:
-        buffers = decode_gather_buffers(k_cache, kv_slots)
-    k_buf, v_buf = buffers
-    chunk = k_buf.shape[0]
-    batch = q.shape[0]
-    if batch <= chunk:
-        k, v = gather_kv(k_cache, v_cache, kv_slots, (k_buf[:batch], v_buf[:batch]))
-        return decode_attention_gathered(q, k, v, mask_bias, scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for start in range(0, batch, chunk):
-        end = min(start + chunk, batch)
-        n = end - start
-        k, v = gather_kv(k_cache, v_cache, kv_slots[start:end], (k_buf[:n], v_buf[:n]))
-        out[start:end] = decode_attention_gathered(q[start:end], k, v, mask_bias[start:end], scale)
-    return out
-
-
-def decode_attention_gathered(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [B, H, D] against gathered k/v [B, L, Hkv * D] under mask_bias [B, 1, L] -> [B, H, D].
-
-    Scores and softmax in float32, probabilities rounded to q's dtype for the value matmul.
-    """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[-1] // head_dim
-    group = num_heads // num_kv_heads
-    if num_kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS:
-        return _decode_per_kv_head(q, k, v, mask_bias, scale)
-    # q_blocks[b, h, j] = q[b, h] if j is h's KV head else 0: [B, H, Hkv * D]
-    own_head = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device)
-    own_head = own_head.repeat_interleave(group, dim=0)  # [H, Hkv]
-    q_blocks = (q.unsqueeze(2) * own_head[None, :, :, None]).view(batch, num_heads, -1)
-    scores = torch.bmm(q_blocks, k.transpose(1, 2))  # [B, H, L]
-    probs = torch.softmax(torch.add(mask_bias, scores, alpha=scale), dim=-1).to(q.dtype)
-    out = torch.bmm(probs, v).view(batch, num_kv_heads, group, num_kv_heads, head_dim)
-    # keep each query head's own KV-head block: the diagonal of (kv head of q, kv head of v)
-    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
-
-
-def _decode_per_kv_head(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[-1] // head_dim
-    group = num_heads // num_kv_heads
-    length = k.shape[1]
-    q_grouped = q.view(batch, num_kv_heads, group, head_dim)
-    k_heads = k.view(batch, length, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    v_heads = v.view(batch, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-    scores = torch.matmul(q_grouped, k_heads)  # [B, Hkv, G, L]
-    probs = torch.softmax(torch.add(mask_bias.unsqueeze(1), scores, alpha=scale), dim=-1)
-    return torch.matmul(probs.to(q.dtype), v_heads).view(batch, num_heads, head_dim)
+# ---------------------------------------------------------------------------- decode
 
 
 @dataclass(slots=True)
-class ExtendLayout:
-    """Where each ragged query sits in the padded [B, max_q_len] grid, and the causal mask."""
-
-    batch_index: torch.Tensor  # [N] int64
-    query_index: torch.Tensor  # [N] int64
-    mask: torch.Tensor  # [B, 1, max_q_len, max_len] bool
-    max_q_len: int
-
-
-def extend_layout(
-    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int, max_len: int
-) -> ExtendLayout:
-    """Query i of request b sits at position seq_lens[b] - q_len[b] + i and sees keys 0..there.
-
-    Padding queries (i >= q_len) see keys up to a position past the end; they are never read.
-    """
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    num_tokens = int(cu[-1])
-    batch_index = torch.repeat_interleave(torch.arange(len(q_lens), device=cu.device), q_lens)
-    query_index = torch.arange(num_tokens, device=cu.device) - cu[:-1].index_select(0, batch_index)
-    first_pos = seq_lens.long() - q_lens  # position of each request's first query
-    query_pos = first_pos[:, None] + torch.arange(max_q_len, device=cu.device)[None, :]
-    keys = torch.arange(max_len, device=cu.device)
-    mask = keys[None, None, :] <= query_pos[:, :, None]
-    return ExtendLayout(batch_index, query_index, mask[:, None], max_q_len)
+class DecodeChunk:
+    requests: RowSelection
+    kv_len: int  # the chunk's longest request; the others are padded to it
+    kv_slots: torch.Tensor  # [n, kv_len] int64
+    # [n, 1, 1, kv_len] additive, in the pool's dtype (torch 2.13's CPU attention misreads a
+    # float32 mask beside float64 queries); None: every key visible
+    mask: torch.Tensor | None
 
 
-def extend_attention_gathered(
+@dataclass(slots=True)
+class GatherDecodePlan:
+    chunks: list[DecodeChunk]
+    buffers: tuple[torch.Tensor, torch.Tensor]  # K, V rows for the largest chunk, reused
+
+
+DecodePlan = GatherDecodePlan | SparseDecodePlan
+
+
+def plan_decode(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    k_cache: torch.Tensor,
+) -> DecodePlan:
+    """Plan decode over seq_lens [B] (incl. the new token) for the pool's layer caches like
+    ``k_cache`` [S, Hkv, D]: in place from the pool for float32 on CPU (the only place it is
+    measured and tested), gathered chunks otherwise."""
+    if k_cache.dtype == torch.float32 and k_cache.device.type == "cpu":
+        num_slots, num_kv_heads = k_cache.shape[:2]
+        return plan_sparse_decode(
+            block_table, seq_lens, page_size, num_heads, num_kv_heads, num_slots
+        )
+    return plan_gather_decode(block_table, seq_lens, page_size, k_cache)
+
+
+def plan_gather_decode(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k_cache: torch.Tensor
+) -> GatherDecodePlan:
+    device = seq_lens.device
+    lens = seq_lens.tolist()
+    token_bytes = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V
+    chunks = []
+    for members in decode_chunks(lens, max(1, DECODE_CHUNK_BYTES // token_bytes)):
+        requests = RowSelection.of(members, device)
+        kv_len = lens[members[0]]  # longest first
+        chunk_lens = seq_lens[requests.positions]
+        kv_slots = padded_kv_slots(block_table[requests.positions], chunk_lens, kv_len, page_size)
+        mask = None
+        if any(lens[i] != kv_len for i in members):
+            keys = torch.arange(kv_len, device=device)
+            hidden = keys[None, :] >= chunk_lens.long()[:, None]
+            mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
+            mask = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
+        chunks.append(DecodeChunk(requests, kv_len, kv_slots, mask))
+    rows = max(c.requests.count * c.kv_len for c in chunks)
+    return GatherDecodePlan(chunks, gather_buffers(k_cache, rows))
+
+
+def decode_attention_planned(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: ExtendLayout,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:
-    """Ragged q [N, H, D] against gathered k/v [B, L, Hkv * D] -> [N, H, D]."""
-    batch, length = k.shape[:2]
+    """Decode q [B, H, D] as planned -> [B, H, D]."""
+    if isinstance(plan, SparseDecodePlan):
+        return sparse_decode_attention(q, k_cache, v_cache, plan, scale)
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k.shape[-1] // head_dim
-    single = batch == 1 and layout.max_q_len == q.shape[0]
-    if single:  # one request: its queries are the padded grid already
-        q_pad = q.unsqueeze(0)
-    else:
-        q_pad = q.new_zeros(batch, layout.max_q_len, num_heads, head_dim)
-        q_pad[layout.batch_index, layout.query_index] = q
-    # a lone prefill from position 0 is plain causal attention: no mask to build or read
-    from_zero = single and layout.max_q_len == length
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),
-        k.view(batch, length, num_kv_heads, head_dim).transpose(1, 2),
-        v.view(batch, length, num_kv_heads, head_dim).transpose(1, 2),
-        attn_mask=None if from_zero else layout.mask,
-        is_causal=from_zero,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    ).transpose(1, 2)
-    return out[0] if single else out[layout.batch_index, layout.query_index]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    in_order = len(plan.chunks) == 1 and plan.chunks[0].requests.index is None
+    out = None if in_order else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for chunk in plan.chunks:
+        n, length = chunk.requests.count, chunk.kv_len
+        k, v = gather_kv(k_cache, v_cache, chunk.kv_slots, plan.buffers)
+        attended = F.scaled_dot_product_attention(
+            chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim),
+            k.view(n, length, num_kv_heads, head_dim).transpose(1, 2),
+            v.view(n, length, num_kv_heads, head_dim).transpose(1, 2),
+            attn_mask=chunk.mask,
+            scale=scale,
+        ).reshape(n, num_heads, head_dim)
+        if out is None:
+            return attended
+        chunk.requests.put(out, attended)
+    assert out is not None
+    return out
 
 
 def decode_attention(
@@ -219,10 +146,128 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [B, H, D]; block_table [B, P] int32; seq_lens [B] int32 incl. the new token -> [B, H, D]."""
-    max_len = int(seq_lens.max())
-    kv_slots = padded_kv_slots(block_table, seq_lens, max_len, page_size)
-    mask_bias = decode_mask_bias(seq_lens, max_len)
-    return decode_attention_paged(q, k_cache, v_cache, kv_slots, mask_bias, scale)
+    plan = plan_decode(block_table, seq_lens, page_size, q.shape[1], k_cache)
+    return decode_attention_planned(q, k_cache, v_cache, plan, scale)
+
+
+# ---------------------------------------------------------------------------- extend
+
+
+@dataclass(slots=True)
+class ExtendBucket:
+    """Requests attended together over a padded [n, q_len, kv_len] grid: their queries are the
+    ``n * q_len`` rows ``queries`` of q (padding repeats a request's last query), their keys
+    rows ``kv_offset .. + n * kv_len`` of the plan's gather."""
+
+    num_requests: int
+    q_len: int
+    kv_len: int
+    queries: RowSelection
+    kv_offset: int
+    mask: torch.Tensor | None  # [n, 1, q_len, kv_len] additive, the pool's dtype; None: causal
+
+
+@dataclass(slots=True)
+class ExtendPlan:
+    buckets: list[ExtendBucket]
+    kv_slots: torch.Tensor  # [R] int64: every bucket's padded key slots, bucket after bucket
+    # [N] each token's row among the buckets' stacked padded outputs; None: already in order
+    output_rows: torch.Tensor | None
+    buffers: tuple[torch.Tensor, torch.Tensor]  # K, V [R, Hkv * D], reused by every layer
+
+
+def plan_extend(
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    cost: ExtendCost | None = None,
+) -> ExtendPlan:
+    """Buckets for extend queries ragged by cu_seqlens_q [B+1] over seq_lens [B] keys each,
+    for the pool's layer caches like ``k_cache`` [S, Hkv, D]. ``cost`` prices the buckets
+    (default ``extend_cost_for`` the heads; an infinite ``call`` keeps one bucket)."""
+    device = seq_lens.device
+    num_kv_heads, head_dim = k_cache.shape[1:]
+    if cost is None:
+        cost = extend_cost_for(num_heads, num_kv_heads, head_dim)
+    cu = cu_seqlens_q.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    kv_lens = seq_lens.tolist()
+    buckets: list[ExtendBucket] = []
+    slots: list[torch.Tensor] = []
+    output_rows = torch.empty(cu[-1], dtype=torch.int64, device=device)
+    kv_offset = out_offset = 0
+    for members in extend_buckets(q_lens, kv_lens, cost):
+        requests = RowSelection.of(members, device)
+        n = len(members)
+        q_len = max(q_lens[i] for i in members)
+        kv_len = max(kv_lens[i] for i in members)
+        bucket_kv_lens = seq_lens[requests.positions].long()
+        bucket_slots = padded_kv_slots(
+            block_table[requests.positions], bucket_kv_lens, kv_len, page_size
+        )
+        slots.append(bucket_slots.reshape(-1))
+        starts = torch.tensor([cu[i] for i in members], dtype=torch.int64, device=device)
+        bucket_q_lens = torch.tensor([q_lens[i] for i in members], device=device)
+        steps = torch.arange(q_len, device=device)
+        rows = starts[:, None] + torch.minimum(steps[None, :], bucket_q_lens[:, None] - 1)
+        if requests.index is None and all(q_lens[i] == q_len for i in members):
+            queries = RowSelection(cu[members[0]], n * q_len, None)
+        else:
+            queries = RowSelection(0, n * q_len, rows.reshape(-1))
+        real = steps[None, :] < bucket_q_lens[:, None]
+        padded_rows = out_offset + torch.arange(n * q_len, device=device).view(n, q_len)
+        output_rows[rows[real]] = padded_rows[real]
+        mask = None
+        if any(q_lens[i] != kv_lens[i] for i in members):  # a cached prefix: not plain causal
+            query_pos = (bucket_kv_lens - bucket_q_lens)[:, None] + steps[None, :]
+            keys = torch.arange(kv_len, device=device)
+            hidden = keys[None, None, :] > query_pos[:, :, None]
+            mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
+            mask = mask.masked_fill_(hidden, float("-inf"))[:, None]
+        buckets.append(ExtendBucket(n, q_len, kv_len, queries, kv_offset, mask))
+        kv_offset += n * kv_len
+        out_offset += n * q_len
+    in_order = out_offset == cu[-1] and torch.equal(
+        output_rows, torch.arange(cu[-1], device=device)
+    )
+    return ExtendPlan(
+        buckets,
+        torch.cat(slots),
+        None if in_order else output_rows,
+        gather_buffers(k_cache, kv_offset),
+    )
+
+
+def extend_attention_planned(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Ragged q [N, H, D] bucket by bucket as planned -> [N, H, D]."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    k_all, v_all = gather_kv(k_cache, v_cache, plan.kv_slots, plan.buffers)
+    outs = []
+    for b in plan.buckets:
+        n, q_len, kv_len = b.num_requests, b.q_len, b.kv_len
+        keys = slice(b.kv_offset, b.kv_offset + n * kv_len)
+        out = F.scaled_dot_product_attention(
+            b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2),
+            k_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
+            v_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
+            attn_mask=b.mask,
+            is_causal=b.mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        outs.append(out.transpose(1, 2).reshape(n * q_len, num_heads, head_dim))
+    stacked = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return stacked if plan.output_rows is None else stacked.index_select(0, plan.output_rows)
 
 
 def extend_attention(
@@ -236,8 +281,5 @@ def extend_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [N, H, D] ragged by cu_seqlens_q [B+1]; seq_lens [B] total kv length -> [N, H, D]."""
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    max_len = int(seq_lens.max())
-    layout = extend_layout(cu_seqlens_q, seq_lens, int(q_lens.max()), max_len)
-    k, v = gather_kv(k_cache, v_cache, padded_kv_slots(block_table, seq_lens, max_len, page_size))
-    return extend_attention_gathered(q, k, v, layout, scale)
+    plan = plan_extend(block_table, cu_seqlens_q, seq_lens, page_size, q.shape[1], k_cache)
+    return extend_attention_planned(q, k_cache, v_cache, plan, scale)

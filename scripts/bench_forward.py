@@ -1,7 +1,10 @@
 """Forward-pass speed of the CPU executor next to the floor set by this machine's matmul rate.
 
-For each dtype: decode steps (one new token for each of B requests at context C) and single
-prefills, timed through ``ModelRunner.forward_logits`` (median of repeats). The floor of each
+For each dtype: decode steps (one new token for each of B requests at context C), single
+prefills and, with ``--ragged N``, a step of N prompts of very different lengths ("ragged":
+lognormal, median 96, 15..290 tokens, seeded) beside N prompts of their mean length
+("uniform", the same tokens without the spread), timed through ``ModelRunner.forward_logits``
+(median of repeats). The floor of each
 row is the time of the same forward's GEMMs alone (every layer's qkv, o, gate_up and down
 projections at that many tokens, and the LM head at the sampled rows), timed in the same run
 with the model's own weights, layer after layer as the forward streams them: ``fraction = floor / measured`` says how close the whole forward
@@ -9,6 +12,7 @@ with the model's own weights, layer after layer as the forward streams them: ``f
 
     .venv/bin/python scripts/bench_forward.py                      # embedded default model
     .venv/bin/python scripts/bench_forward.py --model path/to/hf_dir --dtypes bf16 --batches 1,64
+    .venv/bin/python scripts/bench_forward.py --dtypes fp32 --batches 64 --ragged 32
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,9 +44,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclass(slots=True)
 class Row:
     dtype: str
-    phase: str  # "decode" or "prefill"
+    phase: str  # "decode", "prefill", "ragged" or "uniform" (prefills of several prompts)
     batch: int  # requests in the forward
-    context: int  # kv length each request attends over (decode) or prompt length (prefill)
+    context: int  # kv length each request attends over (decode) or longest prompt (prefill)
     tokens: int  # tokens computed by the forward
     forward_ms: float
     tokens_per_s: float
@@ -92,8 +97,9 @@ class Bench:
         self.config = config
         self.args = args
         page_size = args.page_size
-        self.pages_per_request = -(-(max(args.context, max(args.prefill_lens)) + 1) // page_size)
-        max_batch = max(args.batches)
+        longest = max(args.context, max(args.prefill_lens), RAGGED_MAX_LEN if args.ragged else 0)
+        self.pages_per_request = -(-(longest + 1) // page_size)
+        max_batch = max(*args.batches, args.ragged)
         num_pages = self.pages_per_request * max_batch
         self.pool = KVPool(
             config.num_layers, config.num_kv_heads, config.head_dim, num_pages, page_size, dtype
@@ -126,6 +132,26 @@ class Bench:
         floor = gemm_floor_seconds(self.runner.model, length, 1, self.args.repeats)
         return seconds, floor
 
+    def prefills(self, lengths: list[int]) -> tuple[float, float]:
+        """One step prefilling len(lengths) prompts from position 0."""
+        extends = [
+            Segment(f"p{i}", i, [100 + (i * 7 + j) % 1000 for j in range(n)], 0, True)
+            for i, n in enumerate(lengths)
+        ]
+        plan = BatchPlan(step=0, extends=extends)
+        seconds = median_seconds(lambda: self.runner.forward_logits(plan), self.args.repeats)
+        floor = gemm_floor_seconds(self.runner.model, sum(lengths), len(lengths), self.args.repeats)
+        return seconds, floor
+
+
+RAGGED_MIN_LEN, RAGGED_MEDIAN_LEN, RAGGED_MAX_LEN = 15, 96, 290
+
+
+def ragged_lengths(count: int, seed: int = 0) -> list[int]:
+    """Prompt lengths of a step of chat-like requests: lognormal, clipped to 15..290."""
+    draws = np.random.default_rng(seed).lognormal(np.log(RAGGED_MEDIAN_LEN), 0.7, count)
+    return np.clip(draws, RAGGED_MIN_LEN, RAGGED_MAX_LEN).astype(int).tolist()
+
 
 class _NoSampler:
     def sample(self, logits: torch.Tensor, sampling: list) -> tuple[list[int], list[None]]:
@@ -147,6 +173,17 @@ def run(args: argparse.Namespace) -> list[Row]:
             seconds, floor = bench.prefill(length)
             rows.append(_row(dtype_name, "prefill", 1, length, length, seconds, floor))
             _print_row(rows[-1])
+        if args.ragged:
+            ragged = ragged_lengths(args.ragged)
+            uniform = [round(sum(ragged) / len(ragged))] * len(ragged)
+            for phase, lengths in (("ragged", ragged), ("uniform", uniform)):
+                seconds, floor = bench.prefills(lengths)
+                rows.append(
+                    _row(
+                        dtype_name, phase, len(lengths), max(lengths), sum(lengths), seconds, floor
+                    )
+                )
+                _print_row(rows[-1])
         del bench
     return rows
 
@@ -177,6 +214,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64,128,256", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=256, help="decode kv length per request")
     parser.add_argument("--prefill-lens", default="128,512", help="single-prefill prompt lengths")
+    parser.add_argument(
+        "--ragged",
+        type=int,
+        default=0,
+        help="also time a step of this many prompts of lognormal lengths 15..290, and of as "
+        "many prompts of their mean length (0: skip)",
+    )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -214,6 +258,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "load_average_end": os.getloadavg()[0],
         "page_size": args.page_size,
+        "ragged_prompts": args.ragged,
         "repeats": args.repeats,
         "timer": f"{args.timer}, median of repeats",
     }

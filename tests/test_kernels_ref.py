@@ -11,9 +11,19 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import attention_ref
+from kernels import attention_ref, decode_sparse_ref
 from kernels.activation_ref import silu_and_mul
-from kernels.attention_ref import decode_attention, extend_attention
+from kernels.attention_grouping import ExtendCost
+from kernels.attention_ref import (
+    GatherDecodePlan,
+    decode_attention,
+    decode_attention_planned,
+    extend_attention,
+    extend_attention_planned,
+    plan_extend,
+    plan_gather_decode,
+)
+from kernels.decode_sparse_ref import SparseDecodePlan
 from kernels.kv_store_ref import store_kv
 from kernels.norm_ref import fused_add_rms_norm, rms_norm
 from kernels.rotary_ref import apply_rotary
@@ -86,8 +96,16 @@ attention_cases = st.fixed_dictionaries(
         "dtype": st.sampled_from([torch.float32, torch.bfloat16]),
         "seed": st.integers(0, 2**16),
         "chunk_bytes": st.sampled_from([1, 2048, attention_ref.DECODE_CHUNK_BYTES]),
+        "chunk_entries": st.sampled_from([1, 200, decode_sparse_ref.SPARSE_DECODE_CHUNK_ENTRIES]),
     }
 )
+
+# extend bucket prices: the default, one bucket per distinct length, one bucket for all
+EXTEND_COSTS = {
+    "default": None,
+    "split": ExtendCost(pair=1.0, key=1.0, call=0.0),
+    "single": ExtendCost(pair=1.0, key=1.0, call=float("inf")),
+}
 
 
 @settings(max_examples=40, deadline=None)
@@ -102,7 +120,10 @@ def test_decode_attention_matches_per_request_sdpa(case: dict) -> None:
     batch = len(case["seq_lens"])
     q = torch.randn(batch, num_heads, case["head_dim"], generator=gen).to(dtype)
     scale = case["head_dim"] ** -0.5
-    with mock.patch.object(attention_ref, "DECODE_CHUNK_BYTES", case["chunk_bytes"]):
+    with (
+        mock.patch.object(attention_ref, "DECODE_CHUNK_BYTES", case["chunk_bytes"]),
+        mock.patch.object(decode_sparse_ref, "SPARSE_DECODE_CHUNK_ENTRIES", case["chunk_entries"]),
+    ):
         out = decode_attention(
             q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, kv.page_size, scale
         )
@@ -114,9 +135,39 @@ def test_decode_attention_matches_per_request_sdpa(case: dict) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_plans_by_dtype(dtype: torch.dtype) -> None:
+    """Float32 reads the pool in place; other dtypes gather (float32 scores need their own
+    matmuls there). Both paths are checked against per-request SDPA above."""
+    kv = PagedKV([5, 9], page_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, seed=0)
+    plan = attention_ref.plan_decode(kv.block_table, kv.seq_lens, 4, 4, kv.k_cache)
+    want = SparseDecodePlan if dtype == torch.float32 else GatherDecodePlan
+    assert isinstance(plan, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=attention_cases)
+def test_gathered_decode_of_float32_matches_per_request_sdpa(case: dict) -> None:
+    """The gather path, which float32 does not take by default, in float32."""
+    num_heads, num_kv_heads = case["heads"]
+    kv = PagedKV(
+        case["seq_lens"], case["page_size"], num_kv_heads, case["head_dim"], torch.float32, 1
+    )
+    q = torch.randn(len(case["seq_lens"]), num_heads, case["head_dim"])
+    scale = case["head_dim"] ** -0.5
+    with mock.patch.object(attention_ref, "DECODE_CHUNK_BYTES", case["chunk_bytes"]):
+        plan = plan_gather_decode(kv.block_table, kv.seq_lens, kv.page_size, kv.k_cache)
+    out = decode_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale)
+    for b in range(len(case["seq_lens"])):
+        want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], scale)[0]
+        torch.testing.assert_close(out[b], want, rtol=2e-5, atol=2e-5)
+
+
 @settings(max_examples=40, deadline=None)
-@given(case=attention_cases, data=st.data())
-def test_extend_attention_matches_per_request_causal_sdpa(case: dict, data: st.DataObject) -> None:
+@given(case=attention_cases, data=st.data(), cost=st.sampled_from(sorted(EXTEND_COSTS)))
+def test_extend_attention_matches_per_request_causal_sdpa(
+    case: dict, data: st.DataObject, cost: str
+) -> None:
     num_heads, num_kv_heads = case["heads"]
     dtype = case["dtype"]
     seq_lens = case["seq_lens"]
@@ -127,9 +178,10 @@ def test_extend_attention_matches_per_request_causal_sdpa(case: dict, data: st.D
     q = torch.randn(sum(q_lens), num_heads, case["head_dim"], generator=gen).to(dtype)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
     scale = case["head_dim"] ** -0.5
-    out = extend_attention(
-        q, kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, kv.page_size, scale
+    plan = plan_extend(
+        kv.block_table, cu, kv.seq_lens, kv.page_size, num_heads, kv.k_cache, EXTEND_COSTS[cost]
     )
+    out = extend_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale)
     assert out.shape == q.shape and out.dtype == dtype
     for b in range(len(seq_lens)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
@@ -147,6 +199,47 @@ def test_extend_attention_of_a_lone_prefill_is_causal(dtype: torch.dtype) -> Non
     out = extend_attention(q, kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, 16, 0.25)
     want = naive_attention(q, kv.keys[0], kv.values[0], 0.25)
     torch.testing.assert_close(out.float(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("cost", sorted(EXTEND_COSTS))
+@pytest.mark.parametrize("cached", [True, False])
+def test_ragged_extends_in_buckets_equal_each_request_alone(
+    page_size: int, cost: str, cached: bool
+) -> None:
+    """Prompts of very different lengths, with or without cached prefixes (ending mid-page):
+    the bucketed batch gives every request what it gets alone (and what naive attention gives).
+    Without prefixes, buckets of several lengths run causal over padded grids."""
+    prefixes = [0, 5, 0, 17, 33, 0, 2, 0] if cached else [0] * 8
+    q_lens = [3, 40, 97, 9, 1, 200, 61, 12]
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    kv = PagedKV(seq_lens, page_size, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=3)
+    q = torch.randn(sum(q_lens), 6, 16)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    plan = plan_extend(
+        kv.block_table, cu, kv.seq_lens, page_size, 6, kv.k_cache, EXTEND_COSTS[cost]
+    )
+    if cost == "split":
+        assert len(plan.buckets) > 1
+    if cost == "single":
+        assert len(plan.buckets) == 1
+        assert (plan.buckets[0].mask is None) == (not cached)
+    out = extend_attention_planned(q, kv.k_cache, kv.v_cache, plan, 0.25)
+    for b in range(len(q_lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = extend_attention(
+            q[rows],
+            kv.k_cache,
+            kv.v_cache,
+            kv.block_table[b : b + 1],
+            torch.tensor([0, q_lens[b]], dtype=torch.int32),
+            kv.seq_lens[b : b + 1],
+            page_size,
+            0.25,
+        )
+        torch.testing.assert_close(out[rows], alone, rtol=1e-5, atol=1e-5)
+        want = naive_attention(q[rows], kv.keys[b], kv.values[b], 0.25)
+        torch.testing.assert_close(out[rows], want, rtol=2e-5, atol=2e-5)
 
 
 def test_store_kv_writes_only_the_given_slots() -> None:

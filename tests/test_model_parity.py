@@ -11,7 +11,7 @@ from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
-from kernels import attention_ref
+from kernels import attention_ref, decode_sparse_ref
 from tests.conftest import TinyCheckpoint
 
 MAX_LEN = 64
@@ -72,7 +72,8 @@ def test_prefill_extend_and_decode_match_hf(
 def test_decode_in_chunks_of_one_request_matches_hf(
     tiny_llama: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention_ref, "DECODE_CHUNK_BYTES", 1)
+    monkeypatch.setattr(attention_ref, "DECODE_CHUNK_BYTES", 1)  # bf16 / GPU: gathered chunks
+    monkeypatch.setattr(decode_sparse_ref, "SPARSE_DECODE_CHUNK_ENTRIES", 1)  # fp32 on CPU
     check_prefill_extend_and_decode(tiny_llama, page_size=4)
 
 

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.executor.forward_batch import ForwardBatch
+from kernels.attention_grouping import ExtendCost
 from kernels.attention_ref import (
-    ExtendLayout,
-    decode_attention_paged,
-    decode_gather_buffers,
-    decode_mask_bias,
-    extend_attention_gathered,
-    extend_layout,
-    gather_kv,
-    padded_kv_slots,
+    DecodePlan,
+    ExtendPlan,
+    decode_attention_planned,
+    extend_attention_planned,
+    plan_decode,
+    plan_extend,
 )
 from kernels.kv_store_ref import store_kv
 
@@ -51,51 +50,25 @@ class AttentionBackend(ABC):
 
 @dataclass(slots=True)
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
-    num_extend_tokens: int
-    extend_kv_slots: torch.Tensor | None  # [Be, Le]
-    extend_layout: ExtendLayout | None
-    decode_kv_slots: torch.Tensor | None  # [Bd, Ld]
-    decode_mask_bias: torch.Tensor | None  # [Bd, 1, Ld] float32
-    # gather buffers, made by the first layer and reused by the others (no per-layer allocation)
-    extend_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    decode_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The forward's batch and the plans of its extends and decodes: the first layer makes
+    them (they need the pool's heads and dtype), every other layer reuses them."""
+
+    batch: ForwardBatch
+    extend_plan: ExtendPlan | None = None
+    decode_plan: DecodePlan | None = None
 
 
 class TorchBackend(AttentionBackend):
-    """Gather-by-slot into padded tensors, then batched attention per group (attention_ref)."""
+    """Extends in buckets of similar lengths, decodes in place from the pool (float32) or in
+    gathered chunks (attention_ref). ``extend_cost`` prices the buckets; None: the default for
+    the model's heads (an ``ExtendCost`` with an infinite ``call`` keeps one bucket).
+    """
+
+    def __init__(self, extend_cost: ExtendCost | None = None) -> None:
+        self.extend_cost = extend_cost
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
-        extend_slots = layout = decode_slots = mask_bias = None
-        if batch.num_extends:
-            extend_slots = padded_kv_slots(
-                batch.extend_block_table,
-                batch.extend_seq_lens,
-                batch.extend_max_seq_len,
-                batch.page_size,
-            )
-            layout = extend_layout(
-                batch.extend_cu_seqlens_q,
-                batch.extend_seq_lens,
-                batch.extend_max_q_len,
-                batch.extend_max_seq_len,
-            )
-        if batch.num_decodes:
-            decode_slots = padded_kv_slots(
-                batch.decode_block_table,
-                batch.decode_seq_lens,
-                batch.decode_max_seq_len,
-                batch.page_size,
-            )
-            mask_bias = decode_mask_bias(batch.decode_seq_lens, batch.decode_max_seq_len)
-        return TorchAttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            num_extend_tokens=batch.num_extend_tokens,
-            extend_kv_slots=extend_slots,
-            extend_layout=layout,
-            decode_kv_slots=decode_slots,
-            decode_mask_bias=mask_bias,
-        )
+        return TorchAttentionMetadata(batch)
 
     def forward(
         self,
@@ -109,16 +82,23 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         m = metadata
-        store_kv(k_cache, v_cache, k, v, m.slot_mapping)
-        n_ext = m.num_extend_tokens
-        if m.extend_kv_slots is None:
+        batch = m.batch
+        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        if not batch.num_extends:
             return self._decode(q, k_cache, v_cache, m, scale)
-        assert m.extend_layout is not None
-        if m.extend_buffers is None:
-            m.extend_buffers = _gather_buffers(k_cache, m.extend_kv_slots)
-        k_ext, v_ext = gather_kv(k_cache, v_cache, m.extend_kv_slots, m.extend_buffers)
-        out = extend_attention_gathered(q[:n_ext], k_ext, v_ext, m.extend_layout, scale)
-        if m.decode_kv_slots is None:
+        n_ext = batch.num_extend_tokens
+        if m.extend_plan is None:
+            m.extend_plan = plan_extend(
+                batch.extend_block_table,
+                batch.extend_cu_seqlens_q,
+                batch.extend_seq_lens,
+                batch.page_size,
+                q.shape[1],
+                k_cache,
+                self.extend_cost,
+            )
+        out = extend_attention_planned(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
+        if not batch.num_decodes:
             return out
         return torch.cat([out, self._decode(q[n_ext:], k_cache, v_cache, m, scale)])
 
@@ -130,22 +110,16 @@ class TorchBackend(AttentionBackend):
         m: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        assert m.decode_kv_slots is not None and m.decode_mask_bias is not None
-        if m.decode_buffers is None:
-            m.decode_buffers = decode_gather_buffers(k_cache, m.decode_kv_slots)
-        return decode_attention_paged(
-            q, k_cache, v_cache, m.decode_kv_slots, m.decode_mask_bias, scale, m.decode_buffers
-        )
-
-
-def _gather_buffers(
-    cache: torch.Tensor, kv_slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (*kv_slots.shape, cache[0].numel())
-    return (
-        torch.empty(shape, dtype=cache.dtype, device=cache.device),
-        torch.empty(shape, dtype=cache.dtype, device=cache.device),
-    )
+        if m.decode_plan is None:
+            batch = m.batch
+            m.decode_plan = plan_decode(
+                batch.decode_block_table,
+                batch.decode_seq_lens,
+                batch.page_size,
+                q.shape[1],
+                k_cache,
+            )
+        return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchBackend}
