@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate everything in docs/experiments/ (see docs/EXPERIMENTS.md).
 #
-#   scripts/run_experiments.sh            # simulator runs (about 2 minutes of one core)
+#   scripts/run_experiments.sh            # simulator runs (about 25 s of one core)
 #   scripts/run_experiments.sh --real     # also the simulator-vs-real check (a few minutes)
 #
 # Every workload is seeded (--seed 0), so the simulator runs give the same numbers on any
