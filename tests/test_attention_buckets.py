@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.cache import KVPool, PageTable
 from asyncengine.executor.attention import TorchBackend
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
@@ -23,6 +22,7 @@ from kernels.attention_grouping import (
     extend_cost_for,
 )
 from tests.conftest import TinyCheckpoint
+from tests.paged_pool_support import nan_pool, shuffled_page_table
 
 COST = extend_cost_for(num_heads=9, num_kv_heads=3, head_dim=64)
 SINGLE = ExtendCost(pair=1.0, key=1.0, call=float("inf"))
@@ -86,23 +86,8 @@ class Runner:
 
     def __init__(self, ckpt: TinyCheckpoint, page_size: int, backend: TorchBackend) -> None:
         config = ModelConfig.from_hf_dict(ckpt.hf_config)
-        pages_per_request = -(-256 // page_size)
-        num_requests = 8
-        num_pages = pages_per_request * num_requests
-        pool = KVPool(
-            config.num_layers,
-            config.num_kv_heads,
-            config.head_dim,
-            num_pages,
-            page_size,
-            torch.float32,
-        )
-        pool.k.fill_(float("nan"))
-        pool.v.fill_(float("nan"))
-        table = PageTable(num_requests, pages_per_request)
-        order = np.random.default_rng(page_size).permutation(num_pages)
-        for row in range(num_requests):
-            table.set_pages(row, 0, order[row * pages_per_request : (row + 1) * pages_per_request])
+        table, num_pages = shuffled_page_table(8, 256, page_size, seed=page_size)
+        pool = nan_pool(config, num_pages, page_size)
         self.runner = ModelRunner(config, ckpt.load_weights(), pool, table, torch.float32)
         self.runner.backend = backend
         self.vocab = config.vocab_size

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.cache import KVPool, PageTable
 from asyncengine.executor.attention import TorchBackend
 from asyncengine.executor.attention_triton import TritonBackend
 from asyncengine.executor.backends import (
@@ -37,6 +36,7 @@ from asyncengine.executor.runner import ModelRunner
 from asyncengine.plan import BatchPlan, Segment
 from kernels import norm_ref, triton_norm
 from tests.conftest import TinyCheckpoint
+from tests.paged_pool_support import nan_pool, shuffled_page_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 48
@@ -45,17 +45,6 @@ NUM_ROWS = 4
 
 def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) -> Segment:
     return Segment(rid=rid, table_row=row, input_ids=tokens, start_pos=start, sample=sample)
-
-
-def shuffled_page_table(page_size: int, seed: int) -> tuple[PageTable, int]:
-    """A table whose rows own interleaved pages of a pool with spare pages; (table, pages)."""
-    pages_per_row = -(-MAX_LEN // page_size)
-    num_pages = pages_per_row * NUM_ROWS + 3
-    table = PageTable(NUM_ROWS, pages_per_row)
-    order = np.random.default_rng(seed).permutation(num_pages)
-    for row in range(NUM_ROWS):
-        table.set_pages(row, 0, order[row * pages_per_row : (row + 1) * pages_per_row])
-    return table, num_pages
 
 
 def mixed_plan(step: int) -> BatchPlan:
@@ -72,7 +61,7 @@ def mixed_plan(step: int) -> BatchPlan:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_backend_matches_torch_backend_on_a_mixed_batch(page_size: int) -> None:
     num_kv_heads, group, head_dim = 2, 3, 64
-    table, num_pages = shuffled_page_table(page_size, seed=page_size)
+    table, num_pages = shuffled_page_table(NUM_ROWS, MAX_LEN, page_size, page_size, spare_pages=3)
     batch = build_forward_batch(mixed_plan(1), table.table.numpy(), page_size, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     shape = (num_pages * page_size, num_kv_heads, head_dim)
@@ -109,17 +98,8 @@ class RunnerPair:
         weights = ckpt.load_weights()
         self.runners: list[ModelRunner] = []
         for backend in ("torch", "triton"):
-            table, num_pages = shuffled_page_table(page_size, seed=7)
-            pool = KVPool(
-                config.num_layers,
-                config.num_kv_heads,
-                config.head_dim,
-                num_pages,
-                page_size,
-                torch.float32,
-            )
-            pool.k.fill_(float("nan"))
-            pool.v.fill_(float("nan"))
+            table, num_pages = shuffled_page_table(NUM_ROWS, MAX_LEN, page_size, 7, spare_pages=3)
+            pool = nan_pool(config, num_pages, page_size)
             self.runners.append(
                 ModelRunner(config, weights, pool, table, torch.float32, backend=backend)
             )
