@@ -327,6 +327,7 @@ class AsyncEngine:
             e2e=end - req.arrival_time,
             itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
             retractions=req.retractions,
+            cached_tokens=req.cached_tokens,
         )
         usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         state.finish(usage, metrics)

@@ -1,6 +1,11 @@
-"""Prometheus metrics of one server: request outcomes, token counts, latency histograms, and
-engine gauges read from ``engine.stats()`` at scrape time. Each app has its own registry, so
-several servers (tests) in one process never share counters."""
+"""Prometheus metrics of one server: request outcomes and latency histograms recorded by the
+server, and token counters and load gauges read from ``engine.stats()`` at scrape time. Each app
+has its own registry, so several servers (tests) in one process never share the server's own
+series.
+
+The token counters (prompt, generated, cache hit, cache miss) are the engine's cumulative
+counts, so they include the tokens of requests aborted mid-way (a client that disconnects) and
+of requests given to the engine directly; they restart from zero only with a new engine."""
 
 from __future__ import annotations
 
@@ -14,11 +19,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from asyncengine.errors import EngineNotRunningError
-from asyncengine.outputs import RequestMetrics, Usage
+from asyncengine.outputs import RequestMetrics
 
 # The *_created series (a timestamp per counter and histogram) only double the scrape size.
 disable_created_metrics()
@@ -45,8 +50,17 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# counter name (without _total) -> (engine.stats() key, help)
+ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests the engine accepted"),
+    "generation_tokens": ("generated_tokens", "Tokens generated (aborted requests included)"),
+    "cache_hit_tokens": ("hit_tokens", "Prompt tokens served from the prefix cache"),
+    "cache_miss_tokens": ("miss_tokens", "Prompt tokens computed (not in the prefix cache)"),
+}
+
+
 class EngineStatsCollector(Collector):
-    """Gauges read from ``engine.stats()`` when Prometheus scrapes."""
+    """Token counters and gauges read from ``engine.stats()`` when Prometheus scrapes."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -56,6 +70,10 @@ class EngineStatsCollector(Collector):
             stats = self.engine.stats()
         except EngineNotRunningError:
             return
+        for name, (key, doc) in ENGINE_COUNTERS.items():
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
         for name, (key, doc) in ENGINE_GAUGES.items():
             value = stats.get(key)
             if isinstance(value, (int, float)):
@@ -76,20 +94,6 @@ class ServerMetrics:
             f"{PREFIX}_requests",
             "Generation requests by endpoint and outcome",
             ["endpoint", "outcome"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "Generated tokens", registry=r
-        )
-        self.cache_hit_tokens = Counter(
-            f"{PREFIX}_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
-        )
-        self.cache_miss_tokens = Counter(
-            f"{PREFIX}_cache_miss_tokens",
-            "Prompt tokens computed (not in the prefix cache)",
             registry=r,
         )
         self.ttft = Histogram(
@@ -122,21 +126,18 @@ class ServerMetrics:
     def count_request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
-    def observe_finished(self, usage: Usage | None, metrics: RequestMetrics | None) -> None:
-        """Record the tokens and timings of one request that left the engine (any reason)."""
-        if usage is not None:
-            self.prompt_tokens.inc(usage.prompt_tokens)
-            self.generation_tokens.inc(usage.completion_tokens)
-            self.cache_hit_tokens.inc(usage.cached_tokens)
-            self.cache_miss_tokens.inc(max(usage.prompt_tokens - usage.cached_tokens, 0))
-        if metrics is not None:
-            if metrics.ttft is not None:
-                self.ttft.observe(metrics.ttft)
-            if metrics.queue_time is not None:
-                self.queue_time.observe(metrics.queue_time)
-            self.e2e.observe(metrics.e2e)
-            for gap in metrics.itl:
-                self.itl.observe(gap)
+    def observe_finished(self, metrics: RequestMetrics | None) -> None:
+        """Record the timings of one request whose final output the server saw (stop, length,
+        or an abort delivered in-band, e.g. at shutdown)."""
+        if metrics is None:
+            return
+        if metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        if metrics.queue_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+        self.e2e.observe(metrics.e2e)
+        for gap in metrics.itl:
+            self.itl.observe(gap)
 
     def counter_value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (e.g. ``asyncengine_requests_total``); 0 when absent."""

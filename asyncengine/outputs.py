@@ -20,7 +20,10 @@ class Usage:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Seconds. ``queue_time``: arrival to first scheduled; ``ttft``: arrival to first token."""
+    """Seconds. ``queue_time``: arrival to first scheduled; ``ttft``: arrival to first token.
+
+    ``cached_tokens``: prompt tokens served from the prefix cache (as ``Usage.cached_tokens``).
+    """
 
     arrival_time: float
     queue_time: float | None
@@ -28,6 +31,7 @@ class RequestMetrics:
     e2e: float
     itl: list[float] = field(default_factory=list)
     retractions: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -63,6 +63,10 @@ class Scheduler:
         self.total_retractions = 0
         self.total_prefix_deferrals = 0
         self.inflight: BatchPlan | None = None
+        # rid -> (request, segment) of the plan in flight. A request aborted while its step
+        # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
+        # by these objects, so the old step's token never lands on the new request.
+        self._inflight_owners: dict[str, tuple[Request, Segment]] = {}
         # the uncached prefixes this step's prefills compute, when in-batch dedup is on
         self.step_prefixes: StepPrefixes | None = None
         if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
@@ -113,10 +117,9 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------
     def _computed_len(self, req: Request) -> int:
         """Tokens whose KV is written: a segment of the step in flight is not, yet."""
-        if self.inflight is not None:
-            for seg in self.inflight.segments:
-                if seg.rid == req.rid:
-                    return seg.start_pos
+        owner = self._inflight_owners.get(req.rid)
+        if owner is not None and owner[0] is req:
+            return owner[1].start_pos
         return req.seq.kv_len
 
     def _context(self, num_decodes: int) -> PolicyContext:
@@ -181,11 +184,17 @@ class Scheduler:
         if plan.is_empty():
             return None
         now = self.clock()
+        requests = self.requests
+        owners = {}
         for seg in plan.extends:
-            req = self.requests[seg.rid]
+            req = requests[seg.rid]
+            owners[seg.rid] = (req, seg)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        for seg in plan.decodes:
+            owners[seg.rid] = (requests[seg.rid], seg)
         self.inflight = plan
+        self._inflight_owners = owners
         return plan
 
     def _decode_segment(self, req: Request) -> Segment:
@@ -332,13 +341,15 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:
         """Apply a finished step: append sampled tokens, check token-level stops, cache chunks."""
+        owners = self._owners(plan)
         self.inflight = None  # its KV is written now
+        self._inflight_owners = {}
         self.policy.observe(plan, output.forward_seconds)
         now = self.clock()
         events: list[TokenEvent] = []
         sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
         for seg in plan.segments:
-            req = self.requests.get(seg.rid)
+            req = owners.get(seg.rid)
             token = logprobs = None
             if seg.sample:
                 token, logprobs = next(sampled)
@@ -369,13 +380,21 @@ class Scheduler:
         Their KV is not trusted, so nothing of theirs enters the prefix cache.
         """
         failed = []
+        owners = self._owners(plan)
         for seg in plan.segments:
-            req = self.requests.get(seg.rid)
+            req = owners.get(seg.rid)
             if req is not None and not req.finished:
                 self.finish(req, "abort", cache=False)
                 failed.append(req)
         self.inflight = None
+        self._inflight_owners = {}
         return failed
+
+    def _owners(self, plan: BatchPlan) -> dict[str, Request | None]:
+        """The request each segment of ``plan`` was planned for (None: it is gone)."""
+        if plan is self.inflight:
+            return {rid: owner[0] for rid, owner in self._inflight_owners.items()}
+        return {seg.rid: self.requests.get(seg.rid) for seg in plan.segments}
 
     def _token_stop(self, req: Request, token: int) -> tuple[str | None, str | int | None]:
         params = req.params

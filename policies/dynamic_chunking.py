@@ -86,7 +86,10 @@ class DynamicChunkingPolicy(Policy):
         if a <= 0:
             return base  # no attention cost measured: every chunk costs the same
         lin = 2 * a * prefix_len + b
-        return int((-lin + math.sqrt(lin * lin + 4 * a * target)) / (2 * a))
+        # the positive root of a*x^2 + lin*x - target, in the form without cancellation; at
+        # prefix 0 it is ``base`` exactly, which rounding must not turn into base - 1 (and
+        # then, page aligned, into base - page)
+        return int(2 * target / (lin + math.sqrt(lin * lin + 4 * a * target)) + 1e-6)
 
     def budget(self, ctx: PolicyContext) -> StepBudget:
         base = self.base_chunk(ctx)

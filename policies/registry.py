@@ -64,6 +64,19 @@ def _resolve(name: str) -> type[Policy]:
     return BUILTIN[key]
 
 
+def resolve_policy(spec: str) -> list[type[Policy]]:
+    """The classes ``spec`` names (one, or the parts of a composition); ValueError if none,
+    if a name is unknown or cannot be imported, or if more than one part orders the queue."""
+    names = [n for n in spec.split("+") if n.strip()]
+    if not names:
+        raise ValueError("policy must not be empty")
+    classes = [_resolve(n) for n in names]
+    orderers = [cls.name for cls in classes if cls.orders]
+    if len(classes) > 1 and len(orderers) > 1:
+        raise ValueError(f"policy {spec!r} names more than one ordering: {orderers}")
+    return classes
+
+
 def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     """Build a policy from ``"lpm"``, ``"lpm+dynamic-chunking"`` or ``"pkg.mod:Class"``.
 
@@ -72,9 +85,7 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     """
     options = dict(options or {})
     names = [n for n in spec.split("+") if n.strip()]
-    if not names:
-        raise ValueError("policy must not be empty")
-    classes = [_resolve(n) for n in names]
+    classes = resolve_policy(spec)
     if len(classes) == 1:
         return classes[0](**options)
     parts = []

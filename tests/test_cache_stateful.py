@@ -235,6 +235,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.max_tokens = self.max_pages_per_request * self.page_size
         self.pool = SequencePool(self.max_tokens - 8)
         self.live: dict[int, LiveSeq] = {}
+        self.counters = (0, 0)  # hit and miss tokens at the last check
 
     @initialize()
     def start_empty(self) -> None:
@@ -266,13 +267,15 @@ class ManagerMachine(RuleBasedStateMachine):
         limit = max(0, (len(tokens) - 1) // self.page_size * self.page_size)
         expected_pages, expected_len = self.model.match(tokens[:limit], touch=False)
         assert self.mgr.match_length(tokens) == expected_len
-        hits = self.mgr.stats()["hit_tokens"]
+        before = self.mgr.stats()
         seq = self.mgr.open(tokens)
         if limit:
             self.model.match(tokens[:limit])
         assert (seq.kv_len, seq.num_cached, seq.num_in_tree) == (expected_len,) * 3
         assert seq.pages == expected_pages
-        assert self.mgr.stats()["hit_tokens"] == hits + expected_len
+        after = self.mgr.stats()
+        assert after["hit_tokens"] == before["hit_tokens"] + expected_len
+        assert after["miss_tokens"] == before["miss_tokens"] + len(tokens) - expected_len
         self.live[seq.row] = LiveSeq(seq, list(tokens))
 
     @precondition(lambda self: self.live)
@@ -350,6 +353,11 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats["pages_cached"] == len(self.model.pages)
         assert stats["pages_evictable"] == len(self.model.pages) - len(self.locked())
         assert self.mgr.num_open == len(self.live)
+        counters = (stats["hit_tokens"], stats["miss_tokens"])
+        assert counters[0] >= self.counters[0] and counters[1] >= self.counters[1], (
+            f"hit/miss counters went back from {self.counters} to {counters}"
+        )
+        self.counters = counters
 
 
 class ManagerMachinePage16(ManagerMachine):

@@ -36,6 +36,13 @@ def test_overrides_win_and_none_is_ignored(tmp_path: Path) -> None:
         ("chunked_prefill_size = 3", "chunked_prefill_size"),
         ("[engine]\nmodel = 'x'\n[other]\na = 1", "other"),
         ("this is not toml", "not valid TOML"),
+        ('policy = "nope"', "config key 'policy' = 'nope': unknown policy"),
+        ('policy = "lpm+fcfs"', "config key 'policy'.*more than one ordering"),
+        ('policy = "lpm"\n[policy_options]\nagin = 1', "config key 'policy_options'.*'agin'"),
+        (
+            'policy = "dynamic-chunking"\n[policy_options]\nsmoothing = 2.0',
+            "config key 'policy_options'.*smoothing",
+        ),
     ],
 )
 def test_bad_keys_and_values_are_named(tmp_path: Path, text: str, message: str) -> None:
@@ -57,3 +64,15 @@ def test_unknown_policy_and_option_are_named() -> None:
 def test_user_policy_by_import_path() -> None:
     policy = make_policy("policies.fcfs:FCFSPolicy")
     assert policy.name == "fcfs"
+
+
+def test_a_bad_policy_fails_when_the_config_is_built_not_at_engine_start() -> None:
+    with pytest.raises(ConfigError, match="config key 'policy' = 'lpm-typo'"):
+        EngineConfig(policy="lpm-typo")
+    with pytest.raises(ConfigError, match="config key 'policy_options'"):
+        EngineConfig(policy="token-budget", policy_options={"prefill_tokens": 0})
+    with pytest.raises(ConfigError, match="cannot load policy 'no_such_pkg.mod:Policy'"):
+        EngineConfig.from_toml(None, policy="no_such_pkg.mod:Policy")
+    config = EngineConfig(policy="lpm+dynamic-chunking", policy_options={"lpm": {"aging": 0.5}})
+    with pytest.raises(ConfigError, match="policy_options"):
+        config.replace(policy_options={"lpm": {"aging": -1.0}})

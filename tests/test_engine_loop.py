@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
+import torch
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine
 from asyncengine.errors import EngineError, QueueFullError, RequestFailedError
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.loop import run
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler
-from asyncengine.worker import EngineParts
+from asyncengine.worker import EngineParts, build_kv_memory
 from policies import make_policy
 from tests.fake_runner import EOS, FakeRunner, reference_output
 
@@ -245,6 +249,7 @@ async def test_shared_prefix_hits_show_in_stats_and_usage() -> None:
         assert first.usage.cached_tokens == 0
         second = await engine.generate(system + [50, 51], SamplingParams(max_new_tokens=3))
         assert second.usage.cached_tokens == 32
+        assert second.metrics.cached_tokens == 32 and first.metrics.cached_tokens == 0
         assert second.token_ids == reference_output(system + [50, 51], 3)
         stats = engine.stats()
         assert stats["hit_tokens"] >= 32 and 0 < stats["cache_hit_rate"] < 1
@@ -263,3 +268,77 @@ async def test_reset_prefix_cache_only_while_idle() -> None:
         stats = engine.stats()
         assert stats["pages_cached"] == 0 and stats["hit_tokens"] == 0
         assert stats["pages_free"] == stats["pages_total"]
+
+
+async def test_request_id_reused_while_the_aborted_step_runs() -> None:
+    """Abort a request while its forward runs, then reuse its id at once: the new request gets
+    its own tokens only, and the engine keeps serving (the old step's chunk once crashed it)."""
+    async with fake_engine(chunked_prefill_size=8, max_prefill_tokens=8) as engine:
+        runner = engine.parts.runner  # type: ignore[union-attr]
+        gate = threading.Event()
+        execute = runner.execute
+
+        def gated(plan):  # type: ignore[no-untyped-def]
+            gate.wait(10)
+            return execute(plan)
+
+        runner.execute = gated
+        first = asyncio.create_task(
+            engine.generate(list(range(1, 40)), SamplingParams(max_new_tokens=5), request_id="dup")
+        )
+        for _ in range(200):
+            if engine.scheduler.inflight is not None:
+                break
+            await asyncio.sleep(0.001)
+        assert engine.scheduler.inflight is not None  # its first chunk is in the forward now
+        assert engine.abort("dup")
+        assert (await first).finish_reason == "abort"
+        second = asyncio.create_task(
+            engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4), request_id="dup")
+        )
+        await asyncio.sleep(0.01)
+        gate.set()
+        out = await second
+        assert out.token_ids == reference_output([5, 6, 7], 4)
+        assert engine.is_running
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+def test_run_helper_uses_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")  # a dependency on every platform but Windows
+
+    async def which_loop() -> type:
+        return type(asyncio.get_running_loop())
+
+    assert issubclass(run(which_loop()), uvloop.Loop)
+
+
+def test_context_is_capped_by_what_the_kv_pool_holds() -> None:
+    """A prompt the KV pool can never hold is refused up front: the pool caps max_model_len."""
+    model = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 4096,
+        }
+    )
+    config = EngineConfig(page_size=4, kv_cache_tokens=64)
+    _, kv, max_model_len = build_kv_memory(config, model, torch.float32, torch.device("cpu"))
+    assert max_model_len == 64 and kv.num_pages == 16
+    _, _, capped = build_kv_memory(
+        config.replace(max_model_len=32), model, torch.float32, torch.device("cpu")
+    )
+    assert capped == 32
+
+
+async def test_prompt_at_the_pool_capped_context_is_refused() -> None:
+    async with fake_engine(num_pages=16, page_size=4, max_model_len=64) as engine:
+        with pytest.raises(InvalidRequestError, match="64 tokens"):
+            engine.stream(list(range(1, 65)), SamplingParams())
+        out = await engine.generate(list(range(1, 64)), SamplingParams(max_new_tokens=8))
+        assert out.finish_reason == "length" and len(out.token_ids) == 1

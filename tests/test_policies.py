@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from asyncengine.cache.manager import KVCacheManager
@@ -242,3 +245,91 @@ def test_dynamic_chunking_without_data_uses_the_base_chunk() -> None:
 def test_token_budget_bounds_prefill_and_total() -> None:
     budget = make_policy("token-budget", {"prefill_tokens": 100, "total_tokens": 150}).budget(ctx())
     assert budget.prefill_tokens == 100 and budget.total_tokens == 150 and budget.chunk_size <= 100
+
+
+@pytest.mark.parametrize(("a", "b"), [(2e-8, 1e-4), (1e-12, 3e-5), (3e-9, 7e-6), (1e-7, 1e-4)])
+def test_dynamic_chunking_gives_exactly_the_base_chunk_at_prefix_zero(a: float, b: float) -> None:
+    """Rounding once made these 63, 127, 511, 4095: a page less once page aligned."""
+    policy = make_policy("dynamic-chunking")
+    assert isinstance(policy, DynamicChunkingPolicy)
+    policy.coef = np.array([a, b, 0.0, 1e-3])
+    for base in (64, 128, 500, 512, 1000, 4096):
+        assert policy.chunk_for_prefix(0, base) == base
+    assert policy.budget(ctx(page_size=16, chunked_prefill_size=512)).chunk_size == 512
+
+
+def test_dynamic_chunking_in_the_scheduler_shrinks_chunks_then_grows_them_back() -> None:
+    """Step times follow a*(2*l*x + x^2) + b*x + d: once fitted, each chunk of a long prompt is
+    the longest page-aligned one that costs no more than a base chunk at prefix 0, so chunks
+    shrink as the prefix grows; the next prompt starts again at the base chunk."""
+    from tests.test_scheduler import drive, make_scheduler, submit
+
+    a, b, d, page, base = 1e-7, 1e-4, 1e-3, 4, 64
+
+    def cost(prefix: int, tokens: int) -> float:
+        return a * (2 * prefix * tokens + tokens * tokens) + b * tokens
+
+    sched, runner, clock = make_scheduler(
+        num_pages=1024,
+        page_size=page,
+        policy="dynamic-chunking",
+        chunked_prefill_size=base,
+        max_prefill_tokens=base,
+        policy_options={"base_chunk": base, "min_chunk": page, "smoothing": 1.0},
+    )
+    execute = runner.execute
+
+    def timed(plan: BatchPlan):  # type: ignore[no-untyped-def]
+        output = execute(plan)
+        output.forward_seconds = sum(cost(s.start_pos, s.num_tokens) for s in plan.extends) + d
+        return output
+
+    runner.execute = timed  # type: ignore[method-assign]
+    submit(sched, clock, [(list(range(1 + 300 * i, 301 + 300 * i)), 2) for i in range(3)], "w")
+    drive(sched, runner, clock)
+    policy = sched.policy
+    assert isinstance(policy, DynamicChunkingPolicy) and policy.coef is not None
+    assert policy.coef[:2] == pytest.approx([a, b], rel=1e-3)
+    target = cost(0, base)
+    for tag, first in (("long", 2000), ("next", 5000)):
+        prompt = list(range(first, first + (1200 if tag == "long" else 400)))
+        submit(sched, clock, [(prompt, 2)], tag)
+        plans = drive(sched, runner, clock)
+        chunks = [(s.start_pos, s.num_tokens) for p in plans for s in p.extends]
+        assert chunks[0] == (0, base)  # a fresh prompt starts at the base chunk again
+        sizes = [n for _, n in chunks]
+        assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
+        for prefix, n in chunks[:-1]:
+            assert n % page == 0
+            assert cost(prefix, n) <= target * 1.01 and cost(prefix, n + page) > target * 0.99
+        if tag == "long":
+            assert sizes[-2] < base / 2
+
+
+def test_a_user_policy_from_its_own_file_orders_the_scheduler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A policy of one's own is one class in one file, named "module:Class" in the config, and
+    composes with a built-in budget."""
+    from tests.test_scheduler import drive, make_scheduler, submit
+
+    (tmp_path / "shortest_first.py").write_text(
+        "from policies.base import Policy\n\n\n"
+        "class ShortestFirst(Policy):\n"
+        '    name = "shortest-first"\n'
+        "    orders = True\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        return sorted(waiting, key=lambda r: len(r.prompt_ids))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in ("shortest_first:ShortestFirst", "shortest_first:ShortestFirst+token-budget"):
+        config = EngineConfig(policy=spec)
+        assert config.policy == spec
+        sched, runner, clock = make_scheduler(
+            policy=spec, chunked_prefill_size=0, max_prefill_tokens=12, max_running_requests=1
+        )
+        lengths = [9, 3, 6, 4]
+        reqs = submit(sched, clock, [([100 * i + 1] * n, 1) for i, n in enumerate(lengths)])
+        plans = drive(sched, runner, clock)
+        started = [s.rid for p in plans for s in p.extends]
+        assert started == [r.rid for r in sorted(reqs, key=lambda r: len(r.prompt_ids))]

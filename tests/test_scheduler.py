@@ -9,7 +9,7 @@ import pytest
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
+from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler
 from policies import BUILTIN, make_policy
@@ -233,3 +233,92 @@ def test_max_model_len_ends_with_length() -> None:
     sched.add_request(req)
     drive(sched, runner, clock)
     assert req.num_tokens == 12 and req.finish_reason == "length"
+
+
+@pytest.mark.parametrize("chunk", [8, 0], ids=["mid-chunk", "whole-prompt"])
+def test_request_id_reused_while_its_step_runs(chunk: int) -> None:
+    """A request aborted while its step runs frees its id at once; a new request that takes
+    the id must not receive the old step's token (nor crash the commit of a chunk)."""
+    sched, runner, clock = make_scheduler(chunked_prefill_size=chunk, max_prefill_tokens=64)
+    submit(sched, clock, [(list(range(1, 30)), 4)], tag="x")
+    plan = sched.schedule()
+    assert plan is not None
+    assert sched.abort("x0") is not None  # while the step "runs"
+    again = Request("x0", [5, 6, 7], SamplingParams(max_new_tokens=3), clock())
+    sched.add_request(again)
+    assert sched.commit(plan, runner.execute(plan)) == []
+    assert again.output_ids == [] and again.status is RequestStatus.WAITING
+    sched.kv.check_invariant()
+    drive(sched, runner, clock)
+    assert again.output_ids == reference_output([5, 6, 7], 3)
+
+
+def test_failed_step_does_not_fail_a_request_that_reused_an_id() -> None:
+    sched, runner, clock = make_scheduler()
+    submit(sched, clock, [(list(range(1, 30)), 4)], tag="x")
+    plan = sched.schedule()
+    assert plan is not None
+    sched.abort("x0")
+    again = Request("x0", [5, 6, 7], SamplingParams(max_new_tokens=3), clock())
+    sched.add_request(again)
+    assert sched.fail(plan) == []
+    drive(sched, runner, clock)
+    assert again.output_ids == reference_output([5, 6, 7], 3)
+
+
+def test_retract_takes_the_request_with_least_output_and_resets_the_ratio(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 6 pages of 4 tokens: each request alone fits (4 + 20 tokens), both together do not
+    sched, runner, clock = make_scheduler(
+        num_pages=6,
+        page_size=4,
+        max_model_len=24,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.01,
+        new_token_ratio_decay=0.1,
+    )
+    (first,) = submit(sched, clock, [([1, 2, 3, 4], 20)], tag="a")
+    ratios = []
+    for _ in range(5):  # its prefill, then decode-only steps: the ratio decays each step
+        plan = sched.schedule()
+        assert plan is not None
+        sched.commit(plan, runner.execute(plan))
+        ratios.append(sched.new_token_ratio)
+    assert ratios[0] == 0.5 and ratios[1:] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    (second,) = submit(sched, clock, [([9, 8, 7, 6], 20)], tag="b")
+    caplog.set_level("WARNING", logger="asyncengine.scheduler")
+    while sched.total_retractions == 0:
+        plan = sched.schedule()
+        assert plan is not None
+        sched.commit(plan, runner.execute(plan))
+        sched.kv.check_invariant()
+    # the later request has fewer outputs: it loses least work
+    assert (second.retractions, first.retractions) == (1, 0)
+    assert sched.new_token_ratio >= 0.4  # reset to 0.5, then at most one step's decay
+    assert any("retracted 1 request(s) (b0)" in r.getMessage() for r in caplog.records)
+    drive(sched, runner, clock)
+    assert first.output_ids == reference_output([1, 2, 3, 4], 20)
+    assert second.output_ids == reference_output([9, 8, 7, 6], 20)  # nothing emitted twice
+
+
+def test_token_budget_bounds_prefill_plus_decode_tokens_per_step() -> None:
+    sched, runner, clock = make_scheduler(
+        policy="token-budget",
+        policy_options={"prefill_tokens": 8, "total_tokens": 10},
+    )
+    submit(sched, clock, [([1 + i, 2, 3], 30) for i in range(6)], tag="short")
+    for _ in range(2):
+        plan = sched.schedule()
+        assert plan is not None
+        sched.commit(plan, runner.execute(plan))
+    submit(sched, clock, [(list(range(100, 140)), 2), (list(range(200, 240)), 2)], tag="long")
+    plans = drive(sched, runner, clock)
+    mixed = [p for p in plans if p.extends and p.decodes]
+    assert mixed, "no step carried prefill and decodes together"
+    for p in plans:
+        if p.extends:
+            assert sum(s.num_tokens for s in p.extends) + len(p.decodes) <= 10
+            assert sum(s.num_tokens for s in p.extends) <= 8
+    # with six decodes the joint budget, not the prefill one, is what binds
+    assert any(len(p.decodes) == 6 and sum(s.num_tokens for s in p.extends) == 4 for p in mixed)

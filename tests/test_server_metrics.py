@@ -52,6 +52,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 async def test_counters_and_histograms_follow_the_requests(server: RunningServer) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         before = await scrape(session, server)
+        engine_before = server.engine.stats()
         usages = []
         for i, max_tokens in enumerate((3, 5, 7)):
             body = {
@@ -77,9 +78,12 @@ async def test_counters_and_histograms_follow_the_requests(server: RunningServer
         # one client that leaves mid-stream
         body = {"prompt": "leaving early", "max_tokens": 400, "ignore_eos": True, "stream": True}
         resp = await session.post(server.base_url + "/v1/completions", json=body)
-        await asyncio.wait_for(resp.content.readany(), 30)
+        head = b""
+        while head.count(b"\n\n") < 2:  # two chunks: the request has generated >= 2 tokens
+            head += await asyncio.wait_for(resp.content.readany(), 30)
         resp.close()
         assert await wait_until(lambda: engine_idle(server.engine))
+        engine_after = server.engine.stats()
         assert await wait_until(
             lambda: (
                 server.metrics.counter_value(
@@ -103,13 +107,18 @@ async def test_counters_and_histograms_follow_the_requests(server: RunningServer
     prompt = sum(u["prompt_tokens"] for u in usages)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     native_prompt = len(server.engine.tokenizer.encode("native one"))
-    # the aborted request never reports usage; the four finished ones do
-    assert delta("asyncengine_prompt_tokens_total") == prompt + native_prompt
-    assert delta("asyncengine_generation_tokens_total") == 3 + 5 + 7 + 4
+    leaving_prompt = len(server.engine.tokenizer.encode("leaving early"))
+    # The token counters are the engine's: the aborted request's prompt and the tokens it
+    # generated before its client left count too.
+    assert delta("asyncengine_prompt_tokens_total") == prompt + native_prompt + leaving_prompt
+    generated = delta("asyncengine_generation_tokens_total")
+    assert generated == engine_after["generated_tokens"] - engine_before["generated_tokens"]
+    assert generated >= 3 + 5 + 7 + 4 + 2
     assert delta("asyncengine_cache_hit_tokens_total") + delta(
         "asyncengine_cache_miss_tokens_total"
-    ) == (prompt + native_prompt)
+    ) == (prompt + native_prompt + leaving_prompt)
     assert delta("asyncengine_cache_hit_tokens_total") >= cached
+    # The histograms see the four requests whose final output the server delivered.
     assert delta("asyncengine_time_to_first_token_seconds_count") == 4
     assert delta("asyncengine_e2e_request_latency_seconds_count") == 4
     assert delta("asyncengine_queue_time_seconds_count") == 4
@@ -138,6 +147,33 @@ async def test_gauges_mirror_engine_stats(server: RunningServer) -> None:
         == stats["pages_total"]
     )
     assert await wait_until(lambda: engine_idle(server.engine))
+
+
+async def test_metric_names_and_types(server: RunningServer) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with session.post(
+            server.base_url + "/v1/completions", json={"prompt": "types", "max_tokens": 2}
+        ) as resp:
+            assert resp.status == 200
+        async with session.get(server.base_url + "/metrics") as resp:
+            text = await resp.text()
+    types = {family.name: family.type for family in text_string_to_metric_families(text)}
+    expected = {
+        "asyncengine_requests": "counter",
+        "asyncengine_prompt_tokens": "counter",
+        "asyncengine_generation_tokens": "counter",
+        "asyncengine_cache_hit_tokens": "counter",
+        "asyncengine_cache_miss_tokens": "counter",
+        "asyncengine_time_to_first_token_seconds": "histogram",
+        "asyncengine_inter_token_latency_seconds": "histogram",
+        "asyncengine_e2e_request_latency_seconds": "histogram",
+        "asyncengine_queue_time_seconds": "histogram",
+        "asyncengine_num_requests_running": "gauge",
+        "asyncengine_num_requests_waiting": "gauge",
+        "asyncengine_kv_pages_used": "gauge",
+        "asyncengine_kv_pages_cached": "gauge",
+    }
+    assert {name: types.get(name) for name in expected} == expected
 
 
 async def test_each_metrics_object_has_its_own_registry() -> None:

@@ -209,7 +209,7 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
     if not req.stream:
         out = await generate(state.engine, prompt, params, request_id)
-        state.metrics.observe_finished(out.usage, out.metrics)
+        state.metrics.observe_finished(out.metrics)
         request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
         responder.add_logprobs(out.token_ids, out.logprobs)
         body = responder.body(
@@ -269,7 +269,7 @@ async def _stream(
     finally:
         await call.close()
         if last is not None and last.finished:
-            state.metrics.observe_finished(last.usage, last.metrics)
+            state.metrics.observe_finished(last.metrics)
 
 
 def add_native_routes(app: web.Application) -> None:

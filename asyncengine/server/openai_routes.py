@@ -112,7 +112,7 @@ async def _complete(
     builder: ResponseBuilder,
 ) -> web.Response:
     output = await generate(state.engine, prompt, params, builder.id)
-    state.metrics.observe_finished(output.usage, output.metrics)
+    state.metrics.observe_finished(output.metrics)
     request[OUTCOME] = "abort" if output.finish_reason == "abort" else "success"
     logprobs = _logprobs(state, builder, output.token_ids, output.logprobs, 0)
     return json_response(builder.full(output.text, output.finish_reason, output.usage, logprobs))
@@ -172,7 +172,7 @@ async def _stream(
     finally:
         await call.close()
         if last is not None and last.finished:
-            state.metrics.observe_finished(last.usage, last.metrics)
+            state.metrics.observe_finished(last.metrics)
 
 
 def add_openai_routes(app: web.Application) -> None:
