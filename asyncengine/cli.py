@@ -36,6 +36,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--kv-cache-tokens", "kv_cache_tokens", int, "KV pool capacity in tokens"),
     ("--kv-cache-bytes", "kv_cache_bytes", int, "KV pool capacity in bytes (instead of tokens)"),
+    (
+        "--gpu-memory-utilization",
+        "gpu_memory_utilization",
+        float,
+        "CUDA, no KV size given: share of GPU memory for weights + KV pool + activations",
+    ),
     ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
     ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
     (

@@ -32,8 +32,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     # KV memory
     page_size: int = 16
-    kv_cache_tokens: int | None = None  # KV pool capacity; default 32768 (or from kv_cache_bytes)
+    kv_cache_tokens: int | None = None  # KV pool capacity; default 32768 on CPU, see below on CUDA
     kv_cache_bytes: int | None = None
+    # on CUDA with neither size given: the share of the GPU's memory the engine may fill; the
+    # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)
+    gpu_memory_utilization: float = 0.9
     enable_prefix_cache: bool = True
 
     # scheduling
@@ -92,6 +95,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 raise bad(key, "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
             raise bad("kv_cache_bytes", "give kv_cache_tokens or kv_cache_bytes, not both")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise bad(
                 "init_new_token_ratio", "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1"
@@ -100,6 +105,23 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
         if self.log_interval < 0:
             raise bad("log_interval", "must be >= 0")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        """Build the policy once, so a bad name or option fails here, naming its key, and not
+        at engine start after the model has loaded."""
+        from policies.registry import make_policy, resolve_policy
+
+        try:
+            resolve_policy(self.policy)
+        except ValueError as exc:
+            raise ConfigError(f"config key 'policy' = {self.policy!r}: {exc}") from None
+        try:
+            make_policy(self.policy, self.policy_options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"config key 'policy_options' = {self.policy_options!r}: {exc}"
+            ) from None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:

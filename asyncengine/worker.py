@@ -21,6 +21,8 @@ from policies import make_policy
 log = logging.getLogger("asyncengine.worker")
 
 DEFAULT_KV_TOKENS = 32768
+# Kept free on a GPU beside weights and KV pool: activations, CUDA graphs, the allocator's slack.
+GPU_ACTIVATION_RESERVE = 2 << 30
 
 
 @dataclass(slots=True)
@@ -56,10 +58,41 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    if config.kv_cache_bytes is not None:
+def gpu_kv_budget_bytes(config: EngineConfig, device: torch.device, weight_bytes: int) -> int:
+    """Bytes for the KV pool on a GPU: ``gpu_memory_utilization`` of its memory, less what is
+    in use already (other processes included), the weights still to be moved there, and a
+    reserve for activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = int(config.gpu_memory_utilization * total) - in_use - weight_bytes
+    budget -= GPU_ACTIVATION_RESERVE
+    if budget <= 0:
+        gib = 2**30
+        raise ConfigError(
+            f"config key 'gpu_memory_utilization' = {config.gpu_memory_utilization}: leaves no "
+            f"room for the KV pool ({total / gib:.1f} GiB on the GPU, {in_use / gib:.1f} GiB in "
+            f"use, weights {weight_bytes / gib:.1f} GiB, reserve "
+            f"{GPU_ACTIVATION_RESERVE / gib:.0f} GiB); raise it or set kv_cache_tokens"
+        )
+    return budget
+
+
+def kv_capacity_pages(
+    config: EngineConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    weight_bytes: int = 0,
+) -> int:
+    """Pages of the KV pool: from kv_cache_bytes or kv_cache_tokens when given; else, on CUDA,
+    from the GPU's memory (``gpu_kv_budget_bytes``), and DEFAULT_KV_TOKENS elsewhere."""
+    budget = config.kv_cache_bytes
+    if budget is None and config.kv_cache_tokens is None and device is not None:
+        if device.type == "cuda":
+            budget = gpu_kv_budget_bytes(config, device, weight_bytes)
+    if budget is not None:
         pages = KVPool.num_pages_for_bytes(
-            config.kv_cache_bytes,
+            budget,
             model.num_layers,
             model.num_kv_heads,
             model.head_dim,
@@ -67,9 +100,7 @@ def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dty
             dtype,
         )
         if pages < 1:
-            raise ConfigError(
-                f"config key 'kv_cache_bytes' = {config.kv_cache_bytes}: too small for one page"
-            )
+            raise ConfigError(f"config key 'kv_cache_bytes' = {budget}: too small for one page")
         return pages
     return KVPool.num_pages_for_tokens(
         config.kv_cache_tokens or DEFAULT_KV_TOKENS, config.page_size
@@ -77,10 +108,15 @@ def kv_capacity_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dty
 
 
 def build_kv_memory(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_bytes: int = 0,
 ) -> tuple[KVPool, KVCacheManager, int]:
-    """The KV pool, its manager, and the context length they allow."""
-    num_pages = kv_capacity_pages(config, model_config, dtype)
+    """The KV pool, its manager, and the context length they allow. ``weight_bytes``: the
+    weights not yet on the device (a GPU pool is sized around them)."""
+    num_pages = kv_capacity_pages(config, model_config, dtype, device, weight_bytes)
     max_model_len = min(
         config.max_model_len or model_config.max_model_len,
         model_config.max_model_len,
@@ -119,7 +155,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_config = ModelConfig.from_hf_dict(load_hf_config(path))
     tokenizer = Tokenizer(path)
     weights = load_weights(path, dtype)
-    pool, kv, max_model_len = build_kv_memory(config, model_config, dtype, device)
+    weight_bytes = sum(t.nbytes for t in weights.values())
+    pool, kv, max_model_len = build_kv_memory(config, model_config, dtype, device, weight_bytes)
     eos_ids = list(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
     sampler = Sampler(eos_token_ids=eos_ids, seed=config.seed)
     runner = ModelRunner(

@@ -25,9 +25,11 @@ import triton
 import triton.language as tl
 
 from kernels.triton_utils import (
+    autotune,
     autotune_configs,
     check_device,
     dot_dtype,
+    length_bucket,
     multiprocessor_count,
     next_power_of_2,
 )
@@ -37,6 +39,8 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 # Enough programs in flight to cover every multiprocessor several times over.
 PROGRAMS_PER_SM = 4
+# Autotuning picks a config per bucket of the block table's reach (tokens).
+CONTEXT_BUCKETS = (1024, 8192)
 
 _SPLIT_CONFIGS = autotune_configs(
     [
@@ -54,9 +58,9 @@ _SPLIT_CONFIGS = autotune_configs(
 )
 
 
-# context_bucket (a power of two of the table's reach) keeps a config tuned on a short warm-up
-# batch from being reused for long contexts.
-@triton.autotune(configs=_SPLIT_CONFIGS, key=["HEAD_DIM", "BLOCK_H", "DIRECT", "context_bucket"])
+# context_bucket (short, medium or long table reach, CONTEXT_BUCKETS) keeps a config tuned on a
+# short batch from being reused for long contexts.
+@autotune(configs=_SPLIT_CONFIGS, key=["HEAD_DIM", "BLOCK_H", "DIRECT", "context_bucket"])
 @triton.jit
 def _decode_split_kernel(
     q_ptr,
@@ -315,7 +319,7 @@ def decode_attention(
         out.stride(1),
         *mid_strides,
         *lse_strides,
-        next_power_of_2(max_context),
+        length_bucket(max_context, CONTEXT_BUCKETS),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,

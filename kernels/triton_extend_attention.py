@@ -13,9 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import autotune_configs, check_device, dot_dtype, next_power_of_2
+from kernels.triton_utils import (
+    autotune,
+    autotune_configs,
+    check_device,
+    dot_dtype,
+    length_bucket,
+    next_power_of_2,
+)
 
 LOG2_E = 1.4426950408889634
+# Autotuning picks a config per bucket of the longest extend (tokens).
+Q_LEN_BUCKETS = (128, 1024)
 
 _EXTEND_CONFIGS = autotune_configs(
     [
@@ -33,9 +42,9 @@ _EXTEND_CONFIGS = autotune_configs(
 )
 
 
-# q_len_bucket (a power of two of the longest extend) keeps a config tuned on a short warm-up
-# batch from being reused for long prefills.
-@triton.autotune(configs=_EXTEND_CONFIGS, key=["HEAD_DIM", "GROUP", "q_len_bucket"])
+# q_len_bucket (short, medium or long longest extend, Q_LEN_BUCKETS) keeps a config tuned on a
+# short batch from being reused for long prefills.
+@autotune(configs=_EXTEND_CONFIGS, key=["HEAD_DIM", "GROUP", "q_len_bucket"])
 @triton.jit
 def _extend_kernel(
     q_ptr,
@@ -197,7 +206,7 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         block_table.stride(0),
-        next_power_of_2(max_q_len),
+        length_bucket(max_q_len, Q_LEN_BUCKETS),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(next_power_of_2(head_dim), 16),

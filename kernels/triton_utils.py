@@ -9,7 +9,9 @@ the runtime), and every ``tl.dot`` takes float32 operands because the interprete
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from typing import Any
 
 import torch
 import triton
@@ -27,9 +29,35 @@ def autotune_configs(
     """The configs to autotune over: the GPU list, or the one interpreter config.
 
     The list is chosen when a kernel module is imported, so set ``TRITON_INTERPRET`` before
-    importing ``kernels.triton_*`` (tests/conftest.py does).
+    importing ``kernels.triton_*`` (tests/conftest.py does). ``ASYNCENGINE_TRITON_AUTOTUNE=0``
+    keeps only the first GPU config: a correctness sweep over many shapes then compiles each
+    specialization once instead of once per config (scripts/check_kernels_gpu.py).
     """
-    return [interpreter_config] if is_interpreter() else gpu_configs
+    if is_interpreter():
+        return [interpreter_config]
+    if os.environ.get("ASYNCENGINE_TRITON_AUTOTUNE", "1") == "0":
+        return gpu_configs[:1]
+    return gpu_configs
+
+
+def autotune(configs: list[triton.Config], key: list[str]) -> Any:
+    """``triton.autotune`` that keeps its picks on disk where this Triton can (``cache_results``):
+    a restarted server then skips the benchmarking its warm-up would otherwise repeat."""
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        return triton.autotune(configs=configs, key=key, cache_results=True)
+    return triton.autotune(configs=configs, key=key)
+
+
+def length_bucket(length: int, edges: tuple[int, ...]) -> int:
+    """The first of ``edges`` that holds ``length``, or ``2 * edges[-1]`` past them all.
+
+    Autotuning keys on it: a config is re-picked for short, medium and long work, not for every
+    power of two (each new key costs a round of benchmarks, which a warm-up must pay up front).
+    """
+    for edge in edges:
+        if length <= edge:
+            return edge
+    return 2 * edges[-1]
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:

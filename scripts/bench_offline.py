@@ -217,7 +217,7 @@ def run_asyncengine(
 # -- Hugging Face transformers ---------------------------------------------------------------
 
 
-def load_hf_model(model: str, dtype_name: str) -> Any:
+def load_hf_model(model: str, dtype_name: str, device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -225,7 +225,7 @@ def load_hf_model(model: str, dtype_name: str) -> Any:
 
     dtype = getattr(torch, dtype_name)
     directory = resolve_model(model, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)
     hf.eval()
     # ignore EOS: no stop token anywhere, so generate() never ends a row early
     hf.generation_config.eos_token_id = None
@@ -260,8 +260,12 @@ def _generate_padded(model: Any, prompts: Sequence[Sequence[int]], max_new_token
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad
     )
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-    return out[:, width:]
+        out = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            generation_config=config,
+        )
+    return out[:, width:].cpu()
 
 
 def run_hf_padded(
@@ -463,13 +467,17 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
         finished(run_asyncengine(engine_config(args), workload, progress=progress))
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     if hf_systems:
-        model = load_hf_model(args.model, args.dtype)
+        model = load_hf_model(args.model, args.dtype, hf_device(args.device))
         if "hf-padded" in hf_systems:
             finished(run_hf_padded(model, workload, args.batch_size, progress))
         if "hf-cb" in hf_systems:
             finished(
                 run_hf_continuous(
-                    model, workload, args.hf_cb_max_batch_tokens, args.batch_size, progress
+                    model,
+                    workload,
+                    args.hf_cb_max_batch_tokens,
+                    args.hf_cb_max_requests or args.batch_size,
+                    progress,
                 )
             )
     return systems_result(runs, workload, args)
@@ -668,6 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="hf-cb: tokens per forward (its prefill chunk budget)",
     )
     parser.add_argument(
+        "--hf-cb-max-requests",
+        type=int,
+        default=None,
+        help="hf-cb: requests per forward (default: --batch-size)",
+    )
+    parser.add_argument(
         "--shared-prefix",
         action="store_true",
         help="radix cache on vs off on the shared-prefix workload (asyncengine only)",
@@ -679,6 +693,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return parser
+
+
+def hf_device(device: str) -> str:
+    """Where the HF model runs: the engine's device (``auto``: CUDA when there is one)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,8 @@ from asyncengine.cache import (
     PageAllocator,
     PageTable,
 )
+from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.worker import DEFAULT_KV_TOKENS, build_kv_memory, kv_capacity_pages
 
 
 def test_alloc_hands_out_distinct_pages_in_order() -> None:
@@ -163,3 +167,66 @@ def test_kv_pool_shapes_views_and_sizing() -> None:
     assert KVPool.num_pages_for_bytes(per_page * 7 + 5, 2, 3, 4, 16, torch.bfloat16) == 7
     with pytest.raises(ValueError):
         KVPool(1, 1, 1, 0, 16)
+
+
+def test_kv_memory_is_sized_from_the_config() -> None:
+    # Only the fields build_kv_memory reads; a real ModelConfig needs a checkpoint.
+    model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, max_model_len=4096)
+    cpu, dtype = torch.device("cpu"), torch.float32
+    page_bytes = KVPool.token_bytes(2, 2, 8, dtype) * 4
+
+    # A byte budget: the most whole pages that fit, and the context is capped by the pool.
+    budget = page_bytes * 11 - 1
+    config = EngineConfig(page_size=4, kv_cache_bytes=budget, max_running_requests=3)
+    pool, kv, max_model_len = build_kv_memory(config, model, dtype, cpu)  # type: ignore[arg-type]
+    assert pool.num_pages == kv.num_pages == kv.allocator.num_free == 10
+    assert pool.nbytes <= budget < pool.nbytes + page_bytes
+    assert pool.k.dtype == pool.v.dtype == dtype and pool.page_size == kv.page_size == 4
+    assert pool.k.shape == (2, 40, 2, 8)
+    assert max_model_len == 40 and kv.max_tokens_per_request == 40
+    assert kv.page_table.max_requests == 3
+
+    # A token capacity rounds up to whole pages.
+    config = EngineConfig(page_size=4, kv_cache_tokens=50, max_model_len=16)
+    pool, kv, max_model_len = build_kv_memory(config, model, dtype, cpu)  # type: ignore[arg-type]
+    assert pool.num_pages == kv.num_pages == 13 and pool.num_slots == 52
+    assert max_model_len == 16 and kv.max_pages_per_request == 4
+
+    default = EngineConfig()
+    assert default.page_size == 16
+    assert kv_capacity_pages(default, model, dtype) == DEFAULT_KV_TOKENS // 16  # type: ignore[arg-type]
+    too_small = EngineConfig(page_size=4, kv_cache_bytes=page_bytes - 1)
+    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+        kv_capacity_pages(too_small, model, dtype)  # type: ignore[arg-type]
+
+
+def test_gpu_pool_takes_the_memory_left_by_weights_and_reserve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA with no size given, the pool fills gpu_memory_utilization of the GPU's memory
+    less what is in use, the weights and the activation reserve (mem_get_info faked here)."""
+    from asyncengine import worker
+
+    gib = 2**30
+    free, total = 70 * gib, 80 * gib  # 10 GiB in use already
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, max_model_len=4096)
+    dtype, cuda = torch.bfloat16, torch.device("cuda")
+    page_bytes = KVPool.token_bytes(2, 2, 8, dtype) * 16
+    weights = 3 * gib
+
+    config = EngineConfig(gpu_memory_utilization=0.5)
+    budget = 40 * gib - 10 * gib - weights - worker.GPU_ACTIVATION_RESERVE
+    pages = kv_capacity_pages(config, model, dtype, cuda, weights)  # type: ignore[arg-type]
+    assert pages == budget // page_bytes
+    # An explicit size wins; CPU keeps the fixed default.
+    sized = EngineConfig(kv_cache_tokens=4096)
+    assert kv_capacity_pages(sized, model, dtype, cuda, weights) == 256  # type: ignore[arg-type]
+    cpu = torch.device("cpu")
+    assert kv_capacity_pages(config, model, dtype, cpu) == DEFAULT_KV_TOKENS // 16  # type: ignore[arg-type]
+
+    crowded = EngineConfig(gpu_memory_utilization=0.15)  # 12 GiB: less than in use + reserve
+    with pytest.raises(ConfigError, match="gpu_memory_utilization.*no room for the KV pool"):
+        kv_capacity_pages(crowded, model, dtype, cuda, weights)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)

@@ -338,3 +338,28 @@ def test_padded_decode_batch_gives_the_same_hidden_states_and_writes_nothing_mor
     # different key over a real slot. (The real rows' K/V differ by matmul rounding only.)
     torch.testing.assert_close(runner.kv_pool.k, pool_after[0], equal_nan=True, atol=1e-5, rtol=0)
     torch.testing.assert_close(runner.kv_pool.v, pool_after[1], equal_nan=True, atol=1e-5, rtol=0)
+
+
+def test_warm_up_runs_each_reachable_autotuning_key_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every (length bucket, direct) decode key and every extend bucket up to the context."""
+    from asyncengine.executor import attention_triton
+    from kernels import triton_decode_attention
+
+    # Small buckets keep the interpreter quick; the logic is the same at the real sizes.
+    monkeypatch.setattr(attention_triton, "CONTEXT_BUCKETS", (32, 64))
+    monkeypatch.setattr(attention_triton, "Q_LEN_BUCKETS", (16, 32))
+    monkeypatch.setattr(triton_decode_attention, "MIN_TOKENS_PER_SPLIT", 16)
+    page_size, max_context = 4, 80
+    pool = torch.randn((8 * page_size, 1, 64))
+    runs = attention_triton.TritonBackend().warm_up(
+        pool, pool.clone(), num_heads=3, page_size=page_size, max_batch_size=4,
+        max_context=max_context,
+    )  # fmt: skip
+    decode_keys = [r.key for r in runs if r.kernel == "decode"]
+    extend_keys = [r.key[0] for r in runs if r.kernel == "extend"]
+    assert len(set(decode_keys)) == len(decode_keys)
+    assert len(set(extend_keys)) == len(extend_keys)
+    # A context of one page is one split (direct); longer ones split in every bucket.
+    assert set(decode_keys) == {(32, True), (32, False), (64, False), (128, False)}
+    assert sorted(extend_keys) == [16, 32, 64]
+    assert max(r.length for r in runs) == max_context

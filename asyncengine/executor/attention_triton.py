@@ -15,9 +15,10 @@ import torch
 
 from asyncengine.executor.attention import AttentionBackend, register_backend
 from asyncengine.executor.forward_batch import ForwardBatch
-from kernels.triton_decode_attention import choose_num_splits, decode_attention
-from kernels.triton_extend_attention import extend_attention
+from kernels.triton_decode_attention import CONTEXT_BUCKETS, choose_num_splits, decode_attention
+from kernels.triton_extend_attention import Q_LEN_BUCKETS, extend_attention
 from kernels.triton_kv_store import store_kv
+from kernels.triton_utils import length_bucket
 
 
 @dataclass(slots=True)
@@ -34,8 +35,78 @@ class TritonAttentionMetadata:
     decode_num_splits: int | None = None  # set by the first layer's forward
 
 
+@dataclass(frozen=True, slots=True)
+class WarmUpRun:
+    kernel: str  # "decode" or "extend"
+    key: tuple[int, bool]  # (length bucket, direct) for decode; (length bucket, False) for extend
+    batch: int
+    length: int  # decode: every request's context; extend: the new tokens of one request
+
+
 class TritonBackend(AttentionBackend):
     """Paged extend and decode attention in Triton kernels (kernels/triton_*.py)."""
+
+    def warm_up(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+        page_size: int,
+        max_batch_size: int,
+        max_context: int,
+    ) -> list[WarmUpRun]:
+        """Run each attention kernel once per autotuning key a server can reach.
+
+        Autotuning benchmarks every config the first time a key is seen; without this the
+        first requests of each length class pay it (seconds on a fresh process). Reads pool
+        pages, writes none. Returns the runs made, one per key.
+        """
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        num_pages = max(k_cache.shape[0] // page_size, 1)
+        device, dtype = k_cache.device, k_cache.dtype
+        scale = head_dim**-0.5
+        lengths = sorted(
+            {min(n, max_context) for n in (page_size, 256, *CONTEXT_BUCKETS, *Q_LEN_BUCKETS)}
+            | {max_context}
+        )
+        runs: list[WarmUpRun] = []
+        seen: set[tuple[str, tuple[int, bool]]] = set()
+
+        def table(batch: int, length: int) -> torch.Tensor:
+            width = -(-length // page_size)
+            pages = torch.arange(width, dtype=torch.int32, device=device) % num_pages
+            return pages.expand(batch, width).contiguous()
+
+        for length in lengths:
+            for batch in sorted({1, max_batch_size}):
+                splits = choose_num_splits(batch, num_kv_heads, length, device)
+                key = (
+                    length_bucket(-(-length // page_size) * page_size, CONTEXT_BUCKETS),
+                    splits == 1,
+                )
+                if ("decode", key) in seen:
+                    continue
+                seen.add(("decode", key))
+                q = torch.randn((batch, num_heads, head_dim), device=device, dtype=dtype)
+                seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+                decode_attention(
+                    q, k_cache, v_cache, table(batch, length), seq_lens, page_size, scale,
+                    num_splits=splits,
+                )  # fmt: skip
+                runs.append(WarmUpRun("decode", key, batch, length))
+            key = (length_bucket(length, Q_LEN_BUCKETS), False)
+            if ("extend", key) in seen:
+                continue
+            seen.add(("extend", key))
+            q = torch.randn((length, num_heads, head_dim), device=device, dtype=dtype)
+            cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
+            extend_attention(
+                q, k_cache, v_cache, table(1, length), cu, seq_lens, page_size, scale,
+                max_q_len=length,
+            )  # fmt: skip
+            runs.append(WarmUpRun("extend", key, 1, length))
+        return runs
 
     def build_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         has_extends = batch.num_extends > 0 and batch.num_extend_tokens > 0

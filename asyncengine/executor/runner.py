@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,8 @@ from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+log = logging.getLogger("asyncengine.runner")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -89,6 +92,8 @@ class ModelRunner:
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
+        if self.device.type == "cuda" and self.backend_name == "triton":
+            self._warm_up_attention(max_batch_size)
         self.graphs: DecodeGraphs | None = None
         if enable_cuda_graph and self.device.type == "cuda" and self.backend_name == "triton":
             self.graphs = DecodeGraphs(
@@ -101,6 +106,28 @@ class ModelRunner:
                 self.page_size,
             )
             self.graphs.capture()
+
+    def _warm_up_attention(self, max_batch_size: int) -> None:
+        """Autotune the attention kernels for every length class now, not on first requests."""
+        from asyncengine.executor.attention_triton import TritonBackend
+
+        assert isinstance(self.backend, TritonBackend)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            runs = self.backend.warm_up(
+                self.k_caches[0],
+                self.v_caches[0],
+                self.config.num_heads,
+                self.page_size,
+                max_batch_size,
+                self.page_table.max_pages_per_request * self.page_size,
+            )
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "attention kernels warmed up for %d autotuning keys in %.1f s",
+            len(runs),
+            time.perf_counter() - start,
+        )
 
     def prepare(self, plan: BatchPlan) -> ForwardBatch:
         longest = max((s.end_pos for s in plan.segments), default=0)
