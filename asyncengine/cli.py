@@ -90,10 +90,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="never put decodes and a prefill chunk in one forward",
     )
+    group.add_argument(
+        "--overlap-schedule",
+        dest="enable_overlap_schedule",
+        action="store_const",
+        const=True,
+        default=None,
+        help="launch the next forward before streaming this step's tokens",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    keys = [key for _, key, _, _ in ENGINE_FLAGS] + ["enable_prefix_cache", "enable_mixed_batch"]
+    keys = [key for _, key, _, _ in ENGINE_FLAGS] + [
+        "enable_prefix_cache",
+        "enable_mixed_batch",
+        "enable_overlap_schedule",
+    ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 
 

@@ -6,7 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,6 +61,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     new_token_ratio_decay: float = 0.001
 
     # executor
+    # schedule and launch the next forward before this step's tokens are detokenized and
+    # streamed, so that host work overlaps the forward; off: no gain measured on an H100 with
+    # the 135M model (the GIL serializes the host work), see docs/BENCHMARKS.md
+    enable_overlap_schedule: bool = False
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
 

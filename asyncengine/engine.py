@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.config import EngineConfig
@@ -19,7 +21,7 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
-from asyncengine.plan import BatchPlan, TokenLogprobs
+from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.request import Request
 from asyncengine.request_stream import RequestStream, StreamState
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
@@ -29,6 +31,15 @@ from asyncengine.worker import EngineParts, build_engine_parts
 log = logging.getLogger("asyncengine.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A plan whose forward runs on the worker thread."""
+
+    plan: BatchPlan
+    future: asyncio.Future[StepOutput]
+    started: float  # perf_counter at launch
 
 
 class AsyncEngine:
@@ -260,34 +271,52 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sched = self.scheduler
         runner = self._parts().runner
+        overlap = self.config.enable_overlap_schedule
         assert self._wakeup is not None
+
+        def launch(plan: BatchPlan) -> InFlight:
+            future = loop.run_in_executor(self._worker, runner.execute, plan)
+            return InFlight(plan, future, time.perf_counter())
+
+        pending: InFlight | None = None
         try:
             while not self._stopping:
-                if not sched.has_work():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                plan = sched.schedule()
-                if plan is None:
-                    await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
-                    continue
-                start = time.perf_counter()
+                if pending is None:
+                    if not sched.has_work():
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    plan = sched.schedule()
+                    if plan is None:
+                        await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
+                        continue
+                    pending = launch(plan)
+                step, pending = pending, None
                 try:
-                    output = await loop.run_in_executor(self._worker, runner.execute, plan)
+                    output = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
                     log.exception(
                         "forward of step %d failed; failing its %d requests",
-                        plan.step,
-                        len(plan.segments),
+                        step.plan.step,
+                        len(step.plan.segments),
                     )
-                    for req in sched.fail(plan):
+                    for req in sched.fail(step.plan):
                         self._fail_stream(req, exc)
                     continue
                 if not output.forward_seconds:
-                    output.forward_seconds = time.perf_counter() - start
-                self._emit(sched.commit(plan, output))
+                    output.forward_seconds = time.perf_counter() - step.started
+                events = sched.commit(step.plan, output)
+                if overlap and not self._stopping and sched.has_work():
+                    # The next forward runs while this step's tokens are detokenized and
+                    # streamed. A stop string found below finishes a request that is in the
+                    # next plan too, as an abort would: its token there is dropped at commit,
+                    # and its pages are reused only by a plan made after that forward returns.
+                    plan = sched.schedule()
+                    if plan is not None:
+                        pending = launch(plan)
+                self._emit(events)
                 for hook in self.step_hooks:
-                    hook(plan)
+                    hook(step.plan)
                 self._maybe_log()
         except Exception as exc:
             log.exception("engine loop crashed")
@@ -295,6 +324,9 @@ class AsyncEngine:
                 self._fail_stream(state.req, exc)
             raise
         finally:
+            if pending is not None:  # let the forward finish before the pool goes away
+                with contextlib.suppress(Exception):
+                    await pending.future
             for rid in list(self._streams):
                 self.abort(rid)
 

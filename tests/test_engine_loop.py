@@ -342,3 +342,46 @@ async def test_prompt_at_the_pool_capped_context_is_refused() -> None:
             engine.stream(list(range(1, 65)), SamplingParams())
         out = await engine.generate(list(range(1, 64)), SamplingParams(max_new_tokens=8))
         assert out.finish_reason == "length" and len(out.token_ids) == 1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_overlap_launches_the_next_forward_before_streaming_this_step(
+    overlap: bool,
+) -> None:
+    """With overlap, when a step's tokens are streamed (its hook runs) the next plan is already
+    scheduled and its forward launched; without, nothing is in flight then. Outputs, stop
+    strings and KV accounting are the same either way."""
+    async with fake_engine(enable_overlap_schedule=overlap) as engine:
+        in_flight_at_hook: list[tuple[int, int | None]] = []
+        engine.step_hooks.append(
+            lambda plan: in_flight_at_hook.append(
+                (
+                    plan.step,
+                    None if engine.scheduler.inflight is None else engine.scheduler.inflight.step,
+                )
+            )
+        )
+        prompts = [[5 + i, 6, 7] * (i + 2) for i in range(6)]
+        expected = [reference_output(p, 8 + i) for i, p in enumerate(prompts)]
+        stop = f"<{expected[0][4]}>"  # request 0 stops on its 5th token, mid-flight
+        outs = await asyncio.gather(
+            engine.generate(prompts[0], SamplingParams(max_new_tokens=8, stop=[stop])),
+            *(
+                engine.generate(p, SamplingParams(max_new_tokens=8 + i))
+                for i, p in enumerate(prompts[1:], start=1)
+            ),
+        )
+        assert outs[0].finish_reason == "stop" and outs[0].token_ids == expected[0][:5]
+        for out, want in zip(outs[1:], expected[1:], strict=True):
+            assert out.token_ids == want and out.finish_reason == "length"
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+    launched_early = [nxt for step, nxt in in_flight_at_hook if nxt is not None]
+    if overlap:
+        # every step but the last had its successor in flight while it streamed
+        assert [nxt for _, nxt in in_flight_at_hook[:-1]] == [
+            s + 1 for s, _ in in_flight_at_hook[:-1]
+        ]
+        assert in_flight_at_hook[-1][1] is None
+    else:
+        assert launched_early == []

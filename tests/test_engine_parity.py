@@ -128,3 +128,17 @@ def test_engine_greedy_matches_hf(
         and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
     )
     assert stats["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm+dynamic-chunking"])
+def test_engine_greedy_matches_hf_with_overlap_schedule(
+    tiny_chat_model: Path, expected: list[list[int]], policy: str
+) -> None:
+    """The next forward launched before this step streams: same tokens, retractions included."""
+    items = prompts(seed=11)
+    got, stats = asyncio.run(
+        run_engine(tiny_chat_model, items, policy=policy, enable_overlap_schedule=True)
+    )
+    assert got == expected
+    assert stats["retractions"] > 0
+    assert stats["pages_used"] == 0
