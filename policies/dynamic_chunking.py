@@ -102,8 +102,5 @@ class DynamicChunkingPolicy(Policy):
         page = max(ctx.config.page_size, 1)
         chunk = int(min(max(self._smoothed, self.opts["min_chunk"]), self.opts["max_chunk"]))
         chunk = max(page, chunk // page * page)
-        return StepBudget(
-            prefill_tokens=max(chunk, min(ctx.config.max_prefill_tokens, chunk)),
-            total_tokens=None,
-            chunk_size=chunk,
-        )
+        # one chunk is the step's prefill: that is what keeps every step's cost level
+        return StepBudget(prefill_tokens=chunk, total_tokens=None, chunk_size=chunk)

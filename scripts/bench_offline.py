@@ -308,10 +308,14 @@ def run_hf_continuous(
         max_generated_length=longest,
         num_requests=len(workload),
     )
-    # Room for every request at once (as asyncengine's default pool has for these runs): left to
-    # itself on a CPU, transformers sizes the cache from a guess at free memory (many GiB).
+    # Room for the most KV that max_requests_per_batch requests in flight can hold (the longest
+    # ones at once): left to itself on a CPU, transformers sizes the cache from a guess at free
+    # memory (many GiB), and room for every request would refuse to start on a 24 GiB machine.
     page = 256
-    blocks = sum(-(-(len(item.prompt_ids) + item.output_len) // page) for item in workload)
+    pages = sorted(
+        (-(-(len(item.prompt_ids) + item.output_len) // page) for item in workload), reverse=True
+    )
+    blocks = sum(pages[:max_requests_per_batch])
     # Its CPU (sdpa) path attends over one mask spanning every request of the batch, so its cost
     # grows with the square of the requests in flight: cap them like hf-padded's batch size.
     cb_config = ContinuousBatchingConfig(

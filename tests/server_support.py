@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import re
 import shutil
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ TINY_MODEL: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 MAX_MODEL_LEN = 512
 
@@ -163,3 +168,45 @@ def split_sse(raw: bytes) -> list[bytes]:
 
 def sse_json(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(p) for p in split_sse(raw)[:-1]]
+
+
+@dataclass(slots=True)
+class ServerProcess:
+    proc: asyncio.subprocess.Process
+    port: int
+    lines: list[str]  # stderr so far
+    reader: asyncio.Task[None]  # collects stderr until the process closes it
+
+
+@contextlib.asynccontextmanager
+async def server_subprocess(*args: str) -> AsyncIterator[ServerProcess]:
+    """``python *args`` serving on loopback (it logs "serving ... on http://127.0.0.1:PORT");
+    killed on the way out if it still runs."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    lines: list[str] = []
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    assert proc.stderr is not None
+    reader = asyncio.create_task(_read_server_stderr(proc.stderr, lines, port))
+    try:
+        yield ServerProcess(proc, await asyncio.wait_for(port, 120), lines, reader)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+
+
+async def _read_server_stderr(
+    stream: asyncio.StreamReader, lines: list[str], port: asyncio.Future[int]
+) -> None:
+    """Collect a server subprocess's stderr lines; resolve ``port`` from its "serving" line."""
+    while line := await stream.readline():
+        text = line.decode(errors="replace").rstrip()
+        lines.append(text)
+        if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", text):
+            if not port.done():
+                port.set_result(int(match.group(1)))

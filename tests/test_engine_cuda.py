@@ -9,9 +9,6 @@ GPU.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,8 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import TinyCheckpoint
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.python_subprocess import run_python
 
 _SCRIPT = textwrap.dedent(
     """
@@ -66,18 +62,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def run_script(checkpoint: TinyCheckpoint, tmp_path: Path, device: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(checkpoint.path), str(tmp_path / "model"), device],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    stdout = run_python(_SCRIPT, str(checkpoint.path), str(tmp_path / "model"), device)
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 

@@ -21,7 +21,7 @@ import pytest
 from asyncengine.cli import add_engine_arguments, main
 from asyncengine.config import EngineConfig
 from asyncengine.server.serve import DEFAULT_HOST, DEFAULT_PORT, add_serve_arguments
-from tests.server_support import MAX_MODEL_LEN, split_sse, tiny_model_dir
+from tests.server_support import MAX_MODEL_LEN, server_subprocess, split_sse, tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -103,38 +103,21 @@ def test_readme_examples_match_the_defaults() -> None:
     assert f'model="{EngineConfig().model}"' in python
 
 
-async def _read_stderr(
-    stream: asyncio.StreamReader, lines: list[str], port: asyncio.Future[int]
-) -> None:
-    while line := await stream.readline():
-        text = line.decode(errors="replace").rstrip()
-        lines.append(text)
-        if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", text):
-            if not port.done():
-                port.set_result(int(match.group(1)))
-
-
 @pytest.mark.asyncio
 async def test_cli_serve_answers_the_readme_examples_and_stops_on_sigint(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     model = tiny_model_dir(tmp_path_factory)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "asyncengine.cli", "serve",
+    async with server_subprocess(
+        "-m", "asyncengine.cli", "serve",
         "--model", str(model), "--served-model-name", EngineConfig().model,
         "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-tokens", "4096", "--log-interval", "0",
         "--port", "0", "--server-log-interval", "0.2",
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    lines: list[str] = []
-    port_future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    assert proc.stderr is not None
-    reader = asyncio.create_task(_read_stderr(proc.stderr, lines, port_future))
-    try:
-        port = await asyncio.wait_for(port_future, 120)
-        base = f"http://127.0.0.1:{port}"
+    ) as server:  # fmt: skip
+        proc, lines = server.proc, server.lines
+        base = f"http://127.0.0.1:{server.port}"
         chat, native = curl_commands()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             url = chat["url"].replace(README_BASE, base)
@@ -163,7 +146,7 @@ async def test_cli_serve_answers_the_readme_examples_and_stops_on_sigint(
         await asyncio.sleep(0.5)  # at least one summary line after the requests
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
-        await asyncio.wait_for(reader, 10)
+        await asyncio.wait_for(server.reader, 10)
         log = "\n".join(lines)
         assert "server stopped" in log, log[-2000:]
         summary = re.compile(
@@ -176,8 +159,3 @@ async def test_cli_serve_answers_the_readme_examples_and_stops_on_sigint(
         served = sum(int(re.search(r"http_requests=(\d+)", s).group(1)) for s in summaries)  # type: ignore[union-attr]
         assert served == 3
         assert any(not re.search(r"gen_tok/s=0\.0 ", s) for s in summaries)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        reader.cancel()

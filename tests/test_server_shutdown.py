@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.server_support import split_sse, tiny_model_dir
+from tests.server_support import server_subprocess, split_sse, tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,17 +29,6 @@ config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", max_mode
                       kv_cache_tokens=16384, log_interval=0)
 sys.exit(serve(config, args))
 """
-
-
-async def _read_stderr(
-    stream: asyncio.StreamReader, lines: list[str], port: asyncio.Future[int]
-) -> None:
-    while line := await stream.readline():
-        text = line.decode(errors="replace").rstrip()
-        lines.append(text)
-        if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", text):
-            if not port.done():
-                port.set_result(int(match.group(1)))
 
 
 async def _stream(
@@ -77,18 +64,11 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     model = tiny_model_dir(tmp_path_factory)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SERVER_SCRIPT, str(model),
+    async with server_subprocess(
+        "-c", SERVER_SCRIPT, str(model),
         "--port", "0", "--shutdown-grace", "10", "--server-log-interval", "0.2",
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    lines: list[str] = []
-    port_future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    assert proc.stderr is not None
-    reader = asyncio.create_task(_read_stderr(proc.stderr, lines, port_future))
-    try:
-        port = await asyncio.wait_for(port_future, 120)
+    ) as server:  # fmt: skip
+        proc, port = server.proc, server.port
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             # a short request that ends within the grace period, a long one that cannot
@@ -100,8 +80,8 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
         assert _finish_reason(short_raw) == "length"
         assert _finish_reason(long_raw) == "abort"
         assert await asyncio.wait_for(proc.wait(), 60) == 0
-        await asyncio.wait_for(reader, 10)
-        log = "\n".join(lines)
+        await asyncio.wait_for(server.reader, 10)
+        log = "\n".join(server.lines)
         assert (
             "shutting down" in log
             and "grace period over: aborting 1" in log
@@ -111,8 +91,3 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession() as session:
                 await session.get(f"http://127.0.0.1:{port}/health")
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        reader.cancel()

@@ -13,11 +13,8 @@ import os
 # Before triton loads (tests/conftest.py sets it too): run the kernels in the interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +28,8 @@ from kernels.triton_extend_attention import extend_attention
 from kernels.triton_kv_store import store_kv
 from kernels.triton_norm import fused_add_rms_norm, rms_norm
 from kernels.triton_rotary import apply_rotary
+from tests.python_subprocess import run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -411,16 +408,6 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
 
 def test_every_kernel_compiles_for_sm90() -> None:
     """Triton's own compiler and ptxas (shipped in the wheel) build the kernels for an H100."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 7, result.stdout
+    fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")
+    stdout = run_python(_COMPILE_FOR_SM90, env={"TRITON_DEFAULT_FP_FUSION": fusion}, timeout=300)
+    assert stdout.count("compiled") == 7, stdout

@@ -12,10 +12,7 @@ import os
 # Before triton loads (tests/conftest.py sets it too): run the kernels in the interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,8 +34,8 @@ from asyncengine.plan import BatchPlan, Segment
 from kernels import norm_ref, triton_norm
 from tests.conftest import TinyCheckpoint
 from tests.paged_pool_support import nan_pool, shuffled_page_table
+from tests.python_subprocess import run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 48
 NUM_ROWS = 4
 
@@ -205,21 +202,9 @@ _CUDA_CHECK = textwrap.dedent(
 
 def run_cuda_check(checkpoint: TinyCheckpoint, device: str, interpret: bool) -> dict[str, float]:
     """Run ``_CUDA_CHECK`` in a fresh interpreter, compiled kernels unless ``interpret``."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", _CUDA_CHECK, str(checkpoint.path), device],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    stdout = run_python(_CUDA_CHECK, str(checkpoint.path), device, interpret=interpret)
     figures: dict[str, float] = {}
-    for line in result.stdout.splitlines():
+    for line in stdout.splitlines():
         name, _, value = line.partition(" ")
         if name in ("backend_rel_diff", "graph_rel_diff"):
             figures[name] = float(value)

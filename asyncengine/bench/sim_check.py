@@ -393,7 +393,11 @@ def _step_fit(run: MeasuredRun, cost: CostModel) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto: the engine's pick (on CPU the faster of bf16 and fp32)",
+    )
     parser.add_argument("--policy", default="fcfs")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
