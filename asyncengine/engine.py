@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
@@ -325,8 +324,14 @@ class AsyncEngine:
             raise
         finally:
             if pending is not None:  # let the forward finish before the pool goes away
-                with contextlib.suppress(Exception):
+                try:
                     await pending.future
+                except Exception:  # its requests are aborted below either way
+                    log.warning(
+                        "forward of step %d, launched before the loop stopped, failed",
+                        pending.plan.step,
+                        exc_info=True,
+                    )
             for rid in list(self._streams):
                 self.abort(rid)
 
