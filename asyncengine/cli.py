@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.loop import run
+from asyncengine.event_loop import run
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 
 # (flag, config key, type, help); every flag overrides the key of the same name in --config

@@ -118,7 +118,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def _check_policy(self) -> None:
         """Build the policy once, so a bad name or option fails here, naming its key, and not
         at engine start after the model has loaded."""
-        from policies.registry import make_policy, resolve_policy
+        from asyncengine.policies.registry import make_policy, resolve_policy
 
         try:
             resolve_policy(self.policy)

@@ -12,20 +12,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
+from asyncengine.core import EngineCore
 from asyncengine.errors import (
     EngineError,
     EngineNotRunningError,
     QueueFullError,
     RequestFailedError,
 )
+from asyncengine.executor_api import Executor
 from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
 from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.request import Request
-from asyncengine.request_stream import RequestStream, StreamState
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler, TokenEvent
-from asyncengine.worker import EngineParts, build_engine_parts
+from asyncengine.text.stream import RequestStream, StreamState
 
 log = logging.getLogger("asyncengine.engine")
 
@@ -41,30 +43,47 @@ class InFlight:
     started: float  # perf_counter at launch
 
 
+def build_model_core(config: EngineConfig) -> tuple[EngineCore, Any]:
+    """The real model's core and its tokenizer (loads weights: run it off the event loop)."""
+    from asyncengine.executor.model_executor import ModelExecutor
+    from asyncengine.text.tokenizer import Tokenizer
+
+    executor = ModelExecutor(config)
+    tokenizer = Tokenizer(executor.model_dir)
+    executor.add_eos_token_ids(tokenizer.eos_token_ids)
+    return build_core(config, executor), tokenizer
+
+
 class AsyncEngine:
     """Serve generations from one asyncio loop; the model forward runs on one worker thread.
 
     Use ``async with AsyncEngine(config) as engine`` (or ``await start()`` / ``await stop()``).
+    ``executor`` and ``tokenizer`` replace the real model (tests drive the engine with a
+    model-free executor); without them ``start`` loads the model named by the config.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        executor: Executor | None = None,
+        tokenizer: Any = None,
+        **overrides: Any,
+    ) -> None:
         config = config or EngineConfig()
         self.config = config.replace(**overrides) if overrides else config
-        self.parts: EngineParts | None = None
-        self.step_hooks: list[Callable[[BatchPlan], None]] = []  # called after every committed step
+        if (executor is None) != (tokenizer is None):
+            raise ValueError("give both an executor and a tokenizer, or neither")
+        self._given = (executor, tokenizer)
+        self.core: EngineCore | None = None
+        # called with each step's plan once its tokens are streamed (core.step_hooks run at commit)
+        self.step_hooks: list[Callable[[BatchPlan], None]] = []
+        self._tokenizer: Any = None
         self._streams: dict[str, StreamState] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
-        self._counters: dict[str, int] = {
-            "prompt_tokens": 0,
-            "generated_tokens": 0,
-            "finished_stop": 0,
-            "finished_length": 0,
-            "finished_abort": 0,
-            "failed": 0,
-        }
         self._last_log = (time.monotonic(), 0)
 
     # -- life cycle ---------------------------------------------------------------------
@@ -73,8 +92,16 @@ class AsyncEngine:
             return self
         loop = asyncio.get_running_loop()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-forward")
-        if self.parts is None:
-            self.parts = await loop.run_in_executor(self._worker, build_engine_parts, self.config)
+        if self.core is None:
+            started = time.perf_counter()
+            self.core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
+            log.info(
+                "engine ready in %.1fs: model %s, max_model_len %d, policy %s",
+                time.perf_counter() - started,
+                self.config.model,
+                self.core.max_model_len,
+                self.core.policy.name,
+            )
         # Start-up leaves torch's and the model's objects behind; freezing them keeps the
         # collector's full passes (which stall the loop) short for the rest of the run.
         gc.collect()
@@ -83,6 +110,12 @@ class AsyncEngine:
         self._stopping = False
         self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")
         return self
+
+    def _build(self) -> tuple[EngineCore, Any]:
+        executor, tokenizer = self._given
+        if executor is None:
+            return build_model_core(self.config)
+        return build_core(self.config, executor), tokenizer
 
     async def stop(self) -> None:
         """Abort what is still in flight and stop the loop."""
@@ -109,28 +142,38 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done() and not self._stopping
 
-    @property
-    def scheduler(self) -> Scheduler:
-        return self._parts().scheduler
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._parts().tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self._parts().model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self._parts().max_model_len
-
-    def _parts(self) -> EngineParts:
-        if self.parts is None:
+    def _core(self) -> EngineCore:
+        if self.core is None:
             raise EngineNotRunningError(
                 "the engine is not started: use `async with AsyncEngine(...)` or `await engine.start()`"
             )
-        return self.parts
+        return self.core
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._core().scheduler
+
+    @property
+    def executor(self) -> Executor:
+        return self._core().executor
+
+    @property
+    def tokenizer(self) -> Any:
+        self._core()
+        return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        self._core()
+        return self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core().spec.vocab_size
 
     # -- public API ----------------------------------------------------------------------
     async def generate(
@@ -170,7 +213,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
-        parts = self._parts()
+        core = self._core()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -180,45 +223,38 @@ class AsyncEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        waiting = len(core.scheduler.waiting)
+        if waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
-                f"{len(self.scheduler.waiting)} requests are waiting (max_waiting_requests); try again later"
+                f"{waiting} requests are waiting (max_waiting_requests); try again later"
             )
-        req = Request(rid, prompt_ids, params, arrival_time=time.monotonic())
-        state = StreamState(req, parts.make_detokenizer(params.skip_special_tokens, prompt_ids))
+        req = Request(rid, prompt_ids, params, arrival_time=core.now())
+        detokenizer = self._tokenizer.detokenizer(params.skip_special_tokens, prompt_ids)
+        state = StreamState(req, detokenizer)
         self._streams[rid] = state
-        self.scheduler.add_request(req)
-        self._counters["prompt_tokens"] += len(prompt_ids)
+        core.add(req)
         assert self._wakeup is not None
         self._wakeup.set()
-        return RequestStream(self, state)
+        return RequestStream(state, self.abort, asyncio.get_running_loop())
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; its KV pages are released (cached prefix kept)."""
         state = self._streams.get(request_id)
         if state is None:
             return False
-        if not state.req.finished:
-            self.scheduler.finish(state.req, "abort")
+        self._core().finish(state.req, "abort")
         self._finish_stream(state)
         return True
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:
         """Empty the radix cache (and optionally its hit/miss counters); only while idle."""
-        if self.scheduler.has_work():
-            raise EngineError("cannot reset the prefix cache while requests are in the engine")
-        self.scheduler.kv.reset(reset_counters=reset_counters)
+        try:
+            self._core().reset_prefix_cache(reset_counters)
+        except RuntimeError as exc:
+            raise EngineError(str(exc)) from None
 
     def stats(self) -> dict[str, Any]:
-        sched = self.scheduler.stats()
-        hit, miss = sched.get("hit_tokens", 0), sched.get("miss_tokens", 0)
-        return {
-            **sched,
-            **self._counters,
-            "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
-            "model": self.model_name,
-            "policy": self.scheduler.policy.name,
-        }
+        return {**self._core().stats(), "model": self.model_name}
 
     # -- input checks --------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -226,13 +262,13 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return tok.encode(prompt)
+            return list(tok.encode(prompt))
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError(
                 "prompt must be a non-empty string, list of token ids, or list of chat messages"
             )
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self._parts().vocab_size
+            vocab = self.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(
@@ -245,47 +281,46 @@ class AsyncEngine:
                     raise InvalidRequestError(
                         f"message {i} needs a string 'role' and a string 'content'"
                     )
-            return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True))
+            return list(tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True)))
         raise InvalidRequestError(
             "prompt list must hold only token ids (int) or only chat messages (dict)"
         )
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        parts = self._parts()
+        max_model_len, vocab = self.max_model_len, self.vocab_size
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty after tokenization")
-        if len(prompt_ids) >= parts.max_model_len:
+        if len(prompt_ids) >= max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens but the context is {parts.max_model_len} tokens "
+                f"prompt has {len(prompt_ids)} tokens but the context is {max_model_len} tokens "
                 "(max_model_len), leaving no room to generate"
             )
-        bad = [t for t in params.stop_token_ids if t >= parts.vocab_size]
+        bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequestError(
-                f"stop token id {bad[0]} is outside the vocabulary [0, {parts.vocab_size})"
+                f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
 
     # -- the loop ------------------------------------------------------------------------
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        sched = self.scheduler
-        runner = self._parts().runner
+        core = self._core()
         overlap = self.config.enable_overlap_schedule
         assert self._wakeup is not None
 
         def launch(plan: BatchPlan) -> InFlight:
-            future = loop.run_in_executor(self._worker, runner.execute, plan)
+            future = loop.run_in_executor(self._worker, core.executor.execute, plan)
             return InFlight(plan, future, time.perf_counter())
 
         pending: InFlight | None = None
         try:
             while not self._stopping:
                 if pending is None:
-                    if not sched.has_work():
+                    if not core.has_work():
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    plan = sched.schedule()
+                    plan = core.schedule()
                     if plan is None:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
@@ -294,23 +329,18 @@ class AsyncEngine:
                 try:
                     output = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
-                    log.exception(
-                        "forward of step %d failed; failing its %d requests",
-                        step.plan.step,
-                        len(step.plan.segments),
-                    )
-                    for req in sched.fail(step.plan):
+                    for req in core.fail(step.plan, exc):
                         self._fail_stream(req, exc)
                     continue
                 if not output.forward_seconds:
                     output.forward_seconds = time.perf_counter() - step.started
-                events = sched.commit(step.plan, output)
-                if overlap and not self._stopping and sched.has_work():
+                events = core.commit(step.plan, output)
+                if overlap and not self._stopping and core.has_work():
                     # The next forward runs while this step's tokens are detokenized and
                     # streamed. A stop string found below finishes a request that is in the
                     # next plan too, as an abort would: its token there is dropped at commit,
                     # and its pages are reused only by a plan made after that forward returns.
-                    plan = sched.schedule()
+                    plan = core.schedule()
                     if plan is not None:
                         pending = launch(plan)
                 self._emit(events)
@@ -336,14 +366,14 @@ class AsyncEngine:
                 self.abort(rid)
 
     def _emit(self, events: list[TokenEvent]) -> None:
+        core = self._core()
         for ev in events:
             state = self._streams.get(ev.req.rid)
-            if state is None:
+            if state is None or state.req is not ev.req:
                 continue
-            self._counters["generated_tokens"] += 1
             stop = state.add_token(ev.token_id, ev.logprobs)
-            if stop is not None and not ev.req.finished:
-                self.scheduler.finish(ev.req, "stop", stop)
+            if stop is not None:
+                core.finish(ev.req, "stop", stop)
             if ev.req.finished:
                 self._finish_stream(state)
             else:
@@ -352,9 +382,7 @@ class AsyncEngine:
     def _finish_stream(self, state: StreamState) -> None:
         req = state.req
         self._streams.pop(req.rid, None)
-        reason = req.finish_reason or "abort"
-        self._counters[f"finished_{reason}"] = self._counters.get(f"finished_{reason}", 0) + 1
-        end = req.finished_time or time.monotonic()
+        end = req.finished_time or self._core().now()
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             queue_time=None
@@ -370,10 +398,10 @@ class AsyncEngine:
         state.finish(usage, metrics)
 
     def _fail_stream(self, req: Request, exc: BaseException) -> None:
-        state = self._streams.pop(req.rid, None)
-        if state is None:
+        state = self._streams.get(req.rid)
+        if state is None or state.req is not req:
             return
-        self._counters["failed"] += 1
+        del self._streams[req.rid]
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
 
     def _maybe_log(self) -> None:
@@ -383,11 +411,13 @@ class AsyncEngine:
         if not interval or now - last_time < interval:
             return
         stats = self.stats()
-        tokens = self._counters["generated_tokens"]
+        tokens = stats["generated_tokens"]
         log.info(
-            "gen %.1f tok/s | running %d | waiting %d | cache hit %.1f%% | KV pages used %d cached %d free %d / %d",
+            "gen %.1f tok/s | running %d | prefilling %d | waiting %d | cache hit %.1f%% | "
+            "KV pages used %d cached %d free %d / %d",
             (tokens - last_tokens) / (now - last_time),
             stats["running"],
+            stats["prefilling"],
             stats["waiting"],
             100 * stats["cache_hit_rate"],
             stats["pages_used"],

@@ -1,4 +1,9 @@
-"""BatchPlan: the only thing that crosses from the scheduler to the executor. Plain data."""
+"""BatchPlan: the only thing that crosses from the scheduler to the executor. Plain data.
+
+A plan is self-contained: besides the tokens to compute it carries every page-table write made
+since the previous plan (``page_writes``), so the executor keeps its own page table and nothing
+but plans and step outputs is shared between the loop thread and the forward thread.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ class Segment:
     ``start_pos .. start_pos + len(input_ids) - 1``. Tokens before ``start_pos`` are already in
     the KV pool (cached prefix and earlier chunks), reachable through page-table row
     ``table_row``. The pages covering every position up to the segment's end are allocated
-    before the plan is emitted.
+    before the plan is emitted, and written into that row by this plan's ``page_writes`` or an
+    earlier plan's.
     """
 
     rid: str
@@ -33,6 +39,15 @@ class Segment:
         return self.start_pos + len(self.input_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class PageWrite:
+    """Page ids for entries ``start .. start + len(pages) - 1`` of page-table row ``row``."""
+
+    row: int
+    start: int
+    pages: list[int]
+
+
 @dataclass(slots=True)
 class SamplingInfo:
     """What the sampler needs for one sampled segment."""
@@ -48,12 +63,14 @@ class BatchPlan:
 
     ``sampling`` has one entry per segment with ``sample=True``, in the order extends then
     decodes, and the executor returns one sampled token per entry in that order.
+    ``page_writes`` are applied, in order, to the executor's page table before the forward.
     """
 
     step: int
     extends: list[Segment] = field(default_factory=list)
     decodes: list[Segment] = field(default_factory=list)
     sampling: list[SamplingInfo] = field(default_factory=list)
+    page_writes: list[PageWrite] = field(default_factory=list)
 
     @property
     def segments(self) -> list[Segment]:

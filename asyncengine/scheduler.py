@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from asyncengine.cache.manager import KVCacheManager, OutOfPagesError
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
-from policies.base import Policy, PolicyContext, StepBudget
 
 log = logging.getLogger("asyncengine.scheduler")
 
@@ -132,10 +132,6 @@ class Scheduler:
             chunked=self.chunked,
         )
 
-    def _pages_for(self, kv_len: int, new_tokens: int) -> int:
-        ps = self.page_size
-        return -(-(kv_len + new_tokens) // ps) - -(-kv_len // ps)
-
     def _future_tokens(self, req: Request) -> int:
         """Tokens ``req`` may still generate: its budget, capped by the context length."""
         return max(0, min(req.remaining_new_tokens, self.max_model_len - req.num_tokens))
@@ -183,6 +179,7 @@ class Scheduler:
             )
         if plan.is_empty():
             return None
+        plan.page_writes = self.kv.page_table.drain_writes()
         now = self.clock()
         requests = self.requests
         owners = {}
@@ -290,7 +287,9 @@ class Scheduler:
                 continue
             estimate = len(ids) - matched
             future = self._future_tokens(req)
-            need = self._pages_for(0, estimate) + math.ceil((reserved + future) * ratio / ps)
+            need = self.kv.pages_needed(None, estimate) + math.ceil(
+                (reserved + future) * ratio / ps
+            )
             alone = not self.running and not self.prefilling and not plan.extends
             if not alone and need > self.kv.available_pages:
                 break
@@ -377,8 +376,11 @@ class Scheduler:
     def fail(self, plan: BatchPlan) -> list[Request]:
         """The step's forward raised: end its requests (reason "abort") and return them.
 
-        Their KV is not trusted, so nothing of theirs enters the prefix cache.
+        Their KV is not trusted, so nothing of theirs enters the prefix cache. The plan's page
+        writes go back to the front of the log: the executor may not have applied them, and
+        the next plan replays them (applying a write twice is harmless).
         """
+        self.kv.page_table.requeue(plan.page_writes)
         failed = []
         owners = self._owners(plan)
         for seg in plan.segments:
@@ -413,7 +415,8 @@ class Scheduler:
         kv = self.kv.stats()
         return {
             **kv,
-            "running": len(self.running) + len(self.prefilling),
+            "running": len(self.running),
+            "prefilling": len(self.prefilling),
             "waiting": len(self.waiting),
             "retractions": self.total_retractions,
             "prefix_deferrals": self.total_prefix_deferrals,

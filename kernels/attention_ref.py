@@ -25,18 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_grouping import (
+from asyncengine.kernels.attention_grouping import (
     ExtendCost,
     decode_chunks,
     extend_buckets,
     extend_cost_for,
 )
-from kernels.decode_sparse_ref import (
+from asyncengine.kernels.decode_sparse_ref import (
     SparseDecodePlan,
     plan_sparse_decode,
     sparse_decode_attention,
 )
-from kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
+from asyncengine.kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
 
 DECODE_CHUNK_BYTES = 4 << 20
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_grouping import decode_chunks
-from kernels.paged_kv import RowSelection, padded_kv_slots
+from asyncengine.kernels.attention_grouping import decode_chunks
+from asyncengine.kernels.paged_kv import RowSelection, padded_kv_slots
 
 # pattern entries (requests x query heads x keys) per chunk: bounds the index memory, 24 B each
 SPARSE_DECODE_CHUNK_ENTRIES = 1 << 21

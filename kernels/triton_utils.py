@@ -29,7 +29,7 @@ def autotune_configs(
     """The configs to autotune over: the GPU list, or the one interpreter config.
 
     The list is chosen when a kernel module is imported, so set ``TRITON_INTERPRET`` before
-    importing ``kernels.triton_*`` (tests/conftest.py does). ``ASYNCENGINE_TRITON_AUTOTUNE=0``
+    importing ``asyncengine.kernels.triton_*`` (tests/conftest.py does). ``ASYNCENGINE_TRITON_AUTOTUNE=0``
     keeps only the first GPU config: a correctness sweep over many shapes then compiles each
     specialization once instead of once per config (scripts/check_kernels_gpu.py).
     """

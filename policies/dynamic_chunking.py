@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from asyncengine.plan import BatchPlan
-from policies.base import Policy, PolicyContext, StepBudget, take_options
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
 
 
 class DynamicChunkingPolicy(Policy):

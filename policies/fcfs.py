@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.base import Policy
+from asyncengine.policies.base import Policy
 
 
 class FCFSPolicy(Policy):

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from asyncengine.plan import BatchPlan
+from asyncengine.policies.base import Policy, PolicyContext, take_options
+from asyncengine.policies.prefill_rate import PrefillRate
 from asyncengine.request import Request
-from policies.base import Policy, PolicyContext, take_options
-from policies.prefill_rate import PrefillRate
 
 
 class LPMPolicy(Policy):

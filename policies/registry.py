@@ -6,13 +6,13 @@ import importlib
 from typing import Any
 
 from asyncengine.plan import BatchPlan
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.policies.dfs_weight import DFSWeightPolicy
+from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
+from asyncengine.policies.fcfs import FCFSPolicy
+from asyncengine.policies.lpm import LPMPolicy
+from asyncengine.policies.token_budget import TokenBudgetPolicy
 from asyncengine.request import Request
-from policies.base import Policy, PolicyContext, StepBudget
-from policies.dfs_weight import DFSWeightPolicy
-from policies.dynamic_chunking import DynamicChunkingPolicy
-from policies.fcfs import FCFSPolicy
-from policies.lpm import LPMPolicy
-from policies.token_budget import TokenBudgetPolicy
 
 BUILTIN: dict[str, type[Policy]] = {
     cls.name: cls
@@ -54,7 +54,9 @@ def _resolve(name: str) -> type[Policy]:
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load policy {name!r}: {exc}") from None
         if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            raise ValueError(f"policy {name!r} is not a subclass of policies.base.Policy")
+            raise ValueError(
+                f"policy {name!r} is not a subclass of asyncengine.policies.base.Policy"
+            )
         return cls
     key = name.strip().lower().replace("_", "-")
     if key not in BUILTIN:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Policy, PolicyContext, StepBudget, take_options
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
 
 
 class TokenBudgetPolicy(Policy):

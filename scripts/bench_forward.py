@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncengine.cache import KVPool, PageTable
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig

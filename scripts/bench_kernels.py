@@ -113,8 +113,8 @@ def bench_decode(
 ) -> Result:
     import torch.nn.functional as F
 
-    from kernels import attention_ref
-    from kernels.triton_decode_attention import decode_attention
+    from asyncengine.kernels import attention_ref
+    from asyncengine.kernels.triton_decode_attention import decode_attention
 
     kv = paged_kv(batch, context, kv_heads, head_dim, page_size=16)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=DTYPE)
@@ -154,8 +154,8 @@ def bench_extend(
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import attention_ref
-    from kernels.triton_extend_attention import extend_attention
+    from asyncengine.kernels import attention_ref
+    from asyncengine.kernels.triton_extend_attention import extend_attention
 
     total = prefix + new
     kv = paged_kv(batch, total, kv_heads, head_dim, page_size=16)
@@ -211,11 +211,11 @@ def bench_memory_bound(
 
 
 def bench_elementwise(copy_gbps: float) -> list[Result]:
-    from kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
-    from kernels.triton_activation import silu_and_mul
-    from kernels.triton_kv_store import store_kv
-    from kernels.triton_norm import fused_add_rms_norm, rms_norm
-    from kernels.triton_rotary import apply_rotary
+    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
+    from asyncengine.kernels.triton_activation import silu_and_mul
+    from asyncengine.kernels.triton_kv_store import store_kv
+    from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
+    from asyncengine.kernels.triton_rotary import apply_rotary
 
     results = []
     rows, hidden = 16384, 4096

@@ -712,10 +712,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """The dtype every system runs in: ``auto`` becomes the engine's own pick for the device."""
     if dtype != "auto":
         return dtype
-    from asyncengine.worker import pick_device, pick_dtype
+    from asyncengine.executor.device import pick_device, pick_dtype
 
-    config = EngineConfig(model="smollm2-135m", dtype="auto", device=device)
-    return str(pick_dtype(config, pick_device(config))).removeprefix("torch.")
+    return str(pick_dtype("auto", pick_device(device))).removeprefix("torch.")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.bench.metrics import RequestRecord, summarize
+from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 

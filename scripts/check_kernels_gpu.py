@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# One config per kernel (set before kernels.triton_* load): every shape below is a new
+# One config per kernel (set before asyncengine.kernels.triton_* load): every shape below is a new
 # specialization, and autotuning each would compile every config for it.
 os.environ.setdefault("ASYNCENGINE_TRITON_AUTOTUNE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,7 +93,7 @@ def draw_shape(rng: random.Random) -> tuple[int, int, int, int]:
 
 
 def check_decode(rng: random.Random, dtype: torch.dtype) -> float:
-    from kernels.triton_decode_attention import decode_attention
+    from asyncengine.kernels.triton_decode_attention import decode_attention
 
     group, kv_heads, head_dim, page_size = draw_shape(rng)
     lengths = [
@@ -120,7 +120,7 @@ def check_decode(rng: random.Random, dtype: torch.dtype) -> float:
 
 
 def check_extend(rng: random.Random, dtype: torch.dtype) -> float:
-    from kernels.triton_extend_attention import extend_attention
+    from asyncengine.kernels.triton_extend_attention import extend_attention
 
     group, kv_heads, head_dim, page_size = draw_shape(rng)
     batch = rng.randint(1, 8)
@@ -152,11 +152,11 @@ def check_extend(rng: random.Random, dtype: torch.dtype) -> float:
 
 
 def check_elementwise(rng: random.Random, dtype: torch.dtype) -> dict[str, float]:
-    from kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
-    from kernels.triton_activation import silu_and_mul
-    from kernels.triton_kv_store import store_kv
-    from kernels.triton_norm import fused_add_rms_norm, rms_norm
-    from kernels.triton_rotary import apply_rotary
+    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
+    from asyncengine.kernels.triton_activation import silu_and_mul
+    from asyncengine.kernels.triton_kv_store import store_kv
+    from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
+    from asyncengine.kernels.triton_rotary import apply_rotary
 
     rows, hidden = rng.randint(1, 3000), rng.choice([64, 576, 1000, 4096])
     x = torch.randn((rows, hidden), device=DEVICE).to(dtype)

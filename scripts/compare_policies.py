@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.bench.metrics import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import RunReport, markdown_table, write_figures
 from asyncengine.config import EngineConfig
 from asyncengine.workloads import Arrivals, load_trace, make_workload, save_trace
@@ -87,7 +87,7 @@ def run_one(
 ) -> tuple[list[RequestRecord], BenchSummary, dict[str, Any]]:
     """Run one configuration; returns its records, their summary and mode-specific details."""
     if args.real:
-        from asyncengine.bench.replay import replay_real
+        from asyncengine.sim.engine_replay import replay_real
 
         records, stats = asyncio.run(replay_real(config, workload))
         retracts = stats.get("retractions")

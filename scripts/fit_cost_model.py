@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from asyncengine.cache.kv_pool import KVPool
+from asyncengine.builder import build_core
 from asyncengine.cache.manager import KVCacheManager, SeqKV
-from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
-from asyncengine.executor.model_config import ModelConfig
-from asyncengine.executor.runner import ModelRunner, resolve_dtype
+from asyncengine.config import EngineConfig
+from asyncengine.executor.model_executor import ModelExecutor
+from asyncengine.executor_api import Executor
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.cost_model import CostModel, StepFeatures
@@ -68,14 +68,14 @@ def grid(quick: bool) -> list[PlanShape]:
 class PlanBench:
     def __init__(
         self,
-        runner: ModelRunner,
+        executor: Executor,
         kv: KVCacheManager,
         vocab_size: int,
         seed: int,
         cpu_clock: bool = False,
     ) -> None:
         self.clock = time.process_time if cpu_clock else time.perf_counter
-        self.runner = runner
+        self.executor = executor
         self.kv = kv
         self.vocab = vocab_size
         self.rng = np.random.default_rng(seed)
@@ -94,6 +94,7 @@ class PlanBench:
             plan.decodes.append(Segment(f"d{i}", seq.row, ids[-1:], context - 1, sample=True))
             plan.sampling.append(SamplingInfo(self.params, ids, []))
             seqs.append(seq)
+        plan.page_writes = self.kv.page_table.drain_writes()
         return plan, seqs
 
     def _seq(self, length: int) -> tuple[SeqKV, list[int]]:
@@ -105,11 +106,11 @@ class PlanBench:
     def time(self, shape: PlanShape, repeats: int) -> float:
         plan, seqs = self.build(shape)
         try:
-            self.runner.execute(plan)  # warm-up (compilation, allocator)
+            self.executor.execute(plan)  # warm-up (compilation, allocator)
             samples = []
             for _ in range(repeats):
                 start = self.clock()
-                self.runner.execute(plan)  # returns Python ints: the device has synchronized
+                self.executor.execute(plan)  # returns Python ints: the device has synchronized
                 samples.append(self.clock() - start)
             return statistics.median(samples)
         finally:
@@ -149,38 +150,36 @@ def main(argv: Sequence[str] | None = None) -> CostModel:
         parser.error("--clock cpu measures one thread's work: use it with --device cpu --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, args.device)
-    model_dir = resolve_model(args.model, dtype)
-    model_config = ModelConfig.from_hf_dict(load_hf_config(model_dir))
-    weights = load_weights(model_dir, dtype)
     shapes = grid(args.quick)
     ps = args.page_size
     pages_needed = max(sum(-(-t // ps) for t in _lengths(s)) for s in shapes)
     most_requests = max(len(s.extends) + len(s.decodes) for s in shapes)
     longest = max(max(_lengths(s)) for s in shapes)
-    kv = KVCacheManager(
-        pages_needed, ps, most_requests, -(-longest // ps), enable_prefix_cache=False
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.backend,
+        page_size=ps,
+        kv_cache_tokens=pages_needed * ps,
+        max_running_requests=most_requests,
+        max_model_len=longest,
+        enable_prefix_cache=False,
+        enable_cuda_graph=False,
     )
-    pool = KVPool(
-        model_config.num_layers,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        pages_needed,
-        ps,
-        dtype,
-        args.device,
-    )
-    runner = ModelRunner(
-        model_config, weights, pool, kv.page_table, dtype, args.device, args.backend
-    )
-    bench = PlanBench(runner, kv, model_config.vocab_size, args.seed, cpu_clock=args.clock == "cpu")
+    executor = ModelExecutor(config)
+    core = build_core(config, executor)
+    runner = executor.runner
+    assert runner is not None
+    vocab_size = core.spec.vocab_size
+    bench = PlanBench(executor, core.kv, vocab_size, args.seed, cpu_clock=args.clock == "cpu")
 
     features: list[StepFeatures] = []
     seconds: list[float] = []
     for i, shape in enumerate(shapes):
         plan, seqs = bench.build(shape)
         for seq in seqs:
-            kv.close(seq, cache=False)
+            core.kv.close(seq, cache=False)
         features.append(StepFeatures.of_plan(plan))
         seconds.append(bench.time(shape, args.repeats))
         print(f"[{i + 1}/{len(shapes)}] {_describe(shape)}: {seconds[-1] * 1e3:.2f} ms", flush=True)

@@ -26,8 +26,8 @@ import torch
 
 from asyncengine.executor.loader import DEFAULT_MODEL, load_hf_config, resolve_model
 from asyncengine.executor.model_config import ModelConfig
-from kernels.attention_grouping import ExtendCost, extend_cost_for
-from kernels.attention_ref import extend_attention_planned, plan_extend
+from asyncengine.kernels.attention_grouping import ExtendCost, extend_cost_for
+from asyncengine.kernels.attention_ref import extend_attention_planned, plan_extend
 
 # (requests, query length, cached prefix)
 GRID = [

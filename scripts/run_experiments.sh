@@ -52,5 +52,5 @@ compare long_short --workload long_short --arrivals interval:1 \
 
 # 6. The simulator against the real engine (SmolLM2-135M, bf16, one torch thread).
 if [[ "${1:-}" == "--real" ]]; then
-    "$PY" -m asyncengine.bench.sim_check --out "$OUT/sim_vs_real"
+    "$PY" scripts/sim_check.py --out "$OUT/sim_vs_real"
 fi

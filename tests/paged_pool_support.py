@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncengine.cache import KVPool, PageTable
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_config import ModelConfig
 
 

@@ -139,13 +139,14 @@ async def wait_until(
 
 def engine_idle(engine: Any) -> bool:
     stats = engine.stats()
-    return stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
+    idle = stats["running"] == stats["prefilling"] == stats["waiting"] == 0
+    return idle and stats["pages_used"] == 0
 
 
 def assert_no_leak(engine: Any) -> None:
     """Nothing runs or waits, no page is held outside the prefix cache, and the invariant holds."""
     stats = engine.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0, stats
     assert stats["pages_used"] == 0, stats
     assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
     engine.scheduler.kv.check_invariant()

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncengine.builder import DEFAULT_KV_TOKENS, build_core, kv_capacity_pages
 from asyncengine.cache import (
     InvalidFreeError,
-    KVPool,
     OutOfPagesError,
     OutOfRowsError,
     PageAllocator,
     PageTable,
 )
 from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.worker import DEFAULT_KV_TOKENS, build_kv_memory, kv_capacity_pages
+from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.plan import PageWrite
 
 
 def test_alloc_hands_out_distinct_pages_in_order() -> None:
@@ -128,12 +128,12 @@ def test_allocator_matches_a_set_model(ops: list[tuple[bool, int]]) -> None:
 
 def test_page_table_rows_and_pages() -> None:
     table = PageTable(max_requests=3, max_pages_per_request=5)
-    assert table.table.dtype == torch.int32
-    assert table.table.shape == (3, 5)
+    assert table.array.dtype == np.int32
+    assert table.array.shape == (3, 5)
     row = table.acquire()
     table.set_pages(row, 0, np.array([7, 8], dtype=np.int32))
     table.set_pages(row, 2, [9])
-    assert table.table[row, :3].tolist() == [7, 8, 9]  # writes reach the tensor
+    assert table.array[row, :3].tolist() == [7, 8, 9]
     assert table.row_pages(row, 3).tolist() == [7, 8, 9]
     with pytest.raises(ValueError, match="exceed the row width"):
         table.set_pages(row, 4, [1, 2])
@@ -169,35 +169,74 @@ def test_kv_pool_shapes_views_and_sizing() -> None:
         KVPool(1, 1, 1, 0, 16)
 
 
+def test_recorded_writes_rebuild_the_table_elsewhere() -> None:
+    """The KV manager's table logs its writes; another table applying them, in order, ends up
+    identical (that is how the executor keeps its own table from the plans)."""
+    source = PageTable(4, 6, record_writes=True)
+    rows = [source.acquire() for _ in range(3)]
+    source.set_pages(rows[0], 0, [5, 6, 7])
+    source.set_pages(rows[1], 0, [1])
+    source.set_pages(rows[0], 1, [9])  # a later write over an earlier one
+    writes = source.drain_writes()
+    assert writes[0] == PageWrite(rows[0], 0, [5, 6, 7])
+    assert source.drain_writes() == []  # drained
+    source.set_pages(rows[2], 2, np.array([3, 4], dtype=np.int32))
+    writes += source.drain_writes()
+    copy = PageTable(4, 6)
+    copy.apply(writes)
+    assert (copy.array == source.array).all()
+    with pytest.raises(RuntimeError, match="does not record"):
+        copy.drain_writes()
+
+
+class LayoutRecorder:
+    """An executor that only records the layout it is bound to."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.layout: KVLayout | None = None
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int | None:
+        return None
+
+    def bind(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def execute(self, plan: object) -> object:
+        raise AssertionError("not run")
+
+
 def test_kv_memory_is_sized_from_the_config() -> None:
-    # Only the fields build_kv_memory reads; a real ModelConfig needs a checkpoint.
-    model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, max_model_len=4096)
-    cpu, dtype = torch.device("cpu"), torch.float32
+    dtype = torch.float32
     page_bytes = KVPool.token_bytes(2, 2, 8, dtype) * 4
+    spec = ModelSpec(4096, 64, (0,), KVPool.token_bytes(2, 2, 8, dtype))
 
     # A byte budget: the most whole pages that fit, and the context is capped by the pool.
     budget = page_bytes * 11 - 1
     config = EngineConfig(page_size=4, kv_cache_bytes=budget, max_running_requests=3)
-    pool, kv, max_model_len = build_kv_memory(config, model, dtype, cpu)  # type: ignore[arg-type]
-    assert pool.num_pages == kv.num_pages == kv.allocator.num_free == 10
+    executor = LayoutRecorder(spec)
+    core = build_core(config, executor)
+    assert executor.layout == KVLayout(num_pages=10, page_size=4, max_rows=3, max_pages_per_row=10)
+    pool = KVPool(2, 2, 8, executor.layout.num_pages, 4, dtype)
     assert pool.nbytes <= budget < pool.nbytes + page_bytes
-    assert pool.k.dtype == pool.v.dtype == dtype and pool.page_size == kv.page_size == 4
-    assert pool.k.shape == (2, 40, 2, 8)
-    assert max_model_len == 40 and kv.max_tokens_per_request == 40
-    assert kv.page_table.max_requests == 3
+    assert core.kv.num_pages == core.kv.allocator.num_free == 10
+    assert core.max_model_len == 40 and core.kv.max_tokens_per_request == 40
+    assert core.kv.page_table.max_requests == 3
 
     # A token capacity rounds up to whole pages.
     config = EngineConfig(page_size=4, kv_cache_tokens=50, max_model_len=16)
-    pool, kv, max_model_len = build_kv_memory(config, model, dtype, cpu)  # type: ignore[arg-type]
-    assert pool.num_pages == kv.num_pages == 13 and pool.num_slots == 52
-    assert max_model_len == 16 and kv.max_pages_per_request == 4
+    executor = LayoutRecorder(spec)
+    core = build_core(config, executor)
+    assert executor.layout is not None and executor.layout.num_slots == 52
+    assert core.kv.num_pages == 13
+    assert core.max_model_len == 16 and core.kv.max_pages_per_request == 4
 
     default = EngineConfig()
     assert default.page_size == 16
-    assert kv_capacity_pages(default, model, dtype) == DEFAULT_KV_TOKENS // 16  # type: ignore[arg-type]
+    assert kv_capacity_pages(default, spec, None) == DEFAULT_KV_TOKENS // 16
     too_small = EngineConfig(page_size=4, kv_cache_bytes=page_bytes - 1)
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
-        kv_capacity_pages(too_small, model, dtype)  # type: ignore[arg-type]
+        kv_capacity_pages(too_small, spec, None)
 
 
 def test_gpu_pool_takes_the_memory_left_by_weights_and_reserve(
@@ -205,28 +244,26 @@ def test_gpu_pool_takes_the_memory_left_by_weights_and_reserve(
 ) -> None:
     """On CUDA with no size given, the pool fills gpu_memory_utilization of the GPU's memory
     less what is in use, the weights and the activation reserve (mem_get_info faked here)."""
-    from asyncengine import worker
+    from asyncengine.executor import model_executor
 
     gib = 2**30
     free, total = 70 * gib, 80 * gib  # 10 GiB in use already
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, max_model_len=4096)
     dtype, cuda = torch.bfloat16, torch.device("cuda")
-    page_bytes = KVPool.token_bytes(2, 2, 8, dtype) * 16
+    spec = ModelSpec(4096, 64, (0,), KVPool.token_bytes(2, 2, 8, dtype))
+    page_bytes = spec.kv_bytes_per_token * 16
     weights = 3 * gib
 
     config = EngineConfig(gpu_memory_utilization=0.5)
-    budget = 40 * gib - 10 * gib - weights - worker.GPU_ACTIVATION_RESERVE
-    pages = kv_capacity_pages(config, model, dtype, cuda, weights)  # type: ignore[arg-type]
-    assert pages == budget // page_bytes
-    # An explicit size wins; CPU keeps the fixed default.
+    budget = model_executor.gpu_kv_budget_bytes(0.5, cuda, weights)
+    assert budget == 40 * gib - 10 * gib - weights - model_executor.GPU_ACTIVATION_RESERVE
+    assert kv_capacity_pages(config, spec, budget) == budget // page_bytes
+    # An explicit size wins; CPU (no budget offered) keeps the fixed default.
     sized = EngineConfig(kv_cache_tokens=4096)
-    assert kv_capacity_pages(sized, model, dtype, cuda, weights) == 256  # type: ignore[arg-type]
-    cpu = torch.device("cpu")
-    assert kv_capacity_pages(config, model, dtype, cpu) == DEFAULT_KV_TOKENS // 16  # type: ignore[arg-type]
+    assert kv_capacity_pages(sized, spec, budget) == 256
+    assert kv_capacity_pages(config, spec, None) == DEFAULT_KV_TOKENS // 16
 
-    crowded = EngineConfig(gpu_memory_utilization=0.15)  # 12 GiB: less than in use + reserve
     with pytest.raises(ConfigError, match="gpu_memory_utilization.*no room for the KV pool"):
-        kv_capacity_pages(crowded, model, dtype, cuda, weights)  # type: ignore[arg-type]
+        model_executor.gpu_kv_budget_bytes(0.15, cuda, weights)  # 12 GiB: < in use + reserve
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)

@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from asyncengine.executor.attention import TorchBackend
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.plan import BatchPlan, Segment
-from kernels import decode_sparse_ref
-from kernels.attention_grouping import (
+from asyncengine.kernels import decode_sparse_ref
+from asyncengine.kernels.attention_grouping import (
     ExtendCost,
     bucket_cost,
     decode_chunks,
     extend_buckets,
     extend_cost_for,
 )
+from asyncengine.plan import BatchPlan, Segment
 from tests.conftest import TinyCheckpoint
 from tests.paged_pool_support import nan_pool, shuffled_page_table
 

@@ -290,7 +290,7 @@ class ManagerMachine(RuleBasedStateMachine):
             live.tokens += data.draw(
                 st.lists(st.integers(0, 2), min_size=missing, max_size=missing)
             )
-        fits = self.mgr.can_allocate([(seq, num_tokens)])
+        fits = self.mgr.pages_needed(seq, num_tokens) <= self.mgr.available_pages
         shortfall = self.mgr.pages_needed(seq, num_tokens) - self.mgr.allocator.num_free
         before = (self.mgr.stats(), self.mgr.tree.dump(), seq.kv_len, list(seq.pages))
         locked = self.locked()

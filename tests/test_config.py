@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine.config import ConfigError, EngineConfig
-from policies import make_policy
+from asyncengine.policies import make_policy
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -62,7 +62,7 @@ def test_unknown_policy_and_option_are_named() -> None:
 
 
 def test_user_policy_by_import_path() -> None:
-    policy = make_policy("policies.fcfs:FCFSPolicy")
+    policy = make_policy("asyncengine.policies.fcfs:FCFSPolicy")
     assert policy.name == "fcfs"
 
 

@@ -7,7 +7,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor import cpu_dtype
-from asyncengine.worker import pick_dtype
+from asyncengine.executor.device import pick_dtype
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ def test_auto_follows_the_faster_matmul(
     timings = {torch.bfloat16: bf16_seconds, torch.float32: fp32_seconds}
     monkeypatch.setattr(cpu_dtype, "cpu_matmul_seconds", timings.__getitem__)
     config = EngineConfig(model="smollm2-135m", dtype="auto")
-    assert pick_dtype(config, torch.device("cpu")) is expected
+    assert pick_dtype(config.dtype, torch.device("cpu")) is expected
 
 
 def test_probe_times_both_dtypes_on_this_machine() -> None:
@@ -35,4 +35,10 @@ def test_probe_times_both_dtypes_on_this_machine() -> None:
 
 def test_explicit_dtype_is_kept() -> None:
     config = EngineConfig(model="smollm2-135m", dtype="bfloat16")
-    assert pick_dtype(config, torch.device("cpu")) is torch.bfloat16
+    assert pick_dtype(config.dtype, torch.device("cpu")) is torch.bfloat16
+    assert (
+        pick_dtype("bf16", "cpu") is torch.bfloat16
+        and pick_dtype(torch.float32, "cpu") is torch.float32
+    )
+    with pytest.raises(ValueError, match="float16.*refused on CPU"):
+        pick_dtype("float16", "cpu")

@@ -27,7 +27,7 @@ NEW_TOKENS = 32
 def hf_continuations() -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    from asyncengine.executor.tokenizer import Tokenizer
+    from asyncengine.text.tokenizer import Tokenizer
 
     path = resolve_model("smollm2-135m", torch.float32)
     tokenizer = Tokenizer(path)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS, write_tokenizer_dir
-from asyncengine.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+from asyncengine.text.detokenizer import IncrementalDetokenizer
+from asyncengine.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "你好，世界！こんにちは 🙂🙃👍🏽🎉 naïve café ÅßØ € ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🇫🇷 ok"
 NATURAL_TEXT = (

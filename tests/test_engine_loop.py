@@ -7,19 +7,14 @@ import random
 import threading
 
 import pytest
-import torch
 
-from asyncengine.cache.manager import KVCacheManager
+from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine
 from asyncengine.errors import EngineError, QueueFullError, RequestFailedError
-from asyncengine.executor.model_config import ModelConfig
-from asyncengine.loop import run
+from asyncengine.event_loop import run
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.scheduler import Scheduler
-from asyncengine.worker import EngineParts, build_kv_memory
-from policies import make_policy
-from tests.fake_runner import EOS, FakeRunner, reference_output
+from tests.fake_executor import EOS, FakeExecutor, reference_output
 
 
 class CharTokenizer:
@@ -34,6 +29,9 @@ class CharTokenizer:
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
         return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+    def detokenizer(self, skip_special_tokens: bool, prompt_ids: list[int]) -> TagDetokenizer:
+        return TagDetokenizer()
 
 
 class TagDetokenizer:
@@ -50,32 +48,34 @@ def render(ids: list[int]) -> str:
     return "".join(f"<{t}>" for t in ids)
 
 
+class CheckedEngine(AsyncEngine):
+    """An engine over the FakeExecutor that checks the KV invariant after every step."""
+
+    async def start(self) -> AsyncEngine:
+        await super().start()
+        core = self.core
+        assert core is not None
+        if not core.step_hooks:
+            core.step_hooks.append(lambda plan: core.check_invariant())
+        return self
+
+
 def fake_engine(
     num_pages: int = 128, page_size: int = 4, max_model_len: int = 256, **overrides: object
 ) -> AsyncEngine:
-    config = EngineConfig(page_size=page_size, log_interval=0, **overrides)  # type: ignore[arg-type]
-    kv = KVCacheManager(
-        num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size)
-    )
-    sched = Scheduler(config, kv, make_policy(config.policy), [EOS], max_model_len)
-    engine = AsyncEngine(config)
-    engine.parts = EngineParts(
-        runner=FakeRunner(kv),
-        scheduler=sched,
-        kv=kv,
-        tokenizer=CharTokenizer(),
-        model_name="fake",
-        max_model_len=max_model_len,
-        vocab_size=1000,
-        make_detokenizer=lambda skip, prompt: TagDetokenizer(),
-    )
-    engine.step_hooks.append(lambda plan: kv.check_invariant())
-    return engine
+    values: dict[str, object] = {
+        "page_size": page_size,
+        "kv_cache_tokens": num_pages * page_size,
+        "log_interval": 0,
+        **overrides,
+    }
+    config = EngineConfig.from_dict(values)
+    return CheckedEngine(config, executor=FakeExecutor(max_model_len), tokenizer=CharTokenizer())
 
 
 def assert_idle_and_clean(engine: AsyncEngine) -> None:
     stats = engine.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0, stats
     assert stats["pages_used"] == 0, stats
     assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
 
@@ -214,7 +214,7 @@ async def test_cancel_and_early_exit_abort_without_leaks() -> None:
 async def test_failed_forward_fails_its_batch_and_engine_keeps_serving() -> None:
     engine = fake_engine()
     async with engine:
-        runner = engine.parts.runner  # type: ignore[union-attr]
+        runner = engine.executor  # type: ignore[union-attr]
         runner.fail_on_step = runner.steps + 1
         with pytest.raises(RequestFailedError, match="injected"):
             await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
@@ -274,7 +274,7 @@ async def test_request_id_reused_while_the_aborted_step_runs() -> None:
     """Abort a request while its forward runs, then reuse its id at once: the new request gets
     its own tokens only, and the engine keeps serving (the old step's chunk once crashed it)."""
     async with fake_engine(chunked_prefill_size=8, max_prefill_tokens=8) as engine:
-        runner = engine.parts.runner  # type: ignore[union-attr]
+        runner = engine.executor  # type: ignore[union-attr]
         gate = threading.Event()
         execute = runner.execute
 
@@ -316,24 +316,12 @@ def test_run_helper_uses_uvloop() -> None:
 
 def test_context_is_capped_by_what_the_kv_pool_holds() -> None:
     """A prompt the KV pool can never hold is refused up front: the pool caps max_model_len."""
-    model = ModelConfig.from_hf_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 64,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "max_position_embeddings": 4096,
-        }
-    )
     config = EngineConfig(page_size=4, kv_cache_tokens=64)
-    _, kv, max_model_len = build_kv_memory(config, model, torch.float32, torch.device("cpu"))
-    assert max_model_len == 64 and kv.num_pages == 16
-    _, _, capped = build_kv_memory(
-        config.replace(max_model_len=32), model, torch.float32, torch.device("cpu")
-    )
-    assert capped == 32
+    core = build_core(config, FakeExecutor(max_model_len=4096))
+    assert core.max_model_len == 64 and core.kv.num_pages == 16
+    assert core.kv.max_pages_per_request == 16
+    capped = build_core(config.replace(max_model_len=32), FakeExecutor(max_model_len=4096))
+    assert capped.max_model_len == 32
 
 
 async def test_prompt_at_the_pool_capped_context_is_refused() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.executor.loader import resolve_model
-from policies import BUILTIN
+from asyncengine.policies import BUILTIN
 
 VOCAB = 49152  # the default model's tokenizer, so the engine serves text too
 

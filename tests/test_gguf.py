@@ -23,7 +23,7 @@ from asyncengine.executor.loader import (
     read_gguf,
     resolve_model,
 )
-from asyncengine.executor.tokenizer import Tokenizer
+from asyncengine.text.tokenizer import Tokenizer
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -32,7 +32,7 @@ def test_fresh_sequence_gets_pages_and_a_table_row() -> None:
     assert (seq.kv_len, seq.num_cached, seq.pages, seq.num_in_tree) == (0, 0, [], 0)
     mgr.extend(seq, 10)
     assert seq.kv_len == 10 and len(seq.pages) == 3
-    assert mgr.page_table.table[seq.row, :3].tolist() == seq.pages
+    assert mgr.page_table.array[seq.row, :3].tolist() == seq.pages
     mgr.extend(seq, 2)  # fills the partial last page: no new page
     assert len(seq.pages) == 3
     mgr.extend(seq, 1)
@@ -100,7 +100,7 @@ def test_cache_dedupes_pages_another_request_inserted_first() -> None:
     free_before = mgr.stats()["pages_free"]
     mgr.cache(b, tokens)  # b's three pages duplicate a's: freed, b points at a's
     assert b.pages == a.pages and b.num_in_tree == 12
-    assert mgr.page_table.table[b.row, :3].tolist() == a.pages
+    assert mgr.page_table.array[b.row, :3].tolist() == a.pages
     assert mgr.stats()["pages_free"] == free_before + 3
     assert not set(b_pages) & set(a.pages)
     mgr.check_invariant()
@@ -149,14 +149,14 @@ def test_extend_failure_changes_nothing() -> None:
     mgr.close(run_prefill(mgr, cached), cached)
     holder = run_prefill(mgr, [2, 2, 2])  # 2 pages
     seq = mgr.open([3])
-    before = (mgr.stats(), mgr.tree.dump(), mgr.page_table.table.clone())
-    assert not mgr.can_allocate([(seq, 9)])
+    before = (mgr.stats(), mgr.tree.dump(), mgr.page_table.array.copy())
+    assert mgr.pages_needed(seq, 9) > mgr.available_pages
     with pytest.raises(OutOfPagesError, match="asked for 5 KV pages but only 2 are free and 2"):
         mgr.extend(seq, 9)
     assert (seq.kv_len, seq.pages) == (0, [])
     assert mgr.stats() == before[0] and mgr.tree.dump() == before[1]
-    assert bool((mgr.page_table.table == before[2]).all())
-    assert mgr.can_allocate([(seq, 8)])
+    assert bool((mgr.page_table.array == before[2]).all())
+    assert mgr.pages_needed(seq, 8) <= mgr.available_pages
     mgr.extend(seq, 8)
     mgr.check_invariant()
     mgr.close(holder, cache=False)
@@ -164,16 +164,15 @@ def test_extend_failure_changes_nothing() -> None:
     mgr.check_invariant()
 
 
-def test_can_allocate_accounts_for_partial_pages_and_several_requests() -> None:
+def test_pages_needed_accounts_for_partial_pages() -> None:
     mgr = make(num_pages=4, page_size=4)
     seq = mgr.open([0])
     mgr.extend(seq, 3)  # one page, 1 slot left in it
     assert mgr.pages_needed(seq, 1) == 0
     assert mgr.pages_needed(seq, 2) == 1
-    assert mgr.can_allocate([(seq, 13)])  # 3 more pages
-    assert not mgr.can_allocate([(seq, 14)])
-    assert mgr.can_allocate([(seq, 1), (None, 12)])
-    assert not mgr.can_allocate([(seq, 2), (None, 12)])
+    assert mgr.pages_needed(seq, 13) == 3 == mgr.available_pages  # fits exactly
+    assert mgr.pages_needed(seq, 14) == 4 > mgr.available_pages
+    assert mgr.pages_needed(None, 12) == 3 and mgr.pages_needed(None, 13) == 4
 
 
 def test_eviction_with_everything_locked_raises() -> None:

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.cache import KVPool, PageTable
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
+from asyncengine.kernels import attention_ref, decode_sparse_ref
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
-from kernels import attention_ref, decode_sparse_ref
 from tests.conftest import TinyCheckpoint
 
 MAX_LEN = 64

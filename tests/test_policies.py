@@ -10,12 +10,12 @@ import pytest
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, Segment
+from asyncengine.policies import PolicyContext, make_policy
+from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
+from asyncengine.policies.lpm import LPMPolicy
+from asyncengine.policies.prefill_rate import PrefillRate
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
-from policies import PolicyContext, make_policy
-from policies.dynamic_chunking import DynamicChunkingPolicy
-from policies.lpm import LPMPolicy
-from policies.prefill_rate import PrefillRate
 
 
 def req(rid: str, ids: list[int], arrival: float = 0.0) -> Request:
@@ -314,7 +314,7 @@ def test_a_user_policy_from_its_own_file_orders_the_scheduler(
     from tests.test_scheduler import drive, make_scheduler, submit
 
     (tmp_path / "shortest_first.py").write_text(
-        "from policies.base import Policy\n\n\n"
+        "from asyncengine.policies.base import Policy\n\n\n"
         "class ShortestFirst(Policy):\n"
         '    name = "shortest-first"\n'
         "    orders = True\n\n"

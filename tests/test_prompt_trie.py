@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from asyncengine.policies.prompt_trie import BlockChains, TrieNode, build_trie
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
-from policies.prompt_trie import BlockChains, TrieNode, build_trie
 
 
 def req(rid: str, ids: list[int]) -> Request:

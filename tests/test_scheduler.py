@@ -6,14 +6,12 @@ import random
 
 import pytest
 
-from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan
+from asyncengine.policies import BUILTIN
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler
-from policies import BUILTIN, make_policy
-from tests.fake_runner import EOS, FakeRunner, reference_output
+from tests.fake_executor import FakeExecutor, fake_core, reference_output
 
 
 class Clock:
@@ -30,20 +28,16 @@ def make_scheduler(
     policy: str = "fcfs",
     max_model_len: int = 4096,
     **overrides: object,
-) -> tuple[Scheduler, FakeRunner, Clock]:
-    config = EngineConfig(page_size=page_size, policy=policy, **overrides)  # type: ignore[arg-type]
-    kv = KVCacheManager(
-        num_pages, page_size, config.max_running_requests, -(-max_model_len // page_size)
-    )
+) -> tuple[Scheduler, FakeExecutor, Clock]:
     clock = Clock()
-    sched = Scheduler(
-        config, kv, make_policy(policy, config.policy_options), [EOS], max_model_len, clock
+    core, executor = fake_core(
+        num_pages, page_size, max_model_len, clock, policy=policy, **overrides
     )
-    return sched, FakeRunner(kv), clock
+    return core.scheduler, executor, clock
 
 
 def drive(
-    sched: Scheduler, runner: FakeRunner, clock: Clock, max_steps: int = 5000
+    sched: Scheduler, runner: FakeExecutor, clock: Clock, max_steps: int = 5000
 ) -> list[BatchPlan]:
     plans = []
     for _ in range(max_steps):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan
 from asyncengine.scheduler import Scheduler
 from asyncengine.step_prefixes import StepPrefixes
-from policies import make_policy
-from tests.fake_runner import EOS, FakeRunner, reference_output
+from tests.fake_executor import FakeExecutor, fake_core, reference_output
 from tests.test_scheduler import Clock, drive, submit
 
 PAGE = 4
@@ -18,20 +15,21 @@ PAGE = 4
 
 def make(
     policy: str = "fcfs", enable_prefix_cache: bool = True, **overrides: object
-) -> tuple[Scheduler, FakeRunner, Clock]:
-    config = EngineConfig(
-        page_size=PAGE,
+) -> tuple[Scheduler, FakeExecutor, Clock]:
+    clock = Clock()
+    core, executor = fake_core(
+        256,
+        PAGE,
+        1024,
+        clock,
         policy=policy,
         enable_prefix_cache=enable_prefix_cache,
-        **overrides,  # type: ignore[arg-type]
+        **overrides,
     )
-    kv = KVCacheManager(256, PAGE, config.max_running_requests, 1024 // PAGE, enable_prefix_cache)
-    clock = Clock()
-    sched = Scheduler(config, kv, make_policy(policy, config.policy_options), [EOS], 1024, clock)
-    return sched, FakeRunner(kv), clock
+    return core.scheduler, executor, clock
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> BatchPlan:
+def step(sched: Scheduler, runner: FakeExecutor) -> BatchPlan:
     plan = sched.schedule()
     assert plan is not None
     sched.commit(plan, runner.execute(plan))

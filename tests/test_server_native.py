@@ -264,7 +264,7 @@ async def test_api_key(http: aiohttp.ClientSession, server: RunningServer) -> No
 async def test_failed_forward_is_reported_not_hung(
     http: aiohttp.ClientSession, server: RunningServer
 ) -> None:
-    runner = server.engine.parts.runner
+    runner = server.engine.executor
     real_execute = runner.execute
     calls = 0
 

@@ -11,7 +11,6 @@ from asyncengine.bench import optimal_hit
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, Segment
 from asyncengine.sim import CostModel, Simulator, StepFeatures, VirtualClock, simulate
-from asyncengine.sim.simulator import kv_pages_for
 from asyncengine.workloads import Arrivals, WorkloadRequest, multi_turn, shared_prefix
 
 ONE_SECOND_PER_STEP = CostModel(0.0 + 1.0, 0.0, 0.0, 0.0, 0.0, description="1 s per step")
@@ -73,7 +72,7 @@ def test_features_of_a_hand_made_plan() -> None:
     expected = 1 + 2 * 5 + 3 * 29 + 4 * 2 + 5 * 27
     assert cost.step_time(plan) == pytest.approx(expected)
     simulator = Simulator(config(), cost)
-    assert simulator.step_seconds(plan) == pytest.approx(expected)
+    assert simulator.executor.seconds(plan) == pytest.approx(expected)
 
 
 def test_fit_recovers_known_coefficients_and_drops_negative_ones() -> None:
@@ -159,9 +158,11 @@ def test_context_limit_like_the_engine() -> None:
 
 
 def test_kv_pool_size_follows_the_config() -> None:
-    assert kv_pages_for(config(kv_cache_tokens=4097)) == 1025  # rounded up, as the engine does
-    assert kv_pages_for(config(kv_cache_tokens=None, kv_cache_bytes=4 * 1000), 10) == 100
-    assert Simulator(config()).kv.num_pages == 1024
+    # the same builder as the engine: tokens round up to pages, bytes round down
+    assert Simulator(config(kv_cache_tokens=4097)).core.kv.num_pages == 1025
+    by_bytes = config(kv_cache_tokens=None, kv_cache_bytes=4 * 1000)
+    assert Simulator(by_bytes, kv_bytes_per_token=10).core.kv.num_pages == 100
+    assert Simulator(config()).core.kv.num_pages == 1024
 
 
 @pytest.mark.parametrize(

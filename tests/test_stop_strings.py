@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.executor.stop_strings import StopScan, StopStringFilter, scan_stop_strings
+from asyncengine.text.stop_strings import StopScan, StopStringFilter, scan_stop_strings
 
 
 def test_match_cuts_before_the_stop_string() -> None:

@@ -18,7 +18,7 @@ from asyncengine.executor.loader import (
     ModelFilesError,
     write_tokenizer_dir,
 )
-from asyncengine.executor.tokenizer import ChatTemplateError, Tokenizer
+from asyncengine.text.tokenizer import ChatTemplateError, Tokenizer
 
 SAMPLES = [
     "Hello world!",

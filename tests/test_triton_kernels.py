@@ -21,13 +21,13 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import activation_ref, attention_ref, kv_store_ref, norm_ref, rotary_ref
-from kernels.triton_activation import silu_and_mul
-from kernels.triton_decode_attention import choose_num_splits, decode_attention
-from kernels.triton_extend_attention import extend_attention
-from kernels.triton_kv_store import store_kv
-from kernels.triton_norm import fused_add_rms_norm, rms_norm
-from kernels.triton_rotary import apply_rotary
+from asyncengine.kernels import activation_ref, attention_ref, kv_store_ref, norm_ref, rotary_ref
+from asyncengine.kernels.triton_activation import silu_and_mul
+from asyncengine.kernels.triton_decode_attention import choose_num_splits, decode_attention
+from asyncengine.kernels.triton_extend_attention import extend_attention
+from asyncengine.kernels.triton_kv_store import store_kv
+from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from asyncengine.kernels.triton_rotary import apply_rotary
 from tests.python_subprocess import run_python
 
 DTYPES = [torch.float32, torch.float16]
@@ -351,8 +351,8 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     from triton.compiler import ASTSource
     from triton.runtime.autotuner import Autotuner
 
-    from kernels import triton_activation, triton_decode_attention, triton_extend_attention
-    from kernels import triton_kv_store, triton_norm, triton_rotary
+    from asyncengine.kernels import triton_activation, triton_decode_attention, triton_extend_attention
+    from asyncengine.kernels import triton_kv_store, triton_norm, triton_rotary
 
     POINTERS = {
         "mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_table_ptr": "*i32",

@@ -30,8 +30,8 @@ from asyncengine.executor.cuda_graph import DecodeStaticInputs, batch_size_ladde
 from asyncengine.executor.forward_batch import build_forward_batch
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
+from asyncengine.kernels import norm_ref, triton_norm
 from asyncengine.plan import BatchPlan, Segment
-from kernels import norm_ref, triton_norm
 from tests.conftest import TinyCheckpoint
 from tests.paged_pool_support import nan_pool, shuffled_page_table
 from tests.python_subprocess import run_python
@@ -59,7 +59,7 @@ def mixed_plan(step: int) -> BatchPlan:
 def test_triton_backend_matches_torch_backend_on_a_mixed_batch(page_size: int) -> None:
     num_kv_heads, group, head_dim = 2, 3, 64
     table, num_pages = shuffled_page_table(NUM_ROWS, MAX_LEN, page_size, page_size, spare_pages=3)
-    batch = build_forward_batch(mixed_plan(1), table.table.numpy(), page_size, torch.device("cpu"))
+    batch = build_forward_batch(mixed_plan(1), table.array, page_size, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     shape = (num_pages * page_size, num_kv_heads, head_dim)
     # The prefix tokens are in the pool already; other slots hold NaN (never to be read).
@@ -67,7 +67,7 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(page_size: int) -
     cache_v = torch.full(shape, float("nan"))
     for row, length in [(0, 19), (2, 33), (3, 5)]:
         positions = np.arange(length)
-        pages = table.table[row, positions // page_size].long()
+        pages = torch.from_numpy(table.array[row, positions // page_size]).long()
         slots = pages * page_size + torch.from_numpy(positions % page_size)
         cache_k[slots] = torch.randn((length, num_kv_heads, head_dim), generator=gen)
         cache_v[slots] = torch.randn((length, num_kv_heads, head_dim), generator=gen)
@@ -147,7 +147,8 @@ _CUDA_CHECK = textwrap.dedent(
     import numpy as np
     import torch
     from safetensors.torch import load_file
-    from asyncengine.cache import KVPool, PageTable
+    from asyncengine.cache.page_table import PageTable
+    from asyncengine.executor.kv_pool import KVPool
     from asyncengine.executor.cuda_graph import DecodeGraphs
     from asyncengine.executor.model_config import ModelConfig
     from asyncengine.executor.runner import ModelRunner
@@ -328,7 +329,7 @@ def test_padded_decode_batch_gives_the_same_hidden_states_and_writes_nothing_mor
 def test_warm_up_runs_each_reachable_autotuning_key_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every (length bucket, direct) decode key and every extend bucket up to the context."""
     from asyncengine.executor import attention_triton
-    from kernels import triton_decode_attention
+    from asyncengine.kernels import triton_decode_attention
 
     # Small buckets keep the interpreter quick; the logic is the same at the real sizes.
     monkeypatch.setattr(attention_triton, "CONTEXT_BUCKETS", (32, 64))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from asyncengine.bench.metrics import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.optimal_hit import OptimalHit, optimal_hit
 from asyncengine.bench.percentiles import LatencyStats, percentile_of_sorted, percentiles
+from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 
 __all__ = [
     "BenchSummary",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncengine.bench.metrics import BenchSummary, RequestRecord
+from asyncengine.bench.records import BenchSummary, RequestRecord
 
 
 @dataclass(slots=True)

@@ -1,10 +1,10 @@
-"""KV memory: page allocator, page table, KV pool tensors, radix prefix cache, and the manager
-that owns their accounting."""
+"""KV memory accounting (no torch): page allocator, page table, radix prefix cache, and the
+manager that owns their accounting. The K/V tensors themselves are the executor's
+(asyncengine/executor/kv_pool.py)."""
 
 from __future__ import annotations
 
 from asyncengine.cache.allocator import InvalidFreeError, OutOfPagesError, PageAllocator
-from asyncengine.cache.kv_pool import KVPool
 from asyncengine.cache.manager import KVCacheManager, SeqKV
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
@@ -12,7 +12,6 @@ from asyncengine.cache.radix_cache import RadixCache, RadixNode
 __all__ = [
     "InvalidFreeError",
     "KVCacheManager",
-    "KVPool",
     "OutOfPagesError",
     "OutOfRowsError",
     "PageAllocator",

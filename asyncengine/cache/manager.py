@@ -7,7 +7,8 @@ Invariant (``check_invariant``): every page is exactly one of
 
 A live sequence's pages are ``seq.pages``: the first ``seq.num_in_tree // page_size`` of them are
 the tree's pages along the path to ``seq.lock_node`` (which the sequence locks), the rest are its
-own. The sequence's page-table row always mirrors ``seq.pages``.
+own. The sequence's page-table row always mirrors ``seq.pages``; the table records its writes,
+which the scheduler hands to the executor inside the next plan (see page_table.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
         self.tree = RadixCache(page_size)
-        self.page_table = PageTable(max_requests, max_pages_per_request)
+        self.page_table = PageTable(max_requests, max_pages_per_request, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -97,19 +98,14 @@ class KVCacheManager:
         return self.tree.prefix_length(tokens[:limit])
 
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
-        """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence)."""
+        """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence).
+
+        extend() succeeds when this is at most ``available_pages``. Note that open() locks the
+        matched prefix, which takes it out of the evictable pages: open first, then ask with the
+        seq, for an exact answer."""
         if seq is None:
             return -(-num_tokens // self.page_size)
         return max(0, -(-(seq.kv_len + num_tokens) // self.page_size) - len(seq.pages))
-
-    def can_allocate(self, num_tokens_per_seq: Sequence[tuple[SeqKV | None, int]]) -> bool:
-        """Whether extending every (seq, tokens) pair fits in the available pages together.
-
-        A ``None`` seq stands for a sequence that is not open yet and whose ``tokens`` all need
-        new pages. Note that open() locks the matched prefix, which takes it out of the
-        evictable pages: open first, then ask with the seq, for an exact answer."""
-        needed = sum(self.pages_needed(seq, n) for seq, n in num_tokens_per_seq)
-        return needed <= self.available_pages
 
     # ----------------------------------------------------------------------------- life cycle
 

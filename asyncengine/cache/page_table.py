@@ -1,8 +1,12 @@
-"""PageTable: one row of page ids per live request, as an int32 CPU tensor.
+"""PageTable: one row of page ids per live request (numpy int32, no torch).
 
 The token slot of position ``p`` of the request in row ``r`` is
-``table[r, p // page_size] * page_size + p % page_size``. Writes go through a numpy view that
-shares the tensor's memory, so they are vectorized and cheap.
+``array[r, p // page_size] * page_size + p % page_size``.
+
+Two tables exist in a running engine, one per side of the plan boundary: the KV cache manager's
+(``record_writes=True``: every write is also logged, and the scheduler moves the log into the
+next plan with ``drain_writes``) and the executor's own, which ``apply``-s each plan's writes
+before its forward. Nothing else is shared between them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
+
+from asyncengine.plan import PageWrite
 
 
 class OutOfRowsError(RuntimeError):
@@ -18,24 +23,26 @@ class OutOfRowsError(RuntimeError):
 
 
 class PageTable:
-    def __init__(self, max_requests: int, max_pages_per_request: int) -> None:
+    def __init__(
+        self, max_requests: int, max_pages_per_request: int, *, record_writes: bool = False
+    ) -> None:
         if max_requests <= 0 or max_pages_per_request <= 0:
             raise ValueError(
                 f"max_requests and max_pages_per_request must be positive, "
                 f"got {max_requests} and {max_pages_per_request}"
             )
-        self.table = torch.zeros((max_requests, max_pages_per_request), dtype=torch.int32)
-        self._array = self.table.numpy()  # shares memory with self.table
+        self.array = np.zeros((max_requests, max_pages_per_request), dtype=np.int32)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._in_use = np.zeros(max_requests, dtype=np.bool_)
+        self._writes: list[PageWrite] | None = [] if record_writes else None
 
     @property
     def max_requests(self) -> int:
-        return self._array.shape[0]
+        return int(self.array.shape[0])
 
     @property
     def max_pages_per_request(self) -> int:
-        return self._array.shape[1]
+        return int(self.array.shape[1])
 
     @property
     def num_free_rows(self) -> int:
@@ -58,7 +65,7 @@ class PageTable:
     def is_in_use(self, row: int) -> bool:
         return bool(self._in_use[row])
 
-    def set_pages(self, row: int, start: int, pages: np.ndarray | Sequence[int]) -> None:
+    def set_pages(self, row: int, start: int, pages: Sequence[int] | np.ndarray) -> None:
         """Write ``pages`` into ``row`` from page index ``start`` on."""
         array = np.asarray(pages, dtype=np.int32)
         end = start + array.size
@@ -66,15 +73,38 @@ class PageTable:
             raise ValueError(
                 f"pages {start}..{end - 1} exceed the row width {self.max_pages_per_request}"
             )
-        self._array[row, start:end] = array
+        self.array[row, start:end] = array
+        if self._writes is not None:
+            self._writes.append(PageWrite(row, start, array.tolist()))
 
     def row_pages(self, row: int, num_pages: int) -> np.ndarray:
         """A read-only view of the first ``num_pages`` entries of ``row``."""
-        view = self._array[row, :num_pages]
+        view = self.array[row, :num_pages]
         view.flags.writeable = False
         return view
 
+    def drain_writes(self) -> list[PageWrite]:
+        """The writes since the last drain, oldest first (recording tables only)."""
+        if self._writes is None:
+            raise RuntimeError("this page table does not record its writes")
+        writes, self._writes = self._writes, []
+        return writes
+
+    def requeue(self, writes: Sequence[PageWrite]) -> None:
+        """Put drained writes back in front of the log: their plan never reached the executor's
+        table (its forward failed first), and nothing drained after it has either."""
+        if self._writes is None:
+            raise RuntimeError("this page table does not record its writes")
+        self._writes[:0] = writes
+
+    def apply(self, writes: Sequence[PageWrite]) -> None:
+        """Replay another table's writes, in order."""
+        for write in writes:
+            self.array[write.row, write.start : write.start + len(write.pages)] = write.pages
+
     def reset(self) -> None:
-        self._array[:] = 0
+        self.array[:] = 0
         self._in_use[:] = False
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
+        if self._writes is not None:
+            self._writes = []

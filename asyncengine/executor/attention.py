@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.executor.forward_batch import ForwardBatch
-from kernels.attention_grouping import ExtendCost
-from kernels.attention_ref import (
+from asyncengine.kernels.attention_grouping import ExtendCost
+from asyncengine.kernels.attention_ref import (
     DecodePlan,
     ExtendPlan,
     decode_attention_planned,
@@ -24,7 +24,7 @@ from kernels.attention_ref import (
     plan_decode,
     plan_extend,
 )
-from kernels.kv_store_ref import store_kv
+from asyncengine.kernels.kv_store_ref import store_kv
 
 
 class AttentionBackend(ABC):

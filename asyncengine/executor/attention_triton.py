@@ -15,10 +15,14 @@ import torch
 
 from asyncengine.executor.attention import AttentionBackend, register_backend
 from asyncengine.executor.forward_batch import ForwardBatch
-from kernels.triton_decode_attention import CONTEXT_BUCKETS, choose_num_splits, decode_attention
-from kernels.triton_extend_attention import Q_LEN_BUCKETS, extend_attention
-from kernels.triton_kv_store import store_kv
-from kernels.triton_utils import length_bucket
+from asyncengine.kernels.triton_decode_attention import (
+    CONTEXT_BUCKETS,
+    choose_num_splits,
+    decode_attention,
+)
+from asyncengine.kernels.triton_extend_attention import Q_LEN_BUCKETS, extend_attention
+from asyncengine.kernels.triton_kv_store import store_kv
+from asyncengine.kernels.triton_utils import length_bucket
 
 
 @dataclass(slots=True)

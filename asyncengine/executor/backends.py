@@ -108,15 +108,15 @@ def kernel_ops(resolved_backend: str) -> KernelOps:
     reference returns new tensors. Callers must use the returned tensors.
     """
     if resolved_backend == "torch":
-        from kernels.activation_ref import silu_and_mul
-        from kernels.kv_store_ref import store_kv
-        from kernels.norm_ref import fused_add_rms_norm, rms_norm
-        from kernels.rotary_ref import apply_rotary
+        from asyncengine.kernels.activation_ref import silu_and_mul
+        from asyncengine.kernels.kv_store_ref import store_kv
+        from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
+        from asyncengine.kernels.rotary_ref import apply_rotary
     elif resolved_backend in ("triton", "flashinfer"):
-        from kernels.triton_activation import silu_and_mul
-        from kernels.triton_kv_store import store_kv
-        from kernels.triton_norm import fused_add_rms_norm, rms_norm
-        from kernels.triton_rotary import apply_rotary
+        from asyncengine.kernels.triton_activation import silu_and_mul
+        from asyncengine.kernels.triton_kv_store import store_kv
+        from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
+        from asyncengine.kernels.triton_rotary import apply_rotary
     else:
         raise ValueError(f"kernel_ops takes a resolved backend name, not {resolved_backend!r}")
     return KernelOps(

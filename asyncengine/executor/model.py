@@ -16,7 +16,7 @@ from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.rope import build_cos_sin_cache
-from kernels import rotary_ref
+from asyncengine.kernels import rotary_ref
 
 
 class WeightsError(ValueError):

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from asyncengine.cache.kv_pool import KVPool
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor.backends import (
     create_attention_backend,
@@ -16,7 +15,9 @@ from asyncengine.executor.backends import (
     resolve_backend_name,
 )
 from asyncengine.executor.cuda_graph import DecodeGraphs
+from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, build_forward_batch
+from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
@@ -26,37 +27,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncengine.runner")
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
 
 class SamplerLike(Protocol):
     def sample(
         self, logits: torch.Tensor, sampling: list[SamplingInfo]
     ) -> tuple[Sequence[int] | torch.Tensor, list[TokenLogprobs | None]]: ...
-
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
-    """A torch dtype from a dtype or its name; float16 on CPU is refused (about 300x slower)."""
-    if isinstance(dtype, str):
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(_DTYPE_NAMES)}")
-        dtype = _DTYPE_NAMES[dtype]
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported model dtype {dtype}: use float32 or bfloat16")
-    if dtype == torch.float16 and torch.device(device).type == "cpu":
-        raise ValueError(
-            "dtype float16 is refused on CPU: its matmuls run about 300x slower there than "
-            "float32 or bfloat16; use bfloat16 (or float32)"
-        )
-    return dtype
 
 
 class ModelRunner:
@@ -73,18 +48,19 @@ class ModelRunner:
         enable_cuda_graph: bool = False,
         max_batch_size: int = 256,
     ) -> None:
-        """``backend``: "torch", "triton", "flashinfer" or "auto" (see executor/backends.py);
-        ``sampler`` defaults to ``Sampler(eos_token_ids=model_config.eos_token_ids)``.
-        ``enable_cuda_graph`` captures decode forwards up to ``max_batch_size`` requests (CUDA
-        with the triton backend only; elsewhere it has no effect)."""
+        """``page_table`` is the runner's own: each plan's page writes are applied to it before
+        the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
+        (see executor/backends.py); ``sampler`` defaults to
+        ``Sampler(eos_token_ids=model_config.eos_token_ids)``. ``enable_cuda_graph`` captures
+        decode forwards up to ``max_batch_size`` requests (CUDA with the triton backend only;
+        elsewhere it has no effect)."""
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = pick_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
         self.config = model_config
         self.kv_pool = kv_pool
         self.page_table = page_table
         self.page_size = kv_pool.page_size
-        self._table = page_table.table.numpy()  # shares memory: sees the manager's writes
         self.backend_name = resolve_backend_name(backend, self.device)
         self.backend = create_attention_backend(backend, self.device)
         ops = kernel_ops(self.backend_name)
@@ -135,7 +111,8 @@ class ModelRunner:
             raise ValueError(
                 f"a sequence reaches {longest} tokens, past the model's {self.config.max_model_len}"
             )
-        return build_forward_batch(plan, self._table, self.page_size, self.device)
+        self.page_table.apply(plan.page_writes)
+        return build_forward_batch(plan, self.page_table.array, self.page_size, self.device)
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncengine.config import EngineConfig
+from asyncengine.event_loop import run
 from asyncengine.metrics import ServerMetrics
 from asyncengine.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from asyncengine.server.state import STATE
@@ -235,8 +236,4 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
     }
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(run_server(config, **kwargs))
-    return uvloop.run(run_server(config, **kwargs))
+    return run(run_server(config, **kwargs))

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from asyncengine.executor.stop_strings import StopStringFilter
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.request import Request
-
-if TYPE_CHECKING:
-    from asyncengine.engine import AsyncEngine
+from asyncengine.text.stop_strings import StopStringFilter
 
 
 class StreamState:
@@ -74,12 +72,22 @@ class StreamState:
 
 
 class RequestStream:
-    """Async iterator over one request's StreamDeltas; leaving it early aborts the request."""
+    """Async iterator over one request's StreamDeltas; leaving it early aborts the request.
 
-    def __init__(self, engine: AsyncEngine, state: StreamState) -> None:
-        self.engine = engine
+    ``abort(request_id)`` is the engine's abort; it runs on ``loop``, the engine's loop (a stream
+    dropped by the garbage collector on another thread schedules it there).
+    """
+
+    def __init__(
+        self,
+        state: StreamState,
+        abort: Callable[[str], object],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.state = state
         self.request_id = state.req.rid
+        self._abort = abort
+        self._loop = loop
         self._ended = False
 
     def __aiter__(self) -> RequestStream:
@@ -100,13 +108,17 @@ class RequestStream:
             self._ended = True
         return item
 
+    @property
+    def finished(self) -> bool:
+        """The final delta (or an error) was handed out, or the stream was closed."""
+        return self._ended
+
     async def aclose(self) -> None:
+        """Abort the request unless it already ended (idempotent)."""
         if not self._ended:
             self._ended = True
-            self.engine.abort(self.request_id)
+            self._abort(self.request_id)
 
     def __del__(self) -> None:
-        if not self._ended and not self.state.done:
-            loop = self.engine._task.get_loop() if self.engine._task is not None else None
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self.engine.abort, self.request_id)
+        if not self._ended and not self.state.done and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._abort, self.request_id)

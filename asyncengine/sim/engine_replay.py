@@ -1,4 +1,4 @@
-"""Replay a workload against the real engine, at its arrival times, into RequestRecords."""
+"""Replay a workload against the real AsyncEngine on the wall clock, into RequestRecords."""
 
 from __future__ import annotations
 
@@ -6,15 +6,11 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 
-from asyncengine.bench.metrics import RequestRecord
+from asyncengine.bench.records import RequestRecord
 from asyncengine.config import EngineConfig
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
-
-
-def params_for(item: WorkloadRequest) -> SamplingParams:
-    """Exactly ``output_len`` tokens, greedy: the same work whatever the model says."""
-    return SamplingParams(max_new_tokens=item.output_len, ignore_eos=True, temperature=0.0)
 
 
 async def replay_real(

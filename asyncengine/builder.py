@@ -1,0 +1,79 @@
+"""build_core: the one place an engine core is assembled, for any executor.
+
+KV memory is sized here: from ``kv_cache_tokens`` or ``kv_cache_bytes`` when the config gives
+one; else from the executor's ``kv_budget_bytes`` (a GPU executor offers what
+``gpu_memory_utilization`` leaves); else ``DEFAULT_KV_TOKENS``. The context limit is the
+smallest of the config's ``max_model_len``, the model's, and the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.core import EngineCore
+from asyncengine.executor_api import Executor, KVLayout, ModelSpec
+from asyncengine.policies.registry import make_policy
+from asyncengine.scheduler import Scheduler
+
+DEFAULT_KV_TOKENS = 32768
+
+
+def kv_capacity_pages(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -> int:
+    """Pages of the KV pool: from kv_cache_bytes or kv_cache_tokens when given, else from
+    ``budget_bytes`` (the executor's offer), else DEFAULT_KV_TOKENS."""
+    page_size = config.page_size
+    if config.kv_cache_tokens is not None:
+        return -(-config.kv_cache_tokens // page_size)
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget_bytes
+    if budget is None:
+        return -(-DEFAULT_KV_TOKENS // page_size)
+    pages = budget // (spec.kv_bytes_per_token * page_size)
+    if pages < 1:
+        key = "kv_cache_bytes" if config.kv_cache_bytes is not None else "gpu_memory_utilization"
+        raise ConfigError(
+            f"config key {key!r}: {budget} bytes hold no KV page "
+            f"({spec.kv_bytes_per_token * page_size} bytes each)"
+        )
+    return pages
+
+
+def kv_layout(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -> KVLayout:
+    num_pages = kv_capacity_pages(config, spec, budget_bytes)
+    max_model_len = context_limit(config, spec, num_pages)
+    return KVLayout(
+        num_pages=num_pages,
+        page_size=config.page_size,
+        max_rows=config.max_running_requests,
+        max_pages_per_row=-(-max_model_len // config.page_size),
+    )
+
+
+def context_limit(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
+    """The longest sequence (prompt + output) the engine accepts."""
+    wanted = config.max_model_len or spec.max_model_len
+    return min(wanted, spec.max_model_len, num_pages * config.page_size)
+
+
+def build_core(
+    config: EngineConfig,
+    executor: Executor,
+    clock: Callable[[], float] = time.monotonic,
+) -> EngineCore:
+    """KV memory, policy and scheduler for ``config``, bound to ``executor``."""
+    spec = executor.spec
+    layout = kv_layout(config, spec, executor.kv_budget_bytes(config))
+    kv = KVCacheManager(
+        layout.num_pages,
+        layout.page_size,
+        max_requests=layout.max_rows,
+        max_pages_per_request=layout.max_pages_per_row,
+        enable_prefix_cache=config.enable_prefix_cache,
+    )
+    executor.bind(layout)
+    policy = make_policy(config.policy, config.policy_options)
+    max_model_len = context_limit(config, spec, layout.num_pages)
+    scheduler = Scheduler(config, kv, policy, list(spec.eos_token_ids), max_model_len, clock)
+    return EngineCore(scheduler, executor)

@@ -1,0 +1,131 @@
+"""ModelExecutor: the real model as an engine executor (asyncengine/executor_api.py).
+
+    executor = ModelExecutor(config)          # device, dtype, model files, weights
+    core = build_core(config, executor)       # sizes KV memory, then executor.bind(layout)
+    output = executor.execute(plan)           # on the forward thread
+
+It owns everything on the device side of a plan: the KV pool, its own page table (kept in step
+with the KV manager's through each plan's page writes), the model and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncengine.cache.page_table import PageTable
+from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.executor.device import pick_device, pick_dtype
+from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.sampler import Sampler
+from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.plan import BatchPlan, StepOutput
+
+log = logging.getLogger("asyncengine.executor")
+
+# Kept free on a GPU beside weights and KV pool: activations, CUDA graphs, the allocator's slack.
+GPU_ACTIVATION_RESERVE = 2 << 30
+
+
+def gpu_kv_budget_bytes(utilization: float, device: torch.device, weight_bytes: int) -> int:
+    """Bytes for the KV pool on a GPU: ``utilization`` of its memory, less what is in use
+    already (other processes included), the weights still to be moved there, and a reserve for
+    activations (vLLM's meaning of gpu_memory_utilization)."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = int(utilization * total) - in_use - weight_bytes - GPU_ACTIVATION_RESERVE
+    if budget <= 0:
+        gib = 2**30
+        raise ConfigError(
+            f"config key 'gpu_memory_utilization' = {utilization}: leaves no room for the KV "
+            f"pool ({total / gib:.1f} GiB on the GPU, {in_use / gib:.1f} GiB in use, weights "
+            f"{weight_bytes / gib:.1f} GiB, reserve {GPU_ACTIVATION_RESERVE / gib:.0f} GiB); "
+            "raise it or set kv_cache_tokens"
+        )
+    return budget
+
+
+class ModelExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model(config.model, self.dtype)
+        self.model_config = ModelConfig.from_hf_dict(load_hf_config(self.model_dir))
+        self._weights: dict[str, torch.Tensor] | None = load_weights(self.model_dir, self.dtype)
+        self._eos_token_ids = list(self.model_config.eos_token_ids)
+        self.runner: ModelRunner | None = None
+
+    def add_eos_token_ids(self, token_ids: list[int]) -> None:
+        """More end-of-sequence ids (the tokenizer's); before ``bind``."""
+        if self.runner is not None:
+            raise RuntimeError("EOS ids are fixed once the executor is bound")
+        self._eos_token_ids = list(dict.fromkeys([*token_ids, *self._eos_token_ids]))
+
+    @property
+    def spec(self) -> ModelSpec:
+        mc = self.model_config
+        return ModelSpec(
+            max_model_len=mc.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=tuple(self._eos_token_ids),
+            kv_bytes_per_token=KVPool.token_bytes(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
+            ),
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights still to be moved to the device (0 once bound)."""
+        return 0 if self._weights is None else sum(t.nbytes for t in self._weights.values())
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int | None:
+        """On a GPU, what ``gpu_kv_budget_bytes`` leaves; on a CPU None (the default size)."""
+        if self.device.type != "cuda":
+            return None
+        return gpu_kv_budget_bytes(config.gpu_memory_utilization, self.device, self.weight_bytes)
+
+    def bind(self, layout: KVLayout) -> None:
+        if self._weights is None:
+            raise RuntimeError("the executor is bound already")
+        mc = self.model_config
+        pool = KVPool(
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            layout.num_pages,
+            layout.page_size,
+            self.dtype,
+            self.device,
+        )
+        self.runner = ModelRunner(
+            mc,
+            self._weights,
+            pool,
+            PageTable(layout.max_rows, layout.max_pages_per_row),
+            dtype=self.dtype,
+            device=self.device,
+            backend=self.config.attention_backend,
+            sampler=Sampler(eos_token_ids=self._eos_token_ids, seed=self.config.seed),
+            enable_cuda_graph=self.config.enable_cuda_graph,
+            max_batch_size=self.config.max_running_requests,
+        )
+        self._weights = None
+        log.info(
+            "model %s (%s, %s): KV pool %d pages x %d tokens (%.0f MiB)",
+            self.config.model,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            layout.num_pages,
+            layout.page_size,
+            pool.nbytes / 2**20,
+        )
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        if self.runner is None:
+            raise RuntimeError("bind() the executor before executing plans")
+        return self.runner.execute(plan)

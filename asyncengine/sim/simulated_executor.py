@@ -1,0 +1,67 @@
+"""SimulatedExecutor: a cost model in place of the model, on a virtual clock.
+
+Every sampled segment gets the same non-EOS token, and each plan advances the clock by the cost
+model's estimate of its forward time. KV memory is only accounted for, never allocated.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from asyncengine.config import EngineConfig
+from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.sim.clock import VirtualClock
+from asyncengine.sim.cost_model import CostModel
+
+# The embedded default model (SmolLM2-135M): its context, vocabulary and the bytes of K+V per
+# token (30 layers x 3 kv heads x 64 dims x 2 tensors x 2 bytes bf16), to turn kv_cache_bytes
+# into tokens as the real engine would.
+DEFAULT_SPEC = ModelSpec(
+    max_model_len=8192, vocab_size=49152, eos_token_ids=(0,), kv_bytes_per_token=30 * 3 * 64 * 2 * 2
+)
+
+_start_pos = operator.attrgetter("start_pos")
+
+
+class SimulatedExecutor:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        clock: VirtualClock,
+        spec: ModelSpec = DEFAULT_SPEC,
+        sampled_token_id: int = 1,
+    ) -> None:
+        if sampled_token_id in spec.eos_token_ids:
+            raise ValueError("the simulated token must not be an EOS token")
+        self.cost_model = cost_model
+        self.clock = clock
+        self.spec = spec
+        self.sampled_token_id = sampled_token_id
+        self.layout: KVLayout | None = None
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int | None:
+        return None
+
+    def bind(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def seconds(self, plan: BatchPlan) -> float:
+        """The cost model's forward time for ``plan``."""
+        prefill_tokens = prefill_attention = 0
+        for seg in plan.extends:
+            n = len(seg.input_ids)
+            prefill_tokens += n
+            prefill_attention += n * seg.start_pos + n * (n + 1) // 2
+        decodes = plan.decodes
+        # a decode attends to its start_pos + 1 keys
+        decode_context = sum(map(_start_pos, decodes)) + len(decodes)
+        return self.cost_model.seconds(
+            prefill_tokens, prefill_attention, len(decodes), decode_context
+        )
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        seconds = self.seconds(plan)
+        self.clock.advance(seconds)
+        n = len(plan.sampling)
+        return StepOutput([self.sampled_token_id] * n, [None] * n, forward_seconds=seconds)

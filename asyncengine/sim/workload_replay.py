@@ -1,0 +1,117 @@
+"""WorkloadReplay: a workload fed to an EngineCore at its arrival times, on a virtual clock.
+
+The one driver of every virtual-clock run: the simulator (a SimulatedExecutor advances the
+clock by the cost model) and the sim-vs-real replay (a TimedExecutor advances it by the
+measured forward; with ``overhead_timer`` the replay also adds the measured scheduling and
+commit time of each step). Each request generates exactly its ``output_len`` tokens, greedily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from asyncengine.bench.records import RequestRecord
+from asyncengine.core import EngineCore, StepResult
+from asyncengine.plan import BatchPlan
+from asyncengine.request import Request
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.sim.clock import VirtualClock
+from asyncengine.workloads.trace import WorkloadRequest
+
+
+def params_for(item: WorkloadRequest) -> SamplingParams:
+    """Exactly ``output_len`` tokens, greedy: the same work whatever the model says."""
+    return SamplingParams(max_new_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+
+
+class SchedulerStuckError(RuntimeError):
+    """Requests wait, nothing more arrives, and the scheduler plans nothing."""
+
+
+class WorkloadReplay:
+    def __init__(
+        self,
+        core: EngineCore,
+        clock: VirtualClock,
+        workload: Sequence[WorkloadRequest],
+        *,
+        overhead_timer: Callable[[], float] | None = None,
+        check_invariant_every: int = 0,
+    ) -> None:
+        self.core = core
+        self.clock = clock
+        self.workload = workload
+        self.overhead_timer = overhead_timer
+        self.check_invariant_every = check_invariant_every
+        self.pending = sorted(workload, key=lambda w: w.arrival_time)
+        self.next_arrival = 0
+        self.requests: dict[str, Request] = {}
+        self.plans: list[BatchPlan] = []  # kept when timed, for fitting cost models
+        self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
+        self.steps = 0
+
+    def done(self) -> bool:
+        return self.next_arrival == len(self.pending) and not self.core.has_work()
+
+    def _admit_arrivals(self) -> None:
+        pending, clock = self.pending, self.clock
+        max_len = self.core.max_model_len
+        while (
+            self.next_arrival < len(pending)
+            and pending[self.next_arrival].arrival_time <= clock.now
+        ):
+            item = pending[self.next_arrival]
+            self.next_arrival += 1
+            if not item.prompt_ids or len(item.prompt_ids) >= max_len:
+                continue  # the engine refuses it before queueing (no room to generate)
+            req = Request(item.rid, list(item.prompt_ids), params_for(item), item.arrival_time)
+            self.requests[item.rid] = req
+            self.core.add(req)
+
+    def step(self) -> StepResult:
+        """Let in what has arrived by now and run one step (waiting for arrivals if idle)."""
+        timer = self.overhead_timer
+        while True:
+            self._admit_arrivals()
+            start = timer() if timer is not None else 0.0
+            result = self.core.step() if self.core.has_work() else None
+            if result is not None:
+                break
+            if self.next_arrival == len(self.pending):
+                raise SchedulerStuckError(
+                    f"scheduler is stuck at t={self.clock.now:.3f}s: {self.core.stats()}"
+                )
+            self.clock.advance_to(self.pending[self.next_arrival].arrival_time)
+        if timer is not None:
+            spent = getattr(self.core.executor, "spent", 0.0)
+            overhead = max(0.0, timer() - start - spent)
+            self.clock.advance(overhead)
+            self.plans.append(result.plan)
+            self.step_seconds.append(result.forward_seconds + overhead)
+        self.steps += 1
+        if self.check_invariant_every and self.steps % self.check_invariant_every == 0:
+            self.core.check_invariant()
+        return result
+
+    def run(self) -> list[RequestRecord]:
+        while not self.done():
+            self.step()
+        return self.records()
+
+    def records(self) -> list[RequestRecord]:
+        """One record per workload request, in workload order."""
+        records = []
+        for item in self.workload:
+            record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
+            req = self.requests.get(item.rid)
+            if req is None:  # refused at arrival
+                record.failed = True
+                record.finish_time = item.arrival_time
+            else:
+                record.token_times = req.token_times
+                record.finish_time = req.finished_time
+                record.cached_tokens = req.cached_tokens
+                record.retracts = req.retractions
+                record.failed = req.finish_reason == "abort"
+            records.append(record)
+        return records

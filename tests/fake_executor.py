@@ -1,0 +1,109 @@
+"""A model-free executor for the engine core's tests.
+
+It keeps a token id and a position in every KV slot, writes each segment's tokens through its
+own page table (kept only from the plans' page writes, as the real runner keeps its table)
+exactly as the real runner writes K/V, and reads a request's whole context back from its pages
+before "sampling". The sampled token is a hash of that context, so a wrong slot, a wrong page,
+a missing page write, a stale shared prefix or a wrong position changes the output, and the
+outputs can be compared with ``reference_output`` computed without any batching or caching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from asyncengine.builder import build_core
+from asyncengine.cache.page_table import PageTable
+from asyncengine.config import EngineConfig
+from asyncengine.core import EngineCore
+from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.plan import BatchPlan, StepOutput
+
+VOCAB = 1000
+EOS = 0
+
+
+def next_token(context: list[int] | np.ndarray) -> int:
+    ids = np.asarray(context, dtype=np.int64)
+    weights = np.arange(1, ids.size + 1, dtype=np.int64) * 7919 + 13
+    token = int(((ids + 1) * weights).sum() % 999_983) % (VOCAB - 1) + 1
+    return token  # never EOS: requests stop by length unless a test says otherwise
+
+
+def reference_output(prompt: list[int], max_new_tokens: int) -> list[int]:
+    seq = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = next_token(seq)
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+class FakeExecutor:
+    def __init__(self, max_model_len: int = 4096) -> None:
+        self.spec = ModelSpec(
+            max_model_len=max_model_len,
+            vocab_size=VOCAB,
+            eos_token_ids=(EOS,),
+            kv_bytes_per_token=1,
+        )
+        self.steps = 0
+        self.fail_on_step: int | None = None
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int | None:
+        return None
+
+    def bind(self, layout: KVLayout) -> None:
+        self.page_size = layout.page_size
+        self.table = PageTable(layout.max_rows, layout.max_pages_per_row)
+        self.token_at = np.full(layout.num_slots, -1, dtype=np.int64)
+        self.pos_at = np.full(layout.num_slots, -1, dtype=np.int64)
+
+    def _slots(self, row: int, start: int, end: int) -> np.ndarray:
+        ps = self.page_size
+        pages = self.table.row_pages(row, -(-end // ps)).astype(np.int64)
+        positions = np.arange(start, end)
+        return pages[positions // ps] * ps + positions % ps
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        self.steps += 1
+        if self.fail_on_step is not None and self.steps == self.fail_on_step:
+            raise RuntimeError("injected forward failure")
+        self.table.apply(plan.page_writes)
+        tokens: list[int] = []
+        for seg in plan.segments:
+            slots = self._slots(seg.table_row, seg.start_pos, seg.end_pos)
+            self.token_at[slots] = seg.input_ids
+            self.pos_at[slots] = np.arange(seg.start_pos, seg.end_pos)
+        for seg in plan.segments:
+            if not seg.sample:
+                continue
+            slots = self._slots(seg.table_row, 0, seg.end_pos)
+            assert (self.pos_at[slots] == np.arange(seg.end_pos)).all(), (
+                f"{seg.rid}: positions in KV are wrong"
+            )
+            tokens.append(next_token(self.token_at[slots]))
+        return StepOutput(tokens, [None] * len(tokens), forward_seconds=1e-3 * plan.num_tokens)
+
+
+def fake_core(
+    num_pages: int = 256,
+    page_size: int = 4,
+    max_model_len: int = 4096,
+    clock: Callable[[], float] | None = None,
+    **overrides: object,
+) -> tuple[EngineCore, FakeExecutor]:
+    """An engine core over a FakeExecutor: ``num_pages`` pages of ``page_size`` tokens."""
+    values: dict[str, object] = {
+        "page_size": page_size,
+        "kv_cache_tokens": num_pages * page_size,
+        "log_interval": 0,
+        **overrides,
+    }
+    config = EngineConfig.from_dict(values)
+    executor = FakeExecutor(max_model_len)
+    core = build_core(config, executor) if clock is None else build_core(config, executor, clock)
+    return core, executor
