@@ -1,6 +1,6 @@
 # The two commands a fresh machine needs (see README):
 #   make serve   serve the embedded default model over HTTP
-#   make test    lint and run the test suite
+#   make test    lint (ruff, mypy) and run the test suite
 # Both create .venv on first use and reinstall only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
 
 test: lint
 	$(VENV)/bin/pytest -q $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
@@ -40,4 +41,4 @@ bench-radix: $(STAMP)
 	$(PY) scripts/bench_radix.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis .mypy_cache .mypy_tree

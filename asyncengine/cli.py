@@ -63,7 +63,7 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         int,
         "prefill-only steps in a row before a decode step",
     ),
-    ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
+    ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,24 @@ except ModuleNotFoundError:  # Python 3.10
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# attention backends (asyncengine/executor/backends.py says what each needs)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class ConfigError(ValueError):
     """A config file or override that names an unknown key or holds a bad value."""
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """One ``KEY=VALUE`` command-line pair (an argparse ``type``): dashes in the key become
+    underscores; the value is JSON when it parses (numbers, booleans, lists), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -79,8 +93,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {', '.join(DEVICES)}")
-        if self.attention_backend not in BACKENDS:
-            raise bad("attention_backend", f"must be one of {', '.join(BACKENDS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         if not self.model:
             raise bad("model", "must name a model or a path")
         for key in (

@@ -94,13 +94,14 @@ class AsyncEngine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-forward")
         if self.core is None:
             started = time.perf_counter()
-            self.core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
+            core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
+            self.core = core
             log.info(
                 "engine ready in %.1fs: model %s, max_model_len %d, policy %s",
                 time.perf_counter() - started,
                 self.config.model,
-                self.core.max_model_len,
-                self.core.policy.name,
+                core.max_model_len,
+                core.policy.name,
             )
         # Start-up leaves torch's and the model's objects behind; freezing them keeps the
         # collector's full passes (which stall the loop) short for the rest of the run.
@@ -267,21 +268,23 @@ class AsyncEngine:
             raise InvalidRequestError(
                 "prompt must be a non-empty string, list of token ids, or list of chat messages"
             )
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) == len(prompt):
             vocab = self.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(
                     f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
                 )
-            return list(prompt)
-        if all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
+            return ids
+        messages = [m for m in prompt if isinstance(m, dict)]
+        if len(messages) == len(prompt):
+            for i, m in enumerate(messages):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(
                         f"message {i} needs a string 'role' and a string 'content'"
                     )
-            return list(tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True)))
+            return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
         raise InvalidRequestError(
             "prompt list must hold only token ids (int) or only chat messages (dict)"
         )

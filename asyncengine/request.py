@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.cache.manager import SeqKV
 
 
 class RequestStatus(enum.Enum):
@@ -31,7 +34,7 @@ class Request:
     arrival_time: float
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    seq: Any = None  # asyncengine.cache.manager.SeqKV while admitted
+    seq: SeqKV | None = None  # the KV handle while admitted
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: str | int | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -49,6 +52,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv(self) -> SeqKV:
+        """The KV handle of an admitted request (an error while it waits)."""
+        if self.seq is None:
+            raise RuntimeError(f"request {self.rid} holds no KV (status {self.status.value})")
+        return self.seq
 
     @property
     def kv_len(self) -> int:

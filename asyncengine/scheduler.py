@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncengine.cache.manager import KVCacheManager, OutOfPagesError
+from asyncengine.cache.allocator import OutOfPagesError
+from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
@@ -106,7 +107,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         if req.seq is not None:
-            self.kv.close(req.seq, req.all_ids[: self._computed_len(req)], cache=cache)
+            self.kv.close(req.kv, req.all_ids[: self._computed_len(req)], cache=cache)
             req.seq = None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -120,7 +121,7 @@ class Scheduler:
         owner = self._inflight_owners.get(req.rid)
         if owner is not None and owner[0] is req:
             return owner[1].start_pos
-        return req.seq.kv_len
+        return req.kv.kv_len
 
     def _context(self, num_decodes: int) -> PolicyContext:
         return PolicyContext(
@@ -196,14 +197,14 @@ class Scheduler:
 
     def _decode_segment(self, req: Request) -> Segment:
         last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-        return Segment(req.rid, req.seq.row, [last], req.seq.kv_len - 1, sample=True)
+        return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
 
     def _prepare_decodes(self) -> list[Request]:
         """Give every running request a KV slot for its next token, retracting when short."""
         ps = self.page_size
         retracted: list[Request] = []
         while self.running:
-            need = sum(1 for r in self.running if r.seq.kv_len % ps == 0)
+            need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
             if need <= self.kv.available_pages:
                 break
             victim = self._pick_victim()
@@ -217,7 +218,7 @@ class Scheduler:
                 len(self.running),
             )
         for req in self.running:
-            self.kv.extend(req.seq, 1)
+            self.kv.extend(req.kv, 1)
         return list(self.running)
 
     def _pick_victim(self) -> Request:
@@ -226,7 +227,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.close(req.seq, req.all_ids[: req.seq.kv_len], cache=True)
+        self.kv.close(req.kv, req.all_ids[: req.kv.kv_len], cache=True)
         req.seq = None
         req.status = RequestStatus.WAITING
         req.retractions += 1
@@ -251,11 +252,11 @@ class Scheduler:
         for req in list(self.prefilling):
             if remaining <= 0:
                 return
-            todo = req.num_tokens - req.seq.kv_len
+            todo = req.num_tokens - req.kv.kv_len
             take = min(todo, remaining, chunk) if chunk else todo
             if take < todo and chunk and take >= ps:
                 take = take // ps * ps
-            computed = req.seq.kv_len
+            computed = req.kv.kv_len
             if not self._try_extend(req, take):
                 return
             self._add_extend(plan, req, take)
@@ -298,38 +299,38 @@ class Scheduler:
             if chunk and ps <= estimate and remaining < ps and not alone:
                 break  # the budget left is less than a page: start this prompt next step
             req.seq = self.kv.open(ids)
-            todo = len(ids) - req.seq.kv_len
+            todo = len(ids) - req.kv.kv_len
             take = todo if not chunk else min(todo, remaining, chunk)
             if take < todo and take >= ps:
                 take = take // ps * ps
             if not self._try_extend(req, take):
-                self.kv.close(req.seq, [], cache=False)
+                self.kv.close(req.kv, [], cache=False)
                 req.seq = None
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.PREFILLING
             if req.retractions == 0:
-                req.cached_tokens = req.seq.num_cached
+                req.cached_tokens = req.kv.num_cached
             self.prefilling.append(req)
             self._add_extend(plan, req, take)
             if dedup is not None:
-                dedup.add(ids, req.seq.num_cached)
+                dedup.add(ids, req.kv.num_cached)
             remaining -= take
             slots -= 1
             reserved += future
 
     def _try_extend(self, req: Request, take: int) -> bool:
         try:
-            self.kv.extend(req.seq, take)
+            self.kv.extend(req.kv, take)
             return True
         except OutOfPagesError:
             return False
 
     def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> None:
-        start = req.seq.kv_len - take
-        done = req.seq.kv_len == req.num_tokens
+        start = req.kv.kv_len - take
+        done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
-        plan.extends.append(Segment(req.rid, req.seq.row, ids, start, sample=done))
+        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
         if done:
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
             if self.chunked is req:
@@ -349,20 +350,20 @@ class Scheduler:
         sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
         for seg in plan.segments:
             req = owners.get(seg.rid)
-            token = logprobs = None
-            if seg.sample:
-                token, logprobs = next(sampled)
-            if req is None or req.finished:
-                continue  # aborted while the step ran
+            alive = req is not None and not req.finished  # else aborted while the step ran
             if not seg.sample:
-                self.kv.cache(req.seq, req.all_ids[: req.seq.kv_len])  # the chunk is shareable now
+                if req is not None and alive:  # the chunk is shareable now
+                    self.kv.cache(req.kv, req.all_ids[: req.kv.kv_len])
+                continue
+            token, logprobs = next(sampled)
+            if req is None or not alive:
                 continue
             if req.status is RequestStatus.PREFILLING:
                 self.prefilling.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 # the whole prompt is in KV now: share it while this request still decodes
-                self.kv.cache(req.seq, req.all_ids[: req.seq.kv_len])
+                self.kv.cache(req.kv, req.all_ids[: req.kv.kv_len])
             req.output_ids.append(token)
             req.token_times.append(now)
             if req.first_token_time is None:

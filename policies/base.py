@@ -4,12 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from asyncengine.config import EngineConfig
     from asyncengine.plan import BatchPlan
     from asyncengine.request import Request
+
+
+class SchedulingConfig(Protocol):
+    """The engine settings a policy reads (``EngineConfig`` has them; policies do not import
+    the config module, which imports the policy registry to check policy names)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def max_prefill_tokens(self) -> int: ...
+
+    @property
+    def chunked_prefill_size(self) -> int: ...
+
+    @property
+    def max_running_requests(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -25,7 +41,7 @@ class StepBudget:
 class PolicyContext:
     """What a policy may look at when it decides. Read-only by convention."""
 
-    config: EngineConfig
+    config: SchedulingConfig
     now: float
     num_running: int
     num_decodes: int  # decode tokens already in this step

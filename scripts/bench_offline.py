@@ -54,7 +54,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.bench.optimal_hit import optimal_hit
-from asyncengine.config import EngineConfig
+from asyncengine.config import EngineConfig, key_value
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
@@ -383,27 +383,13 @@ def _drain(
 # -- the runs --------------------------------------------------------------------------------
 
 
-def parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` pairs; values are JSON when they parse (numbers, booleans), else strings."""
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected key=value, got {pair!r}")
-        try:
-            values[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            values[key.replace("-", "_")] = value
-    return values
-
-
 def engine_config(args: argparse.Namespace, **changes: Any) -> EngineConfig:
     overrides = {
         "model": args.model,
         "dtype": args.dtype,
         "device": "cpu" if args.device == "cpu" else args.device,
         "log_interval": 0.0,
-        **parse_pairs(args.engine_arg),
+        **dict(args.engine_arg),
         **changes,
     }
     return EngineConfig.from_toml(args.config, **overrides)
@@ -446,7 +432,7 @@ def offline_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
         "num_requests": args.num_requests,
         "seed": args.seed,
         "vocab_size": _model_vocab(args),
-        **parse_pairs(args.workload_arg),
+        **dict(args.workload_arg),
     }
     return make_workload("random", **kwargs)
 
@@ -527,7 +513,7 @@ def compare_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.prefix_output_len,
         "seed": args.seed,
         "vocab_size": _model_vocab(args),
-        **parse_pairs(args.workload_arg),
+        **dict(args.workload_arg),
     }
     workload = make_workload("shared_prefix", **kwargs)
     progress = not args.no_progress
@@ -572,7 +558,7 @@ def _workload_info(
         "name": name,
         "num_requests": len(workload),
         "seed": args.seed,
-        "arguments": {k: v for k, v in (kwargs or parse_pairs(args.workload_arg)).items()},
+        "arguments": {k: v for k, v in (kwargs or dict(args.workload_arg)).items()},
         "prompt_tokens": sum(inputs),
         "output_tokens": sum(outputs),
         "prompt_len_mean": sum(inputs) / len(inputs),
@@ -651,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine-arg",
         action="append",
+        type=key_value,
         default=[],
         metavar="KEY=VALUE",
         help="asyncengine config override (repeatable), e.g. max_running_requests=256",
@@ -660,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workload-arg",
         action="append",
+        type=key_value,
         default=[],
         metavar="KEY=VALUE",
         help="generator argument (repeatable), e.g. output_median=64 max_input_len=1024",

@@ -53,6 +53,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.bench.records import RequestRecord, summarize
+from asyncengine.config import key_value
 from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -498,19 +499,6 @@ class LaunchedServer:
 # -- command line ----------------------------------------------------------------------------
 
 
-def parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected key=value, got {pair!r}")
-        try:
-            values[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            values[key.replace("-", "_")] = value
-    return values
-
-
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
         workload = load_trace(args.workload)
@@ -521,7 +509,7 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
             "seed": args.seed,
             "vocab_size": args.vocab_size,
             "text": args.text,
-            **parse_pairs(args.workload_arg),
+            **dict(args.workload_arg),
         }
         if args.num_requests is not None:
             kwargs.setdefault("num_requests", args.num_requests)
@@ -552,7 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--served-model", default=None, help="'model' of completions requests")
     load = parser.add_argument_group("workload")
     load.add_argument("--workload", default="random", help="generator name or a JSONL trace")
-    load.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE")
+    load.add_argument(
+        "--workload-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
+    )
     load.add_argument("--num-requests", type=int, default=None)
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="prompt ids < this")
@@ -623,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["workload"] = {
         "name": args.workload,
         "num_requests": len(workload),
-        "arguments": parse_pairs(args.workload_arg),
+        "arguments": dict(args.workload_arg),
         "arrivals": args.arrivals
         or (f"poisson:{args.request_rate}" if args.request_rate else "workload's own"),
         "seed": args.seed,

@@ -27,31 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import RunReport, markdown_table, write_figures
-from asyncengine.config import EngineConfig
+from asyncengine.config import EngineConfig, key_value
 from asyncengine.workloads import Arrivals, load_trace, make_workload, save_trace
 from asyncengine.workloads.trace import WorkloadRequest
 
 
-def parse_value(text: str) -> Any:
-    """``key=value`` values: JSON when it parses (numbers, booleans, lists), else the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected key=value, got {pair!r}")
-        values[key.replace("-", "_")] = parse_value(value)
-    return values
-
-
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
-    extra = parse_pairs(args.workload_arg)
+    extra = dict(args.workload_arg)
     if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
         if extra or args.arrivals:
             raise SystemExit(
@@ -64,7 +46,7 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
-    overrides = parse_pairs(args.set)
+    overrides = dict(args.set)
     configs: list[tuple[str, EngineConfig]] = []
     for path in args.configs:
         configs.append((Path(path).stem, EngineConfig.from_toml(path, **overrides)))
@@ -119,10 +101,17 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         "--base-config", default=None, help="TOML the --policies entries start from"
     )
     parser.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every config"
+        "--set",
+        nargs="*",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override every config",
     )
     parser.add_argument("--workload", required=True, help="generator name or trace.jsonl")
-    parser.add_argument("--workload-arg", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--workload-arg", nargs="*", type=key_value, default=[], metavar="KEY=VALUE"
+    )
     parser.add_argument("--arrivals", default=None, help="burst | poisson:RATE | interval:SECONDS")
     parser.add_argument("--seed", type=int, default=0)
     mode = parser.add_mutually_exclusive_group()

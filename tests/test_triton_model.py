@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.executor.attention import TorchBackend
 from asyncengine.executor.attention_triton import TritonBackend
 from asyncengine.executor.backends import (
@@ -245,16 +246,12 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
         resolve_backend_name("triton", "cpu")
 
 
-def test_flashinfer_needs_cuda_and_the_optional_extra() -> None:
-    with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+def test_no_backend_is_accepted_that_does_not_exist() -> None:
+    """FlashInfer has no backend yet: its name is refused by the config, not at first forward."""
+    with pytest.raises(ConfigError, match="attention_backend.*auto, torch, triton"):
+        EngineConfig(attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="unknown attention backend 'flashinfer'"):
         resolve_backend_name("flashinfer", "cpu")
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        with pytest.raises(BackendUnavailableError, match=r"asyncengine\[flashinfer\]"):
-            resolve_backend_name("flashinfer", "cuda")
-    else:
-        assert resolve_backend_name("flashinfer", "cuda") == "flashinfer"
 
 
 def test_unknown_backend_is_refused() -> None:

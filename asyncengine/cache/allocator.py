@@ -63,7 +63,7 @@ class PageAllocator:
                 f"asked for {n} KV pages but only {self._num_free} of {self._num_pages} are free"
             )
         start = self._num_free - n
-        pages = self._stack[start : self._num_free][::-1].copy()
+        pages: np.ndarray = self._stack[start : self._num_free][::-1].copy()
         self._num_free = start
         self._allocated[pages] = True
         return pages
@@ -106,8 +106,10 @@ class PageAllocator:
 
     def free_pages(self) -> np.ndarray:
         """A copy of the free page ids (for invariant checks)."""
-        return self._stack[: self._num_free].copy()
+        pages: np.ndarray = self._stack[: self._num_free].copy()
+        return pages
 
     def allocated_mask(self) -> np.ndarray:
         """A copy of the boolean mask of allocated pages (for invariant checks)."""
-        return self._allocated.copy()
+        mask: np.ndarray = self._allocated.copy()
+        return mask

@@ -341,8 +341,10 @@ class RadixCache:
                 if not parent.in_heap:
                     self._push(parent)
         if not freed:
-            return _EMPTY_PAGES.copy()
-        return np.concatenate(freed)
+            empty: np.ndarray = _EMPTY_PAGES.copy()
+            return empty
+        pages: np.ndarray = np.concatenate(freed)
+        return pages
 
     # ----------------------------------------------------------------------------- inspection
 

@@ -3,13 +3,12 @@
 A forward's tokens come in two groups, extends first and decodes after, so that one long
 prefill does not pad many one-token decodes. A backend turns the ``ForwardBatch`` into its own
 metadata once per forward (``build_metadata``); every layer then calls ``forward`` with it.
-Backends are created by name from ``ATTENTION_BACKENDS`` (``register_backend`` adds one).
+Which backend runs where is chosen in executor/backends.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,18 +119,3 @@ class TorchBackend(AttentionBackend):
                 k_cache,
             )
         return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)
-
-
-ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchBackend}
-
-
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    ATTENTION_BACKENDS[name] = factory
-
-
-def create_backend(name: str) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
-        )
-    return ATTENTION_BACKENDS[name]()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.executor.attention import AttentionBackend, register_backend
+from asyncengine.executor.attention import AttentionBackend
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.triton_decode_attention import (
     CONTEXT_BUCKETS,
@@ -177,6 +177,3 @@ class TritonBackend(AttentionBackend):
                 out=out[n_ext:],
             )
         return out
-
-
-register_backend("triton", TritonBackend)

@@ -1,12 +1,11 @@
 """Choosing the attention backend (and the matching elementwise kernels) for a device.
 
-``attention_backend`` in the engine config is one of:
+``attention_backend`` in the engine config is one of (``config.ATTENTION_BACKENDS``):
 
 - ``"auto"``: Triton on CUDA (torch when Triton cannot be imported), torch on CPU;
 - ``"torch"``: the torch references (any device);
 - ``"triton"``: the Triton kernels; on CUDA, or on CPU only under ``TRITON_INTERPRET=1`` (the
-  Triton interpreter, for tests: far too slow to serve);
-- ``"flashinfer"``: FlashInfer, on CUDA and only when the optional extra is installed.
+  Triton interpreter, for tests: far too slow to serve).
 
 A choice that cannot work on the device fails here, with a message that says what to do,
 rather than deep inside the first forward.
@@ -21,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.executor.attention import ATTENTION_BACKENDS, AttentionBackend, create_backend
-
-BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+from asyncengine.config import ATTENTION_BACKENDS
+from asyncengine.executor.attention import AttentionBackend, TorchBackend
 
 
 class BackendUnavailableError(RuntimeError):
@@ -39,11 +37,11 @@ def _importable(module: str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """The concrete backend (``torch``, ``triton`` or ``flashinfer``) that ``name`` means here."""
+    """The concrete backend (``torch`` or ``triton``) that ``name`` means here."""
     device = torch.device(device)
-    if name not in BACKEND_CHOICES:
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}: expected one of {', '.join(BACKEND_CHOICES)}"
+            f"unknown attention backend {name!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
         )
     on_cuda = device.type == "cuda"
     if name == "auto":
@@ -60,34 +58,16 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
                 "attention_backend='torch' (or 'auto') there. Triton runs on CPU only under "
                 "TRITON_INTERPRET=1, the test interpreter, which is far too slow to serve"
             )
-    if name == "flashinfer":
-        if not on_cuda:
-            raise BackendUnavailableError(
-                f"attention_backend='flashinfer' needs a CUDA device, not {device}; use "
-                "attention_backend='torch' (or 'auto') there"
-            )
-        if not _importable("flashinfer"):
-            raise BackendUnavailableError(
-                "attention_backend='flashinfer' needs FlashInfer: install the optional extra "
-                "with pip install 'asyncengine[flashinfer]' (the flashinfer-python package), "
-                "or use attention_backend='triton'"
-            )
     return name
 
 
 def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Resolve ``name`` for ``device`` and build that backend."""
-    resolved = resolve_backend_name(name, device)
-    if resolved == "triton":
+    if resolve_backend_name(name, device) == "triton":
         from asyncengine.executor.attention_triton import TritonBackend
 
         return TritonBackend()
-    if resolved == "flashinfer" and resolved not in ATTENTION_BACKENDS:
-        raise BackendUnavailableError(
-            "FlashInfer is installed, but no 'flashinfer' attention backend is registered in "
-            "asyncengine.executor.attention; use attention_backend='triton'"
-        )
-    return create_backend(resolved)
+    return TorchBackend()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +82,7 @@ class KernelOps:
 
 
 def kernel_ops(resolved_backend: str) -> KernelOps:
-    """torch references for the torch backend; the Triton twins for triton and flashinfer.
+    """torch references for the torch backend; the Triton twins for triton.
 
     Note: the Triton ``apply_rotary`` rotates q and k in place (and returns them); the
     reference returns new tensors. Callers must use the returned tensors.
@@ -112,7 +92,7 @@ def kernel_ops(resolved_backend: str) -> KernelOps:
         from asyncengine.kernels.kv_store_ref import store_kv
         from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
         from asyncengine.kernels.rotary_ref import apply_rotary
-    elif resolved_backend in ("triton", "flashinfer"):
+    elif resolved_backend == "triton":
         from asyncengine.kernels.triton_activation import silu_and_mul
         from asyncengine.kernels.triton_kv_store import store_kv
         from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm

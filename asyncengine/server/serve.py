@@ -110,7 +110,7 @@ class ServerLogger:
 
     def _snapshot(self) -> dict[str, float]:
         stats = self.engine.stats()
-        requests = self.metrics.requests.collect()[0].samples
+        requests = next(iter(self.metrics.requests.collect())).samples
         return {
             "time": time.monotonic(),
             "http": sum(s.value for s in requests if s.name.endswith("_total")),

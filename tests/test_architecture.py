@@ -1,0 +1,204 @@
+"""The house rules of the code base, checked over the source (docs/ARCHITECTURE.md):
+
+- no import circles among our modules (type-checking imports included: a circle drawn only
+  for the type checker still ties two modules together), and no module imports from a layer
+  above its own;
+- the scheduler side (KV accounting, scheduler, core, builder, policies, simulator) loads no torch;
+- one place builds a Scheduler (the builder);
+- every package folder is installed (pyproject's explicit package list).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+# where each top-level folder is installed
+FOLDERS = {
+    "asyncengine": "asyncengine",
+    "policies": "asyncengine.policies",
+    "kernels": "asyncengine.kernels",
+}
+
+# Lower layers never import higher ones (runtime imports; TYPE_CHECKING blocks do not count).
+LAYERS: list[tuple[str, ...]] = [
+    (  # plain data, maths, pure helpers
+        "asyncengine.errors",
+        "asyncengine.sampling_params",
+        "asyncengine.outputs",
+        "asyncengine.plan",
+        "asyncengine.request",
+        "asyncengine.executor_api",
+        "asyncengine.bench",
+        "asyncengine.workloads",
+        "asyncengine.kernels",
+    ),
+    (  # configuration, policies, KV accounting
+        "asyncengine.config",
+        "asyncengine.policies",
+        "asyncengine.cache",
+        "asyncengine.step_prefixes",
+    ),
+    ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
+    ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
+    ("asyncengine.engine", "asyncengine.event_loop", "asyncengine.sim"),  # drivers
+    ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
+]
+
+TORCH_FREE = [
+    "asyncengine.scheduler",
+    "asyncengine.core",
+    "asyncengine.builder",
+    "asyncengine.cache",
+    "asyncengine.policies",
+    "asyncengine.sim",
+    "asyncengine.text.stream",
+]
+
+
+def module_files() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(tree: ast.AST, type_checking: bool) -> Iterator[tuple[str, list[str]]]:
+    """(module, imported names) of every import at any depth; those under ``if TYPE_CHECKING``
+    only when ``type_checking``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if not type_checking and _type_checking_block(child):
+                stack.extend(getattr(child, "orelse", []))
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield alias.name, []
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                yield child.module, [alias.name for alias in child.names]
+            stack.append(child)
+
+
+def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
+    modules = module_files()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target, names in imports(ast.parse(path.read_text(), str(path)), type_checking):
+            if target not in modules:
+                continue
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            graph[name].update(submodules or [target])
+            if len(submodules) < len(names):
+                graph[name].add(target)  # names taken from the package itself
+            graph[name].discard(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_of(module: str) -> int:
+    best, depth = -1, -1
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > depth:
+                best, depth = level, len(prefix)
+    assert best >= 0, f"{module} is in no layer of tests/test_architecture.py"
+    return best
+
+
+def test_no_import_circles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_a_cycle_is_found_when_there_is_one() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_nothing_imports_upward() -> None:
+    upward = [
+        f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
+        for source, targets in sorted(import_graph(type_checking=False).items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(source)
+    ]
+    assert upward == []
+
+
+def test_the_scheduler_side_loads_no_torch() -> None:
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_one_place_builds_a_scheduler() -> None:
+    sites = []
+    for folder in ("asyncengine", "policies", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Scheduler"):
+                    sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(sites) == 1 and sites[0].startswith("asyncengine/builder.py"), sites
+
+
+def test_every_package_folder_is_installed() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    present = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert present == listed
+    assert config["package-dir"] == {
+        "asyncengine.policies": "policies",
+        "asyncengine.kernels": "kernels",
+    }
