@@ -65,7 +65,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
-    ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
+    (
+        "--log-interval",
+        "log_interval",
+        float,
+        "seconds between summary log lines, written only when something changed (0: off)",
+    ),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -27,6 +28,7 @@ from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.request import Request
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler, TokenEvent
+from asyncengine.summary_log import SummaryLog
 from asyncengine.text.stream import RequestStream, StreamState
 
 log = logging.getLogger("asyncengine.engine")
@@ -84,7 +86,9 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
-        self._last_log = (time.monotonic(), 0)
+        # the one periodic summary line (config.log_interval); front ends add their counters
+        self.summary = SummaryLog(self.stats)
+        self._summary_task: asyncio.Task[None] | None = None
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -110,6 +114,11 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")
+        if self.config.log_interval > 0:
+            self.summary.reset()
+            self._summary_task = asyncio.create_task(
+                self._log_summaries(self.config.log_interval), name="asyncengine-summary"
+            )
         return self
 
     def _build(self) -> tuple[EngineCore, Any]:
@@ -129,6 +138,11 @@ class AsyncEngine:
         self._wakeup.set()
         await self._task
         self._task = None
+        if self._summary_task is not None:
+            self._summary_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._summary_task
+            self._summary_task = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -349,7 +363,6 @@ class AsyncEngine:
                 self._emit(events)
                 for hook in self.step_hooks:
                     hook(step.plan)
-                self._maybe_log()
         except Exception as exc:
             log.exception("engine loop crashed")
             for state in list(self._streams.values()):
@@ -407,25 +420,9 @@ class AsyncEngine:
         del self._streams[req.rid]
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
 
-    def _maybe_log(self) -> None:
-        interval = self.config.log_interval
-        now = time.monotonic()
-        last_time, last_tokens = self._last_log
-        if not interval or now - last_time < interval:
-            return
-        stats = self.stats()
-        tokens = stats["generated_tokens"]
-        log.info(
-            "gen %.1f tok/s | running %d | prefilling %d | waiting %d | cache hit %.1f%% | "
-            "KV pages used %d cached %d free %d / %d",
-            (tokens - last_tokens) / (now - last_time),
-            stats["running"],
-            stats["prefilling"],
-            stats["waiting"],
-            100 * stats["cache_hit_rate"],
-            stats["pages_used"],
-            stats["pages_cached"],
-            stats["pages_free"],
-            stats["pages_total"],
-        )
-        self._last_log = (now, tokens)
+    async def _log_summaries(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            line = self.summary.line()
+            if line is not None:
+                log.info("%s", line)

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from asyncengine.config import EngineConfig
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.app import create_app
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.serve import start_http
 from asyncengine.server.state import STATE
 

@@ -20,10 +20,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.errors import EngineNotRunningError
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024

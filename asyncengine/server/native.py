@@ -11,7 +11,7 @@ streams text), ending with ``data: [DONE]``; ``meta_info`` of a non-final frame 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -20,8 +20,7 @@ from msgspec import Meta, Struct, field
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
-from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
+from asyncengine.server.errors import invalid_request
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -34,8 +33,11 @@ from asyncengine.server.openai_schema import (
     TopP,
     decode_body,
 )
-from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.streaming import stream_response
+
+if TYPE_CHECKING:
+    from asyncengine.engine import Prompt
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_RID_LENGTH = 256
@@ -207,69 +209,50 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     params = _sampling_params(req, state.engine.max_model_len)
     request_id = _request_id(req)
     responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
-    if not req.stream:
-        out = await generate(state.engine, prompt, params, request_id)
-        state.metrics.observe_finished(out.metrics)
-        request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
-        responder.add_logprobs(out.token_ids, out.logprobs)
-        body = responder.body(
-            out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
+    if req.stream:
+        stream = state.engine.stream(prompt, params, request_id=request_id)
+        return await stream_response(request, state, stream, _CumulativeFormat(responder))
+    # A client that disconnects cancels this handler; the engine's generate then aborts.
+    out = await state.engine.generate(prompt, params, request_id=request_id)
+    state.metrics.observe_finished(out.metrics)
+    request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
+    responder.add_logprobs(out.token_ids, out.logprobs)
+    body = responder.body(
+        out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
+    )
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+class _CumulativeFormat:
+    """SGLang's stream: every frame carries the text and output ids so far."""
+
+    def __init__(self, responder: NativeResponder) -> None:
+        self.responder = responder
+        self.text = ""
+        self.output_ids: list[int] = []
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def frames(self, delta: StreamDelta) -> list[dict[str, Any]]:
+        self.text += delta.text
+        self.output_ids.extend(delta.token_ids)
+        self.responder.add_logprobs(delta.token_ids, delta.logprobs)
+        if not (delta.text or delta.token_ids or delta.finished):
+            return []
+        # encoded as soon as it is returned, before output_ids grows again: no copy needed
+        body = self.responder.body(
+            self.text,
+            self.output_ids,
+            delta.finish_reason,
+            delta.matched_stop,
+            delta.usage,
+            delta.metrics,
         )
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-    return await _stream(request, state, prompt, params, responder)
+        return [body]
 
-
-async def _stream(
-    request: web.Request,
-    state: ServerState,
-    prompt: Prompt,
-    params: SamplingParams,
-    responder: NativeResponder,
-) -> web.StreamResponse:
-    call = StreamingRequest(state.engine, prompt, params, responder.request_id)
-    last: StreamDelta | None = None
-    try:
-        delta = await call.next()  # engine refusals become a 4xx/503 before headers go out
-        writer = SSEWriter(request)
-        await writer.open()
-        text = ""
-        output_ids: list[int] = []
-        try:
-            while delta is not None:
-                last = delta
-                text += delta.text
-                output_ids.extend(delta.token_ids)
-                responder.add_logprobs(delta.token_ids, delta.logprobs)
-                if delta.text or delta.token_ids or delta.finished:
-                    await writer.send(
-                        responder.body(
-                            text,
-                            output_ids,
-                            delta.finish_reason,
-                            delta.matched_stop,
-                            delta.usage,
-                            delta.metrics,
-                        )
-                    )
-                if delta.finished:
-                    break
-                delta = await call.next()
-            await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
-        except ENGINE_ERRORS as exc:
-            request[OUTCOME] = "error"
-            await writer.send(from_engine_error(exc).body())
-            await writer.done()
-        return writer.response
-    except ClientGone:
-        request[OUTCOME] = "abort"
-        return writer.response
-    finally:
-        await call.close()
-        if last is not None and last.finished:
-            state.metrics.observe_finished(last.metrics)
+    def closing(self, last: StreamDelta) -> list[dict[str, Any]]:
+        return []
 
 
 def add_native_routes(app: web.Application) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
-from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -27,8 +26,11 @@ from asyncengine.server.openai_schema import (
     completion_sampling_params,
     decode_body,
 )
-from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.streaming import stream_response
+
+if TYPE_CHECKING:
+    from asyncengine.engine import Prompt
 
 
 def json_response(body: Json, status: int = 200) -> web.Response:
@@ -111,11 +113,45 @@ async def _complete(
     params: SamplingParams,
     builder: ResponseBuilder,
 ) -> web.Response:
-    output = await generate(state.engine, prompt, params, builder.id)
+    # A client that disconnects cancels this handler; the engine's generate then aborts.
+    output = await state.engine.generate(prompt, params, request_id=builder.id)
     state.metrics.observe_finished(output.metrics)
     request[OUTCOME] = "abort" if output.finish_reason == "abort" else "success"
     logprobs = _logprobs(state, builder, output.token_ids, output.logprobs, 0)
     return json_response(builder.full(output.text, output.finish_reason, output.usage, logprobs))
+
+
+class _ChunkFormat:
+    """Chat or text completion chunks: one per delta with text (or logprobs, or the finish),
+    led by the chat's role chunk and followed by the usage chunk when asked for."""
+
+    def __init__(self, state: ServerState, builder: ResponseBuilder, include_usage: bool) -> None:
+        self.state = state
+        self.builder = builder
+        self.include_usage = include_usage
+        self.text_offset = 0
+
+    def opening(self) -> list[Json]:
+        if not self.builder.chat:
+            return []
+        return [self.builder.chunk("", None, None, first=True, include_usage=self.include_usage)]
+
+    def frames(self, delta: StreamDelta) -> list[Json]:
+        if not (delta.text or delta.finished or delta.logprobs):
+            return []
+        logprobs = _logprobs(
+            self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offset
+        )
+        self.text_offset += len(delta.text)
+        chunk = self.builder.chunk(
+            delta.text, delta.finish_reason, logprobs, include_usage=self.include_usage
+        )
+        return [chunk]
+
+    def closing(self, last: StreamDelta) -> list[Json]:
+        if self.include_usage and last.usage is not None:
+            return [self.builder.usage_chunk(last.usage)]
+        return []
 
 
 async def _stream(
@@ -126,53 +162,10 @@ async def _stream(
     builder: ResponseBuilder,
     include_usage: bool,
 ) -> web.StreamResponse:
-    call = StreamingRequest(state.engine, prompt, params, builder.id)
-    last: StreamDelta | None = None
-    try:
-        # Wait for the first delta before sending headers, so that a request the engine refuses
-        # (bad input, full queue) is answered with a proper 4xx/503 rather than a broken stream.
-        delta = await call.next()
-        writer = SSEWriter(request)
-        await writer.open()
-        try:
-            if builder.chat:
-                await writer.send(
-                    builder.chunk("", None, None, first=True, include_usage=include_usage)
-                )
-            text_offset = 0
-            while delta is not None:
-                last = delta
-                if delta.text or delta.finished or delta.logprobs:
-                    logprobs = _logprobs(
-                        state, builder, delta.token_ids, delta.logprobs, text_offset
-                    )
-                    chunk = builder.chunk(
-                        delta.text, delta.finish_reason, logprobs, include_usage=include_usage
-                    )
-                    await writer.send(chunk)
-                    text_offset += len(delta.text)
-                if delta.finished:
-                    break
-                delta = await call.next()
-            if include_usage and last is not None and last.usage is not None:
-                await writer.send(builder.usage_chunk(last.usage))
-            await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
-        except ENGINE_ERRORS as exc:
-            # Headers are gone: report the failure in-band, as other OpenAI servers do.
-            request[OUTCOME] = "error"
-            await writer.send(from_engine_error(exc).body())
-            await writer.done()
-        return writer.response
-    except ClientGone:
-        request[OUTCOME] = "abort"
-        return writer.response
-    finally:
-        await call.close()
-        if last is not None and last.finished:
-            state.metrics.observe_finished(last.metrics)
+    stream = state.engine.stream(prompt, params, request_id=builder.id)
+    return await stream_response(
+        request, state, stream, _ChunkFormat(state, builder, include_usage)
+    )
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -1,4 +1,4 @@
-"""Run the HTTP server: engine start, uvloop, SIGINT/SIGTERM, graceful shutdown, periodic log.
+"""Run the HTTP server: engine start, uvloop, SIGINT/SIGTERM, graceful shutdown.
 
 Shutdown: on SIGINT/SIGTERM the listening socket closes and /health turns 503; in-flight
 requests get ``shutdown_grace`` seconds to finish, then their handlers are cancelled (which
@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,6 @@ from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.event_loop import run
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from asyncengine.server.state import STATE
 
@@ -60,8 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--server-log-interval",
         dest="server_log_interval",
         type=float,
-        default=10.0,
-        help="seconds between one-line server summaries; 0 turns them off (default 10)",
+        default=None,
+        help="seconds between summary lines while serving (default: --log-interval, 10); "
+        "0 turns them off. A line is written only when something changed",
     )
     group.add_argument(
         "--max-body-bytes",
@@ -98,48 +97,6 @@ async def start_http(
     return runner, int(runner.addresses[0][1])
 
 
-class ServerLogger:
-    """Logs one line every ``interval`` seconds: HTTP requests served, load, token rates, cache
-    hits and KV use over the last interval."""
-
-    def __init__(self, engine: Any, metrics: ServerMetrics, interval: float) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.interval = interval
-        self._last = self._snapshot()
-
-    def _snapshot(self) -> dict[str, float]:
-        stats = self.engine.stats()
-        requests = next(iter(self.metrics.requests.collect())).samples
-        return {
-            "time": time.monotonic(),
-            "http": sum(s.value for s in requests if s.name.endswith("_total")),
-            "generated": float(stats.get("generated_tokens", 0)),
-            "hit": float(stats.get("hit_tokens", 0)),
-            "miss": float(stats.get("miss_tokens", 0)),
-        }
-
-    def line(self) -> str:
-        stats = self.engine.stats()
-        now = self._snapshot()
-        last, self._last = self._last, now
-        dt = max(now["time"] - last["time"], 1e-9)
-        hit, miss = now["hit"] - last["hit"], now["miss"] - last["miss"]
-        return (
-            f"running={stats.get('running', 0)} waiting={stats.get('waiting', 0)} "
-            f"http_requests={int(now['http'] - last['http'])} "
-            f"gen_tok/s={(now['generated'] - last['generated']) / dt:.1f} "
-            f"prompt_tok/s={(hit + miss) / dt:.1f} cache_hit={(hit / (hit + miss) if hit + miss else 0.0):.1%} "
-            f"kv_pages used={stats.get('pages_used', 0)} cached={stats.get('pages_cached', 0)} "
-            f"total={stats.get('pages_total', 0)}"
-        )
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            log.info("%s", self.line())
-
-
 async def drain(runner: web.AppRunner, engine: Any, grace: float) -> None:
     """Close the listener, give in-flight requests ``grace`` seconds, then abort the rest."""
     cleanup = asyncio.create_task(runner.cleanup())
@@ -156,7 +113,7 @@ async def run_server(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
-    log_interval: float = 10.0,
+    log_interval: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     *,
     served_model_names: list[str] | None = None,
@@ -169,6 +126,7 @@ async def run_server(
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
     ``on_ready(port)`` is called once the socket listens (port 0 picks a free one).
+    ``log_interval``, when given, replaces the config's: seconds between summary lines.
     """
     from asyncengine.engine import AsyncEngine
 
@@ -180,10 +138,11 @@ async def run_server(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)
+    if log_interval is not None:
+        config = config.replace(log_interval=log_interval)
     engine = AsyncEngine(config)
     await engine.start()
     runner: web.AppRunner | None = None
-    logger_task: asyncio.Task[None] | None = None
     try:
         app = create_app(
             engine,
@@ -200,23 +159,17 @@ async def run_server(
             bound_port,
             "required" if api_key else "off",
         )
+        metrics = app[STATE].metrics
+        engine.summary.add_counter("http_requests", metrics.requests_served)
         if on_ready is not None:
             on_ready(bound_port)
-        if log_interval > 0:
-            logger_task = asyncio.create_task(
-                ServerLogger(engine, app[STATE].metrics, log_interval).run()
-            )
         await stop.wait()
         log.info("shutting down: no new connections; in-flight requests get %.0fs", shutdown_grace)
         app[STATE].shutting_down = True
     finally:
-        # the periodic line goes on while in-flight requests drain: the operator sees them finish
+        # the summary line goes on while in-flight requests drain: the operator sees them finish
         if runner is not None:
             await drain(runner, engine, shutdown_grace)
-        if logger_task is not None:
-            logger_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await logger_task
         await engine.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)

@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.errors import ApiError
+from asyncengine.server.prometheus import ServerMetrics
 
 
 @dataclass(slots=True)
