@@ -233,7 +233,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        prompt_ids = self._tokenize(prompt)
+        prompt_ids = self.tokenize(prompt)
         self._check_request(prompt_ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._streams:
@@ -272,7 +272,9 @@ class AsyncEngine:
         return {**self._core().stats(), "model": self.model_name}
 
     # -- input checks --------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
+        chat template); ``InvalidRequestError`` for a prompt it would refuse."""
         tok = self.tokenizer
         if isinstance(prompt, str):
             if not prompt:
@@ -311,6 +313,12 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but the context is {max_model_len} tokens "
                 "(max_model_len), leaving no room to generate"
+            )
+        limit = self.config.max_new_tokens_limit
+        if limit is not None and params.max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"max_new_tokens={params.max_new_tokens} is above this engine's "
+                f"max_new_tokens_limit ({limit})"
             )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:

@@ -10,6 +10,17 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses before queueing it (bad parameter, prompt too long, ...)."""
 
 
+MAX_STOP_STRINGS = 16
+
+
+def _short_repr(value: object) -> str:
+    """The value for an error message; a long list is named by its length, not spelled out."""
+    if isinstance(value, list) and len(value) > 4:
+        return f"<a list of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -49,7 +60,7 @@ class SamplingParams:
 
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(
-                f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+                f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
             )
 
         for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
@@ -99,8 +110,8 @@ class SamplingParams:
             raise bad("top_logprobs", "must be in [0, 20]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if len(self.stop) > 16:
-            raise bad("stop", "at most 16 stop strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

@@ -20,7 +20,9 @@ from msgspec import Meta, Struct, field
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
+from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -31,7 +33,6 @@ from asyncengine.server.openai_schema import (
     TopK,
     TopLogprobs,
     TopP,
-    decode_body,
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
@@ -47,7 +48,7 @@ NativeTemperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 
 
 class NativeSamplingParams(Struct, kw_only=True):
-    max_new_tokens: PositiveInt = NATIVE_DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: PositiveInt | None = None  # None: NATIVE_DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: NonNegativeInt = 0
     temperature: NativeTemperature = 1.0
     top_p: TopP = 1.0
@@ -100,7 +101,7 @@ def _prompt(req: GenerateRequest) -> Prompt:
     return list(ids)
 
 
-def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
+def _sampling_params(req: GenerateRequest, max_new_tokens: int) -> SamplingParams:
     sp = req.sampling_params
     if sp.n != 1:
         raise invalid_request(
@@ -110,7 +111,7 @@ def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     try:
         return SamplingParams(
-            max_new_tokens=min(sp.max_new_tokens, context_len),
+            max_new_tokens=max_new_tokens,
             min_new_tokens=sp.min_new_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
@@ -204,9 +205,16 @@ class NativeResponder:
 
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), GenerateRequest)
-    prompt = _prompt(req)
-    params = _sampling_params(req, state.engine.max_model_len)
+    req = await read_json(request, state, GenerateRequest)
+    prompt = state.engine.tokenize(_prompt(req))
+    max_new_tokens = resolve_max_tokens(
+        req.sampling_params.max_new_tokens,
+        NATIVE_DEFAULT_MAX_NEW_TOKENS,
+        len(prompt),
+        state.token_limits(),
+        "sampling_params.max_new_tokens",
+    )
+    params = _sampling_params(req, max_new_tokens)
     request_id = _request_id(req)
     responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
     if req.stream:

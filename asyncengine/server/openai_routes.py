@@ -10,6 +10,8 @@ from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.body import read_json
+from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -20,11 +22,11 @@ from asyncengine.server.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_max_tokens,
     chat_messages,
     chat_sampling_params,
     completion_prompt,
     completion_sampling_params,
-    decode_body,
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
@@ -41,25 +43,34 @@ def json_response(body: Json, status: int = 200) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), ChatCompletionRequest)
+    req = await read_json(request, state, ChatCompletionRequest)
     model = state.check_model(req.model)
-    messages = chat_messages(req)
-    params = chat_sampling_params(req, state.chat_max_tokens(), state.engine.max_model_len)
+    prompt = state.engine.tokenize(chat_messages(req))
+    requested, param = chat_max_tokens(req)
+    max_tokens = resolve_max_tokens(
+        requested, state.default_chat_max_tokens, len(prompt), state.token_limits(), param
+    )
+    params = chat_sampling_params(req, max_tokens)
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _stream(request, state, messages, params, builder, include_usage)
-    return await _complete(request, state, messages, params, builder)
+        return await _stream(request, state, prompt, params, builder, include_usage)
+    return await _complete(request, state, prompt, params, builder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), CompletionRequest)
+    req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
-    prompt = completion_prompt(req)
-    params = completion_sampling_params(
-        req, COMPLETIONS_DEFAULT_MAX_TOKENS, state.engine.max_model_len
+    prompt = state.engine.tokenize(completion_prompt(req))
+    max_tokens = resolve_max_tokens(
+        req.max_tokens,
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        len(prompt),
+        state.token_limits(),
+        "max_tokens",
     )
+    params = completion_sampling_params(req, max_tokens)
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:

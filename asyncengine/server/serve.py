@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -20,7 +21,12 @@ from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.event_loop import run
-from asyncengine.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from asyncengine.server.app import (
+    DEFAULT_BODY_TIMEOUT_SECONDS,
+    DEFAULT_MAX_BODY_BYTES,
+    create_app,
+)
+from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.state import STATE
 
 log = logging.getLogger("asyncengine.server")
@@ -69,6 +75,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
     group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_SECONDS,
+        help="seconds a client gets to send a request's whole body, else 408 "
+        f"(default {DEFAULT_BODY_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
@@ -85,15 +98,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 async def start_http(
     app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
 ) -> tuple[web.AppRunner, int]:
-    """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port."""
+    """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
+
+    ``shutdown_grace`` is ``drain``'s: aiohttp's own shutdown timeout (after which it cancels
+    the handlers still running) comes ``ABORT_FLUSH_SECONDS`` later, so that the two never fire
+    together: at the grace deadline the engine aborts what is left and every handler ends its
+    response itself (final chunk, [DONE]); aiohttp cancels only a handler still stuck after that.
+    """
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine request at once instead of when the next token fails to write.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=shutdown_grace, access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
+        access_log=None,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:  # taken since check_port_free looked
+            raise PortInUseError(port) from None
+        raise
     return runner, int(runner.addresses[0][1])
 
 
@@ -119,6 +147,7 @@ async def run_server(
     served_model_names: list[str] | None = None,
     default_chat_max_tokens: int | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     stop_event: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     install_signal_handlers: bool = True,
@@ -140,6 +169,7 @@ async def run_server(
                 installed.append(sig)
     if log_interval is not None:
         config = config.replace(log_interval=log_interval)
+    check_port_free(host, port)  # before the model loads
     engine = AsyncEngine(config)
     await engine.start()
     runner: web.AppRunner | None = None
@@ -150,6 +180,7 @@ async def run_server(
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
+            body_timeout=body_timeout,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
@@ -164,7 +195,7 @@ async def run_server(
         if on_ready is not None:
             on_ready(bound_port)
         await stop.wait()
-        log.info("shutting down: no new connections; in-flight requests get %.0fs", shutdown_grace)
+        log.info("shutting down: no new connections; in-flight requests get %gs", shutdown_grace)
         app[STATE].shutting_down = True
     finally:
         # the summary line goes on while in-flight requests drain: the operator sees them finish
@@ -188,5 +219,6 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         "served_model_names": args.served_model_name,
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
+        "body_timeout": args.body_timeout,
     }
     return run(run_server(config, **kwargs))
