@@ -110,6 +110,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="launch the next forward before streaming this step's tokens",
     )
+    group.add_argument(
+        "--deterministic",
+        dest="deterministic",
+        action="store_const",
+        const=True,
+        default=None,
+        help="a request's greedy output does not depend on the batch it shares (slower)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -117,6 +125,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_cache",
         "enable_mixed_batch",
         "enable_overlap_schedule",
+        "deterministic",
     ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 

@@ -84,6 +84,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     enable_overlap_schedule: bool = False
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
+    # a request's greedy output does not depend on the batch it runs in (batch-invariant
+    # matmuls and attention, executor/deterministic.py); costs throughput, see docs/BENCHMARKS.md
+    deterministic: bool = False
 
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off

@@ -6,6 +6,7 @@ are fused into one projection and gate/up into another (fewer, larger matmuls).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,11 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
+        linear: Callable[..., torch.Tensor] = F.linear,
     ) -> None:
         self.config = config
+        # every matmul of the forward (deterministic mode gives a batch-invariant one)
+        self.linear = linear
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = ops if ops is not None else kernel_ops("torch")
@@ -126,7 +130,7 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             if cos is not None and sin is not None:
                 qk = rotary_ref.rotate_neox(
                     qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
@@ -143,9 +147,9 @@ class LlamaModel:
                 )
             v = v.view(n, c.num_kv_heads, c.head_dim)
             attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
-            hidden = F.linear(attn.reshape(n, c.q_size), layer.o_proj)
+            hidden = self.linear(attn.reshape(n, c.q_size), layer.o_proj)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = self.linear(ops.silu_and_mul(self.linear(x, layer.gate_up)), layer.down)
         assert residual is not None
         rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
@@ -153,7 +157,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
 
 
 class _WeightTaker:
