@@ -45,7 +45,14 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.cache",
         "asyncengine.step_prefixes",
     ),
-    ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
+    (  # the engine core
+        "asyncengine.scheduler",
+        "asyncengine.core",
+        "asyncengine.builder",
+        "asyncengine.admission",
+        "asyncengine.shadow",
+        "asyncengine.tenant_stats",
+    ),
     ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
     ("asyncengine.engine", "asyncengine.event_loop", "asyncengine.sim"),  # drivers
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
@@ -53,6 +60,9 @@ LAYERS: list[tuple[str, ...]] = [
 
 TORCH_FREE = [
     "asyncengine.scheduler",
+    "asyncengine.admission",
+    "asyncengine.shadow",
+    "asyncengine.tenant_stats",
     "asyncengine.core",
     "asyncengine.builder",
     "asyncengine.cache",
