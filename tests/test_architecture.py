@@ -54,7 +54,12 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.tenant_stats",
     ),
     ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
-    ("asyncengine.engine", "asyncengine.event_loop", "asyncengine.sim"),  # drivers
+    (  # drivers
+        "asyncengine.engine",
+        "asyncengine.event_loop",
+        "asyncengine.sim",
+        "asyncengine.trace_recorder",
+    ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
 
