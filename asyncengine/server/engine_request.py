@@ -8,8 +8,14 @@ from typing import Any
 
 from asyncengine.outputs import GenerateOutput, StreamDelta
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.errors import ApiError
 
 Prompt = str | list[int] | list[dict[str, str]]
+
+
+def outcome_of(finish_reason: str | None) -> str:
+    """The requests-counter outcome of a request that ended with ``finish_reason``."""
+    return finish_reason if finish_reason in ("abort", "timeout") else "success"
 
 
 class StreamingRequest:
@@ -52,12 +58,24 @@ class StreamingRequest:
 async def generate(
     engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
 ) -> GenerateOutput:
-    """``engine.generate`` that aborts the request if the caller is cancelled (client gone)."""
+    """``engine.generate`` that aborts the request if the caller is cancelled (client gone).
+
+    A request that ran out of time before it produced a token is answered 408 (one that
+    started answers 200 with what it produced and finish reason "timeout")."""
     done = False
     try:
         output = await engine.generate(prompt, params, request_id=request_id)
         done = True
-        return output
     finally:
         if not done:
             engine.abort(request_id)
+    if output.finish_reason == "timeout" and not output.token_ids:
+        waited = output.metrics.e2e
+        raise ApiError(
+            408,
+            f"the request timed out after {waited:.3f}s before it produced a token "
+            "(its timeout or the server's max_queue_time); retry later or with a longer timeout",
+            type="timeout_error",
+            code="request_timeout",
+        )
+    return output

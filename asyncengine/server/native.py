@@ -19,15 +19,17 @@ from msgspec import Meta, Struct, field
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
+from asyncengine.sampling_params import MAX_TENANT_LENGTH, InvalidRequestError, SamplingParams
+from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
     PositiveInt,
+    Priority,
     RepetitionPenalty,
     Seed,
+    TimeoutSeconds,
     TokenId,
     TopK,
     TopLogprobs,
@@ -61,6 +63,8 @@ class NativeSamplingParams(Struct, kw_only=True):
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for seed
     n: PositiveInt = 1
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -72,6 +76,10 @@ class GenerateRequest(Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
+    # scheduling controls: top level as SGLang takes priority, or inside sampling_params
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -98,8 +106,20 @@ def _prompt(req: GenerateRequest) -> Prompt:
     return list(ids)
 
 
+def _one_of(name: str, top: Any, inner: Any) -> Any:
+    """A control given at the top level or in sampling_params (both: they must agree)."""
+    if top is not None and inner is not None and top != inner:
+        raise invalid_request(
+            f"{name} is given twice with different values ({top} and sampling_params.{name} "
+            f"{inner}); give it once",
+            param=name,
+        )
+    return top if top is not None else inner
+
+
 def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
     sp = req.sampling_params
+    priority = _one_of("priority", req.priority, sp.priority)
     if sp.n != 1:
         raise invalid_request(
             f"sampling_params.n={sp.n} is not supported; only one sample per request",
@@ -124,6 +144,9 @@ def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
             seed=sp.seed if sp.seed is not None else sp.sampling_seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+            priority=0 if priority is None else priority,
+            timeout=_one_of("timeout", req.timeout, sp.timeout),
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -146,6 +169,8 @@ def finish_reason_body(
         return {"type": "length", "length": completion_tokens}
     if reason == "abort":
         return {"type": "abort", "message": "the request was aborted"}
+    if reason == "timeout":
+        return {"type": "timeout", "message": "the request ran out of time (timeout)"}
     return {"type": reason, "matched": matched}
 
 
@@ -210,7 +235,7 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     if not req.stream:
         out = await generate(state.engine, prompt, params, request_id)
         state.metrics.observe_finished(out.metrics)
-        request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
+        request[OUTCOME] = outcome_of(out.finish_reason)
         responder.add_logprobs(out.token_ids, out.logprobs)
         body = responder.body(
             out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
@@ -255,9 +280,7 @@ async def _stream(
                     break
                 delta = await call.next()
             await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
+            request[OUTCOME] = outcome_of(last.finish_reason if last is not None else None)
         except ENGINE_ERRORS as exc:
             request[OUTCOME] = "error"
             await writer.send(from_engine_error(exc).body())

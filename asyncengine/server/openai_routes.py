@@ -9,7 +9,7 @@ from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
+from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.openai_format import (
     Json,
@@ -113,7 +113,7 @@ async def _complete(
 ) -> web.Response:
     output = await generate(state.engine, prompt, params, builder.id)
     state.metrics.observe_finished(output.metrics)
-    request[OUTCOME] = "abort" if output.finish_reason == "abort" else "success"
+    request[OUTCOME] = outcome_of(output.finish_reason)
     logprobs = _logprobs(state, builder, output.token_ids, output.logprobs, 0)
     return json_response(builder.full(output.text, output.finish_reason, output.usage, logprobs))
 
@@ -157,9 +157,7 @@ async def _stream(
             if include_usage and last is not None and last.usage is not None:
                 await writer.send(builder.usage_chunk(last.usage))
             await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
+            request[OUTCOME] = outcome_of(last.finish_reason if last is not None else None)
         except ENGINE_ERRORS as exc:
             # Headers are gone: report the failure in-band, as other OpenAI servers do.
             request[OUTCOME] = "error"

@@ -14,7 +14,12 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sampling_params import (
+    MAX_PRIORITY,
+    MAX_TENANT_LENGTH,
+    InvalidRequestError,
+    SamplingParams,
+)
 from asyncengine.server.errors import ApiError, invalid_request
 
 MAX_SEED = 2**63 - 1
@@ -31,6 +36,8 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
+Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -69,8 +76,10 @@ class _CommonRequest(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     # Extensions that vLLM and SGLang also accept.
+    priority: Priority = 0  # lower is served first (the "priority" policy)
+    timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     stop_token_ids: list[TokenId] | None = None
@@ -235,6 +244,9 @@ def _sampling_params(
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            priority=req.priority,
+            timeout=req.timeout,
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None
