@@ -69,7 +69,11 @@ def scheduling_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
             counter.add_metric(label, float(shadow[key]))
             yield counter
         for name, key, doc in (
-            ("shadow_first_pick_agreement", "first_pick_agreement", "Share of agreeing first picks"),
+            (
+                "shadow_first_pick_agreement",
+                "first_pick_agreement",
+                "Share of agreeing first picks",
+            ),
             ("shadow_top_k_agreement", "top_k_agreement", "Mean overlap of the top-k"),
         ):
             gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["shadow"])
