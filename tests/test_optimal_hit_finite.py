@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine.bench.optimal_hit import optimal_hit
@@ -22,7 +22,7 @@ def brute_force(prompts: list[list[int]], page_size: int, pool: int) -> int:
         for above, node in zip([-1, *p.path], p.path, strict=False):
             parent[node] = above
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(i: int, state: frozenset[int]) -> int:
         if i == len(parsed):
             return 0

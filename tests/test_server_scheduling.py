@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -56,7 +56,7 @@ def _trie(prompts: Sequence[Sequence[int]], page_size: int) -> tuple[list[_Promp
     out: list[_Prompt] = []
     for prompt in prompts:
         length = len(prompt)
-        node, path = -1, []
+        node, path = -1, list[int]()
         for start in range(0, length - length % page_size, page_size):
             key = (node, tuple(prompt[start : start + page_size]))
             if key not in ids:
