@@ -43,7 +43,9 @@ class PriorityPolicy(Policy):
         keyed: list[tuple[bool, int, float, int]] = []
         for index, req in enumerate(waiting):
             starving = cap > 0 and (now - req.arrival_time) * rate >= cap
-            keyed.append((not starving, req.params.priority, req.arrival_time, index))
+            # the starving go first, oldest first, whatever their priority
+            priority = 0 if starving else req.params.priority
+            keyed.append((not starving, priority, req.arrival_time, index))
         keyed.sort()
         return [waiting[item[3]] for item in keyed]
 
