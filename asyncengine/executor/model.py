@@ -1,7 +1,8 @@
 """The llama-family causal LM (Llama, Qwen2, Mistral) as a forward over the paged KV pool.
 
 Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
-are fused into one projection and gate/up into another (fewer, larger matmuls).
+are fused into one projection and gate/up into another (fewer, larger matmuls), and on a CPU
+every projection's weight is prepacked for oneDNN once (executor/linear.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from asyncengine.executor.attention import AttentionBackend
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.executor.linear import Linear
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
@@ -26,12 +28,11 @@ class WeightsError(ValueError):
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases when the model has them
+    o_proj: Linear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 class LlamaModel:
@@ -56,9 +57,9 @@ class LlamaModel:
         self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
         self.norm = take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = Linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)))
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         self.scale = c.head_dim**-0.5
 
@@ -90,12 +91,11 @@ class LlamaModel:
         )
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,)),
-            qkv=qkv,
-            qkv_bias=qkv_bias,
-            o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
+            qkv=Linear(qkv, qkv_bias),
+            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q))),
             post_norm=take(p + "post_attention_layernorm.weight", (h,)),
-            gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight", (h, inter)),
+            gate_up=Linear(gate_up),
+            down=Linear(take(p + "mlp.down_proj.weight", (h, inter))),
         )
 
     def forward(
@@ -126,7 +126,7 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             if cos is not None and sin is not None:
                 qk = rotary_ref.rotate_neox(
                     qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
@@ -143,9 +143,9 @@ class LlamaModel:
                 )
             v = v.view(n, c.num_kv_heads, c.head_dim)
             attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
-            hidden = F.linear(attn.reshape(n, c.q_size), layer.o_proj)
+            hidden = layer.o_proj(attn.reshape(n, c.q_size))
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         assert residual is not None
         rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
@@ -153,7 +153,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class _WeightTaker:
