@@ -58,11 +58,11 @@ class DynamicChunkingPolicy(Policy):
         model = self.model
         if not model.fitted:
             return base
-        target = model.prefill_seconds(base)
-        if target <= 0:
-            return base
-        chunk = model.tokens_within(target, prefix_len)
-        return base if chunk < 0 else chunk
+        a, b, _, _ = model.coefficients()
+        target = a * base * base + b * base
+        if target <= 0 or a <= 0:
+            return base  # no attention cost measured: every chunk costs the same
+        return model.tokens_within(target, prefix_len)
 
     def budget(self, ctx: PolicyContext) -> StepBudget:
         base = self.base_chunk(ctx)

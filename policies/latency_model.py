@@ -47,7 +47,7 @@ class LatencyModel:
     def fitted(self) -> bool:
         return self.coef is not None
 
-    def _coefficients(self) -> tuple[float, float, float, float]:
+    def coefficients(self) -> tuple[float, float, float, float]:
         """a, b, c, d clamped at 0 (a fit over noisy steps can dip below)."""
         assert self.coef is not None
         a, b, c, d = (max(float(v), 0.0) for v in self.coef)
@@ -57,14 +57,14 @@ class LatencyModel:
         """The prefill part of a step that computes ``tokens`` on top of ``prefix`` (0 unfitted)."""
         if self.coef is None or tokens <= 0:
             return 0.0
-        a, b, _, _ = self._coefficients()
+        a, b, _, _ = self.coefficients()
         return a * (2 * prefix * tokens + tokens * tokens) + b * tokens
 
     def decode_seconds(self, decodes: int) -> float:
         """A step of ``decodes`` decodes and no prefill (0 unfitted)."""
         if self.coef is None:
             return 0.0
-        _, _, c, d = self._coefficients()
+        _, _, c, d = self.coefficients()
         return c * decodes + d
 
     def tokens_within(self, seconds: float, prefix: int) -> int:
@@ -74,10 +74,10 @@ class LatencyModel:
             return -1
         if seconds <= 0:
             return 0
-        a, b, _, _ = self._coefficients()
+        a, b, _, _ = self.coefficients()
         lin = 2 * a * prefix + b
         if a <= 0:
-            return int(seconds / lin) if lin > 0 else -1
+            return int(seconds / lin + 1e-6) if lin > 0 else -1
         # the form without cancellation: at prefix 0 and seconds = a*n*n + b*n it gives n
         # exactly, which rounding must not turn into n - 1
         return int(2 * seconds / (lin + math.sqrt(lin * lin + 4 * a * seconds)) + 1e-6)

@@ -9,8 +9,8 @@ from asyncengine.policies import make_policy
 from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.priority import PriorityPolicy
-from asyncengine.policies.slo import SLOPolicy
 from asyncengine.policies.sjf import SJFPolicy
+from asyncengine.policies.slo import SLOPolicy
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
 from tests.test_policies import ctx
