@@ -207,6 +207,8 @@ def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
     ax.legend()
     written.append(_save(fig, out_dir / "itl_p99.png"))
 
+    if not any(run.optimal_hit_rate > 0 for run in runs):
+        return written  # nothing is shared: no hit rate to show
     fig, ax = plt.subplots(figsize=(7, 4.5))
     bars = [
         ("achieved", [run.summary.cache_hit_rate for run in runs]),
