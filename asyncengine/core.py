@@ -142,9 +142,7 @@ class EngineCore:
         """Apply a forward's output: tokens appended, stops checked, prefixes cached."""
         events = self.scheduler.commit(plan, output)
         self.counters["generated_tokens"] += len(events)
-        tenants = self.tenants
         for event in events:
-            tenants.generated(event.req)
             if event.finished:
                 self._count_finished(event.req)
         for hook in self.step_hooks:
@@ -155,6 +153,8 @@ class EngineCore:
         """The forward of ``plan`` raised: its requests end (reason "abort", nothing cached)."""
         failed = self.scheduler.fail(plan)
         self.counters["failed"] += len(failed)
+        for req in failed:
+            self.tenants.generated(req, len(req.output_ids))
         log.error(
             "forward of step %d failed; failing its %d request(s)",
             plan.step,
@@ -206,3 +206,4 @@ class EngineCore:
     def _count_finished(self, req: Request) -> None:
         key = f"finished_{req.finish_reason or 'abort'}"
         self.counters[key] = self.counters.get(key, 0) + 1
+        self.tenants.generated(req, len(req.output_ids))  # a tenant's tokens count at the end

@@ -88,6 +88,7 @@ class Scheduler:
         self._deadline_order = itertools.count()
         self.expired: list[Request] = []  # requests the last schedule() ended with "timeout"
         self._decoding: list[Request] = []  # this step's decodes (their next slot is extended)
+        self._preempted = False  # _preempt_for retracted some this step
         self.inflight: BatchPlan | None = None
         # rid -> (request, segment) of the plan in flight. A request aborted while its step
         # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
@@ -105,6 +106,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.rid] = req
         self.waiting.append(req)
+        self.admission.arrived(req)
         order = self._deadline_order
         if req.params.timeout is not None:
             deadline = req.arrival_time + req.params.timeout
@@ -112,6 +114,10 @@ class Scheduler:
         if self.config.max_queue_time is not None:
             deadline = req.arrival_time + self.config.max_queue_time
             heapq.heappush(self._deadlines, (deadline, next(order), req, True))
+
+    def blocked(self, req: Request) -> dict[str, int]:
+        """Steps ``req`` has waited so far, by admission-block reason (admission.py)."""
+        return self.admission.settle(req)
 
     def set_policy(self, policy: Policy) -> None:
         """Hand ordering and budgets to ``policy`` from the next schedule() on (a step boundary:
@@ -152,6 +158,7 @@ class Scheduler:
         req.matched_stop = matched
         req.finished_time = self.clock()
         del self.requests[req.rid]
+        self.admission.left(req)
         self.policy.finished(req)
         if self.shadow is not None:
             self.shadow.finished(req)
@@ -232,7 +239,8 @@ class Scheduler:
             decoding = self._decoding = self._prepare_decodes()  # nothing admitted: decode
             if not decoding and prefill_wanted:  # it retracted everything: memory is free now
                 admission = self._admit(plan, self.policy.budget(self._context(0)), 0)
-        if any(req.status is not RequestStatus.RUNNING for req in decoding):
+        if self._preempted:  # a policy had some of this step's decodes retracted
+            self._preempted = False
             decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
         self._decoding = []
         for req in decoding:
@@ -312,6 +320,7 @@ class Scheduler:
         req.retractions += 1
         self.total_retractions += 1
         self.waiting.insert(0, req)
+        self.admission.arrived(req, front=True)
 
     def _preempt_for(
         self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
@@ -340,6 +349,7 @@ class Scheduler:
         for victim in chosen:
             self._retract(victim)
             self.total_preemptions += 1
+        self._preempted = True
         log.info(
             "preempted %s for %s (policy %s)",
             ", ".join(v.rid for v in chosen),
@@ -461,6 +471,7 @@ class Scheduler:
                 admission.stopped = KV_RESERVATION
                 break
             self.waiting.remove(req)
+            admission.admitted.append(req)
             req.status = RequestStatus.PREFILLING
             if req.retractions == 0:
                 req.cached_tokens = req.kv.num_cached

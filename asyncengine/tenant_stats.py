@@ -1,5 +1,9 @@
 """Per-tenant counters (``SamplingParams.tenant``): requests, tokens, timeouts.
 
+Prompt tokens count when a request is accepted, generated tokens when it ends (finished,
+aborted, timed out or failed): counting them per token would cost every step a lookup per
+sampled token.
+
 Tenant names come from clients (the OpenAI ``user`` field), so the number of distinct series is
 capped: tenants past ``max_tenants`` are counted together under ``OTHER``. Requests without a
 tenant count under ``NO_TENANT``.

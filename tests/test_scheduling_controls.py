@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from asyncengine.admission import (
+    POLICY_HOLD,
+    POLICY_WINDOW,
+    PREFIX_DEDUP,
+    Admission,
+    AdmissionLog,
+)
 from asyncengine.core import EngineCore
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.request import Request, RequestStatus
@@ -137,7 +144,7 @@ def test_admission_blocks_are_counted_per_step_and_per_request() -> None:
     step(core, clock)  # r1 (6 tokens) fits the 8-token budget; r2's first page would not
     blocked = core.stats()["admission_blocked"]
     assert blocked["token_budget"] == 1 and sum(blocked.values()) == 1
-    assert [r.blocked for r in reqs] == [
+    assert [core.scheduler.blocked(r) for r in reqs] == [
         {},
         {"token_budget": 1},
         {"token_budget": 1},
@@ -146,7 +153,7 @@ def test_admission_blocks_are_counted_per_step_and_per_request() -> None:
     step(core, clock)  # r2 joins: two running, the cap
     step(core, clock)
     assert core.stats()["admission_blocked"]["running_cap"] >= 1
-    assert reqs[3].blocked.get("running_cap", 0) >= 1
+    assert core.scheduler.blocked(reqs[3]).get("running_cap", 0) >= 1
     run(core, clock)
     for i, req in enumerate(reqs, start=1):
         assert req.output_ids == reference_output([10 * i + j for j in range(1, 7)], 4)
@@ -159,7 +166,7 @@ def test_a_chunk_in_flight_and_the_policy_window_are_reasons_too() -> None:
     c = add(core, clock, "c", [900, 901], 2)
     step(core, clock)  # a (2 tokens), then a page of long: budget left, but long is mid-chunk
     assert long.status is RequestStatus.PREFILLING and core.scheduler.chunked is long
-    assert c.blocked == {"chunk_in_flight": 1}
+    assert core.scheduler.blocked(c) == {"chunk_in_flight": 1}
     assert core.stats()["admission_blocked"]["chunk_in_flight"] == 1
     run(core, clock)
     assert long.output_ids == reference_output(list(range(10, 39)), 2)
@@ -169,7 +176,9 @@ def test_a_chunk_in_flight_and_the_policy_window_are_reasons_too() -> None:
     a = add(core, clock, "a", [1, 2, 3], 1)
     b = add(core, clock, "b", [4, 5, 6], 1)
     step(core, clock)
-    assert a.status is not RequestStatus.WAITING and b.blocked == {"policy_window": 1}
+    assert a.status is not RequestStatus.WAITING and core.scheduler.blocked(b) == {
+        "policy_window": 1
+    }
     assert core.stats()["admission_blocked"]["policy_window"] == 1
     run(core, clock)
 
@@ -181,7 +190,7 @@ def test_in_batch_dedup_and_a_policy_hold_are_counted() -> None:
     sibling = add(core, clock, "sibling", shared + [60], 2)
     step(core, clock)
     assert first.status is not RequestStatus.WAITING
-    assert sibling.blocked == {"prefix_dedup": 1}
+    assert core.scheduler.blocked(sibling) == {"prefix_dedup": 1}
     assert core.stats()["admission_blocked"]["prefix_dedup"] == 1
     run(core, clock)
 
@@ -190,7 +199,9 @@ def test_in_batch_dedup_and_a_policy_hold_are_counted() -> None:
     kept = add(core2, clock2, "kept0", [1, 2, 3], 2)
     held = add(core2, clock2, "held1", [4, 5, 6], 2)
     step(core2, clock2)
-    assert kept.status is not RequestStatus.WAITING and held.blocked == {"policy_hold": 1}
+    assert kept.status is not RequestStatus.WAITING and core2.scheduler.blocked(held) == {
+        "policy_hold": 1
+    }
     assert core2.stats()["admission_blocked"]["policy_hold"] == 1
 
 
@@ -200,7 +211,7 @@ def test_with_mixed_batches_off_a_decode_step_is_a_reason() -> None:
     step(core, clock)  # a's prefill
     b = add(core, clock, "b", [4, 5, 6], 3)
     step(core, clock)  # a decode step is due: b waits
-    assert b.blocked == {"decode_turn": 1}
+    assert core.scheduler.blocked(b) == {"decode_turn": 1}
     run(core, clock)
 
 
@@ -336,3 +347,87 @@ def test_a_shadow_of_the_same_policy_always_agrees_and_a_reversed_one_rarely() -
         stats = core.stats()["shadow"]
         assert stats["decisions"] >= 4
         assert stats["first_pick_agreement"] == expected
+
+
+class EagerLog(AdmissionLog):
+    """The reference: every waiting request counted every step (what the lazy log must equal)."""
+
+    def arrived(self, req: Request, front: bool = False) -> None:
+        return None
+
+    def left(self, req: Request) -> None:
+        return None
+
+    def settle(self, req: Request) -> dict[str, int]:
+        return req.blocked
+
+    def record(self, waiting: list[Request], admission: Admission) -> None:
+        if not waiting:
+            return
+        in_window = {id(r) for r in admission.window}
+        outside = sum(1 for r in waiting if id(r) not in in_window)
+        stopped, beyond = admission.stopped, admission.stopped or POLICY_WINDOW
+        if stopped is None:
+            if admission.held:
+                stopped = POLICY_HOLD
+            elif outside:
+                stopped = POLICY_WINDOW
+            elif admission.deferred:
+                stopped = PREFIX_DEDUP
+            else:
+                return
+        self.steps[stopped] += 1
+        special = {id(r): PREFIX_DEDUP for r in admission.deferred}
+        special.update((id(r), POLICY_HOLD) for r in admission.held)
+        for r in waiting:
+            reason = special.get(id(r)) or (stopped if id(r) in in_window else beyond)
+            r.blocked[reason] = r.blocked.get(reason, 0) + 1
+
+
+LAZY_CASES = {
+    "priority-preempt": {"policy": "priority", "policy_options": {"preempt": True}},
+    "no-mixed": {"policy": "fcfs", "enable_mixed_batch": False},
+    "hold-odd": {"policy": "tests.test_scheduling_controls:HoldOdd"},
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(LAZY_CASES))
+def test_lazy_admission_counts_equal_counting_every_request_every_step(
+    seed: int, case: str
+) -> None:
+    import random
+
+    def simulate(log: AdmissionLog) -> tuple[list[dict[str, int]], dict[str, int], int]:
+        rng = random.Random(seed)
+        core, executor, clock = make(
+            num_pages=26,
+            policy_window=3,
+            max_running_requests=6,
+            chunked_prefill_size=48,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.01,
+            **LAZY_CASES[case],  # type: ignore[arg-type]
+        )
+        core.scheduler.admission = log
+        reqs = []
+        for k in range(40):
+            if rng.random() < 0.6:
+                shared = [7, 7, 7, 7, 8, 8, 8, 8] if rng.random() < 0.5 else []
+                ids = shared + [rng.randrange(1, 999) for _ in range(rng.randrange(2, 20))]
+                n, priority = rng.randrange(2, 40), rng.randrange(3)
+                reqs.append(add(core, clock, f"r{k}", ids, n, priority=priority))
+            if rng.random() < 0.1 and reqs:
+                core.abort(rng.choice(reqs).rid)
+            if core.has_work():
+                step(core, clock)
+        run(core, clock)
+        counts = [core.scheduler.blocked(r) for r in reqs]
+        return counts, dict(core.stats()["admission_blocked"]), core.stats()["retractions"]
+
+    lazy = simulate(AdmissionLog())
+    eager = simulate(EagerLog())
+    assert lazy == eager
+    assert lazy[2] > 0  # retracted requests went to the queue's front
+    reasons = {reason for counts in lazy[0] for reason in counts}
+    assert {"policy_window", "kv_reservation"} <= reasons, reasons
