@@ -116,7 +116,7 @@ class LlamaModel:
         positions = batch.positions
         qk_heads = c.num_heads + c.num_kv_heads
         cos = sin = None
-        if self.rotary_once_per_forward:
+        if self.rotary_once_per_forward and self.ops.rotary_store is None:
             cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
         hidden = F.embedding(batch.input_ids, self.embed)
         residual: torch.Tensor | None = None
@@ -127,22 +127,35 @@ class LlamaModel:
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            if cos is not None and sin is not None:
-                qk = rotary_ref.rotate_neox(
-                    qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
-                )
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-                v = qkv[:, c.q_size + c.kv_size :]
-            else:
-                q, k, v = qkv.split(split, dim=-1)
-                q, k = ops.apply_rotary(
-                    q.view(n, c.num_heads, c.head_dim),
-                    k.view(n, c.num_kv_heads, c.head_dim),
+            if ops.rotary_store is not None:  # native CPU kernels: rotate and store in one pass
+                q = ops.rotary_store(
+                    qkv,
+                    c.num_heads,
+                    c.num_kv_heads,
                     positions,
                     self.cos_sin_cache,
+                    k_caches[i],
+                    v_caches[i],
+                    batch.slot_mapping,
                 )
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
+                attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale)
+            else:
+                if cos is not None and sin is not None:
+                    qk = rotary_ref.rotate_neox(
+                        qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
+                    )
+                    q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                    v = qkv[:, c.q_size + c.kv_size :]
+                else:
+                    q, k, v = qkv.split(split, dim=-1)
+                    q, k = ops.apply_rotary(
+                        q.view(n, c.num_heads, c.head_dim),
+                        k.view(n, c.num_kv_heads, c.head_dim),
+                        positions,
+                        self.cos_sin_cache,
+                    )
+                v = v.view(n, c.num_kv_heads, c.head_dim)
+                attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
             hidden = layer.o_proj(attn.reshape(n, c.q_size))
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
