@@ -244,6 +244,12 @@ static inline __m512 reduce16(const __m512 *v) {
                 const int64_t pos = t0 + i;                                                      \
                 const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
                 rows[i] = (slot * Hkv + kvh) * D;                                                \
+                PREFETCH_ROW(vc, rows[i], KIND##_BYTES * D); /* read after the scores */         \
+            }                                                                                    \
+            for (int i = 0; i < 16 && t0 + 16 + i < len; i++) { /* the next block's keys */      \
+                const int64_t pos = t0 + 16 + i;                                                 \
+                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
+                PREFETCH_ROW(kc, (slot * Hkv + kvh) * D, KIND##_BYTES * D);                       \
             }                                                                                    \
             for (int g = 0; g < (G); g++) {                                                      \
                 __m512 part[16];                                                                 \
@@ -303,6 +309,12 @@ static inline __m512 dot_pairs(const __m512bh *q, const uint16_t *k, int pairs) 
 #define QBF16_SET(KIND, g, j, base, off)
 #define DOT_BF16(g, base, row, NV) dot_rows(qv[g], (base), (row), (NV), 1)
 #endif
+#define BF16_BYTES 2
+#define F32_BYTES 4
+/* the cache lines of one row (``bytes`` long) of a cache, into L1 */
+#define PREFETCH_ROW(base, row, bytes)                                                           \
+    for (int64_t _b = 0; _b < (bytes); _b += 64)                                                 \
+        _mm_prefetch((const char *)(base) + (row) * (bytes) / D + _b, _MM_HINT_T0);
 #define BF16_IS_BF16 1
 #define F32_IS_BF16 0
 #define DOT_F32(g, base, row, NV) dot_rows(qv[g], (base), (row), (NV), 0)
