@@ -167,8 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--engine-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
     )
     parser.add_argument("--forward-profile", action="store_true", help="torch.profiler op groups")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device="cpu", log_interval=0.0, **dict(args.engine_arg)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from asyncengine.kernels import cpu_native
+from asyncengine.kernels.attention_native import native_decode_attention, plan_native_decode
 from asyncengine.kernels.attention_ref import decode_attention
-from asyncengine.kernels.decode_native import native_decode_attention, plan_native_decode
 from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
 
 
@@ -147,3 +147,47 @@ def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
     assert torch.equal(q, q_ref)  # rotary is exact in both dtypes
     assert torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0))  # other slots untouched
     assert torch.equal(v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "page_size"),
+    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
+)
+def test_native_extend_matches_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+) -> None:
+    from asyncengine.kernels.attention_native import native_extend_attention, plan_native_extend
+    from asyncengine.kernels.attention_ref import extend_attention
+
+    # fresh prompts, prompts over a cached prefix, a one-token extend, query blocks of 16 split
+    seq_lens = [50, 300, 17, 64, 129, 33]
+    q_lens = [50, 120, 1, 33, 16, 33]
+    kv = PagedKV(seq_lens, page_size, num_kv_heads, head_dim, dtype, seed=head_dim + page_size)
+    cu = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(int(cu[-1]), num_heads + 2, head_dim, generator=gen).to(dtype)
+    q = wide[:, :num_heads]  # rows strided, heads contiguous, as the model hands them over
+    scale = head_dim**-0.5
+    plan = plan_native_extend(kv.block_table, cu, kv.seq_lens, page_size, num_heads, kv.k_cache)
+    assert plan is not None
+    got = native_extend_attention(q, kv.k_cache, kv.v_cache, plan, scale)
+    ref = extend_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, page_size, scale
+    )
+    assert torch.isfinite(got.float()).all(), "read a slot no request owns"
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), q_lens, strict=True)):
+        want = naive_attention(q[start : start + n].float(), kv.keys[b], kv.values[b], scale)
+        torch.testing.assert_close(
+            got[start : start + n].float(), want, atol=TOLERANCE[dtype], rtol=0
+        )
+
+
+def test_native_extend_leaves_other_head_dims_to_torch() -> None:
+    from asyncengine.kernels.attention_native import plan_native_decode, plan_native_extend
+
+    kv = PagedKV([40], 16, 1, 96, torch.float32, seed=0)  # 96: decode handles it, extend does not
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    assert plan_native_extend(kv.block_table, cu, kv.seq_lens, 16, 1, kv.k_cache) is None
+    assert plan_native_decode(kv.block_table, kv.seq_lens, 16, 1, kv.k_cache) is not None
