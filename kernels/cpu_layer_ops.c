@@ -1,6 +1,6 @@
 /* The elementwise work of a transformer layer, fused, on the CPU (bfloat16 or float32).
  *
- * Each function does in one pass what the torch references (kernels/*_ref.py) do in several
+ * Each function does in one pass what the torch references (kernels/<op>_ref.py) do in several
  * ops, rounding to the tensor dtype after the same operations, so it follows them closely: the
  * sum inside an RMS and the exp inside SiLU are computed differently (float32 rounding level).
  *
@@ -81,11 +81,48 @@ static void norm_row(float *x, int64_t h, const float *w, float eps, void *out, 
     row_store(out, row * h, h, bf16, x);
 }
 
+#ifdef __AVX512F__
+/* 16 values of a row as float32 / stored back rounded to the dtype */
+static inline __m512 vload(const void *p, int64_t off, int bf16) {
+    return bf16 ? load_bf16x16((const uint16_t *)p + off) : _mm512_loadu_ps((const float *)p + off);
+}
+
+static inline void vstore(void *p, int64_t off, __m512 v, int bf16) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), to_bf16x16(v));
+    else
+        _mm512_storeu_ps((float *)p + off, v);
+}
+
+static inline __m512 vround(__m512 v, int bf16) { return bf16 ? round_bf16x16(v) : v; }
+
+/* single-pass rows (h a multiple of 16): sum of squares, then normalize and store */
+static void norm_row_vec(const void *src, int64_t off, int64_t h, const float *w, float eps,
+                         void *out, int bf16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+        const __m512 v = vload(src, off + i, bf16);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16) {
+        const __m512 normed = vround(_mm512_mul_ps(vload(src, off + i, bf16), inv), bf16);
+        vstore(out, off + i, _mm512_mul_ps(normed, _mm512_loadu_ps(w + i)), bf16);
+    }
+}
+#endif
+
 /* y[n, h] = rms_norm(x[n, h]) with weight w[h] (given as float32 values of the dtype) */
 void asyncengine_rms_norm(const void *x, const float *w, float eps, void *y, int64_t n, int64_t h,
                           int bf16, int threads) {
 #pragma omp parallel for num_threads(threads) if (n * h >= PARALLEL_MIN_ELEMENTS)
     for (int64_t row = 0; row < n; row++) {
+#ifdef __AVX512F__
+        if (h % 16 == 0) {
+            norm_row_vec(x, row * h, h, w, eps, y, bf16);
+            continue;
+        }
+#endif
         float buf[MAX_ROW];
         row_load(x, row * h, h, bf16, buf);
         norm_row(buf, h, w, eps, y, row, bf16);
@@ -97,6 +134,16 @@ void asyncengine_add_rms_norm(const void *x, void *r, const float *w, float eps,
                               int64_t h, int bf16, int threads) {
 #pragma omp parallel for num_threads(threads) if (n * h >= PARALLEL_MIN_ELEMENTS)
     for (int64_t row = 0; row < n; row++) {
+#ifdef __AVX512F__
+        if (h % 16 == 0) {
+            for (int64_t i = 0; i < h; i += 16) {
+                const int64_t o = row * h + i;
+                vstore(r, o, vround(_mm512_add_ps(vload(x, o, bf16), vload(r, o, bf16)), bf16), bf16);
+            }
+            norm_row_vec(r, row * h, h, w, eps, y, bf16);
+            continue;
+        }
+#endif
         float a[MAX_ROW], b[MAX_ROW];
         row_load(x, row * h, h, bf16, a);
         row_load(r, row * h, h, bf16, b);
@@ -163,6 +210,19 @@ void asyncengine_silu_and_mul(const void *x, void *y, int64_t n, int64_t inter, 
                               int threads) {
 #pragma omp parallel for num_threads(threads) if (n * inter >= PARALLEL_MIN_ELEMENTS)
     for (int64_t row = 0; row < n; row++) {
+#ifdef __AVX512F__
+        if (inter % 16 == 0) {
+            const __m512 one = _mm512_set1_ps(1.0f);
+            for (int64_t i = 0; i < inter; i += 16) {
+                const __m512 g = vload(x, row * 2 * inter + i, bf16);
+                const __m512 u = vload(x, row * 2 * inter + inter + i, bf16);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                const __m512 silu = vround(_mm512_div_ps(g, _mm512_add_ps(one, e)), bf16);
+                vstore(y, row * inter + i, _mm512_mul_ps(silu, u), bf16);
+            }
+            continue;
+        }
+#endif
         float g[MAX_ROW], u[MAX_ROW];
         row_load(x, row * 2 * inter, inter, bf16, g);
         row_load(x, row * 2 * inter + inter, inter, bf16, u);
