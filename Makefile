@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup test lint serve chat bench-radix clean
+.PHONY: setup test test-quick lint serve chat bench-radix clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
+
+# developers: everything but the tests marked slow (make test, and CI, run them all)
+test-quick: lint
+	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/asyncengine serve $(ARGS)

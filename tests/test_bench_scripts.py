@@ -90,6 +90,7 @@ def test_padded_batches_group_similar_output_lengths(offline: ModuleType) -> Non
         longest_before = max(lengths)
 
 
+@pytest.mark.slow
 def test_offline_compares_the_three_systems(
     offline: ModuleType, model_dir: Path, tmp_path: Path
 ) -> None:
@@ -267,6 +268,7 @@ def test_serving_refuses_non_loopback_servers(serving: ModuleType) -> None:
     assert serving.check_loopback("http://localhost:9/") == "http://localhost:9"
 
 
+@pytest.mark.slow
 def test_serving_launches_and_stops_its_own_server(
     serving: ModuleType, model_dir: Path, tmp_path: Path
 ) -> None:

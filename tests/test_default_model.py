@@ -49,6 +49,7 @@ def hf_continuations() -> list[list[int]]:
     return [row[width:].tolist() for row in out]
 
 
+@pytest.mark.slow
 def test_default_model_fp32_greedy_batch_equals_hf(hf_continuations: list[list[int]]) -> None:
     async def run() -> list[list[int]]:
         config = EngineConfig(

@@ -67,6 +67,7 @@ def run_script(checkpoint: TinyCheckpoint, tmp_path: Path, device: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.mark.slow
 def test_engine_script_matches_hf_on_cpu(tiny_llama: TinyCheckpoint, tmp_path: Path) -> None:
     result = run_script(tiny_llama, tmp_path, "cpu")
     assert result["engine"] == result["hf"]

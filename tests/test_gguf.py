@@ -4,7 +4,6 @@ matches transformers' own GGUF loader, and is converted into the cache once."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import gguf
@@ -23,6 +22,7 @@ from asyncengine.executor.loader import (
     read_gguf,
     resolve_model,
 )
+from asyncengine.executor.loader import default_model as default_model_module
 from asyncengine.text.tokenizer import Tokenizer
 
 CHATML = (
@@ -214,14 +214,22 @@ def test_tiny_gguf_resolves_once_into_a_directory_transformers_loads(
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
-    """The default model converted into a fresh cache: (directory, seconds the conversion took)."""
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The default model converted into a fresh cache: (directory, conversions run)."""
     cache = tmp_path_factory.mktemp("asyncengine_cache")
+    conversions = 0
+    convert = default_model_module.convert_gguf_to_hf_dir
+
+    def counted(*args: object) -> None:
+        nonlocal conversions
+        conversions += 1
+        convert(*args)  # type: ignore[arg-type]
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(cache))
-        start = time.perf_counter()
+        patch.setattr(default_model_module, "convert_gguf_to_hf_dir", counted)
         directory = resolve_model(DEFAULT_MODEL, torch.float32)
-        return directory, time.perf_counter() - start
+    return directory, conversions
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +247,7 @@ def hf_gguf_checkpoint(default_model) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_default_model_weights_equal_transformers_gguf_loader(
     default_model, hf_gguf_checkpoint
 ) -> None:
@@ -250,6 +259,7 @@ def test_default_model_weights_equal_transformers_gguf_loader(
         assert torch.equal(ours[name], tensor), name
 
 
+@pytest.mark.slow
 def test_default_model_config_matches_transformers_gguf_loader(
     default_model, hf_gguf_checkpoint
 ) -> None:
@@ -278,6 +288,7 @@ def test_default_model_config_matches_transformers_gguf_loader(
     assert template.startswith("{% for message in messages %}") and "<|im_start|>" in template
 
 
+@pytest.mark.slow
 def test_converted_config_parses_as_a_model_config(default_model) -> None:
     from asyncengine.executor.model_config import ModelConfig
 
@@ -286,8 +297,10 @@ def test_converted_config_parses_as_a_model_config(default_model) -> None:
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
 
 
+@pytest.mark.slow
 def test_default_model_is_converted_once_then_reused(default_model) -> None:
-    directory, first_seconds = default_model
+    directory, conversions = default_model
+    assert conversions == 1
     cache = directory.parent
     assert directory.name == "smollm2-135m-float32"
     assert sorted(p.name for p in directory.iterdir()) == [
@@ -298,11 +311,13 @@ def test_default_model_is_converted_once_then_reused(default_model) -> None:
         "tokenizer_config.json",
     ]
     written = (directory / "model.safetensors").stat().st_mtime_ns
+
+    def no_second_conversion(*args: object) -> None:
+        raise AssertionError("the GGUF file was converted again")
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(cache))
-        start = time.perf_counter()
+        patch.setattr(default_model_module, "convert_gguf_to_hf_dir", no_second_conversion)
         assert resolve_model(DEFAULT_MODEL, torch.float32) == directory
-        second_seconds = time.perf_counter() - start
-    assert second_seconds < 0.5 < first_seconds
     assert (directory / "model.safetensors").stat().st_mtime_ns == written
     assert [p.name for p in cache.iterdir()] == [directory.name]

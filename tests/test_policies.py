@@ -309,20 +309,19 @@ def test_dynamic_chunking_in_the_scheduler_shrinks_chunks_then_grows_them_back()
 def test_a_user_policy_from_its_own_file_orders_the_scheduler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A policy of one's own is one class in one file, named "module:Class" in the config, and
-    composes with a built-in budget."""
+    """A policy of one's own is one class in one file (the README's example, as written there),
+    named "module:Class" in the config, and composes with a built-in budget."""
     from tests.test_scheduler import drive, make_scheduler, submit
 
-    (tmp_path / "shortest_first.py").write_text(
-        "from asyncengine.policies.base import Policy\n\n\n"
-        "class ShortestFirst(Policy):\n"
-        '    name = "shortest-first"\n'
-        "    orders = True\n\n"
-        "    def order(self, waiting, ctx):\n"
-        "        return sorted(waiting, key=lambda r: len(r.prompt_ids))\n"
-    )
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = readme.split("```python\n")[1:]
+    (example,) = [b.split("```")[0] for b in blocks if "class ShortestPromptFirst" in b]
+    (tmp_path / "shortest_first.py").write_text(example)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for spec in ("shortest_first:ShortestFirst", "shortest_first:ShortestFirst+token-budget"):
+    for spec in (
+        "shortest_first:ShortestPromptFirst",
+        "shortest_first:ShortestPromptFirst+token-budget",
+    ):
         config = EngineConfig(policy=spec)
         assert config.policy == spec
         sched, runner, clock = make_scheduler(

@@ -103,6 +103,7 @@ def test_readme_examples_match_the_defaults() -> None:
     assert f'model="{EngineConfig().model}"' in python
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_cli_serve_answers_the_readme_examples_and_stops_on_sigint(
     tmp_path_factory: pytest.TempPathFactory,

@@ -59,6 +59,7 @@ def _finish_reason(raw: bytes) -> str:
     return chunks[-1]["choices"][0]["finish_reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_sigterm_drains_then_aborts_and_exits_zero(
     tmp_path_factory: pytest.TempPathFactory,

@@ -406,6 +406,7 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90() -> None:
     """Triton's own compiler and ptxas (shipped in the wheel) build the kernels for an H100."""
     fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")

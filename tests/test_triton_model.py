@@ -216,6 +216,7 @@ def run_cuda_check(checkpoint: TinyCheckpoint, device: str, interpret: bool) -> 
     return figures
 
 
+@pytest.mark.slow
 def test_cuda_check_script_runs_on_cpu_under_the_interpreter(tiny_llama: TinyCheckpoint) -> None:
     """The GPU check below, on CPU (no graph capture): keeps its script from rotting."""
     figures = run_cuda_check(tiny_llama, "cpu", interpret=True)

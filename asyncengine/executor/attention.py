@@ -23,6 +23,11 @@ from asyncengine.kernels.attention_ref import (
     plan_decode,
     plan_extend,
 )
+from asyncengine.kernels.decode_native import (
+    NativeDecodePlan,
+    native_decode_attention,
+    plan_native_decode,
+)
 from asyncengine.kernels.kv_store_ref import store_kv
 
 
@@ -54,13 +59,15 @@ class TorchAttentionMetadata:
 
     batch: ForwardBatch
     extend_plan: ExtendPlan | None = None
-    decode_plan: DecodePlan | None = None
+    decode_plan: DecodePlan | NativeDecodePlan | None = None
 
 
 class TorchBackend(AttentionBackend):
-    """Extends in buckets of similar lengths, decodes in place from the pool (float32) or in
-    gathered chunks (attention_ref). ``extend_cost`` prices the buckets; None: the default for
-    the model's heads (an ``ExtendCost`` with an infinite ``call`` keeps one bucket).
+    """Extends in buckets of similar lengths (attention_ref); decodes on the CPU through the
+    native kernel (kernels/cpu_attention.c: in place from the pool), elsewhere (or without a
+    C compiler) in place from the pool for float32 or in gathered chunks (attention_ref).
+    ``extend_cost`` prices the buckets; None: the default for the model's heads (an
+    ``ExtendCost`` with an infinite ``call`` keeps one bucket).
     """
 
     def __init__(self, extend_cost: ExtendCost | None = None) -> None:
@@ -111,11 +118,8 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         if m.decode_plan is None:
             batch = m.batch
-            m.decode_plan = plan_decode(
-                batch.decode_block_table,
-                batch.decode_seq_lens,
-                batch.page_size,
-                q.shape[1],
-                k_cache,
-            )
+            args = (batch.decode_block_table, batch.decode_seq_lens, batch.page_size, q.shape[1])
+            m.decode_plan = plan_native_decode(*args, k_cache) or plan_decode(*args, k_cache)
+        if isinstance(m.decode_plan, NativeDecodePlan):
+            return native_decode_attention(q, k_cache, v_cache, m.decode_plan, scale)
         return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)

@@ -1,0 +1,97 @@
+"""The native CPU kernels (kernels/*.c, compiled on first use) against their torch references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.attention_ref import decode_attention
+from asyncengine.kernels.decode_native import native_decode_attention, plan_native_decode
+from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+
+
+def test_the_kernel_compiles_here() -> None:
+    """The CI machines have a C compiler: the native path must be what runs there."""
+    lib = cpu_native.load("cpu_attention")
+    assert lib is not None
+    assert cpu_native.library_path("cpu_attention").is_file()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "page_size"),
+    [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
+)
+def test_native_decode_matches_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+) -> None:
+    # ragged lengths across block boundaries (the kernel takes keys 32 at a time), length 1 too
+    seq_lens = [1, 31, 32, 33, 70, 5, 129, 64]
+    kv = PagedKV(seq_lens, page_size, num_kv_heads, head_dim, dtype, seed=head_dim + page_size)
+    gen = torch.Generator().manual_seed(1)
+    # q as the model hands it over: a slice of a wider row (heads contiguous, rows strided)
+    wide = torch.randn(len(seq_lens), num_heads + 3, head_dim, generator=gen).to(dtype)
+    q = wide[:, :num_heads]
+    scale = head_dim**-0.5
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, page_size, num_heads, kv.k_cache)
+    assert plan is not None
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, scale)
+    ref = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale)
+    assert got.dtype == dtype and got.shape == (len(seq_lens), num_heads, head_dim)
+    assert torch.isfinite(got.float()).all(), "read a slot no request owns"
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+    for b in range(len(seq_lens)):  # and each request against the naive fp32 attention
+        want = naive_attention(q[b : b + 1].float(), kv.keys[b], kv.values[b], scale)
+        torch.testing.assert_close(got[b].float(), want[0], atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """The online softmax subtracts the running max: scores near 1e4 stay finite."""
+    kv = PagedKV([50, 3], 16, 1, 64, torch.float32, seed=0)
+    kv.k_cache.mul_(100.0)
+    q = torch.full((2, 1, 64), 3.0)
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 1, kv.k_cache)
+    assert plan is not None
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 1.0)
+    ref = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_unsupported_shapes_and_dtypes_keep_the_torch_path() -> None:
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    odd_dim = torch.zeros(16, 1, 48)  # head_dim not a multiple of 32
+    assert plan_native_decode(table, lens, 16, 1, odd_dim) is None
+    half = torch.zeros(16, 1, 64, dtype=torch.float16)
+    assert plan_native_decode(table, lens, 16, 1, half) is None
+    uneven = torch.zeros(16, 3, 64)  # 4 query heads over 3 kv heads
+    assert plan_native_decode(table, lens, 16, 4, uneven) is None
+
+
+def test_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENABLE_ENV, "0")
+    cpu_native.load.cache_clear()
+    try:
+        table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+        assert plan_native_decode(table, lens, 16, 1, torch.zeros(16, 1, 64)) is None
+    finally:
+        monkeypatch.delenv(cpu_native.ENABLE_ENV)
+        cpu_native.load.cache_clear()
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    kv = PagedKV([40, 90, 7, 200], 16, 2, 64, torch.bfloat16, seed=3)
+    q = torch.randn(4, 6, 64).to(torch.bfloat16)
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 6, kv.k_cache)
+    assert plan is not None
+    previous = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    assert np.array_equal(outs[0].float().numpy(), outs[1].float().numpy())
