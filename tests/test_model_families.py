@@ -97,6 +97,7 @@ async def _run_engine(model: Path, items: list[tuple[list[int], int]]) -> tuple[
     return [first, *rest], stats
 
 
+@pytest.mark.slow
 def test_greedy_tokens_and_logprobs_match_hf(family_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -256,6 +256,42 @@ async def test_bad_spec_is_refused_by_the_engine(server: RunningServer) -> None:
         StructuredOutput.json_schema("{oops")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_constrained_requests_survive_retraction(
+    tmp_path_factory: pytest.TempPathFactory, overlap: bool
+) -> None:
+    """A KV pool too small for all of them: requests are retracted and recomputed mid-output,
+    their grammar state kept; the next forward may be launched before a step's tokens stream."""
+    from asyncengine import AsyncEngine
+
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory),
+        page_size=4,
+        kv_cache_tokens=160,
+        chunked_prefill_size=8,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.01,
+        enable_overlap_schedule=overlap,
+    )
+    async with AsyncEngine(config) as engine:
+        engine.step_hooks.append(lambda plan: engine.scheduler.kv.check_invariant())
+        params = [
+            SamplingParams(
+                seed=seed,
+                max_new_tokens=MAX_TOKENS,
+                structured=StructuredOutput.json_schema(ORDER if seed % 2 else PERSON),
+            )
+            for seed in range(4)
+        ]
+        outputs = await asyncio.gather(*(engine.generate(PROMPT, p) for p in params))
+        assert engine.stats()["retractions"] > 0
+        assert_no_leak(engine)
+    for seed, out in enumerate(outputs):
+        assert out.finish_reason == "stop"
+        check_json(out.text, ORDER if seed % 2 else PERSON)
+
+
 # ------------------------------------------------------------------------ the openai client
 
 
