@@ -113,7 +113,7 @@ class GrammarCompiler:
 
             wrapped = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
             info = xgrammar.TokenizerInfo.from_huggingface(
-                wrapped, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                wrapped, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
             )
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
