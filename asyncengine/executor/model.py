@@ -62,6 +62,12 @@ class LlamaModel:
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
         self.norm = take("model.norm.weight", (c.hidden_size,), c.norm_weight_offset)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype first, as HF
+        self.embedding_multiplier = (
+            None
+            if c.embedding_multiplier is None
+            else float(torch.tensor(c.embedding_multiplier, dtype=dtype))
+        )
         # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
         self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
         if c.tie_word_embeddings:
@@ -135,8 +141,8 @@ class LlamaModel:
         if self.rotary_once_per_forward:
             cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
         hidden = F.embedding(batch.input_ids, self.embed)
-        if c.embedding_multiplier is not None:  # rounded to the model's dtype first, as HF
-            hidden = hidden * torch.tensor(c.embedding_multiplier, dtype=hidden.dtype)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             if residual is None:

@@ -78,7 +78,6 @@ class GrammarCompiler:
         if future is not None:
             self._cache.move_to_end(constraint)
             return await asyncio.shield(future)
-        _import_xgrammar()
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._thread, self._compile_now, constraint)
         self._cache[constraint] = future
@@ -92,6 +91,7 @@ class GrammarCompiler:
             raise
 
     def _compile_now(self, constraint: StructuredOutput) -> Any:
+        """On the compiler's thread (the first call imports xgrammar: over a second)."""
         compiler = self._xgrammar_compiler()
         self.compiles += 1
         try:
