@@ -5,7 +5,8 @@
 2. Decode: ``--requests`` concurrent sampled requests of ``--tokens`` tokens, unconstrained vs
    constrained by a JSON schema (bounded, so outputs end) and by ``json_object``: generated
    tokens per second of wall time, median of ``--repeats``.
-3. n > 1: one request with n = ``--n`` choices vs n separate requests of the same prompt
+3. Per token: bitmask fill and matcher accept, and what masking adds to sampling 8 rows.
+4. n > 1: one request with n = ``--n`` choices vs n separate requests of the same prompt
    (cache reset before each), counting the prompt tokens the engine computed.
 
     .venv/bin/python scripts/bench_structured.py                 # embedded default model
@@ -19,6 +20,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -54,6 +56,59 @@ async def compile_times(engine: AsyncEngine) -> dict[str, float]:
     cached = (time.perf_counter() - start) / 100
     compiler.close()
     return {"cold_compile_s": cold, "cached_lookup_s": cached}
+
+
+async def per_token_costs(engine: AsyncEngine, repeats: int) -> dict[str, float]:
+    """Median seconds, over the tokens of one constrained output: filling the next-token
+    bitmask (on the event loop, at schedule), accepting a token (at commit), and what masking
+    adds to sampling a batch of 8 rows (one of them, and all of them, constrained)."""
+    import torch
+
+    from asyncengine.executor.sampler import Sampler
+    from asyncengine.plan import SamplingInfo
+    from asyncengine.structured import GrammarMatcher
+
+    constraint = StructuredOutput.json_schema(SCHEMA)
+    out = await engine.generate(
+        MESSAGES, SamplingParams(max_new_tokens=96, seed=0, structured=constraint)
+    )
+    compiled = await engine._grammars.compile(constraint)
+    fills: list[float] = []
+    accepts: list[float] = []
+    masks = []
+    matcher = GrammarMatcher(compiled)
+    for token in out.token_ids:
+        start = time.perf_counter()
+        masks.append(matcher.next_bitmask())
+        fills.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert matcher.accept(token)
+        accepts.append(time.perf_counter() - start)
+    logits = torch.randn(8, engine.vocab_size)
+    sampler = Sampler(seed=0)
+    params = SamplingParams(temperature=0.7, seed=1)
+
+    def sample_time(constrained: int) -> float:
+        rows = [
+            SamplingInfo(params, [], [], masks[i % len(masks)] if i < constrained else None)
+            for i in range(8)
+        ]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sampler.sample(logits, rows)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    plain = sample_time(0)
+    return {
+        "output_tokens": len(out.token_ids),
+        "fill_bitmask_s": statistics.median(fills),
+        "accept_s": statistics.median(accepts),
+        "sample_8_rows_s": plain,
+        "sample_8_rows_1_masked_s": sample_time(1),
+        "sample_8_rows_8_masked_s": sample_time(8),
+    }
 
 
 async def decode_rate(
@@ -104,6 +159,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     async with AsyncEngine(config) as engine:
         result: dict[str, Any] = {"model": args.model, "loadavg": os.getloadavg()}
         result["compile"] = await compile_times(engine)
+        print(f"  compile: {result['compile']}", file=sys.stderr, flush=True)
         modes = {
             "none": None,
             "json_schema": StructuredOutput.json_schema(SCHEMA),
@@ -115,7 +171,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for name, structured in modes.items():  # interleaved: load drifts hit all alike
                 rate, _ = await decode_rate(engine, structured, args.requests, args.tokens)
                 rates[name].append(rate)
+                print(f"  {name}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         result["decode_tokens_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+        result["per_token"] = await per_token_costs(engine, max(20, 10 * args.repeats))
         result["prefill_tokens"] = {
             f"n={args.n} (fork)": await prefill_tokens(engine, args.n, forked=True),
             f"{args.n} separate requests": await prefill_tokens(engine, args.n, forked=False),
@@ -135,6 +193,13 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"{'mode':<14}{'tok/s':>10}{'vs none':>10}")
     for name, rate in result["decode_tokens_per_s"].items():
         print(f"{name:<14}{rate:>10.1f}{rate / base:>10.2f}")
+    t = result["per_token"]
+    print(
+        f"per token: fill bitmask {t['fill_bitmask_s'] * 1e6:.0f} us, accept "
+        f"{t['accept_s'] * 1e6:.0f} us; sampling 8 rows {t['sample_8_rows_s'] * 1e3:.2f} ms, "
+        f"1 masked {t['sample_8_rows_1_masked_s'] * 1e3:.2f} ms, "
+        f"8 masked {t['sample_8_rows_8_masked_s'] * 1e3:.2f} ms"
+    )
     for name, tokens in result["prefill_tokens"].items():
         print(f"prefill tokens computed, {name}: {tokens}")
 
