@@ -95,3 +95,55 @@ def test_thread_count_does_not_change_the_result() -> None:
     finally:
         torch.set_num_threads(previous)
     assert np.array_equal(outs[0].float().numpy(), outs[1].float().numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
+    """bf16: bit for bit (the same roundings after the same operations); fp32: up to the order
+    of the RMS sum and the exp inside SiLU."""
+    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
+    from asyncengine.kernels import layer_ops_native as native
+
+    exact = dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    x, r, w = randn(37, 576), randn(37, 576), randn(576) + 1
+    same(native.rms_norm(x, w, 1e-5), norm_ref.rms_norm(x, w, 1e-5))
+    y, summed = native.fused_add_rms_norm(x, r.clone(), w, 1e-5)
+    want_y, want_sum = norm_ref.fused_add_rms_norm(x, r, w, 1e-5)
+    same(y, want_y)
+    assert torch.equal(summed, want_sum)
+    gate_up = randn(37, 2 * 1536, scale=4.0)
+    same(native.silu_and_mul(gate_up), activation_ref.silu_and_mul(gate_up))
+
+    heads, kv_heads, dim, slots = 9, 3, 64, 120
+    qkv = randn(37, (heads + 2 * kv_heads) * dim)
+    positions = torch.randint(0, 2048, (37,), generator=gen)
+    cos_sin = torch.randn(2048, dim, generator=gen)
+    slot_mapping = torch.randperm(slots, generator=gen)[:37]
+    k_cache = torch.full((slots, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q = native.rotary_store(
+        qkv, heads, kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping
+    )
+    q_ref, k_ref = rotary_ref.apply_rotary(
+        qkv[:, : heads * dim].view(37, heads, dim),
+        qkv[:, heads * dim : (heads + kv_heads) * dim].view(37, kv_heads, dim),
+        positions,
+        cos_sin,
+    )
+    v_ref = qkv[:, (heads + kv_heads) * dim :].reshape(37, kv_heads, dim)
+    kv_store_ref.store_kv(want_k, want_v, k_ref, v_ref, slot_mapping)
+    assert torch.equal(q, q_ref)  # rotary is exact in both dtypes
+    assert torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0))  # other slots untouched
+    assert torch.equal(v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0))

@@ -263,9 +263,26 @@ def test_unknown_backend_is_refused() -> None:
         resolve_backend_name("sdpa", "cpu")
 
 
-def test_kernel_ops_follow_the_backend() -> None:
-    assert kernel_ops("torch").rms_norm is norm_ref.rms_norm
+def test_kernel_ops_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncengine.kernels import cpu_native, layer_ops_native
+
+    # on a CPU the torch backend takes the native kernels (this machine compiles them) ...
+    cpu = kernel_ops("torch", "cpu")
+    assert cpu.rms_norm is layer_ops_native.rms_norm and cpu.rotary_store is not None
+    # ... on a GPU the torch references, and the Triton twins for triton
+    assert kernel_ops("torch", "cuda").rms_norm is norm_ref.rms_norm
+    assert kernel_ops("torch", "cuda").rotary_store is None
     assert kernel_ops("triton").rms_norm is triton_norm.rms_norm
+    # without native kernels the CPU keeps the references
+    monkeypatch.setenv(cpu_native.ENABLE_ENV, "0")
+    cpu_native.load.cache_clear()
+    layer_ops_native._library.cache_clear()
+    try:
+        assert kernel_ops("torch", "cpu").rms_norm is norm_ref.rms_norm
+    finally:
+        monkeypatch.delenv(cpu_native.ENABLE_ENV)
+        cpu_native.load.cache_clear()
+        layer_ops_native._library.cache_clear()
     with pytest.raises(ValueError, match="resolved backend name"):
         kernel_ops("auto")
 

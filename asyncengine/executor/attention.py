@@ -51,6 +51,17 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D]; caches [S, Hkv, D] of this layer -> [N, H, D]."""
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q [N, H, D] over K/V already in the caches (the model stored them)."""
+        raise NotImplementedError(f"{type(self).__name__} stores and attends in forward()")
+
 
 @dataclass(slots=True)
 class TorchAttentionMetadata:
@@ -87,9 +98,20 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
+        store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchAttentionMetadata)
         m = metadata
         batch = m.batch
-        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         if not batch.num_extends:
             return self._decode(q, k_cache, v_cache, m, scale)
         n_ext = batch.num_extend_tokens

@@ -2,7 +2,8 @@
 paged KV pool.
 
 Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
-are fused into one projection and gate/up into another (fewer, larger matmuls). The families
+are fused into one projection and gate/up into another (fewer, larger matmuls), and on a CPU
+every projection's weight is prepacked for oneDNN once (executor/linear.py). The families
 differ in three hooks read from the ModelConfig: Gemma's ``(1 + w)`` norms become plain norms
 at load time (the offset is added to the weights), Qwen3's per-head q/k norms run before RoPE
 (``_norm_qk``), and the MLP activation and embedding multiplier are picked once.
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from asyncengine.executor.attention import AttentionBackend
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.executor.linear import Linear
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
@@ -31,12 +33,11 @@ class WeightsError(ValueError):
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases when the model has them
+    o_proj: Linear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
 
@@ -71,9 +72,9 @@ class LlamaModel:
         # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
         self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
         if c.tie_word_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = Linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)))
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         self.scale = c.head_dim**-0.5
 
@@ -110,12 +111,11 @@ class LlamaModel:
             k_norm = take(p + "self_attn.k_norm.weight", (c.head_dim,), offset)
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,), offset),
-            qkv=qkv,
-            qkv_bias=qkv_bias,
-            o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
+            qkv=Linear(qkv, qkv_bias),
+            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q))),
             post_norm=take(p + "post_attention_layernorm.weight", (h,), offset),
-            gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight", (h, inter)),
+            gate_up=Linear(gate_up),
+            down=Linear(take(p + "mlp.down_proj.weight", (h, inter))),
             q_norm=q_norm,
             k_norm=k_norm,
         )
@@ -138,7 +138,7 @@ class LlamaModel:
         positions = batch.positions
         qk_heads = c.num_heads + c.num_kv_heads
         cos = sin = None
-        if self.rotary_once_per_forward:
+        if self.rotary_once_per_forward and self.ops.rotary_store is None:
             cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
         hidden = F.embedding(batch.input_ids, self.embed)
         if self.embedding_multiplier is not None:
@@ -150,28 +150,41 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             if layer.q_norm is not None:
                 qkv = self._norm_qk(qkv, layer)
-            if cos is not None and sin is not None:
-                qk = rotary_ref.rotate_neox(
-                    qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
-                )
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-                v = qkv[:, c.q_size + c.kv_size :]
-            else:
-                q, k, v = qkv.split(split, dim=-1)
-                q, k = ops.apply_rotary(
-                    q.view(n, c.num_heads, c.head_dim),
-                    k.view(n, c.num_kv_heads, c.head_dim),
+            if ops.rotary_store is not None:  # native CPU kernels: rotate and store in one pass
+                q = ops.rotary_store(
+                    qkv,
+                    c.num_heads,
+                    c.num_kv_heads,
                     positions,
                     self.cos_sin_cache,
+                    k_caches[i],
+                    v_caches[i],
+                    batch.slot_mapping,
                 )
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
-            hidden = F.linear(attn.reshape(n, c.q_size), layer.o_proj)
+                attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale)
+            else:
+                if cos is not None and sin is not None:
+                    qk = rotary_ref.rotate_neox(
+                        qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
+                    )
+                    q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                    v = qkv[:, c.q_size + c.kv_size :]
+                else:
+                    q, k, v = qkv.split(split, dim=-1)
+                    q, k = ops.apply_rotary(
+                        q.view(n, c.num_heads, c.head_dim),
+                        k.view(n, c.num_kv_heads, c.head_dim),
+                        positions,
+                        self.cos_sin_cache,
+                    )
+                v = v.view(n, c.num_kv_heads, c.head_dim)
+                attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
+            hidden = layer.o_proj(attn.reshape(n, c.q_size))
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = F.linear(self.act_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
         assert residual is not None
         rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
@@ -189,7 +202,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class _WeightTaker:
