@@ -46,8 +46,15 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.step_prefixes",
     ),
     ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
-    ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
-    ("asyncengine.engine", "asyncengine.event_loop", "asyncengine.sim"),  # drivers
+    # the device side, the output side, structured output's grammars
+    ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
+    # drivers
+    (
+        "asyncengine.engine",
+        "asyncengine.request_group",
+        "asyncengine.event_loop",
+        "asyncengine.sim",
+    ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
 

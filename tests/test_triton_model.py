@@ -108,11 +108,14 @@ class RunnerPair:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("name", "page_size"),
+    [("llama_gqa", 1), ("llama_gqa", 16), ("qwen3_qk_norm", 16), ("gemma", 16)],
+)
 def test_model_logits_with_triton_backend_match_torch_backend(
-    tiny_llama: TinyCheckpoint, page_size: int
+    tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int
 ) -> None:
-    pair = RunnerPair(tiny_llama, page_size)
+    pair = RunnerPair(tiny_checkpoints[name], page_size)
     rng = np.random.default_rng(11)
     full = {rid: rng.integers(3, 90, MAX_LEN).tolist() for rid in "abc"}
     # Prefills (c only its first chunk, unsampled), then c's second chunk on a prefix that ends
