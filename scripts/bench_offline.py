@@ -93,11 +93,34 @@ class Timing:
     cpu_seconds: float = math.nan  # this process's CPU time, all threads
     load_start: float = math.nan
     load_end: float = math.nan
+    # the share of the machine's CPU (all cores) that other processes used meanwhile
+    foreign_cpu_fraction: float = math.nan
+
+
+def machine_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine (all CPUs) since boot, from /proc/stat (Linux;
+    nan elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def foreign_fraction(busy: float, own_cpu: float, wall: float) -> float:
+    """Of ``wall`` seconds x all CPUs, the share busy with work other than ``own_cpu`` (the
+    clock-tick counts are coarse: a short region can read a little over 1, kept at 1)."""
+    if not wall > 0 or math.isnan(busy):
+        return math.nan
+    return min(1.0, max(0.0, busy - own_cpu) / (wall * (os.cpu_count() or 1)))
 
 
 @contextlib.contextmanager
 def timed() -> Iterator[Timing]:
     timing = Timing(load_start=os.getloadavg()[0])
+    busy_start = machine_busy_seconds()
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
         yield timing
@@ -105,6 +128,9 @@ def timed() -> Iterator[Timing]:
         timing.seconds = time.perf_counter() - start
         timing.cpu_seconds = time.process_time() - cpu_start
         timing.load_end = os.getloadavg()[0]
+        timing.foreign_cpu_fraction = foreign_fraction(
+            machine_busy_seconds() - busy_start, timing.cpu_seconds, timing.seconds
+        )
 
 
 @dataclass(slots=True)
@@ -136,6 +162,7 @@ class SystemRun:
             "seconds": self.seconds,
             "cpu_seconds": self.cpu_seconds,
             "load_average_start_end": [self.timing.load_start, self.timing.load_end],
+            "foreign_cpu_fraction": self.timing.foreign_cpu_fraction,
             "output_tokens": self.output_tokens,
             "generated_tokens": self.generated_tokens,
             "output_tokens_per_second": self.tokens_per_second,
@@ -290,6 +317,7 @@ def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest])
         cpu_seconds=float(result["cpu_seconds"]),  # the whole process tree
         load_start=float(result.get("load_start", math.nan)),
         load_end=float(result.get("load_end", math.nan)),
+        foreign_cpu_fraction=float(result.get("foreign_cpu_fraction", math.nan)),
     )
     extra = {
         "startup_seconds": result.get("startup_seconds"),  # vllm.LLM(...): compile included
@@ -297,7 +325,6 @@ def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest])
         "peak_rss_bytes": result.get("peak_tree_rss_bytes"),  # summed over the tree
         "peak_pss_bytes": result.get("peak_tree_pss_bytes"),
         "main_process_cpu_seconds": result.get("main_process_cpu_seconds"),
-        "foreign_cpu_fraction": result.get("foreign_cpu_fraction"),
         "vllm_version": result.get("vllm_version"),
         "engine_config": result.get("engine", {}),
         "env": result.get("env", {}),
@@ -732,9 +759,9 @@ def _cell(value: Any, fmt: str) -> str:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| system | wall s | CPU s | out tok/s | start-up s | peak RSS GB "
+        "| system | wall s | CPU s | others' CPU | out tok/s | start-up s | peak RSS GB "
         "| asyncengine speedup (tok/s) | (CPU time) | identical | mean common prefix |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, run in result["runs"].items():
         agree = run.get("greedy_agreement_with_asyncengine") or {}
@@ -743,6 +770,7 @@ def table(result: dict[str, Any]) -> str:
             name,
             _cell(run["seconds"], "{:.1f}"),
             _cell(run["cpu_seconds"], "{:.1f}"),
+            _cell(run.get("foreign_cpu_fraction"), "{:.0%}"),
             _cell(run["output_tokens_per_second"], "{:.1f}"),
             _cell(run.get("startup_seconds"), "{:.1f}"),
             _cell(None if rss is None else rss / 1e9, "{:.2f}"),
@@ -811,9 +839,10 @@ def vllm_lines(result: dict[str, Any]) -> list[str]:
         + f"; asyncengine's pool: {vllm.get('kv_cache', {}).get('asyncengine_pool_tokens')} "
         "tokens"
     )
-    foreign = vllm.get("foreign_cpu_fraction")
-    if foreign is not None:
-        lines.append(f"other processes took {foreign:.0%} of the CPUs during vLLM's timed run")
+    lines.append(
+        "others' CPU: the share of the machine's CPUs that processes outside the system used "
+        "while it was timed (a busy neighbour slows a system; compare runs where it is low)"
+    )
     return lines
 
 

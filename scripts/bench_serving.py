@@ -21,10 +21,11 @@ request starts and the ones in flight are cancelled (counted as failed). Only lo
 With ``--launch`` the script starts ``asyncengine serve`` on 127.0.0.1 and a free port (engine
 flags after ``--``, plus ``--config``/``--model``), waits for /health, and stops it at the end.
 
-``--rates R1,R2,...`` sweeps Poisson request rates: the same requests (prompts, output lengths)
-at each rate, one run after the other against the same server, and reports the highest rate
-at which TTFT p99 stays within ``--ttft-slo`` seconds (2) with no failed request (that rate and
-every lower one tried). ``--systems asyncengine,vllm`` launches each system in turn on
+``--rates R1,R2,...`` sweeps Poisson request rates, one run after the other against the same
+server, and reports the highest rate at which TTFT p99 stays within ``--ttft-slo`` seconds (2)
+with no failed request (that rate and every lower one tried). A generated workload draws each
+rate's requests with its own seed (``--seed`` + the rate's index) so that no rate finds its
+prompts in the prefix cache an earlier rate filled; a trace is replayed as it is. ``--systems asyncengine,vllm`` launches each system in turn on
 127.0.0.1 and a free port, runs the same workload at the same rate(s) against each over
 ``/v1/completions`` (token-id prompts, ``max_tokens`` = each request's output length,
 ``ignore_eos``, greedy), stops it, and reports both side by side: ``asyncengine serve`` (flags
@@ -643,14 +644,15 @@ def max_rate_under_slo(rows: Sequence[dict[str, Any]], slo: float) -> float | No
 
 def sweep(
     name: str,
-    workload: Sequence[WorkloadRequest],
+    workloads: Sequence[Sequence[WorkloadRequest]],
     points: Sequence[tuple[float | None, str | None]],
     options: RunOptions,
     seed: int,
 ) -> list[dict[str, Any]]:
-    """One run per (rate, arrivals) point against the server ``options`` names."""
+    """One run per (rate, arrivals) point, with that point's requests, against the server
+    ``options`` names."""
     rows = []
-    for rate, arrivals in points:
+    for workload, (rate, arrivals) in zip(workloads, points, strict=True):
         run = asyncio.run(run_workload(with_arrivals(workload, arrivals, seed), options))
         row = report(run, options)
         row["rate"] = rate
@@ -748,19 +750,30 @@ def sweep_table(result: dict[str, Any]) -> str:
         extra = f" (server start-up {startup:.1f} s)" if startup is not None else ""
         lines.append(f"{name}: {text}{extra}")
     for entry in result.get("comparison", []):
-        parts = []
-        for key, label in (
-            ("ttft_p50_vllm_over_asyncengine", "TTFT p50"),
-            ("itl_p50_vllm_over_asyncengine", "ITL p50"),
-        ):
-            if entry.get(key) is not None:
-                parts.append(f"{label} {entry[key]:.2f}x lower")
-        if entry.get("output_throughput_asyncengine_over_vllm") is not None:
-            parts.append(
-                f"output throughput {entry['output_throughput_asyncengine_over_vllm']:.2f}x"
+        latencies = ", ".join(
+            f"{label} {entry[key]:.2f}x"
+            for key, label in (
+                ("ttft_p50_vllm_over_asyncengine", "TTFT p50"),
+                ("ttft_p99_vllm_over_asyncengine", "TTFT p99"),
+                ("itl_p50_vllm_over_asyncengine", "ITL p50"),
+                ("itl_p99_vllm_over_asyncengine", "ITL p99"),
             )
-        lines.append(f"at {entry['rate']:g} req/s asyncengine vs vLLM: " + ", ".join(parts))
+            if entry.get(key) is not None
+        )
+        throughput = entry.get("output_throughput_asyncengine_over_vllm")
+        lines.append(
+            f"at {entry['rate']:g} req/s, vLLM's latency over asyncengine's (> 1: asyncengine "
+            f"lower): {latencies or '-'}; output tok/s asyncengine's over vLLM's: "
+            + ("-" if throughput is None else f"{throughput:.2f}x")
+        )
     return "\n".join(lines)
+
+
+def sweep_workloads(args: argparse.Namespace, points: int) -> list[list[WorkloadRequest]]:
+    """The requests of each point of a sweep. Every system gets the same ones at a rate; each
+    rate gets fresh prompts (seed + its index), or a prefix cache would serve a later rate's
+    prompts from an earlier rate's run. A trace is replayed as it is at every rate."""
+    return [load_workload(args, 0 if is_trace(args) else i) for i in range(points)]
 
 
 def sweep_points(args: argparse.Namespace) -> list[tuple[float | None, str | None]]:
@@ -828,10 +841,10 @@ def run_systems(
         except peer_vllm.VllmUnavailableError as exc:
             raise SystemExit(f"--systems vllm: {exc}") from None
     dtype = resolve_dtype(args.dtype, "cpu")
-    workload = load_workload(args)
-    if not workload:
-        raise SystemExit("the workload is empty")
     points = sweep_points(args)
+    workloads = sweep_workloads(args, len(points))
+    if not workloads[0]:
+        raise SystemExit("the workload is empty")
     log_dir = args.server_log or Path(tempfile.mkdtemp(prefix="bench_serving_"))
     result: dict[str, Any] = {
         "mode": "sweep",
@@ -847,7 +860,7 @@ def run_systems(
         print(f"{name}: healthy after {server.startup_seconds:.1f} s", flush=True)
         options = run_options(args, server.base_url, "completions", model)
         try:
-            rows = sweep(name, workload, points, options, args.seed)
+            rows = sweep(name, workloads, points, options, args.seed)
         finally:
             exit_code = server.stop()
         summary = system_summary(rows, args.ttft_slo)
@@ -861,9 +874,16 @@ def run_systems(
             assert isinstance(server, VllmServer)
             summary["launch"]["kv_cache_bytes"] = server.kv_cache_bytes
         result["systems"][name] = summary
+        if args.out is not None:  # a later system may fail to start: keep what is known
+            write_result(args.out, {**result, "partial": True})
     result["comparison"] = compare_at_rates(result["systems"])
-    result["workload"] = workload_info(args, workload)
+    result["workload"] = workload_info(args, workloads)
     return result
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
 
 
 def run_options(
@@ -885,14 +905,19 @@ def run_options(
 # -- command line ----------------------------------------------------------------------------
 
 
-def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
-    if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
+def is_trace(args: argparse.Namespace) -> bool:
+    return bool(args.workload.endswith(".jsonl") or Path(args.workload).is_file())
+
+
+def load_workload(args: argparse.Namespace, seed_offset: int = 0) -> list[WorkloadRequest]:
+    """The requests; a generated workload draws them with seed ``--seed + seed_offset``."""
+    if is_trace(args):
         workload = load_trace(args.workload)
         if args.num_requests is not None:
             workload = workload[: args.num_requests]
     else:
         kwargs: dict[str, Any] = {
-            "seed": args.seed,
+            "seed": args.seed + seed_offset,
             "vocab_size": args.vocab_size,
             "text": args.text,
             **dict(args.workload_arg),
@@ -1005,8 +1030,12 @@ def split_serve_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def workload_info(args: argparse.Namespace, workload: Sequence[WorkloadRequest]) -> dict[str, Any]:
-    return {
+def workload_info(
+    args: argparse.Namespace, workloads: Sequence[Sequence[WorkloadRequest]]
+) -> dict[str, Any]:
+    """The first point's requests (a sweep's other rates draw theirs with the next seeds)."""
+    workload = workloads[0]
+    info: dict[str, Any] = {
         "name": args.workload,
         "num_requests": len(workload),
         "arguments": dict(args.workload_arg),
@@ -1018,6 +1047,16 @@ def workload_info(args: argparse.Namespace, workload: Sequence[WorkloadRequest])
         "prompt_tokens": sum(len(item.prompt_ids) for item in workload),
         "output_tokens": sum(item.output_len for item in workload),
     }
+    if len(workloads) > 1:
+        info["per_point"] = [
+            {
+                "seed": args.seed + (0 if is_trace(args) else i),
+                "prompt_tokens": sum(len(item.prompt_ids) for item in w),
+                "output_tokens": sum(item.output_len for item in w),
+            }
+            for i, w in enumerate(workloads)
+        ]
+    return info
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1043,16 +1082,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         text = sweep_table(result) if args.rates else table(result)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     return result
 
 
 def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[str, Any]:
     """Against --base-url or a --launch'ed asyncengine: one run, or a --rates sweep."""
-    workload = load_workload(args)
-    if not workload:
+    points = sweep_points(args)
+    workloads = sweep_workloads(args, len(points)) if args.rates else [load_workload(args)]
+    if not workloads[0]:
         raise SystemExit("the workload is empty")
     server: LaunchedServer | None = None
     if args.launch:
@@ -1073,9 +1112,9 @@ def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[
     rows: list[dict[str, Any]] = []
     try:
         if args.rates:
-            rows = sweep(args.label or "server", workload, sweep_points(args), options, args.seed)
+            rows = sweep(args.label or "server", workloads, points, options, args.seed)
         else:
-            run = asyncio.run(run_workload(workload, options))
+            run = asyncio.run(run_workload(workloads[0], options))
     finally:
         exit_code = server.stop() if server is not None else None
     if args.rates:
@@ -1090,7 +1129,7 @@ def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[
     else:
         result = report(run, options)
     result["label"] = args.label
-    result["workload"] = workload_info(args, workload)
+    result["workload"] = workload_info(args, workloads)
     if server is not None:
         launch = {
             "command": server.command,
