@@ -56,7 +56,10 @@ def _compiler() -> str | None:
 
 def library_path(name: str) -> Path:
     source = (SOURCE_DIR / f"{name}.c").read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()
+    headers = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
+    key = hashlib.sha256(
+        source + headers + " ".join(FLAGS).encode() + _cpu_model().encode()
+    ).hexdigest()
     return _cache_dir() / f"{name}-{key[:16]}.so"
 
 

@@ -53,9 +53,11 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.shadow",
         "asyncengine.tenant_stats",
     ),
-    ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
+    # the device side, the output side, structured output's grammars
+    ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
     (  # drivers
         "asyncengine.engine",
+        "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
         "asyncengine.trace_recorder",

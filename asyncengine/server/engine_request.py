@@ -13,9 +13,13 @@ from asyncengine.server.errors import ApiError
 Prompt = str | list[int] | list[dict[str, str]]
 
 
-def outcome_of(finish_reason: str | None) -> str:
-    """The requests-counter outcome of a request that ended with ``finish_reason``."""
-    return finish_reason if finish_reason in ("abort", "timeout") else "success"
+def outcome_of(*finish_reasons: str | None) -> str:
+    """The requests-counter outcome of a request whose choices ended with ``finish_reasons``:
+    "abort" if one was aborted, else "timeout" if one ran out of time, else "success"."""
+    for outcome in ("abort", "timeout"):
+        if outcome in finish_reasons:
+            return outcome
+    return "success"
 
 
 class StreamingRequest:
@@ -57,20 +61,21 @@ class StreamingRequest:
 
 async def generate(
     engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
-) -> GenerateOutput:
-    """``engine.generate`` that aborts the request if the caller is cancelled (client gone).
+) -> list[GenerateOutput]:
+    """``engine.generate_choices`` (one output per choice) that aborts the request if the
+    caller is cancelled (client gone).
 
-    A request that ran out of time before it produced a token is answered 408 (one that
-    started answers 200 with what it produced and finish reason "timeout")."""
+    A request that ran out of time before any choice produced a token is answered 408 (one
+    that started answers 200 with what it produced and finish reason "timeout")."""
     done = False
     try:
-        output = await engine.generate(prompt, params, request_id=request_id)
+        outputs = await engine.generate_choices(prompt, params, request_id=request_id)
         done = True
     finally:
         if not done:
             engine.abort(request_id)
-    if output.finish_reason == "timeout" and not output.token_ids:
-        waited = output.metrics.e2e
+    if all(o.finish_reason == "timeout" and not o.token_ids for o in outputs):
+        waited = max(o.metrics.e2e for o in outputs)
         raise ApiError(
             408,
             f"the request timed out after {waited:.3f}s before it produced a token "
@@ -78,4 +83,4 @@ async def generate(
             type="timeout_error",
             code="request_timeout",
         )
-    return output
+    return outputs
