@@ -60,7 +60,8 @@ class Request:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: masks each token, advanced at commit
-    # steps this request waited, by the reason admission stopped short of it (see admission.py)
+    # steps this request waited, by the reason admission stopped short of it (admission.py);
+    # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)
 
     @property
