@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.routing",
     ),
     ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
     ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
@@ -57,6 +58,7 @@ TORCH_FREE = [
     "asyncengine.builder",
     "asyncengine.cache",
     "asyncengine.policies",
+    "asyncengine.routing",
     "asyncengine.sim",
     "asyncengine.text.stream",
 ]
