@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -11,14 +10,9 @@ OBJECT_STORE_BYTES = 128 * 1024 * 1024
 
 
 def start_local_ray(num_cpus: int = 2) -> None:
-    import ray
+    from asyncengine.ray_local import init_ray
 
-    ray.init(
-        num_cpus=num_cpus,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    init_ray(num_cpus=num_cpus, object_store_bytes=OBJECT_STORE_BYTES)
 
 
 def stop_local_ray(timeout: float = 30.0) -> None:

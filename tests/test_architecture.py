@@ -48,7 +48,12 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
     ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
-    ("asyncengine.engine", "asyncengine.event_loop", "asyncengine.sim"),  # drivers
+    (
+        "asyncengine.engine",
+        "asyncengine.event_loop",
+        "asyncengine.sim",
+        "asyncengine.ray_local",
+    ),  # drivers
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
 

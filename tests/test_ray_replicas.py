@@ -121,13 +121,23 @@ async def serve_trace(
             async with session.post(f"{base}/generate", json=bad) as resp:
                 assert resp.status == 400
                 assert "outside the vocabulary" in (await resp.json())["error"]["message"]
+            # a client that leaves mid-stream: its replica aborts the request and frees its KV
+            gone = {**body(workload[1], max_new_tokens=400), "rid": "gone", "stream": True}
+            async with session.post(f"{base}/generate", json=gone) as resp:
+                assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+            for _ in range(100):
+                stats = engine.stats()
+                if stats.get("finished_abort") == 1 and stats.get("pages_used", 1) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert stats["finished_abort"] == 1 and stats["running"] == stats["pages_used"] == 0
             # the replicas report every 1 s: wait until /metrics has all their hits
             for _ in range(100):
                 async with session.get(f"{base}/metrics") as resp:
                     text = await resp.text()
                 if metric(text, "asyncengine_prompt_tokens_total") >= sum(
                     len(w.prompt_ids) for w in workload
-                ) + len(workload[0].prompt_ids):
+                ) + len(workload[0].prompt_ids) + len(workload[1].prompt_ids):
                     break
                 await asyncio.sleep(0.1)
         router = engine.router()

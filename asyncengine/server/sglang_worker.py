@@ -13,6 +13,7 @@ import inspect
 import uuid
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from asyncengine.errors import EngineError
@@ -78,7 +79,8 @@ async def get_load(request: web.Request) -> web.Response:
     running = int(stats.get("running", 0)) + int(stats.get("prefilling", 0))
     tokens = int(stats.get("pages_used", 0)) * engine.config.page_size
     load = {"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}
-    return json_response([{**load, "num_tokens": tokens}])
+    body = msgspec.json.encode([{**load, "num_tokens": tokens}])  # one entry per data-parallel rank
+    return web.Response(body=body, content_type="application/json")
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.bench.records import BenchSummary, RequestRecord
 from asyncengine.config import EngineConfig
+from asyncengine.ray_local import init_ray
 from asyncengine.routing import make_router
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.workloads.trace import WorkloadRequest
@@ -130,18 +130,11 @@ def run_jobs(
 
     started = not ray.is_initialized()
     if started:
-        if ray_address == "local":
-            ray.init(
-                num_cpus=os.cpu_count() or 1,
-                object_store_memory=256 * 1024 * 1024,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-            )
-        else:
-            ray.init(address=ray_address, logging_level=logging.WARNING)
+        init_ray(None if ray_address == "local" else ray_address)
     try:
         task = ray.remote(num_cpus=1)(run_job)
-        workload_ref, cost_ref = ray.put(list(workload)), ray.put(cost)
+        workload_ref: Any = ray.put(list(workload))
+        cost_ref: Any = ray.put(cost)
         results: list[SimJobResult] = ray.get(
             [task.remote(j, workload_ref, cost_ref) for j in jobs]
         )

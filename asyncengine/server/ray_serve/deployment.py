@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.config import EngineConfig
+from asyncengine.ray_local import init_ray
 
 log = logging.getLogger("asyncengine.server.ray")
 
 DEFAULT_APP_NAME = "asyncengine"
-LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # requests and deltas are small; the minimum is 75 MB
 ROUTING_STATS_PERIOD_SECONDS = 1.0  # how often each replica reports its stats to the routers
 ROUTER_CLASS = "asyncengine.server.ray_serve.router:AsyncEngineRequestRouter"
 # Serve's own shutdown waits on Ray's processes: when a signal to the whole process group
@@ -53,7 +53,17 @@ def replica_deployment(config: EngineConfig, options: RayOptions) -> Any:
 
     from asyncengine.server.ray_serve.replica import EngineReplica
 
-    deployment = serve.deployment(
+    router: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS,
+        "request_router_kwargs": {
+            "app": options.app_name,
+            "router": options.router,
+            "options": dict(options.router_options),
+        },
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_SECONDS,
+        "request_routing_stats_timeout_s": 5.0,
+    }
+    deployment: Any = serve.deployment(
         EngineReplica,
         name="AsyncEngineReplica",
         num_replicas=options.replicas,
@@ -63,16 +73,7 @@ def replica_deployment(config: EngineConfig, options: RayOptions) -> Any:
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=5.0,
         logging_config={"log_level": "WARNING", "enable_access_log": False},
-        request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER_CLASS,
-            request_router_kwargs={
-                "app": options.app_name,
-                "router": options.router,
-                "options": dict(options.router_options),
-            },
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_SECONDS,
-            request_routing_stats_timeout_s=5.0,
-        ),
+        request_router_config=RequestRouterConfig(**router),
     )
     return deployment.bind(config)
 
@@ -92,16 +93,8 @@ class RayDeployment:
 
         options = self.options
         if not ray.is_initialized():
-            if options.address is None:
-                cpus = max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_cpus))
-                ray.init(
-                    num_cpus=cpus,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                )
-            else:
-                ray.init(address=options.address, logging_level=logging.WARNING)
+            cpus = max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_cpus))
+            init_ray(options.address, num_cpus=cpus)
             self._owns_ray = True
         serve.start(proxy_location="Disabled")
         log.info(
