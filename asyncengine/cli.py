@@ -65,6 +65,7 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
+    ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
 ]
 

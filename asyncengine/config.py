@@ -82,6 +82,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
 
+    # requests
+    max_n: int = 16  # most choices one request may ask for (n)
+    grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
+
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off
 
@@ -104,6 +108,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_prefill_tokens",
             "max_consecutive_prefill_steps",
             "policy_window",
+            "max_n",
+            "grammar_cache_size",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")

@@ -108,11 +108,35 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> BatchPlan | None:
         """The next plan, or None when nothing can run now."""
-        return self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        if plan is not None and any(info.params.structured for info in plan.sampling):
+            self._add_token_bitmasks(plan)
+        return plan
+
+    def _add_token_bitmasks(self, plan: BatchPlan) -> None:
+        """Each structured-output row of the plan gets the tokens its grammar allows next (the
+        grammar is at the request's last committed token: commit precedes the next schedule)."""
+        sampled = (seg for seg in plan.segments if seg.sample)
+        for seg, info in zip(sampled, plan.sampling, strict=True):
+            grammar = self.scheduler.requests[seg.rid].grammar
+            if grammar is not None:
+                info.token_bitmask = grammar.next_bitmask()
 
     def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:
-        """Apply a forward's output: tokens appended, stops checked, prefixes cached."""
+        """Apply a forward's output: tokens appended, stops checked, prefixes cached, grammars
+        advanced (a grammar that completes ends its request with reason "stop")."""
         events = self.scheduler.commit(plan, output)
+        for event in events:
+            grammar = event.req.grammar
+            if grammar is None or event.finished:
+                continue
+            if not grammar.accept(event.token_id):
+                log.error("request %s: token %d breaks its grammar", event.req.rid, event.token_id)
+                self.scheduler.finish(event.req, "abort")
+                event.finished = True
+            elif grammar.is_terminated():
+                self.scheduler.finish(event.req, "stop", event.token_id)
+                event.finished = True
         self.counters["generated_tokens"] += len(events)
         for event in events:
             if event.finished:

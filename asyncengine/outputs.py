@@ -45,6 +45,7 @@ class StreamDelta:
     matched_stop: str | int | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
+    index: int = 0  # which choice of an n > 1 request
 
 
 @dataclass(slots=True)
@@ -57,3 +58,4 @@ class GenerateOutput:
     metrics: RequestMetrics
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which choice of an n > 1 request

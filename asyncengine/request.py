@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from asyncengine.sampling_params import SamplingParams
 
@@ -17,6 +17,22 @@ class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"  # admitted; prompt chunks still to compute
     RUNNING = "running"  # decoding
     FINISHED = "finished"
+
+
+class Grammar(Protocol):
+    """A structured-output request's grammar state (asyncengine/structured/grammar.py)."""
+
+    def next_bitmask(self) -> object:
+        """The tokens allowed next, as the sampler takes them (SamplingInfo.token_bitmask)."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False when the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and took its end token."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +59,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: masks each token, advanced at commit
 
     @property
     def all_ids(self) -> list[int]:

@@ -47,13 +47,16 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.routing",
     ),
     ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
-    ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
+    # the device side, the output side, structured output's grammars
+    ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
+    # drivers
     (
         "asyncengine.engine",
+        "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
         "asyncengine.ray_local",
-    ),  # drivers
+    ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
 

@@ -63,7 +63,7 @@ class ModelRunner:
         self.page_size = kv_pool.page_size
         self.backend_name = resolve_backend_name(backend, self.device)
         self.backend = create_attention_backend(backend, self.device)
-        ops = kernel_ops(self.backend_name)
+        ops = kernel_ops(self.backend_name, self.device)
         self.model = LlamaModel(model_config, weights, self.dtype, self.device, ops)
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]

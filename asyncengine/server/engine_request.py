@@ -51,13 +51,14 @@ class StreamingRequest:
 
 async def generate(
     engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
-) -> GenerateOutput:
-    """``engine.generate`` that aborts the request if the caller is cancelled (client gone)."""
+) -> list[GenerateOutput]:
+    """``engine.generate_choices`` (one output per choice) that aborts the request if the
+    caller is cancelled (client gone)."""
     done = False
     try:
-        output = await engine.generate(prompt, params, request_id=request_id)
+        outputs = await engine.generate_choices(prompt, params, request_id=request_id)
         done = True
-        return output
+        return outputs
     finally:
         if not done:
             engine.abort(request_id)

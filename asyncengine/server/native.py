@@ -1,11 +1,13 @@
 """SGLang-style native endpoint: POST /generate.
 
 Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
-temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, ...), ``stream``, ``rid``,
-``return_logprob``, ``top_logprobs_num``. Response: ``{"text", "output_ids", "meta_info"}``.
-Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative (as SGLang
-streams text), ending with ``data: [DONE]``; ``meta_info`` of a non-final frame carries ``id``,
-``completion_tokens`` so far and ``finish_reason: null``; the final frame carries everything.
+temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, n, json_schema / regex /
+ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``. Response:
+``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
+``index``). Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative
+(as SGLang streams text) per choice (``index``), ending with ``data: [DONE]``; ``meta_info`` of
+a non-final frame carries ``id``, ``completion_tokens`` so far and ``finish_reason: null``; the
+final frame of a choice carries everything.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from msgspec import Meta, Struct, field
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
 from asyncengine.server.openai_schema import (
@@ -61,6 +63,10 @@ class NativeSamplingParams(Struct, kw_only=True):
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for seed
     n: PositiveInt = 1
+    # structured output (at most one), as SGLang takes them
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -98,11 +104,31 @@ def _prompt(req: GenerateRequest) -> Prompt:
     return list(ids)
 
 
-def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
-    sp = req.sampling_params
-    if sp.n != 1:
+def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
+    given = {
+        kind: spec
+        for kind, spec in (("json_schema", sp.json_schema), ("regex", sp.regex), ("ebnf", sp.ebnf))
+        if spec is not None
+    }
+    if len(given) > 1:
         raise invalid_request(
-            f"sampling_params.n={sp.n} is not supported; only one sample per request",
+            f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})",
+            param="sampling_params",
+        )
+    if not given:
+        return None
+    ((kind, spec),) = given.items()
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(spec)
+    assert isinstance(spec, str)
+    return StructuredOutput(kind, spec)
+
+
+def _sampling_params(req: GenerateRequest, context_len: int, max_n: int) -> SamplingParams:
+    sp = req.sampling_params
+    if sp.n > max_n:
+        raise invalid_request(
+            f"sampling_params.n={sp.n} is more samples than this server allows (max_n={max_n})",
             param="sampling_params.n",
         )
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
@@ -124,6 +150,8 @@ def _sampling_params(req: GenerateRequest, context_len: int) -> SamplingParams:
             seed=sp.seed if sp.seed is not None else sp.sampling_seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+            n=sp.n,
+            structured=_structured(sp),
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -204,19 +232,44 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = decode_body(await request.read(), GenerateRequest)
     prompt = _prompt(req)
-    params = _sampling_params(req, state.engine.max_model_len)
+    params = _sampling_params(req, state.engine.max_model_len, state.engine.config.max_n)
     request_id = _request_id(req)
-    responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+    responders = [
+        NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+        for _ in range(params.n)
+    ]
     if not req.stream:
-        out = await generate(state.engine, prompt, params, request_id)
-        state.metrics.observe_finished(out.metrics)
-        request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
-        responder.add_logprobs(out.token_ids, out.logprobs)
-        body = responder.body(
-            out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
-        )
+        outputs = await generate(state.engine, prompt, params, request_id)
+        bodies = []
+        for out, responder in zip(outputs, responders, strict=True):
+            state.metrics.observe_finished(out.metrics)
+            responder.add_logprobs(out.token_ids, out.logprobs)
+            bodies.append(
+                _indexed(
+                    responder.body(
+                        out.text,
+                        out.token_ids,
+                        out.finish_reason,
+                        out.matched_stop,
+                        out.usage,
+                        out.metrics,
+                    ),
+                    out.index,
+                    params.n,
+                )
+            )
+        aborted = any(out.finish_reason == "abort" for out in outputs)
+        request[OUTCOME] = "abort" if aborted else "success"
+        body = bodies[0] if params.n == 1 else bodies
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-    return await _stream(request, state, prompt, params, responder)
+    return await _stream(request, state, prompt, params, responders)
+
+
+def _indexed(body: dict[str, Any], index: int, n: int) -> dict[str, Any]:
+    """Bodies of an n > 1 request say which choice they belong to."""
+    if n > 1:
+        body["index"] = index
+    return body
 
 
 async def _stream(
@@ -224,40 +277,41 @@ async def _stream(
     state: ServerState,
     prompt: Prompt,
     params: SamplingParams,
-    responder: NativeResponder,
+    responders: list[NativeResponder],
 ) -> web.StreamResponse:
-    call = StreamingRequest(state.engine, prompt, params, responder.request_id)
-    last: StreamDelta | None = None
+    call = StreamingRequest(state.engine, prompt, params, responders[0].request_id)
+    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
         delta = await call.next()  # engine refusals become a 4xx/503 before headers go out
         writer = SSEWriter(request)
         await writer.open()
-        text = ""
-        output_ids: list[int] = []
+        texts = [""] * params.n
+        output_ids: list[list[int]] = [[] for _ in range(params.n)]
         try:
             while delta is not None:
-                last = delta
-                text += delta.text
-                output_ids.extend(delta.token_ids)
-                responder.add_logprobs(delta.token_ids, delta.logprobs)
+                i = delta.index
+                texts[i] += delta.text
+                output_ids[i].extend(delta.token_ids)
+                responders[i].add_logprobs(delta.token_ids, delta.logprobs)
                 if delta.text or delta.token_ids or delta.finished:
-                    await writer.send(
-                        responder.body(
-                            text,
-                            output_ids,
-                            delta.finish_reason,
-                            delta.matched_stop,
-                            delta.usage,
-                            delta.metrics,
-                        )
+                    body = responders[i].body(
+                        texts[i],
+                        output_ids[i],
+                        delta.finish_reason,
+                        delta.matched_stop,
+                        delta.usage,
+                        delta.metrics,
                     )
+                    await writer.send(_indexed(body, i, params.n))
                 if delta.finished:
-                    break
+                    finals.append(delta)
+                    state.metrics.observe_finished(delta.metrics)
+                    if len(finals) == params.n:
+                        break
                 delta = await call.next()
             await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
+            aborted = any(d.finish_reason == "abort" for d in finals)
+            request[OUTCOME] = "abort" if aborted or len(finals) < params.n else "success"
         except ENGINE_ERRORS as exc:
             request[OUTCOME] = "error"
             await writer.send(from_engine_error(exc).body())
@@ -268,8 +322,6 @@ async def _stream(
         return writer.response
     finally:
         await call.close()
-        if last is not None and last.finished:
-            state.metrics.observe_finished(last.metrics)
 
 
 def add_native_routes(app: web.Application) -> None:

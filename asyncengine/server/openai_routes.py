@@ -15,6 +15,7 @@ from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
     chat_logprobs,
+    combined_usage,
     completion_logprobs,
 )
 from asyncengine.server.openai_schema import (
@@ -42,7 +43,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), ChatCompletionRequest)
     model = state.check_model(req.model)
     messages = chat_messages(req)
-    params = chat_sampling_params(req, state.chat_max_tokens(), state.engine.max_model_len)
+    params = chat_sampling_params(
+        req, state.chat_max_tokens(), state.engine.max_model_len, state.engine.config.max_n
+    )
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
@@ -56,7 +59,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(req.model)
     prompt = completion_prompt(req)
     params = completion_sampling_params(
-        req, COMPLETIONS_DEFAULT_MAX_TOKENS, state.engine.max_model_len
+        req, COMPLETIONS_DEFAULT_MAX_TOKENS, state.engine.max_model_len, state.engine.config.max_n
     )
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -111,11 +114,16 @@ async def _complete(
     params: SamplingParams,
     builder: ResponseBuilder,
 ) -> web.Response:
-    output = await generate(state.engine, prompt, params, builder.id)
-    state.metrics.observe_finished(output.metrics)
-    request[OUTCOME] = "abort" if output.finish_reason == "abort" else "success"
-    logprobs = _logprobs(state, builder, output.token_ids, output.logprobs, 0)
-    return json_response(builder.full(output.text, output.finish_reason, output.usage, logprobs))
+    outputs = await generate(state.engine, prompt, params, builder.id)
+    for output in outputs:
+        state.metrics.observe_finished(output.metrics)
+    aborted = any(output.finish_reason == "abort" for output in outputs)
+    request[OUTCOME] = "abort" if aborted else "success"
+    choices = [
+        (o.text, o.finish_reason, _logprobs(state, builder, o.token_ids, o.logprobs, 0))
+        for o in outputs
+    ]
+    return json_response(builder.full(choices, combined_usage([o.usage for o in outputs])))
 
 
 async def _stream(
@@ -127,7 +135,7 @@ async def _stream(
     include_usage: bool,
 ) -> web.StreamResponse:
     call = StreamingRequest(state.engine, prompt, params, builder.id)
-    last: StreamDelta | None = None
+    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
         # Wait for the first delta before sending headers, so that a request the engine refuses
         # (bad input, full queue) is answered with a proper 4xx/503 rather than a broken stream.
@@ -136,30 +144,40 @@ async def _stream(
         await writer.open()
         try:
             if builder.chat:
-                await writer.send(
-                    builder.chunk("", None, None, first=True, include_usage=include_usage)
-                )
-            text_offset = 0
+                for index in range(params.n):
+                    await writer.send(
+                        builder.chunk(
+                            "", None, None, first=True, include_usage=include_usage, index=index
+                        )
+                    )
+            text_offsets = [0] * params.n
             while delta is not None:
-                last = delta
+                index = delta.index
                 if delta.text or delta.finished or delta.logprobs:
                     logprobs = _logprobs(
-                        state, builder, delta.token_ids, delta.logprobs, text_offset
+                        state, builder, delta.token_ids, delta.logprobs, text_offsets[index]
                     )
                     chunk = builder.chunk(
-                        delta.text, delta.finish_reason, logprobs, include_usage=include_usage
+                        delta.text,
+                        delta.finish_reason,
+                        logprobs,
+                        include_usage=include_usage,
+                        index=index,
                     )
                     await writer.send(chunk)
-                    text_offset += len(delta.text)
+                    text_offsets[index] += len(delta.text)
                 if delta.finished:
-                    break
+                    finals.append(delta)
+                    state.metrics.observe_finished(delta.metrics)
+                    if len(finals) == params.n:
+                        break
                 delta = await call.next()
-            if include_usage and last is not None and last.usage is not None:
-                await writer.send(builder.usage_chunk(last.usage))
+            usages = [d.usage for d in sorted(finals, key=lambda d: d.index) if d.usage]
+            if include_usage and len(usages) == params.n:
+                await writer.send(builder.usage_chunk(combined_usage(usages)))
             await writer.done()
-            request[OUTCOME] = (
-                "abort" if last is not None and last.finish_reason == "abort" else "success"
-            )
+            aborted = any(d.finish_reason == "abort" for d in finals)
+            request[OUTCOME] = "abort" if aborted or len(finals) < params.n else "success"
         except ENGINE_ERRORS as exc:
             # Headers are gone: report the failure in-band, as other OpenAI servers do.
             request[OUTCOME] = "error"
@@ -171,8 +189,6 @@ async def _stream(
         return writer.response
     finally:
         await call.close()
-        if last is not None and last.finished:
-            state.metrics.observe_finished(last.metrics)
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
 ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
-Known fields whose meaning we cannot honour (n > 1, tools, logit_bias, echo, ...) are refused
-with a 400 rather than silently ignored.
+Known fields whose meaning we cannot honour (tools, echo, best_of > 1, ...) are refused with a
+400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import re
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta, Struct, field
 
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.server.errors import ApiError, invalid_request
 
 MAX_SEED = 2**63 - 1
@@ -37,8 +37,19 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = field(default=None, name="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Struct, kw_only=True):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class ContentPart(Struct, kw_only=True):
@@ -70,6 +81,7 @@ class _CommonRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # Extensions that vLLM and SGLang also accept.
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
@@ -85,7 +97,6 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -135,11 +146,11 @@ def _unsupported(param: str, why: str) -> ApiError:
     return invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
-def _check_common(req: _CommonRequest) -> None:
-    if req.n is not None and req.n > 1:
-        raise _unsupported("n", f"n={req.n} is not supported; only one choice per request (n=1)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
+def _check_common(req: _CommonRequest, max_n: int) -> None:
+    if req.n is not None and req.n > max_n:
+        raise invalid_request(
+            f"n={req.n} is more choices than this server allows (max_n={max_n})", param="n"
+        )
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", param="stream_options"
@@ -211,10 +222,51 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token id strings to -100..100) with the bad entry named."""
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise invalid_request(
+                f"logit_bias key {key!r} is not a token id (a non-negative integer)",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise invalid_request(
+                f"logit_bias[{key}] = {value} is not in [-100, 100]", param="logit_bias"
+            )
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    """The constraint a response_format asks for (None: plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type not in RESPONSE_FORMATS:
+        raise invalid_request(
+            f"response_format.type {fmt.type!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+            param="response_format.type",
+        )
+    try:
+        if fmt.type == "json_object":
+            return StructuredOutput("json_object")
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        return StructuredOutput.json_schema(schema)
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param="response_format") from None
+
+
 def _sampling_params(
     req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int, context_len: int
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    structured = structured_output(req.response_format)
     try:
         return SamplingParams(
             # No request can outgrow the context; clamping keeps the scheduler's memory
@@ -235,20 +287,23 @@ def _sampling_params(
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            n=req.n or 1,
+            logit_bias=logit_bias(req.logit_bias),
+            structured=structured,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, default_max_tokens: int, context_len: int
+    req: ChatCompletionRequest, default_max_tokens: int, context_len: int, max_n: int = 1
 ) -> SamplingParams:
-    _check_common(req)
+    _check_common(req, max_n)
     if req.tools:
-        raise _unsupported("tools", "tool calling is not supported")
-    if req.response_format is not None and req.response_format.type != "text":
         raise _unsupported(
-            "response_format", f"response_format type {req.response_format.type!r} is not supported"
+            "tools",
+            "tool calling is not supported; for JSON output use response_format "
+            "(json_object or json_schema)",
         )
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -257,9 +312,9 @@ def chat_sampling_params(
 
 
 def completion_sampling_params(
-    req: CompletionRequest, default_max_tokens: int, context_len: int
+    req: CompletionRequest, default_max_tokens: int, context_len: int, max_n: int = 1
 ) -> SamplingParams:
-    _check_common(req)
+    _check_common(req, max_n)
     if req.echo:
         raise _unsupported("echo", "echo is not supported")
     if req.suffix:
