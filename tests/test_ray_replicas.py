@@ -116,6 +116,15 @@ async def serve_trace(
                 "type": "length",
                 "length": OUTPUT_LEN,
             }
+            # n > 1: the replica forks the choices; plain and streamed
+            two = {"prompt": workload[2].prompt_ids, "n": 2, "max_tokens": 3, "temperature": 1.0}
+            async with session.post(f"{base}/v1/completions", json={**two, "seed": 1}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert sorted(c["index"] for c in (await resp.json())["choices"]) == [0, 1]
+            async with session.post(f"{base}/v1/completions", json={**two, "stream": True}) as resp:
+                chunks = sse_json(await resp.read())
+            ends = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+            assert sorted(ends) == [0, 1]
             # the engine's own refusals keep their status and message
             bad = {"input_ids": [49152], "sampling_params": {"max_new_tokens": 2}}
             async with session.post(f"{base}/generate", json=bad) as resp:
@@ -137,7 +146,9 @@ async def serve_trace(
                     text = await resp.text()
                 if metric(text, "asyncengine_prompt_tokens_total") >= sum(
                     len(w.prompt_ids) for w in workload
-                ) + len(workload[0].prompt_ids) + len(workload[1].prompt_ids):
+                ) + len(workload[0].prompt_ids) + len(workload[1].prompt_ids) + 2 * len(
+                    workload[2].prompt_ids
+                ):
                     break
                 await asyncio.sleep(0.1)
         router = engine.router()

@@ -102,7 +102,7 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     try:
-        output = await generate(engine, [0], params, f"health-{uuid.uuid4().hex}")
+        (output,) = await generate(engine, [0], params, f"health-{uuid.uuid4().hex}")
     except Exception as exc:
         raise ApiError(
             503,

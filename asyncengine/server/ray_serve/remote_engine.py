@@ -62,12 +62,14 @@ def route_ids(tokenizer: Any, prompt: Any) -> list[int]:
 
 
 class RemoteStream:
-    """An engine stream whose deltas come from a replica (async iterator with ``aclose``)."""
+    """An engine stream whose deltas come from a replica (async iterator with ``aclose``); it
+    ends when each of the request's ``choices`` has had its final delta."""
 
-    def __init__(self, call: Any, request_id: str, calls: dict[str, Any]) -> None:
+    def __init__(self, call: Any, request_id: str, calls: dict[str, Any], choices: int) -> None:
         self.request_id = request_id
         self._call = call
         self._calls = calls
+        self._open_choices = choices
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self
@@ -87,7 +89,9 @@ class RemoteStream:
             self._calls.pop(self.request_id, None)
             raise delta
         if delta.finished:
-            self._calls.pop(self.request_id, None)
+            self._open_choices -= 1
+            if self._open_choices == 0:
+                self._calls.pop(self.request_id, None)
         return delta
 
     async def aclose(self) -> None:
@@ -176,18 +180,34 @@ class RemoteEngine:
             prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
         )
         self._calls[rid] = call
-        return RemoteStream(call, rid, self._calls)
+        return RemoteStream(call, rid, self._calls, max(1, getattr(params, "n", 1)))
 
     async def generate(
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> GenerateOutput:
+        """One request's whole output (n = 1)."""
+        output: GenerateOutput = await self._call_replica("generate", prompt, params, request_id)
+        return output
+
+    async def generate_choices(
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> list[GenerateOutput]:
+        """One request's ``params.n`` outputs, in index order."""
+        outputs: list[GenerateOutput] = await self._call_replica(
+            "generate_choices", prompt, params, request_id
+        )
+        return outputs
+
+    async def _call_replica(
+        self, method: str, prompt: Any, params: SamplingParams | None, request_id: str | None
+    ) -> Any:
         params, rid = self._begin(params, request_id)
-        call = self._handle.generate.remote(
+        call = getattr(self._handle, method).remote(
             prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
         )
         self._calls[rid] = call
         try:
-            output: GenerateOutput | Exception = await call
+            result = await call
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -195,9 +215,9 @@ class RemoteEngine:
             raise engine_error(exc, rid) from None
         finally:
             self._calls.pop(rid, None)
-        if isinstance(output, Exception):  # the engine refused the request
-            raise output
-        return output
+        if isinstance(result, Exception):  # the engine refused the request
+            raise result
+        return result
 
     def abort(self, request_id: str) -> bool:
         """Cancel the replica call; the replica aborts the request and frees its KV."""

@@ -65,6 +65,18 @@ class EngineReplica:
         except REFUSALS as exc:
             return exc
 
+    async def generate_choices(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        route_ids: list[int] | None = None,
+    ) -> list[GenerateOutput] | Exception:
+        try:
+            return await self.engine.generate_choices(prompt, params, request_id=request_id)
+        except REFUSALS as exc:
+            return exc
+
     async def info(self, replica: str | None = None) -> dict[str, Any]:
         """What the driver needs to know of the model, and who answers (tests kill by pid)."""
         from ray import serve
