@@ -444,6 +444,11 @@ class AsyncEngine:
                 for hook in self.step_hooks:
                     hook(step.plan)
                 self._maybe_log()
+                if pending is None:
+                    # Let the callers woken by these tokens run now, before the next forward:
+                    # run during it, their Python would hold the GIL the forward thread needs
+                    # between ops and take a core from its threads (two cores here).
+                    await asyncio.sleep(0)
         except Exception as exc:
             log.exception("engine loop crashed")
             for state in list(self._streams.values()):

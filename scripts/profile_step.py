@@ -12,9 +12,12 @@ Every part of a step is timed where it runs (wall time, summed over the run):
 Then the same plans are replayed alone, on a fresh executor in this thread with nothing else
 running (page writes and shapes identical, so the work is the same): the difference between the
 forward thread's time in the engine and alone is what the loop thread's concurrent work costs
-the forward (the GIL and the two cores it shares). ``--forward-profile`` also runs
-``torch.profiler`` over the replay and groups the forward's ops (GEMMs, attention, K/V gathers
-and stores, norms/rotary/activations, the rest).
+the forward (the GIL and the two cores it shares). The replay also splits the forward into
+its parts, timed where they are called: the projections (GEMMs), the LM head, attention (with
+the K/V store), norms, rotary, the MLP activation, and the rest (embedding, Python, plan).
+
+Native kernels and weight prepacking can be switched off (``ASYNCENGINE_NATIVE_KERNELS=0
+ASYNCENGINE_PACKED_LINEAR=0``) to profile the torch paths the same way.
 
     python scripts/profile_step.py --num-requests 128 --out bench_results/profile.json
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import sys
 import time
@@ -39,16 +43,6 @@ from asyncengine.config import EngineConfig, key_value
 from asyncengine.plan import BatchPlan
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.workloads import make_workload
-
-# torch.profiler op names -> the part of the forward they belong to
-OP_GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("GEMMs (incl. LM head)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn")),
-    ("attention kernels", ("scaled_dot_product", "attention", "sampled_addmm", "embedding_bag")),
-    ("K/V gather and store", ("index_select", "index_copy", "index_put", "gather", "scatter")),
-    ("norms, rotary, activations", ("aten::mul", "aten::add", "aten::silu", "aten::pow",
-                                    "aten::mean", "aten::rsqrt", "aten::neg", "aten::sub",
-                                    "aten::div", "aten::cat", "aten::sum")),
-]  # fmt: skip
 
 
 class Timer:
@@ -112,9 +106,11 @@ async def engine_run(config: EngineConfig, workload: list, timer: Timer) -> tupl
         return time.perf_counter() - start, plans
 
 
-def replay_alone(config: EngineConfig, plans: list[BatchPlan], profile: bool) -> dict[str, Any]:
-    """The engine's plans again on a fresh executor, alone in this thread."""
+def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]:
+    """The engine's plans again on a fresh executor, alone in this thread, with the forward's
+    parts timed."""
     from asyncengine.builder import build_core
+    from asyncengine.executor.linear import Linear
     from asyncengine.executor.model_executor import ModelExecutor
 
     executor = ModelExecutor(config)
@@ -125,33 +121,52 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan], profile: bool) ->
     runner.prepare = timer.wrap("plan -> tensors", runner.prepare)
     runner._logits = timer.wrap("model + LM head", runner._logits)
     runner.sampler.sample = timer.wrap("sampling", runner.sampler.sample)
+    parts = Timer()
+    model = runner.model
+    lm_head = model.lm_head
+    model.lm_head = _TimedLinear(lm_head, parts, "LM head")
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, _TimedLinear(getattr(layer, name), parts, "projections (GEMMs)"))
+    backend = runner.backend
+    ops = model.ops
+    # the model calls attend() when the native kernels stored K/V, forward() (store + attend)
+    # otherwise: time the one it calls, not both
+    if ops.rotary_store is not None:
+        backend.attend = parts.wrap("attention", backend.attend)  # type: ignore[method-assign]
+    else:
+        backend.forward = parts.wrap("attention (incl. K/V store)", backend.forward)  # type: ignore[method-assign]
+    wrapped = {
+        "rms_norm": parts.wrap("norms (+ residual add)", ops.rms_norm),
+        "fused_add_rms_norm": parts.wrap("norms (+ residual add)", ops.fused_add_rms_norm),
+        "silu_and_mul": parts.wrap("MLP activation", ops.silu_and_mul),
+        "apply_rotary": parts.wrap("rotary", ops.apply_rotary),
+    }
+    if ops.rotary_store is not None:
+        wrapped["rotary_store"] = parts.wrap("rotary + K/V store", ops.rotary_store)
+    model.ops = dataclasses.replace(ops, **wrapped)
+    model.act_and_mul = parts.wrap("MLP activation", model.act_and_mul)
     execute = timer.wrap("execute (all)", executor.execute)
     for plan in plans:
         execute(plan)
-    groups: dict[str, float] = {}
-    if profile:  # the same plans again under the profiler (its own overhead stays out above)
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            for plan in plans:
-                executor.execute(plan)
-        groups = group_ops(prof)
-    return {"seconds": dict(timer.seconds), "op_groups_seconds": groups}
+    assert isinstance(lm_head, Linear)
+    forward = timer.seconds["model + LM head"]
+    breakdown = dict(parts.seconds)
+    breakdown["the rest (embedding, Python, dispatch)"] = max(
+        0.0, forward - sum(parts.seconds.values())
+    )
+    return {"seconds": dict(timer.seconds), "forward_parts_seconds": breakdown}
 
 
-def group_ops(prof: Any) -> dict[str, float]:
-    totals: dict[str, float] = collections.defaultdict(float)
-    for event in prof.key_averages():
-        name = event.key
-        seconds = event.self_cpu_time_total / 1e6
-        for group, needles in OP_GROUPS:
-            if any(n in name for n in needles):
-                totals[group] += seconds
-                break
-        else:
-            totals["other ops (copies, views, allocation, dispatch)"] += seconds
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+class _TimedLinear:
+    """A Linear whose calls add their time to one part of a Timer."""
+
+    def __init__(self, inner: Any, timer: Timer, part: str) -> None:
+        self.inner = inner
+        self.call = timer.wrap(part, inner.__call__)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -166,7 +181,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--engine-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
     )
-    parser.add_argument("--forward-profile", action="store_true", help="torch.profiler op groups")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timer = Timer()
     wall, plans = asyncio.run(engine_run(config, workload, timer))
     tokens = sum(w.output_len for w in workload)
-    alone = replay_alone(config, plans, args.forward_profile)
+    alone = replay_alone(config, plans)
     in_engine = timer.seconds
     loop_parts = {k: v for k, v in in_engine.items() if k.startswith("loop:")}
     loop_busy = sum(loop_parts.values())
@@ -201,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loop_thread_other_seconds": max(0.0, wall - loop_busy - forward_all),
         "alone_seconds": alone["seconds"],
         "forward_slowdown_in_engine": forward_all / alone["seconds"]["execute (all)"],
-        "forward_op_groups_seconds": alone["op_groups_seconds"],
+        "forward_parts_seconds": alone["forward_parts_seconds"],
     }
     print(f"{len(workload)} requests, {tokens} output tokens, {len(plans)} steps, {wall:.1f} s "
           f"wall ({tokens / wall:.1f} tok/s), torch threads {torch.get_num_threads()}")  # fmt: skip
@@ -214,11 +228,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for part, seconds in alone["seconds"].items():
         print(f"  {part:<38}{seconds:>10.2f}")
     print(f"forward thread in the engine / alone: {result['forward_slowdown_in_engine']:.2f}x")
-    if alone["op_groups_seconds"]:
-        print("\nforward ops (torch.profiler self CPU time over the replay):")
-        total = sum(alone["op_groups_seconds"].values())
-        for group, seconds in alone["op_groups_seconds"].items():
-            print(f"  {group:<48}{seconds:>8.2f} s {seconds / total:>6.1%}")
+    print("\nthe forward of the replay, by part:")
+    total = sum(alone["forward_parts_seconds"].values())
+    for part, seconds in sorted(alone["forward_parts_seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<48}{seconds:>8.2f} s {seconds / total:>6.1%}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,14 +10,19 @@ dtypes, a torch build without those ops) it is ``F.linear``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
+ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if os.environ.get(ENABLE_ENV, "1") == "0":
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
