@@ -5,10 +5,19 @@
         --workload shared_prefix --arrivals poisson:20 --sim --out results/prefix
     python scripts/compare_policies.py --policies fcfs lpm dfs-weight --workload trace.jsonl --out DIR
 
+    python scripts/compare_policies.py --policies lpm --workload shared_prefix \
+        --sweep replicas=1,2 router=cache-aware,round-robin --ray --out results/routers
+
 ``--workload`` is a generator name (see asyncengine.workloads.WORKLOADS; its arguments go in
 ``--workload-arg key=value``) or a JSONL trace. ``--sim`` (the default) drives the real
 scheduler with a cost model on a virtual clock; ``--real`` runs the model. DIR receives
 results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png and hit_rate.png.
+
+``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
+KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
+(N simulated engines behind one of the Ray deployment's routers; ``--replicas``/``--router``
+set them for every run). ``--ray [ADDR]`` runs the simulations as Ray tasks, on a local Ray
+(no ADDR) or a cluster (ADDR, e.g. ``auto``); the results are the same as a local run's.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import RunReport, markdown_table, write_figures
 from asyncengine.config import EngineConfig, key_value
+from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, load_trace, make_workload, save_trace
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -67,28 +77,13 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
 def run_one(
     config: EngineConfig, workload: list[WorkloadRequest], args: argparse.Namespace
 ) -> tuple[list[RequestRecord], BenchSummary, dict[str, Any]]:
-    """Run one configuration; returns its records, their summary and mode-specific details."""
-    if args.real:
-        from asyncengine.sim.engine_replay import replay_real
+    """Run one configuration on the real engine; its records, their summary and its stats."""
+    from asyncengine.sim.engine_replay import replay_real
 
-        records, stats = asyncio.run(replay_real(config, workload))
-        retracts = stats.get("retractions")
-        summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
-        return records, summary, {"engine_stats": stats}
-    from asyncengine.sim.cost_model import CostModel
-    from asyncengine.sim.simulator import simulate
-
-    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
-    result = simulate(config, workload, cost)
-    details = {
-        "steps": result.steps,
-        "virtual_seconds": result.virtual_seconds,
-        "wall_seconds": result.wall_seconds,
-        "cpu_seconds": result.cpu_seconds,
-        "scheduler_stats": result.scheduler_stats,
-        "cost_model": cost.description,
-    }
-    return result.records, result.summary, details
+    records, stats = asyncio.run(replay_real(config, workload))
+    retracts = stats.get("retractions")
+    summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
+    return records, summary, {"engine_stats": stats}
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunReport]:
@@ -118,6 +113,22 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     mode.add_argument("--sim", action="store_true", help="simulate (default)")
     mode.add_argument("--real", action="store_true", help="run the real engine")
     parser.add_argument("--cost-model", default=None, help="cost model JSON for --sim")
+    parser.add_argument(
+        "--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="a grid of settings"
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="simulated replicas per run")
+    parser.add_argument("--router", default=None, help="router of the replicas (cache-aware)")
+    parser.add_argument(
+        "--router-option", nargs="*", type=key_value, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDR",
+        help="run the simulations as Ray tasks (a local Ray, or the cluster at ADDR)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
@@ -131,11 +142,36 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     prompts = [w.prompt_ids for w in workload]
     optimal_by_page: dict[int, float] = {}
 
+    sweep = parse_sweep(args.sweep)
+    base = [
+        SimJob(label, config, args.replicas, args.router, dict(args.router_option))
+        for label, config in configs
+    ]
+    jobs = expand(base, sweep)
+    if args.real and (args.ray or any(job.multi_replica for job in jobs)):
+        raise SystemExit(
+            f"--ray and {'/'.join(JOB_KEYS)} apply to simulated runs; --real runs one engine here"
+        )
+    if args.real:
+        results = []
+        for job in jobs:
+            print(f"[{job.label}] policy={job.config.policy} ...", flush=True)
+            records, summary, extra = run_one(job.config, workload, args)
+            results.append((records, summary, extra))
+    else:
+        from asyncengine.sim.cost_model import CostModel
+
+        cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
+        print(f"{len(jobs)} simulated run(s){' on Ray' if args.ray else ''} ...", flush=True)
+        results = [
+            (r.records, r.summary, {**r.details, "cost_model": cost.description})
+            for r in run_jobs(jobs, workload, cost, args.ray)
+        ]
+
     runs: list[RunReport] = []
     details: dict[str, Any] = {}
-    for label, config in configs:
-        print(f"[{label}] policy={config.policy} ...", flush=True)
-        records, summary, extra = run_one(config, workload, args)
+    for job, (records, summary, extra) in zip(jobs, results, strict=True):
+        label, config = job.label, job.config
         if config.page_size not in optimal_by_page:
             optimal_by_page[config.page_size] = optimal_hit(prompts, config.page_size).rate
         run = RunReport(label, config.policy, summary, records, optimal_by_page[config.page_size])

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.routing",
     ),
     ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
     # the device side, the output side, structured output's grammars
@@ -54,6 +55,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
+        "asyncengine.ray_local",
     ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
@@ -64,6 +66,7 @@ TORCH_FREE = [
     "asyncengine.builder",
     "asyncengine.cache",
     "asyncengine.policies",
+    "asyncengine.routing",
     "asyncengine.sim",
     "asyncengine.text.stream",
 ]

@@ -1,7 +1,8 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics.
+POST /generate, GET /health, GET /metrics, and the worker endpoints SGLang's router polls
+(sglang_worker.py).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
@@ -24,6 +25,7 @@ from asyncengine.metrics import ServerMetrics
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -142,6 +144,7 @@ def create_app(
     app[STATE] = state
     add_openai_routes(app)
     add_native_routes(app)
+    add_sglang_worker_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
     app.on_shutdown.append(_mark_shutting_down)

@@ -165,10 +165,14 @@ async def run_server(
     stop_event: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     install_signal_handlers: bool = True,
+    engine: Any = None,
+    metrics: ServerMetrics | None = None,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
-    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one).
+    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one). ``engine``
+    replaces the AsyncEngine built from ``config`` (replicas on Ray pass theirs, with their
+    ``metrics``).
     """
     from asyncengine.engine import AsyncEngine
 
@@ -180,7 +184,8 @@ async def run_server(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)
-    engine = AsyncEngine(config)
+    if engine is None:
+        engine = AsyncEngine(config)
     await engine.start()
     runner: web.AppRunner | None = None
     logger_task: asyncio.Task[None] | None = None
@@ -191,6 +196,7 @@ async def run_server(
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
+            metrics=metrics,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
@@ -224,9 +230,9 @@ async def run_server(
     return 0
 
 
-def serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
-    kwargs: dict[str, Any] = {
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``run_server``'s keyword arguments from the options of ``add_serve_arguments``."""
+    return {
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
@@ -236,4 +242,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
     }
-    return run(run_server(config, **kwargs))
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
+    return run(run_server(config, **http_options(args)))
