@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     from asyncengine.server.serve import serve as serve_http
 
     add_serve_arguments(serve)
+    from asyncengine.server.ray_serve.serve import add_ray_arguments, serve_replicas, uses_ray
+
+    add_ray_arguments(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_config_from_args(args)
         if args.command == "serve":
-            return serve_http(config, args)
+            return serve_replicas(config, args) if uses_ray(args) else serve_http(config, args)
         params = sampling_from_args(args)
         if args.command == "generate":
             run(_generate(config, args.prompt, params, args.chat))

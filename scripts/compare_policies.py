@@ -4,6 +4,9 @@
     python scripts/compare_policies.py --configs configs/fcfs.toml configs/lpm.toml \
         --workload shared_prefix --arrivals poisson:20 --sim --out results/prefix
     python scripts/compare_policies.py --policies fcfs lpm dfs-weight --workload trace.jsonl --out DIR
+
+    python scripts/compare_policies.py --policies lpm --workload shared_prefix \
+        --sweep replicas=1,2 router=cache-aware,round-robin --ray --out results/routers
     python scripts/compare_policies.py --trace live.jsonl --fit-from-trace \
         --policies fcfs lpm sjf --out DIR      # yesterday's traffic under other policies
 
@@ -19,7 +22,13 @@ figure; ``--slo ttft_ms=N tpot_ms=N`` adds SLO attainment and goodput.
 DIR receives results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png,
 hit_rate.png (and ttft_by_GROUP.png, cost_model.json where asked). The table shows each run's
 hit rate next to the offline bounds with an infinite pool, with the run's pool, and with the
-run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py).
+run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py; one-replica runs).
+
+``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
+KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
+(N simulated engines behind one of the Ray deployment's routers; ``--replicas``/``--router``
+set them for every run). ``--ray [ADDR]`` runs the simulations as Ray tasks, on a local Ray
+(no ADDR) or a cluster (ADDR, e.g. ``auto``); the results are the same as a local run's.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from asyncengine.bench.report import (
     write_group_figure,
 )
 from asyncengine.config import EngineConfig, key_value
+from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
 from asyncengine.workloads.live_trace import is_live_trace, load_live_trace, load_requests
 from asyncengine.workloads.trace import WorkloadRequest
@@ -84,10 +94,10 @@ def trace_cost_model(path: str, out: Path) -> Any:
         features, [s.seconds for s in steps], f"fitted to {len(steps)} steps of {Path(path).name}"
     )
     model.save(out / "cost_model.json")
-    errors = model.relative_errors(features, [s.seconds for s in steps])
+    errors = sorted(model.relative_errors(features, [s.seconds for s in steps]))
     print(
         f"cost model fitted to {len(steps)} live steps: median relative error "
-        f"{float(sorted(errors)[len(errors) // 2]):.1%}",
+        f"{float(errors[len(errors) // 2]):.1%}",
         flush=True,
     )
     return model
@@ -128,41 +138,19 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
 def run_one(
     config: EngineConfig, workload: list[WorkloadRequest], args: argparse.Namespace
 ) -> tuple[list[RequestRecord], BenchSummary, dict[str, Any]]:
-    """Run one configuration; returns its records, their summary and mode-specific details
-    (``pages_total``, ``admission_blocked`` and ``shadow`` in every mode)."""
-    if args.real:
-        from asyncengine.sim.engine_replay import replay_real
+    """Run one configuration on the real engine; its records, their summary and its stats."""
+    from asyncengine.sim.engine_replay import replay_real
 
-        records, stats = asyncio.run(replay_real(config, workload))
-        retracts = stats.get("retractions")
-        summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
-        return (
-            records,
-            summary,
-            {
-                "engine_stats": stats,
-                "pages_total": stats["pages_total"],
-                "admission_blocked": stats.get("admission_blocked"),
-                "shadow": stats.get("shadow"),
-            },
-        )
-    from asyncengine.sim.simulator import simulate
-
-    cost = args.cost
-    result = simulate(config, workload, cost)
-    stats = result.core_stats
+    records, stats = asyncio.run(replay_real(config, workload))
+    retracts = stats.get("retractions")
+    summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
     details = {
-        "steps": result.steps,
-        "virtual_seconds": result.virtual_seconds,
-        "wall_seconds": result.wall_seconds,
-        "cpu_seconds": result.cpu_seconds,
-        "scheduler_stats": result.scheduler_stats,
-        "cost_model": cost.description,
-        "pages_total": result.scheduler_stats["pages_total"],
-        "admission_blocked": stats["admission_blocked"],
-        "shadow": stats["shadow"],
+        "engine_stats": stats,
+        "pages_total": stats["pages_total"],
+        "admission_blocked": stats.get("admission_blocked"),
+        "shadow": stats.get("shadow"),
     }
-    return result.records, result.summary, details
+    return records, summary, details
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunReport]:
@@ -217,6 +205,22 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     mode.add_argument("--sim", action="store_true", help="simulate (default)")
     mode.add_argument("--real", action="store_true", help="run the real engine")
     parser.add_argument("--cost-model", default=None, help="cost model JSON for --sim")
+    parser.add_argument(
+        "--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="a grid of settings"
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="simulated replicas per run")
+    parser.add_argument("--router", default=None, help="router of the replicas (cache-aware)")
+    parser.add_argument(
+        "--router-option", nargs="*", type=key_value, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDR",
+        help="run the simulations as Ray tasks (a local Ray, or the cluster at ADDR)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
@@ -232,34 +236,58 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     workload = load_workload(args)
     save_trace(out / "workload.jsonl", workload)
     configs = build_configs(args)
-    if not args.real:
-        from asyncengine.sim.cost_model import CostModel
-
-        if args.fit_from_trace:
-            args.cost = trace_cost_model(args.trace, out)
-        else:
-            args.cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
     prompts = [w.prompt_ids for w in workload]
     in_arrival_order = [w.prompt_ids for w in sorted(workload, key=lambda w: w.arrival_time)]
     bounds: dict[tuple[str, int, int], float] = {}
 
     def bound(kind: str, page_size: int, pool_pages: int = 0) -> float:
+        """The infinite-pool bound, or with ``pool_pages`` in any order / in arrival order."""
         key = (kind, page_size, pool_pages)
         if key not in bounds:
             if kind == "infinite":
                 bounds[key] = optimal_hit(prompts, page_size).rate
+            elif not pool_pages:
+                bounds[key] = float("nan")  # several replicas: several pools
             else:
                 order = "any" if kind == "pool" else "arrival"
                 ordered = prompts if kind == "pool" else in_arrival_order
                 bounds[key] = optimal_hit_finite(ordered, page_size, pool_pages, order).rate  # type: ignore[arg-type]
         return bounds[key]
 
+    sweep = parse_sweep(args.sweep)
+    base = [
+        SimJob(label, config, args.replicas, args.router, dict(args.router_option))
+        for label, config in configs
+    ]
+    jobs = expand(base, sweep)
+    if args.real and (args.ray or any(job.multi_replica for job in jobs)):
+        raise SystemExit(
+            f"--ray and {'/'.join(JOB_KEYS)} apply to simulated runs; --real runs one engine here"
+        )
+    if args.real:
+        results = []
+        for job in jobs:
+            print(f"[{job.label}] policy={job.config.policy} ...", flush=True)
+            records, summary, extra = run_one(job.config, workload, args)
+            results.append((records, summary, extra))
+    else:
+        from asyncengine.sim.cost_model import CostModel
+
+        if args.fit_from_trace:
+            cost = trace_cost_model(args.trace, out)
+        else:
+            cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
+        print(f"{len(jobs)} simulated run(s){' on Ray' if args.ray else ''} ...", flush=True)
+        results = [
+            (r.records, r.summary, {**r.details, "cost_model": cost.description})
+            for r in run_jobs(jobs, workload, cost, args.ray)
+        ]
+
     runs: list[RunReport] = []
     details: dict[str, Any] = {}
-    for label, config in configs:
-        print(f"[{label}] policy={config.policy} ...", flush=True)
-        records, summary, extra = run_one(config, workload, args)
-        ps, pool = config.page_size, int(extra["pages_total"])
+    for job, (records, summary, extra) in zip(jobs, results, strict=True):
+        label, config = job.label, job.config
+        ps, pool = config.page_size, int(extra.get("pages_total") or 0)
         run = RunReport(
             label,
             config.policy,
@@ -269,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             pool_hit_rate=bound("pool", ps, pool),
             arrival_hit_rate=bound("arrival", ps, pool),
             slo=slo,
-            admission_blocked=extra["admission_blocked"],
+            admission_blocked=extra.get("admission_blocked"),
         )
         runs.append(run)
         details[label] = {
@@ -295,11 +323,10 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         f"requests, {sum(len(p) for p in prompts)} prompt tokens), mode: {mode_name}"
     )
     if not args.real:
-        header += f", cost model: {args.cost.description}"
+        header += f", cost model: {next(iter(details.values()))['cost_model']}"
     if slo is not None:
         header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
-    table = markdown_table(runs)
-    sections = [header, table]
+    sections = [header, markdown_table(runs)]
     for by in args.group_by:
         sections += [f"## By {by}", group_table(runs, by)]
     blocked = blocked_table(runs)

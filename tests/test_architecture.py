@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.routing",
     ),
     (  # the engine core
         "asyncengine.scheduler",
@@ -61,6 +62,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.event_loop",
         "asyncengine.sim",
         "asyncengine.trace_recorder",
+        "asyncengine.ray_local",
     ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
@@ -74,6 +76,7 @@ TORCH_FREE = [
     "asyncengine.builder",
     "asyncengine.cache",
     "asyncengine.policies",
+    "asyncengine.routing",
     "asyncengine.sim",
     "asyncengine.text.stream",
 ]

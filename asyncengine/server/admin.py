@@ -59,6 +59,13 @@ async def set_policy(request: web.Request) -> web.Response:
     _check_token(request)
     change = decode_body(await request.read(), PolicyChange)
     engine = request.app[STATE].engine
+    if not hasattr(engine, "set_policy"):
+        raise ApiError(
+            501,
+            "this server's engines (replicas) do not support a live policy change",
+            type="not_implemented",
+            code="policy_swap_unsupported",
+        )
     try:
         previous = engine.set_policy(change.policy, change.options)
     except (ConfigError, ValueError, TypeError) as exc:

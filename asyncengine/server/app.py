@@ -1,8 +1,9 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics; with an admin token, GET/POST /admin/policy
-(admin.py: its own bearer token, not the API key).
+POST /generate, GET /health, GET /metrics, the worker endpoints SGLang's router polls
+(sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
+token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
@@ -26,6 +27,7 @@ from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -152,6 +154,7 @@ def create_app(
     app[STATE] = state
     add_openai_routes(app)
     add_native_routes(app)
+    add_sglang_worker_routes(app)
     if admin_token:
         add_admin_routes(app, admin_token)
     app.router.add_get("/health", health)

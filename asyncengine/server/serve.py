@@ -184,13 +184,17 @@ async def run_server(
     stop_event: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     install_signal_handlers: bool = True,
+    engine: Any = None,
+    metrics: ServerMetrics | None = None,
     admin_token: str | None = None,
     record_trace: str | None = None,
     record_trace_hashed: bool = False,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
-    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one).
+    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one). ``engine``
+    replaces the AsyncEngine built from ``config`` (replicas on Ray pass theirs, with their
+    ``metrics``).
     """
     from asyncengine.engine import AsyncEngine
 
@@ -202,7 +206,10 @@ async def run_server(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)
-    engine = AsyncEngine(config)
+    if engine is None:
+        engine = AsyncEngine(config)
+    if record_trace and not hasattr(engine, "record_trace"):
+        raise ValueError("--record-trace records one engine; it is not available with replicas")
     await engine.start()
     if record_trace:
         engine.record_trace(record_trace, hashed=record_trace_hashed)
@@ -216,6 +223,7 @@ async def run_server(
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
+            metrics=metrics,
             admin_token=admin_token,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
@@ -251,9 +259,9 @@ async def run_server(
     return 0
 
 
-def serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
-    kwargs: dict[str, Any] = {
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``run_server``'s keyword arguments from the options of ``add_serve_arguments``."""
+    return {
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
@@ -266,4 +274,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         "record_trace": args.record_trace,
         "record_trace_hashed": args.record_trace_hashed,
     }
-    return run(run_server(config, **kwargs))
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
+    return run(run_server(config, **http_options(args)))

@@ -112,22 +112,29 @@ class WorkloadReplay:
 
     def records(self) -> list[RequestRecord]:
         """One record per workload request, in workload order."""
-        records = []
-        for item in self.workload:
-            record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
-            req = self.requests.get(item.rid)
-            if req is None:  # refused at arrival
-                record.failed = True
-                record.finish_time = item.arrival_time
-            else:
-                record.token_times = req.token_times
-                record.finish_time = req.finished_time
-                record.cached_tokens = req.cached_tokens
-                record.retracts = req.retractions
-                record.failed = req.finish_reason == "abort"
-                record.timed_out = req.finish_reason == "timeout"
-                record.blocked = dict(req.blocked)
-            record.tenant = item.tenant
-            record.priority = item.priority
-            records.append(record)
-        return records
+        return workload_records(self.workload, self.requests)
+
+
+def workload_records(
+    workload: Sequence[WorkloadRequest], requests: dict[str, Request]
+) -> list[RequestRecord]:
+    """One record per workload request, in workload order; ``requests`` holds those admitted."""
+    records = []
+    for item in workload:
+        record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
+        req = requests.get(item.rid)
+        if req is None:  # refused at arrival
+            record.failed = True
+            record.finish_time = item.arrival_time
+        else:
+            record.token_times = req.token_times
+            record.finish_time = req.finished_time
+            record.cached_tokens = req.cached_tokens
+            record.retracts = req.retractions
+            record.failed = req.finish_reason == "abort"
+            record.timed_out = req.finish_reason == "timeout"
+            record.blocked = dict(req.blocked)
+        record.tenant = item.tenant
+        record.priority = item.priority
+        records.append(record)
+    return records
