@@ -23,8 +23,20 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "--policy",
         "policy",
         str,
-        "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
-        "'a+b' to compose an ordering with a budget, or 'package.module:Class'",
+        "scheduling policy: fcfs, lpm, dfs-weight, priority, sjf, fair, slo, token-budget, "
+        "dynamic-chunking, 'a+b' to compose an ordering with a budget, or 'package.module:Class'",
+    ),
+    (
+        "--shadow-policy",
+        "shadow_policy",
+        str,
+        "a second policy that orders the same queue without acting (agreement in stats/metrics)",
+    ),
+    (
+        "--max-queue-time",
+        "max_queue_time",
+        float,
+        "seconds a request may wait before it is first scheduled (then finish_reason timeout)",
     ),
     (
         "--dtype",

@@ -29,6 +29,7 @@ from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler, TokenEvent
 from asyncengine.text.stream import RequestStream, StreamState
+from asyncengine.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.engine")
 
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
         self._last_log = (time.monotonic(), 0)
+        self.recorder: TraceRecorder | None = None
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -143,6 +145,7 @@ class AsyncEngine:
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
+        self.stop_recording()
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -248,6 +251,8 @@ class AsyncEngine:
         self._groups[rid] = group
         for state in group.states:
             self._streams[state.req.rid] = state
+            if self.recorder is not None:
+                self.recorder.arrival(state.req)
         if params.structured is not None:
             group.compiling = asyncio.create_task(self._compile_then_add(group, params))
         else:
@@ -338,6 +343,38 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         return {**self._core().stats(), "model": self.model_name}
 
+    def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
+        """Swap the scheduling policy (``"lpm"``, ``"priority+dynamic-chunking"``, a
+        ``"pkg.mod:Class"``, with ``options`` as in ``policy_options``) at the next step
+        boundary, without touching running requests or KV memory. A bad name or option raises
+        ConfigError (a ValueError) and changes nothing. Returns the policy it replaces."""
+        core = self._core()
+        previous = core.config.policy
+        core.set_policy(spec, options)
+        self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
+        log.info("policy %r replaces %r at the next step", spec, previous)
+        return previous
+
+    def record_trace(self, path: str, *, hashed: bool = False) -> TraceRecorder:
+        """Write every arrival, finish and step to ``path`` (a live trace; see
+        asyncengine/workloads/live_trace.py) until ``stop_recording`` or ``stop``."""
+        core = self._core()
+        self.stop_recording()
+        self.recorder = TraceRecorder(
+            path,
+            start=core.now(),
+            page_size=core.kv.page_size,
+            vocab_size=core.spec.vocab_size,
+            hashed=hashed,
+            meta={"model": self.config.model, "policy": core.config.policy},
+        )
+        return self.recorder
+
+    def stop_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+
     # -- input checks --------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
         tok = self.tokenizer
@@ -416,6 +453,7 @@ class AsyncEngine:
                         await self._wakeup.wait()
                         continue
                     plan = core.schedule()
+                    self._end_expired()
                     if plan is None:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
@@ -430,6 +468,8 @@ class AsyncEngine:
                 if not output.forward_seconds:
                     output.forward_seconds = time.perf_counter() - step.started
                 events = core.commit(step.plan, output)
+                if self.recorder is not None:
+                    self.recorder.step(step.plan, output.forward_seconds, core.now())
                 if self._forks:
                     self._release_forks(events)
                 if overlap and not self._stopping and core.has_work():
@@ -438,6 +478,7 @@ class AsyncEngine:
                     # next plan too, as an abort would: its token there is dropped at commit,
                     # and its pages are reused only by a plan made after that forward returns.
                     plan = core.schedule()
+                    self._end_expired()
                     if plan is not None:
                         pending = launch(plan)
                 self._emit(events)
@@ -481,9 +522,18 @@ class AsyncEngine:
             else:
                 state.flush_delta()
 
+    def _end_expired(self) -> None:
+        """Finish the streams of the requests the last schedule() timed out."""
+        for req in self._core().expired:
+            state = self._streams.get(req.rid)
+            if state is not None and state.req is req:
+                self._finish_stream(state)
+
     def _finish_stream(self, state: StreamState) -> None:
         req = state.req
         self._streams.pop(req.rid, None)
+        if self.recorder is not None:
+            self.recorder.finish(req, self._core().now())
         group = self._groups.get(state.request_id)
         if group is not None and all(s.done or s is state for s in group.states):
             del self._groups[state.request_id]
@@ -498,6 +548,9 @@ class AsyncEngine:
             itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
             retractions=req.retractions,
             cached_tokens=req.cached_tokens,
+            tenant=req.params.tenant,
+            priority=req.params.priority,
+            blocked=dict(req.blocked),
         )
         usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         state.finish(usage, metrics)
@@ -507,6 +560,8 @@ class AsyncEngine:
         if state is None or state.req is not req:
             return
         del self._streams[req.rid]
+        if self.recorder is not None:
+            self.recorder.finish(req, self._core().now(), "failed")
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
         self.abort(state.request_id)  # the request's other choices end with it
 

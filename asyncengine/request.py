@@ -51,7 +51,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     seq: SeqKV | None = None  # the KV handle while admitted
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
     matched_stop: str | int | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     retractions: int = 0
@@ -60,6 +60,9 @@ class Request:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: masks each token, advanced at commit
+    # steps this request waited, by the reason admission stopped short of it (admission.py);
+    # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
+    blocked: dict[str, int] = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

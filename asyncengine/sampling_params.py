@@ -6,6 +6,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
+MAX_PRIORITY = 2**31 - 1
+MAX_TENANT_LENGTH = 256
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before queueing it (bad parameter, prompt too long, ...)."""
@@ -82,6 +85,10 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: StructuredOutput | None = None
+    # scheduling controls (read by the scheduler and policies, not by the sampler)
+    priority: int = 0  # lower values are served first by the "priority" policy (vLLM's sense)
+    timeout: float | None = None  # seconds from arrival; then it ends with reason "timeout"
+    tenant: str | None = None  # who the request belongs to ("fair" policy, per-tenant metrics)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +156,21 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
             raise bad("stop", "at most 16 stop strings")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad("priority", "must be an integer")
+        if abs(self.priority) > MAX_PRIORITY:
+            raise bad("priority", f"must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise bad("timeout", "must be a positive number of seconds or None")
+        if self.tenant is not None and (
+            not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_LENGTH
+        ):
+            raise bad("tenant", f"must be a string of 1 to {MAX_TENANT_LENGTH} characters or None")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

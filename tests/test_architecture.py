@@ -46,15 +46,22 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.step_prefixes",
         "asyncengine.routing",
     ),
-    ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
+    (  # the engine core
+        "asyncengine.scheduler",
+        "asyncengine.core",
+        "asyncengine.builder",
+        "asyncengine.admission",
+        "asyncengine.shadow",
+        "asyncengine.tenant_stats",
+    ),
     # the device side, the output side, structured output's grammars
     ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
-    # drivers
-    (
+    (  # drivers
         "asyncengine.engine",
         "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
+        "asyncengine.trace_recorder",
         "asyncengine.ray_local",
     ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
@@ -62,6 +69,9 @@ LAYERS: list[tuple[str, ...]] = [
 
 TORCH_FREE = [
     "asyncengine.scheduler",
+    "asyncengine.admission",
+    "asyncengine.shadow",
+    "asyncengine.tenant_stats",
     "asyncengine.core",
     "asyncengine.builder",
     "asyncengine.cache",

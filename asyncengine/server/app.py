@@ -1,8 +1,9 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics, and the worker endpoints SGLang's router polls
-(sglang_worker.py).
+POST /generate, GET /health, GET /metrics, the worker endpoints SGLang's router polls
+(sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
+token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
@@ -22,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.metrics import ServerMetrics
+from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
@@ -43,6 +45,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 def _outcome_of_status(status: int) -> str:
     if status < 400:
         return "success"
+    if status == 408:
+        return "timeout"
     if status == 503:
         return "overloaded"
     if status < 500:
@@ -72,7 +76,12 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     api_key = request.app[STATE].api_key
-    if api_key is None or request.path in OPEN_PATHS or request.method == "OPTIONS":
+    if (
+        api_key is None
+        or request.path in OPEN_PATHS
+        or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
+        or request.method == "OPTIONS"
+    ):
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -126,6 +135,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_chat_max_tokens: int | None = None,
     metrics: ServerMetrics | None = None,
+    admin_token: str | None = None,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``."""
     if max_body_bytes < 1:
@@ -145,6 +155,8 @@ def create_app(
     add_openai_routes(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)
+    if admin_token:
+        add_admin_routes(app, admin_token)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
     app.on_shutdown.append(_mark_shutting_down)

@@ -21,15 +21,22 @@ from msgspec import Meta, Struct, field
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
+from asyncengine.sampling_params import (
+    MAX_TENANT_LENGTH,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
+from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
     PositiveInt,
+    Priority,
     RepetitionPenalty,
     Seed,
+    TimeoutSeconds,
     TokenId,
     TopK,
     TopLogprobs,
@@ -63,6 +70,8 @@ class NativeSamplingParams(Struct, kw_only=True):
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for seed
     n: PositiveInt = 1
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
     # structured output (at most one), as SGLang takes them
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -78,6 +87,10 @@ class GenerateRequest(Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
+    # scheduling controls: top level as SGLang takes priority, or inside sampling_params
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -104,6 +117,17 @@ def _prompt(req: GenerateRequest) -> Prompt:
     return list(ids)
 
 
+def _one_of(name: str, top: Any, inner: Any) -> Any:
+    """A control given at the top level or in sampling_params (both: they must agree)."""
+    if top is not None and inner is not None and top != inner:
+        raise invalid_request(
+            f"{name} is given twice with different values ({top} and sampling_params.{name} "
+            f"{inner}); give it once",
+            param=name,
+        )
+    return top if top is not None else inner
+
+
 def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
     given = {
         kind: spec
@@ -126,6 +150,7 @@ def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
 
 def _sampling_params(req: GenerateRequest, context_len: int, max_n: int) -> SamplingParams:
     sp = req.sampling_params
+    priority = _one_of("priority", req.priority, sp.priority)
     if sp.n > max_n:
         raise invalid_request(
             f"sampling_params.n={sp.n} is more samples than this server allows (max_n={max_n})",
@@ -152,6 +177,9 @@ def _sampling_params(req: GenerateRequest, context_len: int, max_n: int) -> Samp
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
             n=sp.n,
             structured=_structured(sp),
+            priority=0 if priority is None else priority,
+            timeout=_one_of("timeout", req.timeout, sp.timeout),
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -174,6 +202,8 @@ def finish_reason_body(
         return {"type": "length", "length": completion_tokens}
     if reason == "abort":
         return {"type": "abort", "message": "the request was aborted"}
+    if reason == "timeout":
+        return {"type": "timeout", "message": "the request ran out of time (timeout)"}
     return {"type": reason, "matched": matched}
 
 
@@ -258,8 +288,7 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
                     params.n,
                 )
             )
-        aborted = any(out.finish_reason == "abort" for out in outputs)
-        request[OUTCOME] = "abort" if aborted else "success"
+        request[OUTCOME] = outcome_of(*(out.finish_reason for out in outputs))
         body = bodies[0] if params.n == 1 else bodies
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
     return await _stream(request, state, prompt, params, responders)
@@ -310,8 +339,8 @@ async def _stream(
                         break
                 delta = await call.next()
             await writer.done()
-            aborted = any(d.finish_reason == "abort" for d in finals)
-            request[OUTCOME] = "abort" if aborted or len(finals) < params.n else "success"
+            outcome = outcome_of(*(d.finish_reason for d in finals))
+            request[OUTCOME] = "abort" if len(finals) < params.n else outcome
         except ENGINE_ERRORS as exc:
             request[OUTCOME] = "error"
             await writer.send(from_engine_error(exc).body())

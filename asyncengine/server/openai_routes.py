@@ -9,7 +9,7 @@ from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate
+from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.openai_format import (
     Json,
@@ -117,8 +117,7 @@ async def _complete(
     outputs = await generate(state.engine, prompt, params, builder.id)
     for output in outputs:
         state.metrics.observe_finished(output.metrics)
-    aborted = any(output.finish_reason == "abort" for output in outputs)
-    request[OUTCOME] = "abort" if aborted else "success"
+    request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
     choices = [
         (o.text, o.finish_reason, _logprobs(state, builder, o.token_ids, o.logprobs, 0))
         for o in outputs
@@ -176,8 +175,8 @@ async def _stream(
             if include_usage and len(usages) == params.n:
                 await writer.send(builder.usage_chunk(combined_usage(usages)))
             await writer.done()
-            aborted = any(d.finish_reason == "abort" for d in finals)
-            request[OUTCOME] = "abort" if aborted or len(finals) < params.n else "success"
+            outcome = outcome_of(*(d.finish_reason for d in finals))
+            request[OUTCOME] = "abort" if len(finals) < params.n else outcome
         except ENGINE_ERRORS as exc:
             # Headers are gone: report the failure in-band, as other OpenAI servers do.
             request[OUTCOME] = "error"

@@ -14,7 +14,13 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
+from asyncengine.sampling_params import (
+    MAX_PRIORITY,
+    MAX_TENANT_LENGTH,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from asyncengine.server.errors import ApiError, invalid_request
 
 MAX_SEED = 2**63 - 1
@@ -31,6 +37,8 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
+Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -80,9 +88,11 @@ class _CommonRequest(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     response_format: ResponseFormat | None = None
     # Extensions that vLLM and SGLang also accept.
+    priority: Priority = 0  # lower is served first (the "priority" policy)
+    timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     stop_token_ids: list[TokenId] | None = None
@@ -290,6 +300,9 @@ def _sampling_params(
             n=req.n or 1,
             logit_bias=logit_bias(req.logit_bias),
             structured=structured,
+            priority=req.priority,
+            timeout=req.timeout,
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None

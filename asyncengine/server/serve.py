@@ -31,6 +31,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
 API_KEY_ENV = "ASYNCENGINE_API_KEY"
+ADMIN_TOKEN_ENV = "ASYNCENGINE_ADMIN_TOKEN"
 # After the grace period the engine aborts what is left; handlers then send their final
 # ("abort") chunk and [DONE], which takes well under this many seconds.
 ABORT_FLUSH_SECONDS = 5.0
@@ -74,6 +75,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="max_tokens of chat requests that give none (default: up to the context length)",
+    )
+    group.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help="serve POST/GET /admin/policy (live policy swap), guarded by "
+        f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
+    )
+    group.add_argument(
+        "--record-trace",
+        metavar="FILE",
+        default=None,
+        help="write every arrival, finish and step as a JSONL live trace, to replay under other "
+        "policies with scripts/compare_policies.py --trace FILE",
+    )
+    group.add_argument(
+        "--record-trace-hashed",
+        action="store_true",
+        help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
     group.add_argument(
         "--shutdown-grace",
@@ -167,6 +186,9 @@ async def run_server(
     install_signal_handlers: bool = True,
     engine: Any = None,
     metrics: ServerMetrics | None = None,
+    admin_token: str | None = None,
+    record_trace: str | None = None,
+    record_trace_hashed: bool = False,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -186,7 +208,12 @@ async def run_server(
                 installed.append(sig)
     if engine is None:
         engine = AsyncEngine(config)
+    if record_trace and not hasattr(engine, "record_trace"):
+        raise ValueError("--record-trace records one engine; it is not available with replicas")
     await engine.start()
+    if record_trace:
+        engine.record_trace(record_trace, hashed=record_trace_hashed)
+        log.info("recording a live trace to %s", record_trace)
     runner: web.AppRunner | None = None
     logger_task: asyncio.Task[None] | None = None
     try:
@@ -197,14 +224,16 @@ async def run_server(
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
             metrics=metrics,
+            admin_token=admin_token,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
-            "serving %s on http://%s:%d (api key %s)",
+            "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
             host,
             bound_port,
             "required" if api_key else "off",
+            "on" if admin_token else "off",
         )
         if on_ready is not None:
             on_ready(bound_port)
@@ -241,6 +270,9 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_names": args.served_model_name,
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
+        "admin_token": args.admin_token,
+        "record_trace": args.record_trace,
+        "record_trace_hashed": args.record_trace_hashed,
     }
 
 

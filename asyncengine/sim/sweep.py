@@ -94,6 +94,9 @@ def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -
             "wall_seconds": result.wall_seconds,
             "cpu_seconds": result.cpu_seconds,
             "scheduler_stats": result.scheduler_stats,
+            "pages_total": result.scheduler_stats["pages_total"],
+            "admission_blocked": result.core_stats["admission_blocked"],
+            "shadow": result.core_stats["shadow"],
         }
         return SimJobResult(job.label, result.records, result.summary, details)
     from asyncengine.sim.multi_replica import MultiReplicaSimulator
