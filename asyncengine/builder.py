@@ -17,6 +17,7 @@ from asyncengine.core import EngineCore
 from asyncengine.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.registry import make_policy
 from asyncengine.scheduler import Scheduler
+from asyncengine.shadow import ShadowPolicy
 
 DEFAULT_KV_TOKENS = 32768
 
@@ -75,5 +76,11 @@ def build_core(
     executor.bind(layout)
     policy = make_policy(config.policy, config.policy_options)
     max_model_len = context_limit(config, spec, layout.num_pages)
-    scheduler = Scheduler(config, kv, policy, list(spec.eos_token_ids), max_model_len, clock)
+    shadow = None
+    if config.shadow_policy is not None:
+        shadow_policy = make_policy(config.shadow_policy, config.shadow_policy_options)
+        shadow = ShadowPolicy(shadow_policy, config.shadow_top_k)
+    scheduler = Scheduler(
+        config, kv, policy, list(spec.eos_token_ids), max_model_len, clock, shadow
+    )
     return EngineCore(scheduler, executor)

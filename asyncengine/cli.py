@@ -24,8 +24,20 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "--policy",
         "policy",
         str,
-        "scheduling policy: fcfs, lpm, dfs-weight, token-budget, dynamic-chunking, "
-        "'a+b' to compose an ordering with a budget, or 'package.module:Class'",
+        "scheduling policy: fcfs, lpm, dfs-weight, priority, sjf, fair, slo, token-budget, "
+        "dynamic-chunking, 'a+b' to compose an ordering with a budget, or 'package.module:Class'",
+    ),
+    (
+        "--shadow-policy",
+        "shadow_policy",
+        str,
+        "a second policy that orders the same queue without acting (agreement in stats/metrics)",
+    ),
+    (
+        "--max-queue-time",
+        "max_queue_time",
+        float,
+        "seconds a request may wait before it is first scheduled (then finish_reason timeout)",
     ),
     (
         "--dtype",
@@ -72,6 +84,7 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
+    ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (
         "--log-interval",
         "log_interval",
@@ -209,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     from asyncengine.server.serve import serve as serve_http
 
     add_serve_arguments(serve)
+    from asyncengine.server.ray_serve.serve import add_ray_arguments, serve_replicas, uses_ray
+
+    add_ray_arguments(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_config_from_args(args)
         if args.command == "serve":
-            return serve_http(config, args)
+            return serve_replicas(config, args) if uses_ray(args) else serve_http(config, args)
         params = sampling_from_args(args)
         if args.command == "generate":
             run(_generate(config, args.prompt, params, args.chat))

@@ -73,6 +73,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a waiting prompt that shares an uncached page with a prompt admitted in the same step
     # waits a step and takes it from the prefix cache instead of computing it again
     enable_inbatch_prefix_dedup: bool = True
+    # seconds a request may wait before it is first scheduled; then it ends with reason
+    # "timeout" (None: no limit). A request's own SamplingParams.timeout bounds its whole life.
+    max_queue_time: float | None = None
+    # a second policy asked to order the same waiting queue every step, without acting: the
+    # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one
+    shadow_policy: str | None = None
+    shadow_policy_options: dict[str, Any] = {}
+    shadow_top_k: int = 4
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
@@ -87,6 +95,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a request's greedy output does not depend on the batch it runs in (batch-invariant
     # matmuls and attention, executor/deterministic.py); costs throughput, see docs/BENCHMARKS.md
     deterministic: bool = False
+
+    # requests
+    max_n: int = 16  # most choices one request may ask for (n)
+    grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
 
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off
@@ -110,6 +122,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_prefill_tokens",
             "max_consecutive_prefill_steps",
             "policy_window",
+            "shadow_top_k",
+            "max_n",
+            "grammar_cache_size",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
@@ -133,6 +148,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
         if self.log_interval < 0:
             raise bad("log_interval", "must be >= 0")
+        if self.max_queue_time is not None and not self.max_queue_time > 0:
+            raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -149,6 +166,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"config key 'policy_options' = {self.policy_options!r}: {exc}"
+            ) from None
+        if self.shadow_policy is None:
+            if self.shadow_policy_options:
+                raise ConfigError("config key 'shadow_policy_options' needs a 'shadow_policy'")
+            return
+        try:
+            make_policy(self.shadow_policy, self.shadow_policy_options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"config key 'shadow_policy' = {self.shadow_policy!r}: {exc}"
             ) from None
 
     @classmethod

@@ -24,12 +24,15 @@ from asyncengine.errors import (
 )
 from asyncengine.executor_api import Executor
 from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
-from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.request import Request
+from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler, TokenEvent
 from asyncengine.summary_log import SummaryLog
 from asyncengine.text.stream import RequestStream, StreamState
+from asyncengine.text.tokenizer import prompt_token_ids
+from asyncengine.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.engine")
 
@@ -81,7 +84,10 @@ class AsyncEngine:
         # called with each step's plan once its tokens are streamed (core.step_hooks run at commit)
         self.step_hooks: list[Callable[[BatchPlan], None]] = []
         self._tokenizer: Any = None
-        self._streams: dict[str, StreamState] = {}
+        self._streams: dict[str, StreamState] = {}  # by the engine request's id (a choice's)
+        self._groups: dict[str, RequestGroup] = {}  # by the caller's request id
+        self._forks: dict[str, RequestGroup] = {}  # choice 0's id -> its group, until prefilled
+        self._grammars: Any = None  # the GrammarCompiler, made at the first constrained request
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -89,6 +95,7 @@ class AsyncEngine:
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
+        self.recorder: TraceRecorder | None = None
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -132,8 +139,12 @@ class AsyncEngine:
         if self._task is None:
             return
         self._stopping = True
-        for rid in list(self._streams):
+        compiling = [g.compiling for g in self._groups.values() if g.compiling is not None]
+        for rid in list(self._groups):
             self.abort(rid)
+        for task in compiling:
+            task.cancel()
+        await asyncio.gather(*compiling, return_exceptions=True)
         assert self._wakeup is not None
         self._wakeup.set()
         await self._task
@@ -146,6 +157,10 @@ class AsyncEngine:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
+        self.stop_recording()
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -194,37 +209,35 @@ class AsyncEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> GenerateOutput:
-        """Run one request to the end and return its whole output."""
+        """Run one request to the end and return its whole output (n = 1: see generate_choices)."""
+        if params is not None and isinstance(params, SamplingParams) and params.n > 1:
+            raise InvalidRequestError(
+                f"n={params.n} gives several outputs: use generate_choices() or stream()"
+            )
+        return (await self.generate_choices(prompt, params, request_id=request_id))[0]
+
+    async def generate_choices(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> list[GenerateOutput]:
+        """Run one request to the end and return its ``params.n`` outputs, in index order."""
         stream = self.stream(prompt, params, request_id=request_id)
-        texts: list[str] = []
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs] = []
+        collector = ChoiceCollector(len(stream.states), stream.state.req.params.logprobs)
         async for delta in stream:
-            texts.append(delta.text)
-            tokens.extend(delta.token_ids)
-            if delta.logprobs:
-                logprobs.extend(delta.logprobs)
-            if delta.finished:
-                assert delta.usage is not None and delta.metrics is not None
-                return GenerateOutput(
-                    request_id=delta.request_id,
-                    text="".join(texts),
-                    token_ids=tokens,
-                    finish_reason=delta.finish_reason,
-                    usage=delta.usage,
-                    metrics=delta.metrics,
-                    matched_stop=delta.matched_stop,
-                    logprobs=logprobs if stream.state.req.params.logprobs else None,
-                )
+            collector.add(delta)
+            outputs = collector.complete()
+            if outputs is not None:
+                return outputs
         raise RequestFailedError(f"request {stream.request_id} ended without a final output")
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> RequestStream:
-        """Queue a request and return an async iterator of its StreamDeltas.
+        """Queue a request and return an async iterator of its StreamDeltas (those of its
+        ``params.n`` choices, each marked with its ``index``).
 
         Leaving the iteration early (or cancelling the task that iterates) aborts the request.
-        Bad input raises ``InvalidRequestError`` here, before anything is queued.
+        Bad input raises ``InvalidRequestError`` here, before anything is queued; a structured
+        output spec that does not compile raises it from the iteration, before any delta.
         """
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
@@ -236,29 +249,103 @@ class AsyncEngine:
         prompt_ids = self.tokenize(prompt)
         self._check_request(prompt_ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self._streams:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
         waiting = len(core.scheduler.waiting)
         if waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"{waiting} requests are waiting (max_waiting_requests); try again later"
             )
-        req = Request(rid, prompt_ids, params, arrival_time=core.now())
-        detokenizer = self._tokenizer.detokenizer(params.skip_special_tokens, prompt_ids)
-        state = StreamState(req, detokenizer)
-        self._streams[rid] = state
-        core.add(req)
+        group = RequestGroup.create(
+            rid,
+            prompt_ids,
+            params,
+            core.now(),
+            lambda: self._tokenizer.detokenizer(params.skip_special_tokens, prompt_ids),
+        )
+        if rid in self._groups or any(s.req.rid in self._streams for s in group.states):
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self._groups[rid] = group
+        for state in group.states:
+            self._streams[state.req.rid] = state
+            if self.recorder is not None:
+                self.recorder.arrival(state.req)
+        if params.structured is not None:
+            group.compiling = asyncio.create_task(self._compile_then_add(group, params))
+        else:
+            self._add(group)
+        return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
+
+    def _add(self, group: RequestGroup) -> None:
+        """Hand a group's requests to the core: choice 0 alone first when others will fork it."""
+        core = self._core()
+        if len(group.held) > 1 and core.kv.enable_prefix_cache:
+            leader = group.held.pop(0)
+            self._forks[leader.rid] = group
+            core.add(leader)
+        else:
+            for req in group.held:
+                core.add(req)
+            group.held = []
         assert self._wakeup is not None
         self._wakeup.set()
-        return RequestStream(state, self.abort, asyncio.get_running_loop())
+
+    def _release_forks(self, events: list[TokenEvent]) -> None:
+        """Choice 0 of these groups has its prompt in the cache now: add the other choices."""
+        for event in events:
+            group = self._forks.pop(event.req.rid, None)
+            if group is not None:
+                for req in group.held:
+                    self._core().add(req)
+                group.held = []
+
+    async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
+        """Compile the group's grammar off the loop, then queue its requests with matchers."""
+        from asyncengine.structured import GrammarCompiler, GrammarMatcher
+
+        assert params.structured is not None
+        try:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self._tokenizer,
+                    self.vocab_size,
+                    self._core().spec.eos_token_ids,
+                    cache_size=self.config.grammar_cache_size,
+                )
+            compiled = await self._grammars.compile(params.structured)
+            matchers = [GrammarMatcher(compiled) for _ in group.held]
+        except Exception as exc:
+            if self._groups.get(group.rid) is group and group.held:
+                error = exc
+                if not isinstance(exc, InvalidRequestError):
+                    log.exception("compiling the grammar of request %s failed", group.rid)
+                    error = RequestFailedError(f"request {group.rid} failed: {exc}")
+                group.end_held(self._core().now())
+                del self._groups[group.rid]
+                for state in group.states:
+                    self._streams.pop(state.req.rid, None)
+                    state.done = True
+                group.states[0].fail(error)
+            return
+        if self._groups.get(group.rid) is not group or not group.held:
+            return  # aborted while it compiled
+        for req, matcher in zip(group.held, matchers, strict=True):
+            req.grammar = matcher
+        self._add(group)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a queued or running request; its KV pages are released (cached prefix kept)."""
-        state = self._streams.get(request_id)
-        if state is None:
+        """Abort a queued or running request (all its choices); its KV pages are released
+        (cached prefix kept)."""
+        group = self._groups.get(request_id)
+        if group is None:
             return False
-        self._core().finish(state.req, "abort")
-        self._finish_stream(state)
+        core = self._core()
+        held = group.end_held(core.now())
+        for state in group.states:
+            self._forks.pop(state.req.rid, None)
+            if state.done:
+                continue
+            if state.req not in held:
+                core.finish(state.req, "abort")
+            self._finish_stream(state)
         return True
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:
@@ -271,39 +358,43 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         return {**self._core().stats(), "model": self.model_name}
 
+    def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
+        """Swap the scheduling policy (``"lpm"``, ``"priority+dynamic-chunking"``, a
+        ``"pkg.mod:Class"``, with ``options`` as in ``policy_options``) at the next step
+        boundary, without touching running requests or KV memory. A bad name or option raises
+        ConfigError (a ValueError) and changes nothing. Returns the policy it replaces."""
+        core = self._core()
+        previous = core.config.policy
+        core.set_policy(spec, options)
+        self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
+        log.info("policy %r replaces %r at the next step", spec, previous)
+        return previous
+
+    def record_trace(self, path: str, *, hashed: bool = False) -> TraceRecorder:
+        """Write every arrival, finish and step to ``path`` (a live trace; see
+        asyncengine/workloads/live_trace.py) until ``stop_recording`` or ``stop``."""
+        core = self._core()
+        self.stop_recording()
+        self.recorder = TraceRecorder(
+            path,
+            start=core.now(),
+            page_size=core.kv.page_size,
+            vocab_size=core.spec.vocab_size,
+            hashed=hashed,
+            meta={"model": self.config.model, "policy": core.config.policy},
+        )
+        return self.recorder
+
+    def stop_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+
     # -- input checks --------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
         chat template); ``InvalidRequestError`` for a prompt it would refuse."""
-        tok = self.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return list(tok.encode(prompt))
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError(
-                "prompt must be a non-empty string, list of token ids, or list of chat messages"
-            )
-        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
-        if len(ids) == len(prompt):
-            vocab = self.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-                )
-            return ids
-        messages = [m for m in prompt if isinstance(m, dict)]
-        if len(messages) == len(prompt):
-            for i, m in enumerate(messages):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(
-                        f"message {i} needs a string 'role' and a string 'content'"
-                    )
-            return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
-        raise InvalidRequestError(
-            "prompt list must hold only token ids (int) or only chat messages (dict)"
-        )
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         max_model_len, vocab = self.max_model_len, self.vocab_size
@@ -325,6 +416,17 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if params.n > self.config.max_n:
+            raise InvalidRequestError(
+                f"n={params.n} is more choices than this engine allows (max_n={self.config.max_n})"
+            )
+        if params.structured is not None and not hasattr(self._tokenizer, "backend"):
+            raise InvalidRequestError("structured output needs the model's own tokenizer")
 
     # -- the loop ------------------------------------------------------------------------
     async def _run_loop(self) -> None:
@@ -346,6 +448,7 @@ class AsyncEngine:
                         await self._wakeup.wait()
                         continue
                     plan = core.schedule()
+                    self._end_expired()
                     if plan is None:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
@@ -360,17 +463,27 @@ class AsyncEngine:
                 if not output.forward_seconds:
                     output.forward_seconds = time.perf_counter() - step.started
                 events = core.commit(step.plan, output)
+                if self.recorder is not None:
+                    self.recorder.step(step.plan, output.forward_seconds, core.now())
+                if self._forks:
+                    self._release_forks(events)
                 if overlap and not self._stopping and core.has_work():
                     # The next forward runs while this step's tokens are detokenized and
                     # streamed. A stop string found below finishes a request that is in the
                     # next plan too, as an abort would: its token there is dropped at commit,
                     # and its pages are reused only by a plan made after that forward returns.
                     plan = core.schedule()
+                    self._end_expired()
                     if plan is not None:
                         pending = launch(plan)
                 self._emit(events)
                 for hook in self.step_hooks:
                     hook(step.plan)
+                if pending is None:
+                    # Let the callers woken by these tokens run now, before the next forward:
+                    # run during it, their Python would hold the GIL the forward thread needs
+                    # between ops and take a core from its threads (two cores here).
+                    await asyncio.sleep(0)
         except Exception as exc:
             log.exception("engine loop crashed")
             for state in list(self._streams.values()):
@@ -386,7 +499,7 @@ class AsyncEngine:
                         pending.plan.step,
                         exc_info=True,
                     )
-            for rid in list(self._streams):
+            for rid in list(self._groups):
                 self.abort(rid)
 
     def _emit(self, events: list[TokenEvent]) -> None:
@@ -403,9 +516,21 @@ class AsyncEngine:
             else:
                 state.flush_delta()
 
+    def _end_expired(self) -> None:
+        """Finish the streams of the requests the last schedule() timed out."""
+        for req in self._core().expired:
+            state = self._streams.get(req.rid)
+            if state is not None and state.req is req:
+                self._finish_stream(state)
+
     def _finish_stream(self, state: StreamState) -> None:
         req = state.req
         self._streams.pop(req.rid, None)
+        if self.recorder is not None:
+            self.recorder.finish(req, self._core().now())
+        group = self._groups.get(state.request_id)
+        if group is not None and all(s.done or s is state for s in group.states):
+            del self._groups[state.request_id]
         end = req.finished_time or self._core().now()
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
@@ -417,6 +542,9 @@ class AsyncEngine:
             itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
             retractions=req.retractions,
             cached_tokens=req.cached_tokens,
+            tenant=req.params.tenant,
+            priority=req.params.priority,
+            blocked=dict(req.blocked),
         )
         usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         state.finish(usage, metrics)
@@ -426,7 +554,10 @@ class AsyncEngine:
         if state is None or state.req is not req:
             return
         del self._streams[req.rid]
+        if self.recorder is not None:
+            self.recorder.finish(req, self._core().now(), "failed")
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
+        self.abort(state.request_id)  # the request's other choices end with it
 
     async def _log_summaries(self, interval: float) -> None:
         while True:

@@ -23,6 +23,8 @@ class RequestMetrics:
     """Seconds. ``queue_time``: arrival to first scheduled; ``ttft``: arrival to first token.
 
     ``cached_tokens``: prompt tokens served from the prefix cache (as ``Usage.cached_tokens``).
+    ``blocked``: steps the request waited, by the reason admission stopped short of it
+    (asyncengine/admission.py).
     """
 
     arrival_time: float
@@ -32,6 +34,9 @@ class RequestMetrics:
     itl: list[float] = field(default_factory=list)
     retractions: int = 0
     cached_tokens: int = 0
+    tenant: str | None = None
+    priority: int = 0
+    blocked: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -45,6 +50,7 @@ class StreamDelta:
     matched_stop: str | int | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
+    index: int = 0  # which choice of an n > 1 request
 
 
 @dataclass(slots=True)
@@ -57,3 +63,4 @@ class GenerateOutput:
     metrics: RequestMetrics
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which choice of an n > 1 request

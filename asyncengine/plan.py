@@ -55,6 +55,9 @@ class SamplingInfo:
     params: SamplingParams
     prompt_ids: list[int]  # for the repetition penalty
     output_ids: list[int]  # tokens generated so far (presence/frequency penalties, seed step)
+    # Structured output: the tokens its grammar allows next, one bit per token id (bit i of
+    # word j: token 32 * j + i), as the grammar made it (an int32 tensor on the device side).
+    token_bitmask: object | None = None
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from asyncengine.sampling_params import SamplingParams
 
@@ -17,6 +17,22 @@ class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"  # admitted; prompt chunks still to compute
     RUNNING = "running"  # decoding
     FINISHED = "finished"
+
+
+class Grammar(Protocol):
+    """A structured-output request's grammar state (asyncengine/structured/grammar.py)."""
+
+    def next_bitmask(self) -> object:
+        """The tokens allowed next, as the sampler takes them (SamplingInfo.token_bitmask)."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False when the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and took its end token."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -35,7 +51,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     seq: SeqKV | None = None  # the KV handle while admitted
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
     matched_stop: str | int | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     retractions: int = 0
@@ -43,6 +59,10 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: masks each token, advanced at commit
+    # steps this request waited, by the reason admission stopped short of it (admission.py);
+    # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
+    blocked: dict[str, int] = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+
+MAX_PRIORITY = 2**31 - 1
+MAX_TENANT_LENGTH = 256
 
 
 class InvalidRequestError(ValueError):
@@ -21,12 +25,56 @@ def _short_repr(value: object) -> str:
     return text if len(text) <= 120 else text[:120] + "..."
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the whole output: ``kind`` is one of CONSTRAINT_KINDS; ``spec`` is the
+    JSON schema (as JSON text), the regular expression or the EBNF grammar ("" for json_object).
+    The grammar is compiled by the engine; a spec it cannot compile is refused there."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(
+                f"invalid structured output kind {self.kind!r}: expected one of "
+                f"{', '.join(CONSTRAINT_KINDS)}"
+            )
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError(f"the {self.kind} constraint must be given as a string")
+        if self.kind != "json_object" and not self.spec.strip():
+            raise InvalidRequestError(f"the {self.kind} constraint is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("the JSON schema must be a JSON object")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, object] | bool | str) -> StructuredOutput:
+        """From a schema object (or its JSON text); keys are sorted so equal schemas share a
+        compiled grammar."""
+        if isinstance(schema, str):
+            return cls("json_schema", schema)
+        return cls("json_schema", json.dumps(schema))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes sampled output reproducible whatever else shares the batch.
+    ``n`` choices share one prefill of the prompt (the engine caps it at ``max_n``); choice
+    ``i > 0`` of a seeded request samples with ``choice_seed(seed, i)``. ``logit_bias`` adds
+    to the logits of token ids (OpenAI's -100..100). ``structured`` constrains the output to a
+    JSON schema, any JSON, a regular expression or an EBNF grammar.
     """
 
     max_new_tokens: int = 128
@@ -45,6 +93,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    n: int = 1
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None
+    # scheduling controls (read by the scheduler and policies, not by the sampler)
+    priority: int = 0  # lower values are served first by the "priority" policy (vLLM's sense)
+    timeout: float | None = None  # seconds from arrival; then it ends with reason "timeout"
+    tenant: str | None = None  # who the request belongs to ("fair" policy, per-tenant metrics)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,7 +118,7 @@ class SamplingParams:
                 f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
             )
 
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs", "n"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
@@ -112,7 +167,47 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad("priority", "must be an integer")
+        if abs(self.priority) > MAX_PRIORITY:
+            raise bad("priority", f"must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise bad("timeout", "must be a positive number of seconds or None")
+        if self.tenant is not None and (
+            not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_LENGTH
+        ):
+            raise bad("tenant", f"must be a string of 1 to {MAX_TENANT_LENGTH} characters or None")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "must be a dict of token id to bias")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"key {token!r} is not a non-negative token id")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+            ):
+                raise bad("logit_bias", f"bias {bias!r} of token {token} is not in [-100, 100]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise bad("structured", "must be a StructuredOutput")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of an n > 1 request seeded with ``seed`` (choice 0 keeps
+    it): a splitmix64 step of (seed, index), so choices of nearby seeds do not collide."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1  # 63 bits: a valid seed everywhere

@@ -3,24 +3,38 @@
 Shared by every policy: the policy only orders the waiting queue and sets the step's token
 budgets. The scheduler admits under those budgets and a KV memory check, chunks long
 prefills (at most one request mid-chunk, and it goes first), mixes decodes into prefill
-steps, retracts running requests when decode runs out of KV pages, and keeps the radix cache
+steps, retracts running requests when decode runs out of KV pages (or when a preempting
+policy names them for a blocked waiting request), ends requests whose time is up (reason
+"timeout"), counts why admission stopped each step (admission.py), and keeps the radix cache
 in step with every request's life. It never touches tensors.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncengine.admission import (
+    CHUNK_IN_FLIGHT,
+    DECODE_TURN,
+    KV_RESERVATION,
+    RUNNING_CAP,
+    TOKEN_BUDGET,
+    Admission,
+    AdmissionLog,
+)
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.request import Request, RequestStatus
+from asyncengine.shadow import ShadowPolicy
 from asyncengine.step_prefixes import StepPrefixes
 
 log = logging.getLogger("asyncengine.scheduler")
@@ -45,10 +59,14 @@ class Scheduler:
         eos_token_ids: list[int],
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        shadow: ShadowPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
+        self.shadow = shadow
+        self._next_policy: Policy | None = None  # set_policy: takes over at the next schedule()
+        self.policy_swaps = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.clock = clock
@@ -62,7 +80,15 @@ class Scheduler:
         self.step_count = 0
         self.consecutive_prefill_steps = 0
         self.total_retractions = 0
+        self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
+        self.admission = AdmissionLog()
+        # (deadline, tie-break, request, queue-only): SamplingParams.timeout and max_queue_time
+        self._deadlines: list[tuple[float, int, Request, bool]] = []
+        self._deadline_order = itertools.count()
+        self.expired: list[Request] = []  # requests the last schedule() ended with "timeout"
+        self._decoding: list[Request] = []  # this step's decodes (their next slot is extended)
+        self._preempted = False  # _preempt_for retracted some this step
         self.inflight: BatchPlan | None = None
         # rid -> (request, segment) of the plan in flight. A request aborted while its step
         # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
@@ -80,6 +106,24 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.rid] = req
         self.waiting.append(req)
+        self.admission.arrived(req)
+        order = self._deadline_order
+        if req.params.timeout is not None:
+            deadline = req.arrival_time + req.params.timeout
+            heapq.heappush(self._deadlines, (deadline, next(order), req, False))
+        if self.config.max_queue_time is not None:
+            deadline = req.arrival_time + self.config.max_queue_time
+            heapq.heappush(self._deadlines, (deadline, next(order), req, True))
+
+    def blocked(self, req: Request) -> dict[str, int]:
+        """Steps ``req`` has waited so far, by admission-block reason (admission.py)."""
+        return self.admission.settle(req)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Hand ordering and budgets to ``policy`` from the next schedule() on (a step boundary:
+        running requests, their KV and the request mid-chunk are the scheduler's, not the
+        policy's, and stay as they are)."""
+        self._next_policy = policy
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -114,6 +158,25 @@ class Scheduler:
         req.matched_stop = matched
         req.finished_time = self.clock()
         del self.requests[req.rid]
+        self.admission.left(req)
+        self.policy.finished(req)
+        if self.shadow is not None:
+            self.shadow.finished(req)
+
+    def _expire(self) -> None:
+        """End (reason "timeout") every request past its deadline: its own ``timeout`` from
+        arrival, or ``max_queue_time`` while it has never been scheduled."""
+        self.expired = []
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        now = self.clock()
+        while deadlines and deadlines[0][0] <= now:
+            _, _, req, queue_only = heapq.heappop(deadlines)
+            if req.finished or (queue_only and req.first_scheduled_time is not None):
+                continue
+            self.finish(req, "timeout")
+            self.expired.append(req)
 
     # -- planning -------------------------------------------------------------------------
     def _computed_len(self, req: Request) -> int:
@@ -122,6 +185,10 @@ class Scheduler:
         if owner is not None and owner[0] is req:
             return owner[1].start_pos
         return req.kv.kv_len
+
+    def _own_pages(self, req: Request) -> int:
+        """Pages ``req`` holds that are not the tree's (what retracting it frees at once)."""
+        return len(req.kv.pages) - req.kv.num_in_tree // self.page_size
 
     def _context(self, num_decodes: int) -> PolicyContext:
         return PolicyContext(
@@ -151,21 +218,31 @@ class Scheduler:
 
     def schedule(self) -> BatchPlan | None:
         """Build the next step's plan, or None when there is nothing to run."""
+        if self._next_policy is not None:
+            self.policy, self._next_policy = self._next_policy, None
+            self.policy_swaps += 1
+        self._expire()
         self.step_count += 1
         plan = BatchPlan(step=self.step_count)
         mixed = self.config.enable_mixed_batch
         starved = self.consecutive_prefill_steps >= self.config.max_consecutive_prefill_steps
         prefill_wanted = bool(self.waiting or self.prefilling)
         decoding: list[Request] = []
+        admission = Admission(DECODE_TURN)
+        self._decoding = decoding
         if mixed or not prefill_wanted or (starved and self.running):
-            decoding = self._prepare_decodes()
+            decoding = self._decoding = self._prepare_decodes()
         if prefill_wanted and (mixed or not decoding):
             budget = self.policy.budget(self._context(len(decoding)))
-            self._admit(plan, budget, len(decoding))
+            admission = self._admit(plan, budget, len(decoding))
         if not decoding and not plan.extends and self.running and not mixed:
-            decoding = self._prepare_decodes()  # nothing could be admitted: decode instead
+            decoding = self._decoding = self._prepare_decodes()  # nothing admitted: decode
             if not decoding and prefill_wanted:  # it retracted everything: memory is free now
-                self._admit(plan, self.policy.budget(self._context(0)), 0)
+                admission = self._admit(plan, self.policy.budget(self._context(0)), 0)
+        if self._preempted:  # a policy had some of this step's decodes retracted
+            self._preempted = False
+            decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
+        self._decoding = []
         for req in decoding:
             plan.decodes.append(self._decode_segment(req))
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
@@ -180,6 +257,7 @@ class Scheduler:
             )
         if plan.is_empty():
             return None
+        self.admission.record(self.waiting, admission)
         plan.page_writes = self.kv.page_table.drain_writes()
         now = self.clock()
         requests = self.requests
@@ -209,6 +287,7 @@ class Scheduler:
                 break
             victim = self._pick_victim()
             self._retract(victim)
+            self.new_token_ratio = self.config.init_new_token_ratio
             retracted.append(victim)
         if retracted:
             log.warning(
@@ -222,21 +301,66 @@ class Scheduler:
         return list(self.running)
 
     def _pick_victim(self) -> Request:
-        """Retract the request that loses least work: fewest outputs, then the longest prompt."""
-        return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+        """Retract the request that loses least work (fewest outputs, then the longest prompt)
+        among those of the worst priority (the largest ``priority`` value)."""
+        return min(
+            self.running,
+            key=lambda r: (-r.params.priority, len(r.output_ids), -len(r.prompt_ids)),
+        )
 
     def _retract(self, req: Request) -> None:
+        """Back to the front of the waiting queue, to be recomputed (prompt + outputs so far);
+        the KV it computed goes into the tree. A request whose decode slot this step already
+        extended has computed one token less than its ``kv_len``."""
         self.running.remove(req)
-        self.kv.close(req.kv, req.all_ids[: req.kv.kv_len], cache=True)
+        computed = req.kv.kv_len - (1 if any(r is req for r in self._decoding) else 0)
+        self.kv.close(req.kv, req.all_ids[:computed], cache=True)
         req.seq = None
         req.status = RequestStatus.WAITING
         req.retractions += 1
         self.total_retractions += 1
         self.waiting.insert(0, req)
-        self.new_token_ratio = self.config.init_new_token_ratio
+        self.admission.arrived(req, front=True)
 
-    def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> None:
-        """Fill ``plan.extends`` under the step's token budget and the KV memory check."""
+    def _preempt_for(
+        self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
+    ) -> list[Request] | None:
+        """Retract the running requests the policy names for ``req``, as few as make room for
+        ``pages_short`` pages and ``slots_short`` slots; none (None) when all of them would not."""
+        if not self.policy.preempts or not self.running:
+            return None
+        candidates = self.policy.preempt_candidates(req, list(self.running), ctx)
+        ratio, ps = self.new_token_ratio, self.page_size
+        chosen: list[Request] = []
+        pages = slots = 0
+        for victim in candidates:
+            if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
+                raise ValueError(
+                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    "which is not a running request (or named it twice)"
+                )
+            chosen.append(victim)
+            pages += self._own_pages(victim) + int(self._future_tokens(victim) * ratio / ps)
+            slots += 1
+            if pages >= pages_short and slots >= slots_short:
+                break
+        else:
+            return None
+        for victim in chosen:
+            self._retract(victim)
+            self.total_preemptions += 1
+        self._preempted = True
+        log.info(
+            "preempted %s for %s (policy %s)",
+            ", ".join(v.rid for v in chosen),
+            req.rid,
+            self.policy.name,
+        )
+        return chosen
+
+    def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> Admission:
+        """Fill ``plan.extends`` under the step's token budget and the KV memory check; return
+        how admission went (why it stopped, whom it skipped) for the admission counts."""
         chunk = budget.chunk_size
         # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
         # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
@@ -251,40 +375,63 @@ class Scheduler:
         # the request mid-chunk goes first
         for req in list(self.prefilling):
             if remaining <= 0:
-                return
+                return Admission(TOKEN_BUDGET)
             todo = req.num_tokens - req.kv.kv_len
             take = min(todo, remaining, chunk) if chunk else todo
             if take < todo and chunk and take >= ps:
                 take = take // ps * ps
             computed = req.kv.kv_len
             if not self._try_extend(req, take):
-                return
+                return Admission(KV_RESERVATION)
             self._add_extend(plan, req, take)
             if dedup is not None:
                 dedup.add(req.all_ids, computed)
             remaining -= take
+        if not self.waiting:
+            return Admission()
+        # nothing can be admitted: skip the policy's ordering work (unless it may preempt)
+        if remaining <= 0:
+            return Admission(TOKEN_BUDGET)
+        if self.chunked is not None and chunk:
+            return Admission(CHUNK_IN_FLIGHT)
+        preempts = self.policy.preempts
         slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
-        if not self.waiting or remaining <= 0 or slots <= 0 or (self.chunked is not None and chunk):
-            return  # nothing can be admitted: skip the policy's ordering work
+        if slots <= 0 and not preempts:
+            return Admission(RUNNING_CAP)
         reserved = self._reserved_tokens()
         ratio = self.new_token_ratio
         alone = not self.running and not self.prefilling and not plan.extends
-        if not alone and math.ceil(reserved * ratio / ps) + 1 > self.kv.available_pages:
-            return  # not even a one-page request would fit
+        if (
+            not alone
+            and not preempts
+            and math.ceil(reserved * ratio / ps) + 1 > self.kv.available_pages
+        ):
+            return Admission(KV_RESERVATION)  # not even a one-page request would fit
         # The policy orders the oldest ``policy_window`` requests; the rest wait in arrival
         # order, which bounds each step's ordering cost when the queue is very long.
         window = self.waiting[: self.config.policy_window]
-        for req in self.policy.order(window, self._context(num_decodes)):
-            if remaining <= 0 or slots <= 0:
+        ctx = self._context(num_decodes)
+        ordered = self.policy.order(window, ctx)
+        admission = Admission(window=window)
+        if len(ordered) < len(window):  # the policy holds the ones it left out
+            kept = {id(req) for req in ordered}
+            admission.held = [req for req in window if id(req) not in kept]
+        if self.shadow is not None:
+            self.shadow.compare(window, ordered, ctx)
+        for req in ordered:
+            if remaining <= 0:
+                admission.stopped = TOKEN_BUDGET
                 break
             if self.chunked is not None and chunk:
-                break  # at most one request mid-chunk
+                admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
+                break
             ids = req.all_ids
             matched = self.kv.match_length(ids)
             if dedup is not None and dedup.shares(ids, matched):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
                 self.total_prefix_deferrals += 1
+                admission.deferred.append(req)
                 continue
             estimate = len(ids) - matched
             future = self._future_tokens(req)
@@ -292,12 +439,27 @@ class Scheduler:
                 (reserved + future) * ratio / ps
             )
             alone = not self.running and not self.prefilling and not plan.extends
-            if not alone and need > self.kv.available_pages:
-                break
+            if not alone and (slots <= 0 or need > self.kv.available_pages):
+                short = need - self.kv.available_pages
+                victims = self._preempt_for(req, ctx, short, 1 - slots)
+                if victims is None:
+                    admission.stopped = RUNNING_CAP if slots <= 0 else KV_RESERVATION
+                    break
+                slots += len(victims)
+                reserved = self._reserved_tokens()  # without the victims' future tokens
+                need = self.kv.pages_needed(None, estimate) + math.ceil(
+                    (reserved + future) * ratio / ps
+                )
+                alone = not self.running and not self.prefilling and not plan.extends
+                if not alone and need > self.kv.available_pages:
+                    admission.stopped = KV_RESERVATION
+                    break
             if not chunk and estimate > remaining and not alone:
-                break  # chunking off: a prompt over the budget runs alone
+                admission.stopped = TOKEN_BUDGET  # no chunking: a prompt over the budget runs alone
+                break
             if chunk and ps <= estimate and remaining < ps and not alone:
-                break  # the budget left is less than a page: start this prompt next step
+                admission.stopped = TOKEN_BUDGET  # less than a page left: start it next step
+                break
             req.seq = self.kv.open(ids)
             todo = len(ids) - req.kv.kv_len
             take = todo if not chunk else min(todo, remaining, chunk)
@@ -306,8 +468,10 @@ class Scheduler:
             if not self._try_extend(req, take):
                 self.kv.close(req.kv, [], cache=False)
                 req.seq = None
+                admission.stopped = KV_RESERVATION
                 break
             self.waiting.remove(req)
+            admission.admitted.append(req)
             req.status = RequestStatus.PREFILLING
             if req.retractions == 0:
                 req.cached_tokens = req.kv.num_cached
@@ -318,6 +482,14 @@ class Scheduler:
             remaining -= take
             slots -= 1
             reserved += future
+        else:  # every ordered request was tried: say what would have stopped the next one
+            if remaining <= 0:
+                admission.stopped = TOKEN_BUDGET
+            elif self.chunked is not None and chunk:
+                admission.stopped = CHUNK_IN_FLIGHT
+            elif slots <= 0:
+                admission.stopped = RUNNING_CAP
+        return admission
 
     def _try_extend(self, req: Request, take: int) -> bool:
         try:
@@ -345,6 +517,8 @@ class Scheduler:
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
         self.policy.observe(plan, output.forward_seconds)
+        if self.shadow is not None:
+            self.shadow.observe(plan, output.forward_seconds)
         now = self.clock()
         events: list[TokenEvent] = []
         sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
@@ -420,7 +594,9 @@ class Scheduler:
             "prefilling": len(self.prefilling),
             "waiting": len(self.waiting),
             "retractions": self.total_retractions,
+            "preemptions": self.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
+            "policy_swaps": self.policy_swaps,
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

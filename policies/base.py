@@ -52,14 +52,18 @@ class PolicyContext:
 class Policy:
     """Base policy: arrival order, the config's budgets. Subclass and override what you need.
 
-    ``order`` returns the waiting requests in the order the scheduler should try to admit them.
+    ``order`` returns the waiting requests in the order the scheduler should try to admit them;
+    a request it leaves out is held this step (counted as an admission block, "policy_hold").
     ``budget`` returns this step's token limits. ``observe`` receives every finished step with
-    its measured forward time (policies that learn from latency use it).
+    its measured forward time (policies that learn from latency use it). ``finished`` hears of
+    every request that leaves the engine. ``preempt_candidates`` names running requests the
+    scheduler may retract for a blocked waiting one (only when ``preempts`` is true).
     """
 
     name = "base"
     orders = False  # True when the subclass overrides ``order``
     budgets = False  # True when the subclass overrides ``budget``
+    preempts = False  # True when ``preempt_candidates`` may name requests to retract
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -77,6 +81,22 @@ class Policy:
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         return None
+
+    def finished(self, req: Request) -> None:
+        """``req`` left the engine (finished, aborted or timed out)."""
+        return None
+
+    def preempt_candidates(
+        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+    ) -> list[Request]:
+        """Running (decoding) requests the scheduler may retract, in this order, to admit
+        ``candidate`` when KV memory or the running-request cap blocks it.
+
+        The scheduler retracts the shortest prefix of the list that makes room, and none when
+        the whole list would not; a retracted request is recomputed later (its computed prefix
+        stays cached) and never emits a token twice. Policies never free KV themselves.
+        """
+        return []
 
 
 def take_options(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -13,14 +13,11 @@ The answer is clamped to ``[min_chunk, max_chunk]``, page aligned, and smoothed 
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Any
-
-import numpy as np
 
 from asyncengine.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
+from asyncengine.policies.latency_model import LatencyModel
 
 
 class DynamicChunkingPolicy(Policy):
@@ -45,31 +42,12 @@ class DynamicChunkingPolicy(Policy):
         if opts["min_chunk"] < 1 or opts["max_chunk"] < opts["min_chunk"]:
             raise ValueError("policy 'dynamic-chunking': need 1 <= min_chunk <= max_chunk")
         self.opts = opts
-        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=opts["window"])
-        self.coef: np.ndarray | None = None  # a, b, c, d
-        self._since_fit = 0
+        self.model = LatencyModel(opts["window"], opts["min_samples"])
         self._smoothed: float | None = None
 
     # -- learning -------------------------------------------------------------------------
     def observe(self, plan: BatchPlan, seconds: float) -> None:
-        if not plan.extends:
-            return
-        attn = float(sum(2 * s.start_pos * s.num_tokens + s.num_tokens**2 for s in plan.extends))
-        linear = float(sum(s.num_tokens for s in plan.extends))
-        self.samples.append((attn, linear, float(len(plan.decodes)), seconds))
-        self._since_fit += 1
-        if len(self.samples) >= self.opts["min_samples"] and (
-            self.coef is None or self._since_fit >= 4
-        ):
-            self.fit()
-
-    def fit(self) -> None:
-        data = np.asarray(self.samples, dtype=np.float64)
-        features = np.column_stack([data[:, 0], data[:, 1], data[:, 2], np.ones(len(data))])
-        scale = np.maximum(np.abs(features).max(axis=0), 1e-12)
-        coef, *_ = np.linalg.lstsq(features / scale, data[:, 3], rcond=None)
-        self.coef = coef / scale
-        self._since_fit = 0
+        self.model.observe(plan, seconds)
 
     # -- deciding -------------------------------------------------------------------------
     def base_chunk(self, ctx: PolicyContext) -> int:
@@ -77,19 +55,14 @@ class DynamicChunkingPolicy(Policy):
 
     def chunk_for_prefix(self, prefix_len: int, base: int) -> int:
         """The chunk length whose fitted cost at ``prefix_len`` equals a base chunk's at 0."""
-        if self.coef is None:
+        model = self.model
+        if not model.fitted:
             return base
-        a, b = max(float(self.coef[0]), 0.0), max(float(self.coef[1]), 0.0)
+        a, b, _, _ = model.coefficients()
         target = a * base * base + b * base
-        if target <= 0:
-            return base
-        if a <= 0:
+        if target <= 0 or a <= 0:
             return base  # no attention cost measured: every chunk costs the same
-        lin = 2 * a * prefix_len + b
-        # the positive root of a*x^2 + lin*x - target, in the form without cancellation; at
-        # prefix 0 it is ``base`` exactly, which rounding must not turn into base - 1 (and
-        # then, page aligned, into base - page)
-        return int(2 * target / (lin + math.sqrt(lin * lin + 4 * a * target)) + 1e-6)
+        return model.tokens_within(target, prefix_len)
 
     def budget(self, ctx: PolicyContext) -> StepBudget:
         base = self.base_chunk(ctx)

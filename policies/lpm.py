@@ -61,6 +61,8 @@ class LPMPolicy(Policy):
             arrival = req.arrival_time
             waited = now - arrival
             starving = waited * rate >= cap
-            keyed.append((not starving, -(cached + aging * waited), arrival, index))
+            # the starving go first, oldest first (a cached prefix must not keep one waiting)
+            score = 0.0 if starving else -(cached + aging * waited)
+            keyed.append((not starving, score, arrival, index))
         keyed.sort()
         return [waiting[item[3]] for item in keyed]

@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 from asyncengine.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.dfs_weight import DFSWeightPolicy
 from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
+from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lpm import LPMPolicy
+from asyncengine.policies.priority import PriorityPolicy
+from asyncengine.policies.sjf import SJFPolicy
+from asyncengine.policies.slo import SLOPolicy
 from asyncengine.policies.token_budget import TokenBudgetPolicy
 from asyncengine.request import Request
 
 BUILTIN: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (FCFSPolicy, LPMPolicy, DFSWeightPolicy, TokenBudgetPolicy, DynamicChunkingPolicy)
+    for cls in (
+        FCFSPolicy,
+        LPMPolicy,
+        DFSWeightPolicy,
+        TokenBudgetPolicy,
+        DynamicChunkingPolicy,
+        PriorityPolicy,
+        SJFPolicy,
+        FairPolicy,
+        SLOPolicy,
+    )
 }
 
 
 class ComposedPolicy(Policy):
-    """Ordering from the parts that order, budget from the last part that budgets."""
+    """Ordering (and preemption) from the part that orders, budget from the last part that
+    budgets; every part observes every step and hears of every finished request."""
 
     def __init__(self, parts: list[Policy]) -> None:
         self.parts = parts
@@ -35,6 +51,10 @@ class ComposedPolicy(Policy):
         self.orderer = orderers[0] if orderers else None
         self.budgeter = budgeters[-1] if budgeters else None
 
+    @property
+    def preempts(self) -> bool:  # type: ignore[override]
+        return self.orderer is not None and self.orderer.preempts
+
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return self.orderer.order(waiting, ctx) if self.orderer else waiting
 
@@ -44,6 +64,17 @@ class ComposedPolicy(Policy):
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         for part in self.parts:
             part.observe(plan, seconds)
+
+    def finished(self, req: Request) -> None:
+        for part in self.parts:
+            part.finished(req)
+
+    def preempt_candidates(
+        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+    ) -> list[Request]:
+        if self.orderer is None or not self.orderer.preempts:
+            return []
+        return self.orderer.preempt_candidates(candidate, running, ctx)
 
 
 def _resolve(name: str) -> type[Policy]:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor.kv_pool import KVPool
@@ -72,7 +71,8 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
 
 def gemm_floor_seconds(model: LlamaModel, num_tokens: int, num_sampled: int, repeats: int) -> float:
     """The forward's matmuls alone: every layer's projections (its own weights, so they stream
-    from memory as in the forward) at num_tokens rows, plus the LM head at the sampled rows."""
+    from memory as in the forward; through the same ``Linear`` objects, so prepacked on a CPU
+    as in the forward) at num_tokens rows, plus the LM head at the sampled rows."""
     c = model.config
     x = torch.randn(num_tokens, c.hidden_size).to(model.dtype)
     x_attn = torch.randn(num_tokens, c.q_size).to(model.dtype)
@@ -81,11 +81,11 @@ def gemm_floor_seconds(model: LlamaModel, num_tokens: int, num_sampled: int, rep
 
     def gemms() -> None:
         for layer in model.layers:
-            F.linear(x, layer.qkv, layer.qkv_bias)
-            F.linear(x_attn, layer.o_proj)
-            F.linear(x, layer.gate_up)
-            F.linear(x_inter, layer.down)
-        F.linear(x_head, model.lm_head)
+            layer.qkv(x)
+            layer.o_proj(x_attn)
+            layer.gate_up(x)
+            layer.down(x_inter)
+        model.lm_head(x_head)
 
     with torch.inference_mode():
         return median_seconds(gemms, repeats)

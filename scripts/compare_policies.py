@@ -5,10 +5,30 @@
         --workload shared_prefix --arrivals poisson:20 --sim --out results/prefix
     python scripts/compare_policies.py --policies fcfs lpm dfs-weight --workload trace.jsonl --out DIR
 
+    python scripts/compare_policies.py --policies lpm --workload shared_prefix \
+        --sweep replicas=1,2 router=cache-aware,round-robin --ray --out results/routers
+    python scripts/compare_policies.py --trace live.jsonl --fit-from-trace \
+        --policies fcfs lpm sjf --out DIR      # yesterday's traffic under other policies
+
 ``--workload`` is a generator name (see asyncengine.workloads.WORKLOADS; its arguments go in
-``--workload-arg key=value``) or a JSONL trace. ``--sim`` (the default) drives the real
-scheduler with a cost model on a virtual clock; ``--real`` runs the model. DIR receives
-results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png and hit_rate.png.
+``--workload-arg key=value``) or a JSONL trace. ``--trace`` is a live trace written by
+``asyncengine serve --record-trace`` (or a workload trace); ``--fit-from-trace`` fits the
+simulator's cost model to the steps measured in that same live run. ``--sim`` (the default)
+drives the real scheduler with a cost model on a virtual clock; ``--real`` runs the model.
+``--shadow`` also runs each config's ``shadow_policy`` as the live one (the full picture behind
+the shadow's agreement figures). ``--group-by tenant|priority`` adds per-group tables and a
+figure; ``--slo ttft_ms=N tpot_ms=N`` adds SLO attainment and goodput.
+
+DIR receives results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png,
+hit_rate.png (and ttft_by_GROUP.png, cost_model.json where asked). The table shows each run's
+hit rate next to the offline bounds with an infinite pool, with the run's pool, and with the
+run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py; one-replica runs).
+
+``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
+KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
+(N simulated engines behind one of the Ray deployment's routers; ``--replicas``/``--router``
+set them for every run). ``--ray [ADDR]`` runs the simulations as Ray tasks, on a local Ray
+(no ADDR) or a cluster (ADDR, e.g. ``auto``); the results are the same as a local run's.
 """
 
 from __future__ import annotations
@@ -24,25 +44,63 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.bench.groups import SLO
 from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.bench.optimal_hit_finite import optimal_hit_finite
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
-from asyncengine.bench.report import RunReport, markdown_table, write_figures
+from asyncengine.bench.report import (
+    RunReport,
+    blocked_table,
+    group_table,
+    markdown_table,
+    write_figures,
+    write_group_figure,
+)
 from asyncengine.config import EngineConfig, key_value
-from asyncengine.workloads import Arrivals, load_trace, make_workload, save_trace
+from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
+from asyncengine.workloads import Arrivals, make_workload, save_trace
+from asyncengine.workloads.live_trace import is_live_trace, load_live_trace, load_requests
 from asyncengine.workloads.trace import WorkloadRequest
 
 
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     extra = dict(args.workload_arg)
-    if args.workload.endswith(".jsonl") or Path(args.workload).is_file():
+    source = args.trace or args.workload
+    if args.trace or source.endswith(".jsonl") or Path(source).is_file():
         if extra or args.arrivals:
             raise SystemExit(
                 "--workload-arg and --arrivals apply to generated workloads, not traces"
             )
-        return load_trace(args.workload)
+        return load_requests(source)
     if args.arrivals:
         extra["arrivals"] = Arrivals.parse(args.arrivals)
-    return make_workload(args.workload, seed=args.seed, **extra)
+    return make_workload(source, seed=args.seed, **extra)
+
+
+def trace_cost_model(path: str, out: Path) -> Any:
+    """The cost model fitted to the steps a live trace measured (saved to out/cost_model.json)."""
+    from asyncengine.sim.cost_model import CostModel, StepFeatures
+
+    if not is_live_trace(path):
+        raise SystemExit(f"--fit-from-trace needs a live trace (serve --record-trace), not {path}")
+    steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
+    if len(steps) < 5:
+        raise SystemExit(f"{path} holds {len(steps)} measured steps; too few to fit a cost model")
+    features = [
+        StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
+        for s in steps
+    ]
+    model = CostModel.fit(
+        features, [s.seconds for s in steps], f"fitted to {len(steps)} steps of {Path(path).name}"
+    )
+    model.save(out / "cost_model.json")
+    errors = sorted(model.relative_errors(features, [s.seconds for s in steps]))
+    print(
+        f"cost model fitted to {len(steps)} live steps: median relative error "
+        f"{float(errors[len(errors) // 2]):.1%}",
+        flush=True,
+    )
+    return model
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
@@ -56,6 +114,19 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
         )
     if not configs:
         raise SystemExit("give --configs and/or --policies")
+    if args.shadow:  # each shadow as the live policy, right after its config
+        with_shadows = []
+        for label, config in configs:
+            with_shadows.append((label, config))
+            if config.shadow_policy is not None:
+                as_live = config.replace(
+                    policy=config.shadow_policy,
+                    policy_options=config.shadow_policy_options,
+                    shadow_policy=None,
+                    shadow_policy_options={},
+                )
+                with_shadows.append((f"{label} shadow: {config.shadow_policy}", as_live))
+        configs = with_shadows
     seen: dict[str, int] = {}
     labelled = []
     for label, config in configs:
@@ -67,28 +138,19 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
 def run_one(
     config: EngineConfig, workload: list[WorkloadRequest], args: argparse.Namespace
 ) -> tuple[list[RequestRecord], BenchSummary, dict[str, Any]]:
-    """Run one configuration; returns its records, their summary and mode-specific details."""
-    if args.real:
-        from asyncengine.sim.engine_replay import replay_real
+    """Run one configuration on the real engine; its records, their summary and its stats."""
+    from asyncengine.sim.engine_replay import replay_real
 
-        records, stats = asyncio.run(replay_real(config, workload))
-        retracts = stats.get("retractions")
-        summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
-        return records, summary, {"engine_stats": stats}
-    from asyncengine.sim.cost_model import CostModel
-    from asyncengine.sim.simulator import simulate
-
-    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
-    result = simulate(config, workload, cost)
+    records, stats = asyncio.run(replay_real(config, workload))
+    retracts = stats.get("retractions")
+    summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
     details = {
-        "steps": result.steps,
-        "virtual_seconds": result.virtual_seconds,
-        "wall_seconds": result.wall_seconds,
-        "cpu_seconds": result.cpu_seconds,
-        "scheduler_stats": result.scheduler_stats,
-        "cost_model": cost.description,
+        "engine_stats": stats,
+        "pages_total": stats["pages_total"],
+        "admission_blocked": stats.get("admission_blocked"),
+        "shadow": stats.get("shadow"),
     }
-    return result.records, result.summary, details
+    return records, summary, details
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunReport]:
@@ -108,7 +170,32 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         metavar="KEY=VALUE",
         help="override every config",
     )
-    parser.add_argument("--workload", required=True, help="generator name or trace.jsonl")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", help="generator name or trace.jsonl")
+    source.add_argument("--trace", help="a live trace (serve --record-trace) or a workload trace")
+    parser.add_argument(
+        "--fit-from-trace",
+        action="store_true",
+        help="simulate with a cost model fitted to the live trace's measured steps",
+    )
+    parser.add_argument(
+        "--shadow", action="store_true", help="also run each config's shadow_policy as live"
+    )
+    parser.add_argument(
+        "--group-by",
+        nargs="*",
+        choices=("tenant", "priority"),
+        default=[],
+        help="per-tenant / per-priority tables and TTFT figures",
+    )
+    parser.add_argument(
+        "--slo",
+        nargs="*",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="SLO targets ttft_ms=N tpot_ms=N: attainment and goodput columns",
+    )
     parser.add_argument(
         "--workload-arg", nargs="*", type=key_value, default=[], metavar="KEY=VALUE"
     )
@@ -118,6 +205,22 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     mode.add_argument("--sim", action="store_true", help="simulate (default)")
     mode.add_argument("--real", action="store_true", help="run the real engine")
     parser.add_argument("--cost-model", default=None, help="cost model JSON for --sim")
+    parser.add_argument(
+        "--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="a grid of settings"
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="simulated replicas per run")
+    parser.add_argument("--router", default=None, help="router of the replicas (cache-aware)")
+    parser.add_argument(
+        "--router-option", nargs="*", type=key_value, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDR",
+        help="run the simulations as Ray tasks (a local Ray, or the cluster at ADDR)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
@@ -125,49 +228,119 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes: counted
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.fit_from_trace and not args.trace:
+        raise SystemExit("--fit-from-trace fits to the live run given with --trace")
+    if args.fit_from_trace and args.real:
+        raise SystemExit("--fit-from-trace is for the simulator (--sim)")
+    slo = SLO.parse(args.slo) if args.slo else None
     workload = load_workload(args)
     save_trace(out / "workload.jsonl", workload)
     configs = build_configs(args)
     prompts = [w.prompt_ids for w in workload]
-    optimal_by_page: dict[int, float] = {}
+    in_arrival_order = [w.prompt_ids for w in sorted(workload, key=lambda w: w.arrival_time)]
+    bounds: dict[tuple[str, int, int], float] = {}
+
+    def bound(kind: str, page_size: int, pool_pages: int = 0) -> float:
+        """The infinite-pool bound, or with ``pool_pages`` in any order / in arrival order."""
+        key = (kind, page_size, pool_pages)
+        if key not in bounds:
+            if kind == "infinite":
+                bounds[key] = optimal_hit(prompts, page_size).rate
+            elif not pool_pages:
+                bounds[key] = float("nan")  # several replicas: several pools
+            else:
+                order = "any" if kind == "pool" else "arrival"
+                ordered = prompts if kind == "pool" else in_arrival_order
+                bounds[key] = optimal_hit_finite(ordered, page_size, pool_pages, order).rate  # type: ignore[arg-type]
+        return bounds[key]
+
+    sweep = parse_sweep(args.sweep)
+    base = [
+        SimJob(label, config, args.replicas, args.router, dict(args.router_option))
+        for label, config in configs
+    ]
+    jobs = expand(base, sweep)
+    if args.real and (args.ray or any(job.multi_replica for job in jobs)):
+        raise SystemExit(
+            f"--ray and {'/'.join(JOB_KEYS)} apply to simulated runs; --real runs one engine here"
+        )
+    if args.real:
+        results = []
+        for job in jobs:
+            print(f"[{job.label}] policy={job.config.policy} ...", flush=True)
+            records, summary, extra = run_one(job.config, workload, args)
+            results.append((records, summary, extra))
+    else:
+        from asyncengine.sim.cost_model import CostModel
+
+        if args.fit_from_trace:
+            cost = trace_cost_model(args.trace, out)
+        else:
+            cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
+        print(f"{len(jobs)} simulated run(s){' on Ray' if args.ray else ''} ...", flush=True)
+        results = [
+            (r.records, r.summary, {**r.details, "cost_model": cost.description})
+            for r in run_jobs(jobs, workload, cost, args.ray)
+        ]
 
     runs: list[RunReport] = []
     details: dict[str, Any] = {}
-    for label, config in configs:
-        print(f"[{label}] policy={config.policy} ...", flush=True)
-        records, summary, extra = run_one(config, workload, args)
-        if config.page_size not in optimal_by_page:
-            optimal_by_page[config.page_size] = optimal_hit(prompts, config.page_size).rate
-        run = RunReport(label, config.policy, summary, records, optimal_by_page[config.page_size])
+    for job, (records, summary, extra) in zip(jobs, results, strict=True):
+        label, config = job.label, job.config
+        ps, pool = config.page_size, int(extra.get("pages_total") or 0)
+        run = RunReport(
+            label,
+            config.policy,
+            summary,
+            records,
+            bound("infinite", ps),
+            pool_hit_rate=bound("pool", ps, pool),
+            arrival_hit_rate=bound("arrival", ps, pool),
+            slo=slo,
+            admission_blocked=extra.get("admission_blocked"),
+        )
         runs.append(run)
         details[label] = {
             "config": config.to_dict(),
             "summary": summary.to_dict(),
             "optimal_hit_rate": run.optimal_hit_rate,
+            "pool_hit_bound": run.pool_hit_rate,
+            "arrival_order_hit_bound": run.arrival_hit_rate,
+            **({"slo_attainment": slo.attainment(records)} if slo else {}),
             **extra,
         }
         print(
             f"[{label}] {summary.num_completed}/{summary.num_requests} done, "
             f"{summary.output_throughput:.1f} tok/s, TTFT p50 {summary.ttft.p50 * 1e3:.1f} ms, "
-            f"hit {summary.cache_hit_rate:.3f} (optimal {run.optimal_hit_rate:.3f})",
+            f"hit {summary.cache_hit_rate:.3f} (bounds: infinite {run.optimal_hit_rate:.3f}, "
+            f"pool {run.pool_hit_rate:.3f}, arrival order {run.arrival_hit_rate:.3f})",
             flush=True,
         )
 
     mode_name = "real engine" if args.real else "simulator"
     header = (
-        f"# Policy comparison\n\nworkload: `{args.workload}` ({len(workload)} requests, "
-        f"{sum(len(p) for p in prompts)} prompt tokens), mode: {mode_name}"
+        f"# Policy comparison\n\nworkload: `{args.trace or args.workload}` ({len(workload)} "
+        f"requests, {sum(len(p) for p in prompts)} prompt tokens), mode: {mode_name}"
     )
     if not args.real:
         header += f", cost model: {next(iter(details.values()))['cost_model']}"
-    table = markdown_table(runs)
-    (out / "results.md").write_text(header + "\n\n" + table, encoding="utf-8")
+    if slo is not None:
+        header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
+    sections = [header, markdown_table(runs)]
+    for by in args.group_by:
+        sections += [f"## By {by}", group_table(runs, by)]
+    blocked = blocked_table(runs)
+    if blocked:
+        sections += ["## Why admission stopped (steps, by reason)", blocked]
+    (out / "results.md").write_text("\n\n".join(sections), encoding="utf-8")
     (out / "summary.json").write_text(
         json.dumps(details, indent=2, default=str) + "\n", encoding="utf-8"
     )
     if not args.no_figures:
         write_figures(runs, out)
-    print(table)
+        for by in args.group_by:
+            write_group_figure(runs, by, out)
+    print("\n\n".join(sections[1:]))
     return runs
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate everything in docs/experiments/ (see docs/EXPERIMENTS.md).
 #
-#   scripts/run_experiments.sh            # simulator runs (about 25 s of one core)
+#   scripts/run_experiments.sh            # simulator runs (about a minute of one core)
 #   scripts/run_experiments.sh --real     # also the simulator-vs-real check (a few minutes)
+#   ONLY="multi_tenant slo" scripts/run_experiments.sh   # just these experiments
 #
 # Every workload is seeded (--seed 0), so the simulator runs give the same numbers on any
 # machine; the real check measures this machine.
@@ -14,9 +15,12 @@ POLICIES=(configs/fcfs.toml configs/lpm.toml configs/dfs-weight.toml
           configs/token-budget.toml configs/dynamic-chunking.toml)
 EXTRA=$OUT/configs
 
+ONLY=${ONLY:-}
+
 compare() {  # compare NAME ARGS...: one simulated comparison into $OUT/NAME
     local name=$1
     shift
+    if [[ -n "$ONLY" && " $ONLY " != *" $name "* ]]; then return; fi
     "$PY" scripts/compare_policies.py --sim --seed 0 --out "$OUT/$name" "$@"
     rm -f "$OUT/$name/workload.jsonl"  # regenerated from the seed; keeps the docs small
 }
@@ -49,6 +53,54 @@ compare tree_of_thought --workload tree_of_thought --arrivals burst \
 compare long_short --workload long_short --arrivals interval:1 \
     --configs "${POLICIES[@]}" "$EXTRA/fcfs-no-chunk.toml" "$EXTRA/fcfs-no-mixed.toml" \
     "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-chunk-256.toml"
+
+# 7. Two tenants: "heavy" sends 600-token prompts at 1.2 per second (more than the engine
+#    serves), "light" 60-token prompts at 0.12 per second.
+compare multi_tenant --workload multi_tenant \
+    --workload-arg num_heavy=200 num_light=20 heavy_rate=1.2 light_rate=0.12 \
+    --policies fcfs sjf fair --configs "$EXTRA/sjf-aging-0.1.toml" --group-by tenant
+
+# 8. Priorities: 20% interactive requests (priority 0, 16-token answers) among batch ones
+#    (priority 1, 128 tokens), 300 requests at 2 per second (more than the engine serves).
+compare priority_mix --workload priority_mix --workload-arg num_requests=300 rate=2.0 \
+    --policies fcfs priority --configs "$EXTRA/priority-preempt.toml" --group-by priority
+
+# 9. Latency targets (TTFT 5 s, ITL 250 ms): chat prompts and 10% long documents, 300
+#    requests at 0.8 per second; FCFS with the SLO policy in the shadow, and (--shadow) the
+#    shadow run live.
+compare slo --workload slo_mix --workload-arg num_requests=300 rate=0.8 \
+    --policies fcfs dynamic-chunking --configs "$EXTRA/slo.toml" "$EXTRA/fcfs-shadow-slo.toml" \
+    --shadow --slo ttft_ms=5000 tpot_ms=250
+
+# 10. The starvation check of every built-in policy (and of the variants that bound waits).
+if [[ -z "$ONLY" || " $ONLY " == *" starvation "* ]]; then
+    mkdir -p "$OUT/starvation"
+    check() {  # check NAME POLICY OPTIONS
+        "$PY" scripts/check_policy.py "$2" --options "$3" --examples 10 -q \
+            --json "$OUT/starvation/$1.json" > /dev/null || true
+    }
+    check fcfs fcfs '{}'
+    check lpm lpm '{}'
+    check lpm-aging-0.1 lpm '{"aging": 0.1}'
+    check dfs-weight dfs-weight '{}'
+    check priority priority '{}'
+    check priority-cap-5000 priority '{"max_wait_tokens": 5000}'
+    check sjf sjf '{}'
+    check fair fair '{}'
+    check slo slo '{"ttft_ms": 5000.0, "itl_ms": 250.0}'
+    "$PY" - "$OUT/starvation" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = ["| policy | options | verdict | adversaries | worst wait (prefill tokens) | worst overtaking (prefill tokens) | failure |",
+        "|---|---|---|---:|---:|---:|---|"]
+for path in sorted(out.glob("*.json")):
+    r = json.loads(path.read_text())
+    rows.append(f"| `{r['policy']}` | `{json.dumps(r['options'])}` | {'passed' if r['passed'] else 'FAILED'} | "
+                f"{r['examples']} | {r['worst_wait_tokens']} | {r['worst_overtaken_tokens']} | {r['failure'] or ''} |")
+(out / "results.md").write_text("# Starvation check (scripts/check_policy.py, 10 drawn adversaries each)\n\n" + "\n".join(rows) + "\n")
+PYEOF
+fi
 
 # 6. The simulator against the real engine (SmolLM2-135M, bf16, one torch thread).
 if [[ "${1:-}" == "--real" ]]; then

@@ -82,18 +82,37 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # q/k RMSNorm per head, no attention bias, head_dim apart from hidden/heads
+    "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+    # (1 + w) norms, GeGLU (tanh), embeddings times sqrt(hidden), tied, head_dim 32 (not 16)
+    "gemma": ("gemma", {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh"}),
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
 }
 
 
 def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GemmaConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     kind, overrides = TINY_CONFIGS[name]
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    config_cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gemma": GemmaConfig,
+    }[kind]
     config = config_cls(**{**_COMMON, **overrides})
-    config.architectures = [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind],
-    ]
+    config.architectures = [ARCHITECTURES[kind]]
     torch.manual_seed(sum(map(ord, name)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random biases too, so that a dropped bias shows in the logits
@@ -106,7 +125,7 @@ def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyCheckpoint]:
-    """Every tiny checkpoint by name: llama_gqa, llama_tied, qwen2_bias, llama3_rope."""
+    """Every tiny checkpoint by name (TINY_CONFIGS)."""
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     return {name: make_tiny_checkpoint(name, root / name) for name in TINY_CONFIGS}
 

@@ -45,24 +45,40 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.routing",
     ),
-    ("asyncengine.scheduler", "asyncengine.core", "asyncengine.builder"),  # the engine core
-    ("asyncengine.executor", "asyncengine.text"),  # the device side, the output side
-    (
+    (  # the engine core
+        "asyncengine.scheduler",
+        "asyncengine.core",
+        "asyncengine.builder",
+        "asyncengine.admission",
+        "asyncengine.shadow",
+        "asyncengine.tenant_stats",
+    ),
+    # the device side, the output side, structured output's grammars
+    ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
+    (  # drivers
         "asyncengine.engine",
+        "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
+        "asyncengine.trace_recorder",
+        "asyncengine.ray_local",
         "asyncengine.summary_log",
-    ),  # drivers
+    ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]
 
 TORCH_FREE = [
     "asyncengine.scheduler",
+    "asyncengine.admission",
+    "asyncengine.shadow",
+    "asyncengine.tenant_stats",
     "asyncengine.core",
     "asyncengine.builder",
     "asyncengine.cache",
     "asyncengine.policies",
+    "asyncengine.routing",
     "asyncengine.sim",
     "asyncengine.text.stream",
 ]

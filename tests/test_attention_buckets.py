@@ -95,7 +95,9 @@ class Runner:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
-    "backend", [TorchBackend(), TorchBackend(SINGLE)], ids=["buckets", "one-bucket"]
+    "backend",
+    [TorchBackend(native=False), TorchBackend(SINGLE, native=False), TorchBackend()],
+    ids=["buckets", "one-bucket", "native"],
 )
 def test_ragged_forward_equals_each_request_alone(
     tiny_llama: TinyCheckpoint,

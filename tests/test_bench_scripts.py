@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import sys
 import threading
 from collections.abc import Iterator
@@ -288,3 +289,459 @@ def test_serving_launches_and_stops_its_own_server(
     assert result["workload"]["prompt_tokens"] == 3 * 8 + 32
     assert result["launch"]["exit_code"] == 0
     assert "--chunked-prefill-size" in result["launch"]["command"]
+
+
+# -- vLLM as a peer: the parts that need no vLLM (CI has no vLLM virtualenv) ----------------
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # head_dim = 32 / 4 = 8
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    """A model directory holding only config.json (what the KV sizing reads)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    return folder
+
+
+@pytest.fixture
+def single_stream() -> ModuleType:
+    return load_script("bench_single_stream")
+
+
+def small_workload(n: int = 5) -> list[Any]:
+    return make_workload(
+        "random", num_requests=n, seed=4, vocab_size=64, input_median=6, output_median=4,
+        max_input_len=12, max_output_len=8,
+    )  # fmt: skip
+
+
+def test_vllm_spec_carries_the_same_requests_and_our_pool_in_bytes(
+    offline: ModuleType, config_dir: Path
+) -> None:
+    from asyncengine.config import EngineConfig
+
+    workload = small_workload()
+    config = EngineConfig(model=str(config_dir))
+    spec = offline.vllm_spec(config, workload, config_dir, "bfloat16")
+    assert spec["model"] == str(config_dir) and spec["dtype"] == "bfloat16"
+    assert [r["prompt_ids"] for r in spec["requests"]] == [w.prompt_ids for w in workload]
+    assert [r["output_len"] for r in spec["requests"]] == [w.output_len for w in workload]
+    per_token = 2 * 3 * 2 * 8 * 2  # K and V x layers x kv heads x head_dim x bf16 bytes
+    assert spec["kv_cache_bytes"] == 32768 * per_token  # the engine's default CPU pool
+    assert json.loads(json.dumps(spec)) == spec  # what gets written is plain JSON
+
+    fp32 = offline.vllm_spec(config, workload, config_dir, "float32")
+    assert fp32["kv_cache_bytes"] == 2 * spec["kv_cache_bytes"]
+    # a pool of 100 tokens is 7 pages of 16: vLLM gets room for the same 112 tokens
+    small = offline.vllm_spec(
+        EngineConfig(model=str(config_dir), kv_cache_tokens=100),
+        workload,
+        config_dir,
+        "bfloat16",
+        [("max_num_seqs", 64), ("enforce_eager", True), ("swap_space", 0)],
+    )
+    assert small["kv_cache_bytes"] == 112 * per_token
+    assert small["max_num_seqs"] == 64 and small["enforce_eager"] is True
+    assert small["llm_kwargs"] == {"swap_space": 0}  # unknown to vllm_peer: for vllm.LLM
+    given = offline.vllm_spec(config, workload, config_dir, "bfloat16", [("kv_cache_gib", 1.5)])
+    assert given["kv_cache_gib"] == 1.5 and "kv_cache_bytes" not in given
+
+
+def test_kv_bytes_per_token_reads_head_dim_from_the_config(
+    offline: ModuleType, config_dir: Path
+) -> None:
+    peer = offline.peer_vllm
+    assert peer.kv_bytes_per_token(config_dir, "float32") == 2 * 3 * 2 * 8 * 4
+    (config_dir / "config.json").write_text(json.dumps({**TINY_LLAMA_CONFIG, "head_dim": 16}))
+    assert peer.kv_bytes_per_token(config_dir, "bfloat16") == 2 * 3 * 2 * 16 * 2
+    with pytest.raises(ValueError, match="dtype"):
+        peer.kv_bytes_per_token(config_dir, "int8")
+
+
+def peer_result(workload: list[Any], **changes: Any) -> dict[str, Any]:
+    """A result shaped like vllm_peer.py's offline result (same keys)."""
+    result = {
+        "system": "vllm", "vllm_version": "0.32.0", "mode": "offline",
+        "seconds": 4.0, "cpu_seconds": 7.5, "main_process_cpu_seconds": 1.0,
+        "startup_seconds": 35.5, "warmup_seconds": 0.2, "load_start": 1.5, "load_end": 2.5,
+        "foreign_cpu_fraction": 0.04, "peak_tree_rss_bytes": 3_900_000_000,
+        "peak_tree_pss_bytes": 3_000_000_000,
+        "output_tokens": sum(w.output_len for w in workload),
+        "engine": {"max_num_seqs": 256, "block_size": 128, "kv_cache_tokens": 32768},
+        "token_ids": [[5] * w.output_len for w in workload],
+    }  # fmt: skip
+    return {**result, **changes}
+
+
+def test_a_vllm_result_becomes_a_row_beside_asyncengine(offline: ModuleType) -> None:
+    import argparse
+
+    workload = small_workload()
+    useful = sum(w.output_len for w in workload)
+    vllm = offline.vllm_system_run(peer_result(workload), workload)
+    row = vllm.to_json()
+    assert row["system"] == "vllm" and row["seconds"] == 4.0 and row["cpu_seconds"] == 7.5
+    assert row["output_tokens"] == useful == row["generated_tokens"]
+    assert row["output_tokens_per_second"] == pytest.approx(useful / 4.0)
+    assert row["startup_seconds"] == 35.5 and row["peak_rss_bytes"] == 3_900_000_000
+    assert row["engine_config"]["max_num_seqs"] == 256
+    assert row["load_average_start_end"] == [1.5, 2.5]
+
+    # asyncengine twice as fast, agreeing on all but the first request's first token
+    ours = [[5] * w.output_len for w in workload]
+    ours[0] = [6] + ours[0][1:]
+    engine = offline.SystemRun(
+        "asyncengine", offline.Timing(2.0, 5.0, 1.0, 1.0), useful, useful, ours,
+        {"startup_seconds": 2.0, "peak_rss_bytes": 1_500_000_000},
+    )  # fmt: skip
+    args = argparse.Namespace(seed=4, workload_arg=[])
+    result = offline.systems_result({"asyncengine": engine, "vllm": vllm}, workload, args)
+    result["dtype"] = "bfloat16"
+    assert result["speedup_vs_vllm"] == pytest.approx(2.0)
+    assert result["speedup_vs_vllm_cpu_time"] == pytest.approx(7.5 / 5.0)
+    assert "fastest_hf" not in result  # vLLM is not an HF mode
+    agree = result["runs"]["vllm"]["greedy_agreement_with_asyncengine"]
+    assert agree["identical_fraction"] == pytest.approx(4 / 5)
+    text = offline.table(result)
+    assert "asyncengine ahead of vLLM by 2.00x" in text
+    assert "| vllm | 4.0 | 7.5 |" in text and "| 35.5 | 3.90 |" in text
+    assert "max_num_seqs=256" in text
+
+    slower = offline.vllm_system_run(peer_result(workload, seconds=1.0), workload)
+    result = offline.systems_result({"asyncengine": engine, "vllm": slower}, workload, args)
+    result["dtype"] = "bfloat16"
+    assert "asyncengine behind vLLM: 0.50x" in offline.table(result)
+
+
+def test_a_vllm_result_that_does_not_match_the_requests_is_refused(offline: ModuleType) -> None:
+    workload = small_workload()
+    short = [[5] * w.output_len for w in workload]
+    short[2] = short[2][:-1]
+    with pytest.raises(offline.peer_vllm.VllmPeerError, match="request 2"):
+        offline.vllm_system_run(peer_result(workload, token_ids=short), workload)
+    with pytest.raises(offline.peer_vllm.VllmPeerError, match="4 outputs for 5"):
+        offline.vllm_system_run(peer_result(workload, token_ids=short[:4]), workload)
+    with pytest.raises(offline.peer_vllm.VllmPeerError, match="token_ids"):
+        offline.vllm_system_run(peer_result(workload, token_ids=None), workload)
+
+
+def test_foreign_cpu_is_the_machines_busy_time_less_our_own(offline: ModuleType) -> None:
+    import os
+
+    cpus = os.cpu_count() or 1
+    assert offline.foreign_fraction(3.0, 1.0, 2.0) == pytest.approx(2.0 / (2.0 * cpus))
+    assert offline.foreign_fraction(1.0, 1.5, 2.0) == 0.0  # clock ticks vs process time
+    assert math.isnan(offline.foreign_fraction(1.0, 0.5, 0.0))
+    with offline.timed() as timing:
+        sum(range(10_000))
+    assert timing.seconds >= 0 and timing.cpu_seconds >= 0
+    assert math.isnan(timing.foreign_cpu_fraction) or 0.0 <= timing.foreign_cpu_fraction <= 1.0
+
+
+def test_systems_take_commas_or_spaces(offline: ModuleType) -> None:
+    args = offline.build_parser().parse_args(["--systems", "asyncengine,vllm", "hf-cb"])
+    assert [n for group in args.systems for n in group] == ["asyncengine", "vllm", "hf-cb"]
+    with pytest.raises(SystemExit):
+        offline.build_parser().parse_args(["--systems", "asyncengine,sglang"])
+
+
+def test_a_missing_vllm_venv_is_named_with_its_fix(
+    offline: ModuleType,
+    serving: ModuleType,
+    single_stream: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    empty = tmp_path / "no-venv"
+    empty.mkdir()
+    monkeypatch.setenv("VLLM_VENV", str(empty))
+    fix = "run scripts/setup_vllm_cpu.sh"
+    with pytest.raises(offline.peer_vllm.VllmUnavailableError, match=fix):
+        offline.peer_vllm.require_vllm_venv()
+    with pytest.raises(offline.peer_vllm.VllmUnavailableError, match=fix):
+        offline.peer_vllm.run_peer(["--print-env"], 5, tmp_path / "peer.log")
+    # every script refuses before any engine starts
+    for main, argv in (
+        (offline.main, ["--systems", "asyncengine,vllm", "--dtype", "float32"]),
+        (single_stream.main, ["--systems", "vllm", "--dtype", "float32"]),
+        (serving.main, ["--systems", "vllm", "--dtype", "float32", "--request-rate", "1"]),
+    ):
+        with pytest.raises(SystemExit, match=fix):
+            main(argv)
+    # and the shell wrapper says the same
+    import subprocess
+
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "vllm_peer.sh"), "--print-env"],
+        capture_output=True, text=True, timeout=30,
+        env={"PATH": "/usr/bin:/bin", "VLLM_VENV": str(empty)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "setup_vllm_cpu.sh" in done.stderr
+
+
+FAKE_PEER = """
+import json, sys
+args = sys.argv[2:]  # argv[1] is vllm_peer.py
+if "--sleep" in args:
+    import subprocess, time
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # an engine child
+    time.sleep(300)
+spec = json.load(open(args[0]))
+out = args[args.index("--out") + 1]
+json.dump({
+    "seconds": 2.0, "cpu_seconds": 3.0, "startup_seconds": 1.0, "load_start": 0.5,
+    "load_end": 0.5, "peak_tree_rss_bytes": 1000, "engine": {"kv_bytes": spec["kv_cache_bytes"]},
+    "token_ids": [[1] * r["output_len"] for r in spec["requests"]],
+}, open(out, "w"))
+"""
+
+
+@pytest.fixture
+def fake_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 'vLLM venv' whose python answers like vllm_peer.py, to drive the real plumbing."""
+    venv = tmp_path / "fake-venv"
+    (venv / "bin").mkdir(parents=True)
+    (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake_peer.py"} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("VLLM_VENV", str(venv))
+    return venv
+
+
+def test_run_vllm_writes_the_spec_runs_the_peer_and_reads_it_back(
+    offline: ModuleType, config_dir: Path, fake_venv: Path, tmp_path: Path
+) -> None:
+    from asyncengine.config import EngineConfig
+
+    workload = small_workload()
+    config = EngineConfig(model=str(config_dir), kv_cache_tokens=64)
+    run = offline.run_vllm(config, workload, "float32", [("max_num_seqs", 8)], 60, tmp_path / "w")
+    assert run.outputs == [[1] * w.output_len for w in workload]
+    assert run.tokens_per_second == pytest.approx(sum(w.output_len for w in workload) / 2.0)
+    spec = json.loads((tmp_path / "w" / "vllm_spec.json").read_text())
+    assert spec["max_num_seqs"] == 8 and spec["dtype"] == "float32"
+    assert (
+        spec["kv_cache_bytes"] == 64 * 2 * 3 * 2 * 8 * 4 == run.extra["engine_config"]["kv_bytes"]
+    )
+    assert run.extra["kv_cache"]["asyncengine_pool_tokens"] == 64
+
+
+def test_a_peer_past_its_time_is_stopped_with_its_children(
+    offline: ModuleType, fake_venv: Path, tmp_path: Path
+) -> None:
+    import subprocess
+
+    peer = offline.peer_vllm
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def spy(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        process = real_popen(*args, **kwargs)
+        started.append(process)
+        return process
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(peer.subprocess, "Popen", spy)
+        with pytest.raises(peer.VllmPeerError, match="did not finish within 1 s"):
+            peer.run_peer(["--sleep"], 1.0, tmp_path / "peer.log")
+    assert len(started) == 1
+    assert started[0].poll() is not None
+    assert not peer.group_alive(started[0].pid)  # the 'engine child' went too
+
+
+def test_vllm_peer_mirror_of_the_random_workload_matches_ours() -> None:
+    """vllm_peer.py --make-random draws asyncengine's random workload without importing it."""
+    import argparse
+
+    peer = load_script("vllm_peer")
+    args = argparse.Namespace(
+        make_random=6, model=None, dtype="bfloat16", vocab_size=64, seed=3, input_median=20.0,
+        input_sigma=1.0, output_median=9.0, output_sigma=0.9, max_input_len=2048,
+        max_output_len=1024,
+    )  # fmt: skip
+    spec = peer.make_random(args)
+    ours = make_workload(
+        "random", num_requests=6, seed=3, vocab_size=64, input_median=20, output_median=9
+    )
+    assert [r["prompt_ids"] for r in spec["requests"]] == [w.prompt_ids for w in ours]
+    assert [r["output_len"] for r in spec["requests"]] == [w.output_len for w in ours]
+
+
+# -- bench_single_stream: the bound's arithmetic ---------------------------------------------
+
+
+def test_copy_bandwidth_counts_reads_and_writes_over_the_median(single_stream: ModuleType) -> None:
+    bw = single_stream.copy_bandwidth(1000, [4.0, 1.0, 2.0])
+    assert bw.bytes_per_second == pytest.approx(2 * 1000 / 2.0)
+    with pytest.raises(ValueError):
+        single_stream.copy_bandwidth(1000, [])
+    assert single_stream.bound_tokens_per_second(10e9, 250_000_000) == pytest.approx(40.0)
+    assert single_stream.decode_tokens_per_second(
+        33, [0.1, 0.3, 0.2], [1.2, 3.0, 1.7]
+    ) == pytest.approx(32 / 1.5)
+
+
+def test_weight_bytes_count_a_tied_head_once(single_stream: ModuleType, tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    embed = np.zeros((64, 32), np.float32)
+    tensors = {
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": embed.copy(),
+        "model.layers.0.mlp.up_proj.weight": np.zeros((48, 32), np.float32),
+        "model.norm.weight": np.zeros(32, np.float32),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    tied = single_stream.weight_bytes(tmp_path, "bfloat16")
+    assert tied["parameters"] == 64 * 32 + 48 * 32 + 32
+    assert tied["bytes"] == 2 * tied["parameters"] and tied["tied_embeddings_counted_once"]
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY_LLAMA_CONFIG, "tie_word_embeddings": False})
+    )
+    untied = single_stream.weight_bytes(tmp_path, "float32")
+    assert untied["parameters"] == tied["parameters"] + 64 * 32
+    assert untied["bytes"] == 4 * untied["parameters"]
+
+
+def test_single_stream_fractions_and_table(single_stream: ModuleType) -> None:
+    def row(tps: float) -> dict[str, Any]:
+        return {
+            "decode_tokens_per_second": tps, "first_token_seconds": [0.05],
+            "full_seconds": [1.0], "startup_seconds": 1.0, "peak_rss_bytes": 10**9,
+        }  # fmt: skip
+
+    result = {
+        "dtype": "bfloat16",
+        "bound_tokens_per_second": 40.0,
+        "bandwidth": {"gb_per_second": 10.0, "seconds": [0.1] * 3, "tensor_bytes": 512 << 20},
+        "weights": {"bytes": 250_000_000, "parameters": 125_000_000,
+                    "tied_embeddings_counted_once": True},
+        "runs": {"asyncengine": row(20.0), "vllm": row(10.0)},
+    }  # fmt: skip
+    single_stream.add_fractions(result)
+    assert result["runs"]["asyncengine"]["fraction_of_bound"] == pytest.approx(0.5)
+    assert result["runs"]["vllm"]["fraction_of_bound"] == pytest.approx(0.25)
+    assert result["speedup_vs_vllm"] == pytest.approx(2.0)
+    text = single_stream.table(result)
+    assert "| asyncengine | 20.0 | 50.00 | 50.0 | 50.0% |" in text
+    assert "= 40.0 tok/s" in text and "ahead of vLLM by 2.00x" in text
+
+
+def test_single_stream_prompt_is_vllm_peers(single_stream: ModuleType) -> None:
+    import numpy as np
+
+    prompt = single_stream.single_stream_prompt(49152, 16, 0)
+    assert prompt == np.random.default_rng(0).integers(0, 49152, size=16).tolist()
+    assert len(prompt) == 16 and all(0 <= t < 49152 for t in prompt)
+
+
+# -- bench_serving: rate sweeps and vLLM's launch --------------------------------------------
+
+
+def sweep_row(rate: float, p99: float | None, failed: int = 0) -> dict[str, Any]:
+    return {
+        "rate": rate,
+        "summary": {
+            "num_completed": 8 - failed, "num_failed": failed, "request_throughput": rate,
+            "output_throughput": 10.0 * rate,
+            "ttft": {"p50": None if p99 is None else p99 / 2, "p99": p99},
+            "itl": {"p50": 0.05, "p99": 0.1},
+        },
+    }  # fmt: skip
+
+
+def test_max_rate_under_the_ttft_slo(serving: ModuleType) -> None:
+    rows = [sweep_row(4, 2.5), sweep_row(1, 0.3), sweep_row(2, 1.9), sweep_row(8, 1.0)]
+    # 8 req/s passes again, but 4 already failed: the answer is the rate before the first miss
+    assert serving.max_rate_under_slo(rows, 2.0) == 2
+    assert serving.max_rate_under_slo(rows, 3.0) == 8
+    assert serving.max_rate_under_slo([sweep_row(1, 2.5)], 2.0) is None
+    assert serving.max_rate_under_slo([sweep_row(1, 0.1, failed=1)], 2.0) is None
+    assert serving.max_rate_under_slo([sweep_row(1, None)], 2.0) is None
+    summary = serving.system_summary([sweep_row(1, 0.3), sweep_row(2, 0.5)], 2.0)
+    assert summary["max_rate_under_ttft_slo"] == 2 and summary["slo_held_at_every_rate"]
+
+
+def test_rates_and_systems_parsing(serving: ModuleType) -> None:
+    assert serving.parse_rates("4, 1,2,2") == [1.0, 2.0, 4.0]
+    for bad in ("", "0,1", "a,b"):
+        with pytest.raises(SystemExit):
+            serving.parse_rates(bad)
+    assert serving.systems_list(["asyncengine,vllm"]) == ["asyncengine", "vllm"]
+    with pytest.raises(SystemExit, match="choose from"):
+        serving.systems_list(["tgi"])
+    assert serving.vllm_flags([("max_num_seqs", 128), ("enforce_eager", True)]) == [
+        "--max-num-seqs", "128", "--enforce-eager",
+    ]  # fmt: skip
+    assert serving.vllm_flags([("enable_prefix_caching", False)]) == ["--no-enable-prefix-caching"]
+    assert serving.serve_flag(["--dtype", "x", "--kv-cache-tokens=99"], "--kv-cache-tokens") == "99"
+    with pytest.raises(SystemExit, match="exactly one"):
+        serving.main(["--systems", "asyncengine", "--base-url", "http://127.0.0.1:1"])
+    with pytest.raises(SystemExit, match="completions"):
+        serving.main(["--systems", "asyncengine", "--endpoint", "generate"])
+    with pytest.raises(SystemExit, match="replaces"):
+        serving.main(["--launch", "--rates", "1,2", "--request-rate", "3"])
+
+
+def test_with_arrivals_copies_the_requests(serving: ModuleType) -> None:
+    workload = small_workload(4)
+    paced = serving.with_arrivals(workload, "poisson:2", 0)
+    assert [w.prompt_ids for w in paced] == [w.prompt_ids for w in workload]
+    assert paced[0].arrival_time == 0.0 and paced[-1].arrival_time > 0
+    assert all(w.arrival_time == 0.0 for w in workload)  # the originals stay as they were
+
+
+def test_sweep_table_compares_systems_at_each_rate(serving: ModuleType) -> None:
+    systems = {
+        "asyncengine": serving.system_summary([sweep_row(1, 0.2), sweep_row(2, 0.4)], 2.0),
+        "vllm": serving.system_summary([sweep_row(1, 0.4), sweep_row(2, 2.4)], 2.0),
+    }
+    comparison = serving.compare_at_rates(systems)
+    assert comparison[0]["ttft_p50_vllm_over_asyncengine"] == pytest.approx(2.0)
+    assert comparison[1]["ttft_p99_vllm_over_asyncengine"] == pytest.approx(6.0)
+    result = {"ttft_slo_seconds": 2.0, "systems": systems, "comparison": comparison}
+    text = serving.sweep_table(result)
+    assert "asyncengine: TTFT p99 <= 2 s at every rate tried, up to 2 req/s" in text
+    assert "vllm: TTFT p99 <= 2 s up to 1 req/s" in text
+    assert text.index("| 1 | asyncengine |") < text.index("| 1 | vllm |") < text.index("| 2 |")
+
+
+def test_serving_sweeps_rates_against_a_running_server(
+    serving: ModuleType, server_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "sweep.json"
+    serving.main(
+        [
+            "--base-url", server_url, "--endpoint", "completions", "--num-requests", "4",
+            "--rates", "40,20", "--seed", "2", "--request-timeout", "60", "--max-duration", "120",
+            "--label", "tiny", "--out", str(out), "--no-progress", *SMALL_RANDOM,
+        ]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["mode"] == "sweep"
+    runs = result["systems"]["tiny"]["runs"]
+    assert [r["rate"] for r in runs] == [20.0, 40.0]
+    # each rate draws its own requests (seed 2, then 3): no prefix cache hits across rates
+    assert [p["seed"] for p in result["workload"]["per_point"]] == [2, 3]
+    for seed, row in zip((2, 3), runs, strict=True):
+        expected = expected_output_tokens(
+            num_requests=4, seed=seed, vocab_size=49152, input_median=12, output_median=6,
+            max_input_len=40, max_output_len=10,
+        )  # fmt: skip
+        check_serving_result(row, 4, expected)
+    assert result["systems"]["tiny"]["max_rate_under_ttft_slo"] in (None, 20.0, 40.0)

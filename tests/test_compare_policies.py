@@ -61,9 +61,10 @@ def test_compare_policies_in_the_simulator_writes_table_and_figures(tmp_path: Pa
     )
     labels = ["fcfs", "lpm", "dfs-weight", "lpm+token-budget"]
     assert [run.label for run in runs] == labels
-    table = (out / "results.md").read_text()
+    table, *sections = (out / "results.md").read_text().split("\n## ")
     rows = [line for line in table.splitlines() if line.startswith("| ") and "config" not in line]
     assert [row.split("|")[1].strip() for row in rows] == labels
+    assert any(s.startswith("Why admission stopped") for s in sections)
     for name in ("ttft_cdf.png", "itl_p99.png", "hit_rate.png", "summary.json", "workload.jsonl"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"

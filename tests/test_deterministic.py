@@ -1,8 +1,9 @@
 """Deterministic mode's parts: a row's result is the same bits whatever shares its call.
 
 - matmuls on fixed-shape row blocks: the same row alone, at any position of any batch;
-- attention with keys padded to fixed blocks: a query row alone, in a chunk after a cached
-  prefix, beside other requests of any length, or as a decode, gives the same output.
+- attention (the native extend kernel for every query, or torch's with keys padded to fixed
+  blocks): a query row alone, in a chunk after a cached prefix, beside other requests of any
+  length, or as a decode, gives the same output.
 
 These are properties of the kernels on the machine that runs them (the point of the mode), so
 they are checked here on the model's own shapes and on the pool's own layout. The end-to-end
@@ -25,7 +26,9 @@ from asyncengine.executor.invariant_attention import (
     padded_queries,
     plan_invariant,
 )
-from asyncengine.executor.invariant_linear import ROW_BLOCK, fixed_block_linear
+from asyncengine.executor.invariant_native_attention import plan_invariant_native
+from asyncengine.executor.linear import ROW_BLOCK, Linear
+from asyncengine.kernels.attention_native import extend_kernel_runs, native_extend_attention
 from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -36,25 +39,29 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576)]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_fixed_block_linear_rows_do_not_depend_on_the_batch(
-    dtype: torch.dtype, n: int, k: int
+@pytest.mark.parametrize("packed", ["1", "0"])
+def test_row_blocked_linear_rows_do_not_depend_on_the_batch(
+    dtype: torch.dtype, n: int, k: int, packed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both matmul paths: oneDNN's prepacked weights and plain ``F.linear``."""
+    monkeypatch.setenv("ASYNCENGINE_PACKED_LINEAR", packed)
     gen = torch.Generator().manual_seed(n * 7 + k)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    fixed_block_linear = Linear(weight, row_block=ROW_BLOCK)
     x = torch.randn(300, k, generator=gen).to(dtype)
     probe = list(range(0, 300, 23))
-    alone = {i: fixed_block_linear(x[i : i + 1], weight)[0] for i in probe}
+    alone = {i: fixed_block_linear(x[i : i + 1])[0] for i in probe}
     for size in (2, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 7 * ROW_BLOCK + 3, 300):
         for offset in (0, 5):
             rows = x[offset : offset + size]
-            out = fixed_block_linear(rows, weight)
+            out = fixed_block_linear(rows)
             assert out.shape == (rows.shape[0], n)
             for i in probe:
                 if offset <= i < offset + rows.shape[0]:
                     assert torch.equal(out[i - offset], alone[i]), (size, offset, i)
     # and it is the product it claims to be
     torch.testing.assert_close(
-        fixed_block_linear(x, weight).float(), (x.float() @ weight.float().T), atol=0.5, rtol=0.05
+        fixed_block_linear(x).float(), (x.float() @ weight.float().T), atol=0.5, rtol=0.05
     )
 
 
@@ -111,8 +118,35 @@ def make_pool(dtype: torch.dtype, lengths: dict[str, int]) -> Pool:
 Segment = tuple[str, int, int]  # request, first position, positions (decode: 1 and decode=True)
 
 
-def attend(pool: Pool, extends: list[Segment], decodes: list[tuple[str, int]]) -> dict:
+BACKENDS = ["torch", "native"]
+
+
+def attend_with(
+    pool: Pool,
+    extends: list[Segment],
+    decodes: list[tuple[str, int]],
+    backend: str = "torch",
+) -> dict:
     """Outputs {(request, position): [H, D]} of one forward holding these segments."""
+    q, rows, batch = make_batch(pool, extends, decodes)
+    if backend == "native":
+        native = plan_invariant_native(batch, HEADS, pool.k)
+        assert native is not None
+        out = native_extend_attention(q, pool.k, pool.v, native, HEAD_DIM**-0.5)
+        return {row: out[i] for i, row in enumerate(rows)}
+    plan = plan_invariant(batch, pool.k, HEADS)
+    # padding rows hold whatever an earlier forward left there: large values here
+    buffers = KeyBuffers()
+    for stale in buffers.take(plan.key_rows, pool.k):
+        stale.fill_(1e4)
+    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers)
+    return {row: out[i] for i, row in enumerate(rows)}
+
+
+def make_batch(
+    pool: Pool, extends: list[Segment], decodes: list[tuple[str, int]]
+) -> tuple[torch.Tensor, list[tuple[str, int]], ForwardBatch]:
+    """The queries, their (request, position) rows and the ForwardBatch of these segments."""
     rows: list[tuple[str, int]] = [(r, s + j) for r, s, n in extends for j in range(n)]
     rows += decodes
     q = torch.stack([pool.queries[r][p] for r, p in rows])
@@ -143,18 +177,23 @@ def attend(pool: Pool, extends: list[Segment], decodes: list[tuple[str, int]]) -
         decode_seq_lens=torch.tensor([p + 1 for _, p in decodes], dtype=torch.int32),
         decode_max_seq_len=max((p + 1 for _, p in decodes), default=0),
     )
-    plan = plan_invariant(batch, pool.k, HEADS)
-    # padding rows hold whatever an earlier forward left there: large values here
-    buffers = KeyBuffers()
-    for stale in buffers.take(plan.key_rows, pool.k):
-        stale.fill_(1e4)
-    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers)
-    return {row: out[i] for i, row in enumerate(rows)}
+    return q, rows, batch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_rows_do_not_depend_on_batch_chunking_or_prefix(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_rows_do_not_depend_on_batch_chunking_or_prefix(
+    dtype: torch.dtype, backend: str
+) -> None:
     pool = make_pool(dtype, {"a": 300, "b": 700, "c": 90, "d": 40, "e": 1050})
+    if backend == "native" and not extend_kernel_runs():
+        # no AVX-512 build: deterministic mode must then choose the torch backend
+        assert plan_invariant_native(make_batch(pool, [("a", 0, 1)], [])[2], HEADS, pool.k) is None
+        return
+
+    def attend(pool: Pool, extends: list[Segment], decodes: list[tuple[str, int]]) -> dict:
+        return attend_with(pool, extends, decodes, backend)
+
     alone = attend(pool, [("a", 0, 300)], [])
     assert all(torch.isfinite(row).all() for row in alone.values())
     arrangements = {
@@ -222,10 +261,13 @@ def test_keys_are_padded_to_whole_blocks() -> None:
     ]
 
 
-def test_invariant_attention_is_attention() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invariant_attention_is_attention(backend: str) -> None:
     """Against a plain float64 softmax(q k^T) v over each row's visible keys."""
     pool = make_pool(torch.float32, {"a": 60, "b": 30})
-    out = attend(pool, [("a", 20, 40)], [("b", 29)])
+    if backend == "native" and not extend_kernel_runs():
+        return  # the first test checks that the torch backend is chosen then
+    out = attend_with(pool, [("a", 20, 40)], [("b", 29)], backend)
     for (req, pos), row in out.items():
         slots = torch.tensor(
             [pool.tables[req][p // PAGE] * PAGE + p % PAGE for p in range(pos + 1)]

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from asyncengine.engine import AsyncEngine
+from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.sampling_params import SamplingParams
 from tests.server_support import engine_config, tiny_model_dir
 
@@ -33,18 +34,32 @@ def workload() -> tuple[list[list[int]], list[list[int]]]:
     return probes, load
 
 
+# The tiny model (head dim 16) runs torch's attention with padded keys; the embedded model (head
+# dim 64) the native extend kernel for every query where it runs (an AVX-512 build). "auto" is
+# bfloat16 where its matmuls are fast, float32 elsewhere (bfloat16 there would take an hour).
+# On the AVX-512 BF16 machine this was written on, the default mode's tokens differ for 3 of
+# the 6 probes of this workload with the embedded model (scripts/bench_deterministic.py).
+MODELS = {"tiny": "bfloat16", "embedded": "auto"}
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.parametrize("model", MODELS)
 async def test_greedy_tokens_alone_equal_tokens_under_load(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, model: str
 ) -> None:
     config = engine_config(
-        tiny_model_dir(tmp_path_factory),
-        dtype="bfloat16",
+        str(tiny_model_dir(tmp_path_factory)) if model == "tiny" else DEFAULT_MODEL,
+        dtype=MODELS[model],
         deterministic=True,
         chunked_prefill_size=32,  # long prompts in chunks whose borders depend on the load
         max_prefill_tokens=64,
-        kv_cache_tokens=2048,  # the load needs more: requests are retracted and recomputed
+        max_model_len=1024,
+        # the load needs more, and admission reserves little for outputs: requests run out of
+        # pages while decoding and are retracted and recomputed
+        kv_cache_tokens=1024,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio=0.1,
     )
     probes, load = workload()
     async with AsyncEngine(config) as engine:
@@ -62,4 +77,4 @@ async def test_greedy_tokens_alone_equal_tokens_under_load(
     assert all(len(t) == OUTPUT for t in alone)
     assert cached == alone
     assert loaded == alone
-    assert stats["steps"] > 0 and stats["miss_tokens"] > 0
+    assert stats["miss_tokens"] > 0 and stats["retractions"] >= 1

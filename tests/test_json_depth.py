@@ -43,10 +43,12 @@ def test_agrees_with_the_decoded_depth(value: Any, limit: int, ascii_only: bool)
 def test_deep_bodies_are_caught_and_shallow_ones_pass() -> None:
     deep = b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}"
     assert nests_deeper_than(deep)
-    # never closed: not "deep" here, but the decoder stops at its recursion limit -> 400
+    # never closed: not "deep" here; the decoder refuses it (at its recursion limit, or as
+    # malformed where the bracket does not match) -> 400
     unbalanced = b'{"prompt": ' + b"[" * 3000 + b"}"
-    with pytest.raises(ApiError, match="levels deep"):
+    with pytest.raises(ApiError, match="levels deep|not valid JSON") as refused:
         decode_body(unbalanced, CompletionRequest)
+    assert refused.value.status == 400
     edge = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
     assert not nests_deeper_than(edge)
     many = b'{"messages": [' + b",".join([b'{"role": "user", "content": "[[{{"}'] * 5000) + b"]}"

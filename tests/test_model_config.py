@@ -104,12 +104,45 @@ def test_a_sliding_window_that_never_takes_effect_is_accepted() -> None:
     assert c.architecture == "MistralForCausalLM"
 
 
+def test_qwen3_has_qk_norm_and_no_bias() -> None:
+    c = ModelConfig.from_hf_dict(
+        {
+            **SMOLLM2_LIKE,
+            "architectures": ["Qwen3ForCausalLM"],
+            "head_dim": 128,
+            "sliding_window": 4096,
+            "use_sliding_window": False,
+        }
+    )
+    assert c.qk_norm and not c.attention_bias and c.head_dim == 128
+    assert (c.norm_weight_offset, c.activation, c.embedding_multiplier) == (0.0, "silu", None)
+
+
+@pytest.mark.parametrize(
+    "act", [{"hidden_act": "gelu_pytorch_tanh"}, {"hidden_act": "gelu", "hidden_activation": None}]
+)
+def test_gemma_norm_offset_geglu_and_embedding_scale(act: dict[str, Any]) -> None:
+    d = {k: v for k, v in SMOLLM2_LIKE.items() if k != "tie_word_embeddings"}
+    c = ModelConfig.from_hf_dict({**d, "architectures": ["GemmaForCausalLM"], **act})
+    assert c.tie_word_embeddings and not c.qk_norm
+    assert (c.norm_weight_offset, c.activation) == (1.0, "gelu_tanh")
+    assert c.embedding_multiplier == pytest.approx(576**0.5)
+
+
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "PhiForCausalLM"])
+def test_other_families_keep_their_clear_refusal(arch: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=f"unsupported architectures=.*{arch}"):
+        ModelConfig.from_hf_dict({**SMOLLM2_LIKE, "architectures": [arch]})
+
+
 def test_tiny_checkpoints_parse(tiny_checkpoints: dict[str, TinyCheckpoint]) -> None:
     configs = {n: ModelConfig.from_hf_dict(ck.hf_config) for n, ck in tiny_checkpoints.items()}
     assert configs["qwen2_bias"].attention_bias
     assert configs["llama_tied"].tie_word_embeddings
     assert not configs["llama_gqa"].tie_word_embeddings
     assert configs["llama3_rope"].rope_scaling.rope_type == "llama3"
+    assert configs["qwen3_qk_norm"].qk_norm and configs["qwen3_qk_norm"].head_dim == 24
+    assert configs["gemma"].activation == "gelu_tanh" and configs["gemma"].tie_word_embeddings
 
 
 @pytest.mark.parametrize(

@@ -220,10 +220,10 @@ def test_dynamic_chunking_follows_the_fitted_model() -> None:
             policy.observe(
                 _plan(prefix, chunk), a * (2 * prefix * chunk + chunk * chunk) + b * chunk + d
             )
-    assert policy.coef is not None
-    assert policy.coef[0] == pytest.approx(a, rel=1e-3) and policy.coef[1] == pytest.approx(
-        b, rel=1e-3
-    )
+    assert policy.model.coef is not None
+    assert policy.model.coef[0] == pytest.approx(a, rel=1e-3) and policy.model.coef[
+        1
+    ] == pytest.approx(b, rel=1e-3)
     sizes = [policy.chunk_for_prefix(prefix, 256) for prefix in (0, 1000, 4000, 16000)]
     assert sizes[0] == pytest.approx(256, abs=1)
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0] / 2
@@ -252,7 +252,7 @@ def test_dynamic_chunking_gives_exactly_the_base_chunk_at_prefix_zero(a: float, 
     """Rounding once made these 63, 127, 511, 4095: a page less once page aligned."""
     policy = make_policy("dynamic-chunking")
     assert isinstance(policy, DynamicChunkingPolicy)
-    policy.coef = np.array([a, b, 0.0, 1e-3])
+    policy.model.coef = np.array([a, b, 0.0, 1e-3])
     for base in (64, 128, 500, 512, 1000, 4096):
         assert policy.chunk_for_prefix(0, base) == base
     assert policy.budget(ctx(page_size=16, chunked_prefill_size=512)).chunk_size == 512
@@ -288,8 +288,8 @@ def test_dynamic_chunking_in_the_scheduler_shrinks_chunks_then_grows_them_back()
     submit(sched, clock, [(list(range(1 + 300 * i, 301 + 300 * i)), 2) for i in range(3)], "w")
     drive(sched, runner, clock)
     policy = sched.policy
-    assert isinstance(policy, DynamicChunkingPolicy) and policy.coef is not None
-    assert policy.coef[:2] == pytest.approx([a, b], rel=1e-3)
+    assert isinstance(policy, DynamicChunkingPolicy) and policy.model.coef is not None
+    assert policy.model.coef[:2] == pytest.approx([a, b], rel=1e-3)
     target = cost(0, base)
     for tag, first in (("long", 2000), ("next", 5000)):
         prompt = list(range(first, first + (1200 if tag == "long" else 400)))

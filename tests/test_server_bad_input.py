@@ -146,7 +146,7 @@ CASES = [
         param="frequency_penalty",
     ),
     Bad("repetition_penalty zero", CHAT, chat(repetition_penalty=0), param="repetition_penalty"),
-    Bad("n two", CHAT, chat(n=2), param="n", says="n=2"),
+    Bad("n above max_n", CHAT, chat(n=17), param="n", says="max_n=16"),
     Bad("n zero", CHAT, chat(n=0), param="n"),
     Bad("stop number", CHAT, chat(stop=5), param="stop"),
     Bad("stop empty string", COMPLETIONS, completion(stop=[""]), param="stop"),
@@ -176,12 +176,43 @@ CASES = [
         "tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"
     ),
     Bad(
-        "json response_format",
+        "response_format type",
         CHAT,
-        chat(response_format={"type": "json_object"}),
-        param="response_format",
+        chat(response_format={"type": "xml"}),
+        param="response_format.type",
+        says="'xml'",
     ),
-    Bad("logit_bias", CHAT, chat(logit_bias={"1": 5}), param="logit_bias"),
+    Bad(
+        "json_schema without a schema",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        param="response_format.json_schema.schema",
+    ),
+    Bad(
+        "json_schema of an unknown type",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}),
+        says='Unsupported type "objec"',
+    ),
+    Bad(
+        "json_schema of a bad pattern",
+        COMPLETIONS,
+        completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "string", "pattern": "[a-"}},
+            }
+        ),
+        says="invalid JSON schema",
+    ),
+    Bad("logit_bias key", CHAT, chat(logit_bias={"one": 5}), param="logit_bias", says="'one'"),
+    Bad("logit_bias value", CHAT, chat(logit_bias={"1": 500}), param="logit_bias"),
+    Bad(
+        "logit_bias outside vocab",
+        COMPLETIONS,
+        completion(logit_bias={str(10**9): 1}),
+        says="outside the vocabulary",
+    ),
     # model
     Bad("unknown model", CHAT, chat(model="gpt-4o"), status=404, param="model", says="gpt-4o"),
     Bad("model not a string", COMPLETIONS, completion(model=123), param="model"),
@@ -245,7 +276,17 @@ CASES = [
     ),
     Bad("native input_ids strings", GENERATE, {"input_ids": ["a"]}, param="input_ids"),
     Bad("native empty input_ids", GENERATE, {"input_ids": []}, param="input_ids"),
-    Bad("native n", GENERATE, native(n=2), param="sampling_params.n"),
+    Bad("native n", GENERATE, native(n=17), param="sampling_params.n", says="max_n"),
+    Bad("native regex", GENERATE, native(regex="[a-"), says="invalid regular expression"),
+    Bad("native ebnf", GENERATE, native(ebnf='root ::= "a" |'), says="invalid EBNF grammar"),
+    Bad("native json_schema", GENERATE, native(json_schema="{not json"), says="not valid JSON"),
+    Bad(
+        "native two constraints",
+        GENERATE,
+        native(regex="a", ebnf='root ::= "a"'),
+        param="sampling_params",
+        says="one of",
+    ),
     Bad("native batched text", GENERATE, {"text": ["a", "b"]}, param="text", says="batched"),
     Bad("native empty rid", GENERATE, {"text": "hi", "rid": ""}, param="rid"),
     Bad(
@@ -689,10 +730,15 @@ async def test_server_is_healthy_after_the_bad_requests(server: RunningServer) -
             assert (await resp.json())["usage"]["completion_tokens"] >= 1
     assert await wait_until(lambda: engine_idle(server.engine))
     assert_no_leak(server.engine)
-    refused = server.metrics.counter_value(
-        "asyncengine_requests_total", {"endpoint": "completions", "outcome": "invalid"}
-    )
-    assert refused >= sum(1 for c in CASES if c.path == COMPLETIONS and c.method == "POST")
+    posted = [c for c in CASES if c.path == COMPLETIONS and c.method == "POST"]
+
+    def counted(outcome: str) -> float:
+        labels = {"endpoint": "completions", "outcome": outcome}
+        return server.metrics.counter_value("asyncengine_requests_total", labels)
+
+    # a 408 (a body that never finished) is counted as a timeout, every other 4xx as invalid
+    assert counted("invalid") >= sum(1 for c in posted if c.status != 408)
+    assert counted("timeout") >= sum(1 for c in posted if c.status == 408)
 
 
 async def test_duplicate_rid_in_flight_is_refused(server: RunningServer) -> None:

@@ -349,11 +349,12 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
     assert "gpt-4o" in info.value.message
 
 
-async def test_n_above_one_is_refused(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+async def test_n_above_max_n_is_refused(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    n = server.engine.config.max_n + 1
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2, n=2)
+        await client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2, n=n)
     assert info.value.param == "n"
-    assert "n=2" in info.value.message
+    assert f"n={n}" in info.value.message
 
 
 async def test_chat_without_max_tokens_runs_to_the_context(

@@ -108,11 +108,14 @@ class RunnerPair:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("name", "page_size"),
+    [("llama_gqa", 1), ("llama_gqa", 16), ("qwen3_qk_norm", 16), ("gemma", 16)],
+)
 def test_model_logits_with_triton_backend_match_torch_backend(
-    tiny_llama: TinyCheckpoint, page_size: int
+    tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int
 ) -> None:
-    pair = RunnerPair(tiny_llama, page_size)
+    pair = RunnerPair(tiny_checkpoints[name], page_size)
     rng = np.random.default_rng(11)
     full = {rid: rng.integers(3, 90, MAX_LEN).tolist() for rid in "abc"}
     # Prefills (c only its first chunk, unsampled), then c's second chunk on a prefix that ends
@@ -260,9 +263,26 @@ def test_unknown_backend_is_refused() -> None:
         resolve_backend_name("sdpa", "cpu")
 
 
-def test_kernel_ops_follow_the_backend() -> None:
-    assert kernel_ops("torch").rms_norm is norm_ref.rms_norm
+def test_kernel_ops_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncengine.kernels import cpu_native, layer_ops_native
+
+    # on a CPU the torch backend takes the native kernels (this machine compiles them) ...
+    cpu = kernel_ops("torch", "cpu")
+    assert cpu.rms_norm is layer_ops_native.rms_norm and cpu.rotary_store is not None
+    # ... on a GPU the torch references, and the Triton twins for triton
+    assert kernel_ops("torch", "cuda").rms_norm is norm_ref.rms_norm
+    assert kernel_ops("torch", "cuda").rotary_store is None
     assert kernel_ops("triton").rms_norm is triton_norm.rms_norm
+    # without native kernels the CPU keeps the references
+    monkeypatch.setenv(cpu_native.ENABLE_ENV, "0")
+    cpu_native.load.cache_clear()
+    layer_ops_native._library.cache_clear()
+    try:
+        assert kernel_ops("torch", "cpu").rms_norm is norm_ref.rms_norm
+    finally:
+        monkeypatch.delenv(cpu_native.ENABLE_ENV)
+        cpu_native.load.cache_clear()
+        layer_ops_native._library.cache_clear()
     with pytest.raises(ValueError, match="resolved backend name"):
         kernel_ops("auto")
 

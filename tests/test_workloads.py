@@ -26,6 +26,9 @@ SMALL: dict[str, dict[str, object]] = {
     "multi_turn": {"num_conversations": 4, "num_turns": 3, "output_len": 8},
     "tree_of_thought": {"num_trees": 2, "depth": 2, "branching": 2, "root_len": 32},
     "long_short": {"num_requests": 12, "short_len": 4},
+    "multi_tenant": {"num_heavy": 20, "num_light": 4},
+    "priority_mix": {"num_requests": 30},
+    "slo_mix": {"num_requests": 30, "long_median": 600.0},
 }
 
 
@@ -143,3 +146,25 @@ def test_pseudo_text_is_injective_per_token() -> None:
 def test_unknown_workload_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("nope")
+
+
+def test_multi_tenant_has_a_heavy_and_a_light_tenant() -> None:
+    requests = make_workload("multi_tenant", num_heavy=60, num_light=6, seed=2)
+    heavy = [r for r in requests if r.tenant == "heavy"]
+    light = [r for r in requests if r.tenant == "light"]
+    assert len(heavy) == 60 and len(light) == 6
+    assert [r.arrival_time for r in requests] == sorted(r.arrival_time for r in requests)
+    mean = lambda rs: sum(len(r.prompt_ids) for r in rs) / len(rs)  # noqa: E731
+    assert mean(heavy) > 4 * mean(light)
+
+
+def test_priority_mix_and_slo_mix_shares() -> None:
+    mix = make_workload("priority_mix", num_requests=400, interactive_share=0.25, seed=1)
+    interactive = [r for r in mix if r.priority == 0]
+    assert 60 < len(interactive) < 140 and all(r.output_len == 16 for r in interactive)
+    assert all(r.priority == 1 and r.output_len == 128 for r in mix if r not in interactive)
+    slo = make_workload("slo_mix", num_requests=400, long_share=0.1, seed=1)
+    docs = [r for r in slo if r.rid.startswith("doc")]
+    assert 20 < len(docs) < 70 and min(len(r.prompt_ids) for r in docs) >= 512
+    with pytest.raises(ValueError):
+        make_workload("priority_mix", interactive_share=2.0)

@@ -16,7 +16,9 @@ class RequestRecord:
     """What one request went through, times in seconds on one clock.
 
     ``token_times`` holds the time each output token reached the caller, the first included.
-    A request that failed (or was aborted) has ``failed=True`` and counts in no latency.
+    A request that failed (or was aborted) has ``failed=True``, one that ran out of time
+    ``timed_out=True``; neither counts in any latency. ``blocked``: steps waited by admission
+    block reason (asyncengine/admission.py).
     """
 
     rid: str
@@ -27,6 +29,10 @@ class RequestRecord:
     cached_tokens: int = 0
     failed: bool = False
     retracts: int = 0
+    timed_out: bool = False
+    tenant: str | None = None
+    priority: int = 0
+    blocked: dict[str, int] = field(default_factory=dict)
 
     @property
     def output_tokens(self) -> int:
@@ -34,7 +40,7 @@ class RequestRecord:
 
     @property
     def completed(self) -> bool:
-        return not self.failed and self.finish_time is not None
+        return not self.failed and not self.timed_out and self.finish_time is not None
 
     @property
     def ttft(self) -> float | None:
@@ -58,6 +64,7 @@ class BenchSummary:
     num_completed: int
     num_failed: int
     retracts: int
+    num_timed_out: int
     duration: float  # first arrival to last finish, seconds
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens of completed requests / s
@@ -93,6 +100,7 @@ def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) 
         num_requests=len(records),
         num_completed=len(done),
         num_failed=sum(r.failed for r in records),
+        num_timed_out=sum(r.timed_out for r in records),
         retracts=sum(r.retracts for r in records) if retracts is None else retracts,
         duration=duration,
         request_throughput=rate(len(done)),

@@ -9,18 +9,25 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncengine.bench.groups import SLO, summarize_groups
 from asyncengine.bench.records import BenchSummary, RequestRecord
 
 
 @dataclass(slots=True)
 class RunReport:
-    """One configuration's run over the shared workload."""
+    """One configuration's run over the shared workload, with the offline hit bounds: with an
+    infinite pool (``optimal_hit_rate``), with the run's pool in any order (``pool_hit_rate``)
+    and in arrival order (``arrival_hit_rate``); see bench/optimal_hit_finite.py."""
 
     label: str
     policy: str
     summary: BenchSummary
     records: list[RequestRecord]
     optimal_hit_rate: float
+    pool_hit_rate: float = math.nan
+    arrival_hit_rate: float = math.nan
+    slo: SLO | None = None
+    admission_blocked: dict[str, int] | None = None
 
 
 def _ms(seconds: float) -> str:
@@ -35,11 +42,16 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 100:.1f}%"
 
 
+def _share(value: float, bound: float) -> float:
+    return value / bound if bound > 0 else math.nan
+
+
 TABLE_COLUMNS = (
     "config",
     "policy",
     "done",
     "failed",
+    "timed out",
     "req/s",
     "out tok/s",
     "TTFT p50 ms",
@@ -51,20 +63,26 @@ TABLE_COLUMNS = (
     "TPOT p50 ms",
     "E2E p50 ms",
     "hit rate",
-    "optimal",
-    "hit/optimal",
+    "bound ∞",
+    "hit/∞",
+    "bound P",
+    "hit/P",
+    "bound P, arrival order",
+    "hit/P arrival",
     "retracts",
 )
+SLO_COLUMNS = ("SLO met", "goodput req/s")
 
 
 def table_row(run: RunReport) -> list[str]:
     s = run.summary
-    ratio = s.cache_hit_rate / run.optimal_hit_rate if run.optimal_hit_rate > 0 else math.nan
-    return [
+    hit = s.cache_hit_rate
+    row = [
         run.label,
         f"`{run.policy}`",
         str(s.num_completed),
         str(s.num_failed),
+        str(s.num_timed_out),
         _num(s.request_throughput),
         _num(s.output_throughput, 1),
         _ms(s.ttft.p50),
@@ -75,20 +93,78 @@ def table_row(run: RunReport) -> list[str]:
         _ms(s.itl.p99),
         _ms(s.tpot.p50),
         _ms(s.e2e.p50),
-        _pct(s.cache_hit_rate),
+        _pct(hit),
         _pct(run.optimal_hit_rate),
-        _pct(ratio),
+        _pct(_share(hit, run.optimal_hit_rate)),
+        _pct(run.pool_hit_rate),
+        _pct(_share(hit, run.pool_hit_rate)),
+        _pct(run.arrival_hit_rate),
+        _pct(_share(hit, run.arrival_hit_rate)),
         str(s.retracts),
     ]
+    if run.slo is not None:
+        row += [
+            _pct(run.slo.attainment(run.records)),
+            _num(run.slo.goodput(run.records, s.duration)),
+        ]
+    return row
+
+
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> str:
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < text_columns else "---:" for i in range(len(header))) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(runs: Sequence[RunReport]) -> str:
-    lines = [
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(TABLE_COLUMNS))) + "|",
+    columns = TABLE_COLUMNS + (SLO_COLUMNS if any(run.slo for run in runs) else ())
+    rows = [
+        table_row(run)
+        + (["-", "-"] if len(columns) > len(TABLE_COLUMNS) and run.slo is None else [])
+        for run in runs
     ]
-    lines += ["| " + " | ".join(table_row(run)) + " |" for run in runs]
-    return "\n".join(lines) + "\n"
+    return _markdown(columns, rows, 2)
+
+
+GROUP_COLUMNS = (
+    "config",
+    "group",
+    "requests",
+    "done",
+    "timed out",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TTFT max ms",
+    "E2E p50 ms",
+    "steps waited (mean)",
+)
+
+
+def group_table(runs: Sequence[RunReport], by: str) -> str:
+    """One row per configuration and tenant (or priority)."""
+    rows = []
+    for run in runs:
+        for g in summarize_groups(run.records, by):
+            rows.append([
+                run.label, f"{by} {g.group}", str(g.requests), str(g.completed), str(g.timed_out),
+                _ms(g.ttft.p50), _ms(g.ttft.p99), _ms(g.ttft.max), _ms(g.e2e.p50), _num(g.queue_steps, 1),
+            ])  # fmt: skip
+    return _markdown(GROUP_COLUMNS, rows, 2)
+
+
+def blocked_table(runs: Sequence[RunReport]) -> str:
+    """Why admission stopped: steps counted under each reason, per configuration."""
+    reasons = sorted({k for run in runs for k, v in (run.admission_blocked or {}).items() if v})
+    if not reasons:
+        return ""
+    rows = [
+        [run.label, *(str((run.admission_blocked or {}).get(k, 0)) for k in reasons)]
+        for run in runs
+    ]
+    return _markdown(("config", *reasons), rows, 1)
 
 
 def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
@@ -131,16 +207,51 @@ def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
     ax.legend()
     written.append(_save(fig, out_dir / "itl_p99.png"))
 
+    if not any(run.optimal_hit_rate > 0 for run in runs):
+        return written  # nothing is shared: no hit rate to show
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(x - 0.2, [run.summary.cache_hit_rate * 100 for run in runs], 0.4, label="achieved")
-    ax.bar(x + 0.2, [run.optimal_hit_rate * 100 for run in runs], 0.4, label="optimal (offline)")
+    bars = [
+        ("achieved", [run.summary.cache_hit_rate for run in runs]),
+        ("bound, infinite pool", [run.optimal_hit_rate for run in runs]),
+        ("bound, this pool", [run.pool_hit_rate for run in runs]),
+        ("bound, this pool in arrival order", [run.arrival_hit_rate for run in runs]),
+    ]
+    bars = [(name, values) for name, values in bars if not all(map(math.isnan, values))]
+    width = 0.8 / len(bars)
+    for i, (name, values) in enumerate(bars):
+        ax.bar(x - 0.4 + width * (i + 0.5), [v * 100 for v in values], width, label=name)
     ax.set_xticks(x, labels, rotation=20, ha="right")
     ax.set_ylabel("prompt tokens from cache (%)")
     ax.set_ylim(0, 100)
-    ax.set_title("Prefix cache hit rate vs optimal")
-    ax.legend(loc="lower right")
+    ax.set_title("Prefix cache hit rate vs the offline bounds")
+    ax.legend(loc="lower right", fontsize=8)
     written.append(_save(fig, out_dir / "hit_rate.png"))
     return written
+
+
+def write_group_figure(runs: Sequence[RunReport], by: str, out_dir: Path) -> Path:
+    """TTFT p50 and p99 of each tenant (or priority) under each configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summaries = [summarize_groups(run.records, by) for run in runs]
+    groups = sorted({g.group for gs in summaries for g in gs}, key=lambda k: (len(k), k))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=False)
+    width = 0.8 / max(len(runs), 1)
+    x = np.arange(len(groups))
+    for which, ax in zip(("p50", "p99"), axes, strict=True):
+        for i, (run, gs) in enumerate(zip(runs, summaries, strict=True)):
+            by_group = {g.group: getattr(g.ttft, which) * 1e3 for g in gs}
+            values = [by_group.get(k, math.nan) for k in groups]
+            ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=run.label)
+        ax.set_xticks(x, [f"{by} {k}" for k in groups], rotation=20, ha="right")
+        ax.set_ylabel(f"TTFT {which} (ms)")
+        ax.set_title(f"TTFT {which} by {by}")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    return _save(fig, out_dir / f"ttft_by_{by}.png")
 
 
 def _save(fig: object, path: Path) -> Path:

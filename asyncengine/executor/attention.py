@@ -15,6 +15,14 @@ import torch
 
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.attention_grouping import ExtendCost
+from asyncengine.kernels.attention_native import (
+    NativeDecodePlan,
+    NativeExtendPlan,
+    native_decode_attention,
+    native_extend_attention,
+    plan_native_decode,
+    plan_native_extend,
+)
 from asyncengine.kernels.attention_ref import (
     DecodePlan,
     ExtendPlan,
@@ -46,6 +54,17 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D]; caches [S, Hkv, D] of this layer -> [N, H, D]."""
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q [N, H, D] over K/V already in the caches (the model stored them)."""
+        raise NotImplementedError(f"{type(self).__name__} stores and attends in forward()")
+
 
 @dataclass(slots=True)
 class TorchAttentionMetadata:
@@ -53,18 +72,22 @@ class TorchAttentionMetadata:
     them (they need the pool's heads and dtype), every other layer reuses them."""
 
     batch: ForwardBatch
-    extend_plan: ExtendPlan | None = None
-    decode_plan: DecodePlan | None = None
+    extend_plan: ExtendPlan | NativeExtendPlan | None = None
+    decode_plan: DecodePlan | NativeDecodePlan | None = None
 
 
 class TorchBackend(AttentionBackend):
-    """Extends in buckets of similar lengths, decodes in place from the pool (float32) or in
-    gathered chunks (attention_ref). ``extend_cost`` prices the buckets; None: the default for
-    the model's heads (an ``ExtendCost`` with an infinite ``call`` keeps one bucket).
+    """On a CPU, extends and decodes through the native kernels (kernels/cpu_attention.c: keys
+    and values read in place from the pool); elsewhere (or without a C compiler) extends in
+    buckets of similar lengths and decodes in place from the pool for float32 or in gathered
+    chunks (attention_ref). ``native=False`` keeps the torch paths on a CPU too.
+    ``extend_cost`` prices the buckets; None: the default for the model's heads (an
+    ``ExtendCost`` with an infinite ``call`` keeps one bucket).
     """
 
-    def __init__(self, extend_cost: ExtendCost | None = None) -> None:
+    def __init__(self, extend_cost: ExtendCost | None = None, native: bool = True) -> None:
         self.extend_cost = extend_cost
+        self.native = native  # False: the torch paths even where the native kernels run
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(batch)
@@ -80,29 +103,44 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
+        store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchAttentionMetadata)
         m = metadata
         batch = m.batch
-        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         if not batch.num_extends:
             return self._decode(q, k_cache, v_cache, m, scale)
         n_ext = batch.num_extend_tokens
         if m.extend_plan is None:
-            m.extend_plan = plan_extend(
+            args = (
                 batch.extend_block_table,
                 batch.extend_cu_seqlens_q,
                 batch.extend_seq_lens,
                 batch.page_size,
                 q.shape[1],
                 k_cache,
-                self.extend_cost,
             )
-        out = extend_attention_planned(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
+            native = plan_native_extend(*args) if self.native else None
+            m.extend_plan = native or plan_extend(*args, self.extend_cost)
+        if isinstance(m.extend_plan, NativeExtendPlan):
+            out = native_extend_attention(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
+        else:
+            out = extend_attention_planned(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
         if not batch.num_decodes:
             return out
         return torch.cat([out, self._decode(q[n_ext:], k_cache, v_cache, m, scale)])
 
-    @staticmethod
     def _decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -111,11 +149,9 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         if m.decode_plan is None:
             batch = m.batch
-            m.decode_plan = plan_decode(
-                batch.decode_block_table,
-                batch.decode_seq_lens,
-                batch.page_size,
-                q.shape[1],
-                k_cache,
-            )
+            args = (batch.decode_block_table, batch.decode_seq_lens, batch.page_size, q.shape[1])
+            native = plan_native_decode(*args, k_cache) if self.native else None
+            m.decode_plan = native or plan_decode(*args, k_cache)
+        if isinstance(m.decode_plan, NativeDecodePlan):
+            return native_decode_attention(q, k_cache, v_cache, m.decode_plan, scale)
         return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)

@@ -72,26 +72,45 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """The elementwise kernels beside attention, with the signatures of kernels/*_ref.py."""
+    """The elementwise kernels beside attention, with the signatures of kernels/*_ref.py.
+
+    ``rotary_store`` (native CPU kernels only) rotates q and k and stores k and v into the
+    layer's cache in one pass (``kernels.layer_ops_native.rotary_store``); None: the model calls
+    ``apply_rotary`` and the backend stores k and v.
+    """
 
     store_kv: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    rotary_store: Callable[..., torch.Tensor] | None = None
 
 
-def kernel_ops(resolved_backend: str) -> KernelOps:
-    """torch references for the torch backend; the Triton twins for triton.
+def kernel_ops(resolved_backend: str, device: torch.device | str = "cpu") -> KernelOps:
+    """The torch references for the torch backend, with the native CPU kernels in place of the
+    norms, the activation and rotary + KV store where they are available (kernels/*.c: on a CPU
+    with a C compiler); the Triton twins for triton.
 
     Note: the Triton ``apply_rotary`` rotates q and k in place (and returns them); the
     reference returns new tensors. Callers must use the returned tensors.
     """
     if resolved_backend == "torch":
+        from asyncengine.kernels import layer_ops_native as native
         from asyncengine.kernels.activation_ref import silu_and_mul
         from asyncengine.kernels.kv_store_ref import store_kv
         from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
         from asyncengine.kernels.rotary_ref import apply_rotary
+
+        if torch.device(device).type == "cpu" and native.available():
+            return KernelOps(
+                store_kv=store_kv,
+                rms_norm=native.rms_norm,
+                fused_add_rms_norm=native.fused_add_rms_norm,
+                apply_rotary=apply_rotary,
+                silu_and_mul=native.silu_and_mul,
+                rotary_store=native.rotary_store,
+            )
     elif resolved_backend == "triton":
         from asyncengine.kernels.triton_activation import silu_and_mul
         from asyncengine.kernels.triton_kv_store import store_kv

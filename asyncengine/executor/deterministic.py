@@ -4,15 +4,17 @@ output does not depend on the batch it runs in.
 Where batch dependence comes from, measured on this machine in bfloat16 (float32 hides most of
 it: its rounding differences rarely flip a token):
 - matmuls: the GEMM kernel is chosen by shape, and a different kernel sums a row in a
-  different order (invariant_linear.py);
-- attention: the fused kernel's key block follows the call's key length, which padding to the
-  longest request of a group changes; so do chunked prefill and prefix-cache hits
-  (invariant_attention.py).
+  different order (executor/linear.py: fixed-shape row blocks);
+- attention: the decode kernel sums in another order than the extend kernel, and torch's fused
+  attention picks its key block from the call's key length, which padding to the longest
+  request, chunked prefill and prefix-cache hits change. On a CPU with the native extend kernel
+  every query goes through it (invariant_native_attention.py); elsewhere torch's attention runs
+  with keys padded to fixed blocks (invariant_attention.py).
 Norms, rotary, activations and the greedy sampler work row by row on the CPU: nothing to do.
 
-The mode swaps three parts of the runner, nothing else: the attention backend, the matmul
-function of the model, and (on CUDA) the norms. The scheduler is untouched: batching, mixed
-batches, chunking, prefix caching and retraction all stay on.
+The mode swaps parts of the runner only: the attention backend, the matmuls' row blocks and (on
+CUDA) the norms. The scheduler is untouched: batching, mixed batches, chunking, prefix caching
+and retraction all stay on.
 
 On a GPU the same design applies, but it is not measured (no GPU here): the torch attention
 backend with keys padded to fixed blocks (CUDA's fused attention reduces each query row in
@@ -28,14 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from asyncengine.executor.attention import AttentionBackend
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.invariant_attention import InvariantTorchBackend
-from asyncengine.executor.invariant_linear import ROW_BLOCK, fixed_block_linear
-
-Linear = Callable[..., torch.Tensor]
+from asyncengine.executor.invariant_native_attention import NativeInvariantBackend
+from asyncengine.executor.linear import ROW_BLOCK
+from asyncengine.kernels.attention_native import plan_native_extend
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,18 +45,33 @@ class ForwardParts:
 
     backend: AttentionBackend
     ops: KernelOps
-    linear: Linear = F.linear
+    row_block: int | None = None  # None: one call per matmul
 
 
-def deterministic_parts(device: torch.device) -> ForwardParts:
-    ops = kernel_ops("torch")
+def deterministic_parts(
+    device: torch.device, num_heads: int, k_cache: torch.Tensor, page_size: int
+) -> ForwardParts:
+    """The batch-invariant parts for a pool whose layer-0 keys are ``k_cache``."""
+    ops = kernel_ops("torch", device)
+    if device.type == "cpu" and _native_extend_runs(num_heads, k_cache, page_size):
+        return ForwardParts(NativeInvariantBackend(), ops, ROW_BLOCK)
+    # InvariantTorchBackend stores K/V itself (forward), so no fused rotary + store
+    ops = replace(ops, rotary_store=None)
     if device.type == "cuda":
         ops = replace(
-            ops,
+            kernel_ops("torch"),
             rms_norm=_row_blocked(ops.rms_norm),
             fused_add_rms_norm=_row_blocked_pair(ops.fused_add_rms_norm),
         )
-    return ForwardParts(InvariantTorchBackend(), ops, fixed_block_linear)
+    return ForwardParts(InvariantTorchBackend(), ops, ROW_BLOCK)
+
+
+def _native_extend_runs(num_heads: int, k_cache: torch.Tensor, page_size: int) -> bool:
+    if k_cache.device.type != "cpu":
+        return False
+    one = torch.ones(1, dtype=torch.int32)
+    table, cu = torch.zeros((1, 1), dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    return plan_native_extend(table, cu, one, page_size, num_heads, k_cache) is not None
 
 
 def _padded_blocks(x: torch.Tensor) -> list[torch.Tensor]:

@@ -1,12 +1,16 @@
-"""The llama-family causal LM (Llama, Qwen2, Mistral) as a forward over the paged KV pool.
+"""The llama-family causal LM (Llama, Qwen2, Qwen3, Mistral, Gemma) as a forward over the
+paged KV pool.
 
 Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
-are fused into one projection and gate/up into another (fewer, larger matmuls).
+are fused into one projection and gate/up into another (fewer, larger matmuls), and on a CPU
+every projection's weight is prepacked for oneDNN once (executor/linear.py). The families
+differ in three hooks read from the ModelConfig: Gemma's ``(1 + w)`` norms become plain norms
+at load time (the offset is added to the weights), Qwen3's per-head q/k norms run before RoPE
+(``_norm_qk``), and the MLP activation and embedding multiplier are picked once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +19,11 @@ import torch.nn.functional as F
 from asyncengine.executor.attention import AttentionBackend
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.executor.linear import Linear
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
+from asyncengine.kernels.activation_ref import gelu_tanh_and_mul
 
 
 class WeightsError(ValueError):
@@ -27,12 +33,13 @@ class WeightsError(ValueError):
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases when the model has them
+    o_proj: Linear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
 
 
 class LlamaModel:
@@ -43,11 +50,12 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
-        linear: Callable[..., torch.Tensor] = F.linear,
+        row_block: int | None = None,
     ) -> None:
+        """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
+        executor/linear.py); None: one call per matmul."""
         self.config = config
-        # every matmul of the forward (deterministic mode gives a batch-invariant one)
-        self.linear = linear
+        self.row_block = row_block
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = ops if ops is not None else kernel_ops("torch")
@@ -58,11 +66,21 @@ class LlamaModel:
         c = config
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
-        self.norm = take("model.norm.weight", (c.hidden_size,))
+        self.norm = take("model.norm.weight", (c.hidden_size,), c.norm_weight_offset)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype first, as HF
+        self.embedding_multiplier = (
+            None
+            if c.embedding_multiplier is None
+            else float(torch.tensor(c.embedding_multiplier, dtype=dtype))
+        )
+        # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
+        self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
         if c.tie_word_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed, row_block=row_block)
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = Linear(
+                take("lm_head.weight", (c.vocab_size, c.hidden_size)), row_block=row_block
+            )
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         self.scale = c.head_dim**-0.5
 
@@ -92,14 +110,20 @@ class LlamaModel:
                 take(p + "mlp.up_proj.weight", (inter, h)),
             ]
         )
+        offset = c.norm_weight_offset
+        q_norm = k_norm = None
+        if c.qk_norm:
+            q_norm = take(p + "self_attn.q_norm.weight", (c.head_dim,), offset)
+            k_norm = take(p + "self_attn.k_norm.weight", (c.head_dim,), offset)
         return LayerWeights(
-            input_norm=take(p + "input_layernorm.weight", (h,)),
-            qkv=qkv,
-            qkv_bias=qkv_bias,
-            o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
-            post_norm=take(p + "post_attention_layernorm.weight", (h,)),
-            gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight", (h, inter)),
+            input_norm=take(p + "input_layernorm.weight", (h,), offset),
+            qkv=Linear(qkv, qkv_bias, self.row_block),
+            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q)), row_block=self.row_block),
+            post_norm=take(p + "post_attention_layernorm.weight", (h,), offset),
+            gate_up=Linear(gate_up, row_block=self.row_block),
+            down=Linear(take(p + "mlp.down_proj.weight", (h, inter)), row_block=self.row_block),
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
 
     def forward(
@@ -120,9 +144,11 @@ class LlamaModel:
         positions = batch.positions
         qk_heads = c.num_heads + c.num_kv_heads
         cos = sin = None
-        if self.rotary_once_per_forward:
+        if self.rotary_once_per_forward and self.ops.rotary_store is None:
             cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
         hidden = F.embedding(batch.input_ids, self.embed)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -130,34 +156,59 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-            if cos is not None and sin is not None:
-                qk = rotary_ref.rotate_neox(
-                    qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
-                )
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-                v = qkv[:, c.q_size + c.kv_size :]
-            else:
-                q, k, v = qkv.split(split, dim=-1)
-                q, k = ops.apply_rotary(
-                    q.view(n, c.num_heads, c.head_dim),
-                    k.view(n, c.num_kv_heads, c.head_dim),
+            qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                qkv = self._norm_qk(qkv, layer)
+            if ops.rotary_store is not None:  # native CPU kernels: rotate and store in one pass
+                q = ops.rotary_store(
+                    qkv,
+                    c.num_heads,
+                    c.num_kv_heads,
                     positions,
                     self.cos_sin_cache,
+                    k_caches[i],
+                    v_caches[i],
+                    batch.slot_mapping,
                 )
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
-            hidden = self.linear(attn.reshape(n, c.q_size), layer.o_proj)
+                attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale)
+            else:
+                if cos is not None and sin is not None:
+                    qk = rotary_ref.rotate_neox(
+                        qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
+                    )
+                    q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                    v = qkv[:, c.q_size + c.kv_size :]
+                else:
+                    q, k, v = qkv.split(split, dim=-1)
+                    q, k = ops.apply_rotary(
+                        q.view(n, c.num_heads, c.head_dim),
+                        k.view(n, c.num_kv_heads, c.head_dim),
+                        positions,
+                        self.cos_sin_cache,
+                    )
+                v = v.view(n, c.num_kv_heads, c.head_dim)
+                attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
+            hidden = layer.o_proj(attn.reshape(n, c.q_size))
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = self.linear(ops.silu_and_mul(self.linear(x, layer.gate_up)), layer.down)
+            hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
         assert residual is not None
         rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
 
+    def _norm_qk(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """qkv with each q and k head RMS-normed over head_dim (Qwen3), v untouched."""
+        assert layer.q_norm is not None and layer.k_norm is not None
+        c = self.config
+        n, eps, d = qkv.shape[0], c.rms_norm_eps, c.head_dim
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = self.ops.rms_norm(q.reshape(-1, d), layer.q_norm, eps).view(n, c.q_size)
+        k = self.ops.rms_norm(k.reshape(-1, d), layer.k_norm, eps).view(n, c.kv_size)
+        return torch.cat([q, k, v], dim=-1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class _WeightTaker:
@@ -168,7 +219,8 @@ class _WeightTaker:
         self.dtype = dtype
         self.device = device
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...], offset: float = 0.0) -> torch.Tensor:
+        """``offset`` is added in float32 before the cast (Gemma's ``1 + w`` norm weights)."""
         tensor = self.weights.get(name)
         if tensor is None:
             raise WeightsError(f"weight {name!r} is missing from the checkpoint")
@@ -176,4 +228,6 @@ class _WeightTaker:
             raise WeightsError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the config expects {shape}"
             )
+        if offset:
+            tensor = tensor.float() + offset
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -1,11 +1,25 @@
-"""ModelConfig: the llama-family shape of a model, parsed from a Hugging Face ``config.json``."""
+"""ModelConfig: the llama-family shape of a model, parsed from a Hugging Face ``config.json``.
+
+Qwen3 and Gemma are llama with a few differences, carried as plain fields (``qk_norm``,
+``norm_weight_offset``, ``activation``, ``embedding_multiplier``) that the forward reads once.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "GemmaForCausalLM",
+)
+# MLP activations by their HF names: SwiGLU, and Gemma's GeGLU with the tanh approximation.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Windows that the engine does not implement (sliding window ignored when it is off).
+_OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -42,6 +56,11 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Family differences from llama (defaults: llama).
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    norm_weight_offset: float = 0.0  # Gemma: norms scale by (1 + weight)
+    activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embedding_multiplier: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
 
     @property
     def q_size(self) -> int:
@@ -68,9 +87,7 @@ class ModelConfig:
                 f"unsupported architectures={architectures!r}: expected one of "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act={hidden_act!r}: only 'silu'")
+        activation = _parse_activation(d, architecture)
         if d.get("mlp_bias", False):
             raise UnsupportedModelError("unsupported mlp_bias=True: MLP projections have no bias")
         _refuse_sliding_window(d, architecture)
@@ -81,6 +98,7 @@ class ModelConfig:
         max_pos = int(d.get("max_position_embeddings", 2048))
         rope_theta, rope_scaling = _parse_rope(d, max_pos)
 
+        gemma = architecture == "GemmaForCausalLM"
         if architecture == "Qwen2ForCausalLM":
             attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
         else:
@@ -103,19 +121,36 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            norm_weight_offset=1.0 if gemma else 0.0,
+            activation=activation,
+            embedding_multiplier=hidden_size**0.5 if gemma else None,
         )
+
+
+def _parse_activation(d: dict[str, Any], architecture: str) -> str:
+    # Gemma's files say hidden_act "gelu" but its MLP runs hidden_activation, which HF takes as
+    # gelu_pytorch_tanh when missing; transformers 5 writes hidden_act "gelu_pytorch_tanh".
+    name = d.get("hidden_act", "silu")
+    if architecture == "GemmaForCausalLM":
+        name = d.get("hidden_activation") or ("gelu_pytorch_tanh" if name == "gelu" else name)
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"unsupported hidden_act={name!r}: expected one of {', '.join(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
 
 
 def _refuse_sliding_window(d: dict[str, Any], architecture: str) -> None:
     window = d.get("sliding_window")
     if window is None:
         return
-    if architecture == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
-        return  # Qwen2 carries a window size but only uses it when use_sliding_window is true
+    if architecture in _OPTIONAL_WINDOW and not d.get("use_sliding_window", False):
+        return  # Qwen2/3 carry a window size but only use it when use_sliding_window is true
     if int(window) < int(d.get("max_position_embeddings", 0)):
         raise UnsupportedModelError(
             f"unsupported sliding_window={window}: sliding-window attention is not implemented "

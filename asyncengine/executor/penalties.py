@@ -1,7 +1,9 @@
-"""Logit penalties and token bans, applied in place to a [batch, vocab] float32 logits tensor.
+"""Logit penalties, biases, token bans and grammar masks, applied in place to a [batch, vocab]
+float32 logits tensor.
 
-Every function works on a subset of the batch rows and is sparse: its cost grows with the number
-of penalised tokens, never with batch * vocab. Token ids outside ``[0, vocab)`` are ignored.
+Every function works on a subset of the batch rows. All but the grammar mask are sparse: their
+cost grows with the number of penalised tokens, never with batch * vocab. Token ids outside
+``[0, vocab)`` are ignored.
 """
 
 from __future__ import annotations
@@ -88,3 +90,60 @@ def ban_tokens(logits: torch.Tensor, rows: Sequence[int], banned: Sequence[Itera
         return
     keys = token_keys(rows, banned, logits.shape[1], logits.device)
     logits.view(-1)[keys] = float("-inf")
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: Sequence[int], biases: Sequence[dict[int, float]]
+) -> None:
+    """OpenAI's logit_bias: ``biases[j][token]`` is added to row ``rows[j]``'s logit of token."""
+    if not rows:
+        return
+    vocab_size = logits.shape[1]
+    keys: list[int] = []
+    values: list[float] = []
+    for row, bias in zip(rows, biases, strict=True):
+        for token, value in bias.items():
+            if 0 <= token < vocab_size:
+                keys.append(row * vocab_size + token)
+                values.append(value)
+    logits.view(-1).index_add_(
+        0,
+        torch.tensor(keys, dtype=torch.int64, device=logits.device),
+        torch.tensor(values, dtype=logits.dtype, device=logits.device),
+    )
+
+
+def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """Bool [n, vocab] from int32 CPU bitmasks [n, words]: bit i of word j allows token
+    32 j + i (xgrammar's layout: little-endian words, so the bytes unpack little-endian)."""
+    words = np.ascontiguousarray(bitmasks.numpy())
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :vocab_size].view(np.bool_)
+
+
+def apply_token_bitmasks(
+    logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor]
+) -> list[int]:
+    """Set the logits of row ``rows[j]`` that ``bitmasks[j]`` does not allow to -inf; return
+    the rows left without any finite logit.
+
+    On CPU in numpy, row by row in place (single-threaded: a handful of whole-row torch ops
+    costs more, as torch wakes its thread pool for each); on CUDA with xgrammar's kernel."""
+    if not rows:
+        return []
+    words = torch.stack([m.to(torch.int32).cpu() for m in bitmasks])
+    if logits.device.type == "cuda":
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, words.to(logits.device), indices=list(rows))
+        finite = torch.isfinite(logits[list(rows)]).any(dim=-1).tolist()
+        return [row for row, ok in zip(rows, finite, strict=True) if not ok]
+    allowed = allowed_tokens(words, logits.shape[1])
+    array = logits.numpy()
+    dead = []
+    for j, row in enumerate(rows):
+        values = array[row]
+        np.putmask(values, ~allowed[j], -np.inf)
+        if not np.isfinite(values).any():
+            dead.append(row)
+    return dead

@@ -65,16 +65,19 @@ class ModelRunner:
         self.page_table = page_table
         self.page_size = kv_pool.page_size
         if deterministic:
-            parts = deterministic_parts(self.device)
+            parts = deterministic_parts(
+                self.device, model_config.num_heads, kv_pool.k_cache(0), kv_pool.page_size
+            )
             self.backend_name = "torch"
         else:
             self.backend_name = resolve_backend_name(backend, self.device)
             parts = ForwardParts(
-                create_attention_backend(backend, self.device), kernel_ops(self.backend_name)
+                create_attention_backend(backend, self.device),
+                kernel_ops(self.backend_name, self.device),
             )
         self.backend = parts.backend
         self.model = LlamaModel(
-            model_config, weights, self.dtype, self.device, parts.ops, parts.linear
+            model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
         )
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]

@@ -4,9 +4,11 @@ Order of operations for every row:
 
 1. Logprobs (when asked) are ``log_softmax`` of the *raw* logits as the model produced them,
    before penalties, bans and temperature (vLLM's default ``raw_logprobs``).
-2. Repetition penalty (HF), then presence / frequency penalties (OpenAI), then, while fewer than
-   ``min_new_tokens`` tokens were generated, the EOS ids (unless ``ignore_eos``) and the
-   request's ``stop_token_ids`` are banned (set to -inf).
+2. Repetition penalty (HF), then presence / frequency penalties (OpenAI), then ``logit_bias``,
+   then, while fewer than ``min_new_tokens`` tokens were generated, the EOS ids (unless
+   ``ignore_eos``) and the request's ``stop_token_ids`` are banned (set to -inf). Last, a
+   structured-output row keeps only the tokens its grammar allows (``token_bitmask``); should
+   the bans leave it none, the grammar wins (the row is masked without the bans).
 3. Greedy rows (temperature 0) take the argmax of the processed logits (first index on ties).
 4. Other rows sample from ``p ~ exp((logit - max) / temperature)`` restricted by the filters,
    each a per-row threshold on the logit (a token tied with a threshold is kept):
@@ -42,8 +44,10 @@ import numpy as np
 import torch
 
 from asyncengine.executor.penalties import (
+    apply_logit_bias,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
+    apply_token_bitmasks,
     ban_tokens,
 )
 from asyncengine.plan import SamplingInfo, TokenLogprobs
@@ -142,12 +146,18 @@ class Sampler:
         presence_frequency_rows: list[int] = []
         ban_rows: list[int] = []
         banned: list[list[int]] = []
+        bias_rows: list[int] = []
+        mask_rows: list[int] = []
         for i, info in enumerate(sampling):
             params = info.params
             if params.repetition_penalty != 1.0:
                 repetition_rows.append(i)
             if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
                 presence_frequency_rows.append(i)
+            if params.logit_bias:
+                bias_rows.append(i)
+            if info.token_bitmask is not None:
+                mask_rows.append(i)
             if len(info.output_ids) < params.min_new_tokens:
                 row_banned = list(params.stop_token_ids)
                 if not params.ignore_eos:
@@ -155,7 +165,7 @@ class Sampler:
                 if row_banned:
                     ban_rows.append(i)
                     banned.append(row_banned)
-        if not (repetition_rows or presence_frequency_rows or ban_rows):
+        if not (repetition_rows or presence_frequency_rows or ban_rows or bias_rows or mask_rows):
             return logits
         processed = self._buffers.empty("processed", logits.shape[0], logits).copy_(logits)
         apply_repetition_penalty(
@@ -171,7 +181,13 @@ class Sampler:
             [sampling[i].params.presence_penalty for i in presence_frequency_rows],
             [sampling[i].params.frequency_penalty for i in presence_frequency_rows],
         )
+        apply_logit_bias(processed, bias_rows, [sampling[i].params.logit_bias for i in bias_rows])
         ban_tokens(processed, ban_rows, banned)
+        masks = [torch.as_tensor(sampling[i].token_bitmask) for i in mask_rows]
+        dead = apply_token_bitmasks(processed, mask_rows, masks)
+        if dead:  # the bans took every token the grammar allows: the grammar wins
+            processed[dead] = logits[dead]
+            apply_token_bitmasks(processed, dead, [masks[mask_rows.index(r)] for r in dead])
         return processed
 
     def _sample_rows(

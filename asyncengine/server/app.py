@@ -1,7 +1,9 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics.
+POST /generate, GET /health, GET /metrics, the worker endpoints SGLang's router polls
+(sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
+token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
@@ -21,10 +23,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.errors import EngineNotRunningError
+from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -43,6 +47,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 def _outcome_of_status(status: int) -> str:
     if status < 400:
         return "success"
+    if status == 408:
+        return "timeout"
     if status == 503:
         return "overloaded"
     if status < 500:
@@ -72,7 +78,12 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     api_key = request.app[STATE].api_key
-    if api_key is None or request.path in OPEN_PATHS or request.method == "OPTIONS":
+    if (
+        api_key is None
+        or request.path in OPEN_PATHS
+        or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
+        or request.method == "OPTIONS"
+    ):
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -127,6 +138,7 @@ def create_app(
     default_chat_max_tokens: int | None = None,
     metrics: ServerMetrics | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
+    admin_token: str | None = None,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``."""
     if max_body_bytes < 1:
@@ -148,6 +160,9 @@ def create_app(
     app[STATE] = state
     add_openai_routes(app)
     add_native_routes(app)
+    add_sglang_worker_routes(app)
+    if admin_token:
+        add_admin_routes(app, admin_token)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
     app.on_shutdown.append(_mark_shutting_down)

@@ -1,11 +1,13 @@
 """SGLang-style native endpoint: POST /generate.
 
 Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
-temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, ...), ``stream``, ``rid``,
-``return_logprob``, ``top_logprobs_num``. Response: ``{"text", "output_ids", "meta_info"}``.
-Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative (as SGLang
-streams text), ending with ``data: [DONE]``; ``meta_info`` of a non-final frame carries ``id``,
-``completion_tokens`` so far and ``finish_reason: null``; the final frame carries everything.
+temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, n, json_schema / regex /
+ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``. Response:
+``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
+``index``). Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative
+(as SGLang streams text) per choice (``index``), ending with ``data: [DONE]``; ``meta_info`` of
+a non-final frame carries ``id``, ``completion_tokens`` so far and ``finish_reason: null``; the
+final frame of a choice carries everything.
 """
 
 from __future__ import annotations
@@ -19,16 +21,24 @@ from msgspec import Meta, Struct, field
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sampling_params import (
+    MAX_TENANT_LENGTH,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from asyncengine.server.body import read_json
+from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
     PositiveInt,
+    Priority,
     RepetitionPenalty,
     Seed,
+    TimeoutSeconds,
     TokenId,
     TopK,
     TopLogprobs,
@@ -64,6 +74,12 @@ class NativeSamplingParams(Struct, kw_only=True):
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for seed
     n: PositiveInt = 1
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
+    # structured output (at most one), as SGLang takes them
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -75,6 +91,10 @@ class GenerateRequest(Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
+    # scheduling controls: top level as SGLang takes priority, or inside sampling_params
+    priority: Priority | None = None
+    timeout: TimeoutSeconds | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -101,11 +121,43 @@ def _prompt(req: GenerateRequest) -> Prompt:
     return list(ids)
 
 
-def _sampling_params(req: GenerateRequest, max_new_tokens: int) -> SamplingParams:
-    sp = req.sampling_params
-    if sp.n != 1:
+def _one_of(name: str, top: Any, inner: Any) -> Any:
+    """A control given at the top level or in sampling_params (both: they must agree)."""
+    if top is not None and inner is not None and top != inner:
         raise invalid_request(
-            f"sampling_params.n={sp.n} is not supported; only one sample per request",
+            f"{name} is given twice with different values ({top} and sampling_params.{name} "
+            f"{inner}); give it once",
+            param=name,
+        )
+    return top if top is not None else inner
+
+
+def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
+    given = {
+        kind: spec
+        for kind, spec in (("json_schema", sp.json_schema), ("regex", sp.regex), ("ebnf", sp.ebnf))
+        if spec is not None
+    }
+    if len(given) > 1:
+        raise invalid_request(
+            f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})",
+            param="sampling_params",
+        )
+    if not given:
+        return None
+    ((kind, spec),) = given.items()
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(spec)
+    assert isinstance(spec, str)
+    return StructuredOutput(kind, spec)
+
+
+def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> SamplingParams:
+    sp = req.sampling_params
+    priority = _one_of("priority", req.priority, sp.priority)
+    if sp.n > max_n:
+        raise invalid_request(
+            f"sampling_params.n={sp.n} is more samples than this server allows (max_n={max_n})",
             param="sampling_params.n",
         )
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
@@ -127,6 +179,11 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int) -> SamplingParam
             seed=sp.seed if sp.seed is not None else sp.sampling_seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+            n=sp.n,
+            structured=_structured(sp),
+            priority=0 if priority is None else priority,
+            timeout=_one_of("timeout", req.timeout, sp.timeout),
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -149,6 +206,8 @@ def finish_reason_body(
         return {"type": "length", "length": completion_tokens}
     if reason == "abort":
         return {"type": "abort", "message": "the request was aborted"}
+    if reason == "timeout":
+        return {"type": "timeout", "message": "the request ran out of time (timeout)"}
     return {"type": reason, "matched": matched}
 
 
@@ -214,52 +273,67 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
         state.token_limits(),
         "sampling_params.max_new_tokens",
     )
-    params = _sampling_params(req, max_new_tokens)
+    params = _sampling_params(req, max_new_tokens, state.engine.config.max_n)
     request_id = _request_id(req)
-    responder = NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+    responders = [
+        NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+        for _ in range(params.n)
+    ]
     if req.stream:
         stream = state.engine.stream(prompt, params, request_id=request_id)
-        return await stream_response(request, state, stream, _CumulativeFormat(responder))
-    # A client that disconnects cancels this handler; the engine's generate then aborts.
-    out = await state.engine.generate(prompt, params, request_id=request_id)
-    state.metrics.observe_finished(out.metrics)
-    request[OUTCOME] = "abort" if out.finish_reason == "abort" else "success"
-    responder.add_logprobs(out.token_ids, out.logprobs)
-    body = responder.body(
-        out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
-    )
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+        fmt = _CumulativeFormat(responders)
+        return await stream_response(request, state, stream, fmt, params.n)
+    outputs = await generate(state.engine, prompt, params, request_id)
+    bodies = []
+    for out, responder in zip(outputs, responders, strict=True):
+        state.metrics.observe_finished(out.metrics)
+        responder.add_logprobs(out.token_ids, out.logprobs)
+        body = responder.body(
+            out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
+        )
+        bodies.append(_indexed(body, out.index, params.n))
+    request[OUTCOME] = outcome_of(*(out.finish_reason for out in outputs))
+    reply = bodies[0] if params.n == 1 else bodies
+    return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+
+
+def _indexed(body: dict[str, Any], index: int, n: int) -> dict[str, Any]:
+    """Bodies of an n > 1 request say which choice they belong to."""
+    if n > 1:
+        body["index"] = index
+    return body
 
 
 class _CumulativeFormat:
-    """SGLang's stream: every frame carries the text and output ids so far."""
+    """SGLang's stream: every frame carries its choice's text and output ids so far."""
 
-    def __init__(self, responder: NativeResponder) -> None:
-        self.responder = responder
-        self.text = ""
-        self.output_ids: list[int] = []
+    def __init__(self, responders: list[NativeResponder]) -> None:
+        self.responders = responders
+        self.texts = [""] * len(responders)
+        self.output_ids: list[list[int]] = [[] for _ in responders]
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
     def frames(self, delta: StreamDelta) -> list[dict[str, Any]]:
-        self.text += delta.text
-        self.output_ids.extend(delta.token_ids)
-        self.responder.add_logprobs(delta.token_ids, delta.logprobs)
+        i = delta.index
+        self.texts[i] += delta.text
+        self.output_ids[i].extend(delta.token_ids)
+        self.responders[i].add_logprobs(delta.token_ids, delta.logprobs)
         if not (delta.text or delta.token_ids or delta.finished):
             return []
         # encoded as soon as it is returned, before output_ids grows again: no copy needed
-        body = self.responder.body(
-            self.text,
-            self.output_ids,
+        body = self.responders[i].body(
+            self.texts[i],
+            self.output_ids[i],
             delta.finish_reason,
             delta.matched_stop,
             delta.usage,
             delta.metrics,
         )
-        return [body]
+        return [_indexed(body, i, len(self.responders))]
 
-    def closing(self, last: StreamDelta) -> list[dict[str, Any]]:
+    def closing(self, finals: list[StreamDelta]) -> list[dict[str, Any]]:
         return []
 
 

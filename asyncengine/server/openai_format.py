@@ -14,6 +14,13 @@ TokenText = Callable[[int], str]
 Json = dict[str, Any]
 
 
+def combined_usage(usages: list[Usage]) -> Usage:
+    """One request's usage over its choices: the prompt counted once (it is prefilled once)."""
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    return Usage(first.prompt_tokens, completion, first.cached_tokens)
+
+
 def usage_body(usage: Usage) -> Json:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -79,25 +86,17 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def full(
-        self, text: str, finish_reason: str | None, usage: Usage, logprobs: Json | None
-    ) -> Json:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            body = self._envelope("text_completion", [choice])
+    def full(self, choices: list[tuple[str, str | None, Json | None]], usage: Usage) -> Json:
+        """The whole response; ``choices`` holds (text, finish_reason, logprobs) by index."""
+        bodies = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            content: Json = (
+                {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            )
+            bodies.append(
+                {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+            )
+        body = self._envelope("chat.completion" if self.chat else "text_completion", bodies)
         body["usage"] = usage_body(usage)
         return body
 
@@ -109,13 +108,14 @@ class ResponseBuilder:
         *,
         first: bool = False,
         include_usage: bool = False,
+        index: int = 0,
     ) -> Json:
         if self.chat:
             delta: Json = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text and not first:
                 delta = {}
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -123,7 +123,7 @@ class ResponseBuilder:
             body = self._envelope("chat.completion.chunk", [choice])
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,

@@ -11,11 +11,13 @@ from aiohttp import web
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
+from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
     chat_logprobs,
+    combined_usage,
     completion_logprobs,
 )
 from asyncengine.server.openai_schema import (
@@ -50,7 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(
         requested, state.default_chat_max_tokens, len(prompt), state.token_limits(), param
     )
-    params = chat_sampling_params(req, max_tokens)
+    params = chat_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
@@ -70,7 +72,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         state.token_limits(),
         "max_tokens",
     )
-    params = completion_sampling_params(req, max_tokens)
+    params = completion_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
@@ -124,44 +126,58 @@ async def _complete(
     params: SamplingParams,
     builder: ResponseBuilder,
 ) -> web.Response:
-    # A client that disconnects cancels this handler; the engine's generate then aborts.
-    output = await state.engine.generate(prompt, params, request_id=builder.id)
-    state.metrics.observe_finished(output.metrics)
-    request[OUTCOME] = "abort" if output.finish_reason == "abort" else "success"
-    logprobs = _logprobs(state, builder, output.token_ids, output.logprobs, 0)
-    return json_response(builder.full(output.text, output.finish_reason, output.usage, logprobs))
+    outputs = await generate(state.engine, prompt, params, builder.id)
+    for output in outputs:
+        state.metrics.observe_finished(output.metrics)
+    request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
+    choices = [
+        (o.text, o.finish_reason, _logprobs(state, builder, o.token_ids, o.logprobs, 0))
+        for o in outputs
+    ]
+    return json_response(builder.full(choices, combined_usage([o.usage for o in outputs])))
 
 
 class _ChunkFormat:
     """Chat or text completion chunks: one per delta with text (or logprobs, or the finish),
-    led by the chat's role chunk and followed by the usage chunk when asked for."""
+    each marked with its choice's index, led by the chat's role chunk per choice and followed
+    by the usage chunk (all choices together) when asked for."""
 
-    def __init__(self, state: ServerState, builder: ResponseBuilder, include_usage: bool) -> None:
+    def __init__(
+        self, state: ServerState, builder: ResponseBuilder, include_usage: bool, choices: int
+    ) -> None:
         self.state = state
         self.builder = builder
         self.include_usage = include_usage
-        self.text_offset = 0
+        self.choices = choices
+        self.text_offsets = [0] * choices
 
     def opening(self) -> list[Json]:
         if not self.builder.chat:
             return []
-        return [self.builder.chunk("", None, None, first=True, include_usage=self.include_usage)]
+        return [
+            self.builder.chunk(
+                "", None, None, first=True, include_usage=self.include_usage, index=index
+            )
+            for index in range(self.choices)
+        ]
 
     def frames(self, delta: StreamDelta) -> list[Json]:
         if not (delta.text or delta.finished or delta.logprobs):
             return []
+        index = delta.index
         logprobs = _logprobs(
-            self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offset
+            self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offsets[index]
         )
-        self.text_offset += len(delta.text)
+        self.text_offsets[index] += len(delta.text)
         chunk = self.builder.chunk(
-            delta.text, delta.finish_reason, logprobs, include_usage=self.include_usage
+            delta.text, delta.finish_reason, logprobs, include_usage=self.include_usage, index=index
         )
         return [chunk]
 
-    def closing(self, last: StreamDelta) -> list[Json]:
-        if self.include_usage and last.usage is not None:
-            return [self.builder.usage_chunk(last.usage)]
+    def closing(self, finals: list[StreamDelta]) -> list[Json]:
+        usages = [d.usage for d in finals if d.usage is not None]
+        if self.include_usage and len(usages) == self.choices:
+            return [self.builder.usage_chunk(combined_usage(usages))]
         return []
 
 
@@ -175,7 +191,7 @@ async def _stream(
 ) -> web.StreamResponse:
     stream = state.engine.stream(prompt, params, request_id=builder.id)
     return await stream_response(
-        request, state, stream, _ChunkFormat(state, builder, include_usage)
+        request, state, stream, _ChunkFormat(state, builder, include_usage, params.n), params.n
     )
 
 

@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
 ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
-Known fields whose meaning we cannot honour (n > 1, tools, logit_bias, echo, ...) are refused
-with a 400 rather than silently ignored.
+Known fields whose meaning we cannot honour (tools, echo, best_of > 1, ...) are refused with a
+400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ import re
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta, Struct, field
 
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sampling_params import (
+    MAX_PRIORITY,
+    MAX_TENANT_LENGTH,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 
@@ -32,14 +38,27 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
+Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
 
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = field(default=None, name="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Struct, kw_only=True):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class ContentPart(Struct, kw_only=True):
@@ -70,8 +89,11 @@ class _CommonRequest(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+    response_format: ResponseFormat | None = None
     # Extensions that vLLM and SGLang also accept.
+    priority: Priority = 0  # lower is served first (the "priority" policy)
+    timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     stop_token_ids: list[TokenId] | None = None
@@ -86,7 +108,6 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -153,11 +174,11 @@ def _unsupported(param: str, why: str) -> ApiError:
     return invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
-def _check_common(req: _CommonRequest) -> None:
-    if req.n is not None and req.n > 1:
-        raise _unsupported("n", f"n={req.n} is not supported; only one choice per request (n=1)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
+def _check_common(req: _CommonRequest, max_n: int) -> None:
+    if req.n is not None and req.n > max_n:
+        raise invalid_request(
+            f"n={req.n} is more choices than this server allows (max_n={max_n})", param="n"
+        )
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", param="stream_options"
@@ -229,10 +250,51 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token id strings to -100..100) with the bad entry named."""
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise invalid_request(
+                f"logit_bias key {key!r} is not a token id (a non-negative integer)",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise invalid_request(
+                f"logit_bias[{key}] = {value} is not in [-100, 100]", param="logit_bias"
+            )
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    """The constraint a response_format asks for (None: plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type not in RESPONSE_FORMATS:
+        raise invalid_request(
+            f"response_format.type {fmt.type!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+            param="response_format.type",
+        )
+    try:
+        if fmt.type == "json_object":
+            return StructuredOutput("json_object")
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        return StructuredOutput.json_schema(schema)
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param="response_format") from None
+
+
 def _sampling_params(
     req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    structured = structured_output(req.response_format)
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -251,6 +313,12 @@ def _sampling_params(
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            n=req.n or 1,
+            logit_bias=logit_bias(req.logit_bias),
+            structured=structured,
+            priority=req.priority,
+            timeout=req.timeout,
+            tenant=req.user or None,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None
@@ -263,23 +331,27 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-def chat_sampling_params(req: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def chat_sampling_params(
+    req: ChatCompletionRequest, max_tokens: int, max_n: int = 1
+) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
-    _check_common(req)
+    _check_common(req, max_n)
     if req.tools:
-        raise _unsupported("tools", "tool calling is not supported")
-    if req.response_format is not None and req.response_format.type != "text":
         raise _unsupported(
-            "response_format", f"response_format type {req.response_format.type!r} is not supported"
+            "tools",
+            "tool calling is not supported; for JSON output use response_format "
+            "(json_object or json_schema)",
         )
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
 
 
-def completion_sampling_params(req: CompletionRequest, max_tokens: int) -> SamplingParams:
+def completion_sampling_params(
+    req: CompletionRequest, max_tokens: int, max_n: int = 1
+) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
-    _check_common(req)
+    _check_common(req, max_n)
     if req.echo:
         raise _unsupported("echo", "echo is not supported")
     if req.suffix:

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.outputs import RequestMetrics
+from asyncengine.server.scheduling_metrics import scheduling_families
 
 # The *_created series (a timestamp per counter and histogram) only double the scrape size.
 disable_created_metrics()
@@ -38,7 +39,8 @@ PREFIX = "asyncengine"
 
 # outcome label of asyncengine_requests_total: finished (stop/length) | aborted (client gone,
 # shutdown) | refused with a 4xx | refused with 503 (queue full) | failed (5xx or in-band error)
-OUTCOMES = ("success", "abort", "invalid", "overloaded", "error")
+# | timed out before its first token (408)
+OUTCOMES = ("success", "abort", "invalid", "overloaded", "error", "timeout")
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -92,6 +94,7 @@ class EngineStatsCollector(Collector):
             value = stats.get(key)
             if isinstance(value, (int, float)):
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        yield from scheduling_families(stats)
 
     def describe(self) -> Iterator[Metric]:
         # Describing without scraping keeps registration free of engine calls.

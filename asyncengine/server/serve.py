@@ -27,6 +27,7 @@ from asyncengine.server.app import (
     create_app,
 )
 from asyncengine.server.port import PortInUseError, check_port_free
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import STATE
 
 log = logging.getLogger("asyncengine.server")
@@ -35,6 +36,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
 API_KEY_ENV = "ASYNCENGINE_API_KEY"
+ADMIN_TOKEN_ENV = "ASYNCENGINE_ADMIN_TOKEN"
 # After the grace period the engine aborts what is left; handlers then send their final
 # ("abort") chunk and [DONE], which takes well under this many seconds.
 ABORT_FLUSH_SECONDS = 5.0
@@ -86,6 +88,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="max_tokens of chat requests that give none (default: up to the context length)",
+    )
+    group.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help="serve POST/GET /admin/policy (live policy swap), guarded by "
+        f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
+    )
+    group.add_argument(
+        "--record-trace",
+        metavar="FILE",
+        default=None,
+        help="write every arrival, finish and step as a JSONL live trace, to replay under other "
+        "policies with scripts/compare_policies.py --trace FILE",
+    )
+    group.add_argument(
+        "--record-trace-hashed",
+        action="store_true",
+        help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
     group.add_argument(
         "--shutdown-grace",
@@ -151,11 +171,18 @@ async def run_server(
     stop_event: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     install_signal_handlers: bool = True,
+    engine: Any = None,
+    metrics: ServerMetrics | None = None,
+    admin_token: str | None = None,
+    record_trace: str | None = None,
+    record_trace_hashed: bool = False,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
-    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one).
-    ``log_interval``, when given, replaces the config's: seconds between summary lines.
+    ``on_ready(port)`` is called once the socket listens (port 0 picks a free one). ``engine``
+    replaces the AsyncEngine built from ``config`` (replicas on Ray pass theirs, with their
+    ``metrics``). ``log_interval``, when given, replaces the config's: seconds between summary
+    lines.
     """
     from asyncengine.engine import AsyncEngine
 
@@ -170,8 +197,14 @@ async def run_server(
     if log_interval is not None:
         config = config.replace(log_interval=log_interval)
     check_port_free(host, port)  # before the model loads
-    engine = AsyncEngine(config)
+    if engine is None:
+        engine = AsyncEngine(config)
+    if record_trace and not hasattr(engine, "record_trace"):
+        raise ValueError("--record-trace records one engine; it is not available with replicas")
     await engine.start()
+    if record_trace:
+        engine.record_trace(record_trace, hashed=record_trace_hashed)
+        log.info("recording a live trace to %s", record_trace)
     runner: web.AppRunner | None = None
     try:
         app = create_app(
@@ -181,17 +214,21 @@ async def run_server(
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
             body_timeout=body_timeout,
+            metrics=metrics,
+            admin_token=admin_token,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
-            "serving %s on http://%s:%d (api key %s)",
+            "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
             host,
             bound_port,
             "required" if api_key else "off",
+            "on" if admin_token else "off",
         )
-        metrics = app[STATE].metrics
-        engine.summary.add_counter("http_requests", metrics.requests_served)
+        summary = getattr(engine, "summary", None)  # replicas log their own summaries
+        if summary is not None:
+            summary.add_counter("http_requests", app[STATE].metrics.requests_served)
         if on_ready is not None:
             on_ready(bound_port)
         await stop.wait()
@@ -208,9 +245,9 @@ async def run_server(
     return 0
 
 
-def serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
-    kwargs: dict[str, Any] = {
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``run_server``'s keyword arguments from the options of ``add_serve_arguments``."""
+    return {
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
@@ -220,5 +257,12 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
         "body_timeout": args.body_timeout,
+        "admin_token": args.admin_token,
+        "record_trace": args.record_trace,
+        "record_trace_hashed": args.record_trace_hashed,
     }
-    return run(run_server(config, **kwargs))
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
+    return run(run_server(config, **http_options(args)))

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
+from asyncengine.server.completion import outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, ServerState
@@ -33,8 +34,9 @@ class StreamFormat(Protocol):
         """Frames for one delta (none when it carries nothing worth sending)."""
         ...
 
-    def closing(self, last: StreamDelta) -> list[Frame]:
-        """Frames after the final delta, before ``[DONE]``."""
+    def closing(self, finals: list[StreamDelta]) -> list[Frame]:
+        """Frames after every choice's final delta (``finals``, by choice index), before
+        ``[DONE]``."""
         ...
 
 
@@ -46,10 +48,15 @@ async def _next(stream: RequestStream) -> StreamDelta | None:
 
 
 async def stream_response(
-    request: web.Request, state: ServerState, stream: RequestStream, fmt: StreamFormat
+    request: web.Request,
+    state: ServerState,
+    stream: RequestStream,
+    fmt: StreamFormat,
+    choices: int,
 ) -> web.StreamResponse:
-    """Send ``stream`` as server-sent events formatted by ``fmt``; record the outcome."""
-    last: StreamDelta | None = None
+    """Send ``stream`` (all its ``choices``) as server-sent events formatted by ``fmt``; record
+    the outcome."""
+    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
         delta = await _next(stream)  # engine refusals become a 4xx/503 before headers go out
         writer = SSEWriter(request)
@@ -58,18 +65,20 @@ async def stream_response(
             for frame in fmt.opening():
                 await writer.send(frame)
             while delta is not None:
-                last = delta
                 for frame in fmt.frames(delta):
                     await writer.send(frame)
                 if delta.finished:
-                    break
+                    finals.append(delta)
+                    state.metrics.observe_finished(delta.metrics)
+                    if len(finals) == choices:
+                        break
                 delta = await _next(stream)
-            if last is not None:
-                for frame in fmt.closing(last):
+            if len(finals) == choices:
+                for frame in fmt.closing(sorted(finals, key=lambda d: d.index)):
                     await writer.send(frame)
             await writer.done()
-            aborted = last is not None and last.finish_reason == "abort"
-            request[OUTCOME] = "abort" if aborted else "success"
+            outcome = outcome_of(*(d.finish_reason for d in finals))
+            request[OUTCOME] = "abort" if len(finals) < choices else outcome
         except ENGINE_ERRORS as exc:
             # Headers are gone: report the failure in-band, as other OpenAI servers do.
             request[OUTCOME] = "error"
@@ -81,5 +90,3 @@ async def stream_response(
         return writer.response
     finally:
         await stream.aclose()
-        if last is not None and last.finished:
-            state.metrics.observe_finished(last.metrics)

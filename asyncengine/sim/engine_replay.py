@@ -46,6 +46,12 @@ async def replay_real(
                 record.finish_time = loop.time() - start
                 return record
             metrics = out.metrics
+            record.tenant, record.priority = item.tenant, item.priority
+            record.blocked = dict(metrics.blocked)
+            record.timed_out = out.finish_reason == "timeout"
+            record.finish_time = arrival + metrics.e2e
+            if not out.token_ids:
+                return record
             ttft = metrics.ttft if metrics.ttft is not None else metrics.e2e
             times = [arrival + ttft]
             for gap in metrics.itl:

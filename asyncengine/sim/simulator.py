@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
@@ -30,6 +31,7 @@ class SimResult:
     # this process's CPU time: the cost that other load on the machine cannot inflate
     cpu_seconds: float
     scheduler_stats: dict[str, float]
+    core_stats: dict[str, Any]  # engine.stats() of the run: admission blocks, shadow, tenants
 
 
 class Simulator:
@@ -79,6 +81,7 @@ class Simulator:
             wall_seconds=time.perf_counter() - wall_start,
             cpu_seconds=time.process_time() - cpu_start,
             scheduler_stats=stats,
+            core_stats=self.core.stats(),
         )
 
 

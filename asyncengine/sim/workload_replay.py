@@ -20,8 +20,16 @@ from asyncengine.workloads.trace import WorkloadRequest
 
 
 def params_for(item: WorkloadRequest) -> SamplingParams:
-    """Exactly ``output_len`` tokens, greedy: the same work whatever the model says."""
-    return SamplingParams(max_new_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+    """Exactly ``output_len`` tokens, greedy: the same work whatever the model says; the
+    request's scheduling controls (priority, tenant, timeout) as the workload gives them."""
+    return SamplingParams(
+        max_new_tokens=item.output_len,
+        ignore_eos=True,
+        temperature=0.0,
+        priority=item.priority,
+        tenant=item.tenant,
+        timeout=item.timeout,
+    )
 
 
 class SchedulerStuckError(RuntimeError):
@@ -68,8 +76,9 @@ class WorkloadReplay:
             self.requests[item.rid] = req
             self.core.add(req)
 
-    def step(self) -> StepResult:
-        """Let in what has arrived by now and run one step (waiting for arrivals if idle)."""
+    def step(self) -> StepResult | None:
+        """Let in what has arrived by now and run one step (waiting for arrivals if idle);
+        None when the last requests ran out of time and nothing is left to run."""
         timer = self.overhead_timer
         while True:
             self._admit_arrivals()
@@ -78,6 +87,8 @@ class WorkloadReplay:
             if result is not None:
                 break
             if self.next_arrival == len(self.pending):
+                if not self.core.has_work():
+                    return None  # what waited has timed out
                 raise SchedulerStuckError(
                     f"scheduler is stuck at t={self.clock.now:.3f}s: {self.core.stats()}"
                 )
@@ -95,23 +106,35 @@ class WorkloadReplay:
 
     def run(self) -> list[RequestRecord]:
         while not self.done():
-            self.step()
+            if self.step() is None:
+                break
         return self.records()
 
     def records(self) -> list[RequestRecord]:
         """One record per workload request, in workload order."""
-        records = []
-        for item in self.workload:
-            record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
-            req = self.requests.get(item.rid)
-            if req is None:  # refused at arrival
-                record.failed = True
-                record.finish_time = item.arrival_time
-            else:
-                record.token_times = req.token_times
-                record.finish_time = req.finished_time
-                record.cached_tokens = req.cached_tokens
-                record.retracts = req.retractions
-                record.failed = req.finish_reason == "abort"
-            records.append(record)
-        return records
+        return workload_records(self.workload, self.requests)
+
+
+def workload_records(
+    workload: Sequence[WorkloadRequest], requests: dict[str, Request]
+) -> list[RequestRecord]:
+    """One record per workload request, in workload order; ``requests`` holds those admitted."""
+    records = []
+    for item in workload:
+        record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
+        req = requests.get(item.rid)
+        if req is None:  # refused at arrival
+            record.failed = True
+            record.finish_time = item.arrival_time
+        else:
+            record.token_times = req.token_times
+            record.finish_time = req.finished_time
+            record.cached_tokens = req.cached_tokens
+            record.retracts = req.retractions
+            record.failed = req.finish_reason == "abort"
+            record.timed_out = req.finish_reason == "timeout"
+            record.blocked = dict(req.blocked)
+        record.tenant = item.tenant
+        record.priority = item.priority
+        records.append(record)
+    return records

@@ -13,13 +13,25 @@ from asyncengine.text.stop_strings import StopStringFilter
 
 
 class StreamState:
-    """Text produced so far for one request, and the deltas not yet read by its caller."""
+    """Text produced so far for one request, and the deltas not yet read by its caller.
 
-    def __init__(self, req: Request, detokenizer: Any) -> None:
+    The choices of an n > 1 request are one StreamState each (``index``), sharing one queue.
+    """
+
+    def __init__(
+        self,
+        req: Request,
+        detokenizer: Any,
+        queue: asyncio.Queue[StreamDelta | BaseException] | None = None,
+        index: int = 0,
+        request_id: str | None = None,
+    ) -> None:
         self.req = req
+        self.request_id = req.rid if request_id is None else request_id  # the caller's id
         self.detokenizer = detokenizer
+        self.index = index
         self.stops = StopStringFilter(list(req.params.stop))
-        self.queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[StreamDelta | BaseException] = queue or asyncio.Queue()
         self.ready = ""  # text cleared for the caller, not yet handed out
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
@@ -60,10 +72,11 @@ class StreamState:
 
     def _delta(self) -> StreamDelta:
         delta = StreamDelta(
-            request_id=self.req.rid,
+            request_id=self.request_id,
             text=self.ready,
             token_ids=self.tokens,
             logprobs=self.logprobs or None,
+            index=self.index,
         )
         self.ready = ""
         self.tokens = []
@@ -72,7 +85,8 @@ class StreamState:
 
 
 class RequestStream:
-    """Async iterator over one request's StreamDeltas; leaving it early aborts the request.
+    """Async iterator over one request's StreamDeltas (of all its choices, each delta with its
+    ``index``, in the order they were produced); leaving it early aborts the request.
 
     ``abort(request_id)`` is the engine's abort; it runs on ``loop``, the engine's loop (a stream
     dropped by the garbage collector on another thread schedules it there).
@@ -80,15 +94,18 @@ class RequestStream:
 
     def __init__(
         self,
-        state: StreamState,
+        states: list[StreamState],
+        request_id: str,
         abort: Callable[[str], object],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        self.state = state
-        self.request_id = state.req.rid
+        self.states = states
+        self.state = states[0]
+        self.request_id = request_id
         self._abort = abort
         self._loop = loop
         self._ended = False
+        self._open_choices = len(states)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -105,7 +122,8 @@ class RequestStream:
             self._ended = True
             raise item
         if item.finished:
-            self._ended = True
+            self._open_choices -= 1
+            self._ended = self._open_choices == 0
         return item
 
     @property
@@ -120,5 +138,6 @@ class RequestStream:
             self._abort(self.request_id)
 
     def __del__(self) -> None:
-        if not self._ended and not self.state.done and not self._loop.is_closed():
+        live = not all(state.done for state in self.states)
+        if not self._ended and live and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._abort, self.request_id)

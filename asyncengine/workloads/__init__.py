@@ -13,7 +13,15 @@ from asyncengine.workloads.generators import (
     shared_prefix,
     tree_of_thought,
 )
+from asyncengine.workloads.scheduling import (
+    SCHEDULING_WORKLOADS,
+    multi_tenant,
+    priority_mix,
+    slo_mix,
+)
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
+
+WORKLOADS.update(SCHEDULING_WORKLOADS)
 
 __all__ = [
     "WORKLOADS",
@@ -24,11 +32,14 @@ __all__ = [
     "load_trace",
     "long_short",
     "make_workload",
+    "multi_tenant",
     "multi_turn",
     "poisson",
+    "priority_mix",
     "pseudo_text",
     "random_lengths",
     "save_trace",
     "shared_prefix",
+    "slo_mix",
     "tree_of_thought",
 ]

@@ -13,7 +13,8 @@ class WorkloadRequest:
     """One request of a replayable workload.
 
     ``arrival_time`` is in seconds relative to the start of the run. ``output_len`` is the
-    exact number of tokens to generate (``max_new_tokens`` with ``ignore_eos``).
+    exact number of tokens to generate (``max_new_tokens`` with ``ignore_eos``). ``priority``,
+    ``tenant`` and ``timeout`` are the request's scheduling controls (SamplingParams).
     """
 
     rid: str
@@ -21,6 +22,9 @@ class WorkloadRequest:
     prompt_ids: list[int]
     output_len: int
     prompt_text: str | None = None
+    priority: int = 0
+    tenant: str | None = None
+    timeout: float | None = None
 
     def to_json(self) -> dict[str, object]:
         record: dict[str, object] = {
@@ -31,6 +35,12 @@ class WorkloadRequest:
         }
         if self.prompt_text is not None:
             record["prompt_text"] = self.prompt_text
+        if self.priority:
+            record["priority"] = self.priority
+        if self.tenant is not None:
+            record["tenant"] = self.tenant
+        if self.timeout is not None:
+            record["timeout"] = self.timeout
         return record
 
     @classmethod
@@ -39,12 +49,17 @@ class WorkloadRequest:
         if not isinstance(prompt_ids, list) or not all(isinstance(t, int) for t in prompt_ids):
             raise ValueError(f"request {record.get('rid')!r}: prompt_ids must be a list of ints")
         text = record.get("prompt_text")
+        tenant = record.get("tenant")
+        timeout = record.get("timeout")
         return cls(
             rid=str(record["rid"]),
             arrival_time=float(record["arrival_time"]),  # type: ignore[arg-type]
             prompt_ids=prompt_ids,
             output_len=int(record["output_len"]),  # type: ignore[call-overload]
             prompt_text=None if text is None else str(text),
+            priority=int(record.get("priority", 0)),  # type: ignore[call-overload]
+            tenant=None if tenant is None else str(tenant),
+            timeout=None if timeout is None else float(timeout),  # type: ignore[arg-type]
         )
 
 

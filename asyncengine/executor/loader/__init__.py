@@ -17,6 +17,7 @@ from asyncengine.executor.loader.default_model import (
     UnknownModelError,
     cache_root,
     resolve_model,
+    tokenizer_dir,
 )
 from asyncengine.executor.loader.gguf_loader import (
     GGUFCheckpoint,
@@ -49,5 +50,6 @@ __all__ = [
     "read_gguf",
     "resolve_model",
     "safetensors_files",
+    "tokenizer_dir",
     "write_tokenizer_dir",
 ]

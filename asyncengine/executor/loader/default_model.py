@@ -18,7 +18,11 @@ from pathlib import Path
 
 import torch
 
-from asyncengine.executor.loader.gguf_loader import convert_gguf_to_hf_dir
+from asyncengine.executor.loader.gguf_loader import (
+    TOKENIZER_FILE,
+    convert_gguf_to_hf_dir,
+    write_tokenizer_dir,
+)
 from asyncengine.executor.loader.hf_dir import CONFIG_FILE, ModelFilesError
 from asyncengine.executor.loader.progress import log
 
@@ -122,3 +126,35 @@ def resolve_model(name_or_path: str | Path, dtype: torch.dtype) -> Path:
         "a path to a Hugging Face model directory (config.json + safetensors) or to a .gguf file "
         "is also accepted"
     )
+
+
+def tokenizer_dir(name_or_path: str | Path) -> Path:
+    """A directory with the model's tokenizer files, converting no weights: an HF directory
+    itself, or for a .gguf file or a known name the tokenizer read from the GGUF metadata (once;
+    later calls reuse it). A process that only tokenizes (the replicas' router) needs no more."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return resolve_model(path, torch.float32)  # checks it is a model directory
+    if path.is_file() and path.suffix == ".gguf":
+        gguf_path, cache_name = path, _gguf_cache_name(path)
+    elif str(name_or_path) in KNOWN_MODELS:
+        model = KNOWN_MODELS[str(name_or_path)]
+        gguf_path, cache_name = model.gguf_path(), model.name
+    else:
+        return resolve_model(name_or_path, torch.float32)  # raises UnknownModelError
+    root = cache_root()
+    target = root / f"{cache_name}-tokenizer"
+    if (target / TOKENIZER_FILE).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        write_tokenizer_dir(gguf_path, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / TOKENIZER_FILE).is_file():  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

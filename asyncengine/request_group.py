@@ -1,0 +1,103 @@
+"""RequestGroup: the engine-side requests behind one caller's request (its n choices).
+
+Choice ``i`` is its own Request (id ``<rid>`` when n is 1, else ``<rid>-<i>``) with its own
+stream state; all share one queue, so the caller reads their deltas in the order they come.
+A group's requests are *held* (known to the engine, not yet to the core) while their grammar
+compiles, and choices 1..n-1 are held until choice 0 has prefilled the prompt: they are added
+then and take the prompt's pages from the radix cache (a fork) instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.plan import TokenLogprobs
+from asyncengine.request import Request, RequestStatus
+from asyncengine.sampling_params import SamplingParams, choice_seed
+from asyncengine.text.stream import StreamState
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: a seeded request gives each choice its own seed."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=choice_seed(params.seed, index))
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    rid: str
+    states: list[StreamState]
+    held: list[Request] = field(default_factory=list)  # not yet added to the core
+    compiling: asyncio.Task[None] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        detokenizer: Callable[[], Any],
+    ) -> RequestGroup:
+        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        states = []
+        for i in range(params.n):
+            child_rid = rid if params.n == 1 else f"{rid}-{i}"
+            req = Request(child_rid, prompt_ids, choice_params(params, i), arrival_time)
+            states.append(StreamState(req, detokenizer(), queue, index=i, request_id=rid))
+        return cls(rid, states, held=[s.req for s in states])
+
+    @property
+    def done(self) -> bool:
+        return all(state.done for state in self.states)
+
+    def end_held(self, now: float) -> list[Request]:
+        """End the held requests (reason "abort") without the core, which never saw them."""
+        ended, self.held = self.held, []
+        for req in ended:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            req.finished_time = now
+        return ended
+
+
+class ChoiceCollector:
+    """Builds each choice's GenerateOutput from the deltas of a group's stream."""
+
+    def __init__(self, n: int, logprobs: bool) -> None:
+        self.logprobs = logprobs
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.outputs: list[GenerateOutput | None] = [None] * n
+
+    def add(self, delta: StreamDelta) -> None:
+        i = delta.index
+        self.texts[i].append(delta.text)
+        self.tokens[i].extend(delta.token_ids)
+        if delta.logprobs:
+            self.token_logprobs[i].extend(delta.logprobs)
+        if delta.finished:
+            assert delta.usage is not None and delta.metrics is not None
+            self.outputs[i] = GenerateOutput(
+                request_id=delta.request_id,
+                text="".join(self.texts[i]),
+                token_ids=self.tokens[i],
+                finish_reason=delta.finish_reason,
+                usage=delta.usage,
+                metrics=delta.metrics,
+                matched_stop=delta.matched_stop,
+                logprobs=self.token_logprobs[i] if self.logprobs else None,
+                index=i,
+            )
+
+    def complete(self) -> list[GenerateOutput] | None:
+        if any(out is None for out in self.outputs):
+            return None
+        return [out for out in self.outputs if out is not None]

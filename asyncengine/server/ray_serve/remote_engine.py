@@ -1,0 +1,294 @@
+"""RemoteEngine: the AsyncEngine interface of the HTTP app, served by a Ray Serve deployment.
+
+The app calls ``stream``/``generate``/``abort`` as on a local engine. Each call goes through
+the deployment handle with the prompt as given (the replica tokenizes and validates it) and the
+prompt's token ids for the router (tokenized here with the model's tokenizer, no weights
+loaded). A replica's engine errors come back as the same exceptions (so the same HTTP errors);
+a replica that dies fails its requests with RequestFailedError, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import EngineError, EngineNotRunningError, RequestFailedError
+from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.errors import ENGINE_ERRORS
+from asyncengine.server.ray_serve.registry import router_for
+
+log = logging.getLogger("asyncengine.server.ray")
+
+CONTROL_CALL_TIMEOUT_SECONDS = 30.0
+# stats of several replicas that are not added up
+_NOT_SUMMED = frozenset({"cache_hit_rate", "new_token_ratio"})
+
+
+def engine_error(exc: BaseException, request_id: str) -> Exception:
+    """The engine exception a failed replica call stands for."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import RequestCancelledError
+
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, ENGINE_ERRORS):
+        return cause
+    if isinstance(exc, RayActorError):
+        return RequestFailedError(f"the replica serving request {request_id} died")
+    if isinstance(exc, RequestCancelledError):
+        return RequestFailedError(f"request {request_id} was cancelled")
+    return RequestFailedError(f"request {request_id} failed: {type(cause).__name__}: {cause}")
+
+
+def route_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """The prompt's token ids as the replica will see them; [] when the prompt is malformed (the
+    replica then refuses it with the precise error)."""
+    try:
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt)
+            if all(isinstance(m, dict) for m in prompt):
+                text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+                return list(tokenizer.encode(text))
+    except Exception:  # the replica reports what is wrong
+        return []
+    return []
+
+
+class RemoteStream:
+    """An engine stream whose deltas come from a replica (async iterator with ``aclose``); it
+    ends when each of the request's ``choices`` has had its final delta."""
+
+    def __init__(self, call: Any, request_id: str, calls: dict[str, Any], choices: int) -> None:
+        self.request_id = request_id
+        self._call = call
+        self._calls = calls
+        self._open_choices = choices
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        try:
+            delta: StreamDelta | Exception = await self._call.__anext__()
+        except StopAsyncIteration:
+            self._calls.pop(self.request_id, None)
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._calls.pop(self.request_id, None)
+            raise engine_error(exc, self.request_id) from None
+        if isinstance(delta, Exception):  # the engine refused the request
+            self._calls.pop(self.request_id, None)
+            raise delta
+        if delta.finished:
+            self._open_choices -= 1
+            if self._open_choices == 0:
+                self._calls.pop(self.request_id, None)
+        return delta
+
+    async def aclose(self) -> None:
+        if self._calls.pop(self.request_id, None) is not None:
+            self._call.cancel()
+
+
+class RemoteEngine:
+    """What the HTTP app needs of an engine, over the deployment ``handle``."""
+
+    def __init__(self, config: EngineConfig, handle: Any, app_name: str) -> None:
+        self.config = config
+        self.app_name = app_name
+        self._handle = handle
+        self._streaming = handle.options(stream=True)
+        self._calls: dict[str, Any] = {}  # request id -> its DeploymentResponse(Generator)
+        self._info: dict[str, Any] = {}
+        self._tokenizer: Any = None
+        self._running = False
+
+    async def start(self) -> RemoteEngine:
+        """Ask a replica what it serves and load the tokenizer for routing."""
+        from asyncengine.executor.loader import tokenizer_dir
+        from asyncengine.text.tokenizer import Tokenizer
+
+        self._info = await asyncio.wait_for(
+            self._handle.info.remote(), CONTROL_CALL_TIMEOUT_SECONDS
+        )
+        self._tokenizer = await asyncio.to_thread(
+            lambda: Tokenizer(tokenizer_dir(self.config.model))
+        )
+        self._running = True
+        return self
+
+    async def stop(self) -> None:
+        """Abort what is in flight; the deployment itself is the server's to tear down."""
+        self._running = False
+        for rid in list(self._calls):
+            self.abort(rid)
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def _require_info(self) -> dict[str, Any]:
+        if not self._info:
+            raise EngineNotRunningError("the replicas are not started")
+        return self._info
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self._require_info()["max_model_len"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._require_info()["vocab_size"])
+
+    @property
+    def tokenizer(self) -> Any:
+        self._require_info()
+        return self._tokenizer
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """The token ids a replica queues for ``prompt`` (``InvalidRequestError`` if refused)."""
+        from asyncengine.text.tokenizer import prompt_token_ids
+
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _begin(
+        self, params: SamplingParams | None, request_id: str | None
+    ) -> tuple[SamplingParams, str]:
+        if not self._running:
+            raise EngineNotRunningError("the engine is not running")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._calls:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        return params, rid
+
+    def stream(
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RemoteStream:
+        params, rid = self._begin(params, request_id)
+        call = self._streaming.stream.remote(
+            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
+        )
+        self._calls[rid] = call
+        return RemoteStream(call, rid, self._calls, max(1, getattr(params, "n", 1)))
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> GenerateOutput:
+        """One request's whole output (n = 1)."""
+        output: GenerateOutput = await self._call_replica("generate", prompt, params, request_id)
+        return output
+
+    async def generate_choices(
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> list[GenerateOutput]:
+        """One request's ``params.n`` outputs, in index order."""
+        outputs: list[GenerateOutput] = await self._call_replica(
+            "generate_choices", prompt, params, request_id
+        )
+        return outputs
+
+    async def _call_replica(
+        self, method: str, prompt: Any, params: SamplingParams | None, request_id: str | None
+    ) -> Any:
+        params, rid = self._begin(params, request_id)
+        call = getattr(self._handle, method).remote(
+            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
+        )
+        self._calls[rid] = call
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as exc:
+            raise engine_error(exc, rid) from None
+        finally:
+            self._calls.pop(rid, None)
+        if isinstance(result, Exception):  # the engine refused the request
+            raise result
+        return result
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel the replica call; the replica aborts the request and frees its KV."""
+        call = self._calls.pop(request_id, None)
+        if call is None:
+            return False
+        call.cancel()
+        return True
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache and the router's tree (EngineError while busy)."""
+        router = self.router()
+        replicas = router.replica_ids() if router is not None else []
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(
+                    self._handle.flush_cache.remote(replica=r), CONTROL_CALL_TIMEOUT_SECONDS
+                )
+                for r in replicas
+            ),
+            return_exceptions=True,
+        )
+        failed = [
+            (r, e) for r, e in zip(replicas, results, strict=True) if isinstance(e, BaseException)
+        ]
+        if router is not None:
+            router.reset_tree()
+        if failed:
+            replica, error = failed[0]
+            cause = error.cause if hasattr(error, "cause") else error
+            raise EngineError(f"replica {replica} did not flush its cache: {cause}")
+
+    async def replica_info(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's own account (model, limits, process id), asked of it now."""
+        router = self.router()
+        replicas = router.replica_ids() if router is not None else []
+        infos = await asyncio.gather(
+            *(
+                asyncio.wait_for(self._handle.info.remote(replica=r), CONTROL_CALL_TIMEOUT_SECONDS)
+                for r in replicas
+            ),
+            return_exceptions=True,
+        )
+        return {r: info for r, info in zip(replicas, infos, strict=True) if isinstance(info, dict)}
+
+    # -- introspection ------------------------------------------------------------------------
+    def router(self) -> Any:
+        """This process's AsyncEngineRequestRouter of the deployment (None before a call)."""
+        return router_for(self.app_name)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's last reported engine stats."""
+        router = self.router()
+        return router.replica_stats() if router is not None else {}
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine stats added up (as one engine's ``stats()``)."""
+        per_replica = self.replica_stats()
+        total: dict[str, Any] = {}
+        for stats in per_replica.values():
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and key not in _NOT_SUMMED:
+                    total[key] = total.get(key, 0) + value
+        hit, miss = total.get("hit_tokens", 0), total.get("miss_tokens", 0)
+        total["cache_hit_rate"] = hit / (hit + miss) if hit + miss else 0.0
+        total["replicas"] = len(per_replica)
+        total["model"] = self.model_name
+        return total

@@ -1,0 +1,108 @@
+"""EngineReplica: one AsyncEngine inside a Ray Serve replica actor.
+
+The driver's RemoteEngine calls ``stream``/``generate`` with the prompt as the HTTP app gave it
+(the replica tokenizes and validates it exactly as a single engine does) plus ``route_ids``,
+the prompt's token ids that the router in the driver read; a call cancelled by the driver
+cancels the task iterating the engine's stream, which aborts the request and frees its KV.
+An engine's refusal (bad input, full queue) comes back as the exception object itself, as a
+value rather than raised: it is the client's error, not the replica's, and Ray logs raised
+exceptions as failures.
+``record_routing_stats`` hands the engine's counters and its prefix-cache capacity to the
+routers every few seconds (Ray Serve polls it); ``check_health`` fails once the engine loop
+has stopped, so that Ray Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.sampling_params import SamplingParams
+
+REFUSALS = (InvalidRequestError, QueueFullError, EngineNotRunningError)
+
+
+def cache_tokens(stats: dict[str, Any], page_size: int) -> int:
+    """The prefix cache's capacity in tokens: the whole KV pool (the tree may fill it)."""
+    return int(stats.get("pages_total", 0)) * page_size
+
+
+class EngineReplica:
+    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
+        from asyncengine.engine import AsyncEngine  # loads torch: in the replica only
+
+        self.config = config
+        self.engine = AsyncEngine(config)
+        await self.engine.start()
+
+    async def stream(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        route_ids: list[int] | None = None,
+    ) -> AsyncIterator[StreamDelta | Exception]:
+        try:
+            stream = self.engine.stream(prompt, params, request_id=request_id)
+            async for delta in stream:
+                yield delta
+        except REFUSALS as exc:
+            yield exc
+
+    async def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        route_ids: list[int] | None = None,
+    ) -> GenerateOutput | Exception:
+        try:
+            return await self.engine.generate(prompt, params, request_id=request_id)
+        except REFUSALS as exc:
+            return exc
+
+    async def generate_choices(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        route_ids: list[int] | None = None,
+    ) -> list[GenerateOutput] | Exception:
+        try:
+            return await self.engine.generate_choices(prompt, params, request_id=request_id)
+        except REFUSALS as exc:
+            return exc
+
+    async def info(self, replica: str | None = None) -> dict[str, Any]:
+        """What the driver needs to know of the model, and who answers (tests kill by pid)."""
+        from ray import serve
+
+        engine = self.engine
+        return {
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "pid": os.getpid(),
+            "model_name": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "cache_tokens": cache_tokens(engine.stats(), self.config.page_size),
+        }
+
+    async def flush_cache(self, replica: str | None = None) -> None:
+        """Empty the prefix cache (EngineError while requests run)."""
+        self.engine.reset_prefix_cache()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
+        stats["cache_tokens"] = cache_tokens(stats, self.config.page_size)
+        return stats
+
+    async def check_health(self) -> None:
+        if not self.engine.is_running:
+            raise RuntimeError("the engine loop is not running")
+
+    async def __del__(self) -> None:
+        await self.engine.stop()

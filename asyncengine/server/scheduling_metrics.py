@@ -1,0 +1,81 @@
+"""Prometheus series of the scheduler's research counters, read from ``engine.stats()`` at
+scrape time (the server's metrics collector yields them):
+
+- ``asyncengine_admission_blocked_total{reason}``: steps whose admission stopped for ``reason``
+  (asyncengine/admission.py lists the reasons);
+- ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
+- ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
+- ``asyncengine_policy_swaps_total``: live policy changes;
+- ``asyncengine_tenant_{requests,prompt_tokens,generation_tokens}_total{tenant}``;
+- ``asyncengine_shadow_decisions_total``, ``..._shadow_first_pick_agreements_total`` and
+  ``..._shadow_top_k_same_total`` with the gauges ``asyncengine_shadow_first_pick_agreement``
+  and ``asyncengine_shadow_top_k_agreement`` (means over the decisions), labelled with the
+  shadow policy, when there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "asyncengine"
+
+SCALAR_COUNTERS: dict[str, tuple[str, str]] = {
+    "preemptions": ("preemptions", "Running requests retracted for a better-priority request"),
+    "request_timeouts": ("finished_timeout", "Requests ended by their timeout or max_queue_time"),
+    "policy_swaps": ("policy_swaps", "Live scheduling policy changes"),
+}
+
+TENANT_COUNTERS: dict[str, tuple[str, str]] = {
+    "tenant_requests": ("requests", "Requests accepted, by tenant"),
+    "tenant_prompt_tokens": ("prompt_tokens", "Prompt tokens of accepted requests, by tenant"),
+    "tenant_generation_tokens": ("generated_tokens", "Tokens generated, by tenant"),
+}
+
+
+def scheduling_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    blocked = stats.get("admission_blocked")
+    if isinstance(blocked, dict):
+        family = CounterMetricFamily(
+            f"{PREFIX}_admission_blocked",
+            "Steps whose admission of waiting requests stopped, by reason",
+            labels=["reason"],
+        )
+        for reason, count in blocked.items():
+            family.add_metric([reason], float(count))
+        yield family
+    for name, (key, doc) in SCALAR_COUNTERS.items():
+        value = stats.get(key)
+        if isinstance(value, (int, float)):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+    tenants = stats.get("tenants")
+    if isinstance(tenants, dict) and tenants:
+        for name, (key, doc) in TENANT_COUNTERS.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["tenant"])
+            for tenant, row in tenants.items():
+                family.add_metric([tenant], float(row.get(key, 0)))
+            yield family
+    shadow = stats.get("shadow")
+    if isinstance(shadow, dict):
+        label = [str(shadow["policy"])]
+        for name, key, doc in (
+            ("shadow_decisions", "decisions", "Steps the shadow policy ordered the queue"),
+            ("shadow_first_pick_agreements", "first_pick_agree", "Shadow's first pick agreed"),
+            ("shadow_top_k_same", "top_k_same", "Shadow's top-k was the live policy's top-k"),
+        ):
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["shadow"])
+            counter.add_metric(label, float(shadow[key]))
+            yield counter
+        for name, key, doc in (
+            (
+                "shadow_first_pick_agreement",
+                "first_pick_agreement",
+                "Share of agreeing first picks",
+            ),
+            ("shadow_top_k_agreement", "top_k_agreement", "Mean overlap of the top-k"),
+        ):
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["shadow"])
+            gauge.add_metric(label, float(shadow[key]))
+            yield gauge

@@ -1,0 +1,140 @@
+"""The worker endpoints SGLang's router (the ``sglang-router`` package) asks of a server, so
+that it can route over several asyncengine servers as over SGLang workers.
+
+GET /server_info and /get_server_info (limits and engine stats), GET /model_info and
+/get_model_info (the model), GET /get_load (requests and tokens in the engine), POST or GET
+/flush_cache (empty the prefix cache; 400 while requests run or wait), GET /health_generate
+(/health that also generates one token). /health, /generate and /v1/* are the app's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from asyncengine.errors import EngineError
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.completion import generate
+from asyncengine.server.errors import ApiError
+from asyncengine.server.openai_routes import json_response
+from asyncengine.server.state import STATE
+
+
+def _numbers(stats: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.engine
+    config = engine.config
+    stats = engine.stats()
+    return json_response(
+        {
+            "model_path": config.model,
+            "tokenizer_path": config.model,
+            "served_model_name": state.model_name,
+            "context_length": engine.max_model_len,
+            "page_size": config.page_size,
+            "max_total_num_tokens": int(stats.get("pages_total", 0)) * config.page_size,
+            "max_running_requests": config.max_running_requests,
+            "schedule_policy": config.policy,
+            "chunked_prefill_size": config.chunked_prefill_size,
+            "dp_size": 1,
+            "tp_size": 1,
+            "version": f"asyncengine {_version()}",
+            "internal_states": [_numbers(stats)],
+        }
+    )
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.engine
+    return json_response(
+        {
+            "model_path": engine.config.model,
+            "tokenizer_path": engine.config.model,
+            "served_model_name": state.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "max_context_length": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "supports_vision": False,
+        }
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    stats = engine.stats()
+    waiting = int(stats.get("waiting", 0))
+    running = int(stats.get("running", 0)) + int(stats.get("prefilling", 0))
+    tokens = int(stats.get("pages_used", 0)) * engine.config.page_size
+    load = {"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}
+    body = msgspec.json.encode([{**load, "num_tokens": tokens}])  # one entry per data-parallel rank
+    return web.Response(body=body, content_type="application/json")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    try:
+        flushed = engine.reset_prefix_cache()
+        if inspect.isawaitable(flushed):
+            await flushed
+    except EngineError as exc:
+        raise ApiError(
+            400,
+            f"the prefix cache was not flushed: {exc}; flush it while no request runs or waits",
+            code="engine_busy",
+        ) from None
+    return json_response({"message": "the prefix cache was flushed"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        (output,) = await generate(engine, [0], params, f"health-{uuid.uuid4().hex}")
+    except Exception as exc:
+        raise ApiError(
+            503,
+            f"the engine could not generate: {type(exc).__name__}: {exc}",
+            type="service_unavailable",
+            code="engine_unhealthy",
+        ) from None
+    if output.usage.completion_tokens != 1:
+        raise ApiError(
+            503,
+            "the engine generated no token",
+            type="service_unavailable",
+            code="engine_unhealthy",
+        )
+    return json_response({"status": "ok"})
+
+
+def _version() -> str:
+    from asyncengine import __version__
+
+    return __version__
+
+
+def add_sglang_worker_routes(app: web.Application) -> None:
+    for path, handler in (
+        ("/server_info", server_info),
+        ("/get_server_info", server_info),
+        ("/model_info", model_info),
+        ("/get_model_info", model_info),
+        ("/get_load", get_load),
+        ("/health_generate", health_generate),
+    ):
+        app.router.add_get(path, handler)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)

@@ -1,0 +1,188 @@
+"""Multi-replica simulation: N simulated engines behind one replica router, on virtual time.
+
+Each replica is a full simulated engine (its own core, cost model and clock); the router is one
+of asyncengine.routing's, the classes the Ray Serve deployment routes with, fed the same view
+of each replica (requests in flight, prefix-cache capacity). Events run in time order: an
+arrival is routed at its arrival time and joins its replica when that replica is next ready
+(at once when idle, else when its step in flight commits), exactly as WorkloadReplay admits a
+single engine's arrivals; so one replica behind any router gives the single simulator's run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
+from asyncengine.builder import build_core
+from asyncengine.config import EngineConfig
+from asyncengine.core import EngineCore
+from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.request import Request
+from asyncengine.routing import ReplicaRouter, ReplicaState
+from asyncengine.sim.clock import VirtualClock
+from asyncengine.sim.cost_model import CostModel
+from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
+from asyncengine.sim.workload_replay import SchedulerStuckError, params_for, workload_records
+from asyncengine.workloads.trace import WorkloadRequest
+
+
+@dataclass(slots=True)
+class RoutedRequest:
+    """One routing decision of the run."""
+
+    rid: str
+    replica: int  # index into MultiReplicaResult.replica_ids
+    reason: str
+    matched_tokens: int
+
+
+@dataclass(slots=True)
+class MultiReplicaResult:
+    records: list[RequestRecord]  # one per workload request, in workload order
+    summary: BenchSummary
+    replica_ids: list[str]
+    decisions: list[RoutedRequest]  # in routing (arrival) order; refused requests have none
+    replica_stats: list[dict[str, float]]  # each replica's scheduler stats at the end
+    router_decisions: dict[str, int]  # decisions by reason
+    steps: int
+    virtual_seconds: float
+    wall_seconds: float
+
+
+@dataclass(slots=True)
+class _Replica:
+    replica_id: str
+    clock: VirtualClock
+    executor: SimulatedExecutor
+    core: EngineCore
+    inbox: list[Request] = field(default_factory=list)  # routed, joins at the next ready time
+    in_flight: tuple[BatchPlan, StepOutput] | None = None
+    steps: int = 0
+
+    @property
+    def ready_at(self) -> float:
+        return self.clock.now if self.in_flight is not None else math.inf
+
+    def state(self) -> ReplicaState:
+        stats = self.core.kv.stats()
+        capacity = int(stats["pages_total"]) * self.core.config.page_size
+        load = len(self.core.scheduler.requests) + len(self.inbox)
+        return ReplicaState(self.replica_id, load, capacity)
+
+    def admit(self) -> None:
+        for req in self.inbox:
+            self.core.add(req)
+        self.inbox.clear()
+
+    def start_step(self) -> None:
+        """Plan and run the next step; its result commits when the clock reaches ready_at."""
+        if self.in_flight is not None or not self.core.has_work():
+            return
+        plan = self.core.schedule()
+        if plan is None:  # nothing fits now; an arrival to this replica may change that
+            return
+        self.in_flight = (plan, self.core.executor.execute(plan))
+
+    def commit(self) -> None:
+        assert self.in_flight is not None
+        plan, output = self.in_flight
+        self.in_flight = None
+        self.core.commit(plan, output)
+        self.steps += 1
+
+
+class MultiReplicaSimulator:
+    """``num_replicas`` simulated engines of one ``config`` behind ``router``; run once."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_replicas: int,
+        router: ReplicaRouter,
+        cost_model: CostModel | None = None,
+        *,
+        max_model_len: int | None = None,
+        sampled_token_id: int = 1,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError("num_replicas must be >= 1")
+        spec = replace(
+            DEFAULT_SPEC,
+            max_model_len=max_model_len or config.max_model_len or DEFAULT_SPEC.max_model_len,
+        )
+        cost = cost_model or CostModel.default()
+        self.router = router
+        self.replicas: list[_Replica] = []
+        for i in range(num_replicas):
+            clock = VirtualClock()
+            executor = SimulatedExecutor(cost, clock, spec, sampled_token_id)
+            core = build_core(config, executor, clock=clock)
+            self.replicas.append(_Replica(f"replica-{i}", clock, executor, core))
+        self._used = False
+
+    def run(self, workload: Sequence[WorkloadRequest]) -> MultiReplicaResult:
+        if self._used:
+            raise RuntimeError("a MultiReplicaSimulator runs one workload; make a new one")
+        self._used = True
+        wall_start = time.perf_counter()
+        pending = sorted(workload, key=lambda w: w.arrival_time)
+        requests: dict[str, Request] = {}
+        decisions: list[RoutedRequest] = []
+        replicas = self.replicas
+        index = {r.replica_id: i for i, r in enumerate(replicas)}
+        max_len = replicas[0].core.max_model_len
+        k = 0
+        while True:
+            next_arrival = pending[k].arrival_time if k < len(pending) else math.inf
+            next_ready = min(r.ready_at for r in replicas)
+            if next_arrival == math.inf and next_ready == math.inf:
+                break
+            if next_arrival <= next_ready:
+                # every arrival at this instant is routed before any replica steps, as a single
+                # engine admits all arrivals due before its next step
+                now = next_arrival
+                while k < len(pending) and pending[k].arrival_time == now:
+                    item = pending[k]
+                    k += 1
+                    if not item.prompt_ids or len(item.prompt_ids) >= max_len:
+                        continue  # the engine refuses it before queueing (no room to generate)
+                    decision = self.router.route(
+                        item.prompt_ids, [r.state() for r in replicas], now
+                    )
+                    target = index[decision.replica_id]
+                    decisions.append(
+                        RoutedRequest(item.rid, target, decision.reason, decision.matched_tokens)
+                    )
+                    req = Request(item.rid, list(item.prompt_ids), params_for(item), now)
+                    requests[item.rid] = req
+                    replicas[target].inbox.append(req)
+                for r in replicas:
+                    if r.in_flight is None and r.inbox:
+                        r.clock.advance_to(now)
+                        r.admit()
+                        r.start_step()
+            else:
+                for r in replicas:
+                    if r.ready_at == next_ready:
+                        r.commit()
+                        r.admit()
+                        r.start_step()
+        stuck = [r.replica_id for r in replicas if r.core.has_work()]
+        if stuck:
+            raise SchedulerStuckError(f"replicas {stuck} hold requests no step can serve")
+        records = workload_records(workload, requests)
+        stats = [r.core.scheduler.stats() for r in replicas]
+        return MultiReplicaResult(
+            records=records,
+            summary=summarize(records, retracts=int(sum(s["retractions"] for s in stats))),
+            replica_ids=[r.replica_id for r in replicas],
+            decisions=decisions,
+            replica_stats=stats,
+            router_decisions=dict(self.router.decisions),
+            steps=sum(r.steps for r in replicas),
+            virtual_seconds=max(r.clock.now for r in replicas),
+            wall_seconds=time.perf_counter() - wall_start,
+        )

@@ -1,0 +1,108 @@
+"""TraceRecorder: writes a live trace (arrivals, finishes, measured steps) as the engine runs,
+for replay in the simulator under other policies (scripts/compare_policies.py --trace FILE)
+with a cost model fitted to the same run (--fit-from-trace). Format: workloads/live_trace.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from asyncengine.plan import BatchPlan
+from asyncengine.request import Request
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.sim.cost_model import StepFeatures
+from asyncengine.workloads.live_trace import VERSION, page_hashes
+
+log = logging.getLogger("asyncengine.trace")
+
+# recorded in their own fields, or meaningless to a replay
+_OWN_FIELDS = frozenset({"priority", "tenant", "timeout"})
+_DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams)}
+
+
+def params_record(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters that differ from the defaults (max_new_tokens always)."""
+    values = asdict(params)
+    record = {k: v for k, v in values.items() if k not in _OWN_FIELDS and v != _DEFAULTS.get(k)}
+    record["max_new_tokens"] = params.max_new_tokens
+    return record
+
+
+class TraceRecorder:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        start: float,
+        page_size: int,
+        vocab_size: int,
+        hashed: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.start = start
+        self.page_size = page_size
+        self.hashed = hashed
+        self.lines = 0
+        self._file = open(self.path, "w", encoding="utf-8", buffering=1)
+        self._write(
+            {
+                "type": "header",
+                "version": VERSION,
+                "page_size": page_size,
+                "vocab_size": vocab_size,
+                "hashed": hashed,
+                **(meta or {}),
+            }
+        )
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file.closed:
+            return
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.lines += 1
+
+    def arrival(self, req: Request) -> None:
+        params = req.params
+        record: dict[str, Any] = {
+            "type": "arrival",
+            "rid": req.rid,
+            "time": req.arrival_time - self.start,
+        }
+        if self.hashed:
+            record["page_hashes"] = page_hashes(req.prompt_ids, self.page_size)
+            record["prompt_len"] = len(req.prompt_ids)
+        else:
+            record["prompt_ids"] = req.prompt_ids
+        record["params"] = params_record(params)
+        record["tenant"] = params.tenant
+        record["priority"] = params.priority
+        record["timeout"] = params.timeout
+        self._write(record)
+
+    def finish(self, req: Request, now: float, reason: str | None = None) -> None:
+        self._write(
+            {
+                "type": "finish",
+                "rid": req.rid,
+                "time": (req.finished_time or now) - self.start,
+                "output_tokens": len(req.output_ids),
+                "finish_reason": reason or req.finish_reason or "abort",
+                "cached_tokens": req.cached_tokens,
+            }
+        )
+
+    def step(self, plan: BatchPlan, seconds: float, now: float) -> None:
+        features = StepFeatures.of_plan(plan)
+        self._write(
+            {"type": "step", "time": now - self.start, "seconds": seconds, **asdict(features)}
+        )
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            log.info("trace of %d lines written to %s", self.lines, self.path)

@@ -1,0 +1,241 @@
+"""Paged decode and extend attention through the native CPU kernels (kernels/cpu_attention.c).
+
+Keys and values are read in place from the pool by page (no gathered copy), work items run on
+torch's OpenMP threads, scores and softmax are float32; the torch references
+(``attention_ref.decode_attention`` / ``extend_attention``) are the oracles they are tested
+against. The planners return None where a kernel does not apply (not a CPU tensor, another
+dtype, unsupported head shapes, or no compiled kernel): callers then take the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncengine.kernels import cpu_native
+
+_DTYPES = (torch.bfloat16, torch.float32)
+MAX_GROUP, MAX_HEAD_DIM = 16, 256
+EXTEND_HEAD_DIMS = (64, 128)  # the extend kernel's specializations
+
+
+@dataclass(slots=True)
+class NativeDecodePlan:
+    block_table: torch.Tensor  # [B, P] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32, contiguous
+    page_size: int
+
+
+@dataclass(slots=True)
+class NativeExtendPlan:
+    block_table: torch.Tensor  # [B, P] int32, contiguous
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    page_size: int
+    num_tokens: int
+
+
+def _extend_kernel() -> Any:
+    lib = cpu_native.load("cpu_attention")
+    if lib is None:
+        return None
+    fn = lib.asyncengine_paged_extend_attention
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,  # q
+            ctypes.c_int64,  # q row stride
+            ctypes.c_void_p,  # k_cache
+            ctypes.c_void_p,  # v_cache
+            ctypes.c_void_p,  # block_table
+            ctypes.c_int64,  # table row stride
+            ctypes.c_void_p,  # cu_seqlens_q
+            ctypes.c_void_p,  # seq_lens
+            ctypes.c_int64,  # B
+            ctypes.c_int64,  # H
+            ctypes.c_int64,  # Hkv
+            ctypes.c_int64,  # D
+            ctypes.c_int64,  # page_size
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out
+            ctypes.c_int,  # is_bf16
+            ctypes.c_int,  # threads
+        ]
+    return fn
+
+
+def extend_kernel_runs() -> bool:
+    """The extend kernel is built with AVX-512 (it has no portable path: elsewhere extends take
+    the torch path)."""
+    lib = cpu_native.load("cpu_attention")
+    if lib is None or _extend_kernel() is None:
+        return False
+    return bool(lib.asyncengine_cpu_attention_features() & 1)
+
+
+def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
+    num_kv_heads, head_dim = k_cache.shape[1:]
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in _DTYPES
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and head_dim % 32 == 0
+        and head_dim <= MAX_HEAD_DIM
+    )
+
+
+def plan_native_extend(
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    k_cache: torch.Tensor,
+) -> NativeExtendPlan | None:
+    if not _supported(num_heads, k_cache) or k_cache.shape[2] not in EXTEND_HEAD_DIMS:
+        return None
+    if not extend_kernel_runs():
+        return None
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    return NativeExtendPlan(
+        block_table.to(torch.int32).contiguous(),
+        cu,
+        seq_lens.to(torch.int32).contiguous(),
+        page_size,
+        int(cu[-1]),
+    )
+
+
+def native_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: NativeExtendPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [N, H, D] ragged as planned (heads contiguous within a row) -> [N, H, D]."""
+    kernel = _extend_kernel()
+    assert kernel is not None
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens != plan.num_tokens:
+        raise ValueError(f"{num_tokens} queries for an extend plan of {plan.num_tokens}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the native extend kernel reads contiguous [S, Hkv, D] caches")
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+    if num_tokens == 0:
+        return out
+    rc = kernel(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        plan.block_table.data_ptr(),
+        plan.block_table.stride(0),
+        plan.cu_seqlens_q.data_ptr(),
+        plan.seq_lens.data_ptr(),
+        plan.seq_lens.shape[0],
+        num_heads,
+        k_cache.shape[1],
+        head_dim,
+        plan.page_size,
+        scale,
+        out.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"native extend kernel refused shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    return out
+
+
+def _kernel() -> Any:
+    lib = cpu_native.load("cpu_attention")
+    if lib is None:
+        return None
+    fn = lib.asyncengine_paged_decode_attention
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,  # q
+            ctypes.c_int64,  # q row stride
+            ctypes.c_void_p,  # k_cache
+            ctypes.c_void_p,  # v_cache
+            ctypes.c_void_p,  # block_table
+            ctypes.c_int64,  # table row stride
+            ctypes.c_void_p,  # seq_lens
+            ctypes.c_int64,  # B
+            ctypes.c_int64,  # H
+            ctypes.c_int64,  # Hkv
+            ctypes.c_int64,  # D
+            ctypes.c_int64,  # page_size
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out
+            ctypes.c_int,  # is_bf16
+            ctypes.c_int,  # threads
+        ]
+    return fn
+
+
+def plan_native_decode(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    k_cache: torch.Tensor,
+) -> NativeDecodePlan | None:
+    if not _supported(num_heads, k_cache) or _kernel() is None:
+        return None
+    return NativeDecodePlan(
+        block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), page_size
+    )
+
+
+def native_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: NativeDecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, D] (heads contiguous within a row) -> [B, H, D]."""
+    kernel = _kernel()
+    assert kernel is not None
+    batch, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the native decode kernel reads contiguous [S, Hkv, D] caches")
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
+    if batch == 0:
+        return out
+    rc = kernel(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        plan.block_table.data_ptr(),
+        plan.block_table.stride(0),
+        plan.seq_lens.data_ptr(),
+        batch,
+        num_heads,
+        k_cache.shape[1],
+        head_dim,
+        plan.page_size,
+        scale,
+        out.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"native decode kernel refused shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    return out

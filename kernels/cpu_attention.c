@@ -1,0 +1,624 @@
+/* Paged decode attention on the CPU: one query token per request, keys and values read in
+ * place from the paged KV pool (no gathered copy), scores and softmax in float32.
+ *
+ * Layouts (all contiguous):
+ *   q             [B, H, D]          (bfloat16 or float32, the pool's dtype); rows q_stride
+ *                                    elements apart, heads contiguous within a row
+ *   out           [B, H, D]          contiguous
+ *   k_cache, v    [S, Hkv, D]        one layer of the pool; token slot s holds K/V of all heads
+ *   block_table   [B, table_stride]  int32 page ids; slot of position p of request b is
+ *                                    block_table[b, p / page_size] * page_size + p % page_size
+ *   seq_lens      [B]                int32 keys per request (the new token included)
+ *
+ * One work item is (request, kv head): its G = H / Hkv query heads share each key and value
+ * read. Keys are taken in blocks of BLOCK tokens with an online softmax (running max and sum
+ * per query head, the accumulator rescaled when the max grows), so no buffer grows with the
+ * context. Items run in parallel under OpenMP; loaded after torch, this library shares torch's
+ * OpenMP runtime (same soname), so the two thread pools are one.
+ *
+ * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; the AVX-512 paths are
+ * used where the compiler targets them (AVX512F for float32, AVX512BF16 for bfloat16 dot
+ * products), a portable loop otherwise.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu_simd.h"
+
+#define BLOCK 32
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+int asyncengine_cpu_attention_features(void) {
+    int flags = 0;
+#ifdef __AVX512F__
+    flags |= 1;
+#endif
+#ifdef __AVX512BF16__
+    flags |= 2;
+#endif
+    return flags;
+}
+
+/* exp of n floats in place (n <= BLOCK) */
+static inline void exp_block(float *s, int n) {
+#ifdef __AVX512F__
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = (n - i >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 x = _mm512_maskz_loadu_ps(m, s + i);
+        _mm512_mask_storeu_ps(s + i, m, exp512(x));
+    }
+#else
+    for (int i = 0; i < n; i++) s[i] = expf(s[i]);
+#endif
+}
+
+/* dot products of G query heads (float32 copies in qf, bf16 in qb) with one key row */
+static inline float dot_bf16(const uint16_t *qb, const float *qf, const uint16_t *k, int d) {
+#if defined(__AVX512BF16__)
+    (void)qf;
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 32) {
+        __m512bh a = (__m512bh)_mm512_loadu_si512((const void *)(qb + i));
+        __m512bh b = (__m512bh)_mm512_loadu_si512((const void *)(k + i));
+        acc = _mm512_dpbf16_ps(acc, a, b);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    (void)qb;
+    float acc = 0.0f;
+    for (int i = 0; i < d; i++) acc += qf[i] * bf16_to_float(k[i]);
+    return acc;
+#endif
+}
+
+static inline float dot_f32(const float *q, const float *k, int d) {
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc = 0.0f;
+    for (int i = 0; i < d; i++) acc += q[i] * k[i];
+    return acc;
+#endif
+}
+
+/* acc[0:d] += p * v[0:d] */
+static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int d) {
+#ifdef __AVX512F__
+    __m512 pv = _mm512_set1_ps(p);
+    for (int i = 0; i < d; i += 16) {
+        __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + i)));
+        __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + i)));
+    }
+#else
+    for (int i = 0; i < d; i++) acc[i] += p * bf16_to_float(v[i]);
+#endif
+}
+
+static inline void axpy_f32(float *acc, float p, const float *v, int d) {
+#ifdef __AVX512F__
+    __m512 pv = _mm512_set1_ps(p);
+    for (int i = 0; i < d; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+#else
+    for (int i = 0; i < d; i++) acc[i] += p * v[i];
+#endif
+}
+
+static inline void scale_f32(float *acc, float c, int d) {
+    for (int i = 0; i < d; i++) acc[i] *= c;
+}
+
+/* One (request, kv head) item. is_bf16 selects the element type of q, caches and out. */
+static void decode_item(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        const int32_t *table_row, int len, int64_t b, int64_t kvh, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t page_size, float scale, void *out,
+                        int is_bf16) {
+    const int64_t G = H / Hkv;
+    float qf[MAX_GROUP][MAX_HEAD_DIM];
+    uint16_t qb[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float s[MAX_GROUP][BLOCK];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    const int64_t head0 = kvh * G;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t off = b * q_stride + (head0 + g) * D;
+        for (int64_t i = 0; i < D; i++) {
+            if (is_bf16) {
+                qb[g][i] = ((const uint16_t *)q)[off + i];
+                qf[g][i] = bf16_to_float(qb[g][i]);
+            } else {
+                qf[g][i] = ((const float *)q)[off + i];
+            }
+            acc[g][i] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    int64_t slots[BLOCK];
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = (len - t0 < BLOCK) ? (len - t0) : BLOCK;
+        for (int i = 0; i < n; i++) {
+            const int64_t pos = t0 + i;
+            slots[i] = (int64_t)table_row[pos / page_size] * page_size + pos % page_size;
+        }
+        for (int i = 0; i < n; i++) {
+            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
+                                    : dot_f32(qf[g], (const float *)k_cache + row, (int)D);
+                s[g][i] = dot * scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float block_max = s[g][0];
+            for (int i = 1; i < n; i++) block_max = s[g][i] > block_max ? s[g][i] : block_max;
+            const float new_max = block_max > m[g] ? block_max : m[g];
+            if (new_max > m[g] && l[g] > 0.0f) {
+                const float c = expf(m[g] - new_max);
+                l[g] *= c;
+                scale_f32(acc[g], c, (int)D);
+            }
+            m[g] = new_max;
+            for (int i = 0; i < n; i++) s[g][i] -= new_max;
+            exp_block(s[g], n);
+            float sum = 0.0f;
+            for (int i = 0; i < n; i++) sum += s[g][i];
+            l[g] += sum;
+        }
+        for (int i = 0; i < n; i++) {
+            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            for (int64_t g = 0; g < G; g++) {
+                if (is_bf16)
+                    axpy_bf16(acc[g], s[g][i], (const uint16_t *)v_cache + row, (int)D);
+                else
+                    axpy_f32(acc[g], s[g][i], (const float *)v_cache + row, (int)D);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const int64_t off = (b * H + head0 + g) * D;
+        for (int64_t i = 0; i < D; i++) {
+            const float value = acc[g][i] * inv;
+            if (is_bf16)
+                ((uint16_t *)out)[off + i] = float_to_bf16(value);
+            else
+                ((float *)out)[off + i] = value;
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (lane order 0..15): a tree of
+ * in-lane unpacks and shuffles, ~3 instructions per vector instead of a reduction each. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 c[8], w[4], u[2];
+    for (int k = 0; k < 8; k++)
+        c[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; k++)
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* 16 fp32 of row r, chunk j (16 values), of a bf16 or fp32 cache */
+#define LOAD_ROW_BF16(base, r, j) load_bf16x16((const uint16_t *)(base) + (r) + 16 * (j))
+#define LOAD_ROW_F32(base, r, j) _mm512_loadu_ps((const float *)(base) + (r) + 16 * (j))
+
+/* A (request, kv head) item with G query heads of D = 16 * NV values, everything in registers:
+ * per block of 16 keys, each head's 16 scores come from one reduce16; values are converted
+ * once per key and accumulated into G x NV register accumulators. KIND is BF16 or F32. */
+#define DEFINE_FAST_ITEM(KIND, G, NV)                                                            \
+    static void fast_##KIND##_##G##_##NV(const void *q, int64_t q_stride, const void *kc,        \
+                                         const void *vc, const int32_t *table_row, int len,       \
+                                         int64_t b, int64_t kvh, int64_t H, int64_t Hkv,          \
+                                         int64_t page_size, float scale, void *out) {             \
+        const int64_t D = 16 * (NV);                                                             \
+        __m512 qv[G][NV] __attribute__((unused)), acc[G][NV];                                    \
+        QBF16_DECL(KIND, G, NV)                                                                  \
+        float m[G], l[G], p[G][16];                                                              \
+        const int64_t head0 = kvh * (G);                                                         \
+        for (int g = 0; g < (G); g++) {                                                          \
+            for (int j = 0; j < (NV); j++) {                                                     \
+                qv[g][j] = LOAD_ROW_##KIND(q, b * q_stride + (head0 + g) * D, j);                \
+                QBF16_SET(KIND, g, j, q, b * q_stride + (head0 + g) * D)                         \
+                acc[g][j] = _mm512_setzero_ps();                                                 \
+            }                                                                                    \
+            m[g] = -INFINITY;                                                                    \
+            l[g] = 0.0f;                                                                         \
+        }                                                                                        \
+        int64_t rows[16];                                                                        \
+        for (int t0 = 0; t0 < len; t0 += 16) {                                                   \
+            const int n = (len - t0 < 16) ? (len - t0) : 16;                                     \
+            const __mmask16 valid = (__mmask16)((n == 16) ? 0xffffu : ((1u << n) - 1u));         \
+            for (int i = 0; i < n; i++) {                                                        \
+                const int64_t pos = t0 + i;                                                      \
+                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
+                rows[i] = (slot * Hkv + kvh) * D;                                                \
+                PREFETCH_ROW(vc, rows[i], KIND##_BYTES * D); /* read after the scores */         \
+            }                                                                                    \
+            for (int i = 0; i < 16 && t0 + 16 + i < len; i++) { /* the next block's keys */      \
+                const int64_t pos = t0 + 16 + i;                                                 \
+                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
+                PREFETCH_ROW(kc, (slot * Hkv + kvh) * D, KIND##_BYTES * D);                       \
+            }                                                                                    \
+            for (int g = 0; g < (G); g++) {                                                      \
+                __m512 part[16];                                                                 \
+                for (int i = 0; i < 16; i++) {                                                   \
+                    __m512 a = _mm512_setzero_ps();                                              \
+                    if (i < n) a = DOT_##KIND(g, kc, rows[i], NV);                               \
+                    part[i] = a;                                                                 \
+                }                                                                                \
+                __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));                \
+                sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);                   \
+                const float block_max = _mm512_reduce_max_ps(sc);                               \
+                const float new_max = block_max > m[g] ? block_max : m[g];                       \
+                const float corr = expf(m[g] - new_max);                                         \
+                const __m512 e = _mm512_maskz_mov_ps(                                            \
+                    valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));                  \
+                l[g] = l[g] * corr + _mm512_reduce_add_ps(e);                                    \
+                m[g] = new_max;                                                                  \
+                const __m512 cv = _mm512_set1_ps(corr);                                          \
+                for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);         \
+                _mm512_storeu_ps(p[g], e);                                                       \
+            }                                                                                    \
+            for (int i = 0; i < n; i++) {                                                        \
+                __m512 v[NV];                                                                    \
+                for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_##KIND(vc, rows[i], j);           \
+                for (int g = 0; g < (G); g++) {                                                  \
+                    const __m512 pv = _mm512_set1_ps(p[g][i]);                                   \
+                    for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]); \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int g = 0; g < (G); g++) {                                                          \
+            const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);                 \
+            const int64_t off = (b * H + head0 + g) * D;                                         \
+            for (int j = 0; j < (NV); j++) {                                                     \
+                const __m512 o = _mm512_mul_ps(acc[g][j], inv);                                  \
+                STORE_OUT_##KIND(out, off + 16 * j, o);                                          \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+/* q . key row for head g: bf16 pairs with AVX512-BF16 dot products (exact products, float32
+ * sums), else float32 fused multiply-adds */
+#ifdef __AVX512BF16__
+#define QBF16_DECL(KIND, G, NV) __m512bh qb[G][(NV) / 2] __attribute__((unused));
+#define QBF16_SET(KIND, g, j, base, off)                                                         \
+    if ((KIND##_IS_BF16) && (j) % 2 == 0)                                                        \
+        qb[g][(j) / 2] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(base) + (off) + 16 * (j));
+#define DOT_BF16(g, base, row, NV) dot_pairs(qb[g], (const uint16_t *)(base) + (row), (NV) / 2)
+static inline __m512 dot_pairs(const __m512bh *q, const uint16_t *k, int pairs) {
+    __m512 a = _mm512_setzero_ps();
+    for (int j = 0; j < pairs; j++)
+        a = _mm512_dpbf16_ps(a, q[j], (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * j)));
+    return a;
+}
+#else
+#define QBF16_DECL(KIND, G, NV)
+#define QBF16_SET(KIND, g, j, base, off)
+#define DOT_BF16(g, base, row, NV) dot_rows(qv[g], (base), (row), (NV), 1)
+#endif
+#define BF16_BYTES 2
+#define F32_BYTES 4
+/* the cache lines of one row (``bytes`` long) of a cache, into L1 */
+#define PREFETCH_ROW(base, row, bytes)                                                           \
+    for (int64_t _b = 0; _b < (bytes); _b += 64)                                                 \
+        _mm_prefetch((const char *)(base) + (row) * (bytes) / D + _b, _MM_HINT_T0);
+#define BF16_IS_BF16 1
+#define F32_IS_BF16 0
+#define DOT_F32(g, base, row, NV) dot_rows(qv[g], (base), (row), (NV), 0)
+static inline __m512 dot_rows(const __m512 *q, const void *base, int64_t row, int nv, int bf16) {
+    __m512 a = _mm512_setzero_ps();
+    for (int j = 0; j < nv; j++)
+        a = _mm512_fmadd_ps(q[j], bf16 ? LOAD_ROW_BF16(base, row, j) : LOAD_ROW_F32(base, row, j), a);
+    return a;
+}
+
+#define STORE_OUT_BF16(out, off, o) _mm256_storeu_si256((__m256i *)((uint16_t *)(out) + (off)), to_bf16x16(o))
+#define STORE_OUT_F32(out, off, o) _mm512_storeu_ps((float *)(out) + (off), o)
+
+#define DEFINE_FOR_GROUPS(KIND, NV) \
+    DEFINE_FAST_ITEM(KIND, 1, NV) DEFINE_FAST_ITEM(KIND, 2, NV) DEFINE_FAST_ITEM(KIND, 3, NV) \
+    DEFINE_FAST_ITEM(KIND, 4, NV) DEFINE_FAST_ITEM(KIND, 5, NV) DEFINE_FAST_ITEM(KIND, 6, NV) \
+    DEFINE_FAST_ITEM(KIND, 7, NV) DEFINE_FAST_ITEM(KIND, 8, NV)
+DEFINE_FOR_GROUPS(BF16, 4)
+DEFINE_FOR_GROUPS(BF16, 8)
+DEFINE_FOR_GROUPS(F32, 4)
+DEFINE_FOR_GROUPS(F32, 8)
+
+typedef void (*fast_item_fn)(const void *, int64_t, const void *, const void *, const int32_t *,
+                             int, int64_t, int64_t, int64_t, int64_t, int64_t, float, void *);
+
+#define GROUP_TABLE(KIND, NV)                                                                   \
+    {fast_##KIND##_1_##NV, fast_##KIND##_2_##NV, fast_##KIND##_3_##NV, fast_##KIND##_4_##NV,   \
+     fast_##KIND##_5_##NV, fast_##KIND##_6_##NV, fast_##KIND##_7_##NV, fast_##KIND##_8_##NV}
+static const fast_item_fn FAST_BF16_64[8] = GROUP_TABLE(BF16, 4);
+static const fast_item_fn FAST_BF16_128[8] = GROUP_TABLE(BF16, 8);
+static const fast_item_fn FAST_F32_64[8] = GROUP_TABLE(F32, 4);
+static const fast_item_fn FAST_F32_128[8] = GROUP_TABLE(F32, 8);
+
+/* the register-resident item for (dtype, G, D), or NULL */
+static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) {
+    if (G < 1 || G > 8 || (D != 64 && D != 128)) return NULL;
+    if (is_bf16) return D == 64 ? FAST_BF16_64[G - 1] : FAST_BF16_128[G - 1];
+    return D == 64 ? FAST_F32_64[G - 1] : FAST_F32_128[G - 1];
+}
+#else
+typedef void (*fast_item_fn)(void);
+static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) { (void)is_bf16; (void)G; (void)D; return NULL; }
+#endif
+
+/* Returns 0, or -1 when the shapes are outside what this kernel handles (the caller then uses
+ * the torch path): H a multiple of Hkv, H / Hkv <= MAX_GROUP, D a multiple of 32, <= 256. */
+int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
+                                       const void *v_cache,
+                                       const int32_t *block_table, int64_t table_stride,
+                                       const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                                       int64_t D, int64_t page_size, float scale, void *out,
+                                       int is_bf16, int num_threads) {
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM)
+        return -1;
+    const int64_t items = B * Hkv;
+    const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t b = item / Hkv, kvh = item % Hkv;
+#ifdef __AVX512F__
+        if (fast != NULL) {
+            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b, kvh,
+                 H, Hkv, page_size, scale, out);
+            continue;
+        }
+#endif
+        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
+                    kvh, H, Hkv, D, page_size, scale, out, is_bf16);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------- extend */
+/* Extend (prefill) attention over the paged pool: queries ragged by cu_seqlens_q [B+1] (q
+ * [N, H, D], rows q_stride elements apart); query i of request b sits at position
+ * seq_lens[b] - q_len_b + i and attends keys 0 .. that position (its cached prefix and the
+ * new tokens, all in the pool already). out [N, H, D] contiguous.
+ *
+ * One work item is (request, kv head, block of QB queries): its G * QB query rows share every
+ * key block. Per block of 16 keys the keys are transposed once into (pairs of) columns, so a
+ * row's 16 scores are D/2 AVX512-BF16 dot products (D fused multiply-adds in float32) with no
+ * horizontal sums; values are converted to float32 once per block, and each row accumulates
+ * 16 values into its output held in registers. Online softmax as in decode. Head dims 64 and
+ * 128 (others: -1, the torch path). */
+#define QB 16
+#define KB 16
+
+#ifdef __AVX512F__
+typedef struct {
+    int64_t b, kvh, q0;
+} extend_item;
+
+#define TILE 4
+#define MAX_ROWS (MAX_GROUP * QB)
+
+/* One item with head dim D = 16 * NV. Query rows are taken TILE at a time: a key column (or
+ * column pair) loaded once serves the TILE rows' scores, a value row loaded once serves their
+ * outputs, which stay in registers across the block's keys. */
+#define DEFINE_EXTEND_ITEM(NV)                                                                   \
+    static void extend_item_##NV(const void *q, int64_t q_stride, const void *kc, const void *vc, \
+                                 const int32_t *table_row, int64_t q_start, int64_t q_len,        \
+                                 int64_t kv_len, extend_item it, int64_t H, int64_t Hkv,          \
+                                 int64_t page_size, float scale, void *out, int bf16) {           \
+        const int64_t D = 16 * (NV), G = H / Hkv;                                                \
+        const int64_t nq = (q_len - it.q0 < QB) ? (q_len - it.q0) : QB;                          \
+        const int64_t rows = G * nq, padded = (rows + TILE - 1) / TILE * TILE;                   \
+        const int64_t pos0 = kv_len - q_len + it.q0;                                             \
+        static __thread uint32_t qp[MAX_ROWS][8 * (NV)] __attribute__((aligned(64)));            \
+        static __thread float qf[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));              \
+        static __thread float o[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));               \
+        static __thread uint32_t kt2[8 * (NV)][KB] __attribute__((aligned(64)));                 \
+        static __thread float kt[16 * (NV)][KB] __attribute__((aligned(64)));                    \
+        static __thread float vf[KB][16 * (NV)] __attribute__((aligned(64)));                    \
+        float m[MAX_ROWS], l[MAX_ROWS];                                                          \
+        int64_t qpos[MAX_ROWS];                                                                  \
+        for (int64_t r = 0; r < padded; r++) {                                                   \
+            const int64_t g = r / nq, i = r % nq;                                                \
+            m[r] = -INFINITY;                                                                    \
+            l[r] = 0.0f;                                                                         \
+            memset(o[r], 0, sizeof o[r]);                                                        \
+            if (r >= rows) { /* padding rows: zero queries, never stored */                      \
+                memset(qp[r], 0, sizeof qp[r]);                                                  \
+                memset(qf[r], 0, sizeof qf[r]);                                                  \
+                qpos[r] = -1;                                                                    \
+                continue;                                                                        \
+            }                                                                                    \
+            qpos[r] = pos0 + i;                                                                  \
+            const int64_t off = (q_start + it.q0 + i) * q_stride + (it.kvh * G + g) * D;          \
+            if (bf16)                                                                            \
+                memcpy(qp[r], (const uint16_t *)q + off, (size_t)D * 2);                         \
+            else                                                                                 \
+                memcpy(qf[r], (const float *)q + off, (size_t)D * 4);                            \
+        }                                                                                        \
+        /* a tile's rows can mix query heads (r = g * nq + i), so its last position is not      \
+         * that of its last row: take the max over the tile */                                 \
+        int64_t tile_last[MAX_ROWS / TILE + 1];                                                  \
+        for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                          \
+            int64_t last = qpos[r0];                                                             \
+            for (int t = 1; t < TILE; t++)                                                       \
+                if (qpos[r0 + t] > last) last = qpos[r0 + t];                                    \
+            tile_last[r0 / TILE] = last;                                                         \
+        }                                                                                        \
+        const int64_t last_key = pos0 + nq - 1;                                                  \
+        int64_t slot_rows[KB];                                                                   \
+        for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {                                         \
+            const int64_t nk = (last_key + 1 - k0 < KB) ? (last_key + 1 - k0) : KB;              \
+            for (int64_t k = 0; k < nk; k++) {                                                   \
+                const int64_t pos = k0 + k;                                                      \
+                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
+                slot_rows[k] = (slot * Hkv + it.kvh) * D;                                        \
+            }                                                                                    \
+            for (int64_t k = 0; k < KB; k++) {                                                   \
+                if (k >= nk) {                                                                   \
+                    for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = 0;                        \
+                    for (int64_t d = 0; d < D; d++) kt[d][k] = 0.0f;                             \
+                    memset(vf[k], 0, sizeof vf[k]);                                              \
+                } else if (bf16) {                                                               \
+                    const uint32_t *kr = (const uint32_t *)((const uint16_t *)kc + slot_rows[k]); \
+                    for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = kr[d];                    \
+                    for (int64_t j = 0; j < (NV); j++)                                           \
+                        _mm512_store_ps(vf[k] + 16 * j,                                          \
+                                        load_bf16x16((const uint16_t *)vc + slot_rows[k] + 16 * j)); \
+                } else {                                                                         \
+                    const float *kr = (const float *)kc + slot_rows[k];                          \
+                    for (int64_t d = 0; d < D; d++) kt[d][k] = kr[d];                            \
+                    memcpy(vf[k], (const float *)vc + slot_rows[k], (size_t)D * 4);              \
+                }                                                                                \
+            }                                                                                    \
+            for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                      \
+                if (k0 > tile_last[r0 / TILE]) continue; /* the block is past every row */      \
+                __m512 sc[TILE];                                                                 \
+                for (int t = 0; t < TILE; t++) sc[t] = _mm512_setzero_ps();                      \
+                if (bf16) {                                                                      \
+                    for (int64_t d2 = 0; d2 < 8 * (NV); d2++) {                                  \
+                        const __m512i w = _mm512_load_si512((const void *)kt2[d2]);              \
+                        for (int t = 0; t < TILE; t++)                                           \
+                            sc[t] = PAIR_DOT(sc[t], qp[r0 + t][d2], w);                          \
+                    }                                                                            \
+                } else {                                                                         \
+                    for (int64_t d = 0; d < D; d++) {                                            \
+                        const __m512 w = _mm512_load_ps(kt[d]);                                  \
+                        for (int t = 0; t < TILE; t++)                                           \
+                            sc[t] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r0 + t][d]), w, sc[t]);     \
+                    }                                                                            \
+                }                                                                                \
+                float pk[TILE][KB] __attribute__((aligned(64)));                                 \
+                float corr[TILE];                                                                \
+                int64_t visible_max = 0;                                                         \
+                for (int t = 0; t < TILE; t++) {                                                 \
+                    const int64_t r = r0 + t;                                                    \
+                    int64_t visible = qpos[r] - k0 + 1;                                          \
+                    visible = visible < 0 ? 0 : (visible > nk ? nk : visible);                   \
+                    if (visible > visible_max) visible_max = visible;                            \
+                    const __mmask16 mask = (__mmask16)((visible >= 16) ? 0xffffu : ((1u << visible) - 1u)); \
+                    __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,               \
+                                                  _mm512_mul_ps(sc[t], _mm512_set1_ps(scale)));  \
+                    const float block_max = visible ? _mm512_reduce_max_ps(s) : -INFINITY;       \
+                    const float new_max = block_max > m[r] ? block_max : m[r];                   \
+                    if (new_max == -INFINITY) { /* nothing visible yet */                        \
+                        corr[t] = 1.0f;                                                          \
+                        _mm512_store_ps(pk[t], _mm512_setzero_ps());                             \
+                        continue;                                                                \
+                    }                                                                            \
+                    corr[t] = expf(m[r] - new_max);                                              \
+                    const __m512 e = _mm512_maskz_mov_ps(                                        \
+                        mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));                \
+                    l[r] = l[r] * corr[t] + _mm512_reduce_add_ps(e);                             \
+                    m[r] = new_max;                                                              \
+                    _mm512_store_ps(pk[t], e);                                                   \
+                }                                                                                \
+                __m512 acc[TILE][NV];                                                            \
+                for (int t = 0; t < TILE; t++) {                                                 \
+                    const __m512 cv = _mm512_set1_ps(corr[t]);                                   \
+                    for (int j = 0; j < (NV); j++)                                               \
+                        acc[t][j] = _mm512_mul_ps(_mm512_load_ps(o[r0 + t] + 16 * j), cv);       \
+                }                                                                                \
+                for (int64_t k = 0; k < visible_max; k++) {                                      \
+                    __m512 v[NV];                                                                \
+                    for (int j = 0; j < (NV); j++) v[j] = _mm512_load_ps(vf[k] + 16 * j);        \
+                    for (int t = 0; t < TILE; t++) {                                             \
+                        const __m512 pv = _mm512_set1_ps(pk[t][k]);                              \
+                        for (int j = 0; j < (NV); j++) acc[t][j] = _mm512_fmadd_ps(pv, v[j], acc[t][j]); \
+                    }                                                                            \
+                }                                                                                \
+                for (int t = 0; t < TILE; t++)                                                   \
+                    for (int j = 0; j < (NV); j++) _mm512_store_ps(o[r0 + t] + 16 * j, acc[t][j]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (int64_t r = 0; r < rows; r++) {                                                     \
+            const int64_t g = r / nq, i = r % nq;                                                \
+            const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);                 \
+            const int64_t off = ((q_start + it.q0 + i) * H + it.kvh * G + g) * D;                \
+            for (int j = 0; j < (NV); j++) {                                                     \
+                const __m512 v = _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * j), inv);              \
+                if (bf16)                                                                        \
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + off + 16 * j), to_bf16x16(v)); \
+                else                                                                             \
+                    _mm512_storeu_ps((float *)out + off + 16 * j, v);                            \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+/* acc + (q pair as bf16) . (16 key pairs); without AVX512-BF16 the pairs are widened */
+#ifdef __AVX512BF16__
+#define PAIR_DOT(acc, pair, w) \
+    _mm512_dpbf16_ps((acc), (__m512bh)_mm512_set1_epi32((int)(pair)), (__m512bh)(w))
+#else
+static inline __m512 pair_dot(__m512 acc, uint32_t pair, __m512i w) {
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float((uint16_t)(pair & 0xffffu))), even, acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float((uint16_t)(pair >> 16))), odd, acc);
+}
+#define PAIR_DOT(acc, pair, w) pair_dot((acc), (pair), (w))
+#endif
+
+DEFINE_EXTEND_ITEM(4)
+DEFINE_EXTEND_ITEM(8)
+#endif
+
+/* Returns 0, or -1 when this build or these shapes are not handled (the caller then takes the
+ * torch path): AVX-512 needed, H a multiple of Hkv, H / Hkv <= MAX_GROUP, D a multiple of 32
+ * up to MAX_HEAD_DIM. */
+int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const void *k_cache,
+                                       const void *v_cache, const int32_t *block_table,
+                                       int64_t table_stride, const int32_t *cu_seqlens_q,
+                                       const int32_t *seq_lens, int64_t B, int64_t H,
+                                       int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                                       void *out, int is_bf16, int num_threads) {
+#ifdef __AVX512F__
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128)) return -1;
+    int64_t count = 0;
+    for (int64_t b = 0; b < B; b++)
+        count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + QB - 1) / QB);
+    extend_item *items = (extend_item *)malloc((size_t)(count > 0 ? count : 1) * sizeof(extend_item));
+    if (items == NULL) return -1;
+    int64_t n = 0;
+    /* the blocks with the most keys first (the end of each prompt), so the dynamic schedule
+     * does not finish on one long item */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+        for (int64_t q0 = ((q_len - 1) / QB) * QB; q0 >= 0; q0 -= QB)
+            for (int64_t h = 0; h < Hkv; h++) items[n++] = (extend_item){b, h, q0};
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) {
+        const extend_item it = items[i];
+        const int64_t q_len = cu_seqlens_q[it.b + 1] - cu_seqlens_q[it.b];
+        if (D == 64)
+            extend_item_4(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
+                          cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
+                          out, is_bf16);
+        else
+            extend_item_8(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
+                          cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
+                          out, is_bf16);
+    }
+    free(items);
+    return 0;
+#else
+    (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_table; (void)table_stride;
+    (void)cu_seqlens_q; (void)seq_lens; (void)B; (void)H; (void)Hkv; (void)D; (void)page_size;
+    (void)scale; (void)out; (void)is_bf16; (void)num_threads;
+    return -1;
+#endif
+}

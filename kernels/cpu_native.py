@@ -1,0 +1,99 @@
+"""Native CPU kernels (kernels/*.c), compiled on first use and loaded with ctypes.
+
+Each C file is compiled once per machine with the system C compiler (``cc -O3 -march=native
+-fopenmp``) into ``$ASYNCENGINE_CACHE/kernels/`` (default ``~/.cache/asyncengine``), named by
+the hash of its source, the flags and this CPU's model, so later starts only load it (a second
+at most the first time, nothing after). ctypes releases the GIL while a kernel runs, and the
+library shares torch's OpenMP runtime (torch loads ``libgomp.so.1`` first, and the dynamic
+loader reuses it by that name), so its parallel loops run on torch's threads.
+
+Where no compiler works (or ``ASYNCENGINE_NATIVE_KERNELS=0``), ``load`` returns None and the
+callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("asyncengine.kernels")
+
+SOURCE_DIR = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ENABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("ASYNCENGINE_CACHE")
+    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "asyncengine"
+    return root / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path(name: str) -> Path:
+    source = (SOURCE_DIR / f"{name}.c").read_bytes()
+    headers = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
+    key = hashlib.sha256(
+        source + headers + " ".join(FLAGS).encode() + _cpu_model().encode()
+    ).hexdigest()
+    return _cache_dir() / f"{name}-{key[:16]}.so"
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library of kernels/<name>.c, built on first use; None when unavailable."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    import torch  # noqa: F401  (its libgomp must be loaded first: the library shares it)
+
+    target = library_path(name)
+    if not target.is_file():
+        compiler = _compiler()
+        if compiler is None:
+            log.warning("no C compiler found: native CPU kernels are off (torch paths instead)")
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        command = [compiler, *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", staging, "-lm"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+            os.replace(staging, target)  # atomic: concurrent first starts see a whole file
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            log.warning(
+                "native CPU kernel %s did not compile (%s); torch paths instead",
+                name,
+                detail[-500:],
+            )
+            Path(staging).unlink(missing_ok=True)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        log.warning("native CPU kernel %s did not load (%s); torch paths instead", name, exc)
+        return None

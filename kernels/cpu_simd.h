@@ -1,0 +1,75 @@
+/* Helpers shared by the native CPU kernels: bfloat16 <-> float32 and a vector exp. */
+#ifndef ASYNCENGINE_CPU_SIMD_H
+#define ASYNCENGINE_CPU_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* round to nearest even; NaN stays NaN */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t nan = (bits >> 16) | 0x40u;
+    return (uint16_t)(((bits & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+}
+
+#ifdef __AVX512F__
+/* 16 bf16 -> 16 floats */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+}
+
+/* 16 floats -> 16 bf16, round to nearest even, NaN kept */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i r = _mm512_cvtepu16_epi32(to_bf16x16(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+}
+
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (rel. error
+ * ~2e-7), 2^n by the exponent field. Inputs below -87 give 0, above 88 give e^88. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), result);
+}
+#endif
+
+#endif

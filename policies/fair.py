@@ -1,0 +1,108 @@
+"""fair: virtual token counters across tenants (VTC, Sheng et al., OSDI 2024).
+
+Each tenant (``SamplingParams.tenant``; requests without one share the tenant "") has a counter
+of the service it received: ``prefill_weight`` per prompt token computed plus ``decode_weight``
+per token generated, divided by the tenant's weight (``weights`` maps tenant to weight,
+``default_weight`` for the rest). The waiting queue is ordered by serving the tenant with the
+smallest counter first, each tenant's requests in arrival order; while ordering, each pick
+charges its tenant the pick's prompt tokens, so one step's admissions interleave tenants
+instead of handing them all to one. Counters charge what the engine actually ran (``observe``).
+
+A tenant that comes back after having nothing in the engine starts from the smallest counter
+of the tenants that are active, never below its own: it cannot bank service it did not use
+while idle, and it is not punished for service it got long ago.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from asyncengine.plan import BatchPlan
+from asyncengine.policies.base import Policy, PolicyContext, take_options
+from asyncengine.request import Request
+
+
+def tenant_of(req: Request) -> str:
+    return req.params.tenant or ""
+
+
+class FairPolicy(Policy):
+    name = "fair"
+    orders = True
+
+    def __init__(self, **options: Any) -> None:
+        opts = take_options(
+            self.name,
+            options,
+            {"weights": {}, "default_weight": 1.0, "prefill_weight": 1.0, "decode_weight": 2.0},
+        )
+        weights = {str(k): v for k, v in opts["weights"].items()}
+        for tenant, weight in weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+                raise ValueError(f"policy 'fair': weight of tenant {tenant!r} must be > 0")
+        if opts["default_weight"] <= 0:
+            raise ValueError("policy 'fair': 'default_weight' must be > 0")
+        if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:
+            raise ValueError("policy 'fair': token weights must be >= 0")
+        self.weights = {tenant: float(weight) for tenant, weight in weights.items()}
+        self.default_weight = float(opts["default_weight"])
+        self.prefill_weight = float(opts["prefill_weight"])
+        self.decode_weight = float(opts["decode_weight"])
+        self.counters: dict[str, float] = {}
+        self._tenant_of_rid: dict[str, str] = {}  # live requests this policy has seen
+        self._live: dict[str, int] = {}  # tenant -> live requests seen
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    def _register(self, req: Request) -> None:
+        """First sight of a live request: a tenant coming back is lifted to the active floor."""
+        tenant = tenant_of(req)
+        self._tenant_of_rid[req.rid] = tenant
+        if self._live.get(tenant, 0) == 0:
+            active = [self.counters.get(t, 0.0) for t, n in self._live.items() if n > 0]
+            floor = min(active) if active else self.counters.get(tenant, 0.0)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self._live[tenant] = self._live.get(tenant, 0) + 1
+
+    def finished(self, req: Request) -> None:
+        tenant = self._tenant_of_rid.pop(req.rid, None)
+        if tenant is not None:
+            self._live[tenant] -= 1
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        tenants, counters = self._tenant_of_rid, self.counters
+        for seg in plan.extends:
+            tenant = tenants.get(seg.rid)
+            if tenant is not None:
+                charge = self.prefill_weight * seg.num_tokens / self.weight(tenant)
+                counters[tenant] = counters.get(tenant, 0.0) + charge
+        for seg in plan.decodes:
+            tenant = tenants.get(seg.rid)
+            if tenant is not None:
+                counters[tenant] = counters.get(tenant, 0.0) + self.decode_weight / self.weight(
+                    tenant
+                )
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        queues: dict[str, list[Request]] = {}
+        for req in waiting:
+            if self._tenant_of_rid.get(req.rid) is None:
+                self._register(req)
+            queues.setdefault(tenant_of(req), []).append(req)
+        if len(queues) == 1:
+            return waiting
+        # (virtual counter, position of the tenant's oldest request, tenant, next index)
+        heap = [(self.counters.get(t, 0.0), i, t, 0) for i, t in enumerate(queues)]
+        heapq.heapify(heap)
+        ordered: list[Request] = []
+        while heap:
+            counter, position, tenant, index = heapq.heappop(heap)
+            queue = queues[tenant]
+            req = queue[index]
+            ordered.append(req)
+            if index + 1 < len(queue):
+                charge = self.prefill_weight * len(req.all_ids) / self.weight(tenant)
+                heapq.heappush(heap, (counter + charge, position, tenant, index + 1))
+        return ordered

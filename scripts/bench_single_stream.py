@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""Batch-1 decode speed: asyncengine and vLLM side by side, against the memory-bandwidth bound.
+
+One request at a time: a ``--prompt-len`` (16) token prompt of random ids (numpy
+``default_rng(seed)``, the same prompt vllm_peer.py draws) and ``--output-len`` (256) tokens,
+greedy, EOS ignored. Each of ``--repeats`` rounds times the prompt with one output token (the
+prefill and first token) and with all of them; decode tok/s = (output_len - 1) / (median full -
+median first), as ``scripts/vllm_peer.py --single-stream`` measures vLLM (run in the same
+invocation, from its own virtualenv: ``scripts/setup_vllm_cpu.sh``).
+
+The bound: at batch 1 every decode step reads all the weights once, so decode cannot beat
+memory bandwidth / weight bytes tokens/s. The bandwidth is this machine's copy bandwidth: the
+median over ``--bandwidth-repeats`` torch copies of a ``--bandwidth-mib`` tensor, counting the
+bytes read plus the bytes written (STREAM's convention for Copy). The weight bytes are every
+parameter of the checkpoint in the run's dtype, the embedding table counted once when the LM
+head is tied to it (it is read once per step, as the LM head; the input embedding reads one
+row). KV reads (a few hundred tokens) and activations are left out: the bound is optimistic.
+
+Both systems report start-up seconds, peak RSS (asyncengine: this process's ``ru_maxrss``; vLLM:
+its process tree's summed RSS) and the share of the CPUs other processes used while timed.
+
+    python scripts/bench_single_stream.py --dtype bfloat16 --out bench_results/single_bf16.json
+    python scripts/bench_single_stream.py --systems asyncengine --repeats 1 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm, bench_offline
+
+import peer_vllm
+from bench_offline import (
+    foreign_fraction,
+    machine,
+    machine_busy_seconds,
+    maxrss_bytes,
+    model_dir_for,
+    resolve_dtype,
+    write_json,
+)
+
+from asyncengine.config import EngineConfig, key_value
+from asyncengine.sampling_params import SamplingParams
+
+SYSTEMS = ("asyncengine", "vllm")
+
+
+# -- the bound -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Bandwidth:
+    """Copy bandwidth: bytes read + written per second, the median over repeats."""
+
+    bytes_per_second: float
+    tensor_bytes: int
+    seconds: list[float]
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.bytes_per_second / 1e9
+
+
+def copy_bandwidth(tensor_bytes: int, seconds: Sequence[float]) -> Bandwidth:
+    """Each copy reads ``tensor_bytes`` and writes as many: 2 x bytes / the median time."""
+    if not seconds or min(seconds) <= 0:
+        raise ValueError(f"need positive copy times, got {list(seconds)}")
+    return Bandwidth(2 * tensor_bytes / statistics.median(seconds), tensor_bytes, list(seconds))
+
+
+def measure_copy_bandwidth(mib: int, repeats: int) -> Bandwidth:
+    import torch
+
+    n = mib << 20
+    src = torch.ones(n, dtype=torch.uint8)  # touched: no page faults in the timed copies
+    dst = torch.zeros(n, dtype=torch.uint8)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return copy_bandwidth(n, times)
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def safetensors_numels(model_dir: Path) -> dict[str, int]:
+    """Element counts of every tensor in the directory's safetensors files (headers only)."""
+    counts: dict[str, int] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                counts[name] = math.prod(info["shape"])
+    return counts
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> dict[str, Any]:
+    """Bytes one decode step reads: every parameter in ``dtype``, a tied LM head counted once
+    (the embedding table is that head; a tied checkpoint that still stores lm_head.weight
+    has it dropped)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    tied = bool(config.get("tie_word_embeddings", False))
+    counts = safetensors_numels(model_dir)
+    if tied:
+        counts.pop("lm_head.weight", None)
+    params = sum(counts.values())
+    return {
+        "parameters": params,
+        "bytes": params * DTYPE_BYTES[dtype],
+        "tied_embeddings_counted_once": tied,
+    }
+
+
+def bound_tokens_per_second(bandwidth_bytes_per_second: float, step_bytes: int) -> float:
+    """Batch-1 decode ceiling: one full read of the weights per token."""
+    if step_bytes <= 0:
+        raise ValueError("a decode step reads a positive number of bytes")
+    return bandwidth_bytes_per_second / step_bytes
+
+
+def decode_tokens_per_second(
+    output_len: int, first_seconds: Sequence[float], full_seconds: Sequence[float]
+) -> float:
+    """(output_len - 1) tokens in (median full - median first) seconds."""
+    gap = statistics.median(full_seconds) - statistics.median(first_seconds)
+    return (output_len - 1) / gap if gap > 0 else math.nan
+
+
+def single_stream_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    """The prompt vllm_peer.py --single-stream draws (numpy default_rng(seed).integers)."""
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab_size, size=length)]
+
+
+# -- the systems -----------------------------------------------------------------------------
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def _asyncengine(
+    config: EngineConfig, prompt: list[int], output_len: int, repeats: int
+) -> dict[str, Any]:
+    from asyncengine.engine import AsyncEngine
+
+    started = time.perf_counter()
+    async with AsyncEngine(config) as engine:
+        startup = time.perf_counter() - started
+        await engine.generate(prompt, _greedy(8))  # warm-up
+        load_start = os.getloadavg()[0]
+        busy_start, cpu_start, wall_start = (
+            machine_busy_seconds(),
+            time.process_time(),
+            time.perf_counter(),
+        )
+        firsts, fulls = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            await engine.generate(prompt, _greedy(1))
+            firsts.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out = await engine.generate(prompt, _greedy(output_len))
+            fulls.append(time.perf_counter() - start)
+            if len(out.token_ids) != output_len:
+                raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {output_len} tokens")
+        cpu = time.process_time() - cpu_start
+        foreign = foreign_fraction(
+            machine_busy_seconds() - busy_start, cpu, time.perf_counter() - wall_start
+        )
+    return {
+        "first_token_seconds": firsts,
+        "full_seconds": fulls,
+        "decode_tokens_per_second": decode_tokens_per_second(output_len, firsts, fulls),
+        "end_to_end_tokens_per_second": output_len / statistics.median(fulls),
+        "startup_seconds": startup,
+        "cpu_seconds": cpu,
+        "peak_rss_bytes": maxrss_bytes(),
+        "foreign_cpu_fraction": foreign,
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+    }
+
+
+def run_asyncengine(
+    config: EngineConfig, prompt: list[int], output_len: int, repeats: int
+) -> dict[str, Any]:
+    return asyncio.run(_asyncengine(config, prompt, output_len, repeats))
+
+
+def run_vllm(
+    model_dir: Path,
+    dtype: str,
+    kv_bytes: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    folder = args.vllm_workdir or Path(tempfile.mkdtemp(prefix="bench_single_stream_vllm_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    result_path, log_path = (
+        folder / f"vllm_single_{dtype}.json",
+        folder / f"vllm_single_{dtype}.log",
+    )
+    result_path.unlink(missing_ok=True)
+    peer_args = [
+        "--single-stream", "--model", str(model_dir), "--dtype", dtype,
+        "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+        "--repeats", str(args.repeats), "--seed", str(args.seed), "--kv-bytes", str(kv_bytes),
+        "--out", str(result_path), *args.vllm_peer_arg,
+    ]  # fmt: skip
+    print(f"vllm: scripts/vllm_peer.sh {' '.join(peer_args)} (log: {log_path})", flush=True)
+    peer_vllm.run_peer(peer_args, args.vllm_timeout, log_path)
+    return vllm_row(peer_vllm.read_result(result_path, log_path), log_path)
+
+
+def vllm_row(result: dict[str, Any], log_path: Path | None = None) -> dict[str, Any]:
+    """The row of vllm_peer.py's single-stream result, in asyncengine's row's terms."""
+    return {
+        "first_token_seconds": result["first_token_seconds"],
+        "full_seconds": result["full_seconds"],
+        "decode_tokens_per_second": float(result["decode_tokens_per_second"]),
+        "end_to_end_tokens_per_second": result.get("end_to_end_tokens_per_second"),
+        "startup_seconds": result.get("startup_seconds"),
+        "cpu_seconds": result.get("cpu_seconds"),  # the whole process tree
+        "peak_rss_bytes": result.get("peak_tree_rss_bytes"),
+        "peak_pss_bytes": result.get("peak_tree_pss_bytes"),
+        "foreign_cpu_fraction": result.get("foreign_cpu_fraction"),
+        "load_start": result.get("load_start"),
+        "load_end": result.get("load_end"),
+        "vllm_version": result.get("vllm_version"),
+        "engine_config": result.get("engine", {}),
+        "log": None if log_path is None else str(log_path),
+    }
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def add_fractions(result: dict[str, Any]) -> None:
+    """Each system's share of the bound, and asyncengine's speed over vLLM's."""
+    bound = result["bound_tokens_per_second"]
+    for row in result["runs"].values():
+        row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
+    if {"asyncengine", "vllm"} <= set(result["runs"]):
+        ours = result["runs"]["asyncengine"]["decode_tokens_per_second"]
+        result["speedup_vs_vllm"] = ours / result["runs"]["vllm"]["decode_tokens_per_second"]
+
+
+def table(result: dict[str, Any]) -> str:
+    def cell(value: Any, fmt: str) -> str:
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return "-"
+        return fmt.format(value)
+
+    lines = [
+        "| system | decode tok/s | ms/token | first token ms | of the bound | start-up s "
+        "| peak RSS GB | others' CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in result["runs"].items():
+        tps = row["decode_tokens_per_second"]
+        rss = row.get("peak_rss_bytes")
+        cells = [
+            name,
+            cell(tps, "{:.1f}"),
+            cell(1e3 / tps if tps and math.isfinite(tps) else None, "{:.2f}"),
+            cell(statistics.median(row["first_token_seconds"]) * 1e3, "{:.1f}"),
+            cell(row["fraction_of_bound"], "{:.1%}"),
+            cell(row.get("startup_seconds"), "{:.1f}"),
+            cell(None if rss is None else rss / 1e9, "{:.2f}"),
+            cell(row.get("foreign_cpu_fraction"), "{:.0%}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    w = result["weights"]
+    lines += [
+        "",
+        f"bound: {result['bandwidth']['gb_per_second']:.1f} GB/s copy bandwidth (read + write, "
+        f"median of {len(result['bandwidth']['seconds'])} copies of "
+        f"{result['bandwidth']['tensor_bytes'] >> 20} MiB) / {w['bytes'] / 1e6:.1f} MB of "
+        f"{result['dtype']} weights per step ({w['parameters'] / 1e6:.1f} M parameters"
+        + (", tied embeddings counted once" if w["tied_embeddings_counted_once"] else "")
+        + f") = {result['bound_tokens_per_second']:.1f} tok/s",
+    ]
+    if "speedup_vs_vllm" in result:
+        ratio = result["speedup_vs_vllm"]
+        lines.append(
+            f"asyncengine ahead of vLLM by {ratio:.2f}x at batch 1"
+            if ratio >= 1
+            else f"asyncengine behind vLLM at batch 1: {ratio:.2f}x its speed"
+        )
+    return "\n".join(lines)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model name, HF dir or .gguf")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEMS),
+        metavar="SYSTEM",
+        help="asyncengine and/or vllm, space- or comma-separated (vllm needs "
+        "scripts/setup_vllm_cpu.sh)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default=None, help="TOML engine config for asyncengine")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="asyncengine config override (repeatable)",
+    )
+    parser.add_argument(
+        "--vllm-peer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vllm_peer.py argument (repeatable), e.g. --vllm-peer-arg=--quiet-wait=300",
+    )
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0)
+    parser.add_argument("--vllm-workdir", type=Path, default=None)
+    parser.add_argument("--bandwidth-mib", type=int, default=512)
+    parser.add_argument("--bandwidth-repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.output_len < 2 or args.repeats < 1 or args.prompt_len < 1:
+        raise SystemExit("need --output-len >= 2, --repeats >= 1 and --prompt-len >= 1")
+    systems = list(
+        dict.fromkeys(n.strip() for v in args.systems for n in v.split(",") if n.strip())
+    )
+    if not systems or not set(systems) <= set(SYSTEMS):
+        raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
+    if "vllm" in systems:
+        try:
+            peer_vllm.require_vllm_venv()
+        except peer_vllm.VllmUnavailableError as exc:
+            raise SystemExit(f"--systems vllm: {exc}") from None
+    dtype = resolve_dtype(args.dtype, "cpu")
+    started = time.time()
+    model_dir = model_dir_for(args.model, dtype)
+    config = EngineConfig.from_toml(
+        args.config,
+        **{"model": args.model, "dtype": dtype, "device": "cpu", "log_interval": 0.0},
+        **dict(args.engine_arg),
+    )
+    vocab = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    prompt = single_stream_prompt(vocab, args.prompt_len, args.seed)
+
+    weights = weight_bytes(model_dir, dtype)
+    result: dict[str, Any] = {
+        "mode": "single_stream",
+        "model": args.model,
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "weights": weights,
+        "runs": {},
+    }
+    if "asyncengine" in systems:
+        row = run_asyncengine(config, prompt, args.output_len, args.repeats)
+        result["runs"]["asyncengine"] = row
+        print(f"asyncengine: {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
+    if "vllm" in systems:
+        per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
+        kv_bytes = peer_vllm.engine_kv_tokens(config, per_token) * per_token
+        try:
+            row = run_vllm(model_dir, dtype, kv_bytes, args)
+        except peer_vllm.VllmPeerError as exc:
+            raise SystemExit(f"vllm: {exc}") from None
+        result["runs"]["vllm"] = row
+        print(f"vllm: {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
+    # after the systems: its 2 x 512 MiB would otherwise count in asyncengine's peak RSS
+    bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
+    result["bandwidth"] = {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second}
+    result["bound_tokens_per_second"] = bound_tokens_per_second(
+        bandwidth.bytes_per_second, weights["bytes"]
+    )
+    add_fractions(result)
+    result["machine"] = machine()
+    result["command"] = " ".join(
+        ["scripts/bench_single_stream.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    result["bench_seconds"] = time.time() - started
+    print(table(result))
+    if args.out is not None:
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

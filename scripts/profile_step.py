@@ -1,0 +1,242 @@
+#!/usr/bin/env python
+"""Where an engine step's time goes: one offline run of the real AsyncEngine, instrumented.
+
+Every part of a step is timed where it runs (wall time, summed over the run):
+
+- on the event-loop thread: scheduling and plan building (``core.schedule``), commit
+  (``core.commit``), detokenisation and streaming (the engine's ``_emit``), and the rest of the
+  loop (waiting on the forward, callers' coroutines, asyncio);
+- on the forward thread: plan -> tensors (``runner.prepare``), the model forward and LM head
+  (``runner._logits``), sampling (``sampler.sample``).
+
+Then the same plans are replayed alone, on a fresh executor in this thread with nothing else
+running (page writes and shapes identical, so the work is the same): the difference between the
+forward thread's time in the engine and alone is what the loop thread's concurrent work costs
+the forward (the GIL and the two cores it shares). The replay also splits the forward into
+its parts, timed where they are called: the projections (GEMMs), the LM head, attention (with
+the K/V store), norms, rotary, the MLP activation, and the rest (embedding, Python, plan).
+
+Native kernels and weight prepacking can be switched off (``ASYNCENGINE_NATIVE_KERNELS=0
+ASYNCENGINE_PACKED_LINEAR=0``) to profile the torch paths the same way.
+
+    python scripts/profile_step.py --num-requests 128 --out bench_results/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from asyncengine.config import EngineConfig, key_value
+from asyncengine.plan import BatchPlan
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.workloads import make_workload
+
+
+class Timer:
+    """Accumulates the wall time of calls to wrapped functions, by part."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+                self.calls[part] += 1
+
+        return timed
+
+
+def instrument(engine: Any, timer: Timer) -> list[BatchPlan]:
+    core = engine.core
+    runner = core.executor.runner
+    plans: list[BatchPlan] = []
+    schedule = core.schedule
+
+    def recording_schedule() -> BatchPlan | None:
+        plan = schedule()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    core.schedule = timer.wrap("loop: schedule + plan", recording_schedule)
+    core.commit = timer.wrap("loop: commit", core.commit)
+    engine._emit = timer.wrap("loop: detokenize + stream", engine._emit)
+    runner.prepare = timer.wrap("forward thread: plan -> tensors", runner.prepare)
+    runner._logits = timer.wrap("forward thread: model + LM head", runner._logits)
+    runner.sampler.sample = timer.wrap("forward thread: sampling", runner.sampler.sample)
+    core.executor.execute = timer.wrap("forward thread: execute (all)", core.executor.execute)
+    return plans
+
+
+async def engine_run(config: EngineConfig, workload: list, timer: Timer) -> tuple[float, list]:
+    from asyncengine.engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        warm = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        await engine.generate(list(range(3, 19)), warm)
+        plans = instrument(engine, timer)
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(
+                engine.generate(
+                    w.prompt_ids,
+                    SamplingParams(max_new_tokens=w.output_len, temperature=0.0, ignore_eos=True),
+                )
+                for w in workload
+            )
+        )
+        return time.perf_counter() - start, plans
+
+
+def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]:
+    """The engine's plans again on a fresh executor, alone in this thread, with the forward's
+    parts timed."""
+    from asyncengine.builder import build_core
+    from asyncengine.executor.linear import Linear
+    from asyncengine.executor.model_executor import ModelExecutor
+
+    executor = ModelExecutor(config)
+    build_core(config, executor)  # binds the executor to the same layout
+    timer = Timer()
+    runner = executor.runner
+    assert runner is not None
+    runner.prepare = timer.wrap("plan -> tensors", runner.prepare)
+    runner._logits = timer.wrap("model + LM head", runner._logits)
+    runner.sampler.sample = timer.wrap("sampling", runner.sampler.sample)
+    parts = Timer()
+    model = runner.model
+    lm_head = model.lm_head
+    model.lm_head = _TimedLinear(lm_head, parts, "LM head")
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, _TimedLinear(getattr(layer, name), parts, "projections (GEMMs)"))
+    backend = runner.backend
+    ops = model.ops
+    # the model calls attend() when the native kernels stored K/V, forward() (store + attend)
+    # otherwise: time the one it calls, not both
+    if ops.rotary_store is not None:
+        backend.attend = parts.wrap("attention", backend.attend)  # type: ignore[method-assign]
+    else:
+        backend.forward = parts.wrap("attention (incl. K/V store)", backend.forward)  # type: ignore[method-assign]
+    wrapped = {
+        "rms_norm": parts.wrap("norms (+ residual add)", ops.rms_norm),
+        "fused_add_rms_norm": parts.wrap("norms (+ residual add)", ops.fused_add_rms_norm),
+        "silu_and_mul": parts.wrap("MLP activation", ops.silu_and_mul),
+        "apply_rotary": parts.wrap("rotary", ops.apply_rotary),
+    }
+    if ops.rotary_store is not None:
+        wrapped["rotary_store"] = parts.wrap("rotary + K/V store", ops.rotary_store)
+    model.ops = dataclasses.replace(ops, **wrapped)
+    model.act_and_mul = parts.wrap("MLP activation", model.act_and_mul)
+    execute = timer.wrap("execute (all)", executor.execute)
+    for plan in plans:
+        execute(plan)
+    assert isinstance(lm_head, Linear)
+    forward = timer.seconds["model + LM head"]
+    breakdown = dict(parts.seconds)
+    breakdown["the rest (embedding, Python, dispatch)"] = max(
+        0.0, forward - sum(parts.seconds.values())
+    )
+    return {"seconds": dict(timer.seconds), "forward_parts_seconds": breakdown}
+
+
+class _TimedLinear:
+    """A Linear whose calls add their time to one part of a Timer."""
+
+    def __init__(self, inner: Any, timer: Timer, part: str) -> None:
+        self.inner = inner
+        self.call = timer.wrap(part, inner.__call__)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--workload-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument(
+        "--engine-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", log_interval=0.0, **dict(args.engine_arg)
+    )
+    workload_args = {"input_median": 160, "output_median": 96, **dict(args.workload_arg)}
+    workload = make_workload(
+        "random", num_requests=args.num_requests, seed=args.seed, vocab_size=49152, **workload_args
+    )
+    timer = Timer()
+    wall, plans = asyncio.run(engine_run(config, workload, timer))
+    tokens = sum(w.output_len for w in workload)
+    alone = replay_alone(config, plans)
+    in_engine = timer.seconds
+    loop_parts = {k: v for k, v in in_engine.items() if k.startswith("loop:")}
+    loop_busy = sum(loop_parts.values())
+    forward_all = in_engine["forward thread: execute (all)"]
+    result = {
+        "machine": {
+            "torch_threads": torch.get_num_threads(),
+            "load": list(__import__("os").getloadavg()),
+        },
+        "workload": {"requests": len(workload), "output_tokens": tokens, **workload_args},
+        "steps": len(plans),
+        "wall_seconds": wall,
+        "output_tokens_per_second": tokens / wall,
+        "in_engine_seconds": dict(in_engine),
+        "loop_thread_other_seconds": max(0.0, wall - loop_busy - forward_all),
+        "alone_seconds": alone["seconds"],
+        "forward_slowdown_in_engine": forward_all / alone["seconds"]["execute (all)"],
+        "forward_parts_seconds": alone["forward_parts_seconds"],
+    }
+    print(f"{len(workload)} requests, {tokens} output tokens, {len(plans)} steps, {wall:.1f} s "
+          f"wall ({tokens / wall:.1f} tok/s), torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"{'part':<40}{'seconds':>10}{'share of wall':>15}")
+    for part, seconds in sorted(in_engine.items()):
+        print(f"{part:<40}{seconds:>10.2f}{seconds / wall:>14.1%}")
+    other = result["loop_thread_other_seconds"]
+    print(f"{'loop: other (asyncio, callers, idle)':<40}{other:>10.2f}{other / wall:>14.1%}")
+    print("\nthe same plans alone (this thread, nothing else running):")
+    for part, seconds in alone["seconds"].items():
+        print(f"  {part:<38}{seconds:>10.2f}")
+    print(f"forward thread in the engine / alone: {result['forward_slowdown_in_engine']:.2f}x")
+    print("\nthe forward of the replay, by part:")
+    total = sum(alone["forward_parts_seconds"].values())
+    for part, seconds in sorted(alone["forward_parts_seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<48}{seconds:>8.2f} s {seconds / total:>6.1%}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Live traces: recorded from a running engine, read back as the same workload (token ids, or
+page hashes that keep the page sharing), replayed under other policies with a cost model
+fitted to the same run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.workloads.live_trace import (
+    is_live_trace,
+    load_live_trace,
+    load_requests,
+    page_hashes,
+    tokens_of_hashes,
+)
+from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
+from tests.test_compare_policies import load_script
+from tests.test_scheduling_e2e import engine, params, prompt
+
+SHARED = prompt(42, 24)  # six pages of 4 tokens
+
+
+async def record(path: Path, hashed: bool) -> list[tuple[str, list[int], int]]:
+    """Serve a few requests (shared prefixes, tenants, priorities, a timeout) while recording."""
+    sent = []
+    async with engine(max_running_requests=2) as eng:
+        eng.record_trace(str(path), hashed=hashed)
+        calls = []
+        for k in range(8):
+            ids = (SHARED if k % 2 else []) + prompt(k, 5 + k)
+            p = params(4 + k, tenant=f"t{k % 3}", priority=k % 2)
+            calls.append(eng.generate(ids, p, request_id=f"r{k}"))
+            sent.append((f"r{k}", ids, 4 + k))
+            await asyncio.sleep(0.003)
+        outs = await asyncio.gather(*calls)
+        assert all(o.finish_reason == "length" for o in outs)
+        late = await eng.generate(prompt(77), params(500, timeout=0.02), request_id="late")
+        assert late.finish_reason == "timeout"
+        steps = eng.stats()["steps"]
+    assert eng.recorder is None  # stopping the engine closed the trace
+    sent.append(("late", prompt(77), 500))
+    return sent + [("steps", [], steps)]
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+async def test_a_recorded_trace_reads_back_as_the_same_workload(
+    tmp_path: Path, hashed: bool
+) -> None:
+    path = tmp_path / "live.jsonl"
+    *sent, (_, _, steps) = await record(path, hashed)
+    assert is_live_trace(path)
+    trace = load_live_trace(path)
+    assert trace.header["page_size"] == 4 and trace.header["hashed"] is hashed
+    by_rid = {r.rid: r for r in trace.requests}
+    assert set(by_rid) == {rid for rid, _, _ in sent}
+    arrivals = [r.arrival_time for r in trace.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] >= 0
+    for rid, ids, n in sent:
+        item = by_rid[rid]
+        assert len(item.prompt_ids) == len(ids)
+        if not hashed:
+            assert item.prompt_ids == ids
+        if rid == "late":  # timed out: the replay asks for what it asked for
+            assert item.output_len == n and item.timeout == pytest.approx(0.02)
+            assert trace.finish_reasons[rid] == "timeout"
+        else:
+            k = int(rid[1:])
+            assert item.output_len == n and item.tenant == f"t{k % 3}" and item.priority == k % 2
+    # the prefix cache sees the same sharing: the same best hits, page by page
+    original = [ids for _, ids, _ in sent]
+    replayed = [by_rid[rid].prompt_ids for rid, _, _ in sent]
+    assert optimal_hit(replayed, 4) == optimal_hit(original, 4)
+    if hashed:
+        text = path.read_text()
+        assert (
+            "prompt_ids" not in text
+            and json.dumps(SHARED[:4], separators=(",", ":"))[1:-1] not in text
+        )
+    assert 0 < len(trace.steps) <= steps
+    assert sum(s.prefill_tokens for s in trace.steps) >= sum(len(ids) for ids in original) // 2
+    assert all(s.seconds > 0 for s in trace.steps)
+
+
+def test_page_hashes_are_chained_and_rebuilt_pages_shared_exactly() -> None:
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    b = [1, 2, 3, 4, 5, 6, 7, 0, 9, 9]
+    ha, hb = page_hashes(a, 4), page_hashes(b, 4)
+    assert len(ha) == 2 and len(hb) == 2 and ha[0] == hb[0] and ha[1] != hb[1]
+    assert page_hashes([9, 9, 9, 9, 1, 2, 3, 4], 4)[1] != page_hashes([1, 2, 3, 4], 4)[0]
+    ta = tokens_of_hashes(ha, 9, 4, 1000, "a")
+    tb = tokens_of_hashes(hb, 10, 4, 1000, "b")
+    assert ta[:4] == tb[:4] and ta[4:8] != tb[4:8] and len(ta) == 9 and len(tb) == 10
+    with pytest.raises(ValueError):
+        tokens_of_hashes(ha, 20, 4, 1000, "a")
+
+
+def test_workload_traces_carry_the_scheduling_controls(tmp_path: Path) -> None:
+    items = [
+        WorkloadRequest("a", 0.0, [1, 2], 3, priority=-2, tenant="x", timeout=1.5),
+        WorkloadRequest("b", 0.5, [3], 1),
+    ]
+    save_trace(tmp_path / "w.jsonl", items)
+    assert load_trace(tmp_path / "w.jsonl") == items == load_requests(tmp_path / "w.jsonl")
+    assert not is_live_trace(tmp_path / "w.jsonl")
+
+
+async def test_compare_policies_replays_a_live_trace_with_a_fitted_cost_model(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "live.jsonl"
+    await record(path, hashed=True)
+    compare = load_script("compare_policies")
+    out = tmp_path / "out"
+    runs = compare.main(
+        [
+            "--trace", str(path), "--fit-from-trace",
+            "--policies", "fcfs", "priority", "fair",
+            "--set", "page_size=4", "kv_cache_tokens=1024", "max_model_len=600",
+            "--group-by", "tenant", "priority",
+            "--slo", "ttft_ms=1000", "tpot_ms=1000",
+            "--out", str(out), "--no-figures",
+        ]
+    )  # fmt: skip
+    assert [r.label for r in runs] == ["fcfs", "priority", "fair"]
+    for run in runs:
+        assert run.summary.num_requests == 9
+        assert run.summary.num_completed + run.summary.num_timed_out == 9
+    fitted = json.loads((out / "cost_model.json").read_text())
+    assert "fitted to" in fitted["description"] and fitted["intercept"] >= 0
+    results = (out / "results.md").read_text()
+    assert "## By tenant" in results and "| fair | tenant t1 |" in results
+    assert "SLO met" in results
+    with pytest.raises(SystemExit):
+        compare.main(["--workload", "random", "--fit-from-trace", "--policies", "fcfs",
+                      "--out", str(out)])  # fmt: skip

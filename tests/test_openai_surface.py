@@ -1,0 +1,124 @@
+"""The rest of the OpenAI surface with the real client: logit_bias, user, stop as a string on
+chat, max_completion_tokens with include_usage, and tools refused with a clear 400. (Seeds,
+penalties, stop lists, top_logprobs and stream usage are in test_server_openai.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+import pytest_asyncio
+
+from asyncengine.sampling_params import SamplingParams
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+async def test_logit_bias_steers_and_bans(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    base = await client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    same = await server.engine.generate(MESSAGES, SamplingParams(max_new_tokens=4, temperature=0))
+    assert same.text == base.choices[0].message.content
+    first = same.token_ids[0]
+    tokenizer = server.engine.tokenizer
+    banned = await client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(first): -100},
+        user="user-1234",  # accepted and ignored
+    )
+    assert banned.choices[0].message.content != base.choices[0].message.content
+    forced_id = tokenizer.encode(" blue")[0]
+    forced = await client.completions.create(
+        model=server.model,
+        prompt="My favourite colour is",
+        max_tokens=3,
+        temperature=1.0,
+        seed=0,
+        logit_bias={str(forced_id): 100},
+    )
+    assert forced.choices[0].text == tokenizer.decode([forced_id] * 3)
+
+
+async def test_chat_stop_string_and_max_completion_tokens(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    full = await server.engine.generate(
+        MESSAGES, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    )
+    stop = next(
+        full.text[i : i + 2]
+        for i in range(2, len(full.text) - 2)
+        if full.text[i : i + 2].isascii() and full.text[i : i + 2].strip()
+    )
+    resp = await client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_completion_tokens=20,
+        temperature=0,
+        stop=stop,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.content == full.text[: full.text.find(stop)]
+    stream = await client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_completion_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+async def test_tools_are_refused_with_a_clear_400(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=server.model, messages=MESSAGES, max_tokens=2, tools=[tool]
+        )
+    assert info.value.param == "tools"
+    assert "tool calling is not supported" in info.value.message
+    assert "response_format" in info.value.message
+
+
+async def test_nothing_leaks_after_the_module(server: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)
