@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from asyncengine import quiet_exit
 from asyncengine.config import EngineConfig
 from asyncengine.errors import (
     EngineError,
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from asyncengine.outputs import GenerateOutput, StreamDelta
 
 __version__ = "0.1.0"
+
+quiet_exit.install()
 
 __all__ = [
     "AsyncEngine",

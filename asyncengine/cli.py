@@ -10,6 +10,7 @@ from typing import Any
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.event_loop import run
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.port import PortInUseError
 
 # (flag, config key, type, help); every flag overrides the key of the same name in --config
 ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -55,6 +56,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "CUDA, no KV size given: share of GPU memory for weights + KV pool + activations",
     ),
     ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
+    (
+        "--max-new-tokens-limit",
+        "max_new_tokens_limit",
+        int,
+        "most tokens one request may ask for; more is refused (default: up to the context)",
+    ),
     ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
     (
         "--max-waiting-requests",
@@ -78,7 +85,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
-    ("--log-interval", "log_interval", float, "seconds between engine summary log lines (0: off)"),
+    (
+        "--log-interval",
+        "log_interval",
+        float,
+        "seconds between summary log lines, written only when something changed (0: off)",
+    ),
 ]
 
 
@@ -111,6 +123,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="launch the next forward before streaming this step's tokens",
     )
+    group.add_argument(
+        "--deterministic",
+        dest="deterministic",
+        action="store_const",
+        const=True,
+        default=None,
+        help="a request's greedy output does not depend on the batch it shares (slower)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -118,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_cache",
         "enable_mixed_batch",
         "enable_overlap_schedule",
+        "deterministic",
     ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 
@@ -216,9 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
 
+    for interactive in (gen, chat):
+        interactive.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="show the engine's INFO log lines (loading, summaries) beside the text",
+        )
+
     args = parser.parse_args(argv)
+    # generate and chat write the model's text to the terminal: only warnings join it there
+    quiet = args.command != "serve" and not args.verbose
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         config = engine_config_from_args(args)
@@ -229,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             run(_generate(config, args.prompt, params, args.chat))
         else:
             run(_chat(config, params, args.system))
-    except (ConfigError, InvalidRequestError, ValueError) as exc:
+    except (ConfigError, InvalidRequestError, ValueError, PortInUseError) as exc:
         print(f"asyncengine: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

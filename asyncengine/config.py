@@ -46,6 +46,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU whichever of bf16/fp32 runs faster
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # the most tokens one request may ask to generate (None: up to the context); a request
+    # asking for more is refused (HTTP 400), one asking for nothing gets at most this many
+    max_new_tokens_limit: int | None = None
     seed: int = 0
 
     # KV memory
@@ -89,6 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     enable_overlap_schedule: bool = False
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
+    # a request's greedy output does not depend on the batch it runs in (batch-invariant
+    # matmuls and attention, executor/deterministic.py); costs throughput, see docs/BENCHMARKS.md
+    deterministic: bool = False
 
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
@@ -126,7 +132,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("chunked_prefill_size", "must be >= 0 (0 turns chunking off)")
         if self.chunked_prefill_size and self.chunked_prefill_size < self.page_size:
             raise bad("chunked_prefill_size", f"must be 0 or >= page_size ({self.page_size})")
-        for key in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+        for key in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "max_new_tokens_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise bad(key, "must be >= 1")

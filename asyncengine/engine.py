@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -28,7 +29,9 @@ from asyncengine.request import Request
 from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler, TokenEvent
+from asyncengine.summary_log import SummaryLog
 from asyncengine.text.stream import RequestStream, StreamState
+from asyncengine.text.tokenizer import prompt_token_ids
 from asyncengine.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.engine")
@@ -89,7 +92,9 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
-        self._last_log = (time.monotonic(), 0)
+        # the one periodic summary line (config.log_interval); front ends add their counters
+        self.summary = SummaryLog(self.stats)
+        self._summary_task: asyncio.Task[None] | None = None
         self.recorder: TraceRecorder | None = None
 
     # -- life cycle ---------------------------------------------------------------------
@@ -116,6 +121,11 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")
+        if self.config.log_interval > 0:
+            self.summary.reset()
+            self._summary_task = asyncio.create_task(
+                self._log_summaries(self.config.log_interval), name="asyncengine-summary"
+            )
         return self
 
     def _build(self) -> tuple[EngineCore, Any]:
@@ -139,6 +149,11 @@ class AsyncEngine:
         self._wakeup.set()
         await self._task
         self._task = None
+        if self._summary_task is not None:
+            self._summary_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._summary_task
+            self._summary_task = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -231,7 +246,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        prompt_ids = self._tokenize(prompt)
+        prompt_ids = self.tokenize(prompt)
         self._check_request(prompt_ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         waiting = len(core.scheduler.waiting)
@@ -376,36 +391,10 @@ class AsyncEngine:
             self.recorder = None
 
     # -- input checks --------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        tok = self.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return list(tok.encode(prompt))
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError(
-                "prompt must be a non-empty string, list of token ids, or list of chat messages"
-            )
-        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
-        if len(ids) == len(prompt):
-            vocab = self.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-                )
-            return ids
-        messages = [m for m in prompt if isinstance(m, dict)]
-        if len(messages) == len(prompt):
-            for i, m in enumerate(messages):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(
-                        f"message {i} needs a string 'role' and a string 'content'"
-                    )
-            return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
-        raise InvalidRequestError(
-            "prompt list must hold only token ids (int) or only chat messages (dict)"
-        )
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
+        chat template); ``InvalidRequestError`` for a prompt it would refuse."""
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         max_model_len, vocab = self.max_model_len, self.vocab_size
@@ -415,6 +404,12 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but the context is {max_model_len} tokens "
                 "(max_model_len), leaving no room to generate"
+            )
+        limit = self.config.max_new_tokens_limit
+        if limit is not None and params.max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"max_new_tokens={params.max_new_tokens} is above this engine's "
+                f"max_new_tokens_limit ({limit})"
             )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -484,7 +479,6 @@ class AsyncEngine:
                 self._emit(events)
                 for hook in self.step_hooks:
                     hook(step.plan)
-                self._maybe_log()
                 if pending is None:
                     # Let the callers woken by these tokens run now, before the next forward:
                     # run during it, their Python would hold the GIL the forward thread needs
@@ -565,25 +559,9 @@ class AsyncEngine:
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
         self.abort(state.request_id)  # the request's other choices end with it
 
-    def _maybe_log(self) -> None:
-        interval = self.config.log_interval
-        now = time.monotonic()
-        last_time, last_tokens = self._last_log
-        if not interval or now - last_time < interval:
-            return
-        stats = self.stats()
-        tokens = stats["generated_tokens"]
-        log.info(
-            "gen %.1f tok/s | running %d | prefilling %d | waiting %d | cache hit %.1f%% | "
-            "KV pages used %d cached %d free %d / %d",
-            (tokens - last_tokens) / (now - last_time),
-            stats["running"],
-            stats["prefilling"],
-            stats["waiting"],
-            100 * stats["cache_hit_rate"],
-            stats["pages_used"],
-            stats["pages_cached"],
-            stats["pages_free"],
-            stats["pages_total"],
-        )
-        self._last_log = (now, tokens)
+    async def _log_summaries(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            line = self.summary.line()
+            if line is not None:
+                log.info("%s", line)

@@ -14,6 +14,17 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses before queueing it (bad parameter, prompt too long, ...)."""
 
 
+MAX_STOP_STRINGS = 16
+
+
+def _short_repr(value: object) -> str:
+    """The value for an error message; a long list is named by its length, not spelled out."""
+    if isinstance(value, list) and len(value) > 4:
+        return f"<a list of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_LOGIT_BIAS = 100.0
 
@@ -104,7 +115,7 @@ class SamplingParams:
 
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(
-                f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+                f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
             )
 
         for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs", "n"):
@@ -154,8 +165,8 @@ class SamplingParams:
             raise bad("top_logprobs", "must be in [0, 20]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if len(self.stop) > 16:
-            raise bad("stop", "at most 16 stop strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise bad("priority", "must be an integer")
         if abs(self.priority) > MAX_PRIORITY:

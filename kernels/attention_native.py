@@ -67,6 +67,15 @@ def _extend_kernel() -> Any:
     return fn
 
 
+def extend_kernel_runs() -> bool:
+    """The extend kernel is built with AVX-512 (it has no portable path: elsewhere extends take
+    the torch path)."""
+    lib = cpu_native.load("cpu_attention")
+    if lib is None or _extend_kernel() is None:
+        return False
+    return bool(lib.asyncengine_cpu_attention_features() & 1)
+
+
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
     num_kv_heads, head_dim = k_cache.shape[1:]
     return (
@@ -89,11 +98,8 @@ def plan_native_extend(
 ) -> NativeExtendPlan | None:
     if not _supported(num_heads, k_cache) or k_cache.shape[2] not in EXTEND_HEAD_DIMS:
         return None
-    lib = cpu_native.load("cpu_attention")
-    if lib is None or _extend_kernel() is None:
+    if not extend_kernel_runs():
         return None
-    if lib.asyncengine_cpu_attention_features() & 1 == 0:
-        return None  # no AVX-512 in this build: the extend kernel has no portable path
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     return NativeExtendPlan(
         block_table.to(torch.int32).contiguous(),

@@ -449,6 +449,15 @@ typedef struct {
             else                                                                                 \
                 memcpy(qf[r], (const float *)q + off, (size_t)D * 4);                            \
         }                                                                                        \
+        /* a tile's rows can mix query heads (r = g * nq + i), so its last position is not      \
+         * that of its last row: take the max over the tile */                                 \
+        int64_t tile_last[MAX_ROWS / TILE + 1];                                                  \
+        for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                          \
+            int64_t last = qpos[r0];                                                             \
+            for (int t = 1; t < TILE; t++)                                                       \
+                if (qpos[r0 + t] > last) last = qpos[r0 + t];                                    \
+            tile_last[r0 / TILE] = last;                                                         \
+        }                                                                                        \
         const int64_t last_key = pos0 + nq - 1;                                                  \
         int64_t slot_rows[KB];                                                                   \
         for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {                                         \
@@ -476,7 +485,7 @@ typedef struct {
                 }                                                                                \
             }                                                                                    \
             for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                      \
-                if (k0 > qpos[r0 + TILE - 1] && k0 > qpos[r0]) continue; /* all past the tile */ \
+                if (k0 > tile_last[r0 / TILE]) continue; /* the block is past every row */      \
                 __m512 sc[TILE];                                                                 \
                 for (int t = 0; t < TILE; t++) sc[t] = _mm512_setzero_ps();                      \
                 if (bf16) {                                                                      \

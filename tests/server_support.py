@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from asyncengine.config import EngineConfig
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.app import create_app
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.serve import start_http
 from asyncengine.server.state import STATE
 
@@ -46,9 +46,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 MAX_MODEL_LEN = 512
 
 
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint, written once per test session."""
-    target = tmp_path_factory.getbasetemp() / "server_tiny_llama"
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Path:
+    """The tiny checkpoint (``TINY_MODEL`` with ``overrides``), written once per test session."""
+    suffix = "".join(f"_{key}{value}" for key, value in sorted(overrides.items()))
+    target = tmp_path_factory.getbasetemp() / f"server_tiny_llama{suffix}"
     if (target / "model.safetensors").is_file():
         return target
     import torch
@@ -58,7 +59,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     default_dir = resolve_model(DEFAULT_MODEL, torch.bfloat16)  # converted once, then cached
     staging = tmp_path_factory.mktemp("server_tiny_llama_staging")
-    config = LlamaConfig(**TINY_MODEL)
+    config = LlamaConfig(**{**TINY_MODEL, **overrides})
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -70,7 +71,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+def engine_config(model_dir: Path | str, **overrides: Any) -> EngineConfig:
     values: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": "float32",

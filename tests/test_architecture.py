@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.bench",
         "asyncengine.workloads",
         "asyncengine.kernels",
+        "asyncengine.quiet_exit",
     ),
     (  # configuration, policies, KV accounting
         "asyncengine.config",
@@ -63,6 +64,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.sim",
         "asyncengine.trace_recorder",
         "asyncengine.ray_local",
+        "asyncengine.summary_log",
     ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]

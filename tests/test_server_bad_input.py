@@ -4,7 +4,9 @@ or a hung connection, and the server stays healthy. Also: body size limit and a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,8 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 MAX_BODY_BYTES = 64 * 1024
+MAX_NEW_TOKENS_LIMIT = 300
+BODY_TIMEOUT = 1.0
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -42,6 +46,11 @@ class Bad:
     param: str | None = None  # expected error.param, when the error is about one field
     says: str = ""  # a fragment the message must contain
     method: str = "POST"
+    content_type: str | None = "application/json"  # None: no Content-Type header
+    # how the body travels: "json" (one request, Content-Length), "chunked-stall" (chunked
+    # transfer that sends a few bytes and then nothing), "stream" (a body too large to hold:
+    # written in pieces while the answer is read)
+    transport: str = "json"
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -288,6 +297,330 @@ CASES = [
     ),
     Bad("native empty text", GENERATE, {"text": ""}, says="empty"),
     # HTTP level
+    # invalid UTF-8 inside strings (bytes sent as they are)
+    Bad(
+        "raw 0xff in chat content",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\xffb"}], "max_tokens": 2}',
+        says="UTF-8",
+    ),
+    Bad(
+        "raw 0xff in prompt",
+        COMPLETIONS,
+        b'{"prompt": "a\xff\xfeb", "max_tokens": 2}',
+        says="UTF-8",
+    ),
+    Bad(
+        "raw 0xff in native text",
+        GENERATE,
+        b'{"text": "\xff", "sampling_params": {}}',
+        says="UTF-8",
+    ),
+    Bad("overlong utf-8 in prompt", COMPLETIONS, b'{"prompt": "a\xc0\xafb"}', says="UTF-8"),
+    Bad(
+        "truncated utf-8 in model",
+        CHAT,
+        b'{"model": "\xe2\x82", "messages": [{"role": "user", "content": "hi"}]}',
+        says="UTF-8",
+    ),
+    Bad("lone surrogate escape", COMPLETIONS, b'{"prompt": "\\ud800"}', says="not valid JSON"),
+    Bad(
+        "raw 0xff in a stop string",
+        GENERATE,
+        b'{"text": "hi", "sampling_params": {"stop": "\xff"}}',
+        says="UTF-8",
+    ),
+    # deep nesting, in known and unknown fields
+    Bad(
+        "messages nested 3000 deep",
+        CHAT,
+        b'{"messages": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        says="levels deep",
+    ),
+    Bad(
+        "prompt nested 3000 deep",
+        COMPLETIONS,
+        b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        says="levels deep",
+    ),
+    Bad(
+        "input_ids nested 3000 deep",
+        GENERATE,
+        b'{"input_ids": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        says="levels deep",
+    ),
+    Bad(
+        "objects nested 3000 deep",
+        GENERATE,
+        b'{"text": "hi", "extra": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}",
+        says="levels deep",
+    ),
+    Bad(
+        "unknown field nested 40 deep",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 40 + b"]" * 40 + b"}",
+        says="levels deep",
+    ),
+    Bad("never closed nesting", COMPLETIONS, b'{"prompt": ' + b"[" * 5000 + b"}"),
+    # more tokens than the context holds, or than the configured limit
+    Bad(
+        "max_tokens 10**12",
+        COMPLETIONS,
+        completion(max_tokens=10**12),
+        param="max_tokens",
+        says="maximum context length is 512 tokens",
+    ),
+    Bad(
+        "max_tokens 10**30",
+        COMPLETIONS,
+        completion(max_tokens=10**30),
+        param="max_tokens",
+        says=str(10**30),
+    ),
+    Bad(
+        "chat max_tokens 10**12",
+        CHAT,
+        chat(max_tokens=10**12),
+        param="max_tokens",
+        says="lower max_tokens to at most",
+    ),
+    Bad(
+        "max_completion_tokens 10**30",
+        CHAT,
+        chat(max_completion_tokens=10**30),
+        param="max_completion_tokens",
+        says="to generate",
+    ),
+    Bad(
+        "native max_new_tokens 10**12",
+        GENERATE,
+        native(max_new_tokens=10**12),
+        param="sampling_params.max_new_tokens",
+        says="in the prompt",
+    ),
+    Bad(
+        "max_tokens exactly the context",
+        COMPLETIONS,
+        completion(max_tokens=MAX_MODEL_LEN),
+        param="max_tokens",
+        says=f"at most {MAX_MODEL_LEN - 1}",
+    ),
+    Bad(
+        "max_tokens above the server limit",
+        CHAT,
+        chat(max_tokens=MAX_NEW_TOKENS_LIMIT + 1),
+        param="max_tokens",
+        says="max_new_tokens_limit",
+    ),
+    Bad(
+        "native above the server limit",
+        GENERATE,
+        native(max_new_tokens=MAX_NEW_TOKENS_LIMIT + 1),
+        param="sampling_params.max_new_tokens",
+        says="max_new_tokens_limit",
+    ),
+    # NaN, Infinity and numbers out of range
+    Bad(
+        "NaN temperature chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        says="not valid JSON",
+    ),
+    Bad(
+        "Infinity top_p", COMPLETIONS, b'{"prompt": "hi", "top_p": Infinity}', says="not valid JSON"
+    ),
+    Bad(
+        "-Infinity penalty",
+        GENERATE,
+        b'{"text": "hi", "sampling_params": {"presence_penalty": -Infinity}}',
+        says="not valid JSON",
+    ),
+    Bad(
+        "1e999 temperature",
+        COMPLETIONS,
+        b'{"prompt": "hi", "temperature": 1e999}',
+        param="temperature",
+        says="out of range",
+    ),
+    Bad(
+        "1e999 max_tokens",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}',
+        param="max_tokens",
+    ),
+    Bad(
+        "native -1e999 top_p",
+        GENERATE,
+        b'{"text": "hi", "sampling_params": {"top_p": -1e999}}',
+        param="sampling_params.top_p",
+    ),
+    Bad("seed as float", COMPLETIONS, completion(seed=1e30), param="seed"),
+    Bad("n 10**30", COMPLETIONS, completion(n=10**30), param="n"),
+    Bad(
+        "stop_token_ids 2**64",
+        GENERATE,
+        native(stop_token_ids=[2**64]),
+        says="outside the vocabulary",
+    ),
+    Bad("input_ids 10**30", GENERATE, {"input_ids": [10**30]}, says="outside the vocabulary"),
+    Bad("min_tokens 10**12", CHAT, chat(min_tokens=10**12), says="min_new_tokens"),
+    Bad(
+        "native min_new_tokens above max", GENERATE, native(min_new_tokens=5), says="min_new_tokens"
+    ),
+    Bad(
+        "top_logprobs_num 21",
+        GENERATE,
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": 21},
+        param="top_logprobs_num",
+    ),
+    Bad("completion logprobs 10**30", COMPLETIONS, completion(logprobs=10**30), param="logprobs"),
+    # wrong types
+    Bad(
+        "messages an object",
+        CHAT,
+        chat(messages={"role": "user", "content": "hi"}),
+        param="messages",
+    ),
+    Bad(
+        "role a number",
+        CHAT,
+        chat(messages=[{"role": 1, "content": "hi"}]),
+        param="messages[0].role",
+    ),
+    Bad(
+        "content a list of strings",
+        CHAT,
+        chat(messages=[{"role": "user", "content": ["hi"]}]),
+        param="messages[0].content[0]",
+    ),
+    Bad(
+        "name a number",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hi", "name": 5}]),
+        param="messages[0].name",
+    ),
+    Bad("stop list of numbers", COMPLETIONS, completion(stop=[1, 2]), param="stop[0]"),
+    Bad("stop nested list", CHAT, chat(stop=[["a"]]), param="stop[0]"),
+    Bad(
+        "include_usage a string",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": "y"}),
+        param="stream_options.include_usage",
+    ),
+    Bad("prompt null", COMPLETIONS, completion(prompt=None), param="prompt"),
+    Bad("prompt true", COMPLETIONS, completion(prompt=True), param="prompt"),
+    Bad("prompt of floats", COMPLETIONS, completion(prompt=[1.5, 2.5]), param="prompt"),
+    Bad("native text a number", GENERATE, {"text": 5}, param="text"),
+    Bad("native input_ids a string", GENERATE, {"input_ids": "1 2 3"}, param="input_ids"),
+    Bad("native rid a number", GENERATE, {"text": "hi", "rid": 5}, param="rid"),
+    Bad("native rid too long", GENERATE, {"text": "hi", "rid": "r" * 300}, param="rid"),
+    Bad("native stream a string", GENERATE, {"text": "hi", "stream": "yes"}, param="stream"),
+    Bad(
+        "native return_logprob a string",
+        GENERATE,
+        {"text": "hi", "return_logprob": "yes"},
+        param="return_logprob",
+    ),
+    Bad("native stop a number", GENERATE, native(stop=7), param="sampling_params.stop"),
+    Bad(
+        "native ignore_eos a string",
+        GENERATE,
+        native(ignore_eos="no"),
+        param="sampling_params.ignore_eos",
+    ),
+    Bad(
+        "native temperature a string",
+        GENERATE,
+        native(temperature="warm"),
+        param="sampling_params.temperature",
+    ),
+    Bad("JSON null body", GENERATE, b"null", says="Expected `object`"),
+    Bad("JSON number body", CHAT, 42, says="Expected `object`"),
+    Bad("JSON true body", GENERATE, True, says="Expected `object`"),
+    # 1000 stop strings: the message says how many, not what
+    Bad(
+        "1000 stop strings",
+        COMPLETIONS,
+        completion(stop=[f"stop{i}" for i in range(1000)]),
+        says="stop=<a list of 1000 items>: at most 16 stop strings",
+    ),
+    Bad(
+        "1000 native stop strings",
+        GENERATE,
+        native(stop=[f"stop{i}" for i in range(1000)]),
+        says="a list of 1000 items",
+    ),
+    # empty and duplicate keys
+    Bad("empty chat object", CHAT, {}, param="messages"),
+    Bad("empty completions object", COMPLETIONS, {}, param="prompt"),
+    Bad("empty native object", GENERATE, {}, param="text"),
+    Bad("empty key only", COMPLETIONS, {"": "hi"}, param="prompt"),
+    Bad(
+        "duplicate key, bad last",
+        COMPLETIONS,
+        b'{"prompt": "hi", "max_tokens": 2, "max_tokens": -1}',
+        param="max_tokens",
+    ),
+    Bad(
+        "duplicate key, bad first",
+        CHAT,
+        b'{"messages": 5, "messages": [{"role": "user", "content": "hi"}]}',
+        param="messages",
+    ),
+    Bad("duplicate native key", GENERATE, b'{"text": "hi", "text": 5}', param="text"),
+    # content types
+    Bad(
+        "text/plain chat",
+        CHAT,
+        chat(),
+        status=415,
+        says="application/json",
+        content_type="text/plain",
+    ),
+    Bad(
+        "form-encoded completions",
+        COMPLETIONS,
+        completion(),
+        status=415,
+        says="curl",
+        content_type="application/x-www-form-urlencoded",
+    ),
+    Bad(
+        "multipart generate",
+        GENERATE,
+        native(),
+        status=415,
+        content_type="multipart/form-data; boundary=x",
+    ),
+    Bad(
+        "json in latin-1",
+        COMPLETIONS,
+        completion(),
+        status=415,
+        says="UTF-8",
+        content_type="application/json; charset=latin-1",
+    ),
+    Bad("xml chat", CHAT, chat(), status=415, content_type="application/xml"),
+    # bodies that never end or never fit
+    Bad(
+        "chat chunked body never ends",
+        CHAT,
+        b'{"messages": [',
+        status=408,
+        says="did not arrive",
+        transport="chunked-stall",
+    ),
+    Bad(
+        "completions chunked body never ends",
+        COMPLETIONS,
+        b'{"pro',
+        status=408,
+        transport="chunked-stall",
+    ),
+    Bad("native chunked body never ends", GENERATE, b"{", status=408, transport="chunked-stall"),
+    Bad("20 MB chat body", CHAT, b"x" * (20 << 20), status=413, transport="stream"),
+    Bad("20 MB completions body", COMPLETIONS, b"x" * (20 << 20), status=413, transport="stream"),
+    Bad("20 MB native body", GENERATE, b"x" * (20 << 20), status=413, transport="stream"),
     Bad("body too large", COMPLETIONS, completion(prompt="x" * (MAX_BODY_BYTES + 10)), status=413),
     Bad("GET on a POST route", COMPLETIONS, None, status=405, method="GET", says="allowed: POST"),
     Bad("unknown route", "/v1/embeddings", {"input": "hi"}, status=404, says="/v1/embeddings"),
@@ -296,31 +629,73 @@ CASES = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(
-        engine_config(tiny_model_dir(tmp_path_factory)), max_body_bytes=MAX_BODY_BYTES
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory), max_new_tokens_limit=MAX_NEW_TOKENS_LIMIT
     )
+    running = await start_server(config, max_body_bytes=MAX_BODY_BYTES, body_timeout=BODY_TIMEOUT)
     yield running
     await running.stop()
+
+
+def encoded(case: Bad) -> bytes | None:
+    if case.body is None:
+        return None
+    if isinstance(case.body, bytes):
+        return case.body
+    return json.dumps(case.body).encode()
 
 
 async def send(
     session: aiohttp.ClientSession, base_url: str, case: Bad
 ) -> tuple[int, dict[str, Any], dict]:
-    if case.body is None:
-        data: bytes | None = None
-    elif isinstance(case.body, bytes):
-        data = case.body
-    else:
-        data = json.dumps(case.body).encode()
-    headers = {"Content-Type": "application/json"}
+    if case.transport != "json":
+        return await send_raw(base_url, case)
+    headers = {"Content-Type": case.content_type} if case.content_type else {}
     async with session.request(
-        case.method, base_url + case.path, data=data, headers=headers
+        case.method, base_url + case.path, data=encoded(case), headers=headers
     ) as resp:
-        return resp.status, await resp.json(), dict(resp.headers)
+        return resp.status, await resp.json(content_type=None), dict(resp.headers)
+
+
+async def send_raw(base_url: str, case: Bad) -> tuple[int, dict[str, Any], dict]:
+    """Write the request on a bare socket (a chunked body that stalls, or a body far above the
+    limit written while the answer is read) and read the answer."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = encoded(case) or b""
+    head = f"{case.method} {case.path} HTTP/1.1\r\nHost: {host}\r\n"
+    head += f"Content-Type: {case.content_type}\r\n"
+    if case.transport == "chunked-stall":
+        head += "Transfer-Encoding: chunked\r\n\r\n"
+        writer.write(head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n")
+        feeding = None  # and then nothing more: no last chunk
+    else:
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        writer.write(head.encode())
+
+        async def feed() -> None:
+            with contextlib.suppress(ConnectionError):
+                for start in range(0, len(body), 1 << 16):
+                    writer.write(body[start : start + (1 << 16)])
+                    await writer.drain()
+
+        feeding = asyncio.create_task(feed())
+    try:
+        head_bytes = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        lines = head_bytes.decode().strip().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        payload = await asyncio.wait_for(reader.readexactly(int(headers["Content-Length"])), 30)
+    finally:
+        if feeding is not None:
+            feeding.cancel()
+        writer.close()
+    return status, json.loads(payload), headers
 
 
 async def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 30
+    assert len(CASES) >= 100
+    assert {case.path for case in CASES} >= {CHAT, COMPLETIONS, GENERATE}
     assert len({case.name for case in CASES}) == len(CASES)
 
 
@@ -337,6 +712,11 @@ async def test_bad_request(server: RunningServer, case: Bad) -> None:
         assert error["param"] == case.param, error
     if 400 <= status < 500 and status not in (401, 404):
         assert error["type"] == "invalid_request_error"
+    # and the server goes on serving
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.post(server.base_url + COMPLETIONS, json=completion()) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] >= 1
 
 
 async def test_server_is_healthy_after_the_bad_requests(server: RunningServer) -> None:
@@ -350,10 +730,15 @@ async def test_server_is_healthy_after_the_bad_requests(server: RunningServer) -
             assert (await resp.json())["usage"]["completion_tokens"] >= 1
     assert await wait_until(lambda: engine_idle(server.engine))
     assert_no_leak(server.engine)
-    refused = server.metrics.counter_value(
-        "asyncengine_requests_total", {"endpoint": "completions", "outcome": "invalid"}
-    )
-    assert refused >= sum(1 for c in CASES if c.path == COMPLETIONS and c.method == "POST")
+    posted = [c for c in CASES if c.path == COMPLETIONS and c.method == "POST"]
+
+    def counted(outcome: str) -> float:
+        labels = {"endpoint": "completions", "outcome": outcome}
+        return server.metrics.counter_value("asyncengine_requests_total", labels)
+
+    # a 408 (a body that never finished) is counted as a timeout, every other 4xx as invalid
+    assert counted("invalid") >= sum(1 for c in posted if c.status != 408)
+    assert counted("timeout") >= sum(1 for c in posted if c.status == 408)
 
 
 async def test_duplicate_rid_in_flight_is_refused(server: RunningServer) -> None:
@@ -404,3 +789,32 @@ async def test_full_queue_is_503_with_retry_after(tmp_path_factory: pytest.TempP
         )
     finally:
         await small.stop()
+
+
+async def test_a_refusal_logs_one_line_with_the_reason_and_no_prompt_text(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asyncengine.server")
+    secret = "MY-PRIVATE-PROMPT-TEXT"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        body = completion(prompt=secret, max_tokens=10**9)
+        async with session.post(server.base_url + COMPLETIONS, json=body) as resp:
+            assert resp.status == 400
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in caplog.records]
+    line = refused[0].getMessage()
+    assert refused[0].levelno == logging.INFO
+    assert "POST /v1/completions" in line and "400" in line and "context_length_exceeded" in line
+    assert str(10**9) in line  # the reason, with its numbers
+    assert all(secret not in r.getMessage() for r in caplog.records)
+
+
+async def test_no_max_tokens_generates_up_to_the_limit(server: RunningServer) -> None:
+    body = {"messages": USER, "ignore_eos": True}  # no max_tokens: up to the context...
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(server.base_url + CHAT, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+    # ... which max_new_tokens_limit caps
+    assert out["usage"]["completion_tokens"] == MAX_NEW_TOKENS_LIMIT
+    assert out["choices"][0]["finish_reason"] == "length"

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncengine.metrics import ServerMetrics
+from asyncengine.server.prometheus import ServerMetrics
 from tests.server_support import (
     RunningServer,
     engine_config,
@@ -137,7 +137,9 @@ async def test_gauges_mirror_engine_stats(server: RunningServer) -> None:
         stats = server.engine.stats()
         resp.close()
     assert value(samples, "asyncengine_num_requests_running") == 1
+    assert value(samples, "asyncengine_num_requests_prefilling") == 0
     assert value(samples, "asyncengine_num_requests_waiting") == 0
+    assert value(samples, "asyncengine_retractions_total") == stats["retractions"]
     assert value(samples, "asyncengine_kv_pages_total") == stats["pages_total"]
     assert value(samples, "asyncengine_kv_pages_used") >= 1
     assert (
@@ -169,6 +171,8 @@ async def test_metric_names_and_types(server: RunningServer) -> None:
         "asyncengine_e2e_request_latency_seconds": "histogram",
         "asyncengine_queue_time_seconds": "histogram",
         "asyncengine_num_requests_running": "gauge",
+        "asyncengine_num_requests_prefilling": "gauge",
+        "asyncengine_retractions": "counter",
         "asyncengine_num_requests_waiting": "gauge",
         "asyncengine_kv_pages_used": "gauge",
         "asyncengine_kv_pages_cached": "gauge",
@@ -191,3 +195,30 @@ async def test_each_metrics_object_has_its_own_registry() -> None:
         )
         == 0
     )
+
+
+class _StatsOnly:
+    """An engine as the collector sees it: only stats()."""
+
+    def __init__(self, stats: dict[str, float]) -> None:
+        self._stats = stats
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+
+async def test_engine_gauges_and_counters_come_from_their_stats_keys() -> None:
+    stats = {"running": 4, "prefilling": 2, "waiting": 7, "retractions": 3, "generated_tokens": 11}
+    metrics = ServerMetrics(_StatsOnly(stats))
+    text = metrics.exposition().decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples["asyncengine_num_requests_running"] == 4
+    assert samples["asyncengine_num_requests_prefilling"] == 2
+    assert samples["asyncengine_num_requests_waiting"] == 7
+    assert samples["asyncengine_retractions_total"] == 3
+    assert samples["asyncengine_generation_tokens_total"] == 11
+    assert "# TYPE asyncengine_retractions_total counter" in text

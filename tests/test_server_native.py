@@ -204,7 +204,7 @@ async def test_disconnect_mid_stream_aborts_and_frees_pages(
 async def test_disconnect_while_waiting_for_a_whole_response(server: RunningServer) -> None:
     engine = server.engine
     aborted_before = engine.stats()["finished_abort"]
-    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(session.post(server.base_url + "/v1/completions", json=body))
         assert await wait_until(lambda: engine.stats()["running"] == 1)

@@ -10,14 +10,18 @@ import pytest
 import pytest_asyncio
 
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.errors import ApiError
+from asyncengine.server.limits import TokenLimits, resolve_max_tokens
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_max_tokens,
     chat_sampling_params,
     completion_sampling_params,
     decode_body,
 )
 from tests.server_support import (
+    MAX_MODEL_LEN,
     RunningServer,
     assert_no_leak,
     engine_config,
@@ -234,21 +238,28 @@ KNOBS = {**OPENAI_KNOBS, **EXTRA_KNOBS}
 async def test_request_fields_map_onto_sampling_params() -> None:
     body = {"messages": CHAT, "max_tokens": 9, "stop": "END", "logprobs": True, "top_logprobs": 2}
     chat_req = decode_body(json.dumps({**body, **KNOBS}).encode(), ChatCompletionRequest)
-    params = chat_sampling_params(chat_req, default_max_tokens=100, context_len=512)
+    requested, param = chat_max_tokens(chat_req)
+    assert (requested, param) == (9, "max_tokens")
+    limits = TokenLimits(context=512)
+    params = chat_sampling_params(chat_req, resolve_max_tokens(requested, 100, 20, limits, param))
     for name, value in KNOBS.items():
         assert getattr(params, name) == value, name
     assert params.max_new_tokens == 9 and params.stop == ["END"]
     assert params.logprobs and params.top_logprobs == 2
     body = {"prompt": PROMPT, "stop": ["a", "b"], "logprobs": 3, **KNOBS}
     text_req = decode_body(json.dumps(body).encode(), CompletionRequest)
-    params = completion_sampling_params(text_req, default_max_tokens=16, context_len=512)
+    max_tokens = resolve_max_tokens(text_req.max_tokens, 16, 20, limits, "max_tokens")
+    params = completion_sampling_params(text_req, max_tokens)
     for name, value in KNOBS.items():
         assert getattr(params, name) == value, name
     assert params.max_new_tokens == 16 and params.stop == ["a", "b"]
     assert params.logprobs and params.top_logprobs == 3
-    # max_tokens above the context is clamped to it; the engine stops at the context anyway
+    # max_tokens beyond the context is refused with the numbers (as vLLM does), not clamped
     huge = decode_body(json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), CompletionRequest)
-    assert completion_sampling_params(huge, 16, context_len=512).max_new_tokens == 512
+    with pytest.raises(ApiError) as info:
+        resolve_max_tokens(huge.max_tokens, 16, 20, limits, "max_tokens")
+    assert info.value.status == 400 and info.value.param == "max_tokens"
+    assert "512" in info.value.message and str(20 + 10**9) in info.value.message
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -344,6 +355,17 @@ async def test_n_above_max_n_is_refused(client: openai.AsyncOpenAI, server: Runn
         await client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2, n=n)
     assert info.value.param == "n"
     assert f"n={n}" in info.value.message
+
+
+async def test_chat_without_max_tokens_runs_to_the_context(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    out = await client.chat.completions.create(
+        model=server.model, messages=CHAT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
+    assert out.choices[0].finish_reason == "length"
 
 
 async def test_nothing_leaks_after_the_module(server: RunningServer) -> None:

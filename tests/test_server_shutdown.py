@@ -92,3 +92,32 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession() as session:
                 await session.get(f"http://127.0.0.1:{port}/health")
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_short_grace_with_many_streams_logs_no_unhandled_errors(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Our grace period and aiohttp's own shutdown timeout must not fire together: that raced
+    into ``Unhandled exception ... InvalidStateError`` lines at the deadline."""
+    model = tiny_model_dir(tmp_path_factory)
+    async with server_subprocess(
+        "-c", SERVER_SCRIPT, str(model), "--port", "0", "--shutdown-grace", "0.3",
+    ) as server:  # fmt: skip
+        proc, port = server.proc, server.port
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        # no total deadline (ten long streams start one after another on a busy machine), but a
+        # stream the server leaves hanging fails after 60 s without a byte
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            streams = [await _stream(session, url, 8000) for _ in range(10)]
+            proc.send_signal(signal.SIGTERM)
+            raws = [head + await rest for head, rest in streams]
+        assert [_finish_reason(raw) for raw in raws] == ["abort"] * 10
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        await asyncio.wait_for(server.reader, 10)
+        log = "\n".join(server.lines)
+        assert "grace period over: aborting 10" in log and "server stopped" in log, log[-3000:]
+        for bad in ("Unhandled exception", "InvalidStateError", "Traceback", "Error handling"):
+            assert bad not in log, log[-3000:]

@@ -50,8 +50,12 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
+        row_block: int | None = None,
     ) -> None:
+        """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
+        executor/linear.py); None: one call per matmul."""
         self.config = config
+        self.row_block = row_block
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = ops if ops is not None else kernel_ops("torch")
@@ -72,9 +76,11 @@ class LlamaModel:
         # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
         self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
         if c.tie_word_embeddings:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, row_block=row_block)
         else:
-            self.lm_head = Linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)))
+            self.lm_head = Linear(
+                take("lm_head.weight", (c.vocab_size, c.hidden_size)), row_block=row_block
+            )
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         self.scale = c.head_dim**-0.5
 
@@ -111,11 +117,11 @@ class LlamaModel:
             k_norm = take(p + "self_attn.k_norm.weight", (c.head_dim,), offset)
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,), offset),
-            qkv=Linear(qkv, qkv_bias),
-            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q))),
+            qkv=Linear(qkv, qkv_bias, self.row_block),
+            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q)), row_block=self.row_block),
             post_norm=take(p + "post_attention_layernorm.weight", (h,), offset),
-            gate_up=Linear(gate_up),
-            down=Linear(take(p + "mlp.down_proj.weight", (h, inter))),
+            gate_up=Linear(gate_up, row_block=self.row_block),
+            down=Linear(take(p + "mlp.down_proj.weight", (h, inter)), row_block=self.row_block),
             q_norm=q_norm,
             k_norm=k_norm,
         )

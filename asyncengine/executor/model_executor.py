@@ -113,13 +113,15 @@ class ModelExecutor:
             sampler=Sampler(eos_token_ids=self._eos_token_ids, seed=self.config.seed),
             enable_cuda_graph=self.config.enable_cuda_graph,
             max_batch_size=self.config.max_running_requests,
+            deterministic=self.config.deterministic,
         )
         self._weights = None
         log.info(
-            "model %s (%s, %s): KV pool %d pages x %d tokens (%.0f MiB)",
+            "model %s (%s, %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
             self.config.model,
             str(self.dtype).removeprefix("torch."),
             self.device,
+            ", deterministic" if self.config.deterministic else "",
             layout.num_pages,
             layout.page_size,
             pool.nbytes / 2**20,

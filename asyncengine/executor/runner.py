@@ -15,6 +15,7 @@ from asyncengine.executor.backends import (
     resolve_backend_name,
 )
 from asyncengine.executor.cuda_graph import DecodeGraphs
+from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, build_forward_batch
 from asyncengine.executor.kv_pool import KVPool
@@ -47,13 +48,15 @@ class ModelRunner:
         sampler: SamplerLike | None = None,
         enable_cuda_graph: bool = False,
         max_batch_size: int = 256,
+        deterministic: bool = False,
     ) -> None:
         """``page_table`` is the runner's own: each plan's page writes are applied to it before
         the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
         (see executor/backends.py); ``sampler`` defaults to
         ``Sampler(eos_token_ids=model_config.eos_token_ids)``. ``enable_cuda_graph`` captures
         decode forwards up to ``max_batch_size`` requests (CUDA with the triton backend only;
-        elsewhere it has no effect)."""
+        elsewhere it has no effect). ``deterministic``: batch-invariant forward
+        (executor/deterministic.py); it replaces ``backend`` and turns CUDA graphs off."""
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
@@ -61,10 +64,21 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.page_table = page_table
         self.page_size = kv_pool.page_size
-        self.backend_name = resolve_backend_name(backend, self.device)
-        self.backend = create_attention_backend(backend, self.device)
-        ops = kernel_ops(self.backend_name, self.device)
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device, ops)
+        if deterministic:
+            parts = deterministic_parts(
+                self.device, model_config.num_heads, kv_pool.k_cache(0), kv_pool.page_size
+            )
+            self.backend_name = "torch"
+        else:
+            self.backend_name = resolve_backend_name(backend, self.device)
+            parts = ForwardParts(
+                create_attention_backend(backend, self.device),
+                kernel_ops(self.backend_name, self.device),
+            )
+        self.backend = parts.backend
+        self.model = LlamaModel(
+            model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
+        )
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)

@@ -8,7 +8,8 @@ token, not the API key).
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
   /health and /metrics stay open for probes and scrapers.
-- Bodies above ``max_body_bytes`` are answered 413.
+- Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
+  arrived within ``body_timeout`` seconds 408 (server/body.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 
@@ -22,15 +23,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.errors import EngineNotRunningError
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_SECONDS = 30.0
 
 # POST path -> endpoint label of the request counter
 GENERATION_ENDPOINTS = {
@@ -135,17 +137,21 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_chat_max_tokens: int | None = None,
     metrics: ServerMetrics | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     admin_token: str | None = None,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
+    if body_timeout <= 0:
+        raise ValueError("body_timeout must be > 0")
     state = ServerState(
         engine=engine,
         metrics=metrics or ServerMetrics(engine),
         served_model_names=list(served_model_names or [_default_model_name(engine)]),
         api_key=api_key or None,
         default_chat_max_tokens=default_chat_max_tokens,
+        body_timeout=body_timeout,
     )
     app = web.Application(
         client_max_size=max_body_bytes,

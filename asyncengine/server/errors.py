@@ -40,6 +40,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +49,8 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # the request was not read to its end (e.g. its body timed out): do not reuse the socket
+        self.close_connection = close_connection
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {
@@ -60,12 +63,15 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=msgspec.json.encode(self.body()),
             content_type="application/json",
             headers=self.headers,
         )
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -105,8 +111,13 @@ _HTTP_ERROR_TYPES: dict[int, tuple[str, str | None]] = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
 }
+
+# longest reason written to the log for a refused request
+LOGGED_REASON_CHARS = 300
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:
@@ -127,15 +138,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return _refused(request, exc)
     except ENGINE_ERRORS as exc:
-        return from_engine_error(exc).response()
+        return _refused(request, from_engine_error(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http_exception(request, exc).response()
+        return _refused(request, _from_http_exception(request, exc))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
         return ApiError(
             500, "internal server error", type="server_error", code="internal_error"
         ).response()
+
+
+def _refused(request: web.Request, error: ApiError) -> web.Response:
+    """The error's response, with one log line for a refusal: status, code and reason (messages
+    name fields and numbers, never the prompt's text)."""
+    if error.status < 500 or error.status == 503:
+        reason = error.message
+        if len(reason) > LOGGED_REASON_CHARS:
+            reason = reason[:LOGGED_REASON_CHARS] + "..."
+        log.info(
+            "refused %s %s: %d %s: %s",
+            request.method,
+            request.path,
+            error.status,
+            error.code or error.type,
+            reason,
+        )
+    return error.response()

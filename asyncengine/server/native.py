@@ -13,7 +13,7 @@ final frame of a choice carries everything.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -27,8 +27,10 @@ from asyncengine.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
-from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error, invalid_request
+from asyncengine.server.body import read_json
+from asyncengine.server.completion import generate, outcome_of
+from asyncengine.server.errors import invalid_request
+from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -41,10 +43,12 @@ from asyncengine.server.openai_schema import (
     TopK,
     TopLogprobs,
     TopP,
-    decode_body,
 )
-from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.streaming import stream_response
+
+if TYPE_CHECKING:
+    from asyncengine.engine import Prompt
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_RID_LENGTH = 256
@@ -54,7 +58,7 @@ NativeTemperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 
 
 class NativeSamplingParams(Struct, kw_only=True):
-    max_new_tokens: PositiveInt = NATIVE_DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: PositiveInt | None = None  # None: NATIVE_DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: NonNegativeInt = 0
     temperature: NativeTemperature = 1.0
     top_p: TopP = 1.0
@@ -148,7 +152,7 @@ def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
     return StructuredOutput(kind, spec)
 
 
-def _sampling_params(req: GenerateRequest, context_len: int, max_n: int) -> SamplingParams:
+def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> SamplingParams:
     sp = req.sampling_params
     priority = _one_of("priority", req.priority, sp.priority)
     if sp.n > max_n:
@@ -159,7 +163,7 @@ def _sampling_params(req: GenerateRequest, context_len: int, max_n: int) -> Samp
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     try:
         return SamplingParams(
-            max_new_tokens=min(sp.max_new_tokens, context_len),
+            max_new_tokens=max_new_tokens,
             min_new_tokens=sp.min_new_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
@@ -260,38 +264,37 @@ class NativeResponder:
 
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), GenerateRequest)
-    prompt = _prompt(req)
-    params = _sampling_params(req, state.engine.max_model_len, state.engine.config.max_n)
+    req = await read_json(request, state, GenerateRequest)
+    prompt = state.engine.tokenize(_prompt(req))
+    max_new_tokens = resolve_max_tokens(
+        req.sampling_params.max_new_tokens,
+        NATIVE_DEFAULT_MAX_NEW_TOKENS,
+        len(prompt),
+        state.token_limits(),
+        "sampling_params.max_new_tokens",
+    )
+    params = _sampling_params(req, max_new_tokens, state.engine.config.max_n)
     request_id = _request_id(req)
     responders = [
         NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
         for _ in range(params.n)
     ]
-    if not req.stream:
-        outputs = await generate(state.engine, prompt, params, request_id)
-        bodies = []
-        for out, responder in zip(outputs, responders, strict=True):
-            state.metrics.observe_finished(out.metrics)
-            responder.add_logprobs(out.token_ids, out.logprobs)
-            bodies.append(
-                _indexed(
-                    responder.body(
-                        out.text,
-                        out.token_ids,
-                        out.finish_reason,
-                        out.matched_stop,
-                        out.usage,
-                        out.metrics,
-                    ),
-                    out.index,
-                    params.n,
-                )
-            )
-        request[OUTCOME] = outcome_of(*(out.finish_reason for out in outputs))
-        body = bodies[0] if params.n == 1 else bodies
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-    return await _stream(request, state, prompt, params, responders)
+    if req.stream:
+        stream = state.engine.stream(prompt, params, request_id=request_id)
+        fmt = _CumulativeFormat(responders)
+        return await stream_response(request, state, stream, fmt, params.n)
+    outputs = await generate(state.engine, prompt, params, request_id)
+    bodies = []
+    for out, responder in zip(outputs, responders, strict=True):
+        state.metrics.observe_finished(out.metrics)
+        responder.add_logprobs(out.token_ids, out.logprobs)
+        body = responder.body(
+            out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
+        )
+        bodies.append(_indexed(body, out.index, params.n))
+    request[OUTCOME] = outcome_of(*(out.finish_reason for out in outputs))
+    reply = bodies[0] if params.n == 1 else bodies
+    return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
 
 
 def _indexed(body: dict[str, Any], index: int, n: int) -> dict[str, Any]:
@@ -301,56 +304,37 @@ def _indexed(body: dict[str, Any], index: int, n: int) -> dict[str, Any]:
     return body
 
 
-async def _stream(
-    request: web.Request,
-    state: ServerState,
-    prompt: Prompt,
-    params: SamplingParams,
-    responders: list[NativeResponder],
-) -> web.StreamResponse:
-    call = StreamingRequest(state.engine, prompt, params, responders[0].request_id)
-    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
-    try:
-        delta = await call.next()  # engine refusals become a 4xx/503 before headers go out
-        writer = SSEWriter(request)
-        await writer.open()
-        texts = [""] * params.n
-        output_ids: list[list[int]] = [[] for _ in range(params.n)]
-        try:
-            while delta is not None:
-                i = delta.index
-                texts[i] += delta.text
-                output_ids[i].extend(delta.token_ids)
-                responders[i].add_logprobs(delta.token_ids, delta.logprobs)
-                if delta.text or delta.token_ids or delta.finished:
-                    body = responders[i].body(
-                        texts[i],
-                        output_ids[i],
-                        delta.finish_reason,
-                        delta.matched_stop,
-                        delta.usage,
-                        delta.metrics,
-                    )
-                    await writer.send(_indexed(body, i, params.n))
-                if delta.finished:
-                    finals.append(delta)
-                    state.metrics.observe_finished(delta.metrics)
-                    if len(finals) == params.n:
-                        break
-                delta = await call.next()
-            await writer.done()
-            outcome = outcome_of(*(d.finish_reason for d in finals))
-            request[OUTCOME] = "abort" if len(finals) < params.n else outcome
-        except ENGINE_ERRORS as exc:
-            request[OUTCOME] = "error"
-            await writer.send(from_engine_error(exc).body())
-            await writer.done()
-        return writer.response
-    except ClientGone:
-        request[OUTCOME] = "abort"
-        return writer.response
-    finally:
-        await call.close()
+class _CumulativeFormat:
+    """SGLang's stream: every frame carries its choice's text and output ids so far."""
+
+    def __init__(self, responders: list[NativeResponder]) -> None:
+        self.responders = responders
+        self.texts = [""] * len(responders)
+        self.output_ids: list[list[int]] = [[] for _ in responders]
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def frames(self, delta: StreamDelta) -> list[dict[str, Any]]:
+        i = delta.index
+        self.texts[i] += delta.text
+        self.output_ids[i].extend(delta.token_ids)
+        self.responders[i].add_logprobs(delta.token_ids, delta.logprobs)
+        if not (delta.text or delta.token_ids or delta.finished):
+            return []
+        # encoded as soon as it is returned, before output_ids grows again: no copy needed
+        body = self.responders[i].body(
+            self.texts[i],
+            self.output_ids[i],
+            delta.finish_reason,
+            delta.matched_stop,
+            delta.usage,
+            delta.metrics,
+        )
+        return [_indexed(body, i, len(self.responders))]
+
+    def closing(self, finals: list[StreamDelta]) -> list[dict[str, Any]]:
+        return []
 
 
 def add_native_routes(app: web.Application) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.engine_request import Prompt, StreamingRequest, generate, outcome_of
-from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
+from asyncengine.server.body import read_json
+from asyncengine.server.completion import generate, outcome_of
+from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -22,14 +24,17 @@ from asyncengine.server.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_max_tokens,
     chat_messages,
     chat_sampling_params,
     completion_prompt,
     completion_sampling_params,
-    decode_body,
 )
-from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.streaming import stream_response
+
+if TYPE_CHECKING:
+    from asyncengine.engine import Prompt
 
 
 def json_response(body: Json, status: int = 200) -> web.Response:
@@ -40,27 +45,34 @@ def json_response(body: Json, status: int = 200) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), ChatCompletionRequest)
+    req = await read_json(request, state, ChatCompletionRequest)
     model = state.check_model(req.model)
-    messages = chat_messages(req)
-    params = chat_sampling_params(
-        req, state.chat_max_tokens(), state.engine.max_model_len, state.engine.config.max_n
+    prompt = state.engine.tokenize(chat_messages(req))
+    requested, param = chat_max_tokens(req)
+    max_tokens = resolve_max_tokens(
+        requested, state.default_chat_max_tokens, len(prompt), state.token_limits(), param
     )
+    params = chat_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _stream(request, state, messages, params, builder, include_usage)
-    return await _complete(request, state, messages, params, builder)
+        return await _stream(request, state, prompt, params, builder, include_usage)
+    return await _complete(request, state, prompt, params, builder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await request.read(), CompletionRequest)
+    req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
-    prompt = completion_prompt(req)
-    params = completion_sampling_params(
-        req, COMPLETIONS_DEFAULT_MAX_TOKENS, state.engine.max_model_len, state.engine.config.max_n
+    prompt = state.engine.tokenize(completion_prompt(req))
+    max_tokens = resolve_max_tokens(
+        req.max_tokens,
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        len(prompt),
+        state.token_limits(),
+        "max_tokens",
     )
+    params = completion_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
@@ -125,6 +137,50 @@ async def _complete(
     return json_response(builder.full(choices, combined_usage([o.usage for o in outputs])))
 
 
+class _ChunkFormat:
+    """Chat or text completion chunks: one per delta with text (or logprobs, or the finish),
+    each marked with its choice's index, led by the chat's role chunk per choice and followed
+    by the usage chunk (all choices together) when asked for."""
+
+    def __init__(
+        self, state: ServerState, builder: ResponseBuilder, include_usage: bool, choices: int
+    ) -> None:
+        self.state = state
+        self.builder = builder
+        self.include_usage = include_usage
+        self.choices = choices
+        self.text_offsets = [0] * choices
+
+    def opening(self) -> list[Json]:
+        if not self.builder.chat:
+            return []
+        return [
+            self.builder.chunk(
+                "", None, None, first=True, include_usage=self.include_usage, index=index
+            )
+            for index in range(self.choices)
+        ]
+
+    def frames(self, delta: StreamDelta) -> list[Json]:
+        if not (delta.text or delta.finished or delta.logprobs):
+            return []
+        index = delta.index
+        logprobs = _logprobs(
+            self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offsets[index]
+        )
+        self.text_offsets[index] += len(delta.text)
+        chunk = self.builder.chunk(
+            delta.text, delta.finish_reason, logprobs, include_usage=self.include_usage, index=index
+        )
+        return [chunk]
+
+    def closing(self, finals: list[StreamDelta]) -> list[Json]:
+        usages = [d.usage for d in finals if d.usage is not None]
+        if self.include_usage and len(usages) == self.choices:
+            return [self.builder.usage_chunk(combined_usage(usages))]
+        return []
+
+
 async def _stream(
     request: web.Request,
     state: ServerState,
@@ -133,61 +189,10 @@ async def _stream(
     builder: ResponseBuilder,
     include_usage: bool,
 ) -> web.StreamResponse:
-    call = StreamingRequest(state.engine, prompt, params, builder.id)
-    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
-    try:
-        # Wait for the first delta before sending headers, so that a request the engine refuses
-        # (bad input, full queue) is answered with a proper 4xx/503 rather than a broken stream.
-        delta = await call.next()
-        writer = SSEWriter(request)
-        await writer.open()
-        try:
-            if builder.chat:
-                for index in range(params.n):
-                    await writer.send(
-                        builder.chunk(
-                            "", None, None, first=True, include_usage=include_usage, index=index
-                        )
-                    )
-            text_offsets = [0] * params.n
-            while delta is not None:
-                index = delta.index
-                if delta.text or delta.finished or delta.logprobs:
-                    logprobs = _logprobs(
-                        state, builder, delta.token_ids, delta.logprobs, text_offsets[index]
-                    )
-                    chunk = builder.chunk(
-                        delta.text,
-                        delta.finish_reason,
-                        logprobs,
-                        include_usage=include_usage,
-                        index=index,
-                    )
-                    await writer.send(chunk)
-                    text_offsets[index] += len(delta.text)
-                if delta.finished:
-                    finals.append(delta)
-                    state.metrics.observe_finished(delta.metrics)
-                    if len(finals) == params.n:
-                        break
-                delta = await call.next()
-            usages = [d.usage for d in sorted(finals, key=lambda d: d.index) if d.usage]
-            if include_usage and len(usages) == params.n:
-                await writer.send(builder.usage_chunk(combined_usage(usages)))
-            await writer.done()
-            outcome = outcome_of(*(d.finish_reason for d in finals))
-            request[OUTCOME] = "abort" if len(finals) < params.n else outcome
-        except ENGINE_ERRORS as exc:
-            # Headers are gone: report the failure in-band, as other OpenAI servers do.
-            request[OUTCOME] = "error"
-            await writer.send(from_engine_error(exc).body())
-            await writer.done()
-        return writer.response
-    except ClientGone:
-        request[OUTCOME] = "abort"
-        return writer.response
-    finally:
-        await call.close()
+    stream = state.engine.stream(prompt, params, request_id=builder.id)
+    return await stream_response(
+        request, state, stream, _ChunkFormat(state, builder, include_usage, params.n), params.n
+    )
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -22,6 +22,7 @@ from asyncengine.sampling_params import (
     StructuredOutput,
 )
 from asyncengine.server.errors import ApiError, invalid_request
+from asyncengine.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -135,6 +136,8 @@ def decode_body(body: bytes, request_type: type[RequestT]) -> RequestT:
         raise invalid_request(
             "the request body is empty; expected a JSON object", code="invalid_json"
         )
+    if nests_deeper_than(body):
+        raise _too_deep()
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
@@ -150,6 +153,21 @@ def decode_body(body: bytes, request_type: type[RequestT]) -> RequestT:
         raise invalid_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except UnicodeDecodeError as exc:  # a string holding bytes that are not UTF-8
+        raise invalid_request(
+            f"the request body is not valid JSON: a string is not valid UTF-8 "
+            f"(byte 0x{exc.object[exc.start]:02x} at offset {exc.start} of that string)",
+            code="invalid_json",
+        ) from None
+    except RecursionError:  # the depth check above makes this a second line of defence
+        raise _too_deep() from None
+
+
+def _too_deep() -> ApiError:
+    return invalid_request(
+        f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} levels deep",
+        code="invalid_json",
+    )
 
 
 def _unsupported(param: str, why: str) -> ApiError:
@@ -273,15 +291,13 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
 
 
 def _sampling_params(
-    req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int, context_len: int
+    req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     structured = structured_output(req.response_format)
     try:
         return SamplingParams(
-            # No request can outgrow the context; clamping keeps the scheduler's memory
-            # reservation (proportional to max_new_tokens) honest for huge values.
-            max_new_tokens=min(max_tokens, context_len),
+            max_new_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
@@ -308,9 +324,17 @@ def _sampling_params(
         raise invalid_request(str(exc), code="invalid_value") from None
 
 
+def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    """The max_tokens the client asked for (None: none) and the field that said it."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
 def chat_sampling_params(
-    req: ChatCompletionRequest, default_max_tokens: int, context_len: int, max_n: int = 1
+    req: ChatCompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
+    """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
     _check_common(req, max_n)
     if req.tools:
         raise _unsupported(
@@ -320,13 +344,13 @@ def chat_sampling_params(
         )
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
-    return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, context_len)
+    return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
 
 
 def completion_sampling_params(
-    req: CompletionRequest, default_max_tokens: int, context_len: int, max_n: int = 1
+    req: CompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
+    """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
     _check_common(req, max_n)
     if req.echo:
         raise _unsupported("echo", "echo is not supported")
@@ -334,6 +358,5 @@ def completion_sampling_params(
         raise _unsupported("suffix", "suffix is not supported")
     if req.best_of is not None and req.best_of > 1:
         raise _unsupported("best_of", f"best_of={req.best_of} is not supported; only 1")
-    max_tokens = req.max_tokens or default_max_tokens
     logprobs = req.logprobs is not None
-    return _sampling_params(req, max_tokens, logprobs, req.logprobs or 0, context_len)
+    return _sampling_params(req, max_tokens, logprobs, req.logprobs or 0)

@@ -1,4 +1,4 @@
-"""Run the HTTP server: engine start, uvloop, SIGINT/SIGTERM, graceful shutdown, periodic log.
+"""Run the HTTP server: engine start, uvloop, SIGINT/SIGTERM, graceful shutdown.
 
 Shutdown: on SIGINT/SIGTERM the listening socket closes and /health turns 503; in-flight
 requests get ``shutdown_grace`` seconds to finish, then their handlers are cancelled (which
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +21,13 @@ from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.event_loop import run
-from asyncengine.metrics import ServerMetrics
-from asyncengine.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from asyncengine.server.app import (
+    DEFAULT_BODY_TIMEOUT_SECONDS,
+    DEFAULT_MAX_BODY_BYTES,
+    create_app,
+)
+from asyncengine.server.port import PortInUseError, check_port_free
+from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import STATE
 
 log = logging.getLogger("asyncengine.server")
@@ -61,14 +66,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--server-log-interval",
         dest="server_log_interval",
         type=float,
-        default=10.0,
-        help="seconds between one-line server summaries; 0 turns them off (default 10)",
+        default=None,
+        help="seconds between summary lines while serving (default: --log-interval, 10); "
+        "0 turns them off. A line is written only when something changed",
     )
     group.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_SECONDS,
+        help="seconds a client gets to send a request's whole body, else 408 "
+        f"(default {DEFAULT_BODY_TIMEOUT_SECONDS:g})",
     )
     group.add_argument(
         "--default-max-tokens",
@@ -105,58 +118,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 async def start_http(
     app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
 ) -> tuple[web.AppRunner, int]:
-    """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port."""
+    """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
+
+    ``shutdown_grace`` is ``drain``'s: aiohttp's own shutdown timeout (after which it cancels
+    the handlers still running) comes ``ABORT_FLUSH_SECONDS`` later, so that the two never fire
+    together: at the grace deadline the engine aborts what is left and every handler ends its
+    response itself (final chunk, [DONE]); aiohttp cancels only a handler still stuck after that.
+    """
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine request at once instead of when the next token fails to write.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=shutdown_grace, access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
+        access_log=None,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:  # taken since check_port_free looked
+            raise PortInUseError(port) from None
+        raise
     return runner, int(runner.addresses[0][1])
-
-
-class ServerLogger:
-    """Logs one line every ``interval`` seconds: HTTP requests served, load, token rates, cache
-    hits and KV use over the last interval."""
-
-    def __init__(self, engine: Any, metrics: ServerMetrics, interval: float) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.interval = interval
-        self._last = self._snapshot()
-
-    def _snapshot(self) -> dict[str, float]:
-        stats = self.engine.stats()
-        requests = next(iter(self.metrics.requests.collect())).samples
-        return {
-            "time": time.monotonic(),
-            "http": sum(s.value for s in requests if s.name.endswith("_total")),
-            "generated": float(stats.get("generated_tokens", 0)),
-            "hit": float(stats.get("hit_tokens", 0)),
-            "miss": float(stats.get("miss_tokens", 0)),
-        }
-
-    def line(self) -> str:
-        stats = self.engine.stats()
-        now = self._snapshot()
-        last, self._last = self._last, now
-        dt = max(now["time"] - last["time"], 1e-9)
-        hit, miss = now["hit"] - last["hit"], now["miss"] - last["miss"]
-        return (
-            f"running={stats.get('running', 0)} waiting={stats.get('waiting', 0)} "
-            f"http_requests={int(now['http'] - last['http'])} "
-            f"gen_tok/s={(now['generated'] - last['generated']) / dt:.1f} "
-            f"prompt_tok/s={(hit + miss) / dt:.1f} cache_hit={(hit / (hit + miss) if hit + miss else 0.0):.1%} "
-            f"kv_pages used={stats.get('pages_used', 0)} cached={stats.get('pages_cached', 0)} "
-            f"total={stats.get('pages_total', 0)}"
-        )
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            log.info("%s", self.line())
 
 
 async def drain(runner: web.AppRunner, engine: Any, grace: float) -> None:
@@ -175,12 +161,13 @@ async def run_server(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
-    log_interval: float = 10.0,
+    log_interval: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     *,
     served_model_names: list[str] | None = None,
     default_chat_max_tokens: int | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     stop_event: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     install_signal_handlers: bool = True,
@@ -194,7 +181,8 @@ async def run_server(
 
     ``on_ready(port)`` is called once the socket listens (port 0 picks a free one). ``engine``
     replaces the AsyncEngine built from ``config`` (replicas on Ray pass theirs, with their
-    ``metrics``).
+    ``metrics``). ``log_interval``, when given, replaces the config's: seconds between summary
+    lines.
     """
     from asyncengine.engine import AsyncEngine
 
@@ -206,6 +194,9 @@ async def run_server(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)
+    if log_interval is not None:
+        config = config.replace(log_interval=log_interval)
+    check_port_free(host, port)  # before the model loads
     if engine is None:
         engine = AsyncEngine(config)
     if record_trace and not hasattr(engine, "record_trace"):
@@ -215,7 +206,6 @@ async def run_server(
         engine.record_trace(record_trace, hashed=record_trace_hashed)
         log.info("recording a live trace to %s", record_trace)
     runner: web.AppRunner | None = None
-    logger_task: asyncio.Task[None] | None = None
     try:
         app = create_app(
             engine,
@@ -223,6 +213,7 @@ async def run_server(
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             default_chat_max_tokens=default_chat_max_tokens,
+            body_timeout=body_timeout,
             metrics=metrics,
             admin_token=admin_token,
         )
@@ -235,23 +226,18 @@ async def run_server(
             "required" if api_key else "off",
             "on" if admin_token else "off",
         )
+        summary = getattr(engine, "summary", None)  # replicas log their own summaries
+        if summary is not None:
+            summary.add_counter("http_requests", app[STATE].metrics.requests_served)
         if on_ready is not None:
             on_ready(bound_port)
-        if log_interval > 0:
-            logger_task = asyncio.create_task(
-                ServerLogger(engine, app[STATE].metrics, log_interval).run()
-            )
         await stop.wait()
-        log.info("shutting down: no new connections; in-flight requests get %.0fs", shutdown_grace)
+        log.info("shutting down: no new connections; in-flight requests get %gs", shutdown_grace)
         app[STATE].shutting_down = True
     finally:
-        # the periodic line goes on while in-flight requests drain: the operator sees them finish
+        # the summary line goes on while in-flight requests drain: the operator sees them finish
         if runner is not None:
             await drain(runner, engine, shutdown_grace)
-        if logger_task is not None:
-            logger_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await logger_task
         await engine.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)
@@ -270,6 +256,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_names": args.served_model_name,
         "default_chat_max_tokens": args.default_max_tokens,
         "shutdown_grace": args.shutdown_grace,
+        "body_timeout": args.body_timeout,
         "admin_token": args.admin_token,
         "record_trace": args.record_trace,
         "record_trace_hashed": args.record_trace_hashed,

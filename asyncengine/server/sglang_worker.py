@@ -18,7 +18,7 @@ from aiohttp import web
 
 from asyncengine.errors import EngineError
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.engine_request import generate
+from asyncengine.server.completion import generate
 from asyncengine.server.errors import ApiError
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.state import STATE

@@ -9,8 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncengine.metrics import ServerMetrics
 from asyncengine.server.errors import ApiError
+from asyncengine.server.limits import TokenLimits
+from asyncengine.server.prometheus import ServerMetrics
 
 
 @dataclass(slots=True)
@@ -22,6 +23,8 @@ class ServerState:
     # Chat requests without max_tokens generate up to this many tokens (None: up to the context
     # limit, as OpenAI does). Text completions default to 16, OpenAI's documented default.
     default_chat_max_tokens: int | None = None
+    # seconds a client gets to send a request's whole body (else 408)
+    body_timeout: float = 30.0
     shutting_down: bool = False
     token_text: Callable[[int], str] = field(init=False)
 
@@ -50,10 +53,8 @@ class ServerState:
             code="model_not_found",
         )
 
-    def chat_max_tokens(self) -> int:
-        if self.default_chat_max_tokens is not None:
-            return self.default_chat_max_tokens
-        return int(self.engine.max_model_len)
+    def token_limits(self) -> TokenLimits:
+        return TokenLimits(int(self.engine.max_model_len), self.engine.config.max_new_tokens_limit)
 
 
 STATE = web.AppKey("asyncengine_state", ServerState)

@@ -177,3 +177,34 @@ class Tokenizer:
             )
         except TemplateError as error:
             raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
+
+
+def prompt_token_ids(tok: Any, prompt: object, vocab_size: int) -> list[int]:
+    """The token ids an engine queues for ``prompt``: text, token ids, or chat messages (through
+    the chat template of ``tok``); ``InvalidRequestError`` for a prompt it would refuse."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return list(tok.encode(prompt))
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequestError(
+            "prompt must be a non-empty string, list of token ids, or list of chat messages"
+        )
+    ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+    if len(ids) == len(prompt):
+        vocab = vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+    messages = [m for m in prompt if isinstance(m, dict)]
+    if len(messages) == len(prompt):
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(
+                    f"message {i} needs a string 'role' and a string 'content'"
+                )
+        return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+    raise InvalidRequestError(
+        "prompt list must hold only token ids (int) or only chat messages (dict)"
+    )

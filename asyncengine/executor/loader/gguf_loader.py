@@ -199,7 +199,13 @@ def read_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     weights: dict[str, torch.Tensor] = {}
-    for tensor in progress(reader.tensors, f"dequantizing {path.name}", total=len(reader.tensors)):
+    tensors = progress(
+        reader.tensors,
+        f"converting {path.name}",
+        total=len(reader.tensors),
+        size=lambda tensor: int(tensor.n_elements),  # dequantizing costs per element
+    )
+    for tensor in tensors:
         name = hf_name(tensor.name)
         # GGUF lists dimensions innermost first.
         shape = tuple(int(n) for n in reversed(tensor.shape))

@@ -1,6 +1,6 @@
 """/metrics of the replicas: each engine's series with a ``replica`` label, and the router's.
 
-The engine counters and gauges are those a single server exports (asyncengine.metrics), read
+The engine counters and gauges are those a single server exports (server/prometheus.py), read
 from each replica's last routing-stats report (Ray Serve polls every replica every
 ``ROUTING_STATS_PERIOD_SECONDS``), so a scrape sends nothing to the replicas. The router adds
 its decisions by reason (prefix, load_guard, least_cached, round_robin, least_loaded) and the
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncengine.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, PREFIX, ServerMetrics
+from asyncengine.server.prometheus import ENGINE_COUNTERS, ENGINE_GAUGES, PREFIX, ServerMetrics
 from asyncengine.server.ray_serve.remote_engine import RemoteEngine
 
 

@@ -158,6 +158,12 @@ class RemoteEngine:
         self._require_info()
         return self._tokenizer
 
+    def tokenize(self, prompt: Any) -> list[int]:
+        """The token ids a replica queues for ``prompt`` (``InvalidRequestError`` if refused)."""
+        from asyncengine.text.tokenizer import prompt_token_ids
+
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
+
     # -- requests ---------------------------------------------------------------------------
     def _begin(
         self, params: SamplingParams | None, request_id: str | None

@@ -3,6 +3,12 @@ server, and token counters and load gauges read from ``engine.stats()`` at scrap
 has its own registry, so several servers (tests) in one process never share the server's own
 series.
 
+Engine gauges: ``asyncengine_num_requests_running`` counts requests decoding,
+``asyncengine_num_requests_prefilling`` those whose prompt is still being computed (one in chunked
+prefill counts there until its last chunk), ``asyncengine_num_requests_waiting`` those not yet
+admitted; a request is in exactly one of the three. ``asyncengine_retractions_total`` counts
+running requests preempted for KV memory (each is recomputed later).
+
 The token counters (prompt, generated, cache hit, cache miss) are the engine's cumulative
 counts, so they include the tokens of requests aborted mid-way (a client that disconnects) and
 of requests given to the engine directly; they restart from zero only with a new engine."""
@@ -42,7 +48,11 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.
 
 # gauge name -> (engine.stats() key, help)
 ENGINE_GAUGES: dict[str, tuple[str, str]] = {
-    "num_requests_running": ("running", "Requests running in the engine"),
+    "num_requests_running": ("running", "Requests decoding (their prompt is computed)"),
+    "num_requests_prefilling": (
+        "prefilling",
+        "Requests whose prompt is being computed (a chunked prefill counts until its last chunk)",
+    ),
     "num_requests_waiting": ("waiting", "Requests waiting to be scheduled"),
     "kv_pages_total": ("pages_total", "KV pages in the pool"),
     "kv_pages_free": ("pages_free", "KV pages free"),
@@ -58,6 +68,10 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "generation_tokens": ("generated_tokens", "Tokens generated (aborted requests included)"),
     "cache_hit_tokens": ("hit_tokens", "Prompt tokens served from the prefix cache"),
     "cache_miss_tokens": ("miss_tokens", "Prompt tokens computed (not in the prefix cache)"),
+    "retractions": (
+        "retractions",
+        "Running requests preempted because KV memory ran out (recomputed later)",
+    ),
 }
 
 
@@ -141,6 +155,11 @@ class ServerMetrics:
         self.e2e.observe(metrics.e2e)
         for gap in metrics.itl:
             self.itl.observe(gap)
+
+    def requests_served(self) -> float:
+        """Generation requests answered so far, whatever their outcome."""
+        samples = next(iter(self.requests.collect())).samples
+        return sum(s.value for s in samples if s.name.endswith("_total"))
 
     def counter_value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (e.g. ``asyncengine_requests_total``); 0 when absent."""

@@ -1,0 +1,105 @@
+"""Deterministic mode (``EngineConfig.deterministic``, ``--deterministic``): a request's greedy
+output does not depend on the batch it runs in.
+
+Where batch dependence comes from, measured on this machine in bfloat16 (float32 hides most of
+it: its rounding differences rarely flip a token):
+- matmuls: the GEMM kernel is chosen by shape, and a different kernel sums a row in a
+  different order (executor/linear.py: fixed-shape row blocks);
+- attention: the decode kernel sums in another order than the extend kernel, and torch's fused
+  attention picks its key block from the call's key length, which padding to the longest
+  request, chunked prefill and prefix-cache hits change. On a CPU with the native extend kernel
+  every query goes through it (invariant_native_attention.py); elsewhere torch's attention runs
+  with keys padded to fixed blocks (invariant_attention.py).
+Norms, rotary, activations and the greedy sampler work row by row on the CPU: nothing to do.
+
+The mode swaps parts of the runner only: the attention backend, the matmuls' row blocks and (on
+CUDA) the norms. The scheduler is untouched: batching, mixed batches, chunking, prefix caching
+and retraction all stay on.
+
+On a GPU the same design applies, but it is not measured (no GPU here): the torch attention
+backend with keys padded to fixed blocks (CUDA's fused attention reduces each query row in
+key-block order, with no split across the batch), fixed-shape row blocks for cuBLAS, and the
+norms on fixed-shape row blocks too (a CUDA reduction's launch shape follows the row count).
+CUDA graphs and the Triton kernels are off in this mode; batch-invariant Triton kernels (fixed
+split-KV size in decode attention, no split-K in matmuls) would be the fast path there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.backends import KernelOps, kernel_ops
+from asyncengine.executor.invariant_attention import InvariantTorchBackend
+from asyncengine.executor.invariant_native_attention import NativeInvariantBackend
+from asyncengine.executor.linear import ROW_BLOCK
+from asyncengine.kernels.attention_native import plan_native_extend
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardParts:
+    """What the runner builds the model from."""
+
+    backend: AttentionBackend
+    ops: KernelOps
+    row_block: int | None = None  # None: one call per matmul
+
+
+def deterministic_parts(
+    device: torch.device, num_heads: int, k_cache: torch.Tensor, page_size: int
+) -> ForwardParts:
+    """The batch-invariant parts for a pool whose layer-0 keys are ``k_cache``."""
+    ops = kernel_ops("torch", device)
+    if device.type == "cpu" and _native_extend_runs(num_heads, k_cache, page_size):
+        return ForwardParts(NativeInvariantBackend(), ops, ROW_BLOCK)
+    # InvariantTorchBackend stores K/V itself (forward), so no fused rotary + store
+    ops = replace(ops, rotary_store=None)
+    if device.type == "cuda":
+        ops = replace(
+            kernel_ops("torch"),
+            rms_norm=_row_blocked(ops.rms_norm),
+            fused_add_rms_norm=_row_blocked_pair(ops.fused_add_rms_norm),
+        )
+    return ForwardParts(InvariantTorchBackend(), ops, ROW_BLOCK)
+
+
+def _native_extend_runs(num_heads: int, k_cache: torch.Tensor, page_size: int) -> bool:
+    if k_cache.device.type != "cpu":
+        return False
+    one = torch.ones(1, dtype=torch.int32)
+    table, cu = torch.zeros((1, 1), dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    return plan_native_extend(table, cu, one, page_size, num_heads, k_cache) is not None
+
+
+def _padded_blocks(x: torch.Tensor) -> list[torch.Tensor]:
+    rows = x.shape[0]
+    padded = x.new_zeros((-(-rows // ROW_BLOCK) * ROW_BLOCK, *x.shape[1:]))
+    padded[:rows] = x
+    return list(padded.split(ROW_BLOCK))
+
+
+def _row_blocked(norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def blocked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.cat([norm(block, weight, eps) for block in _padded_blocks(x)])
+        return out[: x.shape[0]]
+
+    return blocked
+
+
+def _row_blocked_pair(
+    norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def blocked(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [
+            norm(xb, rb, weight, eps)
+            for xb, rb in zip(_padded_blocks(x), _padded_blocks(residual), strict=True)
+        ]
+        rows = x.shape[0]
+        return torch.cat([p[0] for p in pairs])[:rows], torch.cat([p[1] for p in pairs])[:rows]
+
+    return blocked

@@ -1,0 +1,92 @@
+"""The streaming tail every endpoint shares: one engine request as an SSE response.
+
+An endpoint supplies only how deltas become frames (a ``StreamFormat``); this module owns the
+rest: the first delta is awaited before headers go out (so an engine refusal is still a proper
+4xx/503), engine errors after the headers are reported in-band, a client that goes away ends
+the request, and however the handler ends (done, error, client gone, cancelled) the
+``RequestStream`` is closed, which aborts the request in the engine unless it finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from asyncengine.outputs import StreamDelta
+from asyncengine.server.completion import outcome_of
+from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
+from asyncengine.server.sse import ClientGone, SSEWriter
+from asyncengine.server.state import OUTCOME, ServerState
+from asyncengine.text.stream import RequestStream
+
+Frame = Any  # a JSON-encodable payload of one ``data:`` event
+
+
+class StreamFormat(Protocol):
+    """How one endpoint turns a request's deltas into SSE frames."""
+
+    def opening(self) -> list[Frame]:
+        """Frames sent right after the headers, before the first delta's."""
+        ...
+
+    def frames(self, delta: StreamDelta) -> list[Frame]:
+        """Frames for one delta (none when it carries nothing worth sending)."""
+        ...
+
+    def closing(self, finals: list[StreamDelta]) -> list[Frame]:
+        """Frames after every choice's final delta (``finals``, by choice index), before
+        ``[DONE]``."""
+        ...
+
+
+async def _next(stream: RequestStream) -> StreamDelta | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def stream_response(
+    request: web.Request,
+    state: ServerState,
+    stream: RequestStream,
+    fmt: StreamFormat,
+    choices: int,
+) -> web.StreamResponse:
+    """Send ``stream`` (all its ``choices``) as server-sent events formatted by ``fmt``; record
+    the outcome."""
+    finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
+    try:
+        delta = await _next(stream)  # engine refusals become a 4xx/503 before headers go out
+        writer = SSEWriter(request)
+        await writer.open()
+        try:
+            for frame in fmt.opening():
+                await writer.send(frame)
+            while delta is not None:
+                for frame in fmt.frames(delta):
+                    await writer.send(frame)
+                if delta.finished:
+                    finals.append(delta)
+                    state.metrics.observe_finished(delta.metrics)
+                    if len(finals) == choices:
+                        break
+                delta = await _next(stream)
+            if len(finals) == choices:
+                for frame in fmt.closing(sorted(finals, key=lambda d: d.index)):
+                    await writer.send(frame)
+            await writer.done()
+            outcome = outcome_of(*(d.finish_reason for d in finals))
+            request[OUTCOME] = "abort" if len(finals) < choices else outcome
+        except ENGINE_ERRORS as exc:
+            # Headers are gone: report the failure in-band, as other OpenAI servers do.
+            request[OUTCOME] = "error"
+            await writer.send(from_engine_error(exc).body())
+            await writer.done()
+        return writer.response
+    except ClientGone:
+        request[OUTCOME] = "abort"
+        return writer.response
+    finally:
+        await stream.aclose()

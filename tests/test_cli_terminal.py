@@ -1,0 +1,57 @@
+"""What the terminal shows: `generate` prints the text and its one-line report without the
+engine's INFO lines unless -v; `serve` on a taken port says so in one line, before loading
+anything."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.server_support import MAX_MODEL_LEN, REPO_ROOT, tiny_model_dir
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncengine.cli", *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line() -> None:
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that does not exist: the port is checked first, so it is never looked for
+        result = cli("serve", "--model", "/no/such/model", "--port", str(port), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"asyncengine: error: port {port} is in use; pass --port"]
+
+
+@pytest.mark.slow
+def test_generate_shows_only_the_text_unless_verbose(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = str(tiny_model_dir(tmp_path_factory))
+    common = (
+        "generate", "Once upon a time", "--model", model, "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "2048",
+        "--max-new-tokens", "40", "--temperature", "0", "--log-interval", "0.001",
+    )  # fmt: skip
+    quiet = cli(*common)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout.strip()
+    # stderr holds only the final report: no INFO lines (loading, engine ready, summaries)
+    assert [line for line in quiet.stderr.splitlines() if line.strip()] == [
+        line for line in quiet.stderr.splitlines() if line.startswith("[length]")
+    ], quiet.stderr[-2000:]
+    verbose = cli(*common, "-v")
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    assert verbose.stdout == quiet.stdout  # greedy: the same text
+    assert "INFO asyncengine.engine: engine ready" in verbose.stderr
