@@ -372,21 +372,9 @@ class Scheduler:
         dedup = self.step_prefixes
         if dedup is not None:
             dedup.clear()
-        # the request mid-chunk goes first
-        for req in list(self.prefilling):
-            if remaining <= 0:
-                return Admission(TOKEN_BUDGET)
-            todo = req.num_tokens - req.kv.kv_len
-            take = min(todo, remaining, chunk) if chunk else todo
-            if take < todo and chunk and take >= ps:
-                take = take // ps * ps
-            computed = req.kv.kv_len
-            if not self._try_extend(req, take):
-                return Admission(KV_RESERVATION)
-            self._add_extend(plan, req, take)
-            if dedup is not None:
-                dedup.add(req.all_ids, computed)
-            remaining -= take
+        remaining, stopped = self._continue_prefills(plan, remaining, chunk)
+        if stopped is not None:
+            return Admission(stopped)
         if not self.waiting:
             return Admission()
         # nothing can be admitted: skip the policy's ordering work (unless it may preempt)
@@ -460,25 +448,11 @@ class Scheduler:
             if chunk and ps <= estimate and remaining < ps and not alone:
                 admission.stopped = TOKEN_BUDGET  # less than a page left: start it next step
                 break
-            req.seq = self.kv.open(ids)
-            todo = len(ids) - req.kv.kv_len
-            take = todo if not chunk else min(todo, remaining, chunk)
-            if take < todo and take >= ps:
-                take = take // ps * ps
-            if not self._try_extend(req, take):
-                self.kv.close(req.kv, [], cache=False)
-                req.seq = None
+            take = self._start_prefill(plan, req, remaining, chunk)
+            if take is None:
                 admission.stopped = KV_RESERVATION
                 break
-            self.waiting.remove(req)
             admission.admitted.append(req)
-            req.status = RequestStatus.PREFILLING
-            if req.retractions == 0:
-                req.cached_tokens = req.kv.num_cached
-            self.prefilling.append(req)
-            self._add_extend(plan, req, take)
-            if dedup is not None:
-                dedup.add(ids, req.kv.num_cached)
             remaining -= take
             slots -= 1
             reserved += future
@@ -490,6 +464,54 @@ class Scheduler:
             elif slots <= 0:
                 admission.stopped = RUNNING_CAP
         return admission
+
+    def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
+        """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
+        budget and the chunk allow, cut to whole pages when the prompt does not end here."""
+        take = min(todo, remaining, chunk) if chunk else todo
+        if take < todo and take >= self.page_size:
+            take = take // self.page_size * self.page_size
+        return take
+
+    def _continue_prefills(
+        self, plan: BatchPlan, remaining: int, chunk: int
+    ) -> tuple[int, str | None]:
+        """The requests mid-prompt go first: their next chunks into ``plan``. Returns the prefill
+        tokens left and, when one could not go on, why admission stops."""
+        for req in list(self.prefilling):
+            if remaining <= 0:
+                return remaining, TOKEN_BUDGET
+            take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
+            computed = req.kv.kv_len
+            if not self._try_extend(req, take):
+                return remaining, KV_RESERVATION
+            self._add_extend(plan, req, take)
+            if self.step_prefixes is not None:
+                self.step_prefixes.add(req.all_ids, computed)
+            remaining -= take
+        return remaining, None
+
+    def _start_prefill(
+        self, plan: BatchPlan, req: Request, remaining: int, chunk: int
+    ) -> int | None:
+        """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
+        takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
+        ids = req.all_ids
+        req.seq = self.kv.open(ids)
+        take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
+        if not self._try_extend(req, take):
+            self.kv.close(req.kv, [], cache=False)
+            req.seq = None
+            return None
+        self.waiting.remove(req)
+        req.status = RequestStatus.PREFILLING
+        if req.retractions == 0:
+            req.cached_tokens = req.kv.num_cached
+        self.prefilling.append(req)
+        self._add_extend(plan, req, take)
+        if self.step_prefixes is not None:
+            self.step_prefixes.add(ids, req.kv.num_cached)
+        return take
 
     def _try_extend(self, req: Request, take: int) -> bool:
         try:
