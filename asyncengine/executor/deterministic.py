@@ -53,13 +53,11 @@ def deterministic_parts(
 ) -> ForwardParts:
     """The batch-invariant parts for a pool whose layer-0 keys are ``k_cache``."""
     ops = kernel_ops("torch", device)
-    if device.type == "cpu" and _native_extend_runs(num_heads, k_cache, page_size):
+    if _native_extend_runs(num_heads, k_cache, page_size):
         return ForwardParts(NativeInvariantBackend(), ops, ROW_BLOCK)
-    # InvariantTorchBackend stores K/V itself (forward), so no fused rotary + store
-    ops = replace(ops, rotary_store=None)
     if device.type == "cuda":
         ops = replace(
-            kernel_ops("torch"),
+            ops,
             rms_norm=_row_blocked(ops.rms_norm),
             fused_add_rms_norm=_row_blocked_pair(ops.fused_add_rms_norm),
         )

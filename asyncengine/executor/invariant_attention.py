@@ -221,6 +221,17 @@ class InvariantTorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, InvariantMetadata)
         store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, InvariantMetadata)
         if metadata.plan is None:
             metadata.plan = plan_invariant(metadata.batch, k_cache, q.shape[1])
         return invariant_attention(q, k_cache, v_cache, metadata.plan, scale, self.buffers)
