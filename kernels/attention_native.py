@@ -39,32 +39,7 @@ class NativeExtendPlan:
 
 
 def _extend_kernel() -> Any:
-    lib = cpu_native.load("cpu_attention")
-    if lib is None:
-        return None
-    fn = lib.asyncengine_paged_extend_attention
-    if fn.argtypes is None:
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,  # q
-            ctypes.c_int64,  # q row stride
-            ctypes.c_void_p,  # k_cache
-            ctypes.c_void_p,  # v_cache
-            ctypes.c_void_p,  # block_table
-            ctypes.c_int64,  # table row stride
-            ctypes.c_void_p,  # cu_seqlens_q
-            ctypes.c_void_p,  # seq_lens
-            ctypes.c_int64,  # B
-            ctypes.c_int64,  # H
-            ctypes.c_int64,  # Hkv
-            ctypes.c_int64,  # D
-            ctypes.c_int64,  # page_size
-            ctypes.c_float,  # scale
-            ctypes.c_void_p,  # out
-            ctypes.c_int,  # is_bf16
-            ctypes.c_int,  # threads
-        ]
-    return fn
+    return _bound("asyncengine_paged_extend_attention", _EXTEND_ARGS)
 
 
 def extend_kernel_runs() -> bool:
@@ -157,31 +132,27 @@ def native_extend_attention(
 
 
 def _kernel() -> Any:
+    return _bound("asyncengine_paged_decode_attention", _DECODE_ARGS)
+
+
+def _bound(name: str, argtypes: list[Any]) -> Any:
+    """The library's function ``name`` with its ctypes signature set, or None without it."""
     lib = cpu_native.load("cpu_attention")
     if lib is None:
         return None
-    fn = lib.asyncengine_paged_decode_attention
+    fn = getattr(lib, name)
     if fn.argtypes is None:
         fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,  # q
-            ctypes.c_int64,  # q row stride
-            ctypes.c_void_p,  # k_cache
-            ctypes.c_void_p,  # v_cache
-            ctypes.c_void_p,  # block_table
-            ctypes.c_int64,  # table row stride
-            ctypes.c_void_p,  # seq_lens
-            ctypes.c_int64,  # B
-            ctypes.c_int64,  # H
-            ctypes.c_int64,  # Hkv
-            ctypes.c_int64,  # D
-            ctypes.c_int64,  # page_size
-            ctypes.c_float,  # scale
-            ctypes.c_void_p,  # out
-            ctypes.c_int,  # is_bf16
-            ctypes.c_int,  # threads
-        ]
+        fn.argtypes = argtypes
     return fn
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# q, q row stride, k_cache, v_cache, block_table, table row stride, [cu_seqlens_q,] seq_lens,
+# B, H, Hkv, D, page_size, scale, out, is_bf16, threads
+_DECODE_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+_DECODE_ARGS += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+_EXTEND_ARGS = [*_DECODE_ARGS[:6], _PTR, *_DECODE_ARGS[6:]]
 
 
 def plan_native_decode(
