@@ -4,41 +4,21 @@ penalties, stop lists, top_logprobs and stream usage are in test_server_openai.p
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
-import pytest_asyncio
 
 from asyncengine.sampling_params import SamplingParams
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
-    engine_config,
     engine_idle,
-    start_server,
-    tiny_model_dir,
     wait_until,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
-    yield running
-    await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 async def test_logit_bias_steers_and_bans(

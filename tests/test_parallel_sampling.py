@@ -6,24 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
-import pytest_asyncio
 
 from asyncengine import AsyncEngine
 from asyncengine.errors import InvalidRequestError
 from asyncengine.plan import BatchPlan
 from asyncengine.sampling_params import SamplingParams, choice_seed
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
     engine_config,
     engine_idle,
     sse_json,
-    start_server,
     tiny_model_dir,
     wait_until,
 )
@@ -32,21 +30,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PAGE = 16  # engine_config's page_size
 PROMPT = "Write a short story about a cache that never forgets."
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
-    yield running
-    await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 def sampled(n: int, max_new_tokens: int = 12, **kw: object) -> SamplingParams:

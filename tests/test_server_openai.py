@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
-import pytest_asyncio
 
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.errors import ApiError
@@ -20,14 +18,12 @@ from asyncengine.server.openai_schema import (
     completion_sampling_params,
     decode_body,
 )
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     MAX_MODEL_LEN,
     RunningServer,
     assert_no_leak,
-    engine_config,
     engine_idle,
-    start_server,
-    tiny_model_dir,
     wait_until,
 )
 
@@ -38,21 +34,6 @@ CHAT = [
     {"role": "user", "content": "Explain paged attention in one sentence."},
 ]
 PROMPT = "The radix tree shares prefixes between requests, so"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
-    yield running
-    await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 def greedy(max_new_tokens: int, **kw: object) -> SamplingParams:

@@ -21,13 +21,13 @@ import pytest_asyncio
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams, StructuredOutput
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
     engine_config,
     engine_idle,
     sse_json,
-    start_server,
     tiny_model_dir,
     wait_until,
 )
@@ -86,21 +86,6 @@ def check_json(text: str, schema: dict[str, Any]) -> Any:
     value = json.loads(text)
     jsonschema.validate(value, schema)
     return value
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(engine_config(tiny_model_dir(tmp_path_factory)))
-    yield running
-    await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
