@@ -21,12 +21,6 @@ from asyncengine.workloads.trace import WorkloadRequest
 _SALT = 0x7E4A
 
 
-def _poisson_times(rng: np.random.Generator, n: int, rate: float) -> list[float]:
-    gaps = rng.exponential(1.0 / rate, size=n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
-
-
 def multi_tenant(
     num_heavy: int = 300,
     num_light: int = 30,
@@ -48,7 +42,7 @@ def multi_tenant(
         ("heavy", num_heavy, heavy_rate, heavy_input_median, heavy_output),
         ("light", num_light, light_rate, light_input_median, light_output),
     ):
-        times = _poisson_times(np.random.default_rng(seed ^ _SALT ^ len(tenant)), n, rate)
+        times = Arrivals("poisson", rate=rate).times(n, seed ^ _SALT ^ len(tenant))
         lengths = _lognormal_lengths(rng, n, median, 0.5, 4, 4096)
         for i, (t, length) in enumerate(zip(times, lengths, strict=True)):
             items.append(
