@@ -551,10 +551,12 @@ def run_single_stream(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def shutdown(llm: Any) -> None:
+    """Stop vLLM's engine-core process early; best effort (the attribute path is vLLM's
+    internals, and the process group is ended by the launcher in any case)."""
     try:
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
+    except Exception as exc:
+        log(f"vLLM engine shutdown skipped: {exc!r}")
 
 
 def _vocab_size(model: str) -> int:
