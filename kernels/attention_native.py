@@ -1,4 +1,5 @@
-"""Paged decode and extend attention through the native CPU kernels (kernels/cpu_attention.c).
+"""Paged decode and extend attention through the native CPU kernels (kernels/cpu_decode_attention.c,
+cpu_extend_attention.c).
 
 Keys and values are read in place from the pool by page (no gathered copy), work items run on
 torch's OpenMP threads, scores and softmax are float32; the torch references
@@ -38,17 +39,20 @@ class NativeExtendPlan:
     num_tokens: int
 
 
+_DECODE_LIB, _EXTEND_LIB = "cpu_decode_attention", "cpu_extend_attention"
+
+
 def _extend_kernel() -> Any:
-    return _bound("asyncengine_paged_extend_attention", _EXTEND_ARGS)
+    return _bound(_EXTEND_LIB, "asyncengine_paged_extend_attention", _EXTEND_ARGS)
 
 
 def extend_kernel_runs() -> bool:
     """The extend kernel is built with AVX-512 (it has no portable path: elsewhere extends take
     the torch path)."""
-    lib = cpu_native.load("cpu_attention")
+    lib = cpu_native.load(_EXTEND_LIB)
     if lib is None or _extend_kernel() is None:
         return False
-    return bool(lib.asyncengine_cpu_attention_features() & 1)
+    return bool(lib.asyncengine_extend_attention_features() & 1)
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
@@ -132,12 +136,13 @@ def native_extend_attention(
 
 
 def _kernel() -> Any:
-    return _bound("asyncengine_paged_decode_attention", _DECODE_ARGS)
+    return _bound(_DECODE_LIB, "asyncengine_paged_decode_attention", _DECODE_ARGS)
 
 
-def _bound(name: str, argtypes: list[Any]) -> Any:
-    """The library's function ``name`` with its ctypes signature set, or None without it."""
-    lib = cpu_native.load("cpu_attention")
+def _bound(library: str, name: str, argtypes: list[Any]) -> Any:
+    """The function ``name`` of kernels/<library>.c with its ctypes signature set, or None
+    without the library."""
+    lib = cpu_native.load(library)
     if lib is None:
         return None
     fn = getattr(lib, name)

@@ -77,7 +77,7 @@ class TorchAttentionMetadata:
 
 
 class TorchBackend(AttentionBackend):
-    """On a CPU, extends and decodes through the native kernels (kernels/cpu_attention.c: keys
+    """On a CPU, extends and decodes through the native kernels (kernels/cpu_*_attention.c: keys
     and values read in place from the pool); elsewhere (or without a C compiler) extends in
     buckets of similar lengths and decodes in place from the pool for float32 or in gathered
     chunks (attention_ref). ``native=False`` keeps the torch paths on a CPU too.

@@ -1,5 +1,5 @@
 """Batch-invariant attention on a CPU: every query of the forward, decodes too, through the native
-extend kernel (kernels/cpu_attention.c).
+extend kernel (kernels/cpu_extend_attention.c).
 
 That kernel reduces each query row on its own: the row's keys are taken in blocks of 16 at
 absolute positions 0, 16, 32, ... with the row's own running max and sum, and a row that shares
