@@ -10,8 +10,8 @@
  *                                    block_table[b, p / page_size] * page_size + p % page_size
  *   seq_lens      [B]                int32 keys per request (the new token included)
  *
- * One work item is (request, kv head): its G = H / Hkv query heads share each key and value
- * read. Keys are taken in blocks of BLOCK tokens with an online softmax (running max and sum
+ * The work of a (request, kv head) pair: its G = H / Hkv query heads share each key and value
+ * read; a work item is a request's pairs in head order, or one pair when the batch is small. Keys are taken in blocks of BLOCK tokens with an online softmax (running max and sum
  * per query head, the accumulator rescaled when the max grows), so no buffer grows with the
  * context. Items run in parallel under OpenMP; loaded after torch, this library shares torch's
  * OpenMP runtime (same soname), so the two thread pools are one.
@@ -26,6 +26,8 @@
 #include "cpu_simd.h"
 
 #define BLOCK 32
+/* how many keys ahead the first head of an item prefetches every head's rows (into L2) */
+#define PREFETCH_KEYS 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 
@@ -215,9 +217,71 @@ static inline __m512 reduce16(const __m512 *v) {
 #define LOAD_ROW_BF16(base, r, j) load_bf16x16((const uint16_t *)(base) + (r) + 16 * (j))
 #define LOAD_ROW_F32(base, r, j) _mm512_loadu_ps((const float *)(base) + (r) + 16 * (j))
 
+
+/* acc[g] += p[g][i] * v_i over the block's keys: float32 fused multiply-adds per key */
+#define V_ACC_F32(G, NV)                                                                         \
+    for (int i = 0; i < n; i++) {                                                                \
+        __m512 v[NV];                                                                            \
+        for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_F32(vc, rows[i], j);                      \
+        for (int g = 0; g < (G); g++) {                                                          \
+            const __m512 pv = _mm512_set1_ps(p[g][i]);                                           \
+            for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]);     \
+        }                                                                                        \
+    }
+#define UNPAIR_F32(first, second)
+#ifdef __AVX512BF16__
+/* bfloat16 pools: p rounded to bfloat16 (as the model's own p @ v in bfloat16), two keys per
+ * dot-product instruction on value rows interleaved in pairs (unpacklo/hi_epi16). The pairs
+ * leave each accumulator's lanes in a fixed order of dims, put back by UNPAIR at the end. */
+static const uint16_t ZERO_ROW[MAX_HEAD_DIM] __attribute__((aligned(64)));
+#define V_ACC_BF16(G, NV)                                                                        \
+    uint32_t pb[G][8] __attribute__((aligned(64)));                                              \
+    for (int g = 0; g < (G); g++)                                                                \
+        _mm256_store_si256((__m256i *)pb[g], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p[g]))); \
+    for (int i = 0; i < n; i += 2) {                                                             \
+        const uint16_t *ra = (const uint16_t *)vc + rows[i];                                     \
+        const uint16_t *rb = i + 1 < n ? (const uint16_t *)vc + rows[i + 1] : ZERO_ROW;          \
+        for (int c = 0; c < (NV) / 2; c++) {                                                     \
+            const __m512i x = _mm512_loadu_si512((const void *)(ra + 32 * c));                   \
+            const __m512i y = _mm512_loadu_si512((const void *)(rb + 32 * c));                   \
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);                            \
+            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);                            \
+            for (int g = 0; g < (G); g++) {                                                      \
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[g][i / 2]);              \
+                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], pp, lo);                         \
+                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], pp, hi);                 \
+            }                                                                                    \
+        }                                                                                        \
+    }
+#define UNPAIR_BF16(first, second)                                                               \
+    {                                                                                            \
+        const __m512 lo = first, hi = second;                                                    \
+        first = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, \
+                                                             20, 21, 22, 23), hi);               \
+        second = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, \
+                                                              13, 14, 15, 28, 29, 30, 31), hi);  \
+    }
+#else
+#define V_ACC_BF16(G, NV)                                                                        \
+    for (int i = 0; i < n; i++) {                                                                \
+        __m512 v[NV];                                                                            \
+        for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_BF16(vc, rows[i], j);                     \
+        for (int g = 0; g < (G); g++) {                                                          \
+            const __m512 pv = _mm512_set1_ps(p[g][i]);                                           \
+            for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]);     \
+        }                                                                                        \
+    }
+#define UNPAIR_BF16(first, second)
+#endif
+
 /* A (request, kv head) item with G query heads of D = 16 * NV values, everything in registers:
- * per block of 16 keys, each head's 16 scores come from one reduce16; values are converted
- * once per key and accumulated into G x NV register accumulators. KIND is BF16 or F32. */
+ * per block of 16 keys, each head's 16 scores come from one reduce16, and the values are
+ * accumulated into G x NV register accumulators. KIND is BF16 or F32.
+ *
+ * The pool is far larger than the caches, so the item would wait on memory most of the time:
+ * it asks for the next block's keys and this block's values ahead of use (L1), and the item
+ * of a request's first kv head asks for every head's rows PREFETCH_KEYS ahead (L2), which the
+ * items of the other heads, run next by the same thread, then find there. */
 #define DEFINE_FAST_ITEM(KIND, G, NV)                                                            \
     static void fast_##KIND##_##G##_##NV(const void *q, int64_t q_stride, const void *kc,        \
                                          const void *vc, const int32_t *table_row, int len,       \
@@ -252,6 +316,15 @@ static inline __m512 reduce16(const __m512 *v) {
                 const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
                 PREFETCH_ROW(kc, (slot * Hkv + kvh) * D, KIND##_BYTES * D);                       \
             }                                                                                    \
+            if (kvh == 0) /* every head's rows (adjacent in a slot), later in this item */       \
+            for (int i = 0; i < 16 && t0 + PREFETCH_KEYS + i < len; i++) {                       \
+                const int64_t pos = t0 + PREFETCH_KEYS + i;                                      \
+                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
+                for (int64_t _b = 0; _b < Hkv * D * KIND##_BYTES; _b += 64) {                     \
+                    _mm_prefetch((const char *)kc + slot * Hkv * D * KIND##_BYTES + _b, _MM_HINT_T1); \
+                    _mm_prefetch((const char *)vc + slot * Hkv * D * KIND##_BYTES + _b, _MM_HINT_T1); \
+                }                                                                                \
+            }                                                                                    \
             for (int g = 0; g < (G); g++) {                                                      \
                 __m512 part[16];                                                                 \
                 for (int i = 0; i < 16; i++) {                                                   \
@@ -263,30 +336,29 @@ static inline __m512 reduce16(const __m512 *v) {
                 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);                   \
                 const float block_max = _mm512_reduce_max_ps(sc);                               \
                 const float new_max = block_max > m[g] ? block_max : m[g];                       \
-                const float corr = expf(m[g] - new_max);                                         \
                 const __m512 e = _mm512_maskz_mov_ps(                                            \
                     valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));                  \
-                l[g] = l[g] * corr + _mm512_reduce_add_ps(e);                                    \
-                m[g] = new_max;                                                                  \
-                const __m512 cv = _mm512_set1_ps(corr);                                          \
-                for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);         \
+                if (new_max > m[g]) { /* the max grew: rescale what was summed so far */         \
+                    const float corr = expf(m[g] - new_max);                                     \
+                    l[g] *= corr;                                                                \
+                    const __m512 cv = _mm512_set1_ps(corr);                                      \
+                    for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);     \
+                    m[g] = new_max;                                                              \
+                }                                                                                \
+                l[g] += _mm512_reduce_add_ps(e);                                                 \
                 _mm512_storeu_ps(p[g], e);                                                       \
             }                                                                                    \
-            for (int i = 0; i < n; i++) {                                                        \
-                __m512 v[NV];                                                                    \
-                for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_##KIND(vc, rows[i], j);           \
-                for (int g = 0; g < (G); g++) {                                                  \
-                    const __m512 pv = _mm512_set1_ps(p[g][i]);                                   \
-                    for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]); \
-                }                                                                                \
-            }                                                                                    \
+            V_ACC_##KIND(G, NV)                                                                  \
         }                                                                                        \
         for (int g = 0; g < (G); g++) {                                                          \
             const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);                 \
             const int64_t off = (b * H + head0 + g) * D;                                         \
-            for (int j = 0; j < (NV); j++) {                                                     \
-                const __m512 o = _mm512_mul_ps(acc[g][j], inv);                                  \
-                STORE_OUT_##KIND(out, off + 16 * j, o);                                          \
+            for (int j = 0; j < (NV); j += 2) {                                                  \
+                __m512 first = _mm512_mul_ps(acc[g][j], inv);                                    \
+                __m512 second = _mm512_mul_ps(acc[g][j + 1], inv);                               \
+                UNPAIR_##KIND(first, second)                                                     \
+                STORE_OUT_##KIND(out, off + 16 * j, first);                                      \
+                STORE_OUT_##KIND(out, off + 16 * (j + 1), second);                               \
             }                                                                                    \
         }                                                                                        \
     }
@@ -370,20 +442,26 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                                        int is_bf16, int num_threads) {
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM)
         return -1;
-    const int64_t items = B * Hkv;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
+    /* a whole request per item when there are enough to keep every thread busy (its heads in
+     * order on one thread, see the prefetch above), else one kv head per item */
+    const int64_t splits = B >= 4 * num_threads ? 1 : Hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t b = item / Hkv, kvh = item % Hkv;
+    for (int64_t item = 0; item < B * splits; item++) {
+        const int64_t b = item / splits;
+        const int64_t first = splits == 1 ? 0 : item % splits;
+        const int64_t last = splits == 1 ? Hkv : first + 1;
+        for (int64_t kvh = first; kvh < last; kvh++) {
 #ifdef __AVX512F__
-        if (fast != NULL) {
-            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b, kvh,
-                 H, Hkv, page_size, scale, out);
-            continue;
-        }
+            if (fast != NULL) {
+                fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b],
+                     b, kvh, H, Hkv, page_size, scale, out);
+                continue;
+            }
 #endif
-        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
-                    kvh, H, Hkv, D, page_size, scale, out, is_bf16);
+            decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride,
+                        seq_lens[b], b, kvh, H, Hkv, D, page_size, scale, out, is_bf16);
+        }
     }
     return 0;
 }
