@@ -11,10 +11,12 @@
  *   seq_lens      [B]                int32 keys per request (the new token included)
  *
  * The work of a (request, kv head) pair: its G = H / Hkv query heads share each key and value
- * read; a work item is a request's pairs in head order, or one pair when the batch is small. Keys are taken in blocks of BLOCK tokens with an online softmax (running max and sum
- * per query head, the accumulator rescaled when the max grows), so no buffer grows with the
- * context. Items run in parallel under OpenMP; loaded after torch, this library shares torch's
- * OpenMP runtime (same soname), so the two thread pools are one.
+ * read. Keys are taken in blocks with an online softmax (running max and sum per query head,
+ * the accumulator rescaled when the max grows), so no buffer grows with the context. With
+ * enough requests a thread takes whole requests (all their heads, streaming its next
+ * request's rows into L2 meanwhile: see the fast item), else one pair at a time. Items run in
+ * parallel under OpenMP; loaded after torch, this library shares torch's OpenMP runtime (same
+ * soname), so the two thread pools are one.
  *
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; the AVX-512 paths are
  * used where the compiler targets them (AVX512F for float32, AVX512BF16 for bfloat16 dot
@@ -274,19 +276,41 @@ static const uint16_t ZERO_ROW[MAX_HEAD_DIM] __attribute__((aligned(64)));
 #define UNPAIR_BF16(first, second)
 #endif
 
+/* Rows of another request to bring into L2 while this item computes, a few per key block */
+typedef struct {
+    const int32_t *table_row; /* its pages, or NULL: none */
+    int64_t len, next, per_block;
+} l2_stream;
+
+static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, int64_t row_bytes,
+                               int64_t page_size) {
+    for (int64_t k = 0; k < st->per_block && st->next < st->len; k++, st->next++) {
+        const int64_t pos = st->next;
+        const int64_t slot = (int64_t)st->table_row[pos / page_size] * page_size + pos % page_size;
+        const char *kr = (const char *)kc + slot * row_bytes, *vr = (const char *)vc + slot * row_bytes;
+        for (int64_t o = 0; o < row_bytes; o += 64) {
+            _mm_prefetch(kr + o, _MM_HINT_T1);
+            _mm_prefetch(vr + o, _MM_HINT_T1);
+        }
+    }
+}
+
 /* A (request, kv head) item with G query heads of D = 16 * NV values, everything in registers:
  * per block of 16 keys, each head's 16 scores come from one reduce16, and the values are
  * accumulated into G x NV register accumulators. KIND is BF16 or F32.
  *
- * The pool is far larger than the caches, so the item would wait on memory most of the time:
- * it asks for the next block's keys and this block's values ahead of use (L1), and the item
- * of a request's first kv head asks for every head's rows PREFETCH_KEYS ahead (L2), which the
- * items of the other heads, run next by the same thread, then find there. */
+ * The pool is far larger than the caches, and the item would wait on memory most of the time.
+ * It asks for the next block's keys and this block's values ahead of use (into L1); memory is
+ * kept busy further ahead by ``st``, the rows (every head: adjacent in a slot) of the request
+ * its thread runs next, streamed into L2 a few per block over all of this request's items. A
+ * thread's first request has nobody streaming for it (``cold``): its first head's item asks
+ * for every head's rows PREFETCH_KEYS ahead, which its other heads' items then find in L2. */
 #define DEFINE_FAST_ITEM(KIND, G, NV)                                                            \
     static void fast_##KIND##_##G##_##NV(const void *q, int64_t q_stride, const void *kc,        \
                                          const void *vc, const int32_t *table_row, int len,       \
                                          int64_t b, int64_t kvh, int64_t H, int64_t Hkv,          \
-                                         int64_t page_size, float scale, void *out) {             \
+                                         int64_t page_size, float scale, void *out, int cold,     \
+                                         l2_stream *st) {                                         \
         const int64_t D = 16 * (NV);                                                             \
         __m512 qv[G][NV] __attribute__((unused)), acc[G][NV];                                    \
         QBF16_DECL(KIND, G, NV)                                                                  \
@@ -316,7 +340,8 @@ static const uint16_t ZERO_ROW[MAX_HEAD_DIM] __attribute__((aligned(64)));
                 const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
                 PREFETCH_ROW(kc, (slot * Hkv + kvh) * D, KIND##_BYTES * D);                       \
             }                                                                                    \
-            if (kvh == 0) /* every head's rows (adjacent in a slot), later in this item */       \
+            if (st->table_row != NULL) stream_rows(st, kc, vc, Hkv * D * KIND##_BYTES, page_size); \
+            if (cold && kvh == 0) /* every head's rows (adjacent in a slot), later in this item */ \
             for (int i = 0; i < 16 && t0 + PREFETCH_KEYS + i < len; i++) {                       \
                 const int64_t pos = t0 + PREFETCH_KEYS + i;                                      \
                 const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
@@ -411,7 +436,8 @@ DEFINE_FOR_GROUPS(F32, 4)
 DEFINE_FOR_GROUPS(F32, 8)
 
 typedef void (*fast_item_fn)(const void *, int64_t, const void *, const void *, const int32_t *,
-                             int, int64_t, int64_t, int64_t, int64_t, int64_t, float, void *);
+                             int, int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int,
+                             l2_stream *);
 
 #define GROUP_TABLE(KIND, NV)                                                                   \
     {fast_##KIND##_1_##NV, fast_##KIND##_2_##NV, fast_##KIND##_3_##NV, fast_##KIND##_4_##NV,   \
@@ -443,25 +469,43 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM)
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
-    /* a whole request per item when there are enough to keep every thread busy (its heads in
-     * order on one thread, see the prefetch above), else one kv head per item */
-    const int64_t splits = B >= 4 * num_threads ? 1 : Hkv;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < B * splits; item++) {
-        const int64_t b = item / splits;
-        const int64_t first = splits == 1 ? 0 : item % splits;
-        const int64_t last = splits == 1 ? Hkv : first + 1;
-        for (int64_t kvh = first; kvh < last; kvh++) {
 #ifdef __AVX512F__
-            if (fast != NULL) {
-                fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b],
-                     b, kvh, H, Hkv, page_size, scale, out);
-                continue;
+    if (fast != NULL && B >= 4 * num_threads) {
+        /* Whole requests, thread t taking t, t + T, ...: while one request computes (its heads
+         * in turn), the thread streams the rows of its next request into L2, spread over the
+         * key blocks; its first request is cold and prefetches its own rows ahead instead. */
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+            for (int64_t b = t; b < B; b += T) {
+                const int64_t nb = b + T, blocks = (seq_lens[b] + 15) / 16;
+                l2_stream st = {NULL, 0, 0, 0};
+                if (nb < B) {
+                    st.table_row = block_table + nb * table_stride;
+                    st.len = seq_lens[nb];
+                    st.per_block = (st.len + Hkv * blocks - 1) / (Hkv * blocks);
+                }
+                for (int64_t kvh = 0; kvh < Hkv; kvh++)
+                    fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride,
+                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, out, b == t, &st);
             }
-#endif
-            decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride,
-                        seq_lens[b], b, kvh, H, Hkv, D, page_size, scale, out, is_bf16);
         }
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < B * Hkv; item++) {
+        const int64_t b = item / Hkv, kvh = item % Hkv;
+#ifdef __AVX512F__
+        if (fast != NULL) {
+            l2_stream none = {NULL, 0, 0, 0};
+            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
+                 kvh, H, Hkv, page_size, scale, out, 1, &none);
+            continue;
+        }
+#endif
+        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
+                    kvh, H, Hkv, D, page_size, scale, out, is_bf16);
     }
     return 0;
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -19,15 +21,30 @@ def test_the_kernel_compiles_here() -> None:
         assert cpu_native.library_path(name).is_file(), name
 
 
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The decode kernel gives whole requests to threads when there are >= 4 per thread (8
+    requests on 1 thread) and one kv head per item otherwise (on 3): both paths are checked."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
     [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
 )
 def test_native_decode_matches_the_reference(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    threads: int,
 ) -> None:
-    # ragged lengths across block boundaries (the kernel takes keys 32 at a time), length 1 too
+    # ragged lengths across block boundaries (the kernel takes keys 16 at a time), length 1 too
     seq_lens = [1, 31, 32, 33, 70, 5, 129, 64]
     kv = PagedKV(seq_lens, page_size, num_kv_heads, head_dim, dtype, seed=head_dim + page_size)
     gen = torch.Generator().manual_seed(1)
