@@ -73,18 +73,31 @@ class PagedKV:
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One request: q [Lq, H, D] at the last Lq positions of k/v [L, Hkv, D], causal, in fp32."""
+    """One request: q [Lq, H, D] at the last Lq positions of k/v [L, Hkv, D], causal, in fp32;
+    a query at p sees keys p - window + 1 .. p (window 0: all), scores soft-capped at softcap."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
     v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     lq, lk = q.shape[0], k.shape[1]
-    visible = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k, v, attn_mask=visible, scale=scale
-    )
-    return out.transpose(0, 1)
+    keys, pos = torch.arange(lk)[None, :], (lk - lq + torch.arange(lq))[:, None]
+    visible = keys <= pos
+    if window:
+        visible &= keys > pos - window
+    if not softcap:
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k, v, attn_mask=visible, scale=scale
+        )
+        return out.transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
 
 
 attention_cases = st.fixed_dictionaries(

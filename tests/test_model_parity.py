@@ -64,7 +64,17 @@ def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
-    "name", ["llama_gqa", "llama_tied", "qwen2_bias", "llama3_rope", "qwen3_qk_norm", "gemma"]
+    "name",
+    [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "llama3_rope",
+        "qwen3_qk_norm",
+        "gemma",
+        "gemma2",
+        "gemma3",
+    ],
 )
 def test_prefill_extend_and_decode_match_hf(
     tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int
