@@ -7,7 +7,8 @@ a tile with others only adds exact zeros for keys it does not see. So a row's ou
 its query and its keys alone: not on the other requests of the forward, on how its prompt was
 chunked, or on how much of it came from the prefix cache. Decodes go through the same kernel
 (one-query extends) rather than the decode kernel, whose sums run in another order, so a token
-recomputed in a prefill (a retracted request) equals the one its decode made.
+recomputed in a prefill (a retracted request) equals the one its decode made. Sliding windows
+and soft-capping (Gemma 2/3) are the kernel's own options and keep these properties.
 tests/test_deterministic.py checks these properties on the pool's layout.
 """
 
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.executor.attention import TorchAttentionMetadata, TorchBackend
+from asyncengine.executor.attention import (
+    PLAIN,
+    AttentionOptions,
+    TorchAttentionMetadata,
+    TorchBackend,
+)
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.attention_native import (
     NativeExtendPlan,
@@ -65,6 +71,7 @@ class NativeInvariantBackend(TorchBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         plan = metadata.extend_plan
@@ -74,4 +81,6 @@ class NativeInvariantBackend(TorchBackend):
                 raise RuntimeError("the native extend kernel does not run for this pool")
             metadata.extend_plan = plan
         assert isinstance(plan, NativeExtendPlan)
-        return native_extend_attention(q, k_cache, v_cache, plan, scale)
+        return native_extend_attention(
+            q, k_cache, v_cache, plan, scale, options.window, options.softcap
+        )
