@@ -142,12 +142,16 @@ def decode_attention_planned(
         queries = chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim)
         keys = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         values = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        mask = chunk.mask if not (window or softcap) else chunk.mask_for(window, k_cache.dtype)
         if softcap:
+            mask = chunk.mask_for(window, k_cache.dtype)
             attended = capped_attention(queries, keys, values, mask, scale, softcap)
         else:
             attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, scale=scale
+                queries,
+                keys,
+                values,
+                attn_mask=chunk.mask_for(window, k_cache.dtype) if window else chunk.mask,
+                scale=scale,
             )
         attended = attended.reshape(n, num_heads, head_dim)
         if out is None:
@@ -291,16 +295,16 @@ def extend_attention_planned(
         queries = b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2)
         keys = k_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
         values = v_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        mask = b.mask if not (window or softcap) else b.mask_for(window, k_cache.dtype)
         if softcap:
+            mask = b.mask_for(window, k_cache.dtype)
             out = capped_attention(queries, keys, values, mask, scale, softcap)
         else:
             out = F.scaled_dot_product_attention(
                 queries,
                 keys,
                 values,
-                attn_mask=mask,
-                is_causal=mask is None,
+                attn_mask=b.mask_for(window, k_cache.dtype) if window else b.mask,
+                is_causal=not window and b.mask is None,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
             )

@@ -170,11 +170,13 @@ class LlamaModel:
         positions = batch.positions
         qk_heads = c.num_heads + c.num_kv_heads
         # cos/sin rows of each distinct RoPE table, once per forward (torch reference rotary)
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.rotary_once_per_forward and self.ops.rotary_store is None:
             for table in self.layer_cos_sin:
-                if id(table) not in rows:
-                    rows[id(table)] = rotary_ref.cos_sin_for_positions(positions, table, self.dtype)
+                if id(table) not in rope_rows:
+                    rope_rows[id(table)] = rotary_ref.cos_sin_for_positions(
+                        positions, table, self.dtype
+                    )
         hidden = F.embedding(batch.input_ids, self.embed)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
@@ -202,8 +204,8 @@ class LlamaModel:
                 )
                 attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale, options)
             else:
-                if rows:
-                    cos, sin = rows[id(cos_sin)]
+                if rope_rows:
+                    cos, sin = rope_rows[id(cos_sin)]
                     qk = rotary_ref.rotate_neox(
                         qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
                     )
