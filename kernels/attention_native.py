@@ -20,7 +20,7 @@ from asyncengine.kernels import cpu_native
 
 _DTYPES = (torch.bfloat16, torch.float32)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
-EXTEND_HEAD_DIMS = (64, 128)  # the extend kernel's specializations
+EXTEND_HEAD_DIMS = (64, 128, 256)  # the extend kernel's specializations (256: Gemma 2/3)
 
 
 @dataclass(slots=True)

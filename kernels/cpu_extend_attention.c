@@ -8,7 +8,7 @@
  * row's 16 scores are D/2 AVX512-BF16 dot products (D fused multiply-adds in float32) with no
  * horizontal sums; values are converted to float32 once per block, and each row accumulates
  * 16 values into its output held in registers. Online softmax (running max and sum per row). Head dims 64 and
- * 128 (others: -1, the torch path).
+ * 128, and 256 (Gemma 2/3; its outputs spill registers) (others: -1, the torch path).
  *
  * Sliding window (window > 0): a query at position p sees keys p - window + 1 .. p only; key
  * blocks below every row's window are skipped. Soft-capping (softcap > 0): scaled scores s
@@ -225,6 +225,7 @@ static inline __m512 pair_dot(__m512 acc, uint32_t pair, __m512i w) {
 
 DEFINE_EXTEND_ITEM(4)
 DEFINE_EXTEND_ITEM(8)
+DEFINE_EXTEND_ITEM(16)
 #endif
 
 /* Returns 0, or -1 when this build or these shapes are not handled (the caller then takes the
@@ -238,7 +239,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
                                        int64_t window, float softcap, void *out, int is_bf16,
                                        int num_threads) {
 #ifdef __AVX512F__
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128)) return -1;
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256)) return -1;
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
         count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + QB - 1) / QB);
@@ -260,10 +261,14 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
             extend_item_4(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
                           window, softcap, out, is_bf16);
-        else
+        else if (D == 128)
             extend_item_8(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
                           window, softcap, out, is_bf16);
+        else
+            extend_item_16(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
+                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
+                           window, softcap, out, is_bf16);
     }
     free(items);
     return 0;

@@ -152,7 +152,7 @@ def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
-    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
+    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7), (8, 4, 256, 16)],
 )
 def test_native_extend_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int

@@ -51,7 +51,7 @@ def plan_invariant_native(
     batch: ForwardBatch, num_heads: int, k_cache: torch.Tensor
 ) -> NativeExtendPlan | None:
     """The forward's plan, or None where the extend kernel does not run (no AVX-512 build,
-    head dims other than 64 and 128, not a CPU)."""
+    head dims other than 64, 128 and 256, not a CPU)."""
     if k_cache.device.type != "cpu":
         return None
     table, cu, seq_lens = _every_query_as_an_extend(batch)
