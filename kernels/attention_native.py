@@ -20,7 +20,7 @@ from asyncengine.kernels import cpu_native
 
 _DTYPES = (torch.bfloat16, torch.float32)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
-EXTEND_HEAD_DIMS = (64, 128)  # the extend kernel's specializations
+EXTEND_HEAD_DIMS = (64, 128, 256)  # the extend kernel's specializations (256: Gemma 2/3)
 
 
 @dataclass(slots=True)
@@ -95,8 +95,12 @@ def native_extend_attention(
     v_cache: torch.Tensor,
     plan: NativeExtendPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q [N, H, D] ragged as planned (heads contiguous within a row) -> [N, H, D]."""
+    """q [N, H, D] ragged as planned (heads contiguous within a row) -> [N, H, D]; a query at
+    position p sees keys p - window + 1 .. p (``window`` 0: all up to p), scaled scores s
+    become softcap * tanh(s / softcap) (``softcap`` 0: off)."""
     kernel = _extend_kernel()
     assert kernel is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -124,6 +128,8 @@ def native_extend_attention(
         head_dim,
         plan.page_size,
         scale,
+        window,
+        softcap,
         out.data_ptr(),
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
@@ -157,7 +163,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # B, H, Hkv, D, page_size, scale, out, is_bf16, threads
 _DECODE_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
 _DECODE_ARGS += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
-_EXTEND_ARGS = [*_DECODE_ARGS[:6], _PTR, *_DECODE_ARGS[6:]]
+# q, q row stride, k_cache, v_cache, block_table, table row stride, cu_seqlens_q, seq_lens,
+# B, H, Hkv, D, page_size, scale, window, softcap, out, is_bf16, threads
+_EXTEND_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
+_EXTEND_ARGS += [ctypes.c_float, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
 
 
 def plan_native_decode(

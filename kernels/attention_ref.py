@@ -16,11 +16,15 @@ On CPU the fused attention is also the only fast bfloat16 attention (~6x the bat
 
 The plans are built once per forward and reused by every layer (``plan_extend``,
 ``plan_decode``); ``extend_attention`` and ``decode_attention`` do both in one call.
+
+Sliding-window and soft-capped layers (``window``, ``softcap``: attention_window.py) share the
+plans: a plan makes each window's mask the first time a layer asks for it, and capped layers
+run ``capped_attention`` on the same gathered keys instead of the fused attention.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,7 @@ from asyncengine.kernels.attention_grouping import (
     extend_buckets,
     extend_cost_for,
 )
+from asyncengine.kernels.attention_window import additive_mask, capped_attention, hidden_keys
 from asyncengine.kernels.decode_sparse_ref import (
     SparseDecodePlan,
     plan_sparse_decode,
@@ -52,6 +57,15 @@ class DecodeChunk:
     # [n, 1, 1, kv_len] additive, in the pool's dtype (torch 2.13's CPU attention misreads a
     # float32 mask beside float64 queries); None: every key visible
     mask: torch.Tensor | None
+    lens: torch.Tensor  # [n] int64 keys of each request
+    # by window (0: causal only): [n, 1, 1, kv_len] additive, made when a layer first asks
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        if window not in self.masks:
+            hidden = hidden_keys((self.lens - 1)[:, None], self.kv_len, window)
+            self.masks[window] = additive_mask(hidden, dtype)[:, None]
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -99,7 +113,7 @@ def plan_gather_decode(
             hidden = keys[None, :] >= chunk_lens.long()[:, None]
             mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
             mask = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
-        chunks.append(DecodeChunk(requests, kv_len, kv_slots, mask))
+        chunks.append(DecodeChunk(requests, kv_len, kv_slots, mask, chunk_lens.long()))
     rows = max(c.requests.count * c.kv_len for c in chunks)
     return GatherDecodePlan(chunks, gather_buffers(k_cache, rows))
 
@@ -110,10 +124,13 @@ def decode_attention_planned(
     v_cache: torch.Tensor,
     plan: DecodePlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode q [B, H, D] as planned -> [B, H, D]."""
+    """Decode q [B, H, D] as planned -> [B, H, D]; ``window`` keys seen (0: all), scores
+    soft-capped at ``softcap`` (0: off)."""
     if isinstance(plan, SparseDecodePlan):
-        return sparse_decode_attention(q, k_cache, v_cache, plan, scale)
+        return sparse_decode_attention(q, k_cache, v_cache, plan, scale, window, softcap)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -122,13 +139,21 @@ def decode_attention_planned(
     for chunk in plan.chunks:
         n, length = chunk.requests.count, chunk.kv_len
         k, v = gather_kv(k_cache, v_cache, chunk.kv_slots, plan.buffers)
-        attended = F.scaled_dot_product_attention(
-            chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim),
-            k.view(n, length, num_kv_heads, head_dim).transpose(1, 2),
-            v.view(n, length, num_kv_heads, head_dim).transpose(1, 2),
-            attn_mask=chunk.mask,
-            scale=scale,
-        ).reshape(n, num_heads, head_dim)
+        queries = chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim)
+        keys = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        values = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        if softcap:
+            mask = chunk.mask_for(window, k_cache.dtype)
+            attended = capped_attention(queries, keys, values, mask, scale, softcap)
+        else:
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=chunk.mask_for(window, k_cache.dtype) if window else chunk.mask,
+                scale=scale,
+            )
+        attended = attended.reshape(n, num_heads, head_dim)
         if out is None:
             return attended
         chunk.requests.put(out, attended)
@@ -144,10 +169,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, H, D]; block_table [B, P] int32; seq_lens [B] int32 incl. the new token -> [B, H, D]."""
     plan = plan_decode(block_table, seq_lens, page_size, q.shape[1], k_cache)
-    return decode_attention_planned(q, k_cache, v_cache, plan, scale)
+    return decode_attention_planned(q, k_cache, v_cache, plan, scale, window, softcap)
 
 
 # ---------------------------------------------------------------------------- extend
@@ -165,6 +192,15 @@ class ExtendBucket:
     queries: RowSelection
     kv_offset: int
     mask: torch.Tensor | None  # [n, 1, q_len, kv_len] additive, the pool's dtype; None: causal
+    query_pos: torch.Tensor  # [n, q_len] int64 each query row's position
+    # by window (0: causal only): explicit masks like ``mask``, made when a layer first asks
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        if window not in self.masks:
+            hidden = hidden_keys(self.query_pos, self.kv_len, window)
+            self.masks[window] = additive_mask(hidden, dtype)[:, None]
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -221,13 +257,10 @@ def plan_extend(
         padded_rows = out_offset + torch.arange(n * q_len, device=device).view(n, q_len)
         output_rows[rows[real]] = padded_rows[real]
         mask = None
+        query_pos = (bucket_kv_lens - bucket_q_lens)[:, None] + steps[None, :]
         if any(q_lens[i] != kv_lens[i] for i in members):  # a cached prefix: not plain causal
-            query_pos = (bucket_kv_lens - bucket_q_lens)[:, None] + steps[None, :]
-            keys = torch.arange(kv_len, device=device)
-            hidden = keys[None, None, :] > query_pos[:, :, None]
-            mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
-            mask = mask.masked_fill_(hidden, float("-inf"))[:, None]
-        buckets.append(ExtendBucket(n, q_len, kv_len, queries, kv_offset, mask))
+            mask = additive_mask(hidden_keys(query_pos, kv_len, 0), k_cache.dtype)[:, None]
+        buckets.append(ExtendBucket(n, q_len, kv_len, queries, kv_offset, mask, query_pos))
         kv_offset += n * kv_len
         out_offset += n * q_len
     in_order = out_offset == cu[-1] and torch.equal(
@@ -247,24 +280,34 @@ def extend_attention_planned(
     v_cache: torch.Tensor,
     plan: ExtendPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Ragged q [N, H, D] bucket by bucket as planned -> [N, H, D]."""
+    """Ragged q [N, H, D] bucket by bucket as planned -> [N, H, D]; ``window`` keys seen by
+    each query (0: all up to itself), scores soft-capped at ``softcap`` (0: off)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     k_all, v_all = gather_kv(k_cache, v_cache, plan.kv_slots, plan.buffers)
     outs = []
     for b in plan.buckets:
         n, q_len, kv_len = b.num_requests, b.q_len, b.kv_len
-        keys = slice(b.kv_offset, b.kv_offset + n * kv_len)
-        out = F.scaled_dot_product_attention(
-            b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2),
-            k_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
-            v_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
-            attn_mask=b.mask,
-            is_causal=b.mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+        rows = slice(b.kv_offset, b.kv_offset + n * kv_len)
+        queries = b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2)
+        keys = k_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        if softcap:
+            mask = b.mask_for(window, k_cache.dtype)
+            out = capped_attention(queries, keys, values, mask, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=b.mask_for(window, k_cache.dtype) if window else b.mask,
+                is_causal=not window and b.mask is None,
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
         outs.append(out.transpose(1, 2).reshape(n * q_len, num_heads, head_dim))
     stacked = outs[0] if len(outs) == 1 else torch.cat(outs)
     return stacked if plan.output_rows is None else stacked.index_select(0, plan.output_rows)
@@ -279,7 +322,9 @@ def extend_attention(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [N, H, D] ragged by cu_seqlens_q [B+1]; seq_lens [B] total kv length -> [N, H, D]."""
     plan = plan_extend(block_table, cu_seqlens_q, seq_lens, page_size, q.shape[1], k_cache)
-    return extend_attention_planned(q, k_cache, v_cache, plan, scale)
+    return extend_attention_planned(q, k_cache, v_cache, plan, scale, window, softcap)

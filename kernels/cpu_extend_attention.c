@@ -8,7 +8,13 @@
  * row's 16 scores are D/2 AVX512-BF16 dot products (D fused multiply-adds in float32) with no
  * horizontal sums; values are converted to float32 once per block, and each row accumulates
  * 16 values into its output held in registers. Online softmax (running max and sum per row). Head dims 64 and
- * 128 (others: -1, the torch path).
+ * 128, and 256 (Gemma 2/3; its outputs spill registers) (others: -1, the torch path).
+ *
+ * Sliding window (window > 0): a query at position p sees keys p - window + 1 .. p only; key
+ * blocks below every row's window are skipped. Soft-capping (softcap > 0): scaled scores s
+ * become softcap * tanh(s / softcap) before the softmax (Gemma 2). Either keeps each row's
+ * reduction in absolute key-block order, so a row's output still depends on its query and keys
+ * alone (deterministic mode relies on it).
  *
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; AVX-512 only (the
  * caller takes the torch path elsewhere), AVX512-BF16 dot products where the CPU has them.
@@ -49,7 +55,8 @@ typedef struct {
     static void extend_item_##NV(const void *q, int64_t q_stride, const void *kc, const void *vc, \
                                  const int32_t *table_row, int64_t q_start, int64_t q_len,        \
                                  int64_t kv_len, extend_item it, int64_t H, int64_t Hkv,          \
-                                 int64_t page_size, float scale, void *out, int bf16) {           \
+                                 int64_t page_size, float scale, int64_t window, float softcap,   \
+                                 void *out, int bf16) {                                           \
         const int64_t D = 16 * (NV), G = H / Hkv;                                                \
         const int64_t nq = (q_len - it.q0 < QB) ? (q_len - it.q0) : QB;                          \
         const int64_t rows = G * nq, padded = (rows + TILE - 1) / TILE * TILE;                   \
@@ -61,7 +68,7 @@ typedef struct {
         static __thread float kt[16 * (NV)][KB] __attribute__((aligned(64)));                    \
         static __thread float vf[KB][16 * (NV)] __attribute__((aligned(64)));                    \
         float m[MAX_ROWS], l[MAX_ROWS];                                                          \
-        int64_t qpos[MAX_ROWS];                                                                  \
+        int64_t qpos[MAX_ROWS], qlo[MAX_ROWS]; /* a row's first and last visible key */         \
         for (int64_t r = 0; r < padded; r++) {                                                   \
             const int64_t g = r / nq, i = r % nq;                                                \
             m[r] = -INFINITY;                                                                    \
@@ -71,9 +78,11 @@ typedef struct {
                 memset(qp[r], 0, sizeof qp[r]);                                                  \
                 memset(qf[r], 0, sizeof qf[r]);                                                  \
                 qpos[r] = -1;                                                                    \
+                qlo[r] = INT64_MAX;                                                              \
                 continue;                                                                        \
             }                                                                                    \
             qpos[r] = pos0 + i;                                                                  \
+            qlo[r] = (window > 0 && qpos[r] - window + 1 > 0) ? qpos[r] - window + 1 : 0;        \
             const int64_t off = (q_start + it.q0 + i) * q_stride + (it.kvh * G + g) * D;          \
             if (bf16)                                                                            \
                 memcpy(qp[r], (const uint16_t *)q + off, (size_t)D * 2);                         \
@@ -82,16 +91,21 @@ typedef struct {
         }                                                                                        \
         /* a tile's rows can mix query heads (r = g * nq + i), so its last position is not      \
          * that of its last row: take the max over the tile */                                 \
-        int64_t tile_last[MAX_ROWS / TILE + 1];                                                  \
+        int64_t tile_last[MAX_ROWS / TILE + 1], tile_first[MAX_ROWS / TILE + 1];                 \
         for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                          \
-            int64_t last = qpos[r0];                                                             \
-            for (int t = 1; t < TILE; t++)                                                       \
+            int64_t last = qpos[r0], first = qlo[r0];                                            \
+            for (int t = 1; t < TILE; t++) {                                                     \
                 if (qpos[r0 + t] > last) last = qpos[r0 + t];                                    \
+                if (qlo[r0 + t] < first) first = qlo[r0 + t];                                    \
+            }                                                                                    \
             tile_last[r0 / TILE] = last;                                                         \
+            tile_first[r0 / TILE] = first;                                                       \
         }                                                                                        \
         const int64_t last_key = pos0 + nq - 1;                                                  \
+        const int64_t first_block = (window > 0 && pos0 - window + 1 > 0) ? (pos0 - window + 1) / KB * KB : 0; \
+        const __m512 cap = _mm512_set1_ps(softcap), inv_cap = _mm512_set1_ps(softcap > 0.0f ? 1.0f / softcap : 0.0f); \
         int64_t slot_rows[KB];                                                                   \
-        for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {                                         \
+        for (int64_t k0 = first_block; k0 <= last_key; k0 += KB) {                               \
             const int64_t nk = (last_key + 1 - k0 < KB) ? (last_key + 1 - k0) : KB;              \
             for (int64_t k = 0; k < nk; k++) {                                                   \
                 const int64_t pos = k0 + k;                                                      \
@@ -117,6 +131,7 @@ typedef struct {
             }                                                                                    \
             for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                      \
                 if (k0 > tile_last[r0 / TILE]) continue; /* the block is past every row */      \
+                if (k0 + nk <= tile_first[r0 / TILE]) continue; /* before every row's window */  \
                 __m512 sc[TILE];                                                                 \
                 for (int t = 0; t < TILE; t++) sc[t] = _mm512_setzero_ps();                      \
                 if (bf16) {                                                                      \
@@ -140,10 +155,15 @@ typedef struct {
                     int64_t visible = qpos[r] - k0 + 1;                                          \
                     visible = visible < 0 ? 0 : (visible > nk ? nk : visible);                   \
                     if (visible > visible_max) visible_max = visible;                            \
-                    const __mmask16 mask = (__mmask16)((visible >= 16) ? 0xffffu : ((1u << visible) - 1u)); \
-                    __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,               \
-                                                  _mm512_mul_ps(sc[t], _mm512_set1_ps(scale)));  \
-                    const float block_max = visible ? _mm512_reduce_max_ps(s) : -INFINITY;       \
+                    int64_t hidden = qlo[r] - k0; /* keys of the block below the row's window */ \
+                    hidden = hidden < 0 ? 0 : (hidden > KB ? KB : hidden);                       \
+                    const __mmask16 mask = (__mmask16)(((visible >= 16) ? 0xffffu : ((1u << visible) - 1u)) \
+                                                       & ~((hidden >= 16) ? 0xffffu : ((1u << hidden) - 1u))); \
+                    __m512 scaled = _mm512_mul_ps(sc[t], _mm512_set1_ps(scale));                 \
+                    if (softcap > 0.0f)                                                          \
+                        scaled = _mm512_mul_ps(cap, tanh512(_mm512_mul_ps(scaled, inv_cap)));    \
+                    __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, scaled);      \
+                    const float block_max = mask ? _mm512_reduce_max_ps(s) : -INFINITY;          \
                     const float new_max = block_max > m[r] ? block_max : m[r];                   \
                     if (new_max == -INFINITY) { /* nothing visible yet */                        \
                         corr[t] = 1.0f;                                                          \
@@ -205,6 +225,7 @@ static inline __m512 pair_dot(__m512 acc, uint32_t pair, __m512i w) {
 
 DEFINE_EXTEND_ITEM(4)
 DEFINE_EXTEND_ITEM(8)
+DEFINE_EXTEND_ITEM(16)
 #endif
 
 /* Returns 0, or -1 when this build or these shapes are not handled (the caller then takes the
@@ -215,9 +236,10 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
                                        int64_t table_stride, const int32_t *cu_seqlens_q,
                                        const int32_t *seq_lens, int64_t B, int64_t H,
                                        int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                                       void *out, int is_bf16, int num_threads) {
+                                       int64_t window, float softcap, void *out, int is_bf16,
+                                       int num_threads) {
 #ifdef __AVX512F__
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128)) return -1;
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256)) return -1;
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
         count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + QB - 1) / QB);
@@ -238,18 +260,22 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
         if (D == 64)
             extend_item_4(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
-                          out, is_bf16);
-        else
+                          window, softcap, out, is_bf16);
+        else if (D == 128)
             extend_item_8(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
-                          out, is_bf16);
+                          window, softcap, out, is_bf16);
+        else
+            extend_item_16(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
+                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
+                           window, softcap, out, is_bf16);
     }
     free(items);
     return 0;
 #else
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_table; (void)table_stride;
     (void)cu_seqlens_q; (void)seq_lens; (void)B; (void)H; (void)Hkv; (void)D; (void)page_size;
-    (void)scale; (void)out; (void)is_bf16; (void)num_threads;
+    (void)scale; (void)window; (void)softcap; (void)out; (void)is_bf16; (void)num_threads;
     return -1;
 #endif
 }

@@ -10,18 +10,20 @@ CPU, ~0.55x with 2 threads (30 layers of SmolLM2-135M's heads, batch 64, context
 shuffled), and ~0.6x the batched block-diagonal matmuls used before.
 
 Both ops compute in the tensors' dtype, so this serves float32 only (bfloat16 would round the
-scores); ``attention_ref`` picks it by dtype.
+scores); ``attention_ref`` picks it by dtype. Sliding windows and soft-capping
+(attention_window.py) act on the scores before the softmax.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from asyncengine.kernels.attention_grouping import decode_chunks
+from asyncengine.kernels.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.paged_kv import RowSelection, padded_kv_slots
 
 # pattern entries (requests x query heads x keys) per chunk: bounds the index memory, 24 B each
@@ -37,6 +39,17 @@ class SparseDecodeChunk:
     pattern: torch.Tensor
     key_rows: torch.Tensor  # [n * H, kv_len] int64, the pattern's columns
     mask: torch.Tensor | None  # [n, 1, kv_len] float32 additive; None: every key visible
+    lens: torch.Tensor  # [n] int64 keys of each request
+    # by window: [n, 1, kv_len] float32 additive, made when a layer first asks
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        if not window:
+            return self.mask
+        if window not in self.masks:
+            hidden = hidden_keys((self.lens - 1)[:, None], self.kv_len, window)
+            self.masks[window] = additive_mask(hidden, torch.float32)
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -80,7 +93,9 @@ def plan_sparse_decode(
             hidden = keys[None, :] >= chunk_lens.long()[:, None]
             mask = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
             mask = mask.masked_fill_(hidden, float("-inf"))[:, None, :]
-        chunks.append(SparseDecodeChunk(requests, kv_len, pattern, key_rows, mask))
+        chunks.append(
+            SparseDecodeChunk(requests, kv_len, pattern, key_rows, mask, chunk_lens.long())
+        )
     return SparseDecodePlan(chunks)
 
 
@@ -90,8 +105,11 @@ def sparse_decode_attention(
     v_cache: torch.Tensor,
     plan: SparseDecodePlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode q [B, H, D] (float32) over float32 caches [S, Hkv, D] as planned -> [B, H, D]."""
+    """Decode q [B, H, D] (float32) over float32 caches [S, Hkv, D] as planned -> [B, H, D];
+    ``window`` keys seen (0: all), scores soft-capped at ``softcap`` (0: off)."""
     num_heads, head_dim = q.shape[1:]
     key_rows = k_cache.view(-1, head_dim).t()  # [D, S * Hkv]: sampled_addmm's mat2, no copy
     value_rows = v_cache.view(-1, head_dim)
@@ -104,8 +122,11 @@ def sparse_decode_attention(
             chunk.pattern, q_rows, key_rows, beta=0.0, alpha=scale, out=chunk.pattern
         )
         scores = chunk.pattern.values().view(n, num_heads, kv_len)
-        if chunk.mask is not None:
-            scores = scores + chunk.mask
+        if softcap:
+            scores = soft_cap(scores, softcap)
+        mask = chunk.mask_for(window)
+        if mask is not None:
+            scores = scores + mask
         probs = torch.softmax(scores, dim=-1).view(n * num_heads, kv_len)
         attended = F.embedding_bag(
             chunk.key_rows, value_rows, mode="sum", per_sample_weights=probs

@@ -13,7 +13,9 @@ Two kernels (flash-decoding):
 
 The number of splits depends only on static shapes (batch, KV heads, table width), never on
 the values of ``seq_lens``, so the launch needs no device-to-host sync and can be captured in a
-CUDA graph; each request divides its own length among the splits inside the kernel.
+CUDA graph; each request divides its own length among the splits inside the kernel (with a
+sliding window, only the keys inside it). Soft-capping maps the scaled scores s to
+softcap * tanh(s / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from asyncengine.kernels.triton_utils import (
     length_bucket,
     multiprocessor_count,
     next_power_of_2,
+    soft_cap,
 )
 
 LOG2_E = 1.4426950408889634
@@ -72,6 +75,8 @@ def _decode_split_kernel(
     mid_out_ptr,
     mid_lse_ptr,
     scale_log2,
+    window,
+    softcap_log2,
     num_splits,
     page_size,
     stride_qb,
@@ -95,6 +100,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -102,9 +108,12 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
+    # The first key the query sees (window > 0: the last `window` keys), and the block it is in.
+    first_key = tl.maximum(seq_len - window, 0) * (window > 0)
+    lo = (first_key // BLOCK_N) * BLOCK_N
     # Splits start on BLOCK_N boundaries; trailing splits of a short request are empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -138,7 +147,9 @@ def _decode_split_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
+        scores = tl.where(mask_n[None, :] & (pos[None, :] >= first_key), scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -257,6 +268,8 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged KV (incl. its own new token).
 
@@ -264,6 +277,7 @@ def decode_attention(
     seq_lens ``[B]`` int32. Returns ``[B, H, D]`` in ``q.dtype``. ``num_splits`` overrides the
     split-K heuristic (tests use it to exercise the merge); ``out`` (``[B, H, D]``, last dim
     contiguous) receives the result instead of a new tensor. Rows with ``seq_lens == 0`` give 0.
+    ``window``: keys the query sees, itself included (0: all); ``softcap``: 0 off.
     """
     check_device(q, k_cache, v_cache, block_table, seq_lens)
     batch, num_heads, head_dim = q.shape
@@ -306,6 +320,8 @@ def decode_attention(
         mid_out,
         mid_lse,
         scale * LOG2_E,
+        window,
+        softcap * LOG2_E,
         num_splits,
         page_size,
         q.stride(0),
@@ -326,6 +342,7 @@ def decode_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(q.dtype),
         DIRECT=direct,
+        SOFTCAP=softcap > 0,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](

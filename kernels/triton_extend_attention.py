@@ -5,6 +5,9 @@ themselves; the runner has already stored their K/V, so every key and value is r
 pages. One program per (query block, query head, request) runs an online softmax over the key
 blocks up to the last position its query block can see. Batches are ragged: ``cu_seqlens_q``
 gives each request's rows of ``q``, ``seq_lens`` its total KV length (prefix + new).
+A sliding window (``window`` > 0: a query at p sees keys p - window + 1 .. p) starts each
+program at the first key block its queries can see; soft-capping (``softcap`` > 0) maps the
+scaled scores s to softcap * tanh(s / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from asyncengine.kernels.triton_utils import (
     dot_dtype,
     length_bucket,
     next_power_of_2,
+    soft_cap,
 )
 
 LOG2_E = 1.4426950408889634
@@ -55,6 +59,8 @@ def _extend_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     scale_log2,
+    window,
+    softcap_log2,
     page_size,
     stride_qn,
     stride_qh,
@@ -70,6 +76,7 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -106,7 +113,9 @@ def _extend_kernel(
         # The last query of this block sits at prefix_len + (m_block + 1) * BLOCK_M - 1.
         kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
         table_row = block_table_ptr + b * stride_bt
-        for block_start in range(0, kv_end, BLOCK_N):
+        # the first key the block's first query sees (0 without a window)
+        kv_start = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0) * (window > 0)
+        for block_start in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
             pos = block_start + offs_n
             mask_n = pos < kv_end
             page = tl.load(table_row + pos // page_size, mask=mask_n, other=0)
@@ -118,7 +127,10 @@ def _extend_kernel(
                 other=0.0,
             ).to(DOT_DTYPE)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            if SOFTCAP:
+                scores = soft_cap(scores, softcap_log2)
             visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            visible = visible & ((pos[None, :] > q_pos[:, None] - window) | (window <= 0))
             scores = tl.where(visible, scores, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -154,6 +166,8 @@ def extend_attention(
     *,
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their paged prefix and themselves.
 
@@ -162,6 +176,7 @@ def extend_attention(
     ``seq_lens[b] - q_len[b] + i``. Returns ``[N, H, D]`` in ``q.dtype``. Pass ``max_q_len``
     (the longest request's new tokens) when known to avoid a device-to-host read; ``out``
     (``[N, H, D]``, last dim contiguous) receives the result instead of a new tensor.
+    ``window``: keys a query sees, itself included (0: all); ``softcap``: 0 off.
     """
     check_device(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)
     num_tokens, num_heads, head_dim = q.shape
@@ -196,6 +211,8 @@ def extend_attention(
         cu_seqlens_q,
         seq_lens,
         scale * LOG2_E,
+        window,
+        softcap * LOG2_E,
         page_size,
         q.stride(0),
         q.stride(1),
@@ -211,5 +228,6 @@ def extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(next_power_of_2(head_dim), 16),
         DOT_DTYPE=dot_dtype(q.dtype),
+        SOFTCAP=softcap > 0,
     )
     return out

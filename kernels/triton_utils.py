@@ -110,3 +110,12 @@ def multiprocessor_count(device: torch.device) -> int:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def soft_cap(x, cap):  # type: ignore[no-untyped-def]
+    """cap * tanh(x / cap), tanh as sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}): no overflow."""
+    y = x / cap
+    t = tl.exp(-2.0 * tl.abs(y))
+    r = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(y < 0.0, -r, r)

@@ -86,18 +86,52 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
     # (1 + w) norms, GeGLU (tanh), embeddings times sqrt(hidden), tied, head_dim 32 (not 16)
     "gemma": ("gemma", {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh"}),
+    # four norms a layer, query_pre_attn_scalar, attention soft-cap small enough to bite, a
+    # final-logit soft-cap, and a window of 8 keys on layers 0 and 2 (head_dim 64: the native
+    # extend kernel runs it)
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 64,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "query_pre_attn_scalar": 32,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    # per-head (1 + w) q/k norms, no soft-caps, sliding layers on their own RoPE base, the full
+    # layers on a linear-scaled one
+    "gemma3": (
+        "gemma3",
+        {
+            "head_dim": 64,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] + ["sliding_attention"] * 2,
+            "query_pre_attn_scalar": 48,
+            "rope_theta": 5000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
 def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
         Qwen2Config,
@@ -110,6 +144,8 @@ def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "gemma": GemmaConfig,
+        "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
     }[kind]
     config = config_cls(**{**_COMMON, **overrides})
     config.architectures = [ARCHITECTURES[kind]]

@@ -126,20 +126,23 @@ def attend_with(
     extends: list[Segment],
     decodes: list[tuple[str, int]],
     backend: str = "torch",
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> dict:
     """Outputs {(request, position): [H, D]} of one forward holding these segments."""
     q, rows, batch = make_batch(pool, extends, decodes)
     if backend == "native":
         native = plan_invariant_native(batch, HEADS, pool.k)
         assert native is not None
-        out = native_extend_attention(q, pool.k, pool.v, native, HEAD_DIM**-0.5)
+        out = native_extend_attention(q, pool.k, pool.v, native, HEAD_DIM**-0.5, window, softcap)
         return {row: out[i] for i, row in enumerate(rows)}
     plan = plan_invariant(batch, pool.k, HEADS)
     # padding rows hold whatever an earlier forward left there: large values here
     buffers = KeyBuffers()
     for stale in buffers.take(plan.key_rows, pool.k):
         stale.fill_(1e4)
-    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers)
+    assert not softcap, "the torch backend refuses soft-capping"
+    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers, window)
     return {row: out[i] for i, row in enumerate(rows)}
 
 
@@ -180,10 +183,14 @@ def make_batch(
     return q, rows, batch
 
 
+# (backend, sliding window, soft-cap): Gemma 2/3 layers as well as plain ones
+OPTIONS = [("torch", 0, 0.0), ("native", 0, 0.0), ("torch", 100, 0.0), ("native", 100, 3.0)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "window", "softcap"), OPTIONS)
 def test_attention_rows_do_not_depend_on_batch_chunking_or_prefix(
-    dtype: torch.dtype, backend: str
+    dtype: torch.dtype, backend: str, window: int, softcap: float
 ) -> None:
     pool = make_pool(dtype, {"a": 300, "b": 700, "c": 90, "d": 40, "e": 1050})
     if backend == "native" and not extend_kernel_runs():
@@ -192,7 +199,7 @@ def test_attention_rows_do_not_depend_on_batch_chunking_or_prefix(
         return
 
     def attend(pool: Pool, extends: list[Segment], decodes: list[tuple[str, int]]) -> dict:
-        return attend_with(pool, extends, decodes, backend)
+        return attend_with(pool, extends, decodes, backend, window, softcap)
 
     alone = attend(pool, [("a", 0, 300)], [])
     assert all(torch.isfinite(row).all() for row in alone.values())
@@ -261,20 +268,26 @@ def test_keys_are_padded_to_whole_blocks() -> None:
     ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_invariant_attention_is_attention(backend: str) -> None:
-    """Against a plain float64 softmax(q k^T) v over each row's visible keys."""
+@pytest.mark.parametrize(("backend", "window", "softcap"), [*OPTIONS, ("torch", 7, 0.0)])
+def test_invariant_attention_is_attention(backend: str, window: int, softcap: float) -> None:
+    """Against a plain float64 softmax(q k^T) v over each row's visible keys (the last
+    ``window`` of them; scores soft-capped)."""
     pool = make_pool(torch.float32, {"a": 60, "b": 30})
     if backend == "native" and not extend_kernel_runs():
         return  # the first test checks that the torch backend is chosen then
-    out = attend_with(pool, [("a", 20, 40)], [("b", 29)], backend)
+    window = min(window, 13)  # windows that cut these short requests
+    out = attend_with(pool, [("a", 20, 40)], [("b", 29)], backend, window, softcap)
     for (req, pos), row in out.items():
+        first = max(0, pos + 1 - window) if window else 0
         slots = torch.tensor(
-            [pool.tables[req][p // PAGE] * PAGE + p % PAGE for p in range(pos + 1)]
+            [pool.tables[req][p // PAGE] * PAGE + p % PAGE for p in range(first, pos + 1)]
         )
         k = pool.k[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [L, H, D]
         v = pool.v[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
         q = pool.queries[req][pos].double()  # [H, D]
-        weights = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * HEAD_DIM**-0.5, dim=-1)
+        scores = torch.einsum("hd,lhd->hl", q, k) * HEAD_DIM**-0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1)
         expected = torch.einsum("hl,lhd->hd", weights, v)
         torch.testing.assert_close(row.double(), expected, atol=1e-5, rtol=1e-5)

@@ -73,18 +73,31 @@ class PagedKV:
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One request: q [Lq, H, D] at the last Lq positions of k/v [L, Hkv, D], causal, in fp32."""
+    """One request: q [Lq, H, D] at the last Lq positions of k/v [L, Hkv, D], causal, in fp32;
+    a query at p sees keys p - window + 1 .. p (window 0: all), scores soft-capped at softcap."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
     v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     lq, lk = q.shape[0], k.shape[1]
-    visible = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k, v, attn_mask=visible, scale=scale
-    )
-    return out.transpose(0, 1)
+    keys, pos = torch.arange(lk)[None, :], (lk - lq + torch.arange(lq))[:, None]
+    visible = keys <= pos
+    if window:
+        visible &= keys > pos - window
+    if not softcap:
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k, v, attn_mask=visible, scale=scale
+        )
+        return out.transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
 
 
 attention_cases = st.fixed_dictionaries(
@@ -302,3 +315,64 @@ def test_silu_and_mul_is_gate_activation_times_up() -> None:
     gate, up = torch.randn(3, 8), torch.randn(3, 8)
     want = gate * torch.sigmoid(gate) * up
     torch.testing.assert_close(silu_and_mul(torch.cat([gate, up], dim=-1)), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    case=attention_cases,
+    data=st.data(),
+    window=st.sampled_from([0, 1, 3, 8]),
+    softcap=st.sampled_from([0.0, 0.5, 2.0]),
+)
+def test_window_and_softcap_match_naive_attention(
+    case: dict, data: st.DataObject, window: int, softcap: float
+) -> None:
+    """Every reference path with a sliding window and soft-capping (Gemma 2/3): bucketed
+    extends over cached prefixes, decodes in place (float32) and gathered in chunks."""
+    num_heads, num_kv_heads = case["heads"]
+    dtype, seq_lens = case["dtype"], case["seq_lens"]
+    q_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
+    kv = PagedKV(seq_lens, case["page_size"], num_kv_heads, case["head_dim"], dtype, case["seed"])
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    q = (torch.randn(sum(q_lens), num_heads, case["head_dim"], generator=gen) * 3).to(dtype)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    scale, tol = case["head_dim"] ** -0.5, TOLERANCE[dtype]
+    plan = plan_extend(kv.block_table, cu, kv.seq_lens, kv.page_size, num_heads, kv.k_cache)
+    out = extend_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale, window, softcap)
+    for b in range(len(seq_lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        want = naive_attention(q[rows], kv.keys[b], kv.values[b], scale, window, softcap)
+        torch.testing.assert_close(out[rows].float(), want, rtol=tol, atol=tol)
+
+    last = q[cu[1:].long() - 1]  # each request's last query, as a decode
+    with (
+        mock.patch.object(attention_ref, "DECODE_CHUNK_BYTES", case["chunk_bytes"]),
+        mock.patch.object(decode_sparse_ref, "SPARSE_DECODE_CHUNK_ENTRIES", case["chunk_entries"]),
+    ):
+        plans = [
+            attention_ref.plan_decode(
+                kv.block_table, kv.seq_lens, kv.page_size, num_heads, kv.k_cache
+            )
+        ]
+        plans.append(plan_gather_decode(kv.block_table, kv.seq_lens, kv.page_size, kv.k_cache))
+    for decode_plan in plans:
+        out = decode_attention_planned(
+            last, kv.k_cache, kv.v_cache, decode_plan, scale, window, softcap
+        )
+        for b in range(len(seq_lens)):
+            want = naive_attention(
+                last[b : b + 1], kv.keys[b], kv.values[b], scale, window, softcap
+            )
+            torch.testing.assert_close(out[b].float(), want[0], rtol=tol, atol=tol)
+
+
+def test_window_and_softcap_change_the_output() -> None:
+    """The naive oracle itself: a window hides early keys, a soft-cap flattens the scores."""
+    kv = PagedKV([20], page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32, seed=2)
+    q = torch.randn(20, 2, 8) * 3
+    plain = naive_attention(q, kv.keys[0], kv.values[0], 0.35)
+    for window, softcap in ((5, 0.0), (0, 1.0)):
+        changed = naive_attention(q, kv.keys[0], kv.values[0], 0.35, window, softcap)
+        assert not torch.allclose(changed[-1], plain[-1], atol=1e-3)
+    short = naive_attention(q, kv.keys[0], kv.values[0], 0.35, window=1)
+    torch.testing.assert_close(short, kv.values[0].repeat_interleave(2, dim=1))  # itself only

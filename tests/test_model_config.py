@@ -129,10 +129,96 @@ def test_gemma_norm_offset_geglu_and_embedding_scale(act: dict[str, Any]) -> Non
     assert c.embedding_multiplier == pytest.approx(576**0.5)
 
 
-@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "PhiForCausalLM"])
+@pytest.mark.parametrize("arch", ["PhiForCausalLM", "Gemma3ForConditionalGeneration"])
 def test_other_families_keep_their_clear_refusal(arch: str) -> None:
     with pytest.raises(UnsupportedModelError, match=f"unsupported architectures=.*{arch}"):
         ModelConfig.from_hf_dict({**SMOLLM2_LIKE, "architectures": [arch]})
+
+
+def test_multimodal_gemma3_is_refused_pointing_to_the_text_model() -> None:
+    with pytest.raises(UnsupportedModelError, match="text-only Gemma3ForCausalLM is"):
+        ModelConfig.from_hf_dict(
+            {**SMOLLM2_LIKE, "architectures": ["Gemma3ForConditionalGeneration"]}
+        )
+
+
+GEMMA2_FILE: dict[str, Any] = {  # google/gemma-2-2b's config.json, shortened to 5 layers
+    **SMOLLM2_LIKE,
+    "architectures": ["Gemma2ForCausalLM"],
+    "hidden_size": 2304,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "rope_theta": 10000.0,
+}
+
+
+def test_gemma2_sandwich_norms_softcaps_and_alternating_windows() -> None:
+    c = ModelConfig.from_hf_dict(GEMMA2_FILE)
+    assert c.sandwich_norms and not c.qk_norm and c.norm_weight_offset == 1.0
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (50.0, 30.0)
+    assert c.attention_scale == pytest.approx(256**-0.5)
+    assert c.activation == "gelu_tanh" and c.embedding_multiplier == pytest.approx(48.0)
+    # no layer_types in older files: HF's default, sliding on even layers
+    assert c.sliding_layers == (True, False, True, False, True)
+    assert [c.layer_window(i) for i in range(5)] == [4096, 0, 4096, 0, 4096]
+    assert c.sliding_rope_theta is None
+
+
+def test_gemma3_per_layer_rope_from_an_older_file_and_from_transformers_5() -> None:
+    older = {
+        **GEMMA2_FILE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "num_hidden_layers": 7,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    c = ModelConfig.from_hf_dict(older)
+    assert c.qk_norm and c.sandwich_norms
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (0.0, 0.0)
+    assert c.sliding_layers == (True,) * 5 + (False, True)
+    assert (c.rope_theta, c.rope_scaling) == (1e6, RopeScaling("linear", 8.0))
+    assert (c.sliding_rope_theta, c.sliding_rope_scaling) == (1e4, RopeScaling())
+    newer = {k: v for k, v in older.items() if not k.startswith("rope")}
+    newer["layer_types"] = ["full_attention", "sliding_attention"] * 3 + ["full_attention"]
+    newer["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    c = ModelConfig.from_hf_dict(newer)
+    assert c.sliding_layers == (False, True) * 3 + (False,)
+    assert (c.rope_theta, c.rope_scaling) == (1e6, RopeScaling("linear", 8.0))
+    assert (c.sliding_rope_theta, c.sliding_rope_scaling) == (1e4, RopeScaling())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["chunked_attention"] * 5}, "layer_types="),
+        ({"layer_types": ["full_attention"] * 4}, "5 entries"),
+    ],
+)
+def test_gemma_features_we_do_not_run_are_refused(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf_dict({**GEMMA2_FILE, **change})
+
+
+def test_other_families_keep_refusing_sliding_windows() -> None:
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention is not implemented"):
+        ModelConfig.from_hf_dict({**SMOLLM2_LIKE, "sliding_window": 128})
 
 
 def test_tiny_checkpoints_parse(tiny_checkpoints: dict[str, TinyCheckpoint]) -> None:
@@ -143,6 +229,9 @@ def test_tiny_checkpoints_parse(tiny_checkpoints: dict[str, TinyCheckpoint]) -> 
     assert configs["llama3_rope"].rope_scaling.rope_type == "llama3"
     assert configs["qwen3_qk_norm"].qk_norm and configs["qwen3_qk_norm"].head_dim == 24
     assert configs["gemma"].activation == "gelu_tanh" and configs["gemma"].tie_word_embeddings
+    assert configs["gemma2"].sliding_layers == (True, False, True, False)
+    assert configs["gemma2"].attn_logit_softcap == 2.0
+    assert configs["gemma3"].qk_norm and configs["gemma3"].sliding_rope_theta == 100.0
 
 
 @pytest.mark.parametrize(

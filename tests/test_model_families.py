@@ -1,6 +1,7 @@
-"""Qwen3 and Gemma through the whole engine against HF transformers: greedy tokens and the
+"""Qwen3 and Gemma 1/2/3 through the whole engine against HF transformers: greedy tokens and the
 logprobs of every generated token (the engine's raw logits) match, with prompts chunked over
-several steps and sharing cached prefixes."""
+several steps and sharing cached prefixes. Gemma 2/3 with a window of 8 keys on their sliding
+layers, so that windows matter at these lengths (prompts up to ~60 tokens)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,48 @@ VOCAB = 49152  # the default model's tokenizer, so the engine has one
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": False}),
     "gemma": ("GemmaForCausalLM", {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 64,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 32,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 64,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 48,
+            "rope_theta": 5000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
 }
 
 
 def _make(family: str, directory: Path) -> Path:
-    from transformers import AutoModelForCausalLM, GemmaConfig, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        Qwen3Config,
+    )
 
     architecture, extra = FAMILIES[family]
-    config_cls = {"qwen3": Qwen3Config, "gemma": GemmaConfig}[family]
+    config_cls = {
+        "qwen3": Qwen3Config,
+        "gemma": GemmaConfig,
+        "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
+    }[family]
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.executor import attention, deterministic
+from asyncengine.executor.attention import TorchBackend
+from asyncengine.executor.deterministic import DeterministicUnsupportedError
+from asyncengine.executor.invariant_attention import InvariantTorchBackend
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
@@ -22,7 +26,11 @@ class Harness:
     """A runner over a pool whose pages are handed out shuffled, so slots interleave."""
 
     def __init__(
-        self, ckpt: TinyCheckpoint, page_size: int, dtype: torch.dtype = torch.float32
+        self,
+        ckpt: TinyCheckpoint,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        deterministic: bool = False,
     ) -> None:
         self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
         pages_per_request = -(-MAX_LEN // page_size)
@@ -44,7 +52,14 @@ class Harness:
             self.table.set_pages(
                 row, 0, order[row * pages_per_request : (row + 1) * pages_per_request]
             )
-        self.runner = ModelRunner(self.config, ckpt.load_weights(), self.pool, self.table, dtype)
+        self.runner = ModelRunner(
+            self.config,
+            ckpt.load_weights(),
+            self.pool,
+            self.table,
+            dtype,
+            deterministic=deterministic,
+        )
 
 
 def hf_logits(ckpt: TinyCheckpoint, tokens: list[int]) -> torch.Tensor:
@@ -64,7 +79,17 @@ def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
-    "name", ["llama_gqa", "llama_tied", "qwen2_bias", "llama3_rope", "qwen3_qk_norm", "gemma"]
+    "name",
+    [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "llama3_rope",
+        "qwen3_qk_norm",
+        "gemma",
+        "gemma2",
+        "gemma3",
+    ],
 )
 def test_prefill_extend_and_decode_match_hf(
     tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int
@@ -80,9 +105,56 @@ def test_decode_in_chunks_of_one_request_matches_hf(
     check_prefill_extend_and_decode(tiny_llama, page_size=4)
 
 
-def check_prefill_extend_and_decode(ckpt: TinyCheckpoint, page_size: int) -> None:
-    """Prefills, a chunked prefill, an extend on a cached prefix and decodes, against HF."""
-    h = Harness(ckpt, page_size)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_deterministic_mode_matches_hf(
+    tiny_checkpoints: dict[str, TinyCheckpoint], name: str
+) -> None:
+    """Sliding windows and soft-caps through deterministic mode's attention (the native extend
+    kernel for every query on an AVX-512 CPU, the padded torch attention elsewhere)."""
+    check_prefill_extend_and_decode(tiny_checkpoints[name], 16, deterministic=True)
+
+
+def test_deterministic_torch_attention_takes_windows_and_refuses_soft_caps(
+    tiny_checkpoints: dict[str, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(deterministic, "_native_extend_runs", lambda *args: False)
+    with pytest.raises(DeterministicUnsupportedError, match="soft-capping.*turn deterministic"):
+        Harness(tiny_checkpoints["gemma2"], 16, deterministic=True)
+    h = Harness(tiny_checkpoints["gemma3"], 16, deterministic=True)
+    assert isinstance(h.runner.backend, InvariantTorchBackend)
+    check_prefill_extend_and_decode(tiny_checkpoints["gemma3"], 16, deterministic=True)
+
+
+@pytest.mark.parametrize("decode", ["sparse", "gather"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_torch_reference_attention_matches_hf(
+    tiny_checkpoints: dict[str, TinyCheckpoint],
+    name: str,
+    decode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows and soft-caps in the torch references (bucketed extends; float32 decodes in place
+    from the pool, or gathered as in bfloat16 and on a GPU), the native kernels off."""
+    if decode == "gather":
+        monkeypatch.setattr(
+            attention,
+            "plan_decode",
+            lambda table, lens, page_size, heads, k_cache: attention_ref.plan_gather_decode(
+                table, lens, page_size, k_cache
+            ),
+        )
+    check_prefill_extend_and_decode(tiny_checkpoints[name], 4, native=False)
+
+
+def check_prefill_extend_and_decode(
+    ckpt: TinyCheckpoint, page_size: int, deterministic: bool = False, native: bool = True
+) -> None:
+    """Prefills, a chunked prefill, an extend on a cached prefix and decodes, against HF.
+    ``native=False``: the torch attention references even where the native kernels run."""
+    h = Harness(ckpt, page_size, deterministic=deterministic)
+    if not native:
+        assert isinstance(h.runner.backend, TorchBackend)
+        h.runner.backend.native = False
     rng = np.random.default_rng(7)
     vocab = h.config.vocab_size
     lengths = {"a": 5, "b": 23, "c": 17}  # c: a 12-token chunk first, then 5 on top of it

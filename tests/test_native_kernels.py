@@ -169,7 +169,7 @@ def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
-    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
+    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7), (8, 4, 256, 16)],
 )
 def test_native_extend_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
@@ -217,3 +217,85 @@ def test_native_extend_leaves_other_head_dims_to_torch() -> None:
     cu = torch.tensor([0, 40], dtype=torch.int32)
     assert plan_native_extend(kv.block_table, cu, kv.seq_lens, 16, 1, kv.k_cache) is None
     assert plan_native_decode(kv.block_table, kv.seq_lens, 16, 1, kv.k_cache) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(8, 0.0), (1, 0.0), (40, 0.0), (0, 1.5), (23, 5.0)]
+)
+def test_native_extend_with_window_and_softcap_matches_naive(
+    dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """Gemma 2/3 layers: windows inside one 16-key block, across blocks, of one key; soft-caps
+    that bite. Prompts after long cached prefixes (whole key blocks below every window are
+    skipped) and one-query extends (decodes, as the backend routes them)."""
+    from asyncengine.kernels.attention_native import (
+        extend_kernel_runs,
+        native_extend_attention,
+        plan_native_extend,
+    )
+
+    seq_lens = [50, 300, 17, 64, 129, 193, 90]
+    q_lens = [50, 120, 1, 33, 16, 35, 1]
+    kv = PagedKV(seq_lens, 16, 2, 64, dtype, seed=window + 3)
+    cu = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    q = (torch.randn(int(cu[-1]), 8, 64, generator=gen) * 3).to(dtype)
+    plan = plan_native_extend(kv.block_table, cu, kv.seq_lens, 16, 8, kv.k_cache)
+    if not extend_kernel_runs():
+        assert plan is None
+        return
+    assert plan is not None
+    got = native_extend_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, window, softcap)
+    assert torch.isfinite(got.float()).all()
+    plain = native_extend_attention(q, kv.k_cache, kv.v_cache, plan, 0.125)
+    assert not torch.allclose(got.float(), plain.float(), atol=0.1), "the options must matter"
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), q_lens, strict=True)):
+        rows = slice(start, start + n)
+        want = naive_attention(q[rows].float(), kv.keys[b], kv.values[b], 0.125, window, softcap)
+        torch.testing.assert_close(got[rows].float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_decodes_of_window_layers_go_through_the_extend_kernel() -> None:
+    """TorchBackend: a windowed layer's decodes as one-query extends (the native decode kernel
+    has no window), a plain layer's through the decode kernel, both right."""
+    from asyncengine.executor.attention import (
+        PLAIN,
+        AttentionOptions,
+        TorchAttentionMetadata,
+        TorchBackend,
+    )
+    from asyncengine.executor.forward_batch import ForwardBatch
+    from asyncengine.kernels.attention_native import NativeExtendPlan, extend_kernel_runs
+
+    seq_lens = [40, 9, 77]
+    kv = PagedKV(seq_lens, 16, 2, 64, torch.float32, seed=5)
+    q = torch.randn(3, 4, 64)
+    empty = torch.zeros(0, dtype=torch.int32)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(3, dtype=torch.int64),
+        positions=kv.seq_lens.long() - 1,
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        sample_indices=torch.arange(3),
+        page_size=16,
+        num_extend_tokens=0,
+        extend_block_table=torch.zeros((0, 0), dtype=torch.int32),
+        extend_seq_lens=empty,
+        extend_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        extend_max_q_len=0,
+        extend_max_seq_len=0,
+        decode_block_table=kv.block_table,
+        decode_seq_lens=kv.seq_lens,
+        decode_max_seq_len=77,
+    )
+    backend = TorchBackend()
+    metadata = TorchAttentionMetadata(batch)
+    windowed = backend.attend(q, kv.k_cache, kv.v_cache, metadata, 0.125, AttentionOptions(6, 2.0))
+    plain = backend.attend(q, kv.k_cache, kv.v_cache, metadata, 0.125, PLAIN)
+    if extend_kernel_runs():
+        assert isinstance(metadata.option_decode_plan, NativeExtendPlan)
+    for b in range(3):
+        want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], 0.125, 6, 2.0)[0]
+        torch.testing.assert_close(windowed[b], want, atol=2e-5, rtol=0)
+        want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], 0.125)[0]
+        torch.testing.assert_close(plain[b], want, atol=2e-5, rtol=0)

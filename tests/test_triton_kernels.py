@@ -181,6 +181,33 @@ def test_extend_attention_matches_reference(
     assert_close(got, attention_ref.extend_attention(*upcast(args)).to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 1.5), (20, 0.8)])
+def test_attention_with_window_and_softcap_matches_reference(
+    dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """Sliding window (decode and extend, splits too) and soft-capping against the references;
+    windows shorter and longer than a key block, prefixes that start mid-window."""
+    gen = torch.Generator().manual_seed(window + 7)
+    options = {"window": window, "softcap": softcap}
+    kv = make_paged_kv([1, 9, 40, 70], 2, 64, 16, dtype, gen)
+    q = randn((4, 6, 64), dtype, gen) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125)
+    want = attention_ref.decode_attention(*upcast(args), **options).to(dtype)
+    for splits in (1, 3):
+        assert_close(decode_attention(*args, num_splits=splits, **options), want, dtype)
+
+    q_lens = [3, 18, 40, 1]
+    kv = make_paged_kv([21, 18, 56, 9], 2, 64, 16, dtype, gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn((sum(q_lens), 6, 64), dtype, gen) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, 16, 0.125)
+    want = attention_ref.extend_attention(*upcast(args), **options).to(dtype)
+    plain = attention_ref.extend_attention(*upcast(args)).to(dtype)
+    assert not torch.allclose(want, plain, **TOLERANCE[dtype]), "the options must matter here"
+    assert_close(extend_attention(*args, **options), want, dtype)
+
+
 def test_decode_attention_writes_into_out_and_zeroes_empty_rows() -> None:
     gen = torch.Generator().manual_seed(5)
     kv = make_paged_kv([9, 30], 2, 64, 16, torch.float32, gen)

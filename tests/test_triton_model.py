@@ -110,7 +110,14 @@ class RunnerPair:
 
 @pytest.mark.parametrize(
     ("name", "page_size"),
-    [("llama_gqa", 1), ("llama_gqa", 16), ("qwen3_qk_norm", 16), ("gemma", 16)],
+    [
+        ("llama_gqa", 1),
+        ("llama_gqa", 16),
+        ("qwen3_qk_norm", 16),
+        ("gemma", 16),
+        ("gemma2", 1),
+        ("gemma3", 16),
+    ],
 )
 def test_model_logits_with_triton_backend_match_torch_backend(
     tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int

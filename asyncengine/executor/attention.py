@@ -3,7 +3,9 @@
 A forward's tokens come in two groups, extends first and decodes after, so that one long
 prefill does not pad many one-token decodes. A backend turns the ``ForwardBatch`` into its own
 metadata once per forward (``build_metadata``); every layer then calls ``forward`` with it.
-Which backend runs where is chosen in executor/backends.py.
+Which backend runs where is chosen in executor/backends.py. A layer's own attention options
+(Gemma 2/3: sliding window, soft-capping) come with each call as an ``AttentionOptions``; the
+metadata stays shared by every layer.
 """
 
 from __future__ import annotations
@@ -34,6 +36,26 @@ from asyncengine.kernels.attention_ref import (
 from asyncengine.kernels.kv_store_ref import store_kv
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """One layer's attention beyond causal softmax(q k^T scale) v.
+
+    ``window``: keys a query sees, itself included (position p sees p - window + 1 .. p);
+    0: every earlier key. ``softcap``: scaled scores s become softcap * tanh(s / softcap)
+    before masking and softmax; 0: off.
+    """
+
+    window: int = 0
+    softcap: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return not (self.window or self.softcap)
+
+
+PLAIN = AttentionOptions()
+
+
 class AttentionBackend(ABC):
     """Stores a layer's new K/V into the pool, then attends over prefix + new tokens."""
 
@@ -51,6 +73,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D]; caches [S, Hkv, D] of this layer -> [N, H, D]."""
 
@@ -61,6 +84,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         """Attention of q [N, H, D] over K/V already in the caches (the model stored them)."""
         raise NotImplementedError(f"{type(self).__name__} stores and attends in forward()")
@@ -74,6 +98,9 @@ class TorchAttentionMetadata:
     batch: ForwardBatch
     extend_plan: ExtendPlan | NativeExtendPlan | None = None
     decode_plan: DecodePlan | NativeDecodePlan | None = None
+    # the decodes of layers with a window or soft-cap, which the native decode kernel does not
+    # implement: one-query extends for the native extend kernel, or the torch reference
+    option_decode_plan: NativeExtendPlan | DecodePlan | None = None
 
 
 class TorchBackend(AttentionBackend):
@@ -82,7 +109,9 @@ class TorchBackend(AttentionBackend):
     buckets of similar lengths and decodes in place from the pool for float32 or in gathered
     chunks (attention_ref). ``native=False`` keeps the torch paths on a CPU too.
     ``extend_cost`` prices the buckets; None: the default for the model's heads (an
-    ``ExtendCost`` with an infinite ``call`` keeps one bucket).
+    ``ExtendCost`` with an infinite ``call`` keeps one bucket). Decodes of layers with a window
+    or soft-cap go through the native extend kernel as one-query extends (the native decode
+    kernel has neither option), or through the torch references.
     """
 
     def __init__(self, extend_cost: ExtendCost | None = None, native: bool = True) -> None:
@@ -101,10 +130,11 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata, scale)
+        return self.attend(q, k_cache, v_cache, metadata, scale, options)
 
     def attend(
         self,
@@ -113,12 +143,13 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         m = metadata
         batch = m.batch
         if not batch.num_extends:
-            return self._decode(q, k_cache, v_cache, m, scale)
+            return self._decode(q, k_cache, v_cache, m, scale, options)
         n_ext = batch.num_extend_tokens
         if m.extend_plan is None:
             args = (
@@ -131,13 +162,18 @@ class TorchBackend(AttentionBackend):
             )
             native = plan_native_extend(*args) if self.native else None
             m.extend_plan = native or plan_extend(*args, self.extend_cost)
+        window, softcap = options.window, options.softcap
         if isinstance(m.extend_plan, NativeExtendPlan):
-            out = native_extend_attention(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
+            out = native_extend_attention(
+                q[:n_ext], k_cache, v_cache, m.extend_plan, scale, window, softcap
+            )
         else:
-            out = extend_attention_planned(q[:n_ext], k_cache, v_cache, m.extend_plan, scale)
+            out = extend_attention_planned(
+                q[:n_ext], k_cache, v_cache, m.extend_plan, scale, window, softcap
+            )
         if not batch.num_decodes:
             return out
-        return torch.cat([out, self._decode(q[n_ext:], k_cache, v_cache, m, scale)])
+        return torch.cat([out, self._decode(q[n_ext:], k_cache, v_cache, m, scale, options)])
 
     def _decode(
         self,
@@ -146,7 +182,10 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         m: TorchAttentionMetadata,
         scale: float,
+        options: AttentionOptions,
     ) -> torch.Tensor:
+        if not options.plain:
+            return self._decode_with_options(q, k_cache, v_cache, m, scale, options)
         if m.decode_plan is None:
             batch = m.batch
             args = (batch.decode_block_table, batch.decode_seq_lens, batch.page_size, q.shape[1])
@@ -155,3 +194,44 @@ class TorchBackend(AttentionBackend):
         if isinstance(m.decode_plan, NativeDecodePlan):
             return native_decode_attention(q, k_cache, v_cache, m.decode_plan, scale)
         return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)
+
+    def _decode_with_options(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        m: TorchAttentionMetadata,
+        scale: float,
+        options: AttentionOptions,
+    ) -> torch.Tensor:
+        window, softcap = options.window, options.softcap
+        if m.option_decode_plan is None:
+            batch = m.batch
+            native = _plan_decodes_as_extends(batch, q.shape[1], k_cache) if self.native else None
+            m.option_decode_plan = native or plan_decode(
+                batch.decode_block_table,
+                batch.decode_seq_lens,
+                batch.page_size,
+                q.shape[1],
+                k_cache,
+            )
+        plan = m.option_decode_plan
+        if isinstance(plan, NativeExtendPlan):
+            return native_extend_attention(q, k_cache, v_cache, plan, scale, window, softcap)
+        return decode_attention_planned(q, k_cache, v_cache, plan, scale, window, softcap)
+
+
+def _plan_decodes_as_extends(
+    batch: ForwardBatch, num_heads: int, k_cache: torch.Tensor
+) -> NativeExtendPlan | None:
+    """The decodes of ``batch`` as one-query extends for the native extend kernel (None where
+    it does not run)."""
+    cu = torch.arange(batch.num_decodes + 1, dtype=torch.int32, device=k_cache.device)
+    return plan_native_extend(
+        batch.decode_block_table,
+        cu,
+        batch.decode_seq_lens,
+        batch.page_size,
+        num_heads,
+        k_cache,
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.attention import PLAIN, AttentionBackend, AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.triton_decode_attention import (
     CONTEXT_BUCKETS,
@@ -136,6 +136,7 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
         m = metadata
@@ -155,6 +156,8 @@ class TritonBackend(AttentionBackend):
                 scale,
                 max_q_len=m.extend_max_q_len,
                 out=out[:n_ext],
+                window=options.window,
+                softcap=options.softcap,
             )
         if m.decode_block_table is not None:
             assert m.decode_seq_lens is not None
@@ -175,5 +178,7 @@ class TritonBackend(AttentionBackend):
                 scale,
                 num_splits=m.decode_num_splits,
                 out=out[n_ext:],
+                window=options.window,
+                softcap=options.softcap,
             )
         return out

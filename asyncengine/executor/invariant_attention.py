@@ -16,17 +16,22 @@ one attention call over [requests, KV heads, longest query x query heads per KV 
 keys] with an explicit mask.
 Short contexts pay for the padding: a decode at 40 tokens reads 512 keys (most of them the
 last real key again, masked). scripts/bench_deterministic.py measures the cost.
+
+Sliding-window layers get their own mask (made once per forward and window); soft-capped
+layers (Gemma 2) are refused at start-up (executor/deterministic.py): the fused attention has
+no soft-cap, and scores computed outside it would not keep its fixed reduction order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.attention import PLAIN, AttentionBackend, AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.kernels.attention_window import additive_mask, hidden_keys
 from asyncengine.kernels.kv_store_ref import store_kv
 from asyncengine.kernels.paged_kv import padded_kv_slots
 
@@ -52,6 +57,17 @@ class _Group:
     queries: torch.Tensor  # [n * q_len] rows of q (padding repeats a request's last query)
     kv_offset: int  # first row of this group's keys in the plan's gather
     mask: torch.Tensor  # [n, 1, q_len * group, kv_len] additive, the pool's dtype
+    query_pos: torch.Tensor  # [n, q_len] each query row's position
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # like mask, by window
+
+    def mask_for(self, window: int, group: int) -> torch.Tensor:
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            hidden = hidden_keys(self.query_pos, self.kv_len, window)
+            mask = additive_mask(hidden, self.mask.dtype)
+            self.window_masks[window] = mask.repeat_interleave(group, dim=1)[:, None]
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -141,7 +157,7 @@ def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -
         # [n, 1, q_len * group, kv_len]: a position's row for each query head of a KV head
         mask = mask.masked_fill_(hidden, float("-inf")).repeat_interleave(group, dim=1)[:, None]
         queries = (starts[:, None] + taken).reshape(-1)
-        groups.append(_Group(n, q_len, kv_len, queries, kv_offset, mask))
+        groups.append(_Group(n, q_len, kv_len, queries, kv_offset, mask, query_pos))
         kv_offset += n * kv_len
         out_offset += n * q_len
     return InvariantPlan(groups, kv_offset, torch.cat(slots), torch.cat(rows_of_keys), output_rows)
@@ -173,8 +189,10 @@ def invariant_attention(
     plan: InvariantPlan,
     scale: float,
     buffers: KeyBuffers | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [N, H, D] (every token of the forward) as planned -> [N, H, D]."""
+    """q [N, H, D] (every token of the forward) as planned -> [N, H, D]; ``window``: keys a
+    query sees, itself included (0: all)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -191,7 +209,7 @@ def invariant_attention(
             queries.transpose(1, 2).reshape(n, num_kv_heads, q_len * group, head_dim),
             k_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
             v_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
-            attn_mask=g.mask,
+            attn_mask=g.mask_for(window, group),
             scale=scale,
         )
         out = out.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)
@@ -218,10 +236,11 @@ class InvariantTorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, InvariantMetadata)
         store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata, scale)
+        return self.attend(q, k_cache, v_cache, metadata, scale, options)
 
     def attend(
         self,
@@ -230,8 +249,13 @@ class InvariantTorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, InvariantMetadata)
+        if options.softcap:
+            raise ValueError("batch-invariant torch attention has no soft-capping")
         if metadata.plan is None:
             metadata.plan = plan_invariant(metadata.batch, k_cache, q.shape[1])
-        return invariant_attention(q, k_cache, v_cache, metadata.plan, scale, self.buffers)
+        return invariant_attention(
+            q, k_cache, v_cache, metadata.plan, scale, self.buffers, options.window
+        )

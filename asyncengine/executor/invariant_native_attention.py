@@ -7,7 +7,8 @@ a tile with others only adds exact zeros for keys it does not see. So a row's ou
 its query and its keys alone: not on the other requests of the forward, on how its prompt was
 chunked, or on how much of it came from the prefix cache. Decodes go through the same kernel
 (one-query extends) rather than the decode kernel, whose sums run in another order, so a token
-recomputed in a prefill (a retracted request) equals the one its decode made.
+recomputed in a prefill (a retracted request) equals the one its decode made. Sliding windows
+and soft-capping (Gemma 2/3) are the kernel's own options and keep these properties.
 tests/test_deterministic.py checks these properties on the pool's layout.
 """
 
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.executor.attention import TorchAttentionMetadata, TorchBackend
+from asyncengine.executor.attention import (
+    PLAIN,
+    AttentionOptions,
+    TorchAttentionMetadata,
+    TorchBackend,
+)
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.attention_native import (
     NativeExtendPlan,
@@ -45,7 +51,7 @@ def plan_invariant_native(
     batch: ForwardBatch, num_heads: int, k_cache: torch.Tensor
 ) -> NativeExtendPlan | None:
     """The forward's plan, or None where the extend kernel does not run (no AVX-512 build,
-    head dims other than 64 and 128, not a CPU)."""
+    head dims other than 64, 128 and 256, not a CPU)."""
     if k_cache.device.type != "cpu":
         return None
     table, cu, seq_lens = _every_query_as_an_extend(batch)
@@ -65,6 +71,7 @@ class NativeInvariantBackend(TorchBackend):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         plan = metadata.extend_plan
@@ -74,4 +81,6 @@ class NativeInvariantBackend(TorchBackend):
                 raise RuntimeError("the native extend kernel does not run for this pool")
             metadata.extend_plan = plan
         assert isinstance(plan, NativeExtendPlan)
-        return native_extend_attention(q, k_cache, v_cache, plan, scale)
+        return native_extend_attention(
+            q, k_cache, v_cache, plan, scale, options.window, options.softcap
+        )

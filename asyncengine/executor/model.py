@@ -1,4 +1,4 @@
-"""The llama-family causal LM (Llama, Qwen2, Qwen3, Mistral, Gemma) as a forward over the
+"""The llama-family causal LM (Llama, Qwen2, Qwen3, Mistral, Gemma 1/2/3) as a forward over the
 paged KV pool.
 
 Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
@@ -6,24 +6,28 @@ are fused into one projection and gate/up into another (fewer, larger matmuls), 
 every projection's weight is prepacked for oneDNN once (executor/linear.py). The families
 differ in three hooks read from the ModelConfig: Gemma's ``(1 + w)`` norms become plain norms
 at load time (the offset is added to the weights), Qwen3's per-head q/k norms run before RoPE
-(``_norm_qk``), and the MLP activation and embedding multiplier are picked once.
+(``_norm_qk``), and the MLP activation and embedding multiplier are picked once. Gemma 2/3 add
+norms on the attention and MLP outputs (``attn_out_norm``, ``mlp_out_norm``), their own
+attention scale, per-layer attention options (sliding window, soft-cap: ``AttentionOptions``),
+per-layer RoPE tables (Gemma 3's sliding layers) and a soft-cap on the final logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.attention import AttentionBackend, AttentionOptions
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.linear import Linear
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.model_config import ModelConfig, RopeScaling
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
 from asyncengine.kernels.activation_ref import gelu_tanh_and_mul
+from asyncengine.kernels.attention_window import soft_cap
 
 
 class WeightsError(ValueError):
@@ -35,11 +39,13 @@ class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases when the model has them
     o_proj: Linear  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden], the norm before the MLP
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma 2/3: before the residual add)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden] (Gemma 2/3: before the residual add)
 
 
 class LlamaModel:
@@ -82,7 +88,19 @@ class LlamaModel:
                 take("lm_head.weight", (c.vocab_size, c.hidden_size)), row_block=row_block
             )
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
-        self.scale = c.head_dim**-0.5
+        # each layer's RoPE table: Gemma 3's sliding layers have their own base
+        self.layer_cos_sin = [self.cos_sin_cache] * c.num_layers
+        if c.sliding_rope_theta is not None:
+            scaling = c.sliding_rope_scaling or RopeScaling()
+            local = replace(c, rope_theta=c.sliding_rope_theta, rope_scaling=scaling)
+            local_cache = build_cos_sin_cache(local, c.max_model_len).to(self.device)
+            for i in range(c.num_layers):
+                if c.layer_window(i):
+                    self.layer_cos_sin[i] = local_cache
+        self.scale = c.attention_scale if c.attention_scale is not None else c.head_dim**-0.5
+        self.layer_options = [
+            AttentionOptions(c.layer_window(i), c.attn_logit_softcap) for i in range(c.num_layers)
+        ]
 
     def _load_layer(self, take: _WeightTaker, i: int) -> LayerWeights:
         c = self.config
@@ -111,6 +129,12 @@ class LlamaModel:
             ]
         )
         offset = c.norm_weight_offset
+        attn_out_norm = mlp_out_norm = None
+        post_norm_name = "post_attention_layernorm"
+        if c.sandwich_norms:
+            attn_out_norm = take(p + "post_attention_layernorm.weight", (h,), offset)
+            mlp_out_norm = take(p + "post_feedforward_layernorm.weight", (h,), offset)
+            post_norm_name = "pre_feedforward_layernorm"
         q_norm = k_norm = None
         if c.qk_norm:
             q_norm = take(p + "self_attn.q_norm.weight", (c.head_dim,), offset)
@@ -119,11 +143,13 @@ class LlamaModel:
             input_norm=take(p + "input_layernorm.weight", (h,), offset),
             qkv=Linear(qkv, qkv_bias, self.row_block),
             o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q)), row_block=self.row_block),
-            post_norm=take(p + "post_attention_layernorm.weight", (h,), offset),
+            post_norm=take(p + post_norm_name + ".weight", (h,), offset),
             gate_up=Linear(gate_up, row_block=self.row_block),
             down=Linear(take(p + "mlp.down_proj.weight", (h, inter)), row_block=self.row_block),
             q_norm=q_norm,
             k_norm=k_norm,
+            attn_out_norm=attn_out_norm,
+            mlp_out_norm=mlp_out_norm,
         )
 
     def forward(
@@ -143,14 +169,20 @@ class LlamaModel:
         split = [c.q_size, c.kv_size, c.kv_size]
         positions = batch.positions
         qk_heads = c.num_heads + c.num_kv_heads
-        cos = sin = None
+        # cos/sin rows of each distinct RoPE table, once per forward (torch reference rotary)
+        rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.rotary_once_per_forward and self.ops.rotary_store is None:
-            cos, sin = rotary_ref.cos_sin_for_positions(positions, self.cos_sin_cache, self.dtype)
+            for table in self.layer_cos_sin:
+                if id(table) not in rope_rows:
+                    rope_rows[id(table)] = rotary_ref.cos_sin_for_positions(
+                        positions, table, self.dtype
+                    )
         hidden = F.embedding(batch.input_ids, self.embed)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
+            cos_sin, options = self.layer_cos_sin[i], self.layer_options[i]
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
@@ -165,14 +197,15 @@ class LlamaModel:
                     c.num_heads,
                     c.num_kv_heads,
                     positions,
-                    self.cos_sin_cache,
+                    cos_sin,
                     k_caches[i],
                     v_caches[i],
                     batch.slot_mapping,
                 )
-                attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale)
+                attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale, options)
             else:
-                if cos is not None and sin is not None:
+                if rope_rows:
+                    cos, sin = rope_rows[id(cos_sin)]
                     qk = rotary_ref.rotate_neox(
                         qkv[:, : c.q_size + c.kv_size].view(n, qk_heads, c.head_dim), cos, sin
                     )
@@ -184,13 +217,19 @@ class LlamaModel:
                         q.view(n, c.num_heads, c.head_dim),
                         k.view(n, c.num_kv_heads, c.head_dim),
                         positions,
-                        self.cos_sin_cache,
+                        cos_sin,
                     )
                 v = v.view(n, c.num_kv_heads, c.head_dim)
-                attn = backend.forward(q, k, v, k_caches[i], v_caches[i], metadata, self.scale)
+                attn = backend.forward(
+                    q, k, v, k_caches[i], v_caches[i], metadata, self.scale, options
+                )
             hidden = layer.o_proj(attn.reshape(n, c.q_size))
+            if layer.attn_out_norm is not None:
+                hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
+            if layer.mlp_out_norm is not None:
+                hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None
         rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
@@ -208,7 +247,9 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return soft_cap(logits, cap) if cap else logits
 
 
 class _WeightTaker:

@@ -1,7 +1,9 @@
 """ModelConfig: the llama-family shape of a model, parsed from a Hugging Face ``config.json``.
 
-Qwen3 and Gemma are llama with a few differences, carried as plain fields (``qk_norm``,
-``norm_weight_offset``, ``activation``, ``embedding_multiplier``) that the forward reads once.
+Qwen3 and the Gemmas are llama with a few differences, carried as plain fields (``qk_norm``,
+``norm_weight_offset``, ``activation``, ``embedding_multiplier``; Gemma 2/3: ``sandwich_norms``,
+``attention_scale``, the soft-caps, the sliding-window layers and their own RoPE) that the
+forward reads once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their HF names: SwiGLU, and Gemma's GeGLU with the tanh approximation.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Windows that the engine does not implement (sliding window ignored when it is off).
@@ -61,6 +67,16 @@ class ModelConfig:
     norm_weight_offset: float = 0.0  # Gemma: norms scale by (1 + weight)
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     embedding_multiplier: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    # Gemma 2/3 (defaults: off)
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before softmax; 0: off
+    final_logit_softcap: float = 0.0  # the same on the LM head's logits; 0: off
+    sliding_window: int = 0  # keys a query of a sliding layer sees, itself included
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True where the window applies
+    # Gemma 3: the sliding layers' own RoPE (None: the same as the full layers')
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
 
     @property
     def q_size(self) -> int:
@@ -69,6 +85,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees, itself included; 0: every earlier key."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
     @property
     def max_model_len(self) -> int:
@@ -83,22 +103,38 @@ class ModelConfig:
         architectures = d.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
+            hint = ""
+            if "Gemma3ForConditionalGeneration" in architectures:
+                hint = " (multimodal Gemma 3 is not served: text-only Gemma3ForCausalLM is)"
             raise UnsupportedModelError(
                 f"unsupported architectures={architectures!r}: expected one of "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
             )
         activation = _parse_activation(d, architecture)
         if d.get("mlp_bias", False):
             raise UnsupportedModelError("unsupported mlp_bias=True: MLP projections have no bias")
-        _refuse_sliding_window(d, architecture)
+        if architecture in GEMMAS[1:]:
+            if d.get("use_bidirectional_attention"):
+                raise UnsupportedModelError(
+                    "unsupported use_bidirectional_attention=True: causal attention only"
+                )
+        else:
+            _refuse_sliding_window(d, architecture)
 
         hidden_size = int(d["hidden_size"])
         num_heads = int(d["num_attention_heads"])
         head_dim = int(d.get("head_dim") or hidden_size // num_heads)
         max_pos = int(d.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling = _parse_rope(d, max_pos)
-
-        gemma = architecture == "GemmaForCausalLM"
+        gemma = architecture in GEMMAS
+        gemma23 = architecture in GEMMAS[1:]
+        num_layers = int(d["num_hidden_layers"])
+        sliding_rope: tuple[float, RopeScaling] | None = None
+        if architecture == "Gemma3ForCausalLM":
+            (rope_theta, rope_scaling), sliding_rope = _parse_layer_ropes(d, max_pos)
+        else:
+            rope_theta, rope_scaling = _parse_rope(d, max_pos)
+        window, sliding_layers = _parse_sliding_layers(d, architecture, num_layers)
+        scalar = d.get("query_pre_attn_scalar") if gemma23 else None
         if architecture == "Qwen2ForCausalLM":
             attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
         else:
@@ -113,7 +149,7 @@ class ModelConfig:
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
@@ -125,10 +161,18 @@ class ModelConfig:
             attention_bias=attention_bias,
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             norm_weight_offset=1.0 if gemma else 0.0,
             activation=activation,
             embedding_multiplier=hidden_size**0.5 if gemma else None,
+            sandwich_norms=gemma23,
+            attention_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_logit_softcap=float(d.get("attn_logit_softcapping") or 0.0) if gemma23 else 0.0,
+            final_logit_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma23 else 0.0,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            sliding_rope_theta=None if sliding_rope is None else sliding_rope[0],
+            sliding_rope_scaling=None if sliding_rope is None else sliding_rope[1],
         )
 
 
@@ -136,7 +180,7 @@ def _parse_activation(d: dict[str, Any], architecture: str) -> str:
     # Gemma's files say hidden_act "gelu" but its MLP runs hidden_activation, which HF takes as
     # gelu_pytorch_tanh when missing; transformers 5 writes hidden_act "gelu_pytorch_tanh".
     name = d.get("hidden_act", "silu")
-    if architecture == "GemmaForCausalLM":
+    if architecture in GEMMAS:
         name = d.get("hidden_activation") or ("gelu_pytorch_tanh" if name == "gelu" else name)
     if name not in ACTIVATIONS:
         raise UnsupportedModelError(
@@ -158,6 +202,52 @@ def _refuse_sliding_window(d: dict[str, Any], architecture: str) -> None:
         )
 
 
+def _parse_sliding_layers(
+    d: dict[str, Any], architecture: str, num_layers: int
+) -> tuple[int, tuple[bool, ...]]:
+    """Gemma 2/3: the window and which layers it applies to (``layer_types``, or HF's default
+    pattern where an older config has none: Gemma 2 alternates, Gemma 3 has every
+    ``sliding_window_pattern``-th layer full)."""
+    window = d.get("sliding_window")
+    if architecture not in GEMMAS[1:] or not window:
+        return 0, ()
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if architecture == "Gemma2ForCausalLM":
+            pattern = 2
+        else:
+            pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown or len(layer_types) != num_layers:
+        raise UnsupportedModelError(
+            f"unsupported layer_types={layer_types!r}: {num_layers} entries of "
+            f"{' or '.join(LAYER_TYPES)} expected"
+        )
+    return int(window), tuple(t == "sliding_attention" for t in layer_types)
+
+
+def _parse_layer_ropes(
+    d: dict[str, Any], max_pos: int
+) -> tuple[tuple[float, RopeScaling], tuple[float, RopeScaling]]:
+    """Gemma 3: (full layers' RoPE, sliding layers' RoPE). transformers 5 writes rope_parameters
+    per layer type; older files rope_theta + rope_scaling for the full layers and
+    rope_local_base_freq for the sliding ones (which never scale)."""
+    params = d.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        unknown = sorted(set(params) - set(LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"unsupported rope_parameters for layer types {unknown}")
+        full = _rope_from_params(params.get("full_attention") or {}, {}, max_pos)
+        sliding = _rope_from_params(params.get("sliding_attention") or {}, {}, max_pos)
+        return full, sliding
+    sliding_theta = float(d.get("rope_local_base_freq", 10000.0))
+    return _parse_rope(d, max_pos), (sliding_theta, RopeScaling())
+
+
 def _parse_rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling]:
     # transformers 5 writes "rope_parameters" (holding rope_theta too); older files "rope_scaling".
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -165,6 +255,12 @@ def _parse_rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling]:
         raise UnsupportedModelError(
             "unsupported rope_parameters nested per layer type: one RoPE for all layers expected"
         )
+    return _rope_from_params(params, d, max_pos)
+
+
+def _rope_from_params(
+    params: dict[str, Any], d: dict[str, Any], max_pos: int
+) -> tuple[float, RopeScaling]:
     rope_theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

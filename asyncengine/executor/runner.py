@@ -66,7 +66,11 @@ class ModelRunner:
         self.page_size = kv_pool.page_size
         if deterministic:
             parts = deterministic_parts(
-                self.device, model_config.num_heads, kv_pool.k_cache(0), kv_pool.page_size
+                self.device,
+                model_config.num_heads,
+                kv_pool.k_cache(0),
+                kv_pool.page_size,
+                soft_capped=model_config.attn_logit_softcap > 0,
             )
             self.backend_name = "torch"
         else:
