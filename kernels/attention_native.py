@@ -160,13 +160,10 @@ def _bound(library: str, name: str, argtypes: list[Any]) -> Any:
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # q, q row stride, k_cache, v_cache, block_table, table row stride, [cu_seqlens_q,] seq_lens,
-# B, H, Hkv, D, page_size, scale, out, is_bf16, threads
-_DECODE_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
-_DECODE_ARGS += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
-# q, q row stride, k_cache, v_cache, block_table, table row stride, cu_seqlens_q, seq_lens,
 # B, H, Hkv, D, page_size, scale, window, softcap, out, is_bf16, threads
-_EXTEND_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
-_EXTEND_ARGS += [ctypes.c_float, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+_DECODE_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]
+_DECODE_ARGS += [ctypes.c_float, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+_EXTEND_ARGS = [*_DECODE_ARGS[:6], _PTR, *_DECODE_ARGS[6:]]
 
 
 def plan_native_decode(
@@ -189,8 +186,11 @@ def native_decode_attention(
     v_cache: torch.Tensor,
     plan: NativeDecodePlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q [B, H, D] (heads contiguous within a row) -> [B, H, D]."""
+    """q [B, H, D] (heads contiguous within a row) -> [B, H, D]; ``window`` and ``softcap`` as in
+    ``native_extend_attention`` (each query is the last position of its request)."""
     kernel = _kernel()
     assert kernel is not None
     batch, num_heads, head_dim = q.shape
@@ -215,6 +215,8 @@ def native_decode_attention(
         head_dim,
         plan.page_size,
         scale,
+        window,
+        softcap,
         out.data_ptr(),
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),

@@ -119,9 +119,9 @@ static inline void scale_f32(float *acc, float c, int d) {
 
 /* One (request, kv head) item. is_bf16 selects the element type of q, caches and out. */
 static void decode_item(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        const int32_t *table_row, int len, int64_t b, int64_t kvh, int64_t H,
-                        int64_t Hkv, int64_t D, int64_t page_size, float scale, void *out,
-                        int is_bf16) {
+                        const int32_t *table_row, int first, int len, int64_t b, int64_t kvh,
+                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                        float softcap, void *out, int is_bf16) {
     const int64_t G = H / Hkv;
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     uint16_t qb[MAX_GROUP][MAX_HEAD_DIM];
@@ -144,7 +144,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
         l[g] = 0.0f;
     }
     int64_t slots[BLOCK];
-    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+    for (int t0 = first; t0 < len; t0 += BLOCK) {
         const int n = (len - t0 < BLOCK) ? (len - t0) : BLOCK;
         for (int i = 0; i < n; i++) {
             const int64_t pos = t0 + i;
@@ -155,7 +155,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
             for (int64_t g = 0; g < G; g++) {
                 float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
                                     : dot_f32(qf[g], (const float *)k_cache + row, (int)D);
-                s[g][i] = dot * scale;
+                s[g][i] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
             }
         }
         for (int64_t g = 0; g < G; g++) {
@@ -307,9 +307,11 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
  * for every head's rows PREFETCH_KEYS ahead, which its other heads' items then find in L2. */
 #define DEFINE_FAST_ITEM(KIND, G, NV)                                                            \
     static void fast_##KIND##_##G##_##NV(const void *q, int64_t q_stride, const void *kc,        \
-                                         const void *vc, const int32_t *table_row, int len,       \
+                                         const void *vc, const int32_t *table_row, int first,     \
+                                         int len,                                                 \
                                          int64_t b, int64_t kvh, int64_t H, int64_t Hkv,          \
-                                         int64_t page_size, float scale, void *out, int cold,     \
+                                         int64_t page_size, float scale, float softcap,           \
+                                         void *out, int cold,                                     \
                                          l2_stream *st) {                                         \
         const int64_t D = 16 * (NV);                                                             \
         __m512 qv[G][NV] __attribute__((unused)), acc[G][NV];                                    \
@@ -326,7 +328,7 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
             l[g] = 0.0f;                                                                         \
         }                                                                                        \
         int64_t rows[16];                                                                        \
-        for (int t0 = 0; t0 < len; t0 += 16) {                                                   \
+        for (int t0 = first; t0 < len; t0 += 16) {                                               \
             const int n = (len - t0 < 16) ? (len - t0) : 16;                                     \
             const __mmask16 valid = (__mmask16)((n == 16) ? 0xffffu : ((1u << n) - 1u));         \
             for (int i = 0; i < n; i++) {                                                        \
@@ -358,6 +360,9 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
                     part[i] = a;                                                                 \
                 }                                                                                \
                 __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));                \
+                if (softcap > 0.0f)                                                              \
+                    sc = _mm512_mul_ps(_mm512_set1_ps(softcap),                                  \
+                                       tanh512(_mm512_mul_ps(sc, _mm512_set1_ps(1.0f / softcap)))); \
                 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);                   \
                 const float block_max = _mm512_reduce_max_ps(sc);                               \
                 const float new_max = block_max > m[g] ? block_max : m[g];                       \
@@ -434,10 +439,12 @@ DEFINE_FOR_GROUPS(BF16, 4)
 DEFINE_FOR_GROUPS(BF16, 8)
 DEFINE_FOR_GROUPS(F32, 4)
 DEFINE_FOR_GROUPS(F32, 8)
+DEFINE_FOR_GROUPS(BF16, 16)
+DEFINE_FOR_GROUPS(F32, 16)
 
 typedef void (*fast_item_fn)(const void *, int64_t, const void *, const void *, const int32_t *,
-                             int, int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int,
-                             l2_stream *);
+                             int, int, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
+                             void *, int, l2_stream *);
 
 #define GROUP_TABLE(KIND, NV)                                                                   \
     {fast_##KIND##_1_##NV, fast_##KIND##_2_##NV, fast_##KIND##_3_##NV, fast_##KIND##_4_##NV,   \
@@ -446,26 +453,39 @@ static const fast_item_fn FAST_BF16_64[8] = GROUP_TABLE(BF16, 4);
 static const fast_item_fn FAST_BF16_128[8] = GROUP_TABLE(BF16, 8);
 static const fast_item_fn FAST_F32_64[8] = GROUP_TABLE(F32, 4);
 static const fast_item_fn FAST_F32_128[8] = GROUP_TABLE(F32, 8);
+static const fast_item_fn FAST_BF16_256[8] = GROUP_TABLE(BF16, 16);
+static const fast_item_fn FAST_F32_256[8] = GROUP_TABLE(F32, 16);
 
 /* the register-resident item for (dtype, G, D), or NULL */
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) {
-    if (G < 1 || G > 8 || (D != 64 && D != 128)) return NULL;
-    if (is_bf16) return D == 64 ? FAST_BF16_64[G - 1] : FAST_BF16_128[G - 1];
-    return D == 64 ? FAST_F32_64[G - 1] : FAST_F32_128[G - 1];
+    if (G < 1 || G > 8) return NULL;
+    switch (D) {
+    case 64: return (is_bf16 ? FAST_BF16_64 : FAST_F32_64)[G - 1];
+    case 128: return (is_bf16 ? FAST_BF16_128 : FAST_F32_128)[G - 1];
+    case 256: return (is_bf16 ? FAST_BF16_256 : FAST_F32_256)[G - 1];
+    default: return NULL;
+    }
 }
 #else
 typedef void (*fast_item_fn)(void);
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) { (void)is_bf16; (void)G; (void)D; return NULL; }
 #endif
 
+/* the first key a decode at length len sees: window 0 means all */
+static inline int first_key(int len, int64_t window) {
+    return (window > 0 && len > window) ? (int)(len - window) : 0;
+}
+
 /* Returns 0, or -1 when the shapes are outside what this kernel handles (the caller then uses
- * the torch path): H a multiple of Hkv, H / Hkv <= MAX_GROUP, D a multiple of 32, <= 256. */
+ * the torch path): H a multiple of Hkv, H / Hkv <= MAX_GROUP, D a multiple of 32, <= 256.
+ * ``window`` > 0: the query (at position len - 1) sees its last ``window`` keys only;
+ * ``softcap`` > 0: scaled scores s become softcap * tanh(s / softcap) before the softmax. */
 int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                                        const void *v_cache,
                                        const int32_t *block_table, int64_t table_stride,
                                        const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
-                                       int64_t D, int64_t page_size, float scale, void *out,
-                                       int is_bf16, int num_threads) {
+                                       int64_t D, int64_t page_size, float scale, int64_t window,
+                                       float softcap, void *out, int is_bf16, int num_threads) {
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM)
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
@@ -478,16 +498,18 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
         {
             const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
             for (int64_t b = t; b < B; b += T) {
-                const int64_t nb = b + T, blocks = (seq_lens[b] + 15) / 16;
+                const int first = first_key(seq_lens[b], window);
+                const int64_t nb = b + T, blocks = (seq_lens[b] - first + 15) / 16;
                 l2_stream st = {NULL, 0, 0, 0};
                 if (nb < B) {
                     st.table_row = block_table + nb * table_stride;
                     st.len = seq_lens[nb];
-                    st.per_block = (st.len + Hkv * blocks - 1) / (Hkv * blocks);
+                    st.next = first_key(seq_lens[nb], window);
+                    st.per_block = (st.len - st.next + Hkv * blocks - 1) / (Hkv * blocks);
                 }
                 for (int64_t kvh = 0; kvh < Hkv; kvh++)
-                    fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride,
-                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, out, b == t, &st);
+                    fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
+                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, b == t, &st);
             }
         }
         return 0;
@@ -496,16 +518,17 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, kvh = item % Hkv;
+        const int first = first_key(seq_lens[b], window);
 #ifdef __AVX512F__
         if (fast != NULL) {
             l2_stream none = {NULL, 0, 0, 0};
-            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
-                 kvh, H, Hkv, page_size, scale, out, 1, &none);
+            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
+                 seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, 1, &none);
             continue;
         }
 #endif
-        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], b,
-                    kvh, H, Hkv, D, page_size, scale, out, is_bf16);
+        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
+                    seq_lens[b], b, kvh, H, Hkv, D, page_size, scale, softcap, out, is_bf16);
     }
     return 0;
 }

@@ -228,7 +228,7 @@ def test_native_extend_with_window_and_softcap_matches_naive(
 ) -> None:
     """Gemma 2/3 layers: windows inside one 16-key block, across blocks, of one key; soft-caps
     that bite. Prompts after long cached prefixes (whole key blocks below every window are
-    skipped) and one-query extends (decodes, as the backend routes them)."""
+    skipped) and one-query extends (decodes, as deterministic mode routes them)."""
     from asyncengine.kernels.attention_native import (
         extend_kernel_runs,
         native_extend_attention,
@@ -256,9 +256,9 @@ def test_native_extend_with_window_and_softcap_matches_naive(
         torch.testing.assert_close(got[rows].float(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_decodes_of_window_layers_go_through_the_extend_kernel() -> None:
-    """TorchBackend: a windowed layer's decodes as one-query extends (the native decode kernel
-    has no window), a plain layer's through the decode kernel, both right."""
+def test_decodes_of_window_layers_go_through_the_decode_kernel() -> None:
+    """TorchBackend: a windowed, soft-capped layer's decodes and a plain layer's through the
+    native decode kernel, with one plan, both right."""
     from asyncengine.executor.attention import (
         PLAIN,
         AttentionOptions,
@@ -266,7 +266,7 @@ def test_decodes_of_window_layers_go_through_the_extend_kernel() -> None:
         TorchBackend,
     )
     from asyncengine.executor.forward_batch import ForwardBatch
-    from asyncengine.kernels.attention_native import NativeExtendPlan, extend_kernel_runs
+    from asyncengine.kernels.attention_native import NativeDecodePlan
 
     seq_lens = [40, 9, 77]
     kv = PagedKV(seq_lens, 16, 2, 64, torch.float32, seed=5)
@@ -292,10 +292,41 @@ def test_decodes_of_window_layers_go_through_the_extend_kernel() -> None:
     metadata = TorchAttentionMetadata(batch)
     windowed = backend.attend(q, kv.k_cache, kv.v_cache, metadata, 0.125, AttentionOptions(6, 2.0))
     plain = backend.attend(q, kv.k_cache, kv.v_cache, metadata, 0.125, PLAIN)
-    if extend_kernel_runs():
-        assert isinstance(metadata.option_decode_plan, NativeExtendPlan)
+    assert isinstance(metadata.decode_plan, NativeDecodePlan)  # the CI machines compile it
     for b in range(3):
         want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], 0.125, 6, 2.0)[0]
         torch.testing.assert_close(windowed[b], want, atol=2e-5, rtol=0)
         want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], 0.125)[0]
         torch.testing.assert_close(plain[b], want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(64, 8, 2), (256, 4, 1)])
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (0, 1.5), (40, 2.0)])
+def test_native_decode_window_and_softcap(
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int,
+    softcap: float,
+    threads: int,
+) -> None:
+    """The decode kernel's window (its last ``window`` keys) and soft-cap against the naive
+    attention, on both item shapes (``threads``) and Gemma's head_dim 256; lengths below, at
+    and above the window, and windows that start inside a key block."""
+    seq_lens = [1, 7, 8, 40, 41, 100, 257, 30]
+    kv = PagedKV(seq_lens, 16, num_kv_heads, head_dim, dtype, seed=window + head_dim)
+    gen = torch.Generator().manual_seed(6)
+    q = (torch.randn(len(seq_lens), num_heads, head_dim, generator=gen) * 3).to(dtype)
+    scale = head_dim**-0.5
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, num_heads, kv.k_cache)
+    assert plan is not None
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, scale, window, softcap)
+    plain = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, scale)
+    assert not torch.allclose(got.float(), plain.float(), atol=0.05), "the options must matter"
+    for b in range(len(seq_lens)):
+        want = naive_attention(
+            q[b : b + 1].float(), kv.keys[b], kv.values[b], scale, window, softcap
+        )
+        torch.testing.assert_close(got[b].float(), want[0], atol=TOLERANCE[dtype], rtol=0)

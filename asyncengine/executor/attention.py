@@ -98,9 +98,6 @@ class TorchAttentionMetadata:
     batch: ForwardBatch
     extend_plan: ExtendPlan | NativeExtendPlan | None = None
     decode_plan: DecodePlan | NativeDecodePlan | None = None
-    # the decodes of layers with a window or soft-cap, which the native decode kernel does not
-    # implement: one-query extends for the native extend kernel, or the torch reference
-    option_decode_plan: NativeExtendPlan | DecodePlan | None = None
 
 
 class TorchBackend(AttentionBackend):
@@ -109,9 +106,7 @@ class TorchBackend(AttentionBackend):
     buckets of similar lengths and decodes in place from the pool for float32 or in gathered
     chunks (attention_ref). ``native=False`` keeps the torch paths on a CPU too.
     ``extend_cost`` prices the buckets; None: the default for the model's heads (an
-    ``ExtendCost`` with an infinite ``call`` keeps one bucket). Decodes of layers with a window
-    or soft-cap go through the native extend kernel as one-query extends (the native decode
-    kernel has neither option), or through the torch references.
+    ``ExtendCost`` with an infinite ``call`` keeps one bucket).
     """
 
     def __init__(self, extend_cost: ExtendCost | None = None, native: bool = True) -> None:
@@ -184,54 +179,14 @@ class TorchBackend(AttentionBackend):
         scale: float,
         options: AttentionOptions,
     ) -> torch.Tensor:
-        if not options.plain:
-            return self._decode_with_options(q, k_cache, v_cache, m, scale, options)
         if m.decode_plan is None:
             batch = m.batch
             args = (batch.decode_block_table, batch.decode_seq_lens, batch.page_size, q.shape[1])
             native = plan_native_decode(*args, k_cache) if self.native else None
             m.decode_plan = native or plan_decode(*args, k_cache)
-        if isinstance(m.decode_plan, NativeDecodePlan):
-            return native_decode_attention(q, k_cache, v_cache, m.decode_plan, scale)
-        return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale)
-
-    def _decode_with_options(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        m: TorchAttentionMetadata,
-        scale: float,
-        options: AttentionOptions,
-    ) -> torch.Tensor:
         window, softcap = options.window, options.softcap
-        if m.option_decode_plan is None:
-            batch = m.batch
-            native = _plan_decodes_as_extends(batch, q.shape[1], k_cache) if self.native else None
-            m.option_decode_plan = native or plan_decode(
-                batch.decode_block_table,
-                batch.decode_seq_lens,
-                batch.page_size,
-                q.shape[1],
-                k_cache,
+        if isinstance(m.decode_plan, NativeDecodePlan):
+            return native_decode_attention(
+                q, k_cache, v_cache, m.decode_plan, scale, window, softcap
             )
-        plan = m.option_decode_plan
-        if isinstance(plan, NativeExtendPlan):
-            return native_extend_attention(q, k_cache, v_cache, plan, scale, window, softcap)
-        return decode_attention_planned(q, k_cache, v_cache, plan, scale, window, softcap)
-
-
-def _plan_decodes_as_extends(
-    batch: ForwardBatch, num_heads: int, k_cache: torch.Tensor
-) -> NativeExtendPlan | None:
-    """The decodes of ``batch`` as one-query extends for the native extend kernel (None where
-    it does not run)."""
-    cu = torch.arange(batch.num_decodes + 1, dtype=torch.int32, device=k_cache.device)
-    return plan_native_extend(
-        batch.decode_block_table,
-        cu,
-        batch.decode_seq_lens,
-        batch.page_size,
-        num_heads,
-        k_cache,
-    )
+        return decode_attention_planned(q, k_cache, v_cache, m.decode_plan, scale, window, softcap)
