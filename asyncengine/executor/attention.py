@@ -91,16 +91,54 @@ class AttentionBackend(ABC):
 
 
 @dataclass(slots=True)
-class TorchAttentionMetadata:
+class BatchMetadata:
+    """Metadata that keeps the forward's batch (its slot mapping says where K/V go)."""
+
+    batch: ForwardBatch
+
+
+class StoreThenAttendBackend(AttentionBackend):
+    """A backend that reads every key from the pool: ``forward`` stores the layer's new K/V at
+    the batch's slots, then ``attend``s. Its metadata is a ``BatchMetadata``."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+        options: AttentionOptions = PLAIN,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, BatchMetadata)
+        store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale, options)
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+        options: AttentionOptions = PLAIN,
+    ) -> torch.Tensor:
+        """Attention of q [N, H, D] over K/V already in the caches."""
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata(BatchMetadata):
     """The forward's batch and the plans of its extends and decodes: the first layer makes
     them (they need the pool's heads and dtype), every other layer reuses them."""
 
-    batch: ForwardBatch
     extend_plan: ExtendPlan | NativeExtendPlan | None = None
     decode_plan: DecodePlan | NativeDecodePlan | None = None
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(StoreThenAttendBackend):
     """On a CPU, extends and decodes through the native kernels (kernels/cpu_*_attention.c: keys
     and values read in place from the pool); elsewhere (or without a C compiler) extends in
     buckets of similar lengths and decodes in place from the pool for float32 or in gathered
@@ -115,21 +153,6 @@ class TorchBackend(AttentionBackend):
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(batch)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        scale: float,
-        options: AttentionOptions = PLAIN,
-    ) -> torch.Tensor:
-        assert isinstance(metadata, TorchAttentionMetadata)
-        store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata, scale, options)
 
     def attend(
         self,

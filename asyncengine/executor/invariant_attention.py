@@ -29,10 +29,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.attention import PLAIN, AttentionBackend, AttentionOptions
+from asyncengine.executor.attention import (
+    PLAIN,
+    AttentionOptions,
+    BatchMetadata,
+    StoreThenAttendBackend,
+)
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.attention_window import additive_mask, hidden_keys
-from asyncengine.kernels.kv_store_ref import store_kv
 from asyncengine.kernels.paged_kv import padded_kv_slots
 
 # the CPU flash attention's key block (torch's kernel: min(kv_len, 512)); padding to multiples
@@ -82,8 +86,7 @@ class InvariantPlan:
 
 
 @dataclass(slots=True)
-class InvariantMetadata:
-    batch: ForwardBatch
+class InvariantMetadata(BatchMetadata):
     plan: InvariantPlan | None = None  # made by the first layer (needs the pool's dtype)
 
 
@@ -218,7 +221,7 @@ def invariant_attention(
     return stacked.index_select(0, plan.output_rows)
 
 
-class InvariantTorchBackend(AttentionBackend):
+class InvariantTorchBackend(StoreThenAttendBackend):
     """The attention backend of deterministic mode (any device torch's attention runs on)."""
 
     def __init__(self) -> None:
@@ -226,21 +229,6 @@ class InvariantTorchBackend(AttentionBackend):
 
     def build_metadata(self, batch: ForwardBatch) -> InvariantMetadata:
         return InvariantMetadata(batch)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        scale: float,
-        options: AttentionOptions = PLAIN,
-    ) -> torch.Tensor:
-        assert isinstance(metadata, InvariantMetadata)
-        store_kv(k_cache, v_cache, k, v, metadata.batch.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata, scale, options)
 
     def attend(
         self,
