@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from asyncengine.kernels.attention_grouping import (
     ExtendCost,
@@ -35,7 +34,7 @@ from asyncengine.kernels.attention_grouping import (
     extend_buckets,
     extend_cost_for,
 )
-from asyncengine.kernels.attention_window import additive_mask, capped_attention, hidden_keys
+from asyncengine.kernels.attention_window import additive_mask, hidden_keys, window_attention
 from asyncengine.kernels.decode_sparse_ref import (
     SparseDecodePlan,
     plan_sparse_decode,
@@ -142,17 +141,8 @@ def decode_attention_planned(
         queries = chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim)
         keys = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         values = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        if softcap:
-            mask = chunk.mask_for(window, k_cache.dtype)
-            attended = capped_attention(queries, keys, values, mask, scale, softcap)
-        else:
-            attended = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=chunk.mask_for(window, k_cache.dtype) if window else chunk.mask,
-                scale=scale,
-            )
+        mask = chunk.mask_for(window, k_cache.dtype) if window or softcap else chunk.mask
+        attended = window_attention(queries, keys, values, mask, scale, softcap)
         attended = attended.reshape(n, num_heads, head_dim)
         if out is None:
             return attended
@@ -295,19 +285,17 @@ def extend_attention_planned(
         queries = b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2)
         keys = k_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
         values = v_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        if softcap:
-            mask = b.mask_for(window, k_cache.dtype)
-            out = capped_attention(queries, keys, values, mask, scale, softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=b.mask_for(window, k_cache.dtype) if window else b.mask,
-                is_causal=not window and b.mask is None,
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
-            )
+        mask = b.mask_for(window, k_cache.dtype) if window or softcap else b.mask
+        out = window_attention(
+            queries,
+            keys,
+            values,
+            mask,
+            scale,
+            softcap,
+            is_causal=mask is None,
+            enable_gqa=num_heads != num_kv_heads,
+        )
         outs.append(out.transpose(1, 2).reshape(n * q_len, num_heads, head_dim))
     stacked = outs[0] if len(outs) == 1 else torch.cat(outs)
     return stacked if plan.output_rows is None else stacked.index_select(0, plan.output_rows)

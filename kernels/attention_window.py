@@ -10,6 +10,7 @@ in float32).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def hidden_keys(query_pos: torch.Tensor, kv_len: int, window: int) -> torch.Tensor:
@@ -49,3 +50,24 @@ def capped_attention(
     scores = soft_cap(torch.matmul(q.float(), kf.transpose(-1, -2)) * scale, softcap)
     probs = torch.softmax(scores + mask.float(), dim=-1)
     return torch.matmul(probs, vf).to(q.dtype)
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    *,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch's fused attention, or ``capped_attention`` where ``softcap`` is set (it then needs
+    the additive ``mask``: ``is_causal`` is the fused path's alternative to one)."""
+    if softcap:
+        assert mask is not None, "soft-capped attention takes an explicit mask"
+        return capped_attention(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
