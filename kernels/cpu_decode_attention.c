@@ -25,6 +25,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
 #define BLOCK 32
@@ -32,17 +33,6 @@
 #define PREFETCH_KEYS 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-
-int asyncengine_decode_attention_features(void) {
-    int flags = 0;
-#ifdef __AVX512F__
-    flags |= 1;
-#endif
-#ifdef __AVX512BF16__
-    flags |= 2;
-#endif
-    return flags;
-}
 
 /* exp of n floats in place (n <= BLOCK) */
 static inline void exp_block(float *s, int n) {
@@ -146,10 +136,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
     int64_t slots[BLOCK];
     for (int t0 = first; t0 < len; t0 += BLOCK) {
         const int n = (len - t0 < BLOCK) ? (len - t0) : BLOCK;
-        for (int i = 0; i < n; i++) {
-            const int64_t pos = t0 + i;
-            slots[i] = (int64_t)table_row[pos / page_size] * page_size + pos % page_size;
-        }
+        for (int i = 0; i < n; i++) slots[i] = pool_slot(table_row, t0 + i, page_size);
         for (int i = 0; i < n; i++) {
             const int64_t row = (slots[i] * Hkv + kvh) * D;
             for (int64_t g = 0; g < G; g++) {
@@ -219,17 +206,17 @@ static inline __m512 reduce16(const __m512 *v) {
 #define LOAD_ROW_BF16(base, r, j) load_bf16x16((const uint16_t *)(base) + (r) + 16 * (j))
 #define LOAD_ROW_F32(base, r, j) _mm512_loadu_ps((const float *)(base) + (r) + 16 * (j))
 
-
 /* acc[g] += p[g][i] * v_i over the block's keys: float32 fused multiply-adds per key */
-#define V_ACC_F32(G, NV)                                                                         \
+#define V_ACC_FMA(KIND, G, NV)                                                                   \
     for (int i = 0; i < n; i++) {                                                                \
         __m512 v[NV];                                                                            \
-        for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_F32(vc, rows[i], j);                      \
+        for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_##KIND(vc, rows[i], j);                   \
         for (int g = 0; g < (G); g++) {                                                          \
             const __m512 pv = _mm512_set1_ps(p[g][i]);                                           \
             for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]);     \
         }                                                                                        \
     }
+#define V_ACC_F32(G, NV) V_ACC_FMA(F32, G, NV)
 #define UNPAIR_F32(first, second)
 #ifdef __AVX512BF16__
 /* bfloat16 pools: p rounded to bfloat16 (as the model's own p @ v in bfloat16), two keys per
@@ -264,15 +251,7 @@ static const uint16_t ZERO_ROW[MAX_HEAD_DIM] __attribute__((aligned(64)));
                                                               13, 14, 15, 28, 29, 30, 31), hi);  \
     }
 #else
-#define V_ACC_BF16(G, NV)                                                                        \
-    for (int i = 0; i < n; i++) {                                                                \
-        __m512 v[NV];                                                                            \
-        for (int j = 0; j < (NV); j++) v[j] = LOAD_ROW_BF16(vc, rows[i], j);                     \
-        for (int g = 0; g < (G); g++) {                                                          \
-            const __m512 pv = _mm512_set1_ps(p[g][i]);                                           \
-            for (int j = 0; j < (NV); j++) acc[g][j] = _mm512_fmadd_ps(pv, v[j], acc[g][j]);     \
-        }                                                                                        \
-    }
+#define V_ACC_BF16(G, NV) V_ACC_FMA(BF16, G, NV)
 #define UNPAIR_BF16(first, second)
 #endif
 
@@ -282,17 +261,20 @@ typedef struct {
     int64_t len, next, per_block;
 } l2_stream;
 
+/* the K and V rows (every head, ``row_bytes`` each) of one pool slot, into L2 */
+static inline void prefetch_slot_l2(const void *kc, const void *vc, int64_t slot,
+                                    int64_t row_bytes) {
+    const char *kr = (const char *)kc + slot * row_bytes, *vr = (const char *)vc + slot * row_bytes;
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+        _mm_prefetch(kr + o, _MM_HINT_T1);
+        _mm_prefetch(vr + o, _MM_HINT_T1);
+    }
+}
+
 static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, int64_t row_bytes,
                                int64_t page_size) {
-    for (int64_t k = 0; k < st->per_block && st->next < st->len; k++, st->next++) {
-        const int64_t pos = st->next;
-        const int64_t slot = (int64_t)st->table_row[pos / page_size] * page_size + pos % page_size;
-        const char *kr = (const char *)kc + slot * row_bytes, *vr = (const char *)vc + slot * row_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64) {
-            _mm_prefetch(kr + o, _MM_HINT_T1);
-            _mm_prefetch(vr + o, _MM_HINT_T1);
-        }
-    }
+    for (int64_t k = 0; k < st->per_block && st->next < st->len; k++, st->next++)
+        prefetch_slot_l2(kc, vc, pool_slot(st->table_row, st->next, page_size), row_bytes);
 }
 
 /* A (request, kv head) item with G query heads of D = 16 * NV values, everything in registers:
@@ -332,26 +314,17 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
             const int n = (len - t0 < 16) ? (len - t0) : 16;                                     \
             const __mmask16 valid = (__mmask16)((n == 16) ? 0xffffu : ((1u << n) - 1u));         \
             for (int i = 0; i < n; i++) {                                                        \
-                const int64_t pos = t0 + i;                                                      \
-                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
-                rows[i] = (slot * Hkv + kvh) * D;                                                \
+                rows[i] = (pool_slot(table_row, t0 + i, page_size) * Hkv + kvh) * D;             \
                 PREFETCH_ROW(vc, rows[i], KIND##_BYTES * D); /* read after the scores */         \
             }                                                                                    \
-            for (int i = 0; i < 16 && t0 + 16 + i < len; i++) { /* the next block's keys */      \
-                const int64_t pos = t0 + 16 + i;                                                 \
-                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
-                PREFETCH_ROW(kc, (slot * Hkv + kvh) * D, KIND##_BYTES * D);                       \
-            }                                                                                    \
+            for (int i = 0; i < 16 && t0 + 16 + i < len; i++) /* the next block's keys */        \
+                PREFETCH_ROW(kc, (pool_slot(table_row, t0 + 16 + i, page_size) * Hkv + kvh) * D, \
+                             KIND##_BYTES * D);                                                  \
             if (st->table_row != NULL) stream_rows(st, kc, vc, Hkv * D * KIND##_BYTES, page_size); \
             if (cold && kvh == 0) /* every head's rows (adjacent in a slot), later in this item */ \
-            for (int i = 0; i < 16 && t0 + PREFETCH_KEYS + i < len; i++) {                       \
-                const int64_t pos = t0 + PREFETCH_KEYS + i;                                      \
-                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
-                for (int64_t _b = 0; _b < Hkv * D * KIND##_BYTES; _b += 64) {                     \
-                    _mm_prefetch((const char *)kc + slot * Hkv * D * KIND##_BYTES + _b, _MM_HINT_T1); \
-                    _mm_prefetch((const char *)vc + slot * Hkv * D * KIND##_BYTES + _b, _MM_HINT_T1); \
-                }                                                                                \
-            }                                                                                    \
+                for (int i = 0; i < 16 && t0 + PREFETCH_KEYS + i < len; i++)                     \
+                    prefetch_slot_l2(kc, vc, pool_slot(table_row, t0 + PREFETCH_KEYS + i, page_size), \
+                                     Hkv * D * KIND##_BYTES);                                    \
             for (int g = 0; g < (G); g++) {                                                      \
                 __m512 part[16];                                                                 \
                 for (int i = 0; i < 16; i++) {                                                   \

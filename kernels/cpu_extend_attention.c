@@ -22,6 +22,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
 #define MAX_GROUP 16
@@ -107,11 +108,8 @@ typedef struct {
         int64_t slot_rows[KB];                                                                   \
         for (int64_t k0 = first_block; k0 <= last_key; k0 += KB) {                               \
             const int64_t nk = (last_key + 1 - k0 < KB) ? (last_key + 1 - k0) : KB;              \
-            for (int64_t k = 0; k < nk; k++) {                                                   \
-                const int64_t pos = k0 + k;                                                      \
-                const int64_t slot = (int64_t)table_row[pos / page_size] * page_size + pos % page_size; \
-                slot_rows[k] = (slot * Hkv + it.kvh) * D;                                        \
-            }                                                                                    \
+            for (int64_t k = 0; k < nk; k++)                                                     \
+                slot_rows[k] = (pool_slot(table_row, k0 + k, page_size) * Hkv + it.kvh) * D;     \
             for (int64_t k = 0; k < KB; k++) {                                                   \
                 if (k >= nk) {                                                                   \
                     for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = 0;                        \
