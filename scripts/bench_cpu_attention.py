@@ -94,14 +94,13 @@ def compile_baseline(rev: str) -> Callable[..., int]:
         text=True,
     ).stdout
     workdir = Path(tempfile.mkdtemp(prefix="bench_cpu_attention_"))
-    for header in cpu_native.SOURCE_DIR.glob("*.h"):  # today's headers, if the rev has none
-        (workdir / header.name).write_bytes(header.read_bytes())
-    for name in ("cpu_simd.h",):
+    for header in cpu_native.SOURCE_DIR.glob("*.h"):  # the revision's, else today's
         shown = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}"], capture_output=True
+            ["git", "-C", str(ROOT), "show", f"{rev}:kernels/{header.name}"], capture_output=True
         )
-        if shown.returncode == 0:
-            (workdir / name).write_bytes(shown.stdout)
+        (workdir / header.name).write_bytes(
+            shown.stdout if shown.returncode == 0 else header.read_bytes()
+        )
     c_file = workdir / "baseline.c"
     c_file.write_text(source)
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
@@ -114,8 +113,8 @@ def compile_baseline(rev: str) -> Callable[..., int]:
     )
     fn = ctypes.CDLL(str(library)).asyncengine_paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = _ARGS_OPTIONS if "softcap" in source else _ARGS_PLAIN
     with_options = "softcap" in source
+    fn.argtypes = _ARGS_OPTIONS if with_options else _ARGS_PLAIN
 
     def call(pools: Pools, layer: int, out: torch.Tensor, threads: int) -> int:
         q = pools.q
