@@ -82,7 +82,7 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         int,
         "prefill-only steps in a row before a decode step",
     ),
-    ("--attention-backend", "attention_backend", str, "auto | torch | triton"),
+    ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (

@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/backends.py says what each needs)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 class ConfigError(ValueError):

@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
-            device="cpu",
+            device=args.device,
             log_interval=0,
             kv_cache_tokens=args.kv_cache_tokens,
             max_running_requests=args.num_requests,
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=320)

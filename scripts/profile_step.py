@@ -182,13 +182,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--engine-arg", action="append", type=key_value, default=[], metavar="KEY=VALUE"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="only the engine run (on CUDA the forward thread's parts time kernel launches, "
+        "and the sampler's wait for the GPU)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, device="cpu", log_interval=0.0, **dict(args.engine_arg)
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        log_interval=0.0,
+        **dict(args.engine_arg),
     )
     workload_args = {"input_median": 160, "output_median": 96, **dict(args.workload_arg)}
     workload = make_workload(
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timer = Timer()
     wall, plans = asyncio.run(engine_run(config, workload, timer))
     tokens = sum(w.output_len for w in workload)
-    alone = replay_alone(config, plans)
+    alone = None if args.no_replay else replay_alone(config, plans)
     in_engine = timer.seconds
     loop_parts = {k: v for k, v in in_engine.items() if k.startswith("loop:")}
     loop_busy = sum(loop_parts.values())
@@ -213,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "output_tokens_per_second": tokens / wall,
         "in_engine_seconds": dict(in_engine),
         "loop_thread_other_seconds": max(0.0, wall - loop_busy - forward_all),
-        "alone_seconds": alone["seconds"],
-        "forward_slowdown_in_engine": forward_all / alone["seconds"]["execute (all)"],
-        "forward_parts_seconds": alone["forward_parts_seconds"],
     }
+    if alone is not None:
+        result["alone_seconds"] = alone["seconds"]
+        result["forward_slowdown_in_engine"] = forward_all / alone["seconds"]["execute (all)"]
+        result["forward_parts_seconds"] = alone["forward_parts_seconds"]
     print(f"{len(workload)} requests, {tokens} output tokens, {len(plans)} steps, {wall:.1f} s "
           f"wall ({tokens / wall:.1f} tok/s), torch threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'part':<40}{'seconds':>10}{'share of wall':>15}")
@@ -224,6 +236,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{part:<40}{seconds:>10.2f}{seconds / wall:>14.1%}")
     other = result["loop_thread_other_seconds"]
     print(f"{'loop: other (asyncio, callers, idle)':<40}{other:>10.2f}{other / wall:>14.1%}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if alone is None:
+        return result
     print("\nthe same plans alone (this thread, nothing else running):")
     for part, seconds in alone["seconds"].items():
         print(f"  {part:<38}{seconds:>10.2f}")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.config import EngineConfig
 from asyncengine.executor.attention import TorchBackend
 from asyncengine.executor.attention_triton import TritonBackend
 from asyncengine.executor.backends import (
@@ -257,12 +257,17 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
         resolve_backend_name("triton", "cpu")
 
 
-def test_no_backend_is_accepted_that_does_not_exist() -> None:
-    """FlashInfer has no backend yet: its name is refused by the config, not at first forward."""
-    with pytest.raises(ConfigError, match="attention_backend.*auto, torch, triton"):
-        EngineConfig(attention_backend="flashinfer")
-    with pytest.raises(ValueError, match="unknown attention backend 'flashinfer'"):
+def test_flashinfer_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config takes the name; the executor refuses it on a CPU, or without the package,
+    at start rather than at the first forward."""
+    assert EngineConfig(attention_backend="flashinfer").attention_backend == "flashinfer"
+    with pytest.raises(BackendUnavailableError, match="flashinfer"):
         resolve_backend_name("flashinfer", "cpu")
+    monkeypatch.setattr(
+        "asyncengine.executor.backends._importable", lambda module: module != "flashinfer"
+    )
+    with pytest.raises(BackendUnavailableError, match="needs the package.*flashinfer"):
+        resolve_backend_name("flashinfer", "cuda")
 
 
 def test_unknown_backend_is_refused() -> None:

@@ -5,7 +5,10 @@
 - ``"auto"``: Triton on CUDA (torch when Triton cannot be imported), torch on CPU;
 - ``"torch"``: the torch references (any device);
 - ``"triton"``: the Triton kernels; on CUDA, or on CPU only under ``TRITON_INTERPRET=1`` (the
-  Triton interpreter, for tests: far too slow to serve).
+  Triton interpreter, for tests: far too slow to serve);
+- ``"flashinfer"``: FlashInfer's paged prefill and decode kernels for attention, the Triton
+  kernels for the rest (CUDA only; needs the flashinfer-python package, whose kernels compile
+  on first use; executor/attention_flashinfer.py).
 
 A choice that cannot work on the device fails here, with a message that says what to do,
 rather than deep inside the first forward.
@@ -37,7 +40,7 @@ def _importable(module: str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """The concrete backend (``torch`` or ``triton``) that ``name`` means here."""
+    """The concrete backend (``torch``, ``triton`` or ``flashinfer``) that ``name`` means here."""
     device = torch.device(device)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
@@ -58,15 +61,32 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
                 "attention_backend='torch' (or 'auto') there. Triton runs on CPU only under "
                 "TRITON_INTERPRET=1, the test interpreter, which is far too slow to serve"
             )
+    if name == "flashinfer":
+        missing = [m for m in ("flashinfer", "triton") if not _importable(m)]
+        if missing:
+            raise BackendUnavailableError(
+                f"attention_backend='flashinfer' needs the package(s) {', '.join(missing)} "
+                "(pip install flashinfer-python triton); or use attention_backend='triton'"
+            )
+        if not on_cuda:
+            raise BackendUnavailableError(
+                f"attention_backend='flashinfer' needs a CUDA device, not {device}; use "
+                "attention_backend='torch' (or 'auto') there"
+            )
     return name
 
 
 def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Resolve ``name`` for ``device`` and build that backend."""
-    if resolve_backend_name(name, device) == "triton":
+    resolved = resolve_backend_name(name, device)
+    if resolved == "triton":
         from asyncengine.executor.attention_triton import TritonBackend
 
         return TritonBackend()
+    if resolved == "flashinfer":
+        from asyncengine.executor.attention_flashinfer import FlashInferBackend
+
+        return FlashInferBackend(device)
     return TorchBackend()
 
 
@@ -111,7 +131,7 @@ def kernel_ops(resolved_backend: str, device: torch.device | str = "cpu") -> Ker
                 silu_and_mul=native.silu_and_mul,
                 rotary_store=native.rotary_store,
             )
-    elif resolved_backend == "triton":
+    elif resolved_backend in ("triton", "flashinfer"):  # FlashInfer attends, Triton does the rest
         from asyncengine.kernels.triton_activation import silu_and_mul
         from asyncengine.kernels.triton_kv_store import store_kv
         from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm

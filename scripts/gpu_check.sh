@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Every GPU figure of issue 28 in one call of the device tool (under 8 minutes on an H100/H200).
+#
+# Before (here, with network): scripts/gpu_wheels.sh   -> .whl/ and .gpu_model/ (git-ignored)
+# Device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_model"],
+#                   timeout_s=540)
+# Dry run (here, on CPU; a tiny model, small counts; checks syntax, imports and arguments):
+#               bash scripts/gpu_check.sh --dry-run
+#
+# Parts, most valuable first, each under its own timeout so that a hang loses only that part:
+#   (a) the 256-request offline benchmark (bench_offline.py, asyncengine only) + its host split
+#       (profile_step.py --no-replay) + the stand-in executor's host ms/step (bench_host_step.py)
+#   (b) the decode step at batch 1/64/256 against the CUDA-graph replay floor and the
+#       weight-read bound (gpu_check.py decode)
+#   (c) deterministic mode on CUDA: greedy tokens alone vs batched (bench_deterministic.py)
+#   (d) FlashInfer: JIT compile, the backend against the torch backend, timed against Triton
+# Weights are random (the 98 MB GGUF cannot travel): the benchmarks ignore EOS, so speed does
+# not depend on them. Output under $OUT (at most 8 files): log.txt, offline.json, profile.json,
+# host_step.json, decode.json, deterministic.json, flashinfer.json, summary.txt; the summary is
+# printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
+OUT=${OUT:-out/gpu_check}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+# BUDGET: seconds for the whole script (default 450 on the GPU): each part's limit is cut to
+# what is left of it (less 15 s for the summary), so FlashInfer, last, gets the rest. Keep it
+# under the device call's timeout_s.
+
+if [ $DRY = 1 ]; then
+    PY=${PY:-.venv/bin/python}
+    MODEL=$(mktemp -d)/model
+    DEVICE=cpu DTYPE=float32
+    T_A=240 T_B=120 T_C=240 T_D=120
+    BUDGET=${BUDGET:-1200}
+    N_REQ=8 N_DET=4 DET_REPEATS=1
+    # the FlashInfer wheel only (the others are cp312 builds), to check its import and our layout
+    if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+            --target /tmp/gpu_check_site .whl/flashinfer_python-*.whl && export PYTHONPATH=/tmp/gpu_check_site
+    fi
+else
+    PY=python3
+    MODEL=/tmp/gpu_check_model
+    DEVICE=cuda DTYPE=bfloat16
+    T_A=150 T_B=75 T_C=90 T_D=400  # each also cut to what is left of BUDGET (below)
+    BUDGET=${BUDGET:-450}
+    N_REQ=256 N_DET=32 DET_REPEATS=1
+    # Packages the GPU image lacks (msgspec, gguf, flashinfer-python), then ours, editable so
+    # that asyncengine.kernels / asyncengine.policies map to kernels/ and policies/.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+    # (if the image's setuptools cannot build it, the same mapping as links in this scratch copy)
+    if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
+        echo "editable install failed: linking asyncengine/kernels and asyncengine/policies instead"
+        ln -sfn ../kernels asyncengine/kernels
+        ln -sfn ../policies asyncengine/policies
+        export PYTHONPATH=$PWD:/tmp/site
+    fi
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+"$PY" -c "import torch, triton, asyncengine, asyncengine.kernels, asyncengine.policies; \
+print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
+    || { echo "imports failed"; exit 1; }
+
+part() {  # part NAME SECONDS COMMAND...: run with a timeout, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - 15 - (SECONDS - START)))
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -lt 10 ]; then
+        echo "=== $name: skipped, only ${left}s of the budget left ==="
+        return
+    fi
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s, at $((SECONDS - START))s) ==="
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0))s ==="
+}
+
+TINY=""
+[ $DRY = 1 ] && TINY="--tiny"
+part model 90 "$PY" scripts/gpu_check.py model .gpu_model "$MODEL" $TINY
+
+# (a) the offline benchmark: the command of docs/BENCHMARKS.md "On an H100", asyncengine only
+part offline "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
+    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
+    --no-progress --out "$OUT/offline.json"
+part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
+    --workload-arg input_median=180 --workload-arg output_median=120 \
+    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
+    --out "$OUT/profile.json"
+if [ -f scripts/bench_host_step.py ]; then
+    part host-step 40 "$PY" scripts/bench_host_step.py --quick --out "$OUT/host_step.json"
+fi
+
+# (b) the decode step
+BATCHES=1,64,256
+[ $DRY = 1 ] && BATCHES=1,4
+part decode "$T_B" "$PY" scripts/gpu_check.py decode "$MODEL" --batches "$BATCHES" \
+    --out "$OUT/decode.json"
+
+# (c) deterministic mode: greedy tokens alone vs batched, on CUDA
+part deterministic "$T_C" "$PY" scripts/bench_deterministic.py --model "$MODEL" \
+    --device "$DEVICE" --dtype "$DTYPE" --num-requests "$N_DET" --check 8 \
+    --repeats "$DET_REPEATS" --out "$OUT/deterministic.json"
+
+# (d) FlashInfer last: its kernels JIT-compile with nvcc (minutes)
+part flashinfer "$T_D" "$PY" scripts/gpu_check.py attention --out "$OUT/flashinfer.json"
+
+echo "=== total $((SECONDS - START))s ==="
+SUMMARY_FLAGS=""
+[ $DRY = 1 ] && SUMMARY_FLAGS="--dry-run"
+"$PY" scripts/gpu_check.py summary "$OUT" $SUMMARY_FLAGS
