@@ -405,8 +405,9 @@ def summary(out: Path, dry_run: bool) -> str:
             lines.append(f"      {part:<38} {sec / max(steps, 1) * 1e3:8.3f} ms/step")
     host = _load(out, "host_step.json")
     if host:
-        lines.append(f"    stand-in executor, host ms/step at batch 256 on this CPU: "
-                     f"{host.get('host_ms_per_step_256')}")  # fmt: skip
+        figure = host.get("host_ms_per_step_256")
+        lines.append(f"    stand-in executor (no forward), host ms/step at decode batch 256 on "
+                     f"this machine's CPU: {figure if figure is None else round(figure, 3)}")  # fmt: skip
     dec = _load(out, "decode.json")
     if dec:
         lines.append(f"(b) decode step ({dec['device']}, {dec['dtype']}, graphs {dec['cuda_graphs']}, "

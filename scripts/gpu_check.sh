@@ -100,9 +100,8 @@ part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEV
     --workload-arg input_median=180 --workload-arg output_median=120 \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
     --out "$OUT/profile.json"
-if [ -f scripts/bench_host_step.py ]; then
-    part host-step 40 "$PY" scripts/bench_host_step.py --quick --out "$OUT/host_step.json"
-fi
+part host-step 40 "$PY" scripts/bench_host_step.py --quick --tokenizer .gpu_model \
+    --out "$OUT/host_step.json"
 
 # (b) the decode step
 BATCHES=1,64,256

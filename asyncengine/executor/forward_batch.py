@@ -46,61 +46,143 @@ class ForwardBatch:
         return int(self.decode_seq_lens.shape[0])
 
 
+class HostStaging:
+    """Pinned host buffers that a CUDA step's index arrays are packed into, reused across steps,
+    so that a step's inputs reach the device in two asynchronous copies (one int64, one int32)
+    instead of one blocking copy per tensor. Each reuse first waits for the previous copy out
+    of the buffer (an event), never for the GPU's other work."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._copied: dict[torch.dtype, torch.cuda.Event] = {}
+
+    def to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        dtype = _TORCH_DTYPES[array.dtype.type]
+        n = array.shape[0]
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.shape[0] < n:
+            size = max(n, 2 * (buffer.shape[0] if buffer is not None else 4096))
+            buffer = torch.empty(size, dtype=dtype, pin_memory=True)
+            self._buffers[dtype] = buffer
+        elif dtype in self._copied:
+            self._copied[dtype].synchronize()
+        host = buffer[:n]
+        host.numpy()[:] = array
+        out = host.to(device, non_blocking=True)
+        event = self._copied.setdefault(dtype, torch.cuda.Event())
+        event.record()
+        return out
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
 def build_forward_batch(
-    plan: BatchPlan, page_table: np.ndarray, page_size: int, device: torch.device
+    plan: BatchPlan,
+    page_table: np.ndarray,
+    page_size: int,
+    device: torch.device,
+    staging: HostStaging | None = None,
 ) -> ForwardBatch:
-    """Vectorized over tokens: the only Python loops walk segments, never tokens.
+    """Vectorized over tokens: the only Python loops walk segments, never tokens (and decodes,
+    the many one-token segments, in a single pass).
 
     ``page_table`` is the [max_requests, max_pages] int32 array of page ids (a numpy view).
+    On a CPU the tensors are views of the numpy arrays (no copy); on CUDA the int64 arrays
+    travel packed in one buffer and the int32 ones in another (two copies, through
+    ``staging``'s pinned buffers when given), split on the device.
     """
     extends, decodes = plan.extends, plan.decodes
-    for seg in decodes:
-        if seg.num_tokens != 1:
-            raise ValueError(f"decode segment {seg.rid!r} has {seg.num_tokens} tokens, expected 1")
-    ext_rows = np.fromiter((s.table_row for s in extends), np.int64, len(extends))
-    ext_starts = np.fromiter((s.start_pos for s in extends), np.int64, len(extends))
-    ext_lens = np.fromiter((s.num_tokens for s in extends), np.int64, len(extends))
-    dec_rows = np.fromiter((s.table_row for s in decodes), np.int64, len(decodes))
-    dec_starts = np.fromiter((s.start_pos for s in decodes), np.int64, len(decodes))
-    cu = np.zeros(len(extends) + 1, np.int64)
+    num_ext, num_dec = len(extends), len(decodes)
+    # one pass over the decodes: table row, position, token, sampled?, token count
+    dec = np.array(
+        [(s.table_row, s.start_pos, s.input_ids[0], s.sample, len(s.input_ids)) for s in decodes],
+        dtype=np.int64,
+    ).reshape(num_dec, 5)
+    if num_dec and (dec[:, 4] != 1).any():
+        bad = decodes[int(np.flatnonzero(dec[:, 4] != 1)[0])]
+        raise ValueError(f"decode segment {bad.rid!r} has {bad.num_tokens} tokens, expected 1")
+    dec_rows, dec_starts = dec[:, 0], dec[:, 1]
+    ext = np.array(
+        [(s.table_row, s.start_pos, len(s.input_ids), s.sample) for s in extends], dtype=np.int64
+    ).reshape(num_ext, 4)
+    ext_rows, ext_starts, ext_lens = ext[:, 0], ext[:, 1], ext[:, 2]
+    cu = np.zeros(num_ext + 1, np.int64)
     np.cumsum(ext_lens, out=cu[1:])
     n_ext = int(cu[-1])
-
-    token_segment = np.repeat(np.arange(len(extends)), ext_lens)
-    ext_positions = np.arange(n_ext) - cu[:-1][token_segment] + ext_starts[token_segment]
-    positions = np.concatenate([ext_positions, dec_starts])
-    token_rows = np.concatenate([ext_rows[token_segment], dec_rows])
-    slots = page_table[token_rows, positions // page_size].astype(np.int64) * page_size
-    slots += positions % page_size
-
+    n = n_ext + num_dec
     ext_seq_lens = ext_starts + ext_lens
     dec_seq_lens = dec_starts + 1
-    ext_max = int(ext_seq_lens.max()) if len(extends) else 0
-    dec_max = int(dec_seq_lens.max()) if len(decodes) else 0
-    ext_table = page_table[ext_rows, : -(-ext_max // page_size)]
-    dec_table = page_table[dec_rows, : -(-dec_max // page_size)]
+    ext_max = int(ext_seq_lens.max()) if num_ext else 0
+    dec_max = int(dec_seq_lens.max()) if num_dec else 0
+    ext_width = -(-ext_max // page_size)
+    dec_width = -(-dec_max // page_size)
+    if num_ext:
+        token_segment = np.repeat(np.arange(num_ext), ext_lens)
+        ext_positions = np.arange(n_ext) - cu[:-1][token_segment] + ext_starts[token_segment]
+        positions = np.concatenate([ext_positions, dec_starts])
+        token_rows = np.concatenate([ext_rows[token_segment], dec_rows])
+        input_ids = np.fromiter(
+            chain(chain.from_iterable(s.input_ids for s in extends), dec[:, 2]), np.int64, n
+        )
+    else:
+        positions, token_rows, input_ids = dec_starts, dec_rows, dec[:, 2]
+    slots = page_table[token_rows, positions // page_size].astype(np.int64) * page_size
+    slots += positions % page_size
+    sampled = np.concatenate([cu[1:][ext[:, 3] != 0] - 1, n_ext + np.flatnonzero(dec[:, 3])])
 
-    sampled = [cu[i + 1] - 1 for i, s in enumerate(extends) if s.sample]
-    sampled += [n_ext + j for j, s in enumerate(decodes) if s.sample]
-    input_ids = list(chain.from_iterable(s.input_ids for s in extends))
-    input_ids += [s.input_ids[0] for s in decodes]
-
-    def tensor(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device)
-
+    tensors = _to_device(
+        [input_ids, positions, slots, sampled],
+        [
+            page_table[ext_rows, :ext_width],
+            ext_seq_lens.astype(np.int32),
+            cu.astype(np.int32),
+            page_table[dec_rows, :dec_width],
+            dec_seq_lens.astype(np.int32),
+        ],
+        device,
+        staging,
+    )
+    ids_t, positions_t, slots_t, sampled_t, ext_table, ext_lens_t, cu_t, dec_table, dec_lens_t = (
+        tensors
+    )
     return ForwardBatch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slots, torch.int64),
-        sample_indices=tensor(np.asarray(sampled, np.int64), torch.int64),
+        input_ids=ids_t,
+        positions=positions_t,
+        slot_mapping=slots_t,
+        sample_indices=sampled_t,
         page_size=page_size,
         num_extend_tokens=n_ext,
-        extend_block_table=tensor(ext_table, torch.int32),
-        extend_seq_lens=tensor(ext_seq_lens, torch.int32),
-        extend_cu_seqlens_q=tensor(cu, torch.int32),
-        extend_max_q_len=int(ext_lens.max()) if len(extends) else 0,
+        extend_block_table=ext_table,
+        extend_seq_lens=ext_lens_t,
+        extend_cu_seqlens_q=cu_t,
+        extend_max_q_len=int(ext_lens.max()) if num_ext else 0,
         extend_max_seq_len=ext_max,
-        decode_block_table=tensor(dec_table, torch.int32),
-        decode_seq_lens=tensor(dec_seq_lens, torch.int32),
+        decode_block_table=dec_table,
+        decode_seq_lens=dec_lens_t,
         decode_max_seq_len=dec_max,
     )
+
+
+def _to_device(
+    longs: list[np.ndarray],
+    ints: list[np.ndarray],
+    device: torch.device,
+    staging: HostStaging | None,
+    packed: bool | None = None,
+) -> list[torch.Tensor]:
+    """int64 and int32 arrays as tensors on ``device``, in order: on a CPU views of the arrays
+    (no copy); elsewhere (or with ``packed``) each dtype packed into one buffer, copied once,
+    split on the device."""
+    if not (device.type != "cpu" if packed is None else packed):
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in (*longs, *ints)]
+    out: list[torch.Tensor] = []
+    for group in (longs, ints):
+        packed = np.concatenate([a.reshape(-1) for a in group])
+        if staging is not None and device.type == "cuda":
+            flat = staging.to_device(packed, device)
+        else:
+            flat = torch.from_numpy(packed).to(device)
+        pieces = torch.split(flat, [a.size for a in group])
+        out += [p.view(a.shape) for p, a in zip(pieces, group, strict=True)]
+    return out

@@ -17,7 +17,7 @@ from asyncengine.executor.backends import (
 from asyncengine.executor.cuda_graph import DecodeGraphs
 from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
-from asyncengine.executor.forward_batch import ForwardBatch, build_forward_batch
+from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
@@ -64,6 +64,8 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.page_table = page_table
         self.page_size = kv_pool.page_size
+        # a CUDA step's index arrays go up through pinned buffers reused across steps
+        self._staging = HostStaging() if self.device.type == "cuda" else None
         if deterministic:
             parts = deterministic_parts(
                 self.device,
@@ -130,7 +132,9 @@ class ModelRunner:
                 f"a sequence reaches {longest} tokens, past the model's {self.config.max_model_len}"
             )
         self.page_table.apply(plan.page_writes)
-        return build_forward_batch(plan, self.page_table.array, self.page_size, self.device)
+        return build_forward_batch(
+            plan, self.page_table.array, self.page_size, self.device, self._staging
+        )
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""

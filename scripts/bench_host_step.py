@@ -1,0 +1,337 @@
+#!/usr/bin/env python
+"""Host milliseconds per engine step, with a forward that costs nothing: what a GPU would wait on.
+
+The real ``AsyncEngine`` (scheduler, policy, radix cache, commit, stop checks, detokenizer,
+streams) drives a stand-in executor that does an executor's host work and no model: it applies
+the plan's page writes, turns the plan into the forward's tensors (``build_forward_batch``, on
+the CPU) and samples greedily through the real ``Sampler`` from a stand-in logits tensor of
+``--logits-width`` columns (the argmax of a [B, vocab] tensor is device work on a GPU; the
+sampled column is offset into ordinary text tokens). Every request streams its deltas to a
+consumer task, as an HTTP handler would.
+
+Scenarios: ``decode`` at batch B (B requests of 16-token prompts and long outputs, all running
+at once; the steps with exactly B decodes and no prefill are measured), and ``mixed`` (1,024
+requests through 256 running slots, random prompt and output lengths, so most steps carry a
+prefill chunk beside the decodes). For each, host ms per step split by part, timed where the
+parts run: schedule + plan, plan -> tensors, sampling, commit (incl. the length/EOS stop
+checks), detokenize + stream (incl. stop strings), and the rest of the loop (asyncio, the
+stream consumers, the forward thread's hand-off).
+
+    .venv/bin/python scripts/bench_host_step.py                 # table, JSON, last line the figure
+    .venv/bin/python scripts/bench_host_step.py --batches 256 --out bench_results/host.json
+
+The last line printed is ``host_ms_per_step <ms at decode batch 256>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from asyncengine.cache.page_table import PageTable
+from asyncengine.config import EngineConfig
+from asyncengine.executor.forward_batch import build_forward_batch
+from asyncengine.executor.sampler import Sampler
+from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.sampling_params import SamplingParams
+
+TOKEN_OFFSET = 1000  # stand-in logits column c samples token TOKEN_OFFSET + c (ordinary text)
+
+
+class StepClock:
+    """Per-step host time by part. A step runs from one ``schedule`` call to the next; parts
+    timed in between are charged to the step whose plan was scheduled last."""
+
+    def __init__(self) -> None:
+        self.step_start: list[float] = []
+        self.plans: list[tuple[int, int, int]] = []  # (decodes, extends, extend tokens)
+        self.parts: list[dict[str, float]] = []
+
+    def charge(self, part: str, seconds: float) -> None:
+        if self.parts:
+            bucket = self.parts[-1]
+            bucket[part] = bucket.get(part, 0.0) + seconds
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.charge(part, time.perf_counter() - start)
+
+        return timed
+
+    def wrap_schedule(self, fn: Callable[[], BatchPlan | None]) -> Callable[[], BatchPlan | None]:
+        def timed() -> BatchPlan | None:
+            start = time.perf_counter()
+            plan = fn()
+            elapsed = time.perf_counter() - start
+            if plan is not None:
+                self.step_start.append(start)
+                self.plans.append(
+                    (len(plan.decodes), len(plan.extends), sum(s.num_tokens for s in plan.extends))
+                )
+                self.parts.append({})
+            self.charge("schedule + plan", elapsed)
+            return plan
+
+        return timed
+
+
+class StandInExecutor:
+    """An executor's host work without a model (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], width: int) -> None:
+        self.spec = ModelSpec(
+            max_model_len=32768,
+            vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids,
+            kv_bytes_per_token=1,
+        )
+        self.sampler = Sampler(eos_token_ids)
+        self.width = width
+        self.clock: StepClock | None = None
+        gen = torch.Generator().manual_seed(0)
+        self._logits = torch.randn(4096, width, generator=gen)
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int | None:
+        return None
+
+    def bind(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.table = PageTable(layout.max_rows, layout.max_pages_per_row)
+
+    def _timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args)
+        if self.clock is not None:
+            self.clock.charge(part, time.perf_counter() - start)
+        return result
+
+    def _prepare(self, plan: BatchPlan) -> Any:
+        self.table.apply(plan.page_writes)
+        return build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        start = time.perf_counter()
+        self._timed("plan -> tensors", self._prepare, plan)
+        rows = len(plan.sampling)
+        if not rows:
+            return StepOutput([], [], time.perf_counter() - start)
+        offset = plan.step % (self._logits.shape[0] - rows + 1)
+        logits = self._logits[offset : offset + rows]
+        ids, logprobs = self._timed("sampling", self.sampler.sample, logits, plan.sampling)
+        tokens = [TOKEN_OFFSET + t for t in ids]
+        return StepOutput(tokens, list(logprobs), time.perf_counter() - start)
+
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    batch: int  # running requests at most (and, for decode, the batch measured)
+    prompt_lens: list[int]
+    output_lens: list[int]
+    decode_only: bool  # measure only the steps with exactly `batch` decodes and no prefill
+
+
+@dataclass(slots=True)
+class Row:
+    scenario: str
+    batch: int
+    steps_measured: int
+    host_ms_per_step: float  # median over the measured steps
+    host_ms_mean: float
+    parts_ms: dict[str, float] = field(default_factory=dict)  # mean per measured step
+    mean_decodes: float = 0.0
+    mean_extend_tokens: float = 0.0
+
+
+def decode_scenario(batch: int, output_len: int) -> Scenario:
+    return Scenario(f"decode B={batch}", batch, [16] * batch, [output_len] * batch, True)
+
+
+def mixed_scenario(num_requests: int, batch: int, seed: int) -> Scenario:
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(np.log(180), 0.6, num_requests), 8, 1024).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(60), 0.6, num_requests), 4, 256).astype(int)
+    return Scenario(f"mixed ({num_requests} req)", batch, prompts.tolist(), outputs.tolist(), False)
+
+
+async def run_scenario(scenario: Scenario, tokenizer: Any, width: int) -> Row:
+    from asyncengine.engine import AsyncEngine
+
+    executor = StandInExecutor(tokenizer.vocab_size, tuple(tokenizer.eos_token_ids), width)
+    config = EngineConfig(
+        log_interval=0,
+        max_running_requests=scenario.batch,
+        kv_cache_tokens=max(262144, sum(scenario.prompt_lens) + sum(scenario.output_lens)),
+        max_waiting_requests=len(scenario.prompt_lens) + 16,
+    )
+    clock = StepClock()
+    rng = np.random.default_rng(1)
+    async with AsyncEngine(config, executor=executor, tokenizer=tokenizer) as engine:
+        warm = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        await engine.generate(list(range(TOKEN_OFFSET, TOKEN_OFFSET + 16)), warm)
+        core = engine.core
+        assert core is not None
+        core.schedule = clock.wrap_schedule(core.schedule)  # type: ignore[method-assign]
+        core.commit = clock.wrap("commit", core.commit)  # type: ignore[method-assign]
+        engine._emit = clock.wrap("detokenize + stream", engine._emit)  # type: ignore[method-assign]
+        executor.clock = clock
+
+        async def consume(prompt_len: int, output_len: int) -> int:
+            prompt = rng.integers(TOKEN_OFFSET, TOKEN_OFFSET + 20000, prompt_len).tolist()
+            params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+            chars = 0
+            async for delta in engine.stream(prompt, params):
+                chars += len(delta.text)
+            return chars
+
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(
+                consume(p, o)
+                for p, o in zip(scenario.prompt_lens, scenario.output_lens, strict=True)
+            )
+        )
+        end = time.perf_counter()
+    bounds = [*clock.step_start[1:], end]
+    durations = [b - a for a, b in zip(clock.step_start, bounds, strict=True)]
+    keep = [
+        i
+        for i, (decodes, extends, _) in enumerate(clock.plans)
+        if not scenario.decode_only or (decodes == scenario.batch and extends == 0)
+    ]
+    if scenario.decode_only:
+        keep = keep[1:-1]  # the first and last such steps border prefill and teardown
+    measured = [durations[i] for i in keep]
+    totals: dict[str, float] = collections.defaultdict(float)
+    for i in keep:
+        for part, seconds in clock.parts[i].items():
+            totals[part] += seconds
+    n = max(len(keep), 1)
+    parts_ms = {part: seconds / n * 1e3 for part, seconds in totals.items()}
+    parts_ms["loop: other (asyncio, streams)"] = max(
+        0.0, sum(measured) / n * 1e3 - sum(parts_ms.values())
+    )
+    del start
+    return Row(
+        scenario=scenario.name,
+        batch=scenario.batch,
+        steps_measured=len(measured),
+        host_ms_per_step=statistics.median(measured) * 1e3 if measured else float("nan"),
+        host_ms_mean=sum(measured) / n * 1e3,
+        parts_ms=parts_ms,
+        mean_decodes=sum(clock.plans[i][0] for i in keep) / n,
+        mean_extend_tokens=sum(clock.plans[i][2] for i in keep) / n,
+    )
+
+
+PART_ORDER = (
+    "schedule + plan",
+    "plan -> tensors",
+    "sampling",
+    "commit",
+    "detokenize + stream",
+    "loop: other (asyncio, streams)",
+)
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'scenario':<20}{'steps':>6}{'ms/step':>9}{'mean':>8}" + "".join(
+        f"{part.split(' (')[0]:>22}" for part in PART_ORDER
+    )
+    lines = [head]
+    for r in rows:
+        parts = "".join(f"{r.parts_ms.get(part, 0.0):>22.3f}" for part in PART_ORDER)
+        lines.append(
+            f"{r.scenario:<20}{r.steps_measured:>6}{r.host_ms_per_step:>9.3f}{r.host_ms_mean:>8.3f}"
+            + parts
+        )
+    return "\n".join(lines)
+
+
+def default_tokenizer_dir() -> Path:
+    from asyncengine.executor.loader.default_model import DEFAULT_MODEL, tokenizer_dir
+
+    return tokenizer_dir(DEFAULT_MODEL)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,64,256,512", help="decode batch sizes")
+    parser.add_argument("--output-len", type=int, default=64, help="decode scenarios' outputs")
+    parser.add_argument("--mixed-requests", type=int, default=1024, help="0: no mixed scenario")
+    parser.add_argument("--mixed-batch", type=int, default=256)
+    parser.add_argument("--logits-width", type=int, default=256)
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="a directory with tokenizer.json "
+        "(default: the embedded SmolLM2's)",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="batches 1,256; 256 mixed requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.mixed_requests = "1,256", 256
+    from asyncengine.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(args.tokenizer or default_tokenizer_dir())
+    torch.set_num_threads(1)  # the host side: one thread, as the engine's loop has
+    batches = [int(b) for b in args.batches.split(",") if b]
+    scenarios = [decode_scenario(b, args.output_len) for b in batches]
+    if args.mixed_requests:
+        scenarios.append(mixed_scenario(args.mixed_requests, args.mixed_batch, args.seed))
+    load_start = os.getloadavg()
+    rows = [asyncio.run(run_scenario(s, tokenizer, args.logits_width)) for s in scenarios]
+    result: dict[str, Any] = {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": [r.__dict__ if not hasattr(r, "__slots__") else _row_dict(r) for r in rows],
+    }
+    at_256 = next((r for r in rows if r.scenario == "decode B=256"), None)
+    result["host_ms_per_step_256"] = at_256.host_ms_per_step if at_256 else None
+    print(table(rows))
+    print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}")
+    if at_256 is not None:
+        print(f"host_ms_per_step {at_256.host_ms_per_step:.3f}")
+    return result
+
+
+def _row_dict(row: Row) -> dict[str, Any]:
+    return {name: getattr(row, name) for name in row.__slots__}  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
