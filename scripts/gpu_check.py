@@ -172,7 +172,7 @@ def decode_step(model_dir: Path, batches: list[int], context: int, repeats: int)
                     graph.replay()
                     runner.model.compute_logits(hidden)
 
-                replay_ms = median_ms(replay, repeats)
+                replay_ms = median_ms(replay, repeats)  # inside inference_mode, as the engine
         read_bytes = weight_bytes + batch * (context + 1) * kv_token_bytes
         bound_ms = read_bytes / (bandwidth / 2) * 1e3  # bandwidth counted bytes both ways
         row = {

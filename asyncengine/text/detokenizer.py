@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -91,3 +93,92 @@ class IncrementalDetokenizer:
             self._text = "".join(self._pieces)
             self._pieces = [self._text]
         return self._text
+
+
+class ByteLevelDetokenizer:
+    """``IncrementalDetokenizer``'s contract for byte-level BPE tokenizers (GPT-2's scheme:
+    SmolLM2, Llama 3, Qwen), at one table lookup per token instead of two tokenizer decodes.
+
+    Their decoder maps every token to a fixed byte string and decodes the bytes joined, with
+    U+FFFD for invalid UTF-8 (``token_bytes``: that string per id, b"" for a token the decode
+    skips; ``byte_level_token_bytes`` builds it). So the text so far is the bytes so far through
+    an incremental UTF-8 decoder, which holds back an incomplete character until a later token
+    completes it (``flush()`` emits it as U+FFFD when the generation ends there). Prompt
+    context: the last prompt tokens go through the decoder first, unseen, so an output that
+    completes a character the prompt began emits that character.
+    """
+
+    def __init__(self, token_bytes: Sequence[bytes], prompt_ids: list[int] | None = None) -> None:
+        self._table = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        if prompt_ids:
+            self._decoder.decode(
+                self._bytes(prompt_ids[-IncrementalDetokenizer.PROMPT_CONTEXT_TOKENS :])
+            )
+        self._pieces: list[str] = []
+        self._text: str | None = ""
+
+    def _bytes(self, token_ids: list[int]) -> bytes:
+        table, size = self._table, len(self._table)
+        return b"".join(table[t] if 0 <= t < size else b"" for t in token_ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated tokens; return the text they complete (possibly empty)."""
+        if len(token_ids) == 1 and 0 <= token_ids[0] < len(self._table):
+            delta = self._decoder.decode(self._table[token_ids[0]])
+        else:
+            delta = self._decoder.decode(self._bytes(token_ids))
+        if delta:
+            self._pieces.append(delta)
+            self._text = None
+        return delta
+
+    def flush(self) -> str:
+        """Emit bytes still held back (an incomplete character at the end of the generation)."""
+        delta = self._decoder.decode(b"", final=True)
+        if delta:
+            self._pieces.append(delta)
+            self._text = None
+        return delta
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if self._text is None:
+            self._text = "".join(self._pieces)
+            self._pieces = [self._text]
+        return self._text
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
+    chars = {byte: byte for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = 256 + extra
+            extra += 1
+    return {chr(char): byte for byte, char in chars.items()}
+
+
+def byte_level_token_bytes(
+    vocab: dict[str, int], size: int, skipped: set[int], added: dict[int, str]
+) -> list[bytes]:
+    """Each id's bytes as a byte-level decoder turns it: its characters through GPT-2's
+    alphabet, or (a character outside it, as in most added tokens) the token's own UTF-8;
+    b"" for the ``skipped`` ids (special tokens, when the decode skips them) and unknown ids."""
+    alphabet = _gpt2_byte_decoder()
+    table = [b""] * size
+    for token, token_id in (*vocab.items(), *((text, i) for i, text in added.items())):
+        if token_id >= size or token_id in skipped:
+            continue
+        try:
+            table[token_id] = bytes(alphabet[c] for c in token)
+        except KeyError:
+            table[token_id] = token.encode("utf-8")
+    return table

@@ -16,10 +16,15 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
 
 from asyncengine.executor.loader.hf_dir import ModelFilesError, load_eos_token_ids, read_json
 from asyncengine.sampling_params import InvalidRequestError
-from asyncengine.text.detokenizer import IncrementalDetokenizer
+from asyncengine.text.detokenizer import (
+    ByteLevelDetokenizer,
+    IncrementalDetokenizer,
+    byte_level_token_bytes,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -130,6 +135,9 @@ class Tokenizer:
             eos_ids.append(eos)
         self.eos_token_ids: list[int] = eos_ids
         self._compiled_template: Any = None
+        # byte-level BPE: each token's bytes, by skip_special_tokens (built at first use)
+        self._byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        self._token_bytes: dict[bool, list[bytes]] = {}
 
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -143,9 +151,23 @@ class Tokenizer:
 
     def detokenizer(
         self, skip_special_tokens: bool = True, prompt_ids: list[int] | None = None
-    ) -> IncrementalDetokenizer:
-        """A fresh incremental detokenizer for one request's output."""
-        return IncrementalDetokenizer(self, skip_special_tokens, prompt_ids)
+    ) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+        """A fresh incremental detokenizer for one request's output: a table lookup per token
+        for byte-level BPE tokenizers, windows decoded by the tokenizer for the others."""
+        if not self._byte_level:
+            return IncrementalDetokenizer(self, skip_special_tokens, prompt_ids)
+        table = self._token_bytes.get(skip_special_tokens)
+        if table is None:
+            added = self.backend.get_added_tokens_decoder()
+            skipped = {i for i, t in added.items() if t.special} if skip_special_tokens else set()
+            table = byte_level_token_bytes(
+                self.backend.get_vocab(with_added_tokens=False),
+                self.vocab_size,
+                skipped,
+                {i: t.content for i, t in added.items()},
+            )
+            self._token_bytes[skip_special_tokens] = table
+        return ByteLevelDetokenizer(table, prompt_ids)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
