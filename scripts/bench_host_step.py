@@ -9,6 +9,11 @@ the CPU) and samples greedily through the real ``Sampler`` from a stand-in logit
 sampled column is offset into ordinary text tokens). Every request streams its deltas to a
 consumer task, as an HTTP handler would.
 
+``--forward-ms X`` makes the stand-in forward a wait of X ms that releases the GIL, as waiting
+on a GPU does, and ``--overlap`` turns ``enable_overlap_schedule`` on: together they show how
+much of the host work hides under a forward. (With overlap, parts of one step run during the
+next step's forward, so the per-part split is charged to whichever step was scheduled last.)
+
 Scenarios: ``decode`` at batch B (B requests of 16-token prompts and long outputs, all running
 at once; the steps with exactly B decodes and no prefill are measured), and ``mixed`` (1,024
 requests through 256 running slots, random prompt and output lengths, so most steps carry a
@@ -61,6 +66,7 @@ class StepClock:
 
     def __init__(self) -> None:
         self.step_start: list[float] = []
+        self.step_cpu: list[float] = []  # process CPU seconds (all threads) at each step's start
         self.plans: list[tuple[int, int, int]] = []  # (decodes, extends, extend tokens)
         self.parts: list[dict[str, float]] = []
 
@@ -86,6 +92,7 @@ class StepClock:
             elapsed = time.perf_counter() - start
             if plan is not None:
                 self.step_start.append(start)
+                self.step_cpu.append(time.process_time())
                 self.plans.append(
                     (len(plan.decodes), len(plan.extends), sum(s.num_tokens for s in plan.extends))
                 )
@@ -99,7 +106,9 @@ class StepClock:
 class StandInExecutor:
     """An executor's host work without a model (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], width: int) -> None:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: tuple[int, ...], width: int, forward_ms: float = 0.0
+    ) -> None:
         self.spec = ModelSpec(
             max_model_len=32768,
             vocab_size=vocab_size,
@@ -108,6 +117,7 @@ class StandInExecutor:
         )
         self.sampler = Sampler(eos_token_ids)
         self.width = width
+        self.forward_seconds = forward_ms / 1e3  # a GPU's forward: a wait that frees the GIL
         self.clock: StepClock | None = None
         gen = torch.Generator().manual_seed(0)
         self._logits = torch.randn(4096, width, generator=gen)
@@ -133,6 +143,8 @@ class StandInExecutor:
     def execute(self, plan: BatchPlan) -> StepOutput:
         start = time.perf_counter()
         self._timed("plan -> tensors", self._prepare, plan)
+        if self.forward_seconds:
+            time.sleep(self.forward_seconds)
         rows = len(plan.sampling)
         if not rows:
             return StepOutput([], [], time.perf_counter() - start)
@@ -162,6 +174,7 @@ class Row:
     steps_measured: int
     host_ms_per_step: float  # median over the measured steps
     host_ms_mean: float
+    cpu_ms_per_step: float  # median process CPU time per measured step (robust to others' load)
     parts_ms: dict[str, float] = field(default_factory=dict)  # mean per measured step
     mean_decodes: float = 0.0
     mean_extend_tokens: float = 0.0
@@ -178,11 +191,16 @@ def mixed_scenario(num_requests: int, batch: int, seed: int) -> Scenario:
     return Scenario(f"mixed ({num_requests} req)", batch, prompts.tolist(), outputs.tolist(), False)
 
 
-async def run_scenario(scenario: Scenario, tokenizer: Any, width: int) -> Row:
+async def run_scenario(
+    scenario: Scenario, tokenizer: Any, width: int, forward_ms: float, overlap: bool
+) -> Row:
     from asyncengine.engine import AsyncEngine
 
-    executor = StandInExecutor(tokenizer.vocab_size, tuple(tokenizer.eos_token_ids), width)
+    executor = StandInExecutor(
+        tokenizer.vocab_size, tuple(tokenizer.eos_token_ids), width, forward_ms
+    )
     config = EngineConfig(
+        enable_overlap_schedule=overlap,
         log_interval=0,
         max_running_requests=scenario.batch,
         kv_cache_tokens=max(262144, sum(scenario.prompt_lens) + sum(scenario.output_lens)),
@@ -215,9 +233,11 @@ async def run_scenario(scenario: Scenario, tokenizer: Any, width: int) -> Row:
                 for p, o in zip(scenario.prompt_lens, scenario.output_lens, strict=True)
             )
         )
-        end = time.perf_counter()
+        end, end_cpu = time.perf_counter(), time.process_time()
     bounds = [*clock.step_start[1:], end]
     durations = [b - a for a, b in zip(clock.step_start, bounds, strict=True)]
+    cpu_bounds = [*clock.step_cpu[1:], end_cpu]
+    cpu = [b - a for a, b in zip(clock.step_cpu, cpu_bounds, strict=True)]
     keep = [
         i
         for i, (decodes, extends, _) in enumerate(clock.plans)
@@ -242,6 +262,7 @@ async def run_scenario(scenario: Scenario, tokenizer: Any, width: int) -> Row:
         steps_measured=len(measured),
         host_ms_per_step=statistics.median(measured) * 1e3 if measured else float("nan"),
         host_ms_mean=sum(measured) / n * 1e3,
+        cpu_ms_per_step=statistics.median(cpu[i] for i in keep) * 1e3 if keep else float("nan"),
         parts_ms=parts_ms,
         mean_decodes=sum(clock.plans[i][0] for i in keep) / n,
         mean_extend_tokens=sum(clock.plans[i][2] for i in keep) / n,
@@ -259,7 +280,7 @@ PART_ORDER = (
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'scenario':<20}{'steps':>6}{'ms/step':>9}{'mean':>8}" + "".join(
+    head = f"{'scenario':<20}{'steps':>6}{'ms/step':>9}{'mean':>8}{'CPU ms':>8}" + "".join(
         f"{part.split(' (')[0]:>22}" for part in PART_ORDER
     )
     lines = [head]
@@ -267,7 +288,7 @@ def table(rows: list[Row]) -> str:
         parts = "".join(f"{r.parts_ms.get(part, 0.0):>22.3f}" for part in PART_ORDER)
         lines.append(
             f"{r.scenario:<20}{r.steps_measured:>6}{r.host_ms_per_step:>9.3f}{r.host_ms_mean:>8.3f}"
-            + parts
+            f"{r.cpu_ms_per_step:>8.3f}" + parts
         )
     return "\n".join(lines)
 
@@ -285,6 +306,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mixed-requests", type=int, default=1024, help="0: no mixed scenario")
     parser.add_argument("--mixed-batch", type=int, default=256)
     parser.add_argument("--logits-width", type=int, default=256)
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="the stand-in forward waits this long, GIL released (a GPU's forward); 0: none",
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="enable_overlap_schedule (default: off)"
+    )
     parser.add_argument(
         "--tokenizer", type=Path, default=None, help="a directory with tokenizer.json "
         "(default: the embedded SmolLM2's)",
@@ -304,7 +334,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.mixed_requests:
         scenarios.append(mixed_scenario(args.mixed_requests, args.mixed_batch, args.seed))
     load_start = os.getloadavg()
-    rows = [asyncio.run(run_scenario(s, tokenizer, args.logits_width)) for s in scenarios]
+    rows = [
+        asyncio.run(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
+        for s in scenarios
+    ]
     result: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
@@ -318,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     at_256 = next((r for r in rows if r.scenario == "decode B=256"), None)
     result["host_ms_per_step_256"] = at_256.host_ms_per_step if at_256 else None
+    result["cpu_ms_per_step_256"] = at_256.cpu_ms_per_step if at_256 else None
     print(table(rows))
     print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.out is not None:
