@@ -371,17 +371,32 @@ def attention(cases: int, repeats: int) -> dict[str, Any]:
 # --- summary ---------------------------------------------------------------------------------
 
 
-def _load(out: Path, name: str) -> dict[str, Any] | None:
-    path = out / name
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
+PARTS = ("offline", "profile", "host_step", "decode", "deterministic", "flashinfer",
+         "offline_overlap")  # fmt: skip
+
+
+def merge_parts(out: Path) -> dict[str, Any]:
+    """Every part's JSON under out/parts, by part, written as out/results.json; parts/ is
+    removed once merged (the device tool brings back at most 8 files)."""
+    results: dict[str, Any] = {}
+    for name in PARTS:
+        path = out / "parts" / f"{name}.json"
+        try:
+            results[name] = json.loads(path.read_text()) if path.is_file() else None
+        except json.JSONDecodeError as exc:
+            results[name] = {"error": f"unreadable JSON: {exc}"}
+    write_json(out / "results.json", results)
+    shutil.rmtree(out / "parts", ignore_errors=True)
+    return results
 
 
 def summary(out: Path, dry_run: bool) -> str:
+    results = merge_parts(out)
+
+    def _load(_out: Path, name: str) -> dict[str, Any] | None:
+        value = results.get(name.removesuffix(".json"))
+        return value if isinstance(value, dict) else None
+
     lines = ["GPU check summary" + (" (DRY RUN on CPU: tiny model, figures meaningless)" if dry_run else ""),
              "Weights are random (the GGUF cannot travel); every benchmark ignores EOS, so speed "
              "does not depend on the weights."]  # fmt: skip
@@ -394,6 +409,11 @@ def summary(out: Path, dry_run: bool) -> str:
                      "(previous H100 figure 6,211 tok/s; target >= 18.6k)")  # fmt: skip
     else:
         lines.append("(a) offline: no result (see log.txt)")
+    over = _load(out, "offline_overlap.json")
+    if over:
+        ae = over.get("runs", {}).get("asyncengine", {})
+        lines.append(f"    with enable_overlap_schedule: {ae.get('output_tokens_per_second', 0.0):,.0f} "
+                     f"output tok/s, wall {ae.get('seconds', 0.0):.2f} s (run last)")  # fmt: skip
     prof = _load(out, "profile.json")
     if prof:
         wall = prof["wall_seconds"]

@@ -3,7 +3,7 @@
 #
 # Before (here, with network): scripts/gpu_wheels.sh   -> .whl/ and .gpu_model/ (git-ignored)
 # Device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_model"],
-#                   timeout_s=540)
+#                   timeout_s=480)     (the script holds itself to BUDGET=450 s, below)
 # Dry run (here, on CPU; a tiny model, small counts; checks syntax, imports and arguments):
 #               bash scripts/gpu_check.sh --dry-run
 #
@@ -14,17 +14,20 @@
 #       weight-read bound (gpu_check.py decode)
 #   (c) deterministic mode on CUDA: greedy tokens alone vs batched (bench_deterministic.py)
 #   (d) FlashInfer: JIT compile, the backend against the torch backend, timed against Triton
+#   (e) only if the budget has room left: the offline benchmark with enable_overlap_schedule
 # Weights are random (the 98 MB GGUF cannot travel): the benchmarks ignore EOS, so speed does
-# not depend on them. Output under $OUT (at most 8 files): log.txt, offline.json, profile.json,
-# host_step.json, decode.json, deterministic.json, flashinfer.json, summary.txt; the summary is
-# printed last.
+# not depend on them. Output under $OUT: log.txt (everything printed), results.json (every
+# part's full JSON, by part: offline, profile, host_step, decode, deterministic, flashinfer,
+# offline_overlap) and summary.txt (the table, also printed last). Each part writes its JSON
+# under $OUT/parts/ first; the summary merges them into results.json and removes parts/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
 OUT=${OUT:-out/gpu_check}
-mkdir -p "$OUT"
+mkdir -p "$OUT/parts"
+P=$OUT/parts
 exec > >(tee "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -94,28 +97,34 @@ part model 90 "$PY" scripts/gpu_check.py model .gpu_model "$MODEL" $TINY
 part offline "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
     --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
-    --no-progress --out "$OUT/offline.json"
+    --no-progress --out "$P/offline.json"
 part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
     --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
     --workload-arg input_median=180 --workload-arg output_median=120 \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
-    --out "$OUT/profile.json"
+    --out "$P/profile.json"
 part host-step 40 "$PY" scripts/bench_host_step.py --quick --tokenizer .gpu_model \
-    --out "$OUT/host_step.json"
+    --out "$P/host_step.json"
 
 # (b) the decode step
 BATCHES=1,64,256
 [ $DRY = 1 ] && BATCHES=1,4
 part decode "$T_B" "$PY" scripts/gpu_check.py decode "$MODEL" --batches "$BATCHES" \
-    --out "$OUT/decode.json"
+    --out "$P/decode.json"
 
 # (c) deterministic mode: greedy tokens alone vs batched, on CUDA
 part deterministic "$T_C" "$PY" scripts/bench_deterministic.py --model "$MODEL" \
     --device "$DEVICE" --dtype "$DTYPE" --num-requests "$N_DET" --check 8 \
-    --repeats "$DET_REPEATS" --out "$OUT/deterministic.json"
+    --repeats "$DET_REPEATS" --out "$P/deterministic.json"
 
 # (d) FlashInfer last: its kernels JIT-compile with nvcc (minutes)
-part flashinfer "$T_D" "$PY" scripts/gpu_check.py attention --out "$OUT/flashinfer.json"
+part flashinfer "$T_D" "$PY" scripts/gpu_check.py attention --out "$P/flashinfer.json"
+
+# (e) overlap scheduling on the same 256 requests, if the budget has room left
+part offline-overlap "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
+    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
+    --engine-arg enable_overlap_schedule=true --no-progress --out "$P/offline_overlap.json"
 
 echo "=== total $((SECONDS - START))s ==="
 SUMMARY_FLAGS=""
