@@ -1,0 +1,67 @@
+"""scripts/bench_host_step.py: the engine over a stand-in executor, host time per step by part."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_script_bench_host_step", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_and_mixed_steps_are_split_by_part(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "host.json"
+    bench.main(["--batches", "4,256", "--output-len", "12", "--mixed-requests", "24",
+                "--mixed-batch", "8", "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = {row["scenario"]: row for row in report["rows"]}
+    assert set(rows) == {"decode B=4", "decode B=256", "mixed (24 req)"}
+    # a decode scenario measures its steady steps: 12 tokens, the first from the prefill step,
+    # then 11 decode steps of the whole batch, less the two at its edges
+    assert rows["decode B=4"]["steps_measured"] == 9
+    assert rows["decode B=4"]["mean_decodes"] == 4 and rows["decode B=4"]["mean_extend_tokens"] == 0
+    assert rows["mixed (24 req)"]["mean_extend_tokens"] > 0
+    for row in rows.values():
+        parts = row["parts_ms"]
+        for part in ("schedule + plan", "plan -> tensors", "sampling", "commit",
+                     "detokenize + stream"):  # fmt: skip
+            assert parts[part] > 0, (row["scenario"], part)
+        assert row["host_ms_per_step"] > 0 and row["cpu_ms_per_step"] > 0
+    assert report["host_ms_per_step_256"] == rows["decode B=256"]["host_ms_per_step"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"host_ms_per_step {rows['decode B=256']['host_ms_per_step']:.3f}"
+
+
+def test_the_stand_in_streams_ordinary_text_tokens(bench: ModuleType) -> None:
+    from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+    from asyncengine.sampling_params import SamplingParams
+
+    executor = bench.StandInExecutor(49152, (2,), width=64)
+    from asyncengine.executor_api import KVLayout
+
+    executor.bind(KVLayout(num_pages=64, page_size=4, max_rows=8, max_pages_per_row=8))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    plan = BatchPlan(
+        step=3,
+        decodes=[Segment(f"r{i}", i, [1200 + i], 5, True) for i in range(3)],
+        sampling=[SamplingInfo(greedy, [1], []) for _ in range(3)],
+    )
+    out = executor.execute(plan)
+    assert len(out.token_ids) == 3
+    assert all(bench.TOKEN_OFFSET <= t < bench.TOKEN_OFFSET + 64 for t in out.token_ids)
