@@ -178,11 +178,11 @@ def _to_device(
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in (*longs, *ints)]
     out: list[torch.Tensor] = []
     for group in (longs, ints):
-        packed = np.concatenate([a.reshape(-1) for a in group])
+        joined = np.concatenate([a.reshape(-1) for a in group])
         if staging is not None and device.type == "cuda":
-            flat = staging.to_device(packed, device)
+            flat = staging.to_device(joined, device)
         else:
-            flat = torch.from_numpy(packed).to(device)
+            flat = torch.from_numpy(joined).to(device)
         pieces = torch.split(flat, [a.size for a in group])
         out += [p.view(a.shape) for p, a in zip(pieces, group, strict=True)]
     return out
