@@ -419,7 +419,9 @@ def summary(out: Path, dry_run: bool) -> str:
         wall = prof["wall_seconds"]
         steps = prof["steps"]
         lines.append(
-            f"    engine host split: {steps} steps, {wall / max(steps, 1) * 1e3:.2f} ms/step"
+            f"    engine host split (a second, instrumented run): {steps} steps, "
+            f"{wall / max(steps, 1) * 1e3:.2f} ms/step; on CUDA 'model + LM head' is the "
+            "launches and 'sampling' includes the wait for the GPU"
         )
         for part, sec in sorted(prof["in_engine_seconds"].items()):
             lines.append(f"      {part:<38} {sec / max(steps, 1) * 1e3:8.3f} ms/step")
