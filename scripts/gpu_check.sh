@@ -51,9 +51,9 @@ else
     PY=python3
     MODEL=/tmp/gpu_check_model
     DEVICE=cuda DTYPE=bfloat16
-    T_A=150 T_B=75 T_C=90 T_D=400  # each also cut to what is left of BUDGET (below)
+    T_A=150 T_B=75 T_C=75 T_D=400  # each also cut to what is left of BUDGET (below)
     BUDGET=${BUDGET:-450}
-    N_REQ=256 N_DET=32 DET_REPEATS=1
+    N_REQ=256 N_DET=16 DET_REPEATS=1
     # Packages the GPU image lacks (msgspec, gguf, flashinfer-python), then ours, editable so
     # that asyncengine.kernels / asyncengine.policies map to kernels/ and policies/.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
