@@ -21,9 +21,13 @@ rows) and more, smaller calls for long prefills (scripts/bench_deterministic.py)
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from asyncengine.kernels import quant_native
+from asyncengine.kernels.quant_formats import QuantizedTensor, cat_rows
 
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
@@ -85,3 +89,97 @@ class Linear:
         for start in range(0, padded, block):
             out[start : start + block] = self._multiply(source[start : start + block])
         return out[:rows]
+
+
+class QuantizedLinear:
+    """``y = x @ weight.T + bias`` with the weight kept quantized (GGUF blocks or I8) and the
+    products taken by kernels/cpu_quant_matmul.c: x is quantized once per call to int8 blocks,
+    then each part (a fused projection whose pieces have different formats, as q/k/v in Q4_K_M
+    files, is several parts) writes its columns of one output.
+
+    Each row's sums run in the same order whatever the other rows hold, so outputs are batch
+    invariant and deterministic mode needs no row blocks here.
+
+    ``dense_from_rows``: calls with at least this many rows dequantize the weight to the
+    activation dtype and take the dense product (oneDNN) instead, where measurement says that is
+    faster (see ``DENSE_FROM_ROWS``); None: always the quantized kernel.
+    """
+
+    __slots__ = ("bias", "dense_from_rows", "in_features", "out_features", "parts")
+
+    def __init__(
+        self,
+        parts: Sequence[QuantizedTensor],
+        bias: torch.Tensor | None = None,
+        dense_from_rows: int | None = None,
+    ) -> None:
+        if not parts or any(p.cols != parts[0].cols for p in parts):
+            raise ValueError("a quantized linear needs parts of one input width")
+        self.parts = _merge_same_format(parts)
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.dense_from_rows = dense_from_rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
+            out = self._dense(x2)
+        else:
+            out = self._quantized(x2)
+        return out.reshape(*lead, self.out_features)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        activation = quant_native.quantize_q8(x)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        start = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            bias = None if self.bias is None else self.bias[start : start + rows]
+            quant_native.matmul_quantized(activation, part, out[:, start : start + rows], bias)
+            start += rows
+        return out
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([quant_native.dequantize_rows(p, None, x.dtype) for p in self.parts])
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+
+def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Adjacent parts of one format as one (one kernel call, better thread balance)."""
+    merged: list[QuantizedTensor] = []
+    for part in parts:
+        if merged and merged[-1].format == part.format:
+            fused = cat_rows([merged[-1], part])
+            assert isinstance(fused, QuantizedTensor)
+            merged[-1] = fused
+        else:
+            merged.append(part.contiguous())
+    return merged
+
+
+def make_linear(
+    parts: Sequence[torch.Tensor | QuantizedTensor],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    row_block: int | None = None,
+) -> Linear | QuantizedLinear:
+    """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
+    is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+        return QuantizedLinear(quantized, bias)
+    dense = [
+        quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
+        if isinstance(p, QuantizedTensor)
+        else p
+        for p in parts
+    ]
+    weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+    return Linear(weight, bias, row_block)
