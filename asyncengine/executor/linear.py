@@ -32,6 +32,12 @@ from asyncengine.kernels.quant_formats import QuantizedTensor, cat_rows
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
+# From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
+# CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
+# shapes, float32): the integer kernel took 0.35x the dense time at 1 row, 0.7-0.8x at 16,
+# 0.7-1.1x at 24, 0.85-1.25x at 32 and 1.05-1.25x at 48 rows (Q4_1 and Q8_0): the crossover
+# lies between 24 and 32 rows.
+DENSE_FROM_ROWS = 32
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -100,12 +106,13 @@ class QuantizedLinear:
     Each row's sums run in the same order whatever the other rows hold, so outputs are batch
     invariant and deterministic mode needs no row blocks here.
 
-    ``dense_from_rows``: calls with at least this many rows dequantize the weight to the
-    activation dtype and take the dense product (oneDNN) instead, where measurement says that is
-    faster (see ``DENSE_FROM_ROWS``); None: always the quantized kernel.
+    ``dense_from_rows``: calls with at least this many rows take the dense product of today's
+    ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
+    time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
+    under large batches both). None: always the quantized kernel.
     """
 
-    __slots__ = ("bias", "dense_from_rows", "in_features", "out_features", "parts")
+    __slots__ = ("_dense", "bias", "dense_from_rows", "in_features", "out_features", "parts")
 
     def __init__(
         self,
@@ -120,6 +127,7 @@ class QuantizedLinear:
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
         self.dense_from_rows = dense_from_rows
+        self._dense: Linear | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,10 +137,18 @@ class QuantizedLinear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
-            out = self._dense(x2)
+            out = self.dense(x2.dtype)(x2)
         else:
             out = self._quantized(x2)
         return out.reshape(*lead, self.out_features)
+
+    def dense(self, dtype: torch.dtype) -> Linear:
+        """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
+        if self._dense is None or self._dense.weight.dtype != dtype:
+            weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
+            bias = None if self.bias is None else self.bias.to(dtype)
+            self._dense = Linear(weight, bias)
+        return self._dense
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         activation = quant_native.quantize_q8(x)
@@ -144,11 +160,6 @@ class QuantizedLinear:
             quant_native.matmul_quantized(activation, part, out[:, start : start + rows], bias)
             start += rows
         return out
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.cat([quant_native.dequantize_rows(p, None, x.dtype) for p in self.parts])
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, weight, bias)
 
 
 def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor]:
@@ -174,7 +185,9 @@ def make_linear(
     is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized."""
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
-        return QuantizedLinear(quantized, bias)
+        # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
+        # rows are batch invariant, a switch to the dense product at some size would not be
+        return QuantizedLinear(quantized, bias, None if row_block is not None else DENSE_FROM_ROWS)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
         if isinstance(p, QuantizedTensor)
