@@ -46,6 +46,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "auto (CPU: bf16 where it outruns fp32) | bfloat16 | float32 | float16 (CUDA)",
     ),
     ("--device", "device", str, "auto | cpu | cuda"),
+    (
+        "--quantization",
+        "quantization",
+        str,
+        "auto (a GGUF's quantized weights kept as stored on the CPU) | none (expand to dtype) "
+        "| int8 (quantize a float checkpoint per output row, CPU)",
+    ),
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--kv-cache-tokens", "kv_cache_tokens", int, "KV pool capacity in tokens"),
     ("--kv-cache-bytes", "kv_cache_bytes", int, "KV pool capacity in bytes (instead of tokens)"),

@@ -14,6 +14,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: a GGUF's quantized tensors stay as stored where the CPU has kernels for them (else they
+# are expanded to dtype); none: expand every weight to dtype; int8: quantize a float
+# checkpoint's weights per output row at load (CPU kernels only)
+QUANTIZATIONS = ("auto", "none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/backends.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -44,6 +48,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # the model
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU whichever of bf16/fp32 runs faster
+    quantization: str = "auto"  # how weights are held: one of QUANTIZATIONS (see there)
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # the most tokens one request may ask to generate (None: up to the context); a request
@@ -109,6 +114,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

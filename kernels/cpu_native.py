@@ -54,23 +54,23 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path(name: str) -> Path:
+def library_path(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     source = (SOURCE_DIR / f"{name}.c").read_bytes()
     headers = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
-    key = hashlib.sha256(
-        source + headers + " ".join(FLAGS).encode() + _cpu_model().encode()
-    ).hexdigest()
+    flags = " ".join([*FLAGS, *extra_flags])
+    key = hashlib.sha256(source + headers + flags.encode() + _cpu_model().encode()).hexdigest()
     return _cache_dir() / f"{name}-{key[:16]}.so"
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library of kernels/<name>.c, built on first use; None when unavailable."""
+def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library of kernels/<name>.c, built on first use; None when unavailable.
+    ``extra_flags`` (e.g. ``("-DQ_FORCE_AVX2",)``) build a variant beside the default one."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
         return None
     import torch  # noqa: F401  (its libgomp must be loaded first: the library shares it)
 
-    target = library_path(name)
+    target = library_path(name, extra_flags)
     if not target.is_file():
         compiler = _compiler()
         if compiler is None:
@@ -79,7 +79,15 @@ def load(name: str) -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        command = [compiler, *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", staging, "-lm"]
+        command = [
+            compiler,
+            *FLAGS,
+            *extra_flags,
+            str(SOURCE_DIR / f"{name}.c"),
+            "-o",
+            staging,
+            "-lm",
+        ]
         try:
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
             os.replace(staging, target)  # atomic: concurrent first starts see a whole file

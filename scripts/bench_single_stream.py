@@ -43,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm, bench_offline
 
+import peer_llamacpp
 import peer_vllm
 from bench_offline import (
     foreign_fraction,
@@ -57,7 +58,7 @@ from bench_offline import (
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.sampling_params import SamplingParams
 
-SYSTEMS = ("asyncengine", "vllm")
+SYSTEMS = ("asyncengine", "vllm", "llamacpp")
 
 
 # -- the bound -------------------------------------------------------------------------------
@@ -132,6 +133,40 @@ def weight_bytes(model_dir: Path, dtype: str) -> dict[str, Any]:
         "bytes": params * DTYPE_BYTES[dtype],
         "tied_embeddings_counted_once": tied,
     }
+
+
+def gguf_weight_bytes(gguf_path: Path) -> dict[str, Any]:
+    """Bytes one decode step reads when a GGUF's tensors are kept as stored (quantization "auto";
+    llama.cpp reads the same): every tensor's stored bytes (a tied file has no output.weight)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    return {
+        "parameters": sum(int(t.n_elements) for t in reader.tensors),
+        "bytes": sum(int(t.n_bytes) for t in reader.tensors),
+        "tied_embeddings_counted_once": "output.weight" not in {t.name for t in reader.tensors},
+        "stored_as": f"GGUF as stored ({', '.join(types)})",
+    }
+
+
+def step_weight_bytes(model: str, model_dir: Path, dtype: str, quantization: str) -> dict[str, Any]:
+    """The bytes behind the bound for the way asyncengine holds the weights in this run."""
+    from asyncengine.executor.loader.default_model import gguf_file
+
+    found = gguf_file(model) if quantization == "auto" else None
+    if found is not None:
+        return gguf_weight_bytes(found[0])
+    dense = weight_bytes(model_dir, dtype)
+    if quantization != "int8":
+        return {**dense, "stored_as": dtype}
+    # int8: the 2-D projection / embedding weights at one byte per value (+ a scale per row)
+    counts = safetensors_numels(model_dir)
+    int8_values = sum(
+        n for name, n in counts.items() if name.endswith(("_proj.weight", "embed_tokens.weight"))
+    )
+    rest = dense["parameters"] - int8_values
+    return {**dense, "bytes": int8_values + rest * DTYPE_BYTES[dtype], "stored_as": "int8"}
 
 
 def bound_tokens_per_second(bandwidth_bytes_per_second: float, step_bytes: int) -> float:
@@ -256,6 +291,70 @@ def vllm_row(result: dict[str, Any], log_path: Path | None = None) -> dict[str, 
     }
 
 
+async def _llamacpp(
+    server: peer_llamacpp.LlamaServer, prompt: list[int], output_len: int, repeats: int
+) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        await server.complete(session, prompt, 8)  # warm-up
+        load_start = os.getloadavg()[0]
+        busy_start, wall_start = machine_busy_seconds(), time.perf_counter()
+        firsts, fulls, reported = [], [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            await server.complete(session, prompt, 1)
+            firsts.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            reply = await server.complete(session, prompt, output_len)
+            fulls.append(time.perf_counter() - start)
+            reported.append(float(reply.get("timings", {}).get("predicted_per_second", math.nan)))
+        wall = time.perf_counter() - wall_start
+    return {
+        "first_token_seconds": firsts,
+        "full_seconds": fulls,
+        "decode_tokens_per_second": decode_tokens_per_second(output_len, firsts, fulls),
+        "end_to_end_tokens_per_second": output_len / statistics.median(fulls),
+        "server_reported_tokens_per_second": statistics.median(reported),
+        # its own CPU time is not ours to count: the share of the machine busy meanwhile
+        "machine_busy_fraction": foreign_fraction(machine_busy_seconds() - busy_start, 0.0, wall),
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+    }
+
+
+def run_llamacpp(
+    model_kind: str, prompt: list[int], output_len: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """llama-server -np 1 (its best single-user setting) on the GGUF of ``model_kind``."""
+    folder = Path(tempfile.mkdtemp(prefix="bench_single_stream_llamacpp_"))
+    log_path = folder / "llama-server.log"
+    server = peer_llamacpp.LlamaServer(
+        peer_llamacpp.model_file(model_kind), parallel=1, log_path=log_path
+    )
+    print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
+    with server:
+        row = asyncio.run(_llamacpp(server, prompt, output_len, args.repeats))
+    return {
+        **row,
+        "model_file": model_kind,
+        "startup_seconds": server.startup_seconds,
+        "peak_rss_bytes": server.peak_rss_bytes,
+        "command": " ".join(server.command),
+        "log": str(log_path),
+    }
+
+
+def llamacpp_model_kind(args: argparse.Namespace, config: EngineConfig, dtype: str) -> str:
+    """The peer's GGUF: the same weights asyncengine runs (the Q4_1 file when asyncengine keeps
+    it quantized, else the converted GGUF of the run's dtype)."""
+    if args.llamacpp_model:
+        return str(args.llamacpp_model)
+    if config.quantization == "auto" and args.model == "smollm2-135m":
+        return "q4_1"
+    return dtype
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
@@ -264,9 +363,11 @@ def add_fractions(result: dict[str, Any]) -> None:
     bound = result["bound_tokens_per_second"]
     for row in result["runs"].values():
         row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
-    if {"asyncengine", "vllm"} <= set(result["runs"]):
-        ours = result["runs"]["asyncengine"]["decode_tokens_per_second"]
-        result["speedup_vs_vllm"] = ours / result["runs"]["vllm"]["decode_tokens_per_second"]
+    for peer in ("vllm", "llamacpp"):
+        if {"asyncengine", peer} <= set(result["runs"]):
+            ours = result["runs"]["asyncengine"]["decode_tokens_per_second"]
+            theirs = result["runs"][peer]["decode_tokens_per_second"]
+            result[f"speedup_vs_{peer}"] = ours / theirs
 
 
 def table(result: dict[str, Any]) -> str:
@@ -300,17 +401,19 @@ def table(result: dict[str, Any]) -> str:
         f"bound: {result['bandwidth']['gb_per_second']:.1f} GB/s copy bandwidth (read + write, "
         f"median of {len(result['bandwidth']['seconds'])} copies of "
         f"{result['bandwidth']['tensor_bytes'] >> 20} MiB) / {w['bytes'] / 1e6:.1f} MB of "
-        f"{result['dtype']} weights per step ({w['parameters'] / 1e6:.1f} M parameters"
+        f"{w.get('stored_as', result['dtype'])} weights per step "
+        f"({w['parameters'] / 1e6:.1f} M parameters"
         + (", tied embeddings counted once" if w["tied_embeddings_counted_once"] else "")
         + f") = {result['bound_tokens_per_second']:.1f} tok/s",
     ]
-    if "speedup_vs_vllm" in result:
-        ratio = result["speedup_vs_vllm"]
-        lines.append(
-            f"asyncengine ahead of vLLM by {ratio:.2f}x at batch 1"
-            if ratio >= 1
-            else f"asyncengine behind vLLM at batch 1: {ratio:.2f}x its speed"
-        )
+    for peer, name in (("vllm", "vLLM"), ("llamacpp", "llama.cpp")):
+        if f"speedup_vs_{peer}" in result:
+            ratio = result[f"speedup_vs_{peer}"]
+            lines.append(
+                f"asyncengine ahead of {name} by {ratio:.2f}x at batch 1"
+                if ratio >= 1
+                else f"asyncengine behind {name} at batch 1: {ratio:.2f}x its speed"
+            )
     return "\n".join(lines)
 
 
@@ -326,8 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(SYSTEMS),
         metavar="SYSTEM",
-        help="asyncengine and/or vllm, space- or comma-separated (vllm needs "
-        "scripts/setup_vllm_cpu.sh)",
+        help="asyncengine, vllm and/or llamacpp, space- or comma-separated (vllm needs "
+        "scripts/setup_vllm_cpu.sh, llamacpp scripts/setup_llamacpp.sh)",
+    )
+    parser.add_argument(
+        "--llamacpp-model",
+        choices=tuple(peer_llamacpp.MODEL_FILES),
+        default=None,
+        help="llama.cpp's GGUF (default: q4_1 when asyncengine keeps the embedded file "
+        "quantized, else the run's dtype)",
     )
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=256)
@@ -382,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     vocab = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
     prompt = single_stream_prompt(vocab, args.prompt_len, args.seed)
 
-    weights = weight_bytes(model_dir, dtype)
+    weights = step_weight_bytes(args.model, model_dir, dtype, config.quantization)
     result: dict[str, Any] = {
         "mode": "single_stream",
         "model": args.model,
@@ -407,6 +517,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"vllm: {exc}") from None
         result["runs"]["vllm"] = row
         print(f"vllm: {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
+    if "llamacpp" in systems:
+        kind = llamacpp_model_kind(args, config, dtype)
+        try:
+            row = run_llamacpp(kind, prompt, args.output_len, args)
+        except (peer_llamacpp.LlamaCppPeerError, peer_llamacpp.LlamaCppUnavailableError) as exc:
+            raise SystemExit(f"llamacpp: {exc}") from None
+        result["runs"]["llamacpp"] = row
+        print(f"llamacpp ({kind}): {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
     # after the systems: its 2 x 512 MiB would otherwise count in asyncengine's peak RSS
     bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     result["bandwidth"] = {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second}

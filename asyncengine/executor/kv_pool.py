@@ -37,8 +37,12 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # On a CPU the pool is left unwritten (no slot is read before it is stored): the OS then
+        # maps its pages in as requests first use them, so an idle server's resident memory does
+        # not carry the whole pool (32768 float32 tokens of SmolLM2 are 1.5 GB).
+        make = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.k = make(shape, dtype=dtype, device=self.device)
+        self.v = make(shape, dtype=dtype, device=self.device)
 
     @property
     def num_slots(self) -> int:

@@ -21,13 +21,23 @@ rows) and more, smaller calls for long prefills (scripts/bench_deterministic.py)
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from asyncengine.kernels import quant_native
+from asyncengine.kernels.quant_formats import QuantizedTensor, cat_rows
+
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
+# From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
+# CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
+# shapes, float32): the integer kernel took 0.35x the dense time at 1 row, 0.7-0.8x at 16,
+# 0.7-1.1x at 24, 0.85-1.25x at 32 and 1.05-1.25x at 48 rows (Q4_1 and Q8_0): the crossover
+# lies between 24 and 32 rows.
+DENSE_FROM_ROWS = 32
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -85,3 +95,104 @@ class Linear:
         for start in range(0, padded, block):
             out[start : start + block] = self._multiply(source[start : start + block])
         return out[:rows]
+
+
+class QuantizedLinear:
+    """``y = x @ weight.T + bias`` with the weight kept quantized (GGUF blocks or I8) and the
+    products taken by kernels/cpu_quant_matmul.c: x is quantized once per call to int8 blocks,
+    then each part (a fused projection whose pieces have different formats, as q/k/v in Q4_K_M
+    files, is several parts) writes its columns of one output.
+
+    Each row's sums run in the same order whatever the other rows hold, so outputs are batch
+    invariant and deterministic mode needs no row blocks here.
+
+    ``dense_from_rows``: calls with at least this many rows take the dense product of today's
+    ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
+    time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
+    under large batches both). None: always the quantized kernel.
+    """
+
+    __slots__ = ("_dense", "bias", "dense_from_rows", "in_features", "out_features", "parts")
+
+    def __init__(
+        self,
+        parts: Sequence[QuantizedTensor],
+        bias: torch.Tensor | None = None,
+        dense_from_rows: int | None = None,
+    ) -> None:
+        if not parts or any(p.cols != parts[0].cols for p in parts):
+            raise ValueError("a quantized linear needs parts of one input width")
+        self.parts = _merge_same_format(parts)
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.dense_from_rows = dense_from_rows
+        self._dense: Linear | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
+            out = self.dense(x2.dtype)(x2)
+        else:
+            out = self._quantized(x2)
+        return out.reshape(*lead, self.out_features)
+
+    def dense(self, dtype: torch.dtype) -> Linear:
+        """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
+        if self._dense is None or self._dense.weight.dtype != dtype:
+            weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
+            bias = None if self.bias is None else self.bias.to(dtype)
+            self._dense = Linear(weight, bias)
+        return self._dense
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        activation = quant_native.quantize_q8(x)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        start = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            bias = None if self.bias is None else self.bias[start : start + rows]
+            quant_native.matmul_quantized(activation, part, out[:, start : start + rows], bias)
+            start += rows
+        return out
+
+
+def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Adjacent parts of one format as one (one kernel call, better thread balance)."""
+    merged: list[QuantizedTensor] = []
+    for part in parts:
+        if merged and merged[-1].format == part.format:
+            fused = cat_rows([merged[-1], part])
+            assert isinstance(fused, QuantizedTensor)
+            merged[-1] = fused
+        else:
+            merged.append(part.contiguous())
+    return merged
+
+
+def make_linear(
+    parts: Sequence[torch.Tensor | QuantizedTensor],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    row_block: int | None = None,
+) -> Linear | QuantizedLinear:
+    """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
+    is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+        # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
+        # rows are batch invariant, a switch to the dense product at some size would not be
+        return QuantizedLinear(quantized, bias, None if row_block is not None else DENSE_FROM_ROWS)
+    dense = [
+        quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
+        if isinstance(p, QuantizedTensor)
+        else p
+        for p in parts
+    ]
+    weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+    return Linear(weight, bias, row_block)

@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from asyncengine.executor.attention import AttentionBackend, AttentionOptions
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.linear import Linear
+from asyncengine.executor.linear import Linear, QuantizedLinear, make_linear
 from asyncengine.executor.model_config import ModelConfig, RopeScaling
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
 from asyncengine.kernels.activation_ref import gelu_tanh_and_mul
 from asyncengine.kernels.attention_window import soft_cap
+from asyncengine.kernels.quant_formats import QuantizedTensor
+from asyncengine.kernels.quant_native import dequantize_rows
 
 
 class WeightsError(ValueError):
@@ -37,11 +39,11 @@ class WeightsError(ValueError):
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the q/k/v biases when the model has them
-    o_proj: Linear  # [hidden, q_size]
+    qkv: Linear | QuantizedLinear  # [q_size + 2 * kv_size, hidden], with q/k/v biases if any
+    o_proj: Linear | QuantizedLinear  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden], the norm before the MLP
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: Linear | QuantizedLinear  # [2 * intermediate, hidden]
+    down: Linear | QuantizedLinear  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma 2/3: before the residual add)
@@ -52,14 +54,16 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedTensor],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
         row_block: int | None = None,
     ) -> None:
         """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
-        executor/linear.py); None: one call per matmul."""
+        executor/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
+        blocks, or int8) stay quantized: their projections run the quantized kernels and a
+        quantized embedding is dequantized a looked-up row at a time."""
         self.config = config
         self.row_block = row_block
         self.dtype = dtype
@@ -70,7 +74,7 @@ class LlamaModel:
         self.rotary_once_per_forward = self.ops.apply_rotary is rotary_ref.apply_rotary
         take = _WeightTaker(weights, dtype, self.device)
         c = config
-        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.embed = take.any("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
         self.norm = take("model.norm.weight", (c.hidden_size,), c.norm_weight_offset)
         # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype first, as HF
@@ -81,12 +85,12 @@ class LlamaModel:
         )
         # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
         self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
-        if c.tie_word_embeddings:
-            self.lm_head = Linear(self.embed, row_block=row_block)
-        else:
-            self.lm_head = Linear(
-                take("lm_head.weight", (c.vocab_size, c.hidden_size)), row_block=row_block
-            )
+        head = (
+            self.embed
+            if c.tie_word_embeddings
+            else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
+        )
+        self.lm_head = make_linear([head], None, dtype, row_block)
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         # each layer's RoPE table: Gemma 3's sliding layers have their own base
         self.layer_cos_sin = [self.cos_sin_cache] * c.num_layers
@@ -106,13 +110,11 @@ class LlamaModel:
         c = self.config
         p = f"model.layers.{i}."
         h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-        qkv = torch.cat(
-            [
-                take(p + "self_attn.q_proj.weight", (q, h)),
-                take(p + "self_attn.k_proj.weight", (kv, h)),
-                take(p + "self_attn.v_proj.weight", (kv, h)),
-            ]
-        )
+        qkv = [
+            take.any(p + "self_attn.q_proj.weight", (q, h)),
+            take.any(p + "self_attn.k_proj.weight", (kv, h)),
+            take.any(p + "self_attn.v_proj.weight", (kv, h)),
+        ]
         qkv_bias = None
         if c.attention_bias:
             qkv_bias = torch.cat(
@@ -122,12 +124,10 @@ class LlamaModel:
                     take(p + "self_attn.v_proj.bias", (kv,)),
                 ]
             )
-        gate_up = torch.cat(
-            [
-                take(p + "mlp.gate_proj.weight", (inter, h)),
-                take(p + "mlp.up_proj.weight", (inter, h)),
-            ]
-        )
+        gate_up = [
+            take.any(p + "mlp.gate_proj.weight", (inter, h)),
+            take.any(p + "mlp.up_proj.weight", (inter, h)),
+        ]
         offset = c.norm_weight_offset
         attn_out_norm = mlp_out_norm = None
         post_norm_name = "post_attention_layernorm"
@@ -141,16 +141,26 @@ class LlamaModel:
             k_norm = take(p + "self_attn.k_norm.weight", (c.head_dim,), offset)
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,), offset),
-            qkv=Linear(qkv, qkv_bias, self.row_block),
-            o_proj=Linear(take(p + "self_attn.o_proj.weight", (h, q)), row_block=self.row_block),
+            qkv=self._linear(qkv, qkv_bias),
+            o_proj=self._linear([take.any(p + "self_attn.o_proj.weight", (h, q))]),
             post_norm=take(p + post_norm_name + ".weight", (h,), offset),
-            gate_up=Linear(gate_up, row_block=self.row_block),
-            down=Linear(take(p + "mlp.down_proj.weight", (h, inter)), row_block=self.row_block),
+            gate_up=self._linear(gate_up),
+            down=self._linear([take.any(p + "mlp.down_proj.weight", (h, inter))]),
             q_norm=q_norm,
             k_norm=k_norm,
             attn_out_norm=attn_out_norm,
             mlp_out_norm=mlp_out_norm,
         )
+
+    def _linear(
+        self, parts: list[torch.Tensor | QuantizedTensor], bias: torch.Tensor | None = None
+    ) -> Linear | QuantizedLinear:
+        return make_linear(parts, bias, self.dtype, self.row_block)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedTensor):
+            return dequantize_rows(self.embed, input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def forward(
         self,
@@ -177,7 +187,7 @@ class LlamaModel:
                     rope_rows[id(table)] = rotary_ref.cos_sin_for_positions(
                         positions, table, self.dtype
                     )
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
@@ -255,13 +265,36 @@ class LlamaModel:
 class _WeightTaker:
     """Fetch an HF-named tensor, check its shape, move it to the model's dtype and device."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor | QuantizedTensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.weights = weights
         self.dtype = dtype
         self.device = device
 
     def __call__(self, name: str, shape: tuple[int, ...], offset: float = 0.0) -> torch.Tensor:
         """``offset`` is added in float32 before the cast (Gemma's ``1 + w`` norm weights)."""
+        tensor = self._get(name, shape)
+        if isinstance(tensor, QuantizedTensor):  # a norm or bias is never kept quantized
+            tensor = dequantize_rows(tensor, None)
+        if offset:
+            tensor = tensor.float() + offset
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def any(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
+        """The tensor as given: a QuantizedTensor stays quantized (a projection's weight, a
+        quantized embedding); a dense one is moved to the model's dtype and device."""
+        tensor = self._get(name, shape)
+        if isinstance(tensor, QuantizedTensor):
+            if self.device.type != "cpu":
+                raise WeightsError(f"weight {name!r} is quantized: only the CPU has its kernels")
+            return tensor
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
         tensor = self.weights.get(name)
         if tensor is None:
             raise WeightsError(f"weight {name!r} is missing from the checkpoint")
@@ -269,6 +302,4 @@ class _WeightTaker:
             raise WeightsError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the config expects {shape}"
             )
-        if offset:
-            tensor = tensor.float() + offset
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        return tensor

@@ -18,11 +18,13 @@ from asyncengine.cache.page_table import PageTable
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.loader import load_hf_config, load_weights, resolve_model
+from asyncengine.executor.loader import load_hf_config
+from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
 from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, StepOutput
 
 log = logging.getLogger("asyncengine.executor")
@@ -54,9 +56,11 @@ class ModelExecutor:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model(config.model, self.dtype)
+        loaded = load_model(config.model, self.dtype, self.device, config.quantization)
+        self.model_dir = loaded.model_dir
+        self.weights_summary = loaded.summary()
         self.model_config = ModelConfig.from_hf_dict(load_hf_config(self.model_dir))
-        self._weights: dict[str, torch.Tensor] | None = load_weights(self.model_dir, self.dtype)
+        self._weights: dict[str, torch.Tensor | QuantizedTensor] | None = loaded.weights
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
 
@@ -117,10 +121,11 @@ class ModelExecutor:
         )
         self._weights = None
         log.info(
-            "model %s (%s, %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
+            "model %s (%s, %s, weights %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
             self.config.model,
             str(self.dtype).removeprefix("torch."),
             self.device,
+            self.weights_summary,
             ", deterministic" if self.config.deterministic else "",
             layout.num_pages,
             layout.page_size,

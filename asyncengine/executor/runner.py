@@ -21,6 +21,7 @@ from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
+from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedTensor],
         kv_pool: KVPool,
         page_table: PageTable,
         dtype: torch.dtype | str,

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,31 +83,59 @@ def _gguf_cache_name(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
 
 
-def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
-    """The cache directory holding gguf_path as an HF checkpoint in dtype, converting on first use.
-
-    The conversion writes into a temporary sibling directory and renames it into place, so a
-    crash never leaves a half-written cache entry and concurrent starts cannot see one.
-    """
-    root = cache_root()
-    target = root / f"{cache_name}-{dtype_name(dtype)}"
-    if (target / CONFIG_FILE).is_file():
+def _build_once(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
+    """target, written by ``write(staging)`` into a temporary sibling directory and renamed into
+    place, unless ``target/marker`` exists already: a crash never leaves a half-written cache
+    entry and concurrent starts cannot see one."""
+    if (target / marker).is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
-    start = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        convert_gguf_to_hf_dir(gguf_path, staging, dtype)
+        write(staging)
         try:
             staging.rename(target)
         except OSError:
-            if not (target / CONFIG_FILE).is_file():  # not another process winning the race
+            if not (target / marker).is_file():  # not another process winning the race
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
+    """The cache directory holding gguf_path as an HF checkpoint in dtype, converting on first use."""
+    target = cache_root() / f"{cache_name}-{dtype_name(dtype)}"
+    if (target / CONFIG_FILE).is_file():
+        return target
+    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
+    start = time.perf_counter()
+    _build_once(
+        target, CONFIG_FILE, lambda staging: convert_gguf_to_hf_dir(gguf_path, staging, dtype)
+    )
     log.info("model cache ready at %s after %.1f s", target, time.perf_counter() - start)
     return target
+
+
+def gguf_file(name_or_path: str | Path) -> tuple[Path, str] | None:
+    """(the GGUF file, its cache name) for a .gguf path or a known model name; None otherwise."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, _gguf_cache_name(path)
+    if str(name_or_path) in KNOWN_MODELS:
+        model = KNOWN_MODELS[str(name_or_path)]
+        return model.gguf_path(), model.name
+    return None
+
+
+def metadata_dir(gguf_path: Path, cache_name: str) -> Path:
+    """A directory with config.json and the tokenizer files of a GGUF, no weights (the weights
+    are read from the GGUF itself, kept quantized): written once, then reused."""
+    return _build_once(
+        cache_root() / f"{cache_name}-meta",
+        CONFIG_FILE,
+        lambda staging: write_tokenizer_dir(gguf_path, staging, with_config=True),
+    )
 
 
 def resolve_model(name_or_path: str | Path, dtype: torch.dtype) -> Path:
@@ -135,26 +164,12 @@ def tokenizer_dir(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return resolve_model(path, torch.float32)  # checks it is a model directory
-    if path.is_file() and path.suffix == ".gguf":
-        gguf_path, cache_name = path, _gguf_cache_name(path)
-    elif str(name_or_path) in KNOWN_MODELS:
-        model = KNOWN_MODELS[str(name_or_path)]
-        gguf_path, cache_name = model.gguf_path(), model.name
-    else:
+    found = gguf_file(name_or_path)
+    if found is None:
         return resolve_model(name_or_path, torch.float32)  # raises UnknownModelError
-    root = cache_root()
-    target = root / f"{cache_name}-tokenizer"
-    if (target / TOKENIZER_FILE).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-    try:
-        write_tokenizer_dir(gguf_path, staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / TOKENIZER_FILE).is_file():  # not another process winning the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    gguf_path, cache_name = found
+    return _build_once(
+        cache_root() / f"{cache_name}-tokenizer",
+        TOKENIZER_FILE,
+        lambda staging: write_tokenizer_dir(gguf_path, staging),
+    )

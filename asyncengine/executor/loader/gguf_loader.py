@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -30,6 +30,7 @@ from asyncengine.executor.loader.hf_dir import (
     ModelFilesError,
 )
 from asyncengine.executor.loader.progress import format_bytes, log, progress
+from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantFormat, QuantizedTensor
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -52,6 +53,8 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+Weight = torch.Tensor | QuantizedTensor  # a dense tensor, or a GGUF tensor kept as stored
 _BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -61,7 +64,7 @@ class GGUFCheckpoint:
 
     config: dict[str, Any]
     generation_config: dict[str, Any]
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tokenizer: Tokenizer
     tokenizer_config: dict[str, Any]
 
@@ -87,18 +90,21 @@ def hf_name(gguf_name: str) -> str:
     raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no llama counterpart")
 
 
-def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(weight: Weight, num_heads: int) -> Weight:
     """Undo llama.cpp's q/k row permutation.
 
     Its converter turns each head's rows [first half | second half] (HF's rotate-half pairs
     i, i + d/2) into interleaved pairs (2i, 2i+1); reading the rows back as (pair, 2) and
-    swapping the two axes restores HF's order. Done as one row gather (whole rows are copied).
+    swapping the two axes restores HF's order. Done as one row gather (whole rows are copied;
+    a quantized weight's rows are its blocks, so nothing is dequantized).
     """
     rows = weight.shape[0]
     half = rows // num_heads // 2
     if half * 2 * num_heads != rows:
         raise ModelFilesError(f"{rows} rows do not split into {num_heads} heads of even size")
     source_rows = torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
+    if isinstance(weight, QuantizedTensor):
+        return weight.select_rows(source_rows)
     return weight.index_select(0, source_rows)
 
 
@@ -188,8 +194,18 @@ def _tensor_to_torch(data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtyp
     return torch.from_numpy(array).to(dtype)
 
 
-def read_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
-    """The whole file, dequantized to dtype on CPU, in HF names and layout."""
+def _quantized(data: np.ndarray, fmt: QuantFormat, shape: tuple[int, ...]) -> QuantizedTensor:
+    rows, cols = shape
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+    return QuantizedTensor(fmt, raw, cols)
+
+
+def read_gguf(
+    path: str | Path, dtype: torch.dtype, keep_types: frozenset[int] = frozenset()
+) -> GGUFCheckpoint:
+    """The whole file in HF names and layout, on CPU: 2-D tensors whose GGUF type is in
+    ``keep_types`` stay as stored (QuantizedTensor), every other tensor is dequantized to dtype
+    (one log line names the quantized types that were)."""
     path = Path(path)
     start = time.perf_counter()
     reader = GGUFReader(path)
@@ -198,7 +214,8 @@ def read_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
     config = hf_config(metadata, names, dtype)
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
+    dequantized_types: dict[str, int] = {}
     tensors = progress(
         reader.tensors,
         f"converting {path.name}",
@@ -211,7 +228,15 @@ def read_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         # A plain ndarray view: slicing np.memmap objects inside dequantize is twice as slow.
         raw = np.asarray(tensor.data)
-        weight = _tensor_to_torch(dequantize(raw, tensor.tensor_type), shape, dtype)
+        fmt = GGUF_FORMATS.get(int(tensor.tensor_type))
+        weight: Weight
+        if fmt is not None and int(tensor.tensor_type) in keep_types and len(shape) == 2:
+            weight = _quantized(raw, fmt, shape)
+        else:
+            if tensor.tensor_type not in _FLOAT_TYPES:
+                type_name = tensor.tensor_type.name
+                dequantized_types[type_name] = dequantized_types.get(type_name, 0) + 1
+            weight = _tensor_to_torch(dequantize(raw, tensor.tensor_type), shape, dtype)
         match = _BLOCK_TENSOR_NAME.fullmatch(tensor.name)
         if match and match.group(2) in heads_of:
             weight = unpermute_rope_rows(weight, heads_of[match.group(2)])
@@ -224,12 +249,21 @@ def read_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
         tokenizer=build_tokenizer(metadata, path),
         tokenizer_config=tokenizer_config(metadata, config["max_position_embeddings"]),
     )
-    total_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    total_bytes = sum(w.nbytes for w in weights.values())
+    kept = sum(isinstance(w, QuantizedTensor) for w in weights.values())
+    if keep_types and dequantized_types:
+        log.info(
+            "%s: no native kernel for %s: those tensors are dequantized to %s",
+            path.name,
+            ", ".join(f"{name} ({count})" for name, count in sorted(dequantized_types.items())),
+            str(dtype).removeprefix("torch."),
+        )
     log.info(
-        "read %s (%s on disk): %d tensors dequantized to %s (%s) in %.2f s",
+        "read %s (%s on disk): %d tensors, %d kept quantized, the rest as %s (%s) in %.2f s",
         path.name,
         format_bytes(path.stat().st_size),
         len(weights),
+        kept,
         str(dtype).removeprefix("torch."),
         format_bytes(total_bytes),
         time.perf_counter() - start,
@@ -248,14 +282,24 @@ def write_hf_dir(checkpoint: GGUFCheckpoint, out_dir: Path) -> None:
     _write_json(out_dir / GENERATION_CONFIG_FILE, checkpoint.generation_config)
     _write_json(out_dir / TOKENIZER_CONFIG_FILE, checkpoint.tokenizer_config)
     checkpoint.tokenizer.save(str(out_dir / TOKENIZER_FILE))
-    save_file(checkpoint.weights, str(out_dir / SINGLE_WEIGHTS_FILE), metadata={"format": "pt"})
+    dense = {k: w for k, w in checkpoint.weights.items() if isinstance(w, torch.Tensor)}
+    if len(dense) != len(checkpoint.weights):
+        raise ValueError("an HF directory holds dense tensors: read the GGUF without keep_types")
+    save_file(dense, str(out_dir / SINGLE_WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def write_tokenizer_dir(gguf_path: str | Path, out_dir: str | Path) -> None:
-    """Only the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json):
-    reads the metadata, dequantizes nothing."""
+def write_tokenizer_dir(
+    gguf_path: str | Path, out_dir: str | Path, with_config: bool = False
+) -> None:
+    """Only the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json),
+    and with ``with_config`` config.json: reads the metadata, dequantizes nothing."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    metadata = read_metadata(GGUFReader(gguf_path))
+    reader = GGUFReader(gguf_path)
+    metadata = read_metadata(reader)
+    if with_config:
+        names = {tensor.name for tensor in reader.tensors}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(out_dir / CONFIG_FILE, hf_config(metadata, names, torch.float32))
     context_length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation_config(metadata))

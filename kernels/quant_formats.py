@@ -1,0 +1,99 @@
+"""Quantized weight formats kept as stored (GGUF's blocks, and our per-row int8) and the tensor
+that carries them: ``QuantizedTensor``, a [rows, row_bytes] uint8 tensor plus its format.
+
+Every format here stores a weight row by row (each row is its own run of blocks), so taking,
+reordering or concatenating rows is a byte-row operation: llama.cpp's q/k row permutation is
+undone and q/k/v (gate/up) are fused without dequantizing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    name: str
+    code: int  # the format's number in kernels/cpu_quant_matmul.c
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+    gguf_type: int | None  # GGMLQuantizationType's value; None: ours (not a GGUF type)
+    row_header_bytes: int = 0  # bytes before a row's blocks (I8's float32 scale)
+
+    def row_bytes(self, cols: int) -> int:
+        if cols % self.block_size:
+            raise ValueError(
+                f"{self.name} rows hold multiples of {self.block_size} values, not {cols}"
+            )
+        return self.row_header_bytes + cols // self.block_size * self.block_bytes
+
+
+Q8_0 = QuantFormat("Q8_0", 0, 32, 34, 8)
+Q4_0 = QuantFormat("Q4_0", 1, 32, 18, 2)
+Q4_1 = QuantFormat("Q4_1", 2, 32, 20, 3)
+Q4_K = QuantFormat("Q4_K", 3, 256, 144, 12)
+Q5_K = QuantFormat("Q5_K", 4, 256, 176, 13)
+Q6_K = QuantFormat("Q6_K", 5, 256, 210, 14)
+# ours: one float32 scale per output row, then the row's int8 values (symmetric; quantization
+# "int8" of a float checkpoint). The kernel reads values in blocks of 32.
+I8 = QuantFormat("I8", 6, 32, 32, None, row_header_bytes=4)
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8)}
+GGUF_FORMATS: dict[int, QuantFormat] = {
+    f.gguf_type: f for f in FORMATS.values() if f.gguf_type is not None
+}
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    """A [rows, cols] weight in ``format``: ``data`` is uint8 [rows, format.row_bytes(cols)]."""
+
+    format: QuantFormat
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"quantized data must be uint8 [rows, bytes], not {self.data.dtype}")
+        if self.data.shape[1] != self.format.row_bytes(self.cols):
+            raise ValueError(
+                f"{self.format.name} rows of {self.cols} values take "
+                f"{self.format.row_bytes(self.cols)} bytes, not {self.data.shape[1]}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def select_rows(self, rows: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.data.index_select(0, rows), self.cols)
+
+    def contiguous(self) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.data.contiguous(), self.cols)
+
+
+def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
+    """Rows of every part, in order: torch.cat for dense tensors; for quantized ones of one format
+    and width, their byte rows. Mixed parts (e.g. a Q4_K q_proj beside a Q6_K v_proj, as Q4_K_M
+    files have) cannot share a kernel call: ValueError, and the caller keeps them apart."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))  # type: ignore[arg-type]
+    first = parts[0]
+    if not all(
+        isinstance(p, QuantizedTensor)
+        and isinstance(first, QuantizedTensor)
+        and p.format == first.format
+        and p.cols == first.cols
+        for p in parts
+    ):
+        raise ValueError("parts of different formats do not fuse into one quantized weight")
+    assert isinstance(first, QuantizedTensor)
+    datas = [p.data for p in parts if isinstance(p, QuantizedTensor)]
+    return QuantizedTensor(first.format, torch.cat(datas), first.cols)

@@ -1,0 +1,73 @@
+"""The torch reference of the quantized matmul (kernels/cpu_quant_matmul.c), for tests and for
+machines without the native library.
+
+    q, d, sd = quantize_q8(x)            # x [n, k] -> int8 blocks of 32, scale, scale * sum
+    y = quant_matmul(x, weight, bias)    # x's q8 blocks (dequantized) @ weight (dequantized).T
+
+``dequantize`` takes the GGUF formats through the ``gguf`` package's own dequantizers (an
+implementation independent of ours) and I8 directly. The native kernel computes the same sums
+as ``quant_matmul`` in a different order (float32 per block), so tests compare within float32
+rounding; activation quantization is the same arithmetic bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from asyncengine.kernels.quant_formats import I8, QuantizedTensor
+
+ACT_BLOCK = 32
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, k] (k a multiple of 32) -> q int8 [n, k], d [n, k/32], d * sum(q) [n, k/32]:
+    d = max|x| / 127 per block, q = round-half-even(x * 127 / max|x|), as the C kernel does."""
+    n, k = x.shape
+    blocks = x.float().reshape(n, k // ACT_BLOCK, ACT_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8)
+    sd = d * q.sum(dim=-1, dtype=torch.int32).float()
+    return q.reshape(n, k), d, sd
+
+
+def dequantize(weight: QuantizedTensor) -> torch.Tensor:
+    """The float32 [rows, cols] values the blocks stand for."""
+    rows, cols = weight.shape
+    if weight.format == I8:
+        raw = weight.data
+        scale = raw[:, :4].contiguous().view(torch.float32)
+        values = raw[:, 4:].contiguous().view(torch.int8).float()
+        return values * scale
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    assert weight.format.gguf_type is not None
+    array = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType(weight.format.gguf_type))
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(rows, cols)
+
+
+def quantize_i8(weight: torch.Tensor) -> QuantizedTensor:
+    """A float [rows, cols] weight as I8: per row, symmetric, scale = max|w| / 127."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(w * inv).clamp(-127, 127).to(torch.int8)
+    data = torch.cat([scale.contiguous().view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return QuantizedTensor(I8, data.contiguous(), int(weight.shape[1]))
+
+
+def quant_matmul(
+    x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y [n, rows] float32: x quantized to q8 blocks, times the dequantized weight (float64 sums)."""
+    q, d, _ = quantize_q8(x)
+    n, k = q.shape
+    xq = (q.double().reshape(n, k // ACT_BLOCK, ACT_BLOCK) * d.double().unsqueeze(-1)).reshape(n, k)
+    y = xq @ dequantize(weight).double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()

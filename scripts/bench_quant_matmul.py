@@ -1,0 +1,163 @@
+"""The quantized matmul (kernels/cpu_quant_matmul.c) against the dense oneDNN projection of
+today (executor/linear.py's prepacked Linear), per batch size, on the embedded model's projection
+shapes: where the crossover lies (executor/linear.py's DENSE_FROM_ROWS).
+
+    python scripts/bench_quant_matmul.py [--formats Q4_1,Q8_0] [--rows 1,4,16,64,256]
+        [--dtype float32] [--json out.json]
+
+Prints a table of the best milliseconds of repeated calls (all projections of one layer, plus the LM head
+alone) and the quantized/dense ratio; also the weight bytes streamed per call at batch 1 and the
+GB/s that makes (the bandwidth a batch-1 step is bound by).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncengine.executor.linear import Linear, QuantizedLinear
+from asyncengine.kernels import quant_native, quant_ref
+from asyncengine.kernels.quant_formats import FORMATS
+
+# (name, out_features, in_features) of SmolLM2-135M's projections; qkv/gate_up fused
+LAYER_SHAPES = [
+    ("qkv", 960, 576),
+    ("o_proj", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+]
+LM_HEAD = ("lm_head", 49152, 576)
+
+
+CLOCK: Callable[[], float] = time.perf_counter
+
+
+def best_ms(fn: Callable[[], object], seconds: float = 0.3) -> float:
+    """The fastest of repeated calls: on a shared machine other processes only ever add time,
+    so the minimum is the figure least disturbed by them (medians are noise under load)."""
+    fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = CLOCK()
+        fn()
+        times.append((CLOCK() - start) * 1e3)
+    return min(times)
+
+
+def quantize(fmt_name: str, weight: torch.Tensor) -> QuantizedLinear:
+    if fmt_name == "I8":
+        return QuantizedLinear([quant_ref.quantize_i8(weight)])
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from asyncengine.kernels.quant_formats import QuantizedTensor
+
+    fmt = FORMATS[fmt_name]
+    assert fmt.gguf_type is not None
+    raw = gguf_quantize(weight.numpy(), GGMLQuantizationType(fmt.gguf_type))
+    data = torch.from_numpy(raw.copy()).reshape(weight.shape[0], -1)
+    return QuantizedLinear([QuantizedTensor(fmt, data, int(weight.shape[1]))])
+
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def measure(
+    fmt_name: str,
+    n: int,
+    quant: dict[str, QuantizedLinear],
+    dense: dict[str, Linear],
+    shapes: list[tuple[str, int, int]],
+    dtype: torch.dtype,
+    lm_head: bool,
+) -> dict[str, Any]:
+    xs = {name: torch.randn(n, inp).to(dtype) for name, _, inp in shapes}
+
+    def layer(table: Mapping[str, Projection]) -> Callable[[], None]:
+        def run() -> None:
+            for name, _, _ in LAYER_SHAPES:
+                table[name](xs[name])
+
+        return run
+
+    q_ms = best_ms(layer(quant))
+    d_ms = best_ms(layer(dense))
+    layer_bytes = sum(quant[name].nbytes for name, _, _ in LAYER_SHAPES)
+    row: dict[str, Any] = {
+        "format": fmt_name,
+        "rows": n,
+        "layer_quantized_ms": q_ms,
+        "layer_dense_ms": d_ms,
+        "ratio": q_ms / d_ms,
+        "layer_weight_bytes": layer_bytes,
+        "layer_quantized_gbps": layer_bytes / q_ms / 1e6,
+    }
+    if lm_head:
+        x = xs["lm_head"]
+        row["head_quantized_ms"] = best_ms(lambda: quant["lm_head"](x))
+        row["head_dense_ms"] = best_ms(lambda: dense["lm_head"](x))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="Q4_1,Q8_0")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--lm-head", action="store_true", help="also time the 49152-row LM head")
+    parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="with --threads 1: count this thread's CPU time, not wall time (a loaded machine)",
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if args.threads != 1:
+            raise SystemExit("--cpu-time needs --threads 1 (other threads' time is not counted)")
+        global CLOCK
+        CLOCK = time.thread_time
+    torch.manual_seed(0)
+    shapes = LAYER_SHAPES + ([LM_HEAD] if args.lm_head else [])
+    weights = {name: torch.randn(out, inp) * 0.05 for name, out, inp in shapes}
+    dense = {name: Linear(w.to(dtype)) for name, w in weights.items()}
+    results: list[dict[str, object]] = []
+    print(
+        f"quantized kernels: {quant_native.isa_name()}, threads {torch.get_num_threads()}, {args.dtype}"
+    )
+    header = f"{'format':>6} {'rows':>5} {'layer q ms':>10} {'layer dense':>11} {'ratio':>6}"
+    if args.lm_head:
+        header += f" {'head q ms':>9} {'head dense':>10}"
+    print(header)
+    for fmt_name in args.formats.split(","):
+        quant = {name: quantize(fmt_name, w) for name, w in weights.items()}
+        for n in (int(r) for r in args.rows.split(",")):
+            row = measure(fmt_name, n, quant, dense, shapes, dtype, args.lm_head)
+            line = (
+                f"{fmt_name:>6} {n:>5} {row['layer_quantized_ms']:>10.3f} "
+                f"{row['layer_dense_ms']:>11.3f} {row['ratio']:>6.2f}"
+            )
+            if args.lm_head:
+                line += f" {row['head_quantized_ms']:>9.3f} {row['head_dense_ms']:>10.3f}"
+            print(line, flush=True)
+            results.append(row)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

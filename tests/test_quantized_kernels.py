@@ -1,0 +1,168 @@
+"""The quantized matmul kernels (kernels/cpu_quant_matmul.c) against the torch reference
+(kernels/quant_ref.py), for every format, odd shapes, and every ISA path this CPU can run
+(AVX512-VNNI where the CPU has it, AVX2, scalar).
+
+Standalone, on any x86 machine (prints the ISA the native build picked):
+    .venv/bin/python tests/test_quantized_kernels.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine.kernels import quant_native, quant_ref
+from asyncengine.kernels.quant_formats import FORMATS, I8, QuantFormat, QuantizedTensor, cat_rows
+
+pytestmark = pytest.mark.skipif(
+    not quant_native.available(), reason="no C compiler: the native kernels cannot be built"
+)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _isas() -> list[str]:
+    isas = ["native", "scalar"]
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        isas.append("avx2")
+    return isas
+
+
+ISAS = _isas()
+# offsets of the fp16 scale fields inside one block (random bytes elsewhere are valid values)
+FP16_FIELDS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_weight(fmt: QuantFormat, rows: int, cols: int, seed: int) -> QuantizedTensor:
+    """Random blocks: every byte random, the scales set to small finite fp16 values."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == I8:
+        return quant_ref.quantize_i8(torch.randn(rows, cols, generator=gen))
+    blocks = cols // fmt.block_size
+    data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), dtype=torch.uint8, generator=gen)
+    for offset in FP16_FIELDS[fmt.name]:
+        scale = (torch.rand(rows, blocks, generator=gen) * 0.02 - 0.005).to(torch.float16)
+        data[:, :, offset : offset + 2] = scale.view(torch.uint8).reshape(rows, blocks, 2)
+    return QuantizedTensor(fmt, data.reshape(rows, -1).contiguous(), cols)
+
+
+def _cols(fmt: QuantFormat) -> list[int]:
+    return [256, 768] if fmt.block_size == 256 else [32, 96, 544]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_matmul_matches_the_reference(name: str, isa: str) -> None:
+    fmt = FORMATS[name]
+    for cols in _cols(fmt):
+        for rows, n in ((1, 1), (7, 3), (33, 4), (100, 5), (17, 9)):
+            weight = random_weight(fmt, rows, cols, seed=rows * 31 + n + cols)
+            x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n + cols))
+            bias = torch.randn(rows) if rows % 2 else None
+            y = quant_native.quant_matmul(x, weight, bias, isa=isa)
+            ref = quant_ref.quant_matmul(x, weight, bias)
+            scale = float(ref.abs().max()) + 1e-6
+            torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantized_activations_are_the_reference_bit_for_bit(isa: str) -> None:
+    x = torch.randn(5, 96) * 3
+    x[1] = 0.0  # an all-zero row: scale 0, values 0
+    q, d, sd = quant_native.quantize_q8(x, isa)
+    q_ref, d_ref, sd_ref = quant_ref.quantize_q8(x)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    torch.testing.assert_close(sd, sd_ref, rtol=1e-6, atol=0)
+    assert int(q.abs().max()) == 127 and not q[1].any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantize_rows_matches_gguf(name: str, isa: str) -> None:
+    fmt = FORMATS[name]
+    weight = random_weight(fmt, 9, _cols(fmt)[-1], seed=3)
+    full = quant_ref.dequantize(weight)
+    rows = torch.tensor([8, 0, 3, 3])
+    torch.testing.assert_close(
+        quant_native.dequantize_rows(weight, rows, isa=isa), full[rows], rtol=1e-6, atol=1e-7
+    )
+    torch.testing.assert_close(quant_native.dequantize_rows(weight, None, isa=isa), full)
+    as_bf16 = quant_native.dequantize_rows(weight, rows, torch.bfloat16, isa=isa)
+    assert torch.equal(as_bf16, full[rows].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_activations_and_output(isa: str) -> None:
+    weight = random_weight(FORMATS["Q4_1"], 40, 96, seed=1)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    y = quant_native.quant_matmul(x, weight, isa=isa)
+    assert y.dtype == torch.bfloat16
+    ref = quant_ref.quant_matmul(x.float(), weight)
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+def test_output_into_a_column_slice_of_a_wider_tensor() -> None:
+    a = random_weight(FORMATS["Q4_K"], 10, 256, seed=1)
+    b = random_weight(FORMATS["Q6_K"], 6, 256, seed=2)
+    x = torch.randn(2, 256)
+    act = quant_native.quantize_q8(x)
+    out = torch.full((2, 16), float("nan"))
+    quant_native.matmul_quantized(act, a, out[:, :10])
+    quant_native.matmul_quantized(act, b, out[:, 10:])
+    ref = torch.cat([quant_ref.quant_matmul(x, a), quant_ref.quant_matmul(x, b)], dim=1)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+
+
+def test_rows_concatenate_and_reorder_as_bytes() -> None:
+    a = random_weight(FORMATS["Q4_1"], 4, 64, seed=1)
+    b = random_weight(FORMATS["Q4_1"], 3, 64, seed=2)
+    fused = cat_rows([a, b])
+    assert isinstance(fused, QuantizedTensor) and fused.shape == (7, 64)
+    expected = torch.cat([quant_ref.dequantize(a), quant_ref.dequantize(b)])
+    assert torch.equal(quant_ref.dequantize(fused), expected)
+    order = torch.tensor([6, 0, 2])
+    assert torch.equal(quant_ref.dequantize(fused.select_rows(order)), expected[order])
+    with pytest.raises(ValueError, match="different formats"):
+        cat_rows([a, random_weight(FORMATS["Q8_0"], 2, 64, seed=3)])
+
+
+def test_int8_quantization_is_per_row_symmetric() -> None:
+    w = torch.randn(5, 64)
+    w[2] *= 100  # a row's scale does not touch the others
+    q = quant_ref.quantize_i8(w)
+    back = quant_ref.dequantize(q)
+    per_row_step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((back - w).abs() <= per_row_step / 2 + 1e-6).all())
+
+
+def test_bad_shapes_are_refused() -> None:
+    weight = random_weight(FORMATS["Q8_0"], 4, 64, seed=1)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quant_native.quant_matmul(torch.randn(2, 48), weight)
+    with pytest.raises(ValueError, match="64 columns"):
+        quant_native.quant_matmul(torch.randn(2, 96), weight)
+    with pytest.raises(ValueError, match="take"):
+        QuantizedTensor(FORMATS["Q8_0"], torch.zeros(2, 33, dtype=torch.uint8), 32)
+
+
+if __name__ == "__main__":
+    print(f"native quantized kernels: {quant_native.isa_name()} (tested paths: {', '.join(ISAS)})")
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
