@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from asyncengine.builder import build_core
+from asyncengine.builder import build_core, make_policies
 from asyncengine.config import EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.errors import (
@@ -28,11 +28,12 @@ from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.request import Request
 from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.scheduler import Scheduler, TokenEvent
+from asyncengine.scheduler import Scheduler
+from asyncengine.step_events import StepEvents
 from asyncengine.summary_log import SummaryLog
 from asyncengine.text.stream import RequestStream, StreamState
 from asyncengine.text.tokenizer import prompt_token_ids
-from asyncengine.trace_recorder import TraceRecorder
+from asyncengine.workloads.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.engine")
 
@@ -45,10 +46,9 @@ class InFlight:
 
     plan: BatchPlan
     future: asyncio.Future[StepOutput]
-    started: float  # perf_counter at launch
 
 
-def build_model_core(config: EngineConfig) -> tuple[EngineCore, Any]:
+def build_model_core(config: EngineConfig, policies: Any = None) -> tuple[EngineCore, Any]:
     """The real model's core and its tokenizer (loads weights: run it off the event loop)."""
     from asyncengine.executor.model_executor import ModelExecutor
     from asyncengine.text.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ def build_model_core(config: EngineConfig) -> tuple[EngineCore, Any]:
     executor = ModelExecutor(config)
     tokenizer = Tokenizer(executor.model_dir)
     executor.add_eos_token_ids(tokenizer.eos_token_ids)
-    return build_core(config, executor), tokenizer
+    return build_core(config, executor, policies=policies), tokenizer
 
 
 class AsyncEngine:
@@ -80,13 +80,13 @@ class AsyncEngine:
         if (executor is None) != (tokenizer is None):
             raise ValueError("give both an executor and a tokenizer, or neither")
         self._given = (executor, tokenizer)
+        self._policies = make_policies(self.config)  # a bad policy fails before the model loads
         self.core: EngineCore | None = None
         # called with each step's plan once its tokens are streamed (core.step_hooks run at commit)
         self.step_hooks: list[Callable[[BatchPlan], None]] = []
         self._tokenizer: Any = None
         self._streams: dict[str, StreamState] = {}  # by the engine request's id (a choice's)
         self._groups: dict[str, RequestGroup] = {}  # by the caller's request id
-        self._forks: dict[str, RequestGroup] = {}  # choice 0's id -> its group, until prefilled
         self._grammars: Any = None  # the GrammarCompiler, made at the first constrained request
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -131,8 +131,8 @@ class AsyncEngine:
     def _build(self) -> tuple[EngineCore, Any]:
         executor, tokenizer = self._given
         if executor is None:
-            return build_model_core(self.config)
-        return build_core(self.config, executor), tokenizer
+            return build_model_core(self.config, self._policies)
+        return build_core(self.config, executor, policies=self._policies), tokenizer
 
     async def stop(self) -> None:
         """Abort what is still in flight and stop the loop."""
@@ -275,27 +275,11 @@ class AsyncEngine:
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
 
     def _add(self, group: RequestGroup) -> None:
-        """Hand a group's requests to the core: choice 0 alone first when others will fork it."""
-        core = self._core()
-        if len(group.held) > 1 and core.kv.enable_prefix_cache:
-            leader = group.held.pop(0)
-            self._forks[leader.rid] = group
-            core.add(leader)
-        else:
-            for req in group.held:
-                core.add(req)
-            group.held = []
+        """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
+        self._core().add(group.held[0], followers=group.held[1:])
+        group.held = []
         assert self._wakeup is not None
         self._wakeup.set()
-
-    def _release_forks(self, events: list[TokenEvent]) -> None:
-        """Choice 0 of these groups has its prompt in the cache now: add the other choices."""
-        for event in events:
-            group = self._forks.pop(event.req.rid, None)
-            if group is not None:
-                for req in group.held:
-                    self._core().add(req)
-                group.held = []
 
     async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
         """Compile the group's grammar off the loop, then queue its requests with matchers."""
@@ -338,14 +322,14 @@ class AsyncEngine:
         if group is None:
             return False
         core = self._core()
-        held = group.end_held(core.now())
+        held = group.end_held(core.now())  # its grammar was still compiling
         for state in group.states:
-            self._forks.pop(state.req.rid, None)
-            if state.done:
-                continue
-            if state.req not in held:
-                core.finish(state.req, "abort")
-            self._finish_stream(state)
+            if not state.done and state.req not in held:
+                core.abort(state.req.rid)
+        self._publish(core.events())
+        for state in group.states:
+            if not state.done:
+                self._finish_stream(state)
         return True
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:
@@ -363,11 +347,8 @@ class AsyncEngine:
         ``"pkg.mod:Class"``, with ``options`` as in ``policy_options``) at the next step
         boundary, without touching running requests or KV memory. A bad name or option raises
         ConfigError (a ValueError) and changes nothing. Returns the policy it replaces."""
-        core = self._core()
-        previous = core.config.policy
-        core.set_policy(spec, options)
+        previous = self._core().set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
-        log.info("policy %r replaces %r at the next step", spec, previous)
         return previous
 
     def record_trace(self, path: str, *, hashed: bool = False) -> TraceRecorder:
@@ -430,15 +411,12 @@ class AsyncEngine:
 
     # -- the loop ------------------------------------------------------------------------
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Launch, await the forward on the worker thread, land, stream. The step itself is
+        the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
+        launches before this one's tokens stream) and streaming."""
         core = self._core()
         overlap = self.config.enable_overlap_schedule
         assert self._wakeup is not None
-
-        def launch(plan: BatchPlan) -> InFlight:
-            future = loop.run_in_executor(self._worker, core.executor.execute, plan)
-            return InFlight(plan, future, time.perf_counter())
-
         pending: InFlight | None = None
         try:
             while not self._stopping:
@@ -447,36 +425,24 @@ class AsyncEngine:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    plan = core.schedule()
-                    self._end_expired()
-                    if plan is None:
+                    pending = self._launch(core)
+                    if pending is None:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
-                    pending = launch(plan)
                 step, pending = pending, None
                 try:
-                    output = await step.future
+                    output: StepOutput | BaseException = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
-                    for req in core.fail(step.plan, exc):
-                        self._fail_stream(req, exc)
-                    continue
-                if not output.forward_seconds:
-                    output.forward_seconds = time.perf_counter() - step.started
-                events = core.commit(step.plan, output)
-                if self.recorder is not None:
-                    self.recorder.step(step.plan, output.forward_seconds, core.now())
-                if self._forks:
-                    self._release_forks(events)
+                    output = exc
+                events = core.land(step.plan, output)
+                if self.recorder is not None and events.error is None:
+                    self.recorder.step(step.plan, events.forward_seconds, core.now())
                 if overlap and not self._stopping and core.has_work():
-                    # The next forward runs while this step's tokens are detokenized and
-                    # streamed. A stop string found below finishes a request that is in the
-                    # next plan too, as an abort would: its token there is dropped at commit,
-                    # and its pages are reused only by a plan made after that forward returns.
-                    plan = core.schedule()
-                    self._end_expired()
-                    if plan is not None:
-                        pending = launch(plan)
-                self._emit(events)
+                    # The next forward runs while this step's tokens stream. A request ended
+                    # here by an abort is in the next plan too: its token there is dropped at
+                    # land, and its pages are reused only by a plan made after that forward.
+                    pending = self._launch(core)
+                self._publish(events)
                 for hook in self.step_hooks:
                     hook(step.plan)
                 if pending is None:
@@ -502,24 +468,33 @@ class AsyncEngine:
             for rid in list(self._groups):
                 self.abort(rid)
 
-    def _emit(self, events: list[TokenEvent]) -> None:
-        core = self._core()
-        for ev in events:
-            state = self._streams.get(ev.req.rid)
+    def _launch(self, core: EngineCore) -> InFlight | None:
+        """The core's next plan, its forward started on the worker thread (None: no plan);
+        what ended at launch (deadlines) streams at once."""
+        plan = core.launch()
+        self._publish(core.events())
+        if plan is None:
+            return None
+        future = asyncio.get_running_loop().run_in_executor(
+            self._worker, core.executor.execute, plan
+        )
+        return InFlight(plan, future)
+
+    def _publish(self, events: StepEvents) -> None:
+        """Turn a step's events into stream updates: tokens as deltas, ends as final deltas."""
+        streams = self._streams
+        for ev in events.tokens:
+            state = streams.get(ev.req.rid)
             if state is None or state.req is not ev.req:
                 continue
-            stop = state.add_token(ev.token_id, ev.logprobs)
-            if stop is not None:
-                core.finish(ev.req, "stop", stop)
-            if ev.req.finished:
-                self._finish_stream(state)
-            else:
+            state.add_token(ev.token_id, ev.logprobs)
+            if not ev.req.finished:
                 state.flush_delta()
-
-    def _end_expired(self) -> None:
-        """Finish the streams of the requests the last schedule() timed out."""
-        for req in self._core().expired:
-            state = self._streams.get(req.rid)
+        for req in events.failed:
+            assert events.error is not None
+            self._fail_stream(req, events.error)
+        for req in events.ended:
+            state = streams.get(req.rid)
             if state is not None and state.req is req:
                 self._finish_stream(state)
 

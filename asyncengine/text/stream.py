@@ -1,15 +1,15 @@
-"""Per-request output side: detokenize, apply stop strings, and queue deltas for the caller."""
+"""Per-request output side: queue the deltas of landed tokens and their text for the caller
+(the text is detokenized, and stop strings checked, where the tokens land: output_text.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.request import Request
-from asyncengine.text.stop_strings import StopStringFilter
+from asyncengine.text.output_text import OutputText
 
 
 class StreamState:
@@ -21,30 +21,27 @@ class StreamState:
     def __init__(
         self,
         req: Request,
-        detokenizer: Any,
+        text: OutputText,
         queue: asyncio.Queue[StreamDelta | BaseException] | None = None,
         index: int = 0,
         request_id: str | None = None,
     ) -> None:
         self.req = req
         self.request_id = req.rid if request_id is None else request_id  # the caller's id
-        self.detokenizer = detokenizer
+        self.text = text
         self.index = index
-        self.stops = StopStringFilter(list(req.params.stop))
         self.queue: asyncio.Queue[StreamDelta | BaseException] = queue or asyncio.Queue()
         self.ready = ""  # text cleared for the caller, not yet handed out
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.done = False
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Take one sampled token; return the stop string it completed, if any."""
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """Take one landed token (its text is in ``self.text`` already)."""
         self.tokens.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        scan = self.stops.push(self.detokenizer.add([token_id]))
-        self.ready += scan.emit
-        return scan.matched
+        self.ready += self.text.take()
 
     def flush_delta(self) -> None:
         """Queue what can be shown now (text that cannot still turn into a stop string)."""
@@ -52,11 +49,7 @@ class StreamState:
             self.queue.put_nowait(self._delta())
 
     def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
-        if self.stops.matched is None:
-            flush = getattr(self.detokenizer, "flush", None)
-            if flush is not None:  # bytes held back for an incomplete character
-                self.ready += self.stops.push(flush()).emit
-            self.ready += self.stops.flush()
+        self.ready += self.text.finish()
         delta = self._delta()
         delta.finished = True
         delta.finish_reason = self.req.finish_reason or "abort"
