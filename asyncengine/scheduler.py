@@ -26,12 +26,13 @@ from asyncengine.admission import (
     Admission,
     AdmissionLog,
 )
-from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.prefill import Prefill
 from asyncengine.request import Request, RequestStatus
+from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
 from asyncengine.step_events import TokenEvent
 from asyncengine.step_prefixes import StepPrefixes
@@ -46,7 +47,7 @@ class PendingPolicy(NamedTuple):
     config: EngineConfig
 
 
-class Scheduler:
+class Scheduler(Retraction, Prefill):
     def __init__(
         self,
         config: EngineConfig,
@@ -217,85 +218,6 @@ class Scheduler:
         last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
         return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
 
-    def _prepare_decodes(self) -> list[Request]:
-        """Give every running request a KV slot for its next token, retracting when short."""
-        ps = self.page_size
-        retracted: list[Request] = []
-        while self.running:
-            need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
-            if need <= self.kv.available_pages:
-                break
-            victim = self._pick_victim()
-            self._retract(victim)
-            self.new_token_ratio = self.config.init_new_token_ratio
-            retracted.append(victim)
-        if retracted:
-            log.warning(
-                "KV pages ran out: retracted %d request(s) (%s) to be recomputed; %d keep decoding",
-                len(retracted),
-                ", ".join(r.rid for r in retracted[:8]) + (" ..." if len(retracted) > 8 else ""),
-                len(self.running),
-            )
-        for req in self.running:
-            self.kv.extend(req.kv, 1)
-        return list(self.running)
-
-    def _pick_victim(self) -> Request:
-        """Retract the request that loses least work (fewest outputs, then the longest prompt)
-        among those of the worst priority (the largest ``priority`` value)."""
-        return min(
-            self.running,
-            key=lambda r: (-r.params.priority, len(r.output_ids), -len(r.prompt_ids)),
-        )
-
-    def _retract(self, req: Request) -> None:
-        """Back to the front of the waiting queue, to be recomputed (prompt + outputs so far);
-        the KV it computed goes into the tree (not the slot this step's decode was given)."""
-        self.running.remove(req)
-        self.kv.close(req.kv, req.all_ids[: req.kv.computed_len], cache=True)
-        req.seq = None
-        req.status = RequestStatus.WAITING
-        req.retractions += 1
-        self.total_retractions += 1
-        self.waiting.insert(0, req)
-        self.admission.arrived(req, front=True)
-
-    def _preempt_for(
-        self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
-    ) -> list[Request] | None:
-        """Retract the running requests the policy names for ``req``, as few as make room for
-        ``pages_short`` pages and ``slots_short`` slots; none (None) when all of them would not."""
-        if not self.policy.preempts or not self.running:
-            return None
-        candidates = self.policy.preempt_candidates(req, list(self.running), ctx)
-        ratio, ps, cap = self.new_token_ratio, self.page_size, self.max_model_len
-        chosen: list[Request] = []
-        pages = slots = 0
-        for victim in candidates:
-            if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
-                raise ValueError(
-                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
-                    "which is not a running request (or named it twice)"
-                )
-            chosen.append(victim)
-            # at least what retracting it frees: its own pages, the floor of its reservation
-            pages += self.kv.own_pages(victim.kv) + int(victim.future_tokens(cap) * ratio / ps)
-            slots += 1
-            if pages >= pages_short and slots >= slots_short:
-                break
-        else:
-            return None
-        for victim in chosen:
-            self._retract(victim)
-            self.total_preemptions += 1
-        log.info(
-            "preempted %s for %s (policy %s)",
-            ", ".join(v.rid for v in chosen),
-            req.rid,
-            self.policy.name,
-        )
-        return chosen
-
     def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> Admission:
         """Fill ``plan.extends`` under the step's token budget and the KV memory check; return
         how admission went (why it stopped, whom it skipped) for the admission counts."""
@@ -394,73 +316,6 @@ class Scheduler:
             elif slots <= 0:
                 admission.stopped = RUNNING_CAP
         return admission
-
-    def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
-        """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
-        budget and the chunk allow, cut to whole pages when the prompt does not end here."""
-        take = min(todo, remaining, chunk) if chunk else todo
-        if take < todo and take >= self.page_size:
-            take = take // self.page_size * self.page_size
-        return take
-
-    def _continue_prefills(
-        self, plan: BatchPlan, remaining: int, chunk: int
-    ) -> tuple[int, str | None]:
-        """The requests mid-prompt go first: their next chunks into ``plan``. Returns the prefill
-        tokens left and, when one could not go on, why admission stops."""
-        for req in list(self.prefilling):
-            if remaining <= 0:
-                return remaining, TOKEN_BUDGET
-            take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
-            computed = req.kv.kv_len
-            if not self._try_extend(req, take):
-                return remaining, KV_RESERVATION
-            self._add_extend(plan, req, take)
-            if self.step_prefixes is not None:
-                self.step_prefixes.add(req.all_ids, computed)
-            remaining -= take
-        return remaining, None
-
-    def _start_prefill(
-        self, plan: BatchPlan, req: Request, remaining: int, chunk: int
-    ) -> int | None:
-        """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
-        takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
-        ids = req.all_ids
-        req.seq = self.kv.open(ids)
-        take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
-        if not self._try_extend(req, take):
-            self.kv.close(req.kv, [], cache=False)
-            req.seq = None
-            return None
-        self.waiting.remove(req)
-        req.status = RequestStatus.PREFILLING
-        if req.retractions == 0:
-            req.cached_tokens = req.kv.num_cached
-        self.prefilling.append(req)
-        self._add_extend(plan, req, take)
-        if self.step_prefixes is not None:
-            self.step_prefixes.add(ids, req.kv.num_cached)
-        return take
-
-    def _try_extend(self, req: Request, take: int) -> bool:
-        try:
-            self.kv.extend(req.kv, take)
-            return True
-        except OutOfPagesError:
-            return False
-
-    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> None:
-        start = req.kv.kv_len - take
-        done = req.kv.kv_len == req.num_tokens
-        ids = req.all_ids[start : start + take]
-        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
-        if done:
-            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
-            if self.chunked is req:
-                self.chunked = None
-        else:
-            self.chunked = req
 
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:

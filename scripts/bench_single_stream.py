@@ -56,6 +56,7 @@ from bench_offline import (
 
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 
 SYSTEMS = ("asyncengine", "vllm")
 
@@ -427,4 +428,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,6 +43,7 @@ import torch
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.plan import BatchPlan
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 
 
@@ -240,4 +241,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -52,6 +52,8 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (  # the engine core
         "asyncengine.scheduler",
+        "asyncengine.retraction",
+        "asyncengine.prefill",
         "asyncengine.lifecycle",
         "asyncengine.core",
         "asyncengine.builder",
@@ -63,6 +65,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
     (  # drivers
         "asyncengine.engine",
+        "asyncengine.engine_client",
+        "asyncengine.streams",
+        "asyncengine.intake",
         "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
@@ -74,6 +79,8 @@ LAYERS: list[tuple[str, ...]] = [
 
 TORCH_FREE = [
     "asyncengine.scheduler",
+    "asyncengine.retraction",
+    "asyncengine.prefill",
     "asyncengine.lifecycle",
     "asyncengine.admission",
     "asyncengine.shadow",

@@ -261,10 +261,10 @@ async def test_reset_prefix_cache_only_while_idle() -> None:
         assert engine.stats()["pages_cached"] > 0
         stream = engine.stream([1, 2, 3], SamplingParams(max_new_tokens=50))
         with pytest.raises(EngineError, match="while requests"):
-            engine.reset_prefix_cache()
+            await engine.reset_prefix_cache()
         await stream.aclose()
         await wait_idle(engine)
-        engine.reset_prefix_cache(reset_counters=True)
+        await engine.reset_prefix_cache(reset_counters=True)
         stats = engine.stats()
         assert stats["pages_cached"] == 0 and stats["hit_tokens"] == 0
         assert stats["pages_free"] == stats["pages_total"]

@@ -48,7 +48,26 @@ class StreamState:
         if self.ready or self.tokens:
             self.queue.put_nowait(self._delta())
 
-    def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
+    def finish(self, now: float) -> None:
+        """Queue the final delta: the rest of the text, the finish reason, usage and metrics
+        (``now`` stands for the end time of a request that never reached the core)."""
+        req = self.req
+        end = req.finished_time or now
+        usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            queue_time=None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time,
+            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            e2e=end - req.arrival_time,
+            itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
+            retractions=req.retractions,
+            cached_tokens=req.cached_tokens,
+            tenant=req.params.tenant,
+            priority=req.params.priority,
+            blocked=dict(req.blocked),
+        )
         self.ready += self.text.finish()
         delta = self._delta()
         delta.finished = True
