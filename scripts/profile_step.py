@@ -5,7 +5,7 @@ Every part of a step is timed where it runs (wall time, summed over the run):
 
 - on the event-loop thread: scheduling and plan building (``core.launch``), landing the step
   (``core.land``: commit, every request's stop checks, detokenisation and stop strings),
-  streaming (the engine's ``_publish``), and the rest of the loop (waiting on the forward,
+  streaming (``engine.streams.publish``), and the rest of the loop (waiting on the forward,
   callers' coroutines, asyncio);
 - on the forward thread: plan -> tensors (``runner.prepare``), the model forward and LM head
   (``runner._logits``), sampling (``sampler.sample``).
@@ -80,7 +80,7 @@ def instrument(engine: Any, timer: Timer) -> list[BatchPlan]:
 
     core.launch = timer.wrap("loop: launch (schedule + plan)", recording_launch)
     core.land = timer.wrap("loop: land (commit, stops, detokenize)", core.land)
-    engine._publish = timer.wrap("loop: stream", engine._publish)
+    engine.streams.publish = timer.wrap("loop: stream", engine.streams.publish)
     runner.prepare = timer.wrap("forward thread: plan -> tensors", runner.prepare)
     runner._logits = timer.wrap("forward thread: model + LM head", runner._logits)
     runner.sampler.sample = timer.wrap("forward thread: sampling", runner.sampler.sample)
