@@ -47,14 +47,16 @@ REASONS = (
 @dataclass(slots=True)
 class Admission:
     """How one step's admission went: why it stopped (None: it tried every request the policy
-    ordered), the requests the policy was asked to order, those it admitted, and those it
-    skipped (deferred by in-batch dedup, held by the policy)."""
+    ordered), the requests the policy was asked to order, those it admitted, those it
+    skipped (deferred by in-batch dedup, held by the policy), and the running requests it
+    retracted for them (a preempting policy)."""
 
     stopped: str | None = None
     window: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     deferred: list[Request] = field(default_factory=list)
     held: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
 
 class AdmissionLog:

@@ -15,7 +15,8 @@ from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor_api import Executor, KVLayout, ModelSpec
-from asyncengine.policies.registry import make_policy
+from asyncengine.policies.base import Policy
+from asyncengine.policies.registry import build_policy
 from asyncengine.scheduler import Scheduler
 from asyncengine.shadow import ShadowPolicy
 
@@ -58,12 +59,25 @@ def context_limit(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
     return min(wanted, spec.max_model_len, num_pages * config.page_size)
 
 
+def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
+    """The policy and the shadow ``config`` names, built once; a bad name or option raises
+    ConfigError naming its key. Drivers that load a model call it first, so a typo fails
+    before the weights load."""
+    policy = build_policy(config.policy, config.policy_options)
+    if config.shadow_policy is None:
+        return policy, None
+    shadow = build_policy(config.shadow_policy, config.shadow_policy_options, "shadow_policy")
+    return policy, ShadowPolicy(shadow, config.shadow_top_k)
+
+
 def build_core(
     config: EngineConfig,
     executor: Executor,
     clock: Callable[[], float] = time.monotonic,
+    policies: tuple[Policy, ShadowPolicy | None] | None = None,
 ) -> EngineCore:
-    """KV memory, policy and scheduler for ``config``, bound to ``executor``."""
+    """KV memory, policy and scheduler for ``config``, bound to ``executor`` (``policies``:
+    what ``make_policies(config)`` gave, when the driver built them already)."""
     spec = executor.spec
     layout = kv_layout(config, spec, executor.kv_budget_bytes(config))
     kv = KVCacheManager(
@@ -74,13 +88,7 @@ def build_core(
         enable_prefix_cache=config.enable_prefix_cache,
     )
     executor.bind(layout)
-    policy = make_policy(config.policy, config.policy_options)
+    policy, shadow = policies if policies is not None else make_policies(config)
     max_model_len = context_limit(config, spec, layout.num_pages)
-    shadow = None
-    if config.shadow_policy is not None:
-        shadow_policy = make_policy(config.shadow_policy, config.shadow_policy_options)
-        shadow = ShadowPolicy(shadow_policy, config.shadow_top_k)
-    scheduler = Scheduler(
-        config, kv, policy, list(spec.eos_token_ids), max_model_len, clock, shadow
-    )
+    scheduler = Scheduler(config, kv, policy, max_model_len, clock, shadow)
     return EngineCore(scheduler, executor)

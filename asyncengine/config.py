@@ -157,33 +157,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:
             raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
-        self._check_policy()
-
-    def _check_policy(self) -> None:
-        """Build the policy once, so a bad name or option fails here, naming its key, and not
-        at engine start after the model has loaded."""
-        from asyncengine.policies.registry import make_policy, resolve_policy
-
-        try:
-            resolve_policy(self.policy)
-        except ValueError as exc:
-            raise ConfigError(f"config key 'policy' = {self.policy!r}: {exc}") from None
-        try:
-            make_policy(self.policy, self.policy_options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"config key 'policy_options' = {self.policy_options!r}: {exc}"
-            ) from None
-        if self.shadow_policy is None:
-            if self.shadow_policy_options:
-                raise ConfigError("config key 'shadow_policy_options' needs a 'shadow_policy'")
-            return
-        try:
-            make_policy(self.shadow_policy, self.shadow_policy_options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"config key 'shadow_policy' = {self.shadow_policy!r}: {exc}"
-            ) from None
+        if self.shadow_policy is None and self.shadow_policy_options:
+            raise bad("shadow_policy_options", "needs a 'shadow_policy'")
+        # the policy names and options are checked where the policies are built, once
+        # (asyncengine/builder.py make_policies), before any model loads
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:

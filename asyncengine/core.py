@@ -1,68 +1,48 @@
-"""EngineCore: the one place an engine step is written (synchronous; no torch, no asyncio).
+"""EngineCore: the one place an engine step is sequenced (synchronous; no torch, no asyncio).
 
     core = build_core(config, executor)      # asyncengine/builder.py
     core.add(request)
     while core.has_work():
-        result = core.step()                 # schedule -> executor.execute -> commit (or fail)
+        events = core.step()                 # launch -> executor.execute -> land
 
-Every driver steps the engine through it: ``AsyncEngine`` (which runs ``execute`` on its forward
-thread between ``schedule`` and ``commit``/``fail``, so it can overlap the next step with
-streaming), the simulator and the sim-vs-real replay (``step`` on a virtual clock), and the
+A step is ``launch()`` (the deadlines that passed end, then the scheduler plans) and
+``land(plan, output or error)`` (the scheduler commits, the lifecycle decides who ended);
+``step()`` runs ``execute`` between them on this thread. Every driver uses these two:
+``AsyncEngine`` (``execute`` on its forward thread, so it can overlap the next launch with
+streaming), the simulator and the sim-vs-real replay (``step`` on a virtual clock), the
+replica simulator (a replica's ``land`` when the shared virtual clock reaches it) and the
 tests. Drivers own arrivals, clocks and output streams; what a step does to requests and KV
-memory is here and in the scheduler.
+memory is here, in the scheduler and in the lifecycle.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.executor_api import Executor, ModelSpec
+from asyncengine.lifecycle import Lifecycle
 from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.policies.base import Policy
-from asyncengine.policies.registry import make_policy
+from asyncengine.policies.registry import build_policy
 from asyncengine.request import Request
-from asyncengine.scheduler import Scheduler, TokenEvent
-from asyncengine.tenant_stats import TenantStats
+from asyncengine.scheduler import Scheduler
+from asyncengine.step_events import StepEvents
 
 log = logging.getLogger("asyncengine.core")
-
-COUNTERS = (
-    "prompt_tokens",
-    "generated_tokens",
-    "finished_stop",
-    "finished_length",
-    "finished_abort",
-    "finished_timeout",
-    "failed",
-)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """One step: its plan, the tokens it sampled, the requests it failed (forward raised) and
-    those that ran out of time before it was planned (finish reason "timeout")."""
-
-    plan: BatchPlan
-    events: list[TokenEvent] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    error: Exception | None = None
-    forward_seconds: float = 0.0
-    expired: list[Request] = field(default_factory=list)
 
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.step_hooks: list[Callable[[BatchPlan], None]] = []  # after every commit
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.tenants = TenantStats()
+        self.lifecycle = Lifecycle(scheduler, executor.spec.eos_token_ids)
+        self.step_hooks: list[Callable[[BatchPlan], None]] = []  # after every landed step
+        self._launched_at = 0.0  # perf_counter at the last launch
 
     # -- what it is made of ----------------------------------------------------------------
     @property
@@ -85,122 +65,93 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.lifecycle.counters
+
     def now(self) -> float:
         return self.scheduler.clock()
 
     # -- requests --------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        self.scheduler.add_request(req)
-        self.counters["prompt_tokens"] += len(req.prompt_ids)
-        self.tenants.added(req)
+    def add(self, req: Request, followers: Sequence[Request] = ()) -> None:
+        """Queue ``req``; ``followers`` (the other choices of an n > 1 request, same prompt)
+        fork its prompt's pages once it has prefilled."""
+        self.lifecycle.add(req, followers)
 
-    def abort(self, rid: str) -> Request | None:
-        """End ``rid`` with reason "abort"; its KV is released (its computed prefix stays cached)."""
-        req = self.scheduler.requests.get(rid)
-        if req is None:
-            return None
-        self.finish(req, "abort")
-        return req
-
-    def finish(self, req: Request, reason: str, matched: str | int | None = None) -> None:
-        """End ``req`` now (a stop string the output side found, an abort); no-op if it ended."""
-        if req.finished:
-            return
-        self.scheduler.finish(req, reason, matched)
-        self._count_finished(req)
+    def abort(self, rid: str) -> bool:
+        """End ``rid`` with reason "abort"; its KV is released (its computed prefix stays
+        cached). Reported by the next ``events()`` or ``land``."""
+        return self.lifecycle.abort(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step --------------------------------------------------------------------------
-    def schedule(self) -> BatchPlan | None:
-        """The next plan, or None when nothing can run now. Requests whose time ran out end
-        first (reason "timeout"): ``expired`` lists them until the next call."""
+    def launch(self) -> BatchPlan | None:
+        """The next plan, or None when nothing can run now. The requests whose deadline has
+        passed end first (reported with the next events)."""
+        self.lifecycle.expire()
         plan = self.scheduler.schedule()
-        for req in self.scheduler.expired:
-            self._count_finished(req)
-            self.tenants.timed_out(req)
-        if plan is not None and any(info.params.structured for info in plan.sampling):
+        if plan is None:
+            return None
+        if any(info.params.structured for info in plan.sampling):
             self._add_token_bitmasks(plan)
+        self._launched_at = time.perf_counter()
         return plan
+
+    def land(self, plan: BatchPlan, result: StepOutput | BaseException) -> StepEvents:
+        """Apply what the forward of ``plan`` gave: its output (tokens appended, prefixes
+        cached, every request its token ends ended), or its error (its requests fail, reason
+        "abort", nothing cached: one bad forward fails its batch, not the engine)."""
+        if isinstance(result, BaseException):
+            failed = self.scheduler.fail(plan)
+            self.lifecycle.failed(failed)
+            log.error(
+                "forward of step %d failed; failing its %d request(s)",
+                plan.step,
+                len(failed),
+                exc_info=result,
+            )
+            return self.lifecycle.report(plan, failed=failed, error=result)
+        if not result.forward_seconds:
+            result.forward_seconds = time.perf_counter() - self._launched_at
+        tokens = self.scheduler.commit(plan, result)
+        self.lifecycle.settle(tokens)
+        for hook in self.step_hooks:
+            hook(plan)
+        return self.lifecycle.report(plan, tokens, forward_seconds=result.forward_seconds)
+
+    def events(self) -> StepEvents:
+        """What ended since the last report without a step landing (aborts, timeouts)."""
+        return self.lifecycle.report()
+
+    def step(self) -> StepEvents | None:
+        """Launch, execute and land one step on this thread; None when nothing can run."""
+        plan = self.launch()
+        if plan is None:
+            return None
+        try:
+            output = self.executor.execute(plan)
+        except Exception as error:
+            return self.land(plan, error)
+        return self.land(plan, output)
 
     def _add_token_bitmasks(self, plan: BatchPlan) -> None:
         """Each structured-output row of the plan gets the tokens its grammar allows next (the
-        grammar is at the request's last committed token: commit precedes the next schedule)."""
+        grammar is at the request's last landed token: land precedes the next launch)."""
         sampled = (seg for seg in plan.segments if seg.sample)
         for seg, info in zip(sampled, plan.sampling, strict=True):
             grammar = self.scheduler.requests[seg.rid].grammar
             if grammar is not None:
                 info.token_bitmask = grammar.next_bitmask()
 
-    @property
-    def expired(self) -> list[Request]:
-        """The requests the last ``schedule()`` ended with reason "timeout"."""
-        return self.scheduler.expired
-
-    def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> Policy:
+    def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
         """Swap the ordering/budget policy at the next step boundary; running requests and KV
-        memory are left as they are. A bad name or option raises ValueError (ConfigError) and
-        changes nothing. Returns the new policy."""
+        memory are left as they are. A bad name or option raises ConfigError (a ValueError)
+        and changes nothing. Returns the name of the policy it replaces."""
         config = self.config.replace(policy=spec, policy_options=dict(options or {}))
-        policy = make_policy(config.policy, config.policy_options)
-        self.scheduler.config = config
-        self.scheduler.set_policy(policy)
-        log.info("policy %s takes over from %s at the next step", policy.name, self.policy.name)
-        return policy
-
-    def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:
-        """Apply a forward's output: tokens appended, stops checked, prefixes cached, grammars
-        advanced (a grammar that completes ends its request with reason "stop")."""
-        events = self.scheduler.commit(plan, output)
-        for event in events:
-            grammar = event.req.grammar
-            if grammar is None or event.finished:
-                continue
-            if not grammar.accept(event.token_id):
-                log.error("request %s: token %d breaks its grammar", event.req.rid, event.token_id)
-                self.scheduler.finish(event.req, "abort")
-                event.finished = True
-            elif grammar.is_terminated():
-                self.scheduler.finish(event.req, "stop", event.token_id)
-                event.finished = True
-        self.counters["generated_tokens"] += len(events)
-        for event in events:
-            if event.finished:
-                self._count_finished(event.req)
-        for hook in self.step_hooks:
-            hook(plan)
-        return events
-
-    def fail(self, plan: BatchPlan, error: BaseException) -> list[Request]:
-        """The forward of ``plan`` raised: its requests end (reason "abort", nothing cached)."""
-        failed = self.scheduler.fail(plan)
-        self.counters["failed"] += len(failed)
-        for req in failed:
-            self.tenants.generated(req, len(req.output_ids))
-        log.error(
-            "forward of step %d failed; failing its %d request(s)",
-            plan.step,
-            len(failed),
-            exc_info=error,
-        )
-        return failed
-
-    def step(self) -> StepResult | None:
-        """Schedule, execute and commit one step on this thread; None when nothing can run."""
-        plan = self.schedule()
-        if plan is None:
-            return None
-        expired = list(self.expired)
-        started = time.perf_counter()
-        try:
-            output = self.executor.execute(plan)
-        except Exception as error:  # one bad forward fails its batch, not the engine
-            return StepResult(plan, failed=self.fail(plan, error), error=error, expired=expired)
-        if not output.forward_seconds:
-            output.forward_seconds = time.perf_counter() - started
-        events = self.commit(plan, output)
-        return StepResult(plan, events, forward_seconds=output.forward_seconds, expired=expired)
+        policy = build_policy(config.policy, config.policy_options)
+        return self.scheduler.set_policy(policy, config)
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -209,11 +160,11 @@ class EngineCore:
         shadow = self.scheduler.shadow
         return {
             **sched,
-            **self.counters,
+            **self.lifecycle.counters,
             "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
             "policy": self.policy.name,
             "admission_blocked": dict(self.scheduler.admission.steps),
-            "tenants": self.tenants.snapshot(),
+            "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),
         }
 
@@ -225,8 +176,3 @@ class EngineCore:
 
     def check_invariant(self) -> None:
         self.kv.check_invariant()
-
-    def _count_finished(self, req: Request) -> None:
-        key = f"finished_{req.finish_reason or 'abort'}"
-        self.counters[key] = self.counters.get(key, 0) + 1
-        self.tenants.generated(req, len(req.output_ids))  # a tenant's tokens count at the end

@@ -1,4 +1,5 @@
-"""AsyncEngine: the event loop that steps the scheduler and streams results to callers."""
+"""AsyncEngine: the asyncio front of an EngineCore: requests in, the core's steps on a worker
+thread, step events out to the callers' streams (streams.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from asyncengine.builder import build_core
+from asyncengine.builder import build_core, make_policies
 from asyncengine.config import EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.errors import (
@@ -23,40 +23,25 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.executor_api import Executor
-from asyncengine.outputs import GenerateOutput, RequestMetrics, Usage
+from asyncengine.intake import Intake, Prompt
+from asyncengine.outputs import GenerateOutput
 from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.request import Request
 from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.scheduler import Scheduler, TokenEvent
+from asyncengine.scheduler import Scheduler
+from asyncengine.streams import Streams
 from asyncengine.summary_log import SummaryLog
-from asyncengine.text.stream import RequestStream, StreamState
-from asyncengine.text.tokenizer import prompt_token_ids
-from asyncengine.trace_recorder import TraceRecorder
+from asyncengine.text.stream import RequestStream
+from asyncengine.workloads.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.engine")
 
-Prompt = str | list[int] | list[dict[str, Any]]
 
-
-@dataclass(slots=True)
-class InFlight:
+class InFlight(NamedTuple):
     """A plan whose forward runs on the worker thread."""
 
     plan: BatchPlan
     future: asyncio.Future[StepOutput]
-    started: float  # perf_counter at launch
-
-
-def build_model_core(config: EngineConfig) -> tuple[EngineCore, Any]:
-    """The real model's core and its tokenizer (loads weights: run it off the event loop)."""
-    from asyncengine.executor.model_executor import ModelExecutor
-    from asyncengine.text.tokenizer import Tokenizer
-
-    executor = ModelExecutor(config)
-    tokenizer = Tokenizer(executor.model_dir)
-    executor.add_eos_token_ids(tokenizer.eos_token_ids)
-    return build_core(config, executor), tokenizer
 
 
 class AsyncEngine:
@@ -80,13 +65,13 @@ class AsyncEngine:
         if (executor is None) != (tokenizer is None):
             raise ValueError("give both an executor and a tokenizer, or neither")
         self._given = (executor, tokenizer)
+        self._policies = make_policies(self.config)  # a bad policy fails before the model loads
         self.core: EngineCore | None = None
         # called with each step's plan once its tokens are streamed (core.step_hooks run at commit)
         self.step_hooks: list[Callable[[BatchPlan], None]] = []
         self._tokenizer: Any = None
-        self._streams: dict[str, StreamState] = {}  # by the engine request's id (a choice's)
-        self._groups: dict[str, RequestGroup] = {}  # by the caller's request id
-        self._forks: dict[str, RequestGroup] = {}  # choice 0's id -> its group, until prefilled
+        self._intake: Intake | None = None
+        self.streams = Streams(lambda: self._core().now(), self.abort)
         self._grammars: Any = None  # the GrammarCompiler, made at the first constrained request
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -95,7 +80,6 @@ class AsyncEngine:
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
-        self.recorder: TraceRecorder | None = None
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -107,6 +91,9 @@ class AsyncEngine:
             started = time.perf_counter()
             core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
             self.core = core
+            self._intake = Intake(
+                self._tokenizer, core.spec.vocab_size, core.max_model_len, self.config
+            )
             log.info(
                 "engine ready in %.1fs: model %s, max_model_len %d, policy %s",
                 time.perf_counter() - started,
@@ -124,23 +111,26 @@ class AsyncEngine:
         if self.config.log_interval > 0:
             self.summary.reset()
             self._summary_task = asyncio.create_task(
-                self._log_summaries(self.config.log_interval), name="asyncengine-summary"
+                self.summary.run(self.config.log_interval, log), name="asyncengine-summary"
             )
         return self
 
     def _build(self) -> tuple[EngineCore, Any]:
         executor, tokenizer = self._given
-        if executor is None:
-            return build_model_core(self.config)
-        return build_core(self.config, executor), tokenizer
+        if executor is None:  # the real model (loads weights, so it runs on the worker thread)
+            from asyncengine.executor.model_executor import model_core
+
+            return model_core(self.config, self._policies)
+        return build_core(self.config, executor, policies=self._policies), tokenizer
 
     async def stop(self) -> None:
         """Abort what is still in flight and stop the loop."""
         if self._task is None:
             return
         self._stopping = True
-        compiling = [g.compiling for g in self._groups.values() if g.compiling is not None]
-        for rid in list(self._groups):
+        groups = self.streams.groups
+        compiling = [g.compiling for g in groups.values() if g.compiling is not None]
+        for rid in list(groups):
             self.abort(rid)
         for task in compiling:
             task.cancel()
@@ -242,12 +232,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
         core = self._core()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        prompt_ids = self.tokenize(prompt)
-        self._check_request(prompt_ids, params)
+        prompt_ids, params = self.intake.accept(prompt, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         waiting = len(core.scheduler.waiting)
         if waiting >= self.config.max_waiting_requests:
@@ -261,13 +246,7 @@ class AsyncEngine:
             core.now(),
             lambda: self._tokenizer.detokenizer(params.skip_special_tokens, prompt_ids),
         )
-        if rid in self._groups or any(s.req.rid in self._streams for s in group.states):
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
-        self._groups[rid] = group
-        for state in group.states:
-            self._streams[state.req.rid] = state
-            if self.recorder is not None:
-                self.recorder.arrival(state.req)
+        self.streams.open(group)
         if params.structured is not None:
             group.compiling = asyncio.create_task(self._compile_then_add(group, params))
         else:
@@ -275,27 +254,11 @@ class AsyncEngine:
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
 
     def _add(self, group: RequestGroup) -> None:
-        """Hand a group's requests to the core: choice 0 alone first when others will fork it."""
-        core = self._core()
-        if len(group.held) > 1 and core.kv.enable_prefix_cache:
-            leader = group.held.pop(0)
-            self._forks[leader.rid] = group
-            core.add(leader)
-        else:
-            for req in group.held:
-                core.add(req)
-            group.held = []
+        """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
+        self._core().add(group.held[0], followers=group.held[1:])
+        group.held = []
         assert self._wakeup is not None
         self._wakeup.set()
-
-    def _release_forks(self, events: list[TokenEvent]) -> None:
-        """Choice 0 of these groups has its prompt in the cache now: add the other choices."""
-        for event in events:
-            group = self._forks.pop(event.req.rid, None)
-            if group is not None:
-                for req in group.held:
-                    self._core().add(req)
-                group.held = []
 
     async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
         """Compile the group's grammar off the loop, then queue its requests with matchers."""
@@ -304,28 +267,21 @@ class AsyncEngine:
         assert params.structured is not None
         try:
             if self._grammars is None:
+                spec, cache_size = self._core().spec, self.config.grammar_cache_size
                 self._grammars = GrammarCompiler(
-                    self._tokenizer,
-                    self.vocab_size,
-                    self._core().spec.eos_token_ids,
-                    cache_size=self.config.grammar_cache_size,
+                    self._tokenizer, spec.vocab_size, spec.eos_token_ids, cache_size
                 )
             compiled = await self._grammars.compile(params.structured)
             matchers = [GrammarMatcher(compiled) for _ in group.held]
         except Exception as exc:
-            if self._groups.get(group.rid) is group and group.held:
+            if self.streams.groups.get(group.rid) is group and group.held:
                 error = exc
                 if not isinstance(exc, InvalidRequestError):
                     log.exception("compiling the grammar of request %s failed", group.rid)
                     error = RequestFailedError(f"request {group.rid} failed: {exc}")
-                group.end_held(self._core().now())
-                del self._groups[group.rid]
-                for state in group.states:
-                    self._streams.pop(state.req.rid, None)
-                    state.done = True
-                group.states[0].fail(error)
+                self.streams.refuse(group, error)
             return
-        if self._groups.get(group.rid) is not group or not group.held:
+        if self.streams.groups.get(group.rid) is not group or not group.held:
             return  # aborted while it compiled
         for req, matcher in zip(group.held, matchers, strict=True):
             req.grammar = matcher
@@ -334,21 +290,21 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (all its choices); its KV pages are released
         (cached prefix kept)."""
-        group = self._groups.get(request_id)
+        group = self.streams.groups.get(request_id)
         if group is None:
             return False
         core = self._core()
-        held = group.end_held(core.now())
+        held = group.end_held(core.now())  # its grammar was still compiling
         for state in group.states:
-            self._forks.pop(state.req.rid, None)
-            if state.done:
-                continue
-            if state.req not in held:
-                core.finish(state.req, "abort")
-            self._finish_stream(state)
+            if not state.done and state.req not in held:
+                core.abort(state.req.rid)
+        self.streams.publish(core.events())
+        for state in group.states:
+            if not state.done:  # held, or already gone from the core
+                self.streams.finish(state)
         return True
 
-    def reset_prefix_cache(self, reset_counters: bool = False) -> None:
+    async def reset_prefix_cache(self, reset_counters: bool = False) -> None:
         """Empty the radix cache (and optionally its hit/miss counters); only while idle."""
         try:
             self._core().reset_prefix_cache(reset_counters)
@@ -363,11 +319,8 @@ class AsyncEngine:
         ``"pkg.mod:Class"``, with ``options`` as in ``policy_options``) at the next step
         boundary, without touching running requests or KV memory. A bad name or option raises
         ConfigError (a ValueError) and changes nothing. Returns the policy it replaces."""
-        core = self._core()
-        previous = core.config.policy
-        core.set_policy(spec, options)
+        previous = self._core().set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
-        log.info("policy %r replaces %r at the next step", spec, previous)
         return previous
 
     def record_trace(self, path: str, *, hashed: bool = False) -> TraceRecorder:
@@ -375,70 +328,39 @@ class AsyncEngine:
         asyncengine/workloads/live_trace.py) until ``stop_recording`` or ``stop``."""
         core = self._core()
         self.stop_recording()
-        self.recorder = TraceRecorder(
-            path,
-            start=core.now(),
-            page_size=core.kv.page_size,
-            vocab_size=core.spec.vocab_size,
-            hashed=hashed,
-            meta={"model": self.config.model, "policy": core.config.policy},
-        )
-        return self.recorder
+        meta = {"model": self.config.model, "policy": core.config.policy}
+        self.streams.recorder = TraceRecorder(
+            path, start=core.now(), page_size=core.kv.page_size,
+            vocab_size=core.spec.vocab_size, hashed=hashed, meta=meta,
+        )  # fmt: skip
+        return self.streams.recorder
 
     def stop_recording(self) -> None:
-        if self.recorder is not None:
-            self.recorder.close()
-            self.recorder = None
+        if self.streams.recorder is not None:
+            self.streams.recorder.close()
+            self.streams.recorder = None
 
-    # -- input checks --------------------------------------------------------------------
+    # -- input ----------------------------------------------------------------------------
+    @property
+    def intake(self) -> Intake:
+        """Tokenizes and validates requests (the server's routes share it)."""
+        self._core()
+        assert self._intake is not None
+        return self._intake
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
         chat template); ``InvalidRequestError`` for a prompt it would refuse."""
-        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
-
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        max_model_len, vocab = self.max_model_len, self.vocab_size
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty after tokenization")
-        if len(prompt_ids) >= max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens but the context is {max_model_len} tokens "
-                "(max_model_len), leaving no room to generate"
-            )
-        limit = self.config.max_new_tokens_limit
-        if limit is not None and params.max_new_tokens > limit:
-            raise InvalidRequestError(
-                f"max_new_tokens={params.max_new_tokens} is above this engine's "
-                f"max_new_tokens_limit ({limit})"
-            )
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        bad = [t for t in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        if params.n > self.config.max_n:
-            raise InvalidRequestError(
-                f"n={params.n} is more choices than this engine allows (max_n={self.config.max_n})"
-            )
-        if params.structured is not None and not hasattr(self._tokenizer, "backend"):
-            raise InvalidRequestError("structured output needs the model's own tokenizer")
+        return self.intake.tokenize(prompt)
 
     # -- the loop ------------------------------------------------------------------------
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Launch, await the forward on the worker thread, land, stream. The step itself is
+        the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
+        launches before this one's tokens stream) and streaming."""
         core = self._core()
         overlap = self.config.enable_overlap_schedule
         assert self._wakeup is not None
-
-        def launch(plan: BatchPlan) -> InFlight:
-            future = loop.run_in_executor(self._worker, core.executor.execute, plan)
-            return InFlight(plan, future, time.perf_counter())
-
         pending: InFlight | None = None
         try:
             while not self._stopping:
@@ -447,36 +369,22 @@ class AsyncEngine:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    plan = core.schedule()
-                    self._end_expired()
-                    if plan is None:
+                    pending = self._launch(core)
+                    if pending is None:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
-                    pending = launch(plan)
                 step, pending = pending, None
                 try:
-                    output = await step.future
+                    output: StepOutput | BaseException = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
-                    for req in core.fail(step.plan, exc):
-                        self._fail_stream(req, exc)
-                    continue
-                if not output.forward_seconds:
-                    output.forward_seconds = time.perf_counter() - step.started
-                events = core.commit(step.plan, output)
-                if self.recorder is not None:
-                    self.recorder.step(step.plan, output.forward_seconds, core.now())
-                if self._forks:
-                    self._release_forks(events)
+                    output = exc
+                events = core.land(step.plan, output)
                 if overlap and not self._stopping and core.has_work():
-                    # The next forward runs while this step's tokens are detokenized and
-                    # streamed. A stop string found below finishes a request that is in the
-                    # next plan too, as an abort would: its token there is dropped at commit,
-                    # and its pages are reused only by a plan made after that forward returns.
-                    plan = core.schedule()
-                    self._end_expired()
-                    if plan is not None:
-                        pending = launch(plan)
-                self._emit(events)
+                    # The next forward runs while this step's tokens stream. A request ended
+                    # here by an abort is in the next plan too: its token there is dropped at
+                    # land, and its pages are reused only by a plan made after that forward.
+                    pending = self._launch(core)
+                self.streams.publish(events)
                 for hook in self.step_hooks:
                     hook(step.plan)
                 if pending is None:
@@ -486,82 +394,26 @@ class AsyncEngine:
                     await asyncio.sleep(0)
         except Exception as exc:
             log.exception("engine loop crashed")
-            for state in list(self._streams.values()):
-                self._fail_stream(state.req, exc)
+            for state in list(self.streams.states.values()):
+                self.streams.fail(state.req, exc)
             raise
         finally:
             if pending is not None:  # let the forward finish before the pool goes away
                 try:
                     await pending.future
                 except Exception:  # its requests are aborted below either way
-                    log.warning(
-                        "forward of step %d, launched before the loop stopped, failed",
-                        pending.plan.step,
-                        exc_info=True,
-                    )
-            for rid in list(self._groups):
+                    log.warning("the forward in flight as the loop stopped failed", exc_info=True)
+            for rid in list(self.streams.groups):
                 self.abort(rid)
 
-    def _emit(self, events: list[TokenEvent]) -> None:
-        core = self._core()
-        for ev in events:
-            state = self._streams.get(ev.req.rid)
-            if state is None or state.req is not ev.req:
-                continue
-            stop = state.add_token(ev.token_id, ev.logprobs)
-            if stop is not None:
-                core.finish(ev.req, "stop", stop)
-            if ev.req.finished:
-                self._finish_stream(state)
-            else:
-                state.flush_delta()
-
-    def _end_expired(self) -> None:
-        """Finish the streams of the requests the last schedule() timed out."""
-        for req in self._core().expired:
-            state = self._streams.get(req.rid)
-            if state is not None and state.req is req:
-                self._finish_stream(state)
-
-    def _finish_stream(self, state: StreamState) -> None:
-        req = state.req
-        self._streams.pop(req.rid, None)
-        if self.recorder is not None:
-            self.recorder.finish(req, self._core().now())
-        group = self._groups.get(state.request_id)
-        if group is not None and all(s.done or s is state for s in group.states):
-            del self._groups[state.request_id]
-        end = req.finished_time or self._core().now()
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            queue_time=None
-            if req.first_scheduled_time is None
-            else req.first_scheduled_time - req.arrival_time,
-            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-            e2e=end - req.arrival_time,
-            itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
-            retractions=req.retractions,
-            cached_tokens=req.cached_tokens,
-            tenant=req.params.tenant,
-            priority=req.params.priority,
-            blocked=dict(req.blocked),
+    def _launch(self, core: EngineCore) -> InFlight | None:
+        """The core's next plan, its forward started on the worker thread (None: no plan);
+        what ended at launch (deadlines) streams at once."""
+        plan = core.launch()
+        self.streams.publish(core.events())
+        if plan is None:
+            return None
+        future = asyncio.get_running_loop().run_in_executor(
+            self._worker, core.executor.execute, plan
         )
-        usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
-        state.finish(usage, metrics)
-
-    def _fail_stream(self, req: Request, exc: BaseException) -> None:
-        state = self._streams.get(req.rid)
-        if state is None or state.req is not req:
-            return
-        del self._streams[req.rid]
-        if self.recorder is not None:
-            self.recorder.finish(req, self._core().now(), "failed")
-        state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
-        self.abort(state.request_id)  # the request's other choices end with it
-
-    async def _log_summaries(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            line = self.summary.line()
-            if line is not None:
-                log.info("%s", line)
+        return InFlight(plan, future)

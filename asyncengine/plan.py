@@ -106,3 +106,38 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     forward_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What a step costs depends on: the cost model's inputs (sim/cost_model.py), and what a
+    live trace records of each step (workloads/trace_recorder.py)."""
+
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_requests: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def of_plan(cls, plan: BatchPlan) -> StepFeatures:
+        prefill_tokens = prefill_attention = 0
+        for segment in plan.extends:
+            n = segment.num_tokens
+            prefill_tokens += n
+            # query i (0-based) of the segment attends to start_pos + i + 1 keys
+            prefill_attention += n * segment.start_pos + n * (n + 1) // 2
+        return cls(
+            prefill_tokens=prefill_tokens,
+            prefill_attention=prefill_attention,
+            decode_requests=len(plan.decodes),
+            decode_context=sum(segment.end_pos for segment in plan.decodes),
+        )
+
+    def as_row(self) -> list[float]:
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.prefill_attention),
+            float(self.decode_requests),
+            float(self.decode_context),
+        ]

@@ -35,13 +35,21 @@ class Grammar(Protocol):
         ...
 
 
+class OutputText(Protocol):
+    """A request's output text, detokenized as its tokens land (asyncengine/text/output_text.py)."""
+
+    def push(self, token_id: int) -> str | None:
+        """Take one sampled token; return the stop string it completed, if any."""
+        ...
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Token-level state of one request. The scheduler owns it; the engine reads it.
 
     ``all_ids`` (prompt then output) is what the KV cache holds; ``seq`` is the request's KV
-    handle while it is admitted (None while waiting). ``seq.kv_len`` tokens of ``all_ids``
-    have their KV computed (or planned in the forward now running).
+    handle while it is admitted (None while waiting): ``seq.computed_len`` tokens of ``all_ids``
+    have their KV written, ``seq.kv_len`` have slots (those of the step in flight too).
     """
 
     rid: str
@@ -51,7 +59,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     seq: SeqKV | None = None  # the KV handle while admitted
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" (lifecycle.py)
     matched_stop: str | int | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     retractions: int = 0
@@ -59,7 +67,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    grammar: Grammar | None = None  # structured output: masks each token, advanced at commit
+    grammar: Grammar | None = None  # structured output: masks each token, advanced at land
+    text: OutputText | None = None  # detokenized output and its stop strings (None: no text)
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)
@@ -82,12 +91,27 @@ class Request:
 
     @property
     def kv_len(self) -> int:
-        return 0 if self.seq is None else self.seq.kv_len
+        """Tokens whose KV is written (0 while it waits)."""
+        return 0 if self.seq is None else self.seq.computed_len
 
     @property
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
 
+    def future_tokens(self, max_model_len: int) -> int:
+        """Tokens it may still generate: its budget, capped by the context length."""
+        out = len(self.output_ids)
+        return max(
+            0, min(self.params.max_new_tokens - out, max_model_len - len(self.prompt_ids) - out)
+        )
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def mark_finished(self, reason: str, matched: str | int | None, now: float) -> None:
+        """Record the end (the lifecycle decides it; the scheduler releases the KV)."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.matched_stop = matched
+        self.finished_time = now

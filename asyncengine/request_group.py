@@ -3,8 +3,9 @@
 Choice ``i`` is its own Request (id ``<rid>`` when n is 1, else ``<rid>-<i>``) with its own
 stream state; all share one queue, so the caller reads their deltas in the order they come.
 A group's requests are *held* (known to the engine, not yet to the core) while their grammar
-compiles, and choices 1..n-1 are held until choice 0 has prefilled the prompt: they are added
-then and take the prompt's pages from the radix cache (a fork) instead of computing them again.
+compiles; choices 1..n-1 are handed to the core as choice 0's followers, and the core's
+lifecycle queues them once choice 0 has prefilled the prompt, so they take the prompt's pages
+from the radix cache (a fork) instead of computing them again.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 
 from asyncengine.outputs import GenerateOutput, StreamDelta
 from asyncengine.plan import TokenLogprobs
-from asyncengine.request import Request, RequestStatus
+from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams, choice_seed
+from asyncengine.text.output_text import OutputText
 from asyncengine.text.stream import StreamState
 
 
@@ -50,7 +52,8 @@ class RequestGroup:
         for i in range(params.n):
             child_rid = rid if params.n == 1 else f"{rid}-{i}"
             req = Request(child_rid, prompt_ids, choice_params(params, i), arrival_time)
-            states.append(StreamState(req, detokenizer(), queue, index=i, request_id=rid))
+            req.text = OutputText(detokenizer(), list(params.stop))
+            states.append(StreamState(req, req.text, queue, index=i, request_id=rid))
         return cls(rid, states, held=[s.req for s in states])
 
     @property
@@ -61,9 +64,7 @@ class RequestGroup:
         """End the held requests (reason "abort") without the core, which never saw them."""
         ended, self.held = self.held, []
         for req in ended:
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-            req.finished_time = now
+            req.mark_finished("abort", None, now)
         return ended
 
 

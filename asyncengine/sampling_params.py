@@ -11,7 +11,13 @@ MAX_TENANT_LENGTH = 256
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses before queueing it (bad parameter, prompt too long, ...)."""
+    """A request the engine refuses before queueing it (bad parameter, prompt too long, ...):
+    ``param`` names the request field at fault, ``code`` the API's error code, when known."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 MAX_STOP_STRINGS = 16

@@ -4,20 +4,18 @@ Shared by every policy: the policy only orders the waiting queue and sets the st
 budgets. The scheduler admits under those budgets and a KV memory check, chunks long
 prefills (at most one request mid-chunk, and it goes first), mixes decodes into prefill
 steps, retracts running requests when decode runs out of KV pages (or when a preempting
-policy names them for a blocked waiting request), ends requests whose time is up (reason
-"timeout"), counts why admission stopped each step (admission.py), and keeps the radix cache
-in step with every request's life. It never touches tensors.
+policy names them for a blocked waiting request), counts why admission stopped each step
+(admission.py), and keeps the radix cache in step with every request's life. Which requests
+end, and why, is the lifecycle's decision (lifecycle.py); ``finish`` releases them here. It
+never touches tensors.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from asyncengine.admission import (
     CHUNK_IN_FLIGHT,
@@ -28,35 +26,33 @@ from asyncengine.admission import (
     Admission,
     AdmissionLog,
 )
-from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.prefill import Prefill
 from asyncengine.request import Request, RequestStatus
+from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
+from asyncengine.step_events import TokenEvent
 from asyncengine.step_prefixes import StepPrefixes
 
 log = logging.getLogger("asyncengine.scheduler")
 
 
-@dataclass(slots=True)
-class TokenEvent:
-    """One sampled token for one request, and whether that token finished it."""
+class PendingPolicy(NamedTuple):
+    """A policy handed over by ``set_policy``, with the config that names it."""
 
-    req: Request
-    token_id: int
-    logprobs: TokenLogprobs | None
-    finished: bool
+    policy: Policy
+    config: EngineConfig
 
 
-class Scheduler:
+class Scheduler(Retraction, Prefill):
     def __init__(
         self,
         config: EngineConfig,
         kv: KVCacheManager,
         policy: Policy,
-        eos_token_ids: list[int],
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         shadow: ShadowPolicy | None = None,
@@ -65,9 +61,8 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.shadow = shadow
-        self._next_policy: Policy | None = None  # set_policy: takes over at the next schedule()
+        self._next_policy: PendingPolicy | None = None  # takes over at the next schedule()
         self.policy_swaps = 0
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.clock = clock
         self.page_size = kv.page_size
@@ -83,17 +78,11 @@ class Scheduler:
         self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
         self.admission = AdmissionLog()
-        # (deadline, tie-break, request, queue-only): SamplingParams.timeout and max_queue_time
-        self._deadlines: list[tuple[float, int, Request, bool]] = []
-        self._deadline_order = itertools.count()
-        self.expired: list[Request] = []  # requests the last schedule() ended with "timeout"
-        self._decoding: list[Request] = []  # this step's decodes (their next slot is extended)
-        self._preempted = False  # _preempt_for retracted some this step
         self.inflight: BatchPlan | None = None
-        # rid -> (request, segment) of the plan in flight. A request aborted while its step
+        # rid -> request of the plan in flight. A request aborted while its step
         # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
         # by these objects, so the old step's token never lands on the new request.
-        self._inflight_owners: dict[str, tuple[Request, Segment]] = {}
+        self._inflight_owners: dict[str, Request | None] = {}
         # the uncached prefixes this step's prefills compute, when in-batch dedup is on
         self.step_prefixes: StepPrefixes | None = None
         if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
@@ -107,39 +96,29 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.admission.arrived(req)
-        order = self._deadline_order
-        if req.params.timeout is not None:
-            deadline = req.arrival_time + req.params.timeout
-            heapq.heappush(self._deadlines, (deadline, next(order), req, False))
-        if self.config.max_queue_time is not None:
-            deadline = req.arrival_time + self.config.max_queue_time
-            heapq.heappush(self._deadlines, (deadline, next(order), req, True))
 
     def blocked(self, req: Request) -> dict[str, int]:
         """Steps ``req`` has waited so far, by admission-block reason (admission.py)."""
         return self.admission.settle(req)
 
-    def set_policy(self, policy: Policy) -> None:
-        """Hand ordering and budgets to ``policy`` from the next schedule() on (a step boundary:
-        running requests, their KV and the request mid-chunk are the scheduler's, not the
-        policy's, and stay as they are)."""
-        self._next_policy = policy
+    def set_policy(self, policy: Policy, config: EngineConfig) -> str:
+        """Hand ordering and budgets to ``policy`` (named by ``config``) from the next
+        schedule() on: a step boundary, where running requests, their KV and the request
+        mid-chunk are the scheduler's, not the policy's, and stay as they are. A swap still
+        pending is replaced (it never ran). Returns the name of the policy running now."""
+        self._next_policy = PendingPolicy(policy, config)
+        self.policy_swaps += 1
+        log.info("policy %r replaces %r at the next step", config.policy, self.config.policy)
+        return self.config.policy
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def abort(self, rid: str) -> Request | None:
-        """Finish ``rid`` with reason "abort" and release its KV (its computed prefix stays cached)."""
-        req = self.requests.get(rid)
-        if req is None or req.finished:
-            return None
-        self.finish(req, "abort")
-        return req
-
     def finish(
         self, req: Request, reason: str, matched: str | int | None = None, cache: bool = True
     ) -> None:
-        """End ``req`` now: leave every queue, close its KV (computed prefix into the tree)."""
+        """Release ``req``, whose end the lifecycle decided: it leaves every queue and its KV
+        is closed (the computed prefix into the tree when ``cache``)."""
         if req.finished:
             return
         if req.status is RequestStatus.WAITING:
@@ -151,45 +130,16 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         if req.seq is not None:
-            self.kv.close(req.kv, req.all_ids[: self._computed_len(req)], cache=cache)
+            self.kv.close(req.seq, req.all_ids[: req.seq.computed_len], cache=cache)
             req.seq = None
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.matched_stop = matched
-        req.finished_time = self.clock()
+        req.mark_finished(reason, matched, self.clock())
         del self.requests[req.rid]
         self.admission.left(req)
         self.policy.finished(req)
         if self.shadow is not None:
             self.shadow.finished(req)
 
-    def _expire(self) -> None:
-        """End (reason "timeout") every request past its deadline: its own ``timeout`` from
-        arrival, or ``max_queue_time`` while it has never been scheduled."""
-        self.expired = []
-        deadlines = self._deadlines
-        if not deadlines:
-            return
-        now = self.clock()
-        while deadlines and deadlines[0][0] <= now:
-            _, _, req, queue_only = heapq.heappop(deadlines)
-            if req.finished or (queue_only and req.first_scheduled_time is not None):
-                continue
-            self.finish(req, "timeout")
-            self.expired.append(req)
-
     # -- planning -------------------------------------------------------------------------
-    def _computed_len(self, req: Request) -> int:
-        """Tokens whose KV is written: a segment of the step in flight is not, yet."""
-        owner = self._inflight_owners.get(req.rid)
-        if owner is not None and owner[0] is req:
-            return owner[1].start_pos
-        return req.kv.kv_len
-
-    def _own_pages(self, req: Request) -> int:
-        """Pages ``req`` holds that are not the tree's (what retracting it frees at once)."""
-        return len(req.kv.pages) - req.kv.num_in_tree // self.page_size
-
     def _context(self, num_decodes: int) -> PolicyContext:
         return PolicyContext(
             config=self.config,
@@ -200,28 +150,22 @@ class Scheduler:
             chunked=self.chunked,
         )
 
-    def _future_tokens(self, req: Request) -> int:
-        """Tokens ``req`` may still generate: its budget, capped by the context length."""
-        return max(0, min(req.remaining_new_tokens, self.max_model_len - req.num_tokens))
-
     def _reserved_tokens(self) -> int:
-        """Future tokens of every admitted request, before ``new_token_ratio``.
-
-        ``_future_tokens`` inlined: this runs every step over every running request."""
+        """Future tokens of every admitted request, before ``new_token_ratio``."""
         cap = self.max_model_len
-        total = 0
-        for queue in (self.running, self.prefilling):
-            for r in queue:
-                out = len(r.output_ids)
-                total += max(0, min(r.params.max_new_tokens - out, cap - len(r.prompt_ids) - out))
-        return total
+        return sum(r.future_tokens(cap) for r in self.running) + sum(
+            r.future_tokens(cap) for r in self.prefilling
+        )
+
+    def _reservation(self, tokens: int) -> int:
+        """Pages kept for ``tokens`` future tokens at this step's ``new_token_ratio``."""
+        return self.kv.reservation_pages(tokens * self.new_token_ratio)
 
     def schedule(self) -> BatchPlan | None:
         """Build the next step's plan, or None when there is nothing to run."""
         if self._next_policy is not None:
-            self.policy, self._next_policy = self._next_policy, None
-            self.policy_swaps += 1
-        self._expire()
+            self.policy, self.config = self._next_policy
+            self._next_policy = None
         self.step_count += 1
         plan = BatchPlan(step=self.step_count)
         mixed = self.config.enable_mixed_batch
@@ -229,20 +173,17 @@ class Scheduler:
         prefill_wanted = bool(self.waiting or self.prefilling)
         decoding: list[Request] = []
         admission = Admission(DECODE_TURN)
-        self._decoding = decoding
         if mixed or not prefill_wanted or (starved and self.running):
-            decoding = self._decoding = self._prepare_decodes()
+            decoding = self._prepare_decodes()
         if prefill_wanted and (mixed or not decoding):
             budget = self.policy.budget(self._context(len(decoding)))
             admission = self._admit(plan, budget, len(decoding))
         if not decoding and not plan.extends and self.running and not mixed:
-            decoding = self._decoding = self._prepare_decodes()  # nothing admitted: decode
+            decoding = self._prepare_decodes()  # nothing admitted: decode
             if not decoding and prefill_wanted:  # it retracted everything: memory is free now
                 admission = self._admit(plan, self.policy.budget(self._context(0)), 0)
-        if self._preempted:  # a policy had some of this step's decodes retracted
-            self._preempted = False
+        if admission.preempted:  # a policy had some of this step's decodes retracted
             decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
-        self._decoding = []
         for req in decoding:
             plan.decodes.append(self._decode_segment(req))
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
@@ -261,14 +202,14 @@ class Scheduler:
         plan.page_writes = self.kv.page_table.drain_writes()
         now = self.clock()
         requests = self.requests
-        owners = {}
+        owners: dict[str, Request | None] = {}
         for seg in plan.extends:
             req = requests[seg.rid]
-            owners[seg.rid] = (req, seg)
+            owners[seg.rid] = req
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         for seg in plan.decodes:
-            owners[seg.rid] = (requests[seg.rid], seg)
+            owners[seg.rid] = requests[seg.rid]
         self.inflight = plan
         self._inflight_owners = owners
         return plan
@@ -276,87 +217,6 @@ class Scheduler:
     def _decode_segment(self, req: Request) -> Segment:
         last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
         return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
-
-    def _prepare_decodes(self) -> list[Request]:
-        """Give every running request a KV slot for its next token, retracting when short."""
-        ps = self.page_size
-        retracted: list[Request] = []
-        while self.running:
-            need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
-            if need <= self.kv.available_pages:
-                break
-            victim = self._pick_victim()
-            self._retract(victim)
-            self.new_token_ratio = self.config.init_new_token_ratio
-            retracted.append(victim)
-        if retracted:
-            log.warning(
-                "KV pages ran out: retracted %d request(s) (%s) to be recomputed; %d keep decoding",
-                len(retracted),
-                ", ".join(r.rid for r in retracted[:8]) + (" ..." if len(retracted) > 8 else ""),
-                len(self.running),
-            )
-        for req in self.running:
-            self.kv.extend(req.kv, 1)
-        return list(self.running)
-
-    def _pick_victim(self) -> Request:
-        """Retract the request that loses least work (fewest outputs, then the longest prompt)
-        among those of the worst priority (the largest ``priority`` value)."""
-        return min(
-            self.running,
-            key=lambda r: (-r.params.priority, len(r.output_ids), -len(r.prompt_ids)),
-        )
-
-    def _retract(self, req: Request) -> None:
-        """Back to the front of the waiting queue, to be recomputed (prompt + outputs so far);
-        the KV it computed goes into the tree. A request whose decode slot this step already
-        extended has computed one token less than its ``kv_len``."""
-        self.running.remove(req)
-        computed = req.kv.kv_len - (1 if any(r is req for r in self._decoding) else 0)
-        self.kv.close(req.kv, req.all_ids[:computed], cache=True)
-        req.seq = None
-        req.status = RequestStatus.WAITING
-        req.retractions += 1
-        self.total_retractions += 1
-        self.waiting.insert(0, req)
-        self.admission.arrived(req, front=True)
-
-    def _preempt_for(
-        self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
-    ) -> list[Request] | None:
-        """Retract the running requests the policy names for ``req``, as few as make room for
-        ``pages_short`` pages and ``slots_short`` slots; none (None) when all of them would not."""
-        if not self.policy.preempts or not self.running:
-            return None
-        candidates = self.policy.preempt_candidates(req, list(self.running), ctx)
-        ratio, ps = self.new_token_ratio, self.page_size
-        chosen: list[Request] = []
-        pages = slots = 0
-        for victim in candidates:
-            if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
-                raise ValueError(
-                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
-                    "which is not a running request (or named it twice)"
-                )
-            chosen.append(victim)
-            pages += self._own_pages(victim) + int(self._future_tokens(victim) * ratio / ps)
-            slots += 1
-            if pages >= pages_short and slots >= slots_short:
-                break
-        else:
-            return None
-        for victim in chosen:
-            self._retract(victim)
-            self.total_preemptions += 1
-        self._preempted = True
-        log.info(
-            "preempted %s for %s (policy %s)",
-            ", ".join(v.rid for v in chosen),
-            req.rid,
-            self.policy.name,
-        )
-        return chosen
 
     def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> Admission:
         """Fill ``plan.extends`` under the step's token budget and the KV memory check; return
@@ -387,13 +247,8 @@ class Scheduler:
         if slots <= 0 and not preempts:
             return Admission(RUNNING_CAP)
         reserved = self._reserved_tokens()
-        ratio = self.new_token_ratio
         alone = not self.running and not self.prefilling and not plan.extends
-        if (
-            not alone
-            and not preempts
-            and math.ceil(reserved * ratio / ps) + 1 > self.kv.available_pages
-        ):
+        if not alone and not preempts and self._reservation(reserved) + 1 > self.kv.available_pages:
             return Admission(KV_RESERVATION)  # not even a one-page request would fit
         # The policy orders the oldest ``policy_window`` requests; the rest wait in arrival
         # order, which bounds each step's ordering cost when the queue is very long.
@@ -422,10 +277,8 @@ class Scheduler:
                 admission.deferred.append(req)
                 continue
             estimate = len(ids) - matched
-            future = self._future_tokens(req)
-            need = self.kv.pages_needed(None, estimate) + math.ceil(
-                (reserved + future) * ratio / ps
-            )
+            future = req.future_tokens(self.max_model_len)
+            need = self.kv.pages_needed(None, estimate) + self._reservation(reserved + future)
             alone = not self.running and not self.prefilling and not plan.extends
             if not alone and (slots <= 0 or need > self.kv.available_pages):
                 short = need - self.kv.available_pages
@@ -433,11 +286,10 @@ class Scheduler:
                 if victims is None:
                     admission.stopped = RUNNING_CAP if slots <= 0 else KV_RESERVATION
                     break
+                admission.preempted += victims
                 slots += len(victims)
                 reserved = self._reserved_tokens()  # without the victims' future tokens
-                need = self.kv.pages_needed(None, estimate) + math.ceil(
-                    (reserved + future) * ratio / ps
-                )
+                need = self.kv.pages_needed(None, estimate) + self._reservation(reserved + future)
                 alone = not self.running and not self.prefilling and not plan.extends
                 if not alone and need > self.kv.available_pages:
                     admission.stopped = KV_RESERVATION
@@ -465,76 +317,10 @@ class Scheduler:
                 admission.stopped = RUNNING_CAP
         return admission
 
-    def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
-        """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
-        budget and the chunk allow, cut to whole pages when the prompt does not end here."""
-        take = min(todo, remaining, chunk) if chunk else todo
-        if take < todo and take >= self.page_size:
-            take = take // self.page_size * self.page_size
-        return take
-
-    def _continue_prefills(
-        self, plan: BatchPlan, remaining: int, chunk: int
-    ) -> tuple[int, str | None]:
-        """The requests mid-prompt go first: their next chunks into ``plan``. Returns the prefill
-        tokens left and, when one could not go on, why admission stops."""
-        for req in list(self.prefilling):
-            if remaining <= 0:
-                return remaining, TOKEN_BUDGET
-            take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
-            computed = req.kv.kv_len
-            if not self._try_extend(req, take):
-                return remaining, KV_RESERVATION
-            self._add_extend(plan, req, take)
-            if self.step_prefixes is not None:
-                self.step_prefixes.add(req.all_ids, computed)
-            remaining -= take
-        return remaining, None
-
-    def _start_prefill(
-        self, plan: BatchPlan, req: Request, remaining: int, chunk: int
-    ) -> int | None:
-        """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
-        takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
-        ids = req.all_ids
-        req.seq = self.kv.open(ids)
-        take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
-        if not self._try_extend(req, take):
-            self.kv.close(req.kv, [], cache=False)
-            req.seq = None
-            return None
-        self.waiting.remove(req)
-        req.status = RequestStatus.PREFILLING
-        if req.retractions == 0:
-            req.cached_tokens = req.kv.num_cached
-        self.prefilling.append(req)
-        self._add_extend(plan, req, take)
-        if self.step_prefixes is not None:
-            self.step_prefixes.add(ids, req.kv.num_cached)
-        return take
-
-    def _try_extend(self, req: Request, take: int) -> bool:
-        try:
-            self.kv.extend(req.kv, take)
-            return True
-        except OutOfPagesError:
-            return False
-
-    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> None:
-        start = req.kv.kv_len - take
-        done = req.kv.kv_len == req.num_tokens
-        ids = req.all_ids[start : start + take]
-        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
-        if done:
-            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
-            if self.chunked is req:
-                self.chunked = None
-        else:
-            self.chunked = req
-
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:
-        """Apply a finished step: append sampled tokens, check token-level stops, cache chunks."""
+        """Apply a finished step: its KV is written, sampled tokens appended, finished prompt
+        chunks cached. Whether a token ends its request is the lifecycle's to say."""
         owners = self._owners(plan)
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
@@ -547,9 +333,11 @@ class Scheduler:
         for seg in plan.segments:
             req = owners.get(seg.rid)
             alive = req is not None and not req.finished  # else aborted while the step ran
+            if req is not None and alive:
+                req.kv.computed_len = seg.end_pos
             if not seg.sample:
                 if req is not None and alive:  # the chunk is shareable now
-                    self.kv.cache(req.kv, req.all_ids[: req.kv.kv_len])
+                    self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
                 continue
             token, logprobs = next(sampled)
             if req is None or not alive:
@@ -559,15 +347,12 @@ class Scheduler:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 # the whole prompt is in KV now: share it while this request still decodes
-                self.kv.cache(req.kv, req.all_ids[: req.kv.kv_len])
+                self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
             req.output_ids.append(token)
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason, matched = self._token_stop(req, token)
-            if reason is not None:
-                self.finish(req, reason, matched)
-            events.append(TokenEvent(req, token, logprobs, reason is not None))
+            events.append(TokenEvent(req, token, logprobs))
         return events
 
     def fail(self, plan: BatchPlan) -> list[Request]:
@@ -592,20 +377,8 @@ class Scheduler:
     def _owners(self, plan: BatchPlan) -> dict[str, Request | None]:
         """The request each segment of ``plan`` was planned for (None: it is gone)."""
         if plan is self.inflight:
-            return {rid: owner[0] for rid, owner in self._inflight_owners.items()}
+            return self._inflight_owners
         return {seg.rid: self.requests.get(seg.rid) for seg in plan.segments}
-
-    def _token_stop(self, req: Request, token: int) -> tuple[str | None, str | int | None]:
-        params = req.params
-        n = len(req.output_ids)
-        if n >= params.min_new_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", token
-            if token in params.stop_token_ids:
-                return "stop", token
-        if n >= params.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
 
     # -- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -10,6 +10,8 @@ cumulative counters to the line (the HTTP server adds ``http_requests``).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +48,14 @@ class SummaryLog:
         self._extra[name] = read
         if self._last is not None:
             self._last.counters[name] = float(read())
+
+    async def run(self, interval: float, log: logging.Logger) -> None:
+        """Log a line every ``interval`` seconds, skipping those that would repeat the last."""
+        while True:
+            await asyncio.sleep(interval)
+            line = self.line()
+            if line is not None:
+                log.info("%s", line)
 
     def reset(self) -> None:
         """Start counting from now (the engine calls it when it starts)."""

@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("asyncengine.kernels")
@@ -88,9 +89,12 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             staging,
             "-lm",
         ]
+        log.info("compiling the native CPU kernel %s for this CPU (once; cached)", name)
+        started = time.perf_counter()
         try:
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
             os.replace(staging, target)  # atomic: concurrent first starts see a whole file
+            log.info("compiled %s in %.1fs: %s", name, time.perf_counter() - started, target)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning(
@@ -105,3 +109,9 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except OSError as exc:
         log.warning("native CPU kernel %s did not load (%s); torch paths instead", name, exc)
         return None
+
+
+def load_all() -> int:
+    """Compile (where not cached) and load every kernel library, so that no request waits for
+    gcc: the engine calls it at start-up on a CPU. Returns how many loaded."""
+    return sum(load(path.stem) is not None for path in sorted(SOURCE_DIR.glob("*.c")))

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 
 class SchedulingConfig(Protocol):
-    """The engine settings a policy reads (``EngineConfig`` has them; policies do not import
-    the config module, which imports the policy registry to check policy names)."""
+    """The engine settings a policy reads (``EngineConfig`` has them; a policy reads them
+    through this protocol and does not depend on the config module)."""
 
     @property
     def page_size(self) -> int: ...

@@ -1,11 +1,18 @@
-"""Policies by name: built-ins, "ordering+budget" compositions, and "package.module:Class"."""
+"""Policies by name: built-ins, "ordering+budget" compositions, "package.module:Class" (an
+importable module) and "path/to/file.py:Class" (a file anywhere, no PYTHONPATH needed)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from asyncengine.config import ConfigError
 from asyncengine.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.dfs_weight import DFSWeightPolicy
@@ -77,12 +84,34 @@ class ComposedPolicy(Policy):
         return self.orderer.preempt_candidates(candidate, running, ctx)
 
 
+def _load_file(path: str) -> ModuleType:
+    """The module in the Python file ``path`` (loaded once per resolved path)."""
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ImportError(f"no such file: {file}")
+    name = "asyncengine_user_policy_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _resolve(name: str) -> type[Policy]:
     if ":" in name:
-        module_name, _, class_name = name.partition(":")
+        module_name, _, class_name = name.rpartition(":")
+        from_file = module_name.endswith(".py") or "/" in module_name
         try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
+            module = _load_file(module_name) if from_file else importlib.import_module(module_name)
+            cls = getattr(module, class_name)
+        except (ImportError, AttributeError, SyntaxError) as exc:
             raise ValueError(f"cannot load policy {name!r}: {exc}") from None
         if not (isinstance(cls, type) and issubclass(cls, Policy)):
             raise ValueError(
@@ -92,7 +121,8 @@ def _resolve(name: str) -> type[Policy]:
     key = name.strip().lower().replace("_", "-")
     if key not in BUILTIN:
         raise ValueError(
-            f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))} or 'package.module:Class'"
+            f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))}, "
+            "'package.module:Class' or 'path/to/file.py:Class'"
         )
     return BUILTIN[key]
 
@@ -131,3 +161,16 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     if policy.orderer is None:
         policy.orderer = FCFSPolicy()
     return policy
+
+
+def build_policy(spec: str, options: dict[str, Any] | None = None, key: str = "policy") -> Policy:
+    """``make_policy`` for a config: a bad name or option raises ConfigError naming the config
+    key (``key``, or ``key + "_options"``)."""
+    try:
+        resolve_policy(spec)
+    except ValueError as exc:
+        raise ConfigError(f"config key {key!r} = {spec!r}: {exc}") from None
+    try:
+        return make_policy(spec, options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config key '{key}_options' = {options!r}: {exc}") from None

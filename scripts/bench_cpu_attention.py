@@ -41,6 +41,7 @@ from asyncengine.kernels.attention_native import (  # noqa: E402
     plan_native_decode,
 )
 from asyncengine.kernels.attention_ref import decode_attention  # noqa: E402
+from asyncengine.script_main import run_main  # noqa: E402
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # the decode kernel's C signature before and after window/softcap were added
@@ -237,4 +238,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

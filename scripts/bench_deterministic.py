@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.config import EngineConfig
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 
 MODES = {"default": False, "deterministic": True}
 
@@ -118,21 +119,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             alone = [
                 (await engine.generate(r.prompt, greedy(r.output_len))).token_ids for r in checked
             ]
-            engine.reset_prefix_cache()
+            await engine.reset_prefix_cache()
             _, batched = await offline(engine, requests)
-            engine.reset_prefix_cache()
+            await engine.reset_prefix_cache()
             diffs = [first_difference(a, b) for a, b in zip(alone, batched, strict=False)]
             results[name].first_difference = diffs
             results[name].differing = sum(d is not None for d in diffs)
         for repeat in range(args.repeats):
             for name, engine in engines.items():
                 tok_s, _ = await offline(engine, requests)
-                engine.reset_prefix_cache()
+                await engine.reset_prefix_cache()
                 results[name].offline_tok_s.append(tok_s)
                 results[name].single_tok_s.append(
                     await single(engine, requests[repeat % len(requests)], args.single_tokens)
                 )
-                engine.reset_prefix_cache()
+                await engine.reset_prefix_cache()
                 print(
                     f"repeat {repeat + 1}/{args.repeats} {name:13} offline {tok_s:7.1f} tok/s  "
                     f"single {results[name].single_tok_s[-1]:6.1f} tok/s",
@@ -208,4 +209,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -37,6 +37,7 @@ from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.plan import BatchPlan, Segment
+from asyncengine.script_main import run_main
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -268,4 +269,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.script_main import run_main
+
 DTYPE = torch.bfloat16
 DECODE_TARGET = 0.70  # of copy bandwidth
 EXTEND_TARGET = 1.5  # x torch SDPA flash
@@ -389,4 +391,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

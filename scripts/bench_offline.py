@@ -75,6 +75,7 @@ import peer_vllm
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -998,4 +999,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.cache import RadixCache
+from asyncengine.script_main import run_main
 
 # Targets on the 2-core development machine (ops per second).
 TARGETS = {1: {"insert": 30_000, "match": 30_000}, 16: {"insert": 60_000, "match": 60_000}}
@@ -283,4 +284,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

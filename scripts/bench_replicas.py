@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncengine.script_main import run_main
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving
@@ -133,4 +136,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -74,6 +74,7 @@ import peer_vllm
 
 from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.config import key_value
+from asyncengine.script_main import run_main
 from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -1145,4 +1146,4 @@ def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.config import EngineConfig
+from asyncengine.script_main import run_main
 from asyncengine.sim import CostModel, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload
 
@@ -123,4 +124,4 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -57,6 +57,7 @@ from bench_offline import (
 
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 
 SYSTEMS = ("asyncengine", "vllm", "llamacpp")
 
@@ -545,4 +546,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -126,7 +126,7 @@ async def decode_rate(
 
 
 async def prefill_tokens(engine: AsyncEngine, n: int, forked: bool) -> int:
-    engine.reset_prefix_cache()
+    await engine.reset_prefix_cache()
     counted: list[int] = []
 
     def count(plan: BatchPlan) -> None:

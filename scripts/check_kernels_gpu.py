@@ -29,6 +29,8 @@ import torch
 os.environ.setdefault("ASYNCENGINE_TRITON_AUTOTUNE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.script_main import run_main
+
 # ||out - ref|| / ||ref|| limits (METHOD: fp32 far under 1e-3; half-precision operands 1e-3..1e-2)
 LIMITS = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -255,4 +257,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.config import key_value
+from asyncengine.script_main import run_main
 from asyncengine.sim.starvation import Outcome, StarvationReport, check_starvation
 
 
@@ -86,4 +87,4 @@ def main(argv: Sequence[str] | None = None) -> StarvationReport:
 
 
 if __name__ == "__main__":
-    raise SystemExit(0 if main().passed else 1)
+    run_main(lambda: 0 if main().passed else 1)

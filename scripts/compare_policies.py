@@ -57,6 +57,7 @@ from asyncengine.bench.report import (
     write_group_figure,
 )
 from asyncengine.config import EngineConfig, key_value
+from asyncengine.script_main import run_main
 from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
 from asyncengine.workloads.live_trace import is_live_trace, load_live_trace, load_requests
@@ -345,4 +346,4 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

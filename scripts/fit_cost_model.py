@@ -34,6 +34,7 @@ from asyncengine.executor.model_executor import ModelExecutor
 from asyncengine.executor_api import Executor
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 from asyncengine.sim.cost_model import CostModel, StepFeatures
 
 
@@ -229,4 +230,4 @@ def _describe(shape: PlanShape) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,6 +28,7 @@ from asyncengine.executor.loader import DEFAULT_MODEL, load_hf_config, resolve_m
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels.attention_grouping import ExtendCost, extend_cost_for
 from asyncengine.kernels.attention_ref import extend_attention_planned, plan_extend
+from asyncengine.script_main import run_main
 
 # (requests, query length, cached prefix)
 GRID = [
@@ -94,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

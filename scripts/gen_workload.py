@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.script_main import run_main
 from asyncengine.workloads import WORKLOADS, Arrivals, make_workload, save_trace
 
 
@@ -72,4 +73,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,6 +27,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.bench.percentiles import LatencyStats
+from asyncengine.script_main import run_main
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jam".split()
 
@@ -271,4 +272,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -3,9 +3,10 @@
 
 Every part of a step is timed where it runs (wall time, summed over the run):
 
-- on the event-loop thread: scheduling and plan building (``core.schedule``), commit
-  (``core.commit``), detokenisation and streaming (the engine's ``_emit``), and the rest of the
-  loop (waiting on the forward, callers' coroutines, asyncio);
+- on the event-loop thread: scheduling and plan building (``core.launch``), landing the step
+  (``core.land``: commit, every request's stop checks, detokenisation and stop strings),
+  streaming (``engine.streams.publish``), and the rest of the loop (waiting on the forward,
+  callers' coroutines, asyncio);
 - on the forward thread: plan -> tensors (``runner.prepare``), the model forward and LM head
   (``runner._logits``), sampling (``sampler.sample``).
 
@@ -42,6 +43,7 @@ import torch
 from asyncengine.config import EngineConfig, key_value
 from asyncengine.plan import BatchPlan
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 
 
@@ -68,17 +70,17 @@ def instrument(engine: Any, timer: Timer) -> list[BatchPlan]:
     core = engine.core
     runner = core.executor.runner
     plans: list[BatchPlan] = []
-    schedule = core.schedule
+    launch = core.launch
 
-    def recording_schedule() -> BatchPlan | None:
-        plan = schedule()
+    def recording_launch() -> BatchPlan | None:
+        plan = launch()
         if plan is not None:
             plans.append(plan)
         return plan
 
-    core.schedule = timer.wrap("loop: schedule + plan", recording_schedule)
-    core.commit = timer.wrap("loop: commit", core.commit)
-    engine._emit = timer.wrap("loop: detokenize + stream", engine._emit)
+    core.launch = timer.wrap("loop: launch (schedule + plan)", recording_launch)
+    core.land = timer.wrap("loop: land (commit, stops, detokenize)", core.land)
+    engine.streams.publish = timer.wrap("loop: stream", engine.streams.publish)
     runner.prepare = timer.wrap("forward thread: plan -> tensors", runner.prepare)
     runner._logits = timer.wrap("forward thread: model + LM head", runner._logits)
     runner.sampler.sample = timer.wrap("forward thread: sampling", runner.sampler.sample)
@@ -256,4 +258,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from asyncengine.config import EngineConfig
+from asyncengine.script_main import run_main
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.sim_vs_real import (
     MeasuredRun,
@@ -160,4 +161,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -4,7 +4,9 @@
   for the type checker still ties two modules together), and no module imports from a layer
   above its own;
 - the scheduler side (KV accounting, scheduler, core, builder, policies, simulator) loads no torch;
-- one place builds a Scheduler (the builder);
+- the live engine imports nothing of the simulator (``sim/``), directly or through others;
+- one place builds a Scheduler (the builder), and one sequences a step (EngineCore: every
+  driver calls its launch/land; nothing else calls the scheduler's schedule/commit/fail);
 - every package folder is installed (pyproject's explicit package list).
 """
 
@@ -45,10 +47,14 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.step_events",
         "asyncengine.routing",
     ),
     (  # the engine core
         "asyncengine.scheduler",
+        "asyncengine.retraction",
+        "asyncengine.prefill",
+        "asyncengine.lifecycle",
         "asyncengine.core",
         "asyncengine.builder",
         "asyncengine.admission",
@@ -59,10 +65,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
     (  # drivers
         "asyncengine.engine",
+        "asyncengine.engine_client",
+        "asyncengine.streams",
+        "asyncengine.intake",
         "asyncengine.request_group",
         "asyncengine.event_loop",
         "asyncengine.sim",
-        "asyncengine.trace_recorder",
         "asyncengine.ray_local",
         "asyncengine.summary_log",
     ),
@@ -71,6 +79,9 @@ LAYERS: list[tuple[str, ...]] = [
 
 TORCH_FREE = [
     "asyncengine.scheduler",
+    "asyncengine.retraction",
+    "asyncengine.prefill",
+    "asyncengine.lifecycle",
     "asyncengine.admission",
     "asyncengine.shadow",
     "asyncengine.tenant_stats",
@@ -205,6 +216,31 @@ def test_the_scheduler_side_loads_no_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def imported_closure(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module ``module`` loads, directly or through others (and their packages)."""
+    seen: set[str] = set()
+    stack = [module]
+    while stack:
+        name = stack.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
+            parent = ".".join(parts[:i])
+            if parent in graph and parent not in seen:
+                seen.add(parent)
+                stack.extend(graph[parent])
+    return seen
+
+
+def test_the_live_engine_imports_no_simulator() -> None:
+    graph = import_graph(type_checking=False)
+    for live in ("asyncengine.engine", "asyncengine.server.app"):
+        reached = sorted(
+            m for m in imported_closure(live, graph) if m.startswith("asyncengine.sim")
+        )
+        assert reached == [], f"{live} loads {reached}"
+    assert "asyncengine.sim.cost_model" in imported_closure("asyncengine.sim.simulator", graph)
+
+
 def test_one_place_builds_a_scheduler() -> None:
     sites = []
     for folder in ("asyncengine", "policies", "scripts"):
@@ -213,6 +249,21 @@ def test_one_place_builds_a_scheduler() -> None:
                 if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Scheduler"):
                     sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert len(sites) == 1 and sites[0].startswith("asyncengine/builder.py"), sites
+
+
+def test_one_place_sequences_a_step() -> None:
+    sites = []
+    for folder in ("asyncengine", "policies", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == ROOT / "asyncengine" / "core.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                called = ast.unparse(node.func)
+                if node.func.attr in ("schedule", "commit") or called.endswith("scheduler.fail"):
+                    sites.append(f"{path.relative_to(ROOT)}:{node.lineno} {called}")
+    assert sites == [], sites
 
 
 def test_every_package_folder_is_installed() -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncengine import AsyncEngine
+from asyncengine.builder import make_policies
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.policies import make_policy
 
@@ -49,7 +51,7 @@ def test_bad_keys_and_values_are_named(tmp_path: Path, text: str, message: str) 
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        EngineConfig.from_toml(path)
+        make_policies(EngineConfig.from_toml(path))  # policies are checked where they are built
 
 
 def test_unknown_policy_and_option_are_named() -> None:
@@ -66,13 +68,34 @@ def test_user_policy_by_import_path() -> None:
     assert policy.name == "fcfs"
 
 
-def test_a_bad_policy_fails_when_the_config_is_built_not_at_engine_start() -> None:
+def test_a_bad_policy_fails_when_the_engine_is_made_before_the_model_loads() -> None:
     with pytest.raises(ConfigError, match="config key 'policy' = 'lpm-typo'"):
-        EngineConfig(policy="lpm-typo")
+        AsyncEngine(EngineConfig(policy="lpm-typo"))  # __init__ loads nothing
     with pytest.raises(ConfigError, match="config key 'policy_options'"):
-        EngineConfig(policy="token-budget", policy_options={"prefill_tokens": 0})
+        make_policies(EngineConfig(policy="token-budget", policy_options={"prefill_tokens": 0}))
     with pytest.raises(ConfigError, match="cannot load policy 'no_such_pkg.mod:Policy'"):
-        EngineConfig.from_toml(None, policy="no_such_pkg.mod:Policy")
+        make_policies(EngineConfig.from_toml(None, policy="no_such_pkg.mod:Policy"))
+    with pytest.raises(ConfigError, match="config key 'shadow_policy' = 'nope'"):
+        make_policies(EngineConfig(shadow_policy="nope"))
+    with pytest.raises(ConfigError, match="shadow_policy_options"):
+        EngineConfig(shadow_policy_options={"aging": 1.0})
     config = EngineConfig(policy="lpm+dynamic-chunking", policy_options={"lpm": {"aging": 0.5}})
     with pytest.raises(ConfigError, match="policy_options"):
-        config.replace(policy_options={"lpm": {"aging": -1.0}})
+        make_policies(config.replace(policy_options={"lpm": {"aging": -1.0}}))
+
+
+def test_a_policy_loads_from_a_file_path(tmp_path: Path) -> None:
+    source = tmp_path / "my_policy.py"
+    source.write_text(
+        "from asyncengine.policies.fcfs import FCFSPolicy\n\n"
+        "class Newest(FCFSPolicy):\n"
+        "    name = 'newest'\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        return waiting[::-1]\n"
+    )
+    policy, _ = make_policies(EngineConfig(policy=f"{source}:Newest"))
+    assert policy.name == "newest"
+    with pytest.raises(ConfigError, match="cannot load policy"):
+        make_policies(EngineConfig(policy=f"{tmp_path / 'absent.py'}:Newest"))
+    with pytest.raises(ConfigError, match="cannot load policy"):
+        make_policies(EngineConfig(policy=f"{source}:Absent"))

@@ -66,7 +66,7 @@ async def test_greedy_tokens_alone_equal_tokens_under_load(
         alone = [(await engine.generate(p, greedy())).token_ids for p in probes]
         # again with the probes' prefixes cached: extends start mid-prompt
         cached = [(await engine.generate(p, greedy())).token_ids for p in probes]
-        engine.reset_prefix_cache()
+        await engine.reset_prefix_cache()
         outs = await asyncio.gather(
             *(engine.generate(p, greedy(OUTPUT + i)) for i, p in enumerate(load[:9])),
             *(engine.generate(p, greedy()) for p in probes),

@@ -225,6 +225,29 @@ async def test_failed_forward_fails_its_batch_and_engine_keeps_serving() -> None
         assert_idle_and_clean(engine)
 
 
+async def test_choices_waiting_on_a_leader_that_times_out_end_with_it() -> None:
+    """n > 1: the other choices wait in the core for choice 0 to prefill; when choice 0 times
+    out in the queue first, they end with it and the caller gets every final delta."""
+    async with fake_engine(num_pages=1024, max_model_len=2048, max_running_requests=1) as engine:
+        long = SamplingParams(max_new_tokens=1500)  # far longer than the others' timeout
+        busy = asyncio.create_task(engine.generate([9, 9, 9], long))
+        await wait_until_running(engine)
+        params = SamplingParams(n=3, max_new_tokens=4, timeout=0.02)
+        outs = await asyncio.wait_for(engine.generate_choices([1, 2, 3], params), 10)
+        assert [out.finish_reason for out in outs] == ["timeout"] * 3
+        assert (await busy).finish_reason == "length"
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
+async def wait_until_running(engine: AsyncEngine) -> None:
+    for _ in range(400):
+        if engine.stats()["running"]:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("nothing started running")
+
+
 async def test_queue_bound_raises_queue_full() -> None:
     async with fake_engine(max_waiting_requests=2) as engine:
         streams = [engine.stream([1, 2], SamplingParams(max_new_tokens=2)) for _ in range(2)]
@@ -261,10 +284,10 @@ async def test_reset_prefix_cache_only_while_idle() -> None:
         assert engine.stats()["pages_cached"] > 0
         stream = engine.stream([1, 2, 3], SamplingParams(max_new_tokens=50))
         with pytest.raises(EngineError, match="while requests"):
-            engine.reset_prefix_cache()
+            await engine.reset_prefix_cache()
         await stream.aclose()
         await wait_idle(engine)
-        engine.reset_prefix_cache(reset_counters=True)
+        await engine.reset_prefix_cache(reset_counters=True)
         stats = engine.stats()
         assert stats["pages_cached"] == 0 and stats["hit_tokens"] == 0
         assert stats["pages_free"] == stats["pages_total"]

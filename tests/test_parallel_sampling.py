@@ -103,7 +103,7 @@ async def test_stream_interleaves_choices_and_abort_ends_them_all(server: Runnin
     assert set(indexes) == {0, 1, 2}
     assert indexes != sorted(indexes), "choices decode side by side, so their deltas interleave"
     assert await wait_until(lambda: engine_idle(engine))
-    assert not engine._groups and not engine._streams
+    assert not engine.streams.groups and not engine.streams.states
 
 
 async def test_chat_n_usage_and_logprobs(client: openai.AsyncOpenAI, server: RunningServer) -> None:

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
+from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan
 from asyncengine.policies import BUILTIN
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.scheduler import Scheduler
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
 
 
@@ -28,30 +28,30 @@ def make_scheduler(
     policy: str = "fcfs",
     max_model_len: int = 4096,
     **overrides: object,
-) -> tuple[Scheduler, FakeExecutor, Clock]:
+) -> tuple[EngineCore, FakeExecutor, Clock]:
     clock = Clock()
     core, executor = fake_core(
         num_pages, page_size, max_model_len, clock, policy=policy, **overrides
     )
-    return core.scheduler, executor, clock
+    return core, executor, clock
 
 
 def drive(
-    sched: Scheduler, runner: FakeExecutor, clock: Clock, max_steps: int = 5000
+    core: EngineCore, runner: FakeExecutor, clock: Clock, max_steps: int = 5000
 ) -> list[BatchPlan]:
     plans = []
     for _ in range(max_steps):
-        if not sched.has_work():
+        if not core.has_work():
             break
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None, "work is waiting but nothing could be scheduled"
         plans.append(plan)
         output = runner.execute(plan)
         clock.t += output.forward_seconds
-        sched.commit(plan, output)
-        sched.kv.check_invariant()
-    assert not sched.has_work(), "requests left unfinished"
-    stats = sched.kv.stats()
+        core.land(plan, output)
+        core.kv.check_invariant()
+    assert not core.has_work(), "requests left unfinished"
+    stats = core.kv.stats()
     assert stats["pages_used"] == 0, stats
     assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
     return plans
@@ -71,12 +71,12 @@ def workload(seed: int, n: int, shared: int = 3, max_out: int = 24) -> list[tupl
 
 
 def submit(
-    sched: Scheduler, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r"
+    core: EngineCore, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r"
 ) -> list[Request]:
     reqs = []
     for i, (prompt, n) in enumerate(items):
         req = Request(f"{tag}{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0), clock())
-        sched.add_request(req)
+        core.add(req)
         reqs.append(req)
     return reqs
 
@@ -88,7 +88,7 @@ POLICIES = [*sorted(BUILTIN), "lpm+dynamic-chunking", "dfs-weight+token-budget"]
 @pytest.mark.parametrize("mixed", [True, False])
 def test_outputs_exact_under_chunking_and_retract(policy: str, mixed: bool) -> None:
     # 40 pages of 4 tokens: far less than the 24 requests need at once, so decode must retract
-    sched, runner, clock = make_scheduler(
+    core, runner, clock = make_scheduler(
         num_pages=40,
         page_size=4,
         policy=policy,
@@ -99,12 +99,12 @@ def test_outputs_exact_under_chunking_and_retract(policy: str, mixed: bool) -> N
         min_new_token_ratio=0.01,
     )  # an optimistic reservation admits more than fits later: decode has to retract
     items = workload(seed=1, n=24, max_out=64)
-    reqs = submit(sched, clock, items)
-    plans = drive(sched, runner, clock)
+    reqs = submit(core, clock, items)
+    plans = drive(core, runner, clock)
     for req, (prompt, n) in zip(reqs, items, strict=True):
         assert req.output_ids == reference_output(prompt, n), req.rid
         assert req.finish_reason == "length"
-    assert sched.total_retractions > 0
+    assert core.scheduler.total_retractions > 0
     assert any(not s.sample for p in plans for s in p.extends), "no prompt was chunked"
     assert all(sum(1 for s in p.extends if not s.sample) <= 1 for p in plans), (
         "two requests mid-chunk"
@@ -117,75 +117,75 @@ def test_outputs_exact_under_chunking_and_retract(policy: str, mixed: bool) -> N
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefix_sharing_hits_cache(page_size: int) -> None:
-    sched, runner, clock = make_scheduler(num_pages=4096 // page_size, page_size=page_size)
+    core, runner, clock = make_scheduler(num_pages=4096 // page_size, page_size=page_size)
     system = list(range(1, 65))
     items = [(system + [100 + i, 200 + i], 4) for i in range(6)]
-    submit(sched, clock, items[:1])
-    drive(sched, runner, clock)
-    reqs = submit(sched, clock, items[1:], tag="later")
-    drive(sched, runner, clock)
+    submit(core, clock, items[:1])
+    drive(core, runner, clock)
+    reqs = submit(core, clock, items[1:], tag="later")
+    drive(core, runner, clock)
     for req, (prompt, n) in zip(reqs, items[1:], strict=True):
         assert req.output_ids == reference_output(prompt, n)
         assert req.cached_tokens == 64
-    assert sched.kv.stats()["hit_tokens"] >= 5 * 64
+    assert core.kv.stats()["hit_tokens"] >= 5 * 64
 
 
 def test_mid_chunk_request_goes_first_and_samples_only_at_the_end() -> None:
-    sched, runner, clock = make_scheduler(chunked_prefill_size=8, max_prefill_tokens=8)
+    core, runner, clock = make_scheduler(chunked_prefill_size=8, max_prefill_tokens=8)
     long_prompt = list(range(1, 41))
-    submit(sched, clock, [(long_prompt, 3), ([5, 6, 7], 3)])
-    plans = drive(sched, runner, clock)
+    submit(core, clock, [(long_prompt, 3), ([5, 6, 7], 3)])
+    plans = drive(core, runner, clock)
     firsts = [p.extends[0] for p in plans if p.extends][:5]
     assert [s.rid for s in firsts] == ["r0"] * 5
     assert [s.sample for s in firsts] == [False] * 4 + [True]
 
 
 def test_max_consecutive_prefill_steps_lets_decodes_run() -> None:
-    sched, runner, clock = make_scheduler(
+    core, runner, clock = make_scheduler(
         enable_mixed_batch=False,
         chunked_prefill_size=4,
         max_prefill_tokens=4,
         max_consecutive_prefill_steps=2,
     )
-    submit(sched, clock, [([1, 2, 3], 30)])
+    submit(core, clock, [([1, 2, 3], 30)])
     for _ in range(3):
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None
-        sched.commit(plan, runner.execute(plan))
-    submit(sched, clock, [(list(range(1, 200)), 2)], tag="long")
+        core.land(plan, runner.execute(plan))
+    submit(core, clock, [(list(range(1, 200)), 2)], tag="long")
     kinds = []
     for _ in range(9):
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None
         kinds.append("P" if plan.extends else "D")
-        sched.commit(plan, runner.execute(plan))
+        core.land(plan, runner.execute(plan))
     assert "PPP" not in "".join(kinds), kinds
     assert "D" in kinds and "P" in kinds
 
 
 def test_abort_at_random_moments_leaks_nothing_and_keeps_others_exact() -> None:
     rng = random.Random(7)
-    sched, runner, clock = make_scheduler(
+    core, runner, clock = make_scheduler(
         num_pages=64, page_size=4, chunked_prefill_size=8, max_prefill_tokens=16
     )
     items = workload(seed=3, n=20)
-    reqs = submit(sched, clock, items)
+    reqs = submit(core, clock, items)
     doomed = {r.rid for r in rng.sample(reqs, 8)}
     steps = 0
-    while sched.has_work():
+    while core.has_work():
         steps += 1
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None
         for rid in list(doomed):
             if rng.random() < 0.2:
-                sched.abort(rid)  # while the step "runs": queued, mid-chunk or decoding
+                core.abort(rid)  # while the step "runs": queued, mid-chunk or decoding
                 doomed.discard(rid)
-        sched.commit(plan, runner.execute(plan))
-        sched.kv.check_invariant()
+        core.land(plan, runner.execute(plan))
+        core.kv.check_invariant()
         assert steps < 5000
     for rid in doomed:
-        assert sched.abort(rid) is None  # finished before its turn came
-    stats = sched.kv.stats()
+        assert not core.abort(rid)  # finished before its turn came
+    stats = core.kv.stats()
     assert (
         stats["pages_used"] == 0
         and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
@@ -198,34 +198,34 @@ def test_abort_at_random_moments_leaks_nothing_and_keeps_others_exact() -> None:
 
 
 def test_failed_step_fails_its_requests_and_caches_nothing() -> None:
-    sched, runner, clock = make_scheduler()
-    submit(sched, clock, [(list(range(1, 40)), 4), (list(range(50, 90)), 4)])
-    plan = sched.schedule()
+    core, runner, clock = make_scheduler()
+    submit(core, clock, [(list(range(1, 40)), 4), (list(range(50, 90)), 4)])
+    plan = core.launch()
     assert plan is not None
-    failed = sched.fail(plan)
+    failed = core.land(plan, RuntimeError("forward failed")).failed
     assert {r.rid for r in failed} == {"r0", "r1"}
     assert all(r.finish_reason == "abort" for r in failed)
-    sched.kv.check_invariant()
-    stats = sched.kv.stats()
+    core.kv.check_invariant()
+    stats = core.kv.stats()
     assert stats["pages_cached"] == 0 and stats["pages_free"] == stats["pages_total"]
 
 
 def test_eos_and_stop_token_ids_finish_with_stop() -> None:
-    sched, runner, clock = make_scheduler()
+    core, runner, clock = make_scheduler()
     prompt = [3, 1, 4, 1, 5]
     expected = reference_output(prompt, 10)
     req = Request("a", prompt, SamplingParams(max_new_tokens=10, stop_token_ids=[expected[2]]), 0.0)
-    sched.add_request(req)
-    drive(sched, runner, clock)
+    core.add(req)
+    drive(core, runner, clock)
     assert req.output_ids == expected[:3]
     assert req.finish_reason == "stop" and req.matched_stop == expected[2]
 
 
 def test_max_model_len_ends_with_length() -> None:
-    sched, runner, clock = make_scheduler(max_model_len=12)
+    core, runner, clock = make_scheduler(max_model_len=12)
     req = Request("a", list(range(1, 9)), SamplingParams(max_new_tokens=100), 0.0)
-    sched.add_request(req)
-    drive(sched, runner, clock)
+    core.add(req)
+    drive(core, runner, clock)
     assert req.num_tokens == 12 and req.finish_reason == "length"
 
 
@@ -233,30 +233,30 @@ def test_max_model_len_ends_with_length() -> None:
 def test_request_id_reused_while_its_step_runs(chunk: int) -> None:
     """A request aborted while its step runs frees its id at once; a new request that takes
     the id must not receive the old step's token (nor crash the commit of a chunk)."""
-    sched, runner, clock = make_scheduler(chunked_prefill_size=chunk, max_prefill_tokens=64)
-    submit(sched, clock, [(list(range(1, 30)), 4)], tag="x")
-    plan = sched.schedule()
+    core, runner, clock = make_scheduler(chunked_prefill_size=chunk, max_prefill_tokens=64)
+    submit(core, clock, [(list(range(1, 30)), 4)], tag="x")
+    plan = core.launch()
     assert plan is not None
-    assert sched.abort("x0") is not None  # while the step "runs"
+    assert core.abort("x0")  # while the step "runs"
     again = Request("x0", [5, 6, 7], SamplingParams(max_new_tokens=3), clock())
-    sched.add_request(again)
-    assert sched.commit(plan, runner.execute(plan)) == []
+    core.add(again)
+    assert core.land(plan, runner.execute(plan)).tokens == []
     assert again.output_ids == [] and again.status is RequestStatus.WAITING
-    sched.kv.check_invariant()
-    drive(sched, runner, clock)
+    core.kv.check_invariant()
+    drive(core, runner, clock)
     assert again.output_ids == reference_output([5, 6, 7], 3)
 
 
 def test_failed_step_does_not_fail_a_request_that_reused_an_id() -> None:
-    sched, runner, clock = make_scheduler()
-    submit(sched, clock, [(list(range(1, 30)), 4)], tag="x")
-    plan = sched.schedule()
+    core, runner, clock = make_scheduler()
+    submit(core, clock, [(list(range(1, 30)), 4)], tag="x")
+    plan = core.launch()
     assert plan is not None
-    sched.abort("x0")
+    core.abort("x0")
     again = Request("x0", [5, 6, 7], SamplingParams(max_new_tokens=3), clock())
-    sched.add_request(again)
-    assert sched.fail(plan) == []
-    drive(sched, runner, clock)
+    core.add(again)
+    assert core.land(plan, RuntimeError("forward failed")).failed == []
+    drive(core, runner, clock)
     assert again.output_ids == reference_output([5, 6, 7], 3)
 
 
@@ -264,7 +264,7 @@ def test_retract_takes_the_request_with_least_output_and_resets_the_ratio(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # 6 pages of 4 tokens: each request alone fits (4 + 20 tokens), both together do not
-    sched, runner, clock = make_scheduler(
+    core, runner, clock = make_scheduler(
         num_pages=6,
         page_size=4,
         max_model_len=24,
@@ -272,42 +272,42 @@ def test_retract_takes_the_request_with_least_output_and_resets_the_ratio(
         min_new_token_ratio=0.01,
         new_token_ratio_decay=0.1,
     )
-    (first,) = submit(sched, clock, [([1, 2, 3, 4], 20)], tag="a")
+    (first,) = submit(core, clock, [([1, 2, 3, 4], 20)], tag="a")
     ratios = []
     for _ in range(5):  # its prefill, then decode-only steps: the ratio decays each step
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None
-        sched.commit(plan, runner.execute(plan))
-        ratios.append(sched.new_token_ratio)
+        core.land(plan, runner.execute(plan))
+        ratios.append(core.scheduler.new_token_ratio)
     assert ratios[0] == 0.5 and ratios[1:] == pytest.approx([0.4, 0.3, 0.2, 0.1])
-    (second,) = submit(sched, clock, [([9, 8, 7, 6], 20)], tag="b")
+    (second,) = submit(core, clock, [([9, 8, 7, 6], 20)], tag="b")
     caplog.set_level("WARNING", logger="asyncengine.scheduler")
-    while sched.total_retractions == 0:
-        plan = sched.schedule()
+    while core.scheduler.total_retractions == 0:
+        plan = core.launch()
         assert plan is not None
-        sched.commit(plan, runner.execute(plan))
-        sched.kv.check_invariant()
+        core.land(plan, runner.execute(plan))
+        core.kv.check_invariant()
     # the later request has fewer outputs: it loses least work
     assert (second.retractions, first.retractions) == (1, 0)
-    assert sched.new_token_ratio >= 0.4  # reset to 0.5, then at most one step's decay
+    assert core.scheduler.new_token_ratio >= 0.4  # reset to 0.5, then at most one step's decay
     assert any("retracted 1 request(s) (b0)" in r.getMessage() for r in caplog.records)
-    drive(sched, runner, clock)
+    drive(core, runner, clock)
     assert first.output_ids == reference_output([1, 2, 3, 4], 20)
     assert second.output_ids == reference_output([9, 8, 7, 6], 20)  # nothing emitted twice
 
 
 def test_token_budget_bounds_prefill_plus_decode_tokens_per_step() -> None:
-    sched, runner, clock = make_scheduler(
+    core, runner, clock = make_scheduler(
         policy="token-budget",
         policy_options={"prefill_tokens": 8, "total_tokens": 10},
     )
-    submit(sched, clock, [([1 + i, 2, 3], 30) for i in range(6)], tag="short")
+    submit(core, clock, [([1 + i, 2, 3], 30) for i in range(6)], tag="short")
     for _ in range(2):
-        plan = sched.schedule()
+        plan = core.launch()
         assert plan is not None
-        sched.commit(plan, runner.execute(plan))
-    submit(sched, clock, [(list(range(100, 140)), 2), (list(range(200, 240)), 2)], tag="long")
-    plans = drive(sched, runner, clock)
+        core.land(plan, runner.execute(plan))
+    submit(core, clock, [(list(range(100, 140)), 2), (list(range(200, 240)), 2)], tag="long")
+    plans = drive(core, runner, clock)
     mixed = [p for p in plans if p.extends and p.decodes]
     assert mixed, "no step carried prefill and decodes together"
     for p in plans:

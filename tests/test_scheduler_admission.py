@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan
-from asyncengine.scheduler import Scheduler
 from asyncengine.step_prefixes import StepPrefixes
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
 from tests.test_scheduler import Clock, drive, submit
@@ -15,7 +15,7 @@ PAGE = 4
 
 def make(
     policy: str = "fcfs", enable_prefix_cache: bool = True, **overrides: object
-) -> tuple[Scheduler, FakeExecutor, Clock]:
+) -> tuple[EngineCore, FakeExecutor, Clock]:
     clock = Clock()
     core, executor = fake_core(
         256,
@@ -26,14 +26,14 @@ def make(
         enable_prefix_cache=enable_prefix_cache,
         **overrides,
     )
-    return core.scheduler, executor, clock
+    return core, executor, clock
 
 
-def step(sched: Scheduler, runner: FakeExecutor) -> BatchPlan:
-    plan = sched.schedule()
+def step(core: EngineCore, runner: FakeExecutor) -> BatchPlan:
+    plan = core.launch()
     assert plan is not None
-    sched.commit(plan, runner.execute(plan))
-    sched.kv.check_invariant()
+    core.land(plan, runner.execute(plan))
+    core.kv.check_invariant()
     return plan
 
 
@@ -42,20 +42,20 @@ SHARED = list(range(1, 2 * PAGE + 1))  # two whole pages, not cached at first
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
 def test_sibling_waits_a_step_and_hits_the_shared_pages(policy: str) -> None:
-    sched, runner, clock = make(policy)
+    core, runner, clock = make(policy)
     items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
-    reqs = submit(sched, clock, items)
-    first = step(sched, runner)
+    reqs = submit(core, clock, items)
+    first = step(core, runner)
     assert len(first.extends) == 1  # one sibling computes the shared pages, the other waits
     later = {r.rid for r in reqs} - {first.extends[0].rid}
-    plans = [first, *drive(sched, runner, clock)]
+    plans = [first, *drive(core, runner, clock)]
     second = next(p for p in plans if any(s.rid in later for s in p.extends))
     (seg,) = [s for s in second.extends if s.rid in later]
     assert seg.start_pos == len(SHARED)  # only its own suffix is computed
     waited = next(r for r in reqs if r.rid in later)
     assert waited.cached_tokens == len(SHARED)
-    assert sched.kv.hit_tokens == len(SHARED)
-    assert sched.stats()["prefix_deferrals"] >= 1
+    assert core.kv.hit_tokens == len(SHARED)
+    assert core.stats()["prefix_deferrals"] >= 1
     for req, (prompt, n) in zip(reqs, items, strict=True):
         assert req.output_ids == reference_output(prompt, n)
 
@@ -66,47 +66,47 @@ def test_sibling_waits_a_step_and_hits_the_shared_pages(policy: str) -> None:
     ids=["dedup-off", "cache-off"],
 )
 def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, bool]) -> None:
-    sched, runner, clock = make(**overrides)  # type: ignore[arg-type]
-    reqs = submit(sched, clock, [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)])
-    assert len(step(sched, runner).extends) == 2
-    drive(sched, runner, clock)
+    core, runner, clock = make(**overrides)  # type: ignore[arg-type]
+    reqs = submit(core, clock, [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)])
+    assert len(step(core, runner).extends) == 2
+    drive(core, runner, clock)
     assert [r.cached_tokens for r in reqs] == [0, 0]
-    assert sched.stats()["prefix_deferrals"] == 0
+    assert core.stats()["prefix_deferrals"] == 0
 
 
 def test_deferral_skips_only_the_sibling_not_the_requests_behind_it() -> None:
-    sched, runner, clock = make()
+    core, runner, clock = make()
     other = list(range(500, 511))
-    reqs = submit(sched, clock, [(SHARED + [100, 101], 2), (SHARED + [200, 201], 2), (other, 2)])
-    assert {s.rid for s in step(sched, runner).extends} == {reqs[0].rid, reqs[2].rid}
-    plan = step(sched, runner)
+    reqs = submit(core, clock, [(SHARED + [100, 101], 2), (SHARED + [200, 201], 2), (other, 2)])
+    assert {s.rid for s in step(core, runner).extends} == {reqs[0].rid, reqs[2].rid}
+    plan = step(core, runner)
     assert [s.rid for s in plan.extends] == [reqs[1].rid]
     assert plan.extends[0].start_pos == len(SHARED)
 
 
 def test_sharing_less_than_a_whole_uncached_page_is_not_deferred() -> None:
-    sched, runner, clock = make()
+    core, runner, clock = make()
     head = SHARED[: PAGE - 1]  # three tokens: no page the cache could share
-    submit(sched, clock, [(head + [100] * 8, 2), (head + [200] * 8, 2)])
-    assert len(step(sched, runner).extends) == 2
+    submit(core, clock, [(head + [100] * 8, 2), (head + [200] * 8, 2)])
+    assert len(step(core, runner).extends) == 2
 
 
 def test_a_shared_last_page_the_cache_cannot_serve_is_not_deferred() -> None:
     # The second prompt is exactly the first shared page: the cache never serves a prompt's
     # last token, so it would compute that page anyway and has nothing to wait for.
-    sched, runner, clock = make()
-    reqs = submit(sched, clock, [(SHARED + [100, 101], 2), (SHARED[:PAGE], 2)])
-    assert len(step(sched, runner).extends) == 2
-    drive(sched, runner, clock)
+    core, runner, clock = make()
+    reqs = submit(core, clock, [(SHARED + [100, 101], 2), (SHARED[:PAGE], 2)])
+    assert len(step(core, runner).extends) == 2
+    drive(core, runner, clock)
     assert reqs[1].cached_tokens == 0
 
 
 def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
-    sched, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=8)
+    core, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=8)
     long_prompt = list(range(1, 21))  # chunks [0, 8), [8, 16), [16, 20)
     sibling = long_prompt + [99, 98, 97, 96, 95]  # shares all five pages of it
-    reqs = submit(sched, clock, [(long_prompt, 2), (sibling, 2)])
-    plans = drive(sched, runner, clock)
+    reqs = submit(core, clock, [(long_prompt, 2), (sibling, 2)])
+    plans = drive(core, runner, clock)
     last_chunk = next(p for p in plans if any(s.rid == "r0" and s.sample for s in p.extends))
     assert [s.rid for s in last_chunk.extends] == ["r0"]  # room for 4 more, but it waits
     assert reqs[1].cached_tokens == len(long_prompt)
@@ -123,10 +123,10 @@ def test_tree_of_prompts_computes_every_shared_page_once() -> None:
             prompts.append(child + [200 + b] * PAGE + [7])
     distinct_pages = {tuple(p[: i + PAGE]) for p in prompts for i in range(0, len(p) - 1, PAGE)}
     for dedup, expect_once in [(True, True), (False, False)]:
-        sched, runner, clock = make(enable_inbatch_prefix_dedup=dedup)
-        reqs = submit(sched, clock, [(p, 2) for p in prompts])
-        drive(sched, runner, clock)
-        computed = sum(len(p) for p in prompts) - sched.kv.hit_tokens
+        core, runner, clock = make(enable_inbatch_prefix_dedup=dedup)
+        reqs = submit(core, clock, [(p, 2) for p in prompts])
+        drive(core, runner, clock)
+        computed = sum(len(p) for p in prompts) - core.kv.hit_tokens
         once = len(distinct_pages) * PAGE + len(prompts)  # every page once, plus each last token
         assert (computed == once) is expect_once, (dedup, computed, once)
         for req, prompt in zip(reqs, prompts, strict=True):
@@ -165,12 +165,12 @@ def long_and_short_items() -> list[tuple[list[int], int]]:
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "dynamic-chunking"])
 def test_chunk_size_bounds_a_steps_prefill(policy: str) -> None:
     options = {"min_chunk": PAGE} if policy == "dynamic-chunking" else {}
-    sched, runner, clock = make(
+    core, runner, clock = make(
         policy, chunked_prefill_size=8, max_prefill_tokens=64, policy_options=options
     )
     items = long_and_short_items()
-    reqs = submit(sched, clock, items)
-    plans = drive(sched, runner, clock)
+    reqs = submit(core, clock, items)
+    plans = drive(core, runner, clock)
     assert prefill_tokens(plans[0]) == 8
     assert max(prefill_tokens(p) for p in plans) <= 8
     assert any(len(p.extends) > 1 for p in plans), "short prompts never shared a step"
@@ -179,32 +179,32 @@ def test_chunk_size_bounds_a_steps_prefill(policy: str) -> None:
 
 
 def test_a_policy_budget_below_the_chunk_still_bounds_the_step() -> None:
-    sched, runner, clock = make(
+    core, runner, clock = make(
         "token-budget",
         chunked_prefill_size=16,
         max_prefill_tokens=64,
         policy_options={"prefill_tokens": 8, "total_tokens": 64},
     )
-    submit(sched, clock, long_and_short_items())
-    plans = drive(sched, runner, clock)
+    submit(core, clock, long_and_short_items())
+    plans = drive(core, runner, clock)
     assert max(prefill_tokens(p) for p in plans) == 8
 
 
 def test_without_chunking_the_step_budget_is_max_prefill_tokens() -> None:
-    sched, runner, clock = make(chunked_prefill_size=0, max_prefill_tokens=64)
-    submit(sched, clock, [(list(range(1, 31)), 2), (list(range(100, 130)), 2)])
-    assert prefill_tokens(step(sched, runner)) == 60
+    core, runner, clock = make(chunked_prefill_size=0, max_prefill_tokens=64)
+    submit(core, clock, [(list(range(1, 31)), 2), (list(range(100, 130)), 2)])
+    assert prefill_tokens(step(core, runner)) == 60
 
 
 def test_a_prompt_does_not_start_with_less_than_a_page() -> None:
     # 6 tokens of the 8-token step budget go to the first prompt; the 2 left are less than a
     # page, so the 9-token prompt starts next step with a whole-page chunk instead
-    sched, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=64)
+    core, runner, clock = make(chunked_prefill_size=8, max_prefill_tokens=64)
     first, second = list(range(1, 7)), list(range(100, 109))
-    reqs = submit(sched, clock, [(first, 2), (second, 2)])
-    plan = step(sched, runner)
+    reqs = submit(core, clock, [(first, 2), (second, 2)])
+    plan = step(core, runner)
     assert [(s.rid, len(s.input_ids)) for s in plan.extends] == [(reqs[0].rid, len(first))]
-    plans = drive(sched, runner, clock)
+    plans = drive(core, runner, clock)
     starts = [s for p in plans for s in p.extends if s.rid == reqs[1].rid]
     assert starts[0].start_pos == 0 and len(starts[0].input_ids) >= PAGE
     assert [r.output_ids for r in reqs] == [reference_output(first, 2), reference_output(second, 2)]

@@ -17,6 +17,7 @@ from asyncengine.core import EngineCore
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.step_events import StepEvents
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
 from tests.test_scheduler import Clock
 
@@ -60,10 +61,11 @@ def add(
     return req
 
 
-def step(core: EngineCore, clock: Clock) -> None:
+def step(core: EngineCore, clock: Clock) -> StepEvents:
     result = core.step()
     assert result is not None
     clock.t += result.forward_seconds
+    return result
 
 
 def run(core: EngineCore, clock: Clock, max_steps: int = 2000) -> None:
@@ -117,9 +119,9 @@ def test_a_waiting_request_times_out_without_ever_running() -> None:
     late = add(core, clock, "late", [4, 5, 6], 5, timeout=0.01)
     step(core, clock)
     clock.t = 1.0
-    step(core, clock)
+    events = step(core, clock)
     assert late.finish_reason == "timeout" and late.first_scheduled_time is None
-    assert late.output_ids == [] and core.expired == [late]
+    assert late.output_ids == [] and events.expired == [late] and late in events.ended
     run(core, clock)
     assert first.output_ids == reference_output([1, 2, 3], 30)
 
@@ -291,11 +293,14 @@ def test_a_policy_swap_takes_over_at_the_next_step_and_leaks_nothing() -> None:
     reqs = [add(core, clock, f"r{k}", p, 6 + k % 5, priority=-k) for k, p in enumerate(prompts)]
     for _ in range(3):
         step(core, clock)
-    new = core.set_policy("priority+dynamic-chunking", {"priority": {"preempt": True}})
+    assert core.set_policy("lpm") == "fcfs"
+    # a pending swap replaced before it ran: the policy replaced is still the running one
+    assert core.set_policy("priority+dynamic-chunking", {"priority": {"preempt": True}}) == "fcfs"
     assert core.policy.name == "fcfs"  # not before the step boundary
     step(core, clock)
-    assert core.policy is new and core.config.policy == "priority+dynamic-chunking"
-    assert core.stats()["policy_swaps"] == 1
+    assert core.policy.name == "priority+dynamic-chunking"
+    assert core.config.policy == "priority+dynamic-chunking"
+    assert core.stats()["policy_swaps"] == 2
     run(core, clock)
     for req, prompt in zip(reqs, prompts, strict=True):
         assert req.output_ids == reference_output(prompt, req.params.max_new_tokens)

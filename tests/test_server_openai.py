@@ -7,9 +7,10 @@ import json
 import openai
 import pytest
 
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.errors import ApiError
-from asyncengine.server.limits import TokenLimits, resolve_max_tokens
+from asyncengine.config import EngineConfig
+from asyncengine.intake import Intake
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.errors import from_engine_error
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -221,15 +222,15 @@ async def test_request_fields_map_onto_sampling_params() -> None:
     chat_req = decode_body(json.dumps({**body, **KNOBS}).encode(), ChatCompletionRequest)
     requested, param = chat_max_tokens(chat_req)
     assert (requested, param) == (9, "max_tokens")
-    limits = TokenLimits(context=512)
-    params = chat_sampling_params(chat_req, resolve_max_tokens(requested, 100, 20, limits, param))
+    limits = Intake(None, 1000, 512, EngineConfig())
+    params = chat_sampling_params(chat_req, limits.max_new_tokens(requested, 100, 20, param))
     for name, value in KNOBS.items():
         assert getattr(params, name) == value, name
     assert params.max_new_tokens == 9 and params.stop == ["END"]
     assert params.logprobs and params.top_logprobs == 2
     body = {"prompt": PROMPT, "stop": ["a", "b"], "logprobs": 3, **KNOBS}
     text_req = decode_body(json.dumps(body).encode(), CompletionRequest)
-    max_tokens = resolve_max_tokens(text_req.max_tokens, 16, 20, limits, "max_tokens")
+    max_tokens = limits.max_new_tokens(text_req.max_tokens, 16, 20, "max_tokens")
     params = completion_sampling_params(text_req, max_tokens)
     for name, value in KNOBS.items():
         assert getattr(params, name) == value, name
@@ -237,10 +238,11 @@ async def test_request_fields_map_onto_sampling_params() -> None:
     assert params.logprobs and params.top_logprobs == 3
     # max_tokens beyond the context is refused with the numbers (as vLLM does), not clamped
     huge = decode_body(json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), CompletionRequest)
-    with pytest.raises(ApiError) as info:
-        resolve_max_tokens(huge.max_tokens, 16, 20, limits, "max_tokens")
-    assert info.value.status == 400 and info.value.param == "max_tokens"
-    assert "512" in info.value.message and str(20 + 10**9) in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        limits.max_new_tokens(huge.max_tokens, 16, 20, "max_tokens")
+    error = from_engine_error(info.value)
+    assert error.status == 400 and error.param == "max_tokens"
+    assert "512" in error.message and str(20 + 10**9) in error.message
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

@@ -226,7 +226,7 @@ async def test_abort_while_compiling_leaks_nothing(
         await task
     release.set()
     assert await wait_until(lambda: engine_idle(engine))
-    assert not engine._groups and not engine._streams
+    assert not engine.streams.groups and not engine.streams.states
 
 
 async def test_bad_spec_is_refused_by_the_engine(server: RunningServer) -> None:

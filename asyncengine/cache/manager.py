@@ -13,6 +13,7 @@ which the scheduler hands to the executor inside the next plan (see page_table.p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,11 +31,13 @@ class SeqKV:
     """KV state of one live sequence."""
 
     row: int  # page-table row
-    kv_len: int  # tokens with KV slots (positions 0 .. kv_len - 1)
+    kv_len: int  # tokens with KV slots allocated (positions 0 .. kv_len - 1)
     num_cached: int  # tokens matched in the prefix cache at open
     pages: list[int]  # page ids covering positions 0 .. kv_len - 1
     lock_node: RadixNode  # the tree node this sequence locks
     num_in_tree: int  # leading tokens whose pages the tree owns (a multiple of page_size)
+    # tokens whose KV is written: kv_len less the slots planned for a step not yet landed
+    computed_len: int = 0
 
 
 class KVCacheManager:
@@ -97,6 +100,14 @@ class KVCacheManager:
             return 0
         return self.tree.prefix_length(tokens[:limit])
 
+    def own_pages(self, seq: SeqKV) -> int:
+        """Pages ``seq`` holds that are not the tree's (what closing it frees at once)."""
+        return len(seq.pages) - seq.num_in_tree // self.page_size
+
+    def reservation_pages(self, tokens: float) -> int:
+        """Pages kept free for ``tokens`` future tokens (already scaled by new_token_ratio)."""
+        return math.ceil(tokens / self.page_size)
+
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
         """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence).
 
@@ -142,6 +153,7 @@ class KVCacheManager:
             pages=pages,
             lock_node=node,
             num_in_tree=matched,
+            computed_len=matched,
         )
         self._open[row] = seq
         return seq
@@ -226,6 +238,7 @@ class KVCacheManager:
         self.page_table.release(seq.row)
         seq.pages = []
         seq.kv_len = 0
+        seq.computed_len = 0
         seq.num_in_tree = 0
         seq.lock_node = self.tree.root
 

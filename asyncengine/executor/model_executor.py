@@ -14,8 +14,10 @@ import logging
 
 import torch
 
+from asyncengine.builder import build_core
 from asyncengine.cache.page_table import PageTable
 from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.core import EngineCore
 from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import load_hf_config
@@ -24,8 +26,12 @@ from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
 from asyncengine.executor_api import KVLayout, ModelSpec
+from asyncengine.kernels import cpu_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.policies.base import Policy
+from asyncengine.shadow import ShadowPolicy
+from asyncengine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("asyncengine.executor")
 
@@ -63,6 +69,8 @@ class ModelExecutor:
         self._weights: dict[str, torch.Tensor | QuantizedTensor] | None = loaded.weights
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
+        if self.device.type == "cpu":  # compiled now (logged), not in the first request
+            cpu_native.load_all()
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         """More end-of-sequence ids (the tokenizer's); before ``bind``."""
@@ -136,3 +144,13 @@ class ModelExecutor:
         if self.runner is None:
             raise RuntimeError("bind() the executor before executing plans")
         return self.runner.execute(plan)
+
+
+def model_core(
+    config: EngineConfig, policies: tuple[Policy, ShadowPolicy | None] | None = None
+) -> tuple[EngineCore, Tokenizer]:
+    """The real model's core and its tokenizer (loads weights: off the event loop)."""
+    executor = ModelExecutor(config)
+    tokenizer = Tokenizer(executor.model_dir)
+    executor.add_eos_token_ids(tokenizer.eos_token_ids)
+    return build_core(config, executor, policies=policies), tokenizer

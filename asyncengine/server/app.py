@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
@@ -122,7 +122,7 @@ async def _mark_shutting_down(app: web.Application) -> None:
     app[STATE].shutting_down = True
 
 
-def _default_model_name(engine: Any) -> str:
+def _default_model_name(engine: EngineClient) -> str:
     try:
         return str(engine.model_name)
     except EngineNotRunningError:  # not started yet: the name it will serve
@@ -130,7 +130,7 @@ def _default_model_name(engine: Any) -> str:
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,

@@ -5,8 +5,7 @@ A client that disconnects cancels the handler, and the engine's stream aborts th
 
 from __future__ import annotations
 
-from typing import Any
-
+from asyncengine.engine_client import EngineClient
 from asyncengine.outputs import GenerateOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.errors import ApiError
@@ -24,7 +23,7 @@ def outcome_of(*finish_reasons: str | None) -> str:
 
 
 async def generate(
-    engine: Any, prompt: Prompt, params: SamplingParams, request_id: str
+    engine: EngineClient, prompt: Prompt, params: SamplingParams, request_id: str
 ) -> list[GenerateOutput]:
     """``engine.generate_choices``: one output per choice, in index order.
 

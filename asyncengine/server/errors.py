@@ -81,7 +81,7 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def from_engine_error(exc: Exception) -> ApiError:
     """Map an exception raised by the engine's public API to the error the client sees."""
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc), code="invalid_request")
+        return ApiError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")
     if isinstance(exc, QueueFullError):
         return ApiError(
             503,

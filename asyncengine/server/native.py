@@ -30,7 +30,6 @@ from asyncengine.sampling_params import (
 from asyncengine.server.body import read_json
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import invalid_request
-from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -266,11 +265,10 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, GenerateRequest)
     prompt = state.engine.tokenize(_prompt(req))
-    max_new_tokens = resolve_max_tokens(
+    max_new_tokens = state.engine.intake.max_new_tokens(
         req.sampling_params.max_new_tokens,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,
         len(prompt),
-        state.token_limits(),
         "sampling_params.max_new_tokens",
     )
     params = _sampling_params(req, max_new_tokens, state.engine.config.max_n)

@@ -12,7 +12,6 @@ from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.completion import generate, outcome_of
-from asyncengine.server.limits import resolve_max_tokens
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -49,8 +48,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(req.model)
     prompt = state.engine.tokenize(chat_messages(req))
     requested, param = chat_max_tokens(req)
-    max_tokens = resolve_max_tokens(
-        requested, state.default_chat_max_tokens, len(prompt), state.token_limits(), param
+    max_tokens = state.engine.intake.max_new_tokens(
+        requested, state.default_chat_max_tokens, len(prompt), param
     )
     params = chat_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
@@ -65,12 +64,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
     prompt = state.engine.tokenize(completion_prompt(req))
-    max_tokens = resolve_max_tokens(
-        req.max_tokens,
-        COMPLETIONS_DEFAULT_MAX_TOKENS,
-        len(prompt),
-        state.token_limits(),
-        "max_tokens",
+    max_tokens = state.engine.intake.max_new_tokens(
+        req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
     )
     params = completion_sampling_params(req, max_tokens, state.engine.config.max_n)
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)

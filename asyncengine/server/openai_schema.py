@@ -334,7 +334,7 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 def chat_sampling_params(
     req: ChatCompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
-    """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
+    """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
     _check_common(req, max_n)
     if req.tools:
         raise _unsupported(
@@ -350,7 +350,7 @@ def chat_sampling_params(
 def completion_sampling_params(
     req: CompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
-    """``max_tokens``: the request's, resolved against the context (server/limits.py)."""
+    """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
     _check_common(req, max_n)
     if req.echo:
         raise _unsupported("echo", "echo is not supported")

@@ -28,6 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.outputs import RequestMetrics
 from asyncengine.server.scheduling_metrics import scheduling_families
@@ -78,7 +79,7 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
 class EngineStatsCollector(Collector):
     """Token counters and gauges read from ``engine.stats()`` when Prometheus scrapes."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncengine.config import EngineConfig
+from asyncengine.engine_client import EngineClient
 from asyncengine.event_loop import run
 from asyncengine.server.app import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
@@ -145,7 +146,7 @@ async def start_http(
     return runner, int(runner.addresses[0][1])
 
 
-async def drain(runner: web.AppRunner, engine: Any, grace: float) -> None:
+async def drain(runner: web.AppRunner, engine: EngineClient, grace: float) -> None:
     """Close the listener, give in-flight requests ``grace`` seconds, then abort the rest."""
     cleanup = asyncio.create_task(runner.cleanup())
     done, _ = await asyncio.wait({cleanup}, timeout=grace)

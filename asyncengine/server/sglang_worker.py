@@ -9,7 +9,6 @@ GET /server_info and /get_server_info (limits and engine stats), GET /model_info
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from typing import Any
 
@@ -86,9 +85,7 @@ async def get_load(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     try:
-        flushed = engine.reset_prefix_cache()
-        if inspect.isawaitable(flushed):
-            await flushed
+        await engine.reset_prefix_cache()
     except EngineError as exc:
         raise ApiError(
             400,

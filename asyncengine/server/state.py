@@ -9,14 +9,14 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncengine.engine_client import EngineClient
 from asyncengine.server.errors import ApiError
-from asyncengine.server.limits import TokenLimits
 from asyncengine.server.prometheus import ServerMetrics
 
 
 @dataclass(slots=True)
 class ServerState:
-    engine: Any
+    engine: EngineClient
     metrics: ServerMetrics
     served_model_names: list[str]
     api_key: str | None = None
@@ -52,9 +52,6 @@ class ServerState:
             param="model",
             code="model_not_found",
         )
-
-    def token_limits(self) -> TokenLimits:
-        return TokenLimits(int(self.engine.max_model_len), self.engine.config.max_new_tokens_limit)
 
 
 STATE = web.AppKey("asyncengine_state", ServerState)

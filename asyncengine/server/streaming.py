@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from asyncengine.engine_client import DeltaStream
 from asyncengine.outputs import StreamDelta
 from asyncengine.server.completion import outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, ServerState
-from asyncengine.text.stream import RequestStream
 
 Frame = Any  # a JSON-encodable payload of one ``data:`` event
 
@@ -40,7 +40,7 @@ class StreamFormat(Protocol):
         ...
 
 
-async def _next(stream: RequestStream) -> StreamDelta | None:
+async def _next(stream: DeltaStream) -> StreamDelta | None:
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
@@ -50,7 +50,7 @@ async def _next(stream: RequestStream) -> StreamDelta | None:
 async def stream_response(
     request: web.Request,
     state: ServerState,
-    stream: RequestStream,
+    stream: DeltaStream,
     fmt: StreamFormat,
     choices: int,
 ) -> web.StreamResponse:

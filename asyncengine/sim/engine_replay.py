@@ -29,7 +29,9 @@ async def replay_real(
             await engine.generate(
                 item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
             )
-        engine.reset_prefix_cache(reset_counters=True)  # warm-up prompts must not turn into hits
+        await engine.reset_prefix_cache(
+            reset_counters=True
+        )  # warm-up prompts must not turn into hits
         loop = asyncio.get_running_loop()
         start = loop.time()
 

@@ -4,7 +4,7 @@ Each replica is a full simulated engine (its own core, cost model and clock); th
 of asyncengine.routing's, the classes the Ray Serve deployment routes with, fed the same view
 of each replica (requests in flight, prefix-cache capacity). Events run in time order: an
 arrival is routed at its arrival time and joins its replica when that replica is next ready
-(at once when idle, else when its step in flight commits), exactly as WorkloadReplay admits a
+(at once when idle, else when its step in flight lands), exactly as WorkloadReplay admits a
 single engine's arrivals; so one replica behind any router gives the single simulator's run.
 """
 
@@ -59,7 +59,7 @@ class _Replica:
     executor: SimulatedExecutor
     core: EngineCore
     inbox: list[Request] = field(default_factory=list)  # routed, joins at the next ready time
-    in_flight: tuple[BatchPlan, StepOutput] | None = None
+    in_flight: tuple[BatchPlan, StepOutput | BaseException] | None = None
     steps: int = 0
 
     @property
@@ -77,20 +77,24 @@ class _Replica:
             self.core.add(req)
         self.inbox.clear()
 
-    def start_step(self) -> None:
-        """Plan and run the next step; its result commits when the clock reaches ready_at."""
+    def launch(self) -> None:
+        """Launch and run the next step; it lands when the clock reaches ready_at."""
         if self.in_flight is not None or not self.core.has_work():
             return
-        plan = self.core.schedule()
+        plan = self.core.launch()
         if plan is None:  # nothing fits now; an arrival to this replica may change that
             return
-        self.in_flight = (plan, self.core.executor.execute(plan))
+        try:
+            output: StepOutput | BaseException = self.core.executor.execute(plan)
+        except Exception as error:  # lands as a failed step, like any driver's
+            output = error
+        self.in_flight = (plan, output)
 
-    def commit(self) -> None:
+    def land(self) -> None:
         assert self.in_flight is not None
         plan, output = self.in_flight
         self.in_flight = None
-        self.core.commit(plan, output)
+        self.core.land(plan, output)
         self.steps += 1
 
 
@@ -163,13 +167,13 @@ class MultiReplicaSimulator:
                     if r.in_flight is None and r.inbox:
                         r.clock.advance_to(now)
                         r.admit()
-                        r.start_step()
+                        r.launch()
             else:
                 for r in replicas:
                     if r.ready_at == next_ready:
-                        r.commit()
+                        r.land()
                         r.admit()
-                        r.start_step()
+                        r.launch()
         stuck = [r.replica_id for r in replicas if r.core.has_work()]
         if stuck:
             raise SchedulerStuckError(f"replicas {stuck} hold requests no step can serve")

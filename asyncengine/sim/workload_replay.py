@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from asyncengine.bench.records import RequestRecord
-from asyncengine.core import EngineCore, StepResult
+from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.clock import VirtualClock
+from asyncengine.step_events import StepEvents
 from asyncengine.workloads.trace import WorkloadRequest
 
 
@@ -76,7 +77,7 @@ class WorkloadReplay:
             self.requests[item.rid] = req
             self.core.add(req)
 
-    def step(self) -> StepResult | None:
+    def step(self) -> StepEvents | None:
         """Let in what has arrived by now and run one step (waiting for arrivals if idle);
         None when the last requests ran out of time and nothing is left to run."""
         timer = self.overhead_timer
@@ -97,6 +98,7 @@ class WorkloadReplay:
             spent = getattr(self.core.executor, "spent", 0.0)
             overhead = max(0.0, timer() - start - spent)
             self.clock.advance(overhead)
+            assert result.plan is not None  # a step's events carry its plan
             self.plans.append(result.plan)
             self.step_seconds.append(result.forward_seconds + overhead)
         self.steps += 1

@@ -1,15 +1,15 @@
-"""Per-request output side: detokenize, apply stop strings, and queue deltas for the caller."""
+"""Per-request output side: queue the deltas of landed tokens and their text for the caller
+(the text is detokenized, and stop strings checked, where the tokens land: output_text.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.request import Request
-from asyncengine.text.stop_strings import StopStringFilter
+from asyncengine.text.output_text import OutputText
 
 
 class StreamState:
@@ -21,42 +21,54 @@ class StreamState:
     def __init__(
         self,
         req: Request,
-        detokenizer: Any,
+        text: OutputText,
         queue: asyncio.Queue[StreamDelta | BaseException] | None = None,
         index: int = 0,
         request_id: str | None = None,
     ) -> None:
         self.req = req
         self.request_id = req.rid if request_id is None else request_id  # the caller's id
-        self.detokenizer = detokenizer
+        self.text = text
         self.index = index
-        self.stops = StopStringFilter(list(req.params.stop))
         self.queue: asyncio.Queue[StreamDelta | BaseException] = queue or asyncio.Queue()
         self.ready = ""  # text cleared for the caller, not yet handed out
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.done = False
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Take one sampled token; return the stop string it completed, if any."""
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """Take one landed token (its text is in ``self.text`` already)."""
         self.tokens.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        scan = self.stops.push(self.detokenizer.add([token_id]))
-        self.ready += scan.emit
-        return scan.matched
+        self.ready += self.text.take()
 
     def flush_delta(self) -> None:
         """Queue what can be shown now (text that cannot still turn into a stop string)."""
         if self.ready or self.tokens:
             self.queue.put_nowait(self._delta())
 
-    def finish(self, usage: Usage, metrics: RequestMetrics) -> None:
-        if self.stops.matched is None:
-            flush = getattr(self.detokenizer, "flush", None)
-            if flush is not None:  # bytes held back for an incomplete character
-                self.ready += self.stops.push(flush()).emit
-            self.ready += self.stops.flush()
+    def finish(self, now: float) -> None:
+        """Queue the final delta: the rest of the text, the finish reason, usage and metrics
+        (``now`` stands for the end time of a request that never reached the core)."""
+        req = self.req
+        end = req.finished_time or now
+        usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            queue_time=None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time,
+            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            e2e=end - req.arrival_time,
+            itl=[b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)],
+            retractions=req.retractions,
+            cached_tokens=req.cached_tokens,
+            tenant=req.params.tenant,
+            priority=req.params.priority,
+            blocked=dict(req.blocked),
+        )
+        self.ready += self.text.finish()
         delta = self._delta()
         delta.finished = True
         delta.finish_reason = self.req.finish_reason or "abort"

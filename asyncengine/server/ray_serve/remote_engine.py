@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineError, EngineNotRunningError, RequestFailedError
+from asyncengine.intake import Intake
 from asyncengine.outputs import GenerateOutput, StreamDelta
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
@@ -71,7 +71,7 @@ class RemoteStream:
         self._calls = calls
         self._open_choices = choices
 
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+    def __aiter__(self) -> RemoteStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
@@ -110,6 +110,7 @@ class RemoteEngine:
         self._calls: dict[str, Any] = {}  # request id -> its DeploymentResponse(Generator)
         self._info: dict[str, Any] = {}
         self._tokenizer: Any = None
+        self._intake: Intake | None = None
         self._running = False
 
     async def start(self) -> RemoteEngine:
@@ -123,6 +124,7 @@ class RemoteEngine:
         self._tokenizer = await asyncio.to_thread(
             lambda: Tokenizer(tokenizer_dir(self.config.model))
         )
+        self._intake = Intake(self._tokenizer, self.vocab_size, self.max_model_len, self.config)
         self._running = True
         return self
 
@@ -158,11 +160,16 @@ class RemoteEngine:
         self._require_info()
         return self._tokenizer
 
+    @property
+    def intake(self) -> Intake:
+        """Tokenizes and validates requests as a replica's engine does."""
+        self._require_info()
+        assert self._intake is not None
+        return self._intake
+
     def tokenize(self, prompt: Any) -> list[int]:
         """The token ids a replica queues for ``prompt`` (``InvalidRequestError`` if refused)."""
-        from asyncengine.text.tokenizer import prompt_token_ids
-
-        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
+        return self.intake.tokenize(prompt)
 
     # -- requests ---------------------------------------------------------------------------
     def _begin(
@@ -233,8 +240,9 @@ class RemoteEngine:
         call.cancel()
         return True
 
-    async def reset_prefix_cache(self) -> None:
-        """Empty every replica's prefix cache and the router's tree (EngineError while busy)."""
+    async def reset_prefix_cache(self, reset_counters: bool = False) -> None:
+        """Empty every replica's prefix cache and the router's tree (EngineError while busy);
+        ``reset_counters`` is the replicas' to honour (they keep their hit counters)."""
         router = self.router()
         replicas = router.replica_ids() if router is not None else []
         results = await asyncio.gather(

@@ -93,7 +93,7 @@ class EngineReplica:
 
     async def flush_cache(self, replica: str | None = None) -> None:
         """Empty the prefix cache (EngineError while requests run)."""
-        self.engine.reset_prefix_cache()
+        await self.engine.reset_prefix_cache()
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}

@@ -85,12 +85,14 @@ async def run_replica_server(config: EngineConfig, handle: Any, app_name: str, *
 
 def serve_replicas(config: EngineConfig, args: argparse.Namespace) -> int:
     """The CLI's entry: Ray up, replicas deployed, HTTP served, everything torn down."""
+    from asyncengine.builder import make_policies
     from asyncengine.executor.loader import tokenizer_dir
     from asyncengine.server.serve import http_options
 
     require_ray()
     options = ray_options(args)
     tokenizer_dir(config.model)  # a bad model fails here, before Ray starts
+    make_policies(config)  # and a bad policy or option
     deployment = RayDeployment(options)
     try:
         handle = deployment.open(config)

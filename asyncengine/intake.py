@@ -1,0 +1,119 @@
+"""Intake: a request's input tokenized and validated once, for the Python API and the server.
+
+``AsyncEngine.stream`` (and so ``generate``) runs every request through ``accept``; the HTTP
+routes call ``tokenize`` and ``max_new_tokens`` first (the OpenAI defaults for an absent
+``max_tokens`` need the prompt's length), and the ``TokenIds`` that ``tokenize`` returns are
+not tokenized or range-checked again when the engine accepts them. Every refusal is an
+``InvalidRequestError`` (with the request field it is about, and an error code where the
+OpenAI API names one), raised before anything is queued.
+
+How many tokens a request may generate: as vLLM does, a request whose prompt plus
+``max_tokens`` would not fit the context is refused with the numbers (a huge ``max_tokens`` is
+a client mistake, not a request to run for minutes); a request without it generates up to the
+context (or the front end's default), and ``max_new_tokens_limit`` caps both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncengine.config import EngineConfig
+from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.text.tokenizer import prompt_token_ids
+
+Prompt = str | list[int] | list[dict[str, Any]]
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+class TokenIds(list[int]):
+    """A prompt's token ids as the intake gave them: already in the vocabulary."""
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    config: EngineConfig
+
+    def tokenize(self, prompt: Prompt) -> TokenIds:
+        """The token ids the engine would queue for ``prompt`` (chat messages go through the
+        chat template); ``InvalidRequestError`` for a prompt it would refuse."""
+        if isinstance(prompt, TokenIds):
+            return prompt
+        return TokenIds(prompt_token_ids(self.tokenizer, prompt, self.vocab_size))
+
+    def max_new_tokens(
+        self, requested: int | None, default: int | None, prompt_tokens: int, param: str
+    ) -> int:
+        """The request's max new tokens: ``requested`` (None: not given, then ``default``, and
+        None there means up to the context), checked against the context and the limit."""
+        room = self._room(prompt_tokens)
+        limit = self.config.max_new_tokens_limit
+        if requested is None:
+            value = room if default is None else min(default, room)
+            return value if limit is None else min(value, limit)
+        if requested > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+                f"prompt, {requested} to generate); lower {param} to at most {room}",
+                param=param,
+                code=CONTEXT_EXCEEDED,
+            )
+        self._check_limit(requested, param)
+        return requested
+
+    def _check_limit(self, requested: int, param: str) -> None:
+        limit = self.config.max_new_tokens_limit
+        if limit is not None and requested > limit:
+            raise InvalidRequestError(
+                f"{param}={requested} is above this engine's limit of {limit} new tokens per "
+                "request (max_new_tokens_limit)",
+                param=param,
+                code=CONTEXT_EXCEEDED,
+            )
+
+    def accept(
+        self, prompt: Prompt, params: SamplingParams | None
+    ) -> tuple[TokenIds, SamplingParams]:
+        """The prompt's token ids and the parameters, validated: what the engine queues."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.tokenize(prompt)
+        self._room(len(ids))
+        self._check_limit(params.max_new_tokens, "max_new_tokens")
+        vocab = self.vocab_size
+        for name, named in (
+            ("stop token", params.stop_token_ids),
+            ("logit_bias token", params.logit_bias),
+        ):
+            bad = [t for t in named if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} id {bad[0]} is outside the vocabulary [0, {vocab})"
+                )
+        if params.n > self.config.max_n:
+            raise InvalidRequestError(
+                f"n={params.n} is more choices than this engine allows (max_n={self.config.max_n})",
+                param="n",
+            )
+        if params.structured is not None and not hasattr(self.tokenizer, "backend"):
+            raise InvalidRequestError("structured output needs the model's own tokenizer")
+        return ids, params
+
+    def _room(self, prompt_tokens: int) -> int:
+        """Tokens the context leaves after the prompt (at least 1, else refused)."""
+        if prompt_tokens == 0:
+            raise InvalidRequestError("prompt is empty after tokenization")
+        room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_tokens} tokens but the context is {self.max_model_len} "
+                "tokens (max_model_len), leaving no room to generate",
+                code=CONTEXT_EXCEEDED,
+            )
+        return room

@@ -1,0 +1,193 @@
+"""Lifecycle: the one place a request's end is decided (core side: no torch, no asyncio).
+
+Every way a request ends is here: a sampled token that is EOS or a stop token id, the output
+length or the context limit, a stop string in its detokenized text (``Request.text``, filled
+where the tokens land), its grammar completing (or refusing a token), its deadline
+(``SamplingParams.timeout`` from arrival, ``max_queue_time`` while never scheduled), an abort, a
+failed forward, and an n > 1 choice whose leader ended before prefilling the shared prompt.
+The scheduler releases the request's queues and KV memory (``Scheduler.finish``); the ends
+are counted here and reported to the driver as ``StepEvents`` (step_events.py).
+
+n > 1 forks: the other choices of a request are held here until their leader's first token
+(its prompt is in the radix cache then), and are handed to the scheduler at that point, so
+they take the prompt's pages from the cache instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Sequence
+
+from asyncengine.plan import BatchPlan
+from asyncengine.request import Request
+from asyncengine.scheduler import Scheduler
+from asyncengine.step_events import StepEvents, TokenEvent
+from asyncengine.tenant_stats import TenantStats
+
+log = logging.getLogger("asyncengine.lifecycle")
+
+COUNTERS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "finished_stop",
+    "finished_length",
+    "finished_abort",
+    "finished_timeout",
+    "failed",
+)
+
+
+class Lifecycle:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: Sequence[int]) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.tenants = TenantStats()
+        self.followers: dict[str, list[Request]] = {}  # leader's id -> choices that fork it
+        # (deadline, tie-break, request, queue-only): SamplingParams.timeout and max_queue_time
+        self._deadlines: list[tuple[float, int, Request, bool]] = []
+        self._deadline_order = itertools.count()
+        self._ended: list[Request] = []  # since the last report
+        self._released: list[Request] = []
+
+    # -- arrivals ----------------------------------------------------------------------------
+    def add(self, req: Request, followers: Sequence[Request] = ()) -> None:
+        """Queue ``req``; ``followers`` (its n > 1 siblings, same prompt) join it once its
+        prompt is cached (at once when the prefix cache is off)."""
+        self._add(req)
+        if not followers:
+            return
+        if self.scheduler.kv.enable_prefix_cache:
+            self.followers[req.rid] = list(followers)
+        else:
+            for follower in followers:
+                self._add(follower)
+
+    def _add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        self.tenants.added(req)
+        order, max_queue_time = self._deadline_order, self.scheduler.config.max_queue_time
+        if req.params.timeout is not None:
+            deadline = req.arrival_time + req.params.timeout
+            heapq.heappush(self._deadlines, (deadline, next(order), req, False))
+        if max_queue_time is not None:
+            deadline = req.arrival_time + max_queue_time
+            heapq.heappush(self._deadlines, (deadline, next(order), req, True))
+
+    # -- endings -----------------------------------------------------------------------------
+    def end(self, req: Request, reason: str, matched: str | int | None = None) -> None:
+        """End ``req`` now (no-op if it has ended): its queues and KV are released (the
+        computed prefix stays cached), and the choices waiting to fork it end with it."""
+        if req.finished:
+            return
+        self.scheduler.finish(req, reason, matched)
+        self._ended_one(req, reason)
+
+    def _ended_one(self, req: Request, reason: str) -> None:
+        self._ended.append(req)
+        key = f"finished_{reason}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        self.tenants.generated(req, len(req.output_ids))  # a tenant's tokens count at the end
+        if reason == "timeout":
+            self.tenants.timed_out(req)
+        for follower in self.followers.pop(req.rid, ()):
+            follower.mark_finished(reason, None, self.scheduler.clock())
+            self._ended_one(follower, reason)
+
+    def abort(self, rid: str) -> bool:
+        """End ``rid`` with reason "abort" (queued, running, or a choice waiting to fork)."""
+        req = self.scheduler.requests.get(rid)
+        if req is not None:
+            self.end(req, "abort")
+            return True
+        for followers in self.followers.values():
+            for follower in followers:
+                if follower.rid == rid:
+                    followers.remove(follower)
+                    follower.mark_finished("abort", None, self.scheduler.clock())
+                    self._ended_one(follower, "abort")
+                    return True
+        return False
+
+    def expire(self) -> None:
+        """End (reason "timeout") every request past its deadline: its own ``timeout`` from
+        arrival, or ``max_queue_time`` while it has never been scheduled."""
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        now = self.scheduler.clock()
+        while deadlines and deadlines[0][0] <= now:
+            _, _, req, queue_only = heapq.heappop(deadlines)
+            if req.finished or (queue_only and req.first_scheduled_time is not None):
+                continue
+            self.end(req, "timeout")
+
+    def settle(self, tokens: list[TokenEvent]) -> None:
+        """After a commit: release the forks whose leader prefilled, and end every request
+        whose new token stops it."""
+        self.counters["generated_tokens"] += len(tokens)
+        for event in tokens:
+            req = event.req
+            if self.followers:
+                for follower in self.followers.pop(req.rid, ()):
+                    self._add(follower)
+                    self._released.append(follower)
+            reason, matched = self._stop(req, event.token_id)
+            if reason is not None:
+                self.end(req, reason, matched)
+                event.finished = True
+
+    def _stop(self, req: Request, token: int) -> tuple[str | None, str | int | None]:
+        """Why ``token`` (just appended) ends ``req``, if it does."""
+        params = req.params
+        n = len(req.output_ids)
+        reason: str | None = None
+        matched: str | int | None = None
+        if n >= params.min_new_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or token in params.stop_token_ids
+        ):
+            reason, matched = "stop", token
+        elif n >= params.max_new_tokens or req.num_tokens >= self.scheduler.max_model_len:
+            reason = "length"
+        text = req.text
+        stop_string = None if text is None else text.push(token)  # the text streams either way
+        if reason is not None:
+            return reason, matched
+        grammar = req.grammar
+        if grammar is not None:
+            if not grammar.accept(token):
+                log.error("request %s: token %d breaks its grammar", req.rid, token)
+                return "abort", None
+            if grammar.is_terminated():
+                return "stop", token
+        if stop_string is not None:
+            return "stop", stop_string
+        return None, None
+
+    def failed(self, failed: list[Request]) -> None:
+        """A forward raised: ``failed``, its requests, ended (reason "abort", nothing cached)."""
+        self.counters["failed"] += len(failed)
+        for req in failed:
+            self._ended.append(req)
+            self.tenants.generated(req, len(req.output_ids))
+            for follower in self.followers.pop(req.rid, ()):
+                follower.mark_finished("abort", None, self.scheduler.clock())
+                self._ended_one(follower, "abort")
+
+    # -- reports -----------------------------------------------------------------------------
+    def report(
+        self,
+        plan: BatchPlan | None = None,
+        tokens: list[TokenEvent] | None = None,
+        failed: list[Request] | None = None,
+        error: BaseException | None = None,
+        forward_seconds: float = 0.0,
+    ) -> StepEvents:
+        """The events since the last report (what ended, what was released), with a step's."""
+        ended, self._ended = self._ended, []
+        released, self._released = self._released, []
+        return StepEvents(plan, tokens or [], ended, failed or [], released, error, forward_seconds)

@@ -1,0 +1,93 @@
+"""Prefill chunks: the scheduler's prompt side (part of Scheduler).
+
+A prompt is computed in page-aligned chunks under the step's token budget; the request mid-chunk
+(at most one) goes first each step, and a finished chunk is cached at commit. Each chunk is a
+``Segment`` of the plan; the last one samples the request's first token.
+"""
+
+from __future__ import annotations
+
+from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
+from asyncengine.cache.allocator import OutOfPagesError
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.request import Request, RequestStatus
+from asyncengine.step_prefixes import StepPrefixes
+
+
+class Prefill:
+    """Mixed into Scheduler, whose state these are."""
+
+    kv: KVCacheManager
+    page_size: int
+    waiting: list[Request]
+    prefilling: list[Request]
+    chunked: Request | None
+    step_prefixes: StepPrefixes | None
+
+    def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
+        """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
+        budget and the chunk allow, cut to whole pages when the prompt does not end here."""
+        take = min(todo, remaining, chunk) if chunk else todo
+        if take < todo and take >= self.page_size:
+            take = take // self.page_size * self.page_size
+        return take
+
+    def _continue_prefills(
+        self, plan: BatchPlan, remaining: int, chunk: int
+    ) -> tuple[int, str | None]:
+        """The requests mid-prompt go first: their next chunks into ``plan``. Returns the prefill
+        tokens left and, when one could not go on, why admission stops."""
+        for req in list(self.prefilling):
+            if remaining <= 0:
+                return remaining, TOKEN_BUDGET
+            take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
+            computed = req.kv.kv_len
+            if not self._try_extend(req, take):
+                return remaining, KV_RESERVATION
+            self._add_extend(plan, req, take)
+            if self.step_prefixes is not None:
+                self.step_prefixes.add(req.all_ids, computed)
+            remaining -= take
+        return remaining, None
+
+    def _start_prefill(
+        self, plan: BatchPlan, req: Request, remaining: int, chunk: int
+    ) -> int | None:
+        """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
+        takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
+        ids = req.all_ids
+        req.seq = self.kv.open(ids)
+        take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
+        if not self._try_extend(req, take):
+            self.kv.close(req.kv, [], cache=False)
+            req.seq = None
+            return None
+        self.waiting.remove(req)
+        req.status = RequestStatus.PREFILLING
+        if req.retractions == 0:
+            req.cached_tokens = req.kv.num_cached
+        self.prefilling.append(req)
+        self._add_extend(plan, req, take)
+        if self.step_prefixes is not None:
+            self.step_prefixes.add(ids, req.kv.num_cached)
+        return take
+
+    def _try_extend(self, req: Request, take: int) -> bool:
+        try:
+            self.kv.extend(req.kv, take)
+            return True
+        except OutOfPagesError:
+            return False
+
+    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> None:
+        start = req.kv.kv_len - take
+        done = req.kv.kv_len == req.num_tokens
+        ids = req.all_ids[start : start + take]
+        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
+        if done:
+            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
+            if self.chunked is req:
+                self.chunked = None
+        else:
+            self.chunked = req

@@ -1,0 +1,114 @@
+"""Retraction: the scheduler's decode side when KV memory runs short (part of Scheduler).
+
+Every running request gets a KV slot for its next token each step; when pages run short, the
+running requests that lose least work are retracted (back to the front of the waiting queue,
+their computed prefix cached, recomputed later; they never re-emit a token). A preempting
+policy may also name running requests to retract for a waiting one it wants to admit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from asyncengine.admission import AdmissionLog
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.config import EngineConfig
+from asyncengine.policies.base import Policy, PolicyContext
+from asyncengine.request import Request, RequestStatus
+
+log = logging.getLogger("asyncengine.scheduler")
+
+
+class Retraction:
+    """Mixed into Scheduler, whose state these are."""
+
+    config: EngineConfig
+    kv: KVCacheManager
+    policy: Policy
+    admission: AdmissionLog
+    page_size: int
+    max_model_len: int
+    new_token_ratio: float
+    running: list[Request]
+    waiting: list[Request]
+    total_retractions: int
+    total_preemptions: int
+
+    def _prepare_decodes(self) -> list[Request]:
+        """Give every running request a KV slot for its next token, retracting when short."""
+        ps = self.page_size
+        retracted: list[Request] = []
+        while self.running:
+            need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
+            if need <= self.kv.available_pages:
+                break
+            victim = self._pick_victim()
+            self._retract(victim)
+            self.new_token_ratio = self.config.init_new_token_ratio
+            retracted.append(victim)
+        if retracted:
+            log.warning(
+                "KV pages ran out: retracted %d request(s) (%s) to be recomputed; %d keep decoding",
+                len(retracted),
+                ", ".join(r.rid for r in retracted[:8]) + (" ..." if len(retracted) > 8 else ""),
+                len(self.running),
+            )
+        for req in self.running:
+            self.kv.extend(req.kv, 1)
+        return list(self.running)
+
+    def _pick_victim(self) -> Request:
+        """Retract the request that loses least work (fewest outputs, then the longest prompt)
+        among those of the worst priority (the largest ``priority`` value)."""
+        return min(
+            self.running,
+            key=lambda r: (-r.params.priority, len(r.output_ids), -len(r.prompt_ids)),
+        )
+
+    def _retract(self, req: Request) -> None:
+        """Back to the front of the waiting queue, to be recomputed (prompt + outputs so far);
+        the KV it computed goes into the tree (not the slot this step's decode was given)."""
+        self.running.remove(req)
+        self.kv.close(req.kv, req.all_ids[: req.kv.computed_len], cache=True)
+        req.seq = None
+        req.status = RequestStatus.WAITING
+        req.retractions += 1
+        self.total_retractions += 1
+        self.waiting.insert(0, req)
+        self.admission.arrived(req, front=True)
+
+    def _preempt_for(
+        self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
+    ) -> list[Request] | None:
+        """Retract the running requests the policy names for ``req``, as few as make room for
+        ``pages_short`` pages and ``slots_short`` slots; none (None) when all of them would not."""
+        if not self.policy.preempts or not self.running:
+            return None
+        candidates = self.policy.preempt_candidates(req, list(self.running), ctx)
+        ratio, ps, cap = self.new_token_ratio, self.page_size, self.max_model_len
+        chosen: list[Request] = []
+        pages = slots = 0
+        for victim in candidates:
+            if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
+                raise ValueError(
+                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    "which is not a running request (or named it twice)"
+                )
+            chosen.append(victim)
+            # at least what retracting it frees: its own pages, the floor of its reservation
+            pages += self.kv.own_pages(victim.kv) + int(victim.future_tokens(cap) * ratio / ps)
+            slots += 1
+            if pages >= pages_short and slots >= slots_short:
+                break
+        else:
+            return None
+        for victim in chosen:
+            self._retract(victim)
+            self.total_preemptions += 1
+        log.info(
+            "preempted %s for %s (policy %s)",
+            ", ".join(v.rid for v in chosen),
+            req.rid,
+            self.policy.name,
+        )
+        return chosen

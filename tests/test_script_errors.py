@@ -1,0 +1,43 @@
+"""A user's mistake given to a script is one error line and exit status 2, as from the CLI;
+and the loop-side cost benchmark runs (scripts/bench_land.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("bench_simulator.py", ["--policies", "nope", "--num-requests", "5"], "unknown policy"),
+        ("compare_policies.py", ["--workload", "nope", "--out", "unused"], "unknown workload"),
+    ],
+)
+def test_a_bad_value_is_one_line(script: str, args: list[str], says: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and says in lines[0]
+
+
+def test_bench_land_measures_the_text_share() -> None:
+    spec = importlib.util.spec_from_file_location("bench_land", ROOT / "scripts" / "bench_land.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (row,) = module.main(["--batches", "4", "--steps", "5", "--repeats", "1", "--step-ms", "50"])
+    assert row["batch"] == 4 and row["land_us"] > row["land_without_text_us"] > 0
+    assert 0 < row["text_share_of_cpu_step"] < row["land_share_of_cpu_step"] < 1
