@@ -173,12 +173,14 @@ def byte_level_token_bytes(
     alphabet, or (a character outside it, as in most added tokens) the token's own UTF-8;
     b"" for the ``skipped`` ids (special tokens, when the decode skips them) and unknown ids."""
     alphabet = _gpt2_byte_decoder()
+    letters = frozenset(alphabet)
+    to_latin1 = str.maketrans({char: chr(byte) for char, byte in alphabet.items()})
     table = [b""] * size
     for token, token_id in (*vocab.items(), *((text, i) for i, text in added.items())):
         if token_id >= size or token_id in skipped:
             continue
-        try:
-            table[token_id] = bytes(alphabet[c] for c in token)
-        except KeyError:
+        if letters.issuperset(token):  # each character one byte: latin-1 writes it as such
+            table[token_id] = token.translate(to_latin1).encode("latin-1")
+        else:
             table[token_id] = token.encode("utf-8")
     return table
