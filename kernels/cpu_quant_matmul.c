@@ -594,3 +594,22 @@ void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
         free(tmp);
     }
 }
+
+/* quantize_q8 then quant_matmul in one call (the activations in a scratch buffer): one call per
+ * projection, which is what a batch-1 decode step is made of */
+void asyncengine_quant_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                              int64_t k, const void *x, int64_t n, int x_bf16, const float *bias,
+                              void *y, int64_t ldy, int out_bf16, int threads) {
+    const int64_t nb = k / QK;
+    int8_t *q = (int8_t *)malloc((size_t)(n * k));
+    float *d = (float *)malloc((size_t)(n * nb) * sizeof(float));
+    float *sd = (float *)malloc((size_t)(n * nb) * sizeof(float));
+    if (q && d && sd) {
+        asyncengine_quantize_q8(x, n, k, x_bf16, q, d, sd, threads);
+        asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, q, d, sd, n, bias, y, ldy, out_bf16,
+                                 threads);
+    }
+    free(q);
+    free(d);
+    free(sd);
+}

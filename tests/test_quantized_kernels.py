@@ -77,10 +77,13 @@ def test_matmul_matches_the_reference(name: str, isa: str) -> None:
             weight = random_weight(fmt, rows, cols, seed=rows * 31 + n + cols)
             x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n + cols))
             bias = torch.randn(rows) if rows % 2 else None
-            y = quant_native.quant_matmul(x, weight, bias, isa=isa)
             ref = quant_ref.quant_matmul(x, weight, bias)
             scale = float(ref.abs().max()) + 1e-6
-            torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
+            for y in (
+                quant_native.quant_matmul(x, weight, bias, isa=isa),
+                quant_native.quant_linear(x, weight, bias, isa=isa),
+            ):
+                torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
 
 
 @pytest.mark.parametrize("isa", ISAS)
