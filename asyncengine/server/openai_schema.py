@@ -9,7 +9,7 @@ rather than silently ignored. Tools and reasoning: server/chat_tools.py.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -67,8 +67,11 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(Struct, kw_only=True):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
