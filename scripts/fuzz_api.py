@@ -53,6 +53,7 @@ class OperationFigures:
 class FuzzReport:
     operations: dict[str, OperationFigures] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[dict[str, Any]] = field(default_factory=list)  # 200s that ended "abort"
     serving_after: bool = False
     leak_check: str = "not run"
 
@@ -64,6 +65,7 @@ class FuzzReport:
         return {
             "requests": self.requests,
             "failures": self.failures,
+            "aborted": self.aborted,
             "serving_after": self.serving_after,
             "leak_check": self.leak_check,
             "operations": {
@@ -251,6 +253,8 @@ def _sender(
             figures.refusals[
                 f"{response.status_code} {error.get('param') or error.get('code')}"
             ] += 1
+        if response.status_code == 200 and b'"finish_reason":"abort"' in response.content:
+            report.aborted.append({"operation": name, "body": repr(case.body)[:1000]})
         if problem is not None:
             report.failures.append(
                 {
