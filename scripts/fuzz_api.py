@@ -10,6 +10,12 @@ when a 4xx body is not the JSON error ``{"error": {"message": ...}}``, or when a
 a server error in-band. After the fuzzing the server must still answer a plain chat request,
 go idle, and hold no KV page outside the prefix cache (the pool invariant checked). Prints a
 table per operation and writes the figures as JSON (``--json``).
+
+Valid bodies generated from a schema mostly break a rule the schema cannot say (content null
+for a user turn, ...), so a third set of requests is built to be valid: tool-calling chats with
+random function names and argument schemas, every tool_choice, earlier calls and results,
+streamed or not. Each must be answered 200, and a call that finished must name a listed
+function with arguments valid under its schema.
 """
 
 from __future__ import annotations
@@ -269,6 +275,181 @@ def _sender(
     return send
 
 
+def _tool_chat_bodies() -> Any:
+    """Valid chat requests with tools: random function names and argument schemas, every
+    tool_choice, earlier calls and results in the conversation, streamed or not."""
+    from hypothesis import strategies as st
+
+    names = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
+    leaf = st.one_of(
+        st.just({"type": "string", "maxLength": 8}),
+        st.just({"type": "integer", "minimum": -5, "maximum": 500}),
+        st.just({"type": "number"}),
+        st.just({"type": "boolean"}),
+        st.lists(
+            st.text("abc xyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True
+        ).map(lambda values: {"type": "string", "enum": values}),
+    )
+    value = st.recursive(
+        leaf,
+        lambda inner: st.one_of(
+            st.builds(lambda items: {"type": "array", "items": items, "maxItems": 3}, inner),
+            st.dictionaries(names, inner, min_size=1, max_size=3).map(
+                lambda props: {"type": "object", "properties": props, "required": sorted(props)}
+            ),
+        ),
+        max_leaves=4,
+    )
+    parameters = st.one_of(
+        st.none(),
+        st.dictionaries(names, value, max_size=4).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props) or [""]), unique=True).map(
+                lambda required: {
+                    "type": "object",
+                    "properties": props,
+                    "required": [r for r in required if r in props],
+                }
+            )
+        ),
+    )
+
+    def request(draw: Any) -> dict[str, Any]:
+        tool_names = draw(st.lists(names, min_size=1, max_size=3, unique=True))
+        tools = [
+            {"type": "function", "function": {"name": n, "parameters": draw(parameters)}}
+            for n in tool_names
+        ]
+        for tool in tools:
+            if tool["function"]["parameters"] is None:
+                del tool["function"]["parameters"]
+        choice = draw(
+            st.sampled_from(["absent", "none", "auto", "required", *[f"={n}" for n in tool_names]])
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": draw(st.text(max_size=40))}]
+        if draw(st.booleans()):
+            messages += [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": tool_names[0], "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": draw(st.text(max_size=20))},
+            ]
+        body: dict[str, Any] = {
+            "messages": messages,
+            "tools": tools,
+            "max_tokens": draw(st.integers(1, 160)),
+            "temperature": draw(st.sampled_from([0.0, 0.7, 1.5])),
+            "seed": draw(st.integers(0, 1000)),
+            "parallel_tool_calls": draw(st.booleans()),
+            "stream": draw(st.booleans()),
+        }
+        if choice.startswith("="):
+            body["tool_choice"] = {"type": "function", "function": {"name": choice[1:]}}
+        elif choice != "absent":
+            body["tool_choice"] = choice
+        return body
+
+    return st.composite(request)()
+
+
+def _tool_chat_problem(body: dict[str, Any], response: Any) -> str | None:
+    """A valid request must be answered 200, and a forced call that finished must validate."""
+    import jsonschema
+
+    if response.status_code == 400 and b"context_length_exceeded" in response.content:
+        return None  # valid, but the tools' prompt does not fit the context
+    if response.status_code != 200:
+        return f"status {response.status_code}: {response.text[:300]}"
+    if body["stream"]:
+        calls: dict[int, dict[str, str]] = {}
+        finish = None
+        for line in response.content.split(b"\n"):
+            if not line.startswith(b"data: {"):
+                continue
+            frame = json.loads(line[len(b"data: ") :])
+            if "error" in frame:
+                return f"in-band error {frame['error']}"
+            for choice in frame["choices"]:
+                finish = choice["finish_reason"] or finish
+                for piece in choice["delta"].get("tool_calls") or []:
+                    call = calls.setdefault(piece["index"], {"name": "", "arguments": ""})
+                    call["name"] += piece["function"].get("name") or ""
+                    call["arguments"] += piece["function"].get("arguments") or ""
+        found = list(calls.values())
+    else:
+        choice = response.json()["choices"][0]
+        finish = choice["finish_reason"]
+        found = [c["function"] for c in choice["message"].get("tool_calls") or []]
+    forced = body.get("tool_choice") not in (None, "none", "auto")
+    if forced and finish == "stop":
+        return "a forced tool choice ended without a call"
+    if finish != "tool_calls":
+        return None
+    if not found:
+        return "finish_reason tool_calls without calls"
+    schemas = {t["function"]["name"]: t["function"].get("parameters") for t in body["tools"]}
+    for call in found:
+        if call["name"] not in schemas:
+            return f"a call of an unknown function {call['name']!r}"
+        try:
+            arguments = json.loads(call["arguments"])
+        except ValueError:
+            return f"arguments that are not JSON: {call['arguments']!r}"
+        schema = schemas[call["name"]]
+        if schema is not None:
+            try:
+                jsonschema.validate(arguments, schema)
+            except jsonschema.ValidationError as error:
+                return f"arguments {call['arguments']} break the schema: {error.message}"
+    return None
+
+
+def fuzz_tool_chats(base_url: str, examples: int, seed: int, report: FuzzReport) -> None:
+    """Valid tool-calling chats (``_tool_chat_bodies``) sent as the operation
+    "POST /v1/chat/completions (tools)"."""
+    import requests
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    name = "POST /v1/chat/completions (tools)"
+    figures = report.operations.setdefault(name, OperationFigures())
+    session = requests.Session()
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(body=_tool_chat_bodies())
+    def send(body: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        response = session.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+        figures.seconds += time.perf_counter() - started
+        figures.requests += 1
+        figures.statuses[response.status_code] += 1
+        if response.status_code == 200 and not body["stream"]:
+            figures.refusals[f"200 {response.json()['choices'][0]['finish_reason']}"] += 1
+        elif response.status_code >= 400:
+            figures.refusals[f"{response.status_code} {response.json()['error'].get('code')}"] += 1
+        problem = _tool_chat_problem(body, response)
+        if problem is not None:
+            report.failures.append(
+                {"operation": name, "problem": problem, "body": json.dumps(body)[:1500]}
+            )
+
+    send()
+
+
 def serves_normally(base_url: str) -> bool:
     import requests
 
@@ -280,11 +461,12 @@ def serves_normally(base_url: str) -> bool:
     return response.status_code == 200 and bool(response.json()["choices"])
 
 
-def run(config: Any, examples: int, seed: int) -> FuzzReport:
+def run(config: Any, examples: int, seed: int, tool_examples: int) -> FuzzReport:
     server = BackgroundServer(config)
     base_url = server.start()
     try:
         report = fuzz(base_url, examples, seed)
+        fuzz_tool_chats(base_url, tool_examples, seed, report)
         report.serving_after = serves_normally(base_url)
         report.leak_check = server.call(server.leak_check())
     finally:
@@ -315,8 +497,9 @@ def main() -> None:
         "--model", default="tiny", help="a model path or name; tiny: a random llama"
     )
     parser.add_argument("--examples", type=int, default=200, help="per operation and mode")
+    parser.add_argument("--tool-examples", type=int, default=100, help="valid tool chats")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", type=Path, default=Path("fuzz_api.json"))
     args = parser.parse_args()
 
@@ -333,10 +516,15 @@ def main() -> None:
             log_interval=0.0,
         )
         started = time.perf_counter()
-        report = run(config, args.examples, args.seed)
+        report = run(config, args.examples, args.seed, args.tool_examples)
         seconds = time.perf_counter() - started
     print_table(report, seconds)
-    figures = {**report.as_json(), "seconds": round(seconds, 1), "examples": args.examples}
+    figures = {
+        **report.as_json(),
+        "seconds": round(seconds, 1),
+        "examples": args.examples,
+        "tool_examples": args.tool_examples,
+    }
     args.json.write_text(json.dumps(figures, indent=2))
     print(f"wrote {args.json}")
     ok = not report.failures and report.serving_after and report.leak_check == "ok"

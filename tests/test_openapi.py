@@ -90,13 +90,15 @@ async def test_the_body_schemas_are_the_validators_own(server: RunningServer) ->
 @pytest.mark.slow
 def test_a_short_fuzz_run_finds_no_server_error(tmp_path_factory: pytest.TempPathFactory) -> None:
     fuzz = _fuzz_script()
-    config = engine_config(tiny_model_dir(tmp_path_factory), max_model_len=128)
+    config = engine_config(tiny_model_dir(tmp_path_factory), max_model_len=1024)
     server = fuzz.BackgroundServer(config)
     base_url = server.start()
     try:
-        report = fuzz.fuzz(base_url, examples=12, seed=1)
+        report = fuzz.fuzz(base_url, examples=10, seed=1)
+        fuzz.fuzz_tool_chats(base_url, examples=3, seed=1, report=report)
         assert report.failures == []
-        assert report.requests > 100
+        assert report.requests > 90
+        assert report.operations["POST /v1/chat/completions (tools)"].requests == 3
         assert fuzz.serves_normally(base_url)
         assert server.call(server.leak_check()) == "ok"
         assert requests.get(base_url + "/health", timeout=10).status_code == 200
