@@ -255,3 +255,26 @@ def test_call_grammars_accept_valid_calls_only() -> None:
     assert accepts(named, '<tool_call>\n{"name": "ping", "arguments": {"x": [1]}}\n</tool_call>')
     assert not accepts(named, good)
     assert accepts(reasoning, "<think>hmm</think>\n\n" + good) and accepts(reasoning, good)
+
+
+def test_the_llama3_grammar_writes_parameters_json_calls() -> None:
+    from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+
+    functions = [ToolFunction("get_weather", WEATHER), ToolFunction("ping", True)]
+    required = _matcher(tool_call_grammar(LLAMA3_JSON, functions, "required").spec)
+    auto = _matcher(tool_call_grammar(LLAMA3_JSON, functions, "auto").spec)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+    def accepts(make, text: str) -> bool:
+        matcher = make()
+        return bool(matcher.accept_string(text)) and matcher.is_completed()
+
+    assert accepts(required, call) and accepts(
+        required, call + '; {"name": "ping", "parameters": {}}'
+    )
+    assert not accepts(required, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert accepts(auto, "It is sunny.") and accepts(auto, call)
+    text, calls = parse_tool_calls(LLAMA3_JSON, call)
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
