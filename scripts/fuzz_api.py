@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 ADMIN_TOKEN = "fuzz-admin"
+MAX_NEW_TOKENS = 160  # the server's max_new_tokens_limit: a fuzzed request generates briefly
+REQUEST_TIMEOUT = 300.0  # seconds; a request not answered by then fails the run
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 49152,
     "hidden_size": 64,
@@ -235,6 +237,7 @@ def _sender(
     report: FuzzReport,
 ) -> Any:
     """A hypothesis test that sends ``examples`` generated cases of one operation and mode."""
+    import requests
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -249,7 +252,15 @@ def _sender(
     @given(case=strategy)
     def send(case: Any) -> None:
         started = time.perf_counter()
-        response = case.call(base_url=base_url, session=session, headers=headers, timeout=120)
+        try:
+            response = case.call(
+                base_url=base_url, session=session, headers=headers, timeout=REQUEST_TIMEOUT
+            )
+        except requests.Timeout:
+            report.failures.append(
+                {"operation": name, "problem": "no answer in time", "body": repr(case.body)[:500]}
+            )
+            return
         figures.seconds += time.perf_counter() - started
         figures.requests += 1
         figures.statuses[response.status_code] += 1
@@ -433,7 +444,13 @@ def fuzz_tool_chats(base_url: str, examples: int, seed: int, report: FuzzReport)
     @given(body=_tool_chat_bodies())
     def send(body: dict[str, Any]) -> None:
         started = time.perf_counter()
-        response = session.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+        try:
+            response = session.post(
+                f"{base_url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT
+            )
+        except requests.Timeout:
+            report.failures.append({"operation": name, "problem": "no answer in time"})
+            return
         figures.seconds += time.perf_counter() - started
         figures.requests += 1
         figures.statuses[response.status_code] += 1
@@ -513,6 +530,7 @@ def main() -> None:
             device="cpu",
             kv_cache_tokens=16384,
             max_model_len=args.max_model_len,
+            max_new_tokens_limit=MAX_NEW_TOKENS,
             log_interval=0.0,
         )
         started = time.perf_counter()

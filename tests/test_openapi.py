@@ -90,7 +90,11 @@ async def test_the_body_schemas_are_the_validators_own(server: RunningServer) ->
 @pytest.mark.slow
 def test_a_short_fuzz_run_finds_no_server_error(tmp_path_factory: pytest.TempPathFactory) -> None:
     fuzz = _fuzz_script()
-    config = engine_config(tiny_model_dir(tmp_path_factory), max_model_len=1024)
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory),
+        max_model_len=1024,
+        max_new_tokens_limit=fuzz.MAX_NEW_TOKENS,
+    )
     server = fuzz.BackgroundServer(config)
     base_url = server.start()
     try:
