@@ -31,14 +31,15 @@ def _short_repr(value: object) -> str:
     return text if len(text) <= 120 else text[:120] + "..."
 
 
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A constraint on the whole output: ``kind`` is one of CONSTRAINT_KINDS; ``spec`` is the
-    JSON schema (as JSON text), the regular expression or the EBNF grammar ("" for json_object).
+    JSON schema (as JSON text), the regular expression, the EBNF grammar or xgrammar's structural
+    tag as JSON text (tool calls: structured/tool_grammar.py; "" for json_object).
     The grammar is compiled by the engine; a spec it cannot compile is refused there."""
 
     kind: str

@@ -1,6 +1,6 @@
 """The rest of the OpenAI surface with the real client: logit_bias, user, stop as a string on
-chat, max_completion_tokens with include_usage, and tools refused with a clear 400. (Seeds,
-penalties, stop lists, top_logprobs and stream usage are in test_server_openai.py.)"""
+chat, max_completion_tokens with include_usage. (Seeds, penalties, stop lists, top_logprobs and
+stream usage are in test_server_openai.py; tool calls in test_tool_calls.py.)"""
 
 from __future__ import annotations
 
@@ -84,19 +84,6 @@ async def test_chat_stop_string_and_max_completion_tokens(
     )
     chunks = [c async for c in stream]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
-
-
-async def test_tools_are_refused_with_a_clear_400(
-    client: openai.AsyncOpenAI, server: RunningServer
-) -> None:
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(
-            model=server.model, messages=MESSAGES, max_tokens=2, tools=[tool]
-        )
-    assert info.value.param == "tools"
-    assert "tool calling is not supported" in info.value.message
-    assert "response_format" in info.value.message
 
 
 async def test_nothing_leaks_after_the_module(server: RunningServer) -> None:

@@ -173,7 +173,43 @@ CASES = [
         says="outside the vocabulary",
     ),
     Bad(
-        "tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"
+        "tool name with a space",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        param="tools[0].function.name",
+    ),
+    Bad(
+        "tool_choice naming a function not in tools",
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        param="tool_choice",
+        says="'g'",
+    ),
+    Bad("tool_choice without tools", CHAT, chat(tool_choice="required"), param="tool_choice"),
+    Bad("tool_choice unknown", CHAT, chat(tool_choice="sometimes"), param="tool_choice"),
+    Bad(
+        "tools and response_format",
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            response_format={"type": "json_object"},
+        ),
+        param="response_format",
+    ),
+    Bad(
+        "tool result without its call id",
+        CHAT,
+        chat(messages=[{"role": "tool", "content": "42"}]),
+        param="messages[0].tool_call_id",
+    ),
+    Bad(
+        "chat_template_kwargs setting the messages",
+        CHAT,
+        chat(chat_template_kwargs={"messages": []}),
+        param="chat_template_kwargs",
     ),
     Bad(
         "response_format type",

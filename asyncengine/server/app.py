@@ -1,7 +1,7 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics, the worker endpoints SGLang's router polls
+POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
 (sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
 token, not the API key).
 
@@ -27,6 +27,7 @@ from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
+from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
@@ -165,5 +166,6 @@ def create_app(
         add_admin_routes(app, admin_token)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
+    add_openapi_route(app)  # describes the routes above
     app.on_shutdown.append(_mark_shutting_down)
     return app

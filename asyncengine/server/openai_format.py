@@ -86,13 +86,18 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def full(self, choices: list[tuple[str, str | None, Json | None]], usage: Usage) -> Json:
-        """The whole response; ``choices`` holds (text, finish_reason, logprobs) by index."""
+    def full(self, choices: list[tuple[str | Json, str | None, Json | None]], usage: Usage) -> Json:
+        """The whole response; ``choices`` holds (text, finish_reason, logprobs) by index (a
+        chat choice's text may be its whole message: server/chat_output.py)."""
         bodies = []
         for index, (text, finish_reason, logprobs) in enumerate(choices):
-            content: Json = (
-                {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            )
+            content: Json
+            if not self.chat:
+                content = {"text": text}
+            elif isinstance(text, dict):
+                content = {"message": text}
+            else:
+                content = {"message": {"role": "assistant", "content": text}}
             bodies.append(
                 {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
             )
@@ -109,11 +114,14 @@ class ResponseBuilder:
         first: bool = False,
         include_usage: bool = False,
         index: int = 0,
+        delta: Json | None = None,
     ) -> Json:
+        """``delta``: a chat chunk's delta as given (reasoning, tool calls), not from ``text``."""
         if self.chat:
-            delta: Json = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish_reason is not None and not text and not first:
-                delta = {}
+            if delta is None:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                if finish_reason is not None and not text and not first:
+                    delta = {}
             choice = {
                 "index": index,
                 "delta": delta,

@@ -11,6 +11,8 @@ from aiohttp import web
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
+from asyncengine.server.chat_output import ChoiceReader, read_choice
+from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.openai_format import (
     Json,
@@ -24,7 +26,6 @@ from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_max_tokens,
-    chat_messages,
     chat_sampling_params,
     completion_prompt,
     completion_sampling_params,
@@ -46,17 +47,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, ChatCompletionRequest)
     model = state.check_model(req.model)
-    prompt = state.engine.tokenize(chat_messages(req))
+    chat = plan_chat(req, state.engine.tokenizer)  # tools, tool choice, reasoning
+    prompt = state.engine.tokenize(chat.prompt)
     requested, param = chat_max_tokens(req)
     max_tokens = state.engine.intake.max_new_tokens(
         requested, state.default_chat_max_tokens, len(prompt), param
     )
-    params = chat_sampling_params(req, max_tokens, state.engine.config.max_n)
+    params = chat.constrain(chat_sampling_params(req, max_tokens, state.engine.config.max_n))
     builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _stream(request, state, prompt, params, builder, include_usage)
-    return await _complete(request, state, prompt, params, builder)
+        return await _stream(request, state, prompt, params, builder, include_usage, chat.output)
+    return await _complete(request, state, prompt, params, builder, chat.output)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -120,15 +122,20 @@ async def _complete(
     prompt: Prompt,
     params: SamplingParams,
     builder: ResponseBuilder,
+    chat_output: ChatOutputSpec | None = None,
 ) -> web.Response:
     outputs = await generate(state.engine, prompt, params, builder.id)
     for output in outputs:
         state.metrics.observe_finished(output.metrics)
     request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
-    choices = [
-        (o.text, o.finish_reason, _logprobs(state, builder, o.token_ids, o.logprobs, 0))
-        for o in outputs
-    ]
+    choices: list[tuple[str | Json, str | None, Json | None]] = []
+    for o in outputs:
+        logprobs = _logprobs(state, builder, o.token_ids, o.logprobs, 0)
+        if chat_output is None:
+            choices.append((o.text, o.finish_reason, logprobs))
+        else:
+            message, finish_reason = read_choice(chat_output, o.text, o.finish_reason)
+            choices.append((message, finish_reason, logprobs))
     return json_response(builder.full(choices, combined_usage([o.usage for o in outputs])))
 
 
@@ -138,13 +145,20 @@ class _ChunkFormat:
     by the usage chunk (all choices together) when asked for."""
 
     def __init__(
-        self, state: ServerState, builder: ResponseBuilder, include_usage: bool, choices: int
+        self,
+        state: ServerState,
+        builder: ResponseBuilder,
+        include_usage: bool,
+        choices: int,
+        chat_output: ChatOutputSpec | None = None,
     ) -> None:
         self.state = state
         self.builder = builder
         self.include_usage = include_usage
         self.choices = choices
         self.text_offsets = [0] * choices
+        # a chat's text read as reasoning, content and tool calls (server/chat_output.py)
+        self.readers = [ChoiceReader(chat_output) for _ in range(choices)] if chat_output else None
 
     def opening(self) -> list[Json]:
         if not self.builder.chat:
@@ -164,8 +178,21 @@ class _ChunkFormat:
             self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offsets[index]
         )
         self.text_offsets[index] += len(delta.text)
+        finish_reason, payload = delta.finish_reason, None
+        if self.readers is not None:
+            reader = self.readers[index]
+            payload = reader.feed(delta.text, final=delta.finished)
+            if payload is None and not delta.finished and logprobs is None:
+                return []  # held back (a marker maybe cut)
+            payload = payload or {}
+            finish_reason = reader.finish_reason(finish_reason)
         chunk = self.builder.chunk(
-            delta.text, delta.finish_reason, logprobs, include_usage=self.include_usage, index=index
+            delta.text,
+            finish_reason,
+            logprobs,
+            include_usage=self.include_usage,
+            index=index,
+            delta=payload,
         )
         return [chunk]
 
@@ -183,11 +210,11 @@ async def _stream(
     params: SamplingParams,
     builder: ResponseBuilder,
     include_usage: bool,
+    chat_output: ChatOutputSpec | None = None,
 ) -> web.StreamResponse:
     stream = state.engine.stream(prompt, params, request_id=builder.id)
-    return await stream_response(
-        request, state, stream, _ChunkFormat(state, builder, include_usage, params.n), params.n
-    )
+    fmt = _ChunkFormat(state, builder, include_usage, params.n, chat_output)
+    return await stream_response(request, state, stream, fmt, params.n)
 
 
 def add_openai_routes(app: web.Application) -> None:

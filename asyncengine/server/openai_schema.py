@@ -2,14 +2,14 @@
 
 Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
 ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
-Known fields whose meaning we cannot honour (tools, echo, best_of > 1, ...) are refused with a
-400 rather than silently ignored.
+Known fields whose meaning we cannot honour (echo, best_of > 1, ...) are refused with a 400
+rather than silently ignored. Tools and reasoning: server/chat_tools.py.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -23,6 +23,7 @@ from asyncengine.sampling_params import (
 )
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
+from asyncengine.server.tool_schema import AssistantToolCall, Tool, ToolChoice
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -66,10 +67,15 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(Struct, kw_only=True):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 class _CommonRequest(Struct, kw_only=True):
@@ -91,6 +97,8 @@ class _CommonRequest(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     response_format: ResponseFormat | None = None
+    regex: str | None = None  # output constraints SGLang also takes (one at most)
+    ebnf: str | None = None
     # Extensions that vLLM and SGLang also accept.
     priority: Priority = 0  # lower is served first (the "priority" policy)
     timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
@@ -106,8 +114,11 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # variables for the chat template, e.g. {"enable_thinking": false} (vLLM and SGLang's name)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -290,11 +301,37 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
         raise invalid_request(str(exc), param="response_format") from None
 
 
+def _constraint(req: _CommonRequest) -> StructuredOutput | None:
+    """response_format, or the regex / ebnf extension: at most one of them."""
+    given = [
+        name
+        for name, value in (
+            (
+                "response_format",
+                req.response_format is not None and req.response_format.type != "text",
+            ),
+            ("regex", req.regex is not None),
+            ("ebnf", req.ebnf is not None),
+        )
+        if value
+    ]
+    if len(given) > 1:
+        raise invalid_request(f"give at most one of {', '.join(given)}", param=given[1])
+    try:
+        if req.regex is not None:
+            return StructuredOutput("regex", req.regex)
+        if req.ebnf is not None:
+            return StructuredOutput("ebnf", req.ebnf)
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param=given[0]) from None
+    return structured_output(req.response_format)
+
+
 def _sampling_params(
     req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    structured = structured_output(req.response_format)
+    structured = _constraint(req)
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -336,12 +373,6 @@ def chat_sampling_params(
 ) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
     _check_common(req, max_n)
-    if req.tools:
-        raise _unsupported(
-            "tools",
-            "tool calling is not supported; for JSON output use response_format "
-            "(json_object or json_schema)",
-        )
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)

@@ -45,6 +45,7 @@ def _problem(kind: str, error: Exception) -> InvalidRequestError:
         "regex": "regular expression",
         "ebnf": "EBNF grammar",
         "json_object": "JSON grammar",
+        "structural_tag": "tool-call grammar",
     }[kind]
     return InvalidRequestError(f"invalid {what}: {detail}")
 
@@ -102,6 +103,8 @@ class GrammarCompiler:
                 return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
             if constraint.kind == "regex":
                 return compiler.compile_regex(constraint.spec)
+            if constraint.kind == "structural_tag":  # tool calls (structured/tool_grammar.py)
+                return compiler.compile_structural_tag(constraint.spec)
             return compiler.compile_grammar(constraint.spec)
         except (RuntimeError, ValueError, TypeError) as error:
             raise _problem(constraint.kind, error) from None

@@ -1,0 +1,83 @@
+"""A chat choice's text read back as OpenAI's message: ``reasoning_content`` (the think
+block), ``content`` (the answer, None when the choice only called tools) and ``tool_calls``;
+``finish_reason`` "tool_calls" when it called any and stopped on its own.
+
+The same reader serves both tails: ``ChoiceReader.feed`` turns each streamed text delta into
+the ``delta`` of a chunk (None: nothing to send yet), the last one with ``final`` flushing
+what was held back; a whole output is one final read, so streamed and non-streamed answers
+agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncengine.server.chat_tools import ChatOutputSpec
+from asyncengine.text.reasoning import ReasoningParser
+from asyncengine.text.tool_calls import ToolCallDelta, collect_calls, tool_parser
+
+Json = dict[str, Any]
+
+
+class ChoiceReader:
+    def __init__(self, spec: ChatOutputSpec) -> None:
+        self._reasoning = (
+            ReasoningParser(spec.reasoning_starts_inside)
+            if spec.reasoning_starts_inside is not None
+            else None
+        )
+        self._tools = tool_parser(spec.tool_format) if spec.tool_format is not None else None
+        self.called = False  # any tool call so far
+
+    def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """The reasoning, answer text and call pieces that ``text`` completes (``final``: the
+        output ended after it)."""
+        reasoning, content = "", text
+        if self._reasoning is not None:
+            piece = self._reasoning.feed(text)
+            if final:
+                rest = self._reasoning.finish()
+                piece.reasoning += rest.reasoning
+                piece.content += rest.content
+            reasoning, content = piece.reasoning, piece.content
+        if self._tools is None:
+            return reasoning, content, []
+        answer = self._tools.feed(content)
+        if final:
+            rest_answer = self._tools.finish()
+            answer.text += rest_answer.text
+            answer.calls += rest_answer.calls
+        if answer.calls:
+            self.called = True
+        return reasoning, answer.text, answer.calls
+
+    def feed(self, text: str, final: bool = False) -> Json | None:
+        """The ``delta`` of a chunk for ``text`` (None: nothing to send yet)."""
+        reasoning, content, calls = self.read(text, final)
+        delta: Json = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content and not (self.called and not content.strip()):  # not the blanks around calls
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [call.body() for call in calls]
+        return delta or None
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.called and reason == "stop" else reason
+
+
+def read_choice(
+    spec: ChatOutputSpec, text: str, finish_reason: str | None
+) -> tuple[Json, str | None]:
+    """The message of a whole choice, and its finish reason."""
+    reader = ChoiceReader(spec)
+    reasoning, content, pieces = reader.read(text, final=True)
+    calls = collect_calls(pieces)
+    message: Json = {"role": "assistant", "content": content}
+    if calls:
+        message["content"] = content if content.strip() else None
+        message["tool_calls"] = [call.body() for call in calls]
+    if spec.reasoning_starts_inside is not None:
+        message["reasoning_content"] = reasoning or None
+    return message, reader.finish_reason(finish_reason)

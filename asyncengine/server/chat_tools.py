@@ -1,0 +1,199 @@
+"""A chat completion's tools, tool choice and reasoning: the prompt the template renders, the
+grammar decoding runs under, and how the output is read back (server/chat_output.py).
+
+    plan = plan_chat(req, tokenizer)      # 400 for a tool choice that cannot be honoured
+    prompt_ids = engine.tokenize(plan.prompt)
+    params = plan.constrain(params)       # the tool-call grammar, if the choice asks for one
+
+``tool_choice``: "none" (the default without tools) renders no tools and parses no calls;
+"auto" (the default with tools) lets the model answer in text or call, a call once begun
+being held to the grammar; "required" and a named function make the output calls only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncengine.sampling_params import SamplingParams, StructuredOutput
+from asyncengine.server.errors import invalid_request
+from asyncengine.server.openai_schema import ChatCompletionRequest, chat_messages
+from asyncengine.server.tool_schema import NamedToolChoice, Tool
+from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+from asyncengine.text.chat_format import ChatFormat, ChatTurn, chat_format, template_messages
+from asyncengine.text.reasoning import prompt_opens_thinking
+from asyncengine.text.tokenizer import ChatTemplateError
+from asyncengine.text.tool_calls import ToolCallFormat
+
+# Template variables a request may not set through chat_template_kwargs (the server's own).
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOutputSpec:
+    """How a choice's text is read: calls in ``tool_format`` (None: no calls), reasoning
+    split off (None: none; else whether the output starts inside the think block)."""
+
+    tool_format: ToolCallFormat | None
+    reasoning_starts_inside: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """``output``: how to read the choices (None: as plain text)."""
+
+    prompt: str
+    output: ChatOutputSpec | None
+    grammar: StructuredOutput | None
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        if self.grammar is None:
+            return params
+        if params.structured is not None:
+            raise invalid_request(
+                "response_format cannot be combined with tools unless tool_choice is 'none'",
+                param="response_format",
+            )
+        return dataclasses.replace(params, structured=self.grammar)
+
+
+def _tool_choice(req: ChatCompletionRequest) -> str | NamedToolChoice:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice is not None and choice != "none":
+            raise invalid_request(
+                "tool_choice needs tools: send the functions the model may call",
+                param="tool_choice",
+            )
+        return "none"
+    return "auto" if choice is None else choice
+
+
+def _functions(tools: list[Tool], choice: str | NamedToolChoice) -> list[ToolFunction]:
+    functions: dict[str, ToolFunction] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in functions:
+            raise invalid_request(
+                f"tools[{i}].function.name {name!r} is given twice", param=f"tools[{i}]"
+            )
+        parameters = tool.function.parameters
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise invalid_request(
+                f"tools[{i}].function.parameters must be a JSON schema of an object",
+                param=f"tools[{i}].function.parameters",
+            )
+        functions[name] = ToolFunction(
+            name, True if parameters is None or tool.function.strict is False else parameters
+        )
+    if isinstance(choice, NamedToolChoice):
+        named = functions.get(choice.function.name)
+        if named is None:
+            raise invalid_request(
+                f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
+        return [named]
+    return list(functions.values())
+
+
+def _turns(req: ChatCompletionRequest) -> list[ChatTurn]:
+    turns: list[ChatTurn] = []
+    for i, (plain, message) in enumerate(zip(chat_messages(req), req.messages, strict=True)):
+        calls = None
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise invalid_request(
+                    f"messages[{i}].tool_calls: only an assistant message carries tool calls",
+                    param=f"messages[{i}].tool_calls",
+                )
+            calls = [
+                (
+                    call.id,
+                    call.function.name,
+                    call.function.arguments
+                    if isinstance(call.function.arguments, str)
+                    else json.dumps(call.function.arguments, ensure_ascii=False),
+                )
+                for call in message.tool_calls
+            ]
+        if message.role == "tool" and message.tool_call_id is None:
+            raise invalid_request(
+                f"messages[{i}] has role 'tool' but no tool_call_id",
+                param=f"messages[{i}].tool_call_id",
+            )
+        turns.append(
+            ChatTurn(plain["role"], plain["content"], calls, message.tool_call_id, message.name)
+        )
+    return turns
+
+
+def _template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
+    variables = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
+    if reserved:
+        raise invalid_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}",
+            param="chat_template_kwargs",
+        )
+    return variables
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    variables: dict[str, Any],
+) -> str:
+    """The chat template's text; a template that fails on these inputs is a 400."""
+    if tools is not None:
+        variables = {**variables, "tools": tools}
+    try:
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables))
+    except ChatTemplateError as error:
+        raise invalid_request(str(error), code="invalid_value") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
+        # a template indexing a value that chat_template_kwargs gave another type, ...
+        raise invalid_request(
+            f"the chat template failed on these messages: {type(error).__name__}: {error}",
+            code="invalid_value",
+        ) from None
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
+    choice = _tool_choice(req)
+    fmt: ChatFormat = chat_format(getattr(tokenizer, "chat_template", None))
+    functions = _functions(req.tools or [], choice) if choice != "none" else []
+    tools = [msgspec.to_builtins(tool) for tool in req.tools or []] if functions else None
+    messages, template_tools = template_messages(_turns(req), fmt, tools)
+    prompt = render_prompt(tokenizer, messages, template_tools, _template_variables(req))
+    starts_inside = prompt_opens_thinking(prompt) if fmt.reasons else None
+    grammar = None
+    if functions:
+        mode = "named" if isinstance(choice, NamedToolChoice) else str(choice)
+        grammar = tool_call_grammar(
+            fmt.tool_format,
+            functions,
+            mode,
+            parallel=req.parallel_tool_calls,
+            reasoning=starts_inside is not None,
+            starts_inside_thinking=bool(starts_inside),
+        )
+    output = None
+    if functions or starts_inside is not None:
+        output = ChatOutputSpec(fmt.tool_format if functions else None, starts_inside)
+    return ChatPlan(prompt, output, grammar)

@@ -1,0 +1,52 @@
+"""The tool-calling parts of a chat completion request (OpenAI's shapes), as msgspec Structs.
+
+They are decoded with the request, so a malformed tool is a 400 naming the field, and they
+appear in /openapi.json like every other body type.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+# OpenAI asks for [a-zA-Z0-9_-]{1,64}; dots and colons are let through too (MCP tool names use
+# them). The name is written into the call grammar and the prompt, so nothing else is allowed.
+FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Struct, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI); an object is taken too
+
+
+class AssistantToolCall(Struct, kw_only=True):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction

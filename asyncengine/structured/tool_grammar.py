@@ -1,0 +1,93 @@
+"""The grammar a tool choice decodes under, as an xgrammar structural tag.
+
+- ``required``: the output is one or more calls (``parallel`` false: exactly one), each of a
+  listed function with arguments valid under its ``parameters`` schema, and nothing else;
+- a named function: exactly one call of it;
+- ``auto``: free text in which a call, once its trigger (``<tool_call>``, or ``{"name": `` for
+  Llama 3) is written, must complete as a valid call of a listed function.
+
+A model that reasons (``<think>`` templates) may write its think block first under
+``required`` and a named function (it must, when the prompt left it inside the block).
+Arguments are written compactly (at most one blank between tokens), so a weak model cannot
+pad a call with endless whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from asyncengine.sampling_params import StructuredOutput
+from asyncengine.text.reasoning import THINK_CLOSE, THINK_OPEN
+from asyncengine.text.tool_calls import ToolCallFormat
+
+ARGUMENT_WHITESPACE = 1  # consecutive whitespace characters allowed inside arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFunction:
+    name: str
+    parameters: dict[str, Any] | bool  # True: any JSON object
+
+
+def _call_tag(fmt: ToolCallFormat, function: ToolFunction) -> dict[str, Any]:
+    schema = function.parameters
+    if schema is True:
+        schema = {"type": "object"}
+    return {
+        "type": "tag",
+        "begin": fmt.opening(function.name),
+        "content": {
+            "type": "json_schema",
+            "json_schema": schema,
+            "max_whitespace_cnt": ARGUMENT_WHITESPACE,
+        },
+        "end": fmt.call_end,
+    }
+
+
+def _think_block(starts_inside: bool) -> dict[str, Any]:
+    block: dict[str, Any] = {
+        "type": "tag",
+        "begin": "" if starts_inside else THINK_OPEN,
+        "content": {"type": "any_text"},
+        "end": THINK_CLOSE,
+    }
+    spaced = {"type": "sequence", "elements": [block, {"type": "regex", "pattern": r"\s{0,2}"}]}
+    return spaced if starts_inside else {"type": "optional", "content": spaced}
+
+
+def tool_call_grammar(
+    fmt: ToolCallFormat,
+    functions: list[ToolFunction],
+    mode: str,
+    parallel: bool = True,
+    reasoning: bool = False,
+    starts_inside_thinking: bool = False,
+) -> StructuredOutput:
+    """``mode``: "auto", "required" or "named" (``functions`` then holds the one function)."""
+    tags = [_call_tag(fmt, function) for function in functions]
+    if mode == "auto":
+        body: dict[str, Any] = {
+            "type": "triggered_tags",
+            "triggers": [fmt.trigger],
+            "tags": tags,
+            "stop_after_first": not parallel,
+        }
+    elif mode == "named" or not parallel:
+        body = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    elif mode == "required":
+        body = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": fmt.separator,
+            "at_least_one": True,
+        }
+    else:
+        raise ValueError(f"unknown tool grammar mode {mode!r}")
+    if reasoning and mode != "auto":
+        body = {"type": "sequence", "elements": [_think_block(starts_inside_thinking), body]}
+    return StructuredOutput(
+        "structural_tag", json.dumps({"type": "structural_tag", "format": body}, sort_keys=True)
+    )

@@ -1,0 +1,355 @@
+"""Tool calls in a model's output, parsed incrementally (streaming) or whole (the same parser
+fed once), in the two formats the chat templates we know ask for:
+
+- ``hermes``: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, text allowed
+  around the calls (Qwen2.5, Qwen3, Hermes, and our fallback prompt for templates without tools);
+- ``llama3_json``: the whole output is ``{"name": "f", "parameters": {...}}`` (Llama 3.1-3.3),
+  optionally after ``<|python_tag|>``, several calls separated by ``;``.
+
+A call's ``arguments`` is the model's own JSON text of the arguments object (a JSON string
+value is unwrapped). While streaming, a call's id and name go out as soon as the name is read
+and its arguments follow as they are generated, the way OpenAI streams ``delta.tool_calls``;
+the concatenated argument chunks equal the non-streamed ``arguments``. A block that does not
+hold a call (bad JSON, no name) is given back as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncengine.text.markers import partial_suffix
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    """How one model family writes a call: ``call_begin + name + name_end`` opens it, the
+    arguments object follows, ``call_end`` closes it. ``trigger`` is what starts a call in free
+    text; ``separator`` goes between calls."""
+
+    name: str
+    call_begin: str
+    name_end: str
+    call_end: str
+    trigger: str
+    separator: str
+
+    def opening(self, function: str) -> str:
+        return self.call_begin + function + self.name_end
+
+
+HERMES = ToolCallFormat(
+    "hermes",
+    call_begin='<tool_call>\n{"name": "',
+    name_end='", "arguments": ',
+    call_end="}\n</tool_call>",
+    trigger="<tool_call>",
+    separator="\n",
+)
+LLAMA3_JSON = ToolCallFormat(
+    "llama3_json",
+    call_begin='{"name": "',
+    name_end='", "parameters": ',
+    call_end="}",
+    trigger='{"name": ',
+    separator="; ",
+)
+TOOL_CALL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+# The head of a call written name first: its arguments can stream as they come.
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """One streamed piece of call ``index``: its id and name first, then argument text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def body(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.name is not None:
+            function = {"name": self.name, "arguments": self.arguments}
+        body: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            body["id"] = self.id
+            body["type"] = "function"
+        body["function"] = function
+        return body
+
+
+@dataclass(slots=True)
+class ParsedPiece:
+    """What one ``feed`` or ``finish`` gives: text for ``content`` and call pieces."""
+
+    text: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object or array starting at ``text[start]``; None while it
+    is not closed yet."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        char = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _head_name(head: re.Match[str]) -> str | None:
+    """The function name a call's head spells (JSON string escapes undone)."""
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except ValueError:
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def parse_call_body(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of one call's JSON, or None when it is not a call."""
+    head = _CALL_HEAD.match(body)
+    if head is not None and body[head.end() : head.end() + 1] == "{":
+        end = _json_value_end(body, head.end())
+        name = _head_name(head)
+        if end is not None and name is not None:
+            return name, body[head.end() : end]
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        return value["name"], arguments
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class _StreamedCall:
+    """One call while its text arrives: the head once the name is known, then the arguments
+    object as it grows (held back past its closing brace)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.id = new_call_id()
+        self.body = ""
+        self.args_start: int | None = None  # where the arguments object starts in body
+        self.sent_args = 0  # characters of the arguments already sent
+
+    def grow(self, text: str) -> list[ToolCallDelta]:
+        self.body += text
+        deltas: list[ToolCallDelta] = []
+        if self.args_start is None:
+            head = _CALL_HEAD.match(self.body)
+            if head is None or len(self.body) <= head.end() or self.body[head.end()] != "{":
+                return deltas
+            name = _head_name(head)
+            if name is None:
+                return deltas
+            self.args_start = head.end()
+            deltas.append(ToolCallDelta(self.index, self.id, name))
+        end = _json_value_end(self.body, self.args_start)
+        available = self.body[self.args_start : end]
+        if len(available) > self.sent_args:
+            deltas.append(ToolCallDelta(self.index, arguments=available[self.sent_args :]))
+            self.sent_args = len(available)
+        return deltas
+
+    def close(self) -> list[ToolCallDelta] | None:
+        """The rest of the call once its text is complete; None when the body holds no call
+        (then nothing was sent)."""
+        if self.args_start is not None:
+            return []
+        parsed = parse_call_body(self.body)
+        if parsed is None:
+            return None
+        name, arguments = parsed
+        return [ToolCallDelta(self.index, self.id, name, arguments)]
+
+
+class HermesToolParser:
+    """``<tool_call>{...}</tool_call>`` blocks inside free text."""
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not yet classified (may begin a marker)
+        self._call: _StreamedCall | None = None
+        self.count = 0  # calls found so far
+
+    def feed(self, text: str) -> ParsedPiece:
+        piece = ParsedPiece()
+        self._pending += text
+        while self._pending:
+            if self._call is None:
+                at = self._pending.find(_HERMES_OPEN)
+                if at < 0:
+                    keep = partial_suffix(self._pending, _HERMES_OPEN)
+                    piece.text += self._pending[: len(self._pending) - keep]
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                piece.text += self._pending[:at]
+                self._pending = self._pending[at + len(_HERMES_OPEN) :]
+                self._call = _StreamedCall(self.count)
+            else:
+                at = self._pending.find(_HERMES_CLOSE)
+                if at < 0:
+                    keep = partial_suffix(self._pending, _HERMES_CLOSE)
+                    piece.calls += self._call.grow(self._pending[: len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                piece.calls += self._call.grow(self._pending[:at])
+                self._pending = self._pending[at + len(_HERMES_CLOSE) :]
+                self._close(piece, closed=True)
+        return piece
+
+    def _close(self, piece: ParsedPiece, closed: bool) -> None:
+        assert self._call is not None
+        rest = self._call.close()
+        if rest is None:  # not a call: give the block back as text
+            piece.text += _HERMES_OPEN + self._call.body + (_HERMES_CLOSE if closed else "")
+        else:
+            piece.calls += rest
+            self.count += 1
+        self._call = None
+
+    def finish(self) -> ParsedPiece:
+        piece = ParsedPiece()
+        if self._call is not None:
+            self._call.grow(self._pending)
+            self._pending = ""
+            self._close(piece, closed=False)
+        piece.text += self._pending
+        self._pending = ""
+        return piece
+
+
+class Llama3JsonToolParser:
+    """An output that is only calls, ``{"name": ..., "parameters": ...}`` separated by ``;``
+    (after an optional ``<|python_tag|>``); any other output is text. Calls are known only when
+    the output ends, so they are sent whole then."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._calls_mode: bool | None = None  # None until the first non-space character
+        self.count = 0
+
+    def feed(self, text: str) -> ParsedPiece:
+        self._buffer += text
+        if self._calls_mode is None:
+            head = self._buffer.lstrip()
+            if not head:
+                return ParsedPiece()
+            if _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)]) and len(head) < len(_PYTHON_TAG):
+                return ParsedPiece()  # maybe the tag, cut
+            self._calls_mode = head.startswith(("{", _PYTHON_TAG))
+        if self._calls_mode:
+            return ParsedPiece()
+        text, self._buffer = self._buffer, ""
+        return ParsedPiece(text)
+
+    def finish(self) -> ParsedPiece:
+        text, self._buffer = self._buffer, ""
+        if not self._calls_mode:
+            return ParsedPiece(text)
+        calls = _split_llama_calls(text.strip().removeprefix(_PYTHON_TAG))
+        if calls is None:
+            return ParsedPiece(text)
+        deltas = [
+            ToolCallDelta(index, new_call_id(), name, arguments)
+            for index, (name, arguments) in enumerate(calls)
+        ]
+        self.count = len(deltas)
+        return ParsedPiece("", deltas)
+
+
+def _split_llama_calls(text: str) -> list[tuple[str, str]] | None:
+    calls: list[tuple[str, str]] = []
+    decoder = json.JSONDecoder()
+    position = 0
+    while True:
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+        if position == len(text):
+            return calls or None
+        if text[position] != "{":
+            return None
+        end = _json_value_end(text, position)
+        if end is None:
+            return None
+        try:
+            decoder.decode(text[position:end])
+        except ValueError:
+            return None
+        parsed = parse_call_body(text[position:end])
+        if parsed is None:
+            return None
+        calls.append(parsed)
+        position = end
+
+
+ToolParser = HermesToolParser | Llama3JsonToolParser
+
+
+def tool_parser(fmt: ToolCallFormat) -> ToolParser:
+    return HermesToolParser() if fmt is HERMES else Llama3JsonToolParser()
+
+
+def collect_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """The calls that a sequence of deltas describes, in index order."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            call = calls[delta.index] = ToolCall(delta.id or new_call_id(), delta.name or "", "")
+        call.arguments += delta.arguments
+    return [calls[index] for index in sorted(calls)]
+
+
+def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole output's text (calls removed) and calls."""
+    parser = tool_parser(fmt)
+    first, last = parser.feed(text), parser.finish()
+    return first.text + last.text, collect_calls(first.calls + last.calls)

@@ -1,0 +1,110 @@
+"""GET /openapi.json: every route, bodies from the msgspec types the handlers decode with; and a
+short fuzz run driven by it (scripts/fuzz_api.py runs the long one): no 5xx, every 4xx a JSON
+error, the server serving normally afterwards with no KV page leaked."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+import requests
+
+from asyncengine.server.openai_schema import ChatCompletionRequest
+from asyncengine.server.openapi import REQUEST_BODIES
+from tests.openai_server import server  # noqa: F401  (fixture)
+from tests.server_support import RunningServer, engine_config, tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fuzz_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fuzz_api", ROOT / "scripts" / "fuzz_api.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _document(server: RunningServer) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.base_url + "/openapi.json") as response:
+            assert response.status == 200
+            assert response.content_type == "application/json"
+            return dict(await response.json())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_document_lists_every_route_with_its_body(server: RunningServer) -> None:
+    document = await _document(server)
+    assert document["openapi"].startswith("3.1")
+    routes = {
+        (route.method.lower(), route.resource.canonical)
+        for route in server.app.router.routes()
+        if route.method not in {"HEAD", "OPTIONS"} and route.resource is not None
+    }
+    listed = {(method, path) for path, ops in document["paths"].items() for method in ops}
+    assert listed == routes
+    for path, body_type in REQUEST_BODIES.items():
+        if path not in document["paths"]:
+            continue  # the admin routes exist only with an admin token
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{body_type.__name__}"}
+    assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_body_schemas_are_the_validators_own(server: RunningServer) -> None:
+    document = await _document(server)
+    components = document["components"]["schemas"]
+    _, expected = msgspec.json.schema_components(
+        [ChatCompletionRequest], ref_template="#/components/schemas/{name}"
+    )
+    for name, schema in expected.items():
+        assert components[name] == schema
+    # and the document agrees with the server on what a body may be
+    chat = {"$ref": "#/components/schemas/ChatCompletionRequest", "components": {}}
+    resolver_document = {**chat, "components": document["components"]}
+    good = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+    jsonschema.validate(good, resolver_document)
+    msgspec.json.decode(msgspec.json.encode(good), type=ChatCompletionRequest)
+    for bad in ({"messages": []}, {"messages": "hi"}, {**good, "tool_choice": "maybe"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, resolver_document)
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(msgspec.json.encode(bad), type=ChatCompletionRequest)
+
+
+@pytest.mark.slow
+def test_a_short_fuzz_run_finds_no_server_error(tmp_path_factory: pytest.TempPathFactory) -> None:
+    fuzz = _fuzz_script()
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory),
+        max_model_len=1024,
+        max_new_tokens_limit=fuzz.MAX_NEW_TOKENS,
+    )
+    server = fuzz.BackgroundServer(config)
+    base_url = server.start()
+    try:
+        report = fuzz.fuzz(base_url, examples=10, seed=1)
+        fuzz.fuzz_tool_chats(base_url, examples=3, seed=1, report=report)
+        assert report.failures == []
+        assert report.requests > 90
+        assert report.operations["POST /v1/chat/completions (tools)"].requests == 3
+        assert fuzz.serves_normally(base_url)
+        assert server.call(server.leak_check()) == "ok"
+        assert requests.get(base_url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()

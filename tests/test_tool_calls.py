@@ -1,0 +1,280 @@
+"""Tool calls and reasoning without a model: the parsers (whole and streamed in any split), the
+chat formats read from templates, the rendered conversation, and the call grammars."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from asyncengine.server.chat_output import ChoiceReader, read_choice
+from asyncengine.server.chat_tools import ChatOutputSpec
+from asyncengine.text.chat_format import (
+    FALLBACK_TOOL_PROMPT,
+    ChatTurn,
+    chat_format,
+    template_messages,
+)
+from asyncengine.text.reasoning import ReasoningParser, prompt_opens_thinking, split_reasoning
+from asyncengine.text.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    collect_calls,
+    parse_tool_calls,
+    tool_parser,
+)
+from tests.chat_models import TEMPLATES
+
+HERMES_OUTPUT = (
+    "Let me look. <tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b"}}\n'
+    "</tool_call>\n<tool_call>\n"
+    '{"name": "get_time", "arguments": {}}\n</tool_call> done <tool_call>{not json}</tool_call>'
+)
+
+
+def _splits(text: str, rng: random.Random, pieces: int) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(pieces, len(text) - 1)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def test_hermes_calls_are_parsed_and_a_bad_block_stays_text() -> None:
+    text, calls = parse_tool_calls(HERMES, HERMES_OUTPUT)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b"}
+    assert calls[1].arguments == "{}"
+    assert text == "Let me look. \n done <tool_call>{not json}</tool_call>"
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_streamed_calls_equal_the_whole_parse_however_the_text_is_cut(seed: int) -> None:
+    rng = random.Random(seed)
+    parser = tool_parser(HERMES)
+    text, deltas = "", []
+    for piece in _splits(HERMES_OUTPUT, rng, rng.randint(1, 40)):
+        out = parser.feed(piece)
+        text += out.text
+        deltas += out.calls
+    out = parser.finish()
+    text += out.text
+    deltas += out.calls
+    whole_text, whole = parse_tool_calls(HERMES, HERMES_OUTPUT)
+    assert text == whole_text
+    streamed = collect_calls(deltas)
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in whole]
+    # OpenAI's order: each call's first piece has its id and name, the later ones only arguments
+    for index in range(2):
+        mine = [d for d in deltas if d.index == index]
+        assert mine[0].id is not None and mine[0].name is not None
+        assert all(d.id is None and d.name is None for d in mine[1:])
+
+
+def test_a_call_cut_by_the_length_limit_keeps_what_was_streamed() -> None:
+    text, calls = parse_tool_calls(HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b')
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1, "b')]
+    text, calls = parse_tool_calls(HERMES, "<tool_call>\n{")  # no name yet: text
+    assert text == "<tool_call>\n{" and calls == []
+
+
+def test_llama3_json_calls_and_plain_text() -> None:
+    text, calls = parse_tool_calls(
+        LLAMA3_JSON,
+        '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
+    )
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    assert parse_tool_calls(LLAMA3_JSON, "The answer is 4.") == ("The answer is 4.", [])
+    assert parse_tool_calls(LLAMA3_JSON, '{"x": 1}')[1] == []  # JSON but no call
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reasoning_split_is_the_same_however_the_text_is_cut(seed: int) -> None:
+    rng = random.Random(seed)
+    output = "<think>\nFirst, 2+2.\n</think>\n\nIt is 4. <think> stays"
+    parser = ReasoningParser(starts_inside=False)
+    reasoning = content = ""
+    for piece in _splits(output, rng, rng.randint(1, 20)):
+        out = parser.feed(piece)
+        reasoning += out.reasoning
+        content += out.content
+    out = parser.finish()
+    assert (reasoning + out.reasoning, content + out.content) == (
+        "\nFirst, 2+2.\n",
+        "It is 4. <think> stays",
+    )
+
+
+def test_reasoning_starting_inside_and_unclosed() -> None:
+    assert split_reasoning("hm</think>ok", starts_inside=True).content == "ok"
+    unclosed = split_reasoning("<think>still going", starts_inside=False)
+    assert (unclosed.reasoning, unclosed.content) == ("still going", "")
+    plain = split_reasoning("no thinking here", starts_inside=False)
+    assert (plain.reasoning, plain.content) == ("", "no thinking here")
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("assistant\n<think>\n\n</think>\n\n")
+
+
+def test_reading_a_choice_whole_and_streamed_agree() -> None:
+    spec = ChatOutputSpec(HERMES, reasoning_starts_inside=False)
+    output = (
+        '<think>plan</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    )
+    message, reason = read_choice(spec, output, "stop")
+    assert reason == "tool_calls"
+    assert message["reasoning_content"] == "plan" and message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "f", "arguments": '{"a": 1}'}
+    ]
+    reader = ChoiceReader(spec)
+    deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
+    sent = [d for d in deltas if d]
+    assert "".join(d.get("reasoning_content", "") for d in sent) == "plan"
+    assert not any("content" in d for d in sent)  # the blank between </think> and the call
+    arguments = "".join(c["function"]["arguments"] for d in sent for c in d.get("tool_calls", []))
+    assert arguments == '{"a": 1}'
+    assert read_choice(spec, "just text", "length") == (
+        {"role": "assistant", "content": "just text", "reasoning_content": None},
+        "length",
+    )
+
+
+LLAMA31_LIKE = (
+    "{% if tools %}Given the following functions, respond with a JSON for a function call "
+    'with its proper arguments: {"name": function name, "parameters": dictionary}.'
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'ipython' %}<|python_tag|>{% endif %}"
+    "{{ m.content }}{% endfor %}"
+)
+
+
+def test_chat_formats_read_from_templates(tiny_tokenizer_template: str) -> None:
+    qwen3 = chat_format((TEMPLATES / "qwen3_style.jinja").read_text())
+    assert (qwen3.renders_tools, qwen3.tool_format, qwen3.reasons) == (True, HERMES, True)
+    llama = chat_format(LLAMA31_LIKE)
+    assert (llama.renders_tools, llama.tool_format, llama.reasons) == (True, LLAMA3_JSON, False)
+    smol = chat_format(tiny_tokenizer_template)  # no tools in the embedded model's template
+    assert (smol.renders_tools, smol.tool_format, smol.reasons) == (False, HERMES, False)
+    assert chat_format(None).renders_tools is False
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_template() -> str:
+    import torch
+
+    from asyncengine.executor.loader import DEFAULT_MODEL, resolve_model
+    from asyncengine.text.tokenizer import Tokenizer
+
+    template = Tokenizer(resolve_model(DEFAULT_MODEL, torch.bfloat16)).chat_template
+    assert template is not None
+    return template
+
+
+def test_the_fallback_prompt_carries_tools_calls_and_results() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    turns = [
+        ChatTurn("system", "Be brief."),
+        ChatTurn("user", "go"),
+        ChatTurn("assistant", "", [("call_1", "f", '{"a": 1}')]),
+        ChatTurn("tool", "42", tool_call_id="call_1"),
+    ]
+    fmt = chat_format(None)
+    messages, template_tools = template_messages(turns, fmt, tools)
+    assert template_tools is None
+    assert messages[0]["role"] == "system"
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert json.dumps(tools[0]) in messages[0]["content"]
+    assert messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    }
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    assert "<tool_call>" in FALLBACK_TOOL_PROMPT
+
+
+def test_a_template_that_renders_tools_gets_them_and_hf_shaped_calls() -> None:
+    fmt = chat_format((TEMPLATES / "qwen3_style.jinja").read_text())
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    turns = [
+        ChatTurn("assistant", "", [("call_1", "f", '{"a": 1}')]),
+        ChatTurn("tool", "42", None, "call_1"),
+    ]
+    messages, template_tools = template_messages(turns, fmt, tools)
+    assert template_tools == tools
+    assert messages[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert messages[1] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+
+
+def _matcher(grammar_spec: str):  # an xgrammar matcher on the default model's vocabulary
+    import torch
+    import xgrammar
+    from transformers import PreTrainedTokenizerFast
+
+    from asyncengine.executor.loader import DEFAULT_MODEL, resolve_model
+    from asyncengine.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model(DEFAULT_MODEL, torch.bfloat16))
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend),
+        vocab_size=tokenizer.vocab_size,
+        stop_token_ids=tokenizer.eos_token_ids,
+    )
+    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_structural_tag(grammar_spec)
+    return lambda: xgrammar.GrammarMatcher(compiled)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+}
+
+
+def test_call_grammars_accept_valid_calls_only() -> None:
+    from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+
+    functions = [ToolFunction("get_weather", WEATHER), ToolFunction("ping", True)]
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    bad_value = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    required = _matcher(tool_call_grammar(HERMES, functions, "required").spec)
+    auto = _matcher(tool_call_grammar(HERMES, functions, "auto").spec)
+    named = _matcher(tool_call_grammar(HERMES, functions[1:], "named").spec)
+    reasoning = _matcher(tool_call_grammar(HERMES, functions, "required", reasoning=True).spec)
+
+    def accepts(make, text: str) -> bool:
+        matcher = make()
+        return bool(matcher.accept_string(text)) and matcher.is_completed()
+
+    assert accepts(required, good) and accepts(required, good + "\n" + good)
+    assert not accepts(required, "Sure! " + good)  # nothing but calls
+    assert not accepts(required, bad_value) and not accepts(required, unknown)
+    assert not accepts(required, "")
+    assert accepts(auto, "plain text") and accepts(auto, "text " + good)
+    assert not accepts(auto, "text " + bad_value)  # once begun, a call must be valid
+    assert accepts(named, '<tool_call>\n{"name": "ping", "arguments": {"x": [1]}}\n</tool_call>')
+    assert not accepts(named, good)
+    assert accepts(reasoning, "<think>hmm</think>\n\n" + good) and accepts(reasoning, good)
+
+
+def test_the_llama3_grammar_writes_parameters_json_calls() -> None:
+    from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+
+    functions = [ToolFunction("get_weather", WEATHER), ToolFunction("ping", True)]
+    required = _matcher(tool_call_grammar(LLAMA3_JSON, functions, "required").spec)
+    auto = _matcher(tool_call_grammar(LLAMA3_JSON, functions, "auto").spec)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+    def accepts(make, text: str) -> bool:
+        matcher = make()
+        return bool(matcher.accept_string(text)) and matcher.is_completed()
+
+    assert accepts(required, call) and accepts(
+        required, call + '; {"name": "ping", "parameters": {}}'
+    )
+    assert not accepts(required, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert accepts(auto, "It is sunny.") and accepts(auto, call)
+    text, calls = parse_tool_calls(LLAMA3_JSON, call)
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]

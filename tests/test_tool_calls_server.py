@@ -1,0 +1,259 @@
+"""Tool calls and reasoning through the openai client, on tiny random models: the embedded
+model's ChatML template (no tool format: the fallback prompt) and a tiny Qwen3 whose template
+renders tools and think blocks. Constrained decoding makes even a random model's calls valid."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.chat_models import tiny_qwen3_dir
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": WEATHER_SCHEMA,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
+]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def run_tool(name: str, arguments: str) -> str:
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])  # the grammar made the call valid
+    return json.dumps({"city": args.get("city"), "temperature": 21})
+
+
+async def test_the_tool_loop_with_required_then_auto(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    messages: list[Any] = list(QUESTION)
+    first = await client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls and all(call.type == "function" and call.id.startswith("call_") for call in calls)
+    messages.append(choice.message.model_dump(exclude_none=True))
+    for call in calls:
+        result = run_tool(call.function.name, call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    answer = await client.chat.completions.create(
+        model=server.model, messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert answer.usage is not None and first.usage is not None
+    # the calls and their results went back through the template
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 20
+    reply = answer.choices[0]
+    assert reply.finish_reason in {"stop", "length", "tool_calls"}
+    if reply.finish_reason == "tool_calls":
+        for call in reply.message.tool_calls or []:
+            run_tool(call.function.name, call.function.arguments)
+    else:
+        assert reply.message.content and reply.message.tool_calls is None
+
+
+async def test_a_named_function_streams_id_and_name_then_arguments(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs: dict[str, Any] = dict(
+        model=server.model, messages=QUESTION, tools=TOOLS, tool_choice=named, temperature=0
+    )
+    whole = await client.chat.completions.create(max_tokens=60, **kwargs)
+    stream = await client.chat.completions.create(max_tokens=60, stream=True, **kwargs)
+    pieces = []
+    finish_reasons = []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            pieces += choice.delta.tool_calls or []
+            assert not choice.delta.content
+            finish_reasons.append(choice.finish_reason)
+    assert finish_reasons[-1] == "tool_calls"
+    assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.name == "get_time"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 2  # the arguments came in several chunks
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    run_tool("get_time", arguments)
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == ("get_time", arguments)
+
+
+async def test_tool_choice_none_and_no_tools_leave_the_output_text(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    plain = await client.chat.completions.create(
+        model=server.model, messages=QUESTION, max_tokens=6, temperature=0
+    )
+    none = await client.chat.completions.create(
+        model=server.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=6,
+        temperature=0,
+    )
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+    assert none.usage is not None and plain.usage is not None
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # tools not rendered
+
+
+async def test_nothing_leaks_after_the_tool_requests(server: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def qwen3(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_qwen3_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def qwen3_client(qwen3: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=qwen3.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+def _token(server: RunningServer, text: str) -> int:
+    (token,) = server.engine.tokenizer.encode(text)
+    return int(token)
+
+
+async def test_auto_lets_the_model_call_and_the_grammar_completes_the_call(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    # The bias makes the random model open a call; the grammar then writes a valid one.
+    bias = {str(_token(qwen3, "<tool_call>")): 100}
+    for stream in (False, True):
+        response = await qwen3_client.chat.completions.create(
+            model=qwen3.model,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            logit_bias=bias,
+            max_tokens=80,
+            temperature=0,
+            stream=stream,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        if stream:
+            pieces, reasons = [], []
+            async for chunk in response:
+                for choice in chunk.choices:
+                    pieces += choice.delta.tool_calls or []
+                    reasons.append(choice.finish_reason)
+            name = pieces[0].function.name
+            arguments = "".join(p.function.arguments or "" for p in pieces)
+            assert reasons[-1] == "tool_calls"
+        else:
+            choice = response.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            (call,) = choice.message.tool_calls or []
+            name, arguments = call.function.name, call.function.arguments
+        run_tool(name, arguments)
+
+
+THINK_THEN_ANSWER = r"<think>[a-z]{2,6}( [a-z]{2,6}){2,4}</think>\n\n[a-z]{2,6}( [a-z]{2,6}){2,4}"
+
+
+async def test_reasoning_is_split_from_the_answer_whole_and_streamed(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    # The regex stands in for a trained model that thinks before it answers.
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"regex": THINK_THEN_ANSWER},
+    )
+    whole = await qwen3_client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert message.content and "think>" not in message.content
+    assert " " in reasoning and " " in message.content
+    stream = await qwen3_client.chat.completions.create(stream=True, **kwargs)
+    order, streamed = [], {"reasoning_content": "", "content": ""}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for key in streamed:
+                value = (choice.delta.model_extra or {}).get(key) or getattr(
+                    choice.delta, key, None
+                )
+                if value:
+                    streamed[key] += value
+                    order.append(key)
+    assert streamed == {"reasoning_content": reasoning, "content": message.content}
+    assert order.index("content") > len(order) - order[::-1].index("reasoning_content") - 1
+    assert order.count("reasoning_content") > 1 and order.count("content") > 1
+
+
+async def test_enable_thinking_false_reaches_the_template(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    async def prompt_tokens(**extra: Any) -> int:
+        response = await qwen3_client.chat.completions.create(
+            model=qwen3.model, messages=QUESTION, max_tokens=1, extra_body=extra
+        )
+        assert response.usage is not None
+        return response.usage.prompt_tokens
+
+    thinking = await prompt_tokens()
+    # the template closes an empty think block in the prompt: <think>\n\n</think>\n\n
+    assert await prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > thinking + 2
+
+
+async def test_qwen3_server_leaks_nothing(qwen3: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(qwen3.engine))
+    assert_no_leak(qwen3.engine)
