@@ -141,8 +141,7 @@ def attend_with(
     buffers = KeyBuffers()
     for stale in buffers.take(plan.key_rows, pool.k):
         stale.fill_(1e4)
-    assert not softcap, "the torch backend refuses soft-capping"
-    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers, window)
+    out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers, window, softcap)
     return {row: out[i] for i, row in enumerate(rows)}
 
 
@@ -184,7 +183,14 @@ def make_batch(
 
 
 # (backend, sliding window, soft-cap): Gemma 2/3 layers as well as plain ones
-OPTIONS = [("torch", 0, 0.0), ("native", 0, 0.0), ("torch", 100, 0.0), ("native", 100, 3.0)]
+OPTIONS = [
+    ("torch", 0, 0.0),
+    ("native", 0, 0.0),
+    ("torch", 100, 0.0),
+    ("torch", 100, 3.0),
+    ("torch", 0, 3.0),
+    ("native", 100, 3.0),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

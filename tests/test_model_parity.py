@@ -9,7 +9,6 @@ import torch
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor import attention, deterministic
 from asyncengine.executor.attention import TorchBackend
-from asyncengine.executor.deterministic import DeterministicUnsupportedError
 from asyncengine.executor.invariant_attention import InvariantTorchBackend
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_config import ModelConfig
@@ -114,15 +113,14 @@ def test_deterministic_mode_matches_hf(
     check_prefill_extend_and_decode(tiny_checkpoints[name], 16, deterministic=True)
 
 
-def test_deterministic_torch_attention_takes_windows_and_refuses_soft_caps(
-    tiny_checkpoints: dict[str, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_deterministic_torch_attention_takes_windows_and_soft_caps(
+    tiny_checkpoints: dict[str, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     monkeypatch.setattr(deterministic, "_native_extend_runs", lambda *args: False)
-    with pytest.raises(DeterministicUnsupportedError, match="soft-capping.*turn deterministic"):
-        Harness(tiny_checkpoints["gemma2"], 16, deterministic=True)
-    h = Harness(tiny_checkpoints["gemma3"], 16, deterministic=True)
+    h = Harness(tiny_checkpoints[name], 16, deterministic=True)
     assert isinstance(h.runner.backend, InvariantTorchBackend)
-    check_prefill_extend_and_decode(tiny_checkpoints["gemma3"], 16, deterministic=True)
+    check_prefill_extend_and_decode(tiny_checkpoints[name], 16, deterministic=True)
 
 
 @pytest.mark.parametrize("decode", ["sparse", "gather"])

@@ -48,30 +48,17 @@ class ForwardParts:
     row_block: int | None = None  # None: one call per matmul
 
 
-class DeterministicUnsupportedError(ValueError):
-    """Deterministic mode cannot serve this model on this machine."""
-
-
 def deterministic_parts(
     device: torch.device,
     num_heads: int,
     k_cache: torch.Tensor,
     page_size: int,
-    soft_capped: bool = False,
 ) -> ForwardParts:
-    """The batch-invariant parts for a pool whose layer-0 keys are ``k_cache``.
-    ``soft_capped``: the model soft-caps attention scores (Gemma 2), which only the native
-    extend kernel does batch-invariantly; elsewhere this refuses the model."""
+    """The batch-invariant parts for a pool whose layer-0 keys are ``k_cache``: the native
+    extend kernel where it runs (an AVX-512 CPU), the padded torch attention elsewhere."""
     ops = kernel_ops("torch", device)
     if _native_extend_runs(num_heads, k_cache, page_size):
         return ForwardParts(NativeInvariantBackend(), ops, ROW_BLOCK)
-    if soft_capped:
-        raise DeterministicUnsupportedError(
-            "deterministic mode: attention soft-capping (attn_logit_softcapping, Gemma 2) runs "
-            "batch-invariantly only in the native CPU extend kernel (AVX-512, head_dim 64 or "
-            f"128; here {device.type}, head_dim {k_cache.shape[-1]}); turn deterministic off "
-            "for this model"
-        )
     if device.type == "cuda":
         ops = replace(
             ops,

@@ -17,13 +17,18 @@ keys] with an explicit mask.
 Short contexts pay for the padding: a decode at 40 tokens reads 512 keys (most of them the
 last real key again, masked). scripts/bench_deterministic.py measures the cost.
 
-Sliding-window layers get their own mask (made once per forward and window); soft-capped
-layers (Gemma 2) are refused at start-up (executor/deterministic.py): the fused attention has
-no soft-cap, and scores computed outside it would not keep its fixed reduction order.
+Sliding-window layers get their own mask (made once per forward and window). Soft-capped
+layers (Gemma 2) cannot use the fused attention (it has no soft-cap): their scores are computed
+explicitly (``_softcapped_attention``: q @ k^T, cap * tanh(s / cap), the mask, a softmax over
+the padded keys, then p @ v) in float64, because a BLAS product may split its sums differently
+with the batch's shape: in float64 such a difference is ~1e-16 relative, far below the float32
+or bfloat16 rounding of the result, so the same rows come out alone or batched (tested in both
+dtypes; slow, but only Gemma 2 in deterministic mode without the native kernel takes it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +41,7 @@ from asyncengine.executor.attention import (
     StoreThenAttendBackend,
 )
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.kernels.attention_window import additive_mask, hidden_keys
+from asyncengine.kernels.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.paged_kv import padded_kv_slots
 
 # the CPU flash attention's key block (torch's kernel: min(kv_len, 512)); padding to multiples
@@ -193,9 +198,10 @@ def invariant_attention(
     scale: float,
     buffers: KeyBuffers | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [N, H, D] (every token of the forward) as planned -> [N, H, D]; ``window``: keys a
-    query sees, itself included (0: all)."""
+    query sees, itself included (0: all); ``softcap``: scores become cap * tanh(s / cap)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -208,7 +214,8 @@ def invariant_attention(
         n, q_len, kv_len = g.num_requests, g.q_len, g.kv_len
         keys = slice(g.kv_offset, g.kv_offset + n * kv_len)
         queries = q.index_select(0, g.queries).view(n, q_len, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
+        attend = _softcapped_attention(softcap) if softcap else F.scaled_dot_product_attention
+        out = attend(
             queries.transpose(1, 2).reshape(n, num_kv_heads, q_len * group, head_dim),
             k_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
             v_all[keys].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2),
@@ -219,6 +226,19 @@ def invariant_attention(
         outs.append(out.reshape(n * q_len, num_heads, head_dim))
     stacked = outs[0] if len(outs) == 1 else torch.cat(outs)
     return stacked.index_select(0, plan.output_rows)
+
+
+def _softcapped_attention(softcap: float) -> Callable[..., torch.Tensor]:
+    """Attention with soft-capped scores, the same call shape as the fused attention."""
+
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+        scores = soft_cap(scores, softcap) + attn_mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v.double()).to(q.dtype)
+
+    return attend
 
 
 class InvariantTorchBackend(StoreThenAttendBackend):
@@ -240,10 +260,8 @@ class InvariantTorchBackend(StoreThenAttendBackend):
         options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, InvariantMetadata)
-        if options.softcap:
-            raise ValueError("batch-invariant torch attention has no soft-capping")
         if metadata.plan is None:
             metadata.plan = plan_invariant(metadata.batch, k_cache, q.shape[1])
         return invariant_attention(
-            q, k_cache, v_cache, metadata.plan, scale, self.buffers, options.window
+            q, k_cache, v_cache, metadata.plan, scale, self.buffers, options.window, options.softcap
         )

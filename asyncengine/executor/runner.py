@@ -73,7 +73,6 @@ class ModelRunner:
                 model_config.num_heads,
                 kv_pool.k_cache(0),
                 kv_pool.page_size,
-                soft_capped=model_config.attn_logit_softcap > 0,
             )
             self.backend_name = "torch"
         else:
