@@ -18,9 +18,10 @@ Scenarios: ``decode`` at batch B (B requests of 16-token prompts and long output
 at once; the steps with exactly B decodes and no prefill are measured), and ``mixed`` (1,024
 requests through 256 running slots, random prompt and output lengths, so most steps carry a
 prefill chunk beside the decodes). For each, host ms per step split by part, timed where the
-parts run: schedule + plan, plan -> tensors, sampling, commit (incl. the length/EOS stop
-checks), detokenize + stream (incl. stop strings), and the rest of the loop (asyncio, the
-stream consumers, the forward thread's hand-off).
+parts run: schedule + plan (``core.launch``), plan -> tensors, sampling, land (``core.land``:
+commit, every stop check, detokenizing and stop strings), stream (step events into stream
+updates), and the rest of the loop (asyncio, the stream consumers, the forward thread's
+hand-off).
 
     .venv/bin/python scripts/bench_host_step.py                 # table, JSON, last line the figure
     .venv/bin/python scripts/bench_host_step.py --batches 256 --out bench_results/host.json
@@ -58,6 +59,10 @@ from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.sampling_params import SamplingParams
 
 TOKEN_OFFSET = 1000  # stand-in logits column c samples token TOKEN_OFFSET + c (ordinary text)
+
+
+LAND = "land (commit, stops, detokenize)"
+STREAM = "stream"
 
 
 class StepClock:
@@ -213,9 +218,9 @@ async def run_scenario(
         await engine.generate(list(range(TOKEN_OFFSET, TOKEN_OFFSET + 16)), warm)
         core = engine.core
         assert core is not None
-        core.schedule = clock.wrap_schedule(core.schedule)  # type: ignore[method-assign]
-        core.commit = clock.wrap("commit", core.commit)  # type: ignore[method-assign]
-        engine._emit = clock.wrap("detokenize + stream", engine._emit)  # type: ignore[method-assign]
+        core.launch = clock.wrap_schedule(core.launch)  # type: ignore[method-assign]
+        core.land = clock.wrap(LAND, core.land)  # type: ignore[method-assign]
+        engine.streams.publish = clock.wrap(STREAM, engine.streams.publish)  # type: ignore[method-assign]
         executor.clock = clock
 
         async def consume(prompt_len: int, output_len: int) -> int:
@@ -273,8 +278,8 @@ PART_ORDER = (
     "schedule + plan",
     "plan -> tensors",
     "sampling",
-    "commit",
-    "detokenize + stream",
+    LAND,
+    STREAM,
     "loop: other (asyncio, streams)",
 )
 

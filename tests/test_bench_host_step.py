@@ -39,8 +39,8 @@ def test_decode_and_mixed_steps_are_split_by_part(
     assert rows["mixed (24 req)"]["mean_extend_tokens"] > 0
     for row in rows.values():
         parts = row["parts_ms"]
-        for part in ("schedule + plan", "plan -> tensors", "sampling", "commit",
-                     "detokenize + stream"):  # fmt: skip
+        for part in ("schedule + plan", "plan -> tensors", "sampling", bench.LAND,
+                     bench.STREAM):  # fmt: skip
             assert parts[part] > 0, (row["scenario"], part)
         assert row["host_ms_per_step"] > 0 and row["cpu_ms_per_step"] > 0
     assert report["host_ms_per_step_256"] == rows["decode B=256"]["host_ms_per_step"]
