@@ -42,7 +42,7 @@ async def record(path: Path, hashed: bool) -> list[tuple[str, list[int], int]]:
         late = await eng.generate(prompt(77), params(500, timeout=0.02), request_id="late")
         assert late.finish_reason == "timeout"
         steps = eng.stats()["steps"]
-    assert eng.recorder is None  # stopping the engine closed the trace
+    assert eng.streams.recorder is None  # stopping the engine closed the trace
     sent.append(("late", prompt(77), 500))
     return sent + [("steps", [], steps)]
 
