@@ -31,6 +31,10 @@ def _short_repr(value: object) -> str:
     return text if len(text) <= 120 else text[:120] + "..."
 
 
+# Temperatures below this sample greedily (as vLLM does): dividing float32 logits by a smaller
+# one overflows (below ~1e-38 it is 0 in float32) and the sampler would draw from NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 MAX_LOGIT_BIAS = 100.0
 
@@ -76,7 +80,7 @@ class StructuredOutput:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes sampled output reproducible whatever else shares the batch.
     ``n`` choices share one prefill of the prompt (the engine caps it at ``max_n``); choice
     ``i > 0`` of a seeded request samples with ``choice_seed(seed, i)``. ``logit_bias`` adds
@@ -115,7 +119,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""

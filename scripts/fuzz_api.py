@@ -277,7 +277,7 @@ def _sender(
                 {
                     "operation": name,
                     "problem": problem,
-                    "body": repr(case.body)[:500],
+                    "body": repr(case.body)[:4000],
                     "query": repr(case.query)[:200],
                     "response": response.text[:500],
                 }

@@ -105,6 +105,25 @@ def test_tiny_temperature_picks_the_best_and_single_token_vocabulary_works() -> 
     assert tokens == [0, 0, 0]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        # found by scripts/fuzz_api.py: each failed its forward (index out of bounds, a 500)
+        SamplingParams(temperature=1e-320, top_p=0.9),
+        SamplingParams(temperature=1e-300, min_p=0.5),
+        SamplingParams(repetition_penalty=1e-300, top_k=5),
+        SamplingParams(repetition_penalty=1e-300, top_p=0.5),
+    ],
+)
+def test_extreme_temperatures_and_penalties_give_the_best_token(params: SamplingParams) -> None:
+    logits = torch.full((2, 200), -5.0)
+    logits[:, 37] = 4.0  # the best token, in the prompt so the penalty divides it past float32
+    logits[:, 150] = 3.0
+    tokens, _ = Sampler(seed=0).sample(logits, [info(params, prompt=[37])] * 2)
+    assert tokens == [37, 37]
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
 # ---------------------------------------------------------------- filters: only allowed tokens
 
 

@@ -9,7 +9,7 @@ Order of operations for every row:
    ``ignore_eos``) and the request's ``stop_token_ids`` are banned (set to -inf). Last, a
    structured-output row keeps only the tokens its grammar allows (``token_bitmask``); should
    the bans leave it none, the grammar wins (the row is masked without the bans).
-3. Greedy rows (temperature 0) take the argmax of the processed logits (first index on ties).
+3. Greedy rows (temperature 0, or below ``GREEDY_TEMPERATURE``) take the argmax of the processed logits (first index on ties).
 4. Other rows sample from ``p ~ exp((logit - max) / temperature)`` restricted by the filters,
    each a per-row threshold on the logit (a token tied with a threshold is kept):
    top-k keeps logits >= the k-th largest; top-p keeps the smallest prefix of the sorted
@@ -125,12 +125,12 @@ class Sampler:
             )
         logits = logits.to(torch.float32).contiguous()
         processed = self._apply_penalties_and_bans(logits, sampling)
-        sampled_rows = [i for i, info in enumerate(sampling) if info.params.temperature != 0.0]
+        sampled_rows = [i for i, info in enumerate(sampling) if not info.params.greedy]
         if not sampled_rows:
             tokens = processed.argmax(dim=-1)
         else:
             tokens = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
-            greedy_rows = [i for i, info in enumerate(sampling) if info.params.temperature == 0.0]
+            greedy_rows = [i for i, info in enumerate(sampling) if info.params.greedy]
             if greedy_rows:
                 index = torch.tensor(greedy_rows, device=logits.device)
                 tokens[index] = self._buffers.rows("gather", processed, index).argmax(dim=-1)
@@ -182,6 +182,9 @@ class Sampler:
             [sampling[i].params.frequency_penalty for i in presence_frequency_rows],
         )
         apply_logit_bias(processed, bias_rows, [sampling[i].params.logit_bias for i in bias_rows])
+        # a tiny repetition penalty divides logits past float32's range: keep them finite (an
+        # infinite maximum would make every probability NaN)
+        processed.clamp_(max=torch.finfo(processed.dtype).max)
         ban_tokens(processed, ban_rows, banned)
         masks = [torch.as_tensor(sampling[i].token_bitmask) for i in mask_rows]
         dead = apply_token_bitmasks(processed, mask_rows, masks)
