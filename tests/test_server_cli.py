@@ -38,9 +38,10 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def server_section() -> str:
+    """The README's server examples: "## Talk to the server" up to its first subsection."""
     text = README.read_text()
     start = text.index("## Talk to the server")
-    end = text.index("\n## ", start + 1)
+    end = min(text.index("\n## ", start + 1), text.index("\n### ", start + 1))
     return text[start:end]
 
 
