@@ -83,8 +83,8 @@ def build_core(
     kv = KVCacheManager(
         layout.num_pages,
         layout.page_size,
-        max_requests=layout.max_rows,
-        max_pages_per_request=layout.max_pages_per_row,
+        max_rows=layout.max_rows,
+        max_pages_per_row=layout.max_pages_per_row,
         enable_prefix_cache=config.enable_prefix_cache,
     )
     executor.bind(layout)

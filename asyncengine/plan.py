@@ -19,13 +19,13 @@ class Segment:
     ``input_ids`` are the tokens whose KV is computed now; they sit at positions
     ``start_pos .. start_pos + len(input_ids) - 1``. Tokens before ``start_pos`` are already in
     the KV pool (cached prefix and earlier chunks), reachable through page-table row
-    ``table_row``. The pages covering every position up to the segment's end are allocated
+    ``row``. The pages covering every position up to the segment's end are allocated
     before the plan is emitted, and written into that row by this plan's ``page_writes`` or an
     earlier plan's.
     """
 
     rid: str
-    table_row: int
+    row: int
     input_ids: list[int]
     start_pos: int
     sample: bool  # sample a token after the last input token (last prefill chunk, decode)

@@ -75,13 +75,13 @@ class FakeExecutor:
         self.table.apply(plan.page_writes)
         tokens: list[int] = []
         for seg in plan.segments:
-            slots = self._slots(seg.table_row, seg.start_pos, seg.end_pos)
+            slots = self._slots(seg.row, seg.start_pos, seg.end_pos)
             self.token_at[slots] = seg.input_ids
             self.pos_at[slots] = np.arange(seg.start_pos, seg.end_pos)
         for seg in plan.segments:
             if not seg.sample:
                 continue
-            slots = self._slots(seg.table_row, 0, seg.end_pos)
+            slots = self._slots(seg.row, 0, seg.end_pos)
             assert (self.pos_at[slots] == np.arange(seg.end_pos)).all(), (
                 f"{seg.rid}: positions in KV are wrong"
             )

@@ -127,7 +127,7 @@ def test_allocator_matches_a_set_model(ops: list[tuple[bool, int]]) -> None:
 
 
 def test_page_table_rows_and_pages() -> None:
-    table = PageTable(max_requests=3, max_pages_per_request=5)
+    table = PageTable(max_rows=3, max_pages_per_row=5)
     assert table.array.dtype == np.int32
     assert table.array.shape == (3, 5)
     row = table.acquire()
@@ -221,7 +221,7 @@ def test_kv_memory_is_sized_from_the_config() -> None:
     assert pool.nbytes <= budget < pool.nbytes + page_bytes
     assert core.kv.num_pages == core.kv.allocator.num_free == 10
     assert core.max_model_len == 40 and core.kv.max_tokens_per_request == 40
-    assert core.kv.page_table.max_requests == 3
+    assert core.kv.page_table.max_rows == 3
 
     # A token capacity rounds up to whole pages.
     config = EngineConfig(page_size=4, kv_cache_tokens=50, max_model_len=16)
@@ -229,7 +229,7 @@ def test_kv_memory_is_sized_from_the_config() -> None:
     core = build_core(config, executor)
     assert executor.layout is not None and executor.layout.num_slots == 52
     assert core.kv.num_pages == 13
-    assert core.max_model_len == 16 and core.kv.max_pages_per_request == 4
+    assert core.max_model_len == 16 and core.kv.max_pages_per_row == 4
 
     default = EngineConfig()
     assert default.page_size == 16

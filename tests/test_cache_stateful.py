@@ -220,19 +220,19 @@ class LiveSeq:
 class ManagerMachine(RuleBasedStateMachine):
     page_size = 1
     num_pages = 96
-    max_pages_per_request = 48
-    max_requests = 4
+    max_pages_per_row = 48
+    max_rows = 4
 
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVCacheManager(
             num_pages=self.num_pages,
             page_size=self.page_size,
-            max_requests=self.max_requests,
-            max_pages_per_request=self.max_pages_per_request,
+            max_rows=self.max_rows,
+            max_pages_per_row=self.max_pages_per_row,
         )
         self.model = PrefixModel(self.page_size)
-        self.max_tokens = self.max_pages_per_request * self.page_size
+        self.max_tokens = self.max_pages_per_row * self.page_size
         self.pool = SequencePool(self.max_tokens - 8)
         self.live: dict[int, LiveSeq] = {}
         self.counters = (0, 0)  # hit and miss tokens at the last check
@@ -260,7 +260,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.model.insert(prefix, own)
             self.model.match(prefix)
 
-    @precondition(lambda self: len(self.live) < self.max_requests)
+    @precondition(lambda self: len(self.live) < self.max_rows)
     @rule(data=st.data())
     def open(self, data: st.DataObject) -> None:
         tokens = self.pool.draw(data)
@@ -363,7 +363,7 @@ class ManagerMachine(RuleBasedStateMachine):
 class ManagerMachinePage16(ManagerMachine):
     page_size = 16
     num_pages = 20
-    max_pages_per_request = 8
+    max_pages_per_row = 8
 
 
 MANAGER_SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None)

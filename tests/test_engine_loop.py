@@ -342,7 +342,7 @@ def test_context_is_capped_by_what_the_kv_pool_holds() -> None:
     config = EngineConfig(page_size=4, kv_cache_tokens=64)
     core = build_core(config, FakeExecutor(max_model_len=4096))
     assert core.max_model_len == 64 and core.kv.num_pages == 16
-    assert core.kv.max_pages_per_request == 16
+    assert core.kv.max_pages_per_row == 16
     capped = build_core(config.replace(max_model_len=32), FakeExecutor(max_model_len=4096))
     assert capped.max_model_len == 32
 

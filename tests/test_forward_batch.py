@@ -38,7 +38,7 @@ def test_batch_matches_a_per_token_loop(num_ext: int, num_dec: int) -> None:
             pos = seg.start_pos + j
             ids.append(token)
             positions.append(pos)
-            slots.append(int(table[seg.table_row, pos // PAGE]) * PAGE + pos % PAGE)
+            slots.append(int(table[seg.row, pos // PAGE]) * PAGE + pos % PAGE)
         if seg.sample:
             sampled.append(len(ids) - 1)
     assert batch.input_ids.tolist() == ids
@@ -54,7 +54,7 @@ def test_batch_matches_a_per_token_loop(num_ext: int, num_dec: int) -> None:
         width = -(-max((s.end_pos for s in segs), default=0) // PAGE)
         assert block_table.shape == (len(segs), width)
         for row, seg in zip(block_table.tolist(), segs, strict=True):
-            assert row == table[seg.table_row, :width].tolist()
+            assert row == table[seg.row, :width].tolist()
 
 
 def test_a_decode_of_two_tokens_is_refused() -> None:

@@ -12,8 +12,8 @@ def make(num_pages: int = 16, page_size: int = 4, **kwargs: object) -> KVCacheMa
     return KVCacheManager(
         num_pages=num_pages,
         page_size=page_size,
-        max_requests=kwargs.pop("max_requests", 4),  # type: ignore[arg-type]
-        max_pages_per_request=kwargs.pop("max_pages_per_request", 8),  # type: ignore[arg-type]
+        max_rows=kwargs.pop("max_rows", 4),  # type: ignore[arg-type]
+        max_pages_per_row=kwargs.pop("max_pages_per_row", 8),  # type: ignore[arg-type]
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -214,7 +214,7 @@ def test_prefix_cache_disabled() -> None:
 
 
 def test_limits_on_rows_and_request_length() -> None:
-    mgr = make(max_requests=2, max_pages_per_request=2)
+    mgr = make(max_rows=2, max_pages_per_row=2)
     with pytest.raises(ValueError, match="exceeds 8 tokens per request"):
         mgr.open(list(range(9)))
     seq = mgr.open([1])

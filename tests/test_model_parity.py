@@ -73,7 +73,7 @@ def sampling_for(n: int) -> list[SamplingInfo]:
 
 
 def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) -> Segment:
-    return Segment(rid=rid, table_row=row, input_ids=tokens, start_pos=start, sample=sample)
+    return Segment(rid=rid, row=row, input_ids=tokens, start_pos=start, sample=sample)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

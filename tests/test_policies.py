@@ -42,7 +42,7 @@ def ctx(
 
 def cached_ctx(*prompts: list[int]) -> PolicyContext:
     """A context whose prefix lengths come from a real KV cache (page 16) holding ``prompts``."""
-    kv = KVCacheManager(num_pages=64, page_size=16, max_requests=4, max_pages_per_request=16)
+    kv = KVCacheManager(num_pages=64, page_size=16, max_rows=4, max_pages_per_row=16)
     for prompt in prompts:
         seq = kv.open(prompt)
         kv.extend(seq, len(prompt) - seq.kv_len)

@@ -42,7 +42,7 @@ NUM_ROWS = 4
 
 
 def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) -> Segment:
-    return Segment(rid=rid, table_row=row, input_ids=tokens, start_pos=start, sample=sample)
+    return Segment(rid=rid, row=row, input_ids=tokens, start_pos=start, sample=sample)
 
 
 def mixed_plan(step: int) -> BatchPlan:
@@ -194,7 +194,7 @@ _CUDA_CHECK = textwrap.dedent(
     if device.type == "cuda":  # replay a captured decode step against the eager forward
         runner = runners[1]
         graphs = DecodeGraphs(runner.model, runner.backend, runner.k_caches, runner.v_caches,
-                              max_batch_size=8, max_pages_per_request=pages_per_row,
+                              max_batch_size=8, max_pages_per_row=pages_per_row,
                               page_size=page_size)
         graphs.capture()
         step3 = BatchPlan(step=3, decodes=[
@@ -343,7 +343,7 @@ def test_padded_decode_batch_gives_the_same_hidden_states_and_writes_nothing_mor
         want = model.forward(batch, backend, backend.build_metadata(batch), *caches)
         pool_after = (runner.kv_pool.k.clone(), runner.kv_pool.v.clone())
 
-        inputs = DecodeStaticInputs(8, runner.page_table.max_pages_per_request, page_size, "cpu")
+        inputs = DecodeStaticInputs(8, runner.page_table.max_pages_per_row, page_size, "cpu")
         inputs.fill_for_warmup(8, runner.kv_pool.num_pages)  # stale rows to be overwritten
         inputs.fill(batch, 5)
         padded = inputs.batch(5)

@@ -45,8 +45,8 @@ class KVCacheManager:
         self,
         num_pages: int,
         page_size: int,
-        max_requests: int,
-        max_pages_per_request: int,
+        max_rows: int,
+        max_pages_per_row: int,
         enable_prefix_cache: bool = True,
     ) -> None:
         self.num_pages = num_pages
@@ -54,7 +54,7 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
         self.tree = RadixCache(page_size)
-        self.page_table = PageTable(max_requests, max_pages_per_request, record_writes=True)
+        self.page_table = PageTable(max_rows, max_pages_per_row, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -62,12 +62,12 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- queries
 
     @property
-    def max_pages_per_request(self) -> int:
-        return self.page_table.max_pages_per_request
+    def max_pages_per_row(self) -> int:
+        return self.page_table.max_pages_per_row
 
     @property
     def max_tokens_per_request(self) -> int:
-        return self.page_table.max_pages_per_request * self.page_size
+        return self.page_table.max_pages_per_row * self.page_size
 
     @property
     def available_pages(self) -> int:
@@ -130,7 +130,7 @@ class KVCacheManager:
             )
         if self.page_table.num_free_rows == 0:
             raise OutOfRowsError(
-                f"all {self.page_table.max_requests} page-table rows are held by open sequences"
+                f"all {self.page_table.max_rows} page-table rows are held by open sequences"
             )
         matched_pages: np.ndarray | None = None
         matched = 0
@@ -170,7 +170,7 @@ class KVCacheManager:
         if num_tokens < 0:
             raise ValueError(f"cannot extend by a negative number of tokens ({num_tokens})")
         total_pages = -(-new_len // self.page_size)
-        if total_pages > self.max_pages_per_request:
+        if total_pages > self.max_pages_per_row:
             raise ValueError(
                 f"extending to {new_len} tokens exceeds {self.max_tokens_per_request} "
                 f"tokens per request"

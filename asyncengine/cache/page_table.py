@@ -19,29 +19,29 @@ from asyncengine.plan import PageWrite
 
 
 class OutOfRowsError(RuntimeError):
-    """Every page-table row is taken (more live requests than ``max_requests``)."""
+    """Every page-table row is taken (more live requests than ``max_rows``)."""
 
 
 class PageTable:
     def __init__(
-        self, max_requests: int, max_pages_per_request: int, *, record_writes: bool = False
+        self, max_rows: int, max_pages_per_row: int, *, record_writes: bool = False
     ) -> None:
-        if max_requests <= 0 or max_pages_per_request <= 0:
+        if max_rows <= 0 or max_pages_per_row <= 0:
             raise ValueError(
-                f"max_requests and max_pages_per_request must be positive, "
-                f"got {max_requests} and {max_pages_per_request}"
+                f"max_rows and max_pages_per_row must be positive, "
+                f"got {max_rows} and {max_pages_per_row}"
             )
-        self.array = np.zeros((max_requests, max_pages_per_request), dtype=np.int32)
-        self._free_rows = list(range(max_requests - 1, -1, -1))
-        self._in_use = np.zeros(max_requests, dtype=np.bool_)
+        self.array = np.zeros((max_rows, max_pages_per_row), dtype=np.int32)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._in_use = np.zeros(max_rows, dtype=np.bool_)
         self._writes: list[PageWrite] | None = [] if record_writes else None
 
     @property
-    def max_requests(self) -> int:
+    def max_rows(self) -> int:
         return int(self.array.shape[0])
 
     @property
-    def max_pages_per_request(self) -> int:
+    def max_pages_per_row(self) -> int:
         return int(self.array.shape[1])
 
     @property
@@ -51,13 +51,13 @@ class PageTable:
     def acquire(self) -> int:
         """Take a free row (lowest ids first)."""
         if not self._free_rows:
-            raise OutOfRowsError(f"all {self.max_requests} page-table rows are in use")
+            raise OutOfRowsError(f"all {self.max_rows} page-table rows are in use")
         row = self._free_rows.pop()
         self._in_use[row] = True
         return row
 
     def release(self, row: int) -> None:
-        if not 0 <= row < self.max_requests or not self._in_use[row]:
+        if not 0 <= row < self.max_rows or not self._in_use[row]:
             raise ValueError(f"page-table row {row} is not in use")
         self._in_use[row] = False
         self._free_rows.append(row)
@@ -69,9 +69,9 @@ class PageTable:
         """Write ``pages`` into ``row`` from page index ``start`` on."""
         array = np.asarray(pages, dtype=np.int32)
         end = start + array.size
-        if start < 0 or end > self.max_pages_per_request:
+        if start < 0 or end > self.max_pages_per_row:
             raise ValueError(
-                f"pages {start}..{end - 1} exceed the row width {self.max_pages_per_request}"
+                f"pages {start}..{end - 1} exceed the row width {self.max_pages_per_row}"
             )
         self.array[row, start:end] = array
         if self._writes is not None:
@@ -105,6 +105,6 @@ class PageTable:
     def reset(self) -> None:
         self.array[:] = 0
         self._in_use[:] = False
-        self._free_rows = list(range(self.max_requests - 1, -1, -1))
+        self._free_rows = list(range(self.max_rows - 1, -1, -1))
         if self._writes is not None:
             self._writes = []

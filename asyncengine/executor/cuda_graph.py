@@ -45,18 +45,18 @@ class DecodeStaticInputs:
     def __init__(
         self,
         max_batch_size: int,
-        max_pages_per_request: int,
+        max_pages_per_row: int,
         page_size: int,
         device: torch.device | str,
     ) -> None:
         device = torch.device(device)
         self.page_size = page_size
-        self.max_pages = max_pages_per_request
+        self.max_pages = max_pages_per_row
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(
-            (max_batch_size, max_pages_per_request), dtype=torch.int32, device=device
+            (max_batch_size, max_pages_per_row), dtype=torch.int32, device=device
         )
         self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self.sample_indices = torch.arange(max_batch_size, dtype=torch.int64, device=device)
@@ -128,7 +128,7 @@ class DecodeGraphs:
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         max_batch_size: int,
-        max_pages_per_request: int,
+        max_pages_per_row: int,
         page_size: int,
     ) -> None:
         from asyncengine.executor.attention_triton import TritonBackend
@@ -143,9 +143,7 @@ class DecodeGraphs:
         self.k_caches = k_caches
         self.v_caches = v_caches
         self.ladder = batch_size_ladder(max_batch_size)
-        self.inputs = DecodeStaticInputs(
-            max_batch_size, max_pages_per_request, page_size, model.device
-        )
+        self.inputs = DecodeStaticInputs(max_batch_size, max_pages_per_row, page_size, model.device)
         self.num_pool_pages = k_caches[0].shape[0] // page_size
         self._captured: dict[int, _Captured] = {}
 

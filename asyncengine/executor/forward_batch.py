@@ -87,7 +87,7 @@ def build_forward_batch(
     """Vectorized over tokens: the only Python loops walk segments, never tokens (and decodes,
     the many one-token segments, in a single pass).
 
-    ``page_table`` is the [max_requests, max_pages] int32 array of page ids (a numpy view).
+    ``page_table`` is the [max_rows, max_pages] int32 array of page ids (a numpy view).
     On a CPU the tensors are views of the numpy arrays (no copy); on CUDA the int64 arrays
     travel packed in one buffer and the int32 ones in another (two copies, through
     ``staging``'s pinned buffers when given), split on the device.
@@ -96,7 +96,7 @@ def build_forward_batch(
     num_ext, num_dec = len(extends), len(decodes)
     # one pass over the decodes: table row, position, token, sampled?, token count
     dec = np.array(
-        [(s.table_row, s.start_pos, s.input_ids[0], s.sample, len(s.input_ids)) for s in decodes],
+        [(s.row, s.start_pos, s.input_ids[0], s.sample, len(s.input_ids)) for s in decodes],
         dtype=np.int64,
     ).reshape(num_dec, 5)
     if num_dec and (dec[:, 4] != 1).any():
@@ -104,7 +104,7 @@ def build_forward_batch(
         raise ValueError(f"decode segment {bad.rid!r} has {bad.num_tokens} tokens, expected 1")
     dec_rows, dec_starts = dec[:, 0], dec[:, 1]
     ext = np.array(
-        [(s.table_row, s.start_pos, len(s.input_ids), s.sample) for s in extends], dtype=np.int64
+        [(s.row, s.start_pos, len(s.input_ids), s.sample) for s in extends], dtype=np.int64
     ).reshape(num_ext, 4)
     ext_rows, ext_starts, ext_lens = ext[:, 0], ext[:, 1], ext[:, 2]
     cu = np.zeros(num_ext + 1, np.int64)

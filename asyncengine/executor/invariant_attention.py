@@ -100,7 +100,7 @@ class _Request:
     q_start: int  # first query row in the forward
     q_len: int
     kv_len: int  # keys incl. the new tokens
-    table_row: int
+    row: int
     decode: bool
 
 
@@ -144,7 +144,7 @@ def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -
         table = batch.decode_block_table if decode else batch.extend_block_table
         q_len = padded_queries(max(r.q_len for r in members), group, k_cache.dtype)
         n = len(members)
-        rows = torch.tensor([r.table_row for r in members], dtype=torch.int64, device=device)
+        rows = torch.tensor([r.row for r in members], dtype=torch.int64, device=device)
         kv_lens = torch.tensor([r.kv_len for r in members], dtype=torch.int64, device=device)
         q_lens = torch.tensor([r.q_len for r in members], dtype=torch.int64, device=device)
         starts = torch.tensor([r.q_start for r in members], dtype=torch.int64, device=device)

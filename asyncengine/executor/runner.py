@@ -98,7 +98,7 @@ class ModelRunner:
                 self.k_caches,
                 self.v_caches,
                 max_batch_size,
-                page_table.max_pages_per_request,
+                page_table.max_pages_per_row,
                 self.page_size,
             )
             self.graphs.capture()
@@ -116,7 +116,7 @@ class ModelRunner:
                 self.config.num_heads,
                 self.page_size,
                 max_batch_size,
-                self.page_table.max_pages_per_request * self.page_size,
+                self.page_table.max_pages_per_row * self.page_size,
             )
         torch.cuda.synchronize(self.device)
         log.info(
