@@ -55,6 +55,11 @@ def _compiler() -> str | None:
     return None
 
 
+def compiler_found() -> bool:
+    """Whether a C compiler is here (without one the native kernels cannot be built)."""
+    return _compiler() is not None
+
+
 def library_path(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     source = (SOURCE_DIR / f"{name}.c").read_bytes()
     headers = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
