@@ -4,9 +4,6 @@ error, the server serving normally afterwards with no KV page leaked."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,17 +16,11 @@ from asyncengine.server.openai_schema import ChatCompletionRequest
 from asyncengine.server.openapi import REQUEST_BODIES
 from tests.openai_server import server  # noqa: F401  (fixture)
 from tests.server_support import RunningServer, engine_config, tiny_model_dir
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_bench_scripts import load_script
 
 
 def _fuzz_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_api", ROOT / "scripts" / "fuzz_api.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz_api")
 
 
 async def _document(server: RunningServer) -> dict[str, Any]:

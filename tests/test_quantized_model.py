@@ -5,8 +5,6 @@ the logits, greedy agreement and perplexity against the same weights in float32
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +24,13 @@ from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels import cpu_native, quant_ref
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, I8, Q4_0, Q8_0, QuantizedTensor
 from tests.conftest import TinyCheckpoint
+from tests.test_bench_scripts import load_script
 from tests.test_gguf import MERGES, TINY_TOKENS, _gguf_name, _llama_cpp_permute
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
 )
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_bad_quantization_is_a_config_error() -> None:
@@ -164,14 +162,7 @@ def test_large_batches_take_the_dense_product_of_the_same_weights() -> None:
 
 
 def _accuracy_module() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "quant_accuracy", ROOT / "scripts/quant_accuracy.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quant_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("quant_accuracy")
 
 
 @pytest.mark.slow
