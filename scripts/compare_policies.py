@@ -53,6 +53,8 @@ from asyncengine.bench.report import (
     blocked_table,
     group_table,
     markdown_table,
+    queue_hint,
+    shadow_table,
     write_figures,
     write_group_figure,
 )
@@ -299,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             arrival_hit_rate=bound("arrival", ps, pool),
             slo=slo,
             admission_blocked=extra.get("admission_blocked"),
+            shadow=extra.get("shadow"),
+            peak_waiting=extra.get("peak_waiting"),
         )
         runs.append(run)
         details[label] = {
@@ -328,6 +332,12 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     if slo is not None:
         header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
     sections = [header, markdown_table(runs)]
+    hint = queue_hint(runs)
+    if hint:
+        sections.append(hint)
+    shadows = shadow_table(runs)
+    if shadows:
+        sections += ["## Shadow policy agreement", shadows]
     for by in args.group_by:
         sections += [f"## By {by}", group_table(runs, by)]
     blocked = blocked_table(runs)
