@@ -86,6 +86,7 @@ def build_core(
         max_rows=layout.max_rows,
         max_pages_per_row=layout.max_pages_per_row,
         enable_prefix_cache=config.enable_prefix_cache,
+        kv_events=config.kv_events is not None,
     )
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)

@@ -98,6 +98,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         float,
         "seconds between summary log lines, written only when something changed (0: off)",
     ),
+    (
+        "--kv-events",
+        "kv_events",
+        str,
+        "publish KV cache events (vLLM's shape) on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557",
+    ),
+    ("--embedding-pooling", "embedding_pooling", str, "auto | mean | last (/v1/embeddings)"),
 ]
 
 

@@ -21,6 +21,7 @@ QUANTIZATIONS = ("auto", "none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/backends.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+EMBEDDING_POOLINGS = ("auto", "mean", "last")
 
 
 class ConfigError(ValueError):
@@ -108,6 +109,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
+    # embeddings (asyncengine/pooling.py): "mean" or "last" token; "auto": the model dir's
+    # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
+    embedding_pooling: str = "auto"
+    # KV cache events for external routers (cache/kv_events.py): a ZMQ PUB endpoint such as
+    # "tcp://127.0.0.1:5557" (None: off)
+    kv_events: str | None = None
 
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off
@@ -126,6 +133,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         if not self.model:
             raise bad("model", "must name a model or a path")
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise bad("embedding_pooling", f"must be one of {', '.join(EMBEDDING_POOLINGS)}")
         for key in (
             "page_size",
             "max_running_requests",

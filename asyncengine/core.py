@@ -115,8 +115,8 @@ class EngineCore:
             return self.lifecycle.report(plan, failed=failed, error=result)
         if not result.forward_seconds:
             result.forward_seconds = time.perf_counter() - self._launched_at
-        tokens = self.scheduler.commit(plan, result)
-        self.lifecycle.settle(tokens)
+        tokens, prompts_done = self.scheduler.commit(plan, result)
+        self.lifecycle.settle(tokens, prompts_done)
         for hook in self.step_hooks:
             hook(plan)
         return self.lifecycle.report(plan, tokens, forward_seconds=result.forward_seconds)

@@ -24,8 +24,10 @@ from asyncengine.errors import (
 )
 from asyncengine.executor_api import Executor
 from asyncengine.intake import Intake, Prompt
-from asyncengine.outputs import GenerateOutput
+from asyncengine.kv_event_publisher import KVEventPublisher
+from asyncengine.outputs import EmbeddingOutput, GenerateOutput
 from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.pooling import PooledEmbedding
 from asyncengine.request_group import ChoiceCollector, RequestGroup
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.scheduler import Scheduler
@@ -80,6 +82,7 @@ class AsyncEngine:
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
+        self.kv_events: KVEventPublisher | None = None  # config.kv_events, from start()
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -101,6 +104,10 @@ class AsyncEngine:
                 core.max_model_len,
                 core.policy.name,
             )
+            if self.config.kv_events is not None:
+                core.step_hooks.append(self._publish_kv_events)
+        if self.config.kv_events is not None and self.kv_events is None:
+            self.kv_events = KVEventPublisher(self.config.kv_events)
         # Start-up leaves torch's and the model's objects behind; freezing them keeps the
         # collector's full passes (which stall the loop) short for the rest of the run.
         gc.collect()
@@ -151,6 +158,9 @@ class AsyncEngine:
             self._grammars.close()
             self._grammars = None
         self.stop_recording()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -234,11 +244,7 @@ class AsyncEngine:
         core = self._core()
         prompt_ids, params = self.intake.accept(prompt, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        waiting = len(core.scheduler.waiting)
-        if waiting >= self.config.max_waiting_requests:
-            raise QueueFullError(
-                f"{waiting} requests are waiting (max_waiting_requests); try again later"
-            )
+        self._check_queue(core)
         group = RequestGroup.create(
             rid,
             prompt_ids,
@@ -252,6 +258,56 @@ class AsyncEngine:
         else:
             self._add(group)
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
+
+    async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
+        """``prompt``'s embedding: a prefill-only request through the same scheduler, policy
+        and prefix cache, its final hidden states pooled as the model says (``spec.pooling``:
+        mean or last token) and normalized (pooling.py). Concurrent calls batch together.
+        Bad input raises ``InvalidRequestError`` before anything is queued."""
+        stream = self._queue_embedding(prompt, request_id)
+        try:
+            async for delta in stream:
+                if not delta.finished:
+                    continue
+                assert delta.usage is not None and delta.metrics is not None
+                if delta.embedding is None:
+                    raise RequestFailedError(
+                        f"request {stream.request_id} ended ({delta.finish_reason}) before "
+                        "its embedding was computed"
+                    )
+                return EmbeddingOutput(
+                    stream.request_id,
+                    delta.embedding,
+                    delta.usage.prompt_tokens,
+                    delta.usage.cached_tokens,
+                    delta.metrics,
+                )
+        finally:
+            await stream.aclose()
+        raise RequestFailedError(f"request {stream.request_id} ended without an embedding")
+
+    def _queue_embedding(self, prompt: Prompt, request_id: str | None) -> RequestStream:
+        if not self.is_running:
+            raise EngineNotRunningError("the engine is not running")
+        core = self._core()
+        ids = self.intake.accept_embedding(prompt)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        self._check_queue(core)
+        group = RequestGroup.create(
+            rid, ids, SamplingParams(max_new_tokens=1), core.now(),
+            lambda: self._tokenizer.detokenizer(True, ids),
+        )  # fmt: skip
+        group.held[0].embedding = PooledEmbedding(core.spec.pooling)
+        self.streams.open(group)
+        self._add(group)
+        return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
+
+    def _check_queue(self, core: EngineCore) -> None:
+        waiting = len(core.scheduler.waiting)
+        if waiting >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"{waiting} requests are waiting (max_waiting_requests); try again later"
+            )
 
     def _add(self, group: RequestGroup) -> None:
         """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
@@ -310,6 +366,12 @@ class AsyncEngine:
             self._core().reset_prefix_cache(reset_counters)
         except RuntimeError as exc:
             raise EngineError(str(exc)) from None
+        self._publish_kv_events()
+
+    def _publish_kv_events(self, plan: BatchPlan | None = None) -> None:
+        """What the radix cache stored and removed since the last call, to the subscribers."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self._core().kv.tree.drain_events())
 
     def stats(self) -> dict[str, Any]:
         return {**self._core().stats(), "model": self.model_name}

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncengine.config import EngineConfig
 from asyncengine.intake import Intake, Prompt
-from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
 from asyncengine.sampling_params import SamplingParams
 
 
@@ -61,3 +61,7 @@ class EngineClient(Protocol):
     async def generate_choices(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> list[GenerateOutput]: ...
+
+    async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
+        """``prompt``'s embedding (a prefill-only request; asyncengine/pooling.py)."""
+        ...

@@ -25,6 +25,7 @@ class ModelSpec:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     kv_bytes_per_token: int  # K and V of one token across all layers
+    pooling: str = "mean"  # how an embedding request is pooled: "mean" | "last" (pooling.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,21 @@ class Intake:
             raise InvalidRequestError("structured output needs the model's own tokenizer")
         return ids, params
 
+    def accept_embedding(self, prompt: Prompt) -> TokenIds:
+        """An embedding request's token ids: not empty, and within the context (it needs no
+        room to generate)."""
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("input is empty after tokenization", param="input")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the input has {len(ids)} tokens but the context is {self.max_model_len} "
+                "tokens (max_model_len)",
+                param="input",
+                code=CONTEXT_EXCEEDED,
+            )
+        return ids
+
     def _room(self, prompt_tokens: int) -> int:
         """Tokens the context leaves after the prompt (at least 1, else refused)."""
         if prompt_tokens == 0:

@@ -125,9 +125,11 @@ class Lifecycle:
                 continue
             self.end(req, "timeout")
 
-    def settle(self, tokens: list[TokenEvent]) -> None:
-        """After a commit: release the forks whose leader prefilled, and end every request
-        whose new token stops it."""
+    def settle(self, tokens: list[TokenEvent], prompts_done: Sequence[Request] = ()) -> None:
+        """After a commit: release the forks whose leader prefilled, end every request whose
+        new token stops it, and every prefill-only request whose prompt is computed ("stop")."""
+        for req in prompts_done:
+            self.end(req, "stop")
         self.counters["generated_tokens"] += len(tokens)
         for event in tokens:
             req = event.req

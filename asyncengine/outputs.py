@@ -51,6 +51,7 @@ class StreamDelta:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     index: int = 0  # which choice of an n > 1 request
+    embedding: list[float] | None = None  # an embedding request's vector, on its final delta
 
 
 @dataclass(slots=True)
@@ -64,3 +65,14 @@ class GenerateOutput:
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which choice of an n > 1 request
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``AsyncEngine.embed``): unit length, pooled as the model says."""
+
+    request_id: str
+    embedding: list[float]
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens taken from the prefix cache (last-token pooling only)
+    metrics: RequestMetrics

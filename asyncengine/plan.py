@@ -29,6 +29,9 @@ class Segment:
     input_ids: list[int]
     start_pos: int
     sample: bool  # sample a token after the last input token (last prefill chunk, decode)
+    # an embedding request's chunk (pooling.py): the executor returns the "sum" of the
+    # segment's final hidden states or its "last" one, in StepOutput.pooled
+    pool: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +87,10 @@ class BatchPlan:
         return sum(s.num_tokens for s in self.extends) + len(self.decodes)
 
     @property
+    def pooled_segments(self) -> list[Segment]:
+        return [s for s in self.extends if s.pool is not None]
+
+    @property
     def sampled_rids(self) -> list[str]:
         return [s.rid for s in self.segments if s.sample]
 
@@ -106,6 +113,7 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     forward_seconds: float = 0.0
+    pooled: list[list[float]] = field(default_factory=list)  # one per segment with a pool
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ class Prefill:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
-        req.seq = self.kv.open(ids)
+        req.seq = self.kv.open(ids, reuse_prefix=req.reuses_prefix)
         take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
         if not self._try_extend(req, take):
             self.kv.close(req.kv, [], cache=False)
@@ -84,9 +84,14 @@ class Prefill:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
-        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
+        if req.embedding is not None:  # prefill only: pooled, nothing sampled (pooling.py)
+            pool = req.embedding.segment_pool(final=done)
+            plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=False, pool=pool))
+        else:
+            plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
         if done:
-            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
+            if req.embedding is None:
+                plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
             if self.chunked is req:
                 self.chunked = None
         else:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from asyncengine.pooling import PooledEmbedding
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: masks each token, advanced at land
     text: OutputText | None = None  # detokenized output and its stop strings (None: no text)
+    # an embedding request (pooling.py): prefill only, pooled, ends when its prompt is computed
+    embedding: PooledEmbedding | None = None
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)
@@ -98,8 +101,20 @@ class Request:
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
 
+    @property
+    def prefill_only(self) -> bool:
+        """It ends when its prompt is computed: no token is sampled, no decode slot needed."""
+        return self.embedding is not None
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether its cached prefix is taken from the radix cache (not computed again)."""
+        return self.embedding is None or self.embedding.reuses_prefix
+
     def future_tokens(self, max_model_len: int) -> int:
         """Tokens it may still generate: its budget, capped by the context length."""
+        if self.prefill_only:
+            return 0
         out = len(self.output_ids)
         return max(
             0, min(self.params.max_new_tokens - out, max_model_len - len(self.prompt_ids) - out)

@@ -47,6 +47,14 @@ class PendingPolicy(NamedTuple):
     config: EngineConfig
 
 
+class Committed(NamedTuple):
+    """What a landed step gave: sampled tokens, and the prefill-only requests (embeddings,
+    pooling.py) whose prompt is computed now, their result complete."""
+
+    tokens: list[TokenEvent]
+    prompts_done: list[Request]
+
+
 class Scheduler(Retraction, Prefill):
     def __init__(
         self,
@@ -270,8 +278,8 @@ class Scheduler(Retraction, Prefill):
                 admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
                 break
             ids = req.all_ids
-            matched = self.kv.match_length(ids)
-            if dedup is not None and dedup.shares(ids, matched):
+            matched = self.kv.match_length(ids) if req.reuses_prefix else 0
+            if dedup is not None and req.reuses_prefix and dedup.shares(ids, matched):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
                 self.total_prefix_deferrals += 1
@@ -323,9 +331,10 @@ class Scheduler(Retraction, Prefill):
         return admission
 
     # -- results --------------------------------------------------------------------------
-    def commit(self, plan: BatchPlan, output: StepOutput) -> list[TokenEvent]:
+    def commit(self, plan: BatchPlan, output: StepOutput) -> Committed:
         """Apply a finished step: its KV is written, sampled tokens appended, finished prompt
-        chunks cached. Whether a token ends its request is the lifecycle's to say."""
+        chunks cached, pooled parts added to their embeddings. Whether a token ends its
+        request is the lifecycle's to say."""
         owners = self._owners(plan)
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
@@ -334,15 +343,29 @@ class Scheduler(Retraction, Prefill):
             self.shadow.observe(plan, output.forward_seconds)
         now = self.clock()
         events: list[TokenEvent] = []
+        prompts_done: list[Request] = []
         sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
+        if len(output.pooled) != len(plan.pooled_segments):
+            raise ValueError(
+                f"step {plan.step} pools {len(plan.pooled_segments)} segments but the executor "
+                f"returned {len(output.pooled)} pooled parts"
+            )
+        pooled = iter(output.pooled)
         for seg in plan.segments:
             req = owners.get(seg.rid)
             alive = req is not None and not req.finished  # else aborted while the step ran
             if req is not None and alive:
                 req.kv.computed_len = seg.end_pos
             if not seg.sample:
+                part = next(pooled) if seg.pool is not None else None
                 if req is not None and alive:  # the chunk is shareable now
                     self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
+                    if req.embedding is not None:
+                        if part is not None:
+                            req.embedding.add(part, seg.num_tokens)
+                        if seg.end_pos == req.num_tokens:
+                            req.embedding.finish()
+                            prompts_done.append(req)
                 continue
             token, logprobs = next(sampled)
             if req is None or not alive:
@@ -358,7 +381,7 @@ class Scheduler(Retraction, Prefill):
             if req.first_token_time is None:
                 req.first_token_time = now
             events.append(TokenEvent(req, token, logprobs))
-        return events
+        return Committed(events, prompts_done)
 
     def fail(self, plan: BatchPlan) -> list[Request]:
         """The step's forward raised: end its requests (reason "abort") and return them.

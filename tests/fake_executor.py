@@ -19,7 +19,7 @@ from asyncengine.cache.page_table import PageTable
 from asyncengine.config import EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.plan import BatchPlan, Segment, StepOutput
 
 VOCAB = 1000
 EOS = 0
@@ -30,6 +30,22 @@ def next_token(context: list[int] | np.ndarray) -> int:
     weights = np.arange(1, ids.size + 1, dtype=np.int64) * 7919 + 13
     token = int(((ids + 1) * weights).sum() % 999_983) % (VOCAB - 1) + 1
     return token  # never EOS: requests stop by length unless a test says otherwise
+
+
+def fake_hidden(context: list[int] | np.ndarray) -> list[float]:
+    """The fake model's final hidden state after ``context``: two numbers that depend on every
+    token and the position."""
+    return [float(next_token(context)), float(len(context) % 7 + 1)]
+
+
+def reference_embedding(prompt: list[int], pooling: str) -> list[float]:
+    """``prompt``'s embedding from the fake model, computed without KV, chunks or cache."""
+    rows = [fake_hidden(prompt[: p + 1]) for p in range(len(prompt))]
+    if pooling == "last":
+        rows = rows[-1:]
+    mean = [sum(column) / len(rows) for column in zip(*rows, strict=True)]
+    norm = sum(x * x for x in mean) ** 0.5
+    return [x / norm for x in mean]
 
 
 def reference_output(prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -43,12 +59,13 @@ def reference_output(prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 class FakeExecutor:
-    def __init__(self, max_model_len: int = 4096) -> None:
+    def __init__(self, max_model_len: int = 4096, pooling: str = "mean") -> None:
         self.spec = ModelSpec(
             max_model_len=max_model_len,
             vocab_size=VOCAB,
             eos_token_ids=(EOS,),
             kv_bytes_per_token=1,
+            pooling=pooling,
         )
         self.steps = 0
         self.fail_on_step: int | None = None
@@ -86,7 +103,18 @@ class FakeExecutor:
                 f"{seg.rid}: positions in KV are wrong"
             )
             tokens.append(next_token(self.token_at[slots]))
-        return StepOutput(tokens, [None] * len(tokens), forward_seconds=1e-3 * plan.num_tokens)
+        pooled = [self._pooled(seg) for seg in plan.extends if seg.pool is not None]
+        seconds = 1e-3 * plan.num_tokens
+        return StepOutput(tokens, [None] * len(tokens), forward_seconds=seconds, pooled=pooled)
+
+    def _pooled(self, seg: Segment) -> list[float]:
+        """A pooled segment's part: the "hidden state" at position p is ``fake_hidden`` of the
+        context read back from KV, summed over the segment's rows ("sum") or its last row."""
+        first = seg.start_pos if seg.pool == "sum" else seg.end_pos - 1
+        slots = self._slots(seg.row, 0, seg.end_pos)
+        context = self.token_at[slots]
+        rows = [fake_hidden(context[: p + 1]) for p in range(first, seg.end_pos)]
+        return [float(sum(column)) for column in zip(*rows, strict=True)]
 
 
 def fake_core(

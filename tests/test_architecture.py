@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.workloads",
         "asyncengine.kernels",
         "asyncengine.quiet_exit",
+        "asyncengine.pooling",
     ),
     (  # configuration, policies, KV accounting
         "asyncengine.config",
@@ -73,6 +74,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.sim",
         "asyncengine.ray_local",
         "asyncengine.summary_log",
+        "asyncengine.kv_event_publisher",
     ),
     ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
 ]

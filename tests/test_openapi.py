@@ -15,7 +15,7 @@ import requests
 from asyncengine.server.openai_schema import ChatCompletionRequest
 from asyncengine.server.openapi import REQUEST_BODIES
 from tests.openai_server import server  # noqa: F401  (fixture)
-from tests.server_support import RunningServer, engine_config, tiny_model_dir
+from tests.server_support import RunningServer, engine_config, start_server, tiny_model_dir
 from tests.test_bench_scripts import load_script
 
 
@@ -50,6 +50,23 @@ async def test_the_document_lists_every_route_with_its_body(server: RunningServe
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{body_type.__name__}"}
     assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_document_is_open_while_the_api_needs_the_key(server: RunningServer) -> None:
+    """As vLLM serves it: the document holds no data, and clients read it before any key."""
+    import aiohttp
+
+    guarded = await start_server(server.engine.config, engine=server.engine, api_key="s3cret")
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(guarded.base_url + "/openapi.json") as response:
+                assert response.status == 200
+                assert "/v1/embeddings" in (await response.json())["paths"]
+            async with session.get(guarded.base_url + "/v1/models") as response:
+                assert response.status == 401
+    finally:
+        await guarded.stop(stop_engine=False)
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -48,12 +48,14 @@ class KVCacheManager:
         max_rows: int,
         max_pages_per_row: int,
         enable_prefix_cache: bool = True,
+        kv_events: bool = False,
     ) -> None:
+        """``kv_events``: the tree records what it stores and removes (cache/kv_events.py)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
-        self.tree = RadixCache(page_size)
+        self.tree = RadixCache(page_size, events=kv_events)
         self.page_table = PageTable(max_rows, max_pages_per_row, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
         self.hit_tokens = 0
@@ -120,9 +122,11 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- life cycle
 
-    def open(self, tokens: Tokens) -> SeqKV:
+    def open(self, tokens: Tokens, reuse_prefix: bool = True) -> SeqKV:
         """Start a sequence: match its cached prefix (page aligned, at most len - 1 tokens),
-        lock it, take a page-table row and write the matched pages into it."""
+        lock it, take a page-table row and write the matched pages into it. ``reuse_prefix``
+        False: match nothing (a mean-pooled embedding computes every position; its pages still
+        join the tree when cached, the tree's own copies kept)."""
         if len(tokens) > self.max_tokens_per_request:
             raise ValueError(
                 f"sequence of {len(tokens)} tokens exceeds {self.max_tokens_per_request} "
@@ -135,7 +139,8 @@ class KVCacheManager:
         matched_pages: np.ndarray | None = None
         matched = 0
         node = self.tree.root
-        limit = self._match_limit(len(tokens)) if self.enable_prefix_cache else 0
+        reuse = self.enable_prefix_cache and reuse_prefix
+        limit = self._match_limit(len(tokens)) if reuse else 0
         if limit > 0:
             matched_pages, matched, node = self.tree.match_prefix(tokens[:limit])
         self.tree.lock(node)

@@ -30,12 +30,21 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from asyncengine.cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    page_hashes,
+)
+
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 
 
 class RadixNode:
     __slots__ = (
         "children",
+        "hashes",
         "in_heap",
         "key",
         "last_access",
@@ -62,6 +71,7 @@ class RadixNode:
         self.lock_ref = lock_ref
         self.last_access = last_access
         self.in_heap = False
+        self.hashes: tuple[int, ...] = ()  # the edge's page hashes, when events are kept
 
     @property
     def is_leaf(self) -> bool:
@@ -89,18 +99,38 @@ def _as_token_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
 
 
 class RadixCache:
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, events: bool = False) -> None:
+        """``events``: keep page hashes and record every page stored and removed and every
+        reset (cache/kv_events.py), for ``drain_events``."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
         self._clock = itertools.count(1)
         self._heap_ids = itertools.count()
+        self._events: list[KVEvent] | None = None
         self.reset()
+        self._events = [] if events else None
+
+    def record_events(self) -> None:
+        """Start keeping events (an empty tree only: its pages have no hashes yet)."""
+        if self.root.children:
+            raise RuntimeError("events can only be turned on while the tree is empty")
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[KVEvent]:
+        """The events since the last drain (empty when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # ----------------------------------------------------------------------------- state
 
     def reset(self) -> None:
         """Forget every node (the caller owns the pages they held)."""
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._heap: list[tuple[int, int, RadixNode]] = []
@@ -161,6 +191,9 @@ class RadixCache:
             node.lock_ref,
         )
         parent.children[self._child_key(node.key, 0)] = upper
+        if node.hashes:
+            pages = length // self.page_size
+            upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
         node.key = node.key[length:]
         node.value = node.value[length // self.page_size :]
         node.parent = upper
@@ -177,6 +210,15 @@ class RadixCache:
     def _push(self, node: RadixNode) -> None:
         node.in_heap = True
         heapq.heappush(self._heap, (node.last_access, next(self._heap_ids), node))
+
+    def _stored(self, leaf: RadixNode, parent: RadixNode) -> None:
+        """Hash a new leaf's pages after its parent's last one, and record them stored."""
+        assert self._events is not None
+        previous = parent.hashes[-1] if parent.hashes else None
+        leaf.hashes = tuple(page_hashes(leaf.key, self.page_size, previous))
+        self._events.append(
+            BlockStored(list(leaf.hashes), previous, list(leaf.key), self.page_size, None, None)
+        )
 
     # ----------------------------------------------------------------------------- queries
 
@@ -267,6 +309,8 @@ class RadixCache:
                     tick,
                 )
                 node.children[child_key] = leaf
+                if self._events is not None:
+                    self._stored(leaf, node)
                 if node is self.root:
                     head = key[0]
                     self._root_heads[head] = self._root_heads.get(head, 0) + 1
@@ -337,6 +381,8 @@ class RadixCache:
             self._evictable_size -= size
             count += size
             freed.append(node.value)
+            if self._events is not None:
+                self._events.append(BlockRemoved(list(node.hashes), None))
             if parent is not root and not parent.children and parent.lock_ref == 0:
                 if not parent.in_heap:
                     self._push(parent)

@@ -169,9 +169,10 @@ class LlamaModel:
         metadata: object,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every layer over the batch's tokens; return the final-normed hidden states of the
-        sampled rows only, [num_sampled, hidden]."""
+        sampled rows only, [num_sampled, hidden] (of ``rows`` of the flat tokens, when given)."""
         c = self.config
         ops = self.ops
         n = batch.num_tokens
@@ -241,7 +242,8 @@ class LlamaModel:
             if layer.mlp_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None
-        rows = batch.sample_indices
+        if rows is None:
+            rows = batch.sample_indices
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
 

@@ -21,6 +21,7 @@ from asyncengine.core import EngineCore
 from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import load_hf_config
+from asyncengine.executor.loader.pooling_config import model_pooling
 from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
@@ -66,6 +67,7 @@ class ModelExecutor:
         self.model_dir = loaded.model_dir
         self.weights_summary = loaded.summary()
         self.model_config = ModelConfig.from_hf_dict(load_hf_config(self.model_dir))
+        self.pooling = model_pooling(self.model_dir, config.embedding_pooling)
         self._weights: dict[str, torch.Tensor | QuantizedTensor] | None = loaded.weights
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
@@ -88,6 +90,7 @@ class ModelExecutor:
             kv_bytes_per_token=KVPool.token_bytes(
                 mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
             ),
+            pooling=self.pooling,
         )
 
     @property

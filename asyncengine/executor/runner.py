@@ -23,6 +23,7 @@ from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
+from asyncengine.pooling import SUM
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -152,6 +153,28 @@ class ModelRunner:
             hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
         return self.model.compute_logits(hidden)
 
+    def _logits_and_pooled(
+        self, plan: BatchPlan, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, list[list[float]]]:
+        """Logits of the sampled rows, and each pooled segment's part (pooling.py): one
+        forward returns the sampled rows' hidden states, then the pooled segments' rows."""
+        rows, spans = pooled_rows(plan)
+        num_sampled = batch.sample_indices.shape[0]
+        pool_rows = torch.tensor(rows, dtype=batch.sample_indices.dtype, device=self.device)
+        metadata = self.backend.build_metadata(batch)
+        hidden = self.model.forward(
+            batch,
+            self.backend,
+            metadata,
+            self.k_caches,
+            self.v_caches,
+            rows=torch.cat([batch.sample_indices, pool_rows]),
+        )
+        logits = self.model.compute_logits(hidden[:num_sampled])
+        pooled_hidden = hidden[num_sampled:].float()
+        parts = [pooled_hidden[start:end].sum(dim=0) for start, end in spans]
+        return logits, torch.stack(parts).cpu().tolist()
+
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
         start = time.perf_counter()
@@ -162,12 +185,33 @@ class ModelRunner:
                     f"plan {plan.step} samples {batch.sample_indices.shape[0]} segments but "
                     f"carries {len(plan.sampling)} SamplingInfo entries"
                 )
-            logits = self._logits(batch)
+            pooled: list[list[float]] = []
+            if any(seg.pool is not None for seg in plan.extends):
+                logits, pooled = self._logits_and_pooled(plan, batch)
+            else:
+                logits = self._logits(batch)
             if not plan.sampling:
-                return StepOutput([], [], time.perf_counter() - start)
+                return StepOutput([], [], time.perf_counter() - start, pooled)
             token_ids, logprobs = self.sampler.sample(logits, plan.sampling)
             ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        return StepOutput(ids, list(logprobs), time.perf_counter() - start)
+        return StepOutput(ids, list(logprobs), time.perf_counter() - start, pooled)
+
+
+def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
+    """The flat token rows of the plan's pooled segments (extends come first in a forward, in
+    plan order) and, per pooled segment, the span of those rows its part sums: all of its
+    rows ("sum"), or its last one ("last")."""
+    rows: list[int] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for seg in plan.extends:
+        n = seg.num_tokens
+        if seg.pool is not None:
+            first = offset if seg.pool == SUM else offset + n - 1
+            spans.append((len(rows), len(rows) + offset + n - first))
+            rows.extend(range(first, offset + n))
+        offset += n
+    return rows, spans
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:

@@ -1,6 +1,6 @@
 """Replica routers: which of several engine replicas serves a request (no Ray here).
 
-``make_router("cache-aware" | "round-robin" | "least-loaded", **options)``.
+``make_router("cache-aware" | "round-robin" | "least-loaded" | "kv-events", **options)``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncengine.routing.base import ReplicaRouter, ReplicaState, RouteDecision
 from asyncengine.routing.cache_aware import CacheAwareRouter
+from asyncengine.routing.kv_events_router import KVEventsRouter
 from asyncengine.routing.prefix_tree import PrefixTree
 from asyncengine.routing.simple import LeastLoadedRouter, RoundRobinRouter
 
@@ -16,6 +17,7 @@ ROUTERS: dict[str, type[ReplicaRouter]] = {
     CacheAwareRouter.name: CacheAwareRouter,
     RoundRobinRouter.name: RoundRobinRouter,
     LeastLoadedRouter.name: LeastLoadedRouter,
+    KVEventsRouter.name: KVEventsRouter,
 }
 
 
@@ -29,6 +31,7 @@ def make_router(name: str, **options: Any) -> ReplicaRouter:
 __all__ = [
     "ROUTERS",
     "CacheAwareRouter",
+    "KVEventsRouter",
     "LeastLoadedRouter",
     "PrefixTree",
     "ReplicaRouter",

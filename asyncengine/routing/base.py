@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+from asyncengine.cache.kv_events import KVEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +41,16 @@ class ReplicaRouter(ABC):
     """Picks a replica per request; counts its decisions by reason."""
 
     name: ClassVar[str]
+    # whether it routes on the replicas' KV cache events (its drivers then feed ``observe``)
+    consumes_kv_events: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.decisions: Counter[str] = Counter()
+
+    def observe(self, replica_id: str, events: Iterable[KVEvent]) -> None:
+        """KV cache events ``replica_id`` published (cache/kv_events.py); ignored by routers
+        that do not consume them."""
+        return None
 
     def route(
         self, tokens: Sequence[int], replicas: Sequence[ReplicaState], now: float

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
@@ -40,9 +41,12 @@ GENERATION_ENDPOINTS = {
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
     "/generate": "generate",
+    "/v1/embeddings": "embeddings",
 }
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# served without the API key: health checks, scrapes, and the API's description (as vLLM
+# serves /openapi.json: it holds no data, and clients and fuzzers read it before any key)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 def _outcome_of_status(status: int) -> str:
@@ -160,6 +164,7 @@ def create_app(
     )
     app[STATE] = state
     add_openai_routes(app)
+    add_embeddings_route(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)
     if admin_token:

@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from asyncengine.server.admin import PolicyChange
+from asyncengine.server.embeddings import EmbeddingRequest
 from asyncengine.server.native import GenerateRequest
 from asyncengine.server.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -25,6 +26,7 @@ _DOCUMENT = web.AppKey("openapi_document", dict)  # filled at the first request
 REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/generate": GenerateRequest,
     "/admin/policy": PolicyChange,
 }

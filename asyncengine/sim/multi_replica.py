@@ -124,6 +124,8 @@ class MultiReplicaSimulator:
             clock = VirtualClock()
             executor = SimulatedExecutor(cost, clock, spec, sampled_token_id)
             core = build_core(config, executor, clock=clock)
+            if router.consumes_kv_events:
+                core.kv.tree.record_events()
             self.replicas.append(_Replica(f"replica-{i}", clock, executor, core))
         self._used = False
 
@@ -172,6 +174,8 @@ class MultiReplicaSimulator:
                 for r in replicas:
                     if r.ready_at == next_ready:
                         r.land()
+                        if self.router.consumes_kv_events:  # as a replica's publisher would
+                            self.router.observe(r.replica_id, r.core.kv.tree.drain_events())
                         r.admit()
                         r.launch()
         stuck = [r.replica_id for r in replicas if r.core.has_work()]

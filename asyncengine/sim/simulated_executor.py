@@ -64,4 +64,5 @@ class SimulatedExecutor:
         seconds = self.seconds(plan)
         self.clock.advance(seconds)
         n = len(plan.sampling)
-        return StepOutput([self.sampled_token_id] * n, [None] * n, forward_seconds=seconds)
+        pooled = [[0.0] for _ in plan.pooled_segments]  # embeddings cost time, carry nothing
+        return StepOutput([self.sampled_token_id] * n, [None] * n, seconds, pooled)

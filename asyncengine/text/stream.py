@@ -75,6 +75,8 @@ class StreamState:
         delta.matched_stop = self.req.matched_stop
         delta.usage = usage
         delta.metrics = metrics
+        if req.embedding is not None and req.finish_reason == "stop":
+            delta.embedding = req.embedding.vector
         self.done = True
         self.queue.put_nowait(delta)
 

@@ -17,7 +17,7 @@ from typing import Any
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineError, EngineNotRunningError, RequestFailedError
 from asyncengine.intake import Intake
-from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
 from asyncengine.server.ray_serve.registry import router_for
@@ -210,6 +210,11 @@ class RemoteEngine:
             "generate_choices", prompt, params, request_id
         )
         return outputs
+
+    async def embed(self, prompt: Any, *, request_id: str | None = None) -> EmbeddingOutput:
+        """One prompt's embedding, from the replica the router picks (its prefix cache)."""
+        output: EmbeddingOutput = await self._call_replica("embed", prompt, None, request_id)
+        return output
 
     async def _call_replica(
         self, method: str, prompt: Any, params: SamplingParams | None, request_id: str | None

@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
-from asyncengine.outputs import GenerateOutput, StreamDelta
+from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
 from asyncengine.sampling_params import SamplingParams
 
 REFUSALS = (InvalidRequestError, QueueFullError, EngineNotRunningError)
@@ -74,6 +74,19 @@ class EngineReplica:
     ) -> list[GenerateOutput] | Exception:
         try:
             return await self.engine.generate_choices(prompt, params, request_id=request_id)
+        except REFUSALS as exc:
+            return exc
+
+    async def embed(
+        self,
+        prompt: Any,
+        params: SamplingParams | None,
+        request_id: str,
+        route_ids: list[int] | None = None,
+    ) -> EmbeddingOutput | Exception:
+        """``engine.embed`` (``params`` is unused: the call has the shape the router reads)."""
+        try:
+            return await self.engine.embed(prompt, request_id=request_id)
         except REFUSALS as exc:
             return exc
 

@@ -1,0 +1,144 @@
+"""KV-events routing: route on what each replica's cache holds, as its KV events say.
+
+Cache-aware routing guesses a replica's cache from where the router sent prompts (a prefix tree
+with a size budget); this router reads the truth: each replica publishes the pages its radix
+cache stores and evicts (cache/kv_events.py), and ``observe`` applies them. A prompt's match on
+a replica is the leading run of its page hashes (``page_hashes``, the same chain the replicas
+compute) that the replica holds. Between routing a prompt and the events of its prefill there
+is a lag, so pages routed to a replica count as held there until its events report them or
+``pending_seconds`` pass (otherwise a burst of one new prefix would scatter over the replicas).
+The decision rule is cache-aware's: the load guard, then the longest match when it covers
+``cache_threshold`` of the prompt, else the replica holding the fewest pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from asyncengine.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from asyncengine.cache.kv_events import page_hashes as chained_page_hashes
+from asyncengine.routing.base import ReplicaRouter, ReplicaState, RouteDecision
+
+
+class _ReplicaBlocks:
+    """One replica's pages as its events report them, and the pages routed there not yet
+    reported (hash -> when that guess expires)."""
+
+    __slots__ = ("held", "pending")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.pending: dict[int, float] = {}
+
+    def holds(self, block: int, now: float) -> bool:
+        if block in self.held:
+            return True
+        expiry = self.pending.get(block)
+        if expiry is None:
+            return False
+        if expiry < now:
+            del self.pending[block]
+            return False
+        return True
+
+
+class KVEventsRouter(ReplicaRouter):
+    name = "kv-events"
+    consumes_kv_events = True
+
+    def __init__(
+        self,
+        page_size: int = 16,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        pending_seconds: float = 30.0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
+        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        self.page_size = page_size
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.pending_seconds = pending_seconds
+        self.replicas: dict[str, _ReplicaBlocks] = {}
+        self.events_applied = 0
+
+    def observe(self, replica_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply what ``replica_id``'s cache published."""
+        blocks = self.replicas.setdefault(replica_id, _ReplicaBlocks())
+        for event in events:
+            self.events_applied += 1
+            if isinstance(event, BlockStored):
+                if event.block_size != self.page_size:
+                    raise ValueError(
+                        f"replica {replica_id} pages hold {event.block_size} tokens; this "
+                        f"router was made for {self.page_size}"
+                    )
+                blocks.held.update(event.block_hashes)
+                for block in event.block_hashes:
+                    blocks.pending.pop(block, None)
+            elif isinstance(event, BlockRemoved):
+                blocks.held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                blocks.held.clear()
+                blocks.pending.clear()
+
+    def _matched_pages(self, hashes: list[int], replica_id: str, now: float) -> int:
+        blocks = self.replicas.get(replica_id)
+        if blocks is None:
+            return 0
+        for i, block in enumerate(hashes):
+            if not blocks.holds(block, now):
+                return i
+        return len(hashes)
+
+    def _choose(
+        self, tokens: Sequence[int], replicas: list[ReplicaState], now: float
+    ) -> RouteDecision:
+        ps = self.page_size
+        hashes = chained_page_hashes(tokens, ps)
+        matched = {
+            r.replica_id: self._matched_pages(hashes, r.replica_id, now) * ps for r in replicas
+        }
+        busiest = max(r.load for r in replicas)
+        idlest = min(r.load for r in replicas)
+        if (
+            busiest - idlest > self.balance_abs_threshold
+            and busiest > self.balance_rel_threshold * idlest
+        ):
+            chosen = min(replicas, key=lambda r: (r.load, self._size(r.replica_id)))
+            reason = "load_guard"
+        else:
+            best = max(replicas, key=lambda r: (matched[r.replica_id], -r.load))
+            best_len = matched[best.replica_id]
+            if best_len > 0 and best_len >= self.cache_threshold * len(tokens):
+                chosen, reason = best, "prefix"
+            else:
+                chosen = min(replicas, key=lambda r: (self._size(r.replica_id), r.load))
+                reason = "least_cached"
+        blocks = self.replicas.setdefault(chosen.replica_id, _ReplicaBlocks())
+        expiry = now + self.pending_seconds
+        for block in hashes:
+            if block not in blocks.held:
+                blocks.pending[block] = expiry
+        return RouteDecision(chosen.replica_id, reason, matched[chosen.replica_id])
+
+    def _size(self, replica_id: str) -> int:
+        blocks = self.replicas.get(replica_id)
+        return 0 if blocks is None else len(blocks.held) + len(blocks.pending)
+
+    def forget(self, replica_id: str) -> None:
+        self.replicas.pop(replica_id, None)
+
+    def reset(self) -> None:
+        self.replicas.clear()
+
+    def tree_stats(self) -> dict[str, int]:
+        return {
+            **{f"pages:{r}": len(b.held) for r, b in self.replicas.items()},
+            **{f"pending:{r}": len(b.pending) for r, b in self.replicas.items()},
+        }
