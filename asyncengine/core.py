@@ -116,7 +116,7 @@ class EngineCore:
         if not result.forward_seconds:
             result.forward_seconds = time.perf_counter() - self._launched_at
         tokens = self.scheduler.commit(plan, result)
-        self.lifecycle.settle(tokens)
+        self.lifecycle.settle(tokens, plan)
         for hook in self.step_hooks:
             hook(plan)
         return self.lifecycle.report(plan, tokens, forward_seconds=result.forward_seconds)

@@ -125,9 +125,19 @@ class Lifecycle:
                 continue
             self.end(req, "timeout")
 
-    def settle(self, tokens: list[TokenEvent]) -> None:
-        """After a commit: release the forks whose leader prefilled, and end every request
-        whose new token stops it."""
+    def settle(self, tokens: list[TokenEvent], plan: BatchPlan | None = None) -> None:
+        """After a commit: release the forks whose leader prefilled, end every request whose
+        new token stops it, and every request of ``plan`` that only scored its prompt
+        (``max_new_tokens`` 0) once its prompt is computed (reason "length")."""
+        if plan is not None:
+            for seg in plan.extends:
+                req = self.scheduler.requests.get(seg.rid)
+                if (
+                    req is not None
+                    and req.params.max_new_tokens == 0
+                    and req.kv_len == req.num_tokens
+                ):
+                    self.end(req, "length")
         self.counters["generated_tokens"] += len(tokens)
         for event in tokens:
             req = event.req

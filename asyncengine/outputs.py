@@ -51,6 +51,9 @@ class StreamDelta:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     index: int = 0  # which choice of an n > 1 request
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None: not scored), in the
+    # choice's first delta
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -64,3 +67,4 @@ class GenerateOutput:
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which choice of an n > 1 request
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as StreamDelta's

@@ -11,6 +11,7 @@ from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.prompt_scoring import cache_match_limit, segment_scoring
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
 
@@ -57,7 +58,7 @@ class Prefill:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
-        req.seq = self.kv.open(ids)
+        req.seq = self.kv.open(ids, cache_match_limit(req))
         take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
         if not self._try_extend(req, take):
             self.kv.close(req.kv, [], cache=False)
@@ -84,10 +85,13 @@ class Prefill:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
-        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
-        if done:
+        # a request with max_new_tokens 0 only scores its prompt: the lifecycle ends it then
+        sample = done and req.params.max_new_tokens > 0
+        scoring = segment_scoring(req, start, start + take)
+        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample, scoring))
+        if sample:
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
-            if self.chunked is req:
-                self.chunked = None
-        else:
+        if not done:
             self.chunked = req
+        elif self.chunked is req:
+            self.chunked = None

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from asyncengine.plan import TokenLogprobs
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: masks each token, advanced at land
     text: OutputText | None = None  # detokenized output and its stop strings (None: no text)
+    # logprobs of the prompt tokens scored so far (SamplingParams.prompt_logprobs), in order
+    # from the first scored position on (asyncengine/prompt_scoring.py)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)

@@ -31,6 +31,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.prefill import Prefill
+from asyncengine.prompt_scoring import cache_match_limit
 from asyncengine.request import Request, RequestStatus
 from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
@@ -269,7 +270,7 @@ class Scheduler(Retraction, Prefill):
                 admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
                 break
             ids = req.all_ids
-            matched = self.kv.match_length(ids)
+            matched = self.kv.match_length(ids, cache_match_limit(req))
             if dedup is not None and dedup.shares(ids, matched):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
@@ -330,11 +331,16 @@ class Scheduler(Retraction, Prefill):
         now = self.clock()
         events: list[TokenEvent] = []
         sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
+        scored = iter(output.prompt_logprobs)
         for seg in plan.segments:
             req = owners.get(seg.rid)
             alive = req is not None and not req.finished  # else aborted while the step ran
             if req is not None and alive:
                 req.kv.computed_len = seg.end_pos
+            if seg.scoring is not None:
+                prompt_logprobs = next(scored)
+                if req is not None and alive:
+                    req.prompt_logprobs.extend(prompt_logprobs)
             if not seg.sample:
                 if req is not None and alive:  # the chunk is shareable now
                     self.kv.cache(req.kv, req.all_ids[: seg.end_pos])

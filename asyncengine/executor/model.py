@@ -171,7 +171,7 @@ class LlamaModel:
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Run every layer over the batch's tokens; return the final-normed hidden states of the
-        sampled rows only, [num_sampled, hidden]."""
+        sampled rows, then the scored ones (``batch.hidden_rows``), [rows, hidden]."""
         c = self.config
         ops = self.ops
         n = batch.num_tokens
@@ -241,7 +241,7 @@ class LlamaModel:
             if layer.mlp_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None
-        rows = batch.sample_indices
+        rows = batch.hidden_rows
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
 

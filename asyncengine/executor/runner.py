@@ -21,6 +21,7 @@ from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.prompt_logprobs import score_prompt_positions
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 
@@ -140,17 +141,30 @@ class ModelRunner:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""
         with torch.inference_mode():
             batch = self.prepare(plan)
-            return self._logits(batch)
+            return self._logits(batch, plan)[0]
 
-    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def _logits(
+        self, batch: ForwardBatch, plan: BatchPlan
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
+        """The sampled rows' float32 logits and the scored prompt tokens' logprobs."""
         if batch.num_tokens == 0:
-            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+            empty = torch.empty(
+                (0, self.config.vocab_size), dtype=torch.float32, device=self.device
+            )
+            return empty, []
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             metadata = self.backend.build_metadata(batch)
             hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
-        return self.model.compute_logits(hidden)
+        num_sampled = batch.sample_indices.shape[0]
+        prompt_logprobs: list[list[TokenLogprobs]] = []
+        if batch.score_indices is not None:
+            scorings = [s.scoring for s in plan.extends if s.scoring is not None]
+            prompt_logprobs = score_prompt_positions(
+                hidden[num_sampled:], scorings, self.model.compute_logits
+            )
+        return self.model.compute_logits(hidden[:num_sampled]), prompt_logprobs
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
@@ -162,12 +176,12 @@ class ModelRunner:
                     f"plan {plan.step} samples {batch.sample_indices.shape[0]} segments but "
                     f"carries {len(plan.sampling)} SamplingInfo entries"
                 )
-            logits = self._logits(batch)
+            logits, prompt_logprobs = self._logits(batch, plan)
             if not plan.sampling:
-                return StepOutput([], [], time.perf_counter() - start)
+                return StepOutput([], [], time.perf_counter() - start, prompt_logprobs)
             token_ids, logprobs = self.sampler.sample(logits, plan.sampling)
             ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        return StepOutput(ids, list(logprobs), time.perf_counter() - start)
+        return StepOutput(ids, list(logprobs), time.perf_counter() - start, prompt_logprobs)
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
