@@ -127,9 +127,10 @@ class Lifecycle:
 
     def settle(self, tokens: list[TokenEvent], prompts_done: Sequence[Request] = ()) -> None:
         """After a commit: release the forks whose leader prefilled, end every request whose
-        new token stops it, and every prefill-only request whose prompt is computed ("stop")."""
+        new token stops it, and every prefill-only request whose prompt is computed: an
+        embedding ("stop"), or a request scoring its prompt with max_new_tokens 0 ("length")."""
         for req in prompts_done:
-            self.end(req, "stop")
+            self.end(req, "stop" if req.embedding is not None else "length")
         self.counters["generated_tokens"] += len(tokens)
         for event in tokens:
             req = event.req

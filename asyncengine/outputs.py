@@ -52,6 +52,9 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     index: int = 0  # which choice of an n > 1 request
     embedding: list[float] | None = None  # an embedding request's vector, on its final delta
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None: not scored), in the
+    # choice's first delta
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +68,7 @@ class GenerateOutput:
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which choice of an n > 1 request
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as StreamDelta's
 
 
 @dataclass(slots=True)

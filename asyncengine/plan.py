@@ -32,6 +32,7 @@ class Segment:
     # an embedding request's chunk (pooling.py): the executor returns the "sum" of the
     # segment's final hidden states or its "last" one, in StepOutput.pooled
     pool: str | None = None
+    scoring: PromptScoring | None = None  # prompt logprobs this segment computes
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +41,23 @@ class Segment:
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.input_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """Prompt logprobs a segment computes: the logits after the token at position ``first``
+    (the segment's own positions only) and at the ``len(target_ids) - 1`` positions after it,
+    each scoring the prompt token that follows it (``target_ids``), with the ``top_k`` most
+    likely tokens. Made by ``asyncengine/prompt_scoring.py``; answered, one list per scoring
+    segment, in ``StepOutput.prompt_logprobs``."""
+
+    first: int
+    target_ids: list[int]
+    top_k: int
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.target_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,11 @@ class BatchPlan:
         return [s for s in self.extends if s.pool is not None]
 
     @property
+    def scoring_segments(self) -> list[Segment]:
+        """The segments that compute prompt logprobs, in plan order."""
+        return [s for s in self.segments if s.scoring is not None]
+
+    @property
     def sampled_rids(self) -> list[str]:
         return [s.rid for s in self.segments if s.sample]
 
@@ -114,6 +137,8 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None]
     forward_seconds: float = 0.0
     pooled: list[list[float]] = field(default_factory=list)  # one per segment with a pool
+    # one list per segment with ``scoring`` (plan order): the scored prompt tokens' logprobs
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

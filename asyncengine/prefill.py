@@ -11,6 +11,7 @@ from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.prompt_scoring import cache_match_limit, segment_scoring
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
 
@@ -57,7 +58,7 @@ class Prefill:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
-        req.seq = self.kv.open(ids, reuse_prefix=req.reuses_prefix)
+        req.seq = self.kv.open(ids, cache_match_limit(req))
         take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
         if not self._try_extend(req, take):
             self.kv.close(req.kv, [], cache=False)
@@ -84,15 +85,15 @@ class Prefill:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
-        if req.embedding is not None:  # prefill only: pooled, nothing sampled (pooling.py)
-            pool = req.embedding.segment_pool(final=done)
-            plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=False, pool=pool))
-        else:
-            plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample=done))
-        if done:
-            if req.embedding is None:
-                plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
-            if self.chunked is req:
-                self.chunked = None
-        else:
+        # a prefill-only request (an embedding, or max_new_tokens 0 scoring its prompt) samples
+        # nothing: the lifecycle ends it once its prompt is computed
+        sample = done and not req.prefill_only
+        pool = None if req.embedding is None else req.embedding.segment_pool(final=done)
+        scoring = segment_scoring(req, start, start + take)
+        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring))
+        if sample:
+            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
+        if not done:
             self.chunked = req
+        elif self.chunked is req:
+            self.chunked = None

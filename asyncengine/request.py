@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from asyncengine.pooling import PooledEmbedding
+from asyncengine.plan import TokenLogprobs
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,9 @@ class Request:
     text: OutputText | None = None  # detokenized output and its stop strings (None: no text)
     # an embedding request (pooling.py): prefill only, pooled, ends when its prompt is computed
     embedding: PooledEmbedding | None = None
+    # logprobs of the prompt tokens scored so far (SamplingParams.prompt_logprobs), in order
+    # from the first scored position on (asyncengine/prompt_scoring.py)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)
@@ -103,13 +107,9 @@ class Request:
 
     @property
     def prefill_only(self) -> bool:
-        """It ends when its prompt is computed: no token is sampled, no decode slot needed."""
-        return self.embedding is not None
-
-    @property
-    def reuses_prefix(self) -> bool:
-        """Whether its cached prefix is taken from the radix cache (not computed again)."""
-        return self.embedding is None or self.embedding.reuses_prefix
+        """It ends when its prompt is computed: no token is sampled, no decode slot needed (an
+        embedding, or a request that only scores its prompt: max_new_tokens 0)."""
+        return self.embedding is not None or self.params.max_new_tokens == 0
 
     def future_tokens(self, max_model_len: int) -> int:
         """Tokens it may still generate: its budget, capped by the context length."""

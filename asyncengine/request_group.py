@@ -25,10 +25,16 @@ from asyncengine.text.stream import StreamState
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s parameters: a seeded request gives each choice its own seed."""
-    if index == 0 or params.seed is None:
+    """Choice ``index``'s parameters: a seeded request gives each choice its own seed; choice
+    0 alone scores the prompt (the others fork its cached pages; a request generating nothing
+    keeps it: every choice is its prompt's score)."""
+    if index == 0:
         return params
-    return dataclasses.replace(params, seed=choice_seed(params.seed, index))
+    if params.seed is not None:
+        params = dataclasses.replace(params, seed=choice_seed(params.seed, index))
+    if params.prompt_logprobs is not None and params.max_new_tokens > 0:
+        params = dataclasses.replace(params, prompt_logprobs=None)
+    return params
 
 
 @dataclass(slots=True, eq=False)
@@ -48,12 +54,15 @@ class RequestGroup:
         detokenizer: Callable[[], Any],
     ) -> RequestGroup:
         queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-        states = []
+        states: list[StreamState] = []
         for i in range(params.n):
             child_rid = rid if params.n == 1 else f"{rid}-{i}"
             req = Request(child_rid, prompt_ids, choice_params(params, i), arrival_time)
             req.text = OutputText(detokenizer(), list(params.stop))
-            states.append(StreamState(req, req.text, queue, index=i, request_id=rid))
+            scorer = None
+            if params.prompt_logprobs is not None:
+                scorer = states[0].req if states else req
+            states.append(StreamState(req, req.text, queue, i, rid, scorer))
         return cls(rid, states, held=[s.req for s in states])
 
     @property
@@ -77,9 +86,12 @@ class ChoiceCollector:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.outputs: list[GenerateOutput | None] = [None] * n
+        self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * n
 
     def add(self, delta: StreamDelta) -> None:
         i = delta.index
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = delta.prompt_logprobs
         self.texts[i].append(delta.text)
         self.tokens[i].extend(delta.token_ids)
         if delta.logprobs:
@@ -96,6 +108,7 @@ class ChoiceCollector:
                 matched_stop=delta.matched_stop,
                 logprobs=self.token_logprobs[i] if self.logprobs else None,
                 index=i,
+                prompt_logprobs=self.prompt_logprobs[i],
             )
 
     def complete(self) -> list[GenerateOutput] | None:

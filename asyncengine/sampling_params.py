@@ -21,6 +21,7 @@ class InvalidRequestError(ValueError):
 
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # alternatives per position, generated or prompt tokens
 
 
 def _short_repr(value: object) -> str:
@@ -86,6 +87,10 @@ class SamplingParams:
     ``i > 0`` of a seeded request samples with ``choice_seed(seed, i)``. ``logit_bias`` adds
     to the logits of token ids (OpenAI's -100..100). ``structured`` constrains the output to a
     JSON schema, any JSON, a regular expression or an EBNF grammar.
+    ``prompt_logprobs = k`` scores the prompt: the logprob of each prompt token from position
+    ``max(1, prompt_logprobs_start)`` on (the first token has no logprob) and the ``k`` most
+    likely tokens at each; with it, ``max_new_tokens = 0`` scores the prompt and generates
+    nothing.
     """
 
     max_new_tokens: int = 128
@@ -107,6 +112,8 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None  # None: the prompt is not scored
+    prompt_logprobs_start: int = 0  # first prompt position scored (SGLang's logprob_start_len)
     # scheduling controls (read by the scheduler and policies, not by the sampler)
     priority: int = 0  # lower values are served first by the "priority" policy (vLLM's sense)
     timeout: float | None = None  # seconds from arrival; then it ends with reason "timeout"
@@ -129,7 +136,14 @@ class SamplingParams:
                 f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
             )
 
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs", "n"):
+        for name in (
+            "max_new_tokens",
+            "top_k",
+            "min_new_tokens",
+            "top_logprobs",
+            "n",
+            "prompt_logprobs_start",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
@@ -148,8 +162,19 @@ class SamplingParams:
                 or not math.isfinite(value)
             ):
                 raise bad(name, "must be a finite number")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be >= 1")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs_start < 0:
+            raise bad("prompt_logprobs_start", "must be >= 0")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise bad(
+                "max_new_tokens",
+                "must be >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)",
+            )
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             raise bad("min_new_tokens", "must be between 0 and max_new_tokens")
         if self.temperature < 0:
@@ -172,8 +197,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise bad("seed", "must be an integer or None")
-        if not 0 <= self.top_logprobs <= 20:
-            raise bad("top_logprobs", "must be in [0, 20]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:

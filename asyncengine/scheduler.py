@@ -31,6 +31,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.prefill import Prefill
+from asyncengine.prompt_scoring import cache_match_limit
 from asyncengine.request import Request, RequestStatus
 from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
@@ -278,8 +279,9 @@ class Scheduler(Retraction, Prefill):
                 admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
                 break
             ids = req.all_ids
-            matched = self.kv.match_length(ids) if req.reuses_prefix else 0
-            if dedup is not None and req.reuses_prefix and dedup.shares(ids, matched):
+            limit = cache_match_limit(req)
+            matched = self.kv.match_length(ids, limit)
+            if dedup is not None and limit != 0 and dedup.shares(ids, matched):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
                 self.total_prefix_deferrals += 1
@@ -351,21 +353,26 @@ class Scheduler(Retraction, Prefill):
                 f"returned {len(output.pooled)} pooled parts"
             )
         pooled = iter(output.pooled)
+        scored = iter(output.prompt_logprobs)
         for seg in plan.segments:
             req = owners.get(seg.rid)
             alive = req is not None and not req.finished  # else aborted while the step ran
             if req is not None and alive:
                 req.kv.computed_len = seg.end_pos
+            if seg.scoring is not None:
+                prompt_logprobs = next(scored)
+                if req is not None and alive:
+                    req.prompt_logprobs.extend(prompt_logprobs)
             if not seg.sample:
                 part = next(pooled) if seg.pool is not None else None
                 if req is not None and alive:  # the chunk is shareable now
                     self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
-                    if req.embedding is not None:
-                        if part is not None:
-                            req.embedding.add(part, seg.num_tokens)
-                        if seg.end_pos == req.num_tokens:
+                    if req.embedding is not None and part is not None:
+                        req.embedding.add(part, seg.num_tokens)
+                    if req.prefill_only and seg.end_pos == req.num_tokens:
+                        if req.embedding is not None:
                             req.embedding.finish()
-                            prompts_done.append(req)
+                        prompts_done.append(req)
                 continue
             token, logprobs = next(sampled)
             if req is None or not alive:

@@ -87,17 +87,19 @@ class KVCacheManager:
     def open_seqs(self) -> list[SeqKV]:
         return list(self._open.values())
 
-    def _match_limit(self, num_tokens: int) -> int:
-        """Most tokens open() may take from the cache: at least one token is left to compute."""
+    def _match_limit(self, num_tokens: int, limit: int | None = None) -> int:
+        """Most tokens open() may take from the cache: at least one token is left to compute,
+        and at most ``limit`` (a request scoring its prompt: prompt_scoring.py)."""
         if num_tokens <= 1:
             return 0
-        return (num_tokens - 1) // self.page_size * self.page_size
+        most = num_tokens - 1 if limit is None else min(num_tokens - 1, limit)
+        return most // self.page_size * self.page_size
 
-    def match_length(self, tokens: Tokens) -> int:
-        """Tokens that open(tokens) would take from the cache now; no side effects."""
+    def match_length(self, tokens: Tokens, limit: int | None = None) -> int:
+        """Tokens that open(tokens, limit) would take from the cache now; no side effects."""
         if not self.enable_prefix_cache:
             return 0
-        limit = self._match_limit(len(tokens))
+        limit = self._match_limit(len(tokens), limit)
         if limit == 0:
             return 0
         return self.tree.prefix_length(tokens[:limit])
@@ -122,11 +124,9 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- life cycle
 
-    def open(self, tokens: Tokens, reuse_prefix: bool = True) -> SeqKV:
-        """Start a sequence: match its cached prefix (page aligned, at most len - 1 tokens),
-        lock it, take a page-table row and write the matched pages into it. ``reuse_prefix``
-        False: match nothing (a mean-pooled embedding computes every position; its pages still
-        join the tree when cached, the tree's own copies kept)."""
+    def open(self, tokens: Tokens, limit: int | None = None) -> SeqKV:
+        """Start a sequence: match its cached prefix (page aligned, at most len - 1 tokens and
+        at most ``limit``), lock it, take a page-table row and write the matched pages into it."""
         if len(tokens) > self.max_tokens_per_request:
             raise ValueError(
                 f"sequence of {len(tokens)} tokens exceeds {self.max_tokens_per_request} "
@@ -139,10 +139,9 @@ class KVCacheManager:
         matched_pages: np.ndarray | None = None
         matched = 0
         node = self.tree.root
-        reuse = self.enable_prefix_cache and reuse_prefix
-        limit = self._match_limit(len(tokens)) if reuse else 0
-        if limit > 0:
-            matched_pages, matched, node = self.tree.match_prefix(tokens[:limit])
+        most = self._match_limit(len(tokens), limit) if self.enable_prefix_cache else 0
+        if most > 0:
+            matched_pages, matched, node = self.tree.match_prefix(tokens[:most])
         self.tree.lock(node)
         row = self.page_table.acquire()
         pages: list[int] = []

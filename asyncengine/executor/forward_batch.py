@@ -32,6 +32,15 @@ class ForwardBatch:
     decode_block_table: torch.Tensor  # [Bd, Pd] int32
     decode_seq_lens: torch.Tensor  # [Bd] int32, kv length incl. the new token
     decode_max_seq_len: int
+    # rows of the flat tokens whose logits score prompt tokens (Segment.scoring), plan order
+    score_indices: torch.Tensor | None = None
+
+    @property
+    def hidden_rows(self) -> torch.Tensor:
+        """The rows whose final hidden states the forward keeps: sampled, then scored."""
+        if self.score_indices is None:
+            return self.sample_indices
+        return torch.cat((self.sample_indices, self.score_indices))
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +139,7 @@ def build_forward_batch(
     slots = page_table[token_rows, positions // page_size].astype(np.int64) * page_size
     slots += positions % page_size
     sampled = np.concatenate([cu[1:][ext[:, 3] != 0] - 1, n_ext + np.flatnonzero(dec[:, 3])])
+    scored = _score_rows(plan, cu)
 
     tensors = _to_device(
         [input_ids, positions, slots, sampled],
@@ -146,7 +156,11 @@ def build_forward_batch(
     ids_t, positions_t, slots_t, sampled_t, ext_table, ext_lens_t, cu_t, dec_table, dec_lens_t = (
         tensors
     )
+    score_t = None
+    if scored is not None:
+        score_t = torch.from_numpy(scored).to(device)
     return ForwardBatch(
+        score_indices=score_t,
         input_ids=ids_t,
         positions=positions_t,
         slot_mapping=slots_t,
@@ -162,6 +176,16 @@ def build_forward_batch(
         decode_seq_lens=dec_lens_t,
         decode_max_seq_len=dec_max,
     )
+
+
+def _score_rows(plan: BatchPlan, cu: np.ndarray) -> np.ndarray | None:
+    """The flat rows of the extend tokens whose logits score prompt tokens, or None."""
+    pieces = [
+        cu[i] + (s.scoring.first - s.start_pos) + np.arange(s.scoring.num_positions)
+        for i, s in enumerate(plan.extends)
+        if s.scoring is not None
+    ]
+    return np.concatenate(pieces).astype(np.int64) if pieces else None
 
 
 def _to_device(

@@ -172,7 +172,8 @@ class LlamaModel:
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every layer over the batch's tokens; return the final-normed hidden states of the
-        sampled rows only, [num_sampled, hidden] (of ``rows`` of the flat tokens, when given)."""
+        sampled rows, then the scored ones (``batch.hidden_rows``), [rows, hidden] (``rows`` of the
+        flat tokens instead, when given)."""
         c = self.config
         ops = self.ops
         n = batch.num_tokens
@@ -243,7 +244,7 @@ class LlamaModel:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None
         if rows is None:
-            rows = batch.sample_indices
+            rows = batch.hidden_rows
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
 

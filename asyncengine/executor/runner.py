@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -21,6 +22,7 @@ from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.prompt_logprobs import score_prompt_positions
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
@@ -141,39 +143,42 @@ class ModelRunner:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""
         with torch.inference_mode():
             batch = self.prepare(plan)
-            return self._logits(batch)
+            return self._forward(batch, plan).logits
 
-    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, plan: BatchPlan) -> ForwardResult:
+        """One forward: the sampled rows' float32 logits, the scored prompt tokens' logprobs
+        (prompt_logprobs.py) and each pooled segment's part (pooling.py). The model returns the
+        final hidden states of the sampled rows, then the scored ones, then the pooled ones."""
         if batch.num_tokens == 0:
-            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
-        if self.graphs is not None and self.graphs.can_run(batch):
+            empty = torch.empty(
+                (0, self.config.vocab_size), dtype=torch.float32, device=self.device
+            )
+            return ForwardResult(empty)
+        pool_rows, pool_spans = pooled_rows(plan)
+        if not pool_rows and self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
+            rows = batch.hidden_rows
+            if pool_rows:
+                extra = torch.tensor(pool_rows, dtype=rows.dtype, device=self.device)
+                rows = torch.cat([rows, extra])
             metadata = self.backend.build_metadata(batch)
-            hidden = self.model.forward(batch, self.backend, metadata, self.k_caches, self.v_caches)
-        return self.model.compute_logits(hidden)
-
-    def _logits_and_pooled(
-        self, plan: BatchPlan, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, list[list[float]]]:
-        """Logits of the sampled rows, and each pooled segment's part (pooling.py): one
-        forward returns the sampled rows' hidden states, then the pooled segments' rows."""
-        rows, spans = pooled_rows(plan)
+            hidden = self.model.forward(
+                batch, self.backend, metadata, self.k_caches, self.v_caches, rows=rows
+            )
         num_sampled = batch.sample_indices.shape[0]
-        pool_rows = torch.tensor(rows, dtype=batch.sample_indices.dtype, device=self.device)
-        metadata = self.backend.build_metadata(batch)
-        hidden = self.model.forward(
-            batch,
-            self.backend,
-            metadata,
-            self.k_caches,
-            self.v_caches,
-            rows=torch.cat([batch.sample_indices, pool_rows]),
-        )
-        logits = self.model.compute_logits(hidden[:num_sampled])
-        pooled_hidden = hidden[num_sampled:].float()
-        parts = [pooled_hidden[start:end].sum(dim=0) for start, end in spans]
-        return logits, torch.stack(parts).cpu().tolist()
+        num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]
+        result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
+        if num_scored:
+            scorings = [s.scoring for s in plan.extends if s.scoring is not None]
+            result.prompt_logprobs = score_prompt_positions(
+                hidden[num_sampled : num_sampled + num_scored], scorings, self.model.compute_logits
+            )
+        if pool_rows:
+            pooled_hidden = hidden[num_sampled + num_scored :].float()
+            parts = [pooled_hidden[start:end].sum(dim=0) for start, end in pool_spans]
+            result.pooled = torch.stack(parts).cpu().tolist()
+        return result
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
@@ -185,16 +190,29 @@ class ModelRunner:
                     f"plan {plan.step} samples {batch.sample_indices.shape[0]} segments but "
                     f"carries {len(plan.sampling)} SamplingInfo entries"
                 )
-            pooled: list[list[float]] = []
-            if any(seg.pool is not None for seg in plan.extends):
-                logits, pooled = self._logits_and_pooled(plan, batch)
-            else:
-                logits = self._logits(batch)
-            if not plan.sampling:
-                return StepOutput([], [], time.perf_counter() - start, pooled)
-            token_ids, logprobs = self.sampler.sample(logits, plan.sampling)
-            ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        return StepOutput(ids, list(logprobs), time.perf_counter() - start, pooled)
+            result = self._forward(batch, plan)
+            ids: list[int] = []
+            logprobs: list[TokenLogprobs | None] = []
+            if plan.sampling:
+                token_ids, sampled_logprobs = self.sampler.sample(result.logits, plan.sampling)
+                ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+                logprobs = list(sampled_logprobs)
+        return StepOutput(
+            ids,
+            logprobs,
+            time.perf_counter() - start,
+            prompt_logprobs=result.prompt_logprobs,
+            pooled=result.pooled,
+        )
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    """What one forward computed, before sampling."""
+
+    logits: torch.Tensor  # [num_sampled, vocab] float32
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    pooled: list[list[float]] = field(default_factory=list)
 
 
 def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:

@@ -10,7 +10,7 @@ import operator
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
 
@@ -64,5 +64,17 @@ class SimulatedExecutor:
         seconds = self.seconds(plan)
         self.clock.advance(seconds)
         n = len(plan.sampling)
-        pooled = [[0.0] for _ in plan.pooled_segments]  # embeddings cost time, carry nothing
-        return StepOutput([self.sampled_token_id] * n, [None] * n, seconds, pooled)
+        # embeddings and prompt scoring cost time and carry nothing
+        pooled = [[0.0] for _ in plan.pooled_segments]
+        scored = [
+            [TokenLogprobs(0.0, []) for _ in seg.scoring.target_ids]
+            for seg in plan.scoring_segments
+            if seg.scoring is not None
+        ]
+        return StepOutput(
+            [self.sampled_token_id] * n,
+            [None] * n,
+            seconds,
+            pooled=pooled,
+            prompt_logprobs=scored,
+        )

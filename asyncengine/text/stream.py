@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
+from asyncengine.prompt_scoring import prompt_logprobs_by_position
 from asyncengine.request import Request
 from asyncengine.text.output_text import OutputText
 
@@ -25,8 +26,12 @@ class StreamState:
         queue: asyncio.Queue[StreamDelta | BaseException] | None = None,
         index: int = 0,
         request_id: str | None = None,
+        prompt_scorer: Request | None = None,
     ) -> None:
+        """``prompt_scorer``: the request whose prompt logprobs this choice's first delta
+        carries (choice 0 scores the prompt for every choice); None: none asked for."""
         self.req = req
+        self.prompt_scorer = prompt_scorer
         self.request_id = req.rid if request_id is None else request_id  # the caller's id
         self.text = text
         self.index = index
@@ -92,6 +97,9 @@ class StreamState:
             logprobs=self.logprobs or None,
             index=self.index,
         )
+        if self.prompt_scorer is not None:
+            delta.prompt_logprobs = prompt_logprobs_by_position(self.prompt_scorer)
+            self.prompt_scorer = None
         self.ready = ""
         self.tokens = []
         self.logprobs = []

@@ -1,0 +1,69 @@
+"""Prompt scoring (``SamplingParams.prompt_logprobs``) on the scheduler side: which positions of
+a request's prompt still need their logits, the prefix-cache match that leaves them computed,
+and the ``PromptScoring`` of each prefill segment. The executor computes what a segment's
+``PromptScoring`` asks (executor/prompt_logprobs.py); ``Scheduler.commit`` appends the answer to
+``Request.prompt_logprobs``.
+
+The logits at position ``p`` score the prompt token at ``p + 1``. A request scoring its prompt
+from token ``t0 = max(1, prompt_logprobs_start)`` needs the logits at positions ``t0 - 1`` to
+``len(prompt) - 2``; those positions are computed even when the radix cache holds their KV (the
+match is cut before them: ``cache_match_limit``), so the answer is the same with the cache on or
+off, and the scheduler's prefill budget counts every token it computes.
+"""
+
+from __future__ import annotations
+
+from asyncengine.plan import PromptScoring, TokenLogprobs
+from asyncengine.request import Request
+
+
+def first_scored_token(req: Request) -> int:
+    """The first prompt position whose token gets a logprob (position 0 has none)."""
+    return max(1, req.params.prompt_logprobs_start)
+
+
+def tokens_to_score(req: Request) -> int:
+    """How many prompt tokens the request scores in all (0 when it does not score)."""
+    if req.params.prompt_logprobs is None:
+        return 0
+    return max(0, len(req.prompt_ids) - first_scored_token(req))
+
+
+def next_scored_position(req: Request) -> int | None:
+    """The first position whose logits are still to compute, None when none are (a request
+    recomputed after a retraction scores nothing twice)."""
+    done = len(req.prompt_logprobs)
+    if done >= tokens_to_score(req):
+        return None
+    return first_scored_token(req) - 1 + done
+
+
+def cache_match_limit(req: Request) -> int | None:
+    """The most prompt tokens the request may take from the prefix cache (None: no limit): none
+    for a mean-pooled embedding (pooling.py), none past its first position still to score."""
+    if req.embedding is not None and not req.embedding.reuses_prefix:
+        return 0
+    return next_scored_position(req)
+
+
+def segment_scoring(req: Request, start_pos: int, end_pos: int) -> PromptScoring | None:
+    """What a segment computing positions ``start_pos .. end_pos - 1`` of ``req`` scores."""
+    following = next_scored_position(req)
+    if following is None:
+        return None
+    assert start_pos <= following, "positions before the segment were computed unscored"
+    first = following
+    last = min(end_pos, len(req.prompt_ids) - 1)  # the last prompt position scores no prompt token
+    if first >= last:
+        return None
+    assert req.params.prompt_logprobs is not None
+    return PromptScoring(first, req.prompt_ids[first + 1 : last + 1], req.params.prompt_logprobs)
+
+
+def prompt_logprobs_by_position(req: Request) -> list[TokenLogprobs | None] | None:
+    """One entry per prompt token (None where not scored: position 0, those before
+    ``prompt_logprobs_start``), or None while the prompt is not wholly scored."""
+    if req.params.prompt_logprobs is None or next_scored_position(req) is not None:
+        return None
+    unscored = len(req.prompt_ids) - len(req.prompt_logprobs)
+    return [None] * unscored + list(req.prompt_logprobs)

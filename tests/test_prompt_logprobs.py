@@ -1,0 +1,197 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) against HF transformers in float32: prompts
+crossing prefill-chunk and page boundaries, the prefix cache on and off (a cached prefix never
+skips a scored position), n > 1, max_new_tokens 0, and the executor's chunked scoring."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.executor.prompt_logprobs import score_prompt_positions
+from asyncengine.plan import PromptScoring, TokenLogprobs
+from asyncengine.sampling_params import InvalidRequestError
+from tests.hf_scorer import HFScorer
+from tests.server_support import TINY_MODEL, tiny_model_dir
+
+TOLERANCE = 1e-4
+VOCAB = TINY_MODEL["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # the server tests' tiny llama with weights of a real model's scale: its logprobs span
+    # -0.1 to -30, where float32 logits agree with HF's to 1e-4 (at the server tests' 0.5 the
+    # logits reach the hundreds and only their relative error is that small)
+    return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> HFScorer:
+    return HFScorer(model_dir)
+
+
+def engine_config(model_dir: Path, prefix_cache: bool) -> EngineConfig:
+    # 16-token pages and 40-token chunks: the prompts below cross both several times
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+        kv_cache_tokens=4096,
+        max_prefill_tokens=40,
+        chunked_prefill_size=40,
+        enable_prefix_cache=prefix_cache,
+        log_interval=0.0,
+    )
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(70)]
+    return [
+        shared[: rng.randrange(20, 70)] + [rng.randrange(3, VOCAB) for _ in range(n)]
+        for n in (1, 30, 57, 90)
+    ]
+
+
+def assert_matches_hf(
+    hf: HFScorer, prompt: list[int], got: list[TokenLogprobs | None] | None, k: int, start: int = 0
+) -> None:
+    assert got is not None and len(got) == len(prompt)
+    reference = hf.logprobs(prompt)
+    first = max(1, start)
+    assert all(entry is None for entry in got[:first])
+    for position in range(first, len(prompt)):
+        entry = got[position]
+        assert entry is not None
+        row = reference[position - 1]
+        assert abs(entry.token_logprob - float(row[prompt[position]])) < TOLERANCE, position
+        best = torch.topk(row, k)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        for (_, value), expected in zip(entry.top, best.values.tolist(), strict=True):
+            assert abs(value - expected) < TOLERANCE
+
+
+async def score_all(
+    config: EngineConfig, items: list[list[int]], params: SamplingParams, rounds: int = 1
+) -> list[list]:
+    results = []
+    async with AsyncEngine(config) as engine:
+        for _ in range(rounds):
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in items))
+            results.append(outs)
+            engine.core.check_invariant()
+    return results
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prompt_logprobs_equal_hf(model_dir: Path, hf: HFScorer, prefix_cache: bool) -> None:
+    items = prompts(0)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, prompt_logprobs=3)
+    config = engine_config(model_dir, prefix_cache)
+    # the second round finds every prompt cached: its scored positions are computed anyway
+    first, second = asyncio.run(score_all(config, items, params, rounds=2))
+    for prompt, a, b in zip(items, first, second, strict=True):
+        assert_matches_hf(hf, prompt, a.prompt_logprobs, 3)
+        assert b.prompt_logprobs == a.prompt_logprobs
+        assert b.token_ids == a.token_ids and len(a.token_ids) == 3
+        assert b.usage.cached_tokens == 0
+
+
+def test_scoring_from_a_start_takes_the_prefix_before_it_from_the_cache(
+    model_dir: Path, hf: HFScorer
+) -> None:
+    prompt = prompts(1)[3]
+    params = SamplingParams(
+        max_new_tokens=2, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=41
+    )
+    first, second = asyncio.run(
+        score_all(engine_config(model_dir, True), [prompt], params, rounds=2)
+    )
+    # logits from position 40 on: the cache may serve the 32 tokens of the pages before it
+    assert second[0].usage.cached_tokens == 32
+    assert first[0].usage.cached_tokens == 0
+    assert_matches_hf(hf, prompt, first[0].prompt_logprobs, 0, start=41)
+    assert second[0].prompt_logprobs == first[0].prompt_logprobs
+
+
+def test_max_new_tokens_zero_scores_the_prompt_and_generates_nothing(
+    model_dir: Path, hf: HFScorer
+) -> None:
+    items = prompts(2)
+    params = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
+    (outs,) = asyncio.run(score_all(engine_config(model_dir, True), items, params))
+    for prompt, out in zip(items, outs, strict=True):
+        assert out.token_ids == [] and out.text == ""
+        assert out.finish_reason == "length"
+        assert out.usage.completion_tokens == 0
+        assert_matches_hf(hf, prompt, out.prompt_logprobs, 1)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 4])
+def test_every_choice_carries_the_prompt_logprobs(
+    model_dir: Path, hf: HFScorer, max_new_tokens: int
+) -> None:
+    prompt = prompts(3)[2]
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, prompt_logprobs=2, n=3, temperature=1.0, seed=7
+    )
+
+    async def run() -> list:
+        async with AsyncEngine(engine_config(model_dir, True)) as engine:
+            outs = await engine.generate_choices(prompt, params)
+            engine.core.check_invariant()
+            return outs
+
+    outs = asyncio.run(run())
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert_matches_hf(hf, prompt, outs[0].prompt_logprobs, 2)
+    for out in outs:
+        assert out.prompt_logprobs == outs[0].prompt_logprobs
+        assert len(out.token_ids) == max_new_tokens
+
+
+def test_streamed_prompt_logprobs_come_once_in_the_first_delta(model_dir: Path) -> None:
+    prompt = prompts(4)[1]
+
+    async def run() -> list:
+        async with AsyncEngine(engine_config(model_dir, True)) as engine:
+            params = SamplingParams(max_new_tokens=5, temperature=0.0, prompt_logprobs=0)
+            return [d async for d in engine.stream(prompt, params)]
+
+    deltas = asyncio.run(run())
+    assert deltas[0].prompt_logprobs is not None and len(deltas[0].prompt_logprobs) == len(prompt)
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+def test_parameters_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs_start"):
+        SamplingParams(prompt_logprobs=1, prompt_logprobs_start=-1)
+    assert SamplingParams(max_new_tokens=0, prompt_logprobs=0).max_new_tokens == 0
+
+
+def test_scoring_in_chunks_equals_scoring_at_once() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    hidden = torch.randn(11, 8)
+    scorings = [PromptScoring(3, [1, 5, 7, 9], 2), PromptScoring(0, list(range(7)), 0)]
+    at_once = score_prompt_positions(hidden, scorings, lambda h: h @ weight.T, chunk_rows=64)
+    chunked = score_prompt_positions(hidden, scorings, lambda h: h @ weight.T, chunk_rows=3)
+    assert [len(s) for s in chunked] == [len(s) for s in at_once] == [4, 7]
+    for got, expected in zip(sum(chunked, []), sum(at_once, []), strict=True):
+        assert got.token_logprob == pytest.approx(expected.token_logprob, abs=1e-5)
+        assert [t for t, _ in got.top] == [t for t, _ in expected.top]
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in expected.top], abs=1e-5)
+    reference = torch.log_softmax(hidden @ weight.T, dim=-1)
+    assert at_once[0][1].token_logprob == pytest.approx(float(reference[1, 5]), abs=1e-6)
+    assert [t for t, _ in at_once[0][0].top] == torch.topk(reference[0], 2).indices.tolist()
+    assert at_once[1][0].top == []
