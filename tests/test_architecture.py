@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.workloads",
         "asyncengine.kernels",
         "asyncengine.quiet_exit",
+        "asyncengine.speculative",
     ),
     (  # configuration, policies, KV accounting
         "asyncengine.config",
