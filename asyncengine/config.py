@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.speculative.settings import SpeculativeConfig, parse_speculative
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -105,6 +107,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a request's greedy output does not depend on the batch it runs in (batch-invariant
     # matmuls and attention, executor/deterministic.py); costs throughput, see docs/BENCHMARKS.md
     deterministic: bool = False
+    # speculative decoding, off when None: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 4, "rule": "adaptive"} (speculative/settings.py)
+    speculative: dict[str, Any] | None = None
 
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
@@ -174,6 +179,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
         if self.shadow_policy is None and self.shadow_policy_options:
             raise bad("shadow_policy_options", "needs a 'shadow_policy'")
+        if self.speculative is not None:
+            try:
+                parse_speculative(self.speculative)
+            except ValueError as exc:
+                raise ConfigError(f"config key 'speculative': {exc}") from None
         # the policy names and options are checked where the policies are built, once
         # (asyncengine/builder.py make_policies), before any model loads
 
@@ -205,6 +215,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 values = dict(values["engine"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The checked ``speculative`` settings (None: speculation off)."""
+        return None if self.speculative is None else parse_speculative(self.speculative)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return EngineConfig.from_dict({**self.to_dict(), **changes})

@@ -29,7 +29,7 @@ from asyncengine.lifecycle import Lifecycle
 from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.policies.base import Policy
 from asyncengine.policies.registry import build_policy
-from asyncengine.request import Request
+from asyncengine.request import Grammar, Request
 from asyncengine.scheduler import Scheduler
 from asyncengine.step_events import StepEvents
 
@@ -144,6 +144,10 @@ class EngineCore:
             grammar = self.scheduler.requests[seg.rid].grammar
             if grammar is not None:
                 info.token_bitmask = grammar.next_bitmask()
+                if seg.guesses:
+                    info.guess_bitmasks = _guess_bitmasks(
+                        grammar, seg.input_ids[-seg.guesses :], info.token_bitmask
+                    )
 
     def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
         """Swap the ordering/budget policy at the next step boundary; running requests and KV
@@ -176,3 +180,22 @@ class EngineCore:
 
     def check_invariant(self) -> None:
         self.kv.check_invariant()
+
+
+def _guess_bitmasks(grammar: Grammar, guesses: list[int], first: object) -> list[object]:
+    """The mask after each guess, as if the guesses before it were accepted; from a guess the
+    grammar refuses (or one that completes it) on, the last mask repeats: the sampler never
+    takes a refused guess, so no row gets past it. The grammar is left as it was."""
+    masks: list[object] = []
+    taken = 0
+    for guess in guesses:
+        if grammar.is_terminated() or not grammar.accept(guess):
+            break
+        taken += 1
+        if grammar.is_terminated():
+            break
+        masks.append(grammar.next_bitmask())
+    if taken:
+        grammar.rollback(taken)
+    last = masks[-1] if masks else first
+    return masks + [last] * (len(guesses) - len(masks))

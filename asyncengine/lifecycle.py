@@ -128,25 +128,33 @@ class Lifecycle:
     def settle(self, tokens: list[TokenEvent], prompts_done: Sequence[Request] = ()) -> None:
         """After a commit: release the forks whose leader prefilled, end every request whose
         new token stops it, and every prefill-only request whose prompt is computed: an
-        embedding ("stop"), or a request scoring its prompt with max_new_tokens 0 ("length")."""
+        embedding ("stop"), or a request scoring its prompt with max_new_tokens 0 ("length").
+        A request given several tokens in the step (accepted guesses) keeps those up to the one
+        that ends it: the rest leave its output and ``tokens``, as if never sampled."""
         for req in prompts_done:
             self.end(req, "stop" if req.embedding is not None else "length")
-        self.counters["generated_tokens"] += len(tokens)
+        kept: list[TokenEvent] = []
         for event in tokens:
             req = event.req
+            if req.finished:  # an earlier token of this step ended it
+                continue
+            kept.append(event)
             if self.followers:
                 for follower in self.followers.pop(req.rid, ()):
                     self._add(follower)
                     self._released.append(follower)
-            reason, matched = self._stop(req, event.token_id)
+            reason, matched = self._stop(req, event.token_id, event.output_len)
             if reason is not None:
+                del req.output_ids[event.output_len :]
+                del req.token_times[event.output_len :]
                 self.end(req, reason, matched)
                 event.finished = True
+        self.counters["generated_tokens"] += len(kept)
+        tokens[:] = kept
 
-    def _stop(self, req: Request, token: int) -> tuple[str | None, str | int | None]:
-        """Why ``token`` (just appended) ends ``req``, if it does."""
+    def _stop(self, req: Request, token: int, n: int) -> tuple[str | None, str | int | None]:
+        """Why ``token``, the ``n``-th token of ``req``'s output, ends it, if it does."""
         params = req.params
-        n = len(req.output_ids)
         reason: str | None = None
         matched: str | int | None = None
         if n >= params.min_new_tokens and (
@@ -154,7 +162,7 @@ class Lifecycle:
             or token in params.stop_token_ids
         ):
             reason, matched = "stop", token
-        elif n >= params.max_new_tokens or req.num_tokens >= self.scheduler.max_model_len:
+        elif n >= params.max_new_tokens or len(req.prompt_ids) + n >= self.scheduler.max_model_len:
             reason = "length"
         text = req.text
         stop_string = None if text is None else text.push(token)  # the text streams either way

@@ -33,6 +33,10 @@ class Segment:
     # segment's final hidden states or its "last" one, in StepOutput.pooled
     pool: str | None = None
     scoring: PromptScoring | None = None  # prompt logprobs this segment computes
+    # speculative decoding: the last ``guesses`` input tokens are guessed, not sampled; the
+    # executor verifies them (a token sampled at each of the last guesses + 1 positions) and
+    # says in StepOutput.accepted how many the row keeps
+    guesses: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +83,10 @@ class SamplingInfo:
     # Structured output: the tokens its grammar allows next, one bit per token id (bit i of
     # word j: token 32 * j + i), as the grammar made it (an int32 tensor on the device side).
     token_bitmask: object | None = None
+    # a verified row (Segment.guesses > 0) with a grammar: the mask after each guess, as if
+    # the guesses before it were accepted (a guess its grammar refuses ends the list: every
+    # later position is unreachable and takes the last mask)
+    guess_bitmasks: list[object] | None = None
 
 
 @dataclass(slots=True)
@@ -102,7 +110,12 @@ class BatchPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.extends) + len(self.decodes)
+        return sum(s.num_tokens for s in self.extends) + sum(s.num_tokens for s in self.decodes)
+
+    @property
+    def num_guesses(self) -> int:
+        """Guessed tokens the plan verifies (speculative decoding)."""
+        return sum(s.guesses for s in self.decodes)
 
     @property
     def pooled_segments(self) -> list[Segment]:
@@ -131,7 +144,12 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepOutput:
-    """The executor's answer to a BatchPlan: one entry per sampled segment, plan order."""
+    """The executor's answer to a BatchPlan: one entry per sampled segment, plan order.
+
+    A verified row (``Segment.guesses``) keeps its first ``accepted[i]`` guesses, then
+    ``token_ids[i]``; ``accepted_logprobs[i]`` are the kept guesses' logprobs (when asked).
+    ``accepted`` empty: no row kept a guess.
+    """
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -139,6 +157,8 @@ class StepOutput:
     pooled: list[list[float]] = field(default_factory=list)  # one per segment with a pool
     # one list per segment with ``scoring`` (plan order): the scored prompt tokens' logprobs
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    accepted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

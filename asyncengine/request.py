@@ -36,6 +36,16 @@ class Grammar(Protocol):
         """The grammar is complete and took its end token."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a verified row's guesses)."""
+        ...
+
+
+class Proposer(Protocol):
+    """Guesses a request's next tokens from its tokens so far (speculative/ngram.py)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]: ...
+
 
 class OutputText(Protocol):
     """A request's output text, detokenized as its tokens land (asyncengine/text/output_text.py)."""
@@ -79,6 +89,10 @@ class Request:
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: its proposer (speculative/ngram.py), guesses verified and accepted
+    proposer: Proposer | None = None
+    proposed_guesses: int = 0
+    accepted_guesses: int = 0
 
     @property
     def all_ids(self) -> list[int]:

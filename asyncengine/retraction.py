@@ -15,6 +15,8 @@ from asyncengine.cache.manager import KVCacheManager
 from asyncengine.config import EngineConfig
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.request import Request, RequestStatus
+from asyncengine.speculative.ngram import NgramProposer
+from asyncengine.speculative.settings import SpeculativeConfig
 
 log = logging.getLogger("asyncengine.scheduler")
 
@@ -33,15 +35,32 @@ class Retraction:
     waiting: list[Request]
     total_retractions: int
     total_preemptions: int
+    speculation: SpeculativeConfig | None
+    step_guesses: dict[str, list[int]]
+
+    def _context(self, num_decodes: int) -> PolicyContext:
+        raise NotImplementedError  # Scheduler's
 
     def _prepare_decodes(self) -> list[Request]:
-        """Give every running request a KV slot for its next token, retracting when short."""
+        """Give every running request a KV slot for its next token (and its guesses, with
+        speculative decoding), retracting when short: guesses are dropped before anyone is."""
         ps = self.page_size
+        guesses = self._propose_guesses()
+        self.step_guesses = guesses
         retracted: list[Request] = []
         while self.running:
-            need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
+            if guesses:
+                kv = self.kv
+                need = sum(
+                    kv.pages_needed(r.kv, 1 + len(guesses.get(r.rid, ()))) for r in self.running
+                )
+            else:
+                need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
             if need <= self.kv.available_pages:
                 break
+            if guesses:
+                guesses.clear()
+                continue
             victim = self._pick_victim()
             self._retract(victim)
             self.new_token_ratio = self.config.init_new_token_ratio
@@ -54,8 +73,28 @@ class Retraction:
                 len(self.running),
             )
         for req in self.running:
-            self.kv.extend(req.kv, 1)
+            self.kv.extend(req.kv, 1 + len(guesses.get(req.rid, ())))
         return list(self.running)
+
+    def _propose_guesses(self) -> dict[str, list[int]]:
+        """Speculative decoding: each running request's guessed next tokens (by rid), as many
+        as the policy allows it (``Policy.speculate``) and its output budget and the context
+        leave room for (the token after the guesses is sampled too). Empty when off."""
+        settings = self.speculation
+        if settings is None or not self.running:
+            return {}
+        ctx = self._context(len(self.running))
+        room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
+        out: dict[str, list[int]] = {}
+        for req in self.running:
+            k = min(self.policy.speculate(req, ctx), req.remaining_new_tokens - 1)
+            k = min(k, room - req.num_tokens)
+            if req.proposer is None:
+                req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
+            guesses = req.proposer.propose(req.all_ids, max(0, k))  # indexes even when k is 0
+            if guesses:
+                out[req.rid] = guesses
+        return out
 
     def _pick_victim(self) -> Request:
         """Retract the request that loses least work (fewest outputs, then the longest prompt)

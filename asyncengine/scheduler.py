@@ -87,6 +87,12 @@ class Scheduler(Retraction, Prefill):
         self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
         self.admission = AdmissionLog()
+        # speculative decoding (None: off); this step's guesses by rid; totals over all steps
+        self.speculation = config.speculation
+        self.step_guesses: dict[str, list[int]] = {}
+        self.spec_steps = 0  # steps that verified guesses
+        self.spec_verified = 0  # guessed tokens verified
+        self.spec_accepted = 0  # guessed tokens accepted
         self.inflight: BatchPlan | None = None
         # rid -> request of the plan in flight. A request aborted while its step
         # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
@@ -157,14 +163,18 @@ class Scheduler(Retraction, Prefill):
             num_decodes=num_decodes,
             prefix_len=self.kv.match_length,
             chunked=self.chunked,
+            speculation=self.speculation,
         )
 
     def _reserved_tokens(self) -> int:
         """Future tokens of every admitted request, before ``new_token_ratio``."""
         cap = self.max_model_len
-        return sum(r.future_tokens(cap) for r in self.running) + sum(
+        reserved = sum(r.future_tokens(cap) for r in self.running) + sum(
             r.future_tokens(cap) for r in self.prefilling
         )
+        if self.speculation is not None:  # slots for the guesses a step verifies
+            reserved += self.speculation.num_speculative_tokens * len(self.running)
+        return reserved
 
     def _reservation(self, tokens: int) -> int:
         """Pages kept for ``tokens`` future tokens at this step's ``new_token_ratio``."""
@@ -175,18 +185,22 @@ class Scheduler(Retraction, Prefill):
         if self._next_policy is not None:
             self.policy, self.config = self._next_policy
             self._next_policy = None
+            self.speculation = self.config.speculation
         self.step_count += 1
         plan = BatchPlan(step=self.step_count)
         mixed = self.config.enable_mixed_batch
         starved = self.consecutive_prefill_steps >= self.config.max_consecutive_prefill_steps
         prefill_wanted = bool(self.waiting or self.prefilling)
         decoding: list[Request] = []
+        self.step_guesses = {}
         admission = Admission(DECODE_TURN)
         if mixed or not prefill_wanted or (starved and self.running):
             decoding = self._prepare_decodes()
         if prefill_wanted and (mixed or not decoding):
-            budget = self.policy.budget(self._context(len(decoding)))
-            admission = self._admit(plan, budget, len(decoding))
+            # the token budget counts every verified token: a decode's guesses too
+            decode_tokens = len(decoding) + sum(map(len, self.step_guesses.values()))
+            budget = self.policy.budget(self._context(decode_tokens))
+            admission = self._admit(plan, budget, decode_tokens)
         if not decoding and not plan.extends and self.running and not mixed:
             decoding = self._prepare_decodes()  # nothing admitted: decode
             if not decoding and prefill_wanted:  # it retracted everything: memory is free now
@@ -225,6 +239,12 @@ class Scheduler(Retraction, Prefill):
 
     def _decode_segment(self, req: Request) -> Segment:
         last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+        guesses = self.step_guesses.get(req.rid)
+        if guesses:
+            n = len(guesses)
+            return Segment(
+                req.rid, req.kv.row, [last, *guesses], req.kv.kv_len - 1 - n, True, guesses=n
+            )
         return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
 
     def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> Admission:
@@ -346,7 +366,9 @@ class Scheduler(Retraction, Prefill):
         now = self.clock()
         events: list[TokenEvent] = []
         prompts_done: list[Request] = []
-        sampled = iter(zip(output.token_ids, output.logprobs, strict=True))
+        sampled = iter(enumerate(zip(output.token_ids, output.logprobs, strict=True)))
+        if plan.num_guesses:
+            self.spec_steps += 1
         if len(output.pooled) != len(plan.pooled_segments):
             raise ValueError(
                 f"step {plan.step} pools {len(plan.pooled_segments)} segments but the executor "
@@ -374,8 +396,11 @@ class Scheduler(Retraction, Prefill):
                             req.embedding.finish()
                         prompts_done.append(req)
                 continue
-            token, logprobs = next(sampled)
+            entry, (token, logprobs) = next(sampled)
             if req is None or not alive:
+                continue
+            if seg.guesses:
+                self._commit_guesses(req, seg, entry, token, output, now, events)
                 continue
             if req.status is RequestStatus.PREFILLING:
                 self.prefilling.remove(req)
@@ -387,8 +412,34 @@ class Scheduler(Retraction, Prefill):
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
-            events.append(TokenEvent(req, token, logprobs))
+            events.append(TokenEvent(req, token, logprobs, len(req.output_ids)))
         return Committed(events, prompts_done)
+
+    def _commit_guesses(
+        self,
+        req: Request,
+        seg: Segment,
+        entry: int,
+        token: int,
+        output: StepOutput,
+        now: float,
+        events: list[TokenEvent],
+    ) -> None:
+        """A verified row: its accepted guesses, then the sampled token, are its new tokens;
+        the slots of its rejected guesses go back to the KV pool now."""
+        accepted = output.accepted[entry] if output.accepted else 0
+        kept_logprobs = output.accepted_logprobs[entry] if output.accepted_logprobs else []
+        req.proposed_guesses += seg.guesses
+        req.accepted_guesses += accepted
+        self.spec_verified += seg.guesses
+        self.spec_accepted += accepted
+        self.kv.truncate(req.kv, seg.start_pos + 1 + accepted)
+        guessed = seg.input_ids[1 : 1 + accepted]
+        logprobs = [*(kept_logprobs or [None] * accepted), output.logprobs[entry]]
+        for new_token, token_logprobs in zip([*guessed, token], logprobs, strict=True):
+            req.output_ids.append(new_token)
+            req.token_times.append(now)
+            events.append(TokenEvent(req, new_token, token_logprobs, len(req.output_ids)))
 
     def fail(self, plan: BatchPlan) -> list[Request]:
         """The step's forward raised: end its requests (reason "abort") and return them.
@@ -427,6 +478,9 @@ class Scheduler(Retraction, Prefill):
             "preemptions": self.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
+            "spec_steps": self.spec_steps,
+            "spec_verified_tokens": self.spec_verified,
+            "spec_accepted_tokens": self.spec_accepted,
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

@@ -15,11 +15,14 @@ from asyncengine.request import Request
 
 @dataclass(slots=True)
 class TokenEvent:
-    """One sampled token for one request, and whether that token finished it."""
+    """One sampled token for one request, and whether that token finished it. A verified row
+    (speculative decoding) gives several events in one step, in order; ``output_len`` is the
+    request's output length with this token (the lifecycle drops the tokens after an end)."""
 
     req: Request
     token_id: int
     logprobs: TokenLogprobs | None
+    output_len: int
     finished: bool = False
 
 

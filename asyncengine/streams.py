@@ -52,12 +52,16 @@ class Streams:
         if self.recorder is not None and events.plan is not None and events.error is None:
             self.recorder.step(events.plan, events.forward_seconds, self.now())
         states = self.states
+        touched: list[StreamState] = []  # in order; a request's tokens of a step are adjacent
         for ev in events.tokens:
             state = states.get(ev.req.rid)
             if state is None or state.req is not ev.req:
                 continue
             state.add_token(ev.token_id, ev.logprobs)
-            if not ev.req.finished:
+            if not touched or touched[-1] is not state:
+                touched.append(state)
+        for state in touched:  # one delta per request and step (accepted guesses together)
+            if not state.req.finished:
                 state.flush_delta()
         for req in events.failed:
             assert events.error is not None

@@ -6,6 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncengine.speculative.rules import rule_guesses
+from asyncengine.speculative.settings import SpeculativeConfig
+
 if TYPE_CHECKING:
     from asyncengine.plan import BatchPlan
     from asyncengine.request import Request
@@ -47,6 +50,7 @@ class PolicyContext:
     num_decodes: int  # decode tokens already in this step
     prefix_len: Callable[[Sequence[int]], int]  # cached prefix length of a token sequence
     chunked: Request | None  # the request mid-chunk, if any
+    speculation: SpeculativeConfig | None = None  # speculative decoding's settings (None: off)
 
 
 class Policy:
@@ -58,6 +62,8 @@ class Policy:
     its measured forward time (policies that learn from latency use it). ``finished`` hears of
     every request that leaves the engine. ``preempt_candidates`` names running requests the
     scheduler may retract for a blocked waiting one (only when ``preempts`` is true).
+    ``speculate`` says how many tokens a decoding request may guess this step (speculative
+    decoding on; 0: none): by default the configured rule's answer (speculative/rules.py).
     """
 
     name = "base"
@@ -81,6 +87,13 @@ class Policy:
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         return None
+
+    def speculate(self, req: Request, ctx: PolicyContext) -> int:
+        """Most guessed tokens ``req`` verifies this step (0: it decodes one token). The
+        scheduler asks only when speculation is configured; the proposer may find fewer."""
+        if ctx.speculation is None:
+            return 0
+        return rule_guesses(ctx.speculation, req, ctx.num_running)
 
     def finished(self, req: Request) -> None:
         """``req`` left the engine (finished, aborted or timed out)."""

@@ -20,6 +20,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor_api import KVLayout, ModelSpec
 from asyncengine.plan import BatchPlan, Segment, StepOutput
+from asyncengine.speculative.acceptance import accepted_prefix
 
 VOCAB = 1000
 EOS = 0
@@ -95,6 +96,7 @@ class FakeExecutor:
             slots = self._slots(seg.row, seg.start_pos, seg.end_pos)
             self.token_at[slots] = seg.input_ids
             self.pos_at[slots] = np.arange(seg.start_pos, seg.end_pos)
+        accepted: list[int] = []
         for seg in plan.segments:
             if not seg.sample:
                 continue
@@ -102,10 +104,20 @@ class FakeExecutor:
             assert (self.pos_at[slots] == np.arange(seg.end_pos)).all(), (
                 f"{seg.rid}: positions in KV are wrong"
             )
-            tokens.append(next_token(self.token_at[slots]))
+            # a verified row: the token after each of its last guesses + 1 positions
+            ends = range(seg.end_pos - seg.guesses, seg.end_pos + 1)
+            sampled = [next_token(self.token_at[slots[:end]]) for end in ends]
+            kept = accepted_prefix(seg.input_ids[seg.num_tokens - seg.guesses :], sampled)
+            tokens.append(sampled[kept])
+            accepted.append(kept)
         pooled = [self._pooled(seg) for seg in plan.extends if seg.pool is not None]
-        seconds = 1e-3 * plan.num_tokens
-        return StepOutput(tokens, [None] * len(tokens), forward_seconds=seconds, pooled=pooled)
+        return StepOutput(
+            tokens,
+            [None] * len(tokens),
+            forward_seconds=1e-3 * plan.num_tokens,
+            accepted=accepted if plan.num_guesses else [],
+            pooled=pooled,
+        )
 
     def _pooled(self, seg: Segment) -> list[float]:
         """A pooled segment's part: the "hidden state" at position p is ``fake_hidden`` of the

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.kernels",
         "asyncengine.quiet_exit",
         "asyncengine.pooling",
+        "asyncengine.speculative",
     ),
     (  # configuration, policies, KV accounting
         "asyncengine.config",

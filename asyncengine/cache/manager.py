@@ -195,6 +195,23 @@ class KVCacheManager:
             seq.pages.extend(new_pages.tolist())
         seq.kv_len = new_len
 
+    def truncate(self, seq: SeqKV, length: int) -> None:
+        """Give back the slots of positions ``length .. kv_len - 1`` (a verified row's rejected
+        guesses): ``kv_len`` becomes ``length`` and the pages past it return to the free list.
+        Only the sequence's own pages can go: ``length`` may not cut into its cached prefix."""
+        self._check_open(seq)
+        if not seq.num_in_tree <= length <= seq.kv_len:
+            raise ValueError(
+                f"cannot truncate to {length} tokens (cached prefix {seq.num_in_tree}, "
+                f"kv_len {seq.kv_len})"
+            )
+        keep = -(-length // self.page_size)
+        if keep < len(seq.pages):
+            self.allocator.free(np.asarray(seq.pages[keep:], dtype=np.int32))
+            del seq.pages[keep:]
+        seq.kv_len = length
+        seq.computed_len = min(seq.computed_len, length)
+
     def cache(self, seq: SeqKV, tokens: Tokens) -> None:
         """Insert the whole pages of ``tokens[:seq.kv_len]`` into the tree.
 

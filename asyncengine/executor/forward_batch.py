@@ -102,6 +102,8 @@ def build_forward_batch(
     ``staging``'s pinned buffers when given), split on the device.
     """
     extends, decodes = plan.extends, plan.decodes
+    if plan.num_guesses:  # verified rows (speculative decoding): every decode runs as an extend
+        extends, decodes = extends + decodes, []
     num_ext, num_dec = len(extends), len(decodes)
     # one pass over the decodes: table row, position, token, sampled?, token count
     dec = np.array(

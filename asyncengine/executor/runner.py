@@ -26,6 +26,7 @@ from asyncengine.executor.prompt_logprobs import score_prompt_positions
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
+from asyncengine.speculative.acceptance import accepted_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -190,6 +191,14 @@ class ModelRunner:
                     f"plan {plan.step} samples {batch.sample_indices.shape[0]} segments but "
                     f"carries {len(plan.sampling)} SamplingInfo entries"
                 )
+            if plan.num_guesses:
+                batch.sample_indices = rows_with_logits(plan, batch.sample_indices.device)
+                result = self._forward(batch, plan)
+                output = self._verify(plan, result.logits)
+                output.forward_seconds = time.perf_counter() - start
+                output.prompt_logprobs = result.prompt_logprobs
+                output.pooled = result.pooled
+                return output
             result = self._forward(batch, plan)
             ids: list[int] = []
             logprobs: list[TokenLogprobs | None] = []
@@ -230,6 +239,51 @@ def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
             rows.extend(range(first, offset + n))
         offset += n
     return rows, spans
+
+    def _verify(self, plan: BatchPlan, logits: torch.Tensor) -> StepOutput:
+        """Speculative decoding: a token sampled at every position of each verified row (under
+        the row's state as if the guesses before it were accepted), then each row keeps its
+        guesses up to the first disagreement (speculative/acceptance.py says why that is exact)."""
+        sampled_segments = [seg for seg in plan.segments if seg.sample]
+        rows: list[SamplingInfo] = []
+        for seg, info in zip(sampled_segments, plan.sampling, strict=True):
+            rows.append(info)
+            guesses = seg.input_ids[len(seg.input_ids) - seg.guesses :]
+            masks = info.guess_bitmasks or [None] * seg.guesses
+            for j in range(1, seg.guesses + 1):
+                rows.append(
+                    SamplingInfo(
+                        info.params, info.prompt_ids, info.output_ids + guesses[:j], masks[j - 1]
+                    )
+                )
+        token_ids, logprobs = self.sampler.sample(logits, rows)
+        tokens = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        output = StepOutput([], [])
+        offset = 0
+        for seg in sampled_segments:
+            guesses = seg.input_ids[len(seg.input_ids) - seg.guesses :]
+            sampled = tokens[offset : offset + seg.guesses + 1]
+            accepted = accepted_prefix(guesses, sampled)
+            output.token_ids.append(sampled[accepted])
+            output.logprobs.append(logprobs[offset + accepted])
+            output.accepted.append(accepted)
+            output.accepted_logprobs.append(list(logprobs[offset : offset + accepted]))
+            offset += seg.guesses + 1
+        return output
+
+
+def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
+    """Flat token indices whose logits a step needs, plan order: the last position of each
+    sampled segment, and before it, for a verified row, every position of its guesses (so a
+    row with g guesses gives g + 1 rows of logits). Only for a plan laid out segment after
+    segment (every decode run as an extend: forward_batch.py does so when a plan has guesses)."""
+    indices: list[int] = []
+    end = 0
+    for seg in plan.segments:
+        end += seg.num_tokens
+        if seg.sample:
+            indices.extend(range(end - 1 - seg.guesses, end))
+    return torch.tensor(indices, dtype=torch.int64, device=device)
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:

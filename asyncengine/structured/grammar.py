@@ -25,6 +25,7 @@ import torch
 from asyncengine.sampling_params import InvalidRequestError, StructuredOutput
 
 DEFAULT_CACHE_SIZE = 256
+MAX_ROLLBACK = 16  # speculative guesses per step at most (speculative/settings.py)
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[06:27:45] /path/file.cc:83: "
 
 
@@ -134,7 +135,8 @@ class GrammarMatcher:
 
     def __init__(self, compiled: Any) -> None:
         xgrammar = _import_xgrammar()
-        self._matcher = xgrammar.GrammarMatcher(compiled)
+        # rollback: speculative guesses are walked through at launch and undone
+        self._matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
 
     def next_bitmask(self) -> torch.Tensor:
@@ -147,6 +149,11 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) when the grammar does not allow it."""
         return bool(self._matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding checks a row's
+        guesses against the grammar at launch, then steps back)."""
+        self._matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and took its end (an EOS token)."""

@@ -1,0 +1,66 @@
+"""SpeculativeConfig: the ``speculative`` table of the engine config, checked once.
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 4,
+                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "rule": "adaptive"}
+
+``rule`` says how many guesses a request gets each step (``Policy.speculate``): "fixed" always
+``num_speculative_tokens`` (when the proposer finds that many), "adaptive" fewer as the
+request's acceptance rate falls and none once the step's batch is compute bound (rules.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+RULES = ("adaptive", "fixed")
+_DEFAULTS: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "rule": "adaptive",
+    # adaptive rule: no speculation once a step verifies this many tokens (compute bound)
+    "max_verify_tokens": 256,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    rule: str
+    max_verify_tokens: int
+
+
+def parse_speculative(values: dict[str, Any]) -> SpeculativeConfig:
+    """The settings in ``values``; ValueError naming the bad key ("speculative.KEY")."""
+    if not isinstance(values, dict):
+        raise ValueError(f"speculative must be a table (JSON object), got {values!r}")
+    unknown = sorted(set(values) - set(_DEFAULTS))
+    if unknown:
+        raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(_DEFAULTS)}")
+    merged = {**_DEFAULTS, **values}
+
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"speculative.{key} = {merged[key]!r}: {why}")
+
+    if merged["method"] not in METHODS:
+        raise bad("method", f"must be one of {', '.join(METHODS)}")
+    if merged["rule"] not in RULES:
+        raise bad("rule", f"must be one of {', '.join(RULES)}")
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        value = merged[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise bad(key, "must be an integer >= 1")
+    if merged["num_speculative_tokens"] > 16:
+        raise bad("num_speculative_tokens", "must be <= 16")
+    if merged["prompt_lookup_max"] < merged["prompt_lookup_min"]:
+        raise bad("prompt_lookup_max", "must be >= prompt_lookup_min")
+    limit = merged["max_verify_tokens"]
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise bad("max_verify_tokens", "must be an integer >= 1")
+    return SpeculativeConfig(**merged)
