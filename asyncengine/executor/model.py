@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from asyncengine.executor import native_decode
 from asyncengine.executor.attention import AttentionBackend, AttentionOptions
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
@@ -105,6 +106,18 @@ class LlamaModel:
         self.layer_options = [
             AttentionOptions(c.layer_window(i), c.attn_logit_softcap) for i in range(c.num_layers)
         ]
+        # decode batches of a quantized model in one native call where it can run (None: never)
+        self.native_decode = native_decode.native_decode_model(
+            c,
+            self.layers,
+            self.norm,
+            self.layer_cos_sin,
+            self.layer_options,
+            self.scale,
+            dtype,
+            self.device,
+            row_block,
+        )
 
     def _load_layer(self, take: _WeightTaker, i: int) -> LayerWeights:
         c = self.config
@@ -192,6 +205,8 @@ class LlamaModel:
         hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
+        if self.native_decode is not None and native_decode.takes(batch):
+            return native_decode.run(self.native_decode, batch, hidden, k_caches, v_caches)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             cos_sin, options = self.layer_cos_sin[i], self.layer_options[i]

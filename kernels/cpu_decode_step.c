@@ -1,0 +1,336 @@
+/* A whole decode step of a llama-family model with quantized weights, in one native call.
+ *
+ * At batch 1 the quantized projections of a small model take a few milliseconds per step, and
+ * the ~15 torch ops and 4 ctypes calls per layer around them (allocations, dispatch, OpenMP
+ * fork/join, the activations quantized once per projection) take as long again. Here every
+ * layer runs inside one OpenMP parallel region, its phases separated by barriers:
+ *
+ *   x = rms_norm(r) -> q8            each thread, into its own buffers (no barrier needed)
+ *   qkv = W_qkv x                    rows split over threads                       | barrier
+ *   k rotated, k and v stored        (request, kv head) items                      | barrier
+ *   attention of each q head         (request, head) items, keys read from the
+ *                                    paged pool in place                           | barrier
+ *   a -> q8                          each thread
+ *   r += W_o a                       rows split over threads                       | barrier
+ *   x = rms_norm(r) -> q8            each thread
+ *   h = silu(W_gate x) * (W_up x)    pairs of rows (gate j, up j) over threads     | barrier
+ *   h -> q8; r += W_down h           rows split over threads                       | barrier
+ *
+ * then out = rms_norm(r, final_norm). The block products are those of cpu_quant_blocks.h, the
+ * activations quantized as asyncengine_quantize_q8 does, the norms and rotary as
+ * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is a
+ * two-pass softmax in float32. float32 activations and KV pool only.
+ *
+ *   hidden      [n, hidden] float32       the embedded input tokens
+ *   positions   [n] int64, slots [n] int64 (where each new K/V goes)
+ *   block_table [n, table_stride] int32, seq_lens [n] int32 (keys incl. the new one)
+ *   out         [n, hidden] float32       the final-normed hidden states
+ *
+ * Built by asyncengine/kernels/cpu_native.py.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_paged.h"
+#include "cpu_quant_blocks.h"
+
+#define MAX_PARTS 4
+#define PAIR_TILE 8 /* gate/up row pairs a thread takes at a time */
+
+typedef struct {
+    const uint8_t *data;
+    const float *bias; /* NULL: none */
+    int64_t row_bytes;
+    int64_t rows;
+    int32_t fmt;
+    int32_t reserved;
+} qpart;
+
+/* one projection: the rows of its parts, in order (a fused q/k/v of mixed formats is several) */
+typedef struct {
+    qpart parts[MAX_PARTS];
+    int64_t num_parts;
+} qlinear;
+
+typedef struct {
+    const float *input_norm;
+    const float *post_norm;
+    float *k_cache; /* [S, kv_heads, head_dim] */
+    float *v_cache;
+    qlinear qkv, o_proj, gate_up, down;
+} layer_desc;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, rope_rows;
+    float eps, scale;
+    const float *cos_sin; /* [rope_rows, head_dim]: cos | sin halves */
+    const float *final_norm;
+    const layer_desc *layers;
+} model_desc;
+
+/* a thread's q8 activations: n rows of up to k values */
+typedef struct {
+    int8_t *q;
+    float *d, *sd;
+    int64_t k;
+} act_buf;
+
+/* ------------------------------------------------------------------------------------------ */
+
+static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a) {
+    const int64_t nb = k / QK;
+    a->k = k;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = 0; b < nb; b++)
+            quantize_block_q8(x + i * k + b * QK, a->q + i * k + b * QK, a->d + i * nb + b,
+                              a->sd + i * nb + b);
+}
+
+/* y = w * (x * rsqrt(mean(x^2) + eps)), as cpu_layer_ops.c's norm_row in float32 */
+static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) y[i] = x[i] * inv * w[i];
+}
+
+/* the part of lin holding global row `row`, and the row's index within it */
+static inline const qpart *find_part(const qlinear *lin, int64_t *row) {
+    for (int64_t p = 0; p < lin->num_parts; p++) {
+        if (*row < lin->parts[p].rows) return &lin->parts[p];
+        *row -= lin->parts[p].rows;
+    }
+    return NULL;
+}
+
+/* out[i] = row `row` of lin . activation row i (+ bias), for the n rows of a */
+static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a, int64_t n,
+                              float *out) {
+    int64_t local = row;
+    const qpart *part = find_part(lin, &local);
+    const uint8_t *w = part->data + local * part->row_bytes;
+    const float bias = part->bias ? part->bias[local] : 0.0f;
+    const int64_t k = a->k, nb = k / QK;
+    for (int64_t i0 = 0; i0 < n; i0 += NR) {
+        const int nr = (int)(n - i0 < NR ? n - i0 : NR);
+        act_row rows[NR];
+        for (int r = 0; r < nr; r++) {
+            rows[r].q = a->q + (i0 + r) * k;
+            rows[r].d = a->d + (i0 + r) * nb;
+            rows[r].sd = a->sd + (i0 + r) * nb;
+        }
+        if (nr == 1) row_dot(part->fmt, w, k, rows, 1, out + i0);
+        else row_dot(part->fmt, w, k, rows, nr, out + i0);
+        for (int r = 0; r < nr; r++) out[i0 + r] += bias;
+    }
+}
+
+/* y[i, 0:rows] = (or +=, accumulate) lin x_i, rows split over the team */
+static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, float *y,
+                 int64_t ldy, int accumulate) {
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t r1 = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
+        for (int64_t row = t * ROW_TILE; row < r1; row++) {
+            float v[256];
+            for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                const int64_t m = n - i0 < 256 ? n - i0 : 256;
+                act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
+                               a->k};
+                linear_row(lin, row, &sub, m, v);
+                for (int64_t i = 0; i < m; i++) {
+                    float *dst = y + (i0 + i) * ldy + row;
+                    *dst = accumulate ? *dst + v[i] : v[i];
+                }
+            }
+        }
+    }
+}
+
+/* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1 */
+static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h) {
+    const int64_t tiles = (inter + PAIR_TILE - 1) / PAIR_TILE;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t j1 = (t + 1) * PAIR_TILE < inter ? (t + 1) * PAIR_TILE : inter;
+        for (int64_t j = t * PAIR_TILE; j < j1; j++) {
+            for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                const int64_t m = n - i0 < 256 ? n - i0 : 256;
+                act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
+                               a->k};
+                float g[256], u[256];
+                linear_row(lin, j, &sub, m, g);
+                linear_row(lin, inter + j, &sub, m, u);
+                for (int64_t i = 0; i < m; i++) {
+                    const float silu = g[i] / (1.0f + expf(-g[i]));
+                    h[(i0 + i) * inter + j] = silu * u[i];
+                }
+            }
+        }
+    }
+}
+
+/* neox rotation of one head: (x1 c - x2 s, x2 c + x1 s) */
+static inline void rotate(const float *x, const float *cs, int64_t half, float *out) {
+    const float *c = cs, *s = cs + half;
+    for (int64_t i = 0; i < half; i++) {
+        const float t1 = x[i] * c[i], t2 = x[half + i] * s[i];
+        const float t3 = x[half + i] * c[i], t4 = x[i] * s[i];
+        out[i] = t1 - t2;
+        out[half + i] = t3 + t4;
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+#if defined(Q_ISA_SIMD)
+    if (d % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    float acc = 0.0f;
+    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy(float *acc, float p, const float *v, int64_t d) {
+#if defined(Q_ISA_SIMD)
+    if (d % 8 == 0) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(acc + i,
+                             _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
+}
+
+/* one query head of request i over its seq_len keys: softmax(q k^T scale) v */
+static void attend_head(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *table_row, int64_t len, int64_t page_size, int64_t kvh,
+                        int64_t kv_heads, int64_t d, float scale, float *scores, float *out) {
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t slot = pool_slot(table_row, p, page_size);
+        scores[p] = dot(q, k_cache + (slot * kv_heads + kvh) * d, d) * scale;
+        mx = scores[p] > mx ? scores[p] : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        scores[p] = expf(scores[p] - mx);
+        sum += scores[p];
+    }
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t slot = pool_slot(table_row, p, page_size);
+        axpy(out, scores[p], v_cache + (slot * kv_heads + kvh) * d, d);
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* 0 on success, -1 when a buffer could not be allocated (out untouched) */
+int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
+                             const int64_t *positions, const int64_t *slots,
+                             const int32_t *block_table, int64_t table_stride,
+                             const int32_t *seq_lens, int64_t page_size, float *out, int threads) {
+    const int64_t H = m->hidden, D = m->head_dim, half = D / 2, heads = m->num_heads;
+    const int64_t kv_heads = m->num_kv_heads, group = heads / kv_heads, inter = m->inter;
+    const int64_t q_size = heads * D, qkv_size = (heads + 2 * kv_heads) * D;
+    const int64_t widest = H > inter ? (H > q_size ? H : q_size) : (inter > q_size ? inter : q_size);
+    int64_t longest = 1;
+    for (int64_t i = 0; i < n; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
+
+    /* shared: the residual stream, qkv, attention output, MLP hidden */
+    float *residual = (float *)malloc((size_t)(n * H) * sizeof(float));
+    float *qkv = (float *)malloc((size_t)(n * qkv_size) * sizeof(float));
+    float *attn = (float *)malloc((size_t)(n * q_size) * sizeof(float));
+    float *mlp = (float *)malloc((size_t)(n * inter) * sizeof(float));
+    int failed = !residual || !qkv || !attn || !mlp;
+    if (failed) goto done;
+    memcpy(residual, hidden, (size_t)(n * H) * sizeof(float));
+
+#pragma omp parallel num_threads(threads)
+    {
+        /* private: the normed rows, their q8 form, attention scores */
+        float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
+        act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
+                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
+                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), 0};
+        float *scores = (float *)malloc((size_t)longest * sizeof(float));
+        if (!(x && a.q && a.d && a.sd && scores)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* every thread takes the same path through the barriers below */
+#pragma omp barrier
+        int seen_failed;
+#pragma omp atomic read
+        seen_failed = failed;
+        const int ok = !seen_failed;
+        if (ok) {
+            for (int64_t l = 0; l < m->num_layers; l++) {
+                const layer_desc *L = &m->layers[l];
+                for (int64_t i = 0; i < n; i++)
+                    rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
+                quantize_rows(x, n, H, &a);
+                gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
+
+#pragma omp for schedule(static)
+                for (int64_t item = 0; item < n * kv_heads; item++) {
+                    const int64_t i = item / kv_heads, h = item % kv_heads;
+                    const float *row = qkv + i * qkv_size;
+                    const float *cs = m->cos_sin + positions[i] * D;
+                    float *k_dst = L->k_cache + (slots[i] * kv_heads + h) * D;
+                    rotate(row + (heads + h) * D, cs, half, k_dst);
+                    memcpy(L->v_cache + (slots[i] * kv_heads + h) * D,
+                           row + (heads + kv_heads + h) * D, (size_t)D * sizeof(float));
+                }
+
+#pragma omp for schedule(static)
+                for (int64_t item = 0; item < n * heads; item++) {
+                    const int64_t i = item / heads, h = item % heads;
+                    float q[512];
+                    rotate(qkv + i * qkv_size + h * D, m->cos_sin + positions[i] * D, half, q);
+                    attend_head(q, L->k_cache, L->v_cache, block_table + i * table_stride,
+                                seq_lens[i], page_size, h / group, kv_heads, D, m->scale, scores,
+                                attn + i * q_size + h * D);
+                }
+
+                quantize_rows(attn, n, q_size, &a);
+                gemv(&L->o_proj, H, &a, n, residual, H, 1);
+
+                for (int64_t i = 0; i < n; i++)
+                    rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
+                quantize_rows(x, n, H, &a);
+                gate_up_silu(&L->gate_up, inter, &a, n, mlp);
+
+                quantize_rows(mlp, n, inter, &a);
+                gemv(&L->down, H, &a, n, residual, H, 1);
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++)
+                rms_norm_row(residual + i * H, m->final_norm, H, m->eps, out + i * H);
+        }
+        free(x);
+        free(a.q);
+        free(a.d);
+        free(a.sd);
+        free(scores);
+    }
+done:
+    free(residual);
+    free(qkv);
+    free(attn);
+    free(mlp);
+    return failed ? -1 : 0;
+}

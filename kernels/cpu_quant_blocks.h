@@ -1,0 +1,390 @@
+/* The quantized block formats' dot products (one weight row against up to NR int8 activation
+ * rows), shared by kernels/cpu_quant_matmul.c (the per-projection products) and
+ * kernels/cpu_decode_step.c (the fused decode step). The formats and the scheme are described
+ * at the top of cpu_quant_matmul.c. */
+#ifndef ASYNCENGINE_CPU_QUANT_BLOCKS_H
+#define ASYNCENGINE_CPU_QUANT_BLOCKS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(Q_FORCE_SCALAR) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#if defined(Q_FORCE_SCALAR)
+#define Q_ISA_SCALAR 1
+#elif !defined(Q_FORCE_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q_ISA_VNNI 1
+#define Q_ISA_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q_ISA_AVX2 1
+#define Q_ISA_SIMD 1
+#else
+#define Q_ISA_SCALAR 1
+#endif
+
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6 };
+
+#define QK 32        /* activation block */
+#define QK_K 256     /* K-format super-block */
+#define ROW_TILE 16  /* weight rows a thread takes at a time */
+#define NR 4         /* activation rows sharing a weight block */
+
+static inline float fp16_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(Q_ISA_SIMD)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(mant & 0x400u)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* 32 float32 values -> int8 q (d = max|v| / 127, q = round(v / d)), d and d * sum(q) */
+static inline void quantize_block_q8(const float *v, int8_t *q, float *d, float *sd) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        const int qv = (int)nearbyintf(v[j] * inv);
+        q[j] = (int8_t)qv;
+        sum += qv;
+    }
+    *d = amax / 127.0f;
+    *sd = *d * (float)sum;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes */
+static inline void k_scale_min(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* SIMD helpers                                                                              */
+
+#if defined(Q_ISA_SIMD)
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(Q_ISA_VNNI)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* signed w times signed x: |w| (u8) times x with w's sign */
+static inline __m256i dot_s8s8(__m256i w, __m256i x) {
+    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high (16..31) */
+static inline __m256i unpack_nibbles16(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* one weight row against nr (<= NR) activation rows                                          */
+
+typedef struct {
+    const int8_t *q;  /* row i's int8 values */
+    const float *d;   /* its block scales */
+    const float *sd;  /* its block sums times scale */
+} act_row;
+
+static inline void row_q8_0(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out) {
+#if defined(Q_ISA_SIMD)
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        const float dw = fp16_to_float(w);
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i wabs = _mm256_sign_epi8(wq, wq);
+        for (int r = 0; r < nr; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a[r].q + b * QK));
+            const __m256i p = dot_u8s8(wabs, _mm256_sign_epi8(xq, wq));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a[r].d[b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+#else
+    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        const float dw = fp16_to_float(w);
+        const int8_t *wq = (const int8_t *)(w + 2);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = a[r].q + b * QK;
+            int s = 0;
+            for (int j = 0; j < QK; j++) s += wq[j] * xq[j];
+            out[r] += dw * a[r].d[b] * (float)s;
+        }
+    }
+#endif
+}
+
+/* Q4_0 (has_min = 0: offset -8 d) and Q4_1 (has_min = 1: offset m) */
+static inline void row_q4(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out,
+                          int has_min) {
+    const int64_t bytes = has_min ? 20 : 18;
+    float off_acc[NR];
+    for (int r = 0; r < nr; r++) off_acc[r] = 0.0f;
+#if defined(Q_ISA_SIMD)
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+#else
+    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+#endif
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        const float dw = fp16_to_float(w);
+        const float offset = has_min ? fp16_to_float(w + 2) : -8.0f * dw;
+        const uint8_t *qs = w + (has_min ? 4 : 2);
+#if defined(Q_ISA_SIMD)
+        const __m256i wq = unpack_nibbles16(qs);
+        for (int r = 0; r < nr; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a[r].q + b * QK));
+            const __m256i p = dot_u8s8(wq, xq);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a[r].d[b]), acc[r]);
+            off_acc[r] += offset * a[r].sd[b];
+        }
+#else
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = a[r].q + b * QK;
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += (qs[j] & 0xF) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+            out[r] += dw * a[r].d[b] * (float)s;
+            off_acc[r] += offset * a[r].sd[b];
+        }
+#endif
+    }
+#if defined(Q_ISA_SIMD)
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + off_acc[r];
+#else
+    for (int r = 0; r < nr; r++) out[r] += off_acc[r];
+#endif
+}
+
+/* Q4_K (has_high = 0) and Q5_K (has_high = 1): per super-block of 256, 4 chunks of 64 whose
+ * bytes hold sub-block 2c in the low nibbles and 2c + 1 in the high ones */
+static inline void row_qk45(const uint8_t *w, int64_t nsb, const act_row *a, int nr, float *out,
+                            int has_high) {
+    const int64_t bytes = has_high ? 176 : 144;
+    float off_acc[NR];
+    for (int r = 0; r < nr; r++) off_acc[r] = 0.0f;
+#if defined(Q_ISA_SIMD)
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+#else
+    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+#endif
+    for (int64_t s = 0; s < nsb; s++, w += bytes) {
+        const float d = fp16_to_float(w), dmin = fp16_to_float(w + 2);
+        const uint8_t *scales = w + 4;
+        const uint8_t *qh = has_high ? w + 16 : NULL;
+        const uint8_t *qs = w + (has_high ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            int sc_lo, m_lo, sc_hi, m_hi;
+            k_scale_min(2 * c, scales, &sc_lo, &m_lo);
+            k_scale_min(2 * c + 1, scales, &sc_hi, &m_hi);
+            const int64_t b_lo = s * 8 + 2 * c, b_hi = b_lo + 1;
+#if defined(Q_ISA_SIMD)
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m256i mask = _mm256_set1_epi8(0x0F);
+            __m256i lo = _mm256_and_si256(raw, mask);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            if (has_high) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+                const __m256i bit_lo = _mm256_set1_epi8((char)(1 << (2 * c)));
+                const __m256i bit_hi = _mm256_set1_epi8((char)(2 << (2 * c)));
+                const __m256i sixteen = _mm256_set1_epi8(16);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(h, bit_lo), bit_lo), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(h, bit_hi), bit_hi), sixteen));
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m256i x_lo = _mm256_loadu_si256((const __m256i *)(a[r].q + b_lo * QK));
+                const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(a[r].q + b_hi * QK));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, x_lo)),
+                                         _mm256_set1_ps(d * (float)sc_lo * a[r].d[b_lo]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, x_hi)),
+                                         _mm256_set1_ps(d * (float)sc_hi * a[r].d[b_hi]), acc[r]);
+                off_acc[r] -= dmin * ((float)m_lo * a[r].sd[b_lo] + (float)m_hi * a[r].sd[b_hi]);
+            }
+#else
+            const uint8_t *q = qs + 32 * c;
+            for (int r = 0; r < nr; r++) {
+                const int8_t *x_lo = a[r].q + b_lo * QK, *x_hi = a[r].q + b_hi * QK;
+                int s_lo = 0, s_hi = 0;
+                for (int l = 0; l < 32; l++) {
+                    int v_lo = q[l] & 0xF, v_hi = q[l] >> 4;
+                    if (has_high) {
+                        v_lo += (qh[l] & (1 << (2 * c))) ? 16 : 0;
+                        v_hi += (qh[l] & (2 << (2 * c))) ? 16 : 0;
+                    }
+                    s_lo += v_lo * x_lo[l];
+                    s_hi += v_hi * x_hi[l];
+                }
+                out[r] += d * (float)sc_lo * a[r].d[b_lo] * (float)s_lo +
+                          d * (float)sc_hi * a[r].d[b_hi] * (float)s_hi;
+                off_acc[r] -= dmin * ((float)m_lo * a[r].sd[b_lo] + (float)m_hi * a[r].sd[b_hi]);
+            }
+#endif
+        }
+    }
+#if defined(Q_ISA_SIMD)
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + off_acc[r];
+#else
+    for (int r = 0; r < nr; r++) out[r] += off_acc[r];
+#endif
+}
+
+/* Q6_K: per super-block two halves of 128; in a half, group g (0..3) of 32 values takes its low
+ * 4 bits from ql (bytes 0..31 or 32..63, low or high nibble) and 2 high bits from qh, and the
+ * sub-scales sc[2g] (first 16) and sc[2g + 1] (last 16) */
+static inline void row_q6_k(const uint8_t *w, int64_t nsb, const act_row *a, int nr, float *out) {
+#if defined(Q_ISA_SIMD)
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+#else
+    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+#endif
+    for (int64_t s = 0; s < nsb; s++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = fp16_to_float(w + 208);
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8) {
+#if defined(Q_ISA_SIMD)
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+            const __m256i k32 = _mm256_set1_epi8(32);
+            __m256i g[4];
+            g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_and_si256(h, m30));
+            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            for (int gi = 0; gi < 4; gi++) {
+                const __m256i wq = _mm256_sub_epi8(g[gi], k32);
+                const __m256i wabs = _mm256_sign_epi8(wq, wq);
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * gi + 1]),
+                                                     _mm_set1_epi16(sc[2 * gi]));
+                const int64_t b = s * 8 + half * 4 + gi;
+                for (int r = 0; r < nr; r++) {
+                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(a[r].q + b * QK));
+                    const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq));
+                    const __m256i p = _mm256_madd_epi16(p16, scv);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a[r].d[b]),
+                                             acc[r]);
+                }
+            }
+#else
+            for (int gi = 0; gi < 4; gi++) {
+                const int64_t b = s * 8 + half * 4 + gi;
+                const uint8_t *lq = ql + (gi & 1) * 32;
+                const int shift_l = (gi >> 1) * 4, shift_h = gi * 2;
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *xq = a[r].q + b * QK;
+                    int s0 = 0, s1 = 0;
+                    for (int l = 0; l < 32; l++) {
+                        const int v = (((lq[l] >> shift_l) & 0xF) | (((qh[l] >> shift_h) & 3) << 4)) - 32;
+                        if (l < 16) s0 += v * xq[l];
+                        else s1 += v * xq[l];
+                    }
+                    out[r] += d * a[r].d[b] * (float)(sc[2 * gi] * s0 + sc[2 * gi + 1] * s1);
+                }
+            }
+#endif
+        }
+    }
+#if defined(Q_ISA_SIMD)
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+#endif
+}
+
+/* I8: a float32 scale, then k int8 values; the scale multiplies once at the end */
+static inline void row_i8(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out) {
+    float scale;
+    memcpy(&scale, w, 4);
+    const int8_t *wq = (const int8_t *)(w + 4);
+#if defined(Q_ISA_SIMD)
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i vabs = _mm256_sign_epi8(v, v);
+        for (int r = 0; r < nr; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a[r].q + b * QK));
+            const __m256i p = dot_u8s8(vabs, _mm256_sign_epi8(xq, v));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[r].d[b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = scale * hsum(acc[r]);
+#else
+    for (int r = 0; r < nr; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int s = 0;
+            for (int j = 0; j < QK; j++) s += wq[b * QK + j] * a[r].q[b * QK + j];
+            total += a[r].d[b] * (float)s;
+        }
+        out[r] = scale * total;
+    }
+#endif
+}
+
+static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
+                           float *out) {
+    switch (fmt) {
+    case FMT_Q8_0: row_q8_0(w, k / QK, a, nr, out); break;
+    case FMT_Q4_0: row_q4(w, k / QK, a, nr, out, 0); break;
+    case FMT_Q4_1: row_q4(w, k / QK, a, nr, out, 1); break;
+    case FMT_Q4_K: row_qk45(w, k / QK_K, a, nr, out, 0); break;
+    case FMT_Q5_K: row_qk45(w, k / QK_K, a, nr, out, 1); break;
+    case FMT_Q6_K: row_q6_k(w, k / QK_K, a, nr, out); break;
+    case FMT_I8: row_i8(w, k / QK, a, nr, out); break;
+    default: break;
+    }
+}
+
+#endif

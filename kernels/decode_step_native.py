@@ -1,0 +1,254 @@
+"""A whole decode step of a llama-family model with quantized weights in one native call
+(kernels/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
+described once (``DecodeStepModel``), then each step passes only the batch's tensors.
+
+float32 activations and KV pool; every projection quantized (``QuantizedTensor`` parts, a
+fused projection of mixed formats being several parts). ``available()`` says whether the
+library loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.quant_formats import QuantizedTensor
+
+MAX_PARTS = 4  # parts of one projection (MAX_PARTS in the C file)
+MAX_HEAD_DIM = 256
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("data", _PTR),
+        ("bias", _PTR),
+        ("row_bytes", _I64),
+        ("rows", _I64),
+        ("fmt", _I32),
+        ("reserved", _I32),
+    ]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("parts", _Part * MAX_PARTS), ("num_parts", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+        ("qkv", _Linear),
+        ("o_proj", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _I64),
+        ("hidden", _I64),
+        ("num_heads", _I64),
+        ("num_kv_heads", _I64),
+        ("head_dim", _I64),
+        ("inter", _I64),
+        ("rope_rows", _I64),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("cos_sin", _PTR),
+        ("final_norm", _PTR),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_native.load("cpu_decode_step")
+    if lib is None:
+        return None
+    fn = lib.asyncengine_decode_step
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.POINTER(_Model), _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int
+    ]  # fmt: skip
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectionParts:
+    """One projection as the kernel takes it: its quantized parts (rows in order) and an
+    optional float32 bias over all their rows."""
+
+    parts: Sequence[QuantizedTensor]
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerParts:
+    input_norm: torch.Tensor  # [hidden] float32
+    post_norm: torch.Tensor  # [hidden] float32
+    qkv: ProjectionParts  # [q_size + 2 kv_size, hidden]
+    o_proj: ProjectionParts  # [hidden, q_size]
+    gate_up: ProjectionParts  # [2 inter, hidden]: gate rows, then up rows
+    down: ProjectionParts  # [hidden, inter]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_norm_eps: float
+    scale: float
+
+
+class DecodeStepModel:
+    """The model as the native decode step reads it. Holds references to every tensor whose
+    address it hands to C, so they live as long as it does."""
+
+    def __init__(
+        self,
+        shape: DecodeShape,
+        layers: Sequence[LayerParts],
+        final_norm: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 2:
+            raise ValueError(f"head_dim {shape.head_dim} is not even and <= {MAX_HEAD_DIM}")
+        if shape.num_heads % shape.num_kv_heads:
+            raise ValueError("query heads must be a multiple of the kv heads")
+        self.shape = shape
+        self._keep: list[Any] = []
+        self._layers = (_Layer * len(layers))()
+        for target, layer in zip(self._layers, layers, strict=True):
+            target.input_norm = self._address(layer.input_norm)
+            target.post_norm = self._address(layer.post_norm)
+            self._fill(target.qkv, layer.qkv)
+            self._fill(target.o_proj, layer.o_proj)
+            self._fill(target.gate_up, layer.gate_up)
+            self._fill(target.down, layer.down)
+        self.cos_sin = self._float(cos_sin)
+        self._model = _Model(
+            num_layers=len(layers),
+            hidden=shape.hidden,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            inter=shape.intermediate,
+            rope_rows=self.cos_sin.shape[0],
+            eps=shape.rms_norm_eps,
+            scale=shape.scale,
+            cos_sin=self.cos_sin.data_ptr(),
+            final_norm=self._address(final_norm),
+            layers=self._layers,
+        )
+        self._caches: tuple[int, ...] = ()
+
+    def _float(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().to(torch.float32).contiguous()
+        self._keep.append(tensor)
+        return tensor
+
+    def _address(self, tensor: torch.Tensor) -> int:
+        return int(self._float(tensor).data_ptr())
+
+    def _fill(self, target: _Linear, projection: ProjectionParts) -> None:
+        if not 1 <= len(projection.parts) <= MAX_PARTS:
+            raise ValueError(f"a projection of {len(projection.parts)} parts (1..{MAX_PARTS})")
+        bias = None if projection.bias is None else self._float(projection.bias)
+        start = 0
+        for slot, part in zip(target.parts, projection.parts, strict=False):
+            data = part.data.contiguous()
+            self._keep.append(data)
+            rows = part.shape[0]
+            slot.data = data.data_ptr()
+            slot.bias = None if bias is None else bias.data_ptr() + 4 * start
+            slot.row_bytes = data.shape[1]
+            slot.rows = rows
+            slot.fmt = part.format.code
+            start += rows
+        target.num_parts = len(projection.parts)
+
+    def bind_caches(
+        self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
+    ) -> None:
+        """Point every layer at its [S, kv_heads, head_dim] float32 K/V pool (once; again only
+        when the pool's tensors change)."""
+        key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
+        if key == self._caches:
+            return
+        s = self.shape
+        for layer, k, v in zip(self._layers, k_caches, v_caches, strict=True):
+            for cache in (k, v):
+                if (
+                    cache.dtype != torch.float32
+                    or not cache.is_contiguous()
+                    or tuple(cache.shape[1:]) != (s.num_kv_heads, s.head_dim)
+                ):
+                    raise ValueError(
+                        f"KV caches must be contiguous float32 [S, {s.num_kv_heads}, {s.head_dim}]"
+                    )
+            layer.k_cache = k.data_ptr()
+            layer.v_cache = v.data_ptr()
+        self._caches = key
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """hidden [n, hidden] float32 (the embedded tokens, one per request) -> the final-normed
+        hidden states [n, hidden]; each request's new K/V lands at its slot of the bound pool.
+        positions/slots int64 [n]; block_table int32 [n, pages]; seq_lens int32 [n] (keys
+        including the new one)."""
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the native decode step library is not available")
+        if not self._caches:
+            raise RuntimeError("bind_caches first")
+        n = hidden.shape[0]
+        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (n, self.shape.hidden):
+            raise ValueError(f"hidden must be float32 [n, {self.shape.hidden}]")
+        if n and int(positions.max()) >= self.cos_sin.shape[0]:
+            raise ValueError("a position lies past the rotary table")
+        hidden = hidden.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        table = block_table.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(hidden)
+        status = lib.asyncengine_decode_step(
+            ctypes.byref(self._model),
+            hidden.data_ptr(),
+            n,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            table.data_ptr(),
+            table.shape[1] if table.dim() == 2 else 0,
+            lens.data_ptr(),
+            page_size,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the native decode step could not allocate its buffers")
+        return out

@@ -1,0 +1,233 @@
+"""Decode steps of a quantized model: the fused native step (executor/native_decode.py) against
+the torch path of the same model, per decode batch size, and where a batch-1 step's time goes.
+
+Both paths run in one process on one model and pool, alternating step by step (A, B, A, B...),
+so a machine that other work keeps busy slows both alike: compare the ratio, not the absolute
+figures, when the load is high (printed). Each row times ``ModelRunner.forward_logits`` (the
+forward and the LM head) of B one-token decodes at context C. The breakdown splits a batch-1
+step of each path: the projections (torch path: the summed time inside its quantized
+projections), the fused C call, the LM head, greedy sampling of one row, and the rest
+(embedding, plan to tensors, attention, norms, rotary, Python).
+
+    .venv/bin/python scripts/bench_decode_step.py                       # embedded Q4_1 file
+    .venv/bin/python scripts/bench_decode_step.py --batches 1,8,16,24,31 --context 256
+    .venv/bin/python scripts/bench_decode_step.py --threads 1 --cpu-time   # on a busy machine
+
+``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
+is the step's own cost whatever else runs on the machine (with more, it counts the threads'
+waiting too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.linear import QuantizedLinear
+from asyncengine.executor.loader import DEFAULT_MODEL
+from asyncengine.executor.loader.quantized import load_model
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.sampler import Sampler
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.script_main import run_main
+
+_clock = time.perf_counter
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        loaded = load_model(args.model, torch.float32, torch.device("cpu"), args.quantization)
+        config = ModelConfig.from_hf_dict(
+            json.loads((loaded.model_dir / "config.json").read_text())
+        )
+        self.args = args
+        self.summary = loaded.summary()
+        page_size = 16
+        pages = -(-(args.context + 2) // page_size)
+        rows = max(args.batches)
+        pool = KVPool(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            pages * rows,
+            page_size,
+            torch.float32,
+        )
+        pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
+        pool.v.uniform_(-1, 1)
+        table = PageTable(rows, pages)
+        for row in range(rows):
+            table.set_pages(row, 0, list(range(row * pages, (row + 1) * pages)))
+        self.runner = ModelRunner(config, loaded.weights, pool, table, torch.float32)
+        self.fused = self.runner.model.native_decode
+        if self.fused is None:
+            raise ValueError(f"the fused decode step does not cover {args.model} here")
+
+    def plan(self, batch: int) -> BatchPlan:
+        ctx = self.args.context
+        return BatchPlan(
+            step=0,
+            decodes=[Segment(f"r{b}", b, [100 + b], ctx, True) for b in range(batch)],
+        )
+
+    def use(self, fused: bool) -> None:
+        self.runner.model.native_decode = self.fused if fused else None
+
+    def ab(self, batch: int) -> dict[str, float]:
+        """Median ms of forward_logits per path, the paths alternating step by step."""
+        plan = self.plan(batch)
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for repeat in range(self.args.repeats + 1):
+            for fused in (True, False):
+                self.use(fused)
+                start = _clock()
+                self.runner.forward_logits(plan)
+                if repeat:  # the first round warms up
+                    samples[fused].append(_clock() - start)
+        self.use(True)
+        fused_ms = statistics.median(samples[True]) * 1e3
+        torch_ms = statistics.median(samples[False]) * 1e3
+        return {"batch": batch, "fused_ms": fused_ms, "torch_ms": torch_ms,
+                "speedup": torch_ms / fused_ms}  # fmt: skip
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Where a batch-1 step of each path goes (median ms per part over the repeats)."""
+        plan = self.plan(1)
+        model = self.runner.model
+        parts: dict[str, list[float]] = {}
+        timed: dict[str, float] = {}
+
+        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_call(*args: Any) -> Any:
+                start = _clock()
+                try:
+                    return fn(*args)
+                finally:
+                    timed[name] = timed.get(name, 0.0) + _clock() - start
+
+            return timed_call
+
+        projections = [
+            (layer, name)
+            for layer in model.layers
+            for name in ("qkv", "o_proj", "gate_up", "down")
+            if isinstance(getattr(layer, name), QuantizedLinear)
+        ]
+        originals = {(id(layer), name): getattr(layer, name) for layer, name in projections}
+        head = model.lm_head
+        sampler = Sampler()
+        greedy = [SamplingInfo(SamplingParams(temperature=0.0), [], [])]
+        assert self.fused is not None
+        fused_step = self.fused.step
+        out: dict[str, dict[str, float]] = {}
+        for fused in (True, False):
+            self.use(fused)
+            for layer, name in projections:
+                inner = originals[(id(layer), name)]
+                setattr(layer, name, wrap("projections", inner) if not fused else inner)
+            model.lm_head = wrap("lm_head", head)  # type: ignore[assignment]
+            if fused:
+                self.fused.step = wrap("fused_step", fused_step)  # type: ignore[method-assign]
+            parts = {}
+            for repeat in range(self.args.repeats + 1):
+                timed.clear()
+                start = _clock()
+                logits = self.runner.forward_logits(plan)
+                total = _clock() - start
+                sample_start = _clock()
+                sampler.sample(logits, greedy)
+                timed["sample"] = _clock() - sample_start
+                timed["rest"] = total - sum(v for k, v in timed.items() if k != "sample")
+                timed["step"] = total + timed["sample"]
+                if repeat:
+                    for key, value in timed.items():
+                        parts.setdefault(key, []).append(value)
+            out["fused" if fused else "torch"] = {
+                k: statistics.median(v) * 1e3 for k, v in parts.items()
+            }
+            model.lm_head = head
+            if fused:
+                self.fused.step = fused_step  # type: ignore[method-assign]
+        for layer, name in projections:
+            setattr(layer, name, originals[(id(layer), name)])
+        self.use(True)
+        return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']} ({result['weights']}), context {result['context']}, "
+        f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
+        "",
+        "| decode batch | fused ms | torch path ms | fused speed-up |",
+        "|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['batch']} | {row['fused_ms']:.2f} | {row['torch_ms']:.2f} "
+            f"| {row['speedup']:.2f}x |"
+        )
+    parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
+    lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
+    for path, row in result["breakdown"].items():
+        cells = [f"{row[p]:.2f}" if p in row else "-" for p in parts]
+        lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--quantization", default="auto", choices=("auto", "int8"))
+    parser.add_argument("--batches", default="1,2,4,8,16,24,31")
+    parser.add_argument("--context", type=int, default=64, help="kv length of each request")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    args = parser.parse_args(argv)
+    global _clock
+    _clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    load_start = os.getloadavg()[0]
+    bench = Bench(args)
+    with torch.inference_mode():
+        rows = [bench.ab(batch) for batch in args.batches]
+        breakdown = bench.breakdown()
+    result = {
+        "model": args.model,
+        "weights": bench.summary,
+        "context": args.context,
+        "threads": torch.get_num_threads(),
+        "clock": "CPU" if args.cpu_time else "wall",
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+        "rows": rows,
+        "breakdown": breakdown,
+    }
+    print(table(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main)

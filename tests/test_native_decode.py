@@ -1,0 +1,192 @@
+"""The fused native decode step (kernels/cpu_decode_step.c via executor/native_decode.py) against
+the torch path of the same quantized model: same logits within the int8 activations'
+rounding, same greedy tokens, K/V written to the same slots; and the models and batches it
+leaves to the torch path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from asyncengine.cache.page_table import PageTable
+from asyncengine.executor import native_decode
+from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.loader.quantized import quantize_int8
+from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantizedTensor
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.sampling_params import SamplingParams
+from tests.conftest import TinyCheckpoint
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+
+PAGE_SIZE = 4
+MAX_LEN = 64
+PROMPTS = [[5, 17, 3, 90, 11, 40, 7], [9, 2, 33], [60, 61, 62, 63, 64, 65, 66, 67, 68, 70, 1]]
+
+
+def _gguf_block(weight: torch.Tensor, kind: GGMLQuantizationType) -> QuantizedTensor:
+    data = quantize(weight.float().numpy(), kind)
+    return QuantizedTensor(
+        GGUF_FORMATS[int(kind)], torch.from_numpy(np.ascontiguousarray(data)), weight.shape[1]
+    )
+
+
+def mixed_formats(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """q and gate in Q8_0, k/v and up in Q4_1 (so q/k/v and gate/up are two parts each), o in
+    Q4_0, down (96 columns) in our I8, embedding and norms dense."""
+    kinds = {
+        "q_proj": GGMLQuantizationType.Q8_0,
+        "k_proj": GGMLQuantizationType.Q4_1,
+        "v_proj": GGMLQuantizationType.Q4_1,
+        "o_proj": GGMLQuantizationType.Q4_0,
+        "gate_proj": GGMLQuantizationType.Q8_0,
+        "up_proj": GGMLQuantizationType.Q4_1,
+    }
+    out: dict[str, Any] = quantize_int8({k: v for k, v in weights.items() if "down_proj" in k})
+    for name, weight in weights.items():
+        if name in out:
+            continue
+        kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
+        out[name] = weight if kind is None else _gguf_block(weight, kind)
+    return out
+
+
+class Pair:
+    """Two runners over the same weights, each with its own pool: one with the fused step, one
+    with the torch path only."""
+
+    def __init__(self, ckpt: TinyCheckpoint, weights: dict[str, Any]) -> None:
+        self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
+        self.runners = [self._runner(weights) for _ in range(2)]
+        self.native, self.torch_path = self.runners
+        assert self.native.model.native_decode is not None
+        self.torch_path.model.native_decode = None
+
+    def _runner(self, weights: dict[str, Any]) -> ModelRunner:
+        c = self.config
+        pages = -(-MAX_LEN // PAGE_SIZE)
+        pool = KVPool(
+            c.num_layers, c.num_kv_heads, c.head_dim, pages * 4 + 1, PAGE_SIZE, torch.float32
+        )
+        pool.k.fill_(float("nan"))  # a read of a slot never written poisons the logits
+        pool.v.fill_(float("nan"))
+        table = PageTable(4, pages)
+        order = np.random.default_rng(0).permutation(pages * 4 + 1)
+        for row in range(4):
+            table.set_pages(row, 0, order[row * pages : (row + 1) * pages])
+        return ModelRunner(c, dict(weights), pool, table, torch.float32)
+
+
+def _plan(step: int, extends: list[Segment], decodes: list[Segment]) -> BatchPlan:
+    n = sum(s.sample for s in extends + decodes)
+    sampling = [SamplingInfo(SamplingParams(temperature=0.0), [], []) for _ in range(n)]
+    return BatchPlan(step=step, extends=extends, decodes=decodes, sampling=sampling)
+
+
+def _run_both(pair: Pair, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill every prompt (torch path in both), then ``steps`` greedy decode steps of all
+    requests together; the logits of each decode step, per runner."""
+    logits: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for runner, out in zip(pair.runners, logits, strict=True):
+        prefill = [Segment(f"r{i}", i, p, 0, True) for i, p in enumerate(PROMPTS)]
+        tokens = runner.forward_logits(_plan(0, prefill, [])).argmax(-1).tolist()
+        lengths = [len(p) for p in PROMPTS]
+        for step in range(steps):
+            decodes = [
+                Segment(f"r{i}", i, [tokens[i]], lengths[i], True) for i in range(len(PROMPTS))
+            ]
+            step_logits = runner.forward_logits(_plan(step + 1, [], decodes))
+            out.append(step_logits)
+            tokens = step_logits.argmax(-1).tolist()
+            lengths = [n + 1 for n in lengths]
+    return logits
+
+
+def _compare(pair: Pair, steps: int = 12) -> None:
+    native, reference = _run_both(pair, steps)
+    for step, (got, want) in enumerate(zip(native, reference, strict=True)):
+        assert torch.isfinite(got).all(), step  # every key read was written
+        scale = float(want.abs().max())
+        # the same kernels and quantized activations; the float sums in another order (norm,
+        # softmax), which can move an activation's int8 rounding by one step
+        assert float((got - want).abs().max()) < 2e-3 * scale, step
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), step
+    for layer in range(pair.config.num_layers):  # K/V of every token at the same slots
+        k_native = pair.native.kv_pool.k_cache(layer)
+        k_torch = pair.torch_path.kv_pool.k_cache(layer)
+        written = ~torch.isnan(k_torch)
+        assert torch.equal(written, ~torch.isnan(k_native))
+        torch.testing.assert_close(k_native[written], k_torch[written], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied"])
+def test_fused_step_follows_the_torch_path_on_int8_weights(
+    tiny_checkpoints: dict[str, TinyCheckpoint], name: str
+) -> None:
+    ckpt = tiny_checkpoints[name]
+    _compare(Pair(ckpt, quantize_int8(ckpt.load_weights())))
+
+
+def test_fused_step_follows_the_torch_path_on_mixed_gguf_formats(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    pair = Pair(tiny_llama, mixed_formats(tiny_llama.load_weights()))
+    layer = pair.native.model.layers[0]
+    assert len(layer.qkv.parts) == 2 and len(layer.gate_up.parts) == 2  # type: ignore[union-attr]
+    _compare(pair)
+
+
+def test_fused_step_is_taken_for_small_decode_batches_only(
+    tiny_llama: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+    model = pair.native.model.native_decode
+    assert model is not None
+    calls: list[int] = []
+    original = model.step
+
+    def counting(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(model, "step", counting)
+    _run_both(pair, steps=2)
+    assert calls == [3, 3]  # the decode steps; the prefill took the torch path
+    monkeypatch.setattr(native_decode, "NATIVE_DECODE_MAX_ROWS", 2)
+    _run_both(pair, steps=1)
+    assert calls == [3, 3]  # 3 requests: past the limit, the torch path
+
+
+def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
+    tiny_checkpoints: dict[str, TinyCheckpoint],
+) -> None:
+    def fused(name: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> bool:
+        ckpt = tiny_checkpoints[name]
+        config = ModelConfig.from_hf_dict(ckpt.hf_config)
+        pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, 8, PAGE_SIZE, dtype)
+        weights = quantize_int8(ckpt.load_weights())
+        runner = ModelRunner(config, weights, pool, PageTable(2, 4), dtype, **kwargs)
+        return runner.model.native_decode is not None
+
+    assert fused("llama_gqa")
+    assert not fused("llama_gqa", deterministic=True)  # row blocks: the torch path
+    assert not fused("llama_gqa", torch.bfloat16)  # float32 only
+    assert not fused("qwen3_qk_norm")  # per-head q/k norms
+    assert not fused("gemma2")  # GeGLU, sandwich norms, windows, soft-caps
+    dense = tiny_checkpoints["llama_gqa"]
+    config = ModelConfig.from_hf_dict(dense.hf_config)
+    pool = KVPool(
+        config.num_layers, config.num_kv_heads, config.head_dim, 8, PAGE_SIZE, torch.float32
+    )
+    runner = ModelRunner(config, dense.load_weights(), pool, PageTable(2, 4), torch.float32)
+    assert runner.model.native_decode is None  # dense weights: the oneDNN path
