@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from asyncengine.pooling import PooledEmbedding
 from asyncengine.plan import TokenLogprobs
+from asyncengine.pooling import PooledEmbedding
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

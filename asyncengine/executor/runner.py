@@ -214,32 +214,6 @@ class ModelRunner:
             pooled=result.pooled,
         )
 
-
-@dataclass(slots=True)
-class ForwardResult:
-    """What one forward computed, before sampling."""
-
-    logits: torch.Tensor  # [num_sampled, vocab] float32
-    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
-    pooled: list[list[float]] = field(default_factory=list)
-
-
-def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
-    """The flat token rows of the plan's pooled segments (extends come first in a forward, in
-    plan order) and, per pooled segment, the span of those rows its part sums: all of its
-    rows ("sum"), or its last one ("last")."""
-    rows: list[int] = []
-    spans: list[tuple[int, int]] = []
-    offset = 0
-    for seg in plan.extends:
-        n = seg.num_tokens
-        if seg.pool is not None:
-            first = offset if seg.pool == SUM else offset + n - 1
-            spans.append((len(rows), len(rows) + offset + n - first))
-            rows.extend(range(first, offset + n))
-        offset += n
-    return rows, spans
-
     def _verify(self, plan: BatchPlan, logits: torch.Tensor) -> StepOutput:
         """Speculative decoding: a token sampled at every position of each verified row (under
         the row's state as if the guesses before it were accepted), then each row keeps its
@@ -270,6 +244,32 @@ def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
             output.accepted_logprobs.append(list(logprobs[offset : offset + accepted]))
             offset += seg.guesses + 1
         return output
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    """What one forward computed, before sampling."""
+
+    logits: torch.Tensor  # [num_sampled, vocab] float32
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    pooled: list[list[float]] = field(default_factory=list)
+
+
+def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
+    """The flat token rows of the plan's pooled segments (extends come first in a forward, in
+    plan order) and, per pooled segment, the span of those rows its part sums: all of its
+    rows ("sum"), or its last one ("last")."""
+    rows: list[int] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for seg in plan.extends:
+        n = seg.num_tokens
+        if seg.pool is not None:
+            first = offset if seg.pool == SUM else offset + n - 1
+            spans.append((len(rows), len(rows) + offset + n - first))
+            rows.extend(range(first, offset + n))
+        offset += n
+    return rows, spans
 
 
 def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
