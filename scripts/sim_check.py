@@ -36,7 +36,7 @@ from asyncengine.sim.fidelity import (
     GOAL,
     MetricComparison,
     fidelity,
-    trace_of,
+    write_measured_trace,
 )
 from asyncengine.sim.sim_vs_real import (
     check_workload,
@@ -112,16 +112,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     load_after = os.getloadavg()
     measured = dict(zip((j[0] for j in jobs), runs, strict=True))
 
-    traces = [
-        trace_of(
-            out / f"calibration_{i}.trace.jsonl",
-            calibration[w],
-            measured[f"calibration: {w}"],
-            page_size=base.page_size,
-            vocab_size=VOCAB,
-        )  # fmt: skip
-        for i, w in enumerate(calibration)
-    ]
+    traces = []
+    for i, w in enumerate(calibration):
+        run = measured[f"calibration: {w}"]
+        traces.append(write_measured_trace(
+            out / f"calibration_{i}.trace.jsonl", calibration[w], run.plans, run.step_seconds,
+            run.records, page_size=base.page_size, vocab_size=VOCAB,
+        ))  # fmt: skip
     merged = out / "calibration.trace.jsonl"
     with merged.open("w", encoding="utf-8") as f:  # one trace file holding both runs' steps
         for i, path in enumerate(traces):

@@ -11,7 +11,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from asyncengine.bench.records import BenchSummary, RequestRecord
 from asyncengine.plan import BatchPlan
@@ -19,9 +18,6 @@ from asyncengine.request import Request
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
 from asyncengine.workloads.trace_recorder import TraceRecorder
-
-if TYPE_CHECKING:
-    from asyncengine.sim.sim_vs_real import MeasuredRun
 
 GOAL = 0.10  # the relative error the simulator aims at on every fidelity metric
 
@@ -88,12 +84,3 @@ def write_measured_trace(
     finally:
         recorder.close()
     return Path(path)
-
-
-def trace_of(path: str | Path, workload: Sequence[WorkloadRequest], run: MeasuredRun, *,
-             page_size: int, vocab_size: int) -> Path:  # fmt: skip
-    """``write_measured_trace`` of a ``replay_measured`` run."""
-    return write_measured_trace(
-        path, workload, run.plans, run.step_seconds, run.records,
-        page_size=page_size, vocab_size=vocab_size,
-    )  # fmt: skip
