@@ -86,16 +86,15 @@ def trace_cost_model(path: str, out: Path) -> Any:
 
     if not is_live_trace(path):
         raise SystemExit(f"--fit-from-trace needs a live trace (serve --record-trace), not {path}")
+    try:
+        model = CostModel.from_live_trace(path)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
-    if len(steps) < 5:
-        raise SystemExit(f"{path} holds {len(steps)} measured steps; too few to fit a cost model")
     features = [
         StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
         for s in steps
     ]
-    model = CostModel.fit(
-        features, [s.seconds for s in steps], f"fitted to {len(steps)} steps of {Path(path).name}"
-    )
     model.save(out / "cost_model.json")
     errors = sorted(model.relative_errors(features, [s.seconds for s in steps]))
     print(

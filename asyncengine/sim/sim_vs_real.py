@@ -37,6 +37,7 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import StepFeatures
 from asyncengine.sim.engine_replay import replay_real
+from asyncengine.sim.fidelity import MetricComparison
 from asyncengine.sim.timed_executor import TimedExecutor
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads import WorkloadRequest, random_lengths
@@ -82,21 +83,6 @@ class EngineRun:
     def cpu_share(self) -> float:
         """CPU seconds per wall second per torch thread: about 1 on an otherwise idle machine."""
         return self.cpu_seconds / (self.wall_seconds * self.torch_threads)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricComparison:
-    name: str
-    unit: str
-    simulated: float
-    measured: float
-
-    @property
-    def relative_error(self) -> float:
-        """|simulated - measured| / measured (NaN when the measured value is 0 or NaN)."""
-        if not self.measured or math.isnan(self.measured):
-            return math.nan
-        return abs(self.simulated - self.measured) / abs(self.measured)
 
 
 def compare(simulated: BenchSummary, measured: BenchSummary) -> list[MetricComparison]:
