@@ -90,6 +90,14 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "prefill-only steps in a row before a decode step",
     ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
+    (
+        "--preemption-victim",
+        "preemption_victim",
+        str,
+        "KV shortage: newest | least-computed | lowest-priority | largest-kv",
+    ),
+    ("--preemption-mode", "preemption_mode", str, "recompute | swap (KV to a host buffer)"),
+    ("--swap-space-bytes", "swap_space_bytes", int, "host buffer for swapped-out KV"),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (

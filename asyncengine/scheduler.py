@@ -27,6 +27,7 @@ from asyncengine.admission import (
     AdmissionLog,
 )
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
@@ -77,6 +78,13 @@ class Scheduler(Retraction, Prefill):
         self.total_retractions = 0
         self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
+        # preemption (retraction.py): id(request) -> its swapped-out KV, or the tokens it had
+        # computed when retracted for recompute (computing them again is the recompute tax)
+        self.swapped: dict[int, SwappedKV] = {}
+        self.recompute_until: dict[int, int] = {}
+        self.total_computed_tokens = 0
+        self.total_recomputed_tokens = 0
+        self.swap_seconds = 0.0
         self.admission = AdmissionLog()
         self.inflight: BatchPlan | None = None
         # rid -> request of the plan in flight. A request aborted while its step
@@ -132,6 +140,8 @@ class Scheduler(Retraction, Prefill):
         if req.seq is not None:
             self.kv.close(req.seq, req.all_ids[: req.seq.computed_len], cache=cache)
             req.seq = None
+        if self.swapped or self.recompute_until:
+            self._forget_preempted(req)
         req.mark_finished(reason, matched, self.clock())
         del self.requests[req.rid]
         self.admission.left(req)
@@ -200,6 +210,8 @@ class Scheduler(Retraction, Prefill):
             return None
         self.admission.record(self.waiting, admission)
         plan.page_writes = self.kv.page_table.drain_writes()
+        if self.kv.swap is not None:
+            plan.swap_out, plan.swap_in = self.kv.swap.drain()
         now = self.clock()
         requests = self.requests
         owners: dict[str, Request | None] = {}
@@ -324,6 +336,7 @@ class Scheduler(Retraction, Prefill):
         owners = self._owners(plan)
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
+        self._count_computed(plan, owners, output.swap_seconds)
         self.policy.observe(plan, output.forward_seconds)
         if self.shadow is not None:
             self.shadow.observe(plan, output.forward_seconds)
@@ -392,6 +405,7 @@ class Scheduler(Retraction, Prefill):
             "preemptions": self.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
+            **self.preemption_stats(),
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

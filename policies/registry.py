@@ -77,8 +77,11 @@ class ComposedPolicy(Policy):
             part.finished(req)
 
     def preempt_candidates(
-        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:
+        if candidate is None:  # KV shortage: the ordering part's choice, else the config's
+            part = self.orderer if self.orderer is not None else Policy()
+            return part.preempt_candidates(None, running, ctx)
         if self.orderer is None or not self.orderer.preempts:
             return []
         return self.orderer.preempt_candidates(candidate, running, ctx)

@@ -16,7 +16,11 @@ from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
-from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
+from asyncengine.sim.simulated_executor import (
+    DEFAULT_SPEC,
+    DEFAULT_SWAP_BYTES_PER_SECOND,
+    SimulatedExecutor,
+)
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -47,6 +51,7 @@ class Simulator:
         sampled_token_id: int = 1,
         kv_bytes_per_token: int = DEFAULT_SPEC.kv_bytes_per_token,
         check_invariant_every: int = 0,
+        swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
     ) -> None:
         spec = replace(
             DEFAULT_SPEC,
@@ -57,7 +62,11 @@ class Simulator:
         self.config = config
         self.clock = VirtualClock()
         self.executor = SimulatedExecutor(
-            cost_model or CostModel.default(), self.clock, spec, sampled_token_id
+            cost_model or CostModel.default(),
+            self.clock,
+            spec,
+            sampled_token_id,
+            swap_bytes_per_second,
         )
         self.core = build_core(config, self.executor, clock=self.clock)
         self.check_invariant_every = check_invariant_every
