@@ -17,6 +17,8 @@ from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
+from asyncengine.policies.length_predictor import LengthPredictions
+from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import build_policy
 from asyncengine.policies.victims import VICTIM_RULES
 from asyncengine.scheduler import Scheduler
@@ -85,6 +87,7 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
             f"config key 'preemption_victim' = {config.preemption_victim!r}: "
             f"must be one of {', '.join(VICTIM_RULES)}"
         )
+    build_length_predictor(config.length_predictor, config.length_predictor_options)  # checked
     policy = build_policy(config.policy, config.policy_options)
     if config.shadow_policy is None:
         return policy, None
@@ -115,5 +118,8 @@ def build_core(
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)
     max_model_len = context_limit(config, spec, layout.num_pages)
-    scheduler = Scheduler(config, kv, policy, max_model_len, clock, shadow)
+    predictor = build_length_predictor(config.length_predictor, config.length_predictor_options)
+    scheduler = Scheduler(
+        config, kv, policy, max_model_len, clock, shadow, LengthPredictions(predictor)
+    )
     return EngineCore(scheduler, executor)

@@ -95,6 +95,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     preemption_victim: str = "newest"
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
+    # predicts a request's output length for the policies that rank by it (sjf, ltr): a
+    # built-in (policies/length_registry.py: max-tokens, oracle (simulator only), history,
+    # ranker), "pkg.mod:Class" or "path/to/file.py:Class"
+    length_predictor: str = "max-tokens"
+    length_predictor_options: dict[str, Any] = {}
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001

@@ -31,6 +31,7 @@ from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.prefill import Prefill
 from asyncengine.request import Request, RequestStatus
 from asyncengine.retraction import Retraction
@@ -57,8 +58,11 @@ class Scheduler(Retraction, Prefill):
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         shadow: ShadowPolicy | None = None,
+        lengths: LengthPredictions | None = None,
     ) -> None:
         self.config = config
+        # the output-length predictor's answers, asked by policies through the context
+        self.lengths = lengths or LengthPredictions(MaxTokensPredictor())
         self.kv = kv
         self.policy = policy
         self.shadow = shadow
@@ -143,6 +147,7 @@ class Scheduler(Retraction, Prefill):
         if self.swapped or self.recompute_until:
             self._forget_preempted(req)
         req.mark_finished(reason, matched, self.clock())
+        self.lengths.finished(req)
         del self.requests[req.rid]
         self.admission.left(req)
         self.policy.finished(req)
@@ -158,6 +163,7 @@ class Scheduler(Retraction, Prefill):
             num_decodes=num_decodes,
             prefix_len=self.kv.match_length,
             chunked=self.chunked,
+            predicted_len=self.lengths.predicted_len,
         )
 
     def _reserved_tokens(self) -> int:

@@ -52,6 +52,8 @@ class PolicyContext:
     num_decodes: int  # decode tokens already in this step
     prefix_len: Callable[[Sequence[int]], int]  # cached prefix length of a token sequence
     chunked: Request | None  # the request mid-chunk, if any
+    # output tokens the engine's length predictor expects of a request (length_predictor)
+    predicted_len: Callable[[Request], float] = lambda req: float(req.params.max_new_tokens)
 
 
 class Policy:

@@ -20,6 +20,7 @@ from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
 from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lpm import LPMPolicy
+from asyncengine.policies.ltr import LTRPolicy
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
@@ -36,6 +37,7 @@ BUILTIN: dict[str, type[Policy]] = {
         DynamicChunkingPolicy,
         PriorityPolicy,
         SJFPolicy,
+        LTRPolicy,
         FairPolicy,
         SLOPolicy,
     )
@@ -87,7 +89,7 @@ class ComposedPolicy(Policy):
         return self.orderer.preempt_candidates(candidate, running, ctx)
 
 
-def _load_file(path: str) -> ModuleType:
+def load_file(path: str) -> ModuleType:
     """The module in the Python file ``path`` (loaded once per resolved path)."""
     file = Path(path).expanduser().resolve()
     if not file.is_file():
@@ -112,7 +114,7 @@ def _resolve(name: str) -> type[Policy]:
         module_name, _, class_name = name.rpartition(":")
         from_file = module_name.endswith(".py") or "/" in module_name
         try:
-            module = _load_file(module_name) if from_file else importlib.import_module(module_name)
+            module = load_file(module_name) if from_file else importlib.import_module(module_name)
             cls = getattr(module, class_name)
         except (ImportError, AttributeError, SyntaxError) as exc:
             raise ValueError(f"cannot load policy {name!r}: {exc}") from None

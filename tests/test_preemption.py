@@ -238,3 +238,21 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
     stats = core.stats()
     assert stats["pages_used"] == 0 and stats["swap_pages_used"] == 0
     assert not core.scheduler.swapped and not core.scheduler.recompute_until
+
+
+def test_the_simulator_charges_swaps_their_bytes_over_the_copy_bandwidth() -> None:
+    from asyncengine.config import EngineConfig
+    from asyncengine.sim.simulator import simulate
+    from asyncengine.workloads import make_workload
+
+    work = make_workload("random", num_requests=60, seed=2)
+    config = EngineConfig(kv_cache_tokens=4096, preemption_mode="swap", log_interval=0)
+    slow, fast = (
+        simulate(config, work, swap_bytes_per_second=bandwidth) for bandwidth in (1e8, 1e10)
+    )
+    stats = slow.scheduler_stats
+    moved = stats["swapped_out_bytes"] + stats["swapped_in_bytes"]
+    assert stats["swap_outs"] > 0 and moved > 0
+    assert stats["swap_seconds"] == pytest.approx(moved / 1e8)
+    assert fast.scheduler_stats["swap_seconds"] < stats["swap_seconds"]
+    assert stats["recomputed_tokens"] == 0

@@ -23,10 +23,11 @@ DEFAULT_SPEC = ModelSpec(
 
 _start_pos = operator.attrgetter("start_pos")
 
-# Bytes per second a swap copies between the KV pool and the host buffer: measured on the
-# development CPU (scripts/bench_swap.py, docs/BENCHMARKS.md); a GPU's pinned PCIe copies are
-# faster. A swap costs its bytes over this, added to the step's forward time.
-DEFAULT_SWAP_BYTES_PER_SECOND = 5.0e9
+# Bytes per second a swap copies between the KV pool and the host buffer: scripts/bench_swap.py
+# on the 2-core development CPU (0.42-0.44 GB/s for 64-page victims, under a load average of
+# 12; docs/BENCHMARKS.md), as the default cost model is that CPU's. A GPU's pinned PCIe copies
+# are far faster. A swap costs its bytes over this, added to the step's forward time.
+DEFAULT_SWAP_BYTES_PER_SECOND = 0.4e9
 
 
 class SimulatedExecutor:
