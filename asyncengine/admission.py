@@ -48,7 +48,8 @@ REASONS = (
 class Admission:
     """How one step's admission went: why it stopped (None: it tried every request the policy
     ordered), the requests the policy was asked to order, those it admitted, those it
-    skipped (deferred by in-batch dedup, held by the policy), and the running requests it
+    skipped (deferred by in-batch dedup, held by the policy, passed over because they did not
+    fit in KV memory while ``kv_blocked_skips`` allowed it), and the running requests it
     retracted for them (a preempting policy)."""
 
     stopped: str | None = None
@@ -56,6 +57,7 @@ class Admission:
     admitted: list[Request] = field(default_factory=list)
     deferred: list[Request] = field(default_factory=list)
     held: list[Request] = field(default_factory=list)
+    skipped: list[Request] = field(default_factory=list)  # did not fit in KV; passed over
     preempted: list[Request] = field(default_factory=list)
 
 
@@ -154,7 +156,9 @@ class AdmissionLog:
         stopped = admission.stopped
         beyond = stopped or POLICY_WINDOW  # the reason of the requests the policy never saw
         if stopped is None:  # every request the policy ordered was tried
-            if admission.held:
+            if admission.skipped:
+                stopped = KV_RESERVATION
+            elif admission.held:
                 stopped = POLICY_HOLD
             elif outside:
                 stopped = POLICY_WINDOW
@@ -170,6 +174,7 @@ class AdmissionLog:
             for group, reason in (
                 (admission.deferred, PREFIX_DEDUP),
                 (admission.held, POLICY_HOLD),
+                (admission.skipped, KV_RESERVATION),
             ):
                 for req in group:  # they count this step's special reason, not the group's
                     blocked = req.blocked

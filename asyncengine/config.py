@@ -80,6 +80,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a waiting prompt that shares an uncached page with a prompt admitted in the same step
     # waits a step and takes it from the prefix cache instead of computing it again
     enable_inbatch_prefix_dedup: bool = True
+    # waiting requests admission may pass over in one step because their pages do not fit in
+    # KV memory, to admit smaller ones behind them (0: the first that does not fit stops it,
+    # strict policy order; vLLM #33499 skips them all). A skipped request keeps its place.
+    kv_blocked_skips: int = 0
     # seconds a request may wait before it is first scheduled; then it ends with reason
     # "timeout" (None: no limit). A request's own SamplingParams.timeout bounds its whole life.
     max_queue_time: float | None = None
@@ -149,6 +153,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
+        if self.kv_blocked_skips < 0:
+            raise bad("kv_blocked_skips", "must be >= 0 (0: stop at the first that does not fit)")
         if self.chunked_prefill_size < 0:
             raise bad("chunked_prefill_size", "must be >= 0 (0 turns chunking off)")
         if self.chunked_prefill_size and self.chunked_prefill_size < self.page_size:

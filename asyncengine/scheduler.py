@@ -261,6 +261,7 @@ class Scheduler(Retraction, Prefill):
         if self.chunked is not None and chunk:
             return Admission(CHUNK_IN_FLIGHT)
         preempts = self.policy.preempts
+        skips = self.config.kv_blocked_skips  # requests too big for KV now that may be passed
         slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
         if slots <= 0 and not preempts:
             return Admission(RUNNING_CAP)
@@ -302,6 +303,10 @@ class Scheduler(Retraction, Prefill):
                 short = need - self.kv.available_pages
                 victims = self._preempt_for(req, ctx, short, 1 - slots)
                 if victims is None:
+                    if slots > 0 and skips > 0:  # it waits; a smaller one behind it may fit
+                        skips -= 1
+                        admission.skipped.append(req)
+                        continue
                     admission.stopped = RUNNING_CAP if slots <= 0 else KV_RESERVATION
                     break
                 admission.preempted += victims

@@ -54,6 +54,8 @@ from asyncengine.bench.report import (
     group_table,
     markdown_table,
     predictor_table,
+    queue_hint,
+    shadow_table,
     write_figures,
     write_group_figure,
 )
@@ -85,16 +87,15 @@ def trace_cost_model(path: str, out: Path) -> Any:
 
     if not is_live_trace(path):
         raise SystemExit(f"--fit-from-trace needs a live trace (serve --record-trace), not {path}")
+    try:
+        model = CostModel.from_live_trace(path)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
-    if len(steps) < 5:
-        raise SystemExit(f"{path} holds {len(steps)} measured steps; too few to fit a cost model")
     features = [
         StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
         for s in steps
     ]
-    model = CostModel.fit(
-        features, [s.seconds for s in steps], f"fitted to {len(steps)} steps of {Path(path).name}"
-    )
     model.save(out / "cost_model.json")
     errors = sorted(model.relative_errors(features, [s.seconds for s in steps]))
     print(
@@ -303,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             engine_stats=extra.get("scheduler_stats") or extra.get("engine_stats"),
             length_predictor=extra.get("length_predictor")
             or (extra.get("engine_stats") or {}).get("length_predictor"),
+            shadow=extra.get("shadow"),
+            peak_waiting=extra.get("peak_waiting"),
         )
         runs.append(run)
         details[label] = {
@@ -332,6 +335,12 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     if slo is not None:
         header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
     sections = [header, markdown_table(runs)]
+    hint = queue_hint(runs)
+    if hint:
+        sections.append(hint)
+    shadows = shadow_table(runs)
+    if shadows:
+        sections += ["## Shadow policy agreement", shadows]
     for by in args.group_by:
         sections += [f"## By {by}", group_table(runs, by)]
     predicted = predictor_table(runs)

@@ -99,3 +99,9 @@ def test_a_policy_loads_from_a_file_path(tmp_path: Path) -> None:
         make_policies(EngineConfig(policy=f"{tmp_path / 'absent.py'}:Newest"))
     with pytest.raises(ConfigError, match="cannot load policy"):
         make_policies(EngineConfig(policy=f"{source}:Absent"))
+
+
+def test_kv_blocked_skips_must_not_be_negative() -> None:
+    assert EngineConfig(kv_blocked_skips=3).kv_blocked_skips == 3
+    with pytest.raises(ConfigError, match="kv_blocked_skips"):
+        EngineConfig(kv_blocked_skips=-1)

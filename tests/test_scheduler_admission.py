@@ -208,3 +208,23 @@ def test_a_prompt_does_not_start_with_less_than_a_page() -> None:
     starts = [s for p in plans for s in p.extends if s.rid == reqs[1].rid]
     assert starts[0].start_pos == 0 and len(starts[0].input_ids) >= PAGE
     assert [r.output_ids for r in reqs] == [reference_output(first, 2), reference_output(second, 2)]
+
+
+@pytest.mark.parametrize("skips", [0, 1])
+def test_kv_blocked_skips_lets_a_small_request_pass_a_big_one(skips: int) -> None:
+    core, executor, clock = make(kv_blocked_skips=skips)
+    (running,) = submit(core, clock, [(list(range(1, 801)), 100)], tag="run")
+    step(core, executor)  # the 800-token prompt holds most of the 256 pages now
+    big, small = submit(core, clock, [(list(range(2000, 2400)), 4), (list(range(3000, 3008)), 4)])
+    plan = step(core, executor)
+    admitted = {seg.rid for seg in plan.extends}
+    assert big.rid not in admitted  # 100 pages do not fit beside the running request
+    assert (small.rid in admitted) == (skips > 0)
+    blocked = core.scheduler.blocked(big)
+    assert blocked == {"kv_reservation": 1}
+    assert core.stats()["admission_blocked"]["kv_reservation"] == 1
+    if skips:  # it passed the big one over and kept going: the big one keeps its place
+        assert core.scheduler.waiting == [big]
+    else:
+        assert core.scheduler.waiting == [big, small]
+        assert core.scheduler.blocked(small) == {"kv_reservation": 1}

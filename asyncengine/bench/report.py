@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +33,21 @@ class RunReport:
     engine_stats: dict[str, float] | None = None
     # the output-length predictor's score (core stats "length_predictor": name, kendall_tau)
     length_predictor: dict[str, object] | None = None
+    shadow: dict[str, Any] | None = None  # the shadow policy's agreement (ShadowPolicy.stats)
+    peak_waiting: int | None = None  # the most requests the waiting queue held (simulated)
+
+
+SECONDS_PAST = 10.0  # durations from here on read in seconds, shorter ones in milliseconds
 
 
 def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
+    """A latency with its unit: ms below ``SECONDS_PAST``, seconds from there (a TTFT of
+    minutes is not read in milliseconds)."""
+    if math.isnan(seconds):
+        return "-"
+    if seconds < SECONDS_PAST:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
 
 
 def _num(value: float, digits: int = 2) -> str:
@@ -58,14 +70,14 @@ TABLE_COLUMNS = (
     "timed out",
     "req/s",
     "out tok/s",
-    "TTFT p50 ms",
-    "TTFT p90 ms",
-    "TTFT p99 ms",
-    "ITL p50 ms",
-    "ITL p90 ms",
-    "ITL p99 ms",
-    "TPOT p50 ms",
-    "E2E p50 ms",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "ITL p50",
+    "ITL p90",
+    "ITL p99",
+    "TPOT p50",
+    "E2E p50",
     "hit rate",
     "bound ∞",
     "hit/∞",
@@ -158,10 +170,10 @@ GROUP_COLUMNS = (
     "requests",
     "done",
     "timed out",
-    "TTFT p50 ms",
-    "TTFT p99 ms",
-    "TTFT max ms",
-    "E2E p50 ms",
+    "TTFT p50",
+    "TTFT p99",
+    "TTFT max",
+    "E2E p50",
     "steps waited (mean)",
 )
 
@@ -204,6 +216,48 @@ def blocked_table(runs: Sequence[RunReport]) -> str:
     return _markdown(("config", *reasons), rows, 1)
 
 
+def shadow_table(runs: Sequence[RunReport]) -> str:
+    """How often each run's shadow policy agreed with the live one (empty without shadows)."""
+    rows = []
+    for run in runs:
+        shadow = run.shadow
+        if not shadow:
+            continue
+        rows.append([
+            run.label, f"`{run.policy}`", f"`{shadow['policy']}`", str(shadow["decisions"]),
+            _pct(float(shadow["first_pick_agreement"])),
+            f"{_pct(float(shadow['top_k_agreement']))} (top {shadow['top_k']})",
+        ])  # fmt: skip
+    if not rows:
+        return ""
+    header = ("config", "live", "shadow", "ordering steps", "first pick agrees", "top-k overlap")
+    return _markdown(header, rows, 3)
+
+
+def queue_hint(runs: Sequence[RunReport]) -> str:
+    """A sentence when the policies had nothing to reorder: every run's waiting queue held at
+    most one request, or every run's latencies and throughput came out identical."""
+    peaks = [run.peak_waiting for run in runs if run.peak_waiting is not None]
+    if len(runs) < 2 or not peaks:
+        return ""
+
+    def key(run: RunReport) -> tuple[float, ...]:
+        s = run.summary
+        return (s.ttft.p50, s.ttft.p99, s.itl.p50, s.itl.p99, s.output_throughput)
+
+    identical = len({key(run) for run in runs}) == 1
+    peak = max(peaks)
+    if peak > 1 and not identical:
+        return ""
+    what = "The rows are identical: the" if identical else "The"
+    return (
+        f"{what} waiting queue never held more than {peak} request{'s' * (peak != 1)} "
+        "(the most seen before any step of any run), so an ordering policy had little or "
+        "nothing to reorder; replay at a higher rate (e.g. `--arrivals poisson:RATE` on a "
+        "generated workload, or a busier trace) to see the policies differ."
+    )
+
+
 def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
     """TTFT CDF per run, ITL p99 bars, hit rate vs the optimal; returns the files written."""
     import matplotlib
@@ -216,16 +270,21 @@ def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
     written: list[Path] = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        ttfts = np.sort([r.ttft for r in run.records if r.completed and r.ttft is not None])
+    series = [
+        (run.label, np.sort([r.ttft for r in run.records if r.completed and r.ttft is not None]))
+        for run in runs
+    ]
+    longest = max((float(t[-1]) for _, t in series if t.size), default=0.0)
+    unit, scale = ("s", 1.0) if longest >= SECONDS_PAST else ("ms", 1e3)
+    for label, ttfts in series:
         if ttfts.size:
             ax.step(
-                ttfts * 1e3,
+                ttfts * scale,
                 np.arange(1, ttfts.size + 1) / ttfts.size,
                 where="post",
-                label=run.label,
+                label=label,
             )
-    ax.set_xlabel("TTFT (ms)")
+    ax.set_xlabel(f"TTFT ({unit})")
     ax.set_ylabel("fraction of requests")
     ax.set_title("Time to first token, CDF")
     ax.grid(alpha=0.3)
@@ -259,9 +318,12 @@ def write_figures(runs: Sequence[RunReport], out_dir: Path) -> list[Path]:
         ax.bar(x - 0.4 + width * (i + 0.5), [v * 100 for v in values], width, label=name)
     ax.set_xticks(x, labels, rotation=20, ha="right")
     ax.set_ylabel("prompt tokens from cache (%)")
-    ax.set_ylim(0, 100)
+    # the legend sits above the 100 % line, where no bar reaches, in two columns
+    ax.set_ylim(0, 100 + 12 * math.ceil(len(bars) / 2))
+    ax.set_yticks(range(0, 101, 20))
+    ax.axhline(100, color="0.8", linewidth=0.8)
     ax.set_title("Prefix cache hit rate vs the offline bounds")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", ncol=2, fontsize=8, frameon=False)
     written.append(_save(fig, out_dir / "hit_rate.png"))
     return written
 
@@ -278,13 +340,15 @@ def write_group_figure(runs: Sequence[RunReport], by: str, out_dir: Path) -> Pat
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=False)
     width = 0.8 / max(len(runs), 1)
     x = np.arange(len(groups))
+    longest = max((g.ttft.p99 for gs in summaries for g in gs if g.ttft.count), default=0.0)
+    unit, scale = ("s", 1.0) if longest >= SECONDS_PAST else ("ms", 1e3)
     for which, ax in zip(("p50", "p99"), axes, strict=True):
         for i, (run, gs) in enumerate(zip(runs, summaries, strict=True)):
-            by_group = {g.group: getattr(g.ttft, which) * 1e3 for g in gs}
+            by_group = {g.group: getattr(g.ttft, which) * scale for g in gs}
             values = [by_group.get(k, math.nan) for k in groups]
             ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=run.label)
         ax.set_xticks(x, [f"{by} {k}" for k in groups], rotation=20, ha="right")
-        ax.set_ylabel(f"TTFT {which} (ms)")
+        ax.set_ylabel(f"TTFT {which} ({unit})")
         ax.set_title(f"TTFT {which} by {by}")
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend()

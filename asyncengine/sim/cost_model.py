@@ -116,6 +116,25 @@ class CostModel:
         return cls(**data)
 
     @classmethod
+    def from_live_trace(cls, path: str | Path, min_steps: int = 5) -> CostModel:
+        """Fitted to the steps a live trace measured (``serve --record-trace``, or
+        ``sim.fidelity.write_measured_trace``); ValueError with fewer than ``min_steps``."""
+        from asyncengine.workloads.live_trace import load_live_trace
+
+        steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
+        if len(steps) < min_steps:
+            raise ValueError(f"{path} holds {len(steps)} measured steps; too few to fit a model")
+        features = [
+            StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
+            for s in steps
+        ]
+        return cls.fit(
+            features,
+            [s.seconds for s in steps],
+            f"fitted to {len(steps)} steps of {Path(path).name}",
+        )
+
+    @classmethod
     def default(cls) -> CostModel:
         """The model fitted on the development machine when shipped, else the built-in guess."""
         if DEFAULT_COST_MODEL_PATH.exists():

@@ -23,24 +23,28 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
+from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import StepFeatures
 from asyncengine.sim.engine_replay import replay_real
+from asyncengine.sim.fidelity import MetricComparison
 from asyncengine.sim.timed_executor import TimedExecutor
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads import WorkloadRequest, random_lengths
 
 ClockKind = Literal["cpu", "wall"]
+# builds a step hook (EngineCore.step_hooks) for one replay's core and clock
+StepHookFactory = Callable[[EngineCore, VirtualClock], Callable[[BatchPlan], None]]
 
 
 @dataclass(slots=True)
@@ -53,6 +57,7 @@ class MeasuredRun:
     plans: list[BatchPlan]
     step_seconds: list[float]  # schedule + forward + sample + commit, per step
     virtual_seconds: float  # the clock at the end: the steps plus any wait for arrivals
+    stats: dict[str, Any] = field(default_factory=dict)  # the core's stats() at the end
 
     @property
     def steps(self) -> int:
@@ -78,21 +83,6 @@ class EngineRun:
     def cpu_share(self) -> float:
         """CPU seconds per wall second per torch thread: about 1 on an otherwise idle machine."""
         return self.cpu_seconds / (self.wall_seconds * self.torch_threads)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricComparison:
-    name: str
-    unit: str
-    simulated: float
-    measured: float
-
-    @property
-    def relative_error(self) -> float:
-        """|simulated - measured| / measured (NaN when the measured value is 0 or NaN)."""
-        if not self.measured or math.isnan(self.measured):
-            return math.nan
-        return abs(self.simulated - self.measured) / abs(self.measured)
 
 
 def compare(simulated: BenchSummary, measured: BenchSummary) -> list[MetricComparison]:
@@ -155,6 +145,7 @@ class _MeasuredReplay:
         workload: Sequence[WorkloadRequest],
         timer: Callable[[], float],
         forward_repeats: int,
+        step_hook: StepHookFactory | None = None,
     ) -> None:
         from asyncengine.executor.model_executor import ModelExecutor
 
@@ -162,6 +153,8 @@ class _MeasuredReplay:
         self.executor = TimedExecutor(ModelExecutor(config), self.clock, timer, forward_repeats)
         self.core = build_core(config, self.executor, clock=self.clock)
         self._warm_up()
+        if step_hook is not None:
+            self.core.step_hooks.append(step_hook(self.core, self.clock))
         self.replay = WorkloadReplay(self.core, self.clock, workload, overhead_timer=timer)
 
     def _warm_up(self) -> None:
@@ -189,6 +182,7 @@ class _MeasuredReplay:
             self.replay.plans,
             self.replay.step_seconds,
             self.clock.now,
+            self.core.stats(),
         )
 
 
@@ -197,12 +191,13 @@ def replay_measured_together(
     workloads: Sequence[Sequence[WorkloadRequest]],
     clock: ClockKind = "cpu",
     forward_repeats: int = 1,
+    step_hook: StepHookFactory | None = None,
 ) -> list[MeasuredRun]:
     """Replay several workloads in lockstep, one step of each in turn, each on its own engine
     state and virtual clock (see ``replay_measured``); ``config`` is one for all or one per
     workload. Whatever slows the machine down while they run slows them all alike, so a cost
     model fitted on one of them can be checked against another without the machine's load
-    changing in between."""
+    changing in between. ``step_hook`` (if given) builds a step hook for each replay."""
     configs = [config] * len(workloads) if isinstance(config, EngineConfig) else list(config)
     if len(configs) != len(workloads):
         raise ValueError(f"{len(configs)} configs for {len(workloads)} workloads")
@@ -215,7 +210,7 @@ def replay_measured_together(
         )
     timer = time.thread_time if clock == "cpu" else time.perf_counter
     replays = [
-        _MeasuredReplay(one_config, workload, timer, forward_repeats)
+        _MeasuredReplay(one_config, workload, timer, forward_repeats, step_hook)
         for one_config, workload in zip(configs, workloads, strict=True)
     ]
     while not all(r.replay.done() for r in replays):
@@ -230,6 +225,7 @@ def replay_measured(
     workload: Sequence[WorkloadRequest],
     clock: ClockKind = "cpu",
     forward_repeats: int = 1,
+    step_hook: StepHookFactory | None = None,
 ) -> MeasuredRun:
     """Run ``workload`` through the real scheduler and executor, step by step on this thread.
 
@@ -242,7 +238,7 @@ def replay_measured(
     a greedy forward is idempotent (the same KV slots get the same values, the same tokens
     come out), and the minimum drops the slow-downs that other processes cause.
     """
-    return replay_measured_together(config, [workload], clock, forward_repeats)[0]
+    return replay_measured_together(config, [workload], clock, forward_repeats, step_hook)[0]
 
 
 def replay_engine(

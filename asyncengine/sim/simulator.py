@@ -37,6 +37,7 @@ class SimResult:
     cpu_seconds: float
     scheduler_stats: dict[str, float]
     core_stats: dict[str, Any]  # engine.stats() of the run: admission blocks, shadow, tenants
+    peak_waiting: int = 0  # the most requests the waiting queue held before a step
 
 
 class Simulator:
@@ -95,6 +96,7 @@ class Simulator:
             cpu_seconds=time.process_time() - cpu_start,
             scheduler_stats=stats,
             core_stats=self.core.stats(),
+            peak_waiting=replay.peak_waiting,
         )
 
 

@@ -43,6 +43,8 @@ class SimJobResult:
     label: str
     records: list[RequestRecord]
     summary: BenchSummary
+    # what the run did, the same on any machine (summary.json is committed with the docs and
+    # must not change when the experiments are re-run elsewhere: no wall or CPU times here)
     details: dict[str, Any]
 
 
@@ -91,13 +93,12 @@ def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -
         details: dict[str, Any] = {
             "steps": result.steps,
             "virtual_seconds": result.virtual_seconds,
-            "wall_seconds": result.wall_seconds,
-            "cpu_seconds": result.cpu_seconds,
             "scheduler_stats": result.scheduler_stats,
             "pages_total": result.scheduler_stats["pages_total"],
             "admission_blocked": result.core_stats["admission_blocked"],
             "shadow": result.core_stats["shadow"],
             "length_predictor": result.core_stats["length_predictor"],
+            "peak_waiting": result.peak_waiting,
         }
         return SimJobResult(job.label, result.records, result.summary, details)
     from asyncengine.sim.multi_replica import MultiReplicaSimulator
@@ -114,7 +115,6 @@ def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -
         "requests_per_replica": per_replica,
         "steps": multi.steps,
         "virtual_seconds": multi.virtual_seconds,
-        "wall_seconds": multi.wall_seconds,
         "replica_stats": multi.replica_stats,
     }
     return SimJobResult(job.label, multi.records, multi.summary, details)

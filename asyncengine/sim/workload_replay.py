@@ -58,6 +58,7 @@ class WorkloadReplay:
         self.plans: list[BatchPlan] = []  # kept when timed, for fitting cost models
         self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
         self.steps = 0
+        self.peak_waiting = 0  # the most requests waiting before a step
 
     def done(self) -> bool:
         return self.next_arrival == len(self.pending) and not self.core.has_work()
@@ -83,6 +84,9 @@ class WorkloadReplay:
         timer = self.overhead_timer
         while True:
             self._admit_arrivals()
+            waiting = len(self.core.scheduler.waiting)
+            if waiting > self.peak_waiting:
+                self.peak_waiting = waiting
             start = timer() if timer is not None else 0.0
             result = self.core.step() if self.core.has_work() else None
             if result is not None:
