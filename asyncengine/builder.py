@@ -12,11 +12,15 @@ import time
 from collections.abc import Callable
 
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.swap_space import SwapSpace
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
+from asyncengine.policies.length_predictor import LengthPredictions
+from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import build_policy
+from asyncengine.policies.victims import VICTIM_RULES
 from asyncengine.scheduler import Scheduler
 from asyncengine.shadow import ShadowPolicy
 
@@ -50,7 +54,22 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -
         page_size=config.page_size,
         max_rows=config.max_running_requests,
         max_pages_per_row=-(-max_model_len // config.page_size),
+        swap_pages=swap_pages(config, spec),
     )
+
+
+def swap_pages(config: EngineConfig, spec: ModelSpec) -> int:
+    """Pages of the host buffer for swapped-out KV (0 unless ``preemption_mode`` is "swap")."""
+    if config.preemption_mode != "swap":
+        return 0
+    page_bytes = spec.kv_bytes_per_token * config.page_size
+    pages = config.swap_space_bytes // page_bytes
+    if pages < 1:
+        raise ConfigError(
+            f"config key 'swap_space_bytes' = {config.swap_space_bytes}: holds no KV page "
+            f"({page_bytes} bytes each) for preemption_mode 'swap'"
+        )
+    return pages
 
 
 def context_limit(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
@@ -63,6 +82,12 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
     """The policy and the shadow ``config`` names, built once; a bad name or option raises
     ConfigError naming its key. Drivers that load a model call it first, so a typo fails
     before the weights load."""
+    if config.preemption_victim not in VICTIM_RULES:
+        raise ConfigError(
+            f"config key 'preemption_victim' = {config.preemption_victim!r}: "
+            f"must be one of {', '.join(VICTIM_RULES)}"
+        )
+    build_length_predictor(config.length_predictor, config.length_predictor_options)  # checked
     policy = build_policy(config.policy, config.policy_options)
     if config.shadow_policy is None:
         return policy, None
@@ -87,9 +112,15 @@ def build_core(
         max_pages_per_row=layout.max_pages_per_row,
         enable_prefix_cache=config.enable_prefix_cache,
         kv_events=config.kv_events is not None,
+        swap=SwapSpace(layout.swap_pages, spec.kv_bytes_per_token * layout.page_size)
+        if layout.swap_pages
+        else None,
     )
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)
     max_model_len = context_limit(config, spec, layout.num_pages)
-    scheduler = Scheduler(config, kv, policy, max_model_len, clock, shadow)
+    predictor = build_length_predictor(config.length_predictor, config.length_predictor_options)
+    scheduler = Scheduler(
+        config, kv, policy, max_model_len, clock, shadow, LengthPredictions(predictor)
+    )
     return EngineCore(scheduler, executor)

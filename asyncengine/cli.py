@@ -90,6 +90,20 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "prefill-only steps in a row before a decode step",
     ),
     ("--attention-backend", "attention_backend", str, "auto | torch | triton | flashinfer"),
+    (
+        "--preemption-victim",
+        "preemption_victim",
+        str,
+        "KV shortage: newest | least-computed | lowest-priority | largest-kv",
+    ),
+    ("--preemption-mode", "preemption_mode", str, "recompute | swap (KV to a host buffer)"),
+    ("--swap-space-bytes", "swap_space_bytes", int, "host buffer for swapped-out KV"),
+    (
+        "--length-predictor",
+        "length_predictor",
+        str,
+        "output lengths for sjf/ltr: max-tokens | history | ranker | pkg.mod:Class",
+    ),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (

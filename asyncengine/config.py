@@ -24,6 +24,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/backends.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 EMBEDDING_POOLINGS = ("auto", "mean", "last")
+# what happens to a running request retracted for KV memory (docs/ARCHITECTURE.md, Scheduling)
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class ConfigError(ValueError):
@@ -93,6 +95,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     shadow_policy: str | None = None
     shadow_policy_options: dict[str, Any] = {}
     shadow_top_k: int = 4
+    # KV shortage: which running request goes (policies/victims.py: newest, least-computed,
+    # lowest-priority, largest-kv; a policy may choose otherwise) and what happens to its KV:
+    # "recompute" (cached prefix kept, the rest computed again) or "swap" (copied to a host
+    # buffer of swap_space_bytes and back on re-admission; recompute when it does not fit)
+    preemption_victim: str = "newest"
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 1 << 30
+    # predicts a request's output length for the policies that rank by it (sjf, ltr): a
+    # built-in (policies/length_registry.py: max-tokens, oracle (simulator only), history,
+    # ranker), "pkg.mod:Class" or "path/to/file.py:Class"
+    length_predictor: str = "max-tokens"
+    length_predictor_options: dict[str, Any] = {}
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
@@ -177,6 +191,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:
             raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise bad("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
+        if self.swap_space_bytes < 0:
+            raise bad("swap_space_bytes", "must be >= 0")
         if self.shadow_policy is None and self.shadow_policy_options:
             raise bad("shadow_policy_options", "needs a 'shadow_policy'")
         if self.speculative is not None:

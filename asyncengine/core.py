@@ -170,6 +170,7 @@ class EngineCore:
             "admission_blocked": dict(self.scheduler.admission.steps),
             "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),
+            "length_predictor": self.scheduler.lengths.stats(),
         }
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:

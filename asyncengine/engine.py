@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from asyncengine.builder import build_core, make_policies
-from asyncengine.config import EngineConfig
+from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.errors import (
     EngineError,
@@ -68,6 +68,11 @@ class AsyncEngine:
             raise ValueError("give both an executor and a tokenizer, or neither")
         self._given = (executor, tokenizer)
         self._policies = make_policies(self.config)  # a bad policy fails before the model loads
+        if self.config.length_predictor == "oracle":
+            raise ConfigError(
+                "config key 'length_predictor' = 'oracle': the oracle knows output lengths only "
+                "in the simulator (from the trace); use history or ranker"
+            )
         self.core: EngineCore | None = None
         # called with each step's plan once its tokens are streamed (core.step_hooks run at commit)
         self.step_hooks: list[Callable[[BatchPlan], None]] = []

@@ -36,6 +36,7 @@ class KVLayout:
     page_size: int
     max_rows: int  # page-table rows: live requests at most
     max_pages_per_row: int
+    swap_pages: int = 0  # pages of the host buffer for swapped-out KV (preemption_mode "swap")
 
     @property
     def num_slots(self) -> int:

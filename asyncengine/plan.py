@@ -73,6 +73,15 @@ class PageWrite:
     pages: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class SwapCopy:
+    """Whole KV pages copied between the pool and the host swap buffer (``preemption_mode =
+    "swap"``): pool page ``pool_pages[i]`` <-> host page ``host_pages[i]``, every layer."""
+
+    pool_pages: list[int]
+    host_pages: list[int]
+
+
 @dataclass(slots=True)
 class SamplingInfo:
     """What the sampler needs for one sampled segment."""
@@ -103,6 +112,10 @@ class BatchPlan:
     decodes: list[Segment] = field(default_factory=list)
     sampling: list[SamplingInfo] = field(default_factory=list)
     page_writes: list[PageWrite] = field(default_factory=list)
+    # preempted requests' KV copied out to the host buffer, then swapped-in requests' KV
+    # copied back, in that order, before the page writes and the forward
+    swap_out: list[SwapCopy] = field(default_factory=list)
+    swap_in: list[SwapCopy] = field(default_factory=list)
 
     @property
     def segments(self) -> list[Segment]:
@@ -159,6 +172,7 @@ class StepOutput:
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     accepted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    swap_seconds: float = 0.0  # of which copying the plan's swaps (preemption_mode "swap")
 
 
 @dataclass(frozen=True, slots=True)

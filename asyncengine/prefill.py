@@ -10,6 +10,7 @@ from __future__ import annotations
 from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.prompt_scoring import cache_match_limit, segment_scoring
 from asyncengine.request import Request, RequestStatus
@@ -25,6 +26,10 @@ class Prefill:
     prefilling: list[Request]
     chunked: Request | None
     step_prefixes: StepPrefixes | None
+    swapped: dict[int, SwappedKV]
+
+    def _restore_swapped(self, req: Request) -> SwappedKV | None:
+        raise NotImplementedError  # Retraction's
 
     def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
         """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
@@ -59,11 +64,20 @@ class Prefill:
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
         req.seq = self.kv.open(ids, cache_match_limit(req))
-        take = self._chunk_take(len(ids) - req.kv.kv_len, remaining, chunk)
-        if not self._try_extend(req, take):
+        cached = req.kv.kv_len
+        # a request swapped out when preempted gets back the KV the tree no longer holds by
+        # copy (no compute, no budget), then computes what it never had
+        swapped = self._restore_swapped(req) if req.retractions else None
+        restore = max(0, swapped.computed_len - cached) if swapped is not None else 0
+        take = self._chunk_take(len(ids) - cached - restore, remaining, chunk)
+        if not self._try_extend(req, restore + take):
             self.kv.close(req.kv, [], cache=False)
             req.seq = None
+            if swapped is not None:
+                self.swapped[id(req)] = swapped
             return None
+        if swapped is not None:
+            self.kv.swap_in(req.kv, swapped, cached)
         self.waiting.remove(req)
         req.status = RequestStatus.PREFILLING
         if req.retractions == 0:

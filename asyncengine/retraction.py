@@ -12,8 +12,11 @@ import logging
 
 from asyncengine.admission import AdmissionLog
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
+from asyncengine.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext
+from asyncengine.policies.victims import order_victims
 from asyncengine.request import Request, RequestStatus
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.settings import SpeculativeConfig
@@ -37,6 +40,11 @@ class Retraction:
     total_preemptions: int
     speculation: SpeculativeConfig | None
     step_guesses: dict[str, list[int]]
+    swapped: dict[int, SwappedKV]
+    recompute_until: dict[int, int]
+    total_computed_tokens: int
+    total_recomputed_tokens: int
+    swap_seconds: float
 
     def _context(self, num_decodes: int) -> PolicyContext:
         raise NotImplementedError  # Scheduler's
@@ -48,6 +56,7 @@ class Retraction:
         guesses = self._propose_guesses()
         self.step_guesses = guesses
         retracted: list[Request] = []
+        victims: list[Request] | None = None
         while self.running:
             if guesses:
                 kv = self.kv
@@ -61,7 +70,9 @@ class Retraction:
             if guesses:
                 guesses.clear()
                 continue
-            victim = self._pick_victim()
+            if victims is None:
+                victims = self._shortage_victims()
+            victim = victims.pop(0)
             self._retract(victim)
             self.new_token_ratio = self.config.init_new_token_ratio
             retracted.append(victim)
@@ -96,19 +107,36 @@ class Retraction:
                 out[req.rid] = guesses
         return out
 
-    def _pick_victim(self) -> Request:
-        """Retract the request that loses least work (fewest outputs, then the longest prompt)
-        among those of the worst priority (the largest ``priority`` value)."""
-        return min(
-            self.running,
-            key=lambda r: (-r.params.priority, len(r.output_ids), -len(r.prompt_ids)),
-        )
+    def _shortage_victims(self) -> list[Request]:
+        """Every running request, in the order they go when KV runs short: the policy's
+        choice (``preempt_candidates`` with no candidate; by default the config's
+        ``preemption_victim`` rule), then those it left out in the config's order."""
+        running = list(self.running)
+        named = self.policy.preempt_candidates(None, running, self._context(0))
+        seen: set[int] = set()
+        for victim in named:
+            if victim.status is not RequestStatus.RUNNING or id(victim) in seen:
+                raise ValueError(
+                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    "which is not a running request (or named it twice)"
+                )
+            seen.add(id(victim))
+        left = [r for r in running if id(r) not in seen]
+        return list(named) + order_victims(self.config.preemption_victim, left)
 
     def _retract(self, req: Request) -> None:
-        """Back to the front of the waiting queue, to be recomputed (prompt + outputs so far);
-        the KV it computed goes into the tree (not the slot this step's decode was given)."""
+        """Back to the front of the waiting queue; the KV it computed goes into the tree (not
+        the slot this step's decode was given). With ``preemption_mode = "swap"`` that KV is
+        also copied to the host buffer and copied back on re-admission; otherwise (or when the
+        buffer is full) what the tree no longer holds then is recomputed."""
         self.running.remove(req)
-        self.kv.close(req.kv, req.all_ids[: req.kv.computed_len], cache=True)
+        seq = req.kv
+        swapped = self.kv.swap_out(seq) if self.config.preemption_mode == "swap" else None
+        if swapped is not None:
+            self.swapped[id(req)] = swapped
+        else:
+            self.recompute_until[id(req)] = seq.computed_len
+        self.kv.close(seq, req.all_ids[: seq.computed_len], cache=True)
         req.seq = None
         req.status = RequestStatus.WAITING
         req.retractions += 1
@@ -151,3 +179,44 @@ class Retraction:
             self.policy.name,
         )
         return chosen
+
+    def _restore_swapped(self, req: Request) -> SwappedKV | None:
+        """The swapped-out KV of ``req`` (re-admitted now), taken from the scheduler's keeping."""
+        return self.swapped.pop(id(req), None) if self.swapped else None
+
+    def _forget_preempted(self, req: Request) -> None:
+        """``req`` left the engine: its swapped-out KV (if any) is dropped."""
+        swapped = self.swapped.pop(id(req), None) if self.swapped else None
+        if swapped is not None:
+            assert self.kv.swap is not None
+            self.kv.swap.drop(swapped)
+        self.recompute_until.pop(id(req), None)
+
+    def _count_computed(
+        self, plan: BatchPlan, owners: dict[str, Request | None], swap_seconds: float
+    ) -> None:
+        """Tokens the step computed, those of them computed before (retracted and recomputed:
+        the recompute tax), and the time its swap copies took."""
+        self.total_computed_tokens += plan.num_tokens
+        self.swap_seconds += swap_seconds
+        debts = self.recompute_until
+        if not debts:
+            return
+        for seg in plan.extends:
+            req = owners.get(seg.rid)
+            until = None if req is None else debts.get(id(req))
+            if until is None:
+                continue
+            assert req is not None
+            self.total_recomputed_tokens += max(0, min(until, seg.end_pos) - seg.start_pos)
+            if seg.end_pos >= until:
+                del debts[id(req)]
+
+    def preemption_stats(self) -> dict[str, float]:
+        computed = self.total_computed_tokens
+        return {
+            "computed_tokens": computed,
+            "recomputed_tokens": self.total_recomputed_tokens,
+            "recompute_tax": self.total_recomputed_tokens / computed if computed else 0.0,
+            "swap_seconds": self.swap_seconds,
+        }

@@ -27,9 +27,11 @@ from asyncengine.admission import (
     AdmissionLog,
 )
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.prefill import Prefill
 from asyncengine.prompt_scoring import cache_match_limit
 from asyncengine.request import Request, RequestStatus
@@ -65,8 +67,11 @@ class Scheduler(Retraction, Prefill):
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         shadow: ShadowPolicy | None = None,
+        lengths: LengthPredictions | None = None,
     ) -> None:
         self.config = config
+        # the output-length predictor's answers, asked by policies through the context
+        self.lengths = lengths or LengthPredictions(MaxTokensPredictor())
         self.kv = kv
         self.policy = policy
         self.shadow = shadow
@@ -86,6 +91,13 @@ class Scheduler(Retraction, Prefill):
         self.total_retractions = 0
         self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
+        # preemption (retraction.py): id(request) -> its swapped-out KV, or the tokens it had
+        # computed when retracted for recompute (computing them again is the recompute tax)
+        self.swapped: dict[int, SwappedKV] = {}
+        self.recompute_until: dict[int, int] = {}
+        self.total_computed_tokens = 0
+        self.total_recomputed_tokens = 0
+        self.swap_seconds = 0.0
         self.admission = AdmissionLog()
         # speculative decoding (None: off); this step's guesses by rid; totals over all steps
         self.speculation = config.speculation
@@ -147,7 +159,10 @@ class Scheduler(Retraction, Prefill):
         if req.seq is not None:
             self.kv.close(req.seq, req.all_ids[: req.seq.computed_len], cache=cache)
             req.seq = None
+        if self.swapped or self.recompute_until:
+            self._forget_preempted(req)
         req.mark_finished(reason, matched, self.clock())
+        self.lengths.finished(req)
         del self.requests[req.rid]
         self.admission.left(req)
         self.policy.finished(req)
@@ -164,6 +179,7 @@ class Scheduler(Retraction, Prefill):
             prefix_len=self.kv.match_length,
             chunked=self.chunked,
             speculation=self.speculation,
+            predicted_len=self.lengths.predicted_len,
         )
 
     def _reserved_tokens(self) -> int:
@@ -223,6 +239,8 @@ class Scheduler(Retraction, Prefill):
             return None
         self.admission.record(self.waiting, admission)
         plan.page_writes = self.kv.page_table.drain_writes()
+        if self.kv.swap is not None:
+            plan.swap_out, plan.swap_in = self.kv.swap.drain()
         now = self.clock()
         requests = self.requests
         owners: dict[str, Request | None] = {}
@@ -360,6 +378,7 @@ class Scheduler(Retraction, Prefill):
         owners = self._owners(plan)
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
+        self._count_computed(plan, owners, output.swap_seconds)
         self.policy.observe(plan, output.forward_seconds)
         if self.shadow is not None:
             self.shadow.observe(plan, output.forward_seconds)
@@ -481,6 +500,7 @@ class Scheduler(Retraction, Prefill):
             "spec_steps": self.spec_steps,
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,
+            **self.preemption_stats(),
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncengine.speculative.rules import rule_guesses
 from asyncengine.speculative.settings import SpeculativeConfig
+from asyncengine.policies.victims import order_victims
 
 if TYPE_CHECKING:
     from asyncengine.plan import BatchPlan
@@ -30,6 +31,9 @@ class SchedulingConfig(Protocol):
     @property
     def max_running_requests(self) -> int: ...
 
+    @property
+    def preemption_victim(self) -> str: ...
+
 
 @dataclass(slots=True)
 class StepBudget:
@@ -51,6 +55,8 @@ class PolicyContext:
     prefix_len: Callable[[Sequence[int]], int]  # cached prefix length of a token sequence
     chunked: Request | None  # the request mid-chunk, if any
     speculation: SpeculativeConfig | None = None  # speculative decoding's settings (None: off)
+    # output tokens the engine's length predictor expects of a request (length_predictor)
+    predicted_len: Callable[[Request], float] = lambda req: float(req.params.max_new_tokens)
 
 
 class Policy:
@@ -61,7 +67,8 @@ class Policy:
     ``budget`` returns this step's token limits. ``observe`` receives every finished step with
     its measured forward time (policies that learn from latency use it). ``finished`` hears of
     every request that leaves the engine. ``preempt_candidates`` names running requests the
-    scheduler may retract for a blocked waiting one (only when ``preempts`` is true).
+    scheduler may retract for a blocked waiting one (only when ``preempts`` is true), and, asked
+    with no candidate, the order in which running requests go when KV memory runs short.
     ``speculate`` says how many tokens a decoding request may guess this step (speculative
     decoding on; 0: none): by default the configured rule's answer (speculative/rules.py).
     """
@@ -100,15 +107,23 @@ class Policy:
         return None
 
     def preempt_candidates(
-        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:
         """Running (decoding) requests the scheduler may retract, in this order, to admit
         ``candidate`` when KV memory or the running-request cap blocks it.
 
         The scheduler retracts the shortest prefix of the list that makes room, and none when
         the whole list would not; a retracted request is recomputed later (its computed prefix
-        stays cached) and never emits a token twice. Policies never free KV themselves.
+        stays cached) or swapped back in (``preemption_mode``), and never emits a token twice.
+        Policies never free KV themselves.
+
+        ``candidate`` None: the running requests' next tokens do not fit in KV memory and some
+        must go; the scheduler retracts from the front of the list until the rest fit (those
+        left out go last, in the config's order). The default is the config's
+        ``preemption_victim`` rule (policies/victims.py).
         """
+        if candidate is None:
+            return order_victims(ctx.config.preemption_victim, running)
         return []
 
 

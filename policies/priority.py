@@ -50,8 +50,10 @@ class PriorityPolicy(Policy):
         return [waiting[item[3]] for item in keyed]
 
     def preempt_candidates(
-        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:
+        if candidate is None:  # KV shortage: the config's preemption_victim
+            return super().preempt_candidates(None, running, ctx)
         if not self.preempts:
             return []
         worse = [r for r in running if r.params.priority > candidate.params.priority]

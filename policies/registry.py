@@ -20,6 +20,7 @@ from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
 from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lpm import LPMPolicy
+from asyncengine.policies.ltr import LTRPolicy
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
@@ -36,6 +37,7 @@ BUILTIN: dict[str, type[Policy]] = {
         DynamicChunkingPolicy,
         PriorityPolicy,
         SJFPolicy,
+        LTRPolicy,
         FairPolicy,
         SLOPolicy,
     )
@@ -77,14 +79,17 @@ class ComposedPolicy(Policy):
             part.finished(req)
 
     def preempt_candidates(
-        self, candidate: Request, running: Sequence[Request], ctx: PolicyContext
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:
+        if candidate is None:  # KV shortage: the ordering part's choice, else the config's
+            part = self.orderer if self.orderer is not None else Policy()
+            return part.preempt_candidates(None, running, ctx)
         if self.orderer is None or not self.orderer.preempts:
             return []
         return self.orderer.preempt_candidates(candidate, running, ctx)
 
 
-def _load_file(path: str) -> ModuleType:
+def load_file(path: str) -> ModuleType:
     """The module in the Python file ``path`` (loaded once per resolved path)."""
     file = Path(path).expanduser().resolve()
     if not file.is_file():
@@ -109,7 +114,7 @@ def _resolve(name: str) -> type[Policy]:
         module_name, _, class_name = name.rpartition(":")
         from_file = module_name.endswith(".py") or "/" in module_name
         try:
-            module = _load_file(module_name) if from_file else importlib.import_module(module_name)
+            module = load_file(module_name) if from_file else importlib.import_module(module_name)
             cls = getattr(module, class_name)
         except (ImportError, AttributeError, SyntaxError) as exc:
             raise ValueError(f"cannot load policy {name!r}: {exc}") from None

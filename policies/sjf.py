@@ -1,7 +1,8 @@
 """sjf: shortest predicted job first, with aging so long jobs still finish.
 
 A job's predicted size is the prompt tokens still to compute (its length less what the prefix
-cache holds) plus its output budget (``max_new_tokens`` not yet generated). A request's score is
+cache holds) plus the output tokens it is predicted to generate still (the engine's
+``length_predictor``; the default, ``max-tokens``, is its ``max_new_tokens``). A request's score is
 its size less ``aging`` times its wait, the wait counted in work (the prompt tokens the engine
 prefills meanwhile, as LPM counts it, see ``PrefillRate``): a long job overtakes a fresh short
 one once it has waited ``aging`` x the difference. A request that has waited ``max_wait_tokens``
@@ -25,7 +26,9 @@ class SJFPolicy(Policy):
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"aging": 1.0, "max_wait_tokens": 1_000_000})
         if opts["aging"] < 0 or opts["max_wait_tokens"] < 1:
-            raise ValueError("policy 'sjf': 'aging' must be >= 0 and 'max_wait_tokens' >= 1")
+            raise ValueError(
+                f"policy {self.name!r}: 'aging' must be >= 0 and 'max_wait_tokens' >= 1"
+            )
         self.aging = opts["aging"]
         self.max_wait_tokens = opts["max_wait_tokens"]
         self.prefill_rate = PrefillRate()
@@ -33,9 +36,13 @@ class SJFPolicy(Policy):
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         self.prefill_rate.add(plan, seconds)
 
-    def job_tokens(self, req: Request, ctx: PolicyContext) -> int:
+    def job_tokens(self, req: Request, ctx: PolicyContext) -> float:
         ids = req.all_ids
-        return len(ids) - ctx.prefix_len(ids) + max(0, req.remaining_new_tokens)
+        return len(ids) - ctx.prefix_len(ids) + self.output_tokens(req, ctx)
+
+    def output_tokens(self, req: Request, ctx: PolicyContext) -> float:
+        """Output tokens ``req`` is predicted to generate still."""
+        return max(0.0, ctx.predicted_len(req) - len(req.output_ids))
 
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         if len(waiting) < 2:

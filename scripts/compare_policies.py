@@ -53,6 +53,7 @@ from asyncengine.bench.report import (
     blocked_table,
     group_table,
     markdown_table,
+    predictor_table,
     queue_hint,
     shadow_table,
     write_figures,
@@ -300,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             arrival_hit_rate=bound("arrival", ps, pool),
             slo=slo,
             admission_blocked=extra.get("admission_blocked"),
+            engine_stats=extra.get("scheduler_stats") or extra.get("engine_stats"),
+            length_predictor=extra.get("length_predictor")
+            or (extra.get("engine_stats") or {}).get("length_predictor"),
             shadow=extra.get("shadow"),
             peak_waiting=extra.get("peak_waiting"),
         )
@@ -339,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         sections += ["## Shadow policy agreement", shadows]
     for by in args.group_by:
         sections += [f"## By {by}", group_table(runs, by)]
+    predicted = predictor_table(runs)
+    if predicted:
+        sections += ["## Output-length predictors (against the actual lengths)", predicted]
     blocked = blocked_table(runs)
     if blocked:
         sections += ["## Why admission stopped (steps, by reason)", blocked]

@@ -79,6 +79,24 @@ class FakeExecutor:
         self.table = PageTable(layout.max_rows, layout.max_pages_per_row)
         self.token_at = np.full(layout.num_slots, -1, dtype=np.int64)
         self.pos_at = np.full(layout.num_slots, -1, dtype=np.int64)
+        host_slots = layout.swap_pages * layout.page_size  # the swap buffer, as the pool
+        self.host_token_at = np.full(host_slots, -1, dtype=np.int64)
+        self.host_pos_at = np.full(host_slots, -1, dtype=np.int64)
+
+    def _page_slots(self, pages: list[int]) -> np.ndarray:
+        ps = self.page_size
+        return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).ravel()
+
+    def _swap(self, plan: BatchPlan) -> None:
+        """Copy whole pages out to the host buffer, then back in, as the real executor does."""
+        for copy in plan.swap_out:
+            src, dst = self._page_slots(copy.pool_pages), self._page_slots(copy.host_pages)
+            self.host_token_at[dst] = self.token_at[src]
+            self.host_pos_at[dst] = self.pos_at[src]
+        for copy in plan.swap_in:
+            src, dst = self._page_slots(copy.host_pages), self._page_slots(copy.pool_pages)
+            self.token_at[dst] = self.host_token_at[src]
+            self.pos_at[dst] = self.host_pos_at[src]
 
     def _slots(self, row: int, start: int, end: int) -> np.ndarray:
         ps = self.page_size
@@ -90,6 +108,7 @@ class FakeExecutor:
         self.steps += 1
         if self.fail_on_step is not None and self.steps == self.fail_on_step:
             raise RuntimeError("injected forward failure")
+        self._swap(plan)
         self.table.apply(plan.page_writes)
         tokens: list[int] = []
         for seg in plan.segments:

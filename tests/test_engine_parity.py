@@ -142,3 +142,27 @@ def test_engine_greedy_matches_hf_with_overlap_schedule(
     assert got == expected
     assert stats["retractions"] > 0
     assert stats["pages_used"] == 0
+
+
+@pytest.mark.parametrize("victim", ["newest", "least-computed", "lowest-priority", "largest-kv"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_swapped_out_kv_comes_back_exact(
+    tiny_chat_model: Path, expected: list[list[int]], victim: str, prefix_cache: bool
+) -> None:
+    """Preempted requests' KV copied to the host buffer and back (float32, greedy): the same
+    tokens as HF without preemption, and nothing recomputed. Without the prefix cache every
+    page the requests get back comes from the host buffer."""
+    got, stats = asyncio.run(
+        run_engine(
+            tiny_chat_model,
+            prompts(seed=11),
+            preemption_mode="swap",
+            preemption_victim=victim,
+            enable_prefix_cache=prefix_cache,
+        )
+    )
+    assert got == expected
+    assert stats["swap_outs"] == stats["retractions"] > 0 and stats["swap_ins"] > 0
+    assert stats["recomputed_tokens"] == 0 and stats["swap_seconds"] > 0
+    if not prefix_cache:
+        assert stats["swapped_in_bytes"] == stats["swapped_out_bytes"]

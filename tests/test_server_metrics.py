@@ -222,3 +222,24 @@ async def test_engine_gauges_and_counters_come_from_their_stats_keys() -> None:
     assert samples["asyncengine_retractions_total"] == 3
     assert samples["asyncengine_generation_tokens_total"] == 11
     assert "# TYPE asyncengine_retractions_total counter" in text
+
+
+async def test_preemption_counters_come_from_their_stats_keys() -> None:
+    stats = {
+        "computed_tokens": 1000,
+        "recomputed_tokens": 120,
+        "swapped_out_bytes": 4096,
+        "swapped_in_bytes": 2048,
+        "swap_seconds": 0.25,
+    }
+    text = ServerMetrics(_StatsOnly(stats)).exposition().decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples["asyncengine_computed_tokens_total"] == 1000
+    assert samples["asyncengine_recomputed_tokens_total"] == 120
+    assert samples["asyncengine_swap_out_bytes_total"] == 4096
+    assert samples["asyncengine_swap_in_bytes_total"] == 2048
+    assert samples["asyncengine_swap_seconds_total"] == 0.25

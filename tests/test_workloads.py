@@ -29,6 +29,7 @@ SMALL: dict[str, dict[str, object]] = {
     "multi_tenant": {"num_heavy": 20, "num_light": 4},
     "priority_mix": {"num_requests": 30},
     "slo_mix": {"num_requests": 30, "long_median": 600.0},
+    "task_mix": {"num_requests": 30},
 }
 
 
@@ -168,3 +169,20 @@ def test_priority_mix_and_slo_mix_shares() -> None:
     assert 20 < len(docs) < 70 and min(len(r.prompt_ids) for r in docs) >= 512
     with pytest.raises(ValueError):
         make_workload("priority_mix", interactive_share=2.0)
+
+
+def test_task_mix_lengths_follow_each_tasks_medians() -> None:
+    import statistics
+
+    from asyncengine.workloads.generators import TASKS, task_mix
+
+    requests = task_mix(800, seed=2)
+    for tenant, _, prompt_median, output_median in TASKS:
+        mine = [r for r in requests if r.tenant == tenant]
+        assert len(mine) > 100
+        templates = {tuple(r.prompt_ids[:24]) for r in mine}
+        assert len(templates) == 1  # one instruction per task
+        outputs = statistics.median(r.output_len for r in mine)
+        prompts = statistics.median(len(r.prompt_ids) - 24 for r in mine)
+        assert 0.8 * output_median <= outputs <= 1.25 * output_median
+        assert 0.8 * prompt_median <= prompts <= 1.25 * prompt_median

@@ -29,6 +29,10 @@ class RunReport:
     arrival_hit_rate: float = math.nan
     slo: SLO | None = None
     admission_blocked: dict[str, int] | None = None
+    # the engine's stats of the run (one replica): recompute tax and swap traffic columns
+    engine_stats: dict[str, float] | None = None
+    # the output-length predictor's score (core stats "length_predictor": name, kendall_tau)
+    length_predictor: dict[str, object] | None = None
     shadow: dict[str, Any] | None = None  # the shadow policy's agreement (ShadowPolicy.stats)
     peak_waiting: int | None = None  # the most requests the waiting queue held (simulated)
 
@@ -82,8 +86,26 @@ TABLE_COLUMNS = (
     "bound P, arrival order",
     "hit/P arrival",
     "retracts",
+    "recompute tax",
+    "swap MB out/in",
+    "swap s",
 )
 SLO_COLUMNS = ("SLO met", "goodput req/s")
+
+
+def preemption_cells(stats: dict[str, float] | None) -> list[str]:
+    """Recompute tax (tokens computed again after a retraction / all computed), bytes swapped
+    out and back in (preemption_mode "swap"), and the time the swaps took."""
+    if not stats or "recompute_tax" not in stats:
+        return ["-", "-", "-"]
+    if "swapped_out_bytes" not in stats:
+        return [_pct(stats["recompute_tax"]), "-", "-"]
+    mb = 1e6
+    return [
+        _pct(stats["recompute_tax"]),
+        f"{stats['swapped_out_bytes'] / mb:.1f}/{stats['swapped_in_bytes'] / mb:.1f}",
+        _num(stats["swap_seconds"], 3),
+    ]
 
 
 def table_row(run: RunReport) -> list[str]:
@@ -113,6 +135,7 @@ def table_row(run: RunReport) -> list[str]:
         _pct(run.arrival_hit_rate),
         _pct(_share(hit, run.arrival_hit_rate)),
         str(s.retracts),
+        *preemption_cells(run.engine_stats),
     ]
     if run.slo is not None:
         row += [
@@ -165,6 +188,20 @@ def group_table(runs: Sequence[RunReport], by: str) -> str:
                 _ms(g.ttft.p50), _ms(g.ttft.p99), _ms(g.ttft.max), _ms(g.e2e.p50), _num(g.queue_steps, 1),
             ])  # fmt: skip
     return _markdown(GROUP_COLUMNS, rows, 2)
+
+
+def predictor_table(runs: Sequence[RunReport]) -> str:
+    """Each run's output-length predictor against the actual lengths of the requests it
+    predicted (Kendall's tau-b); runs whose policy asked for no prediction are left out."""
+    rows = []
+    for run in runs:
+        scored = run.length_predictor or {}
+        if scored.get("scored"):
+            tau = float(scored["kendall_tau"])  # type: ignore[arg-type]
+            rows.append([run.label, f"`{scored['name']}`", str(scored["scored"]), _num(tau, 3)])
+    if not rows:
+        return ""
+    return _markdown(("config", "length predictor", "requests scored", "Kendall tau"), rows, 1)
 
 
 def blocked_table(runs: Sequence[RunReport]) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
+from asyncengine.cache.swap_space import SwappedKV, SwapSpace
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -49,9 +50,11 @@ class KVCacheManager:
         max_pages_per_row: int,
         enable_prefix_cache: bool = True,
         kv_events: bool = False,
+        swap: SwapSpace | None = None,
     ) -> None:
         """``kv_events``: the tree records what it stores and removes (cache/kv_events.py)."""
         self.num_pages = num_pages
+        self.swap = swap  # the host buffer preempted requests' KV is swapped to, if any
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
@@ -263,6 +266,24 @@ class KVCacheManager:
         seq.num_in_tree = 0
         seq.lock_node = self.tree.root
 
+    def swap_out(self, seq: SeqKV) -> SwappedKV | None:
+        """Record the copy of ``seq``'s computed KV to host pages (the executor runs it before
+        the next plan's forward); None when there is no swap space or too little of it. The
+        caller then closes ``seq`` as it would for recompute."""
+        self._check_open(seq)
+        pages = -(-seq.computed_len // self.page_size)
+        if self.swap is None or pages == 0:
+            return None
+        return self.swap.swap_out(seq.pages[:pages], seq.computed_len)
+
+    def swap_in(self, seq: SeqKV, swapped: SwappedKV, restored_from: int) -> None:
+        """Record the copy back of ``swapped`` into ``seq``, just opened with ``restored_from``
+        tokens from the prefix cache and extended over at least ``swapped.computed_len``."""
+        self._check_open(seq)
+        assert self.swap is not None and seq.kv_len >= swapped.computed_len
+        first, end = restored_from // self.page_size, -(-swapped.computed_len // self.page_size)
+        self.swap.swap_in(swapped, first, seq.pages[first:end])
+
     def evict(self, num_pages: int) -> int:
         """Evict at least ``num_pages`` unlocked cached pages (LRU leaves first, fewer when
         fewer are evictable) back to the free list; returns how many were freed."""
@@ -287,6 +308,7 @@ class KVCacheManager:
             "pages_evictable": self.tree.evictable_size // self.page_size,
             "hit_tokens": self.hit_tokens,
             "miss_tokens": self.miss_tokens,
+            **(self.swap.stats() if self.swap is not None else {}),
         }
 
     def reset(self, reset_counters: bool = False) -> None:
@@ -375,6 +397,8 @@ class KVCacheManager:
         assert free_pages.size + held + tree_pages == self.num_pages, (
             f"free {free_pages.size} + held {held} + tree {tree_pages} != {self.num_pages}"
         )
+        if self.swap is not None:
+            self.swap.check()
         stats = self.stats()
         assert stats["pages_used"] == held, (
             f"stats pages_used {stats['pages_used']} != pages held by sequences {held}"

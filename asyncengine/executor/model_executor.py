@@ -19,6 +19,7 @@ from asyncengine.cache.page_table import PageTable
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor.device import pick_device, pick_dtype
+from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import load_hf_config
 from asyncengine.executor.loader.pooling_config import model_pooling
@@ -71,6 +72,7 @@ class ModelExecutor:
         self._weights: dict[str, torch.Tensor | QuantizedTensor] | None = loaded.weights
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
+        self.host_kv: HostKVBuffer | None = None  # swapped-out KV (preemption_mode "swap")
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all()
 
@@ -130,6 +132,7 @@ class ModelExecutor:
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
         )
+        self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
         self._weights = None
         log.info(
             "model %s (%s, %s, weights %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
@@ -146,7 +149,14 @@ class ModelExecutor:
     def execute(self, plan: BatchPlan) -> StepOutput:
         if self.runner is None:
             raise RuntimeError("bind() the executor before executing plans")
-        return self.runner.execute(plan)
+        swap_seconds = 0.0
+        if plan.swap_out or plan.swap_in:
+            if self.host_kv is None:
+                raise RuntimeError("a plan swaps KV but no swap space was laid out")
+            swap_seconds = self.host_kv.run(plan.swap_out, plan.swap_in)
+        output = self.runner.execute(plan)
+        output.swap_seconds = swap_seconds
+        return output
 
 
 def model_core(

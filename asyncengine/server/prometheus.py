@@ -71,8 +71,16 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "cache_miss_tokens": ("miss_tokens", "Prompt tokens computed (not in the prefix cache)"),
     "retractions": (
         "retractions",
-        "Running requests preempted because KV memory ran out (recomputed later)",
+        "Running requests preempted because KV memory ran out (recomputed or swapped later)",
     ),
+    "computed_tokens": ("computed_tokens", "Tokens the forwards computed (prefill + decode)"),
+    "recomputed_tokens": (
+        "recomputed_tokens",
+        "Tokens computed again after their request was retracted (the recompute tax)",
+    ),
+    "swap_out_bytes": ("swapped_out_bytes", "KV bytes swapped out to the host buffer"),
+    "swap_in_bytes": ("swapped_in_bytes", "KV bytes swapped back in from the host buffer"),
+    "swap_seconds": ("swap_seconds", "Seconds spent copying swapped KV"),
 }
 
 

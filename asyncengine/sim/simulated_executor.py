@@ -23,6 +23,12 @@ DEFAULT_SPEC = ModelSpec(
 
 _start_pos = operator.attrgetter("start_pos")
 
+# Bytes per second a swap copies between the KV pool and the host buffer: scripts/bench_swap.py
+# on the 2-core development CPU (0.42-0.44 GB/s for 64-page victims, under a load average of
+# 12; docs/BENCHMARKS.md), as the default cost model is that CPU's. A GPU's pinned PCIe copies
+# are far faster. A swap costs its bytes over this, added to the step's forward time.
+DEFAULT_SWAP_BYTES_PER_SECOND = 0.4e9
+
 
 class SimulatedExecutor:
     def __init__(
@@ -31,7 +37,11 @@ class SimulatedExecutor:
         clock: VirtualClock,
         spec: ModelSpec = DEFAULT_SPEC,
         sampled_token_id: int = 1,
+        swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
     ) -> None:
+        if swap_bytes_per_second <= 0:
+            raise ValueError("swap_bytes_per_second must be > 0")
+        self.swap_bytes_per_second = swap_bytes_per_second
         if sampled_token_id in spec.eos_token_ids:
             raise ValueError("the simulated token must not be an EOS token")
         self.cost_model = cost_model
@@ -60,8 +70,20 @@ class SimulatedExecutor:
             prefill_tokens, prefill_attention, len(decodes), decode_context
         )
 
+    def swap_seconds(self, plan: BatchPlan) -> float:
+        """The time ``plan``'s swap copies take: their bytes over the copy bandwidth."""
+        if not plan.swap_out and not plan.swap_in:
+            return 0.0
+        assert self.layout is not None
+        pages = sum(len(c.pool_pages) for c in plan.swap_out) + sum(
+            len(c.pool_pages) for c in plan.swap_in
+        )
+        page_bytes = self.layout.page_size * self.spec.kv_bytes_per_token
+        return pages * page_bytes / self.swap_bytes_per_second
+
     def execute(self, plan: BatchPlan) -> StepOutput:
-        seconds = self.seconds(plan)
+        swap = self.swap_seconds(plan)
+        seconds = self.seconds(plan) + swap
         self.clock.advance(seconds)
         n = len(plan.sampling)
         # embeddings and prompt scoring cost time and carry nothing
@@ -74,7 +96,8 @@ class SimulatedExecutor:
         return StepOutput(
             [self.sampled_token_id] * n,
             [None] * n,
-            seconds,
+            forward_seconds=seconds,
+            swap_seconds=swap,
             pooled=pooled,
             prompt_logprobs=scored,
         )

@@ -14,9 +14,14 @@ from typing import Any
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
+from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
-from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
+from asyncengine.sim.simulated_executor import (
+    DEFAULT_SPEC,
+    DEFAULT_SWAP_BYTES_PER_SECOND,
+    SimulatedExecutor,
+)
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -48,6 +53,7 @@ class Simulator:
         sampled_token_id: int = 1,
         kv_bytes_per_token: int = DEFAULT_SPEC.kv_bytes_per_token,
         check_invariant_every: int = 0,
+        swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
     ) -> None:
         spec = replace(
             DEFAULT_SPEC,
@@ -58,7 +64,11 @@ class Simulator:
         self.config = config
         self.clock = VirtualClock()
         self.executor = SimulatedExecutor(
-            cost_model or CostModel.default(), self.clock, spec, sampled_token_id
+            cost_model or CostModel.default(),
+            self.clock,
+            spec,
+            sampled_token_id,
+            swap_bytes_per_second,
         )
         self.core = build_core(config, self.executor, clock=self.clock)
         self.check_invariant_every = check_invariant_every
@@ -68,6 +78,9 @@ class Simulator:
         if self._used:
             raise RuntimeError("a Simulator runs one workload; make a new one")
         self._used = True
+        predictor = self.core.scheduler.lengths.predictor
+        if isinstance(predictor, OraclePredictor):  # the trace's lengths, the simulator's alone
+            predictor.reveal({item.rid: item.output_len for item in workload})
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         replay = WorkloadReplay(
             self.core, self.clock, workload, check_invariant_every=self.check_invariant_every

@@ -97,6 +97,7 @@ def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -
             "pages_total": result.scheduler_stats["pages_total"],
             "admission_blocked": result.core_stats["admission_blocked"],
             "shadow": result.core_stats["shadow"],
+            "length_predictor": result.core_stats["length_predictor"],
             "peak_waiting": result.peak_waiting,
         }
         return SimJobResult(job.label, result.records, result.summary, details)

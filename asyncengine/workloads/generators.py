@@ -223,12 +223,57 @@ def long_short(
     return _assemble("longshort", prompts, [output_len] * num_requests, arrivals, seed, text)
 
 
+# task mix: (tenant, weight, prompt median, output median) of each kind of request
+TASKS = (
+    ("classify", 0.3, 300.0, 4.0),
+    ("summarize", 0.2, 1200.0, 120.0),
+    ("chat", 0.3, 150.0, 250.0),
+    ("code", 0.2, 100.0, 600.0),
+)
+
+
+def task_mix(
+    num_requests: int = 1000,
+    *,
+    vocab_size: int = 32000,
+    template_len: int = 24,
+    sigma: float = 0.5,
+    max_input_len: int = 4096,
+    max_output_len: int = 2048,
+    arrivals: Arrivals | None = None,
+    seed: int = 0,
+    text: bool = False,
+) -> list[WorkloadRequest]:
+    """Four kinds of request (``TASKS``) whose output lengths differ by kind, as a deployment
+    serving several applications sees: classification (long-ish prompt, a few tokens out),
+    summaries (long prompt, short answer), chat, code (short prompt, long answer). Each kind's
+    prompts start with its own ``template_len``-token instruction and carry its name as the
+    tenant; lengths are lognormal around the kind's medians. What an output-length predictor
+    can learn from cheap prompt features (policies/length_history.py, length_ranker.py)."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([t[1] for t in TASKS])
+    kinds = rng.choice(len(TASKS), size=num_requests, p=weights / weights.sum())
+    templates = [_tokens(rng, template_len, vocab_size) for _ in TASKS]
+    prompts, output_lens = [], []
+    for kind in kinds.tolist():
+        _, _, prompt_median, output_median = TASKS[kind]
+        (body,) = _lognormal_lengths(rng, 1, prompt_median, sigma, 1, max_input_len)
+        (out,) = _lognormal_lengths(rng, 1, output_median, sigma, 1, max_output_len)
+        prompts.append(templates[kind] + _tokens(rng, body, vocab_size))
+        output_lens.append(out)
+    requests = _assemble("task", prompts, output_lens, arrivals or Arrivals(), seed, text)
+    for req, kind in zip(requests, kinds.tolist(), strict=True):
+        req.tenant = TASKS[kind][0]
+    return requests
+
+
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "random": random_lengths,
     "shared_prefix": shared_prefix,
     "multi_turn": multi_turn,
     "tree_of_thought": tree_of_thought,
     "long_short": long_short,
+    "task_mix": task_mix,
 }
 
 
