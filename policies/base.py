@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncengine.policies.victims import order_victims
 from asyncengine.speculative.rules import rule_guesses
 from asyncengine.speculative.settings import SpeculativeConfig
-from asyncengine.policies.victims import order_victims
 
 if TYPE_CHECKING:
     from asyncengine.plan import BatchPlan
