@@ -56,11 +56,6 @@ class PooledEmbedding:
             self.total = [a + b for a, b in zip(self.total, part, strict=True)]
         self.rows += rows
 
-    def restart(self) -> None:
-        """Forget the parts (the request is computed again from its first position)."""
-        self.total = None
-        self.rows = 0
-
     def finish(self) -> list[float]:
         """The pooled vector, L2-normalized (``vector``)."""
         if self.total is None:

@@ -38,6 +38,8 @@ SETUPS: list[tuple[str, list[str]]] = [
     ("1 replica", ["--replicas", "1"]),
     ("2 replicas, round-robin", ["--replicas", "2", "--router", "round-robin"]),
     ("2 replicas, cache-aware", ["--replicas", "2", "--router", "cache-aware"]),
+    # routes on the replicas' published KV cache events instead of its own guesses
+    ("2 replicas, kv-events", ["--replicas", "2", "--router", "kv-events"]),
 ]
 COLUMNS = (
     ("hit rate", lambda s: f"{s['cache_hit_rate']:.1%}"),
@@ -82,6 +84,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--request-rate", type=float, default=2.0)
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help=f"run only these setups (default: all of {[label for label, _ in SETUPS]})",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -94,10 +103,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--request-rate", str(args.request_rate), "--no-progress", "--startup-timeout", "600",
         *(["--model", args.model] if args.model else []),
     ]  # fmt: skip
-    results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in SETUPS}
+    setups = [(label, setup) for label, setup in SETUPS if label in (args.setups or [label])]
+    unknown = set(args.setups or []) - {label for label, _ in SETUPS}
+    if unknown:
+        raise SystemExit(f"unknown setups {sorted(unknown)}: choose from {[s for s, _ in SETUPS]}")
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in setups}
     loads: list[float] = []
     for repeat in range(args.repeats):
-        for label, setup in SETUPS:
+        for label, setup in setups:
             print(f"== repeat {repeat + 1}/{args.repeats}: {label}", flush=True)
             name = label.replace(" ", "_").replace(",", "")
             for attempt in (1, 2):  # a launch can fail on a loaded machine: once more

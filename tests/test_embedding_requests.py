@@ -3,6 +3,9 @@ prefix cache, pooled across chunks (asyncengine/pooling.py), over the model-free
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from asyncengine.builder import build_core
@@ -131,3 +134,20 @@ def test_aborted_mid_chunk_frees_its_pages() -> None:
     assert ended_by([core.events()]) == {"e": "abort"}
     assert not core.has_work() and core.kv.stats()["pages_used"] == 0
     core.check_invariant()
+
+
+def test_the_pooling_a_model_dir_asks_for(tmp_path: Path) -> None:
+    from asyncengine.executor.loader.pooling_config import model_pooling
+
+    assert model_pooling(tmp_path, "auto") == "mean"  # no sentence-transformers config
+    assert model_pooling(tmp_path, "last") == "last"
+    (tmp_path / "1_Pooling").mkdir()
+    config = tmp_path / "1_Pooling" / "config.json"
+    config.write_text(
+        json.dumps({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False})
+    )
+    assert model_pooling(tmp_path, "auto") == "last"
+    assert model_pooling(tmp_path, "mean") == "mean"
+    config.write_text(json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match="cls_token"):
+        model_pooling(tmp_path, "auto")

@@ -34,7 +34,7 @@ def test_routes_to_the_replica_whose_events_hold_the_prefix_and_forgets_eviction
     decision = router.route(PROMPT, replicas(0, 0), now=2.0)
     assert decision.reason == "least_cached" and decision.replica_id == "r0"
     router.observe("r1", [AllBlocksCleared()])
-    assert router.tree_stats()["pages:r1"] == 0
+    assert router.tree_stats()["tokens:r1"] == 0
 
 
 def test_pages_routed_but_not_yet_reported_count_until_they_expire() -> None:

@@ -215,3 +215,36 @@ def test_round_robin_replicas_lose_the_hits_and_route_as_simulated(
     assert run["cached"] == sum(r.cached_tokens for r in simulated.records)
     assert run["cached"] <= 0.7 * 12 * 2 * 64
     assert metric(run["metrics"], "asyncengine_router_decisions_total", reason="round_robin") >= 36
+
+
+def test_kv_events_replicas_route_on_what_the_caches_report(
+    ray_cluster: Any, config: EngineConfig
+) -> None:
+    """The replicas publish their caches' events, the router subscribes to each and routes on
+    them: every group stays on one replica, as with cache-aware routing; embeddings go through
+    the replicas too."""
+    workload = grouped_workload()
+    deployment, handle = deploy(config, "kv-events", "kv_events")
+
+    async def embed(engine: Any) -> list[float]:
+        return list((await engine.embed(workload[0].prompt_ids)).embedding)
+
+    try:
+        run = asyncio.run(serve_trace(config, handle, "kv_events", workload))
+        remote = RemoteEngine(config, handle, "kv_events")
+        asyncio.run(remote.start())
+        try:
+            vector = asyncio.run(embed(remote))
+        finally:
+            asyncio.run(remote.stop())
+        router = run["engine"].router()
+        feed = router.feed
+        held = {replica: set(blocks.held) for replica, blocks in router.policy.replicas.items()}
+    finally:
+        deployment.close()
+    assert len(vector) == 64 and abs(sum(x * x for x in vector) - 1.0) < 1e-6
+    assert feed is not None and feed.batches > 0
+    assert len(held) == 2 and all(held.values())
+    reasons = [d.reason for d in run["log"]]
+    assert reasons.count("prefix") == 24 and reasons.count("least_cached") == 12
+    assert run["cached"] >= 0.9 * 12 * 2 * 64

@@ -138,7 +138,10 @@ class KVEventsRouter(ReplicaRouter):
         self.replicas.clear()
 
     def tree_stats(self) -> dict[str, int]:
+        """Tokens each replica's events say it holds (``tokens:<id>``, as the cache-aware
+        router's tree reports them) and pages routed there not yet reported."""
+        ps = self.page_size
         return {
-            **{f"pages:{r}": len(b.held) for r, b in self.replicas.items()},
+            **{f"tokens:{r}": len(b.held) * ps for r, b in self.replicas.items()},
             **{f"pending:{r}": len(b.pending) for r, b in self.replicas.items()},
         }

@@ -18,12 +18,16 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.ray_local import init_ray
+from asyncengine.routing import KVEventsRouter
 
 log = logging.getLogger("asyncengine.server.ray")
 
 DEFAULT_APP_NAME = "asyncengine"
 ROUTING_STATS_PERIOD_SECONDS = 1.0  # how often each replica reports its stats to the routers
 ROUTER_CLASS = "asyncengine.server.ray_serve.router:AsyncEngineRequestRouter"
+# where each replica publishes its KV events for a kv-events router (a free port each); on a
+# cluster of several nodes give --kv-events tcp://0.0.0.0:* (the router dials each node's IP)
+LOCAL_KV_EVENTS = "tcp://127.0.0.1:*"
 # Serve's own shutdown waits on Ray's processes: when a signal to the whole process group
 # (Ctrl-C, timeout(1)) has taken them down, it would wait for ever.
 SERVE_SHUTDOWN_TIMEOUT_SECONDS = 20.0
@@ -53,12 +57,17 @@ def replica_deployment(config: EngineConfig, options: RayOptions) -> Any:
 
     from asyncengine.server.ray_serve.replica import EngineReplica
 
+    router_options = dict(options.router_options)
+    if options.router == KVEventsRouter.name:  # the replicas publish, the router subscribes
+        router_options.setdefault("page_size", config.page_size)
+        if config.kv_events is None:
+            config = config.replace(kv_events=LOCAL_KV_EVENTS)
     router: dict[str, Any] = {
         "request_router_class": ROUTER_CLASS,
         "request_router_kwargs": {
             "app": options.app_name,
             "router": options.router,
-            "options": dict(options.router_options),
+            "options": router_options,
         },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_SECONDS,
         "request_routing_stats_timeout_s": 5.0,

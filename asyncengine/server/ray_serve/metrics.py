@@ -52,11 +52,12 @@ class ReplicaCollector(Collector):
         yield decisions
         tree = router.tree_stats()
         if tree:
-            yield GaugeMetricFamily(
-                f"{PREFIX}_router_tree_nodes",
-                "Nodes of the router's prefix tree",
-                value=tree["nodes"],
-            )
+            if "nodes" in tree:  # the kv-events router keeps pages, not a tree
+                yield GaugeMetricFamily(
+                    f"{PREFIX}_router_tree_nodes",
+                    "Nodes of the router's prefix tree",
+                    value=tree["nodes"],
+                )
             tokens = GaugeMetricFamily(
                 f"{PREFIX}_router_tree_tokens",
                 "Prompt tokens the router's prefix tree holds for each replica",

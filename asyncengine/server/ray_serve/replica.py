@@ -31,6 +31,16 @@ def cache_tokens(stats: dict[str, Any], page_size: int) -> int:
     return int(stats.get("pages_total", 0)) * page_size
 
 
+def reachable_endpoint(endpoint: str) -> str:
+    """The publisher's endpoint as another node reaches it: a wildcard host is this node's IP."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if host in ("0.0.0.0", "*"):
+        import ray
+
+        return endpoint.replace(host, ray.util.get_node_ip_address(), 1)
+    return endpoint
+
+
 class EngineReplica:
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
         from asyncengine.engine import AsyncEngine  # loads torch: in the replica only
@@ -109,8 +119,12 @@ class EngineReplica:
         await self.engine.reset_prefix_cache()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
+        stats: dict[str, Any] = {
+            k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))
+        }
         stats["cache_tokens"] = cache_tokens(stats, self.config.page_size)
+        if self.engine.kv_events is not None:  # a kv-events router subscribes to it
+            stats["kv_events_endpoint"] = reachable_endpoint(self.engine.kv_events.endpoint)
         return stats
 
     async def check_health(self) -> None:

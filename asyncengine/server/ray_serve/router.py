@@ -17,11 +17,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from asyncengine.cache.kv_events import KVEvent
 from asyncengine.routing import ReplicaRouter, ReplicaState, make_router
+from asyncengine.server.ray_serve.kv_events_feed import KVEventsFeed
 from asyncengine.server.ray_serve.registry import LoggedDecision, register
 
 DECISION_LOG_SIZE = 100_000
@@ -38,7 +41,15 @@ class AsyncEngineRequestRouter(RequestRouter):
         self.log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG_SIZE)
         # choose_replicas runs on Ray Serve's router loop, readers on the HTTP loop
         self.lock = threading.Lock()
+        # a router that routes on the replicas' KV cache events reads them on a thread
+        self.feed: KVEventsFeed | None = None
+        if self.policy.consumes_kv_events:
+            self.feed = KVEventsFeed(self._observe)
         register(self.app, self)
+
+    def _observe(self, replica_id: str, events: Sequence[KVEvent]) -> None:
+        with self.lock:
+            self.policy.observe(replica_id, events)
 
     # -- routing ------------------------------------------------------------------------------
     async def choose_replicas(
@@ -73,7 +84,11 @@ class AsyncEngineRequestRouter(RequestRouter):
 
     def _state(self, replica: RunningReplica) -> ReplicaState:
         load = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        capacity = replica.routing_stats.get("cache_tokens") if replica.routing_stats else None
+        stats = replica.routing_stats or {}
+        capacity = stats.get("cache_tokens")
+        endpoint = stats.get("kv_events_endpoint")
+        if self.feed is not None and isinstance(endpoint, str):
+            self.feed.follow(replica.replica_id.unique_id, endpoint)
         return ReplicaState(replica.replica_id.unique_id, load, capacity or None)
 
     # -- replica churn --------------------------------------------------------------------------
@@ -88,6 +103,8 @@ class AsyncEngineRequestRouter(RequestRouter):
         self._forget(replica_id.unique_id)
 
     def _forget(self, unique_id: str) -> None:
+        if self.feed is not None:
+            self.feed.drop(unique_id)
         with self.lock:
             self.policy.forget(unique_id)
 
