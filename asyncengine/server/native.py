@@ -2,7 +2,10 @@
 
 Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
 temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, n, json_schema / regex /
-ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``. Response:
+ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``,
+``logprob_start_len`` (with ``return_logprob``, >= 0 also scores the prompt tokens from that
+position on: ``meta_info.input_token_logprobs`` / ``input_top_logprobs``, the first token's
+logprob null; ``max_new_tokens`` 0 then scores without generating). Response:
 ``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
 ``index``). Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative
 (as SGLang streams text) per choice (``index``), ending with ``data: [DONE]``; ``meta_info`` of
@@ -57,7 +60,8 @@ NativeTemperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 
 
 class NativeSamplingParams(Struct, kw_only=True):
-    max_new_tokens: PositiveInt | None = None  # None: NATIVE_DEFAULT_MAX_NEW_TOKENS
+    # None: NATIVE_DEFAULT_MAX_NEW_TOKENS; 0 only when the prompt is scored (logprob_start_len)
+    max_new_tokens: NonNegativeInt | None = None
     min_new_tokens: NonNegativeInt = 0
     temperature: NativeTemperature = 1.0
     top_p: TopP = 1.0
@@ -90,6 +94,7 @@ class GenerateRequest(Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1  # -1: the prompt is not scored
     # scheduling controls: top level as SGLang takes priority, or inside sampling_params
     priority: Priority | None = None
     timeout: TimeoutSeconds | None = None
@@ -160,6 +165,13 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             param="sampling_params.n",
         )
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    scores_prompt = _scores_prompt(req)
+    if max_new_tokens == 0 and not scores_prompt:
+        raise invalid_request(
+            "max_new_tokens=0 generates nothing: it needs return_logprob and logprob_start_len "
+            ">= 0 (to score the prompt)",
+            param="sampling_params.max_new_tokens",
+        )
     try:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -178,6 +190,8 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             seed=sp.seed if sp.seed is not None else sp.sampling_seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+            prompt_logprobs=req.top_logprobs_num if scores_prompt else None,
+            prompt_logprobs_start=max(0, req.logprob_start_len),
             n=sp.n,
             structured=_structured(sp),
             priority=0 if priority is None else priority,
@@ -186,6 +200,15 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
+
+
+def _scores_prompt(req: GenerateRequest) -> bool:
+    if req.logprob_start_len >= 0 and not req.return_logprob:
+        raise invalid_request(
+            "logprob_start_len scores the prompt: it needs return_logprob",
+            param="logprob_start_len",
+        )
+    return req.logprob_start_len >= 0
 
 
 def _request_id(req: GenerateRequest) -> str:
@@ -214,7 +237,13 @@ class NativeResponder:
     """Builds /generate bodies for one request."""
 
     def __init__(
-        self, state: ServerState, request_id: str, return_logprob: bool, text_in_logprobs: bool
+        self,
+        state: ServerState,
+        request_id: str,
+        return_logprob: bool,
+        text_in_logprobs: bool,
+        prompt_ids: list[int] | None = None,
+        logprob_start_len: int = -1,
     ) -> None:
         self.state = state
         self.request_id = request_id
@@ -222,8 +251,12 @@ class NativeResponder:
         self.text_in_logprobs = text_in_logprobs
         self.token_logprobs: list[list[Any]] = []
         self.top_logprobs: list[list[list[Any]]] = []
+        self.prompt_ids = prompt_ids or []
+        self.logprob_start_len = logprob_start_len
+        self.input_token_logprobs: list[list[Any]] | None = None
+        self.input_top_logprobs: list[list[list[Any]] | None] | None = None
 
-    def _entry(self, logprob: float, token_id: int) -> list[Any]:
+    def _entry(self, logprob: float | None, token_id: int) -> list[Any]:
         text = self.state.token_text(token_id) if self.text_in_logprobs else None
         return [logprob, token_id, text]
 
@@ -233,6 +266,22 @@ class NativeResponder:
         for token_id, lp in zip(token_ids, logprobs, strict=False):
             self.token_logprobs.append(self._entry(lp.token_logprob, token_id))
             self.top_logprobs.append([self._entry(v, t) for t, v in lp.top])
+
+    def add_prompt_logprobs(self, prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+        """The prompt's scores, from ``logprob_start_len`` on (SGLang's input_*_logprobs)."""
+        if not self.return_logprob or prompt_logprobs is None:
+            return
+        start = self.logprob_start_len
+        entries = zip(self.prompt_ids[start:], prompt_logprobs[start:], strict=True)
+        self.input_token_logprobs = []
+        self.input_top_logprobs = []
+        for token_id, lp in entries:
+            if lp is None:
+                self.input_token_logprobs.append(self._entry(None, token_id))
+                self.input_top_logprobs.append(None)
+            else:
+                self.input_token_logprobs.append(self._entry(lp.token_logprob, token_id))
+                self.input_top_logprobs.append([self._entry(v, t) for t, v in lp.top])
 
     def body(
         self,
@@ -258,6 +307,9 @@ class NativeResponder:
         if self.return_logprob:
             meta["output_token_logprobs"] = self.token_logprobs
             meta["output_top_logprobs"] = self.top_logprobs
+        if self.input_token_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_token_logprobs
+            meta["input_top_logprobs"] = self.input_top_logprobs
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 
@@ -274,7 +326,14 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     params = _sampling_params(req, max_new_tokens, state.engine.config.max_n)
     request_id = _request_id(req)
     responders = [
-        NativeResponder(state, request_id, req.return_logprob, req.return_text_in_logprobs)
+        NativeResponder(
+            state,
+            request_id,
+            req.return_logprob,
+            req.return_text_in_logprobs,
+            prompt,
+            req.logprob_start_len,
+        )
         for _ in range(params.n)
     ]
     if req.stream:
@@ -286,6 +345,7 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     for out, responder in zip(outputs, responders, strict=True):
         state.metrics.observe_finished(out.metrics)
         responder.add_logprobs(out.token_ids, out.logprobs)
+        responder.add_prompt_logprobs(out.prompt_logprobs)
         body = responder.body(
             out.text, out.token_ids, out.finish_reason, out.matched_stop, out.usage, out.metrics
         )
@@ -318,6 +378,7 @@ class _CumulativeFormat:
         self.texts[i] += delta.text
         self.output_ids[i].extend(delta.token_ids)
         self.responders[i].add_logprobs(delta.token_ids, delta.logprobs)
+        self.responders[i].add_prompt_logprobs(delta.prompt_logprobs)
         if not (delta.text or delta.token_ids or delta.finished):
             return []
         # encoded as soon as it is returned, before output_ids grows again: no copy needed

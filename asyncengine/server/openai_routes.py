@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import ChoiceReader, read_choice
 from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
 from asyncengine.server.completion import generate, outcome_of
+from asyncengine.server.echo import Echo, join_logprobs, sum_usage
+from asyncengine.server.merged_stream import MergedStream
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -27,7 +30,7 @@ from asyncengine.server.openai_schema import (
     CompletionRequest,
     chat_max_tokens,
     chat_sampling_params,
-    completion_prompt,
+    completion_prompts,
     completion_sampling_params,
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
@@ -35,6 +38,7 @@ from asyncengine.server.streaming import stream_response
 
 if TYPE_CHECKING:
     from asyncengine.engine import Prompt
+    from asyncengine.engine_client import DeltaStream
 
 
 def json_response(body: Json, status: int = 200) -> web.Response:
@@ -62,19 +66,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    """One prompt or a batch (prompt ``i``'s choice ``j`` is choice ``i * n + j``); ``echo``
+    puts each prompt before its choices' text, and with ``logprobs`` scores its tokens."""
     state = request.app[STATE]
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
-    prompt = state.engine.tokenize(completion_prompt(req))
-    max_tokens = state.engine.intake.max_new_tokens(
-        req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
-    )
-    params = completion_sampling_params(req, max_tokens, state.engine.config.max_n)
+    given = completion_prompts(req)
+    prompts = [state.engine.tokenize(p) for p in given]
+    params = []
+    for prompt in prompts:
+        max_tokens = state.engine.intake.max_new_tokens(
+            req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
+        )
+        params.append(completion_sampling_params(req, max_tokens, state.engine.config.max_n))
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echo = None
+    if req.echo:
+        scored = req.logprobs is not None
+        echo = [Echo.of(state, g, p, scored) for g, p in zip(given, prompts, strict=True)]
+    if len(prompts) == 1 and echo is None:
+        if req.stream:
+            return await _stream(request, state, prompts[0], params[0], builder, include_usage)
+        return await _complete(request, state, prompts[0], params[0], builder)
     if req.stream:
-        return await _stream(request, state, prompt, params, builder, include_usage)
-    return await _complete(request, state, prompt, params, builder)
+        return await _stream_batch(request, state, prompts, params, builder, include_usage, echo)
+    return await _complete_batch(request, state, prompts, params, builder, echo)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -151,12 +168,19 @@ class _ChunkFormat:
         include_usage: bool,
         choices: int,
         chat_output: ChatOutputSpec | None = None,
+        echo: list[Echo] | None = None,
+        n: int = 1,
     ) -> None:
+        """``echo``: each prompt (choices ``i * n .. i * n + n - 1`` are prompt ``i``'s), sent
+        in a chunk of its own before a choice's first."""
         self.state = state
         self.builder = builder
         self.include_usage = include_usage
         self.choices = choices
         self.text_offsets = [0] * choices
+        self.echo = echo
+        self.n = n
+        self.echoed = [False] * choices
         # a chat's text read as reasoning, content and tool calls (server/chat_output.py)
         self.readers = [ChoiceReader(chat_output) for _ in range(choices)] if chat_output else None
 
@@ -171,8 +195,9 @@ class _ChunkFormat:
         ]
 
     def frames(self, delta: StreamDelta) -> list[Json]:
+        echoed = self._echo(delta)
         if not (delta.text or delta.finished or delta.logprobs):
-            return []
+            return echoed
         index = delta.index
         logprobs = _logprobs(
             self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offsets[index]
@@ -194,6 +219,20 @@ class _ChunkFormat:
             index=index,
             delta=payload,
         )
+        return [*echoed, chunk]
+
+    def _echo(self, delta: StreamDelta) -> list[Json]:
+        """The prompt's chunk, before the choice's first."""
+        index = delta.index
+        if self.echo is None or self.echoed[index]:
+            return []
+        self.echoed[index] = True
+        prompt = self.echo[index // self.n]
+        logprobs = prompt.logprobs(self.state, delta.prompt_logprobs)
+        self.text_offsets[index] = len(prompt.text)
+        chunk = self.builder.chunk(
+            prompt.text, None, logprobs, include_usage=self.include_usage, index=index
+        )
         return [chunk]
 
     def closing(self, finals: list[StreamDelta]) -> list[Json]:
@@ -201,6 +240,77 @@ class _ChunkFormat:
         if self.include_usage and len(usages) == self.choices:
             return [self.builder.usage_chunk(combined_usage(usages))]
         return []
+
+
+async def _complete_batch(
+    request: web.Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    builder: ResponseBuilder,
+    echo: list[Echo] | None,
+) -> web.Response:
+    """Completions of a batch of prompts (or an echoed one), run together."""
+    ids = _request_ids(builder, len(prompts))
+    tasks = [
+        asyncio.ensure_future(generate(state.engine, prompt, p, rid))
+        for prompt, p, rid in zip(prompts, params, ids, strict=True)
+    ]
+    try:
+        per_prompt = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # one failing cancels (aborts) the others
+            task.cancel()
+        raise
+    outputs = [o for outs in per_prompt for o in outs]
+    for output in outputs:
+        state.metrics.observe_finished(output.metrics)
+    request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
+    choices: list[tuple[str | Json, str | None, Json | None]] = []
+    for i, outs in enumerate(per_prompt):
+        for o in outs:
+            if echo is None:
+                logprobs = _logprobs(state, builder, o.token_ids, o.logprobs, 0)
+                choices.append((o.text, o.finish_reason, logprobs))
+                continue
+            prompt = echo[i]
+            logprobs = prompt.logprobs(state, o.prompt_logprobs)
+            if logprobs is not None and o.logprobs is not None:
+                generated = completion_logprobs(
+                    o.token_ids, o.logprobs, state.token_text, len(prompt.text)
+                )
+                logprobs = join_logprobs(logprobs, generated)
+            choices.append((prompt.text + o.text, o.finish_reason, logprobs))
+    usage = sum_usage([combined_usage([o.usage for o in outs]) for outs in per_prompt])
+    return json_response(builder.full(choices, usage))
+
+
+def _request_ids(builder: ResponseBuilder, count: int) -> list[str]:
+    return [builder.id] if count == 1 else [f"{builder.id}-p{i}" for i in range(count)]
+
+
+async def _stream_batch(
+    request: web.Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    builder: ResponseBuilder,
+    include_usage: bool,
+    echo: list[Echo] | None,
+) -> web.StreamResponse:
+    n = params[0].n
+    streams: list[DeltaStream] = []
+    try:
+        for prompt, p, rid in zip(
+            prompts, params, _request_ids(builder, len(prompts)), strict=True
+        ):
+            streams.append(state.engine.stream(prompt, p, request_id=rid))
+    except BaseException:
+        for stream in streams:  # a later prompt refused: the earlier ones go too
+            await stream.aclose()
+        raise
+    fmt = _ChunkFormat(state, builder, include_usage, n * len(prompts), echo=echo, n=n)
+    return await stream_response(request, state, MergedStream(streams, n), fmt, n * len(prompts))
 
 
 async def _stream(

@@ -123,7 +123,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
 
 class CompletionRequest(_CommonRequest, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: PositiveInt | None = None
+    max_tokens: NonNegativeInt | None = None  # 0: with echo, the prompt scored, nothing generated
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
@@ -231,30 +231,37 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return messages
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completions request: text or token ids."""
+# the most prompts one completions request may batch (lm-eval sends tens at a time)
+MAX_BATCHED_PROMPTS = 1024
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one text or list of token ids, or a batch of
+    either (each its own choices, ``n`` per prompt)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if not prompt:
         raise invalid_request("prompt is an empty list", param="prompt")
     if all(_is_token_id(t) for t in prompt):
-        return list(prompt)
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-        if len(prompt) > 1:
-            raise _unsupported(
-                "prompt",
-                f"batched prompts ({len(prompt)}) are not supported; send one request per prompt",
+        return [list(prompt)]
+    if len(prompt) > MAX_BATCHED_PROMPTS:
+        raise invalid_request(
+            f"{len(prompt)} batched prompts are more than {MAX_BATCHED_PROMPTS}; split the batch",
+            param="prompt",
+        )
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+            prompts.append(list(item))
+        else:
+            raise invalid_request(
+                f"prompt[{i}] is neither a string nor a non-empty list of non-negative token ids",
+                param="prompt",
             )
-        (only,) = prompt
-        if isinstance(only, str):
-            return only
-        if only and all(_is_token_id(t) for t in only):
-            return list(only)
-    raise invalid_request(
-        "prompt must be a string, a list of non-negative token ids, or a one-element list of either",
-        param="prompt",
-    )
+    return prompts
 
 
 def _is_token_id(value: Any) -> bool:
@@ -328,7 +335,11 @@ def _constraint(req: _CommonRequest) -> StructuredOutput | None:
 
 
 def _sampling_params(
-    req: _CommonRequest, max_tokens: int, logprobs: bool, top_logprobs: int
+    req: _CommonRequest,
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     structured = _constraint(req)
@@ -353,6 +364,7 @@ def _sampling_params(
             n=req.n or 1,
             logit_bias=logit_bias(req.logit_bias),
             structured=structured,
+            prompt_logprobs=prompt_logprobs,
             priority=req.priority,
             timeout=req.timeout,
             tenant=req.user or None,
@@ -383,11 +395,18 @@ def completion_sampling_params(
 ) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
     _check_common(req, max_n)
-    if req.echo:
-        raise _unsupported("echo", "echo is not supported")
+    if max_tokens == 0 and not req.echo:
+        raise invalid_request(
+            "max_tokens=0 generates nothing: it needs echo (to score the prompt)",
+            param="max_tokens",
+        )
     if req.suffix:
         raise _unsupported("suffix", "suffix is not supported")
     if req.best_of is not None and req.best_of > 1:
         raise _unsupported("best_of", f"best_of={req.best_of} is not supported; only 1")
     logprobs = req.logprobs is not None
-    return _sampling_params(req, max_tokens, logprobs, req.logprobs or 0)
+    # echo with logprobs scores the prompt too, with as many alternatives
+    scored = req.echo and (logprobs or max_tokens == 0)
+    return _sampling_params(
+        req, max_tokens, logprobs, req.logprobs or 0, (req.logprobs or 0) if scored else None
+    )

@@ -1,0 +1,68 @@
+"""``echo`` on /v1/completions: the prompt put before each choice's text and, with
+``logprobs``, its tokens scored (SamplingParams.prompt_logprobs) in the shape OpenAI's legacy
+API gives and lm-evaluation-harness reads: one entry per prompt token, the first one's logprob
+and alternatives null, then the generated tokens' entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncengine.outputs import Usage
+from asyncengine.plan import TokenLogprobs
+from asyncengine.server.openai_format import Json
+from asyncengine.server.state import ServerState
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    text: str  # the prompt as given, or its token ids decoded
+    token_ids: list[int]
+    scored: bool  # logprobs were asked for
+
+    @classmethod
+    def of(
+        cls, state: ServerState, given: str | list[int], token_ids: list[int], scored: bool
+    ) -> Echo:
+        if isinstance(given, str):
+            text = given
+        else:
+            text = state.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return cls(text, list(token_ids), scored)
+
+    def logprobs(
+        self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None] | None
+    ) -> Json | None:
+        """The prompt's part of a choice's logprobs (None: none asked for)."""
+        if not self.scored or prompt_logprobs is None:
+            return None
+        tokens: list[str] = []
+        offsets: list[int] = []
+        offset = 0
+        for token_id in self.token_ids:
+            text = state.token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.token_logprob for lp in prompt_logprobs],
+            "top_logprobs": [
+                None if lp is None else {state.token_text(t): v for t, v in lp.top}
+                for lp in prompt_logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+
+def join_logprobs(first: Json, then: Json) -> Json:
+    """Completion logprobs of ``first``'s tokens followed by ``then``'s."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    """A batch's usage: its prompts' (each counted once) together."""
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )

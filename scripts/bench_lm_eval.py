@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""lm-evaluation-harness through our server against its own Hugging Face backend: the same
+model, the same task, the same harness; the accuracies must be equal, and the wall times are
+compared.
+
+    .venv/bin/python scripts/bench_lm_eval.py                       # smollm2-135m, float32
+    .venv/bin/python scripts/bench_lm_eval.py --limit 20 --out bench_results/lm_eval.json
+
+It starts ``asyncengine serve`` on 127.0.0.1 (``--dtype float32``: the HF backend's dtype) and
+runs, one after the other, in child processes:
+
+    lm_eval --model local-completions --model_args model=M,base_url=http://127.0.0.1:P/v1/completions,tokenizer=M,tokenized_requests=True --batch_size B --tasks asyncengine_mc --include_path scripts/lm_eval_tasks
+    lm_eval --model hf --model_args pretrained=M,dtype=float32 --device cpu --batch_size B --tasks asyncengine_mc --include_path scripts/lm_eval_tasks
+
+``asyncengine_mc`` is the local multiple-choice task in scripts/lm_eval_tasks (no download).
+Each lm_eval run is timed whole (the child's wall time: importing the harness, loading the
+tokenizer or model, every request) and by the harness's own ``total_evaluation_time_seconds``;
+our server's start-up is reported apart. Exit status 1 when the accuracies differ. Prints a
+table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_serving beside this script
+
+from bench_serving import LaunchedServer  # noqa: E402
+
+from asyncengine.script_main import run_main  # noqa: E402
+
+TASK = "asyncengine_mc"
+TASKS_DIR = "scripts/lm_eval_tasks"
+
+
+@dataclass(slots=True)
+class HarnessRun:
+    backend: str  # "asyncengine" (local-completions through our server) or "hf"
+    acc: float
+    acc_norm: float
+    samples: int
+    requests: int  # loglikelihood requests: one per choice
+    wall_seconds: float  # the lm_eval child process, whole
+    evaluation_seconds: float  # the harness's total_evaluation_time_seconds
+
+
+def lm_eval_command(model_args: str, backend: str, batch_size: int, limit: int | None) -> list[str]:
+    command = [
+        str(Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        backend,
+        "--model_args",
+        model_args,
+        "--batch_size",
+        str(batch_size),
+        "--tasks",
+        TASK,
+        "--include_path",
+        TASKS_DIR,
+    ]
+    if backend == "hf":
+        command += ["--device", "cpu"]
+    if limit is not None:
+        command += ["--limit", str(limit)]
+    return command
+
+
+def run_harness(name: str, command: list[str], out_dir: Path, log_path: Path) -> HarnessRun:
+    """One lm_eval run in a child process (offline: nothing is fetched), its results read
+    back from ``--output_path``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [*command, "--output_path", str(out_dir)]
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-20:]
+        raise SystemExit(f"lm_eval ({name}) exited with {done.returncode}:\n" + "\n".join(tail))
+    (path,) = sorted(out_dir.rglob("results_*.json"))
+    results = json.loads(path.read_text())
+    task = results["results"][TASK]
+    samples = results["n-samples"][TASK]["effective"]
+    return HarnessRun(
+        backend=name,
+        acc=float(task["acc,none"]),
+        acc_norm=float(task["acc_norm,none"]),
+        samples=int(samples),
+        requests=0,
+        wall_seconds=wall,
+        evaluation_seconds=float(results["total_evaluation_time_seconds"]),
+    )
+
+
+def count_requests(limit: int | None) -> int:
+    lines = (ROOT / TASKS_DIR / TASK / f"{TASK}.jsonl").read_text().splitlines()
+    docs = [json.loads(line) for line in lines][: limit if limit is not None else None]
+    return sum(len(doc["choices"]) for doc in docs)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} CPUs"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF model directory (default smollm2-135m)")
+    parser.add_argument("--limit", type=int, default=None, help="first N questions only")
+    parser.add_argument("--batch-size", type=int, default=16, help="both backends' batch size")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--serve-arg", action="append", default=[], help="more serve flags")
+    args = parser.parse_args()
+    if args.model is None:
+        import torch
+
+        from asyncengine.executor.loader import resolve_model
+
+        model = str(resolve_model("smollm2-135m", torch.float32))
+    else:
+        model = str(Path(args.model).resolve())
+    load_before = load_average()
+    work = Path(tempfile.mkdtemp(prefix="bench_lm_eval_"))
+    server = LaunchedServer(
+        ["--model", model, "--dtype", "float32", "--log-interval", "0", *args.serve_arg],
+        args.startup_timeout,
+        work / "server.log",
+    )
+    server.start()
+    try:
+        ours = run_harness(
+            "asyncengine",
+            lm_eval_command(
+                f"model={model},base_url={server.base_url}/v1/completions,tokenizer={model},"
+                "tokenized_requests=True,num_concurrent=1,max_retries=1",
+                "local-completions",
+                args.batch_size,
+                args.limit,
+            ),
+            work / "asyncengine",
+            work / "lm_eval_asyncengine.log",
+        )
+    finally:
+        server.stop()
+    theirs = run_harness(
+        "hf",
+        lm_eval_command(f"pretrained={model},dtype=float32", "hf", args.batch_size, args.limit),
+        work / "hf",
+        work / "lm_eval_hf.log",
+    )
+    requests = count_requests(args.limit)
+    ours.requests = theirs.requests = requests
+    report = {
+        "model": model,
+        "task": TASK,
+        "batch_size": args.batch_size,
+        "limit": args.limit,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "server_startup_seconds": server.startup_seconds,
+        "runs": [asdict(ours), asdict(theirs)],
+        "wall_speedup": theirs.wall_seconds / ours.wall_seconds,
+        "evaluation_speedup": theirs.evaluation_seconds / ours.evaluation_seconds,
+        "equal_accuracy": (ours.acc, ours.acc_norm) == (theirs.acc, theirs.acc_norm),
+    }
+    print(f"lm-eval {TASK} ({ours.samples} questions, {requests} loglikelihood requests), {model}")
+    print(f"load average (1/5/15 min): before {load_before}, after {report['load_average_after']}")
+    header = f"{'backend':<12} {'acc':>7} {'acc_norm':>9} {'lm_eval wall s':>15} {'eval s':>8}"
+    print(header)
+    for run in (ours, theirs):
+        print(
+            f"{run.backend:<12} {run.acc:>7.4f} {run.acc_norm:>9.4f} "
+            f"{run.wall_seconds:>15.1f} {run.evaluation_seconds:>8.1f}"
+        )
+    print(
+        f"asyncengine is {report['wall_speedup']:.2f}x the HF backend's speed (lm_eval wall), "
+        f"{report['evaluation_speedup']:.2f}x (evaluation); server start-up "
+        f"{server.startup_seconds:.1f}s apart; accuracies equal: {report['equal_accuracy']}"
+    )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["equal_accuracy"] else 1
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,61 @@
+"""The local lm-evaluation-harness task and scripts/bench_lm_eval.py: the committed data is what
+its generator writes, and (slow) the harness scores a model through the server exactly as
+through its own HF backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server_support import tiny_model_dir
+from tests.test_bench_scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK_DIR = ROOT / "scripts" / "lm_eval_tasks"
+
+
+def test_committed_task_data_is_what_its_generator_writes() -> None:
+    make = load_script("lm_eval_tasks/make_asyncengine_mc")
+    items = make.items()
+    lines = (TASK_DIR / "asyncengine_mc" / "asyncengine_mc.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == items
+    for item in items:
+        assert 0 <= item["answer"] < len(item["choices"]) == 4
+        assert len(set(item["choices"])) == 4
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_equal_through_the_server_and_hf(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = tiny_model_dir(tmp_path_factory, initializer_range=0.2)
+    out = tmp_path / "lm_eval.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_lm_eval.py"),
+            "--model",
+            str(model),
+            "--limit",
+            "6",
+            "--batch-size",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    ours, hf = report["runs"]
+    assert report["equal_accuracy"] and (ours["acc"], ours["acc_norm"]) == (
+        hf["acc"],
+        hf["acc_norm"],
+    )
+    assert ours["samples"] == hf["samples"] == 6 and ours["requests"] == 24
