@@ -60,6 +60,10 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "kv_pages_used": ("pages_used", "KV pages held by live requests"),
     "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),
     "kv_pages_evictable": ("pages_evictable", "Cached KV pages no live request locks"),
+    "spec_decode_acceptance_rate": (
+        "spec_acceptance_rate",
+        "Share of verified speculative guesses accepted (speculative decoding on)",
+    ),
 }
 
 
@@ -73,6 +77,9 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
         "retractions",
         "Running requests preempted because KV memory ran out (recomputed later)",
     ),
+    "spec_decode_steps": ("spec_steps", "Steps that verified speculative guesses"),
+    "spec_decode_num_draft_tokens": ("spec_verified_tokens", "Speculative guesses verified"),
+    "spec_decode_num_accepted_tokens": ("spec_accepted_tokens", "Speculative guesses accepted"),
 }
 
 
