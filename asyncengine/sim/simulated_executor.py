@@ -2,11 +2,17 @@
 
 Every sampled segment gets the same non-EOS token, and each plan advances the clock by the cost
 model's estimate of its forward time. KV memory is only accounted for, never allocated.
+
+Speculative decoding: a verified row's guesses cost what extend tokens cost (the fitted
+per-token and attention terms: verifying is an extend over the paged KV), and each guess of a
+request is accepted with its ``acceptance`` (from the workload; 0 when unknown) until the first
+rejection, drawn from a seeded generator, so a rule that guesses where guesses fail pays for it.
 """
 
 from __future__ import annotations
 
 import operator
+import random
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor_api import KVLayout, ModelSpec
@@ -39,6 +45,8 @@ class SimulatedExecutor:
         self.spec = spec
         self.sampled_token_id = sampled_token_id
         self.layout: KVLayout | None = None
+        self.acceptance: dict[str, float] = {}  # rid -> chance each guess is accepted
+        self._draws = random.Random(0)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int | None:
         return None
@@ -56,6 +64,11 @@ class SimulatedExecutor:
         decodes = plan.decodes
         # a decode attends to its start_pos + 1 keys
         decode_context = sum(map(_start_pos, decodes)) + len(decodes)
+        if plan.num_guesses:  # verified guesses: extend tokens after the decode's position
+            for seg in decodes:
+                g = seg.guesses
+                prefill_tokens += g
+                prefill_attention += g * (seg.start_pos + 1) + g * (g + 1) // 2
         return self.cost_model.seconds(
             prefill_tokens, prefill_attention, len(decodes), decode_context
         )
@@ -64,4 +77,17 @@ class SimulatedExecutor:
         seconds = self.seconds(plan)
         self.clock.advance(seconds)
         n = len(plan.sampling)
-        return StepOutput([self.sampled_token_id] * n, [None] * n, forward_seconds=seconds)
+        output = StepOutput([self.sampled_token_id] * n, [None] * n, forward_seconds=seconds)
+        if plan.num_guesses:
+            output.accepted = [
+                self._accepted(seg.rid, seg.guesses) for seg in plan.segments if seg.sample
+            ]
+        return output
+
+    def _accepted(self, rid: str, guesses: int) -> int:
+        """How many of ``guesses`` a request with its acceptance keeps (until one fails)."""
+        chance = self.acceptance.get(rid, 0.0)
+        kept = 0
+        while kept < guesses and self._draws.random() < chance:
+            kept += 1
+        return kept

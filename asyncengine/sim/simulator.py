@@ -67,6 +67,9 @@ class Simulator:
         if self._used:
             raise RuntimeError("a Simulator runs one workload; make a new one")
         self._used = True
+        self.executor.acceptance = {
+            item.rid: item.acceptance for item in workload if item.acceptance is not None
+        }
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         replay = WorkloadReplay(
             self.core, self.clock, workload, check_invariant_every=self.check_invariant_every
