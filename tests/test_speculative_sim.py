@@ -45,3 +45,14 @@ def test_the_adaptive_rule_ranks_above_fixed_where_guesses_fail() -> None:
     adaptive = simulate(config("adaptive"), workload(64, 0.05))
     assert adaptive.virtual_seconds < fixed.virtual_seconds
     assert adaptive.core_stats["spec_verified_tokens"] < fixed.core_stats["spec_verified_tokens"]
+
+
+def test_speculation_trace_mixes_copy_heavy_and_random_requests() -> None:
+    from asyncengine.workloads.copy_heavy import speculation_trace
+
+    trace = speculation_trace(200, copy_share=0.3, seed=1)
+    assert trace == speculation_trace(200, copy_share=0.3, seed=1)
+    copy = [r for r in trace if r.acceptance is not None and r.acceptance >= 0.75]
+    rest = [r for r in trace if r.acceptance is not None and r.acceptance <= 0.15]
+    assert len(copy) + len(rest) == 200 and 40 < len(copy) < 80
+    assert all(a.arrival_time < b.arrival_time for a, b in zip(trace, trace[1:], strict=False))

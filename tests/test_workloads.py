@@ -168,3 +168,14 @@ def test_priority_mix_and_slo_mix_shares() -> None:
     assert 20 < len(docs) < 70 and min(len(r.prompt_ids) for r in docs) >= 512
     with pytest.raises(ValueError):
         make_workload("priority_mix", interactive_share=2.0)
+
+
+def test_copy_heavy_prompts_hold_code_or_prose_to_rewrite() -> None:
+    from asyncengine.workloads.copy_heavy import copy_heavy_prompts, random_text_prompts
+
+    prompts = copy_heavy_prompts(4, seed=3)
+    assert prompts == copy_heavy_prompts(4, seed=3)
+    assert "```python\ndef " in prompts[0][0]["content"]
+    assert len(prompts[1][0]["content"].split()) > 40
+    words = random_text_prompts(2, seed=3, words=50)[0][0]["content"].split()
+    assert len(words) == 53  # "Continue this text:" and 50 words

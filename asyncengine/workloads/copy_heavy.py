@@ -13,6 +13,8 @@ import ast
 import random
 from importlib import resources
 
+from asyncengine.workloads.trace import WorkloadRequest
+
 Messages = list[dict[str, str]]
 
 _SOURCES = (  # modules of moderate size, stable content
@@ -103,3 +105,24 @@ def random_text_prompts(n: int, seed: int = 0, words: int = 120) -> list[Message
         ]
         for _ in range(n)
     ]
+
+
+def speculation_trace(
+    n: int, copy_share: float, rate: float = 4.0, seed: int = 0
+) -> list[WorkloadRequest]:
+    """A simulator workload for ranking speculation rules: Poisson arrivals at ``rate``/s,
+    random prompts (200-800 tokens) and outputs (64-256), a ``copy_share`` of the requests
+    copy-heavy (each guess accepted with a chance drawn in 0.75-0.95, as measured on the
+    copy-heavy prompts) and the rest random text (0-0.15)."""
+    rng = random.Random(seed)
+    requests = []
+    now = 0.0
+    for i in range(n):
+        now += rng.expovariate(rate)
+        copy = rng.random() < copy_share
+        acceptance = rng.uniform(0.75, 0.95) if copy else rng.uniform(0.0, 0.15)
+        prompt = [rng.randrange(10, 49000) for _ in range(rng.randrange(200, 800))]
+        requests.append(
+            WorkloadRequest(f"r{i}", now, prompt, rng.randrange(64, 256), acceptance=acceptance)
+        )
+    return requests
