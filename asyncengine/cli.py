@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -11,6 +12,18 @@ from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.event_loop import run
 from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.port import PortInUseError
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (an argparse ``type``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
 
 # (flag, config key, type, help); every flag overrides the key of the same name in --config
 ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -103,6 +116,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "length_predictor",
         str,
         "output lengths for sjf/ltr: max-tokens | history | ranker | pkg.mod:Class",
+    ),
+    (
+        "--speculative",
+        "speculative",
+        json_object,
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     ),
     ("--seed", "seed", int, "seed of unseeded sampling"),
     ("--max-n", "max_n", int, "most choices (n) one request may ask for"),

@@ -171,6 +171,24 @@ class EngineCore:
             "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),
             "length_predictor": self.scheduler.lengths.stats(),
+            **self._speculation_stats(sched),
+        }
+
+    def _speculation_stats(self, sched: dict[str, float]) -> dict[str, Any]:
+        """Speculative decoding: acceptance overall, accepted tokens per verifying step, and
+        each running request's guesses verified and accepted so far."""
+        if self.scheduler.speculation is None:
+            return {}
+        verified, accepted = sched["spec_verified_tokens"], sched["spec_accepted_tokens"]
+        return {
+            "spec_acceptance_rate": accepted / verified if verified else 0.0,
+            "spec_accepted_per_step": accepted / sched["spec_steps"]
+            if sched["spec_steps"]
+            else 0.0,
+            "spec_requests": {
+                req.rid: {"proposed": req.proposed_guesses, "accepted": req.accepted_guesses}
+                for req in self.scheduler.running
+            },
         }
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:

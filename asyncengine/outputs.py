@@ -12,6 +12,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    accepted_speculative_tokens: int = 0  # output tokens that were accepted guesses
 
     @property
     def total_tokens(self) -> int:

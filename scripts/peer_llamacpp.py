@@ -84,8 +84,10 @@ class LlamaServer:
         context_per_slot: int = CONTEXT_PER_SLOT,
         log_path: Path | None = None,
         startup_timeout: float = 300.0,
+        extra_args: tuple[str, ...] = (),  # appended to the command (e.g. --spec-type ...)
     ) -> None:
         self.model = model
+        self.extra_args = extra_args
         self.parallel = parallel
         self.threads = threads or os.cpu_count() or 1
         self.context = parallel * context_per_slot
@@ -109,6 +111,7 @@ class LlamaServer:
             "--cache-ram", "0",
             "--host", "127.0.0.1",
             "--port", str(self.port),
+            *self.extra_args,
         ]  # fmt: skip
 
     def __enter__(self) -> LlamaServer:

@@ -58,6 +58,7 @@ def test_ngram_proposer_copies_what_followed_the_latest_longest_match() -> None:
     tokens += [6, 2, 3]
     # [6, 2, 3] never occurred; [2, 3] latest at 11..12 (followed by 6, 2, 3)
     assert proposer.propose(tokens, 2) == [6, 2]
+    assert proposer.propose(tokens, 5) == [6, 2, 3, 6, 2]  # the period repeats
     assert proposer.propose([*tokens, 42], 4) == []  # [3, 42] and [42] never occurred
 
 
@@ -73,7 +74,10 @@ def test_ngram_proposer_matches_a_brute_force_search(tokens: list[int], k: int) 
             continue
         ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == tokens[len(tokens) - n :]]
         if ends:
-            expected = tokens[ends[-1] : ends[-1] + k]
+            extended = list(tokens)
+            for i in range(ends[-1], ends[-1] + k):
+                extended.append(extended[i])
+            expected = extended[len(tokens) :]
             break
     assert incremental.propose(tokens, k) == expected
 

@@ -186,3 +186,14 @@ def test_task_mix_lengths_follow_each_tasks_medians() -> None:
         prompts = statistics.median(len(r.prompt_ids) - 24 for r in mine)
         assert 0.8 * output_median <= outputs <= 1.25 * output_median
         assert 0.8 * prompt_median <= prompts <= 1.25 * prompt_median
+
+
+def test_copy_heavy_prompts_hold_code_or_prose_to_rewrite() -> None:
+    from asyncengine.workloads.copy_heavy import copy_heavy_prompts, random_text_prompts
+
+    prompts = copy_heavy_prompts(4, seed=3)
+    assert prompts == copy_heavy_prompts(4, seed=3)
+    assert "```python\ndef " in prompts[0][0]["content"]
+    assert len(prompts[1][0]["content"].split()) > 40
+    words = random_text_prompts(2, seed=3, words=50)[0][0]["content"].split()
+    assert len(words) == 53  # "Continue this text:" and 50 words

@@ -300,6 +300,7 @@ class NativeResponder:
         if usage is not None:
             meta["prompt_tokens"] = usage.prompt_tokens
             meta["cached_tokens"] = usage.cached_tokens
+            meta["accepted_speculative_tokens"] = usage.accepted_speculative_tokens
         if metrics is not None:
             meta["e2e_latency"] = metrics.e2e
             meta["ttft"] = metrics.ttft

@@ -18,7 +18,8 @@ def combined_usage(usages: list[Usage]) -> Usage:
     """One request's usage over its choices: the prompt counted once (it is prefilled once)."""
     first = usages[0]
     completion = sum(u.completion_tokens for u in usages)
-    return Usage(first.prompt_tokens, completion, first.cached_tokens)
+    accepted = sum(u.accepted_speculative_tokens for u in usages)
+    return Usage(first.prompt_tokens, completion, first.cached_tokens, accepted)
 
 
 def usage_body(usage: Usage) -> Json:
@@ -27,6 +28,10 @@ def usage_body(usage: Usage) -> Json:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # OpenAI's name for output tokens that were accepted predictions (speculative guesses)
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": usage.accepted_speculative_tokens
+        },
     }
 
 

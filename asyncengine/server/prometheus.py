@@ -60,6 +60,10 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "kv_pages_used": ("pages_used", "KV pages held by live requests"),
     "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),
     "kv_pages_evictable": ("pages_evictable", "Cached KV pages no live request locks"),
+    "spec_decode_acceptance_rate": (
+        "spec_acceptance_rate",
+        "Share of verified speculative guesses accepted (speculative decoding on)",
+    ),
 }
 
 
@@ -81,6 +85,9 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "swap_out_bytes": ("swapped_out_bytes", "KV bytes swapped out to the host buffer"),
     "swap_in_bytes": ("swapped_in_bytes", "KV bytes swapped back in from the host buffer"),
     "swap_seconds": ("swap_seconds", "Seconds spent copying swapped KV"),
+    "spec_decode_steps": ("spec_steps", "Steps that verified speculative guesses"),
+    "spec_decode_num_draft_tokens": ("spec_verified_tokens", "Speculative guesses verified"),
+    "spec_decode_num_accepted_tokens": ("spec_accepted_tokens", "Speculative guesses accepted"),
 }
 
 

@@ -2,11 +2,17 @@
 
 Every sampled segment gets the same non-EOS token, and each plan advances the clock by the cost
 model's estimate of its forward time. KV memory is only accounted for, never allocated.
+
+Speculative decoding: a verified row's guesses cost what extend tokens cost (the fitted
+per-token and attention terms: verifying is an extend over the paged KV), and each guess of a
+request is accepted with its ``acceptance`` (from the workload; 0 when unknown) until the first
+rejection, drawn from a seeded generator, so a rule that guesses where guesses fail pays for it.
 """
 
 from __future__ import annotations
 
 import operator
+import random
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor_api import KVLayout, ModelSpec
@@ -49,6 +55,8 @@ class SimulatedExecutor:
         self.spec = spec
         self.sampled_token_id = sampled_token_id
         self.layout: KVLayout | None = None
+        self.acceptance: dict[str, float] = {}  # rid -> chance each guess is accepted
+        self._draws = random.Random(0)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int | None:
         return None
@@ -66,6 +74,11 @@ class SimulatedExecutor:
         decodes = plan.decodes
         # a decode attends to its start_pos + 1 keys
         decode_context = sum(map(_start_pos, decodes)) + len(decodes)
+        if plan.num_guesses:  # verified guesses: extend tokens after the decode's position
+            for seg in decodes:
+                g = seg.guesses
+                prefill_tokens += g
+                prefill_attention += g * (seg.start_pos + 1) + g * (g + 1) // 2
         return self.cost_model.seconds(
             prefill_tokens, prefill_attention, len(decodes), decode_context
         )
@@ -93,7 +106,7 @@ class SimulatedExecutor:
             for seg in plan.scoring_segments
             if seg.scoring is not None
         ]
-        return StepOutput(
+        output = StepOutput(
             [self.sampled_token_id] * n,
             [None] * n,
             forward_seconds=seconds,
@@ -101,3 +114,16 @@ class SimulatedExecutor:
             pooled=pooled,
             prompt_logprobs=scored,
         )
+        if plan.num_guesses:
+            output.accepted = [
+                self._accepted(seg.rid, seg.guesses) for seg in plan.segments if seg.sample
+            ]
+        return output
+
+    def _accepted(self, rid: str, guesses: int) -> int:
+        """How many of ``guesses`` a request with its acceptance keeps (until one fails)."""
+        chance = self.acceptance.get(rid, 0.0)
+        kept = 0
+        while kept < guesses and self._draws.random() < chance:
+            kept += 1
+        return kept

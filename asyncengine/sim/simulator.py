@@ -81,6 +81,9 @@ class Simulator:
         predictor = self.core.scheduler.lengths.predictor
         if isinstance(predictor, OraclePredictor):  # the trace's lengths, the simulator's alone
             predictor.reveal({item.rid: item.output_len for item in workload})
+        self.executor.acceptance = {
+            item.rid: item.acceptance for item in workload if item.acceptance is not None
+        }
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         replay = WorkloadReplay(
             self.core, self.clock, workload, check_invariant_every=self.check_invariant_every

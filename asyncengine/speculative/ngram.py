@@ -27,8 +27,9 @@ class NgramProposer:
         self._indexed = 0  # n-grams ending at every end <= _indexed are in the index
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
-        of ``tokens`` (``max_n`` down to ``min_n`` tokens long); [] when none occurred."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``tokens`` (``max_n`` down to ``min_n`` tokens long); [] when none occurred. A match
+        close to the end continues into the guesses themselves (a repeating pattern repeats)."""
         length = len(tokens)
         # Only n-grams with a continuation are indexed: those ending at length - 1 or before.
         # The suffix itself (ending at length) goes in at the next call, once a token follows it.
@@ -44,5 +45,15 @@ class NgramProposer:
                 continue
             found = self._latest[n - self.min_n].get(tuple(tokens[length - n :]))
             if found is not None:
-                return list(tokens[found : found + k])
+                return _continuation(tokens, found, k)
         return []
+
+
+def _continuation(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """``k`` tokens copied from ``start`` on; past the end of ``tokens`` the copy reads what
+    it has already copied (as LZ77 copies overlap), so a period of p tokens repeats."""
+    length = len(tokens)
+    out: list[int] = []
+    for i in range(start, start + k):
+        out.append(tokens[i] if i < length else out[i - length])
+    return out

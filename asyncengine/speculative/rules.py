@@ -2,10 +2,11 @@
 
 "fixed": the configured ``num_speculative_tokens``.
 "adaptive": guess j is worth verifying while the chance that guesses 1..j are all accepted,
-estimated as rate ** j from the request's acceptance so far, stays above ``MIN_CHANCE``; and a
-step never verifies more than ``max_verify_tokens`` tokens over its decodes: past that a forward
-is compute bound, every verified token costs about as much as a decoded one, and a rejected
-guess is pure loss. A request whose guesses keep failing gets none, except a one-token probe
+estimated as rate ** j from the request's acceptance so far, exceeds what verifying one more
+token costs, as a share of a step: ``FLOOR_CHANCE`` plus batch size / ``max_verify_tokens``
+(a step's cost hardly grows with its tokens while it is bound by reading the weights, and grows
+with every token once it is compute bound, which ``max_verify_tokens`` marks); and a step never
+verifies more than ``max_verify_tokens`` tokens over its decodes. A request whose guesses keep failing gets none, except a one-token probe
 every ``PROBE_EVERY`` tokens, so that text turning repetitive later is noticed.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from asyncengine.request import Request
 from asyncengine.speculative.settings import SpeculativeConfig
 
-MIN_CHANCE = 0.3
+FLOOR_CHANCE = 0.05
 PROBE_EVERY = 16
 # a request's rate starts as if PRIOR_ACCEPTED of PRIOR_PROPOSED guesses were accepted
 PRIOR_ACCEPTED = 3
@@ -34,10 +35,11 @@ def adaptive_guesses(settings: SpeculativeConfig, req: Request, batch_size: int)
     if limit <= 0:
         return 0
     rate = acceptance_rate(req)
+    worth = FLOOR_CHANCE + batch_size / settings.max_verify_tokens
     guesses, chance = 0, 1.0
     while guesses < limit:
         chance *= rate
-        if chance < MIN_CHANCE:
+        if chance < worth:
             break
         guesses += 1
     if guesses == 0 and len(req.output_ids) % PROBE_EVERY == 0:

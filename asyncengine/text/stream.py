@@ -58,7 +58,9 @@ class StreamState:
         (``now`` stands for the end time of a request that never reached the core)."""
         req = self.req
         end = req.finished_time or now
-        usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+        usage = Usage(
+            len(req.prompt_ids), len(req.output_ids), req.cached_tokens, req.accepted_guesses
+        )
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             queue_time=None

@@ -15,6 +15,9 @@ class WorkloadRequest:
     ``arrival_time`` is in seconds relative to the start of the run. ``output_len`` is the
     exact number of tokens to generate (``max_new_tokens`` with ``ignore_eos``). ``priority``,
     ``tenant`` and ``timeout`` are the request's scheduling controls (SamplingParams).
+    ``acceptance``: for the simulator, the chance that each speculative guess of this request
+    is accepted (None: its guesses are all rejected there); a live run measures it per request
+    (usage ``accepted_speculative_tokens``).
     """
 
     rid: str
@@ -25,6 +28,7 @@ class WorkloadRequest:
     priority: int = 0
     tenant: str | None = None
     timeout: float | None = None
+    acceptance: float | None = None
 
     def to_json(self) -> dict[str, object]:
         record: dict[str, object] = {
@@ -41,6 +45,8 @@ class WorkloadRequest:
             record["tenant"] = self.tenant
         if self.timeout is not None:
             record["timeout"] = self.timeout
+        if self.acceptance is not None:
+            record["acceptance"] = self.acceptance
         return record
 
     @classmethod
@@ -51,6 +57,7 @@ class WorkloadRequest:
         text = record.get("prompt_text")
         tenant = record.get("tenant")
         timeout = record.get("timeout")
+        acceptance = record.get("acceptance")
         return cls(
             rid=str(record["rid"]),
             arrival_time=float(record["arrival_time"]),  # type: ignore[arg-type]
@@ -60,6 +67,7 @@ class WorkloadRequest:
             priority=int(record.get("priority", 0)),  # type: ignore[call-overload]
             tenant=None if tenant is None else str(tenant),
             timeout=None if timeout is None else float(timeout),  # type: ignore[arg-type]
+            acceptance=None if acceptance is None else float(acceptance),  # type: ignore[arg-type]
         )
 
 
