@@ -104,3 +104,29 @@ def test_each_claim_holds_in_the_simulator(name: str, tmp_path: Path) -> None:
     outcome = results[name]["sim"]
     assert outcome.holds, outcome.verdict
     assert f"<!-- reproduction: {name} -->" in (tmp_path / "R.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_reproduction_runs_on_the_real_executor_with_its_step_hook(tmp_path: Path) -> None:
+    """The --real path: the real model (a tiny random llama here) on the CPU clock, the
+    reproduction's step hook fed every landed step."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.sim.reproductions import run_workload
+    from asyncengine.sim.reproductions.vtc import meter_factory
+    from tests.test_sim_vs_real import write_model
+
+    model = write_model(tmp_path / "model")
+    workload = two_clients(4.0, 3.0, 24, 6, vocab_size=2000)
+    meters: list[ServiceMeter] = []
+    config = EngineConfig(policy="fair", kv_cache_tokens=2048, max_model_len=512, log_interval=0)
+    run = run_workload(
+        "fair", config, workload, real=True,
+        hook=meter_factory({w.rid: str(w.tenant) for w in workload}, meters),
+        real_base=EngineConfig(model=str(model), device="cpu"),
+    )  # fmt: skip
+    assert run.summary.num_completed == len(workload) and run.steps > 0
+    (meter,) = meters
+    assert len(meter.samples) == run.steps
+    total = 24 * len(workload) + 2 * 6 * len(workload)  # every prompt token, every output token
+    assert sum(meter.service.values()) == total
+    assert run.stats["policy"] == "fair"

@@ -79,9 +79,10 @@ def run_workload(
     real: bool = False,
     cost_model: CostModel | None = None,
     hook: HookFactory | None = None,
+    real_base: EngineConfig = REAL_BASE,
 ) -> Run:
     """``workload`` under ``config``: simulated (the cost model on a virtual clock), or with
-    ``real`` on the real executor (``REAL_BASE``'s model and device over ``config``'s
+    ``real`` on the real executor (``real_base``'s model and device over ``config``'s
     scheduling keys), each step advancing the clock by its measured CPU time."""
     if real:
         import torch
@@ -89,7 +90,7 @@ def run_workload(
         from asyncengine.sim.sim_vs_real import replay_measured
 
         real_config = config.replace(
-            model=REAL_BASE.model, device=REAL_BASE.device, log_interval=0.0
+            model=real_base.model, device=real_base.device, log_interval=0.0
         )
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the CPU clock measures this thread: the forward runs here
