@@ -89,3 +89,22 @@ def test_check_policy_script_passes_and_fails_with_a_shrunk_adversary(tmp_path: 
     passed = check_starvation("priority", {"max_wait_tokens": 3000}, examples=2)
     assert passed.passed and passed.examples == 3  # the default adversary and two drawn
     assert 0 < passed.worst_overtaken_tokens < passed.worst_wait_tokens
+
+
+def test_adversaries_are_drawn_the_same_for_the_same_seed_in_their_ranges() -> None:
+    import numpy as np
+
+    from asyncengine.sim.starvation import KNOBS, draw_adversary
+
+    first = [draw_adversary(np.random.default_rng(7)) for _ in range(1)]
+    rng_a, rng_b = np.random.default_rng(7), np.random.default_rng(7)
+    drawn = [draw_adversary(rng_a) for _ in range(50)]
+    assert drawn == [draw_adversary(rng_b) for _ in range(50)]
+    assert drawn[0] == first[0]
+    assert drawn != [draw_adversary(np.random.default_rng(8)) for _ in range(50)]
+    for name, knob in KNOBS.items():
+        values = [getattr(adv, name) for adv in drawn]
+        if len(knob) == 1:
+            assert set(values) <= set(knob[0]) and len(set(values)) > 1, name
+        else:
+            assert all(knob[0] <= v <= knob[1] for v in values), name

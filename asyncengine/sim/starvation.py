@@ -1,8 +1,8 @@
-"""Starvation check for any policy: adversarial workloads in the simulator, drawn by hypothesis.
+"""Starvation check for any policy: adversarial workloads in the simulator, drawn at random.
 
 An adversary sends a steady stream of requests that policies like to serve first (short, on a
-hot cached prefix, of better priority, from many fresh tenants; hypothesis picks which of these
-and how much) faster than the engine serves them, and a few victims shortly after it starts
+hot cached prefix, of better priority, from many fresh tenants; a seeded draw picks which of
+these and how much) faster than the engine serves them, and a few victims shortly after it starts
 (long, cold, of worse priority, from one tenant). Waits are counted in prefill tokens (the
 prompt tokens the engine computes; machine independent, as LPM's aging counts them):
 
@@ -51,7 +51,8 @@ CHECK_CONFIG: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True)
 class Adversary:
-    """One adversarial workload's knobs (hypothesis draws them; the defaults are a strong one)."""
+    """One adversarial workload's knobs (``draw_adversary`` draws them; the defaults are a
+    strong one)."""
 
     stream: int = 500  # requests in the favoured stream (judged with it and twice as many)
     gap_ms: float = 20.0  # between stream arrivals (more than the engine serves per second)
@@ -216,7 +217,7 @@ class StarvationReport:
     worst_overtaken_request: str
     worst_adversary: Adversary | None
     failure: str | None = None
-    failing_adversary: Adversary | None = None  # shrunk by hypothesis
+    failing_adversary: Adversary | None = None  # shrunk (``shrink``)
     outcomes: list[Outcome] = field(default_factory=list, repr=False)
 
     @property
@@ -244,25 +245,38 @@ class StarvationReport:
         }
 
 
-def adversaries() -> Any:
-    """The hypothesis strategy of adversaries."""
-    from hypothesis import strategies as st
+# each knob's range: (low, high) for integers and floats (both ends included), a tuple of
+# choices otherwise
+KNOBS: dict[str, tuple[Any, ...]] = {
+    "stream": (300, 600),
+    "gap_ms": (5.0, 60.0),
+    "stream_prompt": (32, 128),
+    "stream_output": (1, 16),
+    "hot_prefix": ((0, 64, 256, 512),),
+    "stream_priority": ((-1, 0, 5),),
+    "stream_tenants": (1, 64),
+    "victims": (1, 3),
+    "victim_prompt": (64, 1500),
+    "victim_output": (1, 128),
+    "victim_after": (1, 40),
+    "seed": (0, 2**16),
+}
 
-    return st.builds(
-        Adversary,
-        stream=st.integers(300, 600),
-        gap_ms=st.floats(5.0, 60.0),
-        stream_prompt=st.integers(32, 128),
-        stream_output=st.integers(1, 16),
-        hot_prefix=st.sampled_from([0, 64, 256, 512]),
-        stream_priority=st.sampled_from([-1, 0, 5]),
-        stream_tenants=st.integers(1, 64),
-        victims=st.integers(1, 3),
-        victim_prompt=st.integers(64, 1500),
-        victim_output=st.integers(1, 128),
-        victim_after=st.integers(1, 40),
-        seed=st.integers(0, 2**16),
-    )
+
+def draw_adversary(rng: np.random.Generator) -> Adversary:
+    """One adversary drawn uniformly over ``KNOBS`` (numpy's generator: the same draws for the
+    same seed on any machine and in any process; hypothesis's draws mix in constants found in
+    whatever modules are loaded, so they differed between a script and another context)."""
+    values: dict[str, Any] = {}
+    for name, knob in KNOBS.items():
+        if len(knob) == 1:
+            choices = knob[0]
+            values[name] = choices[int(rng.integers(len(choices)))]
+        elif isinstance(knob[0], float):
+            values[name] = float(rng.uniform(knob[0], knob[1]))
+        else:
+            values[name] = int(rng.integers(knob[0], knob[1], endpoint=True))
+    return Adversary(**values)
 
 
 # the simplest value of each knob, for shrinking a failing adversary towards it; the stream's
@@ -313,16 +327,10 @@ def check_starvation(
     config: dict[str, Any] | None = None,
     on_example: Callable[[Outcome], None] | None = None,
 ) -> StarvationReport:
-    """Judge the default adversary and up to ``examples`` drawn ones (hypothesis) under
-    ``policy`` (a name, a composition or "pkg.module:Class"), stopping at the first failure,
-    which is then shrunk with at most ``shrink_runs`` more judgements. Needs hypothesis."""
-    try:
-        from hypothesis import HealthCheck, Phase, find, settings
-        from hypothesis.errors import NoSuchExample
-    except ImportError:  # pragma: no cover
-        raise RuntimeError(
-            "the starvation check needs hypothesis (pip install hypothesis)"
-        ) from None
+    """Judge the default adversary and up to ``examples`` drawn ones (``draw_adversary``,
+    seeded by ``seed``) under ``policy`` (a name, a composition or "pkg.module:Class"),
+    stopping at the first failure, which is then shrunk with at most ``shrink_runs`` more
+    judgements. The same arguments give the same report on any machine."""
     engine_config = EngineConfig.from_dict(
         {**CHECK_CONFIG, **(config or {}), "policy": policy, "policy_options": options or {}}
     )
@@ -344,21 +352,13 @@ def check_starvation(
 
     failing: Adversary | None = Adversary(seed=seed)
     if not fails(failing):  # type: ignore[arg-type]
-        try:
-            failing = find(
-                adversaries(),
-                fails,
-                settings=settings(
-                    max_examples=examples,
-                    database=None,
-                    deadline=None,
-                    derandomize=True,
-                    phases=[Phase.generate],  # shrinking is ours, with a budget
-                    suppress_health_check=list(HealthCheck),
-                ),
-            )
-        except NoSuchExample:
-            failing = None
+        failing = None
+        rng = np.random.default_rng(seed)
+        for _ in range(examples):
+            adv = draw_adversary(rng)
+            if fails(adv):
+                failing = adv
+                break
     report = StarvationReport(policy, dict(options or {}), 0, horizon_tokens, 0, "", 0, "", None)
     if failing is not None:
         failing = shrink(failing, fails, shrink_runs)
@@ -382,6 +382,7 @@ __all__ = [
     "StarvationReport",
     "adversarial_workload",
     "check_starvation",
+    "draw_adversary",
     "judge",
     "run_adversary",
     "shrink",
