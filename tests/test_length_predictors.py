@@ -178,3 +178,16 @@ def test_a_simulated_run_scores_each_predictor_against_the_trace() -> None:
         taus[name] = scored["kendall_tau"]
     assert taus["oracle"] == pytest.approx(1.0)
     assert 0.2 < taus["history"] < 1.0 and 0.2 < taus["ranker"] < 1.0
+
+
+def test_the_replica_simulator_reveals_the_trace_to_the_oracle() -> None:
+    from asyncengine.routing import make_router
+    from asyncengine.sim.multi_replica import MultiReplicaSimulator
+
+    work = make_workload("task_mix", num_requests=60, seed=2, arrivals=Arrivals.parse("poisson:2"))
+    config = EngineConfig(policy="ltr", length_predictor="oracle", log_interval=0)
+    simulator = MultiReplicaSimulator(config, 2, make_router("round-robin"))
+    assert simulator.run(work).summary.num_completed == 60
+    for replica in simulator.replicas:
+        scored = replica.core.stats()["length_predictor"]
+        assert scored["scored"] == 0 or scored["kendall_tau"] > 0.99

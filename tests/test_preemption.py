@@ -6,6 +6,7 @@ page swapped back wrong changes the output."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -256,3 +257,31 @@ def test_the_simulator_charges_swaps_their_bytes_over_the_copy_bandwidth() -> No
     assert stats["swap_seconds"] == pytest.approx(moved / 1e8)
     assert fast.scheduler_stats["swap_seconds"] < stats["swap_seconds"]
     assert stats["recomputed_tokens"] == 0
+
+
+def test_preemption_and_predictor_keys_come_from_toml_and_the_command_line(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    from asyncengine.cli import add_engine_arguments, engine_config_from_args
+    from asyncengine.config import EngineConfig
+
+    toml = tmp_path / "engine.toml"
+    toml.write_text(
+        'preemption_victim = "largest-kv"\npreemption_mode = "swap"\n'
+        'swap_space_bytes = 65536\nlength_predictor = "history"\n'
+        "[length_predictor_options]\nquantile = 0.75\n"
+    )
+    config = EngineConfig.from_toml(toml)
+    assert (config.preemption_victim, config.preemption_mode) == ("largest-kv", "swap")
+    assert config.length_predictor_options == {"quantile": 0.75}
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(
+        ["--config", str(toml), "--preemption-victim", "least-computed",
+         "--swap-space-bytes", "4096", "--length-predictor", "ranker"]
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert config.preemption_victim == "least-computed" and config.preemption_mode == "swap"
+    assert config.swap_space_bytes == 4096 and config.length_predictor == "ranker"

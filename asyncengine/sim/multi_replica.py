@@ -25,6 +25,7 @@ from asyncengine.routing import ReplicaRouter, ReplicaState
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
+from asyncengine.sim.simulator import reveal_lengths
 from asyncengine.sim.workload_replay import SchedulerStuckError, params_for, workload_records
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -133,6 +134,8 @@ class MultiReplicaSimulator:
         if self._used:
             raise RuntimeError("a MultiReplicaSimulator runs one workload; make a new one")
         self._used = True
+        for replica in self.replicas:
+            reveal_lengths(replica.core, workload)
         wall_start = time.perf_counter()
         pending = sorted(workload, key=lambda w: w.arrival_time)
         requests: dict[str, Request] = {}

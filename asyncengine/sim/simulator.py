@@ -14,6 +14,7 @@ from typing import Any
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
 from asyncengine.config import EngineConfig
+from asyncengine.core import EngineCore
 from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
@@ -78,9 +79,7 @@ class Simulator:
         if self._used:
             raise RuntimeError("a Simulator runs one workload; make a new one")
         self._used = True
-        predictor = self.core.scheduler.lengths.predictor
-        if isinstance(predictor, OraclePredictor):  # the trace's lengths, the simulator's alone
-            predictor.reveal({item.rid: item.output_len for item in workload})
+        reveal_lengths(self.core, workload)
         self.executor.acceptance = {
             item.rid: item.acceptance for item in workload if item.acceptance is not None
         }
@@ -101,6 +100,13 @@ class Simulator:
             core_stats=self.core.stats(),
             peak_waiting=replay.peak_waiting,
         )
+
+
+def reveal_lengths(core: EngineCore, workload: Sequence[WorkloadRequest]) -> None:
+    """Give an ``oracle`` length predictor the trace's output lengths (only a simulator can)."""
+    predictor = core.scheduler.lengths.predictor
+    if isinstance(predictor, OraclePredictor):
+        predictor.reveal({item.rid: item.output_len for item in workload})
 
 
 def simulate(
