@@ -29,10 +29,14 @@ def test_routes_to_the_replica_whose_events_hold_the_prefix_and_forgets_eviction
     router.observe("r1", [stored(PROMPT)])
     decision = router.route(PROMPT + [99], replicas(0, 0), now=1.0)
     assert (decision.replica_id, decision.reason, decision.matched_tokens) == ("r1", "prefix", 28)
-    # r1 evicts the prompt's last five pages: two pages left, under the threshold
+    # r1 evicts the prompt's last five pages: two pages left, under the threshold; the prompt
+    # goes back to r1 all the same (where it was routed: one home per prefix)
     router.observe("r1", [BlockRemoved(page_hashes(PROMPT, PS)[2:], None)])
     decision = router.route(PROMPT, replicas(0, 0), now=2.0)
-    assert decision.reason == "least_cached" and decision.replica_id == "r0"
+    assert (decision.replica_id, decision.reason, decision.matched_tokens) == ("r1", "affinity", 8)
+    # a prompt nobody holds nor was sent goes to the replica holding the fewest pages
+    decision = router.route([50 + t for t in PROMPT], replicas(0, 0), now=3.0)
+    assert (decision.replica_id, decision.reason) == ("r0", "least_cached")
     router.observe("r1", [AllBlocksCleared()])
     assert router.tree_stats()["tokens:r1"] == 0
 
@@ -42,8 +46,13 @@ def test_pages_routed_but_not_yet_reported_count_until_they_expire() -> None:
     first = router.route(PROMPT, replicas(0, 0), now=0.0)
     second = router.route(PROMPT, replicas(0, 1 if first.replica_id == "r1" else 0), now=1.0)
     assert second.replica_id == first.replica_id and second.reason == "prefix"
-    # after expiry the guess no longer counts
-    assert router.route(PROMPT, replicas(0, 0), now=20.0).reason == "least_cached"
+    # after expiry the guess no longer counts as held; the prefix keeps its home
+    third = router.route(PROMPT, replicas(0, 0), now=20.0)
+    assert (third.replica_id, third.reason, third.matched_tokens) == (
+        first.replica_id,
+        "affinity",
+        0,
+    )
 
 
 def test_the_load_guard_wins_over_the_prefix() -> None:

@@ -32,7 +32,8 @@ class RouteDecision:
     replica_id: str
     # prefix: the replica most likely to hold the prompt's prefix; load_guard: the least loaded,
     # because the loads are too far apart; least_cached: no replica holds enough of the prompt,
-    # so the one holding the fewest tokens; least_loaded / round_robin: those routers' picks
+    # so the one holding the fewest tokens; affinity (kv-events): none holds enough, so the one
+    # its prefix was last routed to; least_loaded / round_robin: those routers' picks
     reason: str
     matched_tokens: int = 0  # prompt tokens the router believes the replica holds
 

@@ -8,11 +8,15 @@ compute) that the replica holds. Between routing a prompt and the events of its 
 is a lag, so pages routed to a replica count as held there until its events report them or
 ``pending_seconds`` pass (otherwise a burst of one new prefix would scatter over the replicas).
 The decision rule is cache-aware's: the load guard, then the longest match when it covers
-``cache_threshold`` of the prompt, else the replica holding the fewest pages.
+``cache_threshold`` of the prompt; then, where no replica holds enough of it (the prefix was
+evicted everywhere, or is new), the replica its longest prefix was last routed to ("affinity":
+a prefix keeps one home instead of being computed on every replica), else the replica holding
+the fewest pages.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from asyncengine.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -53,6 +57,7 @@ class KVEventsRouter(ReplicaRouter):
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
         pending_seconds: float = 30.0,
+        max_affinity_pages: int = 1 << 20,
     ) -> None:
         super().__init__()
         if not 0.0 <= cache_threshold <= 1.0:
@@ -66,6 +71,9 @@ class KVEventsRouter(ReplicaRouter):
         self.pending_seconds = pending_seconds
         self.replicas: dict[str, _ReplicaBlocks] = {}
         self.events_applied = 0
+        # page hash -> the replica a prompt with that page was last routed to (LRU-bounded)
+        self.affinity: OrderedDict[int, str] = OrderedDict()
+        self.max_affinity_pages = max_affinity_pages
 
     def observe(self, replica_id: str, events: Iterable[KVEvent]) -> None:
         """Apply what ``replica_id``'s cache published."""
@@ -115,17 +123,41 @@ class KVEventsRouter(ReplicaRouter):
         else:
             best = max(replicas, key=lambda r: (matched[r.replica_id], -r.load))
             best_len = matched[best.replica_id]
+            home = self._home(hashes, {r.replica_id for r in replicas})
             if best_len > 0 and best_len >= self.cache_threshold * len(tokens):
                 chosen, reason = best, "prefix"
+            elif home is not None:
+                chosen = next(r for r in replicas if r.replica_id == home)
+                reason = "affinity"
             else:
                 chosen = min(replicas, key=lambda r: (self._size(r.replica_id), r.load))
                 reason = "least_cached"
+        self._remember(hashes, chosen.replica_id)
         blocks = self.replicas.setdefault(chosen.replica_id, _ReplicaBlocks())
         expiry = now + self.pending_seconds
         for block in hashes:
             if block not in blocks.held:
                 blocks.pending[block] = expiry
         return RouteDecision(chosen.replica_id, reason, matched[chosen.replica_id])
+
+    def _home(self, hashes: list[int], live: set[str]) -> str | None:
+        """The replica the prompt's longest prefix was last routed to, if it is still live."""
+        affinity = self.affinity
+        home = None
+        for block in hashes:
+            replica = affinity.get(block)
+            if replica is None:
+                break
+            home = replica
+        return home if home in live else None
+
+    def _remember(self, hashes: list[int], replica_id: str) -> None:
+        affinity = self.affinity
+        for block in hashes:
+            affinity[block] = replica_id
+            affinity.move_to_end(block)
+        while len(affinity) > self.max_affinity_pages:
+            affinity.popitem(last=False)
 
     def _size(self, replica_id: str) -> int:
         blocks = self.replicas.get(replica_id)
@@ -136,6 +168,7 @@ class KVEventsRouter(ReplicaRouter):
 
     def reset(self) -> None:
         self.replicas.clear()
+        self.affinity.clear()
 
     def tree_stats(self) -> dict[str, int]:
         """Tokens each replica's events say it holds (``tokens:<id>``, as the cache-aware
