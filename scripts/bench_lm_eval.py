@@ -121,6 +121,12 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="HF model directory (default smollm2-135m)")
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
     parser.add_argument("--batch-size", type=int, default=16, help="both backends' batch size")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="batches local-completions keeps in flight (num_concurrent); the server batches them",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--serve-arg", action="append", default=[], help="more serve flags")
@@ -151,7 +157,7 @@ def main() -> int:
             "asyncengine",
             lm_eval_command(
                 f"model={model},base_url={server.base_url}/v1/completions,tokenizer={model},"
-                "tokenized_requests=True,num_concurrent=1,max_retries=1",
+                f"tokenized_requests=True,num_concurrent={args.concurrency},max_retries=1",
                 "local-completions",
                 args.batch_size,
                 args.limit,
@@ -189,6 +195,7 @@ def main() -> int:
         "model": model,
         "task": TASK,
         "batch_size": args.batch_size,
+        "concurrency": args.concurrency,
         "limit": args.limit,
         "load_average_before": load_before,
         "load_average_after": load_average(),
