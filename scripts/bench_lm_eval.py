@@ -13,6 +13,9 @@ runs, one after the other, in child processes:
     lm_eval --model hf --model_args pretrained=M,dtype=float32 --device cpu --batch_size B --tasks asyncengine_mc --include_path scripts/lm_eval_tasks
 
 ``asyncengine_mc`` is the local multiple-choice task in scripts/lm_eval_tasks (no download).
+``--hf-without-logits-cache`` adds a third run: the HF backend with ``logits_cache=False``
+(by default it computes one forward for the choices of a question whose continuations are one
+token and differ only there; the server scores every prompt it is sent, whole).
 Each lm_eval run is timed whole (the child's wall time: importing the harness, loading the
 tokenizer or model, every request) and by the harness's own ``total_evaluation_time_seconds``;
 our server's start-up is reported apart. Exit status 1 when the accuracies differ. Prints a
@@ -118,9 +121,20 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="HF model directory (default smollm2-135m)")
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
     parser.add_argument("--batch-size", type=int, default=16, help="both backends' batch size")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="batches local-completions keeps in flight (num_concurrent); the server batches them",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--serve-arg", action="append", default=[], help="more serve flags")
+    parser.add_argument(
+        "--hf-without-logits-cache",
+        action="store_true",
+        help="also run the HF backend with logits_cache=False",
+    )
     args = parser.parse_args()
     if args.model is None:
         import torch
@@ -143,7 +157,7 @@ def main() -> int:
             "asyncengine",
             lm_eval_command(
                 f"model={model},base_url={server.base_url}/v1/completions,tokenizer={model},"
-                "tokenized_requests=True,num_concurrent=1,max_retries=1",
+                f"tokenized_requests=True,num_concurrent={args.concurrency},max_retries=1",
                 "local-completions",
                 args.batch_size,
                 args.limit,
@@ -159,26 +173,43 @@ def main() -> int:
         work / "hf",
         work / "lm_eval_hf.log",
     )
+    runs = [ours, theirs]
+    if args.hf_without_logits_cache:
+        runs.append(
+            run_harness(
+                "hf-no-cache",
+                lm_eval_command(
+                    f"pretrained={model},dtype=float32,logits_cache=False",
+                    "hf",
+                    args.batch_size,
+                    args.limit,
+                ),
+                work / "hf_no_cache",
+                work / "lm_eval_hf_no_cache.log",
+            )
+        )
     requests = count_requests(args.limit)
-    ours.requests = theirs.requests = requests
+    for run in runs:
+        run.requests = requests
     report = {
         "model": model,
         "task": TASK,
         "batch_size": args.batch_size,
+        "concurrency": args.concurrency,
         "limit": args.limit,
         "load_average_before": load_before,
         "load_average_after": load_average(),
         "server_startup_seconds": server.startup_seconds,
-        "runs": [asdict(ours), asdict(theirs)],
+        "runs": [asdict(run) for run in runs],
         "wall_speedup": theirs.wall_seconds / ours.wall_seconds,
         "evaluation_speedup": theirs.evaluation_seconds / ours.evaluation_seconds,
-        "equal_accuracy": (ours.acc, ours.acc_norm) == (theirs.acc, theirs.acc_norm),
+        "equal_accuracy": all((r.acc, r.acc_norm) == (ours.acc, ours.acc_norm) for r in runs),
     }
     print(f"lm-eval {TASK} ({ours.samples} questions, {requests} loglikelihood requests), {model}")
     print(f"load average (1/5/15 min): before {load_before}, after {report['load_average_after']}")
     header = f"{'backend':<12} {'acc':>7} {'acc_norm':>9} {'lm_eval wall s':>15} {'eval s':>8}"
     print(header)
-    for run in (ours, theirs):
+    for run in runs:
         print(
             f"{run.backend:<12} {run.acc:>7.4f} {run.acc_norm:>9.4f} "
             f"{run.wall_seconds:>15.1f} {run.evaluation_seconds:>8.1f}"
