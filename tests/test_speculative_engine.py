@@ -22,7 +22,7 @@ from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams, StructuredOutput
 from tests.server_support import engine_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
+pytestmark = pytest.mark.slow
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
 COPY_PROMPT = [
@@ -51,6 +51,7 @@ async def greedy_stream(
         return [d.token_ids for d in deltas], text, deltas[-1], engine.stats()
 
 
+@pytest.mark.asyncio
 async def test_streams_accepted_tokens_together() -> None:
     frames, text, last, stats = await greedy_stream(COPY_PROMPT)
     assert max(map(len, frames)) > 1  # one frame, several tokens
@@ -60,6 +61,7 @@ async def test_streams_accepted_tokens_together() -> None:
     assert stats["pages_used"] == 0
 
 
+@pytest.mark.asyncio
 async def test_structured_output_with_guesses_from_the_prompt() -> None:
     example = json.dumps({"name": "Ada", "age": 36})
     prompt = [{"role": "user", "content": f"Copy this JSON: {example}\nAgain: {example}"}]

@@ -25,7 +25,6 @@ import torch
 from asyncengine.sampling_params import InvalidRequestError, StructuredOutput
 
 DEFAULT_CACHE_SIZE = 256
-MAX_ROLLBACK = 16  # speculative guesses per step at most (speculative/settings.py)
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[06:27:45] /path/file.cc:83: "
 
 
@@ -135,8 +134,7 @@ class GrammarMatcher:
 
     def __init__(self, compiled: Any) -> None:
         xgrammar = _import_xgrammar()
-        # rollback: speculative guesses are walked through at launch and undone
-        self._matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
+        self._matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
 
     def next_bitmask(self) -> torch.Tensor:
