@@ -128,6 +128,24 @@ static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a,
     }
 }
 
+/* rows r0 and r1 of lin against a single activation row, paired (row_pair_dot) where both
+ * rows' format has the paired kernel; else one at a time. Same results either way. */
+static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, const act_buf *a,
+                                float *out) {
+    int64_t l0 = r0, l1 = r1;
+    const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
+    const act_row row = {a->q, a->d, a->sd};
+    if (p0->fmt == p1->fmt &&
+        row_pair_dot(p0->fmt, p0->data + l0 * p0->row_bytes, p1->data + l1 * p1->row_bytes, a->k,
+                     &row, out)) {
+        out[0] += p0->bias ? p0->bias[l0] : 0.0f;
+        out[1] += p1->bias ? p1->bias[l1] : 0.0f;
+        return;
+    }
+    linear_row(lin, r0, a, 1, out);
+    linear_row(lin, r1, a, 1, out + 1);
+}
+
 /* y[i, 0:rows] = (or +=, accumulate) lin x_i, rows split over the team */
 static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, float *y,
                  int64_t ldy, int accumulate) {
@@ -135,7 +153,16 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t r1 = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
-        for (int64_t row = t * ROW_TILE; row < r1; row++) {
+        int64_t first = t * ROW_TILE;
+        if (n == 1) { /* one activation row: weight rows in pairs */
+            for (; first + 1 < r1; first += 2) {
+                float v[2];
+                linear_rows2(lin, first, first + 1, a, v);
+                y[first] = accumulate ? y[first] + v[0] : v[0];
+                y[first + 1] = accumulate ? y[first + 1] + v[1] : v[1];
+            }
+        }
+        for (int64_t row = first; row < r1; row++) {
             float v[256];
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
@@ -158,6 +185,12 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t j1 = (t + 1) * PAIR_TILE < inter ? (t + 1) * PAIR_TILE : inter;
         for (int64_t j = t * PAIR_TILE; j < j1; j++) {
+            if (n == 1) { /* gate row j and up row j as a pair */
+                float gu[2];
+                linear_rows2(lin, j, inter + j, a, gu);
+                h[j] = gu[0] / (1.0f + expf(-gu[0])) * gu[1];
+                continue;
+            }
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),

@@ -373,6 +373,53 @@ static inline void row_i8(const uint8_t *w, int64_t nb, const act_row *a, int nr
 #endif
 }
 
+#if defined(Q_ISA_SIMD)
+/* Two weight rows against one activation row (Q4_0, Q4_1): the activation block is loaded
+ * once for both and the two rows' accumulation chains interleave, which hides the multiply-add
+ * latency a lone row waits on. Each row's sums are those of row_q4 with nr = 1, in the same
+ * order: the results are identical. Measured (one thread's CPU time, the 49152x576 LM head at
+ * batch 1): Q4_1 2.9 ms paired vs 3.6 row by row; the same pairing of Q8_0 rows took 6.8 ms
+ * against 3.3, so Q8_0 (and the K formats) stay row by row. */
+static inline void row_pair_q4(const uint8_t *w0, const uint8_t *w1, int64_t nb, const act_row *a,
+                               float *out, int has_min) {
+    const int64_t bytes = has_min ? 20 : 18;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off0 = 0.0f, off1 = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
+        const float d0 = fp16_to_float(w0), d1 = fp16_to_float(w1);
+        const float m0 = has_min ? fp16_to_float(w0 + 2) : -8.0f * d0;
+        const float m1 = has_min ? fp16_to_float(w1 + 2) : -8.0f * d1;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + b * QK));
+        const float xd = a->d[b], xsd = a->sd[b];
+        const __m256i p0 = dot_u8s8(unpack_nibbles16(w0 + (has_min ? 4 : 2)), xq);
+        const __m256i p1 = dot_u8s8(unpack_nibbles16(w1 + (has_min ? 4 : 2)), xq);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * xd), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * xd), acc1);
+        off0 += m0 * xsd;
+        off1 += m1 * xsd;
+    }
+    out[0] = hsum(acc0) + off0;
+    out[1] = hsum(acc1) + off1;
+}
+
+#endif
+
+/* rows w0 and w1 (row_bytes apart or not) against one activation row: 1 when this format has
+ * the paired kernel here (out[0..1] written), 0 when the caller takes row_dot row by row */
+static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, int64_t k,
+                               const act_row *a, float *out) {
+#if defined(Q_ISA_SIMD)
+    switch (fmt) {
+    case FMT_Q4_0: row_pair_q4(w0, w1, k / QK, a, out, 0); return 1;
+    case FMT_Q4_1: row_pair_q4(w0, w1, k / QK, a, out, 1); return 1;
+    default: return 0;
+    }
+#else
+    (void)fmt, (void)w0, (void)w1, (void)k, (void)a, (void)out;
+    return 0;
+#endif
+}
+
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                            float *out) {
     switch (fmt) {

@@ -104,7 +104,20 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                 a[r].d = xd + (i0 + r) * nb;
                 a[r].sd = xsd + (i0 + r) * nb;
             }
-            for (int64_t row = r0; row < r1; row++) {
+            int64_t row = r0;
+            if (nr == 1) { /* one activation row: weight rows in pairs where the format can */
+                for (float out[2]; row + 1 < r1; row += 2) {
+                    if (!row_pair_dot(fmt, w + row * row_bytes, w + (row + 1) * row_bytes, k, a,
+                                      out))
+                        break;
+                    for (int r = 0; r < 2; r++) {
+                        const float v = out[r] + (bias ? bias[row + r] : 0.0f);
+                        if (out_bf16) ((uint16_t *)y)[i0 * ldy + row + r] = float_to_bf16_bits(v);
+                        else ((float *)y)[i0 * ldy + row + r] = v;
+                    }
+                }
+            }
+            for (; row < r1; row++) {
                 float out[NR];
                 if (nr == NR) row_dot(fmt, w + row * row_bytes, k, a, NR, out);
                 else if (nr == 1) row_dot(fmt, w + row * row_bytes, k, a, 1, out);

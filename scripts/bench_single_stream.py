@@ -301,6 +301,7 @@ async def _llamacpp(
         await server.complete(session, prompt, 8)  # warm-up
         load_start = os.getloadavg()[0]
         busy_start, wall_start = machine_busy_seconds(), time.perf_counter()
+        cpu_start = server.cpu_seconds()
         firsts, fulls, reported = [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -311,7 +312,9 @@ async def _llamacpp(
             fulls.append(time.perf_counter() - start)
             reported.append(float(reply.get("timings", {}).get("predicted_per_second", math.nan)))
         wall = time.perf_counter() - wall_start
+        cpu = server.cpu_seconds() - cpu_start
     return {
+        "cpu_seconds": cpu,
         "first_token_seconds": firsts,
         "full_seconds": fulls,
         "decode_tokens_per_second": decode_tokens_per_second(output_len, firsts, fulls),
@@ -331,7 +334,10 @@ def run_llamacpp(
     folder = Path(tempfile.mkdtemp(prefix="bench_single_stream_llamacpp_"))
     log_path = folder / "llama-server.log"
     server = peer_llamacpp.LlamaServer(
-        peer_llamacpp.model_file(model_kind), parallel=1, log_path=log_path
+        peer_llamacpp.model_file(model_kind),
+        parallel=1,
+        threads=args.threads or None,
+        log_path=log_path,
     )
     print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
     with server:
@@ -371,6 +377,16 @@ def add_fractions(result: dict[str, Any]) -> None:
             result[f"speedup_vs_{peer}"] = ours / theirs
 
 
+def cpu_ms_per_token(row: dict[str, Any], result: dict[str, Any]) -> float | None:
+    """The system's own CPU time per token generated in the timed repeats (each repeat: one
+    1-token and one output_len-token request): with one thread (``--threads 1``) the cost of a
+    token whatever else keeps the machine busy; with more it also counts threads waiting."""
+    cpu = row.get("cpu_seconds")
+    if cpu is None:
+        return None
+    return 1e3 * float(cpu) / (result["repeats"] * (result["output_len"] + 1))
+
+
 def table(result: dict[str, Any]) -> str:
     def cell(value: Any, fmt: str) -> str:
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -379,8 +395,8 @@ def table(result: dict[str, Any]) -> str:
 
     lines = [
         "| system | decode tok/s | ms/token | first token ms | of the bound | start-up s "
-        "| peak RSS GB | others' CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak RSS GB | others' CPU | CPU ms/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in result["runs"].items():
         tps = row["decode_tokens_per_second"]
@@ -394,6 +410,7 @@ def table(result: dict[str, Any]) -> str:
             cell(row.get("startup_seconds"), "{:.1f}"),
             cell(None if rss is None else rss / 1e9, "{:.2f}"),
             cell(row.get("foreign_cpu_fraction"), "{:.0%}"),
+            cell(cpu_ms_per_token(row, result), "{:.2f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     w = result["weights"]
@@ -443,6 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads of each system (asyncengine: torch's; llama.cpp: -t); 0: their defaults",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default=None, help="TOML engine config for asyncengine")
     parser.add_argument(
@@ -482,6 +505,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             peer_vllm.require_vllm_venv()
         except peer_vllm.VllmUnavailableError as exc:
             raise SystemExit(f"--systems vllm: {exc}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # asyncengine runs in this process
     dtype = resolve_dtype(args.dtype, "cpu")
     started = time.time()
     model_dir = model_dir_for(args.model, dtype)

@@ -28,12 +28,14 @@ from typing import Any
 
 VENV_ENV = "LLAMACPP_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "asyncengine" / "llamacpp-venv"
-# the GGUFs setup_llamacpp.sh leaves in <venv>/models, by the dtype they hold
+# the GGUFs setup_llamacpp.sh leaves in <venv>/models, by the dtype they hold; "q4_1" is the
+# embedded file itself, found where this project's install has it (no copy, no link to keep)
 MODEL_FILES = {
     "q4_1": "smollm2-135m-q4_1.gguf",
     "float32": "smollm2-135m-f32.gguf",
     "bfloat16": "smollm2-135m-bf16.gguf",
 }
+EMBEDDED_KIND = "q4_1"
 CONTEXT_PER_SLOT = 1536
 
 
@@ -63,6 +65,10 @@ def server_binary() -> Path:
 
 def model_file(kind: str) -> Path:
     """The GGUF for ``kind`` ("q4_1": the embedded file; "float32" / "bfloat16": converted)."""
+    if kind == EMBEDDED_KIND:
+        from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS
+
+        return KNOWN_MODELS[DEFAULT_MODEL].gguf_path()
     path = llamacpp_venv() / "models" / MODEL_FILES[kind]
     if not path.is_file():
         raise LlamaCppUnavailableError(f"{path} is missing: run scripts/setup_llamacpp.sh")
@@ -132,6 +138,12 @@ class LlamaServer:
             time.sleep(0.2)
         self.__exit__(None, None, None)
         raise LlamaCppPeerError(f"llama-server not ready in {self.startup_timeout:.0f} s")
+
+    def cpu_seconds(self) -> float:
+        """The server's CPU time so far (user + system, /proc/<pid>/stat)."""
+        assert self.process is not None
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _healthy(self) -> bool:
         import urllib.error

@@ -103,10 +103,6 @@ for kind in f32 bf16; do
       || die "conversion to $kind failed; see $models/convert-$kind.log"
   fi
 done
-q41="$("$root/.venv/bin/python" -c '
-from asyncengine.executor.loader.default_model import KNOWN_MODELS, DEFAULT_MODEL
-print(KNOWN_MODELS[DEFAULT_MODEL].gguf_path())
-')"
-ln -sf "$q41" "$models/smollm2-135m-q4_1.gguf"
+# the Q4_1 file is the embedded one: peer_llamacpp.model_file finds it in the project's install
 log "models: $(ls "$models"/*.gguf | xargs -n1 basename | tr '\n' ' ')"
 echo "$LLAMACPP_VENV"

@@ -642,6 +642,13 @@ def test_single_stream_fractions_and_table(single_stream: ModuleType) -> None:
     assert "= 40.0 tok/s" in text and "ahead of vLLM by 2.00x" in text
 
 
+def test_single_stream_cpu_time_per_token(single_stream: ModuleType) -> None:
+    result = {"repeats": 3, "output_len": 127}
+    # each repeat generates 1 + 127 tokens: 3.84 CPU seconds over 384 tokens
+    assert single_stream.cpu_ms_per_token({"cpu_seconds": 3.84}, result) == pytest.approx(10.0)
+    assert single_stream.cpu_ms_per_token({}, result) is None
+
+
 def test_single_stream_prompt_is_vllm_peers(single_stream: ModuleType) -> None:
     import numpy as np
 
