@@ -34,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> StarvationReport:
     )
     parser.add_argument("policy", help="module:Class, a built-in name or a composition (a+b)")
     parser.add_argument("--options", default="{}", help="policy options as a JSON object")
-    parser.add_argument("--examples", type=int, default=20, help="adversaries drawn (seeded by --seed)")
+    parser.add_argument(
+        "--examples", type=int, default=20, help="adversaries drawn (seeded by --seed)"
+    )
     parser.add_argument("--growth", type=float, default=1.8, help="overtaking growth that fails")
     parser.add_argument(
         "--horizon-tokens", type=int, default=None, help="also fail overtaking above this"
