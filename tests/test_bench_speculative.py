@@ -1,0 +1,36 @@
+"""Smoke run of scripts/bench_speculative.py on the tiny model: every mode, both batch shapes,
+a table and the JSON rows (speeds, acceptance) for each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.server_support import tiny_model_dir
+from tests.test_bench_scripts import load_script
+
+
+def test_bench_speculative_writes_a_row_per_mode_and_batch(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    bench = load_script("bench_speculative")
+    out = tmp_path / "spec.json"
+    bench.main(
+        [
+            "--model", str(tiny_model_dir(tmp_path_factory)),
+            "--workloads", "random",
+            "--batches", "1", "3",
+            "--prompts", "2",
+            "--output-len", "6",
+            "--kv-cache-tokens", "4096",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [
+        (b, m) for b in (1, 3) for m in ("off", "fixed", "adaptive")
+    ]
+    assert all((r.get("decode_tok_s") or r.get("tok_s")) > 0 for r in rows)
+    assert rows[0]["acceptance"] is None
