@@ -24,9 +24,9 @@ VOCAB = TINY_MODEL["vocab_size"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # the server tests' tiny llama with weights of a real model's scale: its logprobs span
-    # -0.1 to -30, where float32 logits agree with HF's to 1e-4 (at the server tests' 0.5 the
-    # logits reach the hundreds and only their relative error is that small)
+    # the server tests' tiny llama with weights nearer a real model's scale: its float32
+    # logprobs agree with HF's to 1e-4 (with the server tests' initializer range 0.5 the logits
+    # grow so large that only their relative error is that small)
     return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
 
 
