@@ -664,7 +664,7 @@ CASES = [
     Bad("20 MB native body", GENERATE, b"x" * (20 << 20), status=413, transport="stream"),
     Bad("body too large", COMPLETIONS, completion(prompt="x" * (MAX_BODY_BYTES + 10)), status=413),
     Bad("GET on a POST route", COMPLETIONS, None, status=405, method="GET", says="allowed: POST"),
-    Bad("unknown route", "/v1/embeddings", {"input": "hi"}, status=404, says="/v1/embeddings"),
+    Bad("unknown route", "/v1/rerank", {"query": "hi"}, status=404, says="/v1/rerank"),
 ]
 
 
