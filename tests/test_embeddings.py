@@ -104,6 +104,9 @@ async def test_bad_requests_are_refused(client: openai.AsyncOpenAI, server: Runn
     for bad in ([], "", [[]], ["a", 3], [49152 + 7]):
         with pytest.raises(openai.BadRequestError):
             await client.embeddings.create(input=bad, model=server.model)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.embeddings.create(input=[[5, 49152]], model=server.model)
+    assert refused.value.param == "input"
     with pytest.raises(openai.BadRequestError, match="context"):
         await client.embeddings.create(input=[1] * 2000, model=server.model)
     with pytest.raises(openai.NotFoundError):

@@ -19,6 +19,7 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from asyncengine.outputs import EmbeddingOutput
+from asyncengine.sampling_params import InvalidRequestError
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.state import OUTCOME, STATE
@@ -70,7 +71,11 @@ async def embeddings(request: web.Request) -> web.Response:
     model = state.check_model(req.model)
     items = embedding_inputs(req.input)
     engine = state.engine
-    prompts = [engine.intake.accept_embedding(item) for item in items]  # all checked first
+    try:
+        prompts = [engine.intake.accept_embedding(item) for item in items]  # all checked first
+    except InvalidRequestError as exc:
+        exc.param = exc.param or "input"  # a token id outside the vocabulary, say
+        raise
     tasks = [asyncio.ensure_future(engine.embed(prompt)) for prompt in prompts]
     try:
         outputs: list[EmbeddingOutput] = await asyncio.gather(*tasks)
