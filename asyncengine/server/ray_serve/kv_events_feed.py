@@ -70,6 +70,9 @@ class KVEventsFeed:
                         sockets[replica_id] = sub
                         owners[sub] = replica_id
                         log.info("following replica %s's KV events at %s", replica_id, endpoint)
+                if not sockets:  # zmq's poll returns at once when it has nothing to poll
+                    self._stop.wait(POLL_MS / 1000)
+                    continue
                 for sub, _ in poller.poll(POLL_MS):
                     _, _, payload = sub.recv_multipart()
                     self.batches += 1
