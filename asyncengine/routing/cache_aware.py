@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncengine.routing.base import ReplicaRouter, ReplicaState, RouteDecision
+from asyncengine.routing.prefix_rule import PrefixRule
 from asyncengine.routing.prefix_tree import DEFAULT_REPLICA_BUDGET_TOKENS, PrefixTree
 
 
@@ -29,22 +30,8 @@ class CacheAwareRouter(ReplicaRouter):
         ttl_seconds: float | None = 3600.0,
     ) -> None:
         super().__init__()
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be in [0, 1]")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.rule = PrefixRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.tree = PrefixTree(max_tree_tokens, ttl_seconds)
-
-    def imbalanced(self, replicas: Sequence[ReplicaState]) -> bool:
-        busiest = max(r.load for r in replicas)
-        idlest = min(r.load for r in replicas)
-        return (
-            busiest - idlest > self.balance_abs_threshold
-            and busiest > self.balance_rel_threshold * idlest
-        )
 
     def _choose(
         self, tokens: Sequence[int], replicas: list[ReplicaState], now: float
@@ -54,13 +41,13 @@ class CacheAwareRouter(ReplicaRouter):
             if r.cache_tokens and r.cache_tokens != tree.budget(r.replica_id):
                 tree.set_budget(r.replica_id, r.cache_tokens)
         matched = tree.match(tokens, now)
-        if self.imbalanced(replicas):
+        if self.rule.imbalanced(replicas):
             chosen = min(replicas, key=lambda r: (r.load, tree.replica_tokens(r.replica_id)))
             reason = "load_guard"
         else:
             best = max(replicas, key=lambda r: (matched.get(r.replica_id, 0), -r.load))
             best_len = matched.get(best.replica_id, 0)
-            if best_len > 0 and best_len >= self.cache_threshold * len(tokens):
+            if self.rule.covers(best_len, len(tokens)):
                 chosen, reason = best, "prefix"
             else:
                 chosen = min(replicas, key=lambda r: (tree.replica_tokens(r.replica_id), r.load))

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from asyncengine.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from asyncengine.cache.kv_events import page_hashes as chained_page_hashes
 from asyncengine.routing.base import ReplicaRouter, ReplicaState, RouteDecision
+from asyncengine.routing.prefix_rule import PrefixRule
 
 
 class _ReplicaBlocks:
@@ -60,14 +61,8 @@ class KVEventsRouter(ReplicaRouter):
         max_affinity_pages: int = 1 << 20,
     ) -> None:
         super().__init__()
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be in [0, 1]")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        self.rule = PrefixRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.page_size = page_size
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
         self.pending_seconds = pending_seconds
         self.replicas: dict[str, _ReplicaBlocks] = {}
         self.events_applied = 0
@@ -112,19 +107,14 @@ class KVEventsRouter(ReplicaRouter):
         matched = {
             r.replica_id: self._matched_pages(hashes, r.replica_id, now) * ps for r in replicas
         }
-        busiest = max(r.load for r in replicas)
-        idlest = min(r.load for r in replicas)
-        if (
-            busiest - idlest > self.balance_abs_threshold
-            and busiest > self.balance_rel_threshold * idlest
-        ):
+        if self.rule.imbalanced(replicas):
             chosen = min(replicas, key=lambda r: (r.load, self._size(r.replica_id)))
             reason = "load_guard"
         else:
             best = max(replicas, key=lambda r: (matched[r.replica_id], -r.load))
             best_len = matched[best.replica_id]
             home = self._home(hashes, {r.replica_id for r in replicas})
-            if best_len > 0 and best_len >= self.cache_threshold * len(tokens):
+            if self.rule.covers(best_len, len(tokens)):
                 chosen, reason = best, "prefix"
             elif home is not None:
                 chosen = next(r for r in replicas if r.replica_id == home)
