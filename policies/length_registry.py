@@ -3,7 +3,6 @@ loaded as policies are (policies/registry.py)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from asyncengine.config import ConfigError
@@ -14,7 +13,7 @@ from asyncengine.policies.length_predictor import (
     OraclePredictor,
 )
 from asyncengine.policies.length_ranker import RankerPredictor
-from asyncengine.policies.registry import load_file
+from asyncengine.policies.plugin_loader import resolve_plugin
 
 PREDICTORS: dict[str, type[LengthPredictor]] = {
     cls.name: cls
@@ -23,27 +22,7 @@ PREDICTORS: dict[str, type[LengthPredictor]] = {
 
 
 def resolve_length_predictor(spec: str) -> type[LengthPredictor]:
-    if ":" in spec:
-        module_name, _, class_name = spec.rpartition(":")
-        from_file = module_name.endswith(".py") or "/" in module_name
-        try:
-            module = load_file(module_name) if from_file else importlib.import_module(module_name)
-            cls = getattr(module, class_name)
-        except (ImportError, AttributeError, SyntaxError) as exc:
-            raise ValueError(f"cannot load length predictor {spec!r}: {exc}") from None
-        if not (isinstance(cls, type) and issubclass(cls, LengthPredictor)):
-            raise ValueError(
-                f"length predictor {spec!r} is not a subclass of "
-                "asyncengine.policies.length_predictor.LengthPredictor"
-            )
-        return cls
-    key = spec.strip().lower().replace("_", "-")
-    if key not in PREDICTORS:
-        raise ValueError(
-            f"unknown length predictor {spec!r}; known: {', '.join(sorted(PREDICTORS))}, "
-            "'package.module:Class' or 'path/to/file.py:Class'"
-        )
-    return PREDICTORS[key]
+    return resolve_plugin(spec, LengthPredictor, PREDICTORS, "length predictor")
 
 
 def build_length_predictor(spec: str, options: dict[str, Any] | None = None) -> LengthPredictor:

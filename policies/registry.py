@@ -3,13 +3,7 @@ importable module) and "path/to/file.py:Class" (a file anywhere, no PYTHONPATH n
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from asyncengine.config import ConfigError
@@ -21,6 +15,7 @@ from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.ltr import LTRPolicy
+from asyncengine.policies.plugin_loader import resolve_plugin
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
@@ -89,47 +84,8 @@ class ComposedPolicy(Policy):
         return self.orderer.preempt_candidates(candidate, running, ctx)
 
 
-def load_file(path: str) -> ModuleType:
-    """The module in the Python file ``path`` (loaded once per resolved path)."""
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ImportError(f"no such file: {file}")
-    name = "asyncengine_user_policy_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def _resolve(name: str) -> type[Policy]:
-    if ":" in name:
-        module_name, _, class_name = name.rpartition(":")
-        from_file = module_name.endswith(".py") or "/" in module_name
-        try:
-            module = load_file(module_name) if from_file else importlib.import_module(module_name)
-            cls = getattr(module, class_name)
-        except (ImportError, AttributeError, SyntaxError) as exc:
-            raise ValueError(f"cannot load policy {name!r}: {exc}") from None
-        if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            raise ValueError(
-                f"policy {name!r} is not a subclass of asyncengine.policies.base.Policy"
-            )
-        return cls
-    key = name.strip().lower().replace("_", "-")
-    if key not in BUILTIN:
-        raise ValueError(
-            f"unknown policy {name!r}; known: {', '.join(sorted(BUILTIN))}, "
-            "'package.module:Class' or 'path/to/file.py:Class'"
-        )
-    return BUILTIN[key]
+    return resolve_plugin(name, Policy, BUILTIN, "policy")
 
 
 def resolve_policy(spec: str) -> list[type[Policy]]:

@@ -1,0 +1,61 @@
+"""Plug-ins by name, one loader for every kind (policies, length predictors): a built-in name,
+"package.module:Class" (an importable module) or "path/to/file.py:Class" (a file anywhere, no
+PYTHONPATH needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def load_file(path: str) -> ModuleType:
+    """The module in the Python file ``path`` (loaded once per resolved path)."""
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ImportError(f"no such file: {file}")
+    name = "asyncengine_user_policy_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve_plugin(spec: str, base: type[T], builtins: Mapping[str, type[T]], kind: str) -> type[T]:
+    """The class ``spec`` names: a subclass of ``base``; ValueError saying what is wrong, with
+    ``kind`` ("policy", "length predictor") in the message."""
+    if ":" in spec:
+        module_name, _, class_name = spec.rpartition(":")
+        from_file = module_name.endswith(".py") or "/" in module_name
+        try:
+            module = load_file(module_name) if from_file else importlib.import_module(module_name)
+            cls = getattr(module, class_name)
+        except (ImportError, AttributeError, SyntaxError) as exc:
+            raise ValueError(f"cannot load {kind} {spec!r}: {exc}") from None
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ValueError(
+                f"{kind} {spec!r} is not a subclass of {base.__module__}.{base.__qualname__}"
+            )
+        return cls
+    key = spec.strip().lower().replace("_", "-")
+    if key not in builtins:
+        raise ValueError(
+            f"unknown {kind} {spec!r}; known: {', '.join(sorted(builtins))}, "
+            "'package.module:Class' or 'path/to/file.py:Class'"
+        )
+    return builtins[key]
