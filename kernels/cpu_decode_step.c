@@ -38,7 +38,7 @@
 #include "cpu_quant_blocks.h"
 
 #define MAX_PARTS 4
-#define PAIR_TILE 8 /* gate/up row pairs a thread takes at a time */
+#define PAIR_TILE XR /* gate/up row pairs a thread takes at a time: one group of each */
 
 typedef struct {
     const uint8_t *data;
@@ -46,7 +46,7 @@ typedef struct {
     int64_t row_bytes;
     int64_t rows;
     int32_t fmt;
-    int32_t reserved;
+    int32_t interleaved; /* rows below rows / XR * XR in interleaved groups (cpu_quant_blocks.h) */
 } qpart;
 
 /* one projection: the rows of its parts, in order (a fused q/k/v of mixed formats is several) */
@@ -106,11 +106,42 @@ static inline const qpart *find_part(const qlinear *lin, int64_t *row) {
     return NULL;
 }
 
+static inline int64_t grouped_rows(const qpart *part) {
+    return part->interleaved && interleaves(part->fmt) ? part->rows / XR * XR : 0;
+}
+
+/* the part whose interleaved group rows row..row + XR - 1 of lin are, and the group's first row
+ * within it; NULL when those rows are not one group */
+static inline const qpart *group_at(const qlinear *lin, int64_t row, int64_t *local) {
+    *local = row;
+    const qpart *part = find_part(lin, local);
+    return part && *local % XR == 0 && *local + XR <= grouped_rows(part) ? part : NULL;
+}
+
+/* out[0..XR-1] = the group's rows . activation row i of a (+ bias) */
+static inline void group_out(const qpart *part, int64_t local, const act_buf *a, int64_t i,
+                             float *out) {
+    const int64_t k = a->k, nb = k / QK;
+    const act_row row = {a->q + i * k, a->d + i * nb, a->sd + i * nb};
+    group_dot(part->fmt, part->data + local * part->row_bytes, k, &row, out);
+    if (part->bias)
+        for (int r = 0; r < XR; r++) out[r] += part->bias[local + r];
+}
+
 /* out[i] = row `row` of lin . activation row i (+ bias), for the n rows of a */
 static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a, int64_t n,
                               float *out) {
     int64_t local = row;
     const qpart *part = find_part(lin, &local);
+    if (local < grouped_rows(part)) { /* a lone row of a group (parts not split at groups) */
+        const int64_t first = local / XR * XR;
+        for (int64_t i = 0; i < n; i++) {
+            float v[XR];
+            group_out(part, first, a, i, v);
+            out[i] = v[local - first];
+        }
+        return;
+    }
     const uint8_t *w = part->data + local * part->row_bytes;
     const float bias = part->bias ? part->bias[local] : 0.0f;
     const int64_t k = a->k, nb = k / QK;
@@ -135,7 +166,7 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
     int64_t l0 = r0, l1 = r1;
     const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
     const act_row row = {a->q, a->d, a->sd};
-    if (p0->fmt == p1->fmt &&
+    if (p0->fmt == p1->fmt && l0 >= grouped_rows(p0) && l1 >= grouped_rows(p1) &&
         row_pair_dot(p0->fmt, p0->data + l0 * p0->row_bytes, p1->data + l1 * p1->row_bytes, a->k,
                      &row, out)) {
         out[0] += p0->bias ? p0->bias[l0] : 0.0f;
@@ -154,6 +185,17 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t r1 = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
         int64_t first = t * ROW_TILE;
+        for (; first + XR <= r1; first += XR) { /* interleaved groups of rows */
+            int64_t local;
+            const qpart *part = group_at(lin, first, &local);
+            if (!part) break;
+            for (int64_t i = 0; i < n; i++) {
+                float v[XR];
+                group_out(part, local, a, i, v);
+                float *dst = y + i * ldy + first;
+                for (int r = 0; r < XR; r++) dst[r] = accumulate ? dst[r] + v[r] : v[r];
+            }
+        }
         if (n == 1) { /* one activation row: weight rows in pairs */
             for (; first + 1 < r1; first += 2) {
                 float v[2];
@@ -183,8 +225,21 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
     const int64_t tiles = (inter + PAIR_TILE - 1) / PAIR_TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t j1 = (t + 1) * PAIR_TILE < inter ? (t + 1) * PAIR_TILE : inter;
-        for (int64_t j = t * PAIR_TILE; j < j1; j++) {
+        const int64_t j0 = t * PAIR_TILE, j1 = (t + 1) * PAIR_TILE < inter ? (t + 1) * PAIR_TILE : inter;
+        int64_t gate_local, up_local;
+        const qpart *gate = j1 - j0 == XR ? group_at(lin, j0, &gate_local) : NULL;
+        const qpart *up = gate ? group_at(lin, inter + j0, &up_local) : NULL;
+        if (up) { /* gate rows j0.. and up rows inter + j0.. as two interleaved groups */
+            for (int64_t i = 0; i < n; i++) {
+                float g[XR], u[XR];
+                group_out(gate, gate_local, a, i, g);
+                group_out(up, up_local, a, i, u);
+                for (int r = 0; r < XR; r++)
+                    h[i * inter + j0 + r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            }
+            continue;
+        }
+        for (int64_t j = j0; j < j1; j++) {
             if (n == 1) { /* gate row j and up row j as a pair */
                 float gu[2];
                 linear_rows2(lin, j, inter + j, a, gu);

@@ -420,6 +420,164 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
 #endif
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Interleaved groups of XR rows (Q8_0, Q4_0, Q4_1), packed once at load
+ * (asyncengine_interleave_rows). A batch-1 product row by row spends most of its time per block
+ * on work that does not depend on the row: broadcasting the activation block's scale, the
+ * horizontal sums at the end, converting one fp16 scale at a time. With XR rows' blocks side by
+ * side, one 32-byte load holds 4 values of each of the 8 rows, so each 4-value piece of the
+ * activation block is broadcast once and feeds all 8 rows (u8 x s8 products whose lane r is row
+ * r's partial sum: no horizontal sums), and the 8 rows' fp16 scales (and mins) convert in one
+ * instruction into the vector that scales the 8 sums. The layout of one block of a group:
+ *
+ *   header  the 8 rows' fp16 d (16 bytes); Q4_1 then the 8 rows' fp16 m (16 bytes)
+ *   values  chunks of 32 bytes: chunk c holds bytes 4c..4c+3 of each row's block values
+ *           (row r at 4r); Q4_x: 4 chunks (the low nibbles are elements 4c..4c+3, the high ones
+ *           16+4c..16+4c+3), Q8_0: 8 chunks (elements 4c..4c+3)
+ *
+ * so a group of 8 rows takes exactly the bytes of its 8 rows, in the same place: a weight of
+ * `rows` rows keeps its size, the first rows / XR * XR rows are grouped, the rest stay as
+ * stored. Each row's result is its blocks' sums in block order (the same sums as the row kernels
+ * above up to float rounding order). Measured in docs/BENCHMARKS.md (issue 24, third session). */
+#define XR 8
+
+static inline int interleaves(int fmt) {
+    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
+}
+/* a row block's header bytes (fp16 d, Q4_1 also m) and value bytes, as GGUF stores it */
+static inline int64_t xr_header_bytes(int fmt) { return fmt == FMT_Q4_1 ? 4 : 2; }
+static inline int64_t xr_value_bytes(int fmt) { return fmt == FMT_Q8_0 ? 32 : 16; }
+
+/* XR rows (row_bytes apart, nb blocks each) -> one interleaved group at dst; and back */
+static inline void interleave_group(int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb,
+                                    uint8_t *dst, int unpack) {
+    const int64_t hb = xr_header_bytes(fmt), vb = xr_value_bytes(fmt), bb = hb + vb;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *g = dst + b * XR * bb;
+        for (int r = 0; r < XR; r++) {
+            uint8_t *blk = (uint8_t *)src + r * row_bytes + b * bb;
+            for (int64_t h = 0; h < hb / 2; h++) {
+                uint8_t *packed = g + h * 2 * XR + 2 * r;
+                if (unpack) memcpy(blk + 2 * h, packed, 2);
+                else memcpy(packed, blk + 2 * h, 2);
+            }
+            for (int64_t c = 0; c < vb / 4; c++) {
+                uint8_t *packed = g + XR * hb + c * 4 * XR + 4 * r;
+                if (unpack) memcpy(blk + hb + 4 * c, packed, 4);
+                else memcpy(packed, blk + hb + 4 * c, 4);
+            }
+        }
+    }
+}
+
+#if defined(Q_ISA_SIMD)
+/* 4 activation bytes broadcast to every 32-bit lane */
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Q4 sums: AVX2 adds the u8 x s8 pair products in int16 (8 of them per block stay within
+ * 8 * 2 * 15 * 127 = 30480) and widens once per block; VNNI accumulates in int32 directly */
+static inline __m256i q4_acc(__m256i s, __m256i u, __m256i x) {
+#if defined(Q_ISA_VNNI)
+    return _mm256_dpbusd_epi32(s, u, x);
+#else
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+#endif
+}
+
+static inline __m256 q4_sums(__m256i s) {
+#if defined(Q_ISA_VNNI)
+    return _mm256_cvtepi32_ps(s);
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, float *out,
+                            int has_min) {
+    const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        const int8_t *x = a->q + b * QK;
+        const uint8_t *qs = w + hb;
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            s = q4_acc(s, _mm256_and_si256(v, m4), bcast4(x + 4 * c));
+            s = q4_acc(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bcast4(x + 16 + 4 * c));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        acc = _mm256_fmadd_ps(q4_sums(s), _mm256_mul_ps(d, _mm256_set1_ps(a->d[b])), acc);
+        const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)))
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        off = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sd[b]), off);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+}
+
+static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, float *out) {
+    const int64_t bb = XR * 34;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        const int8_t *x = a->q + b * QK;
+        const uint8_t *qs = w + 2 * XR;
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            s = _mm256_add_epi32(s, dot_s8s8(v, bcast4(x + 4 * c)));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a->d[b])), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
+/* the scalar form of the group kernels (and the reference the SIMD ones are tested against) */
+static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act_row *a,
+                                float *out) {
+    const int64_t hb = XR * xr_header_bytes(fmt), bb = hb + XR * xr_value_bytes(fmt);
+    for (int r = 0; r < XR; r++) {
+        float total = 0.0f, off = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *g = w + b * bb, *qs = g + hb;
+            const int8_t *x = a->q + b * QK;
+            const float dw = fp16_to_float(g + 2 * r);
+            int s = 0;
+            if (fmt == FMT_Q8_0) {
+                for (int c = 0; c < 8; c++)
+                    for (int i = 0; i < 4; i++) s += (int8_t)qs[32 * c + 4 * r + i] * x[4 * c + i];
+            } else {
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = qs[32 * c + 4 * r + i];
+                        s += (v & 0xF) * x[4 * c + i] + (v >> 4) * x[16 + 4 * c + i];
+                    }
+                off += (fmt == FMT_Q4_1 ? fp16_to_float(g + 2 * XR + 2 * r) : -8.0f * dw) * a->sd[b];
+            }
+            total += dw * a->d[b] * (float)s;
+        }
+        out[r] = total + off;
+    }
+}
+
+/* the XR rows of an interleaved group (fmt: interleaves(fmt)) against one activation row */
+static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, float *out) {
+#if defined(Q_ISA_SIMD)
+    switch (fmt) {
+    case FMT_Q8_0: group_q8_0(w, k / QK, a, out); return;
+    case FMT_Q4_0: group_q4(w, k / QK, a, out, 0); return;
+    case FMT_Q4_1: group_q4(w, k / QK, a, out, 1); return;
+    default: break;
+    }
+#endif
+    group_scalar(fmt, w, k / QK, a, out);
+}
+
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                            float *out) {
     switch (fmt) {

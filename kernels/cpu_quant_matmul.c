@@ -86,16 +86,46 @@ void asyncengine_quantize_q8(const void *x, int64_t n, int64_t k, int bf16, int8
     }
 }
 
-/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output */
+static inline void store_out(void *y, int64_t at, float v, int out_bf16) {
+    if (out_bf16) ((uint16_t *)y)[at] = float_to_bf16_bits(v);
+    else ((float *)y)[at] = v;
+}
+
+/* W's rows 0..rows-1 in interleaved groups of XR (the rest as they were) into dst, the same size
+ * as w (the layout: cpu_quant_blocks.h) */
+void asyncengine_interleave_rows(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                                 int64_t k, uint8_t *dst) {
+    const int64_t grouped = interleaves(fmt) ? rows / XR * XR : 0;
+    memcpy(dst + grouped * row_bytes, w + grouped * row_bytes,
+           (size_t)((rows - grouped) * row_bytes));
+    for (int64_t g = 0; g < grouped; g += XR)
+        interleave_group(fmt, w + g * row_bytes, row_bytes, k / QK, dst + g * row_bytes, 0);
+}
+
+/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output;
+ * interleaved: W's first rows / XR * XR rows are interleaved groups (asyncengine_interleave_rows) */
 void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
-                              int64_t k, const int8_t *xq, const float *xd, const float *xsd,
-                              int64_t n, const float *bias, void *y, int64_t ldy, int out_bf16,
-                              int threads) {
+                              int64_t k, int interleaved, const int8_t *xq, const float *xd,
+                              const float *xsd, int64_t n, const float *bias, void *y, int64_t ldy,
+                              int out_bf16, int threads) {
     const int64_t nb = k / QK;
     const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
+        /* ROW_TILE is a multiple of XR: a tile's rows below `grouped` are whole groups */
+        const int64_t g1 = r1 < grouped ? r1 : grouped;
+        for (int64_t g = r0; g < g1; g += XR) {
+            for (int64_t i = 0; i < n; i++) {
+                const act_row a = {xq + i * k, xd + i * nb, xsd + i * nb};
+                float out[XR];
+                group_dot(fmt, w + g * row_bytes, k, &a, out);
+                for (int r = 0; r < XR; r++)
+                    store_out(y, i * ldy + g + r, out[r] + (bias ? bias[g + r] : 0.0f), out_bf16);
+            }
+        }
+        if (g1 > r0 && g1 >= r1) continue;
         for (int64_t i0 = 0; i0 < n; i0 += NR) {
             const int nr = (int)(n - i0 < NR ? n - i0 : NR);
             act_row a[NR];
@@ -104,7 +134,7 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                 a[r].d = xd + (i0 + r) * nb;
                 a[r].sd = xsd + (i0 + r) * nb;
             }
-            int64_t row = r0;
+            int64_t row = g1 > r0 ? g1 : r0;
             if (nr == 1) { /* one activation row: weight rows in pairs where the format can */
                 for (float out[2]; row + 1 < r1; row += 2) {
                     if (!row_pair_dot(fmt, w + row * row_bytes, w + (row + 1) * row_bytes, k, a,
@@ -214,40 +244,54 @@ static void dequantize_row(int fmt, const uint8_t *w, int64_t k, float *y) {
 }
 
 /* out [count, k] (float32 or bf16) = rows row_ids (NULL: 0..count-1) of W, dequantized */
+/* interleaved (rows as asyncengine_quant_matmul's): rows below rows / XR * XR of a weight of
+ * `rows` rows are taken out of their groups first */
 void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k,
-                                 const int64_t *row_ids, int64_t count, void *out, int out_bf16,
-                                 int threads) {
+                                 int64_t rows, int interleaved, const int64_t *row_ids,
+                                 int64_t count, void *out, int out_bf16, int threads) {
+    const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
 #pragma omp parallel num_threads(threads) if (count * k >= 65536)
     {
         float *tmp = out_bf16 ? (float *)malloc((size_t)k * sizeof(float)) : NULL;
+        uint8_t *group = grouped ? (uint8_t *)malloc((size_t)(XR * row_bytes)) : NULL;
+        int64_t unpacked = -1; /* the group now in `group` */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {
             const int64_t row = row_ids ? row_ids[i] : i;
+            const uint8_t *src = w + row * row_bytes;
+            if (row < grouped) {
+                const int64_t g = row / XR * XR;
+                if (g != unpacked)
+                    interleave_group(fmt, group, row_bytes, k / QK, (uint8_t *)w + g * row_bytes, 1);
+                unpacked = g;
+                src = group + (row - g) * row_bytes;
+            }
             if (!out_bf16) {
-                dequantize_row(fmt, w + row * row_bytes, k, (float *)out + i * k);
+                dequantize_row(fmt, src, k, (float *)out + i * k);
                 continue;
             }
-            dequantize_row(fmt, w + row * row_bytes, k, tmp);
+            dequantize_row(fmt, src, k, tmp);
             uint16_t *dst = (uint16_t *)out + i * k;
             for (int64_t j = 0; j < k; j++) dst[j] = float_to_bf16_bits(tmp[j]);
         }
         free(tmp);
+        free(group);
     }
 }
 
 /* quantize_q8 then quant_matmul in one call (the activations in a scratch buffer): one call per
  * projection, which is what a batch-1 decode step is made of */
 void asyncengine_quant_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
-                              int64_t k, const void *x, int64_t n, int x_bf16, const float *bias,
-                              void *y, int64_t ldy, int out_bf16, int threads) {
+                              int64_t k, int interleaved, const void *x, int64_t n, int x_bf16,
+                              const float *bias, void *y, int64_t ldy, int out_bf16, int threads) {
     const int64_t nb = k / QK;
     int8_t *q = (int8_t *)malloc((size_t)(n * k));
     float *d = (float *)malloc((size_t)(n * nb) * sizeof(float));
     float *sd = (float *)malloc((size_t)(n * nb) * sizeof(float));
     if (q && d && sd) {
         asyncengine_quantize_q8(x, n, k, x_bf16, q, d, sd, threads);
-        asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, q, d, sd, n, bias, y, ldy, out_bf16,
-                                 threads);
+        asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, q, d, sd, n, bias, y,
+                                 ldy, out_bf16, threads);
     }
     free(q);
     free(d);

@@ -32,7 +32,7 @@ class _Part(ctypes.Structure):
         ("row_bytes", _I64),
         ("rows", _I64),
         ("fmt", _I32),
-        ("reserved", _I32),
+        ("interleaved", _I32),
     ]
 
 
@@ -181,6 +181,7 @@ class DecodeStepModel:
             slot.row_bytes = data.shape[1]
             slot.rows = rows
             slot.fmt = part.format.code
+            slot.interleaved = int(part.interleaved)
             start += rows
         target.num_parts = len(projection.parts)
 

@@ -47,17 +47,30 @@ GGUF_FORMATS: dict[int, QuantFormat] = {
 }
 
 
+# Q8_0, Q4_0 and Q4_1 weights are kept in interleaved groups of this many rows once loaded
+# (kernels/cpu_quant_blocks.h describes the layout; kernels/quant_native.interleave packs them)
+INTERLEAVED_ROWS = 8
+INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+
+
 @dataclass(slots=True)
 class QuantizedTensor:
-    """A [rows, cols] weight in ``format``: ``data`` is uint8 [rows, format.row_bytes(cols)]."""
+    """A [rows, cols] weight in ``format``: ``data`` is uint8 [rows, format.row_bytes(cols)].
+
+    ``interleaved``: the first rows // INTERLEAVED_ROWS * INTERLEAVED_ROWS rows are stored in
+    interleaved groups (the same bytes per group, permuted), the rest as GGUF stores them. Byte-row
+    operations (``select_rows``, ``cat_rows``) need the rows as stored."""
 
     format: QuantFormat
     data: torch.Tensor
     cols: int
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.data.dtype != torch.uint8 or self.data.dim() != 2:
             raise ValueError(f"quantized data must be uint8 [rows, bytes], not {self.data.dtype}")
+        if self.interleaved and self.format.name not in INTERLEAVED_FORMATS:
+            raise ValueError(f"{self.format.name} has no interleaved layout")
         if self.data.shape[1] != self.format.row_bytes(self.cols):
             raise ValueError(
                 f"{self.format.name} rows of {self.cols} values take "
@@ -73,10 +86,12 @@ class QuantizedTensor:
         return int(self.data.numel())
 
     def select_rows(self, rows: torch.Tensor) -> QuantizedTensor:
+        if self.interleaved:
+            raise ValueError("rows of an interleaved weight are not byte rows")
         return QuantizedTensor(self.format, self.data.index_select(0, rows), self.cols)
 
     def contiguous(self) -> QuantizedTensor:
-        return QuantizedTensor(self.format, self.data.contiguous(), self.cols)
+        return QuantizedTensor(self.format, self.data.contiguous(), self.cols, self.interleaved)
 
 
 def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
@@ -91,9 +106,12 @@ def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | 
         and isinstance(first, QuantizedTensor)
         and p.format == first.format
         and p.cols == first.cols
+        and not p.interleaved
         for p in parts
     ):
-        raise ValueError("parts of different formats do not fuse into one quantized weight")
+        raise ValueError(
+            "parts of different formats (or interleaved) do not fuse into one quantized weight"
+        )
     assert isinstance(first, QuantizedTensor)
     datas = [p.data for p in parts if isinstance(p, QuantizedTensor)]
     return QuantizedTensor(first.format, torch.cat(datas), first.cols)

@@ -15,18 +15,21 @@ from typing import Any
 import torch
 
 from asyncengine.kernels import cpu_native
-from asyncengine.kernels.quant_formats import QuantizedTensor
+from asyncengine.kernels.quant_formats import INTERLEAVED_FORMATS, QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
     "asyncengine_quantize_q8": [_PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT],
     "asyncengine_quant_matmul": [
-        _INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT
+        _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT
     ],
-    "asyncengine_dequantize_rows": [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT],
+    "asyncengine_dequantize_rows": [
+        _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _INT, _INT
+    ],
     "asyncengine_quant_linear": [
-        _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
+        _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
     ],
+    "asyncengine_interleave_rows": [_INT, _PTR, _I64, _I64, _I64, _PTR],
 }  # fmt: skip
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "native": (),
@@ -121,6 +124,7 @@ def matmul_quantized(
         data.shape[1],
         rows,
         k,
+        int(weight.interleaved),
         q.data_ptr(),
         d.data_ptr(),
         sd.data_ptr(),
@@ -172,6 +176,7 @@ def quant_linear(
         data.shape[1],
         rows,
         cols,
+        int(weight.interleaved),
         x.data_ptr(),
         n,
         bf16,
@@ -205,6 +210,8 @@ def dequantize_rows(
         data.data_ptr(),
         data.shape[1],
         cols,
+        data.shape[0],
+        int(weight.interleaved),
         None if ids is None else ids.data_ptr(),
         count,
         out.data_ptr(),
@@ -212,3 +219,18 @@ def dequantize_rows(
         torch.get_num_threads(),
     )
     return out
+
+
+def interleave(weight: QuantizedTensor, isa: str = "native") -> QuantizedTensor:
+    """The weight with its rows in interleaved groups (kernels/cpu_quant_blocks.h: the batch-1
+    products read 8 rows' blocks at once) where its format has that layout; else as it is.
+    A new tensor of the same size (the caller drops the old one)."""
+    if weight.interleaved or weight.format.name not in INTERLEAVED_FORMATS:
+        return weight
+    data = weight.data.contiguous()
+    out = torch.empty_like(data)
+    rows, row_bytes = data.shape
+    _lib(isa).asyncengine_interleave_rows(
+        weight.format.code, data.data_ptr(), row_bytes, rows, weight.cols, out.data_ptr()
+    )
+    return QuantizedTensor(weight.format, out, weight.cols, interleaved=True)

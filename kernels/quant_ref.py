@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncengine.kernels.quant_formats import I8, QuantizedTensor
+from asyncengine.kernels.quant_formats import I8, INTERLEAVED_ROWS, Q4_1, Q8_0, QuantizedTensor
 
 ACT_BLOCK = 32
 
@@ -33,8 +33,31 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(n, k), d, sd
 
 
+def deinterleave(weight: QuantizedTensor) -> QuantizedTensor:
+    """An interleaved weight's rows as GGUF stores them (the layout of cpu_quant_blocks.h, taken
+    apart with tensor views: a group's block holds the 8 rows' fp16 headers, then chunks of 4
+    value bytes per row)."""
+    if not weight.interleaved:
+        return weight
+    fmt, data = weight.format, weight.data
+    rows, row_bytes = data.shape
+    g = INTERLEAVED_ROWS
+    grouped = rows // g * g
+    nb = weight.cols // fmt.block_size
+    header = 4 if fmt == Q4_1 else 2
+    values = 32 if fmt == Q8_0 else 16
+    blocks = data[:grouped].reshape(grouped // g, nb, g * (header + values))
+    head = blocks[:, :, : g * header].reshape(-1, nb, header // 2, g, 2).permute(0, 3, 1, 2, 4)
+    vals = blocks[:, :, g * header :].reshape(-1, nb, values // 4, g, 4).permute(0, 3, 1, 2, 4)
+    rows_data = torch.cat(
+        [head.reshape(-1, g, nb, header), vals.reshape(-1, g, nb, values)], dim=3
+    ).reshape(grouped, row_bytes)
+    return QuantizedTensor(fmt, torch.cat([rows_data, data[grouped:]]), weight.cols)
+
+
 def dequantize(weight: QuantizedTensor) -> torch.Tensor:
     """The float32 [rows, cols] values the blocks stand for."""
+    weight = deinterleave(weight)
     rows, cols = weight.shape
     if weight.format == I8:
         raw = weight.data

@@ -38,6 +38,9 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # 0.7-1.1x at 24, 0.85-1.25x at 32 and 1.05-1.25x at 48 rows (Q4_1 and Q8_0): the crossover
 # lies between 24 and 32 rows.
 DENSE_FROM_ROWS = 32
+# "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
+# (kernels/cpu_quant_blocks.h; to measure what the layout gives)
+INTERLEAVE_ENV = "ASYNCENGINE_INTERLEAVE"
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -122,7 +125,7 @@ class QuantizedLinear:
     ) -> None:
         if not parts or any(p.cols != parts[0].cols for p in parts):
             raise ValueError("a quantized linear needs parts of one input width")
-        self.parts = _merge_same_format(parts)
+        self.parts = [_interleaved(p) for p in _merge_same_format(parts)]
         self.in_features = parts[0].cols
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
@@ -162,6 +165,14 @@ class QuantizedLinear:
             quant_native.matmul_quantized(activation, part, out[:, start : start + rows], bias)
             start += rows
         return out
+
+
+def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
+    """The part in interleaved row groups where its format has them and the native library is
+    here (Q8_0 / Q4_0 / Q4_1: 1.1-3x faster batch-1 products, docs/BENCHMARKS.md)."""
+    if os.environ.get(INTERLEAVE_ENV, "1") == "0" or not quant_native.available():
+        return part
+    return quant_native.interleave(part)
 
 
 def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor]:

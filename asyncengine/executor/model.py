@@ -92,6 +92,9 @@ class LlamaModel:
             else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
         )
         self.lm_head = make_linear([head], None, dtype, row_block)
+        if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
+            # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
+            self.embed = self.lm_head.parts[0]
         self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
         # each layer's RoPE table: Gemma 3's sliding layers have their own base
         self.layer_cos_sin = [self.cos_sin_cache] * c.num_layers

@@ -1,0 +1,91 @@
+"""Quantized weights in interleaved groups of 8 rows (kernels/cpu_quant_blocks.h): the packing
+against the torch reference's own reading of the layout, and every product and lookup on the
+packed form against the torch reference, for row counts that are not whole groups, every
+activation row count the small-batch paths take, and every ISA path this CPU can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.kernels import cpu_native, quant_native, quant_ref
+from asyncengine.kernels.quant_formats import (
+    FORMATS,
+    INTERLEAVED_FORMATS,
+    INTERLEAVED_ROWS,
+    cat_rows,
+)
+from tests.test_quantized_kernels import ISAS, random_weight
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+ROW_COUNTS = (1, 7, 8, 9, 16, 17, 24, 33, 47)
+
+
+@pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
+def test_packing_is_the_layout_the_reference_reads(name: str) -> None:
+    fmt = FORMATS[name]
+    for rows in ROW_COUNTS:
+        weight = random_weight(fmt, rows, 96, seed=rows)
+        packed = quant_native.interleave(weight)
+        assert packed.interleaved and packed.data.shape == weight.data.shape
+        grouped = rows // INTERLEAVED_ROWS * INTERLEAVED_ROWS
+        if grouped:  # the groups' bytes moved (same multiset per group), the tail did not
+            assert not torch.equal(packed.data[:grouped], weight.data[:grouped])
+        assert torch.equal(packed.data[grouped:], weight.data[grouped:])
+        assert torch.equal(quant_ref.deinterleave(packed).data, weight.data)
+
+
+def test_formats_without_the_layout_stay_as_they_are() -> None:
+    for name in sorted(set(FORMATS) - INTERLEAVED_FORMATS):
+        fmt = FORMATS[name]
+        weight = random_weight(fmt, 9, 256, seed=1)
+        assert quant_native.interleave(weight) is weight
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
+def test_products_on_the_packed_rows_match_the_reference(name: str, isa: str) -> None:
+    fmt = FORMATS[name]
+    for cols in (32, 96, 576):
+        for rows in ROW_COUNTS:
+            for n in (1, 2, 5):
+                weight = random_weight(fmt, rows, cols, seed=rows * 7 + cols + n)
+                packed = quant_native.interleave(weight, isa)
+                x = torch.randn(n, cols, generator=torch.Generator().manual_seed(rows + n))
+                bias = torch.randn(rows) if rows % 2 else None
+                ref = quant_ref.quant_matmul(x, weight, bias)
+                scale = float(ref.abs().max()) + 1e-6
+                row_by_row = quant_native.quant_matmul(x, weight, bias, isa=isa)
+                for y in (
+                    quant_native.quant_matmul(x, packed, bias, isa=isa),
+                    quant_native.quant_linear(x, packed, bias, isa=isa),
+                ):
+                    torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
+                    torch.testing.assert_close(y, row_by_row, rtol=2e-5, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
+def test_lookups_read_the_packed_rows_exactly(name: str, isa: str) -> None:
+    weight = random_weight(FORMATS[name], 19, 96, seed=5)
+    packed = quant_native.interleave(weight, isa)
+    rows = torch.tensor([18, 0, 7, 8, 3, 16, 15, 3])  # groups 0 and 1, the tail, repeats
+    expected = quant_native.dequantize_rows(weight, rows, isa=isa)
+    assert torch.equal(quant_native.dequantize_rows(packed, rows, isa=isa), expected)
+    assert torch.equal(
+        quant_native.dequantize_rows(packed, None, isa=isa), quant_ref.dequantize(weight)
+    )
+    bf16 = quant_native.dequantize_rows(packed, rows, torch.bfloat16, isa=isa)
+    assert torch.equal(bf16, expected.to(torch.bfloat16))
+
+
+def test_byte_row_operations_refuse_packed_rows() -> None:
+    packed = quant_native.interleave(random_weight(FORMATS["Q4_1"], 16, 64, seed=1))
+    with pytest.raises(ValueError, match="interleaved"):
+        packed.select_rows(torch.tensor([0]))
+    with pytest.raises(ValueError, match="interleaved"):
+        cat_rows([packed, packed])
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        type(packed)(FORMATS["Q4_K"], torch.zeros(1, 144, dtype=torch.uint8), 256, True)
