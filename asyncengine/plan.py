@@ -37,6 +37,10 @@ class Segment:
     # executor verifies them (a token sampled at each of the last guesses + 1 positions) and
     # says in StepOutput.accepted how many the row keeps
     guesses: int = 0
+    # speculative decoding by a draft model: the executor's draft model guesses up to
+    # ``draft`` tokens after ``input_ids`` and verifies them in this forward (KV slots for all
+    # of them are allocated); StepOutput.drafted says which it guessed
+    draft: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +120,9 @@ class BatchPlan:
     # copied back, in that order, before the page writes and the forward
     swap_out: list[SwapCopy] = field(default_factory=list)
     swap_in: list[SwapCopy] = field(default_factory=list)
+    # page-table rows released since the previous plan (their sequences ended, or were
+    # retracted): what an executor keeps per row of its own (a draft model's KV) goes
+    released_rows: list[int] = field(default_factory=list)
 
     @property
     def segments(self) -> list[Segment]:
@@ -129,6 +136,11 @@ class BatchPlan:
     def num_guesses(self) -> int:
         """Guessed tokens the plan verifies (speculative decoding)."""
         return sum(s.guesses for s in self.decodes)
+
+    @property
+    def num_drafts(self) -> int:
+        """Tokens the executor's draft model may guess for the plan (speculative decoding)."""
+        return sum(s.draft for s in self.decodes)
 
     @property
     def pooled_segments(self) -> list[Segment]:
@@ -161,7 +173,8 @@ class StepOutput:
 
     A verified row (``Segment.guesses``) keeps its first ``accepted[i]`` guesses, then
     ``token_ids[i]``; ``accepted_logprobs[i]`` are the kept guesses' logprobs (when asked).
-    ``accepted`` empty: no row kept a guess.
+    ``accepted`` empty: no row kept a guess. A drafted row (``Segment.draft``) has its
+    guesses in ``drafted[i]`` (one list per sampled segment; empty: the plan drafted nothing).
     """
 
     token_ids: list[int]
@@ -172,6 +185,7 @@ class StepOutput:
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     accepted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    drafted: list[list[int]] = field(default_factory=list)
     swap_seconds: float = 0.0  # of which copying the plan's swaps (preemption_mode "swap")
 
 

@@ -40,6 +40,7 @@ class Retraction:
     total_preemptions: int
     speculation: SpeculativeConfig | None
     step_guesses: dict[str, list[int]]
+    step_drafts: dict[str, int]
     swapped: dict[int, SwappedKV]
     recompute_until: dict[int, int]
     total_computed_tokens: int
@@ -53,22 +54,21 @@ class Retraction:
         """Give every running request a KV slot for its next token (and its guesses, with
         speculative decoding), retracting when short: guesses are dropped before anyone is."""
         ps = self.page_size
-        guesses = self._propose_guesses()
-        self.step_guesses = guesses
+        guesses, drafts = self._propose_guesses()
+        self.step_guesses, self.step_drafts = guesses, drafts
         retracted: list[Request] = []
         victims: list[Request] | None = None
         while self.running:
-            if guesses:
+            if guesses or drafts:
                 kv = self.kv
-                need = sum(
-                    kv.pages_needed(r.kv, 1 + len(guesses.get(r.rid, ()))) for r in self.running
-                )
+                need = sum(kv.pages_needed(r.kv, 1 + self._guess_slots(r)) for r in self.running)
             else:
                 need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
             if need <= self.kv.available_pages:
                 break
-            if guesses:
+            if guesses or drafts:
                 guesses.clear()
+                drafts.clear()
                 continue
             if victims is None:
                 victims = self._shortage_victims()
@@ -84,28 +84,40 @@ class Retraction:
                 len(self.running),
             )
         for req in self.running:
-            self.kv.extend(req.kv, 1 + len(guesses.get(req.rid, ())))
+            self.kv.extend(req.kv, 1 + self._guess_slots(req))
         return list(self.running)
 
-    def _propose_guesses(self) -> dict[str, list[int]]:
+    def _guess_slots(self, req: Request) -> int:
+        """KV slots this step's guesses of ``req`` take (speculative decoding)."""
+        return len(self.step_guesses.get(req.rid, ())) + self.step_drafts.get(req.rid, 0)
+
+    def _propose_guesses(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Speculative decoding: each running request's guessed next tokens (by rid), as many
         as the policy allows it (``Policy.speculate``) and its output budget and the context
-        leave room for (the token after the guesses is sampled too). Empty when off."""
+        leave room for (the token after the guesses is sampled too). With a draft model the
+        executor guesses them: the second dict says how many, by rid. Empty when off."""
         settings = self.speculation
         if settings is None or not self.running:
-            return {}
+            return {}, {}
         ctx = self._context(len(self.running))
         room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
         out: dict[str, list[int]] = {}
+        drafts: dict[str, int] = {}
         for req in self.running:
             k = min(self.policy.speculate(req, ctx), req.remaining_new_tokens - 1)
-            k = min(k, room - req.num_tokens)
+            k = max(0, min(k, room - req.num_tokens))
+            if settings.method == "draft":
+                # a grammar's mask after each guess is made before the forward (core.launch),
+                # so a structured-output request's guesses must be known here: it gets none
+                if k and req.grammar is None:
+                    drafts[req.rid] = k
+                continue
             if req.proposer is None:
                 req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
-            guesses = req.proposer.propose(req.all_ids, max(0, k))  # indexes even when k is 0
+            guesses = req.proposer.propose(req.all_ids, k)  # indexes even when k is 0
             if guesses:
                 out[req.rid] = guesses
-        return out
+        return out, drafts
 
     def _shortage_victims(self) -> list[Request]:
         """Every running request, in the order they go when KV runs short: the policy's

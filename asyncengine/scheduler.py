@@ -99,9 +99,11 @@ class Scheduler(Retraction, Prefill):
         self.total_recomputed_tokens = 0
         self.swap_seconds = 0.0
         self.admission = AdmissionLog()
-        # speculative decoding (None: off); this step's guesses by rid; totals over all steps
+        # speculative decoding (None: off); this step's guesses by rid (method "draft": how
+        # many the executor's draft model guesses); totals over all steps
         self.speculation = config.speculation
         self.step_guesses: dict[str, list[int]] = {}
+        self.step_drafts: dict[str, int] = {}
         self.spec_steps = 0  # steps that verified guesses
         self.spec_verified = 0  # guessed tokens verified
         self.spec_accepted = 0  # guessed tokens accepted
@@ -209,12 +211,17 @@ class Scheduler(Retraction, Prefill):
         prefill_wanted = bool(self.waiting or self.prefilling)
         decoding: list[Request] = []
         self.step_guesses = {}
+        self.step_drafts = {}
         admission = Admission(DECODE_TURN)
         if mixed or not prefill_wanted or (starved and self.running):
             decoding = self._prepare_decodes()
         if prefill_wanted and (mixed or not decoding):
             # the token budget counts every verified token: a decode's guesses too
-            decode_tokens = len(decoding) + sum(map(len, self.step_guesses.values()))
+            decode_tokens = (
+                len(decoding)
+                + sum(map(len, self.step_guesses.values()))
+                + sum(self.step_drafts.values())
+            )
             budget = self.policy.budget(self._context(decode_tokens))
             admission = self._admit(plan, budget, decode_tokens)
         if not decoding and not plan.extends and self.running and not mixed:
@@ -239,6 +246,7 @@ class Scheduler(Retraction, Prefill):
             return None
         self.admission.record(self.waiting, admission)
         plan.page_writes = self.kv.page_table.drain_writes()
+        plan.released_rows = self.kv.page_table.drain_released()
         if self.kv.swap is not None:
             plan.swap_out, plan.swap_in = self.kv.swap.drain()
         now = self.clock()
@@ -262,6 +270,11 @@ class Scheduler(Retraction, Prefill):
             n = len(guesses)
             return Segment(
                 req.rid, req.kv.row, [last, *guesses], req.kv.kv_len - 1 - n, True, guesses=n
+            )
+        draft = self.step_drafts.get(req.rid, 0)
+        if draft:
+            return Segment(
+                req.rid, req.kv.row, [last], req.kv.kv_len - 1 - draft, True, draft=draft
             )
         return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
 
@@ -386,7 +399,7 @@ class Scheduler(Retraction, Prefill):
         events: list[TokenEvent] = []
         prompts_done: list[Request] = []
         sampled = iter(enumerate(zip(output.token_ids, output.logprobs, strict=True)))
-        if plan.num_guesses:
+        if plan.num_guesses or any(output.drafted):
             self.spec_steps += 1
         if len(output.pooled) != len(plan.pooled_segments):
             raise ValueError(
@@ -418,7 +431,7 @@ class Scheduler(Retraction, Prefill):
             entry, (token, logprobs) = next(sampled)
             if req is None or not alive:
                 continue
-            if seg.guesses:
+            if seg.guesses or seg.draft:
                 self._commit_guesses(req, seg, entry, token, output, now, events)
                 continue
             if req.status is RequestStatus.PREFILLING:
@@ -445,15 +458,22 @@ class Scheduler(Retraction, Prefill):
         events: list[TokenEvent],
     ) -> None:
         """A verified row: its accepted guesses, then the sampled token, are its new tokens;
-        the slots of its rejected guesses go back to the KV pool now."""
+        the slots of its rejected guesses (and of a draft model's unused ones) go back to the
+        KV pool now."""
+        if seg.draft:
+            guesses = output.drafted[entry] if output.drafted else []
+        else:
+            guesses = seg.input_ids[1:]
         accepted = output.accepted[entry] if output.accepted else 0
+        if accepted > len(guesses):
+            raise ValueError(f"step {seg.rid!r}: {accepted} of {len(guesses)} guesses accepted")
         kept_logprobs = output.accepted_logprobs[entry] if output.accepted_logprobs else []
-        req.proposed_guesses += seg.guesses
+        req.proposed_guesses += len(guesses)
         req.accepted_guesses += accepted
-        self.spec_verified += seg.guesses
+        self.spec_verified += len(guesses)
         self.spec_accepted += accepted
         self.kv.truncate(req.kv, seg.start_pos + 1 + accepted)
-        guessed = seg.input_ids[1 : 1 + accepted]
+        guessed = guesses[:accepted]
         logprobs = [*(kept_logprobs or [None] * accepted), output.logprobs[entry]]
         for new_token, token_logprobs in zip([*guessed, token], logprobs, strict=True):
             req.output_ids.append(new_token)
@@ -468,6 +488,7 @@ class Scheduler(Retraction, Prefill):
         the next plan replays them (applying a write twice is harmless).
         """
         self.kv.page_table.requeue(plan.page_writes)
+        self.kv.page_table.requeue_released(plan.released_rows)
         failed = []
         owners = self._owners(plan)
         for seg in plan.segments:

@@ -5,7 +5,8 @@ The token slot of position ``p`` of the request in row ``r`` is
 
 Two tables exist in a running engine, one per side of the plan boundary: the KV cache manager's
 (``record_writes=True``: every write is also logged, and the scheduler moves the log into the
-next plan with ``drain_writes``) and the executor's own, which ``apply``-s each plan's writes
+next plan with ``drain_writes``, and the rows it releases with ``drain_released``) and the
+executor's own, which ``apply``-s each plan's writes
 before its forward. Nothing else is shared between them.
 """
 
@@ -35,6 +36,7 @@ class PageTable:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._in_use = np.zeros(max_rows, dtype=np.bool_)
         self._writes: list[PageWrite] | None = [] if record_writes else None
+        self._released: list[int] = []  # rows released since the last drain (recording only)
 
     @property
     def max_rows(self) -> int:
@@ -61,6 +63,8 @@ class PageTable:
             raise ValueError(f"page-table row {row} is not in use")
         self._in_use[row] = False
         self._free_rows.append(row)
+        if self._writes is not None:
+            self._released.append(row)
 
     def is_in_use(self, row: int) -> bool:
         return bool(self._in_use[row])
@@ -90,6 +94,15 @@ class PageTable:
         writes, self._writes = self._writes, []
         return writes
 
+    def drain_released(self) -> list[int]:
+        """The rows released since the last drain, oldest first (recording tables only)."""
+        released, self._released = self._released, []
+        return released
+
+    def requeue_released(self, rows: Sequence[int]) -> None:
+        """Put drained released rows back in front of the log (their plan's forward failed)."""
+        self._released[:0] = rows
+
     def requeue(self, writes: Sequence[PageWrite]) -> None:
         """Put drained writes back in front of the log: their plan never reached the executor's
         table (its forward failed first), and nothing drained after it has either."""
@@ -103,6 +116,8 @@ class PageTable:
             self.array[write.row, write.start : write.start + len(write.pages)] = write.pages
 
     def reset(self) -> None:
+        if self._writes is not None:  # every row in use is released too
+            self._released.extend(np.flatnonzero(self._in_use).tolist())
         self.array[:] = 0
         self._in_use[:] = False
         self._free_rows = list(range(self.max_rows - 1, -1, -1))

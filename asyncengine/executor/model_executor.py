@@ -5,7 +5,8 @@
     output = executor.execute(plan)           # on the forward thread
 
 It owns everything on the device side of a plan: the KV pool, its own page table (kept in step
-with the KV manager's through each plan's page writes), the model and the sampler.
+with the KV manager's through each plan's page writes), the model and the sampler; with
+speculative decoding by a draft model, the draft model and its own KV (executor/draft_model.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from asyncengine.cache.page_table import PageTable
 from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.executor.device import pick_device, pick_dtype
+from asyncengine.executor.draft_model import DraftModel, bind_draft_model, load_draft_model
+from asyncengine.executor.draft_proposer import DraftProposer
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import load_hf_config
@@ -73,6 +76,13 @@ class ModelExecutor:
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
         self.host_kv: HostKVBuffer | None = None  # swapped-out KV (preemption_mode "swap")
+        # speculative decoding by a draft model: loaded now (a bad one is a config error before
+        # any KV is sized), on the device at bind
+        speculation = config.speculation
+        self._draft: DraftModel | None = None
+        if speculation is not None and speculation.method == "draft":
+            self._draft = load_draft_model(config, self.model_dir, self.dtype, self.device)
+        self.drafter: DraftProposer | None = None
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all()
 
@@ -98,13 +108,21 @@ class ModelExecutor:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights still to be moved to the device (0 once bound)."""
-        return 0 if self._weights is None else sum(t.nbytes for t in self._weights.values())
+        if self._weights is None:
+            return 0
+        draft = 0 if self._draft is None else self._draft.weight_bytes
+        return draft + sum(t.nbytes for t in self._weights.values())
 
     def kv_budget_bytes(self, config: EngineConfig) -> int | None:
-        """On a GPU, what ``gpu_kv_budget_bytes`` leaves; on a CPU None (the default size)."""
+        """On a GPU, what ``gpu_kv_budget_bytes`` leaves (with a draft model, the target's
+        share of it: the draft's pool has as many token slots); on a CPU None (the default)."""
         if self.device.type != "cuda":
             return None
-        return gpu_kv_budget_bytes(config.gpu_memory_utilization, self.device, self.weight_bytes)
+        budget = gpu_kv_budget_bytes(config.gpu_memory_utilization, self.device, self.weight_bytes)
+        if self._draft is None:
+            return budget
+        target = self.spec.kv_bytes_per_token
+        return budget * target // (target + self._draft.kv_bytes_per_token(self.dtype))
 
     def bind(self, layout: KVLayout) -> None:
         if self._weights is None:
@@ -134,6 +152,18 @@ class ModelExecutor:
         )
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
         self._weights = None
+        if self._draft is not None:
+            self.drafter = bind_draft_model(
+                self._draft, layout, self.config, self.dtype, self.device, mc.vocab_size
+            )
+            log.info(
+                "draft model %s (%d layers, hidden %d) for speculative decoding: KV pool %.0f MiB",
+                self._draft.name,
+                self._draft.config.num_layers,
+                self._draft.config.hidden_size,
+                self.drafter.runner.kv_pool.nbytes / 2**20,
+            )
+            self._draft = None
         log.info(
             "model %s (%s, %s, weights %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
             self.config.model,
@@ -154,7 +184,10 @@ class ModelExecutor:
             if self.host_kv is None:
                 raise RuntimeError("a plan swaps KV but no swap space was laid out")
             swap_seconds = self.host_kv.run(plan.swap_out, plan.swap_in)
-        output = self.runner.execute(plan)
+        if self.drafter is not None:
+            output = self.drafter.execute(plan, self.runner.execute)
+        else:
+            output = self.runner.execute(plan)
         output.swap_seconds = swap_seconds
         return output
 

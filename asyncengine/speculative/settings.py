@@ -2,6 +2,12 @@
 
     speculative = {"method": "ngram", "num_speculative_tokens": 4,
                    "prompt_lookup_min": 2, "prompt_lookup_max": 4, "rule": "adaptive"}
+    speculative = {"method": "draft", "model": "/path/to/small-model", "num_speculative_tokens": 4}
+
+"ngram" copies guesses from the request's own tokens (ngram.py, on the scheduler side);
+"draft" has a smaller model of the same tokenizer guess them, run by the executor over KV pages
+of its own (executor/draft_proposer.py). ``model`` is for "draft" only and the
+``prompt_lookup_*`` keys for "ngram" only: a key the method would ignore is an error.
 
 ``rule`` says how many guesses a request gets each step (``Policy.speculate``): "fixed" always
 ``num_speculative_tokens`` (when the proposer finds that many), "adaptive" fewer as the
@@ -13,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
+_NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
 RULES = ("adaptive", "fixed")
 _DEFAULTS: dict[str, Any] = {
     "method": "ngram",
+    "model": None,  # the draft model (method "draft"): a path or a known model name
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
@@ -29,6 +37,7 @@ _DEFAULTS: dict[str, Any] = {
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str
+    model: str | None
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
@@ -50,6 +59,14 @@ def parse_speculative(values: dict[str, Any]) -> SpeculativeConfig:
 
     if merged["method"] not in METHODS:
         raise bad("method", f"must be one of {', '.join(METHODS)}")
+    if merged["method"] == "draft":
+        if not isinstance(merged["model"], str) or not merged["model"].strip():
+            raise bad("model", 'method "draft" needs the draft model\'s path or name')
+        for key in _NGRAM_ONLY:
+            if key in values:
+                raise bad(key, 'only for method "ngram" (the draft model makes the guesses)')
+    elif "model" in values:
+        raise bad("model", 'only for method "draft"')
     if merged["rule"] not in RULES:
         raise bad("rule", f"must be one of {', '.join(RULES)}")
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
