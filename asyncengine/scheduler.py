@@ -114,6 +114,9 @@ class Scheduler(Retraction, Prefill):
         self._inflight_owners: dict[str, Request | None] = {}
         # the uncached prefixes this step's prefills compute, when in-batch dedup is on
         self.step_prefixes: StepPrefixes | None = None
+        # the running requests' future tokens when something else counts their progress (the
+        # simulator's bulk decoding: sim/bulk_decode.py); None: summed from the requests
+        self.running_future_tokens: Callable[[], int] | None = None
         if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
             self.step_prefixes = StepPrefixes(self.page_size)
 
@@ -187,9 +190,10 @@ class Scheduler(Retraction, Prefill):
     def _reserved_tokens(self) -> int:
         """Future tokens of every admitted request, before ``new_token_ratio``."""
         cap = self.max_model_len
-        reserved = sum(r.future_tokens(cap) for r in self.running) + sum(
-            r.future_tokens(cap) for r in self.prefilling
-        )
+        counted = self.running_future_tokens
+        reserved = (
+            counted() if counted is not None else sum(r.future_tokens(cap) for r in self.running)
+        ) + sum(r.future_tokens(cap) for r in self.prefilling)
         if self.speculation is not None:  # slots for the guesses a step verifies
             reserved += self.speculation.num_speculative_tokens * len(self.running)
         return reserved

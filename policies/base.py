@@ -77,6 +77,10 @@ class Policy:
     orders = False  # True when the subclass overrides ``order``
     budgets = False  # True when the subclass overrides ``budget``
     preempts = False  # True when ``preempt_candidates`` may name requests to retract
+    # False when ``observe`` ignores a plan's decode segments and no hook reads a running
+    # request's progress (its output, KV length): the simulator may then count decodes in
+    # bulk instead of writing them step by step (sim/bulk_decode.py), with the same results
+    sees_decodes = True
 
     def __init__(self, **options: Any) -> None:
         if options:

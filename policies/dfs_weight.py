@@ -21,6 +21,7 @@ from asyncengine.request import Request
 class DFSWeightPolicy(Policy):
     name = "dfs-weight"
     orders = True
+    sees_decodes = False  # Policy.sees_decodes: it reads no decode
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"block_tokens": 16})

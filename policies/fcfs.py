@@ -8,3 +8,4 @@ from asyncengine.policies.base import Policy
 class FCFSPolicy(Policy):
     name = "fcfs"
     orders = True
+    sees_decodes = False  # Policy.sees_decodes: it reads no decode

@@ -28,6 +28,7 @@ class LPMPolicy(Policy):
 
     name = "lpm"
     orders = True
+    sees_decodes = False  # its PrefillRate counts prefill steps only
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"aging": 0.01, "max_wait_tokens": 1_000_000})

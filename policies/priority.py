@@ -24,6 +24,7 @@ from asyncengine.request import Request
 class PriorityPolicy(Policy):
     name = "priority"
     orders = True
+    sees_decodes = False  # its PrefillRate counts prefill steps only
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"preempt": False, "max_wait_tokens": 0})

@@ -59,6 +59,10 @@ class ComposedPolicy(Policy):
     def preempts(self) -> bool:  # type: ignore[override]
         return self.orderer is not None and self.orderer.preempts
 
+    @property
+    def sees_decodes(self) -> bool:  # type: ignore[override]
+        return any(part.sees_decodes for part in self.parts)
+
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return self.orderer.order(waiting, ctx) if self.orderer else waiting
 

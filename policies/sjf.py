@@ -22,6 +22,7 @@ from asyncengine.request import Request
 class SJFPolicy(Policy):
     name = "sjf"
     orders = True
+    sees_decodes = False  # its PrefillRate counts prefill steps only
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"aging": 1.0, "max_wait_tokens": 1_000_000})

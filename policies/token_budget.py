@@ -15,6 +15,7 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_op
 class TokenBudgetPolicy(Policy):
     name = "token-budget"
     budgets = True
+    sees_decodes = False  # Policy.sees_decodes: it reads no decode
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(self.name, options, {"prefill_tokens": 512, "total_tokens": 768})

@@ -66,21 +66,27 @@ class SimulatedExecutor:
 
     def seconds(self, plan: BatchPlan) -> float:
         """The cost model's forward time for ``plan``."""
+        decodes = plan.decodes
+        # a decode attends to its start_pos + 1 keys
+        return self.bulk_seconds(plan, len(decodes), sum(map(_start_pos, decodes)))
+
+    def bulk_seconds(self, plan: BatchPlan, num_decodes: int, sum_start_pos: int) -> float:
+        """The forward time of ``plan`` with ``num_decodes`` decodes whose start positions sum
+        to ``sum_start_pos`` (``plan.decodes`` are those decodes, or are counted elsewhere:
+        sim/bulk_decode.py); their verified guesses are in ``plan.decodes``."""
         prefill_tokens = prefill_attention = 0
         for seg in plan.extends:
             n = len(seg.input_ids)
             prefill_tokens += n
             prefill_attention += n * seg.start_pos + n * (n + 1) // 2
-        decodes = plan.decodes
-        # a decode attends to its start_pos + 1 keys
-        decode_context = sum(map(_start_pos, decodes)) + len(decodes)
+        decode_context = sum_start_pos + num_decodes
         if plan.num_guesses:  # verified guesses: extend tokens after the decode's position
-            for seg in decodes:
+            for seg in plan.decodes:
                 g = seg.guesses
                 prefill_tokens += g
                 prefill_attention += g * (seg.start_pos + 1) + g * (g + 1) // 2
         return self.cost_model.seconds(
-            prefill_tokens, prefill_attention, len(decodes), decode_context
+            prefill_tokens, prefill_attention, num_decodes, decode_context
         )
 
     def swap_seconds(self, plan: BatchPlan) -> float:

@@ -15,6 +15,7 @@ from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.step_events import StepEvents
 from asyncengine.workloads.trace import WorkloadRequest
@@ -46,12 +47,16 @@ class WorkloadReplay:
         *,
         overhead_timer: Callable[[], float] | None = None,
         check_invariant_every: int = 0,
+        bulk: BulkDecode | None = None,
     ) -> None:
+        """``bulk``: run the steps it can with the decodes counted (sim/bulk_decode.py; a
+        SimulatedExecutor's core only, same results)."""
         self.core = core
         self.clock = clock
         self.workload = workload
         self.overhead_timer = overhead_timer
         self.check_invariant_every = check_invariant_every
+        self.bulk = bulk
         self.pending = sorted(workload, key=lambda w: w.arrival_time)
         self.next_arrival = 0
         self.requests: dict[str, Request] = {}
@@ -62,6 +67,23 @@ class WorkloadReplay:
 
     def done(self) -> bool:
         return self.next_arrival == len(self.pending) and not self.core.has_work()
+
+    def _bulk_step(self) -> bool:
+        """Run the next step in bulk if it can be (False: it runs step by step)."""
+        bulk = self.bulk
+        assert bulk is not None
+        self._admit_arrivals()
+        waiting = len(self.core.scheduler.waiting)
+        if waiting > self.peak_waiting:
+            self.peak_waiting = waiting
+        if not bulk.step():
+            bulk.flush()
+            return False
+        self.steps += 1
+        if self.check_invariant_every and self.steps % self.check_invariant_every == 0:
+            bulk.flush()
+            self.core.check_invariant()
+        return True
 
     def _admit_arrivals(self) -> None:
         pending, clock = self.pending, self.clock
@@ -111,9 +133,14 @@ class WorkloadReplay:
         return result
 
     def run(self) -> list[RequestRecord]:
+        bulk = self.bulk
         while not self.done():
+            if bulk is not None and self._bulk_step():
+                continue
             if self.step() is None:
                 break
+        if bulk is not None:
+            bulk.flush()
         return self.records()
 
     def records(self) -> list[RequestRecord]:

@@ -1,0 +1,279 @@
+"""BulkDecode: simulated steps whose decodes are counted, not written one request at a time.
+
+In a simulated run a decoding request's step is always the same: one more KV slot (a new page
+every ``page_size`` tokens), the simulated token appended, the step's end time stamped, and its
+length stop checked. Done per running request per step in Python that is nearly all of a large
+simulation's time. ``BulkDecode`` runs the same steps with the decoding requests' progress kept
+as counts: each request's length at step ``j`` is ``base + j``, so the step's cost (the summed
+decode context), the reserved future tokens of admission, the requests that need a page this
+step (those whose length is a multiple of the page size: one bucket per remainder) and the
+step at which each reaches its length are all known without touching the others. Only those
+that need a page (a real ``KVCacheManager.extend``, in running order, as the real step does)
+and those that end (written back, then ended by the lifecycle) are touched; everything else
+about the step (arrivals, the policy's budget and order, admission, prefill chunks, the
+admission counts, ``new_token_ratio``, the virtual clock) runs the scheduler's own code.
+``flush`` writes the counts back into the requests (output tokens, token times, KV lengths).
+
+The results are the step-by-step simulator's, exactly (tests/test_bulk_decode.py compares every
+request's record and the run's counters on traces with chunking, preemption, the prefix cache
+and timeouts). A step is run step by step instead (after a ``flush``) when anything would read
+or change a decoding request: KV shortage (retraction), a deadline due, a policy swap pending,
+a step hook or shadow, speculation, a policy that preempts or that sees decodes
+(``Policy.sees_decodes``), a request that could stop by a token or a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncengine.admission import DECODE_TURN, Admission
+from asyncengine.core import EngineCore
+from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.request import Request, RequestStatus
+from asyncengine.sim.simulated_executor import SimulatedExecutor
+
+# bulk steps kept before a flush trims the shared list of step times
+_MAX_TIMES = 20_000
+
+
+@dataclass(slots=True)
+class _Decoding:
+    """A running request whose progress is counted: before the decode of bulk step ``j`` its
+    KV holds ``base + j`` tokens and its output ``out_base + j``; its bulk tokens are stamped
+    ``times[first:]``; it gets its last token at step ``last``."""
+
+    req: Request
+    order: int  # its place in the running queue (joins append, as the scheduler's)
+    base: int
+    out_base: int
+    future_base: int  # future tokens before step j: future_base - j
+    first: int
+    last: int
+
+
+class BulkDecode:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        executor = core.executor
+        if not isinstance(executor, SimulatedExecutor):
+            raise TypeError("bulk decoding needs the simulated executor")
+        self.executor = executor
+        self.token = executor.sampled_token_id
+        self.page_size = core.kv.page_size
+        self.active = False
+        self.times: list[float] = []  # end time of each bulk step since the last flush
+        self.members: dict[int, _Decoding] = {}  # id(request) ->
+        self.buckets: dict[int, list[_Decoding]] = {}  # base % page_size -> in running order
+        self.lasts: dict[int, list[_Decoding]] = {}  # bulk step -> those it ends
+        self.sum_base = 0
+        self.sum_future = 0
+        self._order = 0
+        self.bulk_steps = 0  # steps run in bulk, over the whole run
+
+    # -- when -----------------------------------------------------------------------------
+    def _step_allowed(self) -> bool:
+        core = self.core
+        sched = core.scheduler
+        policy = sched.policy
+        if (
+            core.step_hooks
+            or sched.shadow is not None
+            or sched._next_policy is not None
+            or sched.speculation is not None
+            or not sched.config.enable_mixed_batch
+            or policy.preempts
+            or policy.sees_decodes
+        ):
+            return False
+        deadlines = core.lifecycle._deadlines
+        return not (deadlines and deadlines[0][0] <= sched.clock())
+
+    def _plain(self, req: Request) -> bool:
+        """Only its length can end it, and its KV holds exactly the pages its length needs."""
+        params = req.params
+        seq = req.seq
+        token = self.token
+        return (
+            req.status is RequestStatus.RUNNING
+            and seq is not None
+            and req.text is None
+            and req.grammar is None
+            and not req.prefill_only
+            and token not in params.stop_token_ids
+            and (params.ignore_eos or token not in self.core.lifecycle.eos_token_ids)
+            and len(seq.pages) == -(-seq.kv_len // self.page_size)
+            and req.rid not in self.core.lifecycle.followers
+        )
+
+    def _start(self) -> bool:
+        running = self.core.scheduler.running
+        if not running or not all(self._plain(req) for req in running):
+            return False
+        self.active = True
+        self.core.scheduler.running_future_tokens = self._future_tokens
+        for req in running:
+            self._join(req)
+        return True
+
+    # -- the counts -----------------------------------------------------------------------
+    def _join(self, req: Request) -> None:
+        """``req`` decodes from the next bulk step on."""
+        j = len(self.times)
+        seq = req.kv
+        out = len(req.output_ids)
+        future = req.future_tokens(self.core.max_model_len)
+        member = _Decoding(
+            req,
+            self._order,
+            base=seq.kv_len - j,
+            out_base=out - j,
+            future_base=future + j,
+            first=j,
+            last=j + future - 1,
+        )
+        self._order += 1
+        self.members[id(req)] = member
+        self.buckets.setdefault(member.base % self.page_size, []).append(member)
+        self.lasts.setdefault(member.last, []).append(member)
+        self.sum_base += member.base
+        self.sum_future += member.future_base
+
+    def _future_tokens(self) -> int:
+        """The decoding requests' future tokens now (Scheduler._reserved_tokens asks)."""
+        return self.sum_future - len(self.times) * len(self.members)
+
+    def _write_back(self, member: _Decoding) -> None:
+        req, j = member.req, len(self.times)
+        count = j - member.first
+        if count:
+            req.output_ids.extend([self.token] * count)
+            req.token_times.extend(self.times[member.first :])
+        seq = req.kv
+        seq.kv_len = seq.computed_len = member.base + j
+
+    def _leave(self, member: _Decoding) -> None:
+        del self.members[id(member.req)]
+        self.buckets[member.base % self.page_size].remove(member)
+        self.sum_base -= member.base
+        self.sum_future -= member.future_base
+
+    def flush(self) -> None:
+        """Write every counted request's progress back; the next step starts afresh."""
+        if not self.active:
+            return
+        for member in self.members.values():
+            self._write_back(member)
+        self.members.clear()
+        self.buckets.clear()
+        self.lasts.clear()
+        self.times = []
+        self.sum_base = self.sum_future = 0
+        self.core.scheduler.running_future_tokens = None
+        self.active = False
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run the next step in bulk; False (and nothing done) when it must run step by step
+        (the caller flushes and runs it so). Arrivals are the caller's, as before any step."""
+        if not self._step_allowed():
+            return False
+        if not self.active:
+            if not self._start():
+                return False
+        elif not self.members or len(self.times) >= _MAX_TIMES:
+            return False
+        core, sched, kv = self.core, self.core.scheduler, self.core.kv
+        j = len(self.times)
+        need = self.buckets.get(-j % self.page_size, [])
+        if len(need) > kv.available_pages:
+            return False  # retraction: the step-by-step path's
+        for member in need:  # their next token starts a page: allocated in running order
+            seq = member.req.kv
+            seq.kv_len = member.base + j
+            kv.extend(seq, 1)
+        num_decodes = len(self.members)
+        plan = self._plan(num_decodes)
+        # a decode at length base + j attends from start position base + j
+        forward = self.executor.bulk_seconds(plan, num_decodes, self.sum_base + j * num_decodes)
+        output = self._execute(plan, forward)
+        core.land(plan, output)  # the extends' tokens, their ends, the policy's observe
+        sched.total_computed_tokens += num_decodes
+        lifecycle = core.lifecycle
+        self.times.append(sched.clock())
+        lifecycle.counters["generated_tokens"] += num_decodes
+        for member in sorted(self.lasts.pop(j, ()), key=_by_order):
+            self._write_back(member)
+            self._leave(member)
+            lifecycle.end(member.req, "length")
+        uncounted = False
+        for seg in plan.extends:  # prompts done this step decode from the next one on
+            req = sched.requests.get(seg.rid)
+            if seg.sample and req is not None and req.status is RequestStatus.RUNNING:
+                if self._plain(req):
+                    self._join(req)
+                else:
+                    uncounted = True
+        core.events()  # the simulator reads records, not events
+        self.bulk_steps += 1
+        if uncounted:  # one that must decode step by step joined: the next steps go so
+            self.flush()
+        return True
+
+    def _plan(self, num_decodes: int) -> BatchPlan:
+        """Scheduler.schedule with mixed batches, its decodes counted: the same budget,
+        admission, counts and ratio, the plan's extends only."""
+        sched = self.core.scheduler
+        sched.step_count += 1
+        plan = BatchPlan(step=sched.step_count)
+        sched.step_guesses = {}
+        admission = Admission(DECODE_TURN)
+        if sched.waiting or sched.prefilling:
+            budget = sched.policy.budget(sched._context(num_decodes))
+            admission = sched._admit(plan, budget, num_decodes)
+        sched.consecutive_prefill_steps = 0  # the step decodes
+        if not plan.extends:
+            config = sched.config
+            sched.new_token_ratio = max(
+                config.min_new_token_ratio, sched.new_token_ratio - config.new_token_ratio_decay
+            )
+        sched.admission.record(sched.waiting, admission)
+        kv = sched.kv
+        plan.page_writes = kv.page_table.drain_writes()
+        if kv.swap is not None:
+            plan.swap_out, plan.swap_in = kv.swap.drain()
+        now = sched.clock()
+        owners: dict[str, Request | None] = {}
+        for seg in plan.extends:
+            req = sched.requests[seg.rid]
+            owners[seg.rid] = req
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        sched.inflight = plan
+        sched._inflight_owners = owners
+        if any(info.params.structured for info in plan.sampling):
+            self.core._add_token_bitmasks(plan)  # as EngineCore.launch
+        return plan
+
+    def _execute(self, plan: BatchPlan, forward: float) -> StepOutput:
+        """SimulatedExecutor.execute for the plan's extends, its decodes already costed."""
+        executor = self.executor
+        swap = executor.swap_seconds(plan)
+        seconds = forward + swap
+        executor.clock.advance(seconds)
+        n = len(plan.sampling)
+        return StepOutput(
+            [self.token] * n,
+            [None] * n,
+            forward_seconds=seconds,
+            swap_seconds=swap,
+            pooled=[[0.0] for _ in plan.pooled_segments],
+            prompt_logprobs=[
+                [TokenLogprobs(0.0, []) for _ in seg.scoring.target_ids]
+                for seg in plan.scoring_segments
+                if seg.scoring is not None
+            ],
+        )
+
+
+def _by_order(member: _Decoding) -> int:
+    return member.order
