@@ -138,6 +138,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "publish KV cache events (vLLM's shape) on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557",
     ),
     ("--embedding-pooling", "embedding_pooling", str, "auto | mean | last (/v1/embeddings)"),
+    (
+        "--prompt-score-cache-pages",
+        "prompt_score_cache_pages",
+        int,
+        "scored prompt pages kept for prompts sharing a scored prefix (0: off)",
+    ),
 ]
 
 

@@ -69,6 +69,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)
     gpu_memory_utilization: float = 0.9
     enable_prefix_cache: bool = True
+    # scored prompt pages (prompt logprobs) kept so a prompt sharing a scored prefix computes
+    # only the rest (cache/prompt_scores.py); 0 turns it off. A page of k=1 scores is ~3 KB.
+    prompt_score_cache_pages: int = 4096
 
     # scheduling
     policy: str = "fcfs"  # a name, "a+b" to compose an ordering with a budget, or "pkg.mod:Class"
@@ -167,6 +170,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
+        if self.prompt_score_cache_pages < 0:
+            raise bad("prompt_score_cache_pages", "must be >= 0 (0 turns it off)")
         if self.kv_blocked_skips < 0:
             raise bad("kv_blocked_skips", "must be >= 0 (0: stop at the first that does not fit)")
         if self.chunked_prefill_size < 0:

@@ -192,10 +192,13 @@ class EngineCore:
         }
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:
-        """Empty the radix cache (and optionally its hit/miss counters); only while idle."""
+        """Empty the radix cache and the prompt score cache (and optionally the radix cache's
+        hit/miss counters); only while idle."""
         if self.has_work():
             raise RuntimeError("cannot reset the prefix cache while requests are in the engine")
         self.kv.reset(reset_counters=reset_counters)
+        if self.scheduler.prompt_scores is not None:
+            self.scheduler.prompt_scores.clear()
 
     def check_invariant(self) -> None:
         self.kv.check_invariant()

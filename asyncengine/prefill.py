@@ -10,9 +10,10 @@ from __future__ import annotations
 from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.prompt_scoring import cache_match_limit, segment_scoring
+from asyncengine.prompt_scoring import cache_match_limit, segment_scoring, take_cached_scores
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
 
@@ -27,6 +28,7 @@ class Prefill:
     chunked: Request | None
     step_prefixes: StepPrefixes | None
     swapped: dict[int, SwappedKV]
+    prompt_scores: PromptScoreCache | None
 
     def _restore_swapped(self, req: Request) -> SwappedKV | None:
         raise NotImplementedError  # Retraction's
@@ -63,7 +65,7 @@ class Prefill:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
-        req.seq = self.kv.open(ids, cache_match_limit(req))
+        req.seq = self.kv.open(ids, cache_match_limit(req, self.prompt_scores))
         cached = req.kv.kv_len
         # a request swapped out when preempted gets back the KV the tree no longer holds by
         # copy (no compute, no budget), then computes what it never had
@@ -78,6 +80,7 @@ class Prefill:
             return None
         if swapped is not None:
             self.kv.swap_in(req.kv, swapped, cached)
+        take_cached_scores(req, self.prompt_scores)
         self.waiting.remove(req)
         req.status = RequestStatus.PREFILLING
         if req.retractions == 0:

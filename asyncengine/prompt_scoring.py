@@ -8,11 +8,15 @@ The logits at position ``p`` score the prompt token at ``p + 1``. A request scor
 from token ``t0 = max(1, prompt_logprobs_start)`` needs the logits at positions ``t0 - 1`` to
 ``len(prompt) - 2``; those positions are computed even when the radix cache holds their KV (the
 match is cut before them: ``cache_match_limit``), so the answer is the same with the cache on or
-off, and the scheduler's prefill budget counts every token it computes.
+off, and the scheduler's prefill budget counts every token it computes. The one exception: the
+positions whose scores the prompt score cache holds (cache/prompt_scores.py: a prefix scored
+before, the context of another choice) may come from the caches, their scores with their KV
+(``take_cached_scores``), so only the rest is computed.
 """
 
 from __future__ import annotations
 
+from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.plan import PromptScoring, TokenLogprobs
 from asyncengine.request import Request
 
@@ -38,12 +42,47 @@ def next_scored_position(req: Request) -> int | None:
     return first_scored_token(req) - 1 + done
 
 
-def cache_match_limit(req: Request) -> int | None:
+def cache_match_limit(req: Request, scores: PromptScoreCache | None = None) -> int | None:
     """The most prompt tokens the request may take from the prefix cache (None: no limit): none
-    for a mean-pooled embedding (pooling.py), none past its first position still to score."""
+    for a mean-pooled embedding (pooling.py), none past its first position still to score but
+    those whose scores ``scores`` holds."""
     if req.embedding is not None and not req.embedding.reuses_prefix:
         return 0
-    return next_scored_position(req)
+    following = next_scored_position(req)
+    if following is None or scores is None:
+        return following
+    assert req.params.prompt_logprobs is not None
+    return scores.known_until(req.prompt_ids, following, req.params.prompt_logprobs)
+
+
+def may_reuse_prefix(req: Request, scores: PromptScoreCache | None) -> bool:
+    """Whether a prefix the cache will hold could spare the request computing it: not for a
+    mean-pooled embedding, nor, without a score cache, for a request scoring from its start."""
+    if req.embedding is not None and not req.embedding.reuses_prefix:
+        return False
+    return scores is not None or cache_match_limit(req) != 0
+
+
+def take_cached_scores(req: Request, scores: PromptScoreCache | None) -> None:
+    """After the request's KV was matched (``cache_match_limit(req, scores)``): the scores of
+    the positions it took from the prefix cache, from the score cache."""
+    following = next_scored_position(req)
+    matched = req.kv.num_cached
+    if following is None or scores is None or matched <= following:
+        return
+    assert req.params.prompt_logprobs is not None
+    req.prompt_logprobs.extend(
+        scores.take(req.prompt_ids, following, matched, req.params.prompt_logprobs)
+    )
+
+
+def keep_scores(req: Request, scores: PromptScoreCache | None, before: int) -> None:
+    """Offer the score cache the pages the request's last ``len(req.prompt_logprobs) - before``
+    scores completed."""
+    if scores is None or req.params.prompt_logprobs is None:
+        return
+    first = first_scored_token(req) - 1
+    scores.store(req.prompt_ids, first, req.prompt_logprobs, before, req.params.prompt_logprobs)
 
 
 def segment_scoring(req: Request, start_pos: int, end_pos: int) -> PromptScoring | None:

@@ -27,13 +27,14 @@ from asyncengine.admission import (
     AdmissionLog,
 )
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.prefill import Prefill
-from asyncengine.prompt_scoring import cache_match_limit
+from asyncengine.prompt_scoring import cache_match_limit, keep_scores, may_reuse_prefix
 from asyncengine.request import Request, RequestStatus
 from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
@@ -119,6 +120,11 @@ class Scheduler(Retraction, Prefill):
         self.running_future_tokens: Callable[[], int] | None = None
         if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
             self.step_prefixes = StepPrefixes(self.page_size)
+        # scores of scored prompts' pages, so a prompt sharing a scored prefix computes only
+        # the rest (cache/prompt_scores.py)
+        self.prompt_scores: PromptScoreCache | None = None
+        if config.prompt_score_cache_pages > 0 and kv.enable_prefix_cache:
+            self.prompt_scores = PromptScoreCache(self.page_size, config.prompt_score_cache_pages)
 
     # -- queue ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -334,9 +340,13 @@ class Scheduler(Retraction, Prefill):
                 admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
                 break
             ids = req.all_ids
-            limit = cache_match_limit(req)
+            limit = cache_match_limit(req, self.prompt_scores)
             matched = self.kv.match_length(ids, limit)
-            if dedup is not None and limit != 0 and dedup.shares(ids, matched):
+            if (
+                dedup is not None
+                and may_reuse_prefix(req, self.prompt_scores)
+                and dedup.shares(ids, matched)
+            ):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
                 self.total_prefix_deferrals += 1
@@ -420,7 +430,9 @@ class Scheduler(Retraction, Prefill):
             if seg.scoring is not None:
                 prompt_logprobs = next(scored)
                 if req is not None and alive:
+                    before = len(req.prompt_logprobs)
                     req.prompt_logprobs.extend(prompt_logprobs)
+                    keep_scores(req, self.prompt_scores, before)
             if not seg.sample:
                 part = next(pooled) if seg.pool is not None else None
                 if req is not None and alive:  # the chunk is shareable now
@@ -526,6 +538,7 @@ class Scheduler(Retraction, Prefill):
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,
             **self.preemption_stats(),
+            **(self.prompt_scores.stats() if self.prompt_scores is not None else {}),
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }

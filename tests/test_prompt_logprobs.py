@@ -35,9 +35,11 @@ def hf(model_dir: Path) -> HFScorer:
     return HFScorer(model_dir)
 
 
-def engine_config(model_dir: Path, prefix_cache: bool) -> EngineConfig:
-    # 16-token pages and 40-token chunks: the prompts below cross both several times
+def engine_config(model_dir: Path, prefix_cache: bool, score_cache_pages: int = 0) -> EngineConfig:
+    # 16-token pages and 40-token chunks: the prompts below cross both several times; the
+    # prompt score cache (tested on its own below) off unless asked
     return EngineConfig(
+        prompt_score_cache_pages=score_cache_pages,
         model=str(model_dir),
         dtype="float32",
         device="cpu",
@@ -89,18 +91,26 @@ async def score_all(
     return results
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_prompt_logprobs_equal_hf(model_dir: Path, hf: HFScorer, prefix_cache: bool) -> None:
+@pytest.mark.parametrize(("prefix_cache", "score_cache"), [(True, 0), (False, 0), (True, 64)])
+def test_prompt_logprobs_equal_hf(
+    model_dir: Path, hf: HFScorer, prefix_cache: bool, score_cache: int
+) -> None:
     items = prompts(0)
     params = SamplingParams(max_new_tokens=3, temperature=0.0, prompt_logprobs=3)
-    config = engine_config(model_dir, prefix_cache)
-    # the second round finds every prompt cached: its scored positions are computed anyway
+    config = engine_config(model_dir, prefix_cache, score_cache)
+    # the second round finds every prompt cached: its scored positions are computed anyway,
+    # unless the score cache holds their scores (then they come from it, KV and scores)
     first, second = asyncio.run(score_all(config, items, params, rounds=2))
     for prompt, a, b in zip(items, first, second, strict=True):
         assert_matches_hf(hf, prompt, a.prompt_logprobs, 3)
         assert b.prompt_logprobs == a.prompt_logprobs
         assert b.token_ids == a.token_ids and len(a.token_ids) == 3
-        assert b.usage.cached_tokens == 0
+        whole_pages = (len(prompt) - 1) // 16 * 16  # both caches keep whole pages only
+        assert b.usage.cached_tokens == (whole_pages if score_cache else 0)
+        if not score_cache:
+            assert a.usage.cached_tokens == 0
+    if score_cache:  # the prompts share up to 69 tokens: in the first round already
+        assert sum(a.usage.cached_tokens for a in first) > 0
 
 
 def test_scoring_from_a_start_takes_the_prefix_before_it_from_the_cache(
@@ -195,3 +205,78 @@ def test_scoring_in_chunks_equals_scoring_at_once() -> None:
     assert at_once[0][1].token_logprob == pytest.approx(float(reference[1, 5]), abs=1e-6)
     assert [t for t, _ in at_once[0][0].top] == torch.topk(reference[0], 2).indices.tolist()
     assert at_once[1][0].top == []
+
+
+def choices_of_a_question(seed: int) -> list[list[int]]:
+    """A 37-token context (two whole pages and 5 tokens) and four continuations."""
+    rng = random.Random(seed)
+    context = [rng.randrange(3, VOCAB) for _ in range(37)]
+    return [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 3, 1, 2)]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
+    model_dir: Path, hf: HFScorer, together: bool
+) -> None:
+    """lm-eval's multiple choice: each choice is sent whole. With the score cache the later
+    ones take the context's whole pages (KV and scores) from the caches, sent one by one or
+    all at once (those then wait a step for the first: in-batch dedup); the scores are those
+    of a cold run of each choice on an engine without the score cache, and HF's."""
+    items = choices_of_a_question(5)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    async def run(score_cache_pages: int) -> tuple[list, dict]:
+        config = engine_config(model_dir, True, score_cache_pages)
+        async with AsyncEngine(config) as engine:
+            if together:
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in items))
+            else:
+                outs = [await engine.generate(p, params) for p in items]
+            engine.core.check_invariant()
+            return list(outs), engine.stats()
+
+    cached, stats = asyncio.run(run(64))
+    cold = [
+        asyncio.run(score_all(engine_config(model_dir, True), [p], params))[0][0] for p in items
+    ]
+    assert [o.usage.cached_tokens for o in cached] == [0, 32, 32, 32]
+    assert stats["prompt_score_hit_positions"] == 3 * 32
+    assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
+    for prompt, got, reference in zip(items, cached, cold, strict=True):
+        assert_matches_hf(hf, prompt, got.prompt_logprobs, 1)
+        assert got.token_ids == reference.token_ids
+        assert got.prompt_logprobs is not None and reference.prompt_logprobs is not None
+        for mine, theirs in zip(
+            got.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True
+        ):
+            assert mine is not None and theirs is not None
+            assert mine.token_logprob == pytest.approx(theirs.token_logprob, abs=1e-5)
+            assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_the_score_cache_evicts_and_the_kv_invariant_holds(model_dir: Path) -> None:
+    """A score cache of 2 pages under prompts of 4 scored pages each: pages come and go, a
+    prompt whose early pages were evicted computes them again, and the scores and the KV
+    accounting stay right."""
+    rng = random.Random(11)
+    items = [[rng.randrange(3, VOCAB) for _ in range(70)] for _ in range(3)]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=2)
+
+    async def run(score_cache_pages: int) -> tuple[list, dict]:
+        async with AsyncEngine(engine_config(model_dir, True, score_cache_pages)) as engine:
+            outs = []
+            for prompt in [*items, items[0], items[2]]:
+                outs.append(await engine.generate(prompt, params))
+                engine.core.check_invariant()
+            return outs, engine.stats()
+
+    small, stats = asyncio.run(run(2))
+    off, _ = asyncio.run(run(0))
+    assert stats["prompt_score_pages"] == 2
+    assert stats["prompt_score_pages_evicted"] == stats["prompt_score_pages_stored"] - 2 > 0
+    # items[0] again: its page 0 was evicted, so nothing is taken; items[2] last: not evicted
+    # only its last two pages stayed, and a match must start at page 0: nothing either
+    assert [o.usage.cached_tokens for o in small] == [0, 0, 0, 0, 0]
+    assert stats["prompt_score_hit_positions"] == 0
+    for a, b in zip(small, off, strict=True):
+        assert a.prompt_logprobs == b.prompt_logprobs

@@ -88,6 +88,10 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "spec_decode_steps": ("spec_steps", "Steps that verified speculative guesses"),
     "spec_decode_num_draft_tokens": ("spec_verified_tokens", "Speculative guesses verified"),
     "spec_decode_num_accepted_tokens": ("spec_accepted_tokens", "Speculative guesses accepted"),
+    "prompt_score_cache_hit_positions": (
+        "prompt_score_hit_positions",
+        "Scored prompt positions (prompt logprobs) taken from the prompt score cache",
+    ),
 }
 
 
