@@ -23,7 +23,7 @@ from asyncengine.kernels import cpu_native
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
-from tests.conftest import TinyCheckpoint
+from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
@@ -143,6 +143,37 @@ def test_fused_step_follows_the_torch_path_on_mixed_gguf_formats(
     pair = Pair(tiny_llama, mixed_formats(tiny_llama.load_weights()))
     layer = pair.native.model.layers[0]
     assert len(layer.qkv.parts) == 2 and len(layer.gate_up.parts) == 2  # type: ignore[union-attr]
+    _compare(pair)
+
+
+def test_fused_step_with_parts_that_split_interleaved_row_groups(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v of 96 + 12 + 12 rows in three formats: k and v are each one interleaved group of 8
+    rows and 4 rows as stored, so v's group starts in the middle of a thread's row tile and
+    its rows are taken one by one there (as are q/k/v's and gate/up's in the torch path)."""
+    overrides = {"tie_word_embeddings": True, "head_dim": 12, "num_attention_heads": 8}
+    overrides |= {"num_key_value_heads": 1, "rope_theta": 10000.0}
+    monkeypatch.setitem(TINY_CONFIGS, "llama_split_groups", ("llama", overrides))
+    ckpt = make_tiny_checkpoint("llama_split_groups", tmp_path / "ckpt")
+    kinds = {
+        "q_proj": GGMLQuantizationType.Q8_0,
+        "k_proj": GGMLQuantizationType.Q4_1,
+        "v_proj": GGMLQuantizationType.Q4_0,
+        "o_proj": GGMLQuantizationType.Q4_1,
+        "gate_proj": GGMLQuantizationType.Q4_0,
+        "up_proj": GGMLQuantizationType.Q4_1,
+        "down_proj": GGMLQuantizationType.Q8_0,
+        "embed_tokens": GGMLQuantizationType.Q8_0,
+    }
+    weights: dict[str, Any] = {}
+    for name, weight in ckpt.load_weights().items():
+        kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
+        weights[name] = weight if kind is None else _gguf_block(weight, kind)
+    pair = Pair(ckpt, weights)
+    qkv = pair.native.model.layers[0].qkv
+    assert [p.shape[0] for p in qkv.parts] == [96, 12, 12]  # type: ignore[union-attr]
+    assert all(p.interleaved for p in qkv.parts)  # type: ignore[union-attr]
     _compare(pair)
 
 
