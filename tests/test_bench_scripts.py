@@ -752,3 +752,18 @@ def test_serving_sweeps_rates_against_a_running_server(
         )  # fmt: skip
         check_serving_result(row, 4, expected)
     assert result["systems"]["tiny"]["max_rate_under_ttft_slo"] in (None, 20.0, 40.0)
+
+
+# -- the llama.cpp peer: which GGUF holds the weights asyncengine runs --------------------------
+
+
+def test_the_llamacpp_peer_runs_the_weights_asyncengine_runs() -> None:
+    peer = load_script("peer_llamacpp")
+    # the default (quantization "auto") keeps the embedded Q4_1 file as stored: so does the peer
+    assert peer.model_kind_for("smollm2-135m", "auto", "float32") == "q4_1"
+    # expanded weights: the conversion of the run's dtype
+    assert peer.model_kind_for("smollm2-135m", "none", "float32") == "float32"
+    assert peer.model_kind_for("smollm2-135m", "none", "bfloat16") == "bfloat16"
+    assert peer.model_kind_for("/some/model-dir", "auto", "float32") == "float32"
+    with pytest.raises(peer.LlamaCppPeerError):
+        peer.model_kind_for("smollm2-135m", "none", "auto")

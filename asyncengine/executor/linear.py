@@ -58,19 +58,20 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Linear:
-    __slots__ = ("bias", "packed", "row_block", "weight")
+    """Once packed, the plain weight is no longer referenced from here (the packed copy is a
+    second tensor of the same size: keeping both doubled a dense model's resident weights)."""
+
+    __slots__ = ("bias", "dtype", "out_features", "packed", "row_block", "weight")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_block: int | None = None
     ) -> None:
-        self.weight = weight  # [out, in]
         self.bias = bias
         self.packed = _pack(weight)
+        self.weight = weight if self.packed is None else None  # [out, in]
+        self.dtype = weight.dtype
+        self.out_features = int(weight.shape[0])
         self.row_block = row_block  # None: one call for all rows
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_block is None or x.dim() != 2:
@@ -78,11 +79,13 @@ class Linear:
         return self._in_row_blocks(x, self.row_block)
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2:
+        if self.packed is not None:
+            x2 = x.reshape(-1, x.shape[-1])
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "none", [], ""
+                x2, self.packed, self.bias, "none", [], ""
             )
-            return out
+            return out.reshape(*x.shape[:-1], self.out_features)
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
     def _in_row_blocks(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -112,7 +115,8 @@ class QuantizedLinear:
     ``dense_from_rows``: calls with at least this many rows take the dense product of today's
     ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
     time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
-    under large batches both). None: always the quantized kernel.
+    under large batches both: the quantized bytes and one packed dense copy). None: always the
+    quantized kernel.
     """
 
     __slots__ = ("_dense", "bias", "dense_from_rows", "in_features", "out_features", "parts")
@@ -147,7 +151,7 @@ class QuantizedLinear:
 
     def dense(self, dtype: torch.dtype) -> Linear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
-        if self._dense is None or self._dense.weight.dtype != dtype:
+        if self._dense is None or self._dense.dtype != dtype:
             weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(dtype)
             self._dense = Linear(weight, bias)
