@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Speculative decoding (prompt lookup) on and off, and llama.cpp's own n-gram speculation.
+"""Speculative decoding (prompt lookup, a draft model) on and off, and llama.cpp's n-gram one.
 
 Workloads (asyncengine/workloads/copy_heavy.py): copy-heavy chat prompts (rewrite or edit a code
-file or a passage given in the prompt) and random-text ones ("continue these random words").
+file or a passage given in the prompt), random-text ones ("continue these random words") and
+random-number ones ("continue these random numbers": digits, whose short n-grams recur, so
+lookup guesses and the guesses fail: speculation-hostile).
 Each request is greedy with EOS ignored and ``--output-len`` tokens.
 
 Modes, each its own engine, all loaded once and run back to back per repeat (the machine is
 shared: compare within one repeat): ``off``, ``fixed`` (``num_speculative_tokens`` guesses
-whenever lookup finds them) and ``adaptive`` (speculative/rules.py). Batch 1: the requests one
+whenever lookup finds them) and ``adaptive`` (speculative/rules.py); ``draft_fixed`` and
+``draft_adaptive`` the same rules with ``--draft-model`` guessing (``--draft-k`` guesses; make
+one with scripts/make_draft_model.py). Batch 1: the requests one
 at a time, decode tok/s of each = (output_len - 1) / (e2e - ttft), the median reported; batch B:
 B requests at once (the prompts cycled), output tokens / wall seconds. With ``--llamacpp``,
 llama-server on the same GGUF (Q4_1, the embedded model) without speculation and with
@@ -16,6 +20,8 @@ drafted), its own ``predicted_per_second`` at batch 1.
 
     python scripts/bench_speculative.py --out bench_results/speculative.json --llamacpp
     python scripts/bench_speculative.py --batches 1 --prompts 2 --output-len 32
+    python scripts/bench_speculative.py --batches 1 --modes off draft_fixed draft_adaptive \
+        --draft-model ~/.cache/asyncengine/smollm2-135m-first6-draft.gguf
 """
 
 from __future__ import annotations
@@ -38,14 +44,30 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
-from asyncengine.workloads.copy_heavy import copy_heavy_prompts, random_text_prompts
+from asyncengine.workloads.copy_heavy import (
+    copy_heavy_prompts,
+    random_number_prompts,
+    random_text_prompts,
+)
 
-WORKLOADS = {"copy": copy_heavy_prompts, "random": random_text_prompts}
+WORKLOADS = {
+    "copy": copy_heavy_prompts,
+    "random": random_text_prompts,
+    "numbers": random_number_prompts,
+}
+DRAFT_PREFIX = "draft_"
 
 
 def mode_config(mode: str, args: argparse.Namespace) -> EngineConfig:
-    speculative = None
-    if mode != "off":
+    speculative: dict[str, Any] | None = None
+    if mode.startswith(DRAFT_PREFIX):
+        speculative = {
+            "method": "draft",
+            "model": args.draft_model,
+            "num_speculative_tokens": args.draft_k,
+            "rule": mode.removeprefix(DRAFT_PREFIX),
+        }
+    elif mode != "off":
         speculative = {
             "method": "ngram",
             "num_speculative_tokens": args.k,
@@ -213,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--draft-model", default=None, help="for the draft_* modes")
+    parser.add_argument("--draft-k", type=int, default=3, help="draft num_speculative_tokens")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp, batch 1")
@@ -223,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.modes[0] != "off":
         raise ValueError("--modes must start with off (the ratios are to it)")
+    if any(m.startswith(DRAFT_PREFIX) for m in args.modes) and args.draft_model is None:
+        raise ValueError("the draft_* modes need --draft-model")
     load_before = os.getloadavg()
     ran = asyncio.run(run_engines(args))
     result: dict[str, Any] = {

@@ -34,3 +34,29 @@ def test_bench_speculative_writes_a_row_per_mode_and_batch(
     ]
     assert all((r.get("decode_tok_s") or r.get("tok_s")) > 0 for r in rows)
     assert rows[0]["acceptance"] is None
+
+
+def test_bench_speculative_runs_the_draft_modes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    bench = load_script("bench_speculative")
+    model = str(tiny_model_dir(tmp_path_factory))
+    out = tmp_path / "draft.json"
+    bench.main(
+        [
+            "--model", model,
+            "--draft-model", model,  # the target as its own draft: every guess accepted
+            "--modes", "off", "draft_fixed",
+            "--workloads", "numbers",
+            "--batches", "1",
+            "--prompts", "1",
+            "--output-len", "8",
+            "--kv-cache-tokens", "4096",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["off", "draft_fixed"]
+    assert rows[1]["acceptance"] > 0.9 and rows[1]["accepted_tokens"] > 0
+    with pytest.raises(ValueError, match="--draft-model"):
+        bench.main(["--modes", "off", "draft_adaptive"])

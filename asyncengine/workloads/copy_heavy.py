@@ -4,7 +4,9 @@ Copy-heavy: rewrite or edit a passage or a code file given in the prompt (repeat
 identifier, fix its comments, convert its docstring): the answer copies long runs of the
 prompt, which prompt lookup guesses. The sources are this package's own modules (real Python
 code and real prose, in their docstrings). Random text: "continue this" over random words,
-where lookup rarely finds a match (the cost of speculating where it does not pay).
+where lookup rarely finds a match (the cost of speculating where it does not pay). Random
+numbers: "continue this" over random numbers, whose digits' short n-grams recur, so lookup
+guesses often and the guesses fail (speculation-hostile text).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ def random_text_prompts(n: int, seed: int = 0, words: int = 120) -> list[Message
             {
                 "role": "user",
                 "content": "Continue this text: " + " ".join(rng.choices(_WORDS, k=words)),
+            }
+        ]
+        for _ in range(n)
+    ]
+
+
+def random_number_prompts(n: int, seed: int = 0, numbers: int = 80) -> list[Messages]:
+    """``n`` chat prompts asking to continue ``numbers`` random numbers (1 to 6 digits),
+    drawn with ``seed``."""
+    rng = random.Random(seed)
+    return [
+        [
+            {
+                "role": "user",
+                "content": "Continue this list of random numbers: "
+                + " ".join(str(rng.randrange(10 ** rng.randint(1, 6))) for _ in range(numbers)),
             }
         ]
         for _ in range(n)
