@@ -73,8 +73,8 @@ class AdmissionLog:
 
     The requests inside the window still waiting are always the head of the waiting queue
     (admission removes from the window, arrivals append at the end), unless a retracted request
-    went to the front, before or after the window was taken: only then is the whole window
-    looked at again.
+    went to the front, before or after the window was taken, or the policy added requests from
+    past the head (``Policy.candidates``): only then is the whole window looked at again.
     """
 
     def __init__(self) -> None:
@@ -85,12 +85,18 @@ class AdmissionLog:
         self._outside: dict[int, tuple[Request, tuple[int, ...]]] = {}
         self._inside: dict[int, tuple[Request, tuple[int, ...]]] = {}
         self._pushed = False  # a request went to the queue's front since the last step
+        self._reshaped = False  # this step's window is not only the queue's head
 
     # -- the life of a request --------------------------------------------------------------
     def arrived(self, req: Request, front: bool = False) -> None:
         """``req`` joined the waiting queue (new at its end, or retracted to its ``front``)."""
         self._outside[id(req)] = (req, tuple(self._outside_totals))
         self._pushed = self._pushed or front
+
+    def reshaped(self) -> None:
+        """This step's window holds requests from past the queue's head (a policy's extra
+        candidates): look at all of it, this step and the next (which may drop them)."""
+        self._pushed = self._reshaped = True
 
     def left(self, req: Request) -> None:
         """``req`` left the engine: settle its counts."""
@@ -131,7 +137,7 @@ class AdmissionLog:
         inside = self._inside
         window = admission.window
         if self._pushed:  # the window is not the head it was: look at all of it
-            self._pushed = False
+            self._pushed, self._reshaped = self._reshaped, False
             in_window = {id(req) for req in window}
             snapshot = tuple(self._outside_totals)
             for key, (req, _) in list(inside.items()):

@@ -321,9 +321,13 @@ class Scheduler(Retraction, Prefill):
         alone = not self.running and not self.prefilling and not plan.extends
         if not alone and not preempts and self._reservation(reserved) + 1 > self.kv.available_pages:
             return Admission(KV_RESERVATION)  # not even a one-page request would fit
-        # The policy orders the oldest ``policy_window`` requests; the rest wait in arrival
-        # order, which bounds each step's ordering cost when the queue is very long.
-        window = self.waiting[: self.config.policy_window]
+        # The policy orders the oldest ``policy_window`` requests (and any it adds from past
+        # them: Policy.candidates); the rest wait in arrival order, which bounds each step's
+        # ordering cost when the queue is very long.
+        size = self.config.policy_window
+        window = self.policy.candidates(self.waiting, size)
+        if len(window) > size:  # the policy added requests from past the oldest ones
+            self.admission.reshaped()
         ctx = self._context(num_decodes)
         ordered = self.policy.order(window, ctx)
         admission = Admission(window=window)

@@ -89,6 +89,12 @@ class Policy:
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return waiting
 
+    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+        """The waiting requests ``order`` is given this step: the ``size`` oldest
+        (``policy_window``), which bounds each step's ordering cost on a long queue. A policy
+        may add requests from past the window (``fair``: each tenant's oldest)."""
+        return waiting[:size]
+
     def budget(self, ctx: PolicyContext) -> StepBudget:
         return StepBudget(
             prefill_tokens=ctx.config.max_prefill_tokens,

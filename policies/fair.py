@@ -8,6 +8,10 @@ smallest counter first, each tenant's requests in arrival order; while ordering,
 charges its tenant the pick's prompt tokens, so one step's admissions interleave tenants
 instead of handing them all to one. Counters charge what the engine actually ran (``observe``).
 
+Past ``policy_window`` (the oldest waiting requests, which bound each step's ordering cost),
+the policy also takes each other tenant's oldest waiting request (``candidates``): a backlog
+deeper than the window, all of one heavy tenant's, must not hide the others' heads from it.
+
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
 while idle, and it is not punished for service it got long ago.
@@ -16,6 +20,7 @@ while idle, and it is not punished for service it got long ago.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Any
 
 from asyncengine.plan import BatchPlan
@@ -84,6 +89,24 @@ class FairPolicy(Policy):
                 counters[tenant] = counters.get(tenant, 0.0) + self.decode_weight / self.weight(
                     tenant
                 )
+
+    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+        """The ``size`` oldest, then the oldest of each tenant not among them (the scan of the
+        queue past the window stops once every tenant this policy knows has its head)."""
+        window = waiting[:size]
+        if len(waiting) <= size:
+            return window
+        seen = {tenant_of(req) for req in window}
+        known = set(self.counters) | set(self._live)
+        extra: list[Request] = []
+        for req in itertools.islice(waiting, size, None):
+            tenant = tenant_of(req)
+            if tenant not in seen:
+                seen.add(tenant)
+                extra.append(req)
+                if known and known <= seen:
+                    break
+        return window + extra
 
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         queues: dict[str, list[Request]] = {}

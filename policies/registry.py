@@ -66,6 +66,11 @@ class ComposedPolicy(Policy):
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return self.orderer.order(waiting, ctx) if self.orderer else waiting
 
+    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+        if self.orderer is None:
+            return Policy.candidates(self, waiting, size)
+        return self.orderer.candidates(waiting, size)
+
     def budget(self, ctx: PolicyContext) -> StepBudget:
         return self.budgeter.budget(ctx) if self.budgeter else Policy.budget(self, ctx)
 

@@ -56,8 +56,12 @@ def time_policy(
     workload: list[WorkloadRequest],
     cost: CostModel,
     repeats: int,
+    bulk_decode: bool = True,
 ) -> PolicyTiming:
-    runs = [simulate(base.replace(policy=policy), workload, cost) for _ in range(repeats)]
+    runs = [
+        simulate(base.replace(policy=policy), workload, cost, bulk_decode=bulk_decode)
+        for _ in range(repeats)
+    ]
     result = runs[-1]
     return PolicyTiming(
         policy=policy,
@@ -82,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
     parser.add_argument("--repeats", type=int, default=1, help="runs per policy (median)")
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--out", default=None, help="JSON file for the timings")
+    parser.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="write every decode of every step (no bulk decoding: sim/bulk_decode.py)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.num_requests < 1:
         parser.error("--repeats and --num-requests must be >= 1")
@@ -98,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
     timings = []
     print(f"{'policy':<16} {'cpu s':>8} {'wall s':>8} {'steps':>8} {'done':>7} {'hit':>6}")
     for policy in args.policies:
-        timing = time_policy(policy, base, workload, cost, args.repeats)
+        timing = time_policy(
+            policy, base, workload, cost, args.repeats, bulk_decode=not args.step_by_step
+        )
         timings.append(timing)
         print(
             f"{policy:<16} {timing.median_cpu:8.2f} {timing.median_wall:8.2f} {timing.steps:8d} "
@@ -111,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             "workload": args.workload,
             "arrivals": args.arrivals,
             "seed": args.seed,
+            "bulk_decode": not args.step_by_step,
             "python": platform.python_version(),
             "machine": platform.processor() or platform.machine(),
             "timings": [

@@ -11,8 +11,10 @@ import json
 import logging
 from dataclasses import asdict, replace
 
+import numpy as np
 import pytest
 
+from asyncengine.cache.manager import KVCacheManager, SeqKV
 from asyncengine.config import EngineConfig
 from asyncengine.sim import CostModel, SimResult, Simulator
 from asyncengine.workloads import (
@@ -139,3 +141,37 @@ def test_a_step_hook_turns_bulk_off() -> None:
     result = sim.run(workload)
     assert sim.bulk is not None and sim.bulk.bulk_steps == 0
     assert len(seen) == result.steps
+
+
+def _pool_with_history(cached: int) -> tuple[KVCacheManager, list[SeqKV]]:
+    """A 26-page pool of 4-token pages: ``cached`` finished prompts in the tree (2 evictable
+    pages each), then five open sequences (7 pages) whose pages are full."""
+    kv = KVCacheManager(num_pages=26, page_size=4, max_rows=16, max_pages_per_row=16)
+    for i in range(cached):
+        seq = kv.open([1000 * (i + 1) + t for t in range(9)])
+        kv.extend(seq, 9)
+        kv.close(seq, [1000 * (i + 1) + t for t in range(9)])
+    seqs = []
+    for i in range(5):
+        seq = kv.open([50 + i, 60 + i, 70 + i, 80 + i, 90 + i])
+        kv.extend(seq, 4 * (i % 2 + 1))
+        seqs.append(seq)
+    return kv, seqs
+
+
+@pytest.mark.parametrize("cached", [0, 6, 8])
+def test_extend_each_by_one_is_extend_one_by_one(cached: int) -> None:
+    one_by_one, seqs_a = _pool_with_history(cached)
+    together, seqs_b = _pool_with_history(cached)
+    for seq in seqs_a:
+        one_by_one.extend(seq, 1)
+    together.extend_each_by_one(seqs_b)
+    assert [s.pages for s in seqs_a] == [s.pages for s in seqs_b]
+    assert [s.kv_len for s in seqs_a] == [s.kv_len for s in seqs_b]
+    assert one_by_one.allocator.free_pages().tolist() == together.allocator.free_pages().tolist()
+    assert one_by_one.page_table.drain_writes() == together.page_table.drain_writes()
+    assert np.array_equal(one_by_one.page_table.array, together.page_table.array)
+    assert one_by_one.tree.evictable_size == together.tree.evictable_size
+    together.check_invariant()
+    if cached == 8:  # 3 pages were free: the tree gave the other 2 to both the same way
+        assert one_by_one.tree.evictable_size == 7 * 8

@@ -199,3 +199,19 @@ def test_compositions_forward_preemption_and_finished() -> None:
 def test_bad_options_are_refused(spec: str, options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_policy(spec, options)
+
+
+def test_fair_candidates_take_each_tenants_head_past_the_window() -> None:
+    heavy = [req(f"h{i}", arrival=i, tenant="heavy") for i in range(6)]
+    light = [req("l0", arrival=6, tenant="light"), req("l1", arrival=7, tenant="light")]
+    waiting = [*heavy, light[0], req("h6", arrival=8, tenant="heavy"), light[1]]
+    assert rids(make_policy("fcfs").candidates(waiting, 2)) == ["h0", "h1"]
+    policy = FairPolicy()
+    assert rids(policy.candidates(waiting, 2)) == ["h0", "h1", "l0"]
+    assert rids(policy.candidates(waiting, 20)) == rids(waiting)
+    # ordered with the others, the light head goes first once heavy has been served
+    policy.order(policy.candidates(waiting, 2), ctx())
+    policy.observe(prefill_plan(("h0", 0, 4)), 0.1)
+    assert rids(policy.order(policy.candidates(waiting[1:], 2), ctx()))[0] == "l0"
+    composed = make_policy("fair+token-budget")
+    assert rids(composed.candidates(waiting, 2)) == ["h0", "h1", "l0"]

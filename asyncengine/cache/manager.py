@@ -198,6 +198,38 @@ class KVCacheManager:
             seq.pages.extend(new_pages.tolist())
         seq.kv_len = new_len
 
+    def extend_each_by_one(self, seqs: list[SeqKV]) -> None:
+        """``extend(seq, 1)`` for each of ``seqs`` in order, for sequences whose pages are all
+        full (each takes one new page): the same pages, evictions and table writes as one by
+        one, allocated in runs from the free list."""
+        ps = self.page_size
+        if len(seqs) > self.available_pages or any(
+            seq.kv_len != len(seq.pages) * ps or len(seq.pages) >= self.max_pages_per_row
+            for seq in seqs
+        ):
+            for seq in seqs:
+                self.extend(seq, 1)
+            return
+        for seq in seqs:
+            self._check_open(seq)
+        allocator, set_page = self.allocator, self.page_table.set_page
+        done = 0
+        while done < len(seqs):
+            free = allocator.num_free
+            if free == 0:  # as extend does when the free list is empty: one page's worth
+                freed = self.tree.evict(ps)
+                if freed.size == 0:
+                    raise OutOfPagesError("no KV page is free or evictable")
+                allocator.free(freed)
+                continue
+            take = min(free, len(seqs) - done)
+            pages = allocator.alloc(take).tolist()
+            for seq, page in zip(seqs[done : done + take], pages, strict=True):
+                set_page(seq.row, len(seq.pages), page)
+                seq.pages.append(page)
+                seq.kv_len += 1
+            done += take
+
     def truncate(self, seq: SeqKV, length: int) -> None:
         """Give back the slots of positions ``length .. kv_len - 1`` (a verified row's rejected
         guesses): ``kv_len`` becomes ``length`` and the pages past it return to the free list.

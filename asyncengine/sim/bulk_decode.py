@@ -187,10 +187,13 @@ class BulkDecode:
         need = self.buckets.get(-j % self.page_size, [])
         if len(need) > kv.available_pages:
             return False  # retraction: the step-by-step path's
-        for member in need:  # their next token starts a page: allocated in running order
-            seq = member.req.kv
-            seq.kv_len = member.base + j
-            kv.extend(seq, 1)
+        if need:  # their next token starts a page: allocated in running order
+            seqs = []
+            for member in need:
+                seq = member.req.kv
+                seq.kv_len = member.base + j
+                seqs.append(seq)
+            kv.extend_each_by_one(seqs)
         num_decodes = len(self.members)
         plan = self._plan(num_decodes)
         # a decode at length base + j attends from start position base + j
