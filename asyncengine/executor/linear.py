@@ -34,10 +34,11 @@ ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
 # CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
-# shapes, float32): the integer kernel took 0.35x the dense time at 1 row, 0.7-0.8x at 16,
-# 0.7-1.1x at 24, 0.85-1.25x at 32 and 1.05-1.25x at 48 rows (Q4_1 and Q8_0): the crossover
-# lies between 24 and 32 rows.
-DENSE_FROM_ROWS = 32
+# shapes, float32), the interleaved kernels (Q4_1 / Q8_0) against the dense product: 0.10 / 0.11
+# of its time at 1 row, 0.39 / 0.49 at 16, 0.45 / 0.62 at 32, 0.66 / 0.76 at 64, 0.79 / 0.92 at
+# 128, 0.75 / 1.01 at 512 (the 49152-row Q8_0 LM head 0.71 at 32). 64 keeps short prompts (and
+# their first call) off the dense copy, which costs the float32 weights in memory once made.
+DENSE_FROM_ROWS = 64
 # "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
 # (kernels/cpu_quant_blocks.h; to measure what the layout gives)
 INTERLEAVE_ENV = "ASYNCENGINE_INTERLEAVE"

@@ -29,13 +29,13 @@ from asyncengine.kernels.decode_step_native import (
 )
 
 ENABLE_ENV = "ASYNCENGINE_NATIVE_DECODE"
-# Decode batches up to this many requests take the fused step. Its projections are the
-# quantized kernel's, so from DENSE_FROM_ROWS on (where the torch path switches to the dense
-# product) the torch path is the one to take. Below, the fused step was never slower: one
-# thread's CPU time per step on SmolLM2's Q4_1 file, context 64 (scripts/bench_decode_step.py
-# --threads 1 --cpu-time), fused vs torch path: 17.3 vs 24.5 ms at 1 request, 38 vs 43 at 4,
-# 67 vs 78 at 8, 201 vs 205 at 16, 205 vs 241 at 24, 282 vs 304 at 31.
-NATIVE_DECODE_MAX_ROWS = DENSE_FROM_ROWS - 1
+# Decode batches up to this many requests take the fused step. It was never slower below 32
+# (one thread's CPU time per step on SmolLM2's Q4_1 file, context 64, scripts/bench_decode_step.py
+# --threads 1 --cpu-time, fused vs torch path: 17.3 vs 24.5 ms at 1 request, 38 vs 43 at 4, 67 vs
+# 78 at 8, 201 vs 205 at 16, 205 vs 241 at 24, 282 vs 304 at 31; with interleaved rows 11.7-13.4
+# vs 19-21 at 1, 24-25 vs 34-37 at 4, 71-75 vs 96-108 at 16) and even with the dense product
+# from 32 rows (0.95-0.99x at 32-128): below DENSE_FROM_ROWS either way.
+NATIVE_DECODE_MAX_ROWS = min(31, DENSE_FROM_ROWS - 1)
 
 
 class LayerLike(Protocol):
