@@ -13,7 +13,7 @@ from typing import Any
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
+from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.clock import VirtualClock
@@ -56,6 +56,11 @@ class Simulator:
         check_invariant_every: int = 0,
         swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
     ) -> None:
+        speculation = config.speculation
+        if speculation is not None and speculation.method == "draft":
+            raise ConfigError(
+                "config key 'speculative': the simulator has no cost model for a draft model"
+            )
         spec = replace(
             DEFAULT_SPEC,
             max_model_len=max_model_len or config.max_model_len or DEFAULT_SPEC.max_model_len,
