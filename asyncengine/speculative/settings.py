@@ -31,8 +31,6 @@ _DEFAULTS: dict[str, Any] = {
     "rule": "adaptive",
     # adaptive rule: no speculation once a step verifies this many tokens (compute bound)
     "max_verify_tokens": 256,
-    # adaptive rule: what a verifying step costs beyond a plain decode step, in decode steps
-    "verify_overhead": 0.6,
 }
 
 
@@ -45,7 +43,6 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     rule: str
     max_verify_tokens: int
-    verify_overhead: float
 
 
 def parse_speculative(values: dict[str, Any]) -> SpeculativeConfig:
@@ -83,8 +80,4 @@ def parse_speculative(values: dict[str, Any]) -> SpeculativeConfig:
     limit = merged["max_verify_tokens"]
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise bad("max_verify_tokens", "must be an integer >= 1")
-    overhead = merged["verify_overhead"]
-    if not isinstance(overhead, (int, float)) or isinstance(overhead, bool) or not overhead >= 0:
-        raise bad("verify_overhead", "must be a number >= 0")
-    merged["verify_overhead"] = float(overhead)
     return SpeculativeConfig(**merged)
