@@ -283,3 +283,11 @@ def test_a_draft_of_another_tokenizer_is_a_config_error(target: Path, tmp_path: 
     with pytest.raises(ConfigError, match="speculative.model") as info:
         ModelExecutor(config)
     assert "tokenizer is not the target model's" in str(info.value)
+
+
+def test_the_simulator_refuses_a_draft_model() -> None:
+    from asyncengine.sim.simulator import Simulator
+
+    config = EngineConfig(speculative=draft_spec("/models/small"))
+    with pytest.raises(ConfigError, match="speculative"):
+        Simulator(config)

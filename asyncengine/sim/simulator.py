@@ -13,7 +13,7 @@ from typing import Any
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
+from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.core import EngineCore
 from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.bulk_decode import BulkDecode
@@ -61,6 +61,12 @@ class Simulator:
         """``bulk_decode``: count the decodes of the steps that allow it instead of writing
         them request by request (sim/bulk_decode.py): the same results, several times faster;
         False runs every step step by step."""
+
+        speculation = config.speculation
+        if speculation is not None and speculation.method == "draft":
+            raise ConfigError(
+                "config key 'speculative': the simulator has no cost model for a draft model"
+            )
         spec = replace(
             DEFAULT_SPEC,
             max_model_len=max_model_len or config.max_model_len or DEFAULT_SPEC.max_model_len,
