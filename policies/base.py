@@ -92,7 +92,8 @@ class Policy:
     def candidates(self, waiting: list[Request], size: int) -> list[Request]:
         """The waiting requests ``order`` is given this step: the ``size`` oldest
         (``policy_window``), which bounds each step's ordering cost on a long queue. A policy
-        may add requests from past the window (``fair``: each tenant's oldest)."""
+        may add requests from past the window (``fair``: a window per tenant). A new list:
+        admission removes from ``waiting`` while it goes through it."""
         return waiting[:size]
 
     def budget(self, ctx: PolicyContext) -> StepBudget:

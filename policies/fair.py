@@ -8,9 +8,10 @@ smallest counter first, each tenant's requests in arrival order; while ordering,
 charges its tenant the pick's prompt tokens, so one step's admissions interleave tenants
 instead of handing them all to one. Counters charge what the engine actually ran (``observe``).
 
-Past ``policy_window`` (the oldest waiting requests, which bound each step's ordering cost),
-the policy also takes each other tenant's oldest waiting request (``candidates``): a backlog
-deeper than the window, all of one heavy tenant's, must not hide the others' heads from it.
+``policy_window`` applies per tenant (``candidates``): the policy orders each tenant's oldest
+``policy_window`` waiting requests, so a backlog deeper than the window, all of one heavy
+tenant's, hides no other tenant's requests from it (VTC needs to see every backlogged
+client's queue to serve the one with the least service as much as it can take).
 
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
@@ -20,7 +21,6 @@ while idle, and it is not punished for service it got long ago.
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import Any
 
 from asyncengine.plan import BatchPlan
@@ -91,22 +91,20 @@ class FairPolicy(Policy):
                 )
 
     def candidates(self, waiting: list[Request], size: int) -> list[Request]:
-        """The ``size`` oldest, then the oldest of each tenant not among them (the scan of the
-        queue past the window stops once every tenant this policy knows has its head)."""
-        window = waiting[:size]
+        """Each tenant's ``size`` oldest waiting requests (a window per tenant), in queue
+        order. It scans the whole queue when that is longer than ``size``: a tenant's requests
+        may all be far behind another's."""
         if len(waiting) <= size:
-            return window
-        seen = {tenant_of(req) for req in window}
-        known = set(self.counters) | set(self._live)
-        extra: list[Request] = []
-        for req in itertools.islice(waiting, size, None):
-            tenant = tenant_of(req)
-            if tenant not in seen:
-                seen.add(tenant)
-                extra.append(req)
-                if known and known <= seen:
-                    break
-        return window + extra
+            return waiting[:]  # a copy: admission removes from the queue while it goes
+        taken: dict[str, int] = {}
+        chosen: list[Request] = []
+        for req in waiting:
+            tenant = req.params.tenant or ""
+            count = taken.get(tenant, 0)
+            if count < size:
+                taken[tenant] = count + 1
+                chosen.append(req)
+        return chosen
 
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         queues: dict[str, list[Request]] = {}

@@ -201,17 +201,18 @@ def test_bad_options_are_refused(spec: str, options: dict[str, object], message:
         make_policy(spec, options)
 
 
-def test_fair_candidates_take_each_tenants_head_past_the_window() -> None:
+def test_fair_candidates_are_a_window_per_tenant() -> None:
     heavy = [req(f"h{i}", arrival=i, tenant="heavy") for i in range(6)]
-    light = [req("l0", arrival=6, tenant="light"), req("l1", arrival=7, tenant="light")]
-    waiting = [*heavy, light[0], req("h6", arrival=8, tenant="heavy"), light[1]]
+    light = [req(f"l{i}", arrival=6 + i, tenant="light") for i in range(3)]
+    waiting = [*heavy, light[0], req("h6", arrival=8, tenant="heavy"), *light[1:]]
     assert rids(make_policy("fcfs").candidates(waiting, 2)) == ["h0", "h1"]
     policy = FairPolicy()
-    assert rids(policy.candidates(waiting, 2)) == ["h0", "h1", "l0"]
+    assert rids(policy.candidates(waiting, 2)) == ["h0", "h1", "l0", "l1"]
     assert rids(policy.candidates(waiting, 20)) == rids(waiting)
-    # ordered with the others, the light head goes first once heavy has been served
+    assert policy.candidates(waiting, 20) is not waiting  # admission removes from the queue
+    # served tenant "heavy" goes after "light", whose two oldest are both seen
     policy.order(policy.candidates(waiting, 2), ctx())
-    policy.observe(prefill_plan(("h0", 0, 4)), 0.1)
-    assert rids(policy.order(policy.candidates(waiting[1:], 2), ctx()))[0] == "l0"
+    policy.observe(prefill_plan(("h0", 0, 40)), 0.1)
+    assert rids(policy.order(policy.candidates(waiting[1:], 2), ctx()))[:2] == ["l0", "l1"]
     composed = make_policy("fair+token-budget")
-    assert rids(composed.candidates(waiting, 2)) == ["h0", "h1", "l0"]
+    assert rids(composed.candidates(waiting, 2)) == ["h0", "h1", "l0", "l1"]

@@ -1,8 +1,7 @@
-"""PageAllocator: a numpy free list of KV page ids.
+"""PageAllocator: the free list of KV page ids.
 
-Pages are ``0 .. num_pages - 1``. ``alloc`` and ``free`` are vectorized (no Python loop over
-pages); a boolean mask of allocated pages catches double frees and frees of pages that were
-never handed out.
+Pages are ``0 .. num_pages - 1``. A mask of allocated pages catches double frees and frees of
+pages that were never handed out.
 """
 
 from __future__ import annotations
@@ -23,19 +22,21 @@ class InvalidFreeError(ValueError):
 
 
 class PageAllocator:
-    """Free list of page ids kept as a stack in a numpy array.
+    """Free list of page ids kept as a stack (a Python list: a step takes or returns a few
+    pages, which list operations do quicker than numpy calls).
 
-    The stack's live part is ``_stack[:_num_free]``; ``alloc`` takes from its top, ``free``
-    pushes back, so a just-freed page is the next one handed out (LIFO).
+    ``alloc`` takes from the stack's top, ``free`` pushes back, so a just-freed page is the
+    next one handed out (LIFO). The allocated mask is a ``bytearray`` with a numpy view of the
+    same memory: small frees check it with Python ints, large ones with numpy.
     """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self._num_pages = num_pages
-        self._stack = np.empty(num_pages, dtype=np.int32)
-        self._allocated = np.zeros(num_pages, dtype=np.bool_)
-        self._num_free = 0
+        self._stack: list[int] = []
+        self._flags = bytearray(num_pages)  # 1: allocated
+        self._allocated = np.frombuffer(self._flags, dtype=np.bool_)  # a view, not a copy
         self.reset()
 
     @property
@@ -44,48 +45,73 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return len(self._stack)
 
     @property
     def num_allocated(self) -> int:
-        return self._num_pages - self._num_free
+        return self._num_pages - len(self._stack)
 
     def reset(self) -> None:
         """Mark every page free; the first allocations return 0, 1, 2, ..."""
-        self._stack[:] = np.arange(self._num_pages - 1, -1, -1, dtype=np.int32)
+        self._stack = list(range(self._num_pages - 1, -1, -1))
         self._allocated[:] = False
-        self._num_free = self._num_pages
 
     def alloc(self, n: int) -> np.ndarray:
         """Take ``n`` pages; returns an int32 array of their ids."""
+        return np.array(self.alloc_ids(n), dtype=np.int32)
+
+    def alloc_ids(self, n: int) -> list[int]:
+        """``alloc`` as a list of Python ints (the same pages)."""
+        stack = self._stack
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
-        if n > self._num_free:
+        if n > len(stack):
             raise OutOfPagesError(
-                f"asked for {n} KV pages but only {self._num_free} of {self._num_pages} are free"
+                f"asked for {n} KV pages but only {len(stack)} of {self._num_pages} are free"
             )
-        start = self._num_free - n
-        pages: np.ndarray = self._stack[start : self._num_free][::-1].copy()
-        self._num_free = start
-        self._allocated[pages] = True
+        start = len(stack) - n
+        pages = stack[start:]
+        del stack[start:]
+        pages.reverse()
+        flags = self._flags
+        for page in pages:
+            flags[page] = 1
         return pages
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         """Return pages to the free list; raises InvalidFreeError and changes nothing if any
         page is out of range, not currently allocated, or listed twice."""
-        array = np.asarray(pages)
+        array = pages if isinstance(pages, np.ndarray) else np.asarray(pages)
         if array.size == 0:
             return
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        if array.ndim != 1 or array.dtype.kind not in "iu":
             raise InvalidFreeError(
                 f"pages must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}"
             )
-        # a few pages (the usual free) check quicker as Python ints than by numpy reductions
-        small = array.tolist() if array.size <= _SMALL else None
-        if small is not None:
-            low, high = min(small), max(small)
-        else:
-            low, high = int(array.min()), int(array.max())
+        self.free_ids(array.tolist())
+
+    def free_ids(self, ids: list[int]) -> None:
+        """``free`` for a list of Python ints (a sequence's own pages): the same checks."""
+        if not ids:
+            return
+        # a few pages (the usual free) check quicker as Python ints than by numpy calls
+        if len(ids) > _SMALL:
+            self._free_many(np.asarray(ids))
+            return
+        low, high = min(ids), max(ids)
+        flags = self._flags
+        if low < 0 or high >= self._num_pages or not all(flags[page] for page in ids):
+            self._free_many(np.asarray(ids))  # raises, saying which pages
+            return
+        if len(set(ids)) != len(ids):
+            self._free_many(np.asarray(ids))
+            return
+        for page in ids:
+            flags[page] = 0
+        self._stack.extend(ids)
+
+    def _free_many(self, array: np.ndarray) -> None:
+        low, high = int(array.min()), int(array.max())
         if low < 0 or high >= self._num_pages:
             bad = array[(array < 0) | (array >= self._num_pages)]
             raise InvalidFreeError(
@@ -98,27 +124,20 @@ class PageAllocator:
                 f"freeing pages that are not allocated (double free or never allocated): "
                 f"{bad[:8].tolist()}"
             )
-        if small is not None:
-            repeated = len(set(small)) != len(small)
-        else:
-            repeated = np.unique(array).size != array.size
-        if repeated:
-            values, counts = np.unique(array, return_counts=True)
+        values, counts = np.unique(array, return_counts=True)
+        if values.size != array.size:
             raise InvalidFreeError(
                 f"pages listed more than once in one free: {values[counts > 1][:8].tolist()}"
             )
         self._allocated[array] = False
-        end = self._num_free + array.size
-        self._stack[self._num_free : end] = array
-        self._num_free = end
+        self._stack.extend(array.tolist())
 
     def is_allocated(self, page: int) -> bool:
-        return bool(self._allocated[page])
+        return bool(self._flags[page])
 
     def free_pages(self) -> np.ndarray:
         """A copy of the free page ids (for invariant checks)."""
-        pages: np.ndarray = self._stack[: self._num_free].copy()
-        return pages
+        return np.array(self._stack, dtype=np.int32)
 
     def allocated_mask(self) -> np.ndarray:
         """A copy of the boolean mask of allocated pages (for invariant checks)."""

@@ -202,10 +202,9 @@ class KVCacheManager:
         """``extend(seq, 1)`` for each of ``seqs`` in order, for sequences whose pages are all
         full (each takes one new page): the same pages, evictions and table writes as one by
         one, allocated in runs from the free list."""
-        ps = self.page_size
+        ps, most = self.page_size, self.max_pages_per_row
         if len(seqs) > self.available_pages or any(
-            seq.kv_len != len(seq.pages) * ps or len(seq.pages) >= self.max_pages_per_row
-            for seq in seqs
+            seq.kv_len != len(seq.pages) * ps or len(seq.pages) >= most for seq in seqs
         ):
             for seq in seqs:
                 self.extend(seq, 1)
@@ -223,7 +222,7 @@ class KVCacheManager:
                 allocator.free(freed)
                 continue
             take = min(free, len(seqs) - done)
-            pages = allocator.alloc(take).tolist()
+            pages = allocator.alloc_ids(take)
             for seq, page in zip(seqs[done : done + take], pages, strict=True):
                 set_page(seq.row, len(seq.pages), page)
                 seq.pages.append(page)
@@ -242,7 +241,7 @@ class KVCacheManager:
             )
         keep = -(-length // self.page_size)
         if keep < len(seq.pages):
-            self.allocator.free(np.asarray(seq.pages[keep:], dtype=np.int32))
+            self.allocator.free_ids(seq.pages[keep:])
             del seq.pages[keep:]
         seq.kv_len = length
         seq.computed_len = min(seq.computed_len, length)
@@ -271,7 +270,7 @@ class KVCacheManager:
         )
         first_dup, end_dup = seq.num_in_tree // ps, present // ps
         if end_dup > first_dup:
-            self.allocator.free(np.asarray(seq.pages[first_dup:end_dup], dtype=np.int32))
+            self.allocator.free_ids(seq.pages[first_dup:end_dup])
             shared = tree_pages[first_dup:end_dup]
             seq.pages[first_dup:end_dup] = shared.tolist()
             self.page_table.set_pages(seq.row, first_dup, shared)
@@ -289,7 +288,7 @@ class KVCacheManager:
         self.tree.unlock(seq.lock_node)
         own = seq.pages[seq.num_in_tree // self.page_size :]
         if own:
-            self.allocator.free(np.asarray(own, dtype=np.int32))
+            self.allocator.free_ids(own)
         del self._open[seq.row]
         self.page_table.release(seq.row)
         seq.pages = []

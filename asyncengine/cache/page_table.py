@@ -33,6 +33,7 @@ class PageTable:
                 f"got {max_rows} and {max_pages_per_row}"
             )
         self.array = np.zeros((max_rows, max_pages_per_row), dtype=np.int32)
+        self._max_pages_per_row = max_pages_per_row  # asked per extend: a plain int
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._in_use = np.zeros(max_rows, dtype=np.bool_)
         self._writes: list[PageWrite] | None = [] if record_writes else None
@@ -44,7 +45,7 @@ class PageTable:
 
     @property
     def max_pages_per_row(self) -> int:
-        return int(self.array.shape[1])
+        return self._max_pages_per_row
 
     @property
     def num_free_rows(self) -> int:

@@ -63,7 +63,7 @@ class SwapSpace:
         if n > self.allocator.num_free:
             self.counters.swap_full += 1
             return None
-        host = self.allocator.alloc(n).tolist()
+        host = self.allocator.alloc_ids(n)
         self._out.append(SwapCopy(list(pool_pages), host))
         swapped = SwappedKV(host, computed_len)
         self._held[id(swapped)] = swapped

@@ -64,6 +64,7 @@ class WorkloadReplay:
         self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
         self.steps = 0
         self.peak_waiting = 0  # the most requests waiting before a step
+        self.shared_params: dict[tuple[int, int, str | None, float | None], SamplingParams] = {}
 
     def done(self) -> bool:
         return self.next_arrival == len(self.pending) and not self.core.has_work()
@@ -88,6 +89,7 @@ class WorkloadReplay:
     def _admit_arrivals(self) -> None:
         pending, clock = self.pending, self.clock
         max_len = self.core.max_model_len
+        shared_params = self.shared_params
         while (
             self.next_arrival < len(pending)
             and pending[self.next_arrival].arrival_time <= clock.now
@@ -96,7 +98,12 @@ class WorkloadReplay:
             self.next_arrival += 1
             if not item.prompt_ids or len(item.prompt_ids) >= max_len:
                 continue  # the engine refuses it before queueing (no room to generate)
-            req = Request(item.rid, list(item.prompt_ids), params_for(item), item.arrival_time)
+            # requests with the same controls share one validated (never changed) params
+            key = (item.output_len, item.priority, item.tenant, item.timeout)
+            params = shared_params.get(key)
+            if params is None:
+                params = shared_params[key] = params_for(item)
+            req = Request(item.rid, list(item.prompt_ids), params, item.arrival_time)
             self.requests[item.rid] = req
             self.core.add(req)
 
