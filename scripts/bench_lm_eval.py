@@ -6,6 +6,14 @@ compared.
     .venv/bin/python scripts/bench_lm_eval.py                       # smollm2-135m, float32
     .venv/bin/python scripts/bench_lm_eval.py --limit 20 --out bench_results/lm_eval.json
 
+The figures in docs/BENCHMARKS.md (the whole task, zero-shot and 3-shot):
+
+    .venv/bin/python scripts/bench_lm_eval.py --hf-without-logits-cache --out bench_results/lm_eval_0shot.json
+    .venv/bin/python scripts/bench_lm_eval.py --num-fewshot 3 --hf-without-logits-cache --out bench_results/lm_eval_3shot.json
+
+The harness settings are those its documentation gives for ``local-completions`` (16 prompts a
+request, one request in flight) and the same batch size for the HF backend.
+
 It starts ``asyncengine serve`` on 127.0.0.1 (``--dtype float32``: the HF backend's dtype) and
 runs, one after the other, in child processes:
 
@@ -15,7 +23,9 @@ runs, one after the other, in child processes:
 ``asyncengine_mc`` is the local multiple-choice task in scripts/lm_eval_tasks (no download).
 ``--hf-without-logits-cache`` adds a third run: the HF backend with ``logits_cache=False``
 (by default it computes one forward for the choices of a question whose continuations are one
-token and differ only there; the server scores every prompt it is sent, whole).
+token and differ only there; the server is sent every prompt whole, and takes the whole KV
+pages of a context scored before, with their scores, from its prefix and prompt score caches).
+The server's counters of what it took from those caches are printed too.
 Each lm_eval run is timed whole (the child's wall time: importing the harness, loading the
 tokenizer or model, every request) and by the harness's own ``total_evaluation_time_seconds``;
 our server's start-up is reported apart. Exit status 1 when the accuracies differ. Prints a
@@ -31,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,7 +68,9 @@ class HarnessRun:
     evaluation_seconds: float  # the harness's total_evaluation_time_seconds
 
 
-def lm_eval_command(model_args: str, backend: str, batch_size: int, limit: int | None) -> list[str]:
+def lm_eval_command(
+    model_args: str, backend: str, batch_size: int, limit: int | None, num_fewshot: int = 0
+) -> list[str]:
     command = [
         str(Path(sys.executable).with_name("lm_eval")),
         "--model",
@@ -75,6 +88,8 @@ def lm_eval_command(model_args: str, backend: str, batch_size: int, limit: int |
         command += ["--device", "cpu"]
     if limit is not None:
         command += ["--limit", str(limit)]
+    if num_fewshot:
+        command += ["--num_fewshot", str(num_fewshot)]
     return command
 
 
@@ -105,6 +120,24 @@ def run_harness(name: str, command: list[str], out_dir: Path, log_path: Path) ->
     )
 
 
+def server_counters(base_url: str) -> dict[str, float]:
+    """The server's prompt and cache counters from /metrics: how much of the prompts it took
+    from its caches."""
+    names = {
+        "asyncengine_prompt_tokens_total": "prompt_tokens",
+        "asyncengine_cache_hit_tokens_total": "cache_hit_tokens",
+        "asyncengine_prompt_score_cache_hit_positions_total": "prompt_score_hit_positions",
+    }
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            counters[names[name]] = float(value)
+    return counters
+
+
 def count_requests(limit: int | None) -> int:
     lines = (ROOT / TASKS_DIR / TASK / f"{TASK}.jsonl").read_text().splitlines()
     docs = [json.loads(line) for line in lines][: limit if limit is not None else None]
@@ -126,6 +159,12 @@ def main() -> int:
         type=int,
         default=1,
         help="batches local-completions keeps in flight (num_concurrent); the server batches them",
+    )
+    parser.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=0,
+        help="examples before each question (lm_eval --num_fewshot): longer shared contexts",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -161,15 +200,19 @@ def main() -> int:
                 "local-completions",
                 args.batch_size,
                 args.limit,
+                args.num_fewshot,
             ),
             work / "asyncengine",
             work / "lm_eval_asyncengine.log",
         )
+        counters = server_counters(server.base_url)
     finally:
         server.stop()
     theirs = run_harness(
         "hf",
-        lm_eval_command(f"pretrained={model},dtype=float32", "hf", args.batch_size, args.limit),
+        lm_eval_command(
+            f"pretrained={model},dtype=float32", "hf", args.batch_size, args.limit, args.num_fewshot
+        ),
         work / "hf",
         work / "lm_eval_hf.log",
     )
@@ -183,6 +226,7 @@ def main() -> int:
                     "hf",
                     args.batch_size,
                     args.limit,
+                    args.num_fewshot,
                 ),
                 work / "hf_no_cache",
                 work / "lm_eval_hf_no_cache.log",
@@ -197,15 +241,20 @@ def main() -> int:
         "batch_size": args.batch_size,
         "concurrency": args.concurrency,
         "limit": args.limit,
+        "num_fewshot": args.num_fewshot,
         "load_average_before": load_before,
         "load_average_after": load_average(),
         "server_startup_seconds": server.startup_seconds,
+        "server_counters": counters,
         "runs": [asdict(run) for run in runs],
         "wall_speedup": theirs.wall_seconds / ours.wall_seconds,
         "evaluation_speedup": theirs.evaluation_seconds / ours.evaluation_seconds,
         "equal_accuracy": all((r.acc, r.acc_norm) == (ours.acc, ours.acc_norm) for r in runs),
     }
-    print(f"lm-eval {TASK} ({ours.samples} questions, {requests} loglikelihood requests), {model}")
+    print(
+        f"lm-eval {TASK} ({ours.samples} questions, {args.num_fewshot}-shot, {requests} "
+        f"loglikelihood requests), {model}"
+    )
     print(f"load average (1/5/15 min): before {load_before}, after {report['load_average_after']}")
     header = f"{'backend':<12} {'acc':>7} {'acc_norm':>9} {'lm_eval wall s':>15} {'eval s':>8}"
     print(header)
@@ -218,6 +267,14 @@ def main() -> int:
         f"asyncengine is {report['wall_speedup']:.2f}x the HF backend's speed (lm_eval wall), "
         f"{report['evaluation_speedup']:.2f}x (evaluation); server start-up "
         f"{server.startup_seconds:.1f}s apart; accuracies equal: {report['equal_accuracy']}"
+    )
+    print(
+        "server: {:.0f} prompt tokens, {:.0f} from the prefix cache, {:.0f} scored positions "
+        "from the prompt score cache".format(
+            counters.get("prompt_tokens", 0),
+            counters.get("cache_hit_tokens", 0),
+            counters.get("prompt_score_hit_positions", 0),
+        )
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

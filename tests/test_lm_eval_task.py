@@ -44,6 +44,8 @@ def test_lm_eval_scores_equal_through_the_server_and_hf(
             "6",
             "--batch-size",
             "4",
+            "--num-fewshot",  # contexts of whole pages the choices share: the score cache's case
+            "2",
             "--out",
             str(out),
         ],
@@ -59,3 +61,6 @@ def test_lm_eval_scores_equal_through_the_server_and_hf(
         hf["acc_norm"],
     )
     assert ours["samples"] == hf["samples"] == 6 and ours["requests"] == 24
+    counters = report["server_counters"]
+    assert counters["prompt_score_hit_positions"] > 0
+    assert counters["cache_hit_tokens"] >= counters["prompt_score_hit_positions"]

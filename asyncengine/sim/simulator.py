@@ -61,7 +61,6 @@ class Simulator:
         """``bulk_decode``: count the decodes of the steps that allow it instead of writing
         them request by request (sim/bulk_decode.py): the same results, several times faster;
         False runs every step step by step."""
-
         speculation = config.speculation
         if speculation is not None and speculation.method == "draft":
             raise ConfigError(
