@@ -118,14 +118,18 @@ static inline const qpart *group_at(const qlinear *lin, int64_t row, int64_t *lo
     return part && *local % XR == 0 && *local + XR <= grouped_rows(part) ? part : NULL;
 }
 
-/* out[0..XR-1] = the group's rows . activation row i of a (+ bias) */
+/* out[r * XR + j] = the group's row j . activation row i + r of a (+ bias), r < nr <= NR */
 static inline void group_out(const qpart *part, int64_t local, const act_buf *a, int64_t i,
-                             float *out) {
+                             int nr, float *out) {
     const int64_t k = a->k, nb = k / QK;
-    const act_row row = {a->q + i * k, a->d + i * nb, a->sd + i * nb};
-    group_dot(part->fmt, part->data + local * part->row_bytes, k, &row, out);
+    act_row rows[NR];
+    for (int r = 0; r < nr; r++)
+        rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb};
+    if (nr == 1) group_dot(part->fmt, part->data + local * part->row_bytes, k, rows, out);
+    else group_dot_rows(part->fmt, part->data + local * part->row_bytes, k, rows, nr, out);
     if (part->bias)
-        for (int r = 0; r < XR; r++) out[r] += part->bias[local + r];
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < XR; j++) out[r * XR + j] += part->bias[local + j];
 }
 
 /* out[i] = row `row` of lin . activation row i (+ bias), for the n rows of a */
@@ -137,7 +141,7 @@ static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a,
         const int64_t first = local / XR * XR;
         for (int64_t i = 0; i < n; i++) {
             float v[XR];
-            group_out(part, first, a, i, v);
+            group_out(part, first, a, i, 1, v);
             out[i] = v[local - first];
         }
         return;
@@ -189,11 +193,15 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
             int64_t local;
             const qpart *part = group_at(lin, first, &local);
             if (!part) break;
-            for (int64_t i = 0; i < n; i++) {
-                float v[XR];
-                group_out(part, local, a, i, v);
-                float *dst = y + i * ldy + first;
-                for (int r = 0; r < XR; r++) dst[r] = accumulate ? dst[r] + v[r] : v[r];
+            for (int64_t i = 0; i < n; i += NR) {
+                const int nr = (int)(n - i < NR ? n - i : NR);
+                float v[NR * XR];
+                group_out(part, local, a, i, nr, v);
+                for (int r = 0; r < nr; r++) {
+                    float *dst = y + (i + r) * ldy + first;
+                    for (int j = 0; j < XR; j++)
+                        dst[j] = accumulate ? dst[j] + v[r * XR + j] : v[r * XR + j];
+                }
             }
         }
         if (n == 1) { /* one activation row: weight rows in pairs */
@@ -230,12 +238,16 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
         const qpart *gate = j1 - j0 == XR ? group_at(lin, j0, &gate_local) : NULL;
         const qpart *up = gate ? group_at(lin, inter + j0, &up_local) : NULL;
         if (up) { /* gate rows j0.. and up rows inter + j0.. as two interleaved groups */
-            for (int64_t i = 0; i < n; i++) {
-                float g[XR], u[XR];
-                group_out(gate, gate_local, a, i, g);
-                group_out(up, up_local, a, i, u);
-                for (int r = 0; r < XR; r++)
-                    h[i * inter + j0 + r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            for (int64_t i = 0; i < n; i += NR) {
+                const int nr = (int)(n - i < NR ? n - i : NR);
+                float g[NR * XR], u[NR * XR];
+                group_out(gate, gate_local, a, i, nr, g);
+                group_out(up, up_local, a, i, nr, u);
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < XR; j++) {
+                        const float gv = g[r * XR + j];
+                        h[(i + r) * inter + j0 + j] = gv / (1.0f + expf(-gv)) * u[r * XR + j];
+                    }
             }
             continue;
         }

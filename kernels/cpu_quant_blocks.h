@@ -550,6 +550,40 @@ static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, floa
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
 
+/* group_q4 for nr (2..NR) activation rows at once: each chunk's nibbles are unpacked once for
+ * all of them (the same sums per row as group_q4); out[r * XR + j] */
+static inline void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                 float *out, int has_min) {
+    const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[NR], off[NR];
+    for (int r = 0; r < nr; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        const uint8_t *qs = w + hb;
+        __m256i s[NR];
+        for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            for (int r = 0; r < nr; r++) {
+                const int8_t *x = a[r].q + b * QK;
+                s[r] = q4_acc(s[r], lo, bcast4(x + 4 * c));
+                s[r] = q4_acc(s[r], hi, bcast4(x + 16 + 4 * c));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)))
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < nr; r++) {
+            acc[r] = _mm256_fmadd_ps(q4_sums(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])),
+                                     acc[r]);
+            off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].sd[b]), off[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * XR, _mm256_add_ps(acc[r], off[r]));
+}
+
 static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, float *out) {
     const int64_t bb = XR * 34;
     __m256 acc = _mm256_setzero_ps();
@@ -596,6 +630,11 @@ static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act
     }
 }
 
+/* the XR rows of an interleaved group against nr (<= NR) activation rows: out[r * XR + j];
+ * the same results as group_dot row by row */
+static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
+                                  float *out);
+
 /* the XR rows of an interleaved group (fmt: interleaves(fmt)) against one activation row */
 static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, float *out) {
 #if defined(Q_ISA_SIMD)
@@ -607,6 +646,21 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
     }
 #endif
     group_scalar(fmt, w, k / QK, a, out);
+}
+
+static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
+                                  float *out) {
+#if defined(Q_ISA_SIMD)
+    if (nr > 1 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1)) {
+        /* constant row counts, so that the compiler keeps the sums in registers */
+        const int has_min = fmt == FMT_Q4_1;
+        if (nr == 4) group_q4_rows(w, k / QK, a, 4, out, has_min);
+        else if (nr == 3) group_q4_rows(w, k / QK, a, 3, out, has_min);
+        else group_q4_rows(w, k / QK, a, 2, out, has_min);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r++) group_dot(fmt, w, k, a + r, out + r * XR);
 }
 
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,

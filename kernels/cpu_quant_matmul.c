@@ -117,12 +117,17 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
         /* ROW_TILE is a multiple of XR: a tile's rows below `grouped` are whole groups */
         const int64_t g1 = r1 < grouped ? r1 : grouped;
         for (int64_t g = r0; g < g1; g += XR) {
-            for (int64_t i = 0; i < n; i++) {
-                const act_row a = {xq + i * k, xd + i * nb, xsd + i * nb};
-                float out[XR];
-                group_dot(fmt, w + g * row_bytes, k, &a, out);
-                for (int r = 0; r < XR; r++)
-                    store_out(y, i * ldy + g + r, out[r] + (bias ? bias[g + r] : 0.0f), out_bf16);
+            for (int64_t i0 = 0; i0 < n; i0 += NR) {
+                const int nr = (int)(n - i0 < NR ? n - i0 : NR);
+                act_row a[NR];
+                for (int r = 0; r < nr; r++)
+                    a[r] = (act_row){xq + (i0 + r) * k, xd + (i0 + r) * nb, xsd + (i0 + r) * nb};
+                float out[NR * XR];
+                group_dot_rows(fmt, w + g * row_bytes, k, a, nr, out);
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < XR; j++)
+                        store_out(y, (i0 + r) * ldy + g + j,
+                                  out[r * XR + j] + (bias ? bias[g + j] : 0.0f), out_bf16);
             }
         }
         if (g1 > r0 && g1 >= r1) continue;
