@@ -114,6 +114,9 @@ if [ -n "$missing" ]; then
       || die "conversion to $kind failed; see $models/convert-$kind.log"
     mv "$out.partial" "$out"
   done
+  # our engine reads the converted files as the same model (weights, tokenizer, greedy tokens)
+  "$root/.venv/bin/python" "$here/check_peer_gguf.py" >&2 \
+    || die "our engine does not read the converted f32 GGUF as the HF directory (above)"
 fi
 # the Q4_1 file is the embedded one: peer_llamacpp.model_file finds it in the project's install
 log "models: $(ls "$models"/*.gguf | xargs -n1 basename | tr '\n' ' ')"

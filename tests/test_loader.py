@@ -147,3 +147,16 @@ def test_unknown_name_lists_known_names_and_mentions_paths() -> None:
     assert "no-such-model-anywhere" in message
     assert all(name in message for name in KNOWN_MODELS)
     assert "path" in message and ".gguf" in message
+
+
+def test_loaded_weights_do_not_keep_the_file_mapped(saved) -> None:
+    """Each tensor owns its memory: a view of safetensors' memory map would keep the whole file
+    (every page read) resident for as long as any one weight lives."""
+    directory, _ = saved["single"]
+    weights = load_weights(directory, torch.float32)
+    files = [str(p.resolve()) for p in directory.glob("*.safetensors")]
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("no /proc/self/maps on this platform")
+    mapped = maps.read_text()
+    assert weights and not any(f in mapped for f in files)

@@ -111,6 +111,11 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
+                else:
+                    # get_tensor's tensor is a view of the file's memory map, and any one such
+                    # tensor kept (a tied embedding, a norm) keeps the whole map and every page
+                    # read resident: a dense model held its file besides its packed weights
+                    tensor = tensor.clone()
                 if name in weights:
                     raise ModelFilesError(f"{model_dir}: tensor {name} appears in two files")
                 weights[name] = tensor
