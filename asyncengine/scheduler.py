@@ -486,7 +486,7 @@ class Scheduler(Retraction, Prefill):
             guesses = seg.input_ids[1:]
         accepted = output.accepted[entry] if output.accepted else 0
         if accepted > len(guesses):
-            raise ValueError(f"step {seg.rid!r}: {accepted} of {len(guesses)} guesses accepted")
+            raise ValueError(f"request {seg.rid!r}: {accepted} of {len(guesses)} guesses accepted")
         kept_logprobs = output.accepted_logprobs[entry] if output.accepted_logprobs else []
         req.proposed_guesses += len(guesses)
         req.accepted_guesses += accepted
