@@ -262,6 +262,8 @@ class KVCacheManager:
         if aligned <= seq.num_in_tree:
             return
         prefix = tokens[:aligned]
+        if type(prefix) is list:  # the tree keys tuples: converted once for both walks
+            prefix = tuple(prefix)
         present = self.tree.insert(prefix, np.asarray(seq.pages[: aligned // ps], np.int32))
         tree_pages, matched, node = self.tree.match_prefix(prefix)
         assert matched == aligned and present >= seq.num_in_tree, (
