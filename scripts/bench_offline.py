@@ -367,6 +367,7 @@ def run_llamacpp(workload: Sequence[WorkloadRequest], model_kind: str, parallel:
     extra = {
         "startup_seconds": server.startup_seconds,
         "peak_rss_bytes": server.peak_rss_bytes,
+        "idle_rss_bytes": server.idle_rss_bytes,
         "model_file": model_kind,
         "command": " ".join(server.command),
         "log": str(log_path),
