@@ -105,6 +105,29 @@ def test_reset_frees_everything() -> None:
     assert allocator.alloc(3).tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("num_pages", [8, 200])  # small frees checked in Python, large in numpy
+def test_free_ids_checks_as_free_does_and_changes_nothing_on_error(num_pages: int) -> None:
+    allocator = PageAllocator(num_pages)
+    pages = allocator.alloc_ids(num_pages // 2)
+    assert pages == list(range(num_pages // 2))
+    mask = allocator.allocated_mask()
+    stack = allocator.free_pages()
+    for bad in (
+        [*pages[1:], num_pages],  # out of range
+        [*pages[1:], -1],
+        [*pages[1:], num_pages - 1],  # never allocated
+        [*pages, pages[0]],  # listed twice
+    ):
+        with pytest.raises(InvalidFreeError):
+            allocator.free_ids(bad)
+        assert allocator.allocated_mask().tolist() == mask.tolist()
+        assert allocator.free_pages().tolist() == stack.tolist()
+    allocator.free_ids(pages[::-1])
+    assert allocator.num_free == num_pages
+    assert not allocator.allocated_mask().any()
+    assert allocator.alloc_ids(2) == [pages[0], pages[1]]  # LIFO: the last freed comes first
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=40))
 def test_allocator_matches_a_set_model(ops: list[tuple[bool, int]]) -> None:
