@@ -8,7 +8,7 @@ Every part of a step is timed where it runs (wall time, summed over the run):
   streaming (``engine.streams.publish``), and the rest of the loop (waiting on the forward,
   callers' coroutines, asyncio);
 - on the forward thread: plan -> tensors (``runner.prepare``), the model forward and LM head
-  (``runner._logits``), sampling (``sampler.sample``).
+  (``runner._forward``), sampling (``sampler.sample``).
 
 Then the same plans are replayed alone, on a fresh executor in this thread with nothing else
 running (page writes and shapes identical, so the work is the same): the difference between the
@@ -82,7 +82,7 @@ def instrument(engine: Any, timer: Timer) -> list[BatchPlan]:
     core.land = timer.wrap("loop: land (commit, stops, detokenize)", core.land)
     engine.streams.publish = timer.wrap("loop: stream", engine.streams.publish)
     runner.prepare = timer.wrap("forward thread: plan -> tensors", runner.prepare)
-    runner._logits = timer.wrap("forward thread: model + LM head", runner._logits)
+    runner._forward = timer.wrap("forward thread: model + LM head", runner._forward)
     runner.sampler.sample = timer.wrap("forward thread: sampling", runner.sampler.sample)
     core.executor.execute = timer.wrap("forward thread: execute (all)", core.executor.execute)
     return plans
@@ -121,7 +121,7 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
     runner = executor.runner
     assert runner is not None
     runner.prepare = timer.wrap("plan -> tensors", runner.prepare)
-    runner._logits = timer.wrap("model + LM head", runner._logits)
+    runner._forward = timer.wrap("model + LM head", runner._forward)
     runner.sampler.sample = timer.wrap("sampling", runner.sampler.sample)
     parts = Timer()
     model = runner.model
