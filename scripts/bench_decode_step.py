@@ -60,19 +60,10 @@ class Bench:
         page_size = 16
         pages = -(-(args.context + 2) // page_size)
         rows = max(args.batches)
-        pool = KVPool(
-            config.num_layers,
-            config.num_kv_heads,
-            config.head_dim,
-            pages * rows,
-            page_size,
-            torch.float32,
-        )
+        pool = KVPool.for_model(config, pages * rows, page_size)
         pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
         pool.v.uniform_(-1, 1)
-        table = PageTable(rows, pages)
-        for row in range(rows):
-            table.set_pages(row, 0, list(range(row * pages, (row + 1) * pages)))
+        table = PageTable.contiguous(rows, pages)
         self.runner = ModelRunner(config, loaded.weights, pool, table, torch.float32)
         self.fused = self.runner.model.native_decode
         if self.fused is None:

@@ -103,16 +103,11 @@ class Bench:
         self.pages_per_request = -(-(longest + 1) // page_size)
         max_batch = max(*args.batches, args.ragged)
         num_pages = self.pages_per_request * max_batch
-        self.pool = KVPool(
-            config.num_layers, config.num_kv_heads, config.head_dim, num_pages, page_size, dtype
-        )
+        self.pool = KVPool.for_model(config, num_pages, page_size, dtype)
         # Keys/values of the "cached" context: any finite values time the same.
         self.pool.k.uniform_(-1, 1)
         self.pool.v.uniform_(-1, 1)
-        self.table = PageTable(max_batch, self.pages_per_request)
-        for row in range(max_batch):
-            first = row * self.pages_per_request
-            self.table.set_pages(row, 0, list(range(first, first + self.pages_per_request)))
+        self.table = PageTable.contiguous(max_batch, self.pages_per_request)
         self.runner = ModelRunner(
             config, weights, self.pool, self.table, dtype, sampler=_NoSampler()
         )

@@ -57,19 +57,10 @@ def make_runner(model: str, quantization: str, rows: int, context: int) -> tuple
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
     config = ModelConfig.from_hf_dict(json.loads((loaded.model_dir / "config.json").read_text()))
     pages = -(-(context + 2) // PAGE_SIZE)
-    pool = KVPool(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        pages * rows,
-        PAGE_SIZE,
-        torch.float32,
-    )
+    pool = KVPool.for_model(config, pages * rows, PAGE_SIZE)
     pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
     pool.v.uniform_(-1, 1)
-    table = PageTable(rows, pages)
-    for row in range(rows):
-        table.set_pages(row, 0, list(range(row * pages, (row + 1) * pages)))
+    table = PageTable.contiguous(rows, pages)
     return ModelRunner(config, loaded.weights, pool, table, torch.float32), loaded.summary()
 
 

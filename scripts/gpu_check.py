@@ -119,21 +119,10 @@ def decode_step(model_dir: Path, batches: list[int], context: int, repeats: int)
     page_size = 16
     pages_per_request = -(-(context + 1) // page_size)
     max_batch = max(batches)
-    pool = KVPool(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        pages_per_request * max_batch,
-        page_size,
-        dtype,
-        device,
-    )
+    pool = KVPool.for_model(config, pages_per_request * max_batch, page_size, dtype, device)
     pool.k.uniform_(-1, 1)
     pool.v.uniform_(-1, 1)
-    table = PageTable(max_batch, pages_per_request)
-    for row in range(max_batch):
-        first = row * pages_per_request
-        table.set_pages(row, 0, list(range(first, first + pages_per_request)))
+    table = PageTable.contiguous(max_batch, pages_per_request)
     runner = ModelRunner(
         config,
         weights,

@@ -83,11 +83,8 @@ class Model:
         pages = -(-max_len // PAGE_SIZE)
         self.config = config
         self.max_len = max_len
-        pool = KVPool(
-            config.num_layers, config.num_kv_heads, config.head_dim, pages, PAGE_SIZE, torch.float32
-        )
-        table = PageTable(1, pages)
-        table.set_pages(0, 0, list(range(pages)))
+        pool = KVPool.for_model(config, pages, PAGE_SIZE)
+        table = PageTable.contiguous(1, pages)
         self.runner = ModelRunner(config, weights, pool, table, torch.float32)
         # the quantized kernel at every batch size: a prefill of the text would otherwise take
         # the dense product of the same (dequantized) weights and hide the kernel's error

@@ -39,6 +39,16 @@ class PageTable:
         self._writes: list[PageWrite] | None = [] if record_writes else None
         self._released: list[int] = []  # rows released since the last drain (recording only)
 
+    @classmethod
+    def contiguous(cls, rows: int, pages_per_row: int) -> PageTable:
+        """Rows 0..rows-1 each holding its own run of pages (row r: pages r*n .. r*n+n-1), as
+        the benchmarks that time a forward over a filled pool lay them out."""
+        table = cls(rows, pages_per_row)
+        for row in range(rows):
+            first = row * pages_per_row
+            table.set_pages(row, 0, list(range(first, first + pages_per_row)))
+        return table
+
     @property
     def max_rows(self) -> int:
         return int(self.array.shape[0])

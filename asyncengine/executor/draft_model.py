@@ -99,15 +99,7 @@ def bind_draft_model(
     """The draft's runner over a pool of ``layout``'s token slots in the draft's shape, its
     page accounting (rows as many as the target's), as a proposer."""
     mc = draft.config
-    pool = KVPool(
-        mc.num_layers,
-        mc.num_kv_heads,
-        mc.head_dim,
-        layout.num_pages,
-        layout.page_size,
-        dtype,
-        device,
-    )
+    pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, dtype, device)
     runner = ModelRunner(
         mc,
         draft.weights,

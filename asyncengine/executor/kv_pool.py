@@ -6,7 +6,12 @@ lives in KVCacheManager; this class only owns memory.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from asyncengine.executor.model_config import ModelConfig
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -43,6 +48,26 @@ class KVPool:
         make = torch.empty if self.device.type == "cpu" else torch.zeros
         self.k = make(shape, dtype=dtype, device=self.device)
         self.v = make(shape, dtype=dtype, device=self.device)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """A pool in the shape of ``config``'s layers and K/V heads."""
+        return cls(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            num_pages,
+            page_size,
+            dtype,
+            device,
+        )
 
     @property
     def num_slots(self) -> int:

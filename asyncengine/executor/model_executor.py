@@ -128,15 +128,7 @@ class ModelExecutor:
         if self._weights is None:
             raise RuntimeError("the executor is bound already")
         mc = self.model_config
-        pool = KVPool(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            layout.num_pages,
-            layout.page_size,
-            self.dtype,
-            self.device,
-        )
+        pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.dtype, self.device)
         self.runner = ModelRunner(
             mc,
             self._weights,
