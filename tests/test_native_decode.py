@@ -221,3 +221,42 @@ def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
     )
     runner = ModelRunner(config, dense.load_weights(), pool, PageTable(2, 4), torch.float32)
     assert runner.model.native_decode is None  # dense weights: the oneDNN path
+
+
+def test_a_verify_step_runs_its_positions_as_fused_decode_rows(
+    tiny_llama: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative verification of a row with 3 guesses takes the fused step as 4 decode rows
+    (each attending over the K/V the rows before it stored in the same step) and keeps exactly
+    the tokens that one-token fused decode steps make, with the same K/V in the same slots."""
+    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+    stepwise, verifier = pair.native, pair.torch_path
+    verifier.model.native_decode = stepwise.model.native_decode  # both fused now
+    verifier.verify_decode_rows = native_decode.NATIVE_DECODE_MAX_ROWS
+    prompt = PROMPTS[0]
+    tokens: list[int] = []
+    for runner in (stepwise, verifier):
+        first = runner.forward_logits(_plan(0, [Segment("r", 0, prompt, 0, True)], []))
+        tokens = [int(first.argmax(-1))]
+    for step in range(4):  # the greedy continuation, one fused decode step at a time
+        segment = Segment("r", 0, [tokens[-1]], len(prompt) + step, True)
+        tokens.append(int(stepwise.forward_logits(_plan(step + 1, [], [segment])).argmax(-1)))
+    model = verifier.model.native_decode
+    assert model is not None
+    rows: list[int] = []
+    original = model.step
+
+    def counting(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(model, "step", counting)
+    guessed = Segment("r", 0, tokens[:4], len(prompt), True, guesses=3)
+    out = verifier.execute(_plan(1, [], [guessed]))
+    assert rows == [4]
+    assert out.accepted == [3] and out.token_ids == [tokens[4]]
+    for layer in range(pair.config.num_layers):
+        k_step, k_verify = stepwise.kv_pool.k_cache(layer), verifier.kv_pool.k_cache(layer)
+        written = ~torch.isnan(k_step)
+        assert torch.equal(written, ~torch.isnan(k_verify))
+        torch.testing.assert_close(k_verify[written], k_step[written], atol=1e-5, rtol=1e-5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -92,9 +92,16 @@ def build_forward_batch(
     page_size: int,
     device: torch.device,
     staging: HostStaging | None = None,
+    verify_decode_rows: int = 0,
 ) -> ForwardBatch:
     """Vectorized over tokens: the only Python loops walk segments, never tokens (and decodes,
     the many one-token segments, in a single pass).
+
+    A plan with guesses (speculative decoding) runs its decodes as extends, unless it has no
+    other extend and at most ``verify_decode_rows`` tokens: then each verified position is a
+    decode row of its own (same table row, kv length up to that position; every row's K/V is
+    stored before any row attends), in the same flat order, so a batch-1 verify takes the
+    fused decode step (executor/native_decode.py) instead of the extend path.
 
     ``page_table`` is the [max_rows, max_pages] int32 array of page ids (a numpy view).
     On a CPU the tensors are views of the numpy arrays (no copy); on CUDA the int64 arrays
@@ -102,8 +109,10 @@ def build_forward_batch(
     ``staging``'s pinned buffers when given), split on the device.
     """
     extends, decodes = plan.extends, plan.decodes
-    if plan.num_guesses:  # verified rows (speculative decoding): every decode runs as an extend
-        extends, decodes = extends + decodes, []
+    if plan.num_guesses:
+        if not extends and sum(len(s.input_ids) for s in decodes) <= verify_decode_rows:
+            return build_forward_batch(_verified_as_decodes(plan), page_table, page_size, device)
+        extends, decodes = extends + decodes, []  # every decode runs as an extend
     num_ext, num_dec = len(extends), len(decodes)
     # one pass over the decodes: table row, position, token, sampled?, token count
     dec = np.array(
@@ -178,6 +187,23 @@ def build_forward_batch(
         decode_seq_lens=dec_lens_t,
         decode_max_seq_len=dec_max,
     )
+
+
+def _verified_as_decodes(plan: BatchPlan) -> BatchPlan:
+    """The plan's decode segments, each verified row split into one-token decodes (only the
+    last one sampled, as the row was), for ``build_forward_batch``'s layout alone."""
+    rows = [
+        replace(
+            s,
+            input_ids=[token],
+            start_pos=s.start_pos + j,
+            sample=s.sample and j == len(s.input_ids) - 1,
+            guesses=0,
+        )
+        for s in plan.decodes
+        for j, token in enumerate(s.input_ids)
+    ]
+    return replace(plan, decodes=rows, page_writes=[])
 
 
 def _score_rows(plan: BatchPlan, cu: np.ndarray) -> np.ndarray | None:

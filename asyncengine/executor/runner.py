@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.executor import native_decode
 from asyncengine.executor.backends import (
     create_attention_backend,
     kernel_ops,
@@ -89,6 +90,11 @@ class ModelRunner:
         self.model = LlamaModel(
             model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
         )
+        # a verify step small enough for the fused decode step runs its positions as decode
+        # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step
+        self.verify_decode_rows = (
+            native_decode.NATIVE_DECODE_MAX_ROWS if self.model.native_decode is not None else 0
+        )
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
@@ -137,7 +143,12 @@ class ModelRunner:
             )
         self.page_table.apply(plan.page_writes)
         return build_forward_batch(
-            plan, self.page_table.array, self.page_size, self.device, self._staging
+            plan,
+            self.page_table.array,
+            self.page_size,
+            self.device,
+            self._staging,
+            verify_decode_rows=self.verify_decode_rows,
         )
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
