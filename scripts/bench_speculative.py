@@ -75,6 +75,8 @@ def mode_config(mode: str, args: argparse.Namespace) -> EngineConfig:
             "prompt_lookup_max": args.lookup_max,
             "rule": mode,
         }
+    if speculative is not None and args.max_verify_tokens is not None:
+        speculative["max_verify_tokens"] = args.max_verify_tokens
     return EngineConfig(
         model=args.model,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -237,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--draft-model", default=None, help="for the draft_* modes")
     parser.add_argument("--draft-k", type=int, default=3, help="draft num_speculative_tokens")
+    parser.add_argument(
+        "--max-verify-tokens", type=int, default=None, help="speculative.max_verify_tokens"
+    )
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp, batch 1")

@@ -29,8 +29,12 @@ _DEFAULTS: dict[str, Any] = {
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
     "rule": "adaptive",
-    # adaptive rule: no speculation once a step verifies this many tokens (compute bound)
-    "max_verify_tokens": 256,
+    # adaptive rule: no speculation once a step verifies this many tokens (compute bound). On
+    # a CPU a step turns compute bound where the quantized kernels hand over to the dense
+    # product (executor/linear.py DENSE_FROM_ROWS, 64): with 256, speculation-hostile text cost
+    # 13% at batch 64 there, with 64 nothing (docs/BENCHMARKS.md). A GPU stays bandwidth bound
+    # to far larger batches: raise it there.
+    "max_verify_tokens": 64,
 }
 
 
