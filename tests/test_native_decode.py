@@ -112,6 +112,21 @@ def _run_both(pair: Pair, steps: int) -> tuple[list[torch.Tensor], list[torch.Te
     return logits
 
 
+def _count_fused_rows(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that records the rows of every fused step ``runner`` takes from now on."""
+    model = runner.model.native_decode
+    assert model is not None
+    rows: list[int] = []
+    original = model.step
+
+    def counting(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(model, "step", counting)
+    return rows
+
+
 def _compare(pair: Pair, steps: int = 12) -> None:
     native, reference = _run_both(pair, steps)
     for step, (got, want) in enumerate(zip(native, reference, strict=True)):
@@ -181,16 +196,7 @@ def test_fused_step_is_taken_for_small_decode_batches_only(
     tiny_llama: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
-    model = pair.native.model.native_decode
-    assert model is not None
-    calls: list[int] = []
-    original = model.step
-
-    def counting(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(hidden.shape[0])
-        return original(hidden, *args)
-
-    monkeypatch.setattr(model, "step", counting)
+    calls = _count_fused_rows(pair.native, monkeypatch)
     _run_both(pair, steps=2)
     assert calls == [3, 3]  # the decode steps; the prefill took the torch path
     monkeypatch.setattr(native_decode, "NATIVE_DECODE_MAX_ROWS", 2)
@@ -241,16 +247,7 @@ def test_a_verify_step_runs_its_positions_as_fused_decode_rows(
     for step in range(4):  # the greedy continuation, one fused decode step at a time
         segment = Segment("r", 0, [tokens[-1]], len(prompt) + step, True)
         tokens.append(int(stepwise.forward_logits(_plan(step + 1, [], [segment])).argmax(-1)))
-    model = verifier.model.native_decode
-    assert model is not None
-    rows: list[int] = []
-    original = model.step
-
-    def counting(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        rows.append(hidden.shape[0])
-        return original(hidden, *args)
-
-    monkeypatch.setattr(model, "step", counting)
+    rows = _count_fused_rows(verifier, monkeypatch)
     guessed = Segment("r", 0, tokens[:4], len(prompt), True, guesses=3)
     out = verifier.execute(_plan(1, [], [guessed]))
     assert rows == [4]
