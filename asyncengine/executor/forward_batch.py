@@ -111,7 +111,8 @@ def build_forward_batch(
     extends, decodes = plan.extends, plan.decodes
     if plan.num_guesses:
         if not extends and sum(len(s.input_ids) for s in decodes) <= verify_decode_rows:
-            return build_forward_batch(_verified_as_decodes(plan), page_table, page_size, device)
+            rows = _verified_as_decodes(plan)
+            return build_forward_batch(rows, page_table, page_size, device, staging)
         extends, decodes = extends + decodes, []  # every decode runs as an extend
     num_ext, num_dec = len(extends), len(decodes)
     # one pass over the decodes: table row, position, token, sampled?, token count
