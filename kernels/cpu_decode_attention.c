@@ -33,6 +33,11 @@
 #define PREFETCH_KEYS 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+/* AVX2 + FMA without AVX-512: the float32 loops below in 8-lane vectors (D is a multiple of 32;
+ * on such a CPU the scalar loops ran ~10x slower, a third of a decode step at 16-48 requests) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define AVX2_F32 1
+#endif
 
 /* exp of n floats in place (n <= BLOCK) */
 static inline void exp_block(float *s, int n) {
@@ -42,6 +47,10 @@ static inline void exp_block(float *s, int n) {
         __m512 x = _mm512_maskz_loadu_ps(m, s + i);
         _mm512_mask_storeu_ps(s + i, m, exp512(x));
     }
+#elif defined(AVX2_F32)
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, exp256(_mm256_loadu_ps(s + i)));
+    for (; i < n; i++) s[i] = expf(s[i]);
 #else
     for (int i = 0; i < n; i++) s[i] = expf(s[i]);
 #endif
@@ -58,6 +67,14 @@ static inline float dot_bf16(const uint16_t *qb, const float *qf, const uint16_t
         acc = _mm512_dpbf16_ps(acc, a, b);
     }
     return _mm512_reduce_add_ps(acc);
+#elif defined(AVX2_F32)
+    (void)qb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load_bf16x8(k + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load_bf16x8(k + i + 8), acc1);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
 #else
     (void)qb;
     float acc = 0.0f;
@@ -72,6 +89,13 @@ static inline float dot_f32(const float *q, const float *k, int d) {
     for (int i = 0; i < d; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
     return _mm512_reduce_add_ps(acc);
+#elif defined(AVX2_F32)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), acc1);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
 #else
     float acc = 0.0f;
     for (int i = 0; i < d; i++) acc += q[i] * k[i];
@@ -88,6 +112,10 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int d) {
         __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
         _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + i)));
     }
+#elif defined(AVX2_F32)
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int i = 0; i < d; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load_bf16x8(v + i), _mm256_loadu_ps(acc + i)));
 #else
     for (int i = 0; i < d; i++) acc[i] += p * bf16_to_float(v[i]);
 #endif
@@ -98,6 +126,10 @@ static inline void axpy_f32(float *acc, float p, const float *v, int d) {
     __m512 pv = _mm512_set1_ps(p);
     for (int i = 0; i < d; i += 16)
         _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+#elif defined(AVX2_F32)
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int i = 0; i < d; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
 #else
     for (int i = 0; i < d; i++) acc[i] += p * v[i];
 #endif
