@@ -127,12 +127,14 @@ class DecodeStepModel:
         layers: Sequence[LayerParts],
         final_norm: torch.Tensor,
         cos_sin: torch.Tensor,
+        max_rows: int = 1 << 30,
     ) -> None:
         if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 2:
             raise ValueError(f"head_dim {shape.head_dim} is not even and <= {MAX_HEAD_DIM}")
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError("query heads must be a multiple of the kv heads")
         self.shape = shape
+        self.max_rows = max_rows  # the most decode rows a step is given (the caller's limit)
         self._keep: list[Any] = []
         self._layers = (_Layer * len(layers))()
         for target, layer in zip(self._layers, layers, strict=True):

@@ -16,6 +16,7 @@ from gguf.quants import quantize
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor import native_decode
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.linear import DENSE_FROM_ROWS
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
@@ -204,6 +205,24 @@ def test_fused_step_is_taken_for_small_decode_batches_only(
     assert calls == [3, 3]  # 3 requests: past the limit, the torch path
 
 
+def test_the_fused_step_stops_where_the_projections_turn_dense(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    """int8 weights (row-by-row kernels) take the dense product from DENSE_FROM_ROWS rows, so
+    their fused step stops below it; interleaved Q8_0/Q4_x groups go up to the step's cap."""
+    int8 = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights())).native.model.native_decode
+    assert native_decode.max_rows(int8) == DENSE_FROM_ROWS - 1
+    mixed = Pair(tiny_llama, mixed_formats(tiny_llama.load_weights())).native.model.native_decode
+    assert native_decode.max_rows(mixed) == DENSE_FROM_ROWS - 1  # its down projection is I8
+    grouped = {
+        name: _gguf_block(w, GGMLQuantizationType.Q8_0) if w.dim() == 2 and "proj" in name else w
+        for name, w in tiny_llama.load_weights().items()
+    }
+    q8 = Pair(tiny_llama, grouped).native.model.native_decode
+    assert native_decode.max_rows(q8) == native_decode.NATIVE_DECODE_MAX_ROWS
+    assert native_decode.max_rows(None) == 0
+
+
 def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
     tiny_checkpoints: dict[str, TinyCheckpoint],
 ) -> None:
@@ -238,7 +257,7 @@ def test_a_verify_step_runs_its_positions_as_fused_decode_rows(
     pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
     stepwise, verifier = pair.native, pair.torch_path
     verifier.model.native_decode = stepwise.model.native_decode  # both fused now
-    verifier.verify_decode_rows = native_decode.NATIVE_DECODE_MAX_ROWS
+    verifier.verify_decode_rows = native_decode.VERIFY_DECODE_MAX_ROWS
     prompt = PROMPTS[0]
     tokens: list[int] = []
     for runner in (stepwise, verifier):

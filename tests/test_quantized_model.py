@@ -16,7 +16,13 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.executor.linear import DENSE_FROM_ROWS, Linear, QuantizedLinear, make_linear
+from asyncengine.executor.linear import (
+    DENSE_FROM_ROWS,
+    DENSE_FROM_ROWS_BY_FORMAT,
+    Linear,
+    QuantizedLinear,
+    make_linear,
+)
 from asyncengine.executor.loader import read_gguf
 from asyncengine.executor.loader.quantized import load_model, quantize_int8
 from asyncengine.executor.model import LlamaModel
@@ -159,6 +165,25 @@ def test_large_batches_take_the_dense_product_of_the_same_weights() -> None:
     # deterministic mode (row blocks): always the batch-invariant quantized kernel
     invariant = make_linear([weight], None, torch.float32, row_block=32)
     assert isinstance(invariant, QuantizedLinear) and invariant.dense_from_rows is None
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+def test_interleaved_formats_stay_quantized_up_to_their_own_crossover() -> None:
+    """Q4_0/Q4_1/Q8_0 (interleaved groups) keep the stored weights up to ~1-2k rows, the
+    row-by-row I8 only below 64; a fused projection switches at its earliest part's crossover."""
+    blocks = quantize(np.random.randn(40, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    q4 = QuantizedTensor(Q4_0, torch.from_numpy(np.ascontiguousarray(blocks)), 64)
+    i8 = quant_ref.quantize_i8(torch.randn(8, 64))
+    grouped = make_linear([q4], None, torch.float32)
+    assert isinstance(grouped, QuantizedLinear)
+    assert grouped.dense_from_rows == DENSE_FROM_ROWS_BY_FORMAT["Q4_0"] > DENSE_FROM_ROWS
+    reference = quant_ref.dequantize(q4)
+    rows = torch.randn(DENSE_FROM_ROWS, 64)  # past I8's crossover: still the quantized kernel
+    got = grouped(rows)
+    assert grouped._dense is None
+    assert float((got - rows @ reference.T).norm() / (rows @ reference.T).norm()) < 0.02
+    both = make_linear([q4, i8], None, torch.float32)
+    assert isinstance(both, QuantizedLinear) and both.dense_from_rows == DENSE_FROM_ROWS
 
 
 def _accuracy_module() -> Any:

@@ -34,11 +34,18 @@ ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
 # CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
-# shapes, float32), the interleaved kernels (Q4_1 / Q8_0) against the dense product: 0.10 / 0.11
-# of its time at 1 row, 0.39 / 0.49 at 16, 0.45 / 0.62 at 32, 0.66 / 0.76 at 64, 0.79 / 0.92 at
-# 128, 0.75 / 1.01 at 512 (the 49152-row Q8_0 LM head 0.71 at 32). 64 keeps short prompts (and
-# their first call) off the dense copy, which costs the float32 weights in memory once made.
+# shapes, float32 activations), quantized / dense time per layer:
+#   rows                  16    32    64   128   256   512  1024  2048  4096
+#   Q4_1 interleaved    0.55  0.41  0.59  0.68  0.81  0.81  0.86  1.01  1.06
+#   Q4_0 interleaved                0.68        0.71        0.78
+#   Q8_0 interleaved    0.52  0.70  0.83  0.88  0.95  0.96  0.94
+#   I8 (row by row)                 1.11        1.22        1.24
+# The interleaved group kernels (kernels/cpu_quant_blocks.h) win up to ~1-2k rows, so a decode
+# batch or a prefill chunk of the default 1024 tokens stays on the stored weights (no float32
+# copy: +0.5 GB and ~1 s on the first large call for SmolLM2); the row-by-row kernels (I8, the K
+# formats) lose from 64 rows, where the dense product takes over.
 DENSE_FROM_ROWS = 64
+DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024}
 # "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
 # (kernels/cpu_quant_blocks.h; to measure what the layout gives)
 INTERLEAVE_ENV = "ASYNCENGINE_INTERLEAVE"
@@ -193,6 +200,18 @@ def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor
     return merged
 
 
+def dense_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """The row count from which these parts' product is cheaper dense (the smallest crossover
+    of their formats; interleaved groups only where the native library makes them)."""
+    grouped = os.environ.get(INTERLEAVE_ENV, "1") != "0" and quant_native.available()
+    return min(
+        DENSE_FROM_ROWS_BY_FORMAT.get(p.format.name, DENSE_FROM_ROWS)
+        if grouped
+        else DENSE_FROM_ROWS
+        for p in parts
+    )
+
+
 def make_linear(
     parts: Sequence[torch.Tensor | QuantizedTensor],
     bias: torch.Tensor | None,
@@ -205,7 +224,8 @@ def make_linear(
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
         # rows are batch invariant, a switch to the dense product at some size would not be
-        return QuantizedLinear(quantized, bias, None if row_block is not None else DENSE_FROM_ROWS)
+        crossover = None if row_block is not None else dense_from_rows(quantized)
+        return QuantizedLinear(quantized, bias, crossover)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
         if isinstance(p, QuantizedTensor)

@@ -208,7 +208,7 @@ class LlamaModel:
         hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        if self.native_decode is not None and native_decode.takes(batch):
+        if self.native_decode is not None and native_decode.takes(self.native_decode, batch):
             return native_decode.run(self.native_decode, batch, hidden, k_caches, v_caches)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):

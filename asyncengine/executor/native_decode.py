@@ -18,7 +18,7 @@ import torch
 
 from asyncengine.executor.attention import AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.linear import DENSE_FROM_ROWS, Linear, QuantizedLinear
+from asyncengine.executor.linear import Linear, QuantizedLinear
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels import decode_step_native
 from asyncengine.kernels.decode_step_native import (
@@ -29,13 +29,18 @@ from asyncengine.kernels.decode_step_native import (
 )
 
 ENABLE_ENV = "ASYNCENGINE_NATIVE_DECODE"
-# Decode batches up to this many requests take the fused step. It was never slower below 32
-# (one thread's CPU time per step on SmolLM2's Q4_1 file, context 64, scripts/bench_decode_step.py
-# --threads 1 --cpu-time, fused vs torch path: 17.3 vs 24.5 ms at 1 request, 38 vs 43 at 4, 67 vs
-# 78 at 8, 201 vs 205 at 16, 205 vs 241 at 24, 282 vs 304 at 31; with interleaved rows 11.7-13.4
-# vs 19-21 at 1, 24-25 vs 34-37 at 4, 71-75 vs 96-108 at 16) and even with the dense product
-# from 32 rows (0.95-0.99x at 32-128): below DENSE_FROM_ROWS either way.
-NATIVE_DECODE_MAX_ROWS = min(31, DENSE_FROM_ROWS - 1)
+# Decode batches up to this many requests take the fused step, and never as many as the model's
+# projections take their dense product from (linear.py's crossover, per format): one thread's CPU
+# ms per step, SmolLM2's Q4_1 file, context 64 (scripts/bench_decode_step.py; this session on an
+# AVX2 CPU, fused / torch path on the quantized kernels / torch path on the dense product):
+# 16 rows 70.8 / 96.3 / 188.2, 32 rows 144.8 / 213.5 / 294.3, 64 rows 292.6 / 335.5 / 501.1,
+# 128 rows 604.2 / 730.2 / 868.8. (Earlier, before the interleaved groups: 17.3 vs 24.5 ms at 1,
+# 67 vs 78 at 8, 282 vs 304 at 31.) The cap keeps the step's per-thread buffers small.
+NATIVE_DECODE_MAX_ROWS = 256
+# A speculative verify step of up to this many positions runs them as fused decode rows
+# (runner.py; measured at batch 1); larger ones keep the extend path they were tuned with
+# (speculative/settings.py).
+VERIFY_DECODE_MAX_ROWS = 31
 
 
 class LayerLike(Protocol):
@@ -97,12 +102,22 @@ def native_decode_model(
         rms_norm_eps=c.rms_norm_eps,
         scale=scale,
     )
-    return DecodeStepModel(shape, parts, final_norm, cos_sin_tables[0])
+    dense_from = min(
+        p.dense_from_rows if isinstance(p, QuantizedLinear) and p.dense_from_rows else 1 << 30
+        for layer in layers
+        for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    )
+    return DecodeStepModel(shape, parts, final_norm, cos_sin_tables[0], dense_from - 1)
 
 
-def takes(batch: ForwardBatch) -> bool:
+def max_rows(model: DecodeStepModel | None) -> int:
+    """The most decode rows a fused step of ``model`` is given (0: none)."""
+    return 0 if model is None else min(NATIVE_DECODE_MAX_ROWS, model.max_rows)
+
+
+def takes(model: DecodeStepModel, batch: ForwardBatch) -> bool:
     """Whether the fused step runs this batch: decodes only, few enough of them."""
-    return batch.num_extends == 0 and 0 < batch.num_tokens <= NATIVE_DECODE_MAX_ROWS
+    return batch.num_extends == 0 and 0 < batch.num_tokens <= max_rows(model)
 
 
 def run(

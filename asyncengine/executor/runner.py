@@ -92,8 +92,8 @@ class ModelRunner:
         )
         # a verify step small enough for the fused decode step runs its positions as decode
         # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step
-        self.verify_decode_rows = (
-            native_decode.NATIVE_DECODE_MAX_ROWS if self.model.native_decode is not None else 0
+        self.verify_decode_rows = min(
+            native_decode.VERIFY_DECODE_MAX_ROWS, native_decode.max_rows(self.model.native_decode)
         )
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
