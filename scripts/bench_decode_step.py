@@ -12,6 +12,12 @@ projections), the fused C call, the LM head, greedy sampling of one row, and the
     .venv/bin/python scripts/bench_decode_step.py                       # embedded Q4_1 file
     .venv/bin/python scripts/bench_decode_step.py --batches 1,8,16,24,31 --context 256
     .venv/bin/python scripts/bench_decode_step.py --threads 1 --cpu-time   # on a busy machine
+    .venv/bin/python scripts/bench_decode_step.py --batches 16,32,64,128 --dense  # + dense column
+
+The fused column is the fused step wherever the model's step takes the batch
+(``native_decode.max_rows``), else the torch path as the engine would run it. ``--dense`` adds a
+third path: the torch path with every projection on the dense float32 product (the quantized
+weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
 
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.executor import native_decode
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
@@ -66,6 +73,12 @@ class Bench:
         table = PageTable.contiguous(rows, pages)
         self.runner = ModelRunner(config, loaded.weights, pool, table, torch.float32)
         self.fused = self.runner.model.native_decode
+        self.crossovers = {
+            linear: linear.dense_from_rows
+            for layer in self.runner.model.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            if isinstance(linear, QuantizedLinear)
+        }
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
 
@@ -76,25 +89,33 @@ class Bench:
             decodes=[Segment(f"r{b}", b, [100 + b], ctx, True) for b in range(batch)],
         )
 
-    def use(self, fused: bool) -> None:
+    def use(self, fused: bool, dense: bool = False) -> None:
         self.runner.model.native_decode = self.fused if fused else None
+        for linear, crossover in self.crossovers.items():
+            linear.dense_from_rows = 1 if dense else crossover
 
     def ab(self, batch: int) -> dict[str, float]:
         """Median ms of forward_logits per path, the paths alternating step by step."""
         plan = self.plan(batch)
-        samples: dict[bool, list[float]] = {True: [], False: []}
+        paths = {"fused": (True, False), "torch": (False, False)}
+        if self.args.dense:
+            paths["dense"] = (False, True)
+        samples: dict[str, list[float]] = {name: [] for name in paths}
         for repeat in range(self.args.repeats + 1):
-            for fused in (True, False):
-                self.use(fused)
+            for name, (fused, dense) in paths.items():
+                self.use(fused, dense)
                 start = _clock()
                 self.runner.forward_logits(plan)
                 if repeat:  # the first round warms up
-                    samples[fused].append(_clock() - start)
+                    samples[name].append(_clock() - start)
         self.use(True)
-        fused_ms = statistics.median(samples[True]) * 1e3
-        torch_ms = statistics.median(samples[False]) * 1e3
-        return {"batch": batch, "fused_ms": fused_ms, "torch_ms": torch_ms,
-                "speedup": torch_ms / fused_ms}  # fmt: skip
+        ms = {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+        row = {"batch": batch, "fused_taken": batch <= native_decode.max_rows(self.fused),
+               "fused_ms": ms["fused"], "torch_ms": ms["torch"],
+               "speedup": ms["torch"] / ms["fused"]}  # fmt: skip
+        if "dense" in ms:
+            row["dense_ms"] = ms["dense"]
+        return row
 
     def breakdown(self) -> dict[str, dict[str, float]]:
         """Where a batch-1 step of each path goes (median ms per part over the repeats)."""
@@ -165,13 +186,14 @@ def table(result: dict[str, Any]) -> str:
         f"{result['model']} ({result['weights']}), context {result['context']}, "
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
-        "| decode batch | fused ms | torch path ms | fused speed-up |",
-        "|---:|---:|---:|---:|",
+        "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
+        fused = f"{row['fused_ms']:.2f}" + ("" if row["fused_taken"] else " (torch path)")
+        dense = f"{row['dense_ms']:.2f}" if "dense_ms" in row else "-"
         lines.append(
-            f"| {row['batch']} | {row['fused_ms']:.2f} | {row['torch_ms']:.2f} "
-            f"| {row['speedup']:.2f}x |"
+            f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} |"
         )
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
@@ -191,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    parser.add_argument(
+        "--dense", action="store_true", help="also the torch path on the dense float32 product"
+    )
     args = parser.parse_args(argv)
     global _clock
     _clock = time.process_time if args.cpu_time else time.perf_counter
