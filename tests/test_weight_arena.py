@@ -4,6 +4,8 @@ the switch that turns it off."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -58,3 +60,28 @@ def test_switched_off_the_parts_stay_where_they_are(monkeypatch: pytest.MonkeyPa
 
 def test_nothing_to_pack() -> None:
     assert weight_arena.pack_quantized([]) is None
+
+
+def _mapping(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields of the mapping holding address (name -> values)."""
+    fields: dict[str, list[str]] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head, *rest = line.split()
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(v, 16) for v in head.split("-"))
+            inside = low <= address < high
+        elif inside:
+            fields[head.rstrip(":")] = rest
+    return fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_the_buffer_is_private_memory_advised_to_use_huge_pages() -> None:
+    buffer = weight_arena.hugepage_buffer(3 << 20)
+    buffer.fill_(1)
+    for address in (buffer.data_ptr(), buffer.data_ptr() + buffer.numel() - 1):
+        fields = _mapping(address)
+        assert "hg" in fields["VmFlags"]  # madvise(MADV_HUGEPAGE) took
+        # anonymous, not shmem (a shared mapping's huge pages follow another setting)
+        assert int(fields["Anonymous"][0]) > 0

@@ -40,7 +40,11 @@ def _round_up(value: int, multiple: int) -> int:
 def hugepage_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of nbytes whose first byte is on a huge-page boundary, in a fresh
     anonymous mapping advised to use huge pages (where the OS has them)."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: plain memory
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # private: a shared anonymous mapping is shmem, whose huge pages are another setting
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     offset = -whole.data_ptr() % HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
