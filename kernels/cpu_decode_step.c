@@ -19,7 +19,7 @@
  *
  * then out = rms_norm(r, final_norm). Each thread takes one contiguous share of each phase's
  * rows (share()), so the two threads stream disjoint weight bytes, and before it waits at a
- * barrier it asks for the first bytes of its share of the next projection (prefetch_share), so
+ * barrier it asks for the first bytes of its share of the next projection (prefetch_*_share), so
  * that each phase starts on weights already on their way rather than on a cold stream.
  *
  * One request (batch 1, the single-stream case): the only key written this step is the row's
@@ -42,6 +42,8 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -192,6 +194,39 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
     }
     linear_row(lin, r0, a, 1, out);
     linear_row(lin, r1, a, 1, out + 1);
+}
+
+/* The barrier between the phases of a layer: spin a while (on a quiet machine the other thread
+ * arrives within microseconds), then yield the core at each look. OpenMP's barrier spins for
+ * far longer before it sleeps: on a machine with more runnable threads than cores the thread
+ * that spins keeps the core from the thread it waits for (two threads at load 8: a batch-1
+ * step of ~12 ms of work took 150-240 ms). Sense-reversing: each thread flips its own sense
+ * at every barrier; the last to arrive resets the count and publishes the new sense. */
+#define BARRIER_SPINS 500
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int sense;
+    int threads;
+} team_barrier;
+
+static void barrier_wait(team_barrier *b, int *my_sense) {
+    const int sense = !*my_sense;
+    *my_sense = sense;
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->sense, sense, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->sense, memory_order_acquire) != sense; spins++) {
+        if (spins < BARRIER_SPINS) {
+#if defined(Q_ISA_SIMD)
+            _mm_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
 }
 
 /* this thread's contiguous share [*first, *last) of count items (sizes differ by one at most) */
@@ -418,9 +453,14 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     int failed = !residual || !qkv || !attn || !mlp;
     if (failed) goto done;
     memcpy(residual, hidden, (size_t)(n * H) * sizeof(float));
+    team_barrier phase_barrier;
+    atomic_init(&phase_barrier.arrived, 0);
+    atomic_init(&phase_barrier.sense, 0);
 
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp single
+        phase_barrier.threads = omp_get_num_threads(); /* the team may be smaller than asked */
         /* private: the normed rows, their q8 form, attention scores */
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
@@ -437,6 +477,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 #pragma omp atomic read
         seen_failed = failed;
         const int ok = !seen_failed;
+        int my_sense = 0;
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
@@ -445,7 +486,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 quantize_rows(x, n, H, &a);
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
                 prefetch_gemv_share(&L->o_proj, H);
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
 
                 const int one = n == 1; /* the new K/V in registers, no store phase */
                 if (!one) {
@@ -460,7 +501,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                         memcpy(L->v_cache + (slots[i] * kv_heads + h) * D,
                                row + (heads + kv_heads + h) * D, (size_t)D * sizeof(float));
                     }
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
                 }
 
                 int64_t first, last;
@@ -484,24 +525,24 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                                 seq_lens[i], page_size, kvh, kv_heads, D, m->scale,
                                 one ? k_new : NULL, v_new, scores, attn + i * q_size + h * D);
                 }
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(attn, n, q_size, &a);
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
                 prefetch_gate_up_share(&L->gate_up, inter);
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a);
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp);
                 prefetch_gemv_share(&L->down, H);
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(mlp, n, inter, &a);
                 gemv(&L->down, H, &a, n, residual, H, 1);
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
-#pragma omp barrier
+                barrier_wait(&phase_barrier, &my_sense);
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++)
