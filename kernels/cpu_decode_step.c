@@ -459,8 +459,9 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp single
-        phase_barrier.threads = omp_get_num_threads(); /* the team may be smaller than asked */
+#pragma omp master
+        phase_barrier.threads = omp_get_num_threads(); /* the team may be smaller than asked;
+                                                          published by the barrier below */
         /* private: the normed rows, their q8 form, attention scores */
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
