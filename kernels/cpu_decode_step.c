@@ -8,6 +8,7 @@
  *   x = rms_norm(r) -> q8            each thread, into its own buffers (no barrier needed)
  *   qkv = W_qkv x                    rows split over threads                       | barrier
  *   k rotated, k and v stored        (request, kv head) items                      | barrier
+ *                                    (one request: no phase of its own, see below)
  *   attention of each q head         (request, head) items, keys read from the
  *                                    paged pool in place                           | barrier
  *   a -> q8                          each thread
@@ -16,7 +17,18 @@
  *   h = silu(W_gate x) * (W_up x)    pairs of rows (gate j, up j) over threads     | barrier
  *   h -> q8; r += W_down h           rows split over threads                       | barrier
  *
- * then out = rms_norm(r, final_norm). The block products are those of cpu_quant_blocks.h, the
+ * then out = rms_norm(r, final_norm). Each thread takes one contiguous share of each phase's
+ * rows (share()), so the two threads stream disjoint weight bytes, and before it waits at a
+ * barrier it asks for the first bytes of its share of the next projection (prefetch_*_share), so
+ * that each phase starts on weights already on their way rather than on a cold stream.
+ *
+ * One request (batch 1, the single-stream case): the only key written this step is the row's
+ * own, so each head takes the new key and value from the qkv row (the rotated key in registers)
+ * instead of the pool, and the first head of each kv group stores them: no store phase and one
+ * barrier less per layer. With more rows (a verify laid out as decode rows attends to keys that
+ * other rows write this step) every K/V is stored before any row attends.
+ *
+ * The block products are those of cpu_quant_blocks.h, the
  * activations quantized as asyncengine_quantize_q8 does, the norms and rotary as
  * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is a
  * two-pass softmax in float32. float32 activations and KV pool only.
@@ -30,6 +42,8 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +52,7 @@
 #include "cpu_quant_blocks.h"
 
 #define MAX_PARTS 4
+#define MAX_HEAD_DIM 256 /* MAX_HEAD_DIM in decode_step_native.py */
 #define PAIR_TILE XR /* gate/up row pairs a thread takes at a time: one group of each */
 
 typedef struct {
@@ -181,12 +196,78 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
     linear_row(lin, r1, a, 1, out + 1);
 }
 
-/* y[i, 0:rows] = (or +=, accumulate) lin x_i, rows split over the team */
+/* The barrier between the phases of a layer: spin a while (on a quiet machine the other thread
+ * arrives within microseconds), then yield the core at each look. OpenMP's barrier spins for
+ * far longer before it sleeps: on a machine with more runnable threads than cores the thread
+ * that spins keeps the core from the thread it waits for (two threads at load 8: a batch-1
+ * step of ~12 ms of work took 150-240 ms). Sense-reversing: each thread flips its own sense
+ * at every barrier; the last to arrive resets the count and publishes the new sense. */
+#define BARRIER_SPINS 500
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int sense;
+    int threads;
+} team_barrier;
+
+static void barrier_wait(team_barrier *b, int *my_sense) {
+    const int sense = !*my_sense;
+    *my_sense = sense;
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->sense, sense, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->sense, memory_order_acquire) != sense; spins++) {
+        if (spins < BARRIER_SPINS) {
+#if defined(Q_ISA_SIMD)
+            _mm_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* this thread's contiguous share [*first, *last) of count items (sizes differ by one at most) */
+static inline void share(int64_t count, int64_t *first, int64_t *last) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t q = count / nt, r = count % nt;
+    *first = t * q + (t < r ? t : r);
+    *last = *first + q + (t < r ? 1 : 0);
+}
+
+/* bytes the first weight row `row` of lin on (within its part) asked for ahead of its phase */
+#define PHASE_PREFETCH_BYTES 4096
+
+static inline void prefetch_rows_from(const qlinear *lin, int64_t row, int64_t bytes) {
+#if defined(Q_ISA_SIMD)
+    int64_t local = row;
+    const qpart *part = find_part(lin, &local);
+    if (!part) return;
+    const int64_t left = (part->rows - local) * part->row_bytes;
+    const uint8_t *w = part->data + local * part->row_bytes;
+    for (int64_t o = 0; o < (bytes < left ? bytes : left); o += 64)
+        _mm_prefetch((const char *)w + o, _MM_HINT_T0);
+#else
+    (void)lin, (void)row, (void)bytes;
+#endif
+}
+
+/* the first bytes of this thread's share of gemv(lin, rows) */
+static inline void prefetch_gemv_share(const qlinear *lin, int64_t rows) {
+    int64_t t0, t1;
+    share((rows + ROW_TILE - 1) / ROW_TILE, &t0, &t1);
+    if (t0 < t1) prefetch_rows_from(lin, t0 * ROW_TILE, PHASE_PREFETCH_BYTES);
+}
+
+/* y[i, 0:rows] = (or +=, accumulate) lin x_i, rows split over the team (this thread's share;
+ * no barrier) */
 static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, float *y,
                  int64_t ldy, int accumulate) {
-    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
+    int64_t t_first, t_last;
+    share((rows + ROW_TILE - 1) / ROW_TILE, &t_first, &t_last);
+    for (int64_t t = t_first; t < t_last; t++) {
         const int64_t r1 = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
         int64_t first = t * ROW_TILE;
         for (; first + XR <= r1; first += XR) { /* interleaved groups of rows */
@@ -228,11 +309,21 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
     }
 }
 
-/* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1 */
+/* the first bytes of this thread's share of gate_up_silu(lin, inter): its gate and up rows */
+static inline void prefetch_gate_up_share(const qlinear *lin, int64_t inter) {
+    int64_t t0, t1;
+    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
+    if (t0 >= t1) return;
+    prefetch_rows_from(lin, t0 * PAIR_TILE, PHASE_PREFETCH_BYTES / 2);
+    prefetch_rows_from(lin, inter + t0 * PAIR_TILE, PHASE_PREFETCH_BYTES / 2);
+}
+
+/* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1
+ * (this thread's share of the pairs; no barrier) */
 static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h) {
-    const int64_t tiles = (inter + PAIR_TILE - 1) / PAIR_TILE;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
+    int64_t t_first, t_last;
+    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t_first, &t_last);
+    for (int64_t t = t_first; t < t_last; t++) {
         const int64_t j0 = t * PAIR_TILE, j1 = (t + 1) * PAIR_TILE < inter ? (t + 1) * PAIR_TILE : inter;
         int64_t gate_local, up_local;
         const qpart *gate = j1 - j0 == XR ? group_at(lin, j0, &gate_local) : NULL;
@@ -312,14 +403,17 @@ static inline void axpy(float *acc, float p, const float *v, int64_t d) {
     for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
 }
 
-/* one query head of request i over its seq_len keys: softmax(q k^T scale) v */
+/* one query head of request i over its seq_len keys: softmax(q k^T scale) v. k_new / v_new
+ * (NULL: the pool's): the key and value of the last position, not yet in the pool. */
 static void attend_head(const float *q, const float *k_cache, const float *v_cache,
                         const int32_t *table_row, int64_t len, int64_t page_size, int64_t kvh,
-                        int64_t kv_heads, int64_t d, float scale, float *scores, float *out) {
+                        int64_t kv_heads, int64_t d, float scale, const float *k_new,
+                        const float *v_new, float *scores, float *out) {
     float mx = -INFINITY;
     for (int64_t p = 0; p < len; p++) {
         const int64_t slot = pool_slot(table_row, p, page_size);
-        scores[p] = dot(q, k_cache + (slot * kv_heads + kvh) * d, d) * scale;
+        const float *key = k_new && p == len - 1 ? k_new : k_cache + (slot * kv_heads + kvh) * d;
+        scores[p] = dot(q, key, d) * scale;
         mx = scores[p] > mx ? scores[p] : mx;
     }
     float sum = 0.0f;
@@ -330,7 +424,8 @@ static void attend_head(const float *q, const float *k_cache, const float *v_cac
     for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
     for (int64_t p = 0; p < len; p++) {
         const int64_t slot = pool_slot(table_row, p, page_size);
-        axpy(out, scores[p], v_cache + (slot * kv_heads + kvh) * d, d);
+        const float *value = v_new && p == len - 1 ? v_new : v_cache + (slot * kv_heads + kvh) * d;
+        axpy(out, scores[p], value, d);
     }
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; i++) out[i] *= inv;
@@ -358,9 +453,15 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     int failed = !residual || !qkv || !attn || !mlp;
     if (failed) goto done;
     memcpy(residual, hidden, (size_t)(n * H) * sizeof(float));
+    team_barrier phase_barrier;
+    atomic_init(&phase_barrier.arrived, 0);
+    atomic_init(&phase_barrier.sense, 0);
 
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp master
+        phase_barrier.threads = omp_get_num_threads(); /* the team may be smaller than asked;
+                                                          published by the barrier below */
         /* private: the normed rows, their q8 form, attention scores */
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
@@ -377,6 +478,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 #pragma omp atomic read
         seen_failed = failed;
         const int ok = !seen_failed;
+        int my_sense = 0;
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
@@ -384,38 +486,64 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a);
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
+                prefetch_gemv_share(&L->o_proj, H);
+                barrier_wait(&phase_barrier, &my_sense);
 
-#pragma omp for schedule(static)
-                for (int64_t item = 0; item < n * kv_heads; item++) {
-                    const int64_t i = item / kv_heads, h = item % kv_heads;
-                    const float *row = qkv + i * qkv_size;
-                    const float *cs = m->cos_sin + positions[i] * D;
-                    float *k_dst = L->k_cache + (slots[i] * kv_heads + h) * D;
-                    rotate(row + (heads + h) * D, cs, half, k_dst);
-                    memcpy(L->v_cache + (slots[i] * kv_heads + h) * D,
-                           row + (heads + kv_heads + h) * D, (size_t)D * sizeof(float));
+                const int one = n == 1; /* the new K/V in registers, no store phase */
+                if (!one) {
+                    int64_t first, last;
+                    share(n * kv_heads, &first, &last);
+                    for (int64_t item = first; item < last; item++) {
+                        const int64_t i = item / kv_heads, h = item % kv_heads;
+                        const float *row = qkv + i * qkv_size;
+                        const float *cs = m->cos_sin + positions[i] * D;
+                        float *k_dst = L->k_cache + (slots[i] * kv_heads + h) * D;
+                        rotate(row + (heads + h) * D, cs, half, k_dst);
+                        memcpy(L->v_cache + (slots[i] * kv_heads + h) * D,
+                               row + (heads + kv_heads + h) * D, (size_t)D * sizeof(float));
+                    }
+                barrier_wait(&phase_barrier, &my_sense);
                 }
 
-#pragma omp for schedule(static)
-                for (int64_t item = 0; item < n * heads; item++) {
-                    const int64_t i = item / heads, h = item % heads;
-                    float q[512];
-                    rotate(qkv + i * qkv_size + h * D, m->cos_sin + positions[i] * D, half, q);
+                int64_t first, last;
+                share(n * heads, &first, &last);
+                for (int64_t item = first; item < last; item++) {
+                    const int64_t i = item / heads, h = item % heads, kvh = h / group;
+                    const float *row = qkv + i * qkv_size, *cs = m->cos_sin + positions[i] * D;
+                    float q[MAX_HEAD_DIM], k_new[MAX_HEAD_DIM];
+                    const float *v_new = one ? row + (heads + kv_heads + kvh) * D : NULL;
+                    rotate(row + h * D, cs, half, q);
+                    if (one) {
+                        rotate(row + (heads + kvh) * D, cs, half, k_new);
+                        if (h % group == 0) { /* the group's first head stores its K/V */
+                            memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
+                                   (size_t)D * sizeof(float));
+                            memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
+                                   (size_t)D * sizeof(float));
+                        }
+                    }
                     attend_head(q, L->k_cache, L->v_cache, block_table + i * table_stride,
-                                seq_lens[i], page_size, h / group, kv_heads, D, m->scale, scores,
-                                attn + i * q_size + h * D);
+                                seq_lens[i], page_size, kvh, kv_heads, D, m->scale,
+                                one ? k_new : NULL, v_new, scores, attn + i * q_size + h * D);
                 }
+                barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(attn, n, q_size, &a);
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
+                prefetch_gate_up_share(&L->gate_up, inter);
+                barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a);
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp);
+                prefetch_gemv_share(&L->down, H);
+                barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(mlp, n, inter, &a);
                 gemv(&L->down, H, &a, n, residual, H, 1);
+                if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
+                barrier_wait(&phase_barrier, &my_sense);
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++)

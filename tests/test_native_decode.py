@@ -94,17 +94,19 @@ def _plan(step: int, extends: list[Segment], decodes: list[Segment]) -> BatchPla
     return BatchPlan(step=step, extends=extends, decodes=decodes, sampling=sampling)
 
 
-def _run_both(pair: Pair, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run_both(
+    pair: Pair, steps: int, prompts: list[list[int]] = PROMPTS
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill every prompt (torch path in both), then ``steps`` greedy decode steps of all
     requests together; the logits of each decode step, per runner."""
     logits: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for runner, out in zip(pair.runners, logits, strict=True):
-        prefill = [Segment(f"r{i}", i, p, 0, True) for i, p in enumerate(PROMPTS)]
+        prefill = [Segment(f"r{i}", i, p, 0, True) for i, p in enumerate(prompts)]
         tokens = runner.forward_logits(_plan(0, prefill, [])).argmax(-1).tolist()
-        lengths = [len(p) for p in PROMPTS]
+        lengths = [len(p) for p in prompts]
         for step in range(steps):
             decodes = [
-                Segment(f"r{i}", i, [tokens[i]], lengths[i], True) for i in range(len(PROMPTS))
+                Segment(f"r{i}", i, [tokens[i]], lengths[i], True) for i in range(len(prompts))
             ]
             step_logits = runner.forward_logits(_plan(step + 1, [], decodes))
             out.append(step_logits)
@@ -128,8 +130,8 @@ def _count_fused_rows(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> l
     return rows
 
 
-def _compare(pair: Pair, steps: int = 12) -> None:
-    native, reference = _run_both(pair, steps)
+def _compare(pair: Pair, steps: int = 12, prompts: list[list[int]] = PROMPTS) -> None:
+    native, reference = _run_both(pair, steps, prompts)
     for step, (got, want) in enumerate(zip(native, reference, strict=True)):
         assert torch.isfinite(got).all(), step  # every key read was written
         scale = float(want.abs().max())
@@ -151,6 +153,15 @@ def test_fused_step_follows_the_torch_path_on_int8_weights(
 ) -> None:
     ckpt = tiny_checkpoints[name]
     _compare(Pair(ckpt, quantize_int8(ckpt.load_weights())))
+
+
+def test_one_request_takes_its_new_key_and_value_without_a_store_phase(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    """Batch 1 (kernels/cpu_decode_step.c): each head takes the new K/V from the qkv row and the
+    first head of each kv group stores it (the pool starts as NaN: a key read before it is
+    written, or never stored, poisons the logits or the K/V comparison)."""
+    _compare(Pair(tiny_llama, quantize_int8(tiny_llama.load_weights())), prompts=PROMPTS[:1])
 
 
 def test_fused_step_follows_the_torch_path_on_mixed_gguf_formats(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor import native_decode
+from asyncengine.executor import native_decode, weight_arena
 from asyncengine.executor.attention import AttentionBackend, AttentionOptions
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
@@ -92,6 +92,18 @@ class LlamaModel:
             else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
         )
         self.lm_head = make_linear([head], None, dtype, row_block)
+        # the quantized weights in the order a decode step reads them, in huge pages
+        in_step_order = [
+            *(
+                p
+                for layer in self.layers
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            ),
+            self.lm_head,
+        ]
+        self._weight_arena = weight_arena.pack_quantized(
+            [linear for linear in in_step_order if isinstance(linear, QuantizedLinear)]
+        )
         if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
             # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
             self.embed = self.lm_head.parts[0]
