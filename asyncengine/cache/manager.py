@@ -105,7 +105,7 @@ class KVCacheManager:
         limit = self._match_limit(len(tokens), limit)
         if limit == 0:
             return 0
-        return self.tree.prefix_length(tokens[:limit])
+        return self.tree.prefix_length(tokens, limit)  # tokens[:limit], without the copy
 
     def own_pages(self, seq: SeqKV) -> int:
         """Pages ``seq`` holds that are not the tree's (what closing it frees at once)."""
