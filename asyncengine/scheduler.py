@@ -191,6 +191,7 @@ class Scheduler(Retraction, Prefill):
             chunked=self.chunked,
             speculation=self.speculation,
             predicted_len=self.lengths.predicted_len,
+            prefix_epoch=self.kv.prefix_epoch,
         )
 
     def _reserved_tokens(self) -> int:

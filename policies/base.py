@@ -57,6 +57,9 @@ class PolicyContext:
     speculation: SpeculativeConfig | None = None  # speculative decoding's settings (None: off)
     # output tokens the engine's length predictor expects of a request (length_predictor)
     predicted_len: Callable[[Request], float] = lambda req: float(req.params.max_new_tokens)
+    # a count that changes whenever ``prefix_len(ids)`` may have grown (a prefix it could match
+    # was cached): a policy may keep an answer of 0 while it stays the same. None: keep nothing
+    prefix_epoch: Callable[[Sequence[int]], int] | None = None
 
 
 class Policy:

@@ -37,9 +37,15 @@ class LPMPolicy(Policy):
         self.aging = opts["aging"]
         self.max_wait_tokens = opts["max_wait_tokens"]
         self.prefill_rate = PrefillRate()
+        # id(request) -> (its prefix epoch, its token count) when its cached prefix was 0: most
+        # of a long queue matches nothing, and that holds until a prefix it could match is cached
+        self._unmatched: dict[int, tuple[int, int]] = {}
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         self.prefill_rate.add(plan, seconds)
+
+    def finished(self, req: Request) -> None:
+        self._unmatched.pop(id(req), None)
 
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         if len(waiting) < 2:
@@ -53,12 +59,20 @@ class LPMPolicy(Policy):
         # nothing, and asking about its first page + 1 tokens (the last token of a prompt is
         # never matched) is much cheaper than handing over the whole prompt.
         probe = ctx.config.page_size + 1
+        epoch_of = ctx.prefix_epoch
+        unmatched = self._unmatched
         keyed: list[tuple[bool, float, float, int]] = []
         for index, req in enumerate(waiting):
             ids = req.all_ids
-            cached = prefix_len(ids[:probe])
-            if cached and len(ids) > probe:
-                cached = prefix_len(ids)
+            stamp = None if epoch_of is None else (epoch_of(ids), len(ids))
+            if stamp is not None and unmatched.get(id(req)) == stamp:
+                cached = 0
+            else:
+                cached = prefix_len(ids[:probe])
+                if cached and len(ids) > probe:
+                    cached = prefix_len(ids)
+                if stamp is not None and not cached:
+                    unmatched[id(req)] = stamp
             arrival = req.arrival_time
             waited = now - arrival
             starving = waited * rate >= cap

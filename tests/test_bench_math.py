@@ -16,6 +16,7 @@ from asyncengine.bench import (
     percentiles,
     summarize,
 )
+from asyncengine.bench.records import inter_token_gaps
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 
@@ -138,3 +139,13 @@ def test_optimal_hit_equals_best_order_brute_force(
     assert optimal_hit(prompts, page_size).hit_tokens == _best_hits_by_brute_force(
         prompts, page_size
     )
+
+
+def test_inter_token_gaps_are_each_requests_own_diffs() -> None:
+    rng = np.random.default_rng(0)
+    times = [np.cumsum(rng.random(int(n))).tolist() for n in rng.integers(0, 6, size=200)]
+    times += [[], [1.0], [2.0, 2.5], []]
+    expected = [np.diff(np.asarray(t, float)) for t in times if len(t) > 1]
+    assert np.array_equal(inter_token_gaps(times), np.concatenate(expected))
+    assert inter_token_gaps([]).size == 0
+    assert inter_token_gaps([[], [3.0]]).size == 0

@@ -175,3 +175,52 @@ def test_extend_each_by_one_is_extend_one_by_one(cached: int) -> None:
     together.check_invariant()
     if cached == 8:  # 3 pages were free: the tree gave the other 2 to both the same way
         assert one_by_one.tree.evictable_size == 7 * 8
+
+
+@pytest.mark.parametrize(
+    ("config", "rate", "reasons"),
+    [
+        # the reservation leaves no page (no window taken), or the queue's head does not fit
+        (EngineConfig(kv_cache_tokens=8192), 3.0, {"kv_reservation", "kv_reservation+window"}),
+        (EngineConfig(max_running_requests=6, kv_cache_tokens=65536), 3.0, {"running_cap"}),
+        (EngineConfig(kv_cache_tokens=65536), 0.3, {"decode_turn"}),
+    ],
+)
+def test_quiet_steps_tell_admission_as_the_scheduler_does(
+    config: EngineConfig, rate: float, reasons: set[str]
+) -> None:
+    """Steps that are nothing but counted decodes skip the scheduler's admission where its
+    outcome is certain (sim/closed_admission.py): each such outcome, and the same results."""
+    workload = _workload("random", 150, rate, seed=7)
+    _same(config, workload)
+    sim = Simulator(config, CostModel.default())
+    sim.run(workload)
+    assert sim.bulk is not None
+    assert reasons <= set(sim.bulk.quiet_steps), sim.bulk.quiet_steps
+
+
+def test_a_head_that_may_be_skipped_is_left_to_the_scheduler() -> None:
+    """With ``kv_blocked_skips`` a request behind a blocked head may go first: no quiet step
+    tells that admission; the results are still the step-by-step ones."""
+    workload = _workload("random", 150, 3.0, seed=8)
+    config = EngineConfig(kv_cache_tokens=8192, kv_blocked_skips=4)
+    _same(config, workload)
+    sim = Simulator(config, CostModel.default())
+    sim.run(workload)
+    assert sim.bulk is not None
+    assert "kv_reservation+window" not in sim.bulk.quiet_steps
+
+
+def test_quiet_steps_past_the_token_budget() -> None:
+    """Short prompts fill the running batch past a 16-token step budget: the steps whose
+    decodes alone spend it admit nothing, told without running admission."""
+    workload = [
+        WorkloadRequest(f"r{i}", i * 0.02, [5 + i % 7] * (6 + i % 5), 40 + i % 30)
+        for i in range(150)
+    ]
+    config = EngineConfig(policy="token-budget", policy_options={"total_tokens": 16})
+    _same(config, workload)
+    sim = Simulator(config, CostModel.default())
+    sim.run(workload)
+    assert sim.bulk is not None
+    assert sim.bulk.quiet_steps.get("token_budget", 0) > 0, sim.bulk.quiet_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,6 +83,23 @@ class BenchSummary:
         return asdict(self)
 
 
+def inter_token_gaps(token_times: Sequence[Sequence[float]]) -> np.ndarray:
+    """Every request's gaps between consecutive tokens, request after request: one diff over
+    all the times joined, less the gaps that would span two requests."""
+    lengths = np.fromiter(map(len, token_times), dtype=np.int64, count=len(token_times))
+    if not lengths.size:
+        return np.empty(0)
+    joined = np.fromiter(
+        itertools.chain.from_iterable(token_times), dtype=float, count=int(lengths.sum())
+    )
+    gaps = np.diff(joined)
+    # the gap from a request's last token to the next request's first is no gap of either
+    across = np.cumsum(lengths)[:-1] - 1
+    keep = np.ones(gaps.size, dtype=bool)
+    keep[across[(across >= 0) & (across < gaps.size)]] = False
+    return gaps[keep]
+
+
 def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) -> BenchSummary:
     """Summarize a run. ``retracts`` overrides the per-request sum (when the engine counts them)."""
     done = [r for r in records if r.completed]
@@ -91,7 +109,7 @@ def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) 
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     cached_tokens = sum(r.cached_tokens for r in done)
-    gaps = [np.diff(np.asarray(r.token_times, float)) for r in done if len(r.token_times) > 1]
+    gaps = inter_token_gaps([r.token_times for r in done])
 
     def rate(amount: float) -> float:
         return amount / duration if duration > 0 else math.nan
@@ -112,6 +130,6 @@ def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) 
         cache_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else math.nan,
         ttft=LatencyStats.of([r.ttft for r in done if r.ttft is not None]),
         tpot=LatencyStats.of([r.tpot for r in done if r.tpot is not None]),
-        itl=LatencyStats.of(np.concatenate(gaps) if gaps else np.empty(0)),
+        itl=LatencyStats.of(gaps),
         e2e=LatencyStats.of([r.e2e for r in done if r.e2e is not None]),
     )

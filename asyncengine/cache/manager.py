@@ -105,7 +105,12 @@ class KVCacheManager:
         limit = self._match_limit(len(tokens), limit)
         if limit == 0:
             return 0
-        return self.tree.prefix_length(tokens[:limit])
+        return self.tree.prefix_length(tokens, limit)  # tokens[:limit], without the copy
+
+    def prefix_epoch(self, tokens: Tokens) -> int:
+        """Changes whenever ``match_length(tokens)`` may have grown: the inserts into the tree
+        that start with ``tokens``' first token (RadixCache.head_inserts)."""
+        return self.tree.head_inserts.get(tokens[0], 0) if len(tokens) else 0
 
     def own_pages(self, seq: SeqKV) -> int:
         """Pages ``seq`` holds that are not the tree's (what closing it frees at once)."""

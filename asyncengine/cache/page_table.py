@@ -94,11 +94,12 @@ class PageTable:
 
     def set_page(self, row: int, index: int, page: int) -> None:
         """Write one page id into ``row`` at page index ``index`` (``set_pages`` for one)."""
-        if not 0 <= index < self.max_pages_per_row:
-            raise ValueError(f"page {index} exceeds the row width {self.max_pages_per_row}")
+        if not 0 <= index < self._max_pages_per_row:
+            raise ValueError(f"page {index} exceeds the row width {self._max_pages_per_row}")
         self.array[row, index] = page
-        if self._writes is not None:
-            self._writes.append(PageWrite(row, index, [page]))
+        writes = self._writes
+        if writes is not None:
+            writes.append(PageWrite(row, index, [page]))
 
     def row_pages(self, row: int, num_pages: int) -> np.ndarray:
         """A read-only view of the first ``num_pages`` entries of ``row``."""

@@ -108,6 +108,11 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._heap_ids = itertools.count()
         self._events: list[KVEvent] | None = None
+        # inserts so far by the first token of what they inserted: only an insert starting
+        # with a sequence's first token can make its prefix_length grow (evictions and resets
+        # only shrink answers), so an answer holds while that count stays the same. Never
+        # cleared: a count seen before a reset must not come back after it
+        self.head_inserts: dict[object, int] = {}
         self.reset()
         self._events = [] if events else None
 
@@ -286,6 +291,9 @@ class RadixCache:
         them, so the caller should free its duplicates for that range. Like match_prefix, it
         splits where the tokens leave an edge and touches exactly the nodes they cover."""
         key = _as_token_tuple(tokens)
+        if key:
+            head_inserts = self.head_inserts
+            head_inserts[key[0]] = head_inserts.get(key[0], 0) + 1
         ps = self.page_size
         end = len(key) - len(key) % ps
         page_ids = np.asarray(pages, dtype=np.int32)

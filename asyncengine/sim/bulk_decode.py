@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from asyncengine.admission import DECODE_TURN, Admission
 from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.policies.base import Policy
 from asyncengine.request import Request, RequestStatus
+from asyncengine.sim.closed_admission import closed_admission
 from asyncengine.sim.simulated_executor import SimulatedExecutor
 
 # bulk steps kept before a flush trims the shared list of step times
@@ -69,6 +71,9 @@ class BulkDecode:
         self.sum_future = 0
         self._order = 0
         self.bulk_steps = 0  # steps run in bulk, over the whole run
+        # of those, the quiet ones (nothing but decodes), by why admission stopped
+        # ("+window": after the policy's window was taken)
+        self.quiet_steps: dict[str, int] = {}
 
     # -- when -----------------------------------------------------------------------------
     def _step_allowed(self) -> bool:
@@ -195,16 +200,25 @@ class BulkDecode:
                 seqs.append(seq)
             kv.extend_each_by_one(seqs)
         num_decodes = len(self.members)
+        if j not in self.lasts and self._quiet_step(num_decodes):
+            return True
         plan = self._plan(num_decodes)
         # a decode at length base + j attends from start position base + j
         forward = self.executor.bulk_seconds(plan, num_decodes, self.sum_base + j * num_decodes)
+        ending = self.lasts.pop(j, None)
+        lifecycle = core.lifecycle
+        if not plan.extends and ending is None:
+            self._land_quiet(plan, forward)
+            self.times.append(sched.clock())
+            lifecycle.counters["generated_tokens"] += num_decodes
+            self.bulk_steps += 1
+            return True
         output = self._execute(plan, forward)
         core.land(plan, output)  # the extends' tokens, their ends, the policy's observe
         sched.total_computed_tokens += num_decodes
-        lifecycle = core.lifecycle
         self.times.append(sched.clock())
         lifecycle.counters["generated_tokens"] += num_decodes
-        for member in sorted(self.lasts.pop(j, ()), key=_by_order):
+        for member in sorted(ending or (), key=_by_order):
             self._write_back(member)
             self._leave(member)
             lifecycle.end(member.req, "length")
@@ -220,6 +234,46 @@ class BulkDecode:
         self.bulk_steps += 1
         if uncounted:  # one that must decode step by step joined: the next steps go so
             self.flush()
+        return True
+
+    def _quiet_step(self, num_decodes: int) -> bool:
+        """Run the step if it is nothing but its counted decodes, ending no request, with an
+        admission that ``closed_admission`` tells without running it: the scheduler's counts
+        and ratio, the clock, the policy's observe as ``_plan`` and ``_land_quiet`` would
+        leave them. False (nothing done) when the step must be planned."""
+        core = self.core
+        sched = core.scheduler
+        kv = sched.kv
+        if kv.swap is not None:
+            return False
+        admission = closed_admission(sched, num_decodes)
+        if admission is None:
+            return False
+        sched.step_count += 1
+        if sched.step_guesses:
+            sched.step_guesses = {}
+        sched.consecutive_prefill_steps = 0
+        config = sched.config
+        sched.new_token_ratio = max(
+            config.min_new_token_ratio, sched.new_token_ratio - config.new_token_ratio_decay
+        )
+        sched.admission.record(sched.waiting, admission)
+        kv.page_table.drain_writes()  # the simulated executor keeps no page table
+        # a decode at length base + j attends from start position base + j
+        j = len(self.times)
+        seconds = self.executor.cost_model.seconds(
+            0, 0, num_decodes, self.sum_base + j * num_decodes + num_decodes
+        )
+        self.executor.clock.advance(seconds)
+        sched.total_computed_tokens += num_decodes
+        policy = sched.policy
+        if type(policy).observe is not Policy.observe:
+            policy.observe(BatchPlan(step=sched.step_count), seconds)
+        self.times.append(sched.clock())
+        core.lifecycle.counters["generated_tokens"] += num_decodes
+        self.bulk_steps += 1
+        reason = f"{admission.stopped}+window" if admission.window else str(admission.stopped)
+        self.quiet_steps[reason] = self.quiet_steps.get(reason, 0) + 1
         return True
 
     def _plan(self, num_decodes: int) -> BatchPlan:
@@ -256,6 +310,24 @@ class BulkDecode:
         if any(info.params.structured for info in plan.sampling):
             self.core._add_token_bitmasks(plan)  # as EngineCore.launch
         return plan
+
+    def _land_quiet(self, plan: BatchPlan, forward: float) -> None:
+        """Execute and land a step whose plan holds nothing but its counted decodes, which end
+        no request: what ``_execute`` and ``EngineCore.land`` do with such a plan (no token to
+        append, no prefix to cache, no request to end; the policy still observes the step),
+        without building the output and events that would carry nothing."""
+        sched = self.core.scheduler
+        swap = self.executor.swap_seconds(plan)
+        seconds = forward + swap
+        self.executor.clock.advance(seconds)
+        sched.inflight = None
+        sched._inflight_owners = {}
+        sched.total_computed_tokens += plan.num_tokens + len(self.members)
+        sched.swap_seconds += swap
+        sched.policy.observe(plan, seconds)
+        lifecycle = self.core.lifecycle
+        if lifecycle._ended or lifecycle._released:
+            self.core.events()  # the simulator reads records, not events
 
     def _execute(self, plan: BatchPlan, forward: float) -> StepOutput:
         """SimulatedExecutor.execute for the plan's extends, its decodes already costed."""
