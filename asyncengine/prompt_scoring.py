@@ -103,14 +103,17 @@ def take_tail(
     start = seq.kv_len
     most = len(req.all_ids) - 1 - start
     following = next_scored_position(req)
+    taken_scores: tuple[TokenLogprobs, ...] = ()
     if following is None:
-        take, taken_scores = min(common, most), ()
+        take = min(common, most)
     else:
-        take, taken_scores = min(common, most, following - start), ()
+        # from ``start`` every position is to score (those before it came with whole pages)
+        unscored = max(0, following - start)
+        take = min(common, most, unscored)
         if scores is not None and entry.top_k == req.params.prompt_logprobs:
             scored = min(common - 1, most, len(entry.scores))
             if scored > take:
-                take, taken_scores = scored, entry.scores[following - start : scored]
+                take, taken_scores = scored, entry.scores[unscored:scored]
     if take <= 0 or not kv.take_tail(seq, entry, take):
         return ()
     return taken_scores
