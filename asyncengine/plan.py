@@ -120,6 +120,9 @@ class BatchPlan:
     # copied back, in that order, before the page writes and the forward
     swap_out: list[SwapCopy] = field(default_factory=list)
     swap_in: list[SwapCopy] = field(default_factory=list)
+    # (source, destination) KV pages copied whole, after the swaps and before the forward: a
+    # kept tail page copied on write into a sequence's own page (cache/tail_pages.py)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
     # page-table rows released since the previous plan (their sequences ended, or were
     # retracted): what an executor keeps per row of its own (a draft model's KV) goes
     released_rows: list[int] = field(default_factory=list)

@@ -13,7 +13,12 @@ from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.prompt_scoring import cache_match_limit, segment_scoring, take_cached_scores
+from asyncengine.prompt_scoring import (
+    cache_match_limit,
+    segment_scoring,
+    take_cached_scores,
+    take_tail,
+)
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
 
@@ -66,6 +71,7 @@ class Prefill:
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
         req.seq = self.kv.open(ids, cache_match_limit(req, self.prompt_scores))
+        tail = take_tail(req, self.kv, self.prompt_scores)
         cached = req.kv.kv_len
         # a request swapped out when preempted gets back the KV the tree no longer holds by
         # copy (no compute, no budget), then computes what it never had
@@ -80,7 +86,7 @@ class Prefill:
             return None
         if swapped is not None:
             self.kv.swap_in(req.kv, swapped, cached)
-        take_cached_scores(req, self.prompt_scores)
+        take_cached_scores(req, self.prompt_scores, tail)
         self.waiting.remove(req)
         req.status = RequestStatus.PREFILLING
         if req.retractions == 0:
@@ -88,7 +94,11 @@ class Prefill:
         self.prefilling.append(req)
         self._add_extend(plan, req, take)
         if self.step_prefixes is not None:
-            self.step_prefixes.add(ids, req.kv.num_cached)
+            # a prompt that ends with this step keeps its last partial page for the others
+            ends = cached + restore + take == len(ids) and (
+                req.prefill_only or req.params.max_new_tokens <= 1
+            )
+            self.step_prefixes.add(ids, req.kv.num_cached, keeps_tail=ends)
         return take
 
     def _try_extend(self, req: Request, take: int) -> bool:

@@ -11,11 +11,14 @@ match is cut before them: ``cache_match_limit``), so the answer is the same with
 off, and the scheduler's prefill budget counts every token it computes. The one exception: the
 positions whose scores the prompt score cache holds (cache/prompt_scores.py: a prefix scored
 before, the context of another choice) may come from the caches, their scores with their KV
-(``take_cached_scores``), so only the rest is computed.
+(``take_cached_scores``), so only the rest is computed; and so may the positions of a kept tail
+page (cache/tail_pages.py: a context shorter than a page) with the scores kept beside it
+(``take_tail``).
 """
 
 from __future__ import annotations
 
+from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.plan import PromptScoring, TokenLogprobs
 from asyncengine.request import Request
@@ -63,17 +66,68 @@ def may_reuse_prefix(req: Request, scores: PromptScoreCache | None) -> bool:
     return scores is not None or cache_match_limit(req) != 0
 
 
-def take_cached_scores(req: Request, scores: PromptScoreCache | None) -> None:
+def take_cached_scores(
+    req: Request, scores: PromptScoreCache | None, tail: tuple[TokenLogprobs, ...] = ()
+) -> None:
     """After the request's KV was matched (``cache_match_limit(req, scores)``): the scores of
-    the positions it took from the prefix cache, from the score cache."""
+    the positions it took from the prefix cache, from the score cache, then ``tail``, those of
+    the positions it took from a kept tail (``take_tail``)."""
     following = next_scored_position(req)
-    matched = req.kv.num_cached
-    if following is None or scores is None or matched <= following:
-        return
-    assert req.params.prompt_logprobs is not None
-    req.prompt_logprobs.extend(
-        scores.take(req.prompt_ids, following, matched, req.params.prompt_logprobs)
-    )
+    matched = req.kv.num_in_tree
+    if following is not None and scores is not None and matched > following:
+        assert req.params.prompt_logprobs is not None
+        req.prompt_logprobs.extend(
+            scores.take(req.prompt_ids, following, matched, req.params.prompt_logprobs)
+        )
+    req.prompt_logprobs.extend(tail)
+
+
+def take_tail(
+    req: Request, kv: KVCacheManager, scores: PromptScoreCache | None
+) -> tuple[TokenLogprobs, ...]:
+    """After ``kv.open``: the KV of the tokens after the request's whole-page match from a kept
+    tail page (cache/tail_pages.py) as far as it may take them, and the scores of the positions
+    taken that it must score (for ``take_cached_scores``, once its prefill is admitted).
+
+    The KV of position ``p`` depends on tokens ``0 .. p``, its score on ``0 .. p + 1``: sharing
+    ``c`` tokens with the tail, the request may take the KV of ``c`` of them, or of ``c - 1``
+    with the tail's scores of those positions (same top_k; only with a score cache, the
+    switch for reusing scores). At least one prompt token is always computed."""
+    if req.retractions or (req.embedding is not None and not req.embedding.reuses_prefix):
+        return ()
+    seq = req.kv
+    found = kv.find_tail(seq, req.all_ids)
+    if found is None:
+        return ()
+    entry, common = found
+    start = seq.kv_len
+    most = len(req.all_ids) - 1 - start
+    following = next_scored_position(req)
+    taken_scores: tuple[TokenLogprobs, ...] = ()
+    if following is None:
+        take = min(common, most)
+    else:
+        # from ``start`` every position is to score (those before it came with whole pages)
+        unscored = max(0, following - start)
+        take = min(common, most, unscored)
+        if scores is not None and entry.top_k == req.params.prompt_logprobs:
+            scored = min(common - 1, most, len(entry.scores))
+            if scored > take:
+                take, taken_scores = scored, entry.scores[unscored:scored]
+    if take <= 0 or not kv.take_tail(seq, entry, take):
+        return ()
+    return taken_scores
+
+
+def tail_scores(req: Request, start: int) -> tuple[tuple[TokenLogprobs, ...], int] | None:
+    """The request's prompt scores of positions ``start ..`` and their top_k, to keep with its
+    tail page (None: it scored none of them, or not from ``start``)."""
+    if req.params.prompt_logprobs is None or not req.prompt_logprobs:
+        return None
+    first = first_scored_token(req) - 1
+    if first > start:
+        return None
+    return tuple(req.prompt_logprobs[start - first :]), req.params.prompt_logprobs
 
 
 def keep_scores(req: Request, scores: PromptScoreCache | None, before: int) -> None:

@@ -34,7 +34,12 @@ from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.prefill import Prefill
-from asyncengine.prompt_scoring import cache_match_limit, keep_scores, may_reuse_prefix
+from asyncengine.prompt_scoring import (
+    cache_match_limit,
+    keep_scores,
+    may_reuse_prefix,
+    tail_scores,
+)
 from asyncengine.request import Request, RequestStatus
 from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
@@ -168,7 +173,9 @@ class Scheduler(Retraction, Prefill):
         if self.chunked is req:
             self.chunked = None
         if req.seq is not None:
-            self.kv.close(req.seq, req.all_ids[: req.seq.computed_len], cache=cache)
+            computed = req.seq.computed_len
+            scores = tail_scores(req, computed // self.page_size * self.page_size)
+            self.kv.close(req.seq, req.all_ids[:computed], cache=cache, tail_scores=scores)
             req.seq = None
         if self.swapped or self.recompute_until:
             self._forget_preempted(req)
@@ -258,6 +265,7 @@ class Scheduler(Retraction, Prefill):
         self.admission.record(self.waiting, admission)
         plan.page_writes = self.kv.page_table.drain_writes()
         plan.released_rows = self.kv.page_table.drain_released()
+        plan.page_copies = self.kv.drain_page_copies()
         if self.kv.swap is not None:
             plan.swap_out, plan.swap_in = self.kv.swap.drain()
         now = self.clock()
@@ -350,7 +358,7 @@ class Scheduler(Retraction, Prefill):
             if (
                 dedup is not None
                 and may_reuse_prefix(req, self.prompt_scores)
-                and dedup.shares(ids, matched)
+                and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
             ):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step

@@ -77,7 +77,9 @@ def assert_idle_and_clean(engine: AsyncEngine) -> None:
     stats = engine.stats()
     assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0, stats
     assert stats["pages_used"] == 0, stats
-    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+    assert (
+        stats["pages_free"] + stats["pages_cached"] + stats["pages_tail"] == stats["pages_total"]
+    ), stats
 
 
 async def wait_idle(engine: AsyncEngine) -> None:

@@ -105,8 +105,11 @@ def test_prompt_logprobs_equal_hf(
         assert_matches_hf(hf, prompt, a.prompt_logprobs, 3)
         assert b.prompt_logprobs == a.prompt_logprobs
         assert b.token_ids == a.token_ids and len(a.token_ids) == 3
-        whole_pages = (len(prompt) - 1) // 16 * 16  # both caches keep whole pages only
-        assert b.usage.cached_tokens == (whole_pages if score_cache else 0)
+        whole_pages = (len(prompt) - 1) // 16 * 16
+        if score_cache:  # whole pages, and the tokens after them where a kept tail has them
+            assert whole_pages <= b.usage.cached_tokens <= len(prompt) - 1
+        else:
+            assert b.usage.cached_tokens == 0
         if not score_cache:
             assert a.usage.cached_tokens == 0
     if score_cache:  # the prompts share up to 69 tokens: in the first round already
@@ -239,8 +242,12 @@ def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
     cold = [
         asyncio.run(score_all(engine_config(model_dir, True), [p], params))[0][0] for p in items
     ]
-    assert [o.usage.cached_tokens for o in cached] == [0, 32, 32, 32]
+    # the two whole pages from the tree and the score cache; of the 5 context tokens on the
+    # third page, 4 from the first choice's kept tail page (the 5th is computed: its logits
+    # score the choice's first token)
+    assert [o.usage.cached_tokens for o in cached] == [0, 36, 36, 36]
     assert stats["prompt_score_hit_positions"] == 3 * 32
+    assert stats["tail_hit_tokens"] == 3 * 4
     assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
     for prompt, got, reference in zip(items, cached, cold, strict=True):
         assert_matches_hf(hf, prompt, got.prompt_logprobs, 1)
@@ -252,6 +259,65 @@ def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
             assert mine is not None and theirs is not None
             assert mine.token_logprob == pytest.approx(theirs.token_logprob, abs=1e-5)
             assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
+    model_dir: Path, hf: HFScorer, together: bool
+) -> None:
+    """0-shot multiple choice: the context (6 tokens) is shorter than a page, so neither the
+    tree nor the score cache hold it. The first choice's partly filled page is kept when it
+    ends; each later choice copies the KV of 5 context tokens from it (copy on write) with
+    their scores, and computes the last context token and its continuation. Sent together,
+    the later ones wait a step for the first. Scores equal a cold run's (1e-5) and HF's
+    (1e-4), and the KV invariant holds after every step."""
+    rng = random.Random(17)
+    context = [rng.randrange(3, VOCAB) for _ in range(6)]
+    items = [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 3, 2, 1)]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    async def run() -> tuple[list, dict]:
+        async with AsyncEngine(engine_config(model_dir, True, 64)) as engine:
+            engine.step_hooks.append(lambda plan: engine.core.check_invariant())
+            if together:
+                outs = list(await asyncio.gather(*(engine.generate(p, params) for p in items)))
+            else:
+                outs = [await engine.generate(p, params) for p in items]
+            return outs, engine.stats()
+
+    shared, stats = asyncio.run(run())
+    cold = [
+        asyncio.run(score_all(engine_config(model_dir, False), [p], params))[0][0] for p in items
+    ]
+    assert [o.usage.cached_tokens for o in shared] == [0, 5, 5, 5]
+    assert stats["tail_hit_tokens"] == 3 * 5
+    for prompt, got, reference in zip(items, shared, cold, strict=True):
+        assert_matches_hf(hf, prompt, got.prompt_logprobs, 1)
+        assert got.token_ids == reference.token_ids
+        assert got.prompt_logprobs is not None and reference.prompt_logprobs is not None
+        for mine, theirs in zip(
+            got.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True
+        ):
+            assert mine is not None and theirs is not None
+            assert mine.token_logprob == pytest.approx(theirs.token_logprob, abs=1e-5)
+            assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_a_kept_tail_serves_generation_without_scores(model_dir: Path) -> None:
+    """A request that does not score takes every token it shares with a kept tail (but its
+    last), and generates what it generates without the tail (greedy)."""
+    rng = random.Random(23)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(11)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def run(prefix_cache: bool) -> list:
+        async with AsyncEngine(engine_config(model_dir, prefix_cache)) as engine:
+            engine.step_hooks.append(lambda plan: engine.core.check_invariant())
+            return [await engine.generate(prompt, params) for _ in range(2)]
+
+    on, off = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [o.usage.cached_tokens for o in on] == [0, 10]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
 
 def test_the_score_cache_evicts_and_the_kv_invariant_holds(model_dir: Path) -> None:

@@ -80,7 +80,9 @@ def run(core: EngineCore, clock: Clock, max_steps: int = 2000) -> None:
     assert not core.has_work()
     stats = core.kv.stats()
     assert stats["pages_used"] == 0, stats
-    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+    assert (
+        stats["pages_free"] + stats["pages_cached"] + stats["pages_tail"] == stats["pages_total"]
+    ), stats
 
 
 def test_the_new_sampling_params_are_checked() -> None:

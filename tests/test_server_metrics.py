@@ -146,6 +146,7 @@ async def test_gauges_mirror_engine_stats(server: RunningServer) -> None:
         value(samples, "asyncengine_kv_pages_free")
         + value(samples, "asyncengine_kv_pages_used")
         + value(samples, "asyncengine_kv_pages_cached")
+        + value(samples, "asyncengine_kv_pages_tail")
         == stats["pages_total"]
     )
     assert await wait_until(lambda: engine_idle(server.engine))

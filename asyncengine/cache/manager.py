@@ -3,7 +3,9 @@
 Invariant (``check_invariant``): every page is exactly one of
 - free (in the allocator),
 - held by a live sequence and not in the tree (its private pages), or
-- owned by the radix tree (protected while some live sequence locks it, evictable otherwise).
+- owned by the radix tree (protected while some live sequence locks it, evictable otherwise), or
+- the partly filled last page of an ended sequence, kept for reuse (tail_pages.py; given back
+  before tree pages are evicted).
 
 A live sequence's pages are ``seq.pages``: the first ``seq.num_in_tree // page_size`` of them are
 the tree's pages along the path to ``seq.lock_node`` (which the sequence locks), the rest are its
@@ -23,6 +25,8 @@ from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
 from asyncengine.cache.swap_space import SwappedKV, SwapSpace
+from asyncengine.cache.tail_pages import TailPage, TailPages
+from asyncengine.plan import TokenLogprobs
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -51,8 +55,11 @@ class KVCacheManager:
         enable_prefix_cache: bool = True,
         kv_events: bool = False,
         swap: SwapSpace | None = None,
+        max_tail_pages: int | None = None,
     ) -> None:
-        """``kv_events``: the tree records what it stores and removes (cache/kv_events.py)."""
+        """``kv_events``: the tree records what it stores and removes (cache/kv_events.py).
+        ``max_tail_pages``: partly filled pages of ended sequences kept for reuse (default a
+        quarter of the pool, at most 1024; tail_pages.py)."""
         self.num_pages = num_pages
         self.swap = swap  # the host buffer preempted requests' KV is swapped to, if any
         self.page_size = page_size
@@ -61,6 +68,11 @@ class KVCacheManager:
         self.tree = RadixCache(page_size, events=kv_events)
         self.page_table = PageTable(max_rows, max_pages_per_row, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
+        if max_tail_pages is None:
+            max_tail_pages = min(1024, num_pages // 4)
+        self.tails = TailPages(max_tail_pages if enable_prefix_cache else 0)
+        # (source page, destination page): tail pages copied before the next plan's forward
+        self._page_copies: list[tuple[int, int]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
 
@@ -77,7 +89,9 @@ class KVCacheManager:
     @property
     def available_pages(self) -> int:
         """Pages an allocation can get now: free plus evictable from the tree."""
-        return self.allocator.num_free + self.tree.evictable_size // self.page_size
+        return (
+            self.allocator.num_free + self.tree.evictable_size // self.page_size + len(self.tails)
+        )
 
     @property
     def num_open(self) -> int:
@@ -197,7 +211,7 @@ class KVCacheManager:
                         f"{self.tree.evictable_size // self.page_size} evictable "
                         f"(of {self.num_pages})"
                     )
-                self.allocator.free(self.tree.evict((needed - free) * self.page_size))
+                self._reclaim(needed - free)
             new_pages = self.allocator.alloc(needed)
             self.page_table.set_pages(seq.row, len(seq.pages), new_pages)
             seq.pages.extend(new_pages.tolist())
@@ -221,10 +235,8 @@ class KVCacheManager:
         while done < len(seqs):
             free = allocator.num_free
             if free == 0:  # as extend does when the free list is empty: one page's worth
-                freed = self.tree.evict(ps)
-                if freed.size == 0:
+                if self._reclaim(1) == 0:
                     raise OutOfPagesError("no KV page is free or evictable")
-                allocator.free(freed)
                 continue
             take = min(free, len(seqs) - done)
             pages = allocator.alloc_ids(take)
@@ -286,14 +298,26 @@ class KVCacheManager:
         seq.lock_node = node
         seq.num_in_tree = aligned
 
-    def close(self, seq: SeqKV, tokens: Tokens | None = None, cache: bool = True) -> None:
-        """End a sequence: cache its whole pages (when ``cache`` and tokens are given), unlock
-        its prefix, free its own pages and release its table row."""
+    def close(
+        self,
+        seq: SeqKV,
+        tokens: Tokens | None = None,
+        cache: bool = True,
+        tail_scores: tuple[tuple[TokenLogprobs, ...], int] | None = None,
+    ) -> None:
+        """End a sequence: cache its whole pages (when ``cache`` and tokens are given) and keep
+        its partly filled last page among the tails, unlock its prefix, free its own pages and
+        release its table row. ``tail_scores``: the prompt scores of the positions from its
+        last whole page on, and their top_k, kept with the tail."""
         self._check_open(seq)
+        kept: int | None = None
         if cache and tokens is not None:
             self.cache(seq, tokens)
+            kept = self._keep_tail(seq, tokens, tail_scores)
         self.tree.unlock(seq.lock_node)
         own = seq.pages[seq.num_in_tree // self.page_size :]
+        if kept is not None:
+            own = [page for page in own if page != kept]
         if own:
             self.allocator.free_ids(own)
         del self._open[seq.row]
@@ -303,6 +327,94 @@ class KVCacheManager:
         seq.computed_len = 0
         seq.num_in_tree = 0
         seq.lock_node = self.tree.root
+
+    def _keep_tail(
+        self,
+        seq: SeqKV,
+        tokens: Tokens,
+        scores: tuple[tuple[TokenLogprobs, ...], int] | None,
+    ) -> int | None:
+        """Keep the partly filled page after ``seq``'s cached whole pages (just cached by
+        ``cache``) among the tails; the page kept, or None."""
+        if self.tails.max_pages <= 0:
+            return None
+        ps, start = self.page_size, seq.num_in_tree
+        end = min(len(tokens), seq.kv_len)  # as cache(): only what is written is given
+        if not start < end < start + ps or start != end // ps * ps:
+            return None
+        page = seq.pages[start // ps]
+        prefix = tuple(int(t) for t in tokens[:start])
+        entry = TailPage(page, prefix, tuple(int(t) for t in tokens[start:end]))
+        if scores is not None:
+            entry.scores, entry.top_k = scores
+        freed = self.tails.add(entry)
+        if freed:
+            self.allocator.free_ids(freed)
+        return None if page in freed else page
+
+    def find_tail(self, seq: SeqKV, tokens: Tokens) -> tuple[TailPage, int] | None:
+        """A kept tail after ``seq``'s matched whole pages (just opened) and the number of its
+        tokens ``tokens`` goes on with, or None."""
+        if (
+            not self.tails
+            or seq.kv_len != seq.num_in_tree
+            or len(seq.pages) * self.page_size != seq.kv_len
+        ):
+            return None
+        start = seq.kv_len
+        prefix = tuple(int(t) for t in tokens[:start])
+        return self.tails.best(prefix, [int(t) for t in tokens[start : start + self.page_size]])
+
+    def tail_match_length(self, tokens: Tokens, matched: int) -> int:
+        """Tokens after the first ``matched`` (whole pages, as ``match_length`` gives) that a
+        kept tail shares with ``tokens``; no side effects."""
+        if not self.tails or matched % self.page_size:
+            return 0
+        prefix = tuple(int(t) for t in tokens[:matched])
+        found = self.tails.best(
+            prefix, [int(t) for t in tokens[matched : matched + self.page_size]]
+        )
+        return 0 if found is None else found[1]
+
+    def take_tail(self, seq: SeqKV, entry: TailPage, num_tokens: int) -> bool:
+        """Give ``seq`` (just opened, ``find_tail`` found ``entry``) a page of its own holding
+        the KV of ``entry``'s first ``num_tokens`` tokens: copied from the tail's page before
+        the next plan's forward. False (nothing changed) when no page can be had."""
+        self._check_open(seq)
+        assert 0 < num_tokens <= len(entry.tokens) and seq.kv_len == len(entry.prefix)
+        self.tails.touch(entry)
+        if self.allocator.num_free == 0 and self._reclaim(1) == 0:
+            return False
+        (page,) = self.allocator.alloc_ids(1)
+        self.page_table.set_page(seq.row, len(seq.pages), page)
+        seq.pages.append(page)
+        self._page_copies.append((entry.page, page))
+        seq.kv_len += num_tokens
+        seq.computed_len += num_tokens
+        seq.num_cached += num_tokens
+        self.hit_tokens += num_tokens
+        self.miss_tokens -= num_tokens
+        self.tails.hit_tokens += num_tokens
+        return True
+
+    def drain_page_copies(self) -> list[tuple[int, int]]:
+        """The tail-page copies recorded since the last call, for the next plan."""
+        copies, self._page_copies = self._page_copies, []
+        return copies
+
+    def _reclaim(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages (kept tails first, then LRU tree leaves; fewer when
+        fewer can go); how many were freed."""
+        freed: list[int] = []
+        while len(freed) < num_pages and self.tails:
+            freed.append(self.tails.pop_lru())
+        if freed:
+            self.allocator.free_ids(freed)
+        if len(freed) < num_pages:
+            evicted = self.tree.evict((num_pages - len(freed)) * self.page_size)
+            self.allocator.free(evicted)
+            return len(freed) + int(evicted.size)
+        return len(freed)
 
     def swap_out(self, seq: SeqKV) -> SwappedKV | None:
         """Record the copy of ``seq``'s computed KV to host pages (the executor runs it before
@@ -323,11 +435,9 @@ class KVCacheManager:
         self.swap.swap_in(swapped, first, seq.pages[first:end])
 
     def evict(self, num_pages: int) -> int:
-        """Evict at least ``num_pages`` unlocked cached pages (LRU leaves first, fewer when
-        fewer are evictable) back to the free list; returns how many were freed."""
-        freed = self.tree.evict(num_pages * self.page_size)
-        self.allocator.free(freed)
-        return int(freed.size)
+        """Evict at least ``num_pages`` unlocked cached pages (kept tails, then LRU leaves,
+        fewer when fewer are evictable) back to the free list; returns how many were freed."""
+        return self._reclaim(num_pages)
 
     def _check_open(self, seq: SeqKV) -> None:
         if self._open.get(seq.row) is not seq:
@@ -338,10 +448,13 @@ class KVCacheManager:
     def stats(self) -> dict[str, int]:
         cached = self.tree.total_size // self.page_size
         free = self.allocator.num_free
+        tails = len(self.tails)
         return {
             "pages_total": self.num_pages,
             "pages_free": free,
-            "pages_used": self.num_pages - free - cached,
+            "pages_used": self.num_pages - free - cached - tails,
+            "pages_tail": tails,
+            "tail_hit_tokens": self.tails.hit_tokens,
             "pages_cached": cached,
             "pages_evictable": self.tree.evictable_size // self.page_size,
             "hit_tokens": self.hit_tokens,
@@ -354,6 +467,8 @@ class KVCacheManager:
         if self._open:
             raise RuntimeError(f"reset() with {len(self._open)} sequences still open")
         self.tree.reset()
+        self.tails.clear()
+        self._page_copies.clear()
         self.allocator.reset()
         self.page_table.reset()
         if reset_counters:
@@ -363,7 +478,8 @@ class KVCacheManager:
     def check_invariant(self) -> None:
         """Assert the page accounting invariant; raises AssertionError saying what broke."""
         ps = self.page_size
-        owner = np.full(self.num_pages, -1, dtype=np.int64)  # -1 nobody, -2 free, -3 tree, row
+        # -1 nobody, -2 free, -3 tree, -4 kept tail, else the row of the sequence holding it
+        owner = np.full(self.num_pages, -1, dtype=np.int64)
 
         def claim(pages: np.ndarray, who: int, what: str) -> None:
             assert pages.size == 0 or (pages.min() >= 0 and pages.max() < self.num_pages), (
@@ -389,6 +505,8 @@ class KVCacheManager:
         self.tree.check()
         claim(self.tree.all_pages(), -3, "radix tree")
         tree_pages = self.tree.total_size // ps
+        tail_pages = np.asarray(self.tails.pages(), dtype=np.int64)
+        claim(tail_pages, -4, "kept tails")
         assert self.tree.total_size % ps == 0, f"tree size {self.tree.total_size} not page aligned"
 
         expected_locks: dict[int, int] = {}
@@ -432,8 +550,9 @@ class KVCacheManager:
             f"(leaked)"
         )
         held = int((owner >= 0).sum())
-        assert free_pages.size + held + tree_pages == self.num_pages, (
-            f"free {free_pages.size} + held {held} + tree {tree_pages} != {self.num_pages}"
+        assert free_pages.size + held + tree_pages + tail_pages.size == self.num_pages, (
+            f"free {free_pages.size} + held {held} + tree {tree_pages} "
+            f"+ tails {tail_pages.size} != {self.num_pages}"
         )
         if self.swap is not None:
             self.swap.check()
@@ -448,4 +567,6 @@ class KVCacheManager:
             return "the free list"
         if owner == -3:
             return "the radix tree"
+        if owner == -4:
+            return "the kept tails"
         return f"the seq in row {owner}"

@@ -49,6 +49,13 @@ class KVPool:
         self.k = make(shape, dtype=dtype, device=self.device)
         self.v = make(shape, dtype=dtype, device=self.device)
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages, every layer, in order: ``(source, destination)`` page ids."""
+        ps = self.page_size
+        for src, dst in copies:
+            self.k[:, dst * ps : (dst + 1) * ps] = self.k[:, src * ps : (src + 1) * ps]
+            self.v[:, dst * ps : (dst + 1) * ps] = self.v[:, src * ps : (src + 1) * ps]
+
     @classmethod
     def for_model(
         cls,

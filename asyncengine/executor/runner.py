@@ -142,6 +142,8 @@ class ModelRunner:
                 f"a sequence reaches {longest} tokens, past the model's {self.config.max_model_len}"
             )
         self.page_table.apply(plan.page_writes)
+        if plan.page_copies:  # kept tail pages copied on write, before the forward writes KV
+            self.kv_pool.copy_pages(plan.page_copies)
         return build_forward_batch(
             plan,
             self.page_table.array,

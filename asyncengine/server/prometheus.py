@@ -60,6 +60,7 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "kv_pages_used": ("pages_used", "KV pages held by live requests"),
     "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),
     "kv_pages_evictable": ("pages_evictable", "Cached KV pages no live request locks"),
+    "kv_pages_tail": ("pages_tail", "Partly filled KV pages of ended requests kept for reuse"),
     "spec_decode_acceptance_rate": (
         "spec_acceptance_rate",
         "Share of verified speculative guesses accepted (speculative decoding on)",
