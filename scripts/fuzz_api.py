@@ -152,7 +152,10 @@ class BackgroundServer:
             if time.monotonic() > deadline:
                 return f"not idle after {timeout:.0f} s: {stats}"
             await asyncio.sleep(0.05)
-        if stats["pages_free"] + stats["pages_cached"] != stats["pages_total"]:
+        if (
+            stats["pages_free"] + stats["pages_cached"] + stats["pages_tail"]
+            != stats["pages_total"]
+        ):
             return f"pages unaccounted for: {stats}"
         try:
             self.engine.scheduler.kv.check_invariant()

@@ -109,6 +109,10 @@ class FakeExecutor:
         if self.fail_on_step is not None and self.steps == self.fail_on_step:
             raise RuntimeError("injected forward failure")
         self._swap(plan)
+        for src, dst in plan.page_copies:  # kept tail pages, copied on write as KVPool does
+            src_slots, dst_slots = self._page_slots([src]), self._page_slots([dst])
+            self.token_at[dst_slots] = self.token_at[src_slots]
+            self.pos_at[dst_slots] = self.pos_at[src_slots]
         self.table.apply(plan.page_writes)
         tokens: list[int] = []
         for seg in plan.segments:
