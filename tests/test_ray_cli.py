@@ -56,7 +56,7 @@ async def test_replicas_survive_a_replica_killed_mid_stream(
         base = f"http://127.0.0.1:{server.port}"
         pids = replica_pids(server.proc.pid)
         assert len(pids) == 2, server.lines[-20:]
-        long = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
+        long = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             responses = [
                 await session.post(
