@@ -28,7 +28,8 @@ float32 on this machine):
   summed RSS. ``--vllm-arg KEY=VALUE`` goes into the spec (e.g. ``max_num_seqs=128``; keys
   vllm_peer.py does not know go to ``vllm.LLM``); the settings vLLM ran with are reported.
 - ``llamacpp``: llama.cpp's ``llama-server`` (``scripts/setup_llamacpp.sh``; scripts/
-  peer_llamacpp.py) with ``--llamacpp-parallel`` (64) slots of 1536 tokens each, every request
+  peer_llamacpp.py) with ``--llamacpp-parallel`` (64) slots of 1536 tokens each (or the longest
+  request's prompt + output where that is more), every request
   sent at once as token ids to ``/completion`` (``n_predict``, ``ignore_eos``, no prompt cache,
   greedy); ``--llamacpp-model`` picks the GGUF (the embedded Q4_1 file or the float32 / bf16
   conversions). Timed from the first send to the last reply; peak RSS is the server's VmHWM.
@@ -346,8 +347,13 @@ def run_llamacpp(workload: Sequence[WorkloadRequest], model_kind: str, parallel:
     (prompts as token ids, greedy, EOS ignored); the server's peak RSS from /proc."""
     folder = Path(tempfile.mkdtemp(prefix="bench_offline_llamacpp_"))
     log_path = folder / "llama-server.log"
+    # each slot holds its request's whole sequence (llama-server cuts a longer one short)
+    longest = max(len(item.prompt_ids) + item.output_len for item in workload)
     server = peer_llamacpp.LlamaServer(
-        peer_llamacpp.model_file(model_kind), parallel=parallel, log_path=log_path
+        peer_llamacpp.model_file(model_kind),
+        parallel=parallel,
+        context_per_slot=max(peer_llamacpp.CONTEXT_PER_SLOT, longest),
+        log_path=log_path,
     )
     print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
     requests = [(item.prompt_ids, item.output_len) for item in workload]
