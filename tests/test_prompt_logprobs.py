@@ -249,12 +249,55 @@ def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
     assert stats["prompt_score_hit_positions"] == 3 * 32
     assert stats["tail_hit_tokens"] == 3 * 4
     assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
-    for prompt, got, reference in zip(items, cached, cold, strict=True):
-        assert_matches_hf(hf, prompt, got.prompt_logprobs, 1)
-        assert got.token_ids == reference.token_ids
-        assert got.prompt_logprobs is not None and reference.prompt_logprobs is not None
+    assert_equal_to_cold_and_hf(hf, items, cached, cold)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
+    model_dir: Path, hf: HFScorer, together: bool
+) -> None:
+    """lm-eval's multiple choice: each choice is sent whole. With the score cache the later
+    ones take the context's whole pages (KV and scores) from the caches, sent one by one or
+    all at once (those then wait a step for the first: in-batch dedup); the scores are those
+    of a cold run of each choice on an engine without the score cache, and HF's."""
+    items = choices_of_a_question(5)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    async def run(score_cache_pages: int) -> tuple[list, dict]:
+        config = engine_config(model_dir, True, score_cache_pages)
+        async with AsyncEngine(config) as engine:
+            if together:
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in items))
+            else:
+                outs = [await engine.generate(p, params) for p in items]
+            engine.core.check_invariant()
+            return list(outs), engine.stats()
+
+    cached, stats = asyncio.run(run(64))
+    cold = [
+        asyncio.run(score_all(engine_config(model_dir, True), [p], params))[0][0] for p in items
+    ]
+    # the two whole pages from the tree and the score cache; of the 5 context tokens on the
+    # third page, 4 from the first choice's kept tail page (the 5th is computed: its logits
+    # score the choice's first token)
+    assert [o.usage.cached_tokens for o in cached] == [0, 36, 36, 36]
+    assert stats["prompt_score_hit_positions"] == 3 * 32
+    assert stats["tail_hit_tokens"] == 3 * 4
+    assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
+    assert_equal_to_cold_and_hf(hf, items, cached, cold)
+
+
+def assert_equal_to_cold_and_hf(
+    hf: HFScorer, prompts: list[list[int]], got: list, cold: list
+) -> None:
+    """Each output's prompt scores match HF's (1e-4) and a cold run's (1e-5, same top ids), and
+    its tokens equal the cold run's."""
+    for prompt, mine_out, reference in zip(prompts, got, cold, strict=True):
+        assert_matches_hf(hf, prompt, mine_out.prompt_logprobs, 1)
+        assert mine_out.token_ids == reference.token_ids
+        assert mine_out.prompt_logprobs is not None and reference.prompt_logprobs is not None
         for mine, theirs in zip(
-            got.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True
+            mine_out.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True
         ):
             assert mine is not None and theirs is not None
             assert mine.token_logprob == pytest.approx(theirs.token_logprob, abs=1e-5)
@@ -291,16 +334,7 @@ def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
     ]
     assert [o.usage.cached_tokens for o in shared] == [0, 5, 5, 5]
     assert stats["tail_hit_tokens"] == 3 * 5
-    for prompt, got, reference in zip(items, shared, cold, strict=True):
-        assert_matches_hf(hf, prompt, got.prompt_logprobs, 1)
-        assert got.token_ids == reference.token_ids
-        assert got.prompt_logprobs is not None and reference.prompt_logprobs is not None
-        for mine, theirs in zip(
-            got.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True
-        ):
-            assert mine is not None and theirs is not None
-            assert mine.token_logprob == pytest.approx(theirs.token_logprob, abs=1e-5)
-            assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+    assert_equal_to_cold_and_hf(hf, items, shared, cold)
 
 
 def test_a_kept_tail_serves_generation_without_scores(model_dir: Path) -> None:
