@@ -151,6 +151,10 @@ class AsyncEngine:
         self._wakeup.set()
         await self._task
         self._task = None
+        # start() froze every object alive then (this engine's pool and weights among them);
+        # a frozen object is never collected, so an engine dropped after stop() would keep its
+        # memory (on a GPU, a second engine in the process would find no room for its pool)
+        gc.unfreeze()
         if self._summary_task is not None:
             self._summary_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

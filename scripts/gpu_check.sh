@@ -8,6 +8,8 @@
 #               bash scripts/gpu_check.sh --dry-run
 #
 # Parts, most valuable first, each under its own timeout so that a hang loses only that part:
+#   (0) the tests marked `gpu` (pytest -m gpu: the engine on CUDA against HF, compiled Triton
+#       kernels and graph replay, FlashInfer), their output in tests.txt
 #   (a) the 256-request offline benchmark (bench_offline.py, asyncengine only) + its host split
 #       (profile_step.py --no-replay) + the stand-in executor's host ms/step (bench_host_step.py)
 #   (b) the decode step at batch 1/64/256 against the CUDA-graph replay floor and the
@@ -39,7 +41,7 @@ if [ $DRY = 1 ]; then
     PY=${PY:-.venv/bin/python}
     MODEL=$(mktemp -d)/model
     DEVICE=cpu DTYPE=float32
-    T_A=240 T_B=120 T_C=240 T_D=120
+    T_A=240 T_B=120 T_C=240 T_D=120 T_TESTS=120
     BUDGET=${BUDGET:-1200}
     N_REQ=8 N_DET=4 DET_REPEATS=1
     # the FlashInfer wheel only (the others are cp312 builds), to check its import and our layout
@@ -51,7 +53,7 @@ else
     PY=python3
     MODEL=/tmp/gpu_check_model
     DEVICE=cuda DTYPE=bfloat16
-    T_A=150 T_B=75 T_C=75 T_D=400  # each also cut to what is left of BUDGET (below)
+    T_A=150 T_B=75 T_C=75 T_D=400 T_TESTS=200  # each also cut to what is left of BUDGET (below)
     BUDGET=${BUDGET:-450}
     N_REQ=256 N_DET=16 DET_REPEATS=1
     # Packages the GPU image lacks (msgspec, gguf, flashinfer-python), then ours, editable so
@@ -88,6 +90,11 @@ part() {  # part NAME SECONDS COMMAND...: run with a timeout, say how it ended
     local rc=$?
     echo "=== $name: exit $rc after $((SECONDS - t0))s ==="
 }
+
+# (0) the GPU tests (skipped on a CPU: the dry run checks only that they are collected)
+part tests "$T_TESTS" bash -c "set -o pipefail; \"$PY\" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_engine_cuda.py tests/test_triton_model.py tests/test_flashinfer_backend.py \
+    2>&1 | tee \"$OUT/tests.txt\""
 
 TINY=""
 [ $DRY = 1 ] && TINY="--tiny"

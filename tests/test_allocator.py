@@ -272,6 +272,9 @@ def test_gpu_pool_takes_the_memory_left_by_weights_and_reserve(
     gib = 2**30
     free, total = 70 * gib, 80 * gib  # 10 GiB in use already
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    cached = 0  # held by torch's allocator, unused
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib + cached)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * gib)
     dtype, cuda = torch.bfloat16, torch.device("cuda")
     spec = ModelSpec(4096, 64, (0,), KVPool.token_bytes(2, 2, 8, dtype))
     page_bytes = spec.kv_bytes_per_token * 16
@@ -288,5 +291,8 @@ def test_gpu_pool_takes_the_memory_left_by_weights_and_reserve(
 
     with pytest.raises(ConfigError, match="gpu_memory_utilization.*no room for the KV pool"):
         model_executor.gpu_kv_budget_bytes(0.15, cuda, weights)  # 12 GiB: < in use + reserve
+    # A stopped engine's pool left in torch's cache (a second engine in the process) is free.
+    free, cached = 30 * gib, 40 * gib
+    assert model_executor.gpu_kv_budget_bytes(0.5, cuda, weights) == budget
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)

@@ -1,5 +1,7 @@
 """The whole engine on a CUDA GPU (skipped without one): Triton kernels compiled, decode CUDA
-graphs on, the KV pool sized from the GPU's memory; greedy tokens equal HF generate's.
+graphs on, the KV pool sized from the GPU's memory; greedy tokens equal HF generate's, also with
+ngram speculation (verify steps) and with overlap scheduling; prompt logprobs equal HF's, also
+when a second round hits the prefix cache and its kept partial pages (page copies on the GPU).
 
 The engine runs in a fresh interpreter: tests/conftest.py puts Triton in interpreter mode for
 this process. A CPU twin of the script (torch backend) keeps it from rotting where there is no
@@ -37,27 +39,65 @@ _SCRIPT = textwrap.dedent(
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (5, 17, 40, 3, 29, 64)]
+    # repeated text, so that ngram speculation finds guesses to verify
+    loops = [(p * 4)[:48] for p in prompts[:3]]
     new_tokens = 24
 
-    async def engine_outputs():
+    async def run(extra, items, params, rounds=1):
         config = EngineConfig(model=work, dtype="float32", device=device, log_interval=0,
-                              max_running_requests=8)
+                              max_running_requests=8, **extra)
         async with AsyncEngine(config) as engine:
-            params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-            return [o.token_ids for o in outs], engine.stats()
+            for _ in range(rounds):
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in items))
+            return outs, engine.stats()
 
-    tokens, stats = asyncio.run(engine_outputs())
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs, stats = asyncio.run(run({}, prompts, greedy))
+    spec_outs, spec_stats = asyncio.run(run(
+        {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "rule": "fixed"}},
+        loops, greedy))
+    overlap_outs, _ = asyncio.run(run({"enable_overlap_schedule": True}, prompts, greedy))
+    # scored twice: the second round takes the prompts' pages from the prefix cache, partial
+    # tail pages copied
+    scoring = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=2)
+    scored, scored_stats = asyncio.run(run({}, prompts[1:], scoring, rounds=2))
+
     model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
-    print("RESULT " + json.dumps({"engine": tokens, "hf": expected, "stats": stats}))
-    """
+
+    def hf_greedy(items):
+        expected = []
+        with torch.inference_mode():
+            for p in items:
+                out = model.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens,
+                                     do_sample=False, pad_token_id=0)
+                expected.append(out[0, len(p):].tolist())
+        return expected
+
+    def worst_logprob_error():
+        worst = 0.0
+        for prompt, out in zip(prompts[1:], scored):
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt], device=device)).logits[0].float()
+            reference = torch.log_softmax(logits[:-1], dim=-1).cpu()
+            for position in range(1, len(prompt)):
+                entry = out.prompt_logprobs[position]
+                row = reference[position - 1]
+                got = [entry.token_logprob] + [value for _, value in entry.top]
+                want = [float(row[prompt[position]])] + torch.topk(row, 2).values.tolist()
+                worst = max(worst, max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got, want)))
+        return worst
+
+    print("RESULT " + json.dumps({
+        "engine": [o.token_ids for o in outs], "hf": hf_greedy(prompts), "stats": stats,
+        "spec": [o.token_ids for o in spec_outs], "spec_hf": hf_greedy(loops),
+        "spec_steps": spec_stats["spec_steps"],
+        "overlap": [o.token_ids for o in overlap_outs],
+        "logprob_error": worst_logprob_error(),
+        "tail_hit_tokens": scored_stats["tail_hit_tokens"],
+        "hit_tokens": scored_stats["hit_tokens"],
+    }))
+"""
 )
 
 
@@ -67,10 +107,19 @@ def run_script(checkpoint: TinyCheckpoint, tmp_path: Path, device: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+def assert_engine_matches_hf(result: dict) -> None:
+    assert result["engine"] == result["hf"]
+    assert result["spec"] == result["spec_hf"]
+    assert result["spec_steps"] > 0  # guesses were verified (random weights reject most)
+    assert result["overlap"] == result["hf"]
+    assert result["logprob_error"] < 1e-3
+    assert result["tail_hit_tokens"] > 0 and result["hit_tokens"] > 0
+
+
 @pytest.mark.slow
 def test_engine_script_matches_hf_on_cpu(tiny_llama: TinyCheckpoint, tmp_path: Path) -> None:
     result = run_script(tiny_llama, tmp_path, "cpu")
-    assert result["engine"] == result["hf"]
+    assert_engine_matches_hf(result)
     assert result["stats"]["pages_total"] == 32768 // 16  # the fixed CPU default
 
 
@@ -80,6 +129,6 @@ def test_engine_on_cuda_matches_hf_with_a_gpu_sized_pool(
     tiny_llama: TinyCheckpoint, tmp_path: Path
 ) -> None:
     result = run_script(tiny_llama, tmp_path, "cuda")
-    assert result["engine"] == result["hf"]
+    assert_engine_matches_hf(result)
     # The pool took GPU memory, far past the CPU default (the tiny model's pages are small).
     assert result["stats"]["pages_total"] > 32768 // 16

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 
@@ -398,3 +400,17 @@ async def test_overlap_launches_the_next_forward_before_streaming_this_step(
         assert in_flight_at_hook[-1][1] is None
     else:
         assert launched_early == []
+
+
+async def test_a_stopped_engine_dropped_by_its_caller_is_collected() -> None:
+    """start() freezes the objects alive (shorter collector passes while serving); stop() must
+    unfreeze them, or a dropped engine's pool and weights (on a GPU: the memory a second engine
+    in the process sizes its pool from) could never be collected."""
+    engine = fake_engine()
+    async with engine:
+        out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+        assert len(out.token_ids) == 4
+    core = weakref.ref(engine.core)
+    del engine
+    gc.collect()
+    assert core() is None

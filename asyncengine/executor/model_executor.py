@@ -11,6 +11,7 @@ speculative decoding by a draft model, the draft model and its own KV (executor/
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -47,9 +48,14 @@ GPU_ACTIVATION_RESERVE = 2 << 30
 def gpu_kv_budget_bytes(utilization: float, device: torch.device, weight_bytes: int) -> int:
     """Bytes for the KV pool on a GPU: ``utilization`` of its memory, less what is in use
     already (other processes included), the weights still to be moved there, and a reserve for
-    activations (vLLM's meaning of gpu_memory_utilization)."""
+    activations (vLLM's meaning of gpu_memory_utilization).
+
+    Memory this process's torch allocator holds cached but unused counts as free: a second
+    engine in one process (the first one stopped and dropped) reuses the first one's pool."""
+    gc.collect()  # a dropped engine's pool, if only a reference cycle still holds it
     free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    in_use = total - free - cached
     budget = int(utilization * total) - in_use - weight_bytes - GPU_ACTIVATION_RESERVE
     if budget <= 0:
         gib = 2**30
