@@ -9,6 +9,7 @@ machine's speed, and so does the rate.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from asyncengine.plan import BatchPlan
@@ -61,23 +62,39 @@ class LPMPolicy(Policy):
         probe = ctx.config.page_size + 1
         epoch_of = ctx.prefix_epoch
         unmatched = self._unmatched
-        keyed: list[tuple[bool, float, float, int]] = []
-        for index, req in enumerate(waiting):
+        # each one's cached prefix first: on a long queue of misses all are 0 (most skip the
+        # tree walk by the memo), and then the order is known without scoring anyone
+        matches: list[int] = []
+        any_cached = False
+        for req in waiting:
             ids = req.all_ids
             stamp = None if epoch_of is None else (epoch_of(ids), len(ids))
             if stamp is not None and unmatched.get(id(req)) == stamp:
-                cached = 0
-            else:
-                cached = prefix_len(ids[:probe])
-                if cached and len(ids) > probe:
-                    cached = prefix_len(ids)
-                if stamp is not None and not cached:
-                    unmatched[id(req)] = stamp
+                matches.append(0)
+                continue
+            cached = prefix_len(ids[:probe])
+            if cached and len(ids) > probe:
+                cached = prefix_len(ids)
+            if stamp is not None and not cached:
+                unmatched[id(req)] = stamp
+            matches.append(cached)
+            any_cached = any_cached or cached > 0
+        if not any_cached and math.isfinite(aging):
+            # every score is -(aging x waited), which never decreases with the wait, and the
+            # starving are the longest waiting: the keys below sort exactly by arrival, then
+            # place (a stable sort by arrival)
+            return sorted(waiting, key=_arrival)
+        keyed: list[tuple[bool, float, float, int]] = []
+        for index, req in enumerate(waiting):
             arrival = req.arrival_time
             waited = now - arrival
             starving = waited * rate >= cap
             # the starving go first, oldest first (a cached prefix must not keep one waiting)
-            score = 0.0 if starving else -(cached + aging * waited)
+            score = 0.0 if starving else -(matches[index] + aging * waited)
             keyed.append((not starving, score, arrival, index))
         keyed.sort()
         return [waiting[item[3]] for item in keyed]
+
+
+def _arrival(req: Request) -> float:
+    return req.arrival_time
