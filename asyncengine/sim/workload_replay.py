@@ -82,6 +82,11 @@ class WorkloadReplay:
             if self.compact is not None
             else [w.arrival_time for w in self.pending]
         )
+        # a compact workload's columns as Python numbers, read once per arrival
+        self._starts: list[int] = [] if self.compact is None else self.compact.starts.tolist()
+        self._output_lens: list[int] = (
+            [] if self.compact is None else self.compact.output_lens.tolist()
+        )
         self.next_arrival = 0
         self.requests: dict[str, Request] = {}
         self.keep_requests = keep_requests
@@ -124,18 +129,18 @@ class WorkloadReplay:
             index = self.next_arrival
             self.next_arrival += 1
             if compact is not None:
-                length = int(compact.starts[index + 1] - compact.starts[index])
-                if not length or length >= max_len:
+                start, end = self._starts[index], self._starts[index + 1]
+                if start == end or end - start >= max_len:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = compact.rids[index]
                 tenant = None if compact.tenants is None else compact.tenants[index]
                 key = (
-                    int(compact.output_lens[index]),
+                    self._output_lens[index],
                     compact.priority(index),
                     tenant,
                     compact.timeout(index),
                 )
-                prompt = compact.prompt(index)
+                prompt = compact.tokens[start:end].tolist()
             else:
                 item = pending[index]
                 if not item.prompt_ids or len(item.prompt_ids) >= max_len:
