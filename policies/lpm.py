@@ -41,6 +41,9 @@ class LPMPolicy(Policy):
         # id(request) -> (its prefix epoch, its token count) when its cached prefix was 0: most
         # of a long queue matches nothing, and that holds until a prefix it could match is cached
         self._unmatched: dict[int, tuple[int, int]] = {}
+        # the last window in which nothing matched, the cache epoch then and its order: the
+        # same window with nothing cached since matches nothing still, so it gets that order
+        self._all_miss: tuple[list[Request], int, list[Request]] | None = None
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         self.prefill_rate.add(plan, seconds)
@@ -56,11 +59,20 @@ class LPMPolicy(Policy):
         cap = self.max_wait_tokens
         now = ctx.now
         prefix_len = ctx.prefix_len
+        epoch_of, cache_epoch = ctx.prefix_epoch, ctx.cache_epoch
+        last = self._all_miss
+        if (
+            last is not None
+            and cache_epoch == last[1]
+            and epoch_of is not None
+            and math.isfinite(aging)
+            and waiting == last[0]  # the same requests in the same places
+        ):
+            return list(last[2])
         # The cache matches whole pages: a prompt whose first page is not cached matches
         # nothing, and asking about its first page + 1 tokens (the last token of a prompt is
         # never matched) is much cheaper than handing over the whole prompt.
         probe = ctx.config.page_size + 1
-        epoch_of = ctx.prefix_epoch
         unmatched = self._unmatched
         # each one's cached prefix first: on a long queue of misses all are 0 (most skip the
         # tree walk by the memo), and then the order is known without scoring anyone
@@ -83,7 +95,10 @@ class LPMPolicy(Policy):
             # every score is -(aging x waited), which never decreases with the wait, and the
             # starving are the longest waiting: the keys below sort exactly by arrival, then
             # place (a stable sort by arrival)
-            return sorted(waiting, key=_arrival)
+            ordered = sorted(waiting, key=_arrival)
+            if cache_epoch is not None and epoch_of is not None:
+                self._all_miss = (list(waiting), cache_epoch, list(ordered))
+            return ordered
         keyed: list[tuple[bool, float, float, int]] = []
         for index, req in enumerate(waiting):
             arrival = req.arrival_time

@@ -4,7 +4,8 @@ When every waiting request's cached prefix is 0, ``LPMPolicy.order`` sorts by ar
 of scoring each request (policies/lpm.py). The documented rule, written out here as keys
 (starving first, then -(cached + aging x rate x waited), then arrival, then place), must give
 the same order: out-of-order windows, equal arrivals, starving requests, no rate yet, and a
-window where one request does match (the scored path).
+window where one request does match (the scored path). The same window asked again with
+nothing cached since (``PolicyContext.cache_epoch``) gets the order it got.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _ctx(kv: KVCacheManager, now: float) -> PolicyContext:
         prefix_len=kv.match_length,
         chunked=None,
         prefix_epoch=kv.prefix_epoch,
+        cache_epoch=kv.cache_epoch(),
     )
 
 
@@ -81,3 +83,24 @@ def test_order_matches_the_scores(seed: int, rate: tuple[int, float] | None) -> 
         expected = _reference(policy, waiting, ctx)
         assert [r.rid for r in policy.order(waiting, ctx)] == expected
         assert [r.rid for r in policy.order(waiting, ctx)] == expected  # with the memo kept
+
+
+def test_the_same_window_keeps_its_order_until_something_is_cached() -> None:
+    kv = KVCacheManager(num_pages=64, page_size=PAGE, max_rows=4, max_pages_per_row=16)
+    policy = make_policy("lpm")
+    assert isinstance(policy, LPMPolicy)
+    _observe_rate(policy, 10, 1.0)  # a second waited weighs 0.1 token: a match goes first
+    prompts = [[200 + i] + list(range(300 * i, 300 * i + 3 * PAGE)) for i in range(6)]
+    waiting = [Request(f"r{i}", p, SamplingParams(), float(5 - i)) for i, p in enumerate(prompts)]
+    first = policy.order(waiting, _ctx(kv, 10.0))
+    assert [r.rid for r in first] == ["r5", "r4", "r3", "r2", "r1", "r0"]
+    again = policy.order(waiting, _ctx(kv, 11.0))
+    assert again == first and again is not first
+    shorter = waiting[1:]  # another window: ordered anew
+    assert [r.rid for r in policy.order(shorter, _ctx(kv, 11.0))] == ["r5", "r4", "r3", "r2", "r1"]
+    seq = kv.open(prompts[2])  # r2's prompt is cached: the same window, another order
+    kv.extend(seq, len(prompts[2]))
+    kv.close(seq, prompts[2])
+    ctx = _ctx(kv, 12.0)
+    assert [r.rid for r in policy.order(waiting, ctx)] == _reference(policy, waiting, ctx)
+    assert policy.order(waiting, ctx)[0].rid == "r2"

@@ -126,6 +126,10 @@ class KVCacheManager:
         that start with ``tokens``' first token (RadixCache.head_inserts)."""
         return self.tree.head_inserts.get(tokens[0], 0) if len(tokens) else 0
 
+    def cache_epoch(self) -> int:
+        """Changes whenever any ``match_length`` may have grown: every insert into the tree."""
+        return self.tree.inserts
+
     def own_pages(self, seq: SeqKV) -> int:
         """Pages ``seq`` holds that are not the tree's (what closing it frees at once)."""
         return len(seq.pages) - seq.num_in_tree // self.page_size
