@@ -199,6 +199,7 @@ class Scheduler(Retraction, Prefill):
             speculation=self.speculation,
             predicted_len=self.lengths.predicted_len,
             prefix_epoch=self.kv.prefix_epoch,
+            cache_epoch=self.kv.cache_epoch(),
         )
 
     def _reserved_tokens(self) -> int:

@@ -60,6 +60,8 @@ class PolicyContext:
     # a count that changes whenever ``prefix_len(ids)`` may have grown (a prefix it could match
     # was cached): a policy may keep an answer of 0 while it stays the same. None: keep nothing
     prefix_epoch: Callable[[Sequence[int]], int] | None = None
+    # the same for every sequence at once: while it stays the same no ``prefix_len`` grew
+    cache_epoch: int | None = None
 
 
 class Policy:

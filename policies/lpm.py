@@ -9,6 +9,7 @@ machine's speed, and so does the rate.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from asyncengine.plan import BatchPlan
@@ -40,6 +41,9 @@ class LPMPolicy(Policy):
         # id(request) -> (its prefix epoch, its token count) when its cached prefix was 0: most
         # of a long queue matches nothing, and that holds until a prefix it could match is cached
         self._unmatched: dict[int, tuple[int, int]] = {}
+        # the last window in which nothing matched, the cache epoch then and its order: the
+        # same window with nothing cached since matches nothing still, so it gets that order
+        self._all_miss: tuple[list[Request], int, list[Request]] | None = None
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         self.prefill_rate.add(plan, seconds)
@@ -55,29 +59,57 @@ class LPMPolicy(Policy):
         cap = self.max_wait_tokens
         now = ctx.now
         prefix_len = ctx.prefix_len
+        epoch_of, cache_epoch = ctx.prefix_epoch, ctx.cache_epoch
+        last = self._all_miss
+        if (
+            last is not None
+            and cache_epoch == last[1]
+            and epoch_of is not None
+            and math.isfinite(aging)
+            and waiting == last[0]  # the same requests in the same places
+        ):
+            return list(last[2])
         # The cache matches whole pages: a prompt whose first page is not cached matches
         # nothing, and asking about its first page + 1 tokens (the last token of a prompt is
         # never matched) is much cheaper than handing over the whole prompt.
         probe = ctx.config.page_size + 1
-        epoch_of = ctx.prefix_epoch
         unmatched = self._unmatched
-        keyed: list[tuple[bool, float, float, int]] = []
-        for index, req in enumerate(waiting):
+        # each one's cached prefix first: on a long queue of misses all are 0 (most skip the
+        # tree walk by the memo), and then the order is known without scoring anyone
+        matches: list[int] = []
+        any_cached = False
+        for req in waiting:
             ids = req.all_ids
             stamp = None if epoch_of is None else (epoch_of(ids), len(ids))
             if stamp is not None and unmatched.get(id(req)) == stamp:
-                cached = 0
-            else:
-                cached = prefix_len(ids[:probe])
-                if cached and len(ids) > probe:
-                    cached = prefix_len(ids)
-                if stamp is not None and not cached:
-                    unmatched[id(req)] = stamp
+                matches.append(0)
+                continue
+            cached = prefix_len(ids[:probe])
+            if cached and len(ids) > probe:
+                cached = prefix_len(ids)
+            if stamp is not None and not cached:
+                unmatched[id(req)] = stamp
+            matches.append(cached)
+            any_cached = any_cached or cached > 0
+        if not any_cached and math.isfinite(aging):
+            # every score is -(aging x waited), which never decreases with the wait, and the
+            # starving are the longest waiting: the keys below sort exactly by arrival, then
+            # place (a stable sort by arrival)
+            ordered = sorted(waiting, key=_arrival)
+            if cache_epoch is not None and epoch_of is not None:
+                self._all_miss = (list(waiting), cache_epoch, list(ordered))
+            return ordered
+        keyed: list[tuple[bool, float, float, int]] = []
+        for index, req in enumerate(waiting):
             arrival = req.arrival_time
             waited = now - arrival
             starving = waited * rate >= cap
             # the starving go first, oldest first (a cached prefix must not keep one waiting)
-            score = 0.0 if starving else -(cached + aging * waited)
+            score = 0.0 if starving else -(matches[index] + aging * waited)
             keyed.append((not starving, score, arrival, index))
         keyed.sort()
         return [waiting[item[3]] for item in keyed]
+
+
+def _arrival(req: Request) -> float:
+    return req.arrival_time

@@ -5,7 +5,8 @@
         --arrivals poisson:2 --out /tmp/bench_sim.json
 
 The workload is a seeded generator (default ``random``: ShareGPT-like lengths, nothing shared)
-with the given arrivals; ``poisson:2`` is about twice what the default cost model serves, so
+with the given arrivals (``--compact``: the same random requests held as arrays, which a
+million-request run needs to fit in memory); ``poisson:2`` is about twice what the default cost model serves, so
 the waiting queue grows through the run (the overload case). Each policy runs ``--repeats``
 times on a fresh simulator; the table gives the median CPU and wall seconds of ``run`` (the
 workload is generated once, outside the timing).
@@ -17,6 +18,7 @@ import argparse
 import json
 import logging
 import platform
+import resource
 import statistics
 import sys
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.script_main import run_main
 from asyncengine.sim import CostModel, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload
+from asyncengine.workloads.compact import random_compact
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ class PolicyTiming:
 def time_policy(
     policy: str,
     base: EngineConfig,
-    workload: list[WorkloadRequest],
+    workload: Sequence[WorkloadRequest],
     cost: CostModel,
     repeats: int,
     bulk_decode: bool = True,
@@ -74,6 +77,11 @@ def time_policy(
     )
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--out", default=None, help="JSON file for the timings")
     parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="hold the workload as arrays (workloads/compact.py: the random mix, the same "
+        "requests), for runs of a million requests",
+    )
+    parser.add_argument(
         "--step-by-step",
         action="store_true",
         help="write every decode of every step (no bulk decoding: sim/bulk_decode.py)",
@@ -96,12 +110,16 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
         parser.error("--repeats and --num-requests must be >= 1")
 
     logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes
-    workload = make_workload(
-        args.workload,
-        num_requests=args.num_requests,
-        arrivals=Arrivals.parse(args.arrivals),
-        seed=args.seed,
-    )
+    arrivals = Arrivals.parse(args.arrivals)
+    workload: Sequence[WorkloadRequest]
+    if args.compact:
+        if args.workload != "random":
+            parser.error("--compact makes the random mix only")
+        workload = random_compact(args.num_requests, arrivals=arrivals, seed=args.seed)
+    else:
+        workload = make_workload(
+            args.workload, num_requests=args.num_requests, arrivals=arrivals, seed=args.seed
+        )
     base = EngineConfig(kv_cache_tokens=args.kv_cache_tokens)
     cost = CostModel.default()
     timings = []
@@ -116,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             f"{timing.completed:7d} {timing.cache_hit_rate:6.3f}",
             flush=True,
         )
+    print(f"peak RSS {peak_rss_mb():.0f} MB")
     if args.out:
         report = {
             "num_requests": args.num_requests,
@@ -123,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             "arrivals": args.arrivals,
             "seed": args.seed,
             "bulk_decode": not args.step_by_step,
+            "compact": args.compact,
+            "peak_rss_mb": peak_rss_mb(),
             "python": platform.python_version(),
             "machine": platform.processor() or platform.machine(),
             "timings": [

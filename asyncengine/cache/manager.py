@@ -126,6 +126,10 @@ class KVCacheManager:
         that start with ``tokens``' first token (RadixCache.head_inserts)."""
         return self.tree.head_inserts.get(tokens[0], 0) if len(tokens) else 0
 
+    def cache_epoch(self) -> int:
+        """Changes whenever any ``match_length`` may have grown: every insert into the tree."""
+        return self.tree.inserts
+
     def own_pages(self, seq: SeqKV) -> int:
         """Pages ``seq`` holds that are not the tree's (what closing it frees at once)."""
         return len(seq.pages) - seq.num_in_tree // self.page_size
@@ -269,15 +273,20 @@ class KVCacheManager:
         Where the tree already held some of those tokens under other pages, the sequence's
         duplicates are freed and it (and its table row) points at the tree's pages. The lock
         moves to the node ending at the inserted prefix."""
+        self._cache(seq, tokens)
+
+    def _cache(self, seq: SeqKV, tokens: Tokens) -> tuple[int, ...] | None:
+        """``cache``; the inserted prefix when it was made a tuple (``close`` keys the tail
+        page by the same tokens), else None."""
         self._check_open(seq)
         if not self.enable_prefix_cache:
-            return
+            return None
         # ``tokens`` may stop short of kv_len: slots planned for a step still in flight hold
         # no KV yet, and only what is written may be shared.
         ps = self.page_size
         aligned = min(len(tokens), seq.kv_len) // ps * ps
         if aligned <= seq.num_in_tree:
-            return
+            return None
         prefix = tokens[:aligned]
         if type(prefix) is list:  # the tree keys tuples: converted once for both walks
             prefix = tuple(prefix)
@@ -297,6 +306,7 @@ class KVCacheManager:
         self.tree.unlock(seq.lock_node)
         seq.lock_node = node
         seq.num_in_tree = aligned
+        return prefix if type(prefix) is tuple else None
 
     def close(
         self,
@@ -312,8 +322,8 @@ class KVCacheManager:
         self._check_open(seq)
         kept: int | None = None
         if cache and tokens is not None:
-            self.cache(seq, tokens)
-            kept = self._keep_tail(seq, tokens, tail_scores)
+            cached = self._cache(seq, tokens)
+            kept = self._keep_tail(seq, tokens, tail_scores, cached)
         self.tree.unlock(seq.lock_node)
         own = seq.pages[seq.num_in_tree // self.page_size :]
         if kept is not None:
@@ -333,9 +343,11 @@ class KVCacheManager:
         seq: SeqKV,
         tokens: Tokens,
         scores: tuple[tuple[TokenLogprobs, ...], int] | None,
+        cached: tuple[int, ...] | None = None,
     ) -> int | None:
         """Keep the partly filled page after ``seq``'s cached whole pages (just cached by
-        ``cache``) among the tails; the page kept, or None."""
+        ``cache``) among the tails; the page kept, or None. ``cached``: the prefix ``_cache``
+        just inserted, when it made one (the tail's key, without converting it again)."""
         if self.tails.max_pages <= 0:
             return None
         ps, start = self.page_size, seq.num_in_tree
@@ -343,8 +355,11 @@ class KVCacheManager:
         if not start < end < start + ps or start != end // ps * ps:
             return None
         page = seq.pages[start // ps]
-        prefix = tuple(int(t) for t in tokens[:start])
-        entry = TailPage(page, prefix, tuple(int(t) for t in tokens[start:end]))
+        if cached is not None and len(cached) == start:
+            prefix = cached
+        else:
+            prefix = tuple(map(int, tokens[:start]))
+        entry = TailPage(page, prefix, tuple(map(int, tokens[start:end])))
         if scores is not None:
             entry.scores, entry.top_k = scores
         freed = self.tails.add(entry)
@@ -362,7 +377,7 @@ class KVCacheManager:
         ):
             return None
         start = seq.kv_len
-        prefix = tuple(int(t) for t in tokens[:start])
+        prefix = tuple(map(int, tokens[:start]))
         return self.tails.best(prefix, [int(t) for t in tokens[start : start + self.page_size]])
 
     def tail_match_length(self, tokens: Tokens, matched: int) -> int:
@@ -370,7 +385,7 @@ class KVCacheManager:
         kept tail shares with ``tokens``; no side effects."""
         if not self.tails or matched % self.page_size:
             return 0
-        prefix = tuple(int(t) for t in tokens[:matched])
+        prefix = tuple(map(int, tokens[:matched]))
         found = self.tails.best(
             prefix, [int(t) for t in tokens[matched : matched + self.page_size]]
         )

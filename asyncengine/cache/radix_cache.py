@@ -113,6 +113,7 @@ class RadixCache:
         # only shrink answers), so an answer holds while that count stays the same. Never
         # cleared: a count seen before a reset must not come back after it
         self.head_inserts: dict[object, int] = {}
+        self.inserts = 0  # all of them (never cleared either): the same, nothing grew
         self.reset()
         self._events = [] if events else None
 
@@ -294,6 +295,7 @@ class RadixCache:
         if key:
             head_inserts = self.head_inserts
             head_inserts[key[0]] = head_inserts.get(key[0], 0) + 1
+            self.inserts += 1
         ps = self.page_size
         end = len(key) - len(key) % ps
         page_ids = np.asarray(pages, dtype=np.int32)

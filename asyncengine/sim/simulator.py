@@ -25,6 +25,7 @@ from asyncengine.sim.simulated_executor import (
     SimulatedExecutor,
 )
 from asyncengine.sim.workload_replay import WorkloadReplay
+from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
 
 
@@ -91,9 +92,10 @@ class Simulator:
             raise RuntimeError("a Simulator runs one workload; make a new one")
         self._used = True
         reveal_lengths(self.core, workload)
-        self.executor.acceptance = {
-            item.rid: item.acceptance for item in workload if item.acceptance is not None
-        }
+        if not isinstance(workload, CompactWorkload):  # which holds no acceptance
+            self.executor.acceptance = {
+                item.rid: item.acceptance for item in workload if item.acceptance is not None
+            }
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         replay = WorkloadReplay(
             self.core,
@@ -101,6 +103,7 @@ class Simulator:
             workload,
             check_invariant_every=self.check_invariant_every,
             bulk=self.bulk,
+            keep_requests=False,  # a run gives records: a million requests fit in memory
         )
         records = replay.run()
         stats = self.core.scheduler.stats()
@@ -121,7 +124,10 @@ def reveal_lengths(core: EngineCore, workload: Sequence[WorkloadRequest]) -> Non
     """Give an ``oracle`` length predictor the trace's output lengths (only a simulator can)."""
     predictor = core.scheduler.lengths.predictor
     if isinstance(predictor, OraclePredictor):
-        predictor.reveal({item.rid: item.output_len for item in workload})
+        if isinstance(workload, CompactWorkload):  # without making each request
+            predictor.reveal(dict(zip(workload.rids, workload.output_lens.tolist(), strict=True)))
+        else:
+            predictor.reveal({item.rid: item.output_len for item in workload})
 
 
 def simulate(

@@ -18,19 +18,29 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.step_events import StepEvents
+from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
+
+_FIRST_SWEEP = 4096  # unswept requests before the first sweep (keep_requests=False)
 
 
 def params_for(item: WorkloadRequest) -> SamplingParams:
     """Exactly ``output_len`` tokens, greedy: the same work whatever the model says; the
     request's scheduling controls (priority, tenant, timeout) as the workload gives them."""
+    return controls_params(item.output_len, item.priority, item.tenant, item.timeout)
+
+
+def controls_params(
+    output_len: int, priority: int, tenant: str | None, timeout: float | None
+) -> SamplingParams:
+    """``params_for`` from the controls themselves."""
     return SamplingParams(
-        max_new_tokens=item.output_len,
+        max_new_tokens=output_len,
         ignore_eos=True,
         temperature=0.0,
-        priority=item.priority,
-        tenant=item.tenant,
-        timeout=item.timeout,
+        priority=priority,
+        tenant=tenant,
+        timeout=timeout,
     )
 
 
@@ -48,18 +58,41 @@ class WorkloadReplay:
         overhead_timer: Callable[[], float] | None = None,
         check_invariant_every: int = 0,
         bulk: BulkDecode | None = None,
+        keep_requests: bool = True,
     ) -> None:
         """``bulk``: run the steps it can with the decodes counted (sim/bulk_decode.py; a
-        SimulatedExecutor's core only, same results)."""
+        SimulatedExecutor's core only, same results). ``keep_requests=False``: a finished
+        request is kept as its record only (its prompt and outputs let go, for runs of
+        millions of requests); ``requests`` then holds the unfinished ones."""
         self.core = core
         self.clock = clock
         self.workload = workload
         self.overhead_timer = overhead_timer
         self.check_invariant_every = check_invariant_every
         self.bulk = bulk
-        self.pending = sorted(workload, key=lambda w: w.arrival_time)
+        # a compact workload stays arrays: each request is made when it arrives
+        self.compact = workload.by_arrival() if isinstance(workload, CompactWorkload) else None
+        self.pending: Sequence[WorkloadRequest] = (
+            self.compact
+            if self.compact is not None
+            else sorted(workload, key=lambda w: w.arrival_time)
+        )
+        self.arrival_times: list[float] = (
+            self.compact.arrival_times.tolist()
+            if self.compact is not None
+            else [w.arrival_time for w in self.pending]
+        )
+        # a compact workload's columns as Python numbers, read once per arrival
+        self._starts: list[int] = [] if self.compact is None else self.compact.starts.tolist()
+        self._output_lens: list[int] = (
+            [] if self.compact is None else self.compact.output_lens.tolist()
+        )
         self.next_arrival = 0
         self.requests: dict[str, Request] = {}
+        self.keep_requests = keep_requests
+        self.finished_records: dict[str, RequestRecord] = {}  # keep_requests=False only
+        self._unswept: list[Request] = []  # arrived since the last sweep, or unfinished then
+        self._sweep_at = _FIRST_SWEEP
         self.plans: list[BatchPlan] = []  # kept when timed, for fitting cost models
         self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
         self.steps = 0
@@ -67,7 +100,7 @@ class WorkloadReplay:
         self.shared_params: dict[tuple[int, int, str | None, float | None], SamplingParams] = {}
 
     def done(self) -> bool:
-        return self.next_arrival == len(self.pending) and not self.core.has_work()
+        return self.next_arrival == len(self.arrival_times) and not self.core.has_work()
 
     def _bulk_step(self) -> bool:
         """Run the next step in bulk if it can be (False: it runs step by step)."""
@@ -87,25 +120,63 @@ class WorkloadReplay:
         return True
 
     def _admit_arrivals(self) -> None:
-        pending, clock = self.pending, self.clock
+        times, now = self.arrival_times, self.clock.now
+        if self.next_arrival == len(times) or times[self.next_arrival] > now:
+            return
+        compact, pending = self.compact, self.pending
         max_len = self.core.max_model_len
-        shared_params = self.shared_params
-        while (
-            self.next_arrival < len(pending)
-            and pending[self.next_arrival].arrival_time <= clock.now
-        ):
-            item = pending[self.next_arrival]
+        while self.next_arrival < len(times) and times[self.next_arrival] <= now:
+            index = self.next_arrival
             self.next_arrival += 1
-            if not item.prompt_ids or len(item.prompt_ids) >= max_len:
-                continue  # the engine refuses it before queueing (no room to generate)
-            # requests with the same controls share one validated (never changed) params
-            key = (item.output_len, item.priority, item.tenant, item.timeout)
-            params = shared_params.get(key)
-            if params is None:
-                params = shared_params[key] = params_for(item)
-            req = Request(item.rid, list(item.prompt_ids), params, item.arrival_time)
-            self.requests[item.rid] = req
+            if compact is not None:
+                start, end = self._starts[index], self._starts[index + 1]
+                if start == end or end - start >= max_len:
+                    continue  # the engine refuses it before queueing (no room to generate)
+                rid = compact.rids[index]
+                tenant = None if compact.tenants is None else compact.tenants[index]
+                key = (
+                    self._output_lens[index],
+                    compact.priority(index),
+                    tenant,
+                    compact.timeout(index),
+                )
+                prompt = compact.tokens[start:end].tolist()
+            else:
+                item = pending[index]
+                if not item.prompt_ids or len(item.prompt_ids) >= max_len:
+                    continue  # the engine refuses it before queueing (no room to generate)
+                rid = item.rid
+                key = (item.output_len, item.priority, item.tenant, item.timeout)
+                prompt = list(item.prompt_ids)
+            req = Request(rid, prompt, self._params(key), times[index])
+            self.requests[rid] = req
+            if not self.keep_requests:
+                self._unswept.append(req)
             self.core.add(req)
+        if len(self._unswept) >= self._sweep_at:
+            self._sweep()
+
+    def _params(self, key: tuple[int, int, str | None, float | None]) -> SamplingParams:
+        """Requests with the same controls share one validated (never changed) params."""
+        params = self.shared_params.get(key)
+        if params is None:
+            params = self.shared_params[key] = controls_params(*key)
+        return params
+
+    def _sweep(self) -> None:
+        """Keep the finished requests as records only (``keep_requests=False``); sweeps when
+        the unswept have doubled, so each request is looked at a few times at most."""
+        still: list[Request] = []
+        for req in self._unswept:
+            if req.finished:
+                del self.requests[req.rid]
+                self.finished_records[req.rid] = request_record(
+                    req.rid, req.arrival_time, len(req.prompt_ids), req
+                )
+            else:
+                still.append(req)
+        self._unswept = still
+        self._sweep_at = max(_FIRST_SWEEP, 2 * len(still))
 
     def step(self) -> StepEvents | None:
         """Let in what has arrived by now and run one step (waiting for arrivals if idle);
@@ -120,13 +191,13 @@ class WorkloadReplay:
             result = self.core.step() if self.core.has_work() else None
             if result is not None:
                 break
-            if self.next_arrival == len(self.pending):
+            if self.next_arrival == len(self.arrival_times):
                 if not self.core.has_work():
                     return None  # what waited has timed out
                 raise SchedulerStuckError(
                     f"scheduler is stuck at t={self.clock.now:.3f}s: {self.core.stats()}"
                 )
-            self.clock.advance_to(self.pending[self.next_arrival].arrival_time)
+            self.clock.advance_to(self.arrival_times[self.next_arrival])
         if timer is not None:
             spent = getattr(self.core.executor, "spent", 0.0)
             overhead = max(0.0, timer() - start - spent)
@@ -152,29 +223,65 @@ class WorkloadReplay:
 
     def records(self) -> list[RequestRecord]:
         """One record per workload request, in workload order."""
-        return workload_records(self.workload, self.requests)
+        return workload_records(self.workload, self.requests, self.finished_records)
+
+
+def request_record(
+    rid: str, arrival_time: float, prompt_tokens: int, req: Request | None
+) -> RequestRecord:
+    """What ``req`` went through (None: refused at arrival); tenant and priority are the
+    workload's, set by the caller."""
+    if req is None:
+        return RequestRecord(
+            rid, arrival_time, prompt_tokens, failed=True, finish_time=arrival_time
+        )
+    reason = req.finish_reason
+    return RequestRecord(
+        rid,
+        arrival_time,
+        prompt_tokens,
+        req.token_times,
+        req.finished_time,
+        req.cached_tokens,
+        reason == "abort",
+        req.retractions,
+        reason == "timeout",
+        blocked=dict(req.blocked),
+    )
 
 
 def workload_records(
-    workload: Sequence[WorkloadRequest], requests: dict[str, Request]
+    workload: Sequence[WorkloadRequest],
+    requests: dict[str, Request],
+    finished: dict[str, RequestRecord] | None = None,
 ) -> list[RequestRecord]:
-    """One record per workload request, in workload order; ``requests`` holds those admitted."""
+    """One record per workload request, in workload order; ``requests`` holds those admitted
+    (``finished``: the records of those already let go, WorkloadReplay's keep_requests)."""
+    done = finished or {}
     records = []
-    for item in workload:
-        record = RequestRecord(item.rid, item.arrival_time, len(item.prompt_ids))
-        req = requests.get(item.rid)
-        if req is None:  # refused at arrival
-            record.failed = True
-            record.finish_time = item.arrival_time
-        else:
-            record.token_times = req.token_times
-            record.finish_time = req.finished_time
-            record.cached_tokens = req.cached_tokens
-            record.retracts = req.retractions
-            record.failed = req.finish_reason == "abort"
-            record.timed_out = req.finish_reason == "timeout"
-            record.blocked = dict(req.blocked)
-        record.tenant = item.tenant
-        record.priority = item.priority
+    if isinstance(workload, CompactWorkload):
+        lens = workload.prompt_lens().tolist()
+        times = workload.arrival_times.tolist()
+        rows = (
+            (
+                rid,
+                times[i],
+                lens[i],
+                None if workload.tenants is None else workload.tenants[i],
+                workload.priority(i),
+            )
+            for i, rid in enumerate(workload.rids)
+        )
+    else:
+        rows = (
+            (item.rid, item.arrival_time, len(item.prompt_ids), item.tenant, item.priority)
+            for item in workload
+        )
+    for rid, arrival, prompt_tokens, tenant, priority in rows:
+        record = done.get(rid)
+        if record is None:
+            record = request_record(rid, arrival, prompt_tokens, requests.get(rid))
+        record.tenant = tenant
+        record.priority = priority
         records.append(record)
     return records

@@ -44,6 +44,12 @@ def _lognormal_lengths(
     return np.clip(np.rint(raw), low, high).astype(np.int64).tolist()
 
 
+def request_ids(name: str, n: int) -> list[str]:
+    """``name-0 .. name-(n-1)``, zero-padded to one width (they sort in order)."""
+    width = len(str(max(n - 1, 0)))
+    return [f"{name}-{i:0{width}d}" for i in range(n)]
+
+
 def _assemble(
     name: str,
     prompts: list[list[int]],
@@ -53,10 +59,10 @@ def _assemble(
     text: bool,
 ) -> list[WorkloadRequest]:
     times = arrivals.times(len(prompts), seed ^ _ARRIVAL_SEED_SALT)
-    width = len(str(max(len(prompts) - 1, 0)))
+    rids = request_ids(name, len(prompts))
     return [
         WorkloadRequest(
-            rid=f"{name}-{i:0{width}d}",
+            rid=rids[i],
             arrival_time=times[i],
             prompt_ids=prompt,
             output_len=output_len,
