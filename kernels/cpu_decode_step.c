@@ -378,16 +378,24 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
     }
 }
 
-/* The attention phase's items: (row, kv group, chunk of the group's query heads), rows longest
- * first, claimed one at a time from a counter of the layer's own, so that the threads finish
- * together however the rows' lengths differ (a static split of requests left one thread with
- * the long contexts). A group is one chunk when there are enough items to go round, else each
- * head is its own chunk (one request: 9 items rather than 3 for 2 threads). */
+/* The attention phase's items, claimed one at a time from a counter of the layer's own, rows
+ * longest first, so that the threads finish together however the rows' lengths differ (a
+ * static split of requests left one thread with the long contexts). An item is, by how many
+ * there are to go round:
+ *   >= ROW_ITEMS_FROM rows a thread: a row's kv heads together (up to ATTN_MAX_HEADS query
+ *      heads), each block of keys read as whole pool slots (every kv head's lines of a slot are
+ *      adjacent: the hardware prefetcher's neighbouring lines are used, not thrown away);
+ *   else, >= 4 (row, kv head) items a thread: one kv head and its query heads;
+ *   else (a request or two alone): one query head, so that 2 threads share 3 kv heads evenly.
+ * A group of more than ATTN_MAX_GROUP query heads is split in chunks in each case. */
+#define ROW_ITEMS_FROM 4
+
 typedef struct {
     const int64_t *order; /* rows by seq_len, longest first */
-    int64_t chunks;       /* chunks of a kv group */
+    int64_t kv_per_item;  /* kv heads of an item (a divisor of kv_heads) */
+    int64_t chunks;       /* chunks of a kv group (1 where kv_per_item > 1) */
     int64_t chunk_heads;  /* query heads of a chunk (the last may have fewer) */
-    int64_t count;        /* n * kv_heads * chunks */
+    int64_t count;
 } attn_items;
 
 /* order[0:n] = the rows, longest seq_len first (ties in row order) */
@@ -402,25 +410,33 @@ static void sort_rows(int64_t *order, int64_t n, const int32_t *seq_lens) {
 static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, int64_t group,
                              int threads) {
     const int64_t min_chunks = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
-    const int64_t chunks = n * kv_heads * min_chunks >= 4 * threads ? min_chunks : group;
+    int64_t kv_per_item = 1, chunks = min_chunks;
+    if (n >= ROW_ITEMS_FROM * threads && min_chunks == 1) {
+        for (int64_t c = kv_heads; c > 1 && kv_per_item == 1; c--)
+            if (kv_heads % c == 0 && c * group <= ATTN_MAX_HEADS) kv_per_item = c;
+    } else if (n * kv_heads * min_chunks < 4 * threads) {
+        chunks = group;
+    }
     const int64_t chunk_heads = (group + chunks - 1) / chunks;
-    return (attn_items){order, (group + chunk_heads - 1) / chunk_heads, chunk_heads,
-                        n * kv_heads * ((group + chunk_heads - 1) / chunk_heads)};
+    chunks = (group + chunk_heads - 1) / chunk_heads;
+    return (attn_items){order, kv_per_item, chunks, chunk_heads,
+                        n * (kv_heads / kv_per_item) * chunks};
 }
 
-/* what item `item` of `items` covers: row *row, kv head *kvh, query heads *h0 .. *h0 + *gc - 1 */
+/* what item `item` covers: row `row`, kv heads kv0 .. kv0 + kvc - 1 and, of each, gc query
+ * heads from h0 (kvc > 1: all of them) */
 typedef struct {
-    int64_t row, kvh, h0, gc;
+    int64_t row, kv0, kvc, h0, gc;
 } attn_item;
 
 static inline attn_item item_at(const attn_items *items, int64_t item, int64_t kv_heads,
                                 int64_t group) {
-    const int64_t per_row = kv_heads * items->chunks;
-    const int64_t kvh = item % per_row / items->chunks;
-    const int64_t h0 = kvh * group + item % items->chunks * items->chunk_heads;
-    const int64_t end = (kvh + 1) * group;
-    return (attn_item){items->order[item / per_row], kvh, h0,
-                       h0 + items->chunk_heads <= end ? items->chunk_heads : end - h0};
+    const int64_t per_row = kv_heads / items->kv_per_item * items->chunks;
+    const int64_t sub = item % per_row, kv0 = sub / items->chunks * items->kv_per_item;
+    const int64_t first = sub % items->chunks * items->chunk_heads;
+    const int64_t gc = first + items->chunk_heads <= group ? items->chunk_heads : group - first;
+    return (attn_item){items->order[item / per_row], kv0, items->kv_per_item,
+                       kv0 * group + first, gc};
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -502,24 +518,27 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 for (int64_t item; (item = atomic_fetch_add_explicit(
                                         &claimed[l], 1, memory_order_relaxed)) < items.count;) {
                     const attn_item it = item_at(&items, item, kv_heads, group);
-                    const int64_t i = it.row, kvh = it.kvh, h0 = it.h0, gc = it.gc;
+                    const int64_t i = it.row, kvh = it.kv0;
                     const float *row = qkv + i * qkv_size, *cs = m->cos_sin + positions[i] * D;
-                    float *out_heads = attn + i * q_size + h0 * D;
-                    for (int64_t g = 0; g < gc; g++) /* rotated q, into its output's place */
-                        rotate(row + (h0 + g) * D, cs, half, out_heads + g * D);
+                    float *out_heads = attn + i * q_size + it.h0 * D;
+                    for (int64_t c = 0; c < it.kvc; c++) /* rotated q, into its output's place */
+                        for (int64_t g = 0; g < it.gc; g++) {
+                            const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
+                            rotate(row + h * D, cs, half, attn + i * q_size + h * D);
+                        }
                     float k_new[MAX_HEAD_DIM];
                     const float *v_new = one ? row + (heads + kv_heads + kvh) * D : NULL;
-                    if (one) {
+                    if (one) { /* items of one kv head (plan_items: one row is never whole) */
                         rotate(row + (heads + kvh) * D, cs, half, k_new);
-                        if (h0 == kvh * group) { /* the group's first chunk stores its K/V */
+                        if (it.h0 == kvh * group) { /* the group's first chunk stores its K/V */
                             memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
                                    (size_t)D * sizeof(float));
                             memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
                                    (size_t)D * sizeof(float));
                         }
                     }
-                    attend_group(out_heads, gc, L->k_cache, L->v_cache,
-                                 block_table + i * table_stride, seq_lens[i], page_size, kvh,
+                    attend_group(out_heads, it.kvc, it.gc, L->k_cache, L->v_cache,
+                                 block_table + i * table_stride, seq_lens[i], page_size, it.kv0,
                                  kv_heads, D, m->scale, one ? k_new : NULL, v_new, out_heads);
                 }
                 barrier_wait(&phase_barrier, &my_sense);
@@ -582,8 +601,8 @@ int asyncengine_group_attention(const float *q, const float *k_cache, const floa
         for (int64_t item; (item = atomic_fetch_add_explicit(&claimed, 1, memory_order_relaxed)) <
                            items.count;) {
             const attn_item it = item_at(&items, item, kv_heads, group);
-            attend_group(q + (it.row * heads + it.h0) * D, it.gc, k_cache, v_cache,
-                         block_table + it.row * table_stride, seq_lens[it.row], page_size, it.kvh,
+            attend_group(q + (it.row * heads + it.h0) * D, it.kvc, it.gc, k_cache, v_cache,
+                         block_table + it.row * table_stride, seq_lens[it.row], page_size, it.kv0,
                          kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D);
         }
     }

@@ -24,7 +24,8 @@
 #include "cpu_simd.h"
 
 #define ATTN_BLOCK 32    /* keys per online-softmax block */
-#define ATTN_MAX_GROUP 8 /* query heads of one item at most (a larger group is split) */
+#define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
+#define ATTN_MAX_HEADS 32 /* query heads of one item at most */
 #define ATTN_MAX_DIM 256
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -124,19 +125,19 @@ static inline float block_exp(float *s, int n, float mx) {
 #endif
 }
 
-/* the K and V rows of the keys at ptrs, into L1 ahead of their block */
-static inline void prefetch_rows(const float *const *k, const float *const *v, int n, int64_t d) {
+/* the K and V rows (w floats each) of the block's keys, into L1 ahead of it */
+static inline void prefetch_rows(const float *const *k, const float *const *v, int n, int64_t w) {
     for (int i = 0; i < n; i++)
-        for (int64_t b = 0; b < d; b += 16) { /* 16 floats: a cache line */
+        for (int64_t b = 0; b < w; b += 16) { /* 16 floats: a cache line */
             __builtin_prefetch(k[i] + b, 0, 3);
             __builtin_prefetch(v[i] + b, 0, 3);
         }
 }
 
-/* the K and V rows of keys first..first + n - 1 of a row (kv head kvh); k_new / v_new (NULL:
+/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row; k_new / v_new (NULL:
  * none) stand for the last key, len - 1, not yet in the pool */
 static inline int block_rows(const float *k_cache, const float *v_cache, const int32_t *table_row,
-                             int64_t first, int64_t len, int64_t page_size, int64_t kvh,
+                             int64_t first, int64_t len, int64_t page_size, int64_t kv0,
                              int64_t kv_heads, int64_t d, const float *k_new, const float *v_new,
                              const float **k, const float **v) {
     const int n = (int)(len - first < ATTN_BLOCK ? len - first : ATTN_BLOCK);
@@ -147,66 +148,70 @@ static inline int block_rows(const float *k_cache, const float *v_cache, const i
             v[i] = v_new;
             continue;
         }
-        const int64_t row = (pool_slot(table_row, p, page_size) * kv_heads + kvh) * d;
+        const int64_t row = (pool_slot(table_row, p, page_size) * kv_heads + kv0) * d;
         k[i] = k_cache + row;
         v[i] = v_cache + row;
     }
     return n;
 }
 
-/* softmax(q_g k^T scale) v for the gc <= ATTN_MAX_GROUP query heads q[g * d:(g + 1) * d] of kv
- * head kvh over a row's len keys; out[g * d:(g + 1) * d] */
-static void attend_group(const float *q, int64_t gc, const float *k_cache, const float *v_cache,
-                         const int32_t *table_row, int64_t len, int64_t page_size, int64_t kvh,
-                         int64_t kv_heads, int64_t d, float scale, const float *k_new,
-                         const float *v_new, float *out) {
-    float acc[ATTN_MAX_GROUP][ATTN_MAX_DIM];
-    float qs[ATTN_MAX_GROUP][ATTN_MAX_DIM];
+/* softmax(q k^T scale) v over a row's len keys for the query heads of kv heads kv0 .. kv0 +
+ * kvc - 1, gc heads each (kvc * gc <= ATTN_MAX_HEADS): q and out [kvc * gc, d], heads in order
+ * (out may be q: q is read before out is written). k_new / v_new: the last key's rows when it
+ * is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
+static void attend_group(const float *q, int64_t kvc, int64_t gc, const float *k_cache,
+                         const float *v_cache, const int32_t *table_row, int64_t len,
+                         int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
+                         const float *k_new, const float *v_new, float *out) {
+    const int64_t heads = kvc * gc;
+    float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
     float s[ATTN_BLOCK];
-    float mx[ATTN_MAX_GROUP], sum[ATTN_MAX_GROUP];
+    float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
     const float *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
-    for (int64_t g = 0; g < gc; g++) {
-        for (int64_t j = 0; j < d; j++) {
-            qs[g][j] = q[g * d + j];
-            acc[g][j] = 0.0f;
-        }
-        mx[g] = -INFINITY;
-        sum[g] = 0.0f;
-    }
+    const float *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
+    for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
+    for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
     int cur = 0;
-    int n = len > 0 ? block_rows(k_cache, v_cache, table_row, 0, len, page_size, kvh, kv_heads, d,
+    int n = len > 0 ? block_rows(k_cache, v_cache, table_row, 0, len, page_size, kv0, kv_heads, d,
                                  k_new, v_new, k_rows[0], v_rows[0])
                     : 0;
     for (int64_t first = 0; first < len; first += ATTN_BLOCK) {
         const int64_t next = first + ATTN_BLOCK;
         int n_next = 0;
         if (next < len) {
-            n_next = block_rows(k_cache, v_cache, table_row, next, len, page_size, kvh, kv_heads,
+            n_next = block_rows(k_cache, v_cache, table_row, next, len, page_size, kv0, kv_heads,
                                 d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
-            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, d);
+            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * d);
         }
-        for (int64_t g = 0; g < gc; g++) {
-            block_dots(qs[g], k_rows[cur], n, d, s);
-            for (int i = 0; i < n; i++) s[i] *= scale;
-            float block_max = s[0];
-            for (int i = 1; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
-            if (block_max > mx[g]) {
-                if (sum[g] > 0.0f) {
-                    const float c = expf(mx[g] - block_max);
-                    sum[g] *= c;
-                    for (int64_t j = 0; j < d; j++) acc[g][j] *= c;
-                }
-                mx[g] = block_max;
+        for (int64_t c = 0; c < kvc; c++) {
+            const float *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+            if (c) { /* kv head kv0 + c: the next d floats of each slot's rows */
+                for (int i = 0; i < n; i++) kh[i] = k_rows[cur][i] + c * d, vh[i] = v_rows[cur][i] + c * d;
+                kc = kh, vc = vh;
             }
-            sum[g] += block_exp(s, n, mx[g]);
-            block_values(acc[g], v_rows[cur], s, n, d);
+            for (int64_t g = c * gc; g < (c + 1) * gc; g++) {
+                block_dots(q + g * d, kc, n, d, s);
+                for (int i = 0; i < n; i++) s[i] *= scale;
+                float block_max = s[0];
+                for (int i = 1; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
+                if (block_max > mx[g]) {
+                    if (sum[g] > 0.0f) {
+                        const float r = expf(mx[g] - block_max);
+                        sum[g] *= r;
+                        for (int64_t j = 0; j < d; j++) acc[g * d + j] *= r;
+                    }
+                    mx[g] = block_max;
+                }
+                sum[g] += block_exp(s, n, mx[g]);
+                block_values(acc + g * d, vc, s, n, d);
+            }
         }
         cur = !cur;
         n = n_next;
     }
-    for (int64_t g = 0; g < gc; g++) {
+    for (int64_t g = 0; g < heads; g++) {
         const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-        for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g][j] * inv;
+        for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g * d + j] * inv;
     }
 }
 

@@ -2,7 +2,8 @@
 ``decode_step_native.group_attention``) against the torch reference: ragged lengths across
 the 32-key blocks and page boundaries, GQA ratios (a group larger than an item's 8 heads is
 split), head dims that take each register chunk (64, 32, 16, 8 floats) or the portable loop,
-one thread and several (one request: an item per query head; many: an item per kv group)."""
+one thread and several (one request: an item per query head; a few: an item per kv head; many
+requests: an item per row)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,14 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
         (12, 1, 120, 5),  # chunks of 64 + 32 + 16 + 8 floats; a group of 12: 6 + 6
         (4, 2, 16, 4),
         (6, 2, 20, 3),  # not a multiple of 8: the portable loops
+        (40, 8, 32, 16),  # rows as items: 4 kv heads (20 query heads) an item
     ],
 )
-@pytest.mark.parametrize("seq_lens", [[1, 31, 32, 33, 70, 5, 129, 64], [97]], ids=["8", "1"])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[1, 31, 32, 33, 70, 5, 129, 64], [97], [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77]],
+    ids=["8", "1", "13"],
+)
 def test_group_attention_matches_the_reference(
     num_heads: int,
     num_kv_heads: int,
