@@ -1,14 +1,13 @@
-/* Decode attention of some query heads of one kv group over a row's keys in the paged float32
- * pool, for the fused decode step (cpu_decode_step.c).
+/* Decode attention of a row's query heads (those of one or more kv heads) over its keys in the
+ * paged float32 pool, for the fused decode step (cpu_decode_step.c).
  *
- * The gc heads share each key and value row read: a block of up to ATTN_BLOCK keys is read
- * from the pool once (into L1), then each head takes its dot products and its share of the
- * values from there. The softmax is online (running max and sum per head, the accumulator
+ * The heads share each key and value row read: a block of up to ATTN_BLOCK keys is read from
+ * the pool once, then each head takes its dot products and its share of the values from the
+ * cache. The softmax is online (running max and sum per head, the accumulator
  * rescaled when the max grows), so nothing grows with the context, and its exp is a vector
  * polynomial (exp256, cpu_simd.h) on AVX2 + FMA CPUs, libm's expf elsewhere. While a block
- * computes, the next block's K/V rows are asked for (they are 4 cache lines a head apart in
- * the pool's [slot, kv head, dim] layout, which the hardware prefetcher does not follow
- * across pages).
+ * computes, the next block's K/V rows are asked for into L2 (pages are scattered over the
+ * pool, which the hardware prefetcher does not follow).
  *
  * On AVX2 + FMA the dot products take four keys at a time and the values the head dim in chunks
  * of 64, 32, 16 and 8 floats, each chunk's accumulator in registers across the block's keys;
@@ -125,12 +124,13 @@ static inline float block_exp(float *s, int n, float mx) {
 #endif
 }
 
-/* the K and V rows (w floats each) of the block's keys, into L1 ahead of it */
+/* the K and V rows (w floats each) of the block's keys, into L2 ahead of it (a block of whole
+ * slots is 48 KB at SmolLM2's shape: more than L1) */
 static inline void prefetch_rows(const float *const *k, const float *const *v, int n, int64_t w) {
     for (int i = 0; i < n; i++)
         for (int64_t b = 0; b < w; b += 16) { /* 16 floats: a cache line */
-            __builtin_prefetch(k[i] + b, 0, 3);
-            __builtin_prefetch(v[i] + b, 0, 3);
+            __builtin_prefetch(k[i] + b, 0, 2);
+            __builtin_prefetch(v[i] + b, 0, 2);
         }
 }
 
