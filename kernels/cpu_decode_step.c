@@ -9,8 +9,9 @@
  *   qkv = W_qkv x                    rows split over threads                       | barrier
  *   k rotated, k and v stored        (request, kv head) items                      | barrier
  *                                    (one request: no phase of its own, see below)
- *   attention of each q head         (request, head) items, keys read from the
- *                                    paged pool in place                           | barrier
+ *   attention                        (request, kv group) items claimed longest row
+ *                                    first, keys read from the paged pool in place
+ *                                    (cpu_group_attention.h)                       | barrier
  *   a -> q8                          each thread
  *   r += W_o a                       rows split over threads                       | barrier
  *   x = rms_norm(r) -> q8            each thread
@@ -24,14 +25,14 @@
  *
  * One request (batch 1, the single-stream case): the only key written this step is the row's
  * own, so each head takes the new key and value from the qkv row (the rotated key in registers)
- * instead of the pool, and the first head of each kv group stores them: no store phase and one
+ * instead of the pool, and the first item of each kv group stores them: no store phase and one
  * barrier less per layer. With more rows (a verify laid out as decode rows attends to keys that
  * other rows write this step) every K/V is stored before any row attends.
  *
  * The block products are those of cpu_quant_blocks.h, the
  * activations quantized as asyncengine_quantize_q8 does, the norms and rotary as
- * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is a
- * two-pass softmax in float32. float32 activations and KV pool only.
+ * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is an
+ * online softmax over blocks of keys in float32. float32 activations and KV pool only.
  *
  *   hidden      [n, hidden] float32       the embedded input tokens
  *   positions   [n] int64, slots [n] int64 (where each new K/V goes)
@@ -48,6 +49,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_group_attention.h"
 #include "cpu_paged.h"
 #include "cpu_quant_blocks.h"
 
@@ -376,59 +378,65 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-#if defined(Q_ISA_SIMD)
-    if (d % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        return hsum(acc);
+/* The attention phase's items, claimed one at a time from a counter of the layer's own, rows
+ * longest first, so that the threads finish together however the rows' lengths differ (a
+ * static split of requests left one thread with the long contexts). An item is, by how many
+ * there are to go round:
+ *   >= ROW_ITEMS_FROM rows a thread: a row's kv heads together (up to ATTN_MAX_HEADS query
+ *      heads), each block of keys read as whole pool slots (every kv head's lines of a slot are
+ *      adjacent: the hardware prefetcher's neighbouring lines are used, not thrown away);
+ *   else, >= 4 (row, kv head) items a thread: one kv head and its query heads;
+ *   else (a request or two alone): one query head, so that 2 threads share 3 kv heads evenly.
+ * A group of more than ATTN_MAX_GROUP query heads is split in chunks in each case. */
+#define ROW_ITEMS_FROM 4
+
+typedef struct {
+    const int64_t *order; /* rows by seq_len, longest first */
+    int64_t kv_per_item;  /* kv heads of an item (a divisor of kv_heads) */
+    int64_t chunks;       /* chunks of a kv group (1 where kv_per_item > 1) */
+    int64_t chunk_heads;  /* query heads of a chunk (the last may have fewer) */
+    int64_t count;
+} attn_items;
+
+/* order[0:n] = the rows, longest seq_len first (ties in row order) */
+static void sort_rows(int64_t *order, int64_t n, const int32_t *seq_lens) {
+    for (int64_t i = 0; i < n; i++) { /* insertion sort: n <= a few hundred, once per step */
+        int64_t j = i;
+        for (; j > 0 && seq_lens[order[j - 1]] < seq_lens[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
     }
-#endif
-    float acc = 0.0f;
-    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
-    return acc;
 }
 
-static inline void axpy(float *acc, float p, const float *v, int64_t d) {
-#if defined(Q_ISA_SIMD)
-    if (d % 8 == 0) {
-        const __m256 pv = _mm256_set1_ps(p);
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(acc + i,
-                             _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-        return;
+static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, int64_t group,
+                             int threads) {
+    const int64_t min_chunks = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
+    int64_t kv_per_item = 1, chunks = min_chunks;
+    if (n >= ROW_ITEMS_FROM * threads && min_chunks == 1) {
+        for (int64_t c = kv_heads; c > 1 && kv_per_item == 1; c--)
+            if (kv_heads % c == 0 && c * group <= ATTN_MAX_HEADS) kv_per_item = c;
+    } else if (n * kv_heads * min_chunks < 4 * threads) {
+        chunks = group;
     }
-#endif
-    for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
+    const int64_t chunk_heads = (group + chunks - 1) / chunks;
+    chunks = (group + chunk_heads - 1) / chunk_heads;
+    return (attn_items){order, kv_per_item, chunks, chunk_heads,
+                        n * (kv_heads / kv_per_item) * chunks};
 }
 
-/* one query head of request i over its seq_len keys: softmax(q k^T scale) v. k_new / v_new
- * (NULL: the pool's): the key and value of the last position, not yet in the pool. */
-static void attend_head(const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *table_row, int64_t len, int64_t page_size, int64_t kvh,
-                        int64_t kv_heads, int64_t d, float scale, const float *k_new,
-                        const float *v_new, float *scores, float *out) {
-    float mx = -INFINITY;
-    for (int64_t p = 0; p < len; p++) {
-        const int64_t slot = pool_slot(table_row, p, page_size);
-        const float *key = k_new && p == len - 1 ? k_new : k_cache + (slot * kv_heads + kvh) * d;
-        scores[p] = dot(q, key, d) * scale;
-        mx = scores[p] > mx ? scores[p] : mx;
-    }
-    float sum = 0.0f;
-    for (int64_t p = 0; p < len; p++) {
-        scores[p] = expf(scores[p] - mx);
-        sum += scores[p];
-    }
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t p = 0; p < len; p++) {
-        const int64_t slot = pool_slot(table_row, p, page_size);
-        const float *value = v_new && p == len - 1 ? v_new : v_cache + (slot * kv_heads + kvh) * d;
-        axpy(out, scores[p], value, d);
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+/* what item `item` covers: row `row`, kv heads kv0 .. kv0 + kvc - 1 and, of each, gc query
+ * heads from h0 (kvc > 1: all of them) */
+typedef struct {
+    int64_t row, kv0, kvc, h0, gc;
+} attn_item;
+
+static inline attn_item item_at(const attn_items *items, int64_t item, int64_t kv_heads,
+                                int64_t group) {
+    const int64_t per_row = kv_heads / items->kv_per_item * items->chunks;
+    const int64_t sub = item % per_row, kv0 = sub / items->chunks * items->kv_per_item;
+    const int64_t first = sub % items->chunks * items->chunk_heads;
+    const int64_t gc = first + items->chunk_heads <= group ? items->chunk_heads : group - first;
+    return (attn_item){items->order[item / per_row], kv0, items->kv_per_item,
+                       kv0 * group + first, gc};
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -442,16 +450,18 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     const int64_t kv_heads = m->num_kv_heads, group = heads / kv_heads, inter = m->inter;
     const int64_t q_size = heads * D, qkv_size = (heads + 2 * kv_heads) * D;
     const int64_t widest = H > inter ? (H > q_size ? H : q_size) : (inter > q_size ? inter : q_size);
-    int64_t longest = 1;
-    for (int64_t i = 0; i < n; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
 
     /* shared: the residual stream, qkv, attention output, MLP hidden */
     float *residual = (float *)malloc((size_t)(n * H) * sizeof(float));
     float *qkv = (float *)malloc((size_t)(n * qkv_size) * sizeof(float));
     float *attn = (float *)malloc((size_t)(n * q_size) * sizeof(float));
     float *mlp = (float *)malloc((size_t)(n * inter) * sizeof(float));
-    int failed = !residual || !qkv || !attn || !mlp;
+    int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    atomic_llong *claimed = (atomic_llong *)malloc((size_t)m->num_layers * sizeof(atomic_llong));
+    int failed = !residual || !qkv || !attn || !mlp || !order || !claimed;
     if (failed) goto done;
+    sort_rows(order, n, seq_lens);
+    for (int64_t l = 0; l < m->num_layers; l++) atomic_init(&claimed[l], 0);
     memcpy(residual, hidden, (size_t)(n * H) * sizeof(float));
     team_barrier phase_barrier;
     atomic_init(&phase_barrier.arrived, 0);
@@ -462,13 +472,12 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 #pragma omp master
         phase_barrier.threads = omp_get_num_threads(); /* the team may be smaller than asked;
                                                           published by the barrier below */
-        /* private: the normed rows, their q8 form, attention scores */
+        /* private: the normed rows, their q8 form */
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), 0};
-        float *scores = (float *)malloc((size_t)longest * sizeof(float));
-        if (!(x && a.q && a.d && a.sd && scores)) {
+        if (!(x && a.q && a.d && a.sd)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -479,6 +488,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         seen_failed = failed;
         const int ok = !seen_failed;
         int my_sense = 0;
+        const attn_items items = plan_items(order, n, kv_heads, group, phase_barrier.threads);
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
@@ -505,26 +515,31 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 barrier_wait(&phase_barrier, &my_sense);
                 }
 
-                int64_t first, last;
-                share(n * heads, &first, &last);
-                for (int64_t item = first; item < last; item++) {
-                    const int64_t i = item / heads, h = item % heads, kvh = h / group;
+                for (int64_t item; (item = atomic_fetch_add_explicit(
+                                        &claimed[l], 1, memory_order_relaxed)) < items.count;) {
+                    const attn_item it = item_at(&items, item, kv_heads, group);
+                    const int64_t i = it.row, kvh = it.kv0;
                     const float *row = qkv + i * qkv_size, *cs = m->cos_sin + positions[i] * D;
-                    float q[MAX_HEAD_DIM], k_new[MAX_HEAD_DIM];
+                    float *out_heads = attn + i * q_size + it.h0 * D;
+                    for (int64_t c = 0; c < it.kvc; c++) /* rotated q, into its output's place */
+                        for (int64_t g = 0; g < it.gc; g++) {
+                            const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
+                            rotate(row + h * D, cs, half, attn + i * q_size + h * D);
+                        }
+                    float k_new[MAX_HEAD_DIM];
                     const float *v_new = one ? row + (heads + kv_heads + kvh) * D : NULL;
-                    rotate(row + h * D, cs, half, q);
-                    if (one) {
+                    if (one) { /* items of one kv head (plan_items: one row is never whole) */
                         rotate(row + (heads + kvh) * D, cs, half, k_new);
-                        if (h % group == 0) { /* the group's first head stores its K/V */
+                        if (it.h0 == kvh * group) { /* the group's first chunk stores its K/V */
                             memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
                                    (size_t)D * sizeof(float));
                             memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
                                    (size_t)D * sizeof(float));
                         }
                     }
-                    attend_head(q, L->k_cache, L->v_cache, block_table + i * table_stride,
-                                seq_lens[i], page_size, kvh, kv_heads, D, m->scale,
-                                one ? k_new : NULL, v_new, scores, attn + i * q_size + h * D);
+                    attend_group(out_heads, it.kvc, it.gc, L->k_cache, L->v_cache,
+                                 block_table + i * table_stride, seq_lens[i], page_size, it.kv0,
+                                 kv_heads, D, m->scale, one ? k_new : NULL, v_new, out_heads);
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -553,12 +568,44 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         free(a.q);
         free(a.d);
         free(a.sd);
-        free(scores);
     }
 done:
     free(residual);
     free(qkv);
     free(attn);
     free(mlp);
+    free(order);
+    free((void *)claimed);
     return failed ? -1 : 0;
+}
+
+/* The attention phase alone, over queries already rotated: q and out [n, heads, head_dim]
+ * float32, the same items and claims as a step's layer. For the kernel tests against the torch
+ * reference (tests/test_fused_attention.py). 0 on success, -1 when a buffer could not be
+ * allocated or the shape is outside what the step takes. */
+int asyncengine_group_attention(const float *q, const float *k_cache, const float *v_cache,
+                                const int32_t *block_table, int64_t table_stride,
+                                const int32_t *seq_lens, int64_t n, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
+                                float *out, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads || head_dim > ATTN_MAX_DIM) return -1;
+    int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (!order) return -1;
+    sort_rows(order, n, seq_lens);
+    const int64_t group = heads / kv_heads, D = head_dim;
+    atomic_llong claimed;
+    atomic_init(&claimed, 0);
+#pragma omp parallel num_threads(threads)
+    {
+        const attn_items items = plan_items(order, n, kv_heads, group, omp_get_num_threads());
+        for (int64_t item; (item = atomic_fetch_add_explicit(&claimed, 1, memory_order_relaxed)) <
+                           items.count;) {
+            const attn_item it = item_at(&items, item, kv_heads, group);
+            attend_group(q + (it.row * heads + it.h0) * D, it.kvc, it.gc, k_cache, v_cache,
+                         block_table + it.row * table_stride, seq_lens[it.row], page_size, it.kv0,
+                         kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D);
+        }
+    }
+    free(order);
+    return 0;
 }

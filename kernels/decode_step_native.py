@@ -80,6 +80,11 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [
         ctypes.POINTER(_Model), _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int
     ]  # fmt: skip
+    attention = lib.asyncengine_group_attention
+    attention.restype = ctypes.c_int
+    attention.argtypes = [
+        _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int
+    ]  # fmt: skip
     return lib
 
 
@@ -255,3 +260,47 @@ class DecodeStepModel:
         if status != 0:
             raise MemoryError("the native decode step could not allocate its buffers")
         return out
+
+
+def group_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """The fused step's attention phase alone (kernels/cpu_group_attention.h), for its tests:
+    q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32 pool, block
+    table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native decode step library is not available")
+    for cache in (k_cache, v_cache):
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            raise ValueError("the pool must be contiguous float32 [S, kv_heads, head_dim]")
+    n, heads, head_dim = q.shape
+    q = q.to(torch.float32).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    status = lib.asyncengine_group_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        table.shape[1],
+        lens.data_ptr(),
+        n,
+        heads,
+        k_cache.shape[1],
+        head_dim,
+        page_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"shape {tuple(q.shape)} over {tuple(k_cache.shape)} not supported")
+    return out

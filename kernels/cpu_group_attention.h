@@ -1,0 +1,218 @@
+/* Decode attention of a row's query heads (those of one or more kv heads) over its keys in the
+ * paged float32 pool, for the fused decode step (cpu_decode_step.c).
+ *
+ * The heads share each key and value row read: a block of up to ATTN_BLOCK keys is read from
+ * the pool once, then each head takes its dot products and its share of the values from the
+ * cache. The softmax is online (running max and sum per head, the accumulator
+ * rescaled when the max grows), so nothing grows with the context, and its exp is a vector
+ * polynomial (exp256, cpu_simd.h) on AVX2 + FMA CPUs, libm's expf elsewhere. While a block
+ * computes, the next block's K/V rows are asked for into L2 (pages are scattered over the
+ * pool, which the hardware prefetcher does not follow).
+ *
+ * On AVX2 + FMA the dot products take four keys at a time and the values the head dim in chunks
+ * of 64, 32, 16 and 8 floats, each chunk's accumulator in registers across the block's keys;
+ * other CPUs, or a head dim that is not a multiple of 8, take the portable loops.
+ */
+#ifndef ASYNCENGINE_CPU_GROUP_ATTENTION_H
+#define ASYNCENGINE_CPU_GROUP_ATTENTION_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_paged.h"
+#include "cpu_simd.h"
+
+#define ATTN_BLOCK 32    /* keys per online-softmax block */
+#define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
+#define ATTN_MAX_HEADS 32 /* query heads of one item at most */
+#define ATTN_MAX_DIM 256
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTN_AVX2 1
+
+/* acc[off:off + 8 NV] += p[i] vals[i][off:off + 8 NV] over the block's n keys, that chunk of
+ * the accumulator in registers */
+#define DEFINE_ATTN_CHUNK(NV)                                                                    \
+    static inline void chunk_values_##NV(float *acc, const float *const *vals, const float *p,  \
+                                         int n, int64_t off) {                                  \
+        __m256 a[NV];                                                                            \
+        for (int j = 0; j < (NV); j++) a[j] = _mm256_loadu_ps(acc + off + 8 * j);                \
+        for (int i = 0; i < n; i++) {                                                            \
+            const __m256 pv = _mm256_set1_ps(p[i]);                                              \
+            const float *v = vals[i] + off;                                                      \
+            for (int j = 0; j < (NV); j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]); \
+        }                                                                                        \
+        for (int j = 0; j < (NV); j++) _mm256_storeu_ps(acc + off + 8 * j, a[j]);                \
+    }
+DEFINE_ATTN_CHUNK(8)
+DEFINE_ATTN_CHUNK(4)
+DEFINE_ATTN_CHUNK(2)
+DEFINE_ATTN_CHUNK(1)
+#endif
+
+/* s[i] = q . keys[i] (d dims) for the n keys of a block. Four keys at a time, each one chain
+ * of fused multiply-adds over the dims in order and the horizontal sum of hsum256: the same
+ * float sums as one key alone, the four chains hiding each other's latency. */
+static inline void block_dots(const float *q, const float *const *keys, int n, int64_t d,
+                              float *s) {
+    int i = 0;
+#ifdef ATTN_AVX2
+    if (d % 8 == 0) {
+        for (; i + 4 <= n; i += 4) {
+            const float *k0 = keys[i], *k1 = keys[i + 1], *k2 = keys[i + 2], *k3 = keys[i + 3];
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < d; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + j);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + j), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
+            }
+            s[i] = hsum256(a0), s[i + 1] = hsum256(a1), s[i + 2] = hsum256(a2);
+            s[i + 3] = hsum256(a3);
+        }
+        for (; i < n; i++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t j = 0; j < d; j += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(keys[i] + j), a);
+            s[i] = hsum256(a);
+        }
+        return;
+    }
+#endif
+    for (; i < n; i++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < d; j++) a += q[j] * keys[i][j];
+        s[i] = a;
+    }
+}
+
+/* acc[0:d] += sum_i p[i] vals[i] over the n keys of a block */
+static inline void block_values(float *acc, const float *const *vals, const float *p, int n,
+                                int64_t d) {
+#ifdef ATTN_AVX2
+    if (d % 8 == 0) {
+        int64_t off = 0;
+        for (; off + 64 <= d; off += 64) chunk_values_8(acc, vals, p, n, off);
+        if (off + 32 <= d) chunk_values_4(acc, vals, p, n, off), off += 32;
+        if (off + 16 <= d) chunk_values_2(acc, vals, p, n, off), off += 16;
+        if (off + 8 <= d) chunk_values_1(acc, vals, p, n, off);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        for (int64_t j = 0; j < d; j++) acc[j] += p[i] * vals[i][j];
+}
+
+/* s[0:n] = exp(s - mx), returning their sum; s has room for ATTN_BLOCK values */
+static inline float block_exp(float *s, int n, float mx) {
+#ifdef ATTN_AVX2
+    for (int i = n; i < (n + 7) / 8 * 8; i++) s[i] = -INFINITY; /* exp256 gives 0 there */
+    const __m256 m = _mm256_set1_ps(mx);
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(s + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), m)));
+    float sum = 0.0f; /* in key order, as cpu_decode_attention.c sums */
+    for (int i = 0; i < n; i++) sum += s[i];
+    return sum;
+#else
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        s[i] = expf(s[i] - mx);
+        sum += s[i];
+    }
+    return sum;
+#endif
+}
+
+/* the K and V rows (w floats each) of the block's keys, into L2 ahead of it (a block of whole
+ * slots is 48 KB at SmolLM2's shape: more than L1) */
+static inline void prefetch_rows(const float *const *k, const float *const *v, int n, int64_t w) {
+    for (int i = 0; i < n; i++)
+        for (int64_t b = 0; b < w; b += 16) { /* 16 floats: a cache line */
+            __builtin_prefetch(k[i] + b, 0, 2);
+            __builtin_prefetch(v[i] + b, 0, 2);
+        }
+}
+
+/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row; k_new / v_new (NULL:
+ * none) stand for the last key, len - 1, not yet in the pool */
+static inline int block_rows(const float *k_cache, const float *v_cache, const int32_t *table_row,
+                             int64_t first, int64_t len, int64_t page_size, int64_t kv0,
+                             int64_t kv_heads, int64_t d, const float *k_new, const float *v_new,
+                             const float **k, const float **v) {
+    const int n = (int)(len - first < ATTN_BLOCK ? len - first : ATTN_BLOCK);
+    for (int i = 0; i < n; i++) {
+        const int64_t p = first + i;
+        if (k_new && p == len - 1) {
+            k[i] = k_new;
+            v[i] = v_new;
+            continue;
+        }
+        const int64_t row = (pool_slot(table_row, p, page_size) * kv_heads + kv0) * d;
+        k[i] = k_cache + row;
+        v[i] = v_cache + row;
+    }
+    return n;
+}
+
+/* softmax(q k^T scale) v over a row's len keys for the query heads of kv heads kv0 .. kv0 +
+ * kvc - 1, gc heads each (kvc * gc <= ATTN_MAX_HEADS): q and out [kvc * gc, d], heads in order
+ * (out may be q: q is read before out is written). k_new / v_new: the last key's rows when it
+ * is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
+static void attend_group(const float *q, int64_t kvc, int64_t gc, const float *k_cache,
+                         const float *v_cache, const int32_t *table_row, int64_t len,
+                         int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
+                         const float *k_new, const float *v_new, float *out) {
+    const int64_t heads = kvc * gc;
+    float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
+    float s[ATTN_BLOCK];
+    float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
+    const float *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
+    const float *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
+    for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
+    for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
+    int cur = 0;
+    int n = len > 0 ? block_rows(k_cache, v_cache, table_row, 0, len, page_size, kv0, kv_heads, d,
+                                 k_new, v_new, k_rows[0], v_rows[0])
+                    : 0;
+    for (int64_t first = 0; first < len; first += ATTN_BLOCK) {
+        const int64_t next = first + ATTN_BLOCK;
+        int n_next = 0;
+        if (next < len) {
+            n_next = block_rows(k_cache, v_cache, table_row, next, len, page_size, kv0, kv_heads,
+                                d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
+            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * d);
+        }
+        for (int64_t c = 0; c < kvc; c++) {
+            const float *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+            if (c) { /* kv head kv0 + c: the next d floats of each slot's rows */
+                for (int i = 0; i < n; i++) kh[i] = k_rows[cur][i] + c * d, vh[i] = v_rows[cur][i] + c * d;
+                kc = kh, vc = vh;
+            }
+            for (int64_t g = c * gc; g < (c + 1) * gc; g++) {
+                block_dots(q + g * d, kc, n, d, s);
+                for (int i = 0; i < n; i++) s[i] *= scale;
+                float block_max = s[0];
+                for (int i = 1; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
+                if (block_max > mx[g]) {
+                    if (sum[g] > 0.0f) {
+                        const float r = expf(mx[g] - block_max);
+                        sum[g] *= r;
+                        for (int64_t j = 0; j < d; j++) acc[g * d + j] *= r;
+                    }
+                    mx[g] = block_max;
+                }
+                sum[g] += block_exp(s, n, mx[g]);
+                block_values(acc + g * d, vc, s, n, d);
+            }
+        }
+        cur = !cur;
+        n = n_next;
+    }
+    for (int64_t g = 0; g < heads; g++) {
+        const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+        for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g * d + j] * inv;
+    }
+}
+
+#endif

@@ -1,0 +1,81 @@
+"""The fused decode step's attention (kernels/cpu_group_attention.h, run alone through
+``decode_step_native.group_attention``) against the torch reference: ragged lengths across
+the 32-key blocks and page boundaries, GQA ratios (a group larger than an item's 8 heads is
+split), head dims that take each register chunk (64, 32, 16, 8 floats) or the portable loop,
+one thread and several (one request: an item per query head; a few: an item per kv head; many
+requests: an item per row)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncengine.kernels import cpu_native, decode_step_native
+from asyncengine.kernels.attention_ref import decode_attention
+from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+
+
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "page_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2-135M
+        (4, 4, 32, 1),
+        (8, 2, 128, 16),
+        (16, 1, 64, 7),  # a group of 16: two items of 8 heads
+        (12, 1, 120, 5),  # chunks of 64 + 32 + 16 + 8 floats; a group of 12: 6 + 6
+        (4, 2, 16, 4),
+        (6, 2, 20, 3),  # not a multiple of 8: the portable loops
+        (40, 8, 32, 16),  # rows as items: 4 kv heads (20 query heads) an item
+    ],
+)
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[1, 31, 32, 33, 70, 5, 129, 64], [97], [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77]],
+    ids=["8", "1", "13"],
+)
+def test_group_attention_matches_the_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    seq_lens: list[int],
+    threads: int,
+) -> None:
+    kv = PagedKV(seq_lens, page_size, num_kv_heads, head_dim, torch.float32, seed=head_dim)
+    gen = torch.Generator().manual_seed(page_size)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale)
+    got = decode_step_native.group_attention(q, *args)
+    ref = decode_attention(q, *args)
+    assert torch.isfinite(got).all(), "read a slot no request owns"
+    torch.testing.assert_close(got, ref, atol=TOLERANCE[torch.float32], rtol=0)
+    for b in range(len(seq_lens)):
+        want = naive_attention(q[b : b + 1], kv.keys[b], kv.values[b], scale)
+        torch.testing.assert_close(got[b], want[0], atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """The online softmax subtracts the running max: scores near 1e4 stay finite, and a later
+    block with a larger max rescales what came before."""
+    kv = PagedKV([50, 3, 200], 16, 1, 64, torch.float32, seed=0)
+    kv.k_cache.mul_(100.0)
+    q = torch.full((3, 1, 64), 3.0)
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 1.0)
+    got = decode_step_native.group_attention(q, *args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, decode_attention(q, *args), atol=1e-4, rtol=0)
