@@ -62,7 +62,10 @@ def test_sibling_waits_a_step_and_hits_the_shared_pages(policy: str) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"enable_inbatch_prefix_dedup": False}, {"enable_prefix_cache": False}],
+    [
+        {"enable_inbatch_prefix_dedup": False, "enable_in_step_prefix_sharing": False},
+        {"enable_prefix_cache": False},
+    ],
     ids=["dedup-off", "cache-off"],
 )
 def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, bool]) -> None:
@@ -72,6 +75,22 @@ def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, 
     drive(core, runner, clock)
     assert [r.cached_tokens for r in reqs] == [0, 0]
     assert core.stats()["prefix_deferrals"] == 0
+
+
+def test_without_dedup_siblings_share_the_pages_in_their_step() -> None:
+    """In-step sharing (step_shares.py): the second sibling runs in the same step and copies
+    the shared pages' KV from the first instead of computing them."""
+    core, runner, clock = make(enable_inbatch_prefix_dedup=False)
+    items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
+    reqs = submit(core, clock, items)
+    plan = step(core, runner)
+    assert [s.start_pos for s in plan.extends] == [0, len(SHARED)]
+    assert len(plan.kv_copies) == len(SHARED)
+    drive(core, runner, clock)
+    assert [r.cached_tokens for r in reqs] == [0, len(SHARED)]
+    assert core.stats()["prefix_deferrals"] == 0
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
 
 
 def test_deferral_skips_only_the_sibling_not_the_requests_behind_it() -> None:
@@ -98,7 +117,7 @@ def test_a_shared_last_page_the_cache_cannot_serve_is_not_deferred() -> None:
     reqs = submit(core, clock, [(SHARED + [100, 101], 2), (SHARED[:PAGE], 2)])
     assert len(step(core, runner).extends) == 2
     drive(core, runner, clock)
-    assert reqs[1].cached_tokens == 0
+    assert reqs[1].cached_tokens == PAGE - 1  # copied in the step from the first (step_shares)
 
 
 def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
@@ -122,13 +141,20 @@ def test_tree_of_prompts_computes_every_shared_page_once() -> None:
         for b in range(3):
             prompts.append(child + [200 + b] * PAGE + [7])
     distinct_pages = {tuple(p[: i + PAGE]) for p in prompts for i in range(0, len(p) - 1, PAGE)}
-    for dedup, expect_once in [(True, True), (False, False)]:
-        core, runner, clock = make(enable_inbatch_prefix_dedup=dedup)
+    # (in-step sharing computes each once too, in fewer steps)
+    for dedup, sharing, expect_once in [
+        (True, False, True),
+        (False, False, False),
+        (False, True, True),
+    ]:
+        core, runner, clock = make(
+            enable_inbatch_prefix_dedup=dedup, enable_in_step_prefix_sharing=sharing
+        )
         reqs = submit(core, clock, [(p, 2) for p in prompts])
         drive(core, runner, clock)
         computed = sum(len(p) for p in prompts) - core.kv.hit_tokens
         once = len(distinct_pages) * PAGE + len(prompts)  # every page once, plus each last token
-        assert (computed == once) is expect_once, (dedup, computed, once)
+        assert (computed == once) is expect_once, (dedup, sharing, computed, once)
         for req, prompt in zip(reqs, prompts, strict=True):
             assert req.output_ids == reference_output(prompt, 2)
 
