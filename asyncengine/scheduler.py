@@ -367,6 +367,7 @@ class Scheduler(Retraction, Prefill):
                 dedup is not None
                 and may_reuse_prefix(req, self.prompt_scores)
                 and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
+                and not self._copies_next_page_in_step(ids, matched)
             ):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
@@ -417,6 +418,15 @@ class Scheduler(Retraction, Prefill):
             elif slots <= 0:
                 admission.stopped = RUNNING_CAP
         return admission
+
+    def _copies_next_page_in_step(self, ids: list[int], matched: int) -> bool:
+        """Whether a segment of this step computes the page of ``ids`` after its ``matched``
+        cached tokens: it copies them in this step (step_shares.py) instead of waiting one."""
+        if self.step_shares is None:
+            return False
+        most = min(self.page_size, len(ids) - 1 - matched)
+        found = self.step_shares.best(ids, matched, most)
+        return found is not None and found[1] >= most
 
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> Committed:

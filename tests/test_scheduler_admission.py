@@ -16,6 +16,8 @@ PAGE = 4
 def make(
     policy: str = "fcfs", enable_prefix_cache: bool = True, **overrides: object
 ) -> tuple[EngineCore, FakeExecutor, Clock]:
+    """In-step sharing (step_shares.py) off unless asked: these tests are of deferral."""
+    overrides.setdefault("enable_in_step_prefix_sharing", False)
     clock = Clock()
     core, executor = fake_core(
         256,
@@ -80,7 +82,9 @@ def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, 
 def test_without_dedup_siblings_share_the_pages_in_their_step() -> None:
     """In-step sharing (step_shares.py): the second sibling runs in the same step and copies
     the shared pages' KV from the first instead of computing them."""
-    core, runner, clock = make(enable_inbatch_prefix_dedup=False)
+    core, runner, clock = make(
+        enable_inbatch_prefix_dedup=False, enable_in_step_prefix_sharing=True
+    )
     items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
     reqs = submit(core, clock, items)
     plan = step(core, runner)
@@ -117,7 +121,7 @@ def test_a_shared_last_page_the_cache_cannot_serve_is_not_deferred() -> None:
     reqs = submit(core, clock, [(SHARED + [100, 101], 2), (SHARED[:PAGE], 2)])
     assert len(step(core, runner).extends) == 2
     drive(core, runner, clock)
-    assert reqs[1].cached_tokens == PAGE - 1  # copied in the step from the first (step_shares)
+    assert reqs[1].cached_tokens == 0
 
 
 def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
@@ -130,6 +134,20 @@ def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
     assert [s.rid for s in last_chunk.extends] == ["r0"]  # room for 4 more, but it waits
     assert reqs[1].cached_tokens == len(long_prompt)
     assert reqs[1].output_ids == reference_output(sibling, 2)
+
+
+def test_a_sibling_copies_pages_computed_in_its_step_instead_of_waiting() -> None:
+    """With in-step sharing on, dedup defers no prompt whose next page a segment of the step
+    computes: it copies that page's KV in the same forward."""
+    core, runner, clock = make(enable_in_step_prefix_sharing=True)
+    items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
+    reqs = submit(core, clock, items)
+    assert len(step(core, runner).extends) == 2
+    drive(core, runner, clock)
+    assert [r.cached_tokens for r in reqs] == [0, len(SHARED)]
+    assert core.stats()["prefix_deferrals"] == 0
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
 
 
 def test_tree_of_prompts_computes_every_shared_page_once() -> None:
