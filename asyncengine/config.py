@@ -86,6 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a waiting prompt that shares an uncached page with a prompt admitted in the same step
     # waits a step and takes it from the prefix cache instead of computing it again
     enable_inbatch_prefix_dedup: bool = True
+    # a prompt that goes on with the same uncached tokens as another prompt of the same step
+    # copies their KV (and prompt scores) in that forward instead of computing them, and does
+    # not wait a step for a sibling's kept tail page (step_shares.py)
+    enable_in_step_prefix_sharing: bool = True
     # waiting requests admission may pass over in one step because their pages do not fit in
     # KV memory, to admit smaller ones behind them (0: the first that does not fit stops it,
     # strict policy order; vLLM #33499 skips them all). A skipped request keeps its place.

@@ -52,6 +52,17 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedScores:
+    """Prompt scores a request takes from another segment of the same plan, which computes
+    them: ``count`` of that segment's scores from index ``offset`` (StepOutput.prompt_logprobs),
+    put before the request's own."""
+
+    source: str  # the rid of the segment that scores them
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class PromptScoring:
     """Prompt logprobs a segment computes: the logits after the token at position ``first``
     (the segment's own positions only) and at the ``len(target_ids) - 1`` positions after it,
@@ -123,6 +134,13 @@ class BatchPlan:
     # (source, destination) KV pages copied whole, after the swaps and before the forward: a
     # kept tail page copied on write into a sequence's own page (cache/tail_pages.py)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (source, destination) KV slots copied in every layer after it stores the forward's K/V
+    # and before it attends: positions a prompt shares with another prompt of this forward
+    # that computes (or holds) them, instead of computing them again (step_shares.py)
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)
+    # rid -> the prompt scores it takes from other segments of this plan, in position order,
+    # before its own (step_shares.py)
+    shared_scores: dict[str, list[SharedScores]] = field(default_factory=dict)
     # page-table rows released since the previous plan (their sequences ended, or were
     # retracted): what an executor keeps per row of its own (a draft model's KV) goes
     released_rows: list[int] = field(default_factory=list)

@@ -12,15 +12,17 @@ from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment, SharedScores
 from asyncengine.prompt_scoring import (
     cache_match_limit,
+    next_scored_position,
     segment_scoring,
     take_cached_scores,
     take_tail,
 )
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
+from asyncengine.step_shares import Piece, StepSegment, StepShares
 
 
 class Prefill:
@@ -32,6 +34,7 @@ class Prefill:
     prefilling: list[Request]
     chunked: Request | None
     step_prefixes: StepPrefixes | None
+    step_shares: StepShares | None
     swapped: dict[int, SwappedKV]
     prompt_scores: PromptScoreCache | None
 
@@ -58,7 +61,7 @@ class Prefill:
             computed = req.kv.kv_len
             if not self._try_extend(req, take):
                 return remaining, KV_RESERVATION
-            self._add_extend(plan, req, take)
+            self._note_segment(req, self._add_extend(plan, req, take))
             if self.step_prefixes is not None:
                 self.step_prefixes.add(req.all_ids, computed)
             remaining -= take
@@ -87,12 +90,17 @@ class Prefill:
         if swapped is not None:
             self.kv.swap_in(req.kv, swapped, cached)
         take_cached_scores(req, self.prompt_scores, tail)
+        shared = None
+        if self.step_shares is not None and swapped is None:
+            shared = self._share_in_step(plan, req, take)
+            if shared is not None:
+                take -= shared.copied
         self.waiting.remove(req)
         req.status = RequestStatus.PREFILLING
         if req.retractions == 0:
             req.cached_tokens = req.kv.num_cached
         self.prefilling.append(req)
-        self._add_extend(plan, req, take)
+        self._note_segment(req, self._add_extend(plan, req, take), shared)
         if self.step_prefixes is not None:
             # a prompt that ends with this step keeps its last partial page for the others
             ends = cached + restore + take == len(ids) and (
@@ -101,6 +109,91 @@ class Prefill:
             self.step_prefixes.add(ids, req.kv.num_cached, keeps_tail=ends)
         return take
 
+    def _share_in_step(self, plan: BatchPlan, req: Request, take: int) -> StepSegment | None:
+        """Of the ``take`` positions ``req`` was to compute from its first uncached one, those
+        it copies instead from a segment of this plan (step_shares.py), the copies and borrowed
+        scores recorded in ``plan``; at least one position is left to compute. Returns what
+        to register for the prompts after it (None: it shares nothing)."""
+        shares = self.step_shares
+        assert shares is not None
+        ids = req.all_ids
+        at = req.kv.kv_len - take
+        most = min(len(ids) - 1 - at, take - 1)
+        found = shares.best(ids, at, most)
+        if found is None:
+            return None
+        seg, common = found
+        following = next_scored_position(req)
+        scored: list[Piece] = []
+        if following is None:
+            shared = min(common, most)
+        else:
+            shared = min(common, most, max(0, following - at))
+            if following == at and common - 1 > shared:
+                k = req.params.prompt_logprobs
+                scored = shares.pieces(seg, at, at + min(common - 1, most))
+                if all(
+                    (sc := piece.segment.scoring) is not None
+                    and sc.top_k == k
+                    and sc.first <= piece.begin
+                    and piece.end <= sc.first + sc.num_positions
+                    for piece in scored
+                ):
+                    shared = scored[-1].end - at
+                else:
+                    scored = []
+        if shared <= 0:
+            return None
+        for piece in shares.pieces(seg, at, at + shared):
+            pages = piece.segment.pages
+            plan.kv_copies.extend(
+                (shares.slot(pages, p), shares.slot(req.kv.pages, p))
+                for p in range(piece.begin, piece.end)
+            )
+        if scored:
+            plan.shared_scores[req.rid] = [
+                SharedScores(
+                    piece.segment.rid,
+                    piece.begin - piece.segment.scoring.first,  # type: ignore[union-attr]
+                    piece.end - piece.begin,
+                )
+                for piece in scored
+            ]
+            req.borrowed_scores = shared
+        self.kv.note_shared(req.kv, shared)
+        return StepSegment(req.rid, ids, req.kv.pages, at, req.kv.kv_len, None, shared, seg)
+
+    def _note_segment(
+        self, req: Request, segment: Segment, shared: StepSegment | None = None
+    ) -> None:
+        """Offer this step's segment to the prompts admitted after it (step_shares.py)."""
+        if self.step_shares is None:
+            return
+        if shared is not None:
+            self.step_shares.add(
+                StepSegment(
+                    shared.rid,
+                    shared.ids,
+                    shared.pages,
+                    shared.start,
+                    segment.end_pos,
+                    segment.scoring,
+                    shared.copied,
+                    shared.source,
+                )
+            )
+            return
+        self.step_shares.add(
+            StepSegment(
+                req.rid,
+                req.all_ids,
+                req.kv.pages,
+                segment.start_pos,
+                segment.end_pos,
+                segment.scoring,
+            )
+        )
+
     def _try_extend(self, req: Request, take: int) -> bool:
         try:
             self.kv.extend(req.kv, take)
@@ -108,7 +201,7 @@ class Prefill:
         except OutOfPagesError:
             return False
 
-    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> None:
+    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> Segment:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
@@ -117,10 +210,12 @@ class Prefill:
         sample = done and not req.prefill_only
         pool = None if req.embedding is None else req.embedding.segment_pool(final=done)
         scoring = segment_scoring(req, start, start + take)
-        plan.extends.append(Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring))
+        segment = Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring)
+        plan.extends.append(segment)
         if sample:
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
         if not done:
             self.chunked = req
         elif self.chunked is req:
             self.chunked = None
+        return segment

@@ -39,7 +39,7 @@ def tokens_to_score(req: Request) -> int:
 def next_scored_position(req: Request) -> int | None:
     """The first position whose logits are still to compute, None when none are (a request
     recomputed after a retraction scores nothing twice)."""
-    done = len(req.prompt_logprobs)
+    done = len(req.prompt_logprobs) + req.borrowed_scores
     if done >= tokens_to_score(req):
         return None
     return first_scored_token(req) - 1 + done

@@ -86,6 +86,9 @@ class Request:
     # logprobs of the prompt tokens scored so far (SamplingParams.prompt_logprobs), in order
     # from the first scored position on (asyncengine/prompt_scoring.py)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # scores of the step in flight that another segment computes for it (plan.SharedScores):
+    # counted as done when planning, appended at commit
+    borrowed_scores: int = 0
     # steps this request waited, by the reason admission stopped short of it (admission.py);
     # kept up to date lazily: read it through Scheduler.blocked(req), or once the request ended
     blocked: dict[str, int] = field(default_factory=dict)

@@ -30,7 +30,7 @@ from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput
+from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.prefill import Prefill
@@ -45,6 +45,7 @@ from asyncengine.retraction import Retraction
 from asyncengine.shadow import ShadowPolicy
 from asyncengine.step_events import TokenEvent
 from asyncengine.step_prefixes import StepPrefixes
+from asyncengine.step_shares import StepShares
 
 log = logging.getLogger("asyncengine.scheduler")
 
@@ -123,8 +124,13 @@ class Scheduler(Retraction, Prefill):
         # the running requests' future tokens when something else counts their progress (the
         # simulator's bulk decoding: sim/bulk_decode.py); None: summed from the requests
         self.running_future_tokens: Callable[[], int] | None = None
+        # prompts of a step that share uncached tokens: one computes them (step_shares.py)
+        self.step_shares: StepShares | None = None
+        if config.enable_in_step_prefix_sharing and kv.enable_prefix_cache:
+            self.step_shares = StepShares(self.page_size)
         if config.enable_inbatch_prefix_dedup and kv.enable_prefix_cache:
-            self.step_prefixes = StepPrefixes(self.page_size)
+            # below a page, sharing in the step beats waiting a step for a kept tail
+            self.step_prefixes = StepPrefixes(self.page_size, self.step_shares is None)
         # scores of scored prompts' pages, so a prompt sharing a scored prefix computes only
         # the rest (cache/prompt_scores.py)
         self.prompt_scores: PromptScoreCache | None = None
@@ -312,6 +318,8 @@ class Scheduler(Retraction, Prefill):
         dedup = self.step_prefixes
         if dedup is not None:
             dedup.clear()
+        if self.step_shares is not None:
+            self.step_shares.clear()
         remaining, stopped = self._continue_prefills(plan, remaining, chunk)
         if stopped is not None:
             return Admission(stopped)
@@ -360,6 +368,7 @@ class Scheduler(Retraction, Prefill):
                 dedup is not None
                 and may_reuse_prefix(req, self.prompt_scores)
                 and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
+                and not self._copies_next_page_in_step(ids, matched)
             ):
                 # another prompt of this step computes the same uncached page: left waiting,
                 # this one takes it (and whatever more they share) from the cache next step
@@ -411,6 +420,15 @@ class Scheduler(Retraction, Prefill):
                 admission.stopped = RUNNING_CAP
         return admission
 
+    def _copies_next_page_in_step(self, ids: list[int], matched: int) -> bool:
+        """Whether a segment of this step computes the page of ``ids`` after its ``matched``
+        cached tokens: it copies them in this step (step_shares.py) instead of waiting one."""
+        if self.step_shares is None:
+            return False
+        most = min(self.page_size, len(ids) - 1 - matched)
+        found = self.step_shares.best(ids, matched, most)
+        return found is not None and found[1] >= most
+
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> Committed:
         """Apply a finished step: its KV is written, sampled tokens appended, finished prompt
@@ -436,15 +454,25 @@ class Scheduler(Retraction, Prefill):
             )
         pooled = iter(output.pooled)
         scored = iter(output.prompt_logprobs)
+        step_scores: dict[str, list[TokenLogprobs]] = {}  # rid -> its segment's scores
         for seg in plan.segments:
             req = owners.get(seg.rid)
             alive = req is not None and not req.finished  # else aborted while the step ran
             if req is not None and alive:
                 req.kv.computed_len = seg.end_pos
-            if seg.scoring is not None:
-                prompt_logprobs = next(scored)
+            borrowed = plan.shared_scores.get(seg.rid)
+            if borrowed is not None and req is not None:
+                req.borrowed_scores = 0  # in req.prompt_logprobs from here on
+            if seg.scoring is not None or borrowed is not None:
+                prompt_logprobs = [] if seg.scoring is None else next(scored)
+                step_scores[seg.rid] = prompt_logprobs
                 if req is not None and alive:
                     before = len(req.prompt_logprobs)
+                    for piece in borrowed or ():  # other segments of this step scored them
+                        source = step_scores[piece.source]
+                        req.prompt_logprobs.extend(
+                            source[piece.offset : piece.offset + piece.count]
+                        )
                     req.prompt_logprobs.extend(prompt_logprobs)
                     keep_scores(req, self.prompt_scores, before)
             if not seg.sample:

@@ -30,8 +30,11 @@ TailKey = tuple[int, int]  # (whole-page start, the first token after it)
 
 
 class StepPrefixes:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, defer_on_tails: bool = True) -> None:
+        """``defer_on_tails`` False: only whole pages defer a prompt (the step shares what is
+        below a page in its forward instead: step_shares.py)."""
         self.page_size = page_size
+        self.defer_on_tails = defer_on_tails
         self._pages: dict[PageKey, list[Sequence[int]]] = {}
         self._tails: dict[TailKey, list[Sequence[int]]] = {}
         self.min_tail_gain = max(2, page_size // 4)
@@ -45,7 +48,7 @@ class StepPrefixes:
         with ``keeps_tail``, ends with it, its last partial page kept)."""
         ps = self.page_size
         start = computed // ps * ps  # what the tree holds of it: whole pages only
-        if keeps_tail and len(ids) % ps >= 2 and len(ids) - start < ps:
+        if self.defer_on_tails and keeps_tail and len(ids) % ps >= 2 and len(ids) - start < ps:
             self._tails.setdefault((start, int(ids[start])), []).append(ids)
         if len(ids) < start + ps:
             return  # no whole page left for another prompt to share

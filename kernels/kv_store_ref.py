@@ -15,3 +15,13 @@ def store_kv(
     """k_cache/v_cache [S, Hkv, D] get k/v [N, Hkv, D] at rows slot_mapping [N] (int64), in place."""
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def copy_kv_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, copies: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Rows ``copies[0]`` of k_cache/v_cache [S, Hkv, D] copied to rows ``copies[1]`` [C]
+    (int64), in place; no row is both a source and a destination."""
+    source, destination = copies
+    k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
+    v_cache.index_copy_(0, destination, v_cache.index_select(0, source))

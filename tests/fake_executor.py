@@ -119,6 +119,10 @@ class FakeExecutor:
             slots = self._slots(seg.row, seg.start_pos, seg.end_pos)
             self.token_at[slots] = seg.input_ids
             self.pos_at[slots] = np.arange(seg.start_pos, seg.end_pos)
+        if plan.kv_copies:  # positions shared in the step, copied as each layer does
+            src, dst = np.asarray(plan.kv_copies, dtype=np.int64).T
+            self.token_at[dst] = self.token_at[src]
+            self.pos_at[dst] = self.pos_at[src]
         accepted: list[int] = []
         for seg in plan.segments:
             if not seg.sample:

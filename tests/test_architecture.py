@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.policies",
         "asyncengine.cache",
         "asyncengine.step_prefixes",
+        "asyncengine.step_shares",
         "asyncengine.step_events",
         "asyncengine.prompt_scoring",
         "asyncengine.routing",

@@ -312,8 +312,9 @@ def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
     tree nor the score cache hold it. The first choice's partly filled page is kept when it
     ends; each later choice copies the KV of 5 context tokens from it (copy on write) with
     their scores, and computes the last context token and its continuation. Sent together,
-    the later ones wait a step for the first. Scores equal a cold run's (1e-5) and HF's
-    (1e-4), and the KV invariant holds after every step."""
+    they run in one forward, the later ones copying those 5 positions' KV from the first's in
+    each layer and taking its scores (step_shares.py). Scores equal a cold run's (1e-5) and
+    HF's (1e-4), and the KV invariant holds after every step."""
     rng = random.Random(17)
     context = [rng.randrange(3, VOCAB) for _ in range(6)]
     items = [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 3, 2, 1)]
@@ -333,7 +334,11 @@ def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
         asyncio.run(score_all(engine_config(model_dir, False), [p], params))[0][0] for p in items
     ]
     assert [o.usage.cached_tokens for o in shared] == [0, 5, 5, 5]
-    assert stats["tail_hit_tokens"] == 3 * 5
+    if together:
+        assert stats["in_step_shared_tokens"] == 3 * 5 and stats["tail_hit_tokens"] == 0
+        assert stats["steps"] == 1
+    else:
+        assert stats["tail_hit_tokens"] == 3 * 5 and stats["in_step_shared_tokens"] == 0
     assert_equal_to_cold_and_hf(hf, items, shared, cold)
 
 

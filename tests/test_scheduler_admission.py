@@ -16,6 +16,8 @@ PAGE = 4
 def make(
     policy: str = "fcfs", enable_prefix_cache: bool = True, **overrides: object
 ) -> tuple[EngineCore, FakeExecutor, Clock]:
+    """In-step sharing (step_shares.py) off unless asked: these tests are of deferral."""
+    overrides.setdefault("enable_in_step_prefix_sharing", False)
     clock = Clock()
     core, executor = fake_core(
         256,
@@ -62,7 +64,10 @@ def test_sibling_waits_a_step_and_hits_the_shared_pages(policy: str) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"enable_inbatch_prefix_dedup": False}, {"enable_prefix_cache": False}],
+    [
+        {"enable_inbatch_prefix_dedup": False, "enable_in_step_prefix_sharing": False},
+        {"enable_prefix_cache": False},
+    ],
     ids=["dedup-off", "cache-off"],
 )
 def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, bool]) -> None:
@@ -72,6 +77,24 @@ def test_without_dedup_siblings_run_together_and_recompute(overrides: dict[str, 
     drive(core, runner, clock)
     assert [r.cached_tokens for r in reqs] == [0, 0]
     assert core.stats()["prefix_deferrals"] == 0
+
+
+def test_without_dedup_siblings_share_the_pages_in_their_step() -> None:
+    """In-step sharing (step_shares.py): the second sibling runs in the same step and copies
+    the shared pages' KV from the first instead of computing them."""
+    core, runner, clock = make(
+        enable_inbatch_prefix_dedup=False, enable_in_step_prefix_sharing=True
+    )
+    items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
+    reqs = submit(core, clock, items)
+    plan = step(core, runner)
+    assert [s.start_pos for s in plan.extends] == [0, len(SHARED)]
+    assert len(plan.kv_copies) == len(SHARED)
+    drive(core, runner, clock)
+    assert [r.cached_tokens for r in reqs] == [0, len(SHARED)]
+    assert core.stats()["prefix_deferrals"] == 0
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
 
 
 def test_deferral_skips_only_the_sibling_not_the_requests_behind_it() -> None:
@@ -113,6 +136,20 @@ def test_sibling_of_a_chunked_prompt_waits_for_its_last_chunk() -> None:
     assert reqs[1].output_ids == reference_output(sibling, 2)
 
 
+def test_a_sibling_copies_pages_computed_in_its_step_instead_of_waiting() -> None:
+    """With in-step sharing on, dedup defers no prompt whose next page a segment of the step
+    computes: it copies that page's KV in the same forward."""
+    core, runner, clock = make(enable_in_step_prefix_sharing=True)
+    items = [(SHARED + [100, 101, 102], 3), (SHARED + [200, 201, 202], 3)]
+    reqs = submit(core, clock, items)
+    assert len(step(core, runner).extends) == 2
+    drive(core, runner, clock)
+    assert [r.cached_tokens for r in reqs] == [0, len(SHARED)]
+    assert core.stats()["prefix_deferrals"] == 0
+    for req, (prompt, n) in zip(reqs, items, strict=True):
+        assert req.output_ids == reference_output(prompt, n)
+
+
 def test_tree_of_prompts_computes_every_shared_page_once() -> None:
     # Three levels of a tree, all queued at once: with dedup every page is computed once.
     root = list(range(1, 3 * PAGE + 1))
@@ -122,13 +159,20 @@ def test_tree_of_prompts_computes_every_shared_page_once() -> None:
         for b in range(3):
             prompts.append(child + [200 + b] * PAGE + [7])
     distinct_pages = {tuple(p[: i + PAGE]) for p in prompts for i in range(0, len(p) - 1, PAGE)}
-    for dedup, expect_once in [(True, True), (False, False)]:
-        core, runner, clock = make(enable_inbatch_prefix_dedup=dedup)
+    # (in-step sharing computes each once too, in fewer steps)
+    for dedup, sharing, expect_once in [
+        (True, False, True),
+        (False, False, False),
+        (False, True, True),
+    ]:
+        core, runner, clock = make(
+            enable_inbatch_prefix_dedup=dedup, enable_in_step_prefix_sharing=sharing
+        )
         reqs = submit(core, clock, [(p, 2) for p in prompts])
         drive(core, runner, clock)
         computed = sum(len(p) for p in prompts) - core.kv.hit_tokens
         once = len(distinct_pages) * PAGE + len(prompts)  # every page once, plus each last token
-        assert (computed == once) is expect_once, (dedup, computed, once)
+        assert (computed == once) is expect_once, (dedup, sharing, computed, once)
         for req, prompt in zip(reqs, prompts, strict=True):
             assert req.output_ids == reference_output(prompt, 2)
 

@@ -75,6 +75,7 @@ class KVCacheManager:
         self._page_copies: list[tuple[int, int]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
+        self.in_step_shared_tokens = 0  # positions copied from a prompt of the same step
 
     # ----------------------------------------------------------------------------- queries
 
@@ -412,6 +413,14 @@ class KVCacheManager:
         self.tails.hit_tokens += num_tokens
         return True
 
+    def note_shared(self, seq: SeqKV, num_tokens: int) -> None:
+        """``num_tokens`` of ``seq``'s positions after its match get their KV by copy from
+        another sequence of the same step (step_shares.py): counted as cache hits."""
+        seq.num_cached += num_tokens
+        self.hit_tokens += num_tokens
+        self.miss_tokens -= num_tokens
+        self.in_step_shared_tokens += num_tokens
+
     def drain_page_copies(self) -> list[tuple[int, int]]:
         """The tail-page copies recorded since the last call, for the next plan."""
         copies, self._page_copies = self._page_copies, []
@@ -470,6 +479,7 @@ class KVCacheManager:
             "pages_used": self.num_pages - free - cached - tails,
             "pages_tail": tails,
             "tail_hit_tokens": self.tails.hit_tokens,
+            "in_step_shared_tokens": self.in_step_shared_tokens,
             "pages_cached": cached,
             "pages_evictable": self.tree.evictable_size // self.page_size,
             "hit_tokens": self.hit_tokens,
@@ -489,6 +499,7 @@ class KVCacheManager:
         if reset_counters:
             self.hit_tokens = 0
             self.miss_tokens = 0
+            self.in_step_shared_tokens = 0
 
     def check_invariant(self) -> None:
         """Assert the page accounting invariant; raises AssertionError saying what broke."""

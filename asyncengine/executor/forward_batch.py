@@ -34,6 +34,9 @@ class ForwardBatch:
     decode_max_seq_len: int
     # rows of the flat tokens whose logits score prompt tokens (Segment.scoring), plan order
     score_indices: torch.Tensor | None = None
+    # (source, destination) [C] int64 KV slots each layer copies after storing, before
+    # attending (BatchPlan.kv_copies)
+    kv_copies: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def hidden_rows(self) -> torch.Tensor:
@@ -171,8 +174,13 @@ def build_forward_batch(
     score_t = None
     if scored is not None:
         score_t = torch.from_numpy(scored).to(device)
+    kv_copies = None
+    if plan.kv_copies:
+        pairs = torch.tensor(plan.kv_copies, dtype=torch.int64).to(device)
+        kv_copies = (pairs[:, 0], pairs[:, 1])
     return ForwardBatch(
         score_indices=score_t,
+        kv_copies=kv_copies,
         input_ids=ids_t,
         positions=positions_t,
         slot_mapping=slots_t,

@@ -29,6 +29,7 @@ from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
 from asyncengine.kernels.activation_ref import gelu_tanh_and_mul
 from asyncengine.kernels.attention_window import soft_cap
+from asyncengine.kernels.kv_store_ref import copy_kv_slots, store_kv
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.quant_native import dequantize_rows
 
@@ -220,7 +221,11 @@ class LlamaModel:
         hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        if self.native_decode is not None and native_decode.takes(self.native_decode, batch):
+        if (
+            self.native_decode is not None
+            and batch.kv_copies is None
+            and native_decode.takes(self.native_decode, batch)
+        ):
             return native_decode.run(self.native_decode, batch, hidden, k_caches, v_caches)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -244,6 +249,8 @@ class LlamaModel:
                     v_caches[i],
                     batch.slot_mapping,
                 )
+                if batch.kv_copies is not None:
+                    copy_kv_slots(k_caches[i], v_caches[i], batch.kv_copies)
                 attn = backend.attend(q, k_caches[i], v_caches[i], metadata, self.scale, options)
             else:
                 if rope_rows:
@@ -262,6 +269,11 @@ class LlamaModel:
                         cos_sin,
                     )
                 v = v.view(n, c.num_kv_heads, c.head_dim)
+                if batch.kv_copies is not None:
+                    # the copies read this forward's K/V: store it first (the backend stores
+                    # it again, the same values) and copy before the backend attends
+                    store_kv(k_caches[i], v_caches[i], k, v, batch.slot_mapping)
+                    copy_kv_slots(k_caches[i], v_caches[i], batch.kv_copies)
                 attn = backend.forward(
                     q, k, v, k_caches[i], v_caches[i], metadata, self.scale, options
                 )

@@ -169,7 +169,12 @@ class ModelRunner:
             )
             return ForwardResult(empty)
         pool_rows, pool_spans = pooled_rows(plan)
-        if not pool_rows and self.graphs is not None and self.graphs.can_run(batch):
+        if (
+            not pool_rows
+            and batch.kv_copies is None
+            and self.graphs is not None
+            and self.graphs.can_run(batch)
+        ):
             hidden = self.graphs.run(batch)
         else:
             rows = batch.hidden_rows

@@ -1,0 +1,114 @@
+"""Prompts of one step that share uncached tokens (step_shares.py): one computes them, the
+others copy their KV in each layer of the same forward and take their prompt scores. Scores
+equal a cold run's and HF's, greedy continuations equal a run without any sharing, the KV
+invariant holds after every step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.plan import BatchPlan
+from asyncengine.step_shares import StepSegment, StepShares
+from tests.hf_scorer import HFScorer
+from tests.server_support import TINY_MODEL, tiny_model_dir
+from tests.test_prompt_logprobs import assert_equal_to_cold_and_hf, engine_config
+
+VOCAB = TINY_MODEL["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> HFScorer:
+    return HFScorer(model_dir)
+
+
+def one_step_config(model_dir: Path, sharing: bool = True) -> EngineConfig:
+    """Every prompt below fits one step; in-batch dedup off, so nobody waits a step."""
+    return engine_config(model_dir, True).replace(
+        max_prefill_tokens=1024,
+        chunked_prefill_size=1024,
+        enable_inbatch_prefix_dedup=False,
+        enable_in_step_prefix_sharing=sharing,
+    )
+
+
+async def run_together(
+    config: EngineConfig, items: list[list[int]], params: SamplingParams
+) -> tuple[list, dict, list[BatchPlan]]:
+    plans: list[BatchPlan] = []
+    async with AsyncEngine(config) as engine:
+        engine.step_hooks.append(lambda plan: (plans.append(plan), engine.core.check_invariant()))
+        outs = list(await asyncio.gather(*(engine.generate(p, params) for p in items)))
+        return outs, engine.stats(), plans
+
+
+def test_choices_sent_together_share_their_context_across_pages(
+    model_dir: Path, hf: HFScorer
+) -> None:
+    """A 37-token context (two whole pages and a part) and four choices in one step: the
+    first computes the context, the second copies it from the first, the third and fourth
+    copy part of it from the second, which resolves to the first (a copy never reads a copy)."""
+    rng = random.Random(5)
+    context = [rng.randrange(3, VOCAB) for _ in range(37)]
+    branch = [rng.randrange(3, VOCAB) for _ in range(4)]
+    items = [
+        context + [rng.randrange(3, VOCAB) for _ in range(3)],
+        context + branch + [rng.randrange(3, VOCAB)],
+        context + branch + [rng.randrange(3, VOCAB) for _ in range(2)],
+        context[:20] + [rng.randrange(3, VOCAB) for _ in range(5)],
+    ]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
+    shared, stats, plans = asyncio.run(run_together(one_step_config(model_dir), items, params))
+    cold = [
+        asyncio.run(run_together(engine_config(model_dir, False), [p], params))[0][0] for p in items
+    ]
+    assert stats["steps"] == 1
+    # sharing c tokens, a scoring prompt copies c - 1 positions (the score of the last one
+    # depends on the token after it): the second shares 37 with the first, the third 41 with
+    # the second (36 of them the first's), the fourth 20 with the first
+    assert [o.usage.cached_tokens for o in shared] == [0, 36, 40, 19]
+    assert stats["in_step_shared_tokens"] == 36 + 40 + 19
+    assert [len(s.input_ids) for s in plans[0].extends] == [40, 6, 3, 6]
+    assert len(plans[0].kv_copies) == 36 + 40 + 19
+    assert_equal_to_cold_and_hf(hf, items, shared, cold)
+
+
+def test_generation_goes_on_from_copied_kv(model_dir: Path) -> None:
+    """Requests that do not score take every shared token but their last; their greedy
+    continuations (decode steps reading the copied KV) equal those of a run that shares
+    nothing."""
+    rng = random.Random(9)
+    context = [rng.randrange(3, VOCAB) for _ in range(21)]
+    items = [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 1, 5)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    shared, stats, _ = asyncio.run(run_together(one_step_config(model_dir), items, params))
+    alone, alone_stats, _ = asyncio.run(
+        run_together(one_step_config(model_dir, sharing=False), items, params)
+    )
+    assert stats["in_step_shared_tokens"] == 2 * 21 and alone_stats["in_step_shared_tokens"] == 0
+    assert [o.token_ids for o in shared] == [o.token_ids for o in alone]
+
+
+def test_pieces_resolve_copies_to_the_segment_that_computes_them() -> None:
+    shares = StepShares(page_size=4)
+    ids = list(range(10, 30))
+    first = StepSegment("a", ids, [0, 1, 2, 3, 4], 0, 12, None)
+    second = StepSegment("b", ids, [5, 6, 7, 8, 9], 2, 16, None, copied=8, source=first)
+    shares.add(first)
+    shares.add(second)
+    found = shares.best(ids, 6, 9)
+    assert found is not None and found[0] is second and found[1] == 9  # up to b's end
+    pieces = shares.pieces(second, 6, 15)
+    assert [(p.segment.rid, p.begin, p.end) for p in pieces] == [("a", 6, 10), ("b", 10, 15)]
+    assert shares.slot(second.pages, 6) == 6 * 4 + 2
+    other = [*ids[:5], 99, *ids[6:]]
+    assert shares.best(other, 6, 9) is None  # a different token before ``at``
