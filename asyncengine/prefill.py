@@ -116,6 +116,8 @@ class Prefill:
         to register for the prompts after it (None: it shares nothing)."""
         shares = self.step_shares
         assert shares is not None
+        if req.retractions or (req.embedding is not None and not req.embedding.reuses_prefix):
+            return None  # as with kept tails; a mean-pooled embedding sums every position
         ids = req.all_ids
         at = req.kv.kv_len - take
         most = min(len(ids) - 1 - at, take - 1)

@@ -19,6 +19,13 @@ The fused column is the fused step wherever the model's step takes the batch
 third path: the torch path with every projection on the dense float32 product (the quantized
 weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
 
+``--baseline-library`` adds a column: the fused step on another build of
+kernels/cpu_decode_step.c (say main's, from its kernel cache: the same C interface), alternating
+with this tree's, for a before/after within one process on a busy machine:
+
+    .venv/bin/python scripts/bench_decode_step.py --batches 16,64 --context 512 \
+        --baseline-library ~/.cache/asyncengine/kernels/cpu_decode_step-<main's hash>.so
+
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
 waiting too).
@@ -27,6 +34,7 @@ waiting too).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -49,6 +57,7 @@ from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
+from asyncengine.kernels import decode_step_native
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
@@ -81,6 +90,14 @@ class Bench:
         }
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
+        self.library = decode_step_native._library()
+        self.baseline = None
+        if args.baseline_library:
+            self.baseline = ctypes.CDLL(str(args.baseline_library))
+            step = self.baseline.asyncengine_decode_step
+            assert self.library is not None
+            step.restype = self.library.asyncengine_decode_step.restype
+            step.argtypes = self.library.asyncengine_decode_step.argtypes
 
     def plan(self, batch: int) -> BatchPlan:
         ctx = self.args.context
@@ -89,7 +106,9 @@ class Bench:
             decodes=[Segment(f"r{b}", b, [100 + b], ctx, True) for b in range(batch)],
         )
 
-    def use(self, fused: bool, dense: bool = False) -> None:
+    def use(self, fused: bool, dense: bool = False, baseline: bool = False) -> None:
+        library = self.baseline if baseline else self.library
+        decode_step_native._library = lambda: library  # type: ignore[assignment]
         self.runner.model.native_decode = self.fused if fused else None
         for linear, crossover in self.crossovers.items():
             linear.dense_from_rows = 1 if dense else crossover
@@ -97,13 +116,15 @@ class Bench:
     def ab(self, batch: int) -> dict[str, float]:
         """Median ms of forward_logits per path, the paths alternating step by step."""
         plan = self.plan(batch)
-        paths = {"fused": (True, False), "torch": (False, False)}
+        paths = {"fused": (True, False, False), "torch": (False, False, False)}
         if self.args.dense:
-            paths["dense"] = (False, True)
+            paths["dense"] = (False, True, False)
+        if self.baseline is not None:
+            paths["baseline"] = (True, False, True)
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for repeat in range(self.args.repeats + 1):
-            for name, (fused, dense) in paths.items():
-                self.use(fused, dense)
+            for name, (fused, dense, baseline) in paths.items():
+                self.use(fused, dense, baseline)
                 start = _clock()
                 self.runner.forward_logits(plan)
                 if repeat:  # the first round warms up
@@ -115,6 +136,8 @@ class Bench:
                "speedup": ms["torch"] / ms["fused"]}  # fmt: skip
         if "dense" in ms:
             row["dense_ms"] = ms["dense"]
+        if "baseline" in ms:
+            row["baseline_fused_ms"] = ms["baseline"]
         return row
 
     def breakdown(self) -> dict[str, dict[str, float]]:
@@ -186,14 +209,20 @@ def table(result: dict[str, Any]) -> str:
         f"{result['model']} ({result['weights']}), context {result['context']}, "
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
-        "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms |",
-        "|---:|---:|---:|---:|---:|",
+        "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms "
+        "| baseline fused ms | fused vs baseline |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         fused = f"{row['fused_ms']:.2f}" + ("" if row["fused_taken"] else " (torch path)")
         dense = f"{row['dense_ms']:.2f}" if "dense_ms" in row else "-"
+        base, gain = "-", "-"
+        if "baseline_fused_ms" in row:
+            base = f"{row['baseline_fused_ms']:.2f}"
+            gain = f"{row['baseline_fused_ms'] / row['fused_ms']:.2f}x"
         lines.append(
-            f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} |"
+            f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} "
+            f"| {base} | {gain} |"
         )
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
@@ -215,6 +244,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
     parser.add_argument(
         "--dense", action="store_true", help="also the torch path on the dense float32 product"
+    )
+    parser.add_argument(
+        "--baseline-library",
+        type=Path,
+        default=None,
+        help="also the fused step on this build of cpu_decode_step (.so), alternating",
     )
     args = parser.parse_args(argv)
     global _clock

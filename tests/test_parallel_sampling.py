@@ -40,9 +40,14 @@ def sampled(n: int, max_new_tokens: int = 12, **kw: object) -> SamplingParams:
 async def test_prompt_is_prefilled_once_and_forked(
     tmp_path_factory: pytest.TempPathFactory, length: int
 ) -> None:
-    # In-batch prefix dedup off: the scheduler would defer same-prefix prompts by itself; the
-    # engine forks n choices whatever the scheduling options.
-    config = engine_config(tiny_model_dir(tmp_path_factory), enable_inbatch_prefix_dedup=False)
+    # In-batch prefix dedup and in-step sharing off: the scheduler would defer same-prefix
+    # prompts (or share them in the step) by itself; the engine forks n choices whatever the
+    # scheduling options.
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory),
+        enable_inbatch_prefix_dedup=False,
+        enable_in_step_prefix_sharing=False,
+    )
     async with AsyncEngine(config) as engine:
         await _check_fork(engine, length)
 
