@@ -1,4 +1,5 @@
-/* A whole decode step of a llama-family model with quantized weights, in one native call.
+/* A whole decode step of a llama-family model with quantized (or float32, format F32) weights,
+ * in one native call.
  *
  * At batch 1 the quantized projections of a small model take a few milliseconds per step, and
  * the ~15 torch ops and 4 ctypes calls per layer around them (allocations, dispatch, OpenMP
@@ -28,8 +29,9 @@
  * barrier less per layer. With more rows (a verify laid out as decode rows attends to keys that
  * other rows write this step) every K/V is stored before any row attends.
  *
- * The block products are those of cpu_quant_blocks.h, the
- * activations quantized as asyncengine_quantize_q8 does, the norms and rotary as
+ * The block products are those of cpu_quant_blocks.h, the activations quantized as
+ * asyncengine_quantize_q8 does (not at all for a projection of F32 parts, which reads them as
+ * float32), the norms and rotary as
  * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is a
  * two-pass softmax in float32. float32 activations and KV pool only.
  *
@@ -86,18 +88,24 @@ typedef struct {
     const layer_desc *layers;
 } model_desc;
 
-/* a thread's q8 activations: n rows of up to k values */
+/* a thread's activations: n rows of k values, in q8 form (q, d, sd) and as float32 (f: the rows
+ * they were made from, which F32 weights read instead) */
 typedef struct {
     int8_t *q;
     float *d, *sd;
+    const float *f;
     int64_t k;
 } act_buf;
 
 /* ------------------------------------------------------------------------------------------ */
 
-static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a) {
+/* x [n, k] as the next projection reads it: the float rows always, their q8 form where some
+ * part of it is quantized (q8: 0 for a projection of F32 parts only) */
+static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a, int q8) {
     const int64_t nb = k / QK;
     a->k = k;
+    a->f = x;
+    if (!q8) return;
     for (int64_t i = 0; i < n; i++)
         for (int64_t b = 0; b < nb; b++)
             quantize_block_q8(x + i * k + b * QK, a->q + i * k + b * QK, a->d + i * nb + b,
@@ -110,6 +118,13 @@ static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, f
     for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);
     for (int64_t i = 0; i < h; i++) y[i] = x[i] * inv * w[i];
+}
+
+/* whether a part of lin reads the q8 activations (any format but F32) */
+static inline int needs_q8(const qlinear *lin) {
+    for (int64_t p = 0; p < lin->num_parts; p++)
+        if (lin->parts[p].fmt != FMT_F32) return 1;
+    return 0;
 }
 
 /* the part of lin holding global row `row`, and the row's index within it */
@@ -139,7 +154,8 @@ static inline void group_out(const qpart *part, int64_t local, const act_buf *a,
     const int64_t k = a->k, nb = k / QK;
     act_row rows[NR];
     for (int r = 0; r < nr; r++)
-        rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb};
+        rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb,
+                            a->f + (i + r) * k};
     if (nr == 1) group_dot(part->fmt, part->data + local * part->row_bytes, k, rows, out);
     else group_dot_rows(part->fmt, part->data + local * part->row_bytes, k, rows, nr, out);
     if (part->bias)
@@ -171,6 +187,7 @@ static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a,
             rows[r].q = a->q + (i0 + r) * k;
             rows[r].d = a->d + (i0 + r) * nb;
             rows[r].sd = a->sd + (i0 + r) * nb;
+            rows[r].f = a->f + (i0 + r) * k;
         }
         if (nr == 1) row_dot(part->fmt, w, k, rows, 1, out + i0);
         else row_dot(part->fmt, w, k, rows, nr, out + i0);
@@ -184,7 +201,7 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
                                 float *out) {
     int64_t l0 = r0, l1 = r1;
     const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
-    const act_row row = {a->q, a->d, a->sd};
+    const act_row row = {a->q, a->d, a->sd, a->f};
     if (p0->fmt == p1->fmt && l0 >= grouped_rows(p0) && l1 >= grouped_rows(p1) &&
         row_pair_dot(p0->fmt, p0->data + l0 * p0->row_bytes, p1->data + l1 * p1->row_bytes, a->k,
                      &row, out)) {
@@ -298,7 +315,7 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
-                               a->k};
+                               a->f + i0 * a->k, a->k};
                 linear_row(lin, row, &sub, m, v);
                 for (int64_t i = 0; i < m; i++) {
                     float *dst = y + (i0 + i) * ldy + row;
@@ -352,7 +369,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
-                               a->k};
+                               a->f + i0 * a->k, a->k};
                 float g[256], u[256];
                 linear_row(lin, j, &sub, m, g);
                 linear_row(lin, inter + j, &sub, m, u);
@@ -466,7 +483,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
-                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), 0};
+                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), NULL, 0};
         float *scores = (float *)malloc((size_t)longest * sizeof(float));
         if (!(x && a.q && a.d && a.sd && scores)) {
 #pragma omp atomic write
@@ -484,7 +501,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 const layer_desc *L = &m->layers[l];
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
-                quantize_rows(x, n, H, &a);
+                quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
                 prefetch_gemv_share(&L->o_proj, H);
                 barrier_wait(&phase_barrier, &my_sense);
@@ -528,19 +545,19 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
-                quantize_rows(attn, n, q_size, &a);
+                quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
-                quantize_rows(x, n, H, &a);
+                quantize_rows(x, n, H, &a, needs_q8(&L->gate_up));
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp);
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
-                quantize_rows(mlp, n, inter, &a);
+                quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);

@@ -26,7 +26,8 @@
 #define Q_ISA_SCALAR 1
 #endif
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6,
+       FMT_F32 = 7 };
 
 #define QK 32        /* activation block */
 #define QK_K 256     /* K-format super-block */
@@ -157,6 +158,7 @@ typedef struct {
     const int8_t *q;  /* row i's int8 values */
     const float *d;   /* its block scales */
     const float *sd;  /* its block sums times scale */
+    const float *f;   /* its float32 values (F32 weights read these, not the q8 form) */
 } act_row;
 
 static inline void row_q8_0(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out) {
@@ -683,6 +685,69 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
     for (int r = 0; r < nr; r++) group_dot(fmt, w, k, a + r, out + r * XR);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* F32: float32 weight rows as they are, against the float32 activation rows (act_row.f; no q8
+ * form). A dense float32 model's projections take this path so that the fused decode step and
+ * the per-projection products run them like any stored format (kernels/quant_formats.py's F32).
+ * At batch 1 the product is bound by the weight stream (4 bytes per multiply-add): four
+ * accumulation chains hide the multiply-add latency and the row's bytes Q_PREFETCH_BYTES ahead
+ * are asked for as it goes (rows are contiguous, so the stream runs on into the next row). With
+ * nr activation rows each weight vector is loaded once for all of them. The sums run in a fixed
+ * order per row whatever the other rows hold (batch invariant). Any k: a scalar tail. */
+#if defined(Q_ISA_SIMD)
+/* row_f32 for nr (2..NR) activation rows over the whole vectors of k: the first value not
+ * summed (the caller adds the tail) */
+static inline int64_t row_f32_rows(const float *w, int64_t k, const act_row *a, int nr,
+                                   float *out) {
+    __m256 acc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+        if (j % 32 == 0) prefetch_ahead((const uint8_t *)(w + j), 128);
+        const __m256 wv = _mm256_loadu_ps(w + j);
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[r].f + j), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+    return j;
+}
+#endif
+
+static inline void row_f32(const uint8_t *wb, int64_t k, const act_row *a, int nr, float *out) {
+    const float *w = (const float *)wb;
+    int64_t j = 0;
+#if defined(Q_ISA_SIMD)
+    if (nr == 1) {
+        const float *x = a[0].f;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (; j + 32 <= k; j += 32) {
+            prefetch_ahead((const uint8_t *)(w + j), 128);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 16), _mm256_loadu_ps(x + j + 16), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 24), _mm256_loadu_ps(x + j + 24), s3);
+        }
+        for (; j + 8 <= k; j += 8)
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
+        float total = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+        for (; j < k; j++) total += w[j] * x[j];
+        out[0] = total;
+        return;
+    }
+    /* constant row counts, so that the sums stay in registers */
+    if (nr == 4) j = row_f32_rows(w, k, a, 4, out);
+    else if (nr == 3) j = row_f32_rows(w, k, a, 3, out);
+    else j = row_f32_rows(w, k, a, 2, out);
+#else
+    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+#endif
+    for (int r = 0; r < nr; r++) {
+        float tail = 0.0f;
+        for (int64_t t = j; t < k; t++) tail += w[t] * a[r].f[t];
+        out[r] += tail;
+    }
+}
+
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                            float *out) {
     switch (fmt) {
@@ -693,6 +758,7 @@ static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *
     case FMT_Q5_K: row_qk45(w, k / QK_K, a, nr, out, 1); break;
     case FMT_Q6_K: row_q6_k(w, k / QK_K, a, nr, out); break;
     case FMT_I8: row_i8(w, k / QK, a, nr, out); break;
+    case FMT_F32: row_f32(w, k, a, nr, out); break;
     default: break;
     }
 }

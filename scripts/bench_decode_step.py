@@ -206,7 +206,12 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--quantization", default="auto", choices=("auto", "int8"))
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "int8", "none"),
+        help="none: the dense checkpoint in float32 (its F32 rows in the fused step)",
+    )
     parser.add_argument("--batches", default="1,2,4,8,16,24,31")
     parser.add_argument("--context", type=int, default=64, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=15)
