@@ -213,6 +213,33 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
     linear_row(lin, r1, a, 1, out + 1);
 }
 
+/* rows r0 and r1 of lin against the n rows of a, into out0[i] and out1[i]: as a pair where both
+ * are F32 rows (row_pair_f32: each activation vector loaded once for both; the same sums as
+ * row by row), else one at a time */
+static inline void linear_rows2_n(const qlinear *lin, int64_t r0, int64_t r1, const act_buf *a,
+                                  int64_t n, float *out0, float *out1) {
+    int64_t l0 = r0, l1 = r1;
+    const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
+    if (p0->fmt != FMT_F32 || p1->fmt != FMT_F32) {
+        linear_row(lin, r0, a, n, out0);
+        linear_row(lin, r1, a, n, out1);
+        return;
+    }
+    const uint8_t *w0 = p0->data + l0 * p0->row_bytes, *w1 = p1->data + l1 * p1->row_bytes;
+    const float b0 = p0->bias ? p0->bias[l0] : 0.0f, b1 = p1->bias ? p1->bias[l1] : 0.0f;
+    for (int64_t i0 = 0; i0 < n; i0 += NR) {
+        const int nr = (int)(n - i0 < NR ? n - i0 : NR);
+        act_row rows[NR];
+        for (int r = 0; r < nr; r++) rows[r] = (act_row){NULL, NULL, NULL, a->f + (i0 + r) * a->k};
+        float both[2 * NR];
+        row_pair_f32(w0, w1, a->k, rows, nr, both);
+        for (int r = 0; r < nr; r++) {
+            out0[i0 + r] = both[r] + b0;
+            out1[i0 + r] = both[NR + r] + b1;
+        }
+    }
+}
+
 /* The barrier between the phases of a layer: spin a while (on a quiet machine the other thread
  * arrives within microseconds), then yield the core at each look. OpenMP's barrier spins for
  * far longer before it sleeps: on a machine with more runnable threads than cores the thread
@@ -310,6 +337,20 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
                 y[first + 1] = accumulate ? y[first + 1] + v[1] : v[1];
             }
         }
+        for (; n > 1 && first + 1 < r1; first += 2) { /* weight rows in pairs (F32) */
+            for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                const int64_t m = n - i0 < 256 ? n - i0 : 256;
+                act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
+                               a->f + i0 * a->k, a->k};
+                float v0[256], v1[256];
+                linear_rows2_n(lin, first, first + 1, &sub, m, v0, v1);
+                for (int64_t i = 0; i < m; i++) {
+                    float *dst = y + (i0 + i) * ldy + first;
+                    dst[0] = accumulate ? dst[0] + v0[i] : v0[i];
+                    dst[1] = accumulate ? dst[1] + v1[i] : v1[i];
+                }
+            }
+        }
         for (int64_t row = first; row < r1; row++) {
             float v[256];
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
@@ -371,8 +412,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
                                a->f + i0 * a->k, a->k};
                 float g[256], u[256];
-                linear_row(lin, j, &sub, m, g);
-                linear_row(lin, inter + j, &sub, m, u);
+                linear_rows2_n(lin, j, inter + j, &sub, m, g, u);
                 for (int64_t i = 0; i < m; i++) {
                     const float silu = g[i] / (1.0f + expf(-g[i]));
                     h[(i0 + i) * inter + j] = silu * u[i];

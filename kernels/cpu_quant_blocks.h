@@ -437,10 +437,20 @@ static inline void row_pair_q4(const uint8_t *w0, const uint8_t *w1, int64_t nb,
 
 #endif
 
+static inline void row_pair_f32(const uint8_t *w0, const uint8_t *w1, int64_t k,
+                                const act_row *a, int nr, float *out);
+
 /* rows w0 and w1 (row_bytes apart or not) against one activation row: 1 when this format has
  * the paired kernel here (out[0..1] written), 0 when the caller takes row_dot row by row */
 static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, int64_t k,
                                const act_row *a, float *out) {
+    if (fmt == FMT_F32) {
+        float both[2 * NR];
+        row_pair_f32(w0, w1, k, a, 1, both);
+        out[0] = both[0];
+        out[1] = both[NR];
+        return 1;
+    }
 #if defined(Q_ISA_SIMD)
     switch (fmt) {
     case FMT_Q4_0: row_pair_q4(w0, w1, k / QK, a, out, 0); return 1;
@@ -689,63 +699,87 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
 /* F32: float32 weight rows as they are, against the float32 activation rows (act_row.f; no q8
  * form). A dense float32 model's projections take this path so that the fused decode step and
  * the per-projection products run them like any stored format (kernels/quant_formats.py's F32).
- * At batch 1 the product is bound by the weight stream (4 bytes per multiply-add): four
- * accumulation chains hide the multiply-add latency and the row's bytes Q_PREFETCH_BYTES ahead
- * are asked for as it goes (rows are contiguous, so the stream runs on into the next row). With
- * nr activation rows each weight vector is loaded once for all of them. The sums run in a fixed
- * order per row whatever the other rows hold (batch invariant). Any k: a scalar tail. */
+ * A product is bound by the weight stream (4 bytes per multiply-add) up to a dozen activation
+ * rows: two weight rows at a time (row_pair_f32) against nr activation rows, each activation
+ * vector loaded once for both and each weight vector once for all nr, 2 nr accumulation chains;
+ * the rows' bytes Q_PREFETCH_BYTES ahead are asked for as they go. Every (weight row,
+ * activation row) sum runs in one order whatever is paired or batched with it: one chain of
+ * 8-lane vectors, their horizontal sum, then the scalar tail (any k), so results are batch
+ * invariant and the same alone (row_f32) or paired. */
 #if defined(Q_ISA_SIMD)
-/* row_f32 for nr (2..NR) activation rows over the whole vectors of k: the first value not
- * summed (the caller adds the tail) */
-static inline int64_t row_f32_rows(const float *w, int64_t k, const act_row *a, int nr,
-                                   float *out) {
-    __m256 acc[NR];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+/* rows w0 and w1 against nr (1..NR) activation rows over the whole vectors of k: out[r] (w0) and
+ * out[NR + r] (w1); returns the first value not summed (the caller adds the tail). w1 NULL: w0
+ * alone. */
+static inline int64_t f32_vectors(const float *w0, const float *w1, int64_t k, const act_row *a,
+                                  int nr, float *out) {
+    __m256 acc0[NR], acc1[NR];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= k; j += 8) {
-        if (j % 32 == 0) prefetch_ahead((const uint8_t *)(w + j), 128);
-        const __m256 wv = _mm256_loadu_ps(w + j);
-        for (int r = 0; r < nr; r++)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[r].f + j), acc[r]);
+    if (w1) {
+        for (; j + 8 <= k; j += 8) {
+            if (j % 32 == 0) {
+                prefetch_ahead((const uint8_t *)(w0 + j), 128);
+                prefetch_ahead((const uint8_t *)(w1 + j), 128);
+            }
+            const __m256 v0 = _mm256_loadu_ps(w0 + j), v1 = _mm256_loadu_ps(w1 + j);
+            for (int r = 0; r < nr; r++) {
+                const __m256 x = _mm256_loadu_ps(a[r].f + j);
+                acc0[r] = _mm256_fmadd_ps(v0, x, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(v1, x, acc1[r]);
+            }
+        }
+    } else {
+        for (; j + 8 <= k; j += 8) {
+            if (j % 32 == 0) prefetch_ahead((const uint8_t *)(w0 + j), 128);
+            const __m256 v0 = _mm256_loadu_ps(w0 + j);
+            for (int r = 0; r < nr; r++)
+                acc0[r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(a[r].f + j), acc0[r]);
+        }
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < nr; r++) {
+        out[r] = hsum(acc0[r]);
+        if (w1) out[NR + r] = hsum(acc1[r]);
+    }
     return j;
 }
 #endif
 
-static inline void row_f32(const uint8_t *wb, int64_t k, const act_row *a, int nr, float *out) {
-    const float *w = (const float *)wb;
+/* row_pair_f32 / row_f32: (w1 NULL: w0 alone) */
+static inline void f32_rows(const float *w0, const float *w1, int64_t k, const act_row *a, int nr,
+                            float *out) {
     int64_t j = 0;
 #if defined(Q_ISA_SIMD)
-    if (nr == 1) {
-        const float *x = a[0].f;
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (; j + 32 <= k; j += 32) {
-            prefetch_ahead((const uint8_t *)(w + j), 128);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 16), _mm256_loadu_ps(x + j + 16), s2);
-            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 24), _mm256_loadu_ps(x + j + 24), s3);
-        }
-        for (; j + 8 <= k; j += 8)
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
-        float total = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-        for (; j < k; j++) total += w[j] * x[j];
-        out[0] = total;
-        return;
-    }
     /* constant row counts, so that the sums stay in registers */
-    if (nr == 4) j = row_f32_rows(w, k, a, 4, out);
-    else if (nr == 3) j = row_f32_rows(w, k, a, 3, out);
-    else j = row_f32_rows(w, k, a, 2, out);
+    switch (nr) {
+    case 1: j = f32_vectors(w0, w1, k, a, 1, out); break;
+    case 2: j = f32_vectors(w0, w1, k, a, 2, out); break;
+    case 3: j = f32_vectors(w0, w1, k, a, 3, out); break;
+    default: j = f32_vectors(w0, w1, k, a, 4, out); break;
+    }
 #else
-    for (int r = 0; r < nr; r++) out[r] = 0.0f;
+    for (int r = 0; r < nr; r++) out[r] = out[NR + r] = 0.0f;
 #endif
     for (int r = 0; r < nr; r++) {
-        float tail = 0.0f;
-        for (int64_t t = j; t < k; t++) tail += w[t] * a[r].f[t];
-        out[r] += tail;
+        float t0 = 0.0f, t1 = 0.0f;
+        for (int64_t t = j; t < k; t++) {
+            t0 += w0[t] * a[r].f[t];
+            if (w1) t1 += w1[t] * a[r].f[t];
+        }
+        out[r] += t0;
+        if (w1) out[NR + r] += t1;
     }
+}
+
+/* weight rows w0 and w1 against nr (<= NR) activation rows: out[r] (w0), out[NR + r] (w1) */
+static inline void row_pair_f32(const uint8_t *w0, const uint8_t *w1, int64_t k,
+                                const act_row *a, int nr, float *out) {
+    f32_rows((const float *)w0, (const float *)w1, k, a, nr, out);
+}
+
+static inline void row_f32(const uint8_t *w, int64_t k, const act_row *a, int nr, float *out) {
+    float both[2 * NR];
+    f32_rows((const float *)w, NULL, k, a, nr, both);
+    for (int r = 0; r < nr; r++) out[r] = both[r];
 }
 
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,

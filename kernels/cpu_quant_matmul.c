@@ -161,6 +161,14 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                         else ((float *)y)[i0 * ldy + row + r] = v;
                     }
                 }
+            } else if (fmt == FMT_F32) { /* several: F32 weight rows in pairs too */
+                for (float out[2 * NR]; row + 1 < r1; row += 2) {
+                    row_pair_f32(w + row * row_bytes, w + (row + 1) * row_bytes, k, a, nr, out);
+                    for (int r = 0; r < nr; r++)
+                        for (int p = 0; p < 2; p++)
+                            store_out(y, (i0 + r) * ldy + row + p,
+                                      out[p * NR + r] + (bias ? bias[row + p] : 0.0f), out_bf16);
+                }
             }
             for (; row < r1; row++) {
                 float out[NR];

@@ -19,6 +19,13 @@ The fused column is the fused step wherever the model's step takes the batch
 third path: the torch path with every projection on the dense float32 product (the quantized
 weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
 
+``--quantization none`` runs the dense float32 checkpoint, whose projections are F32 rows (the
+fused step takes them like any format); a fourth path then runs the same weights as dense oneDNN
+``Linear``s (``ASYNCENGINE_F32_ROWS=0``: the engine before F32 rows), in its own runner over
+the same pool:
+
+    .venv/bin/python scripts/bench_decode_step.py --quantization none --batches 1 --repeats 20
+
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
 waiting too).
@@ -43,7 +50,7 @@ import torch
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor import native_decode
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import QuantizedLinear
+from asyncengine.executor.linear import FLOAT_ROWS_ENV, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.model_config import ModelConfig
@@ -71,7 +78,18 @@ class Bench:
         pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
         pool.v.uniform_(-1, 1)
         table = PageTable.contiguous(rows, pages)
-        self.runner = ModelRunner(config, loaded.weights, pool, table, torch.float32)
+        self.runner = ModelRunner(config, dict(loaded.weights), pool, table, torch.float32)
+        self.onednn: ModelRunner | None = None
+        if args.quantization == "none":  # the same weights as dense Linears, for comparison
+            previous = os.environ.get(FLOAT_ROWS_ENV)
+            os.environ[FLOAT_ROWS_ENV] = "0"
+            try:
+                self.onednn = ModelRunner(config, dict(loaded.weights), pool, table, torch.float32)
+            finally:
+                if previous is None:
+                    del os.environ[FLOAT_ROWS_ENV]
+                else:
+                    os.environ[FLOAT_ROWS_ENV] = previous
         self.fused = self.runner.model.native_decode
         self.crossovers = {
             linear: linear.dense_from_rows
@@ -100,12 +118,16 @@ class Bench:
         paths = {"fused": (True, False), "torch": (False, False)}
         if self.args.dense:
             paths["dense"] = (False, True)
+        runners = {name: self.runner for name in paths}
+        if self.onednn is not None:
+            paths["onednn"] = (False, False)
+            runners["onednn"] = self.onednn
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for repeat in range(self.args.repeats + 1):
             for name, (fused, dense) in paths.items():
                 self.use(fused, dense)
                 start = _clock()
-                self.runner.forward_logits(plan)
+                runners[name].forward_logits(plan)
                 if repeat:  # the first round warms up
                     samples[name].append(_clock() - start)
         self.use(True)
@@ -115,6 +137,8 @@ class Bench:
                "speedup": ms["torch"] / ms["fused"]}  # fmt: skip
         if "dense" in ms:
             row["dense_ms"] = ms["dense"]
+        if "onednn" in ms:
+            row["onednn_ms"] = ms["onednn"]
         return row
 
     def breakdown(self) -> dict[str, dict[str, float]]:
@@ -186,14 +210,17 @@ def table(result: dict[str, Any]) -> str:
         f"{result['model']} ({result['weights']}), context {result['context']}, "
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
-        "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms |",
-        "|---:|---:|---:|---:|---:|",
+        "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms "
+        "| dense oneDNN Linears ms |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         fused = f"{row['fused_ms']:.2f}" + ("" if row["fused_taken"] else " (torch path)")
         dense = f"{row['dense_ms']:.2f}" if "dense_ms" in row else "-"
+        onednn = f"{row['onednn_ms']:.2f}" if "onednn_ms" in row else "-"
         lines.append(
-            f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} |"
+            f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} "
+            f"| {onednn} |"
         )
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
