@@ -46,12 +46,17 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # formats) lose from 64 rows, where the dense product takes over.
 # F32 (a float32 model's weights as they are) meets its dense product without the prepacked copy
 # (``QuantizedLinear.dense``: F.linear on the same bytes; a packed copy would double a float32
-# model's resident weights once any prompt is long enough). One core's CPU time per layer, ms:
-#   rows                  1     2     4     8    12    16    20    24    32   256  1024
-#   F32 rows           1.64  2.15  1.88  2.41  3.70  4.95  5.66  6.76  8.89  53.6   225
-#   F.linear (plain)   1.94  2.98  3.03  3.96  5.32  5.92  6.46  7.02  7.33  28.2   101
-#   oneDNN prepacked   2.63  2.84  2.36  3.38  3.65  4.16  4.88  5.57  6.18  27.2   100
-# (load ~5 on 2 cores; the fused decode step gains more at the step level: executor/native_decode)
+# model's resident weights once any prompt is long enough). One core's CPU time per layer, ms,
+# 1-minute load ~7.5 on the 2-core AVX2 VM:
+#   rows                  1     4     8    16    24    32   256  1024
+#   F32 rows (paired)  1.11  1.88  2.69  5.08  7.57  9.39
+#   F.linear (plain)   1.04  2.95  3.29  5.28  6.21  6.74  28.2   101
+#   oneDNN prepacked   1.34  1.89  3.49  4.41  4.92  6.27  27.2   100
+# At the step level the fused decode step gains more (no per-op overhead): one thread's CPU ms
+# per step against the dense oneDNN Linears, 1 / 4 / 8 / 16 / 23 rows: 52 / 72 / 121 / 218 /
+# 284 against 98 / 124 / 182 / 251 / 281 (scripts/bench_decode_step.py --quantization none), so
+# the F32 step stops at 23 rows; from 24 the plain product (the packed one is ~6-20% faster at
+# 24-64 rows, not worth a second copy of every weight).
 DENSE_FROM_ROWS = 64
 DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024, "F32": 24}
 # "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
