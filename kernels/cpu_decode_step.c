@@ -1,4 +1,5 @@
-/* A whole decode step of a llama-family model with quantized weights, in one native call.
+/* A whole decode step of a llama-family model with quantized (or float32, format F32) weights,
+ * in one native call.
  *
  * At batch 1 the quantized projections of a small model take a few milliseconds per step, and
  * the ~15 torch ops and 4 ctypes calls per layer around them (allocations, dispatch, OpenMP
@@ -29,10 +30,11 @@
  * barrier less per layer. With more rows (a verify laid out as decode rows attends to keys that
  * other rows write this step) every K/V is stored before any row attends.
  *
- * The block products are those of cpu_quant_blocks.h, the
- * activations quantized as asyncengine_quantize_q8 does, the norms and rotary as
- * cpu_layer_ops.c computes them in float32 (same operations in the same order); attention is an
- * online softmax over blocks of keys in float32. float32 activations and KV pool only.
+ * The block products are those of cpu_quant_blocks.h, the activations quantized as
+ * asyncengine_quantize_q8 does (not at all for a projection of F32 parts, which reads them as
+ * float32), the norms and rotary as cpu_layer_ops.c computes them in float32 (same operations in
+ * the same order); attention is an online softmax over blocks of keys in float32. float32
+ * activations and KV pool only.
  *
  *   hidden      [n, hidden] float32       the embedded input tokens
  *   positions   [n] int64, slots [n] int64 (where each new K/V goes)
@@ -88,18 +90,24 @@ typedef struct {
     const layer_desc *layers;
 } model_desc;
 
-/* a thread's q8 activations: n rows of up to k values */
+/* a thread's activations: n rows of k values, in q8 form (q, d, sd) and as float32 (f: the rows
+ * they were made from, which F32 weights read instead) */
 typedef struct {
     int8_t *q;
     float *d, *sd;
+    const float *f;
     int64_t k;
 } act_buf;
 
 /* ------------------------------------------------------------------------------------------ */
 
-static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a) {
+/* x [n, k] as the next projection reads it: the float rows always, their q8 form where some
+ * part of it is quantized (q8: 0 for a projection of F32 parts only) */
+static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a, int q8) {
     const int64_t nb = k / QK;
     a->k = k;
+    a->f = x;
+    if (!q8) return;
     for (int64_t i = 0; i < n; i++)
         for (int64_t b = 0; b < nb; b++)
             quantize_block_q8(x + i * k + b * QK, a->q + i * k + b * QK, a->d + i * nb + b,
@@ -112,6 +120,13 @@ static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, f
     for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);
     for (int64_t i = 0; i < h; i++) y[i] = x[i] * inv * w[i];
+}
+
+/* whether a part of lin reads the q8 activations (any format but F32) */
+static inline int needs_q8(const qlinear *lin) {
+    for (int64_t p = 0; p < lin->num_parts; p++)
+        if (lin->parts[p].fmt != FMT_F32) return 1;
+    return 0;
 }
 
 /* the part of lin holding global row `row`, and the row's index within it */
@@ -141,7 +156,8 @@ static inline void group_out(const qpart *part, int64_t local, const act_buf *a,
     const int64_t k = a->k, nb = k / QK;
     act_row rows[NR];
     for (int r = 0; r < nr; r++)
-        rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb};
+        rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb,
+                            a->f + (i + r) * k};
     if (nr == 1) group_dot(part->fmt, part->data + local * part->row_bytes, k, rows, out);
     else group_dot_rows(part->fmt, part->data + local * part->row_bytes, k, rows, nr, out);
     if (part->bias)
@@ -173,6 +189,7 @@ static inline void linear_row(const qlinear *lin, int64_t row, const act_buf *a,
             rows[r].q = a->q + (i0 + r) * k;
             rows[r].d = a->d + (i0 + r) * nb;
             rows[r].sd = a->sd + (i0 + r) * nb;
+            rows[r].f = a->f + (i0 + r) * k;
         }
         if (nr == 1) row_dot(part->fmt, w, k, rows, 1, out + i0);
         else row_dot(part->fmt, w, k, rows, nr, out + i0);
@@ -186,7 +203,7 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
                                 float *out) {
     int64_t l0 = r0, l1 = r1;
     const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
-    const act_row row = {a->q, a->d, a->sd};
+    const act_row row = {a->q, a->d, a->sd, a->f};
     if (p0->fmt == p1->fmt && l0 >= grouped_rows(p0) && l1 >= grouped_rows(p1) &&
         row_pair_dot(p0->fmt, p0->data + l0 * p0->row_bytes, p1->data + l1 * p1->row_bytes, a->k,
                      &row, out)) {
@@ -196,6 +213,33 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
     }
     linear_row(lin, r0, a, 1, out);
     linear_row(lin, r1, a, 1, out + 1);
+}
+
+/* rows r0 and r1 of lin against the n rows of a, into out0[i] and out1[i]: as a pair where both
+ * are F32 rows (row_pair_f32: each activation vector loaded once for both; the same sums as
+ * row by row), else one at a time */
+static inline void linear_rows2_n(const qlinear *lin, int64_t r0, int64_t r1, const act_buf *a,
+                                  int64_t n, float *out0, float *out1) {
+    int64_t l0 = r0, l1 = r1;
+    const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
+    if (p0->fmt != FMT_F32 || p1->fmt != FMT_F32) {
+        linear_row(lin, r0, a, n, out0);
+        linear_row(lin, r1, a, n, out1);
+        return;
+    }
+    const uint8_t *w0 = p0->data + l0 * p0->row_bytes, *w1 = p1->data + l1 * p1->row_bytes;
+    const float b0 = p0->bias ? p0->bias[l0] : 0.0f, b1 = p1->bias ? p1->bias[l1] : 0.0f;
+    for (int64_t i0 = 0; i0 < n; i0 += NR) {
+        const int nr = (int)(n - i0 < NR ? n - i0 : NR);
+        act_row rows[NR];
+        for (int r = 0; r < nr; r++) rows[r] = (act_row){NULL, NULL, NULL, a->f + (i0 + r) * a->k};
+        float both[2 * NR];
+        row_pair_f32(w0, w1, a->k, rows, nr, both);
+        for (int r = 0; r < nr; r++) {
+            out0[i0 + r] = both[r] + b0;
+            out1[i0 + r] = both[NR + r] + b1;
+        }
+    }
 }
 
 /* The barrier between the phases of a layer: spin a while (on a quiet machine the other thread
@@ -295,12 +339,26 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
                 y[first + 1] = accumulate ? y[first + 1] + v[1] : v[1];
             }
         }
+        for (; n > 1 && first + 1 < r1; first += 2) { /* weight rows in pairs (F32) */
+            for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                const int64_t m = n - i0 < 256 ? n - i0 : 256;
+                act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
+                               a->f + i0 * a->k, a->k};
+                float v0[256], v1[256];
+                linear_rows2_n(lin, first, first + 1, &sub, m, v0, v1);
+                for (int64_t i = 0; i < m; i++) {
+                    float *dst = y + (i0 + i) * ldy + first;
+                    dst[0] = accumulate ? dst[0] + v0[i] : v0[i];
+                    dst[1] = accumulate ? dst[1] + v1[i] : v1[i];
+                }
+            }
+        }
         for (int64_t row = first; row < r1; row++) {
             float v[256];
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
-                               a->k};
+                               a->f + i0 * a->k, a->k};
                 linear_row(lin, row, &sub, m, v);
                 for (int64_t i = 0; i < m; i++) {
                     float *dst = y + (i0 + i) * ldy + row;
@@ -354,10 +412,9 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),
-                               a->k};
+                               a->f + i0 * a->k, a->k};
                 float g[256], u[256];
-                linear_row(lin, j, &sub, m, g);
-                linear_row(lin, inter + j, &sub, m, u);
+                linear_rows2_n(lin, j, inter + j, &sub, m, g, u);
                 for (int64_t i = 0; i < m; i++) {
                     const float silu = g[i] / (1.0f + expf(-g[i]));
                     h[(i0 + i) * inter + j] = silu * u[i];
@@ -476,7 +533,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         float *x = (float *)malloc((size_t)(n * H) * sizeof(float));
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
-                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), 0};
+                     (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), NULL, 0};
         if (!(x && a.q && a.d && a.sd)) {
 #pragma omp atomic write
             failed = 1;
@@ -494,7 +551,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 const layer_desc *L = &m->layers[l];
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
-                quantize_rows(x, n, H, &a);
+                quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
                 prefetch_gemv_share(&L->o_proj, H);
                 barrier_wait(&phase_barrier, &my_sense);
@@ -543,19 +600,19 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
-                quantize_rows(attn, n, q_size, &a);
+                quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
-                quantize_rows(x, n, H, &a);
+                quantize_rows(x, n, H, &a, needs_q8(&L->gate_up));
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp);
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
-                quantize_rows(mlp, n, inter, &a);
+                quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);

@@ -26,7 +26,8 @@
 #define Q_ISA_SCALAR 1
 #endif
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6,
+       FMT_F32 = 7 };
 
 #define QK 32        /* activation block */
 #define QK_K 256     /* K-format super-block */
@@ -157,6 +158,7 @@ typedef struct {
     const int8_t *q;  /* row i's int8 values */
     const float *d;   /* its block scales */
     const float *sd;  /* its block sums times scale */
+    const float *f;   /* its float32 values (F32 weights read these, not the q8 form) */
 } act_row;
 
 static inline void row_q8_0(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out) {
@@ -435,10 +437,20 @@ static inline void row_pair_q4(const uint8_t *w0, const uint8_t *w1, int64_t nb,
 
 #endif
 
+static inline void row_pair_f32(const uint8_t *w0, const uint8_t *w1, int64_t k,
+                                const act_row *a, int nr, float *out);
+
 /* rows w0 and w1 (row_bytes apart or not) against one activation row: 1 when this format has
  * the paired kernel here (out[0..1] written), 0 when the caller takes row_dot row by row */
 static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, int64_t k,
                                const act_row *a, float *out) {
+    if (fmt == FMT_F32) {
+        float both[2 * NR];
+        row_pair_f32(w0, w1, k, a, 1, both);
+        out[0] = both[0];
+        out[1] = both[NR];
+        return 1;
+    }
 #if defined(Q_ISA_SIMD)
     switch (fmt) {
     case FMT_Q4_0: row_pair_q4(w0, w1, k / QK, a, out, 0); return 1;
@@ -683,6 +695,93 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
     for (int r = 0; r < nr; r++) group_dot(fmt, w, k, a + r, out + r * XR);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* F32: float32 weight rows as they are, against the float32 activation rows (act_row.f; no q8
+ * form). A dense float32 model's projections take this path so that the fused decode step and
+ * the per-projection products run them like any stored format (kernels/quant_formats.py's F32).
+ * A product is bound by the weight stream (4 bytes per multiply-add) up to a dozen activation
+ * rows: two weight rows at a time (row_pair_f32) against nr activation rows, each activation
+ * vector loaded once for both and each weight vector once for all nr, 2 nr accumulation chains;
+ * the rows' bytes Q_PREFETCH_BYTES ahead are asked for as they go. Every (weight row,
+ * activation row) sum runs in one order whatever is paired or batched with it: one chain of
+ * 8-lane vectors, their horizontal sum, then the scalar tail (any k), so results are batch
+ * invariant and the same alone (row_f32) or paired. */
+#if defined(Q_ISA_SIMD)
+/* rows w0 and w1 against nr (1..NR) activation rows over the whole vectors of k: out[r] (w0) and
+ * out[NR + r] (w1); returns the first value not summed (the caller adds the tail). w1 NULL: w0
+ * alone. */
+static inline int64_t f32_vectors(const float *w0, const float *w1, int64_t k, const act_row *a,
+                                  int nr, float *out) {
+    __m256 acc0[NR], acc1[NR];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t j = 0;
+    if (w1) {
+        for (; j + 8 <= k; j += 8) {
+            if (j % 32 == 0) {
+                prefetch_ahead((const uint8_t *)(w0 + j), 128);
+                prefetch_ahead((const uint8_t *)(w1 + j), 128);
+            }
+            const __m256 v0 = _mm256_loadu_ps(w0 + j), v1 = _mm256_loadu_ps(w1 + j);
+            for (int r = 0; r < nr; r++) {
+                const __m256 x = _mm256_loadu_ps(a[r].f + j);
+                acc0[r] = _mm256_fmadd_ps(v0, x, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(v1, x, acc1[r]);
+            }
+        }
+    } else {
+        for (; j + 8 <= k; j += 8) {
+            if (j % 32 == 0) prefetch_ahead((const uint8_t *)(w0 + j), 128);
+            const __m256 v0 = _mm256_loadu_ps(w0 + j);
+            for (int r = 0; r < nr; r++)
+                acc0[r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(a[r].f + j), acc0[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        out[r] = hsum(acc0[r]);
+        if (w1) out[NR + r] = hsum(acc1[r]);
+    }
+    return j;
+}
+#endif
+
+/* row_pair_f32 / row_f32: (w1 NULL: w0 alone) */
+static inline void f32_rows(const float *w0, const float *w1, int64_t k, const act_row *a, int nr,
+                            float *out) {
+    int64_t j = 0;
+#if defined(Q_ISA_SIMD)
+    /* constant row counts, so that the sums stay in registers */
+    switch (nr) {
+    case 1: j = f32_vectors(w0, w1, k, a, 1, out); break;
+    case 2: j = f32_vectors(w0, w1, k, a, 2, out); break;
+    case 3: j = f32_vectors(w0, w1, k, a, 3, out); break;
+    default: j = f32_vectors(w0, w1, k, a, 4, out); break;
+    }
+#else
+    for (int r = 0; r < nr; r++) out[r] = out[NR + r] = 0.0f;
+#endif
+    for (int r = 0; r < nr; r++) {
+        float t0 = 0.0f, t1 = 0.0f;
+        for (int64_t t = j; t < k; t++) {
+            t0 += w0[t] * a[r].f[t];
+            if (w1) t1 += w1[t] * a[r].f[t];
+        }
+        out[r] += t0;
+        if (w1) out[NR + r] += t1;
+    }
+}
+
+/* weight rows w0 and w1 against nr (<= NR) activation rows: out[r] (w0), out[NR + r] (w1) */
+static inline void row_pair_f32(const uint8_t *w0, const uint8_t *w1, int64_t k,
+                                const act_row *a, int nr, float *out) {
+    f32_rows((const float *)w0, (const float *)w1, k, a, nr, out);
+}
+
+static inline void row_f32(const uint8_t *w, int64_t k, const act_row *a, int nr, float *out) {
+    float both[2 * NR];
+    f32_rows((const float *)w, NULL, k, a, nr, both);
+    for (int r = 0; r < nr; r++) out[r] = both[r];
+}
+
 static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                            float *out) {
     switch (fmt) {
@@ -693,6 +792,7 @@ static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *
     case FMT_Q5_K: row_qk45(w, k / QK_K, a, nr, out, 1); break;
     case FMT_Q6_K: row_q6_k(w, k / QK_K, a, nr, out); break;
     case FMT_I8: row_i8(w, k / QK, a, nr, out); break;
+    case FMT_F32: row_f32(w, k, a, nr, out); break;
     default: break;
     }
 }

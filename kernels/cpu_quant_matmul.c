@@ -18,6 +18,9 @@
  *   Q6_K    256    210    d * sc_s * (q[j] - 32)              (16 sub-blocks of 16, int8 sc)
  *   I8      row   4 + k   s * q[j]                            (our int8: one float32 scale per
  *                                                              row, then the row's int8 values)
+ *   F32     1      4      w[j]                                (a dense float32 weight as it is:
+ *                                                              it meets the float32 activations,
+ *                                                              not their q8 form; see row_f32)
  *
  * Offsets (Q4_0's -8, Q4_1's m, the K formats' mins) multiply the activation block's sum, so the
  * integer products take the unsigned values as stored. Q8_0 and Q6_K (signed values) use the
@@ -102,13 +105,25 @@ void asyncengine_interleave_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
         interleave_group(fmt, w + g * row_bytes, row_bytes, k / QK, dst + g * row_bytes, 0);
 }
 
-/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output;
+/* activation rows i0..i0 + nr - 1 as the row kernels take them: their q8 form (xq: NULL for F32
+ * weights, which read the float32 rows xf instead) */
+static inline void act_rows(const int8_t *xq, const float *xd, const float *xsd, const float *xf,
+                            int64_t k, int64_t i0, int nr, act_row *a) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nr; r++) {
+        const int64_t i = i0 + r;
+        a[r] = (act_row){xq ? xq + i * k : NULL, xq ? xd + i * nb : NULL,
+                         xq ? xsd + i * nb : NULL, xf ? xf + i * k : NULL};
+    }
+}
+
+/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output
+ * (xq, xd, xsd) or, for F32 weights, from the float32 rows xf [n, k];
  * interleaved: W's first rows / XR * XR rows are interleaved groups (asyncengine_interleave_rows) */
 void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
                               int64_t k, int interleaved, const int8_t *xq, const float *xd,
-                              const float *xsd, int64_t n, const float *bias, void *y, int64_t ldy,
-                              int out_bf16, int threads) {
-    const int64_t nb = k / QK;
+                              const float *xsd, const float *xf, int64_t n, const float *bias,
+                              void *y, int64_t ldy, int out_bf16, int threads) {
     const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
     const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tiles > 1)
@@ -120,8 +135,7 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
             for (int64_t i0 = 0; i0 < n; i0 += NR) {
                 const int nr = (int)(n - i0 < NR ? n - i0 : NR);
                 act_row a[NR];
-                for (int r = 0; r < nr; r++)
-                    a[r] = (act_row){xq + (i0 + r) * k, xd + (i0 + r) * nb, xsd + (i0 + r) * nb};
+                act_rows(xq, xd, xsd, xf, k, i0, nr, a);
                 float out[NR * XR];
                 group_dot_rows(fmt, w + g * row_bytes, k, a, nr, out);
                 for (int r = 0; r < nr; r++)
@@ -134,11 +148,7 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
         for (int64_t i0 = 0; i0 < n; i0 += NR) {
             const int nr = (int)(n - i0 < NR ? n - i0 : NR);
             act_row a[NR];
-            for (int r = 0; r < nr; r++) {
-                a[r].q = xq + (i0 + r) * k;
-                a[r].d = xd + (i0 + r) * nb;
-                a[r].sd = xsd + (i0 + r) * nb;
-            }
+            act_rows(xq, xd, xsd, xf, k, i0, nr, a);
             int64_t row = g1 > r0 ? g1 : r0;
             if (nr == 1) { /* one activation row: weight rows in pairs where the format can */
                 for (float out[2]; row + 1 < r1; row += 2) {
@@ -150,6 +160,14 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                         if (out_bf16) ((uint16_t *)y)[i0 * ldy + row + r] = float_to_bf16_bits(v);
                         else ((float *)y)[i0 * ldy + row + r] = v;
                     }
+                }
+            } else if (fmt == FMT_F32) { /* several: F32 weight rows in pairs too */
+                for (float out[2 * NR]; row + 1 < r1; row += 2) {
+                    row_pair_f32(w + row * row_bytes, w + (row + 1) * row_bytes, k, a, nr, out);
+                    for (int r = 0; r < nr; r++)
+                        for (int p = 0; p < 2; p++)
+                            store_out(y, (i0 + r) * ldy + row + p,
+                                      out[p * NR + r] + (bias ? bias[row + p] : 0.0f), out_bf16);
                 }
             }
             for (; row < r1; row++) {
@@ -244,6 +262,7 @@ static void dequantize_row(int fmt, const uint8_t *w, int64_t k, float *y) {
         for (int64_t j = 0; j < k; j++) y[j] = scale * (float)((const int8_t *)(w + 4))[j];
         break;
     }
+    case FMT_F32: memcpy(y, w, (size_t)k * sizeof(float)); break;
     default: break;
     }
 }
@@ -285,18 +304,25 @@ void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
 }
 
 /* quantize_q8 then quant_matmul in one call (the activations in a scratch buffer): one call per
- * projection, which is what a batch-1 decode step is made of */
+ * projection, which is what a batch-1 decode step is made of. F32 weights take x as it is
+ * (float32 x only: the caller checks). */
 void asyncengine_quant_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
                               int64_t k, int interleaved, const void *x, int64_t n, int x_bf16,
                               const float *bias, void *y, int64_t ldy, int out_bf16, int threads) {
+    if (fmt == FMT_F32) {
+        if (!x_bf16)
+            asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, NULL, NULL, NULL,
+                                     (const float *)x, n, bias, y, ldy, out_bf16, threads);
+        return;
+    }
     const int64_t nb = k / QK;
     int8_t *q = (int8_t *)malloc((size_t)(n * k));
     float *d = (float *)malloc((size_t)(n * nb) * sizeof(float));
     float *sd = (float *)malloc((size_t)(n * nb) * sizeof(float));
     if (q && d && sd) {
         asyncengine_quantize_q8(x, n, k, x_bf16, q, d, sd, threads);
-        asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, q, d, sd, n, bias, y,
-                                 ldy, out_bf16, threads);
+        asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, q, d, sd, NULL, n, bias,
+                                 y, ldy, out_bf16, threads);
     }
     free(q);
     free(d);

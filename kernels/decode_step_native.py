@@ -2,8 +2,8 @@
 (kernels/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
 described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
-float32 activations and KV pool; every projection quantized (``QuantizedTensor`` parts, a
-fused projection of mixed formats being several parts). ``available()`` says whether the
+float32 activations and KV pool; every projection in a stored format (``QuantizedTensor`` parts,
+F32 rows among them; a fused projection of mixed formats being several parts). ``available()`` says whether the
 library loaded.
 """
 

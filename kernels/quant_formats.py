@@ -40,8 +40,12 @@ Q6_K = QuantFormat("Q6_K", 5, 256, 210, 14)
 # ours: one float32 scale per output row, then the row's int8 values (symmetric; quantization
 # "int8" of a float checkpoint). The kernel reads values in blocks of 32.
 I8 = QuantFormat("I8", 6, 32, 32, None, row_header_bytes=4)
+# ours: a dense float32 weight as it is (4 bytes per value), so that the native products and the
+# fused decode step take a float32 model's projections like any stored format (executor/linear.py
+# makes them; not a GGUF type here: GGUF's F32 tensors load as plain tensors)
+F32 = QuantFormat("F32", 7, 1, 4, None)
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8)}
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8, F32)}
 GGUF_FORMATS: dict[int, QuantFormat] = {
     f.gguf_type: f for f in FORMATS.values() if f.gguf_type is not None
 }
@@ -92,6 +96,14 @@ class QuantizedTensor:
 
     def contiguous(self) -> QuantizedTensor:
         return QuantizedTensor(self.format, self.data.contiguous(), self.cols, self.interleaved)
+
+
+def f32_rows(weight: torch.Tensor) -> QuantizedTensor:
+    """A float32 [rows, cols] weight as an F32 ``QuantizedTensor`` over the same bytes."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"F32 rows are a 2-D float32 weight, not {weight.dtype}")
+    weight = weight.contiguous()
+    return QuantizedTensor(F32, weight.view(torch.uint8), int(weight.shape[1]))
 
 
 def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:

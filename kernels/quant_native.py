@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from asyncengine.kernels import cpu_native
-from asyncengine.kernels.quant_formats import INTERLEAVED_FORMATS, QuantizedTensor
+from asyncengine.kernels.quant_formats import F32, INTERLEAVED_FORMATS, QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
     "asyncengine_quantize_q8": [_PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT],
     "asyncengine_quant_matmul": [
-        _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT
+        _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT,
+        _INT
     ],
     "asyncengine_dequantize_rows": [
         _INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _INT, _INT
@@ -101,7 +102,10 @@ def matmul_quantized(
     isa: str = "native",
 ) -> None:
     """out[:, :rows] = activation (quantize_q8's output) @ weight.T (+ bias). ``out`` may be a
-    column slice of a wider row-major tensor (its row stride is honoured)."""
+    column slice of a wider row-major tensor (its row stride is honoured). Not for F32 weights,
+    which read the float32 activations (``quant_linear``)."""
+    if weight.format == F32:
+        raise ValueError("F32 weights take float32 activations: quant_linear, not q8 blocks")
     q, d, sd = activation
     n, k = q.shape
     rows, cols = weight.shape
@@ -128,6 +132,7 @@ def matmul_quantized(
         q.data_ptr(),
         d.data_ptr(),
         sd.data_ptr(),
+        None,
         n,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
@@ -143,7 +148,10 @@ def quant_matmul(
     bias: torch.Tensor | None = None,
     isa: str = "native",
 ) -> torch.Tensor:
-    """y [n, rows] in x's dtype = x @ weight.T (+ bias), through q8 activations."""
+    """y [n, rows] in x's dtype = x @ weight.T (+ bias), through q8 activations (F32 weights:
+    through the float32 activations, ``quant_linear``)."""
+    if weight.format == F32:
+        return quant_linear(x, weight, bias, isa)
     activation = quantize_q8(x, isa)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     matmul_quantized(activation, weight, out, bias, isa)
@@ -157,9 +165,14 @@ def quant_linear(
     isa: str = "native",
 ) -> torch.Tensor:
     """``quant_matmul`` in one native call (the q8 activations never reach Python): the batch-1
-    path, where each projection's call overhead counts."""
+    path, where each projection's call overhead counts. F32 weights take x (float32) as it is."""
     x = x.contiguous()
-    bf16 = _check_activation(x)
+    if weight.format == F32:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"F32 weights take 2-D CPU float32 activations, not {x.dtype}")
+        bf16 = 0
+    else:
+        bf16 = _check_activation(x)
     rows, cols = weight.shape
     n = x.shape[0]
     if cols != x.shape[1]:

@@ -15,7 +15,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncengine.kernels.quant_formats import I8, INTERLEAVED_ROWS, Q4_1, Q8_0, QuantizedTensor
+from asyncengine.kernels.quant_formats import (
+    F32,
+    I8,
+    INTERLEAVED_ROWS,
+    Q4_1,
+    Q8_0,
+    QuantizedTensor,
+)
 
 ACT_BLOCK = 32
 
@@ -59,6 +66,8 @@ def dequantize(weight: QuantizedTensor) -> torch.Tensor:
     """The float32 [rows, cols] values the blocks stand for."""
     weight = deinterleave(weight)
     rows, cols = weight.shape
+    if weight.format == F32:
+        return weight.data.contiguous().view(torch.float32).clone()
     if weight.format == I8:
         raw = weight.data
         scale = raw[:, :4].contiguous().view(torch.float32)
@@ -86,7 +95,11 @@ def quantize_i8(weight: torch.Tensor) -> QuantizedTensor:
 def quant_matmul(
     x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """y [n, rows] float32: x quantized to q8 blocks, times the dequantized weight (float64 sums)."""
+    """y [n, rows] float32: x quantized to q8 blocks, times the dequantized weight (float64 sums);
+    F32 weights meet x itself (no q8 blocks)."""
+    if weight.format == F32:
+        y = x.double() @ dequantize(weight).double().T
+        return (y if bias is None else y + bias.double()).float()
     q, d, _ = quantize_q8(x)
     n, k = q.shape
     xq = (q.double().reshape(n, k // ACT_BLOCK, ACT_BLOCK) * d.double().unsqueeze(-1)).reshape(n, k)

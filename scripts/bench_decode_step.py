@@ -26,6 +26,13 @@ with this tree's, for a before/after within one process on a busy machine:
     .venv/bin/python scripts/bench_decode_step.py --batches 16,64 --context 512 \
         --baseline-library ~/.cache/asyncengine/kernels/cpu_decode_step-<main's hash>.so
 
+``--quantization none`` runs the dense float32 checkpoint, whose projections are F32 rows (the
+fused step takes them like any format); a fourth path then runs the same weights as dense oneDNN
+``Linear``s (``ASYNCENGINE_F32_ROWS=0``: the engine before F32 rows), in its own runner over
+the same pool:
+
+    .venv/bin/python scripts/bench_decode_step.py --quantization none --batches 1 --repeats 20
+
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
 waiting too).
@@ -51,7 +58,7 @@ import torch
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor import native_decode
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import QuantizedLinear
+from asyncengine.executor.linear import FLOAT_ROWS_ENV, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.model_config import ModelConfig
@@ -80,7 +87,18 @@ class Bench:
         pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
         pool.v.uniform_(-1, 1)
         table = PageTable.contiguous(rows, pages)
-        self.runner = ModelRunner(config, loaded.weights, pool, table, torch.float32)
+        self.runner = ModelRunner(config, dict(loaded.weights), pool, table, torch.float32)
+        self.onednn: ModelRunner | None = None
+        if args.quantization == "none":  # the same weights as dense Linears, for comparison
+            previous = os.environ.get(FLOAT_ROWS_ENV)
+            os.environ[FLOAT_ROWS_ENV] = "0"
+            try:
+                self.onednn = ModelRunner(config, dict(loaded.weights), pool, table, torch.float32)
+            finally:
+                if previous is None:
+                    del os.environ[FLOAT_ROWS_ENV]
+                else:
+                    os.environ[FLOAT_ROWS_ENV] = previous
         self.fused = self.runner.model.native_decode
         self.crossovers = {
             linear: linear.dense_from_rows
@@ -121,12 +139,16 @@ class Bench:
             paths["dense"] = (False, True, False)
         if self.baseline is not None:
             paths["baseline"] = (True, False, True)
+        runners = {name: self.runner for name in paths}
+        if self.onednn is not None:
+            paths["onednn"] = (False, False, False)
+            runners["onednn"] = self.onednn
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for repeat in range(self.args.repeats + 1):
             for name, (fused, dense, baseline) in paths.items():
                 self.use(fused, dense, baseline)
                 start = _clock()
-                self.runner.forward_logits(plan)
+                runners[name].forward_logits(plan)
                 if repeat:  # the first round warms up
                     samples[name].append(_clock() - start)
         self.use(True)
@@ -138,6 +160,8 @@ class Bench:
             row["dense_ms"] = ms["dense"]
         if "baseline" in ms:
             row["baseline_fused_ms"] = ms["baseline"]
+        if "onednn" in ms:
+            row["onednn_ms"] = ms["onednn"]
         return row
 
     def breakdown(self) -> dict[str, dict[str, float]]:
@@ -210,8 +234,8 @@ def table(result: dict[str, Any]) -> str:
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
         "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms "
-        "| baseline fused ms | fused vs baseline |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| baseline fused ms | fused vs baseline | dense oneDNN Linears ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         fused = f"{row['fused_ms']:.2f}" + ("" if row["fused_taken"] else " (torch path)")
@@ -220,9 +244,10 @@ def table(result: dict[str, Any]) -> str:
         if "baseline_fused_ms" in row:
             base = f"{row['baseline_fused_ms']:.2f}"
             gain = f"{row['baseline_fused_ms'] / row['fused_ms']:.2f}x"
+        onednn = f"{row['onednn_ms']:.2f}" if "onednn_ms" in row else "-"
         lines.append(
             f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} "
-            f"| {base} | {gain} |"
+            f"| {base} | {gain} | {onednn} |"
         )
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
@@ -235,7 +260,12 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--quantization", default="auto", choices=("auto", "int8"))
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "int8", "none"),
+        help="none: the dense checkpoint in float32 (its F32 rows in the fused step)",
+    )
     parser.add_argument("--batches", default="1,2,4,8,16,24,31")
     parser.add_argument("--context", type=int, default=64, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=15)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.executor.linear import Linear, QuantizedLinear
 from asyncengine.kernels import quant_native, quant_ref
-from asyncengine.kernels.quant_formats import FORMATS
+from asyncengine.kernels.quant_formats import FORMATS, f32_rows
 
 # (name, out_features, in_features) of SmolLM2-135M's projections; qkv/gate_up fused
 LAYER_SHAPES = [
@@ -57,6 +57,8 @@ def best_ms(fn: Callable[[], object], seconds: float = 0.3) -> float:
 def quantize(fmt_name: str, weight: torch.Tensor) -> QuantizedLinear:
     if fmt_name == "I8":
         return QuantizedLinear([quant_ref.quantize_i8(weight)])
+    if fmt_name == "F32":  # the float32 weight as it is, through the native F32 rows
+        return QuantizedLinear([f32_rows(weight.float())])
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.executor.loader import resolve_model
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.decode_step_native import DecodeStepModel
 
 PROMPTS = [
     "The capital of France is",
@@ -50,7 +53,18 @@ def hf_continuations() -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_default_model_fp32_greedy_batch_equals_hf(hf_continuations: list[list[int]]) -> None:
+def test_default_model_fp32_greedy_batch_equals_hf(
+    hf_continuations: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fused_rows: list[int] = []  # the rows of each fused decode step (float32 weights: F32 rows)
+    step = DecodeStepModel.step
+
+    def counting(self: DecodeStepModel, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        fused_rows.append(hidden.shape[0])
+        return step(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStepModel, "step", counting)
+
     async def run() -> list[list[int]]:
         # the file expanded to float32 (HF's weights); the file as stored (int8 activations
         # against its blocks) is held to its own bounds in test_quantized_model.py
@@ -72,3 +86,5 @@ def test_default_model_fp32_greedy_batch_equals_hf(hf_continuations: list[list[i
         return [o.token_ids for o in outs]
 
     assert asyncio.run(run()) == hf_continuations
+    if cpu_native.compiler_found():  # the decode steps ran in the fused native step, batched
+        assert len(fused_rows) >= NEW_TOKENS - 1 and max(fused_rows) == len(PROMPTS)

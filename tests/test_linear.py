@@ -1,15 +1,25 @@
 """Linear on the CPU: once its weight is packed for oneDNN it keeps only the packed copy (one
-copy of the weights resident, not two), and still computes x @ W.T + b for any leading shape."""
+copy of the weights resident, not two), and still computes x @ W.T + b for any leading shape.
+A float32 model's projections become F32 rows (``make_linear``) where the native kernels are."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.linear import Linear
+from asyncengine.executor import linear as linear_module
+from asyncengine.executor.linear import (
+    DENSE_FROM_ROWS_BY_FORMAT,
+    Linear,
+    QuantizedLinear,
+    make_linear,
+)
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.quant_formats import F32
 
 
 def test_a_packed_linear_drops_the_plain_weight_and_multiplies_the_same() -> None:
@@ -38,3 +48,30 @@ def test_the_packed_linear_keeps_no_reference_to_the_weight_it_was_given() -> No
     gc.collect()
     assert given() is None
     assert linear(torch.ones(2, 16)).shape == (2, 32)
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dense float32 parts (q/k/v here) become one F32 QuantizedLinear: the native product below
+    its crossover, F.linear on the very same bytes from it (no second copy), both x @ W.T + b.
+    bf16, deterministic mode's row blocks and ASYNCENGINE_F32_ROWS=0 keep a dense Linear."""
+    parts = [torch.randn(24, 40), torch.randn(8, 40), torch.randn(8, 40)]
+    bias = torch.randn(40)
+    fused = make_linear(parts, bias, torch.float32)
+    assert isinstance(fused, QuantizedLinear)
+    assert [p.format for p in fused.parts] == [F32]
+    crossover = DENSE_FROM_ROWS_BY_FORMAT["F32"]
+    assert fused.dense_from_rows == crossover
+    weight = torch.cat(parts)
+    for rows in (1, 3, crossover - 1, crossover, 3 * crossover):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(fused(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    dense = fused.dense(torch.float32)
+    assert dense.weight is not None and dense.packed is None
+    assert dense.weight.data_ptr() == fused.parts[0].data.data_ptr()
+    assert isinstance(make_linear(parts, None, torch.bfloat16), Linear)
+    assert isinstance(make_linear(parts, None, torch.float32, row_block=32), Linear)
+    monkeypatch.setenv(linear_module.FLOAT_ROWS_ENV, "0")
+    assert isinstance(make_linear(parts, None, torch.float32), Linear)

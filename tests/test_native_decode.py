@@ -1,7 +1,8 @@
 """The fused native decode step (kernels/cpu_decode_step.c via executor/native_decode.py) against
 the torch path of the same quantized model: same logits within the int8 activations'
-rounding, same greedy tokens, K/V written to the same slots; and the models and batches it
-leaves to the torch path."""
+rounding, same greedy tokens, K/V written to the same slots; a float32 model (its projections
+as F32 rows) against the dense oneDNN path; and the models and batches it leaves to the torch
+path."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.executor import native_decode
+from asyncengine.executor import linear, native_decode
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import DENSE_FROM_ROWS
+from asyncengine.executor.linear import DENSE_FROM_ROWS, DENSE_FROM_ROWS_BY_FORMAT, Linear
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.kernels import cpu_native
-from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantizedTensor
+from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.sampling_params import SamplingParams
 from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
@@ -64,12 +65,24 @@ def mixed_formats(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 class Pair:
     """Two runners over the same weights, each with its own pool: one with the fused step, one
-    with the torch path only."""
+    with the torch path only (``dense_reference``: its float32 projections dense ``Linear``s,
+    today's oneDNN path, rather than F32 rows)."""
 
-    def __init__(self, ckpt: TinyCheckpoint, weights: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        ckpt: TinyCheckpoint,
+        weights: dict[str, Any],
+        dense_reference: pytest.MonkeyPatch | None = None,
+    ) -> None:
         self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
-        self.runners = [self._runner(weights) for _ in range(2)]
-        self.native, self.torch_path = self.runners
+        self.native = self._runner(weights)
+        if dense_reference is None:
+            self.torch_path = self._runner(weights)
+        else:
+            with dense_reference.context() as patch:
+                patch.setenv(linear.FLOAT_ROWS_ENV, "0")
+                self.torch_path = self._runner(weights)
+        self.runners = [self.native, self.torch_path]
         assert self.native.model.native_decode is not None
         self.torch_path.model.native_decode = None
 
@@ -130,14 +143,16 @@ def _count_fused_rows(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> l
     return rows
 
 
-def _compare(pair: Pair, steps: int = 12, prompts: list[list[int]] = PROMPTS) -> None:
+def _compare(
+    pair: Pair, steps: int = 12, prompts: list[list[int]] = PROMPTS, tolerance: float = 2e-3
+) -> None:
     native, reference = _run_both(pair, steps, prompts)
     for step, (got, want) in enumerate(zip(native, reference, strict=True)):
         assert torch.isfinite(got).all(), step  # every key read was written
         scale = float(want.abs().max())
         # the same kernels and quantized activations; the float sums in another order (norm,
         # softmax), which can move an activation's int8 rounding by one step
-        assert float((got - want).abs().max()) < 2e-3 * scale, step
+        assert float((got - want).abs().max()) < tolerance * scale, step
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), step
     for layer in range(pair.config.num_layers):  # K/V of every token at the same slots
         k_native = pair.native.kv_pool.k_cache(layer)
@@ -153,6 +168,35 @@ def test_fused_step_follows_the_torch_path_on_int8_weights(
 ) -> None:
     ckpt = tiny_checkpoints[name]
     _compare(Pair(ckpt, quantize_int8(ckpt.load_weights())))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied"])
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])
+def test_fused_step_on_float32_weights_follows_the_dense_torch_path(
+    tiny_checkpoints: dict[str, TinyCheckpoint],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    prompts: list[list[int]],
+) -> None:
+    """A dense float32 checkpoint: its projections (and a tied LM head, which then serves the
+    embedding lookups too) become F32 rows and its decode steps take the fused step, whose
+    logits are those of the oneDNN torch path within float32 summation order, with the same
+    greedy tokens and K/V."""
+    ckpt = tiny_checkpoints[name]
+    pair = Pair(ckpt, ckpt.load_weights(), dense_reference=monkeypatch)
+    model = pair.native.model
+    assert all(
+        part.format == F32
+        for layer in model.layers
+        for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        for part in projection.parts  # type: ignore[union-attr]
+    )
+    assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
+    if name == "llama_tied":  # one copy of the table: the head's F32 rows
+        assert isinstance(model.embed, QuantizedTensor) and model.embed.format == F32
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=8, prompts=prompts, tolerance=1e-4)
+    assert rows == [len(prompts)] * 8
 
 
 def test_one_request_takes_its_new_key_and_value_without_a_store_phase(
@@ -231,11 +275,13 @@ def test_the_fused_step_stops_where_the_projections_turn_dense(
     }
     q8 = Pair(tiny_llama, grouped).native.model.native_decode
     assert native_decode.max_rows(q8) == native_decode.NATIVE_DECODE_MAX_ROWS
+    f32 = Pair(tiny_llama, tiny_llama.load_weights()).native.model.native_decode
+    assert native_decode.max_rows(f32) == DENSE_FROM_ROWS_BY_FORMAT["F32"] - 1
     assert native_decode.max_rows(None) == 0
 
 
 def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
-    tiny_checkpoints: dict[str, TinyCheckpoint],
+    tiny_checkpoints: dict[str, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def fused(name: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> bool:
         ckpt = tiny_checkpoints[name]
@@ -252,11 +298,16 @@ def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
     assert not fused("gemma2")  # GeGLU, sandwich norms, windows, soft-caps
     dense = tiny_checkpoints["llama_gqa"]
     config = ModelConfig.from_hf_dict(dense.hf_config)
-    pool = KVPool(
-        config.num_layers, config.num_kv_heads, config.head_dim, 8, PAGE_SIZE, torch.float32
-    )
-    runner = ModelRunner(config, dense.load_weights(), pool, PageTable(2, 4), torch.float32)
-    assert runner.model.native_decode is None  # dense weights: the oneDNN path
+
+    def dense_fused(dtype: torch.dtype) -> bool:
+        pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, 8, PAGE_SIZE, dtype)
+        runner = ModelRunner(config, dense.load_weights(), pool, PageTable(2, 4), dtype)
+        return runner.model.native_decode is not None
+
+    assert dense_fused(torch.float32)  # float32 weights: F32 rows
+    assert not dense_fused(torch.bfloat16)  # bf16 weights: the oneDNN path
+    monkeypatch.setenv(linear.FLOAT_ROWS_ENV, "0")
+    assert not dense_fused(torch.float32)  # F32 rows turned off: dense Linears
 
 
 def test_a_verify_step_runs_its_positions_as_fused_decode_rows(

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from asyncengine.kernels import cpu_native, quant_native, quant_ref
-from asyncengine.kernels.quant_formats import FORMATS, I8, QuantFormat, QuantizedTensor, cat_rows
+from asyncengine.kernels.quant_formats import (
+    F32,
+    FORMATS,
+    I8,
+    QuantFormat,
+    QuantizedTensor,
+    cat_rows,
+    f32_rows,
+)
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
 pytestmark = pytest.mark.skipif(
@@ -57,6 +65,8 @@ def random_weight(fmt: QuantFormat, rows: int, cols: int, seed: int) -> Quantize
     gen = torch.Generator().manual_seed(seed)
     if fmt == I8:
         return quant_ref.quantize_i8(torch.randn(rows, cols, generator=gen))
+    if fmt == F32:
+        return f32_rows(torch.randn(rows, cols, generator=gen) * 0.1)
     blocks = cols // fmt.block_size
     data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), dtype=torch.uint8, generator=gen)
     for offset in FP16_FIELDS[fmt.name]:
@@ -66,6 +76,8 @@ def random_weight(fmt: QuantFormat, rows: int, cols: int, seed: int) -> Quantize
 
 
 def _cols(fmt: QuantFormat) -> list[int]:
+    if fmt == F32:  # any width: whole vectors of 8, 4 at a time, and a scalar tail
+        return [1, 13, 40, 547]
     return [256, 768] if fmt.block_size == 256 else [32, 96, 544]
 
 
@@ -121,6 +133,22 @@ def test_bf16_activations_and_output(isa: str) -> None:
     assert y.dtype == torch.bfloat16
     ref = quant_ref.quant_matmul(x.float(), weight)
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_f32_rows_are_the_float32_product_and_refuse_q8_activations(isa: str) -> None:
+    """F32 weights meet the float32 activations themselves (no q8 rounding): the product is
+    torch's float32 matmul up to summation order, and q8 blocks or bf16 inputs are refused."""
+    w = torch.randn(300, 224) * 0.05
+    x = torch.randn(6, 224)
+    bias = torch.randn(300)
+    y = quant_native.quant_linear(x, f32_rows(w), bias, isa=isa)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    out = torch.empty(6, 300)
+    with pytest.raises(ValueError, match="F32"):
+        quant_native.matmul_quantized(quant_native.quantize_q8(x), f32_rows(w), out)
+    with pytest.raises(ValueError, match="F32"):
+        quant_native.quant_linear(x.to(torch.bfloat16), f32_rows(w), isa=isa)
 
 
 def test_output_into_a_column_slice_of_a_wider_tensor() -> None:

@@ -19,7 +19,6 @@ from asyncengine.config import ConfigError, EngineConfig
 from asyncengine.executor.linear import (
     DENSE_FROM_ROWS,
     DENSE_FROM_ROWS_BY_FORMAT,
-    Linear,
     QuantizedLinear,
     make_linear,
 )
@@ -28,7 +27,7 @@ from asyncengine.executor.loader.quantized import load_model, quantize_int8
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels import cpu_native, quant_ref
-from asyncengine.kernels.quant_formats import GGUF_FORMATS, I8, Q4_0, Q8_0, QuantizedTensor
+from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, I8, Q4_0, Q8_0, QuantizedTensor
 from tests.conftest import TinyCheckpoint
 from tests.test_bench_scripts import load_script
 from tests.test_gguf import MERGES, TINY_TOKENS, _gguf_name, _llama_cpp_permute
@@ -130,7 +129,8 @@ def test_quantized_projections_follow_the_dense_ones(quantized_gguf: Path) -> No
         dict(read_gguf(quantized_gguf, torch.float32, frozenset(GGUF_FORMATS)).weights), config
     )
     assert isinstance(kept.layers[0].qkv, QuantizedLinear)
-    assert isinstance(kept.layers[0].down, Linear)  # F32 in the file
+    down = kept.layers[0].down  # F32 in the file: float32 rows as they are
+    assert isinstance(down, QuantizedLinear) and [p.format for p in down.parts] == [F32]
     x = torch.randn(3, 64)
     for name in ("qkv", "o_proj", "gate_up"):
         want = getattr(dense.layers[1], name)(x if name != "o_proj" else x)

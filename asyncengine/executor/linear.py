@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.kernels import quant_native
-from asyncengine.kernels.quant_formats import QuantizedTensor, cat_rows
+from asyncengine.kernels.quant_formats import F32, QuantizedTensor, cat_rows, f32_rows
 
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
@@ -44,8 +44,24 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # batch or a prefill chunk of the default 1024 tokens stays on the stored weights (no float32
 # copy: +0.5 GB and ~1 s on the first large call for SmolLM2); the row-by-row kernels (I8, the K
 # formats) lose from 64 rows, where the dense product takes over.
+# F32 (a float32 model's weights as they are) meets its dense product without the prepacked copy
+# (``QuantizedLinear.dense``: F.linear on the same bytes; a packed copy would double a float32
+# model's resident weights once any prompt is long enough). One core's CPU time per layer, ms,
+# 1-minute load ~7.5 on the 2-core AVX2 VM:
+#   rows                  1     4     8    16    24    32   256  1024
+#   F32 rows (paired)  1.11  1.88  2.69  5.08  7.57  9.39
+#   F.linear (plain)   1.04  2.95  3.29  5.28  6.21  6.74  28.2   101
+#   oneDNN prepacked   1.34  1.89  3.49  4.41  4.92  6.27  27.2   100
+# At the step level the fused decode step gains more (no per-op overhead): one thread's CPU ms
+# per step against the dense oneDNN Linears, 1 / 4 / 8 / 16 / 23 rows: 52 / 72 / 121 / 218 /
+# 284 against 98 / 124 / 182 / 251 / 281 (scripts/bench_decode_step.py --quantization none), so
+# the F32 step stops at 23 rows; from 24 the plain product (the packed one is ~6-20% faster at
+# 24-64 rows, not worth a second copy of every weight).
 DENSE_FROM_ROWS = 64
-DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024}
+DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024, "F32": 24}
+# "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
+# F32 rows for the native products and the fused decode step (to measure what they give)
+FLOAT_ROWS_ENV = "ASYNCENGINE_F32_ROWS"
 # "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
 # (kernels/cpu_quant_blocks.h; to measure what the layout gives)
 INTERLEAVE_ENV = "ASYNCENGINE_INTERLEAVE"
@@ -72,10 +88,15 @@ class Linear:
     __slots__ = ("bias", "dtype", "out_features", "packed", "row_block", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_block: int | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        row_block: int | None = None,
+        prepack: bool = True,
     ) -> None:
+        """``prepack=False``: multiply by ``weight`` itself (no second copy of it)."""
         self.bias = bias
-        self.packed = _pack(weight)
+        self.packed = _pack(weight) if prepack else None
         self.weight = weight if self.packed is None else None  # [out, in]
         self.dtype = weight.dtype
         self.out_features = int(weight.shape[0])
@@ -160,10 +181,19 @@ class QuantizedLinear:
     def dense(self, dtype: torch.dtype) -> Linear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
         if self._dense is None or self._dense.dtype != dtype:
+            if dtype == torch.float32 and all(p.format == F32 for p in self.parts):
+                self._dense = Linear(self._f32_weight(), self.bias, prepack=False)
+                return self._dense
             weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(dtype)
             self._dense = Linear(weight, bias)
         return self._dense
+
+    def _f32_weight(self) -> torch.Tensor:
+        """F32 parts' rows as one float32 [out, in] tensor: a view of the stored bytes where
+        there is one part (the usual case: same-format parts are merged)."""
+        weights = [p.data.view(torch.float32) for p in self.parts]
+        return weights[0] if len(weights) == 1 else torch.cat(weights)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:  # one native call
@@ -206,10 +236,30 @@ def dense_from_rows(parts: Sequence[QuantizedTensor]) -> int:
     grouped = os.environ.get(INTERLEAVE_ENV, "1") != "0" and quant_native.available()
     return min(
         DENSE_FROM_ROWS_BY_FORMAT.get(p.format.name, DENSE_FROM_ROWS)
-        if grouped
+        if grouped or p.format == F32
         else DENSE_FROM_ROWS
         for p in parts
     )
+
+
+def _as_f32_rows(
+    parts: Sequence[torch.Tensor | QuantizedTensor], dtype: torch.dtype, row_block: int | None
+) -> list[QuantizedTensor] | None:
+    """Dense float32 CPU parts as F32 rows (the native products and the fused decode step), where
+    the native library is here; None: they stay a dense ``Linear`` (deterministic mode's row
+    blocks, other dtypes and devices, or turned off)."""
+    if (
+        dtype != torch.float32
+        or row_block is not None
+        or os.environ.get(FLOAT_ROWS_ENV, "1") == "0"
+        or not all(
+            isinstance(p, torch.Tensor) and p.device.type == "cpu" and p.dtype == torch.float32
+            for p in parts
+        )
+        or not quant_native.available()
+    ):
+        return None
+    return [f32_rows(p) for p in parts if isinstance(p, torch.Tensor)]
 
 
 def make_linear(
@@ -219,7 +269,12 @@ def make_linear(
     row_block: int | None = None,
 ) -> Linear | QuantizedLinear:
     """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
-    is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized."""
+    is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized. Dense
+    float32 parts on a CPU become F32 rows (``QuantizedLinear``: the native products up to their
+    crossover, the fused decode step) where ``_as_f32_rows`` allows."""
+    f32 = _as_f32_rows(parts, dtype, row_block)
+    if f32 is not None:
+        return QuantizedLinear(f32, bias, dense_from_rows(f32))
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its

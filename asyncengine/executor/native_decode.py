@@ -1,12 +1,13 @@
-"""Decode steps of a quantized model in one native call (kernels/cpu_decode_step.c), where the
-model and the batch allow it; ``LlamaModel.forward`` takes the torch path otherwise.
+"""Decode steps of a quantized (or float32) model in one native call (kernels/cpu_decode_step.c),
+where the model and the batch allow it; ``LlamaModel.forward`` takes the torch path otherwise.
 
-Which models: on a CPU, float32 activations and KV pool, every projection quantized
-(``QuantizedLinear``), the plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms,
-one RoPE table, no sliding window or soft-cap) and not deterministic mode (whose row blocks
-the torch path keeps). Which batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them.
-``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives).
-"""
+Which models: on a CPU, float32 activations and KV pool, every projection a ``QuantizedLinear``
+(GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows: executor/linear.py), the
+plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms, one RoPE table, no sliding
+window or soft-cap) and not deterministic mode (whose row blocks the torch path keeps). Which
+batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from
+which the projections turn dense: 24 for F32, linear.py).
+``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives)."""
 
 from __future__ import annotations
 
