@@ -82,15 +82,18 @@ def test_choices_sent_together_share_their_context_across_pages(
     assert_equal_to_cold_and_hf(hf, items, shared, cold)
 
 
-def test_generation_goes_on_from_copied_kv(model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generation_goes_on_from_copied_kv(model_dir: Path, backend: str) -> None:
     """Requests that do not score take every shared token but their last; their greedy
     continuations (decode steps reading the copied KV) equal those of a run that shares
-    nothing."""
+    nothing. The Triton backend (interpreted here) stores K/V inside its attention, so the
+    layer stores and copies before it: the path a GPU takes."""
     rng = random.Random(9)
     context = [rng.randrange(3, VOCAB) for _ in range(21)]
     items = [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 1, 5)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    shared, stats, _ = asyncio.run(run_together(one_step_config(model_dir), items, params))
+    config = one_step_config(model_dir).replace(attention_backend=backend)
+    shared, stats, _ = asyncio.run(run_together(config, items, params))
     alone, alone_stats, _ = asyncio.run(
         run_together(one_step_config(model_dir, sharing=False), items, params)
     )
