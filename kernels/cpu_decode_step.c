@@ -37,7 +37,7 @@
  * activations and KV pool only.
  *
  *   hidden      [n, hidden] float32       the embedded input tokens
- *   positions   [n] int64, slots [n] int64 (where each new K/V goes)
+ *   positions   [n] int64, slots [n] int64 (where each new K/V goes; -1: nowhere, a padding row)
  *   block_table [n, table_stride] int32, seq_lens [n] int32 (keys incl. the new one)
  *   out         [n, hidden] float32       the final-normed hidden states
  *
@@ -562,6 +562,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     share(n * kv_heads, &first, &last);
                     for (int64_t item = first; item < last; item++) {
                         const int64_t i = item / kv_heads, h = item % kv_heads;
+                        if (slots[i] < 0) continue; /* a padding row writes nothing */
                         const float *row = qkv + i * qkv_size;
                         const float *cs = m->cos_sin + positions[i] * D;
                         float *k_dst = L->k_cache + (slots[i] * kv_heads + h) * D;
@@ -587,7 +588,8 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     const float *v_new = one ? row + (heads + kv_heads + kvh) * D : NULL;
                     if (one) { /* items of one kv head (plan_items: one row is never whole) */
                         rotate(row + (heads + kvh) * D, cs, half, k_new);
-                        if (it.h0 == kvh * group) { /* the group's first chunk stores its K/V */
+                        /* the group's first chunk stores its K/V (a padding row: nothing) */
+                        if (it.h0 == kvh * group && slots[i] >= 0) {
                             memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
                                    (size_t)D * sizeof(float));
                             memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,

@@ -154,7 +154,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         dtype=args.dtype,
         log_interval=0,
-        enable_inbatch_prefix_dedup=False,  # n separate prompts: each computes its prompt
+        # n separate prompts: each computes its prompt (neither deferred nor shared in a step)
+        enable_inbatch_prefix_dedup=False,
+        enable_in_step_prefix_sharing=False,
     )
     async with AsyncEngine(config) as engine:
         result: dict[str, Any] = {"model": args.model, "loadavg": os.getloadavg()}

@@ -138,7 +138,8 @@ def test_offline_shared_prefix_saves_prefill(
             "--model", str(model_dir), "--dtype", "float32", "--shared-prefix",
             "--num-groups", "2", "--questions-per-group", "3", "--prefix-len", "64",
             "--prefix-output-len", "3", "--engine-arg", f"max_model_len={MAX_MODEL_LEN}",
-            # one prompt per prefill step: requests admitted together cannot share a prefix
+            # 128 tokens a prefill step: questions of a group come in later steps and find its
+            # prefix in the tree, or in the same step (in-step sharing)
             "--engine-arg", "max_prefill_tokens=128",
             "--out", str(out), "--no-progress",
         ]
@@ -149,8 +150,9 @@ def test_offline_shared_prefix_saves_prefill(
     assert on["output_tokens"] == off["output_tokens"] == 6 * 3
     assert off["hit_tokens"] == 0
     assert off["miss_tokens"] == result["prompt_tokens"]
-    # later questions of a group find whole pages (16 tokens) of its prefix in the tree
-    assert on["hit_tokens"] >= 16 and on["hit_tokens"] % 16 == 0
+    # later questions of a group find its prefix in the tree (whole pages) or take it from a
+    # question of the same step (in-step sharing: to the token)
+    assert on["hit_tokens"] >= 16
     assert result["prefill_tokens_saved"] == on["hit_tokens"]
     assert 0 < on["hit_tokens"] <= result["optimal_hit_tokens"]
     assert 0 < result["prefill_saved_fraction"] < 1

@@ -19,6 +19,5 @@ def test_fair_admits_a_light_tenant_behind_a_window_full_of_a_heavy_one() -> Non
         result = Simulator(config.replace(policy=policy), CostModel.default()).run(workload)
         done = {r.rid: r.finish_time for r in result.records}
         finish[policy] = sorted(done, key=lambda rid: done[rid]).index("light")
-        assert sum(r.blocked.get("policy_window", 0) > 0 for r in result.records) > 0
     assert finish["fcfs"] > 190  # behind the whole heavy backlog
     assert finish["fair"] < 10  # its head was among the candidates from the start
