@@ -55,7 +55,7 @@ def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Dense float32 parts (q/k/v here) become one F32 QuantizedLinear: the native product below
-    its crossover, F.linear on the very same bytes from it (no second copy), both x @ W.T + b.
+    its crossover, the prepacked oneDNN product of the same weights from it, both x @ W.T + b.
     bf16, deterministic mode's row blocks and ASYNCENGINE_F32_ROWS=0 keep a dense Linear."""
     parts = [torch.randn(24, 40), torch.randn(8, 40), torch.randn(8, 40)]
     bias = torch.randn(40)
@@ -69,8 +69,7 @@ def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes
         x = torch.randn(rows, 40)
         torch.testing.assert_close(fused(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     dense = fused.dense(torch.float32)
-    assert dense.weight is not None and dense.packed is None
-    assert dense.weight.data_ptr() == fused.parts[0].data.data_ptr()
+    assert dense is fused.dense(torch.float32)  # packed once, then kept
     assert isinstance(make_linear(parts, None, torch.bfloat16), Linear)
     assert isinstance(make_linear(parts, None, torch.float32, row_block=32), Linear)
     monkeypatch.setenv(linear_module.FLOAT_ROWS_ENV, "0")

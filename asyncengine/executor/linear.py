@@ -44,10 +44,12 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # batch or a prefill chunk of the default 1024 tokens stays on the stored weights (no float32
 # copy: +0.5 GB and ~1 s on the first large call for SmolLM2); the row-by-row kernels (I8, the K
 # formats) lose from 64 rows, where the dense product takes over.
-# F32 (a float32 model's weights as they are) meets its dense product without the prepacked copy
-# (``QuantizedLinear.dense``: F.linear on the same bytes; a packed copy would double a float32
-# model's resident weights once any prompt is long enough). One core's CPU time per layer, ms,
-# 1-minute load ~7.5 on the 2-core AVX2 VM:
+# F32 (a float32 model's weights as they are) meets the prepacked oneDNN product from 24 rows
+# (``QuantizedLinear.dense``, packed at the first such call: a second copy of the weights, ~0.4 GB
+# for SmolLM2 in float32). F.linear on the same bytes saved that copy but slowed lm-eval 0-shot
+# (prefill steps of ~60 tokens): 0.86-0.94x HF's backend in four quiet runs, 0.97-1.10x in two
+# with the packed product (1.02-1.07x with no F32 rows at all). One core's CPU time per layer,
+# ms, 1-minute load ~7.5 on the 2-core AVX2 VM:
 #   rows                  1     4     8    16    24    32   256  1024
 #   F32 rows (paired)  1.11  1.88  2.69  5.08  7.57  9.39
 #   F.linear (plain)   1.04  2.95  3.29  5.28  6.21  6.74  28.2   101
@@ -55,8 +57,8 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # At the step level the fused decode step gains more (no per-op overhead): one thread's CPU ms
 # per step against the dense oneDNN Linears, 1 / 4 / 8 / 16 / 23 rows: 52 / 72 / 121 / 218 /
 # 284 against 98 / 124 / 182 / 251 / 281 (scripts/bench_decode_step.py --quantization none), so
-# the F32 step stops at 23 rows; from 24 the plain product (the packed one is ~6-20% faster at
-# 24-64 rows, not worth a second copy of every weight).
+# the F32 step stops at 23 rows; from 24 the prepacked product (~6-20% faster than F.linear at
+# 24-64 rows).
 DENSE_FROM_ROWS = 64
 DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024, "F32": 24}
 # "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
@@ -92,11 +94,9 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         row_block: int | None = None,
-        prepack: bool = True,
     ) -> None:
-        """``prepack=False``: multiply by ``weight`` itself (no second copy of it)."""
         self.bias = bias
-        self.packed = _pack(weight) if prepack else None
+        self.packed = _pack(weight)
         self.weight = weight if self.packed is None else None  # [out, in]
         self.dtype = weight.dtype
         self.out_features = int(weight.shape[0])
@@ -182,7 +182,7 @@ class QuantizedLinear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
         if self._dense is None or self._dense.dtype != dtype:
             if dtype == torch.float32 and all(p.format == F32 for p in self.parts):
-                self._dense = Linear(self._f32_weight(), self.bias, prepack=False)
+                self._dense = Linear(self._f32_weight(), self.bias)  # prepacked: a second copy
                 return self._dense
             weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(dtype)
