@@ -252,41 +252,6 @@ def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
     assert_equal_to_cold_and_hf(hf, items, cached, cold)
 
 
-@pytest.mark.parametrize("together", [False, True])
-def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
-    model_dir: Path, hf: HFScorer, together: bool
-) -> None:
-    """lm-eval's multiple choice: each choice is sent whole. With the score cache the later
-    ones take the context's whole pages (KV and scores) from the caches, sent one by one or
-    all at once (those then wait a step for the first: in-batch dedup); the scores are those
-    of a cold run of each choice on an engine without the score cache, and HF's."""
-    items = choices_of_a_question(5)
-    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
-
-    async def run(score_cache_pages: int) -> tuple[list, dict]:
-        config = engine_config(model_dir, True, score_cache_pages)
-        async with AsyncEngine(config) as engine:
-            if together:
-                outs = await asyncio.gather(*(engine.generate(p, params) for p in items))
-            else:
-                outs = [await engine.generate(p, params) for p in items]
-            engine.core.check_invariant()
-            return list(outs), engine.stats()
-
-    cached, stats = asyncio.run(run(64))
-    cold = [
-        asyncio.run(score_all(engine_config(model_dir, True), [p], params))[0][0] for p in items
-    ]
-    # the two whole pages from the tree and the score cache; of the 5 context tokens on the
-    # third page, 4 from the first choice's kept tail page (the 5th is computed: its logits
-    # score the choice's first token)
-    assert [o.usage.cached_tokens for o in cached] == [0, 36, 36, 36]
-    assert stats["prompt_score_hit_positions"] == 3 * 32
-    assert stats["tail_hit_tokens"] == 3 * 4
-    assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
-    assert_equal_to_cold_and_hf(hf, items, cached, cold)
-
-
 def assert_equal_to_cold_and_hf(
     hf: HFScorer, prompts: list[list[int]], got: list, cold: list
 ) -> None:
