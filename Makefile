@@ -29,11 +29,11 @@ lint: $(STAMP)
 	$(PY) scripts/typecheck.py
 
 test: lint
-	$(VENV)/bin/pytest -q $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
+	$(VENV)/bin/pytest -q -n 2 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
 
 # developers: everything but the tests marked slow (make test, and CI, run them all)
 test-quick: lint
-	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
+	$(VENV)/bin/pytest -q -n 2 -m "not slow" $(ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/asyncengine serve $(ARGS)

@@ -176,3 +176,26 @@ def tiny_llama(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
 def tiny_qwen2(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     """Qwen2 with q/k/v biases and tied embeddings."""
     return tiny_checkpoints["qwen2_bias"]
+
+
+# Tests that start a local Ray cluster: one cluster at a time under pytest-xdist
+RAY_TEST_FILES = frozenset(
+    {"tests/test_ray_cli.py", "tests/test_ray_replicas.py", "tests/test_policy_sweeps.py"}
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How ``make test`` spreads the suite over its pytest-xdist workers (``-n 2``): a file's
+    tests run on one worker, so its module-scoped fixtures (servers, models) are made once and a
+    test that checks what earlier tests of its file left behind (the counters of a shared
+    server) sees them; the Ray files share one worker. (Like ``--dist loadfile`` with one
+    group more; xdist's own ``xdist_group`` marks do not take under pytest 9.2.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::")[0]
+            return "ray" if file in RAY_TEST_FILES else file
+
+    return FileScheduling(config, log)

@@ -1,7 +1,8 @@
 """The whole engine on a CUDA GPU (skipped without one): Triton kernels compiled, decode CUDA
 graphs on, the KV pool sized from the GPU's memory; greedy tokens equal HF generate's, also with
 ngram speculation (verify steps) and with overlap scheduling; prompt logprobs equal HF's, also
-when a second round hits the prefix cache and its kept partial pages (page copies on the GPU).
+when a second round hits the prefix cache and its kept partial pages (page copies on the GPU)
+and when choices sent together share their context inside one forward (K/V copied per layer).
 
 The engine runs in a fresh interpreter: tests/conftest.py puts Triton in interpreter mode for
 this process. A CPU twin of the script (torch backend) keeps it from rotting where there is no
@@ -61,6 +62,10 @@ _SCRIPT = textwrap.dedent(
     # tail pages copied
     scoring = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=2)
     scored, scored_stats = asyncio.run(run({}, prompts[1:], scoring, rounds=2))
+    # choices sent together behind one 37-token context: one computes it, the others copy its
+    # K/V inside the same forward (in-step prefix sharing; in-batch dedup off so nobody waits)
+    choices = [prompts[5][:37] + p[:4] for p in prompts[:4]]
+    shared, shared_stats = asyncio.run(run({"enable_inbatch_prefix_dedup": False}, choices, scoring))
 
     model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None
@@ -74,9 +79,9 @@ _SCRIPT = textwrap.dedent(
                 expected.append(out[0, len(p):].tolist())
         return expected
 
-    def worst_logprob_error():
+    def worst_logprob_error(items, scored_outs):
         worst = 0.0
-        for prompt, out in zip(prompts[1:], scored):
+        for prompt, out in zip(items, scored_outs):
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt], device=device)).logits[0].float()
             reference = torch.log_softmax(logits[:-1], dim=-1).cpu()
@@ -93,7 +98,9 @@ _SCRIPT = textwrap.dedent(
         "spec": [o.token_ids for o in spec_outs], "spec_hf": hf_greedy(loops),
         "spec_steps": spec_stats["spec_steps"],
         "overlap": [o.token_ids for o in overlap_outs],
-        "logprob_error": worst_logprob_error(),
+        "logprob_error": worst_logprob_error(prompts[1:], scored),
+        "shared_logprob_error": worst_logprob_error(choices, shared),
+        "in_step_shared_tokens": shared_stats["in_step_shared_tokens"],
         "tail_hit_tokens": scored_stats["tail_hit_tokens"],
         "hit_tokens": scored_stats["hit_tokens"],
     }))
@@ -114,6 +121,8 @@ def assert_engine_matches_hf(result: dict) -> None:
     assert result["overlap"] == result["hf"]
     assert result["logprob_error"] < 1e-3
     assert result["tail_hit_tokens"] > 0 and result["hit_tokens"] > 0
+    assert result["in_step_shared_tokens"] >= 3 * 36  # each later choice copied the context
+    assert result["shared_logprob_error"] < 1e-3
 
 
 @pytest.mark.slow
