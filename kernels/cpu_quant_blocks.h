@@ -632,17 +632,22 @@ static inline void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a,
         acc2 = _mm256_fmadd_ps(q4_sums(s2), _mm256_mul_ps(d, _mm256_set1_ps(d2[b])), acc2);
         acc3 = _mm256_fmadd_ps(q4_sums(s3), _mm256_mul_ps(d, _mm256_set1_ps(d3[b])), acc3);
     }
-    const __m256 acc[NR] = {acc0, acc1, acc2, acc3};
-    __m256 off[NR];
-    for (int r = 0; r < nr; r++) off[r] = _mm256_setzero_ps();
+    const float *sd0 = a[0].sd, *sd1 = a[nr > 1].sd, *sd2 = a[nr > 2 ? 2 : nr - 1].sd,
+                *sd3 = a[nr > 3 ? 3 : nr - 1].sd;
+    __m256 off0 = _mm256_setzero_ps(), off1 = off0, off2 = off0, off3 = off0;
     g = w;
     for (int64_t b = 0; b < nb; b++, g += bb) {
         const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
                                  : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)),
                                                  _mm256_set1_ps(-8.0f));
-        for (int r = 0; r < nr; r++) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].sd[b]), off[r]);
+        off0 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd0[b]), off0);
+        off1 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd1[b]), off1);
+        off2 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd2[b]), off2);
+        off3 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd3[b]), off3);
     }
-    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * XR, _mm256_add_ps(acc[r], off[r]));
+    const __m256 sums[NR] = {_mm256_add_ps(acc0, off0), _mm256_add_ps(acc1, off1),
+                             _mm256_add_ps(acc2, off2), _mm256_add_ps(acc3, off3)};
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * XR, sums[r]);
 }
 
 static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, float *out) {

@@ -75,9 +75,11 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: st
     fmt = FORMATS[name]
     weight = quant_native.interleave(random_weight(fmt, 40, 192, seed=3), isa)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(11, 192, generator=gen)
+    x = torch.randn(70, 192, generator=gen)  # over one chunk of 64 activation rows
     full = quant_native.quant_linear(x, weight, isa=isa)
-    for i in range(x.shape[0]):
+    ref = quant_ref.quant_matmul(x, weight)
+    torch.testing.assert_close(full, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+    for i in (0, 1, 2, 3, 4, 10, 63, 64, 67, 68, 69):
         alone = quant_native.quant_linear(x[i : i + 1], weight, isa=isa)
         assert torch.equal(alone[0], full[i])
     for n in (2, 3, 4, 5, 6, 7):  # x[0] first of n rows, the others replaced by new ones
