@@ -539,6 +539,24 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+#if defined(__GNUC__)
+#define Q_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define Q_ALWAYS_INLINE
+#endif
+
+/* The integer sums as they stand, as far as the compiler knows: it may no longer regroup the
+ * additions before this point. Without it GCC turned each row's chain of multiply-adds into all
+ * the products first, then their sum, and spilled the products to the stack (a tile kernel ran
+ * at ~2/3 of its speed). */
+static inline void in_register(__m256i *v) {
+#if defined(__GNUC__)
+    __asm__("" : "+x"(*v));
+#else
+    (void)v;
+#endif
+}
+
 /* Q4 sums: AVX2 adds the u8 x s8 pair products in int16 (8 of them per block stay within
  * 8 * 2 * 15 * 127 = 30480) and widens once per block; VNNI accumulates in int32 directly */
 static inline __m256i q4_acc(__m256i s, __m256i u, __m256i x) {
@@ -581,38 +599,84 @@ static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, floa
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
 
-/* group_q4 for nr (2..NR) activation rows at once: each chunk's nibbles are unpacked once for
- * all of them (the same sums per row as group_q4); out[r * XR + j] */
-static inline void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
-                                 float *out, int has_min) {
+/* group_q4 for nr (2..NR) activation rows at once, a register tile of XR weight rows x nr
+ * activation rows: each chunk's nibbles are unpacked once for all of them, and each row keeps
+ * only its int16 sums and its float accumulator in registers (2 nr + 5 of the 16 ymm registers;
+ * the offset terms, which would take nr more, run in a second pass over the block headers).
+ * The same float operations in the same order per row as group_q4 (integer sums are exact), so
+ * the same results bit for bit; out[r * XR + j]. ~2x the multiply rate of the per-row loop it
+ * replaced at 16-1024 rows on the AVX2 EPYC (docs/BENCHMARKS.md, "Register-tiled quantized
+ * products"). group_q4_rows picks the tile height (2-4). */
+static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, const act_row *a,
+                                                  const int mr, float *out, int has_min) {
     const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[NR], off[NR];
-    for (int r = 0; r < nr; r++) acc[r] = off[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += bb) {
-        const uint8_t *qs = w + hb;
-        __m256i s[NR];
-        for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_si256();
+    /* every register named (mr, a constant, drops the unused ones): arrays of them the compiler
+     * spilled to the stack */
+    const int8_t *x0 = a[0].q, *x1 = a[mr > 1].q, *x2 = a[mr > 2 ? 2 : 0].q,
+                 *x3 = a[mr > 3 ? 3 : 0].q;
+    const float *d0 = a[0].d, *d1 = a[mr > 1].d, *d2 = a[mr > 2 ? 2 : 0].d,
+                *d3 = a[mr > 3 ? 3 : 0].d;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const uint8_t *g = w;
+    for (int64_t b = 0; b < nb; b++, g += bb, x0 += QK, x1 += QK, x2 += QK, x3 += QK) {
+        prefetch_ahead(g, bb); /* a group's first tile reads it from memory */
+        const uint8_t *qs = g + hb;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             const __m256i lo = _mm256_and_si256(v, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            for (int r = 0; r < nr; r++) {
-                const int8_t *x = a[r].q + b * QK;
-                s[r] = q4_acc(s[r], lo, bcast4(x + 4 * c));
-                s[r] = q4_acc(s[r], hi, bcast4(x + 16 + 4 * c));
+            s0 = q4_acc(q4_acc(s0, lo, bcast4(x0 + 4 * c)), hi, bcast4(x0 + 16 + 4 * c));
+            in_register(&s0);
+            if (mr > 1) {
+                s1 = q4_acc(q4_acc(s1, lo, bcast4(x1 + 4 * c)), hi, bcast4(x1 + 16 + 4 * c));
+                in_register(&s1);
+            }
+            if (mr > 2) {
+                s2 = q4_acc(q4_acc(s2, lo, bcast4(x2 + 4 * c)), hi, bcast4(x2 + 16 + 4 * c));
+                in_register(&s2);
+            }
+            if (mr > 3) {
+                s3 = q4_acc(q4_acc(s3, lo, bcast4(x3 + 4 * c)), hi, bcast4(x3 + 16 + 4 * c));
+                in_register(&s3);
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)))
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        for (int r = 0; r < nr; r++) {
-            acc[r] = _mm256_fmadd_ps(q4_sums(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])),
-                                     acc[r]);
-            off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].sd[b]), off[r]);
-        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        acc0 = _mm256_fmadd_ps(q4_sums(s0), _mm256_mul_ps(d, _mm256_set1_ps(d0[b])), acc0);
+        if (mr > 1)
+            acc1 = _mm256_fmadd_ps(q4_sums(s1), _mm256_mul_ps(d, _mm256_set1_ps(d1[b])), acc1);
+        if (mr > 2)
+            acc2 = _mm256_fmadd_ps(q4_sums(s2), _mm256_mul_ps(d, _mm256_set1_ps(d2[b])), acc2);
+        if (mr > 3)
+            acc3 = _mm256_fmadd_ps(q4_sums(s3), _mm256_mul_ps(d, _mm256_set1_ps(d3[b])), acc3);
     }
-    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * XR, _mm256_add_ps(acc[r], off[r]));
+    const float *sd0 = a[0].sd, *sd1 = a[mr > 1].sd, *sd2 = a[mr > 2 ? 2 : 0].sd,
+                *sd3 = a[mr > 3 ? 3 : 0].sd;
+    __m256 off0 = _mm256_setzero_ps(), off1 = off0, off2 = off0, off3 = off0;
+    g = w;
+    for (int64_t b = 0; b < nb; b++, g += bb) {
+        const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                 : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)),
+                                                 _mm256_set1_ps(-8.0f));
+        off0 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd0[b]), off0);
+        if (mr > 1) off1 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd1[b]), off1);
+        if (mr > 2) off2 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd2[b]), off2);
+        if (mr > 3) off3 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd3[b]), off3);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, off0));
+    if (mr > 1) _mm256_storeu_ps(out + XR, _mm256_add_ps(acc1, off1));
+    if (mr > 2) _mm256_storeu_ps(out + 2 * XR, _mm256_add_ps(acc2, off2));
+    if (mr > 3) _mm256_storeu_ps(out + 3 * XR, _mm256_add_ps(acc3, off3));
+}
+
+static inline void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                 float *out, int has_min) {
+    switch (nr) {
+    case 2: group_q4_tile(w, nb, a, 2, out, has_min); break;
+    case 3: group_q4_tile(w, nb, a, 3, out, has_min); break;
+    default: group_q4_tile(w, nb, a, 4, out, has_min); break;
+    }
 }
 
 static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, float *out) {
@@ -632,7 +696,64 @@ static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, fl
     }
     _mm256_storeu_ps(out, acc);
 }
+/* group_q8_0 for nr (2..NR) activation rows at once (the layout of group_q4_rows): each chunk's
+ * |w| taken once for all of them; the same sums per row as group_q8_0. A product pair of
+ * |w| (<= 128) and x (<= 127) fills most of an int16, so each chunk's pairs are widened to int32
+ * before they are added. */
+static inline Q_ALWAYS_INLINE void group_q8_0_tile(const uint8_t *w, int64_t nb,
+                                                    const act_row *a, const int mr, float *out) {
+    const int64_t bb = XR * 34;
+    const int8_t *x0 = a[0].q, *x1 = a[mr > 1].q, *x2 = a[mr > 2 ? 2 : 0].q,
+                 *x3 = a[mr > 3 ? 3 : 0].q;
+    const float *d0 = a[0].d, *d1 = a[mr > 1].d, *d2 = a[mr > 2 ? 2 : 0].d,
+                *d3 = a[mr > 3 ? 3 : 0].d;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t b = 0; b < nb; b++, w += bb, x0 += QK, x1 += QK, x2 += QK, x3 += QK) {
+        prefetch_ahead(w, bb);
+        const uint8_t *qs = w + 2 * XR;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m256i u = _mm256_sign_epi8(v, v);
+#define Q8_ROW(s, x)                                                                            \
+    do {                                                                                        \
+        s = _mm256_add_epi32(s, dot_u8s8(u, _mm256_sign_epi8(bcast4(x + 4 * c), v)));          \
+        in_register(&s);                                                                        \
+    } while (0)
+            Q8_ROW(s0, x0);
+            if (mr > 1) Q8_ROW(s1, x1);
+            if (mr > 2) Q8_ROW(s2, x2);
+            if (mr > 3) Q8_ROW(s3, x3);
+#undef Q8_ROW
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, _mm256_set1_ps(d0[b])), acc0);
+        if (mr > 1)
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d, _mm256_set1_ps(d1[b])),
+                                   acc1);
+        if (mr > 2)
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_mul_ps(d, _mm256_set1_ps(d2[b])),
+                                   acc2);
+        if (mr > 3)
+            acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s3), _mm256_mul_ps(d, _mm256_set1_ps(d3[b])),
+                                   acc3);
+    }
+    _mm256_storeu_ps(out, acc0);
+    if (mr > 1) _mm256_storeu_ps(out + XR, acc1);
+    if (mr > 2) _mm256_storeu_ps(out + 2 * XR, acc2);
+    if (mr > 3) _mm256_storeu_ps(out + 3 * XR, acc3);
+}
+
+static inline void group_q8_0_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                   float *out) {
+    switch (nr) {
+    case 2: group_q8_0_tile(w, nb, a, 2, out); break;
+    case 3: group_q8_0_tile(w, nb, a, 3, out); break;
+    default: group_q8_0_tile(w, nb, a, 4, out); break;
+    }
+}
 #endif
+
 
 /* the scalar form of the group kernels (and the reference the SIMD ones are tested against) */
 static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act_row *a,
@@ -683,12 +804,12 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out) {
 #if defined(Q_ISA_SIMD)
+    if (nr > 1 && fmt == FMT_Q8_0) {
+        group_q8_0_rows(w, k / QK, a, nr, out);
+        return;
+    }
     if (nr > 1 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1)) {
-        /* constant row counts, so that the compiler keeps the sums in registers */
-        const int has_min = fmt == FMT_Q4_1;
-        if (nr == 4) group_q4_rows(w, k / QK, a, 4, out, has_min);
-        else if (nr == 3) group_q4_rows(w, k / QK, a, 3, out, has_min);
-        else group_q4_rows(w, k / QK, a, 2, out, has_min);
+        group_q4_rows(w, k / QK, a, nr, out, fmt == FMT_Q4_1);
         return;
     }
 #endif

@@ -117,23 +117,23 @@ static inline void act_rows(const int8_t *xq, const float *xd, const float *xsd,
     }
 }
 
-/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output
- * (xq, xd, xsd) or, for F32 weights, from the float32 rows xf [n, k];
- * interleaved: W's first rows / XR * XR rows are interleaved groups (asyncengine_interleave_rows) */
-void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
-                              int64_t k, int interleaved, const int8_t *xq, const float *xd,
-                              const float *xsd, const float *xf, int64_t n, const float *bias,
-                              void *y, int64_t ldy, int out_bf16, int threads) {
-    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-    const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
-#pragma omp parallel for schedule(static) num_threads(threads) if (tiles > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
-        /* ROW_TILE is a multiple of XR: a tile's rows below `grouped` are whole groups */
-        const int64_t g1 = r1 < grouped ? r1 : grouped;
-        for (int64_t g = r0; g < g1; g += XR) {
-            for (int64_t i0 = 0; i0 < n; i0 += NR) {
-                const int nr = (int)(n - i0 < NR ? n - i0 : NR);
+#define ACT_CHUNK 64 /* a multiple of NR */
+
+/* asyncengine_quant_matmul's tiles t_first..t_last - 1 (one thread's share) */
+static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
+                         int64_t grouped, const int8_t *xq, const float *xd, const float *xsd,
+                         const float *xf, int64_t n, const float *bias, void *y, int64_t ldy,
+                         int out_bf16, int64_t t_first, int64_t t_last) {
+    /* the interleaved groups: the activation rows ACT_CHUNK at a time, each chunk meeting all
+     * of this thread's groups while it stays in L1/L2 (group after group over all the rows
+     * of a 1024-token prefill streamed them from L3 for each group) */
+    const int64_t g_first = t_first * ROW_TILE, g_last = t_last * ROW_TILE < grouped
+                                                             ? t_last * ROW_TILE : grouped;
+    for (int64_t c0 = 0; c0 < n && g_first < g_last; c0 += ACT_CHUNK) {
+        const int64_t c1 = c0 + ACT_CHUNK < n ? c0 + ACT_CHUNK : n;
+        for (int64_t g = g_first; g < g_last; g += XR) {
+            for (int64_t i0 = c0; i0 < c1; i0 += NR) {
+                const int nr = (int)(c1 - i0 < NR ? c1 - i0 : NR);
                 act_row a[NR];
                 act_rows(xq, xd, xsd, xf, k, i0, nr, a);
                 float out[NR * XR];
@@ -144,6 +144,12 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                                   out[r * XR + j] + (bias ? bias[g + j] : 0.0f), out_bf16);
             }
         }
+    }
+    /* the rows as stored (formats without groups, a weight's last rows / XR * XR.. rows) */
+    for (int64_t t = t_first; t < t_last; t++) {
+        const int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
+        /* ROW_TILE is a multiple of XR: a tile's rows below `grouped` are whole groups */
+        const int64_t g1 = r1 < grouped ? r1 : grouped;
         if (g1 > r0 && g1 >= r1) continue;
         for (int64_t i0 = 0; i0 < n; i0 += NR) {
             const int nr = (int)(n - i0 < NR ? n - i0 : NR);
@@ -183,6 +189,24 @@ void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int6
                 }
             }
         }
+    }
+}
+
+/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from quantize_q8's output
+ * (xq, xd, xsd) or, for F32 weights, from the float32 rows xf [n, k];
+ * interleaved: W's first rows / XR * XR rows are interleaved groups (asyncengine_interleave_rows).
+ * Parallel over tiles of ROW_TILE weight rows, each thread a contiguous share of them. */
+void asyncengine_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                              int64_t k, int interleaved, const int8_t *xq, const float *xd,
+                              const float *xsd, const float *xf, int64_t n, const float *bias,
+                              void *y, int64_t ldy, int out_bf16, int threads) {
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
+#pragma omp parallel num_threads(threads) if (tiles > 1)
+    {
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        matmul_tiles(fmt, w, row_bytes, rows, k, grouped, xq, xd, xsd, xf, n, bias, y, ldy,
+                     out_bf16, tiles * me / nt, tiles * (me + 1) / nt);
     }
 }
 

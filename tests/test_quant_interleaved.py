@@ -68,6 +68,30 @@ def test_products_on_the_packed_rows_match_the_reference(name: str, isa: str) ->
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: str) -> None:
+    """Batch invariance, bit for bit: a row alone (the one-row kernel), in a tile of 2-4 rows
+    (the register-tiled kernels, whose tail tiles repeat their last row), among other rows or
+    in another position gives the same output."""
+    fmt = FORMATS[name]
+    weight = quant_native.interleave(random_weight(fmt, 40, 192, seed=3), isa)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(70, 192, generator=gen)  # over one chunk of 64 activation rows
+    full = quant_native.quant_linear(x, weight, isa=isa)
+    ref = quant_ref.quant_matmul(x, weight)
+    torch.testing.assert_close(full, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+    for i in (0, 1, 2, 3, 4, 10, 63, 64, 67, 68, 69):
+        alone = quant_native.quant_linear(x[i : i + 1], weight, isa=isa)
+        assert torch.equal(alone[0], full[i])
+    for n in (2, 3, 4, 5, 6, 7):  # x[0] first of n rows, the others replaced by new ones
+        others = torch.randn(n - 1, 192, generator=gen)
+        y = quant_native.quant_linear(torch.cat([x[:1], others]), weight, isa=isa)
+        assert torch.equal(y[0], full[0])
+        last = quant_native.quant_linear(torch.cat([others, x[:1]]), weight, isa=isa)
+        assert torch.equal(last[-1], full[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
 def test_lookups_read_the_packed_rows_exactly(name: str, isa: str) -> None:
     weight = random_weight(FORMATS[name], 19, 96, seed=5)
     packed = quant_native.interleave(weight, isa)

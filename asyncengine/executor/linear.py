@@ -34,16 +34,20 @@ ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
 # CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
-# shapes, float32 activations), quantized / dense time per layer:
-#   rows                  16    32    64   128   256   512  1024  2048  4096
-#   Q4_1 interleaved    0.55  0.41  0.59  0.68  0.81  0.81  0.86  1.01  1.06
-#   Q4_0 interleaved                0.68        0.71        0.78
-#   Q8_0 interleaved    0.52  0.70  0.83  0.88  0.95  0.96  0.94
-#   I8 (row by row)                 1.11        1.22        1.24
-# The interleaved group kernels (kernels/cpu_quant_blocks.h) win up to ~1-2k rows, so a decode
-# batch or a prefill chunk of the default 1024 tokens stays on the stored weights (no float32
-# copy: +0.5 GB and ~1 s on the first large call for SmolLM2); the row-by-row kernels (I8, the K
-# formats) lose from 64 rows, where the dense product takes over.
+# shapes, float32 activations), quantized / dense time per layer, with the register-tiled group
+# kernels (8 weight x 4 activation rows, kernels/cpu_quant_blocks.h; 1-minute load ~10):
+#   rows                   1    16    32    64   128   256   512  1024  2048  4096
+#   Q4_1 interleaved    0.21  0.33  0.39  0.47  0.51  0.54  0.56  0.56  0.55  0.61
+#   Q4_0 interleaved    0.25  0.38  0.44  0.48  0.53  0.55  0.56  0.57  0.55
+#   Q8_0 interleaved    0.28  0.42  0.55  0.64  0.71  0.73  0.73  0.75  0.76  0.83
+#   I8 (row by row)                 1.11        1.22        1.24          (earlier kernels)
+# (before the tiles, one activation row's group kernel run for each row in turn: Q4_1 0.55 /
+# 0.41 / 0.59 / 0.68 / 0.81 / 0.81 / 0.86 / 1.01 at 16..2048 rows, Q8_0 0.52 .. 0.94.) Both
+# sides are compute-bound from ~256 rows, so the ratio stays flat: the interleaved formats keep
+# their stored weights at every step size the engine makes (max_prefill_tokens 4096 plus the
+# decodes), never a float32 copy (+0.5 GB and ~1 s on the first large call for SmolLM2); 8192 is
+# past any default step. The row-by-row kernels (I8, the K formats) lose from 64 rows, where the
+# dense product takes over.
 # F32 (a float32 model's weights as they are) meets the prepacked oneDNN product from 24 rows
 # (``QuantizedLinear.dense``, packed at the first such call: a second copy of the weights, ~0.4 GB
 # for SmolLM2 in float32). F.linear on the same bytes saved that copy but slowed lm-eval 0-shot
@@ -60,7 +64,7 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # the F32 step stops at 23 rows; from 24 the prepacked product (~6-20% faster than F.linear at
 # 24-64 rows).
 DENSE_FROM_ROWS = 64
-DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 2048, "Q4_1": 2048, "Q8_0": 1024, "F32": 24}
+DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24}
 # "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
 # F32 rows for the native products and the fused decode step (to measure what they give)
 FLOAT_ROWS_ENV = "ASYNCENGINE_F32_ROWS"
