@@ -40,6 +40,7 @@ class NativeExtendPlan:
 
 
 _DECODE_LIB, _EXTEND_LIB = "cpu_decode_attention", "cpu_extend_attention"
+_AVX512, _AVX2 = 1, 4  # asyncengine_extend_attention_features: the build's item kernels
 
 
 def _extend_kernel() -> Any:
@@ -47,12 +48,12 @@ def _extend_kernel() -> Any:
 
 
 def extend_kernel_runs() -> bool:
-    """The extend kernel is built with AVX-512 (it has no portable path: elsewhere extends take
-    the torch path)."""
+    """The extend kernel is built with AVX-512 or AVX2 + FMA (it has no portable path:
+    elsewhere extends take the torch path)."""
     lib = cpu_native.load(_EXTEND_LIB)
     if lib is None or _extend_kernel() is None:
         return False
-    return bool(lib.asyncengine_extend_attention_features() & 1)
+    return bool(lib.asyncengine_extend_attention_features() & (_AVX512 | _AVX2))
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
