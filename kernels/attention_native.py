@@ -11,6 +11,7 @@ dtype, unsupported head shapes, or no compiled kernel): callers then take the to
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from asyncengine.kernels import cpu_native
 _DTYPES = (torch.bfloat16, torch.float32)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
 EXTEND_HEAD_DIMS = (64, 128, 256)  # the extend kernel's specializations (256: Gemma 2/3)
+# "0": extends keep the torch path where the native kernel would run (to measure what it gives)
+EXTEND_ENABLE_ENV = "ASYNCENGINE_NATIVE_EXTEND"
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class NativeExtendPlan:
 
 
 _DECODE_LIB, _EXTEND_LIB = "cpu_decode_attention", "cpu_extend_attention"
+_AVX512, _AVX2 = 1, 4  # asyncengine_extend_attention_features: the build's item kernels
 
 
 def _extend_kernel() -> Any:
@@ -47,12 +51,12 @@ def _extend_kernel() -> Any:
 
 
 def extend_kernel_runs() -> bool:
-    """The extend kernel is built with AVX-512 (it has no portable path: elsewhere extends take
-    the torch path)."""
+    """The extend kernel is built with AVX-512 or AVX2 + FMA (it has no portable path:
+    elsewhere extends take the torch path)."""
     lib = cpu_native.load(_EXTEND_LIB)
     if lib is None or _extend_kernel() is None:
         return False
-    return bool(lib.asyncengine_extend_attention_features() & 1)
+    return bool(lib.asyncengine_extend_attention_features() & (_AVX512 | _AVX2))
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
@@ -77,7 +81,7 @@ def plan_native_extend(
 ) -> NativeExtendPlan | None:
     if not _supported(num_heads, k_cache) or k_cache.shape[2] not in EXTEND_HEAD_DIMS:
         return None
-    if not extend_kernel_runs():
+    if os.environ.get(EXTEND_ENABLE_ENV, "1") == "0" or not extend_kernel_runs():
         return None
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     return NativeExtendPlan(

@@ -16,14 +16,19 @@
  * reduction in absolute key-block order, so a row's output still depends on its query and keys
  * alone (deterministic mode relies on it).
  *
- * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; AVX-512 only (the
- * caller takes the torch path elsewhere), AVX512-BF16 dot products where the CPU has them.
+ * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
+ * products where the CPU has them; on AVX2 + FMA CPUs without AVX-512, the items of
+ * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define EXTEND_AVX2 1
+#include "cpu_extend_avx2.h"
+#endif
 
 #define MAX_GROUP 16
 
@@ -35,16 +40,20 @@ int asyncengine_extend_attention_features(void) {
 #ifdef __AVX512BF16__
     flags |= 2;
 #endif
+#ifdef EXTEND_AVX2
+    flags |= 4;
+#endif
     return flags;
 }
 
 #define QB 16
 #define KB 16
 
-#ifdef __AVX512F__
 typedef struct {
     int64_t b, kvh, q0;
 } extend_item;
+
+#ifdef __AVX512F__
 
 #define TILE 4
 #define MAX_ROWS (MAX_GROUP * QB)
@@ -267,6 +276,34 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
             extend_item_16(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                            cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,
                            window, softcap, out, is_bf16);
+    }
+    free(items);
+    return 0;
+#elif defined(EXTEND_AVX2)
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256)) return -1;
+    const int64_t G = H / Hkv, per_item = x2_queries_per_item(G);
+    int64_t count = 0;
+    for (int64_t b = 0; b < B; b++)
+        count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + per_item - 1) / per_item);
+    extend_item *items = (extend_item *)malloc((size_t)(count > 0 ? count : 1) * sizeof(extend_item));
+    if (items == NULL) return -1;
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) { /* the blocks with the most keys first, as above */
+        const int64_t q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+        for (int64_t q0 = ((q_len - 1) / per_item) * per_item; q0 >= 0; q0 -= per_item)
+            for (int64_t h = 0; h < Hkv; h++) items[n++] = (extend_item){b, h, q0};
+    }
+    const int64_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) {
+        const extend_item it = items[i];
+        const int64_t q_start = cu_seqlens_q[it.b], q_len = cu_seqlens_q[it.b + 1] - q_start;
+        const int64_t nq = (q_len - it.q0 < per_item) ? (q_len - it.q0) : per_item;
+        const int64_t row = q_start + it.q0;
+        extend_item_avx2((const char *)q + row * q_stride * elem, q_stride, k_cache, v_cache,
+                         block_table + it.b * table_stride, nq, seq_lens[it.b] - q_len + it.q0,
+                         it.kvh, G, Hkv, D, page_size, scale, window, softcap,
+                         (char *)out + row * H * D * elem, H * D, is_bf16);
     }
     free(items);
     return 0;

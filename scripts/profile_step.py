@@ -149,15 +149,38 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
     model.ops = dataclasses.replace(ops, **wrapped)
     model.act_and_mul = parts.wrap("MLP activation", model.act_and_mul)
     execute = timer.wrap("execute (all)", executor.execute)
+    by_kind = Timer()  # prefill-only, mixed (extends + decodes) and decode-only steps
     for plan in plans:
-        execute(plan)
+        kind = step_kind(plan)
+        by_kind.wrap(kind, execute)(plan)
+        by_kind.seconds[kind + " tokens"] += sum(len(s.input_ids) for s in plan.extends) + len(
+            plan.decodes
+        )
     assert isinstance(lm_head, (Linear, QuantizedLinear))
     forward = timer.seconds["model + LM head"]
     breakdown = dict(parts.seconds)
     breakdown["the rest (embedding, Python, dispatch)"] = max(
         0.0, forward - sum(parts.seconds.values())
     )
-    return {"seconds": dict(timer.seconds), "forward_parts_seconds": breakdown}
+    return {
+        "seconds": dict(timer.seconds),
+        "forward_parts_seconds": breakdown,
+        "steps_by_kind": {
+            kind: {
+                "steps": by_kind.calls[kind],
+                "seconds": by_kind.seconds[kind],
+                "tokens": int(by_kind.seconds[kind + " tokens"]),
+            }
+            for kind in ("prefill", "mixed", "decode")
+            if by_kind.calls[kind]
+        },
+    }
+
+
+def step_kind(plan: BatchPlan) -> str:
+    if not plan.extends:
+        return "decode"
+    return "mixed" if plan.decodes else "prefill"
 
 
 class _TimedLinear:
@@ -247,6 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for part, seconds in alone["seconds"].items():
         print(f"  {part:<38}{seconds:>10.2f}")
     print(f"forward thread in the engine / alone: {result['forward_slowdown_in_engine']:.2f}x")
+    print("\nthe replay's steps by kind (extends only, extends + decodes, decodes only):")
+    for kind, row in alone["steps_by_kind"].items():
+        print(
+            f"  {kind:<10}{row['steps']:>6} steps{row['tokens']:>8} tokens{row['seconds']:>9.2f} s"
+        )
+    result["steps_by_kind"] = alone["steps_by_kind"]
     print("\nthe forward of the replay, by part:")
     total = sum(alone["forward_parts_seconds"].values())
     for part, seconds in sorted(alone["forward_parts_seconds"].items(), key=lambda kv: -kv[1]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,7 +170,14 @@ def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
-    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 1, 64, 7), (8, 4, 256, 16)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 64, 1),
+        (8, 2, 128, 16),
+        (16, 1, 64, 7),
+        (8, 4, 256, 16),
+        (10, 2, 64, 16),  # a group of 5: items of 12 queries on AVX2 (60 rows, 8-row vectors)
+    ],
 )
 def test_native_extend_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
@@ -208,6 +216,20 @@ def test_native_extend_matches_the_reference(
         torch.testing.assert_close(
             got[start : start + n].float(), want, atol=TOLERANCE[dtype], rtol=0
         )
+
+
+def test_native_extend_runs_on_avx2_and_avx512_cpus() -> None:
+    """Extends take the native kernel wherever it has items for the CPU (AVX-512, or AVX2 with
+    FMA): the torch path is only for other CPUs."""
+    from asyncengine.kernels.attention_native import extend_kernel_runs
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx512f" in flags or {"avx2", "fma"} <= flags:
+        assert extend_kernel_runs()
 
 
 def test_native_extend_leaves_other_head_dims_to_torch() -> None:
