@@ -19,6 +19,7 @@ out (``Request.blocked``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncengine.request import Request
@@ -132,7 +133,7 @@ class AdmissionLog:
         self._inside[key] = (req, tuple(self._inside_totals))
 
     # -- one step ---------------------------------------------------------------------------
-    def record(self, waiting: list[Request], admission: Admission) -> None:
+    def record(self, waiting: Sequence[Request], admission: Admission) -> None:
         """Count one step whose admission went as ``admission``; ``waiting`` is the queue after it."""
         inside = self._inside
         window = admission.window

@@ -23,6 +23,7 @@ from asyncengine.prompt_scoring import (
 from asyncengine.request import Request, RequestStatus
 from asyncengine.step_prefixes import StepPrefixes
 from asyncengine.step_shares import Piece, StepSegment, StepShares
+from asyncengine.waiting_queue import WaitingQueue
 
 
 class Prefill:
@@ -30,7 +31,7 @@ class Prefill:
 
     kv: KVCacheManager
     page_size: int
-    waiting: list[Request]
+    waiting: WaitingQueue
     prefilling: list[Request]
     chunked: Request | None
     step_prefixes: StepPrefixes | None

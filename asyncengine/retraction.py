@@ -20,6 +20,7 @@ from asyncengine.policies.victims import order_victims
 from asyncengine.request import Request, RequestStatus
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.settings import SpeculativeConfig
+from asyncengine.waiting_queue import WaitingQueue
 
 log = logging.getLogger("asyncengine.scheduler")
 
@@ -35,7 +36,7 @@ class Retraction:
     max_model_len: int
     new_token_ratio: float
     running: list[Request]
-    waiting: list[Request]
+    waiting: WaitingQueue
     total_retractions: int
     total_preemptions: int
     speculation: SpeculativeConfig | None
@@ -153,7 +154,7 @@ class Retraction:
         req.status = RequestStatus.WAITING
         req.retractions += 1
         self.total_retractions += 1
-        self.waiting.insert(0, req)
+        self.waiting.push_front(req)
         self.admission.arrived(req, front=True)
 
     def _preempt_for(

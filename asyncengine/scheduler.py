@@ -46,6 +46,7 @@ from asyncengine.shadow import ShadowPolicy
 from asyncengine.step_events import TokenEvent
 from asyncengine.step_prefixes import StepPrefixes
 from asyncengine.step_shares import StepShares
+from asyncengine.waiting_queue import WaitingQueue
 
 log = logging.getLogger("asyncengine.scheduler")
 
@@ -87,7 +88,7 @@ class Scheduler(Retraction, Prefill):
         self.max_model_len = max_model_len
         self.clock = clock
         self.page_size = kv.page_size
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue()
         self.prefilling: list[Request] = []  # admitted; prompt not fully computed
         self.running: list[Request] = []  # decoding
         self.requests: dict[str, Request] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncengine.policies.victims import order_victims
@@ -94,12 +95,14 @@ class Policy:
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return waiting
 
-    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+    def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         """The waiting requests ``order`` is given this step: the ``size`` oldest
         (``policy_window``), which bounds each step's ordering cost on a long queue. A policy
-        may add requests from past the window (``fair``: a window per tenant). A new list:
-        admission removes from ``waiting`` while it goes through it."""
-        return waiting[:size]
+        may add requests from past the window (``fair``: a window per tenant). ``waiting`` is
+        the queue in admission order, read-only (the scheduler's ``WaitingQueue``: iteration,
+        ``len``, ``waiting[0]`` and ``waiting[:n]`` are cheap; other indexes walk the queue).
+        Return a new list: admission removes from the queue while it goes through it."""
+        return list(islice(waiting, size))
 
     def budget(self, ctx: PolicyContext) -> StepBudget:
         return StepBudget(

@@ -21,6 +21,7 @@ while idle, and it is not punished for service it got long ago.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 from asyncengine.plan import BatchPlan
@@ -90,12 +91,12 @@ class FairPolicy(Policy):
                     tenant
                 )
 
-    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+    def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         """Each tenant's ``size`` oldest waiting requests (a window per tenant), in queue
         order. It scans the whole queue when that is longer than ``size``: a tenant's requests
         may all be far behind another's."""
         if len(waiting) <= size:
-            return waiting[:]  # a copy: admission removes from the queue while it goes
+            return list(waiting)  # a copy: admission removes from the queue while it goes
         taken: dict[str, int] = {}
         chosen: list[Request] = []
         for req in waiting:

@@ -66,7 +66,7 @@ class ComposedPolicy(Policy):
     def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
         return self.orderer.order(waiting, ctx) if self.orderer else waiting
 
-    def candidates(self, waiting: list[Request], size: int) -> list[Request]:
+    def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         if self.orderer is None:
             return Policy.candidates(self, waiting, size)
         return self.orderer.candidates(waiting, size)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from asyncengine.cache.manager import KVCacheManager, SeqKV
+from asyncengine.cache.page_table import PageTable
 from asyncengine.config import EngineConfig
 from asyncengine.sim import CostModel, SimResult, Simulator
 from asyncengine.workloads import (
@@ -175,6 +176,18 @@ def test_extend_each_by_one_is_extend_one_by_one(cached: int) -> None:
     together.check_invariant()
     if cached == 8:  # 3 pages were free: the tree gave the other 2 to both the same way
         assert one_by_one.tree.evictable_size == 7 * 8
+
+
+def test_page_table_set_each_is_set_page_in_order() -> None:
+    rows, indexes, pages = [3, 0, 3, 5], [0, 2, 1, 3], [11, 7, 12, 9]
+    one, each = PageTable(8, 4, record_writes=True), PageTable(8, 4, record_writes=True)
+    for row, index, page in zip(rows, indexes, pages, strict=True):
+        one.set_page(row, index, page)
+    each.set_each(rows, indexes, pages)
+    assert np.array_equal(one.array, each.array)
+    assert one.drain_writes() == each.drain_writes()
+    with pytest.raises(ValueError, match="row width"):
+        each.set_each([1], [4], [2])
 
 
 @pytest.mark.parametrize(

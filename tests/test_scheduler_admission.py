@@ -268,7 +268,7 @@ def test_kv_blocked_skips_lets_a_small_request_pass_a_big_one(skips: int) -> Non
     assert blocked == {"kv_reservation": 1}
     assert core.stats()["admission_blocked"]["kv_reservation"] == 1
     if skips:  # it passed the big one over and kept going: the big one keeps its place
-        assert core.scheduler.waiting == [big]
+        assert list(core.scheduler.waiting) == [big]
     else:
-        assert core.scheduler.waiting == [big, small]
+        assert list(core.scheduler.waiting) == [big, small]
         assert core.scheduler.blocked(small) == {"kv_reservation": 1}

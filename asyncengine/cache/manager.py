@@ -235,7 +235,7 @@ class KVCacheManager:
             return
         for seq in seqs:
             self._check_open(seq)
-        allocator, set_page = self.allocator, self.page_table.set_page
+        allocator = self.allocator
         done = 0
         while done < len(seqs):
             free = allocator.num_free
@@ -245,10 +245,13 @@ class KVCacheManager:
                 continue
             take = min(free, len(seqs) - done)
             pages = allocator.alloc_ids(take)
+            rows, indexes = [], []
             for seq, page in zip(seqs[done : done + take], pages, strict=True):
-                set_page(seq.row, len(seq.pages), page)
+                rows.append(seq.row)
+                indexes.append(len(seq.pages))
                 seq.pages.append(page)
                 seq.kv_len += 1
+            self.page_table.set_each(rows, indexes, pages)  # before any eviction writes
             done += take
 
     def truncate(self, seq: SeqKV, length: int) -> None:

@@ -101,6 +101,18 @@ class PageTable:
         if writes is not None:
             writes.append(PageWrite(row, index, [page]))
 
+    def set_each(self, rows: Sequence[int], indexes: Sequence[int], pages: Sequence[int]) -> None:
+        """``set_page(rows[k], indexes[k], pages[k])`` for each ``k`` in order, in one write
+        (the same table and the same log)."""
+        if not indexes:
+            return
+        if min(indexes) < 0 or max(indexes) >= self._max_pages_per_row:
+            raise ValueError(f"a page index exceeds the row width {self._max_pages_per_row}")
+        self.array[rows, indexes] = pages
+        writes = self._writes
+        if writes is not None:
+            writes.extend(map(_one_page_write, rows, indexes, pages))
+
     def row_pages(self, row: int, num_pages: int) -> np.ndarray:
         """A read-only view of the first ``num_pages`` entries of ``row``."""
         view = self.array[row, :num_pages]
@@ -143,3 +155,7 @@ class PageTable:
         self._free_rows = list(range(self.max_rows - 1, -1, -1))
         if self._writes is not None:
             self._writes = []
+
+
+def _one_page_write(row: int, index: int, page: int) -> PageWrite:
+    return PageWrite(row, index, [page])

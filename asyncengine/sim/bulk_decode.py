@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncengine.admission import DECODE_TURN, Admission
+from asyncengine.cache.manager import SeqKV
 from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.policies.base import Policy
@@ -45,6 +46,7 @@ class _Decoding:
     ``times[first:]``; it gets its last token at step ``last``."""
 
     req: Request
+    seq: SeqKV  # its KV handle (the same while it is counted: only a retraction changes it)
     order: int  # its place in the running queue (joins append, as the scheduler's)
     base: int
     out_base: int
@@ -129,6 +131,7 @@ class BulkDecode:
         future = req.future_tokens(self.core.max_model_len)
         member = _Decoding(
             req,
+            seq,
             self._order,
             base=seq.kv_len - j,
             out_base=out - j,
@@ -195,7 +198,7 @@ class BulkDecode:
         if need:  # their next token starts a page: allocated in running order
             seqs = []
             for member in need:
-                seq = member.req.kv
+                seq = member.seq
                 seq.kv_len = member.base + j
                 seqs.append(seq)
             kv.extend_each_by_one(seqs)

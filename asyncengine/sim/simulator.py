@@ -6,8 +6,10 @@ times. The run reports the same per-request records (and summary) a real run doe
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +107,8 @@ class Simulator:
             bulk=self.bulk,
             keep_requests=False,  # a run gives records: a million requests fit in memory
         )
-        records = replay.run()
+        with fewer_collections():
+            records = replay.run()
         stats = self.core.scheduler.stats()
         return SimResult(
             records=records,
@@ -118,6 +121,23 @@ class Simulator:
             core_stats=self.core.stats(),
             peak_waiting=replay.peak_waiting,
         )
+
+
+# Python's young-generation threshold (700 allocations) makes a run that keeps hundreds of
+# thousands of requests collect every few hundred objects it makes, finding almost nothing to
+# free: 8% of a 100k-request run's CPU time; at this threshold, 2%
+_RUN_GC_THRESHOLD = (50_000, 20, 50)
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
+    """Run the block with the cyclic garbage collector's thresholds raised (restored after)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*_RUN_GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def reveal_lengths(core: EngineCore, workload: Sequence[WorkloadRequest]) -> None:
