@@ -189,9 +189,17 @@ class ModelRunner:
         num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]
         result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if num_scored:
+            assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
+            scored_hidden = hidden[num_sampled : num_sampled + num_scored]
+            rows = None
+            if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
+                unique, rows = torch.unique(batch.score_indices, return_inverse=True)
+                one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=rows.device)
+                one_each[rows] = torch.arange(num_scored, device=rows.device)  # any copy will do
+                scored_hidden = scored_hidden[one_each]
             result.prompt_logprobs = score_prompt_positions(
-                hidden[num_sampled : num_sampled + num_scored], scorings, self.model.compute_logits
+                scored_hidden, scorings, self.model.compute_logits, rows=rows
             )
         if pool_rows:
             pooled_hidden = hidden[num_sampled + num_scored :].float()
