@@ -168,9 +168,7 @@ class Prefill:
             ]
             req.borrowed_scores = shared - 1
         self.kv.note_shared(req.kv, shared)
-        return StepSegment(
-            req.rid, ids, req.kv.pages, at, req.kv.kv_len, None, shared, seg, lead
-        )
+        return StepSegment(req.rid, ids, req.kv.pages, at, req.kv.kv_len, None, shared, seg, lead)
 
     def _note_segment(
         self, req: Request, segment: Segment, shared: StepSegment | None = None

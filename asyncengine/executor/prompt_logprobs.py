@@ -58,8 +58,6 @@ def score_prompt_positions(
     at_position = 0
     for scoring in scorings:
         n = scoring.num_positions
-        out.append(
-            [TokenLogprobs(values[i], tops[i]) for i in range(at_position, at_position + n)]
-        )
+        out.append([TokenLogprobs(values[i], tops[i]) for i in range(at_position, at_position + n)])
         at_position += n
     return out

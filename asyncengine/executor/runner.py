@@ -192,7 +192,7 @@ class ModelRunner:
             assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
             scored_hidden = hidden[num_sampled : num_sampled + num_scored]
-            rows = None
+            rows: torch.Tensor | None = None
             if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
                 unique, rows = torch.unique(batch.score_indices, return_inverse=True)
                 one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=rows.device)
