@@ -192,14 +192,16 @@ class ModelRunner:
             assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
             scored_hidden = hidden[num_sampled : num_sampled + num_scored]
-            rows: torch.Tensor | None = None
+            position_rows: torch.Tensor | None = None
             if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
-                unique, rows = torch.unique(batch.score_indices, return_inverse=True)
-                one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=rows.device)
-                one_each[rows] = torch.arange(num_scored, device=rows.device)  # any copy will do
+                unique, position_rows = torch.unique(batch.score_indices, return_inverse=True)
+                device = position_rows.device
+                one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=device)
+                # any copy of a row will do: the copies are the same hidden state
+                one_each[position_rows] = torch.arange(num_scored, device=device)
                 scored_hidden = scored_hidden[one_each]
             result.prompt_logprobs = score_prompt_positions(
-                scored_hidden, scorings, self.model.compute_logits, rows=rows
+                scored_hidden, scorings, self.model.compute_logits, rows=position_rows
             )
         if pool_rows:
             pooled_hidden = hidden[num_sampled + num_scored :].float()
