@@ -68,11 +68,17 @@ class PromptScoring:
     (the segment's own positions only) and at the ``len(target_ids) - 1`` positions after it,
     each scoring the prompt token that follows it (``target_ids``), with the ``top_k`` most
     likely tokens. Made by ``asyncengine/prompt_scoring.py``; answered, one list per scoring
-    segment, in ``StepOutput.prompt_logprobs``."""
+    segment, in ``StepOutput.prompt_logprobs``.
+
+    ``lead``: position ``first`` is the one before the segment's own, whose KV the segment
+    copied from another segment of the plan (step_shares.py): the logits there are that
+    segment's (its rid), the same ones, since they depend on the tokens up to ``first`` alone;
+    only the target differs (the choice of a multiple-choice question that goes on there)."""
 
     first: int
     target_ids: list[int]
     top_k: int
+    lead: str | None = None
 
     @property
     def num_positions(self) -> int:

@@ -101,7 +101,8 @@ class Prefill:
         if req.retractions == 0:
             req.cached_tokens = req.kv.num_cached
         self.prefilling.append(req)
-        self._note_segment(req, self._add_extend(plan, req, take), shared)
+        lead = None if shared is None else shared.lead
+        self._note_segment(req, self._add_extend(plan, req, take, lead), shared)
         if self.step_prefixes is not None:
             # a prompt that ends with this step keeps its last partial page for the others
             ends = cached + restore + take == len(ids) and (
@@ -128,23 +129,27 @@ class Prefill:
         seg, common = found
         following = next_scored_position(req)
         scored: list[Piece] = []
+        lead: str | None = None
         if following is None:
             shared = min(common, most)
+        elif following == at:
+            # the scores of all shared positions but the last from the segments scoring them;
+            # the last one's logits from the segment computing it (the lead)
+            shared = min(common, most)
+            k = req.params.prompt_logprobs
+            scored = shares.score_pieces(seg, at, at + shared - 1)
+            if all(
+                (sc := piece.segment.scoring) is not None
+                and sc.top_k == k
+                and sc.first <= piece.begin
+                and piece.end <= sc.first + sc.num_positions
+                for piece in scored
+            ):
+                lead = shares.pieces(seg, at + shared - 1, at + shared)[0].segment.rid
+            else:
+                shared, scored = 0, []
         else:
-            shared = min(common, most, max(0, following - at))
-            if following == at and common - 1 > shared:
-                k = req.params.prompt_logprobs
-                scored = shares.pieces(seg, at, at + min(common - 1, most))
-                if all(
-                    (sc := piece.segment.scoring) is not None
-                    and sc.top_k == k
-                    and sc.first <= piece.begin
-                    and piece.end <= sc.first + sc.num_positions
-                    for piece in scored
-                ):
-                    shared = scored[-1].end - at
-                else:
-                    scored = []
+            shared = min(common, most, following - at)
         if shared <= 0:
             return None
         for piece in shares.pieces(seg, at, at + shared):
@@ -162,9 +167,9 @@ class Prefill:
                 )
                 for piece in scored
             ]
-            req.borrowed_scores = shared
+            req.borrowed_scores = shared - 1
         self.kv.note_shared(req.kv, shared)
-        return StepSegment(req.rid, ids, req.kv.pages, at, req.kv.kv_len, None, shared, seg)
+        return StepSegment(req.rid, ids, req.kv.pages, at, req.kv.kv_len, None, shared, seg, lead)
 
     def _note_segment(
         self, req: Request, segment: Segment, shared: StepSegment | None = None
@@ -183,6 +188,7 @@ class Prefill:
                     segment.scoring,
                     shared.copied,
                     shared.source,
+                    shared.lead,
                 )
             )
             return
@@ -204,7 +210,9 @@ class Prefill:
         except OutOfPagesError:
             return False
 
-    def _add_extend(self, plan: BatchPlan, req: Request, take: int) -> Segment:
+    def _add_extend(
+        self, plan: BatchPlan, req: Request, take: int, lead: str | None = None
+    ) -> Segment:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
         ids = req.all_ids[start : start + take]
@@ -212,7 +220,7 @@ class Prefill:
         # nothing: the lifecycle ends it once its prompt is computed
         sample = done and not req.prefill_only
         pool = None if req.embedding is None else req.embedding.segment_pool(final=done)
-        scoring = segment_scoring(req, start, start + take)
+        scoring = segment_scoring(req, start, start + take, lead)
         segment = Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring)
         plan.extends.append(segment)
         if sample:

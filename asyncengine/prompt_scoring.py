@@ -139,18 +139,27 @@ def keep_scores(req: Request, scores: PromptScoreCache | None, before: int) -> N
     scores.store(req.prompt_ids, first, req.prompt_logprobs, before, req.params.prompt_logprobs)
 
 
-def segment_scoring(req: Request, start_pos: int, end_pos: int) -> PromptScoring | None:
-    """What a segment computing positions ``start_pos .. end_pos - 1`` of ``req`` scores."""
+def segment_scoring(
+    req: Request, start_pos: int, end_pos: int, lead: str | None = None
+) -> PromptScoring | None:
+    """What a segment computing positions ``start_pos .. end_pos - 1`` of ``req`` scores;
+    with ``lead`` (the rid of the segment of the same plan that computes position
+    ``start_pos - 1``, whose KV ``req`` copied), that position's logits too."""
     following = next_scored_position(req)
     if following is None:
         return None
-    assert start_pos <= following, "positions before the segment were computed unscored"
+    if lead is not None:
+        assert following == start_pos - 1, "a lead scores the position before the segment"
+    else:
+        assert start_pos <= following, "positions before the segment were computed unscored"
     first = following
     last = min(end_pos, len(req.prompt_ids) - 1)  # the last prompt position scores no prompt token
     if first >= last:
         return None
     assert req.params.prompt_logprobs is not None
-    return PromptScoring(first, req.prompt_ids[first + 1 : last + 1], req.params.prompt_logprobs)
+    return PromptScoring(
+        first, req.prompt_ids[first + 1 : last + 1], req.params.prompt_logprobs, lead
+    )
 
 
 def prompt_logprobs_by_position(req: Request) -> list[TokenLogprobs | None] | None:

@@ -16,8 +16,10 @@ A segment's copied positions are shared too: each copy reads the slot of the seg
 computes the position (``pieces``), never a slot that is itself a copy target in the same
 layer. The taker always computes at least one token.
 The KV of position ``p`` depends on tokens ``0 .. p``, its score on ``0 .. p + 1``: sharing
-``c`` tokens, a prompt takes the KV of ``c`` positions it does not score, or of ``c - 1`` with
-their scores (same ``top_k``), as with kept tail pages (prompt_scoring.py ``take_tail``).
+``c`` tokens, a prompt takes the KV of the ``c`` positions, the scores of the first ``c - 1``
+(same ``top_k``) and, for the last, the final hidden state of the segment computing it, scored
+against its own next token (``PromptScoring.lead``): the choices of a question compute their
+context once, the position where they part included.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class StepSegment:
     scoring: PromptScoring | None  # the scores it computes
     copied: int = 0  # positions start .. start + copied - 1 are copied from ``source``
     source: StepSegment | None = None
+    # the rid of the segment computing position start + copied - 1, whose logits there score
+    # this one's next token (a scoring prompt's last copied position)
+    lead: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,23 @@ class StepShares:
             assert segment.source is not None
             middle = min(end, copy_end)
             out += self.pieces(segment.source, begin, middle)
+            begin = middle
+        if begin < end:
+            out.append(Piece(segment, begin, end))
+        return out
+
+    def score_pieces(self, segment: StepSegment, begin: int, end: int) -> list[Piece]:
+        """As ``pieces``, for the scores of positions ``begin .. end - 1``: a copied position
+        that the segment scores itself (its lead) is its own, not its source's (whose score
+        there is of another next token)."""
+        out: list[Piece] = []
+        copy_end = segment.start + segment.copied
+        if segment.scoring is not None:
+            copy_end = min(copy_end, segment.scoring.first)
+        if begin < copy_end:
+            assert segment.source is not None
+            middle = min(end, copy_end)
+            out += self.score_pieces(segment.source, begin, middle)
             begin = middle
         if begin < end:
             out.append(Piece(segment, begin, end))

@@ -210,6 +210,30 @@ def test_scoring_in_chunks_equals_scoring_at_once() -> None:
     assert at_once[1][0].top == []
 
 
+def test_positions_reading_one_row_share_its_logits() -> None:
+    """A lead (PromptScoring.lead): two positions read one hidden row, each against its own
+    target; the answer equals scoring a copy of the row for each, in chunks or at once."""
+    torch.manual_seed(1)
+    weight = torch.randn(50, 8)
+    hidden = torch.randn(6, 8)
+    rows = torch.tensor([0, 1, 2, 1, 3, 4, 5])  # row 1 also leads the second scoring
+    scorings = [PromptScoring(0, [4, 9, 11], 2), PromptScoring(1, [7, 8, 2, 3], 1, "a")]
+    copies = score_prompt_positions(hidden[rows], scorings, lambda h: h @ weight.T)
+    for chunk in (64, 2):
+        shared = score_prompt_positions(
+            hidden, scorings, lambda h: h @ weight.T, chunk_rows=chunk, rows=rows
+        )
+        for got, expected in zip(sum(shared, []), sum(copies, []), strict=True):
+            assert got.token_logprob == pytest.approx(expected.token_logprob, abs=1e-5)
+            assert [t for t, _ in got.top] == [t for t, _ in expected.top]
+            assert [v for _, v in got.top] == pytest.approx([v for _, v in expected.top], abs=1e-5)
+            assert got.top[0][1] >= got.token_logprob  # the top value and the token's, one row
+    reference = torch.log_softmax(hidden @ weight.T, dim=-1)
+    assert copies[1][0].token_logprob == pytest.approx(float(reference[1, 7]), abs=1e-6)
+    assert copies[0][1].token_logprob == pytest.approx(float(reference[1, 9]), abs=1e-6)
+    assert [t for t, _ in copies[1][0].top] == [int(torch.argmax(reference[1]))]
+
+
 def choices_of_a_question(seed: int) -> list[list[int]]:
     """A 37-token context (two whole pages and 5 tokens) and four continuations."""
     rng = random.Random(seed)
@@ -244,8 +268,11 @@ def test_choices_sharing_a_context_take_its_scores_from_the_score_cache(
     ]
     # the two whole pages from the tree and the score cache; of the 5 context tokens on the
     # third page, 4 from the first choice's kept tail page (the 5th is computed: its logits
-    # score the choice's first token)
-    assert [o.usage.cached_tokens for o in cached] == [0, 36, 36, 36]
+    # score the choice's first token); sent together, the third and fourth copy the 5th from
+    # the second in the same step, scored from its final hidden state (a lead: step_shares.py)
+    shared_5th = 1 if together else 0
+    assert [o.usage.cached_tokens for o in cached] == [0, 36, 36 + shared_5th, 36 + shared_5th]
+    assert stats["in_step_shared_tokens"] == 2 * shared_5th
     assert stats["prompt_score_hit_positions"] == 3 * 32
     assert stats["tail_hit_tokens"] == 3 * 4
     assert stats["prompt_score_pages_stored"] == 2  # the context's: no choice has a third whole
@@ -278,8 +305,9 @@ def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
     ends; each later choice copies the KV of 5 context tokens from it (copy on write) with
     their scores, and computes the last context token and its continuation. Sent together,
     they run in one forward, the later ones copying those 5 positions' KV from the first's in
-    each layer and taking its scores (step_shares.py). Scores equal a cold run's (1e-5) and
-    HF's (1e-4), and the KV invariant holds after every step."""
+    each layer and taking its scores (step_shares.py), and the 6th too: its logits are the
+    first's there (a lead). Scores equal a cold run's (1e-5) and HF's (1e-4), and the KV
+    invariant holds after every step."""
     rng = random.Random(17)
     context = [rng.randrange(3, VOCAB) for _ in range(6)]
     items = [context + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 3, 2, 1)]
@@ -298,9 +326,10 @@ def test_choices_after_a_context_shorter_than_a_page_copy_its_kept_tail(
     cold = [
         asyncio.run(score_all(engine_config(model_dir, False), [p], params))[0][0] for p in items
     ]
-    assert [o.usage.cached_tokens for o in shared] == [0, 5, 5, 5]
+    copied = 6 if together else 5
+    assert [o.usage.cached_tokens for o in shared] == [0, copied, copied, copied]
     if together:
-        assert stats["in_step_shared_tokens"] == 3 * 5 and stats["tail_hit_tokens"] == 0
+        assert stats["in_step_shared_tokens"] == 3 * 6 and stats["tail_hit_tokens"] == 0
         assert stats["steps"] == 1
     else:
         assert stats["tail_hit_tokens"] == 3 * 5 and stats["in_step_shared_tokens"] == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
-from asyncengine.plan import BatchPlan
+from asyncengine.plan import BatchPlan, PromptScoring
 from asyncengine.step_shares import StepSegment, StepShares
 from tests.hf_scorer import HFScorer
 from tests.server_support import TINY_MODEL, tiny_model_dir
@@ -56,7 +56,10 @@ def test_choices_sent_together_share_their_context_across_pages(
 ) -> None:
     """A 37-token context (two whole pages and a part) and four choices in one step: the
     first computes the context, the second copies it from the first, the third and fourth
-    copy part of it from the second, which resolves to the first (a copy never reads a copy)."""
+    copy part of it from the second, which resolves to the first (a copy never reads a copy).
+    The last copied position of each is scored from the final hidden state of the segment
+    computing it, against the copier's own next token (its lead): the third's score at
+    position 36 is the second's (both go on with the branch), not the first's."""
     rng = random.Random(5)
     context = [rng.randrange(3, VOCAB) for _ in range(37)]
     branch = [rng.randrange(3, VOCAB) for _ in range(4)]
@@ -72,13 +75,17 @@ def test_choices_sent_together_share_their_context_across_pages(
         asyncio.run(run_together(engine_config(model_dir, False), [p], params))[0][0] for p in items
     ]
     assert stats["steps"] == 1
-    # sharing c tokens, a scoring prompt copies c - 1 positions (the score of the last one
-    # depends on the token after it): the second shares 37 with the first, the third 41 with
-    # the second (36 of them the first's), the fourth 20 with the first
-    assert [o.usage.cached_tokens for o in shared] == [0, 36, 40, 19]
-    assert stats["in_step_shared_tokens"] == 36 + 40 + 19
-    assert [len(s.input_ids) for s in plans[0].extends] == [40, 6, 3, 6]
-    assert len(plans[0].kv_copies) == 36 + 40 + 19
+    # sharing c tokens, a scoring prompt copies all c positions: the second shares 37 with
+    # the first, the third 41 with the second (37 of them the first's), the fourth 20 with
+    # the first
+    assert [o.usage.cached_tokens for o in shared] == [0, 37, 41, 20]
+    assert stats["in_step_shared_tokens"] == 37 + 41 + 20
+    assert [len(s.input_ids) for s in plans[0].extends] == [40, 5, 2, 5]
+    assert len(plans[0].kv_copies) == 37 + 41 + 20
+    extends = plans[0].extends
+    rids = [s.rid for s in extends]
+    leads = [(s.scoring.first, s.scoring.lead) for s in extends if s.scoring is not None]
+    assert leads == [(0, None), (36, rids[0]), (40, rids[1]), (19, rids[0])]
     assert_equal_to_cold_and_hf(hf, items, shared, cold)
 
 
@@ -115,3 +122,18 @@ def test_pieces_resolve_copies_to_the_segment_that_computes_them() -> None:
     assert shares.slot(second.pages, 6) == 6 * 4 + 2
     other = [*ids[:5], 99, *ids[6:]]
     assert shares.best(other, 6, 9) is None  # a different token before ``at``
+
+
+def test_a_lead_position_scores_from_the_segment_that_leads_there() -> None:
+    """``b`` copied positions 2 .. 9 from ``a`` and scores position 9 itself (its lead: its
+    next token differs from ``a``'s): scores of 6 .. 8 resolve to ``a``, of 9 on to ``b``;
+    its KV at 9 still resolves to ``a``."""
+    shares = StepShares(page_size=4)
+    ids = list(range(10, 30))
+    a = StepSegment("a", ids, [0, 1, 2, 3, 4], 0, 12, PromptScoring(0, ids[1:12], 1))
+    b = StepSegment(
+        "b", ids, [5, 6, 7, 8, 9], 2, 16, PromptScoring(9, ids[10:16], 1, "a"), 8, a, "a"
+    )
+    spans = shares.score_pieces(b, 6, 12)
+    assert [(p.segment.rid, p.begin, p.end) for p in spans] == [("a", 6, 9), ("b", 9, 12)]
+    assert [(p.segment.rid, p.begin, p.end) for p in shares.pieces(b, 9, 10)] == [("a", 9, 10)]

@@ -216,12 +216,22 @@ def _verified_as_decodes(plan: BatchPlan) -> BatchPlan:
 
 
 def _score_rows(plan: BatchPlan, cu: np.ndarray) -> np.ndarray | None:
-    """The flat rows of the extend tokens whose logits score prompt tokens, or None."""
-    pieces = [
-        cu[i] + (s.scoring.first - s.start_pos) + np.arange(s.scoring.num_positions)
-        for i, s in enumerate(plan.extends)
-        if s.scoring is not None
-    ]
+    """The flat rows of the extend tokens whose logits score prompt tokens, or None. A scoring
+    with a ``lead`` takes its first row from the segment that computes that position."""
+    index = {s.rid: i for i, s in enumerate(plan.extends)} if plan.kv_copies else {}
+    pieces: list[np.ndarray] = []
+    for i, s in enumerate(plan.extends):
+        sc = s.scoring
+        if sc is None:
+            continue
+        if sc.lead is None:
+            pieces.append(cu[i] + (sc.first - s.start_pos) + np.arange(sc.num_positions))
+            continue
+        j = index[sc.lead]
+        lead = plan.extends[j]
+        assert sc.first == s.start_pos - 1 and lead.start_pos <= sc.first < lead.end_pos
+        pieces.append(np.array([cu[j] + sc.first - lead.start_pos]))
+        pieces.append(cu[i] + np.arange(sc.num_positions - 1))
     return np.concatenate(pieces).astype(np.int64) if pieces else None
 
 

@@ -24,32 +24,40 @@ def score_prompt_positions(
     scorings: list[PromptScoring],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     chunk_rows: int = SCORE_CHUNK_ROWS,
+    rows: torch.Tensor | None = None,
 ) -> list[list[TokenLogprobs]]:
-    """``hidden`` [rows, H]: the final hidden states of every scoring's positions, in order;
+    """``hidden`` [rows, H]: the final hidden states of the scorings' positions; ``rows``
+    [positions] the row each scored position reads, in order (None: a row each, in order), so
+    positions with the same hidden state (a lead: PromptScoring.lead) share one row of logits;
     ``compute_logits`` makes float32 logits of some of those rows. One list per scoring."""
     targets = torch.tensor(
         [t for s in scorings for t in s.target_ids], dtype=torch.int64, device=hidden.device
     )
     top_k = [s.top_k for s in scorings for _ in s.target_ids]
-    chosen: list[float] = []
-    tops: list[list[tuple[int, float]]] = []
+    if rows is None:
+        rows = torch.arange(len(top_k), device=hidden.device)
+    chosen = torch.empty(len(top_k), dtype=torch.float32, device=hidden.device)
+    tops: list[list[tuple[int, float]]] = [[] for _ in top_k]
     for begin in range(0, hidden.shape[0], chunk_rows):
         end = min(begin + chunk_rows, hidden.shape[0])
         logprobs = torch.log_softmax(compute_logits(hidden[begin:end]), dim=-1)
-        chosen += logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
-        most = min(max(top_k[begin:end]), logprobs.shape[1])
+        at = torch.nonzero((rows >= begin) & (rows < end)).flatten()  # positions reading them
+        local = rows[at] - begin
+        chosen[at] = logprobs[local, targets[at]]
+        positions = at.tolist()
+        most = min(max((top_k[i] for i in positions), default=0), logprobs.shape[1])
         if most == 0:
-            tops += [[] for _ in range(end - begin)]
             continue
         best = torch.topk(logprobs, most, dim=-1)
-        for ids, values, k in zip(
-            best.indices.tolist(), best.values.tolist(), top_k[begin:end], strict=True
+        for i, ids, values in zip(
+            positions, best.indices[local].tolist(), best.values[local].tolist(), strict=True
         ):
-            tops.append(list(zip(ids[:k], values[:k], strict=True)))
+            tops[i] = list(zip(ids[: top_k[i]], values[: top_k[i]], strict=True))
+    values = chosen.tolist()
     out: list[list[TokenLogprobs]] = []
-    at = 0
+    at_position = 0
     for scoring in scorings:
         n = scoring.num_positions
-        out.append([TokenLogprobs(chosen[i], tops[i]) for i in range(at, at + n)])
-        at += n
+        out.append([TokenLogprobs(values[i], tops[i]) for i in range(at_position, at_position + n)])
+        at_position += n
     return out

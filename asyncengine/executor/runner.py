@@ -21,10 +21,11 @@ from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.prompt_logprobs import score_prompt_positions
-from asyncengine.kernels.quant_formats import QuantizedTensor
+from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
 from asyncengine.speculative.acceptance import accepted_prefix
@@ -95,6 +96,8 @@ class ModelRunner:
         self.verify_decode_rows = min(
             native_decode.VERIFY_DECODE_MAX_ROWS, native_decode.max_rows(self.model.native_decode)
         )
+        if self.device.type == "cpu":
+            self._pack_float_rows()
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
@@ -112,6 +115,25 @@ class ModelRunner:
                 self.page_size,
             )
             self.graphs.capture()
+
+    def _pack_float_rows(self) -> None:
+        """A float32 model's projections (F32 rows) take the prepacked oneDNN product from 24
+        rows (executor/linear.py), packed at the first such call: pack them at start-up instead,
+        so that the first prompt of 24 tokens or more (every scoring request of lm-eval's first
+        batch) does not wait for it. Other formats go dense only from ~1-2k rows: not packed."""
+        model = self.model
+        projections = [
+            linear
+            for layer in model.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        for linear in [*projections, model.lm_head]:
+            if (
+                isinstance(linear, QuantizedLinear)
+                and linear.dense_from_rows is not None
+                and all(part.format == F32 for part in linear.parts)
+            ):
+                linear.dense(torch.float32)
 
     def _warm_up_attention(self, max_batch_size: int) -> None:
         """Autotune the attention kernels for every length class now, not on first requests."""
@@ -189,9 +211,19 @@ class ModelRunner:
         num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]
         result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if num_scored:
+            assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
+            scored_hidden = hidden[num_sampled : num_sampled + num_scored]
+            position_rows: torch.Tensor | None = None
+            if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
+                unique, position_rows = torch.unique(batch.score_indices, return_inverse=True)
+                device = position_rows.device
+                one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=device)
+                # any copy of a row will do: the copies are the same hidden state
+                one_each[position_rows] = torch.arange(num_scored, device=device)
+                scored_hidden = scored_hidden[one_each]
             result.prompt_logprobs = score_prompt_positions(
-                hidden[num_sampled : num_sampled + num_scored], scorings, self.model.compute_logits
+                scored_hidden, scorings, self.model.compute_logits, rows=position_rows
             )
         if pool_rows:
             pooled_hidden = hidden[num_sampled + num_scored :].float()
