@@ -99,24 +99,6 @@ static inline __attribute__((always_inline)) void x2_values(
         for (int j = 0; j < 4; j++) _mm256_store_ps(o + (r0 + t) * D + c + 8 * j, acc[t][j]);
 }
 
-/* tanh for 8 lanes, as tanh512 (cpu_simd.h) */
-static inline __m256 x2_tanh(__m256 x) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256 ax = _mm256_andnot_ps(sign_bit, x);
-    const __m256 t = exp256(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
-    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
-    const __m256 x2 = _mm256_mul_ps(ax, ax);
-    __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
-    p = _mm256_fmadd_ps(p, x2, one);
-    const __m256 small = _mm256_mul_ps(p, ax);
-    const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
-    return _mm256_or_ps(r, _mm256_and_ps(x, sign_bit));
-}
-
 /* One item: q rows at q (row i of the item at q + i * q_stride, its G heads D apart), keys at
  * positions 0 .. kv_len - 1 of the request's table row; the item's first query sits at pos0.
  * Writes out rows the same way (out_stride apart). */
@@ -214,7 +196,7 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
             __m256 blk_max = neg_inf;
             for (int64_t k = 0; k < nk; k++) {
                 __m256 x = _mm256_mul_ps(_mm256_load_ps(&s[k][8 * v]), scale_v);
-                if (softcap > 0.0f) x = _mm256_mul_ps(cap, x2_tanh(_mm256_mul_ps(x, inv_cap)));
+                if (softcap > 0.0f) x = _mm256_mul_ps(cap, tanh256(_mm256_mul_ps(x, inv_cap)));
                 const __m256i kp = _mm256_set1_epi32((int32_t)(k0 + k));
                 const __m256i hidden =
                     _mm256_or_si256(_mm256_cmpgt_epi32(kp, qpos), _mm256_cmpgt_epi32(qlo, kp));

@@ -114,6 +114,24 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_and_ps(result, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));
 }
 
+/* tanh for 8 lanes, as tanh512 above */
+static inline __m256 tanh256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256 ax = _mm256_andnot_ps(sign_bit, x);
+    const __m256 t = exp256(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+    const __m256 x2 = _mm256_mul_ps(ax, ax);
+    __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
+    p = _mm256_fmadd_ps(p, x2, one);
+    const __m256 small = _mm256_mul_ps(p, ax);
+    const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+    return _mm256_or_ps(r, _mm256_and_ps(x, sign_bit));
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
