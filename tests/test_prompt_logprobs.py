@@ -15,24 +15,11 @@ from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.executor.prompt_logprobs import score_prompt_positions
 from asyncengine.plan import PromptScoring, TokenLogprobs
 from asyncengine.sampling_params import InvalidRequestError
-from tests.hf_scorer import HFScorer
-from tests.server_support import TINY_MODEL, tiny_model_dir
+from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
+from tests.server_support import TINY_MODEL
 
 TOLERANCE = 1e-4
 VOCAB = TINY_MODEL["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # the server tests' tiny llama with weights nearer a real model's scale: its float32
-    # logprobs agree with HF's to 1e-4 (with the server tests' initializer range 0.5 the logits
-    # grow so large that only their relative error is that small)
-    return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> HFScorer:
-    return HFScorer(model_dir)
 
 
 def engine_config(model_dir: Path, prefix_cache: bool, score_cache_pages: int = 0) -> EngineConfig:

@@ -13,30 +13,19 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.hf_scorer import HFScorer
+from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
     engine_config,
     engine_idle,
     start_server,
-    tiny_model_dir,
     wait_until,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TOLERANCE = 1e-4
 TEXT = "The radix tree shares prefixes between requests, so a scored prompt"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> HFScorer:
-    return HFScorer(model_dir)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

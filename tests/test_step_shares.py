@@ -14,21 +14,11 @@ import pytest
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.plan import BatchPlan, PromptScoring
 from asyncengine.step_shares import StepSegment, StepShares
-from tests.hf_scorer import HFScorer
-from tests.server_support import TINY_MODEL, tiny_model_dir
+from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
+from tests.server_support import TINY_MODEL
 from tests.test_prompt_logprobs import assert_equal_to_cold_and_hf, engine_config
 
 VOCAB = TINY_MODEL["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_dir(tmp_path_factory, initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> HFScorer:
-    return HFScorer(model_dir)
 
 
 def one_step_config(model_dir: Path, sharing: bool = True) -> EngineConfig:
