@@ -5,6 +5,7 @@ compared.
 
     .venv/bin/python scripts/bench_lm_eval.py                       # smollm2-135m, float32
     .venv/bin/python scripts/bench_lm_eval.py --limit 20 --out bench_results/lm_eval.json
+    .venv/bin/python scripts/bench_lm_eval.py --repeats 3                # medians of 3 rounds
 
 The figures in docs/BENCHMARKS.md (the whole task, zero-shot and 3-shot):
 
@@ -27,8 +28,11 @@ token and differ only there; the server is sent every prompt whole, and takes th
 pages of a context scored before, with their scores, from its prefix and prompt score caches).
 The server's counters of what it took from those caches are printed too.
 Each lm_eval run is timed whole (the child's wall time: importing the harness, loading the
-tokenizer or model, every request) and by the harness's own ``total_evaluation_time_seconds``;
-our server's start-up is reported apart. Exit status 1 when the accuracies differ. Prints a
+tokenizer or model, every request), by the harness's own ``total_evaluation_time_seconds``, and
+by its request loop alone (its progress bar: requests sent and answered, or the HF forwards),
+the part the backends differ in (~20 s of a quiet run is the harness's own start-up, both ways);
+our server's start-up is reported apart. ``--repeats N`` runs N rounds (a fresh server, lm_eval
+through it, then the HF backend) and compares medians. Exit status 1 when the accuracies differ. Prints a
 table and writes JSON (``--out``).
 """
 
@@ -37,6 +41,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +72,28 @@ class HarnessRun:
     requests: int  # loglikelihood requests: one per choice
     wall_seconds: float  # the lm_eval child process, whole
     evaluation_seconds: float  # the harness's total_evaluation_time_seconds
+    request_seconds: float | None  # its request loop alone, as its progress bar timed it
+    repeat: int = 0
+
+
+# tqdm's last line for lm-eval's request loop: "Requesting API: 100%|...| 544/544 [00:24<00:00,
+# 22.59it/s]" (local-completions) or "Running loglikelihood requests: ..." (hf).
+PROGRESS = re.compile(
+    r"(?:Requesting API|Running loglikelihood requests): 100%\|[^|]*\| (\d+)/\1 "
+    r"\[(?:(\d+):)?(\d+):(\d+)<[^,]*, *([0-9.]+)(it/s|s/it)\]"
+)
+
+
+def request_seconds(log_text: str) -> float | None:
+    """The harness's request loop in seconds (all requests sent and answered, or all HF
+    forwards), from its finished progress bar: count / rate, finer than the bar's mm:ss."""
+    found = PROGRESS.findall(log_text.replace("\r", "\n"))
+    if not found:
+        return None
+    count, hours, minutes, seconds, rate, unit = found[-1]
+    if float(rate) == 0.0:
+        return float(hours or 0) * 3600 + float(minutes) * 60 + float(seconds)
+    return int(count) / float(rate) if unit == "it/s" else int(count) * float(rate)
 
 
 def lm_eval_command(
@@ -93,7 +121,9 @@ def lm_eval_command(
     return command
 
 
-def run_harness(name: str, command: list[str], out_dir: Path, log_path: Path) -> HarnessRun:
+def run_harness(
+    name: str, command: list[str], out_dir: Path, log_path: Path, repeat: int = 0
+) -> HarnessRun:
     """One lm_eval run in a child process (offline: nothing is fetched), its results read
     back from ``--output_path``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -117,6 +147,8 @@ def run_harness(name: str, command: list[str], out_dir: Path, log_path: Path) ->
         requests=0,
         wall_seconds=wall,
         evaluation_seconds=float(results["total_evaluation_time_seconds"]),
+        request_seconds=request_seconds(log_path.read_text(errors="replace")),
+        repeat=repeat,
     )
 
 
@@ -144,6 +176,19 @@ def count_requests(limit: int | None) -> int:
     return sum(len(doc["choices"]) for doc in docs)
 
 
+def median_of(runs: list[HarnessRun], field: str) -> float:
+    return statistics.median(float(getattr(run, field)) for run in runs)
+
+
+def request_speedup(ours: list[HarnessRun], theirs: list[HarnessRun]) -> float | None:
+    """HF's request loop over ours (medians), where both progress bars were read."""
+    mine = [run.request_seconds for run in ours if run.request_seconds is not None]
+    hf = [run.request_seconds for run in theirs if run.request_seconds is not None]
+    if len(mine) != len(ours) or len(hf) != len(theirs) or min(mine) <= 0:
+        return None
+    return statistics.median(hf) / statistics.median(mine)
+
+
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} CPUs"
@@ -166,6 +211,12 @@ def main() -> int:
         default=0,
         help="examples before each question (lm_eval --num_fewshot): longer shared contexts",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of (fresh server + lm_eval through it, then the HF backend); medians",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--serve-arg", action="append", default=[], help="more serve flags")
@@ -185,56 +236,60 @@ def main() -> int:
         model = str(Path(args.model).resolve())
     load_before = load_average()
     work = Path(tempfile.mkdtemp(prefix="bench_lm_eval_"))
-    server = LaunchedServer(
-        ["--model", model, "--dtype", "float32", "--log-interval", "0", *args.serve_arg],
-        args.startup_timeout,
-        work / "server.log",
-    )
-    server.start()
-    try:
-        ours = run_harness(
-            "asyncengine",
-            lm_eval_command(
-                f"model={model},base_url={server.base_url}/v1/completions,tokenizer={model},"
-                f"tokenized_requests=True,num_concurrent={args.concurrency},max_retries=1",
-                "local-completions",
-                args.batch_size,
-                args.limit,
-                args.num_fewshot,
-            ),
-            work / "asyncengine",
-            work / "lm_eval_asyncengine.log",
+    runs: list[HarnessRun] = []
+    startups: list[float] = []
+    counters: dict[str, float] = {}
+    for repeat in range(args.repeats):
+        # A fresh server each repeat: a warm one would take every prompt from its caches.
+        server = LaunchedServer(
+            ["--model", model, "--dtype", "float32", "--log-interval", "0", *args.serve_arg],
+            args.startup_timeout,
+            work / f"server_{repeat}.log",
         )
-        counters = server_counters(server.base_url)
-    finally:
-        server.stop()
-    theirs = run_harness(
-        "hf",
-        lm_eval_command(
-            f"pretrained={model},dtype=float32", "hf", args.batch_size, args.limit, args.num_fewshot
-        ),
-        work / "hf",
-        work / "lm_eval_hf.log",
-    )
-    runs = [ours, theirs]
-    if args.hf_without_logits_cache:
-        runs.append(
-            run_harness(
-                "hf-no-cache",
-                lm_eval_command(
-                    f"pretrained={model},dtype=float32,logits_cache=False",
-                    "hf",
-                    args.batch_size,
-                    args.limit,
-                    args.num_fewshot,
-                ),
-                work / "hf_no_cache",
-                work / "lm_eval_hf_no_cache.log",
+        server.start()
+        try:
+            runs.append(
+                run_harness(
+                    "asyncengine",
+                    lm_eval_command(
+                        f"model={model},base_url={server.base_url}/v1/completions,"
+                        f"tokenizer={model},tokenized_requests=True,"
+                        f"num_concurrent={args.concurrency},max_retries=1",
+                        "local-completions",
+                        args.batch_size,
+                        args.limit,
+                        args.num_fewshot,
+                    ),
+                    work / f"asyncengine_{repeat}",
+                    work / f"lm_eval_asyncengine_{repeat}.log",
+                    repeat,
+                )
             )
-        )
+            counters = server_counters(server.base_url)
+        finally:
+            server.stop()
+        assert server.startup_seconds is not None
+        startups.append(server.startup_seconds)
+        hf_runs = [("hf", f"pretrained={model},dtype=float32")]
+        if args.hf_without_logits_cache:
+            hf_runs.append(("hf-no-cache", f"pretrained={model},dtype=float32,logits_cache=False"))
+        for name, model_args in hf_runs:
+            runs.append(
+                run_harness(
+                    name,
+                    lm_eval_command(
+                        model_args, "hf", args.batch_size, args.limit, args.num_fewshot
+                    ),
+                    work / f"{name}_{repeat}",
+                    work / f"lm_eval_{name}_{repeat}.log",
+                    repeat,
+                )
+            )
     requests = count_requests(args.limit)
     for run in runs:
         run.requests = requests
+    ours = [run for run in runs if run.backend == "asyncengine"]
+    theirs = [run for run in runs if run.backend == "hf"]
     report = {
         "model": model,
         "task": TASK,
@@ -242,31 +297,41 @@ def main() -> int:
         "concurrency": args.concurrency,
         "limit": args.limit,
         "num_fewshot": args.num_fewshot,
+        "repeats": args.repeats,
         "load_average_before": load_before,
         "load_average_after": load_average(),
-        "server_startup_seconds": server.startup_seconds,
+        "server_startup_seconds": statistics.median(startups),
         "server_counters": counters,
         "runs": [asdict(run) for run in runs],
-        "wall_speedup": theirs.wall_seconds / ours.wall_seconds,
-        "evaluation_speedup": theirs.evaluation_seconds / ours.evaluation_seconds,
-        "equal_accuracy": all((r.acc, r.acc_norm) == (ours.acc, ours.acc_norm) for r in runs),
+        "wall_speedup": median_of(theirs, "wall_seconds") / median_of(ours, "wall_seconds"),
+        "evaluation_speedup": median_of(theirs, "evaluation_seconds")
+        / median_of(ours, "evaluation_seconds"),
+        "request_speedup": request_speedup(ours, theirs),
+        "equal_accuracy": all((r.acc, r.acc_norm) == (ours[0].acc, ours[0].acc_norm) for r in runs),
     }
     print(
-        f"lm-eval {TASK} ({ours.samples} questions, {args.num_fewshot}-shot, {requests} "
+        f"lm-eval {TASK} ({ours[0].samples} questions, {args.num_fewshot}-shot, {requests} "
         f"loglikelihood requests), {model}"
     )
     print(f"load average (1/5/15 min): before {load_before}, after {report['load_average_after']}")
-    header = f"{'backend':<12} {'acc':>7} {'acc_norm':>9} {'lm_eval wall s':>15} {'eval s':>8}"
+    header = (
+        f"{'backend':<12} {'round':>5} {'acc':>7} {'acc_norm':>9} {'lm_eval wall s':>15} "
+        f"{'eval s':>8} {'requests s':>11}"
+    )
     print(header)
     for run in runs:
+        phase = "-" if run.request_seconds is None else f"{run.request_seconds:.1f}"
         print(
-            f"{run.backend:<12} {run.acc:>7.4f} {run.acc_norm:>9.4f} "
-            f"{run.wall_seconds:>15.1f} {run.evaluation_seconds:>8.1f}"
+            f"{run.backend:<12} {run.repeat:>5} {run.acc:>7.4f} {run.acc_norm:>9.4f} "
+            f"{run.wall_seconds:>15.1f} {run.evaluation_seconds:>8.1f} {phase:>11}"
         )
+    phase_ratio = report["request_speedup"]
+    phase_text = "" if phase_ratio is None else f", {phase_ratio:.2f}x (the request loop alone)"
     print(
-        f"asyncengine is {report['wall_speedup']:.2f}x the HF backend's speed (lm_eval wall), "
-        f"{report['evaluation_speedup']:.2f}x (evaluation); server start-up "
-        f"{server.startup_seconds:.1f}s apart; accuracies equal: {report['equal_accuracy']}"
+        f"asyncengine is {report['wall_speedup']:.2f}x the HF backend's speed (lm_eval wall, "
+        f"median of {args.repeats}), {report['evaluation_speedup']:.2f}x (evaluation)"
+        f"{phase_text}; server start-up {report['server_startup_seconds']:.1f}s apart; "
+        f"accuracies equal: {report['equal_accuracy']}"
     )
     print(
         "server: {:.0f} prompt tokens, {:.0f} from the prefix cache, {:.0f} scored positions "

@@ -28,6 +28,18 @@ def test_committed_task_data_is_what_its_generator_writes() -> None:
         assert len(set(item["choices"])) == 4
 
 
+def test_request_loop_seconds_read_from_the_harness_progress_bar() -> None:
+    bench = load_script("bench_lm_eval")
+    log = (
+        "Requesting API:  50%|#####     | 272/544 [00:12<00:12, 22.00it/s]\r"
+        "Requesting API: 100%|##########| 544/544 [00:24<00:00, 22.59it/s]\n"
+    )
+    assert bench.request_seconds(log) == pytest.approx(544 / 22.59)
+    slow = "Running loglikelihood requests: 100%|##########| 34/34 [1:02:03<00:00, 1.50s/it]\n"
+    assert bench.request_seconds(slow) == pytest.approx(34 * 1.5)
+    assert bench.request_seconds("Requesting API:  50%|#####     | 272/544 [00:12<00:12]") is None
+
+
 @pytest.mark.slow
 def test_lm_eval_scores_equal_through_the_server_and_hf(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -56,6 +68,7 @@ def test_lm_eval_scores_equal_through_the_server_and_hf(
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     ours, hf = report["runs"]
+    assert ours["request_seconds"] > 0 and hf["request_seconds"] > 0
     assert report["equal_accuracy"] and (ours["acc"], ours["acc_norm"]) == (
         hf["acc"],
         hf["acc_norm"],
