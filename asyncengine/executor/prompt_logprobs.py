@@ -11,6 +11,7 @@ lm-evaluation-harness reads as "greedy").
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,19 +31,53 @@ def score_prompt_positions(
     [positions] the row each scored position reads, in order (None: a row each, in order), so
     positions with the same hidden state (a lead: PromptScoring.lead) share one row of logits;
     ``compute_logits`` makes float32 logits of some of those rows. One list per scoring."""
+    return logits_and_scores(hidden, 0, scorings, compute_logits, chunk_rows, rows).scores
+
+
+@dataclass(slots=True)
+class LogitsAndScores:
+    logits: torch.Tensor  # [sampled rows, vocab] float32
+    scores: list[list[TokenLogprobs]]  # one list per scoring
+
+
+def logits_and_scores(
+    hidden: torch.Tensor,
+    num_sampled: int,
+    scorings: list[PromptScoring],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    chunk_rows: int = SCORE_CHUNK_ROWS,
+    rows: torch.Tensor | None = None,
+) -> LogitsAndScores:
+    """``score_prompt_positions`` over ``hidden[num_sampled:]``, whose first ``num_sampled`` rows
+    (the step's sampled rows) have their logits returned instead: the LM head's product over
+    every row of a step at once. A step of lm-eval's has ~16 sampled and ~40 scored rows; two
+    products of those sizes cost ~1.5x one of all (the head's weight is read once, and
+    the smaller one fell below the dense crossover: linear.py)."""
+    vocab = None
+    sampled: list[torch.Tensor] = []
     targets = torch.tensor(
         [t for s in scorings for t in s.target_ids], dtype=torch.int64, device=hidden.device
     )
     top_k = [s.top_k for s in scorings for _ in s.target_ids]
     if rows is None:
         rows = torch.arange(len(top_k), device=hidden.device)
+    rows = rows + num_sampled  # rows of ``hidden``
     chosen = torch.empty(len(top_k), dtype=torch.float32, device=hidden.device)
     tops: list[list[tuple[int, float]]] = [[] for _ in top_k]
     for begin in range(0, hidden.shape[0], chunk_rows):
         end = min(begin + chunk_rows, hidden.shape[0])
-        logprobs = torch.log_softmax(compute_logits(hidden[begin:end]), dim=-1)
-        at = torch.nonzero((rows >= begin) & (rows < end)).flatten()  # positions reading them
-        local = rows[at] - begin
+        logits = compute_logits(hidden[begin:end])
+        vocab = logits.shape[1]
+        first_scored = max(begin, min(end, num_sampled))  # the chunk's first row to score
+        if first_scored > begin:
+            sampled.append(logits[: first_scored - begin].clone())
+        if first_scored == end:
+            continue
+        logprobs = torch.log_softmax(logits[first_scored - begin :], dim=-1)
+        at = torch.nonzero(
+            (rows >= first_scored) & (rows < end)
+        ).flatten()  # positions reading them
+        local = rows[at] - first_scored
         chosen[at] = logprobs[local, targets[at]]
         positions = at.tolist()
         most = min(max((top_k[i] for i in positions), default=0), logprobs.shape[1])
@@ -60,4 +95,8 @@ def score_prompt_positions(
         n = scoring.num_positions
         out.append([TokenLogprobs(values[i], tops[i]) for i in range(at_position, at_position + n)])
         at_position += n
-    return out
+    if sampled:
+        logits = torch.cat(sampled) if len(sampled) > 1 else sampled[0]
+    else:
+        logits = hidden.new_empty((0, vocab or 0), dtype=torch.float32)
+    return LogitsAndScores(logits, out)

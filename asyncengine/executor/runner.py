@@ -24,7 +24,7 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
-from asyncengine.executor.prompt_logprobs import score_prompt_positions
+from asyncengine.executor.prompt_logprobs import logits_and_scores
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
@@ -209,22 +209,27 @@ class ModelRunner:
             )
         num_sampled = batch.sample_indices.shape[0]
         num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]
-        result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if num_scored:
             assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
-            scored_hidden = hidden[num_sampled : num_sampled + num_scored]
+            head_rows = hidden[: num_sampled + num_scored]
             position_rows: torch.Tensor | None = None
             if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
                 unique, position_rows = torch.unique(batch.score_indices, return_inverse=True)
                 device = position_rows.device
                 one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=device)
                 # any copy of a row will do: the copies are the same hidden state
-                one_each[position_rows] = torch.arange(num_scored, device=device)
-                scored_hidden = scored_hidden[one_each]
-            result.prompt_logprobs = score_prompt_positions(
-                scored_hidden, scorings, self.model.compute_logits, rows=position_rows
+                one_each[position_rows] = torch.arange(
+                    num_sampled, num_sampled + num_scored, device=device
+                )
+                head_rows = torch.cat([hidden[:num_sampled], hidden[one_each]])
+            # the sampled and the scored rows through the LM head in one product
+            both = logits_and_scores(
+                head_rows, num_sampled, scorings, self.model.compute_logits, rows=position_rows
             )
+            result = ForwardResult(both.logits, both.scores)
+        else:
+            result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if pool_rows:
             pooled_hidden = hidden[num_sampled + num_scored :].float()
             parts = [pooled_hidden[start:end].sum(dim=0) for start, end in pool_spans]
