@@ -25,6 +25,7 @@ from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.prompt_logprobs import logits_and_scores
+from asyncengine.executor.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
@@ -98,6 +99,11 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             self._pack_float_rows()
+        # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);
+        # deterministic mode keeps one count (its row blocks are tuned to it)
+        self.step_threads: StepThreads | None = None
+        if self.device.type == "cpu" and not deterministic:
+            self.step_threads = step_threads(torch.get_num_threads())
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
@@ -238,6 +244,18 @@ class ModelRunner:
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
+        if self.step_threads is None:
+            return self._execute(plan)
+        return run_on_chosen_threads(
+            self.step_threads,
+            plan.num_tokens,
+            bool(plan.extends),
+            lambda: self._execute(plan),
+            torch.set_num_threads,
+            time.perf_counter,
+        )
+
+    def _execute(self, plan: BatchPlan) -> StepOutput:
         start = time.perf_counter()
         with torch.inference_mode():
             batch = self.prepare(plan)
