@@ -3,9 +3,10 @@ each next prompt token and the top-k alternatives (``PromptScoring``, asyncengin
 
 Logits are vocabulary-wide, so they are made ``chunk_rows`` positions at a time: a long prompt
 never holds a [prompt, vocab] tensor, only a [chunk_rows, vocab] one, and it is gone before the
-next chunk. The token's logprob and the top values come out of the same ``log_softmax``, so a
-prompt token that is the most likely one has a logprob equal to the top value, exactly (what
-lm-evaluation-harness reads as "greedy").
+next chunk. A logprob is its logit less the row's log-sum-exp (kernels/logprobs_native.py: no
+log_softmax tensor is written), the token's and the top values alike, so a prompt token that is
+the most likely one has a logprob equal to the top value, exactly (what lm-evaluation-harness
+reads as "greedy").
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncengine.kernels.logprobs_native import row_max_lse
 from asyncengine.plan import PromptScoring, TokenLogprobs
 
 SCORE_CHUNK_ROWS = 256  # positions whose logits exist at once: 256 x 49152 float32 is 48 MiB
@@ -73,20 +75,23 @@ def logits_and_scores(
             sampled.append(logits[: first_scored - begin].clone())
         if first_scored == end:
             continue
-        logprobs = torch.log_softmax(logits[first_scored - begin :], dim=-1)
-        at = torch.nonzero(
-            (rows >= first_scored) & (rows < end)
-        ).flatten()  # positions reading them
+        scored = logits[first_scored - begin :]
+        rows_lse = row_max_lse(scored)  # a logprob is the logit less its row's log-sum-exp
+        at = torch.nonzero((rows >= first_scored) & (rows < end)).flatten()  # positions read
         local = rows[at] - first_scored
-        chosen[at] = logprobs[local, targets[at]]
+        chosen[at] = scored[local, targets[at]] - rows_lse.lse[local]
         positions = at.tolist()
-        most = min(max((top_k[i] for i in positions), default=0), logprobs.shape[1])
+        most = min(max((top_k[i] for i in positions), default=0), scored.shape[1])
         if most == 0:
             continue
-        best = torch.topk(logprobs, most, dim=-1)
-        for i, ids, values in zip(
-            positions, best.indices[local].tolist(), best.values[local].tolist(), strict=True
-        ):
+        if most == 1:  # the row's max, already found
+            best_ids = rows_lse.argmax[local, None]
+            best_values = (rows_lse.max - rows_lse.lse)[local, None]
+        else:
+            best = torch.topk(scored, most, dim=-1)
+            best_ids = best.indices[local]
+            best_values = (best.values - rows_lse.lse[:, None])[local]
+        for i, ids, values in zip(positions, best_ids.tolist(), best_values.tolist(), strict=True):
             tops[i] = list(zip(ids[: top_k[i]], values[: top_k[i]], strict=True))
     values = chosen.tolist()
     out: list[list[TokenLogprobs]] = []
