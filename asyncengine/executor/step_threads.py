@@ -7,10 +7,12 @@ region waits for a thread the OS has descheduled: lm-eval's 34 scoring requests 
 (docs/BENCHMARKS.md). Quiet, two threads are faster. Neither count is right everywhere and the
 load comes and goes, so the steps measure themselves: per class of steps (rows within a factor
 of eight; decodes apart from steps with prompt rows), a smoothed time per row for each count. A
-class tries one thread on its third step (the first is a warm-up), then takes the faster count,
-and tries the other again after 16 steps, twice as long after each try that changes nothing (at
-most 256), or at once when a step takes twice its count's usual time per row (the load came).
-Quiet, that is one step in ~30 at the slower count for lm-eval's run of 34 steps.
+class starts on one thread (its first step a warm-up, not counted), tries all on its third
+step, then takes the faster count, and tries the other again after 16 steps, twice as long
+after each try that changes nothing (at most 256), or at once when a step takes twice its
+count's usual time per row (the load came). It starts on one thread because a step on two
+spinning threads of a busy machine costs ~8x one on one thread, and one on one thread of a quiet
+machine ~1.6x one on two: for lm-eval's run of 34 steps, three steps on the slower count.
 Both counts give bit-identical results (the products split rows and columns across threads,
 never a sum: tests/test_step_threads.py), so the choice changes speed only.
 
@@ -57,11 +59,11 @@ class StepThreads:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
         c.steps += 1
         times = c.seconds_per_row
-        if c.steps == 1 or self.most not in times:  # the first step is a warm-up (record)
-            return self.most
-        if 1 not in times:
-            c.trying = True
+        if c.steps == 1 or 1 not in times:  # the first step is a warm-up (record)
             return 1
+        if self.most not in times:
+            c.trying = True
+            return self.most
         if c.try_next is not None:
             c.trying = True
             return c.try_next
