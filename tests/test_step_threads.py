@@ -120,3 +120,11 @@ def test_the_products_are_bit_identical_on_one_thread_and_on_two(rows: int) -> N
                 assert torch.equal(results[0], results[1]), (out_features, in_features)
     finally:
         torch.set_num_threads(before)
+
+
+def test_large_steps_start_on_all_threads() -> None:
+    """A long prompt's chunk (128 rows and more) loses little to the spin-waits and half its
+    speed on one thread: its class starts on all, then tries one."""
+    machine = FakeMachine({2: 1.0, 1: 1.9})
+    chooser = StepThreads(2)
+    assert [machine.step(chooser, rows=512) for _ in range(5)] == [2, 2, 1, 2, 2]

@@ -1,18 +1,18 @@
 """How many torch threads a CPU step runs on, chosen by measuring steps: all of them, or one.
 
-A forward of ~40 rows is ~600 OpenMP parallel regions (30 layers of ~20 ops), and libgomp's
-threads spin-wait at the end of each. On a machine whose cores another process keeps busy, each
-region waits for a thread the OS has descheduled: lm-eval's 34 scoring requests replayed on this
-2-core VM at a 1-minute load of ~3.5 took 64.6 s on two threads and 10.6 s on one
-(docs/BENCHMARKS.md). Quiet, two threads are faster. Neither count is right everywhere and the
-load comes and goes, so the steps measure themselves: per class of steps (rows within a factor
-of eight; decodes apart from steps with prompt rows), a smoothed time per row for each count. A
-class starts on one thread (its first step a warm-up, not counted), tries all on its third
-step, then takes the faster count, and tries the other again after 16 steps, twice as long
-after each try that changes nothing (at most 256), or at once when a step takes twice its
-count's usual time per row (the load came). It starts on one thread because a step on two
-spinning threads of a busy machine costs ~8x one on one thread, and one on one thread of a quiet
-machine ~1.6x one on two: for lm-eval's run of 34 steps, three steps on the slower count.
+A forward of ~40 rows is a few hundred OpenMP parallel regions (30 layers of products,
+attention, SiLU), and libgomp's threads spin-wait at the end of each. On a machine whose cores
+another process keeps busy, each region waits for a thread the OS has descheduled: lm-eval's 34
+scoring requests replayed on this 2-core VM at a 1-minute load of ~3.5 took 64.6 s on two
+threads and 10.6 s on one (docs/BENCHMARKS.md). Quiet, two threads are ~1.6x faster. Neither
+count is right everywhere and the load comes and goes, so the steps measure themselves: per
+class of steps (rows within a factor of eight; decodes apart from steps with prompt rows), a
+smoothed time per row for each count. A class starts on one thread (its first step a warm-up,
+not counted), tries all on its third step, then takes the faster, and tries the other again
+after 16 steps, twice as long after each try that changes nothing (at most 256), or at once when
+a step takes twice its count's usual time per row (the load came). Starting on one thread costs
+a quiet machine two steps at ~1.6x; starting on two would cost a busy one two steps at ~8x.
+Classes of 128 rows and more start on all threads (``START_ALL_FROM_ROWS``).
 Both counts give bit-identical results (the products split rows and columns across threads,
 never a sum: tests/test_step_threads.py), so the choice changes speed only.
 
@@ -30,6 +30,10 @@ ENABLE_ENV = "ASYNCENGINE_ADAPTIVE_THREADS"
 FIRST_EXPLORE_AFTER = 16  # steps of a class before the count not chosen is tried again
 MOST_EXPLORE_AFTER = 256  # the longest wait between tries (doubled after each that loses)
 SMOOTHING = 0.5  # weight of the newest measurement in a count's time per row
+# Classes of steps from this many rows start on all threads: the spin-waits are per parallel
+# region, a step's regions about as many at 4096 rows as at 40, so a large step loses little to
+# them under load and half its speed on one thread when quiet (a long prompt's first chunk)
+START_ALL_FROM_ROWS = 128
 SLOWDOWN = 2.0  # a step this many times its count's time per row: the load changed, try the other
 
 T = TypeVar("T")
@@ -59,11 +63,12 @@ class StepThreads:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
         c.steps += 1
         times = c.seconds_per_row
-        if c.steps == 1 or 1 not in times:  # the first step is a warm-up (record)
-            return 1
-        if self.most not in times:
+        first = 1 if rows < START_ALL_FROM_ROWS else self.most
+        if c.steps == 1 or first not in times:  # the first step is a warm-up (record)
+            return first
+        if self._other(first) not in times:
             c.trying = True
-            return self.most
+            return self._other(first)
         if c.try_next is not None:
             c.trying = True
             return c.try_next
