@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
-from asyncengine.executor.prompt_logprobs import score_prompt_positions
+from asyncengine.executor.prompt_logprobs import logits_and_scores, score_prompt_positions
 from asyncengine.plan import PromptScoring, TokenLogprobs
 from asyncengine.sampling_params import InvalidRequestError
 from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
@@ -366,3 +366,34 @@ def test_the_score_cache_evicts_and_the_kv_invariant_holds(model_dir: Path) -> N
     assert stats["prompt_score_hit_positions"] == 0
     for a, b in zip(small, off, strict=True):
         assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def test_sampled_rows_share_the_head_product_with_the_scored_ones() -> None:
+    """``logits_and_scores``: the first rows' logits come back as they are (the step's sampled
+    rows), the rest are scored as ``score_prompt_positions`` scores them, whichever chunk
+    boundary falls between or inside the two."""
+    torch.manual_seed(2)
+    weight = torch.randn(50, 8)
+    sampled, hidden = torch.randn(5, 8), torch.randn(7, 8)
+    scorings = [PromptScoring(0, [4, 9, 11], 2), PromptScoring(1, [7, 8, 2, 3], 1)]
+    alone = score_prompt_positions(hidden, scorings, lambda h: h @ weight.T)
+    calls: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h @ weight.T
+
+    for chunk in (64, 5, 3):
+        calls.clear()
+        both = logits_and_scores(torch.cat([sampled, hidden]), 5, scorings, head, chunk_rows=chunk)
+        assert calls == [min(chunk, 12 - b) for b in range(0, 12, chunk)]  # every row once
+        assert both.logits.shape == (5, 50)
+        torch.testing.assert_close(both.logits, sampled @ weight.T)
+        for got, expected in zip(sum(both.scores, []), sum(alone, []), strict=True):
+            assert got.token_logprob == pytest.approx(expected.token_logprob, abs=1e-5)
+            assert [t for t, _ in got.top] == [t for t, _ in expected.top]
+    leads = torch.tensor([0, 1, 2, 1, 3, 4, 5])  # positions reading one row (a lead)
+    shared = logits_and_scores(torch.cat([sampled, hidden[:6]]), 5, scorings, head, 4, leads)
+    copies = score_prompt_positions(hidden[:6][leads], scorings, lambda h: h @ weight.T)
+    for got, expected in zip(sum(shared.scores, []), sum(copies, []), strict=True):
+        assert got.token_logprob == pytest.approx(expected.token_logprob, abs=1e-5)

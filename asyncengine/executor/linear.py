@@ -65,6 +65,14 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # 24-64 rows).
 DENSE_FROM_ROWS = 64
 DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24}
+# A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner. One core's CPU ms,
+# F32 rows / prepacked oneDNN (scripts/bench_quant_matmul.py --formats F32 --lm-head --threads 1
+# --cpu-time, 1-minute load ~3.5 on the 2-core AVX2 VM):
+#   rows           1     2     4     8    12    16    24
+#   F32 rows    11.7  11.1  15.4  23.3  36.8  40.5  53.4
+#   dense        9.4  10.6  14.8  16.3  18.5  24.0  31.0
+# (below 8 rows within the noise of another run; batch-1 decode keeps the F32 rows it was tuned on)
+F32_HEAD_DENSE_FROM_ROWS = 8
 # "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
 # F32 rows for the native products and the fused decode step (to measure what they give)
 FLOAT_ROWS_ENV = "ASYNCENGINE_F32_ROWS"
@@ -271,14 +279,16 @@ def make_linear(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
     row_block: int | None = None,
+    f32_dense_from_rows: int | None = None,
 ) -> Linear | QuantizedLinear:
     """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
     is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized. Dense
     float32 parts on a CPU become F32 rows (``QuantizedLinear``: the native products up to their
-    crossover, the fused decode step) where ``_as_f32_rows`` allows."""
+    crossover, the fused decode step) where ``_as_f32_rows`` allows; ``f32_dense_from_rows``:
+    their crossover where this shape's differs from the layers' (the LM head's)."""
     f32 = _as_f32_rows(parts, dtype, row_block)
     if f32 is not None:
-        return QuantizedLinear(f32, bias, dense_from_rows(f32))
+        return QuantizedLinear(f32, bias, f32_dense_from_rows or dense_from_rows(f32))
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its

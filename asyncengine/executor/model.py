@@ -23,7 +23,12 @@ from asyncengine.executor import native_decode, weight_arena
 from asyncengine.executor.attention import AttentionBackend, AttentionOptions
 from asyncengine.executor.backends import KernelOps, kernel_ops
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.linear import Linear, QuantizedLinear, make_linear
+from asyncengine.executor.linear import (
+    F32_HEAD_DENSE_FROM_ROWS,
+    Linear,
+    QuantizedLinear,
+    make_linear,
+)
 from asyncengine.executor.model_config import ModelConfig, RopeScaling
 from asyncengine.executor.rope import build_cos_sin_cache
 from asyncengine.kernels import rotary_ref
@@ -92,7 +97,7 @@ class LlamaModel:
             if c.tie_word_embeddings
             else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
         )
-        self.lm_head = make_linear([head], None, dtype, row_block)
+        self.lm_head = make_linear([head], None, dtype, row_block, F32_HEAD_DENSE_FROM_ROWS)
         # the quantized weights in the order a decode step reads them, in huge pages
         in_step_order = [
             *(

@@ -24,7 +24,8 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.linear import QuantizedLinear
 from asyncengine.executor.model import LlamaModel
 from asyncengine.executor.model_config import ModelConfig
-from asyncengine.executor.prompt_logprobs import score_prompt_positions
+from asyncengine.executor.prompt_logprobs import logits_and_scores
+from asyncengine.executor.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
 from asyncengine.pooling import SUM
@@ -98,6 +99,11 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             self._pack_float_rows()
+        # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);
+        # deterministic mode keeps one count (its row blocks are tuned to it)
+        self.step_threads: StepThreads | None = None
+        if self.device.type == "cpu" and not deterministic:
+            self.step_threads = step_threads(torch.get_num_threads())
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
@@ -209,22 +215,27 @@ class ModelRunner:
             )
         num_sampled = batch.sample_indices.shape[0]
         num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]
-        result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if num_scored:
             assert batch.score_indices is not None
             scorings = [s.scoring for s in plan.extends if s.scoring is not None]
-            scored_hidden = hidden[num_sampled : num_sampled + num_scored]
+            head_rows = hidden[: num_sampled + num_scored]
             position_rows: torch.Tensor | None = None
             if any(s.lead is not None for s in scorings):  # a row scored twice: logits once
                 unique, position_rows = torch.unique(batch.score_indices, return_inverse=True)
                 device = position_rows.device
                 one_each = torch.zeros(unique.shape[0], dtype=torch.int64, device=device)
                 # any copy of a row will do: the copies are the same hidden state
-                one_each[position_rows] = torch.arange(num_scored, device=device)
-                scored_hidden = scored_hidden[one_each]
-            result.prompt_logprobs = score_prompt_positions(
-                scored_hidden, scorings, self.model.compute_logits, rows=position_rows
+                one_each[position_rows] = torch.arange(
+                    num_sampled, num_sampled + num_scored, device=device
+                )
+                head_rows = torch.cat([hidden[:num_sampled], hidden[one_each]])
+            # the sampled and the scored rows through the LM head in one product
+            both = logits_and_scores(
+                head_rows, num_sampled, scorings, self.model.compute_logits, rows=position_rows
             )
+            result = ForwardResult(both.logits, both.scores)
+        else:
+            result = ForwardResult(self.model.compute_logits(hidden[:num_sampled]))
         if pool_rows:
             pooled_hidden = hidden[num_sampled + num_scored :].float()
             parts = [pooled_hidden[start:end].sum(dim=0) for start, end in pool_spans]
@@ -233,6 +244,18 @@ class ModelRunner:
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
+        if self.step_threads is None:
+            return self._execute(plan)
+        return run_on_chosen_threads(
+            self.step_threads,
+            plan.num_tokens,
+            bool(plan.extends),
+            lambda: self._execute(plan),
+            torch.set_num_threads,
+            time.perf_counter,
+        )
+
+    def _execute(self, plan: BatchPlan) -> StepOutput:
         start = time.perf_counter()
         with torch.inference_mode():
             batch = self.prepare(plan)

@@ -1,0 +1,147 @@
+"""How many torch threads a CPU step runs on, chosen by measuring steps: all of them, or one.
+
+A forward of ~40 rows is a few hundred OpenMP parallel regions (30 layers of products,
+attention, SiLU), and libgomp's threads spin-wait at the end of each. On a machine whose cores
+another process keeps busy, each region waits for a thread the OS has descheduled: lm-eval's 34
+scoring requests replayed on this 2-core VM at a 1-minute load of ~3.5 took 64.6 s on two
+threads and 10.6 s on one (docs/BENCHMARKS.md). Quiet, two threads are ~1.6x faster. Neither
+count is right everywhere and the load comes and goes, so the steps measure themselves: per
+class of steps (rows within a factor of eight; decodes apart from steps with prompt rows), a
+smoothed time per row for each count. A class starts on one thread (its first step a warm-up,
+not counted), tries all on its third step, then takes the faster, and tries the other again
+after 16 steps, twice as long after each try that changes nothing (at most 256), or at once when
+a step takes twice its count's usual time per row (the load came). Starting on one thread costs
+a quiet machine two steps at ~1.6x; starting on two would cost a busy one two steps at ~8x.
+Classes of 128 rows and more start on all threads (``START_ALL_FROM_ROWS``).
+Both counts give bit-identical results (the products split rows and columns across threads,
+never a sum: tests/test_step_threads.py), so the choice changes speed only.
+
+``ASYNCENGINE_ADAPTIVE_THREADS=0`` keeps every step on the thread count the process starts with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+ENABLE_ENV = "ASYNCENGINE_ADAPTIVE_THREADS"
+FIRST_EXPLORE_AFTER = 16  # steps of a class before the count not chosen is tried again
+MOST_EXPLORE_AFTER = 256  # the longest wait between tries (doubled after each that loses)
+SMOOTHING = 0.5  # weight of the newest measurement in a count's time per row
+# Classes of steps from this many rows start on all threads: the spin-waits are per parallel
+# region, a step's regions about as many at 4096 rows as at 40, so a large step loses little to
+# them under load and half its speed on one thread when quiet (a long prompt's first chunk)
+START_ALL_FROM_ROWS = 128
+SLOWDOWN = 2.0  # a step this many times its count's time per row: the load changed, try the other
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Class:
+    """One class of steps: what each count took, and when to try the other again."""
+
+    seconds_per_row: dict[int, float] = field(default_factory=dict)  # threads -> smoothed
+    steps: int = 0
+    wait: int = FIRST_EXPLORE_AFTER
+    next_try: int = 0
+    trying: bool = False
+    try_next: int | None = None  # a count to try at the next step (the load changed)
+
+
+@dataclass(slots=True)
+class StepThreads:
+    """Picks between ``most`` threads and one for each step; ``record`` what a step took. Steps
+    are told apart by ``kind`` (decodes only, or with prompt rows) and size class."""
+
+    most: int
+    classes: dict[tuple[bool, int], _Class] = field(default_factory=dict)
+
+    def pick(self, rows: int, kind: bool) -> int:
+        c = self.classes.setdefault((kind, _size_class(rows)), _Class())
+        c.steps += 1
+        times = c.seconds_per_row
+        first = 1 if rows < START_ALL_FROM_ROWS else self.most
+        if c.steps == 1 or first not in times:  # the first step is a warm-up (record)
+            return first
+        if self._other(first) not in times:
+            c.trying = True
+            return self._other(first)
+        if c.try_next is not None:
+            c.trying = True
+            return c.try_next
+        best = self._best(c)
+        if c.steps >= c.next_try:
+            c.trying = True
+            return self._other(best)
+        return best
+
+    def record(self, rows: int, kind: bool, threads: int, seconds: float) -> None:
+        """The first step of a class is not kept: it pays one-time costs (a product's first call
+        at a shape, the first prompt's allocations) that would hold its count back."""
+        c = self.classes[(kind, _size_class(rows))]
+        if c.steps == 1:
+            return
+        per_row = seconds / max(rows, 1)
+        times = c.seconds_per_row
+        before = times.get(threads)
+        if c.trying:
+            c.trying = False
+            c.try_next = None
+            best_before = self._best(c) if len(times) == 2 else threads
+            times[threads] = per_row  # what it takes now: its last figure is old
+            # a try that changed nothing waits twice as long for the next; one that did, the least
+            lost = len(times) == 2 and self._best(c) == best_before != threads
+            c.wait = min(2 * c.wait, MOST_EXPLORE_AFTER) if lost else FIRST_EXPLORE_AFTER
+            c.next_try = c.steps + c.wait
+            return
+        if before is not None and per_row > SLOWDOWN * before:
+            c.try_next = self._other(threads)
+        times[threads] = per_row if before is None else _smoothed(before, per_row)
+
+    def _other(self, threads: int) -> int:
+        return 1 if threads == self.most else self.most
+
+    def _best(self, c: _Class) -> int:
+        return min(c.seconds_per_row, key=lambda n: c.seconds_per_row[n])
+
+
+def _smoothed(before: float, now: float) -> float:
+    return SMOOTHING * now + (1 - SMOOTHING) * before
+
+
+def step_threads(threads: int) -> StepThreads | None:
+    """The chooser for a CPU runner starting on ``threads`` threads; None where there is no
+    choice to make (one thread) or it is turned off."""
+    if threads <= 1 or os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    return StepThreads(threads)
+
+
+def run_on_chosen_threads(
+    chooser: StepThreads,
+    rows: int,
+    kind: bool,
+    step: Callable[[], T],
+    set_threads: Callable[[int], None],
+    clock: Callable[[], float],
+) -> T:
+    """``step()`` on the thread count the chooser picks for ``rows`` rows of ``kind``, timed by
+    ``clock``, then the thread count set back to ``chooser.most``."""
+    threads = chooser.pick(rows, kind)
+    set_threads(threads)
+    start = clock()
+    try:
+        out = step()
+    finally:
+        set_threads(chooser.most)
+    chooser.record(rows, kind, threads, clock() - start)
+    return out
+
+
+def _size_class(rows: int) -> int:
+    """1 row, 2-15, 16-127, 128-1023, ...: a factor of 8 a class (a step's time per row is
+    within ~1.3x across 16-127 rows on two threads and on one)."""
+    return (max(rows, 1).bit_length() + 1) // 3

@@ -1,0 +1,130 @@
+"""The CPU step's thread count chosen by measurement (executor/step_threads.py): which count
+each step gets as the load comes and goes, and that the count never changes a result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.executor.linear import make_linear
+from asyncengine.executor.step_threads import (
+    FIRST_EXPLORE_AFTER,
+    MOST_EXPLORE_AFTER,
+    StepThreads,
+    run_on_chosen_threads,
+    step_threads,
+)
+from asyncengine.kernels import quant_native
+
+ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
+
+
+class FakeMachine:
+    """Step times per row for each thread count, as the test sets them."""
+
+    def __init__(self, per_row: dict[int, float]) -> None:
+        self.per_row = per_row
+        self.now = 0.0
+        self.threads = 0
+        self.counts: list[int] = []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, chooser: StepThreads, rows: int = ROWS, prompt_rows: bool = True) -> int:
+        def forward() -> int:
+            self.now += self.per_row[self.threads] * rows
+            return self.threads
+
+        threads = run_on_chosen_threads(
+            chooser, rows, prompt_rows, forward, self.set_threads, self.clock
+        )
+        assert self.threads == chooser.most  # set back after the step
+        self.counts.append(threads)
+        return threads
+
+
+def test_a_quiet_machine_stays_on_all_threads_and_tries_one_ever_more_rarely() -> None:
+    machine = FakeMachine({2: 1.0, 1: 1.6})
+    chooser = StepThreads(2)
+    for _ in range(1000):
+        machine.step(chooser)
+    assert machine.counts[:4] == [1, 1, 2, 2]  # a warm-up, one kept step, all tried: faster
+    tries = [i for i, n in enumerate(machine.counts) if n == 1][2:]  # of one thread, on two
+    assert tries[0] - 2 == FIRST_EXPLORE_AFTER  # after the try of two threads at step 2
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps == [32, 64, 128, 256, 256]  # doubling after each try that loses, capped
+    assert gaps[-1] == MOST_EXPLORE_AFTER
+
+
+def test_the_load_coming_moves_the_steps_to_one_thread_at_once_and_back_when_it_goes() -> None:
+    machine = FakeMachine({2: 1.0, 1: 1.6})
+    chooser = StepThreads(2)
+    for _ in range(10):
+        machine.step(chooser)
+    machine.per_row[2] = 6.0  # another process takes a core: two spinning threads crawl
+    machine.step(chooser)
+    assert machine.step(chooser) == 1  # the slow step had the other count tried next
+    assert [machine.step(chooser) for _ in range(10)] == [1] * 10
+    machine.per_row[2] = 1.0  # the load goes: found at the next try of two threads
+    after = [machine.step(chooser) for _ in range(FIRST_EXPLORE_AFTER + 5)]
+    assert 2 in after
+    assert after[after.index(2) :] == [2] * (len(after) - after.index(2))
+
+
+def test_classes_are_measured_apart() -> None:
+    """A decode step and a prompt step of the same rows, and steps of 4 and 40 rows, keep
+    their own times: a count slow for one is not taken as slow for the others."""
+    machine = FakeMachine({2: 1.0, 1: 3.0})
+    chooser = StepThreads(2)
+    for _ in range(5):
+        machine.step(chooser, rows=40)
+    machine.per_row = {2: 5.0, 1: 1.0}  # say decodes of 4 rows run faster on one thread
+    counts = [machine.step(chooser, rows=4, prompt_rows=False) for _ in range(5)]
+    assert counts == [1, 1, 2, 1, 1]
+    machine.per_row = {2: 1.0, 1: 3.0}
+    assert machine.step(chooser, rows=40) == 2
+
+
+def test_one_thread_or_turned_off_makes_no_chooser(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert step_threads(1) is None
+    assert step_threads(2) is not None
+    monkeypatch.setenv("ASYNCENGINE_ADAPTIVE_THREADS", "0")
+    assert step_threads(4) is None
+
+
+@pytest.mark.parametrize("rows", [16, 43, 57])
+def test_the_products_are_bit_identical_on_one_thread_and_on_two(rows: int) -> None:
+    """SmolLM2's projection shapes and a slice of its head: dense (oneDNN) and F32 rows (the
+    native kernel) alike, so switching a step's count never changes a score."""
+    torch.manual_seed(rows)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
+    before = torch.get_num_threads()
+    try:
+        for out_features, in_features in shapes:
+            linear = make_linear(
+                [torch.randn(out_features, in_features) * 0.05], None, torch.float32
+            )
+            x = torch.randn(rows, in_features)
+            products = [linear.dense(torch.float32)]
+            if quant_native.available():
+                products.append(linear._quantized)  # the F32-rows kernel itself
+            for product in products:
+                results = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    results.append(product(x))
+                assert torch.equal(results[0], results[1]), (out_features, in_features)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_large_steps_start_on_all_threads() -> None:
+    """A long prompt's chunk (128 rows and more) loses little to the spin-waits and half its
+    speed on one thread: its class starts on all, then tries one."""
+    machine = FakeMachine({2: 1.0, 1: 1.9})
+    chooser = StepThreads(2)
+    assert [machine.step(chooser, rows=512) for _ in range(5)] == [2, 2, 1, 2, 2]
