@@ -234,8 +234,6 @@ void asyncengine_silu_and_mul(const void *x, void *y, int64_t n, int64_t inter, 
             __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
             _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
         }
-#elif defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 <= inter; i += 8) _mm256_storeu_ps(g + i, silu256(_mm256_loadu_ps(g + i)));
 #endif
         for (; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
         row_round(g, inter, bf16);
