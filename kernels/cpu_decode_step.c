@@ -394,11 +394,18 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                 float g[NR * XR], u[NR * XR];
                 group_out(gate, gate_local, a, i, nr, g);
                 group_out(up, up_local, a, i, nr, u);
-                for (int r = 0; r < nr; r++)
+                for (int r = 0; r < nr; r++) {
+#if defined(Q_ISA_SIMD)
+                    _mm256_storeu_ps(h + (i + r) * inter + j0,
+                                     _mm256_mul_ps(silu256(_mm256_loadu_ps(g + r * XR)),
+                                                   _mm256_loadu_ps(u + r * XR)));
+#else
                     for (int j = 0; j < XR; j++) {
                         const float gv = g[r * XR + j];
                         h[(i + r) * inter + j0 + j] = gv / (1.0f + expf(-gv)) * u[r * XR + j];
                     }
+#endif
+                }
             }
             continue;
         }

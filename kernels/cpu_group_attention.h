@@ -104,6 +104,25 @@ static inline void block_values(float *acc, const float *const *vals, const floa
         for (int64_t j = 0; j < d; j++) acc[j] += p[i] * vals[i][j];
 }
 
+/* the largest of s[0:n], n >= 1 (8 lanes, then the rest: max takes the same value whatever
+ * the order) */
+static inline float max_of(const float *s, int n) {
+    int i = 0;
+    float m = s[0];
+#ifdef ATTN_AVX2
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(s);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
+
 /* s[0:n] = exp(s - mx), returning their sum; s has room for ATTN_BLOCK values */
 static inline float block_exp(float *s, int n, float mx) {
 #ifdef ATTN_AVX2
@@ -141,14 +160,19 @@ static inline int block_rows(const float *k_cache, const float *v_cache, const i
                              int64_t kv_heads, int64_t d, const float *k_new, const float *v_new,
                              const float **k, const float **v) {
     const int n = (int)(len - first < ATTN_BLOCK ? len - first : ATTN_BLOCK);
-    for (int i = 0; i < n; i++) {
+    /* the page and the offset in it step along with the keys (pool_slot's two divisions per
+     * key were a visible share of a block) */
+    int64_t page = first / page_size, off = first % page_size;
+    for (int i = 0; i < n; i++, off++) {
+        if (off == page_size) off = 0, page++;
         const int64_t p = first + i;
         if (k_new && p == len - 1) {
             k[i] = k_new;
             v[i] = v_new;
             continue;
         }
-        const int64_t row = (pool_slot(table_row, p, page_size) * kv_heads + kv0) * d;
+        const int64_t slot = (int64_t)table_row[page] * page_size + off;
+        const int64_t row = (slot * kv_heads + kv0) * d;
         k[i] = k_cache + row;
         v[i] = v_cache + row;
     }
@@ -192,8 +216,7 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const float *k
             for (int64_t g = c * gc; g < (c + 1) * gc; g++) {
                 block_dots(q + g * d, kc, n, d, s);
                 for (int i = 0; i < n; i++) s[i] *= scale;
-                float block_max = s[0];
-                for (int i = 1; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
+                const float block_max = max_of(s, n);
                 if (block_max > mx[g]) {
                     if (sum[g] > 0.0f) {
                         const float r = expf(mx[g] - block_max);

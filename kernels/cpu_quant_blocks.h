@@ -541,8 +541,10 @@ static inline __m256i bcast4(const int8_t *x) {
 
 #if defined(__GNUC__)
 #define Q_ALWAYS_INLINE __attribute__((always_inline))
+#define Q_NOINLINE __attribute__((noinline))
 #else
 #define Q_ALWAYS_INLINE
+#define Q_NOINLINE
 #endif
 
 /* The integer sums as they stand, as far as the compiler knows: it may no longer regroup the
@@ -670,8 +672,8 @@ static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, c
     if (mr > 3) _mm256_storeu_ps(out + 3 * XR, _mm256_add_ps(acc3, off3));
 }
 
-static inline void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
-                                 float *out, int has_min) {
+static Q_NOINLINE void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                    float *out, int has_min) {
     switch (nr) {
     case 2: group_q4_tile(w, nb, a, 2, out, has_min); break;
     case 3: group_q4_tile(w, nb, a, 3, out, has_min); break;
@@ -744,8 +746,8 @@ static inline Q_ALWAYS_INLINE void group_q8_0_tile(const uint8_t *w, int64_t nb,
     if (mr > 3) _mm256_storeu_ps(out + 3 * XR, acc3);
 }
 
-static inline void group_q8_0_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
-                                   float *out) {
+static Q_NOINLINE void group_q8_0_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                      float *out) {
     switch (nr) {
     case 2: group_q8_0_tile(w, nb, a, 2, out); break;
     case 3: group_q8_0_tile(w, nb, a, 3, out); break;

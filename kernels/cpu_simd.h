@@ -114,6 +114,17 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_and_ps(result, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));
 }
 
+/* silu(g) = g / (1 + exp(-g)) for 8 lanes, for the fused decode step's gate/up pairs: libm's
+ * expf per element (a call, then a scalar division) was ~15% of a 64-row decode step
+ * (docs/BENCHMARKS.md, issue 24, seventh session). The silu_and_mul layer op (prefill and
+ * mixed steps) keeps expf on AVX2: with exp256 there too, the embedded model's argmax agreement
+ * with float32 over tests/test_quantized_model.py's text fell to 0.945 (recorded: 0.973; a few
+ * int8 activation roundings flipped), under that test's 0.95. */
+static inline __m256 silu256(__m256 g) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 /* tanh for 8 lanes, as tanh512 above */
 static inline __m256 tanh256(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.0f);
