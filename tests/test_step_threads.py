@@ -8,6 +8,7 @@ import torch
 
 from asyncengine.executor.linear import make_linear
 from asyncengine.executor.step_threads import (
+    CHOOSE_BELOW_ROWS,
     FIRST_EXPLORE_AFTER,
     MOST_EXPLORE_AFTER,
     StepThreads,
@@ -25,7 +26,7 @@ class FakeMachine:
     def __init__(self, per_row: dict[int, float]) -> None:
         self.per_row = per_row
         self.now = 0.0
-        self.threads = 0
+        self.threads = max(per_row)  # the process starts on all threads
         self.counts: list[int] = []
 
     def set_threads(self, n: int) -> None:
@@ -76,14 +77,14 @@ def test_the_load_coming_moves_the_steps_to_one_thread_at_once_and_back_when_it_
 
 
 def test_classes_are_measured_apart() -> None:
-    """A decode step and a prompt step of the same rows, and steps of 4 and 40 rows, keep
-    their own times: a count slow for one is not taken as slow for the others."""
+    """Prompt steps of 4 and 40 rows keep their own times: a count slow for one is not taken
+    as slow for the other."""
     machine = FakeMachine({2: 1.0, 1: 3.0})
     chooser = StepThreads(2)
     for _ in range(5):
         machine.step(chooser, rows=40)
-    machine.per_row = {2: 5.0, 1: 1.0}  # say decodes of 4 rows run faster on one thread
-    counts = [machine.step(chooser, rows=4, prompt_rows=False) for _ in range(5)]
+    machine.per_row = {2: 5.0, 1: 1.0}  # say steps of 4 rows run faster on one thread
+    counts = [machine.step(chooser, rows=4) for _ in range(5)]
     assert counts == [1, 1, 2, 1, 1]
     machine.per_row = {2: 1.0, 1: 3.0}
     assert machine.step(chooser, rows=40) == 2
@@ -122,9 +123,13 @@ def test_the_products_are_bit_identical_on_one_thread_and_on_two(rows: int) -> N
         torch.set_num_threads(before)
 
 
-def test_large_steps_start_on_all_threads() -> None:
-    """A long prompt's chunk (128 rows and more) loses little to the spin-waits and half its
-    speed on one thread: its class starts on all, then tries one."""
-    machine = FakeMachine({2: 1.0, 1: 1.9})
+def test_decode_steps_and_large_prompt_steps_always_take_all_threads() -> None:
+    """The fused decode step and a long prompt's chunk are not measured: all threads, every
+    step, even where one thread would be faster (no tries of one thread on a quiet machine)."""
+    machine = FakeMachine({2: 1.0, 1: 0.5})
     chooser = StepThreads(2)
-    assert [machine.step(chooser, rows=512) for _ in range(5)] == [2, 2, 1, 2, 2]
+    assert [machine.step(chooser, rows=4, prompt_rows=False) for _ in range(40)] == [2] * 40
+    assert [machine.step(chooser, rows=512) for _ in range(40)] == [2] * 40
+    assert [machine.step(chooser, rows=CHOOSE_BELOW_ROWS) for _ in range(5)] == [2] * 5
+    assert chooser.classes == {}  # nothing measured
+    assert machine.step(chooser, rows=CHOOSE_BELOW_ROWS - 1) == 1

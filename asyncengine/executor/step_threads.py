@@ -1,18 +1,22 @@
 """How many torch threads a CPU step runs on, chosen by measuring steps: all of them, or one.
 
-A forward of ~40 rows is a few hundred OpenMP parallel regions (30 layers of products,
-attention, SiLU), and libgomp's threads spin-wait at the end of each. On a machine whose cores
-another process keeps busy, each region waits for a thread the OS has descheduled: lm-eval's 34
-scoring requests replayed on this 2-core VM at a 1-minute load of ~3.5 took 64.6 s on two
-threads and 10.6 s on one (docs/BENCHMARKS.md). Quiet, two threads are ~1.6x faster. Neither
-count is right everywhere and the load comes and goes, so the steps measure themselves: per
-class of steps (rows within a factor of eight; decodes apart from steps with prompt rows), a
-smoothed time per row for each count. A class starts on one thread (its first step a warm-up,
-not counted), tries all on its third step, then takes the faster, and tries the other again
-after 16 steps, twice as long after each try that changes nothing (at most 256), or at once when
-a step takes twice its count's usual time per row (the load came). Starting on one thread costs
-a quiet machine two steps at ~1.6x; starting on two would cost a busy one two steps at ~8x.
-Classes of 128 rows and more start on all threads (``START_ALL_FROM_ROWS``).
+A forward of ~40 prompt rows (a scoring request of lm-eval's) is a few hundred OpenMP
+parallel regions (30 layers of products, attention, SiLU), and libgomp's threads spin-wait at the
+end of each. On a machine whose cores another process keeps busy, each region waits for a thread
+the OS has descheduled: lm-eval's 34 scoring requests replayed on this 2-core VM at a 1-minute
+load of ~3.5 took 64.6 s on two threads and 10.6 s on one (docs/BENCHMARKS.md). Quiet, two
+threads are ~1.6x faster. Neither count is right everywhere and the load comes and goes, so
+these steps measure themselves: per class of steps (rows within a factor of eight), a smoothed
+time per row for each count. A class starts on one thread (its first step a warm-up, not
+counted), tries all on its third step, then takes the faster, and tries the other again after
+16 steps, twice as long after each try that changes nothing (at most 256), or at once when a
+step takes twice its count's usual time per row (the load came).
+Only steps with prompt rows and fewer than ``CHOOSE_BELOW_ROWS`` rows choose. Decode-only steps
+(the fused native step: a few parallel regions a step) and larger prompt steps (a long prompt's
+chunk loses little to the spin-waits and half its speed on one thread) always run on all
+threads: on a quiet machine their tries of one thread cost the 128-request offline mix ~10%
+(one run each, 126.0 against 114.3 out tok/s), and a class's steps vary too much in rows and
+context for a per-row time to compare counts fairly there.
 Both counts give bit-identical results (the products split rows and columns across threads,
 never a sum: tests/test_step_threads.py), so the choice changes speed only.
 
@@ -30,10 +34,7 @@ ENABLE_ENV = "ASYNCENGINE_ADAPTIVE_THREADS"
 FIRST_EXPLORE_AFTER = 16  # steps of a class before the count not chosen is tried again
 MOST_EXPLORE_AFTER = 256  # the longest wait between tries (doubled after each that loses)
 SMOOTHING = 0.5  # weight of the newest measurement in a count's time per row
-# Classes of steps from this many rows start on all threads: the spin-waits are per parallel
-# region, a step's regions about as many at 4096 rows as at 40, so a large step loses little to
-# them under load and half its speed on one thread when quiet (a long prompt's first chunk)
-START_ALL_FROM_ROWS = 128
+CHOOSE_BELOW_ROWS = 128  # prompt steps of fewer rows choose; every other step takes all threads
 SLOWDOWN = 2.0  # a step this many times its count's time per row: the load changed, try the other
 
 T = TypeVar("T")
@@ -59,11 +60,15 @@ class StepThreads:
     most: int
     classes: dict[tuple[bool, int], _Class] = field(default_factory=dict)
 
+    def chooses(self, rows: int, kind: bool) -> bool:
+        """Whether a step of ``rows`` rows (``kind``: with prompt rows) has its count chosen."""
+        return kind and rows < CHOOSE_BELOW_ROWS
+
     def pick(self, rows: int, kind: bool) -> int:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
         c.steps += 1
         times = c.seconds_per_row
-        first = 1 if rows < START_ALL_FROM_ROWS else self.most
+        first = 1
         if c.steps == 1 or first not in times:  # the first step is a warm-up (record)
             return first
         if self._other(first) not in times:
@@ -129,7 +134,10 @@ def run_on_chosen_threads(
     clock: Callable[[], float],
 ) -> T:
     """``step()`` on the thread count the chooser picks for ``rows`` rows of ``kind``, timed by
-    ``clock``, then the thread count set back to ``chooser.most``."""
+    ``clock``, then the thread count set back to ``chooser.most``; on all threads, untimed, where
+    it does not choose."""
+    if not chooser.chooses(rows, kind):
+        return step()
     threads = chooser.pick(rows, kind)
     set_threads(threads)
     start = clock()
