@@ -53,9 +53,7 @@ static float row_sum_exp(const float *x, int64_t n, float shift) {
         acc0 = _mm256_add_ps(acc0, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
         acc1 = _mm256_add_ps(acc1, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), s)));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
-    for (int j = 0; j < 8; j++) sum += lanes[j];
+    sum = hsum256(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < n; i++) sum += expf(x[i] - shift);
     return sum;
