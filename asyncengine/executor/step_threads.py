@@ -68,12 +68,11 @@ class StepThreads:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
         c.steps += 1
         times = c.seconds_per_row
-        first = 1
-        if c.steps == 1 or first not in times:  # the first step is a warm-up (record)
-            return first
-        if self._other(first) not in times:
+        if c.steps == 1 or 1 not in times:  # one thread first; that step a warm-up (record)
+            return 1
+        if self.most not in times:
             c.trying = True
-            return self._other(first)
+            return self.most
         if c.try_next is not None:
             c.trying = True
             return c.try_next
