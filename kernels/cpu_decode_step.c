@@ -396,6 +396,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                 group_out(up, up_local, a, i, nr, u);
                 for (int r = 0; r < nr; r++) {
 #if defined(Q_ISA_SIMD)
+                    _Static_assert(XR == 8, "a group's row of gate/up is one 8-lane vector");
                     _mm256_storeu_ps(h + (i + r) * inter + j0,
                                      _mm256_mul_ps(silu256(_mm256_loadu_ps(g + r * XR)),
                                                    _mm256_loadu_ps(u + r * XR)));
