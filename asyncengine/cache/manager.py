@@ -226,33 +226,43 @@ class KVCacheManager:
         """``extend(seq, 1)`` for each of ``seqs`` in order, for sequences whose pages are all
         full (each takes one new page): the same pages, evictions and table writes as one by
         one, allocated in runs from the free list."""
-        ps, most = self.page_size, self.max_pages_per_row
-        if len(seqs) > self.available_pages or any(
+        ps, most = self.page_size, self.page_table.max_pages_per_row
+        allocator, tails = self.allocator, self.tails
+        n = len(seqs)
+        if n > allocator.num_free + self.tree.evictable_size // ps + len(tails) or any(
             seq.kv_len != len(seq.pages) * ps or len(seq.pages) >= most for seq in seqs
         ):
             for seq in seqs:
                 self.extend(seq, 1)
             return
+        opened = self._open
         for seq in seqs:
-            self._check_open(seq)
-        allocator = self.allocator
-        done = 0
-        while done < len(seqs):
+            if opened.get(seq.row) is not seq:
+                self._check_open(seq)  # raises
+        rows: list[int] = []
+        indexes: list[int] = []
+        taken: list[int] = []
+        while len(taken) < n:
             free = allocator.num_free
-            if free == 0:  # as extend does when the free list is empty: one page's worth
-                if self._reclaim(1) == 0:
+            if free == 0:
+                if tails:
+                    # one at a time, extend would give back one kept tail and take its page
+                    # for the next sequence, tail after tail: the same pages, in that order
+                    popped = [tails.pop_lru() for _ in range(min(len(tails), n - len(taken)))]
+                    popped.reverse()  # the free list is a stack: the first popped on top
+                    allocator.free_ids(popped)
+                elif self._reclaim(1) == 0:
+                    self.page_table.set_each(rows, indexes, taken)
                     raise OutOfPagesError("no KV page is free or evictable")
                 continue
-            take = min(free, len(seqs) - done)
-            pages = allocator.alloc_ids(take)
-            rows, indexes = [], []
-            for seq, page in zip(seqs[done : done + take], pages, strict=True):
+            pages = allocator.alloc_ids(min(free, n - len(taken)))
+            for seq, page in zip(seqs[len(taken) : len(taken) + len(pages)], pages, strict=True):
                 rows.append(seq.row)
                 indexes.append(len(seq.pages))
                 seq.pages.append(page)
                 seq.kv_len += 1
-            self.page_table.set_each(rows, indexes, pages)  # before any eviction writes
-            done += take
+            taken += pages
+        self.page_table.set_each(rows, indexes, taken)
 
     def truncate(self, seq: SeqKV, length: int) -> None:
         """Give back the slots of positions ``length .. kv_len - 1`` (a verified row's rejected
@@ -294,16 +304,17 @@ class KVCacheManager:
         prefix = tokens[:aligned]
         if type(prefix) is list:  # the tree keys tuples: converted once for both walks
             prefix = tuple(prefix)
-        present = self.tree.insert(prefix, np.asarray(seq.pages[: aligned // ps], np.int32))
-        tree_pages, matched, node = self.tree.match_prefix(prefix)
-        assert matched == aligned and present >= seq.num_in_tree, (
-            f"tree lost a locked prefix: matched {matched} of {aligned}, "
+        # the node ending at the inserted pages, as match_prefix(prefix) would find it: the
+        # same node and the same least-recently-used order, without walking the path again
+        present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps])
+        assert node.prefix_len == aligned and present >= seq.num_in_tree, (
+            f"tree lost a locked prefix: the insert ends at {node.prefix_len} of {aligned}, "
             f"present {present}, locked {seq.num_in_tree}"
         )
         first_dup, end_dup = seq.num_in_tree // ps, present // ps
         if end_dup > first_dup:
             self.allocator.free_ids(seq.pages[first_dup:end_dup])
-            shared = tree_pages[first_dup:end_dup]
+            shared = self.tree.path_pages(node)[first_dup:end_dup]
             seq.pages[first_dup:end_dup] = shared.tolist()
             self.page_table.set_pages(seq.row, first_dup, shared)
         self.tree.lock(node)

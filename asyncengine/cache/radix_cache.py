@@ -291,6 +291,13 @@ class RadixCache:
         Returns how many leading tokens the tree already held; the tree keeps its own pages for
         them, so the caller should free its duplicates for that range. Like match_prefix, it
         splits where the tokens leave an edge and touches exactly the nodes they cover."""
+        return self.insert_at(tokens, pages)[0]
+
+    def insert_at(
+        self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray | Sequence[int]
+    ) -> tuple[int, RadixNode]:
+        """``insert``, and the node that ends exactly at the inserted whole pages (the one
+        ``match_prefix`` of those tokens would return next: no walk again to lock it)."""
         key = _as_token_tuple(tokens)
         if key:
             head_inserts = self.head_inserts
@@ -327,7 +334,7 @@ class RadixCache:
                 self._evictable_size += end - pos
                 leaf.in_heap = True
                 heapq.heappush(self._heap, (tick, next(self._heap_ids), leaf))
-                return pos
+                return pos, leaf
             edge = child.key
             length = len(edge)
             if key[pos : pos + length] != edge:
@@ -336,7 +343,7 @@ class RadixCache:
             child.last_access = tick
             pos += length
             node = child
-        return end
+        return end, node
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction (counted; pair with unlock)."""
