@@ -24,10 +24,12 @@ from asyncengine.request import Request
 
 
 class WaitingQueue(Sequence[Request]):
-    __slots__ = ("_items",)
+    __slots__ = ("_head", "_head_n", "_items")
 
     def __init__(self, requests: Iterable[Request] = ()) -> None:
         self._items: OrderedDict[Request, None] = OrderedDict.fromkeys(requests)
+        self._head: list[Request] | None = None  # what head() gave, until the head changes
+        self._head_n = 0
 
     # -- changes (the scheduler's) --------------------------------------------------------
     def append(self, req: Request) -> None:
@@ -40,6 +42,7 @@ class WaitingQueue(Sequence[Request]):
         """``req`` goes before every other (a retracted request)."""
         self.append(req)
         self._items.move_to_end(req, last=False)
+        self._head = None
 
     def remove(self, req: Request) -> None:
         """Take ``req`` out wherever it is (ValueError when it is not queued)."""
@@ -47,11 +50,23 @@ class WaitingQueue(Sequence[Request]):
             del self._items[req]
         except KeyError:
             raise ValueError(f"request {req.rid!r} is not waiting") from None
+        self._head = None
 
     # -- reading --------------------------------------------------------------------------
     def oldest(self, n: int) -> list[Request]:
         """The first ``n`` requests in queue order (a new list)."""
         return list(islice(self._items, max(0, n)))
+
+    def head(self, n: int) -> list[Request]:
+        """``oldest(n)``, one list shared by the calls between which the queue's first ``n``
+        stay the same (read it, never change it): an overloaded simulation asks every step
+        for a window that seldom moves. Only ``push_front`` and ``remove`` move the head;
+        ``append`` adds to it only while the queue is shorter than ``n``."""
+        head = self._head
+        if head is None or n != self._head_n or (len(head) < n and len(head) != len(self)):
+            head = self._head = list(islice(self._items, max(0, n)))
+            self._head_n = n
+        return head
 
     def __len__(self) -> int:
         return len(self._items)

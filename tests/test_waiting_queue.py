@@ -2,7 +2,8 @@
 
 Random appends, pushes to the front and removals from anywhere leave it equal to a list given
 the same operations, read every way a policy may read it (iteration, ``len``, ``in``, indexes,
-slices, ``index``); the cheap window (``oldest``) is the list's head.
+slices, ``index``); the cheap window (``oldest``) and the shared one (``head``) are the list's
+head.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _assert_reads_as(queue: WaitingQueue, model: list[Request]) -> None:
     for req in model:
         assert req in queue and queue.index(req) == model.index(req)
     assert queue.oldest(3) == model[:3] and queue.oldest(0) == []
+    assert queue.head(3) == model[:3] and queue.head(3) is queue.head(3) and queue.head(0) == []
     assert Policy().candidates(queue, 4) == model[:4]
 
 
@@ -62,6 +64,8 @@ def test_queue_matches_a_list_under_random_changes() -> None:
             req = model[rng.randrange(len(model))]
             queue.remove(req)
             model.remove(req)
+        # the shared head window follows every change (asked each step, as a simulation does)
+        assert queue.head(5) == model[:5]
         if made % 25 == 0:
             _assert_reads_as(queue, model)
     _assert_reads_as(queue, model)

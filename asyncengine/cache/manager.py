@@ -229,9 +229,13 @@ class KVCacheManager:
         ps, most = self.page_size, self.page_table.max_pages_per_row
         allocator, tails = self.allocator, self.tails
         n = len(seqs)
-        if n > allocator.num_free + self.tree.evictable_size // ps + len(tails) or any(
-            seq.kv_len != len(seq.pages) * ps or len(seq.pages) >= most for seq in seqs
-        ):
+        each_full = n <= allocator.num_free + self.tree.evictable_size // ps + len(tails)
+        for seq in seqs:
+            if not each_full:
+                break
+            pages = len(seq.pages)
+            each_full = seq.kv_len == pages * ps and pages < most
+        if not each_full:
             for seq in seqs:
                 self.extend(seq, 1)
             return

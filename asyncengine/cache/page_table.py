@@ -119,7 +119,12 @@ class PageTable:
             array[rows, indexes] = pages
         writes = self._writes
         if writes is not None:
-            writes.extend(map(_one_page_write, rows, indexes, pages))
+            writes.extend(
+                [
+                    PageWrite(row, index, [page])
+                    for row, index, page in zip(rows, indexes, pages, strict=True)
+                ]
+            )
 
     def row_pages(self, row: int, num_pages: int) -> np.ndarray:
         """A read-only view of the first ``num_pages`` entries of ``row``."""
@@ -163,7 +168,3 @@ class PageTable:
         self._free_rows = list(range(self.max_rows - 1, -1, -1))
         if self._writes is not None:
             self._writes = []
-
-
-def _one_page_write(row: int, index: int, page: int) -> PageWrite:
-    return PageWrite(row, index, [page])

@@ -85,4 +85,4 @@ def closed_admission(sched: Scheduler, num_decodes: int) -> Admission | None:
     need = kv.pages_needed(None, len(ids) - matched) + sched._reservation(reserved + future)
     if need <= available:
         return None  # the head fits: it is admitted
-    return Admission(KV_RESERVATION, window=waiting.oldest(config.policy_window))
+    return Admission(KV_RESERVATION, window=waiting.head(config.policy_window))
