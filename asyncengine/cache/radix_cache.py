@@ -305,8 +305,16 @@ class RadixCache:
             self.inserts += 1
         ps = self.page_size
         end = len(key) - len(key) % ps
-        page_ids = np.asarray(pages, dtype=np.int32)
-        if page_ids.ndim != 1 or page_ids.size < end // ps:
+        # a list (a sequence's pages) is converted only where a new leaf takes its pages: most
+        # of an insert is usually present already (a prompt cached when its prefill ended)
+        page_list = pages if type(pages) is list else None
+        page_ids = _EMPTY_PAGES if page_list is not None else np.asarray(pages, dtype=np.int32)
+        if page_list is not None:
+            if len(page_list) < end // ps:
+                raise ValueError(
+                    f"insert of {end} tokens needs {end // ps} page ids, got {len(page_list)}"
+                )
+        elif page_ids.ndim != 1 or page_ids.size < end // ps:
             raise ValueError(
                 f"insert of {end} tokens needs {end // ps} page ids, got shape {page_ids.shape}"
             )
@@ -320,7 +328,9 @@ class RadixCache:
             if child is None:
                 leaf = RadixNode(
                     key[pos:end],
-                    page_ids[pos // ps : end // ps].copy(),
+                    page_ids[pos // ps : end // ps].copy()
+                    if page_list is None
+                    else np.array(page_list[pos // ps : end // ps], dtype=np.int32),
                     node,
                     node.prefix_len + end - pos,
                     tick,
