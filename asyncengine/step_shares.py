@@ -60,14 +60,24 @@ class StepShares:
         self.page_size = page_size
         # (page start, the token there) -> the segments holding some position of that page
         self._by_page: dict[tuple[int, int], list[StepSegment]] = {}
+        # added, not yet in ``_by_page``: indexed when a later prompt of the step looks (most
+        # steps of an overloaded server admit one prompt, which nothing after it reads)
+        self._unindexed: list[StepSegment] = []
 
     def clear(self) -> None:
         self._by_page.clear()
+        self._unindexed.clear()
 
     def add(self, segment: StepSegment) -> None:
-        ps, ids = self.page_size, segment.ids
-        for page_start in range(segment.start // ps * ps, segment.end, ps):
-            self._by_page.setdefault((page_start, int(ids[page_start])), []).append(segment)
+        self._unindexed.append(segment)
+
+    def _index(self) -> None:
+        ps, by_page = self.page_size, self._by_page
+        for segment in self._unindexed:  # in the order they were added
+            ids = segment.ids
+            for page_start in range(segment.start // ps * ps, segment.end, ps):
+                by_page.setdefault((page_start, int(ids[page_start])), []).append(segment)
+        self._unindexed.clear()
 
     def best(self, ids: Sequence[int], at: int, most: int) -> tuple[StepSegment, int] | None:
         """The segment of this step that holds the most of ``ids[at : at + most]`` (computed
@@ -75,6 +85,8 @@ class StepShares:
         of those it has (at least 1)."""
         if most <= 0:
             return None
+        if self._unindexed:
+            self._index()
         page_start = at // self.page_size * self.page_size
         found: tuple[StepSegment, int] | None = None
         head = list(ids[:at])

@@ -55,7 +55,7 @@ class WaitingQueue(Sequence[Request]):
     # -- reading --------------------------------------------------------------------------
     def oldest(self, n: int) -> list[Request]:
         """The first ``n`` requests in queue order (a new list)."""
-        return list(islice(self._items, max(0, n)))
+        return list(self.head(n))
 
     def head(self, n: int) -> list[Request]:
         """``oldest(n)``, one list shared by the calls between which the queue's first ``n``
@@ -102,6 +102,8 @@ class WaitingQueue(Sequence[Request]):
         if isinstance(index, slice):
             start, stop, step = index.indices(size)
             if step == 1:
+                if start == 0:  # the head: a copy of head()'s list
+                    return list(self.head(stop))
                 return list(islice(self._items, start, max(start, stop)))
             return list(self)[index]
         if index < 0:

@@ -453,9 +453,9 @@ class KVCacheManager:
         if freed:
             self.allocator.free_ids(freed)
         if len(freed) < num_pages:
-            evicted = self.tree.evict((num_pages - len(freed)) * self.page_size)
-            self.allocator.free(evicted)
-            return len(freed) + int(evicted.size)
+            evicted = self.tree.evict_ids((num_pages - len(freed)) * self.page_size)
+            self.allocator.free_ids(evicted)
+            return len(freed) + len(evicted)
         return len(freed)
 
     def swap_out(self, seq: SeqKV) -> SwappedKV | None:

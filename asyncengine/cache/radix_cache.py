@@ -387,6 +387,21 @@ class RadixCache:
     def evict(self, num_tokens: int) -> np.ndarray:
         """Evict unlocked leaves, least recently used first, until at least ``num_tokens``
         tokens are freed or nothing evictable is left; returns the freed page ids."""
+        freed = self._evict(num_tokens)
+        if not freed:
+            empty: np.ndarray = _EMPTY_PAGES.copy()
+            return empty
+        pages: np.ndarray = np.concatenate(freed)
+        return pages
+
+    def evict_ids(self, num_tokens: int) -> list[int]:
+        """``evict``, the freed page ids as a list of ints (for the free list)."""
+        ids: list[int] = []
+        for value in self._evict(num_tokens):
+            ids += value.tolist()
+        return ids
+
+    def _evict(self, num_tokens: int) -> list[np.ndarray]:
         freed: list[np.ndarray] = []
         count = 0
         heap = self._heap
@@ -413,11 +428,7 @@ class RadixCache:
             if parent is not root and not parent.children and parent.lock_ref == 0:
                 if not parent.in_heap:
                     self._push(parent)
-        if not freed:
-            empty: np.ndarray = _EMPTY_PAGES.copy()
-            return empty
-        pages: np.ndarray = np.concatenate(freed)
-        return pages
+        return freed
 
     # ----------------------------------------------------------------------------- inspection
 
