@@ -160,7 +160,7 @@ def _pool_with_history(cached: int) -> tuple[KVCacheManager, list[SeqKV]]:
     return kv, seqs
 
 
-@pytest.mark.parametrize("cached", [0, 6, 8])
+@pytest.mark.parametrize("cached", range(11))  # free pages, kept tails, tree pages
 def test_extend_each_by_one_is_extend_one_by_one(cached: int) -> None:
     one_by_one, seqs_a = _pool_with_history(cached)
     together, seqs_b = _pool_with_history(cached)

@@ -233,8 +233,8 @@ class KVCacheManager:
         for seq in seqs:
             if not each_full:
                 break
-            pages = len(seq.pages)
-            each_full = seq.kv_len == pages * ps and pages < most
+            held = len(seq.pages)
+            each_full = seq.kv_len == held * ps and held < most
         if not each_full:
             for seq in seqs:
                 self.extend(seq, 1)
@@ -305,9 +305,11 @@ class KVCacheManager:
         aligned = min(len(tokens), seq.kv_len) // ps * ps
         if aligned <= seq.num_in_tree:
             return None
-        prefix = tokens[:aligned]
-        if type(prefix) is list:  # the tree keys tuples: converted once for both walks
-            prefix = tuple(prefix)
+        prefix: Tokens
+        if type(tokens) is list:  # the tree keys tuples: converted once (the tail's key too)
+            prefix = tuple(tokens) if aligned == len(tokens) else tuple(tokens[:aligned])
+        else:
+            prefix = tokens[:aligned]
         # the node ending at the inserted pages, as match_prefix(prefix) would find it: the
         # same node and the same least-recently-used order, without walking the path again
         present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps])

@@ -234,12 +234,14 @@ class RadixCache:
         Returns (page ids, number of tokens matched, the node where the match ends). Splits a
         node whose edge the match ends in, so the returned node ends exactly at the match (and
         can be locked), and touches the access time of exactly the matched nodes."""
-        key = _as_token_tuple(tokens)
         ps = self.page_size
-        end = len(key) - len(key) % ps
         tick = next(self._clock)
         node = self.root
         node.last_access = tick
+        if len(tokens) < ps or tokens[0] not in self._root_heads:
+            return _EMPTY_PAGES, 0, node  # no edge starts with it (without the tuple copy)
+        key = _as_token_tuple(tokens)
+        end = len(key) - len(key) % ps
         pos = 0
         chunks: list[np.ndarray] = []
         while pos < end:
