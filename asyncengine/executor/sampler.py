@@ -50,6 +50,7 @@ from asyncengine.executor.penalties import (
     apply_token_bitmasks,
     ban_tokens,
 )
+from asyncengine.kernels.logprobs_native import row_argmax
 from asyncengine.plan import SamplingInfo, TokenLogprobs
 
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw over whole rows
@@ -127,13 +128,13 @@ class Sampler:
         processed = self._apply_penalties_and_bans(logits, sampling)
         sampled_rows = [i for i, info in enumerate(sampling) if not info.params.greedy]
         if not sampled_rows:
-            tokens = processed.argmax(dim=-1)
+            tokens = row_argmax(processed)
         else:
             tokens = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
             greedy_rows = [i for i, info in enumerate(sampling) if info.params.greedy]
             if greedy_rows:
                 index = torch.tensor(greedy_rows, device=logits.device)
-                tokens[index] = self._buffers.rows("gather", processed, index).argmax(dim=-1)
+                tokens[index] = row_argmax(self._buffers.rows("gather", processed, index))
             index = torch.tensor(sampled_rows, device=logits.device)
             tokens[index] = self._sample_rows(processed, index, [sampling[i] for i in sampled_rows])
         return tokens.tolist(), self._logprobs(logits, sampling, tokens)
