@@ -1,7 +1,6 @@
-"""Per row of float32 logits: the largest, its first index and the log-sum-exp, or the first
-index alone (``row_argmax``: greedy sampling), through the native CPU library
-(kernels/cpu_logprobs.c); ``row_max_lse_ref`` and ``torch.argmax`` are the references they are
-tested against and the paths where the library is not here."""
+"""Per row of float32 logits: the largest, its first index and the log-sum-exp, through the
+native CPU library (kernels/cpu_logprobs.c); ``row_max_lse_ref`` is the torch reference it is
+tested against and the path where the library is not here."""
 
 from __future__ import annotations
 
@@ -32,9 +31,6 @@ def _library() -> Any:
     fn = lib.asyncengine_row_max_lse
     fn.restype = None
     fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT]
-    argmax = lib.asyncengine_row_argmax
-    argmax.restype = None
-    argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _INT]
     return lib
 
 
@@ -68,27 +64,6 @@ def row_max_lse(logits: torch.Tensor) -> RowMaxLse:
         out.argmax.data_ptr(),
         out.lse.data_ptr(),
         torch.get_num_threads(),
-    )
-    return out
-
-
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` of [rows, vocab] logits: int64 [rows], the first index of each
-    row's largest value (a row holding a NaN: its first NaN's, as torch)."""
-    lib = _library()
-    if (
-        lib is None
-        or logits.device.type != "cpu"
-        or logits.dtype != torch.float32
-        or logits.dim() != 2
-        or logits.stride(1) != 1
-        or logits.shape[1] == 0
-    ):
-        return logits.argmax(dim=-1)
-    rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    lib.asyncengine_row_argmax(
-        logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out
 

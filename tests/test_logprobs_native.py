@@ -44,29 +44,3 @@ def test_strided_rows_ties_and_extremes() -> None:
     want = row_max_lse_ref(rows.contiguous())
     torch.testing.assert_close(got.lse, want.lse, rtol=2e-6, atol=1e-5)
     assert torch.equal(got.max, want.max)
-
-
-@pytest.mark.parametrize("vocab", [1, 7, 8, 50, 49152])
-def test_argmax_equals_torch(vocab: int) -> None:
-    torch.manual_seed(vocab)
-    logits = torch.randn(5, vocab) * 6
-    assert torch.equal(logprobs_native.row_argmax(logits), logits.argmax(dim=-1))
-
-
-def test_argmax_ties_infinities_nan_and_strides() -> None:
-    """The first of equal maxima, rows of -inf, +inf, NaN (torch takes the first NaN) in the
-    vector part and in the tail, and rows of a wider tensor."""
-    wide = torch.randn(6, 300)
-    wide[0, 100] = wide[0, 230] = 50.0
-    wide[1, :] = float("-inf")
-    wide[2, 77] = float("inf")
-    wide[3, 120] = float("nan")
-    wide[3, 200] = 1e9
-    wide[4, 288] = float("nan")  # in the tail of the 250-wide rows below (250 = 31 * 8 + 2)
-    wide[5, 41] = float("nan")
-    wide[5, 45] = float("nan")
-    rows = wide[:, 40:290]
-    assert not rows.is_contiguous()
-    got = logprobs_native.row_argmax(rows)
-    assert torch.equal(got, rows.argmax(dim=-1))
-    assert got.tolist() == [60, 0, 37, 80, 248, 1]

@@ -16,7 +16,7 @@ from asyncengine.executor.penalties import (
     apply_repetition_penalty,
     ban_tokens,
 )
-from asyncengine.executor.sampler import Sampler, seeded_uniform, splitmix64
+from asyncengine.executor.sampler import Sampler, greedy_tokens, seeded_uniform, splitmix64
 from asyncengine.plan import SamplingInfo
 from asyncengine.sampling_params import SamplingParams
 
@@ -458,3 +458,25 @@ def test_logprobs_are_raw_log_softmax_and_top_n_is_sorted() -> None:
         best = torch.topk(reference[row], n)
         assert [token for token, _ in entry.top] == best.indices.tolist()
         assert values == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
+def test_greedy_tokens_are_torch_argmax() -> None:
+    """numpy's argmax for greedy rows: torch's first index on ties and first NaN, for rows of
+    the vocabulary's width and odd ones, -inf rows, +inf, NaN in the SIMD part and the tail,
+    strided rows."""
+    torch.manual_seed(0)
+    for vocab in (1, 7, 50, 49152):
+        logits = torch.randn(5, vocab) * 6
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    wide = torch.randn(6, 300)
+    wide[0, 100] = wide[0, 230] = 50.0
+    wide[1, :] = float("-inf")
+    wide[2, 77] = float("inf")
+    wide[3, 120] = float("nan")
+    wide[3, 200] = 1e9
+    wide[4, 288] = float("nan")
+    wide[5, 41] = wide[5, 45] = float("nan")
+    rows = wide[:, 40:290]
+    got = greedy_tokens(rows)
+    assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert got.tolist() == [60, 0, 37, 80, 248, 1]

@@ -50,7 +50,6 @@ from asyncengine.executor.penalties import (
     apply_token_bitmasks,
     ban_tokens,
 )
-from asyncengine.kernels.logprobs_native import row_argmax
 from asyncengine.plan import SamplingInfo, TokenLogprobs
 
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw over whole rows
@@ -88,6 +87,17 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """One float32 uniform in [0, 1) per (seed, step) pair of int64 tensors, a pure function."""
     bits = splitmix64(splitmix64(seeds) + steps)
     return _shift_right_logical(bits, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64 [rows]: the first index of each row's largest logit, a
+    row's first NaN where it holds one), through numpy's SIMD argmax for CPU float32 logits
+    (the same semantics): torch's reads a 49152-logit row at ~1/10 the rate, no SIMD, and after
+    a step has streamed its weights through the caches numpy's shorter call path costs less
+    again (one stream's step: ~125 us -> ~65 us, ~110 -> ~8 us warm)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[-1] == 0:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
 class Sampler:
@@ -128,13 +138,13 @@ class Sampler:
         processed = self._apply_penalties_and_bans(logits, sampling)
         sampled_rows = [i for i, info in enumerate(sampling) if not info.params.greedy]
         if not sampled_rows:
-            tokens = row_argmax(processed)
+            tokens = greedy_tokens(processed)
         else:
             tokens = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
             greedy_rows = [i for i, info in enumerate(sampling) if info.params.greedy]
             if greedy_rows:
                 index = torch.tensor(greedy_rows, device=logits.device)
-                tokens[index] = row_argmax(self._buffers.rows("gather", processed, index))
+                tokens[index] = greedy_tokens(self._buffers.rows("gather", processed, index))
             index = torch.tensor(sampled_rows, device=logits.device)
             tokens[index] = self._sample_rows(processed, index, [sampling[i] for i in sampled_rows])
         return tokens.tolist(), self._logprobs(logits, sampling, tokens)
