@@ -14,10 +14,10 @@ step takes twice its count's usual time per row (the load came).
 Steps with prompt rows and fewer than ``CHOOSE_BELOW_ROWS`` rows choose, and so do decode-only
 steps of one row (``CHOOSE_DECODE_ROWS``: one stream). That fused native step is one parallel
 region but 5 barriers a layer (150 a step for SmolLM2), each as exposed to a descheduled thread
-as a region's end: at a 1-minute load of ~2.8 its layers took 17.8 ms a step on two threads and
-~6.5 on one (wall, medians; quiet, two threads are ~1.5x faster). A one-row step's time hardly
-varies from step to step, so the counts compare fairly, and a quiet stream pays a few
-one-thread tries (~0.5% of its steps). Larger decode-only steps and large prompt steps (a long
+as a region's end: at a 1-minute load of 3.4-5.2 its layers took 22-27 ms a step on two threads
+and 9-11 on one (docs/BENCHMARKS.md, "One stream"). A one-row step's time hardly varies from
+step to step, so the counts compare fairly, and a quiet stream, where two threads win, pays a
+few one-thread tries (~0.5% of its steps). Larger decode-only steps and large prompt steps (a long
 prompt's chunk loses little to the spin-waits and half its speed on one thread) always run on
 all threads: on a quiet machine their tries of one thread cost the 128-request offline mix ~10%
 (one run each, 126.0 against 114.3 out tok/s), and a class's steps vary too much in rows and
