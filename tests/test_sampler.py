@@ -480,3 +480,53 @@ def test_greedy_tokens_are_torch_argmax() -> None:
     got = greedy_tokens(rows)
     assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
     assert got.tolist() == [60, 0, 37, 80, 248, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    temperature=st.sampled_from([0.0, 0.7]),
+    repetition=st.sampled_from([1.0, 1.3]),
+    presence=st.sampled_from([0.0, 0.5]),
+    frequency=st.sampled_from([0.0, -0.4]),
+    bias=st.sampled_from([{}, {5: 2.0}]),
+    logprobs=st.booleans(),
+    top_logprobs=st.sampled_from([0, 2]),
+    min_new=st.sampled_from([0, 3]),
+    stops=st.sampled_from([[], [7]]),
+    ignore_eos=st.booleans(),
+    generated=st.integers(0, 5),
+    masked=st.booleans(),
+    eos=st.sampled_from([(), (2,)]),
+)
+def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
+    temperature: float,
+    repetition: float,
+    presence: float,
+    frequency: float,
+    bias: dict[int, float],
+    logprobs: bool,
+    top_logprobs: int,
+    min_new: int,
+    stops: list[int],
+    ignore_eos: bool,
+    generated: int,
+    masked: bool,
+    eos: tuple[int, ...],
+) -> None:
+    """A lone greedy row skips the general path only where that path would neither change its
+    logits (penalties, bias, bans, grammar) nor report logprobs: then its token is the same."""
+    params = SamplingParams(
+        temperature=temperature, repetition_penalty=repetition, presence_penalty=presence,
+        frequency_penalty=frequency, logit_bias=bias, logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs, min_new_tokens=min_new, max_new_tokens=8,
+        stop_token_ids=stops, ignore_eos=ignore_eos,
+    )  # fmt: skip
+    mask = torch.full((2,), -1, dtype=torch.int32) if masked else None
+    info = SamplingInfo(params, [3, 4], list(range(10, 10 + generated)), mask)
+    sampler = Sampler(eos_token_ids=eos, seed=0)
+    logits = torch.randn(1, 64)
+    untouched = sampler._apply_penalties_and_bans(logits, [info]) is logits
+    no_logprobs = sampler._logprobs(logits, [info], logits.argmax(-1)) == [None]
+    assert sampler._plain_greedy(info) == (params.greedy and untouched and no_logprobs)
+    if sampler._plain_greedy(info):
+        assert sampler.sample(logits, [info]) == ([int(logits.argmax())], [None])
