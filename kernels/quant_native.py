@@ -166,7 +166,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """``quant_matmul`` in one native call (the q8 activations never reach Python): the batch-1
     path, where each projection's call overhead counts. F32 weights take x (float32) as it is."""
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     if weight.format == F32:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
             raise ValueError(f"F32 weights take 2-D CPU float32 activations, not {x.dtype}")
@@ -211,12 +212,16 @@ def dequantize_rows(
     """[len(rows), cols] in dtype (fp32/bf16): the given rows (None: all) dequantized."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize to float32 or bfloat16, not {dtype}")
-    data = weight.data.contiguous()
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     cols = weight.cols
-    ids = None if rows is None else rows.to(torch.int64).contiguous()
+    ids = rows
+    if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous()):
+        ids = ids.to(torch.int64).contiguous()
     count = data.shape[0] if ids is None else ids.numel()
-    if ids is not None and count and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
-        raise IndexError(f"row ids outside 0..{data.shape[0] - 1}")
+    if ids is not None and count:
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= data.shape[0]:
+            raise IndexError(f"row ids outside 0..{data.shape[0] - 1}")
     out = torch.empty((count, cols), dtype=dtype)
     _lib(isa).asyncengine_dequantize_rows(
         weight.format.code,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from asyncengine.executor.forward_batch import _to_device, build_forward_batch
+from asyncengine.executor.forward_batch import _to_device, _vectorized_batch, build_forward_batch
 from asyncengine.plan import BatchPlan, Segment
 
 PAGE = 4
@@ -72,3 +74,34 @@ def test_packed_transfer_gives_the_same_tensors() -> None:
     packed = _to_device(longs, ints, cpu, None, packed=True)
     for a, b in zip(plain, packed, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lone_decode_gives_the_vectorized_tensors(seed: int) -> None:
+    """The one-stream path (a plan of one decode on a CPU) against the vectorized one: every
+    field the same (values, dtypes, shapes), sampled or not, on a page boundary or inside, with
+    KV copies; the block table a copy, not a view of the page table."""
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(64 * 8).astype(np.int32).reshape(64, 8)
+    start = [0, 3, 4, 7, 30, 31][seed]
+    copies = [(5, 9), (6, 10)] if seed % 2 else []
+    plan = BatchPlan(
+        step=0,
+        decodes=[Segment("d", int(rng.integers(0, 64)), [int(rng.integers(0, 1000))], start,
+                         bool(seed % 3))],
+        kv_copies=copies,
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    fast = build_forward_batch(plan, table, PAGE, cpu)
+    want = _vectorized_batch(plan, table, PAGE, cpu, None, 0)
+    for field in dataclasses.fields(fast):
+        a, b = getattr(fast, field.name), getattr(want, field.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), field.name
+        elif isinstance(b, tuple):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), field.name
+        else:
+            assert a == b, field.name
+    assert fast.decode_block_table.numpy().base is not table
+    table[:] = -1  # later page writes do not reach a batch already built
+    assert torch.equal(fast.decode_block_table, want.decode_block_table)

@@ -338,3 +338,26 @@ def test_a_verify_step_runs_its_positions_as_fused_decode_rows(
         written = ~torch.isnan(k_step)
         assert torch.equal(written, ~torch.isnan(k_verify))
         torch.testing.assert_close(k_verify[written], k_step[written], atol=1e-5, rtol=1e-5)
+
+
+def test_a_one_row_fused_step_is_bit_identical_on_one_thread_and_on_two(
+    tiny_llama: TinyCheckpoint,
+) -> None:
+    """One stream's decode steps choose their thread count (executor/step_threads.py): the
+    count must never change a logit (rows of each product and attention heads split across
+    threads, never a sum). The same step twice writes the same K/V at the same slot."""
+    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+    runner = pair.native
+    prompt = PROMPTS[0]
+    token = runner.forward_logits(_plan(0, [Segment("r", 0, prompt, 0, True)], [])).argmax(-1)
+    step = _plan(1, [], [Segment("r", 0, [int(token)], len(prompt), True)])
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            results.append(runner.forward_logits(step))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(results[0]).all()
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

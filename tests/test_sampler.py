@@ -16,7 +16,7 @@ from asyncengine.executor.penalties import (
     apply_repetition_penalty,
     ban_tokens,
 )
-from asyncengine.executor.sampler import Sampler, seeded_uniform, splitmix64
+from asyncengine.executor.sampler import Sampler, greedy_tokens, seeded_uniform, splitmix64
 from asyncengine.plan import SamplingInfo
 from asyncengine.sampling_params import SamplingParams
 
@@ -458,3 +458,75 @@ def test_logprobs_are_raw_log_softmax_and_top_n_is_sorted() -> None:
         best = torch.topk(reference[row], n)
         assert [token for token, _ in entry.top] == best.indices.tolist()
         assert values == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
+def test_greedy_tokens_are_torch_argmax() -> None:
+    """numpy's argmax for greedy rows: torch's first index on ties and first NaN, for rows of
+    the vocabulary's width and odd ones, -inf rows, +inf, NaN in the SIMD part and the tail,
+    strided rows."""
+    torch.manual_seed(0)
+    for vocab in (1, 7, 50, 49152):
+        logits = torch.randn(5, vocab) * 6
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    wide = torch.randn(6, 300)
+    wide[0, 100] = wide[0, 230] = 50.0
+    wide[1, :] = float("-inf")
+    wide[2, 77] = float("inf")
+    wide[3, 120] = float("nan")
+    wide[3, 200] = 1e9
+    wide[4, 288] = float("nan")
+    wide[5, 41] = wide[5, 45] = float("nan")
+    rows = wide[:, 40:290]
+    got = greedy_tokens(rows)
+    assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert got.tolist() == [60, 0, 37, 80, 248, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    temperature=st.sampled_from([0.0, 0.7]),
+    repetition=st.sampled_from([1.0, 1.3]),
+    presence=st.sampled_from([0.0, 0.5]),
+    frequency=st.sampled_from([0.0, -0.4]),
+    bias=st.sampled_from([{}, {5: 2.0}]),
+    logprobs=st.booleans(),
+    top_logprobs=st.sampled_from([0, 2]),
+    min_new=st.sampled_from([0, 3]),
+    stops=st.sampled_from([[], [7]]),
+    ignore_eos=st.booleans(),
+    generated=st.integers(0, 5),
+    masked=st.booleans(),
+    eos=st.sampled_from([(), (2,)]),
+)
+def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
+    temperature: float,
+    repetition: float,
+    presence: float,
+    frequency: float,
+    bias: dict[int, float],
+    logprobs: bool,
+    top_logprobs: int,
+    min_new: int,
+    stops: list[int],
+    ignore_eos: bool,
+    generated: int,
+    masked: bool,
+    eos: tuple[int, ...],
+) -> None:
+    """A lone greedy row skips the general path only where that path would neither change its
+    logits (penalties, bias, bans, grammar) nor report logprobs: then its token is the same."""
+    params = SamplingParams(
+        temperature=temperature, repetition_penalty=repetition, presence_penalty=presence,
+        frequency_penalty=frequency, logit_bias=bias, logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs, min_new_tokens=min_new, max_new_tokens=8,
+        stop_token_ids=stops, ignore_eos=ignore_eos,
+    )  # fmt: skip
+    mask = torch.full((2,), -1, dtype=torch.int32) if masked else None
+    info = SamplingInfo(params, [3, 4], list(range(10, 10 + generated)), mask)
+    sampler = Sampler(eos_token_ids=eos, seed=0)
+    logits = torch.randn(1, 64)
+    untouched = sampler._apply_penalties_and_bans(logits, [info]) is logits
+    no_logprobs = sampler._logprobs(logits, [info], logits.argmax(-1)) == [None]
+    assert sampler._plain_greedy(info) == (params.greedy and untouched and no_logprobs)
+    if sampler._plain_greedy(info):
+        assert sampler.sample(logits, [info]) == ([int(logits.argmax())], [None])

@@ -9,6 +9,7 @@ import torch
 from asyncengine.executor.linear import make_linear
 from asyncengine.executor.step_threads import (
     CHOOSE_BELOW_ROWS,
+    CHOOSE_DECODE_ROWS,
     FIRST_EXPLORE_AFTER,
     MOST_EXPLORE_AFTER,
     StepThreads,
@@ -123,13 +124,32 @@ def test_the_products_are_bit_identical_on_one_thread_and_on_two(rows: int) -> N
         torch.set_num_threads(before)
 
 
-def test_decode_steps_and_large_prompt_steps_always_take_all_threads() -> None:
-    """The fused decode step and a long prompt's chunk are not measured: all threads, every
-    step, even where one thread would be faster (no tries of one thread on a quiet machine)."""
+def test_decode_steps_of_several_rows_and_large_prompt_steps_always_take_all_threads() -> None:
+    """A fused decode step of several rows and a long prompt's chunk are not measured: all
+    threads, every step, even where one thread would be faster (no tries of one thread on a
+    quiet machine)."""
     machine = FakeMachine({2: 1.0, 1: 0.5})
     chooser = StepThreads(2)
-    assert [machine.step(chooser, rows=4, prompt_rows=False) for _ in range(40)] == [2] * 40
+    assert [
+        machine.step(chooser, rows=CHOOSE_DECODE_ROWS + 1, prompt_rows=False) for _ in range(40)
+    ] == [2] * 40
     assert [machine.step(chooser, rows=512) for _ in range(40)] == [2] * 40
     assert [machine.step(chooser, rows=CHOOSE_BELOW_ROWS) for _ in range(5)] == [2] * 5
     assert chooser.classes == {}  # nothing measured
     assert machine.step(chooser, rows=CHOOSE_BELOW_ROWS - 1) == 1
+
+
+def test_one_stream_decodes_choose_apart_from_prompt_steps() -> None:
+    """One-row decode steps (one stream: the fused step's 150 barriers a step) are measured as
+    a class of their own: under load they move to one thread, quiet they stay on all threads
+    after their first tries."""
+    loaded = FakeMachine({2: 3.0, 1: 1.0})
+    chooser = StepThreads(2)
+    counts = [loaded.step(chooser, rows=1, prompt_rows=False) for _ in range(20)]
+    assert counts[:3] == [1, 1, 2] and counts[3:18] == [1] * 15  # then a try of two
+    assert list(chooser.classes) == [(False, 0)]
+    quiet = FakeMachine({2: 1.0, 1: 1.6})
+    chooser = StepThreads(2)
+    counts = [quiet.step(chooser, rows=1, prompt_rows=False) for _ in range(300)]
+    assert counts[:3] == [1, 1, 2]
+    assert counts[3:].count(1) <= 5  # the tries, ever rarer

@@ -307,7 +307,9 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         cap = self.config.final_logit_softcap
         return soft_cap(logits, cap) if cap else logits
 

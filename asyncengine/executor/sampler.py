@@ -89,6 +89,17 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return _shift_right_logical(bits, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64 [rows]: the first index of each row's largest logit, a
+    row's first NaN where it holds one), through numpy's SIMD argmax for CPU float32 logits
+    (the same semantics): torch's reads a 49152-logit row at ~1/10 the rate, no SIMD, and after
+    a step has streamed its weights through the caches numpy's shorter call path costs less
+    again (one stream's step: ~125 us -> ~65 us, ~110 -> ~8 us warm)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[-1] == 0:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+
+
 class Sampler:
     """Samples one token per logits row; see the module docstring for the exact semantics.
 
@@ -123,20 +134,43 @@ class Sampler:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(sampling)} sampling rows"
             )
+        if len(sampling) == 1 and self._plain_greedy(sampling[0]):
+            # one stream's greedy row with nothing to apply: after a step has streamed its
+            # weights through the caches the general path took ~200 us, this ~155
+            return greedy_tokens(logits).tolist(), [None]
         logits = logits.to(torch.float32).contiguous()
         processed = self._apply_penalties_and_bans(logits, sampling)
         sampled_rows = [i for i, info in enumerate(sampling) if not info.params.greedy]
         if not sampled_rows:
-            tokens = processed.argmax(dim=-1)
+            tokens = greedy_tokens(processed)
         else:
             tokens = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
             greedy_rows = [i for i, info in enumerate(sampling) if info.params.greedy]
             if greedy_rows:
                 index = torch.tensor(greedy_rows, device=logits.device)
-                tokens[index] = self._buffers.rows("gather", processed, index).argmax(dim=-1)
+                tokens[index] = greedy_tokens(self._buffers.rows("gather", processed, index))
             index = torch.tensor(sampled_rows, device=logits.device)
             tokens[index] = self._sample_rows(processed, index, [sampling[i] for i in sampled_rows])
         return tokens.tolist(), self._logprobs(logits, sampling, tokens)
+
+    def _plain_greedy(self, info: SamplingInfo) -> bool:
+        """A greedy row that neither ``_apply_penalties_and_bans`` nor ``_logprobs`` touches:
+        its token is the raw logits' argmax (tests/test_sampler.py holds the two to agree)."""
+        p = info.params
+        return (
+            p.greedy
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and not p.logit_bias
+            and info.token_bitmask is None
+            and not p.logprobs
+            and p.top_logprobs <= 0
+            and (
+                len(info.output_ids) >= p.min_new_tokens
+                or not (p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids))
+            )
+        )
 
     def _apply_penalties_and_bans(
         self, logits: torch.Tensor, sampling: list[SamplingInfo]

@@ -11,10 +11,15 @@ time per row for each count. A class starts on one thread (its first step a warm
 counted), tries all on its third step, then takes the faster, and tries the other again after
 16 steps, twice as long after each try that changes nothing (at most 256), or at once when a
 step takes twice its count's usual time per row (the load came).
-Only steps with prompt rows and fewer than ``CHOOSE_BELOW_ROWS`` rows choose. Decode-only steps
-(the fused native step: a few parallel regions a step) and larger prompt steps (a long prompt's
-chunk loses little to the spin-waits and half its speed on one thread) always run on all
-threads: on a quiet machine their tries of one thread cost the 128-request offline mix ~10%
+Steps with prompt rows and fewer than ``CHOOSE_BELOW_ROWS`` rows choose, and so do decode-only
+steps of one row (``CHOOSE_DECODE_ROWS``: one stream). That fused native step is one parallel
+region but 5 barriers a layer (150 a step for SmolLM2), each as exposed to a descheduled thread
+as a region's end: at a 1-minute load of 3.4-5.2 its layers took 22-27 ms a step on two threads
+and 9-11 on one (docs/BENCHMARKS.md, "One stream"). A one-row step's time hardly varies from
+step to step, so the counts compare fairly, and a quiet stream, where two threads win, pays a
+few one-thread tries (~0.5% of its steps). Larger decode-only steps and large prompt steps (a long
+prompt's chunk loses little to the spin-waits and half its speed on one thread) always run on
+all threads: on a quiet machine their tries of one thread cost the 128-request offline mix ~10%
 (one run each, 126.0 against 114.3 out tok/s), and a class's steps vary too much in rows and
 context for a per-row time to compare counts fairly there.
 Both counts give bit-identical results (the products split rows and columns across threads,
@@ -34,7 +39,8 @@ ENABLE_ENV = "ASYNCENGINE_ADAPTIVE_THREADS"
 FIRST_EXPLORE_AFTER = 16  # steps of a class before the count not chosen is tried again
 MOST_EXPLORE_AFTER = 256  # the longest wait between tries (doubled after each that loses)
 SMOOTHING = 0.5  # weight of the newest measurement in a count's time per row
-CHOOSE_BELOW_ROWS = 128  # prompt steps of fewer rows choose; every other step takes all threads
+CHOOSE_BELOW_ROWS = 128  # prompt steps of fewer rows choose
+CHOOSE_DECODE_ROWS = 1  # decode-only steps of at most this many rows choose; others: all threads
 SLOWDOWN = 2.0  # a step this many times its count's time per row: the load changed, try the other
 
 T = TypeVar("T")
@@ -62,7 +68,7 @@ class StepThreads:
 
     def chooses(self, rows: int, kind: bool) -> bool:
         """Whether a step of ``rows`` rows (``kind``: with prompt rows) has its count chosen."""
-        return kind and rows < CHOOSE_BELOW_ROWS
+        return rows < CHOOSE_BELOW_ROWS if kind else rows <= CHOOSE_DECODE_ROWS
 
     def pick(self, rows: int, kind: bool) -> int:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
