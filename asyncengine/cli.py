@@ -70,6 +70,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--kv-cache-tokens", "kv_cache_tokens", int, "KV pool capacity in tokens"),
     ("--kv-cache-bytes", "kv_cache_bytes", int, "KV pool capacity in bytes (instead of tokens)"),
     (
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        str,
+        "auto (float16 on a CPU for quantized weights, where F16C reads it; else the model's "
+        "dtype) | float32 | bfloat16 | float16",
+    ),
+    (
         "--gpu-memory-utilization",
         "gpu_memory_utilization",
         float,

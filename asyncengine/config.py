@@ -20,6 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # are expanded to dtype); none: expand every weight to dtype; int8: quantize a float
 # checkpoint's weights per output row at load (CPU kernels only)
 QUANTIZATIONS = ("auto", "none", "int8")
+# the K/V pool's element (asyncengine/executor/kv_dtype.py says what auto picks and what is refused)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/backends.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -65,6 +67,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     page_size: int = 16
     kv_cache_tokens: int | None = None  # KV pool capacity; default 32768 on CPU, see below on CUDA
     kv_cache_bytes: int | None = None
+    # the pool's element: auto = float16 on a CPU for quantized weights (F16C), else the model's
+    # dtype; or one of KV_CACHE_DTYPES that can be honoured (executor/kv_dtype.py)
+    kv_cache_dtype: str = "auto"
     # on CUDA with neither size given: the share of the GPU's memory the engine may fill; the
     # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)
     gpu_memory_utilization: float = 0.9
@@ -153,6 +158,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

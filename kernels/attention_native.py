@@ -6,6 +6,10 @@ torch's OpenMP threads, scores and softmax are float32; the torch references
 (``attention_ref.decode_attention`` / ``extend_attention``) are the oracles they are tested
 against. The planners return None where a kernel does not apply (not a CPU tensor, another
 dtype, unsupported head shapes, or no compiled kernel): callers then take the torch path.
+
+A float16 pool (float32 queries and outputs) is read by the kernels' -DKV_F16 builds
+(cpu_kv.h, ``cpu_native.kv_flags``); bfloat16 and float32 pools by the default one, whose
+element is the queries' dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from asyncengine.kernels import cpu_native
 
-_DTYPES = (torch.bfloat16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
 EXTEND_HEAD_DIMS = (64, 128, 256)  # the extend kernel's specializations (256: Gemma 2/3)
 # "0": extends keep the torch path where the native kernel would run (to measure what it gives)
@@ -46,17 +50,29 @@ _DECODE_LIB, _EXTEND_LIB = "cpu_decode_attention", "cpu_extend_attention"
 _AVX512, _AVX2 = 1, 4  # asyncengine_extend_attention_features: the build's item kernels
 
 
-def _extend_kernel() -> Any:
-    return _bound(_EXTEND_LIB, "asyncengine_paged_extend_attention", _EXTEND_ARGS)
+def _extend_kernel(kv_dtype: torch.dtype = torch.float32) -> Any:
+    return _bound(_EXTEND_LIB, "asyncengine_paged_extend_attention", _EXTEND_ARGS, kv_dtype)
 
 
-def extend_kernel_runs() -> bool:
+def extend_kernel_runs(kv_dtype: torch.dtype = torch.float32) -> bool:
     """The extend kernel is built with AVX-512 or AVX2 + FMA (it has no portable path:
     elsewhere extends take the torch path)."""
-    lib = cpu_native.load(_EXTEND_LIB)
-    if lib is None or _extend_kernel() is None:
-        return False
-    return bool(lib.asyncengine_extend_attention_features() & (_AVX512 | _AVX2))
+    return bool(extend_kernel_features(kv_dtype) & (_AVX512 | _AVX2))
+
+
+def extend_kernel_features(kv_dtype: torch.dtype = torch.float32) -> int:
+    """The extend kernel build's item kernels (bits: 1 AVX-512, 2 AVX512-BF16, 4 AVX2 + FMA);
+    0 without the library."""
+    lib = cpu_native.load(_EXTEND_LIB, cpu_native.kv_flags(kv_dtype))
+    if lib is None or _extend_kernel(kv_dtype) is None:
+        return 0
+    return int(lib.asyncengine_extend_attention_features())
+
+
+def _queries_fit(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """A float16 pool's build takes float32 queries only."""
+    if k_cache.dtype == torch.float16 and q.dtype != torch.float32:
+        raise ValueError(f"a float16 KV pool is read with float32 queries, not {q.dtype}")
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
@@ -81,7 +97,7 @@ def plan_native_extend(
 ) -> NativeExtendPlan | None:
     if not _supported(num_heads, k_cache) or k_cache.shape[2] not in EXTEND_HEAD_DIMS:
         return None
-    if os.environ.get(EXTEND_ENABLE_ENV, "1") == "0" or not extend_kernel_runs():
+    if os.environ.get(EXTEND_ENABLE_ENV, "1") == "0" or not extend_kernel_runs(k_cache.dtype):
         return None
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     return NativeExtendPlan(
@@ -105,8 +121,9 @@ def native_extend_attention(
     """q [N, H, D] ragged as planned (heads contiguous within a row) -> [N, H, D]; a query at
     position p sees keys p - window + 1 .. p (``window`` 0: all up to p), scaled scores s
     become softcap * tanh(s / softcap) (``softcap`` 0: off)."""
-    kernel = _extend_kernel()
+    kernel = _extend_kernel(k_cache.dtype)
     assert kernel is not None
+    _queries_fit(q, k_cache)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens != plan.num_tokens:
         raise ValueError(f"{num_tokens} queries for an extend plan of {plan.num_tokens}")
@@ -145,14 +162,14 @@ def native_extend_attention(
     return out
 
 
-def _kernel() -> Any:
-    return _bound(_DECODE_LIB, "asyncengine_paged_decode_attention", _DECODE_ARGS)
+def _kernel(kv_dtype: torch.dtype = torch.float32) -> Any:
+    return _bound(_DECODE_LIB, "asyncengine_paged_decode_attention", _DECODE_ARGS, kv_dtype)
 
 
-def _bound(library: str, name: str, argtypes: list[Any]) -> Any:
-    """The function ``name`` of kernels/<library>.c with its ctypes signature set, or None
-    without the library."""
-    lib = cpu_native.load(library)
+def _bound(library: str, name: str, argtypes: list[Any], kv_dtype: torch.dtype) -> Any:
+    """The function ``name`` of kernels/<library>.c (its build for a pool of ``kv_dtype``) with
+    its ctypes signature set, or None without the library."""
+    lib = cpu_native.load(library, cpu_native.kv_flags(kv_dtype))
     if lib is None:
         return None
     fn = getattr(lib, name)
@@ -177,7 +194,7 @@ def plan_native_decode(
     num_heads: int,
     k_cache: torch.Tensor,
 ) -> NativeDecodePlan | None:
-    if not _supported(num_heads, k_cache) or _kernel() is None:
+    if not _supported(num_heads, k_cache) or _kernel(k_cache.dtype) is None:
         return None
     return NativeDecodePlan(
         block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), page_size
@@ -195,8 +212,9 @@ def native_decode_attention(
 ) -> torch.Tensor:
     """q [B, H, D] (heads contiguous within a row) -> [B, H, D]; ``window`` and ``softcap`` as in
     ``native_extend_attention`` (each query is the last position of its request)."""
-    kernel = _kernel()
+    kernel = _kernel(k_cache.dtype)
     assert kernel is not None
+    _queries_fit(q, k_cache)
     batch, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()

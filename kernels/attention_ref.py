@@ -17,6 +17,10 @@ On CPU the fused attention is also the only fast bfloat16 attention (~6x the bat
 The plans are built once per forward and reused by every layer (``plan_extend``,
 ``plan_decode``); ``extend_attention`` and ``decode_attention`` do both in one call.
 
+A float16 pool (CPU: the engine's ``kv_cache_dtype``) is widened to the queries' dtype after
+the gather, and its masks are made in that dtype (``attention_dtype``): attention never computes
+in float16 here.
+
 Sliding-window and soft-capped layers (``window``, ``softcap``: attention_window.py) share the
 plans: a plan makes each window's mask the first time a layer asks for it, and capped layers
 run ``capped_attention`` on the same gathered keys instead of the fused attention.
@@ -43,6 +47,21 @@ from asyncengine.kernels.decode_sparse_ref import (
 from asyncengine.kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
 
 DECODE_CHUNK_BYTES = 4 << 20
+
+
+def attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention over a pool of ``cache_dtype`` computes in (its masks' dtype):
+    float32 for a float16 pool (whose queries are float32), the pool's own otherwise."""
+    return torch.float32 if cache_dtype == torch.float16 else cache_dtype
+
+
+def _widened(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered keys and values in the queries' dtype (a float16 pool's rows widened)."""
+    if k.dtype == q.dtype:
+        return k, v
+    return k.to(q.dtype), v.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------- decode
@@ -110,7 +129,7 @@ def plan_gather_decode(
         if any(lens[i] != kv_len for i in members):
             keys = torch.arange(kv_len, device=device)
             hidden = keys[None, :] >= chunk_lens.long()[:, None]
-            mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
+            mask = torch.zeros(hidden.shape, dtype=attention_dtype(k_cache.dtype), device=device)
             mask = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
         chunks.append(DecodeChunk(requests, kv_len, kv_slots, mask, chunk_lens.long()))
     rows = max(c.requests.count * c.kv_len for c in chunks)
@@ -137,11 +156,15 @@ def decode_attention_planned(
     out = None if in_order else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for chunk in plan.chunks:
         n, length = chunk.requests.count, chunk.kv_len
-        k, v = gather_kv(k_cache, v_cache, chunk.kv_slots, plan.buffers)
+        k, v = _widened(q, *gather_kv(k_cache, v_cache, chunk.kv_slots, plan.buffers))
         queries = chunk.requests.take(q).reshape(n, num_kv_heads, group, head_dim)
         keys = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         values = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        mask = chunk.mask_for(window, k_cache.dtype) if window or softcap else chunk.mask
+        mask = (
+            chunk.mask_for(window, attention_dtype(k_cache.dtype))
+            if window or softcap
+            else chunk.mask
+        )
         attended = window_attention(queries, keys, values, mask, scale, softcap)
         attended = attended.reshape(n, num_heads, head_dim)
         if out is None:
@@ -249,7 +272,9 @@ def plan_extend(
         mask = None
         query_pos = (bucket_kv_lens - bucket_q_lens)[:, None] + steps[None, :]
         if any(q_lens[i] != kv_lens[i] for i in members):  # a cached prefix: not plain causal
-            mask = additive_mask(hidden_keys(query_pos, kv_len, 0), k_cache.dtype)[:, None]
+            mask = additive_mask(hidden_keys(query_pos, kv_len, 0), attention_dtype(k_cache.dtype))[
+                :, None
+            ]
         buckets.append(ExtendBucket(n, q_len, kv_len, queries, kv_offset, mask, query_pos))
         kv_offset += n * kv_len
         out_offset += n * q_len
@@ -277,7 +302,7 @@ def extend_attention_planned(
     each query (0: all up to itself), scores soft-capped at ``softcap`` (0: off)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
-    k_all, v_all = gather_kv(k_cache, v_cache, plan.kv_slots, plan.buffers)
+    k_all, v_all = _widened(q, *gather_kv(k_cache, v_cache, plan.kv_slots, plan.buffers))
     outs = []
     for b in plan.buckets:
         n, q_len, kv_len = b.num_requests, b.q_len, b.kv_len
@@ -285,7 +310,7 @@ def extend_attention_planned(
         queries = b.queries.take(q).view(n, q_len, num_heads, head_dim).transpose(1, 2)
         keys = k_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
         values = v_all[rows].view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        mask = b.mask_for(window, k_cache.dtype) if window or softcap else b.mask
+        mask = b.mask_for(window, attention_dtype(k_cache.dtype)) if window or softcap else b.mask
         out = window_attention(
             queries,
             keys,

@@ -21,10 +21,15 @@
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; the AVX-512 paths are
  * used where the compiler targets them (AVX512F for float32, AVX512BF16 for bfloat16 dot
  * products), a portable loop otherwise.
+ *
+ * Built with -DKV_F16 (cpu_kv.h), the pool is float16 and q / out float32 (is_bf16 must be 0):
+ * the per-item loop below reads it through F16C; the register-resident AVX-512 items are not
+ * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too).
  */
 #include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 
@@ -83,22 +88,23 @@ static inline float dot_bf16(const uint16_t *qb, const float *qf, const uint16_t
 #endif
 }
 
-static inline float dot_f32(const float *q, const float *k, int d) {
+/* q (float32) . k (a pool row: float32, or float16 in a KV_F16 build) */
+static inline float dot_f32(const float *q, const kv_t *k, int d) {
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < d; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), KV_LOAD16(k + i), acc);
     return _mm512_reduce_add_ps(acc);
 #elif defined(AVX2_F32)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), KV_LOAD8(k + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), KV_LOAD8(k + i + 8), acc1);
     }
     return hsum256(_mm256_add_ps(acc0, acc1));
 #else
     float acc = 0.0f;
-    for (int i = 0; i < d; i++) acc += q[i] * k[i];
+    for (int i = 0; i < d; i++) acc += q[i] * kv_to_float(k[i]);
     return acc;
 #endif
 }
@@ -121,17 +127,17 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int d) {
 #endif
 }
 
-static inline void axpy_f32(float *acc, float p, const float *v, int d) {
+static inline void axpy_f32(float *acc, float p, const kv_t *v, int d) {
 #ifdef __AVX512F__
     __m512 pv = _mm512_set1_ps(p);
     for (int i = 0; i < d; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, KV_LOAD16(v + i), _mm512_loadu_ps(acc + i)));
 #elif defined(AVX2_F32)
     const __m256 pv = _mm256_set1_ps(p);
     for (int i = 0; i < d; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, KV_LOAD8(v + i), _mm256_loadu_ps(acc + i)));
 #else
-    for (int i = 0; i < d; i++) acc[i] += p * v[i];
+    for (int i = 0; i < d; i++) acc[i] += p * kv_to_float(v[i]);
 #endif
 }
 
@@ -173,7 +179,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
             const int64_t row = (slots[i] * Hkv + kvh) * D;
             for (int64_t g = 0; g < G; g++) {
                 float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
-                                    : dot_f32(qf[g], (const float *)k_cache + row, (int)D);
+                                    : dot_f32(qf[g], (const kv_t *)k_cache + row, (int)D);
                 s[g][i] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
             }
         }
@@ -199,7 +205,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
                 if (is_bf16)
                     axpy_bf16(acc[g], s[g][i], (const uint16_t *)v_cache + row, (int)D);
                 else
-                    axpy_f32(acc[g], s[g][i], (const float *)v_cache + row, (int)D);
+                    axpy_f32(acc[g], s[g][i], (const kv_t *)v_cache + row, (int)D);
             }
         }
     }
@@ -463,7 +469,7 @@ static const fast_item_fn FAST_F32_256[8] = GROUP_TABLE(F32, 16);
 
 /* the register-resident item for (dtype, G, D), or NULL */
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) {
-    if (G < 1 || G > 8) return NULL;
+    if (G < 1 || G > 8 || KV_IS_F16) return NULL;
     switch (D) {
     case 64: return (is_bf16 ? FAST_BF16_64 : FAST_F32_64)[G - 1];
     case 128: return (is_bf16 ? FAST_BF16_128 : FAST_F32_128)[G - 1];
@@ -491,7 +497,8 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                                        const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
                                        int64_t D, int64_t page_size, float scale, int64_t window,
                                        float softcap, void *out, int is_bf16, int num_threads) {
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM)
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM ||
+        (KV_IS_F16 && is_bf16))
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
 #ifdef __AVX512F__

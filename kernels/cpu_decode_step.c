@@ -34,7 +34,8 @@
  * asyncengine_quantize_q8 does (not at all for a projection of F32 parts, which reads them as
  * float32), the norms and rotary as cpu_layer_ops.c computes them in float32 (same operations in
  * the same order); attention is an online softmax over blocks of keys in float32. float32
- * activations and KV pool only.
+ * activations; a float32 KV pool, or a float16 one in the -DKV_F16 build (cpu_kv.h: the new
+ * K/V rounded to half as they are stored, and the row's own key read back as stored).
  *
  *   hidden      [n, hidden] float32       the embedded input tokens
  *   positions   [n] int64, slots [n] int64 (where each new K/V goes; -1: nowhere, a padding row)
@@ -77,8 +78,8 @@ typedef struct {
 typedef struct {
     const float *input_norm;
     const float *post_norm;
-    float *k_cache; /* [S, kv_heads, head_dim] */
-    float *v_cache;
+    kv_t *k_cache; /* [S, kv_heads, head_dim] */
+    kv_t *v_cache;
     qlinear qkv, o_proj, gate_up, down;
 } layer_desc;
 
@@ -573,10 +574,11 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                         if (slots[i] < 0) continue; /* a padding row writes nothing */
                         const float *row = qkv + i * qkv_size;
                         const float *cs = m->cos_sin + positions[i] * D;
-                        float *k_dst = L->k_cache + (slots[i] * kv_heads + h) * D;
-                        rotate(row + (heads + h) * D, cs, half, k_dst);
-                        memcpy(L->v_cache + (slots[i] * kv_heads + h) * D,
-                               row + (heads + kv_heads + h) * D, (size_t)D * sizeof(float));
+                        float k_rot[MAX_HEAD_DIM];
+                        rotate(row + (heads + h) * D, cs, half, k_rot);
+                        kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * D, k_rot, D);
+                        kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * D,
+                                     row + (heads + kv_heads + h) * D, D);
                     }
                 barrier_wait(&phase_barrier, &my_sense);
                 }
@@ -592,21 +594,25 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                             const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
                             rotate(row + h * D, cs, half, attn + i * q_size + h * D);
                         }
-                    float k_new[MAX_HEAD_DIM];
-                    const float *v_new = one ? row + (heads + kv_heads + kvh) * D : NULL;
+                    /* one row: its new K/V as the pool holds them (float16 rounded) */
+                    kv_t k_new[MAX_HEAD_DIM], v_new[MAX_HEAD_DIM];
                     if (one) { /* items of one kv head (plan_items: one row is never whole) */
-                        rotate(row + (heads + kvh) * D, cs, half, k_new);
+                        float k_rot[MAX_HEAD_DIM];
+                        rotate(row + (heads + kvh) * D, cs, half, k_rot);
+                        kv_store_row(k_new, k_rot, D);
+                        kv_store_row(v_new, row + (heads + kv_heads + kvh) * D, D);
                         /* the group's first chunk stores its K/V (a padding row: nothing) */
                         if (it.h0 == kvh * group && slots[i] >= 0) {
                             memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
-                                   (size_t)D * sizeof(float));
+                                   (size_t)D * sizeof(kv_t));
                             memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
-                                   (size_t)D * sizeof(float));
+                                   (size_t)D * sizeof(kv_t));
                         }
                     }
                     attend_group(out_heads, it.kvc, it.gc, L->k_cache, L->v_cache,
                                  block_table + i * table_stride, seq_lens[i], page_size, it.kv0,
-                                 kv_heads, D, m->scale, one ? k_new : NULL, v_new, out_heads);
+                                 kv_heads, D, m->scale, one ? k_new : NULL, one ? v_new : NULL,
+                                 out_heads);
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -647,10 +653,10 @@ done:
 }
 
 /* The attention phase alone, over queries already rotated: q and out [n, heads, head_dim]
- * float32, the same items and claims as a step's layer. For the kernel tests against the torch
+ * float32 (the pool: kv_t), the same items and claims as a step's layer. For the kernel tests against the torch
  * reference (tests/test_fused_attention.py). 0 on success, -1 when a buffer could not be
  * allocated or the shape is outside what the step takes. */
-int asyncengine_group_attention(const float *q, const float *k_cache, const float *v_cache,
+int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                                 const int32_t *block_table, int64_t table_stride,
                                 const int32_t *seq_lens, int64_t n, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,

@@ -19,10 +19,13 @@
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
  * products where the CPU has them; on AVX2 + FMA CPUs without AVX-512, the items of
  * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
+ * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
+ * and values widened to float32 once per block as they are gathered.
  */
 #include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -131,9 +134,9 @@ typedef struct {
                         _mm512_store_ps(vf[k] + 16 * j,                                          \
                                         load_bf16x16((const uint16_t *)vc + slot_rows[k] + 16 * j)); \
                 } else {                                                                         \
-                    const float *kr = (const float *)kc + slot_rows[k];                          \
-                    for (int64_t d = 0; d < D; d++) kt[d][k] = kr[d];                            \
-                    memcpy(vf[k], (const float *)vc + slot_rows[k], (size_t)D * 4);              \
+                    const kv_t *kr = (const kv_t *)kc + slot_rows[k];                            \
+                    for (int64_t d = 0; d < D; d++) kt[d][k] = kv_to_float(kr[d]);               \
+                    kv_load_row(vf[k], (const kv_t *)vc + slot_rows[k], D);                      \
                 }                                                                                \
             }                                                                                    \
             for (int64_t r0 = 0; r0 < padded; r0 += TILE) {                                      \
@@ -246,7 +249,9 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
                                        int64_t window, float softcap, void *out, int is_bf16,
                                        int num_threads) {
 #ifdef __AVX512F__
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256)) return -1;
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
+        (KV_IS_F16 && is_bf16))
+        return -1;
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
         count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + QB - 1) / QB);
@@ -280,7 +285,9 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
     free(items);
     return 0;
 #elif defined(EXTEND_AVX2)
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256)) return -1;
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
+        (KV_IS_F16 && is_bf16))
+        return -1;
     const int64_t G = H / Hkv, per_item = x2_queries_per_item(G);
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)

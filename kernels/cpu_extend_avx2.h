@@ -8,8 +8,8 @@
  * keys at a time, no horizontal sums. The online softmax then runs down the columns (a row's
  * running max and sum in a lane), and the values are accumulated three rows x 32 dims at a
  * time, each value vector loaded once for the three rows. Keys and values are read once per
- * item for the whole group (float32 from the pool in place; bfloat16 widened into a block
- * buffer). Row vectors past the block (causal) or below it (sliding window) are skipped.
+ * item for the whole group (float32 from the pool in place; bfloat16, or float16 in a
+ * -DKV_F16 build (cpu_kv.h), widened into a block buffer). Row vectors past the block (causal) or below it (sliding window) are skipped.
  *
  * Each row's arithmetic is the same whatever its lane, item or neighbours, and its key blocks
  * are visited in absolute order from a multiple of 16, skipped blocks changing nothing: a row's
@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 
@@ -167,6 +168,11 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
                     _mm256_store_ps(kbuf[k] + d, load_bf16x8(kr + d));
                     _mm256_store_ps(vbuf[k] + d, load_bf16x8(vr + d));
                 }
+                keys[k] = kbuf[k];
+                vals[k] = vbuf[k];
+            } else if (KV_IS_F16) {
+                kv_load_row(kbuf[k], (const kv_t *)kc + row, D);
+                kv_load_row(vbuf[k], (const kv_t *)vc + row, D);
                 keys[k] = kbuf[k];
                 vals[k] = vbuf[k];
             } else {

@@ -1,5 +1,5 @@
 /* Decode attention of a row's query heads (those of one or more kv heads) over its keys in the
- * paged float32 pool, for the fused decode step (cpu_decode_step.c).
+ * paged pool (float32, or float16 in a -DKV_F16 build: cpu_kv.h), for the fused decode step (cpu_decode_step.c).
  *
  * The heads share each key and value row read: a block of up to ATTN_BLOCK keys is read from
  * the pool once, then each head takes its dot products and its share of the values from the
@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 
@@ -33,14 +34,14 @@
 /* acc[off:off + 8 NV] += p[i] vals[i][off:off + 8 NV] over the block's n keys, that chunk of
  * the accumulator in registers */
 #define DEFINE_ATTN_CHUNK(NV)                                                                    \
-    static inline void chunk_values_##NV(float *acc, const float *const *vals, const float *p,  \
+    static inline void chunk_values_##NV(float *acc, const kv_t *const *vals, const float *p,   \
                                          int n, int64_t off) {                                  \
         __m256 a[NV];                                                                            \
         for (int j = 0; j < (NV); j++) a[j] = _mm256_loadu_ps(acc + off + 8 * j);                \
         for (int i = 0; i < n; i++) {                                                            \
             const __m256 pv = _mm256_set1_ps(p[i]);                                              \
-            const float *v = vals[i] + off;                                                      \
-            for (int j = 0; j < (NV); j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]); \
+            const kv_t *v = vals[i] + off;                                                       \
+            for (int j = 0; j < (NV); j++) a[j] = _mm256_fmadd_ps(pv, KV_LOAD8(v + 8 * j), a[j]);     \
         }                                                                                        \
         for (int j = 0; j < (NV); j++) _mm256_storeu_ps(acc + off + 8 * j, a[j]);                \
     }
@@ -53,20 +54,20 @@ DEFINE_ATTN_CHUNK(1)
 /* s[i] = q . keys[i] (d dims) for the n keys of a block. Four keys at a time, each one chain
  * of fused multiply-adds over the dims in order and the horizontal sum of hsum256: the same
  * float sums as one key alone, the four chains hiding each other's latency. */
-static inline void block_dots(const float *q, const float *const *keys, int n, int64_t d,
+static inline void block_dots(const float *q, const kv_t *const *keys, int n, int64_t d,
                               float *s) {
     int i = 0;
 #ifdef ATTN_AVX2
     if (d % 8 == 0) {
         for (; i + 4 <= n; i += 4) {
-            const float *k0 = keys[i], *k1 = keys[i + 1], *k2 = keys[i + 2], *k3 = keys[i + 3];
+            const kv_t *k0 = keys[i], *k1 = keys[i + 1], *k2 = keys[i + 2], *k3 = keys[i + 3];
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < d; j += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + j);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + j), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
+                a0 = _mm256_fmadd_ps(qv, KV_LOAD8(k0 + j), a0);
+                a1 = _mm256_fmadd_ps(qv, KV_LOAD8(k1 + j), a1);
+                a2 = _mm256_fmadd_ps(qv, KV_LOAD8(k2 + j), a2);
+                a3 = _mm256_fmadd_ps(qv, KV_LOAD8(k3 + j), a3);
             }
             s[i] = hsum256(a0), s[i + 1] = hsum256(a1), s[i + 2] = hsum256(a2);
             s[i + 3] = hsum256(a3);
@@ -74,7 +75,7 @@ static inline void block_dots(const float *q, const float *const *keys, int n, i
         for (; i < n; i++) {
             __m256 a = _mm256_setzero_ps();
             for (int64_t j = 0; j < d; j += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(keys[i] + j), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), KV_LOAD8(keys[i] + j), a);
             s[i] = hsum256(a);
         }
         return;
@@ -82,13 +83,13 @@ static inline void block_dots(const float *q, const float *const *keys, int n, i
 #endif
     for (; i < n; i++) {
         float a = 0.0f;
-        for (int64_t j = 0; j < d; j++) a += q[j] * keys[i][j];
+        for (int64_t j = 0; j < d; j++) a += q[j] * kv_to_float(keys[i][j]);
         s[i] = a;
     }
 }
 
 /* acc[0:d] += sum_i p[i] vals[i] over the n keys of a block */
-static inline void block_values(float *acc, const float *const *vals, const float *p, int n,
+static inline void block_values(float *acc, const kv_t *const *vals, const float *p, int n,
                                 int64_t d) {
 #ifdef ATTN_AVX2
     if (d % 8 == 0) {
@@ -101,7 +102,7 @@ static inline void block_values(float *acc, const float *const *vals, const floa
     }
 #endif
     for (int i = 0; i < n; i++)
-        for (int64_t j = 0; j < d; j++) acc[j] += p[i] * vals[i][j];
+        for (int64_t j = 0; j < d; j++) acc[j] += p[i] * kv_to_float(vals[i][j]);
 }
 
 /* the largest of s[0:n], n >= 1 (8 lanes, then the rest: max takes the same value whatever
@@ -143,11 +144,11 @@ static inline float block_exp(float *s, int n, float mx) {
 #endif
 }
 
-/* the K and V rows (w floats each) of the block's keys, into L2 ahead of it (a block of whole
- * slots is 48 KB at SmolLM2's shape: more than L1) */
-static inline void prefetch_rows(const float *const *k, const float *const *v, int n, int64_t w) {
+/* the K and V rows (w elements each) of the block's keys, into L2 ahead of it (a block of
+ * whole float32 slots is 48 KB at SmolLM2's shape: more than L1) */
+static inline void prefetch_rows(const kv_t *const *k, const kv_t *const *v, int n, int64_t w) {
     for (int i = 0; i < n; i++)
-        for (int64_t b = 0; b < w; b += 16) { /* 16 floats: a cache line */
+        for (int64_t b = 0; b < w; b += 64 / (int64_t)sizeof(kv_t)) { /* a cache line */
             __builtin_prefetch(k[i] + b, 0, 2);
             __builtin_prefetch(v[i] + b, 0, 2);
         }
@@ -155,10 +156,10 @@ static inline void prefetch_rows(const float *const *k, const float *const *v, i
 
 /* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row; k_new / v_new (NULL:
  * none) stand for the last key, len - 1, not yet in the pool */
-static inline int block_rows(const float *k_cache, const float *v_cache, const int32_t *table_row,
+static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int32_t *table_row,
                              int64_t first, int64_t len, int64_t page_size, int64_t kv0,
-                             int64_t kv_heads, int64_t d, const float *k_new, const float *v_new,
-                             const float **k, const float **v) {
+                             int64_t kv_heads, int64_t d, const kv_t *k_new, const kv_t *v_new,
+                             const kv_t **k, const kv_t **v) {
     const int n = (int)(len - first < ATTN_BLOCK ? len - first : ATTN_BLOCK);
     /* the page and the offset in it step along with the keys (pool_slot's two divisions per
      * key were a visible share of a block) */
@@ -183,16 +184,16 @@ static inline int block_rows(const float *k_cache, const float *v_cache, const i
  * kvc - 1, gc heads each (kvc * gc <= ATTN_MAX_HEADS): q and out [kvc * gc, d], heads in order
  * (out may be q: q is read before out is written). k_new / v_new: the last key's rows when it
  * is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
-static void attend_group(const float *q, int64_t kvc, int64_t gc, const float *k_cache,
-                         const float *v_cache, const int32_t *table_row, int64_t len,
+static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+                         const kv_t *v_cache, const int32_t *table_row, int64_t len,
                          int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
-                         const float *k_new, const float *v_new, float *out) {
+                         const kv_t *k_new, const kv_t *v_new, float *out) {
     const int64_t heads = kvc * gc;
     float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
     float s[ATTN_BLOCK];
     float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
-    const float *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
-    const float *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
+    const kv_t *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
+    const kv_t *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
     for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
     int cur = 0;
@@ -208,7 +209,7 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const float *k
             prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * d);
         }
         for (int64_t c = 0; c < kvc; c++) {
-            const float *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+            const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
             if (c) { /* kv head kv0 + c: the next d floats of each slot's rows */
                 for (int i = 0; i < n; i++) kh[i] = k_rows[cur][i] + c * d, vh[i] = v_rows[cur][i] + c * d;
                 kc = kh, vc = vh;

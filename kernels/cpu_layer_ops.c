@@ -11,6 +11,8 @@
  *   silu_and_mul        y = bf(bf(silu(gate)) * up)                 (kernels/activation_ref.py)
  *
  * "bf(.)" is rounding to bfloat16 (nearest even) for bf16 tensors and nothing for float32.
+ * Built with -DKV_F16 (cpu_kv.h), rotary_store writes k and v to a float16 pool (rounded to
+ * nearest even) from float32 rows (bf16 must be 0 there).
  * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <math.h>
@@ -18,6 +20,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_kv.h"
 #include "cpu_simd.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -198,9 +201,15 @@ void asyncengine_rotary_store(const void *qkv, int64_t row_stride, const int64_t
         const int64_t slot = slots[t];
         for (int64_t h = 0; h < num_kv_heads; h++) {
             rotate_head(x + (num_heads + h) * d, c, s, half, out, bf16);
+#ifdef KV_F16
+            kv_store_row((kv_t *)k_cache + (slot * num_kv_heads + h) * d, out, d);
+            kv_store_row((kv_t *)v_cache + (slot * num_kv_heads + h) * d,
+                         x + (num_heads + num_kv_heads + h) * d, d);
+#else
             row_store(k_cache, (slot * num_kv_heads + h) * d, d, bf16, out);
             row_store(v_cache, (slot * num_kv_heads + h) * d, d, bf16,
                       x + (num_heads + num_kv_heads + h) * d);
+#endif
         }
     }
 }

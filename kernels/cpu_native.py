@@ -24,6 +24,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("asyncengine.kernels")
 
@@ -116,7 +120,35 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
-def load_all() -> int:
+# The libraries that read or write the K/V pool (they include cpu_kv.h): built once more with
+# -DKV_F16 for a float16 pool (``kv_flags``), which they then read through F16C.
+KV_LIBRARIES = ("cpu_decode_attention", "cpu_extend_attention", "cpu_decode_step", "cpu_layer_ops")
+_KV_F16_FLAGS = ("-DKV_F16",)
+
+
+def kv_flags(kv_dtype: torch.dtype) -> tuple[str, ...]:
+    """The extra build flags of a KV library for a pool of ``kv_dtype``: float16 has its own
+    build; float32 and bfloat16 pools share the default one (a flag says which at each call)."""
+    import torch
+
+    return _KV_F16_FLAGS if kv_dtype == torch.float16 else ()
+
+
+def kv_f16_native() -> bool:
+    """Whether every KV library builds for a float16 pool here and reads it through F16C
+    (``asyncengine_kv_element``: 2 bytes + 16 for F16C)."""
+    for name in KV_LIBRARIES:
+        lib = load(name, _KV_F16_FLAGS)
+        if lib is None or lib.asyncengine_kv_element() != 18:
+            return False
+    return True
+
+
+def load_all(kv_extra_flags: tuple[str, ...] = ()) -> int:
     """Compile (where not cached) and load every kernel library, so that no request waits for
-    gcc: the engine calls it at start-up on a CPU. Returns how many loaded."""
-    return sum(load(path.stem) is not None for path in sorted(SOURCE_DIR.glob("*.c")))
+    gcc: the engine calls it at start-up on a CPU, with its pool's ``kv_flags`` (the KV
+    libraries are also built with those). Returns how many loaded."""
+    loaded = sum(load(path.stem) is not None for path in sorted(SOURCE_DIR.glob("*.c")))
+    if kv_extra_flags:
+        loaded += sum(load(name, kv_extra_flags) is not None for name in KV_LIBRARIES)
+    return loaded

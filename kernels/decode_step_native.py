@@ -2,7 +2,8 @@
 (kernels/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
 described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
-float32 activations and KV pool; every projection in a stored format (``QuantizedTensor`` parts,
+float32 activations; a float32 or float16 KV pool (float16: the library's -DKV_F16 build,
+``cpu_native.kv_flags``); every projection in a stored format (``QuantizedTensor`` parts,
 F32 rows among them; a fused projection of mixed formats being several parts). ``available()`` says whether the
 library loaded.
 """
@@ -71,8 +72,8 @@ class _Model(ctypes.Structure):
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_native.load("cpu_decode_step")
+def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    lib = cpu_native.load("cpu_decode_step", cpu_native.kv_flags(kv_dtype))
     if lib is None:
         return None
     fn = lib.asyncengine_decode_step
@@ -88,8 +89,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(kv_dtype: torch.dtype = torch.float32) -> bool:
+    return kv_dtype in KV_DTYPES and _library(kv_dtype) is not None
+
+
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +169,7 @@ class DecodeStepModel:
             layers=self._layers,
         )
         self._caches: tuple[int, ...] = ()
+        self._kv_dtype = torch.float32
 
     def _float(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(torch.float32).contiguous()
@@ -195,8 +200,8 @@ class DecodeStepModel:
     def bind_caches(
         self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     ) -> None:
-        """Point every layer at its [S, kv_heads, head_dim] float32 K/V pool (once; again only
-        when the pool's tensors change)."""
+        """Point every layer at its [S, kv_heads, head_dim] K/V pool, float32 or float16 (once;
+        again only when the pool's tensors change)."""
         key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
         if key == self._caches:
             return
@@ -204,16 +209,19 @@ class DecodeStepModel:
         for layer, k, v in zip(self._layers, k_caches, v_caches, strict=True):
             for cache in (k, v):
                 if (
-                    cache.dtype != torch.float32
+                    cache.dtype != k_caches[0].dtype
+                    or cache.dtype not in KV_DTYPES
                     or not cache.is_contiguous()
                     or tuple(cache.shape[1:]) != (s.num_kv_heads, s.head_dim)
                 ):
                     raise ValueError(
-                        f"KV caches must be contiguous float32 [S, {s.num_kv_heads}, {s.head_dim}]"
+                        f"KV caches must be contiguous float32 or float16 "
+                        f"[S, {s.num_kv_heads}, {s.head_dim}], all of one dtype"
                     )
             layer.k_cache = k.data_ptr()
             layer.v_cache = v.data_ptr()
         self._caches = key
+        self._kv_dtype = k_caches[0].dtype
 
     def step(
         self,
@@ -230,11 +238,11 @@ class DecodeStepModel:
         positions/slots int64 [n]; block_table int32 [n, pages]; seq_lens int32 [n] (keys
         including the new one); ``max_position``: the largest position where the caller knows
         it (else read from ``positions``)."""
-        lib = _library()
-        if lib is None:
-            raise RuntimeError("the native decode step library is not available")
         if not self._caches:
             raise RuntimeError("bind_caches first")
+        lib = _library(self._kv_dtype)
+        if lib is None:
+            raise RuntimeError("the native decode step library is not available")
         n = hidden.shape[0]
         if hidden.dtype != torch.float32 or tuple(hidden.shape) != (n, self.shape.hidden):
             raise ValueError(f"hidden must be float32 [n, {self.shape.hidden}]")
@@ -285,14 +293,20 @@ def group_attention(
     scale: float,
 ) -> torch.Tensor:
     """The fused step's attention phase alone (kernels/cpu_group_attention.h), for its tests:
-    q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32 pool, block
-    table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
-    lib = _library()
+    q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32 or float16
+    pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
+    lib = _library(k_cache.dtype)
     if lib is None:
         raise RuntimeError("the native decode step library is not available")
     for cache in (k_cache, v_cache):
-        if cache.dtype != torch.float32 or not cache.is_contiguous():
-            raise ValueError("the pool must be contiguous float32 [S, kv_heads, head_dim]")
+        if (
+            cache.dtype != k_cache.dtype
+            or cache.dtype not in KV_DTYPES
+            or not cache.is_contiguous()
+        ):
+            raise ValueError(
+                "the pool must be contiguous float32 or float16 [S, kv_heads, head_dim]"
+            )
     n, heads, head_dim = q.shape
     q = q.to(torch.float32).contiguous()
     table = block_table.to(torch.int32).contiguous()

@@ -26,8 +26,9 @@ MAX_ROW = 16384
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_native.load("cpu_layer_ops")
+def _library(kv_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library; ``kv_flags``: its build for a float16 pool (``cpu_native.kv_flags``)."""
+    lib = cpu_native.load("cpu_layer_ops", kv_flags)
     if lib is None:
         return None
     for name, argtypes in _SIGNATURES.items():
@@ -41,8 +42,8 @@ def available() -> bool:
     return _library() is not None
 
 
-def _lib() -> Any:
-    lib = _library()
+def _lib(kv_flags: tuple[str, ...] = ()) -> Any:
+    lib = _library(kv_flags)
     if lib is None:
         raise RuntimeError("the native CPU layer kernels are not available")
     return lib
@@ -138,8 +139,11 @@ def rotary_store(
         raise ValueError(
             f"qkv of {qkv.shape[1]} columns does not hold {num_heads}+2x{num_kv_heads} heads of {head_dim}"
         )
-    if k_cache.dtype != qkv.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("caches must be contiguous and of qkv's dtype")
+    f16_pool = k_cache.dtype == torch.float16 and qkv.dtype == torch.float32
+    if (k_cache.dtype != qkv.dtype and not f16_pool) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("caches must be of qkv's dtype, or float16 beside float32 qkv")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
     cos_sin = (
         cos_sin_cache.float().contiguous()
         if cos_sin_cache.dtype != torch.float32
@@ -148,7 +152,7 @@ def rotary_store(
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
-    _lib().asyncengine_rotary_store(
+    _lib(cpu_native.kv_flags(k_cache.dtype)).asyncengine_rotary_store(
         qkv.data_ptr(),
         qkv.stride(0),
         positions.data_ptr(),

@@ -33,6 +33,12 @@ the same pool:
 
     .venv/bin/python scripts/bench_decode_step.py --quantization none --batches 1 --repeats 20
 
+``--half-pool`` adds the fused step over a float16 K/V pool (``kv_cache_dtype = "float16"``,
+what ``auto`` picks for a quantized model on an F16C CPU), in its own runner, alternating with
+the float32 pool's; attention's share grows with the context:
+
+    .venv/bin/python scripts/bench_decode_step.py --batches 16,64,128 --context 443 --half-pool
+
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
 waiting too).
@@ -99,6 +105,12 @@ class Bench:
                     del os.environ[FLOAT_ROWS_ENV]
                 else:
                     os.environ[FLOAT_ROWS_ENV] = previous
+        self.half: ModelRunner | None = None
+        if args.half_pool:  # the same weights over a float16 pool of the same slots
+            half_pool = KVPool.for_model(config, pages * rows, page_size, torch.float16)
+            half_pool.k.uniform_(-1, 1)
+            half_pool.v.uniform_(-1, 1)
+            self.half = ModelRunner(config, dict(loaded.weights), half_pool, table, torch.float32)
         self.fused = self.runner.model.native_decode
         self.crossovers = {
             linear: linear.dense_from_rows
@@ -108,7 +120,8 @@ class Bench:
         }
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
-        self.library = decode_step_native._library()
+        self.libraries = decode_step_native._library
+        self.library = self.libraries()
         self.baseline = None
         if args.baseline_library:
             self.baseline = ctypes.CDLL(str(args.baseline_library))
@@ -126,7 +139,12 @@ class Bench:
 
     def use(self, fused: bool, dense: bool = False, baseline: bool = False) -> None:
         library = self.baseline if baseline else self.library
-        decode_step_native._library = lambda: library  # type: ignore[assignment]
+        libraries = self.libraries
+
+        def pick(kv_dtype: torch.dtype = torch.float32) -> Any:
+            return library if kv_dtype == torch.float32 else libraries(kv_dtype)
+
+        decode_step_native._library = pick  # type: ignore[assignment]
         self.runner.model.native_decode = self.fused if fused else None
         for linear, crossover in self.crossovers.items():
             linear.dense_from_rows = 1 if dense else crossover
@@ -143,6 +161,9 @@ class Bench:
         if self.onednn is not None:
             paths["onednn"] = (False, False, False)
             runners["onednn"] = self.onednn
+        if self.half is not None:
+            paths["half"] = (True, False, False)
+            runners["half"] = self.half
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for repeat in range(self.args.repeats + 1):
             for name, (fused, dense, baseline) in paths.items():
@@ -162,6 +183,8 @@ class Bench:
             row["baseline_fused_ms"] = ms["baseline"]
         if "onednn" in ms:
             row["onednn_ms"] = ms["onednn"]
+        if "half" in ms:
+            row["half_pool_fused_ms"] = ms["half"]
         return row
 
     def breakdown(self) -> dict[str, dict[str, float]]:
@@ -234,8 +257,9 @@ def table(result: dict[str, Any]) -> str:
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
         "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms "
-        "| baseline fused ms | fused vs baseline | dense oneDNN Linears ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| baseline fused ms | fused vs baseline | dense oneDNN Linears ms "
+        "| fused, float16 pool ms | float16 pool gain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         fused = f"{row['fused_ms']:.2f}" + ("" if row["fused_taken"] else " (torch path)")
@@ -245,9 +269,13 @@ def table(result: dict[str, Any]) -> str:
             base = f"{row['baseline_fused_ms']:.2f}"
             gain = f"{row['baseline_fused_ms'] / row['fused_ms']:.2f}x"
         onednn = f"{row['onednn_ms']:.2f}" if "onednn_ms" in row else "-"
+        half, half_gain = "-", "-"
+        if "half_pool_fused_ms" in row:
+            half = f"{row['half_pool_fused_ms']:.2f}"
+            half_gain = f"{row['fused_ms'] / row['half_pool_fused_ms']:.2f}x"
         lines.append(
             f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} "
-            f"| {base} | {gain} | {onednn} |"
+            f"| {base} | {gain} | {onednn} | {half} | {half_gain} |"
         )
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
@@ -280,6 +308,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=Path,
         default=None,
         help="also the fused step on this build of cpu_decode_step (.so), alternating",
+    )
+    parser.add_argument(
+        "--half-pool",
+        action="store_true",
+        help="also the fused step over a float16 K/V pool (its own runner), alternating",
     )
     args = parser.parse_args(argv)
     global _clock

@@ -233,6 +233,9 @@ async def _run_engine(
             outputs = await asyncio.gather(*(one(item) for item in workload))
         bar.close()
         after = engine.stats()
+        runner = getattr(getattr(engine.core, "executor", None), "runner", None)
+        pool = getattr(runner, "kv_pool", None)
+        kv_pool_dtype = str(pool.dtype).removeprefix("torch.") if pool is not None else None
 
     def delta(key: str) -> int:
         return int(after.get(key, 0)) - int(before.get(key, 0))
@@ -248,6 +251,7 @@ async def _run_engine(
         "miss_tokens": miss,
         "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
         "retractions": delta("retractions"),
+        "kv_pool_dtype": kv_pool_dtype,  # kv_cache_dtype as resolved (auto: float16 or not)
         "engine_config": {
             k: v
             for k, v in config.to_dict().items()
@@ -261,6 +265,7 @@ async def _run_engine(
                 "chunked_prefill_size",
                 "enable_mixed_batch",
                 "enable_prefix_cache",
+                "kv_cache_dtype",
             )
         },
     }

@@ -8,7 +8,9 @@ Variants (all float32 activations, the CPU):
   the native kernels: the only difference from the reference is the int8 quantization of the
   activations (blocks of 32);
 - ``q8_0``: every 2-D weight of the reference re-quantized to Q8_0 (gguf's quantizer);
-- ``int8``: every 2-D weight quantized per output row (quantization = "int8").
+- ``int8``: every 2-D weight quantized per output row (quantization = "int8");
+- ``gguf_kv_f16``: ``gguf`` over a float16 K/V pool (``kv_cache_dtype = "float16"``, what
+  ``auto`` picks for it on an F16C CPU): the activations' int8 blocks and K/V rounded to half.
 
 Every quantized projection runs the quantized kernel here, at every batch size (the engine
 switches to the dense product from 32 rows). For each: the largest and mean absolute logit
@@ -79,11 +81,17 @@ class VariantResult:
 class Model:
     """A runner over a fresh pool, big enough for one sequence of the text's length."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Weight], max_len: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Weight],
+        max_len: int,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
         pages = -(-max_len // PAGE_SIZE)
         self.config = config
         self.max_len = max_len
-        pool = KVPool.for_model(config, pages, PAGE_SIZE)
+        pool = KVPool.for_model(config, pages, PAGE_SIZE, kv_dtype)
         table = PageTable.contiguous(1, pages)
         self.runner = ModelRunner(config, weights, pool, table, torch.float32)
         # the quantized kernel at every batch size: a prefill of the text would otherwise take
@@ -161,14 +169,16 @@ def evaluate(variants: list[str] | None = None) -> list[VariantResult]:
         "gguf": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
         "q8_0": lambda: requantize_q8_0(reference_weights),
         "int8": lambda: quantize_int8(reference_weights),
+        "gguf_kv_f16": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
     }
+    kv_dtypes = {"gguf_kv_f16": torch.float16}
     reference = Model(config, reference_weights, max_len)
     ref_logits = reference.all_logits(text_tokens)
     ref_ppl = perplexity(ref_logits, text_tokens)
     ref_greedy = [reference.greedy(p, GREEDY_TOKENS) for p in prompts]
     results = []
     for name in variants or list(builders):
-        candidate = Model(config, builders[name](), max_len)
+        candidate = Model(config, builders[name](), max_len, kv_dtypes.get(name, torch.float32))
         logits = candidate.all_logits(text_tokens)
         diff = (logits - ref_logits).abs()
         ppl = perplexity(logits, text_tokens)
@@ -196,7 +206,7 @@ def evaluate(variants: list[str] | None = None) -> list[VariantResult]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="gguf,q8_0,int8")
+    parser.add_argument("--variants", default="gguf,q8_0,int8,gguf_kv_f16")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results = evaluate(args.variants.split(","))

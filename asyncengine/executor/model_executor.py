@@ -24,6 +24,7 @@ from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.draft_model import DraftModel, bind_draft_model, load_draft_model
 from asyncengine.executor.draft_proposer import DraftProposer
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
+from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.loader import load_hf_config
 from asyncengine.executor.loader.pooling_config import model_pooling
@@ -79,6 +80,13 @@ class ModelExecutor:
         self.model_config = ModelConfig.from_hf_dict(load_hf_config(self.model_dir))
         self.pooling = model_pooling(self.model_dir, config.embedding_pooling)
         self._weights: dict[str, torch.Tensor | QuantizedTensor] | None = loaded.weights
+        self.kv_dtype = pick_kv_dtype(
+            config.kv_cache_dtype,
+            self.device,
+            self.dtype,
+            quantized=keeps_quantized_weights(loaded.weights),
+            deterministic=config.deterministic,
+        )
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None
         self.host_kv: HostKVBuffer | None = None  # swapped-out KV (preemption_mode "swap")
@@ -90,7 +98,7 @@ class ModelExecutor:
             self._draft = load_draft_model(config, self.model_dir, self.dtype, self.device)
         self.drafter: DraftProposer | None = None
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
-            cpu_native.load_all()
+            cpu_native.load_all(cpu_native.kv_flags(self.kv_dtype))
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         """More end-of-sequence ids (the tokenizer's); before ``bind``."""
@@ -106,7 +114,7 @@ class ModelExecutor:
             vocab_size=mc.vocab_size,
             eos_token_ids=tuple(self._eos_token_ids),
             kv_bytes_per_token=KVPool.token_bytes(
-                mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype
             ),
             pooling=self.pooling,
         )
@@ -134,7 +142,7 @@ class ModelExecutor:
         if self._weights is None:
             raise RuntimeError("the executor is bound already")
         mc = self.model_config
-        pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.dtype, self.device)
+        pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.kv_dtype, self.device)
         self.runner = ModelRunner(
             mc,
             self._weights,
@@ -163,7 +171,7 @@ class ModelExecutor:
             )
             self._draft = None
         log.info(
-            "model %s (%s, %s, weights %s%s): KV pool %d pages x %d tokens (%.0f MiB)",
+            "model %s (%s, %s, weights %s%s): KV pool %d pages x %d tokens, %s (%.0f MiB)",
             self.config.model,
             str(self.dtype).removeprefix("torch."),
             self.device,
@@ -171,6 +179,7 @@ class ModelExecutor:
             ", deterministic" if self.config.deterministic else "",
             layout.num_pages,
             layout.page_size,
+            str(self.kv_dtype).removeprefix("torch."),
             pool.nbytes / 2**20,
         )
 

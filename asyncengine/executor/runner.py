@@ -360,7 +360,15 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
-    expected = (config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    """The pool fits the model: its layers and heads, and the model's dtype (or float16 beside
+    float32 activations on a CPU: executor/kv_dtype.py)."""
+    half = pool.dtype == torch.float16 and dtype == torch.float32 and pool.device.type == "cpu"
+    expected = (
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        pool.dtype if half else dtype,
+    )
     actual = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
     if expected != actual:
         raise ValueError(

@@ -1,0 +1,79 @@
+"""The K/V pool's element type: the ``kv_cache_dtype`` config key resolved for a model.
+
+``"auto"``: float16 on a CPU where the model keeps quantized weights (a GGUF's blocks, int8),
+its activations are float32 and every native kernel that touches the pool reads float16 through
+F16C on AVX2 + FMA, not in deterministic mode; the model's dtype otherwise (as before: dense
+checkpoints, GPUs, bfloat16 models). Why: a decode of a long context streams every key and
+value of its request per layer, and at the offline mix's mean context (~440 keys) that
+attention was ~40% of a CPU step; a half pool halves those bytes and the pool's memory. It is
+also what llama.cpp keeps by default (f16 K/V), so quantized-model comparisons stay like for
+like. Rounding K/V to half moves the model's logits a little (tests/test_kv_cache_dtype.py
+reports the greedy agreement with a float32 pool). AVX-512 builds read a float16 pool through
+their per-item decode loop (the register-resident items are float32/bfloat16 only), which is
+not measured yet, so ``auto`` keeps float32 there.
+
+An explicit value must be honoured or refused: the model's own dtype always; float16 on a CPU
+beside float32 activations (the kernels' -DKV_F16 builds, or the torch references where no
+kernel runs), not in deterministic mode (its torch fallback reads the pool in the model's
+dtype). Anything else is a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from asyncengine.config import ConfigError
+from asyncengine.kernels import cpu_native
+from asyncengine.kernels.attention_native import extend_kernel_features
+from asyncengine.kernels.quant_formats import F32, QuantizedTensor
+
+KV_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_AVX512, _AVX2 = 1, 4  # extend_kernel_features bits
+
+
+def keeps_quantized_weights(weights: Mapping[str, object]) -> bool:
+    """Whether a loaded model holds weights in a stored quantized format (not F32 rows)."""
+    return any(isinstance(w, QuantizedTensor) and w.format != F32 for w in weights.values())
+
+
+def f16_pool_runs_natively() -> bool:
+    """Every native kernel that touches the pool has a float16 build reading it through F16C,
+    and the extend kernel's build is the AVX2 + FMA one (where a half pool was measured)."""
+    if not cpu_native.kv_f16_native():
+        return False
+    features = extend_kernel_features(torch.float16)
+    return bool(features & _AVX2) and not features & _AVX512
+
+
+def pick_kv_dtype(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantized: bool,
+    deterministic: bool,
+) -> torch.dtype:
+    """The pool's dtype for ``kv_cache_dtype = name`` and a model of ``dtype`` on ``device``."""
+    on_cpu = device.type == "cpu"
+    if name == "auto":
+        half = on_cpu and quantized and dtype == torch.float32 and not deterministic
+        return torch.float16 if half and f16_pool_runs_natively() else dtype
+    if name not in KV_DTYPE_NAMES:
+        raise ConfigError(
+            f"config key 'kv_cache_dtype' = {name!r}: expected auto or one of "
+            f"{', '.join(KV_DTYPE_NAMES)}"
+        )
+    wanted = KV_DTYPE_NAMES[name]
+    if wanted == dtype:
+        return wanted
+    model = str(dtype).removeprefix("torch.")
+    if wanted == torch.float16 and on_cpu and dtype == torch.float32 and not deterministic:
+        return wanted
+    if wanted == torch.float16 and on_cpu and dtype == torch.float32:
+        why = "deterministic mode reads the pool in the model's dtype"
+    elif wanted == torch.float16 and on_cpu:
+        why = f"a float16 pool is read beside float32 activations only (the model runs in {model})"
+    else:
+        why = f"on {device.type} the pool is kept in the model's dtype ({model})"
+    raise ConfigError(f"config key 'kv_cache_dtype' = {name!r}: {why}")

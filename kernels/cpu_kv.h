@@ -1,0 +1,140 @@
+/* The element of the K/V pool as the native kernels that read or write it see it: float32, or
+ * IEEE float16 when the library is built with -DKV_F16 (kernels/cpu_native.py builds each such
+ * kernel twice, ``kv_flags``). A float16 pool halves the bytes a decode streams per key (the
+ * attention of a long-context decode batch is bound by them) and the pool's memory; it is
+ * read through F16C (8 halves -> 8 floats in one instruction) where the CPU has it, a portable
+ * conversion elsewhere. All arithmetic stays float32: only the stored K/V are rounded to half
+ * (nearest even), as llama.cpp's default f16 K/V cache does.
+ *
+ *   kv_t                 the pool's element
+ *   kv_from_float(x)     one value, rounded to the element
+ *   kv_to_float(x)       one element, widened
+ *   kv_store_row(d, s, n)  n floats -> n elements
+ *   kv_load_row(d, s, n)   n elements -> n floats
+ *   KV_LOAD8(p)          8 elements -> __m256 (AVX2 + FMA builds)
+ *   KV_LOAD16(p)         16 elements -> __m512 (AVX-512 builds)
+ */
+#ifndef ASYNCENGINE_CPU_KV_H
+#define ASYNCENGINE_CPU_KV_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#ifdef KV_F16
+typedef uint16_t kv_t;
+#define KV_IS_F16 1
+
+#ifdef __F16C__
+static inline float kv_to_float(kv_t x) { return _cvtsh_ss(x); }
+static inline kv_t kv_from_float(float x) {
+    return (kv_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#else
+/* IEEE binary16 <-> binary32 without F16C: subnormals, infinities and NaN kept */
+static inline float kv_to_float(kv_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113u;
+        while (!(man & 0x400u)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline kv_t kv_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) return (kv_t)(sign | 0x7e00u | ((abs >> 13) & 0x3ffu)); /* NaN */
+    if (abs >= 0x477ff000u) return (kv_t)(sign | 0x7c00u); /* rounds past 65504: inf */
+    if (abs < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        if (abs < 0x33000000u) return sign;
+        const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - (int)(abs >> 23); /* 14 .. 24 */
+        uint32_t h = man >> shift;
+        const uint32_t rest = man & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1u))) h++;
+        return (kv_t)(sign | h);
+    }
+    const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u); /* nearest even */
+    return (kv_t)(sign | ((rounded - 0x38000000u) >> 13));
+}
+#endif
+
+static inline void kv_store_row(kv_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) dst[i] = kv_from_float(src[i]);
+}
+
+static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = kv_to_float(src[i]);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#elif defined(__AVX2__)
+static inline __m256 kv_load8_portable(const kv_t *p) {
+    float t[8];
+    kv_load_row(t, p, 8);
+    return _mm256_loadu_ps(t);
+}
+#define KV_LOAD8(p) kv_load8_portable(p)
+#endif
+#ifdef __AVX512F__
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#endif
+
+#else /* float32 pool */
+typedef float kv_t;
+#define KV_IS_F16 0
+static inline float kv_to_float(kv_t x) { return x; }
+static inline kv_t kv_from_float(float x) { return x; }
+static inline void kv_store_row(kv_t *dst, const float *src, int64_t n) {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+#ifdef __AVX2__
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#endif
+#ifdef __AVX512F__
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#endif
+#endif
+
+/* What a library that includes this header was built for (kernels/cpu_native.py checks it):
+ * bytes of the pool's element, plus 16 where float16 is converted through F16C. */
+int asyncengine_kv_element(void) {
+#if defined(KV_F16) && defined(__F16C__)
+    return (int)sizeof(kv_t) + 16;
+#else
+    return (int)sizeof(kv_t);
+#endif
+}
+
+#endif
