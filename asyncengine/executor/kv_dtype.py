@@ -74,6 +74,11 @@ def pick_kv_dtype(
         why = "deterministic mode reads the pool in the model's dtype"
     elif wanted == torch.float16 and on_cpu:
         why = f"a float16 pool is read beside float32 activations only (the model runs in {model})"
+    elif on_cpu:
+        why = (
+            f"on cpu the pool is kept in the model's dtype ({model}), or in float16 beside "
+            "float32 activations"
+        )
     else:
         why = f"on {device.type} the pool is kept in the model's dtype ({model})"
     raise ConfigError(f"config key 'kv_cache_dtype' = {name!r}: {why}")
