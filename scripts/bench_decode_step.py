@@ -20,7 +20,8 @@ third path: the torch path with every projection on the dense float32 product (t
 weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
 
 ``--baseline-library`` adds a column: the fused step on another build of
-kernels/cpu_decode_step.c (say main's, from its kernel cache: the same C interface), alternating
+kernels/cpu_decode_step.c for the run's pool (say main's, from its kernel cache: the same C
+interface; with ``--dtype bfloat16`` its -DKV_BF16 build), alternating
 with this tree's, for a before/after within one process on a busy machine:
 
     .venv/bin/python scripts/bench_decode_step.py --batches 16,64 --context 512 \
@@ -129,7 +130,8 @@ class Bench:
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
         self.libraries = decode_step_native._library
-        self.library = self.libraries()
+        self.dtype = dtype
+        self.library = self.libraries(dtype)  # the build for this run's pool
         self.baseline = None
         if args.baseline_library:
             self.baseline = ctypes.CDLL(str(args.baseline_library))
@@ -150,7 +152,7 @@ class Bench:
         libraries = self.libraries
 
         def pick(kv_dtype: torch.dtype = torch.float32) -> Any:
-            return library if kv_dtype == torch.float32 else libraries(kv_dtype)
+            return library if kv_dtype == self.dtype else libraries(kv_dtype)
 
         decode_step_native._library = pick  # type: ignore[assignment]
         self.runner.model.native_decode = self.fused if fused else None
