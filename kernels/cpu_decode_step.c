@@ -115,11 +115,11 @@ static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a, int 
                               a->sd + i * nb + b);
 }
 
-/* y = w * (x * rsqrt(mean(x^2) + eps)), as cpu_layer_ops.c's norm_row in float32 */
+/* y = w * (x * rsqrt(mean(x^2) + eps)), as cpu_layer_ops.c's norm_row in float32 (its sum of
+ * squares, sum_squares: on AVX-512 the two summed in a different order, and a row normed a
+ * float ulp apart can quantize one activation to the next int8 step) */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *y) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    const float inv = 1.0f / sqrtf(sum_squares(x, h) / (float)h + eps);
     for (int64_t i = 0; i < h; i++) y[i] = x[i] * inv * w[i];
 }
 

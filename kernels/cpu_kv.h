@@ -1,6 +1,8 @@
 /* The element of the K/V pool as the native kernels that read or write it see it: float32, or
  * IEEE float16 when the library is built with -DKV_F16 (kernels/cpu_native.py builds each such
- * kernel twice, ``kv_flags``). A float16 pool halves the bytes a decode streams per key (the
+ * kernel twice, ``kv_flags``), or bfloat16 in the fused decode step's -DKV_BF16 build (the pool
+ * of a model run in bfloat16: decode_step_native.py; the other kernels read a bfloat16 pool
+ * through a flag of their own). A float16 pool halves the bytes a decode streams per key (the
  * attention of a long-context decode batch is bound by them) and the pool's memory; it is
  * read through F16C (8 halves -> 8 floats in one instruction) where the CPU has it, a portable
  * conversion elsewhere. All arithmetic stays float32: only the stored K/V are rounded to half
@@ -108,6 +110,59 @@ static inline __m256 kv_load8_portable(const kv_t *p) {
 #define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #endif
 
+#elif defined(KV_BF16)
+/* bfloat16: the upper half of a float32, so widening is a shift; stores round to nearest even
+ * (NaN kept quiet), as torch's float32 -> bfloat16 conversion does */
+typedef uint16_t kv_t;
+#define KV_IS_F16 0
+
+static inline float kv_to_float(kv_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline kv_t kv_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (kv_t)((bits >> 16) | 0x40u);
+    return (kv_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline void kv_store_row(kv_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(src + i);
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        r = _mm512_mask_mov_epi32(
+            r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; i < n; i++) dst[i] = kv_from_float(src[i]);
+}
+
+static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = kv_to_float(src[i]);
+}
+
+#ifdef __AVX2__
+#define KV_LOAD8(p)                                                                              \
+    _mm256_castsi256_ps(                                                                         \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#ifdef __AVX512F__
+#define KV_LOAD16(p)                                                                             \
+    _mm512_castsi512_ps(                                                                         \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#endif
+
 #else /* float32 pool */
 typedef float kv_t;
 #define KV_IS_F16 0
@@ -128,10 +183,13 @@ static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
 #endif
 
 /* What a library that includes this header was built for (kernels/cpu_native.py checks it):
- * bytes of the pool's element, plus 16 where float16 is converted through F16C. */
+ * bytes of the pool's element, plus 16 where float16 is converted through F16C, plus 32 for
+ * bfloat16. */
 int asyncengine_kv_element(void) {
 #if defined(KV_F16) && defined(__F16C__)
     return (int)sizeof(kv_t) + 16;
+#elif defined(KV_BF16)
+    return (int)sizeof(kv_t) + 32;
 #else
     return (int)sizeof(kv_t);
 #endif

@@ -66,21 +66,10 @@ static inline void row_round(float *v, int64_t n, int bf16) {
 /* y = w * bf(x * inv_rms), x in float32 (already the dtype's values), y to row `row` of out */
 static void norm_row(float *x, int64_t h, const float *w, float eps, void *out, int64_t row,
                      int bf16) {
-    float ss = 0.0f;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= h; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    ss = _mm512_reduce_add_ps(acc);
-#endif
-    for (; i < h; i++) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    for (i = 0; i < h; i++) x[i] *= inv;
+    const float inv = 1.0f / sqrtf(sum_squares(x, h) / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) x[i] *= inv;
     row_round(x, h, bf16);
-    for (i = 0; i < h; i++) x[i] *= w[i];
+    for (int64_t i = 0; i < h; i++) x[i] *= w[i];
     row_store(out, row * h, h, bf16, x);
 }
 

@@ -25,6 +25,25 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(((bits & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
 }
 
+/* sum of x[i]^2 over a row of h floats, as every RMSNorm of the native kernels takes it (the
+ * fused decode step's and cpu_layer_ops.c's, so that the two paths norm a row alike): on
+ * AVX-512, 16 lanes of fused multiply-adds over the whole chunks, their sum, then the tail in
+ * order; elsewhere all in order. */
+static inline float sum_squares(const float *x, int64_t h) {
+    float ss = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= h; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < h; i++) ss += x[i] * x[i];
+    return ss;
+}
+
 #ifdef __AVX512F__
 /* 16 bf16 -> 16 floats */
 static inline __m512 load_bf16x16(const uint16_t *p) {

@@ -2,8 +2,10 @@
 (kernels/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
 described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
-float32 activations; a float32 or float16 KV pool (float16: the library's -DKV_F16 build,
-``cpu_native.kv_flags``); every projection in a stored format (``QuantizedTensor`` parts,
+float32 activations inside (a bfloat16 model's hidden states are widened on the way in and
+rounded on the way out: between the two, nothing is rounded to bfloat16); a float32, float16 or
+bfloat16 KV pool (float16: the library's -DKV_F16 build, ``cpu_native.kv_flags``; bfloat16: its
+-DKV_BF16 build, ``KV_BUILD_FLAGS``); every projection in a stored format (``QuantizedTensor`` parts,
 F32 rows among them; a fused projection of mixed formats being several parts). ``available()`` says whether the
 library loaded.
 """
@@ -71,9 +73,18 @@ class _Model(ctypes.Structure):
     ]
 
 
+# each pool dtype's build of the library (cpu_kv.h): the other KV libraries read a bfloat16 pool
+# through a flag of their own, the step through a build of its own
+KV_BUILD_FLAGS = {
+    torch.float32: (),
+    torch.float16: cpu_native.kv_flags(torch.float16),
+    torch.bfloat16: ("-DKV_BF16",),
+}
+
+
 @functools.cache
 def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    lib = cpu_native.load("cpu_decode_step", cpu_native.kv_flags(kv_dtype))
+    lib = cpu_native.load("cpu_decode_step", KV_BUILD_FLAGS[kv_dtype])
     if lib is None:
         return None
     fn = lib.asyncengine_decode_step
@@ -90,10 +101,12 @@ def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
 
 
 def available(kv_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the step's build for a pool of ``kv_dtype`` loads (compiled here if need be)."""
     return kv_dtype in KV_DTYPES and _library(kv_dtype) is not None
 
 
-KV_DTYPES = (torch.float32, torch.float16)
+KV_DTYPES = tuple(KV_BUILD_FLAGS)
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +213,8 @@ class DecodeStepModel:
     def bind_caches(
         self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     ) -> None:
-        """Point every layer at its [S, kv_heads, head_dim] K/V pool, float32 or float16 (once;
-        again only when the pool's tensors change)."""
+        """Point every layer at its [S, kv_heads, head_dim] K/V pool, float32, float16 or
+        bfloat16 (once; again only when the pool's tensors change)."""
         key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
         if key == self._caches:
             return
@@ -215,7 +228,7 @@ class DecodeStepModel:
                     or tuple(cache.shape[1:]) != (s.num_kv_heads, s.head_dim)
                 ):
                     raise ValueError(
-                        f"KV caches must be contiguous float32 or float16 "
+                        f"KV caches must be contiguous float32, float16 or bfloat16 "
                         f"[S, {s.num_kv_heads}, {s.head_dim}], all of one dtype"
                     )
             layer.k_cache = k.data_ptr()
@@ -233,8 +246,8 @@ class DecodeStepModel:
         page_size: int,
         max_position: int | None = None,
     ) -> torch.Tensor:
-        """hidden [n, hidden] float32 (the embedded tokens, one per request) -> the final-normed
-        hidden states [n, hidden]; each request's new K/V lands at its slot of the bound pool.
+        """hidden [n, hidden] float32 or bfloat16 (the embedded tokens, one per request) -> the
+        final-normed hidden states [n, hidden] in hidden's dtype; each request's new K/V lands at its slot of the bound pool.
         positions/slots int64 [n]; block_table int32 [n, pages]; seq_lens int32 [n] (keys
         including the new one); ``max_position``: the largest position where the caller knows
         it (else read from ``positions``)."""
@@ -244,8 +257,9 @@ class DecodeStepModel:
         if lib is None:
             raise RuntimeError("the native decode step library is not available")
         n = hidden.shape[0]
-        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (n, self.shape.hidden):
-            raise ValueError(f"hidden must be float32 [n, {self.shape.hidden}]")
+        dtype = hidden.dtype
+        if dtype not in HIDDEN_DTYPES or tuple(hidden.shape) != (n, self.shape.hidden):
+            raise ValueError(f"hidden must be float32 or bfloat16 [n, {self.shape.hidden}]")
         if max_position is None:
             max_position = int(positions.max()) if n else 0
         if max_position >= self.cos_sin.shape[0]:
@@ -273,7 +287,7 @@ class DecodeStepModel:
         )
         if status != 0:
             raise MemoryError("the native decode step could not allocate its buffers")
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -293,8 +307,8 @@ def group_attention(
     scale: float,
 ) -> torch.Tensor:
     """The fused step's attention phase alone (kernels/cpu_group_attention.h), for its tests:
-    q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32 or float16
-    pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
+    q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32, float16 or
+    bfloat16 pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
     lib = _library(k_cache.dtype)
     if lib is None:
         raise RuntimeError("the native decode step library is not available")
@@ -305,7 +319,7 @@ def group_attention(
             or not cache.is_contiguous()
         ):
             raise ValueError(
-                "the pool must be contiguous float32 or float16 [S, kv_heads, head_dim]"
+                "the pool must be contiguous float32, float16 or bfloat16 [S, kv_heads, head_dim]"
             )
     n, heads, head_dim = q.shape
     q = q.to(torch.float32).contiguous()

@@ -20,7 +20,8 @@ third path: the torch path with every projection on the dense float32 product (t
 weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
 
 ``--baseline-library`` adds a column: the fused step on another build of
-kernels/cpu_decode_step.c (say main's, from its kernel cache: the same C interface), alternating
+kernels/cpu_decode_step.c for the run's pool (say main's, from its kernel cache: the same C
+interface; with ``--dtype bfloat16`` its -DKV_BF16 build), alternating
 with this tree's, for a before/after within one process on a busy machine:
 
     .venv/bin/python scripts/bench_decode_step.py --batches 16,64 --context 512 \
@@ -32,6 +33,12 @@ fused step takes them like any format); a fourth path then runs the same weights
 the same pool:
 
     .venv/bin/python scripts/bench_decode_step.py --quantization none --batches 1 --repeats 20
+
+``--dtype bfloat16`` runs the model as a bfloat16 model over a bfloat16 pool (the fused step's
+-DKV_BF16 build against the bfloat16 torch path), as ``dtype = "auto"`` runs it on an AVX-512
+BF16 CPU:
+
+    .venv/bin/python scripts/bench_decode_step.py --dtype bfloat16 --batches 1 --context 443
 
 ``--half-pool`` adds the fused step over a float16 K/V pool (``kv_cache_dtype = "float16"``,
 what ``auto`` picks for a quantized model on an F16C CPU), in its own runner, alternating with
@@ -76,11 +83,13 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 
 _clock = time.perf_counter
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        loaded = load_model(args.model, torch.float32, torch.device("cpu"), args.quantization)
+        dtype = DTYPES[args.dtype]  # the activations' and the pool's
+        loaded = load_model(args.model, dtype, torch.device("cpu"), args.quantization)
         config = ModelConfig.from_hf_dict(
             json.loads((loaded.model_dir / "config.json").read_text())
         )
@@ -89,11 +98,11 @@ class Bench:
         page_size = 16
         pages = -(-(args.context + 2) // page_size)
         rows = max(args.batches)
-        pool = KVPool.for_model(config, pages * rows, page_size)
+        pool = KVPool.for_model(config, pages * rows, page_size, dtype)
         pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
         pool.v.uniform_(-1, 1)
         table = PageTable.contiguous(rows, pages)
-        self.runner = ModelRunner(config, dict(loaded.weights), pool, table, torch.float32)
+        self.runner = ModelRunner(config, dict(loaded.weights), pool, table, dtype)
         self.onednn: ModelRunner | None = None
         if args.quantization == "none":  # the same weights as dense Linears, for comparison
             previous = os.environ.get(FLOAT_ROWS_ENV)
@@ -121,7 +130,8 @@ class Bench:
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
         self.libraries = decode_step_native._library
-        self.library = self.libraries()
+        self.dtype = dtype
+        self.library = self.libraries(dtype)  # the build for this run's pool
         self.baseline = None
         if args.baseline_library:
             self.baseline = ctypes.CDLL(str(args.baseline_library))
@@ -142,7 +152,7 @@ class Bench:
         libraries = self.libraries
 
         def pick(kv_dtype: torch.dtype = torch.float32) -> Any:
-            return library if kv_dtype == torch.float32 else libraries(kv_dtype)
+            return library if kv_dtype == self.dtype else libraries(kv_dtype)
 
         decode_step_native._library = pick  # type: ignore[assignment]
         self.runner.model.native_decode = self.fused if fused else None
@@ -253,7 +263,8 @@ class Bench:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['model']} ({result['weights']}), context {result['context']}, "
+        f"{result['model']} ({result['weights']}), {result.get('dtype', 'float32')}, "
+        f"context {result['context']}, "
         f"{result['threads']} threads, {result['clock']} time, load {result['load_start']:.2f} -> {result['load_end']:.2f}",
         "",
         "| decode batch | fused ms | torch path ms | fused speed-up | torch path, dense ms "
@@ -294,6 +305,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("auto", "int8", "none"),
         help="none: the dense checkpoint in float32 (its F32 rows in the fused step)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="the activations and the K/V pool (bfloat16: the step's -DKV_BF16 build)",
+    )
     parser.add_argument("--batches", default="1,2,4,8,16,24,31")
     parser.add_argument("--context", type=int, default=64, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=15)
@@ -315,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also the fused step over a float16 K/V pool (its own runner), alternating",
     )
     args = parser.parse_args(argv)
+    if args.dtype != "float32" and (args.half_pool or args.quantization == "none"):
+        parser.error("--half-pool and --quantization none compare float32 runs: --dtype float32")
     global _clock
     _clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
@@ -329,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model,
         "weights": bench.summary,
         "context": args.context,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "clock": "CPU" if args.cpu_time else "wall",
         "load_start": load_start,

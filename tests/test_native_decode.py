@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(
 PAGE_SIZE = 4
 MAX_LEN = 64
 PROMPTS = [[5, 17, 3, 90, 11, 40, 7], [9, 2, 33], [60, 61, 62, 63, 64, 65, 66, 67, 68, 70, 1]]
+FLIP_TOLERANCE = 2e-2  # of the largest logit: a step where an activation's int8 rounding flipped
 
 
 def _gguf_block(weight: torch.Tensor, kind: GGMLQuantizationType) -> QuantizedTensor:
@@ -73,8 +74,10 @@ class Pair:
         ckpt: TinyCheckpoint,
         weights: dict[str, Any],
         dense_reference: pytest.MonkeyPatch | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
+        self.dtype = dtype  # the activations' and the pool's
         self.native = self._runner(weights)
         if dense_reference is None:
             self.torch_path = self._runner(weights)
@@ -90,7 +93,7 @@ class Pair:
         c = self.config
         pages = -(-MAX_LEN // PAGE_SIZE)
         pool = KVPool(
-            c.num_layers, c.num_kv_heads, c.head_dim, pages * 4 + 1, PAGE_SIZE, torch.float32
+            c.num_layers, c.num_kv_heads, c.head_dim, pages * 4 + 1, PAGE_SIZE, self.dtype
         )
         pool.k.fill_(float("nan"))  # a read of a slot never written poisons the logits
         pool.v.fill_(float("nan"))
@@ -98,7 +101,7 @@ class Pair:
         order = np.random.default_rng(0).permutation(pages * 4 + 1)
         for row in range(4):
             table.set_pages(row, 0, order[row * pages : (row + 1) * pages])
-        return ModelRunner(c, dict(weights), pool, table, torch.float32)
+        return ModelRunner(c, dict(weights), pool, table, self.dtype)
 
 
 def _plan(step: int, extends: list[Segment], decodes: list[Segment]) -> BatchPlan:
@@ -144,16 +147,26 @@ def _count_fused_rows(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> l
 
 
 def _compare(
-    pair: Pair, steps: int = 12, prompts: list[list[int]] = PROMPTS, tolerance: float = 2e-3
+    pair: Pair,
+    steps: int = 12,
+    prompts: list[list[int]] = PROMPTS,
+    tolerance: float = 2e-3,
+    int8_activations: bool = True,
 ) -> None:
     native, reference = _run_both(pair, steps, prompts)
+    flipped = 0
     for step, (got, want) in enumerate(zip(native, reference, strict=True)):
         assert torch.isfinite(got).all(), step  # every key read was written
         scale = float(want.abs().max())
-        # the same kernels and quantized activations; the float sums in another order (norm,
-        # softmax), which can move an activation's int8 rounding by one step
-        assert float((got - want).abs().max()) < tolerance * scale, step
+        # the same kernels and quantized activations; the float sums in another order (the
+        # attention's softmax: another kernel), which can move an activation's int8 rounding by
+        # one step: a step of a tiny model then moves by up to ~1% of its largest logit (0.6-0.8%
+        # seen on AVX-512, where the attention kernels' sums part more), the others stay close
+        error = float((got - want).abs().max()) / scale
+        assert error < (FLIP_TOLERANCE if int8_activations else tolerance), step
+        flipped += error >= tolerance
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), step
+    assert flipped <= steps // 4
     for layer in range(pair.config.num_layers):  # K/V of every token at the same slots
         k_native = pair.native.kv_pool.k_cache(layer)
         k_torch = pair.torch_path.kv_pool.k_cache(layer)
@@ -195,7 +208,7 @@ def test_fused_step_on_float32_weights_follows_the_dense_torch_path(
     if name == "llama_tied":  # one copy of the table: the head's F32 rows
         assert isinstance(model.embed, QuantizedTensor) and model.embed.format == F32
     rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=8, prompts=prompts, tolerance=1e-4)
+    _compare(pair, steps=8, prompts=prompts, tolerance=1e-4, int8_activations=False)
     assert rows == [len(prompts)] * 8
 
 
@@ -293,7 +306,7 @@ def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
 
     assert fused("llama_gqa")
     assert not fused("llama_gqa", deterministic=True)  # row blocks: the torch path
-    assert not fused("llama_gqa", torch.bfloat16)  # float32 only
+    assert fused("llama_gqa", torch.bfloat16)  # float32 inside: test_decode_step_bf16.py
     assert not fused("qwen3_qk_norm")  # per-head q/k norms
     assert not fused("gemma2")  # GeGLU, sandwich norms, windows, soft-caps
     dense = tiny_checkpoints["llama_gqa"]

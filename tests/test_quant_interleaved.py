@@ -15,7 +15,7 @@ from asyncengine.kernels.quant_formats import (
     INTERLEAVED_ROWS,
     cat_rows,
 )
-from tests.test_quantized_kernels import ISAS, random_weight
+from tests.test_quantized_kernels import ISAS, product_scale, random_weight
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
@@ -56,7 +56,7 @@ def test_products_on_the_packed_rows_match_the_reference(name: str, isa: str) ->
                 x = torch.randn(n, cols, generator=torch.Generator().manual_seed(rows + n))
                 bias = torch.randn(rows) if rows % 2 else None
                 ref = quant_ref.quant_matmul(x, weight, bias)
-                scale = float(ref.abs().max()) + 1e-6
+                scale = product_scale(x, weight, bias)
                 row_by_row = quant_native.quant_matmul(x, weight, bias, isa=isa)
                 for y in (
                     quant_native.quant_matmul(x, packed, bias, isa=isa),

@@ -33,7 +33,7 @@ from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
 from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels import cpu_native, decode_step_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.policies.base import Policy
@@ -99,6 +99,7 @@ class ModelExecutor:
         self.drafter: DraftProposer | None = None
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all(cpu_native.kv_flags(self.kv_dtype))
+            decode_step_native.available(self.kv_dtype)  # the fused step's build for this pool
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         """More end-of-sequence ids (the tokenizer's); before ``bind``."""

@@ -1,12 +1,16 @@
 """Decode steps of a quantized (or float32) model in one native call (kernels/cpu_decode_step.c),
 where the model and the batch allow it; ``LlamaModel.forward`` takes the torch path otherwise.
 
-Which models: on a CPU, float32 activations and KV pool, every projection a ``QuantizedLinear``
+Which models: on a CPU, float32 or bfloat16 activations (a bfloat16 model's decode step runs in
+float32 inside: its hidden states widened on the way in, rounded on the way out), a float32,
+float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every projection a
+``QuantizedLinear``
 (GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows: executor/linear.py), the
 plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms, one RoPE table, no sliding
 window or soft-cap) and not deterministic mode (whose row blocks the torch path keeps). Which
 batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from
-which the projections turn dense: 24 for F32, linear.py).
+which the projections turn dense: 24 for F32, linear.py; a bfloat16 model's at most
+``BF16_NATIVE_DECODE_MAX_ROWS``).
 ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives)."""
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ ENABLE_ENV = "ASYNCENGINE_NATIVE_DECODE"
 # 128 rows 604.2 / 730.2 / 868.8. (Earlier, before the interleaved groups: 17.3 vs 24.5 ms at 1,
 # 67 vs 78 at 8, 282 vs 304 at 31.) The cap keeps the step's per-thread buffers small.
 NATIVE_DECODE_MAX_ROWS = 256
+# A bfloat16 model's decode batches take the fused step up to this many requests: past them its
+# torch path (the same quantized products; attention over the bfloat16 pool in AVX-512 BF16 dot
+# products, where the fused step's attention reads the pool 8 lanes at a time) is as fast or
+# faster. One thread's CPU ms per step, SmolLM2's Q4_1 file, context 443, an AVX-512 BF16 CPU
+# (scripts/bench_decode_step.py --dtype bfloat16 --threads 1 --cpu-time; fused / torch path):
+# 1 row 6.28 / 9.16, 2 rows 8.43 / 10.62, 4 rows 16.28 / 16.53, 6 rows 24.22 / 22.87,
+# 8 rows 32.58 / 28.88, 16 rows 62.64 / 53.93.
+BF16_NATIVE_DECODE_MAX_ROWS = 4
 # A speculative verify step of up to this many positions runs them as fused decode rows
 # (runner.py; measured at batch 1); larger ones keep the extend path they were tuned with
 # (speculative/settings.py).
@@ -71,7 +83,7 @@ def native_decode_model(
     if (
         os.environ.get(ENABLE_ENV, "1") == "0"
         or device.type != "cpu"
-        or dtype != torch.float32
+        or dtype not in decode_step_native.HIDDEN_DTYPES
         or row_block is not None
         or c.activation != "silu"
         or c.qk_norm
@@ -108,7 +120,12 @@ def native_decode_model(
         for layer in layers
         for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     )
-    return DecodeStepModel(shape, parts, final_norm, cos_sin_tables[0], dense_from - 1)
+    most = (
+        dense_from - 1
+        if dtype == torch.float32
+        else min(dense_from - 1, BF16_NATIVE_DECODE_MAX_ROWS)
+    )
+    return DecodeStepModel(shape, parts, final_norm, cos_sin_tables[0], most)
 
 
 def max_rows(model: DecodeStepModel | None) -> int:
