@@ -13,6 +13,7 @@ copy once a call of ``DENSE_FROM_ROWS`` rows or more has used it).
     .venv/bin/python scripts/bench_weights_ab.py                           # auto vs none
     .venv/bin/python scripts/bench_weights_ab.py --quantization int8 --batches 1,16,64
     .venv/bin/python scripts/bench_weights_ab.py --threads 1 --cpu-time    # on a busy machine
+    .venv/bin/python scripts/bench_weights_ab.py --dtype bfloat16          # an AVX-512 BF16 CPU
 """
 
 from __future__ import annotations
@@ -53,15 +54,19 @@ def rss_mb() -> tuple[float, float]:
     return values.get("VmRSS", float("nan")), values.get("VmHWM", float("nan"))
 
 
-def make_runner(model: str, quantization: str, rows: int, context: int) -> tuple[ModelRunner, str]:
-    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
+def make_runner(
+    model: str, quantization: str, rows: int, context: int, dtype: torch.dtype = torch.float32
+) -> tuple[ModelRunner, str]:
+    """A runner of ``model`` as ``quantization`` loads it, its activations and K/V pool in
+    ``dtype`` (bfloat16: what ``dtype = "auto"`` picks on an AVX-512 BF16 CPU)."""
+    loaded = load_model(model, dtype, torch.device("cpu"), quantization)
     config = ModelConfig.from_hf_dict(json.loads((loaded.model_dir / "config.json").read_text()))
     pages = -(-(context + 2) // PAGE_SIZE)
-    pool = KVPool.for_model(config, pages * rows, PAGE_SIZE)
+    pool = KVPool.for_model(config, pages * rows, PAGE_SIZE, dtype)
     pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
     pool.v.uniform_(-1, 1)
     table = PageTable.contiguous(rows, pages)
-    return ModelRunner(config, loaded.weights, pool, table, torch.float32), loaded.summary()
+    return ModelRunner(config, loaded.weights, pool, table, dtype), loaded.summary()
 
 
 def decode_plan(batch: int, context: int) -> BatchPlan:
@@ -98,6 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="activations and K/V pool (none: its weights in this dtype)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -112,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory: dict[str, dict[str, float]] = {}
     weights: dict[str, str] = {}
     for name in (args.quantization, "none"):  # the quantized one first: its RSS is read alone
-        runners[name], weights[name] = make_runner(args.model, name, rows, context)
+        runners[name], weights[name] = make_runner(
+            args.model, name, rows, context, getattr(torch, args.dtype)
+        )
         rss, peak = rss_mb()
         memory[name] = {"rss_after_load_mb": rss, "peak_after_load_mb": peak}
     results: list[dict[str, Any]] = []
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "weights": weights,
         "threads": torch.get_num_threads(),
         "clock": "cpu" if args.cpu_time else "wall",
+        "dtype": args.dtype,
         "context": args.context,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],

@@ -16,8 +16,11 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.executor import linear as linear_module
 from asyncengine.executor.linear import (
     DENSE_FROM_ROWS,
+    DENSE_FROM_ROWS_BF16,
+    DENSE_FROM_ROWS_BF16_BY_FORMAT,
     DENSE_FROM_ROWS_BY_FORMAT,
     QuantizedLinear,
     make_linear,
@@ -184,6 +187,40 @@ def test_interleaved_formats_stay_quantized_up_to_their_own_crossover() -> None:
     assert float((got - rows @ reference.T).norm() / (rows @ reference.T).norm()) < 0.02
     both = make_linear([q4, i8], None, torch.float32)
     assert isinstance(both, QuantizedLinear) and both.dense_from_rows == DENSE_FROM_ROWS
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bfloat16_activations_take_the_dense_product_sooner_where_it_is_fast(
+    monkeypatch: pytest.MonkeyPatch, fast_bf16: bool
+) -> None:
+    """Where this CPU runs dense bfloat16 products fast (AVX-512 BF16, AMX), bfloat16
+    activations meet them from the bfloat16 table's rows (the same weights dequantized), and
+    the rows below stay on the quantized kernel; where bfloat16 is slow, the float32 table."""
+    fastest = torch.bfloat16 if fast_bf16 else torch.float32
+    monkeypatch.setattr(linear_module, "fastest_cpu_dtype", lambda: fastest)
+    blocks = quantize(np.random.randn(40, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    q4 = QuantizedTensor(Q4_0, torch.from_numpy(np.ascontiguousarray(blocks)), 64)
+    i8 = quant_ref.quantize_i8(torch.randn(8, 64))
+    grouped = make_linear([q4], None, torch.bfloat16)
+    both = make_linear([q4, i8], None, torch.bfloat16)
+    as_float32 = make_linear([q4], None, torch.float32)
+    assert isinstance(grouped, QuantizedLinear) and isinstance(both, QuantizedLinear)
+    assert isinstance(as_float32, QuantizedLinear)
+    assert as_float32.dense_from_rows == DENSE_FROM_ROWS_BY_FORMAT["Q4_0"]
+    if not fast_bf16:
+        assert grouped.dense_from_rows == DENSE_FROM_ROWS_BY_FORMAT["Q4_0"]
+        return
+    crossover = DENSE_FROM_ROWS_BF16_BY_FORMAT["Q4_0"]
+    assert grouped.dense_from_rows == crossover < DENSE_FROM_ROWS_BY_FORMAT["Q4_0"]
+    assert both.dense_from_rows == DENSE_FROM_ROWS_BF16 < crossover  # I8: the generic value
+    reference = quant_ref.dequantize(q4).to(torch.bfloat16)
+    below = torch.randn(crossover - 1, 64).to(torch.bfloat16)
+    grouped(below)
+    assert grouped._dense is None  # still the quantized kernel
+    rows = torch.randn(crossover, 64).to(torch.bfloat16)
+    got = grouped(rows)
+    assert grouped._dense is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, rows @ reference.T, rtol=0.02, atol=0.05)
 
 
 def _accuracy_module() -> Any:

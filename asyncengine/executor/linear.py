@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from asyncengine.executor.cpu_dtype import fastest_cpu_dtype
 from asyncengine.kernels import quant_native
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor, cat_rows, f32_rows
 
@@ -65,6 +66,29 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # 24-64 rows).
 DENSE_FROM_ROWS = 64
 DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24}
+# bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or AMX:
+# ``cpu_dtype.fastest_cpu_dtype``, what ``dtype = "auto"`` picks there): the dense bfloat16
+# product is ~4x float32's, so the quantized kernels (VNNI, one int8 row of activations at a
+# time per tile) lose much sooner than against float32 (the tables above). Measured on a 2-vCPU
+# AVX-512 F/BW/VL/VNNI/BF16 EPYC (no AMX), SmolLM2's Q4_1 file, whole forward steps
+# (``ModelRunner.forward_logits``, one thread's CPU ms, context 443, the same runner with its
+# projections forced quantized or dense in turn, medians of 7, load 13-22):
+#   decode rows                   2     4     8    12    16    24    32    64
+#   all quantized              9.95  14.3  25.4  36.9  47.5  71.7  89.9   176
+#   layers quantized, head dense 13.5 16.2  26.5  36.7  46.4  67.4  86.0   165
+#   all dense bfloat16         30.6  28.3  37.0  43.7  52.6  73.4  86.0   160
+#   prefill tokens (one prompt) 16 28.6 / 40.1, 32 53.3 / 58.4, 48 74.0 / 75.8, 64 95.6 / 95.0,
+#   128 190 / 169 (quantized / dense)
+# Per projection with the weights in cache (scripts/bench_quant_matmul.py --dtype bfloat16
+# --threads 1 --cpu-time) dense wins from ~6 rows (Q4_1) / 4 (Q8_0) / 2 (I8); in a step the
+# dense bfloat16 weights (~270 MB for SmolLM2) stream from memory while the quantized ones
+# (~97 MB) do not, which moves the crossover to ~32 rows for Q4_1's layers and ~12-16 for the
+# Q8_0 LM head (49152 x 576). I8 (int8 checkpoints, row by row): quantized 35.7 / dense 39.6 ms
+# at 8 rows, 69.5 / 59.9 at 16. The K formats (row by row, like I8) take the generic value.
+# From the crossover on the projection holds both forms (the bfloat16 copy built at the first
+# such call: +212 MB for SmolLM2's layers, +57 MB for its head).
+DENSE_FROM_ROWS_BF16 = 12
+DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16}
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner. One core's CPU ms,
 # F32 rows / prepacked oneDNN (scripts/bench_quant_matmul.py --formats F32 --lm-head --threads 1
 # --cpu-time, 1-minute load ~3.5 on the 2-core AVX2 VM):
@@ -244,15 +268,18 @@ def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor
     return merged
 
 
-def dense_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+def dense_from_rows(parts: Sequence[QuantizedTensor], dtype: torch.dtype = torch.float32) -> int:
     """The row count from which these parts' product is cheaper dense (the smallest crossover
-    of their formats; interleaved groups only where the native library makes them)."""
+    of their formats; interleaved groups only where the native library makes them), for
+    activations in ``dtype``: bfloat16 ones have their own table where this CPU runs dense
+    bfloat16 products fast (elsewhere the float32 one, whose crossovers lie past any step)."""
     grouped = os.environ.get(INTERLEAVE_ENV, "1") != "0" and quant_native.available()
+    if dtype == torch.bfloat16 and fastest_cpu_dtype() == torch.bfloat16:
+        table, generic = DENSE_FROM_ROWS_BF16_BY_FORMAT, DENSE_FROM_ROWS_BF16
+    else:
+        table, generic = DENSE_FROM_ROWS_BY_FORMAT, DENSE_FROM_ROWS
     return min(
-        DENSE_FROM_ROWS_BY_FORMAT.get(p.format.name, DENSE_FROM_ROWS)
-        if grouped or p.format == F32
-        else DENSE_FROM_ROWS
-        for p in parts
+        table.get(p.format.name, generic) if grouped or p.format == F32 else generic for p in parts
     )
 
 
@@ -295,7 +322,7 @@ def make_linear(
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
         # rows are batch invariant, a switch to the dense product at some size would not be
-        crossover = None if row_block is not None else dense_from_rows(quantized)
+        crossover = None if row_block is not None else dense_from_rows(quantized, dtype)
         return QuantizedLinear(quantized, bias, crossover)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
