@@ -243,6 +243,8 @@ class KVCacheManager:
         for seq in seqs:
             if opened.get(seq.row) is not seq:
                 self._check_open(seq)  # raises
+        table = self.page_table
+        store = table.stores_pages  # else rows only: no write to record (none can fail here)
         rows: list[int] = []
         indexes: list[int] = []
         taken: list[int] = []
@@ -256,17 +258,22 @@ class KVCacheManager:
                     popped.reverse()  # the free list is a stack: the first popped on top
                     allocator.free_ids(popped)
                 elif self._reclaim(1) == 0:
-                    self.page_table.set_each(rows, indexes, taken)
+                    if store:
+                        table.set_each(rows, indexes, taken)
                     raise OutOfPagesError("no KV page is free or evictable")
                 continue
             pages = allocator.alloc_ids(min(free, n - len(taken)))
-            for seq, page in zip(seqs[len(taken) : len(taken) + len(pages)], pages, strict=True):
-                rows.append(seq.row)
-                indexes.append(len(seq.pages))
+            given = seqs[len(taken) : len(taken) + len(pages)]
+            if store:
+                for seq in given:
+                    rows.append(seq.row)
+                    indexes.append(len(seq.pages))
+            for seq, page in zip(given, pages, strict=True):
                 seq.pages.append(page)
                 seq.kv_len += 1
             taken += pages
-        self.page_table.set_each(rows, indexes, taken)
+        if store:
+            table.set_each(rows, indexes, taken)
 
     def truncate(self, seq: SeqKV, length: int) -> None:
         """Give back the slots of positions ``length .. kv_len - 1`` (a verified row's rejected
