@@ -39,6 +39,8 @@ def tokens_to_score(req: Request) -> int:
 def next_scored_position(req: Request) -> int | None:
     """The first position whose logits are still to compute, None when none are (a request
     recomputed after a retraction scores nothing twice)."""
+    if req.params.prompt_logprobs is None:  # it scores nothing (tokens_to_score: 0)
+        return None
     done = len(req.prompt_logprobs) + req.borrowed_scores
     if done >= tokens_to_score(req):
         return None

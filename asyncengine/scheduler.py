@@ -182,7 +182,7 @@ class Scheduler(Retraction, Prefill):
         if req.seq is not None:
             computed = req.seq.computed_len
             scores = tail_scores(req, computed // self.page_size * self.page_size)
-            self.kv.close(req.seq, req.all_ids[:computed], cache=cache, tail_scores=scores)
+            self.kv.close(req.seq, _first_ids(req, computed), cache=cache, tail_scores=scores)
             req.seq = None
         if self.swapped or self.recompute_until:
             self._forget_preempted(req)
@@ -479,7 +479,7 @@ class Scheduler(Retraction, Prefill):
             if not seg.sample:
                 part = next(pooled) if seg.pool is not None else None
                 if req is not None and alive:  # the chunk is shareable now
-                    self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
+                    self.kv.cache(req.kv, _first_ids(req, seg.end_pos))
                     if req.embedding is not None and part is not None:
                         req.embedding.add(part, seg.num_tokens)
                     if req.prefill_only and seg.end_pos == req.num_tokens:
@@ -498,7 +498,7 @@ class Scheduler(Retraction, Prefill):
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 # the whole prompt is in KV now: share it while this request still decodes
-                self.kv.cache(req.kv, req.all_ids[: seg.end_pos])
+                self.kv.cache(req.kv, _first_ids(req, seg.end_pos))
             req.output_ids.append(token)
             req.token_times.append(now)
             if req.first_token_time is None:
@@ -585,3 +585,15 @@ class Scheduler(Retraction, Prefill):
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }
+
+
+def _first_ids(req: Request, n: int) -> list[int]:
+    """``req.all_ids[:n]`` (read-only: it may be ``prompt_ids`` itself) in one copy at most:
+    a request's prompt and output are hundreds of tokens, copied at each prefix it caches."""
+    prompt = req.prompt_ids
+    if n >= len(prompt):
+        output = req.output_ids
+        if not output or n == len(prompt):
+            return prompt
+        return prompt + output[: n - len(prompt)]
+    return prompt[:n]

@@ -55,29 +55,51 @@ class Piece:
     end: int
 
 
+# up to this many segments in a step, ``best`` looks at each instead of indexing their pages
+# (most steps of an overloaded server admit one or two prompts of hundreds of tokens)
+_SCAN_AT_MOST = 8
+
+
 class StepShares:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        self._segments: list[StepSegment] = []  # this step's, in the order they were added
         # (page start, the token there) -> the segments holding some position of that page
         self._by_page: dict[tuple[int, int], list[StepSegment]] = {}
-        # added, not yet in ``_by_page``: indexed when a later prompt of the step looks (most
-        # steps of an overloaded server admit one prompt, which nothing after it reads)
-        self._unindexed: list[StepSegment] = []
+        self._indexed = 0  # the first ``_indexed`` segments are in ``_by_page``
 
     def clear(self) -> None:
+        self._segments.clear()
         self._by_page.clear()
-        self._unindexed.clear()
+        self._indexed = 0
 
     def add(self, segment: StepSegment) -> None:
-        self._unindexed.append(segment)
+        self._segments.append(segment)
 
     def _index(self) -> None:
         ps, by_page = self.page_size, self._by_page
-        for segment in self._unindexed:  # in the order they were added
+        for segment in self._segments[self._indexed :]:  # in the order they were added
             ids = segment.ids
             for page_start in range(segment.start // ps * ps, segment.end, ps):
                 by_page.setdefault((page_start, int(ids[page_start])), []).append(segment)
-        self._unindexed.clear()
+        self._indexed = len(self._segments)
+
+    def _holding(self, page_start: int, token: int, at: int) -> Sequence[StepSegment]:
+        """The segments holding position ``at`` whose page there starts with ``token``, in the
+        order they were added: ``_by_page``'s list for that page, filtered, or with a few
+        segments the same ones found by looking at each."""
+        segments = self._segments
+        if len(segments) <= _SCAN_AT_MOST:
+            return [
+                seg
+                for seg in segments
+                if seg.start <= at < seg.end and int(seg.ids[page_start]) == token
+            ]
+        if self._indexed < len(segments):
+            self._index()
+        return [
+            seg for seg in self._by_page.get((page_start, token), ()) if seg.start <= at < seg.end
+        ]
 
     def best(self, ids: Sequence[int], at: int, most: int) -> tuple[StepSegment, int] | None:
         """The segment of this step that holds the most of ``ids[at : at + most]`` (computed
@@ -85,14 +107,10 @@ class StepShares:
         of those it has (at least 1)."""
         if most <= 0:
             return None
-        if self._unindexed:
-            self._index()
         page_start = at // self.page_size * self.page_size
         found: tuple[StepSegment, int] | None = None
         head = list(ids[:at])
-        for seg in self._by_page.get((page_start, int(ids[page_start])), ()):
-            if not seg.start <= at < seg.end:
-                continue
+        for seg in self._holding(page_start, int(ids[page_start]), at):
             common = common_length(seg.ids[at : min(seg.end, at + most)], ids[at : at + most])
             if common > 0 and (found is None or common > found[1]) and list(seg.ids[:at]) == head:
                 found = (seg, common)

@@ -171,6 +171,31 @@ def test_page_table_rows_and_pages() -> None:
     assert table.acquire() == others[0]
 
 
+def test_a_rows_only_table_checks_writes_but_keeps_no_pages() -> None:
+    """The simulator's table (no executor reads its pages): rows as before, each write checked
+    with the same errors, nothing stored or logged."""
+    table = PageTable(max_rows=2, max_pages_per_row=4, record_writes=True)
+    row = table.acquire()
+    table.set_pages(row, 0, [5])
+    table.rows_only()
+    assert not table.stores_pages and table.drain_writes() == []
+    table.set_pages(row, 1, [6, 7])
+    table.set_page(row, 3, 8)
+    table.set_each([row], [2], [9])
+    assert table.drain_writes() == []
+    assert table.array[row].tolist() == [5, 0, 0, 0]  # nothing written after rows_only
+    with pytest.raises(ValueError, match="exceed the row width"):
+        table.set_pages(row, 3, [1, 2])
+    with pytest.raises(ValueError, match="exceeds the row width"):
+        table.set_page(row, 4, 1)
+    with pytest.raises(ValueError, match="exceeds the row width"):
+        table.set_each([row], [4], [1])
+    with pytest.raises(RuntimeError, match="rows only"):
+        table.row_pages(row, 1)
+    table.release(row)
+    assert table.drain_released() == [row] and table.acquire() == row
+
+
 def test_kv_pool_shapes_views_and_sizing() -> None:
     pool = KVPool(
         num_layers=2, num_kv_heads=3, head_dim=4, num_pages=5, page_size=2, dtype=torch.float32

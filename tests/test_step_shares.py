@@ -127,3 +127,38 @@ def test_a_lead_position_scores_from_the_segment_that_leads_there() -> None:
     spans = shares.score_pieces(b, 6, 12)
     assert [(p.segment.rid, p.begin, p.end) for p in spans] == [("a", 6, 9), ("b", 9, 12)]
     assert [(p.segment.rid, p.begin, p.end) for p in shares.pieces(b, 9, 10)] == [("a", 9, 10)]
+
+
+def test_best_finds_the_same_segment_by_looking_at_each_or_by_the_page_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of a few segments is looked through one by one, a larger one through its page
+    index: the same answers, the same order among equals."""
+    rng = random.Random(5)
+    bases = [[rng.randrange(3) for _ in range(40)] for _ in range(3)]
+    segments = []
+    for k in range(20):
+        start = rng.randrange(0, 30)
+        end = rng.randrange(start + 1, 41)
+        segments.append(StepSegment(f"r{k}", bases[k % 3], list(range(10)), start, end, None))
+    queries = []
+    for _ in range(300):
+        base, at = rng.choice(bases), rng.randrange(0, 39)
+        keep = rng.randrange(at, 41)
+        queries.append(([*base[:keep], *(rng.randrange(3) for _ in range(40 - keep))], at))
+
+    def answers(scan_at_most: int, count: int) -> list[tuple[str, int] | None]:
+        monkeypatch.setattr("asyncengine.step_shares._SCAN_AT_MOST", scan_at_most)
+        shares = StepShares(page_size=4)
+        out: list[tuple[str, int] | None] = []
+        for seg in segments[:count]:
+            shares.add(seg)
+        for ids, at in queries:
+            found = shares.best(ids, at, 40 - at)
+            out.append(None if found is None else (found[0].rid, found[1]))
+        return out
+
+    for count in (1, 5, 20):
+        scanned, indexed = answers(100, count), answers(0, count)
+        assert scanned == indexed
+        assert any(found is not None for found in scanned)

@@ -32,6 +32,9 @@ def percentiles(values: Iterable[float] | np.ndarray, qs: Sequence[float]) -> li
     return [percentile_of_sorted(ordered, q) for q in qs]
 
 
+_REPORTED = (50, 90, 99)  # the percentiles LatencyStats gives
+
+
 @dataclass(slots=True)
 class LatencyStats:
     """Distribution of one latency, in seconds (NaN everywhere when ``count == 0``)."""
@@ -48,9 +51,17 @@ class LatencyStats:
         array = np.asarray(values if isinstance(values, np.ndarray) else list(values), float)
         if array.size == 0:
             return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
-        ordered = np.sort(array)
-        p50, p90, p99 = (percentile_of_sorted(ordered, q) for q in (50, 90, 99))
-        return cls(int(array.size), float(array.mean()), p50, p90, p99, float(ordered[-1]))
+        # only the ranks the percentiles read (and the last) need their sorted values: a
+        # partition at those ranks puts each where a sort would, in linear time (a million
+        # requests' pooled token gaps are ~2e8 values)
+        n = int(array.size)
+        ranks = {n - 1}
+        for q in _REPORTED:
+            index = (n - 1) * q / 100.0
+            ranks.update((math.floor(index), min(math.floor(index) + 1, n - 1)))
+        ordered = np.partition(array, sorted(ranks))
+        p50, p90, p99 = (percentile_of_sorted(ordered, q) for q in _REPORTED)
+        return cls(n, float(array.mean()), p50, p90, p99, float(ordered[-1]))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -98,15 +98,14 @@ class PageAllocator:
         if len(ids) > _SMALL:
             self._free_many(np.asarray(ids))
             return
-        low, high = min(ids), max(ids)
-        flags = self._flags
-        if low < 0 or high >= self._num_pages or not all(flags[page] for page in ids):
-            self._free_many(np.asarray(ids))  # raises, saying which pages
-            return
-        if len(set(ids)) != len(ids):
-            self._free_many(np.asarray(ids))
-            return
-        for page in ids:
+        flags, num_pages = self._flags, self._num_pages
+        for i, page in enumerate(ids):
+            # out of range, not allocated, or listed twice (its flag cleared a moment ago)
+            if not 0 <= page < num_pages or not flags[page]:
+                for done in ids[:i]:  # as it was: nothing changed
+                    flags[done] = 1
+                self._free_many(np.asarray(ids))  # raises, saying which pages
+                return
             flags[page] = 0
         self._stack.extend(ids)
 

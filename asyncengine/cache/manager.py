@@ -217,9 +217,9 @@ class KVCacheManager:
                         f"(of {self.num_pages})"
                     )
                 self._reclaim(needed - free)
-            new_pages = self.allocator.alloc(needed)
+            new_pages = self.allocator.alloc_ids(needed)
             self.page_table.set_pages(seq.row, len(seq.pages), new_pages)
-            seq.pages.extend(new_pages.tolist())
+            seq.pages.extend(new_pages)
         seq.kv_len = new_len
 
     def extend_each_by_one(self, seqs: list[SeqKV]) -> None:
@@ -243,6 +243,8 @@ class KVCacheManager:
         for seq in seqs:
             if opened.get(seq.row) is not seq:
                 self._check_open(seq)  # raises
+        table = self.page_table
+        store = table.stores_pages  # else rows only: no write to record (none can fail here)
         rows: list[int] = []
         indexes: list[int] = []
         taken: list[int] = []
@@ -256,17 +258,22 @@ class KVCacheManager:
                     popped.reverse()  # the free list is a stack: the first popped on top
                     allocator.free_ids(popped)
                 elif self._reclaim(1) == 0:
-                    self.page_table.set_each(rows, indexes, taken)
+                    if store:
+                        table.set_each(rows, indexes, taken)
                     raise OutOfPagesError("no KV page is free or evictable")
                 continue
             pages = allocator.alloc_ids(min(free, n - len(taken)))
-            for seq, page in zip(seqs[len(taken) : len(taken) + len(pages)], pages, strict=True):
-                rows.append(seq.row)
-                indexes.append(len(seq.pages))
+            given = seqs[len(taken) : len(taken) + len(pages)]
+            if store:
+                for seq in given:
+                    rows.append(seq.row)
+                    indexes.append(len(seq.pages))
+            for seq, page in zip(given, pages, strict=True):
                 seq.pages.append(page)
                 seq.kv_len += 1
             taken += pages
-        self.page_table.set_each(rows, indexes, taken)
+        if store:
+            table.set_each(rows, indexes, taken)
 
     def truncate(self, seq: SeqKV, length: int) -> None:
         """Give back the slots of positions ``length .. kv_len - 1`` (a verified row's rejected
@@ -577,8 +584,9 @@ class KVCacheManager:
             )
             own = np.asarray(seq.pages[in_tree:], dtype=np.int64)
             claim(own, row, name)
-            table = self.page_table.row_pages(row, len(seq.pages))
-            assert table.tolist() == seq.pages, f"{name}: page-table row differs from its pages"
+            if self.page_table.stores_pages:  # else rows only (the simulator's)
+                table = self.page_table.row_pages(row, len(seq.pages))
+                assert table.tolist() == seq.pages, f"{name}: page-table row differs from its pages"
             node = seq.lock_node
             while node is not self.tree.root:
                 expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1

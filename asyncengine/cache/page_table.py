@@ -7,7 +7,8 @@ Two tables exist in a running engine, one per side of the plan boundary: the KV 
 (``record_writes=True``: every write is also logged, and the scheduler moves the log into the
 next plan with ``drain_writes``, and the rows it releases with ``drain_released``) and the
 executor's own, which ``apply``-s each plan's writes
-before its forward. Nothing else is shared between them.
+before its forward. Nothing else is shared between them. A simulated engine's executor keeps no
+table: its manager's table keeps rows only (``rows_only``), its writes checked, not stored.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PageTable:
         self._in_use = np.zeros(max_rows, dtype=np.bool_)
         self._writes: list[PageWrite] | None = [] if record_writes else None
         self._released: list[int] = []  # rows released since the last drain (recording only)
+        self.stores_pages = True  # False: rows only (rows_only)
 
     @classmethod
     def contiguous(cls, rows: int, pages_per_row: int) -> PageTable:
@@ -51,6 +53,14 @@ class PageTable:
             first = row * pages_per_row
             table.set_pages(row, 0, list(range(first, first + pages_per_row)))
         return table
+
+    def rows_only(self) -> None:
+        """From now on keep the rows only: page writes are checked (the same errors) but
+        neither stored nor logged, and ``row_pages`` refuses. For a table whose plans no
+        executor reads pages from (the simulator's: sim/simulator.py)."""
+        self.stores_pages = False
+        if self._writes is not None:
+            self._writes = []
 
     @property
     def max_rows(self) -> int:
@@ -85,12 +95,14 @@ class PageTable:
 
     def set_pages(self, row: int, start: int, pages: Sequence[int] | np.ndarray) -> None:
         """Write ``pages`` into ``row`` from page index ``start`` on."""
-        array = np.asarray(pages, dtype=np.int32)
-        end = start + array.size
+        array = np.asarray(pages, dtype=np.int32) if self.stores_pages else None
+        end = start + (len(pages) if array is None else array.size)
         if start < 0 or end > self.max_pages_per_row:
             raise ValueError(
                 f"pages {start}..{end - 1} exceed the row width {self.max_pages_per_row}"
             )
+        if array is None:  # rows only
+            return
         self.array[row, start:end] = array
         if self._writes is not None:
             self._writes.append(PageWrite(row, start, array.tolist()))
@@ -99,6 +111,8 @@ class PageTable:
         """Write one page id into ``row`` at page index ``index`` (``set_pages`` for one)."""
         if not 0 <= index < self._max_pages_per_row:
             raise ValueError(f"page {index} exceeds the row width {self._max_pages_per_row}")
+        if not self.stores_pages:
+            return
         self.array[row, index] = page
         writes = self._writes
         if writes is not None:
@@ -111,6 +125,8 @@ class PageTable:
             return
         if min(indexes) < 0 or max(indexes) >= self._max_pages_per_row:
             raise ValueError(f"a page index exceeds the row width {self._max_pages_per_row}")
+        if not self.stores_pages:
+            return
         array = self.array
         if len(indexes) <= _FEW_WRITES:  # item by item: a fancy-indexed write costs ~6 us
             for row, index, page in zip(rows, indexes, pages, strict=True):
@@ -128,6 +144,8 @@ class PageTable:
 
     def row_pages(self, row: int, num_pages: int) -> np.ndarray:
         """A read-only view of the first ``num_pages`` entries of ``row``."""
+        if not self.stores_pages:
+            raise RuntimeError("this page table keeps rows only (rows_only)")
         view = self.array[row, :num_pages]
         view.flags.writeable = False
         return view

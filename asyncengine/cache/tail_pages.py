@@ -24,7 +24,28 @@ from dataclasses import dataclass
 
 from asyncengine.plan import TokenLogprobs
 
-TailKey = tuple[tuple[int, ...], tuple[int, ...]]  # (whole-page prefix, the tail's tokens)
+
+class Prefix:
+    """A whole-page prefix as a key, its hash taken once: a tuple hashes every item each time
+    it is looked up (~2 us for a 500-token sequence), and a tail's prefix is looked up in two
+    maps when kept and again when dropped. Equal to another ``Prefix`` of the same tokens."""
+
+    __slots__ = ("tokens", "_hash")
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+        self._hash = hash(tokens)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Prefix) and self._hash == other._hash and self.tokens == other.tokens
+        )
+
+
+TailKey = tuple[Prefix, tuple[int, ...]]  # (whole-page prefix, the tail's tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +71,7 @@ class TailPages:
         self.max_pages = max_pages
         self._entries: OrderedDict[TailKey, TailPage] = OrderedDict()
         # (prefix, first token) -> the tails there, by their tokens
-        self._by_start: dict[tuple[tuple[int, ...], int], dict[tuple[int, ...], TailPage]] = {}
+        self._by_start: dict[tuple[Prefix, int], dict[tuple[int, ...], TailPage]] = {}
         self.hit_tokens = 0  # tokens whose KV sequences took from here
 
     def __len__(self) -> int:
@@ -65,12 +86,13 @@ class TailPages:
         if self.max_pages <= 0:
             return [entry.page]
         freed: list[int] = []
-        key = (entry.prefix, entry.tokens)
+        prefix = Prefix(entry.prefix)
+        key = (prefix, entry.tokens)
         old = self._entries.pop(key, None)
         if old is not None:
             freed.append(old.page)
         self._entries[key] = entry
-        self._by_start.setdefault((entry.prefix, entry.tokens[0]), {})[entry.tokens] = entry
+        self._by_start.setdefault((prefix, entry.tokens[0]), {})[entry.tokens] = entry
         while len(self._entries) > self.max_pages:
             freed.append(self.pop_lru())
         return freed
@@ -83,14 +105,14 @@ class TailPages:
         found: tuple[TailPage, int] | None = None
         if not following:
             return None
-        for entry in self._by_start.get((prefix, int(following[0])), {}).values():
+        for entry in self._by_start.get((Prefix(prefix), int(following[0])), {}).values():
             common = common_length(entry.tokens, following)
             if common > 0 and (found is None or common > found[1]):
                 found = (entry, common)
         return found
 
     def touch(self, entry: TailPage) -> None:
-        self._entries.move_to_end((entry.prefix, entry.tokens))
+        self._entries.move_to_end((Prefix(entry.prefix), entry.tokens))
 
     def pop_lru(self) -> int:
         """Drop the least recently used tail; its page."""

@@ -85,6 +85,8 @@ class Simulator:
             swap_bytes_per_second,
         )
         self.core = build_core(config, self.executor, clock=self.clock)
+        # the simulated executor reads no page ids: the manager's table keeps its rows only
+        self.core.kv.page_table.rows_only()
         self.check_invariant_every = check_invariant_every
         self.bulk = BulkDecode(self.core) if bulk_decode else None
         self._used = False
