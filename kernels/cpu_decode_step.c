@@ -1,4 +1,5 @@
-/* A whole decode step of a llama-family model with quantized (or float32, format F32) weights,
+/* A whole decode step of a llama-family model with quantized (or float32 / bfloat16, formats F32
+ * and BF16) weights,
  * in one native call.
  *
  * At batch 1 the quantized projections of a small model take a few milliseconds per step, and
@@ -31,8 +32,8 @@
  * other rows write this step) every K/V is stored before any row attends.
  *
  * The block products are those of cpu_quant_blocks.h, the activations quantized as
- * asyncengine_quantize_q8 does (not at all for a projection of F32 parts, which reads them as
- * float32), the norms and rotary as cpu_layer_ops.c computes them in float32 (same operations in
+ * asyncengine_quantize_q8 does (not at all for a projection of F32 / BF16 parts, which reads them
+ * as float32), the norms and rotary as cpu_layer_ops.c computes them in float32 (same operations in
  * the same order); attention is an online softmax over blocks of keys in float32. float32
  * activations; a float32 KV pool, or a float16 one in the -DKV_F16 build (cpu_kv.h: the new
  * K/V rounded to half as they are stored, and the row's own key read back as stored).
@@ -92,7 +93,7 @@ typedef struct {
 } model_desc;
 
 /* a thread's activations: n rows of k values, in q8 form (q, d, sd) and as float32 (f: the rows
- * they were made from, which F32 weights read instead) */
+ * they were made from, which F32 / BF16 weights read instead) */
 typedef struct {
     int8_t *q;
     float *d, *sd;
@@ -103,7 +104,7 @@ typedef struct {
 /* ------------------------------------------------------------------------------------------ */
 
 /* x [n, k] as the next projection reads it: the float rows always, their q8 form where some
- * part of it is quantized (q8: 0 for a projection of F32 parts only) */
+ * part of it is quantized (q8: 0 for a projection of F32 / BF16 parts only) */
 static void quantize_rows(const float *x, int64_t n, int64_t k, act_buf *a, int q8) {
     const int64_t nb = k / QK;
     a->k = k;
@@ -123,10 +124,10 @@ static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, f
     for (int64_t i = 0; i < h; i++) y[i] = x[i] * inv * w[i];
 }
 
-/* whether a part of lin reads the q8 activations (any format but F32) */
+/* whether a part of lin reads the q8 activations (any format but F32 and BF16) */
 static inline int needs_q8(const qlinear *lin) {
     for (int64_t p = 0; p < lin->num_parts; p++)
-        if (lin->parts[p].fmt != FMT_F32) return 1;
+        if (!float_rows(lin->parts[p].fmt)) return 1;
     return 0;
 }
 
@@ -217,13 +218,13 @@ static inline void linear_rows2(const qlinear *lin, int64_t r0, int64_t r1, cons
 }
 
 /* rows r0 and r1 of lin against the n rows of a, into out0[i] and out1[i]: as a pair where both
- * are F32 rows (row_pair_f32: each activation vector loaded once for both; the same sums as
- * row by row), else one at a time */
+ * are F32 (or both BF16) rows (row_pair_float: each activation vector loaded once for both; the
+ * same sums as row by row), else one at a time */
 static inline void linear_rows2_n(const qlinear *lin, int64_t r0, int64_t r1, const act_buf *a,
                                   int64_t n, float *out0, float *out1) {
     int64_t l0 = r0, l1 = r1;
     const qpart *p0 = find_part(lin, &l0), *p1 = find_part(lin, &l1);
-    if (p0->fmt != FMT_F32 || p1->fmt != FMT_F32) {
+    if (!float_rows(p0->fmt) || p1->fmt != p0->fmt) {
         linear_row(lin, r0, a, n, out0);
         linear_row(lin, r1, a, n, out1);
         return;
@@ -235,7 +236,7 @@ static inline void linear_rows2_n(const qlinear *lin, int64_t r0, int64_t r1, co
         act_row rows[NR];
         for (int r = 0; r < nr; r++) rows[r] = (act_row){NULL, NULL, NULL, a->f + (i0 + r) * a->k};
         float both[2 * NR];
-        row_pair_f32(w0, w1, a->k, rows, nr, both);
+        row_pair_float(p0->fmt, w0, w1, a->k, rows, nr, both);
         for (int r = 0; r < nr; r++) {
             out0[i0 + r] = both[r] + b0;
             out1[i0 + r] = both[NR + r] + b1;
@@ -340,7 +341,7 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
                 y[first + 1] = accumulate ? y[first + 1] + v[1] : v[1];
             }
         }
-        for (; n > 1 && first + 1 < r1; first += 2) { /* weight rows in pairs (F32) */
+        for (; n > 1 && first + 1 < r1; first += 2) { /* weight rows in pairs (F32, BF16) */
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
                 const int64_t m = n - i0 < 256 ? n - i0 : 256;
                 act_buf sub = {a->q + i0 * a->k, a->d + i0 * (a->k / QK), a->sd + i0 * (a->k / QK),

@@ -21,6 +21,9 @@
  *   F32     1      4      w[j]                                (a dense float32 weight as it is:
  *                                                              it meets the float32 activations,
  *                                                              not their q8 form; see row_f32)
+ *   BF16    1      2      w[j]                                (a dense bfloat16 weight as it is,
+ *                                                              widened to float32 as it is read:
+ *                                                              as F32, see row_bf16)
  *
  * Offsets (Q4_0's -8, Q4_1's m, the K formats' mins) multiply the activation block's sum, so the
  * integer products take the unsigned values as stored. Q8_0 and Q6_K (signed values) use the
@@ -167,9 +170,10 @@ static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
                         else ((float *)y)[i0 * ldy + row + r] = v;
                     }
                 }
-            } else if (fmt == FMT_F32) { /* several: F32 weight rows in pairs too */
+            } else if (float_rows(fmt)) { /* several: F32 / BF16 weight rows in pairs too */
                 for (float out[2 * NR]; row + 1 < r1; row += 2) {
-                    row_pair_f32(w + row * row_bytes, w + (row + 1) * row_bytes, k, a, nr, out);
+                    row_pair_float(fmt, w + row * row_bytes, w + (row + 1) * row_bytes, k, a, nr,
+                                   out);
                     for (int r = 0; r < nr; r++)
                         for (int p = 0; p < 2; p++)
                             store_out(y, (i0 + r) * ldy + row + p,
@@ -287,6 +291,9 @@ static void dequantize_row(int fmt, const uint8_t *w, int64_t k, float *y) {
         break;
     }
     case FMT_F32: memcpy(y, w, (size_t)k * sizeof(float)); break;
+    case FMT_BF16:
+        for (int64_t j = 0; j < k; j++) y[j] = bf16_value((const uint16_t *)w + j);
+        break;
     default: break;
     }
 }
@@ -329,14 +336,25 @@ void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
 
 /* quantize_q8 then quant_matmul in one call (the activations in a scratch buffer): one call per
  * projection, which is what a batch-1 decode step is made of. F32 weights take x as it is
- * (float32 x only: the caller checks). */
+ * (float32 x only: the caller checks); BF16 weights take float32 x as it is and bf16 x widened
+ * to float32 (exact) in a scratch buffer. */
 void asyncengine_quant_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
                               int64_t k, int interleaved, const void *x, int64_t n, int x_bf16,
                               const float *bias, void *y, int64_t ldy, int out_bf16, int threads) {
-    if (fmt == FMT_F32) {
+    if (fmt == FMT_F32 || (fmt == FMT_BF16 && !x_bf16)) {
         if (!x_bf16)
             asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, NULL, NULL, NULL,
                                      (const float *)x, n, bias, y, ldy, out_bf16, threads);
+        return;
+    }
+    if (fmt == FMT_BF16) {
+        float *xf = (float *)malloc((size_t)(n * k) * sizeof(float));
+        if (xf) {
+            for (int64_t i = 0; i < n * k; i++) xf[i] = bf16_value((const uint16_t *)x + i);
+            asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, NULL, NULL, NULL, xf,
+                                     n, bias, y, ldy, out_bf16, threads);
+        }
+        free(xf);
         return;
     }
     const int64_t nb = k / QK;

@@ -44,8 +44,15 @@ I8 = QuantFormat("I8", 6, 32, 32, None, row_header_bytes=4)
 # fused decode step take a float32 model's projections like any stored format (executor/linear.py
 # makes them; not a GGUF type here: GGUF's F32 tensors load as plain tensors)
 F32 = QuantFormat("F32", 7, 1, 4, None)
+# ours: a dense bfloat16 weight as it is (2 bytes per value), as F32 for a bfloat16 model (the
+# kernels widen each value to float32 as they read it)
+BF16 = QuantFormat("BF16", 8, 1, 2, None)
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8, F32)}
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8, F32, BF16)
+}
+# formats that are plain floating-point rows: they meet float32 activations, not q8 blocks
+FLOAT_FORMATS = frozenset({F32, BF16})
 GGUF_FORMATS: dict[int, QuantFormat] = {
     f.gguf_type: f for f in FORMATS.values() if f.gguf_type is not None
 }
@@ -104,6 +111,19 @@ def f32_rows(weight: torch.Tensor) -> QuantizedTensor:
         raise ValueError(f"F32 rows are a 2-D float32 weight, not {weight.dtype}")
     weight = weight.contiguous()
     return QuantizedTensor(F32, weight.view(torch.uint8), int(weight.shape[1]))
+
+
+def bf16_rows(weight: torch.Tensor) -> QuantizedTensor:
+    """A bfloat16 [rows, cols] weight as a BF16 ``QuantizedTensor`` over the same bytes."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"BF16 rows are a 2-D bfloat16 weight, not {weight.dtype}")
+    weight = weight.contiguous()
+    return QuantizedTensor(BF16, weight.view(torch.uint8), int(weight.shape[1]))
+
+
+def float_rows(weight: torch.Tensor) -> QuantizedTensor:
+    """A float32 or bfloat16 weight as F32 or BF16 rows over the same bytes."""
+    return bf16_rows(weight) if weight.dtype == torch.bfloat16 else f32_rows(weight)
 
 
 def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from asyncengine.kernels import cpu_native
-from asyncengine.kernels.quant_formats import F32, INTERLEAVED_FORMATS, QuantizedTensor
+from asyncengine.kernels.quant_formats import (
+    F32,
+    FLOAT_FORMATS,
+    INTERLEAVED_FORMATS,
+    QuantizedTensor,
+)
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
@@ -102,10 +107,12 @@ def matmul_quantized(
     isa: str = "native",
 ) -> None:
     """out[:, :rows] = activation (quantize_q8's output) @ weight.T (+ bias). ``out`` may be a
-    column slice of a wider row-major tensor (its row stride is honoured). Not for F32 weights,
-    which read the float32 activations (``quant_linear``)."""
-    if weight.format == F32:
-        raise ValueError("F32 weights take float32 activations: quant_linear, not q8 blocks")
+    column slice of a wider row-major tensor (its row stride is honoured). Not for F32 / BF16
+    weights, which read the float32 activations (``quant_linear``)."""
+    if weight.format in FLOAT_FORMATS:
+        raise ValueError(
+            f"{weight.format.name} weights take float activations: quant_linear, not q8 blocks"
+        )
     q, d, sd = activation
     n, k = q.shape
     rows, cols = weight.shape
@@ -148,9 +155,9 @@ def quant_matmul(
     bias: torch.Tensor | None = None,
     isa: str = "native",
 ) -> torch.Tensor:
-    """y [n, rows] in x's dtype = x @ weight.T (+ bias), through q8 activations (F32 weights:
-    through the float32 activations, ``quant_linear``)."""
-    if weight.format == F32:
+    """y [n, rows] in x's dtype = x @ weight.T (+ bias), through q8 activations (F32 / BF16
+    weights: through the float activations, ``quant_linear``)."""
+    if weight.format in FLOAT_FORMATS:
         return quant_linear(x, weight, bias, isa)
     activation = quantize_q8(x, isa)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
@@ -165,13 +172,19 @@ def quant_linear(
     isa: str = "native",
 ) -> torch.Tensor:
     """``quant_matmul`` in one native call (the q8 activations never reach Python): the batch-1
-    path, where each projection's call overhead counts. F32 weights take x (float32) as it is."""
+    path, where each projection's call overhead counts. F32 weights take x (float32) as it is;
+    BF16 weights take float32 x as it is and bfloat16 x widened to float32 (exact), the product
+    summed in float32 and rounded once to x's dtype."""
     if not x.is_contiguous():
         x = x.contiguous()
     if weight.format == F32:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
             raise ValueError(f"F32 weights take 2-D CPU float32 activations, not {x.dtype}")
         bf16 = 0
+    elif weight.format in FLOAT_FORMATS:
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+            raise ValueError(f"BF16 weights take 2-D CPU float32/bfloat16 rows, not {x.dtype}")
+        bf16 = int(x.dtype == torch.bfloat16)
     else:
         bf16 = _check_activation(x)
     rows, cols = weight.shape

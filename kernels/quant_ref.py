@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from asyncengine.kernels.quant_formats import (
+    BF16,
     F32,
+    FLOAT_FORMATS,
     I8,
     INTERLEAVED_ROWS,
     Q4_1,
@@ -68,6 +70,8 @@ def dequantize(weight: QuantizedTensor) -> torch.Tensor:
     rows, cols = weight.shape
     if weight.format == F32:
         return weight.data.contiguous().view(torch.float32).clone()
+    if weight.format == BF16:
+        return weight.data.contiguous().view(torch.bfloat16).float()
     if weight.format == I8:
         raw = weight.data
         scale = raw[:, :4].contiguous().view(torch.float32)
@@ -96,8 +100,8 @@ def quant_matmul(
     x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y [n, rows] float32: x quantized to q8 blocks, times the dequantized weight (float64 sums);
-    F32 weights meet x itself (no q8 blocks)."""
-    if weight.format == F32:
+    F32 / BF16 weights meet x itself (no q8 blocks)."""
+    if weight.format in FLOAT_FORMATS:
         y = x.double() @ dequantize(weight).double().T
         return (y if bias is None else y + bias.double()).float()
     q, d, _ = quantize_q8(x)

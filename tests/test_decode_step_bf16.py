@@ -2,7 +2,8 @@
 attention over a bfloat16 pool against the torch reference over the same values widened, the
 whole step over a bfloat16 pool against its float32 build over the same values (the new K/V
 rounded to nearest even as torch rounds them), and a bfloat16 runner that takes the step for its
-decodes, no further from the float32 model than its bfloat16 torch path."""
+decodes, no further from the float32 model than its bfloat16 torch path, and a dense bfloat16
+checkpoint whose projections are BF16 rows doing the same."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from asyncengine.executor import native_decode
+from asyncengine.executor.linear import Linear, QuantizedLinear
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.kernels import cpu_native, decode_step_native
 from asyncengine.kernels.attention_ref import decode_attention
+from asyncengine.kernels.quant_formats import BF16 as BF16_ROWS
+from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.plan import Segment
 from tests.conftest import TinyCheckpoint
 from tests.test_kernels_ref import TOLERANCE, PagedKV
@@ -135,6 +140,14 @@ def _worst_error(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> f
     )
 
 
+def _mean_error(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    errors = [
+        float((got - want).abs().max()) / float(want.abs().max())
+        for got, want in zip(logits, reference, strict=True)
+    ]
+    return sum(errors) / len(errors)
+
+
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])
 def test_a_bfloat16_runner_decodes_through_the_step(
     tiny_llama: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
@@ -154,6 +167,57 @@ def test_a_bfloat16_runner_decodes_through_the_step(
     assert all(torch.isfinite(step).all() for step in fused)
     assert _worst_error(fused, reference) <= 1.1 * _worst_error(torch_path, reference)
     for layer in range(pair.config.num_layers):  # K/V of every token at the same slots
+        k_native = pair.native.kv_pool.k_cache(layer)
+        k_torch = pair.torch_path.kv_pool.k_cache(layer)
+        assert torch.equal(~torch.isnan(k_native), ~torch.isnan(k_torch))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:2], PROMPTS[:1]], ids=["2 rows", "1 row"])
+def test_a_bfloat16_checkpoint_decodes_through_the_step_on_its_bf16_rows(
+    tiny_checkpoints: dict[str, TinyCheckpoint],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    prompts: list[list[int]],
+) -> None:
+    """A dense bfloat16 model: its projections (and a tied LM head, which then serves the
+    embedding lookups) become BF16 rows over the same bytes, its decodes take the fused step
+    (float32 inside, the weights widened as read), and its logits are no further from the same
+    weights run in float32 than the dense oneDNN bfloat16 torch path's (the engine before BF16
+    rows) are, on average over the steps; K/V of every token at the same slots. (Greedy tokens
+    are not compared: a tiny random model's are near ties in bfloat16.)"""
+    ckpt = tiny_checkpoints[name]
+    weights = {k: v.to(BF16) for k, v in ckpt.load_weights().items()}
+    pair = Pair(ckpt, weights, dense_reference=monkeypatch, dtype=BF16)
+    model = pair.native.model
+    projections = [
+        projection
+        for layer in model.layers
+        for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    assert all(
+        isinstance(p, QuantizedLinear) and [part.format for part in p.parts] == [BF16_ROWS]
+        for p in projections
+    )
+    assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
+    if name == "llama_tied":  # one copy of the table: the head's BF16 rows
+        assert isinstance(model.embed, QuantizedTensor) and model.embed.format == BF16_ROWS
+    crossover = min(p.dense_from_rows or 1 << 30 for p in projections)  # type: ignore[union-attr]
+    most = min(crossover - 1, native_decode.BF16_NATIVE_DECODE_MAX_ROWS)
+    assert native_decode.max_rows(model.native_decode) == most >= len(prompts)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    fused = _teacher_forced(pair.native, prompts, 8)
+    assert rows == [len(prompts)] * 8
+    torch_path = _teacher_forced(pair.torch_path, prompts, 8)
+    as_float32 = {k: v.float() for k, v in weights.items()}
+    reference = _teacher_forced(Pair(ckpt, as_float32).torch_path, prompts, 8)
+    assert all(torch.isfinite(step).all() for step in fused)
+    # both round the K/V to bfloat16 and share the bfloat16 prefill; the fused step's float32
+    # inside is closer on average (~0.5-0.6x the torch path's error here), its worst step
+    # within the noise of the torch path's
+    assert _mean_error(fused, reference) <= _mean_error(torch_path, reference)
+    assert _worst_error(fused, reference) <= 1.25 * _worst_error(torch_path, reference)
+    for layer in range(pair.config.num_layers):
         k_native = pair.native.kv_pool.k_cache(layer)
         k_torch = pair.torch_path.kv_pool.k_cache(layer)
         assert torch.equal(~torch.isnan(k_native), ~torch.isnan(k_torch))

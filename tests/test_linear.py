@@ -1,6 +1,7 @@
 """Linear on the CPU: once its weight is packed for oneDNN it keeps only the packed copy (one
 copy of the weights resident, not two), and still computes x @ W.T + b for any leading shape.
-A float32 model's projections become F32 rows (``make_linear``) where the native kernels are."""
+A float32 (bfloat16) model's projections become F32 (BF16) rows (``make_linear``) where the native
+kernels are."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from asyncengine.executor.linear import (
     DENSE_FROM_ROWS_BY_FORMAT,
     Linear,
     QuantizedLinear,
+    dense_from_rows,
     make_linear,
 )
 from asyncengine.kernels import cpu_native
-from asyncengine.kernels.quant_formats import F32
+from asyncengine.kernels.quant_formats import BF16, F32
 
 
 def test_a_packed_linear_drops_the_plain_weight_and_multiplies_the_same() -> None:
@@ -74,3 +76,35 @@ def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes
     assert isinstance(make_linear(parts, None, torch.float32, row_block=32), Linear)
     monkeypatch.setenv(linear_module.FLOAT_ROWS_ENV, "0")
     assert isinstance(make_linear(parts, None, torch.float32), Linear)
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+def test_bfloat16_projections_are_bf16_rows_over_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dense bfloat16 parts of a bfloat16 model become one BF16 QuantizedLinear whose rows are
+    the given bytes (no copy where there is one part): the native product (float32 sums of the
+    stored values, rounded once) below its crossover, oneDNN's bfloat16 product from it; float32
+    parts of a bfloat16 model, row blocks and ASYNCENGINE_F32_ROWS=0 keep a dense Linear."""
+    weight = (torch.randn(40, 64) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    one = make_linear([weight], bias, torch.bfloat16)
+    assert isinstance(one, QuantizedLinear) and [p.format for p in one.parts] == [BF16]
+    assert one.parts[0].data.data_ptr() == weight.data_ptr()
+    parts = [weight[:24], weight[24:32], weight[32:]]
+    fused = make_linear(parts, bias, torch.bfloat16)
+    assert isinstance(fused, QuantizedLinear) and [p.format for p in fused.parts] == [BF16]
+    crossover = dense_from_rows(fused.parts, torch.bfloat16)
+    assert fused.dense_from_rows == crossover
+    for rows in (1, crossover - 1, crossover, 3 * crossover):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        want = F.linear(x.double(), weight.double(), bias.double())
+        got = fused(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+        if rows < crossover:  # float32 sums, one rounding: the nearest bfloat16 or next to it
+            torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
+    assert isinstance(make_linear([weight.float()], None, torch.bfloat16), Linear)
+    assert isinstance(make_linear([weight], None, torch.bfloat16, row_block=32), Linear)
+    monkeypatch.setenv(linear_module.FLOAT_ROWS_ENV, "0")
+    assert isinstance(make_linear([weight], None, torch.bfloat16), Linear)

@@ -318,9 +318,10 @@ def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
         return runner.model.native_decode is not None
 
     assert dense_fused(torch.float32)  # float32 weights: F32 rows
-    assert not dense_fused(torch.bfloat16)  # bf16 weights: the oneDNN path
+    assert dense_fused(torch.bfloat16)  # bfloat16 weights: BF16 rows
     monkeypatch.setenv(linear.FLOAT_ROWS_ENV, "0")
-    assert not dense_fused(torch.float32)  # F32 rows turned off: dense Linears
+    assert not dense_fused(torch.float32)  # F32 / BF16 rows turned off: dense Linears
+    assert not dense_fused(torch.bfloat16)
 
 
 def test_a_verify_step_runs_its_positions_as_fused_decode_rows(

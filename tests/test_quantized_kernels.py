@@ -16,11 +16,14 @@ import torch
 
 from asyncengine.kernels import cpu_native, quant_native, quant_ref
 from asyncengine.kernels.quant_formats import (
+    BF16,
     F32,
+    FLOAT_FORMATS,
     FORMATS,
     I8,
     QuantFormat,
     QuantizedTensor,
+    bf16_rows,
     cat_rows,
     f32_rows,
 )
@@ -67,6 +70,8 @@ def random_weight(fmt: QuantFormat, rows: int, cols: int, seed: int) -> Quantize
         return quant_ref.quantize_i8(torch.randn(rows, cols, generator=gen))
     if fmt == F32:
         return f32_rows(torch.randn(rows, cols, generator=gen) * 0.1)
+    if fmt == BF16:
+        return bf16_rows((torch.randn(rows, cols, generator=gen) * 0.1).to(torch.bfloat16))
     blocks = cols // fmt.block_size
     data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), dtype=torch.uint8, generator=gen)
     for offset in FP16_FIELDS[fmt.name]:
@@ -86,7 +91,7 @@ def product_scale(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor |
 
 
 def _cols(fmt: QuantFormat) -> list[int]:
-    if fmt == F32:  # any width: whole vectors of 8, 4 at a time, and a scalar tail
+    if fmt in FLOAT_FORMATS:  # any width: whole vectors of 8 (16), and a scalar tail
         return [1, 13, 40, 547]
     return [256, 768] if fmt.block_size == 256 else [32, 96, 544]
 
@@ -159,6 +164,44 @@ def test_f32_rows_are_the_float32_product_and_refuse_q8_activations(isa: str) ->
         quant_native.matmul_quantized(quant_native.quantize_q8(x), f32_rows(w), out)
     with pytest.raises(ValueError, match="F32"):
         quant_native.quant_linear(x.to(torch.bfloat16), f32_rows(w), isa=isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_are_the_float32_product_of_the_stored_values(isa: str) -> None:
+    """BF16 weights are widened to float32 as read (exact): the product of float32 activations is
+    torch's float32 matmul of the widened weight up to summation order; bfloat16 activations are
+    widened too and the result rounded once to bfloat16; each row's sums are the same alone, in
+    a batch and paired with the next weight row (batch invariant); q8 blocks are refused."""
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(301, 227, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(7, 227, generator=gen)
+    bias = torch.randn(301, generator=gen)
+    y = quant_native.quant_linear(x, bf16_rows(w), bias, isa=isa)
+    want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-5)
+    for i in range(7):  # one row alone: the same bits as in the batch of 7
+        assert torch.equal(
+            quant_native.quant_linear(x[i : i + 1], bf16_rows(w), bias, isa=isa), y[i : i + 1]
+        )
+    assert torch.equal(
+        quant_native.quant_linear(x, bf16_rows(w[1:2]), bias[1:2], isa=isa), y[:, 1:2]
+    )
+    half = quant_native.quant_linear(x.to(torch.bfloat16), bf16_rows(w), bias, isa=isa)
+    assert half.dtype == torch.bfloat16
+    widened = torch.nn.functional.linear(x.to(torch.bfloat16).double(), w.double(), bias.double())
+    assert torch.equal(
+        half,
+        quant_native.quant_linear(x.to(torch.bfloat16).float(), bf16_rows(w), bias, isa=isa).to(
+            torch.bfloat16
+        ),
+    )
+    torch.testing.assert_close(half.float(), widened.float(), rtol=2**-8, atol=1e-5)
+    out = torch.empty(7, 301)
+    with pytest.raises(ValueError, match="BF16"):
+        q8 = quant_native.quantize_q8(x[:, :224].contiguous())
+        quant_native.matmul_quantized(q8, bf16_rows(w[:, :224].contiguous()), out)
+    with pytest.raises(ValueError, match="BF16"):
+        quant_native.quant_linear(x.half(), bf16_rows(w), isa=isa)
 
 
 def test_output_into_a_column_slice_of_a_wider_tensor() -> None:

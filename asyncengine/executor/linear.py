@@ -28,7 +28,14 @@ import torch.nn.functional as F
 
 from asyncengine.executor.cpu_dtype import fastest_cpu_dtype
 from asyncengine.kernels import quant_native
-from asyncengine.kernels.quant_formats import F32, QuantizedTensor, cat_rows, f32_rows
+from asyncengine.kernels.quant_formats import (
+    BF16,
+    F32,
+    FLOAT_FORMATS,
+    QuantizedTensor,
+    cat_rows,
+    float_rows,
+)
 
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
@@ -65,7 +72,7 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # the F32 step stops at 23 rows; from 24 the prepacked product (~6-20% faster than F.linear at
 # 24-64 rows).
 DENSE_FROM_ROWS = 64
-DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24}
+DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24, "BF16": 24}
 # bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or AMX:
 # ``cpu_dtype.fastest_cpu_dtype``, what ``dtype = "auto"`` picks there): the dense bfloat16
 # product is ~4x float32's, so the quantized kernels (VNNI, one int8 row of activations at a
@@ -88,7 +95,23 @@ DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24
 # From the crossover on the projection holds both forms (the bfloat16 copy built at the first
 # such call: +212 MB for SmolLM2's layers, +57 MB for its head).
 DENSE_FROM_ROWS_BF16 = 12
-DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16}
+# A bfloat16 model's projections as BF16 rows (its weights as they are, widened to float32 as the
+# kernel reads them: kernels/cpu_quant_blocks.h) against oneDNN's bfloat16 product on an AVX-512
+# BF16 CPU (2-vCPU EPYC, no AMX): one core's CPU ms for SmolLM2's 30 layers' projections, each
+# weight distinct (streamed from memory), 1-minute load ~2.5:
+#   rows                  1      2      3      4      6      8     16     32     64
+#   BF16 rows         12.30  15.95  18.94  22.82  30.68  35.60  66.21  124.7  241.6
+#   oneDNN prepacked  16.88  18.72  15.29  14.57  15.09  19.25  25.95  41.88  73.00
+#   F.linear (plain)  26.17  26.01  26.70  28.45  30.16  31.83  40.15  55.19  86.65
+# Batch 1 streams the weights (~20 GB/s a thread in the fused step); each further row costs
+# ~3.5 ms of multiply-adds (the widening kernel is compute-bound from 2 rows), where oneDNN's
+# vdpbf16ps GEMM is not. Whole steps (scripts/bench_decode_step.py --quantization none --dtype
+# bfloat16, context 443): fused / oneDNN Linears 13.3 / 24.0 ms at 1 row, 18.2 / 28.0 at 2,
+# 25.4 / 25.1 at 3. So BF16 rows up to 2 rows, the prepacked product (a second copy of the
+# weights, packed at the first such call: a bfloat16 model held only that copy before BF16 rows)
+# from 3; plain F.linear on the same bytes (no copy) is 1.5-2x slower than it at 3-32 rows.
+BF16_ROWS_DENSE_FROM = 3
+DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "BF16": BF16_ROWS_DENSE_FROM}
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner. One core's CPU ms,
 # F32 rows / prepacked oneDNN (scripts/bench_quant_matmul.py --formats F32 --lm-head --threads 1
 # --cpu-time, 1-minute load ~3.5 on the 2-core AVX2 VM):
@@ -97,8 +120,9 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16}
 #   dense        9.4  10.6  14.8  16.3  18.5  24.0  31.0
 # (below 8 rows within the noise of another run; batch-1 decode keeps the F32 rows it was tuned on)
 F32_HEAD_DENSE_FROM_ROWS = 8
-# "0": a float32 model's projections stay dense ``Linear``s (oneDNN at every batch size) instead of
-# F32 rows for the native products and the fused decode step (to measure what they give)
+# "0": a float32 (bfloat16) model's projections stay dense ``Linear``s (oneDNN at every batch
+# size) instead of F32 (BF16) rows for the native products and the fused decode step (to measure
+# what they give)
 FLOAT_ROWS_ENV = "ASYNCENGINE_F32_ROWS"
 # "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
 # (kernels/cpu_quant_blocks.h; to measure what the layout gives)
@@ -222,6 +246,12 @@ class QuantizedLinear:
             if dtype == torch.float32 and all(p.format == F32 for p in self.parts):
                 self._dense = Linear(self._f32_weight(), self.bias)  # prepacked: a second copy
                 return self._dense
+            if dtype == torch.bfloat16 and all(p.format == BF16 for p in self.parts):
+                weights = [p.data.view(torch.bfloat16) for p in self.parts]
+                weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+                bias = None if self.bias is None else self.bias.to(dtype)
+                self._dense = Linear(weight, bias)  # prepacked: a second copy
+                return self._dense
             weight = torch.cat([quant_native.dequantize_rows(p, None, dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(dtype)
             self._dense = Linear(weight, bias)
@@ -279,28 +309,30 @@ def dense_from_rows(parts: Sequence[QuantizedTensor], dtype: torch.dtype = torch
     else:
         table, generic = DENSE_FROM_ROWS_BY_FORMAT, DENSE_FROM_ROWS
     return min(
-        table.get(p.format.name, generic) if grouped or p.format == F32 else generic for p in parts
+        table.get(p.format.name, generic) if grouped or p.format in FLOAT_FORMATS else generic
+        for p in parts
     )
 
 
-def _as_f32_rows(
+def _as_float_rows(
     parts: Sequence[torch.Tensor | QuantizedTensor], dtype: torch.dtype, row_block: int | None
 ) -> list[QuantizedTensor] | None:
-    """Dense float32 CPU parts as F32 rows (the native products and the fused decode step), where
-    the native library is here; None: they stay a dense ``Linear`` (deterministic mode's row
-    blocks, other dtypes and devices, or turned off)."""
+    """Dense float32 (bfloat16) CPU parts of a float32 (bfloat16) model as F32 (BF16) rows over
+    the same bytes (the native products and the fused decode step), where the native library is
+    here; None: they stay a dense ``Linear`` (deterministic mode's row blocks, other dtypes and
+    devices, or turned off)."""
     if (
-        dtype != torch.float32
+        dtype not in (torch.float32, torch.bfloat16)
         or row_block is not None
         or os.environ.get(FLOAT_ROWS_ENV, "1") == "0"
         or not all(
-            isinstance(p, torch.Tensor) and p.device.type == "cpu" and p.dtype == torch.float32
+            isinstance(p, torch.Tensor) and p.device.type == "cpu" and p.dtype == dtype
             for p in parts
         )
         or not quant_native.available()
     ):
         return None
-    return [f32_rows(p) for p in parts if isinstance(p, torch.Tensor)]
+    return [float_rows(p) for p in parts if isinstance(p, torch.Tensor)]
 
 
 def make_linear(
@@ -312,12 +344,14 @@ def make_linear(
 ) -> Linear | QuantizedLinear:
     """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
     is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized. Dense
-    float32 parts on a CPU become F32 rows (``QuantizedLinear``: the native products up to their
-    crossover, the fused decode step) where ``_as_f32_rows`` allows; ``f32_dense_from_rows``:
-    their crossover where this shape's differs from the layers' (the LM head's)."""
-    f32 = _as_f32_rows(parts, dtype, row_block)
-    if f32 is not None:
-        return QuantizedLinear(f32, bias, f32_dense_from_rows or dense_from_rows(f32))
+    float32 (bfloat16) parts on a CPU become F32 (BF16) rows (``QuantizedLinear``: the native
+    products up to their crossover, the fused decode step) where ``_as_float_rows`` allows;
+    ``f32_dense_from_rows``: F32 rows' crossover where this shape's differs from the layers' (the
+    LM head's)."""
+    rows = _as_float_rows(parts, dtype, row_block)
+    if rows is not None:
+        head = f32_dense_from_rows if dtype == torch.float32 else None
+        return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype))
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
