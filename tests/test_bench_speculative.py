@@ -46,6 +46,9 @@ def test_bench_speculative_runs_the_draft_modes(
         [
             "--model", model,
             "--draft-model", model,  # the target as its own draft: every guess accepted
+            # where the verify's positions run as fused decode rows, with the draft's numerics:
+            # a bfloat16 model's BF16 rows take 2 rows in the fused step (executor/linear.py)
+            "--draft-k", "1",
             "--modes", "off", "draft_fixed",
             "--workloads", "numbers",
             "--batches", "1",

@@ -72,7 +72,10 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # the F32 step stops at 23 rows; from 24 the prepacked product (~6-20% faster than F.linear at
 # 24-64 rows).
 DENSE_FROM_ROWS = 64
-DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24, "BF16": 24}
+# BF16 rows here: a bfloat16 model on a CPU whose dense bfloat16 product is slow (no AVX-512 BF16
+# or AMX: ~90x float32's, README), where only an explicit dtype runs one; not measured, the rows
+# kernel (float32 multiply-adds) keeps every size
+DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24, "BF16": 8192}
 # bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or AMX:
 # ``cpu_dtype.fastest_cpu_dtype``, what ``dtype = "auto"`` picks there): the dense bfloat16
 # product is ~4x float32's, so the quantized kernels (VNNI, one int8 row of activations at a
