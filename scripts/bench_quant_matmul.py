@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.executor.linear import Linear, QuantizedLinear
 from asyncengine.kernels import quant_native, quant_ref
-from asyncengine.kernels.quant_formats import FORMATS, f32_rows
+from asyncengine.kernels.quant_formats import FORMATS, bf16_rows, f32_rows
 
 # (name, out_features, in_features) of SmolLM2-135M's projections; qkv/gate_up fused
 LAYER_SHAPES = [
@@ -59,6 +59,8 @@ def quantize(fmt_name: str, weight: torch.Tensor) -> QuantizedLinear:
         return QuantizedLinear([quant_ref.quantize_i8(weight)])
     if fmt_name == "F32":  # the float32 weight as it is, through the native F32 rows
         return QuantizedLinear([f32_rows(weight.float())])
+    if fmt_name == "BF16":  # the weight rounded to bfloat16, as it is, through the BF16 rows
+        return QuantizedLinear([bf16_rows(weight.to(torch.bfloat16))])
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
