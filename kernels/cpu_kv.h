@@ -21,6 +21,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_simd.h"
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -116,19 +118,9 @@ static inline __m256 kv_load8_portable(const kv_t *p) {
 typedef uint16_t kv_t;
 #define KV_IS_F16 0
 
-static inline float kv_to_float(kv_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+static inline float kv_to_float(kv_t x) { return bf16_to_float(x); }
 
-static inline kv_t kv_from_float(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (kv_t)((bits >> 16) | 0x40u);
-    return (kv_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+static inline kv_t kv_from_float(float f) { return float_to_bf16(f); }
 
 static inline void kv_store_row(kv_t *dst, const float *src, int64_t n) {
     int64_t i = 0;

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 #if !defined(Q_FORCE_SCALAR) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
 #endif
@@ -920,13 +922,6 @@ static inline void row_f32(const uint8_t *w, int64_t k, const act_row *a, int nr
  * batch invariant, the same alone or paired. AVX-512 takes 16 values a vector (the VNNI build,
  * which has AVX-512 F/BW/VL), AVX2 8. (vdpbf16ps would take the activations rounded to bfloat16
  * as well; a batch-1 product is bound by the weight stream either way.) */
-static inline float bf16_value(const uint16_t *p) {
-    const uint32_t bits = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 #if defined(Q_ISA_VNNI) && defined(__AVX512F__)
 #define BF_LANES 16
 typedef __m512 bf_vec;
@@ -1012,8 +1007,8 @@ static inline void bf16_rows(const uint16_t *w0, const uint16_t *w1, int64_t k, 
     for (int r = 0; r < nr; r++) {
         float t0 = 0.0f, t1 = 0.0f;
         for (int64_t t = j; t < k; t++) {
-            t0 += bf16_value(w0 + t) * a[r].f[t];
-            if (w1) t1 += bf16_value(w1 + t) * a[r].f[t];
+            t0 += bf16_to_float(w0[t]) * a[r].f[t];
+            if (w1) t1 += bf16_to_float(w1[t]) * a[r].f[t];
         }
         out[r] += t0;
         if (w1) out[NR + r] += t1;

@@ -55,20 +55,6 @@ const char *asyncengine_quant_isa(void) {
 #endif
 }
 
-static inline float bf16_bits_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* activations                                                                               */
 
@@ -83,7 +69,7 @@ void asyncengine_quantize_q8(const void *x, int64_t n, int64_t k, int bf16, int8
             const int64_t off = i * k + b * QK;
             if (bf16) {
                 const uint16_t *src = (const uint16_t *)x + off;
-                for (int j = 0; j < QK; j++) v[j] = bf16_bits_to_float(src[j]);
+                for (int j = 0; j < QK; j++) v[j] = bf16_to_float(src[j]);
             } else {
                 memcpy(v, (const float *)x + off, sizeof v);
             }
@@ -93,7 +79,7 @@ void asyncengine_quantize_q8(const void *x, int64_t n, int64_t k, int bf16, int8
 }
 
 static inline void store_out(void *y, int64_t at, float v, int out_bf16) {
-    if (out_bf16) ((uint16_t *)y)[at] = float_to_bf16_bits(v);
+    if (out_bf16) ((uint16_t *)y)[at] = float_to_bf16(v);
     else ((float *)y)[at] = v;
 }
 
@@ -166,7 +152,7 @@ static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
                         break;
                     for (int r = 0; r < 2; r++) {
                         const float v = out[r] + (bias ? bias[row + r] : 0.0f);
-                        if (out_bf16) ((uint16_t *)y)[i0 * ldy + row + r] = float_to_bf16_bits(v);
+                        if (out_bf16) ((uint16_t *)y)[i0 * ldy + row + r] = float_to_bf16(v);
                         else ((float *)y)[i0 * ldy + row + r] = v;
                     }
                 }
@@ -188,7 +174,7 @@ static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
                 const float b = bias ? bias[row] : 0.0f;
                 for (int r = 0; r < nr; r++) {
                     const float v = out[r] + b;
-                    if (out_bf16) ((uint16_t *)y)[(i0 + r) * ldy + row] = float_to_bf16_bits(v);
+                    if (out_bf16) ((uint16_t *)y)[(i0 + r) * ldy + row] = float_to_bf16(v);
                     else ((float *)y)[(i0 + r) * ldy + row] = v;
                 }
             }
@@ -292,7 +278,7 @@ static void dequantize_row(int fmt, const uint8_t *w, int64_t k, float *y) {
     }
     case FMT_F32: memcpy(y, w, (size_t)k * sizeof(float)); break;
     case FMT_BF16:
-        for (int64_t j = 0; j < k; j++) y[j] = bf16_value((const uint16_t *)w + j);
+        for (int64_t j = 0; j < k; j++) y[j] = bf16_to_float(((const uint16_t *)w)[j]);
         break;
     default: break;
     }
@@ -327,7 +313,7 @@ void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
             }
             dequantize_row(fmt, src, k, tmp);
             uint16_t *dst = (uint16_t *)out + i * k;
-            for (int64_t j = 0; j < k; j++) dst[j] = float_to_bf16_bits(tmp[j]);
+            for (int64_t j = 0; j < k; j++) dst[j] = float_to_bf16(tmp[j]);
         }
         free(tmp);
         free(group);
@@ -350,7 +336,7 @@ void asyncengine_quant_linear(int fmt, const uint8_t *w, int64_t row_bytes, int6
     if (fmt == FMT_BF16) {
         float *xf = (float *)malloc((size_t)(n * k) * sizeof(float));
         if (xf) {
-            for (int64_t i = 0; i < n * k; i++) xf[i] = bf16_value((const uint16_t *)x + i);
+            for (int64_t i = 0; i < n * k; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
             asyncengine_quant_matmul(fmt, w, row_bytes, rows, k, interleaved, NULL, NULL, NULL, xf,
                                      n, bias, y, ldy, out_bf16, threads);
         }
