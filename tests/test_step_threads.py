@@ -10,6 +10,7 @@ from asyncengine.executor.linear import make_linear
 from asyncengine.executor.step_threads import (
     CHOOSE_BELOW_ROWS,
     CHOOSE_DECODE_ROWS,
+    CONTENDED_SHARE,
     FIRST_EXPLORE_AFTER,
     MOST_EXPLORE_AFTER,
     StepThreads,
@@ -22,11 +23,14 @@ ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
 
 
 class FakeMachine:
-    """Step times per row for each thread count, as the test sets them."""
+    """Step times per row for each thread count, as the test sets them, and the share of the
+    cores the process's threads get while they run (1.0: a quiet machine)."""
 
-    def __init__(self, per_row: dict[int, float]) -> None:
+    def __init__(self, per_row: dict[int, float], cpu_share: float = 1.0) -> None:
         self.per_row = per_row
+        self.cpu_share = cpu_share
         self.now = 0.0
+        self.cpu = 0.0
         self.threads = max(per_row)  # the process starts on all threads
         self.counts: list[int] = []
 
@@ -36,13 +40,18 @@ class FakeMachine:
     def clock(self) -> float:
         return self.now
 
+    def cpu_clock(self) -> float:
+        return self.cpu
+
     def step(self, chooser: StepThreads, rows: int = ROWS, prompt_rows: bool = True) -> int:
         def forward() -> int:
-            self.now += self.per_row[self.threads] * rows
+            seconds = self.per_row[self.threads] * rows
+            self.now += seconds
+            self.cpu += seconds * self.threads * self.cpu_share
             return self.threads
 
         threads = run_on_chosen_threads(
-            chooser, rows, prompt_rows, forward, self.set_threads, self.clock
+            chooser, rows, prompt_rows, forward, self.set_threads, self.clock, self.cpu_clock
         )
         assert self.threads == chooser.most  # set back after the step
         self.counts.append(threads)
@@ -124,19 +133,65 @@ def test_the_products_are_bit_identical_on_one_thread_and_on_two(rows: int) -> N
         torch.set_num_threads(before)
 
 
-def test_decode_steps_of_several_rows_and_large_prompt_steps_always_take_all_threads() -> None:
-    """A fused decode step of several rows and a long prompt's chunk are not measured: all
-    threads, every step, even where one thread would be faster (no tries of one thread on a
-    quiet machine)."""
-    machine = FakeMachine({2: 1.0, 1: 0.5})
+def test_on_a_quiet_machine_decode_steps_of_several_rows_and_large_prompt_steps_take_all() -> None:
+    """A decode step of several rows that gets its cores, and a long prompt's chunk, are not
+    chosen: all threads, every step, even where one thread would be faster (no tries of one
+    thread on a quiet machine)."""
+    machine = FakeMachine({2: 1.0, 1: 0.5}, cpu_share=0.95)
     chooser = StepThreads(2)
     assert [
         machine.step(chooser, rows=CHOOSE_DECODE_ROWS + 1, prompt_rows=False) for _ in range(40)
     ] == [2] * 40
     assert [machine.step(chooser, rows=512) for _ in range(40)] == [2] * 40
     assert [machine.step(chooser, rows=CHOOSE_BELOW_ROWS) for _ in range(5)] == [2] * 5
-    assert chooser.classes == {}  # nothing measured
+    assert chooser.classes == {}  # nothing chosen
+    assert not chooser.contended
     assert machine.step(chooser, rows=CHOOSE_BELOW_ROWS - 1) == 1
+
+
+def test_decode_steps_of_several_rows_choose_while_other_processes_hold_the_cores() -> None:
+    """Beside the load, all-thread decode steps get half their cores: they start choosing and
+    move to one thread; when the load goes, a try of all threads finds them faster and with
+    their cores again, and they stay on all threads without further tries."""
+    machine = FakeMachine({2: 3.5, 1: 1.0}, cpu_share=0.5)
+    chooser = StepThreads(2)
+    rows = 16
+    counts = [machine.step(chooser, rows=rows, prompt_rows=False) for _ in range(40)]
+    assert chooser.contended and chooser.cpu_share < CONTENDED_SHARE
+    assert counts[:2] == [2, 2]  # seen on all threads until the share fell
+    assert counts[-20:].count(1) >= 18  # then one thread, but for its tries
+    machine.per_row, machine.cpu_share = {2: 1.0, 1: 1.6}, 0.98  # the load goes
+    after = [machine.step(chooser, rows=rows, prompt_rows=False) for _ in range(400)]
+    assert not chooser.contended
+    settled = after.index(2) + 8
+    assert after[settled:] == [2] * (len(after) - settled)
+    assert chooser.chooses(rows, False) is False  # back to all threads, no tries
+
+
+def test_large_prompt_steps_choose_too_while_the_cores_are_held() -> None:
+    """A long prompt's chunk also runs on one thread once watched steps found the cores held,
+    and on all threads again once they are not."""
+    machine = FakeMachine({2: 3.0, 1: 1.0}, cpu_share=0.5)
+    chooser = StepThreads(2)
+    for _ in range(3):
+        machine.step(chooser, rows=512)
+    assert chooser.contended
+    counts = [machine.step(chooser, rows=512) for _ in range(20)]
+    assert counts.count(1) >= 18
+    machine.per_row, machine.cpu_share = {2: 1.0, 1: 1.6}, 0.98  # the load goes
+    chooser.cpu_share = 0.9  # as after a won try of all threads by decode steps
+    assert [machine.step(chooser, rows=512) for _ in range(5)] == [2] * 5
+
+
+def test_one_thread_steps_leave_the_share_alone() -> None:
+    """Only all-thread steps tell whether the cores are held: a one-thread step (or a prompt
+    step) does not move ``cpu_share``."""
+    chooser = StepThreads(2)
+    chooser.cpu_share = 0.5
+    machine = FakeMachine({2: 3.5, 1: 1.0}, cpu_share=1.0)
+    assert machine.step(chooser, rows=16, prompt_rows=False) == 1  # the class's warm-up
+    assert machine.step(chooser, rows=40, prompt_rows=True) == 1
+    assert chooser.cpu_share == 0.5
 
 
 def test_one_stream_decodes_choose_apart_from_prompt_steps() -> None:

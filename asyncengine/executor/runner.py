@@ -256,6 +256,7 @@ class ModelRunner:
             lambda: self._execute(plan),
             torch.set_num_threads,
             time.perf_counter,
+            time.process_time,
         )
 
     def _execute(self, plan: BatchPlan) -> StepOutput:

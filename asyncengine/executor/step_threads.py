@@ -17,11 +17,15 @@ region but 5 barriers a layer (150 a step for SmolLM2), each as exposed to a des
 as a region's end: at a 1-minute load of 3.4-5.2 its layers took 22-27 ms a step on two threads
 and 9-11 on one (docs/BENCHMARKS.md, "One stream"). A one-row step's time hardly varies from
 step to step, so the counts compare fairly, and a quiet stream, where two threads win, pays a
-few one-thread tries (~0.5% of its steps). Larger decode-only steps and large prompt steps (a long
-prompt's chunk loses little to the spin-waits and half its speed on one thread) always run on
-all threads: on a quiet machine their tries of one thread cost the 128-request offline mix ~10%
-(one run each, 126.0 against 114.3 out tok/s), and a class's steps vary too much in rows and
-context for a per-row time to compare counts fairly there.
+few one-thread tries (~0.5% of its steps). Decode-only steps of several rows and large prompt
+steps run on all threads while the process gets its cores: on a quiet machine their tries of one
+thread cost the 128-request offline mix ~10% (one run each, 126.0 against 114.3 out tok/s), and
+a long prompt's chunk loses little to the spin-waits there and half its speed on one thread. But
+beside other processes two spinning threads lose far more (16 requests decoding beside two niced
+processes: 118 ms a step on two threads, 34 ms on one). The sign is the CPU those watched steps
+get on all threads: process CPU time over threads x wall time, ~0.98 quiet, ~0.5 beside the load
+(``cpu_share``, smoothed). Below ``CONTENDED_SHARE`` every step chooses, until watched steps run
+on all threads with their cores again (a class's try of all threads that wins, then its steps).
 Both counts give bit-identical results (the products split rows and columns across threads,
 never a sum: tests/test_step_threads.py), so the choice changes speed only.
 
@@ -42,6 +46,8 @@ SMOOTHING = 0.5  # weight of the newest measurement in a count's time per row
 CHOOSE_BELOW_ROWS = 128  # prompt steps of fewer rows choose
 CHOOSE_DECODE_ROWS = 1  # decode-only steps of at most this many rows choose; others: all threads
 SLOWDOWN = 2.0  # a step this many times its count's time per row: the load changed, try the other
+CONTENDED_SHARE = 0.8  # every step chooses while watched steps get less CPU than this
+SHARE_SMOOTHING = 0.25  # weight of the newest all-thread step in ``cpu_share``
 
 T = TypeVar("T")
 
@@ -65,10 +71,28 @@ class StepThreads:
 
     most: int
     classes: dict[tuple[bool, int], _Class] = field(default_factory=dict)
+    # the CPU watched steps got on all threads: CPU seconds / (threads x wall), smoothed
+    cpu_share: float = 1.0
 
     def chooses(self, rows: int, kind: bool) -> bool:
         """Whether a step of ``rows`` rows (``kind``: with prompt rows) has its count chosen."""
-        return rows < CHOOSE_BELOW_ROWS if kind else rows <= CHOOSE_DECODE_ROWS
+        return self.contended or not self.watches(rows, kind)
+
+    @property
+    def contended(self) -> bool:
+        """Whether other processes hold the cores (then every step chooses)."""
+        return self.cpu_share < CONTENDED_SHARE
+
+    def watches(self, rows: int, kind: bool) -> bool:
+        """Whether a step is one that runs on all threads on a quiet machine, its CPU share on
+        all threads counted toward ``cpu_share``: decode-only steps of several rows and large
+        prompt steps."""
+        return rows >= CHOOSE_BELOW_ROWS if kind else rows > CHOOSE_DECODE_ROWS
+
+    def observe_share(self, seconds: float, cpu_seconds: float) -> None:
+        """A watched step ran on all threads for ``seconds`` and used ``cpu_seconds``."""
+        share = cpu_seconds / (self.most * seconds) if seconds > 0 else 1.0
+        self.cpu_share = SHARE_SMOOTHING * share + (1 - SHARE_SMOOTHING) * self.cpu_share
 
     def pick(self, rows: int, kind: bool) -> int:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
@@ -137,20 +161,30 @@ def run_on_chosen_threads(
     step: Callable[[], T],
     set_threads: Callable[[int], None],
     clock: Callable[[], float],
+    cpu_clock: Callable[[], float],
 ) -> T:
     """``step()`` on the thread count the chooser picks for ``rows`` rows of ``kind``, timed by
-    ``clock``, then the thread count set back to ``chooser.most``; on all threads, untimed, where
-    it does not choose."""
+    ``clock``, then the thread count set back to ``chooser.most``; on all threads where it does
+    not choose (timed only if watched). ``cpu_clock`` is the process's CPU time."""
+    watched = chooser.watches(rows, kind)
     if not chooser.chooses(rows, kind):
-        return step()
+        if not watched:
+            return step()
+        start, cpu_start = clock(), cpu_clock()
+        out = step()
+        chooser.observe_share(clock() - start, cpu_clock() - cpu_start)
+        return out
     threads = chooser.pick(rows, kind)
     set_threads(threads)
-    start = clock()
+    start, cpu_start = clock(), cpu_clock()
     try:
         out = step()
     finally:
         set_threads(chooser.most)
-    chooser.record(rows, kind, threads, clock() - start)
+    seconds = clock() - start
+    chooser.record(rows, kind, threads, seconds)
+    if watched and threads == chooser.most:
+        chooser.observe_share(seconds, cpu_clock() - cpu_start)
     return out
 
 
