@@ -366,7 +366,7 @@ class Scheduler(Retraction, Prefill):
             limit = cache_match_limit(req, self.prompt_scores)
             matched = self.kv.match_length(ids, limit)
             if (
-                dedup is not None
+                dedup  # not None, and a prompt of this step added (else it shares nothing)
                 and may_reuse_prefix(req, self.prompt_scores)
                 and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
                 and not self._copies_next_page_in_step(ids, matched)

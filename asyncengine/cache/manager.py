@@ -168,7 +168,7 @@ class KVCacheManager:
         node = self.tree.root
         most = self._match_limit(len(tokens), limit) if self.enable_prefix_cache else 0
         if most > 0:
-            matched_pages, matched, node = self.tree.match_prefix(tokens[:most])
+            matched_pages, matched, node = self.tree.match_prefix(tokens, most)
         self.tree.lock(node)
         row = self.page_table.acquire()
         pages: list[int] = []
@@ -318,8 +318,9 @@ class KVCacheManager:
         else:
             prefix = tokens[:aligned]
         # the node ending at the inserted pages, as match_prefix(prefix) would find it: the
-        # same node and the same least-recently-used order, without walking the path again
-        present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps])
+        # same node and the same least-recently-used order, without walking the path again;
+        # the insert goes on from the locked node (whose path is the first num_in_tree tokens)
+        present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps], seq.lock_node)
         assert node.prefix_len == aligned and present >= seq.num_in_tree, (
             f"tree lost a locked prefix: the insert ends at {node.prefix_len} of {aligned}, "
             f"present {present}, locked {seq.num_in_tree}"
