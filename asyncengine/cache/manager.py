@@ -230,19 +230,22 @@ class KVCacheManager:
         allocator, tails = self.allocator, self.tails
         n = len(seqs)
         each_full = n <= allocator.num_free + self.tree.evictable_size // ps + len(tails)
+        opened = self._open
+        all_open = True
         for seq in seqs:
             if not each_full:
                 break
             held = len(seq.pages)
             each_full = seq.kv_len == held * ps and held < most
+            all_open = all_open and opened.get(seq.row) is seq
         if not each_full:
             for seq in seqs:
                 self.extend(seq, 1)
             return
-        opened = self._open
-        for seq in seqs:
-            if opened.get(seq.row) is not seq:
-                self._check_open(seq)  # raises
+        if not all_open:
+            for seq in seqs:
+                if opened.get(seq.row) is not seq:
+                    self._check_open(seq)  # raises
         table = self.page_table
         store = table.stores_pages  # else rows only: no write to record (none can fail here)
         rows: list[int] = []
