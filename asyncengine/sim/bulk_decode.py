@@ -192,10 +192,10 @@ class BulkDecode:
             return False
         core, sched, kv = self.core, self.core.scheduler, self.core.kv
         j = len(self.times)
-        need = self.buckets.get(-j % self.page_size, [])
-        if len(need) > kv.available_pages:
-            return False  # retraction: the step-by-step path's
+        need = self.buckets.get(-j % self.page_size)
         if need:  # their next token starts a page: allocated in running order
+            if len(need) > kv.available_pages:
+                return False  # retraction: the step-by-step path's
             seqs = []
             for member in need:
                 seq = member.seq
