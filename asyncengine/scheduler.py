@@ -347,13 +347,18 @@ class Scheduler(Retraction, Prefill):
         window = self.policy.candidates(self.waiting, size)
         if len(window) > size:  # the policy added requests from past the oldest ones
             self.admission.reshaped()
-        ctx = self._context(num_decodes)
-        ordered = self.policy.order(window, ctx)
+        ctx: PolicyContext | None = None
+        if type(self.policy).order is Policy.order and self.shadow is None and not preempts:
+            ordered = window  # arrival order; nothing else reads a context: none is made
+        else:
+            ctx = self._context(num_decodes)
+            ordered = self.policy.order(window, ctx)
         admission = Admission(window=window)
         if len(ordered) < len(window):  # the policy holds the ones it left out
             kept = {id(req) for req in ordered}
             admission.held = [req for req in window if id(req) not in kept]
         if self.shadow is not None:
+            assert ctx is not None
             self.shadow.compare(window, ordered, ctx)
         for req in ordered:
             if remaining <= 0:
@@ -366,7 +371,7 @@ class Scheduler(Retraction, Prefill):
             limit = cache_match_limit(req, self.prompt_scores)
             matched = self.kv.match_length(ids, limit)
             if (
-                dedup is not None
+                dedup  # not None, and a prompt of this step added (else it shares nothing)
                 and may_reuse_prefix(req, self.prompt_scores)
                 and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
                 and not self._copies_next_page_in_step(ids, matched)
@@ -382,7 +387,8 @@ class Scheduler(Retraction, Prefill):
             alone = not self.running and not self.prefilling and not plan.extends
             if not alone and (slots <= 0 or need > self.kv.available_pages):
                 short = need - self.kv.available_pages
-                victims = self._preempt_for(req, ctx, short, 1 - slots)
+                # no context: the policy does not preempt (_preempt_for's None)
+                victims = None if ctx is None else self._preempt_for(req, ctx, short, 1 - slots)
                 if victims is None:
                     if slots > 0 and skips > 0:  # it waits; a smaller one behind it may fit
                         skips -= 1

@@ -43,6 +43,10 @@ class StepPrefixes:
         self._pages.clear()
         self._tails.clear()
 
+    def __bool__(self) -> bool:
+        """Whether this step added anything (else ``shares`` is False for every prompt)."""
+        return bool(self._pages or self._tails)
+
     def add(self, ids: Sequence[int], computed: int, keeps_tail: bool = False) -> None:
         """``ids`` is being extended this step from ``computed`` tokens already in KV (and,
         with ``keeps_tail``, ends with it, its last partial page kept)."""

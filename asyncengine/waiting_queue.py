@@ -98,6 +98,12 @@ class WaitingQueue(Sequence[Request]):
     def __getitem__(self, index: slice) -> list[Request]: ...
 
     def __getitem__(self, index: int | slice) -> Request | list[Request]:
+        if index == 0:  # the queue's first (asked every step): head()'s, or one step in
+            head = self._head
+            if head:
+                return head[0]
+            if self._items:
+                return next(iter(self._items))
         size = len(self._items)
         if isinstance(index, slice):
             start, stop, step = index.indices(size)

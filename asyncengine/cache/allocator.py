@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_SMALL = 64  # frees of at most this many pages are checked with Python ints
+# frees of at most this many pages are checked with Python ints (quicker than the numpy checks
+# up to ~1,000 pages: an eviction for a prompt frees tens to hundreds)
+_SMALL = 1024
 
 
 class OutOfPagesError(RuntimeError):

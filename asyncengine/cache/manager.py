@@ -168,7 +168,7 @@ class KVCacheManager:
         node = self.tree.root
         most = self._match_limit(len(tokens), limit) if self.enable_prefix_cache else 0
         if most > 0:
-            matched_pages, matched, node = self.tree.match_prefix(tokens[:most])
+            matched_pages, matched, node = self.tree.match_prefix(tokens, most)
         self.tree.lock(node)
         row = self.page_table.acquire()
         pages: list[int] = []
@@ -230,19 +230,22 @@ class KVCacheManager:
         allocator, tails = self.allocator, self.tails
         n = len(seqs)
         each_full = n <= allocator.num_free + self.tree.evictable_size // ps + len(tails)
+        opened = self._open
+        all_open = True
         for seq in seqs:
             if not each_full:
                 break
             held = len(seq.pages)
             each_full = seq.kv_len == held * ps and held < most
+            all_open = all_open and opened.get(seq.row) is seq
         if not each_full:
             for seq in seqs:
                 self.extend(seq, 1)
             return
-        opened = self._open
-        for seq in seqs:
-            if opened.get(seq.row) is not seq:
-                self._check_open(seq)  # raises
+        if not all_open:
+            for seq in seqs:
+                if opened.get(seq.row) is not seq:
+                    self._check_open(seq)  # raises
         table = self.page_table
         store = table.stores_pages  # else rows only: no write to record (none can fail here)
         rows: list[int] = []
@@ -318,8 +321,9 @@ class KVCacheManager:
         else:
             prefix = tokens[:aligned]
         # the node ending at the inserted pages, as match_prefix(prefix) would find it: the
-        # same node and the same least-recently-used order, without walking the path again
-        present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps])
+        # same node and the same least-recently-used order, without walking the path again;
+        # the insert goes on from the locked node (whose path is the first num_in_tree tokens)
+        present, node = self.tree.insert_at(prefix, seq.pages[: aligned // ps], seq.lock_node)
         assert node.prefix_len == aligned and present >= seq.num_in_tree, (
             f"tree lost a locked prefix: the insert ends at {node.prefix_len} of {aligned}, "
             f"present {present}, locked {seq.num_in_tree}"

@@ -228,8 +228,10 @@ class RadixCache:
 
     # ----------------------------------------------------------------------------- queries
 
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int, RadixNode]:
-        """Longest cached page-aligned prefix of ``tokens``.
+    def match_prefix(
+        self, tokens: Sequence[int] | np.ndarray, end: int | None = None
+    ) -> tuple[np.ndarray, int, RadixNode]:
+        """Longest cached page-aligned prefix of ``tokens[:end]`` (without copying the slice).
 
         Returns (page ids, number of tokens matched, the node where the match ends). Splits a
         node whose edge the match ends in, so the returned node ends exactly at the match (and
@@ -238,10 +240,11 @@ class RadixCache:
         tick = next(self._clock)
         node = self.root
         node.last_access = tick
-        if len(tokens) < ps or tokens[0] not in self._root_heads:
+        end = len(tokens) if end is None else min(end, len(tokens))
+        end -= end % ps
+        if end == 0 or tokens[0] not in self._root_heads:
             return _EMPTY_PAGES, 0, node  # no edge starts with it (without the tuple copy)
         key = _as_token_tuple(tokens)
-        end = len(key) - len(key) % ps
         pos = 0
         chunks: list[np.ndarray] = []
         while pos < end:
@@ -250,7 +253,7 @@ class RadixCache:
                 break
             edge = child.key
             length = len(edge)
-            if key[pos : pos + length] != edge:
+            if pos + length > end or key[pos : pos + length] != edge:
                 length = self._common_length(edge, key, pos, end)
                 child = self._split(child, length)
             child.last_access = tick
@@ -296,10 +299,18 @@ class RadixCache:
         return self.insert_at(tokens, pages)[0]
 
     def insert_at(
-        self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray | Sequence[int]
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: np.ndarray | Sequence[int],
+        start: RadixNode | None = None,
     ) -> tuple[int, RadixNode]:
         """``insert``, and the node that ends exactly at the inserted whole pages (the one
-        ``match_prefix`` of those tokens would return next: no walk again to lock it)."""
+        ``match_prefix`` of those tokens would return next: no walk again to lock it).
+
+        ``start``: a node in the tree whose path from the root spells the first
+        ``start.prefix_len`` of ``tokens`` (a sequence's locked node): the walk goes on from
+        there, stamping it and its ancestors as the walk down to it would, without comparing
+        the tokens on the way."""
         key = _as_token_tuple(tokens)
         if key:
             head_inserts = self.head_inserts
@@ -324,6 +335,12 @@ class RadixCache:
         node = self.root
         node.last_access = tick
         pos = 0
+        if start is not None and start is not node and start.prefix_len <= end:
+            node, pos = start, start.prefix_len
+            above: RadixNode | None = start
+            while above is not None:
+                above.last_access = tick
+                above = above.parent
         while pos < end:
             child_key = key[pos] if ps == 1 else key[pos : pos + ps]
             child = node.children.get(child_key)

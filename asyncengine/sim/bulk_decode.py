@@ -30,7 +30,7 @@ from asyncengine.admission import DECODE_TURN, Admission
 from asyncengine.cache.manager import SeqKV
 from asyncengine.core import EngineCore
 from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
-from asyncengine.policies.base import Policy
+from asyncengine.policies.base import Policy, StepBudget
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sim.closed_admission import closed_admission
 from asyncengine.sim.simulated_executor import SimulatedExecutor
@@ -192,10 +192,10 @@ class BulkDecode:
             return False
         core, sched, kv = self.core, self.core.scheduler, self.core.kv
         j = len(self.times)
-        need = self.buckets.get(-j % self.page_size, [])
-        if len(need) > kv.available_pages:
-            return False  # retraction: the step-by-step path's
+        need = self.buckets.get(-j % self.page_size)
         if need:  # their next token starts a page: allocated in running order
+            if len(need) > kv.available_pages:
+                return False  # retraction: the step-by-step path's
             seqs = []
             for member in need:
                 seq = member.seq
@@ -286,10 +286,16 @@ class BulkDecode:
         sched.step_count += 1
         plan = BatchPlan(step=sched.step_count)
         sched.step_guesses = {}
-        admission = Admission(DECODE_TURN)
         if sched.waiting or sched.prefilling:
-            budget = sched.policy.budget(sched._context(num_decodes))
+            policy = sched.policy
+            if type(policy).budget is Policy.budget:  # the config's limits: no context needed
+                config = sched.config
+                budget = StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
+            else:
+                budget = policy.budget(sched._context(num_decodes))
             admission = sched._admit(plan, budget, num_decodes)
+        else:
+            admission = Admission(DECODE_TURN)
         sched.consecutive_prefill_steps = 0  # the step decodes
         if not plan.extends:
             config = sched.config
