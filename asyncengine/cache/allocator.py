@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 _SMALL = 64  # frees of at most this many pages are checked with Python ints
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles only some builtin bases
 class OutOfPagesError(RuntimeError):
     """Not enough free KV pages for an allocation (the caller may evict, wait or retract)."""
 
