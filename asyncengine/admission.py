@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from asyncengine.request import Request
 
 TOKEN_BUDGET = "token_budget"
@@ -62,6 +64,7 @@ class Admission:
     preempted: list[Request] = field(default_factory=list)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests' reference log subclasses it
 class AdmissionLog:
     """Counts of admission blocks: per step (``steps``) and per request (``Request.blocked``).
 

@@ -27,7 +27,7 @@ from asyncengine.waiting_queue import WaitingQueue
 
 
 class Prefill:
-    """Mixed into Scheduler, whose state these are."""
+    """Retraction's base, so Scheduler's, whose state these are."""
 
     kv: KVCacheManager
     page_size: int

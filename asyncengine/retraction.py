@@ -11,38 +11,34 @@ from __future__ import annotations
 import logging
 
 from asyncengine.admission import AdmissionLog
-from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.policies.victims import order_victims
+from asyncengine.prefill import Prefill
 from asyncengine.request import Request, RequestStatus
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.settings import SpeculativeConfig
-from asyncengine.waiting_queue import WaitingQueue
 
 log = logging.getLogger("asyncengine.scheduler")
 
 
-class Retraction:
-    """Mixed into Scheduler, whose state these are."""
+class Retraction(Prefill):
+    """Scheduler's base (one chain of bases, not mixins, so that mypyc compiles the three as
+    one native class), whose state these are; ``Prefill``'s are declared there."""
 
     config: EngineConfig
-    kv: KVCacheManager
     policy: Policy
     admission: AdmissionLog
-    page_size: int
     max_model_len: int
     new_token_ratio: float
     running: list[Request]
-    waiting: WaitingQueue
     total_retractions: int
     total_preemptions: int
     speculation: SpeculativeConfig | None
     step_guesses: dict[str, list[int]]
     step_drafts: dict[str, int]
-    swapped: dict[int, SwappedKV]
     recompute_until: dict[int, int]
     total_computed_tokens: int
     total_recomputed_tokens: int

@@ -33,7 +33,6 @@ from asyncengine.config import EngineConfig
 from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
-from asyncengine.prefill import Prefill
 from asyncengine.prompt_scoring import (
     cache_match_limit,
     keep_scores,
@@ -66,7 +65,7 @@ class Committed(NamedTuple):
     prompts_done: list[Request]
 
 
-class Scheduler(Retraction, Prefill):
+class Scheduler(Retraction):  # and Prefill, Retraction's base
     def __init__(
         self,
         config: EngineConfig,

@@ -9,7 +9,8 @@ with the given arrivals (``--compact``: the same random requests held as arrays,
 million-request run needs to fit in memory); ``poisson:2`` is about twice what the default cost model serves, so
 the waiting queue grows through the run (the overload case). Each policy runs ``--repeats``
 times on a fresh simulator; the table gives the median CPU and wall seconds of ``run`` (the
-workload is generated once, outside the timing).
+workload is generated once, outside the timing). The last line says whether the scheduler, KV
+cache and step loop ran compiled (mypyc, ``make setup``) or interpreted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.compiled import core_kind
 from asyncengine.config import EngineConfig
 from asyncengine.script_main import run_main
 from asyncengine.sim import CostModel, simulate
@@ -134,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             f"{timing.completed:7d} {timing.cache_hit_rate:6.3f}",
             flush=True,
         )
-    print(f"peak RSS {peak_rss_mb():.0f} MB")
+    core = core_kind()  # mypyc's build (make setup) or the .py files: scripts/build_native.py
+    print(f"peak RSS {peak_rss_mb():.0f} MB; core {core}")
     if args.out:
         report = {
             "num_requests": args.num_requests,
@@ -144,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             "bulk_decode": not args.step_by_step,
             "compact": args.compact,
             "peak_rss_mb": peak_rss_mb(),
+            "core": core,
             "python": platform.python_version(),
             "machine": platform.processor() or platform.machine(),
             "timings": [

@@ -22,11 +22,12 @@ MAPPED = {
 }
 
 
-def link_tree() -> None:
-    shutil.rmtree(TREE, ignore_errors=True)
+def link_tree(tree: Path = TREE) -> None:
+    """The installed layout under ``tree`` (scripts/build_native.py compiles in one too)."""
+    shutil.rmtree(tree, ignore_errors=True)
     for installed, folder in MAPPED.items():
         for source in (ROOT / folder).rglob("*.py"):
-            target = TREE / installed / source.relative_to(ROOT / folder)
+            target = tree / installed / source.relative_to(ROOT / folder)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.symlink_to(source)
 

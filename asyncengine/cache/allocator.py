@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 # frees of at most this many pages are checked with Python ints (quicker than the numpy checks
 # up to ~1,000 pages: an eviction for a prompt frees tens to hundreds)
 _SMALL = 1024
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles only some builtin bases
 class OutOfPagesError(RuntimeError):
     """Not enough free KV pages for an allocation (the caller may evict, wait or retract)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from asyncengine.plan import PageWrite
 
@@ -23,6 +24,7 @@ from asyncengine.plan import PageWrite
 _FEW_WRITES = 16
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles only some builtin bases
 class OutOfRowsError(RuntimeError):
     """Every page-table row is taken (more live requests than ``max_rows``)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from asyncengine.bench.records import RequestRecord
 from asyncengine.core import EngineCore
@@ -66,6 +67,7 @@ def shared_token_ints(workload: CompactWorkload) -> np.ndarray | None:
     return ints
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles only some builtin bases
 class SchedulerStuckError(RuntimeError):
     """Requests wait, nothing more arrives, and the scheduler plans nothing."""
 
