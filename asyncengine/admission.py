@@ -63,6 +63,26 @@ class Admission:
     skipped: list[Request] = field(default_factory=list)  # did not fit in KV; passed over
     preempted: list[Request] = field(default_factory=list)
 
+    # Written out because mypyc compiles this class (every step makes one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        stopped: str | None = None,
+        window: list[Request] | None = None,
+        admitted: list[Request] | None = None,
+        deferred: list[Request] | None = None,
+        held: list[Request] | None = None,
+        skipped: list[Request] | None = None,
+        preempted: list[Request] | None = None,
+    ) -> None:
+        self.stopped = stopped
+        self.window = [] if window is None else window
+        self.admitted = [] if admitted is None else admitted
+        self.deferred = [] if deferred is None else deferred
+        self.held = [] if held is None else held
+        self.skipped = [] if skipped is None else skipped
+        self.preempted = [] if preempted is None else preempted
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests' reference log subclasses it
 class AdmissionLog:

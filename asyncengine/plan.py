@@ -42,6 +42,30 @@ class Segment:
     # of them are allocated); StepOutput.drafted says which it guessed
     draft: int = 0
 
+    # Written out because mypyc compiles this class (a row of every step) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        rid: str,
+        row: int,
+        input_ids: list[int],
+        start_pos: int,
+        sample: bool,
+        pool: str | None = None,
+        scoring: PromptScoring | None = None,
+        guesses: int = 0,
+        draft: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.row = row
+        self.input_ids = input_ids
+        self.start_pos = start_pos
+        self.sample = sample
+        self.pool = pool
+        self.scoring = scoring
+        self.guesses = guesses
+        self.draft = draft
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
@@ -151,6 +175,34 @@ class BatchPlan:
     # retracted): what an executor keeps per row of its own (a draft model's KV) goes
     released_rows: list[int] = field(default_factory=list)
 
+    # Written out because mypyc compiles this class (every step makes one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        step: int,
+        extends: list[Segment] | None = None,
+        decodes: list[Segment] | None = None,
+        sampling: list[SamplingInfo] | None = None,
+        page_writes: list[PageWrite] | None = None,
+        swap_out: list[SwapCopy] | None = None,
+        swap_in: list[SwapCopy] | None = None,
+        page_copies: list[tuple[int, int]] | None = None,
+        kv_copies: list[tuple[int, int]] | None = None,
+        shared_scores: dict[str, list[SharedScores]] | None = None,
+        released_rows: list[int] | None = None,
+    ) -> None:
+        self.step = step
+        self.extends = [] if extends is None else extends
+        self.decodes = [] if decodes is None else decodes
+        self.sampling = [] if sampling is None else sampling
+        self.page_writes = [] if page_writes is None else page_writes
+        self.swap_out = [] if swap_out is None else swap_out
+        self.swap_in = [] if swap_in is None else swap_in
+        self.page_copies = [] if page_copies is None else page_copies
+        self.kv_copies = [] if kv_copies is None else kv_copies
+        self.shared_scores = {} if shared_scores is None else shared_scores
+        self.released_rows = [] if released_rows is None else released_rows
+
     @property
     def segments(self) -> list[Segment]:
         return self.extends + self.decodes
@@ -214,6 +266,30 @@ class StepOutput:
     accepted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
     drafted: list[list[int]] = field(default_factory=list)
     swap_seconds: float = 0.0  # of which copying the plan's swaps (preemption_mode "swap")
+
+    # Written out because mypyc compiles this class (every step makes one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        forward_seconds: float = 0.0,
+        pooled: list[list[float]] | None = None,
+        prompt_logprobs: list[list[TokenLogprobs]] | None = None,
+        accepted: list[int] | None = None,
+        accepted_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        drafted: list[list[int]] | None = None,
+        swap_seconds: float = 0.0,
+    ) -> None:
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.forward_seconds = forward_seconds
+        self.pooled = [] if pooled is None else pooled
+        self.prompt_logprobs = [] if prompt_logprobs is None else prompt_logprobs
+        self.accepted = [] if accepted is None else accepted
+        self.accepted_logprobs = [] if accepted_logprobs is None else accepted_logprobs
+        self.drafted = [] if drafted is None else drafted
+        self.swap_seconds = swap_seconds
 
 
 @dataclass(frozen=True, slots=True)

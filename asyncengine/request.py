@@ -97,6 +97,60 @@ class Request:
     proposed_guesses: int = 0
     accepted_guesses: int = 0
 
+    # Written out because mypyc compiles this class (every request makes one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        output_ids: list[int] | None = None,
+        status: RequestStatus = RequestStatus.WAITING,
+        seq: SeqKV | None = None,
+        finish_reason: str | None = None,
+        matched_stop: str | int | None = None,
+        cached_tokens: int = 0,
+        retractions: int = 0,
+        first_scheduled_time: float | None = None,
+        first_token_time: float | None = None,
+        finished_time: float | None = None,
+        token_times: list[float] | None = None,
+        grammar: Grammar | None = None,
+        text: OutputText | None = None,
+        embedding: PooledEmbedding | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
+        borrowed_scores: int = 0,
+        blocked: dict[str, int] | None = None,
+        proposer: Proposer | None = None,
+        proposed_guesses: int = 0,
+        accepted_guesses: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival_time = arrival_time
+        self.output_ids = [] if output_ids is None else output_ids
+        self.status = status
+        self.seq = seq
+        self.finish_reason = finish_reason
+        self.matched_stop = matched_stop
+        self.cached_tokens = cached_tokens
+        self.retractions = retractions
+        self.first_scheduled_time = first_scheduled_time
+        self.first_token_time = first_token_time
+        self.finished_time = finished_time
+        self.token_times = [] if token_times is None else token_times
+        self.grammar = grammar
+        self.text = text
+        self.embedding = embedding
+        self.prompt_logprobs = [] if prompt_logprobs is None else prompt_logprobs
+        self.borrowed_scores = borrowed_scores
+        self.blocked = {} if blocked is None else blocked
+        self.proposer = proposer
+        self.proposed_guesses = proposed_guesses
+        self.accepted_guesses = accepted_guesses
+
     @property
     def all_ids(self) -> list[int]:
         """Prompt then output. Read-only: it may be ``prompt_ids`` itself."""

@@ -25,6 +25,22 @@ class TokenEvent:
     output_len: int
     finished: bool = False
 
+    # Written out because mypyc compiles this class (one per sampled token) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        req: Request,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        output_len: int,
+        finished: bool = False,
+    ) -> None:
+        self.req = req
+        self.token_id = token_id
+        self.logprobs = logprobs
+        self.output_len = output_len
+        self.finished = finished
+
 
 @dataclass(slots=True)
 class StepEvents:
@@ -43,6 +59,26 @@ class StepEvents:
     released: list[Request] = field(default_factory=list)
     error: BaseException | None = None
     forward_seconds: float = 0.0
+
+    # Written out because mypyc compiles this class (every step makes one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        plan: BatchPlan | None = None,
+        tokens: list[TokenEvent] | None = None,
+        ended: list[Request] | None = None,
+        failed: list[Request] | None = None,
+        released: list[Request] | None = None,
+        error: BaseException | None = None,
+        forward_seconds: float = 0.0,
+    ) -> None:
+        self.plan = plan
+        self.tokens = [] if tokens is None else tokens
+        self.ended = [] if ended is None else ended
+        self.failed = [] if failed is None else failed
+        self.released = [] if released is None else released
+        self.error = error
+        self.forward_seconds = forward_seconds
 
     @property
     def expired(self) -> list[Request]:

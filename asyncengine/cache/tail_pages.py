@@ -57,6 +57,22 @@ class TailPage:
     scores: tuple[TokenLogprobs, ...] = ()
     top_k: int | None = None
 
+    # Written out because mypyc compiles this class (an ended sequence keeps one) and leaves a
+    # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
+    def __init__(
+        self,
+        page: int,
+        prefix: tuple[int, ...],
+        tokens: tuple[int, ...],
+        scores: tuple[TokenLogprobs, ...] = (),
+        top_k: int | None = None,
+    ) -> None:
+        self.page = page
+        self.prefix = prefix
+        self.tokens = tokens
+        self.scores = scores
+        self.top_k = top_k
+
 
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
