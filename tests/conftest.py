@@ -178,6 +178,19 @@ def tiny_qwen2(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     return tiny_checkpoints["qwen2_bias"]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A compiled module edited since its build would run its old code (its ``.so`` shadows the
+    ``.py``): stop before any test runs, saying which (asyncengine/compiled.py)."""
+    from asyncengine.compiled import stale_modules
+
+    stale = stale_modules()
+    if stale:
+        raise pytest.UsageError(
+            f"edited since the compiled build: {', '.join(stale)} (the old .so would run); "
+            "run make setup, or .venv/bin/python scripts/build_native.py --if-stale"
+        )
+
+
 # Tests that start a local Ray cluster: one cluster at a time under pytest-xdist
 RAY_TEST_FILES = frozenset(
     {"tests/test_ray_cli.py", "tests/test_ray_replicas.py", "tests/test_policy_sweeps.py"}
