@@ -92,7 +92,7 @@ class StepThreads:
     def observe_share(self, seconds: float, cpu_seconds: float) -> None:
         """A watched step ran on all threads for ``seconds`` and used ``cpu_seconds``."""
         share = cpu_seconds / (self.most * seconds) if seconds > 0 else 1.0
-        self.cpu_share = SHARE_SMOOTHING * share + (1 - SHARE_SMOOTHING) * self.cpu_share
+        self.cpu_share = _smoothed(self.cpu_share, share, SHARE_SMOOTHING)
 
     def pick(self, rows: int, kind: bool) -> int:
         c = self.classes.setdefault((kind, _size_class(rows)), _Class())
@@ -142,8 +142,8 @@ class StepThreads:
         return min(c.seconds_per_row, key=lambda n: c.seconds_per_row[n])
 
 
-def _smoothed(before: float, now: float) -> float:
-    return SMOOTHING * now + (1 - SMOOTHING) * before
+def _smoothed(before: float, now: float, weight: float = SMOOTHING) -> float:
+    return weight * now + (1 - weight) * before
 
 
 def step_threads(threads: int) -> StepThreads | None:
@@ -165,11 +165,10 @@ def run_on_chosen_threads(
 ) -> T:
     """``step()`` on the thread count the chooser picks for ``rows`` rows of ``kind``, timed by
     ``clock``, then the thread count set back to ``chooser.most``; on all threads where it does
-    not choose (timed only if watched). ``cpu_clock`` is the process's CPU time."""
+    not choose (those are watched steps: their CPU share is measured). ``cpu_clock`` is the
+    process's CPU time."""
     watched = chooser.watches(rows, kind)
-    if not chooser.chooses(rows, kind):
-        if not watched:
-            return step()
+    if not chooser.chooses(rows, kind):  # a watched step while the cores are the process's
         start, cpu_start = clock(), cpu_clock()
         out = step()
         chooser.observe_share(clock() - start, cpu_clock() - cpu_start)
