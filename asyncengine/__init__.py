@@ -5,19 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from asyncengine import quiet_exit
-from asyncengine.config import EngineConfig
-from asyncengine.errors import (
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.errors import (
     EngineError,
     EngineNotRunningError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
 )
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncengine.engine import AsyncEngine
-    from asyncengine.outputs import GenerateOutput, StreamDelta
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.common.outputs import GenerateOutput, StreamDelta
 
 __version__ = "0.1.0"
 
@@ -40,11 +40,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The engine pulls in torch and the model code; import it only when asked for.
     if name == "AsyncEngine":
-        from asyncengine.engine import AsyncEngine
+        from asyncengine.api.engine import AsyncEngine
 
         return AsyncEngine
     if name in ("GenerateOutput", "StreamDelta"):
-        from asyncengine import outputs
+        from asyncengine.common import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'asyncengine' has no attribute {name!r}")

@@ -8,9 +8,9 @@ import logging
 import sys
 from typing import Any
 
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.event_loop import run
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.api.event_loop import run
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.port import PortInUseError
 
 
@@ -229,7 +229,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 async def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool) -> None:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     async with AsyncEngine(config) as engine:
         request: Any = [{"role": "user", "content": prompt}] if chat else prompt
@@ -250,7 +250,7 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams, c
 
 
 async def _chat(config: EngineConfig, params: SamplingParams, system: str | None) -> None:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     async with AsyncEngine(config) as engine:
         history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

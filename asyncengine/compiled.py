@@ -17,7 +17,6 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 COMPILED_MODULES: tuple[str, ...] = (
-    "asyncengine.admission",
     "asyncengine.bench.records",
     "asyncengine.cache.allocator",
     "asyncengine.cache.manager",
@@ -25,23 +24,24 @@ COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.cache.prompt_scores",
     "asyncengine.cache.radix_cache",
     "asyncengine.cache.tail_pages",
-    "asyncengine.lifecycle",
-    "asyncengine.plan",
-    "asyncengine.prefill",
-    "asyncengine.prompt_scoring",
-    "asyncengine.request",
-    "asyncengine.retraction",
-    "asyncengine.scheduler",
+    "asyncengine.common.plan",
+    "asyncengine.common.request",
+    "asyncengine.core.lifecycle",
+    "asyncengine.scheduler.admission",
+    "asyncengine.scheduler.prefill",
+    "asyncengine.scheduler.prompt_scoring",
+    "asyncengine.scheduler.retraction",
+    "asyncengine.scheduler.scheduler",
+    "asyncengine.scheduler.step_events",
+    "asyncengine.scheduler.step_prefixes",
+    "asyncengine.scheduler.step_shares",
+    "asyncengine.scheduler.waiting_queue",
     "asyncengine.sim.bulk_decode",
     "asyncengine.sim.clock",
     "asyncengine.sim.closed_admission",
     "asyncengine.sim.simulated_executor",
     "asyncengine.sim.simulator",
     "asyncengine.sim.workload_replay",
-    "asyncengine.step_events",
-    "asyncengine.step_prefixes",
-    "asyncengine.step_shares",
-    "asyncengine.waiting_queue",
 )
 
 PACKAGE = Path(__file__).resolve().parent
@@ -50,7 +50,7 @@ BUILD_RECORD = PACKAGE / "compiled.json"
 
 
 def source_path(module: str) -> Path:
-    """The ``.py`` of one of COMPILED_MODULES (all live under ``asyncengine/`` itself)."""
+    """The ``.py`` of one of COMPILED_MODULES (all live under ``asyncengine/``)."""
     return PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
 
 

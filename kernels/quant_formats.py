@@ -17,7 +17,7 @@ import torch
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
     name: str
-    code: int  # the format's number in kernels/cpu_quant_matmul.c
+    code: int  # the format's number in kernels/cpu/cpu_quant_matmul.c
     block_size: int  # values per block
     block_bytes: int  # bytes per block
     gguf_type: int | None  # GGMLQuantizationType's value; None: ours (not a GGUF type)
@@ -41,7 +41,7 @@ Q6_K = QuantFormat("Q6_K", 5, 256, 210, 14)
 # "int8" of a float checkpoint). The kernel reads values in blocks of 32.
 I8 = QuantFormat("I8", 6, 32, 32, None, row_header_bytes=4)
 # ours: a dense float32 weight as it is (4 bytes per value), so that the native products and the
-# fused decode step take a float32 model's projections like any stored format (executor/linear.py
+# fused decode step take a float32 model's projections like any stored format (executor/layers/linear.py
 # makes them; not a GGUF type here: GGUF's F32 tensors load as plain tensors)
 F32 = QuantFormat("F32", 7, 1, 4, None)
 # ours: a dense bfloat16 weight as it is (2 bytes per value), as F32 for a bfloat16 model (the
@@ -59,7 +59,7 @@ GGUF_FORMATS: dict[int, QuantFormat] = {
 
 
 # Q8_0, Q4_0 and Q4_1 weights are kept in interleaved groups of this many rows once loaded
-# (kernels/cpu_quant_blocks.h describes the layout; kernels/quant_native.interleave packs them)
+# (kernels/cpu/cpu_quant_blocks.h describes the layout; kernels/cpu/quant_native.interleave packs them)
 INTERLEAVED_ROWS = 8
 INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
 

@@ -11,8 +11,8 @@ from asyncengine.speculative.rules import rule_guesses
 from asyncengine.speculative.settings import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from asyncengine.plan import BatchPlan
-    from asyncengine.request import Request
+    from asyncengine.common.plan import BatchPlan
+    from asyncengine.common.request import Request
 
 
 class SchedulingConfig(Protocol):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, take_options
 from asyncengine.policies.prompt_trie import BlockChains, TrieNode, build_trie
-from asyncengine.request import Request
 
 
 class DFSWeightPolicy(Policy):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
 from asyncengine.policies.latency_model import LatencyModel
 

@@ -24,9 +24,9 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, take_options
-from asyncengine.request import Request
 
 
 def tenant_of(req: Request) -> str:

@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
 
 
 class LatencyModel:

@@ -16,7 +16,7 @@ import numpy as np
 from asyncengine.policies.length_predictor import LengthPredictor, predictor_options
 
 if TYPE_CHECKING:
-    from asyncengine.request import Request
+    from asyncengine.common.request import Request
 
 Key = tuple[str | None, int | None]
 

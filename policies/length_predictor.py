@@ -24,7 +24,7 @@ import numpy as np
 from asyncengine.policies.base import take_options
 
 if TYPE_CHECKING:
-    from asyncengine.request import Request
+    from asyncengine.common.request import Request
 
 NATURAL_ENDS = ("stop", "length")  # the request generated all it was going to
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.config import ConfigError
+from asyncengine.common.config import ConfigError
 from asyncengine.policies.length_history import HistoryPredictor
 from asyncengine.policies.length_predictor import (
     LengthPredictor,

@@ -9,9 +9,9 @@ where long jobs hold the batch. Waiting is aged and capped as in sjf (``aging``,
 
 from __future__ import annotations
 
+from asyncengine.common.request import Request
 from asyncengine.policies.base import PolicyContext
 from asyncengine.policies.sjf import SJFPolicy
-from asyncengine.request import Request
 
 
 class LTRPolicy(SJFPolicy):

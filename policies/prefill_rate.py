@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
 
 
 @dataclass(slots=True)

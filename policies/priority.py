@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, take_options
 from asyncengine.policies.prefill_rate import PrefillRate
-from asyncengine.request import Request
 
 
 class PriorityPolicy(Policy):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncengine.request import Request
+from asyncengine.common.request import Request
 
 _NO_POSITION = 1 << 62
 

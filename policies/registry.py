@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncengine.config import ConfigError
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import ConfigError
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.dfs_weight import DFSWeightPolicy
 from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
@@ -20,7 +21,6 @@ from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
 from asyncengine.policies.token_budget import TokenBudgetPolicy
-from asyncengine.request import Request
 
 BUILTIN: dict[str, type[Policy]] = {
     cls.name: cls

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
 from asyncengine.policies.latency_model import LatencyModel
 from asyncengine.policies.prefill_rate import PrefillRate
-from asyncengine.request import Request
 
 
 class SLOPolicy(Policy):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncengine.request import Request
+    from asyncengine.common.request import Request
 
 
 def _newest(req: Request) -> tuple[float, ...]:

@@ -7,7 +7,7 @@ layer over and over measures the L3, not the step. This one gives each of ``--la
 its own pool (pages shuffled, as a long-running pool's are) and times a pass over all of them:
 ms per layer, and GB/s of K/V read. Rows: each ``--shapes`` entry (batch x context) and dtype.
 
-``--baseline-rev REV`` compiles ``kernels/cpu_decode_attention.c`` as it was at git revision
+``--baseline-rev REV`` compiles ``kernels/cpu/cpu_decode_attention.c`` as it was at git revision
 REV with the same flags and times it interleaved with today's (same pools, same queries,
 alternating passes, medians): the ratio column is baseline / current. Outputs are compared
 too (max abs difference). The torch reference path (``--torch``) can be timed as well.
@@ -35,12 +35,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncengine.kernels import cpu_native  # noqa: E402
-from asyncengine.kernels.attention_native import (  # noqa: E402
+from asyncengine.kernels.cpu import cpu_native  # noqa: E402
+from asyncengine.kernels.cpu.attention_native import (  # noqa: E402
     native_decode_attention,
     plan_native_decode,
 )
-from asyncengine.kernels.attention_ref import decode_attention  # noqa: E402
+from asyncengine.kernels.reference.attention_ref import decode_attention  # noqa: E402
 from asyncengine.script_main import run_main  # noqa: E402
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -89,7 +89,7 @@ class Pools:
 def compile_baseline(rev: str) -> Callable[..., int]:
     """The decode kernel of git revision ``rev``, compiled as cpu_native compiles today's."""
     source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu_decode_attention.c"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu/cpu_decode_attention.c"],
         check=True,
         capture_output=True,
         text=True,
@@ -97,7 +97,8 @@ def compile_baseline(rev: str) -> Callable[..., int]:
     workdir = Path(tempfile.mkdtemp(prefix="bench_cpu_attention_"))
     for header in cpu_native.SOURCE_DIR.glob("*.h"):  # the revision's, else today's
         shown = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:kernels/{header.name}"], capture_output=True
+            ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu/{header.name}"],
+            capture_output=True,
         )
         (workdir / header.name).write_bytes(
             shown.stdout if shown.returncode == 0 else header.read_bytes()

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from asyncengine.common.plan import SamplingInfo
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.sampler import Sampler
-from asyncengine.kernels import cpu_native, decode_step_native, quant_native
-from asyncengine.plan import SamplingInfo
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.kernels.cpu import cpu_native, decode_step_native, quant_native
 from asyncengine.script_main import run_main
 from scripts.bench_decode_step import Bench
 
@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if ours_step is None or ours_quant is None:
         raise RuntimeError("the native kernels are not available here")
     build = Path(tempfile.mkdtemp(prefix="bench_decode_ab-"))
-    kernels = args.baseline / "kernels"
+    # the C sources: kernels/cpu/ in this layout, kernels/ in older checkouts
+    kernels = next(
+        folder
+        for folder in (args.baseline / "kernels" / "cpu", args.baseline / "kernels")
+        if (folder / "cpu_decode_step.c").exists()
+    )
     paths = {
         "baseline": Libraries(
             _compile(kernels, "cpu_decode_step", build),

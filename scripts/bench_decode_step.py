@@ -1,4 +1,4 @@
-"""Decode steps of a quantized model: the fused native step (executor/native_decode.py) against
+"""Decode steps of a quantized model: the fused native step (executor/cpu/native_decode.py) against
 the torch path of the same model, per decode batch size, and where a batch-1 step's time goes.
 
 Both paths run in one process on one model and pool, alternating step by step (A, B, A, B...),
@@ -17,10 +17,10 @@ projections), the fused C call, the LM head, greedy sampling of one row, and the
 The fused column is the fused step wherever the model's step takes the batch
 (``native_decode.max_rows``), else the torch path as the engine would run it. ``--dense`` adds a
 third path: the torch path with every projection on the dense float32 product (the quantized
-weights dequantized once), to see the crossover (executor/linear.py) at whole-step level.
+weights dequantized once), to see the crossover (executor/layers/linear.py) at whole-step level.
 
 ``--baseline-library`` adds a column: the fused step on another build of
-kernels/cpu_decode_step.c for the run's pool (say main's, from its kernel cache: the same C
+kernels/cpu/cpu_decode_step.c for the run's pool (say main's, from its kernel cache: the same C
 interface; with ``--dtype bfloat16`` its -DKV_BF16 build), alternating
 with this tree's, for a before/after within one process on a busy machine:
 
@@ -72,17 +72,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.executor import native_decode
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import FLOAT_ROWS_ENV, QuantizedLinear
+from asyncengine.executor.layers.linear import FLOAT_ROWS_ENV, QuantizedLinear
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.loader.quantized import load_model
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
-from asyncengine.kernels import decode_step_native
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.kernels.cpu import decode_step_native
 from asyncengine.script_main import run_main
 
 _clock = time.perf_counter

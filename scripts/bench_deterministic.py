@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.config import EngineConfig
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 
 MODES = {"default": False, "deterministic": True}
@@ -93,7 +93,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     engines = {}
     for name, deterministic in MODES.items():

@@ -28,12 +28,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncengine.kernels.attention_native import (  # noqa: E402
+from asyncengine.kernels.cpu.attention_native import (  # noqa: E402
     extend_kernel_runs,
     native_extend_attention,
     plan_native_extend,
 )
-from asyncengine.kernels.attention_ref import extend_attention_planned, plan_extend  # noqa: E402
+from asyncengine.kernels.reference.attention_ref import extend_attention_planned, plan_extend  # noqa: E402
 from asyncengine.script_main import run_main  # noqa: E402
 
 CPU_TIME = False  # --cpu-time: the process's CPU seconds (all threads), not wall

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.layers.model import LlamaModel
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
-from asyncengine.executor.model import LlamaModel
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.plan import BatchPlan, Segment
 from asyncengine.script_main import run_main
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

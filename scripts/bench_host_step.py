@@ -51,12 +51,12 @@ import numpy as np
 import torch
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.forward_batch import build_forward_batch
 from asyncengine.executor.sampler import Sampler
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.sampling_params import SamplingParams
 
 TOKEN_OFFSET = 1000  # stand-in logits column c samples token TOKEN_OFFSET + c (ordinary text)
 
@@ -199,7 +199,7 @@ def mixed_scenario(num_requests: int, batch: int, seed: int) -> Scenario:
 async def run_scenario(
     scenario: Scenario, tokenizer: Any, width: int, forward_ms: float, overlap: bool
 ) -> Row:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     executor = StandInExecutor(
         tokenizer.vocab_size, tuple(tokenizer.eos_token_ids), width, forward_ms

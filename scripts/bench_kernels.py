@@ -115,8 +115,8 @@ def bench_decode(
 ) -> Result:
     import torch.nn.functional as F
 
-    from asyncengine.kernels import attention_ref
-    from asyncengine.kernels.triton_decode_attention import decode_attention
+    from asyncengine.kernels.reference import attention_ref
+    from asyncengine.kernels.triton.triton_decode_attention import decode_attention
 
     kv = paged_kv(batch, context, kv_heads, head_dim, page_size=16)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=DTYPE)
@@ -156,8 +156,8 @@ def bench_extend(
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from asyncengine.kernels import attention_ref
-    from asyncengine.kernels.triton_extend_attention import extend_attention
+    from asyncengine.kernels.reference import attention_ref
+    from asyncengine.kernels.triton.triton_extend_attention import extend_attention
 
     total = prefix + new
     kv = paged_kv(batch, total, kv_heads, head_dim, page_size=16)
@@ -213,11 +213,11 @@ def bench_memory_bound(
 
 
 def bench_elementwise(copy_gbps: float) -> list[Result]:
-    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
-    from asyncengine.kernels.triton_activation import silu_and_mul
-    from asyncengine.kernels.triton_kv_store import store_kv
-    from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
-    from asyncengine.kernels.triton_rotary import apply_rotary
+    from asyncengine.kernels.reference import activation_ref, kv_store_ref, norm_ref, rotary_ref
+    from asyncengine.kernels.triton.triton_activation import silu_and_mul
+    from asyncengine.kernels.triton.triton_kv_store import store_kv
+    from asyncengine.kernels.triton.triton_norm import fused_add_rms_norm, rms_norm
+    from asyncengine.kernels.triton.triton_rotary import apply_rotary
 
     results = []
     rows, hidden = 16384, 4096
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "bench_kernels: no CUDA device here. The Triton kernels are benchmarked on a GPU; on "
             "CPU their correctness is tested under TRITON_INTERPRET=1 "
-            "(pytest tests/test_triton_kernels.py).",
+            "(pytest tests/kernels/test_triton_kernels.py).",
             file=sys.stderr,
         )
         return 2

@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.loader.default_model import tokenizer_dir
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.text.output_text import OutputText
 from asyncengine.text.tokenizer import Tokenizer

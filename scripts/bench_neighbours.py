@@ -5,7 +5,7 @@ Each run is a fresh process serving ``--num-requests`` requests at once (greedy,
 ``--output-len`` tokens each, the embedded default model, the default config), timed from the
 first submission to the last token, while ``N`` neighbour processes spin on the cores (``N`` in
 ``--neighbours``, 0: quiet). Two settings alternate within each repeat: ``adaptive`` (the
-default: ``executor/step_threads.py`` picks all threads or one per step, and every step chooses
+default: ``executor/cpu/step_threads.py`` picks all threads or one per step, and every step chooses
 once steps on all threads get less than their cores) and ``all threads``
 (``ASYNCENGINE_ADAPTIVE_THREADS=0``: every step on the process's starting count). The table
 gives medians of ``--repeats``: wall and CPU seconds, out tok/s, the median decode step, and
@@ -40,9 +40,9 @@ async def serve_batch(num_requests: int, output_len: int) -> dict[str, Any]:
     """One batch on a fresh engine; each step's rows, kind, thread count and time are logged."""
     import torch
 
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.common.sampling_params import SamplingParams
     from asyncengine.executor.runner import ModelRunner
-    from asyncengine.sampling_params import SamplingParams
 
     steps: list[tuple[int, bool, int, float]] = []  # rows, with prompt rows, threads, seconds
     execute = ModelRunner._execute

@@ -80,8 +80,8 @@ import peer_llamacpp
 import peer_vllm
 
 from asyncengine.bench.optimal_hit import optimal_hit
-from asyncengine.config import EngineConfig, key_value
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig, key_value
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
@@ -213,7 +213,7 @@ def _greedy(output_len: int) -> SamplingParams:
 async def _run_engine(
     config: EngineConfig, workload: Sequence[WorkloadRequest], label: str, progress: bool
 ) -> SystemRun:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     started = time.perf_counter()
     async with AsyncEngine(config) as engine:

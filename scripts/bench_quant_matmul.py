@@ -1,6 +1,6 @@
-"""The quantized matmul (kernels/cpu_quant_matmul.c) against the dense oneDNN projection of
-today (executor/linear.py's prepacked Linear), per batch size, on the embedded model's projection
-shapes: where the crossover lies (executor/linear.py's DENSE_FROM_ROWS).
+"""The quantized matmul (kernels/cpu/cpu_quant_matmul.c) against the dense oneDNN projection of
+today (executor/layers/linear.py's prepacked Linear), per batch size, on the embedded model's projection
+shapes: where the crossover lies (executor/layers/linear.py's DENSE_FROM_ROWS).
 
     python scripts/bench_quant_matmul.py [--formats Q4_1,Q8_0] [--rows 1,4,16,64,256]
         [--dtype float32] [--json out.json]
@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.executor.linear import Linear, QuantizedLinear
-from asyncengine.kernels import quant_native, quant_ref
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import FORMATS, bf16_rows, f32_rows
+from asyncengine.kernels.reference import quant_ref
 
 # (name, out_features, in_features) of SmolLM2-135M's projections; qkv/gate_up fused
 LAYER_SHAPES = [

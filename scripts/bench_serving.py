@@ -78,7 +78,7 @@ import peer_llamacpp
 import peer_vllm
 
 from asyncengine.bench.records import RequestRecord, summarize
-from asyncengine.config import key_value
+from asyncengine.common.config import key_value
 from asyncengine.script_main import run_main
 from asyncengine.workloads import Arrivals, load_trace, make_workload
 from asyncengine.workloads.trace import WorkloadRequest
@@ -834,7 +834,7 @@ def launch_system(
         return server, None
     from bench_offline import model_dir_for
 
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     model_dir = model_dir_for(model, dtype)
     config = EngineConfig.from_toml(args.config, model=model, dtype=dtype, device="cpu")
@@ -856,7 +856,7 @@ def launch_system(
 
 def serving_quantization(args: argparse.Namespace, serve_args: Sequence[str]) -> str:
     """The ``quantization`` asyncengine serves with: its ``--quantization``, else the config's."""
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     flag = serve_flag(serve_args, "--quantization")
     return flag or EngineConfig.from_toml(args.config).quantization

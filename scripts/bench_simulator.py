@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.common.config import EngineConfig
 from asyncengine.compiled import core_kind
-from asyncengine.config import EngineConfig
 from asyncengine.script_main import run_main
 from asyncengine.sim import CostModel, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
     if args.repeats < 1 or args.num_requests < 1:
         parser.error("--repeats and --num-requests must be >= 1")
 
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)  # retract notes
     arrivals = Arrivals.parse(args.arrivals)
     workload: Sequence[WorkloadRequest]
     if args.compact:

@@ -58,8 +58,8 @@ from bench_offline import (
     write_json,
 )
 
-from asyncengine.config import EngineConfig, key_value
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig, key_value
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 
 SYSTEMS = ("asyncengine", "vllm", "llamacpp")
@@ -205,7 +205,7 @@ def _greedy(n: int) -> SamplingParams:
 async def _asyncengine(
     config: EngineConfig, prompt: list[int], output_len: int, repeats: int
 ) -> dict[str, Any]:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     started = time.perf_counter()
     async with AsyncEngine(config) as engine:

@@ -40,9 +40,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.workloads.copy_heavy import (
     copy_heavy_prompts,

@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.sampling_params import StructuredOutput
 from asyncengine.executor.loader import DEFAULT_MODEL
-from asyncengine.plan import BatchPlan
-from asyncengine.sampling_params import StructuredOutput
 from asyncengine.structured import GrammarCompiler
 
 SCHEMA: dict[str, Any] = {
@@ -64,8 +64,8 @@ async def per_token_costs(engine: AsyncEngine, repeats: int) -> dict[str, float]
     adds to sampling a batch of 8 rows (one of them, and all of them, constrained)."""
     import torch
 
+    from asyncengine.common.plan import SamplingInfo
     from asyncengine.executor.sampler import Sampler
-    from asyncengine.plan import SamplingInfo
     from asyncengine.structured import GrammarMatcher
 
     constraint = StructuredOutput.json_schema(SCHEMA)

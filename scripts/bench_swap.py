@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from asyncengine.common.plan import SwapCopy
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.plan import SwapCopy
 from asyncengine.script_main import run_main
 
 

@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.loader.quantized import load_model
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.plan import BatchPlan, Segment
 from asyncengine.script_main import run_main
 
 PAGE_SIZE = 16

@@ -95,7 +95,7 @@ def draw_shape(rng: random.Random) -> tuple[int, int, int, int]:
 
 
 def check_decode(rng: random.Random, dtype: torch.dtype) -> float:
-    from asyncengine.kernels.triton_decode_attention import decode_attention
+    from asyncengine.kernels.triton.triton_decode_attention import decode_attention
 
     group, kv_heads, head_dim, page_size = draw_shape(rng)
     lengths = [
@@ -122,7 +122,7 @@ def check_decode(rng: random.Random, dtype: torch.dtype) -> float:
 
 
 def check_extend(rng: random.Random, dtype: torch.dtype) -> float:
-    from asyncengine.kernels.triton_extend_attention import extend_attention
+    from asyncengine.kernels.triton.triton_extend_attention import extend_attention
 
     group, kv_heads, head_dim, page_size = draw_shape(rng)
     batch = rng.randint(1, 8)
@@ -154,11 +154,11 @@ def check_extend(rng: random.Random, dtype: torch.dtype) -> float:
 
 
 def check_elementwise(rng: random.Random, dtype: torch.dtype) -> dict[str, float]:
-    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
-    from asyncengine.kernels.triton_activation import silu_and_mul
-    from asyncengine.kernels.triton_kv_store import store_kv
-    from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
-    from asyncengine.kernels.triton_rotary import apply_rotary
+    from asyncengine.kernels.reference import activation_ref, kv_store_ref, norm_ref, rotary_ref
+    from asyncengine.kernels.triton.triton_activation import silu_and_mul
+    from asyncengine.kernels.triton.triton_kv_store import store_kv
+    from asyncengine.kernels.triton.triton_norm import fused_add_rms_norm, rms_norm
+    from asyncengine.kernels.triton.triton_rotary import apply_rotary
 
     rows, hidden = rng.randint(1, 3000), rng.choice([64, 576, 1000, 4096])
     x = torch.randn((rows, hidden), device=DEVICE).to(dtype)

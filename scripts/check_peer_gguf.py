@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_llamacpp
 import torch
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.loader import (
     DEFAULT_MODEL,
     load_weights,
@@ -35,7 +36,6 @@ from asyncengine.executor.loader import (
     resolve_model,
     tokenizer_dir,
 )
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.text.tokenizer import Tokenizer
 
@@ -68,7 +68,7 @@ def compare_tokenizers(gguf_model_dir: Path, model_dir: Path) -> bool:
 
 
 async def greedy(model: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     config = EngineConfig.from_toml(None, model=model, dtype="float32", log_interval=0.0)
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncengine.config import key_value
+from asyncengine.common.config import key_value
 from asyncengine.script_main import run_main
 from asyncengine.sim.starvation import Outcome, StarvationReport, check_starvation
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> StarvationReport:
     options = json.loads(args.options)
     if not isinstance(options, dict):
         raise SystemExit("--options must be a JSON object")
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
 
     def show(outcome: Outcome) -> None:
         if not args.quiet:

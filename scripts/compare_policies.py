@@ -59,7 +59,7 @@ from asyncengine.bench.report import (
     write_figures,
     write_group_figure,
 )
-from asyncengine.config import EngineConfig, key_value
+from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.script_main import run_main
 from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
@@ -228,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
 
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes: counted
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(
+        logging.ERROR
+    )  # retract notes: counted
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.fit_from_trace and not args.trace:

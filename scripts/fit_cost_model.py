@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from asyncengine.builder import build_core
 from asyncengine.cache.manager import KVCacheManager, SeqKV
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.executor_api import Executor
 from asyncengine.executor.model_executor import ModelExecutor
-from asyncengine.executor_api import Executor
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.sim.cost_model import CostModel, StepFeatures
 

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import DEFAULT_MODEL, load_hf_config, resolve_model
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.kernels.attention_grouping import ExtendCost, extend_cost_for
-from asyncengine.kernels.attention_ref import extend_attention_planned, plan_extend
+from asyncengine.kernels.reference.attention_ref import extend_attention_planned, plan_extend
 from asyncengine.script_main import run_main
 
 # (requests, query length, cached prefix)

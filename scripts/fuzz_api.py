@@ -128,7 +128,7 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        from asyncengine.engine import AsyncEngine
+        from asyncengine.api.engine import AsyncEngine
         from asyncengine.server.app import create_app
         from asyncengine.server.serve import start_http
 
@@ -523,7 +523,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("fuzz_api.json"))
     args = parser.parse_args()
 
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     with tempfile.TemporaryDirectory() as scratch:
         model = str(tiny_model(Path(scratch))) if args.model == "tiny" else args.model

@@ -103,12 +103,12 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def decode_step(model_dir: Path, batches: list[int], context: int, repeats: int) -> dict[str, Any]:
     from asyncengine.cache.page_table import PageTable
+    from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+    from asyncengine.common.sampling_params import SamplingParams
     from asyncengine.executor.kv_pool import KVPool
+    from asyncengine.executor.layers.model_config import ModelConfig
     from asyncengine.executor.loader import load_hf_config, load_weights
-    from asyncengine.executor.model_config import ModelConfig
     from asyncengine.executor.runner import ModelRunner
-    from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-    from asyncengine.sampling_params import SamplingParams
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -201,7 +201,7 @@ def _random_batch(
     """A plan of random extends (with cached prefixes) and decodes over distinct random pages."""
     import numpy as np
 
-    from asyncengine.plan import BatchPlan, Segment
+    from asyncengine.common.plan import BatchPlan, Segment
 
     def randint(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi, (1,), generator=gen))
@@ -225,8 +225,8 @@ def _random_batch(
 def compare_backends(device: str, dtype: torch.dtype, cases: int, seed: int) -> float:
     """Worst relative error (norm of the difference over the reference's) of the FlashInfer
     backend's output against the torch backend's over random mixed batches."""
-    from asyncengine.executor.attention import TorchBackend
-    from asyncengine.executor.attention_flashinfer import FlashInferBackend
+    from asyncengine.executor.attention.flashinfer_backend import FlashInferBackend
+    from asyncengine.executor.attention.torch_backend import TorchBackend
     from asyncengine.executor.forward_batch import build_forward_batch
 
     gen = torch.Generator().manual_seed(seed)
@@ -270,8 +270,11 @@ def _timed_attention(backend: Any, fb: Any, q: torch.Tensor, caches: tuple, repe
     scale = q.shape[-1] ** -0.5
     if hasattr(backend, "attend") and type(backend).__name__ == "FlashInferBackend":
         return median_ms(lambda: backend.attend(q, k_cache, v_cache, metadata, scale), repeats)
-    from asyncengine.kernels.triton_decode_attention import choose_num_splits, decode_attention
-    from asyncengine.kernels.triton_extend_attention import extend_attention
+    from asyncengine.kernels.triton.triton_decode_attention import (
+        choose_num_splits,
+        decode_attention,
+    )
+    from asyncengine.kernels.triton.triton_extend_attention import extend_attention
 
     if fb.num_extends:
         return median_ms(
@@ -295,10 +298,10 @@ def _timed_attention(backend: Any, fb: Any, q: torch.Tensor, caches: tuple, repe
 
 def time_attention(repeats: int) -> list[dict[str, Any]]:
     """FlashInfer against the Triton kernels: decode at B x ctx, extend of one prompt."""
-    from asyncengine.executor.attention_flashinfer import FlashInferBackend
-    from asyncengine.executor.attention_triton import TritonBackend
+    from asyncengine.common.plan import BatchPlan, Segment
+    from asyncengine.executor.attention.flashinfer_backend import FlashInferBackend
+    from asyncengine.executor.attention.triton_backend import TritonBackend
     from asyncengine.executor.forward_batch import build_forward_batch
-    from asyncengine.plan import BatchPlan, Segment
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     heads, kv_heads, head_dim, page_size = 9, 3, 64, 16
@@ -342,7 +345,7 @@ def attention(cases: int, repeats: int) -> dict[str, Any]:
         result["error"] = f"import flashinfer: {exc!r}"
         return result
     if not torch.cuda.is_available():
-        from asyncengine.executor.attention_flashinfer import paged_kv_layout
+        from asyncengine.executor.attention.flashinfer_backend import paged_kv_layout
 
         table = torch.tensor([[3, 1, 2]], dtype=torch.int32)
         layout = paged_kv_layout(table, torch.tensor([20]), 16)

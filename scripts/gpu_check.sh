@@ -93,7 +93,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a timeout, say how it ended
 
 # (0) the GPU tests (skipped on a CPU: the dry run checks only that they are collected)
 part tests "$T_TESTS" bash -c "set -o pipefail; \"$PY\" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_engine_cuda.py tests/test_triton_model.py tests/test_flashinfer_backend.py \
+    tests/api/test_engine_cuda.py tests/executor/test_triton_model.py tests/executor/test_flashinfer_backend.py \
     2>&1 | tee \"$OUT/tests.txt\""
 
 TINY=""

@@ -7,7 +7,7 @@
 #
 # Then, with the device tool: carry [".whl", ".gpu_model"], command `bash scripts/gpu_check.sh`.
 #
-# - msgspec (asyncengine.config imports it) and gguf (the loader imports it): cp312 wheels.
+# - msgspec (asyncengine.common.config imports it) and gguf (the loader imports it): cp312 wheels.
 # - flashinfer-python 0.3.1.post1: its sdist (3.8 MB), built here into a pure-Python wheel
 #   without build isolation (no kernels are compiled: FlashInfer JIT-compiles them with nvcc on
 #   first use, there). Its other needs (einops, click, tabulate, requests, nvidia-ml-py, ninja,

@@ -209,8 +209,8 @@ async def run_load(cfg: LoadConfig) -> LoadReport:
 
 
 async def _run_with_local_server(cfg: LoadConfig, engine_model: str, dtype: str) -> LoadReport:
-    from asyncengine.config import EngineConfig
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.common.config import EngineConfig
     from asyncengine.server.app import create_app
     from asyncengine.server.serve import start_http
 

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncengine.builder import kv_capacity_pages
-from asyncengine.config import EngineConfig
-from asyncengine.executor.model_config import ModelConfig
-from asyncengine.executor_api import ModelSpec
+from asyncengine.common.config import EngineConfig
+from asyncengine.core.builder import kv_capacity_pages
+from asyncengine.core.executor_api import ModelSpec
+from asyncengine.executor.layers.model_config import ModelConfig
 
 SCRIPTS = Path(__file__).resolve().parent
 VENV_ENV = "VLLM_VENV"

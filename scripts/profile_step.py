@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from asyncengine.config import EngineConfig, key_value
-from asyncengine.plan import BatchPlan
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig, key_value
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 
@@ -89,7 +89,7 @@ def instrument(engine: Any, timer: Timer) -> list[BatchPlan]:
 
 
 async def engine_run(config: EngineConfig, workload: list, timer: Timer) -> tuple[float, list]:
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     async with AsyncEngine(config) as engine:
         warm = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
@@ -111,8 +111,8 @@ async def engine_run(config: EngineConfig, workload: list, timer: Timer) -> tupl
 def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]:
     """The engine's plans again on a fresh executor, alone in this thread, with the forward's
     parts timed."""
-    from asyncengine.builder import build_core
-    from asyncengine.executor.linear import Linear, QuantizedLinear
+    from asyncengine.core.builder import build_core
+    from asyncengine.executor.layers.linear import Linear, QuantizedLinear
     from asyncengine.executor.model_executor import ModelExecutor
 
     executor = ModelExecutor(config)

@@ -33,16 +33,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.cache.page_table import PageTable
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import QuantizedLinear
+from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
 from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir
 from asyncengine.executor.loader.gguf_loader import Weight
 from asyncengine.executor.loader.quantized import quantize_int8
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantizedTensor
-from asyncengine.plan import BatchPlan, Segment
 from asyncengine.text.tokenizer import Tokenizer
 
 # A fixed text the model was not tuned on (written for this check).

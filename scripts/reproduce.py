@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Outcome]]:
     unknown = [n for n in names if n not in REPRODUCTIONS]
     if unknown:
         parser.error(f"unknown reproduction(s) {unknown}; known: {', '.join(REPRODUCTIONS)}")
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)  # retract notes
     results: dict[str, dict[str, Outcome]] = {}
     for name in names:
         reproduction = REPRODUCTIONS[name]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.script_main import run_main
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.fidelity import (

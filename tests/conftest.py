@@ -193,7 +193,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 # Tests that start a local Ray cluster: one cluster at a time under pytest-xdist
 RAY_TEST_FILES = frozenset(
-    {"tests/test_ray_cli.py", "tests/test_ray_replicas.py", "tests/test_policy_sweeps.py"}
+    {
+        "tests/server/test_ray_cli.py",
+        "tests/server/test_ray_replicas.py",
+        "tests/sim/test_policy_sweeps.py",
+    }
 )
 
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncengine.builder import build_core
 from asyncengine.cache.page_table import PageTable
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, Segment, StepOutput
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, Segment, StepOutput
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.speculative.acceptance import accepted_prefix
 
 VOCAB = 1000

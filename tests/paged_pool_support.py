@@ -7,7 +7,7 @@ import torch
 
 from asyncengine.cache.page_table import PageTable
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.layers.model_config import ModelConfig
 
 
 def shuffled_page_table(

@@ -10,7 +10,7 @@ OBJECT_STORE_BYTES = 128 * 1024 * 1024
 
 
 def start_local_ray(num_cpus: int = 2) -> None:
-    from asyncengine.ray_local import init_ray
+    from asyncengine.api.ray_local import init_ray
 
     init_ray(num_cpus=num_cpus, object_store_bytes=OBJECT_STORE_BYTES)
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.server.app import create_app
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.serve import start_http
@@ -116,7 +116,7 @@ async def start_server(
     config: EngineConfig, engine: Any | None = None, **app_kwargs: Any
 ) -> RunningServer:
     """A started engine (or the one given) behind a fresh app on 127.0.0.1:<ephemeral port>."""
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     if engine is None:
         engine = AsyncEngine(config)

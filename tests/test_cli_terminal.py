@@ -54,4 +54,4 @@ def test_generate_shows_only_the_text_unless_verbose(
     verbose = cli(*common, "-v")
     assert verbose.returncode == 0, verbose.stderr[-2000:]
     assert verbose.stdout == quiet.stdout  # greedy: the same text
-    assert "INFO asyncengine.engine: engine ready" in verbose.stderr
+    assert "INFO asyncengine.api.engine: engine ready" in verbose.stderr

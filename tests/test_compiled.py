@@ -10,6 +10,8 @@ import importlib
 
 import pytest
 
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.compiled import (
     COMPILED_MODULES,
     build_record,
@@ -19,8 +21,6 @@ from asyncengine.compiled import (
     source_path,
     stale_modules,
 )
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 
 
 def test_the_built_modules_run_compiled_from_their_current_sources() -> None:
@@ -39,23 +39,23 @@ def test_the_built_modules_run_compiled_from_their_current_sources() -> None:
 # their required fields, given as a compiled class checks them (by type)
 REQUEST = Request("r", [1, 2], SamplingParams(), 0.0)
 WRITTEN_OUT_INITS: list[tuple[str, str, dict[str, object]]] = [
-    ("asyncengine.admission", "Admission", {}),
+    ("asyncengine.scheduler.admission", "Admission", {}),
     ("asyncengine.cache.tail_pages", "TailPage", {"page": 3, "prefix": (1,), "tokens": (2,)}),
-    ("asyncengine.plan", "BatchPlan", {"step": 7}),
+    ("asyncengine.common.plan", "BatchPlan", {"step": 7}),
     (
-        "asyncengine.plan",
+        "asyncengine.common.plan",
         "Segment",
         {"rid": "r", "row": 1, "input_ids": [5], "start_pos": 2, "sample": True},
     ),
-    ("asyncengine.plan", "StepOutput", {"token_ids": [4], "logprobs": [None]}),
+    ("asyncengine.common.plan", "StepOutput", {"token_ids": [4], "logprobs": [None]}),
     (
-        "asyncengine.request",
+        "asyncengine.common.request",
         "Request",
         {"rid": "r", "prompt_ids": [1], "params": SamplingParams(), "arrival_time": 1.5},
     ),
-    ("asyncengine.step_events", "StepEvents", {}),
+    ("asyncengine.scheduler.step_events", "StepEvents", {}),
     (
-        "asyncengine.step_events",
+        "asyncengine.scheduler.step_events",
         "TokenEvent",
         {"req": REQUEST, "token_id": 9, "logprobs": None, "output_len": 1},
     ),

@@ -13,30 +13,30 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from asyncengine.builder import build_core, make_policies
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.errors import (
+from asyncengine.api.intake import Intake, Prompt
+from asyncengine.api.kv_event_publisher import KVEventPublisher
+from asyncengine.api.request_group import ChoiceCollector, RequestGroup
+from asyncengine.api.streams import Streams
+from asyncengine.api.summary_log import SummaryLog
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.errors import (
     EngineError,
     EngineNotRunningError,
     QueueFullError,
     RequestFailedError,
 )
-from asyncengine.executor_api import Executor
-from asyncengine.intake import Intake, Prompt
-from asyncengine.kv_event_publisher import KVEventPublisher
-from asyncengine.outputs import EmbeddingOutput, GenerateOutput
-from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.pooling import PooledEmbedding
-from asyncengine.request_group import ChoiceCollector, RequestGroup
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.scheduler import Scheduler
-from asyncengine.streams import Streams
-from asyncengine.summary_log import SummaryLog
+from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.pooling import PooledEmbedding
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.core.builder import build_core, make_policies
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import Executor
+from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
 
-log = logging.getLogger("asyncengine.engine")
+log = logging.getLogger("asyncengine.api.engine")
 
 
 class InFlight(NamedTuple):

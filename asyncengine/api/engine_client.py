@@ -1,16 +1,16 @@
 """EngineClient: what a front end (the HTTP server, the SGLang-router worker endpoints) needs of
 an engine. ``AsyncEngine`` (one engine in this process) and the Ray ``RemoteEngine`` (replicas
 behind a router) both implement it, with the same sync/async shape, and the server is typed
-against it (tests/test_engine_client.py checks both classes against it)."""
+against it (tests/api/test_engine_client.py checks both classes against it)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from asyncengine.config import EngineConfig
-from asyncengine.intake import Intake, Prompt
-from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.intake import Intake, Prompt
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
+from asyncengine.common.sampling_params import SamplingParams
 
 
 class DeltaStream(Protocol):
@@ -63,5 +63,5 @@ class EngineClient(Protocol):
     ) -> list[GenerateOutput]: ...
 
     async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
-        """``prompt``'s embedding (a prefill-only request; asyncengine/pooling.py)."""
+        """``prompt``'s embedding (a prefill-only request; asyncengine/common/pooling.py)."""
         ...

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncengine.config import EngineConfig
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.text.tokenizer import prompt_token_ids
 
 Prompt = str | list[int] | list[dict[str, Any]]

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncengine.outputs import GenerateOutput, StreamDelta
-from asyncengine.plan import TokenLogprobs
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams, choice_seed
+from asyncengine.common.outputs import GenerateOutput, StreamDelta
+from asyncengine.common.plan import TokenLogprobs
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams, choice_seed
 from asyncengine.text.output_text import OutputText
 from asyncengine.text.stream import StreamState
 

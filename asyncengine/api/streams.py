@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncengine.errors import RequestFailedError
-from asyncengine.request import Request
-from asyncengine.request_group import RequestGroup
-from asyncengine.sampling_params import InvalidRequestError
-from asyncengine.step_events import StepEvents
+from asyncengine.api.request_group import RequestGroup
+from asyncengine.common.errors import RequestFailedError
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.scheduler.step_events import StepEvents
 from asyncengine.text.stream import StreamState
 from asyncengine.workloads.trace_recorder import TraceRecorder
 

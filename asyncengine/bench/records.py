@@ -19,7 +19,7 @@ class RequestRecord:
     ``token_times`` holds the time each output token reached the caller, the first included.
     A request that failed (or was aborted) has ``failed=True``, one that ran out of time
     ``timed_out=True``; neither counts in any latency. ``blocked``: steps waited by admission
-    block reason (asyncengine/admission.py).
+    block reason (asyncengine/scheduler/admission.py).
     """
 
     rid: str

@@ -26,7 +26,7 @@ from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
 from asyncengine.cache.swap_space import SwappedKV, SwapSpace
 from asyncengine.cache.tail_pages import TailPage, TailPages
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.plan import TokenLogprobs
 
 Tokens = Sequence[int] | np.ndarray
 

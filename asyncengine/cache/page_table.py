@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from asyncengine.plan import PageWrite
+from asyncengine.common.plan import PageWrite
 
 # writes of at most this many pages go item by item (a decode step's new pages: a few)
 _FEW_WRITES = 16

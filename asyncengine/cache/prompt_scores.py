@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from asyncengine.cache.kv_events import page_hashes
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.plan import TokenLogprobs
 
 PageKey = tuple[int, int, int]  # (chained page hash, the next page's first token, top_k)
 

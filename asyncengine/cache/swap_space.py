@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncengine.cache.allocator import PageAllocator
-from asyncengine.plan import SwapCopy
+from asyncengine.common.plan import SwapCopy
 
 
 @dataclass(slots=True, eq=False)

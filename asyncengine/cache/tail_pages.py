@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.plan import TokenLogprobs
 
 
 class Prefix:

@@ -23,7 +23,7 @@ QUANTIZATIONS = ("auto", "none", "int8")
 # the K/V pool's element (asyncengine/executor/kv_dtype.py says what auto picks and what is refused)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-# attention backends (asyncengine/executor/backends.py says what each needs)
+# attention backends (asyncengine/executor/attention/selector.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 EMBEDDING_POOLINGS = ("auto", "mean", "last")
 # what happens to a running request retracted for KV memory (docs/ARCHITECTURE.md, Scheduling)
@@ -140,7 +140,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
-    # embeddings (asyncengine/pooling.py): "mean" or "last" token; "auto": the model dir's
+    # embeddings (asyncengine/common/pooling.py): "mean" or "last" token; "auto": the model dir's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
     embedding_pooling: str = "auto"
     # KV cache events for external routers (cache/kv_events.py): a ZMQ PUB endpoint such as
@@ -219,7 +219,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             except ValueError as exc:
                 raise ConfigError(f"config key 'speculative': {exc}") from None
         # the policy names and options are checked where the policies are built, once
-        # (asyncengine/builder.py make_policies), before any model loads
+        # (asyncengine/core/builder.py make_policies), before any model loads
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:

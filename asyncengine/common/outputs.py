@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.plan import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -25,7 +25,7 @@ class RequestMetrics:
 
     ``cached_tokens``: prompt tokens served from the prefix cache (as ``Usage.cached_tokens``).
     ``blocked``: steps the request waited, by the reason admission stopped short of it
-    (asyncengine/admission.py).
+    (asyncengine/scheduler/admission.py).
     """
 
     arrival_time: float

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ class PromptScoring:
     """Prompt logprobs a segment computes: the logits after the token at position ``first``
     (the segment's own positions only) and at the ``len(target_ids) - 1`` positions after it,
     each scoring the prompt token that follows it (``target_ids``), with the ``top_k`` most
-    likely tokens. Made by ``asyncengine/prompt_scoring.py``; answered, one list per scoring
+    likely tokens. Made by ``asyncengine/scheduler/prompt_scoring.py``; answered, one list per scoring
     segment, in ``StepOutput.prompt_logprobs``.
 
     ``lead``: position ``first`` is the one before the segment's own, whose KV the segment

@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from asyncengine.plan import TokenLogprobs
-from asyncengine.pooling import PooledEmbedding
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.plan import TokenLogprobs
+from asyncengine.common.pooling import PooledEmbedding
+from asyncengine.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncengine.cache.manager import SeqKV
@@ -84,7 +84,7 @@ class Request:
     # an embedding request (pooling.py): prefill only, pooled, ends when its prompt is computed
     embedding: PooledEmbedding | None = None
     # logprobs of the prompt tokens scored so far (SamplingParams.prompt_logprobs), in order
-    # from the first scored position on (asyncengine/prompt_scoring.py)
+    # from the first scored position on (asyncengine/scheduler/prompt_scoring.py)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # scores of the step in flight that another segment computes for it (plan.SharedScores):
     # counted as done when planning, appended at commit

@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.swap_space import SwapSpace
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.executor_api import Executor, KVLayout, ModelSpec
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
 from asyncengine.policies.length_predictor import LengthPredictions
 from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import build_policy
 from asyncengine.policies.victims import VICTIM_RULES
-from asyncengine.scheduler import Scheduler
-from asyncengine.shadow import ShadowPolicy
+from asyncengine.scheduler.scheduler import Scheduler
+from asyncengine.scheduler.shadow import ShadowPolicy
 
 DEFAULT_KV_TOKENS = 32768
 

@@ -1,6 +1,6 @@
 """EngineCore: the one place an engine step is sequenced (synchronous; no torch, no asyncio).
 
-    core = build_core(config, executor)      # asyncengine/builder.py
+    core = build_core(config, executor)      # asyncengine/core/builder.py
     core.add(request)
     while core.has_work():
         events = core.step()                 # launch -> executor.execute -> land
@@ -23,17 +23,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
-from asyncengine.executor_api import Executor, ModelSpec
-from asyncengine.lifecycle import Lifecycle
-from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.request import Grammar, Request
+from asyncengine.core.executor_api import Executor, ModelSpec
+from asyncengine.core.lifecycle import Lifecycle
 from asyncengine.policies.base import Policy
 from asyncengine.policies.registry import build_policy
-from asyncengine.request import Grammar, Request
-from asyncengine.scheduler import Scheduler
-from asyncengine.step_events import StepEvents
+from asyncengine.scheduler.scheduler import Scheduler
+from asyncengine.scheduler.step_events import StepEvents
 
-log = logging.getLogger("asyncengine.core")
+log = logging.getLogger("asyncengine.core.engine_core")
 
 
 class EngineCore:

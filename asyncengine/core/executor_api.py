@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from asyncengine.config import EngineConfig
-    from asyncengine.plan import BatchPlan, StepOutput
+    from asyncengine.common.config import EngineConfig
+    from asyncengine.common.plan import BatchPlan, StepOutput
 
 
 @dataclass(frozen=True, slots=True)

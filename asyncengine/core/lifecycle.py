@@ -20,13 +20,13 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
-from asyncengine.scheduler import Scheduler
-from asyncengine.step_events import StepEvents, TokenEvent
-from asyncengine.tenant_stats import TenantStats
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
+from asyncengine.core.tenant_stats import TenantStats
+from asyncengine.scheduler.scheduler import Scheduler
+from asyncengine.scheduler.step_events import StepEvents, TokenEvent
 
-log = logging.getLogger("asyncengine.lifecycle")
+log = logging.getLogger("asyncengine.core.lifecycle")
 
 COUNTERS = (
     "prompt_tokens",

@@ -11,7 +11,7 @@ tenant count under ``NO_TENANT``.
 
 from __future__ import annotations
 
-from asyncengine.request import Request
+from asyncengine.common.request import Request
 
 NO_TENANT = ""
 OTHER = "_other"

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.executor.attention import AttentionBackend
+from asyncengine.executor.attention.torch_backend import AttentionBackend
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.model import LlamaModel
+from asyncengine.executor.layers.model import LlamaModel
 
 DEFAULT_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 
@@ -131,7 +131,7 @@ class DecodeGraphs:
         max_pages_per_row: int,
         page_size: int,
     ) -> None:
-        from asyncengine.executor.attention_triton import TritonBackend
+        from asyncengine.executor.attention.triton_backend import TritonBackend
 
         if model.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA model, not one on {model.device}")

@@ -4,7 +4,7 @@ output does not depend on the batch it runs in.
 Where batch dependence comes from, measured on this machine in bfloat16 (float32 hides most of
 it: its rounding differences rarely flip a token):
 - matmuls: the GEMM kernel is chosen by shape, and a different kernel sums a row in a
-  different order (executor/linear.py: fixed-shape row blocks);
+  different order (executor/layers/linear.py: fixed-shape row blocks);
 - attention: the decode kernel sums in another order than the extend kernel, and torch's fused
   attention picks its key block from the call's key length, which padding to the longest
   request, chunked prefill and prefix-cache hits change. On a CPU with the native extend kernel
@@ -31,12 +31,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from asyncengine.executor.attention import AttentionBackend
-from asyncengine.executor.backends import KernelOps, kernel_ops
-from asyncengine.executor.invariant_attention import InvariantTorchBackend
-from asyncengine.executor.invariant_native_attention import NativeInvariantBackend
-from asyncengine.executor.linear import ROW_BLOCK
-from asyncengine.kernels.attention_native import plan_native_extend
+from asyncengine.executor.attention.invariant import InvariantTorchBackend
+from asyncengine.executor.attention.invariant_native import NativeInvariantBackend
+from asyncengine.executor.attention.selector import KernelOps, kernel_ops
+from asyncengine.executor.attention.torch_backend import AttentionBackend
+from asyncengine.executor.layers.linear import ROW_BLOCK
+from asyncengine.kernels.cpu.attention_native import plan_native_extend
 
 
 @dataclass(frozen=True, slots=True)

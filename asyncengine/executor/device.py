@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.config import ConfigError
-from asyncengine.executor.cpu_dtype import fastest_cpu_dtype
+from asyncengine.common.config import ConfigError
+from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -31,7 +31,7 @@ def pick_device(name: str | torch.device) -> torch.device:
 
 def pick_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
     """``auto``: bfloat16 on a GPU, and on a CPU whichever of bfloat16/float32 multiplies
-    faster here (executor/cpu_dtype.py). float16 on a CPU is refused (~300x slower)."""
+    faster here (executor/cpu/cpu_dtype.py). float16 on a CPU is refused (~300x slower)."""
     device = torch.device(device)
     if name == "auto":
         return fastest_cpu_dtype() if device.type == "cpu" else torch.bfloat16

@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ def build_forward_batch(
     other extend and at most ``verify_decode_rows`` tokens: then each verified position is a
     decode row of its own (same table row, kv length up to that position; every row's K/V is
     stored before any row attends), in the same flat order, so a batch-1 verify takes the
-    fused decode step (executor/native_decode.py) instead of the extend path.
+    fused decode step (executor/cpu/native_decode.py) instead of the extend path.
 
     ``page_table`` is the [max_rows, max_pages] int32 array of page ids (a numpy view).
     On a CPU the tensors are views of the numpy arrays (no copy); on CUDA the int64 arrays

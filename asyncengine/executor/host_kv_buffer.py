@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from asyncengine.common.plan import SwapCopy
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.plan import SwapCopy
 
 
 class HostKVBuffer:

@@ -7,7 +7,7 @@ checkpoints, GPUs, bfloat16 models). Why: a decode of a long context streams eve
 value of its request per layer, and at the offline mix's mean context (~440 keys) that
 attention was ~40% of a CPU step; a half pool halves those bytes and the pool's memory. It is
 also what llama.cpp keeps by default (f16 K/V), so quantized-model comparisons stay like for
-like. Rounding K/V to half moves the model's logits a little (tests/test_kv_cache_dtype.py
+like. Rounding K/V to half moves the model's logits a little (tests/executor/test_kv_cache_dtype.py
 reports the greedy agreement with a float32 pool). AVX-512 builds read a float16 pool through
 their per-item decode loop (the register-resident items are float32/bfloat16 only), which is
 not measured yet, so ``auto`` keeps float32 there.
@@ -24,9 +24,9 @@ from collections.abc import Mapping
 
 import torch
 
-from asyncengine.config import ConfigError
-from asyncengine.kernels import cpu_native
-from asyncengine.kernels.attention_native import extend_kernel_features
+from asyncengine.common.config import ConfigError
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.attention_native import extend_kernel_features
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 
 KV_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

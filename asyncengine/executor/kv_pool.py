@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from asyncengine.executor.model_config import ModelConfig
+    from asyncengine.executor.layers.model_config import ModelConfig
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -1,4 +1,4 @@
-"""ModelExecutor: the real model as an engine executor (asyncengine/executor_api.py).
+"""ModelExecutor: the real model as an engine executor (asyncengine/core/executor_api.py).
 
     executor = ModelExecutor(config)          # device, dtype, model files, weights
     core = build_core(config, executor)       # sizes KV memory, then executor.bind(layout)
@@ -6,7 +6,7 @@
 
 It owns everything on the device side of a plan: the KV pool, its own page table (kept in step
 with the KV manager's through each plan's page writes), the model and the sampler; with
-speculative decoding by a draft model, the draft model and its own KV (executor/draft_model.py).
+speculative decoding by a draft model, the draft model and its own KV (speculative/draft/draft_model.py).
 """
 
 from __future__ import annotations
@@ -16,28 +16,28 @@ import logging
 
 import torch
 
-from asyncengine.builder import build_core
 from asyncengine.cache.page_table import PageTable
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.device import pick_device, pick_dtype
-from asyncengine.executor.draft_model import DraftModel, bind_draft_model, load_draft_model
-from asyncengine.executor.draft_proposer import DraftProposer
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import load_hf_config
 from asyncengine.executor.loader.pooling_config import model_pooling
 from asyncengine.executor.loader.quantized import load_model
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.kernels import cpu_native, decode_step_native
+from asyncengine.kernels.cpu import cpu_native, decode_step_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
-from asyncengine.plan import BatchPlan, StepOutput
 from asyncengine.policies.base import Policy
-from asyncengine.shadow import ShadowPolicy
+from asyncengine.scheduler.shadow import ShadowPolicy
+from asyncengine.speculative.draft.draft_model import DraftModel, bind_draft_model, load_draft_model
+from asyncengine.speculative.draft.draft_proposer import DraftProposer
 from asyncengine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("asyncengine.executor")

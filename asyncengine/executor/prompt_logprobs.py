@@ -1,9 +1,9 @@
 """Prompt logprobs: the final hidden states at a plan's scored positions into the logprob of
-each next prompt token and the top-k alternatives (``PromptScoring``, asyncengine/plan.py).
+each next prompt token and the top-k alternatives (``PromptScoring``, asyncengine/common/plan.py).
 
 Logits are vocabulary-wide, so they are made ``chunk_rows`` positions at a time: a long prompt
 never holds a [prompt, vocab] tensor, only a [chunk_rows, vocab] one, and it is gone before the
-next chunk. A logprob is its logit less the row's log-sum-exp (kernels/logprobs_native.py: no
+next chunk. A logprob is its logit less the row's log-sum-exp (kernels/cpu/logprobs_native.py: no
 log_softmax tensor is written), the token's and the top values alike, so a prompt token that is
 the most likely one has a logprob equal to the top value, exactly (what lm-evaluation-harness
 reads as "greedy").
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.kernels.logprobs_native import row_max_lse
-from asyncengine.plan import PromptScoring, TokenLogprobs
+from asyncengine.common.plan import PromptScoring, TokenLogprobs
+from asyncengine.kernels.cpu.logprobs_native import row_max_lse
 
 SCORE_CHUNK_ROWS = 256  # positions whose logits exist at once: 256 x 49152 float32 is 48 MiB
 

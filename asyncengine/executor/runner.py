@@ -10,25 +10,25 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.executor import native_decode
-from asyncengine.executor.backends import (
+from asyncengine.common.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
+from asyncengine.common.pooling import SUM
+from asyncengine.executor.attention.selector import (
     create_attention_backend,
     kernel_ops,
     resolve_backend_name,
 )
+from asyncengine.executor.cpu import native_decode
+from asyncengine.executor.cpu.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.executor.cuda_graph import DecodeGraphs
 from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import QuantizedLinear
-from asyncengine.executor.model import LlamaModel
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.executor.layers.model import LlamaModel
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.prompt_logprobs import logits_and_scores
-from asyncengine.executor.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
-from asyncengine.plan import BatchPlan, SamplingInfo, StepOutput, TokenLogprobs
-from asyncengine.pooling import SUM
 from asyncengine.speculative.acceptance import accepted_prefix
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class ModelRunner:
     ) -> None:
         """``page_table`` is the runner's own: each plan's page writes are applied to it before
         the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
-        (see executor/backends.py); ``sampler`` defaults to
+        (see executor/attention/selector.py); ``sampler`` defaults to
         ``Sampler(eos_token_ids=model_config.eos_token_ids)``. ``enable_cuda_graph`` captures
         decode forwards up to ``max_batch_size`` requests (CUDA with the triton backend only;
         elsewhere it has no effect). ``deterministic``: batch-invariant forward
@@ -124,7 +124,7 @@ class ModelRunner:
 
     def _pack_float_rows(self) -> None:
         """A float32 model's projections (F32 rows) take the prepacked oneDNN product from 24
-        rows (executor/linear.py), packed at the first such call: pack them at start-up instead,
+        rows (executor/layers/linear.py), packed at the first such call: pack them at start-up instead,
         so that the first prompt of 24 tokens or more (every scoring request of lm-eval's first
         batch) does not wait for it. Other formats are not packed here: with float32 activations
         they go dense only past any step's rows; with bfloat16 ones (linear.py's bfloat16 table,
@@ -146,7 +146,7 @@ class ModelRunner:
 
     def _warm_up_attention(self, max_batch_size: int) -> None:
         """Autotune the attention kernels for every length class now, not on first requests."""
-        from asyncengine.executor.attention_triton import TritonBackend
+        from asyncengine.executor.attention.triton_backend import TritonBackend
 
         assert isinstance(self.backend, TritonBackend)
         start = time.perf_counter()

@@ -43,6 +43,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from asyncengine.common.plan import SamplingInfo, TokenLogprobs
 from asyncengine.executor.penalties import (
     apply_logit_bias,
     apply_presence_frequency_penalties,
@@ -50,7 +51,6 @@ from asyncengine.executor.penalties import (
     apply_token_bitmasks,
     ban_tokens,
 )
-from asyncengine.plan import SamplingInfo, TokenLogprobs
 
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw over whole rows
 CANDIDATE_BLOCK = 32  # tokens per block whose maxima bound the candidates
@@ -155,7 +155,7 @@ class Sampler:
 
     def _plain_greedy(self, info: SamplingInfo) -> bool:
         """A greedy row that neither ``_apply_penalties_and_bans`` nor ``_logprobs`` touches:
-        its token is the raw logits' argmax (tests/test_sampler.py holds the two to agree)."""
+        its token is the raw logits' argmax (tests/executor/test_sampler.py holds the two to agree)."""
         p = info.params
         return (
             p.greedy

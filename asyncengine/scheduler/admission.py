@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from mypy_extensions import mypyc_attr
 
-from asyncengine.request import Request
+from asyncengine.common.request import Request
 
 TOKEN_BUDGET = "token_budget"
 KV_RESERVATION = "kv_reservation"

@@ -7,23 +7,23 @@ A prompt is computed in page-aligned chunks under the step's token budget; the r
 
 from __future__ import annotations
 
-from asyncengine.admission import KV_RESERVATION, TOKEN_BUDGET
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment, SharedScores
-from asyncengine.prompt_scoring import (
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, SharedScores
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.scheduler.admission import KV_RESERVATION, TOKEN_BUDGET
+from asyncengine.scheduler.prompt_scoring import (
     cache_match_limit,
     next_scored_position,
     segment_scoring,
     take_cached_scores,
     take_tail,
 )
-from asyncengine.request import Request, RequestStatus
-from asyncengine.step_prefixes import StepPrefixes
-from asyncengine.step_shares import Piece, StepSegment, StepShares
-from asyncengine.waiting_queue import WaitingQueue
+from asyncengine.scheduler.step_prefixes import StepPrefixes
+from asyncengine.scheduler.step_shares import Piece, StepSegment, StepShares
+from asyncengine.scheduler.waiting_queue import WaitingQueue
 
 
 class Prefill:

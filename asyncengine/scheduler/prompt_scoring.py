@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
-from asyncengine.plan import PromptScoring, TokenLogprobs
-from asyncengine.request import Request
+from asyncengine.common.plan import PromptScoring, TokenLogprobs
+from asyncengine.common.request import Request
 
 
 def first_scored_token(req: Request) -> int:

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import logging
 
-from asyncengine.admission import AdmissionLog
 from asyncengine.cache.swap_space import SwappedKV
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.policies.victims import order_victims
-from asyncengine.prefill import Prefill
-from asyncengine.request import Request, RequestStatus
+from asyncengine.scheduler.admission import AdmissionLog
+from asyncengine.scheduler.prefill import Prefill
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.settings import SpeculativeConfig
 
-log = logging.getLogger("asyncengine.scheduler")
+log = logging.getLogger("asyncengine.scheduler.scheduler")
 
 
 class Retraction(Prefill):

@@ -17,7 +17,15 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from asyncengine.admission import (
+from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.prompt_scores import PromptScoreCache
+from asyncengine.cache.swap_space import SwappedKV
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
+from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
     DECODE_TURN,
     KV_RESERVATION,
@@ -26,28 +34,20 @@ from asyncengine.admission import (
     Admission,
     AdmissionLog,
 )
-from asyncengine.cache.manager import KVCacheManager
-from asyncengine.cache.prompt_scores import PromptScoreCache
-from asyncengine.cache.swap_space import SwappedKV
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
-from asyncengine.policies.base import Policy, PolicyContext, StepBudget
-from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
-from asyncengine.prompt_scoring import (
+from asyncengine.scheduler.prompt_scoring import (
     cache_match_limit,
     keep_scores,
     may_reuse_prefix,
     tail_scores,
 )
-from asyncengine.request import Request, RequestStatus
-from asyncengine.retraction import Retraction
-from asyncengine.shadow import ShadowPolicy
-from asyncengine.step_events import TokenEvent
-from asyncengine.step_prefixes import StepPrefixes
-from asyncengine.step_shares import StepShares
-from asyncengine.waiting_queue import WaitingQueue
+from asyncengine.scheduler.retraction import Retraction
+from asyncengine.scheduler.shadow import ShadowPolicy
+from asyncengine.scheduler.step_events import TokenEvent
+from asyncengine.scheduler.step_prefixes import StepPrefixes
+from asyncengine.scheduler.step_shares import StepShares
+from asyncengine.scheduler.waiting_queue import WaitingQueue
 
-log = logging.getLogger("asyncengine.scheduler")
+log = logging.getLogger("asyncengine.scheduler.scheduler")
 
 
 class PendingPolicy(NamedTuple):

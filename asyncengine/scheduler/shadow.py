@@ -10,9 +10,9 @@ does, so policies that learn (latency models, tenant counters) learn from the sa
 
 from __future__ import annotations
 
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext
-from asyncengine.request import Request
 
 
 class ShadowPolicy:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncengine.plan import BatchPlan, TokenLogprobs
-from asyncengine.request import Request
+from asyncengine.common.plan import BatchPlan, TokenLogprobs
+from asyncengine.common.request import Request
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncengine.cache.tail_pages import common_length
-from asyncengine.plan import PromptScoring
+from asyncengine.common.plan import PromptScoring
 
 
 @dataclass(frozen=True, slots=True)

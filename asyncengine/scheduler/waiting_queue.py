@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import overload
 
-from asyncengine.request import Request
+from asyncengine.common.request import Request
 
 
 class WaitingQueue(Sequence[Request]):

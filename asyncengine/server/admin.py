@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Struct
 
-from asyncengine.config import ConfigError
+from asyncengine.common.config import ConfigError
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE

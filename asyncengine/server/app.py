@@ -21,8 +21,8 @@ import hmac
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from asyncengine.engine_client import EngineClient
-from asyncengine.errors import EngineNotRunningError
+from asyncengine.api.engine_client import EngineClient
+from asyncengine.common.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.sampling_params import SamplingParams, StructuredOutput
+from asyncengine.common.sampling_params import SamplingParams, StructuredOutput
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.openai_schema import ChatCompletionRequest, chat_messages
 from asyncengine.server.tool_schema import NamedToolChoice, Tool

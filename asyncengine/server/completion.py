@@ -5,9 +5,9 @@ A client that disconnects cancels the handler, and the engine's stream aborts th
 
 from __future__ import annotations
 
-from asyncengine.engine_client import EngineClient
-from asyncengine.outputs import GenerateOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.engine_client import EngineClient
+from asyncengine.common.outputs import GenerateOutput
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.errors import ApiError
 
 Prompt = str | list[int] | list[dict[str, str]]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncengine.outputs import Usage
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.outputs import Usage
+from asyncengine.common.plan import TokenLogprobs
 from asyncengine.server.openai_format import Json
 from asyncengine.server.state import ServerState
 

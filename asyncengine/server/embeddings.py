@@ -18,8 +18,8 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from asyncengine.outputs import EmbeddingOutput
-from asyncengine.sampling_params import InvalidRequestError
+from asyncengine.common.outputs import EmbeddingOutput
+from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.state import OUTCOME, STATE

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from asyncengine.errors import (
+from asyncengine.common.errors import (
     EngineNotRunningError,
     InvalidRequestError,
     QueueFullError,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from asyncengine.engine_client import DeltaStream
-from asyncengine.outputs import StreamDelta
+from asyncengine.api.engine_client import DeltaStream
+from asyncengine.common.outputs import StreamDelta
 
 
 class MergedStream:

@@ -22,9 +22,9 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct, field
 
-from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
-from asyncengine.plan import TokenLogprobs
-from asyncengine.sampling_params import (
+from asyncengine.common.outputs import RequestMetrics, StreamDelta, Usage
+from asyncengine.common.plan import TokenLogprobs
+from asyncengine.common.sampling_params import (
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -50,7 +50,7 @@ from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
 
 if TYPE_CHECKING:
-    from asyncengine.engine import Prompt
+    from asyncengine.api.engine import Prompt
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_RID_LENGTH = 256

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncengine.outputs import Usage
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.outputs import Usage
+from asyncengine.common.plan import TokenLogprobs
 
 TokenText = Callable[[int], str]
 

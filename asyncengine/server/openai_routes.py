@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
-from asyncengine.outputs import StreamDelta
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.outputs import StreamDelta
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import ChoiceReader, read_choice
 from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
@@ -37,8 +37,8 @@ from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
 
 if TYPE_CHECKING:
-    from asyncengine.engine import Prompt
-    from asyncengine.engine_client import DeltaStream
+    from asyncengine.api.engine import Prompt
+    from asyncengine.api.engine_client import DeltaStream
 
 
 def json_response(body: Json, status: int = 200) -> web.Response:

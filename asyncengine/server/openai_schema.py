@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
-from asyncengine.sampling_params import (
+from asyncengine.common.sampling_params import (
     MAX_PRIORITY,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
@@ -383,7 +383,7 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 def chat_sampling_params(
     req: ChatCompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
-    """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
+    """``max_tokens``: the request's, resolved against the context (asyncengine/api/intake.py)."""
     _check_common(req, max_n)
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -393,7 +393,7 @@ def chat_sampling_params(
 def completion_sampling_params(
     req: CompletionRequest, max_tokens: int, max_n: int = 1
 ) -> SamplingParams:
-    """``max_tokens``: the request's, resolved against the context (asyncengine/intake.py)."""
+    """``max_tokens``: the request's, resolved against the context (asyncengine/api/intake.py)."""
     _check_common(req, max_n)
     if max_tokens == 0 and not req.echo:
         raise invalid_request(

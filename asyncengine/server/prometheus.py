@@ -28,9 +28,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncengine.engine_client import EngineClient
-from asyncengine.errors import EngineNotRunningError
-from asyncengine.outputs import RequestMetrics
+from asyncengine.api.engine_client import EngineClient
+from asyncengine.common.errors import EngineNotRunningError
+from asyncengine.common.outputs import RequestMetrics
 from asyncengine.server.scheduling_metrics import scheduling_families
 
 # The *_created series (a timestamp per counter and histogram) only double the scrape size.

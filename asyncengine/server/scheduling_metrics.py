@@ -2,7 +2,7 @@
 scrape time (the server's metrics collector yields them):
 
 - ``asyncengine_admission_blocked_total{reason}``: steps whose admission stopped for ``reason``
-  (asyncengine/admission.py lists the reasons);
+  (asyncengine/scheduler/admission.py lists the reasons);
 - ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
 - ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
 - ``asyncengine_policy_swaps_total``: live policy changes;

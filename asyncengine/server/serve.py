@@ -19,9 +19,9 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncengine.config import EngineConfig
-from asyncengine.engine_client import EngineClient
-from asyncengine.event_loop import run
+from asyncengine.api.engine_client import EngineClient
+from asyncengine.api.event_loop import run
+from asyncengine.common.config import EngineConfig
 from asyncengine.server.app import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -185,7 +185,7 @@ async def run_server(
     ``metrics``). ``log_interval``, when given, replaces the config's: seconds between summary
     lines.
     """
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()

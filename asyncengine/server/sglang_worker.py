@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from asyncengine.errors import EngineError
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.errors import EngineError
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.completion import generate
 from asyncengine.server.errors import ApiError
 from asyncengine.server.openai_routes import json_response

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncengine.engine_client import EngineClient
+from asyncengine.api.engine_client import EngineClient
 from asyncengine.server.errors import ApiError
 from asyncengine.server.prometheus import ServerMetrics
 

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from asyncengine.engine_client import DeltaStream
-from asyncengine.outputs import StreamDelta
+from asyncengine.api.engine_client import DeltaStream
+from asyncengine.common.outputs import StreamDelta
 from asyncengine.server.completion import outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
 from asyncengine.server.sse import ClientGone, SSEWriter

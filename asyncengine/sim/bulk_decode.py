@@ -14,7 +14,7 @@ about the step (arrivals, the policy's budget and order, admission, prefill chun
 admission counts, ``new_token_ratio``, the virtual clock) runs the scheduler's own code.
 ``flush`` writes the counts back into the requests (output tokens, token times, KV lengths).
 
-The results are the step-by-step simulator's, exactly (tests/test_bulk_decode.py compares every
+The results are the step-by-step simulator's, exactly (tests/sim/test_bulk_decode.py compares every
 request's record and the run's counters on traces with chunking, preemption, the prefix cache
 and timeouts). A step is run step by step instead (after a ``flush``) when anything would read
 or change a decoding request: KV shortage (retraction), a deadline due, a policy swap pending,
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncengine.admission import DECODE_TURN, Admission
 from asyncengine.cache.manager import SeqKV
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.common.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.base import Policy, StepBudget
-from asyncengine.request import Request, RequestStatus
+from asyncengine.scheduler.admission import DECODE_TURN, Admission
 from asyncengine.sim.closed_admission import closed_admission
 from asyncengine.sim.simulated_executor import SimulatedExecutor
 

@@ -9,13 +9,14 @@ for the steps where that outcome is certain from counts alone, and None whenever
 might admit, skip, hold, preempt or change anything: the caller then runs ``_admit`` itself.
 
 It mirrors ``Scheduler._admit`` for a step with nothing mid-prompt, a policy that does not
-preempt, and a running batch (the bulk decoder's steps); tests/test_bulk_decode.py compares
+preempt, and a running batch (the bulk decoder's steps); tests/sim/test_bulk_decode.py compares
 every admission count, record and step with the step-by-step simulator, which never uses it.
 """
 
 from __future__ import annotations
 
-from asyncengine.admission import (
+from asyncengine.policies.base import Policy
+from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
     DECODE_TURN,
     KV_RESERVATION,
@@ -23,9 +24,8 @@ from asyncengine.admission import (
     TOKEN_BUDGET,
     Admission,
 )
-from asyncengine.policies.base import Policy
-from asyncengine.prompt_scoring import cache_match_limit
-from asyncengine.scheduler import Scheduler
+from asyncengine.scheduler.prompt_scoring import cache_match_limit
+from asyncengine.scheduler.scheduler import Scheduler
 
 
 def closed_admission(sched: Scheduler, num_decodes: int) -> Admission | None:

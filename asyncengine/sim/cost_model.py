@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncengine.plan import BatchPlan, StepFeatures
+from asyncengine.common.plan import BatchPlan, StepFeatures
 
 __all__ = ["DEFAULT_COST_MODEL_PATH", "CostModel", "StepFeatures"]
 

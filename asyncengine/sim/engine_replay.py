@@ -7,8 +7,8 @@ import itertools
 from collections.abc import Sequence
 
 from asyncengine.bench.records import RequestRecord
-from asyncengine.config import EngineConfig
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -22,7 +22,7 @@ async def replay_real(
     engine's own metrics (TTFT, then the inter-token gaps), so they do not include the
     caller's scheduling jitter.
     """
-    from asyncengine.engine import AsyncEngine
+    from asyncengine.api.engine import AsyncEngine
 
     async with AsyncEngine(config) as engine:
         for item in itertools.islice(workload, warmup_requests):  # compile, allocate, warm caches

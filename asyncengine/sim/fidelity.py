@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncengine.bench.records import BenchSummary, RequestRecord
-from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
 from asyncengine.workloads.trace_recorder import TraceRecorder

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.request import Request
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.request import Request
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.routing import ReplicaRouter, ReplicaState
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel

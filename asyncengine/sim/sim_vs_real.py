@@ -28,12 +28,12 @@ from typing import Any, Literal
 import torch
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import StepFeatures
 from asyncengine.sim.engine_replay import replay_real

@@ -14,9 +14,9 @@ from __future__ import annotations
 import operator
 import random
 
-from asyncengine.config import EngineConfig
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput, TokenLogprobs
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
 

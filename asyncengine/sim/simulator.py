@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
-from asyncengine.builder import build_core
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
 from asyncengine.sim.simulator import Simulator
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads.trace import WorkloadRequest

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncengine.api.ray_local import init_ray
 from asyncengine.bench.records import BenchSummary, RequestRecord
-from asyncengine.config import EngineConfig
-from asyncengine.ray_local import init_ray
+from asyncengine.common.config import EngineConfig
 from asyncengine.routing import make_router
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.workloads.trace import WorkloadRequest
@@ -85,7 +85,9 @@ def expand(base: Sequence[SimJob], sweep: Sequence[tuple[str, list[Any]]]) -> li
 
 def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -> SimJobResult:
     """One simulated run (a Ray task when fanned out)."""
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)  # retract notes: counted
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(
+        logging.ERROR
+    )  # retract notes: counted
     if not job.multi_replica:
         from asyncengine.sim.simulator import simulate
 

@@ -13,9 +13,9 @@ import math
 import time
 from collections.abc import Callable
 
-from asyncengine.config import EngineConfig
-from asyncengine.executor_api import Executor, KVLayout, ModelSpec
-from asyncengine.plan import BatchPlan, StepOutput
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.core.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.sim.clock import VirtualClock
 
 

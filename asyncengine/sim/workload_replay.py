@@ -14,13 +14,13 @@ import numpy as np
 from mypy_extensions import mypyc_attr
 
 from asyncengine.bench.records import RequestRecord
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.scheduler.step_events import StepEvents
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
-from asyncengine.step_events import StepEvents
 from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
 

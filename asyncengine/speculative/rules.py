@@ -12,7 +12,7 @@ every ``PROBE_EVERY`` tokens, so that text turning repetitive later is noticed.
 
 from __future__ import annotations
 
-from asyncengine.request import Request
+from asyncengine.common.request import Request
 from asyncengine.speculative.settings import SpeculativeConfig
 
 FLOOR_CHANCE = 0.05

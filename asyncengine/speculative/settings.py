@@ -6,7 +6,7 @@
 
 "ngram" copies guesses from the request's own tokens (ngram.py, on the scheduler side);
 "draft" has a smaller model of the same tokenizer guess them, run by the executor over KV pages
-of its own (executor/draft_proposer.py). ``model`` is for "draft" only and the
+of its own (speculative/draft/draft_proposer.py). ``model`` is for "draft" only and the
 ``prompt_lookup_*`` keys for "ngram" only: a key the method would ignore is an error.
 
 ``rule`` says how many guesses a request gets each step (``Policy.speculate``): "fixed" always
@@ -31,7 +31,7 @@ _DEFAULTS: dict[str, Any] = {
     "rule": "adaptive",
     # adaptive rule: no speculation once a step verifies this many tokens (compute bound). On
     # a CPU a step turns compute bound where the quantized kernels hand over to the dense
-    # product (executor/linear.py DENSE_FROM_ROWS, 64): with 256, speculation-hostile text cost
+    # product (executor/layers/linear.py DENSE_FROM_ROWS, 64): with 256, speculation-hostile text cost
     # 13% at batch 64 there, with 64 nothing (docs/BENCHMARKS.md). A GPU stays bandwidth bound
     # to far larger batches: raise it there.
     "max_verify_tokens": 64,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.sampling_params import InvalidRequestError, StructuredOutput
+from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
 
 DEFAULT_CACHE_SIZE = 256
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[06:27:45] /path/file.cc:83: "

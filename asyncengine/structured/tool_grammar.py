@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from asyncengine.sampling_params import StructuredOutput
+from asyncengine.common.sampling_params import StructuredOutput
 from asyncengine.text.reasoning import THINK_CLOSE, THINK_OPEN
 from asyncengine.text.tool_calls import ToolCallFormat
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
-from asyncengine.plan import TokenLogprobs
-from asyncengine.prompt_scoring import prompt_logprobs_by_position
-from asyncengine.request import Request
+from asyncengine.common.outputs import RequestMetrics, StreamDelta, Usage
+from asyncengine.common.plan import TokenLogprobs
+from asyncengine.common.request import Request
+from asyncengine.scheduler.prompt_scoring import prompt_logprobs_by_position
 from asyncengine.text.output_text import OutputText
 
 

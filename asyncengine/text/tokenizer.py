@@ -18,8 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
 
+from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.executor.loader.hf_dir import ModelFilesError, load_eos_token_ids, read_json
-from asyncengine.sampling_params import InvalidRequestError
 from asyncengine.text.detokenizer import (
     ByteLevelDetokenizer,
     IncrementalDetokenizer,

@@ -9,7 +9,7 @@ simulator's replay (sim/workload_replay.py) reads the columns directly and makes
 only when it arrives.
 
 ``random_compact`` draws exactly the requests of ``random_lengths`` (the same seed gives the
-same prompts, lengths and arrival times; tests/test_compact_workload.py).
+same prompts, lengths and arrival times; tests/workloads/test_compact_workload.py).
 """
 
 from __future__ import annotations

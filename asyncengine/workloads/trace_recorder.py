@@ -11,9 +11,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from asyncengine.plan import BatchPlan, StepFeatures
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.plan import BatchPlan, StepFeatures
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.workloads.live_trace import VERSION, page_hashes
 
 log = logging.getLogger("asyncengine.trace")

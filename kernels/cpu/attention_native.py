@@ -1,4 +1,4 @@
-"""Paged decode and extend attention through the native CPU kernels (kernels/cpu_decode_attention.c,
+"""Paged decode and extend attention through the native CPU kernels (kernels/cpu/cpu_decode_attention.c,
 cpu_extend_attention.c).
 
 Keys and values are read in place from the pool by page (no gathered copy), work items run on
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
@@ -167,7 +167,7 @@ def _kernel(kv_dtype: torch.dtype = torch.float32) -> Any:
 
 
 def _bound(library: str, name: str, argtypes: list[Any], kv_dtype: torch.dtype) -> Any:
-    """The function ``name`` of kernels/<library>.c (its build for a pool of ``kv_dtype``) with
+    """The function ``name`` of kernels/cpu/<library>.c (its build for a pool of ``kv_dtype``) with
     its ctypes signature set, or None without the library."""
     lib = cpu_native.load(library, cpu_native.kv_flags(kv_dtype))
     if lib is None:

@@ -655,7 +655,7 @@ done:
 
 /* The attention phase alone, over queries already rotated: q and out [n, heads, head_dim]
  * float32 (the pool: kv_t), the same items and claims as a step's layer. For the kernel tests against the torch
- * reference (tests/test_fused_attention.py). 0 on success, -1 when a buffer could not be
+ * reference (tests/kernels/test_fused_attention.py). 0 on success, -1 when a buffer could not be
  * allocated or the shape is outside what the step takes. */
 int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                                 const int32_t *block_table, int64_t table_stride,

@@ -1,5 +1,5 @@
 /* The element of the K/V pool as the native kernels that read or write it see it: float32, or
- * IEEE float16 when the library is built with -DKV_F16 (kernels/cpu_native.py builds each such
+ * IEEE float16 when the library is built with -DKV_F16 (kernels/cpu/cpu_native.py builds each such
  * kernel twice, ``kv_flags``), or bfloat16 in the fused decode step's -DKV_BF16 build (the pool
  * of a model run in bfloat16: decode_step_native.py; the other kernels read a bfloat16 pool
  * through a flag of their own). A float16 pool halves the bytes a decode streams per key (the
@@ -174,7 +174,7 @@ static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
 #endif
 #endif
 
-/* What a library that includes this header was built for (kernels/cpu_native.py checks it):
+/* What a library that includes this header was built for (kernels/cpu/cpu_native.py checks it):
  * bytes of the pool's element, plus 16 where float16 is converted through F16C, plus 32 for
  * bfloat16. */
 int asyncengine_kv_element(void) {

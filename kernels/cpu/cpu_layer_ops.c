@@ -4,11 +4,11 @@
  * ops, rounding to the tensor dtype after the same operations, so it follows them closely: the
  * sum inside an RMS and the exp inside SiLU are computed differently (float32 rounding level).
  *
- *   rms_norm            y = w * bf(x * rsqrt(mean(x^2) + eps))           (kernels/norm_ref.py)
+ *   rms_norm            y = w * bf(x * rsqrt(mean(x^2) + eps))           (kernels/reference/norm_ref.py)
  *   add_rms_norm        s = bf(x + r) written over r; y = rms_norm(s)
  *   rotary_store        q, k rotated (neox halves, cos/sin rounded to the dtype first), q to
  *                       q_out, k and v to their cache slots        (rotary_ref + kv_store_ref)
- *   silu_and_mul        y = bf(bf(silu(gate)) * up)                 (kernels/activation_ref.py)
+ *   silu_and_mul        y = bf(bf(silu(gate)) * up)                 (kernels/reference/activation_ref.py)
  *
  * "bf(.)" is rounding to bfloat16 (nearest even) for bf16 tensors and nothing for float32.
  * Built with -DKV_F16 (cpu_kv.h), rotary_store writes k and v to a float16 pool (rounded to

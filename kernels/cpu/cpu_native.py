@@ -1,4 +1,4 @@
-"""Native CPU kernels (kernels/*.c), compiled on first use and loaded with ctypes.
+"""Native CPU kernels (kernels/cpu/*.c), compiled on first use and loaded with ctypes.
 
 Each C file is compiled once per machine with the system C compiler (``cc -O3 -march=native
 -fopenmp``) into ``$ASYNCENGINE_CACHE/kernels/`` (default ``~/.cache/asyncengine``), named by

@@ -1,6 +1,6 @@
 /* The quantized block formats' dot products (one weight row against up to NR int8 activation
- * rows), shared by kernels/cpu_quant_matmul.c (the per-projection products) and
- * kernels/cpu_decode_step.c (the fused decode step). The formats and the scheme are described
+ * rows), shared by kernels/cpu/cpu_quant_matmul.c (the per-projection products) and
+ * kernels/cpu/cpu_decode_step.c (the fused decode step). The formats and the scheme are described
  * at the top of cpu_quant_matmul.c. */
 #ifndef ASYNCENGINE_CPU_QUANT_BLOCKS_H
 #define ASYNCENGINE_CPU_QUANT_BLOCKS_H

@@ -137,7 +137,7 @@ static inline __m256 exp256(__m256 x) {
  * expf per element (a call, then a scalar division) was ~15% of a 64-row decode step
  * (docs/BENCHMARKS.md, issue 24, seventh session). The silu_and_mul layer op (prefill and
  * mixed steps) keeps expf on AVX2: with exp256 there too, the embedded model's argmax agreement
- * with float32 over tests/test_quantized_model.py's text fell to 0.945 (recorded: 0.973; a few
+ * with float32 over tests/executor/test_quantized_model.py's text fell to 0.945 (recorded: 0.973; a few
  * int8 activation roundings flipped), under that test's 0.95. */
 static inline __m256 silu256(__m256 g) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));

@@ -1,5 +1,5 @@
 """A whole decode step of a llama-family model with quantized weights in one native call
-(kernels/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
+(kernels/cpu/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
 described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
 float32 activations inside (a bfloat16 model's hidden states are widened on the way in and
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 MAX_PARTS = 4  # parts of one projection (MAX_PARTS in the C file)
@@ -306,7 +306,7 @@ def group_attention(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """The fused step's attention phase alone (kernels/cpu_group_attention.h), for its tests:
+    """The fused step's attention phase alone (kernels/cpu/cpu_group_attention.h), for its tests:
     q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32, float16 or
     bfloat16 pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
     lib = _library(k_cache.dtype)

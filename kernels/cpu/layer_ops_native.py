@@ -1,4 +1,4 @@
-"""The layer's elementwise kernels through the native CPU library (kernels/cpu_layer_ops.c),
+"""The layer's elementwise kernels through the native CPU library (kernels/cpu/cpu_layer_ops.c),
 with the signatures of the torch references they are tested against (norm_ref, activation_ref,
 rotary_ref + kv_store_ref). ``available()`` says whether the library loaded."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {

@@ -1,5 +1,5 @@
 """Per row of float32 logits: the largest, its first index and the log-sum-exp, through the
-native CPU library (kernels/cpu_logprobs.c); ``row_max_lse_ref`` is the torch reference it is
+native CPU library (kernels/cpu/cpu_logprobs.c); ``row_max_lse_ref`` is the torch reference it is
 tested against and the path where the library is not here."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 

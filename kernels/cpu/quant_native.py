@@ -1,5 +1,5 @@
-"""The quantized matmul through the native CPU library (kernels/cpu_quant_matmul.c), with the
-signatures of its torch reference (kernels/quant_ref.py).
+"""The quantized matmul through the native CPU library (kernels/cpu/cpu_quant_matmul.c), with the
+signatures of its torch reference (kernels/reference/quant_ref.py).
 
 ``isa`` picks the library variant: "native" (the widest path this CPU has: AVX512-VNNI, AVX2 or
 scalar, decided when it is compiled for the machine), "avx2" or "scalar" (narrower paths forced,
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import (
     F32,
     FLOAT_FORMATS,
@@ -253,7 +253,7 @@ def dequantize_rows(
 
 
 def interleave(weight: QuantizedTensor, isa: str = "native") -> QuantizedTensor:
-    """The weight with its rows in interleaved groups (kernels/cpu_quant_blocks.h: the batch-1
+    """The weight with its rows in interleaved groups (kernels/cpu/cpu_quant_blocks.h: the batch-1
     products read 8 rows' blocks at once) where its format has that layout; else as it is.
     A new tensor of the same size (the caller drops the old one)."""
     if weight.interleaved or weight.format.name not in INTERLEAVED_FORMATS:

@@ -38,13 +38,17 @@ from asyncengine.kernels.attention_grouping import (
     extend_buckets,
     extend_cost_for,
 )
-from asyncengine.kernels.attention_window import additive_mask, hidden_keys, window_attention
-from asyncengine.kernels.decode_sparse_ref import (
+from asyncengine.kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
+from asyncengine.kernels.reference.attention_window import (
+    additive_mask,
+    hidden_keys,
+    window_attention,
+)
+from asyncengine.kernels.reference.decode_sparse_ref import (
     SparseDecodePlan,
     plan_sparse_decode,
     sparse_decode_attention,
 )
-from asyncengine.kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
 
 DECODE_CHUNK_BYTES = 4 << 20
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.kernels.attention_grouping import decode_chunks
-from asyncengine.kernels.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.paged_kv import RowSelection, padded_kv_slots
+from asyncengine.kernels.reference.attention_window import additive_mask, hidden_keys, soft_cap
 
 # pattern entries (requests x query heads x keys) per chunk: bounds the index memory, 24 B each
 SPARSE_DECODE_CHUNK_ENTRIES = 1 << 21

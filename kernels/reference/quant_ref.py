@@ -1,4 +1,4 @@
-"""The torch reference of the quantized matmul (kernels/cpu_quant_matmul.c), for tests and for
+"""The torch reference of the quantized matmul (kernels/cpu/cpu_quant_matmul.c), for tests and for
 machines without the native library.
 
     q, d, sd = quantize_q8(x)            # x [n, k] -> int8 blocks of 32, scale, scale * sum

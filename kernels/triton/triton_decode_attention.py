@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncengine.kernels.triton_utils import (
+from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
     check_device,

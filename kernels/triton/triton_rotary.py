@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncengine.kernels.triton_utils import check_device, next_power_of_2
+from asyncengine.kernels.triton.triton_utils import check_device, next_power_of_2
 
 
 @triton.jit

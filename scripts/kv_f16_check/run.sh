@@ -8,9 +8,9 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 grep -m1 "model name" /proc/cpuinfo || true
 flags="-O3 -march=native -fopenmp -shared -fPIC -std=c11"
-gcc $flags "$kernels/cpu_decode_attention.c" -o "$work/dec32.so" -lm
-gcc $flags -DKV_F16 "$kernels/cpu_decode_attention.c" -o "$work/dec16.so" -lm
-gcc $flags "$kernels/cpu_extend_attention.c" -o "$work/ext32.so" -lm
-gcc $flags -DKV_F16 "$kernels/cpu_extend_attention.c" -o "$work/ext16.so" -lm
+gcc $flags "$kernels/cpu/cpu_decode_attention.c" -o "$work/dec32.so" -lm
+gcc $flags -DKV_F16 "$kernels/cpu/cpu_decode_attention.c" -o "$work/dec16.so" -lm
+gcc $flags "$kernels/cpu/cpu_extend_attention.c" -o "$work/ext32.so" -lm
+gcc $flags -DKV_F16 "$kernels/cpu/cpu_extend_attention.c" -o "$work/ext16.so" -lm
 gcc -O2 -march=native -std=c11 -I "$kernels" "$here/check.c" -o "$work/check" -ldl -lm
 cd "$work" && ./check

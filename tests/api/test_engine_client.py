@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from asyncengine.engine import AsyncEngine
-from asyncengine.engine_client import EngineClient
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.api.engine_client import EngineClient
 from asyncengine.server.ray_serve.remote_engine import RemoteEngine
 
 MEMBERS = [

@@ -10,12 +10,12 @@ import weakref
 
 import pytest
 
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
-from asyncengine.errors import EngineError, QueueFullError, RequestFailedError
-from asyncengine.event_loop import run
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.api.event_loop import run
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.errors import EngineError, QueueFullError, RequestFailedError
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.core.builder import build_core
 from tests.fake_executor import EOS, FakeExecutor, reference_output
 
 

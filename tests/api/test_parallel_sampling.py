@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from asyncengine import AsyncEngine
-from asyncengine.errors import InvalidRequestError
-from asyncengine.plan import BatchPlan
-from asyncengine.sampling_params import SamplingParams, choice_seed
+from asyncengine.common.errors import InvalidRequestError
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.sampling_params import SamplingParams, choice_seed
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,

@@ -10,13 +10,18 @@ import time
 
 import pytest
 
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.engine import AsyncEngine
-from asyncengine.outputs import GenerateOutput
-from asyncengine.plan import BatchPlan, StepOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.outputs import GenerateOutput
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.sampling_params import SamplingParams
+from tests.api.test_engine_loop import (
+    CharTokenizer,
+    CheckedEngine,
+    assert_idle_and_clean,
+    wait_idle,
+)
 from tests.fake_executor import FakeExecutor, reference_output
-from tests.test_engine_loop import CharTokenizer, CheckedEngine, assert_idle_and_clean, wait_idle
 
 
 class SlowExecutor(FakeExecutor):

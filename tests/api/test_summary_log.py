@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.summary_log import SummaryLog
-from tests.test_engine_loop import fake_engine
+from asyncengine.api.summary_log import SummaryLog
+from asyncengine.common.sampling_params import SamplingParams
+from tests.api.test_engine_loop import fake_engine
 
 IDLE: dict[str, Any] = {
     "running": 0,
@@ -97,7 +97,7 @@ def test_a_gauge_that_changes_alone_is_logged_once() -> None:
 async def test_the_engine_writes_summaries_only_while_something_happens(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="asyncengine.engine")
+    caplog.set_level(logging.INFO, logger="asyncengine.api.engine")
 
     def summaries() -> list[str]:
         return [r.getMessage() for r in caplog.records if LINE.search(r.getMessage())]

@@ -10,7 +10,7 @@ import pytest
 
 from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.bench.report import RunReport, _ms, queue_hint, shadow_table
-from tests.test_bench_scripts import load_script
+from tests.scripts.test_bench_scripts import load_script
 
 SMALL = [
     "--workload", "shared_prefix",

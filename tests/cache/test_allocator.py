@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.builder import DEFAULT_KV_TOKENS, build_core, kv_capacity_pages
 from asyncengine.cache import (
     InvalidFreeError,
     OutOfPagesError,
@@ -16,10 +15,11 @@ from asyncengine.cache import (
     PageAllocator,
     PageTable,
 )
-from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.plan import PageWrite
+from asyncengine.core.builder import DEFAULT_KV_TOKENS, build_core, kv_capacity_pages
+from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor_api import KVLayout, ModelSpec
-from asyncengine.plan import PageWrite
 
 
 def test_alloc_hands_out_distinct_pages_in_order() -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import pytest
 
+from asyncengine.api.engine import AsyncEngine
 from asyncengine.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,8 +22,7 @@ from asyncengine.cache.kv_events import (
     page_hashes,
 )
 from asyncengine.cache.radix_cache import RadixCache
-from asyncengine.engine import AsyncEngine
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams
 from tests.server_support import (
     assert_no_leak,
     engine_config,

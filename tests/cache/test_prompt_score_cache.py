@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncengine.cache.prompt_scores import PromptScoreCache
-from asyncengine.plan import TokenLogprobs
+from asyncengine.common.plan import TokenLogprobs
 
 PS = 4
 

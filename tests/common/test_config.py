@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from asyncengine import AsyncEngine
-from asyncengine.builder import make_policies
-from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.core.builder import make_policies
 from asyncengine.policies import make_policy
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

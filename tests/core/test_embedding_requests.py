@@ -1,5 +1,5 @@
 """Embedding requests on the engine core: prefill only, through the same scheduler, policy and
-prefix cache, pooled across chunks (asyncengine/pooling.py), over the model-free executor."""
+prefix cache, pooled across chunks (asyncengine/common/pooling.py), over the model-free executor."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.pooling import PooledEmbedding
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.base import PolicyContext
 from asyncengine.policies.fcfs import FCFSPolicy
-from asyncengine.pooling import PooledEmbedding
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from tests.core.test_lifecycle import ended_by, run
 from tests.fake_executor import FakeExecutor, reference_embedding, reference_output
-from tests.test_lifecycle import ended_by, run
-from tests.test_scheduler import Clock
+from tests.scheduler.test_scheduler import Clock
 
 PROMPT = [(7 * i + 3) % 997 + 1 for i in range(37)]
 

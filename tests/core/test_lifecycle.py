@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from asyncengine.core import EngineCore
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.step_events import StepEvents
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.scheduler.step_events import StepEvents
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.test_scheduler import Clock
+from tests.scheduler.test_scheduler import Clock
 
 
 class MatchAt:

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.executor.attention import TorchBackend
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.executor.attention.torch_backend import TorchBackend
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels import decode_sparse_ref
 from asyncengine.kernels.attention_grouping import (
     ExtendCost,
     bucket_cost,
@@ -20,7 +20,7 @@ from asyncengine.kernels.attention_grouping import (
     extend_buckets,
     extend_cost_for,
 )
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.kernels.reference import decode_sparse_ref
 from tests.conftest import TinyCheckpoint
 from tests.paged_pool_support import nan_pool, shuffled_page_table
 

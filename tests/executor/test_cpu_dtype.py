@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.config import EngineConfig
-from asyncengine.executor import cpu_dtype
+from asyncengine.common.config import EngineConfig
+from asyncengine.executor.cpu import cpu_dtype
 from asyncengine.executor.device import pick_dtype
 
 

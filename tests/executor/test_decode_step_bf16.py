@@ -1,4 +1,4 @@
-"""The fused decode step of a bfloat16 model (kernels/cpu_decode_step.c's -DKV_BF16 build): its
+"""The fused decode step of a bfloat16 model (kernels/cpu/cpu_decode_step.c's -DKV_BF16 build): its
 attention over a bfloat16 pool against the torch reference over the same values widened, the
 whole step over a bfloat16 pool against its float32 build over the same values (the new K/V
 rounded to nearest even as torch rounds them), and a bfloat16 runner that takes the step for its
@@ -12,18 +12,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncengine.executor import native_decode
-from asyncengine.executor.linear import Linear, QuantizedLinear
+from asyncengine.common.plan import Segment
+from asyncengine.executor.cpu import native_decode
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels import cpu_native, decode_step_native
-from asyncengine.kernels.attention_ref import decode_attention
+from asyncengine.kernels.cpu import cpu_native, decode_step_native
 from asyncengine.kernels.quant_formats import BF16 as BF16_ROWS
 from asyncengine.kernels.quant_formats import QuantizedTensor
-from asyncengine.plan import Segment
+from asyncengine.kernels.reference.attention_ref import decode_attention
 from tests.conftest import TinyCheckpoint
-from tests.test_kernels_ref import TOLERANCE, PagedKV
-from tests.test_native_decode import PROMPTS, Pair, _count_fused_rows, _plan
+from tests.executor.test_native_decode import PROMPTS, Pair, _count_fused_rows, _plan
+from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"

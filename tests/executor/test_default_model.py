@@ -10,8 +10,8 @@ import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.executor.loader import resolve_model
-from asyncengine.kernels import cpu_native
-from asyncengine.kernels.decode_step_native import DecodeStepModel
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.decode_step_native import DecodeStepModel
 
 PROMPTS = [
     "The capital of France is",

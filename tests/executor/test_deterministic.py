@@ -7,7 +7,7 @@
 
 These are properties of the kernels on the machine that runs them (the point of the mode), so
 they are checked here on the model's own shapes and on the pool's own layout. The end-to-end
-check (the same requests alone and under load) is tests/test_deterministic_engine.py.
+check (the same requests alone and under load) is tests/executor/test_deterministic_engine.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.invariant_attention import (
+from asyncengine.executor.attention.invariant import (
     KEY_BLOCK,
     KeyBuffers,
     invariant_attention,
@@ -26,10 +25,11 @@ from asyncengine.executor.invariant_attention import (
     padded_queries,
     plan_invariant,
 )
-from asyncengine.executor.invariant_native_attention import plan_invariant_native
-from asyncengine.executor.linear import ROW_BLOCK, Linear
-from asyncengine.kernels.attention_native import extend_kernel_runs, native_extend_attention
-from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
+from asyncengine.executor.attention.invariant_native import plan_invariant_native
+from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.executor.layers.linear import ROW_BLOCK, Linear
+from asyncengine.kernels.cpu.attention_native import extend_kernel_runs, native_extend_attention
+from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
 
 DTYPES = [torch.bfloat16, torch.float32]
 

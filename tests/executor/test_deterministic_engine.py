@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from asyncengine.engine import AsyncEngine
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.loader import DEFAULT_MODEL
-from asyncengine.sampling_params import SamplingParams
 from tests.server_support import engine_config, tiny_model_dir
 
 OUTPUT = 24

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.executor.attention_flashinfer import paged_kv_layout
+from asyncengine.executor.attention.flashinfer_backend import paged_kv_layout
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
 def test_layout_takes_each_rows_live_pages_only() -> None:
@@ -128,8 +128,8 @@ def test_backend_calls_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) 
     import sys
     import types
 
-    from asyncengine.executor import attention_flashinfer
-    from asyncengine.executor.attention import TorchBackend
+    from asyncengine.executor.attention import flashinfer_backend as attention_flashinfer
+    from asyncengine.executor.attention.torch_backend import TorchBackend
     from asyncengine.executor.forward_batch import build_forward_batch
 
     fake = types.ModuleType("flashinfer")
@@ -138,8 +138,8 @@ def test_backend_calls_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(attention_flashinfer, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(
-        "asyncengine.kernels.triton_kv_store.store_kv",
-        __import__("asyncengine.kernels.kv_store_ref", fromlist=["store_kv"]).store_kv,
+        "asyncengine.kernels.triton.triton_kv_store.store_kv",
+        __import__("asyncengine.kernels.reference.kv_store_ref", fromlist=["store_kv"]).store_kv,
     )
     spec = importlib.util.spec_from_file_location("_gpu_check", SCRIPT)
     assert spec is not None and spec.loader is not None

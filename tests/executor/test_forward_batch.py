@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.executor.forward_batch import _to_device, _vectorized_batch, build_forward_batch
-from asyncengine.plan import BatchPlan, Segment
 
 PAGE = 4
 

@@ -290,7 +290,7 @@ def test_default_model_config_matches_transformers_gguf_loader(
 
 @pytest.mark.slow
 def test_converted_config_parses_as_a_model_config(default_model) -> None:
-    from asyncengine.executor.model_config import ModelConfig
+    from asyncengine.executor.layers.model_config import ModelConfig
 
     config = ModelConfig.from_hf_dict(load_hf_config(default_model[0]))
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
-from asyncengine.builder import build_core
-from asyncengine.config import ConfigError
+from asyncengine.common.config import ConfigError
+from asyncengine.core.builder import build_core
 from asyncengine.executor.kv_dtype import f16_pool_runs_natively, pick_kv_dtype
 from asyncengine.executor.model_executor import ModelExecutor
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
+from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import engine_config, tiny_model_dir
-from tests.test_bench_scripts import load_script
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor import linear as linear_module
-from asyncengine.executor.linear import (
+from asyncengine.executor.layers import linear as linear_module
+from asyncengine.executor.layers.linear import (
     DENSE_FROM_ROWS_BY_FORMAT,
     Linear,
     QuantizedLinear,
     dense_from_rows,
     make_linear,
 )
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import BF16, F32
 
 

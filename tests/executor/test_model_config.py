@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncengine.executor.model_config import ModelConfig, RopeScaling, UnsupportedModelError
-from asyncengine.executor.rope import build_cos_sin_cache, rope_inv_freq
+from asyncengine.executor.layers.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from asyncengine.executor.layers.rope import build_cos_sin_cache, rope_inv_freq
 from tests.conftest import TinyCheckpoint
 
 SMOLLM2_LIKE: dict[str, Any] = {

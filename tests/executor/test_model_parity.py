@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.executor import attention, deterministic
-from asyncengine.executor.attention import TorchBackend
-from asyncengine.executor.invariant_attention import InvariantTorchBackend
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor import deterministic
+from asyncengine.executor.attention import torch_backend as attention
+from asyncengine.executor.attention.invariant import InvariantTorchBackend
+from asyncengine.executor.attention.torch_backend import TorchBackend
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels import attention_ref, decode_sparse_ref
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.kernels.reference import attention_ref, decode_sparse_ref
 from tests.conftest import TinyCheckpoint
 
 MAX_LEN = 64

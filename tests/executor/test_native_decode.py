@@ -1,4 +1,4 @@
-"""The fused native decode step (kernels/cpu_decode_step.c via executor/native_decode.py) against
+"""The fused native decode step (kernels/cpu/cpu_decode_step.c via executor/cpu/native_decode.py) against
 the torch path of the same quantized model: same logits within the int8 activations'
 rounding, same greedy tokens, K/V written to the same slots; a float32 model (its projections
 as F32 rows) against the dense oneDNN path; and the models and batches it leaves to the torch
@@ -15,16 +15,17 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from asyncengine.cache.page_table import PageTable
-from asyncengine.executor import linear, native_decode
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.linear import DENSE_FROM_ROWS, DENSE_FROM_ROWS_BY_FORMAT, Linear
+from asyncengine.executor.layers import linear
+from asyncengine.executor.layers.linear import DENSE_FROM_ROWS, DENSE_FROM_ROWS_BY_FORMAT, Linear
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader.quantized import quantize_int8
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, QuantizedTensor
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.sampling_params import SamplingParams
 from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -215,7 +216,7 @@ def test_fused_step_on_float32_weights_follows_the_dense_torch_path(
 def test_one_request_takes_its_new_key_and_value_without_a_store_phase(
     tiny_llama: TinyCheckpoint,
 ) -> None:
-    """Batch 1 (kernels/cpu_decode_step.c): each head takes the new K/V from the qkv row and the
+    """Batch 1 (kernels/cpu/cpu_decode_step.c): each head takes the new K/V from the qkv row and the
     first head of each kv group stores it (the pool starts as NaN: a key read before it is
     written, or never stored, poisons the logits or the K/V comparison)."""
     _compare(Pair(tiny_llama, quantize_int8(tiny_llama.load_weights())), prompts=PROMPTS[:1])
@@ -357,7 +358,7 @@ def test_a_verify_step_runs_its_positions_as_fused_decode_rows(
 def test_a_one_row_fused_step_is_bit_identical_on_one_thread_and_on_two(
     tiny_llama: TinyCheckpoint,
 ) -> None:
-    """One stream's decode steps choose their thread count (executor/step_threads.py): the
+    """One stream's decode steps choose their thread count (executor/cpu/step_threads.py): the
     count must never change a logit (rows of each product and attention heads split across
     threads, never a sum). The same step twice writes the same K/V at the same slot."""
     pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))

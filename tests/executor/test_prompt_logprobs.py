@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.common.plan import PromptScoring, TokenLogprobs
+from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.executor.prompt_logprobs import logits_and_scores, score_prompt_positions
-from asyncengine.plan import PromptScoring, TokenLogprobs
-from asyncengine.sampling_params import InvalidRequestError
 from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
 from tests.server_support import TINY_MODEL
 

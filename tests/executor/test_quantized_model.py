@@ -15,9 +15,9 @@ import torch
 from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.executor import linear as linear_module
-from asyncengine.executor.linear import (
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.executor.layers import linear as linear_module
+from asyncengine.executor.layers.linear import (
     DENSE_FROM_ROWS,
     DENSE_FROM_ROWS_BF16,
     DENSE_FROM_ROWS_BF16_BY_FORMAT,
@@ -25,15 +25,16 @@ from asyncengine.executor.linear import (
     QuantizedLinear,
     make_linear,
 )
+from asyncengine.executor.layers.model import LlamaModel
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
 from asyncengine.executor.loader.quantized import load_model, quantize_int8
-from asyncengine.executor.model import LlamaModel
-from asyncengine.executor.model_config import ModelConfig
-from asyncengine.kernels import cpu_native, quant_ref
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, I8, Q4_0, Q8_0, QuantizedTensor
+from asyncengine.kernels.reference import quant_ref
 from tests.conftest import TinyCheckpoint
-from tests.test_bench_scripts import load_script
-from tests.test_gguf import MERGES, TINY_TOKENS, _gguf_name, _llama_cpp_permute
+from tests.executor.test_gguf import MERGES, TINY_TOKENS, _gguf_name, _llama_cpp_permute
+from tests.scripts.test_bench_scripts import load_script
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
 pytestmark = pytest.mark.skipif(

@@ -11,14 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncengine.common.plan import SamplingInfo
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     ban_tokens,
 )
 from asyncengine.executor.sampler import Sampler, greedy_tokens, seeded_uniform, splitmix64
-from asyncengine.plan import SamplingInfo
-from asyncengine.sampling_params import SamplingParams
 
 # Search strategies that must all give the same tokens: the default, full sorts only, and a
 # ratio so coarse that most top-p rows need the later passes.

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from asyncengine.common.plan import SamplingInfo
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.executor.penalties import allowed_tokens, apply_token_bitmasks
 from asyncengine.executor.sampler import Sampler
-from asyncengine.plan import SamplingInfo
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
 
 VOCAB = 1000
 WORDS = -(-VOCAB // 32)

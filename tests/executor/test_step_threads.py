@@ -1,4 +1,4 @@
-"""The CPU step's thread count chosen by measurement (executor/step_threads.py): which count
+"""The CPU step's thread count chosen by measurement (executor/cpu/step_threads.py): which count
 each step gets as the load comes and goes, and that the count never changes a result."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.executor.linear import make_linear
-from asyncengine.executor.step_threads import (
+from asyncengine.executor.cpu.step_threads import (
     CHOOSE_BELOW_ROWS,
     CHOOSE_DECODE_ROWS,
     CONTENDED_SHARE,
@@ -17,7 +16,8 @@ from asyncengine.executor.step_threads import (
     run_on_chosen_threads,
     step_threads,
 )
-from asyncengine.kernels import quant_native
+from asyncengine.executor.layers.linear import make_linear
+from asyncengine.kernels.cpu import quant_native
 
 ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
 

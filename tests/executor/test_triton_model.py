@@ -18,21 +18,22 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.config import EngineConfig
-from asyncengine.executor.attention import TorchBackend
-from asyncengine.executor.attention_triton import TritonBackend
-from asyncengine.executor.backends import (
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.executor.attention.selector import (
     BackendUnavailableError,
     create_attention_backend,
     kernel_ops,
     resolve_backend_name,
 )
+from asyncengine.executor.attention.torch_backend import TorchBackend
+from asyncengine.executor.attention.triton_backend import TritonBackend
 from asyncengine.executor.cuda_graph import DecodeStaticInputs, batch_size_ladder, padded_size
 from asyncengine.executor.forward_batch import build_forward_batch
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels import norm_ref, triton_norm
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.kernels.reference import norm_ref
+from asyncengine.kernels.triton import triton_norm
 from tests.conftest import TinyCheckpoint
 from tests.paged_pool_support import nan_pool, shuffled_page_table
 from tests.python_subprocess import run_python
@@ -161,9 +162,9 @@ _CUDA_CHECK = textwrap.dedent(
     from asyncengine.cache.page_table import PageTable
     from asyncengine.executor.kv_pool import KVPool
     from asyncengine.executor.cuda_graph import DecodeGraphs
-    from asyncengine.executor.model_config import ModelConfig
+    from asyncengine.executor.layers.model_config import ModelConfig
     from asyncengine.executor.runner import ModelRunner
-    from asyncengine.plan import BatchPlan, Segment
+    from asyncengine.common.plan import BatchPlan, Segment
 
     path, device = sys.argv[1], torch.device(sys.argv[2])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -264,7 +265,7 @@ def test_flashinfer_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPat
     with pytest.raises(BackendUnavailableError, match="flashinfer"):
         resolve_backend_name("flashinfer", "cpu")
     monkeypatch.setattr(
-        "asyncengine.executor.backends._importable", lambda module: module != "flashinfer"
+        "asyncengine.executor.attention.selector._importable", lambda module: module != "flashinfer"
     )
     with pytest.raises(BackendUnavailableError, match="needs the package.*flashinfer"):
         resolve_backend_name("flashinfer", "cuda")
@@ -276,7 +277,7 @@ def test_unknown_backend_is_refused() -> None:
 
 
 def test_kernel_ops_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncengine.kernels import cpu_native, layer_ops_native
+    from asyncengine.kernels.cpu import cpu_native, layer_ops_native
 
     # on a CPU the torch backend takes the native kernels (this machine compiles them) ...
     cpu = kernel_ops("torch", "cpu")
@@ -358,8 +359,8 @@ def test_padded_decode_batch_gives_the_same_hidden_states_and_writes_nothing_mor
 
 def test_warm_up_runs_each_reachable_autotuning_key_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every (length bucket, direct) decode key and every extend bucket up to the context."""
-    from asyncengine.executor import attention_triton
-    from asyncengine.kernels import triton_decode_attention
+    from asyncengine.executor.attention import triton_backend as attention_triton
+    from asyncengine.kernels.triton import triton_decode_attention
 
     # Small buckets keep the interpreter quick; the logic is the same at the real sizes.
     monkeypatch.setattr(attention_triton, "CONTEXT_BUCKETS", (32, 64))

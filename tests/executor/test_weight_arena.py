@@ -1,4 +1,4 @@
-"""The quantized weights packed into one huge-page buffer (executor/weight_arena.py): the same
+"""The quantized weights packed into one huge-page buffer (executor/cpu/weight_arena.py): the same
 bytes and the same products, every part a view of one buffer that starts on a huge page, and
 the switch that turns it off."""
 
@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from asyncengine.executor import weight_arena
-from asyncengine.executor.linear import QuantizedLinear
-from asyncengine.kernels import cpu_native
+from asyncengine.executor.cpu import weight_arena
+from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import FORMATS
-from tests.test_quantized_kernels import random_weight
+from tests.kernels.test_quantized_kernels import random_weight
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"

@@ -1,4 +1,4 @@
-"""The fused decode step's attention (kernels/cpu_group_attention.h, run alone through
+"""The fused decode step's attention (kernels/cpu/cpu_group_attention.h, run alone through
 ``decode_step_native.group_attention``) against the torch reference: ragged lengths across
 the 32-key blocks and page boundaries, GQA ratios (a group larger than an item's 8 heads is
 split), head dims that take each register chunk (64, 32, 16, 8 floats) or the portable loop,
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncengine.kernels import cpu_native, decode_step_native
-from asyncengine.kernels.attention_ref import decode_attention
-from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from asyncengine.kernels.cpu import cpu_native, decode_step_native
+from asyncengine.kernels.reference.attention_ref import decode_attention
+from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"

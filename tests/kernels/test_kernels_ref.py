@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.kernels import attention_ref, decode_sparse_ref
-from asyncengine.kernels.activation_ref import silu_and_mul
 from asyncengine.kernels.attention_grouping import ExtendCost
-from asyncengine.kernels.attention_ref import (
+from asyncengine.kernels.reference import attention_ref, decode_sparse_ref
+from asyncengine.kernels.reference.activation_ref import silu_and_mul
+from asyncengine.kernels.reference.attention_ref import (
     GatherDecodePlan,
     decode_attention,
     decode_attention_planned,
@@ -23,10 +23,10 @@ from asyncengine.kernels.attention_ref import (
     plan_extend,
     plan_gather_decode,
 )
-from asyncengine.kernels.decode_sparse_ref import SparseDecodePlan
-from asyncengine.kernels.kv_store_ref import store_kv
-from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
-from asyncengine.kernels.rotary_ref import apply_rotary
+from asyncengine.kernels.reference.decode_sparse_ref import SparseDecodePlan
+from asyncengine.kernels.reference.kv_store_ref import store_kv
+from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
+from asyncengine.kernels.reference.rotary_ref import apply_rotary
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

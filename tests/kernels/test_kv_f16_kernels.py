@@ -1,4 +1,4 @@
-"""A float16 K/V pool read and written by the native kernels' -DKV_F16 builds (kernels/cpu_kv.h):
+"""A float16 K/V pool read and written by the native kernels' -DKV_F16 builds (kernels/cpu/cpu_kv.h):
 decode, extend and the fused step's attention against the torch references over the same pool
 (which widen its halves to float32: both sides then compute in float32 on the same values, so
 the float32 tolerance holds), and the rotary + store pass against apply_rotary + store_kv (bit
@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.kernels import cpu_native, decode_step_native, layer_ops_native
-from asyncengine.kernels.attention_native import (
+from asyncengine.kernels.cpu import cpu_native, decode_step_native, layer_ops_native
+from asyncengine.kernels.cpu.attention_native import (
     extend_kernel_runs,
     native_decode_attention,
     native_extend_attention,
     plan_native_decode,
     plan_native_extend,
 )
-from asyncengine.kernels.attention_ref import decode_attention, extend_attention
-from asyncengine.kernels.kv_store_ref import store_kv
-from asyncengine.kernels.rotary_ref import apply_rotary
-from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from asyncengine.kernels.reference.attention_ref import decode_attention, extend_attention
+from asyncengine.kernels.reference.kv_store_ref import store_kv
+from asyncengine.kernels.reference.rotary_ref import apply_rotary
+from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"

@@ -1,12 +1,12 @@
-"""kernels/cpu_logprobs.c (row max, its first index, log-sum-exp) against its torch reference."""
+"""kernels/cpu/cpu_logprobs.c (row max, its first index, log-sum-exp) against its torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncengine.kernels import logprobs_native
-from asyncengine.kernels.logprobs_native import row_max_lse, row_max_lse_ref
+from asyncengine.kernels.cpu import logprobs_native
+from asyncengine.kernels.cpu.logprobs_native import row_max_lse, row_max_lse_ref
 
 pytestmark = pytest.mark.skipif(
     not logprobs_native.available(), reason="no C compiler for the native CPU kernels"

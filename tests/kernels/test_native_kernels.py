@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/*.c, compiled on first use) against their torch references."""
+"""The native CPU kernels (kernels/cpu/*.c, compiled on first use) against their torch references."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.kernels import cpu_native
-from asyncengine.kernels.attention_native import native_decode_attention, plan_native_decode
-from asyncengine.kernels.attention_ref import decode_attention
-from tests.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.attention_native import native_decode_attention, plan_native_decode
+from asyncengine.kernels.reference.attention_ref import decode_attention
+from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
 
 
 def test_the_kernel_compiles_here() -> None:
@@ -82,7 +82,9 @@ def test_unsupported_shapes_and_dtypes_keep_the_torch_path() -> None:
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     odd_dim = torch.zeros(16, 1, 48)  # head_dim not a multiple of 32
     assert plan_native_decode(table, lens, 16, 1, odd_dim) is None
-    double = torch.zeros(16, 1, 64, dtype=torch.float64)  # (float16: tests/test_kv_f16_kernels.py)
+    double = torch.zeros(
+        16, 1, 64, dtype=torch.float64
+    )  # (float16: tests/kernels/test_kv_f16_kernels.py)
     assert plan_native_decode(table, lens, 16, 1, double) is None
     uneven = torch.zeros(16, 3, 64)  # 4 query heads over 3 kv heads
     assert plan_native_decode(table, lens, 16, 4, uneven) is None
@@ -119,8 +121,8 @@ def test_thread_count_does_not_change_the_result() -> None:
 def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
     """bf16: bit for bit (the same roundings after the same operations); fp32: up to the order
     of the RMS sum and the exp inside SiLU."""
-    from asyncengine.kernels import activation_ref, kv_store_ref, norm_ref, rotary_ref
-    from asyncengine.kernels import layer_ops_native as native
+    from asyncengine.kernels.cpu import layer_ops_native as native
+    from asyncengine.kernels.reference import activation_ref, kv_store_ref, norm_ref, rotary_ref
 
     exact = dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -182,12 +184,12 @@ def test_layer_ops_match_the_references(dtype: torch.dtype) -> None:
 def test_native_extend_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
 ) -> None:
-    from asyncengine.kernels.attention_native import (
+    from asyncengine.kernels.cpu.attention_native import (
         extend_kernel_runs,
         native_extend_attention,
         plan_native_extend,
     )
-    from asyncengine.kernels.attention_ref import extend_attention
+    from asyncengine.kernels.reference.attention_ref import extend_attention
 
     # fresh prompts, prompts over a cached prefix, a one-token extend, query blocks of 16 split;
     # a chunk whose last query block (3 queries at 190..192) crosses a 16-key block border, so
@@ -221,7 +223,7 @@ def test_native_extend_matches_the_reference(
 def test_native_extend_runs_on_avx2_and_avx512_cpus() -> None:
     """Extends take the native kernel wherever it has items for the CPU (AVX-512, or AVX2 with
     FMA): the torch path is only for other CPUs."""
-    from asyncengine.kernels.attention_native import extend_kernel_runs
+    from asyncengine.kernels.cpu.attention_native import extend_kernel_runs
 
     flags = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -233,7 +235,7 @@ def test_native_extend_runs_on_avx2_and_avx512_cpus() -> None:
 
 
 def test_native_extend_leaves_other_head_dims_to_torch() -> None:
-    from asyncengine.kernels.attention_native import plan_native_decode, plan_native_extend
+    from asyncengine.kernels.cpu.attention_native import plan_native_decode, plan_native_extend
 
     kv = PagedKV([40], 16, 1, 96, torch.float32, seed=0)  # 96: decode handles it, extend does not
     cu = torch.tensor([0, 40], dtype=torch.int32)
@@ -251,7 +253,7 @@ def test_native_extend_with_window_and_softcap_matches_naive(
     """Gemma 2/3 layers: windows inside one 16-key block, across blocks, of one key; soft-caps
     that bite. Prompts after long cached prefixes (whole key blocks below every window are
     skipped) and one-query extends (decodes, as deterministic mode routes them)."""
-    from asyncengine.kernels.attention_native import (
+    from asyncengine.kernels.cpu.attention_native import (
         extend_kernel_runs,
         native_extend_attention,
         plan_native_extend,
@@ -281,14 +283,14 @@ def test_native_extend_with_window_and_softcap_matches_naive(
 def test_decodes_of_window_layers_go_through_the_decode_kernel() -> None:
     """TorchBackend: a windowed, soft-capped layer's decodes and a plain layer's through the
     native decode kernel, with one plan, both right."""
-    from asyncengine.executor.attention import (
+    from asyncengine.executor.attention.torch_backend import (
         PLAIN,
         AttentionOptions,
         TorchAttentionMetadata,
         TorchBackend,
     )
     from asyncengine.executor.forward_batch import ForwardBatch
-    from asyncengine.kernels.attention_native import NativeDecodePlan
+    from asyncengine.kernels.cpu.attention_native import NativeDecodePlan
 
     seq_lens = [40, 9, 77]
     kv = PagedKV(seq_lens, 16, 2, 64, torch.float32, seed=5)

@@ -1,4 +1,4 @@
-"""Quantized weights in interleaved groups of 8 rows (kernels/cpu_quant_blocks.h): the packing
+"""Quantized weights in interleaved groups of 8 rows (kernels/cpu/cpu_quant_blocks.h): the packing
 against the torch reference's own reading of the layout, and every product and lookup on the
 packed form against the torch reference, for row counts that are not whole groups, every
 activation row count the small-batch paths take, and every ISA path this CPU can run."""
@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels import cpu_native, quant_native, quant_ref
+from asyncengine.kernels.cpu import cpu_native, quant_native
 from asyncengine.kernels.quant_formats import (
     FORMATS,
     INTERLEAVED_FORMATS,
     INTERLEAVED_ROWS,
     cat_rows,
 )
-from tests.test_quantized_kernels import ISAS, product_scale, random_weight
+from asyncengine.kernels.reference import quant_ref
+from tests.kernels.test_quantized_kernels import ISAS, product_scale, random_weight
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"

@@ -1,9 +1,9 @@
-"""The quantized matmul kernels (kernels/cpu_quant_matmul.c) against the torch reference
-(kernels/quant_ref.py), for every format, odd shapes, and every ISA path this CPU can run
+"""The quantized matmul kernels (kernels/cpu/cpu_quant_matmul.c) against the torch reference
+(kernels/reference/quant_ref.py), for every format, odd shapes, and every ISA path this CPU can run
 (AVX512-VNNI where the CPU has it, AVX2, scalar).
 
 Standalone, on any x86 machine (prints the ISA the native build picked):
-    .venv/bin/python tests/test_quantized_kernels.py
+    .venv/bin/python tests/kernels/test_quantized_kernels.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.kernels import cpu_native, quant_native, quant_ref
+from asyncengine.kernels.cpu import cpu_native, quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
@@ -27,6 +27,7 @@ from asyncengine.kernels.quant_formats import (
     cat_rows,
     f32_rows,
 )
+from asyncengine.kernels.reference import quant_ref
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
 pytestmark = pytest.mark.skipif(

@@ -21,13 +21,19 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from asyncengine.kernels import activation_ref, attention_ref, kv_store_ref, norm_ref, rotary_ref
-from asyncengine.kernels.triton_activation import silu_and_mul
-from asyncengine.kernels.triton_decode_attention import choose_num_splits, decode_attention
-from asyncengine.kernels.triton_extend_attention import extend_attention
-from asyncengine.kernels.triton_kv_store import store_kv
-from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
-from asyncengine.kernels.triton_rotary import apply_rotary
+from asyncengine.kernels.reference import (
+    activation_ref,
+    attention_ref,
+    kv_store_ref,
+    norm_ref,
+    rotary_ref,
+)
+from asyncengine.kernels.triton.triton_activation import silu_and_mul
+from asyncengine.kernels.triton.triton_decode_attention import choose_num_splits, decode_attention
+from asyncengine.kernels.triton.triton_extend_attention import extend_attention
+from asyncengine.kernels.triton.triton_kv_store import store_kv
+from asyncengine.kernels.triton.triton_norm import fused_add_rms_norm, rms_norm
+from asyncengine.kernels.triton.triton_rotary import apply_rotary
 from tests.python_subprocess import run_python
 
 DTYPES = [torch.float32, torch.float16]

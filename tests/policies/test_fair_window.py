@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim import CostModel, Simulator
 from asyncengine.workloads import WorkloadRequest
 

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from asyncengine import AsyncEngine
-from asyncengine.config import ConfigError, EngineConfig
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies.base import PolicyContext
 from asyncengine.policies.length_history import HistoryPredictor
 from asyncengine.policies.length_predictor import (
@@ -21,8 +23,6 @@ from asyncengine.policies.length_predictor import (
 from asyncengine.policies.length_ranker import RankerPredictor
 from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import make_policy
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.sim.simulator import simulate
 from asyncengine.workloads import Arrivals, make_workload
 
@@ -47,7 +47,7 @@ class ByRid(LengthPredictor):
 def test_predictors_load_by_name_module_path_and_file(tmp_path: Path) -> None:
     assert isinstance(build_length_predictor("history"), HistoryPredictor)
     assert isinstance(build_length_predictor("Max_Tokens"), MaxTokensPredictor)
-    loaded = build_length_predictor("tests.test_length_predictors:ByRid", {"scale": 2})
+    loaded = build_length_predictor("tests.policies.test_length_predictors:ByRid", {"scale": 2})
     assert isinstance(loaded, ByRid) and loaded.predict(request("r-7", [1])) == 14.0
     plugin = tmp_path / "my_predictor.py"
     plugin.write_text(
@@ -64,7 +64,11 @@ def test_predictors_load_by_name_module_path_and_file(tmp_path: Path) -> None:
     ("spec", "options", "key"),
     [
         ("nope", None, "'length_predictor'"),
-        ("tests.test_length_predictors:request", None, "'length_predictor'"),  # not a class
+        (
+            "tests.policies.test_length_predictors:request",
+            None,
+            "'length_predictor'",
+        ),  # not a class
         ("no.such.module:Thing", None, "'length_predictor'"),
         ("history", {"quantile": 2.0}, "'length_predictor_options'"),
         ("ranker", {"unknown": 1}, "'length_predictor_options'"),

@@ -15,12 +15,12 @@ import random
 import pytest
 
 from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies import PolicyContext, make_policy
 from asyncengine.policies.lpm import LPMPolicy
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 
 PAGE = 16
 

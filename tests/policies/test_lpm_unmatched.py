@@ -8,10 +8,10 @@ without that memo, through inserts, evictions and a reset of the cache.
 from __future__ import annotations
 
 from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies import PolicyContext, make_policy
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 
 PAGE = 16
 

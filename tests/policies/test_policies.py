@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from asyncengine.cache.manager import KVCacheManager
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies import PolicyContext, make_policy
 from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.prefill_rate import PrefillRate
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 
 
 def req(rid: str, ids: list[int], arrival: float = 0.0) -> Request:
@@ -262,7 +262,7 @@ def test_dynamic_chunking_in_the_scheduler_shrinks_chunks_then_grows_them_back()
     """Step times follow a*(2*l*x + x^2) + b*x + d: once fitted, each chunk of a long prompt is
     the longest page-aligned one that costs no more than a base chunk at prefix 0, so chunks
     shrink as the prefix grows; the next prompt starts again at the base chunk."""
-    from tests.test_scheduler import drive, make_scheduler, submit
+    from tests.scheduler.test_scheduler import drive, make_scheduler, submit
 
     a, b, d, page, base = 1e-7, 1e-4, 1e-3, 4, 64
 
@@ -311,9 +311,9 @@ def test_a_user_policy_from_its_own_file_orders_the_scheduler(
 ) -> None:
     """A policy of one's own is one class in one file (the README's example, as written there),
     named "module:Class" in the config, and composes with a built-in budget."""
-    from tests.test_scheduler import drive, make_scheduler, submit
+    from tests.scheduler.test_scheduler import drive, make_scheduler, submit
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = readme.split("```python\n")[1:]
     (example,) = [b.split("```")[0] for b in blocks if "class ShortestPromptFirst" in b]
     (tmp_path / "shortest_first.py").write_text(example)

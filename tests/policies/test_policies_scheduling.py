@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies import make_policy
 from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
-from tests.test_policies import ctx
+from tests.policies.test_policies import ctx
 
 
 def req(rid: str, n: int = 4, arrival: float = 0.0, out: int = 16, **controls: object) -> Request:

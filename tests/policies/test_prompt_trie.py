@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies.prompt_trie import BlockChains, TrieNode, build_trie
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 
 
 def req(rid: str, ids: list[int]) -> Request:

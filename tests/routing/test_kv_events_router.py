@@ -5,11 +5,11 @@ replica simulator is fed each replica's events as its steps land."""
 from __future__ import annotations
 
 from asyncengine.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, page_hashes
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.routing import KVEventsRouter, ReplicaState, make_router
 from asyncengine.sim.multi_replica import MultiReplicaSimulator
 from asyncengine.workloads.trace import WorkloadRequest
-from tests.test_kv_events import tree_blocks
+from tests.cache.test_kv_events import tree_blocks
 
 PS = 4
 PROMPT = list(range(1, 30))  # 7 whole pages

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from asyncengine.cache.manager import SeqKV
 from asyncengine.cache.radix_cache import RadixCache
-from asyncengine.config import ConfigError
-from asyncengine.core import EngineCore
+from asyncengine.common.config import ConfigError
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.policies.victims import VICTIM_RULES, order_victims
-from asyncengine.request import Request, RequestStatus
-from asyncengine.sampling_params import SamplingParams
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.test_scheduler import Clock, drive, submit, workload
+from tests.scheduler.test_scheduler import Clock, drive, submit, workload
 
 # 40 pages of 4 tokens for 24 requests of up to 64 outputs: decode must retract
 SHORT_POOL = dict(
@@ -158,7 +158,7 @@ def test_the_policy_chooses_the_victim_on_kv_shortage() -> None:
     # 6 pages of 4 tokens: each request alone fits (4 + 20 tokens), both together do not
     core, runner, clock = short_core(
         num_pages=6,
-        policy="tests.test_preemption:NamesTheOldest",
+        policy="tests.scheduler.test_preemption:NamesTheOldest",
         init_new_token_ratio=0.01,
         max_model_len=24,
     )
@@ -189,7 +189,7 @@ class NamesAStranger(Policy):
 
 
 def test_a_policy_naming_a_request_that_is_not_running_is_refused() -> None:
-    core, runner, clock = short_core(policy="tests.test_preemption:NamesAStranger")
+    core, runner, clock = short_core(policy="tests.scheduler.test_preemption:NamesAStranger")
     submit(core, clock, workload(seed=3, n=24, max_out=64))
     with pytest.raises(ValueError, match="stranger"):
         drive(core, runner, clock)
@@ -242,7 +242,7 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
 
 
 def test_the_simulator_charges_swaps_their_bytes_over_the_copy_bandwidth() -> None:
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
     from asyncengine.sim.simulator import simulate
     from asyncengine.workloads import make_workload
 
@@ -265,7 +265,7 @@ def test_preemption_and_predictor_keys_come_from_toml_and_the_command_line(
     import argparse
 
     from asyncengine.cli import add_engine_arguments, engine_config_from_args
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     toml = tmp_path / "engine.toml"
     toml.write_text(

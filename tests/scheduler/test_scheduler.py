@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies import BUILTIN
-from asyncengine.request import Request, RequestStatus
-from asyncengine.sampling_params import SamplingParams
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
 
 
@@ -284,7 +284,7 @@ def test_retract_takes_the_request_with_least_output_and_resets_the_ratio(
         ratios.append(core.scheduler.new_token_ratio)
     assert ratios[0] == 0.5 and ratios[1:] == pytest.approx([0.4, 0.3, 0.2, 0.1])
     (second,) = submit(core, clock, [([9, 8, 7, 6], 20)], tag="b")
-    caplog.set_level("WARNING", logger="asyncengine.scheduler")
+    caplog.set_level("WARNING", logger="asyncengine.scheduler.scheduler")
     while core.scheduler.total_retractions == 0:
         plan = core.launch()
         assert plan is not None

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
-from asyncengine.step_prefixes import StepPrefixes
+from asyncengine.common.plan import BatchPlan
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.scheduler.step_prefixes import StepPrefixes
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.test_scheduler import Clock, drive, submit
+from tests.scheduler.test_scheduler import Clock, drive, submit
 
 PAGE = 4
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.admission import (
+from asyncengine.common.request import Request, RequestStatus
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.policies.base import Policy, PolicyContext
+from asyncengine.scheduler.admission import (
     POLICY_HOLD,
     POLICY_WINDOW,
     PREFIX_DEDUP,
     Admission,
     AdmissionLog,
 )
-from asyncengine.core import EngineCore
-from asyncengine.policies.base import Policy, PolicyContext
-from asyncengine.request import Request, RequestStatus
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.step_events import StepEvents
+from asyncengine.scheduler.step_events import StepEvents
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.test_scheduler import Clock
+from tests.scheduler.test_scheduler import Clock
 
 
 class HoldOdd(Policy):
@@ -199,7 +199,7 @@ def test_in_batch_dedup_and_a_policy_hold_are_counted() -> None:
     run(core, clock)
 
     # a policy that leaves a request out of its order holds it
-    core2, executor2, clock2 = make(policy="tests.test_scheduling_controls:HoldOdd")
+    core2, executor2, clock2 = make(policy="tests.scheduler.test_scheduling_controls:HoldOdd")
     kept = add(core2, clock2, "kept0", [1, 2, 3], 2)
     held = add(core2, clock2, "held1", [4, 5, 6], 2)
     step(core2, clock2)
@@ -346,7 +346,10 @@ def test_a_shadow_policy_never_changes_what_runs(shadow: str) -> None:
 
 
 def test_a_shadow_of_the_same_policy_always_agrees_and_a_reversed_one_rarely() -> None:
-    for shadow, expected in (("fcfs", 1.0), ("tests.test_scheduling_controls:Newest", 0.0)):
+    for shadow, expected in (
+        ("fcfs", 1.0),
+        ("tests.scheduler.test_scheduling_controls:Newest", 0.0),
+    ):
         core, executor, clock = make(policy="fcfs", shadow_policy=shadow, max_running_requests=1)
         for k in range(6):
             add(core, clock, f"r{k}", [k + 1, k + 2, k + 3], 3)
@@ -394,7 +397,7 @@ class EagerLog(AdmissionLog):
 LAZY_CASES = {
     "priority-preempt": {"policy": "priority", "policy_options": {"preempt": True}},
     "no-mixed": {"policy": "fcfs", "enable_mixed_batch": False},
-    "hold-odd": {"policy": "tests.test_scheduling_controls:HoldOdd"},
+    "hold-odd": {"policy": "tests.scheduler.test_scheduling_controls:HoldOdd"},
 }
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
-from asyncengine.plan import BatchPlan, PromptScoring
-from asyncengine.step_shares import StepSegment, StepShares
+from asyncengine.common.plan import BatchPlan, PromptScoring
+from asyncengine.scheduler.step_shares import StepSegment, StepShares
+from tests.executor.test_prompt_logprobs import assert_equal_to_cold_and_hf, engine_config
 from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
 from tests.server_support import TINY_MODEL
-from tests.test_prompt_logprobs import assert_equal_to_cold_and_hf, engine_config
 
 VOCAB = TINY_MODEL["vocab_size"]
 
@@ -148,7 +148,7 @@ def test_best_finds_the_same_segment_by_looking_at_each_or_by_the_page_index(
         queries.append(([*base[:keep], *(rng.randrange(3) for _ in range(40 - keep))], at))
 
     def answers(scan_at_most: int, count: int) -> list[tuple[str, int] | None]:
-        monkeypatch.setattr("asyncengine.step_shares._SCAN_AT_MOST", scan_at_most)
+        monkeypatch.setattr("asyncengine.scheduler.step_shares._SCAN_AT_MOST", scan_at_most)
         shares = StepShares(page_size=4)
         out: list[tuple[str, int] | None] = []
         for seg in segments[:count]:

@@ -1,4 +1,4 @@
-"""The scheduler's waiting queue (asyncengine/waiting_queue.py) reads as the list it replaced.
+"""The scheduler's waiting queue (asyncengine/scheduler/waiting_queue.py) reads as the list it replaced.
 
 Random appends, pushes to the front and removals from anywhere leave it equal to a list given
 the same operations, read every way a policy may read it (iteration, ``len``, ``in``, indexes,
@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.waiting_queue import WaitingQueue
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.scheduler.waiting_queue import WaitingQueue
 from policies.base import Policy
 
 

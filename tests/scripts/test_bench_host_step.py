@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.test_bench_scripts import load_script
+from tests.scripts.test_bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,11 @@ def test_decode_and_mixed_steps_are_split_by_part(
 
 
 def test_the_stand_in_streams_ordinary_text_tokens(bench: ModuleType) -> None:
-    from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-    from asyncengine.sampling_params import SamplingParams
+    from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+    from asyncengine.common.sampling_params import SamplingParams
 
     executor = bench.StandInExecutor(49152, (2,), width=64)
-    from asyncengine.executor_api import KVLayout
+    from asyncengine.core.executor_api import KVLayout
 
     executor.bind(KVLayout(num_pages=64, page_size=4, max_rows=8, max_pages_per_row=8))
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)

@@ -22,7 +22,7 @@ import pytest
 from asyncengine.workloads import make_workload, save_trace
 from tests.server_support import MAX_MODEL_LEN, engine_config, start_server, tiny_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL_RANDOM = [
     "--workload-arg",
     "input_median=12",
@@ -332,7 +332,7 @@ def small_workload(n: int = 5) -> list[Any]:
 def test_vllm_spec_carries_the_same_requests_and_our_pool_in_bytes(
     offline: ModuleType, config_dir: Path
 ) -> None:
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     workload = small_workload()
     config = EngineConfig(model=str(config_dir))
@@ -526,7 +526,7 @@ def fake_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_run_vllm_writes_the_spec_runs_the_peer_and_reads_it_back(
     offline: ModuleType, config_dir: Path, fake_venv: Path, tmp_path: Path
 ) -> None:
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
 
     workload = small_workload()
     config = EngineConfig(model=str(config_dir), kv_cache_tokens=64)

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_simulator.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_simulator.py"
 
 
 @pytest.fixture(scope="module")

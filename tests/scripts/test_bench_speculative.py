@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import tiny_model_dir
-from tests.test_bench_scripts import load_script
 
 
 def test_bench_speculative_writes_a_row_per_mode_and_batch(
@@ -47,7 +47,7 @@ def test_bench_speculative_runs_the_draft_modes(
             "--model", model,
             "--draft-model", model,  # the target as its own draft: every guess accepted
             # where the verify's positions run as fused decode rows, with the draft's numerics:
-            # a bfloat16 model's BF16 rows take 2 rows in the fused step (executor/linear.py)
+            # a bfloat16 model's BF16 rows take 2 rows in the fused step (executor/layers/linear.py)
             "--draft-k", "1",
             "--modes", "off", "draft_fixed",
             "--workloads", "numbers",

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import tiny_model_dir
-from tests.test_bench_scripts import load_script
 
 
 def test_bench_structured_runs_on_a_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> None:

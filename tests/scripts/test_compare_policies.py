@@ -10,7 +10,7 @@ import pytest
 
 from asyncengine.workloads import load_trace, tree_of_thought
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load_script(name: str) -> ModuleType:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import tiny_model_dir
-from tests.test_bench_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = ROOT / "scripts" / "lm_eval_tasks"
 
 

@@ -20,7 +20,7 @@ from tests.server_support import (
     wait_until,
 )
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
 
 
 def load_script() -> ModuleType:

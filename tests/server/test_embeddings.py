@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from asyncengine.engine import AsyncEngine
+from asyncengine.api.engine import AsyncEngine
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,

@@ -15,8 +15,8 @@ import requests
 from asyncengine.server.openai_schema import ChatCompletionRequest
 from asyncengine.server.openapi import REQUEST_BODIES
 from tests.openai_server import server  # noqa: F401  (fixture)
+from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import RunningServer, engine_config, start_server, tiny_model_dir
-from tests.test_bench_scripts import load_script
 
 
 def _fuzz_script() -> ModuleType:

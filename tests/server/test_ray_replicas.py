@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.routing import make_router
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.app import create_app
 from asyncengine.server.ray_serve.deployment import RayDeployment, RayOptions
 from asyncengine.server.ray_serve.metrics import replica_metrics

@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from asyncengine.engine import AsyncEngine
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.serve import run_server
 from asyncengine.workloads.live_trace import load_live_trace
 from tests.server_support import engine_config, tiny_model_dir

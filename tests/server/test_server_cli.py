@@ -19,11 +19,11 @@ import aiohttp
 import pytest
 
 from asyncengine.cli import add_engine_arguments, main
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.server.serve import DEFAULT_HOST, DEFAULT_PORT, add_serve_arguments
 from tests.server_support import MAX_MODEL_LEN, server_subprocess, split_sse, tiny_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 README_BASE = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 # what the issue names explicitly; every other option is checked too

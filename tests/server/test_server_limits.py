@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.config import EngineConfig
-from asyncengine.intake import Intake
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.api.intake import Intake
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import from_engine_error
 
 CONTEXT = Intake(None, 1000, 100, EngineConfig())

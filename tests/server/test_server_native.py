@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from asyncengine.engine import AsyncEngine
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.app import create_app
 from asyncengine.server.serve import start_http
 from tests.server_support import (

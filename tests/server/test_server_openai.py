@@ -7,9 +7,9 @@ import json
 import openai
 import pytest
 
-from asyncengine.config import EngineConfig
-from asyncengine.intake import Intake
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.api.intake import Intake
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import from_engine_error
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,

@@ -14,9 +14,9 @@ import aiohttp
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams
+from tests.api.test_scheduling_e2e import engine
 from tests.server_support import RunningServer, assert_no_leak, sse_json, start_server
-from tests.test_scheduling_e2e import engine
 
 ADMIN = "s3cret-admin"
 API_KEY = "user-key"

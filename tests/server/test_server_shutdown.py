@@ -15,12 +15,12 @@ import pytest
 
 from tests.server_support import server_subprocess, split_sse, tiny_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SERVER_SCRIPT = """
 import logging, sys, argparse
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.server.serve import add_serve_arguments, serve
 parser = argparse.ArgumentParser()
 add_serve_arguments(parser)

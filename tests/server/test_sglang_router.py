@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from tests.server_support import (
     RunningServer,
     engine_config,

@@ -16,7 +16,7 @@ import pytest
 
 from asyncengine.cache.manager import KVCacheManager, SeqKV
 from asyncengine.cache.page_table import PageTable
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim import CostModel, SimResult, Simulator
 from asyncengine.workloads import (
     Arrivals,
@@ -64,7 +64,7 @@ def _workload(name: str, n: int, rate: float, seed: int = 0) -> list[WorkloadReq
 
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "sjf", "dfs-weight"])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from asyncengine.bench.records import RequestRecord, summarize
-from asyncengine.builder import build_core
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.core.builder import build_core
 from asyncengine.sim import CostModel, SimulatedExecutor, VirtualClock, WorkloadReplay
 from asyncengine.sim.fidelity import GOAL, fidelity, write_measured_trace
 from asyncengine.workloads import Arrivals, random_lengths

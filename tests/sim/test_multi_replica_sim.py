@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.routing import CacheAwareRouter, make_router
 from asyncengine.sim.multi_replica import MultiReplicaSimulator
 from asyncengine.sim.simulator import simulate

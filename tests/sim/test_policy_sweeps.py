@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim.sweep import SimJob, expand, parse_sweep
-from tests.test_compare_policies import load_script
+from tests.scripts.test_compare_policies import load_script
 
 WORKLOAD_ARGS = [
     "--workload", "shared_prefix",

@@ -12,7 +12,7 @@ from asyncengine.sim.reproductions import REPRODUCTIONS, Claim, Outcome, registe
 from asyncengine.sim.reproductions.document import update_page, write
 from asyncengine.sim.reproductions.hol_skip import short_and_long
 from asyncengine.sim.reproductions.vtc import ServiceMeter, two_clients
-from tests.test_bench_scripts import load_script
+from tests.scripts.test_bench_scripts import load_script
 
 
 class Dummy:
@@ -110,10 +110,10 @@ def test_each_claim_holds_in_the_simulator(name: str, tmp_path: Path) -> None:
 def test_a_reproduction_runs_on_the_real_executor_with_its_step_hook(tmp_path: Path) -> None:
     """The --real path: the real model (a tiny random llama here) on the CPU clock, the
     reproduction's step hook fed every landed step."""
-    from asyncengine.config import EngineConfig
+    from asyncengine.common.config import EngineConfig
     from asyncengine.sim.reproductions import run_workload
     from asyncengine.sim.reproductions.vtc import meter_factory
-    from tests.test_sim_vs_real import write_model
+    from tests.sim.test_sim_vs_real import write_model
 
     model = write_model(tmp_path / "model")
     workload = two_clients(4.0, 3.0, 24, 6, vocab_size=2000)

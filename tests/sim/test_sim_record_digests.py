@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim import CostModel, Simulator
 from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload, random_lengths
 from asyncengine.workloads.compact import CompactWorkload
@@ -69,7 +69,7 @@ def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, in
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_simulator_gives_the_records_it_gave_before(case: str) -> None:
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     policy, make, digest, steps = CASES[case]
     workload = make()
     config = EngineConfig(policy=policy, kv_cache_tokens=8192, max_queue_time=300.0)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim import CostModel, Simulator, StepFeatures, simulate
 from asyncengine.sim.sim_vs_real import (
     MeasuredRun,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from asyncengine.bench import optimal_hit
-from asyncengine.config import EngineConfig
-from asyncengine.plan import BatchPlan, Segment
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.sim import CostModel, Simulator, StepFeatures, VirtualClock, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, multi_turn, shared_prefix
 
@@ -169,7 +169,7 @@ def test_kv_pool_size_follows_the_config() -> None:
     "policy", ["fcfs", "lpm", "dfs-weight", "lpm+token-budget", "dynamic-chunking"]
 )
 def test_policies_finish_everything_under_memory_pressure(policy: str) -> None:
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     workload = multi_turn(
         num_conversations=6, num_turns=3, vocab_size=500, system_len=32, output_len=24
     )
@@ -224,7 +224,7 @@ def test_lpm_schedules_the_same_on_a_slower_machine() -> None:
     """LPM's aging and starvation cap are in work (prefilled tokens), not seconds: on a machine
     8x slower with arrivals 8x further apart, every decision is the same and every time is 8x.
     (A power of two keeps the scaled floating-point times exact.)"""
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     workload = shared_prefix(
         num_groups=4,
         questions_per_group=10,

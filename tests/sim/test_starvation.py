@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext
-from asyncengine.request import Request
 from asyncengine.sim.starvation import (
     CHECK_CONFIG,
     Adversary,
@@ -19,7 +19,7 @@ from asyncengine.sim.starvation import (
     judge,
     run_adversary,
 )
-from tests.test_compare_policies import load_script
+from tests.scripts.test_compare_policies import load_script
 
 
 class Newest(Policy):
@@ -62,7 +62,7 @@ def test_fcfs_overtakes_nobody_and_waits_are_counted_in_prefill_tokens() -> None
     [
         ("priority", {}, True),  # strict priority: the stream of better ones never ends
         ("priority", {"max_wait_tokens": 3000}, False),
-        ("tests.test_starvation:Newest", {}, True),
+        ("tests.sim.test_starvation:Newest", {}, True),
         ("sjf", {}, False),
     ],
 )
@@ -80,7 +80,7 @@ def test_overtaking_that_grows_with_the_stream_is_starvation(
 @pytest.mark.slow
 def test_check_policy_script_passes_and_fails_with_a_shrunk_adversary(tmp_path: Path) -> None:
     script = load_script("check_policy")
-    report = script.main(["tests.test_starvation:Newest", "--examples", "2", "-q",
+    report = script.main(["tests.sim.test_starvation:Newest", "--examples", "2", "-q",
                           "--json", str(tmp_path / "r.json")])  # fmt: skip
     assert not report.passed and report.failing_adversary is not None
     saved = json.loads((tmp_path / "r.json").read_text())

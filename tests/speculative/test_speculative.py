@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.speculative.acceptance import accepted_prefix
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.rules import adaptive_guesses
 from asyncengine.speculative.settings import parse_speculative
 from tests.fake_executor import fake_core, reference_output
-from tests.test_scheduler import Clock
+from tests.scheduler.test_scheduler import Clock
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "rule": "fixed"}
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.builder import build_core
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.executor.draft_proposer import DraftProposer
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.executor.model_executor import ModelExecutor
-from asyncengine.plan import BatchPlan
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.speculative.draft.draft_proposer import DraftProposer
 from tests.server_support import engine_config, tiny_model_dir
 
 PROMPTS = [

@@ -2,7 +2,7 @@
 accepted tokens in one delta, structured output holds with guesses copied from the prompt,
 usage and stats count accepted guesses, and the command line takes ``--speculative JSON`` (a
 bad value is an error naming the key). Greedy exactness against decoding without speculation
-is tests/test_speculative_model.py's (float32 and deterministic mode); in the default mode the
+is tests/speculative/test_speculative_model.py's (float32 and deterministic mode); in the default mode the
 verify forward (an extend over 5 positions) and a decode round differently, and on this
 workload the embedded model's greedy tokens agree for the first 15 tokens, then a near tie
 flips (deterministic mode: all 48 agree, measured by hand, too slow for a test here)."""
@@ -15,11 +15,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from asyncengine.api.engine import AsyncEngine
 from asyncengine.cli import main
-from asyncengine.engine import AsyncEngine
+from asyncengine.common.outputs import StreamDelta
+from asyncengine.common.sampling_params import SamplingParams, StructuredOutput
 from asyncengine.executor.loader import DEFAULT_MODEL
-from asyncengine.outputs import StreamDelta
-from asyncengine.sampling_params import SamplingParams, StructuredOutput
 from tests.server_support import engine_config
 
 pytestmark = pytest.mark.slow

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.builder import build_core
-from asyncengine.core import EngineCore
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.executor.model_executor import ModelExecutor
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
-from asyncengine.plan import BatchPlan, SamplingInfo, Segment
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
 from tests.server_support import engine_config, tiny_model_dir
-from tests.test_speculative import OracleProposer
+from tests.speculative.test_speculative import OracleProposer
 
 PROMPTS = [
     [101, 102, 103, 104, 105, 106] * 4,

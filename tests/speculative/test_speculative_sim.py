@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim.simulator import simulate
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
 

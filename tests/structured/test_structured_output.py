@@ -19,8 +19,8 @@ import pydantic
 import pytest
 import pytest_asyncio
 
-from asyncengine.errors import InvalidRequestError
-from asyncengine.sampling_params import SamplingParams, StructuredOutput
+from asyncengine.common.errors import InvalidRequestError
+from asyncengine.common.sampling_params import SamplingParams, StructuredOutput
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim import CostModel, Simulator, WorkloadReplay
 from asyncengine.sim import workload_replay as replay_module
 from asyncengine.workloads import Arrivals, WorkloadRequest, multi_tenant, random_lengths
@@ -27,7 +27,7 @@ POISSON_3 = Arrivals.parse("poisson:3")
 
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
-    logging.getLogger("asyncengine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
 
 
 @pytest.mark.parametrize("seed", [0, 5])

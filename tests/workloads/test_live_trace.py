@@ -19,8 +19,8 @@ from asyncengine.workloads.live_trace import (
     tokens_of_hashes,
 )
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
-from tests.test_compare_policies import load_script
-from tests.test_scheduling_e2e import engine, params, prompt
+from tests.api.test_scheduling_e2e import engine, params, prompt
+from tests.scripts.test_compare_policies import load_script
 
 SHARED = prompt(42, 24)  # six pages of 4 tokens
 

@@ -5,7 +5,7 @@ FlashInfer's paged prefill and decode wrappers read our pool in place: a layer's
 table rows are its page indices. Once per forward the batch becomes FlashInfer's CSR page
 layout (``paged_kv_layout``); the first layer of each kind of attention (a window, a soft cap)
 plans the wrappers, the others reuse the plan. K/V are stored by the Triton store kernel; norms,
-rotary and the activation are the Triton kernels too (executor/backends.py).
+rotary and the activation are the Triton kernels too (executor/attention/selector.py).
 
 Kernels are JIT-compiled by FlashInfer with nvcc on first use (minutes; cached under
 ``~/.cache/flashinfer``). Both wrappers use FlashInfer's FA2 kernels, the decode one through its
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.executor.attention import PLAIN, AttentionBackend, AttentionOptions
+from asyncengine.executor.attention.torch_backend import PLAIN, AttentionBackend, AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partials)
@@ -176,7 +176,7 @@ class FlashInferBackend(AttentionBackend):
         scale: float,
         options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
-        from asyncengine.kernels.triton_kv_store import store_kv
+        from asyncengine.kernels.triton.triton_kv_store import store_kv
 
         assert isinstance(metadata, FlashInferMetadata)
         m = metadata

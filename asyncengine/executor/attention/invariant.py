@@ -34,25 +34,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.attention import (
+from asyncengine.executor.attention.torch_backend import (
     PLAIN,
     AttentionOptions,
     BatchMetadata,
     StoreThenAttendBackend,
 )
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.kernels.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.paged_kv import padded_kv_slots
+from asyncengine.kernels.reference.attention_window import additive_mask, hidden_keys, soft_cap
 
 # the CPU flash attention's key block (torch's kernel: min(kv_len, 512)); padding to multiples
-# of it fixes the kernel's reduction order (tests/test_deterministic.py checks it holds)
+# of it fixes the kernel's reduction order (tests/executor/test_deterministic.py checks it holds)
 KEY_BLOCK = 512
 # A request's query heads that share a KV head are the rows of one attention problem (as the
 # CPU decode path lays them out: keys are read once per KV head, and one-query calls avoid the
 # kernel's slow single-row path). The kernel cuts those rows into blocks of 32 (64, 256 for
 # many rows) and, in float32, multiplies a last block of 1 to 3 rows by another path that
 # rounds differently: such row counts are padded away. bfloat16 has no such case in this
-# layout. tests/test_deterministic.py tries every tail.
+# layout. tests/executor/test_deterministic.py tries every tail.
 QUERY_BLOCK = 32
 _SHORT_TAILS: dict[torch.dtype, frozenset[int]] = {torch.bfloat16: frozenset()}
 _SHORT_TAILS_DEFAULT = frozenset({1, 2, 3})

@@ -1,5 +1,5 @@
 """Batch-invariant attention on a CPU: every query of the forward, decodes too, through the native
-extend kernel (kernels/cpu_extend_attention.c).
+extend kernel (kernels/cpu/cpu_extend_attention.c).
 
 That kernel reduces each query row on its own: the row's keys are taken in blocks of 16 at
 absolute positions 0, 16, 32, ... with the row's own running max and sum, and a row that shares
@@ -9,21 +9,21 @@ chunked, or on how much of it came from the prefix cache. Decodes go through the
 (one-query extends) rather than the decode kernel, whose sums run in another order, so a token
 recomputed in a prefill (a retracted request) equals the one its decode made. Sliding windows
 and soft-capping (Gemma 2/3) are the kernel's own options and keep these properties.
-tests/test_deterministic.py checks these properties on the pool's layout.
+tests/executor/test_deterministic.py checks these properties on the pool's layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from asyncengine.executor.attention import (
+from asyncengine.executor.attention.torch_backend import (
     PLAIN,
     AttentionOptions,
     TorchAttentionMetadata,
     TorchBackend,
 )
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.kernels.attention_native import (
+from asyncengine.kernels.cpu.attention_native import (
     NativeExtendPlan,
     native_extend_attention,
     plan_native_extend,

@@ -8,7 +8,7 @@
   Triton interpreter, for tests: far too slow to serve);
 - ``"flashinfer"``: FlashInfer's paged prefill and decode kernels for attention, the Triton
   kernels for the rest (CUDA only; needs the flashinfer-python package, whose kernels compile
-  on first use; executor/attention_flashinfer.py).
+  on first use; executor/attention/flashinfer_backend.py).
 
 A choice that cannot work on the device fails here, with a message that says what to do,
 rather than deep inside the first forward.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.config import ATTENTION_BACKENDS
-from asyncengine.executor.attention import AttentionBackend, TorchBackend
+from asyncengine.common.config import ATTENTION_BACKENDS
+from asyncengine.executor.attention.torch_backend import AttentionBackend, TorchBackend
 
 
 class BackendUnavailableError(RuntimeError):
@@ -80,11 +80,11 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
     """Resolve ``name`` for ``device`` and build that backend."""
     resolved = resolve_backend_name(name, device)
     if resolved == "triton":
-        from asyncengine.executor.attention_triton import TritonBackend
+        from asyncengine.executor.attention.triton_backend import TritonBackend
 
         return TritonBackend()
     if resolved == "flashinfer":
-        from asyncengine.executor.attention_flashinfer import FlashInferBackend
+        from asyncengine.executor.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)
     return TorchBackend()
@@ -92,7 +92,7 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """The elementwise kernels beside attention, with the signatures of kernels/*_ref.py.
+    """The elementwise kernels beside attention, with the signatures of kernels/reference/*_ref.py.
 
     ``rotary_store`` (native CPU kernels only) rotates q and k and stores k and v into the
     layer's cache in one pass (``kernels.layer_ops_native.rotary_store``); None: the model calls
@@ -109,18 +109,18 @@ class KernelOps:
 
 def kernel_ops(resolved_backend: str, device: torch.device | str = "cpu") -> KernelOps:
     """The torch references for the torch backend, with the native CPU kernels in place of the
-    norms, the activation and rotary + KV store where they are available (kernels/*.c: on a CPU
+    norms, the activation and rotary + KV store where they are available (kernels/cpu/*.c: on a CPU
     with a C compiler); the Triton twins for triton.
 
     Note: the Triton ``apply_rotary`` rotates q and k in place (and returns them); the
     reference returns new tensors. Callers must use the returned tensors.
     """
     if resolved_backend == "torch":
-        from asyncengine.kernels import layer_ops_native as native
-        from asyncengine.kernels.activation_ref import silu_and_mul
-        from asyncengine.kernels.kv_store_ref import store_kv
-        from asyncengine.kernels.norm_ref import fused_add_rms_norm, rms_norm
-        from asyncengine.kernels.rotary_ref import apply_rotary
+        from asyncengine.kernels.cpu import layer_ops_native as native
+        from asyncengine.kernels.reference.activation_ref import silu_and_mul
+        from asyncengine.kernels.reference.kv_store_ref import store_kv
+        from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
+        from asyncengine.kernels.reference.rotary_ref import apply_rotary
 
         if torch.device(device).type == "cpu" and native.available():
             return KernelOps(
@@ -132,10 +132,10 @@ def kernel_ops(resolved_backend: str, device: torch.device | str = "cpu") -> Ker
                 rotary_store=native.rotary_store,
             )
     elif resolved_backend in ("triton", "flashinfer"):  # FlashInfer attends, Triton does the rest
-        from asyncengine.kernels.triton_activation import silu_and_mul
-        from asyncengine.kernels.triton_kv_store import store_kv
-        from asyncengine.kernels.triton_norm import fused_add_rms_norm, rms_norm
-        from asyncengine.kernels.triton_rotary import apply_rotary
+        from asyncengine.kernels.triton.triton_activation import silu_and_mul
+        from asyncengine.kernels.triton.triton_kv_store import store_kv
+        from asyncengine.kernels.triton.triton_norm import fused_add_rms_norm, rms_norm
+        from asyncengine.kernels.triton.triton_rotary import apply_rotary
     else:
         raise ValueError(f"kernel_ops takes a resolved backend name, not {resolved_backend!r}")
     return KernelOps(

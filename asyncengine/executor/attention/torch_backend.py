@@ -3,7 +3,7 @@
 A forward's tokens come in two groups, extends first and decodes after, so that one long
 prefill does not pad many one-token decodes. A backend turns the ``ForwardBatch`` into its own
 metadata once per forward (``build_metadata``); every layer then calls ``forward`` with it.
-Which backend runs where is chosen in executor/backends.py. A layer's own attention options
+Which backend runs where is chosen in executor/attention/selector.py. A layer's own attention options
 (Gemma 2/3: sliding window, soft-capping) come with each call as an ``AttentionOptions``; the
 metadata stays shared by every layer.
 """
@@ -17,7 +17,7 @@ import torch
 
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.attention_grouping import ExtendCost
-from asyncengine.kernels.attention_native import (
+from asyncengine.kernels.cpu.attention_native import (
     NativeDecodePlan,
     NativeExtendPlan,
     native_decode_attention,
@@ -25,7 +25,7 @@ from asyncengine.kernels.attention_native import (
     plan_native_decode,
     plan_native_extend,
 )
-from asyncengine.kernels.attention_ref import (
+from asyncengine.kernels.reference.attention_ref import (
     DecodePlan,
     ExtendPlan,
     decode_attention_planned,
@@ -33,7 +33,7 @@ from asyncengine.kernels.attention_ref import (
     plan_decode,
     plan_extend,
 )
-from asyncengine.kernels.kv_store_ref import store_kv
+from asyncengine.kernels.reference.kv_store_ref import store_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,7 @@ class TorchAttentionMetadata(BatchMetadata):
 
 
 class TorchBackend(StoreThenAttendBackend):
-    """On a CPU, extends and decodes through the native kernels (kernels/cpu_*_attention.c: keys
+    """On a CPU, extends and decodes through the native kernels (kernels/cpu/cpu_*_attention.c: keys
     and values read in place from the pool); elsewhere (or without a C compiler) extends in
     buckets of similar lengths and decodes in place from the pool for float32 or in gathered
     chunks (attention_ref). ``native=False`` keeps the torch paths on a CPU too.

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.executor.attention import PLAIN, AttentionBackend, AttentionOptions
+from asyncengine.executor.attention.torch_backend import PLAIN, AttentionBackend, AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.kernels.triton_decode_attention import (
+from asyncengine.kernels.triton.triton_decode_attention import (
     CONTEXT_BUCKETS,
     choose_num_splits,
     decode_attention,
 )
-from asyncengine.kernels.triton_extend_attention import Q_LEN_BUCKETS, extend_attention
-from asyncengine.kernels.triton_kv_store import store_kv
-from asyncengine.kernels.triton_utils import length_bucket
+from asyncengine.kernels.triton.triton_extend_attention import Q_LEN_BUCKETS, extend_attention
+from asyncengine.kernels.triton.triton_kv_store import store_kv
+from asyncengine.kernels.triton.triton_utils import length_bucket
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class WarmUpRun:
 
 
 class TritonBackend(AttentionBackend):
-    """Paged extend and decode attention in Triton kernels (kernels/triton_*.py)."""
+    """Paged extend and decode attention in Triton kernels (kernels/triton/triton_*.py)."""
 
     def warm_up(
         self,

@@ -1,11 +1,11 @@
-"""Decode steps of a quantized (or float32) model in one native call (kernels/cpu_decode_step.c),
+"""Decode steps of a quantized (or float32) model in one native call (kernels/cpu/cpu_decode_step.c),
 where the model and the batch allow it; ``LlamaModel.forward`` takes the torch path otherwise.
 
 Which models: on a CPU, float32 or bfloat16 activations (a bfloat16 model's decode step runs in
 float32 inside: its hidden states widened on the way in, rounded on the way out), a float32,
 float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every projection a
 ``QuantizedLinear``
-(GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows: executor/linear.py), the
+(GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows: executor/layers/linear.py), the
 plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms, one RoPE table, no sliding
 window or soft-cap) and not deterministic mode (whose row blocks the torch path keeps). Which
 batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from
@@ -21,12 +21,12 @@ from typing import Protocol
 
 import torch
 
-from asyncengine.executor.attention import AttentionOptions
+from asyncengine.executor.attention.torch_backend import AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.linear import Linear, QuantizedLinear
-from asyncengine.executor.model_config import ModelConfig
-from asyncengine.kernels import decode_step_native
-from asyncengine.kernels.decode_step_native import (
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.kernels.cpu import decode_step_native
+from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
     LayerParts,
@@ -57,7 +57,7 @@ VERIFY_DECODE_MAX_ROWS = 31
 
 
 class LayerLike(Protocol):
-    """What the fused step reads of a layer (executor/model.py's LayerWeights)."""
+    """What the fused step reads of a layer (executor/layers/model.py's LayerWeights)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor

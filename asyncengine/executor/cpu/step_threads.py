@@ -27,7 +27,7 @@ get on all threads: process CPU time over threads x wall time, ~0.98 quiet, ~0.5
 (``cpu_share``, smoothed). Below ``CONTENDED_SHARE`` every step chooses, until watched steps run
 on all threads with their cores again (a class's try of all threads that wins, then its steps).
 Both counts give bit-identical results (the products split rows and columns across threads,
-never a sum: tests/test_step_threads.py), so the choice changes speed only.
+never a sum: tests/executor/test_step_threads.py), so the choice changes speed only.
 
 ``ASYNCENGINE_ADAPTIVE_THREADS=0`` keeps every step on the thread count the process starts with.
 """

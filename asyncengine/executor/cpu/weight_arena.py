@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncengine.executor.linear import QuantizedLinear
+from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 log = logging.getLogger("asyncengine.executor")

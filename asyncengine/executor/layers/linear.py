@@ -12,7 +12,7 @@ path for one row) from the shape, so a row can be summed in a different order wh
 share the call (on this machine oneDNN's bfloat16 kernel for the 576x1536 down projection
 changes its order between 6 and 7 rows; MKL's float32 GEMV differs from its GEMM). Within one
 shape the order is the same for every row, whatever the other rows hold
-(tests/test_deterministic.py checks both facts). With ``row_block`` set, the rows are padded to
+(tests/executor/test_deterministic.py checks both facts). With ``row_block`` set, the rows are padded to
 a multiple of it and multiplied ``row_block`` at a time: a request's row meets the same kernel
 alone as in a batch of 200. The price is the padding (a lone decode computes ``row_block``
 rows) and more, smaller calls for long prefills (scripts/bench_deterministic.py).
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.cpu_dtype import fastest_cpu_dtype
-from asyncengine.kernels import quant_native
+from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
@@ -43,7 +43,7 @@ ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
 # CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
 # shapes, float32 activations), quantized / dense time per layer, with the register-tiled group
-# kernels (8 weight x 4 activation rows, kernels/cpu_quant_blocks.h; 1-minute load ~10):
+# kernels (8 weight x 4 activation rows, kernels/cpu/cpu_quant_blocks.h; 1-minute load ~10):
 #   rows                   1    16    32    64   128   256   512  1024  2048  4096
 #   Q4_1 interleaved    0.21  0.33  0.39  0.47  0.51  0.54  0.56  0.56  0.55  0.61
 #   Q4_0 interleaved    0.25  0.38  0.44  0.48  0.53  0.55  0.56  0.57  0.55
@@ -99,7 +99,7 @@ DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24
 # such call: +212 MB for SmolLM2's layers, +57 MB for its head).
 DENSE_FROM_ROWS_BF16 = 12
 # A bfloat16 model's projections as BF16 rows (its weights as they are, widened to float32 as the
-# kernel reads them: kernels/cpu_quant_blocks.h) against oneDNN's bfloat16 product on an AVX-512
+# kernel reads them: kernels/cpu/cpu_quant_blocks.h) against oneDNN's bfloat16 product on an AVX-512
 # BF16 CPU (2-vCPU EPYC, no AMX): one core's CPU ms for SmolLM2's 30 layers' projections, each
 # weight distinct (streamed from memory), 1-minute load ~2.5:
 #   rows                  1      2      3      4      6      8     16     32     64
@@ -128,7 +128,7 @@ F32_HEAD_DENSE_FROM_ROWS = 8
 # what they give)
 FLOAT_ROWS_ENV = "ASYNCENGINE_F32_ROWS"
 # "0": quantized weights stay row by row as stored, instead of in interleaved groups of 8 rows
-# (kernels/cpu_quant_blocks.h; to measure what the layout gives)
+# (kernels/cpu/cpu_quant_blocks.h; to measure what the layout gives)
 INTERLEAVE_ENV = "ASYNCENGINE_INTERLEAVE"
 
 
@@ -197,7 +197,7 @@ class Linear:
 
 class QuantizedLinear:
     """``y = x @ weight.T + bias`` with the weight kept quantized (GGUF blocks or I8) and the
-    products taken by kernels/cpu_quant_matmul.c: x is quantized once per call to int8 blocks,
+    products taken by kernels/cpu/cpu_quant_matmul.c: x is quantized once per call to int8 blocks,
     then each part (a fused projection whose pieces have different formats, as q/k/v in Q4_K_M
     files, is several parts) writes its columns of one output.
 

@@ -3,7 +3,7 @@ paged KV pool.
 
 Plain tensors and functions, no nn.Module: each layer is ~15 torch calls. At load time q/k/v
 are fused into one projection and gate/up into another (fewer, larger matmuls), and on a CPU
-every projection's weight is prepacked for oneDNN once (executor/linear.py). The families
+every projection's weight is prepacked for oneDNN once (executor/layers/linear.py). The families
 differ in three hooks read from the ModelConfig: Gemma's ``(1 + w)`` norms become plain norms
 at load time (the offset is added to the weights), Qwen3's per-head q/k norms run before RoPE
 (``_norm_qk``), and the MLP activation and embedding multiplier are picked once. Gemma 2/3 add
@@ -19,24 +19,24 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor import native_decode, weight_arena
-from asyncengine.executor.attention import AttentionBackend, AttentionOptions
-from asyncengine.executor.backends import KernelOps, kernel_ops
+from asyncengine.executor.attention.selector import KernelOps, kernel_ops
+from asyncengine.executor.attention.torch_backend import AttentionBackend, AttentionOptions
+from asyncengine.executor.cpu import native_decode, weight_arena
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.linear import (
+from asyncengine.executor.layers.linear import (
     F32_HEAD_DENSE_FROM_ROWS,
     Linear,
     QuantizedLinear,
     make_linear,
 )
-from asyncengine.executor.model_config import ModelConfig, RopeScaling
-from asyncengine.executor.rope import build_cos_sin_cache
-from asyncengine.kernels import rotary_ref
-from asyncengine.kernels.activation_ref import gelu_tanh_and_mul
-from asyncengine.kernels.attention_window import soft_cap
-from asyncengine.kernels.kv_store_ref import copy_kv_slots, store_kv
+from asyncengine.executor.layers.model_config import ModelConfig, RopeScaling
+from asyncengine.executor.layers.rope import build_cos_sin_cache
+from asyncengine.kernels.cpu.quant_native import dequantize_rows
 from asyncengine.kernels.quant_formats import QuantizedTensor
-from asyncengine.kernels.quant_native import dequantize_rows
+from asyncengine.kernels.reference import rotary_ref
+from asyncengine.kernels.reference.activation_ref import gelu_tanh_and_mul
+from asyncengine.kernels.reference.attention_window import soft_cap
+from asyncengine.kernels.reference.kv_store_ref import copy_kv_slots, store_kv
 
 
 class WeightsError(ValueError):
@@ -68,7 +68,7 @@ class LlamaModel:
         row_block: int | None = None,
     ) -> None:
         """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
-        executor/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
+        executor/layers/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
         blocks, or int8) stay quantized: their projections run the quantized kernels and a
         quantized embedding is dequantized a looked-up row at a time."""
         self.config = config

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from asyncengine.executor.model_config import ModelConfig
+from asyncengine.executor.layers.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

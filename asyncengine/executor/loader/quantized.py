@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from asyncengine.config import ConfigError
+from asyncengine.common.config import ConfigError
 from asyncengine.executor.loader.default_model import gguf_file, metadata_dir, resolve_model
 from asyncengine.executor.loader.gguf_loader import Weight, read_gguf
 from asyncengine.executor.loader.hf_dir import load_weights
-from asyncengine.kernels import quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, I8, QuantizedTensor
-from asyncengine.kernels.quant_ref import quantize_i8
+from asyncengine.kernels.reference.quant_ref import quantize_i8
 
 log = logging.getLogger("asyncengine.loader")
 

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncengine.config import EngineConfig
-from asyncengine.ray_local import init_ray
+from asyncengine.api.ray_local import init_ray
+from asyncengine.common.config import EngineConfig
 from asyncengine.routing import KVEventsRouter
 
 log = logging.getLogger("asyncengine.server.ray")

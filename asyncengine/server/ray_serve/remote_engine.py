@@ -14,11 +14,11 @@ import logging
 import uuid
 from typing import Any
 
-from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineError, EngineNotRunningError, RequestFailedError
-from asyncengine.intake import Intake
-from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
-from asyncengine.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.api.intake import Intake
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.errors import EngineError, EngineNotRunningError, RequestFailedError
+from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
 from asyncengine.server.ray_serve.registry import router_for
 

@@ -18,10 +18,10 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
-from asyncengine.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
+from asyncengine.common.sampling_params import SamplingParams
 
 REFUSALS = (InvalidRequestError, QueueFullError, EngineNotRunningError)
 
@@ -43,7 +43,7 @@ def reachable_endpoint(endpoint: str) -> str:
 
 class EngineReplica:
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
-        from asyncengine.engine import AsyncEngine  # loads torch: in the replica only
+        from asyncengine.api.engine import AsyncEngine  # loads torch: in the replica only
 
         self.config = config
         self.engine = AsyncEngine(config)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from asyncengine.config import EngineConfig, key_value
-from asyncengine.event_loop import run
+from asyncengine.api.event_loop import run
+from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.routing import ROUTERS, make_router
 from asyncengine.server.ray_serve import require_ray
 from asyncengine.server.ray_serve.deployment import RayDeployment, RayOptions
@@ -85,7 +85,7 @@ async def run_replica_server(config: EngineConfig, handle: Any, app_name: str, *
 
 def serve_replicas(config: EngineConfig, args: argparse.Namespace) -> int:
     """The CLI's entry: Ray up, replicas deployed, HTTP served, everything torn down."""
-    from asyncengine.builder import make_policies
+    from asyncengine.core.builder import make_policies
     from asyncengine.executor.loader import tokenizer_dir
     from asyncengine.server.serve import http_options
 

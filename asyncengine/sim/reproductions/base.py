@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.simulator import Simulator

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.sim.reproductions.base import (
     Claim,
     Outcome,

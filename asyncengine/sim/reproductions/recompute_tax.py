@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.config import EngineConfig
+from asyncengine.common.config import EngineConfig
 from asyncengine.policies.victims import VICTIM_RULES
 from asyncengine.sim.reproductions.base import Claim, Outcome, markdown_table, run_workload, seconds
 from asyncengine.workloads.arrivals import Arrivals

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncengine.config import EngineConfig
-from asyncengine.core import EngineCore
-from asyncengine.plan import BatchPlan
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.reproductions.base import (
     Claim,

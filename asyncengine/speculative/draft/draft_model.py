@@ -6,7 +6,7 @@
 It is loaded by the target's loader (a Hugging Face directory, a GGUF, a known model name; the
 same ``quantization``), on the target's device and dtype, and must share the target's tokenizer
 (the same token ids for the same text: its guesses are the target's token ids). Its KV pool has
-as many token slots as the target's, in the draft's shape (executor/draft_proposer.py).
+as many token slots as the target's, in the draft's shape (speculative/draft/draft_proposer.py).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import torch
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.page_table import PageTable
-from asyncengine.config import ConfigError, EngineConfig
-from asyncengine.executor.draft_proposer import DraftProposer
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.core.executor_api import KVLayout
 from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import load_hf_config
 from asyncengine.executor.loader.quantized import load_model
-from asyncengine.executor.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.executor_api import KVLayout
 from asyncengine.kernels.quant_formats import QuantizedTensor
+from asyncengine.speculative.draft.draft_proposer import DraftProposer
 from asyncengine.text.tokenizer import Tokenizer
 
 

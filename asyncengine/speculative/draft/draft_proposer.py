@@ -30,8 +30,8 @@ import torch
 
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager, SeqKV
+from asyncengine.common.plan import BatchPlan, Segment, StepOutput
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.plan import BatchPlan, Segment, StepOutput
 
 
 @dataclass(slots=True)

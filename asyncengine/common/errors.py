@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncengine.sampling_params import InvalidRequestError
+from asyncengine.common.sampling_params import InvalidRequestError
 
 
 class EngineError(RuntimeError):
