@@ -29,77 +29,29 @@ FOLDERS = {
 }
 
 # Lower layers never import higher ones (runtime imports; TYPE_CHECKING blocks do not count).
+# Each entry is a folder (a subpackage); a module is in the layer of its deepest listed folder,
+# and the package's own top-level modules (cli, compiled, ...) are in the last.
 LAYERS: list[tuple[str, ...]] = [
-    (  # plain data, maths, pure helpers
-        "asyncengine.errors",
-        "asyncengine.sampling_params",
-        "asyncengine.outputs",
-        "asyncengine.plan",
-        "asyncengine.request",
-        "asyncengine.executor_api",
-        "asyncengine.bench",
-        "asyncengine.workloads",
-        "asyncengine.kernels",
-        "asyncengine.quiet_exit",
-        "asyncengine.pooling",
-        "asyncengine.speculative",
-    ),
-    (  # configuration, policies, KV accounting
-        "asyncengine.config",
-        "asyncengine.policies",
-        "asyncengine.cache",
-        "asyncengine.step_prefixes",
-        "asyncengine.step_shares",
-        "asyncengine.step_events",
-        "asyncengine.prompt_scoring",
-        "asyncengine.routing",
-    ),
-    (  # the engine core
-        "asyncengine.scheduler",
-        "asyncengine.retraction",
-        "asyncengine.prefill",
-        "asyncengine.waiting_queue",
-        "asyncengine.lifecycle",
-        "asyncengine.core",
-        "asyncengine.builder",
-        "asyncengine.admission",
-        "asyncengine.shadow",
-        "asyncengine.tenant_stats",
-    ),
-    # the device side, the output side, structured output's grammars
-    ("asyncengine.executor", "asyncengine.text", "asyncengine.structured"),
-    (  # drivers
-        "asyncengine.engine",
-        "asyncengine.engine_client",
-        "asyncengine.streams",
-        "asyncengine.intake",
-        "asyncengine.request_group",
-        "asyncengine.event_loop",
-        "asyncengine.sim",
-        "asyncengine.ray_local",
-        "asyncengine.summary_log",
-        "asyncengine.kv_event_publisher",
-    ),
-    ("asyncengine.server", "asyncengine.cli", "asyncengine"),  # front ends, the public package
+    # plain data (config, sampling params, request, batch plan, outputs), maths, pure helpers
+    ("common", "bench", "workloads", "kernels", "speculative"),
+    ("policies", "cache", "routing"),  # policies, KV accounting, routing
+    ("scheduler",),  # schedule/commit, admission, prefill, retraction, the waiting queue
+    ("core",),  # EngineCore (one step's launch/land), the builder, the lifecycle
+    # the device side (speculative/draft/ runs a draft model on it), the output side, grammars
+    ("executor", "text", "structured", "speculative.draft"),
+    ("api", "sim"),  # drivers: the async engine and the simulator
+    ("server", ""),  # front ends: the HTTP server, the CLI and the public package
 ]
 
-TORCH_FREE = [
-    "asyncengine.scheduler",
-    "asyncengine.retraction",
-    "asyncengine.prefill",
-    "asyncengine.waiting_queue",
-    "asyncengine.lifecycle",
-    "asyncengine.admission",
-    "asyncengine.shadow",
-    "asyncengine.tenant_stats",
-    "asyncengine.core",
-    "asyncengine.builder",
-    "asyncengine.cache",
-    "asyncengine.policies",
-    "asyncengine.routing",
-    "asyncengine.sim",
-    "asyncengine.text.stream",
-]
+# The scheduler side loads no torch: these folders (every module in them) and the output stream.
+TORCH_FREE_FOLDERS = ("common", "cache", "policies", "routing", "scheduler", "core", "sim")
+TORCH_FREE_MODULES = ("asyncengine.text.stream",)
+# runs the real engine beside the simulator, to compare the two
+NEEDS_TORCH = ("asyncengine.sim.sim_vs_real",)
+
+
+def package(folder: str) -> str:
+    return "asyncengine" + (f".{folder}" if folder else "")
 
 
 def module_files() -> dict[str, Path]:
@@ -188,8 +140,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def layer_of(module: str) -> int:
     best, depth = -1, -1
-    for level, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
+    for level, folders in enumerate(LAYERS):
+        for prefix in map(package, folders):
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > depth:
                 best, depth = level, len(prefix)
     assert best >= 0, f"{module} is in no layer of tests/test_architecture.py"
@@ -215,8 +167,18 @@ def test_nothing_imports_upward() -> None:
     assert upward == []
 
 
+def torch_free_modules() -> list[str]:
+    folders = tuple(map(package, TORCH_FREE_FOLDERS))
+    in_folders = [
+        name
+        for name in module_files()
+        if name.startswith(tuple(f"{folder}." for folder in folders)) or name in folders
+    ]
+    return sorted(set(in_folders) - set(NEEDS_TORCH)) + list(TORCH_FREE_MODULES)
+
+
 def test_the_scheduler_side_loads_no_torch() -> None:
-    code = f"import sys; import {', '.join(TORCH_FREE)}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
+    code = f"import sys; import {', '.join(torch_free_modules())}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
@@ -240,7 +202,7 @@ def imported_closure(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 def test_the_live_engine_imports_no_simulator() -> None:
     graph = import_graph(type_checking=False)
-    for live in ("asyncengine.engine", "asyncengine.server.app"):
+    for live in ("asyncengine.api.engine", "asyncengine.server.app"):
         reached = sorted(
             m for m in imported_closure(live, graph) if m.startswith("asyncengine.sim")
         )
@@ -255,14 +217,14 @@ def test_one_place_builds_a_scheduler() -> None:
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Scheduler"):
                     sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert len(sites) == 1 and sites[0].startswith("asyncengine/builder.py"), sites
+    assert len(sites) == 1 and sites[0].startswith("asyncengine/core/builder.py"), sites
 
 
 def test_one_place_sequences_a_step() -> None:
     sites = []
     for folder in ("asyncengine", "policies", "scripts"):
         for path in (ROOT / folder).rglob("*.py"):
-            if path == ROOT / "asyncengine" / "core.py":
+            if path == ROOT / "asyncengine" / "core" / "engine_core.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
