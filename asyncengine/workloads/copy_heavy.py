@@ -20,14 +20,14 @@ from asyncengine.workloads.trace import WorkloadRequest
 Messages = list[dict[str, str]]
 
 _SOURCES = (  # modules of moderate size, stable content
-    "lifecycle.py",
-    "scheduler.py",
-    "retraction.py",
-    "step_events.py",
-    "admission.py",
-    "request.py",
-    "streams.py",
-    "prefill.py",
+    "core/lifecycle.py",
+    "scheduler/scheduler.py",
+    "scheduler/retraction.py",
+    "scheduler/step_events.py",
+    "scheduler/admission.py",
+    "common/request.py",
+    "api/streams.py",
+    "scheduler/prefill.py",
 )
 _CODE_TASKS = (
     "Repeat the following Python code exactly, without changes:",

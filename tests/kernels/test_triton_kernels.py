@@ -384,8 +384,9 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     from triton.compiler import ASTSource
     from triton.runtime.autotuner import Autotuner
 
-    from asyncengine.kernels import triton_activation, triton_decode_attention, triton_extend_attention
-    from asyncengine.kernels import triton_kv_store, triton_norm, triton_rotary
+    from asyncengine.kernels.triton import triton_activation, triton_decode_attention
+    from asyncengine.kernels.triton import triton_extend_attention, triton_kv_store, triton_norm
+    from asyncengine.kernels.triton import triton_rotary
 
     POINTERS = {
         "mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_table_ptr": "*i32",
