@@ -4,7 +4,7 @@ torch's ``F.linear`` on a CPU hands oneDNN a plain [out, in] weight, which it re
 its blocked format on every call; prepacking (``mkldnn._reorder_linear_weight``) does that once
 at load time, and ``mkldnn._linear_pointwise`` multiplies by the packed weight: the same sums in
 the same order (bit-identical outputs in bfloat16), 10-20% less time at decode batch sizes and
-half at batch 1 on an AVX-512 BF16 CPU (scripts/bench_forward.py). Elsewhere (CUDA, other
+half at batch 1 on an AVX-512 BF16 CPU (scripts/micro/bench_forward.py). Elsewhere (CUDA, other
 dtypes, a torch build without those ops) it is ``F.linear``.
 
 Row blocks (deterministic mode): a GEMM library picks its kernel (blocking, K-splitting, a GEMV
