@@ -50,7 +50,7 @@ chat: native
 	$(VENV)/bin/asyncengine chat $(ARGS)
 
 bench-radix: native
-	$(PY) scripts/bench_radix.py $(ARGS)
+	$(PY) scripts/micro/bench_radix.py $(ARGS)
 
 clean:
 	test ! -x $(PY) || $(PY) scripts/build_native.py --clean

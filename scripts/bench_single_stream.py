@@ -2,10 +2,10 @@
 """Batch-1 decode speed: asyncengine and vLLM side by side, against the memory-bandwidth bound.
 
 One request at a time: a ``--prompt-len`` (16) token prompt of random ids (numpy
-``default_rng(seed)``, the same prompt vllm_peer.py draws) and ``--output-len`` (256) tokens,
+``default_rng(seed)``, the same prompt peers/vllm/runner.py draws) and ``--output-len`` (256) tokens,
 greedy, EOS ignored. Each of ``--repeats`` rounds times the prompt with one output token (the
 prefill and first token) and with all of them; decode tok/s = (output_len - 1) / (median full -
-median first), as ``scripts/vllm_peer.py --single-stream`` measures vLLM (run in the same
+median first), as ``scripts/peers/vllm/runner.py --single-stream`` measures vLLM (run in the same
 invocation, from its own virtualenv: ``scripts/setup_vllm_cpu.sh``).
 
 The bound: at batch 1 every decode step reads all the weights once, so decode cannot beat
@@ -44,10 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_vllm, bench_offline
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers, bench_offline
 
-import peer_llamacpp
-import peer_vllm
 from bench_offline import (
     foreign_fraction,
     machine,
@@ -57,6 +55,8 @@ from bench_offline import (
     resolve_dtype,
     write_json,
 )
+from peers.llamacpp import launcher as peer_llamacpp
+from peers.vllm import launcher as peer_vllm
 
 from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.common.sampling_params import SamplingParams
@@ -189,7 +189,7 @@ def decode_tokens_per_second(
 
 
 def single_stream_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
-    """The prompt vllm_peer.py --single-stream draws (numpy default_rng(seed).integers)."""
+    """The prompt peers/vllm/runner.py --single-stream draws (numpy default_rng(seed).integers)."""
     import numpy as np
 
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab_size, size=length)]
@@ -275,13 +275,13 @@ def run_vllm(
         "--repeats", str(args.repeats), "--seed", str(args.seed), "--kv-bytes", str(kv_bytes),
         "--out", str(result_path), *args.vllm_peer_arg,
     ]  # fmt: skip
-    print(f"vllm: scripts/vllm_peer.sh {' '.join(peer_args)} (log: {log_path})", flush=True)
+    print(f"vllm: scripts/peers/vllm/run.sh {' '.join(peer_args)} (log: {log_path})", flush=True)
     peer_vllm.run_peer(peer_args, args.vllm_timeout, log_path)
     return vllm_row(peer_vllm.read_result(result_path, log_path), log_path)
 
 
 def vllm_row(result: dict[str, Any], log_path: Path | None = None) -> dict[str, Any]:
-    """The row of vllm_peer.py's single-stream result, in asyncengine's row's terms."""
+    """The row of peers/vllm/runner.py's single-stream result, in asyncengine's row's terms."""
     return {
         "first_token_seconds": result["first_token_seconds"],
         "full_seconds": result["full_seconds"],
@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra vllm_peer.py argument (repeatable), e.g. --vllm-peer-arg=--quiet-wait=300",
+        help="extra peers/vllm/runner.py argument (repeatable), e.g. --vllm-peer-arg=--quiet-wait=300",
     )
     parser.add_argument("--vllm-timeout", type=float, default=1800.0)
     parser.add_argument("--vllm-workdir", type=Path, default=None)

@@ -8,7 +8,7 @@ Pool slots no request owns hold NaN, so a kernel that reads a key it should not 
 
     python scripts/check_kernels_gpu.py [--cases 200] [--seed 0]
 
-Autotuning is off here (one config per kernel; scripts/bench_kernels.py checks the tuned
+Autotuning is off here (one config per kernel; scripts/micro/bench_kernels.py checks the tuned
 configs on its shapes). Prints one line per (kernel, dtype) with the worst relative error and exits 1 on a failure.
 """
 

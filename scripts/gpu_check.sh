@@ -110,7 +110,7 @@ part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEV
     --workload-arg input_median=180 --workload-arg output_median=120 \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
     --out "$P/profile.json"
-part host-step 40 "$PY" scripts/bench_host_step.py --quick --tokenizer .gpu_model \
+part host-step 40 "$PY" scripts/micro/bench_host_step.py --quick --tokenizer .gpu_model \
     --out "$P/host_step.json"
 
 # (b) the decode step

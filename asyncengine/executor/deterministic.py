@@ -1,8 +1,8 @@
 """Deterministic mode (``EngineConfig.deterministic``, ``--deterministic``): a request's greedy
 output does not depend on the batch it runs in.
 
-Where batch dependence comes from, measured on this machine in bfloat16 (float32 hides most of
-it: its rounding differences rarely flip a token):
+Where batch dependence comes from, measured on a CPU in bfloat16 (float32 hides most of it: its
+rounding differences rarely flip a token):
 - matmuls: the GEMM kernel is chosen by shape, and a different kernel sums a row in a
   different order (executor/layers/linear.py: fixed-shape row blocks);
 - attention: the decode kernel sums in another order than the extend kernel, and torch's fused
@@ -16,7 +16,7 @@ The mode swaps parts of the runner only: the attention backend, the matmuls' row
 CUDA) the norms. The scheduler is untouched: batching, mixed batches, chunking, prefix caching
 and retraction all stay on.
 
-On a GPU the same design applies, but it is not measured (no GPU here): the torch attention
+On a GPU the same design applies: the torch attention
 backend with keys padded to fixed blocks (CUDA's fused attention reduces each query row in
 key-block order, with no split across the batch), fixed-shape row blocks for cuBLAS, and the
 norms on fixed-shape row blocks too (a CUDA reduction's launch shape follows the row count).

@@ -29,7 +29,7 @@ DEFAULT_SPEC = ModelSpec(
 
 _start_pos = operator.attrgetter("start_pos")
 
-# Bytes per second a swap copies between the KV pool and the host buffer: scripts/bench_swap.py
+# Bytes per second a swap copies between the KV pool and the host buffer: scripts/micro/bench_swap.py
 # on the 2-core development CPU (0.42-0.44 GB/s for 64-page victims, under a load average of
 # 12; docs/BENCHMARKS.md), as the default cost model is that CPU's. A GPU's pinned PCIe copies
 # are far faster. A swap costs its bytes over this, added to the step's forward time.

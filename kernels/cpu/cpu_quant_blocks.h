@@ -487,7 +487,7 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
  * so a group of 8 rows takes exactly the bytes of its 8 rows, in the same place: a weight of
  * `rows` rows keeps its size, the first rows / XR * XR rows are grouped, the rest stay as
  * stored. Each row's result is its blocks' sums in block order (the same sums as the row kernels
- * above up to float rounding order). Measured in docs/BENCHMARKS.md (issue 24, third session). */
+ * above up to float rounding order); scripts/micro/bench_quant_matmul.py measures it. */
 #define XR 8
 
 static inline int interleaves(int fmt) {
@@ -612,9 +612,9 @@ static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, floa
  * only its int16 sums and its float accumulator in registers (2 nr + 5 of the 16 ymm registers;
  * the offset terms, which would take nr more, run in a second pass over the block headers).
  * The same float operations in the same order per row as group_q4 (integer sums are exact), so
- * the same results bit for bit; out[r * XR + j]. ~2x the multiply rate of the per-row loop it
- * replaced at 16-1024 rows on the AVX2 EPYC (docs/BENCHMARKS.md, "Register-tiled quantized
- * products"). group_q4_rows picks the tile height (2-4). */
+ * the same results bit for bit; out[r * XR + j]. ~2x the multiply rate of one activation row at
+ * a time at 16-1024 rows (scripts/micro/bench_quant_matmul.py). group_q4_rows picks the tile
+ * height (2-4). */
 static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, const act_row *a,
                                                   const int mr, float *out, int has_min) {
     const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);

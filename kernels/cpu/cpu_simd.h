@@ -135,7 +135,7 @@ static inline __m256 exp256(__m256 x) {
 
 /* silu(g) = g / (1 + exp(-g)) for 8 lanes, for the fused decode step's gate/up pairs: libm's
  * expf per element (a call, then a scalar division) was ~15% of a 64-row decode step
- * (docs/BENCHMARKS.md, issue 24, seventh session). The silu_and_mul layer op (prefill and
+ * (scripts/micro/bench_decode_step.py). The silu_and_mul layer op (prefill and
  * mixed steps) keeps expf on AVX2: with exp256 there too, the embedded model's argmax agreement
  * with float32 over tests/executor/test_quantized_model.py's text fell to 0.945 (recorded: 0.973; a few
  * int8 activation roundings flipped), under that test's 0.95. */

@@ -1,4 +1,4 @@
-"""scripts/bench_host_step.py: the engine over a stand-in executor, host time per step by part."""
+"""scripts/micro/bench_host_step.py: the engine over a stand-in executor, host time per step by part."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.scripts.test_bench_scripts import load_script
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_script("bench_host_step")
+    return load_script("micro/bench_host_step")
 
 
 def test_decode_and_mixed_steps_are_split_by_part(

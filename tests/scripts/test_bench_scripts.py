@@ -486,7 +486,7 @@ def test_a_missing_vllm_venv_is_named_with_its_fix(
     import subprocess
 
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "vllm_peer.sh"), "--print-env"],
+        ["bash", str(ROOT / "scripts" / "peers" / "vllm" / "run.sh"), "--print-env"],
         capture_output=True, text=True, timeout=30,
         env={"PATH": "/usr/bin:/bin", "VLLM_VENV": str(empty)},
     )  # fmt: skip
@@ -495,7 +495,7 @@ def test_a_missing_vllm_venv_is_named_with_its_fix(
 
 FAKE_PEER = """
 import json, sys
-args = sys.argv[2:]  # argv[1] is vllm_peer.py
+args = sys.argv[2:]  # argv[1] is peers/vllm/runner.py
 if "--sleep" in args:
     import subprocess, time
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # an engine child
@@ -512,7 +512,7 @@ json.dump({
 
 @pytest.fixture
 def fake_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A 'vLLM venv' whose python answers like vllm_peer.py, to drive the real plumbing."""
+    """A 'vLLM venv' whose python answers like peers/vllm/runner.py, to drive the real plumbing."""
     venv = tmp_path / "fake-venv"
     (venv / "bin").mkdir(parents=True)
     (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
@@ -568,7 +568,7 @@ def test_vllm_peer_mirror_of_the_random_workload_matches_ours() -> None:
     """vllm_peer.py --make-random draws asyncengine's random workload without importing it."""
     import argparse
 
-    peer = load_script("vllm_peer")
+    peer = load_script("peers/vllm/runner")
     args = argparse.Namespace(
         make_random=6, model=None, dtype="bfloat16", vocab_size=64, seed=3, input_median=20.0,
         input_sigma=1.0, output_median=9.0, output_sigma=0.9, max_input_len=2048,
@@ -760,7 +760,7 @@ def test_serving_sweeps_rates_against_a_running_server(
 
 
 def test_the_llamacpp_peer_runs_the_weights_asyncengine_runs() -> None:
-    peer = load_script("peer_llamacpp")
+    peer = load_script("peers/llamacpp/launcher")
     # the default (quantization "auto") keeps the embedded Q4_1 file as stored: so does the peer
     assert peer.model_kind_for("smollm2-135m", "auto", "float32") == "q4_1"
     # expanded weights: the conversion of the run's dtype

@@ -1,5 +1,5 @@
 """A user's mistake given to a script is one error line and exit status 2, as from the CLI;
-and the loop-side cost benchmark runs (scripts/bench_land.py)."""
+and the loop-side cost benchmark runs (scripts/micro/bench_land.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def test_a_bad_value_is_one_line(script: str, args: list[str], says: str) -> Non
 
 
 def test_bench_land_measures_the_text_share() -> None:
-    spec = importlib.util.spec_from_file_location("bench_land", ROOT / "scripts" / "bench_land.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_land", ROOT / "scripts" / "micro" / "bench_land.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

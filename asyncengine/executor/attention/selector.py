@@ -28,7 +28,7 @@ from asyncengine.executor.attention.torch_backend import AttentionBackend, Torch
 
 
 class BackendUnavailableError(RuntimeError):
-    """The configured attention backend cannot run on this machine."""
+    """The configured attention backend cannot run on the device it was given."""
 
 
 def _triton_interpreter() -> bool:

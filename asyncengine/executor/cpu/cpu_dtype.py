@@ -15,9 +15,8 @@ import time
 import torch
 
 # a decode-sized GEMM: big enough that the kernel path dominates, small enough for a slow path.
-# At 32 x 256 x 256 bfloat16 led by only 1.28x on an AVX-512 BF16 EPYC (36.5 vs 46.8 us, plain
-# torch.mm), and under a load of 20-40 one process in four picked float32 there; at 32 x 512 x
-# 512 it leads by 1.87x (118 vs 221 us). On an AVX2 CPU's slow bfloat16 path (~14 ms a call) the
+# At 32 x 256 x 256 bfloat16 led too narrowly on an AVX-512 BF16 CPU for a loaded machine to
+# pick it reliably; at 32 x 512 x 512 it leads by ~1.9x. On an AVX2 CPU's slow bfloat16 path the
 # bfloat16 repeats stop as soon as one call is slower than float32's best several times over.
 _PROBE_SHAPE = (32, 512, 512)
 _PROBE_REPEATS = 5

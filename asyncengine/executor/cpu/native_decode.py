@@ -35,20 +35,13 @@ from asyncengine.kernels.cpu.decode_step_native import (
 
 ENABLE_ENV = "ASYNCENGINE_NATIVE_DECODE"
 # Decode batches up to this many requests take the fused step, and never as many as the model's
-# projections take their dense product from (linear.py's crossover, per format): one thread's CPU
-# ms per step, SmolLM2's Q4_1 file, context 64 (scripts/bench_decode_step.py; this session on an
-# AVX2 CPU, fused / torch path on the quantized kernels / torch path on the dense product):
-# 16 rows 70.8 / 96.3 / 188.2, 32 rows 144.8 / 213.5 / 294.3, 64 rows 292.6 / 335.5 / 501.1,
-# 128 rows 604.2 / 730.2 / 868.8. (Earlier, before the interleaved groups: 17.3 vs 24.5 ms at 1,
-# 67 vs 78 at 8, 282 vs 304 at 31.) The cap keeps the step's per-thread buffers small.
+# projections take their dense product from (layers/linear.py's crossover, per format); the cap
+# keeps the step's per-thread buffers small. Measured by scripts/micro/bench_decode_step.py.
 NATIVE_DECODE_MAX_ROWS = 256
 # A bfloat16 model's decode batches take the fused step up to this many requests: past them its
-# torch path (the same quantized products; attention over the bfloat16 pool in AVX-512 BF16 dot
-# products, where the fused step's attention reads the pool 8 lanes at a time) is as fast or
-# faster. One thread's CPU ms per step, SmolLM2's Q4_1 file, context 443, an AVX-512 BF16 CPU
-# (scripts/bench_decode_step.py --dtype bfloat16 --threads 1 --cpu-time; fused / torch path):
-# 1 row 6.28 / 9.16, 2 rows 8.43 / 10.62, 4 rows 16.28 / 16.53, 6 rows 24.22 / 22.87,
-# 8 rows 32.58 / 28.88, 16 rows 62.64 / 53.93.
+# torch path (attention over the bfloat16 pool in AVX-512 BF16 dot products, where the fused
+# step reads the pool 8 lanes at a time) is as fast or faster
+# (scripts/micro/bench_decode_step.py --dtype bfloat16 --threads 1 --cpu-time).
 BF16_NATIVE_DECODE_MAX_ROWS = 4
 # A speculative verify step of up to this many positions runs them as fused decode rows
 # (runner.py; measured at batch 1); larger ones keep the extend path they were tuned with

@@ -3,9 +3,8 @@
 A forward of ~40 prompt rows (a scoring request of lm-eval's) is a few hundred OpenMP
 parallel regions (30 layers of products, attention, SiLU), and libgomp's threads spin-wait at the
 end of each. On a machine whose cores another process keeps busy, each region waits for a thread
-the OS has descheduled: lm-eval's 34 scoring requests replayed on this 2-core VM at a 1-minute
-load of ~3.5 took 64.6 s on two threads and 10.6 s on one (docs/BENCHMARKS.md). Quiet, two
-threads are ~1.6x faster. Neither count is right everywhere and the load comes and goes, so
+the OS has descheduled, and one thread can then be several times faster than two, where on idle
+cores two are faster (scripts/bench_neighbours.py measures both). Neither count is right everywhere and the load comes and goes, so
 these steps measure themselves: per class of steps (rows within a factor of eight), a smoothed
 time per row for each count. A class starts on one thread (its first step a warm-up, not
 counted), tries all on its third step, then takes the faster, and tries the other again after
@@ -14,16 +13,16 @@ step takes twice its count's usual time per row (the load came).
 Steps with prompt rows and fewer than ``CHOOSE_BELOW_ROWS`` rows choose, and so do decode-only
 steps of one row (``CHOOSE_DECODE_ROWS``: one stream). That fused native step is one parallel
 region but 5 barriers a layer (150 a step for SmolLM2), each as exposed to a descheduled thread
-as a region's end: at a 1-minute load of 3.4-5.2 its layers took 22-27 ms a step on two threads
-and 9-11 on one (docs/BENCHMARKS.md, "One stream"). A one-row step's time hardly varies from
+as a region's end (scripts/micro/bench_decode_step.py --threads 1 against --threads 2 beside a
+busy process). A one-row step's time hardly varies from
 step to step, so the counts compare fairly, and a quiet stream, where two threads win, pays a
 few one-thread tries (~0.5% of its steps). Decode-only steps of several rows and large prompt
-steps run on all threads while the process gets its cores: on a quiet machine their tries of one
-thread cost the 128-request offline mix ~10% (one run each, 126.0 against 114.3 out tok/s), and
-a long prompt's chunk loses little to the spin-waits there and half its speed on one thread. But
-beside other processes two spinning threads lose far more (16 requests decoding beside two niced
-processes: 118 ms a step on two threads, 34 ms on one). The sign is the CPU those watched steps
-get on all threads: process CPU time over threads x wall time, ~0.98 quiet, ~0.5 beside the load
+steps run on all threads while the process gets its cores: on idle cores their tries of one
+thread cost the 128-request offline mix ~10% (their rows and contexts vary too much for a time
+per row to compare the counts), and a long prompt's chunk loses little to the spin-waits there
+and half its speed on one thread; beside other processes two spinning threads lose far more
+(scripts/bench_neighbours.py). The sign is the CPU those watched steps
+get on all threads: process CPU time over threads x wall time, ~0.98 on idle cores, ~0.5 beside the load
 (``cpu_share``, smoothed). Below ``CONTENDED_SHARE`` every step chooses, until watched steps run
 on all threads with their cores again (a class's try of all threads that wins, then its steps).
 Both counts give bit-identical results (the products split rows and columns across threads,

@@ -7,7 +7,8 @@ with ``madvise(MADV_HUGEPAGE)`` (the default ``madvise`` setting of
 /sys/kernel/mm/transparent_hugepage/enabled), so the parts of every quantized projection are
 copied, in the order a step reads them, into one anonymous mapping marked so before it is
 touched; each projection then holds views of it (the same bytes: results are unchanged).
-Measured: one thread's CPU time of the fused batch-1 step 10.1 -> 9.1 ms (docs/BENCHMARKS.md).
+It makes the fused batch-1 step ~10% cheaper (scripts/micro/bench_decode_step.py --cpu-time, with
+and without ``ASYNCENGINE_HUGEPAGE_WEIGHTS=0``).
 
 ``ASYNCENGINE_HUGEPAGE_WEIGHTS=0`` keeps each weight in its own allocation (to measure). Where
 huge pages are not available (another OS, THP off) the buffer is plain memory and only the

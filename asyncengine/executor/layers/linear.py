@@ -4,13 +4,13 @@ torch's ``F.linear`` on a CPU hands oneDNN a plain [out, in] weight, which it re
 its blocked format on every call; prepacking (``mkldnn._reorder_linear_weight``) does that once
 at load time, and ``mkldnn._linear_pointwise`` multiplies by the packed weight: the same sums in
 the same order (bit-identical outputs in bfloat16), 10-20% less time at decode batch sizes and
-half at batch 1 on an AVX-512 BF16 CPU (scripts/bench_forward.py). Elsewhere (CUDA, other
+half at batch 1 on an AVX-512 BF16 CPU (scripts/micro/bench_forward.py). Elsewhere (CUDA, other
 dtypes, a torch build without those ops) it is ``F.linear``.
 
 Row blocks (deterministic mode): a GEMM library picks its kernel (blocking, K-splitting, a GEMV
 path for one row) from the shape, so a row can be summed in a different order when more rows
-share the call (on this machine oneDNN's bfloat16 kernel for the 576x1536 down projection
-changes its order between 6 and 7 rows; MKL's float32 GEMV differs from its GEMM). Within one
+share the call (oneDNN's bfloat16 kernel for SmolLM2's 576x1536 down projection changes its
+order between 6 and 7 rows; MKL's float32 GEMV differs from its GEMM). Within one
 shape the order is the same for every row, whatever the other rows hold
 (tests/executor/test_deterministic.py checks both facts). With ``row_block`` set, the rows are padded to
 a multiple of it and multiplied ``row_block`` at a time: a request's row meets the same kernel
@@ -40,88 +40,31 @@ from asyncengine.kernels.quant_formats import (
 PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
-# From this many rows a quantized projection takes the dense product instead. Measured on an AVX2
-# CPU (one core's CPU time, scripts/bench_quant_matmul.py --threads 1 --cpu-time, SmolLM2's layer
-# shapes, float32 activations), quantized / dense time per layer, with the register-tiled group
-# kernels (8 weight x 4 activation rows, kernels/cpu/cpu_quant_blocks.h; 1-minute load ~10):
-#   rows                   1    16    32    64   128   256   512  1024  2048  4096
-#   Q4_1 interleaved    0.21  0.33  0.39  0.47  0.51  0.54  0.56  0.56  0.55  0.61
-#   Q4_0 interleaved    0.25  0.38  0.44  0.48  0.53  0.55  0.56  0.57  0.55
-#   Q8_0 interleaved    0.28  0.42  0.55  0.64  0.71  0.73  0.73  0.75  0.76  0.83
-#   I8 (row by row)                 1.11        1.22        1.24          (earlier kernels)
-# (before the tiles, one activation row's group kernel run for each row in turn: Q4_1 0.55 /
-# 0.41 / 0.59 / 0.68 / 0.81 / 0.81 / 0.86 / 1.01 at 16..2048 rows, Q8_0 0.52 .. 0.94.) Both
-# sides are compute-bound from ~256 rows, so the ratio stays flat: the interleaved formats keep
-# their stored weights at every step size the engine makes (max_prefill_tokens 4096 plus the
-# decodes), never a float32 copy (+0.5 GB and ~1 s on the first large call for SmolLM2); 8192 is
-# past any default step. The row-by-row kernels (I8, the K formats) lose from 64 rows, where the
-# dense product takes over.
-# F32 (a float32 model's weights as they are) meets the prepacked oneDNN product from 24 rows
-# (``QuantizedLinear.dense``, packed at the first such call: a second copy of the weights, ~0.4 GB
-# for SmolLM2 in float32). F.linear on the same bytes saved that copy but slowed lm-eval 0-shot
-# (prefill steps of ~60 tokens): 0.86-0.94x HF's backend in four quiet runs, 0.97-1.10x in two
-# with the packed product (1.02-1.07x with no F32 rows at all). One core's CPU time per layer,
-# ms, 1-minute load ~7.5 on the 2-core AVX2 VM:
-#   rows                  1     4     8    16    24    32   256  1024
-#   F32 rows (paired)  1.11  1.88  2.69  5.08  7.57  9.39
-#   F.linear (plain)   1.04  2.95  3.29  5.28  6.21  6.74  28.2   101
-#   oneDNN prepacked   1.34  1.89  3.49  4.41  4.92  6.27  27.2   100
-# At the step level the fused decode step gains more (no per-op overhead): one thread's CPU ms
-# per step against the dense oneDNN Linears, 1 / 4 / 8 / 16 / 23 rows: 52 / 72 / 121 / 218 /
-# 284 against 98 / 124 / 182 / 251 / 281 (scripts/bench_decode_step.py --quantization none), so
-# the F32 step stops at 23 rows; from 24 the prepacked product (~6-20% faster than F.linear at
-# 24-64 rows).
+# From this many rows a quantized projection takes the dense product instead (float32
+# activations). The interleaved formats stay ahead of the dense product at every step size the
+# engine makes (both sides are compute-bound from ~256 rows), so they never hold a float32 copy;
+# the row-by-row kernels (I8, the K formats) lose from 64 rows; F32 rows (a float32 model's own
+# weights) meet the prepacked product from 24, the fused decode step from 23. Measured by
+# scripts/micro/bench_quant_matmul.py --threads 1 --cpu-time and
+# scripts/micro/bench_decode_step.py --quantization none (docs/BENCHMARKS.md, "Where do the
+# quantized products give way to dense ones?").
 DENSE_FROM_ROWS = 64
-# BF16 rows here: a bfloat16 model on a CPU whose dense bfloat16 product is slow (no AVX-512 BF16
-# or AMX: ~90x float32's, README), where only an explicit dtype runs one; not measured, the rows
-# kernel (float32 multiply-adds) keeps every size
+# BF16 rows here (a bfloat16 model on a CPU whose bfloat16 product is slow): not measured, the
+# rows kernel keeps every size
 DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24, "BF16": 8192}
-# bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or AMX:
-# ``cpu_dtype.fastest_cpu_dtype``, what ``dtype = "auto"`` picks there): the dense bfloat16
-# product is ~4x float32's, so the quantized kernels (VNNI, one int8 row of activations at a
-# time per tile) lose much sooner than against float32 (the tables above). Measured on a 2-vCPU
-# AVX-512 F/BW/VL/VNNI/BF16 EPYC (no AMX), SmolLM2's Q4_1 file, whole forward steps
-# (``ModelRunner.forward_logits``, one thread's CPU ms, context 443, the same runner with its
-# projections forced quantized or dense in turn, medians of 7, load 13-22):
-#   decode rows                   2     4     8    12    16    24    32    64
-#   all quantized              9.95  14.3  25.4  36.9  47.5  71.7  89.9   176
-#   layers quantized, head dense 13.5 16.2  26.5  36.7  46.4  67.4  86.0   165
-#   all dense bfloat16         30.6  28.3  37.0  43.7  52.6  73.4  86.0   160
-#   prefill tokens (one prompt) 16 28.6 / 40.1, 32 53.3 / 58.4, 48 74.0 / 75.8, 64 95.6 / 95.0,
-#   128 190 / 169 (quantized / dense)
-# Per projection with the weights in cache (scripts/bench_quant_matmul.py --dtype bfloat16
-# --threads 1 --cpu-time) dense wins from ~6 rows (Q4_1) / 4 (Q8_0) / 2 (I8); in a step the
-# dense bfloat16 weights (~270 MB for SmolLM2) stream from memory while the quantized ones
-# (~97 MB) do not, which moves the crossover to ~32 rows for Q4_1's layers and ~12-16 for the
-# Q8_0 LM head (49152 x 576). I8 (int8 checkpoints, row by row): quantized 35.7 / dense 39.6 ms
-# at 8 rows, 69.5 / 59.9 at 16. The K formats (row by row, like I8) take the generic value.
-# From the crossover on the projection holds both forms (the bfloat16 copy built at the first
-# such call: +212 MB for SmolLM2's layers, +57 MB for its head).
+# With bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or
+# AMX: ``cpu_dtype.fastest_cpu_dtype``) the dense product is ~4x float32's and crosses over much
+# sooner; measured per whole step, where the dense weights stream from memory and the quantized
+# ones are a third of the bytes (scripts/micro/bench_decode_step.py --dtype bfloat16 --threads 1
+# --cpu-time). From the crossover the projection holds both forms.
 DENSE_FROM_ROWS_BF16 = 12
-# A bfloat16 model's projections as BF16 rows (its weights as they are, widened to float32 as the
-# kernel reads them: kernels/cpu/cpu_quant_blocks.h) against oneDNN's bfloat16 product on an AVX-512
-# BF16 CPU (2-vCPU EPYC, no AMX): one core's CPU ms for SmolLM2's 30 layers' projections, each
-# weight distinct (streamed from memory), 1-minute load ~2.5:
-#   rows                  1      2      3      4      6      8     16     32     64
-#   BF16 rows         12.30  15.95  18.94  22.82  30.68  35.60  66.21  124.7  241.6
-#   oneDNN prepacked  16.88  18.72  15.29  14.57  15.09  19.25  25.95  41.88  73.00
-#   F.linear (plain)  26.17  26.01  26.70  28.45  30.16  31.83  40.15  55.19  86.65
-# Batch 1 streams the weights (~20 GB/s a thread in the fused step); each further row costs
-# ~3.5 ms of multiply-adds (the widening kernel is compute-bound from 2 rows), where oneDNN's
-# vdpbf16ps GEMM is not. Whole steps (scripts/bench_decode_step.py --quantization none --dtype
-# bfloat16, context 443): fused / oneDNN Linears 13.3 / 24.0 ms at 1 row, 18.2 / 28.0 at 2,
-# 25.4 / 25.1 at 3. So BF16 rows up to 2 rows, the prepacked product (a second copy of the
-# weights, packed at the first such call: a bfloat16 model held only that copy before BF16 rows)
-# from 3; plain F.linear on the same bytes (no copy) is 1.5-2x slower than it at 3-32 rows.
+# BF16 rows (a bfloat16 model's weights, widened to float32 in the kernel) stream the weights
+# best at batch 1 but are compute-bound from 2 rows, where oneDNN's bfloat16 GEMM is not
+# (scripts/micro/bench_decode_step.py --quantization none --dtype bfloat16).
 BF16_ROWS_DENSE_FROM = 3
 DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "BF16": BF16_ROWS_DENSE_FROM}
-# A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner. One core's CPU ms,
-# F32 rows / prepacked oneDNN (scripts/bench_quant_matmul.py --formats F32 --lm-head --threads 1
-# --cpu-time, 1-minute load ~3.5 on the 2-core AVX2 VM):
-#   rows           1     2     4     8    12    16    24
-#   F32 rows    11.7  11.1  15.4  23.3  36.8  40.5  53.4
-#   dense        9.4  10.6  14.8  16.3  18.5  24.0  31.0
-# (below 8 rows within the noise of another run; batch-1 decode keeps the F32 rows it was tuned on)
+# A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
+# (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
 # "0": a float32 (bfloat16) model's projections stay dense ``Linear``s (oneDNN at every batch
 # size) instead of F32 (BF16) rows for the native products and the fused decode step (to measure

@@ -127,6 +127,6 @@ class RecomputeTax:
             f"tokens ({swap['recompute_tax'] * 100:.1f}%) and spends "
             f"{seconds(swap['swap_seconds'])} copying {swap['swapped_bytes'] / 1e6:.0f} MB "
             "(the simulator charges bytes over the copy bandwidth measured on this CPU, "
-            "scripts/bench_swap.py)."
+            "scripts/micro/bench_swap.py)."
         )
         return Outcome(setting, table, verdict, holds, numbers)

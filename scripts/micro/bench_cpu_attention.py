@@ -12,8 +12,8 @@ REV with the same flags and times it interleaved with today's (same pools, same 
 alternating passes, medians): the ratio column is baseline / current. Outputs are compared
 too (max abs difference). The torch reference path (``--torch``) can be timed as well.
 
-    python scripts/bench_cpu_attention.py --threads 2 --json bench_results/cpu_attention.json
-    python scripts/bench_cpu_attention.py --baseline-rev 8c81e39 --threads 1 --shapes 128x257
+    python scripts/micro/bench_cpu_attention.py --threads 2 --json bench_results/cpu_attention.json
+    python scripts/micro/bench_cpu_attention.py --baseline-rev 8c81e39 --threads 1 --shapes 128x257
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from asyncengine.kernels.cpu import cpu_native  # noqa: E402

@@ -9,10 +9,10 @@ step of each path: the projections (torch path: the summed time inside its quant
 projections), the fused C call, the LM head, greedy sampling of one row, and the rest
 (embedding, plan to tensors, attention, norms, rotary, Python).
 
-    .venv/bin/python scripts/bench_decode_step.py                       # embedded Q4_1 file
-    .venv/bin/python scripts/bench_decode_step.py --batches 1,8,16,24,31 --context 256
-    .venv/bin/python scripts/bench_decode_step.py --threads 1 --cpu-time   # on a busy machine
-    .venv/bin/python scripts/bench_decode_step.py --batches 16,32,64,128 --dense  # + dense column
+    .venv/bin/python scripts/micro/bench_decode_step.py                       # embedded Q4_1 file
+    .venv/bin/python scripts/micro/bench_decode_step.py --batches 1,8,16,24,31 --context 256
+    .venv/bin/python scripts/micro/bench_decode_step.py --threads 1 --cpu-time   # on a busy machine
+    .venv/bin/python scripts/micro/bench_decode_step.py --batches 16,32,64,128 --dense  # + dense column
 
 The fused column is the fused step wherever the model's step takes the batch
 (``native_decode.max_rows``), else the torch path as the engine would run it. ``--dense`` adds a
@@ -24,7 +24,7 @@ kernels/cpu/cpu_decode_step.c for the run's pool (say main's, from its kernel ca
 interface; with ``--dtype bfloat16`` its -DKV_BF16 build), alternating
 with this tree's, for a before/after within one process on a busy machine:
 
-    .venv/bin/python scripts/bench_decode_step.py --batches 16,64 --context 512 \
+    .venv/bin/python scripts/micro/bench_decode_step.py --batches 16,64 --context 512 \
         --baseline-library ~/.cache/asyncengine/kernels/cpu_decode_step-<main's hash>.so
 
 ``--quantization none`` runs the dense float32 checkpoint, whose projections are F32 rows (the
@@ -33,21 +33,21 @@ fused step takes them like any format); a fourth path then runs the same weights
 the same pool. With ``--dtype bfloat16`` the checkpoint is expanded to bfloat16: BF16 rows
 against oneDNN's bfloat16 ``Linear``s (the engine before BF16 rows):
 
-    .venv/bin/python scripts/bench_decode_step.py --quantization none --batches 1 --repeats 20
-    .venv/bin/python scripts/bench_decode_step.py --quantization none --dtype bfloat16 \
+    .venv/bin/python scripts/micro/bench_decode_step.py --quantization none --batches 1 --repeats 20
+    .venv/bin/python scripts/micro/bench_decode_step.py --quantization none --dtype bfloat16 \
         --batches 1,2,4 --context 443 --threads 1 --cpu-time
 
 ``--dtype bfloat16`` runs the model as a bfloat16 model over a bfloat16 pool (the fused step's
 -DKV_BF16 build against the bfloat16 torch path), as ``dtype = "auto"`` runs it on an AVX-512
 BF16 CPU:
 
-    .venv/bin/python scripts/bench_decode_step.py --dtype bfloat16 --batches 1 --context 443
+    .venv/bin/python scripts/micro/bench_decode_step.py --dtype bfloat16 --batches 1 --context 443
 
 ``--half-pool`` adds the fused step over a float16 K/V pool (``kv_cache_dtype = "float16"``,
 what ``auto`` picks for a quantized model on an F16C CPU), in its own runner, alternating with
 the float32 pool's; attention's share grows with the context:
 
-    .venv/bin/python scripts/bench_decode_step.py --batches 16,64,128 --context 443 --half-pool
+    .venv/bin/python scripts/micro/bench_decode_step.py --batches 16,64,128 --context 443 --half-pool
 
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
@@ -67,7 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -1,7 +1,7 @@
 """Benchmark the Triton kernels on a CUDA GPU: correctness against the torch references, then
 median time and how close each kernel comes to the machine's measured ceilings.
 
-    python scripts/bench_kernels.py [--only decode,extend] [--json results.json]
+    python scripts/micro/bench_kernels.py [--only decode,extend] [--json results.json]
 
 Memory-bound kernels report the fraction of the measured device-to-device copy bandwidth;
 attention also reports TFLOP/s and the ratio to torch SDPA on contiguous K/V. Targets: decode at
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncengine.script_main import run_main
 

@@ -11,7 +11,7 @@ the load average is recorded with the results). The garbage collector stays enab
 that exist before the runs (torch's, the trace) are frozen out of its view first, as an engine
 would after start-up (``--no-gc-freeze`` to keep them in).
 
-    python scripts/bench_radix.py [--page-sizes 1 16] [--out bench_results/bench_radix.json]
+    python scripts/micro/bench_radix.py [--page-sizes 1 16] [--out bench_results/bench_radix.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncengine.cache import RadixCache
 from asyncengine.script_main import run_main

@@ -2,7 +2,7 @@
 """What landing a step costs on the loop thread, and how much of it is the text (detokenizing and
 stop strings, done where the tokens land since the lifecycle decides every ending).
 
-    python scripts/bench_land.py --batches 1 16 64 --steps 200 --out /tmp/bench_land.json
+    python scripts/micro/bench_land.py --batches 1 16 64 --steps 200 --out /tmp/bench_land.json
 
 The engine's real core (scheduler, lifecycle, radix tree) runs decode steps over an executor
 that takes no time and "samples" the embedded model's tokens of an English text (so the
@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput

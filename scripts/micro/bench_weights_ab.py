@@ -10,10 +10,10 @@ decodes at context C, or of one prompt of L tokens. Peak and current RSS after e
 load and after the runs tell what each weight form holds (a quantized projection keeps a dense
 copy once a call of ``DENSE_FROM_ROWS`` rows or more has used it).
 
-    .venv/bin/python scripts/bench_weights_ab.py                           # auto vs none
-    .venv/bin/python scripts/bench_weights_ab.py --quantization int8 --batches 1,16,64
-    .venv/bin/python scripts/bench_weights_ab.py --threads 1 --cpu-time    # on a busy machine
-    .venv/bin/python scripts/bench_weights_ab.py --dtype bfloat16          # an AVX-512 BF16 CPU
+    .venv/bin/python scripts/micro/bench_weights_ab.py                           # auto vs none
+    .venv/bin/python scripts/micro/bench_weights_ab.py --quantization int8 --batches 1,16,64
+    .venv/bin/python scripts/micro/bench_weights_ab.py --threads 1 --cpu-time    # on a busy machine
+    .venv/bin/python scripts/micro/bench_weights_ab.py --dtype bfloat16          # an AVX-512 BF16 CPU
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

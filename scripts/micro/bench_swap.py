@@ -7,7 +7,7 @@ GPU where the host buffer is pinned), ``--repeats`` times each way, and prints t
 bytes per second. The simulator charges a swap its bytes over this figure
 (``DEFAULT_SWAP_BYTES_PER_SECOND`` in asyncengine/sim/simulated_executor.py).
 
-    python scripts/bench_swap.py [--device cpu|cuda] [--pages 64 256] [--out bench_results/bench_swap.json]
+    python scripts/micro/bench_swap.py [--device cpu|cuda] [--pages 64 256] [--out bench_results/bench_swap.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

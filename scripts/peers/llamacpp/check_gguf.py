@@ -9,8 +9,8 @@ continuations (EOS ignored) of a few prompts through ``AsyncEngine`` on the GGUF
 the HF directory token for token (f32), or agree for the reported share (bf16: other weights).
 Exits 1 when an f32 check fails. setup_llamacpp.sh runs it after converting.
 
-    .venv/bin/python scripts/check_peer_gguf.py                  # both files, 3 prompts x 24
-    .venv/bin/python scripts/check_peer_gguf.py --kinds float32 --tokens 48
+    .venv/bin/python scripts/peers/llamacpp/check_gguf.py                  # both files, 3 prompts x 24
+    .venv/bin/python scripts/peers/llamacpp/check_gguf.py --kinds float32 --tokens 48
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # scripts/: the peers package
 
-import peer_llamacpp
 import torch
 
 from asyncengine.common.config import EngineConfig
@@ -38,6 +37,7 @@ from asyncengine.executor.loader import (
 )
 from asyncengine.script_main import run_main
 from asyncengine.text.tokenizer import Tokenizer
+from peers.llamacpp import launcher as peer_llamacpp
 
 PROMPTS = (
     "The capital of France is",

@@ -2,7 +2,7 @@
 today (executor/layers/linear.py's prepacked Linear), per batch size, on the embedded model's projection
 shapes: where the crossover lies (executor/layers/linear.py's DENSE_FROM_ROWS).
 
-    python scripts/bench_quant_matmul.py [--formats Q4_1,Q8_0] [--rows 1,4,16,64,256]
+    python scripts/micro/bench_quant_matmul.py [--formats Q4_1,Q8_0] [--rows 1,4,16,64,256]
         [--dtype float32] [--json out.json]
 
 Prints a table of the best milliseconds of repeated calls (all projections of one layer, plus the LM head
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncengine.executor.layers.linear import Linear, QuantizedLinear
 from asyncengine.kernels.cpu import quant_native

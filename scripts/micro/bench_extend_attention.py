@@ -8,7 +8,7 @@ x1.5, fixed seed), pages shuffled. Both paths plan once per forward (as the mode
 plan shared by the layers) and attend ``--layers`` times: ms per layer, medians of
 ``--repeats`` passes, interleaved. The outputs are compared (max abs difference).
 
-    python scripts/bench_extend_attention.py --threads 2 --json bench_results/extend_attention.json
+    python scripts/micro/bench_extend_attention.py --threads 2 --json bench_results/extend_attention.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from asyncengine.kernels.cpu.attention_native import (  # noqa: E402

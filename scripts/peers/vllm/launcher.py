@@ -1,7 +1,7 @@
 """vLLM's CPU build as a peer system, seen from the project's side (the benchmark launchers).
 
 vLLM runs in its own virtualenv (``scripts/setup_vllm_cpu.sh``), through
-``scripts/vllm_peer.sh`` (offline throughput, batch-1 decode) and ``scripts/vllm_serve.sh`` (its
+``scripts/peers/vllm/run.sh`` (offline throughput, batch-1 decode) and ``scripts/peers/vllm/serve.sh`` (its
 OpenAI server). This module never imports vllm: it sizes vLLM's KV cache like our pool, writes
 the request spec the peer reads, runs the peer as a bounded subprocess (its whole process group
 is stopped on a timeout or an interrupt) and reads the result JSON back.
@@ -26,11 +26,11 @@ from asyncengine.core.builder import kv_capacity_pages
 from asyncengine.core.executor_api import ModelSpec
 from asyncengine.executor.layers.model_config import ModelConfig
 
-SCRIPTS = Path(__file__).resolve().parent
+PEER_DIR = Path(__file__).resolve().parent  # this peer's launchers and runner
 VENV_ENV = "VLLM_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "asyncengine" / "vllm-venv"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# Keys vllm_peer.py reads at the top level of a spec; any other --vllm-arg goes to vllm.LLM(...)
+# Keys peers/vllm/runner.py reads at the top level of a spec; any other --vllm-arg goes to vllm.LLM(...)
 # through the spec's "llm_kwargs".
 SPEC_KEYS = frozenset(
     {
@@ -118,10 +118,10 @@ def offline_spec(
     kv_cache_bytes: int,
     vllm_args: Sequence[tuple[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The spec vllm_peer.py runs: each request's prompt ids and output length, in order.
+    """The spec peers/vllm/runner.py runs: each request's prompt ids and output length, in order.
 
     ``vllm_args`` (``--vllm-arg KEY=VALUE``) override the spec's keys (the KV size included);
-    keys vllm_peer.py does not know go to ``vllm.LLM`` as ``llm_kwargs``."""
+    keys peers/vllm/runner.py does not know go to ``vllm.LLM`` as ``llm_kwargs``."""
     spec: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -198,11 +198,11 @@ def log_tail(path: Path, lines: int = 25) -> str:
 
 
 def run_peer(peer_args: Sequence[str], timeout: float, log_path: Path) -> None:
-    """Run ``scripts/vllm_peer.sh *peer_args`` in its own process group, output to
+    """Run ``scripts/peers/vllm/run.sh *peer_args`` in its own process group, output to
     ``log_path``; raise VllmPeerError when it fails or runs past ``timeout`` seconds."""
     require_vllm_venv()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = ["bash", str(SCRIPTS / "vllm_peer.sh"), *map(str, peer_args)]
+    command = ["bash", str(PEER_DIR / "run.sh"), *map(str, peer_args)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=peer_env(), start_new_session=True

@@ -23,8 +23,8 @@ commit, every stop check, detokenizing and stop strings), stream (step events in
 updates), and the rest of the loop (asyncio, the stream consumers, the forward thread's
 hand-off).
 
-    .venv/bin/python scripts/bench_host_step.py                 # table, JSON, last line the figure
-    .venv/bin/python scripts/bench_host_step.py --batches 256 --out bench_results/host.json
+    .venv/bin/python scripts/micro/bench_host_step.py                 # table, JSON, last line the figure
+    .venv/bin/python scripts/micro/bench_host_step.py --batches 256 --out bench_results/host.json
 
 The last line printed is ``host_ms_per_step <ms at decode batch 256>``.
 """
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch

@@ -1,0 +1,156 @@
+"""The README and the guides in docs/ work as written: every link and repository path they name
+exists, every `make` target is in the Makefile, and every option their commands pass to
+`asyncengine serve` or to a script is one that command takes (the README's server and policy
+examples are run by tests/test_server_cli.py and tests/test_policies.py)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDES = [
+    ROOT / "README.md",
+    *(
+        ROOT / "docs" / name
+        for name in (
+            "serving.md",
+            "python-api.md",
+            "policies.md",
+            "scaling-out.md",
+            "development.md",
+            "BENCHMARKS.md",
+        )
+    ),
+]
+PATH_PREFIXES = ("scripts/", "docs/", "configs/", "asyncengine/", "policies/", "kernels/", "tests/")
+FENCE = re.compile(r"```(\w*)\n(.*?)```", flags=re.S)
+INLINE = re.compile(r"`([^`]+)`")
+PYTHON = (".venv/bin/python", "python", "python3")
+ASYNCENGINE = (".venv/bin/asyncengine", "asyncengine")
+
+
+@dataclass(frozen=True)
+class Command:
+    doc: str
+    words: tuple[str, ...]
+
+
+def split_words(text: str) -> list[str]:
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:  # an unbalanced quote in prose: plain words are enough here
+        return text.split()
+
+
+def commands(path: Path) -> list[Command]:
+    """Shell commands of a document: its bash blocks' lines (continuations joined) and its
+    inline code that runs a script or the CLI; several commands on a line split at `&`, `;`."""
+    text = path.read_text()
+    lines: list[str] = []
+    for lang, block in FENCE.findall(text):
+        if lang in ("bash", "sh", ""):
+            lines += block.replace("\\\n", " ").splitlines()
+    prose = FENCE.sub("", text)
+    lines += [" ".join(span.split()) for span in INLINE.findall(prose)]
+    found = []
+    for line in lines:
+        for part in re.split(r"\s[&;|]+\s|\s&$|&&", line):
+            words = [w.strip("[]") for w in split_words(part)]
+            words = [w for w in words if w]
+            if words and (words[0] in PYTHON + ASYNCENGINE or words[0] == "make"):
+                found.append(Command(path.name, tuple(words)))
+    return found
+
+
+def all_commands() -> list[Command]:
+    return [c for path in GUIDES for c in commands(path)]
+
+
+def options(words: tuple[str, ...]) -> list[str]:
+    return [w.split("=")[0] for w in words if w.startswith("--") and w != "--"]
+
+
+@functools.cache
+def help_text(*command: str) -> str:
+    result = subprocess.run(
+        [sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def serve_options() -> set[str]:
+    return set(re.findall(r"--[\w-]+", help_text("-m", "asyncengine.cli", "serve")))
+
+
+def script_runs() -> dict[str, set[str]]:
+    """Script path -> the options the guides pass to it."""
+    runs: dict[str, set[str]] = {}
+    for command in all_commands():
+        words = command.words
+        if words[0] in PYTHON and len(words) > 1 and re.fullmatch(r"scripts/[\w/-]+\.py", words[1]):
+            before, _, _ = " ".join(words[2:]).partition(" -- ")
+            runs.setdefault(words[1], set()).update(options(tuple(before.split())))
+    return runs
+
+
+def test_the_guides_exist_and_the_readme_is_short() -> None:
+    assert all(path.is_file() for path in GUIDES)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len((ROOT / "docs" / "BENCHMARKS.md").read_text().splitlines()) <= 400
+
+
+@pytest.mark.parametrize("path", GUIDES, ids=lambda p: p.name)
+def test_links_and_paths_exist(path: Path) -> None:
+    text = path.read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if not target.startswith("http") and not (path.parent / target).exists():
+            missing.append(target)
+    for span in INLINE.findall(text):
+        for word in split_words(span):
+            word = word.rstrip(".,:;)")
+            if word.startswith(PATH_PREFIXES) and "*" not in word and not (ROOT / word).exists():
+                missing.append(word)
+    assert missing == []
+
+
+def test_make_targets_exist() -> None:
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    named = {c.words[1] for c in all_commands() if c.words[0] == "make" and len(c.words) > 1}
+    assert named and named - {"ARGS"} <= targets, named - targets
+
+
+def test_serve_commands_take_their_options() -> None:
+    known = serve_options()
+    checked = 0
+    for command in all_commands():
+        words = command.words
+        if words[0] in ASYNCENGINE and words[1:2] == ("serve",):
+            unknown = set(options(words)) - known
+            assert not unknown, (command.doc, " ".join(words))
+            checked += 1
+        elif " -- " in " ".join(words):  # a launcher's engine flags after a bare --
+            _, _, after = " ".join(words).partition(" -- ")
+            unknown = set(options(tuple(after.split()))) - known
+            assert not unknown, (command.doc, " ".join(words))
+    assert checked > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(script_runs()))
+def test_script_commands_take_their_options(script: str) -> None:
+    assert (ROOT / script).is_file(), script
+    if not script.endswith(".py"):
+        return
+    text = help_text(script)
+    unknown = sorted(o for o in script_runs()[script] if o not in text)
+    assert unknown == [], f"{script} does not take {unknown}"
