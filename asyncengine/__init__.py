@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncengine import quiet_exit
-from asyncengine.config import EngineConfig
-from asyncengine.errors import (
+from asyncengine import compiled
+
+# before any compiled module loads: a stale build must not shadow an edited source
+compiled.run_edits_interpreted()
+
+from asyncengine import quiet_exit  # noqa: E402
+from asyncengine.config import EngineConfig  # noqa: E402
+from asyncengine.errors import (  # noqa: E402
     EngineError,
     EngineNotRunningError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
 )
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from asyncengine.engine import AsyncEngine
