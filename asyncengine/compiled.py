@@ -29,6 +29,7 @@ from types import ModuleType
 
 COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.admission",
+    "asyncengine.admitter",
     "asyncengine.bench.records",
     "asyncengine.cache.allocator",
     "asyncengine.cache.manager",

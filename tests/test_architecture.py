@@ -63,6 +63,8 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.core",
         "asyncengine.builder",
         "asyncengine.admission",
+        "asyncengine.admitter",
+        "asyncengine.admitter",
         "asyncengine.shadow",
         "asyncengine.tenant_stats",
     ),
