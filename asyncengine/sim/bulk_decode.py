@@ -72,6 +72,7 @@ class BulkDecode:
         self.sum_base = 0
         self.sum_future = 0
         self._order = 0
+        self.empty_plan = BatchPlan(step=0)  # for closed_admission, which leaves it empty
         self.bulk_steps = 0  # steps run in bulk, over the whole run
         # of those, the quiet ones (nothing but decodes), by why admission stopped
         # ("+window": after the policy's window was taken)
@@ -249,7 +250,7 @@ class BulkDecode:
         kv = sched.kv
         if kv.swap is not None:
             return False
-        admission = closed_admission(sched, num_decodes)
+        admission = closed_admission(sched, num_decodes, self.empty_plan)
         if admission is None:
             return False
         # Scheduler.begin_step and end_step for a plan that would hold only decodes

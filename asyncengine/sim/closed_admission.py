@@ -23,8 +23,9 @@ from asyncengine.policies.base import Policy
 from asyncengine.scheduler import Scheduler
 
 
-def closed_admission(sched: Scheduler, num_decodes: int) -> Admission | None:
-    """The step's admission when it certainly admits nothing (None: run ``admit``).
+def closed_admission(sched: Scheduler, num_decodes: int, empty: BatchPlan) -> Admission | None:
+    """The step's admission when it certainly admits nothing (None: run ``admit``); ``empty``
+    is an empty plan, which it leaves empty.
 
     Calls the policy's ``budget`` exactly as the step would (once, when anything waits) and
     clears the step's in-batch sharing as ``admit`` does; changes nothing else."""
@@ -33,8 +34,7 @@ def closed_admission(sched: Scheduler, num_decodes: int) -> Admission | None:
     waiting = sched.waiting
     if not waiting:
         return Admission(DECODE_TURN)  # the step never admits
-    # the plan stays empty: nothing is admitted when this answers
-    admitter = sched.admitter(BatchPlan(step=sched.step_count + 1), num_decodes)
+    admitter = sched.admitter(empty, num_decodes)
     sched.prefill.new_step()
     stopped = admitter.stops_before_ordering()
     if stopped is not None:
