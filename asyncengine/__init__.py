@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncengine import quiet_exit
-from asyncengine.common.config import EngineConfig
-from asyncengine.common.errors import (
+from asyncengine import compiled
+
+# before any compiled module loads: a stale build must not shadow an edited source
+compiled.run_edits_interpreted()
+
+from asyncengine import quiet_exit  # noqa: E402
+from asyncengine.common.config import EngineConfig  # noqa: E402
+from asyncengine.common.errors import (  # noqa: E402
     EngineError,
     EngineNotRunningError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
 )
-from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.common.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from asyncengine.api.engine import AsyncEngine

@@ -5,16 +5,27 @@ mypyc turns these type-annotated modules into C extensions (native classes with 
 attributes, direct calls between them): the scheduler, the KV cache and the simulator's step
 loop. Each ``.so`` sits beside its ``.py`` and Python imports it first; without the ``.so`` the
 same ``.py`` runs interpreted, with identical results. The build records each source's hash,
-so a ``.py`` edited after the build (its ``.so`` stale) is told apart from a fresh one.
+so a ``.py`` edited after the build (its ``.so`` stale) is told apart from a fresh one: then
+the whole list is imported from its ``.py`` files (``run_edits_interpreted``, called first
+thing by ``asyncengine/__init__.py``), with one warning naming the edited modules, until
+``make setup`` builds again. The whole list, not only the edited module: mypyc compiles them
+as one group whose modules call each other's compiled code directly, so a stale module loaded
+from its ``.py`` would still run compiled wherever the others call it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.abc
+import importlib.util
 import json
-from importlib.machinery import EXTENSION_SUFFIXES
+import sys
+import warnings
+from collections.abc import Sequence
+from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
 from pathlib import Path
+from types import ModuleType
 
 COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.bench.records",
@@ -28,6 +39,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.common.request",
     "asyncengine.core.lifecycle",
     "asyncengine.scheduler.admission",
+    "asyncengine.scheduler.admitter",
     "asyncengine.scheduler.prefill",
     "asyncengine.scheduler.prompt_scoring",
     "asyncengine.scheduler.retraction",
@@ -59,8 +71,10 @@ def extension_path(module: str) -> Path:
     return source_path(module).with_suffix(EXTENSION_SUFFIXES[0])
 
 
-def source_hash(module: str) -> str:
-    return hashlib.sha256(source_path(module).read_bytes()).hexdigest()
+def source_hash(module: str) -> str | None:
+    """The hash of the module's ``.py`` (None: there is no such file)."""
+    path = source_path(module)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
 def compiled_now() -> list[str]:
@@ -88,6 +102,54 @@ def build_record() -> dict[str, str] | None:
 
 
 def stale_modules() -> list[str]:
-    """Compiled modules whose ``.py`` changed since the build (their ``.so`` shadows the edit)."""
-    record = build_record() or {}
-    return [name for name, digest in record.items() if source_hash(name) != digest]
+    """Modules whose ``.py`` changed since the build (their ``.so`` would shadow the edit), or
+    that the build did not compile or compiled from a source gone now (the list changed)."""
+    record = build_record()
+    if record is None:
+        return []
+    names = sorted(set(record) | set(COMPILED_MODULES))
+    return [name for name in names if record.get(name) != source_hash(name)]
+
+
+class StaleBuildWarning(UserWarning):
+    """A compiled module was edited since the build: the compiled core runs interpreted."""
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Imports COMPILED_MODULES from their ``.py`` files, ahead of the ``.so`` beside them."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname not in COMPILED_MODULES:
+            return None
+        return importlib.util.spec_from_file_location(fullname, source_path(fullname))
+
+
+# the modules edited since the build when this process started (empty: none, or no build)
+_edited: list[str] = []
+
+
+def run_edits_interpreted() -> list[str]:
+    """When a compiled module was edited since the build, import every one of them from its
+    ``.py`` (before any of them is imported) and warn once, naming the edited ones. Returns
+    them (empty when the build is current, or there is none)."""
+    if any(isinstance(finder, _SourceFinder) for finder in sys.meta_path):
+        return _edited
+    stale = stale_modules()
+    if stale:
+        _edited[:] = stale
+        sys.meta_path.insert(0, _SourceFinder())
+        warnings.warn(
+            f"edited since the compiled build: {', '.join(stale)}; the compiled core runs "
+            "interpreted until make setup (scripts/build_native.py --if-stale) builds it again",
+            StaleBuildWarning,
+            stacklevel=2,
+        )
+    return _edited
+
+
+def edited_since_build() -> list[str]:
+    """The compiled modules found edited since the build when this process started: while
+    any is, all of COMPILED_MODULES run interpreted."""
+    return list(_edited)

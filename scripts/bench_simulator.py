@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncengine.common.config import EngineConfig
-from asyncengine.compiled import core_kind
+from asyncengine.compiled import core_kind, edited_since_build
 from asyncengine.script_main import run_main
 from asyncengine.sim import CostModel, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload
@@ -137,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> list[PolicyTiming]:
             flush=True,
         )
     core = core_kind()  # mypyc's build (make setup) or the .py files: scripts/build_native.py
-    print(f"peak RSS {peak_rss_mb():.0f} MB; core {core}")
+    edited = edited_since_build()  # then the whole core runs interpreted until make setup
+    print(
+        f"peak RSS {peak_rss_mb():.0f} MB; core {core}"
+        + (f" (edited since the build: {', '.join(edited)})" if edited else "")
+    )
     if args.out:
         report = {
             "num_requests": args.num_requests,

@@ -178,17 +178,15 @@ def tiny_qwen2(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     return tiny_checkpoints["qwen2_bias"]
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """A compiled module edited since its build would run its old code (its ``.so`` shadows the
-    ``.py``): stop before any test runs, saying which (asyncengine/compiled.py)."""
-    from asyncengine.compiled import stale_modules
+def pytest_report_header(config: pytest.Config) -> str:
+    """Whether the compiled core (mypyc, asyncengine/compiled.py) runs, or the ``.py`` files:
+    all of them while one was edited since the build (named, until make setup builds it)."""
+    from asyncengine.compiled import core_kind, edited_since_build
 
-    stale = stale_modules()
-    if stale:
-        raise pytest.UsageError(
-            f"edited since the compiled build: {', '.join(stale)} (the old .so would run); "
-            "run make setup, or .venv/bin/python scripts/build_native.py --if-stale"
-        )
+    edited = edited_since_build()
+    return f"asyncengine core: {core_kind()}" + (
+        f" (edited since the build: {', '.join(edited)})" if edited else ""
+    )
 
 
 # Tests that start a local Ray cluster: one cluster at a time under pytest-xdist

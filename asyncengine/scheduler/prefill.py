@@ -1,8 +1,10 @@
-"""Prefill chunks: the scheduler's prompt side (part of Scheduler).
+"""Prefill: the scheduler's prompt side, computing prompts in chunks.
 
 A prompt is computed in page-aligned chunks under the step's token budget; the request mid-chunk
 (at most one) goes first each step, and a finished chunk is cached at commit. Each chunk is a
-``Segment`` of the plan; the last one samples the request's first token.
+``Segment`` of the plan; the last one samples the request's first token. Within a step, prompts
+that share uncached tokens copy them from the one computing them (step_shares.py) or wait a
+step for them (in-batch dedup, step_prefixes.py).
 """
 
 from __future__ import annotations
@@ -27,20 +29,42 @@ from asyncengine.scheduler.waiting_queue import WaitingQueue
 
 
 class Prefill:
-    """Retraction's base, so Scheduler's, whose state these are."""
+    """Starts prompts (waiting to prefilling) and carries them on chunk by chunk; the
+    scheduler's queues, the swapped-out KV it restores and the step's sharing are the
+    scheduler's, held here by reference."""
 
-    kv: KVCacheManager
-    page_size: int
-    waiting: WaitingQueue
-    prefilling: list[Request]
-    chunked: Request | None
-    step_prefixes: StepPrefixes | None
-    step_shares: StepShares | None
-    swapped: dict[int, SwappedKV]
-    prompt_scores: PromptScoreCache | None
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        waiting: WaitingQueue,
+        prefilling: list[Request],
+        swapped: dict[int, SwappedKV],
+        step_prefixes: StepPrefixes | None,
+        step_shares: StepShares | None,
+        prompt_scores: PromptScoreCache | None,
+    ) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.waiting = waiting
+        self.prefilling = prefilling
+        # id(request) -> the KV a retracted request had swapped out (retraction.py)
+        self.swapped = swapped
+        self.step_prefixes = step_prefixes
+        self.step_shares = step_shares
+        self.prompt_scores = prompt_scores
+        self.chunked: Request | None = None  # the one request mid-chunk
 
-    def _restore_swapped(self, req: Request) -> SwappedKV | None:
-        raise NotImplementedError  # Retraction's
+    def new_step(self) -> None:
+        """Forget the last step's prompts: nothing of this step is shared yet."""
+        if self.step_prefixes is not None:
+            self.step_prefixes.clear()
+        if self.step_shares is not None:
+            self.step_shares.clear()
+
+    def forget(self, req: Request) -> None:
+        """``req`` left the engine."""
+        if self.chunked is req:
+            self.chunked = None
 
     def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
         """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
@@ -50,7 +74,7 @@ class Prefill:
             take = take // self.page_size * self.page_size
         return take
 
-    def _continue_prefills(
+    def continue_prefills(
         self, plan: BatchPlan, remaining: int, chunk: int
     ) -> tuple[int, str | None]:
         """The requests mid-prompt go first: their next chunks into ``plan``. Returns the prefill
@@ -68,9 +92,7 @@ class Prefill:
             remaining -= take
         return remaining, None
 
-    def _start_prefill(
-        self, plan: BatchPlan, req: Request, remaining: int, chunk: int
-    ) -> int | None:
+    def start(self, plan: BatchPlan, req: Request, remaining: int, chunk: int) -> int | None:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
         ids = req.all_ids
@@ -79,7 +101,7 @@ class Prefill:
         cached = req.kv.kv_len
         # a request swapped out when preempted gets back the KV the tree no longer holds by
         # copy (no compute, no budget), then computes what it never had
-        swapped = self._restore_swapped(req) if req.retractions else None
+        swapped = self.swapped.pop(id(req), None) if req.retractions and self.swapped else None
         restore = max(0, swapped.computed_len - cached) if swapped is not None else 0
         take = self._chunk_take(len(ids) - cached - restore, remaining, chunk)
         if not self._try_extend(req, restore + take):
@@ -110,6 +132,15 @@ class Prefill:
             )
             self.step_prefixes.add(ids, req.kv.num_cached, keeps_tail=ends)
         return take
+
+    def copies_next_page_in_step(self, ids: list[int], matched: int) -> bool:
+        """Whether a segment of this step computes the page of ``ids`` after its ``matched``
+        cached tokens: it copies them in this step (step_shares.py) instead of waiting one."""
+        if self.step_shares is None:
+            return False
+        most = min(self.page_size, len(ids) - 1 - matched)
+        found = self.step_shares.best(ids, matched, most)
+        return found is not None and found[1] >= most
 
     def _share_in_step(self, plan: BatchPlan, req: Request, take: int) -> StepSegment | None:
         """Of the ``take`` positions ``req`` was to compute from its first uncached one, those

@@ -1,77 +1,83 @@
-"""Retraction: the scheduler's decode side when KV memory runs short (part of Scheduler).
+"""Retraction: the scheduler's decode side when KV memory runs short.
 
 Every running request gets a KV slot for its next token each step; when pages run short, the
 running requests that lose least work are retracted (back to the front of the waiting queue,
 their computed prefix cached, recomputed later; they never re-emit a token). A preempting
-policy may also name running requests to retract for a waiting one it wants to admit.
+policy may also name running requests to retract for a waiting one it wants to admit. A
+retracted request's KV is swapped out to the host (``preemption_mode = "swap"``) or computed
+again: this keeps either until it is admitted again, and counts the recompute it costs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.policies.victims import order_victims
-from asyncengine.scheduler.admission import AdmissionLog
-from asyncengine.scheduler.prefill import Prefill
-from asyncengine.speculative.ngram import NgramProposer
-from asyncengine.speculative.settings import SpeculativeConfig
+from asyncengine.scheduler.waiting_queue import WaitingQueue
 
 log = logging.getLogger("asyncengine.scheduler.scheduler")
 
 
-class Retraction(Prefill):
-    """Scheduler's base (one chain of bases, not mixins, so that mypyc compiles the three as
-    one native class), whose state these are; ``Prefill``'s are declared there."""
+class Retraction:
+    """Makes room in KV memory by retracting running requests; the scheduler's queues are
+    held here by reference, the policy and config of the step passed. A retracted request
+    goes to the front of the waiting queue: the caller tells the admission counts."""
 
-    config: EngineConfig
-    policy: Policy
-    admission: AdmissionLog
-    max_model_len: int
-    new_token_ratio: float
-    running: list[Request]
-    total_retractions: int
-    total_preemptions: int
-    speculation: SpeculativeConfig | None
-    step_guesses: dict[str, list[int]]
-    step_drafts: dict[str, int]
-    recompute_until: dict[int, int]
-    total_computed_tokens: int
-    total_recomputed_tokens: int
-    swap_seconds: float
+    def __init__(self, kv: KVCacheManager, waiting: WaitingQueue, running: list[Request]) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.waiting = waiting
+        self.running = running
+        self.total_retractions = 0
+        self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
+        # id(request) -> its swapped-out KV, or the tokens it had computed when retracted for
+        # recompute (computing them again is the recompute tax)
+        self.swapped: dict[int, SwappedKV] = {}
+        self.recompute_until: dict[int, int] = {}
+        self.total_computed_tokens = 0
+        self.total_recomputed_tokens = 0
+        self.swap_seconds = 0.0
 
-    def _context(self, num_decodes: int) -> PolicyContext:
-        raise NotImplementedError  # Scheduler's
-
-    def _prepare_decodes(self) -> list[Request]:
-        """Give every running request a KV slot for its next token (and its guesses, with
-        speculative decoding), retracting when short: guesses are dropped before anyone is."""
+    def make_decode_room(
+        self,
+        guesses: dict[str, list[int]],
+        drafts: dict[str, int],
+        policy: Policy,
+        config: EngineConfig,
+        context: Callable[[int], PolicyContext],
+    ) -> list[Request]:
+        """Give every running request the KV slots of its next token and its guesses
+        (speculative decoding: guessed tokens, or how many a draft model guesses, by rid),
+        retracting when short: the guesses are dropped (the dicts emptied) before anyone is
+        retracted. Returns those retracted."""
         ps = self.page_size
-        guesses, drafts = self._propose_guesses()
-        self.step_guesses, self.step_drafts = guesses, drafts
+        kv = self.kv
         retracted: list[Request] = []
         victims: list[Request] | None = None
         while self.running:
             if guesses or drafts:
-                kv = self.kv
-                need = sum(kv.pages_needed(r.kv, 1 + self._guess_slots(r)) for r in self.running)
+                need = sum(
+                    kv.pages_needed(r.kv, 1 + guess_slots(r, guesses, drafts)) for r in self.running
+                )
             else:
                 need = sum(1 for r in self.running if r.kv.kv_len % ps == 0)
-            if need <= self.kv.available_pages:
+            if need <= kv.available_pages:
                 break
             if guesses or drafts:
                 guesses.clear()
                 drafts.clear()
                 continue
             if victims is None:
-                victims = self._shortage_victims()
+                victims = self._shortage_victims(policy, config, context(0))
             victim = victims.pop(0)
-            self._retract(victim)
-            self.new_token_ratio = self.config.init_new_token_ratio
+            self.retract(victim, config)
             retracted.append(victim)
         if retracted:
             log.warning(
@@ -81,66 +87,36 @@ class Retraction(Prefill):
                 len(self.running),
             )
         for req in self.running:
-            self.kv.extend(req.kv, 1 + self._guess_slots(req))
-        return list(self.running)
+            kv.extend(req.kv, 1 + guess_slots(req, guesses, drafts))
+        return retracted
 
-    def _guess_slots(self, req: Request) -> int:
-        """KV slots this step's guesses of ``req`` take (speculative decoding)."""
-        return len(self.step_guesses.get(req.rid, ())) + self.step_drafts.get(req.rid, 0)
-
-    def _propose_guesses(self) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """Speculative decoding: each running request's guessed next tokens (by rid), as many
-        as the policy allows it (``Policy.speculate``) and its output budget and the context
-        leave room for (the token after the guesses is sampled too). With a draft model the
-        executor guesses them: the second dict says how many, by rid. Empty when off."""
-        settings = self.speculation
-        if settings is None or not self.running:
-            return {}, {}
-        ctx = self._context(len(self.running))
-        room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
-        out: dict[str, list[int]] = {}
-        drafts: dict[str, int] = {}
-        for req in self.running:
-            k = min(self.policy.speculate(req, ctx), req.remaining_new_tokens - 1)
-            k = max(0, min(k, room - req.num_tokens))
-            if settings.method == "draft":
-                # a grammar's mask after each guess is made before the forward (core.launch),
-                # so a structured-output request's guesses must be known here: it gets none
-                if k and req.grammar is None:
-                    drafts[req.rid] = k
-                continue
-            if req.proposer is None:
-                req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
-            guesses = req.proposer.propose(req.all_ids, k)  # indexes even when k is 0
-            if guesses:
-                out[req.rid] = guesses
-        return out, drafts
-
-    def _shortage_victims(self) -> list[Request]:
+    def _shortage_victims(
+        self, policy: Policy, config: EngineConfig, ctx: PolicyContext
+    ) -> list[Request]:
         """Every running request, in the order they go when KV runs short: the policy's
         choice (``preempt_candidates`` with no candidate; by default the config's
         ``preemption_victim`` rule), then those it left out in the config's order."""
         running = list(self.running)
-        named = self.policy.preempt_candidates(None, running, self._context(0))
+        named = policy.preempt_candidates(None, running, ctx)
         seen: set[int] = set()
         for victim in named:
             if victim.status is not RequestStatus.RUNNING or id(victim) in seen:
                 raise ValueError(
-                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    f"policy {policy.name!r} named {victim.rid!r} to preempt, "
                     "which is not a running request (or named it twice)"
                 )
             seen.add(id(victim))
         left = [r for r in running if id(r) not in seen]
-        return list(named) + order_victims(self.config.preemption_victim, left)
+        return list(named) + order_victims(config.preemption_victim, left)
 
-    def _retract(self, req: Request) -> None:
+    def retract(self, req: Request, config: EngineConfig) -> None:
         """Back to the front of the waiting queue; the KV it computed goes into the tree (not
         the slot this step's decode was given). With ``preemption_mode = "swap"`` that KV is
         also copied to the host buffer and copied back on re-admission; otherwise (or when the
         buffer is full) what the tree no longer holds then is recomputed."""
         self.running.remove(req)
         seq = req.kv
-        swapped = self.kv.swap_out(seq) if self.config.preemption_mode == "swap" else None
+        swapped = self.kv.swap_out(seq) if config.preemption_mode == "swap" else None
         if swapped is not None:
             self.swapped[id(req)] = swapped
         else:
@@ -151,23 +127,31 @@ class Retraction(Prefill):
         req.retractions += 1
         self.total_retractions += 1
         self.waiting.push_front(req)
-        self.admission.arrived(req, front=True)
 
-    def _preempt_for(
-        self, req: Request, ctx: PolicyContext, pages_short: int, slots_short: int
+    def preempt_for(
+        self,
+        req: Request,
+        policy: Policy,
+        config: EngineConfig,
+        ctx: PolicyContext,
+        pages_short: int,
+        slots_short: int,
+        ratio: float,
+        cap: int,
     ) -> list[Request] | None:
-        """Retract the running requests the policy names for ``req``, as few as make room for
-        ``pages_short`` pages and ``slots_short`` slots; none (None) when all of them would not."""
-        if not self.policy.preempts or not self.running:
+        """Retract the running requests ``policy`` names for ``req``, as few as make room for
+        ``pages_short`` pages and ``slots_short`` slots (their reservations at ``ratio``, their
+        length capped at ``cap``); none (None) when all of them would not."""
+        if not policy.preempts or not self.running:
             return None
-        candidates = self.policy.preempt_candidates(req, list(self.running), ctx)
-        ratio, ps, cap = self.new_token_ratio, self.page_size, self.max_model_len
+        candidates = policy.preempt_candidates(req, list(self.running), ctx)
+        ps = self.page_size
         chosen: list[Request] = []
         pages = slots = 0
         for victim in candidates:
             if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
                 raise ValueError(
-                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    f"policy {policy.name!r} named {victim.rid!r} to preempt, "
                     "which is not a running request (or named it twice)"
                 )
             chosen.append(victim)
@@ -179,29 +163,27 @@ class Retraction(Prefill):
         else:
             return None
         for victim in chosen:
-            self._retract(victim)
+            self.retract(victim, config)
             self.total_preemptions += 1
         log.info(
             "preempted %s for %s (policy %s)",
             ", ".join(v.rid for v in chosen),
             req.rid,
-            self.policy.name,
+            policy.name,
         )
         return chosen
 
-    def _restore_swapped(self, req: Request) -> SwappedKV | None:
-        """The swapped-out KV of ``req`` (re-admitted now), taken from the scheduler's keeping."""
-        return self.swapped.pop(id(req), None) if self.swapped else None
-
-    def _forget_preempted(self, req: Request) -> None:
+    def forget(self, req: Request) -> None:
         """``req`` left the engine: its swapped-out KV (if any) is dropped."""
+        if not self.swapped and not self.recompute_until:
+            return
         swapped = self.swapped.pop(id(req), None) if self.swapped else None
         if swapped is not None:
             assert self.kv.swap is not None
             self.kv.swap.drop(swapped)
         self.recompute_until.pop(id(req), None)
 
-    def _count_computed(
+    def count_computed(
         self, plan: BatchPlan, owners: dict[str, Request | None], swap_seconds: float
     ) -> None:
         """Tokens the step computed, those of them computed before (retracted and recomputed:
@@ -229,3 +211,8 @@ class Retraction(Prefill):
             "recompute_tax": self.total_recomputed_tokens / computed if computed else 0.0,
             "swap_seconds": self.swap_seconds,
         }
+
+
+def guess_slots(req: Request, guesses: dict[str, list[int]], drafts: dict[str, int]) -> int:
+    """KV slots the step's guesses of ``req`` take (speculative decoding)."""
+    return len(guesses.get(req.rid, ())) + drafts.get(req.rid, 0)

@@ -8,6 +8,10 @@ policy names them for a blocked waiting request), counts why admission stopped e
 (admission.py), and keeps the radix cache in step with every request's life. Which requests
 end, and why, is the lifecycle's decision (lifecycle.py); ``finish`` releases them here. It
 never touches tensors.
+
+It holds the parts that do the work, and the queues they share: each step an ``Admitter``
+(admitter.py) admits under the step's budget, ``Prefill`` (prefill.py) computes prompts chunk
+by chunk, and ``Retraction`` (retraction.py) makes room when KV memory runs short.
 """
 
 from __future__ import annotations
@@ -19,33 +23,22 @@ from typing import NamedTuple
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
-from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
-from asyncengine.scheduler.admission import (
-    CHUNK_IN_FLIGHT,
-    DECODE_TURN,
-    KV_RESERVATION,
-    RUNNING_CAP,
-    TOKEN_BUDGET,
-    Admission,
-    AdmissionLog,
-)
-from asyncengine.scheduler.prompt_scoring import (
-    cache_match_limit,
-    keep_scores,
-    may_reuse_prefix,
-    tail_scores,
-)
+from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
+from asyncengine.scheduler.admitter import Admitter
+from asyncengine.scheduler.prefill import Prefill
+from asyncengine.scheduler.prompt_scoring import keep_scores, tail_scores
 from asyncengine.scheduler.retraction import Retraction
 from asyncengine.scheduler.shadow import ShadowPolicy
 from asyncengine.scheduler.step_events import TokenEvent
 from asyncengine.scheduler.step_prefixes import StepPrefixes
 from asyncengine.scheduler.step_shares import StepShares
 from asyncengine.scheduler.waiting_queue import WaitingQueue
+from asyncengine.speculative.ngram import NgramProposer
 
 log = logging.getLogger("asyncengine.scheduler.scheduler")
 
@@ -65,7 +58,7 @@ class Committed(NamedTuple):
     prompts_done: list[Request]
 
 
-class Scheduler(Retraction):  # and Prefill, Retraction's base
+class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
@@ -91,20 +84,10 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
         self.prefilling: list[Request] = []  # admitted; prompt not fully computed
         self.running: list[Request] = []  # decoding
         self.requests: dict[str, Request] = {}
-        self.chunked: Request | None = None  # the one request mid-chunk
         self.new_token_ratio = config.init_new_token_ratio
         self.step_count = 0
         self.consecutive_prefill_steps = 0
-        self.total_retractions = 0
-        self.total_preemptions = 0  # retractions a policy asked for (counted in retractions too)
         self.total_prefix_deferrals = 0
-        # preemption (retraction.py): id(request) -> its swapped-out KV, or the tokens it had
-        # computed when retracted for recompute (computing them again is the recompute tax)
-        self.swapped: dict[int, SwappedKV] = {}
-        self.recompute_until: dict[int, int] = {}
-        self.total_computed_tokens = 0
-        self.total_recomputed_tokens = 0
-        self.swap_seconds = 0.0
         self.admission = AdmissionLog()
         # speculative decoding (None: off); this step's guesses by rid (method "draft": how
         # many the executor's draft model guesses); totals over all steps
@@ -136,6 +119,21 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
         self.prompt_scores: PromptScoreCache | None = None
         if config.prompt_score_cache_pages > 0 and kv.enable_prefix_cache:
             self.prompt_scores = PromptScoreCache(self.page_size, config.prompt_score_cache_pages)
+        self.retraction = Retraction(kv, self.waiting, self.running)
+        self.prefill = Prefill(
+            kv,
+            self.waiting,
+            self.prefilling,
+            self.retraction.swapped,
+            self.step_prefixes,
+            self.step_shares,
+            self.prompt_scores,
+        )
+
+    @property
+    def chunked(self) -> Request | None:
+        """The one request mid-chunk (Prefill's)."""
+        return self.prefill.chunked
 
     # -- queue ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -176,15 +174,13 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             self.prefilling.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
+        self.prefill.forget(req)
         if req.seq is not None:
             computed = req.seq.computed_len
             scores = tail_scores(req, computed // self.page_size * self.page_size)
             self.kv.close(req.seq, _first_ids(req, computed), cache=cache, tail_scores=scores)
             req.seq = None
-        if self.swapped or self.recompute_until:
-            self._forget_preempted(req)
+        self.retraction.forget(req)
         req.mark_finished(reason, matched, self.clock())
         self.lengths.finished(req)
         del self.requests[req.rid]
@@ -201,7 +197,7 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             num_running=len(self.running) + len(self.prefilling),
             num_decodes=num_decodes,
             prefix_len=self.kv.match_length,
-            chunked=self.chunked,
+            chunked=self.prefill.chunked,
             speculation=self.speculation,
             predicted_len=self.lengths.predicted_len,
             prefix_epoch=self.kv.prefix_epoch,
@@ -219,24 +215,13 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             reserved += self.speculation.num_speculative_tokens * len(self.running)
         return reserved
 
-    def _reservation(self, tokens: int) -> int:
-        """Pages kept for ``tokens`` future tokens at this step's ``new_token_ratio``."""
-        return self.kv.reservation_pages(tokens * self.new_token_ratio)
-
     def schedule(self) -> BatchPlan | None:
         """Build the next step's plan, or None when there is nothing to run."""
-        if self._next_policy is not None:
-            self.policy, self.config = self._next_policy
-            self._next_policy = None
-            self.speculation = self.config.speculation
-        self.step_count += 1
-        plan = BatchPlan(step=self.step_count)
+        plan = self.begin_step()
         mixed = self.config.enable_mixed_batch
         starved = self.consecutive_prefill_steps >= self.config.max_consecutive_prefill_steps
         prefill_wanted = bool(self.waiting or self.prefilling)
         decoding: list[Request] = []
-        self.step_guesses = {}
-        self.step_drafts = {}
         admission = Admission(DECODE_TURN)
         if mixed or not prefill_wanted or (starved and self.running):
             decoding = self._prepare_decodes()
@@ -247,34 +232,58 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
                 + sum(map(len, self.step_guesses.values()))
                 + sum(self.step_drafts.values())
             )
-            budget = self.policy.budget(self._context(decode_tokens))
-            admission = self._admit(plan, budget, decode_tokens)
+            admission = self.admit(plan, decode_tokens)
         if not decoding and not plan.extends and self.running and not mixed:
             decoding = self._prepare_decodes()  # nothing admitted: decode
             if not decoding and prefill_wanted:  # it retracted everything: memory is free now
-                admission = self._admit(plan, self.policy.budget(self._context(0)), 0)
+                admission = self.admit(plan, 0)
         if admission.preempted:  # a policy had some of this step's decodes retracted
             decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
         for req in decoding:
             plan.decodes.append(self._decode_segment(req))
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
-        if plan.extends and not plan.decodes:
+        if plan.is_empty():
+            self.count_step(False, False)
+            return None
+        self.end_step(plan, admission, bool(plan.decodes))
+        return plan
+
+    def begin_step(self) -> BatchPlan:
+        """The next step's empty plan; a policy handed over by ``set_policy`` takes over."""
+        if self._next_policy is not None:
+            self.policy, self.config = self._next_policy
+            self._next_policy = None
+            self.speculation = self.config.speculation
+        self.step_count += 1
+        self.step_guesses = {}
+        self.step_drafts = {}
+        return BatchPlan(step=self.step_count)
+
+    def count_step(self, extends: bool, decodes: bool) -> None:
+        """The run of prefill-only steps and the new-token ratio after a step with (or
+        without) prompts and decodes."""
+        if extends and not decodes:
             self.consecutive_prefill_steps += 1
         else:
             self.consecutive_prefill_steps = 0
-        if plan.decodes and not plan.extends:
+        if decodes and not extends:
             self.new_token_ratio = max(
                 self.config.min_new_token_ratio,
                 self.new_token_ratio - self.config.new_token_ratio_decay,
             )
-        if plan.is_empty():
-            return None
+
+    def end_step(self, plan: BatchPlan, admission: Admission, decodes: bool) -> None:
+        """Count a step that runs (``decodes``: it decodes, in the plan or counted apart) and
+        how its admission went; drain the KV changes the executor applies into ``plan``, and
+        put it in flight."""
+        self.count_step(bool(plan.extends), decodes)
         self.admission.record(self.waiting, admission)
-        plan.page_writes = self.kv.page_table.drain_writes()
-        plan.released_rows = self.kv.page_table.drain_released()
-        plan.page_copies = self.kv.drain_page_copies()
-        if self.kv.swap is not None:
-            plan.swap_out, plan.swap_in = self.kv.swap.drain()
+        kv = self.kv
+        plan.page_writes = kv.page_table.drain_writes()
+        plan.released_rows = kv.page_table.drain_released()
+        plan.page_copies = kv.drain_page_copies()
+        if kv.swap is not None:
+            plan.swap_out, plan.swap_in = kv.swap.drain()
         now = self.clock()
         requests = self.requests
         owners: dict[str, Request | None] = {}
@@ -287,7 +296,6 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             owners[seg.rid] = requests[seg.rid]
         self.inflight = plan
         self._inflight_owners = owners
-        return plan
 
     def _decode_segment(self, req: Request) -> Segment:
         last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
@@ -304,136 +312,83 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             )
         return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
 
-    def _admit(self, plan: BatchPlan, budget: StepBudget, num_decodes: int) -> Admission:
-        """Fill ``plan.extends`` under the step's token budget and the KV memory check; return
-        how admission went (why it stopped, whom it skipped) for the admission counts."""
-        chunk = budget.chunk_size
-        # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
-        # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
-        # prompt's last chunk, the next prompt's first and short prompts between them.
-        remaining = min(budget.prefill_tokens, chunk) if chunk else budget.prefill_tokens
-        if budget.total_tokens is not None:
-            remaining = min(remaining, budget.total_tokens - num_decodes)
-        ps = self.page_size
-        dedup = self.step_prefixes
-        if dedup is not None:
-            dedup.clear()
-        if self.step_shares is not None:
-            self.step_shares.clear()
-        remaining, stopped = self._continue_prefills(plan, remaining, chunk)
-        if stopped is not None:
-            return Admission(stopped)
-        if not self.waiting:
-            return Admission()
-        # nothing can be admitted: skip the policy's ordering work (unless it may preempt)
-        if remaining <= 0:
-            return Admission(TOKEN_BUDGET)
-        if self.chunked is not None and chunk:
-            return Admission(CHUNK_IN_FLIGHT)
-        preempts = self.policy.preempts
-        skips = self.config.kv_blocked_skips  # requests too big for KV now that may be passed
-        slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
-        if slots <= 0 and not preempts:
-            return Admission(RUNNING_CAP)
-        reserved = self._reserved_tokens()
-        alone = not self.running and not self.prefilling and not plan.extends
-        if not alone and not preempts and self._reservation(reserved) + 1 > self.kv.available_pages:
-            return Admission(KV_RESERVATION)  # not even a one-page request would fit
-        # The policy orders the oldest ``policy_window`` requests (and any it adds from past
-        # them: Policy.candidates); the rest wait in arrival order, which bounds each step's
-        # ordering cost when the queue is very long.
-        size = self.config.policy_window
-        window = self.policy.candidates(self.waiting, size)
-        if len(window) > size:  # the policy added requests from past the oldest ones
-            self.admission.reshaped()
-        ctx: PolicyContext | None = None
-        if type(self.policy).order is Policy.order and self.shadow is None and not preempts:
-            ordered = window  # arrival order; nothing else reads a context: none is made
-        else:
-            ctx = self._context(num_decodes)
-            ordered = self.policy.order(window, ctx)
-        admission = Admission(window=window)
-        if len(ordered) < len(window):  # the policy holds the ones it left out
-            kept = {id(req) for req in ordered}
-            admission.held = [req for req in window if id(req) not in kept]
-        if self.shadow is not None:
-            assert ctx is not None
-            self.shadow.compare(window, ordered, ctx)
-        for req in ordered:
-            if remaining <= 0:
-                admission.stopped = TOKEN_BUDGET
-                break
-            if self.chunked is not None and chunk:
-                admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
-                break
-            ids = req.all_ids
-            limit = cache_match_limit(req, self.prompt_scores)
-            matched = self.kv.match_length(ids, limit)
-            if (
-                dedup  # not None, and a prompt of this step added (else it shares nothing)
-                and may_reuse_prefix(req, self.prompt_scores)
-                and dedup.shares(ids, matched, self.kv.tail_match_length(ids, matched))
-                and not self._copies_next_page_in_step(ids, matched)
-            ):
-                # another prompt of this step computes the same uncached page: left waiting,
-                # this one takes it (and whatever more they share) from the cache next step
-                self.total_prefix_deferrals += 1
-                admission.deferred.append(req)
-                continue
-            estimate = len(ids) - matched
-            future = req.future_tokens(self.max_model_len)
-            need = self.kv.pages_needed(None, estimate) + self._reservation(reserved + future)
-            alone = not self.running and not self.prefilling and not plan.extends
-            if not alone and (slots <= 0 or need > self.kv.available_pages):
-                short = need - self.kv.available_pages
-                # no context: the policy does not preempt (_preempt_for's None)
-                victims = None if ctx is None else self._preempt_for(req, ctx, short, 1 - slots)
-                if victims is None:
-                    if slots > 0 and skips > 0:  # it waits; a smaller one behind it may fit
-                        skips -= 1
-                        admission.skipped.append(req)
-                        continue
-                    admission.stopped = RUNNING_CAP if slots <= 0 else KV_RESERVATION
-                    break
-                admission.preempted += victims
-                slots += len(victims)
-                reserved = self._reserved_tokens()  # without the victims' future tokens
-                need = self.kv.pages_needed(None, estimate) + self._reservation(reserved + future)
-                alone = not self.running and not self.prefilling and not plan.extends
-                if not alone and need > self.kv.available_pages:
-                    admission.stopped = KV_RESERVATION
-                    break
-            if not chunk and estimate > remaining and not alone:
-                admission.stopped = TOKEN_BUDGET  # no chunking: a prompt over the budget runs alone
-                break
-            if chunk and ps <= estimate and remaining < ps and not alone:
-                admission.stopped = TOKEN_BUDGET  # less than a page left: start it next step
-                break
-            take = self._start_prefill(plan, req, remaining, chunk)
-            if take is None:
-                admission.stopped = KV_RESERVATION
-                break
-            admission.admitted.append(req)
-            remaining -= take
-            slots -= 1
-            reserved += future
-        else:  # every ordered request was tried: say what would have stopped the next one
-            if remaining <= 0:
-                admission.stopped = TOKEN_BUDGET
-            elif self.chunked is not None and chunk:
-                admission.stopped = CHUNK_IN_FLIGHT
-            elif slots <= 0:
-                admission.stopped = RUNNING_CAP
+    def step_budget(self, num_decodes: int) -> StepBudget:
+        """The policy's token budget for a step with ``num_decodes`` decode tokens."""
+        policy = self.policy
+        if type(policy).budget is Policy.budget:  # the config's limits: no context needed
+            config = self.config
+            return StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
+        return policy.budget(self._context(num_decodes))
+
+    def admit(self, plan: BatchPlan, num_decodes: int) -> Admission:
+        """Fill ``plan.extends`` under the step's budget and the KV memory check (admitter.py);
+        return how admission went (why it stopped, whom it skipped) for the admission counts."""
+        admission = self.admitter(plan, num_decodes).admit()
+        self.total_prefix_deferrals += len(admission.deferred)
+        for req in admission.preempted:  # retracted for it: back at the queue's front
+            self.admission.arrived(req, front=True)
         return admission
 
-    def _copies_next_page_in_step(self, ids: list[int], matched: int) -> bool:
-        """Whether a segment of this step computes the page of ``ids`` after its ``matched``
-        cached tokens: it copies them in this step (step_shares.py) instead of waiting one."""
-        if self.step_shares is None:
-            return False
-        most = min(self.page_size, len(ids) - 1 - matched)
-        found = self.step_shares.best(ids, matched, most)
-        return found is not None and found[1] >= most
+    def admitter(self, plan: BatchPlan, num_decodes: int) -> Admitter:
+        """This step's admission, under the policy's budget for it."""
+        return Admitter(
+            plan,
+            self.step_budget(num_decodes),
+            num_decodes,
+            self.prefill,
+            self.retraction,
+            self.policy,
+            self.config,
+            self.shadow,
+            self.admission,
+            self._context,
+            self._reserved_tokens,
+            self.new_token_ratio,
+            self.max_model_len,
+        )
+
+    def _prepare_decodes(self) -> list[Request]:
+        """Give every running request a KV slot for its next token (and its guesses, with
+        speculative decoding), retracting when short (retraction.py)."""
+        guesses, drafts = self._propose_guesses()
+        self.step_guesses, self.step_drafts = guesses, drafts
+        retraction = self.retraction
+        retracted = retraction.make_decode_room(
+            guesses, drafts, self.policy, self.config, self._context
+        )
+        if retracted:
+            self.new_token_ratio = self.config.init_new_token_ratio
+            for req in retracted:  # back at the queue's front
+                self.admission.arrived(req, front=True)
+        return list(self.running)
+
+    def _propose_guesses(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Speculative decoding: each running request's guessed next tokens (by rid), as many
+        as the policy allows it (``Policy.speculate``) and its output budget and the context
+        leave room for (the token after the guesses is sampled too). With a draft model the
+        executor guesses them: the second dict says how many, by rid. Empty when off."""
+        settings = self.speculation
+        if settings is None or not self.running:
+            return {}, {}
+        ctx = self._context(len(self.running))
+        room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
+        out: dict[str, list[int]] = {}
+        drafts: dict[str, int] = {}
+        for req in self.running:
+            k = min(self.policy.speculate(req, ctx), req.remaining_new_tokens - 1)
+            k = max(0, min(k, room - req.num_tokens))
+            if settings.method == "draft":
+                # a grammar's mask after each guess is made before the forward (core.launch),
+                # so a structured-output request's guesses must be known here: it gets none
+                if k and req.grammar is None:
+                    drafts[req.rid] = k
+                continue
+            if req.proposer is None:
+                req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
+            guesses = req.proposer.propose(req.all_ids, k)  # indexes even when k is 0
+            if guesses:
+                out[req.rid] = guesses
+        return out, drafts
 
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> Committed:
@@ -443,7 +398,7 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
         owners = self._owners(plan)
         self.inflight = None  # its KV is written now
         self._inflight_owners = {}
-        self._count_computed(plan, owners, output.swap_seconds)
+        self.retraction.count_computed(plan, owners, output.swap_seconds)
         self.policy.observe(plan, output.forward_seconds)
         if self.shadow is not None:
             self.shadow.observe(plan, output.forward_seconds)
@@ -578,14 +533,14 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             "running": len(self.running),
             "prefilling": len(self.prefilling),
             "waiting": len(self.waiting),
-            "retractions": self.total_retractions,
-            "preemptions": self.total_preemptions,
+            "retractions": self.retraction.total_retractions,
+            "preemptions": self.retraction.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
             "spec_steps": self.spec_steps,
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,
-            **self.preemption_stats(),
+            **self.retraction.preemption_stats(),
             **(self.prompt_scores.stats() if self.prompt_scores is not None else {}),
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,

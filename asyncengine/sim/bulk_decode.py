@@ -30,7 +30,7 @@ from asyncengine.cache.manager import SeqKV
 from asyncengine.common.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.core.engine_core import EngineCore
-from asyncengine.policies.base import Policy, StepBudget
+from asyncengine.policies.base import Policy
 from asyncengine.scheduler.admission import DECODE_TURN, Admission
 from asyncengine.sim.closed_admission import closed_admission
 from asyncengine.sim.simulated_executor import SimulatedExecutor
@@ -72,6 +72,7 @@ class BulkDecode:
         self.sum_base = 0
         self.sum_future = 0
         self._order = 0
+        self.empty_plan = BatchPlan(step=0)  # for closed_admission, which leaves it empty
         self.bulk_steps = 0  # steps run in bulk, over the whole run
         # of those, the quiet ones (nothing but decodes), by why admission stopped
         # ("+window": after the policy's window was taken)
@@ -218,7 +219,7 @@ class BulkDecode:
             return True
         output = self._execute(plan, forward)
         core.land(plan, output)  # the extends' tokens, their ends, the policy's observe
-        sched.total_computed_tokens += num_decodes
+        sched.retraction.total_computed_tokens += num_decodes
         self.times.append(sched.clock())
         lifecycle.counters["generated_tokens"] += num_decodes
         for member in sorted(ending or (), key=_by_order):
@@ -249,17 +250,14 @@ class BulkDecode:
         kv = sched.kv
         if kv.swap is not None:
             return False
-        admission = closed_admission(sched, num_decodes)
+        admission = closed_admission(sched, num_decodes, self.empty_plan)
         if admission is None:
             return False
+        # Scheduler.begin_step and end_step for a plan that would hold only decodes
         sched.step_count += 1
         if sched.step_guesses:
             sched.step_guesses = {}
-        sched.consecutive_prefill_steps = 0
-        config = sched.config
-        sched.new_token_ratio = max(
-            config.min_new_token_ratio, sched.new_token_ratio - config.new_token_ratio_decay
-        )
+        sched.count_step(False, True)
         sched.admission.record(sched.waiting, admission)
         kv.page_table.drain_writes()  # the simulated executor keeps no page table
         # a decode at length base + j attends from start position base + j
@@ -268,7 +266,7 @@ class BulkDecode:
             0, 0, num_decodes, self.sum_base + j * num_decodes + num_decodes
         )
         self.executor.clock.advance(seconds)
-        sched.total_computed_tokens += num_decodes
+        sched.retraction.total_computed_tokens += num_decodes
         policy = sched.policy
         if type(policy).observe is not Policy.observe:
             policy.observe(BatchPlan(step=sched.step_count), seconds)
@@ -280,42 +278,15 @@ class BulkDecode:
         return True
 
     def _plan(self, num_decodes: int) -> BatchPlan:
-        """Scheduler.schedule with mixed batches, its decodes counted: the same budget,
-        admission, counts and ratio, the plan's extends only."""
+        """Scheduler.schedule with mixed batches, its decodes counted: the same steps of the
+        scheduler (the budget, admission, counts and ratio), the plan's extends only."""
         sched = self.core.scheduler
-        sched.step_count += 1
-        plan = BatchPlan(step=sched.step_count)
-        sched.step_guesses = {}
+        plan = sched.begin_step()
         if sched.waiting or sched.prefilling:
-            policy = sched.policy
-            if type(policy).budget is Policy.budget:  # the config's limits: no context needed
-                config = sched.config
-                budget = StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
-            else:
-                budget = policy.budget(sched._context(num_decodes))
-            admission = sched._admit(plan, budget, num_decodes)
+            admission = sched.admit(plan, num_decodes)
         else:
             admission = Admission(DECODE_TURN)
-        sched.consecutive_prefill_steps = 0  # the step decodes
-        if not plan.extends:
-            config = sched.config
-            sched.new_token_ratio = max(
-                config.min_new_token_ratio, sched.new_token_ratio - config.new_token_ratio_decay
-            )
-        sched.admission.record(sched.waiting, admission)
-        kv = sched.kv
-        plan.page_writes = kv.page_table.drain_writes()
-        if kv.swap is not None:
-            plan.swap_out, plan.swap_in = kv.swap.drain()
-        now = sched.clock()
-        owners: dict[str, Request | None] = {}
-        for seg in plan.extends:
-            req = sched.requests[seg.rid]
-            owners[seg.rid] = req
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        sched.inflight = plan
-        sched._inflight_owners = owners
+        sched.end_step(plan, admission, decodes=True)
         if any(info.params.structured for info in plan.sampling):
             self.core._add_token_bitmasks(plan)  # as EngineCore.launch
         return plan
@@ -331,8 +302,8 @@ class BulkDecode:
         self.executor.clock.advance(seconds)
         sched.inflight = None
         sched._inflight_owners = {}
-        sched.total_computed_tokens += plan.num_tokens + len(self.members)
-        sched.swap_seconds += swap
+        sched.retraction.total_computed_tokens += plan.num_tokens + len(self.members)
+        sched.retraction.swap_seconds += swap
         sched.policy.observe(plan, seconds)
         lifecycle = self.core.lifecycle
         if lifecycle._ended or lifecycle._released:

@@ -168,7 +168,7 @@ def test_the_policy_chooses_the_victim_on_kv_shortage() -> None:
         assert plan is not None
         core.land(plan, runner.execute(plan))
     (second,) = submit(core, clock, [([9, 8, 7, 6], 20)], tag="b")
-    while core.scheduler.total_retractions == 0:
+    while core.scheduler.retraction.total_retractions == 0:
         plan = core.launch()
         assert plan is not None
         core.land(plan, runner.execute(plan))
@@ -238,7 +238,7 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
             assert req.output_ids == reference_output(prompt, n), req.rid
     stats = core.stats()
     assert stats["pages_used"] == 0 and stats["swap_pages_used"] == 0
-    assert not core.scheduler.swapped and not core.scheduler.recompute_until
+    assert not core.scheduler.retraction.swapped and not core.scheduler.retraction.recompute_until
 
 
 def test_the_simulator_charges_swaps_their_bytes_over_the_copy_bandwidth() -> None:

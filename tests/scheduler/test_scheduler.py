@@ -106,7 +106,7 @@ def test_outputs_exact_under_chunking_and_retract(policy: str, mixed: bool) -> N
     for req, (prompt, n) in zip(reqs, items, strict=True):
         assert req.output_ids == reference_output(prompt, n), req.rid
         assert req.finish_reason == "length"
-    assert core.scheduler.total_retractions > 0
+    assert core.scheduler.retraction.total_retractions > 0
     assert any(not s.sample for p in plans for s in p.extends), "no prompt was chunked"
     assert all(sum(1 for s in p.extends if not s.sample) <= 1 for p in plans), (
         "two requests mid-chunk"
@@ -285,7 +285,7 @@ def test_retract_takes_the_request_with_least_output_and_resets_the_ratio(
     assert ratios[0] == 0.5 and ratios[1:] == pytest.approx([0.4, 0.3, 0.2, 0.1])
     (second,) = submit(core, clock, [([9, 8, 7, 6], 20)], tag="b")
     caplog.set_level("WARNING", logger="asyncengine.scheduler.scheduler")
-    while core.scheduler.total_retractions == 0:
+    while core.scheduler.retraction.total_retractions == 0:
         plan = core.launch()
         assert plan is not None
         core.land(plan, runner.execute(plan))

@@ -1,0 +1,259 @@
+"""Admitter: one step's admission, waiting requests into prefill (as mini-sglang's PrefillAdder).
+
+The scheduler builds one each step with the step's token budget. It carries on the prompts
+mid-chunk first, then asks the policy to order its window of the waiting queue and tries those
+requests one at a time under the budget, ``max_running_requests`` and the KV memory check: a
+request's uncached pages plus the reservation for every admitted request's future tokens must
+fit in free and evictable memory (a preempting policy may retract running requests to make it
+fit). What it did and why it stopped is the ``Admission`` it returns (admission.py counts it).
+The simulator's bulk decoding asks the same object whether a step admits nothing
+(sim/closed_admission.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.scheduler.admission import (
+    CHUNK_IN_FLIGHT,
+    KV_RESERVATION,
+    RUNNING_CAP,
+    TOKEN_BUDGET,
+    Admission,
+    AdmissionLog,
+)
+from asyncengine.scheduler.prefill import Prefill
+from asyncengine.scheduler.prompt_scoring import cache_match_limit, may_reuse_prefix
+from asyncengine.scheduler.retraction import Retraction
+from asyncengine.scheduler.shadow import ShadowPolicy
+
+
+class Admitter:
+    ordered: list[Request]  # the policy's order of its window, once it is taken
+    outcome: Admission  # the same
+
+    def __init__(
+        self,
+        plan: BatchPlan,
+        budget: StepBudget,
+        num_decodes: int,
+        prefill: Prefill,
+        retraction: Retraction,
+        policy: Policy,
+        config: EngineConfig,
+        shadow: ShadowPolicy | None,
+        log: AdmissionLog,
+        context: Callable[[int], PolicyContext],
+        reserved_tokens: Callable[[], int],
+        new_token_ratio: float,
+        max_model_len: int,
+    ) -> None:
+        """The step's ``plan`` and ``budget``; the scheduler's parts, policy and config; its
+        policy context, its admitted requests' future tokens, and the ratio of those that
+        pages are reserved for (the scheduler's, at this step)."""
+        self.plan = plan
+        self.num_decodes = num_decodes
+        self.prefill = prefill
+        self.kv = prefill.kv
+        self.waiting = prefill.waiting
+        self.prefilling = prefill.prefilling
+        self.retraction = retraction
+        self.running = retraction.running
+        self.policy = policy
+        self.config = config
+        self.shadow = shadow
+        self.log = log
+        self.context = context
+        self.reserved_tokens = reserved_tokens
+        self.ratio = new_token_ratio
+        self.max_model_len = max_model_len
+        chunk = budget.chunk_size
+        # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
+        # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
+        # prompt's last chunk, the next prompt's first and short prompts between them.
+        remaining = min(budget.prefill_tokens, chunk) if chunk else budget.prefill_tokens
+        if budget.total_tokens is not None:
+            remaining = min(remaining, budget.total_tokens - num_decodes)
+        self.chunk = chunk
+        self.remaining = remaining  # prefill tokens the step may still take
+        self.slots = 0  # running requests it may still add (stops_before_ordering sets it)
+        self.reserved = 0  # future tokens of every admitted request (the same)
+        self.skips = config.kv_blocked_skips  # too big for KV now, and may be passed
+        self.ctx: PolicyContext | None = None  # made when the policy orders or may preempt
+
+    def admit(self) -> Admission:
+        """Fill the plan's extends: the prompts mid-chunk, then waiting requests."""
+        prefill = self.prefill
+        prefill.new_step()
+        self.remaining, stopped = prefill.continue_prefills(self.plan, self.remaining, self.chunk)
+        if stopped is not None:
+            return Admission(stopped)
+        if not self.waiting:
+            return Admission()
+        # nothing can be admitted: skip the policy's ordering work (unless it may preempt)
+        stopped = self.stops_before_ordering()
+        if stopped is not None:
+            return Admission(stopped)
+        outcome = self.outcome = self._order()
+        for req in self.ordered:
+            stopped = self._try(req)
+            if stopped is not None:
+                outcome.stopped = stopped
+                return outcome
+        # every ordered request was tried: say what would have stopped the next one
+        stopped = self._budget_spent()
+        outcome.stopped = RUNNING_CAP if stopped is None and self.slots <= 0 else stopped
+        return outcome
+
+    def stops_before_ordering(self) -> str | None:
+        """Why no waiting request can be admitted, told from counts before the policy orders
+        any (None: it may): the budget, a prompt mid-chunk, the running cap or the KV
+        reservation, the last two only when the policy does not preempt."""
+        stopped = self._budget_spent()
+        if stopped is not None:
+            return stopped
+        preempts = self.policy.preempts
+        self.slots = self.config.max_running_requests - len(self.running) - len(self.prefilling)
+        if self.slots <= 0 and not preempts:
+            return RUNNING_CAP
+        self.reserved = self.reserved_tokens()
+        if self._alone() or preempts:
+            return None
+        if self._reservation(self.reserved) + 1 > self.kv.available_pages:
+            return KV_RESERVATION  # not even a one-page request would fit
+        return None
+
+    def fits(self, req: Request) -> bool:
+        """Whether ``req``'s uncached pages and reservation fit in KV memory now (after
+        ``stops_before_ordering``)."""
+        ids = req.all_ids
+        matched = self.kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
+        need = self._need(len(ids) - matched, req.future_tokens(self.max_model_len))
+        return need <= self.kv.available_pages
+
+    def _budget_spent(self) -> str | None:
+        if self.remaining <= 0:
+            return TOKEN_BUDGET
+        if self.prefill.chunked is not None and self.chunk:
+            return CHUNK_IN_FLIGHT  # at most one request mid-chunk
+        return None
+
+    def _alone(self) -> bool:
+        """Nothing else runs: a request is admitted whatever it needs."""
+        return not self.running and not self.prefilling and not self.plan.extends
+
+    def _reservation(self, tokens: int) -> int:
+        """Pages kept for ``tokens`` future tokens at this step's new-token ratio."""
+        return self.kv.reservation_pages(tokens * self.ratio)
+
+    def _need(self, estimate: int, future: int) -> int:
+        """Pages a request computing ``estimate`` tokens needs, its reservation included."""
+        return self.kv.pages_needed(None, estimate) + self._reservation(self.reserved + future)
+
+    def _order(self) -> Admission:
+        """The policy's order of its window (``self.ordered``); the outcome so far: the window,
+        the requests the policy held."""
+        # The policy orders the oldest ``policy_window`` requests (and any it adds from past
+        # them: Policy.candidates); the rest wait in arrival order, which bounds each step's
+        # ordering cost when the queue is very long.
+        policy, shadow = self.policy, self.shadow
+        size = self.config.policy_window
+        window = policy.candidates(self.waiting, size)
+        if len(window) > size:  # the policy added requests from past the oldest ones
+            self.log.reshaped()
+        if type(policy).order is Policy.order and shadow is None and not policy.preempts:
+            self.ordered = window  # arrival order; nothing else reads a context: none is made
+        else:
+            self.ctx = self.context(self.num_decodes)
+            self.ordered = policy.order(window, self.ctx)
+        outcome = Admission(window=window)
+        if len(self.ordered) < len(window):  # the policy holds the ones it left out
+            kept = {id(req) for req in self.ordered}
+            outcome.held = [req for req in window if id(req) not in kept]
+        if shadow is not None:
+            assert self.ctx is not None
+            shadow.compare(window, self.ordered, self.ctx)
+        return outcome
+
+    def _try(self, req: Request) -> str | None:
+        """Admit ``req`` if it fits, or pass it over; why admission stops here (None: go on)."""
+        stopped = self._budget_spent()
+        if stopped is not None:
+            return stopped
+        ids = req.all_ids
+        kv = self.kv
+        matched = kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
+        if self._deferred(req, ids, matched):
+            # another prompt of this step computes the same uncached page: left waiting,
+            # this one takes it (and whatever more they share) from the cache next step
+            self.outcome.deferred.append(req)
+            return None
+        estimate = len(ids) - matched
+        future = req.future_tokens(self.max_model_len)
+        alone = self._alone()
+        if not alone and (self.slots <= 0 or self._need(estimate, future) > kv.available_pages):
+            passed, stopped = self._make_room(req, estimate, future)
+            if passed or stopped is not None:
+                return stopped
+            alone = self._alone()
+        if not alone:
+            if not self.chunk and estimate > self.remaining:
+                return TOKEN_BUDGET  # no chunking: a prompt over the budget runs alone
+            ps = kv.page_size
+            if self.chunk and ps <= estimate and self.remaining < ps:
+                return TOKEN_BUDGET  # less than a page left: start it next step
+        take = self.prefill.start(self.plan, req, self.remaining, self.chunk)
+        if take is None:
+            return KV_RESERVATION
+        self.outcome.admitted.append(req)
+        self.remaining -= take
+        self.slots -= 1
+        self.reserved += future
+        return None
+
+    def _deferred(self, req: Request, ids: list[int], matched: int) -> bool:
+        """In-batch dedup: a prompt of this step computes ``req``'s next uncached page (and
+        ``req`` cannot copy it in this step instead)."""
+        dedup = self.prefill.step_prefixes
+        kv, scores = self.kv, self.prefill.prompt_scores
+        return bool(
+            dedup  # not None, and a prompt of this step added (else it shares nothing)
+            and may_reuse_prefix(req, scores)
+            and dedup.shares(ids, matched, kv.tail_match_length(ids, matched))
+            and not self.prefill.copies_next_page_in_step(ids, matched)
+        )
+
+    def _make_room(self, req: Request, estimate: int, future: int) -> tuple[bool, str | None]:
+        """``req`` does not fit (KV memory or the running cap): retract the running requests a
+        preempting policy names for it, or pass it over while ``kv_blocked_skips`` allows.
+        Returns whether it was passed over, and why admission stops (None: it fits now)."""
+        kv = self.kv
+        short = self._need(estimate, future) - kv.available_pages
+        victims = None
+        if self.ctx is not None:  # none: the policy does not preempt (preempt_for's None)
+            victims = self.retraction.preempt_for(
+                req,
+                self.policy,
+                self.config,
+                self.ctx,
+                short,
+                1 - self.slots,
+                self.ratio,
+                self.max_model_len,
+            )
+        if victims is None:
+            if self.slots > 0 and self.skips > 0:  # it waits; a smaller one behind it may fit
+                self.skips -= 1
+                self.outcome.skipped.append(req)
+                return True, None
+            return False, RUNNING_CAP if self.slots <= 0 else KV_RESERVATION
+        self.outcome.preempted += victims
+        self.slots += len(victims)
+        self.reserved = self.reserved_tokens()  # without the victims' future tokens
+        if not self._alone() and self._need(estimate, future) > kv.available_pages:
+            return False, KV_RESERVATION
+        return False, None
