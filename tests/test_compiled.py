@@ -94,18 +94,18 @@ def test_an_edit_since_the_build_runs_every_compiled_module_from_its_source(
     files = fresh["files"]
     assert isinstance(files, dict)
     assert [name for name in COMPILED_MODULES if not files[name].endswith(".py")] == built
-    # scheduler.py edited since the build: all 25 from their .py (the others call it
+    # scheduler.py edited since the build: all of them from their .py (the others call it
     # directly when compiled), one warning naming it
-    edited = import_with_record({**current, "asyncengine.scheduler": "0" * 64}, tmp_path)
-    assert edited["edited"] == ["asyncengine.scheduler"]
+    edited = import_with_record({**current, "asyncengine.scheduler.scheduler": "0" * 64}, tmp_path)
+    assert edited["edited"] == ["asyncengine.scheduler.scheduler"]
     assert edited["files"] == {name: str(source_path(name)) for name in COMPILED_MODULES}
     assert edited["kind"] == "interpreted"
     (warning,) = edited["warnings"]  # type: ignore[misc]
     assert warning.startswith("StaleBuildWarning: edited since the compiled build: ")
-    assert "asyncengine.scheduler;" in warning and "make setup" in warning
+    assert "asyncengine.scheduler.scheduler;" in warning and "make setup" in warning
     # a module the build never compiled (the list changed) counts as edited too
-    listed_since = {name: h for name, h in current.items() if name != "asyncengine.plan"}
-    assert import_with_record(listed_since, tmp_path)["edited"] == ["asyncengine.plan"]
+    listed_since = {name: h for name, h in current.items() if name != "asyncengine.common.plan"}
+    assert import_with_record(listed_since, tmp_path)["edited"] == ["asyncengine.common.plan"]
 
 
 # dataclasses of the compiled modules whose __init__ is written out (mypyc leaves a
