@@ -32,6 +32,10 @@ class Grammar(Protocol):
         """Advance by one token; False when the grammar does not allow it."""
         ...
 
+    def allows_nothing(self) -> bool:
+        """No token may come next and the grammar is not complete: a dead end."""
+        ...
+
     def is_terminated(self) -> bool:
         """The grammar is complete and took its end token."""
         ...

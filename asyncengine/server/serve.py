@@ -27,6 +27,7 @@ from asyncengine.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     create_app,
 )
+from asyncengine.server.client_error_log import log_client_errors_quietly
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import STATE
@@ -128,6 +129,7 @@ async def start_http(
     """
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine request at once instead of when the next token fails to write.
+    log_client_errors_quietly()
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

@@ -136,6 +136,8 @@ class GrammarMatcher:
         xgrammar = _import_xgrammar()
         self._matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+        if self.allows_nothing():  # e.g. the regex "[^\\s\\S]": no output can ever match
+            raise InvalidRequestError("the constraint admits no output: no token can begin it")
 
     def next_bitmask(self) -> torch.Tensor:
         """int32 [words]: bit i of word j set when token 32 j + i may come next. A fresh tensor
@@ -147,6 +149,11 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) when the grammar does not allow it."""
         return bool(self._matcher.accept_token(token_id))
+
+    def allows_nothing(self) -> bool:
+        """No token may come next and the grammar is not complete (a regex like "a[^\\s\\S]"
+        after its "a"): sampling from an all-forbidden row would pick an arbitrary token."""
+        return not self._matcher.is_terminated() and not bool(self.next_bitmask().any())
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding checks a row's

@@ -20,13 +20,17 @@ log = logging.getLogger("asyncengine.trace")
 
 # recorded in their own fields, or meaningless to a replay
 _OWN_FIELDS = frozenset({"priority", "tenant", "timeout"})
-_DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams)}
+_DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams) if f.init}
 
 
 def params_record(params: SamplingParams) -> dict[str, Any]:
     """The sampling parameters that differ from the defaults (max_new_tokens always)."""
     values = asdict(params)
-    record = {k: v for k, v in values.items() if k not in _OWN_FIELDS and v != _DEFAULTS.get(k)}
+    record = {
+        k: v
+        for k, v in values.items()
+        if k in _DEFAULTS and k not in _OWN_FIELDS and v != _DEFAULTS[k]
+    }
     record["max_new_tokens"] = params.max_new_tokens
     return record
 
