@@ -89,6 +89,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         int,
         "most tokens one request may ask for; more is refused (default: up to the context)",
     ),
+    (
+        "--max-logprob-entries",
+        "max_logprob_entries",
+        int,
+        "most logprobs one request may ask for: scored positions x (alternatives + 1) x n",
+    ),
     ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
     (
         "--max-waiting-requests",

@@ -139,6 +139,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
+    # most logprob entries one request may ask for: scored positions (prompt and output) x
+    # (alternatives + 1) x n, summed over a batch's prompts; more is refused (HTTP 400)
+    max_logprob_entries: int = 1_000_000
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
     # embeddings (asyncengine/pooling.py): "mean" or "last" token; "auto": the model dir's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
@@ -177,6 +180,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "policy_window",
             "shadow_top_k",
             "max_n",
+            "max_logprob_entries",
             "grammar_cache_size",
         ):
             if getattr(self, key) < 1:

@@ -123,3 +123,28 @@ async def test_nul_in_a_header_is_a_400_logged_in_one_info_line(
     assert records, "the bad request is logged"
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
     assert all("\n" not in r.getMessage() and "\x00" not in r.getMessage() for r in records)
+
+
+async def test_echo_scoring_many_prompts_many_times_is_refused_with_the_figures(
+    server: RunningServer,
+) -> None:
+    """echo + logprobs 20 + max_tokens 0 + n 16 over 256 prompts (of 500 ids: the test model's
+    context is 512): a 400 naming the budget and the request's figure, before any scoring."""
+    prompts = [[(i * 7 + j) % 40000 + 100 for j in range(500)] for i in range(256)]
+    body = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 0, "n": 16}
+    status, answer = await post(server, COMPLETIONS, body)
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    budget = server.engine.config.max_logprob_entries
+    wanted = 256 * 499 * 21 * 16  # positions after the first, (20 alternatives + 1), n
+    assert f"{wanted} logprobs" in message and f"budget of {budget}" in message, message
+    assert answer["error"]["param"] == "logprobs"
+
+
+async def test_echo_within_the_budget_is_served(server: RunningServer) -> None:
+    prompts = [[(i * 7 + j) % 40000 + 100 for j in range(50)] for i in range(2)]
+    body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 0, "n": 2}
+    status, answer = await post(server, COMPLETIONS, body)
+    assert status == 200, answer
+    assert len(answer["choices"]) == 4
+    assert all(len(c["logprobs"]["tokens"]) == 50 for c in answer["choices"])

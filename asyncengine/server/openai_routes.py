@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from asyncengine.intake import logprob_entries
 from asyncengine.outputs import StreamDelta
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
@@ -79,6 +80,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
             req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
         )
         params.append(completion_sampling_params(req, max_tokens, state.engine.config.max_n))
+    state.engine.intake.check_logprob_entries(
+        sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
+    )
     builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
