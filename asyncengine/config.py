@@ -105,6 +105,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a second policy asked to order the same waiting queue every step, without acting: the
     # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one
     shadow_policy: str | None = None
+    # what POST /admin/policy may swap in besides the built-ins and their compositions: names,
+    # "pkg.mod:Class" or "path/to/file.py:Class", loaded at start-up (a request never names code)
+    allowed_policies: list[str] = []
     shadow_policy_options: dict[str, Any] = {}
     shadow_top_k: int = 4
     # KV shortage: which running request goes (policies/victims.py: newest, least-computed,
