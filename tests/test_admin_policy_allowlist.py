@@ -105,9 +105,9 @@ def test_the_live_check_takes_built_ins_compositions_and_the_list() -> None:
 
 
 def test_the_start_up_list_comes_from_the_cli_and_toml_and_is_checked(tmp_path: Path) -> None:
-    from asyncengine.cli import add_engine_arguments
-
     import argparse
+
+    from asyncengine.cli import add_engine_arguments
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
