@@ -143,6 +143,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
+    grammar_compile_workers: int = 2  # threads compiling grammars (a queue behind them)
+    # seconds a grammar may compile; then its request is refused (400) and so is its spec
+    grammar_compile_timeout: float = 10.0
     # embeddings (asyncengine/pooling.py): "mean" or "last" token; "auto": the model dir's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
     embedding_pooling: str = "auto"
@@ -181,6 +184,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "shadow_top_k",
             "max_n",
             "grammar_cache_size",
+            "grammar_compile_workers",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
@@ -206,6 +210,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if not 0 <= self.new_token_ratio_decay < 1:
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
+        if not self.grammar_compile_timeout > 0:
+            raise bad("grammar_compile_timeout", "must be > 0 seconds")
         if self.log_interval < 0:
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:
