@@ -197,6 +197,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a request's greedy output does not depend on the batch it shares (slower)",
     )
+    group.add_argument(
+        "--allow-policy",
+        dest="allowed_policies",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a policy POST /admin/policy may swap in besides the built-ins, e.g. "
+        "'my_policy.py:Mine' (repeatable; loaded at start-up)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -205,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_mixed_batch",
         "enable_overlap_schedule",
         "deterministic",
+        "allowed_policies",
     ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 

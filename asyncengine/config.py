@@ -105,6 +105,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a second policy asked to order the same waiting queue every step, without acting: the
     # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one
     shadow_policy: str | None = None
+    # what POST /admin/policy may swap in besides the built-ins and their compositions: names,
+    # "pkg.mod:Class" or "path/to/file.py:Class", loaded at start-up (a request never names code)
+    allowed_policies: list[str] = []
     shadow_policy_options: dict[str, Any] = {}
     shadow_top_k: int = 4
     # KV shortage: which running request goes (policies/victims.py: newest, least-computed,
@@ -143,6 +146,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # (alternatives + 1) x n, summed over a batch's prompts; more is refused (HTTP 400)
     max_logprob_entries: int = 1_000_000
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
+    grammar_compile_workers: int = 2  # threads compiling grammars (a queue behind them)
+    # seconds a grammar may compile; then its request is refused (400) and so is its spec
+    grammar_compile_timeout: float = 10.0
     # embeddings (asyncengine/pooling.py): "mean" or "last" token; "auto": the model dir's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
     embedding_pooling: str = "auto"
@@ -182,6 +188,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_n",
             "max_logprob_entries",
             "grammar_cache_size",
+            "grammar_compile_workers",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
@@ -207,6 +214,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if not 0 <= self.new_token_ratio_decay < 1:
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
+        if not self.grammar_compile_timeout > 0:
+            raise bad("grammar_compile_timeout", "must be > 0 seconds")
         if self.log_interval < 0:
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:

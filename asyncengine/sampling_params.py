@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 256
 
 
 class InvalidRequestError(ValueError):
@@ -43,6 +44,9 @@ GREEDY_TEMPERATURE = 1e-5
 # range: the sampler's 1 / temperature must not round to 0 (-inf * 0 is NaN).
 MAX_TEMPERATURE = 1e6
 
+# longest schema / regular expression / grammar a request may give: xgrammar's compile time
+# grows with it, and a compile holds a worker (structured/grammar.py bounds it in time too)
+MAX_GRAMMAR_CHARS = 65536
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 MAX_LOGIT_BIAS = 100.0
 
@@ -65,6 +69,12 @@ class StructuredOutput:
             )
         if not isinstance(self.spec, str):
             raise InvalidRequestError(f"the {self.kind} constraint must be given as a string")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(
+                f"the {self.kind} constraint is {len(self.spec)} characters long; at most "
+                f"{MAX_GRAMMAR_CHARS} are allowed",
+                code="grammar_too_long",
+            )
         if self.kind != "json_object" and not self.spec.strip():
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
         if self.kind == "json_schema":
@@ -129,6 +139,9 @@ class SamplingParams:
     stop_token_set: frozenset[int] = field(
         default=frozenset(), init=False, repr=False, compare=False
     )
+    # requests with different salts share no prefix-cache pages (vLLM's cache_salt); None or
+    # "": the shared cache
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -236,6 +249,14 @@ class SamplingParams:
             not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_LENGTH
         ):
             raise bad("tenant", f"must be a string of 1 to {MAX_TENANT_LENGTH} characters or None")
+        if self.cache_salt == "":
+            self.cache_salt = None
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_LENGTH
+        ):
+            raise bad(
+                "cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LENGTH} characters"
+            )
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

@@ -366,7 +366,7 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
             if self.chunked is not None and chunk:
                 admission.stopped = CHUNK_IN_FLIGHT  # at most one request mid-chunk
                 break
-            ids = req.all_ids
+            ids = req.cache_ids
             limit = cache_match_limit(req, self.prompt_scores)
             matched = self.kv.match_length(ids, limit)
             if (
@@ -593,9 +593,9 @@ class Scheduler(Retraction):  # and Prefill, Retraction's base
 
 
 def _first_ids(req: Request, n: int) -> list[int]:
-    """``req.all_ids[:n]`` (read-only: it may be ``prompt_ids`` itself) in one copy at most:
+    """``req.cache_ids[:n]`` (read-only: it may be the prompt itself) in one copy at most:
     a request's prompt and output are hundreds of tokens, copied at each prefix it caches."""
-    prompt = req.prompt_ids
+    prompt = req.cache_prompt_ids
     if n >= len(prompt):
         output = req.output_ids
         if not output or n == len(prompt):

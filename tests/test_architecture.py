@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.outputs",
         "asyncengine.plan",
         "asyncengine.request",
+        "asyncengine.cache_salt",
         "asyncengine.executor_api",
         "asyncengine.bench",
         "asyncengine.workloads",

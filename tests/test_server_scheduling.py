@@ -157,7 +157,7 @@ async def test_the_admin_endpoint_swaps_the_policy_behind_its_own_token(
         status, out = await post(
             session, server, "/admin/policy", {"policy": "bogus"}, headers=auth(ADMIN)
         )
-        assert status == 400 and "unknown policy" in out["error"]["message"]
+        assert status == 400 and "'bogus' is unknown" in out["error"]["message"]
         status, out = await post(
             session, server, "/admin/policy", {"policy": "fair", "oops": 1}, headers=auth(ADMIN)
         )

@@ -6,8 +6,9 @@ POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the w
 token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
-- With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
-  /health and /metrics stay open for probes and scrapers.
+- With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>``
+  (else 401); /health and /metrics stay open for probes and scrapers, /metrics without the
+  series that tell one tenant of another's prompts unless the key is sent (server/tenancy.py).
 - Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
   arrived within ``body_timeout`` seconds 408 (server/body.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
@@ -16,7 +17,7 @@ token, not the API key).
 from __future__ import annotations
 
 import asyncio
-import hmac
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -32,6 +33,12 @@ from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.tenancy import (
+    API_KEY_DIGEST,
+    CACHE_ISOLATIONS,
+    matching_key_digest,
+    public_exposition,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_SECONDS = 30.0
@@ -82,19 +89,16 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    api_key = request.app[STATE].api_key
+    api_keys = request.app[STATE].api_keys
     if (
-        api_key is None
+        not api_keys
         or request.path in OPEN_PATHS
         or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
         or request.method == "OPTIONS"
     ):
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
+    digest = matching_key_digest(request.headers.get("Authorization", ""), api_keys)
+    if digest is None:
         raise ApiError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -102,6 +106,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    request[API_KEY_DIGEST] = digest
     return await handler(request)
 
 
@@ -119,7 +124,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.exposition()
+    state = request.app[STATE]
+    keys, header = state.api_keys, request.headers.get("Authorization", "")
+    if keys and matching_key_digest(header, keys) is None:  # open to scrapers, less tenants' data
+        body = public_exposition(state.metrics.registry)
+    else:
+        body = state.metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -138,23 +148,33 @@ def create_app(
     engine: EngineClient,
     *,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_chat_max_tokens: int | None = None,
     metrics: ServerMetrics | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     admin_token: str | None = None,
+    cache_isolation: str = "shared",
+    report_cached_tokens: bool = True,
 ) -> web.Application:
-    """Build the app around a started (or soon started) ``AsyncEngine``."""
+    """Build the app around a started (or soon started) ``AsyncEngine``. ``api_key``: one key
+    or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
         raise ValueError("body_timeout must be > 0")
+    api_keys = tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k)
+    if cache_isolation not in CACHE_ISOLATIONS:
+        raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")
+    if cache_isolation == "api-key" and not api_keys:
+        raise ValueError("cache isolation by API key needs an API key (--api-key)")
     state = ServerState(
         engine=engine,
         metrics=metrics or ServerMetrics(engine),
         served_model_names=list(served_model_names or [_default_model_name(engine)]),
-        api_key=api_key or None,
+        api_keys=api_keys,
+        cache_isolation=cache_isolation,
+        report_cached_tokens=report_cached_tokens,
         default_chat_max_tokens=default_chat_max_tokens,
         body_timeout=body_timeout,
     )

@@ -17,6 +17,7 @@ from aiohttp import web
 from asyncengine.server.errors import ApiError
 from asyncengine.server.openai_schema import RequestT, decode_body
 from asyncengine.server.state import ServerState
+from asyncengine.server.tenancy import isolate
 
 JSON_TYPE = "application/json"
 
@@ -50,4 +51,4 @@ async def read_json(
             code="request_timeout",
             close_connection=True,
         ) from None
-    return decode_body(body, request_type)
+    return isolate(request, state.cache_isolation, decode_body(body, request_type))

@@ -25,6 +25,7 @@ from msgspec import Meta, Struct, field
 from asyncengine.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.plan import TokenLogprobs
 from asyncengine.sampling_params import (
+    MAX_CACHE_SALT_LENGTH,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -99,6 +100,7 @@ class GenerateRequest(Struct, kw_only=True):
     priority: Priority | None = None
     timeout: TimeoutSeconds | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -197,6 +199,7 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             priority=0 if priority is None else priority,
             timeout=_one_of("timeout", req.timeout, sp.timeout),
             tenant=req.user or None,
+            cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -299,7 +302,8 @@ class NativeResponder:
         }
         if usage is not None:
             meta["prompt_tokens"] = usage.prompt_tokens
-            meta["cached_tokens"] = usage.cached_tokens
+            if self.state.report_cached_tokens:
+                meta["cached_tokens"] = usage.cached_tokens
             meta["accepted_speculative_tokens"] = usage.accepted_speculative_tokens
         if metrics is not None:
             meta["e2e_latency"] = metrics.e2e

@@ -59,7 +59,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         requested, state.default_chat_max_tokens, len(prompt), param
     )
     params = chat.constrain(chat_sampling_params(req, max_tokens, state.engine.config.max_n))
-    builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
+    builder = ResponseBuilder(
+        f"chatcmpl-{uuid.uuid4().hex}", model, chat=True, cached_tokens=state.report_cached_tokens
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
         return await _stream(request, state, prompt, params, builder, include_usage, chat.output)
@@ -83,7 +85,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.engine.intake.check_logprob_entries(
         sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
     )
-    builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
+    builder = ResponseBuilder(
+        f"cmpl-{uuid.uuid4().hex}", model, chat=False, cached_tokens=state.report_cached_tokens
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
     if req.echo:

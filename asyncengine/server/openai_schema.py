@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from asyncengine.sampling_params import (
+    MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PRIORITY,
     MAX_TENANT_LENGTH,
@@ -97,6 +98,8 @@ class _CommonRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+    # vLLM's: requests with different salts share no prefix-cache pages
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None  # output constraints SGLang also takes (one at most)
     ebnf: str | None = None
@@ -384,6 +387,7 @@ def _sampling_params(
             priority=req.priority,
             timeout=req.timeout,
             tenant=req.user or None,
+            cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None

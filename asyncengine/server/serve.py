@@ -31,6 +31,7 @@ from asyncengine.server.client_error_log import log_client_errors_quietly
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import STATE
+from asyncengine.server.tenancy import CACHE_ISOLATIONS
 
 log = logging.getLogger("asyncengine.server")
 
@@ -55,8 +56,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer <key>' on /v1/* and /generate (default: ${API_KEY_ENV})",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* and /generate (repeatable: any of "
+        f"the keys; default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATIONS,
+        default="shared",
+        help="api-key: each API key gets its own prefix-cache namespace (clients of different "
+        "keys share no cached pages); shared (default): one cache, split only by cache_salt",
+    )
+    group.add_argument(
+        "--omit-cached-tokens",
+        action="store_true",
+        help="leave cached_tokens out of responses (it tells a client what others sent)",
     )
     group.add_argument(
         "--served-model-name",
@@ -163,7 +178,7 @@ async def run_server(
     config: EngineConfig,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     log_interval: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     *,
@@ -177,6 +192,8 @@ async def run_server(
     engine: Any = None,
     metrics: ServerMetrics | None = None,
     admin_token: str | None = None,
+    cache_isolation: str = "shared",
+    report_cached_tokens: bool = True,
     record_trace: str | None = None,
     record_trace_hashed: bool = False,
 ) -> int:
@@ -219,6 +236,8 @@ async def run_server(
             body_timeout=body_timeout,
             metrics=metrics,
             admin_token=admin_token,
+            cache_isolation=cache_isolation,
+            report_cached_tokens=report_cached_tokens,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
@@ -253,7 +272,9 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "host": args.host,
         "port": args.port,
-        "api_key": args.api_key,
+        "api_key": args.api_key or os.environ.get(API_KEY_ENV),
+        "cache_isolation": args.cache_isolation,
+        "report_cached_tokens": not args.omit_cached_tokens,
         "log_interval": args.server_log_interval,
         "max_body_bytes": args.max_body_bytes,
         "served_model_names": args.served_model_name,

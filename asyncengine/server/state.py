@@ -19,7 +19,9 @@ class ServerState:
     engine: EngineClient
     metrics: ServerMetrics
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1/* and /generate (none: open)
+    cache_isolation: str = "shared"  # or "api-key": one prefix-cache namespace per key (tenancy.py)
+    report_cached_tokens: bool = True  # False: responses omit cached_tokens
     # Chat requests without max_tokens generate up to this many tokens (None: up to the context
     # limit, as OpenAI does). Text completions default to 16, OpenAI's documented default.
     default_chat_max_tokens: int | None = None

@@ -78,7 +78,7 @@ def closed_admission(sched: Scheduler, num_decodes: int) -> Admission | None:
     ):
         return None
     head = waiting[0]
-    ids = head.all_ids
+    ids = head.cache_ids
     matched = kv.match_length(ids, cache_match_limit(head, sched.prompt_scores))
     # in-batch dedup holds nothing: nothing is extended this step before the head
     future = head.future_tokens(sched.max_model_len)
