@@ -1,12 +1,14 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
+POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses: openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
 (sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
 token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
-- With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
+- With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` or, as Anthropic's
+  clients send it, ``x-api-key: <key>`` (else 401);
   /health and /metrics stay open for probes and scrapers.
 - Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
   arrived within ``body_timeout`` seconds 408 (server/body.py).
@@ -24,12 +26,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.anthropic_messages import add_anthropic_routes
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
+from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.responses_store import (
+    DEFAULT_STORE_BYTES,
+    DEFAULT_STORE_TTL_SECONDS,
+    ResponseStore,
+)
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 
@@ -42,6 +51,8 @@ GENERATION_ENDPOINTS = {
     "/v1/completions": "completions",
     "/generate": "generate",
     "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 # served without the API key: health checks, scrapes, and the API's description (as vLLM
@@ -90,14 +101,17 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.method == "OPTIONS"
     ):
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+    header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
+        scheme, token = "bearer", request.headers["x-api-key"]
+    else:
+        scheme, _, token = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         token.strip().encode(), api_key.encode()
     ):
         raise ApiError(
             401,
-            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             type="authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
@@ -144,8 +158,13 @@ def create_app(
     metrics: ServerMetrics | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     admin_token: str | None = None,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
 ) -> web.Application:
-    """Build the app around a started (or soon started) ``AsyncEngine``."""
+    """Build the app around a started (or soon started) ``AsyncEngine``.
+
+    ``responses_store_bytes`` / ``responses_store_ttl``: the bounds of the store that keeps
+    /v1/responses answers for GET and ``previous_response_id`` (0 bytes: none are kept)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
@@ -164,6 +183,8 @@ def create_app(
     )
     app[STATE] = state
     add_openai_routes(app)
+    add_anthropic_routes(app)
+    add_responses_routes(app, ResponseStore(responses_store_bytes, responses_store_ttl))
     add_embeddings_route(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)
