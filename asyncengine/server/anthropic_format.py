@@ -131,7 +131,7 @@ _DELTA_TYPES = {
 _DELTA_FIELDS = {"reasoning": "thinking", "text": "text", "tool_call": "partial_json"}
 
 
-def _event(name: str, **body: Any) -> NamedEvent:
+def _event(name: str, /, **body: Any) -> NamedEvent:
     return NamedEvent(name, {"type": name, **body})
 
 

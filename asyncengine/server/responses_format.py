@@ -204,7 +204,7 @@ class ResponseStream:
         self.finish = finish
         self.sequence = 0
 
-    def _event(self, name: str, **body: Any) -> NamedEvent:
+    def _event(self, name: str, /, **body: Any) -> NamedEvent:
         event = NamedEvent(name, {"type": name, "sequence_number": self.sequence, **body})
         self.sequence += 1
         return event
@@ -244,7 +244,7 @@ class ResponseStream:
             at["content_index"] = 0
             done_body = {"text": block.text, "logprobs": []}
         if event.kind == "delta":
-            extra = {"logprobs": []} if block.kind == "text" else {}
+            extra: Json = {"logprobs": []} if block.kind == "text" else {}
             return [self._event(names[0], **at, delta=event.piece, **extra)]
         if event.kind == "start":
             item = output_item(block, item_id, "in_progress", whole=False)
