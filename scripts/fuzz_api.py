@@ -6,8 +6,8 @@
 A server (engine + app, admin routes on) runs on 127.0.0.1 in a background thread; schemathesis
 turns the document into valid ("positive") and invalid ("negative") requests for each
 operation and sends them over loopback. A request fails the run when it is answered >= 500,
-when a 4xx body is not the JSON error ``{"error": {"message": ...}}``, or when a stream carries
-a server error in-band. After the fuzzing the server must still answer a plain chat request,
+when a 4xx body is not the JSON error ``{"error": {"message": ...}}`` (Anthropic's Messages
+routes put ``"type": "error"`` beside it), or when a stream carries a server error in-band. After the fuzzing the server must still answer a plain chat request,
 go idle, and hold no KV page outside the prefix cache (the pool invariant checked). Prints a
 table per operation and writes the figures as JSON (``--json``).
 
@@ -187,13 +187,25 @@ def _problem(response: Any) -> str | None:
         for line in response.content.split(b"\n"):
             if line.startswith(b"data: {") and b'"error"' in line:
                 frame = json.loads(line[len(b"data: ") :])
-                error = frame.get("error") if isinstance(frame, dict) else None
-                if isinstance(error, dict) and error.get("type") not in {
-                    "invalid_request_error",
-                    "service_unavailable",
-                }:
-                    return f"in-band stream error {error}"
+                if _server_error_in_band(frame):
+                    return f"in-band stream error {frame}"
     return None
+
+
+def _server_error_in_band(frame: Any) -> bool:
+    """Whether a streamed frame reports a server error: OpenAI's and Anthropic's
+    ``{"error": {"type"}}`` (Anthropic's under ``"type": "error"``), the Responses API's
+    ``{"type": "error", "code"}``."""
+    if not isinstance(frame, dict):
+        return False
+    error = frame.get("error")
+    if isinstance(error, dict):
+        return error.get("type") not in {
+            "invalid_request_error",
+            "service_unavailable",
+            "overloaded_error",
+        }
+    return frame.get("type") == "error" and frame.get("code") in {"request_failed", "server_error"}
 
 
 def fuzz(
@@ -270,9 +282,8 @@ def _sender(
         problem = _problem(response)
         if problem is None and response.status_code >= 400:
             error = response.json()["error"]
-            figures.refusals[
-                f"{response.status_code} {error.get('param') or error.get('code')}"
-            ] += 1
+            reason = error.get("param") or error.get("code") or error.get("type")
+            figures.refusals[f"{response.status_code} {reason}"] += 1
         if response.status_code == 200 and b'"finish_reason":"abort"' in response.content:
             report.aborted.append({"operation": name, "body": repr(case.body)[:1000]})
         if problem is not None:

@@ -111,6 +111,8 @@ def test_a_short_fuzz_run_finds_no_server_error(tmp_path_factory: pytest.TempPat
         assert report.failures == []
         assert report.requests > 90
         assert report.operations["POST /v1/chat/completions (tools)"].requests == 3
+        for operation in ("POST /v1/messages", "POST /v1/responses"):  # the agent APIs too
+            assert report.operations[f"{operation} (positive)"].requests == 10
         assert fuzz.serves_normally(base_url)
         assert server.call(server.leak_check()) == "ok"
         assert requests.get(base_url + "/health", timeout=10).status_code == 200

@@ -1,14 +1,16 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
+POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses: openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
 (sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
 token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
-- With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>``
-  (else 401); /health and /metrics stay open for probes and scrapers, /metrics without the
-  series that tell one tenant of another's prompts unless the key is sent (server/tenancy.py).
+- With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>`` or, as
+  Anthropic's clients send it, ``x-api-key: <key>`` (else 401); /health and /metrics stay open
+  for probes and scrapers, /metrics without the series that tell one tenant of another's prompts
+  unless the key is sent (server/tenancy.py).
 - Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
   arrived within ``body_timeout`` seconds 408 (server/body.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
@@ -25,12 +27,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.anthropic_messages import add_anthropic_routes
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
 from asyncengine.server.native import add_native_routes
+from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.responses_store import (
+    DEFAULT_STORE_BYTES,
+    DEFAULT_STORE_TTL_SECONDS,
+    ResponseStore,
+)
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.tenancy import (
@@ -49,6 +58,8 @@ GENERATION_ENDPOINTS = {
     "/v1/completions": "completions",
     "/generate": "generate",
     "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 # served without the API key: health checks, scrapes, and the API's description (as vLLM
@@ -97,11 +108,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.method == "OPTIONS"
     ):
         return await handler(request)
-    digest = matching_key_digest(request.headers.get("Authorization", ""), api_keys)
+    header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
+        header = "Bearer " + request.headers["x-api-key"]
+    digest = matching_key_digest(header or "", api_keys)
     if digest is None:
         raise ApiError(
             401,
-            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             type="authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
@@ -156,9 +170,14 @@ def create_app(
     admin_token: str | None = None,
     cache_isolation: str = "shared",
     report_cached_tokens: bool = True,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``. ``api_key``: one key
-    or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py."""
+    or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py.
+
+    ``responses_store_bytes`` / ``responses_store_ttl``: the bounds of the store that keeps
+    /v1/responses answers for GET and ``previous_response_id`` (0 bytes: none are kept)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
@@ -184,6 +203,8 @@ def create_app(
     )
     app[STATE] = state
     add_openai_routes(app)
+    add_anthropic_routes(app)
+    add_responses_routes(app, ResponseStore(responses_store_bytes, responses_store_ttl))
     add_embeddings_route(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)

@@ -3,13 +3,15 @@
 Every error the server answers has the body
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` and a 4xx/5xx status.
 A client mistake is always a 4xx that names what is wrong; a 500 means a server bug or a
-failed forward pass, never bad input.
+failed forward pass, never bad input. Routes of an API with its own error shape (Anthropic's
+Messages) register it under their path prefix in ``ERROR_BODIES``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -62,10 +64,11 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> web.Response:
+    def response(self, body: dict[str, Any] | None = None) -> web.Response:
+        """The error answered with ``body`` (default: OpenAI's shape, ``body()``)."""
         response = web.Response(
             status=self.status,
-            body=msgspec.json.encode(self.body()),
+            body=msgspec.json.encode(self.body() if body is None else body),
             content_type="application/json",
             headers=self.headers,
         )
@@ -102,6 +105,19 @@ def from_engine_error(exc: Exception) -> ApiError:
             code="request_failed",
         )
     raise TypeError(f"not an engine error: {exc!r}")
+
+
+ErrorBody = Callable[[ApiError], dict[str, Any]]
+# path prefix -> the error body of the API served under it (absent: OpenAI's)
+ERROR_BODIES = web.AppKey("error_bodies", dict[str, ErrorBody])
+
+
+def error_body_for(request: web.Request, error: ApiError) -> dict[str, Any]:
+    """``error`` in the shape of the API that ``request`` addressed."""
+    for prefix, body in request.app.get(ERROR_BODIES, {}).items():
+        if request.path.startswith(prefix):
+            return body(error)
+    return error.body()
 
 
 ENGINE_ERRORS = (InvalidRequestError, QueueFullError, EngineNotRunningError, RequestFailedError)
@@ -147,9 +163,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _refused(request, _from_http_exception(request, exc))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return ApiError(
-            500, "internal server error", type="server_error", code="internal_error"
-        ).response()
+        error = ApiError(500, "internal server error", type="server_error", code="internal_error")
+        return error.response(error_body_for(request, error))
 
 
 def _refused(request: web.Request, error: ApiError) -> web.Response:
@@ -167,4 +182,4 @@ def _refused(request: web.Request, error: ApiError) -> web.Response:
             error.code or error.type,
             reason,
         )
-    return error.response()
+    return error.response(error_body_for(request, error))

@@ -30,6 +30,7 @@ from asyncengine.server.app import (
 from asyncengine.server.client_error_log import log_client_errors_quietly
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.responses_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_SECONDS
 from asyncengine.server.state import STATE
 from asyncengine.server.tenancy import CACHE_ISOLATIONS
 
@@ -111,6 +112,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(ADMIN_TOKEN_ENV),
         help="serve POST/GET /admin/policy (live policy swap), guarded by "
         f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
+    )
+    group.add_argument(
+        "--responses-store-mib",
+        type=float,
+        default=DEFAULT_STORE_BYTES / 2**20,
+        help="memory (MiB of JSON) that keeps /v1/responses answers for GET and "
+        "previous_response_id, the oldest dropped first; 0 keeps none "
+        f"(default {DEFAULT_STORE_BYTES / 2**20:g})",
+    )
+    group.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_STORE_TTL_SECONDS,
+        help="seconds a stored /v1/responses answer is kept "
+        f"(default {DEFAULT_STORE_TTL_SECONDS:g})",
     )
     group.add_argument(
         "--record-trace",
@@ -196,6 +212,8 @@ async def run_server(
     report_cached_tokens: bool = True,
     record_trace: str | None = None,
     record_trace_hashed: bool = False,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -238,6 +256,8 @@ async def run_server(
             admin_token=admin_token,
             cache_isolation=cache_isolation,
             report_cached_tokens=report_cached_tokens,
+            responses_store_bytes=responses_store_bytes,
+            responses_store_ttl=responses_store_ttl,
         )
         runner, bound_port = await start_http(app, host, port, shutdown_grace)
         log.info(
@@ -284,6 +304,8 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "admin_token": args.admin_token,
         "record_trace": args.record_trace,
         "record_trace_hashed": args.record_trace_hashed,
+        "responses_store_bytes": int(args.responses_store_mib * 2**20),
+        "responses_store_ttl": args.responses_store_ttl,
     }
 
 

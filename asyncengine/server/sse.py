@@ -1,7 +1,9 @@
-"""Server-sent events: ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n``."""
+"""Server-sent events: ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n`` (OpenAI's),
+or named ones, ``event: <name>\\ndata: <json>\\n\\n``, that end with the stream (Anthropic's)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +24,18 @@ class ClientGone(Exception):
     """The client closed the connection while we were streaming to it."""
 
 
+@dataclass(frozen=True, slots=True)
+class NamedEvent:
+    """A frame sent with an ``event:`` line (clients that dispatch on it need one)."""
+
+    name: str
+    payload: Any
+
+
 def frame(payload: Any) -> bytes:
+    if isinstance(payload, NamedEvent):
+        data = msgspec.json.encode(payload.payload)
+        return b"event: " + payload.name.encode() + b"\ndata: " + data + b"\n\n"
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
@@ -39,8 +52,9 @@ class SSEWriter:
     async def send(self, payload: Any) -> None:
         await self._write(frame(payload))
 
-    async def done(self) -> None:
-        await self._write(DONE_FRAME, eof=True)
+    async def done(self, marker: bool = True) -> None:
+        """End the stream, with ``data: [DONE]`` first unless ``marker`` is false."""
+        await self._write(DONE_FRAME if marker else b"", eof=True)
 
     async def _write(self, data: bytes, eof: bool = False) -> None:
         try:
