@@ -14,6 +14,7 @@ cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from asyncengine.outputs import StreamDelta, Usage
@@ -139,8 +140,14 @@ class MessageStream:
     """The ``StreamFormat`` (server/streaming.py) of a streamed message."""
 
     def __init__(
-        self, message_id: str, model: str, prompt_tokens: int, reader: BlockReader
+        self,
+        message_id: str,
+        model: str,
+        prompt_tokens: int,
+        reader: BlockReader,
+        shown_usage: Callable[[Usage], Usage],
     ) -> None:
+        self.shown_usage = shown_usage  # the server's view: cached tokens hidden when asked
         self.message_id = message_id
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -173,7 +180,11 @@ class MessageStream:
         reason, sequence = stop_reason(
             self.reader.finish_reason(final.finish_reason), final.matched_stop
         )
-        usage = usage_body(final.usage) if final.usage is not None else {"output_tokens": 0}
+        usage = (
+            usage_body(self.shown_usage(final.usage))
+            if final.usage is not None
+            else {"output_tokens": 0}
+        )
         return [
             _event(
                 "message_delta",

@@ -32,6 +32,7 @@ from asyncengine.server.openai_routes import json_response
 from asyncengine.server.output_blocks import BlockReader, read_blocks
 from asyncengine.server.state import OUTCOME, STATE
 from asyncengine.server.streaming import stream_response
+from asyncengine.server.tenancy import isolate
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -39,11 +40,14 @@ MESSAGES_PATH = "/v1/messages"
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, MessagesRequest)
-    chat = prepare_chat(state, chat_request(req), max_tokens_param="max_tokens")
+    chat_req = isolate(request, state.cache_isolation, chat_request(req))
+    chat = prepare_chat(state, chat_req, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         stream = state.engine.stream(chat.prompt, chat.params, request_id=message_id)
-        fmt = MessageStream(message_id, chat.model, len(chat.prompt), BlockReader(chat.output))
+        fmt = MessageStream(
+            message_id, chat.model, len(chat.prompt), BlockReader(chat.output), state.shown_usage
+        )
         return await stream_response(
             request, state, stream, fmt, 1, done_marker=False, error_frame=error_event
         )
@@ -54,7 +58,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     stop = stop_reason(reader.finish_reason(output.finish_reason), output.matched_stop)
     content = [content_block(block) for block in reader.blocks]
     return json_response(
-        message_body(message_id, chat.model, content, stop, usage_body(output.usage))
+        message_body(
+            message_id, chat.model, content, stop, usage_body(state.shown_usage(output.usage))
+        )
     )
 
 

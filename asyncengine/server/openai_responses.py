@@ -37,6 +37,7 @@ from asyncengine.server.responses_schema import (
 from asyncengine.server.responses_store import ResponseStore, not_found
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
+from asyncengine.server.tenancy import isolate
 
 RESPONSES_PATH = "/v1/responses"
 RESPONSES_STORE = web.AppKey("responses_store", ResponseStore)
@@ -66,7 +67,11 @@ class _Turn:
         output = self.response.items(reader.blocks, status)
         reasoning = "".join(b.text for b in reader.blocks if b.kind == "reasoning")
         reasoning_tokens = len(self.state.engine.tokenizer.encode(reasoning)) if reasoning else 0
-        usage_json = usage_body(usage, reasoning_tokens) if usage is not None else None
+        usage_json = (
+            usage_body(self.state.shown_usage(usage), reasoning_tokens)
+            if usage is not None
+            else None
+        )
         body = self.response.body(status, output, usage_json, incomplete)
         if self.req.store and self.store.enabled:
             turn = [*self.items, *(as_input_item(item) for item in output)]
@@ -85,7 +90,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.previous_response_id is not None:
         history = store.conversation(req.previous_response_id, req.user)
     items = input_items(req)
-    chat = prepare_chat(state, chat_request(req, history, items), "max_output_tokens")
+    chat_req = isolate(request, state.cache_isolation, chat_request(req, history, items))
+    chat = prepare_chat(state, chat_req, "max_output_tokens")
     response_id = f"resp_{uuid.uuid4().hex}"
     response = ResponseBody(response_id, chat.model, req, req.store and store.enabled)
     turn = _Turn(state, store, req, items, response)

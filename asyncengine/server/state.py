@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
 from aiohttp import web
 
 from asyncengine.engine_client import EngineClient
+from asyncengine.outputs import Usage
 from asyncengine.server.errors import ApiError
 from asyncengine.server.prometheus import ServerMetrics
 
@@ -29,6 +30,11 @@ class ServerState:
     body_timeout: float = 30.0
     shutting_down: bool = False
     token_text: Callable[[int], str] = field(init=False)
+
+    def shown_usage(self, usage: Usage) -> Usage:
+        """``usage`` as this server reports it: no cached tokens when they are not reported
+        (APIs whose usage schema requires the field get 0)."""
+        return usage if self.report_cached_tokens else replace(usage, cached_tokens=0)
 
     def __post_init__(self) -> None:
         engine = self.engine
