@@ -8,8 +8,12 @@ token, not the API key).
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
   /health and /metrics stay open for probes and scrapers.
-- Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
-  arrived within ``body_timeout`` seconds 408 (server/body.py).
+- Bodies above ``max_body_bytes`` are answered 413, bodies not declared JSON 415, bodies that
+  have not arrived within ``body_timeout`` seconds 408 (server/body.py).
+- Requests that arrive over loopback with a Host or Origin that is not loopback (nor one of
+  ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
+  requests at once 503, and a client that reads nothing for ``write_timeout`` seconds is
+  dropped (server/connection_limits.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,8 +29,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.connection_limits import (
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+    LIMITS,
+    ConnectionLimits,
+    connection_limit_middleware,
+    default_max_requests,
+)
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
+from asyncengine.server.host_check import ALLOWED_HOSTS, allowed_hosts, host_check_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.openapi import add_openapi_route
@@ -144,8 +157,12 @@ def create_app(
     metrics: ServerMetrics | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     admin_token: str | None = None,
+    allowed_host_names: Sequence[str] = (),
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
 ) -> web.Application:
-    """Build the app around a started (or soon started) ``AsyncEngine``."""
+    """Build the app around a started (or soon started) ``AsyncEngine``. ``max_connections``
+    None: what the engine can queue and run, and a few more."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
@@ -160,9 +177,23 @@ def create_app(
     )
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+        middlewares=[
+            host_check_middleware,
+            connection_limit_middleware,
+            metrics_middleware,
+            error_middleware,
+            auth_middleware,
+        ],
     )
     app[STATE] = state
+    app[ALLOWED_HOSTS] = allowed_hosts(allowed_host_names)
+    config = engine.config
+    app[LIMITS] = ConnectionLimits(
+        default_max_requests(config.max_waiting_requests, config.max_running_requests)
+        if max_connections is None
+        else max_connections,
+        write_timeout,
+    )
     add_openai_routes(app)
     add_embeddings_route(app)
     add_native_routes(app)

@@ -17,6 +17,7 @@ from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.merged_stream import MergedStream
+from asyncengine.server.off_loop import input_chars, run_sized, tokenize
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -52,7 +53,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, ChatCompletionRequest)
     model = state.check_model(req.model)
     chat = plan_chat(req, state.engine.tokenizer)  # tools, tool choice, reasoning
-    prompt = state.engine.tokenize(chat.prompt)
+    prompt = await tokenize(state.engine, chat.prompt)
     requested, param = chat_max_tokens(req)
     max_tokens = state.engine.intake.max_new_tokens(
         requested, state.default_chat_max_tokens, len(prompt), param
@@ -72,7 +73,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
     given = completion_prompts(req)
-    prompts = [state.engine.tokenize(p) for p in given]
+    prompts = await run_sized(input_chars(given), lambda: [state.engine.tokenize(p) for p in given])
     params = []
     for prompt in prompts:
         max_tokens = state.engine.intake.max_new_tokens(

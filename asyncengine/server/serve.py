@@ -27,6 +27,10 @@ from asyncengine.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     create_app,
 )
+from asyncengine.server.connection_limits import (
+    DEFAULT_IDLE_TIMEOUT_SECONDS,
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+)
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.state import STATE
@@ -109,6 +113,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
     group.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name (besides localhost and loopback addresses) that requests to a loopback "
+        "server may carry in Host or Origin, e.g. a proxy's; repeatable (others get 403)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="requests served at once, streams included; more get 503 (default: "
+        "max_waiting_requests + max_running_requests + 64)",
+    )
+    group.add_argument(
+        "--write-timeout",
+        type=float,
+        default=DEFAULT_WRITE_TIMEOUT_SECONDS,
+        help="seconds a response may wait for its client to read it, then the connection is "
+        f"dropped and its request aborted (default {DEFAULT_WRITE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_SECONDS,
+        help="seconds an idle keep-alive connection stays open "
+        f"(default {DEFAULT_IDLE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -117,7 +150,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start_http(
-    app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
+    app: web.Application,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    shutdown_grace: float = 5.0,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> tuple[web.AppRunner, int]:
     """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
 
@@ -133,6 +170,7 @@ async def start_http(
         handler_cancellation=True,
         shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
         access_log=None,
+        keepalive_timeout=idle_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -177,6 +215,10 @@ async def run_server(
     admin_token: str | None = None,
     record_trace: str | None = None,
     record_trace_hashed: bool = False,
+    allowed_hosts: list[str] | None = None,
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -217,8 +259,11 @@ async def run_server(
             body_timeout=body_timeout,
             metrics=metrics,
             admin_token=admin_token,
+            allowed_host_names=allowed_hosts or (),
+            max_connections=max_connections,
+            write_timeout=write_timeout,
         )
-        runner, bound_port = await start_http(app, host, port, shutdown_grace)
+        runner, bound_port = await start_http(app, host, port, shutdown_grace, idle_timeout)
         log.info(
             "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
@@ -261,6 +306,10 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "admin_token": args.admin_token,
         "record_trace": args.record_trace,
         "record_trace_hashed": args.record_trace_hashed,
+        "allowed_hosts": args.allowed_host,
+        "max_connections": args.max_connections,
+        "write_timeout": args.write_timeout,
+        "idle_timeout": args.idle_timeout,
     }
 
 
