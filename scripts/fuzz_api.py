@@ -6,7 +6,7 @@
     .venv/bin/python scripts/fuzz_api.py --seconds 120 --path /v1/completions
 
 ``--seconds`` runs rounds over every operation (round ``r`` generates from seed ``seed + r``,
-``--examples`` per operation and mode) until the time is spent; the same seed generates the
+``--examples`` per operation and mode, 20 by default) until the time is spent; the same seed generates the
 same bodies. Every request answered >= 500, and every request during which the server logged
 an ERROR line (a traceback, a broken grammar), is written with its body, the seed and the round
 to ``--findings`` (JSON lines) and fails the run; ERROR lines logged while no request was in
@@ -43,6 +43,8 @@ from typing import Any
 
 ADMIN_TOKEN = "fuzz-admin"
 MAX_NEW_TOKENS = 160  # the server's max_new_tokens_limit: a fuzzed request generates briefly
+EXAMPLES = 200  # generated cases per operation and mode, in one round
+ROUND_EXAMPLES = 20  # the same, per round of a --seconds run
 REQUEST_TIMEOUT = 300.0  # seconds; a request not answered by then fails the run
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 49152,
@@ -646,7 +648,13 @@ def main() -> None:
     parser.add_argument(
         "--model", default="tiny", help="a model path or name; tiny: a random llama"
     )
-    parser.add_argument("--examples", type=int, default=200, help="per operation and mode")
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help=f"per operation and mode (default {EXAMPLES}; with --seconds, per round: "
+        f"{ROUND_EXAMPLES}, so that each round reaches every operation)",
+    )
     parser.add_argument("--tool-examples", type=int, default=100, help="valid tool chats")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -664,6 +672,8 @@ def main() -> None:
         help="each failing request (5xx, server ERROR line, bad error body) as a JSON line",
     )
     args = parser.parse_args()
+    if args.examples is None:
+        args.examples = EXAMPLES if args.seconds is None else ROUND_EXAMPLES
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from asyncengine.config import EngineConfig
