@@ -177,7 +177,11 @@ async def test_allowed_hosts_are_served(http: aiohttp.ClientSession, server: Run
     )
     try:
         url = proxied.base_url + "/v1/models"
-        for headers in ({"Host": "proxy.internal"}, {"Origin": "https://proxy.internal"}):
+        for headers in (
+            {"Host": "proxy.internal"},
+            {"Origin": "https://proxy.internal"},
+            {"Host": f"{socket.gethostname()}:8000"},  # this machine's own name
+        ):
             assert (await _status(http, "GET", url, headers=headers))[0] == 200
         assert (await _status(http, "GET", url, headers={"Host": "other.internal"}))[0] == 403
     finally:

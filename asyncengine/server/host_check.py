@@ -5,8 +5,8 @@ requests (browser CSRF), and a page on a domain the attacker re-points at 127.0.
 rebinding) can even read the answers. Both carry a name that is not loopback, so a request
 that arrived on a loopback address is answered 403 when:
 
-- its ``Host`` header is not ``localhost`` (or ``*.localhost``), a loopback address, or one of
-  the allowed hosts (``--allowed-host``, for a proxy or a name of this machine), or
+- its ``Host`` header is not ``localhost`` (or ``*.localhost``), a loopback address, this
+  machine's host name, or one of the allowed hosts (``--allowed-host``, e.g. a proxy's), or
 - it has an ``Origin`` header (browsers send one on cross-origin requests) whose host is not
   one of those (``Origin: null``, a sandboxed page, included).
 
@@ -18,6 +18,7 @@ is what guards the server.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -80,5 +81,7 @@ def _forbidden(reason: str) -> web.Response:
 
 
 def allowed_hosts(hosts: Iterable[str]) -> frozenset[str]:
-    """The operator's extra host names, as the check compares them (lower case, no port)."""
-    return frozenset(_host_name(h.strip().lower()) for h in hosts if h.strip())
+    """The operator's extra host names and this machine's own (which may resolve to a loopback
+    address, as Debian's 127.0.1.1), as the check compares them (lower case, no port)."""
+    names = [*hosts, socket.gethostname()]
+    return frozenset(_host_name(h.strip().lower()) for h in names if h.strip())
