@@ -117,8 +117,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a host name (besides localhost, loopback addresses and this machine's name) that a loopback "
-        "server accepts in Host or Origin, e.g. a proxy's; repeatable (others get 403)",
+        help="a host name (besides localhost, loopback addresses and this machine's name) "
+        "that a loopback server accepts in Host or Origin, e.g. a proxy's; repeatable "
+        "(others get 403)",
     )
     group.add_argument(
         "--max-connections",
