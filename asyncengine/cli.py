@@ -190,6 +190,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="launch the next forward before streaming this step's tokens",
     )
     group.add_argument(
+        "--kv-events-token-ids",
+        dest="kv_events_token_ids",
+        action="store_const",
+        const=True,
+        default=None,
+        help="KV events carry each stored page's token ids (default: hashes only; any "
+        "subscriber then reads every prompt)",
+    )
+    group.add_argument(
         "--deterministic",
         dest="deterministic",
         action="store_const",
@@ -213,6 +222,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_cache",
         "enable_mixed_batch",
         "enable_overlap_schedule",
+        "kv_events_token_ids",
         "deterministic",
         "allowed_policies",
     ]

@@ -155,6 +155,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # KV cache events for external routers (cache/kv_events.py): a ZMQ PUB endpoint such as
     # "tcp://127.0.0.1:5557" (None: off)
     kv_events: str | None = None
+    # whether BlockStored events carry the pages' token ids (every prompt, to any subscriber);
+    # off, they carry the chained page hashes only, which is what a router matches on
+    kv_events_token_ids: bool = False
 
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off

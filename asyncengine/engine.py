@@ -113,7 +113,9 @@ class AsyncEngine:
             if self.config.kv_events is not None:
                 core.step_hooks.append(self._publish_kv_events)
         if self.config.kv_events is not None and self.kv_events is None:
-            self.kv_events = KVEventPublisher(self.config.kv_events)
+            self.kv_events = KVEventPublisher(
+                self.config.kv_events, token_ids=self.config.kv_events_token_ids
+            )
         # Start-up leaves torch's and the model's objects behind; freezing them keeps the
         # collector's full passes (which stall the loop) short for the rest of the run.
         gc.collect()

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.workloads",
         "asyncengine.kernels",
         "asyncengine.quiet_exit",
+        "asyncengine.private_cache",
         "asyncengine.pooling",
         "asyncengine.speculative",
     ),

@@ -24,6 +24,7 @@ from msgspec import Struct
 
 from asyncengine.config import ConfigError
 from asyncengine.policies.registry import check_live_policy
+from asyncengine.server.body import check_content_type
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE
@@ -60,6 +61,7 @@ def _json(body: Any) -> web.Response:
 
 async def set_policy(request: web.Request) -> web.Response:
     _check_token(request)
+    check_content_type(request)
     change = decode_body(await request.read(), PolicyChange)
     engine = request.app[STATE].engine
     if not hasattr(engine, "set_policy"):

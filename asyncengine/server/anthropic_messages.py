@@ -28,6 +28,7 @@ from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.chat_tools import plan_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import ERROR_BODIES
+from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.output_blocks import BlockReader, read_blocks
 from asyncengine.server.state import OUTCOME, STATE
@@ -41,7 +42,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, MessagesRequest)
     chat_req = isolate(request, state.cache_isolation, chat_request(req))
-    chat = prepare_chat(state, chat_req, max_tokens_param="max_tokens")
+    chat = await prepare_chat(state, chat_req, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         stream = state.engine.stream(chat.prompt, chat.params, request_id=message_id)
@@ -70,7 +71,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = await read_json(request, state, CountTokensRequest)
     state.check_model(req.model)
     plan = plan_chat(chat_request(req), state.engine.tokenizer)
-    return json_response({"input_tokens": len(state.engine.tokenize(plan.prompt))})
+    return json_response({"input_tokens": len(await tokenize(state.engine, plan.prompt))})
 
 
 def add_anthropic_routes(app: web.Application) -> None:

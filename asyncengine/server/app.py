@@ -11,8 +11,12 @@ token, not the API key).
   Anthropic's clients send it, ``x-api-key: <key>`` (else 401); /health and /metrics stay open
   for probes and scrapers, /metrics without the series that tell one tenant of another's prompts
   unless the key is sent (server/tenancy.py).
-- Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
-  arrived within ``body_timeout`` seconds 408 (server/body.py).
+- Bodies above ``max_body_bytes`` are answered 413, bodies not declared JSON 415, bodies that
+  have not arrived within ``body_timeout`` seconds 408 (server/body.py).
+- Requests that arrive over loopback with a Host or Origin that is not loopback (nor one of
+  ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
+  requests at once 503, and a client that reads nothing for ``write_timeout`` seconds is
+  dropped (server/connection_limits.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 
@@ -28,8 +32,16 @@ from asyncengine.engine_client import EngineClient
 from asyncengine.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.anthropic_messages import add_anthropic_routes
+from asyncengine.server.connection_limits import (
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+    LIMITS,
+    ConnectionLimits,
+    connection_limit_middleware,
+    default_max_requests,
+)
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
+from asyncengine.server.host_check import ALLOWED_HOSTS, allowed_hosts, host_check_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
@@ -172,9 +184,13 @@ def create_app(
     report_cached_tokens: bool = True,
     responses_store_bytes: int = DEFAULT_STORE_BYTES,
     responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
+    allowed_host_names: Sequence[str] = (),
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``. ``api_key``: one key
     or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py.
+    ``max_connections`` None: what the engine can queue and run, and a few more.
 
     ``responses_store_bytes`` / ``responses_store_ttl``: the bounds of the store that keeps
     /v1/responses answers for GET and ``previous_response_id`` (0 bytes: none are kept)."""
@@ -199,9 +215,23 @@ def create_app(
     )
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+        middlewares=[
+            host_check_middleware,
+            connection_limit_middleware,
+            metrics_middleware,
+            error_middleware,
+            auth_middleware,
+        ],
     )
     app[STATE] = state
+    app[ALLOWED_HOSTS] = allowed_hosts(allowed_host_names)
+    config = engine.config
+    app[LIMITS] = ConnectionLimits(
+        default_max_requests(config.max_waiting_requests, config.max_running_requests)
+        if max_connections is None
+        else max_connections,
+        write_timeout,
+    )
     add_openai_routes(app)
     add_anthropic_routes(app)
     add_responses_routes(app, ResponseStore(responses_store_bytes, responses_store_ttl))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
+from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     chat_max_tokens,
@@ -28,14 +29,14 @@ class PreparedChat:
     output: ChatOutputSpec | None
 
 
-def prepare_chat(
+async def prepare_chat(
     state: ServerState, req: ChatCompletionRequest, max_tokens_param: str | None = None
 ) -> PreparedChat:
     """``max_tokens_param``: the field a refused token budget is named by (default: the chat
     request's own)."""
     model = state.check_model(req.model)
     chat = plan_chat(req, state.engine.tokenizer)  # tools, tool choice, reasoning
-    prompt = state.engine.tokenize(chat.prompt)
+    prompt = await tokenize(state.engine, chat.prompt)  # large ones off the loop
     requested, param = chat_max_tokens(req)
     max_tokens = state.engine.intake.max_new_tokens(
         requested, state.default_chat_max_tokens, len(prompt), max_tokens_param or param

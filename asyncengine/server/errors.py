@@ -10,6 +10,7 @@ Messages) register it under their path prefix in ``ERROR_BODIES``.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from asyncengine.errors import (
     QueueFullError,
     RequestFailedError,
 )
+from asyncengine.server.log_safe import log_safe
 
 log = logging.getLogger("asyncengine.server")
 
@@ -100,7 +102,8 @@ def from_engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, RequestFailedError):
         return ApiError(
             500,
-            f"the engine failed this request: {exc}",
+            f"the engine failed this request (error id {logged_failure(exc)}; the server's log "
+            "has the details)",
             type="server_error",
             code="request_failed",
         )
@@ -118,6 +121,14 @@ def error_body_for(request: web.Request, error: ApiError) -> dict[str, Any]:
         if request.path.startswith(prefix):
             return body(error)
     return error.body()
+
+
+def logged_failure(exc: BaseException) -> str:
+    """Log a failure's text server side under a fresh error id and return the id: the client
+    gets the id, never the exception's text (paths, internals)."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    log.error("%s: %s: %s", error_id, type(exc).__name__, log_safe(str(exc), 2000))
+    return error_id
 
 
 ENGINE_ERRORS = (InvalidRequestError, QueueFullError, EngineNotRunningError, RequestFailedError)
@@ -162,8 +173,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return _refused(request, _from_http_exception(request, exc))
     except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        error = ApiError(500, "internal server error", type="server_error", code="internal_error")
+        error_id = f"err-{uuid.uuid4().hex[:12]}"
+        log.exception(
+            "%s: unhandled error serving %s %s", error_id, request.method, log_safe(request.path)
+        )
+        error = ApiError(
+            500,
+            f"internal server error (error id {error_id})",
+            type="server_error",
+            code="internal_error",
+        )
         return error.response(error_body_for(request, error))
 
 
@@ -171,15 +190,12 @@ def _refused(request: web.Request, error: ApiError) -> web.Response:
     """The error's response, with one log line for a refusal: status, code and reason (messages
     name fields and numbers, never the prompt's text)."""
     if error.status < 500 or error.status == 503:
-        reason = error.message
-        if len(reason) > LOGGED_REASON_CHARS:
-            reason = reason[:LOGGED_REASON_CHARS] + "..."
         log.info(
             "refused %s %s: %d %s: %s",
             request.method,
-            request.path,
+            log_safe(request.path),
             error.status,
             error.code or error.type,
-            reason,
+            log_safe(error.message, LOGGED_REASON_CHARS),
         )
     return error.response(error_body_for(request, error))

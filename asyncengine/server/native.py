@@ -34,6 +34,7 @@ from asyncengine.sampling_params import (
 from asyncengine.server.body import read_json
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import invalid_request
+from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -219,6 +220,8 @@ def _request_id(req: GenerateRequest) -> str:
         return uuid.uuid4().hex
     if not req.rid or len(req.rid) > MAX_RID_LENGTH:
         raise invalid_request(f"rid must be 1 to {MAX_RID_LENGTH} characters", param="rid")
+    if not req.rid.isprintable():  # the id goes into the engine's log lines
+        raise invalid_request("rid must be printable (no control characters)", param="rid")
     return req.rid
 
 
@@ -321,7 +324,7 @@ class NativeResponder:
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, GenerateRequest)
-    prompt = state.engine.tokenize(_prompt(req))
+    prompt = await tokenize(state.engine, _prompt(req))
     max_new_tokens = state.engine.intake.max_new_tokens(
         req.sampling_params.max_new_tokens,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,

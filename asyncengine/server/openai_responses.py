@@ -91,7 +91,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         history = store.conversation(req.previous_response_id, req.user)
     items = input_items(req)
     chat_req = isolate(request, state.cache_isolation, chat_request(req, history, items))
-    chat = prepare_chat(state, chat_req, "max_output_tokens")
+    chat = await prepare_chat(state, chat_req, "max_output_tokens")
     response_id = f"resp_{uuid.uuid4().hex}"
     response = ResponseBody(response_id, chat.model, req, req.store and store.enabled)
     turn = _Turn(state, store, req, items, response)

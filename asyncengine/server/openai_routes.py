@@ -19,6 +19,7 @@ from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.merged_stream import MergedStream
+from asyncengine.server.off_loop import input_chars, run_sized
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -50,7 +51,7 @@ def json_response(body: Json, status: int = 200) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, ChatCompletionRequest)
-    chat = prepare_chat(state, req)
+    chat = await prepare_chat(state, req)
     builder = ResponseBuilder(
         f"chatcmpl-{uuid.uuid4().hex}",
         chat.model,
@@ -72,7 +73,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
     given = completion_prompts(req)
-    prompts = [state.engine.tokenize(p) for p in given]
+    prompts = await run_sized(input_chars(given), lambda: [state.engine.tokenize(p) for p in given])
     params = []
     for prompt in prompts:
         max_tokens = state.engine.intake.max_new_tokens(

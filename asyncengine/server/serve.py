@@ -28,6 +28,10 @@ from asyncengine.server.app import (
     create_app,
 )
 from asyncengine.server.client_error_log import log_client_errors_quietly
+from asyncengine.server.connection_limits import (
+    DEFAULT_IDLE_TIMEOUT_SECONDS,
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+)
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.responses_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_SECONDS
@@ -141,6 +145,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
     group.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name (besides localhost, loopback addresses and this machine's name) "
+        "that a loopback server accepts in Host or Origin, e.g. a proxy's; repeatable "
+        "(others get 403)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="requests served at once, streams included; more get 503 (default: "
+        "max_waiting_requests + max_running_requests + 64)",
+    )
+    group.add_argument(
+        "--write-timeout",
+        type=float,
+        default=DEFAULT_WRITE_TIMEOUT_SECONDS,
+        help="seconds a response may wait for its client to read it, then the connection is "
+        f"dropped and its request aborted (default {DEFAULT_WRITE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_SECONDS,
+        help="seconds an idle keep-alive connection stays open "
+        f"(default {DEFAULT_IDLE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -149,7 +183,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start_http(
-    app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
+    app: web.Application,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    shutdown_grace: float = 5.0,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> tuple[web.AppRunner, int]:
     """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
 
@@ -166,6 +204,7 @@ async def start_http(
         handler_cancellation=True,
         shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
         access_log=None,
+        keepalive_timeout=idle_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -214,6 +253,10 @@ async def run_server(
     record_trace_hashed: bool = False,
     responses_store_bytes: int = DEFAULT_STORE_BYTES,
     responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
+    allowed_hosts: list[str] | None = None,
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -258,8 +301,11 @@ async def run_server(
             report_cached_tokens=report_cached_tokens,
             responses_store_bytes=responses_store_bytes,
             responses_store_ttl=responses_store_ttl,
+            allowed_host_names=allowed_hosts or (),
+            max_connections=max_connections,
+            write_timeout=write_timeout,
         )
-        runner, bound_port = await start_http(app, host, port, shutdown_grace)
+        runner, bound_port = await start_http(app, host, port, shutdown_grace, idle_timeout)
         log.info(
             "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
@@ -306,6 +352,10 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "record_trace_hashed": args.record_trace_hashed,
         "responses_store_bytes": int(args.responses_store_mib * 2**20),
         "responses_store_ttl": args.responses_store_ttl,
+        "allowed_hosts": args.allowed_host,
+        "max_connections": args.max_connections,
+        "write_timeout": args.write_timeout,
+        "idle_timeout": args.idle_timeout,
     }
 
 

@@ -9,6 +9,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from asyncengine.server.connection_limits import LIMITS, WriteTimeoutError, write_within
+
 DONE_FRAME = b"data: [DONE]\n\n"
 
 SSE_HEADERS = {
@@ -57,10 +59,14 @@ class SSEWriter:
         await self._write(DONE_FRAME if marker else b"", eof=True)
 
     async def _write(self, data: bytes, eof: bool = False) -> None:
+        limits = self._request.app.get(LIMITS)
         try:
-            await self.response.write(data)
+            if limits is None:
+                await self.response.write(data)
+            else:  # a client that stopped reading is dropped after the write timeout
+                await write_within(self._request, limits.write_timeout, self.response.write(data))
             if eof:
                 await self.response.write_eof()
-        except (ConnectionResetError, RuntimeError) as exc:
+        except (ConnectionResetError, RuntimeError, WriteTimeoutError) as exc:
             # ConnectionResetError: the transport is closing; RuntimeError: it is already gone.
             raise ClientGone(str(exc)) from exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.workloads.live_trace import VERSION, page_hashes
 
 log = logging.getLogger("asyncengine.trace")
+
+TRACE_FILE_MODE = 0o600
 
 # recorded in their own fields, or meaningless to a replay
 _OWN_FIELDS = frozenset({"priority", "tenant", "timeout"})
@@ -51,7 +54,10 @@ class TraceRecorder:
         self.page_size = page_size
         self.hashed = hashed
         self.lines = 0
-        self._file = open(self.path, "w", encoding="utf-8", buffering=1)
+        # 0600: a trace holds every prompt's token ids (or their page hashes)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, TRACE_FILE_MODE)
+        os.fchmod(fd, TRACE_FILE_MODE)  # a file that was there keeps no wider mode
+        self._file = open(fd, "w", encoding="utf-8", buffering=1)
         self._write(
             {
                 "type": "header",

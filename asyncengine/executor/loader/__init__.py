@@ -11,11 +11,9 @@ Typical use::
 from __future__ import annotations
 
 from asyncengine.executor.loader.default_model import (
-    CACHE_ENV,
     DEFAULT_MODEL,
     KNOWN_MODELS,
     UnknownModelError,
-    cache_root,
     resolve_model,
     tokenizer_dir,
 )
@@ -33,6 +31,7 @@ from asyncengine.executor.loader.hf_dir import (
     load_weights,
     safetensors_files,
 )
+from asyncengine.private_cache import CACHE_ENV, UnsafeCacheError, cache_root
 
 __all__ = [
     "CACHE_ENV",
@@ -41,6 +40,7 @@ __all__ = [
     "GGUFCheckpoint",
     "ModelFilesError",
     "UnknownModelError",
+    "UnsafeCacheError",
     "cache_root",
     "convert_gguf_to_hf_dir",
     "load_eos_token_ids",
