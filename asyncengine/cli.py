@@ -89,6 +89,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         int,
         "most tokens one request may ask for; more is refused (default: up to the context)",
     ),
+    (
+        "--max-logprob-entries",
+        "max_logprob_entries",
+        int,
+        "most logprobs one request may ask for: scored positions x (alternatives + 1) x n",
+    ),
     ("--max-running-requests", "max_running_requests", int, "requests decoding at once"),
     (
         "--max-waiting-requests",
@@ -184,12 +190,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="launch the next forward before streaming this step's tokens",
     )
     group.add_argument(
+        "--kv-events-token-ids",
+        dest="kv_events_token_ids",
+        action="store_const",
+        const=True,
+        default=None,
+        help="KV events carry each stored page's token ids (default: hashes only; any "
+        "subscriber then reads every prompt)",
+    )
+    group.add_argument(
         "--deterministic",
         dest="deterministic",
         action="store_const",
         const=True,
         default=None,
         help="a request's greedy output does not depend on the batch it shares (slower)",
+    )
+    group.add_argument(
+        "--allow-policy",
+        dest="allowed_policies",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a policy POST /admin/policy may swap in besides the built-ins, e.g. "
+        "'my_policy.py:Mine' (repeatable; loaded at start-up)",
     )
 
 
@@ -198,7 +222,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_cache",
         "enable_mixed_batch",
         "enable_overlap_schedule",
+        "kv_events_token_ids",
         "deterministic",
+        "allowed_policies",
     ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 

@@ -66,14 +66,14 @@ class DFSWeightPolicy(Policy):
             for child in node.children:
                 rep = child.representative
                 assert rep is not None  # every node but an empty root holds a request
-                child.hot = cached and prefix_len(rep.all_ids[:probe]) > start
+                child.hot = cached and prefix_len(rep.cache_ids[:probe]) > start
                 keys.append((child.hot, child.count, -child.first_position, len(ranked)))
                 ranked.append(child)
             # singles (one request, root only) rank below every group unless cached; the
             # cold ones keep their queue order, which is already theirs
             cold: list[Request] = []
             for position, req in node.singles:
-                if cached and prefix_len(req.all_ids[:probe]) > start:
+                if cached and prefix_len(req.cache_ids[:probe]) > start:
                     keys.append((True, 1, -position, len(ranked)))
                     ranked.append(req)
                 else:

@@ -16,11 +16,18 @@ client's queue to serve the one with the least service as much as it can take).
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
 while idle, and it is not punished for service it got long ago.
+
+Tenant names come from clients (the ``user`` field), so the state of idle tenants is bounded:
+past ``max_idle_tenants`` the least recently active idle tenant is forgotten. One that comes
+back then starts as a new tenant does, from the active floor; by the rule above that is where
+it would start anyway unless it had got more than the active tenants, which it had not been
+competing for while idle.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +48,13 @@ class FairPolicy(Policy):
         opts = take_options(
             self.name,
             options,
-            {"weights": {}, "default_weight": 1.0, "prefill_weight": 1.0, "decode_weight": 2.0},
+            {
+                "weights": {},
+                "default_weight": 1.0,
+                "prefill_weight": 1.0,
+                "decode_weight": 2.0,
+                "max_idle_tenants": 4096,
+            },
         )
         weights = {str(k): v for k, v in opts["weights"].items()}
         for tenant, weight in weights.items():
@@ -51,6 +64,8 @@ class FairPolicy(Policy):
             raise ValueError("policy 'fair': 'default_weight' must be > 0")
         if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:
             raise ValueError("policy 'fair': token weights must be >= 0")
+        if opts["max_idle_tenants"] < 0:
+            raise ValueError("policy 'fair': 'max_idle_tenants' must be >= 0")
         self.weights = {tenant: float(weight) for tenant, weight in weights.items()}
         self.default_weight = float(opts["default_weight"])
         self.prefill_weight = float(opts["prefill_weight"])
@@ -58,6 +73,9 @@ class FairPolicy(Policy):
         self.counters: dict[str, float] = {}
         self._tenant_of_rid: dict[str, str] = {}  # live requests this policy has seen
         self._live: dict[str, int] = {}  # tenant -> live requests seen
+        self.max_idle_tenants = int(opts["max_idle_tenants"])
+        # tenants with no live request, least recently active first (forgotten past the cap)
+        self._idle: OrderedDict[str, None] = OrderedDict()
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -66,6 +84,7 @@ class FairPolicy(Policy):
         """First sight of a live request: a tenant coming back is lifted to the active floor."""
         tenant = tenant_of(req)
         self._tenant_of_rid[req.rid] = tenant
+        self._idle.pop(tenant, None)
         if self._live.get(tenant, 0) == 0:
             active = [self.counters.get(t, 0.0) for t, n in self._live.items() if n > 0]
             floor = min(active) if active else self.counters.get(tenant, 0.0)
@@ -74,8 +93,15 @@ class FairPolicy(Policy):
 
     def finished(self, req: Request) -> None:
         tenant = self._tenant_of_rid.pop(req.rid, None)
-        if tenant is not None:
-            self._live[tenant] -= 1
+        if tenant is None:
+            return
+        self._live[tenant] -= 1
+        if self._live[tenant] == 0:
+            self._idle[tenant] = None
+            while len(self._idle) > self.max_idle_tenants:
+                gone, _ = self._idle.popitem(last=False)
+                del self._live[gone]
+                self.counters.pop(gone, None)
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         tenants, counters = self._tenant_of_rid, self.counters

@@ -79,7 +79,7 @@ class LPMPolicy(Policy):
         matches: list[int] = []
         any_cached = False
         for req in waiting:
-            ids = req.all_ids
+            ids = req.cache_ids
             stamp = None if epoch_of is None else (epoch_of(ids), len(ids))
             if stamp is not None and unmatched.get(id(req)) == stamp:
                 matches.append(0)

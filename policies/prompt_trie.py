@@ -52,7 +52,7 @@ class BlockChains:
         num_outputs = len(req.output_ids)
         if entry is not None and entry[0] == num_outputs:
             return entry[1]
-        ids = req.all_ids
+        ids = req.cache_ids
         block = self.block
         chain = []
         running = 0

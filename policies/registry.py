@@ -133,6 +133,30 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     return policy
 
 
+def _builtin_key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def check_live_policy(spec: str, allowed: Sequence[str]) -> None:
+    """ValueError unless ``spec`` may be swapped in from a request: every ``+`` part is a
+    built-in name, or the spec or the part is listed in ``allowed`` (the operator's start-up
+    list, whose plugin files loaded then). A path or module named only by a request never
+    loads, so that an admin request cannot run code."""
+    listed = {entry.strip() for entry in allowed}
+    if spec.strip() in listed:
+        return
+    names = [n.strip() for n in spec.split("+") if n.strip()]
+    refused = [n for n in names if _builtin_key(n) not in BUILTIN and n not in listed]
+    if refused:
+        extra = f"; listed at start-up: {', '.join(sorted(listed))}" if listed else ""
+        what = "may not be swapped in live" if ":" in refused[0] else "is unknown"
+        raise ValueError(
+            f"policy {refused[0]!r} {what}: a live swap takes built-in "
+            f"names ({', '.join(sorted(BUILTIN))}, composed with '+'){extra}; other policies "
+            "must be listed at start-up (--allow-policy or 'allowed_policies')"
+        )
+
+
 def build_policy(spec: str, options: dict[str, Any] | None = None, key: str = "policy") -> Policy:
     """``make_policy`` for a config: a bad name or option raises ConfigError naming the config
     key (``key``, or ``key + "_options"``)."""

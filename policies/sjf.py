@@ -38,7 +38,7 @@ class SJFPolicy(Policy):
         self.prefill_rate.add(plan, seconds)
 
     def job_tokens(self, req: Request, ctx: PolicyContext) -> float:
-        ids = req.all_ids
+        ids = req.cache_ids
         return len(ids) - ctx.prefix_len(ids) + self.output_tokens(req, ctx)
 
     def output_tokens(self, req: Request, ctx: PolicyContext) -> float:

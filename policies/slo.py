@@ -86,7 +86,7 @@ class SLOPolicy(Policy):
             if not self.ttft:
                 keyed.append((not starving, False, req.arrival_time, index))
                 continue
-            ids = req.all_ids
+            ids = req.cache_ids
             todo = len(ids) - ctx.prefix_len(ids)
             slack = req.arrival_time + self.ttft - ctx.now - self.model.prefill_seconds(todo)
             late = slack < 0

@@ -2,12 +2,21 @@
 
     .venv/bin/python scripts/fuzz_api.py --examples 200            # the tiny random model
     .venv/bin/python scripts/fuzz_api.py --model smollm2-135m --examples 50
+    .venv/bin/python scripts/fuzz_api.py --seconds 300 --seed 7    # the long run, reproducible
+    .venv/bin/python scripts/fuzz_api.py --seconds 120 --path /v1/completions
+
+``--seconds`` runs rounds over every operation (round ``r`` generates from seed ``seed + r``,
+``--examples`` per operation and mode, 20 by default) until the time is spent; the same seed generates the
+same bodies. Every request answered >= 500, and every request during which the server logged
+an ERROR line (a traceback, a broken grammar), is written with its body, the seed and the round
+to ``--findings`` (JSON lines) and fails the run; ERROR lines logged while no request was in
+flight fail it too.
 
 A server (engine + app, admin routes on) runs on 127.0.0.1 in a background thread; schemathesis
 turns the document into valid ("positive") and invalid ("negative") requests for each
 operation and sends them over loopback. A request fails the run when it is answered >= 500,
-when a 4xx body is not the JSON error ``{"error": {"message": ...}}``, or when a stream carries
-a server error in-band. After the fuzzing the server must still answer a plain chat request,
+when a 4xx body is not the JSON error ``{"error": {"message": ...}}`` (Anthropic's Messages
+routes put ``"type": "error"`` beside it), or when a stream carries a server error in-band. After the fuzzing the server must still answer a plain chat request,
 go idle, and hold no KV page outside the prefix cache (the pool invariant checked). Prints a
 table per operation and writes the figures as JSON (``--json``).
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import tempfile
 import threading
 import time
@@ -33,6 +43,8 @@ from typing import Any
 
 ADMIN_TOKEN = "fuzz-admin"
 MAX_NEW_TOKENS = 160  # the server's max_new_tokens_limit: a fuzzed request generates briefly
+EXAMPLES = 200  # generated cases per operation and mode, in one round
+ROUND_EXAMPLES = 20  # the same, per round of a --seconds run
 REQUEST_TIMEOUT = 300.0  # seconds; a request not answered by then fails the run
 TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 49152,
@@ -57,6 +69,21 @@ class OperationFigures:
     seconds: float = 0.0
 
 
+class ErrorLines(logging.Handler):
+    """Every ERROR (and worse) record the server logs, in order (the server shares this
+    process: its loop runs in a thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            line += f" [{type(record.exc_info[1]).__name__}: {record.exc_info[1]}]"
+        self.lines.append(line[:2000])
+
+
 @dataclass(slots=True)
 class FuzzReport:
     operations: dict[str, OperationFigures] = field(default_factory=dict)
@@ -64,14 +91,25 @@ class FuzzReport:
     aborted: list[dict[str, Any]] = field(default_factory=list)  # 200s that ended "abort"
     serving_after: bool = False
     leak_check: str = "not run"
+    error_lines: int = 0  # server ERROR lines seen, with a request or without
+    rounds: int = 0
+    deadline: float | None = None  # time.monotonic() past which no request is sent
+    log: ErrorLines | None = None
 
     @property
     def requests(self) -> int:
         return sum(op.requests for op in self.operations.values())
 
+    @property
+    def server_errors(self) -> int:
+        return sum(v for op in self.operations.values() for k, v in op.statuses.items() if k >= 500)
+
     def as_json(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
+            "responses_5xx": self.server_errors,
+            "server_error_lines": self.error_lines,
+            "rounds": self.rounds,
             "failures": self.failures,
             "aborted": self.aborted,
             "serving_after": self.serving_after,
@@ -187,18 +225,37 @@ def _problem(response: Any) -> str | None:
         for line in response.content.split(b"\n"):
             if line.startswith(b"data: {") and b'"error"' in line:
                 frame = json.loads(line[len(b"data: ") :])
-                error = frame.get("error") if isinstance(frame, dict) else None
-                if isinstance(error, dict) and error.get("type") not in {
-                    "invalid_request_error",
-                    "service_unavailable",
-                }:
-                    return f"in-band stream error {error}"
+                if _server_error_in_band(frame):
+                    return f"in-band stream error {frame}"
     return None
 
 
+def _server_error_in_band(frame: Any) -> bool:
+    """Whether a streamed frame reports a server error: OpenAI's and Anthropic's
+    ``{"error": {"type"}}`` (Anthropic's under ``"type": "error"``), the Responses API's
+    ``{"type": "error", "code"}``."""
+    if not isinstance(frame, dict):
+        return False
+    error = frame.get("error")
+    if isinstance(error, dict):
+        return error.get("type") not in {
+            "invalid_request_error",
+            "service_unavailable",
+            "overloaded_error",
+        }
+    return frame.get("type") == "error" and frame.get("code") in {"request_failed", "server_error"}
+
+
 def fuzz(
-    base_url: str, examples: int, seed: int, modes: tuple[str, ...] = ("positive", "negative")
+    base_url: str,
+    examples: int,
+    seed: int,
+    modes: tuple[str, ...] = ("positive", "negative"),
+    report: FuzzReport | None = None,
+    paths: tuple[str, ...] = (),
 ) -> FuzzReport:
+    """One round: ``examples`` generated cases per operation (those whose path starts with one
+    of ``paths``, all when empty) and mode, from ``seed``."""
     import requests
     import schemathesis
     from hypothesis.errors import Unsatisfiable
@@ -206,10 +263,12 @@ def fuzz(
 
     document = requests.get(f"{base_url}/openapi.json", timeout=30).json()
     schema = schemathesis.openapi.from_dict(document)
-    report = FuzzReport()
+    report = report if report is not None else FuzzReport()
     session = requests.Session()
     for result in schema.get_all_operations():
         operation = result.ok()
+        if paths and not operation.path.startswith(paths):
+            continue
         for mode in modes:
             name = f"{operation.method.upper()} {operation.path} ({mode})"
             figures = report.operations.setdefault(name, OperationFigures())
@@ -224,8 +283,36 @@ def fuzz(
                     strategy, examples, seed, base_url, session, headers, name, figures, report
                 )()
             except Unsatisfiable:  # nothing to make invalid (no body, no parameters)
-                del report.operations[name]
+                if not figures.requests:
+                    del report.operations[name]
+            except TimeUp:
+                return report
     return report
+
+
+def fuzz_for(
+    base_url: str,
+    seconds: float,
+    examples: int,
+    seed: int,
+    paths: tuple[str, ...] = (),
+    report: FuzzReport | None = None,
+) -> FuzzReport:
+    """Rounds of ``fuzz`` (round r from seed ``seed + r``) until ``seconds`` have passed."""
+    report = report if report is not None else FuzzReport()
+    report.deadline = time.monotonic() + seconds
+    while time.monotonic() < report.deadline:
+        fuzz(base_url, examples, seed + report.rounds, report=report, paths=paths)
+        report.rounds += 1
+    return report
+
+
+class TimeUp(Exception):
+    """The run's time is spent (raised out of a hypothesis test to end it)."""
+
+
+def _error_lines_since(report: FuzzReport, seen: int) -> list[str]:
+    return [] if report.log is None else report.log.lines[seen:]
 
 
 def _sender(
@@ -241,7 +328,7 @@ def _sender(
 ) -> Any:
     """A hypothesis test that sends ``examples`` generated cases of one operation and mode."""
     import requests
-    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
     @hypothesis_seed(seed)
@@ -251,10 +338,14 @@ def _sender(
         database=None,
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
     )
     @given(case=strategy)
     def send(case: Any) -> None:
+        if report.deadline is not None and time.monotonic() > report.deadline:
+            raise TimeUp
         started = time.perf_counter()
+        logged_before = len(report.log.lines) if report.log is not None else 0
         try:
             response = case.call(
                 base_url=base_url, session=session, headers=headers, timeout=REQUEST_TIMEOUT
@@ -270,23 +361,38 @@ def _sender(
         problem = _problem(response)
         if problem is None and response.status_code >= 400:
             error = response.json()["error"]
-            figures.refusals[
-                f"{response.status_code} {error.get('param') or error.get('code')}"
-            ] += 1
+            reason = error.get("param") or error.get("code") or error.get("type")
+            figures.refusals[f"{response.status_code} {reason}"] += 1
         if response.status_code == 200 and b'"finish_reason":"abort"' in response.content:
             report.aborted.append({"operation": name, "body": repr(case.body)[:1000]})
+        errors = _error_lines_since(report, logged_before)
+        if errors:
+            report.error_lines += len(errors)
+            problem = "; ".join(filter(None, [problem, f"{len(errors)} server ERROR line(s)"]))
         if problem is not None:
             report.failures.append(
                 {
                     "operation": name,
+                    "seed": seed,
+                    "round": report.rounds,
                     "problem": problem,
-                    "body": repr(case.body)[:4000],
+                    "status": response.status_code,
+                    "body": _json_or_repr(case.body)[:4000],
                     "query": repr(case.query)[:200],
                     "response": response.text[:500],
+                    "server_errors": errors[:5],
                 }
             )
 
     return send
+
+
+def _json_or_repr(body: Any) -> str:
+    """The body as it went on the wire where it is JSON (paste it into curl), else its repr."""
+    try:
+        return json.dumps(body)
+    except (TypeError, ValueError):
+        return repr(body)
 
 
 def _tool_chat_bodies() -> Any:
@@ -447,6 +553,7 @@ def fuzz_tool_chats(base_url: str, examples: int, seed: int, report: FuzzReport)
     @given(body=_tool_chat_bodies())
     def send(body: dict[str, Any]) -> None:
         started = time.perf_counter()
+        logged_before = len(report.log.lines) if report.log is not None else 0
         try:
             response = session.post(
                 f"{base_url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT
@@ -462,9 +569,19 @@ def fuzz_tool_chats(base_url: str, examples: int, seed: int, report: FuzzReport)
         elif response.status_code >= 400:
             figures.refusals[f"{response.status_code} {response.json()['error'].get('code')}"] += 1
         problem = _tool_chat_problem(body, response)
+        errors = _error_lines_since(report, logged_before)
+        if errors:
+            report.error_lines += len(errors)
+            problem = "; ".join(filter(None, [problem, f"{len(errors)} server ERROR line(s)"]))
         if problem is not None:
             report.failures.append(
-                {"operation": name, "problem": problem, "body": json.dumps(body)[:1500]}
+                {
+                    "operation": name,
+                    "seed": seed,
+                    "problem": problem,
+                    "body": json.dumps(body)[:1500],
+                    "server_errors": errors[:5],
+                }
             )
 
     send()
@@ -481,16 +598,41 @@ def serves_normally(base_url: str) -> bool:
     return response.status_code == 200 and bool(response.json()["choices"])
 
 
-def run(config: Any, examples: int, seed: int, tool_examples: int) -> FuzzReport:
+def run(
+    config: Any,
+    examples: int,
+    seed: int,
+    tool_examples: int,
+    seconds: float | None = None,
+    paths: tuple[str, ...] = (),
+) -> FuzzReport:
+    """Serve, fuzz (one round, or rounds for ``seconds``), then check the server still serves
+    and leaks nothing; the server's ERROR lines are collected throughout."""
+    report = FuzzReport(log=ErrorLines())
+    logging.getLogger().addHandler(report.log)
     server = BackgroundServer(config)
     base_url = server.start()
     try:
-        report = fuzz(base_url, examples, seed)
-        fuzz_tool_chats(base_url, tool_examples, seed, report)
+        if seconds is None:
+            fuzz(base_url, examples, seed, report=report, paths=paths)
+            report.rounds = 1
+        else:
+            fuzz_for(base_url, seconds, examples, seed, paths=paths, report=report)
+        report.deadline = None
+        if not paths or any("/v1/chat/completions".startswith(p) for p in paths):
+            fuzz_tool_chats(base_url, tool_examples, seed, report)
         report.serving_after = serves_normally(base_url)
         report.leak_check = server.call(server.leak_check())
     finally:
         server.stop()
+        logging.getLogger().removeHandler(report.log)
+    stray = len(report.log.lines) - report.error_lines
+    if stray > 0:
+        report.failures.append(
+            {"operation": "none in flight", "problem": f"{stray} server ERROR line(s)",
+             "server_errors": report.log.lines[-5:]}
+        )  # fmt: skip
+        report.error_lines += stray
     return report
 
 
@@ -503,8 +645,9 @@ def print_table(report: FuzzReport, seconds: float) -> None:
     for op in report.operations.values():
         statuses.update(op.statuses)
     print(
-        f"\n{report.requests} requests in {seconds:.0f} s; >= 500: "
-        f"{sum(v for k, v in statuses.items() if k >= 500)}; failures: {len(report.failures)}; "
+        f"\n{report.requests} requests in {seconds:.0f} s ({report.rounds} round(s)); >= 500: "
+        f"{sum(v for k, v in statuses.items() if k >= 500)}; server ERROR lines: "
+        f"{report.error_lines}; failures: {len(report.failures)}; "
         f"serving after: {report.serving_after}; leak check: {report.leak_check}"
     )
     for failure in report.failures[:20]:
@@ -516,12 +659,33 @@ def main() -> None:
     parser.add_argument(
         "--model", default="tiny", help="a model path or name; tiny: a random llama"
     )
-    parser.add_argument("--examples", type=int, default=200, help="per operation and mode")
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help=f"per operation and mode (default {EXAMPLES}; with --seconds, per round: "
+        f"{ROUND_EXAMPLES}, so that each round reaches every operation)",
+    )
     parser.add_argument("--tool-examples", type=int, default=100, help="valid tool chats")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="rounds until this much time is spent"
+    )
+    parser.add_argument(
+        "--path", action="append", default=[], help="only operations under this path (repeatable)"
+    )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", type=Path, default=Path("fuzz_api.json"))
+    parser.add_argument(
+        "--findings",
+        type=Path,
+        default=Path("fuzz_findings.jsonl"),
+        help="each failing request (5xx, server ERROR line, bad error body) as a JSON line",
+    )
     args = parser.parse_args()
+    if args.examples is None:
+        args.examples = EXAMPLES if args.seconds is None else ROUND_EXAMPLES
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from asyncengine.common.config import EngineConfig
 
@@ -537,7 +701,9 @@ def main() -> None:
             log_interval=0.0,
         )
         started = time.perf_counter()
-        report = run(config, args.examples, args.seed, args.tool_examples)
+        report = run(
+            config, args.examples, args.seed, args.tool_examples, args.seconds, tuple(args.path)
+        )
         seconds = time.perf_counter() - started
     print_table(report, seconds)
     figures = {
@@ -547,7 +713,8 @@ def main() -> None:
         "tool_examples": args.tool_examples,
     }
     args.json.write_text(json.dumps(figures, indent=2))
-    print(f"wrote {args.json}")
+    args.findings.write_text("".join(json.dumps(f) + "\n" for f in report.failures))
+    print(f"wrote {args.json} and {args.findings} ({len(report.failures)} finding(s))")
     ok = not report.failures and report.serving_after and report.leak_check == "ok"
     raise SystemExit(0 if ok else 1)
 

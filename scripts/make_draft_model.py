@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gguf
 
-from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, cache_root
+from asyncengine.common.private_cache import cache_dir
+from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS
 from asyncengine.script_main import run_main
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=None, help="the .gguf file to write")
     args = parser.parse_args(argv)
     source = KNOWN_MODELS[DEFAULT_MODEL].gguf_path()
-    out = args.out or cache_root() / f"{DEFAULT_MODEL}-first{args.layers}-draft.gguf"
+    out = args.out or cache_dir() / f"{DEFAULT_MODEL}-first{args.layers}-draft.gguf"
     if out.suffix != ".gguf":
         raise ValueError(f"--out must end in .gguf (the loader reads it by its suffix): {out}")
     total = write_first_layers(source, out, args.layers)

@@ -64,3 +64,24 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copy(TEMPLATES / "qwen3_style.jinja", staging / "chat_template.jinja")
     staging.rename(target)
     return target
+
+
+def tiny_thinking_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 with a template whose generation prompt opens the think block (as
+    DeepSeek-R1's and later Qwen3's do), so that its output is reasoning until ``</think>``;
+    ``enable_thinking`` false closes the block in the prompt instead."""
+    target = tmp_path_factory.getbasetemp() / "tiny_thinking_qwen3_chat"
+    if (target / "chat_template.jinja").is_file():
+        return target
+    source = tiny_qwen3_dir(tmp_path_factory)
+    staging = tmp_path_factory.mktemp("tiny_thinking_qwen3_staging")
+    for path in source.iterdir():
+        if path.name != "chat_template.jinja":
+            (staging / path.name).symlink_to(path)
+    template = (source / "chat_template.jinja").read_text()
+    closed = "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    assert closed in template
+    opened = closed + "\n    {%- else %}\n        {{- '<think>\\n' }}"
+    (staging / "chat_template.jinja").write_text(template.replace(closed, opened))
+    staging.rename(target)
+    return target

@@ -1,7 +1,7 @@
 """The README and the guides in docs/ work as written: every link and repository path they name
 exists, every `make` target is in the Makefile, and every option their commands pass to
 `asyncengine serve` or to a script is one that command takes (the README's server and policy
-examples are run by tests/test_server_cli.py and tests/test_policies.py)."""
+examples are run by tests/server/test_server_cli.py and tests/policies/test_policies.py)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from asyncengine.common.errors import (
 from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.common.pooling import PooledEmbedding
-from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.core.builder import build_core, make_policies
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor
@@ -80,6 +80,7 @@ class AsyncEngine:
         self._intake: Intake | None = None
         self.streams = Streams(lambda: self._core().now(), self.abort)
         self._grammars: Any = None  # the GrammarCompiler, made at the first constrained request
+        self._compiling = 0  # requests waiting for their grammar (counted as waiting)
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -112,7 +113,9 @@ class AsyncEngine:
             if self.config.kv_events is not None:
                 core.step_hooks.append(self._publish_kv_events)
         if self.config.kv_events is not None and self.kv_events is None:
-            self.kv_events = KVEventPublisher(self.config.kv_events)
+            self.kv_events = KVEventPublisher(
+                self.config.kv_events, token_ids=self.config.kv_events_token_ids
+            )
         # Start-up leaves torch's and the model's objects behind; freezing them keeps the
         # collector's full passes (which stall the loop) short for the rest of the run.
         gc.collect()
@@ -263,6 +266,7 @@ class AsyncEngine:
         )
         self.streams.open(group)
         if params.structured is not None:
+            self._compiling += 1
             group.compiling = asyncio.create_task(self._compile_then_add(group, params))
         else:
             self._add(group)
@@ -312,7 +316,8 @@ class AsyncEngine:
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
 
     def _check_queue(self, core: EngineCore) -> None:
-        waiting = len(core.scheduler.waiting)
+        # a request waiting for its grammar waits as much as a queued one
+        waiting = len(core.scheduler.waiting) + self._compiling
         if waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"{waiting} requests are waiting (max_waiting_requests); try again later"
@@ -327,17 +332,14 @@ class AsyncEngine:
 
     async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
         """Compile the group's grammar off the loop, then queue its requests with matchers."""
-        from asyncengine.structured import GrammarCompiler, GrammarMatcher
+        from asyncengine.structured import GrammarMatcher
 
         assert params.structured is not None
         try:
-            if self._grammars is None:
-                spec, cache_size = self._core().spec, self.config.grammar_cache_size
-                self._grammars = GrammarCompiler(
-                    self._tokenizer, spec.vocab_size, spec.eos_token_ids, cache_size
-                )
-            compiled = await self._grammars.compile(params.structured)
+            compiled = await self._compiled(params.structured)
             matchers = [GrammarMatcher(compiled) for _ in group.held]
+        except asyncio.CancelledError:
+            return  # aborted while it waited: its compile, if no one else waits, never runs
         except Exception as exc:
             if self.streams.groups.get(group.rid) is group and group.held:
                 error = exc
@@ -346,11 +348,25 @@ class AsyncEngine:
                     error = RequestFailedError(f"request {group.rid} failed: {exc}")
                 self.streams.refuse(group, error)
             return
+        finally:
+            self._compiling -= 1
         if self.streams.groups.get(group.rid) is not group or not group.held:
             return  # aborted while it compiled
         for req, matcher in zip(group.held, matchers, strict=True):
             req.grammar = matcher
         self._add(group)
+
+    async def _compiled(self, constraint: StructuredOutput) -> Any:
+        from asyncengine.structured import GrammarCompiler
+
+        if self._grammars is None:
+            spec, config = self._core().spec, self.config
+            self._grammars = GrammarCompiler(
+                self._tokenizer, spec.vocab_size, spec.eos_token_ids,
+                config.grammar_cache_size, config.grammar_compile_workers,
+                config.grammar_compile_timeout,
+            )  # fmt: skip
+        return await self._grammars.compile(constraint)
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (all its choices); its KV pages are released
@@ -359,6 +375,8 @@ class AsyncEngine:
         if group is None:
             return False
         core = self._core()
+        if group.compiling is not None and not group.compiling.done():
+            group.compiling.cancel()  # a compile no one else waits for never starts
         held = group.end_held(core.now())  # its grammar was still compiling
         for state in group.states:
             if not state.done and state.req not in held:

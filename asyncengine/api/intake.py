@@ -65,6 +65,18 @@ class Intake:
         self._check_limit(requested, param)
         return requested
 
+    def check_logprob_entries(self, entries: int) -> None:
+        """Refuse a request whose logprobs (``logprob_entries``, summed over its prompts) are
+        above ``max_logprob_entries``: their scoring, copies and JSON grow with it."""
+        budget = self.config.max_logprob_entries
+        if entries > budget:
+            raise InvalidRequestError(
+                f"the request asks for {entries} logprobs (scored positions x (alternatives + 1)"
+                f" x n, over its prompts), more than this engine's budget of {budget} "
+                "(max_logprob_entries): ask for fewer positions, alternatives or choices",
+                param="logprobs",
+            )
+
     def _check_limit(self, requested: int, param: str) -> None:
         limit = self.config.max_new_tokens_limit
         if limit is not None and requested > limit:
@@ -96,6 +108,7 @@ class Intake:
                 raise InvalidRequestError(
                     f"{name} id {bad[0]} is outside the vocabulary [0, {vocab})"
                 )
+        self.check_logprob_entries(logprob_entries(len(ids), params))
         if params.n > self.config.max_n:
             raise InvalidRequestError(
                 f"n={params.n} is more choices than this engine allows (max_n={self.config.max_n})",
@@ -132,3 +145,15 @@ class Intake:
                 code=CONTEXT_EXCEEDED,
             )
         return room
+
+
+def logprob_entries(prompt_tokens: int, params: SamplingParams) -> int:
+    """The logprobs a request asks for: each scored prompt position and (with ``logprobs``)
+    each generated one gives the chosen token's and its alternatives', for each of n choices."""
+    entries = 0
+    if params.prompt_logprobs is not None:
+        scored = max(0, prompt_tokens - max(1, params.prompt_logprobs_start))
+        entries += scored * (params.prompt_logprobs + 1)
+    if params.logprobs:
+        entries += params.max_new_tokens * (params.top_logprobs + 1)
+    return entries * params.n

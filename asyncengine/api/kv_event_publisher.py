@@ -5,6 +5,11 @@ publisher sends them: a PUB socket, multipart ``(topic, sequence number as 8 byt
 msgpack payload)``. A subscriber that joins late, or falls behind the send buffer, misses
 events (PUB drops them); it can ask for a reset (``reset_prefix_cache``), which publishes
 ``AllBlocksCleared``, and rebuild from there. vLLM's replay socket is not provided.
+
+Anyone who can connect to the endpoint reads what it publishes, so ``BlockStored`` events carry
+no token ids (an empty list) unless ``token_ids`` (config ``kv_events_token_ids``) is set: the
+chained page hashes are what a router matches prompts on, and they do not give the prompts
+away. Bind a loopback address unless the subscribers are on other machines.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from asyncengine.cache.kv_events import KVEvent, KVEventBatch, encode_batch
+import msgspec
+
+from asyncengine.cache.kv_events import BlockStored, KVEvent, KVEventBatch, encode_batch
 
 log = logging.getLogger("asyncengine.kv_events")
 
@@ -21,7 +28,8 @@ SEND_BUFFER = 100_000  # messages queued for slow subscribers before PUB drops
 
 
 class KVEventPublisher:
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(self, endpoint: str, topic: str = "", *, token_ids: bool = False) -> None:
+        self.token_ids = token_ids
         import zmq
 
         self._zmq = zmq
@@ -44,6 +52,8 @@ class KVEventPublisher:
         """Send ``events`` as one batch (nothing when there are none)."""
         if not events:
             return
+        if not self.token_ids:
+            events = [_without_tokens(e) if isinstance(e, BlockStored) else e for e in events]
         payload = encode_batch(KVEventBatch(time.time(), list(events)))
         seq = self.sequence.to_bytes(8, "big")
         try:
@@ -56,3 +66,7 @@ class KVEventPublisher:
     def close(self) -> None:
         self._socket.close(linger=0)
         self._context.term()
+
+
+def _without_tokens(event: BlockStored) -> BlockStored:
+    return msgspec.structs.replace(event, token_ids=[])

@@ -105,6 +105,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a second policy asked to order the same waiting queue every step, without acting: the
     # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one
     shadow_policy: str | None = None
+    # what POST /admin/policy may swap in besides the built-ins and their compositions: names,
+    # "pkg.mod:Class" or "path/to/file.py:Class", loaded at start-up (a request never names code)
+    allowed_policies: list[str] = []
     shadow_policy_options: dict[str, Any] = {}
     shadow_top_k: int = 4
     # KV shortage: which running request goes (policies/victims.py: newest, least-computed,
@@ -139,13 +142,22 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     # requests
     max_n: int = 16  # most choices one request may ask for (n)
+    # most logprob entries one request may ask for: scored positions (prompt and output) x
+    # (alternatives + 1) x n, summed over a batch's prompts; more is refused (HTTP 400)
+    max_logprob_entries: int = 1_000_000
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
+    grammar_compile_workers: int = 2  # threads compiling grammars (a queue behind them)
+    # seconds a grammar may compile; then its request is refused (400) and so is its spec
+    grammar_compile_timeout: float = 10.0
     # embeddings (asyncengine/common/pooling.py): "mean" or "last" token; "auto": the model dir's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else "mean"
     embedding_pooling: str = "auto"
     # KV cache events for external routers (cache/kv_events.py): a ZMQ PUB endpoint such as
     # "tcp://127.0.0.1:5557" (None: off)
     kv_events: str | None = None
+    # whether BlockStored events carry the pages' token ids (every prompt, to any subscriber);
+    # off, they carry the chained page hashes only, which is what a router matches on
+    kv_events_token_ids: bool = False
 
     # logging
     log_interval: float = 10.0  # seconds between one-line engine summaries; 0 turns them off
@@ -177,7 +189,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "policy_window",
             "shadow_top_k",
             "max_n",
+            "max_logprob_entries",
             "grammar_cache_size",
+            "grammar_compile_workers",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
@@ -203,6 +217,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if not 0 <= self.new_token_ratio_decay < 1:
             raise bad("new_token_ratio_decay", "must be in [0, 1)")
+        if not self.grammar_compile_timeout > 0:
+            raise bad("grammar_compile_timeout", "must be > 0 seconds")
         if self.log_interval < 0:
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:

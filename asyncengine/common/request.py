@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from asyncengine.cache.cache_salt import salted_ids
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.pooling import PooledEmbedding
 from asyncengine.common.sampling_params import SamplingParams
@@ -30,6 +31,10 @@ class Grammar(Protocol):
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False when the grammar does not allow it."""
+        ...
+
+    def allows_nothing(self) -> bool:
+        """No token may come next and the grammar is not complete: a dead end."""
         ...
 
     def is_terminated(self) -> bool:
@@ -59,9 +64,10 @@ class OutputText(Protocol):
 class Request:
     """Token-level state of one request. The scheduler owns it; the engine reads it.
 
-    ``all_ids`` (prompt then output) is what the KV cache holds; ``seq`` is the request's KV
-    handle while it is admitted (None while waiting): ``seq.computed_len`` tokens of ``all_ids``
-    have their KV written, ``seq.kv_len`` have slots (those of the step in flight too).
+    ``all_ids`` (prompt then output) is what the KV cache holds, keyed as ``cache_ids``; ``seq``
+    is the request's KV handle while it is admitted (None while waiting): ``seq.computed_len``
+    tokens of ``all_ids`` have their KV written, ``seq.kv_len`` have slots (those of the step in
+    flight too).
     """
 
     rid: str
@@ -96,6 +102,9 @@ class Request:
     proposer: Proposer | None = None
     proposed_guesses: int = 0
     accepted_guesses: int = 0
+    # the prompt as the prefix cache keys it under the request's cache_salt (cache_salt.py);
+    # None: the prompt itself (no salt)
+    cache_prompt: list[int] | None = None
 
     # Written out because mypyc compiles this class (every request makes one) and leaves a
     # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
@@ -125,6 +134,7 @@ class Request:
         proposer: Proposer | None = None,
         proposed_guesses: int = 0,
         accepted_guesses: int = 0,
+        cache_prompt: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -150,11 +160,25 @@ class Request:
         self.proposer = proposer
         self.proposed_guesses = proposed_guesses
         self.accepted_guesses = accepted_guesses
+        if cache_prompt is None and params.cache_salt is not None:
+            cache_prompt = salted_ids(prompt_ids, params.cache_salt)
+        self.cache_prompt = cache_prompt
 
     @property
     def all_ids(self) -> list[int]:
         """Prompt then output. Read-only: it may be ``prompt_ids`` itself."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def cache_prompt_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it: ``prompt_ids`` unless the request is salted."""
+        return self.prompt_ids if self.cache_prompt is None else self.cache_prompt
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache keys them (salted: cache_salt.py). Read-only."""
+        prompt = self.prompt_ids if self.cache_prompt is None else self.cache_prompt
+        return prompt + self.output_ids if self.output_ids else prompt
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 256
 
 
 class InvalidRequestError(ValueError):
@@ -21,6 +22,10 @@ class InvalidRequestError(ValueError):
 
 
 MAX_STOP_STRINGS = 16
+# Characters per stop string: the matcher's automaton and the text held back grow with it.
+MAX_STOP_STRING_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # alternatives per position, generated or prompt tokens
 
 
@@ -35,7 +40,13 @@ def _short_repr(value: object) -> str:
 # Temperatures below this sample greedily (as vLLM does): dividing float32 logits by a smaller
 # one overflows (below ~1e-38 it is 0 in float32) and the sampler would draw from NaN.
 GREEDY_TEMPERATURE = 1e-5
+# Far above any useful temperature (at 100 sampling is already near uniform), far below float32's
+# range: the sampler's 1 / temperature must not round to 0 (-inf * 0 is NaN).
+MAX_TEMPERATURE = 1e6
 
+# longest schema / regular expression / grammar a request may give: xgrammar's compile time
+# grows with it, and a compile holds a worker (structured/grammar.py bounds it in time too)
+MAX_GRAMMAR_CHARS = 65536
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 MAX_LOGIT_BIAS = 100.0
 
@@ -58,6 +69,12 @@ class StructuredOutput:
             )
         if not isinstance(self.spec, str):
             raise InvalidRequestError(f"the {self.kind} constraint must be given as a string")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(
+                f"the {self.kind} constraint is {len(self.spec)} characters long; at most "
+                f"{MAX_GRAMMAR_CHARS} are allowed",
+                code="grammar_too_long",
+            )
         if self.kind != "json_object" and not self.spec.strip():
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
         if self.kind == "json_schema":
@@ -118,6 +135,13 @@ class SamplingParams:
     priority: int = 0  # lower values are served first by the "priority" policy (vLLM's sense)
     timeout: float | None = None  # seconds from arrival; then it ends with reason "timeout"
     tenant: str | None = None  # who the request belongs to ("fair" policy, per-tenant metrics)
+    # stop_token_ids as a set, for the per-token check (set by validate)
+    stop_token_set: frozenset[int] = field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
+    # requests with different salts share no prefix-cache pages (vLLM's cache_salt); None or
+    # "": the shared cache
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -177,8 +201,8 @@ class SamplingParams:
             )
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             raise bad("min_new_tokens", "must be between 0 and max_new_tokens")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if self.top_k == 0:
@@ -203,6 +227,13 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_STRING_LENGTH for s in self.stop):
+            longest = max(len(s) for s in self.stop)
+            raise bad(
+                "stop",
+                f"a stop string of {longest} characters is longer than the limit of "
+                f"{MAX_STOP_STRING_LENGTH} (MAX_STOP_STRING_LENGTH)",
+            )
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise bad("priority", "must be an integer")
         if abs(self.priority) > MAX_PRIORITY:
@@ -218,14 +249,35 @@ class SamplingParams:
             not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_LENGTH
         ):
             raise bad("tenant", f"must be a string of 1 to {MAX_TENANT_LENGTH} characters or None")
+        if self.cache_salt == "":
+            self.cache_salt = None
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_LENGTH
+        ):
+            raise bad(
+                "cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LENGTH} characters"
+            )
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        self.stop_token_set = frozenset(self.stop_token_ids)
+        if len(self.stop_token_set) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                "stop_token_ids",
+                f"{len(self.stop_token_set)} distinct ids is more than the limit of "
+                f"{MAX_STOP_TOKEN_IDS} (MAX_STOP_TOKEN_IDS)",
+            )
         if self.n < 1:
             raise bad("n", "must be >= 1")
         if not isinstance(self.logit_bias, dict):
             raise bad("logit_bias", "must be a dict of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad(
+                "logit_bias",
+                f"{len(self.logit_bias)} entries is more than the limit of "
+                f"{MAX_LOGIT_BIAS_ENTRIES} (MAX_LOGIT_BIAS_ENTRIES)",
+            )
         for token, bias in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise bad("logit_bias", f"key {token!r} is not a non-negative token id")

@@ -19,7 +19,7 @@ from asyncengine.core.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
 from asyncengine.policies.length_predictor import LengthPredictions
 from asyncengine.policies.length_registry import build_length_predictor
-from asyncengine.policies.registry import build_policy
+from asyncengine.policies.registry import build_policy, resolve_policy
 from asyncengine.policies.victims import VICTIM_RULES
 from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.scheduler.shadow import ShadowPolicy
@@ -89,6 +89,11 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
         )
     build_length_predictor(config.length_predictor, config.length_predictor_options)  # checked
     policy = build_policy(config.policy, config.policy_options)
+    for allowed in config.allowed_policies:  # the operator's plugins load now, not on a request
+        try:
+            resolve_policy(allowed)
+        except ValueError as exc:
+            raise ConfigError(f"config key 'allowed_policies' entry {allowed!r}: {exc}") from None
     if config.shadow_policy is None:
         return policy, None
     shadow = build_policy(config.shadow_policy, config.shadow_policy_options, "shadow_policy")

@@ -159,7 +159,7 @@ class Lifecycle:
         matched: str | int | None = None
         if n >= params.min_new_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids)
-            or token in params.stop_token_ids
+            or token in params.stop_token_set
         ):
             reason, matched = "stop", token
         elif n >= params.max_new_tokens or len(req.prompt_ids) + n >= self.scheduler.max_model_len:
@@ -171,7 +171,10 @@ class Lifecycle:
         grammar = req.grammar
         if grammar is not None:
             if not grammar.accept(token):
-                log.error("request %s: token %d breaks its grammar", req.rid, token)
+                if grammar.allows_nothing():  # the request's own constraint has a dead end
+                    log.info("request %s: its grammar allows no next token; ended", req.rid)
+                else:
+                    log.error("request %s: token %d breaks its grammar", req.rid, token)
                 return "abort", None
             if grammar.is_terminated():
                 return "stop", token

@@ -8,6 +8,7 @@ cost grows with the number of penalised tokens, never with batch * vocab. Token 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -92,24 +93,52 @@ def ban_tokens(logits: torch.Tensor, rows: Sequence[int], banned: Sequence[Itera
     logits.view(-1)[keys] = float("-inf")
 
 
+class LogitBiasArrays:
+    """Each request's logit_bias as (token ids, biases) arrays, made once per request rather
+    than once per step: keyed by the dict's identity (a request keeps the same dict), the
+    dict held so that an id is not reused while its entry lives."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._by_id: OrderedDict[int, tuple[dict[int, float], np.ndarray, np.ndarray]] = (
+            OrderedDict()
+        )
+
+    def get(self, bias: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+        entry = self._by_id.get(id(bias))
+        if entry is not None and entry[0] is bias:
+            self._by_id.move_to_end(id(bias))
+            return entry[1], entry[2]
+        tokens = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self._by_id[id(bias)] = (bias, tokens, values)
+        if len(self._by_id) > self.capacity:
+            self._by_id.popitem(last=False)
+        return tokens, values
+
+
 def apply_logit_bias(
-    logits: torch.Tensor, rows: Sequence[int], biases: Sequence[dict[int, float]]
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    biases: Sequence[dict[int, float]],
+    arrays: LogitBiasArrays | None = None,
 ) -> None:
-    """OpenAI's logit_bias: ``biases[j][token]`` is added to row ``rows[j]``'s logit of token."""
+    """OpenAI's logit_bias: ``biases[j][token]`` is added to row ``rows[j]``'s logit of token,
+    all rows in one scatter-add; ``arrays`` keeps each dict's arrays between steps."""
     if not rows:
         return
+    table = arrays if arrays is not None else LogitBiasArrays()
     vocab_size = logits.shape[1]
-    keys: list[int] = []
-    values: list[float] = []
-    for row, bias in zip(rows, biases, strict=True):
-        for token, value in bias.items():
-            if 0 <= token < vocab_size:
-                keys.append(row * vocab_size + token)
-                values.append(value)
+    pairs = [table.get(bias) for bias in biases]
+    tokens = np.concatenate([tokens for tokens, _ in pairs])
+    values = np.concatenate([values for _, values in pairs])
+    row_of_entry = np.repeat(np.asarray(rows, dtype=np.int64), [len(t) for t, _ in pairs])
+    in_vocab = (tokens >= 0) & (tokens < vocab_size)
+    keys = row_of_entry[in_vocab] * vocab_size + tokens[in_vocab]
     logits.view(-1).index_add_(
         0,
-        torch.tensor(keys, dtype=torch.int64, device=logits.device),
-        torch.tensor(values, dtype=logits.dtype, device=logits.device),
+        torch.from_numpy(keys).to(logits.device),
+        torch.from_numpy(values[in_vocab]).to(device=logits.device, dtype=logits.dtype),
     )
 
 

@@ -45,6 +45,7 @@ import torch
 
 from asyncengine.common.plan import SamplingInfo, TokenLogprobs
 from asyncengine.executor.penalties import (
+    LogitBiasArrays,
     apply_logit_bias,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
@@ -125,6 +126,7 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
         self._buffers = _Buffers()
+        self._logit_bias = LogitBiasArrays()
 
     def sample(
         self, logits: torch.Tensor, sampling: list[SamplingInfo]
@@ -215,7 +217,12 @@ class Sampler:
             [sampling[i].params.presence_penalty for i in presence_frequency_rows],
             [sampling[i].params.frequency_penalty for i in presence_frequency_rows],
         )
-        apply_logit_bias(processed, bias_rows, [sampling[i].params.logit_bias for i in bias_rows])
+        apply_logit_bias(
+            processed,
+            bias_rows,
+            [sampling[i].params.logit_bias for i in bias_rows],
+            self._logit_bias,
+        )
         # a tiny repetition penalty divides logits past float32's range: keep them finite (an
         # infinite maximum would make every probability NaN)
         processed.clamp_(max=torch.finfo(processed.dtype).max)

@@ -130,7 +130,7 @@ class Admitter:
     def fits(self, req: Request) -> bool:
         """Whether ``req``'s uncached pages and reservation fit in KV memory now (after
         ``stops_before_ordering``)."""
-        ids = req.all_ids
+        ids = req.cache_ids
         matched = self.kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
         need = self._need(len(ids) - matched, req.future_tokens(self.max_model_len))
         return need <= self.kv.available_pages
@@ -184,7 +184,7 @@ class Admitter:
         stopped = self._budget_spent()
         if stopped is not None:
             return stopped
-        ids = req.all_ids
+        ids = req.cache_ids
         kv = self.kv
         matched = kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
         if self._deferred(req, ids, matched):

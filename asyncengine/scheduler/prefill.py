@@ -88,14 +88,14 @@ class Prefill:
                 return remaining, KV_RESERVATION
             self._note_segment(req, self._add_extend(plan, req, take))
             if self.step_prefixes is not None:
-                self.step_prefixes.add(req.all_ids, computed)
+                self.step_prefixes.add(req.cache_ids, computed)
             remaining -= take
         return remaining, None
 
     def start(self, plan: BatchPlan, req: Request, remaining: int, chunk: int) -> int | None:
         """Move a waiting request to prefilling with its first chunk in ``plan``; the tokens it
         takes, or None (nothing changed) when the KV pool cannot hold that chunk."""
-        ids = req.all_ids
+        ids = req.cache_ids
         req.seq = self.kv.open(ids, cache_match_limit(req, self.prompt_scores))
         tail = take_tail(req, self.kv, self.prompt_scores)
         cached = req.kv.kv_len
@@ -151,7 +151,7 @@ class Prefill:
         assert shares is not None
         if req.retractions or (req.embedding is not None and not req.embedding.reuses_prefix):
             return None  # as with kept tails; a mean-pooled embedding sums every position
-        ids = req.all_ids
+        ids = req.cache_ids
         at = req.kv.kv_len - take
         most = min(len(ids) - 1 - at, take - 1)
         found = shares.best(ids, at, most)
@@ -226,7 +226,7 @@ class Prefill:
         self.step_shares.add(
             StepSegment(
                 req.rid,
-                req.all_ids,
+                req.cache_ids,
                 req.kv.pages,
                 segment.start_pos,
                 segment.end_pos,

@@ -57,7 +57,7 @@ def cache_match_limit(req: Request, scores: PromptScoreCache | None = None) -> i
     if following is None or scores is None:
         return following
     assert req.params.prompt_logprobs is not None
-    return scores.known_until(req.prompt_ids, following, req.params.prompt_logprobs)
+    return scores.known_until(req.cache_prompt_ids, following, req.params.prompt_logprobs)
 
 
 def may_reuse_prefix(req: Request, scores: PromptScoreCache | None) -> bool:
@@ -79,7 +79,7 @@ def take_cached_scores(
     if following is not None and scores is not None and matched > following:
         assert req.params.prompt_logprobs is not None
         req.prompt_logprobs.extend(
-            scores.take(req.prompt_ids, following, matched, req.params.prompt_logprobs)
+            scores.take(req.cache_prompt_ids, following, matched, req.params.prompt_logprobs)
         )
     req.prompt_logprobs.extend(tail)
 
@@ -98,7 +98,7 @@ def take_tail(
     if req.retractions or (req.embedding is not None and not req.embedding.reuses_prefix):
         return ()
     seq = req.kv
-    found = kv.find_tail(seq, req.all_ids)
+    found = kv.find_tail(seq, req.cache_ids)
     if found is None:
         return ()
     entry, common = found
@@ -138,7 +138,9 @@ def keep_scores(req: Request, scores: PromptScoreCache | None, before: int) -> N
     if scores is None or req.params.prompt_logprobs is None:
         return
     first = first_scored_token(req) - 1
-    scores.store(req.prompt_ids, first, req.prompt_logprobs, before, req.params.prompt_logprobs)
+    scores.store(
+        req.cache_prompt_ids, first, req.prompt_logprobs, before, req.params.prompt_logprobs
+    )
 
 
 def segment_scoring(

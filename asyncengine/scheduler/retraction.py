@@ -121,7 +121,7 @@ class Retraction:
             self.swapped[id(req)] = swapped
         else:
             self.recompute_until[id(req)] = seq.computed_len
-        self.kv.close(seq, req.all_ids[: seq.computed_len], cache=True)
+        self.kv.close(seq, req.cache_ids[: seq.computed_len], cache=True)
         req.seq = None
         req.status = RequestStatus.WAITING
         req.retractions += 1

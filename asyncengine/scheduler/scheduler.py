@@ -548,9 +548,9 @@ class Scheduler:
 
 
 def _first_ids(req: Request, n: int) -> list[int]:
-    """``req.all_ids[:n]`` (read-only: it may be ``prompt_ids`` itself) in one copy at most:
+    """``req.cache_ids[:n]`` (read-only: it may be the prompt itself) in one copy at most:
     a request's prompt and output are hundreds of tokens, copied at each prefix it caches."""
-    prompt = req.prompt_ids
+    prompt = req.cache_prompt_ids
     if n >= len(prompt):
         output = req.output_ids
         if not output or n == len(prompt):

@@ -2,7 +2,9 @@
 
 - ``POST /admin/policy`` ``{"policy": "lpm+dynamic-chunking", "options": {...}}`` swaps the
   scheduling policy at the next step boundary (running requests and KV memory untouched);
-  answers ``{"policy", "options", "previous"}``. A bad name or option is a 400 naming it.
+  answers ``{"policy", "options", "previous"}``. A bad name or option is a 400 naming it, and
+  so is a policy that is neither built in nor listed at start-up (``allowed_policies``): a
+  request never names a file or module to load.
 - ``GET /admin/policy`` answers the live policy, its shadow's agreement figures and the
   admission-block counts.
 
@@ -21,6 +23,8 @@ from aiohttp import web
 from msgspec import Struct
 
 from asyncengine.common.config import ConfigError
+from asyncengine.policies.registry import check_live_policy
+from asyncengine.server.body import check_content_type
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE
@@ -57,6 +61,7 @@ def _json(body: Any) -> web.Response:
 
 async def set_policy(request: web.Request) -> web.Response:
     _check_token(request)
+    check_content_type(request)
     change = decode_body(await request.read(), PolicyChange)
     engine = request.app[STATE].engine
     if not hasattr(engine, "set_policy"):
@@ -67,6 +72,7 @@ async def set_policy(request: web.Request) -> web.Response:
             code="policy_swap_unsupported",
         )
     try:
+        check_live_policy(change.policy, engine.config.allowed_policies)
         previous = engine.set_policy(change.policy, change.options)
     except (ConfigError, ValueError, TypeError) as exc:
         raise invalid_request(str(exc), param="policy", code="invalid_policy") from None

@@ -1,22 +1,29 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
+POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses: openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
 (sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
 token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
-- With an API key, /v1/* and /generate need ``Authorization: Bearer <key>`` (else 401);
-  /health and /metrics stay open for probes and scrapers.
-- Bodies above ``max_body_bytes`` are answered 413, bodies not JSON 415, bodies that have not
-  arrived within ``body_timeout`` seconds 408 (server/body.py).
+- With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>`` or, as
+  Anthropic's clients send it, ``x-api-key: <key>`` (else 401); /health and /metrics stay open
+  for probes and scrapers, /metrics without the series that tell one tenant of another's prompts
+  unless the key is sent (server/tenancy.py).
+- Bodies above ``max_body_bytes`` are answered 413, bodies not declared JSON 415, bodies that
+  have not arrived within ``body_timeout`` seconds 408 (server/body.py).
+- Requests that arrive over loopback with a Host or Origin that is not loopback (nor one of
+  ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
+  requests at once 503, and a client that reads nothing for ``write_timeout`` seconds is
+  dropped (server/connection_limits.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,14 +31,35 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.common.errors import EngineNotRunningError
 from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.anthropic_messages import add_anthropic_routes
+from asyncengine.server.connection_limits import (
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+    LIMITS,
+    ConnectionLimits,
+    connection_limit_middleware,
+    default_max_requests,
+)
 from asyncengine.server.embeddings import add_embeddings_route
 from asyncengine.server.errors import ApiError, Handler, error_middleware
+from asyncengine.server.host_check import ALLOWED_HOSTS, allowed_hosts, host_check_middleware
 from asyncengine.server.native import add_native_routes
+from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.responses_store import (
+    DEFAULT_STORE_BYTES,
+    DEFAULT_STORE_TTL_SECONDS,
+    ResponseStore,
+)
 from asyncengine.server.sglang_worker import add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
+from asyncengine.server.tenancy import (
+    API_KEY_DIGEST,
+    CACHE_ISOLATIONS,
+    matching_key_digest,
+    public_exposition,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_SECONDS = 30.0
@@ -42,6 +70,8 @@ GENERATION_ENDPOINTS = {
     "/v1/completions": "completions",
     "/generate": "generate",
     "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 # served without the API key: health checks, scrapes, and the API's description (as vLLM
@@ -82,26 +112,27 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    api_key = request.app[STATE].api_key
+    api_keys = request.app[STATE].api_keys
     if (
-        api_key is None
+        not api_keys
         or request.path in OPEN_PATHS
         or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
         or request.method == "OPTIONS"
     ):
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
+    header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
+        header = "Bearer " + request.headers["x-api-key"]
+    digest = matching_key_digest(header or "", api_keys)
+    if digest is None:
         raise ApiError(
             401,
-            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             type="authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    request[API_KEY_DIGEST] = digest
     return await handler(request)
 
 
@@ -119,7 +150,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.exposition()
+    state = request.app[STATE]
+    keys, header = state.api_keys, request.headers.get("Authorization", "")
+    if keys and matching_key_digest(header, keys) is None:  # open to scrapers, less tenants' data
+        body = public_exposition(state.metrics.registry)
+    else:
+        body = state.metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -138,32 +174,67 @@ def create_app(
     engine: EngineClient,
     *,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_chat_max_tokens: int | None = None,
     metrics: ServerMetrics | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     admin_token: str | None = None,
+    cache_isolation: str = "shared",
+    report_cached_tokens: bool = True,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
+    allowed_host_names: Sequence[str] = (),
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
 ) -> web.Application:
-    """Build the app around a started (or soon started) ``AsyncEngine``."""
+    """Build the app around a started (or soon started) ``AsyncEngine``. ``api_key``: one key
+    or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py.
+    ``max_connections`` None: what the engine can queue and run, and a few more.
+
+    ``responses_store_bytes`` / ``responses_store_ttl``: the bounds of the store that keeps
+    /v1/responses answers for GET and ``previous_response_id`` (0 bytes: none are kept)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
         raise ValueError("body_timeout must be > 0")
+    api_keys = tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k)
+    if cache_isolation not in CACHE_ISOLATIONS:
+        raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")
+    if cache_isolation == "api-key" and not api_keys:
+        raise ValueError("cache isolation by API key needs an API key (--api-key)")
     state = ServerState(
         engine=engine,
         metrics=metrics or ServerMetrics(engine),
         served_model_names=list(served_model_names or [_default_model_name(engine)]),
-        api_key=api_key or None,
+        api_keys=api_keys,
+        cache_isolation=cache_isolation,
+        report_cached_tokens=report_cached_tokens,
         default_chat_max_tokens=default_chat_max_tokens,
         body_timeout=body_timeout,
     )
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+        middlewares=[
+            host_check_middleware,
+            connection_limit_middleware,
+            metrics_middleware,
+            error_middleware,
+            auth_middleware,
+        ],
     )
     app[STATE] = state
+    app[ALLOWED_HOSTS] = allowed_hosts(allowed_host_names)
+    config = engine.config
+    app[LIMITS] = ConnectionLimits(
+        default_max_requests(config.max_waiting_requests, config.max_running_requests)
+        if max_connections is None
+        else max_connections,
+        write_timeout,
+    )
     add_openai_routes(app)
+    add_anthropic_routes(app)
+    add_responses_routes(app, ResponseStore(responses_store_bytes, responses_store_ttl))
     add_embeddings_route(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)

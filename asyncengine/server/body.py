@@ -1,8 +1,9 @@
 """Reading a request's JSON body: its content type, a deadline for the whole body, then
 decoding with exact errors (``decode_body``).
 
-- A Content-Type other than JSON (``application/json`` or ``*/*+json``, UTF-8) is answered 415;
-  a request without one is read as JSON.
+- A Content-Type other than JSON (``application/json`` or ``*/*+json``, UTF-8), or none, is
+  answered 415: a web page can send a body without a JSON type to another origin without
+  the browser asking first (a "simple" request), never one with it.
 - A body that has not fully arrived after ``ServerState.body_timeout`` seconds (a chunked body
   that never ends, a client that stalls) is answered 408 and its connection closed.
 - Bodies above the app's ``client_max_size`` are answered 413 by aiohttp's reader.
@@ -17,21 +18,22 @@ from aiohttp import web
 from asyncengine.server.errors import ApiError
 from asyncengine.server.openai_schema import RequestT, decode_body
 from asyncengine.server.state import ServerState
+from asyncengine.server.tenancy import isolate
 
 JSON_TYPE = "application/json"
 
 
-def _check_content_type(request: web.Request) -> None:
-    if "Content-Type" not in request.headers:
-        return
-    mime = request.content_type
+def check_content_type(request: web.Request) -> None:
+    """415 unless the body is declared JSON (UTF-8)."""
+    mime = request.content_type if "Content-Type" in request.headers else ""
     charset = (request.charset or "utf-8").lower()
     if (mime == JSON_TYPE or mime.endswith("+json")) and charset in ("utf-8", "utf8"):
         return
     raise ApiError(
         415,
         f"the request body must be JSON sent as Content-Type: {JSON_TYPE} (UTF-8), not "
-        f"{request.headers['Content-Type']!r}; with curl pass -H 'Content-Type: {JSON_TYPE}'",
+        f"{request.headers.get('Content-Type', 'none')!r}; with curl pass "
+        f"-H 'Content-Type: {JSON_TYPE}'",
         code="unsupported_media_type",
     )
 
@@ -40,7 +42,7 @@ async def read_json(
     request: web.Request, state: ServerState, request_type: type[RequestT]
 ) -> RequestT:
     """The body decoded into ``request_type``, or the ApiError that says what is wrong."""
-    _check_content_type(request)
+    check_content_type(request)
     try:
         body = await asyncio.wait_for(request.read(), state.body_timeout)
     except asyncio.TimeoutError:
@@ -50,4 +52,4 @@ async def read_json(
             code="request_timeout",
             close_connection=True,
         ) from None
-    return decode_body(body, request_type)
+    return isolate(request, state.cache_isolation, decode_body(body, request_type))

@@ -22,6 +22,7 @@ from asyncengine.common.outputs import EmbeddingOutput
 from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
+from asyncengine.server.off_loop import input_chars, run_sized
 from asyncengine.server.state import OUTCOME, STATE
 
 MAX_INPUTS = 2048  # OpenAI's limit of items per request
@@ -72,7 +73,9 @@ async def embeddings(request: web.Request) -> web.Response:
     items = embedding_inputs(req.input)
     engine = state.engine
     try:
-        prompts = [engine.intake.accept_embedding(item) for item in items]  # all checked first
+        prompts = await run_sized(  # all checked first
+            input_chars(items), lambda: [engine.intake.accept_embedding(i) for i in items]
+        )
     except InvalidRequestError as exc:
         exc.param = exc.param or "input"  # a token id outside the vocabulary, say
         raise

@@ -3,13 +3,16 @@
 Every error the server answers has the body
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` and a 4xx/5xx status.
 A client mistake is always a 4xx that names what is wrong; a 500 means a server bug or a
-failed forward pass, never bad input.
+failed forward pass, never bad input. Routes of an API with its own error shape (Anthropic's
+Messages) register it under their path prefix in ``ERROR_BODIES``.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -20,6 +23,7 @@ from asyncengine.common.errors import (
     QueueFullError,
     RequestFailedError,
 )
+from asyncengine.server.log_safe import log_safe
 
 log = logging.getLogger("asyncengine.server")
 
@@ -62,10 +66,11 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> web.Response:
+    def response(self, body: dict[str, Any] | None = None) -> web.Response:
+        """The error answered with ``body`` (default: OpenAI's shape, ``body()``)."""
         response = web.Response(
             status=self.status,
-            body=msgspec.json.encode(self.body()),
+            body=msgspec.json.encode(self.body() if body is None else body),
             content_type="application/json",
             headers=self.headers,
         )
@@ -97,11 +102,33 @@ def from_engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, RequestFailedError):
         return ApiError(
             500,
-            f"the engine failed this request: {exc}",
+            f"the engine failed this request (error id {logged_failure(exc)}; the server's log "
+            "has the details)",
             type="server_error",
             code="request_failed",
         )
     raise TypeError(f"not an engine error: {exc!r}")
+
+
+ErrorBody = Callable[[ApiError], dict[str, Any]]
+# path prefix -> the error body of the API served under it (absent: OpenAI's)
+ERROR_BODIES = web.AppKey("error_bodies", dict[str, ErrorBody])
+
+
+def error_body_for(request: web.Request, error: ApiError) -> dict[str, Any]:
+    """``error`` in the shape of the API that ``request`` addressed."""
+    for prefix, body in request.app.get(ERROR_BODIES, {}).items():
+        if request.path.startswith(prefix):
+            return body(error)
+    return error.body()
+
+
+def logged_failure(exc: BaseException) -> str:
+    """Log a failure's text server side under a fresh error id and return the id: the client
+    gets the id, never the exception's text (paths, internals)."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    log.error("%s: %s: %s", error_id, type(exc).__name__, log_safe(str(exc), 2000))
+    return error_id
 
 
 ENGINE_ERRORS = (InvalidRequestError, QueueFullError, EngineNotRunningError, RequestFailedError)
@@ -146,25 +173,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return _refused(request, _from_http_exception(request, exc))
     except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        return ApiError(
-            500, "internal server error", type="server_error", code="internal_error"
-        ).response()
+        error_id = f"err-{uuid.uuid4().hex[:12]}"
+        log.exception(
+            "%s: unhandled error serving %s %s", error_id, request.method, log_safe(request.path)
+        )
+        error = ApiError(
+            500,
+            f"internal server error (error id {error_id})",
+            type="server_error",
+            code="internal_error",
+        )
+        return error.response(error_body_for(request, error))
 
 
 def _refused(request: web.Request, error: ApiError) -> web.Response:
     """The error's response, with one log line for a refusal: status, code and reason (messages
     name fields and numbers, never the prompt's text)."""
     if error.status < 500 or error.status == 503:
-        reason = error.message
-        if len(reason) > LOGGED_REASON_CHARS:
-            reason = reason[:LOGGED_REASON_CHARS] + "..."
         log.info(
             "refused %s %s: %d %s: %s",
             request.method,
-            request.path,
+            log_safe(request.path),
             error.status,
             error.code or error.type,
-            reason,
+            log_safe(error.message, LOGGED_REASON_CHARS),
         )
-    return error.response()
+    return error.response(error_body_for(request, error))

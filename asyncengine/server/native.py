@@ -25,6 +25,7 @@ from msgspec import Meta, Struct, field
 from asyncengine.common.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.sampling_params import (
+    MAX_CACHE_SALT_LENGTH,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -33,6 +34,7 @@ from asyncengine.common.sampling_params import (
 from asyncengine.server.body import read_json
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import invalid_request
+from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_schema import (
     MinP,
     NonNegativeInt,
@@ -99,6 +101,7 @@ class GenerateRequest(Struct, kw_only=True):
     priority: Priority | None = None
     timeout: TimeoutSeconds | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -197,6 +200,7 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             priority=0 if priority is None else priority,
             timeout=_one_of("timeout", req.timeout, sp.timeout),
             tenant=req.user or None,
+            cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None
@@ -216,6 +220,8 @@ def _request_id(req: GenerateRequest) -> str:
         return uuid.uuid4().hex
     if not req.rid or len(req.rid) > MAX_RID_LENGTH:
         raise invalid_request(f"rid must be 1 to {MAX_RID_LENGTH} characters", param="rid")
+    if not req.rid.isprintable():  # the id goes into the engine's log lines
+        raise invalid_request("rid must be printable (no control characters)", param="rid")
     return req.rid
 
 
@@ -299,7 +305,8 @@ class NativeResponder:
         }
         if usage is not None:
             meta["prompt_tokens"] = usage.prompt_tokens
-            meta["cached_tokens"] = usage.cached_tokens
+            if self.state.report_cached_tokens:
+                meta["cached_tokens"] = usage.cached_tokens
             meta["accepted_speculative_tokens"] = usage.accepted_speculative_tokens
         if metrics is not None:
             meta["e2e_latency"] = metrics.e2e
@@ -317,7 +324,7 @@ class NativeResponder:
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, GenerateRequest)
-    prompt = state.engine.tokenize(_prompt(req))
+    prompt = await tokenize(state.engine, _prompt(req))
     max_new_tokens = state.engine.intake.max_new_tokens(
         req.sampling_params.max_new_tokens,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,

@@ -22,8 +22,9 @@ def combined_usage(usages: list[Usage]) -> Usage:
     return Usage(first.prompt_tokens, completion, first.cached_tokens, accepted)
 
 
-def usage_body(usage: Usage) -> Json:
-    return {
+def usage_body(usage: Usage, cached_tokens: bool = True) -> Json:
+    """``cached_tokens`` False: without ``prompt_tokens_details`` (server/tenancy.py)."""
+    body: Json = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -33,6 +34,9 @@ def usage_body(usage: Usage) -> Json:
             "accepted_prediction_tokens": usage.accepted_speculative_tokens
         },
     }
+    if not cached_tokens:
+        del body["prompt_tokens_details"]
+    return body
 
 
 def chat_logprobs(
@@ -76,8 +80,9 @@ def completion_logprobs(
 class ResponseBuilder:
     """Builds the bodies of one chat or text completion (one id, one creation time)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, cached_tokens: bool = True) -> None:
         self.id = request_id
+        self.cached_tokens = cached_tokens  # False: usage without cached_tokens
         self.model = model
         self.chat = chat
         self.created = int(time.time())
@@ -107,7 +112,7 @@ class ResponseBuilder:
                 {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
             )
         body = self._envelope("chat.completion" if self.chat else "text_completion", bodies)
-        body["usage"] = usage_body(usage)
+        body["usage"] = usage_body(usage, self.cached_tokens)
         return body
 
     def chunk(
@@ -149,5 +154,5 @@ class ResponseBuilder:
     def usage_chunk(self, usage: Usage) -> Json:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(object_, [])
-        body["usage"] = usage_body(usage)
+        body["usage"] = usage_body(usage, self.cached_tokens)
         return body

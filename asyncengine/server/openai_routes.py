@@ -9,14 +9,17 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from asyncengine.api.intake import logprob_entries
 from asyncengine.common.outputs import StreamDelta
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import ChoiceReader, read_choice
-from asyncengine.server.chat_tools import ChatOutputSpec, plan_chat
+from asyncengine.server.chat_request import prepare_chat
+from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.merged_stream import MergedStream
+from asyncengine.server.off_loop import input_chars, run_sized
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -28,8 +31,6 @@ from asyncengine.server.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_max_tokens,
-    chat_sampling_params,
     completion_prompts,
     completion_sampling_params,
 )
@@ -50,19 +51,19 @@ def json_response(body: Json, status: int = 200) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, ChatCompletionRequest)
-    model = state.check_model(req.model)
-    chat = plan_chat(req, state.engine.tokenizer)  # tools, tool choice, reasoning
-    prompt = state.engine.tokenize(chat.prompt)
-    requested, param = chat_max_tokens(req)
-    max_tokens = state.engine.intake.max_new_tokens(
-        requested, state.default_chat_max_tokens, len(prompt), param
+    chat = await prepare_chat(state, req)
+    builder = ResponseBuilder(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        chat.model,
+        chat=True,
+        cached_tokens=state.report_cached_tokens,
     )
-    params = chat.constrain(chat_sampling_params(req, max_tokens, state.engine.config.max_n))
-    builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _stream(request, state, prompt, params, builder, include_usage, chat.output)
-    return await _complete(request, state, prompt, params, builder, chat.output)
+        return await _stream(
+            request, state, chat.prompt, chat.params, builder, include_usage, chat.output
+        )
+    return await _complete(request, state, chat.prompt, chat.params, builder, chat.output)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -72,14 +73,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model)
     given = completion_prompts(req)
-    prompts = [state.engine.tokenize(p) for p in given]
+    prompts = await run_sized(input_chars(given), lambda: [state.engine.tokenize(p) for p in given])
     params = []
     for prompt in prompts:
         max_tokens = state.engine.intake.max_new_tokens(
             req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
         )
         params.append(completion_sampling_params(req, max_tokens, state.engine.config.max_n))
-    builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
+    state.engine.intake.check_logprob_entries(
+        sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
+    )
+    builder = ResponseBuilder(
+        f"cmpl-{uuid.uuid4().hex}", model, chat=False, cached_tokens=state.report_cached_tokens
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
     if req.echo:

@@ -15,6 +15,8 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from asyncengine.common.sampling_params import (
+    MAX_CACHE_SALT_LENGTH,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_PRIORITY,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
@@ -96,6 +98,8 @@ class _CommonRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+    # vLLM's: requests with different salts share no prefix-cache pages
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None  # output constraints SGLang also takes (one at most)
     ebnf: str | None = None
@@ -269,12 +273,20 @@ def _is_token_id(value: Any) -> bool:
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's logit_bias (token id strings to -100..100) with the bad entry named."""
+    """OpenAI's logit_bias (token id strings to -100..100) with the bad entry named; the
+    vocabulary bound is checked at intake."""
+    bias = bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid_request(
+            f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS_ENTRIES}",
+            param="logit_bias",
+        )
     parsed: dict[int, float] = {}
-    for key, value in (bias or {}).items():
-        if not key.isdigit():
+    for key, value in bias.items():
+        # ASCII digits only ("²".isdigit() is true), and few enough for any vocabulary
+        if not (key.isascii() and key.isdigit() and len(key) <= _TOKEN_ID_DIGITS):
             raise invalid_request(
-                f"logit_bias key {key!r} is not a token id (a non-negative integer)",
+                f"logit_bias key {_short(key)} is not a token id (a non-negative integer)",
                 param="logit_bias",
             )
         if not -100 <= value <= 100:
@@ -283,6 +295,13 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
             )
         parsed[int(key)] = float(value)
     return parsed
+
+
+_TOKEN_ID_DIGITS = 18  # within int64, far past any vocabulary
+
+
+def _short(key: str) -> str:
+    return repr(key) if len(key) <= 40 else repr(key[:40]) + f"... ({len(key)} characters)"
 
 
 def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
@@ -368,6 +387,7 @@ def _sampling_params(
             priority=req.priority,
             timeout=req.timeout,
             tenant=req.user or None,
+            cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), code="invalid_value") from None

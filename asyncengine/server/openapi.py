@@ -16,9 +16,11 @@ import msgspec
 from aiohttp import web
 
 from asyncengine.server.admin import PolicyChange
+from asyncengine.server.anthropic_schema import CountTokensRequest, MessagesRequest
 from asyncengine.server.embeddings import EmbeddingRequest
 from asyncengine.server.native import GenerateRequest
 from asyncengine.server.openai_schema import ChatCompletionRequest, CompletionRequest
+from asyncengine.server.responses_schema import ResponsesRequest
 
 OPENAPI_PATH = "/openapi.json"
 _DOCUMENT = web.AppKey("openapi_document", dict)  # filled at the first request
@@ -29,8 +31,13 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/generate": GenerateRequest,
     "/admin/policy": PolicyChange,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
 }
-STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+STREAMING_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses"}
+)
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -41,7 +48,8 @@ class ErrorDetail(msgspec.Struct, kw_only=True):
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):
-    """The body of every error the server answers (server/errors.py)."""
+    """The body of every error the server answers (server/errors.py); under /v1/messages,
+    Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
 
     error: ErrorDetail
 
@@ -51,7 +59,7 @@ _PATH_PARAMETER = re.compile(r"\{([^}/]+)\}")
 _ERROR_STATUSES = {
     "400": "the request is invalid (the message names the field)",
     "401": "missing or wrong API key",
-    "404": "unknown model or route",
+    "404": "unknown model, route or stored response",
     "408": "the body or the generation timed out",
     "413": "the body is too large",
     "415": "the body is not JSON",

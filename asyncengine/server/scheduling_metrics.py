@@ -6,7 +6,10 @@ scrape time (the server's metrics collector yields them):
 - ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
 - ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
 - ``asyncengine_policy_swaps_total``: live policy changes;
-- ``asyncengine_tenant_{requests,prompt_tokens,generation_tokens}_total{tenant}``;
+- ``asyncengine_tenant_{requests,prompt_tokens,generation_tokens}_total{tenant}``: the label
+  is ``tenant_label(name)``, a hash of the client's ``user`` string (a scrape must not list
+  other clients' names; the operator hashes a name to find its series), "" for requests without
+  one and "_other" for those past the cap on tenants (tenant_stats.py);
 - ``asyncengine_shadow_decisions_total``, ``..._shadow_first_pick_agreements_total`` and
   ``..._shadow_top_k_same_total`` with the gauges ``asyncengine_shadow_first_pick_agreement``
   and ``asyncengine_shadow_top_k_agreement`` (means over the decisions), labelled with the
@@ -15,10 +18,13 @@ scrape time (the server's metrics collector yields them):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from asyncengine.core.tenant_stats import NO_TENANT, OTHER
 
 PREFIX = "asyncengine"
 
@@ -33,6 +39,13 @@ TENANT_COUNTERS: dict[str, tuple[str, str]] = {
     "tenant_prompt_tokens": ("prompt_tokens", "Prompt tokens of accepted requests, by tenant"),
     "tenant_generation_tokens": ("generated_tokens", "Tokens generated, by tenant"),
 }
+
+
+def tenant_label(tenant: str) -> str:
+    """The metrics label of a tenant: ``t-`` and 12 hex digits of its SHA-256."""
+    if tenant in (NO_TENANT, OTHER):
+        return tenant
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:12]
 
 
 def scheduling_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
@@ -55,7 +68,7 @@ def scheduling_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
         for name, (key, doc) in TENANT_COUNTERS.items():
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["tenant"])
             for tenant, row in tenants.items():
-                family.add_metric([tenant], float(row.get(key, 0)))
+                family.add_metric([tenant_label(tenant)], float(row.get(key, 0)))
             yield family
     shadow = stats.get("shadow")
     if isinstance(shadow, dict):

@@ -27,9 +27,16 @@ from asyncengine.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     create_app,
 )
+from asyncengine.server.client_error_log import log_client_errors_quietly
+from asyncengine.server.connection_limits import (
+    DEFAULT_IDLE_TIMEOUT_SECONDS,
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+)
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.responses_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_SECONDS
 from asyncengine.server.state import STATE
+from asyncengine.server.tenancy import CACHE_ISOLATIONS
 
 log = logging.getLogger("asyncengine.server")
 
@@ -54,8 +61,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer <key>' on /v1/* and /generate (default: ${API_KEY_ENV})",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* and /generate (repeatable: any of "
+        f"the keys; default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATIONS,
+        default="shared",
+        help="api-key: each API key gets its own prefix-cache namespace (clients of different "
+        "keys share no cached pages); shared (default): one cache, split only by cache_salt",
+    )
+    group.add_argument(
+        "--omit-cached-tokens",
+        action="store_true",
+        help="leave cached_tokens out of responses (it tells a client what others sent)",
     )
     group.add_argument(
         "--served-model-name",
@@ -97,6 +118,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
     )
     group.add_argument(
+        "--responses-store-mib",
+        type=float,
+        default=DEFAULT_STORE_BYTES / 2**20,
+        help="memory (MiB of JSON) that keeps /v1/responses answers for GET and "
+        "previous_response_id, the oldest dropped first; 0 keeps none "
+        f"(default {DEFAULT_STORE_BYTES / 2**20:g})",
+    )
+    group.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_STORE_TTL_SECONDS,
+        help="seconds a stored /v1/responses answer is kept "
+        f"(default {DEFAULT_STORE_TTL_SECONDS:g})",
+    )
+    group.add_argument(
         "--record-trace",
         metavar="FILE",
         default=None,
@@ -109,6 +145,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
     group.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name (besides localhost, loopback addresses and this machine's name) "
+        "that a loopback server accepts in Host or Origin, e.g. a proxy's; repeatable "
+        "(others get 403)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="requests served at once, streams included; more get 503 (default: "
+        "max_waiting_requests + max_running_requests + 64)",
+    )
+    group.add_argument(
+        "--write-timeout",
+        type=float,
+        default=DEFAULT_WRITE_TIMEOUT_SECONDS,
+        help="seconds a response may wait for its client to read it, then the connection is "
+        f"dropped and its request aborted (default {DEFAULT_WRITE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_SECONDS,
+        help="seconds an idle keep-alive connection stays open "
+        f"(default {DEFAULT_IDLE_TIMEOUT_SECONDS:g})",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -117,7 +183,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start_http(
-    app: web.Application, host: str = DEFAULT_HOST, port: int = 0, shutdown_grace: float = 5.0
+    app: web.Application,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    shutdown_grace: float = 5.0,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> tuple[web.AppRunner, int]:
     """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
 
@@ -128,11 +198,13 @@ async def start_http(
     """
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine request at once instead of when the next token fails to write.
+    log_client_errors_quietly()
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
         access_log=None,
+        keepalive_timeout=idle_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -161,7 +233,7 @@ async def run_server(
     config: EngineConfig,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     log_interval: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     *,
@@ -175,8 +247,16 @@ async def run_server(
     engine: Any = None,
     metrics: ServerMetrics | None = None,
     admin_token: str | None = None,
+    cache_isolation: str = "shared",
+    report_cached_tokens: bool = True,
     record_trace: str | None = None,
     record_trace_hashed: bool = False,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    responses_store_ttl: float = DEFAULT_STORE_TTL_SECONDS,
+    allowed_hosts: list[str] | None = None,
+    max_connections: int | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -217,8 +297,15 @@ async def run_server(
             body_timeout=body_timeout,
             metrics=metrics,
             admin_token=admin_token,
+            cache_isolation=cache_isolation,
+            report_cached_tokens=report_cached_tokens,
+            responses_store_bytes=responses_store_bytes,
+            responses_store_ttl=responses_store_ttl,
+            allowed_host_names=allowed_hosts or (),
+            max_connections=max_connections,
+            write_timeout=write_timeout,
         )
-        runner, bound_port = await start_http(app, host, port, shutdown_grace)
+        runner, bound_port = await start_http(app, host, port, shutdown_grace, idle_timeout)
         log.info(
             "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
@@ -251,7 +338,9 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "host": args.host,
         "port": args.port,
-        "api_key": args.api_key,
+        "api_key": args.api_key or os.environ.get(API_KEY_ENV),
+        "cache_isolation": args.cache_isolation,
+        "report_cached_tokens": not args.omit_cached_tokens,
         "log_interval": args.server_log_interval,
         "max_body_bytes": args.max_body_bytes,
         "served_model_names": args.served_model_name,
@@ -261,6 +350,12 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "admin_token": args.admin_token,
         "record_trace": args.record_trace,
         "record_trace_hashed": args.record_trace_hashed,
+        "responses_store_bytes": int(args.responses_store_mib * 2**20),
+        "responses_store_ttl": args.responses_store_ttl,
+        "allowed_hosts": args.allowed_host,
+        "max_connections": args.max_connections,
+        "write_timeout": args.write_timeout,
+        "idle_timeout": args.idle_timeout,
     }
 
 

@@ -2,9 +2,11 @@
 that it can route over several asyncengine servers as over SGLang workers.
 
 GET /server_info and /get_server_info (limits and engine stats), GET /model_info and
-/get_model_info (the model), GET /get_load (requests and tokens in the engine), POST or GET
-/flush_cache (empty the prefix cache; 400 while requests run or wait), GET /health_generate
-(/health that also generates one token). /health, /generate and /v1/* are the app's own.
+/get_model_info (the model), GET /get_load (requests and tokens in the engine), POST
+/flush_cache (empty the prefix cache; 400 while requests run or wait; a GET is 405: a state
+change is never a GET, which a web page can make a browser send), GET /health_generate
+(/health that also generates one token; a failure's text goes to the log, the client gets an
+error id). /health, /generate and /v1/* are the app's own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from aiohttp import web
 from asyncengine.common.errors import EngineError
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.completion import generate
-from asyncengine.server.errors import ApiError
+from asyncengine.server.errors import ApiError, logged_failure
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.state import STATE
 
@@ -103,7 +105,7 @@ async def health_generate(request: web.Request) -> web.Response:
     except Exception as exc:
         raise ApiError(
             503,
-            f"the engine could not generate: {type(exc).__name__}: {exc}",
+            f"the engine could not generate (error id {logged_failure(exc)})",
             type="service_unavailable",
             code="engine_unhealthy",
         ) from None
@@ -134,4 +136,3 @@ def add_sglang_worker_routes(app: web.Application) -> None:
     ):
         app.router.add_get(path, handler)
     app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get("/flush_cache", flush_cache)

@@ -1,11 +1,15 @@
-"""Server-sent events: ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n``."""
+"""Server-sent events: ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n`` (OpenAI's),
+or named ones, ``event: <name>\\ndata: <json>\\n\\n``, that end with the stream (Anthropic's)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
+
+from asyncengine.server.connection_limits import LIMITS, WriteTimeoutError, write_within
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -22,7 +26,18 @@ class ClientGone(Exception):
     """The client closed the connection while we were streaming to it."""
 
 
+@dataclass(frozen=True, slots=True)
+class NamedEvent:
+    """A frame sent with an ``event:`` line (clients that dispatch on it need one)."""
+
+    name: str
+    payload: Any
+
+
 def frame(payload: Any) -> bytes:
+    if isinstance(payload, NamedEvent):
+        data = msgspec.json.encode(payload.payload)
+        return b"event: " + payload.name.encode() + b"\ndata: " + data + b"\n\n"
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
@@ -39,14 +54,19 @@ class SSEWriter:
     async def send(self, payload: Any) -> None:
         await self._write(frame(payload))
 
-    async def done(self) -> None:
-        await self._write(DONE_FRAME, eof=True)
+    async def done(self, marker: bool = True) -> None:
+        """End the stream, with ``data: [DONE]`` first unless ``marker`` is false."""
+        await self._write(DONE_FRAME if marker else b"", eof=True)
 
     async def _write(self, data: bytes, eof: bool = False) -> None:
+        limits = self._request.app.get(LIMITS)
         try:
-            await self.response.write(data)
+            if limits is None:
+                await self.response.write(data)
+            else:  # a client that stopped reading is dropped after the write timeout
+                await write_within(self._request, limits.write_timeout, self.response.write(data))
             if eof:
                 await self.response.write_eof()
-        except (ConnectionResetError, RuntimeError) as exc:
+        except (ConnectionResetError, RuntimeError, WriteTimeoutError) as exc:
             # ConnectionResetError: the transport is closing; RuntimeError: it is already gone.
             raise ClientGone(str(exc)) from exc

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
 from aiohttp import web
 
 from asyncengine.api.engine_client import EngineClient
+from asyncengine.common.outputs import Usage
 from asyncengine.server.errors import ApiError
 from asyncengine.server.prometheus import ServerMetrics
 
@@ -19,7 +20,9 @@ class ServerState:
     engine: EngineClient
     metrics: ServerMetrics
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1/* and /generate (none: open)
+    cache_isolation: str = "shared"  # or "api-key": one prefix-cache namespace per key (tenancy.py)
+    report_cached_tokens: bool = True  # False: responses omit cached_tokens
     # Chat requests without max_tokens generate up to this many tokens (None: up to the context
     # limit, as OpenAI does). Text completions default to 16, OpenAI's documented default.
     default_chat_max_tokens: int | None = None
@@ -27,6 +30,11 @@ class ServerState:
     body_timeout: float = 30.0
     shutting_down: bool = False
     token_text: Callable[[int], str] = field(init=False)
+
+    def shown_usage(self, usage: Usage) -> Usage:
+        """``usage`` as this server reports it: no cached tokens when they are not reported
+        (APIs whose usage schema requires the field get 0)."""
+        return usage if self.report_cached_tokens else replace(usage, cached_tokens=0)
 
     def __post_init__(self) -> None:
         engine = self.engine

@@ -9,6 +9,7 @@ the request, and however the handler ends (done, error, client gone, cancelled) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from aiohttp import web
 from asyncengine.api.engine_client import DeltaStream
 from asyncengine.common.outputs import StreamDelta
 from asyncengine.server.completion import outcome_of
-from asyncengine.server.errors import ENGINE_ERRORS, from_engine_error
+from asyncengine.server.errors import ENGINE_ERRORS, ApiError, from_engine_error
 from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, ServerState
 
@@ -53,9 +54,13 @@ async def stream_response(
     stream: DeltaStream,
     fmt: StreamFormat,
     choices: int,
+    *,
+    done_marker: bool = True,
+    error_frame: Callable[[ApiError], Frame] = ApiError.body,
 ) -> web.StreamResponse:
     """Send ``stream`` (all its ``choices``) as server-sent events formatted by ``fmt``; record
-    the outcome."""
+    the outcome. ``done_marker``: end with ``data: [DONE]`` (OpenAI's APIs; Anthropic's ends
+    without); ``error_frame``: the frame that reports an engine failure after the headers."""
     finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
         delta = await _next(stream)  # engine refusals become a 4xx/503 before headers go out
@@ -76,14 +81,14 @@ async def stream_response(
             if len(finals) == choices:
                 for frame in fmt.closing(sorted(finals, key=lambda d: d.index)):
                     await writer.send(frame)
-            await writer.done()
+            await writer.done(done_marker)
             outcome = outcome_of(*(d.finish_reason for d in finals))
             request[OUTCOME] = "abort" if len(finals) < choices else outcome
         except ENGINE_ERRORS as exc:
             # Headers are gone: report the failure in-band, as other OpenAI servers do.
             request[OUTCOME] = "error"
-            await writer.send(from_engine_error(exc).body())
-            await writer.done()
+            await writer.send(error_frame(from_engine_error(exc)))
+            await writer.done(done_marker)
         return writer.response
     except ClientGone:
         request[OUTCOME] = "abort"

@@ -107,7 +107,7 @@ class BulkDecode:
             and req.text is None
             and req.grammar is None
             and not req.prefill_only
-            and token not in params.stop_token_ids
+            and token not in params.stop_token_set
             and (params.ignore_eos or token not in self.core.lifecycle.eos_token_ids)
             and len(seq.pages) == -(-seq.kv_len // self.page_size)
             and req.rid not in self.core.lifecycle.followers

@@ -115,29 +115,53 @@ class ParsedPiece:
     calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+class JsonValueEnd:
+    """Finds where a JSON object or array ends, fed in pieces: the scan's state (depth, inside
+    a string, after a backslash) carries over, so each character is looked at once.
+    ``steps`` counts the characters looked at."""
+
+    __slots__ = ("depth", "in_string", "escaped", "done", "steps")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+        self.steps = 0
+
+    def feed(self, text: str, start: int = 0) -> int | None:
+        """Index in ``text`` just past the value's closing bracket; None while not closed."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        end: int | None = None
+        i = start
+        for i in range(start, len(text)):
+            char = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    end = i + 1
+                    break
+        self.steps += (i + 1 - start) if end is not None else len(text) - start
+        self.depth, self.in_string, self.escaped = depth, in_string, escaped
+        self.done = end is not None
+        return end
+
+
 def _json_value_end(text: str, start: int) -> int | None:
     """Index just past the JSON object or array starting at ``text[start]``; None while it
     is not closed yet."""
-    depth = 0
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return JsonValueEnd().feed(text, start)
 
 
 def _head_name(head: re.Match[str]) -> str | None:
@@ -176,14 +200,15 @@ class _StreamedCall:
     def __init__(self, index: int) -> None:
         self.index = index
         self.id = new_call_id()
-        self.body = ""
+        self.body = ""  # the call's text until its arguments begin
         self.args_start: int | None = None  # where the arguments object starts in body
         self.sent_args = 0  # characters of the arguments already sent
+        self.arguments_end = JsonValueEnd()  # the arguments' scan, kept between pieces
 
     def grow(self, text: str) -> list[ToolCallDelta]:
-        self.body += text
         deltas: list[ToolCallDelta] = []
         if self.args_start is None:
+            self.body += text
             head = _CALL_HEAD.match(self.body)
             if head is None or len(self.body) <= head.end() or self.body[head.end()] != "{":
                 return deltas
@@ -192,11 +217,14 @@ class _StreamedCall:
                 return deltas
             self.args_start = head.end()
             deltas.append(ToolCallDelta(self.index, self.id, name))
-        end = _json_value_end(self.body, self.args_start)
-        available = self.body[self.args_start : end]
-        if len(available) > self.sent_args:
-            deltas.append(ToolCallDelta(self.index, arguments=available[self.sent_args :]))
-            self.sent_args = len(available)
+            text = self.body[self.args_start :]
+        if self.arguments_end.done:  # text past the arguments' closing brace is held back
+            return deltas
+        end = self.arguments_end.feed(text)
+        new = text if end is None else text[:end]
+        if new:
+            deltas.append(ToolCallDelta(self.index, arguments=new))
+            self.sent_args += len(new)
         return deltas
 
     def close(self) -> list[ToolCallDelta] | None:
@@ -272,11 +300,15 @@ class Llama3JsonToolParser:
     the output ends, so they are sent whole then."""
 
     def __init__(self) -> None:
-        self._buffer = ""
+        self._buffer = ""  # the output until it is known to be calls or text
+        self._calls: list[str] = []  # an output of calls, in pieces (joined once, at the end)
         self._calls_mode: bool | None = None  # None until the first non-space character
         self.count = 0
 
     def feed(self, text: str) -> ParsedPiece:
+        if self._calls_mode:
+            self._calls.append(text)
+            return ParsedPiece()
         self._buffer += text
         if self._calls_mode is None:
             head = self._buffer.lstrip()
@@ -286,12 +318,15 @@ class Llama3JsonToolParser:
                 return ParsedPiece()  # maybe the tag, cut
             self._calls_mode = head.startswith(("{", _PYTHON_TAG))
         if self._calls_mode:
+            self._calls.append(self._buffer)
+            self._buffer = ""
             return ParsedPiece()
         text, self._buffer = self._buffer, ""
         return ParsedPiece(text)
 
     def finish(self) -> ParsedPiece:
-        text, self._buffer = self._buffer, ""
+        text = self._buffer + "".join(self._calls)
+        self._buffer, self._calls = "", []
         if not self._calls_mode:
             return ParsedPiece(text)
         calls = _split_llama_calls(text.strip().removeprefix(_PYTHON_TAG))

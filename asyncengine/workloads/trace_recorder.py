@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,21 @@ from asyncengine.workloads.live_trace import VERSION, page_hashes
 
 log = logging.getLogger("asyncengine.trace")
 
+TRACE_FILE_MODE = 0o600
+
 # recorded in their own fields, or meaningless to a replay
 _OWN_FIELDS = frozenset({"priority", "tenant", "timeout"})
-_DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams)}
+_DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams) if f.init}
 
 
 def params_record(params: SamplingParams) -> dict[str, Any]:
     """The sampling parameters that differ from the defaults (max_new_tokens always)."""
     values = asdict(params)
-    record = {k: v for k, v in values.items() if k not in _OWN_FIELDS and v != _DEFAULTS.get(k)}
+    record = {
+        k: v
+        for k, v in values.items()
+        if k in _DEFAULTS and k not in _OWN_FIELDS and v != _DEFAULTS[k]
+    }
     record["max_new_tokens"] = params.max_new_tokens
     return record
 
@@ -47,7 +54,10 @@ class TraceRecorder:
         self.page_size = page_size
         self.hashed = hashed
         self.lines = 0
-        self._file = open(self.path, "w", encoding="utf-8", buffering=1)
+        # 0600: a trace holds every prompt's token ids (or their page hashes)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, TRACE_FILE_MODE)
+        os.fchmod(fd, TRACE_FILE_MODE)  # a file that was there keeps no wider mode
+        self._file = open(fd, "w", encoding="utf-8", buffering=1)
         self._write(
             {
                 "type": "header",

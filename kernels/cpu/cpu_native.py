@@ -3,7 +3,9 @@
 Each C file is compiled once per machine with the system C compiler (``cc -O3 -march=native
 -fopenmp``) into ``$ASYNCENGINE_CACHE/kernels/`` (default ``~/.cache/asyncengine``), named by
 the hash of its source, the flags and this CPU's model, so later starts only load it (a second
-at most the first time, nothing after). ctypes releases the GIL while a kernel runs, and the
+at most the first time, nothing after). The directory is private to this user (0700) and a
+library is loaded only if it is this user's and no one else may write it
+(asyncengine/common/private_cache.py): else ``UnsafeCacheError`` names the file and what is wrong. ctypes releases the GIL while a kernel runs, and the
 library shares torch's OpenMP runtime (torch loads ``libgomp.so.1`` first, and the dynamic
 loader reuses it by that name), so its parallel loops run on torch's threads.
 
@@ -26,6 +28,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncengine.common.private_cache import (
+    DIR_MODE,
+    cache_dir,
+    cache_root,
+    check_private_file,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,12 +43,11 @@ log = logging.getLogger("asyncengine.kernels")
 SOURCE_DIR = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ENABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
+KERNEL_DIR = "kernels"
 
 
 def _cache_dir() -> Path:
-    configured = os.environ.get("ASYNCENGINE_CACHE")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "asyncengine"
-    return root / "kernels"
+    return cache_root() / KERNEL_DIR
 
 
 def _cpu_model() -> str:
@@ -80,13 +88,13 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     import torch  # noqa: F401  (its libgomp must be loaded first: the library shares it)
 
+    cache_dir(KERNEL_DIR)  # 0700, ours (else UnsafeCacheError)
     target = library_path(name, extra_flags)
-    if not target.is_file():
+    if not os.path.lexists(target):
         compiler = _compiler()
         if compiler is None:
             log.warning("no C compiler found: native CPU kernels are off (torch paths instead)")
             return None
-        target.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         command = [
@@ -102,6 +110,7 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         started = time.perf_counter()
         try:
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+            os.chmod(staging, DIR_MODE)  # the linker may have made it anew with the umask's mode
             os.replace(staging, target)  # atomic: concurrent first starts see a whole file
             log.info("compiled %s in %.1fs: %s", name, time.perf_counter() - started, target)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
@@ -113,6 +122,7 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             )
             Path(staging).unlink(missing_ok=True)
             return None
+    check_private_file(target)  # never dlopen what another user could have written
     try:
         return ctypes.CDLL(str(target))
     except OSError as exc:

@@ -64,6 +64,9 @@ class Replay:
                 ps = event.block_size
                 if event.parent_block_hash is not None:
                     assert event.parent_block_hash in self.blocks, "stored after an unknown page"
+                if not event.token_ids:  # published without token ids: the hashes only
+                    self.blocks.update(dict.fromkeys(event.block_hashes, []))
+                    continue
                 assert len(event.token_ids) == ps * len(event.block_hashes)
                 assert event.block_hashes == page_hashes(
                     event.token_ids, ps, event.parent_block_hash
@@ -137,15 +140,21 @@ def test_the_wire_shape_is_vllms() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("token_ids", [False, True], ids=["hashes-only", "with-token-ids"])
 async def test_a_subscriber_rebuilds_the_engines_cache(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, token_ids: bool
 ) -> None:
+    """By default a subscriber learns which pages are held (their hashes), never their tokens;
+    with ``kv_events_token_ids`` it can rebuild the tokens too."""
     import zmq
     import zmq.asyncio
 
     # a small pool: the requests below overflow it, so pages are evicted too
     config = engine_config(
-        tiny_model_dir(tmp_path_factory), kv_events="tcp://127.0.0.1:*", kv_cache_tokens=1024
+        tiny_model_dir(tmp_path_factory),
+        kv_events="tcp://127.0.0.1:*",
+        kv_cache_tokens=1024,
+        kv_events_token_ids=token_ids,
     )
     running = await start_server(config)
     engine: AsyncEngine = running.engine
@@ -181,7 +190,12 @@ async def test_a_subscriber_rebuilds_the_engines_cache(
         assert await wait_until(lambda: engine_idle(engine))
         await receive_until_quiet()
         tree = engine.scheduler.kv.tree
-        assert replay.blocks == tree_blocks(tree) and replay.blocks
+        held_now = tree_blocks(tree)
+        if token_ids:
+            assert replay.blocks == held_now and replay.blocks
+        else:  # the same pages, and not one token of any prompt
+            assert set(replay.blocks) == set(held_now) and replay.blocks
+            assert all(tokens == [] for tokens in replay.blocks.values())
         assert sequence == list(range(len(sequence)))
         assert replay.removed > 0  # the pool overflowed: pages were evicted
         await engine.reset_prefix_cache()
@@ -198,3 +212,16 @@ async def test_a_subscriber_rebuilds_the_engines_cache(
         sub.close(linger=0)
         context.term()
         await running.stop()
+
+
+def test_the_cli_flag_turns_token_ids_on() -> None:
+    import argparse
+
+    from asyncengine.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-events", "tcp://127.0.0.1:*"])
+    assert engine_config_from_args(args).kv_events_token_ids is False
+    args = parser.parse_args(["--kv-events", "tcp://127.0.0.1:*", "--kv-events-token-ids"])
+    assert engine_config_from_args(args).kv_events_token_ids is True

@@ -21,3 +21,39 @@ def test_fair_admits_a_light_tenant_behind_a_window_full_of_a_heavy_one() -> Non
         finish[policy] = sorted(done, key=lambda rid: done[rid]).index("light")
     assert finish["fcfs"] > 190  # behind the whole heavy backlog
     assert finish["fair"] < 10  # its head was among the candidates from the start
+
+
+def test_fair_forgets_idle_tenants_past_its_cap_and_they_come_back_at_the_floor() -> None:
+    """Tenant names come from clients: a stream of fresh names must not grow the state."""
+    from typing import Any, cast
+
+    from asyncengine.common.request import Request
+    from asyncengine.common.sampling_params import SamplingParams
+    from asyncengine.policies.base import PolicyContext
+    from policies.fair import FairPolicy
+
+    policy = FairPolicy(max_idle_tenants=8)
+    ctx = cast(PolicyContext, None)  # fair's ordering reads no context
+
+    def arrive(rid: str, tenant: str) -> Request:
+        req = Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, tenant=tenant), 0.0)
+        policy.order([req], ctx)
+        return req
+
+    steady = arrive("steady", "steady")  # stays active throughout
+    policy.counters["steady"] = 500.0
+    for i in range(1000):
+        req = arrive(f"r{i}", f"user-{i}")
+        policy.counters[f"user-{i}"] += 1000.0  # served a lot, then idle
+        policy.finished(req)
+    state: dict[str, Any] = {"counters": policy.counters, "live": policy._live}
+    for name, table in state.items():
+        assert len(table) <= 8 + 1, (name, len(table))  # the cap, and the active tenant
+    assert "user-0" not in policy.counters and "user-999" in policy.counters
+    # a forgotten tenant comes back as a new one: at the active floor, not at 0
+    arrive("again", "user-0")
+    assert policy.counters["user-0"] == 500.0
+    # one remembered keeps its own higher counter (lifted to the floor of 500, then served 1000)
+    arrive("again2", "user-999")
+    assert policy.counters["user-999"] == 1500.0
+    policy.finished(steady)

@@ -4,6 +4,8 @@ error, the server serving normally afterwards with no KV page leaked."""
 
 from __future__ import annotations
 
+import json
+import time
 from types import ModuleType
 from typing import Any
 
@@ -111,8 +113,58 @@ def test_a_short_fuzz_run_finds_no_server_error(tmp_path_factory: pytest.TempPat
         assert report.failures == []
         assert report.requests > 90
         assert report.operations["POST /v1/chat/completions (tools)"].requests == 3
+        for operation in ("POST /v1/messages", "POST /v1/responses"):  # the agent APIs too
+            assert report.operations[f"{operation} (positive)"].requests == 10
         assert fuzz.serves_normally(base_url)
         assert server.call(server.leak_check()) == "ok"
         assert requests.get(base_url + "/health", timeout=10).status_code == 200
     finally:
         server.stop()
+
+
+def test_the_fuzzer_reports_each_body_that_made_the_server_log_an_error(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The long run's check: a request during which the server logs an ERROR line fails the run,
+    with its body, seed and round, though it was answered 200; the same seed sends the same
+    bodies."""
+    import logging
+
+    fuzz = _fuzz_script()
+    config = engine_config(tiny_model_dir(tmp_path_factory), max_new_tokens_limit=4)
+    server = fuzz.BackgroundServer(config)
+    base_url = server.start()
+    engine = server.engine
+    real = engine.generate_choices
+
+    async def logging_an_error(prompt: Any, params: Any, **kwargs: Any) -> Any:
+        logging.getLogger("asyncengine.core.lifecycle").error("injected: prompt %r", prompt[:3])
+        return await real(prompt, params, **kwargs)
+
+    engine.generate_choices = logging_an_error
+    log = fuzz.ErrorLines()
+    logging.getLogger().addHandler(log)
+    try:
+        runs = []
+        for _ in range(2):
+            report = fuzz.FuzzReport(log=log)
+            fuzz.fuzz(base_url, 4, seed=3, paths=("/v1/completions",), report=report)
+            runs.append(report)
+        started = time.monotonic()
+        timed = fuzz.fuzz_for(base_url, 3.0, 50, seed=3, paths=("/v1/completions",))
+        assert timed.rounds >= 1 and time.monotonic() - started < 20
+    finally:
+        logging.getLogger().removeHandler(log)
+        server.stop()
+    report = runs[0]
+    assert set(report.operations) == {
+        "POST /v1/completions (positive)",
+        "POST /v1/completions (negative)",
+    }
+    answered = [f for f in report.failures if f["status"] == 200]
+    assert answered and report.error_lines >= len(answered)
+    for finding in answered:
+        assert "server ERROR line" in finding["problem"] and finding["seed"] == 3
+        assert "injected: prompt" in finding["server_errors"][0]
+        assert json.loads(finding["body"])  # the body as sent, to replay
+    assert [f["body"] for f in runs[1].failures] == [f["body"] for f in report.failures]

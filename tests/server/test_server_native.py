@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -262,7 +263,7 @@ async def test_api_key(http: aiohttp.ClientSession, server: RunningServer) -> No
 
 
 async def test_failed_forward_is_reported_not_hung(
-    http: aiohttp.ClientSession, server: RunningServer
+    http: aiohttp.ClientSession, server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     runner = server.engine.executor
     real_execute = runner.execute
@@ -282,11 +283,19 @@ async def test_failed_forward_is_reported_not_hung(
             assert resp.status == 200
             chunks = sse_json(await resp.read())
         assert chunks[-1]["error"]["code"] == "request_failed"
-        assert "injected forward failure" in chunks[-1]["error"]["message"]
+        # the client gets an error id, the server's log the exception's text under that id
+        message = chunks[-1]["error"]["message"]
+        assert "injected" not in message and "RuntimeError" not in message
+        error_id = re.search(r"error id (err-[0-9a-f]+)", message)
+        assert error_id is not None, message
+        logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any(error_id[1] in m and "injected forward failure" in m for m in logged), logged
         body["stream"] = False
         async with http.post(server.base_url + "/v1/completions", json=body) as resp:
             assert resp.status == 500
-            assert (await resp.json())["error"]["type"] == "server_error"
+            error = (await resp.json())["error"]
+            assert error["type"] == "server_error" and "injected" not in error["message"]
+            assert "error id err-" in error["message"]
     finally:
         runner.execute = real_execute
     assert await wait_until(lambda: engine_idle(server.engine))

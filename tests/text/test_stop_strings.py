@@ -70,3 +70,81 @@ def test_streamed_output_does_not_depend_on_chunking(
         assert scan.held == len(f.pending)
     emitted += f.flush()
     assert (emitted, f.matched) == _reference(text, stop)
+
+
+def _naive_first_stop(text: str, stop: list[str]) -> tuple[int, str] | None:
+    """Where (end index) and which stop string a character-by-character scan meets first."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stop if text[:end].endswith(s)]
+        if ending:
+            return end, max(ending, key=len)
+    return None
+
+
+def _naive_held(text: str, stop: list[str]) -> int:
+    """The longest suffix of ``text`` that is a proper prefix of some stop string."""
+    return max(
+        (n for s in stop for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+        default=0,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc|é\U0001f600", max_size=60),
+    stop=st.lists(st.text(alphabet="abc|é\U0001f600", min_size=1, max_size=7), max_size=5),
+    cuts=st.lists(st.integers(0, 60), max_size=12),
+)
+def test_incremental_matcher_agrees_with_a_naive_scan(
+    text: str, stop: list[str], cuts: list[int]
+) -> None:
+    """Over random texts, stop sets and splits into deltas: the same first stop (where it ends
+    and which string), and after every delta the same held-back text as a naive rescan."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    f = StopStringFilter(stop)
+    emitted = ""
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        scan = f.push(text[start:end])
+        emitted += scan.emit
+        if scan.matched is not None:
+            break
+        seen = text[:end]
+        assert scan.held == _naive_held(seen, stop)
+        assert emitted + f.pending == seen
+    first = _naive_first_stop(text, stop)
+    if first is None:
+        assert f.matched is None
+        assert emitted + f.flush() == text
+    else:
+        stop_end, stop_string = first
+        assert f.matched == stop_string
+        assert emitted == text[: stop_end - len(stop_string)]
+
+
+def _steps_for_held_output(length: int) -> int:
+    """Matching steps to stream ``length`` characters, one per delta, all held back by a
+    stop string that keeps almost matching (beside 15 other long ones)."""
+    stops = ["a" * 9000 + "!"] + [chr(ord("b") + i) * 9000 for i in range(14)] + ["aab"]
+    f = StopStringFilter(stops)
+    for _ in range(length):
+        scan = f.push("a")
+        assert scan.emit == "" and scan.matched is None
+    assert len(f.pending) == length
+    return f.steps
+
+
+def test_matching_work_per_character_does_not_grow_with_the_held_text() -> None:
+    short, long = _steps_for_held_output(1500), _steps_for_held_output(8000)
+    assert short <= 2 * 1500 and long <= 2 * 8000
+    assert long / 8000 <= short / 1500 * 1.05
+
+
+def test_matching_work_is_linear_in_the_text_whatever_the_failures() -> None:
+    """A text that keeps failing deep into a stop string ("aaa...ab" against "aaa...aa"):
+    the failure links bound the total at twice the characters."""
+    f = StopStringFilter(["a" * 50 + "c", "a" * 49 + "b" + "x"])
+    text = ("a" * 49 + "b") * 200
+    for char in text:
+        f.push(char)
+    assert f.matched is None
+    assert f.steps <= 2 * len(text)

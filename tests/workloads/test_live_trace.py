@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,11 @@ async def test_a_recorded_trace_reads_back_as_the_same_workload(
     tmp_path: Path, hashed: bool
 ) -> None:
     path = tmp_path / "live.jsonl"
+    if hashed:  # a file already there, world readable: the trace takes it over at 0600
+        path.write_text("old")
+        path.chmod(0o644)
     *sent, (_, _, steps) = await record(path, hashed)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds every prompt: the owner's only
     assert is_live_trace(path)
     trace = load_live_trace(path)
     assert trace.header["page_size"] == 4 and trace.header["hashed"] is hashed

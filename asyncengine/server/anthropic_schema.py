@@ -1,0 +1,341 @@
+"""Anthropic Messages request bodies (``POST /v1/messages``, ``/v1/messages/count_tokens``) as
+msgspec Structs, and their translation into the ``ChatCompletionRequest`` that the chat path
+runs (server/chat_request.py): one intake, one tool-call grammar and parser, one reasoning
+split for every API.
+
+- ``system``: a string or text blocks; ``messages``: user and assistant turns whose content is
+  a string or blocks: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (a user's
+  answer to one), ``thinking`` / ``redacted_thinking`` (dropped: templates drop earlier
+  reasoning). ``image`` and ``document`` blocks are refused (no vision model is served).
+- A conversation that ends with an assistant turn (Anthropic's "prefill") is refused: the
+  chat template opens a new turn after it rather than continuing it.
+- ``tool_choice``: auto, any (a call is required), tool (that one), none;
+  ``disable_parallel_tool_use`` allows one call at most. Server tools (``web_search_...``) are
+  refused: only custom tools (``name``, ``input_schema``) are served.
+- ``thinking``: "enabled" / "adaptive" / "between_tools" / "disabled" set the template's
+  ``enable_thinking`` (absent: the template's default). ``budget_tokens`` is checked but not
+  enforced apart: reasoning counts against ``max_tokens``.
+- ``output_config.format`` (``{"type": "json_schema", "schema"}``): structured output, as
+  ``response_format`` in Chat Completions; ``output_config.effort`` is ignored.
+- ``metadata.user_id`` is the tenant (fair-share policies, per-tenant metrics).
+Unknown fields (``cache_control``, ``service_tier``, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct, field
+
+from asyncengine.common.sampling_params import MAX_TENANT_LENGTH
+from asyncengine.server.errors import ApiError, invalid_request
+from asyncengine.server.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    PositiveInt,
+    ResponseFormat,
+    TopP,
+)
+from asyncengine.server.tool_schema import (
+    AssistantToolCall,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    ToolCallFunction,
+    ToolChoice,
+    ToolChoiceFunction,
+)
+
+AnthropicTemperature = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class TextBlockParam(Struct, tag="text", tag_field="type", kw_only=True):
+    text: str
+
+
+class ImageBlockParam(Struct, tag="image", tag_field="type", kw_only=True):
+    source: dict[str, Any] | None = None
+
+
+class DocumentBlockParam(Struct, tag="document", tag_field="type", kw_only=True):
+    source: dict[str, Any] | None = None
+
+
+class ToolUseBlockParam(Struct, tag="tool_use", tag_field="type", kw_only=True):
+    id: Annotated[str, Meta(min_length=1)]
+    name: FunctionName
+    input: dict[str, Any] = field(default_factory=dict)
+
+
+ToolResultPart = TextBlockParam | ImageBlockParam | DocumentBlockParam
+
+
+class ToolResultBlockParam(Struct, tag="tool_result", tag_field="type", kw_only=True):
+    tool_use_id: Annotated[str, Meta(min_length=1)]
+    content: str | list[ToolResultPart] = ""
+    is_error: bool = False
+
+
+class ThinkingBlockParam(Struct, tag="thinking", tag_field="type", kw_only=True):
+    thinking: str = ""
+    signature: str | None = None
+
+
+class RedactedThinkingBlockParam(Struct, tag="redacted_thinking", tag_field="type", kw_only=True):
+    data: str = ""
+
+
+ContentBlockParam = (
+    TextBlockParam
+    | ImageBlockParam
+    | DocumentBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
+    | RedactedThinkingBlockParam
+)
+
+
+class MessageParam(Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+
+class ToolParam(Struct, kw_only=True):
+    name: FunctionName
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: str | None = None  # "custom" (or absent); other types are Anthropic's server tools
+
+
+class ToolChoiceAuto(Struct, tag="auto", tag_field="type", kw_only=True):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(Struct, tag="any", tag_field="type", kw_only=True):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(Struct, tag="tool", tag_field="type", kw_only=True):
+    name: FunctionName
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(Struct, tag="none", tag_field="type", kw_only=True):
+    pass
+
+
+AnthropicToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class ThinkingEnabled(Struct, tag="enabled", tag_field="type", kw_only=True):
+    budget_tokens: PositiveInt | None = None
+
+
+class ThinkingAdaptive(Struct, tag="adaptive", tag_field="type", kw_only=True):
+    pass
+
+
+class ThinkingBetweenTools(Struct, tag="between_tools", tag_field="type", kw_only=True):
+    pass
+
+
+class ThinkingDisabled(Struct, tag="disabled", tag_field="type", kw_only=True):
+    pass
+
+
+ThinkingConfig = ThinkingEnabled | ThinkingAdaptive | ThinkingBetweenTools | ThinkingDisabled
+
+
+class JsonOutputFormat(Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = field(name="schema")
+
+
+class OutputConfig(Struct, kw_only=True):
+    format: JsonOutputFormat | None = None
+
+
+class MessagesMetadata(Struct, kw_only=True):
+    user_id: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    """``POST /v1/messages/count_tokens``: what the prompt is made of."""
+
+    model: str | None = None
+    messages: Annotated[list[MessageParam], Meta(min_length=1)]
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    # variables for the chat template (vLLM's and SGLang's extension)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    """``POST /v1/messages``."""
+
+    max_tokens: PositiveInt  # required, as Anthropic's API has it
+    stream: bool = False
+    temperature: AnthropicTemperature | None = None
+    top_p: TopP | None = None
+    top_k: PositiveInt | None = None
+    stop_sequences: list[str] | None = None
+    metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
+
+
+def _text_of(parts: list[ToolResultPart], param: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, TextBlockParam):
+            raise _unsupported_content(f"{param}[{j}]", part)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _unsupported_content(param: str, block: Any) -> ApiError:
+    kind = "an image" if isinstance(block, ImageBlockParam) else "a document"
+    return invalid_request(
+        f"{param} is {kind} block; this server reads text only (no vision model is served)",
+        param=param,
+        code="unsupported_content",
+    )
+
+
+def _messages(req: CountTokensRequest) -> list[ChatMessage]:
+    if req.messages[-1].role == "assistant":
+        raise invalid_request(
+            "the last message is an assistant turn; continuing it (prefill) is not supported: "
+            "end with a user turn",
+            param=f"messages[{len(req.messages) - 1}]",
+            code="unsupported_value",
+        )
+    out: list[ChatMessage] = []
+    if req.system:
+        system = req.system
+        if isinstance(system, list):
+            system = "\n".join(block.text for block in system)
+        out.append(ChatMessage(role="system", content=system))
+    names: dict[str, str] = {}  # tool_use id -> function name
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, str):
+            out.append(ChatMessage(role=message.role, content=message.content))
+            continue
+        texts: list[str] = []
+        calls: list[AssistantToolCall] = []
+        for j, block in enumerate(message.content):
+            param = f"messages[{i}].content[{j}]"
+            if isinstance(block, TextBlockParam):
+                texts.append(block.text)
+            elif isinstance(block, (ImageBlockParam, DocumentBlockParam)):
+                raise _unsupported_content(param, block)
+            elif isinstance(block, ToolUseBlockParam):
+                if message.role != "assistant":
+                    raise invalid_request(
+                        f"{param}: a tool_use block belongs in an assistant message", param=param
+                    )
+                names[block.id] = block.name
+                arguments = json.dumps(block.input, ensure_ascii=False)
+                calls.append(
+                    AssistantToolCall(
+                        id=block.id, function=ToolCallFunction(name=block.name, arguments=arguments)
+                    )
+                )
+            elif isinstance(block, ToolResultBlockParam):
+                if message.role != "user":
+                    raise invalid_request(
+                        f"{param}: a tool_result block belongs in a user message", param=param
+                    )
+                if texts:  # text before the result keeps its place
+                    out.append(ChatMessage(role="user", content="\n".join(texts)))
+                    texts = []
+                result = block.content
+                if isinstance(result, list):
+                    result = _text_of(result, f"{param}.content")
+                if block.is_error:
+                    result = f"Error: {result}"
+                out.append(
+                    ChatMessage(
+                        role="tool",
+                        content=result,
+                        tool_call_id=block.tool_use_id,
+                        name=names.get(block.tool_use_id),
+                    )
+                )
+            # thinking and redacted_thinking blocks: templates drop earlier reasoning
+        if message.role == "assistant":
+            out.append(
+                ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)
+            )
+        elif texts:
+            out.append(ChatMessage(role="user", content="\n".join(texts)))
+    return out
+
+
+def _tools(req: CountTokensRequest) -> tuple[list[Tool] | None, ToolChoice | None, bool]:
+    """The tools, the tool choice and whether parallel calls are allowed."""
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise invalid_request(
+                f"tools[{i}] has type {tool.type!r}: only custom tools (name, input_schema) are "
+                "served",
+                param=f"tools[{i}].type",
+                code="unsupported_value",
+            )
+        tools.append(
+            Tool(
+                function=FunctionDefinition(
+                    name=tool.name, description=tool.description, parameters=tool.input_schema
+                )
+            )
+        )
+    choice = req.tool_choice
+    parallel = not getattr(choice, "disable_parallel_tool_use", False)
+    if choice is None or (isinstance(choice, ToolChoiceAuto) and not tools):
+        return tools or None, None, parallel
+    if isinstance(choice, ToolChoiceTool):
+        named = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
+        return tools or None, named, parallel
+    if isinstance(choice, ToolChoiceAny):
+        return tools or None, "required", parallel
+    return tools or None, "none" if isinstance(choice, ToolChoiceNone) else "auto", parallel
+
+
+def _template_variables(req: CountTokensRequest) -> dict[str, Any] | None:
+    variables = dict(req.chat_template_kwargs or {})
+    if req.thinking is not None:
+        variables["enable_thinking"] = not isinstance(req.thinking, ThinkingDisabled)
+    return variables or None
+
+
+def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion that answers ``req`` (a ``MessagesRequest`` with its sampling)."""
+    tools, choice, parallel = _tools(req)
+    chat = ChatCompletionRequest(
+        model=req.model,
+        messages=_messages(req),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=_template_variables(req),
+    )
+    if isinstance(req, MessagesRequest):
+        chat.max_tokens = req.max_tokens
+        chat.temperature = req.temperature
+        chat.top_p = req.top_p
+        chat.top_k = req.top_k
+        chat.stop = req.stop_sequences
+        chat.stream = req.stream
+        chat.user = req.metadata.user_id if req.metadata is not None else None
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            chat.response_format = ResponseFormat(
+                type="json_schema", json_schema=JsonSchemaFormat(schema_=fmt.schema_)
+            )
+    return chat

@@ -1,0 +1,140 @@
+"""The responses kept for ``GET /v1/responses/{id}`` and ``previous_response_id``: in memory,
+bounded by size and age.
+
+Each stored response keeps its body (what GET answers) and its turn of the conversation (its
+input items and its output as items) with a link to the response it continued, so a chain
+costs the size of its turns, not the square of its length. A response leaves the store
+``ttl`` seconds after it was stored, or earlier, oldest first, when the store would exceed
+``max_bytes`` (the JSON size of bodies and turns); a chain one of whose responses has left
+cannot be continued (404, as an unknown id). A response stored with a ``user`` is continued
+only by requests of that user. Ids are random (128 bits), the only key to a stored response.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncengine.server.errors import ApiError
+from asyncengine.server.responses_schema import InputItem
+
+Json = dict[str, Any]
+
+DEFAULT_STORE_BYTES = 64 * 1024 * 1024
+DEFAULT_STORE_TTL_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    body: Json
+    turn: list[InputItem]  # its input items and its output items
+    previous: str | None
+    tenant: str | None
+    expires: float
+    size: int
+
+
+class ResponseStore:
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_STORE_BYTES,
+        ttl: float = DEFAULT_STORE_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError("the responses store size must be >= 0 bytes")
+        if ttl <= 0:
+            raise ValueError("the responses store TTL must be > 0 seconds")
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self._clock = clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
+        self.bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._entries)
+
+    def put(
+        self,
+        response_id: str,
+        body: Json,
+        turn: list[InputItem],
+        previous: str | None,
+        tenant: str | None,
+    ) -> bool:
+        """Keep a response; False when it alone is larger than the store."""
+        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(turn))
+        if size > self.max_bytes:
+            return False
+        self._expire()
+        while self._entries and self.bytes + size > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        expires = self._clock() + self.ttl
+        self._entries[response_id] = StoredResponse(body, turn, previous, tenant, expires, size)
+        self.bytes += size
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        self._expire()
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        self._expire()
+        if response_id not in self._entries:
+            return False
+        self._drop(response_id)
+        return True
+
+    def conversation(self, response_id: str, tenant: str | None) -> list[InputItem]:
+        """The items of the chain that ends with ``response_id``, oldest first; 404 when it
+        (or a response before it) is not stored, or was stored for another user."""
+        head = self.get(response_id)
+        if head is None or head.tenant != tenant:
+            raise not_found(response_id, "previous_response_id")
+        turns = []
+        entry: StoredResponse | None = head
+        while entry is not None:
+            turns.append(entry.turn)
+            if entry.previous is None:
+                break
+            entry = self._entries.get(entry.previous)
+            if entry is None:
+                raise ApiError(
+                    404,
+                    f"the conversation of response {response_id!r} reaches back to a response "
+                    "that is no longer stored (it expired or was evicted)",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        return [item for turn in reversed(turns) for item in turn]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.expires > now:
+                break
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, response_id: str) -> None:
+        self.bytes -= self._entries.pop(response_id).size
+
+
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(
+        404,
+        f"no response with id {response_id!r} is stored (unknown, expired, deleted, or made "
+        "with store: false)",
+        param=param,
+        code="response_not_found",
+    )

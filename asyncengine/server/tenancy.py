@@ -1,0 +1,90 @@
+"""What one client may learn of another's requests through the prefix cache.
+
+- ``cache_isolation = "api-key"``: every API key gets its own cache namespace: a request's
+  ``cache_salt`` is combined with a digest of the key it presented, so clients with different
+  keys share no prefix pages (a client's own ``cache_salt`` splits its namespace further).
+- ``report_cached_tokens = False``: responses omit ``cached_tokens``.
+- With an API key, ``/metrics`` without it leaves out the series that answer "was this prompt
+  cached?" (hit/miss and computed-token counters, cached-page gauges) and the tenant-labelled
+  ones (other clients' ``user`` strings); with the key the scrape is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import CollectorRegistry
+
+CACHE_ISOLATIONS = ("shared", "api-key")
+
+# request key: the digest of the API key the request presented (auth middleware)
+API_KEY_DIGEST: Any = (
+    web.RequestKey("asyncengine_api_key_digest", str)
+    if hasattr(web, "RequestKey")
+    else "asyncengine_api_key_digest"
+)
+
+# /metrics families (by a part of the name) that tell whether some prompt was cached
+_CACHE_REVEALING = (
+    "cache_hit",
+    "cache_miss",
+    "computed_tokens",
+    "kv_pages_cached",
+    "kv_pages_evictable",
+    "kv_pages_tail",
+    "shared_tokens",
+)
+
+
+def matching_key_digest(header: str, keys: tuple[str, ...]) -> str | None:
+    """The digest of the key in an ``Authorization: Bearer <key>`` header, when it is one of
+    ``keys``; every key is compared in constant time, whichever matches."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    given = token.strip().encode()
+    matched = None
+    for key in keys:
+        if hmac.compare_digest(given, key.encode()) and matched is None:
+            matched = key
+    return None if matched is None else hashlib.sha256(matched.encode()).hexdigest()
+
+
+def namespaced_salt(digest: str, salt: str | None) -> str:
+    """The salt of a request under ``cache_isolation = "api-key"``: one namespace per key, and
+    within it one per ``salt`` (fixed length whatever the salt's)."""
+    return hashlib.sha256(f"{digest}\0{salt or ''}".encode()).hexdigest()
+
+
+def isolate(request: web.Request, isolation: str, body: Any) -> Any:
+    """``body`` (a decoded request with ``cache_salt``) with its salt in the key's namespace."""
+    if isolation == "api-key" and hasattr(body, "cache_salt"):
+        digest = request.get(API_KEY_DIGEST)
+        assert digest is not None, "cache isolation by API key runs behind the auth middleware"
+        body.cache_salt = namespaced_salt(digest, body.cache_salt)
+    return body
+
+
+class _PublicMetrics:
+    """A registry's families less the cache-revealing and tenant-labelled ones."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if any(part in family.name for part in _CACHE_REVEALING):
+                continue
+            if any("tenant" in sample.labels for sample in family.samples):
+                continue
+            yield family
+
+
+def public_exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(_PublicMetrics(registry))  # type: ignore[arg-type]

@@ -1,0 +1,167 @@
+"""The cache directory (compiled kernels, converted models) cannot be planted: directories 0700,
+built files private, and a cached file another user could have written is refused before it is
+loaded (asyncengine/common/private_cache.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine.common.private_cache import cache_dir, check_private_file, private_dir
+from asyncengine.executor.loader import CACHE_ENV, UnsafeCacheError
+from asyncengine.executor.loader import default_model as default_model_module
+from asyncengine.executor.loader.default_model import metadata_dir, resolve_model
+from asyncengine.kernels import cpu_native
+
+KERNEL = "cpu_layer_ops"
+# a library whose constructor leaves a marker: loading it is running the planter's code
+PLANTED_C = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+"""
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(root))
+    cpu_native.load.cache_clear()
+    yield root
+    cpu_native.load.cache_clear()
+
+
+@contextlib.contextmanager
+def _another_user() -> Iterator[None]:
+    """Within it, every existing file belongs to someone else (this process's uid changes)."""
+    uid = os.getuid()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "getuid", lambda: uid + 1)
+        yield
+
+
+def _plant(target: Path, marker: Path, mode: int) -> None:
+    source = target.with_suffix(".c")
+    source.write_text(f'#define MARKER "{marker}"\n{PLANTED_C}')
+    compiler = cpu_native._compiler()
+    assert compiler is not None
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
+    source.unlink()
+    os.chmod(target, mode)
+
+
+def test_cache_directories_are_created_private(cache: Path) -> None:
+    kernels = cache_dir("kernels")
+    assert _mode(cache) == 0o700
+    assert _mode(kernels) == 0o700
+
+
+def test_an_open_cache_directory_of_ours_is_tightened(cache: Path) -> None:
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)
+    assert private_dir(cache) == cache
+    assert _mode(cache) == 0o700
+
+
+def test_a_cache_directory_of_another_user_is_refused(cache: Path) -> None:
+    cache.mkdir()
+    with (
+        _another_user(),
+        pytest.raises(UnsafeCacheError, match=f"cache directory {cache} is refused: it is owned"),
+    ):
+        private_dir(cache)
+
+
+def test_a_cache_path_that_is_not_a_directory_is_refused(cache: Path) -> None:
+    cache.write_text("x")
+    with pytest.raises(UnsafeCacheError, match="is not a directory"):
+        private_dir(cache)
+
+
+def test_a_built_kernel_is_private_and_loads(cache: Path) -> None:
+    assert cpu_native.load(KERNEL) is not None
+    built = cpu_native.library_path(KERNEL)
+    assert built.parent == cache / "kernels"
+    assert _mode(built) == 0o700
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no staging file left
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_planted_writable_kernel_is_refused_before_it_runs(
+    cache: Path, tmp_path: Path, mode: int
+) -> None:
+    target = cpu_native.library_path(KERNEL)
+    cache_dir("kernels")
+    marker = tmp_path / "marker"
+    _plant(target, marker, mode)
+    with pytest.raises(UnsafeCacheError, match=rf"{target}.*group or world writable"):
+        cpu_native.load(KERNEL)
+    assert not marker.exists()
+
+
+def test_a_kernel_of_another_user_is_refused_before_it_runs(cache: Path, tmp_path: Path) -> None:
+    target = cpu_native.library_path(KERNEL)
+    cache_dir("kernels")
+    marker = tmp_path / "marker"
+    _plant(target, marker, 0o755)
+    with _another_user():
+        # the directories are checked first: refused as someone else's, nothing loaded
+        with pytest.raises(UnsafeCacheError, match=f"{cache} is refused: it is owned by uid"):
+            cpu_native.load(KERNEL)
+        with pytest.raises(UnsafeCacheError, match=f"{target} is refused: it is owned by uid"):
+            check_private_file(target)
+    assert not marker.exists()
+
+
+def test_a_kernel_link_is_refused(cache: Path, tmp_path: Path) -> None:
+    target = cpu_native.library_path(KERNEL)
+    cache_dir("kernels")
+    elsewhere = tmp_path / "elsewhere.so"
+    _plant(elsewhere, tmp_path / "marker", 0o755)
+    target.symlink_to(elsewhere)
+    with pytest.raises(UnsafeCacheError, match="not a regular file"):
+        cpu_native.load(KERNEL)
+    assert not (tmp_path / "marker").exists()
+
+
+def _gguf() -> Path:
+    return default_model_module.KNOWN_MODELS["smollm2-135m"].gguf_path()
+
+
+def test_converted_entries_are_private_and_a_tampered_one_is_refused(cache: Path) -> None:
+    entry = metadata_dir(_gguf(), "smollm2-135m")
+    assert _mode(cache) == 0o700
+    assert _mode(entry) == 0o700
+    files = [p for p in entry.rglob("*") if p.is_file()]
+    assert files and all(_mode(p) == 0o600 for p in files)
+    assert metadata_dir(_gguf(), "smollm2-135m") == entry  # reused as it is
+
+    tampered = entry / "tokenizer.json"
+    os.chmod(tampered, 0o666)
+    with pytest.raises(UnsafeCacheError, match=f"{tampered} is refused: it is group or world"):
+        metadata_dir(_gguf(), "smollm2-135m")
+    os.chmod(tampered, 0o600)
+    os.chmod(entry, 0o777)
+    with pytest.raises(UnsafeCacheError, match=f"{entry} is refused"):
+        metadata_dir(_gguf(), "smollm2-135m")
+
+
+def test_a_model_directory_inside_the_cache_is_checked(cache: Path) -> None:
+    entry = metadata_dir(_gguf(), "smollm2-135m")
+    assert resolve_model(entry, torch.float32) == entry
+    os.chmod(entry / "config.json", 0o646)
+    with pytest.raises(UnsafeCacheError, match="config.json is refused"):
+        resolve_model(entry, torch.float32)

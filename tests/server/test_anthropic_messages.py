@@ -1,0 +1,297 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) through the
+``anthropic`` client over loopback, on the tiny random models: the same greedy text as Chat
+Completions, streamed and whole, a two-round tool loop, stop sequences, thinking blocks,
+Anthropic's error shape and its ``x-api-key``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import anthropic
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.chat_models import tiny_thinking_qwen3_dir
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = {"temperature": 0}  # the SDK's create() has no sampling arguments: sent as extra body
+QUESTION = "What is the weather in Paris?"
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def claude(server: RunningServer) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(
+        base_url=server.base_url, api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+def _prompt_tokens(usage: anthropic.types.Usage) -> int:
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def _user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_the_same_greedy_text_as_chat_completions_whole_and_streamed(
+    claude: anthropic.AsyncAnthropic, client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    system = "You answer briefly."
+    chat = await client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": QUESTION}],
+        max_tokens=12,
+        temperature=0,
+    )
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        max_tokens=12,
+        system=[{"type": "text", "text": system}],
+        messages=_user(QUESTION),
+        extra_body=GREEDY,
+    )
+    whole = await claude.messages.create(**kwargs)
+    (block,) = whole.content
+    assert block.type == "text" and block.text == chat.choices[0].message.content
+    assert whole.stop_reason == "max_tokens" and whole.stop_sequence is None
+    assert whole.id.startswith("msg_") and whole.role == "assistant"
+    assert chat.usage is not None
+    usage = whole.usage
+    assert usage.output_tokens == 12
+    assert _prompt_tokens(usage) == chat.usage.prompt_tokens
+    assert (usage.cache_read_input_tokens or 0) > 0  # the chat request left the prompt cached
+
+    events = []
+    async with claude.messages.stream(**kwargs) as stream:
+        async for event in stream:
+            events.append(event.type)
+        final = await stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    wire = [e for e in events if e not in ("text", "thinking", "input_json")]  # SDK's own
+    assert wire[:2] == ["message_start", "content_block_start"]
+    assert wire[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert wire.count("content_block_delta") > 1
+
+    counted = await claude.messages.count_tokens(
+        model=server.model, system=system, messages=_user(QUESTION)
+    )
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+async def test_a_stop_sequence_ends_the_message_and_is_named(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=server.model, max_tokens=16, messages=_user("Tell me a story"), extra_body=GREEDY
+    )
+    text = (await claude.messages.create(**kwargs)).content[0].text  # type: ignore[union-attr]
+    words = text.split()
+    assert len(words) > 3
+    stop = words[2]
+    cut = await claude.messages.create(stop_sequences=[stop, "never-seen-xyz"], **kwargs)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+
+
+async def test_the_two_round_tool_loop_whole_and_streamed(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    messages: list[dict[str, Any]] = _user(QUESTION)
+    kwargs: dict[str, Any] = dict(model=server.model, tools=TOOLS, extra_body=GREEDY)
+    first = await claude.messages.create(
+        max_tokens=80, messages=messages, tool_choice={"type": "any"}, **kwargs
+    )
+    assert first.stop_reason == "tool_use"
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert calls and all(c.name == "get_weather" and c.id.startswith("toolu_") for c in calls)
+    for call in calls:
+        jsonschema.validate(call.input, WEATHER_SCHEMA)  # the grammar made it valid
+
+    async with claude.messages.stream(
+        max_tokens=80, messages=messages, tool_choice={"type": "any"}, **kwargs
+    ) as stream:
+        partial: dict[int, list[str]] = {}  # by content block
+        async for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                partial.setdefault(event.index, []).append(event.delta.partial_json)
+        streamed = await stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    streamed_calls = [b for b in streamed.content if b.type == "tool_use"]
+    assert [(c.name, c.input) for c in streamed_calls] == [(c.name, c.input) for c in calls]
+    for index, block in enumerate(streamed.content):
+        if block.type == "tool_use":  # the input came in pieces that join to the whole
+            assert len(partial[index]) > 1
+            assert json.loads("".join(partial[index])) == block.input
+
+    messages.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
+    messages.append(
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": c.id, "content": '{"temperature": 21}'}
+                for c in calls
+            ],
+        }
+    )
+    second = await claude.messages.create(
+        max_tokens=8, messages=messages, tool_choice={"type": "none"}, **kwargs
+    )
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content] == ["text"]
+    # the call and its result went back through the template (tool_choice none: no tools)
+    alone = await claude.messages.count_tokens(model=server.model, messages=_user(QUESTION))
+    assert _prompt_tokens(second.usage) > alone.input_tokens + 20
+    named = await claude.messages.create(
+        max_tokens=80,
+        messages=_user(QUESTION),
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        **kwargs,
+    )
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_weather"]
+
+
+async def _raw(
+    server: RunningServer, path: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + path, json=body, headers=headers) as response:
+            return response.status, await response.json()
+
+
+async def test_refusals_have_anthropics_error_shape(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(
+            model=server.model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
+        )
+    body = refused.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "image" in body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await claude.messages.create(model="no-such-model", max_tokens=4, messages=_user("hi"))
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+    status, body = await _raw(server, "/v1/messages", {"messages": _user("hi")})
+    assert status == 400 and body["type"] == "error" and "max_tokens" in body["error"]["message"]
+    for bad in (
+        {"messages": [*_user("hi"), {"role": "assistant", "content": "Sure"}]},  # prefill
+        {"messages": _user("hi"), "tool_choice": {"type": "any"}},  # no tools
+        {"messages": _user("hi"), "tools": [{**TOOLS[0], "type": "web_search_20250305"}]},
+        {"messages": _user("hi"), "temperature": 1.5},
+    ):
+        status, body = await _raw(server, "/v1/messages", {"max_tokens": 4, **bad})
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
+    status, body = await _raw(server, "/v1/messages/count_tokens", {"messages": []})
+    assert status == 400 and body["type"] == "error"
+    # the other APIs keep OpenAI's shape
+    status, body = await _raw(server, "/v1/chat/completions", {"messages": []})
+    assert status == 400 and set(body) == {"error"} and "param" in body["error"]
+
+
+async def test_the_api_key_comes_as_x_api_key_or_bearer(server: RunningServer) -> None:
+    guarded = await start_server(server.engine.config, engine=server.engine, api_key="s3cret")
+    try:
+        request: dict[str, Any] = dict(model=guarded.model, max_tokens=2, messages=_user("hi"))
+        async with anthropic.AsyncAnthropic(
+            base_url=guarded.base_url, api_key="s3cret", max_retries=0
+        ) as keyed:
+            assert (await keyed.messages.create(**request)).usage.output_tokens == 2
+        async with anthropic.AsyncAnthropic(
+            base_url=guarded.base_url, auth_token="s3cret", max_retries=0
+        ) as bearer:
+            assert (await bearer.messages.create(**request)).usage.output_tokens == 2
+        async with anthropic.AsyncAnthropic(
+            base_url=guarded.base_url, api_key="wrong", max_retries=0
+        ) as wrong:
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                await wrong.messages.create(**request)
+        assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        async with aiohttp.ClientSession() as session:  # x-api-key opens the other routes too
+            for key, status in (("s3cret", 200), ("wrong", 401)):
+                async with session.get(
+                    guarded.base_url + "/v1/models", headers={"x-api-key": key}
+                ) as response:
+                    assert response.status == status
+    finally:
+        await guarded.stop(stop_engine=False)
+
+
+async def test_nothing_leaks_after_the_messages(server: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def thinker(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_thinking_qwen3_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+async def test_reasoning_comes_as_thinking_blocks_whole_and_streamed(
+    thinker: RunningServer,
+) -> None:
+    async with anthropic.AsyncAnthropic(
+        base_url=thinker.base_url, api_key="unused", max_retries=0
+    ) as c:
+        kwargs: dict[str, Any] = dict(
+            model=thinker.model, max_tokens=10, messages=_user(QUESTION), extra_body=GREEDY
+        )
+        whole = await c.messages.create(thinking={"type": "adaptive"}, **kwargs)
+        (block,) = whole.content
+        assert block.type == "thinking" and block.thinking.strip()
+        assert "<think>" not in block.thinking
+        async with c.messages.stream(thinking={"type": "adaptive"}, **kwargs) as stream:
+            deltas = [
+                e.delta.type  # type: ignore[union-attr]
+                async for e in stream
+                if e.type == "content_block_delta"
+            ]
+            streamed = await stream.get_final_message()
+        assert set(deltas) == {"thinking_delta"} and len(deltas) > 1
+        assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+        # disabled: the template closes the think block in the prompt, the output is the answer
+        plain = await c.messages.create(thinking={"type": "disabled"}, **kwargs)
+        assert [b.type for b in plain.content] == ["text"]
+        assert _prompt_tokens(plain.usage) > _prompt_tokens(whole.usage)  # the closed block
+        # earlier thinking blocks are dropped, as the template drops earlier reasoning
+        history = [
+            *_user(QUESTION),
+            {"role": "assistant", "content": [block.model_dump(), {"type": "text", "text": "Hi"}]},
+            *_user("And Oslo?"),
+        ]
+        without = [*_user(QUESTION), {"role": "assistant", "content": "Hi"}, *_user("And Oslo?")]
+        counts = [
+            (await c.messages.count_tokens(model=thinker.model, messages=m)).input_tokens
+            for m in (history, without)
+        ]
+        assert counts[0] == counts[1]
+    assert await wait_until(lambda: engine_idle(thinker.engine))
+    assert_no_leak(thinker.engine)

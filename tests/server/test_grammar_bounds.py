@@ -1,0 +1,106 @@
+"""Grammar compiles are bounded, over real HTTP on the tiny model: a flood of heavy regular
+expressions that clients drop does not hold up a json_object request (scripts/grammar_flood.py),
+the dropped requests' compiles never run, a spec over the length limit is a 400 naming it, a
+compile past the time limit is a 400 saying so (and its spec stays refused), and requests
+waiting for a compile count against max_waiting_requests."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncengine.common.sampling_params import MAX_GRAMMAR_CHARS
+from tests.server_support import (
+    RunningServer,
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "grammar_flood.py"
+
+
+def grammar_flood() -> Any:
+    spec = importlib.util.spec_from_file_location("grammar_flood", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["grammar_flood"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def started(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> RunningServer:
+    return await start_server(engine_config(tiny_model_dir(tmp_path_factory), **overrides))
+
+
+async def post(server: RunningServer, body: dict[str, Any]) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+
+async def test_a_json_object_request_after_a_dropped_flood_answers_quickly(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    server = await started(tmp_path_factory)
+    try:
+        # 20 compiles of ~0.5 s one after another held such a request for ~10 s
+        result = await grammar_flood().flood(server.base_url, count=20, drop_after=0.5)
+        assert result.warmup_status == 200 and result.flood_dropped == 20
+        assert result.json_object_status == 200
+        assert result.json_object_seconds < 5.0, result
+        compiler = server.engine._grammars
+        # the warm-up, json_object, and the flood's compiles a worker took up before the drop
+        assert compiler.compiles <= 2 + 2 * 2, compiler.compiles
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()
+
+
+async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = await started(tmp_path_factory, grammar_compile_timeout=0.05)
+    try:
+        status, out = await post(server, {"prompt": "x", "regex": "a" * (MAX_GRAMMAR_CHARS + 1)})
+        assert status == 400 and str(MAX_GRAMMAR_CHARS) in out["error"]["message"]
+        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]"})
+        assert status == 200  # the compiler started
+        heavy = grammar_flood().heavy_regex(7)
+        for _ in range(2):  # compiled once, then refused from the cache
+            status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": heavy})
+            assert status == 400, out
+            assert "took longer than 0.05 s to compile" in out["error"]["message"]
+        assert server.engine._grammars.abandoned == 1
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()
+
+
+async def test_requests_waiting_for_a_compile_count_as_waiting(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    server = await started(tmp_path_factory, max_waiting_requests=2, grammar_compile_workers=1)
+    try:
+        flood = grammar_flood()
+        status, _ = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]"})
+        assert status == 200
+        slow = [
+            asyncio.ensure_future(
+                post(server, {"prompt": "x", "max_tokens": 2, "regex": flood.heavy_regex(i)})
+            )
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.2)
+        status, out = await post(server, {"prompt": "x", "max_tokens": 2})
+        assert status == 503, out
+        assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()

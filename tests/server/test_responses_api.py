@@ -1,0 +1,293 @@
+"""OpenAI's Responses API (``/v1/responses``, GET and DELETE by id) through the ``openai``
+client over loopback, on the tiny random models: the same greedy text as Chat Completions,
+streamed and whole, a two-round function-call loop by hand and by ``previous_response_id``,
+the store (``store: false``, users kept apart), structured output, reasoning items, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.chat_models import tiny_thinking_qwen3_dir
+from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    engine_idle,
+    start_server,
+    wait_until,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+QUESTION = "What is the weather in Paris?"
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": WEATHER_SCHEMA,
+    }
+]
+
+
+async def test_the_same_greedy_text_as_chat_completions_whole_and_streamed(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    instructions = "You answer briefly."
+    chat = await client.chat.completions.create(
+        model=server.model,
+        messages=[
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": QUESTION},
+        ],
+        max_tokens=12,
+        temperature=0,
+    )
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        instructions=instructions,
+        input=QUESTION,
+        max_output_tokens=12,
+        temperature=0,
+        store=False,
+    )
+    whole = await client.responses.create(**kwargs)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == "incomplete" and whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.instructions == instructions and whole.max_output_tokens == 12
+    assert whole.usage is not None and chat.usage is not None
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == 12
+    assert whole.usage.input_tokens_details.cached_tokens > 0  # left cached by the chat request
+
+    events = []
+    stream = await client.responses.create(stream=True, **kwargs)
+    async for event in stream:
+        events.append(event)
+    names = [e.type for e in events]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == whole.output_text and final.status == "incomplete"
+    assert events[0].response.status == "in_progress"  # type: ignore[union-attr]
+
+
+async def test_the_function_call_loop_by_hand_and_by_previous_response_id(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(model=server.model, tools=TOOLS, temperature=0)
+    first = await client.responses.create(
+        input=QUESTION,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        **kwargs,
+    )
+    assert first.status == "completed"
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1
+    (call,) = calls
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)  # the grammar made it valid
+
+    stream = await client.responses.create(
+        input=QUESTION,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        stream=True,
+        **kwargs,
+    )
+    pieces, done = [], None
+    async for event in stream:
+        if event.type == "response.function_call_arguments.delta":
+            pieces.append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done = event
+        elif event.type == "response.completed":
+            streamed = event.response
+    assert done is not None and done.arguments == call.arguments == "".join(pieces)
+    assert len(pieces) > 1
+    assert [(i.type, getattr(i, "arguments", None)) for i in streamed.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in first.output
+    ]
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}
+    by_hand = await client.responses.create(
+        input=[
+            {"role": "user", "content": QUESTION},
+            *[item.model_dump(exclude_none=True) for item in first.output],
+            result,
+        ],
+        tool_choice="none",
+        max_output_tokens=8,
+        **kwargs,
+    )
+    chained = await client.responses.create(
+        input=[result],
+        previous_response_id=first.id,
+        tool_choice="none",
+        max_output_tokens=8,
+        **kwargs,
+    )
+    assert chained.previous_response_id == first.id
+    assert by_hand.usage is not None and chained.usage is not None and first.usage is not None
+    # the same conversation either way: the same prompt, the same greedy answer
+    assert chained.usage.input_tokens == by_hand.usage.input_tokens
+    assert chained.output_text == by_hand.output_text and chained.output_text
+    assert [i.type for i in chained.output] == ["message"]
+    # a third turn continues the chain of two
+    third = await client.responses.create(
+        input="And Oslo?", previous_response_id=chained.id, max_output_tokens=4, **kwargs
+    )
+    assert third.usage is not None and third.usage.input_tokens > chained.usage.input_tokens + 4
+
+
+async def test_the_store_get_delete_store_false_and_users(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(model=server.model, max_output_tokens=4, temperature=0)
+    kept = await client.responses.create(input="hi", user="alice", metadata={"k": "v"}, **kwargs)
+    fetched = await client.responses.retrieve(kept.id)
+    assert fetched.model_dump() == kept.model_dump() and fetched.metadata == {"k": "v"}
+    # another user cannot continue alice's conversation; neither can an anonymous request
+    for user in ("bob", None):
+        extra = {"user": user} if user else {}
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(
+                input="more", previous_response_id=kept.id, **extra, **kwargs
+            )
+    await client.responses.create(
+        input="more", previous_response_id=kept.id, user="alice", **kwargs
+    )
+    await client.responses.delete(kept.id)
+    for gone in (client.responses.retrieve(kept.id), client.responses.delete(kept.id)):
+        with pytest.raises(openai.NotFoundError):
+            await gone
+
+    unstored = await client.responses.create(input="hi", store=False, **kwargs)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.responses.create(input="more", previous_response_id=unstored.id, **kwargs)
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+async def test_a_json_schema_text_format_is_structured_output(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    response = await client.responses.create(
+        model=server.model,
+        input=QUESTION,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), WEATHER_SCHEMA)
+    assert response.text is not None and response.text.format.type == "json_schema"
+
+
+async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0]"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+        ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(model=server.model, **body)
+        assert refused.value.status_code in (400, 404), body
+        assert refused.value.body["param"] == param, (body, refused.value.body)  # type: ignore[index]
+
+
+async def test_nothing_leaks_after_the_responses(server: RunningServer) -> None:
+    assert await wait_until(lambda: engine_idle(server.engine))
+    assert_no_leak(server.engine)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def thinker(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(tiny_thinking_qwen3_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+async def test_reasoning_comes_as_a_reasoning_item_whole_and_streamed(
+    thinker: RunningServer,
+) -> None:
+    async with openai.AsyncOpenAI(
+        base_url=thinker.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        kwargs: dict[str, Any] = dict(
+            model=thinker.model, input=QUESTION, max_output_tokens=10, temperature=0
+        )
+        whole = await c.responses.create(**kwargs)
+        (item,) = whole.output
+        assert item.type == "reasoning" and item.content is not None
+        (part,) = item.content
+        assert part.type == "reasoning_text" and part.text.strip() and "<think>" not in part.text
+        assert whole.usage is not None
+        assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= 10
+        stream = await c.responses.create(stream=True, **kwargs)
+        deltas = []
+        async for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.incomplete":
+                streamed = event.response
+        assert len(deltas) > 1 and "".join(deltas) == part.text
+        assert streamed.output[0].model_dump(exclude={"id"}) == item.model_dump(exclude={"id"})
+        # effort "none": the template closes the think block in the prompt
+        plain = await c.responses.create(reasoning={"effort": "none"}, **kwargs)
+        assert [i.type for i in plain.output] == ["message"]
+        # a reasoning item given back is dropped, as the template drops earlier reasoning
+        turn = [{"role": "user", "content": QUESTION}]
+        answer = {"role": "assistant", "content": "Hi"}
+        counts = []
+        for given in ([item.model_dump(exclude_none=True)], []):
+            again = await c.responses.create(
+                model=thinker.model,
+                input=[*turn, *given, answer, {"role": "user", "content": "And Oslo?"}],
+                max_output_tokens=1,
+            )
+            assert again.usage is not None
+            counts.append(again.usage.input_tokens)
+        assert counts[0] == counts[1]
+    assert await wait_until(lambda: engine_idle(thinker.engine))
+    assert_no_leak(thinker.engine)

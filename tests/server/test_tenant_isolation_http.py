@@ -1,0 +1,147 @@
+"""The prefix cache is no oracle across clients, over real HTTP: two cache salts share nothing
+(the second salt's prompt is computed again, cached_tokens 0), the same salt hits; a bad salt
+is a 400; ``cache_isolation = "api-key"`` gives each key its own namespace; cached_tokens can be
+left out of responses; /metrics without the key leaves out hit counters and tenant labels. The
+KV invariant is checked after every step (CheckedEngine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncengine.server.app import create_app
+from asyncengine.server.scheduling_metrics import tenant_label
+from tests.api.test_engine_loop import fake_engine
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_idle,
+    start_server,
+    wait_until,
+)
+
+PROMPT = "the same long system prompt, page after page of it"  # 50 characters: 50 tokens
+
+
+async def started(**app_kwargs: Any) -> RunningServer:
+    engine = fake_engine(num_pages=256)
+    await engine.start()
+    return await start_server(engine.config, engine=engine, **app_kwargs)
+
+
+async def complete(
+    session: aiohttp.ClientSession, server: RunningServer, key: str | None = None, **extra: Any
+) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
+    async with session.post(
+        server.base_url + "/v1/completions", json=body, headers=headers
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+def cached(out: Any) -> int:
+    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_two_salts_share_nothing_over_http() -> None:
+    server = await started()
+    try:
+        engine = server.engine
+        async with aiohttp.ClientSession() as session:
+            status, first = await complete(session, server, cache_salt="alice")
+            assert status == 200 and cached(first) == 0
+            misses = engine.stats()["miss_tokens"]
+            status, other = await complete(session, server, cache_salt="bob")
+            assert status == 200 and cached(other) == 0
+            assert engine.stats()["miss_tokens"] == misses + len(PROMPT)  # computed again
+            status, plain = await complete(session, server)  # no salt: the shared cache
+            assert status == 200 and cached(plain) == 0
+            status, again = await complete(session, server, cache_salt="alice")
+            assert status == 200 and cached(again) >= 48
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+            async with session.post(
+                server.base_url + "/generate",
+                json={
+                    "text": PROMPT,
+                    "cache_salt": "bob",
+                    "sampling_params": {"max_new_tokens": 1},
+                },
+            ) as resp:
+                assert (
+                    resp.status == 200 and (await resp.json())["meta_info"]["cached_tokens"] >= 48
+                )
+            chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
+            for salt in ("carol", "dave"):
+                async with session.post(
+                    server.base_url + "/v1/chat/completions", json={**chat, "cache_salt": salt}
+                ) as resp:
+                    assert resp.status == 200 and cached(await resp.json()) == 0
+            for bad in (7, "x" * 257, ["a"]):
+                status, out = await complete(session, server, cache_salt=bad)
+                assert status == 400 and "cache_salt" in out["error"]["message"], out
+        assert await wait_until(lambda: engine_idle(engine))
+        assert_no_leak(engine)
+    finally:
+        await server.stop()
+
+
+async def test_each_api_key_gets_its_own_namespace() -> None:
+    server = await started(api_key=["key-a", "key-b"], cache_isolation="api-key")
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, out = await complete(session, server, "key-a")
+            assert status == 200 and cached(out) == 0
+            status, out = await complete(session, server, "key-b")
+            assert status == 200 and cached(out) == 0  # another key: nothing shared
+            status, out = await complete(session, server, "key-a")
+            assert status == 200 and cached(out) >= 48
+            status, out = await complete(session, server, "key-a", cache_salt="own")
+            assert status == 200 and cached(out) == 0  # a salt splits a key's namespace
+            status, _ = await complete(session, server, "key-c")
+            assert status == 401
+        assert await wait_until(lambda: engine_idle(server.engine))
+        assert_no_leak(server.engine)
+    finally:
+        await server.stop()
+
+
+async def test_cached_tokens_can_be_left_out_and_metrics_keep_tenants_behind_the_key() -> None:
+    server = await started(api_key="k", report_cached_tokens=False)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                status, out = await complete(session, server, "k", user="tenant-secret")
+                assert status == 200 and "prompt_tokens_details" not in out["usage"]
+            async with session.post(
+                server.base_url + "/generate",
+                json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1}},
+                headers={"Authorization": "Bearer k"},
+            ) as resp:
+                assert (
+                    resp.status == 200 and "cached_tokens" not in (await resp.json())["meta_info"]
+                )
+            async with session.get(server.base_url + "/metrics") as resp:
+                public = await resp.text()
+            async with session.get(
+                server.base_url + "/metrics", headers={"Authorization": "Bearer k"}
+            ) as resp:
+                whole = await resp.text()
+        for text in (public, whole):
+            assert "asyncengine_num_requests_running" in text
+        assert "asyncengine_cache_hit_tokens_total" in whole
+        assert tenant_label("tenant-secret") in whole and "tenant-secret" not in whole
+        assert "cache_hit" not in public and "cache_miss" not in public
+        assert "tenant" not in public and "kv_pages_cached" not in public
+    finally:
+        await server.stop()
+
+
+def test_isolation_by_key_needs_a_key() -> None:
+    engine = fake_engine()
+    with pytest.raises(ValueError, match="needs an API key"):
+        create_app(engine, cache_isolation="api-key")
+    with pytest.raises(ValueError, match="cache_isolation"):
+        create_app(engine, api_key="k", cache_isolation="user")
