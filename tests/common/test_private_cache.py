@@ -18,7 +18,7 @@ from asyncengine.common.private_cache import cache_dir, check_private_file, priv
 from asyncengine.executor.loader import CACHE_ENV, UnsafeCacheError
 from asyncengine.executor.loader import default_model as default_model_module
 from asyncengine.executor.loader.default_model import metadata_dir, resolve_model
-from asyncengine.kernels import cpu_native
+from asyncengine.kernels.cpu import cpu_native
 
 KERNEL = "cpu_layer_ops"
 # a library whose constructor leaves a marker: loading it is running the planter's code
