@@ -44,6 +44,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.scheduler.prompt_scoring",
     "asyncengine.scheduler.retraction",
     "asyncengine.scheduler.scheduler",
+    "asyncengine.scheduler.speculation",
+    "asyncengine.scheduler.step_commit",
     "asyncengine.scheduler.step_events",
     "asyncengine.scheduler.step_prefixes",
     "asyncengine.scheduler.step_shares",

@@ -53,9 +53,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))  # bench_serving beside this script
+sys.path.insert(0, str(ROOT / "scripts"))  # systems.py beside this script
 
-from bench_serving import LaunchedServer  # noqa: E402
+from systems import LaunchedServer  # noqa: E402
 
 from asyncengine.script_main import run_main  # noqa: E402
 

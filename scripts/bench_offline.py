@@ -55,127 +55,45 @@ on and off, and reports the throughput ratio and the prefill tokens the cache sa
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
 import math
-import os
-import platform
-import resource
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # systems.py beside this script
 
 from peers.llamacpp import launcher as peer_llamacpp
 from peers.vllm import launcher as peer_vllm
+from systems import (
+    WARMUP_PROMPT,
+    AsyncEngineSystem,
+    LlamaCppSystem,
+    SystemRun,
+    VllmSystem,
+    cell,
+    machine,
+    require_peers,
+    resolve_dtype,
+    timed,
+    write_json,
+)
 
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.common.config import EngineConfig, key_value
-from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.trace import WorkloadRequest
 
 SYSTEMS = ("asyncengine", "vllm", "llamacpp", "hf-padded", "hf-cb")
 DEFAULT_SYSTEMS = ("asyncengine", "hf-padded", "hf-cb")  # vllm needs its own venv: ask for it
-# Not a prefix of any generated prompt (random ids), so the warm-up never turns into cache hits.
-WARMUP_PROMPT = list(range(3, 19))
-
-
-@dataclass(slots=True)
-class Timing:
-    """Wall and CPU time of a timed region, with the machine's 1-minute load around it (the
-    2-core CI machines are shared: a busy neighbour slows every system, see docs/BENCHMARKS.md)."""
-
-    seconds: float = math.nan
-    cpu_seconds: float = math.nan  # this process's CPU time, all threads
-    load_start: float = math.nan
-    load_end: float = math.nan
-    # the share of the machine's CPU (all cores) that other processes used meanwhile
-    foreign_cpu_fraction: float = math.nan
-
-
-def machine_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine (all CPUs) since boot, from /proc/stat (Linux;
-    nan elsewhere)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return math.nan
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def foreign_fraction(busy: float, own_cpu: float, wall: float) -> float:
-    """Of ``wall`` seconds x all CPUs, the share busy with work other than ``own_cpu`` (the
-    clock-tick counts are coarse: a short region can read a little over 1, kept at 1)."""
-    if not wall > 0 or math.isnan(busy):
-        return math.nan
-    return min(1.0, max(0.0, busy - own_cpu) / (wall * (os.cpu_count() or 1)))
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[Timing]:
-    timing = Timing(load_start=os.getloadavg()[0])
-    busy_start = machine_busy_seconds()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    try:
-        yield timing
-    finally:
-        timing.seconds = time.perf_counter() - start
-        timing.cpu_seconds = time.process_time() - cpu_start
-        timing.load_end = os.getloadavg()[0]
-        timing.foreign_cpu_fraction = foreign_fraction(
-            machine_busy_seconds() - busy_start, timing.cpu_seconds, timing.seconds
-        )
-
-
-@dataclass(slots=True)
-class SystemRun:
-    """One system's pass over the workload. ``outputs`` follow the workload's order."""
-
-    system: str
-    timing: Timing
-    output_tokens: int  # useful tokens: the sum of the requests' output_len
-    generated_tokens: int  # tokens the system computed, padding waste included
-    outputs: list[list[int]] = field(repr=False)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def seconds(self) -> float:
-        return self.timing.seconds
-
-    @property
-    def cpu_seconds(self) -> float:
-        return self.timing.cpu_seconds
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else math.nan
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "system": self.system,
-            "seconds": self.seconds,
-            "cpu_seconds": self.cpu_seconds,
-            "load_average_start_end": [self.timing.load_start, self.timing.load_end],
-            "foreign_cpu_fraction": self.timing.foreign_cpu_fraction,
-            "output_tokens": self.output_tokens,
-            "generated_tokens": self.generated_tokens,
-            "output_tokens_per_second": self.tokens_per_second,
-            **self.extra,
-        }
 
 
 @dataclass(slots=True)
@@ -201,225 +119,6 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
         fractions.append(common / longest if longest else 1.0)
     identical = sum(list(a) == list(b) for a, b in zip(reference, other, strict=True))
     return Agreement(identical / len(reference), sum(fractions) / len(fractions), min(fractions))
-
-
-# -- asyncengine -----------------------------------------------------------------------------
-
-
-def _greedy(output_len: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-
-
-async def _run_engine(
-    config: EngineConfig, workload: Sequence[WorkloadRequest], label: str, progress: bool
-) -> SystemRun:
-    from asyncengine.api.engine import AsyncEngine
-
-    started = time.perf_counter()
-    async with AsyncEngine(config) as engine:
-        startup = time.perf_counter() - started
-        started = time.perf_counter()
-        await engine.generate(WARMUP_PROMPT, _greedy(4))
-        warmup = time.perf_counter() - started
-        before = engine.stats()
-        bar = tqdm(total=len(workload), desc=label, unit="req", disable=not progress)
-
-        async def one(item: WorkloadRequest) -> list[int]:
-            out = await engine.generate(item.prompt_ids, _greedy(item.output_len))
-            bar.update(1)
-            return out.token_ids
-
-        with timed() as timing:
-            outputs = await asyncio.gather(*(one(item) for item in workload))
-        bar.close()
-        after = engine.stats()
-        runner = getattr(getattr(engine.core, "executor", None), "runner", None)
-        pool = getattr(runner, "kv_pool", None)
-        kv_pool_dtype = str(pool.dtype).removeprefix("torch.") if pool is not None else None
-
-    def delta(key: str) -> int:
-        return int(after.get(key, 0)) - int(before.get(key, 0))
-
-    hit, miss = delta("hit_tokens"), delta("miss_tokens")
-    useful = sum(item.output_len for item in workload)
-    extra = {
-        "startup_seconds": startup,  # AsyncEngine.start: model load, KV pool, kernels
-        "warmup_seconds": warmup,
-        # this process's peak so far: asyncengine runs first, before any HF model is loaded
-        "peak_rss_bytes": maxrss_bytes(),
-        "hit_tokens": hit,
-        "miss_tokens": miss,
-        "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
-        "retractions": delta("retractions"),
-        "kv_pool_dtype": kv_pool_dtype,  # kv_cache_dtype as resolved (auto: float16 or not)
-        "engine_config": {
-            k: v
-            for k, v in config.to_dict().items()
-            if k
-            in (
-                "policy",
-                "page_size",
-                "kv_cache_tokens",
-                "max_running_requests",
-                "max_prefill_tokens",
-                "chunked_prefill_size",
-                "enable_mixed_batch",
-                "enable_prefix_cache",
-                "kv_cache_dtype",
-            )
-        },
-    }
-    generated = sum(len(o) for o in outputs)
-    return SystemRun(label, timing, useful, generated, list(outputs), extra)
-
-
-def maxrss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def run_asyncengine(
-    config: EngineConfig,
-    workload: Sequence[WorkloadRequest],
-    label: str = "asyncengine",
-    progress: bool = True,
-) -> SystemRun:
-    return asyncio.run(_run_engine(config, workload, label, progress))
-
-
-# -- vLLM (its CPU build, in its own virtualenv) ----------------------------------------------
-
-
-def model_dir_for(model: str, dtype_name: str) -> Path:
-    """The model directory asyncengine loads for ``dtype_name`` (vLLM gets the same files)."""
-    import torch
-
-    from asyncengine.executor.loader import resolve_model
-
-    return Path(resolve_model(model, getattr(torch, dtype_name)))
-
-
-def vllm_spec(
-    config: EngineConfig,
-    workload: Sequence[WorkloadRequest],
-    model_dir: Path,
-    dtype: str,
-    vllm_args: Sequence[tuple[str, Any]] = (),
-) -> dict[str, Any]:
-    """peers/vllm/runner.py's spec: the workload's prompts and output lengths, and a KV cache of as
-    many tokens as asyncengine's pool holds for ``config`` (bytes from the model's config)."""
-    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
-    tokens = peer_vllm.engine_kv_tokens(config, per_token)
-    return peer_vllm.offline_spec(
-        [(item.prompt_ids, item.output_len) for item in workload],
-        model_dir,
-        dtype,
-        tokens * per_token,
-        vllm_args,
-    )
-
-
-def vllm_system_run(result: dict[str, Any], workload: Sequence[WorkloadRequest]) -> SystemRun:
-    """A SystemRun from peers/vllm/runner.py's offline result; its outputs must match the workload."""
-    token_ids = result.get("token_ids")
-    if token_ids is None:
-        raise peer_vllm.VllmPeerError("the vLLM result holds no token_ids")
-    peer_vllm.check_outputs(token_ids, [item.output_len for item in workload])
-    timing = Timing(
-        seconds=float(result["seconds"]),
-        cpu_seconds=float(result["cpu_seconds"]),  # the whole process tree
-        load_start=float(result.get("load_start", math.nan)),
-        load_end=float(result.get("load_end", math.nan)),
-        foreign_cpu_fraction=float(result.get("foreign_cpu_fraction", math.nan)),
-    )
-    extra = {
-        "startup_seconds": result.get("startup_seconds"),  # vllm.LLM(...): compile included
-        "warmup_seconds": result.get("warmup_seconds"),
-        "peak_rss_bytes": result.get("peak_tree_rss_bytes"),  # summed over the tree
-        "peak_pss_bytes": result.get("peak_tree_pss_bytes"),
-        "main_process_cpu_seconds": result.get("main_process_cpu_seconds"),
-        "vllm_version": result.get("vllm_version"),
-        "engine_config": result.get("engine", {}),
-        "env": result.get("env", {}),
-    }
-    outputs = [[int(t) for t in ids] for ids in token_ids]
-    useful = sum(item.output_len for item in workload)
-    return SystemRun("vllm", timing, useful, sum(len(o) for o in outputs), outputs, extra)
-
-
-def run_llamacpp(workload: Sequence[WorkloadRequest], model_kind: str, parallel: int) -> SystemRun:
-    """llama-server -np ``parallel`` on the GGUF of ``model_kind``, every request sent at once
-    (prompts as token ids, greedy, EOS ignored); the server's peak RSS from /proc."""
-    folder = Path(tempfile.mkdtemp(prefix="bench_offline_llamacpp_"))
-    log_path = folder / "llama-server.log"
-    # each slot holds its request's whole sequence (llama-server cuts a longer one short)
-    longest = max(len(item.prompt_ids) + item.output_len for item in workload)
-    server = peer_llamacpp.LlamaServer(
-        peer_llamacpp.model_file(model_kind),
-        parallel=parallel,
-        context_per_slot=max(peer_llamacpp.CONTEXT_PER_SLOT, longest),
-        log_path=log_path,
-    )
-    print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
-    requests = [(item.prompt_ids, item.output_len) for item in workload]
-    with server:
-        load_start = os.getloadavg()[0]
-        busy_start = machine_busy_seconds()
-        replies, seconds = asyncio.run(peer_llamacpp.run_requests(server, requests))
-        busy = machine_busy_seconds() - busy_start
-    timing = Timing(
-        seconds=seconds,
-        load_start=load_start,
-        load_end=os.getloadavg()[0],
-        # the server's own CPU counts as busy here: this is the machine's busy share
-        foreign_cpu_fraction=foreign_fraction(busy, 0.0, seconds),
-    )
-    outputs = [[int(t) for t in reply["tokens"]] for reply in replies]
-    extra = {
-        "startup_seconds": server.startup_seconds,
-        "peak_rss_bytes": server.peak_rss_bytes,
-        "idle_rss_bytes": server.idle_rss_bytes,
-        "model_file": model_kind,
-        "command": " ".join(server.command),
-        "log": str(log_path),
-    }
-    useful = sum(item.output_len for item in workload)
-    return SystemRun("llamacpp", timing, useful, sum(len(o) for o in outputs), outputs, extra)
-
-
-def run_vllm(
-    config: EngineConfig,
-    workload: Sequence[WorkloadRequest],
-    dtype: str,
-    vllm_args: Sequence[tuple[str, Any]],
-    timeout: float,
-    workdir: Path | None,
-) -> SystemRun:
-    peer_vllm.require_vllm_venv()  # before anything else: the error names the fix
-    model_dir = model_dir_for(config.model, dtype)
-    spec = vllm_spec(config, workload, model_dir, dtype, vllm_args)
-    folder = workdir or Path(tempfile.mkdtemp(prefix="bench_offline_vllm_"))
-    folder.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path, log_path = (
-        folder / "vllm_spec.json",
-        folder / "vllm_result.json",
-        folder / "vllm.log",
-    )
-    spec_path.write_text(json.dumps(spec) + "\n", encoding="utf-8")
-    result_path.unlink(missing_ok=True)
-    print(f"vllm: scripts/peers/vllm/run.sh {spec_path} (log: {log_path})", flush=True)
-    peer_vllm.run_peer([str(spec_path), "--out", str(result_path)], timeout, log_path)
-    run = vllm_system_run(peer_vllm.read_result(result_path, log_path), workload)
-    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
-    run.extra["kv_cache"] = {
-        "asyncengine_pool_tokens": peer_vllm.engine_kv_tokens(config, per_token),
-        "bytes_per_token": per_token,
-        "requested_bytes": spec.get("kv_cache_bytes"),
-    }
-    run.extra["model_dir"] = str(model_dir)
-    run.extra["spec_settings"] = {k: v for k, v in spec.items() if k != "requests"}
-    run.extra["files"] = {"spec": str(spec_path), "result": str(result_path), "log": str(log_path)}
-    return run
 
 
 # -- Hugging Face transformers ---------------------------------------------------------------
@@ -603,28 +302,6 @@ def engine_config(args: argparse.Namespace, **changes: Any) -> EngineConfig:
     return EngineConfig.from_toml(args.config, **overrides)
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        # OpenMP's default spin-waiting collapses under a busy neighbour (see docs/BENCHMARKS.md)
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
-
-
 def _model_vocab(args: argparse.Namespace) -> int:
     import torch
 
@@ -662,27 +339,20 @@ def compare_systems(args: argparse.Namespace) -> dict[str, Any]:
             write_json(args.out, {**systems_result(runs, workload, args), "partial": True})
 
     if "asyncengine" in args.systems:
-        finished(run_asyncengine(engine_config(args), workload, progress=progress))
+        finished(AsyncEngineSystem.run_offline(engine_config(args), workload, progress=progress))
     if "vllm" in args.systems:
         try:
-            vllm = run_vllm(
-                engine_config(args),
-                workload,
-                args.dtype,
-                args.vllm_arg,
-                args.vllm_timeout,
-                args.vllm_workdir,
+            vllm = VllmSystem(args.vllm_timeout, args.vllm_workdir).run_offline(
+                engine_config(args), workload, args.dtype, args.vllm_arg
             )
         except (peer_vllm.VllmPeerError, peer_vllm.VllmUnavailableError) as exc:
             raise SystemExit(f"vllm: {exc}") from None
         finished(vllm)
     if "llamacpp" in args.systems:
         quantization = engine_config(args).quantization
-        kind = args.llamacpp_model or peer_llamacpp.model_kind_for(
-            args.model, quantization, args.dtype
-        )
+        kind = LlamaCppSystem.model_kind(args.llamacpp_model, args.model, quantization, args.dtype)
         try:
-            finished(run_llamacpp(workload, kind, args.llamacpp_parallel))
+            finished(LlamaCppSystem.run_offline(workload, kind, args.llamacpp_parallel))
         except (peer_llamacpp.LlamaCppPeerError, peer_llamacpp.LlamaCppUnavailableError) as exc:
             raise SystemExit(f"llamacpp: {exc}") from None
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
@@ -760,10 +430,10 @@ def compare_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
     }
     workload = make_workload("shared_prefix", **kwargs)
     progress = not args.no_progress
-    on = run_asyncengine(
+    on = AsyncEngineSystem.run_offline(
         engine_config(args, enable_prefix_cache=True), workload, "radix-on", progress
     )
-    off = run_asyncengine(
+    off = AsyncEngineSystem.run_offline(
         engine_config(args, enable_prefix_cache=False), workload, "radix-off", progress
     )
     prompt_tokens = sum(len(item.prompt_ids) for item in workload)
@@ -814,14 +484,6 @@ def _workload_info(
 # -- report ----------------------------------------------------------------------------------
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return (
-        "-"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else fmt.format(value)
-    )
-
-
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| system | wall s | CPU s | others' CPU | out tok/s | start-up s | peak RSS GB "
@@ -833,16 +495,16 @@ def table(result: dict[str, Any]) -> str:
         rss = run.get("peak_rss_bytes")
         cells = [
             name,
-            _cell(run["seconds"], "{:.1f}"),
-            _cell(run["cpu_seconds"], "{:.1f}"),
-            _cell(run.get("foreign_cpu_fraction"), "{:.0%}"),
-            _cell(run["output_tokens_per_second"], "{:.1f}"),
-            _cell(run.get("startup_seconds"), "{:.1f}"),
-            _cell(None if rss is None else rss / 1e9, "{:.2f}"),
-            _cell(run.get("asyncengine_speedup"), "{:.2f}x"),
-            _cell(run.get("asyncengine_speedup_cpu_time"), "{:.2f}x"),
-            _cell(agree.get("identical_fraction"), "{:.1%}"),
-            _cell(agree.get("mean_prefix_fraction"), "{:.1%}"),
+            cell(run["seconds"], "{:.1f}"),
+            cell(run["cpu_seconds"], "{:.1f}"),
+            cell(run.get("foreign_cpu_fraction"), "{:.0%}"),
+            cell(run["output_tokens_per_second"], "{:.1f}"),
+            cell(run.get("startup_seconds"), "{:.1f}"),
+            cell(None if rss is None else rss / 1e9, "{:.2f}"),
+            cell(run.get("asyncengine_speedup"), "{:.2f}x"),
+            cell(run.get("asyncengine_speedup_cpu_time"), "{:.2f}x"),
+            cell(agree.get("identical_fraction"), "{:.1%}"),
+            cell(agree.get("mean_prefix_fraction"), "{:.1%}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if result["mode"] == "shared_prefix":
@@ -911,11 +573,6 @@ def vllm_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_json(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model name, HF dir or .gguf")
@@ -956,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--llamacpp-model",
-        choices=tuple(peer_llamacpp.MODEL_FILES),
+        choices=LlamaCppSystem.model_kinds,
         default=None,
         help="llama.cpp's GGUF (scripts/setup_llamacpp.sh): q4_1 (the embedded file), float32 "
         "or bfloat16 (converted); default: the weights asyncengine runs (q4_1 unless "
@@ -1041,29 +698,12 @@ def hf_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """The dtype every system runs in: ``auto`` becomes the engine's own pick for the device."""
-    if dtype != "auto":
-        return dtype
-    from asyncengine.executor.device import pick_device, pick_dtype
-
-    return str(pick_dtype("auto", pick_device(device))).removeprefix("torch.")
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     args.systems = list(dict.fromkeys(name for group in args.systems for name in group))
     args.dtype = resolve_dtype(args.dtype, args.device)
-    if "llamacpp" in args.systems and not args.shared_prefix:
-        try:
-            peer_llamacpp.server_binary()
-        except peer_llamacpp.LlamaCppUnavailableError as exc:
-            raise SystemExit(f"--systems llamacpp: {exc}") from None
-    if "vllm" in args.systems and not args.shared_prefix:
-        try:
-            peer_vllm.require_vllm_venv()  # fail now, not after asyncengine's run
-        except peer_vllm.VllmUnavailableError as exc:
-            raise SystemExit(f"--systems vllm: {exc}") from None
+    if not args.shared_prefix:
+        require_peers(args.systems)  # fail now, not after asyncengine's run
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.time()
     result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)

@@ -56,9 +56,6 @@ import ipaddress
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,10 +69,20 @@ import aiohttp
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # systems.py beside this script
 
-from peers.llamacpp import launcher as peer_llamacpp
-from peers.vllm import launcher as peer_vllm
+from systems import (
+    AsyncEngineSystem,
+    LaunchedServer,
+    LlamaCppSystem,
+    VllmServer,
+    VllmSystem,
+    finite,
+    model_dir_for,
+    require_peers,
+    resolve_dtype,
+    write_json,
+)
 
 from asyncengine.bench.records import RequestRecord, summarize
 from asyncengine.common.config import key_value
@@ -353,17 +360,6 @@ async def run_workload(workload: Sequence[WorkloadRequest], options: RunOptions)
     return RunResult(outcomes, duration, (load_start, os.getloadavg()[0]), before, after)
 
 
-def _finite(value: Any) -> Any:
-    """JSON-safe: NaN/inf become null, recursively."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def report(result: RunResult, options: RunOptions) -> dict[str, Any]:
     records = [o.record for o in result.outcomes]
     summary = summarize(records).to_dict()
@@ -398,7 +394,7 @@ def report(result: RunResult, options: RunOptions) -> dict[str, Any]:
         "load_average_start_end": list(result.load_average_start_end),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # a launched server inherits it
     }
-    return _finite(out)
+    return finite(out)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -440,178 +436,6 @@ def check_loopback(base_url: str) -> str:
     if not loopback:
         raise SystemExit(f"only loopback servers are benchmarked; {host!r} is not loopback")
     return base_url.rstrip("/")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LaunchedServer:
-    """``asyncengine serve`` in a child process on 127.0.0.1, in its own process group; stopped
-    with SIGTERM, then whatever is left of the group with SIGKILL."""
-
-    name = "asyncengine"
-
-    def __init__(self, serve_args: Sequence[str], startup_timeout: float, log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = self.build_command(serve_args)
-        self.startup_timeout = startup_timeout
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None  # start to a healthy /health
-
-    def build_command(self, serve_args: Sequence[str]) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "asyncengine.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--shutdown-grace",
-            "5",
-            *serve_args,
-        ]
-
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        return env
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        started = time.perf_counter()
-        self.process = subprocess.Popen(
-            self.command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.environment(),
-            cwd=str(Path(__file__).resolve().parents[1]),
-            start_new_session=True,  # its children (vLLM's engine processes) stop with it
-        )
-        log.close()
-        try:
-            asyncio.run(self._wait_healthy())
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.perf_counter() - started
-
-    async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                assert self.process is not None
-                if self.process.poll() is not None:
-                    raise SystemExit(
-                        f"the {self.name} server exited with code {self.process.returncode} "
-                        f"while starting; log: {self.log_path}\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with session.get(
-                        self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)
-                    ) as response:
-                        if response.status == 200:
-                            return
-                await asyncio.sleep(0.25)
-        raise SystemExit(
-            f"the {self.name} server was not healthy after {self.startup_timeout:.0f}s; "
-            f"log: {self.log_path}\n{self.log_tail()}"
-        )
-
-    def log_tail(self, lines: int = 20) -> str:
-        return peer_vllm.log_tail(self.log_path, lines)
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process is None:
-            return None
-        code = self.process.poll()
-        if code is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                code = self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                peer_vllm.stop_group(self.process, grace=0.0)
-                code = self.process.wait(timeout=10)
-        if peer_vllm.group_alive(self.process.pid):  # a child that outlived the server
-            peer_vllm.stop_group(self.process, grace=10.0)
-        return code
-
-
-class VllmServer(LaunchedServer):
-    """``vllm serve`` (scripts/peers/vllm/serve.sh, vLLM's own virtualenv) on 127.0.0.1."""
-
-    name = "vllm"
-
-    def __init__(
-        self,
-        model_dir: Path,
-        dtype: str,
-        kv_cache_bytes: int,
-        flags: Sequence[str],
-        startup_timeout: float,
-        log_path: Path,
-    ) -> None:
-        self.model_dir, self.dtype, self.kv_cache_bytes = model_dir, dtype, kv_cache_bytes
-        super().__init__(flags, startup_timeout, log_path)
-
-    def build_command(self, serve_args: Sequence[str]) -> list[str]:
-        return [
-            "bash",
-            str(peer_vllm.PEER_DIR / "serve.sh"),
-            str(self.model_dir),
-            str(self.port),
-            self.dtype,
-            "--kv-cache-memory-bytes",
-            str(self.kv_cache_bytes),
-            *serve_args,
-        ]
-
-    def environment(self) -> dict[str, str]:
-        return peer_vllm.peer_env()
-
-    def stop(self, timeout: float = 60.0) -> int | None:  # its engine core shuts down too
-        return super().stop(timeout)
-
-
-class LlamaCppServer(LaunchedServer):
-    """llama.cpp's ``llama-server`` (scripts/setup_llamacpp.sh, scripts/peers/llamacpp/launcher.py) on
-    127.0.0.1: ``-np`` slots of 1536 tokens each, its OpenAI ``/v1/completions`` streamed."""
-
-    name = "llamacpp"
-
-    def __init__(self, gguf: Path, parallel: int, startup_timeout: float, log_path: Path) -> None:
-        self.peer = peer_llamacpp.LlamaServer(gguf, parallel=parallel)
-        super().__init__([], startup_timeout, log_path)
-
-    def build_command(self, serve_args: Sequence[str]) -> list[str]:
-        self.peer.port = self.port
-        return self.peer.command
-
-    def environment(self) -> dict[str, str]:
-        return dict(os.environ)
-
-
-def vllm_flags(settings: Sequence[tuple[str, Any]]) -> list[str]:
-    """``--vllm-arg KEY=VALUE`` pairs as ``vllm serve`` flags: ``max_num_seqs=128`` ->
-    ``--max-num-seqs 128``; true -> ``--key``; false -> ``--no-key``."""
-    flags: list[str] = []
-    for key, value in settings:
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False:
-            flags.append("--no-" + key.replace("_", "-"))
-        else:
-            flags += [flag, value if isinstance(value, str) else json.dumps(value)]
-    return flags
 
 
 # -- rate sweeps and systems side by side ----------------------------------------------------
@@ -819,21 +643,17 @@ def launch_system(
         launch_args = [*serve_args, "--model", model, "--dtype", dtype]
         if args.config:
             launch_args += ["--config", args.config]
-        server = LaunchedServer(launch_args, args.startup_timeout, log_dir / "asyncengine.log")
+        server = AsyncEngineSystem.server(
+            launch_args, args.startup_timeout, log_dir / "asyncengine.log"
+        )
         return server, args.served_model
     if name == "llamacpp":
-        kind = args.llamacpp_model or peer_llamacpp.model_kind_for(
-            model, serving_quantization(args, serve_args), dtype
-        )
-        server = LlamaCppServer(
-            peer_llamacpp.model_file(kind),
-            args.llamacpp_parallel,
-            args.startup_timeout,
-            log_dir / "llamacpp.log",
+        quantization = serving_quantization(args, serve_args)
+        kind = LlamaCppSystem.model_kind(args.llamacpp_model, model, quantization, dtype)
+        server = LlamaCppSystem.server(
+            kind, args.llamacpp_parallel, args.startup_timeout, log_dir / "llamacpp.log"
         )
         return server, None
-    from bench_offline import model_dir_for
-
     from asyncengine.common.config import EngineConfig
 
     model_dir = model_dir_for(model, dtype)
@@ -841,13 +661,11 @@ def launch_system(
     tokens = serve_flag(serve_args, "--kv-cache-tokens")
     if tokens is not None:
         config = config.replace(kv_cache_tokens=int(tokens), kv_cache_bytes=None)
-    per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
-    kv_bytes = peer_vllm.engine_kv_tokens(config, per_token) * per_token
-    server = VllmServer(
+    server = VllmSystem.server(
         model_dir,
         dtype,
-        kv_bytes,
-        vllm_flags(args.vllm_arg),
+        VllmSystem.kv_cache_bytes(config, model_dir, dtype),
+        args.vllm_arg,
         args.vllm_startup_timeout,
         log_dir / "vllm.log",
     )
@@ -876,18 +694,7 @@ def serve_flag(serve_args: Sequence[str], flag: str) -> str | None:
 def run_systems(
     args: argparse.Namespace, systems: list[str], serve_args: Sequence[str]
 ) -> dict[str, Any]:
-    from bench_offline import resolve_dtype
-
-    if "vllm" in systems:
-        try:
-            peer_vllm.require_vllm_venv()
-        except peer_vllm.VllmUnavailableError as exc:
-            raise SystemExit(f"--systems vllm: {exc}") from None
-    if "llamacpp" in systems:
-        try:
-            peer_llamacpp.server_binary()
-        except peer_llamacpp.LlamaCppUnavailableError as exc:
-            raise SystemExit(f"--systems llamacpp: {exc}") from None
+    require_peers(systems)
     dtype = resolve_dtype(args.dtype, "cpu")
     points = sweep_points(args)
     workloads = sweep_workloads(args, len(points))
@@ -923,15 +730,10 @@ def run_systems(
             summary["launch"]["kv_cache_bytes"] = server.kv_cache_bytes
         result["systems"][name] = summary
         if args.out is not None:  # a later system may fail to start: keep what is known
-            write_result(args.out, {**result, "partial": True})
+            write_json(args.out, {**result, "partial": True})
     result["comparison"] = compare_at_rates(result["systems"])
     result["workload"] = workload_info(args, workloads)
     return result
-
-
-def write_result(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
 
 
 def run_options(
@@ -1003,7 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--llamacpp-model",
-        choices=tuple(peer_llamacpp.MODEL_FILES),
+        choices=LlamaCppSystem.model_kinds,
         default=None,
         help="with --systems llamacpp: its GGUF (default: the run's dtype)",
     )
@@ -1137,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         text = sweep_table(result) if args.rates else table(result)
     print(text)
     if args.out is not None:
-        write_result(args.out, result)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 
@@ -1158,7 +960,7 @@ def run_one_server(args: argparse.Namespace, serve_args: Sequence[str]) -> dict[
         log_path = (
             args.server_log or Path(tempfile.gettempdir()) / f"bench_serving_{os.getpid()}.log"
         )
-        server = LaunchedServer(launch_args, args.startup_timeout, log_path)
+        server = AsyncEngineSystem.server(launch_args, args.startup_timeout, log_path)
         server.start()
         base_url = server.base_url
     else:

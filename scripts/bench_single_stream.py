@@ -29,14 +29,11 @@ other processes used while timed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
-import os
 import statistics
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,22 +41,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers, bench_offline
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers, systems.py
 
-from bench_offline import (
-    foreign_fraction,
+from peers.llamacpp import launcher as peer_llamacpp
+from peers.vllm import launcher as peer_vllm
+from systems import (
+    AsyncEngineSystem,
+    LlamaCppSystem,
+    VllmSystem,
+    cell,
     machine,
-    machine_busy_seconds,
-    maxrss_bytes,
     model_dir_for,
+    require_peers,
     resolve_dtype,
     write_json,
 )
-from peers.llamacpp import launcher as peer_llamacpp
-from peers.vllm import launcher as peer_vllm
 
 from asyncengine.common.config import EngineConfig, key_value
-from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.script_main import run_main
 
 SYSTEMS = ("asyncengine", "vllm", "llamacpp")
@@ -180,14 +178,6 @@ def bound_tokens_per_second(bandwidth_bytes_per_second: float, step_bytes: int) 
     return bandwidth_bytes_per_second / step_bytes
 
 
-def decode_tokens_per_second(
-    output_len: int, first_seconds: Sequence[float], full_seconds: Sequence[float]
-) -> float:
-    """(output_len - 1) tokens in (median full - median first) seconds."""
-    gap = statistics.median(full_seconds) - statistics.median(first_seconds)
-    return (output_len - 1) / gap if gap > 0 else math.nan
-
-
 def single_stream_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
     """The prompt peers/vllm/runner.py --single-stream draws (numpy default_rng(seed).integers)."""
     import numpy as np
@@ -196,176 +186,6 @@ def single_stream_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 
 
 # -- the systems -----------------------------------------------------------------------------
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-async def _asyncengine(
-    config: EngineConfig, prompt: list[int], output_len: int, repeats: int
-) -> dict[str, Any]:
-    from asyncengine.api.engine import AsyncEngine
-
-    started = time.perf_counter()
-    async with AsyncEngine(config) as engine:
-        startup = time.perf_counter() - started
-        # resident once it can serve, before any request (as llama-server's after /health): the
-        # peak below also holds what serving the prompt built (a quantized model's dense copies
-        # once a call has DENSE_FROM_ROWS rows or more, the KV pages it touched)
-        idle_rss = peer_llamacpp.status_bytes(os.getpid(), "VmRSS")
-        await engine.generate(prompt, _greedy(8))  # warm-up
-        load_start = os.getloadavg()[0]
-        busy_start, cpu_start, wall_start = (
-            machine_busy_seconds(),
-            time.process_time(),
-            time.perf_counter(),
-        )
-        firsts, fulls = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            await engine.generate(prompt, _greedy(1))
-            firsts.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            out = await engine.generate(prompt, _greedy(output_len))
-            fulls.append(time.perf_counter() - start)
-            if len(out.token_ids) != output_len:
-                raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {output_len} tokens")
-        cpu = time.process_time() - cpu_start
-        foreign = foreign_fraction(
-            machine_busy_seconds() - busy_start, cpu, time.perf_counter() - wall_start
-        )
-    return {
-        "first_token_seconds": firsts,
-        "full_seconds": fulls,
-        "decode_tokens_per_second": decode_tokens_per_second(output_len, firsts, fulls),
-        "end_to_end_tokens_per_second": output_len / statistics.median(fulls),
-        "startup_seconds": startup,
-        "cpu_seconds": cpu,
-        "peak_rss_bytes": maxrss_bytes(),
-        "idle_rss_bytes": idle_rss,
-        "foreign_cpu_fraction": foreign,
-        "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-    }
-
-
-def run_asyncengine(
-    config: EngineConfig, prompt: list[int], output_len: int, repeats: int
-) -> dict[str, Any]:
-    return asyncio.run(_asyncengine(config, prompt, output_len, repeats))
-
-
-def run_vllm(
-    model_dir: Path,
-    dtype: str,
-    kv_bytes: int,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    folder = args.vllm_workdir or Path(tempfile.mkdtemp(prefix="bench_single_stream_vllm_"))
-    folder.mkdir(parents=True, exist_ok=True)
-    result_path, log_path = (
-        folder / f"vllm_single_{dtype}.json",
-        folder / f"vllm_single_{dtype}.log",
-    )
-    result_path.unlink(missing_ok=True)
-    peer_args = [
-        "--single-stream", "--model", str(model_dir), "--dtype", dtype,
-        "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-        "--repeats", str(args.repeats), "--seed", str(args.seed), "--kv-bytes", str(kv_bytes),
-        "--out", str(result_path), *args.vllm_peer_arg,
-    ]  # fmt: skip
-    print(f"vllm: scripts/peers/vllm/run.sh {' '.join(peer_args)} (log: {log_path})", flush=True)
-    peer_vllm.run_peer(peer_args, args.vllm_timeout, log_path)
-    return vllm_row(peer_vllm.read_result(result_path, log_path), log_path)
-
-
-def vllm_row(result: dict[str, Any], log_path: Path | None = None) -> dict[str, Any]:
-    """The row of peers/vllm/runner.py's single-stream result, in asyncengine's row's terms."""
-    return {
-        "first_token_seconds": result["first_token_seconds"],
-        "full_seconds": result["full_seconds"],
-        "decode_tokens_per_second": float(result["decode_tokens_per_second"]),
-        "end_to_end_tokens_per_second": result.get("end_to_end_tokens_per_second"),
-        "startup_seconds": result.get("startup_seconds"),
-        "cpu_seconds": result.get("cpu_seconds"),  # the whole process tree
-        "peak_rss_bytes": result.get("peak_tree_rss_bytes"),
-        "peak_pss_bytes": result.get("peak_tree_pss_bytes"),
-        "foreign_cpu_fraction": result.get("foreign_cpu_fraction"),
-        "load_start": result.get("load_start"),
-        "load_end": result.get("load_end"),
-        "vllm_version": result.get("vllm_version"),
-        "engine_config": result.get("engine", {}),
-        "log": None if log_path is None else str(log_path),
-    }
-
-
-async def _llamacpp(
-    server: peer_llamacpp.LlamaServer, prompt: list[int], output_len: int, repeats: int
-) -> dict[str, Any]:
-    import aiohttp
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await server.complete(session, prompt, 8)  # warm-up
-        load_start = os.getloadavg()[0]
-        busy_start, wall_start = machine_busy_seconds(), time.perf_counter()
-        cpu_start = server.cpu_seconds()
-        firsts, fulls, reported = [], [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            await server.complete(session, prompt, 1)
-            firsts.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            reply = await server.complete(session, prompt, output_len)
-            fulls.append(time.perf_counter() - start)
-            reported.append(float(reply.get("timings", {}).get("predicted_per_second", math.nan)))
-        wall = time.perf_counter() - wall_start
-        cpu = server.cpu_seconds() - cpu_start
-    return {
-        "cpu_seconds": cpu,
-        "first_token_seconds": firsts,
-        "full_seconds": fulls,
-        "decode_tokens_per_second": decode_tokens_per_second(output_len, firsts, fulls),
-        "end_to_end_tokens_per_second": output_len / statistics.median(fulls),
-        "server_reported_tokens_per_second": statistics.median(reported),
-        # its own CPU time is not ours to count: the share of the machine busy meanwhile
-        "machine_busy_fraction": foreign_fraction(machine_busy_seconds() - busy_start, 0.0, wall),
-        "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-    }
-
-
-def run_llamacpp(
-    model_kind: str, prompt: list[int], output_len: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """llama-server -np 1 (its best single-user setting) on the GGUF of ``model_kind``."""
-    folder = Path(tempfile.mkdtemp(prefix="bench_single_stream_llamacpp_"))
-    log_path = folder / "llama-server.log"
-    server = peer_llamacpp.LlamaServer(
-        peer_llamacpp.model_file(model_kind),
-        parallel=1,
-        threads=args.threads or None,
-        log_path=log_path,
-    )
-    print(f"llamacpp: {' '.join(server.command)} (log: {log_path})", flush=True)
-    with server:
-        row = asyncio.run(_llamacpp(server, prompt, output_len, args.repeats))
-    return {
-        **row,
-        "model_file": model_kind,
-        "startup_seconds": server.startup_seconds,
-        "peak_rss_bytes": server.peak_rss_bytes,
-        "idle_rss_bytes": server.idle_rss_bytes,
-        "command": " ".join(server.command),
-        "log": str(log_path),
-    }
-
-
-def llamacpp_model_kind(args: argparse.Namespace, config: EngineConfig, dtype: str) -> str:
-    """The peer's GGUF: ``--llamacpp-model``, else the weights asyncengine runs."""
-    if args.llamacpp_model:
-        return str(args.llamacpp_model)
-    return peer_llamacpp.model_kind_for(args.model, config.quantization, dtype)
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -394,11 +214,6 @@ def cpu_ms_per_token(row: dict[str, Any], result: dict[str, Any]) -> float | Non
 
 
 def table(result: dict[str, Any]) -> str:
-    def cell(value: Any, fmt: str) -> str:
-        if value is None or (isinstance(value, float) and not math.isfinite(value)):
-            return "-"
-        return fmt.format(value)
-
     lines = [
         "| system | decode tok/s | ms/token | first token ms | of the bound | start-up s "
         "| idle RSS GB | peak RSS GB | others' CPU | CPU ms/token |",
@@ -460,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--llamacpp-model",
-        choices=tuple(peer_llamacpp.MODEL_FILES),
+        choices=LlamaCppSystem.model_kinds,
         default=None,
         help="llama.cpp's GGUF (default: q4_1 when asyncengine keeps the embedded file "
         "quantized, else the run's dtype)",
@@ -508,11 +323,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     if not systems or not set(systems) <= set(SYSTEMS):
         raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
-    if "vllm" in systems:
-        try:
-            peer_vllm.require_vllm_venv()
-        except peer_vllm.VllmUnavailableError as exc:
-            raise SystemExit(f"--systems vllm: {exc}") from None
+    require_peers(systems)
     if args.threads:
         import torch
 
@@ -541,22 +352,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "runs": {},
     }
     if "asyncengine" in systems:
-        row = run_asyncengine(config, prompt, args.output_len, args.repeats)
+        row = AsyncEngineSystem.run_stream(config, prompt, args.output_len, args.repeats)
         result["runs"]["asyncengine"] = row
         print(f"asyncengine: {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
     if "vllm" in systems:
-        per_token = peer_vllm.kv_bytes_per_token(model_dir, dtype)
-        kv_bytes = peer_vllm.engine_kv_tokens(config, per_token) * per_token
+        vllm = VllmSystem(args.vllm_timeout, args.vllm_workdir)
+        kv_bytes = vllm.kv_cache_bytes(config, model_dir, dtype)
         try:
-            row = run_vllm(model_dir, dtype, kv_bytes, args)
+            row = vllm.run_stream(
+                model_dir, dtype, kv_bytes, args.prompt_len, args.output_len, args.repeats,
+                args.seed, args.vllm_peer_arg,
+            )  # fmt: skip
         except peer_vllm.VllmPeerError as exc:
             raise SystemExit(f"vllm: {exc}") from None
         result["runs"]["vllm"] = row
         print(f"vllm: {row['decode_tokens_per_second']:.1f} decode tok/s", flush=True)
     if "llamacpp" in systems:
-        kind = llamacpp_model_kind(args, config, dtype)
+        kind = LlamaCppSystem.model_kind(
+            args.llamacpp_model, args.model, config.quantization, dtype
+        )
         try:
-            row = run_llamacpp(kind, prompt, args.output_len, args)
+            row = LlamaCppSystem.run_stream(
+                kind, prompt, args.output_len, args.repeats, args.threads or None
+            )
         except (peer_llamacpp.LlamaCppPeerError, peer_llamacpp.LlamaCppUnavailableError) as exc:
             raise SystemExit(f"llamacpp: {exc}") from None
         result["runs"]["llamacpp"] = row

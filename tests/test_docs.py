@@ -26,6 +26,8 @@ GUIDES = [
             "policies.md",
             "scaling-out.md",
             "development.md",
+            "agent-apis.md",
+            "SECURITY.md",
             "BENCHMARKS.md",
         )
     ),
@@ -121,6 +123,25 @@ def test_links_and_paths_exist(path: Path) -> None:
             if word.startswith(PATH_PREFIXES) and "*" not in word and not (ROOT / word).exists():
                 missing.append(word)
     assert missing == []
+
+
+def test_security_options_are_the_servers() -> None:
+    """Every option SECURITY.md's table names is a flag of `asyncengine serve`, a config key, a
+    request field or a policy option."""
+    from dataclasses import fields
+
+    from asyncengine.common.config import EngineConfig
+    from asyncengine.common.sampling_params import SamplingParams
+
+    rows = (ROOT / "docs" / "SECURITY.md").read_text().splitlines()
+    cells = [line.split("|")[-2] for line in rows if line.startswith("| ")]  # the last column
+    named = {word.split()[0] for cell in cells for word in INLINE.findall(cell)}
+    flags = {word for word in named if word.startswith("--")}
+    assert flags and flags <= serve_options(), flags - serve_options()
+    keys = {*EngineConfig.__struct_fields__, *(f.name for f in fields(SamplingParams))}
+    others = {word for word in named - flags if re.fullmatch(r"[a-z_.]+", word)}
+    unknown = {w for w in others if w.split(".")[0] not in keys}
+    assert others and not unknown, unknown
 
 
 def test_make_targets_exist() -> None:

@@ -11,11 +11,14 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
+from asyncengine.api.embedding import await_embedding, embedding_group
+from asyncengine.api.grammar_wait import GrammarWait
 from asyncengine.api.intake import Intake, Prompt
 from asyncengine.api.kv_event_publisher import KVEventPublisher
 from asyncengine.api.request_group import ChoiceCollector, RequestGroup
+from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
 from asyncengine.api.summary_log import SummaryLog
 from asyncengine.common.config import ConfigError, EngineConfig
@@ -26,9 +29,8 @@ from asyncengine.common.errors import (
     RequestFailedError,
 )
 from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput
-from asyncengine.common.plan import BatchPlan, StepOutput
-from asyncengine.common.pooling import PooledEmbedding
-from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
+from asyncengine.common.plan import BatchPlan
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.core.builder import build_core, make_policies
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor
@@ -37,13 +39,6 @@ from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.api.engine")
-
-
-class InFlight(NamedTuple):
-    """A plan whose forward runs on the worker thread."""
-
-    plan: BatchPlan
-    future: asyncio.Future[StepOutput]
 
 
 class AsyncEngine:
@@ -79,12 +74,12 @@ class AsyncEngine:
         self._tokenizer: Any = None
         self._intake: Intake | None = None
         self.streams = Streams(lambda: self._core().now(), self.abort)
-        self._grammars: Any = None  # the GrammarCompiler, made at the first constrained request
-        self._compiling = 0  # requests waiting for their grammar (counted as waiting)
+        self.grammars = GrammarWait(
+            self.config, self.streams, self._core, lambda: self._tokenizer, self._add
+        )
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._stopping = False
+        self._steps: StepLoop | None = None
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
@@ -120,9 +115,11 @@ class AsyncEngine:
         # collector's full passes (which stall the loop) short for the rest of the run.
         gc.collect()
         gc.freeze()
-        self._wakeup = asyncio.Event()
-        self._stopping = False
-        self._task = asyncio.create_task(self._run_loop(), name="asyncengine-loop")
+        self._steps = StepLoop(
+            self._core(), self.streams, self._worker, self.step_hooks, self.abort,
+            self.config.enable_overlap_schedule,
+        )  # fmt: skip
+        self._task = asyncio.create_task(self._steps.run(), name="asyncengine-loop")
         if self.config.log_interval > 0:
             self.summary.reset()
             self._summary_task = asyncio.create_task(
@@ -142,7 +139,8 @@ class AsyncEngine:
         """Abort what is still in flight and stop the loop."""
         if self._task is None:
             return
-        self._stopping = True
+        assert self._steps is not None
+        self._steps.stopping = True
         groups = self.streams.groups
         compiling = [g.compiling for g in groups.values() if g.compiling is not None]
         for rid in list(groups):
@@ -150,8 +148,7 @@ class AsyncEngine:
         for task in compiling:
             task.cancel()
         await asyncio.gather(*compiling, return_exceptions=True)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._steps.wakeup.set()
         await self._task
         self._task = None
         # start() froze every object alive then (this engine's pool and weights among them);
@@ -166,9 +163,7 @@ class AsyncEngine:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        if self._grammars is not None:
-            self._grammars.close()
-            self._grammars = None
+        self.grammars.close()
         self.stop_recording()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -182,7 +177,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._stopping
+        running = self._task is not None and not self._task.done()
+        return running and self._steps is not None and not self._steps.stopping
 
     def _core(self) -> EngineCore:
         if self.core is None:
@@ -266,8 +262,7 @@ class AsyncEngine:
         )
         self.streams.open(group)
         if params.structured is not None:
-            self._compiling += 1
-            group.compiling = asyncio.create_task(self._compile_then_add(group, params))
+            self.grammars.submit(group, params)
         else:
             self._add(group)
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
@@ -277,27 +272,7 @@ class AsyncEngine:
         and prefix cache, its final hidden states pooled as the model says (``spec.pooling``:
         mean or last token) and normalized (pooling.py). Concurrent calls batch together.
         Bad input raises ``InvalidRequestError`` before anything is queued."""
-        stream = self._queue_embedding(prompt, request_id)
-        try:
-            async for delta in stream:
-                if not delta.finished:
-                    continue
-                assert delta.usage is not None and delta.metrics is not None
-                if delta.embedding is None:
-                    raise RequestFailedError(
-                        f"request {stream.request_id} ended ({delta.finish_reason}) before "
-                        "its embedding was computed"
-                    )
-                return EmbeddingOutput(
-                    stream.request_id,
-                    delta.embedding,
-                    delta.usage.prompt_tokens,
-                    delta.usage.cached_tokens,
-                    delta.metrics,
-                )
-        finally:
-            await stream.aclose()
-        raise RequestFailedError(f"request {stream.request_id} ended without an embedding")
+        return await await_embedding(self._queue_embedding(prompt, request_id))
 
     def _queue_embedding(self, prompt: Prompt, request_id: str | None) -> RequestStream:
         if not self.is_running:
@@ -306,18 +281,16 @@ class AsyncEngine:
         ids = self.intake.accept_embedding(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self._check_queue(core)
-        group = RequestGroup.create(
-            rid, ids, SamplingParams(max_new_tokens=1), core.now(),
-            lambda: self._tokenizer.detokenizer(True, ids),
-        )  # fmt: skip
-        group.held[0].embedding = PooledEmbedding(core.spec.pooling)
+        group = embedding_group(
+            rid, ids, core.now(), lambda: self._tokenizer.detokenizer(True, ids), core.spec.pooling
+        )
         self.streams.open(group)
         self._add(group)
         return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
 
     def _check_queue(self, core: EngineCore) -> None:
         # a request waiting for its grammar waits as much as a queued one
-        waiting = len(core.scheduler.waiting) + self._compiling
+        waiting = len(core.scheduler.waiting) + self.grammars.waiting
         if waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"{waiting} requests are waiting (max_waiting_requests); try again later"
@@ -327,46 +300,8 @@ class AsyncEngine:
         """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
         self._core().add(group.held[0], followers=group.held[1:])
         group.held = []
-        assert self._wakeup is not None
-        self._wakeup.set()
-
-    async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
-        """Compile the group's grammar off the loop, then queue its requests with matchers."""
-        from asyncengine.structured import GrammarMatcher
-
-        assert params.structured is not None
-        try:
-            compiled = await self._compiled(params.structured)
-            matchers = [GrammarMatcher(compiled) for _ in group.held]
-        except asyncio.CancelledError:
-            return  # aborted while it waited: its compile, if no one else waits, never runs
-        except Exception as exc:
-            if self.streams.groups.get(group.rid) is group and group.held:
-                error = exc
-                if not isinstance(exc, InvalidRequestError):
-                    log.exception("compiling the grammar of request %s failed", group.rid)
-                    error = RequestFailedError(f"request {group.rid} failed: {exc}")
-                self.streams.refuse(group, error)
-            return
-        finally:
-            self._compiling -= 1
-        if self.streams.groups.get(group.rid) is not group or not group.held:
-            return  # aborted while it compiled
-        for req, matcher in zip(group.held, matchers, strict=True):
-            req.grammar = matcher
-        self._add(group)
-
-    async def _compiled(self, constraint: StructuredOutput) -> Any:
-        from asyncengine.structured import GrammarCompiler
-
-        if self._grammars is None:
-            spec, config = self._core().spec, self.config
-            self._grammars = GrammarCompiler(
-                self._tokenizer, spec.vocab_size, spec.eos_token_ids,
-                config.grammar_cache_size, config.grammar_compile_workers,
-                config.grammar_compile_timeout,
-            )  # fmt: skip
-        return await self._grammars.compile(constraint)
+        assert self._steps is not None
+        self._steps.wakeup.set()
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (all its choices); its KV pages are released
@@ -441,68 +376,3 @@ class AsyncEngine:
         """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
         chat template); ``InvalidRequestError`` for a prompt it would refuse."""
         return self.intake.tokenize(prompt)
-
-    # -- the loop ------------------------------------------------------------------------
-    async def _run_loop(self) -> None:
-        """Launch, await the forward on the worker thread, land, stream. The step itself is
-        the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
-        launches before this one's tokens stream) and streaming."""
-        core = self._core()
-        overlap = self.config.enable_overlap_schedule
-        assert self._wakeup is not None
-        pending: InFlight | None = None
-        try:
-            while not self._stopping:
-                if pending is None:
-                    if not core.has_work():
-                        self._wakeup.clear()
-                        await self._wakeup.wait()
-                        continue
-                    pending = self._launch(core)
-                    if pending is None:
-                        await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
-                        continue
-                step, pending = pending, None
-                try:
-                    output: StepOutput | BaseException = await step.future
-                except Exception as exc:  # one bad forward fails its batch, not the engine
-                    output = exc
-                events = core.land(step.plan, output)
-                if overlap and not self._stopping and core.has_work():
-                    # The next forward runs while this step's tokens stream. A request ended
-                    # here by an abort is in the next plan too: its token there is dropped at
-                    # land, and its pages are reused only by a plan made after that forward.
-                    pending = self._launch(core)
-                self.streams.publish(events)
-                for hook in self.step_hooks:
-                    hook(step.plan)
-                if pending is None:
-                    # Let the callers woken by these tokens run now, before the next forward:
-                    # run during it, their Python would hold the GIL the forward thread needs
-                    # between ops and take a core from its threads (two cores here).
-                    await asyncio.sleep(0)
-        except Exception as exc:
-            log.exception("engine loop crashed")
-            for state in list(self.streams.states.values()):
-                self.streams.fail(state.req, exc)
-            raise
-        finally:
-            if pending is not None:  # let the forward finish before the pool goes away
-                try:
-                    await pending.future
-                except Exception:  # its requests are aborted below either way
-                    log.warning("the forward in flight as the loop stopped failed", exc_info=True)
-            for rid in list(self.streams.groups):
-                self.abort(rid)
-
-    def _launch(self, core: EngineCore) -> InFlight | None:
-        """The core's next plan, its forward started on the worker thread (None: no plan);
-        what ended at launch (deadlines) streams at once."""
-        plan = core.launch()
-        self.streams.publish(core.events())
-        if plan is None:
-            return None
-        future = asyncio.get_running_loop().run_in_executor(
-            self._worker, core.executor.execute, plan
-        )
-        return InFlight(plan, future)

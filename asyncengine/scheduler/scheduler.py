@@ -24,21 +24,21 @@ from typing import NamedTuple
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, StepOutput, TokenLogprobs
+from asyncengine.common.plan import BatchPlan, SamplingInfo, StepOutput
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
 from asyncengine.scheduler.admitter import Admitter
 from asyncengine.scheduler.prefill import Prefill
-from asyncengine.scheduler.prompt_scoring import keep_scores, tail_scores
+from asyncengine.scheduler.prompt_scoring import tail_scores
 from asyncengine.scheduler.retraction import Retraction
 from asyncengine.scheduler.shadow import ShadowPolicy
-from asyncengine.scheduler.step_events import TokenEvent
+from asyncengine.scheduler.speculation import decode_segment, propose_guesses
+from asyncengine.scheduler.step_commit import Committed, commit_segments, first_ids
 from asyncengine.scheduler.step_prefixes import StepPrefixes
 from asyncengine.scheduler.step_shares import StepShares
 from asyncengine.scheduler.waiting_queue import WaitingQueue
-from asyncengine.speculative.ngram import NgramProposer
 
 log = logging.getLogger("asyncengine.scheduler.scheduler")
 
@@ -48,14 +48,6 @@ class PendingPolicy(NamedTuple):
 
     policy: Policy
     config: EngineConfig
-
-
-class Committed(NamedTuple):
-    """What a landed step gave: sampled tokens, and the prefill-only requests (embeddings,
-    pooling.py) whose prompt is computed now, their result complete."""
-
-    tokens: list[TokenEvent]
-    prompts_done: list[Request]
 
 
 class Scheduler:
@@ -178,7 +170,7 @@ class Scheduler:
         if req.seq is not None:
             computed = req.seq.computed_len
             scores = tail_scores(req, computed // self.page_size * self.page_size)
-            self.kv.close(req.seq, _first_ids(req, computed), cache=cache, tail_scores=scores)
+            self.kv.close(req.seq, first_ids(req, computed), cache=cache, tail_scores=scores)
             req.seq = None
         self.retraction.forget(req)
         req.mark_finished(reason, matched, self.clock())
@@ -240,7 +232,8 @@ class Scheduler:
         if admission.preempted:  # a policy had some of this step's decodes retracted
             decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
         for req in decoding:
-            plan.decodes.append(self._decode_segment(req))
+            guesses, draft = self.step_guesses.get(req.rid), self.step_drafts.get(req.rid, 0)
+            plan.decodes.append(decode_segment(req, guesses, draft))
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
         if plan.is_empty():
             self.count_step(False, False)
@@ -297,21 +290,6 @@ class Scheduler:
         self.inflight = plan
         self._inflight_owners = owners
 
-    def _decode_segment(self, req: Request) -> Segment:
-        last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-        guesses = self.step_guesses.get(req.rid)
-        if guesses:
-            n = len(guesses)
-            return Segment(
-                req.rid, req.kv.row, [last, *guesses], req.kv.kv_len - 1 - n, True, guesses=n
-            )
-        draft = self.step_drafts.get(req.rid, 0)
-        if draft:
-            return Segment(
-                req.rid, req.kv.row, [last], req.kv.kv_len - 1 - draft, True, draft=draft
-            )
-        return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
-
     def step_budget(self, num_decodes: int) -> StepBudget:
         """The policy's token budget for a step with ``num_decodes`` decode tokens."""
         policy = self.policy
@@ -350,7 +328,10 @@ class Scheduler:
     def _prepare_decodes(self) -> list[Request]:
         """Give every running request a KV slot for its next token (and its guesses, with
         speculative decoding), retracting when short (retraction.py)."""
-        guesses, drafts = self._propose_guesses()
+        room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
+        guesses, drafts = propose_guesses(
+            self.speculation, self.running, self.policy, self._context, room
+        )
         self.step_guesses, self.step_drafts = guesses, drafts
         retraction = self.retraction
         retracted = retraction.make_decode_room(
@@ -361,34 +342,6 @@ class Scheduler:
             for req in retracted:  # back at the queue's front
                 self.admission.arrived(req, front=True)
         return list(self.running)
-
-    def _propose_guesses(self) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """Speculative decoding: each running request's guessed next tokens (by rid), as many
-        as the policy allows it (``Policy.speculate``) and its output budget and the context
-        leave room for (the token after the guesses is sampled too). With a draft model the
-        executor guesses them: the second dict says how many, by rid. Empty when off."""
-        settings = self.speculation
-        if settings is None or not self.running:
-            return {}, {}
-        ctx = self._context(len(self.running))
-        room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
-        out: dict[str, list[int]] = {}
-        drafts: dict[str, int] = {}
-        for req in self.running:
-            k = min(self.policy.speculate(req, ctx), req.remaining_new_tokens - 1)
-            k = max(0, min(k, room - req.num_tokens))
-            if settings.method == "draft":
-                # a grammar's mask after each guess is made before the forward (core.launch),
-                # so a structured-output request's guesses must be known here: it gets none
-                if k and req.grammar is None:
-                    drafts[req.rid] = k
-                continue
-            if req.proposer is None:
-                req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
-            guesses = req.proposer.propose(req.all_ids, k)  # indexes even when k is 0
-            if guesses:
-                out[req.rid] = guesses
-        return out, drafts
 
     # -- results --------------------------------------------------------------------------
     def commit(self, plan: BatchPlan, output: StepOutput) -> Committed:
@@ -402,102 +355,15 @@ class Scheduler:
         self.policy.observe(plan, output.forward_seconds)
         if self.shadow is not None:
             self.shadow.observe(plan, output.forward_seconds)
-        now = self.clock()
-        events: list[TokenEvent] = []
-        prompts_done: list[Request] = []
-        sampled = iter(enumerate(zip(output.token_ids, output.logprobs, strict=True)))
         if plan.num_guesses or any(output.drafted):
             self.spec_steps += 1
-        if len(output.pooled) != len(plan.pooled_segments):
-            raise ValueError(
-                f"step {plan.step} pools {len(plan.pooled_segments)} segments but the executor "
-                f"returned {len(output.pooled)} pooled parts"
-            )
-        pooled = iter(output.pooled)
-        scored = iter(output.prompt_logprobs)
-        step_scores: dict[str, list[TokenLogprobs]] = {}  # rid -> its segment's scores
-        for seg in plan.segments:
-            req = owners.get(seg.rid)
-            alive = req is not None and not req.finished  # else aborted while the step ran
-            if req is not None and alive:
-                req.kv.computed_len = seg.end_pos
-            borrowed = plan.shared_scores.get(seg.rid)
-            if borrowed is not None and req is not None:
-                req.borrowed_scores = 0  # in req.prompt_logprobs from here on
-            if seg.scoring is not None or borrowed is not None:
-                prompt_logprobs = [] if seg.scoring is None else next(scored)
-                step_scores[seg.rid] = prompt_logprobs
-                if req is not None and alive:
-                    before = len(req.prompt_logprobs)
-                    for piece in borrowed or ():  # other segments of this step scored them
-                        source = step_scores[piece.source]
-                        req.prompt_logprobs.extend(
-                            source[piece.offset : piece.offset + piece.count]
-                        )
-                    req.prompt_logprobs.extend(prompt_logprobs)
-                    keep_scores(req, self.prompt_scores, before)
-            if not seg.sample:
-                part = next(pooled) if seg.pool is not None else None
-                if req is not None and alive:  # the chunk is shareable now
-                    self.kv.cache(req.kv, _first_ids(req, seg.end_pos))
-                    if req.embedding is not None and part is not None:
-                        req.embedding.add(part, seg.num_tokens)
-                    if req.prefill_only and seg.end_pos == req.num_tokens:
-                        if req.embedding is not None:
-                            req.embedding.finish()
-                        prompts_done.append(req)
-                continue
-            entry, (token, logprobs) = next(sampled)
-            if req is None or not alive:
-                continue
-            if seg.guesses or seg.draft:
-                self._commit_guesses(req, seg, entry, token, output, now, events)
-                continue
-            if req.status is RequestStatus.PREFILLING:
-                self.prefilling.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                # the whole prompt is in KV now: share it while this request still decodes
-                self.kv.cache(req.kv, _first_ids(req, seg.end_pos))
-            req.output_ids.append(token)
-            req.token_times.append(now)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            events.append(TokenEvent(req, token, logprobs, len(req.output_ids)))
-        return Committed(events, prompts_done)
-
-    def _commit_guesses(
-        self,
-        req: Request,
-        seg: Segment,
-        entry: int,
-        token: int,
-        output: StepOutput,
-        now: float,
-        events: list[TokenEvent],
-    ) -> None:
-        """A verified row: its accepted guesses, then the sampled token, are its new tokens;
-        the slots of its rejected guesses (and of a draft model's unused ones) go back to the
-        KV pool now."""
-        if seg.draft:
-            guesses = output.drafted[entry] if output.drafted else []
-        else:
-            guesses = seg.input_ids[1:]
-        accepted = output.accepted[entry] if output.accepted else 0
-        if accepted > len(guesses):
-            raise ValueError(f"request {seg.rid!r}: {accepted} of {len(guesses)} guesses accepted")
-        kept_logprobs = output.accepted_logprobs[entry] if output.accepted_logprobs else []
-        req.proposed_guesses += len(guesses)
-        req.accepted_guesses += accepted
-        self.spec_verified += len(guesses)
+        events, prompts_done, verified, accepted = commit_segments(
+            plan, output, owners, self.kv, self.prompt_scores, self.prefilling, self.running,
+            self.clock(),
+        )  # fmt: skip
+        self.spec_verified += verified
         self.spec_accepted += accepted
-        self.kv.truncate(req.kv, seg.start_pos + 1 + accepted)
-        guessed = guesses[:accepted]
-        logprobs = [*(kept_logprobs or [None] * accepted), output.logprobs[entry]]
-        for new_token, token_logprobs in zip([*guessed, token], logprobs, strict=True):
-            req.output_ids.append(new_token)
-            req.token_times.append(now)
-            events.append(TokenEvent(req, new_token, token_logprobs, len(req.output_ids)))
+        return Committed(events, prompts_done)
 
     def fail(self, plan: BatchPlan) -> list[Request]:
         """The step's forward raised: end its requests (reason "abort") and return them.
@@ -545,15 +411,3 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "steps": self.step_count,
         }
-
-
-def _first_ids(req: Request, n: int) -> list[int]:
-    """``req.cache_ids[:n]`` (read-only: it may be the prompt itself) in one copy at most:
-    a request's prompt and output are hundreds of tokens, copied at each prefix it caches."""
-    prompt = req.cache_prompt_ids
-    if n >= len(prompt):
-        output = req.output_ids
-        if not output or n == len(prompt):
-            return prompt
-        return prompt + output[: n - len(prompt)]
-    return prompt[:n]

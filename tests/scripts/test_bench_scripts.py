@@ -52,6 +52,12 @@ def offline() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
+def systems(offline: ModuleType) -> ModuleType:
+    """scripts/systems.py as the benchmarks import it (one module, shared by the three)."""
+    return importlib.import_module("systems")
+
+
+@pytest.fixture(scope="module")
 def serving() -> ModuleType:
     return load_script("bench_serving")
 
@@ -336,7 +342,7 @@ def test_vllm_spec_carries_the_same_requests_and_our_pool_in_bytes(
 
     workload = small_workload()
     config = EngineConfig(model=str(config_dir))
-    spec = offline.vllm_spec(config, workload, config_dir, "bfloat16")
+    spec = offline.VllmSystem.spec(config, workload, config_dir, "bfloat16")
     assert spec["model"] == str(config_dir) and spec["dtype"] == "bfloat16"
     assert [r["prompt_ids"] for r in spec["requests"]] == [w.prompt_ids for w in workload]
     assert [r["output_len"] for r in spec["requests"]] == [w.output_len for w in workload]
@@ -344,10 +350,10 @@ def test_vllm_spec_carries_the_same_requests_and_our_pool_in_bytes(
     assert spec["kv_cache_bytes"] == 32768 * per_token  # the engine's default CPU pool
     assert json.loads(json.dumps(spec)) == spec  # what gets written is plain JSON
 
-    fp32 = offline.vllm_spec(config, workload, config_dir, "float32")
+    fp32 = offline.VllmSystem.spec(config, workload, config_dir, "float32")
     assert fp32["kv_cache_bytes"] == 2 * spec["kv_cache_bytes"]
     # a pool of 100 tokens is 7 pages of 16: vLLM gets room for the same 112 tokens
-    small = offline.vllm_spec(
+    small = offline.VllmSystem.spec(
         EngineConfig(model=str(config_dir), kv_cache_tokens=100),
         workload,
         config_dir,
@@ -357,7 +363,9 @@ def test_vllm_spec_carries_the_same_requests_and_our_pool_in_bytes(
     assert small["kv_cache_bytes"] == 112 * per_token
     assert small["max_num_seqs"] == 64 and small["enforce_eager"] is True
     assert small["llm_kwargs"] == {"swap_space": 0}  # unknown to vllm_peer: for vllm.LLM
-    given = offline.vllm_spec(config, workload, config_dir, "bfloat16", [("kv_cache_gib", 1.5)])
+    given = offline.VllmSystem.spec(
+        config, workload, config_dir, "bfloat16", [("kv_cache_gib", 1.5)]
+    )
     assert given["kv_cache_gib"] == 1.5 and "kv_cache_bytes" not in given
 
 
@@ -387,12 +395,14 @@ def peer_result(workload: list[Any], **changes: Any) -> dict[str, Any]:
     return {**result, **changes}
 
 
-def test_a_vllm_result_becomes_a_row_beside_asyncengine(offline: ModuleType) -> None:
+def test_a_vllm_result_becomes_a_row_beside_asyncengine(
+    offline: ModuleType, systems: ModuleType
+) -> None:
     import argparse
 
     workload = small_workload()
     useful = sum(w.output_len for w in workload)
-    vllm = offline.vllm_system_run(peer_result(workload), workload)
+    vllm = offline.VllmSystem.offline_run(peer_result(workload), workload)
     row = vllm.to_json()
     assert row["system"] == "vllm" and row["seconds"] == 4.0 and row["cpu_seconds"] == 7.5
     assert row["output_tokens"] == useful == row["generated_tokens"]
@@ -405,7 +415,7 @@ def test_a_vllm_result_becomes_a_row_beside_asyncengine(offline: ModuleType) -> 
     ours = [[5] * w.output_len for w in workload]
     ours[0] = [6] + ours[0][1:]
     engine = offline.SystemRun(
-        "asyncengine", offline.Timing(2.0, 5.0, 1.0, 1.0), useful, useful, ours,
+        "asyncengine", systems.Timing(2.0, 5.0, 1.0, 1.0), useful, useful, ours,
         {"startup_seconds": 2.0, "peak_rss_bytes": 1_500_000_000},
     )  # fmt: skip
     args = argparse.Namespace(seed=4, workload_arg=[])
@@ -421,7 +431,7 @@ def test_a_vllm_result_becomes_a_row_beside_asyncengine(offline: ModuleType) -> 
     assert "| vllm | 4.0 | 7.5 |" in text and "| 35.5 | 3.90 |" in text
     assert "max_num_seqs=256" in text
 
-    slower = offline.vllm_system_run(peer_result(workload, seconds=1.0), workload)
+    slower = offline.VllmSystem.offline_run(peer_result(workload, seconds=1.0), workload)
     result = offline.systems_result({"asyncengine": engine, "vllm": slower}, workload, args)
     result["dtype"] = "bfloat16"
     assert "asyncengine behind vLLM: 0.50x" in offline.table(result)
@@ -432,21 +442,21 @@ def test_a_vllm_result_that_does_not_match_the_requests_is_refused(offline: Modu
     short = [[5] * w.output_len for w in workload]
     short[2] = short[2][:-1]
     with pytest.raises(offline.peer_vllm.VllmPeerError, match="request 2"):
-        offline.vllm_system_run(peer_result(workload, token_ids=short), workload)
+        offline.VllmSystem.offline_run(peer_result(workload, token_ids=short), workload)
     with pytest.raises(offline.peer_vllm.VllmPeerError, match="4 outputs for 5"):
-        offline.vllm_system_run(peer_result(workload, token_ids=short[:4]), workload)
+        offline.VllmSystem.offline_run(peer_result(workload, token_ids=short[:4]), workload)
     with pytest.raises(offline.peer_vllm.VllmPeerError, match="token_ids"):
-        offline.vllm_system_run(peer_result(workload, token_ids=None), workload)
+        offline.VllmSystem.offline_run(peer_result(workload, token_ids=None), workload)
 
 
-def test_foreign_cpu_is_the_machines_busy_time_less_our_own(offline: ModuleType) -> None:
+def test_foreign_cpu_is_the_machines_busy_time_less_our_own(systems: ModuleType) -> None:
     import os
 
     cpus = os.cpu_count() or 1
-    assert offline.foreign_fraction(3.0, 1.0, 2.0) == pytest.approx(2.0 / (2.0 * cpus))
-    assert offline.foreign_fraction(1.0, 1.5, 2.0) == 0.0  # clock ticks vs process time
-    assert math.isnan(offline.foreign_fraction(1.0, 0.5, 0.0))
-    with offline.timed() as timing:
+    assert systems.foreign_fraction(3.0, 1.0, 2.0) == pytest.approx(2.0 / (2.0 * cpus))
+    assert systems.foreign_fraction(1.0, 1.5, 2.0) == 0.0  # clock ticks vs process time
+    assert math.isnan(systems.foreign_fraction(1.0, 0.5, 0.0))
+    with systems.timed() as timing:
         sum(range(10_000))
     assert timing.seconds >= 0 and timing.cpu_seconds >= 0
     assert math.isnan(timing.foreign_cpu_fraction) or 0.0 <= timing.foreign_cpu_fraction <= 1.0
@@ -530,7 +540,9 @@ def test_run_vllm_writes_the_spec_runs_the_peer_and_reads_it_back(
 
     workload = small_workload()
     config = EngineConfig(model=str(config_dir), kv_cache_tokens=64)
-    run = offline.run_vllm(config, workload, "float32", [("max_num_seqs", 8)], 60, tmp_path / "w")
+    run = offline.VllmSystem(60, tmp_path / "w").run_offline(
+        config, workload, "float32", [("max_num_seqs", 8)]
+    )
     assert run.outputs == [[1] * w.output_len for w in workload]
     assert run.tokens_per_second == pytest.approx(sum(w.output_len for w in workload) / 2.0)
     spec = json.loads((tmp_path / "w" / "vllm_spec.json").read_text())
@@ -585,15 +597,17 @@ def test_vllm_peer_mirror_of_the_random_workload_matches_ours() -> None:
 # -- bench_single_stream: the bound's arithmetic ---------------------------------------------
 
 
-def test_copy_bandwidth_counts_reads_and_writes_over_the_median(single_stream: ModuleType) -> None:
+def test_copy_bandwidth_counts_reads_and_writes_over_the_median(
+    single_stream: ModuleType, systems: ModuleType
+) -> None:
     bw = single_stream.copy_bandwidth(1000, [4.0, 1.0, 2.0])
     assert bw.bytes_per_second == pytest.approx(2 * 1000 / 2.0)
     with pytest.raises(ValueError):
         single_stream.copy_bandwidth(1000, [])
     assert single_stream.bound_tokens_per_second(10e9, 250_000_000) == pytest.approx(40.0)
-    assert single_stream.decode_tokens_per_second(
-        33, [0.1, 0.3, 0.2], [1.2, 3.0, 1.7]
-    ) == pytest.approx(32 / 1.5)
+    assert systems.decode_tokens_per_second(33, [0.1, 0.3, 0.2], [1.2, 3.0, 1.7]) == pytest.approx(
+        32 / 1.5
+    )
 
 
 def test_weight_bytes_count_a_tied_head_once(single_stream: ModuleType, tmp_path: Path) -> None:
@@ -686,7 +700,7 @@ def test_max_rate_under_the_ttft_slo(serving: ModuleType) -> None:
     assert summary["max_rate_under_ttft_slo"] == 2 and summary["slo_held_at_every_rate"]
 
 
-def test_rates_and_systems_parsing(serving: ModuleType) -> None:
+def test_rates_and_systems_parsing(serving: ModuleType, systems: ModuleType) -> None:
     assert serving.parse_rates("4, 1,2,2") == [1.0, 2.0, 4.0]
     for bad in ("", "0,1", "a,b"):
         with pytest.raises(SystemExit):
@@ -694,10 +708,10 @@ def test_rates_and_systems_parsing(serving: ModuleType) -> None:
     assert serving.systems_list(["asyncengine,vllm"]) == ["asyncengine", "vllm"]
     with pytest.raises(SystemExit, match="choose from"):
         serving.systems_list(["tgi"])
-    assert serving.vllm_flags([("max_num_seqs", 128), ("enforce_eager", True)]) == [
+    assert systems.vllm_flags([("max_num_seqs", 128), ("enforce_eager", True)]) == [
         "--max-num-seqs", "128", "--enforce-eager",
     ]  # fmt: skip
-    assert serving.vllm_flags([("enable_prefix_caching", False)]) == ["--no-enable-prefix-caching"]
+    assert systems.vllm_flags([("enable_prefix_caching", False)]) == ["--no-enable-prefix-caching"]
     assert serving.serve_flag(["--dtype", "x", "--kv-cache-tokens=99"], "--kv-cache-tokens") == "99"
     with pytest.raises(SystemExit, match="exactly one"):
         serving.main(["--systems", "asyncengine", "--base-url", "http://127.0.0.1:1"])

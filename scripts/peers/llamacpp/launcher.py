@@ -1,5 +1,5 @@
 """llama.cpp's ``llama-server`` as a peer system (scripts/setup_llamacpp.sh builds it, in its own
-virtualenv), for bench_single_stream.py and bench_offline.py ``--systems llamacpp``.
+virtualenv), for the benchmarks' ``--systems llamacpp`` (through scripts/systems.py).
 
     with LlamaServer(gguf, parallel=64, context_per_slot=1536) as server:
         reply = asyncio.run(server.complete(session, token_ids, n_predict=256))

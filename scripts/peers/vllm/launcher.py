@@ -6,7 +6,7 @@ OpenAI server). This module never imports vllm: it sizes vLLM's KV cache like ou
 the request spec the peer reads, runs the peer as a bounded subprocess (its whole process group
 is stopped on a timeout or an interrupt) and reads the result JSON back.
 
-Used by scripts/bench_offline.py, scripts/bench_single_stream.py and scripts/bench_serving.py.
+Used through scripts/systems.py by bench_offline.py, bench_single_stream.py and bench_serving.py.
 """
 
 from __future__ import annotations

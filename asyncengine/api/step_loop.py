@@ -1,0 +1,107 @@
+"""The engine's step loop: launch a plan, await its forward on the worker thread, land it,
+stream its tokens; with overlap the next plan launches before this one's tokens stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+from asyncengine.api.streams import Streams
+from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.core.engine_core import EngineCore
+
+log = logging.getLogger("asyncengine.api.engine")
+
+
+class InFlight(NamedTuple):
+    """A plan whose forward runs on the worker thread."""
+
+    plan: BatchPlan
+    future: asyncio.Future[StepOutput]
+
+
+class StepLoop:
+    """Runs ``core``'s steps until ``stopping``; ``wakeup`` is set when work arrives."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        streams: Streams,
+        worker: ThreadPoolExecutor | None,
+        step_hooks: list[Callable[[BatchPlan], None]],
+        abort: Callable[[str], bool],
+        overlap: bool,
+    ) -> None:
+        self.core = core
+        self.streams = streams
+        self.worker = worker
+        self.step_hooks = step_hooks  # the engine's list: hooks added later run too
+        self.abort = abort
+        self.overlap = overlap
+        self.wakeup = asyncio.Event()
+        self.stopping = False
+
+    async def run(self) -> None:
+        """Launch, await the forward on the worker thread, land, stream. The step itself is
+        the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
+        launches before this one's tokens stream) and streaming."""
+        core, overlap = self.core, self.overlap
+        pending: InFlight | None = None
+        try:
+            while not self.stopping:
+                if pending is None:
+                    if not core.has_work():
+                        self.wakeup.clear()
+                        await self.wakeup.wait()
+                        continue
+                    pending = self._launch(core)
+                    if pending is None:
+                        await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
+                        continue
+                step, pending = pending, None
+                try:
+                    output: StepOutput | BaseException = await step.future
+                except Exception as exc:  # one bad forward fails its batch, not the engine
+                    output = exc
+                events = core.land(step.plan, output)
+                if overlap and not self.stopping and core.has_work():
+                    # The next forward runs while this step's tokens stream. A request ended
+                    # here by an abort is in the next plan too: its token there is dropped at
+                    # land, and its pages are reused only by a plan made after that forward.
+                    pending = self._launch(core)
+                self.streams.publish(events)
+                for hook in self.step_hooks:
+                    hook(step.plan)
+                if pending is None:
+                    # Let the callers woken by these tokens run now, before the next forward:
+                    # run during it, their Python would hold the GIL the forward thread needs
+                    # between ops and take a core from its threads (two cores here).
+                    await asyncio.sleep(0)
+        except Exception as exc:
+            log.exception("engine loop crashed")
+            for state in list(self.streams.states.values()):
+                self.streams.fail(state.req, exc)
+            raise
+        finally:
+            if pending is not None:  # let the forward finish before the pool goes away
+                try:
+                    await pending.future
+                except Exception:  # its requests are aborted below either way
+                    log.warning("the forward in flight as the loop stopped failed", exc_info=True)
+            for rid in list(self.streams.groups):
+                self.abort(rid)
+
+    def _launch(self, core: EngineCore) -> InFlight | None:
+        """The core's next plan, its forward started on the worker thread (None: no plan);
+        what ended at launch (deadlines) streams at once."""
+        plan = core.launch()
+        self.streams.publish(core.events())
+        if plan is None:
+            return None
+        future = asyncio.get_running_loop().run_in_executor(
+            self.worker, core.executor.execute, plan
+        )
+        return InFlight(plan, future)
