@@ -154,12 +154,19 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
+        self._check_types()
+        self._check_ranges()
+        self._check_stop_strings()
+        self._check_scheduling()
+        self._check_token_maps()
 
-        def bad(name: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(
-                f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
-            )
+    def _bad(self, name: str, why: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
+        )
 
+    def _check_types(self) -> None:
+        bad = self._bad
         for name in (
             "max_new_tokens",
             "top_k",
@@ -186,6 +193,9 @@ class SamplingParams:
                 or not math.isfinite(value)
             ):
                 raise bad(name, "must be a finite number")
+
+    def _check_ranges(self) -> None:
+        bad = self._bad
         if self.prompt_logprobs is not None and (
             isinstance(self.prompt_logprobs, bool)
             or not isinstance(self.prompt_logprobs, int)
@@ -223,6 +233,9 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    def _check_stop_strings(self) -> None:
+        bad = self._bad
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -234,6 +247,10 @@ class SamplingParams:
                 f"a stop string of {longest} characters is longer than the limit of "
                 f"{MAX_STOP_STRING_LENGTH} (MAX_STOP_STRING_LENGTH)",
             )
+
+    def _check_scheduling(self) -> None:
+        """priority, timeout, tenant and cache_salt: what the scheduler and the cache key on."""
+        bad = self._bad
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise bad("priority", "must be an integer")
         if abs(self.priority) > MAX_PRIORITY:
@@ -257,6 +274,10 @@ class SamplingParams:
             raise bad(
                 "cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LENGTH} characters"
             )
+
+    def _check_token_maps(self) -> None:
+        """stop_token_ids, n, logit_bias and the structured-output constraint."""
+        bad = self._bad
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
