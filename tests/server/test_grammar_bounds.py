@@ -77,7 +77,7 @@ async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempP
             status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": heavy})
             assert status == 400, out
             assert "took longer than 0.05 s to compile" in out["error"]["message"]
-        assert server.engine._grammars.abandoned == 1
+        assert server.engine._grammars.killed == 1
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()
