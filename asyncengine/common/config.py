@@ -146,7 +146,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # (alternatives + 1) x n, summed over a batch's prompts; more is refused (HTTP 400)
     max_logprob_entries: int = 1_000_000
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by spec
-    grammar_compile_workers: int = 2  # threads compiling grammars (a queue behind them)
+    grammar_compile_workers: int = 2  # processes compiling grammars (a queue behind them)
     # seconds a grammar may compile; then its request is refused (400) and so is its spec
     grammar_compile_timeout: float = 10.0
     # embeddings (asyncengine/common/pooling.py): "mean" or "last" token; "auto": the model dir's

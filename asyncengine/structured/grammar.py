@@ -6,11 +6,11 @@
     matcher.next_bitmask()                   # int32 words, bit set = token allowed next
     matcher.accept(token_id)                 # advance; is_terminated() once it took EOS
 
-Compilation runs on the compiler's own threads, so a long compile neither blocks the event loop
-nor waits behind forwards. Requests for a spec that is being compiled wait for the same
-compile. A spec xgrammar cannot compile, or not within the time limit, is an
-``InvalidRequestError`` that names the problem (specs are capped in length at intake:
-``sampling_params.MAX_GRAMMAR_CHARS``).
+Compilation runs in the compiler's own worker processes (structured/compile_pool.py), so a
+long compile neither blocks the event loop nor waits behind forwards, and one past the time
+limit is killed. Requests for a spec that is being compiled wait for the same compile. A spec
+xgrammar cannot compile, or not within the time limit, is an ``InvalidRequestError`` that
+names the problem (specs are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
 """
 
 from __future__ import annotations
@@ -20,21 +20,23 @@ import contextlib
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
+from asyncengine.structured.compile_pool import CompilePool, CompileTimeout, WorkerGone
+from asyncengine.structured.compile_worker import COMPILE_NICENESS
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_WORKERS = 2
-COMPILE_NICENESS = 10  # scripts/grammar_flood.py measures what a flood of compiles costs others
 DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a compile may run before its spec is refused
+# errors that stay cached: the spec would cost a worker as much again
+REFUSED_FROM_NOW_ON = ("grammar_too_complex", "grammar_compiler_crashed")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[06:27:45] /path/file.cc:83: "
 
 
@@ -57,20 +59,18 @@ _WHAT = {
 }
 
 
-def _problem(kind: str, error: Exception) -> InvalidRequestError:
-    detail = " ".join(_LOG_PREFIX.sub("", str(error)).split())
+def _problem(kind: str, message: str) -> InvalidRequestError:
+    detail = " ".join(_LOG_PREFIX.sub("", message).split())
     return InvalidRequestError(f"invalid {_WHAT[kind]}: {detail}")
 
 
 @dataclass(eq=False)
 class _Compile:
-    """One spec's compile: the worker's future, when a worker took it up, and how many requests
-    wait for it (none left before it starts: it is cancelled and never runs)."""
+    """One spec's compile: the pool's future, and how many requests wait for it (none left
+    before a worker takes it up: it is cancelled and never runs)."""
 
     job: Future[Any]
     future: asyncio.Future[Any]
-    started: asyncio.Event
-    started_at: list[float]  # the worker's time.monotonic() when it took the job up
     waiters: int = 0
 
 
@@ -80,11 +80,13 @@ class GrammarCompiler:
     ``tokenizer`` is the engine's (its ``backend`` is a ``tokenizers.Tokenizer``);
     ``vocab_size`` the width of the model's logits (it may exceed the tokenizer's).
 
-    Compiles run on ``workers`` threads, first come first served. The work a client can make
-    is bounded: a compile no waiting request wants any more (its clients went away) is
-    cancelled before it starts; one that runs longer than ``timeout`` seconds is abandoned and
-    its spec refused from then on (a thread cannot be stopped: it finishes in the background,
-    holding one worker); ``json_object``, compiled first, never waits behind the queue.
+    Compiles run in ``workers`` worker processes, first come first served, started with the
+    compiler (xgrammar's import and the vocabulary: seconds) and handing back the compiled
+    grammar serialized. The work a client can make is bounded: a compile no waiting request
+    wants any more (its clients went away) is cancelled before it starts; one that runs longer
+    than ``timeout`` seconds is killed with its process (a fresh one takes its place) and its
+    spec refused from then on; ``json_object``, compiled first and here, never waits behind
+    the queue.
     """
 
     def __init__(
@@ -102,45 +104,44 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.timeout = timeout
         self._cache: OrderedDict[StructuredOutput, _Compile] = OrderedDict()
-        self._thread = ThreadPoolExecutor(
-            workers, thread_name_prefix="asyncengine-grammar", initializer=_lower_priority
+        self._here = ThreadPoolExecutor(
+            1, thread_name_prefix="asyncengine-grammar-here", initializer=_lower_priority
         )
         self._compiler_lock = threading.Lock()
-        self._compiler: Any = None  # xgrammar's, built on a worker at the first compile
+        self._compiler: Any = None  # xgrammar's, built on a thread at the first compile
+        self._tokenizer_info: Any = None  # xgrammar's, with the compiler
+        self._tokenizer_info_json = b""  # what the worker processes compile for
         self._json_object: _Compile | None = None
         self.compiles = 0  # grammars compiled (cache misses)
-        self.abandoned = 0  # compiles past the time limit, left to finish in the background
+        self.pool = CompilePool(workers, self._worker_setup)
+
+    @property
+    def killed(self) -> int:
+        """Compiles past the time limit (their worker processes killed)."""
+        return self.pool.killed
 
     async def compile(self, constraint: StructuredOutput) -> Any:
         """The compiled grammar of ``constraint`` (from the cache, or compiled off the loop).
         InvalidRequestError when it does not compile, or not within ``timeout`` seconds."""
         if self._json_object is None:  # first in line: the plain JSON grammar never queues
-            self._json_object = self._submit(StructuredOutput("json_object"))
+            self._json_object = self._wrap(self._here.submit(self._compile_json_object))
         if constraint.kind == "json_object":
             entry = self._json_object
         else:
-            entry = self._cache.get(constraint) or self._submit(constraint)
+            entry = self._cache.get(constraint) or self._wrap(
+                self.pool.submit(lambda: self._compile_now(constraint))
+            )
             self._cache[constraint] = entry
             self._cache.move_to_end(constraint)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         entry.waiters += 1
         try:
-            if not entry.future.done() and not entry.started.is_set():  # queued
-                started = asyncio.ensure_future(entry.started.wait())
-                try:
-                    await asyncio.wait([entry.future, started], return_when=FIRST_COMPLETED)
-                finally:
-                    started.cancel()
-            if not entry.future.done():
-                left = self.timeout - (time.monotonic() - entry.started_at[0])
-                try:
-                    await asyncio.wait_for(asyncio.shield(entry.future), max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise self._too_slow(constraint, entry) from None
-            return entry.future.result()
-        except InvalidRequestError:
-            if self._cache.get(constraint) is entry:  # a failure is not cached (too slow is)
+            return await asyncio.shield(entry.future)
+        except Exception as error:
+            # a failure is not cached, unless the spec would cost a worker as much again
+            refused = getattr(error, "code", None) in REFUSED_FROM_NOW_ON
+            if not refused and self._cache.get(constraint) is entry:
                 del self._cache[constraint]
             raise
         finally:
@@ -149,55 +150,45 @@ class GrammarCompiler:
                 if self._cache.get(constraint) is entry:  # nobody wants it: it never runs
                     del self._cache[constraint]
 
-    def _submit(self, constraint: StructuredOutput) -> _Compile:
-        loop = asyncio.get_running_loop()
-        started, started_at = asyncio.Event(), []
-
-        def run() -> Any:
-            self._xgrammar_compiler()  # once per compiler, seconds: not the grammar's time
-            started_at.append(time.monotonic())
-            loop.call_soon_threadsafe(started.set)
-            return self._compile_now(constraint)
-
-        job = self._thread.submit(run)
-        entry = _Compile(job, asyncio.wrap_future(job, loop=loop), started, started_at)
+    @staticmethod
+    def _wrap(job: Future[Any]) -> _Compile:
+        entry = _Compile(job, asyncio.wrap_future(job))
         entry.future.add_done_callback(_consume)
         return entry
 
-    def _too_slow(self, constraint: StructuredOutput, entry: _Compile) -> InvalidRequestError:
-        """Abandon ``entry``'s compile; the spec is refused from now on (it would take a worker
-        for as long again)."""
-        self.abandoned += 1
-        error = InvalidRequestError(
-            f"the {_WHAT[constraint.kind]} took longer than {self.timeout:g} s to compile: "
-            "simplify it (fewer alternatives, smaller repetition bounds)",
-            code="grammar_too_complex",
-        )
-        refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        refused.set_exception(error)
-        refused.add_done_callback(_consume)
-        done = _Compile(entry.job, refused, entry.started, entry.started_at)
-        if constraint.kind != "json_object":
-            self._cache[constraint] = done
-        return error
-
     def _compile_now(self, constraint: StructuredOutput) -> Any:
-        """On a worker thread (the first call imports xgrammar: over a second)."""
-        compiler = self._xgrammar_compiler()
+        """On a pool thread: compiled in the thread's worker process, then read back here."""
         self.compiles += 1
         try:
-            if constraint.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if constraint.kind == "json_schema":
-                # compact JSON: a model cannot pad the output with endless whitespace
-                return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
-            if constraint.kind == "regex":
-                return compiler.compile_regex(constraint.spec)
-            if constraint.kind == "structural_tag":  # tool calls (structured/tool_grammar.py)
-                return compiler.compile_structural_tag(constraint.spec)
-            return compiler.compile_grammar(constraint.spec)
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise _problem(constraint.kind, error) from None
+            ok, payload = self.pool.compile(constraint.kind, constraint.spec, self.timeout)
+        except CompileTimeout:
+            raise InvalidRequestError(
+                f"the {_WHAT[constraint.kind]} took longer than {self.timeout:g} s to compile: "
+                "simplify it (fewer alternatives, smaller repetition bounds)",
+                code="grammar_too_complex",
+            ) from None
+        except WorkerGone:
+            raise InvalidRequestError(
+                f"the {_WHAT[constraint.kind]} crashed the grammar compiler",
+                code="grammar_compiler_crashed",
+            ) from None
+        if not ok:
+            raise _problem(constraint.kind, payload.decode(errors="replace"))
+        self._xgrammar_compiler()
+        xgrammar = _import_xgrammar()
+        return xgrammar.CompiledGrammar.deserialize_json(payload.decode(), self._tokenizer_info)
+
+    def _compile_json_object(self) -> Any:
+        """Here, on a thread (the first call imports xgrammar: over a second); the built-in
+        JSON grammar takes milliseconds."""
+        compiler = self._xgrammar_compiler()
+        self.compiles += 1
+        return compiler.compile_builtin_json_grammar()
+
+    def _worker_setup(self) -> bytes:
+        """The serialized TokenizerInfo the worker processes start from."""
+        self._xgrammar_compiler()
+        return self._tokenizer_info_json
 
     def _xgrammar_compiler(self) -> Any:
         with self._compiler_lock:
@@ -209,11 +200,14 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     wrapped, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
                 )
+                self._tokenizer_info = info
+                self._tokenizer_info_json = info.serialize_json().encode()
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._here.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
 
 def _lower_priority() -> None:

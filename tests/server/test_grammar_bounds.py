@@ -66,7 +66,7 @@ async def test_a_json_object_request_after_a_dropped_flood_answers_quickly(
 
 
 async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
-    server = await started(tmp_path_factory, grammar_compile_timeout=0.05)
+    server = await started(tmp_path_factory, grammar_compile_timeout=0.3)
     try:
         status, out = await post(server, {"prompt": "x", "regex": "a" * (MAX_GRAMMAR_CHARS + 1)})
         assert status == 400 and str(MAX_GRAMMAR_CHARS) in out["error"]["message"]
@@ -76,8 +76,8 @@ async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempP
         for _ in range(2):  # compiled once, then refused from the cache
             status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": heavy})
             assert status == 400, out
-            assert "took longer than 0.05 s to compile" in out["error"]["message"]
-        assert server.engine.grammars.compiler.abandoned == 1
+            assert "took longer than 0.3 s to compile" in out["error"]["message"]
+        assert server.engine.grammars.compiler.killed == 1
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()

@@ -1,0 +1,78 @@
+"""A grammar compile worker process, started by path (``python .../compile_worker.py``): it
+imports xgrammar and nothing of the package.
+
+The parent (structured/compile_pool.py) writes the tokenizer's serialized ``TokenizerInfo``,
+then one frame per compile: JSON ``{"kind": ..., "spec": ...}``. The worker answers "ready"
+once, then a frame per compile: the serialized ``CompiledGrammar``, or an error frame. A frame
+is a line of JSON header ``{"ok": bool, "bytes": n}`` followed by ``n`` bytes. A process, not a
+thread, so that a compile past its time limit can be killed; it reads from stdin until EOF
+(its parent gone) and runs at a lower priority than the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, BinaryIO
+
+COMPILE_NICENESS = 10  # scripts/grammar_flood.py measures what a flood of compiles costs others
+
+
+def write_frame(out: BinaryIO, ok: bool, payload: bytes) -> None:
+    out.write(json.dumps({"ok": ok, "bytes": len(payload)}).encode() + b"\n" + payload)
+    out.flush()
+
+
+def read_frame(stream: BinaryIO) -> tuple[bool, bytes] | None:
+    """The next frame from a blocking stream; None at EOF."""
+    header = stream.readline()
+    if not header:
+        return None
+    fields = json.loads(header)
+    payload = stream.read(fields["bytes"])
+    if len(payload) != fields["bytes"]:
+        return None
+    return bool(fields["ok"]), payload
+
+
+def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "json_schema":
+        # compact JSON: a model cannot pad the output with endless whitespace
+        return compiler.compile_json_schema(spec, any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "structural_tag":  # tool calls (structured/tool_grammar.py)
+        return compiler.compile_structural_tag(spec)
+    return compiler.compile_grammar(spec)
+
+
+def main() -> None:
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(COMPILE_NICENESS)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a library's print must not corrupt the frames
+    import xgrammar  # seconds (it imports torch): while the parent reads the tokenizer
+
+    first = read_frame(stdin)
+    if first is None:
+        return
+
+    info = xgrammar.TokenizerInfo.deserialize_json(first[1].decode())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+    write_frame(stdout, True, b"ready")
+    while (frame := read_frame(stdin)) is not None:
+        job = json.loads(frame[1])
+        try:
+            compiled = compile_spec(compiler, job["kind"], job["spec"])
+        except (RuntimeError, ValueError, TypeError) as error:  # the spec's fault: a 400
+            write_frame(stdout, False, str(error).encode())
+            continue
+        write_frame(stdout, True, compiled.serialize_json().encode())
+
+
+if __name__ == "__main__":
+    main()

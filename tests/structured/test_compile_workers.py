@@ -1,0 +1,98 @@
+"""Grammar compiles run in worker processes: one past its time limit is killed (its process
+gone, a fresh one in its place) and the next compile does not wait behind it; a worker that
+dies mid-compile is a 400 for that spec and is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
+from asyncengine.structured.grammar import GrammarCompiler, GrammarMatcher
+from asyncengine.text.tokenizer import Tokenizer
+from tests.server_support import tiny_model_dir, wait_until
+
+
+def pathological_regex() -> StructuredOutput:
+    """xgrammar compiles this for tens of seconds (12 such classes: ~5 s)."""
+    classes = "".join(f"[{chr(97 + i % 20)}-z]{{1,{4000 + i}}}" for i in range(30))
+    return StructuredOutput("regex", classes)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@contextlib.asynccontextmanager
+async def started(
+    tmp_path_factory: pytest.TempPathFactory, workers: int
+) -> AsyncIterator[GrammarCompiler]:
+    tokenizer = Tokenizer(tiny_model_dir(tmp_path_factory))
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, workers=workers, timeout=1.0
+    )
+    try:
+        # every process started (xgrammar imported: seconds) before anything is timed
+        await asyncio.gather(
+            *(compiler.compile(StructuredOutput("regex", f"[0-9]{{{i}}}")) for i in range(workers))
+        )
+        assert await wait_until(lambda: len(compiler.pool.live_pids()) == workers, timeout=60)
+        yield compiler
+    finally:
+        compiler.close()
+
+
+@pytest.fixture
+async def compiler(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GrammarCompiler]:
+    async with started(tmp_path_factory, workers=2) as compiler:
+        yield compiler
+
+
+async def test_a_compile_past_the_limit_is_killed(compiler: GrammarCompiler) -> None:
+    before = set(compiler.pool.live_pids())
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="took longer than 1 s to compile"):
+        await compiler.compile(pathological_regex())
+    assert time.monotonic() - start < 10.0  # killed at the limit, not tens of seconds later
+    assert compiler.killed == 1
+    killed = before - set(compiler.pool.live_pids())
+    assert len(killed) == 1 and all(gone(pid) for pid in killed)
+    # the next compile runs now, on the other worker, not behind the killed one
+    start = time.monotonic()
+    matcher = GrammarMatcher(await compiler.compile(StructuredOutput("regex", "(red|blue)")))
+    assert time.monotonic() - start < 2.0
+    assert not matcher.is_terminated()
+    # a fresh process takes the killed one's place; the spec stays refused without a compile
+    assert await wait_until(
+        lambda: len(compiler.pool.live_pids()) == compiler.pool.size, timeout=60
+    )
+    assert not killed & set(compiler.pool.live_pids())
+    compiles = compiler.compiles
+    with pytest.raises(InvalidRequestError, match="took longer than"):
+        await compiler.compile(pathological_regex())
+    assert compiler.compiles == compiles
+
+
+async def test_a_worker_that_dies_mid_compile_is_replaced(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    async with started(tmp_path_factory, workers=1) as compiler:
+        [pid] = compiler.pool.live_pids()
+        compiling = asyncio.ensure_future(compiler.compile(pathological_regex()))
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer, or a crash in xgrammar
+        with pytest.raises(InvalidRequestError, match="crashed the grammar compiler"):
+            await compiling
+        assert compiler.killed == 0
+        assert GrammarMatcher(await compiler.compile(StructuredOutput("regex", "[a-c]+")))
+        assert compiler.pool.live_pids() not in ([], [pid])
