@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from asyncengine.cache.cache_salt import salted_ids
+from asyncengine.common.cache_salt import salted_ids
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.pooling import PooledEmbedding
 from asyncengine.common.sampling_params import SamplingParams
