@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Online serving benchmark: stream a replayable workload into a running server over loopback.
 
-Each request is a streaming POST to ``/generate`` (SGLang native: cumulative ``output_ids`` per
-SSE frame) or ``/v1/completions`` (OpenAI; one SSE chunk per text delta, usage at the end).
+Each request is a streaming POST to ``/generate`` (SGLang native: the output's length so far in
+each SSE frame's ``meta_info``) or ``/v1/completions`` (OpenAI; one SSE chunk per text delta, usage at the end).
 Requests follow the workload's arrival times (``--arrivals``/``--request-rate`` override them)
 and, with ``--max-concurrency N``, at most N are in flight (burst arrivals + N = a fixed
 concurrency run). Reported: TTFT / TPOT / ITL / E2E mean, p50, p90, p99, max; request and token
@@ -164,15 +164,19 @@ class StreamParser:
         return self._openai(data)
 
     def _native(self, data: dict[str, Any]) -> int:
+        # the output's length so far: meta_info's count (this server sends only the new ids
+        # in a frame, SGLang all of them by default), else the ids as this server sends them
         ids = data.get("output_ids") or []
-        new = len(ids) - self.tokens_seen
-        self.tokens_seen = len(ids)
         meta = data.get("meta_info") or {}
+        seen = meta.get("completion_tokens")
+        seen = self.tokens_seen + len(ids) if seen is None else int(seen)
+        new = seen - self.tokens_seen
+        self.tokens_seen = seen
         if meta.get("finish_reason") is not None:
             self.finished = True
             if meta["finish_reason"].get("type") == "abort":
                 raise RuntimeError("the server aborted the request")
-            self.completion_tokens = int(meta.get("completion_tokens", len(ids)))
+            self.completion_tokens = seen
             self.cached_tokens = int(meta.get("cached_tokens", 0))
             if meta.get("prompt_tokens") is not None:
                 self.prompt_tokens = int(meta["prompt_tokens"])

@@ -8,7 +8,15 @@ each held length H the per-token time is the median over ``--tokens`` one-charac
 pushed once H characters are held; CPU time per token is reported too (compare that one on a
 loaded machine). Prints a table, writes JSON.
 
+``--http``: the whole request over loopback instead, against ``asyncengine serve`` started here
+on the embedded default model (or ``--url``): one completion of ``--output-tokens`` tokens
+forced to one character (``logit_bias``, ``ignore_eos``) with fifteen stop strings at the length
+limit, one of which holds back its last 1,023 characters on every token, against the same
+request without stop strings; ``--repeats`` of each, interleaved (with, without, with, ...) so
+the machine's load falls on both; medians and their ratio.
+
     python scripts/bench_stop_strings.py [--held 1500 8000] [--out bench_results/bench_stop_strings.json]
+    python scripts/bench_stop_strings.py --http [--output-tokens 6000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # stop_strings_http beside it
 
 from asyncengine.script_main import run_main
 from asyncengine.text.stop_strings import StopStringFilter
@@ -97,8 +106,17 @@ def main() -> None:
         default=6000,
         help="a request's length, for the whole-request estimate",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench_results/bench_stop_strings.json"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--http", action="store_true", help="whole requests over loopback")
+    parser.add_argument("--url", default=None, help="with --http: a running server")
+    parser.add_argument("--repeats", type=int, default=3, help="with --http: runs of each")
     args = parser.parse_args()
+    if args.http:
+        from stop_strings_http import run_http
+
+        run_http(args.url, args.output_tokens, args.repeats, args.out)
+        return
+    args.out = args.out or Path("bench_results/bench_stop_strings.json")
 
     longest = max(max(args.held), args.output_tokens) + args.tokens + 2
     stops = stop_set(longest)

@@ -26,8 +26,9 @@ from asyncengine.text.stream import StreamState
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s parameters: a seeded request gives each choice its own seed; choice
-    0 alone scores the prompt (the others fork its cached pages; a request generating nothing
-    keeps it: every choice is its prompt's score)."""
+    0 alone scores the prompt, and every choice returns its scores (the others fork its cached
+    pages; generating nothing, they keep prompt_logprobs, the request's kind, but never run:
+    they end with choice 0, lifecycle.py)."""
     if index == 0:
         return params
     if params.seed is not None:

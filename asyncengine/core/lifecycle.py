@@ -55,11 +55,12 @@ class Lifecycle:
     # -- arrivals ----------------------------------------------------------------------------
     def add(self, req: Request, followers: Sequence[Request] = ()) -> None:
         """Queue ``req``; ``followers`` (its n > 1 siblings, same prompt) join it once its
-        prompt is cached (at once when the prefix cache is off)."""
+        prompt is cached (at once when the prefix cache is off), or, when it only scores its
+        prompt (max_new_tokens 0), end with it: its scores are theirs, there is nothing else."""
         self._add(req)
         if not followers:
             return
-        if self.scheduler.kv.enable_prefix_cache:
+        if self.scheduler.kv.enable_prefix_cache or req.params.max_new_tokens == 0:
             self.followers[req.rid] = list(followers)
         else:
             for follower in followers:

@@ -5,7 +5,7 @@ and alternatives null, then the generated tokens' entries."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncengine.common.outputs import Usage
 from asyncengine.common.plan import TokenLogprobs
@@ -18,6 +18,11 @@ class Echo:
     text: str  # the prompt as given, or its token ids decoded
     token_ids: list[int]
     scored: bool  # logprobs were asked for
+    # the scores last turned into JSON, and it: the n choices of a prompt carry the same
+    # scores (choice 0's), built once (a list per choice would cost n times the scoring's)
+    _built: list[tuple[list[TokenLogprobs | None], Json]] = field(
+        default_factory=list, compare=False, repr=False
+    )
 
     @classmethod
     def of(
@@ -32,9 +37,22 @@ class Echo:
     def logprobs(
         self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None] | None
     ) -> Json | None:
-        """The prompt's part of a choice's logprobs (None: none asked for)."""
+        """The prompt's part of a choice's logprobs (None: none asked for); the caller does
+        not change it (the prompt's choices share it)."""
         if not self.scored or prompt_logprobs is None:
             return None
+        if self._built:
+            scores, built = self._built[0]
+            same = len(scores) == len(prompt_logprobs) and all(
+                a is b for a, b in zip(scores, prompt_logprobs, strict=True)
+            )
+            if same:
+                return built
+        built = self._build(state, prompt_logprobs)
+        self._built[:] = [(prompt_logprobs, built)]
+        return built
+
+    def _build(self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None]) -> Json:
         tokens: list[str] = []
         offsets: list[int] = []
         offset = 0

@@ -7,10 +7,14 @@ ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``,
 position on: ``meta_info.input_token_logprobs`` / ``input_top_logprobs``, the first token's
 logprob null; ``max_new_tokens`` 0 then scores without generating). Response:
 ``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
-``index``). Streamed as SSE ``data:`` frames whose ``text`` and ``output_ids`` are cumulative
-(as SGLang streams text) per choice (``index``), ending with ``data: [DONE]``; ``meta_info`` of
-a non-final frame carries ``id``, ``completion_tokens`` so far and ``finish_reason: null``; the
-final frame of a choice carries everything.
+``index``). Streamed as SSE ``data:`` frames per choice (``index``), ending with
+``data: [DONE]``: ``text`` is cumulative, as SGLang streams it (with
+``incremental_streaming_output``, SGLang's server switch, here per request: only the new text);
+``output_ids`` and the logprobs in ``meta_info`` carry only the frame's new tokens (a client
+joins them; a cumulative copy in every frame costs the square of the output times top-k), the
+prompt's logprobs come once, in the first frame. ``meta_info`` of a non-final frame carries
+``id``, ``completion_tokens`` so far and ``finish_reason: null``; the final frame of a choice
+carries the usage and timings too.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class GenerateRequest(Struct, kw_only=True):
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: Annotated[int, Meta(ge=-1)] = -1  # -1: the prompt is not scored
+    incremental_streaming_output: bool = False  # stream frames' text: only the new text
     # scheduling controls: top level as SGLang takes priority, or inside sampling_params
     priority: Priority | None = None
     timeout: TimeoutSeconds | None = None
@@ -289,6 +294,13 @@ class NativeResponder:
                 self.input_token_logprobs.append(self._entry(lp.token_logprob, token_id))
                 self.input_top_logprobs.append([self._entry(v, t) for t, v in lp.top])
 
+    def take_new(self) -> None:
+        """Forget the logprobs sent: a stream frame carries only those added after it."""
+        self.token_logprobs = []
+        self.top_logprobs = []
+        self.input_token_logprobs = None
+        self.input_top_logprobs = None
+
     def body(
         self,
         text: str,
@@ -297,11 +309,14 @@ class NativeResponder:
         matched: str | int | None,
         usage: Usage | None,
         metrics: RequestMetrics | None,
+        completion_tokens: int | None = None,
     ) -> dict[str, Any]:
+        """``completion_tokens``: the output's length so far when ``output_ids`` is a part."""
+        generated = len(output_ids) if completion_tokens is None else completion_tokens
         meta: dict[str, Any] = {
             "id": self.request_id,
-            "completion_tokens": len(output_ids) if usage is None else usage.completion_tokens,
-            "finish_reason": finish_reason_body(finish_reason, matched, len(output_ids)),
+            "completion_tokens": generated if usage is None else usage.completion_tokens,
+            "finish_reason": finish_reason_body(finish_reason, matched, generated),
         }
         if usage is not None:
             meta["prompt_tokens"] = usage.prompt_tokens
@@ -346,7 +361,7 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
     ]
     if req.stream:
         stream = state.engine.stream(prompt, params, request_id=request_id)
-        fmt = _CumulativeFormat(responders)
+        fmt = _StreamFormat(responders, cumulative_text=not req.incremental_streaming_output)
         return await stream_response(request, state, stream, fmt, params.n)
     outputs = await generate(state.engine, prompt, params, request_id)
     bodies = []
@@ -370,34 +385,39 @@ def _indexed(body: dict[str, Any], index: int, n: int) -> dict[str, Any]:
     return body
 
 
-class _CumulativeFormat:
-    """SGLang's stream: every frame carries its choice's text and output ids so far."""
+class _StreamFormat:
+    """SGLang's stream: each frame carries its choice's new tokens and their logprobs, and its
+    text so far (``cumulative_text``) or the new text."""
 
-    def __init__(self, responders: list[NativeResponder]) -> None:
+    def __init__(self, responders: list[NativeResponder], cumulative_text: bool) -> None:
         self.responders = responders
+        self.cumulative_text = cumulative_text
         self.texts = [""] * len(responders)
-        self.output_ids: list[list[int]] = [[] for _ in responders]
+        self.generated = [0] * len(responders)
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
     def frames(self, delta: StreamDelta) -> list[dict[str, Any]]:
         i = delta.index
-        self.texts[i] += delta.text
-        self.output_ids[i].extend(delta.token_ids)
-        self.responders[i].add_logprobs(delta.token_ids, delta.logprobs)
-        self.responders[i].add_prompt_logprobs(delta.prompt_logprobs)
+        responder = self.responders[i]
+        responder.add_logprobs(delta.token_ids, delta.logprobs)
+        responder.add_prompt_logprobs(delta.prompt_logprobs)
+        self.generated[i] += len(delta.token_ids)
+        if self.cumulative_text:
+            self.texts[i] += delta.text
         if not (delta.text or delta.token_ids or delta.finished):
             return []
-        # encoded as soon as it is returned, before output_ids grows again: no copy needed
-        body = self.responders[i].body(
-            self.texts[i],
-            self.output_ids[i],
+        body = responder.body(
+            self.texts[i] if self.cumulative_text else delta.text,
+            delta.token_ids,
             delta.finish_reason,
             delta.matched_stop,
             delta.usage,
             delta.metrics,
+            self.generated[i],
         )
+        responder.take_new()
         return [_indexed(body, i, len(self.responders))]
 
     def closing(self, finals: list[StreamDelta]) -> list[dict[str, Any]]:

@@ -10,7 +10,10 @@ A call's ``arguments`` is the model's own JSON text of the arguments object (a J
 value is unwrapped). While streaming, a call's id and name go out as soon as the name is read
 and its arguments follow as they are generated, the way OpenAI streams ``delta.tool_calls``;
 the concatenated argument chunks equal the non-streamed ``arguments``. A block that does not
-hold a call (bad JSON, no name) is given back as text.
+hold a call (bad JSON, no name, a name longer than ``MAX_TOOL_NAME_CHARS``) is given back as
+text. The head (name first) is looked for in a call's first ``MAX_HEAD_CHARS`` characters only,
+so the work per piece is bounded; a call written otherwise (arguments first) is parsed whole
+when it closes.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ _PYTHON_TAG = "<|python_tag|>"
 _CALL_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 )
+MAX_TOOL_NAME_CHARS = 256  # a longer "name" is no function's (OpenAI allows 64)
+MAX_HEAD_CHARS = 2 * MAX_TOOL_NAME_CHARS  # a head's name, keys, spacing and escapes fit
 
 
 def new_call_id() -> str:
@@ -170,7 +175,11 @@ def _head_name(head: re.Match[str]) -> str | None:
         name = json.loads(f'"{head.group(1)}"')
     except ValueError:
         return None
-    return name if isinstance(name, str) and name else None
+    return name if _is_name(name) else None
+
+
+def _is_name(name: object) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= MAX_TOOL_NAME_CHARS
 
 
 def parse_call_body(body: str) -> tuple[str, str] | None:
@@ -185,7 +194,7 @@ def parse_call_body(body: str) -> tuple[str, str] | None:
         value = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+    if not isinstance(value, dict) or not _is_name(value.get("name")):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
@@ -200,24 +209,37 @@ class _StreamedCall:
     def __init__(self, index: int) -> None:
         self.index = index
         self.id = new_call_id()
-        self.body = ""  # the call's text until its arguments begin
-        self.args_start: int | None = None  # where the arguments object starts in body
+        self.head = ""  # the call's text until its arguments begin, while the head may come
+        self.rest: list[str] = []  # the text after it, once no head can come
+        self.args_start: int | None = None  # where the arguments object starts in head
         self.sent_args = 0  # characters of the arguments already sent
         self.arguments_end = JsonValueEnd()  # the arguments' scan, kept between pieces
+        self.head_steps = 0  # characters the head's match was tried on, in all
+
+    @property
+    def body(self) -> str:
+        """The call's text until its arguments begin (all of it when they never did)."""
+        return self.head + "".join(self.rest)
 
     def grow(self, text: str) -> list[ToolCallDelta]:
         deltas: list[ToolCallDelta] = []
         if self.args_start is None:
-            self.body += text
-            head = _CALL_HEAD.match(self.body)
-            if head is None or len(self.body) <= head.end() or self.body[head.end()] != "{":
+            if len(self.head) > MAX_HEAD_CHARS:  # no head in its first characters
+                self.rest.append(text)
+                return deltas
+            if not text:
+                return deltas
+            self.head += text
+            self.head_steps += len(self.head)
+            head = _CALL_HEAD.match(self.head)
+            if head is None or len(self.head) <= head.end() or self.head[head.end()] != "{":
                 return deltas
             name = _head_name(head)
             if name is None:
                 return deltas
             self.args_start = head.end()
             deltas.append(ToolCallDelta(self.index, self.id, name))
-            text = self.body[self.args_start :]
+            text = self.head[self.args_start :]
         if self.arguments_end.done:  # text past the arguments' closing brace is held back
             return deltas
         end = self.arguments_end.feed(text)

@@ -156,6 +156,53 @@ def test_every_choice_carries_the_prompt_logprobs(
         assert len(out.token_ids) == max_new_tokens
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("max_new_tokens", [0, 4])
+def test_n_choices_score_the_prompt_once(
+    model_dir: Path, prefix_cache: bool, max_new_tokens: int
+) -> None:
+    """n = 4 computes the prompt's scores once (counted in the plans the core launches) and
+    every choice returns them, equal to those of n = 1."""
+    prompt = prompts(3)[2]
+
+    async def run(n: int) -> tuple[list, int]:
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, prompt_logprobs=2, n=n, temperature=1.0, seed=7
+        )
+        async with AsyncEngine(engine_config(model_dir, prefix_cache)) as engine:
+            scored = 0
+            launch = engine.core.launch
+
+            def counting_launch() -> object:
+                nonlocal scored
+                plan = launch()
+                if plan is not None:
+                    scored += sum(s.scoring.num_positions for s in plan.scoring_segments)
+                return plan
+
+            engine.core.launch = counting_launch  # type: ignore[method-assign]
+            outs = await engine.generate_choices(prompt, params)
+            engine.core.check_invariant()
+            return outs, scored
+
+    (one,), scored_once = asyncio.run(run(1))
+    outs, scored = asyncio.run(run(4))
+    assert scored_once == len(prompt) - 1
+    assert scored == scored_once
+    assert len(outs) == 4
+    for out in outs:
+        # the same scores (within float noise: without the prefix cache the choices' prefills
+        # share choice 0's batches, whose shapes differ from n = 1's)
+        assert out.prompt_logprobs is not None and one.prompt_logprobs is not None
+        for got, want in zip(out.prompt_logprobs, one.prompt_logprobs, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert abs(got.token_logprob - want.token_logprob) < TOLERANCE
+                assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert out.prompt_logprobs == outs[0].prompt_logprobs
+        assert len(out.token_ids) == max_new_tokens
+
+
 def test_streamed_prompt_logprobs_come_once_in_the_first_delta(model_dir: Path) -> None:
     prompt = prompts(4)[1]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -95,7 +96,7 @@ async def test_generate_from_input_ids_and_rid(
     assert json.loads(by_ids)["meta_info"]["id"] == "my-request-1"
 
 
-async def test_generate_stream_is_cumulative(
+async def test_generate_stream_text_is_cumulative_and_ids_are_new(
     http: aiohttp.ClientSession, server: RunningServer
 ) -> None:
     sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -110,11 +111,63 @@ async def test_generate_stream_is_cumulative(
     frames = sse_json(raw)
     for before, after in zip(frames, frames[1:], strict=False):
         assert after["text"].startswith(before["text"])
-        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
         assert before["meta_info"]["finish_reason"] is None
+    joined = [t for frame in frames for t in frame["output_ids"]]
+    assert joined == json.loads(whole)["output_ids"]
+    assert [f["meta_info"]["completion_tokens"] for f in frames] == list(
+        itertools.accumulate(len(f["output_ids"]) for f in frames)
+    )
     assert frames[-1]["text"] == json.loads(whole)["text"]
-    assert frames[-1]["output_ids"] == json.loads(whole)["output_ids"]
     assert frames[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
+@pytest.mark.parametrize("incremental_text", [False, True])
+async def test_generate_stream_sends_each_logprob_once(
+    http: aiohttp.ClientSession, server: RunningServer, incremental_text: bool
+) -> None:
+    """A 200-token stream with top-5 logprobs and the prompt scored: every token's id and
+    logprobs are sent once over all frames (not again in each later frame), the prompt's in
+    the first frame only; with incremental_streaming_output the text too, so the stream's
+    bytes stay within a small multiple of the whole response's."""
+    tokens, top = 200, 5
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": top,
+        "logprob_start_len": 0,
+    }
+    _, whole_raw = await post_generate(http, server, body)
+    whole = json.loads(whole_raw)
+    stream_body = {**body, "stream": True, "incremental_streaming_output": incremental_text}
+    async with http.post(server.base_url + "/generate", json=stream_body) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    frames = sse_json(raw)
+    assert len(frames) > tokens // 4  # streamed as it went, not in one frame
+    metas = [f["meta_info"] for f in frames]
+    ids = [t for f in frames for t in f["output_ids"]]
+    token_logprobs = [e for m in metas for e in m["output_token_logprobs"]]
+    top_logprobs = [e for m in metas for e in m["output_top_logprobs"]]
+    assert ids == whole["output_ids"] and len(ids) == tokens
+    assert [e[1] for e in token_logprobs] == ids
+    assert len(top_logprobs) == tokens and all(len(e) == top for e in top_logprobs)
+    scored = [i for i, m in enumerate(metas) if "input_token_logprobs" in m]
+    assert scored == [0]
+    prompt_scores = metas[0]["input_token_logprobs"]
+    want = whole["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in prompt_scores] == [e[1] for e in want]
+    assert all(
+        (a[0] is None and b[0] is None) or abs(a[0] - b[0]) < 1e-4
+        for a, b in zip(prompt_scores, want, strict=True)
+    )
+    if incremental_text:
+        assert "".join(f["text"] for f in frames) == whole["text"]
+        # each frame's own fields (id, counts, finish_reason: ~150 bytes) on top of the
+        # whole response's content; a cumulative stream would be ~tokens / 2 times it
+        assert len(raw) < 2 * len(whole_raw) + 200 * len(frames)
+    else:
+        assert frames[-1]["text"] == whole["text"]
 
 
 async def test_stop_token_ids(http: aiohttp.ClientSession, server: RunningServer) -> None:

@@ -16,7 +16,7 @@ from asyncengine.common.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 from tests.openai_server import server  # noqa: F401  (fixture)
-from tests.server_support import RunningServer
+from tests.server_support import RunningServer, engine_config, start_server, tiny_model_dir
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -148,3 +148,38 @@ async def test_echo_within_the_budget_is_served(server: RunningServer) -> None:
     assert status == 200, answer
     assert len(answer["choices"]) == 4
     assert all(len(c["logprobs"]["tokens"]) == 50 for c in answer["choices"])
+
+
+async def test_generate_counts_its_logprobs_against_the_budget(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """/generate takes one prompt (a batch is a 400): the prompt's scored positions and the
+    generated ones, times (alternatives + 1), times n, against the budget, as
+    /v1/completions sums them over its prompts."""
+    budget = 50_000
+    config = engine_config(tiny_model_dir(tmp_path_factory), max_logprob_entries=budget)
+    running = await start_server(config)
+    try:
+        ids = [(j * 7) % 40000 + 100 for j in range(400)]
+
+        def body(n: int) -> dict[str, Any]:
+            return {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 1, "n": n},
+                "return_logprob": True,
+                "top_logprobs_num": 20,
+                "logprob_start_len": 0,
+            }
+
+        status, answer = await post(running, "/generate", body(8))
+        assert status == 400, answer
+        wanted = (399 + 1) * 21 * 8  # scored prompt positions + the generated one
+        assert f"{wanted} logprobs" in answer["error"]["message"], answer
+        assert f"budget of {budget}" in answer["error"]["message"]
+        status, answer = await post(running, "/generate", body(4))  # 33,600: within it
+        assert status == 200, answer
+        assert len(answer) == 4
+        status, answer = await post(running, "/generate", {**body(1), "input_ids": [ids, ids]})
+        assert status == 400, answer
+    finally:
+        await running.stop()

@@ -10,6 +10,8 @@ import random
 from asyncengine.text.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    MAX_HEAD_CHARS,
+    MAX_TOOL_NAME_CHARS,
     HermesToolParser,
     collect_calls,
     parse_tool_calls,
@@ -80,3 +82,52 @@ def test_llama3_calls_streamed_in_small_pieces_equal_the_whole_parse() -> None:
     _, whole = parse_tool_calls(LLAMA3_JSON, text)
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in whole]
     assert [c.name for c in streamed] == ["f", "g"]
+
+
+def _head_steps(text: str, piece: int) -> tuple[int, HermesToolParser]:
+    """The head match's work over ``text`` streamed in ``piece``-character pieces."""
+    parser = HermesToolParser()
+    steps = 0
+    for start in range(0, len(text), piece):
+        parser.feed(text[start : start + piece])
+        if parser._call is not None:
+            steps = parser._call.head_steps
+    return steps, parser
+
+
+def test_a_call_head_is_looked_for_in_bounded_text() -> None:
+    """Until a call's name is read its head is matched again on each piece: only over its
+    first MAX_HEAD_CHARS characters, so a 100 KB name, or 100 KB of arguments written before
+    the name, cost linear work (a name that long is no function's: the block is text; the
+    arguments-first call is parsed whole when it closes)."""
+    long_name = "f" * 100_000
+    text = f'<tool_call>\n{{"name": "{long_name}", "arguments": {{}}}}\n</tool_call>'
+    steps, parser = _head_steps(text, 4)
+    assert steps <= (MAX_HEAD_CHARS // 4 + 1) * (MAX_HEAD_CHARS + 4)
+    piece = parser.finish()
+    assert piece.calls == []
+    content, calls = parse_tool_calls(HERMES, text)
+    assert (content, calls) == (text, [])
+
+    arguments = json.loads(_big_arguments(100_000))
+    call = json.dumps({"arguments": arguments, "name": "write_file"})  # name last
+    text = f"<tool_call>\n{call}\n</tool_call>"
+    steps, _ = _head_steps(text, 4)
+    assert steps <= (MAX_HEAD_CHARS // 4 + 1) * (MAX_HEAD_CHARS + 4)
+    content, calls, _ = _stream(text, 4)
+    assert content == "" and [c.name for c in calls] == ["write_file"]
+    assert json.loads(calls[0].arguments) == arguments
+
+
+def test_names_up_to_the_limit_are_calls() -> None:
+    for length, is_call in ((MAX_TOOL_NAME_CHARS, True), (MAX_TOOL_NAME_CHARS + 1, False)):
+        name = "g" * length
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {{"x": 1}}}}\n</tool_call>'
+        for piece in (1, 7, len(text)):
+            content, calls, _ = _stream(text, piece)
+            if is_call:
+                assert content == "" and [(c.name, c.arguments) for c in calls] == [
+                    (name, '{"x": 1}')
+                ]
+            else:
+                assert content == text and calls == []
