@@ -60,25 +60,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)"
     )
     group.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer <key>' on /v1/* and /generate (repeatable: any of "
-        f"the keys; default: ${API_KEY_ENV})",
-    )
-    group.add_argument(
-        "--cache-isolation",
-        choices=CACHE_ISOLATIONS,
-        default="shared",
-        help="api-key: each API key gets its own prefix-cache namespace (clients of different "
-        "keys share no cached pages); shared (default): one cache, split only by cache_salt",
-    )
-    group.add_argument(
-        "--omit-cached-tokens",
-        action="store_true",
-        help="leave cached_tokens out of responses (it tells a client what others sent)",
-    )
-    group.add_argument(
         "--served-model-name",
         action="append",
         default=None,
@@ -93,29 +74,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "0 turns them off. A line is written only when something changed",
     )
     group.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    group.add_argument(
-        "--body-timeout",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_SECONDS,
-        help="seconds a client gets to send a request's whole body, else 408 "
-        f"(default {DEFAULT_BODY_TIMEOUT_SECONDS:g})",
-    )
-    group.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
         help="max_tokens of chat requests that give none (default: up to the context length)",
-    )
-    group.add_argument(
-        "--admin-token",
-        default=os.environ.get(ADMIN_TOKEN_ENV),
-        help="serve POST/GET /admin/policy (live policy swap), guarded by "
-        f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
     )
     group.add_argument(
         "--responses-store-mib",
@@ -144,6 +106,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record page hashes instead of prompt token ids (the replay keeps the page sharing)",
     )
+    _add_access_arguments(group)
+    _add_connection_arguments(group)
+
+
+def _add_access_arguments(group: argparse._ArgumentGroup) -> None:
+    """Who may use the server and what one client may learn of another's (docs/SECURITY.md)."""
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* and /generate (repeatable: any of "
+        f"the keys; default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATIONS,
+        default="shared",
+        help="api-key: each API key gets its own prefix-cache namespace (clients of different "
+        "keys share no cached pages); shared (default): one cache, split only by cache_salt",
+    )
+    group.add_argument(
+        "--omit-cached-tokens",
+        action="store_true",
+        help="leave cached_tokens out of responses (it tells a client what others sent)",
+    )
+    group.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help="serve POST/GET /admin/policy (live policy swap), guarded by "
+        f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
+    )
     group.add_argument(
         "--allowed-host",
         action="append",
@@ -152,6 +145,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a host name (besides localhost, loopback addresses and this machine's name) "
         "that a loopback server accepts in Host or Origin, e.g. a proxy's; repeatable "
         "(others get 403)",
+    )
+
+
+def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
+    """Bounds on one connection: body size and time, open requests, stalled readers, shutdown."""
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_SECONDS,
+        help="seconds a client gets to send a request's whole body, else 408 "
+        f"(default {DEFAULT_BODY_TIMEOUT_SECONDS:g})",
     )
     group.add_argument(
         "--max-connections",
