@@ -1,5 +1,7 @@
 """The engine's step loop: launch a plan, await its forward on the worker thread, land it,
-stream its tokens; with overlap the next plan launches before this one's tokens stream."""
+stream its tokens; with overlap the next plan launches while this one's forward runs (when the
+executor fills in the inputs it samples: scheduler/plan_ahead.py), else before its tokens
+stream."""
 
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class StepLoop:
     async def run(self) -> None:
         """Launch, await the forward on the worker thread, land, stream. The step itself is
         the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
-        launches before this one's tokens stream) and streaming."""
+        launches while this one's forward runs, or at least before its tokens stream) and
+        streaming."""
         core, overlap = self.core, self.overlap
         pending: InFlight | None = None
         try:
@@ -62,12 +65,18 @@ class StepLoop:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
                 step, pending = pending, None
+                if overlap and core.can_launch_ahead():
+                    # Plan the next step while this one's forward runs: its decodes' inputs
+                    # are the tokens this forward samples, which the executor fills in; the
+                    # forward queues behind this one on the worker thread, so the device goes
+                    # from one to the next while this step lands and streams.
+                    pending = self._launch(core)
                 try:
                     output: StepOutput | BaseException = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
                     output = exc
                 events = core.land(step.plan, output)
-                if overlap and not self.stopping and core.has_work():
+                if pending is None and overlap and not self.stopping and core.has_work():
                     # The next forward runs while this step's tokens stream. A request ended
                     # here by an abort is in the next plan too: its token there is dropped at
                     # land, and its pages are reused only by a plan made after that forward.

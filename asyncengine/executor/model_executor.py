@@ -97,6 +97,10 @@ class ModelExecutor:
         if speculation is not None and speculation.method == "draft":
             self._draft = load_draft_model(config, self.model_dir, self.dtype, self.device)
         self.drafter: DraftProposer | None = None
+        # plans may be made ahead of the step in flight (overlap scheduling), their decode
+        # inputs filled in here: on a GPU, where the host would otherwise leave it idle; a CPU
+        # forward needs the cores the host's planning would take, so it keeps the lock-step path
+        self.defers_inputs = self.device.type == "cuda"
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all(cpu_native.kv_flags(self.kv_dtype))
             decode_step_native.available(self.kv_dtype)  # the fused step's build for this pool

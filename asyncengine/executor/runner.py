@@ -20,6 +20,7 @@ from asyncengine.executor.attention.selector import (
 from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.cpu.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.executor.cuda_graph import DecodeGraphs
+from asyncengine.executor.deferred_inputs import LastSampled
 from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
@@ -71,6 +72,8 @@ class ModelRunner:
         self.config = model_config
         self.kv_pool = kv_pool
         self.page_table = page_table
+        # plans made ahead read their decodes' inputs from here (deferred_inputs.py)
+        self.last_sampled = LastSampled(page_table.array.shape[0], self.device)
         self.page_size = kv_pool.page_size
         # a CUDA step's index arrays go up through pinned buffers reused across steps
         self._staging = HostStaging() if self.device.type == "cuda" else None
@@ -175,7 +178,7 @@ class ModelRunner:
         self.page_table.apply(plan.page_writes)
         if plan.page_copies:  # kept tail pages copied on write, before the forward writes KV
             self.kv_pool.copy_pages(plan.page_copies)
-        return build_forward_batch(
+        batch = build_forward_batch(
             plan,
             self.page_table.array,
             self.page_size,
@@ -183,6 +186,8 @@ class ModelRunner:
             self._staging,
             verify_decode_rows=self.verify_decode_rows,
         )
+        self.last_sampled.fill(plan, batch.input_ids)
+        return batch
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""
@@ -281,6 +286,7 @@ class ModelRunner:
             logprobs: list[TokenLogprobs | None] = []
             if plan.sampling:
                 token_ids, sampled_logprobs = self.sampler.sample(result.logits, plan.sampling)
+                self.last_sampled.record(plan, token_ids)
                 ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
                 logprobs = list(sampled_logprobs)
         return StepOutput(

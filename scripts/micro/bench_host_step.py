@@ -55,6 +55,7 @@ from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.executor_api import KVLayout, ModelSpec
+from asyncengine.executor.deferred_inputs import LastSampled
 from asyncengine.executor.forward_batch import build_forward_batch
 from asyncengine.executor.sampler import Sampler
 
@@ -121,6 +122,7 @@ class StandInExecutor:
             kv_bytes_per_token=1,
         )
         self.sampler = Sampler(eos_token_ids)
+        self.defers_inputs = True  # as a GPU executor: plans may be made ahead (overlap)
         self.width = width
         self.forward_seconds = forward_ms / 1e3  # a GPU's forward: a wait that frees the GIL
         self.clock: StepClock | None = None
@@ -133,6 +135,7 @@ class StandInExecutor:
     def bind(self, layout: KVLayout) -> None:
         self.layout = layout
         self.table = PageTable(layout.max_rows, layout.max_pages_per_row)
+        self.last_sampled = LastSampled(layout.max_rows, _CPU)
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter()
@@ -143,7 +146,9 @@ class StandInExecutor:
 
     def _prepare(self, plan: BatchPlan) -> Any:
         self.table.apply(plan.page_writes)
-        return build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
+        batch = build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
+        self.last_sampled.fill(plan, batch.input_ids)
+        return batch
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         start = time.perf_counter()
@@ -157,6 +162,7 @@ class StandInExecutor:
         logits = self._logits[offset : offset + rows]
         ids, logprobs = self._timed("sampling", self.sampler.sample, logits, plan.sampling)
         tokens = [TOKEN_OFFSET + t for t in ids]
+        self.last_sampled.record(plan, tokens)
         return StepOutput(tokens, list(logprobs), time.perf_counter() - start)
 
 
