@@ -71,7 +71,7 @@ def greedy(n: int, **extra: object) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **extra)  # type: ignore[arg-type]
 
 
-def test_overlapped_engine_is_token_exact_with_stops(tiny_chat_model: Path) -> None:  # noqa: F811
+def test_overlapped_engine_is_token_exact_with_stops(tiny_chat_model: Path) -> None:
     rng = random.Random(3)
     plain_items = [(p, greedy(rng.randrange(6, 24))) for p in prompts(5, 12)]
     plain, _ = asyncio.run(run(tiny_chat_model, False, plain_items))
