@@ -29,6 +29,7 @@ from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.prompt_logprobs import logits_and_scores
+from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.speculative.acceptance import accepted_prefix
 
@@ -281,6 +282,12 @@ class ModelRunner:
                 output.prompt_logprobs = result.prompt_logprobs
                 output.pooled = result.pooled
                 return output
+            greedy = self._greedy_graph_step(batch, plan)
+            if greedy is not None:  # forward, LM head and argmax replayed as one graph
+                self.last_sampled.record(plan, greedy)
+                return StepOutput(
+                    greedy.tolist(), [None] * len(plan.sampling), time.perf_counter() - start
+                )
             result = self._forward(batch, plan)
             ids: list[int] = []
             logprobs: list[TokenLogprobs | None] = []
@@ -296,6 +303,22 @@ class ModelRunner:
             prompt_logprobs=result.prompt_logprobs,
             pooled=result.pooled,
         )
+
+    def _greedy_graph_step(self, batch: ForwardBatch, plan: BatchPlan) -> torch.Tensor | None:
+        """The tokens of a decode-only step whose every row is a plain greedy one, from the
+        captured whole step (executor/cuda_graph.py); None: the step takes the general path."""
+        graphs, sampler = self.graphs, self.sampler
+        if (
+            graphs is None
+            or batch.kv_copies is not None
+            or plan.extends
+            or not plan.sampling
+            or not isinstance(sampler, Sampler)
+            or not graphs.can_run(batch)
+            or not sampler.plain_greedy(plan.sampling)
+        ):
+            return None
+        return graphs.run_greedy(batch)
 
     def _verify(self, plan: BatchPlan, logits: torch.Tensor) -> StepOutput:
         """Speculative decoding: a token sampled at every position of each verified row (under

@@ -102,6 +102,7 @@ class Scheduler:
         # overlap scheduling: the plan made while ``inflight`` had not landed (plan_ahead.py)
         self.ahead: BatchPlan | None = None
         self._ahead_owners: dict[str, Request | None] = {}
+        self.planned_ahead_steps = 0
         # the uncached prefixes this step's prefills compute, when in-batch dedup is on
         self.step_prefixes: StepPrefixes | None = None
         # the running requests' future tokens when something else counts their progress (the
@@ -306,6 +307,7 @@ class Scheduler:
                 raise RuntimeError(f"step {plan.step}: two plans in flight already")
             self.ahead = plan
             self._ahead_owners = owners
+            self.planned_ahead_steps += 1
 
     def can_plan_ahead(self) -> bool:
         """Whether the next plan can be made now, before the plan in flight lands, and run
@@ -439,6 +441,7 @@ class Scheduler:
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
             "spec_steps": self.spec_steps,
+            "planned_ahead_steps": self.planned_ahead_steps,  # overlap scheduling
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,
             **self.retraction.preemption_stats(),
