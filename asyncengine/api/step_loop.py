@@ -14,6 +14,7 @@ from typing import NamedTuple
 from asyncengine.api.streams import Streams
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import defers_inputs
 
 log = logging.getLogger("asyncengine.api.engine")
 
@@ -45,6 +46,13 @@ class StepLoop:
         self.overlap = overlap
         self.wakeup = asyncio.Event()
         self.stopping = False
+        # overlap on an executor that fills in deferred inputs and launches in two halves: the
+        # worker thread enqueues each step, this one waits for their outputs in order, so the
+        # worker enqueues step N+1 while the device still runs step N
+        self.split_launch: Callable[[BatchPlan], Callable[[], StepOutput]] | None = None
+        if overlap and defers_inputs(core.executor):
+            self.split_launch = getattr(core.executor, "launch", None)
+        self.waiter: ThreadPoolExecutor | None = None
 
     async def run(self) -> None:
         """Launch, await the forward on the worker thread, land, stream. The step itself is
@@ -102,6 +110,9 @@ class StepLoop:
                     log.warning("the forward in flight as the loop stopped failed", exc_info=True)
             for rid in list(self.streams.groups):
                 self.abort(rid)
+            if self.waiter is not None:
+                self.waiter.shutdown(wait=True)
+                self.waiter = None
 
     def _launch(self, core: EngineCore) -> InFlight | None:
         """The core's next plan, its forward started on the worker thread (None: no plan);
@@ -110,7 +121,20 @@ class StepLoop:
         self.streams.publish(core.events())
         if plan is None:
             return None
-        future = asyncio.get_running_loop().run_in_executor(
-            self.worker, core.executor.execute, plan
-        )
+        loop = asyncio.get_running_loop()
+        if self.split_launch is None:
+            future = loop.run_in_executor(self.worker, core.executor.execute, plan)
+        else:
+            future = asyncio.ensure_future(self._launched(self.split_launch, plan))
         return InFlight(plan, future)
+
+    async def _launched(
+        self, launch: Callable[[BatchPlan], Callable[[], StepOutput]], plan: BatchPlan
+    ) -> StepOutput:
+        """``plan`` enqueued on the worker thread, then its output waited for on the waiter
+        thread (one, so outputs come in launch order)."""
+        loop = asyncio.get_running_loop()
+        collect = await loop.run_in_executor(self.worker, launch, plan)
+        if self.waiter is None:
+            self.waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-wait")
+        return await loop.run_in_executor(self.waiter, collect)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -187,6 +188,16 @@ class ModelExecutor:
             str(self.kv_dtype).removeprefix("torch."),
             pool.nbytes / 2**20,
         )
+
+    def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
+        """``execute`` in two halves (``ModelRunner.launch``): a plain decode step is enqueued
+        and the wait for its tokens returned; a step that swaps KV or drafts runs whole."""
+        if self.runner is None:
+            raise RuntimeError("bind() the executor before executing plans")
+        if plan.swap_out or plan.swap_in or self.drafter is not None:
+            output = self.execute(plan)
+            return lambda: output
+        return self.runner.launch(plan)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         if self.runner is None:

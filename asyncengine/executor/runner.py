@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -265,7 +266,21 @@ class ModelRunner:
             time.process_time,
         )
 
+    def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
+        """``execute`` in two halves: this one starts the step and returns the wait for its
+        output. A plain greedy decode step replayed as one CUDA graph returns as soon as it is
+        enqueued (its tokens copied to pinned host memory behind it), so that the caller can
+        enqueue the next step before this one's tokens reach the host; any other step runs
+        whole here and the wait returns its output."""
+        if self.step_threads is not None:
+            output = self.execute(plan)
+            return lambda: output
+        return self._launch(plan)
+
     def _execute(self, plan: BatchPlan) -> StepOutput:
+        return self._launch(plan)()
+
+    def _launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
         start = time.perf_counter()
         with torch.inference_mode():
             batch = self.prepare(plan)
@@ -281,13 +296,11 @@ class ModelRunner:
                 output.forward_seconds = time.perf_counter() - start
                 output.prompt_logprobs = result.prompt_logprobs
                 output.pooled = result.pooled
-                return output
+                return lambda: output
             greedy = self._greedy_graph_step(batch, plan)
             if greedy is not None:  # forward, LM head and argmax replayed as one graph
                 self.last_sampled.record(plan, greedy)
-                return StepOutput(
-                    greedy.tolist(), [None] * len(plan.sampling), time.perf_counter() - start
-                )
+                return _tokens_when_ready(greedy, start)
             result = self._forward(batch, plan)
             ids: list[int] = []
             logprobs: list[TokenLogprobs | None] = []
@@ -296,13 +309,14 @@ class ModelRunner:
                 self.last_sampled.record(plan, token_ids)
                 ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
                 logprobs = list(sampled_logprobs)
-        return StepOutput(
+        output = StepOutput(
             ids,
             logprobs,
             time.perf_counter() - start,
             prompt_logprobs=result.prompt_logprobs,
             pooled=result.pooled,
         )
+        return lambda: output
 
     def _greedy_graph_step(self, batch: ForwardBatch, plan: BatchPlan) -> torch.Tensor | None:
         """The tokens of a decode-only step whose every row is a plain greedy one, from the
@@ -359,6 +373,22 @@ class ForwardResult:
     logits: torch.Tensor  # [num_sampled, vocab] float32
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     pooled: list[list[float]] = field(default_factory=list)
+
+
+def _tokens_when_ready(tokens: torch.Tensor, start: float) -> Callable[[], StepOutput]:
+    """The wait for ``tokens`` (on the device, enqueued): copied behind the step into pinned
+    host memory; the wait blocks on that copy alone (an event), not on later work."""
+    host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def collect() -> StepOutput:
+        copied.synchronize()
+        ids = host.tolist()
+        return StepOutput(ids, [None] * len(ids), time.perf_counter() - start)
+
+    return collect
 
 
 def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:
