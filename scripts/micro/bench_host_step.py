@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 import torch
 
+from asyncengine.api.event_loop import run as run_loop
 from asyncengine.cache.page_table import PageTable
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput
@@ -367,8 +368,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.mixed_requests:
         scenarios.append(mixed_scenario(args.mixed_requests, args.mixed_batch, args.seed))
     load_start = os.getloadavg()
+    # the engine's own runner (uvloop when installed), as `asyncengine serve` runs
     rows = [
-        asyncio.run(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
+        run_loop(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
         for s in scenarios
     ]
     result: dict[str, Any] = {
