@@ -12,9 +12,9 @@
 #       kernels and graph replay, FlashInfer), their output in tests.txt
 #   (a) the 256-request offline benchmark (bench_offline.py, asyncengine only), then the same
 #       with enable_overlap_schedule (steps planned while the last one runs: target >= 20k
-#       tok/s on an H200), its host split (profile_step.py --no-replay), and the stand-in
-#       executor on this machine's quiet CPU: host ms/step at decode batch 256 (target <= 2)
-#       and, with --device-ms DEVICE_MS --overlap, step wall over max(host, device) (<= 1.1)
+#       tok/s on an H200); after (c), the stand-in executor on this machine's quiet CPU: host
+#       ms/step at decode batch 256 (target <= 2) and, with --device-ms DEVICE_MS --overlap,
+#       step wall over max(host, device) (<= 1.1); then the host split (profile_step.py)
 #   (b) the decode step at batch 1/64/256 against the CUDA-graph replay floor and the
 #       weight-read bound (gpu_check.py decode; target at 256: step <= 1.3x the bound)
 #   (s) TTFT and ITL at 64 concurrent streams: `asyncengine serve` with the overlap schedule
@@ -111,21 +111,10 @@ part offline "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$D
     --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
     --no-progress --out "$P/offline.json"
-part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
-    --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
-    --workload-arg input_median=180 --workload-arg output_median=120 \
-    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
-    --out "$P/profile.json"
 part offline-overlap "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
     --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
     --engine-arg enable_overlap_schedule=true --no-progress --out "$P/offline_overlap.json"
-part host-step 40 "$PY" scripts/micro/bench_host_step.py --quick --tokenizer .gpu_model \
-    --out "$P/host_step.json"
-# DEVICE_MS: the device's batch-256 decode step (1.6 ms: the last H200 figure; (b) re-measures it)
-part host-step-overlap 40 "$PY" scripts/micro/bench_host_step.py --batches 256 \
-    --mixed-requests 0 --tokenizer .gpu_model --device-ms "${DEVICE_MS:-1.6}" --overlap \
-    --out "$P/host_step_overlap.json"
 
 # (b) the decode step
 BATCHES=1,64,256
@@ -144,6 +133,21 @@ part serving-64 "$T_S" "$PY" scripts/bench_serving.py --launch --model "$MODEL" 
 part deterministic "$T_C" "$PY" scripts/bench_deterministic.py --model "$MODEL" \
     --device "$DEVICE" --dtype "$DTYPE" --num-requests "$N_DET" --check 8 \
     --repeats "$DET_REPEATS" --out "$P/deterministic.json"
+
+# (a) diagnostics: the stand-in executor on this machine's quiet CPU, then the offline run's
+# host split (a second, instrumented run)
+part host-step 40 "$PY" scripts/micro/bench_host_step.py --quick --tokenizer .gpu_model \
+    --out "$P/host_step.json"
+# DEVICE_MS: the device's batch-256 decode step (1.6 ms: the last H200 figure; (b) re-measures it)
+part host-step-overlap 40 "$PY" scripts/micro/bench_host_step.py --batches 256 \
+    --mixed-requests 0 --tokenizer .gpu_model --device-ms "${DEVICE_MS:-1.6}" --overlap \
+    --out "$P/host_step_overlap.json"
+
+part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
+    --workload-arg input_median=180 --workload-arg output_median=120 \
+    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
+    --out "$P/profile.json"
 
 # (d) FlashInfer last: its kernels JIT-compile with nvcc (minutes)
 part flashinfer "$T_D" "$PY" scripts/gpu_check.py attention --out "$P/flashinfer.json"
