@@ -173,6 +173,7 @@ class EngineCore:
             **self.lifecycle.counters,
             "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
             "policy": self.policy.name,
+            "planned_ahead_steps": self.scheduler.planned_ahead_steps,  # overlap scheduling
             "admission_blocked": dict(self.scheduler.admission.steps),
             "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),

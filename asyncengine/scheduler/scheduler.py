@@ -441,7 +441,6 @@ class Scheduler:
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
             "spec_steps": self.spec_steps,
-            "planned_ahead_steps": self.planned_ahead_steps,  # overlap scheduling
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,
             **self.retraction.preemption_stats(),
