@@ -17,10 +17,13 @@ Result = tuple[list[int], str, str | None]  # streamed token ids, streamed text,
 
 
 async def run(
-    model: Path, overlap: bool, items: list[tuple[list[int], SamplingParams]]
-) -> tuple[list[Result], int]:
-    """Each request's streamed token ids and text and its finish reason, and how many plans
-    were made ahead."""
+    model: Path,
+    overlap: bool,
+    items: list[tuple[list[int], SamplingParams]],
+    **config: object,
+) -> tuple[list[Result], int, int]:
+    """Each request's streamed token ids and text and its finish reason, how many plans were
+    made ahead, and how many requests were retracted."""
     engine = AsyncEngine(
         EngineConfig(
             model=str(model),
@@ -28,9 +31,8 @@ async def run(
             deterministic=True,
             enable_overlap_schedule=overlap,
             page_size=4,
-            kv_cache_tokens=4096,
-            chunked_prefill_size=16,
             log_interval=0,
+            **{"kv_cache_tokens": 4096, "chunked_prefill_size": 16, **config},  # type: ignore[arg-type]
         )
     )
     deferred: list[int] = []
@@ -54,7 +56,8 @@ async def run(
 
         results = await asyncio.gather(*(one(p, s) for p, s in items))
         assert engine.scheduler.kv.stats()["pages_used"] == 0
-    return list(results), sum(1 for n in deferred if n)
+        retractions = engine.stats()["retractions"]
+    return list(results), sum(1 for n in deferred if n), retractions
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -74,7 +77,7 @@ def greedy(n: int, **extra: object) -> SamplingParams:
 def test_overlapped_engine_is_token_exact_with_stops(tiny_chat_model: Path) -> None:
     rng = random.Random(3)
     plain_items = [(p, greedy(rng.randrange(6, 24))) for p in prompts(5, 12)]
-    plain, _ = asyncio.run(run(tiny_chat_model, False, plain_items))
+    plain, _, _ = asyncio.run(run(tiny_chat_model, False, plain_items))
     # endings taken from the plain outputs: a stop string from the middle of a request's text,
     # a stop token it samples, or its length alone
     items = []
@@ -87,8 +90,8 @@ def test_overlapped_engine_is_token_exact_with_stops(tiny_chat_model: Path) -> N
             items.append((prompt, greedy(n, stop_token_ids=[ids[len(ids) // 2]])))
         else:
             items.append((prompt, params))
-    lock_step, none_ahead = asyncio.run(run(tiny_chat_model, False, items))
-    overlapped, ahead = asyncio.run(run(tiny_chat_model, True, items))
+    lock_step, none_ahead, _ = asyncio.run(run(tiny_chat_model, False, items))
+    overlapped, ahead, _ = asyncio.run(run(tiny_chat_model, True, items))
     assert none_ahead == 0
     assert ahead > 5, "the overlapped engine was meant to plan decode steps ahead"
     assert overlapped == lock_step
@@ -101,3 +104,24 @@ def test_overlapped_engine_is_token_exact_with_stops(tiny_chat_model: Path) -> N
             assert reason == "stop" and ids[-1] in params.stop_token_ids
             assert all(t not in params.stop_token_ids for t in ids[:-1])
         assert len(ids) <= params.max_new_tokens
+
+
+def test_overlapped_engine_is_token_exact_when_kv_runs_short(tiny_chat_model: Path) -> None:
+    """A pool too small for every request at once: steps that would retract are planned after
+    the landing, the others ahead; the tokens are the lock-step engine's."""
+    rng = random.Random(4)
+    items = [(p, greedy(rng.randrange(12, 30))) for p in prompts(9, 10)]
+    # as tests/api/test_engine_parity.py forces retractions: a small pool, admission that
+    # reserves little room for the running requests' future tokens
+    short = {
+        "kv_cache_tokens": 160,
+        "chunked_prefill_size": 8,
+        "max_prefill_tokens": 16,
+        "init_new_token_ratio": 0.05,
+        "min_new_token_ratio": 0.01,
+    }
+    lock_step, _, _ = asyncio.run(run(tiny_chat_model, False, items, **short))
+    overlapped, ahead, retractions = asyncio.run(run(tiny_chat_model, True, items, **short))
+    assert retractions > 0, "the pool was meant to be small enough to force retractions"
+    assert ahead > 5
+    assert overlapped == lock_step
