@@ -187,7 +187,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="launch the next forward before streaming this step's tokens",
+        help="plan and launch the next step while this one runs (GPU), or at least before "
+        "streaming this step's tokens",
     )
     group.add_argument(
         "--kv-events-token-ids",

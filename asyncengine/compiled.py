@@ -40,6 +40,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "asyncengine.core.lifecycle",
     "asyncengine.scheduler.admission",
     "asyncengine.scheduler.admitter",
+    "asyncengine.scheduler.plan_ahead",
     "asyncengine.scheduler.prefill",
     "asyncengine.scheduler.prompt_scoring",
     "asyncengine.scheduler.retraction",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 28 in one call of the device tool (under 8 minutes on an H100/H200).
+# Every GPU figure in one call of the device tool (under 8 minutes on an H100/H200).
 #
 # Before (here, with network): scripts/gpu_wheels.sh   -> .whl/ and .gpu_model/ (git-ignored)
 # Device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_model"],
@@ -10,18 +10,24 @@
 # Parts, most valuable first, each under its own timeout so that a hang loses only that part:
 #   (0) the tests marked `gpu` (pytest -m gpu: the engine on CUDA against HF, compiled Triton
 #       kernels and graph replay, FlashInfer), their output in tests.txt
-#   (a) the 256-request offline benchmark (bench_offline.py, asyncengine only) + its host split
-#       (profile_step.py --no-replay) + the stand-in executor's host ms/step (bench_host_step.py)
+#   (a) the 256-request offline benchmark (bench_offline.py, asyncengine only), then the same
+#       with enable_overlap_schedule (steps planned while the last one runs: target >= 20k
+#       tok/s on an H200); after (c), the stand-in executor on this machine's quiet CPU: host
+#       ms/step at decode batch 256 (target <= 2) and, with --device-ms DEVICE_MS --overlap,
+#       step wall over max(host, device) (<= 1.1); then the host split (profile_step.py)
 #   (b) the decode step at batch 1/64/256 against the CUDA-graph replay floor and the
-#       weight-read bound (gpu_check.py decode)
-#   (c) deterministic mode on CUDA: greedy tokens alone vs batched (bench_deterministic.py)
+#       weight-read bound (gpu_check.py decode; target at 256: step <= 1.3x the bound)
+#   (s) TTFT and ITL at 64 concurrent streams: `asyncengine serve` with the overlap schedule
+#       on, 256 requests over loopback (bench_serving.py --max-concurrency 64)
+#   (c) deterministic mode on CUDA: greedy tokens alone vs batched, and its offline tok/s
+#       against the default mode's (bench_deterministic.py; target >= 0.5x)
 #   (d) FlashInfer: JIT compile, the backend against the torch backend, timed against Triton
-#   (e) only if the budget has room left: the offline benchmark with enable_overlap_schedule
 # Weights are random (the 98 MB GGUF cannot travel): the benchmarks ignore EOS, so speed does
 # not depend on them. Output under $OUT: log.txt (everything printed), results.json (every
 # part's full JSON, by part: offline, profile, host_step, decode, deterministic, flashinfer,
-# offline_overlap) and summary.txt (the table, also printed last). Each part writes its JSON
-# under $OUT/parts/ first; the summary merges them into results.json and removes parts/.
+# offline_overlap, host_step_overlap, serving) and summary.txt (the table, also printed
+# last). Each part writes its JSON under $OUT/parts/ first; the summary merges them into
+# results.json and removes parts/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,7 +47,7 @@ if [ $DRY = 1 ]; then
     PY=${PY:-.venv/bin/python}
     MODEL=$(mktemp -d)/model
     DEVICE=cpu DTYPE=float32
-    T_A=240 T_B=120 T_C=240 T_D=120 T_TESTS=120
+    T_A=240 T_B=120 T_C=240 T_D=120 T_S=180 T_TESTS=120
     BUDGET=${BUDGET:-1200}
     N_REQ=8 N_DET=4 DET_REPEATS=1
     # the FlashInfer wheel only (the others are cp312 builds), to check its import and our layout
@@ -53,7 +59,7 @@ else
     PY=python3
     MODEL=/tmp/gpu_check_model
     DEVICE=cuda DTYPE=bfloat16
-    T_A=150 T_B=75 T_C=75 T_D=400 T_TESTS=200  # each also cut to what is left of BUDGET (below)
+    T_A=150 T_B=75 T_C=75 T_D=400 T_S=120 T_TESTS=200  # each cut to what is left of BUDGET
     BUDGET=${BUDGET:-450}
     N_REQ=256 N_DET=16 DET_REPEATS=1
     # Packages the GPU image lacks (msgspec, gguf, flashinfer-python), then ours, editable so
@@ -105,13 +111,10 @@ part offline "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$D
     --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
     --no-progress --out "$P/offline.json"
-part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
-    --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
-    --workload-arg input_median=180 --workload-arg output_median=120 \
+part offline-overlap "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
     --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
-    --out "$P/profile.json"
-part host-step 40 "$PY" scripts/micro/bench_host_step.py --quick --tokenizer .gpu_model \
-    --out "$P/host_step.json"
+    --engine-arg enable_overlap_schedule=true --no-progress --out "$P/offline_overlap.json"
 
 # (b) the decode step
 BATCHES=1,64,256
@@ -119,19 +122,35 @@ BATCHES=1,64,256
 part decode "$T_B" "$PY" scripts/gpu_check.py decode "$MODEL" --batches "$BATCHES" \
     --out "$P/decode.json"
 
+# (s) TTFT / ITL at 64 concurrent streams, the overlap schedule on
+part serving-64 "$T_S" "$PY" scripts/bench_serving.py --launch --model "$MODEL" \
+    --num-requests "$N_REQ" --max-concurrency 64 --arrivals burst --warmup 8 \
+    --server-log "$OUT/serve.log" --no-progress --out "$P/serving.json" -- \
+    --device "$DEVICE" --dtype "$DTYPE" --max-running-requests 256 \
+    --kv-cache-tokens 262144 --overlap-schedule
+
 # (c) deterministic mode: greedy tokens alone vs batched, on CUDA
 part deterministic "$T_C" "$PY" scripts/bench_deterministic.py --model "$MODEL" \
     --device "$DEVICE" --dtype "$DTYPE" --num-requests "$N_DET" --check 8 \
     --repeats "$DET_REPEATS" --out "$P/deterministic.json"
 
+# (a) diagnostics: the stand-in executor on this machine's quiet CPU, then the offline run's
+# host split (a second, instrumented run)
+part host-step 40 "$PY" scripts/micro/bench_host_step.py --quick --tokenizer .gpu_model \
+    --out "$P/host_step.json"
+# DEVICE_MS: the device's batch-256 decode step (1.6 ms: the last H200 figure; (b) re-measures it)
+part host-step-overlap 40 "$PY" scripts/micro/bench_host_step.py --batches 256 \
+    --mixed-requests 0 --tokenizer .gpu_model --device-ms "${DEVICE_MS:-1.6}" --overlap \
+    --out "$P/host_step_overlap.json"
+
+part host-split 90 "$PY" scripts/profile_step.py --model "$MODEL" --device "$DEVICE" \
+    --dtype "$DTYPE" --num-requests "$N_REQ" --no-replay \
+    --workload-arg input_median=180 --workload-arg output_median=120 \
+    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
+    --out "$P/profile.json"
+
 # (d) FlashInfer last: its kernels JIT-compile with nvcc (minutes)
 part flashinfer "$T_D" "$PY" scripts/gpu_check.py attention --out "$P/flashinfer.json"
-
-# (e) overlap scheduling on the same 256 requests, if the budget has room left
-part offline-overlap "$T_A" "$PY" scripts/bench_offline.py --model "$MODEL" --device "$DEVICE" \
-    --dtype "$DTYPE" --num-requests "$N_REQ" --systems asyncengine \
-    --engine-arg max_running_requests=256 --engine-arg kv_cache_tokens=262144 \
-    --engine-arg enable_overlap_schedule=true --no-progress --out "$P/offline_overlap.json"
 
 echo "=== total $((SECONDS - START))s ==="
 SUMMARY_FLAGS=""

@@ -70,6 +70,10 @@ class FakeExecutor:
         )
         self.steps = 0
         self.fail_on_step: int | None = None
+        # a test turns it on: plans made ahead (BatchPlan.deferred) take a decode's input
+        # token from the token last sampled for its row, as a GPU executor keeps it
+        self.defers_inputs = False
+        self.last_sampled: dict[int, int] = {}  # page-table row -> its last sampled token
 
     def kv_budget_bytes(self, config: EngineConfig) -> int | None:
         return None
@@ -115,9 +119,16 @@ class FakeExecutor:
             self.pos_at[dst_slots] = self.pos_at[src_slots]
         self.table.apply(plan.page_writes)
         tokens: list[int] = []
+        deferred = {id(plan.decodes[i]) for i in plan.deferred}
+        if deferred and not self.defers_inputs:
+            raise AssertionError(f"plan {plan.step} defers inputs to an executor that does not")
         for seg in plan.segments:
             slots = self._slots(seg.row, seg.start_pos, seg.end_pos)
-            self.token_at[slots] = seg.input_ids
+            if id(seg) in deferred:
+                assert seg.input_ids == [-1], f"{seg.rid}: a deferred input carries a token"
+                self.token_at[slots] = [self.last_sampled[seg.row]]
+            else:
+                self.token_at[slots] = seg.input_ids
             self.pos_at[slots] = np.arange(seg.start_pos, seg.end_pos)
         if plan.kv_copies:  # positions shared in the step, copied as each layer does
             src, dst = np.asarray(plan.kv_copies, dtype=np.int64).T
@@ -137,6 +148,7 @@ class FakeExecutor:
             kept = accepted_prefix(seg.input_ids[seg.num_tokens - seg.guesses :], sampled)
             tokens.append(sampled[kept])
             accepted.append(kept)
+            self.last_sampled[seg.row] = sampled[kept]
         pooled = [self._pooled(seg) for seg in plan.extends if seg.pool is not None]
         return StepOutput(
             tokens,

@@ -20,6 +20,7 @@ from asyncengine.common.outputs import GenerateOutput, StreamDelta
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams, choice_seed
+from asyncengine.text.delta_queue import DeltaQueue
 from asyncengine.text.output_text import OutputText
 from asyncengine.text.stream import StreamState
 
@@ -54,7 +55,7 @@ class RequestGroup:
         arrival_time: float,
         detokenizer: Callable[[], Any],
     ) -> RequestGroup:
-        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        queue: DeltaQueue[StreamDelta | BaseException] = DeltaQueue()
         states: list[StreamState] = []
         for i in range(params.n):
             child_rid = rid if params.n == 1 else f"{rid}-{i}"

@@ -1,19 +1,49 @@
 """The engine's step loop: launch a plan, await its forward on the worker thread, land it,
-stream its tokens; with overlap the next plan launches before this one's tokens stream."""
+stream its tokens; with overlap the next plan launches while this one's forward runs (when the
+executor fills in the inputs it samples: scheduler/plan_ahead.py), else before its tokens
+stream."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from asyncengine.api.streams import Streams
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.executor_api import defers_inputs
 
 log = logging.getLogger("asyncengine.api.engine")
+
+
+# A decode step of 256 streams makes a few thousand short-lived objects (segments, events,
+# deltas, futures): at Python's young-generation threshold (700) the collector ran ~1.4 times a
+# step, 0.13 ms of a ~2 ms step's host work, finding nothing to free; at this one, a few times
+# a run (`scripts/micro/bench_host_step.py --batches 256`, gc.callbacks timing)
+LOOP_GC_THRESHOLD = (50_000, 20, 50)
+_running_loops = 0
+_threshold_before: tuple[int, int, int] = (700, 10, 10)
+
+
+@contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """The collector's thresholds raised while any engine's loop runs (restored after the last)."""
+    global _running_loops, _threshold_before
+    if _running_loops == 0:
+        _threshold_before = gc.get_threshold()
+        gc.set_threshold(*LOOP_GC_THRESHOLD)
+    _running_loops += 1
+    try:
+        yield
+    finally:
+        _running_loops -= 1
+        if _running_loops == 0:
+            gc.set_threshold(*_threshold_before)
 
 
 class InFlight(NamedTuple):
@@ -43,11 +73,24 @@ class StepLoop:
         self.overlap = overlap
         self.wakeup = asyncio.Event()
         self.stopping = False
+        # overlap on an executor that fills in deferred inputs and launches in two halves: the
+        # worker thread enqueues each step, this one waits for their outputs in order, so the
+        # worker enqueues step N+1 while the device still runs step N
+        self.split_launch: Callable[[BatchPlan], Callable[[], StepOutput]] | None = None
+        if overlap and defers_inputs(core.executor):
+            self.split_launch = getattr(core.executor, "launch", None)
+        self.waiter: ThreadPoolExecutor | None = None
 
     async def run(self) -> None:
         """Launch, await the forward on the worker thread, land, stream. The step itself is
         the core's; this loop adds only overlap (``enable_overlap_schedule``: the next step
-        launches before this one's tokens stream) and streaming."""
+        launches while this one's forward runs, or at least before its tokens stream) and
+        streaming. While any engine's loop runs, the collector's young generation is large
+        (``LOOP_GC_THRESHOLD``)."""
+        with _fewer_collections():
+            await self._run()
+
+    async def _run(self) -> None:
         core, overlap = self.core, self.overlap
         pending: InFlight | None = None
         try:
@@ -62,12 +105,18 @@ class StepLoop:
                         await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
                         continue
                 step, pending = pending, None
+                if overlap and core.can_launch_ahead():
+                    # Plan the next step while this one's forward runs: its decodes' inputs
+                    # are the tokens this forward samples, which the executor fills in; the
+                    # forward queues behind this one on the worker thread, so the device goes
+                    # from one to the next while this step lands and streams.
+                    pending = self._launch(core)
                 try:
                     output: StepOutput | BaseException = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
                     output = exc
                 events = core.land(step.plan, output)
-                if overlap and not self.stopping and core.has_work():
+                if pending is None and overlap and not self.stopping and core.has_work():
                     # The next forward runs while this step's tokens stream. A request ended
                     # here by an abort is in the next plan too: its token there is dropped at
                     # land, and its pages are reused only by a plan made after that forward.
@@ -93,6 +142,9 @@ class StepLoop:
                     log.warning("the forward in flight as the loop stopped failed", exc_info=True)
             for rid in list(self.streams.groups):
                 self.abort(rid)
+            if self.waiter is not None:
+                self.waiter.shutdown(wait=True)
+                self.waiter = None
 
     def _launch(self, core: EngineCore) -> InFlight | None:
         """The core's next plan, its forward started on the worker thread (None: no plan);
@@ -101,7 +153,20 @@ class StepLoop:
         self.streams.publish(core.events())
         if plan is None:
             return None
-        future = asyncio.get_running_loop().run_in_executor(
-            self.worker, core.executor.execute, plan
-        )
+        loop = asyncio.get_running_loop()
+        if self.split_launch is None:
+            future = loop.run_in_executor(self.worker, core.executor.execute, plan)
+        else:
+            future = asyncio.ensure_future(self._launched(self.split_launch, plan))
         return InFlight(plan, future)
+
+    async def _launched(
+        self, launch: Callable[[BatchPlan], Callable[[], StepOutput]], plan: BatchPlan
+    ) -> StepOutput:
+        """``plan`` enqueued on the worker thread, then its output waited for on the waiter
+        thread (one, so outputs come in launch order)."""
+        loop = asyncio.get_running_loop()
+        collect = await loop.run_in_executor(self.worker, launch, plan)
+        if self.waiter is None:
+            self.waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-wait")
+        return await loop.run_in_executor(self.waiter, collect)

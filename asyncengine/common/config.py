@@ -127,9 +127,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     new_token_ratio_decay: float = 0.001
 
     # executor
-    # schedule and launch the next forward before this step's tokens are detokenized and
-    # streamed, so that host work overlaps the forward; off: no gain measured on an H100 with
-    # the 135M model (the GIL serializes the host work), see docs/BENCHMARKS.md
+    # overlap scheduling: on an executor that fills in deferred decode inputs (a GPU's), plan
+    # and launch step N+1 while step N runs, its tokens landed and streamed a step late where
+    # that is exact (scheduler/plan_ahead.py; else, and on a CPU, the next forward launches
+    # before this step's tokens stream). Off until measured faster on a GPU: the measurement is
+    # scripts/gpu_check.sh's offline-overlap part; on a CPU the stand-in executor shows it
+    # (scripts/micro/bench_host_step.py --device-ms 1.6 --overlap)
     enable_overlap_schedule: bool = False
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True

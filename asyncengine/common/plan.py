@@ -174,6 +174,10 @@ class BatchPlan:
     # page-table rows released since the previous plan (their sequences ended, or were
     # retracted): what an executor keeps per row of its own (a draft model's KV) goes
     released_rows: list[int] = field(default_factory=list)
+    # indexes into ``decodes`` whose one input token is the token the previous plan sampled
+    # for the same page-table row, not yet known to the host when this plan was made (overlap
+    # scheduling): the executor takes it from its own last sampled tokens (input_ids hold -1)
+    deferred: list[int] = field(default_factory=list)
 
     # Written out because mypyc compiles this class (every step makes one) and leaves a
     # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
@@ -190,6 +194,7 @@ class BatchPlan:
         kv_copies: list[tuple[int, int]] | None = None,
         shared_scores: dict[str, list[SharedScores]] | None = None,
         released_rows: list[int] | None = None,
+        deferred: list[int] | None = None,
     ) -> None:
         self.step = step
         self.extends = [] if extends is None else extends
@@ -202,6 +207,7 @@ class BatchPlan:
         self.kv_copies = [] if kv_copies is None else kv_copies
         self.shared_scores = {} if shared_scores is None else shared_scores
         self.released_rows = [] if released_rows is None else released_rows
+        self.deferred = [] if deferred is None else deferred
 
     @property
     def segments(self) -> list[Segment]:

@@ -26,7 +26,7 @@ from asyncengine.cache.manager import KVCacheManager
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.common.request import Grammar, Request
-from asyncengine.core.executor_api import Executor, ModelSpec
+from asyncengine.core.executor_api import Executor, ModelSpec, defers_inputs
 from asyncengine.core.lifecycle import Lifecycle
 from asyncengine.policies.base import Policy
 from asyncengine.policies.registry import build_policy
@@ -99,6 +99,12 @@ class EngineCore:
         self._launched_at = time.perf_counter()
         return plan
 
+    def can_launch_ahead(self) -> bool:
+        """Whether ``launch`` may run now, before the plan in flight lands, with the same
+        result as after it (overlap scheduling: scheduler/plan_ahead.py): the executor fills
+        in the decode inputs the host has not seen yet."""
+        return defers_inputs(self.executor) and self.scheduler.can_plan_ahead()
+
     def land(self, plan: BatchPlan, result: StepOutput | BaseException) -> StepEvents:
         """Apply what the forward of ``plan`` gave: its output (tokens appended, prefixes
         cached, every request its token ends ended), or its error (its requests fail, reason
@@ -167,6 +173,7 @@ class EngineCore:
             **self.lifecycle.counters,
             "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
             "policy": self.policy.name,
+            "planned_ahead_steps": self.scheduler.planned_ahead_steps,  # overlap scheduling
             "admission_blocked": dict(self.scheduler.admission.steps),
             "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),

@@ -58,3 +58,11 @@ class Executor(Protocol):
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Apply the plan's page writes, run it, and return one token per sampled segment."""
         ...
+
+
+def defers_inputs(executor: object) -> bool:
+    """Whether ``executor`` fills in a plan's deferred decode inputs (``BatchPlan.deferred``)
+    from the tokens it sampled last, so that a plan can be made before the previous one lands
+    (overlap scheduling: scheduler/plan_ahead.py). An executor says so with a true
+    ``defers_inputs`` attribute."""
+    return bool(getattr(executor, "defers_inputs", False))

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one captured model forward per rung of a batch-size ladder.
+"""CUDA graphs for decode steps: one captured model forward per rung of a batch-size ladder,
+and one captured whole greedy step (forward, LM head, argmax) per rung.
 
 A decode step launches a few kernels per layer, each tiny at small batch sizes, so launch
 overhead dominates. ``DecodeGraphs`` captures the whole decode forward (Triton backend only)
@@ -116,6 +117,10 @@ class DecodeStaticInputs:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [size, hidden]: the graph's output buffer
+    # the same step through the LM head and a greedy pick: the whole decode step, sampler
+    # included, for a batch whose every row takes its logits' argmax (no logits kept)
+    greedy: torch.cuda.CUDAGraph | None = None
+    tokens: torch.Tensor | None = None  # [size] int64: that graph's output buffer
 
 
 class DecodeGraphs:
@@ -163,8 +168,21 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self._forward(batch)
-                self._captured[size] = _Captured(graph, hidden)
+                captured = _Captured(graph, hidden)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._greedy_step(batch)  # the LM head's and argmax's first launch
+                torch.cuda.current_stream().wait_stream(stream)
+                captured.greedy = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured.greedy, pool=pool):
+                    captured.tokens = self._greedy_step(batch)
+                self._captured[size] = captured
         torch.cuda.synchronize()
+
+    def _greedy_step(self, batch: ForwardBatch) -> torch.Tensor:
+        """The decode forward, the LM head (float32 logits, as ``ModelRunner`` samples them)
+        and each row's first largest logit: what ``Sampler`` gives a plain greedy row."""
+        return self.model.compute_logits(self._forward(batch)).argmax(dim=-1)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         metadata = self.backend.build_metadata(batch)
@@ -179,6 +197,18 @@ class DecodeGraphs:
             and batch.sample_indices.shape[0] == batch.num_decodes
             and batch.decode_block_table.shape[1] <= self.inputs.max_pages
         )
+
+    def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the whole greedy step of the rung that holds the batch: each row's token
+        (int64 ``[n]``, on the device; a view of the graph's buffer, valid until the next
+        replay). For batches whose every row is a plain greedy one (``Sampler.plain_greedy``)."""
+        size = padded_size(self.ladder, batch.num_decodes)
+        assert size is not None and size in self._captured, "call can_run() first"
+        captured = self._captured[size]
+        assert captured.greedy is not None and captured.tokens is not None
+        self.inputs.fill(batch, size)
+        captured.greedy.replay()
+        return captured.tokens[: batch.num_decodes]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the rung that holds the batch; the sampled rows' hidden states ``[n, hidden]``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -97,6 +98,10 @@ class ModelExecutor:
         if speculation is not None and speculation.method == "draft":
             self._draft = load_draft_model(config, self.model_dir, self.dtype, self.device)
         self.drafter: DraftProposer | None = None
+        # plans may be made ahead of the step in flight (overlap scheduling), their decode
+        # inputs filled in here: on a GPU, where the host would otherwise leave it idle; a CPU
+        # forward needs the cores the host's planning would take, so it keeps the lock-step path
+        self.defers_inputs = self.device.type == "cuda"
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all(cpu_native.kv_flags(self.kv_dtype))
             decode_step_native.available(self.kv_dtype)  # the fused step's build for this pool
@@ -183,6 +188,16 @@ class ModelExecutor:
             str(self.kv_dtype).removeprefix("torch."),
             pool.nbytes / 2**20,
         )
+
+    def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
+        """``execute`` in two halves (``ModelRunner.launch``): a plain decode step is enqueued
+        and the wait for its tokens returned; a step that swaps KV or drafts runs whole."""
+        if self.runner is None:
+            raise RuntimeError("bind() the executor before executing plans")
+        if plan.swap_out or plan.swap_in or self.drafter is not None:
+            output = self.execute(plan)
+            return lambda: output
+        return self.runner.launch(plan)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         if self.runner is None:

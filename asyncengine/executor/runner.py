@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,6 +21,7 @@ from asyncengine.executor.attention.selector import (
 from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.cpu.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.executor.cuda_graph import DecodeGraphs
+from asyncengine.executor.deferred_inputs import LastSampled
 from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
@@ -28,6 +30,7 @@ from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.prompt_logprobs import logits_and_scores
+from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.speculative.acceptance import accepted_prefix
 
@@ -71,6 +74,8 @@ class ModelRunner:
         self.config = model_config
         self.kv_pool = kv_pool
         self.page_table = page_table
+        # plans made ahead read their decodes' inputs from here (deferred_inputs.py)
+        self.last_sampled = LastSampled(page_table.array.shape[0], self.device)
         self.page_size = kv_pool.page_size
         # a CUDA step's index arrays go up through pinned buffers reused across steps
         self._staging = HostStaging() if self.device.type == "cuda" else None
@@ -175,7 +180,7 @@ class ModelRunner:
         self.page_table.apply(plan.page_writes)
         if plan.page_copies:  # kept tail pages copied on write, before the forward writes KV
             self.kv_pool.copy_pages(plan.page_copies)
-        return build_forward_batch(
+        batch = build_forward_batch(
             plan,
             self.page_table.array,
             self.page_size,
@@ -183,6 +188,8 @@ class ModelRunner:
             self._staging,
             verify_decode_rows=self.verify_decode_rows,
         )
+        self.last_sampled.fill(plan, batch.input_ids)
+        return batch
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] at the last token of each segment with sample=True."""
@@ -259,7 +266,21 @@ class ModelRunner:
             time.process_time,
         )
 
+    def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
+        """``execute`` in two halves: this one starts the step and returns the wait for its
+        output. A plain greedy decode step replayed as one CUDA graph returns as soon as it is
+        enqueued (its tokens copied to pinned host memory behind it), so that the caller can
+        enqueue the next step before this one's tokens reach the host; any other step runs
+        whole here and the wait returns its output."""
+        if self.step_threads is not None:
+            output = self.execute(plan)
+            return lambda: output
+        return self._launch(plan)
+
     def _execute(self, plan: BatchPlan) -> StepOutput:
+        return self._launch(plan)()
+
+    def _launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
         start = time.perf_counter()
         with torch.inference_mode():
             batch = self.prepare(plan)
@@ -275,21 +296,43 @@ class ModelRunner:
                 output.forward_seconds = time.perf_counter() - start
                 output.prompt_logprobs = result.prompt_logprobs
                 output.pooled = result.pooled
-                return output
+                return lambda: output
+            greedy = self._greedy_graph_step(batch, plan)
+            if greedy is not None:  # forward, LM head and argmax replayed as one graph
+                self.last_sampled.record(plan, greedy)
+                return _tokens_when_ready(greedy, start)
             result = self._forward(batch, plan)
             ids: list[int] = []
             logprobs: list[TokenLogprobs | None] = []
             if plan.sampling:
                 token_ids, sampled_logprobs = self.sampler.sample(result.logits, plan.sampling)
+                self.last_sampled.record(plan, token_ids)
                 ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
                 logprobs = list(sampled_logprobs)
-        return StepOutput(
+        output = StepOutput(
             ids,
             logprobs,
             time.perf_counter() - start,
             prompt_logprobs=result.prompt_logprobs,
             pooled=result.pooled,
         )
+        return lambda: output
+
+    def _greedy_graph_step(self, batch: ForwardBatch, plan: BatchPlan) -> torch.Tensor | None:
+        """The tokens of a decode-only step whose every row is a plain greedy one, from the
+        captured whole step (executor/cuda_graph.py); None: the step takes the general path."""
+        graphs, sampler = self.graphs, self.sampler
+        if (
+            graphs is None
+            or batch.kv_copies is not None
+            or plan.extends
+            or not plan.sampling
+            or not isinstance(sampler, Sampler)
+            or not graphs.can_run(batch)
+            or not sampler.plain_greedy(plan.sampling)
+        ):
+            return None
+        return graphs.run_greedy(batch)
 
     def _verify(self, plan: BatchPlan, logits: torch.Tensor) -> StepOutput:
         """Speculative decoding: a token sampled at every position of each verified row (under
@@ -330,6 +373,22 @@ class ForwardResult:
     logits: torch.Tensor  # [num_sampled, vocab] float32
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     pooled: list[list[float]] = field(default_factory=list)
+
+
+def _tokens_when_ready(tokens: torch.Tensor, start: float) -> Callable[[], StepOutput]:
+    """The wait for ``tokens`` (on the device, enqueued): copied behind the step into pinned
+    host memory; the wait blocks on that copy alone (an event), not on later work."""
+    host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def collect() -> StepOutput:
+        copied.synchronize()
+        ids = host.tolist()
+        return StepOutput(ids, [None] * len(ids), time.perf_counter() - start)
+
+    return collect
 
 
 def pooled_rows(plan: BatchPlan) -> tuple[list[int], list[tuple[int, int]]]:

@@ -155,6 +155,11 @@ class Sampler:
             tokens[index] = self._sample_rows(processed, index, [sampling[i] for i in sampled_rows])
         return tokens.tolist(), self._logprobs(logits, sampling, tokens)
 
+    def plain_greedy(self, sampling: list[SamplingInfo]) -> bool:
+        """Whether every row's token is its raw logits' argmax, nothing else asked (no logprobs):
+        what a captured greedy step computes on the device (executor/cuda_graph.py)."""
+        return all(self._plain_greedy(info) for info in sampling)
+
     def _plain_greedy(self, info: SamplingInfo) -> bool:
         """A greedy row that neither ``_apply_penalties_and_bans`` nor ``_logprobs`` touches:
         its token is the raw logits' argmax (tests/executor/test_sampler.py holds the two to agree)."""

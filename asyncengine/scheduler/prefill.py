@@ -82,6 +82,8 @@ class Prefill:
         for req in list(self.prefilling):
             if remaining <= 0:
                 return remaining, TOKEN_BUDGET
+            if req.kv.kv_len >= req.num_tokens:
+                continue  # its last chunk is in a forward that has not landed (overlap)
             take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
             computed = req.kv.kv_len
             if not self._try_extend(req, take):

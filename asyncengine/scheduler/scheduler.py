@@ -30,6 +30,11 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
 from asyncengine.scheduler.admitter import Admitter
+from asyncengine.scheduler.plan_ahead import (
+    add_deferred_decodes,
+    decodes_ahead,
+    plan_ahead_allowed,
+)
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import tail_scores
 from asyncengine.scheduler.retraction import Retraction
@@ -89,11 +94,15 @@ class Scheduler:
         self.spec_steps = 0  # steps that verified guesses
         self.spec_verified = 0  # guessed tokens verified
         self.spec_accepted = 0  # guessed tokens accepted
-        self.inflight: BatchPlan | None = None
+        self.inflight: BatchPlan | None = None  # the oldest plan launched and not landed
         # rid -> request of the plan in flight. A request aborted while its step
         # runs leaves ``requests``, and a new one may take its id at once: commit and fail go
         # by these objects, so the old step's token never lands on the new request.
         self._inflight_owners: dict[str, Request | None] = {}
+        # overlap scheduling: the plan made while ``inflight`` had not landed (plan_ahead.py)
+        self.ahead: BatchPlan | None = None
+        self._ahead_owners: dict[str, Request | None] = {}
+        self.planned_ahead_steps = 0
         # the uncached prefixes this step's prefills compute, when in-batch dedup is on
         self.step_prefixes: StepPrefixes | None = None
         # the running requests' future tokens when something else counts their progress (the
@@ -231,10 +240,13 @@ class Scheduler:
                 admission = self.admit(plan, 0)
         if admission.preempted:  # a policy had some of this step's decodes retracted
             decoding = [req for req in decoding if req.status is RequestStatus.RUNNING]
-        for req in decoding:
-            guesses, draft = self.step_guesses.get(req.rid), self.step_drafts.get(req.rid, 0)
-            plan.decodes.append(decode_segment(req, guesses, draft))
-            plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
+        if self.inflight is not None:
+            add_deferred_decodes(plan, decoding, self.inflight)
+        else:
+            for req in decoding:
+                guesses, draft = self.step_guesses.get(req.rid), self.step_drafts.get(req.rid, 0)
+                plan.decodes.append(decode_segment(req, guesses, draft))
+                plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
         if plan.is_empty():
             self.count_step(False, False)
             return None
@@ -287,8 +299,23 @@ class Scheduler:
                 req.first_scheduled_time = now
         for seg in plan.decodes:
             owners[seg.rid] = requests[seg.rid]
-        self.inflight = plan
-        self._inflight_owners = owners
+        if self.inflight is None:
+            self.inflight = plan
+            self._inflight_owners = owners
+        else:  # planned ahead of the plan in flight (can_plan_ahead)
+            if self.ahead is not None:
+                raise RuntimeError(f"step {plan.step}: two plans in flight already")
+            self.ahead = plan
+            self._ahead_owners = owners
+            self.planned_ahead_steps += 1
+
+    def can_plan_ahead(self) -> bool:
+        """Whether the next plan can be made now, before the plan in flight lands, and run
+        exactly as if made after it (plan_ahead.py)."""
+        inflight = self.inflight
+        if inflight is None or self.ahead is not None:
+            return False
+        return plan_ahead_allowed(self.running, self.speculation is not None, self.policy, self.kv)
 
     def step_budget(self, num_decodes: int) -> StepBudget:
         """The policy's token budget for a step with ``num_decodes`` decode tokens."""
@@ -328,6 +355,8 @@ class Scheduler:
     def _prepare_decodes(self) -> list[Request]:
         """Give every running request a KV slot for its next token (and its guesses, with
         speculative decoding), retracting when short (retraction.py)."""
+        if self.inflight is not None:  # planned ahead: no guesses, room checked
+            return decodes_ahead(self.running, self.inflight, self.kv, self.max_model_len)
         room = min(self.max_model_len, self.kv.max_tokens_per_request) - 1
         guesses, drafts = propose_guesses(
             self.speculation, self.running, self.policy, self._context, room
@@ -349,8 +378,7 @@ class Scheduler:
         chunks cached, pooled parts added to their embeddings. Whether a token ends its
         request is the lifecycle's to say."""
         owners = self._owners(plan)
-        self.inflight = None  # its KV is written now
-        self._inflight_owners = {}
+        self._landed(plan)  # its KV is written now
         self.retraction.count_computed(plan, owners, output.swap_seconds)
         self.policy.observe(plan, output.forward_seconds)
         if self.shadow is not None:
@@ -381,9 +409,18 @@ class Scheduler:
             if req is not None and not req.finished:
                 self.finish(req, "abort", cache=False)
                 failed.append(req)
-        self.inflight = None
-        self._inflight_owners = {}
+        self._landed(plan)
         return failed
+
+    def _landed(self, plan: BatchPlan) -> None:
+        """``plan`` is out of flight; the plan made ahead of it (if any) is the one in flight."""
+        if plan is self.ahead:
+            raise RuntimeError(f"step {plan.step} landed before the plan in flight before it")
+        if plan is self.inflight:
+            self.inflight, self._inflight_owners = self.ahead, self._ahead_owners
+        else:  # a plan the scheduler did not put in flight (the simulator's bulk steps)
+            self.inflight, self._inflight_owners = None, {}
+        self.ahead, self._ahead_owners = None, {}
 
     def _owners(self, plan: BatchPlan) -> dict[str, Request | None]:
         """The request each segment of ``plan`` was planned for (None: it is gone)."""

@@ -10,6 +10,7 @@ from asyncengine.common.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.request import Request
 from asyncengine.scheduler.prompt_scoring import prompt_logprobs_by_position
+from asyncengine.text.delta_queue import DeltaQueue
 from asyncengine.text.output_text import OutputText
 
 
@@ -23,7 +24,7 @@ class StreamState:
         self,
         req: Request,
         text: OutputText,
-        queue: asyncio.Queue[StreamDelta | BaseException] | None = None,
+        queue: DeltaQueue[StreamDelta | BaseException] | None = None,
         index: int = 0,
         request_id: str | None = None,
         prompt_scorer: Request | None = None,
@@ -35,7 +36,7 @@ class StreamState:
         self.request_id = req.rid if request_id is None else request_id  # the caller's id
         self.text = text
         self.index = index
-        self.queue: asyncio.Queue[StreamDelta | BaseException] = queue or asyncio.Queue()
+        self.queue: DeltaQueue[StreamDelta | BaseException] = queue or DeltaQueue()
         self.ready = ""  # text cleared for the caller, not yet handed out
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []

@@ -9,10 +9,15 @@ the CPU) and samples greedily through the real ``Sampler`` from a stand-in logit
 sampled column is offset into ordinary text tokens). Every request streams its deltas to a
 consumer task, as an HTTP handler would.
 
-``--forward-ms X`` makes the stand-in forward a wait of X ms that releases the GIL, as waiting
-on a GPU does, and ``--overlap`` turns ``enable_overlap_schedule`` on: together they show how
-much of the host work hides under a forward. (With overlap, parts of one step run during the
-next step's forward, so the per-part split is charged to whichever step was scheduled last.)
+``--device-ms X`` makes the stand-in forward a wait of X ms that releases the GIL, as waiting
+on a GPU does (X: the device's measured step, e.g. 1.6 for a batch-256 decode step of the
+embedded model on an H200), and ``--overlap`` turns ``enable_overlap_schedule`` on: the stand-in
+fills in deferred decode inputs as a GPU executor does, so the engine plans step N+1 while the
+"device" runs step N (scheduler/plan_ahead.py). Together they show how much of the host work
+hides under the device: the report gives each scenario's step wall time against max(host CPU
+ms per step, device ms), which overlap should approach. (With overlap, parts of one step run
+during the next step's forward, so the per-part split is charged to whichever step was
+scheduled last.)
 
 Scenarios: ``decode`` at batch B (B requests of 16-token prompts and long outputs, all running
 at once; the steps with exactly B decodes and no prefill are measured), and ``mixed`` (1,024
@@ -25,6 +30,8 @@ hand-off).
 
     .venv/bin/python scripts/micro/bench_host_step.py                 # table, JSON, last line the figure
     .venv/bin/python scripts/micro/bench_host_step.py --batches 256 --out bench_results/host.json
+    .venv/bin/python scripts/micro/bench_host_step.py --batches 256 --mixed-requests 0 \
+        --device-ms 1.6 --overlap                                      # wall vs max(host, device)
 
 The last line printed is ``host_ms_per_step <ms at decode batch 256>``.
 """
@@ -50,11 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 import torch
 
+from asyncengine.api.event_loop import run as run_loop
 from asyncengine.cache.page_table import PageTable
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.executor_api import KVLayout, ModelSpec
+from asyncengine.executor.deferred_inputs import LastSampled
 from asyncengine.executor.forward_batch import build_forward_batch
 from asyncengine.executor.sampler import Sampler
 
@@ -73,6 +82,7 @@ class StepClock:
         self.step_start: list[float] = []
         self.step_cpu: list[float] = []  # process CPU seconds (all threads) at each step's start
         self.plans: list[tuple[int, int, int]] = []  # (decodes, extends, extend tokens)
+        self.ahead: list[bool] = []  # planned while the step before it was in flight
         self.parts: list[dict[str, float]] = []
 
     def charge(self, part: str, seconds: float) -> None:
@@ -101,6 +111,7 @@ class StepClock:
                 self.plans.append(
                     (len(plan.decodes), len(plan.extends), sum(s.num_tokens for s in plan.extends))
                 )
+                self.ahead.append(bool(plan.deferred))
                 self.parts.append({})
             self.charge("schedule + plan", elapsed)
             return plan
@@ -121,6 +132,7 @@ class StandInExecutor:
             kv_bytes_per_token=1,
         )
         self.sampler = Sampler(eos_token_ids)
+        self.defers_inputs = True  # as a GPU executor: plans may be made ahead (overlap)
         self.width = width
         self.forward_seconds = forward_ms / 1e3  # a GPU's forward: a wait that frees the GIL
         self.clock: StepClock | None = None
@@ -133,6 +145,7 @@ class StandInExecutor:
     def bind(self, layout: KVLayout) -> None:
         self.layout = layout
         self.table = PageTable(layout.max_rows, layout.max_pages_per_row)
+        self.last_sampled = LastSampled(layout.max_rows, _CPU)
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter()
@@ -143,7 +156,9 @@ class StandInExecutor:
 
     def _prepare(self, plan: BatchPlan) -> Any:
         self.table.apply(plan.page_writes)
-        return build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
+        batch = build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
+        self.last_sampled.fill(plan, batch.input_ids)
+        return batch
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         start = time.perf_counter()
@@ -157,6 +172,7 @@ class StandInExecutor:
         logits = self._logits[offset : offset + rows]
         ids, logprobs = self._timed("sampling", self.sampler.sample, logits, plan.sampling)
         tokens = [TOKEN_OFFSET + t for t in ids]
+        self.last_sampled.record(plan, tokens)
         return StepOutput(tokens, list(logprobs), time.perf_counter() - start)
 
 
@@ -183,6 +199,10 @@ class Row:
     parts_ms: dict[str, float] = field(default_factory=dict)  # mean per measured step
     mean_decodes: float = 0.0
     mean_extend_tokens: float = 0.0
+    device_ms: float = 0.0  # the stand-in forward's wait
+    planned_ahead: float = 0.0  # share of the measured steps planned while the last one ran
+    # median step wall over max(host CPU ms, device ms): 1.0 is every bit of host work hidden
+    wall_over_bound: float = 0.0
 
 
 def decode_scenario(batch: int, output_len: int) -> Scenario:
@@ -261,16 +281,21 @@ async def run_scenario(
         0.0, sum(measured) / n * 1e3 - sum(parts_ms.values())
     )
     del start
+    wall_ms = statistics.median(measured) * 1e3 if measured else float("nan")
+    cpu_ms = statistics.median(cpu[i] for i in keep) * 1e3 if keep else float("nan")
     return Row(
         scenario=scenario.name,
         batch=scenario.batch,
         steps_measured=len(measured),
-        host_ms_per_step=statistics.median(measured) * 1e3 if measured else float("nan"),
+        host_ms_per_step=wall_ms,
         host_ms_mean=sum(measured) / n * 1e3,
-        cpu_ms_per_step=statistics.median(cpu[i] for i in keep) * 1e3 if keep else float("nan"),
+        cpu_ms_per_step=cpu_ms,
         parts_ms=parts_ms,
         mean_decodes=sum(clock.plans[i][0] for i in keep) / n,
         mean_extend_tokens=sum(clock.plans[i][2] for i in keep) / n,
+        device_ms=forward_ms,
+        planned_ahead=sum(clock.ahead[i] for i in keep) / n,
+        wall_over_bound=wall_ms / max(cpu_ms, forward_ms),
     )
 
 
@@ -285,15 +310,17 @@ PART_ORDER = (
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'scenario':<20}{'steps':>6}{'ms/step':>9}{'mean':>8}{'CPU ms':>8}" + "".join(
-        f"{part.split(' (')[0]:>22}" for part in PART_ORDER
+    head = (
+        f"{'scenario':<20}{'steps':>6}{'ms/step':>9}{'mean':>8}{'CPU ms':>8}{'device':>8}"
+        f"{'ahead':>7}{'wall/bound':>11}" + "".join(f"{p.split(' (')[0]:>22}" for p in PART_ORDER)
     )
     lines = [head]
     for r in rows:
         parts = "".join(f"{r.parts_ms.get(part, 0.0):>22.3f}" for part in PART_ORDER)
         lines.append(
             f"{r.scenario:<20}{r.steps_measured:>6}{r.host_ms_per_step:>9.3f}{r.host_ms_mean:>8.3f}"
-            f"{r.cpu_ms_per_step:>8.3f}" + parts
+            f"{r.cpu_ms_per_step:>8.3f}{r.device_ms:>8.3f}{r.planned_ahead:>7.0%}"
+            f"{r.wall_over_bound:>11.2f}" + parts
         )
     return "\n".join(lines)
 
@@ -312,10 +339,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mixed-batch", type=int, default=256)
     parser.add_argument("--logits-width", type=int, default=256)
     parser.add_argument(
+        "--device-ms",
         "--forward-ms",
+        dest="forward_ms",
         type=float,
         default=0.0,
-        help="the stand-in forward waits this long, GIL released (a GPU's forward); 0: none",
+        help="the stand-in forward waits this long, GIL released (a GPU's step); 0: none",
     )
     parser.add_argument(
         "--overlap", action="store_true", help="enable_overlap_schedule (default: off)"
@@ -339,8 +368,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.mixed_requests:
         scenarios.append(mixed_scenario(args.mixed_requests, args.mixed_batch, args.seed))
     load_start = os.getloadavg()
+    # the engine's own runner (uvloop when installed), as `asyncengine serve` runs
     rows = [
-        asyncio.run(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
+        run_loop(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
         for s in scenarios
     ]
     result: dict[str, Any] = {
@@ -364,6 +394,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.out}")
     if at_256 is not None:
+        if args.forward_ms:
+            print(
+                f"decode B=256: step wall {at_256.host_ms_per_step:.3f} ms, host CPU "
+                f"{at_256.cpu_ms_per_step:.3f} ms, device {args.forward_ms:.3f} ms: "
+                f"{at_256.wall_over_bound:.2f}x max(host, device), "
+                f"{at_256.planned_ahead:.0%} of steps planned ahead"
+            )
         print(f"host_ms_per_step {at_256.host_ms_per_step:.3f}")
     return result
 

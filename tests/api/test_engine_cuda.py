@@ -57,7 +57,8 @@ _SCRIPT = textwrap.dedent(
     spec_outs, spec_stats = asyncio.run(run(
         {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "rule": "fixed"}},
         loops, greedy))
-    overlap_outs, _ = asyncio.run(run({"enable_overlap_schedule": True}, prompts, greedy))
+    overlap_outs, overlap_stats = asyncio.run(
+        run({"enable_overlap_schedule": True}, prompts, greedy))
     # scored twice: the second round takes the prompts' pages from the prefix cache, partial
     # tail pages copied
     scoring = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=2)
@@ -98,6 +99,7 @@ _SCRIPT = textwrap.dedent(
         "spec": [o.token_ids for o in spec_outs], "spec_hf": hf_greedy(loops),
         "spec_steps": spec_stats["spec_steps"],
         "overlap": [o.token_ids for o in overlap_outs],
+        "overlap_planned_ahead": overlap_stats["planned_ahead_steps"],
         "logprob_error": worst_logprob_error(prompts[1:], scored),
         "shared_logprob_error": worst_logprob_error(choices, shared),
         "in_step_shared_tokens": shared_stats["in_step_shared_tokens"],
@@ -129,6 +131,7 @@ def assert_engine_matches_hf(result: dict) -> None:
 def test_engine_script_matches_hf_on_cpu(tiny_llama: TinyCheckpoint, tmp_path: Path) -> None:
     result = run_script(tiny_llama, tmp_path, "cpu")
     assert_engine_matches_hf(result)
+    assert result["overlap_planned_ahead"] == 0  # a CPU executor keeps the lock-step path
     assert result["stats"]["pages_total"] == 32768 // 16  # the fixed CPU default
 
 
@@ -139,5 +142,7 @@ def test_engine_on_cuda_matches_hf_with_a_gpu_sized_pool(
 ) -> None:
     result = run_script(tiny_llama, tmp_path, "cuda")
     assert_engine_matches_hf(result)
+    # on a GPU the executor fills in deferred inputs: overlap planned decode steps ahead
+    assert result["overlap_planned_ahead"] > 0
     # The pool took GPU memory, far past the CPU default (the tiny model's pages are small).
     assert result["stats"]["pages_total"] > 32768 // 16

@@ -209,6 +209,13 @@ _CUDA_CHECK = textwrap.dedent(
                                          runner.backend.build_metadata(batch),
                                          runner.k_caches, runner.v_caches)
         print("graph_rel_diff", (replayed - eager).abs().max().item() / eager.abs().max().item())
+        with torch.inference_mode():  # the whole greedy step (LM head, argmax) as one graph
+            tokens = graphs.run_greedy(batch)
+            logits = runner.model.compute_logits(replayed)
+            top = logits.topk(2, dim=-1).values
+            clear = (top[:, 0] - top[:, 1]) > 1e-3 * logits.abs().max()  # no near tie
+            wrong = (tokens != logits.argmax(dim=-1)) & clear
+        print("graph_greedy_wrong", float(wrong.sum().item()))
     """
 )
 
@@ -219,7 +226,7 @@ def run_cuda_check(checkpoint: TinyCheckpoint, device: str, interpret: bool) -> 
     figures: dict[str, float] = {}
     for line in stdout.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("backend_rel_diff", "graph_rel_diff"):
+        if name in ("backend_rel_diff", "graph_rel_diff", "graph_greedy_wrong"):
             figures[name] = float(value)
     return figures
 
@@ -240,6 +247,7 @@ def test_model_on_cuda_triton_matches_torch_and_graph_replay_matches_eager(
     figures = run_cuda_check(tiny_llama, "cuda", interpret=False)
     assert figures["backend_rel_diff"] < 0.05
     assert figures["graph_rel_diff"] < 1e-2
+    assert figures["graph_greedy_wrong"] == 0.0
 
 
 # --- backend selection -------------------------------------------------------------------------

@@ -58,3 +58,34 @@ def test_the_stand_in_streams_ordinary_text_tokens(bench: ModuleType) -> None:
     out = executor.execute(plan)
     assert len(out.token_ids) == 3
     assert all(bench.TOKEN_OFFSET <= t < bench.TOKEN_OFFSET + 64 for t in out.token_ids)
+
+
+def test_with_overlap_the_steps_are_planned_ahead_of_the_device(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "host.json"
+    bench.main(["--batches", "8", "--output-len", "16", "--mixed-requests", "0",
+                "--device-ms", "1.0", "--overlap", "--out", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["device_ms"] == 1.0
+    assert row["planned_ahead"] == 1.0  # every steady decode step was planned during the last
+    assert row["host_ms_per_step"] >= 1.0  # the device's wait is in every step's wall
+    assert row["wall_over_bound"] == row["host_ms_per_step"] / max(row["cpu_ms_per_step"], 1.0)
+
+
+def test_the_stand_in_fills_in_deferred_inputs(bench: ModuleType) -> None:
+    from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+    from asyncengine.common.sampling_params import SamplingParams
+    from asyncengine.core.executor_api import KVLayout
+
+    executor = bench.StandInExecutor(49152, (2,), width=64)
+    executor.bind(KVLayout(num_pages=64, page_size=4, max_rows=8, max_pages_per_row=8))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    sampling = [SamplingInfo(greedy, [1], []) for _ in range(2)]
+    first = BatchPlan(step=1, decodes=[Segment(f"r{i}", i, [1200], 5, True) for i in range(2)])
+    first.sampling = sampling
+    sampled = executor.execute(first).token_ids
+    ahead = BatchPlan(step=2, decodes=[Segment(f"r{i}", i, [-1], 6, True) for i in range(2)])
+    ahead.sampling, ahead.deferred = sampling, [0, 1]
+    batch = executor._prepare(ahead)
+    assert batch.input_ids.tolist() == sampled

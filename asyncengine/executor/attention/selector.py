@@ -94,9 +94,10 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
 class KernelOps:
     """The elementwise kernels beside attention, with the signatures of kernels/reference/*_ref.py.
 
-    ``rotary_store`` (native CPU kernels only) rotates q and k and stores k and v into the
-    layer's cache in one pass (``kernels.layer_ops_native.rotary_store``); None: the model calls
-    ``apply_rotary`` and the backend stores k and v.
+    ``rotary_store`` (native CPU kernels; the Triton backend's fused kernel) rotates q and k and
+    stores k and v into the layer's cache in one pass (``kernels.layer_ops_native.rotary_store``,
+    ``kernels.triton.triton_rotary_store.rotary_store``), the backend then ``attend``s; None: the
+    model calls ``apply_rotary`` and the backend stores k and v.
     """
 
     store_kv: Callable[..., None]
@@ -136,6 +137,18 @@ def kernel_ops(resolved_backend: str, device: torch.device | str = "cpu") -> Ker
         from asyncengine.kernels.triton.triton_kv_store import store_kv
         from asyncengine.kernels.triton.triton_norm import fused_add_rms_norm, rms_norm
         from asyncengine.kernels.triton.triton_rotary import apply_rotary
+
+        if resolved_backend == "triton":  # its attend reads what the fused kernel stored
+            from asyncengine.kernels.triton.triton_rotary_store import rotary_store
+
+            return KernelOps(
+                store_kv=store_kv,
+                rms_norm=rms_norm,
+                fused_add_rms_norm=fused_add_rms_norm,
+                apply_rotary=apply_rotary,
+                silu_and_mul=silu_and_mul,
+                rotary_store=rotary_store,
+            )
     else:
         raise ValueError(f"kernel_ops takes a resolved backend name, not {resolved_backend!r}")
     return KernelOps(

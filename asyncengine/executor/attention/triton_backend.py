@@ -139,8 +139,22 @@ class TritonBackend(AttentionBackend):
         options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
+        store_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale, options)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+        options: AttentionOptions = PLAIN,
+    ) -> torch.Tensor:
+        """Attention of q over K/V already in the caches (stored by the model's fused rotary +
+        KV store: kernels/triton/triton_rotary_store.py)."""
+        assert isinstance(metadata, TritonAttentionMetadata)
         m = metadata
-        store_kv(k_cache, v_cache, k, v, m.slot_mapping)
         out = torch.empty_like(q)
         n_ext = m.num_extend_tokens
         if m.extend_block_table is not None:

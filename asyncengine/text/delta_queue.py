@@ -1,0 +1,54 @@
+"""DeltaQueue: one reader's queue of stream deltas, the part of ``asyncio.Queue`` a stream uses
+(``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``), without its size bound, task
+counting and waiter lists: a token of every running request passes through one each step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class DeltaQueue(Generic[T]):
+    """Unbounded FIFO with at most one waiting reader (a stream has one)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> T:
+        items = self._items
+        while not items:
+            if self._waiter is not None:
+                raise RuntimeError("a DeltaQueue has one reader at a time")
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled before an item came
+                    self._waiter = None
+        return items.popleft()
+
+    def get_nowait(self) -> T:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
