@@ -59,13 +59,13 @@ class FairPolicy(Policy):
         weights = {str(k): v for k, v in opts["weights"].items()}
         for tenant, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-                raise ValueError(f"policy 'fair': weight of tenant {tenant!r} must be > 0")
+                raise ValueError(f"policy {self.name!r}: weight of {tenant!r} must be > 0")
         if opts["default_weight"] <= 0:
-            raise ValueError("policy 'fair': 'default_weight' must be > 0")
+            raise ValueError(f"policy {self.name!r}: 'default_weight' must be > 0")
         if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:
-            raise ValueError("policy 'fair': token weights must be >= 0")
+            raise ValueError(f"policy {self.name!r}: token weights must be >= 0")
         if opts["max_idle_tenants"] < 0:
-            raise ValueError("policy 'fair': 'max_idle_tenants' must be >= 0")
+            raise ValueError(f"policy {self.name!r}: 'max_idle_tenants' must be >= 0")
         self.weights = {tenant: float(weight) for tenant, weight in weights.items()}
         self.default_weight = float(opts["default_weight"])
         self.prefill_weight = float(opts["prefill_weight"])
@@ -77,12 +77,17 @@ class FairPolicy(Policy):
         # tenants with no live request, least recently active first (forgotten past the cap)
         self._idle: OrderedDict[str, None] = OrderedDict()
 
+    def group_of(self, req: Request) -> str:
+        """The client whose counter ``req`` is charged to: its tenant here (``lora-fair``:
+        its adapter)."""
+        return tenant_of(req)
+
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
 
     def _register(self, req: Request) -> None:
         """First sight of a live request: a tenant coming back is lifted to the active floor."""
-        tenant = tenant_of(req)
+        tenant = self.group_of(req)
         self._tenant_of_rid[req.rid] = tenant
         self._idle.pop(tenant, None)
         if self._live.get(tenant, 0) == 0:
@@ -126,7 +131,7 @@ class FairPolicy(Policy):
         taken: dict[str, int] = {}
         chosen: list[Request] = []
         for req in waiting:
-            tenant = req.params.tenant or ""
+            tenant = self.group_of(req)
             count = taken.get(tenant, 0)
             if count < size:
                 taken[tenant] = count + 1
@@ -138,7 +143,7 @@ class FairPolicy(Policy):
         for req in waiting:
             if self._tenant_of_rid.get(req.rid) is None:
                 self._register(req)
-            queues.setdefault(tenant_of(req), []).append(req)
+            queues.setdefault(self.group_of(req), []).append(req)
         if len(queues) == 1:
             return waiting
         # (virtual counter, position of the tenant's oldest request, tenant, next index)

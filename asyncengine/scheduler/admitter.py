@@ -21,11 +21,13 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
     KV_RESERVATION,
+    LORA_SLOTS,
     RUNNING_CAP,
     TOKEN_BUDGET,
     Admission,
     AdmissionLog,
 )
+from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import cache_match_limit, may_reuse_prefix
 from asyncengine.scheduler.retraction import Retraction
@@ -51,10 +53,11 @@ class Admitter:
         reserved_tokens: Callable[[], int],
         new_token_ratio: float,
         max_model_len: int,
+        lora_slots: LoraSlots,
     ) -> None:
         """The step's ``plan`` and ``budget``; the scheduler's parts, policy and config; its
         policy context, its admitted requests' future tokens, and the ratio of those that
-        pages are reserved for (the scheduler's, at this step)."""
+        pages are reserved for (the scheduler's, at this step); the step's LoRA slots."""
         self.plan = plan
         self.num_decodes = num_decodes
         self.prefill = prefill
@@ -71,6 +74,7 @@ class Admitter:
         self.reserved_tokens = reserved_tokens
         self.ratio = new_token_ratio
         self.max_model_len = max_model_len
+        self.lora_slots = lora_slots
         chunk = budget.chunk_size
         # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
         # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
@@ -171,6 +175,8 @@ class Admitter:
             self.ctx = self.context(self.num_decodes)
             self.ordered = policy.order(window, self.ctx)
         outcome = Admission(window=window)
+        if self.lora_slots.claimant is not None:
+            self.lora_slots.renew(self.ordered)
         if len(self.ordered) < len(window):  # the policy holds the ones it left out
             kept = {id(req) for req in self.ordered}
             outcome.held = [req for req in window if id(req) not in kept]
@@ -184,6 +190,12 @@ class Admitter:
         stopped = self._budget_spent()
         if stopped is not None:
             return stopped
+        lora = req.params.lora
+        if lora is not None and not self.lora_slots.may_join(lora):
+            # its adapter cannot join this step: it waits, and those behind it may go
+            self.lora_slots.refused(lora)
+            self.outcome.lora_blocked.append(req)
+            return None
         ids = req.cache_ids
         kv = self.kv
         matched = kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
@@ -210,6 +222,8 @@ class Admitter:
         if take is None:
             return KV_RESERVATION
         self.outcome.admitted.append(req)
+        if lora is not None:
+            self.lora_slots.joined(lora)
         self.remaining -= take
         self.slots -= 1
         self.reserved += future

@@ -1,0 +1,96 @@
+"""LoRA slots: at most ``max_loras`` distinct adapters among the requests a step may hold.
+
+The adapters "in the step" are those of the running and mid-prompt requests: every one of them
+can be a row of the next plan, so admission keeps their distinct adapters (the base model, None,
+is not one) at or under ``max_loras`` and every plan holds at most that many. A waiting request
+whose adapter is in the step joins freely; one whose adapter is new takes a free slot, and when
+there is none it waits and admission goes on past it (a request of an adapter already in the
+step, or of the base, may still join: no head-of-line blocking).
+
+Never starving it: the first adapter refused a slot claims the next one. The in-step adapter
+with the fewest rows (the quickest to leave) then drains: it admits no new request until its
+rows finish, and the slot it frees is kept for the claimant; no other new adapter may take the
+last free slot meanwhile. So a waiting adapter waits at most for one adapter's rows to finish,
+however steady the others' traffic. A claim lapses when no request of the claimant is among the
+requests the policy orders (aborted, timed out, or pushed out of the window by retracted
+requests); it is made again when one of them is refused again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from asyncengine.common.request import Request
+
+
+class LoraSlots:
+    def __init__(self, max_loras: int, running: Sequence[Request], prefilling: Sequence[Request]):
+        if max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        self.max_loras = max_loras
+        self._running = running  # the scheduler's lists (read, never changed here)
+        self._prefilling = prefilling
+        self.claimant: str | None = None  # the adapter refused first, waiting for a slot
+        self.draining: str | None = None  # in the step, admitting nothing until it leaves
+        self._rows: dict[str, int] | None = None  # adapter -> rows in the step (None: stale)
+        self.claims = 0  # claims made (each one drained an adapter)
+
+    def new_step(self) -> None:
+        """A new step begins: the adapters in it are counted again when first asked."""
+        self._rows = None
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Adapter -> its requests in the step (running, mid-prompt, admitted so far)."""
+        rows = self._rows
+        if rows is None:
+            rows = {}
+            for group in (self._running, self._prefilling):
+                for req in group:
+                    lora = req.params.lora
+                    if lora is not None:
+                        rows[lora] = rows.get(lora, 0) + 1
+            if self.draining is not None and self.draining not in rows:
+                self.draining = None  # it left: its slot is free (kept for the claimant)
+            if self.claimant is not None and self.claimant in rows:
+                self.claimant = None  # joined
+            self._rows = rows
+        return rows
+
+    def in_step(self) -> frozenset[str]:
+        """The adapters the step already holds."""
+        return frozenset(self.rows)
+
+    def renew(self, ordered: Iterable[Request]) -> None:
+        """Drop a claim none of whose requests the policy ordered this step."""
+        claimant = self.claimant
+        if claimant is not None and not any(req.params.lora == claimant for req in ordered):
+            self.claimant = self.draining = None
+
+    def may_join(self, lora: str) -> bool:
+        """Whether a request of adapter ``lora`` may be admitted now."""
+        rows = self.rows
+        if lora in rows:
+            return lora != self.draining
+        free = self.max_loras - len(rows)
+        if self.claimant is not None and lora != self.claimant:
+            free -= 1  # one slot is the claimant's
+        return free > 0
+
+    def joined(self, lora: str) -> None:
+        """A request of ``lora`` was admitted."""
+        rows = self.rows
+        rows[lora] = rows.get(lora, 0) + 1
+        if lora == self.claimant:
+            self.claimant = self.draining = None
+
+    def refused(self, lora: str) -> None:
+        """A request of ``lora`` could not join: the first such adapter claims a slot, and the
+        in-step adapter with the fewest rows drains to free it."""
+        if self.claimant is not None:
+            return
+        self.claimant = lora
+        self.claims += 1
+        rows = self.rows
+        if len(rows) >= self.max_loras:
+            self.draining = min(rows, key=lambda name: (rows[name], name))
