@@ -59,7 +59,7 @@ class FairPolicy(Policy):
         weights = {str(k): v for k, v in opts["weights"].items()}
         for tenant, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-                raise ValueError(f"policy {self.name!r}: weight of {tenant!r} must be > 0")
+                raise ValueError(f"policy {self.name!r}: weight of tenant {tenant!r} must be > 0")
         if opts["default_weight"] <= 0:
             raise ValueError(f"policy {self.name!r}: 'default_weight' must be > 0")
         if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:

@@ -21,7 +21,6 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
     KV_RESERVATION,
-    LORA_SLOTS,
     RUNNING_CAP,
     TOKEN_BUDGET,
     Admission,

@@ -34,6 +34,9 @@ class LoraSlots:
         self.draining: str | None = None  # in the step, admitting nothing until it leaves
         self._rows: dict[str, int] | None = None  # adapter -> rows in the step (None: stale)
         self.claims = 0  # claims made (each one drained an adapter)
+        # a request with an adapter has arrived (the scheduler says): until then no step
+        # holds one, and nothing is counted
+        self.any_lora = False
 
     def new_step(self) -> None:
         """A new step begins: the adapters in it are counted again when first asked."""
@@ -45,6 +48,8 @@ class LoraSlots:
         rows = self._rows
         if rows is None:
             rows = {}
+            if not self.any_lora:
+                return rows
             for group in (self._running, self._prefilling):
                 for req in group:
                     lora = req.params.lora

@@ -138,6 +138,8 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.admission.arrived(req)
+        if req.params.lora is not None:
+            self.lora_slots.any_lora = True
 
     def blocked(self, req: Request) -> dict[str, int]:
         """Steps ``req`` has waited so far, by admission-block reason (admission.py)."""

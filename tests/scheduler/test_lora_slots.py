@@ -114,6 +114,7 @@ def test_slots_claim_drains_the_adapter_with_fewest_rows_and_reserves_its_slot()
 
     rows = [running("A", "1"), running("A", "2"), running("B", "3")]
     slots = LoraSlots(2, rows, [])
+    slots.any_lora = True
     assert slots.in_step() == {"A", "B"}
     assert slots.may_join("A") and not slots.may_join("C")
     slots.refused("C")
