@@ -13,6 +13,12 @@ instead of handing them all to one. Counters charge what the engine actually ran
 tenant's, hides no other tenant's requests from it (VTC needs to see every backlogged
 client's queue to serve the one with the least service as much as it can take).
 
+With ``preempt = true`` a waiting request that the running-request cap or KV memory blocks
+may have running requests of clients whose counter is more than ``preempt_margin`` above its
+client's retracted for it, the most served client's first (their computed prefix stays
+cached, and they never emit a token twice): a flood that fills the running batch then cannot
+make an under-served client wait for its requests to finish.
+
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
 while idle, and it is not punished for service it got long ago.
@@ -54,6 +60,8 @@ class FairPolicy(Policy):
                 "prefill_weight": 1.0,
                 "decode_weight": 2.0,
                 "max_idle_tenants": 4096,
+                "preempt": False,
+                "preempt_margin": 1024.0,
             },
         )
         weights = {str(k): v for k, v in opts["weights"].items()}
@@ -64,12 +72,16 @@ class FairPolicy(Policy):
             raise ValueError(f"policy {self.name!r}: 'default_weight' must be > 0")
         if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:
             raise ValueError(f"policy {self.name!r}: token weights must be >= 0")
+        if opts["preempt_margin"] < 0:
+            raise ValueError(f"policy {self.name!r}: 'preempt_margin' must be >= 0")
         if opts["max_idle_tenants"] < 0:
             raise ValueError(f"policy {self.name!r}: 'max_idle_tenants' must be >= 0")
         self.weights = {tenant: float(weight) for tenant, weight in weights.items()}
         self.default_weight = float(opts["default_weight"])
         self.prefill_weight = float(opts["prefill_weight"])
         self.decode_weight = float(opts["decode_weight"])
+        self.preempts = bool(opts["preempt"])
+        self.preempt_margin = float(opts["preempt_margin"])
         self.counters: dict[str, float] = {}
         self._tenant_of_rid: dict[str, str] = {}  # live requests this policy has seen
         self._live: dict[str, int] = {}  # tenant -> live requests seen
@@ -121,6 +133,23 @@ class FairPolicy(Policy):
                 counters[tenant] = counters.get(tenant, 0.0) + self.decode_weight / self.weight(
                     tenant
                 )
+
+    def preempt_candidates(
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
+    ) -> list[Request]:
+        if candidate is None:  # KV shortage: the config's preemption_victim
+            return super().preempt_candidates(None, running, ctx)
+        if not self.preempts:
+            return []
+        counters = self.counters
+        floor = counters.get(self.group_of(candidate), 0.0) + self.preempt_margin
+        keyed = []
+        for req in running:
+            counter = counters.get(self.group_of(req), 0.0)
+            if counter > floor:  # the most served client first, its least computed first
+                keyed.append((-counter, len(req.output_ids), -req.arrival_time, req.rid, req))
+        keyed.sort(key=lambda item: item[:4])
+        return [item[4] for item in keyed]
 
     def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         """Each tenant's ``size`` oldest waiting requests (a window per tenant), in queue

@@ -33,6 +33,8 @@ class LoraSlots:
         self.claimant: str | None = None  # the adapter refused first, waiting for a slot
         self.draining: str | None = None  # in the step, admitting nothing until it leaves
         self._rows: dict[str, int] | None = None  # adapter -> rows in the step (None: stale)
+        self._steps = 0  # steps counted (new_step calls)
+        self._since: dict[str, int] = {}  # adapter in the step -> the step it took its slot
         self.claims = 0  # claims made (each one drained an adapter)
         # a request with an adapter has arrived (the scheduler says): until then no step
         # holds one, and nothing is counted
@@ -41,6 +43,7 @@ class LoraSlots:
     def new_step(self) -> None:
         """A new step begins: the adapters in it are counted again when first asked."""
         self._rows = None
+        self._steps += 1
 
     @property
     def rows(self) -> dict[str, int]:
@@ -55,6 +58,11 @@ class LoraSlots:
                     lora = req.params.lora
                     if lora is not None:
                         rows[lora] = rows.get(lora, 0) + 1
+            since = self._since
+            for lora in [lora for lora in since if lora not in rows]:
+                del since[lora]
+            for lora in rows:
+                since.setdefault(lora, self._steps)
             if self.draining is not None and self.draining not in rows:
                 self.draining = None  # it left: its slot is free (kept for the claimant)
             if self.claimant is not None and self.claimant in rows:
@@ -86,16 +94,35 @@ class LoraSlots:
         """A request of ``lora`` was admitted."""
         rows = self.rows
         rows[lora] = rows.get(lora, 0) + 1
+        self._since.setdefault(lora, self._steps)
         if lora == self.claimant:
             self.claimant = self.draining = None
 
     def refused(self, lora: str) -> None:
         """A request of ``lora`` could not join: the first such adapter claims a slot, and the
-        in-step adapter with the fewest rows drains to free it."""
+        in-step adapter that frees its slot soonest drains (the fewest tokens its longest
+        request may still generate; then the one that has held its slot the longest)."""
         if self.claimant is not None:
             return
         self.claimant = lora
         self.claims += 1
         rows = self.rows
         if len(rows) >= self.max_loras:
-            self.draining = min(rows, key=lambda name: (rows[name], name))
+            since = self._since
+            left = self._tokens_left()
+            self.draining = min(
+                rows, key=lambda name: (left.get(name, 0), since.get(name, 0), name)
+            )
+
+    def _tokens_left(self) -> dict[str, int]:
+        """Adapter in the step -> the most tokens one of its requests may still generate (a
+        prompt still being computed counts as one more)."""
+        left: dict[str, int] = {}
+        for group, extra in ((self._running, 0), (self._prefilling, 1)):
+            for req in group:
+                lora = req.params.lora
+                if lora is not None:
+                    tokens = req.remaining_new_tokens + extra
+                    if tokens > left.get(lora, -1):
+                        left[lora] = tokens
+        return left

@@ -33,11 +33,15 @@ _SHARED_TOKEN_IDS = 1 << 20
 def params_for(item: WorkloadRequest) -> SamplingParams:
     """Exactly ``output_len`` tokens, greedy: the same work whatever the model says; the
     request's scheduling controls (priority, tenant, timeout) as the workload gives them."""
-    return controls_params(item.output_len, item.priority, item.tenant, item.timeout)
+    return controls_params(item.output_len, item.priority, item.tenant, item.timeout, item.lora)
 
 
 def controls_params(
-    output_len: int, priority: int, tenant: str | None, timeout: float | None
+    output_len: int,
+    priority: int,
+    tenant: str | None,
+    timeout: float | None,
+    lora: str | None = None,
 ) -> SamplingParams:
     """``params_for`` from the controls themselves."""
     return SamplingParams(
@@ -47,6 +51,7 @@ def controls_params(
         priority=priority,
         tenant=tenant,
         timeout=timeout,
+        lora=lora,
     )
 
 
@@ -164,6 +169,7 @@ class WorkloadReplay:
                     compact.priority(index),
                     tenant,
                     compact.timeout(index),
+                    None,
                 )
                 ids = compact.tokens[start:end]
                 ints = self._token_ints
@@ -174,7 +180,7 @@ class WorkloadReplay:
                 if not item.prompt_ids or len(item.prompt_ids) >= max_len:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = item.rid
-                key = (item.output_len, item.priority, item.tenant, item.timeout)
+                key = (item.output_len, item.priority, item.tenant, item.timeout, item.lora)
                 prompt = list(item.prompt_ids)
             req = Request(rid, prompt, self._params(key), times[index])
             self.requests[rid] = req
@@ -184,7 +190,7 @@ class WorkloadReplay:
         if len(self._unswept) >= self._sweep_at:
             self._sweep()
 
-    def _params(self, key: tuple[int, int, str | None, float | None]) -> SamplingParams:
+    def _params(self, key: tuple[int, int, str | None, float | None, str | None]) -> SamplingParams:
         """Requests with the same controls share one validated (never changed) params."""
         params = self.shared_params.get(key)
         if params is None:
