@@ -49,6 +49,7 @@ def tenant_of(req: Request) -> str:
 class FairPolicy(Policy):
     name = "fair"
     orders = True
+    preempt_by_default = False  # the ``preempt`` option's default
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(
@@ -60,7 +61,7 @@ class FairPolicy(Policy):
                 "prefill_weight": 1.0,
                 "decode_weight": 2.0,
                 "max_idle_tenants": 4096,
-                "preempt": False,
+                "preempt": self.preempt_by_default,
                 "preempt_margin": 1024.0,
             },
         )

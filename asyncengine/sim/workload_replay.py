@@ -263,8 +263,8 @@ class WorkloadReplay:
 def request_record(
     rid: str, arrival_time: float, prompt_tokens: int, req: Request | None
 ) -> RequestRecord:
-    """What ``req`` went through (None: refused at arrival); tenant and priority are the
-    workload's, set by the caller."""
+    """What ``req`` went through (None: refused at arrival); tenant, priority and adapter
+    are the workload's, set by the caller."""
     if req is None:
         return RequestRecord(
             rid, arrival_time, prompt_tokens, failed=True, finish_time=arrival_time
@@ -303,19 +303,28 @@ def workload_records(
                 lens[i],
                 None if workload.tenants is None else workload.tenants[i],
                 workload.priority(i),
+                None,
             )
             for i, rid in enumerate(workload.rids)
         )
     else:
         rows = (
-            (item.rid, item.arrival_time, len(item.prompt_ids), item.tenant, item.priority)
+            (
+                item.rid,
+                item.arrival_time,
+                len(item.prompt_ids),
+                item.tenant,
+                item.priority,
+                item.lora,
+            )
             for item in workload
         )
-    for rid, arrival, prompt_tokens, tenant, priority in rows:
+    for rid, arrival, prompt_tokens, tenant, priority, lora in rows:
         record = done.get(rid)
         if record is None:
             record = request_record(rid, arrival, prompt_tokens, requests.get(rid))
         record.tenant = tenant
         record.priority = priority
+        record.lora = lora
         records.append(record)
     return records

@@ -58,17 +58,17 @@ def test_max_loras_is_validated_and_reaches_the_request() -> None:
 
 def test_admission_passes_over_a_request_whose_adapter_cannot_join() -> None:
     core, runner, clock = make(max_loras=2)
-    add(core, clock, "a0", "A", n=8)
-    add(core, clock, "a1", "A", n=8)
+    add(core, clock, "a0", "A", n=16)
+    add(core, clock, "a1", "A", n=16)
     add(core, clock, "c0", "C", n=8)
-    step(core, runner, clock)  # A (two rows) and C (one) fill both slots
+    step(core, runner, clock)  # A and C fill both slots; C's request ends first
     blocked = add(core, clock, "b0", "B")  # the head of the queue: no slot for B
     same = add(core, clock, "a2", "A")
     drained = add(core, clock, "c1", "C")
     base = add(core, clock, "base", None)
     plan = step(core, runner, clock)
     admitted = {seg.rid for seg in plan.extends}
-    # behind the blocked head, not stopped by it; C, with the fewest rows, drains for B
+    # behind the blocked head, not stopped by it; C, which frees its slot soonest, drains
     assert admitted == {"a2", "base"}
     assert core.scheduler.lora_slots.draining == "C"
     assert core.scheduler.blocked(blocked) == {"lora_slots": 1}
@@ -108,17 +108,18 @@ def test_base_requests_never_take_a_slot() -> None:
     assert len(plan.extends) == 6
 
 
-def test_slots_claim_drains_the_adapter_with_fewest_rows_and_reserves_its_slot() -> None:
-    def running(lora: str, rid: str) -> Request:
-        return Request(rid, [1, 2], SamplingParams(lora=lora), 0.0)
+def test_slots_claim_drains_the_adapter_that_frees_soonest_and_reserves_its_slot() -> None:
+    def running(lora: str, rid: str, n: int = 16) -> Request:
+        return Request(rid, [1, 2], SamplingParams(lora=lora, max_new_tokens=n), 0.0)
 
-    rows = [running("A", "1"), running("A", "2"), running("B", "3")]
+    rows = [running("A", "1", 4), running("A", "2", 40), running("B", "3", 20)]
     slots = LoraSlots(2, rows, [])
     slots.any_lora = True
     assert slots.in_step() == {"A", "B"}
     assert slots.may_join("A") and not slots.may_join("C")
     slots.refused("C")
-    assert (slots.claimant, slots.draining) == ("C", "B")  # B has the fewest rows
+    # B's longest request has 20 tokens left, A's 40: B frees its slot first
+    assert (slots.claimant, slots.draining) == ("C", "B")
     assert not slots.may_join("B") and slots.may_join("A")
     rows.pop()  # B's last row finished
     slots.new_step()
