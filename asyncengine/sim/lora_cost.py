@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import numpy as np
 
 from asyncengine.common.plan import BatchPlan
 
@@ -88,6 +90,20 @@ class LoraCostModel:
     def load_seconds(self, nbytes: int) -> float:
         return self.per_load + self.per_load_byte * nbytes
 
+    @classmethod
+    def fit(
+        cls,
+        compute: Sequence[tuple[int, int, int, float]],
+        loads: Sequence[tuple[int, float]],
+        description: str = "",
+    ) -> LoraCostModel:
+        """Fitted to measured steps, ``(flops, weight bytes, adapters, seconds)``, and loads,
+        ``(bytes, seconds)``: non-negative least squares on relative error (a term that would
+        get a negative weight is dropped and the rest refit)."""
+        flop, weight, adapter = _nnls_relative([row[:3] for row in compute], [r[3] for r in compute])
+        per_byte, per_load = _nnls_relative([(b, 1) for b, _ in loads], [s for _, s in loads])
+        return cls(flop, weight, adapter, per_load, per_byte, description)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
@@ -105,6 +121,27 @@ class LoraCostModel:
         if DEFAULT_LORA_COST_MODEL_PATH.exists():
             return cls.load(DEFAULT_LORA_COST_MODEL_PATH)
         return cls()
+
+
+def _nnls_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> list[float]:
+    """Non-negative coefficients c minimising the relative errors of ``rows @ c`` against
+    ``seconds``."""
+    if not rows or len(rows) != len(seconds):
+        raise ValueError("need one measured time per row, and at least one row")
+    times = np.asarray(seconds, dtype=float)
+    if not np.all(times > 0):
+        raise ValueError("measured times must be positive")
+    design = np.asarray(rows, dtype=float) / times[:, None]
+    target = np.ones_like(times)
+    active = list(range(design.shape[1]))
+    coefficients = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if np.all(solution >= 0):
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return [float(c) for c in coefficients]
 
 
 @dataclass(frozen=True, slots=True)

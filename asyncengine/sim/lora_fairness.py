@@ -25,7 +25,7 @@ from asyncengine.workloads.adapters import HOT_ADAPTER, hot_adapter_flood
 # order decides, not the slot limit), a running batch a CPU serves, and prefill budgeted per
 # step so that one step's prompts do not hold everyone's first token.
 FAIRNESS_ENGINE: dict[str, Any] = {"max_loras": 8, "max_running_requests": 32, "log_interval": 0}
-PREFILL_BUDGET = {"token-budget": {"prefill_tokens": 256}}
+PREFILL_BUDGET = {"token-budget": {"prefill_tokens": 512}}
 
 
 @dataclass(frozen=True, slots=True)
