@@ -72,7 +72,7 @@ def hot_adapter_flood(
     num_hot: int = 600,
     *,
     num_cold: int = 7,
-    per_cold: int = 12,
+    per_cold: int = 24,
     hot_rate: float = 12.0,
     cold_rate: float = 0.2,
     vocab_size: int = 32000,
