@@ -49,7 +49,9 @@ def time_compute(shape: LoraShape, rank: int, rows: int, adapters: int, repeats:
         ]
         for _ in range(adapters)
     ]
-    inputs = [torch.randn(rows, n_in, generator=generator, dtype=dtype) for _, n_in, _ in shape.modules]
+    inputs = [
+        torch.randn(rows, n_in, generator=generator, dtype=dtype) for _, n_in, _ in shape.modules
+    ]
     bounds = [rows * i // adapters for i in range(adapters + 1)]
 
     def one_layer() -> None:

@@ -100,7 +100,9 @@ class LoraCostModel:
         """Fitted to measured steps, ``(flops, weight bytes, adapters, seconds)``, and loads,
         ``(bytes, seconds)``: non-negative least squares on relative error (a term that would
         get a negative weight is dropped and the rest refit)."""
-        flop, weight, adapter = _nnls_relative([row[:3] for row in compute], [r[3] for r in compute])
+        flop, weight, adapter = _nnls_relative(
+            [row[:3] for row in compute], [r[3] for r in compute]
+        )
         per_byte, per_load = _nnls_relative([(b, 1) for b, _ in loads], [s for _, s in loads])
         return cls(flop, weight, adapter, per_load, per_byte, description)
 
