@@ -8,7 +8,7 @@ commit time of each step). Each request generates exactly its ``output_len`` tok
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -23,6 +23,10 @@ from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
+
+# a request's controls, which its params are made from: output length, priority, tenant,
+# timeout, adapter
+ParamsKey = tuple[int, int, str | None, float | None, str | None]
 
 _FIRST_SWEEP = 4096  # unswept requests before the first sweep (keep_requests=False)
 # token ids below this share one int object each across every prompt made from a compact
@@ -127,7 +131,7 @@ class WorkloadReplay:
         self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
         self.steps = 0
         self.peak_waiting = 0  # the most requests waiting before a step
-        self.shared_params: dict[tuple[int, int, str | None, float | None], SamplingParams] = {}
+        self.shared_params: dict[ParamsKey, SamplingParams] = {}
 
     def done(self) -> bool:
         return self.next_arrival == len(self.arrival_times) and not self.core.has_work()
@@ -164,7 +168,7 @@ class WorkloadReplay:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = compact.rids[index]
                 tenant = None if compact.tenants is None else compact.tenants[index]
-                key = (
+                key: ParamsKey = (
                     self._output_lens[index],
                     compact.priority(index),
                     tenant,
@@ -190,7 +194,7 @@ class WorkloadReplay:
         if len(self._unswept) >= self._sweep_at:
             self._sweep()
 
-    def _params(self, key: tuple[int, int, str | None, float | None, str | None]) -> SamplingParams:
+    def _params(self, key: ParamsKey) -> SamplingParams:
         """Requests with the same controls share one validated (never changed) params."""
         params = self.shared_params.get(key)
         if params is None:
@@ -293,6 +297,7 @@ def workload_records(
     (``finished``: the records of those already let go, WorkloadReplay's keep_requests)."""
     done = finished or {}
     records = []
+    rows: Iterator[tuple[str, float, int, str | None, int, str | None]]
     if isinstance(workload, CompactWorkload):
         lens = workload.prompt_lens().tolist()
         times = workload.arrival_times.tolist()
