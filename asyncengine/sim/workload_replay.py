@@ -8,7 +8,7 @@ commit time of each step). Each request generates exactly its ``output_len`` tok
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -297,7 +297,7 @@ def workload_records(
     (``finished``: the records of those already let go, WorkloadReplay's keep_requests)."""
     done = finished or {}
     records = []
-    rows: Iterator[tuple[str, float, int, str | None, int, str | None]]
+    no_lora: str | None = None  # a compact workload holds no adapters
     if isinstance(workload, CompactWorkload):
         lens = workload.prompt_lens().tolist()
         times = workload.arrival_times.tolist()
@@ -308,7 +308,7 @@ def workload_records(
                 lens[i],
                 None if workload.tenants is None else workload.tenants[i],
                 workload.priority(i),
-                None,
+                no_lora,
             )
             for i, rid in enumerate(workload.rids)
         )
