@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan
-from asyncengine.common.request import Request
+from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
@@ -190,7 +190,7 @@ class Admitter:
         if stopped is not None:
             return stopped
         lora = req.params.lora
-        if lora is not None and not self.lora_slots.may_join(lora):
+        if lora is not None and not self.lora_slots.may_join(lora) and not self._free_slot(req):
             # its adapter cannot join this step: it waits, and those behind it may go
             self.lora_slots.refused(lora)
             self.outcome.lora_blocked.append(req)
@@ -227,6 +227,37 @@ class Admitter:
         self.slots -= 1
         self.reserved += future
         return None
+
+    def _free_slot(self, req: Request) -> bool:
+        """A preempting policy may free a LoRA slot for ``req``: the adapter of the first
+        running request it names leaves the step when it names every request of that adapter
+        in the step (they are retracted, their computed prefixes cached). Whether ``req``'s
+        adapter may join now."""
+        ctx, slots = self.ctx, self.lora_slots
+        if ctx is None or not self.policy.preempts or slots.claimant not in (None, req.lora):
+            return False
+        named = self.policy.preempt_candidates(req, list(self.running), ctx)
+        if not named:
+            return False
+        leaving = named[0].params.lora
+        if leaving is None:
+            return False
+        victims = [victim for victim in named if victim.params.lora == leaving]
+        if len(victims) != slots.rows.get(leaving, 0):
+            return False  # some of it is mid-prompt or not named: it cannot leave now
+        for victim in victims:
+            if victim.status is not RequestStatus.RUNNING:
+                raise ValueError(
+                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    "which is not a running request"
+                )
+            self.retraction.retract(victim, self.config)
+            self.retraction.total_preemptions += 1
+        self.outcome.preempted += victims
+        self.slots += len(victims)
+        self.reserved = self.reserved_tokens()  # without the victims' future tokens
+        slots.left(leaving)
+        return slots.may_join(req.params.lora or "")
 
     def _deferred(self, req: Request, ids: list[int], matched: int) -> bool:
         """In-batch dedup: a prompt of this step computes ``req``'s next uncached page (and

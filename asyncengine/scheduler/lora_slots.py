@@ -14,6 +14,11 @@ last free slot meanwhile. So a waiting adapter waits at most for one adapter's r
 however steady the others' traffic. A claim lapses when no request of the claimant is among the
 requests the policy orders (aborted, timed out, or pushed out of the window by retracted
 requests); it is made again when one of them is refused again.
+
+A preempting policy (``lora-fair`` by default) may free a slot at once instead: admission asks
+it for running requests to retract for the refused one (``Policy.preempt_candidates``), and
+when it names every request of one adapter in the step, they are retracted (their computed
+prefixes stay cached) and that adapter's slot goes to the refused one (admitter.py).
 """
 
 from __future__ import annotations
@@ -97,6 +102,13 @@ class LoraSlots:
         self._since.setdefault(lora, self._steps)
         if lora == self.claimant:
             self.claimant = self.draining = None
+
+    def left(self, lora: str) -> None:
+        """Every request of ``lora`` in the step was retracted: its slot is free."""
+        self.rows.pop(lora, None)
+        self._since.pop(lora, None)
+        if lora == self.draining:
+            self.draining = None
 
     def refused(self, lora: str) -> None:
         """A request of ``lora`` could not join: the first such adapter claims a slot, and the

@@ -178,3 +178,30 @@ def test_no_plan_exceeds_max_loras(
     assert not core.has_work() and not pending, "requests left unfinished"
     for req in reqs.values():
         assert req.output_ids == reference_output(req.prompt_ids, req.params.max_new_tokens)
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_a_preempting_policy_frees_the_most_served_adapter_s_slot(preempt: bool) -> None:
+    """max_loras = 1 and a flood of adapter A running: lora-fair (which preempts by default)
+    retracts A's running requests for B's, so B starts at once and A's resume later; without
+    preemption B waits for A's drain."""
+    core, runner, clock = make(
+        max_loras=1,
+        policy="lora-fair",
+        policy_options={"preempt": preempt, "preempt_margin": 8.0},
+    )
+    flood = {f"a{i}": add(core, clock, f"a{i}", "A", n=12) for i in range(3)}
+    base = add(core, clock, "base", None, n=12)  # a client served less: B starts at its level
+    step(core, runner, clock)
+    step(core, runner, clock)  # A has been served three times as much
+    cold = add(core, clock, "b0", "B", n=3)
+    plan = step(core, runner, clock)
+    started = any(seg.rid == "b0" for seg in plan.extends)
+    assert started == preempt
+    assert core.scheduler.retraction.total_preemptions == (3 if preempt else 0)
+    if preempt:
+        assert all(seg.rid not in flood for seg in plan.decodes)  # retracted, not decoded
+    while core.has_work():
+        step(core, runner, clock)
+    for req in [*flood.values(), base, cold]:
+        assert req.output_ids == reference_output(req.prompt_ids, req.params.max_new_tokens)
