@@ -146,13 +146,19 @@ def test_a_workload_s_adapter_round_trips_and_compact_refuses_it() -> None:
         CompactWorkload.from_requests([item])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_lora_fair_keeps_cold_adapters_within_twice_their_latency_alone(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "max_loras"), [(0, 8), (1, 8), (0, 4)])
+def test_lora_fair_keeps_cold_adapters_within_twice_their_latency_alone(
+    seed: int, max_loras: int
+) -> None:
     """With one hot adapter flooding and 7 cold ones, the cold adapters' p99 TTFT under
-    lora-fair stays within 2x of their p99 alone, while fcfs leaves them behind the flood."""
+    lora-fair stays within 2x of their p99 alone, while fcfs leaves them behind the flood;
+    with fewer LoRA slots than adapters too (lora-fair frees the flood's slot)."""
     fcfs, fair, _ = DEFAULT_RUNS
-    rows = {row.label: row for row in lora_fairness([fcfs, fair], seed=seed)}
+    rows = {
+        row.label: row
+        for row in lora_fairness([fcfs, fair], engine={"max_loras": max_loras}, seed=seed)
+    }
     assert rows["lora-fair"].ratio <= 2.0, fairness_table(list(rows.values()))
-    assert rows["fcfs"].ratio >= 20.0, fairness_table(list(rows.values()))
+    assert rows["fcfs"].ratio >= 10.0, fairness_table(list(rows.values()))
     # the flood still runs: the hot adapter is slowed, not stopped
     assert rows["lora-fair"].hot_output_throughput > 0.8 * rows["fcfs"].hot_output_throughput
