@@ -9,9 +9,11 @@ import pytest
 
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.routing import make_router
 from asyncengine.sim.lora_cost import LoraCharges, LoraCostModel, LoraShape, SimLoras
 from asyncengine.sim.lora_fairness import DEFAULT_RUNS, fairness_table, lora_fairness
-from asyncengine.sim.simulator import Simulator
+from asyncengine.sim.multi_replica import MultiReplicaSimulator
+from asyncengine.sim.simulator import Simulator, simulate
 from asyncengine.workloads import make_workload
 from asyncengine.workloads.adapters import adapter_mix, hot_adapter_flood, zipf_shares
 from asyncengine.workloads.compact import CompactWorkload
@@ -162,3 +164,13 @@ def test_lora_fair_keeps_cold_adapters_within_twice_their_latency_alone(
     assert rows["fcfs"].ratio >= 10.0, fairness_table(list(rows.values()))
     # the flood still runs: the hot adapter is slowed, not stopped
     assert rows["lora-fair"].hot_output_throughput > 0.8 * rows["fcfs"].hot_output_throughput
+
+
+def test_replicas_charge_their_adapters_as_one_engine_does() -> None:
+    workload = adapter_mix(40, num_adapters=3, rate=20.0, seed=5)
+    base = [WorkloadRequest(w.rid, w.arrival_time, w.prompt_ids, w.output_len) for w in workload]
+    config = EngineConfig(log_interval=0)
+    one = MultiReplicaSimulator(config, 1, make_router("round-robin")).run(workload)
+    assert one.virtual_seconds == pytest.approx(simulate(config, workload).virtual_seconds)
+    plain = MultiReplicaSimulator(config, 1, make_router("round-robin")).run(base)
+    assert one.virtual_seconds > plain.virtual_seconds
