@@ -174,3 +174,20 @@ def test_replicas_charge_their_adapters_as_one_engine_does() -> None:
     assert one.virtual_seconds == pytest.approx(simulate(config, workload).virtual_seconds)
     plain = MultiReplicaSimulator(config, 1, make_router("round-robin")).run(base)
     assert one.virtual_seconds > plain.virtual_seconds
+
+
+def test_a_live_trace_keeps_each_request_s_adapter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from asyncengine.common.request import Request
+    from asyncengine.common.sampling_params import SamplingParams
+    from asyncengine.workloads.live_trace import load_live_trace
+    from asyncengine.workloads.trace_recorder import TraceRecorder
+
+    path = tmp_path / "live.jsonl"
+    recorder = TraceRecorder(path, start=0.0, page_size=4, vocab_size=100)
+    tuned = Request("a", [1, 2, 3], SamplingParams(max_new_tokens=2, lora="tuned"), 0.5)
+    plain = Request("b", [4, 5], SamplingParams(max_new_tokens=3), 0.7)
+    for req in (tuned, plain):
+        recorder.arrival(req)
+    recorder.close()
+    requests = load_live_trace(path).requests
+    assert [(r.prompt_ids, r.lora) for r in requests] == [([1, 2, 3], "tuned"), ([4, 5], None)]
