@@ -71,7 +71,7 @@ class LoraSlots:
             if self.draining is not None and self.draining not in rows:
                 self.draining = None  # it left: its slot is free (kept for the claimant)
             if self.claimant is not None and self.claimant in rows:
-                self.claimant = None  # joined
+                self.claimant = self.draining = None  # joined: the drain is over
             self._rows = rows
         return rows
 
