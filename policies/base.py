@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,6 +62,9 @@ class PolicyContext:
     prefix_epoch: Callable[[Sequence[int]], int] | None = None
     # the same for every sequence at once: while it stays the same no ``prefix_len`` grew
     cache_epoch: int | None = None
+    # the LoRA adapters the step already holds (running and mid-prompt requests'; a request's
+    # own is ``req.lora``): one of them joins without taking one of ``max_loras`` slots
+    step_loras: Callable[[], Collection[str]] = lambda: ()
 
 
 class Policy:

@@ -13,6 +13,12 @@ instead of handing them all to one. Counters charge what the engine actually ran
 tenant's, hides no other tenant's requests from it (VTC needs to see every backlogged
 client's queue to serve the one with the least service as much as it can take).
 
+With ``preempt = true`` a waiting request that the running-request cap or KV memory blocks
+may have running requests of clients whose counter is more than ``preempt_margin`` above its
+client's retracted for it, the most served client's first (their computed prefix stays
+cached, and they never emit a token twice): a flood that fills the running batch then cannot
+make an under-served client wait for its requests to finish.
+
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
 while idle, and it is not punished for service it got long ago.
@@ -43,6 +49,7 @@ def tenant_of(req: Request) -> str:
 class FairPolicy(Policy):
     name = "fair"
     orders = True
+    preempt_by_default = False  # the ``preempt`` option's default
 
     def __init__(self, **options: Any) -> None:
         opts = take_options(
@@ -54,22 +61,28 @@ class FairPolicy(Policy):
                 "prefill_weight": 1.0,
                 "decode_weight": 2.0,
                 "max_idle_tenants": 4096,
+                "preempt": self.preempt_by_default,
+                "preempt_margin": 1024.0,
             },
         )
         weights = {str(k): v for k, v in opts["weights"].items()}
         for tenant, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-                raise ValueError(f"policy 'fair': weight of tenant {tenant!r} must be > 0")
+                raise ValueError(f"policy {self.name!r}: weight of tenant {tenant!r} must be > 0")
         if opts["default_weight"] <= 0:
-            raise ValueError("policy 'fair': 'default_weight' must be > 0")
+            raise ValueError(f"policy {self.name!r}: 'default_weight' must be > 0")
         if opts["prefill_weight"] < 0 or opts["decode_weight"] < 0:
-            raise ValueError("policy 'fair': token weights must be >= 0")
+            raise ValueError(f"policy {self.name!r}: token weights must be >= 0")
+        if opts["preempt_margin"] < 0:
+            raise ValueError(f"policy {self.name!r}: 'preempt_margin' must be >= 0")
         if opts["max_idle_tenants"] < 0:
-            raise ValueError("policy 'fair': 'max_idle_tenants' must be >= 0")
+            raise ValueError(f"policy {self.name!r}: 'max_idle_tenants' must be >= 0")
         self.weights = {tenant: float(weight) for tenant, weight in weights.items()}
         self.default_weight = float(opts["default_weight"])
         self.prefill_weight = float(opts["prefill_weight"])
         self.decode_weight = float(opts["decode_weight"])
+        self.preempts = bool(opts["preempt"])
+        self.preempt_margin = float(opts["preempt_margin"])
         self.counters: dict[str, float] = {}
         self._tenant_of_rid: dict[str, str] = {}  # live requests this policy has seen
         self._live: dict[str, int] = {}  # tenant -> live requests seen
@@ -77,12 +90,17 @@ class FairPolicy(Policy):
         # tenants with no live request, least recently active first (forgotten past the cap)
         self._idle: OrderedDict[str, None] = OrderedDict()
 
+    def group_of(self, req: Request) -> str:
+        """The client whose counter ``req`` is charged to: its tenant here (``lora-fair``:
+        its adapter)."""
+        return tenant_of(req)
+
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
 
     def _register(self, req: Request) -> None:
         """First sight of a live request: a tenant coming back is lifted to the active floor."""
-        tenant = tenant_of(req)
+        tenant = self.group_of(req)
         self._tenant_of_rid[req.rid] = tenant
         self._idle.pop(tenant, None)
         if self._live.get(tenant, 0) == 0:
@@ -117,6 +135,23 @@ class FairPolicy(Policy):
                     tenant
                 )
 
+    def preempt_candidates(
+        self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
+    ) -> list[Request]:
+        if candidate is None:  # KV shortage: the config's preemption_victim
+            return super().preempt_candidates(None, running, ctx)
+        if not self.preempts:
+            return []
+        counters = self.counters
+        floor = counters.get(self.group_of(candidate), 0.0) + self.preempt_margin
+        keyed = []
+        for req in running:
+            counter = counters.get(self.group_of(req), 0.0)
+            if counter > floor:  # the most served client first, its least computed first
+                keyed.append((-counter, len(req.output_ids), -req.arrival_time, req.rid, req))
+        keyed.sort(key=lambda item: item[:4])
+        return [item[4] for item in keyed]
+
     def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         """Each tenant's ``size`` oldest waiting requests (a window per tenant), in queue
         order. It scans the whole queue when that is longer than ``size``: a tenant's requests
@@ -126,7 +161,7 @@ class FairPolicy(Policy):
         taken: dict[str, int] = {}
         chosen: list[Request] = []
         for req in waiting:
-            tenant = req.params.tenant or ""
+            tenant = self.group_of(req)
             count = taken.get(tenant, 0)
             if count < size:
                 taken[tenant] = count + 1
@@ -138,7 +173,7 @@ class FairPolicy(Policy):
         for req in waiting:
             if self._tenant_of_rid.get(req.rid) is None:
                 self._register(req)
-            queues.setdefault(tenant_of(req), []).append(req)
+            queues.setdefault(self.group_of(req), []).append(req)
         if len(queues) == 1:
             return waiting
         # (virtual counter, position of the tenant's oldest request, tenant, next index)

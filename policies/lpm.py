@@ -5,6 +5,13 @@ the engine prefills in that time (seconds waited x the measured prefill rate, se
 ``PrefillRate``). So the balance between a cache hit and a long wait is the same on a CPU that
 prefills 1,000 tokens per second and on a GPU that prefills 50,000: queue waits scale with the
 machine's speed, and so does the rate.
+
+LoRA affinity: a request whose adapter the step already holds (``PolicyContext.step_loras``)
+counts ``lora_affinity`` tokens more, as if that much more of it were cached: it joins without
+taking one of ``max_loras`` slots, and the batch's LoRA rows share fewer adapters. The bonus is
+bounded, so a request of another adapter that waited ``lora_affinity / aging`` tokens' worth
+of prefill overtakes it, and the ``max_wait_tokens`` cap puts the starving first whatever
+their adapter (admission then keeps a slot for an adapter that waits for one: lora_slots.py).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ class LPMPolicy(Policy):
     A request that has waited as long as the engine takes to prefill ``max_wait_tokens``
     tokens goes before every younger one, whatever its match: the aging term makes that rare,
     the cap makes it certain. Until a prefill step has been observed the rate is unknown and
-    the order is by cached prefix alone.
+    the order is by cached prefix alone. A request whose LoRA adapter is in the step adds
+    ``lora_affinity`` to its priority.
     """
 
     name = "lpm"
@@ -32,9 +40,16 @@ class LPMPolicy(Policy):
     sees_decodes = False  # its PrefillRate counts prefill steps only
 
     def __init__(self, **options: Any) -> None:
-        opts = take_options(self.name, options, {"aging": 0.01, "max_wait_tokens": 1_000_000})
-        if opts["aging"] < 0 or opts["max_wait_tokens"] < 1:
-            raise ValueError("policy 'lpm': 'aging' must be >= 0 and 'max_wait_tokens' >= 1")
+        opts = take_options(
+            self.name,
+            options,
+            {"aging": 0.01, "max_wait_tokens": 1_000_000, "lora_affinity": 256.0},
+        )
+        if opts["aging"] < 0 or opts["max_wait_tokens"] < 1 or opts["lora_affinity"] < 0:
+            raise ValueError(
+                "policy 'lpm': 'aging' and 'lora_affinity' must be >= 0 and 'max_wait_tokens' >= 1"
+            )
+        self.lora_affinity = float(opts["lora_affinity"])
         self.aging = opts["aging"]
         self.max_wait_tokens = opts["max_wait_tokens"]
         self.prefill_rate = PrefillRate()
@@ -60,9 +75,12 @@ class LPMPolicy(Policy):
         now = ctx.now
         prefix_len = ctx.prefix_len
         epoch_of, cache_epoch = ctx.prefix_epoch, ctx.cache_epoch
+        # requests whose adapter the step holds (the bonus goes to those only)
+        boosted = self._in_step_adapters(waiting, ctx)
         last = self._all_miss
         if (
-            last is not None
+            not boosted
+            and last is not None
             and cache_epoch == last[1]
             and epoch_of is not None
             and math.isfinite(aging)
@@ -91,7 +109,7 @@ class LPMPolicy(Policy):
                 unmatched[id(req)] = stamp
             matches.append(cached)
             any_cached = any_cached or cached > 0
-        if not any_cached and math.isfinite(aging):
+        if not any_cached and not boosted and math.isfinite(aging):
             # every score is -(aging x waited), which never decreases with the wait, and the
             # starving are the longest waiting: the keys below sort exactly by arrival, then
             # place (a stable sort by arrival)
@@ -99,16 +117,27 @@ class LPMPolicy(Policy):
             if cache_epoch is not None and epoch_of is not None:
                 self._all_miss = (list(waiting), cache_epoch, list(ordered))
             return ordered
+        affinity = self.lora_affinity
         keyed: list[tuple[bool, float, float, int]] = []
         for index, req in enumerate(waiting):
             arrival = req.arrival_time
             waited = now - arrival
             starving = waited * rate >= cap
             # the starving go first, oldest first (a cached prefix must not keep one waiting)
-            score = 0.0 if starving else -(matches[index] + aging * waited)
+            bonus = affinity if boosted and id(req) in boosted else 0.0
+            score = 0.0 if starving else -(matches[index] + bonus + aging * waited)
             keyed.append((not starving, score, arrival, index))
         keyed.sort()
         return [waiting[item[3]] for item in keyed]
+
+    def _in_step_adapters(self, waiting: list[Request], ctx: PolicyContext) -> set[int]:
+        """ids of the waiting requests whose LoRA adapter the step already holds."""
+        if not self.lora_affinity:
+            return set()
+        in_step = ctx.step_loras()
+        if not in_step:
+            return set()
+        return {id(req) for req in waiting if req.params.lora in in_step}
 
 
 def _arrival(req: Request) -> float:

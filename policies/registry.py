@@ -14,6 +14,7 @@ from asyncengine.policies.dfs_weight import DFSWeightPolicy
 from asyncengine.policies.dynamic_chunking import DynamicChunkingPolicy
 from asyncengine.policies.fair import FairPolicy
 from asyncengine.policies.fcfs import FCFSPolicy
+from asyncengine.policies.lora_fair import LoraFairPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.ltr import LTRPolicy
 from asyncengine.policies.plugin_loader import resolve_plugin
@@ -35,6 +36,7 @@ BUILTIN: dict[str, type[Policy]] = {
         LTRPolicy,
         FairPolicy,
         SLOPolicy,
+        LoraFairPolicy,
     )
 }
 

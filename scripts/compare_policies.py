@@ -16,7 +16,7 @@
 simulator's cost model to the steps measured in that same live run. ``--sim`` (the default)
 drives the real scheduler with a cost model on a virtual clock; ``--real`` runs the model.
 ``--shadow`` also runs each config's ``shadow_policy`` as the live one (the full picture behind
-the shadow's agreement figures). ``--group-by tenant|priority`` adds per-group tables and a
+the shadow's agreement figures). ``--group-by tenant|priority|lora`` adds per-group tables and a
 figure; ``--slo ttft_ms=N tpot_ms=N`` adds SLO attainment and goodput.
 
 DIR receives results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png,
@@ -187,9 +187,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     parser.add_argument(
         "--group-by",
         nargs="*",
-        choices=("tenant", "priority"),
+        choices=("tenant", "priority", "lora"),
         default=[],
-        help="per-tenant / per-priority tables and TTFT figures",
+        help="per-tenant / per-priority / per-adapter tables and TTFT figures",
     )
     parser.add_argument(
         "--slo",

@@ -64,7 +64,9 @@ def group_key(record: RequestRecord, by: str) -> str:
         return record.tenant or "-"
     if by == "priority":
         return str(record.priority)
-    raise ValueError(f"group by 'tenant' or 'priority', not {by!r}")
+    if by == "lora":
+        return record.lora or "-"
+    raise ValueError(f"group by 'tenant', 'priority' or 'lora', not {by!r}")
 
 
 def summarize_groups(records: Sequence[RequestRecord], by: str) -> list[GroupSummary]:

@@ -34,6 +34,7 @@ class RequestRecord:
     tenant: str | None = None
     priority: int = 0
     blocked: dict[str, int] = field(default_factory=dict)
+    lora: str | None = None  # the LoRA adapter it ran under (None: the base model)
 
     @property
     def output_tokens(self) -> int:

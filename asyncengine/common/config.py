@@ -70,6 +70,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # the pool's element: auto = float16 on a CPU for quantized weights (F16C), else the model's
     # dtype; or one of KV_CACHE_DTYPES that can be honoured (executor/kv_dtype.py)
     kv_cache_dtype: str = "auto"
+    max_loras: int = 4  # distinct LoRA adapters in one step (the base model is not one)
     # on CUDA with neither size given: the share of the GPU's memory the engine may fill; the
     # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)
     gpu_memory_utilization: float = 0.9
@@ -195,6 +196,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_logprob_entries",
             "grammar_cache_size",
             "grammar_compile_workers",
+            "max_loras",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")

@@ -142,6 +142,7 @@ class SamplingParams:
     # requests with different salts share no prefix-cache pages (vLLM's cache_salt); None or
     # "": the shared cache
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter's name; None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

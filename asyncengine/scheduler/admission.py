@@ -14,7 +14,9 @@ out (``Request.blocked``):
 - ``policy_window``: it is not among the ``policy_window`` oldest waiting requests the policy
   orders, and every request the policy did order was admitted or held;
 - ``policy_hold``: the policy left it out of its order this step (priority or SLO hold);
-- ``decode_turn``: with mixed batches off, this step was a decode step.
+- ``decode_turn``: with mixed batches off, this step was a decode step;
+- ``lora_slots``: its LoRA adapter is not in the step and ``max_loras`` adapters are (or its
+  adapter drains to free a slot for another: lora_slots.py); admission went on past it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ PREFIX_DEDUP = "prefix_dedup"
 POLICY_WINDOW = "policy_window"
 POLICY_HOLD = "policy_hold"
 DECODE_TURN = "decode_turn"
+LORA_SLOTS = "lora_slots"
 
 REASONS = (
     TOKEN_BUDGET,
@@ -44,6 +47,7 @@ REASONS = (
     POLICY_WINDOW,
     POLICY_HOLD,
     DECODE_TURN,
+    LORA_SLOTS,
 )
 
 
@@ -52,8 +56,8 @@ class Admission:
     """How one step's admission went: why it stopped (None: it tried every request the policy
     ordered), the requests the policy was asked to order, those it admitted, those it
     skipped (deferred by in-batch dedup, held by the policy, passed over because they did not
-    fit in KV memory while ``kv_blocked_skips`` allowed it), and the running requests it
-    retracted for them (a preempting policy)."""
+    fit in KV memory while ``kv_blocked_skips`` allowed it, or whose LoRA adapter could not
+    join the step), and the running requests it retracted for them (a preempting policy)."""
 
     stopped: str | None = None
     window: list[Request] = field(default_factory=list)
@@ -62,6 +66,7 @@ class Admission:
     held: list[Request] = field(default_factory=list)
     skipped: list[Request] = field(default_factory=list)  # did not fit in KV; passed over
     preempted: list[Request] = field(default_factory=list)
+    lora_blocked: list[Request] = field(default_factory=list)  # no LoRA slot; passed over
 
     # Written out because mypyc compiles this class (every step makes one) and leaves a
     # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
@@ -74,6 +79,7 @@ class Admission:
         held: list[Request] | None = None,
         skipped: list[Request] | None = None,
         preempted: list[Request] | None = None,
+        lora_blocked: list[Request] | None = None,
     ) -> None:
         self.stopped = stopped
         self.window = [] if window is None else window
@@ -82,6 +88,7 @@ class Admission:
         self.held = [] if held is None else held
         self.skipped = [] if skipped is None else skipped
         self.preempted = [] if preempted is None else preempted
+        self.lora_blocked = [] if lora_blocked is None else lora_blocked
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests' reference log subclasses it
@@ -188,6 +195,8 @@ class AdmissionLog:
         if stopped is None:  # every request the policy ordered was tried
             if admission.skipped:
                 stopped = KV_RESERVATION
+            elif admission.lora_blocked:
+                stopped = LORA_SLOTS
             elif admission.held:
                 stopped = POLICY_HOLD
             elif outside:
@@ -205,6 +214,7 @@ class AdmissionLog:
                 (admission.deferred, PREFIX_DEDUP),
                 (admission.held, POLICY_HOLD),
                 (admission.skipped, KV_RESERVATION),
+                (admission.lora_blocked, LORA_SLOTS),
             ):
                 for req in group:  # they count this step's special reason, not the group's
                     blocked = req.blocked

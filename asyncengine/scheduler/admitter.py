@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan
-from asyncengine.common.request import Request
+from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
@@ -26,6 +26,7 @@ from asyncengine.scheduler.admission import (
     Admission,
     AdmissionLog,
 )
+from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import cache_match_limit, may_reuse_prefix
 from asyncengine.scheduler.retraction import Retraction
@@ -51,10 +52,11 @@ class Admitter:
         reserved_tokens: Callable[[], int],
         new_token_ratio: float,
         max_model_len: int,
+        lora_slots: LoraSlots,
     ) -> None:
         """The step's ``plan`` and ``budget``; the scheduler's parts, policy and config; its
         policy context, its admitted requests' future tokens, and the ratio of those that
-        pages are reserved for (the scheduler's, at this step)."""
+        pages are reserved for (the scheduler's, at this step); the step's LoRA slots."""
         self.plan = plan
         self.num_decodes = num_decodes
         self.prefill = prefill
@@ -71,6 +73,7 @@ class Admitter:
         self.reserved_tokens = reserved_tokens
         self.ratio = new_token_ratio
         self.max_model_len = max_model_len
+        self.lora_slots = lora_slots
         chunk = budget.chunk_size
         # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
         # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
@@ -171,6 +174,8 @@ class Admitter:
             self.ctx = self.context(self.num_decodes)
             self.ordered = policy.order(window, self.ctx)
         outcome = Admission(window=window)
+        if self.lora_slots.claimant is not None:
+            self.lora_slots.renew(self.ordered)
         if len(self.ordered) < len(window):  # the policy holds the ones it left out
             kept = {id(req) for req in self.ordered}
             outcome.held = [req for req in window if id(req) not in kept]
@@ -184,6 +189,12 @@ class Admitter:
         stopped = self._budget_spent()
         if stopped is not None:
             return stopped
+        lora = req.params.lora
+        if lora is not None and not self.lora_slots.may_join(lora) and not self._free_slot(req):
+            # its adapter cannot join this step: it waits, and those behind it may go
+            self.lora_slots.refused(lora)
+            self.outcome.lora_blocked.append(req)
+            return None
         ids = req.cache_ids
         kv = self.kv
         matched = kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
@@ -210,10 +221,43 @@ class Admitter:
         if take is None:
             return KV_RESERVATION
         self.outcome.admitted.append(req)
+        if lora is not None:
+            self.lora_slots.joined(lora)
         self.remaining -= take
         self.slots -= 1
         self.reserved += future
         return None
+
+    def _free_slot(self, req: Request) -> bool:
+        """A preempting policy may free a LoRA slot for ``req``: the adapter of the first
+        running request it names leaves the step when it names every request of that adapter
+        in the step (they are retracted, their computed prefixes cached). Whether ``req``'s
+        adapter may join now."""
+        ctx, slots = self.ctx, self.lora_slots
+        if ctx is None or not self.policy.preempts or slots.claimant not in (None, req.lora):
+            return False
+        named = self.policy.preempt_candidates(req, list(self.running), ctx)
+        if not named:
+            return False
+        leaving = named[0].params.lora
+        if leaving is None:
+            return False
+        victims = [victim for victim in named if victim.params.lora == leaving]
+        if len(victims) != slots.rows.get(leaving, 0):
+            return False  # some of it is mid-prompt or not named: it cannot leave now
+        for victim in victims:
+            if victim.status is not RequestStatus.RUNNING:
+                raise ValueError(
+                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
+                    "which is not a running request"
+                )
+            self.retraction.retract(victim, self.config)
+            self.retraction.total_preemptions += 1
+        self.outcome.preempted += victims
+        self.slots += len(victims)
+        self.reserved = self.reserved_tokens()  # without the victims' future tokens
+        slots.left(leaving)
+        return slots.may_join(req.params.lora or "")
 
     def _deferred(self, req: Request, ids: list[int], matched: int) -> bool:
         """In-batch dedup: a prompt of this step computes ``req``'s next uncached page (and

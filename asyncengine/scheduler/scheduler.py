@@ -30,6 +30,7 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
 from asyncengine.scheduler.admitter import Admitter
+from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.plan_ahead import (
     add_deferred_decodes,
     decodes_ahead,
@@ -121,6 +122,8 @@ class Scheduler:
         if config.prompt_score_cache_pages > 0 and kv.enable_prefix_cache:
             self.prompt_scores = PromptScoreCache(self.page_size, config.prompt_score_cache_pages)
         self.retraction = Retraction(kv, self.waiting, self.running)
+        # distinct LoRA adapters of the requests a step may hold, kept <= max_loras
+        self.lora_slots = LoraSlots(config.max_loras, self.running, self.prefilling)
         self.prefill = Prefill(
             kv,
             self.waiting,
@@ -144,6 +147,8 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.admission.arrived(req)
+        if req.params.lora is not None:
+            self.lora_slots.any_lora = True
 
     def blocked(self, req: Request) -> dict[str, int]:
         """Steps ``req`` has waited so far, by admission-block reason (admission.py)."""
@@ -203,6 +208,7 @@ class Scheduler:
             predicted_len=self.lengths.predicted_len,
             prefix_epoch=self.kv.prefix_epoch,
             cache_epoch=self.kv.cache_epoch(),
+            step_loras=self.lora_slots.in_step,
         )
 
     def _reserved_tokens(self) -> int:
@@ -259,7 +265,9 @@ class Scheduler:
             self.policy, self.config = self._next_policy
             self._next_policy = None
             self.speculation = self.config.speculation
+            self.lora_slots.max_loras = self.config.max_loras
         self.step_count += 1
+        self.lora_slots.new_step()
         self.step_guesses = {}
         self.step_drafts = {}
         return BatchPlan(step=self.step_count)
@@ -350,6 +358,7 @@ class Scheduler:
             self._reserved_tokens,
             self.new_token_ratio,
             self.max_model_len,
+            self.lora_slots,
         )
 
     def _prepare_decodes(self) -> list[Request]:

@@ -24,6 +24,7 @@ from asyncengine.core.engine_core import EngineCore
 from asyncengine.routing import ReplicaRouter, ReplicaState
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
+from asyncengine.sim.lora_cost import LoraCharges, SimLoras
 from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
 from asyncengine.sim.simulator import reveal_lengths
 from asyncengine.sim.workload_replay import SchedulerStuckError, params_for, workload_records
@@ -134,8 +135,12 @@ class MultiReplicaSimulator:
         if self._used:
             raise RuntimeError("a MultiReplicaSimulator runs one workload; make a new one")
         self._used = True
+        adapters = {item.rid: item.lora for item in workload if item.lora is not None}
         for replica in self.replicas:
             reveal_lengths(replica.core, workload)
+            if adapters:  # each replica loads and holds its own adapters
+                loras = SimLoras(max_cpu_loras=max(8, replica.core.config.max_loras))
+                replica.executor.lora = LoraCharges(loras, adapters)
         wall_start = time.perf_counter()
         pending = sorted(workload, key=lambda w: w.arrival_time)
         requests: dict[str, Request] = {}

@@ -7,6 +7,9 @@ Speculative decoding: a verified row's guesses cost what extend tokens cost (the
 per-token and attention terms: verifying is an extend over the paged KV), and each guess of a
 request is accepted with its ``acceptance`` (from the workload; 0 when unknown) until the first
 rejection, drawn from a seeded generator, so a rule that guesses where guesses fail pays for it.
+
+LoRA: with ``lora`` set, each step also pays its adapters' compute and the loads of adapters
+not held in memory (sim/lora_cost.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from asyncengine.common.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
+from asyncengine.sim.lora_cost import LoraCharges
 
 # The embedded default model (SmolLM2-135M): its context, vocabulary and the bytes of K+V per
 # token (30 layers x 3 kv heads x 64 dims x 2 tensors x 2 bytes bf16), to turn kv_cache_bytes
@@ -57,6 +61,7 @@ class SimulatedExecutor:
         self.layout: KVLayout | None = None
         self.acceptance: dict[str, float] = {}  # rid -> chance each guess is accepted
         self._draws = random.Random(0)
+        self.lora: LoraCharges | None = None  # what the requests' adapters cost (None: none)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int | None:
         return None
@@ -103,6 +108,8 @@ class SimulatedExecutor:
     def execute(self, plan: BatchPlan) -> StepOutput:
         swap = self.swap_seconds(plan)
         seconds = self.seconds(plan) + swap
+        if self.lora is not None:
+            seconds += self.lora.step_seconds(plan)
         self.clock.advance(seconds)
         n = len(plan.sampling)
         # embeddings and prompt scoring cost time and carry nothing

@@ -21,6 +21,7 @@ from asyncengine.policies.length_predictor import OraclePredictor
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
+from asyncengine.sim.lora_cost import LoraCharges, SimLoras
 from asyncengine.sim.simulated_executor import (
     DEFAULT_SPEC,
     DEFAULT_SWAP_BYTES_PER_SECOND,
@@ -60,10 +61,13 @@ class Simulator:
         check_invariant_every: int = 0,
         swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
         bulk_decode: bool = True,
+        loras: SimLoras | None = None,
     ) -> None:
         """``bulk_decode``: count the decodes of the steps that allow it instead of writing
         them request by request (sim/bulk_decode.py): the same results, several times faster;
-        False runs every step step by step."""
+        False runs every step step by step. ``loras``: the adapters' ranks, how many stay
+        loaded and their cost model (sim/lora_cost.py); a workload whose requests name
+        adapters gets ``SimLoras()`` when None."""
         speculation = config.speculation
         if speculation is not None and speculation.method == "draft":
             raise ConfigError(
@@ -89,6 +93,12 @@ class Simulator:
         self.core.kv.page_table.rows_only()
         self.check_invariant_every = check_invariant_every
         self.bulk = BulkDecode(self.core) if bulk_decode else None
+        if loras is not None and loras.max_cpu_loras < config.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({loras.max_cpu_loras}) must be >= max_loras ({config.max_loras}): "
+                "a step's adapters are all loaded"
+            )
+        self.loras = loras
         self._used = False
 
     def run(self, workload: Sequence[WorkloadRequest]) -> SimResult:
@@ -100,6 +110,14 @@ class Simulator:
             self.executor.acceptance = {
                 item.rid: item.acceptance for item in workload if item.acceptance is not None
             }
+            adapters = {item.rid: item.lora for item in workload if item.lora is not None}
+            if adapters:
+                loras = self.loras
+                if loras is None:
+                    loras = SimLoras(max_cpu_loras=max(8, self.config.max_loras))
+                self.executor.lora = LoraCharges(loras, adapters)
+                # bulk decoding costs decodes without their requests: LoRA rows need them
+                self.bulk = None
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         replay = WorkloadReplay(
             self.core,
@@ -112,6 +130,8 @@ class Simulator:
         with fewer_collections():
             records = replay.run()
         stats = self.core.scheduler.stats()
+        if self.executor.lora is not None:
+            stats.update(self.executor.lora.stats())
         return SimResult(
             records=records,
             summary=summarize(records, retracts=int(stats["retractions"])),

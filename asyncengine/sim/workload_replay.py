@@ -24,6 +24,10 @@ from asyncengine.sim.clock import VirtualClock
 from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
 
+# a request's controls, which its params are made from: output length, priority, tenant,
+# timeout, adapter
+ParamsKey = tuple[int, int, str | None, float | None, str | None]
+
 _FIRST_SWEEP = 4096  # unswept requests before the first sweep (keep_requests=False)
 # token ids below this share one int object each across every prompt made from a compact
 # workload (past it, each prompt holds its own)
@@ -33,11 +37,15 @@ _SHARED_TOKEN_IDS = 1 << 20
 def params_for(item: WorkloadRequest) -> SamplingParams:
     """Exactly ``output_len`` tokens, greedy: the same work whatever the model says; the
     request's scheduling controls (priority, tenant, timeout) as the workload gives them."""
-    return controls_params(item.output_len, item.priority, item.tenant, item.timeout)
+    return controls_params(item.output_len, item.priority, item.tenant, item.timeout, item.lora)
 
 
 def controls_params(
-    output_len: int, priority: int, tenant: str | None, timeout: float | None
+    output_len: int,
+    priority: int,
+    tenant: str | None,
+    timeout: float | None,
+    lora: str | None = None,
 ) -> SamplingParams:
     """``params_for`` from the controls themselves."""
     return SamplingParams(
@@ -47,6 +55,7 @@ def controls_params(
         priority=priority,
         tenant=tenant,
         timeout=timeout,
+        lora=lora,
     )
 
 
@@ -122,7 +131,7 @@ class WorkloadReplay:
         self.step_seconds: list[float] = []  # timed: forward + scheduling + commit of each step
         self.steps = 0
         self.peak_waiting = 0  # the most requests waiting before a step
-        self.shared_params: dict[tuple[int, int, str | None, float | None], SamplingParams] = {}
+        self.shared_params: dict[ParamsKey, SamplingParams] = {}
 
     def done(self) -> bool:
         return self.next_arrival == len(self.arrival_times) and not self.core.has_work()
@@ -159,11 +168,12 @@ class WorkloadReplay:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = compact.rids[index]
                 tenant = None if compact.tenants is None else compact.tenants[index]
-                key = (
+                key: ParamsKey = (
                     self._output_lens[index],
                     compact.priority(index),
                     tenant,
                     compact.timeout(index),
+                    None,
                 )
                 ids = compact.tokens[start:end]
                 ints = self._token_ints
@@ -174,7 +184,7 @@ class WorkloadReplay:
                 if not item.prompt_ids or len(item.prompt_ids) >= max_len:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = item.rid
-                key = (item.output_len, item.priority, item.tenant, item.timeout)
+                key = (item.output_len, item.priority, item.tenant, item.timeout, item.lora)
                 prompt = list(item.prompt_ids)
             req = Request(rid, prompt, self._params(key), times[index])
             self.requests[rid] = req
@@ -184,7 +194,7 @@ class WorkloadReplay:
         if len(self._unswept) >= self._sweep_at:
             self._sweep()
 
-    def _params(self, key: tuple[int, int, str | None, float | None]) -> SamplingParams:
+    def _params(self, key: ParamsKey) -> SamplingParams:
         """Requests with the same controls share one validated (never changed) params."""
         params = self.shared_params.get(key)
         if params is None:
@@ -257,8 +267,8 @@ class WorkloadReplay:
 def request_record(
     rid: str, arrival_time: float, prompt_tokens: int, req: Request | None
 ) -> RequestRecord:
-    """What ``req`` went through (None: refused at arrival); tenant and priority are the
-    workload's, set by the caller."""
+    """What ``req`` went through (None: refused at arrival); tenant, priority and adapter
+    are the workload's, set by the caller."""
     if req is None:
         return RequestRecord(
             rid, arrival_time, prompt_tokens, failed=True, finish_time=arrival_time
@@ -287,6 +297,7 @@ def workload_records(
     (``finished``: the records of those already let go, WorkloadReplay's keep_requests)."""
     done = finished or {}
     records = []
+    no_lora: str | None = None  # a compact workload holds no adapters
     if isinstance(workload, CompactWorkload):
         lens = workload.prompt_lens().tolist()
         times = workload.arrival_times.tolist()
@@ -297,19 +308,28 @@ def workload_records(
                 lens[i],
                 None if workload.tenants is None else workload.tenants[i],
                 workload.priority(i),
+                no_lora,
             )
             for i, rid in enumerate(workload.rids)
         )
     else:
         rows = (
-            (item.rid, item.arrival_time, len(item.prompt_ids), item.tenant, item.priority)
+            (
+                item.rid,
+                item.arrival_time,
+                len(item.prompt_ids),
+                item.tenant,
+                item.priority,
+                item.lora,
+            )
             for item in workload
         )
-    for rid, arrival, prompt_tokens, tenant, priority in rows:
+    for rid, arrival, prompt_tokens, tenant, priority, lora in rows:
         record = done.get(rid)
         if record is None:
             record = request_record(rid, arrival, prompt_tokens, requests.get(rid))
         record.tenant = tenant
         record.priority = priority
+        record.lora = lora
         records.append(record)
     return records

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from asyncengine.workloads.adapters import ADAPTER_WORKLOADS, adapter_mix, hot_adapter_flood
 from asyncengine.workloads.arrivals import Arrivals, all_at_once, fixed_interval, poisson
 from asyncengine.workloads.generators import (
     WORKLOADS,
@@ -22,13 +23,16 @@ from asyncengine.workloads.scheduling import (
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
 
 WORKLOADS.update(SCHEDULING_WORKLOADS)
+WORKLOADS.update(ADAPTER_WORKLOADS)
 
 __all__ = [
     "WORKLOADS",
     "Arrivals",
     "WorkloadRequest",
+    "adapter_mix",
     "all_at_once",
     "fixed_interval",
+    "hot_adapter_flood",
     "load_trace",
     "long_short",
     "make_workload",

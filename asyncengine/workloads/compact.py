@@ -128,12 +128,13 @@ class CompactWorkload(Sequence[WorkloadRequest]):
 
     @classmethod
     def from_requests(cls, requests: Sequence[WorkloadRequest]) -> CompactWorkload:
-        """The same requests held as arrays (ValueError for prompt text or acceptance)."""
+        """The same requests held as arrays (ValueError for prompt text, acceptance or an
+        adapter)."""
         for item in requests:
-            if item.prompt_text is not None or item.acceptance is not None:
+            if item.prompt_text is not None or item.acceptance is not None or item.lora:
                 raise ValueError(
-                    f"request {item.rid!r}: a compact workload holds no prompt text or "
-                    f"speculative acceptance"
+                    f"request {item.rid!r}: a compact workload holds no prompt text, "
+                    f"speculative acceptance or LoRA adapter"
                 )
         lens = np.fromiter((len(item.prompt_ids) for item in requests), np.int64, len(requests))
         starts = np.zeros(len(requests) + 1, dtype=np.int64)

@@ -6,7 +6,7 @@ One JSON object per line, each with a ``type``:
 - ``header``: ``version``, ``page_size``, ``vocab_size``, ``hashed``, ``model``, ``policy``;
 - ``arrival``: ``rid``, ``time`` (seconds since recording began), ``prompt_ids`` (or, when
   hashed, ``page_hashes`` and ``prompt_len``), ``params`` (the sampling parameters that differ
-  from the defaults), ``tenant``, ``priority``, ``timeout``;
+  from the defaults), ``tenant``, ``priority``, ``timeout``, ``lora`` (the adapter, when one);
 - ``finish``: ``rid``, ``time``, ``output_tokens``, ``finish_reason``, ``cached_tokens``;
 - ``step``: ``time``, ``seconds`` (measured forward time) and the step's cost-model features
   ``prefill_tokens``, ``prefill_attention``, ``decode_requests``, ``decode_context``.
@@ -173,6 +173,7 @@ def load_live_trace(path: str | Path) -> LiveTrace:
                 priority=int(arrival.get("priority", 0)),
                 tenant=arrival.get("tenant"),
                 timeout=None if timeout is None else float(timeout),
+                lora=arrival.get("lora"),
             )
         )
     return trace

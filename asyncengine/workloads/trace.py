@@ -17,7 +17,8 @@ class WorkloadRequest:
     ``tenant`` and ``timeout`` are the request's scheduling controls (SamplingParams).
     ``acceptance``: for the simulator, the chance that each speculative guess of this request
     is accepted (None: its guesses are all rejected there); a live run measures it per request
-    (usage ``accepted_speculative_tokens``).
+    (usage ``accepted_speculative_tokens``). ``lora``: the LoRA adapter it runs under (None:
+    the base model).
     """
 
     rid: str
@@ -29,6 +30,7 @@ class WorkloadRequest:
     tenant: str | None = None
     timeout: float | None = None
     acceptance: float | None = None
+    lora: str | None = None
 
     def to_json(self) -> dict[str, object]:
         record: dict[str, object] = {
@@ -47,6 +49,8 @@ class WorkloadRequest:
             record["timeout"] = self.timeout
         if self.acceptance is not None:
             record["acceptance"] = self.acceptance
+        if self.lora is not None:
+            record["lora"] = self.lora
         return record
 
     @classmethod
@@ -58,6 +62,7 @@ class WorkloadRequest:
         tenant = record.get("tenant")
         timeout = record.get("timeout")
         acceptance = record.get("acceptance")
+        lora = record.get("lora")
         return cls(
             rid=str(record["rid"]),
             arrival_time=float(record["arrival_time"]),  # type: ignore[arg-type]
@@ -68,6 +73,7 @@ class WorkloadRequest:
             tenant=None if tenant is None else str(tenant),
             timeout=None if timeout is None else float(timeout),  # type: ignore[arg-type]
             acceptance=None if acceptance is None else float(acceptance),  # type: ignore[arg-type]
+            lora=None if lora is None else str(lora),
         )
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger("asyncengine.trace")
 TRACE_FILE_MODE = 0o600
 
 # recorded in their own fields, or meaningless to a replay
-_OWN_FIELDS = frozenset({"priority", "tenant", "timeout"})
+_OWN_FIELDS = frozenset({"priority", "tenant", "timeout", "lora"})
 _DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams) if f.init}
 
 
@@ -91,6 +91,8 @@ class TraceRecorder:
         record["tenant"] = params.tenant
         record["priority"] = params.priority
         record["timeout"] = params.timeout
+        if params.lora is not None:
+            record["lora"] = params.lora
         self._write(record)
 
     def finish(self, req: Request, now: float, reason: str | None = None) -> None:

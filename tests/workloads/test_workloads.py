@@ -30,6 +30,8 @@ SMALL: dict[str, dict[str, object]] = {
     "priority_mix": {"num_requests": 30},
     "slo_mix": {"num_requests": 30, "long_median": 600.0},
     "task_mix": {"num_requests": 30},
+    "adapter_mix": {"num_requests": 30},
+    "hot_adapter_flood": {"num_hot": 20, "per_cold": 2},
 }
 
 

@@ -1,0 +1,228 @@
+"""LoRA's share of a simulated step: the adapters' compute on their rows, and adapter loads.
+
+Each row (token) of a request under an adapter of rank r passes, in every layer and target
+module (``in`` -> ``out`` features), through the adapter's shrink (``2 * in * r`` FLOPs) and
+expand (``2 * r * out``); every adapter in a step has its weights read once (the same bytes as
+its file) and a segment of kernels launched. So a step's LoRA time is
+
+    per_flop * flops + per_weight_byte * (weight bytes of the step's adapters)
+                     + per_adapter * (distinct adapters in the step)
+
+An adapter not held in memory is read from disk at its first use: ``per_load + per_load_byte
+* bytes``, added to that step; at most ``max_cpu_loras`` are held, the least recently used
+dropped first (and read again when it comes back). The coefficients are fitted by
+``scripts/fit_lora_cost.py``; the shipped ones are ``default_lora_cost_model.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from asyncengine.common.plan import BatchPlan
+
+DEFAULT_LORA_COST_MODEL_PATH = Path(__file__).with_name("default_lora_cost_model.json")
+
+# The embedded default model's (SmolLM2-135M) target modules: name, in features, out features
+SMOLLM2_MODULES: tuple[tuple[str, int, int], ...] = (
+    ("q_proj", 576, 576),
+    ("k_proj", 576, 192),
+    ("v_proj", 576, 192),
+    ("o_proj", 576, 576),
+    ("gate_proj", 576, 1536),
+    ("up_proj", 576, 1536),
+    ("down_proj", 1536, 576),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraShape:
+    """Where adapters attach: the base's layers and target modules, and bytes per weight."""
+
+    num_layers: int = 30
+    modules: tuple[tuple[str, int, int], ...] = SMOLLM2_MODULES
+    bytes_per_weight: int = 2  # bfloat16 adapters
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or not self.modules or self.bytes_per_weight < 1:
+            raise ValueError("a LoRA shape needs layers, target modules and bytes per weight")
+
+    def flops_per_row(self, rank: int) -> int:
+        """Shrink and expand FLOPs of one row through every layer's target modules."""
+        return self.num_layers * sum(2 * rank * (n_in + n_out) for _, n_in, n_out in self.modules)
+
+    def adapter_bytes(self, rank: int) -> int:
+        """Bytes of an adapter's A and B matrices (its file, less the header)."""
+        return self.num_layers * sum(
+            rank * (n_in + n_out) * self.bytes_per_weight for _, n_in, n_out in self.modules
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoraCostModel:
+    """Coefficients in seconds. ``description`` says where they were measured."""
+
+    per_flop: float = 5.0e-12
+    per_weight_byte: float = 1.0e-10
+    per_adapter: float = 2.0e-4
+    per_load: float = 2.0e-3
+    per_load_byte: float = 1.0e-9
+    description: str = "built-in guess"
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name != "description" and not value >= 0:
+                raise ValueError(f"LoRA cost model: {item.name} must be >= 0, got {value!r}")
+
+    def compute_seconds(self, flops: int, weight_bytes: int, adapters: int) -> float:
+        return (
+            self.per_flop * flops
+            + self.per_weight_byte * weight_bytes
+            + self.per_adapter * adapters
+        )
+
+    def load_seconds(self, nbytes: int) -> float:
+        return self.per_load + self.per_load_byte * nbytes
+
+    @classmethod
+    def fit(
+        cls,
+        compute: Sequence[tuple[int, int, int, float]],
+        loads: Sequence[tuple[int, float]],
+        description: str = "",
+    ) -> LoraCostModel:
+        """Fitted to measured steps, ``(flops, weight bytes, adapters, seconds)``, and loads,
+        ``(bytes, seconds)``: non-negative least squares on relative error (a term that would
+        get a negative weight is dropped and the rest refit)."""
+        flop, weight, adapter = _nnls_relative(
+            [row[:3] for row in compute], [r[3] for r in compute]
+        )
+        per_byte, per_load = _nnls_relative([(b, 1) for b, _ in loads], [s for _, s in loads])
+        return cls(flop, weight, adapter, per_load, per_byte, description)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LoraCostModel:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown LoRA cost model keys {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def default(cls) -> LoraCostModel:
+        """The model fitted on the development machine when shipped, else the built-in guess."""
+        if DEFAULT_LORA_COST_MODEL_PATH.exists():
+            return cls.load(DEFAULT_LORA_COST_MODEL_PATH)
+        return cls()
+
+
+def _nnls_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> list[float]:
+    """Non-negative coefficients c minimising the relative errors of ``rows @ c`` against
+    ``seconds``."""
+    if not rows or len(rows) != len(seconds):
+        raise ValueError("need one measured time per row, and at least one row")
+    times = np.asarray(seconds, dtype=float)
+    if not np.all(times > 0):
+        raise ValueError("measured times must be positive")
+    design = np.asarray(rows, dtype=float) / times[:, None]
+    target = np.ones_like(times)
+    active = list(range(design.shape[1]))
+    coefficients = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if np.all(solution >= 0):
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return [float(c) for c in coefficients]
+
+
+@dataclass(frozen=True, slots=True)
+class SimLoras:
+    """The simulator's adapters: each one's rank (``ranks``, else ``default_rank``), how many
+    stay loaded (``max_cpu_loras``), the cost model and the base's shape."""
+
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    default_rank: int = 16
+    max_cpu_loras: int = 8
+    cost: LoraCostModel = field(default_factory=LoraCostModel.default)
+    shape: LoraShape = field(default_factory=LoraShape)
+
+    def __post_init__(self) -> None:
+        if self.default_rank < 1 or any(rank < 1 for rank in self.ranks.values()):
+            raise ValueError("LoRA ranks must be >= 1")
+        if self.max_cpu_loras < 1:
+            raise ValueError("max_cpu_loras must be >= 1")
+
+    def rank(self, adapter: str) -> int:
+        return self.ranks.get(adapter, self.default_rank)
+
+
+class LoraCharges:
+    """What a simulated run's adapters cost, step by step: their compute, and loads from disk
+    of the adapters not held (an LRU of ``max_cpu_loras``). ``adapters`` maps each request id
+    to its adapter (requests without one cost nothing here)."""
+
+    def __init__(self, loras: SimLoras, adapters: Mapping[str, str]) -> None:
+        self.loras = loras
+        self.adapters = adapters
+        self.held: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.loads = 0
+        self.load_seconds = 0.0
+        self.compute_seconds = 0.0
+
+    def step_seconds(self, plan: BatchPlan) -> float:
+        """The LoRA time of ``plan`` (its adapters' rows, and loading those not held)."""
+        adapters = self.adapters
+        rows: dict[str, int] = {}
+        for seg in plan.extends:
+            lora = adapters.get(seg.rid)
+            if lora is not None:
+                rows[lora] = rows.get(lora, 0) + len(seg.input_ids)
+        for seg in plan.decodes:
+            lora = adapters.get(seg.rid)
+            if lora is not None:
+                rows[lora] = rows.get(lora, 0) + 1 + seg.guesses
+        if not rows:
+            return 0.0
+        loras, shape, cost = self.loras, self.loras.shape, self.loras.cost
+        flops = weight_bytes = 0
+        load = 0.0
+        held = self.held
+        for lora, count in rows.items():
+            rank = loras.rank(lora)
+            flops += count * shape.flops_per_row(rank)
+            nbytes = shape.adapter_bytes(rank)
+            weight_bytes += nbytes
+            if lora in held:
+                held.move_to_end(lora)
+            else:
+                held[lora] = None
+                self.loads += 1
+                load += cost.load_seconds(nbytes)
+        # drop the least recently used past the cap, never one this step uses
+        while len(held) > loras.max_cpu_loras:
+            oldest = next(iter(held))
+            if oldest in rows:
+                break
+            del held[oldest]
+        compute = cost.compute_seconds(flops, weight_bytes, len(rows))
+        self.compute_seconds += compute
+        self.load_seconds += load
+        return compute + load
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "lora_loads": self.loads,
+            "lora_load_seconds": self.load_seconds,
+            "lora_compute_seconds": self.compute_seconds,
+        }

@@ -1,0 +1,130 @@
+"""Adapter fairness in the simulator: the cold adapters' TTFT under a hot adapter's flood.
+
+One adapter floods the engine and seven others send a few requests each
+(``workloads.adapters.hot_adapter_flood``). For each policy the same cold requests run twice:
+with the flood and alone. A policy is fair to the cold adapters when their p99 TTFT under the
+flood stays within a small factor of their p99 alone; ``fcfs`` makes them wait behind the
+flood's backlog. Simulated TTFT is deterministic: the same arguments give the same table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncengine.bench.records import RequestRecord
+from asyncengine.common.config import EngineConfig
+from asyncengine.sim.cost_model import CostModel
+from asyncengine.sim.simulator import simulate
+from asyncengine.workloads.adapters import HOT_ADAPTER, hot_adapter_flood
+
+# The engine the comparison runs: room in one step for every adapter of the workload (so the
+# order decides, not the slot limit), a running batch a CPU serves, and prefill budgeted per
+# step so that one step's prompts do not hold everyone's first token.
+FAIRNESS_ENGINE: dict[str, Any] = {"max_loras": 8, "max_running_requests": 32, "log_interval": 0}
+PREFILL_BUDGET = {"token-budget": {"prefill_tokens": 512}}
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """A row of the table: a label, the policy spec and its options."""
+
+    label: str
+    policy: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_RUNS: tuple[PolicyRun, ...] = (
+    PolicyRun("fcfs", "fcfs+token-budget", PREFILL_BUDGET),
+    PolicyRun("lora-fair", "lora-fair+token-budget", PREFILL_BUDGET),
+    PolicyRun(
+        "lora-fair, preempt = false",
+        "lora-fair+token-budget",
+        {**PREFILL_BUDGET, "lora-fair": {"preempt": False}},
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessRow:
+    label: str
+    policy: str
+    cold_p99_alone: float  # seconds
+    cold_p99_flood: float
+    cold_p50_alone: float
+    cold_p50_flood: float
+    hot_p50_flood: float
+    hot_output_throughput: float  # the flooding adapter's output tokens per second
+    preemptions: int
+
+    @property
+    def ratio(self) -> float:
+        """Cold p99 TTFT under the flood over cold p99 TTFT alone."""
+        return self.cold_p99_flood / self.cold_p99_alone
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def _ttfts(records: Sequence[RequestRecord], hot: bool) -> list[float]:
+    return [
+        r.ttft
+        for r in records
+        if r.ttft is not None and r.completed and (r.lora == HOT_ADAPTER) == hot
+    ]
+
+
+def lora_fairness(
+    runs: Sequence[PolicyRun] = DEFAULT_RUNS,
+    *,
+    engine: dict[str, Any] | None = None,
+    cost_model: CostModel | None = None,
+    **workload: Any,
+) -> list[FairnessRow]:
+    """One row per run: the cold adapters' TTFT with the flood and alone (``workload``: the
+    arguments of ``hot_adapter_flood``; ``engine``: config keys over ``FAIRNESS_ENGINE``)."""
+    settings = {**FAIRNESS_ENGINE, **(engine or {})}
+    flood = hot_adapter_flood(include_hot=True, **workload)
+    alone = hot_adapter_flood(include_hot=False, **workload)
+    rows = []
+    for run in runs:
+        config = EngineConfig(policy=run.policy, policy_options=run.options, **settings)
+        with_flood = simulate(config, flood, cost_model)
+        by_itself = simulate(config, alone, cost_model)
+        cold_flood = _ttfts(with_flood.records, hot=False)
+        cold_alone = _ttfts(by_itself.records, hot=False)
+        hot = [r for r in with_flood.records if r.lora == HOT_ADAPTER and r.completed]
+        hot_tokens = sum(r.output_tokens for r in hot)
+        rows.append(
+            FairnessRow(
+                run.label,
+                run.policy,
+                float(np.percentile(cold_alone, 99)),
+                float(np.percentile(cold_flood, 99)),
+                float(np.percentile(cold_alone, 50)),
+                float(np.percentile(cold_flood, 50)),
+                float(np.percentile(_ttfts(with_flood.records, hot=True), 50)),
+                hot_tokens / with_flood.virtual_seconds,
+                int(with_flood.scheduler_stats["preemptions"]),
+            )
+        )
+    return rows
+
+
+def fairness_table(rows: Sequence[FairnessRow]) -> str:
+    """The rows as a markdown table."""
+    lines = [
+        "| policy | cold TTFT p99 alone | cold TTFT p99 under the flood | ratio | cold p50 alone "
+        "| cold p50 flood | hot TTFT p50 | hot output tok/s | preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.label} | {row.cold_p99_alone:.2f} s | {row.cold_p99_flood:.2f} s | "
+            f"{row.ratio:.2f}x | {row.cold_p50_alone:.2f} s | {row.cold_p50_flood:.2f} s | "
+            f"{row.hot_p50_flood:.2f} s | {row.hot_output_throughput:.1f} | {row.preemptions} |"
+        )
+    return "\n".join(lines)
