@@ -19,9 +19,6 @@
 #ifndef ASYNCENGINE_CPU_QUANT_KGROUPS_H
 #define ASYNCENGINE_CPU_QUANT_KGROUPS_H
 
-static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
-                           float *out);
-
 /* the group's rows one super-block at a time, unpacked and taken by the row kernels */
 static inline void group_scalar_k(int fmt, const uint8_t *w, int64_t k, const act_row *a,
                                   float *out) {
@@ -33,8 +30,9 @@ static inline void group_scalar_k(int fmt, const uint8_t *w, int64_t k, const ac
         const act_row part = {a->q + s * QK_K, a->d + s * (QK_K / QK), a->sd + s * (QK_K / QK),
                               NULL};
         for (int r = 0; r < XR; r++) {
-            float v;
-            row_dot(fmt, rows + r * bb, QK_K, &part, 1, &v);
+            float v = 0.0f;
+            if (fmt == FMT_Q6_K) row_q6_k(rows + r * bb, 1, &part, 1, &v);
+            else row_qk45(rows + r * bb, 1, &part, 1, &v, fmt == FMT_Q5_K);
             out[r] += v;
         }
     }
@@ -48,6 +46,22 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
 #else
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif
+}
+
+/* How far ahead of the bytes being multiplied the K-format group kernels ask for their weight
+ * bytes, spread over the super-block (a burst of a whole super-block's lines at once kept one
+ * thread's stream at ~80% of the Q4_0 kernel's on the same bytes). Tunable with
+ * -DQ_K_PREFETCH_BYTES. */
+#ifndef Q_K_PREFETCH_BYTES
+#define Q_K_PREFETCH_BYTES 2048
+#endif
+#ifndef Q_K_HINT
+#define Q_K_HINT _MM_HINT_T0
+#endif
+
+static inline void kq_prefetch(const uint8_t *w, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)w + Q_K_PREFETCH_BYTES + o, Q_K_HINT);
 }
 
 /* byte j (0..3) of each 32-bit lane, unsigned, as float */
@@ -87,6 +101,164 @@ static inline __m256i bit_to_16(__m256i h, int bit) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
+#if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+/* The AVX-512 forms: one 64-byte load is two pieces (lanes 0..7: rows' piece i, 8..15: piece
+ * i + 1), the activation's two 4-byte pieces put beside them by one permute of the block, and
+ * the two halves of the int32 sums added once per sub-block: half the instructions per weight
+ * byte of the 32-byte form, which a batch-1 product needs to keep up with memory (at 32 bytes
+ * per step one thread computed a Q4_K stream from DRAM at ~80% of the Q4_0 kernel's rate). */
+#define KQ_512 1
+
+static inline __m256i kq_fold(__m512i s) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+}
+
+/* lanes 0..7: 32-bit piece i of v, lanes 8..15: piece i + 1 */
+static inline __m512i kq_pair_index(int i) {
+    return _mm512_set_epi32(i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i, i, i, i, i,
+                            i, i, i);
+}
+
+static inline __m512i bit_to_16_512(__m512i h, int bit) {
+    __m512i v;
+    switch (bit) {
+    case 0: v = _mm512_slli_epi16(h, 4); break;
+    case 1: v = _mm512_slli_epi16(h, 3); break;
+    case 2: v = _mm512_slli_epi16(h, 2); break;
+    case 3: v = _mm512_slli_epi16(h, 1); break;
+    case 4: v = h; break;
+    case 5: v = _mm512_srli_epi16(h, 1); break;
+    case 6: v = _mm512_srli_epi16(h, 2); break;
+    default: v = _mm512_srli_epi16(h, 3); break;
+    }
+    return _mm512_and_si512(v, _mm512_set1_epi8(16));
+}
+
+/* chunk c (sub-blocks 2c, 2c + 1) of a Q4_K / Q5_K super-block: the 8 rows' integer sums */
+static inline Q_ALWAYS_INLINE void qk45_chunk_512(const uint8_t *qs, const uint8_t *qh,
+                                                  const int8_t *x, int c, const int has_high,
+                                                  __m256i *sum_lo, __m256i *sum_hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i xv = _mm512_loadu_si512((const void *)(x + 64 * c));
+    __m512i s_lo = _mm512_setzero_si512(), s_hi = s_lo;
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(qs + 256 * c + 64 * p));
+        __m512i lo = _mm512_and_si512(v, m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (has_high) {
+            const __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * p));
+            lo = _mm512_or_si512(lo, bit_to_16_512(h, 2 * c));
+            hi = _mm512_or_si512(hi, bit_to_16_512(h, 2 * c + 1));
+        }
+        s_lo = _mm512_dpbusd_epi32(s_lo, lo, _mm512_permutexvar_epi32(kq_pair_index(2 * p), xv));
+        s_hi = _mm512_dpbusd_epi32(s_hi, hi,
+                                   _mm512_permutexvar_epi32(kq_pair_index(8 + 2 * p), xv));
+    }
+    *sum_lo = kq_fold(s_lo);
+    *sum_hi = kq_fold(s_hi);
+}
+
+/* activation block g of a Q6_K half: the 8 rows' sums over its two halves of 16 (s0, s1), and
+ * 32 times the activation halves' sums (c0, c1) */
+static inline Q_ALWAYS_INLINE void q6_block_512(const uint8_t *lp, const uint8_t *hp,
+                                                const int8_t *xb, int g, __m256i *s0,
+                                                __m256i *s1, __m256i *c0, __m256i *c1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    const __m512i xv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xb));
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+    for (int p = 0; p < 4; p++) {
+        __m512i l = _mm512_loadu_si512((const void *)(lp + 64 * p));
+        if (g >> 1) l = _mm512_srli_epi16(l, 4);
+        const __m512i h = _mm512_loadu_si512((const void *)(hp + 64 * p));
+        __m512i hs;
+        switch (g) {
+        case 0: hs = _mm512_slli_epi16(h, 4); break;
+        case 1: hs = _mm512_slli_epi16(h, 2); break;
+        case 2: hs = h; break;
+        default: hs = _mm512_srli_epi16(h, 2); break;
+        }
+        const __m512i q = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(hs, m30));
+        const __m512i xp = _mm512_permutexvar_epi32(kq_pair_index(2 * p), xv);
+        if (p < 2) {
+            a0 = _mm512_dpbusd_epi32(a0, q, xp);
+            b0 = _mm512_dpbusd_epi32(b0, k32, xp);
+        } else {
+            a1 = _mm512_dpbusd_epi32(a1, q, xp);
+            b1 = _mm512_dpbusd_epi32(b1, k32, xp);
+        }
+    }
+    *s0 = kq_fold(a0);
+    *s1 = kq_fold(a1);
+    *c0 = kq_fold(b0);
+    *c1 = kq_fold(b1);
+}
+#endif
+
+/* chunk c (sub-blocks 2c, 2c + 1) of a Q4_K / Q5_K super-block: the 8 rows' integer sums */
+static inline Q_ALWAYS_INLINE void qk45_chunk_256(const uint8_t *qs, const uint8_t *qh,
+                                                  const int8_t *x, int c, const int has_high,
+                                                  __m256i *sum_lo, __m256i *sum_hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i s_lo = _mm256_setzero_si256(), s_hi = s_lo;
+    for (int i = 0; i < 8; i++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 256 * c + 32 * i));
+        __m256i lo = _mm256_and_si256(v, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (has_high) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * i));
+            lo = _mm256_or_si256(lo, bit_to_16(h, 2 * c));
+            hi = _mm256_or_si256(hi, bit_to_16(h, 2 * c + 1));
+        }
+        s_lo = kq_acc(s_lo, lo, bcast4(x + 64 * c + 4 * i));
+        s_hi = kq_acc(s_hi, hi, bcast4(x + 64 * c + 32 + 4 * i));
+    }
+    *sum_lo = s_lo;
+    *sum_hi = s_hi;
+}
+
+/* activation block g of a Q6_K half: as q6_block_512, 32 bytes at a time */
+static inline Q_ALWAYS_INLINE void q6_block_256(const uint8_t *lp, const uint8_t *hp,
+                                                const int8_t *xb, int g, __m256i *s0,
+                                                __m256i *s1, __m256i *c0, __m256i *c1) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+    for (int i = 0; i < 8; i++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(lp + 32 * i));
+        if (g >> 1) l = _mm256_srli_epi16(l, 4);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(hp + 32 * i));
+        __m256i hs;
+        switch (g) { /* bits 2g, 2g + 1 to bits 4, 5 */
+        case 0: hs = _mm256_slli_epi16(h, 4); break;
+        case 1: hs = _mm256_slli_epi16(h, 2); break;
+        case 2: hs = h; break;
+        default: hs = _mm256_srli_epi16(h, 2); break;
+        }
+        const __m256i q = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(hs, m30));
+        const __m256i xv = bcast4(xb + 4 * i);
+        if (i < 4) {
+            a0 = kq_acc(a0, q, xv);
+            b0 = kq_acc(b0, k32, xv);
+        } else {
+            a1 = kq_acc(a1, q, xv);
+            b1 = kq_acc(b1, k32, xv);
+        }
+    }
+    *s0 = a0;
+    *s1 = a1;
+    *c0 = b0;
+    *c1 = b1;
+}
+
+#if defined(KQ_512)
+#define qk45_chunk qk45_chunk_512
+#define q6_block q6_block_512
+#else
+#define qk45_chunk qk45_chunk_256
+#define q6_block q6_block_256
+#endif
+
 /* Q4_K (has_high 0) / Q5_K (has_high 1) group against one activation row: out[r], r < XR */
 static inline Q_ALWAYS_INLINE void group_qk45(const uint8_t *w, int64_t nsb, const act_row *a,
                                               float *out, const int has_high) {
@@ -95,7 +267,6 @@ static inline Q_ALWAYS_INLINE void group_qk45(const uint8_t *w, int64_t nsb, con
                   m30 = _mm256_set1_epi8(0x30);
     __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++, w += bb) {
-        prefetch_ahead(w, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
         /* lane r: row r's scales (mins) of sub-blocks 0..3 and 4..7, a byte each */
@@ -113,19 +284,9 @@ static inline Q_ALWAYS_INLINE void group_qk45(const uint8_t *w, int64_t nsb, con
         const int8_t *x = a->q + s * QK_K;
         const float *xd = a->d + s * 8, *xsd = a->sd + s * 8;
         for (int c = 0; c < 4; c++) {
-            __m256i s_lo = _mm256_setzero_si256(), s_hi = s_lo;
-            for (int i = 0; i < 8; i++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 256 * c + 32 * i));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (has_high) {
-                    const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * i));
-                    lo = _mm256_or_si256(lo, bit_to_16(h, 2 * c));
-                    hi = _mm256_or_si256(hi, bit_to_16(h, 2 * c + 1));
-                }
-                s_lo = kq_acc(s_lo, lo, bcast4(x + 64 * c + 4 * i));
-                s_hi = kq_acc(s_hi, hi, bcast4(x + 64 * c + 32 + 4 * i));
-            }
+            kq_prefetch(w + c * (bb / 4), bb / 4);
+            __m256i s_lo, s_hi;
+            qk45_chunk(qs, qh, x, c, has_high, &s_lo, &s_hi);
             const int j = 2 * c; /* sub-blocks j and j + 1: bytes j % 4, j % 4 + 1 of vector j / 4 */
             const __m256 sc_lo = lane_byte(sc[j / 4], j % 4), sc_hi = lane_byte(sc[j / 4], j % 4 + 1);
             const __m256 m_lo = lane_byte(mn[j / 4], j % 4), m_hi = lane_byte(mn[j / 4], j % 4 + 1);
@@ -152,42 +313,19 @@ static Q_NOINLINE void group_q5_k(const uint8_t *w, int64_t nsb, const act_row *
 /* Q6_K group against one activation row: out[r], r < XR */
 static Q_NOINLINE void group_q6_k(const uint8_t *w, int64_t nsb, const act_row *a, float *out) {
     const int64_t bb = XR * 210;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m256i k32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++, w += bb) {
-        prefetch_ahead(w, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const uint8_t *ql = w + 16, *qh = ql + 32 * 32, *scp = qh + 16 * 32;
         const int8_t *x = a->q + s * QK_K;
         const float *xd = a->d + s * 8;
         for (int half = 0; half < 2; half++) {
             for (int g = 0; g < 4; g++) {
+                kq_prefetch(w + (4 * half + g) * (bb / 8), bb / 8);
                 const int8_t *xb = x + 128 * half + 32 * g;
                 const uint8_t *lp = ql + 32 * (16 * half + 8 * (g & 1)), *hp = qh + 32 * 8 * half;
-                __m256i s0 = _mm256_setzero_si256(), s1 = s0, c0 = s0, c1 = s0;
-                for (int i = 0; i < 8; i++) {
-                    __m256i l = _mm256_loadu_si256((const __m256i *)(lp + 32 * i));
-                    if (g >> 1) l = _mm256_srli_epi16(l, 4);
-                    const __m256i h = _mm256_loadu_si256((const __m256i *)(hp + 32 * i));
-                    __m256i hs;
-                    switch (g) { /* bits 2g, 2g + 1 to bits 4, 5 */
-                    case 0: hs = _mm256_slli_epi16(h, 4); break;
-                    case 1: hs = _mm256_slli_epi16(h, 2); break;
-                    case 2: hs = h; break;
-                    default: hs = _mm256_srli_epi16(h, 2); break;
-                    }
-                    const __m256i q = _mm256_or_si256(_mm256_and_si256(l, m4),
-                                                      _mm256_and_si256(hs, m30));
-                    const __m256i xv = bcast4(xb + 4 * i);
-                    if (i < 4) {
-                        s0 = kq_acc(s0, q, xv);
-                        c0 = kq_acc(c0, k32, xv);
-                    } else {
-                        s1 = kq_acc(s1, q, xv);
-                        c1 = kq_acc(c1, k32, xv);
-                    }
-                }
+                __m256i s0, s1, c0, c1;
+                q6_block(lp, hp, xb, g, &s0, &s1, &c0, &c1);
                 /* sub-block scales 8 half + 2g, + 1: bytes of vector (8 half + 2g) / 4 */
                 const int j = 8 * half + 2 * g;
                 const __m256i scv = _mm256_loadu_si256((const __m256i *)(scp + 32 * (j / 4)));
