@@ -194,7 +194,9 @@ def main() -> None:
         f"quantized kernels: {quant_native.isa_name()}, threads {torch.get_num_threads()}, {args.dtype}"
     )
     print(f"shape {args.shape}: {shapes}")
-    header = f"{'format':>6} {'rows':>5} {'layer q ms':>10} {'GB/s':>6} {'layer dense':>11} {'ratio':>6}"
+    header = (
+        f"{'format':>6} {'rows':>5} {'layer q ms':>10} {'GB/s':>6} {'layer dense':>11} {'ratio':>6}"
+    )
     if args.row_by_row:
         header += f" {'row-by-row ms':>13} {'GB/s':>6}"
     if args.lm_head:
