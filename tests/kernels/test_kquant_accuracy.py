@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 # round-to-nearest quantizer's (4, 5 and 6 bits: 15, 31 and 63 levels per sub-block)
 WEIGHT_ERROR = {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}
 # the product's error from the int8 activation blocks (round to nearest, 127 levels), relative
-# to the product's scale (|x| |W|^T): ~0.4% / sqrt(32) per block, summed
-PRODUCT_ERROR = 5e-3
+# to the product's scale (|x| |W|^T): ~5e-4 seen on every format and ISA
+PRODUCT_ERROR = 2e-3
 
 
 @pytest.mark.parametrize("fmt", [Q4_K, Q5_K, Q6_K], ids=lambda f: f.name)
