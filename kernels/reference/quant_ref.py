@@ -19,8 +19,8 @@ from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
     FLOAT_FORMATS,
-    I8,
     GROUP_LAYOUTS,
+    I8,
     INTERLEAVED_ROWS,
     QuantizedTensor,
 )

@@ -31,9 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.layers.linear import INTERLEAVE_ENV, Linear, QuantizedLinear
 from asyncengine.kernels.cpu import quant_native
-from asyncengine.executor.layers.linear import INTERLEAVE_ENV
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor, bf16_rows, f32_rows
 from asyncengine.kernels.reference import quant_ref
 
