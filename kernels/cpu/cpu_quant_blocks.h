@@ -825,7 +825,7 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
 /* the XR rows of an interleaved group (fmt: interleaves(fmt)) against one activation row */
 static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, float *out) {
     if (xr_block_values(fmt) == QK_K) {
-        group_dot_k(fmt, w, k, a, out);
+        group_dot_k(fmt, w, k, a, 1, out);
         return;
     }
 #if defined(Q_ISA_SIMD)
@@ -841,6 +841,10 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out) {
+    if (xr_block_values(fmt) == QK_K) {
+        group_dot_k(fmt, w, k, a, nr, out);
+        return;
+    }
 #if defined(Q_ISA_SIMD)
     if (nr > 1 && fmt == FMT_Q8_0) {
         group_q8_0_rows(w, k / QK, a, nr, out);
