@@ -55,13 +55,10 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
 #ifndef Q_K_PREFETCH_BYTES
 #define Q_K_PREFETCH_BYTES 2048
 #endif
-#ifndef Q_K_HINT
-#define Q_K_HINT _MM_HINT_T0
-#endif
 
 static inline Q_ALWAYS_INLINE void kq_prefetch(const uint8_t *w, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64)
-        _mm_prefetch((const char *)w + Q_K_PREFETCH_BYTES + o, Q_K_HINT);
+        _mm_prefetch((const char *)w + Q_K_PREFETCH_BYTES + o, _MM_HINT_T0);
 }
 
 /* byte j (0..3) of each 32-bit lane, unsigned, as float */
