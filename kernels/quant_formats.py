@@ -58,10 +58,29 @@ GGUF_FORMATS: dict[int, QuantFormat] = {
 }
 
 
-# Q8_0, Q4_0 and Q4_1 weights are kept in interleaved groups of this many rows once loaded
+# GGUF block weights are kept in interleaved groups of this many rows once loaded
 # (kernels/cpu/cpu_quant_blocks.h describes the layout; kernels/cpu/quant_native.interleave packs them)
 INTERLEAVED_ROWS = 8
-INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """Where a grouped format's fp16 fields (the header: d; Q4_1's m, the K formats' dmin) lie in
+    a block as GGUF stores it; every other byte of the block is a value byte."""
+
+    header_at: int  # byte offset of the header in the block
+    header_bytes: int
+
+
+GROUP_LAYOUTS: dict[str, GroupLayout] = {
+    "Q8_0": GroupLayout(0, 2),
+    "Q4_0": GroupLayout(0, 2),
+    "Q4_1": GroupLayout(0, 4),
+    "Q4_K": GroupLayout(0, 4),
+    "Q5_K": GroupLayout(0, 4),
+    "Q6_K": GroupLayout(208, 2),
+}
 
 
 @dataclass(slots=True)

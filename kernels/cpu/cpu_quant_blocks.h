@@ -470,19 +470,24 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Interleaved groups of XR rows (Q8_0, Q4_0, Q4_1), packed once at load
- * (asyncengine_interleave_rows). A batch-1 product row by row spends most of its time per block
- * on work that does not depend on the row: broadcasting the activation block's scale, the
+/* Interleaved groups of XR rows (Q8_0, Q4_0, Q4_1; the K formats Q4_K, Q5_K, Q6_K), packed once
+ * at load (asyncengine_interleave_rows). A batch-1 product row by row spends most of its time per
+ * block on work that does not depend on the row: broadcasting the activation block's scale, the
  * horizontal sums at the end, converting one fp16 scale at a time. With XR rows' blocks side by
  * side, one 32-byte load holds 4 values of each of the 8 rows, so each 4-value piece of the
  * activation block is broadcast once and feeds all 8 rows (u8 x s8 products whose lane r is row
  * r's partial sum: no horizontal sums), and the 8 rows' fp16 scales (and mins) convert in one
- * instruction into the vector that scales the 8 sums. The layout of one block of a group:
+ * instruction into the vector that scales the 8 sums. The layout of one block (a K format's
+ * super-block of 256) of a group:
  *
- *   header  the 8 rows' fp16 d (16 bytes); Q4_1 then the 8 rows' fp16 m (16 bytes)
- *   values  chunks of 32 bytes: chunk c holds bytes 4c..4c+3 of each row's block values
- *           (row r at 4r); Q4_x: 4 chunks (the low nibbles are elements 4c..4c+3, the high ones
- *           16+4c..16+4c+3), Q8_0: 8 chunks (elements 4c..4c+3)
+ *   header  the 8 rows' fp16 fields side by side: d (16 bytes); Q4_1 then m, Q4_K / Q5_K then
+ *           dmin (16 bytes more). Q6_K's d, the last field of its block, comes first here.
+ *   values  every other byte of the rows' blocks, in their order, in pieces of 32 bytes: piece
+ *           c holds bytes 4c..4c+3 of each row's rest-of-block (row r at 4r). Q4_x: 4 pieces
+ *           (the low nibbles are elements 4c..4c+3, the high ones 16+4c..16+4c+3), Q8_0: 8;
+ *           Q4_K: 3 pieces of 6-bit scales and mins (lane r: row r's 4 packed bytes), 32 of
+ *           nibbles; Q5_K: as Q4_K with 8 pieces of fifth bits between; Q6_K: 32 pieces of low
+ *           nibbles, 16 of high bit pairs, 4 of int8 sub-block scales
  *
  * so a group of 8 rows takes exactly the bytes of its 8 rows, in the same place: a weight of
  * `rows` rows keeps its size, the first rows / XR * XR rows are grouped, the rest stay as
@@ -491,29 +496,48 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
 #define XR 8
 
 static inline int interleaves(int fmt) {
-    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
+    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K ||
+           fmt == FMT_Q5_K || fmt == FMT_Q6_K;
 }
-/* a row block's header bytes (fp16 d, Q4_1 also m) and value bytes, as GGUF stores it */
-static inline int64_t xr_header_bytes(int fmt) { return fmt == FMT_Q4_1 ? 4 : 2; }
-static inline int64_t xr_value_bytes(int fmt) { return fmt == FMT_Q8_0 ? 32 : 16; }
+/* values per block of a grouped format */
+static inline int64_t xr_block_values(int fmt) {
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K ? QK_K : QK;
+}
+/* a row block's header bytes (its fp16 fields) and value bytes (the rest), as GGUF stores it */
+static inline int64_t xr_header_bytes(int fmt) {
+    return fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K ? 4 : 2;
+}
+static inline int64_t xr_value_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q8_0: return 32;
+    case FMT_Q4_K: return 140;
+    case FMT_Q5_K: return 172;
+    case FMT_Q6_K: return 208;
+    default: return 16;
+    }
+}
+/* where the header lies in a row block as GGUF stores it (Q6_K: d last) */
+static inline int64_t xr_header_at(int fmt) { return fmt == FMT_Q6_K ? 208 : 0; }
 
-/* XR rows (row_bytes apart, nb blocks each) -> one interleaved group at dst; and back */
-static inline void interleave_group(int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb,
+/* XR rows (row_bytes apart, the blocks of k values each) -> one interleaved group at dst; and
+ * back */
+static inline void interleave_group(int fmt, const uint8_t *src, int64_t row_bytes, int64_t k,
                                     uint8_t *dst, int unpack) {
     const int64_t hb = xr_header_bytes(fmt), vb = xr_value_bytes(fmt), bb = hb + vb;
+    const int64_t at = xr_header_at(fmt), values_at = at ? 0 : hb, nb = k / xr_block_values(fmt);
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *g = dst + b * XR * bb;
         for (int r = 0; r < XR; r++) {
             uint8_t *blk = (uint8_t *)src + r * row_bytes + b * bb;
             for (int64_t h = 0; h < hb / 2; h++) {
                 uint8_t *packed = g + h * 2 * XR + 2 * r;
-                if (unpack) memcpy(blk + 2 * h, packed, 2);
-                else memcpy(packed, blk + 2 * h, 2);
+                if (unpack) memcpy(blk + at + 2 * h, packed, 2);
+                else memcpy(packed, blk + at + 2 * h, 2);
             }
             for (int64_t c = 0; c < vb / 4; c++) {
                 uint8_t *packed = g + XR * hb + c * 4 * XR + 4 * r;
-                if (unpack) memcpy(blk + hb + 4 * c, packed, 4);
-                else memcpy(packed, blk + hb + 4 * c, 4);
+                if (unpack) memcpy(blk + values_at + 4 * c, packed, 4);
+                else memcpy(packed, blk + values_at + 4 * c, 4);
             }
         }
     }
@@ -796,8 +820,14 @@ static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out);
 
+#include "cpu_quant_kgroups.h"
+
 /* the XR rows of an interleaved group (fmt: interleaves(fmt)) against one activation row */
 static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, float *out) {
+    if (xr_block_values(fmt) == QK_K) {
+        group_dot_k(fmt, w, k, a, 1, out);
+        return;
+    }
 #if defined(Q_ISA_SIMD)
     switch (fmt) {
     case FMT_Q8_0: group_q8_0(w, k / QK, a, out); return;
@@ -811,6 +841,10 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out) {
+    if (xr_block_values(fmt) == QK_K) {
+        group_dot_k(fmt, w, k, a, nr, out);
+        return;
+    }
 #if defined(Q_ISA_SIMD)
     if (nr > 1 && fmt == FMT_Q8_0) {
         group_q8_0_rows(w, k / QK, a, nr, out);

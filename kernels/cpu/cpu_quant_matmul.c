@@ -91,7 +91,7 @@ void asyncengine_interleave_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
     memcpy(dst + grouped * row_bytes, w + grouped * row_bytes,
            (size_t)((rows - grouped) * row_bytes));
     for (int64_t g = 0; g < grouped; g += XR)
-        interleave_group(fmt, w + g * row_bytes, row_bytes, k / QK, dst + g * row_bytes, 0);
+        interleave_group(fmt, w + g * row_bytes, row_bytes, k, dst + g * row_bytes, 0);
 }
 
 /* activation rows i0..i0 + nr - 1 as the row kernels take them: their q8 form (xq: NULL for F32
@@ -303,7 +303,7 @@ void asyncengine_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, i
             if (row < grouped) {
                 const int64_t g = row / XR * XR;
                 if (g != unpacked)
-                    interleave_group(fmt, group, row_bytes, k / QK, (uint8_t *)w + g * row_bytes, 1);
+                    interleave_group(fmt, group, row_bytes, k, (uint8_t *)w + g * row_bytes, 1);
                 unpacked = g;
                 src = group + (row - g) * row_bytes;
             }

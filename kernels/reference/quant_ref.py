@@ -19,10 +19,9 @@ from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
     FLOAT_FORMATS,
+    GROUP_LAYOUTS,
     I8,
     INTERLEAVED_ROWS,
-    Q4_1,
-    Q8_0,
     QuantizedTensor,
 )
 
@@ -44,8 +43,8 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def deinterleave(weight: QuantizedTensor) -> QuantizedTensor:
     """An interleaved weight's rows as GGUF stores them (the layout of cpu_quant_blocks.h, taken
-    apart with tensor views: a group's block holds the 8 rows' fp16 headers, then chunks of 4
-    value bytes per row)."""
+    apart with tensor views: a group's block holds the 8 rows' fp16 header fields, then pieces of
+    4 value bytes per row)."""
     if not weight.interleaved:
         return weight
     fmt, data = weight.format, weight.data
@@ -53,14 +52,16 @@ def deinterleave(weight: QuantizedTensor) -> QuantizedTensor:
     g = INTERLEAVED_ROWS
     grouped = rows // g * g
     nb = weight.cols // fmt.block_size
-    header = 4 if fmt == Q4_1 else 2
-    values = 32 if fmt == Q8_0 else 16
-    blocks = data[:grouped].reshape(grouped // g, nb, g * (header + values))
+    layout = GROUP_LAYOUTS[fmt.name]
+    header = layout.header_bytes
+    values = fmt.block_bytes - header
+    blocks = data[:grouped].reshape(grouped // g, nb, g * fmt.block_bytes)
     head = blocks[:, :, : g * header].reshape(-1, nb, header // 2, g, 2).permute(0, 3, 1, 2, 4)
     vals = blocks[:, :, g * header :].reshape(-1, nb, values // 4, g, 4).permute(0, 3, 1, 2, 4)
-    rows_data = torch.cat(
-        [head.reshape(-1, g, nb, header), vals.reshape(-1, g, nb, values)], dim=3
-    ).reshape(grouped, row_bytes)
+    head_rows, val_rows = head.reshape(-1, g, nb, header), vals.reshape(-1, g, nb, values)
+    at = layout.header_at
+    parts = [val_rows[..., :at], head_rows, val_rows[..., at:]]
+    rows_data = torch.cat(parts, dim=3).reshape(grouped, row_bytes)
     return QuantizedTensor(fmt, torch.cat([rows_data, data[grouped:]]), weight.cols)
 
 

@@ -49,6 +49,13 @@ the float32 pool's; attention's share grows with the context:
 
     .venv/bin/python scripts/micro/bench_decode_step.py --batches 16,64,128 --context 443 --half-pool
 
+``--shape`` runs a random-weight model of a real shape in a llama-quantize mix instead of a
+file (scripts/micro/synthetic_model.py: no GGUF, no llama.cpp), and the table gains the weight
+bytes a batch-1 step streams and the GB/s that makes (a batch-1 step is bound by them):
+
+    .venv/bin/python scripts/micro/bench_decode_step.py --shape llama-3.2-1b --mix Q4_K_M \
+        --batches 1,4,16 --context 256
+
 ``--cpu-time`` times with this process's CPU time instead of the wall clock: with one thread it
 is the step's own cost whatever else runs on the machine (with more, it counts the threads'
 waiting too).
@@ -92,12 +99,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         dtype = DTYPES[args.dtype]  # the activations' and the pool's
-        loaded = load_model(args.model, dtype, torch.device("cpu"), args.quantization)
-        config = ModelConfig.from_hf_dict(
-            json.loads((loaded.model_dir / "config.json").read_text())
-        )
+        if args.shape:
+            from scripts.micro.synthetic_model import synthetic_weights
+
+            hf_config, weights = synthetic_weights(args.shape, args.mix)
+            self.summary = f"{args.shape} {args.mix} (random weights)"
+        else:
+            loaded = load_model(args.model, dtype, torch.device("cpu"), args.quantization)
+            hf_config = json.loads((loaded.model_dir / "config.json").read_text())
+            weights = dict(loaded.weights)
+            self.summary = loaded.summary()
+        config = ModelConfig.from_hf_dict(hf_config)
         self.args = args
-        self.summary = loaded.summary()
         page_size = 16
         pages = -(-(args.context + 2) // page_size)
         rows = max(args.batches)
@@ -105,13 +118,13 @@ class Bench:
         pool.k.uniform_(-1, 1)  # the "cached" context: any finite values time the same
         pool.v.uniform_(-1, 1)
         table = PageTable.contiguous(rows, pages)
-        self.runner = ModelRunner(config, dict(loaded.weights), pool, table, dtype)
+        self.runner = ModelRunner(config, dict(weights), pool, table, dtype)
         self.onednn: ModelRunner | None = None
         if args.quantization == "none":  # the same weights as dense Linears, for comparison
             previous = os.environ.get(FLOAT_ROWS_ENV)
             os.environ[FLOAT_ROWS_ENV] = "0"
             try:
-                self.onednn = ModelRunner(config, dict(loaded.weights), pool, table, dtype)
+                self.onednn = ModelRunner(config, dict(weights), pool, table, dtype)
             finally:
                 if previous is None:
                     del os.environ[FLOAT_ROWS_ENV]
@@ -122,7 +135,7 @@ class Bench:
             half_pool = KVPool.for_model(config, pages * rows, page_size, torch.float16)
             half_pool.k.uniform_(-1, 1)
             half_pool.v.uniform_(-1, 1)
-            self.half = ModelRunner(config, dict(loaded.weights), half_pool, table, torch.float32)
+            self.half = ModelRunner(config, dict(weights), half_pool, table, torch.float32)
         self.fused = self.runner.model.native_decode
         self.crossovers = {
             linear: linear.dense_from_rows
@@ -132,6 +145,12 @@ class Bench:
         }
         if self.fused is None:
             raise ValueError(f"the fused decode step does not cover {args.model} here")
+        model = self.runner.model
+        self.step_bytes = sum(
+            getattr(linear, "nbytes", 0)
+            for layer in model.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ) + getattr(model.lm_head, "nbytes", 0)
         self.libraries = decode_step_native._library
         self.dtype = dtype
         self.library = self.libraries(dtype)  # the build for this run's pool
@@ -291,6 +310,15 @@ def table(result: dict[str, Any]) -> str:
             f"| {row['batch']} | {fused} | {row['torch_ms']:.2f} | {row['speedup']:.2f}x | {dense} "
             f"| {base} | {gain} | {onednn} | {half} | {half_gain} |"
         )
+    step_bytes = result.get("step_weight_bytes", 0)
+    for row in result["rows"]:
+        if row["batch"] == 1 and step_bytes:
+            lines += [
+                "",
+                f"a batch-1 step streams {step_bytes / 1e6:.0f} MB of weights: fused "
+                f"{step_bytes / row['fused_ms'] / 1e6:.1f} GB/s, torch path "
+                f"{step_bytes / row['torch_ms'] / 1e6:.1f} GB/s",
+            ]
     parts = ("projections", "fused_step", "lm_head", "sample", "rest", "step")
     lines += ["", "batch-1 step (ms): | path | " + " | ".join(parts) + " |"]
     for path, row in result["breakdown"].items():
@@ -314,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=tuple(DTYPES),
         help="the activations and the K/V pool (bfloat16: the step's -DKV_BF16 build)",
     )
+    parser.add_argument(
+        "--shape", default=None, help="a random model of this shape (synthetic_model.SHAPES)"
+    )
+    parser.add_argument("--mix", default="Q4_K_M", help="its formats (synthetic_model.MIXES)")
     parser.add_argument("--batches", default="1,2,4,8,16,24,31")
     parser.add_argument("--context", type=int, default=64, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=15)
@@ -348,8 +380,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = [bench.ab(batch) for batch in args.batches]
         breakdown = bench.breakdown()
     result = {
-        "model": args.model,
+        "model": args.shape or args.model,
         "weights": bench.summary,
+        "step_weight_bytes": bench.step_bytes,
         "context": args.context,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),

@@ -1,9 +1,15 @@
 """The quantized matmul (kernels/cpu/cpu_quant_matmul.c) against the dense oneDNN projection of
-today (executor/layers/linear.py's prepacked Linear), per batch size, on the embedded model's projection
-shapes: where the crossover lies (executor/layers/linear.py's DENSE_FROM_ROWS).
+today (executor/layers/linear.py's prepacked Linear), per batch size, on one model's projection
+shapes (--shape: the embedded model's by default, or a real size's): where the crossover lies
+(executor/layers/linear.py's DENSE_FROM_ROWS).
 
     python scripts/micro/bench_quant_matmul.py [--formats Q4_1,Q8_0] [--rows 1,4,16,64,256]
+        [--shape smollm2-135m|llama-3.2-1b|llama-3.2-3b|qwen2.5-1.5b] [--row-by-row]
         [--dtype float32] [--json out.json]
+
+Formats the ``gguf`` package cannot quantize (the K formats) get random blocks with valid fp16
+scales: the speed of a product does not depend on the values. --row-by-row also times the
+weights as stored (not in interleaved groups), the layout before the groups.
 
 Prints a table of the best milliseconds of repeated calls (all projections of one layer, plus the LM head
 alone) and the quantized/dense ratio; also the weight bytes streamed per call at batch 1 and the
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -24,19 +31,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.layers.linear import INTERLEAVE_ENV, Linear, QuantizedLinear
 from asyncengine.kernels.cpu import quant_native
-from asyncengine.kernels.quant_formats import FORMATS, bf16_rows, f32_rows
+from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor, bf16_rows, f32_rows
 from asyncengine.kernels.reference import quant_ref
 
-# (name, out_features, in_features) of SmolLM2-135M's projections; qkv/gate_up fused
-LAYER_SHAPES = [
-    ("qkv", 960, 576),
-    ("o_proj", 576, 576),
-    ("gate_up", 3072, 576),
-    ("down", 576, 1536),
-]
-LM_HEAD = ("lm_head", 49152, 576)
+
+def model_shapes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int
+) -> tuple[list[tuple[str, int, int]], tuple[str, int, int]]:
+    """(name, out_features, in_features) of a llama-family layer's projections (qkv and gate_up
+    fused), and its LM head."""
+    layer = [
+        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o_proj", hidden, heads * head_dim),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+    ]
+    return layer, ("lm_head", vocab, hidden)
+
+
+SHAPES = {
+    "smollm2-135m": model_shapes(576, 9, 3, 64, 1536, 49152),
+    "llama-3.2-1b": model_shapes(2048, 32, 8, 64, 8192, 128256),
+    "llama-3.2-3b": model_shapes(3072, 24, 8, 128, 8192, 128256),
+    "qwen2.5-1.5b": model_shapes(1536, 12, 2, 128, 8960, 151936),
+}
+LAYER_SHAPES, LM_HEAD = SHAPES["smollm2-135m"]
 
 
 CLOCK: Callable[[], float] = time.perf_counter
@@ -55,7 +76,22 @@ def best_ms(fn: Callable[[], object], seconds: float = 0.3) -> float:
     return min(times)
 
 
+def random_blocks(fmt_name: str, rows: int, cols: int) -> QuantizedTensor:
+    """Random blocks of a GGUF format with valid small fp16 scales (its fp16 fields: as
+    tests/kernels/test_quantized_kernels.py makes them)."""
+    fmt = FORMATS[fmt_name]
+    fields = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+    blocks = cols // fmt.block_size
+    data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), dtype=torch.uint8)
+    for offset in fields.get(fmt_name, (208,)):
+        scale = (torch.rand(rows, blocks) * 0.002 + 0.0005).to(torch.float16)
+        data[:, :, offset : offset + 2] = scale.view(torch.uint8).reshape(rows, blocks, 2)
+    return QuantizedTensor(fmt, data.reshape(rows, -1).contiguous(), cols)
+
+
 def quantize(fmt_name: str, weight: torch.Tensor) -> QuantizedLinear:
+    if fmt_name in ("Q4_K", "Q5_K", "Q6_K"):
+        return QuantizedLinear([random_blocks(fmt_name, *weight.shape)])
     if fmt_name == "I8":
         return QuantizedLinear([quant_ref.quantize_i8(weight)])
     if fmt_name == "F32":  # the float32 weight as it is, through the native F32 rows
@@ -64,8 +100,6 @@ def quantize(fmt_name: str, weight: torch.Tensor) -> QuantizedLinear:
         return QuantizedLinear([bf16_rows(weight.to(torch.bfloat16))])
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
-
-    from asyncengine.kernels.quant_formats import QuantizedTensor
 
     fmt = FORMATS[fmt_name]
     assert fmt.gguf_type is not None
@@ -85,19 +119,22 @@ def measure(
     shapes: list[tuple[str, int, int]],
     dtype: torch.dtype,
     lm_head: bool,
+    row_by_row: dict[str, QuantizedLinear] | None = None,
 ) -> dict[str, Any]:
     xs = {name: torch.randn(n, inp).to(dtype) for name, _, inp in shapes}
 
+    layer_names = [name for name, _, _ in shapes if name != "lm_head"]
+
     def layer(table: Mapping[str, Projection]) -> Callable[[], None]:
         def run() -> None:
-            for name, _, _ in LAYER_SHAPES:
+            for name in layer_names:
                 table[name](xs[name])
 
         return run
 
     q_ms = best_ms(layer(quant))
     d_ms = best_ms(layer(dense))
-    layer_bytes = sum(quant[name].nbytes for name, _, _ in LAYER_SHAPES)
+    layer_bytes = sum(quant[name].nbytes for name in layer_names)
     row: dict[str, Any] = {
         "format": fmt_name,
         "rows": n,
@@ -107,10 +144,16 @@ def measure(
         "layer_weight_bytes": layer_bytes,
         "layer_quantized_gbps": layer_bytes / q_ms / 1e6,
     }
+    if row_by_row is not None:
+        row["layer_row_by_row_ms"] = best_ms(layer(row_by_row))
+        row["layer_row_by_row_gbps"] = layer_bytes / row["layer_row_by_row_ms"] / 1e6
     if lm_head:
         x = xs["lm_head"]
         row["head_quantized_ms"] = best_ms(lambda: quant["lm_head"](x))
+        row["head_quantized_gbps"] = quant["lm_head"].nbytes / row["head_quantized_ms"] / 1e6
         row["head_dense_ms"] = best_ms(lambda: dense["lm_head"](x))
+        if row_by_row is not None:
+            row["head_row_by_row_ms"] = best_ms(lambda: row_by_row["lm_head"](x))
     return row
 
 
@@ -119,7 +162,11 @@ def main() -> None:
     parser.add_argument("--formats", default="Q4_1,Q8_0")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--lm-head", action="store_true", help="also time the 49152-row LM head")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--lm-head", action="store_true", help="also time the LM head")
+    parser.add_argument(
+        "--row-by-row", action="store_true", help="also time the weights as stored (no groups)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument(
         "--cpu-time",
@@ -137,27 +184,47 @@ def main() -> None:
         global CLOCK
         CLOCK = time.thread_time
     torch.manual_seed(0)
-    shapes = LAYER_SHAPES + ([LM_HEAD] if args.lm_head else [])
+    layer_shapes, head_shape = SHAPES[args.shape]
+    shapes = layer_shapes + ([head_shape] if args.lm_head else [])
     weights = {name: torch.randn(out, inp) * 0.05 for name, out, inp in shapes}
     dense = {name: Linear(w.to(dtype)) for name, w in weights.items()}
     results: list[dict[str, object]] = []
     print(
         f"quantized kernels: {quant_native.isa_name()}, threads {torch.get_num_threads()}, {args.dtype}"
     )
-    header = f"{'format':>6} {'rows':>5} {'layer q ms':>10} {'layer dense':>11} {'ratio':>6}"
+    print(f"shape {args.shape}: {shapes}")
+    header = (
+        f"{'format':>6} {'rows':>5} {'layer q ms':>10} {'GB/s':>6} {'layer dense':>11} {'ratio':>6}"
+    )
+    if args.row_by_row:
+        header += f" {'row-by-row ms':>13} {'GB/s':>6}"
     if args.lm_head:
-        header += f" {'head q ms':>9} {'head dense':>10}"
+        header += f" {'head q ms':>9} {'GB/s':>6} {'head dense':>10}"
     print(header)
     for fmt_name in args.formats.split(","):
         quant = {name: quantize(fmt_name, w) for name, w in weights.items()}
+        stored = None
+        if args.row_by_row:  # the same blocks, kept as stored
+            os.environ[INTERLEAVE_ENV] = "0"
+            stored = {
+                name: QuantizedLinear([quant_ref.deinterleave(p) for p in q.parts])
+                for name, q in quant.items()
+            }
+            os.environ.pop(INTERLEAVE_ENV)
         for n in (int(r) for r in args.rows.split(",")):
-            row = measure(fmt_name, n, quant, dense, shapes, dtype, args.lm_head)
+            row = measure(fmt_name, n, quant, dense, shapes, dtype, args.lm_head, stored)
             line = (
                 f"{fmt_name:>6} {n:>5} {row['layer_quantized_ms']:>10.3f} "
+                f"{row['layer_quantized_gbps']:>6.1f} "
                 f"{row['layer_dense_ms']:>11.3f} {row['ratio']:>6.2f}"
             )
+            if args.row_by_row:
+                line += f" {row['layer_row_by_row_ms']:>13.3f} {row['layer_row_by_row_gbps']:>6.1f}"
             if args.lm_head:
-                line += f" {row['head_quantized_ms']:>9.3f} {row['head_dense_ms']:>10.3f}"
+                line += (
+                    f" {row['head_quantized_ms']:>9.3f} {row['head_quantized_gbps']:>6.1f}"
+                    f" {row['head_dense_ms']:>10.3f}"
+                )
             print(line, flush=True)
             results.append(row)
     if args.json:

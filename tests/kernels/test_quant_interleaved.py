@@ -24,11 +24,16 @@ pytestmark = pytest.mark.skipif(
 ROW_COUNTS = (1, 7, 8, 9, 16, 17, 24, 33, 47)
 
 
+def widths(name: str) -> tuple[int, ...]:
+    """Row widths of whole blocks: the K formats' blocks hold 256 values."""
+    return (256, 512) if FORMATS[name].block_size == 256 else (32, 96, 576)
+
+
 @pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
 def test_packing_is_the_layout_the_reference_reads(name: str) -> None:
     fmt = FORMATS[name]
     for rows in ROW_COUNTS:
-        weight = random_weight(fmt, rows, 96, seed=rows)
+        weight = random_weight(fmt, rows, widths(name)[-1], seed=rows)
         packed = quant_native.interleave(weight)
         assert packed.interleaved and packed.data.shape == weight.data.shape
         grouped = rows // INTERLEAVED_ROWS * INTERLEAVED_ROWS
@@ -49,7 +54,7 @@ def test_formats_without_the_layout_stay_as_they_are() -> None:
 @pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
 def test_products_on_the_packed_rows_match_the_reference(name: str, isa: str) -> None:
     fmt = FORMATS[name]
-    for cols in (32, 96, 576):
+    for cols in widths(name):
         for rows in ROW_COUNTS:
             for n in (1, 2, 5):
                 weight = random_weight(fmt, rows, cols, seed=rows * 7 + cols + n)
@@ -74,9 +79,10 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: st
     (the register-tiled kernels, whose tail tiles repeat their last row), among other rows or
     in another position gives the same output."""
     fmt = FORMATS[name]
-    weight = quant_native.interleave(random_weight(fmt, 40, 192, seed=3), isa)
+    cols = widths(name)[-1]
+    weight = quant_native.interleave(random_weight(fmt, 40, cols, seed=3), isa)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(70, 192, generator=gen)  # over one chunk of 64 activation rows
+    x = torch.randn(70, cols, generator=gen)  # over one chunk of 64 activation rows
     full = quant_native.quant_linear(x, weight, isa=isa)
     ref = quant_ref.quant_matmul(x, weight)
     torch.testing.assert_close(full, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
@@ -84,7 +90,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: st
         alone = quant_native.quant_linear(x[i : i + 1], weight, isa=isa)
         assert torch.equal(alone[0], full[i])
     for n in (2, 3, 4, 5, 6, 7):  # x[0] first of n rows, the others replaced by new ones
-        others = torch.randn(n - 1, 192, generator=gen)
+        others = torch.randn(n - 1, cols, generator=gen)
         y = quant_native.quant_linear(torch.cat([x[:1], others]), weight, isa=isa)
         assert torch.equal(y[0], full[0])
         last = quant_native.quant_linear(torch.cat([others, x[:1]]), weight, isa=isa)
@@ -94,7 +100,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: st
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
 def test_lookups_read_the_packed_rows_exactly(name: str, isa: str) -> None:
-    weight = random_weight(FORMATS[name], 19, 96, seed=5)
+    weight = random_weight(FORMATS[name], 19, widths(name)[-1], seed=5)
     packed = quant_native.interleave(weight, isa)
     rows = torch.tensor([18, 0, 7, 8, 3, 16, 15, 3])  # groups 0 and 1, the tail, repeats
     expected = quant_native.dequantize_rows(weight, rows, isa=isa)
@@ -113,4 +119,4 @@ def test_byte_row_operations_refuse_packed_rows() -> None:
     with pytest.raises(ValueError, match="interleaved"):
         cat_rows([packed, packed])
     with pytest.raises(ValueError, match="no interleaved layout"):
-        type(packed)(FORMATS["Q4_K"], torch.zeros(1, 144, dtype=torch.uint8), 256, True)
+        type(packed)(FORMATS["I8"], torch.zeros(1, 36, dtype=torch.uint8), 32, True)

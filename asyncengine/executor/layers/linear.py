@@ -41,17 +41,22 @@ PACK_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any c
 ENABLE_ENV = "ASYNCENGINE_PACKED_LINEAR"  # "0": plain F.linear (to measure what packing gives)
 ROW_BLOCK = 32  # deterministic mode's row block (executor/deterministic.py)
 # From this many rows a quantized projection takes the dense product instead (float32
-# activations). The interleaved formats stay ahead of the dense product at every step size the
-# engine makes (both sides are compute-bound from ~256 rows), so they never hold a float32 copy;
-# the row-by-row kernels (I8, the K formats) lose from 64 rows; F32 rows (a float32 model's own
-# weights) meet the prepacked product from 24, the fused decode step from 23. Measured by
-# scripts/micro/bench_quant_matmul.py --threads 1 --cpu-time and
+# activations). The interleaved Q8_0 / Q4_0 / Q4_1 stay ahead of the dense product at every step
+# size the engine makes (both sides are compute-bound from ~256 rows), so they never hold a
+# float32 copy; the interleaved K formats meet it at 32 (Q6_K) to ~128 (Q4_K) rows on a 1B
+# model's layer (scripts/micro/bench_quant_matmul.py --shape llama-3.2-1b --formats
+# Q4_K,Q5_K,Q6_K --threads 1 --cpu-time); the row-by-row kernels (I8) lose from 64 rows; F32
+# rows (a float32 model's own weights) meet the prepacked product from 24, the fused decode step
+# from 23. Measured by scripts/micro/bench_quant_matmul.py --threads 1 --cpu-time and
 # scripts/micro/bench_decode_step.py --quantization none (docs/BENCHMARKS.md, "Where do the
 # quantized products give way to dense ones?").
 DENSE_FROM_ROWS = 64
 # BF16 rows here (a bfloat16 model on a CPU whose bfloat16 product is slow): not measured, the
 # rows kernel keeps every size
-DENSE_FROM_ROWS_BY_FORMAT = {"Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "F32": 24, "BF16": 8192}
+DENSE_FROM_ROWS_BY_FORMAT = {
+    "Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "Q4_K": 128, "Q5_K": 96, "Q6_K": 32, "F32": 24,
+    "BF16": 8192,
+}  # fmt: skip
 # With bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or
 # AMX: ``cpu_dtype.fastest_cpu_dtype``) the dense product is ~4x float32's and crosses over much
 # sooner; measured per whole step, where the dense weights stream from memory and the quantized
@@ -62,7 +67,13 @@ DENSE_FROM_ROWS_BF16 = 12
 # best at batch 1 but are compute-bound from 2 rows, where oneDNN's bfloat16 GEMM is not
 # (scripts/micro/bench_decode_step.py --quantization none --dtype bfloat16).
 BF16_ROWS_DENSE_FROM = 3
-DENSE_FROM_ROWS_BF16_BY_FORMAT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "BF16": BF16_ROWS_DENSE_FROM}
+# The K formats' from the same 1B layer (bench_quant_matmul.py --shape llama-3.2-1b --dtype
+# bfloat16 --threads 1 --cpu-time): the group kernels' ~0.8-2 ms per row against oneDNN's
+# bfloat16 product, flat at ~11 ms up to 16 rows
+DENSE_FROM_ROWS_BF16_BY_FORMAT = {
+    "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
+    "BF16": BF16_ROWS_DENSE_FROM,
+}  # fmt: skip
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -225,7 +236,8 @@ class QuantizedLinear:
 
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
     """The part in interleaved row groups where its format has them and the native library is
-    here (Q8_0 / Q4_0 / Q4_1: 1.1-3x faster batch-1 products, docs/BENCHMARKS.md)."""
+    here (Q8_0 / Q4_0 / Q4_1: 1.1-3x faster batch-1 products, docs/BENCHMARKS.md; the K formats
+    ~2x, scripts/micro/bench_quant_matmul.py --row-by-row)."""
     if os.environ.get(INTERLEAVE_ENV, "1") == "0" or not quant_native.available():
         return part
     return quant_native.interleave(part)
