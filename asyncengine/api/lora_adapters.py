@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor as ThreadPool
 from pathlib import Path
 
-from asyncengine.common.errors import EngineError, UnknownAdapterError
+from asyncengine.common.errors import UnknownAdapterError
 from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH, InvalidRequestError
 
 
@@ -46,7 +46,7 @@ class LoraAdapters:
             raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
         add = getattr(registry, "add", None)
         if add is None:
-            raise EngineError("this engine's executor serves no LoRA adapters")
+            raise InvalidRequestError("this engine's executor serves no LoRA adapters")
         from asyncengine.executor.lora.peft_adapter import LoraLoadError
 
         loop = asyncio.get_running_loop()
