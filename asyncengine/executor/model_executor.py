@@ -99,13 +99,9 @@ class ModelExecutor:
         if speculation is not None and speculation.method == "draft":
             self._draft = load_draft_model(config, self.model_dir, self.dtype, self.device)
         self.drafter: DraftProposer | None = None
-        # LoRA adapters (a CPU keeps them in float32 for its kernel; the sums are float32 anyway)
+        # LoRA adapters, held in the model's dtype (the sums are float32 in every kernel)
         self.loras = LoraRegistry(
-            self.model_config,
-            config.max_lora_rank,
-            config.max_cpu_loras,
-            torch.float32 if self.device.type == "cpu" else self.dtype,
-            self.device,
+            self.model_config, config.max_lora_rank, config.max_cpu_loras, self.dtype, self.device
         )
         for name, path in config.loras.items():
             try:

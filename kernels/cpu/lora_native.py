@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.reference.lora_ref import lora_apply_ref
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_FLOATS = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -24,7 +26,7 @@ def _library() -> Any:
         return None
     fn = lib.asyncengine_lora_apply
     fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64]
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64]
     fn.argtypes += [_PTR, _I64, _PTR, _INT, _INT]
     return lib
 
@@ -43,28 +45,30 @@ def lora_apply(
     segments: np.ndarray,
     rows: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    bt: torch.Tensor,
     slices: np.ndarray,
 ) -> None:
-    """``y[rows] += (x[rows] @ a.T) @ b.T`` in place. ``segments`` [k, 2] int64 (start, end)
-    runs covering exactly ``rows`` (the kernel reads the runs; the reference the rows);
-    ``slices`` [s, 4] int32, the blocks of ``b`` that are not zero."""
+    """``y[rows] += (x[rows] @ a.T) @ bt`` in place, ``bt`` being B transposed [R, out].
+    ``segments`` [k, 2] int64 (start, end) runs covering exactly ``rows`` (the kernel reads the
+    runs; the reference the rows); ``slices`` [s, 4] int32, the blocks of B that are not zero."""
     lib = _library()
     if (
         lib is None
         or y.device.type != "cpu"
         or x.dtype != y.dtype
-        or y.dtype not in (torch.float32, torch.bfloat16)
-        or a.dtype != torch.float32
-        or b.dtype != torch.float32
+        or y.dtype not in _FLOATS
+        or a.dtype not in _FLOATS
+        or bt.dtype != a.dtype
+        or not a.is_contiguous()
+        or not bt.is_contiguous()
         or x.dim() != 2
         or y.dim() != 2
         or x.stride(1) != 1
         or y.stride(1) != 1
     ):
-        lora_apply_ref(y, x, rows, a, b)
+        lora_apply_ref(y, x, rows, a, bt.t())
         return
-    in_features, out_features, rank = int(a.shape[1]), int(b.shape[0]), int(a.shape[0])
+    in_features, out_features, rank = int(a.shape[1]), int(bt.shape[1]), int(a.shape[0])
     if int(x.shape[1]) != in_features or int(y.shape[1]) != out_features:
         raise ValueError(f"LoRA shapes: x {tuple(x.shape)}, y {tuple(y.shape)}, a/b {rank}")
     status = lib.asyncengine_lora_apply(
@@ -74,7 +78,8 @@ def lora_apply(
         x.stride(0),
         int(y.dtype == torch.bfloat16),
         a.data_ptr(),
-        b.data_ptr(),
+        bt.data_ptr(),
+        int(a.dtype == torch.bfloat16),
         in_features,
         out_features,
         rank,
@@ -86,3 +91,65 @@ def lora_apply(
     )
     if status != 0:
         raise MemoryError("the LoRA kernel could not allocate its scratch rows")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLora:
+    """One projection's adapter weights with the kernel's constant arguments worked out once
+    (a decode step makes ~120 calls: their Python share is most of the cost at batch 1)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    slices: np.ndarray
+    args: tuple[int, int, int, int, int, int]  # a, bt, weights bf16, in, out, rank
+    dtype: torch.dtype
+
+
+def prepare(a: torch.Tensor, bt: torch.Tensor, slices: np.ndarray) -> PreparedLora | None:
+    """The weights for ``apply_prepared``, or None where the kernel does not take them."""
+    if (
+        _library() is None
+        or a.device.type != "cpu"
+        or a.dtype not in _FLOATS
+        or bt.dtype != a.dtype
+        or not a.is_contiguous()
+        or not bt.is_contiguous()
+    ):
+        return None
+    bf16 = int(a.dtype == torch.bfloat16)
+    args = (a.data_ptr(), bt.data_ptr(), bf16, int(a.shape[1]), int(bt.shape[1]), int(a.shape[0]))
+    return PreparedLora(a, bt, slices, args, a.dtype)
+
+
+def apply_prepared(
+    y: torch.Tensor, x: torch.Tensor, segments: np.ndarray, weights: PreparedLora
+) -> bool:
+    """``lora_apply`` with prepared weights; False (nothing done) where the rows do not fit
+    the kernel (then take ``lora_apply``)."""
+    if (
+        x.dtype != y.dtype
+        or y.dtype not in _FLOATS
+        or x.dim() != 2
+        or y.dim() != 2
+        or x.stride(1) != 1
+        or y.stride(1) != 1
+        or x.shape[1] != weights.args[3]
+        or y.shape[1] != weights.args[4]
+    ):
+        return False
+    status = _library().asyncengine_lora_apply(
+        y.data_ptr(),
+        y.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        int(y.dtype == torch.bfloat16),
+        *weights.args,
+        segments.ctypes.data,
+        int(segments.shape[0]),
+        weights.slices.ctypes.data,
+        int(weights.slices.shape[0]),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the LoRA kernel could not allocate its scratch rows")
+    return True

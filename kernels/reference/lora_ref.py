@@ -1,6 +1,6 @@
 """Batched LoRA on the activations, the torch reference of kernels/cpu/cpu_lora.c and
 kernels/triton/triton_lora.py: ``y[rows] += (x[rows] @ a.T) @ b.T`` for the rows that share one
-adapter, summed in float32 and added to y in its own dtype."""
+adapter, summed in float32 (whatever the adapter's dtype) and added to y in its own dtype."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ def lora_apply_ref(
     and ``b`` [out, R] (the scaling folded in)."""
     if rows.numel() == 0:
         return
-    xs = x.index_select(0, rows).to(a.dtype)
-    delta = (xs @ a.T) @ b.T
+    xs = x.index_select(0, rows).float()
+    delta = (xs @ a.float().T) @ b.float().T
     y.index_add_(0, rows, delta.to(y.dtype))
 
 

@@ -36,9 +36,12 @@ def _fused(
     return a, b, tuple(slices)
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_native_kernel_matches_reference(dtype: torch.dtype, seed: int) -> None:
+def test_native_kernel_matches_reference(
+    dtype: torch.dtype, weights: torch.dtype, seed: int
+) -> None:
     assert lora_native.available()
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -47,6 +50,7 @@ def test_native_kernel_matches_reference(dtype: torch.dtype, seed: int) -> None:
     if not any(r for _, r in parts):
         parts[0] = (parts[0][0], 8)
     a, b, slices = _fused(gen, in_features, parts)
+    a, b = a.to(weights), b.to(weights)
     x = torch.randn(n, in_features, generator=gen).to(dtype)
     y = torch.randn(n, b.shape[0], generator=gen).to(dtype)
     rows = sorted(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False).tolist())
@@ -54,8 +58,9 @@ def test_native_kernel_matches_reference(dtype: torch.dtype, seed: int) -> None:
     want = y.clone()
     lora_apply_ref(want, x, torch.tensor(rows), a, b)
     got = y.clone()
+    bt = b.t().contiguous()
     lora_native.lora_apply(
-        got, x, segments, torch.tensor(rows), a, b, lora_native.slices_array(slices)
+        got, x, segments, torch.tensor(rows), a, bt, lora_native.slices_array(slices)
     )
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
@@ -73,7 +78,8 @@ def test_native_kernel_on_strided_rows() -> None:
     want = y.clone()
     lora_apply_ref(want, x, rows, a, b)
     segments = np.array([[1, 3], [4, 5]], dtype=np.int64)
-    lora_native.lora_apply(y, x, segments, rows, a, b, lora_native.slices_array(slices))
+    bt = b.t().contiguous()
+    lora_native.lora_apply(y, x, segments, rows, a, bt, lora_native.slices_array(slices))
     assert torch.allclose(y, want, atol=1e-5)
 
 

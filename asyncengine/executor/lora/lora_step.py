@@ -33,7 +33,6 @@ class LoraStep:
     def __init__(self, groups: list[AdapterRows], device: torch.device) -> None:
         self.groups = groups
         self.device = device
-        self._slices: dict[int, np.ndarray] = {}  # id(ProjectionLora.slices) -> int32 array
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every adapter's update of ``projection`` in ``layer`` to its rows of ``y``."""
@@ -46,11 +45,15 @@ class LoraStep:
 
                 lora_apply(y, x, group.rows, update.a, update.b)
             elif self.device.type == "cpu":
-                key = id(update.slices)
-                slices = self._slices.get(key)
-                if slices is None:
-                    slices = self._slices[key] = lora_native.slices_array(update.slices)
-                lora_native.lora_apply(y, x, group.segments, group.rows, update.a, update.b, slices)
+                native = update.native
+                if native is not None and lora_native.apply_prepared(
+                    y, x, group.segments, native
+                ):
+                    continue
+                slices = lora_native.slices_array(update.slices)
+                lora_native.lora_apply(
+                    y, x, group.segments, group.rows, update.a, update.bt, slices
+                )
             else:
                 lora_apply_ref(y, x, group.rows, update.a, update.b)
 

@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 
 from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.kernels.cpu import lora_native
+from asyncengine.kernels.cpu.lora_native import PreparedLora
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -64,6 +66,9 @@ class ProjectionLora:
     a: torch.Tensor  # [R, in]
     b: torch.Tensor  # [out, R], the scaling folded in
     slices: tuple[tuple[int, int, int, int], ...]
+    # b transposed, [R, out]: the CPU kernel streams its rows (on a CPU ``b`` is a view of it)
+    bt: torch.Tensor
+    native: PreparedLora | None = None  # the CPU kernel's arguments (None: elsewhere)
 
     @property
     def rank(self) -> int:
@@ -262,8 +267,10 @@ def _fuse(
             slices.append((out_at, out_at + out, rank_at, rank_at + r))
             rank_at += r
         out_at += out
-    return ProjectionLora(
-        a.to(device=device, dtype=dtype).contiguous(),
-        b.to(device=device, dtype=dtype).contiguous(),
-        tuple(slices),
-    )
+    a = a.to(device=device, dtype=dtype).contiguous()
+    if torch.device(device).type == "cpu":
+        bt = b.t().to(dtype=dtype).contiguous()
+        native = lora_native.prepare(a, bt, lora_native.slices_array(tuple(slices)))
+        return ProjectionLora(a, bt.t(), tuple(slices), bt, native)
+    b = b.to(device=device, dtype=dtype).contiguous()
+    return ProjectionLora(a, b, tuple(slices), b.t())
