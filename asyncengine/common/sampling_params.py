@@ -282,7 +282,9 @@ class SamplingParams:
         if self.lora is not None and (
             not isinstance(self.lora, str) or len(self.lora) > MAX_LORA_NAME_LENGTH
         ):
-            raise bad("lora", f"must be an adapter name of at most {MAX_LORA_NAME_LENGTH} characters")
+            raise bad(
+                "lora", f"must be an adapter name of at most {MAX_LORA_NAME_LENGTH} characters"
+            )
 
     def _check_token_maps(self) -> None:
         """stop_token_ids, n, logit_bias and the structured-output constraint."""

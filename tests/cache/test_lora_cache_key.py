@@ -41,9 +41,7 @@ def test_adapter_keys_differ_from_the_base_other_adapters_and_salts() -> None:
 
 
 def test_pages_of_one_adapter_match_nothing_else_and_events_carry_it() -> None:
-    kv = KVCacheManager(
-        num_pages=64, page_size=4, max_rows=4, max_pages_per_row=16, kv_events=True
-    )
+    kv = KVCacheManager(num_pages=64, page_size=4, max_rows=4, max_pages_per_row=16, kv_events=True)
     under_a = salted_ids(PROMPT, None, "a")
     _cache(kv, under_a)
     assert kv.match_length(under_a) >= len(PROMPT) - 4

@@ -107,7 +107,9 @@ def test_mixed_batch_logits_and_greedy_tokens_match_peft(
             Segment(f"r{row}", row, [tokens[row][-1]], len(tokens[row]) - 1, True, lora=lora)
             for row, (lora, _) in enumerate(REQUESTS)
         ]
-        out = h.runner.forward_logits(BatchPlan(step=3 + step, decodes=decodes, sampling=_greedy(4)))
+        out = h.runner.forward_logits(
+            BatchPlan(step=3 + step, decodes=decodes, sampling=_greedy(4))
+        )
         logits = list(out)
     for row, (lora, prompt) in enumerate(REQUESTS):
         assert tokens[row][len(prompt) :] == oracle.greedy(lora, prompt, DECODE_STEPS + 1)

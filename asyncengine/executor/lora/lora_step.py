@@ -46,9 +46,7 @@ class LoraStep:
                 lora_apply(y, x, group.rows, update.a, update.b)
             elif self.device.type == "cpu":
                 native = update.native
-                if native is not None and lora_native.apply_prepared(
-                    y, x, group.segments, native
-                ):
+                if native is not None and lora_native.apply_prepared(y, x, group.segments, native):
                     continue
                 slices = lora_native.slices_array(update.slices)
                 lora_native.lora_apply(
@@ -83,7 +81,5 @@ def lora_step(plan: BatchPlan, registry: LoraRegistry, device: torch.device) -> 
     for name in sorted(names):
         segments = np.array(runs[name], dtype=np.int64).reshape(-1, 2)
         rows = np.concatenate([np.arange(s, e) for s, e in runs[name]])
-        groups.append(
-            AdapterRows(adapters[name], torch.from_numpy(rows).to(device), segments)
-        )
+        groups.append(AdapterRows(adapters[name], torch.from_numpy(rows).to(device), segments))
     return LoraStep(groups, device)

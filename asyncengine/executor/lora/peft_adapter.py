@@ -188,7 +188,7 @@ def load_peft_adapter(
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in f.keys():
                 match = _KEY.match(key)
                 if match is None:
                     raise LoraLoadError(
