@@ -88,9 +88,10 @@ def trained_adapter(
     seconds: float,
     seed: int = 0,
     save_dtype: torch.dtype = torch.float32,
-) -> tuple[Path, float, float]:
+    lr: float = 1e-2,
+) -> tuple[Path, float, float, int]:
     """Train a LoRA on ``text`` (next-token loss, windows of 64 tokens) for ``seconds``; returns
-    the directory and the loss before and after."""
+    the directory, the loss before and after, and the steps taken."""
     from peft import LoraConfig, get_peft_model
     from tokenizers import Tokenizer
 
@@ -106,23 +107,23 @@ def trained_adapter(
     peft_model = get_peft_model(model, config)
     peft_model.train()
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    optimizer = torch.optim.AdamW(params, lr=lr)
     first = last = float("nan")
     started = time.perf_counter()
     step = 0
     while time.perf_counter() - started < seconds:
-        picks = torch.randint(0, count, (4,))
+        picks = torch.randint(0, count, (2,))
         batch = torch.stack([windows[i * window : i * window + window + 1] for i in picks])
         loss = peft_model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        last = float(loss)
+        last = float(loss.detach())
         first = last if step == 0 else first
         step += 1
     peft_model.eval()
     _save(peft_model, out, save_dtype)
-    return out, first, last
+    return out, first, last, step
 
 
 def _save(peft_model: torch.nn.Module, out: Path, save_dtype: torch.dtype) -> None:
@@ -133,6 +134,7 @@ def _save(peft_model: torch.nn.Module, out: Path, save_dtype: torch.dtype) -> No
                 if "lora_" in name:
                     param.data = param.data.to(save_dtype)
     peft_model.save_pretrained(str(out))  # type: ignore[operator]
+    (out / "README.md").unlink(missing_ok=True)  # peft's empty model card
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -148,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-text", type=Path, help="train on this text instead of random")
     parser.add_argument("--seconds", type=float, default=60.0, help="training time")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument(
         "--save-dtype", choices=("float32", "float16", "bfloat16"), default="float32"
     )
@@ -161,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.train_text is not None:
         from asyncengine.executor.loader.default_model import tokenizer_dir
 
-        _, before, after = trained_adapter(
+        _, before, after, steps = trained_adapter(
             model,
             tokenizer_dir(args.model),
             args.train_text.read_text(),
@@ -171,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.seconds,
             args.seed,
             save_dtype,
+            args.lr,
         )
-        print(f"trained: loss {before:.3f} -> {after:.3f}")
+        print(f"trained {steps} steps: loss {before:.3f} -> {after:.3f}")
     else:
         random_adapter(
             model, args.out, args.rank, targets, args.alpha, args.rslora, args.seed,
