@@ -94,15 +94,15 @@ async def run_engine(args: argparse.Namespace, loras: dict[str, str]) -> dict[st
             )
             return time.perf_counter() - started
 
+        async def timed(lora: str | None, n: int) -> float:
+            started = time.perf_counter()
+            await engine.generate(prompts[0][:16], params(lora, n))
+            return time.perf_counter() - started
+
         async def stream(lora: str | None) -> float:
-            prompt = prompts[0][:16]
-            first = time.perf_counter()
-            await engine.generate(prompt, params(lora, 1))
-            first = time.perf_counter() - first
-            full = time.perf_counter()
-            await engine.generate(prompt, params(lora, args.single_output_len))
-            full = time.perf_counter() - full
-            return (args.single_output_len - 1) / max(full - first, 1e-9)
+            first = statistics.median([await timed(lora, 1) for _ in range(3)])
+            full = await timed(lora, args.single_output_len)
+            return (args.single_output_len - 1) / (full - first)
 
         await mix(True)  # warm-up: kernels compiled, adapters touched
         times: dict[str, list[float]] = {"mix": [], "base": [], "stream_lora": [], "stream": []}

@@ -19,6 +19,11 @@ from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.kernels.cpu import lora_native
 from asyncengine.kernels.reference.lora_ref import lora_apply_ref
 
+# From this many rows of one adapter the two products run as GEMMs (oneDNN) instead of the
+# native kernel's row-by-row dot products (a prefill chunk's rows); not measured on a quiet
+# machine: scripts/bench_lora.py is the command that would tune it.
+GEMM_FROM_ROWS = 16
+
 
 @dataclass(slots=True)
 class AdapterRows:
@@ -44,16 +49,15 @@ class LoraStep:
                 from asyncengine.kernels.triton.triton_lora import lora_apply
 
                 lora_apply(y, x, group.rows, update.a, update.b)
-            elif self.device.type == "cpu":
-                native = update.native
-                if native is not None and lora_native.apply_prepared(y, x, group.segments, native):
-                    continue
+            elif self.device.type != "cpu" or group.rows.shape[0] >= GEMM_FROM_ROWS:
+                lora_apply_ref(y, x, group.rows, update.a, update.b)  # a prefill's rows: GEMMs
+            elif update.native is None or not lora_native.apply_prepared(
+                y, x, group.segments, update.native
+            ):
                 slices = lora_native.slices_array(update.slices)
                 lora_native.lora_apply(
                     y, x, group.segments, group.rows, update.a, update.bt, slices
                 )
-            else:
-                lora_apply_ref(y, x, group.rows, update.a, update.b)
 
 
 def plan_adapters(plan: BatchPlan) -> set[str]:
