@@ -157,7 +157,22 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         int,
         "scored prompt pages kept for prompts sharing a scored prefix (0: off)",
     ),
+    ("--max-lora-rank", "max_lora_rank", int, "LoRA adapters of a higher rank are refused"),
+    (
+        "--max-cpu-loras",
+        "max_cpu_loras",
+        int,
+        "LoRA adapters kept in memory; the least recently used others are read back on use",
+    ),
 ]
+
+
+def lora_pair(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of --lora (an argparse ``type``)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter dir), got {text!r}")
+    return name, path
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +231,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="a policy POST /admin/policy may swap in besides the built-ins, e.g. "
         "'my_policy.py:Mine' (repeatable; loaded at start-up)",
     )
+    group.add_argument(
+        "--lora",
+        dest="lora_pairs",
+        action="append",
+        type=lora_pair,
+        default=None,
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter at PATH as model NAME (repeatable; beside --config's "
+        "loras)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -227,7 +252,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "deterministic",
         "allowed_policies",
     ]
-    return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
+    config = EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
+    pairs = getattr(args, "lora_pairs", None)
+    if pairs:
+        config = config.replace(loras={**config.loras, **dict(pairs)})
+    return config
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

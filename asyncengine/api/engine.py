@@ -17,6 +17,7 @@ from asyncengine.api.embedding import await_embedding, embedding_group
 from asyncengine.api.grammar_wait import GrammarWait
 from asyncengine.api.intake import Intake, Prompt
 from asyncengine.api.kv_event_publisher import KVEventPublisher
+from asyncengine.api.lora_adapters import LoraAdapters
 from asyncengine.api.request_group import ChoiceCollector, RequestGroup
 from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
@@ -84,6 +85,8 @@ class AsyncEngine:
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
         self.kv_events: KVEventPublisher | None = None  # config.kv_events, from start()
+        self.loras = LoraAdapters(self.config.loras)
+        self.step_hooks.append(self._drop_unloaded_loras)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -96,7 +99,11 @@ class AsyncEngine:
             core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
             self.core = core
             self._intake = Intake(
-                self._tokenizer, core.spec.vocab_size, core.max_model_len, self.config
+                self._tokenizer,
+                core.spec.vocab_size,
+                core.max_model_len,
+                self.config,
+                self.loras.names,
             )
             log.info(
                 "engine ready in %.1fs: model %s, max_model_len %d, policy %s",
@@ -337,6 +344,40 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Any]:
         return {**self._core().stats(), "model": self.model_name}
+
+    # -- LoRA adapters (api/lora_adapters.py) -------------------------------------------
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served now: name -> PEFT directory."""
+        return dict(self.loras.paths)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (replacing one of that name);
+        InvalidRequestError, with nothing changed, when the base model refuses it."""
+        if self._worker is None:
+            raise EngineNotRunningError("the engine is not running")
+        registry = getattr(self._core().executor, "loras", None)
+        await self.loras.load(name, path, registry, self._worker, self.model_name)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving ``name``: new requests for it are refused (UnknownAdapterError); those in
+        flight finish under it, then its weights are dropped."""
+        self.loras.unload(name)
+        self._drop_unloaded_loras()
+
+    def _drop_unloaded_loras(self, plan: BatchPlan | None = None) -> None:
+        registry = getattr(self.core.executor if self.core else None, "loras", None)
+        worker = self._worker
+        if registry is None or worker is None:
+            return
+        in_flight = (
+            state.req.lora
+            for group in self.streams.groups.values()
+            for state in group.states
+            if not state.done
+        )
+        # on the forward thread, between steps: a step never sees the registry change
+        self.loras.drop_idle(in_flight, lambda name: worker.submit(registry.remove, name))
 
     def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
         """Swap the scheduling policy (``"lpm"``, ``"priority+dynamic-chunking"``, a

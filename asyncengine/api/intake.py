@@ -15,10 +15,11 @@ context (or the front end's default), and ``max_new_tokens_limit`` caps both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.common.config import EngineConfig
+from asyncengine.common.errors import UnknownAdapterError
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.text.tokenizer import prompt_token_ids
 
@@ -36,6 +37,8 @@ class Intake:
     vocab_size: int
     max_model_len: int
     config: EngineConfig
+    # the LoRA adapters served now (api/lora_adapters.py keeps it up to date)
+    lora_names: set[str] = field(default_factory=set)
 
     def tokenize(self, prompt: Prompt) -> TokenIds:
         """The token ids the engine would queue for ``prompt`` (chat messages go through the
@@ -95,6 +98,8 @@ class Intake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.lora is not None and params.lora not in self.lora_names:
+            raise UnknownAdapterError(params.lora, sorted(self.lora_names))
         ids = self.tokenize(prompt)
         self._room(len(ids))
         self._check_limit(params.max_new_tokens, "max_new_tokens")

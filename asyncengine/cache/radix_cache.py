@@ -37,6 +37,7 @@ from asyncengine.cache.kv_events import (
     KVEvent,
     page_hashes,
 )
+from asyncengine.common.cache_salt import lora_id_of_key
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 
@@ -222,8 +223,12 @@ class RadixCache:
         assert self._events is not None
         previous = parent.hashes[-1] if parent.hashes else None
         leaf.hashes = tuple(page_hashes(leaf.key, self.page_size, previous))
+        head = leaf
+        while head.parent is not None and head.parent is not self.root:
+            head = head.parent
+        lora = lora_id_of_key(int(head.key[0])) if head.key else None
         self._events.append(
-            BlockStored(list(leaf.hashes), previous, list(leaf.key), self.page_size, None, None)
+            BlockStored(list(leaf.hashes), previous, list(leaf.key), self.page_size, lora, None)
         )
 
     # ----------------------------------------------------------------------------- queries

@@ -70,7 +70,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # the pool's element: auto = float16 on a CPU for quantized weights (F16C), else the model's
     # dtype; or one of KV_CACHE_DTYPES that can be honoured (executor/kv_dtype.py)
     kv_cache_dtype: str = "auto"
-    max_loras: int = 4  # distinct LoRA adapters in one step (the base model is not one)
+    max_loras: int = 4  # distinct LoRA adapters in one step (the base model counts as none)
+    # LoRA adapters served over the base model: name -> PEFT directory (executor/lora/), picked
+    # per request by SamplingParams.lora (the OpenAI "model" field)
+    loras: dict[str, str] = {}
+    max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
+    # adapters kept in memory; the least recently used beyond this are dropped and read back
+    # from disk on their next request (None: every adapter stays loaded)
+    max_cpu_loras: int | None = None
     # on CUDA with neither size given: the share of the GPU's memory the engine may fill; the
     # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)
     gpu_memory_utilization: float = 0.9
@@ -197,9 +204,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "grammar_cache_size",
             "grammar_compile_workers",
             "max_loras",
+            "max_lora_rank",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise bad("max_cpu_loras", "must be >= 1, or absent to keep every adapter loaded")
+        for name in self.loras:
+            if not name or "/" in name:
+                raise bad("loras", f"adapter name {name!r} must be non-empty without '/'")
         if self.prompt_score_cache_pages < 0:
             raise bad("prompt_score_cache_pages", "must be >= 0 (0 turns it off)")
         if self.kv_blocked_skips < 0:

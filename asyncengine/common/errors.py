@@ -27,4 +27,17 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RequestFailedError",
+    "UnknownAdapterError",
 ]
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter the engine does not serve (HTTP 404, as an unknown
+    model)."""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        super().__init__(
+            f"the LoRA adapter {name!r} is not loaded; loaded adapters: {served}",
+            param="model",
+            code="model_not_found",
+        )

@@ -41,6 +41,7 @@ class Segment:
     # ``draft`` tokens after ``input_ids`` and verifies them in this forward (KV slots for all
     # of them are allocated); StepOutput.drafted says which it guessed
     draft: int = 0
+    lora: str | None = None  # the LoRA adapter the segment's tokens run under (None: the base)
 
     # Written out because mypyc compiles this class (a row of every step) and leaves a
     # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
@@ -55,6 +56,7 @@ class Segment:
         scoring: PromptScoring | None = None,
         guesses: int = 0,
         draft: int = 0,
+        lora: str | None = None,
     ) -> None:
         self.rid = rid
         self.row = row
@@ -65,6 +67,7 @@ class Segment:
         self.scoring = scoring
         self.guesses = guesses
         self.draft = draft
+        self.lora = lora
 
     @property
     def num_tokens(self) -> int:

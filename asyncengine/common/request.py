@@ -160,9 +160,14 @@ class Request:
         self.proposer = proposer
         self.proposed_guesses = proposed_guesses
         self.accepted_guesses = accepted_guesses
-        if cache_prompt is None and params.cache_salt is not None:
-            cache_prompt = salted_ids(prompt_ids, params.cache_salt)
+        if cache_prompt is None and (params.cache_salt is not None or params.lora is not None):
+            cache_prompt = salted_ids(prompt_ids, params.cache_salt, params.lora)
         self.cache_prompt = cache_prompt
+
+    @property
+    def lora(self) -> str | None:
+        """The LoRA adapter it runs under (None: the base model). Read-only."""
+        return self.params.lora
 
     @property
     def all_ids(self) -> list[int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_LENGTH = 256
 MAX_CACHE_SALT_LENGTH = 256
+MAX_LORA_NAME_LENGTH = 256
 
 
 class InvalidRequestError(ValueError):
@@ -142,7 +143,7 @@ class SamplingParams:
     # requests with different salts share no prefix-cache pages (vLLM's cache_salt); None or
     # "": the shared cache
     cache_salt: str | None = None
-    lora: str | None = None  # the LoRA adapter's name; None: the base model
+    lora: str | None = None  # the LoRA adapter's name (EngineConfig.loras); None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -274,6 +275,15 @@ class SamplingParams:
         ):
             raise bad(
                 "cache_salt", f"must be a string of at most {MAX_CACHE_SALT_LENGTH} characters"
+            )
+
+        if self.lora == "":
+            self.lora = None
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or len(self.lora) > MAX_LORA_NAME_LENGTH
+        ):
+            raise bad(
+                "lora", f"must be an adapter name of at most {MAX_LORA_NAME_LENGTH} characters"
             )
 
     def _check_token_maps(self) -> None:

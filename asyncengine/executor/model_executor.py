@@ -31,6 +31,8 @@ from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import load_hf_config
 from asyncengine.executor.loader.pooling_config import model_pooling
 from asyncengine.executor.loader.quantized import load_model
+from asyncengine.executor.lora.peft_adapter import LoraLoadError
+from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.cpu import cpu_native, decode_step_native
@@ -102,6 +104,15 @@ class ModelExecutor:
         # inputs filled in here: on a GPU, where the host would otherwise leave it idle; a CPU
         # forward needs the cores the host's planning would take, so it keeps the lock-step path
         self.defers_inputs = self.device.type == "cuda"
+        # LoRA adapters, held in the model's dtype (the sums are float32 in every kernel)
+        self.loras = LoraRegistry(
+            self.model_config, config.max_lora_rank, config.max_cpu_loras, self.dtype, self.device
+        )
+        for name, path in config.loras.items():
+            try:
+                self.loras.add(name, path)
+            except LoraLoadError as exc:
+                raise ConfigError(f"config key 'loras' entry {name!r}: {exc}") from None
         if self.device.type == "cpu":  # compiled now (logged), not in the first request
             cpu_native.load_all(cpu_native.kv_flags(self.kv_dtype))
             decode_step_native.available(self.kv_dtype)  # the fused step's build for this pool
@@ -162,6 +173,7 @@ class ModelExecutor:
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
         )
+        self.runner.loras = self.loras
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
         self._weights = None
         if self._draft is not None:

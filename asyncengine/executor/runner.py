@@ -29,6 +29,8 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.lora.lora_step import lora_step
+from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.prompt_logprobs import logits_and_scores
 from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
@@ -112,6 +114,8 @@ class ModelRunner:
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)
+        # LoRA adapters the plans' segments may name (executor/lora/); None: the base alone
+        self.loras: LoraRegistry | None = None
         if self.device.type == "cuda" and self.backend_name == "triton":
             self._warm_up_attention(max_batch_size)
         self.graphs: DecodeGraphs | None = None
@@ -207,8 +211,10 @@ class ModelRunner:
             )
             return ForwardResult(empty)
         pool_rows, pool_spans = pooled_rows(plan)
+        lora = None if self.loras is None else lora_step(plan, self.loras, self.device)
         if (
             not pool_rows
+            and lora is None
             and batch.kv_copies is None
             and self.graphs is not None
             and self.graphs.can_run(batch)
@@ -221,7 +227,7 @@ class ModelRunner:
                 rows = torch.cat([rows, extra])
             metadata = self.backend.build_metadata(batch)
             hidden = self.model.forward(
-                batch, self.backend, metadata, self.k_caches, self.v_caches, rows=rows
+                batch, self.backend, metadata, self.k_caches, self.v_caches, rows=rows, lora=lora
             )
         num_sampled = batch.sample_indices.shape[0]
         num_scored = 0 if batch.score_indices is None else batch.score_indices.shape[0]

@@ -254,7 +254,7 @@ class Prefill:
         sample = done and not req.prefill_only
         pool = None if req.embedding is None else req.embedding.segment_pool(final=done)
         scoring = segment_scoring(req, start, start + take, lead)
-        segment = Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring)
+        segment = Segment(req.rid, req.kv.row, ids, start, sample, pool, scoring, lora=req.lora)
         plan.extends.append(segment)
         if sample:
             plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))

@@ -54,11 +54,19 @@ def decode_segment(req: Request, guesses: list[int] | None, draft: int) -> Segme
     if guesses:
         n = len(guesses)
         return Segment(
-            req.rid, req.kv.row, [last, *guesses], req.kv.kv_len - 1 - n, True, guesses=n
+            req.rid,
+            req.kv.row,
+            [last, *guesses],
+            req.kv.kv_len - 1 - n,
+            True,
+            guesses=n,
+            lora=req.lora,
         )
     if draft:
-        return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1 - draft, True, draft=draft)
-    return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True)
+        return Segment(
+            req.rid, req.kv.row, [last], req.kv.kv_len - 1 - draft, True, draft=draft, lora=req.lora
+        )
+    return Segment(req.rid, req.kv.row, [last], req.kv.kv_len - 1, sample=True, lora=req.lora)
 
 
 def commit_guesses(

@@ -34,7 +34,7 @@ async def prepare_chat(
 ) -> PreparedChat:
     """``max_tokens_param``: the field a refused token budget is named by (default: the chat
     request's own)."""
-    model = state.check_model(req.model)
+    model = state.check_model(req.model, adapters=True)
     chat = plan_chat(req, state.engine.tokenizer)  # tools, tool choice, reasoning
     prompt = await tokenize(state.engine, chat.prompt)  # large ones off the loop
     requested, param = chat_max_tokens(req)
@@ -42,4 +42,5 @@ async def prepare_chat(
         requested, state.default_chat_max_tokens, len(prompt), max_tokens_param or param
     )
     params = chat.constrain(chat_sampling_params(req, max_tokens, state.engine.config.max_n))
+    params.lora = state.lora_for(model)
     return PreparedChat(model, prompt, params, chat.output)

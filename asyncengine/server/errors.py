@@ -22,6 +22,7 @@ from asyncengine.common.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
+    UnknownAdapterError,
 )
 from asyncengine.server.log_safe import log_safe
 
@@ -85,6 +86,8 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 def from_engine_error(exc: Exception) -> ApiError:
     """Map an exception raised by the engine's public API to the error the client sees."""
+    if isinstance(exc, UnknownAdapterError):  # as an unknown model
+        return ApiError(404, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")
     if isinstance(exc, QueueFullError):

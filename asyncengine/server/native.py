@@ -30,6 +30,7 @@ from asyncengine.common.outputs import RequestMetrics, StreamDelta, Usage
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.common.sampling_params import (
     MAX_CACHE_SALT_LENGTH,
+    MAX_LORA_NAME_LENGTH,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -107,6 +108,7 @@ class GenerateRequest(Struct, kw_only=True):
     timeout: TimeoutSeconds | None = None
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
+    lora: Annotated[str, Meta(max_length=MAX_LORA_NAME_LENGTH)] | None = None  # an adapter's name
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -206,6 +208,7 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             timeout=_one_of("timeout", req.timeout, sp.timeout),
             tenant=req.user or None,
             cache_salt=req.cache_salt,
+            lora=req.lora,
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None

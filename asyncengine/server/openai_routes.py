@@ -18,6 +18,7 @@ from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
+from asyncengine.server.lora_routes import add_lora_routes
 from asyncengine.server.merged_stream import MergedStream
 from asyncengine.server.off_loop import input_chars, run_sized
 from asyncengine.server.openai_format import (
@@ -71,7 +72,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     puts each prompt before its choices' text, and with ``logprobs`` scores its tokens."""
     state = request.app[STATE]
     req = await read_json(request, state, CompletionRequest)
-    model = state.check_model(req.model)
+    model = state.check_model(req.model, adapters=True)
     given = completion_prompts(req)
     prompts = await run_sized(input_chars(given), lambda: [state.engine.tokenize(p) for p in given])
     params = []
@@ -80,6 +81,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
         )
         params.append(completion_sampling_params(req, max_tokens, state.engine.config.max_n))
+        params[-1].lora = state.lora_for(model)
     state.engine.intake.check_logprob_entries(
         sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
     )
@@ -102,20 +104,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return json_response(
-        {"object": "list", "data": [_model_card(state, n) for n in state.served_model_names]}
-    )
+    names = [*state.served_model_names, *state.lora_names]
+    return json_response({"object": "list", "data": [_model_card(state, n) for n in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
-    state.check_model(name)
+    state.check_model(name, adapters=True)
     return json_response(_model_card(state, name))
 
 
 def _model_card(state: ServerState, name: str) -> Json:
-    return {
+    card: Json = {
         "id": name,
         "object": "model",
         "created": 0,
@@ -123,6 +124,10 @@ def _model_card(state: ServerState, name: str) -> Json:
         "root": state.engine.model_name,
         "max_model_len": state.engine.max_model_len,
     }
+    if state.lora_for(name) is not None:  # a LoRA adapter over the base (vLLM's card)
+        card["root"] = name
+        card["parent"] = state.model_name
+    return card
 
 
 def _logprobs(
@@ -338,3 +343,4 @@ def add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
+    add_lora_routes(app)

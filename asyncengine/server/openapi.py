@@ -18,6 +18,7 @@ from aiohttp import web
 from asyncengine.server.admin import PolicyChange
 from asyncengine.server.anthropic_schema import CountTokensRequest, MessagesRequest
 from asyncengine.server.embeddings import EmbeddingRequest
+from asyncengine.server.lora_routes import LoadLoraRequest, UnloadLoraRequest
 from asyncengine.server.native import GenerateRequest
 from asyncengine.server.openai_schema import ChatCompletionRequest, CompletionRequest
 from asyncengine.server.responses_schema import ResponsesRequest
@@ -34,6 +35,8 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/load_lora_adapter": LoadLoraRequest,
+    "/v1/unload_lora_adapter": UnloadLoraRequest,
 }
 STREAMING_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses"}

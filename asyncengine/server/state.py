@@ -50,16 +50,31 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, requested: str | None) -> str:
-        """The model name to answer with; 404 ``model_not_found`` for a model we do not serve."""
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters the engine serves now (an engine without them: none)."""
+        return sorted(getattr(self.engine, "lora_adapters", {}))
+
+    def check_model(self, requested: str | None, adapters: bool = False) -> str:
+        """The model name to answer with; 404 ``model_not_found`` for a model we do not serve.
+        ``adapters``: the route runs LoRA adapters, named as models (``lora_for``)."""
         if requested is None or requested in self.served_model_names:
             return requested or self.model_name
+        served = self.served_model_names
+        if adapters:
+            if requested in self.lora_names:
+                return requested
+            served = [*served, *self.lora_names]
         raise ApiError(
             404,
-            f"the model {requested!r} does not exist on this server; it serves {self.served_model_names}",
+            f"the model {requested!r} does not exist on this server; it serves {served}",
             param="model",
             code="model_not_found",
         )
+
+    def lora_for(self, model: str) -> str | None:
+        """The LoRA adapter a checked model name selects (None: the base model)."""
+        return None if model in self.served_model_names else model
 
 
 STATE = web.AppKey("asyncengine_state", ServerState)

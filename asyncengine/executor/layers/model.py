@@ -15,6 +15,7 @@ per-layer RoPE tables (Gemma 3's sliding layers) and a soft-cap on the final log
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from asyncengine.kernels.reference import rotary_ref
 from asyncengine.kernels.reference.activation_ref import gelu_tanh_and_mul
 from asyncengine.kernels.reference.attention_window import soft_cap
 from asyncengine.kernels.reference.kv_store_ref import copy_kv_slots, store_kv
+
+if TYPE_CHECKING:
+    from asyncengine.executor.lora.lora_step import LoraStep
 
 
 class WeightsError(ValueError):
@@ -204,10 +208,12 @@ class LlamaModel:
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         rows: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run every layer over the batch's tokens; return the final-normed hidden states of the
         sampled rows, then the scored ones (``batch.hidden_rows``), [rows, hidden] (``rows`` of the
-        flat tokens instead, when given)."""
+        flat tokens instead, when given). ``lora``: LoRA updates added to the rows of their
+        adapters after each projection (the fused decode step has no such hook: not taken)."""
         c = self.config
         ops = self.ops
         n = batch.num_tokens
@@ -228,6 +234,7 @@ class LlamaModel:
             hidden = hidden * self.embedding_multiplier
         if (
             self.native_decode is not None
+            and lora is None
             and batch.kv_copies is None
             and native_decode.takes(self.native_decode, batch)
         ):
@@ -241,6 +248,8 @@ class LlamaModel:
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             if layer.q_norm is not None:
                 qkv = self._norm_qk(qkv, layer)
             if ops.rotary_store is not None:  # native CPU kernels: rotate and store in one pass
@@ -282,11 +291,21 @@ class LlamaModel:
                 attn = backend.forward(
                     q, k, v, k_caches[i], v_caches[i], metadata, self.scale, options
                 )
-            hidden = layer.o_proj(attn.reshape(n, c.q_size))
+            attn_out = attn.reshape(n, c.q_size)
+            hidden = layer.o_proj(attn_out)
+            if lora is not None:
+                lora.apply(i, "o_proj", attn_out, hidden)
             if layer.attn_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
+            if lora is None:
+                hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
+            else:
+                gate_up = layer.gate_up(x)
+                lora.apply(i, "gate_up", x, gate_up)
+                act = self.act_and_mul(gate_up)
+                hidden = layer.down(act)
+                lora.apply(i, "down", act, hidden)
             if layer.mlp_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None

@@ -1,0 +1,78 @@
+"""The LoRA adapters an AsyncEngine serves by name: loaded at start from the config, loaded
+and unloaded while serving (``engine.load_lora`` / ``engine.unload_lora``).
+
+A load reads and checks the adapter on the forward thread, between steps; a refused one changes
+nothing. An unload takes the name away from new requests at once; the adapter's weights stay
+with the executor until no request in flight runs under it (they finish as they began).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor as ThreadPool
+from pathlib import Path
+
+from asyncengine.common.errors import UnknownAdapterError
+from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH, InvalidRequestError
+
+
+class LoraAdapters:
+    def __init__(self, configured: dict[str, str]) -> None:
+        self.paths: dict[str, str] = dict(configured)  # served now: name -> PEFT directory
+        self.names: set[str] = set(configured)  # the intake's view (shared, updated in place)
+        self._retiring: set[str] = set()  # unloaded, still held by requests in flight
+
+    def check(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise UnknownAdapterError(name, sorted(self.names))
+
+    async def load(
+        self,
+        name: str,
+        path: str | Path,
+        registry: object,
+        worker: ThreadPool,
+        base_name: str,
+    ) -> None:
+        """Read and check the adapter on the forward thread, then serve it as ``name``.
+        InvalidRequestError for a bad name or an adapter the base model refuses."""
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME_LENGTH or "/" in name:
+            raise InvalidRequestError(
+                f"a LoRA adapter name is 1 to {MAX_LORA_NAME_LENGTH} characters without '/'",
+                param="lora_name",
+            )
+        if name == base_name:
+            raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+        add = getattr(registry, "add", None)
+        if add is None:
+            raise InvalidRequestError("this engine's executor serves no LoRA adapters")
+        from asyncengine.executor.lora.peft_adapter import LoraLoadError
+
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(worker, add, name, str(path))
+        except LoraLoadError as exc:
+            raise InvalidRequestError(str(exc), param="lora_path") from None
+        self.paths[name] = str(path)
+        self.names.add(name)
+        self._retiring.discard(name)
+
+    def unload(self, name: str) -> None:
+        """Serve ``name`` to no new request; its weights go once its requests are done
+        (``drop_idle``)."""
+        if name not in self.paths:
+            raise UnknownAdapterError(name, sorted(self.names))
+        del self.paths[name]
+        self.names.discard(name)
+        self._retiring.add(name)
+
+    def drop_idle(self, in_flight: Iterable[str | None], remove: Callable[[str], object]) -> None:
+        """Remove from the executor the unloaded adapters no request in flight runs under."""
+        if not self._retiring:
+            return
+        busy = set(in_flight)
+        for name in list(self._retiring):
+            if name not in busy:
+                self._retiring.discard(name)
+                remove(name)

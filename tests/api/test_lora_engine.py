@@ -1,0 +1,139 @@
+"""LoRA adapters through the engine: greedy outputs equal HF + PEFT's in one batch mixing three
+adapters and the base, prefix cache on and off; KV computed under one adapter is never reused by
+another or the base; hot load and unload; adapters dropped from memory and read back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.errors import UnknownAdapterError
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from tests.executor.lora_support import PeftOracle, write_adapters
+from tests.server_support import engine_config, tiny_model_dir
+
+NEW_TOKENS = 8
+# long enough to fill whole pages (16 tokens), so that the prefix cache holds them
+PROMPT = [1, *range(300, 340)]
+OTHER = [1, *range(900, 933)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_adapters(model_dir, tmp_path_factory.mktemp("engine_loras"))
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: Path, adapters: dict[str, Path]) -> PeftOracle:
+    return PeftOracle(model_dir, adapters)
+
+
+def greedy(lora: str | None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora=lora)
+
+
+MIX: list[tuple[str | None, list[int]]] = [
+    (None, PROMPT),
+    ("r4", PROMPT),
+    ("r8", PROMPT),
+    ("r16", OTHER),
+    ("r8", OTHER),
+    (None, OTHER),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache", "no-cache"])
+async def test_mixed_batch_equals_peft_and_no_adapter_reuses_anothers_kv(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle, prefix_cache: bool
+) -> None:
+    loras = {name: str(path) for name, path in adapters.items()}
+    config = engine_config(model_dir, loras=loras, enable_prefix_cache=prefix_cache)
+    want = [oracle.greedy(lora, prompt, NEW_TOKENS) for lora, prompt in MIX]
+    assert len({tuple(w) for w in want[:3]}) == 3  # the adapters change what the model writes
+    async with AsyncEngine(config) as engine:
+        together = await asyncio.gather(*(engine.generate(p, greedy(a)) for a, p in MIX))
+        assert [o.token_ids for o in together] == want
+        # one at a time: each prompt's pages are cached by now under the adapter that made them
+        for (lora, prompt), expected in zip(MIX, want, strict=True):
+            again = await engine.generate(prompt, greedy(lora))
+            assert again.token_ids == expected
+            assert (again.usage.cached_tokens > 0) == prefix_cache
+        await engine.reset_prefix_cache()
+        first = await engine.generate(PROMPT, greedy(None))
+        # the base just cached these pages: no adapter (nor the base under a salt) takes them
+        for lora in ("r4", "r8", "r16"):
+            out = await engine.generate(PROMPT, greedy(lora))
+            assert out.usage.cached_tokens == 0, lora
+        base_again = await engine.generate(PROMPT, greedy(None))
+    assert first.token_ids == base_again.token_ids == want[0]
+    assert (base_again.usage.cached_tokens > 0) == prefix_cache
+
+
+@pytest.mark.asyncio
+async def test_load_unload_and_refusals(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle, tmp_path: Path
+) -> None:
+    config = engine_config(model_dir, max_lora_rank=8)
+    async with AsyncEngine(config) as engine:
+        with pytest.raises(UnknownAdapterError):
+            await engine.generate(PROMPT, greedy("r4"))
+        await engine.load_lora("r4", str(adapters["r4"]))
+        assert engine.lora_adapters == {"r4": str(adapters["r4"])}
+        out = await engine.generate(PROMPT, greedy("r4"))
+        assert out.token_ids == oracle.greedy("r4", PROMPT, NEW_TOKENS)
+        # refused loads change nothing
+        with pytest.raises(InvalidRequestError, match="rank 16, over the limit of 8"):
+            await engine.load_lora("r16", str(adapters["r16"]))
+        with pytest.raises(InvalidRequestError, match="not a PEFT adapter"):
+            await engine.load_lora("empty", str(tmp_path))
+        bad = tmp_path / "bad"
+        shutil.copytree(adapters["r4"], bad)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        cfg["peft_type"] = "PREFIX_TUNING"
+        (bad / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InvalidRequestError, match="PREFIX_TUNING"):
+            await engine.load_lora("r4", str(bad))
+        assert engine.lora_adapters == {"r4": str(adapters["r4"])}
+        assert (await engine.generate(PROMPT, greedy("r4"))).token_ids == out.token_ids
+        # unloaded while a request runs under it: that request finishes under the adapter
+        running = asyncio.create_task(
+            engine.generate(OTHER, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                  ignore_eos=True, lora="r4"))
+        )  # fmt: skip
+        await asyncio.sleep(0.05)
+        engine.unload_lora("r4")
+        with pytest.raises(UnknownAdapterError):
+            await engine.generate(PROMPT, greedy("r4"))
+        finished = await running
+        assert finished.token_ids[:NEW_TOKENS] == oracle.greedy("r4", OTHER, NEW_TOKENS)
+        await engine.generate(PROMPT, greedy(None))  # a step after the last r4 request
+        registry = engine.executor.loras  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+        assert "r4" not in registry.paths
+
+
+@pytest.mark.asyncio
+async def test_least_recently_used_adapters_are_read_back_from_disk(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle
+) -> None:
+    loras = {name: str(path) for name, path in adapters.items()}
+    config = engine_config(model_dir, loras=loras, max_cpu_loras=1, enable_prefix_cache=False)
+    async with AsyncEngine(config) as engine:
+        registry = engine.executor.loras  # type: ignore[attr-defined]
+        assert len(registry.loaded) == 1
+        for lora in ("r4", "r8", "r4", "r16"):
+            out = await engine.generate(PROMPT, greedy(lora))
+            assert out.token_ids == oracle.greedy(lora, PROMPT, NEW_TOKENS)
+            assert registry.loaded == [lora]
+        assert registry.loads_from_disk >= 3

@@ -1,0 +1,103 @@
+"""PEFT adapters as the loader reads them: PEFT's scaling (alpha / r, rsLoRA's alpha / sqrt(r),
+alpha_pattern), fused q/k/v and gate/up blocks, and a clear refusal of what does not fit the base
+model, which leaves the registry as it was."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.lora.peft_adapter import LoraLoadError, load_peft_adapter
+from asyncengine.executor.lora.registry import LoraRegistry, UnknownLoraError
+from tests.conftest import TinyCheckpoint
+
+PREFIX = "base_model.model.model.layers"
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], **config: Any) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}
+    (path / "adapter_config.json").write_text(json.dumps(settings))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def pair(module: str, rank: int, out: int, inp: int, layer: int = 0) -> dict[str, torch.Tensor]:
+    name = f"{PREFIX}.{layer}.{module}"
+    return {
+        f"{name}.lora_A.weight": torch.randn(rank, inp),
+        f"{name}.lora_B.weight": torch.randn(out, rank),
+    }
+
+
+@pytest.fixture
+def config(tiny_llama: TinyCheckpoint) -> ModelConfig:
+    return ModelConfig.from_hf_dict(tiny_llama.hf_config)
+
+
+def test_scaling_and_fused_blocks(config: ModelConfig, tmp_path: Path) -> None:
+    h, kv = config.hidden_size, config.kv_size
+    tensors = {
+        **pair("self_attn.q_proj", 4, config.q_size, h),
+        **pair("self_attn.v_proj", 2, kv, h),
+    }
+    path = write(tmp_path / "a", tensors, use_rslora=True, alpha_pattern={"v_proj": 2})
+    adapter = load_peft_adapter("a", path, config, 64)
+    qkv = adapter.layers[0]["qkv"]
+    assert qkv.rank == 6 and adapter.rank == 4 and set(adapter.layers[0]) == {"qkv"}
+    assert qkv.slices == (
+        (0, config.q_size, 0, 4),
+        (config.q_size + kv, config.q_size + 2 * kv, 4, 6),
+    )
+    q_b = tensors[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"]
+    v_b = tensors[f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"]
+    assert torch.allclose(qkv.b[: config.q_size, :4], q_b * 8 / math.sqrt(4))
+    assert torch.allclose(qkv.b[config.q_size + kv :, 4:], v_b * 2 / math.sqrt(2))
+    assert not qkv.b[config.q_size : config.q_size + kv].any()  # k is not targeted
+    assert all(not layer for layer in adapter.layers[1:])
+
+
+@pytest.mark.parametrize(
+    ("tensors", "settings", "message"),
+    [
+        (lambda c: pair("self_attn.q_proj", 8, c.q_size, c.hidden_size), {}, "rank 8, over the limit of 4"),
+        (lambda c: pair("mlp.gate_proj", 2, c.intermediate_size + 1, c.hidden_size), {}, "made for another base model"),
+        (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size, layer=9), {}, "targets layer 9"),
+        (lambda c: pair("lm_head", 2, c.vocab_size, c.hidden_size), {}, "is not one the engine adapts"),
+        (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"use_dora": True}, "DoRA"),
+        (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"peft_type": "IA3"}, "IA3"),
+    ],
+)  # fmt: skip
+def test_refusals_leave_the_registry_as_it_was(
+    config: ModelConfig, tmp_path: Path, tensors: Any, settings: dict, message: str
+) -> None:
+    registry = LoraRegistry(config, 4, None, torch.float32, torch.device("cpu"))
+    good = write(tmp_path / "good", pair("self_attn.q_proj", 2, config.q_size, config.hidden_size))
+    registry.add("x", good)
+    bad = write(tmp_path / "bad", tensors(config), **settings)
+    with pytest.raises(LoraLoadError, match=message):
+        registry.add("x", bad)
+    assert registry.paths == {"x": str(good)} and registry.loaded == ["x"]
+    with pytest.raises(UnknownLoraError):
+        registry.adapters({"y"})
+
+
+def test_missing_files_are_refused(config: ModelConfig, tmp_path: Path) -> None:
+    with pytest.raises(LoraLoadError, match="not a directory"):
+        load_peft_adapter("a", tmp_path / "nothing", config, 64)
+    with pytest.raises(LoraLoadError, match="not a PEFT adapter"):
+        load_peft_adapter("a", tmp_path, config, 64)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    with pytest.raises(LoraLoadError, match="has no adapter_model.safetensors"):
+        load_peft_adapter("a", tmp_path, config, 64)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoraLoadError, match="not a readable safetensors"):
+        load_peft_adapter("a", tmp_path, config, 64)

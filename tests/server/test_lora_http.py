@@ -1,0 +1,122 @@
+"""LoRA adapters over real HTTP: the OpenAI ``model`` field and ``lora`` on /generate select an
+adapter (its output is HF + PEFT's), /v1/models lists adapters with their parent, an unknown
+adapter is a 404 like an unknown model, and /v1/load_lora_adapter and /v1/unload_lora_adapter
+(vLLM's shape) load and unload while serving, behind the API key; a refused load is a 400."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.executor.lora_support import PeftOracle, write_adapters
+from tests.server_support import engine_config, start_server, tiny_model_dir
+
+KEY = "sk-lora-test"
+PROMPT = [1, *range(300, 330)]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_adapters(model_dir, tmp_path_factory.mktemp("http_loras"))
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str | None = KEY
+) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with session.post(url, json=body, headers=headers) as resp:
+        text = await resp.text()
+        try:
+            return resp.status, await resp.json(content_type=None)
+        except ValueError:
+            return resp.status, text
+
+
+@pytest.mark.asyncio
+async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) -> None:
+    oracle = PeftOracle(model_dir, {"r4": adapters["r4"], "r8": adapters["r8"]})
+    config = engine_config(model_dir, loras={"r4": str(adapters["r4"])}, max_lora_rank=8)
+    server = await start_server(config, api_key=KEY)
+    base = server.model
+    url = server.base_url
+    try:
+        async with aiohttp.ClientSession() as session:
+            # listed with their parent
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with session.get(url + "/v1/models", headers=headers) as resp:
+                cards = {c["id"]: c for c in (await resp.json())["data"]}
+            assert cards["r4"]["parent"] == base and "parent" not in cards[base]
+
+            async def complete(model: str) -> tuple[int, Any]:
+                body = {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                        "temperature": 0}  # fmt: skip
+                return await _post(session, url + "/v1/completions", body)
+
+            async def token_ids(model: str | None, route: str = "/generate") -> list[int]:
+                body: dict[str, Any] = {
+                    "input_ids": PROMPT,
+                    "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+                                        "ignore_eos": True},
+                }  # fmt: skip
+                if model is not None:
+                    body["lora"] = model
+                status, out = await _post(session, url + route, body)
+                assert status == 200, out
+                return list(out["output_ids"])
+
+            assert await token_ids("r4") == oracle.greedy("r4", PROMPT, NEW_TOKENS)
+            assert await token_ids(None) == oracle.greedy(None, PROMPT, NEW_TOKENS)
+            status, by_model = await complete("r4")
+            assert status == 200 and by_model["model"] == "r4"
+            status, by_base = await complete(base)
+            assert status == 200 and by_model["choices"][0]["text"] != by_base["choices"][0]["text"]
+            # an unknown adapter is a 404 like an unknown model, on both routes
+            status, err = await complete("r8")
+            assert status == 404 and err["error"]["code"] == "model_not_found"
+            status, err = await _post(
+                session, url + "/generate", {"input_ids": PROMPT, "lora": "r8"}
+            )
+            assert status == 404 and err["error"]["code"] == "model_not_found"
+
+            load = url + "/v1/load_lora_adapter"
+            # behind the API key
+            status, _ = await _post(session, load, {"lora_name": "r8", "lora_path": "x"}, None)
+            assert status == 401
+            # refused loads: 400, nothing changes
+            status, err = await _post(
+                session, load, {"lora_name": "r16", "lora_path": str(adapters["r16"])}
+            )
+            assert status == 400 and "rank 16, over the limit of 8" in err["error"]["message"]
+            status, err = await _post(
+                session, load, {"lora_name": "x", "lora_path": str(model_dir)}
+            )
+            assert status == 400 and "not a PEFT adapter" in err["error"]["message"]
+            status, err = await _post(session, load, {"lora_name": "r8"})
+            assert status == 400
+            assert "r16" not in server.engine.lora_adapters
+            # a hot load, then the adapter serves
+            status, text = await _post(
+                session, load, {"lora_name": "r8", "lora_path": str(adapters["r8"])}
+            )
+            assert status == 200, text
+            assert await token_ids("r8") == oracle.greedy("r8", PROMPT, NEW_TOKENS)
+            status, _ = await complete("r8")
+            assert status == 200
+            unload = url + "/v1/unload_lora_adapter"
+            status, text = await _post(session, unload, {"lora_name": "r8"})
+            assert status == 200, text
+            status, _ = await complete("r8")
+            assert status == 404
+            status, err = await _post(session, unload, {"lora_name": "r8"})
+            assert status == 404
+    finally:
+        await server.stop()
