@@ -175,11 +175,6 @@ class Request:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
-    def lora(self) -> str | None:
-        """The LoRA adapter the request runs under (None: the base model)."""
-        return self.params.lora
-
-    @property
     def cache_prompt_ids(self) -> list[int]:
         """The prompt as the prefix cache keys it: ``prompt_ids`` unless the request is salted."""
         return self.prompt_ids if self.cache_prompt is None else self.cache_prompt

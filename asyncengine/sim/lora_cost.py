@@ -166,6 +166,12 @@ class SimLoras:
     def rank(self, adapter: str) -> int:
         return self.ranks.get(adapter, self.default_rank)
 
+    @classmethod
+    def for_config(cls, max_cpu_loras: int | None) -> SimLoras:
+        """The engine's ``max_cpu_loras`` (None: every adapter stays loaded, so none is read
+        from disk twice)."""
+        return cls(max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else 1 << 30)
+
 
 class LoraCharges:
     """What a simulated run's adapters cost, step by step: their compute, and loads from disk

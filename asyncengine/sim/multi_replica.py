@@ -139,7 +139,7 @@ class MultiReplicaSimulator:
         for replica in self.replicas:
             reveal_lengths(replica.core, workload)
             if adapters:  # each replica loads and holds its own adapters
-                loras = SimLoras(max_cpu_loras=max(8, replica.core.config.max_loras))
+                loras = SimLoras.for_config(replica.core.config.max_cpu_loras)
                 replica.executor.lora = LoraCharges(loras, adapters)
         wall_start = time.perf_counter()
         pending = sorted(workload, key=lambda w: w.arrival_time)

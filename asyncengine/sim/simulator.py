@@ -67,7 +67,7 @@ class Simulator:
         them request by request (sim/bulk_decode.py): the same results, several times faster;
         False runs every step step by step. ``loras``: the adapters' ranks, how many stay
         loaded and their cost model (sim/lora_cost.py); a workload whose requests name
-        adapters gets ``SimLoras()`` when None."""
+        adapters gets ``SimLoras.for_config(config.max_cpu_loras)`` when None."""
         speculation = config.speculation
         if speculation is not None and speculation.method == "draft":
             raise ConfigError(
@@ -114,7 +114,7 @@ class Simulator:
             if adapters:
                 loras = self.loras
                 if loras is None:
-                    loras = SimLoras(max_cpu_loras=max(8, self.config.max_loras))
+                    loras = SimLoras.for_config(self.config.max_cpu_loras)
                 self.executor.lora = LoraCharges(loras, adapters)
                 # bulk decoding costs decodes without their requests: LoRA rows need them
                 self.bulk = None
