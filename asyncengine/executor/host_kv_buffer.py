@@ -22,7 +22,7 @@ class HostKVBuffer:
         self.pool = pool
         self.num_pages = num_pages
         self.page_size = pool.page_size
-        shape = (pool.num_layers, num_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        shape = (pool.num_layers, num_pages * pool.page_size, pool.num_kv_heads, pool.row_width)
         pin = pool.device.type == "cuda"
         # left unwritten, like the CPU pool: the OS maps pages in as swaps first touch them
         self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)

@@ -24,7 +24,9 @@
  *
  * Built with -DKV_F16 (cpu_kv.h), the pool is float16 and q / out float32 (is_bf16 must be 0):
  * the per-item loop below reads it through F16C; the register-resident AVX-512 items are not
- * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too).
+ * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too). Built with
+ * -DKV_I8 the pool is int8 with a scale per head row (cpu_kv.h): the same per-item loop, each
+ * dot product and value row taking its row's scale once.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -88,24 +90,25 @@ static inline float dot_bf16(const uint16_t *qb, const float *qf, const uint16_t
 #endif
 }
 
-/* q (float32) . k (a pool row: float32, or float16 in a KV_F16 build) */
+/* q (float32) . k (a pool row: float32, float16 in a KV_F16 build, int8 and its scale in a
+ * KV_I8 build) */
 static inline float dot_f32(const float *q, const kv_t *k, int d) {
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < d; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), KV_LOAD16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    return _mm512_reduce_add_ps(acc) * kv_row_scale(k, d);
 #elif defined(AVX2_F32)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), KV_LOAD8(k + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), KV_LOAD8(k + i + 8), acc1);
     }
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return hsum256(_mm256_add_ps(acc0, acc1)) * kv_row_scale(k, d);
 #else
     float acc = 0.0f;
     for (int i = 0; i < d; i++) acc += q[i] * kv_to_float(k[i]);
-    return acc;
+    return acc * kv_row_scale(k, d);
 #endif
 }
 
@@ -128,6 +131,7 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int d) {
 }
 
 static inline void axpy_f32(float *acc, float p, const kv_t *v, int d) {
+    p *= kv_row_scale(v, d);
 #ifdef __AVX512F__
     __m512 pv = _mm512_set1_ps(p);
     for (int i = 0; i < d; i += 16)
@@ -176,7 +180,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
         const int n = (len - t0 < BLOCK) ? (len - t0) : BLOCK;
         for (int i = 0; i < n; i++) slots[i] = pool_slot(table_row, t0 + i, page_size);
         for (int i = 0; i < n; i++) {
-            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
                 float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
                                     : dot_f32(qf[g], (const kv_t *)k_cache + row, (int)D);
@@ -200,7 +204,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
             l[g] += sum;
         }
         for (int i = 0; i < n; i++) {
-            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
                 if (is_bf16)
                     axpy_bf16(acc[g], s[g][i], (const uint16_t *)v_cache + row, (int)D);
@@ -469,7 +473,7 @@ static const fast_item_fn FAST_F32_256[8] = GROUP_TABLE(F32, 16);
 
 /* the register-resident item for (dtype, G, D), or NULL */
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) {
-    if (G < 1 || G > 8 || KV_IS_F16) return NULL;
+    if (G < 1 || G > 8 || KV_IS_F16 || KV_IS_I8) return NULL;
     switch (D) {
     case 64: return (is_bf16 ? FAST_BF16_64 : FAST_F32_64)[G - 1];
     case 128: return (is_bf16 ? FAST_BF16_128 : FAST_F32_128)[G - 1];
@@ -498,7 +502,7 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                                        int64_t D, int64_t page_size, float scale, int64_t window,
                                        float softcap, void *out, int is_bf16, int num_threads) {
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM ||
-        (KV_IS_F16 && is_bf16))
+        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
 #ifdef __AVX512F__

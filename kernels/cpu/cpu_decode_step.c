@@ -577,8 +577,8 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                         const float *cs = m->cos_sin + positions[i] * D;
                         float k_rot[MAX_HEAD_DIM];
                         rotate(row + (heads + h) * D, cs, half, k_rot);
-                        kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * D, k_rot, D);
-                        kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * D,
+                        kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * KV_ROW(D), k_rot, D);
+                        kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * KV_ROW(D),
                                      row + (heads + kv_heads + h) * D, D);
                     }
                 barrier_wait(&phase_barrier, &my_sense);
@@ -596,7 +596,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                             rotate(row + h * D, cs, half, attn + i * q_size + h * D);
                         }
                     /* one row: its new K/V as the pool holds them (float16 rounded) */
-                    kv_t k_new[MAX_HEAD_DIM], v_new[MAX_HEAD_DIM];
+                    kv_t k_new[MAX_HEAD_DIM + KV_ROW_EXTRA], v_new[MAX_HEAD_DIM + KV_ROW_EXTRA];
                     if (one) { /* items of one kv head (plan_items: one row is never whole) */
                         float k_rot[MAX_HEAD_DIM];
                         rotate(row + (heads + kvh) * D, cs, half, k_rot);
@@ -604,10 +604,10 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                         kv_store_row(v_new, row + (heads + kv_heads + kvh) * D, D);
                         /* the group's first chunk stores its K/V (a padding row: nothing) */
                         if (it.h0 == kvh * group && slots[i] >= 0) {
-                            memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
-                                   (size_t)D * sizeof(kv_t));
-                            memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
-                                   (size_t)D * sizeof(kv_t));
+                            memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), k_new,
+                                   (size_t)KV_ROW(D) * sizeof(kv_t));
+                            memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), v_new,
+                                   (size_t)KV_ROW(D) * sizeof(kv_t));
                         }
                     }
                     attend_group(out_heads, it.kvc, it.gc, L->k_cache, L->v_cache,

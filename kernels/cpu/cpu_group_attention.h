@@ -230,7 +230,7 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
             continue;
         }
         const int64_t slot = (int64_t)table_row[page] * page_size + off;
-        const int64_t row = (slot * kv_heads + kv0) * d;
+        const int64_t row = (slot * kv_heads + kv0) * KV_ROW(d);
         k[i] = k_cache + row;
         v[i] = v_cache + row;
     }
@@ -263,17 +263,27 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
         if (next < len) {
             n_next = block_rows(k_cache, v_cache, table_row, next, len, page_size, kv0, kv_heads,
                                 d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
-            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * d);
+            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * KV_ROW(d));
         }
         for (int64_t c = 0; c < kvc; c++) {
             const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
             if (c) { /* kv head kv0 + c: the next d floats of each slot's rows */
-                for (int i = 0; i < n; i++) kh[i] = k_rows[cur][i] + c * d, vh[i] = v_rows[cur][i] + c * d;
+                for (int i = 0; i < n; i++)
+                    kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
                 kc = kh, vc = vh;
             }
+#if KV_IS_I8
+            float ks[ATTN_BLOCK], vs[ATTN_BLOCK], p[ATTN_BLOCK]; /* the rows' scales */
+            for (int i = 0; i < n; i++) ks[i] = kv_row_scale(kc[i], d) * scale;
+            for (int i = 0; i < n; i++) vs[i] = kv_row_scale(vc[i], d);
+#endif
             for (int64_t g = c * gc; g < (c + 1) * gc; g++) {
                 block_dots(q + g * d, kc, n, d, s);
+#if KV_IS_I8
+                for (int i = 0; i < n; i++) s[i] *= ks[i];
+#else
                 for (int i = 0; i < n; i++) s[i] *= scale;
+#endif
                 const float block_max = max_of(s, n);
                 if (block_max > mx[g]) {
                     if (sum[g] > 0.0f) {
@@ -284,7 +294,12 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
                     mx[g] = block_max;
                 }
                 sum[g] += block_exp(s, n, mx[g]);
+#if KV_IS_I8
+                for (int i = 0; i < n; i++) p[i] = s[i] * vs[i];
+                block_values(acc + g * d, vc, p, n, d);
+#else
                 block_values(acc + g * d, vc, s, n, d);
+#endif
             }
         }
         cur = !cur;
