@@ -196,7 +196,13 @@ def test_native_extend_reads_an_int8_pool(
 )
 @pytest.mark.parametrize(
     "seq_lens",
-    [[1, 31, 32, 33, 70, 5, 129, 64], [97], [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77]],
+    [
+        [1, 31, 32, 33, 70, 5, 129, 64],
+        [97],
+        [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77],
+        [1500],  # split-K
+        [700, 2051],
+    ],
 )
 def test_fused_step_attention_reads_an_int8_pool(
     num_heads: int,
