@@ -17,8 +17,8 @@ beside float32 activations (the kernels' -DKV_F16 builds, or the torch reference
 kernel runs), not in deterministic mode (its torch fallback reads the pool in the model's
 dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) likewise: on a
 CPU beside float32 activations, with the torch attention backend (the native kernels' -DKV_I8
-builds, the torch references dequantizing where no kernel runs), not in deterministic mode;
-the Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` never
+builds, the torch references dequantizing where no kernel runs), deterministic mode too (its
+native extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` never
 picks int8 (see ``INT8_AUTO``). Anything else is a ``ConfigError``.
 """
 
@@ -60,15 +60,13 @@ def f16_pool_runs_natively() -> bool:
     return bool(features & _AVX2) and not features & _AVX512
 
 
-def _int8_refusal(device: torch.device, dtype: torch.dtype, deterministic: bool, backend: str) -> str:
+def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str:
     """Why an int8 pool cannot be honoured here ("" where it can)."""
     if device.type != "cpu":
         return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
     if dtype != torch.float32:
         model = str(dtype).removeprefix("torch.")
         return f"an int8 pool is read beside float32 activations only (the model runs in {model})"
-    if deterministic:
-        return "deterministic mode reads the pool in the model's dtype"
     if backend not in ("auto", "torch"):
         return f"attention_backend {backend!r} does not read an int8 pool (use torch or auto)"
     return ""
@@ -95,7 +93,7 @@ def pick_kv_dtype(
         )
     wanted = KV_DTYPE_NAMES[name]
     if wanted == torch.int8:
-        why = _int8_refusal(device, dtype, deterministic, backend)
+        why = _int8_refusal(device, dtype, backend)
         if why:
             raise ConfigError(f"config key 'kv_cache_dtype' = {name!r}: {why}")
         return wanted

@@ -29,11 +29,13 @@
  * dot product and value row taking its row's scale once.
  */
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#include "cpu_split_k.h"
 
 #define BLOCK 32
 /* how many keys ahead the first head of an item prefetches every head's rows (into L2) */
@@ -149,11 +151,13 @@ static inline void scale_f32(float *acc, float c, int d) {
     for (int i = 0; i < d; i++) acc[i] *= c;
 }
 
-/* One (request, kv head) item. is_bf16 selects the element type of q, caches and out. */
+/* One (request, kv head) item over keys first .. len - 1. is_bf16 selects the element type of q,
+ * caches and out. part != NULL (a split-K range): its state (cpu_split_k.h) goes there instead
+ * of the output. */
 static void decode_item(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int32_t *table_row, int first, int len, int64_t b, int64_t kvh,
                         int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                        float softcap, void *out, int is_bf16) {
+                        float softcap, void *out, int is_bf16, float *part) {
     const int64_t G = H / Hkv;
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     uint16_t qb[MAX_GROUP][MAX_HEAD_DIM];
@@ -212,6 +216,14 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
                     axpy_f32(acc[g], s[g][i], (const kv_t *)v_cache + row, (int)D);
             }
         }
+    }
+    if (part != NULL) {
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t i = 0; i < D; i++) part[g * D + i] = acc[g][i];
+            part[G * D + g] = m[g];
+            part[G * D + G + g] = l[g];
+        }
+        return;
     }
     for (int64_t g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
@@ -336,7 +348,7 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
                                          int64_t b, int64_t kvh, int64_t H, int64_t Hkv,          \
                                          int64_t page_size, float scale, float softcap,           \
                                          void *out, int cold,                                     \
-                                         l2_stream *st) {                                         \
+                                         l2_stream *st, float *part) {                            \
         const int64_t D = 16 * (NV);                                                             \
         __m512 qv[G][NV] __attribute__((unused)), acc[G][NV];                                    \
         QBF16_DECL(KIND, G, NV)                                                                  \
@@ -396,15 +408,23 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
             V_ACC_##KIND(G, NV)                                                                  \
         }                                                                                        \
         for (int g = 0; g < (G); g++) {                                                          \
-            const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);                 \
+            /* a split-K range keeps its sum unnormalized, with its max and sum beside it */     \
+            const float norm = part != NULL ? 1.0f : (l[g] > 0.0f ? 1.0f / l[g] : 0.0f);         \
+            const __m512 inv = _mm512_set1_ps(norm);                                             \
             const int64_t off = (b * H + head0 + g) * D;                                         \
             for (int j = 0; j < (NV); j += 2) {                                                  \
                 __m512 first = _mm512_mul_ps(acc[g][j], inv);                                    \
                 __m512 second = _mm512_mul_ps(acc[g][j + 1], inv);                               \
                 UNPAIR_##KIND(first, second)                                                     \
-                STORE_OUT_##KIND(out, off + 16 * j, first);                                      \
-                STORE_OUT_##KIND(out, off + 16 * (j + 1), second);                               \
+                if (part != NULL) {                                                              \
+                    _mm512_storeu_ps(part + g * D + 16 * j, first);                              \
+                    _mm512_storeu_ps(part + g * D + 16 * (j + 1), second);                       \
+                } else {                                                                         \
+                    STORE_OUT_##KIND(out, off + 16 * j, first);                                  \
+                    STORE_OUT_##KIND(out, off + 16 * (j + 1), second);                           \
+                }                                                                                \
             }                                                                                    \
+            if (part != NULL) part[(G) * D + g] = m[g], part[(G) * D + (G) + g] = l[g];          \
         }                                                                                        \
     }
 
@@ -459,7 +479,7 @@ DEFINE_FOR_GROUPS(F32, 16)
 
 typedef void (*fast_item_fn)(const void *, int64_t, const void *, const void *, const int32_t *,
                              int, int, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
-                             void *, int, l2_stream *);
+                             void *, int, l2_stream *, float *);
 
 #define GROUP_TABLE(KIND, NV)                                                                   \
     {fast_##KIND##_1_##NV, fast_##KIND##_2_##NV, fast_##KIND##_3_##NV, fast_##KIND##_4_##NV,   \
@@ -525,26 +545,66 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                 }
                 for (int64_t kvh = 0; kvh < Hkv; kvh++)
                     fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, b == t, &st);
+                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, b == t, &st,
+                         NULL);
             }
         }
         return 0;
     }
 #endif
+    /* split-K where the (request, kv head) items are too few for the threads: each item's keys
+     * in ranges (cpu_split_k.h), merged by the range that finishes last */
+    int longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int keys = seq_lens[b] - first_key(seq_lens[b], window);
+        longest = keys > longest ? keys : longest;
+    }
+    const int64_t splits = split_count(B * Hkv, longest, num_threads);
+    const int64_t G = H / Hkv, stride = ATTN_PART(G, D);
+    float *parts = NULL;
+    atomic_int *done = NULL;
+    if (splits > 1) {
+        parts = (float *)malloc((size_t)(B * Hkv * splits * stride) * sizeof(float));
+        done = (atomic_int *)malloc((size_t)(B * Hkv) * sizeof(atomic_int));
+        if (parts == NULL || done == NULL) {
+            free(parts);
+            free((void *)done);
+            return -1;
+        }
+        for (int64_t u = 0; u < B * Hkv; u++) atomic_init(&done[u], 0);
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < B * Hkv; item++) {
-        const int64_t b = item / Hkv, kvh = item % Hkv;
-        const int first = first_key(seq_lens[b], window);
+    for (int64_t item = 0; item < B * Hkv * splits; item++) {
+        const int64_t unit = item / splits, split = item % splits;
+        const int64_t b = unit / Hkv, kvh = unit % Hkv;
+        const int len = seq_lens[b], start = first_key(len, window);
+        const int first = start + (int)((int64_t)(len - start) * split / splits);
+        const int end = start + (int)((int64_t)(len - start) * (split + 1) / splits);
+        float *part = splits > 1 ? parts + item * stride : NULL;
 #ifdef __AVX512F__
         if (fast != NULL) {
             l2_stream none = {NULL, 0, 0, 0};
-            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                 seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, 1, &none);
-            continue;
-        }
+            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end, b, kvh,
+                 H, Hkv, page_size, scale, softcap, out, 1, &none, part);
+        } else
 #endif
-        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                    seq_lens[b], b, kvh, H, Hkv, D, page_size, scale, softcap, out, is_bf16);
+            decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end,
+                        b, kvh, H, Hkv, D, page_size, scale, softcap, out, is_bf16, part);
+        /* release: this range's state is written; acquire: the last range sees the others' */
+        if (part != NULL &&
+            atomic_fetch_add_explicit(&done[unit], 1, memory_order_acq_rel) + 1 == splits) {
+            float merged[MAX_GROUP * MAX_HEAD_DIM];
+            merge_ranges(parts + unit * splits * stride, splits, G, D, merged);
+            const int64_t off = (b * H + kvh * G) * D;
+            for (int64_t i = 0; i < G * D; i++) {
+                if (is_bf16)
+                    ((uint16_t *)out)[off + i] = float_to_bf16(merged[i]);
+                else
+                    ((float *)out)[off + i] = merged[i];
+            }
+        }
     }
+    free(parts);
+    free((void *)done);
     return 0;
 }

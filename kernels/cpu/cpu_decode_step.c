@@ -453,8 +453,8 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
  *      heads), each block of keys read as whole pool slots (every kv head's lines of a slot are
  *      adjacent: the hardware prefetcher's neighbouring lines are used, not thrown away);
  *   else, >= 4 (row, kv head) items a thread: one kv head and its query heads;
- *   else (a request or two alone) with at least 2 * SPLIT_MIN_KEYS keys: one kv head and all
- *      its query heads over a range of its keys (split-K, as flash-decoding does), the ranges'
+ *   else (a request or two alone) with at least 2 * SPLIT_MIN_KEYS keys (cpu_split_k.h): one
+ *      kv head and all its query heads over a range of its keys (split-K), the ranges'
  *      softmax states merged by whichever range finishes last (merge_ranges): every key and
  *      value row is read once per step however few the kv heads, where one item a query head
  *      read each row once per query head (3 times over for SmolLM2's 9 / 3 heads: at 8k keys
@@ -462,10 +462,6 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
  *   else (short rows): one query head, so that 2 threads share 3 kv heads evenly.
  * A group of more than ATTN_MAX_GROUP query heads is split in chunks in each case. */
 #define ROW_ITEMS_FROM 4
-/* keys of a split-K range at least; ranges a (row, kv chunk) at most. Tuned by
- * scripts/micro/bench_decode_step.py --batches 1 --context 8192 (and 1024). */
-#define SPLIT_MIN_KEYS 256
-#define MAX_SPLITS 16
 
 typedef struct {
     const int64_t *order; /* rows by seq_len, longest first */
@@ -493,11 +489,8 @@ static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, 
         for (int64_t c = kv_heads; c > 1 && kv_per_item == 1; c--)
             if (kv_heads % c == 0 && c * group <= ATTN_MAX_HEADS) kv_per_item = c;
     } else if (n * kv_heads * min_chunks < 4 * threads) {
-        const int64_t units = n * kv_heads * min_chunks, longest = n > 0 ? seq_lens[order[0]] : 0;
-        splits = (4 * threads + units - 1) / units;
-        if (splits > longest / SPLIT_MIN_KEYS) splits = longest / SPLIT_MIN_KEYS;
-        if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-        if (splits < 2) splits = 1, chunks = group;
+        splits = split_count(n * kv_heads * min_chunks, n > 0 ? seq_lens[order[0]] : 0, threads);
+        if (splits == 1) chunks = group;
     }
     const int64_t chunk_heads = (group + chunks - 1) / chunks;
     chunks = (group + chunk_heads - 1) / chunk_heads;

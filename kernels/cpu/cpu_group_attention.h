@@ -25,6 +25,7 @@
 #include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#include "cpu_split_k.h"
 
 #define ATTN_BLOCK 32    /* keys per online-softmax block */
 #define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
@@ -321,35 +322,6 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
     for (int64_t g = 0; g < kvc * gc; g++) {
         const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
         for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g * d + j] * inv;
-    }
-}
-
-/* Split-K (flash-decoding): the states of `splits` key ranges of the same heads, each
- * ATTN_PART(heads, d) floats (acc [heads, d], then mx [heads], then sum [heads]), merged into
- * out [heads, d]: each range's sum and acc rescaled to the largest max. */
-#define ATTN_PART(heads, d) ((heads) * ((d) + 2))
-static void merge_ranges(const float *parts, int64_t splits, int64_t heads, int64_t d,
-                         float *out) {
-    const int64_t stride = ATTN_PART(heads, d);
-    for (int64_t g = 0; g < heads; g++) {
-        float top = -INFINITY, total = 0.0f;
-        for (int64_t r = 0; r < splits; r++) {
-            const float m = parts[r * stride + heads * d + g];
-            top = m > top ? m : top;
-        }
-        float *o = out + g * d;
-        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-        if (top == -INFINITY) continue;
-        for (int64_t r = 0; r < splits; r++) {
-            const float *part = parts + r * stride;
-            const float m = part[heads * d + g];
-            if (m == -INFINITY) continue;
-            const float w = expf(m - top);
-            total += part[heads * d + heads + g] * w;
-            for (int64_t j = 0; j < d; j++) o[j] += part[g * d + j] * w;
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t j = 0; j < d; j++) o[j] *= inv;
     }
 }
 

@@ -18,6 +18,7 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_executor import ModelExecutor
 from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
+from tests.executor.test_deterministic_engine import OUTPUT, greedy, workload
 from tests.server_support import engine_config, tiny_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -27,10 +28,10 @@ I8, F16, BF16, F32 = torch.int8, torch.float16, torch.bfloat16, torch.float32
 def test_int8_is_honoured_beside_float32_activations_on_a_cpu_only() -> None:
     assert pick_kv_dtype("int8", CPU, F32, quantized=True, deterministic=False) == I8
     assert pick_kv_dtype("int8", CPU, F32, quantized=False, deterministic=False) == I8
+    assert pick_kv_dtype("int8", CPU, F32, quantized=True, deterministic=True) == I8
     refused = [
         (CUDA, F32, False, "auto", "on cuda no attention kernel reads an int8 pool"),
         (CPU, BF16, False, "auto", "beside float32 activations only"),
-        (CPU, F32, True, "auto", "deterministic mode"),
         (CPU, F32, False, "triton", "'triton' does not read an int8 pool"),
         (CPU, F32, False, "flashinfer", "'flashinfer' does not read an int8 pool"),
     ]
@@ -121,3 +122,36 @@ def test_a_tiny_model_over_an_int8_pool_survives_swap_and_the_prefix_cache(
     assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0 and stats["recomputed_tokens"] == 0
     assert stats["cache_hit_rate"] > 0
     assert tight == roomy
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_deterministic_mode_over_an_int8_pool(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Deterministic mode reads int8 rows too (each dequantized alone): the same greedy tokens
+    alone and under load (chunked, retracted, beside others), as over its own dtype's pool."""
+    config = engine_config(
+        str(tiny_model_dir(tmp_path_factory)),
+        kv_cache_dtype="int8",
+        deterministic=True,
+        chunked_prefill_size=32,
+        max_prefill_tokens=64,
+        max_model_len=512,
+        kv_cache_tokens=512,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio=0.1,
+    )
+    probes, load = workload()
+    async with AsyncEngine(config) as engine:
+        assert engine.core.executor.runner.kv_pool.dtype == I8
+        alone = [(await engine.generate(p, greedy())).token_ids for p in probes]
+        outs = await asyncio.gather(
+            *(engine.generate(p, greedy(OUTPUT + i)) for i, p in enumerate(load[:6])),
+            *(engine.generate(p, greedy()) for p in probes),
+        )
+        loaded = [o.token_ids for o in outs[6:]]
+        stats = engine.stats()
+    assert all(len(t) == OUTPUT for t in alone)
+    assert loaded == alone
+    assert stats["retractions"] >= 1

@@ -124,10 +124,16 @@ SHAPES = [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 2, 64, 7), (8, 1,
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "page_size"), SHAPES)
+@pytest.mark.parametrize("seq_lens", [[1, 31, 32, 33, 70, 5, 129, 64], [1500], [700, 2051]])
 def test_native_decode_reads_an_int8_pool(
-    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, isa: str, threads: int
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    seq_lens: list[int],
+    isa: str,
+    threads: int,
 ) -> None:
-    seq_lens = [1, 31, 32, 33, 70, 5, 129, 64]
     kv = PagedInt8KV(seq_lens, page_size, num_kv_heads, head_dim, seed=head_dim + page_size)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
@@ -142,13 +148,20 @@ def test_native_decode_reads_an_int8_pool(
         torch.testing.assert_close(got[b], want[0], atol=INT8_ATOL, rtol=0)
 
 
-def test_native_decode_window_and_softcap_over_int8(isa: str) -> None:
-    kv = PagedInt8KV([40, 3, 100], 16, 2, 64, seed=5)
-    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize(
+    ("seq_lens", "window"), [([40, 3, 100], 7), ([1500], 700)], ids=["3", "split-K"]
+)
+def test_native_decode_window_and_softcap_over_int8(
+    seq_lens: list[int], window: int, isa: str
+) -> None:
+    kv = PagedInt8KV(seq_lens, 16, 2, 64, seed=5)
+    q = torch.randn(len(seq_lens), 8, 64, generator=torch.Generator().manual_seed(3))
     plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 8, kv.k_cache)
     assert plan is not None
-    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, 7, 1.5)
-    ref = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125, 7, 1.5)
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, window, 1.5)
+    ref = decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125, window, 1.5
+    )
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
