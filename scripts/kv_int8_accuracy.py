@@ -36,16 +36,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncengine.cache.page_table import PageTable
-from asyncengine.common.plan import BatchPlan, Segment
-from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.executor.loader import read_gguf
-from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir
-from asyncengine.executor.loader.gguf_loader import Weight
-from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.quant_formats import GGUF_FORMATS
-from asyncengine.text.tokenizer import Tokenizer
+from asyncengine.cache.page_table import PageTable  # noqa: E402
+from asyncengine.common.plan import BatchPlan, Segment  # noqa: E402
+from asyncengine.executor.kv_pool import KVPool  # noqa: E402
+from asyncengine.executor.layers.model_config import ModelConfig  # noqa: E402
+from asyncengine.executor.loader import read_gguf  # noqa: E402
+from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir  # noqa: E402
+from asyncengine.executor.loader.gguf_loader import Weight  # noqa: E402
+from asyncengine.executor.runner import ModelRunner  # noqa: E402
+from asyncengine.kernels.quant_formats import GGUF_FORMATS  # noqa: E402
+from asyncengine.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXT_FILES = ("docs/ARCHITECTURE.md", "docs/KERNELS.md")
 SHORT_PROMPTS = [

@@ -39,7 +39,6 @@ from asyncengine.kernels.attention_grouping import (
     extend_cost_for,
 )
 from asyncengine.kernels.paged_kv import RowSelection, gather_buffers, gather_kv, padded_kv_slots
-from asyncengine.kernels.reference.kv_int8_ref import INT8, cache_head_dim, dequantize_flat
 from asyncengine.kernels.reference.attention_window import (
     additive_mask,
     hidden_keys,
@@ -50,6 +49,7 @@ from asyncengine.kernels.reference.decode_sparse_ref import (
     plan_sparse_decode,
     sparse_decode_attention,
 )
+from asyncengine.kernels.reference.kv_int8_ref import INT8, cache_head_dim, dequantize_flat
 
 DECODE_CHUNK_BYTES = 4 << 20
 

@@ -29,8 +29,8 @@ from asyncengine.executor.attention.invariant_native import plan_invariant_nativ
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import ROW_BLOCK, Linear
 from asyncengine.kernels.cpu.attention_native import extend_kernel_runs, native_extend_attention
-from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
 from asyncengine.kernels.reference.kv_int8_ref import quantize_kv
+from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
 
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -177,7 +177,14 @@ def test_an_int8_pool_refuses_bfloat16_queries() -> None:
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
-    [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 2, 64, 7), (8, 1, 128, 5), (8, 4, 256, 16)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 64, 1),
+        (8, 2, 128, 16),
+        (16, 2, 64, 7),
+        (8, 1, 128, 5),
+        (8, 4, 256, 16),
+    ],
 )
 def test_native_extend_reads_an_int8_pool(
     num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, isa: str
@@ -205,7 +212,14 @@ def test_native_extend_reads_an_int8_pool(
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
-    [(9, 3, 64, 16), (16, 2, 64, 7), (12, 1, 120, 5), (6, 2, 20, 3), (32, 4, 128, 16), (8, 8, 64, 3)],
+    [
+        (9, 3, 64, 16),
+        (16, 2, 64, 7),
+        (12, 1, 120, 5),
+        (6, 2, 20, 3),
+        (32, 4, 128, 16),
+        (8, 8, 64, 3),
+    ],
 )
 @pytest.mark.parametrize(
     "seq_lens",

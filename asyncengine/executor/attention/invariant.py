@@ -42,8 +42,8 @@ from asyncengine.executor.attention.torch_backend import (
 )
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.paged_kv import padded_kv_slots
-from asyncengine.kernels.reference.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.reference.attention_ref import attention_dtype
+from asyncengine.kernels.reference.attention_window import additive_mask, hidden_keys, soft_cap
 from asyncengine.kernels.reference.kv_int8_ref import INT8, dequantize_flat
 
 # the CPU flash attention's key block (torch's kernel: min(kv_len, 512)); padding to multiples
