@@ -18,8 +18,12 @@ kernel runs), not in deterministic mode (its torch fallback reads the pool in th
 dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) likewise: on a
 CPU beside float32 activations, with the torch attention backend (the native kernels' -DKV_I8
 builds, the torch references dequantizing where no kernel runs), deterministic mode too (its
-native extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` never
-picks int8 (see ``INT8_AUTO``). Anything else is a ``ConfigError``.
+native extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the
+Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` does not
+pick int8 on any ISA yet: its perplexity is within 0.5% of the 16-bit pools'
+(scripts/kv_int8_accuracy.py), but it is not measured faster than them on a quiet machine
+(scripts/bench_long_context.py --kv float16,int8 on AVX2 and AVX-512), so it stays an explicit
+choice until it is. Anything else is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -39,10 +43,7 @@ KV_DTYPE_NAMES = {
     "float16": torch.float16,
     "int8": torch.int8,
 }
-# Whether ``auto`` picks an int8 pool: not yet on any ISA. Its accuracy is within target
-# (scripts/kv_int8_accuracy.py), but its decode speed against float16 / bfloat16 has not been
-# measured on a quiet machine (scripts/bench_long_context.py); it stays an explicit choice.
-INT8_AUTO = False
+
 _AVX512, _AVX2 = 1, 4  # extend_kernel_features bits
 
 
