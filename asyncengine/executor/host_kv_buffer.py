@@ -1,6 +1,6 @@
 """HostKVBuffer: the host-side tensor area that preempted requests' KV pages are swapped into.
 
-Same layout as the pool (``[layers, pages * page_size, kv_heads, head_dim]`` for K and for V),
+Same layout as the pool (``[layers, pages * page_size, kv_heads, row_width]`` for K and for V),
 in CPU memory (pinned when the pool is on a GPU, so copies run at full PCIe bandwidth). The
 scheduler's ``SwapSpace`` (cache/swap_space.py) decides which host page holds what; this class
 only runs a plan's copies: its ``swap_out`` (pool -> host) first, then its ``swap_in``
