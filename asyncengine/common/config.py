@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # checkpoint's weights per output row at load (CPU kernels only)
 QUANTIZATIONS = ("auto", "none", "int8")
 # the K/V pool's element (asyncengine/executor/kv_dtype.py says what auto picks and what is refused)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/attention/selector.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -181,6 +181,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype == "fp8":
+            raise bad(
+                "kv_cache_dtype",
+                "no attention kernel here reads an fp8 pool (the Triton and FlashInfer paths "
+                "keep the model's dtype); on a CPU, int8 halves the pool of bfloat16",
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.device not in DEVICES:

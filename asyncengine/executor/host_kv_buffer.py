@@ -1,6 +1,6 @@
 """HostKVBuffer: the host-side tensor area that preempted requests' KV pages are swapped into.
 
-Same layout as the pool (``[layers, pages * page_size, kv_heads, head_dim]`` for K and for V),
+Same layout as the pool (``[layers, pages * page_size, kv_heads, row_width]`` for K and for V),
 in CPU memory (pinned when the pool is on a GPU, so copies run at full PCIe bandwidth). The
 scheduler's ``SwapSpace`` (cache/swap_space.py) decides which host page holds what; this class
 only runs a plan's copies: its ``swap_out`` (pool -> host) first, then its ``swap_in``
@@ -22,7 +22,7 @@ class HostKVBuffer:
         self.pool = pool
         self.num_pages = num_pages
         self.page_size = pool.page_size
-        shape = (pool.num_layers, num_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        shape = (pool.num_layers, num_pages * pool.page_size, pool.num_kv_heads, pool.row_width)
         pin = pool.device.type == "cuda"
         # left unwritten, like the CPU pool: the OS maps pages in as swaps first touch them
         self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)

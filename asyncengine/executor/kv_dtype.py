@@ -15,7 +15,15 @@ not measured yet, so ``auto`` keeps float32 there.
 An explicit value must be honoured or refused: the model's own dtype always; float16 on a CPU
 beside float32 activations (the kernels' -DKV_F16 builds, or the torch references where no
 kernel runs), not in deterministic mode (its torch fallback reads the pool in the model's
-dtype). Anything else is a ``ConfigError``.
+dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) likewise: on a
+CPU beside float32 activations, with the torch attention backend (the native kernels' -DKV_I8
+builds, the torch references dequantizing where no kernel runs), deterministic mode too (its
+native extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the
+Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` does not
+pick int8 on any ISA yet: its perplexity is within 0.5% of the 16-bit pools'
+(scripts/kv_int8_accuracy.py), but it is not measured faster than them on a quiet machine
+(scripts/bench_long_context.py --kv float16,int8 on AVX2 and AVX-512), so it stays an explicit
+choice until it is. Anything else is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,13 @@ from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_features
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 
-KV_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
+
 _AVX512, _AVX2 = 1, 4  # extend_kernel_features bits
 
 
@@ -47,14 +61,28 @@ def f16_pool_runs_natively() -> bool:
     return bool(features & _AVX2) and not features & _AVX512
 
 
+def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str:
+    """Why an int8 pool cannot be honoured here ("" where it can)."""
+    if device.type != "cpu":
+        return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
+    if dtype != torch.float32:
+        model = str(dtype).removeprefix("torch.")
+        return f"an int8 pool is read beside float32 activations only (the model runs in {model})"
+    if backend not in ("auto", "torch"):
+        return f"attention_backend {backend!r} does not read an int8 pool (use torch or auto)"
+    return ""
+
+
 def pick_kv_dtype(
     name: str,
     device: torch.device,
     dtype: torch.dtype,
     quantized: bool,
     deterministic: bool,
+    backend: str = "auto",
 ) -> torch.dtype:
-    """The pool's dtype for ``kv_cache_dtype = name`` and a model of ``dtype`` on ``device``."""
+    """The pool's dtype for ``kv_cache_dtype = name`` and a model of ``dtype`` on ``device``
+    whose attention runs on ``backend`` (the ``attention_backend`` config key)."""
     on_cpu = device.type == "cpu"
     if name == "auto":
         half = on_cpu and quantized and dtype == torch.float32 and not deterministic
@@ -65,6 +93,11 @@ def pick_kv_dtype(
             f"{', '.join(KV_DTYPE_NAMES)}"
         )
     wanted = KV_DTYPE_NAMES[name]
+    if wanted == torch.int8:
+        why = _int8_refusal(device, dtype, backend)
+        if why:
+            raise ConfigError(f"config key 'kv_cache_dtype' = {name!r}: {why}")
+        return wanted
     if wanted == dtype:
         return wanted
     model = str(dtype).removeprefix("torch.")

@@ -1,7 +1,8 @@
 """KVPool: the K and V tensors of every layer, addressed by token slot.
 
 Slot ``page * page_size + offset`` holds one token's keys/values for one layer. Page accounting
-lives in KVCacheManager; this class only owns memory.
+lives in KVCacheManager; this class only owns memory. An int8 pool's head rows carry their
+scale after the values (``row_width`` = head_dim + 2: kernels/reference/kv_int8_ref.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from asyncengine.kernels.reference.kv_int8_ref import pool_row
 
 if TYPE_CHECKING:
     from asyncengine.executor.layers.model_config import ModelConfig
@@ -41,7 +44,7 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages * page_size, num_kv_heads, pool_row(head_dim, dtype))
         # On a CPU the pool is left unwritten (no slot is read before it is stored): the OS then
         # maps its pages in as requests first use them, so an idle server's resident memory does
         # not carry the whole pool (32768 float32 tokens of SmolLM2 are 1.5 GB).
@@ -77,15 +80,20 @@ class KVPool:
         )
 
     @property
+    def row_width(self) -> int:
+        """Elements of one head's row: head_dim, or head_dim + 2 (its scale) in an int8 pool."""
+        return pool_row(self.head_dim, self.dtype)
+
+    @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        """Keys of one layer: a view ``[num_slots, num_kv_heads, head_dim]``."""
+        """Keys of one layer: a view ``[num_slots, num_kv_heads, row_width]``."""
         return self.k[layer]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Values of one layer: a view ``[num_slots, num_kv_heads, head_dim]``."""
+        """Values of one layer: a view ``[num_slots, num_kv_heads, row_width]``."""
         return self.v[layer]
 
     @property
@@ -98,8 +106,8 @@ class KVPool:
 
     @staticmethod
     def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * _element_size(dtype)
+        """Bytes of K and V for one token across all layers (an int8 pool's scales included)."""
+        return 2 * num_layers * num_kv_heads * pool_row(head_dim, dtype) * _element_size(dtype)
 
     @staticmethod
     def num_pages_for_tokens(num_tokens: int, page_size: int) -> int:

@@ -89,6 +89,7 @@ class ModelExecutor:
             self.dtype,
             quantized=keeps_quantized_weights(loaded.weights),
             deterministic=config.deterministic,
+            backend=config.attention_backend,
         )
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None

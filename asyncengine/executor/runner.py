@@ -431,7 +431,8 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
     """The pool fits the model: its layers and heads, and the model's dtype (or float16 beside
     float32 activations on a CPU: executor/kv_dtype.py)."""
-    half = pool.dtype == torch.float16 and dtype == torch.float32 and pool.device.type == "cpu"
+    narrow = pool.dtype in (torch.float16, torch.int8)
+    half = narrow and dtype == torch.float32 and pool.device.type == "cpu"
     expected = (
         config.num_layers,
         config.num_kv_heads,

@@ -26,6 +26,7 @@ from asyncengine.sim.simulated_executor import (
     DEFAULT_SPEC,
     DEFAULT_SWAP_BYTES_PER_SECOND,
     SimulatedExecutor,
+    default_kv_bytes_per_token,
 )
 from asyncengine.sim.workload_replay import WorkloadReplay
 from asyncengine.workloads.compact import CompactWorkload
@@ -57,7 +58,7 @@ class Simulator:
         max_model_len: int | None = None,
         eos_token_ids: Sequence[int] = (0,),
         sampled_token_id: int = 1,
-        kv_bytes_per_token: int = DEFAULT_SPEC.kv_bytes_per_token,
+        kv_bytes_per_token: int | None = None,
         check_invariant_every: int = 0,
         swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
         bulk_decode: bool = True,
@@ -67,7 +68,9 @@ class Simulator:
         them request by request (sim/bulk_decode.py): the same results, several times faster;
         False runs every step step by step. ``loras``: the adapters' ranks, how many stay
         loaded and their cost model (sim/lora_cost.py); a workload whose requests name
-        adapters gets ``SimLoras.for_config(config.max_cpu_loras)`` when None."""
+        adapters gets ``SimLoras.for_config(config.max_cpu_loras)`` when None.
+        ``kv_bytes_per_token``: None takes the default model's in the config's
+        ``kv_cache_dtype`` (int8: ~1.94x the tokens of bfloat16 in ``kv_cache_bytes``)."""
         speculation = config.speculation
         if speculation is not None and speculation.method == "draft":
             raise ConfigError(
@@ -77,7 +80,8 @@ class Simulator:
             DEFAULT_SPEC,
             max_model_len=max_model_len or config.max_model_len or DEFAULT_SPEC.max_model_len,
             eos_token_ids=tuple(eos_token_ids),
-            kv_bytes_per_token=kv_bytes_per_token,
+            kv_bytes_per_token=kv_bytes_per_token
+            or default_kv_bytes_per_token(config.kv_cache_dtype),
         )
         self.config = config
         self.clock = VirtualClock()

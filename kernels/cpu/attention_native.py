@@ -8,7 +8,8 @@ against. The planners return None where a kernel does not apply (not a CPU tenso
 dtype, unsupported head shapes, or no compiled kernel): callers then take the torch path.
 
 A float16 pool (float32 queries and outputs) is read by the kernels' -DKV_F16 builds
-(cpu_kv.h, ``cpu_native.kv_flags``); bfloat16 and float32 pools by the default one, whose
+(cpu_kv.h, ``cpu_native.kv_flags``), an int8 pool (rows with their scales: kv_int8_ref.py) by
+their -DKV_I8 builds; bfloat16 and float32 pools by the default one, whose
 element is the queries' dtype.
 """
 
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 
-_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int8)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
 EXTEND_HEAD_DIMS = (64, 128, 256)  # the extend kernel's specializations (256: Gemma 2/3)
 # "0": extends keep the torch path where the native kernel would run (to measure what it gives)
@@ -70,13 +72,14 @@ def extend_kernel_features(kv_dtype: torch.dtype = torch.float32) -> int:
 
 
 def _queries_fit(q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """A float16 pool's build takes float32 queries only."""
-    if k_cache.dtype == torch.float16 and q.dtype != torch.float32:
-        raise ValueError(f"a float16 KV pool is read with float32 queries, not {q.dtype}")
+    """A float16 or int8 pool's build takes float32 queries only."""
+    if k_cache.dtype in (torch.float16, torch.int8) and q.dtype != torch.float32:
+        name = str(k_cache.dtype).removeprefix("torch.")
+        raise ValueError(f"a {name} KV pool is read with float32 queries, not {q.dtype}")
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:
-    num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[1], cache_head_dim(k_cache)
     return (
         k_cache.device.type == "cpu"
         and k_cache.dtype in _DTYPES
@@ -95,7 +98,7 @@ def plan_native_extend(
     num_heads: int,
     k_cache: torch.Tensor,
 ) -> NativeExtendPlan | None:
-    if not _supported(num_heads, k_cache) or k_cache.shape[2] not in EXTEND_HEAD_DIMS:
+    if not _supported(num_heads, k_cache) or cache_head_dim(k_cache) not in EXTEND_HEAD_DIMS:
         return None
     if os.environ.get(EXTEND_ENABLE_ENV, "1") == "0" or not extend_kernel_runs(k_cache.dtype):
         return None

@@ -24,14 +24,18 @@
  *
  * Built with -DKV_F16 (cpu_kv.h), the pool is float16 and q / out float32 (is_bf16 must be 0):
  * the per-item loop below reads it through F16C; the register-resident AVX-512 items are not
- * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too).
+ * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too). Built with
+ * -DKV_I8 the pool is int8 with a scale per head row (cpu_kv.h): the same per-item loop, each
+ * dot product and value row taking its row's scale once.
  */
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#include "cpu_split_k.h"
 
 #define BLOCK 32
 /* how many keys ahead the first head of an item prefetches every head's rows (into L2) */
@@ -88,24 +92,25 @@ static inline float dot_bf16(const uint16_t *qb, const float *qf, const uint16_t
 #endif
 }
 
-/* q (float32) . k (a pool row: float32, or float16 in a KV_F16 build) */
+/* q (float32) . k (a pool row: float32, float16 in a KV_F16 build, int8 and its scale in a
+ * KV_I8 build) */
 static inline float dot_f32(const float *q, const kv_t *k, int d) {
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < d; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), KV_LOAD16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    return _mm512_reduce_add_ps(acc) * kv_row_scale(k, d);
 #elif defined(AVX2_F32)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), KV_LOAD8(k + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), KV_LOAD8(k + i + 8), acc1);
     }
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return hsum256(_mm256_add_ps(acc0, acc1)) * kv_row_scale(k, d);
 #else
     float acc = 0.0f;
     for (int i = 0; i < d; i++) acc += q[i] * kv_to_float(k[i]);
-    return acc;
+    return acc * kv_row_scale(k, d);
 #endif
 }
 
@@ -128,6 +133,7 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int d) {
 }
 
 static inline void axpy_f32(float *acc, float p, const kv_t *v, int d) {
+    p *= kv_row_scale(v, d);
 #ifdef __AVX512F__
     __m512 pv = _mm512_set1_ps(p);
     for (int i = 0; i < d; i += 16)
@@ -145,11 +151,13 @@ static inline void scale_f32(float *acc, float c, int d) {
     for (int i = 0; i < d; i++) acc[i] *= c;
 }
 
-/* One (request, kv head) item. is_bf16 selects the element type of q, caches and out. */
+/* One (request, kv head) item over keys first .. len - 1. is_bf16 selects the element type of q,
+ * caches and out. part != NULL (a split-K range): its state (cpu_split_k.h) goes there instead
+ * of the output. */
 static void decode_item(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int32_t *table_row, int first, int len, int64_t b, int64_t kvh,
                         int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                        float softcap, void *out, int is_bf16) {
+                        float softcap, void *out, int is_bf16, float *part) {
     const int64_t G = H / Hkv;
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     uint16_t qb[MAX_GROUP][MAX_HEAD_DIM];
@@ -176,7 +184,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
         const int n = (len - t0 < BLOCK) ? (len - t0) : BLOCK;
         for (int i = 0; i < n; i++) slots[i] = pool_slot(table_row, t0 + i, page_size);
         for (int i = 0; i < n; i++) {
-            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
                 float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
                                     : dot_f32(qf[g], (const kv_t *)k_cache + row, (int)D);
@@ -200,7 +208,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
             l[g] += sum;
         }
         for (int i = 0; i < n; i++) {
-            const int64_t row = (slots[i] * Hkv + kvh) * D;
+            const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
                 if (is_bf16)
                     axpy_bf16(acc[g], s[g][i], (const uint16_t *)v_cache + row, (int)D);
@@ -208,6 +216,14 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
                     axpy_f32(acc[g], s[g][i], (const kv_t *)v_cache + row, (int)D);
             }
         }
+    }
+    if (part != NULL) {
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t i = 0; i < D; i++) part[g * D + i] = acc[g][i];
+            part[G * D + g] = m[g];
+            part[G * D + G + g] = l[g];
+        }
+        return;
     }
     for (int64_t g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
@@ -332,7 +348,7 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
                                          int64_t b, int64_t kvh, int64_t H, int64_t Hkv,          \
                                          int64_t page_size, float scale, float softcap,           \
                                          void *out, int cold,                                     \
-                                         l2_stream *st) {                                         \
+                                         l2_stream *st, float *part) {                            \
         const int64_t D = 16 * (NV);                                                             \
         __m512 qv[G][NV] __attribute__((unused)), acc[G][NV];                                    \
         QBF16_DECL(KIND, G, NV)                                                                  \
@@ -392,15 +408,23 @@ static inline void stream_rows(l2_stream *st, const void *kc, const void *vc, in
             V_ACC_##KIND(G, NV)                                                                  \
         }                                                                                        \
         for (int g = 0; g < (G); g++) {                                                          \
-            const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);                 \
+            /* a split-K range keeps its sum unnormalized, with its max and sum beside it */     \
+            const float norm = part != NULL ? 1.0f : (l[g] > 0.0f ? 1.0f / l[g] : 0.0f);         \
+            const __m512 inv = _mm512_set1_ps(norm);                                             \
             const int64_t off = (b * H + head0 + g) * D;                                         \
             for (int j = 0; j < (NV); j += 2) {                                                  \
                 __m512 first = _mm512_mul_ps(acc[g][j], inv);                                    \
                 __m512 second = _mm512_mul_ps(acc[g][j + 1], inv);                               \
                 UNPAIR_##KIND(first, second)                                                     \
-                STORE_OUT_##KIND(out, off + 16 * j, first);                                      \
-                STORE_OUT_##KIND(out, off + 16 * (j + 1), second);                               \
+                if (part != NULL) {                                                              \
+                    _mm512_storeu_ps(part + g * D + 16 * j, first);                              \
+                    _mm512_storeu_ps(part + g * D + 16 * (j + 1), second);                       \
+                } else {                                                                         \
+                    STORE_OUT_##KIND(out, off + 16 * j, first);                                  \
+                    STORE_OUT_##KIND(out, off + 16 * (j + 1), second);                           \
+                }                                                                                \
             }                                                                                    \
+            if (part != NULL) part[(G) * D + g] = m[g], part[(G) * D + (G) + g] = l[g];          \
         }                                                                                        \
     }
 
@@ -455,7 +479,7 @@ DEFINE_FOR_GROUPS(F32, 16)
 
 typedef void (*fast_item_fn)(const void *, int64_t, const void *, const void *, const int32_t *,
                              int, int, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
-                             void *, int, l2_stream *);
+                             void *, int, l2_stream *, float *);
 
 #define GROUP_TABLE(KIND, NV)                                                                   \
     {fast_##KIND##_1_##NV, fast_##KIND##_2_##NV, fast_##KIND##_3_##NV, fast_##KIND##_4_##NV,   \
@@ -469,7 +493,7 @@ static const fast_item_fn FAST_F32_256[8] = GROUP_TABLE(F32, 16);
 
 /* the register-resident item for (dtype, G, D), or NULL */
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) {
-    if (G < 1 || G > 8 || KV_IS_F16) return NULL;
+    if (G < 1 || G > 8 || KV_IS_F16 || KV_IS_I8) return NULL;
     switch (D) {
     case 64: return (is_bf16 ? FAST_BF16_64 : FAST_F32_64)[G - 1];
     case 128: return (is_bf16 ? FAST_BF16_128 : FAST_F32_128)[G - 1];
@@ -498,7 +522,7 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                                        int64_t D, int64_t page_size, float scale, int64_t window,
                                        float softcap, void *out, int is_bf16, int num_threads) {
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM ||
-        (KV_IS_F16 && is_bf16))
+        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
 #ifdef __AVX512F__
@@ -521,26 +545,66 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
                 }
                 for (int64_t kvh = 0; kvh < Hkv; kvh++)
                     fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, b == t, &st);
+                         seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, b == t, &st,
+                         NULL);
             }
         }
         return 0;
     }
 #endif
+    /* split-K where the (request, kv head) items are too few for the threads: each item's keys
+     * in ranges (cpu_split_k.h), merged by the range that finishes last */
+    int longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int keys = seq_lens[b] - first_key(seq_lens[b], window);
+        longest = keys > longest ? keys : longest;
+    }
+    const int64_t splits = split_count(B * Hkv, longest, num_threads);
+    const int64_t G = H / Hkv, stride = ATTN_PART(G, D);
+    float *parts = NULL;
+    atomic_int *done = NULL;
+    if (splits > 1) {
+        parts = (float *)malloc((size_t)(B * Hkv * splits * stride) * sizeof(float));
+        done = (atomic_int *)malloc((size_t)(B * Hkv) * sizeof(atomic_int));
+        if (parts == NULL || done == NULL) {
+            free(parts);
+            free((void *)done);
+            return -1;
+        }
+        for (int64_t u = 0; u < B * Hkv; u++) atomic_init(&done[u], 0);
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < B * Hkv; item++) {
-        const int64_t b = item / Hkv, kvh = item % Hkv;
-        const int first = first_key(seq_lens[b], window);
+    for (int64_t item = 0; item < B * Hkv * splits; item++) {
+        const int64_t unit = item / splits, split = item % splits;
+        const int64_t b = unit / Hkv, kvh = unit % Hkv;
+        const int len = seq_lens[b], start = first_key(len, window);
+        const int first = start + (int)((int64_t)(len - start) * split / splits);
+        const int end = start + (int)((int64_t)(len - start) * (split + 1) / splits);
+        float *part = splits > 1 ? parts + item * stride : NULL;
 #ifdef __AVX512F__
         if (fast != NULL) {
             l2_stream none = {NULL, 0, 0, 0};
-            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                 seq_lens[b], b, kvh, H, Hkv, page_size, scale, softcap, out, 1, &none);
-            continue;
-        }
+            fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end, b, kvh,
+                 H, Hkv, page_size, scale, softcap, out, 1, &none, part);
+        } else
 #endif
-        decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first,
-                    seq_lens[b], b, kvh, H, Hkv, D, page_size, scale, softcap, out, is_bf16);
+            decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end,
+                        b, kvh, H, Hkv, D, page_size, scale, softcap, out, is_bf16, part);
+        /* release: this range's state is written; acquire: the last range sees the others' */
+        if (part != NULL &&
+            atomic_fetch_add_explicit(&done[unit], 1, memory_order_acq_rel) + 1 == splits) {
+            float merged[MAX_GROUP * MAX_HEAD_DIM];
+            merge_ranges(parts + unit * splits * stride, splits, G, D, merged);
+            const int64_t off = (b * H + kvh * G) * D;
+            for (int64_t i = 0; i < G * D; i++) {
+                if (is_bf16)
+                    ((uint16_t *)out)[off + i] = float_to_bf16(merged[i]);
+                else
+                    ((float *)out)[off + i] = merged[i];
+            }
+        }
     }
+    free(parts);
+    free((void *)done);
     return 0;
 }

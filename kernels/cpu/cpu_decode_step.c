@@ -493,7 +493,13 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
  *      heads), each block of keys read as whole pool slots (every kv head's lines of a slot are
  *      adjacent: the hardware prefetcher's neighbouring lines are used, not thrown away);
  *   else, >= 4 (row, kv head) items a thread: one kv head and its query heads;
- *   else (a request or two alone): one query head, so that 2 threads share 3 kv heads evenly.
+ *   else (a request or two alone) with at least 2 * SPLIT_MIN_KEYS keys (cpu_split_k.h): one
+ *      kv head and all its query heads over a range of its keys (split-K), the ranges'
+ *      softmax states merged by whichever range finishes last (merge_ranges): every key and
+ *      value row is read once per step however few the kv heads, where one item a query head
+ *      read each row once per query head (3 times over for SmolLM2's 9 / 3 heads: at 8k keys
+ *      a kv head's rows outgrow L2, and the reads went to memory each time);
+ *   else (short rows): one query head, so that 2 threads share 3 kv heads evenly.
  * A group of more than ATTN_MAX_GROUP query heads is split in chunks in each case. */
 #define ROW_ITEMS_FROM 4
 
@@ -502,6 +508,7 @@ typedef struct {
     int64_t kv_per_item;  /* kv heads of an item (a divisor of kv_heads) */
     int64_t chunks;       /* chunks of a kv group (1 where kv_per_item > 1) */
     int64_t chunk_heads;  /* query heads of a chunk (the last may have fewer) */
+    int64_t splits;       /* key ranges of a (row, kv chunk): 1, or split-K */
     int64_t count;
 } attn_items;
 
@@ -515,35 +522,70 @@ static void sort_rows(int64_t *order, int64_t n, const int32_t *seq_lens) {
 }
 
 static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, int64_t group,
-                             int threads) {
+                             int threads, const int32_t *seq_lens) {
     const int64_t min_chunks = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
-    int64_t kv_per_item = 1, chunks = min_chunks;
+    int64_t kv_per_item = 1, chunks = min_chunks, splits = 1;
     if (n >= ROW_ITEMS_FROM * threads && min_chunks == 1) {
         for (int64_t c = kv_heads; c > 1 && kv_per_item == 1; c--)
             if (kv_heads % c == 0 && c * group <= ATTN_MAX_HEADS) kv_per_item = c;
     } else if (n * kv_heads * min_chunks < 4 * threads) {
-        chunks = group;
+        splits = split_count(n * kv_heads * min_chunks, n > 0 ? seq_lens[order[0]] : 0, threads);
+        if (splits == 1) chunks = group;
     }
     const int64_t chunk_heads = (group + chunks - 1) / chunks;
     chunks = (group + chunk_heads - 1) / chunk_heads;
-    return (attn_items){order, kv_per_item, chunks, chunk_heads,
-                        n * (kv_heads / kv_per_item) * chunks};
+    return (attn_items){order, kv_per_item, chunks, chunk_heads, splits,
+                        n * (kv_heads / kv_per_item) * chunks * splits};
 }
 
 /* what item `item` covers: row `row`, kv heads kv0 .. kv0 + kvc - 1 and, of each, gc query
- * heads from h0 (kvc > 1: all of them) */
+ * heads from h0 (kvc > 1: all of them); keys begin .. end - 1 of the row's len, range `split`
+ * of the (row, kv chunk) `unit` (split-K; else all of them) */
 typedef struct {
-    int64_t row, kv0, kvc, h0, gc;
+    int64_t row, kv0, kvc, h0, gc, unit, split, begin, end;
 } attn_item;
 
 static inline attn_item item_at(const attn_items *items, int64_t item, int64_t kv_heads,
-                                int64_t group) {
+                                int64_t group, const int32_t *seq_lens) {
+    const int64_t unit = item / items->splits, split = item % items->splits;
     const int64_t per_row = kv_heads / items->kv_per_item * items->chunks;
-    const int64_t sub = item % per_row, kv0 = sub / items->chunks * items->kv_per_item;
+    const int64_t sub = unit % per_row, kv0 = sub / items->chunks * items->kv_per_item;
     const int64_t first = sub % items->chunks * items->chunk_heads;
     const int64_t gc = first + items->chunk_heads <= group ? items->chunk_heads : group - first;
-    return (attn_item){items->order[item / per_row], kv0, items->kv_per_item,
-                       kv0 * group + first, gc};
+    const int64_t row = items->order[unit / per_row], len = seq_lens[row];
+    return (attn_item){row,   kv0,  items->kv_per_item, kv0 * group + first,
+                       gc,    unit, split,              len * split / items->splits,
+                       len * (split + 1) / items->splits};
+}
+
+/* One item's attention: q [heads of the item, D] (rotated) -> out (may be q), or for a split-K
+ * range its state into parts (ATTN_PART floats a range, a unit's ranges adjacent) and, from
+ * the range of its unit that finishes last (done: a counter per unit), the merged output. */
+static void attention_item(const attn_items *items, const attn_item *it, const float *q,
+                           const kv_t *k_cache, const kv_t *v_cache, const int32_t *table_row,
+                           int64_t len, int64_t page_size, int64_t kv_heads, int64_t D,
+                           float scale, const kv_t *k_new, const kv_t *v_new, float *out,
+                           float *parts, atomic_int *done) {
+    if (items->splits == 1) {
+        attend_group(q, it->kvc, it->gc, k_cache, v_cache, table_row, len, page_size, it->kv0,
+                     kv_heads, D, scale, k_new, v_new, out);
+        return;
+    }
+    const int64_t stride = ATTN_PART(it->gc, D);
+    float *part = parts + (it->unit * items->splits + it->split) * stride;
+    attend_range(q, 1, it->gc, k_cache, v_cache, table_row, it->begin, it->end, len, page_size,
+                 it->kv0, kv_heads, D, scale, k_new, v_new, part, part + it->gc * D,
+                 part + it->gc * D + it->gc);
+    /* release: this range's state is written; acquire: the others' are seen by the last */
+    if (atomic_fetch_add_explicit(&done[it->unit], 1, memory_order_acq_rel) + 1 == items->splits)
+        merge_ranges(parts + it->unit * items->splits * stride, items->splits, it->gc, D, out);
+}
+
+/* floats of the split-K states of a step of n rows (0: no split-K at any thread count) */
+static int64_t split_floats(int64_t n, int64_t kv_heads, int64_t group, int64_t D) {
+    const int64_t min_chunks = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
+    const int64_t heads = (group + min_chunks - 1) / min_chunks;
+    return n * kv_heads * min_chunks * MAX_SPLITS * ATTN_PART(heads, D);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -565,10 +607,22 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     float *mlp = (float *)malloc((size_t)(n * inter) * sizeof(float));
     int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     atomic_llong *claimed = (atomic_llong *)malloc((size_t)m->num_layers * sizeof(atomic_llong));
-    int failed = !residual || !qkv || !attn || !mlp || !order || !claimed;
+    /* split-K (plan_items): the ranges' states, and a counter per (layer, unit) */
+    const int64_t units = n * kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
+    const int may_split = units < 4 * (int64_t)threads;
+    float *parts = may_split ? (float *)malloc((size_t)split_floats(n, kv_heads, group, D) *
+                                               sizeof(float) + 1)
+                             : NULL;
+    atomic_int *done_ranges =
+        may_split ? (atomic_int *)malloc((size_t)(m->num_layers * units + 1) * sizeof(atomic_int))
+                  : NULL;
+    int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
+                 (may_split && (!parts || !done_ranges));
     if (failed) goto done;
     sort_rows(order, n, seq_lens);
     for (int64_t l = 0; l < m->num_layers; l++) atomic_init(&claimed[l], 0);
+    if (may_split)
+        for (int64_t u = 0; u < m->num_layers * units; u++) atomic_init(&done_ranges[u], 0);
     memcpy(residual, hidden, (size_t)(n * H) * sizeof(float));
     team_barrier phase_barrier;
     atomic_init(&phase_barrier.arrived, 0);
@@ -595,7 +649,8 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         seen_failed = failed;
         const int ok = !seen_failed;
         int my_sense = 0;
-        const attn_items items = plan_items(order, n, kv_heads, group, phase_barrier.threads);
+        const attn_items items =
+            plan_items(order, n, kv_heads, group, phase_barrier.threads, seq_lens);
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
@@ -617,8 +672,8 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                         const float *cs = m->cos_sin + positions[i] * D;
                         float k_rot[MAX_HEAD_DIM];
                         rotate(row + (heads + h) * D, cs, half, k_rot);
-                        kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * D, k_rot, D);
-                        kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * D,
+                        kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * KV_ROW(D), k_rot, D);
+                        kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * KV_ROW(D),
                                      row + (heads + kv_heads + h) * D, D);
                     }
                 barrier_wait(&phase_barrier, &my_sense);
@@ -626,34 +681,40 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 
                 for (int64_t item; (item = atomic_fetch_add_explicit(
                                         &claimed[l], 1, memory_order_relaxed)) < items.count;) {
-                    const attn_item it = item_at(&items, item, kv_heads, group);
+                    const attn_item it = item_at(&items, item, kv_heads, group, seq_lens);
                     const int64_t i = it.row, kvh = it.kv0;
                     const float *row = qkv + i * qkv_size, *cs = m->cos_sin + positions[i] * D;
                     float *out_heads = attn + i * q_size + it.h0 * D;
-                    for (int64_t c = 0; c < it.kvc; c++) /* rotated q, into its output's place */
+                    /* rotated q, into its output's place; a split-K range's into its own (the
+                     * unit's other ranges read theirs meanwhile, and the last one writes out) */
+                    float q_own[ATTN_MAX_GROUP * MAX_HEAD_DIM];
+                    float *q_heads = items.splits > 1 ? q_own : out_heads;
+                    for (int64_t c = 0; c < it.kvc; c++)
                         for (int64_t g = 0; g < it.gc; g++) {
                             const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
-                            rotate(row + h * D, cs, half, attn + i * q_size + h * D);
+                            rotate(row + h * D, cs, half, q_heads + (h - it.h0) * D);
                         }
                     /* one row: its new K/V as the pool holds them (float16 rounded) */
-                    kv_t k_new[MAX_HEAD_DIM], v_new[MAX_HEAD_DIM];
+                    kv_t k_new[MAX_HEAD_DIM + KV_ROW_EXTRA], v_new[MAX_HEAD_DIM + KV_ROW_EXTRA];
                     if (one) { /* items of one kv head (plan_items: one row is never whole) */
                         float k_rot[MAX_HEAD_DIM];
                         rotate(row + (heads + kvh) * D, cs, half, k_rot);
                         kv_store_row(k_new, k_rot, D);
                         kv_store_row(v_new, row + (heads + kv_heads + kvh) * D, D);
-                        /* the group's first chunk stores its K/V (a padding row: nothing) */
-                        if (it.h0 == kvh * group && slots[i] >= 0) {
-                            memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * D, k_new,
-                                   (size_t)D * sizeof(kv_t));
-                            memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * D, v_new,
-                                   (size_t)D * sizeof(kv_t));
+                        /* the group's first chunk stores its K/V (a padding row: nothing); of
+                         * split-K ranges, the last one (no other range reads that key) */
+                        if (it.h0 == kvh * group && it.split == items.splits - 1 &&
+                            slots[i] >= 0) {
+                            memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), k_new,
+                                   (size_t)KV_ROW(D) * sizeof(kv_t));
+                            memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), v_new,
+                                   (size_t)KV_ROW(D) * sizeof(kv_t));
                         }
                     }
-                    attend_group(out_heads, it.kvc, it.gc, L->k_cache, L->v_cache,
-                                 block_table + i * table_stride, seq_lens[i], page_size, it.kv0,
-                                 kv_heads, D, m->scale, one ? k_new : NULL, one ? v_new : NULL,
-                                 out_heads);
+                    attention_item(&items, &it, q_heads, L->k_cache, L->v_cache,
+                                   block_table + i * table_stride, seq_lens[i], page_size,
+                                   kv_heads, D, m->scale, one ? k_new : NULL, one ? v_new : NULL,
+                                   out_heads, parts, done_ranges ? done_ranges + l * units : NULL);
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -684,6 +745,8 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         free(a.sd);
     }
 done:
+    free(parts);
+    free((void *)done_ranges);
     free(residual);
     free(qkv);
     free(attn);
@@ -703,23 +766,36 @@ int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t 
                                 int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
                                 float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads || head_dim > ATTN_MAX_DIM) return -1;
-    int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
-    if (!order) return -1;
-    sort_rows(order, n, seq_lens);
     const int64_t group = heads / kv_heads, D = head_dim;
+    const int64_t units = n * kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
+    int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    float *parts = (float *)malloc((size_t)split_floats(n, kv_heads, group, D) * sizeof(float) + 1);
+    atomic_int *done = (atomic_int *)malloc((size_t)(units + 1) * sizeof(atomic_int));
+    if (!order || !parts || !done) {
+        free(order);
+        free(parts);
+        free((void *)done);
+        return -1;
+    }
+    sort_rows(order, n, seq_lens);
+    for (int64_t u = 0; u < units; u++) atomic_init(&done[u], 0);
     atomic_llong claimed;
     atomic_init(&claimed, 0);
 #pragma omp parallel num_threads(threads)
     {
-        const attn_items items = plan_items(order, n, kv_heads, group, omp_get_num_threads());
+        const attn_items items =
+            plan_items(order, n, kv_heads, group, omp_get_num_threads(), seq_lens);
         for (int64_t item; (item = atomic_fetch_add_explicit(&claimed, 1, memory_order_relaxed)) <
                            items.count;) {
-            const attn_item it = item_at(&items, item, kv_heads, group);
-            attend_group(q + (it.row * heads + it.h0) * D, it.kvc, it.gc, k_cache, v_cache,
-                         block_table + it.row * table_stride, seq_lens[it.row], page_size, it.kv0,
-                         kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D);
+            const attn_item it = item_at(&items, item, kv_heads, group, seq_lens);
+            attention_item(&items, &it, q + (it.row * heads + it.h0) * D, k_cache, v_cache,
+                           block_table + it.row * table_stride, seq_lens[it.row], page_size,
+                           kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D,
+                           parts, done);
         }
     }
     free(order);
+    free(parts);
+    free((void *)done);
     return 0;
 }

@@ -20,7 +20,8 @@
  * products where the CPU has them; on AVX2 + FMA CPUs without AVX-512, the items of
  * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
  * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
- * and values widened to float32 once per block as they are gathered.
+ * and values widened to float32 once per block as they are gathered; -DKV_I8 likewise for an
+ * int8 pool (each row times its scale as it is widened).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -121,7 +122,7 @@ typedef struct {
         for (int64_t k0 = first_block; k0 <= last_key; k0 += KB) {                               \
             const int64_t nk = (last_key + 1 - k0 < KB) ? (last_key + 1 - k0) : KB;              \
             for (int64_t k = 0; k < nk; k++)                                                     \
-                slot_rows[k] = (pool_slot(table_row, k0 + k, page_size) * Hkv + it.kvh) * D;     \
+                slot_rows[k] = (pool_slot(table_row, k0 + k, page_size) * Hkv + it.kvh) * KV_ROW(D); \
             for (int64_t k = 0; k < KB; k++) {                                                   \
                 if (k >= nk) {                                                                   \
                     for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = 0;                        \
@@ -135,7 +136,8 @@ typedef struct {
                                         load_bf16x16((const uint16_t *)vc + slot_rows[k] + 16 * j)); \
                 } else {                                                                         \
                     const kv_t *kr = (const kv_t *)kc + slot_rows[k];                            \
-                    for (int64_t d = 0; d < D; d++) kt[d][k] = kv_to_float(kr[d]);               \
+                    const float ks = kv_row_scale(kr, D);                                        \
+                    for (int64_t d = 0; d < D; d++) kt[d][k] = kv_to_float(kr[d]) * ks;          \
                     kv_load_row(vf[k], (const kv_t *)vc + slot_rows[k], D);                      \
                 }                                                                                \
             }                                                                                    \
@@ -250,7 +252,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
                                        int num_threads) {
 #ifdef __AVX512F__
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
-        (KV_IS_F16 && is_bf16))
+        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
         return -1;
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
@@ -286,7 +288,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
     return 0;
 #elif defined(EXTEND_AVX2)
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
-        (KV_IS_F16 && is_bf16))
+        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
         return -1;
     const int64_t G = H / Hkv, per_item = x2_queries_per_item(G);
     int64_t count = 0;

@@ -161,7 +161,7 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
     for (int64_t k0 = first_block; k0 <= last_key; k0 += X2_KB) {
         const int64_t nk = (last_key + 1 - k0 < X2_KB) ? (last_key + 1 - k0) : X2_KB;
         for (int64_t k = 0; k < nk; k++) {
-            const int64_t row = (pool_slot(table_row, k0 + k, page_size) * Hkv + kvh) * D;
+            const int64_t row = (pool_slot(table_row, k0 + k, page_size) * Hkv + kvh) * KV_ROW(D);
             if (bf16) {
                 const uint16_t *kr = (const uint16_t *)kc + row, *vr = (const uint16_t *)vc + row;
                 for (int64_t d = 0; d < D; d += 8) {
@@ -170,7 +170,7 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
                 }
                 keys[k] = kbuf[k];
                 vals[k] = vbuf[k];
-            } else if (KV_IS_F16) {
+            } else if (KV_IS_F16 || KV_IS_I8) {
                 kv_load_row(kbuf[k], (const kv_t *)kc + row, D);
                 kv_load_row(vbuf[k], (const kv_t *)vc + row, D);
                 keys[k] = kbuf[k];

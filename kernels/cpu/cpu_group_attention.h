@@ -25,6 +25,7 @@
 #include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#include "cpu_split_k.h"
 
 #define ATTN_BLOCK 32    /* keys per online-softmax block */
 #define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
@@ -211,13 +212,14 @@ static inline void prefetch_rows(const kv_t *const *k, const kv_t *const *v, int
         }
 }
 
-/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row; k_new / v_new (NULL:
- * none) stand for the last key, len - 1, not yet in the pool */
+/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row (n up to ATTN_BLOCK,
+ * none past end); k_new / v_new (NULL: none) stand for the last key, len - 1, not yet in the
+ * pool */
 static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int32_t *table_row,
-                             int64_t first, int64_t len, int64_t page_size, int64_t kv0,
-                             int64_t kv_heads, int64_t d, const kv_t *k_new, const kv_t *v_new,
-                             const kv_t **k, const kv_t **v) {
-    const int n = (int)(len - first < ATTN_BLOCK ? len - first : ATTN_BLOCK);
+                             int64_t first, int64_t end, int64_t len, int64_t page_size,
+                             int64_t kv0, int64_t kv_heads, int64_t d, const kv_t *k_new,
+                             const kv_t *v_new, const kv_t **k, const kv_t **v) {
+    const int n = (int)(end - first < ATTN_BLOCK ? end - first : ATTN_BLOCK);
     /* the page and the offset in it step along with the keys (pool_slot's two divisions per
      * key were a visible share of a block) */
     int64_t page = first / page_size, off = first % page_size;
@@ -230,50 +232,60 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
             continue;
         }
         const int64_t slot = (int64_t)table_row[page] * page_size + off;
-        const int64_t row = (slot * kv_heads + kv0) * d;
+        const int64_t row = (slot * kv_heads + kv0) * KV_ROW(d);
         k[i] = k_cache + row;
         v[i] = v_cache + row;
     }
     return n;
 }
 
-/* softmax(q k^T scale) v over a row's len keys for the query heads of kv heads kv0 .. kv0 +
- * kvc - 1, gc heads each (kvc * gc <= ATTN_MAX_HEADS): q and out [kvc * gc, d], heads in order
- * (out may be q: q is read before out is written). k_new / v_new: the last key's rows when it
- * is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
-static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
-                         const kv_t *v_cache, const int32_t *table_row, int64_t len,
-                         int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
-                         const kv_t *k_new, const kv_t *v_new, float *out) {
+/* The online-softmax state of the query heads of kv heads kv0 .. kv0 + kvc - 1, gc heads each
+ * (kvc * gc <= ATTN_MAX_HEADS), over keys begin .. end - 1 of a row of len keys: acc [kvc * gc,
+ * d] the unnormalized sum of exp(s - mx) v, mx and sum per head (mx -inf and sum 0 where the
+ * range is empty). q [kvc * gc, d], heads in order. k_new / v_new: the last key's rows when
+ * it is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
+static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+                         const kv_t *v_cache, const int32_t *table_row, int64_t begin,
+                         int64_t end, int64_t len, int64_t page_size, int64_t kv0,
+                         int64_t kv_heads, int64_t d, float scale, const kv_t *k_new,
+                         const kv_t *v_new, float *acc, float *mx, float *sum) {
     const int64_t heads = kvc * gc;
-    float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
     float s[ATTN_BLOCK];
-    float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
     const kv_t *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
     const kv_t *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
     for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
     int cur = 0;
-    int n = len > 0 ? block_rows(k_cache, v_cache, table_row, 0, len, page_size, kv0, kv_heads, d,
-                                 k_new, v_new, k_rows[0], v_rows[0])
-                    : 0;
-    for (int64_t first = 0; first < len; first += ATTN_BLOCK) {
+    int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
+                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0])
+                        : 0;
+    for (int64_t first = begin; first < end; first += ATTN_BLOCK) {
         const int64_t next = first + ATTN_BLOCK;
         int n_next = 0;
-        if (next < len) {
-            n_next = block_rows(k_cache, v_cache, table_row, next, len, page_size, kv0, kv_heads,
-                                d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
-            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * d);
+        if (next < end) {
+            n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
+                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
+            prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * KV_ROW(d));
         }
         for (int64_t c = 0; c < kvc; c++) {
             const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
             if (c) { /* kv head kv0 + c: the next d floats of each slot's rows */
-                for (int i = 0; i < n; i++) kh[i] = k_rows[cur][i] + c * d, vh[i] = v_rows[cur][i] + c * d;
+                for (int i = 0; i < n; i++)
+                    kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
                 kc = kh, vc = vh;
             }
+#if KV_IS_I8
+            float ks[ATTN_BLOCK], vs[ATTN_BLOCK], p[ATTN_BLOCK]; /* the rows' scales */
+            for (int i = 0; i < n; i++) ks[i] = kv_row_scale(kc[i], d) * scale;
+            for (int i = 0; i < n; i++) vs[i] = kv_row_scale(vc[i], d);
+#endif
             for (int64_t g = c * gc; g < (c + 1) * gc; g++) {
                 block_dots(q + g * d, kc, n, d, s);
+#if KV_IS_I8
+                for (int i = 0; i < n; i++) s[i] *= ks[i];
+#else
                 for (int i = 0; i < n; i++) s[i] *= scale;
+#endif
                 const float block_max = max_of(s, n);
                 if (block_max > mx[g]) {
                     if (sum[g] > 0.0f) {
@@ -284,13 +296,30 @@ static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
                     mx[g] = block_max;
                 }
                 sum[g] += block_exp(s, n, mx[g]);
+#if KV_IS_I8
+                for (int i = 0; i < n; i++) p[i] = s[i] * vs[i];
+                block_values(acc + g * d, vc, p, n, d);
+#else
                 block_values(acc + g * d, vc, s, n, d);
+#endif
             }
         }
         cur = !cur;
         n = n_next;
     }
-    for (int64_t g = 0; g < heads; g++) {
+}
+
+/* softmax(q k^T scale) v over all of a row's len keys (attend_range over 0 .. len): out [kvc *
+ * gc, d] (out may be q: q is read before out is written) */
+static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+                         const kv_t *v_cache, const int32_t *table_row, int64_t len,
+                         int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
+                         const kv_t *k_new, const kv_t *v_new, float *out) {
+    float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
+    float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
+    attend_range(q, kvc, gc, k_cache, v_cache, table_row, 0, len, len, page_size, kv0, kv_heads,
+                 d, scale, k_new, v_new, acc, mx, sum);
+    for (int64_t g = 0; g < kvc * gc; g++) {
         const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
         for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g * d + j] * inv;
     }

@@ -155,6 +155,59 @@ static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #endif
 
+#elif defined(KV_I8)
+/* int8 with a scale per token and head: each head's row of D values is followed by its scale
+ * (KV_ROW_EXTRA = 2 bytes, a bfloat16 rounded up so that |x| / scale never passes 127), and
+ * value = int8 * scale (symmetric: a zero point would take 2 more bytes a row and a head of
+ * 64 would then hold < 1.9x the tokens of bfloat16). KV_LOAD8/16 and kv_to_float give the
+ * unscaled integers: a dot product or a value sum takes the row's scale once
+ * (kv_row_scale); kv_store_row / kv_load_row move whole rows, their scale included. The
+ * torch twin is kernels/reference/kv_int8_ref.py (the same rounding, bit for bit). */
+typedef int8_t kv_t;
+#define KV_IS_F16 0
+#define KV_IS_I8 1
+#define KV_ROW_EXTRA 2
+
+static inline float kv_to_float(kv_t x) { return (float)x; }
+
+static inline float kv_row_scale(const kv_t *row, int64_t d) {
+    uint16_t bits;
+    memcpy(&bits, row + d, sizeof bits);
+    return bf16_to_float(bits);
+}
+
+/* n floats -> n int8 and their scale after them: scale = amax / 127 rounded up to bfloat16,
+ * q = round-to-nearest-even(x / scale) */
+static inline void kv_store_row(kv_t *dst, const float *src, int64_t n) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(src[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float want = amax / 127.0f;
+    uint16_t bits = float_to_bf16(want);
+    if (bf16_to_float(bits) < want) bits++;
+    const float scale = bf16_to_float(bits);
+    for (int64_t i = 0; i < n; i++) {
+        float q = scale > 0.0f ? nearbyintf(src[i] / scale) : 0.0f;
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        dst[i] = (kv_t)q;
+    }
+    memcpy(dst + n, &bits, sizeof bits);
+}
+
+static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
+    const float scale = kv_row_scale(src, n);
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)src[i] * scale;
+}
+
+#ifdef __AVX2__
+#define KV_LOAD8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+#ifdef __AVX512F__
+#define KV_LOAD16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#endif
+
 #else /* float32 pool */
 typedef float kv_t;
 #define KV_IS_F16 0
@@ -174,11 +227,27 @@ static inline void kv_load_row(float *dst, const kv_t *src, int64_t n) {
 #endif
 #endif
 
+/* Every build but int8 keeps a head's row as D elements with no scale: kv_row_scale is 1 (a
+ * product by it is exact, so those builds compute as before). KV_ROW(d): elements from one
+ * head's row to the next. */
+#ifndef KV_ROW_EXTRA
+#define KV_IS_I8 0
+#define KV_ROW_EXTRA 0
+static inline float kv_row_scale(const kv_t *row, int64_t d) {
+    (void)row;
+    (void)d;
+    return 1.0f;
+}
+#endif
+#define KV_ROW(d) ((d) + KV_ROW_EXTRA)
+
 /* What a library that includes this header was built for (kernels/cpu/cpu_native.py checks it):
  * bytes of the pool's element, plus 16 where float16 is converted through F16C, plus 32 for
- * bfloat16. */
+ * bfloat16, plus 64 for int8 rows with a scale each. */
 int asyncengine_kv_element(void) {
-#if defined(KV_F16) && defined(__F16C__)
+#if defined(KV_I8)
+    return (int)sizeof(kv_t) + 64;
+#elif defined(KV_F16) && defined(__F16C__)
     return (int)sizeof(kv_t) + 16;
 #elif defined(KV_BF16)
     return (int)sizeof(kv_t) + 32;

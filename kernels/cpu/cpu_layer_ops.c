@@ -190,9 +190,9 @@ void asyncengine_rotary_store(const void *qkv, int64_t row_stride, const int64_t
         const int64_t slot = slots[t];
         for (int64_t h = 0; h < num_kv_heads; h++) {
             rotate_head(x + (num_heads + h) * d, c, s, half, out, bf16);
-#ifdef KV_F16
-            kv_store_row((kv_t *)k_cache + (slot * num_kv_heads + h) * d, out, d);
-            kv_store_row((kv_t *)v_cache + (slot * num_kv_heads + h) * d,
+#if defined(KV_F16) || defined(KV_I8)
+            kv_store_row((kv_t *)k_cache + (slot * num_kv_heads + h) * KV_ROW(d), out, d);
+            kv_store_row((kv_t *)v_cache + (slot * num_kv_heads + h) * KV_ROW(d),
                          x + (num_heads + num_kv_heads + h) * d, d);
 #else
             row_store(k_cache, (slot * num_kv_heads + h) * d, d, bf16, out);

@@ -134,14 +134,29 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 # -DKV_F16 for a float16 pool (``kv_flags``), which they then read through F16C.
 KV_LIBRARIES = ("cpu_decode_attention", "cpu_extend_attention", "cpu_decode_step", "cpu_layer_ops")
 _KV_F16_FLAGS = ("-DKV_F16",)
+_KV_I8_FLAGS = ("-DKV_I8",)
+# asyncengine_kv_element of an int8 build: 1 byte + 64
+KV_I8_ELEMENT = 65
 
 
 def kv_flags(kv_dtype: torch.dtype) -> tuple[str, ...]:
-    """The extra build flags of a KV library for a pool of ``kv_dtype``: float16 has its own
-    build; float32 and bfloat16 pools share the default one (a flag says which at each call)."""
+    """The extra build flags of a KV library for a pool of ``kv_dtype``: float16 and int8 have
+    builds of their own; float32 and bfloat16 pools share the default one (a flag says which at
+    each call)."""
     import torch
 
-    return _KV_F16_FLAGS if kv_dtype == torch.float16 else ()
+    if kv_dtype == torch.float16:
+        return _KV_F16_FLAGS
+    return _KV_I8_FLAGS if kv_dtype == torch.int8 else ()
+
+
+def kv_i8_native() -> bool:
+    """Whether every KV library builds for an int8 pool here (``asyncengine_kv_element``)."""
+    for name in KV_LIBRARIES:
+        lib = load(name, _KV_I8_FLAGS)
+        if lib is None or lib.asyncengine_kv_element() != KV_I8_ELEMENT:
+            return False
+    return True
 
 
 def kv_f16_native() -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
+from asyncengine.kernels.reference.kv_int8_ref import pool_row
 
 MAX_PARTS = 4  # parts of one projection (MAX_PARTS in the C file)
 MAX_HEAD_DIM = 256
@@ -79,6 +80,7 @@ KV_BUILD_FLAGS = {
     torch.float32: (),
     torch.float16: cpu_native.kv_flags(torch.float16),
     torch.bfloat16: ("-DKV_BF16",),
+    torch.int8: cpu_native.kv_flags(torch.int8),
 }
 
 
@@ -214,7 +216,8 @@ class DecodeStepModel:
         self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     ) -> None:
         """Point every layer at its [S, kv_heads, head_dim] K/V pool, float32, float16 or
-        bfloat16 (once; again only when the pool's tensors change)."""
+        bfloat16, or int8 [S, kv_heads, head_dim + 2] (kv_int8_ref.py) (once; again only when
+        the pool's tensors change)."""
         key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
         if key == self._caches:
             return
@@ -225,11 +228,13 @@ class DecodeStepModel:
                     cache.dtype != k_caches[0].dtype
                     or cache.dtype not in KV_DTYPES
                     or not cache.is_contiguous()
-                    or tuple(cache.shape[1:]) != (s.num_kv_heads, s.head_dim)
+                    or tuple(cache.shape[1:])
+                    != (s.num_kv_heads, pool_row(s.head_dim, k_caches[0].dtype))
                 ):
                     raise ValueError(
-                        f"KV caches must be contiguous float32, float16 or bfloat16 "
-                        f"[S, {s.num_kv_heads}, {s.head_dim}], all of one dtype"
+                        f"KV caches must be contiguous float32, float16, bfloat16 or int8 "
+                        f"[S, {s.num_kv_heads}, {s.head_dim} (+ 2 int8 scale bytes)], all of one "
+                        "dtype"
                     )
             layer.k_cache = k.data_ptr()
             layer.v_cache = v.data_ptr()
@@ -319,7 +324,8 @@ def group_attention(
             or not cache.is_contiguous()
         ):
             raise ValueError(
-                "the pool must be contiguous float32, float16 or bfloat16 [S, kv_heads, head_dim]"
+                "the pool must be contiguous float32, float16, bfloat16 or int8 "
+                "[S, kv_heads, head_dim]"
             )
     n, heads, head_dim = q.shape
     q = q.to(torch.float32).contiguous()

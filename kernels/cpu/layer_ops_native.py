@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
@@ -131,17 +132,18 @@ def rotary_store(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D] -> q [N, H, D] rotated; k rotated and v stored at their slots of
-    k_cache / v_cache [S, Hkv, D] (``apply_rotary`` then ``store_kv``, in one pass)."""
+    k_cache / v_cache [S, Hkv, D] (``apply_rotary`` then ``store_kv``, in one pass; an int8 pool's
+    rows quantized: kv_int8_ref.py)."""
     bf16 = _check(qkv)
-    head_dim = k_cache.shape[-1]
+    head_dim = cache_head_dim(k_cache)
     n = qkv.shape[0]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim > 512:
         raise ValueError(
             f"qkv of {qkv.shape[1]} columns does not hold {num_heads}+2x{num_kv_heads} heads of {head_dim}"
         )
-    f16_pool = k_cache.dtype == torch.float16 and qkv.dtype == torch.float32
-    if (k_cache.dtype != qkv.dtype and not f16_pool) or v_cache.dtype != k_cache.dtype:
-        raise ValueError("caches must be of qkv's dtype, or float16 beside float32 qkv")
+    narrow_pool = k_cache.dtype in (torch.float16, torch.int8) and qkv.dtype == torch.float32
+    if (k_cache.dtype != qkv.dtype and not narrow_pool) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("caches must be of qkv's dtype, or float16 / int8 beside float32 qkv")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("caches must be contiguous")
     cos_sin = (

@@ -18,7 +18,7 @@ The plans are built once per forward and reused by every layer (``plan_extend``,
 ``plan_decode``); ``extend_attention`` and ``decode_attention`` do both in one call.
 
 A float16 pool (CPU: the engine's ``kv_cache_dtype``) is widened to the queries' dtype after
-the gather, and its masks are made in that dtype (``attention_dtype``): attention never computes
+the gather (an int8 pool's rows dequantized: kv_int8_ref.py), and its masks are made in that dtype (``attention_dtype``): attention never computes
 in float16 here.
 
 Sliding-window and soft-capped layers (``window``, ``softcap``: attention_window.py) share the
@@ -49,20 +49,25 @@ from asyncengine.kernels.reference.decode_sparse_ref import (
     plan_sparse_decode,
     sparse_decode_attention,
 )
+from asyncengine.kernels.reference.kv_int8_ref import INT8, cache_head_dim, dequantize_flat
 
 DECODE_CHUNK_BYTES = 4 << 20
 
 
 def attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     """The dtype attention over a pool of ``cache_dtype`` computes in (its masks' dtype):
-    float32 for a float16 pool (whose queries are float32), the pool's own otherwise."""
-    return torch.float32 if cache_dtype == torch.float16 else cache_dtype
+    float32 for a float16 or int8 pool (whose queries are float32), the pool's own otherwise."""
+    return torch.float32 if cache_dtype in (torch.float16, INT8) else cache_dtype
 
 
 def _widened(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered keys and values in the queries' dtype (a float16 pool's rows widened)."""
+    """Gathered keys and values in the queries' dtype (a float16 pool's rows widened, an int8
+    pool's dequantized)."""
+    if k.dtype == INT8:
+        head_dim = q.shape[-1]
+        return dequantize_flat(k, head_dim, q.dtype), dequantize_flat(v, head_dim, q.dtype)
     if k.dtype == q.dtype:
         return k, v
     return k.to(q.dtype), v.to(q.dtype)
@@ -242,7 +247,7 @@ def plan_extend(
     for the pool's layer caches like ``k_cache`` [S, Hkv, D]. ``cost`` prices the buckets
     (default ``extend_cost_for`` the heads; an infinite ``call`` keeps one bucket)."""
     device = seq_lens.device
-    num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[1], cache_head_dim(k_cache)
     if cost is None:
         cost = extend_cost_for(num_heads, num_kv_heads, head_dim)
     cu = cu_seqlens_q.tolist()

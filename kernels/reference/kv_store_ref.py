@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncengine.kernels.reference.kv_int8_ref import INT8, store_kv_int8
+
 
 def store_kv(
     k_cache: torch.Tensor,
@@ -12,7 +14,11 @@ def store_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k_cache/v_cache [S, Hkv, D] get k/v [N, Hkv, D] at rows slot_mapping [N] (int64), in place."""
+    """k_cache/v_cache [S, Hkv, D] get k/v [N, Hkv, D] at rows slot_mapping [N] (int64), in place
+    (an int8 pool's rows quantized, their scales beside them: kv_int8_ref.py)."""
+    if k_cache.dtype == INT8:
+        store_kv_int8(k_cache, v_cache, k, v, slot_mapping)
+        return
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -41,6 +41,7 @@ from asyncengine.kernels.cpu.attention_native import (  # noqa: E402
     plan_native_decode,
 )
 from asyncengine.kernels.reference.attention_ref import decode_attention  # noqa: E402
+from asyncengine.kernels.reference.kv_int8_ref import quantize_kv  # noqa: E402
 from asyncengine.script_main import run_main  # noqa: E402
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -79,11 +80,19 @@ class Pools:
         self.block_table = order[: batch * pages_each].view(batch, pages_each).to(torch.int32)
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32)
         shape = (num_pages * page, kv_heads, dim)
-        self.k = [torch.randn(shape, generator=gen).to(dtype) for _ in range(layers)]
-        self.v = [torch.randn(shape, generator=gen).to(dtype) for _ in range(layers)]
-        self.q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+
+        def pool() -> torch.Tensor:
+            values = torch.randn(shape, generator=gen)
+            return quantize_kv(values) if dtype == torch.int8 else values.to(dtype)
+
+        self.k = [pool() for _ in range(layers)]
+        self.v = [pool() for _ in range(layers)]
+        # a float16 or int8 pool is read beside float32 queries
+        q_dtype = torch.float32 if dtype in (torch.float16, torch.int8) else dtype
+        self.q = torch.randn(batch, heads, dim, generator=gen).to(q_dtype)
         self.page_size, self.scale = page, dim**-0.5
-        self.bytes_per_layer = 2 * batch * context * kv_heads * dim * self.q.element_size()
+        row_bytes = self.k[0][0, 0].nbytes  # an int8 row's scale included
+        self.bytes_per_layer = 2 * batch * context * kv_heads * row_bytes
 
 
 def compile_baseline(rev: str) -> Callable[..., int]:
@@ -201,7 +210,7 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, batch: int, context: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="64x257,128x257,32x2049", help="batch x context, ...")
-    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="of bf16, fp32, fp16, int8")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--layers", type=int, default=30, help="distinct pools (the model's)")
     parser.add_argument("--repeats", type=int, default=7)
@@ -214,7 +223,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    dtypes = {
+        "bf16": torch.bfloat16,
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "int8": torch.int8,
+    }
     rows = []
     print(
         f"native CPU decode attention, {args.layers} pools, heads {args.heads}/{args.kv_heads}, "

@@ -29,6 +29,7 @@ from asyncengine.executor.attention.invariant_native import plan_invariant_nativ
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import ROW_BLOCK, Linear
 from asyncengine.kernels.cpu.attention_native import extend_kernel_runs, native_extend_attention
+from asyncengine.kernels.reference.kv_int8_ref import quantize_kv
 from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -98,6 +99,11 @@ class Pool:
 
 
 def make_pool(dtype: torch.dtype, lengths: dict[str, int]) -> Pool:
+    """int8: a float32 pool's rows quantized (kv_int8_ref.py), float32 queries."""
+    if dtype == torch.int8:
+        wide = make_pool(torch.float32, lengths)
+        k, v = quantize_kv(wide.k), quantize_kv(wide.v)
+        return Pool(k, v, wide.tables, wide.queries)
     gen = torch.Generator().manual_seed(11)
     pages_per = -(-MAX_LEN // PAGE)
     num_pages = pages_per * len(lengths) + 3
@@ -140,7 +146,7 @@ def attend_with(
     # padding rows hold whatever an earlier forward left there: large values here
     buffers = KeyBuffers()
     for stale in buffers.take(plan.key_rows, pool.k):
-        stale.fill_(1e4)
+        stale.fill_(1e4 if stale.is_floating_point() else 100)  # int8: a scale of ~2.5e32
     out = invariant_attention(q, pool.k, pool.v, plan, HEAD_DIM**-0.5, buffers, window, softcap)
     return {row: out[i] for i, row in enumerate(rows)}
 
@@ -193,7 +199,7 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.int8])
 @pytest.mark.parametrize(("backend", "window", "softcap"), OPTIONS)
 def test_attention_rows_do_not_depend_on_batch_chunking_or_prefix(
     dtype: torch.dtype, backend: str, window: int, softcap: float

@@ -44,8 +44,14 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 )
 @pytest.mark.parametrize(
     "seq_lens",
-    [[1, 31, 32, 33, 70, 5, 129, 64], [97], [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77]],
-    ids=["8", "1", "13"],
+    [
+        [1, 31, 32, 33, 70, 5, 129, 64],
+        [97],
+        [40, 3, 65, 17, 250, 1, 96, 33, 12, 64, 31, 8, 77],
+        [1500],  # split-K: one row's keys in ranges, merged
+        [700, 2051],  # split-K over rows of different lengths (a range may be short)
+    ],
+    ids=["8", "1", "13", "1-long", "2-long"],
 )
 def test_group_attention_matches_the_reference(
     num_heads: int,
@@ -69,12 +75,13 @@ def test_group_attention_matches_the_reference(
         torch.testing.assert_close(got[b], want[0], atol=TOLERANCE[torch.float32], rtol=0)
 
 
-def test_large_scores_do_not_overflow() -> None:
+@pytest.mark.parametrize("seq_lens", [[50, 3, 200], [1200]], ids=["3", "split-K"])
+def test_large_scores_do_not_overflow(seq_lens: list[int]) -> None:
     """The online softmax subtracts the running max: scores near 1e4 stay finite, and a later
-    block with a larger max rescales what came before."""
-    kv = PagedKV([50, 3, 200], 16, 1, 64, torch.float32, seed=0)
+    block (or range, merged) with a larger max rescales what came before."""
+    kv = PagedKV(seq_lens, 16, 1, 64, torch.float32, seed=0)
     kv.k_cache.mul_(100.0)
-    q = torch.full((3, 1, 64), 3.0)
+    q = torch.full((len(seq_lens), 1, 64), 3.0)
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 1.0)
     got = decode_step_native.group_attention(q, *args)
     assert torch.isfinite(got).all()

@@ -37,16 +37,25 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
     [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 16), (16, 1, 64, 7)],
 )
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        # ragged lengths across block boundaries (the kernel takes keys 16 at a time), length 1
+        [1, 31, 32, 33, 70, 5, 129, 64],
+        [1500],  # split-K: one request's keys in ranges, merged
+        [700, 2051],
+    ],
+    ids=["8", "1-long", "2-long"],
+)
 def test_native_decode_matches_the_reference(
     dtype: torch.dtype,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     page_size: int,
+    seq_lens: list[int],
     threads: int,
 ) -> None:
-    # ragged lengths across block boundaries (the kernel takes keys 16 at a time), length 1 too
-    seq_lens = [1, 31, 32, 33, 70, 5, 129, 64]
     kv = PagedKV(seq_lens, page_size, num_kv_heads, head_dim, dtype, seed=head_dim + page_size)
     gen = torch.Generator().manual_seed(1)
     # q as the model hands it over: a slice of a wider row (heads contiguous, rows strided)

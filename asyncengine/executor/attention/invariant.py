@@ -42,7 +42,9 @@ from asyncengine.executor.attention.torch_backend import (
 )
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.kernels.paged_kv import padded_kv_slots
+from asyncengine.kernels.reference.attention_ref import attention_dtype
 from asyncengine.kernels.reference.attention_window import additive_mask, hidden_keys, soft_cap
+from asyncengine.kernels.reference.kv_int8_ref import INT8, dequantize_flat
 
 # the CPU flash attention's key block (torch's kernel: min(kv_len, 512)); padding to multiples
 # of it fixes the kernel's reduction order (tests/executor/test_deterministic.py checks it holds)
@@ -131,6 +133,7 @@ def padded_queries(q_len: int, group: int, dtype: torch.dtype) -> int:
 
 def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -> InvariantPlan:
     device = k_cache.device
+    dtype = attention_dtype(k_cache.dtype)  # an int8 pool's rows are attended in float32
     group = num_heads // k_cache.shape[1]
     groups_of: dict[tuple[bool, int], list[_Request]] = {}
     for req in _requests(batch):
@@ -142,7 +145,7 @@ def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -
     kv_offset = out_offset = 0
     for (decode, kv_len), members in groups_of.items():
         table = batch.decode_block_table if decode else batch.extend_block_table
-        q_len = padded_queries(max(r.q_len for r in members), group, k_cache.dtype)
+        q_len = padded_queries(max(r.q_len for r in members), group, dtype)
         n = len(members)
         rows = torch.tensor([r.row for r in members], dtype=torch.int64, device=device)
         kv_lens = torch.tensor([r.kv_len for r in members], dtype=torch.int64, device=device)
@@ -161,7 +164,7 @@ def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -
         query_pos = (kv_lens - q_lens)[:, None] + taken  # each query row's own position
         keys = torch.arange(kv_len, device=device)
         hidden = keys[None, None, :] > query_pos[:, :, None]
-        mask = torch.zeros(hidden.shape, dtype=k_cache.dtype, device=device)
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
         # [n, 1, q_len * group, kv_len]: a position's row for each query head of a KV head
         mask = mask.masked_fill_(hidden, float("-inf")).repeat_interleave(group, dim=1)[:, None]
         queries = (starts[:, None] + taken).reshape(-1)
@@ -209,6 +212,9 @@ def invariant_attention(
     num_slots = k_cache.shape[0]
     k_all.index_copy_(0, plan.kv_rows, k_cache.view(num_slots, -1).index_select(0, plan.kv_slots))
     v_all.index_copy_(0, plan.kv_rows, v_cache.view(num_slots, -1).index_select(0, plan.kv_slots))
+    if k_cache.dtype == INT8:  # each row on its own: the same values however rows are batched
+        k_all = dequantize_flat(k_all, head_dim, q.dtype)
+        v_all = dequantize_flat(v_all, head_dim, q.dtype)
     outs = []
     for g in plan.groups:
         n, q_len, kv_len = g.num_requests, g.q_len, g.kv_len

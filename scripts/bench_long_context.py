@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Long contexts on the CPU: prefill and decode speed by K/V pool, ours side by side with
+llama.cpp's ``llama-bench`` (f16 and q8_0 K/V).
+
+Ours runs the model's ``ModelRunner`` directly (the engine's forward: the native extend kernel
+for prefills in ``--chunk``-token chunks as the engine chunks them, the fused decode step for
+decodes), once per ``--kv`` entry:
+
+- ``bfloat16``: the model in bfloat16, its pool bfloat16 (what a bfloat16 model keeps);
+- ``float32`` / ``float16`` / ``int8``: the model in float32 with that pool (int8:
+  ``kv_cache_dtype = "int8"``, a scale per token and head).
+
+One stream, for each ``--contexts`` N: prefill tok/s of an N-token prompt into an empty pool
+(llama-bench's pp N at depth 0) and, where 2N fits the model's positions, of N more tokens after
+N already cached (pp N at depth N); decode tok/s of ``--decode`` (128) tokens after N (tg 128 at
+depth N). Then ``--batch`` (16) requests of ``--batch-context`` (4096) tokens each decoding
+``--batch-decode`` steps together: decode tok/s summed over the batch (llama.cpp:
+``llama-batched-bench -npp 4096 -ntg N -npl 16`` where that tool is built). Medians of
+``--repeats`` runs; prompts are random token ids (the same every run).
+
+llama.cpp: ``llama-bench -m GGUF -p N -n 128 -d 0,N -ctk T -ctv T -fa 1 -t THREADS -r R -o
+json`` per context, for T in ``--llamacpp-kv`` (f16, q8_0; quantized V needs flash attention),
+when its build is found (scripts/setup_llamacpp.sh; ``LLAMACPP_VENV``). Its GGUF is the one
+ours runs (the embedded Q4_1 file by default).
+
+    python scripts/bench_long_context.py --json bench_results/long_context.json
+    python scripts/bench_long_context.py --contexts 1024 --decode 16 --batch 0 --kv float32,int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from peers.llamacpp import launcher as peer_llamacpp  # noqa: E402
+
+from asyncengine.cache.page_table import PageTable  # noqa: E402
+from asyncengine.common.config import EngineConfig  # noqa: E402
+from asyncengine.common.plan import BatchPlan, Segment  # noqa: E402
+from asyncengine.executor.kv_pool import KVPool  # noqa: E402
+from asyncengine.executor.layers.model_config import ModelConfig  # noqa: E402
+from asyncengine.executor.loader import read_gguf  # noqa: E402
+from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir  # noqa: E402
+from asyncengine.executor.runner import ModelRunner  # noqa: E402
+from asyncengine.kernels.quant_formats import GGUF_FORMATS  # noqa: E402
+
+PAGE_SIZE = 16
+# --kv entry -> (the model's dtype, the pool's)
+KV_RUNS = {
+    "bfloat16": (torch.bfloat16, torch.bfloat16),
+    "float32": (torch.float32, torch.float32),
+    "float16": (torch.float32, torch.float16),
+    "int8": (torch.float32, torch.int8),
+}
+
+
+@dataclass(slots=True)
+class Row:
+    system: str  # "asyncengine" or "llama.cpp"
+    kv: str
+    test: str  # "prefill", "decode" or "batch decode"
+    context: int  # tokens already in the pool before the timed tokens (depth)
+    tokens: int  # timed tokens (a prefill's prompt, a decode's steps, x batch for a batch)
+    batch: int
+    tok_per_s: float
+
+
+class Ours:
+    """The model over a pool of ``rows`` rows of ``row_tokens`` slots each."""
+
+    def __init__(self, kv: str, rows: int, row_tokens: int) -> None:
+        model = KNOWN_MODELS[DEFAULT_MODEL]
+        gguf = model.gguf_path()
+        meta = metadata_dir(gguf, model.name)
+        self.config = ModelConfig.from_hf_dict(json.loads((meta / "config.json").read_text()))
+        dtype, kv_dtype = KV_RUNS[kv]
+        weights = read_gguf(gguf, dtype, frozenset(GGUF_FORMATS)).weights
+        pages = -(-row_tokens // PAGE_SIZE)
+        pool = KVPool.for_model(self.config, rows * pages, PAGE_SIZE, kv_dtype)
+        table = PageTable.contiguous(rows, pages)
+        self.runner = ModelRunner(self.config, weights, pool, table, dtype)
+        self.step = 0
+        # untimed: the kernels' first calls (a build compiled on first use, pages touched)
+        self.decode([0], [self.prefill(0, prompt(64, seed=0), 0, 64)], [64], 2)
+
+    def _run(self, plan_segments: dict[str, list[Segment]]) -> torch.Tensor:
+        self.step += 1
+        with torch.inference_mode():
+            return self.runner.forward_logits(BatchPlan(step=self.step, **plan_segments))
+
+    def prefill(self, row: int, tokens: list[int], start: int, chunk: int) -> int:
+        """tokens at positions start.. in chunks; the greedy next token."""
+        logits = None
+        for first in range(0, len(tokens), chunk):
+            part = tokens[first : first + chunk]
+            logits = self._run({"extends": [Segment(f"r{row}", row, part, start + first, True)]})
+        assert logits is not None
+        return int(logits[-1].argmax())
+
+    def decode(self, rows: list[int], tokens: list[int], starts: list[int], steps: int) -> None:
+        positions = list(starts)
+        for _ in range(steps):
+            segments = [
+                Segment(f"r{r}", r, [t], p, True)
+                for r, t, p in zip(rows, tokens, positions, strict=True)
+            ]
+            logits = self._run({"decodes": segments})
+            tokens = logits.argmax(-1).tolist()
+            positions = [p + 1 for p in positions]
+
+
+def median_seconds(repeats: int, run: Any, *args: Any) -> float:
+    """The median wall time of ``run(*args)`` over ``repeats`` calls."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(*args)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def bench_ours(args: argparse.Namespace, kv: str) -> list[Row]:
+    rows: list[Row] = []
+    ours = Ours(kv, 1, 2 * max(args.contexts) + args.decode + 1)
+    limit = ours.config.max_model_len
+    for n in args.contexts:
+        tokens, more = prompt(n, seed=n), prompt(n, seed=n + 1)
+        seconds = median_seconds(args.repeats, ours.prefill, 0, tokens, 0, args.chunk)
+        rows.append(Row("asyncengine", kv, "prefill", 0, n, 1, n / seconds))
+        if 2 * n <= limit:  # N more after the N above, as llama-bench's -d N
+            seconds = median_seconds(args.repeats, ours.prefill, 0, more, n, args.chunk)
+            rows.append(Row("asyncengine", kv, "prefill", n, n, 1, n / seconds))
+        first = ours.prefill(0, tokens, 0, args.chunk)
+        seconds = median_seconds(args.repeats, ours.decode, [0], [first], [n], args.decode)
+        rows.append(Row("asyncengine", kv, "decode", n, args.decode, 1, args.decode / seconds))
+        print(f"asyncengine {kv} context {n}: done", file=sys.stderr)
+    del ours
+    if args.batch:
+        n, b = args.batch_context, args.batch
+        ours = Ours(kv, b, n + args.batch_decode + 1)
+        firsts = [ours.prefill(r, prompt(n, seed=1000 + r), 0, args.chunk) for r in range(b)]
+        seconds = median_seconds(
+            args.repeats, ours.decode, list(range(b)), firsts, [n] * b, args.batch_decode
+        )
+        total = b * args.batch_decode
+        rows.append(Row("asyncengine", kv, "batch decode", n, total, b, total / seconds))
+    return rows
+
+
+def llamacpp_tool(name: str) -> Path | None:
+    try:
+        server = peer_llamacpp.server_binary()
+    except peer_llamacpp.LlamaCppUnavailableError:
+        return None
+    tool = server.with_name(name)
+    return tool if tool.is_file() else None
+
+
+def bench_llamacpp(args: argparse.Namespace, gguf: Path) -> list[Row]:
+    bench = llamacpp_tool("llama-bench")
+    if bench is None:
+        print("llama.cpp: no llama-bench build found (scripts/setup_llamacpp.sh)", file=sys.stderr)
+        return []
+    rows: list[Row] = []
+    threads = str(args.threads or torch.get_num_threads())
+    for kv in args.llamacpp_kv:
+        for n in args.contexts:
+            command = [str(bench), "-m", str(gguf), "-p", str(n), "-n", str(args.decode)]
+            command += ["-d", f"0,{n}", "-ctk", kv, "-ctv", kv, "-fa", "1", "-t", threads]
+            command += ["-r", str(args.repeats), "-o", "json"]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            for record in json.loads(done.stdout):
+                depth, n_prompt, n_gen = record["n_depth"], record["n_prompt"], record["n_gen"]
+                if n_prompt and (depth == 0 or depth == n):
+                    rows.append(
+                        Row("llama.cpp", kv, "prefill", depth, n_prompt, 1, record["avg_ts"])
+                    )
+                elif n_gen and depth == n:
+                    rows.append(Row("llama.cpp", kv, "decode", depth, n_gen, 1, record["avg_ts"]))
+            print(f"llama.cpp {kv} context {n}: done", file=sys.stderr)
+        batched = llamacpp_tool("llama-batched-bench")
+        if args.batch and batched is not None:
+            n, b = args.batch_context, args.batch
+            command = [str(batched), "-m", str(gguf), "-c", str(b * (n + args.batch_decode + 1))]
+            command += ["-npp", str(n), "-ntg", str(args.batch_decode), "-npl", str(b)]
+            command += [
+                "-ctk",
+                kv,
+                "-ctv",
+                kv,
+                "-fa",
+                "1",
+                "-t",
+                threads,
+                "--output-format",
+                "jsonl",
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            for line in done.stdout.splitlines():
+                if line.startswith("{"):
+                    record = json.loads(line)
+                    total = b * args.batch_decode
+                    rows.append(
+                        Row("llama.cpp", kv, "batch decode", n, total, b, record["speed_tg"])
+                    )
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| system | K/V | test | context | tokens | batch | tok/s |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r.system} | {r.kv} | {r.test} | {r.context} | {r.tokens} | {r.batch} | "
+            f"{r.tok_per_s:.1f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="1024,4096,7680", help="one-stream contexts")
+    parser.add_argument("--decode", type=int, default=128, help="decode steps timed")
+    parser.add_argument("--batch", type=int, default=16, help="requests decoding at once (0: off)")
+    parser.add_argument("--batch-context", type=int, default=4096)
+    parser.add_argument("--batch-decode", type=int, default=32)
+    parser.add_argument("--kv", default="bfloat16,int8", help=f"of {', '.join(KV_RUNS)}")
+    parser.add_argument("--llamacpp-kv", default="f16,q8_0", help="'' to skip llama.cpp")
+    parser.add_argument("--chunk", type=int, default=EngineConfig().chunked_prefill_size)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.llamacpp_kv = [k for k in args.llamacpp_kv.split(",") if k]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: list[Row] = []
+    for kv in args.kv.split(","):
+        rows += bench_ours(args, kv)
+    if args.llamacpp_kv:
+        rows += bench_llamacpp(args, peer_llamacpp.model_file(peer_llamacpp.EMBEDDED_KIND))
+    print_table(rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        setup = {"threads": torch.get_num_threads(), "args": {**vars(args), "json": str(args.json)}}
+        args.json.write_text(
+            json.dumps({"setup": setup, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
