@@ -32,6 +32,7 @@ venv); the HF directory alone (``--formats hf``) needs neither.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -132,6 +133,10 @@ SHAPES: dict[str, Shape] = {
     ),
     # a few MB: the benchmark's own tests (and a quick look at the pipeline)
     "tiny-llama": Shape("llama", 256, 2, 4, 1, 512, 49152, False, rms_norm_eps=1e-5, **LLAMA3_RoPE),
+    "tiny-qwen2": Shape(
+        "qwen2", 256, 2, 8, 2, 512, 49152, True, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
 }  # fmt: skip
 
 
@@ -201,8 +206,6 @@ def make_hf_dir(name: str, shape: Shape, out: Path, seed: int = SEED) -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
     with open(path, encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)
     return data
@@ -243,15 +246,37 @@ def _run_logged(command: list[str], log: Path, env: dict[str, str] | None = None
         raise RuntimeError(f"{command[0]} failed ({done.returncode}); {log}:\n" + "\n".join(tail))
 
 
+def converter_view(hf_dir: Path) -> Path:
+    """``hf_dir`` as the converter reads it: links to its files, config.json without model_type.
+
+    The converter reads the tokenizer with ``AutoTokenizer``, which for model_type qwen2 builds
+    Qwen2's own tokenizer class around tokenizer.json (its pre-tokenizer, not the file's, so
+    the converter does not recognize it); without model_type it takes tokenizer.json as it is.
+    The converter itself picks its model class by ``architectures``."""
+    view = hf_dir.with_name(hf_dir.name + "-for-converter")
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir()
+    for file in hf_dir.iterdir():
+        if file.name != "config.json":
+            (view / file.name).symlink_to(file.resolve())
+    config = _read_json(hf_dir / "config.json")
+    config.pop("model_type", None)
+    (view / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return view
+
+
 def convert_bf16(name: str, hf_dir: Path, out: Path) -> Path:
     if out.is_file():
         return out
     script = converter_script()
+    view = converter_view(hf_dir)
     paths = [str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     staging = out.with_name(out.name + ".partial")
-    command = [converter_python(), str(script), str(hf_dir), "--outtype", "bf16"]
-    _run_logged([*command, "--outfile", str(staging)], out.with_suffix(".convert.log"), env)
+    command = [converter_python(), str(script), str(view), "--outtype", "bf16"]
+    command += ["--model-name", name, "--outfile", str(staging)]
+    _run_logged(command, out.with_suffix(".convert.log"), env)
+    shutil.rmtree(view)
     staging.rename(out)
     return out
 
