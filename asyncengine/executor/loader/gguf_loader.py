@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from asyncengine.executor.loader.gguf_file import GGUFFile, read_gguf_file
 from asyncengine.executor.loader.gguf_rope import llama3_rope_parameters
 from asyncengine.executor.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from asyncengine.executor.loader.hf_dir import (
@@ -80,12 +81,12 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def rope_factors(reader: GGUFReader) -> list[float] | None:
+def rope_factors(file: GGUFFile) -> list[float] | None:
     """The rope_freqs tensor's values (per-frequency RoPE divisors), None if the file has none."""
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
-            return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
-    return None
+    tensor = file.tensor(ROPE_FREQS_TENSOR)
+    if tensor is None:
+        return None
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
 def hf_name(gguf_name: str) -> str:
@@ -211,8 +212,10 @@ def _tensor_to_torch(data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _quantized(data: np.ndarray, fmt: QuantFormat, shape: tuple[int, ...]) -> QuantizedTensor:
+    """The blocks as stored: a view of the file's map (read_gguf_file), copied by whatever
+    reorders them (q/k unpermuting, merged projections, interleaved groups) and by nothing else."""
     rows, cols = shape
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+    raw = torch.from_numpy(np.asarray(data, dtype=np.uint8)).reshape(rows, -1)
     return QuantizedTensor(fmt, raw, cols)
 
 
@@ -224,8 +227,8 @@ def read_gguf(
     (one log line names the quantized types that were)."""
     path = Path(path)
     start = time.perf_counter()
-    reader = GGUFReader(path)
-    metadata = read_metadata(reader)
+    reader = read_gguf_file(path)
+    metadata = reader.metadata
     names = {tensor.name for tensor in reader.tensors}
     config = hf_config(metadata, names, dtype, rope_factors(reader))
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -314,8 +317,8 @@ def write_tokenizer_dir(
     """Only the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json),
     and with ``with_config`` config.json: reads the metadata, dequantizes nothing."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(gguf_path)
-    metadata = read_metadata(reader)
+    reader = read_gguf_file(gguf_path)
+    metadata = reader.metadata
     if with_config:
         names = {tensor.name for tensor in reader.tensors}
         out_dir.mkdir(parents=True, exist_ok=True)
