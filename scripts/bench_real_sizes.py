@@ -183,7 +183,9 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
 # -- llama.cpp -------------------------------------------------------------------------------
 
 
-def run_llamacpp(gguf: Path, plan: Plan, vocab: int, threads: int | None) -> dict[str, Any]:
+def run_llamacpp(
+    gguf: Path, plan: Plan, vocab: int, threads: int | None, extra_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     import aiohttp
 
     folder = Path(tempfile.mkdtemp(prefix="bench_real_sizes_llamacpp_"))
@@ -219,6 +221,7 @@ def run_llamacpp(gguf: Path, plan: Plan, vocab: int, threads: int | None) -> dic
         threads=threads,
         context_per_slot=plan.context,
         log_path=folder / "llama-server-np1.log",
+        extra_args=extra_args,
     )
     print(f"llamacpp: {' '.join(single.command)}", flush=True)
     with single:
@@ -233,6 +236,7 @@ def run_llamacpp(gguf: Path, plan: Plan, vocab: int, threads: int | None) -> dic
             threads=threads,
             context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
             log_path=folder / f"llama-server-np{n}.log",
+            extra_args=extra_args,
         )
         with server:
             seconds = []
@@ -280,6 +284,7 @@ def bench_one(
     systems: Sequence[str],
     threads: int | None,
     engine_args: Sequence[tuple[str, Any]],
+    llamacpp_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     vocab = vocab_size(path)
     entry: dict[str, Any] = {
@@ -294,7 +299,7 @@ def bench_one(
         entry["runs"]["asyncengine"] = asyncio.run(run_asyncengine(config, plan, vocab))
         print(f"{name} {fmt} asyncengine: {summary(entry['runs']['asyncengine'])}", flush=True)
     if "llamacpp" in systems and path.suffix == ".gguf":
-        entry["runs"]["llamacpp"] = run_llamacpp(path, plan, vocab, threads)
+        entry["runs"]["llamacpp"] = run_llamacpp(path, plan, vocab, threads, llamacpp_args)
         print(f"{name} {fmt} llamacpp: {summary(entry['runs']['llamacpp'])}", flush=True)
     return entry
 
@@ -418,6 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="an asyncengine config key for every run (repeatable), e.g. quantization=none",
     )
+    parser.add_argument(
+        "--llamacpp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra llama-server argument (repeatable), e.g. --llamacpp-arg=--no-repack",
+    )
     parser.add_argument("--bandwidth-mib", type=int, default=512)
     parser.add_argument("--bandwidth-repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
@@ -450,7 +462,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         paths = models.make(name, args.formats)
         for fmt in args.formats:
             entries.append(
-                bench_one(name, fmt, paths[fmt], plan, systems, args.threads, args.engine_arg)
+                bench_one(
+                    name,
+                    fmt,
+                    paths[fmt],
+                    plan,
+                    systems,
+                    args.threads,
+                    args.engine_arg,
+                    tuple(args.llamacpp_arg),
+                )  # fmt: skip
             )
     bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     result: dict[str, Any] = {
