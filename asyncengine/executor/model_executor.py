@@ -29,6 +29,7 @@ from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import load_hf_config
+from asyncengine.executor.loader.load_threads import one_torch_thread
 from asyncengine.executor.loader.pooling_config import model_pooling
 from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.lora.peft_adapter import LoraLoadError
@@ -77,7 +78,8 @@ class ModelExecutor:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.quantization)
+        with one_torch_thread():
+            loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model_dir = loaded.model_dir
         self.weights_summary = loaded.summary()
         self.model_config = ModelConfig.from_hf_dict(load_hf_config(self.model_dir))

@@ -29,6 +29,7 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.loader.load_threads import one_torch_thread
 from asyncengine.executor.lora.lora_step import lora_step
 from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.prompt_logprobs import logits_and_scores
@@ -96,9 +97,10 @@ class ModelRunner:
                 kernel_ops(self.backend_name, self.device),
             )
         self.backend = parts.backend
-        self.model = LlamaModel(
-            model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
-        )
+        with one_torch_thread():
+            self.model = LlamaModel(
+                model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
+            )
         # a verify step small enough for the fused decode step runs its positions as decode
         # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step
         self.verify_decode_rows = min(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from asyncengine.executor.loader.gguf_file import GGUFFile, read_gguf_file
+from asyncengine.executor.loader.gguf_rope import llama3_rope_parameters
 from asyncengine.executor.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from asyncengine.executor.loader.hf_dir import (
     CONFIG_FILE,
@@ -35,7 +38,11 @@ from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantFormat, Quantiz
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF architecture -> HF architecture; llama.cpp permutes q/k rows for llama only (qwen2 runs
+# its NEOX RoPE, HF's rotate-half order, as stored)
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -74,6 +81,14 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
+def rope_factors(file: GGUFFile) -> list[float] | None:
+    """The rope_freqs tensor's values (per-frequency RoPE divisors), None if the file has none."""
+    tensor = file.tensor(ROPE_FREQS_TENSOR)
+    if tensor is None:
+        return None
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+
+
 def hf_name(gguf_name: str) -> str:
     """The HF llama parameter name of a GGUF tensor name; ModelFilesError for unknown ones."""
     stem, _, suffix = gguf_name.rpartition(".")
@@ -83,10 +98,6 @@ def hf_name(gguf_name: str) -> str:
     if match and match.group(2) in _BLOCK_TENSORS:
         layer, part, suffix = match.groups()
         return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{suffix}"
-    if stem == "rope_freqs":
-        raise ModelFilesError(
-            "GGUF tensor rope_freqs (llama 3.1 RoPE scaling factors) is not supported"
-        )
     raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no llama counterpart")
 
 
@@ -115,9 +126,13 @@ def _float32_decimal(value: float) -> float:
 
 
 def hf_config(
-    metadata: dict[str, Any], tensor_names: set[str], dtype: torch.dtype
+    metadata: dict[str, Any],
+    tensor_names: set[str],
+    dtype: torch.dtype,
+    rope_factors: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """An HF config.json dict from the llama.* metadata keys."""
+    """An HF config.json dict from the <arch>.* metadata keys (``rope_factors``: the file's
+    rope_freqs tensor, Llama 3's RoPE scaling)."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelFilesError(
@@ -142,14 +157,16 @@ def hf_config(
     rope_theta = _float32_decimal(key("rope.freq_base", 10000.0))
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     scaling_type = metadata.get(f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    if rope_factors is not None:
+        rope_parameters = llama3_rope_parameters(rope_factors, rope_theta, int(head_dim))
+    elif scaling_type not in (None, "none"):
         rope_parameters["rope_type"] = scaling_type
         rope_parameters["factor"] = float(key("rope.scaling.factor"))
         if original := metadata.get(f"{arch}.rope.scaling.original_context_length"):
             rope_parameters["original_max_position_embeddings"] = int(original)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_act": "silu",
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
@@ -195,8 +212,10 @@ def _tensor_to_torch(data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _quantized(data: np.ndarray, fmt: QuantFormat, shape: tuple[int, ...]) -> QuantizedTensor:
+    """The blocks as stored: a view of the file's map (read_gguf_file), copied by whatever
+    reorders them (q/k unpermuting, merged projections, interleaved groups) and by nothing else."""
     rows, cols = shape
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+    raw = torch.from_numpy(np.asarray(data, dtype=np.uint8)).reshape(rows, -1)
     return QuantizedTensor(fmt, raw, cols)
 
 
@@ -208,11 +227,13 @@ def read_gguf(
     (one log line names the quantized types that were)."""
     path = Path(path)
     start = time.perf_counter()
-    reader = GGUFReader(path)
-    metadata = read_metadata(reader)
+    reader = read_gguf_file(path)
+    metadata = reader.metadata
     names = {tensor.name for tensor in reader.tensors}
-    config = hf_config(metadata, names, dtype)
+    config = hf_config(metadata, names, dtype, rope_factors(reader))
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    if config["model_type"] not in _PERMUTED_QK_ARCHITECTURES:
+        heads_of = {}
 
     weights: dict[str, Weight] = {}
     dequantized_types: dict[str, int] = {}
@@ -223,6 +244,8 @@ def read_gguf(
         size=lambda tensor: int(tensor.n_elements),  # dequantizing costs per element
     )
     for tensor in tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue  # read into the config's RoPE parameters
         name = hf_name(tensor.name)
         # GGUF lists dimensions innermost first.
         shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -294,12 +317,13 @@ def write_tokenizer_dir(
     """Only the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json),
     and with ``with_config`` config.json: reads the metadata, dequantizes nothing."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(gguf_path)
-    metadata = read_metadata(reader)
+    reader = read_gguf_file(gguf_path)
+    metadata = reader.metadata
     if with_config:
         names = {tensor.name for tensor in reader.tensors}
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(out_dir / CONFIG_FILE, hf_config(metadata, names, torch.float32))
+        config = hf_config(metadata, names, torch.float32, rope_factors(reader))
+        _write_json(out_dir / CONFIG_FILE, config)
     context_length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation_config(metadata))

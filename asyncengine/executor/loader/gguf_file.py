@@ -1,0 +1,152 @@
+"""A GGUF file's metadata and tensors, read in one pass over its header, its tensors memory-mapped.
+
+``gguf.GGUFReader`` builds a numpy view for every part of every field: seconds for a vocabulary
+of 50k-150k tokens and as many merges, most of a small model's start-up. Here the header is
+parsed with ``struct`` (strings decoded once, numeric arrays as one ``frombuffer`` each) and the
+tensors are plain ndarray views of one copy-on-write ``mmap`` of the file: nothing is copied until a
+consumer copies it, and the pages are read when touched. Values and tensor views are those
+``GGUFReader`` gives (``field.contents()``; ``tensor.data`` typed and shaped as it shapes them).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
+
+from asyncengine.executor.loader.hf_dir import ModelFilesError
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# GGUF value types: the struct code of each scalar (8: string, 9: array)
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
+_NUMPY.update({10: "<u8", 11: "<i8", 12: "<f8"})
+_STRING, _ARRAY = 8, 9
+# element types of the tensors GGUFReader returns typed (every other type: its bytes)
+_TYPED = {
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: innermost dimension first
+    n_elements: int
+    n_bytes: int
+    data: np.ndarray  # a view of the file's map
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFFile:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+    def tensor(self, name: str) -> GGUFTensor | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+
+class _Cursor:
+    def __init__(self, buffer: memoryview | bytes) -> None:
+        self.buffer = buffer
+        self.at = 0
+
+    def unpack(self, code: str) -> Any:
+        (value,) = struct.unpack_from("<" + code, self.buffer, self.at)
+        self.at += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        length = self.unpack("Q")
+        start = self.at
+        self.at += length
+        return bytes(self.buffer[start : self.at]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.unpack("I"), self.unpack("Q")
+            if item == _STRING:
+                return [self.string() for _ in range(count)]
+            if item in _NUMPY:
+                dtype = np.dtype(_NUMPY[item])
+                array = np.frombuffer(self.buffer, dtype, count, self.at)
+                self.at += dtype.itemsize * count
+                return array.tolist()
+            return [self.value(item) for _ in range(count)]  # arrays of arrays
+        raise ModelFilesError(f"GGUF value of unknown type {kind}")
+
+
+def read_gguf_file(path: str | Path) -> GGUFFile:
+    """The file's metadata (key -> value) and tensors (views of its memory map)."""
+    with open(path, "rb") as f:
+        # copy-on-write: the views are writable (torch takes them without a copy or a warning)
+        # and a write, should any consumer make one, changes this process's pages, not the file
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buffer = memoryview(mapped)
+    cursor = _Cursor(buffer)
+    if bytes(buffer[:4]) != MAGIC:
+        raise ModelFilesError(f"{path} is not a GGUF file")
+    cursor.at = 4
+    version = cursor.unpack("I")
+    if version not in (2, 3):
+        raise ModelFilesError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    tensor_count, kv_count = cursor.unpack("Q"), cursor.unpack("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.unpack("I"))
+    infos = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = tuple(cursor.unpack("Q") for _ in range(cursor.unpack("I")))
+        infos.append((name, dims, GGMLQuantizationType(cursor.unpack("I")), cursor.unpack("Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_start = -(-cursor.at // alignment) * alignment
+    # one ndarray over the map: slicing it gives plain views (np.memmap slices are slow)
+    whole = np.frombuffer(buffer, dtype=np.uint8)
+    tensors = []
+    for name, dims, kind, offset in infos:
+        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        n_bytes = n_elements * block_bytes // block
+        start = data_start + offset
+        if start + n_bytes > whole.size:
+            raise ModelFilesError(f"{path}: tensor {name} runs past the end of the file")
+        raw = whole[start : start + n_bytes]
+        shape = tuple(reversed(dims))
+        if kind in _TYPED:
+            data = raw.view(_TYPED[kind]).reshape(shape)
+        else:
+            data = raw.reshape(quant_shape_to_byte_shape(shape, kind))
+        tensors.append(GGUFTensor(name, kind, dims, n_elements, n_bytes, data))
+    return GGUFFile(metadata, tensors)

@@ -1,0 +1,499 @@
+#!/usr/bin/env python
+"""Ours beside llama.cpp on models of real sizes, in the formats people download, in one run.
+
+Per model (scripts/make_real_models.py's shapes: random weights, real shapes) and format, each
+system in turn, medians of ``--repeats``:
+
+- one stream: decode tok/s at batch 1 (a ``--prompt-len`` prompt, ``--output-len`` tokens:
+  (output_len - 1) / (full - first-token time)), and its fraction of the bandwidth bound
+  (measured copy GB/s / the bytes one decode step reads: the GGUF's tensors as stored);
+- 8 and 32 concurrent requests (``--concurrency``): output tok/s, all sent at once;
+- prefill at 512 and 2048 tokens (``--prefill-lens``): prompt tok/s of a fresh random prompt
+  with one token out (wall time: the first token's sampling included, for both);
+- start-up: until the engine answers (AsyncEngine started / llama-server's /health).
+
+asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
+every timed prompt is new, except the stream's repeats, where only the decode is counted);
+llama.cpp as ``llama-server`` (scripts/peers/llamacpp/): ``-np 1`` for the stream and prefill,
+``-np N`` for N concurrent requests. Prints a table, writes JSON (``--out``).
+
+    .venv/bin/python scripts/bench_real_sizes.py                                  # everything
+    .venv/bin/python scripts/bench_real_sizes.py --models llama-3.2-1b --formats Q4_K_M \\
+        --repeats 2 --out /tmp/real_sizes.json                                    # a short run
+    .venv/bin/python scripts/bench_real_sizes.py --systems asyncengine --models tiny-llama \\
+        --formats hf                                                              # no llama.cpp
+
+Models are made first where missing (make_real_models.py; a 3B takes minutes). A format
+``hf`` is the bfloat16 HF directory (asyncengine only: llama.cpp reads GGUF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: systems, peers
+
+import make_real_models as models
+from bench_single_stream import (
+    bound_tokens_per_second,
+    gguf_weight_bytes,
+    measure_copy_bandwidth,
+    weight_bytes,
+)
+from peers.llamacpp import launcher as peer_llamacpp
+from systems import (
+    WARMUP_PROMPT,
+    cell,
+    decode_tokens_per_second,
+    greedy,
+    machine,
+    require_peers,
+    stream_repeats,
+    write_json,
+)
+
+from asyncengine.common.config import EngineConfig, key_value
+from asyncengine.script_main import run_main
+
+SYSTEMS = ("asyncengine", "llamacpp")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What each system runs on each model (the same for both)."""
+
+    prompt_len: int
+    output_len: int
+    repeats: int
+    concurrency: tuple[int, ...]
+    concurrent_prompt_len: int
+    concurrent_output_len: int
+    prefill_lens: tuple[int, ...]
+    seed: int
+
+    @property
+    def context(self) -> int:
+        """Tokens one sequence may hold: the longest prefill (+1 out) or the stream."""
+        return max(max(self.prefill_lens, default=0) + 2, self.prompt_len + self.output_len + 1)
+
+
+def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    """Ids drawn from the tokenizer's own range (below 49,152: the padded ids of a larger vocab
+    are tokens no text encodes to)."""
+    import numpy as np
+
+    high = min(vocab, 49152)
+    return [int(t) for t in np.random.default_rng(seed).integers(3, high, size=length)]
+
+
+def concurrent_prompts(plan: Plan, vocab: int, n: int, repeat: int) -> list[list[int]]:
+    base = plan.seed * 1_000_003 + n * 1009 + repeat * 101
+    return [random_prompt(vocab, plan.concurrent_prompt_len, base + i) for i in range(n)]
+
+
+def prefill_prompt(plan: Plan, vocab: int, length: int, repeat: int) -> list[int]:
+    return random_prompt(vocab, length, plan.seed * 7919 + length * 31 + repeat + 1)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+# -- asyncengine -----------------------------------------------------------------------------
+
+
+def engine_config(model: Path, plan: Plan, engine_args: Sequence[tuple[str, Any]]) -> EngineConfig:
+    busiest = max(plan.concurrency, default=1) * (
+        plan.concurrent_prompt_len + plan.concurrent_output_len
+    )
+    settings: dict[str, Any] = {
+        "model": str(model),
+        "device": "cpu",
+        "log_interval": 0.0,
+        "max_model_len": plan.context,
+        # room for the busiest step and the longest prompt, not the 32k-token default
+        "kv_cache_tokens": max(busiest, plan.context) + 256,
+    }
+    return EngineConfig.from_toml(None, **{**settings, **dict(engine_args)})
+
+
+async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[str, Any]:
+    from asyncengine.api.engine import AsyncEngine
+
+    started = time.perf_counter()
+    async with AsyncEngine(config) as engine:
+        startup = time.perf_counter() - started
+        await engine.generate(WARMUP_PROMPT, greedy(4))
+        prompt = random_prompt(vocab, plan.prompt_len, plan.seed)
+
+        async def stream(n: int) -> Any:
+            out = await engine.generate(prompt, greedy(n))
+            if len(out.token_ids) != n:
+                raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {n} tokens")
+            return out
+
+        await stream(8)  # warm-up of the stream's own shapes
+        firsts, fulls, _ = await stream_repeats(stream, plan.output_len, plan.repeats)
+
+        async def together(prompts: list[list[int]], output_len: int) -> float:
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(p, greedy(output_len)) for p in prompts))
+            seconds = time.perf_counter() - start
+            if any(len(out.token_ids) != output_len for out in outs):
+                raise RuntimeError("asyncengine gave fewer tokens than asked")
+            return seconds
+
+        concurrent = {}
+        for n in plan.concurrency:
+            seconds = [
+                await together(concurrent_prompts(plan, vocab, n, r), plan.concurrent_output_len)
+                for r in range(plan.repeats)
+            ]
+            concurrent[str(n)] = n * plan.concurrent_output_len / median(seconds)
+        prefill = {}
+        for length in plan.prefill_lens:
+            seconds = [
+                await together([prefill_prompt(plan, vocab, length, r)], 1)
+                for r in range(plan.repeats)
+            ]
+            prefill[str(length)] = length / median(seconds)
+    return {
+        "startup_seconds": startup,
+        "decode_tokens_per_second": decode_tokens_per_second(plan.output_len, firsts, fulls),
+        "concurrent_output_tokens_per_second": concurrent,
+        "prefill_tokens_per_second": prefill,
+        "stream_first_token_seconds": firsts,
+        "stream_full_seconds": fulls,
+    }
+
+
+# -- llama.cpp -------------------------------------------------------------------------------
+
+
+def run_llamacpp(
+    gguf: Path, plan: Plan, vocab: int, threads: int | None, extra_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    import aiohttp
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_real_sizes_llamacpp_"))
+    timeout = aiohttp.ClientTimeout(total=None)
+
+    async def stream_and_prefill(server: peer_llamacpp.LlamaServer) -> dict[str, Any]:
+        prompt = random_prompt(vocab, plan.prompt_len, plan.seed)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await server.complete(session, prompt, 8)  # warm-up
+
+            async def stream(n: int) -> Any:
+                return await server.complete(session, prompt, n)
+
+            firsts, fulls, _ = await stream_repeats(stream, plan.output_len, plan.repeats)
+            prefill = {}
+            for length in plan.prefill_lens:
+                seconds = []
+                for r in range(plan.repeats):
+                    start = time.perf_counter()
+                    await server.complete(session, prefill_prompt(plan, vocab, length, r), 1)
+                    seconds.append(time.perf_counter() - start)
+                prefill[str(length)] = length / median(seconds)
+        return {
+            "decode_tokens_per_second": decode_tokens_per_second(plan.output_len, firsts, fulls),
+            "prefill_tokens_per_second": prefill,
+            "stream_first_token_seconds": firsts,
+            "stream_full_seconds": fulls,
+        }
+
+    single = peer_llamacpp.LlamaServer(
+        gguf,
+        parallel=1,
+        threads=threads,
+        context_per_slot=plan.context,
+        log_path=folder / "llama-server-np1.log",
+        extra_args=extra_args,
+    )
+    print(f"llamacpp: {' '.join(single.command)}", flush=True)
+    with single:
+        row = asyncio.run(stream_and_prefill(single))
+    row["startup_seconds"] = single.startup_seconds
+    row["peak_rss_bytes"] = single.peak_rss_bytes
+    concurrent = {}
+    for n in plan.concurrency:
+        server = peer_llamacpp.LlamaServer(
+            gguf,
+            parallel=n,
+            threads=threads,
+            context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
+            log_path=folder / f"llama-server-np{n}.log",
+            extra_args=extra_args,
+        )
+        with server:
+            seconds = []
+            for r in range(plan.repeats):
+                requests = [
+                    (p, plan.concurrent_output_len) for p in concurrent_prompts(plan, vocab, n, r)
+                ]
+                _, wall = asyncio.run(peer_llamacpp.run_requests(server, requests))
+                seconds.append(wall)
+        concurrent[str(n)] = n * plan.concurrent_output_len / median(seconds)
+    row["concurrent_output_tokens_per_second"] = concurrent
+    row["logs"] = str(folder)
+    return row
+
+
+# -- one model, one format -------------------------------------------------------------------
+
+
+def step_bytes(path: Path) -> dict[str, Any]:
+    """Bytes one decode step reads: a GGUF's tensors as stored, an HF dir's in bfloat16."""
+    if path.suffix == ".gguf":
+        return gguf_weight_bytes(path)
+    return {**weight_bytes(path, "bfloat16"), "stored_as": "bfloat16"}
+
+
+def vocab_size(path: Path) -> int:
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        arch = str(reader.fields["general.architecture"].contents())
+        field = reader.fields.get(f"{arch}.vocab_size")
+        if field is not None:
+            return int(field.contents())
+        return len(reader.fields["tokenizer.ggml.tokens"].contents())
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return int(config["vocab_size"])
+
+
+def bench_one(
+    name: str,
+    fmt: str,
+    path: Path,
+    plan: Plan,
+    systems: Sequence[str],
+    threads: int | None,
+    engine_args: Sequence[tuple[str, Any]],
+    llamacpp_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    vocab = vocab_size(path)
+    entry: dict[str, Any] = {
+        "model": name,
+        "format": fmt,
+        "path": str(path),
+        "weights": step_bytes(path),
+        "runs": {},
+    }
+    if "asyncengine" in systems:
+        config = engine_config(path, plan, engine_args)
+        entry["runs"]["asyncengine"] = asyncio.run(run_asyncengine(config, plan, vocab))
+        print(f"{name} {fmt} asyncengine: {summary(entry['runs']['asyncengine'])}", flush=True)
+    if "llamacpp" in systems and path.suffix == ".gguf":
+        entry["runs"]["llamacpp"] = run_llamacpp(path, plan, vocab, threads, llamacpp_args)
+        print(f"{name} {fmt} llamacpp: {summary(entry['runs']['llamacpp'])}", flush=True)
+    return entry
+
+
+def summary(row: dict[str, Any]) -> str:
+    concurrent = ", ".join(
+        f"{n}: {v:.1f}" for n, v in row["concurrent_output_tokens_per_second"].items()
+    )
+    prefill = ", ".join(f"{n}: {v:.0f}" for n, v in row["prefill_tokens_per_second"].items())
+    return (
+        f"stream {row['decode_tokens_per_second']:.1f} tok/s; concurrent out tok/s {concurrent}; "
+        f"prefill tok/s {prefill}; start-up {row['startup_seconds']:.1f} s"
+    )
+
+
+def add_bounds(result: dict[str, Any]) -> None:
+    """Each run's share of the batch-1 bound, and ours over llama.cpp per figure."""
+    bandwidth = result["bandwidth"]["bytes_per_second"]
+    for entry in result["entries"]:
+        bound = bound_tokens_per_second(bandwidth, entry["weights"]["bytes"])
+        entry["bound_tokens_per_second"] = bound
+        for row in entry["runs"].values():
+            row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
+        runs = entry["runs"]
+        if {"asyncengine", "llamacpp"} <= set(runs):
+            ours, theirs = runs["asyncengine"], runs["llamacpp"]
+            ratios = {
+                "stream": ours["decode_tokens_per_second"] / theirs["decode_tokens_per_second"]
+            }
+            for key, label in (
+                ("concurrent_output_tokens_per_second", "concurrent_"),
+                ("prefill_tokens_per_second", "prefill_"),
+            ):
+                for n, value in ours[key].items():
+                    ratios[label + n] = value / theirs[key][n]
+            ratios["startup"] = ours["startup_seconds"] / theirs["startup_seconds"]
+            entry["ours_over_llamacpp"] = ratios
+
+
+def table(result: dict[str, Any]) -> str:
+    plan = result["plan"]
+    concurrency = [str(n) for n in plan["concurrency"]]
+    prefill = [str(n) for n in plan["prefill_lens"]]
+    header = (
+        ["model", "format", "system", "stream tok/s", "of bound"]
+        + [f"{n} conc. out tok/s" for n in concurrency]
+        + [f"prefill {n} tok/s" for n in prefill]
+        + ["start-up s"]
+    )
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * 2 + "---|" + "---:|" * (len(header) - 3),
+    ]
+    for entry in result["entries"]:
+        rows = list(entry["runs"].items())
+        ratios = entry.get("ours_over_llamacpp")
+        for system, row in rows:
+            cells = [
+                entry["model"],
+                entry["format"],
+                system,
+                cell(row["decode_tokens_per_second"], "{:.1f}"),
+                cell(row["fraction_of_bound"], "{:.0%}"),
+                *(
+                    cell(row["concurrent_output_tokens_per_second"].get(n), "{:.1f}")
+                    for n in concurrency
+                ),
+                *(cell(row["prefill_tokens_per_second"].get(n), "{:.0f}") for n in prefill),
+                cell(row["startup_seconds"], "{:.1f}"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        if ratios:
+            cells = [
+                entry["model"],
+                entry["format"],
+                "**ours / llama.cpp**",
+                cell(ratios["stream"], "{:.2f}x"),
+                "",
+                *(cell(ratios.get("concurrent_" + n), "{:.2f}x") for n in concurrency),
+                *(cell(ratios.get("prefill_" + n), "{:.2f}x") for n in prefill),
+                cell(ratios["startup"], "{:.2f}x"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    bandwidth = result["bandwidth"]["gb_per_second"]
+    lines.append(
+        f"\nbound = {bandwidth:.1f} GB/s measured copy bandwidth / the bytes a decode step reads; "
+        f"stream: {plan['prompt_len']}-token prompt, {plan['output_len']} tokens; concurrent: "
+        f"{plan['concurrent_prompt_len']} in, {plan['concurrent_output_len']} out each; "
+        f"medians of {plan['repeats']}"
+    )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models", nargs="+", default=["llama-3.2-1b", "llama-3.2-3b", "qwen2.5-1.5b"],
+        choices=sorted(models.SHAPES),
+    )  # fmt: skip
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        default=list(models.FORMATS),
+        choices=[models.HF_FORMAT, "bf16", *models.FORMATS],
+    )
+    parser.add_argument("--systems", default="asyncengine,llamacpp", help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=16, help="the stream's prompt")
+    parser.add_argument("--output-len", type=int, default=128, help="the stream's tokens")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--concurrent-prompt-len", type=int, default=64)
+    parser.add_argument("--concurrent-output-len", type=int, default=64)
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="llama-server -t (default: all)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="an asyncengine config key for every run (repeatable), e.g. quantization=none",
+    )
+    parser.add_argument(
+        "--llamacpp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra llama-server argument (repeatable), e.g. --llamacpp-arg=--no-repack",
+    )
+    parser.add_argument("--bandwidth-mib", type=int, default=512)
+    parser.add_argument("--bandwidth-repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.output_len < 2 or args.repeats < 1 or args.prompt_len < 1:
+        raise SystemExit("need --output-len >= 2, --repeats >= 1 and --prompt-len >= 1")
+    if any(n < 1 for n in [*args.concurrency, *args.prefill_lens]):
+        raise SystemExit("--concurrency and --prefill-lens take positive numbers")
+    systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    if not systems or not set(systems) <= set(SYSTEMS):
+        raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
+    require_peers(systems)
+    plan = Plan(
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        repeats=args.repeats,
+        concurrency=tuple(args.concurrency),
+        concurrent_prompt_len=args.concurrent_prompt_len,
+        concurrent_output_len=args.concurrent_output_len,
+        prefill_lens=tuple(args.prefill_lens),
+        seed=args.seed,
+    )
+    started = time.time()
+    entries = []
+    for name in args.models:
+        paths = models.make(name, args.formats)
+        for fmt in args.formats:
+            entries.append(
+                bench_one(
+                    name,
+                    fmt,
+                    paths[fmt],
+                    plan,
+                    systems,
+                    args.threads,
+                    args.engine_arg,
+                    tuple(args.llamacpp_arg),
+                )  # fmt: skip
+            )
+    bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
+    result: dict[str, Any] = {
+        "mode": "real_sizes",
+        "plan": asdict(plan),
+        "systems": systems,
+        "entries": entries,
+        "bandwidth": {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second},
+        "threads": args.threads or os.cpu_count(),
+    }
+    add_bounds(result)
+    result["machine"] = machine()
+    result["command"] = " ".join(
+        ["scripts/bench_real_sizes.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    result["bench_seconds"] = time.time() - started
+    print(table(result))
+    if args.out is not None:
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main)

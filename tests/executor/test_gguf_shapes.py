@@ -1,0 +1,260 @@
+"""Shapes beyond the toy, through a GGUF written the way llama.cpp's converter writes it: Llama 3
+RoPE scaling (its rope_freqs tensor), Qwen2 (its own architecture key, q/k/v biases, rows not
+permuted), GQA 4:1 and 8:1, tied and untied embeddings, a 128k vocabulary (the converter's
+[PADn] tokens). The whole engine on the file against HF transformers (float32) on the same
+weights: greedy tokens equal, the logprob of every generated token close; kept as Q8_0 blocks,
+close to HF on the weights those blocks hold."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from asyncengine import AsyncEngine, EngineConfig, SamplingParams
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.layers.rope import rope_inv_freq
+from asyncengine.executor.loader import load_hf_config, read_gguf
+from tests.executor.test_gguf import (
+    CHATML,
+    MERGES,
+    SPECIAL_TOKENS,
+    TINY_TOKENS,
+    _gguf_name,
+    _llama_cpp_permute,
+)
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# name -> (HF architecture, config overrides)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3_rope_gqa8_untied": (
+        "llama",
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": False,
+            "rope_theta": 500.0,
+            "rope_scaling": LLAMA3,
+        },
+    ),
+    "qwen2_bias_gqa4_tied": (
+        "qwen2",
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    ),
+    "llama_vocab128k_gqa4_tied": (
+        "llama",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "vocab_size": 128256,
+            "hidden_size": 64,
+        },
+    ),
+}
+
+
+def converter_rope_factors(theta: float, head_dim: int, p: dict[str, Any]) -> list[float]:
+    """llama.cpp's LlamaModel.generate_extra_tensors for rope_type llama3 (its loop)."""
+    low_wavelen = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    high_wavelen = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(p["factor"])
+        else:
+            smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (
+                p["high_freq_factor"] - p["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return factors
+
+
+def make_hf(name: str, directory: Path) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kind, overrides = SHAPES[name]
+    settings: dict[str, Any] = {
+        "vocab_size": len(TINY_TOKENS),
+        "hidden_size": 128,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.25,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **overrides,
+    }
+    config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**settings)
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases and norms, so that a dropped one shows
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def write_gguf(name: str, model: Any, path: Path, quantize: bool) -> None:
+    """As convert_hf_to_gguf.py writes it (``quantize``: 2-D projections as Q8_0 blocks)."""
+    kind, _ = SHAPES[name]
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), kind)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    pads = [f"[PAD{i}]" for i in range(len(TINY_TOKENS), c.vocab_size)]
+    writer.add_token_list(TINY_TOKENS + pads)
+    writer.add_token_types(
+        [3] * len(SPECIAL_TOKENS)
+        + [1] * (len(TINY_TOKENS) - len(SPECIAL_TOKENS))
+        + [int(gguf.TokenType.UNUSED)] * len(pads)
+    )
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    if c.rope_parameters.get("rope_type") == "llama3":
+        factors = converter_rope_factors(c.rope_parameters["rope_theta"], head_dim, LLAMA3)
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # the converter writes no output.weight for a tied model
+        array = tensor.numpy().copy()
+        if kind == "llama" and ".q_proj.weight" in hf_name:
+            array = _llama_cpp_permute(array, c.num_attention_heads)
+        elif kind == "llama" and ".k_proj.weight" in hf_name:
+            array = _llama_cpp_permute(array, c.num_key_value_heads)
+        if quantize and array.ndim == 2 and "_proj" in hf_name:
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(_gguf_name(hf_name), blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(hf_name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def shape(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    model = make_hf(name, folder / "hf")
+    write_gguf(name, model, folder / f"{name}.gguf", quantize=False)
+    write_gguf(name, model, folder / f"{name}-q8_0.gguf", quantize=True)
+    return name, folder, model
+
+
+def test_config_read_from_the_gguf_equals_the_hf_directorys(shape: Any) -> None:
+    name, folder, _ = shape
+    want = ModelConfig.from_hf_dict(load_hf_config(folder / "hf"))
+    checkpoint = read_gguf(folder / f"{name}.gguf", torch.float32)
+    got = ModelConfig.from_hf_dict(checkpoint.config)
+    assert got.architecture == want.architecture
+    assert got.tie_word_embeddings == want.tie_word_embeddings
+    assert got.attention_bias == want.attention_bias
+    assert (got.num_heads, got.num_kv_heads, got.head_dim, got.vocab_size) == (
+        want.num_heads,
+        want.num_kv_heads,
+        want.head_dim,
+        want.vocab_size,
+    )
+    assert got.rope_scaling.rope_type == want.rope_scaling.rope_type
+    torch.testing.assert_close(rope_inv_freq(got), rope_inv_freq(want), rtol=1e-6, atol=0)
+    assert "rope_freqs.weight" not in checkpoint.weights
+
+
+def _items(vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(3)
+    # prompts past original_max_position_embeddings (64), where Llama 3's scaling changes RoPE
+    return [([rng.randrange(3, vocab) for _ in range(n)], 10) for n in (5, 30, 90)]
+
+
+async def _engine(model: Path, items: list[tuple[list[int], int]]) -> list[Any]:
+    config = EngineConfig(
+        model=str(model), dtype="float32", page_size=4, kv_cache_tokens=1024, log_interval=0
+    )
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    async with AsyncEngine(config) as engine:
+        return [await engine.generate(prompt, params) for prompt, _ in items]
+
+
+def _hf_reference(
+    model: Any, prompt: list[int], out: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    with torch.inference_mode():
+        greedy = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
+    return greedy, [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+@pytest.mark.slow
+def test_engine_on_the_gguf_matches_hf_greedy_and_logprobs(shape: Any) -> None:
+    name, folder, model = shape
+    items = _items(len(TINY_TOKENS))
+    for out, (prompt, n) in zip(
+        asyncio.run(_engine(folder / f"{name}.gguf", items)), items, strict=True
+    ):
+        want_tokens, want_logprobs = _hf_reference(model, prompt, out.token_ids, n)
+        assert out.token_ids == want_tokens
+        got = [lp.token_logprob for lp in out.logprobs or []]
+        assert got == pytest.approx(want_logprobs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_q8_0_blocks_follow_hf_on_the_weights_they_hold(shape: Any) -> None:
+    """Kept as Q8_0 (the CPU kernels): against HF on the dequantized weights, the logprobs of
+    the engine's tokens agree within the rounding of the activations the kernels quantize."""
+    from transformers import AutoModelForCausalLM
+
+    name, folder, _ = shape
+    path = folder / f"{name}-q8_0.gguf"
+    reference = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
+    weights = read_gguf(path, torch.float32).weights  # every tensor dequantized, HF names
+    with torch.no_grad():
+        for param_name, param in reference.named_parameters():
+            param.copy_(weights[param_name])
+    items = _items(len(TINY_TOKENS))
+    for out, (prompt, n) in zip(asyncio.run(_engine(path, items)), items, strict=True):
+        _, want_logprobs = _hf_reference(reference, prompt, out.token_ids, n)
+        got = [lp.token_logprob for lp in out.logprobs or []]
+        # each product quantizes its input to int8 blocks (~1%): 0.12-0.17 at most here, where a
+        # wrong bias, permutation or RoPE is off by more than 1
+        assert got == pytest.approx(want_logprobs, abs=0.3)

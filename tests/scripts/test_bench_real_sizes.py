@@ -1,0 +1,141 @@
+"""scripts/make_real_models.py's shapes and scripts/bench_real_sizes.py on a tiny shape (ours
+only: no llama.cpp needed), and its report's arithmetic on a result with both systems."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.scripts.test_bench_scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_script("bench_real_sizes")
+
+
+@pytest.fixture(scope="module")
+def make_models(bench: ModuleType) -> ModuleType:
+    import make_real_models  # type: ignore[import-not-found]  # scripts/, on the path bench set
+
+    return make_real_models
+
+
+def test_named_shapes_have_the_real_models_parameter_counts(make_models: ModuleType) -> None:
+    billions = {name: shape.parameters / 1e9 for name, shape in make_models.SHAPES.items()}
+    assert billions["llama-3.2-1b"] == pytest.approx(1.236, abs=0.001)
+    assert billions["llama-3.2-3b"] == pytest.approx(3.213, abs=0.001)
+    assert billions["qwen2.5-1.5b"] == pytest.approx(1.544, abs=0.001)
+
+
+def test_tiny_shape_runs_end_to_end_and_writes_its_json(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "real_sizes.json"
+    result = bench.main(
+        [
+            "--systems", "asyncengine", "--models", "tiny-llama", "--formats", "hf",
+            "--repeats", "2", "--output-len", "48", "--concurrency", "2", "4",
+            "--concurrent-prompt-len", "12", "--concurrent-output-len", "6",
+            "--prefill-lens", "40", "--bandwidth-mib", "16", "--bandwidth-repeats", "2",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["command"] == result["command"]
+    (entry,) = written["entries"]
+    assert (entry["model"], entry["format"]) == ("tiny-llama", "hf")
+    model_dir = Path(entry["path"])
+    assert model_dir.is_relative_to(tmp_path / "cache" / "models")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    assert config["num_attention_heads"] // config["num_key_value_heads"] == 4
+    # the bound: every parameter in bfloat16 (untied: embedding and LM head both read)
+    assert entry["weights"]["bytes"] == 2 * entry["weights"]["parameters"]
+    assert entry["weights"]["parameters"] == bench.models.SHAPES["tiny-llama"].parameters
+    (system,) = entry["runs"]
+    row = entry["runs"][system]
+    assert system == "asyncengine"
+    assert len(row["stream_full_seconds"]) == 2
+    assert set(row["concurrent_output_tokens_per_second"]) == {"2", "4"}
+    assert set(row["prefill_tokens_per_second"]) == {"40"}
+    figures = [
+        row["decode_tokens_per_second"],
+        *row["concurrent_output_tokens_per_second"].values(),
+        *row["prefill_tokens_per_second"].values(),
+        row["startup_seconds"],
+        entry["bound_tokens_per_second"],
+    ]
+    assert all(isinstance(v, float) and v > 0 and math.isfinite(v) for v in figures), figures
+    assert row["fraction_of_bound"] == pytest.approx(
+        row["decode_tokens_per_second"] / entry["bound_tokens_per_second"]
+    )
+
+
+def _row(stream: float, conc: dict[str, float], prefill: dict[str, float], startup: float) -> Any:
+    return {
+        "decode_tokens_per_second": stream,
+        "concurrent_output_tokens_per_second": conc,
+        "prefill_tokens_per_second": prefill,
+        "startup_seconds": startup,
+    }
+
+
+def test_bounds_ratios_and_table_with_both_systems(bench: ModuleType) -> None:
+    result = {
+        "plan": {
+            "concurrency": [8, 32],
+            "prefill_lens": [512],
+            "prompt_len": 16,
+            "output_len": 128,
+            "concurrent_prompt_len": 64,
+            "concurrent_output_len": 64,
+            "repeats": 3,
+        },
+        "bandwidth": {"bytes_per_second": 20e9, "gb_per_second": 20.0},
+        "entries": [
+            {
+                "model": "llama-3.2-1b",
+                "format": "Q4_K_M",
+                "weights": {"bytes": 800_000_000},
+                "runs": {
+                    "asyncengine": _row(20.0, {"8": 80.0, "32": 150.0}, {"512": 300.0}, 3.0),
+                    "llamacpp": _row(16.0, {"8": 40.0, "32": 50.0}, {"512": 200.0}, 2.0),
+                },
+            }
+        ],
+    }
+    bench.add_bounds(result)
+    (entry,) = result["entries"]
+    assert entry["bound_tokens_per_second"] == pytest.approx(25.0)
+    assert entry["runs"]["asyncengine"]["fraction_of_bound"] == pytest.approx(0.8)
+    assert entry["runs"]["llamacpp"]["fraction_of_bound"] == pytest.approx(0.64)
+    assert entry["ours_over_llamacpp"] == pytest.approx(
+        {
+            "stream": 1.25,
+            "concurrent_8": 2.0,
+            "concurrent_32": 3.0,
+            "prefill_512": 1.5,
+            "startup": 1.5,
+        }
+    )
+    text = bench.table(result)
+    assert "| llama-3.2-1b | Q4_K_M | asyncengine | 20.0 | 80% | 80.0 | 150.0 | 300 | 3.0 |" in text
+    assert (
+        "| llama-3.2-1b | Q4_K_M | **ours / llama.cpp** | 1.25x |  | 2.00x | 3.00x | 1.50x | 1.50x |"
+        in text
+    )
+    assert "20.0 GB/s" in text
+
+
+def test_bad_options_are_refused(bench: ModuleType) -> None:
+    with pytest.raises(SystemExit, match="choose from"):
+        bench.main(["--systems", "vllm", "--models", "tiny-llama"])
+    with pytest.raises(SystemExit, match="positive"):
+        bench.main(["--systems", "asyncengine", "--concurrency", "0"])
