@@ -2,9 +2,10 @@
 nor do requests under different LoRA adapters (their KV differs from the base model's).
 
 A salted request's tokens are keyed in the prefix cache with its first token replaced by a
-negative id derived from the salt and the adapter: no real token is negative, so no other
-salt's or adapter's (or an unsalted base) sequence shares even its first page, while every page
-stays page aligned and the KV accounting is unchanged. The executor never sees these keys: it
+negative id derived from the salt, the adapter and that first token (two prompts of one salt
+that differ only there must not share its KV): no real token is negative, so no other salt's or
+adapter's (or an unsalted base) sequence shares even its first page, while every page stays page
+aligned and the KV accounting is unchanged. The executor never sees these keys: it
 computes on the real ids.
 
 Under an adapter the key also says which one (``lora_id``, a 21-bit digest of its name), so the
@@ -33,14 +34,14 @@ def lora_id(lora: str) -> int:
     return 1 + _digest(lora, b"lora-id", _LORA_ID_BITS) % ((1 << _LORA_ID_BITS) - 1)
 
 
-def salt_token(salt: str | None, lora: str | None = None) -> int:
-    """The negative stand-in for the first token of every sequence salted with ``salt`` and
-    run under adapter ``lora``."""
+def salt_token(salt: str | None, lora: str | None, first: int) -> int:
+    """The negative stand-in for the first token ``first`` of a sequence salted with ``salt``
+    and run under adapter ``lora``."""
     if lora is None:
         assert salt is not None
-        return -1 - _digest(salt, b"cache-salt", _SALT_BITS)
+        return -1 - _digest(f"{first}:{salt}", b"cache-salt", _SALT_BITS)
     # length-prefixed: (salt, lora) pairs cannot collide by moving characters across
-    pair = _digest(f"{len(lora)}:{lora}:{salt or ''}", b"lora-salt", _PAIR_BITS)
+    pair = _digest(f"{first}:{len(lora)}:{lora}:{salt or ''}", b"lora-salt", _PAIR_BITS)
     return -1 - (_LORA_FLAG | lora_id(lora) << _PAIR_BITS | pair)
 
 
@@ -58,4 +59,4 @@ def salted_ids(prompt_ids: list[int], salt: str | None, lora: str | None = None)
     """``prompt_ids`` as the prefix cache keys them under ``salt`` and adapter ``lora``."""
     if not prompt_ids:
         return prompt_ids
-    return [salt_token(salt, lora), *prompt_ids[1:]]
+    return [salt_token(salt, lora, prompt_ids[0]), *prompt_ids[1:]]

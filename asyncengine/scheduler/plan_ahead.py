@@ -80,8 +80,12 @@ def add_deferred_decodes(plan: BatchPlan, decoding: list[Request], inflight: Bat
         seq = req.kv
         if req.rid in sampled:
             plan.deferred.append(len(plan.decodes))
-            plan.decodes.append(Segment(req.rid, seq.row, [-1], seq.kv_len - 1, True))
+            plan.decodes.append(
+                Segment(req.rid, seq.row, [-1], seq.kv_len - 1, True, lora=req.lora)
+            )
         else:
             last = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-            plan.decodes.append(Segment(req.rid, seq.row, [last], seq.kv_len - 1, True))
+            plan.decodes.append(
+                Segment(req.rid, seq.row, [last], seq.kv_len - 1, True, lora=req.lora)
+            )
         plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))

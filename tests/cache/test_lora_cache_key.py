@@ -37,7 +37,7 @@ def test_adapter_keys_differ_from_the_base_other_adapters_and_salts() -> None:
     assert lora_id_of_key(keys["salt a"][0]) is None and lora_id_of_key(PROMPT[0]) is None
     req = Request("r", PROMPT, SamplingParams(lora="a"), 0.0)
     assert req.lora == "a" and req.all_ids == PROMPT and req.cache_ids == keys["a"]
-    assert req.cache_ids[0] == salt_token(None, "a") < 0
+    assert req.cache_ids[0] == salt_token(None, "a", PROMPT[0]) < 0
 
 
 def test_pages_of_one_adapter_match_nothing_else_and_events_carry_it() -> None:

@@ -79,7 +79,9 @@ def test_salted_keys_never_match_across_salts_in_the_manager() -> None:
     kv.close(seq, a, cache=True)
     assert kv.match_length(a) == 28 and kv.match_length(b) == 0 and kv.match_length(PROMPT) == 0
     kv.check_invariant()
-    assert salt_token("a") == salt_token("a") != salt_token("a ")
+    assert salt_token("a", None, 7) == salt_token("a", None, 7) != salt_token("a ", None, 7)
+    # the first token is part of the key: prompts of one salt differing only there share nothing
+    assert salt_token("a", None, 7) != salt_token("a", None, 8)
 
 
 def test_the_salt_is_checked() -> None:
@@ -90,4 +92,4 @@ def test_the_salt_is_checked() -> None:
         SamplingParams(cache_salt=7)  # type: ignore[arg-type]
     req = Request("r", PROMPT, SamplingParams(cache_salt="s"), 0.0)
     assert req.all_ids == PROMPT and req.cache_ids[1:] == PROMPT[1:]
-    assert req.cache_ids[0] == salt_token("s")
+    assert req.cache_ids[0] == salt_token("s", None, PROMPT[0])

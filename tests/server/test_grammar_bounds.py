@@ -86,7 +86,13 @@ async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempP
 async def test_requests_waiting_for_a_compile_count_as_waiting(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    server = await started(tmp_path_factory, max_waiting_requests=2, grammar_compile_workers=1)
+    # a compile timeout far above the heavy grammars' compile time on a busy machine
+    server = await started(
+        tmp_path_factory,
+        max_waiting_requests=2,
+        grammar_compile_workers=1,
+        grammar_compile_timeout=120.0,
+    )
     try:
         flood = grammar_flood()
         status, _ = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]"})
