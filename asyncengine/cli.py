@@ -41,6 +41,19 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "dynamic-chunking, 'a+b' to compose an ordering with a budget, or 'package.module:Class'",
     ),
     (
+        "--eviction-policy",
+        "eviction_policy",
+        str,
+        "which cached KV page goes first when the pool runs short: lru (default), lfu, arc, "
+        "queue-aware, cost-aware, or 'path/to/file.py:Class'",
+    ),
+    (
+        "--max-pinned-fraction",
+        "max_pinned_fraction",
+        float,
+        "the share of the KV pool pinned prefixes (POST /v1/cache/pin) may hold",
+    ),
+    (
         "--shadow-policy",
         "shadow_policy",
         str,
@@ -215,6 +228,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="a policy POST /admin/policy may swap in besides the built-ins, e.g. "
         "'my_policy.py:Mine' (repeatable; loaded at start-up)",
     )
+    group.add_argument(
+        "--allow-eviction-policy",
+        dest="allowed_eviction_policies",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="an eviction rule POST /admin/eviction-policy may swap in besides the built-ins "
+        "(repeatable; loaded at start-up)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -225,6 +247,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "kv_events_token_ids",
         "deterministic",
         "allowed_policies",
+        "allowed_eviction_policies",
     ]
     return EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
 

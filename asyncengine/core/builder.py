@@ -17,6 +17,7 @@ from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
+from asyncengine.policies.eviction_registry import build_eviction_rule, resolve_eviction_rule
 from asyncengine.policies.length_predictor import LengthPredictions
 from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import build_policy, resolve_policy
@@ -89,6 +90,14 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
         )
     build_length_predictor(config.length_predictor, config.length_predictor_options)  # checked
     policy = build_policy(config.policy, config.policy_options)
+    build_eviction_rule(config.eviction_policy, config.eviction_policy_options)  # checked
+    for allowed in config.allowed_eviction_policies:  # loaded now, never on a request
+        try:
+            resolve_eviction_rule(allowed)
+        except ValueError as exc:
+            raise ConfigError(
+                f"config key 'allowed_eviction_policies' entry {allowed!r}: {exc}"
+            ) from None
     for allowed in config.allowed_policies:  # the operator's plugins load now, not on a request
         try:
             resolve_policy(allowed)
@@ -120,6 +129,8 @@ def build_core(
         swap=SwapSpace(layout.swap_pages, spec.kv_bytes_per_token * layout.page_size)
         if layout.swap_pages
         else None,
+        eviction_rule=build_eviction_rule(config.eviction_policy, config.eviction_policy_options),
+        max_pinned_fraction=config.max_pinned_fraction,
     )
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)

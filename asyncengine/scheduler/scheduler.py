@@ -248,6 +248,11 @@ class Scheduler:
             self._next_policy = None
             self.speculation = self.config.speculation
         self.step_count += 1
+        if len(self.kv.pins):
+            self.kv.expire_pins(self.clock())
+        rule = self.kv.tree.rule
+        if rule.watches_queue and self.waiting:  # queue-aware eviction: what waiting prompts use
+            rule.watch_waiting([req.cache_ids for req in self.waiting.oldest(rule.queue_window)])
         self.step_guesses = {}
         self.step_drafts = {}
         return BatchPlan(step=self.step_count)
