@@ -10,7 +10,7 @@
 - ``POST /admin/eviction-policy`` ``{"policy": "lfu", "options": {...}}`` orders the prefix
   cache's evictions by another rule from now on (built-ins, or ``allowed_eviction_policies``);
   ``GET`` answers the rule and its figures by rule.
-- ``POST /v1/cache/pin`` ``{"prompt": "..." | [ids] | [messages], "ttl_s": 600}`` keeps the
+- ``POST /v1/cache/pin`` ``{"prompt": "..." | [token ids], "ttl_s": 600}`` keeps the
   prompt's whole KV pages out of eviction (computing them first when not cached) and answers
   ``{"pin_id", "tokens", "pages", "expires_in_s"}``; past ``max_pinned_fraction`` of the pool it
   is a 409. ``POST /v1/cache/unpin`` ``{"pin_id": 1}`` releases it (404 for no such pin).
@@ -56,7 +56,7 @@ class EvictionChange(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PinBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[int] | list[dict[str, Any]]
+    prompt: str | list[int]  # text or token ids
     ttl_s: float | None = None
 
 
