@@ -29,6 +29,12 @@ class RadixNode(Protocol):
     lock_ref: int
 
 
+class EvictionSpill(Protocol):
+    """Hears every leaf the tree evicts, before it leaves (cache/host_tier.py)."""
+
+    def store(self, node: Any) -> None: ...
+
+
 class RadixCache(Protocol):
     """What a rule may ask of the tree (cache/radix_cache.py ``RadixCache``)."""
 

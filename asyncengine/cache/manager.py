@@ -23,6 +23,7 @@ import numpy as np
 
 from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
 from asyncengine.cache.eviction_rule import EvictionRule
+from asyncengine.cache.host_tier import HostTier
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.pins import Pin, PinLimitError, PinnedPrefixes
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
@@ -60,12 +61,15 @@ class KVCacheManager:
         max_tail_pages: int | None = None,
         eviction_rule: EvictionRule | None = None,
         max_pinned_fraction: float = 0.25,
+        host_tier: bool = False,
     ) -> None:
         """``kv_events``: the tree records what it stores and removes (cache/kv_events.py).
         ``max_tail_pages``: partly filled pages of ended sequences kept for reuse (default a
         quarter of the pool, at most 1024; tail_pages.py). ``eviction_rule``: which cached
         page goes first when the pool runs short (cache/eviction_rule.py; default LRU).
-        ``max_pinned_fraction``: the share of the pool pinned prefixes may hold (pins.py)."""
+        ``max_pinned_fraction``: the share of the pool pinned prefixes may hold (pins.py).
+        ``host_tier``: evicted pages go to the swap space's host buffer and come back on a hit
+        (host_tier.py; needs ``swap``)."""
         self.num_pages = num_pages
         self.swap = swap  # the host buffer preempted requests' KV is swapped to, if any
         self.page_size = page_size
@@ -83,6 +87,13 @@ class KVCacheManager:
         self.miss_tokens = 0
         self.in_step_shared_tokens = 0  # positions copied from a prompt of the same step
         self.pins = PinnedPrefixes(int(num_pages * max_pinned_fraction))
+        self.host_tier: HostTier | None = None
+        if host_tier:
+            if swap is None:
+                raise ValueError("the host tier needs a swap space (its host buffer)")
+            self.host_tier = HostTier(swap, self.tree)
+            self.tree.spill = self.host_tier
+        self.host_hit_tokens = 0  # hit tokens copied back from the host tier
         # eviction figures by rule: the rules swapped out, and the live one's since it began
         self.eviction_by_rule: dict[str, dict[str, int]] = {}
         self._rule_began = self._eviction_counts()
@@ -149,6 +160,39 @@ class KVCacheManager:
         """Pages kept free for ``tokens`` future tokens (already scaled by new_token_ratio)."""
         return math.ceil(tokens / self.page_size)
 
+    def _load_from_host(
+        self,
+        tokens: Tokens,
+        matched_pages: np.ndarray | None,
+        matched: int,
+        node: RadixNode,
+        most: int,
+    ) -> tuple[np.ndarray | None, int, RadixNode]:
+        """Go on past the tree's match with the pages the host tier holds: fresh pool pages,
+        the copies back recorded for the next plan, the pages into the tree; the sequence then
+        locks the new end (``node`` is locked on entry, the returned node on exit)."""
+        tier = self.host_tier
+        assert tier is not None
+        host = tier.lookup(tokens, matched, most)
+        if not host:
+            return matched_pages, matched, node
+        short = len(host) - self.allocator.num_free
+        if short > 0:
+            self._reclaim(short)
+        host = host[: self.allocator.num_free]
+        if not host:
+            return matched_pages, matched, node
+        pool = self.allocator.alloc_ids(len(host))
+        tier.load(host, pool)
+        end = matched + len(host) * self.page_size
+        before = [] if matched_pages is None else matched_pages.tolist()
+        present, new_node = self.tree.insert_at(tokens[:end], before + pool, node)
+        assert present == matched, f"the tree held {present} tokens, matched {matched}"
+        self.tree.lock(new_node)
+        self.tree.unlock(node)
+        self.host_hit_tokens += end - matched
+        return np.asarray(before + pool, dtype=np.int32), end, new_node
+
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
         """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence).
 
@@ -180,6 +224,10 @@ class KVCacheManager:
         if most > 0:
             matched_pages, matched, node = self.tree.match_prefix(tokens, most)
         self.tree.lock(node)
+        if self.host_tier is not None and most - matched >= self.page_size:
+            matched_pages, matched, node = self._load_from_host(
+                tokens, matched_pages, matched, node, most
+            )
         row = self.page_table.acquire()
         pages: list[int] = []
         if matched_pages is not None and matched:
@@ -578,6 +626,8 @@ class KVCacheManager:
             "pages_evictable": self.tree.evictable_size // self.page_size,
             "hit_tokens": self.hit_tokens,
             "miss_tokens": self.miss_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
             "pinned_prefixes": len(self.pins),
             "pages_pinned": self.pins.pages,
             **self.tree.ledger.counts(),
@@ -590,6 +640,8 @@ class KVCacheManager:
             raise RuntimeError(f"reset() with {len(self._open)} sequences still open")
         for pin in self.pins.clear():
             self.tree.unlock(pin.node)
+        if self.host_tier is not None:
+            self.host_tier.clear()
         self.tree.reset()
         self.tails.clear()
         self._page_copies.clear()

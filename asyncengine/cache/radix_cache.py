@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from asyncengine.cache.eviction_ledger import EvictionLedger
-from asyncengine.cache.eviction_rule import EvictionRule, LeastRecentlyUsed
+from asyncengine.cache.eviction_rule import EvictionRule, EvictionSpill, LeastRecentlyUsed
 from asyncengine.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -131,6 +131,8 @@ class RadixCache:
         self.head_inserts: dict[object, int] = {}
         self.inserts = 0  # all of them (never cleared either): the same, nothing grew
         self.ledger = EvictionLedger(page_size)
+        # hears every leaf evicted, still attached (the host tier copies its pages out)
+        self.spill: EvictionSpill | None = None
         self.rule: EvictionRule = LeastRecentlyUsed()
         self._plain_lru = True
         self._touches = False
@@ -144,6 +146,11 @@ class RadixCache:
             raise RuntimeError("events can only be turned on while the tree is empty")
         if self._events is None:
             self._events = []
+
+    def record(self, event: KVEvent) -> None:
+        """Keep an event of a tier below the tree (host_tier.py) with the tree's own."""
+        if self._events is not None:
+            self._events.append(event)
 
     def drain_events(self) -> list[KVEvent]:
         """The events since the last drain (empty when events are off)."""
@@ -523,6 +530,8 @@ class RadixCache:
             if key > stamp:
                 self._push(node)  # its key rose since it was pushed: take its place again
                 continue
+            if self.spill is not None:
+                self.spill.store(node)
             del parent.children[self._child_key(node.key, 0)]
             if parent is root:
                 self._drop_root_head(node.key[0])

@@ -125,6 +125,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     preemption_victim: str = "newest"
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
+    # a host-memory tier under the prefix cache: evicted pages are copied to the same host
+    # buffer (swap_space_bytes, one allocator with swap preemption) and copied back on a hit
+    # instead of being computed again (cache/host_tier.py)
+    host_kv_tier: bool = False
     # predicts a request's output length for the policies that rank by it (sjf, ltr): a
     # built-in (policies/length_registry.py: max-tokens, oracle (simulator only), history,
     # ranker), "pkg.mod:Class" or "path/to/file.py:Class"

@@ -61,14 +61,14 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -
 
 def swap_pages(config: EngineConfig, spec: ModelSpec) -> int:
     """Pages of the host buffer for swapped-out KV (0 unless ``preemption_mode`` is "swap")."""
-    if config.preemption_mode != "swap":
+    if config.preemption_mode != "swap" and not config.host_kv_tier:
         return 0
     page_bytes = spec.kv_bytes_per_token * config.page_size
     pages = config.swap_space_bytes // page_bytes
     if pages < 1:
         raise ConfigError(
             f"config key 'swap_space_bytes' = {config.swap_space_bytes}: holds no KV page "
-            f"({page_bytes} bytes each) for preemption_mode 'swap'"
+            f"({page_bytes} bytes each) for preemption_mode 'swap' or host_kv_tier"
         )
     return pages
 
@@ -131,6 +131,7 @@ def build_core(
         else None,
         eviction_rule=build_eviction_rule(config.eviction_policy, config.eviction_policy_options),
         max_pinned_fraction=config.max_pinned_fraction,
+        host_tier=config.host_kv_tier and config.enable_prefix_cache,
     )
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)

@@ -13,6 +13,7 @@ from asyncengine.workloads.generators import (
     shared_prefix,
     tree_of_thought,
 )
+from asyncengine.workloads.eviction import EVICTION_WORKLOADS, hot_scan
 from asyncengine.workloads.scheduling import (
     SCHEDULING_WORKLOADS,
     multi_tenant,
@@ -22,6 +23,7 @@ from asyncengine.workloads.scheduling import (
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
 
 WORKLOADS.update(SCHEDULING_WORKLOADS)
+WORKLOADS.update(EVICTION_WORKLOADS)
 
 __all__ = [
     "WORKLOADS",
@@ -29,6 +31,7 @@ __all__ = [
     "WorkloadRequest",
     "all_at_once",
     "fixed_interval",
+    "hot_scan",
     "load_trace",
     "long_short",
     "make_workload",
