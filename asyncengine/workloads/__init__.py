@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from asyncengine.workloads.arrivals import Arrivals, all_at_once, fixed_interval, poisson
+from asyncengine.workloads.eviction import EVICTION_WORKLOADS, hot_scan
 from asyncengine.workloads.generators import (
     WORKLOADS,
     long_short,
@@ -13,7 +14,6 @@ from asyncengine.workloads.generators import (
     shared_prefix,
     tree_of_thought,
 )
-from asyncengine.workloads.eviction import EVICTION_WORKLOADS, hot_scan
 from asyncengine.workloads.scheduling import (
     SCHEDULING_WORKLOADS,
     multi_tenant,

@@ -42,7 +42,7 @@ async def chat(generate, seed: int) -> list[list[int]]:  # type: ignore[no-untyp
 
 
 @pytest.fixture(scope="module")
-def expected(hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped-def]  # noqa: F811
+def expected(hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped-def]
     async def generate(prompt: list[int]) -> list[int]:
         return hf_greedy(prompt, ANSWER)
 
@@ -75,7 +75,7 @@ async def run_engine(model: Path, **config: object) -> tuple[list[list[int]], di
 
 @pytest.mark.parametrize("rule", sorted(EVICTION_RULES))
 def test_the_host_tier_gives_the_same_tokens_under_every_rule(
-    tiny_chat_model: Path,  # noqa: F811
+    tiny_chat_model: Path,
     expected: list[list[int]],
     rule: str,
 ) -> None:
@@ -86,7 +86,7 @@ def test_the_host_tier_gives_the_same_tokens_under_every_rule(
 
 
 def test_without_the_tier_the_same_tokens_cost_recomputation(
-    tiny_chat_model: Path,  # noqa: F811
+    tiny_chat_model: Path,
     expected: list[list[int]],
 ) -> None:
     got, with_tier = asyncio.run(run_engine(tiny_chat_model, host_kv_tier=True))
