@@ -212,6 +212,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "subscriber then reads every prompt)",
     )
     group.add_argument(
+        "--host-kv-tier",
+        dest="host_kv_tier",
+        action="store_const",
+        const=True,
+        default=None,
+        help="evicted prefix-cache pages go to a host buffer of swap_space_bytes and come back "
+        "on a hit instead of being computed again",
+    )
+    group.add_argument(
         "--deterministic",
         dest="deterministic",
         action="store_const",
@@ -246,6 +255,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_overlap_schedule",
         "kv_events_token_ids",
         "deterministic",
+        "host_kv_tier",
         "allowed_policies",
         "allowed_eviction_policies",
     ]
