@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncengine.cache.eviction_ledger import page_keys
-from asyncengine.cache.eviction_rule import EvictionRule
-from asyncengine.cache.radix_cache import RadixNode
+from asyncengine.cache.eviction_rule import CachedNode, EvictionRule
 
 
 class AdaptiveReplacement(EvictionRule):
@@ -46,10 +45,10 @@ class AdaptiveReplacement(EvictionRule):
         self.frequent_ghosts: dict[int, None] = {}  # B2
         self.ghost_hits = [0, 0]
 
-    def key(self, node: RadixNode) -> float:
+    def key(self, node: CachedNode) -> float:
         return node.score
 
-    def touch(self, node: RadixNode) -> None:
+    def touch(self, node: CachedNode) -> None:
         # the bonus at the last use: a key changes only when its node is used, so the heap's
         # order stays exact while the bonus moves
         before = node.score
@@ -60,7 +59,7 @@ class AdaptiveReplacement(EvictionRule):
         if node.hits == 1:
             self._ghost_hit(node)  # only a new leaf can be a ghost coming back
 
-    def _ghost_hit(self, node: RadixNode) -> None:
+    def _ghost_hit(self, node: CachedNode) -> None:
         ps = self.tree.page_size
         for page in page_keys(node, ps):
             if page in self.recent_ghosts:
@@ -76,7 +75,7 @@ class AdaptiveReplacement(EvictionRule):
                 self.ghost_hits[1] += 1
                 return
 
-    def evicted(self, node: RadixNode, key: float) -> None:
+    def evicted(self, node: CachedNode, key: float) -> None:
         frequent = node.hits >= self.frequent_hits
         ghosts = self.frequent_ghosts if frequent else self.recent_ghosts
         for page in page_keys(node, self.tree.page_size):

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.cache.eviction_rule import EvictionRule
-from asyncengine.cache.radix_cache import RadixNode
+from asyncengine.cache.eviction_rule import CachedNode, EvictionRule
 
 
 class CostAware(EvictionRule):
@@ -25,17 +24,17 @@ class CostAware(EvictionRule):
         self.attention_tokens = attention_tokens
         self.floor = 0.0
 
-    def cost_per_token(self, node: RadixNode) -> float:
+    def cost_per_token(self, node: CachedNode) -> float:
         middle = node.prefix_len - len(node.key) / 2  # mean depth of the edge's tokens
         return 1.0 + middle / self.attention_tokens
 
-    def key(self, node: RadixNode) -> float:
+    def key(self, node: CachedNode) -> float:
         return node.score
 
-    def touch(self, node: RadixNode) -> None:
+    def touch(self, node: CachedNode) -> None:
         node.score = self.floor + self.cost_per_token(node)
 
-    def evicted(self, node: RadixNode, key: float) -> None:
+    def evicted(self, node: CachedNode, key: float) -> None:
         self.floor = max(self.floor, key)
 
     def stats(self) -> dict[str, Any]:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.cache.eviction_rule import EvictionRule
-from asyncengine.cache.radix_cache import RadixNode
+from asyncengine.cache.eviction_rule import CachedNode, EvictionRule
 
 
 class LeastFrequentlyUsed(EvictionRule):
@@ -22,13 +21,13 @@ class LeastFrequentlyUsed(EvictionRule):
         self.weight = weight
         self.floor = 0.0
 
-    def key(self, node: RadixNode) -> float:
+    def key(self, node: CachedNode) -> float:
         return node.score
 
-    def touch(self, node: RadixNode) -> None:
+    def touch(self, node: CachedNode) -> None:
         node.score = self.floor + self.weight * node.hits
 
-    def evicted(self, node: RadixNode, key: float) -> None:
+    def evicted(self, node: CachedNode, key: float) -> None:
         self.floor = max(self.floor, key)
 
     def stats(self) -> dict[str, Any]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncengine.cache.eviction_rule import EvictionRule
-from asyncengine.cache.radix_cache import RadixCache, RadixNode
+from asyncengine.cache.eviction_rule import CachedNode, EvictionRule, EvictionTree
 
 WANTED = float(1 << 52)  # above any access time the tree's clock reaches
 
@@ -26,18 +25,18 @@ class QueueAware(EvictionRule):
             raise ValueError(f"window must be at least 1, got {window}")
         self.window = window
         self.queue_window = window
-        self.wanted: dict[int, RadixNode] = {}  # id(node) -> node
+        self.wanted: dict[int, CachedNode] = {}  # id(node) -> node
         self.protected_evictions = 0  # wanted leaves evicted all the same (nothing else left)
 
-    def bind(self, tree: RadixCache) -> None:
+    def bind(self, tree: EvictionTree) -> None:
         super().bind(tree)
         self.wanted = {}
 
-    def key(self, node: RadixNode) -> float:
+    def key(self, node: CachedNode) -> float:
         return node.last_access + (WANTED if id(node) in self.wanted else 0.0)
 
     def watch_waiting(self, prompts: Sequence[Sequence[int]]) -> None:
-        wanted: dict[int, RadixNode] = {}
+        wanted: dict[int, CachedNode] = {}
         for prompt in prompts[: self.window]:
             for node in self.tree.prefix_nodes(prompt):
                 wanted[id(node)] = node
@@ -46,7 +45,7 @@ class QueueAware(EvictionRule):
             if ident not in wanted:
                 self.tree.requeue(node)
 
-    def evicted(self, node: RadixNode, key: float) -> None:
+    def evicted(self, node: CachedNode, key: float) -> None:
         if self.wanted.pop(id(node), None) is not None:
             self.protected_evictions += 1
 

@@ -9,7 +9,7 @@ that were evicted since.
 
 from __future__ import annotations
 
-from asyncengine.cache.eviction_rule import RadixNode
+from asyncengine.cache.eviction_rule import CachedNode
 
 
 class EvictionLedger:
@@ -21,7 +21,7 @@ class EvictionLedger:
         self.evicted_tokens = 0
         self.recomputed_tokens = 0
 
-    def evicted(self, node: RadixNode) -> None:
+    def evicted(self, node: CachedNode) -> None:
         self.evictions += 1
         self.evicted_tokens += len(node.key)
         gone = self._gone
@@ -30,7 +30,7 @@ class EvictionLedger:
         while len(gone) > self.capacity:
             del gone[next(iter(gone))]
 
-    def stored(self, node: RadixNode) -> None:
+    def stored(self, node: CachedNode) -> None:
         """A new leaf: its pages that were evicted before were computed again."""
         gone = self._gone
         if not gone:
@@ -50,7 +50,7 @@ class EvictionLedger:
         }
 
 
-def page_keys(node: RadixNode, page_size: int) -> list[int]:
+def page_keys(node: CachedNode, page_size: int) -> list[int]:
     """One number per page of ``node``'s edge, from its tokens and its position."""
     start = node.prefix_len - len(node.key)
     key = node.key

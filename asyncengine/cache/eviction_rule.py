@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 
-class RadixNode(Protocol):
+class CachedNode(Protocol):
     """What a rule reads of a tree node (cache/radix_cache.py ``RadixNode``)."""
 
     key: tuple[int, ...]  # the edge's tokens
@@ -35,7 +35,7 @@ class EvictionSpill(Protocol):
     def store(self, node: Any) -> None: ...
 
 
-class RadixCache(Protocol):
+class EvictionTree(Protocol):
     """What a rule may ask of the tree (cache/radix_cache.py ``RadixCache``)."""
 
     page_size: int
@@ -57,18 +57,18 @@ class EvictionRule:
     # key(node) is exactly node.last_access: the tree reads it without calling key()
     plain_lru = False
 
-    def bind(self, tree: RadixCache) -> None:
+    def bind(self, tree: EvictionTree) -> None:
         """The tree this rule orders (called before any other method; again on a reset)."""
         self.tree = tree
 
-    def key(self, node: RadixNode) -> float:
+    def key(self, node: CachedNode) -> float:
         """Lower keys are evicted first."""
         return float(node.last_access)
 
-    def touch(self, node: RadixNode) -> None:
+    def touch(self, node: CachedNode) -> None:
         """``node`` was just matched or inserted (``last_access`` and ``hits`` are updated)."""
 
-    def evicted(self, node: RadixNode, key: float) -> None:
+    def evicted(self, node: CachedNode, key: float) -> None:
         """``node`` left the tree at ``key`` (aging rules raise their floor here)."""
 
     def watch_waiting(self, prompts: Sequence[Sequence[int]]) -> None:
