@@ -11,6 +11,7 @@ evicted."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from asyncengine.cache.eviction_ledger import page_keys
@@ -41,8 +42,8 @@ class AdaptiveReplacement(EvictionRule):
         self.step = step
         self.max_bonus = max_bonus
         self.ghost_pages = ghost_pages
-        self.recent_ghosts: dict[int, None] = {}  # B1
-        self.frequent_ghosts: dict[int, None] = {}  # B2
+        self.recent_ghosts: OrderedDict[int, None] = OrderedDict()  # B1
+        self.frequent_ghosts: OrderedDict[int, None] = OrderedDict()  # B2
         self.ghost_hits = [0, 0]
 
     def key(self, node: CachedNode) -> float:
@@ -81,7 +82,7 @@ class AdaptiveReplacement(EvictionRule):
         for page in page_keys(node, self.tree.page_size):
             ghosts[page] = None
         while len(ghosts) > self.ghost_pages:
-            del ghosts[next(iter(ghosts))]
+            ghosts.popitem(last=False)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -9,6 +9,8 @@ that were evicted since.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from asyncengine.cache.eviction_rule import CachedNode
 
 
@@ -16,7 +18,7 @@ class EvictionLedger:
     def __init__(self, page_size: int, capacity: int = 1 << 16) -> None:
         self.page_size = page_size
         self.capacity = capacity
-        self._gone: dict[int, None] = {}  # page keys evicted, oldest first
+        self._gone: OrderedDict[int, None] = OrderedDict()  # page keys evicted, oldest first
         self.evictions = 0  # leaves
         self.evicted_tokens = 0
         self.recomputed_tokens = 0
@@ -28,7 +30,7 @@ class EvictionLedger:
         for page in page_keys(node, self.page_size):
             gone[page] = None
         while len(gone) > self.capacity:
-            del gone[next(iter(gone))]
+            gone.popitem(last=False)
 
     def stored(self, node: CachedNode) -> None:
         """A new leaf: its pages that were evicted before were computed again."""

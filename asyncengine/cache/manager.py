@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
+from asyncengine.cache.eviction_ledger import EvictionLedger
 from asyncengine.cache.eviction_rule import EvictionRule
 from asyncengine.cache.host_tier import HostTier
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
@@ -76,6 +77,8 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
         self.tree = RadixCache(page_size, events=kv_events, rule=eviction_rule)
+        self.ledger = EvictionLedger(page_size)
+        self.tree.ledger = self.ledger
         self.page_table = PageTable(max_rows, max_pages_per_row, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
         if max_tail_pages is None:
@@ -555,7 +558,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- eviction
 
     def _eviction_counts(self) -> dict[str, int]:
-        return {**self.tree.ledger.counts(), "hit_tokens": self.hit_tokens}
+        return {**self.ledger.counts(), "hit_tokens": self.hit_tokens}
 
     def set_eviction_rule(self, rule: EvictionRule) -> str:
         """Order evictions by ``rule`` from now on; returns the name of the rule it replaces."""
@@ -630,7 +633,7 @@ class KVCacheManager:
             **(self.host_tier.stats() if self.host_tier is not None else {}),
             "pinned_prefixes": len(self.pins),
             "pages_pinned": self.pins.pages,
-            **self.tree.ledger.counts(),
+            **self.ledger.counts(),
             **(self.swap.stats() if self.swap is not None else {}),
         }
 

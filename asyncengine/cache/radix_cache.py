@@ -130,7 +130,9 @@ class RadixCache:
         # cleared: a count seen before a reset must not come back after it
         self.head_inserts: dict[object, int] = {}
         self.inserts = 0  # all of them (never cleared either): the same, nothing grew
-        self.ledger = EvictionLedger(page_size)
+        # what eviction cost (evictions, tokens computed again): off for a bare tree, the KV
+        # manager turns it on (it hashes every evicted page)
+        self.ledger: EvictionLedger | None = None
         # hears every leaf evicted, still attached (the host tier copies its pages out)
         self.spill: EvictionSpill | None = None
         self.rule: EvictionRule = LeastRecentlyUsed()
@@ -444,7 +446,8 @@ class RadixCache:
                 node.children[child_key] = leaf
                 if self._events is not None:
                     self._stored(leaf, node)
-                self.ledger.stored(leaf)
+                if self.ledger is not None:
+                    self.ledger.stored(leaf)
                 if self._touches:
                     self.rule.touch(leaf)
                 if node is self.root:
@@ -542,7 +545,8 @@ class RadixCache:
             freed.append(node.value)
             if self._events is not None:
                 self._events.append(BlockRemoved(list(node.hashes), None))
-            self.ledger.evicted(node)
+            if self.ledger is not None:
+                self.ledger.evicted(node)
             if not plain_lru:
                 self.rule.evicted(node, key)
             if parent is not root and not parent.children and parent.lock_ref == 0:
