@@ -49,14 +49,14 @@ class AdapterTable:
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.projs = (_LoraProj * (len(layers) * TARGETS))()
         self.max_rank = 0
-        for l, layer in enumerate(layers):
+        for index, layer in enumerate(layers):
             if len(layer) != TARGETS:
                 raise ValueError(f"a layer has {TARGETS} LoRA targets, not {len(layer)}")
             for t, prepared in enumerate(layer):
                 if prepared is None:
                     continue
                 a, bt, _, in_features, out_features, rank = prepared.args
-                slot = self.projs[l * TARGETS + t]
+                slot = self.projs[index * TARGETS + t]
                 slot.a, slot.bt = a, bt
                 slot.slices = prepared.slices.ctypes.data
                 slot.n_slices = int(prepared.slices.shape[0])
