@@ -151,7 +151,7 @@ def run(
         batch.decode_seq_lens,
         batch.page_size,
         batch.decode_max_seq_len - 1,  # decodes only (takes): each row's kv length - 1
-        lora=lora,
+        lora,
     )
     if batch.sample_indices.shape[0] == batch.num_tokens:
         return out
