@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from asyncengine.kernels.cpu.lora_native import PreparedLora
+if TYPE_CHECKING:
+    from asyncengine.kernels.cpu.lora_native import PreparedLora
 
 TARGETS = 4  # qkv, o_proj, gate_up, down: LORA_TARGETS in the C header, in that order
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
