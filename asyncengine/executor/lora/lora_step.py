@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from asyncengine.common.plan import BatchPlan
-from asyncengine.executor.lora.peft_adapter import LoraAdapter
 from asyncengine.executor.lora.native_tables import TableCache, target_slot
+from asyncengine.executor.lora.peft_adapter import LoraAdapter
 from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.kernels.cpu import lora_native
 from asyncengine.kernels.cpu.decode_step_lora import AdapterTable, StepLora
