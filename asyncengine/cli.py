@@ -41,6 +41,19 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "dynamic-chunking, 'a+b' to compose an ordering with a budget, or 'package.module:Class'",
     ),
     (
+        "--eviction-policy",
+        "eviction_policy",
+        str,
+        "which cached KV page goes first when the pool runs short: lru (default), lfu, arc, "
+        "queue-aware, cost-aware, or 'path/to/file.py:Class'",
+    ),
+    (
+        "--max-pinned-fraction",
+        "max_pinned_fraction",
+        float,
+        "the share of the KV pool pinned prefixes (POST /v1/cache/pin) may hold",
+    ),
+    (
         "--shadow-policy",
         "shadow_policy",
         str,
@@ -216,6 +229,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "subscriber then reads every prompt)",
     )
     group.add_argument(
+        "--host-kv-tier",
+        dest="host_kv_tier",
+        action="store_const",
+        const=True,
+        default=None,
+        help="evicted prefix-cache pages go to a host buffer of swap_space_bytes and come back "
+        "on a hit instead of being computed again",
+    )
+    group.add_argument(
         "--deterministic",
         dest="deterministic",
         action="store_const",
@@ -242,6 +264,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the PEFT LoRA adapter at PATH as model NAME (repeatable; beside --config's "
         "loras)",
     )
+    group.add_argument(
+        "--allow-eviction-policy",
+        dest="allowed_eviction_policies",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="an eviction rule POST /admin/eviction-policy may swap in besides the built-ins "
+        "(repeatable; loaded at start-up)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -251,7 +282,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_overlap_schedule",
         "kv_events_token_ids",
         "deterministic",
+        "host_kv_tier",
         "allowed_policies",
+        "allowed_eviction_policies",
     ]
     config = EngineConfig.from_toml(args.config, **{k: getattr(args, k) for k in keys})
     pairs = getattr(args, "lora_pairs", None)

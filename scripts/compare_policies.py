@@ -24,6 +24,10 @@ hit_rate.png (and ttft_by_GROUP.png, cost_model.json where asked). The table sho
 hit rate next to the offline bounds with an infinite pool, with the run's pool, and with the
 run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py; one-replica runs).
 
+``--eviction lru,lfu,arc,queue-aware,cost-aware`` runs every configuration under each eviction
+rule and adds a table of each rule's hit tokens next to Belady's bound on the same pool (the best
+eviction for the arrival order) and their gain over lru (asyncengine/bench/eviction_table.py).
+
 ``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
 KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
 (N simulated engines behind one of the Ray deployment's routers; ``--replicas``/``--router``
@@ -44,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncengine.bench.eviction_table import EvictionRow, eviction_table
 from asyncengine.bench.groups import SLO
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.bench.optimal_hit_finite import optimal_hit_finite
@@ -211,6 +216,13 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     parser.add_argument(
         "--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="a grid of settings"
     )
+    parser.add_argument(
+        "--eviction",
+        default=None,
+        metavar="RULE,RULE",
+        help="eviction rules to run every config under (lru,lfu,arc,queue-aware,cost-aware): "
+        "adds a table against Belady's bound",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="simulated replicas per run")
     parser.add_argument("--router", default=None, help="router of the replicas (cache-aware)")
     parser.add_argument(
@@ -259,6 +271,17 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
                 bounds[key] = optimal_hit_finite(ordered, page_size, pool_pages, order).rate  # type: ignore[arg-type]
         return bounds[key]
 
+    if args.eviction:
+        args.sweep = [*args.sweep, f"eviction_policy={args.eviction}"]
+    belady: dict[tuple[int, int], int] = {}
+
+    def belady_tokens(page_size: int, pool_pages: int) -> int:
+        """Belady's hit tokens: the best eviction for the arrival order on this pool."""
+        if (page_size, pool_pages) not in belady:
+            found = optimal_hit_finite(in_arrival_order, page_size, pool_pages, "arrival")
+            belady[page_size, pool_pages] = found.hit_tokens
+        return belady[page_size, pool_pages]
+
     sweep = parse_sweep(args.sweep)
     base = [
         SimJob(label, config, args.replicas, args.router, dict(args.router_option))
@@ -289,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         ]
 
     runs: list[RunReport] = []
+    eviction_rows: list[EvictionRow] = []
     details: dict[str, Any] = {}
     for job, (records, summary, extra) in zip(jobs, results, strict=True):
         label, config = job.label, job.config
@@ -310,6 +334,21 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             peak_waiting=extra.get("peak_waiting"),
         )
         runs.append(run)
+        if args.eviction and pool:
+            stats = extra.get("scheduler_stats") or extra.get("engine_stats") or {}
+            eviction_rows.append(
+                EvictionRow(
+                    label,
+                    config.eviction_policy,
+                    round(summary.cache_hit_rate * summary.prompt_tokens),
+                    belady_tokens(ps, pool),
+                    summary.cache_hit_rate,
+                    summary.ttft.p50,
+                    summary.output_throughput,
+                    int(stats.get("evictions", 0)),
+                    int(stats.get("evicted_recomputed_tokens", 0)),
+                )
+            )
         details[label] = {
             "config": config.to_dict(),
             "summary": summary.to_dict(),
@@ -348,6 +387,11 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     predicted = predictor_table(runs)
     if predicted:
         sections += ["## Output-length predictors (against the actual lengths)", predicted]
+    if eviction_rows:
+        sections += [
+            "## Eviction rules against Belady's bound (same pool)",
+            eviction_table(eviction_rows),
+        ]
     blocked = blocked_table(runs)
     if blocked:
         sections += ["## Why admission stopped (steps, by reason)", blocked]

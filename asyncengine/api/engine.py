@@ -22,6 +22,7 @@ from asyncengine.api.request_group import ChoiceCollector, RequestGroup
 from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
 from asyncengine.api.summary_log import SummaryLog
+from asyncengine.cache.pins import Pin
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.errors import (
     EngineError,
@@ -387,6 +388,41 @@ class AsyncEngine:
         previous = self._core().set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
         return previous
+
+    def set_eviction_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
+        """Order the prefix cache's evictions by another rule (``"lfu"``, ``"arc"``,
+        ``"queue-aware"``, ``"cost-aware"``, ``"lru"``, a ``"pkg.mod:Class"``, with ``options``
+        as in ``eviction_policy_options``) from now on; cached pages stay. A bad name or option
+        raises ConfigError (a ValueError) and changes nothing. Returns the rule it replaces."""
+        previous = self._core().set_eviction_policy(spec, options)
+        self.config = self.config.replace(
+            eviction_policy=spec, eviction_policy_options=dict(options or {})
+        )
+        return previous
+
+    async def pin(self, prompt: Prompt, ttl_s: float | None = None) -> Pin:
+        """Keep ``prompt``'s whole pages (a system prompt, a few-shot block) in the prefix cache,
+        out of eviction, until ``unpin(pin.pin_id)`` or ``ttl_s`` seconds; computes them first
+        when they are not cached. Raises InvalidRequestError for a prompt shorter than a page,
+        PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool."""
+        core = self._core()
+        ids = self.intake.tokenize(prompt)
+        page_size = core.kv.page_size
+        whole = len(ids) // page_size * page_size
+        if whole == 0:
+            raise InvalidRequestError(
+                f"a pin needs at least one whole KV page ({page_size} tokens), got {len(ids)}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+        core.kv.pins.check_room(whole // page_size)  # refuse before computing anything
+        if core.kv.tree.prefix_length(ids, whole) < whole:
+            await self.generate(ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        return core.pin(ids[:whole], ttl_s)
+
+    def unpin(self, pin_id: int) -> Pin:
+        """Release a pin; KeyError when there is no such pin (unpinned, or past its TTL)."""
+        return self._core().unpin(pin_id)
 
     def record_trace(self, path: str, *, hashed: bool = False) -> TraceRecorder:
         """Write every arrival, finish and step to ``path`` (a live trace; see

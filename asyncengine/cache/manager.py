@@ -22,7 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncengine.cache.allocator import OutOfPagesError, PageAllocator
+from asyncengine.cache.eviction_ledger import EvictionLedger
+from asyncengine.cache.eviction_rule import EvictionRule
+from asyncengine.cache.host_tier import HostTier
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
+from asyncengine.cache.pins import Pin, PinLimitError, PinnedPrefixes
 from asyncengine.cache.radix_cache import RadixCache, RadixNode
 from asyncengine.cache.swap_space import SwappedKV, SwapSpace
 from asyncengine.cache.tail_pages import TailPage, TailPages
@@ -56,16 +60,25 @@ class KVCacheManager:
         kv_events: bool = False,
         swap: SwapSpace | None = None,
         max_tail_pages: int | None = None,
+        eviction_rule: EvictionRule | None = None,
+        max_pinned_fraction: float = 0.25,
+        host_tier: bool = False,
     ) -> None:
         """``kv_events``: the tree records what it stores and removes (cache/kv_events.py).
         ``max_tail_pages``: partly filled pages of ended sequences kept for reuse (default a
-        quarter of the pool, at most 1024; tail_pages.py)."""
+        quarter of the pool, at most 1024; tail_pages.py). ``eviction_rule``: which cached
+        page goes first when the pool runs short (cache/eviction_rule.py; default LRU).
+        ``max_pinned_fraction``: the share of the pool pinned prefixes may hold (pins.py).
+        ``host_tier``: evicted pages go to the swap space's host buffer and come back on a hit
+        (host_tier.py; needs ``swap``)."""
         self.num_pages = num_pages
         self.swap = swap  # the host buffer preempted requests' KV is swapped to, if any
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
-        self.tree = RadixCache(page_size, events=kv_events)
+        self.tree = RadixCache(page_size, events=kv_events, rule=eviction_rule)
+        self.ledger = EvictionLedger(page_size)
+        self.tree.ledger = self.ledger
         self.page_table = PageTable(max_rows, max_pages_per_row, record_writes=True)
         self._open: dict[int, SeqKV] = {}  # row -> live sequence
         if max_tail_pages is None:
@@ -76,6 +89,17 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.in_step_shared_tokens = 0  # positions copied from a prompt of the same step
+        self.pins = PinnedPrefixes(int(num_pages * max_pinned_fraction))
+        self.host_tier: HostTier | None = None
+        if host_tier:
+            if swap is None:
+                raise ValueError("the host tier needs a swap space (its host buffer)")
+            self.host_tier = HostTier(swap, self.tree)
+            self.tree.spill = self.host_tier
+        self.host_hit_tokens = 0  # hit tokens copied back from the host tier
+        # eviction figures by rule: the rules swapped out, and the live one's since it began
+        self.eviction_by_rule: dict[str, dict[str, int]] = {}
+        self._rule_began = self._eviction_counts()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -139,6 +163,39 @@ class KVCacheManager:
         """Pages kept free for ``tokens`` future tokens (already scaled by new_token_ratio)."""
         return math.ceil(tokens / self.page_size)
 
+    def _load_from_host(
+        self,
+        tokens: Tokens,
+        matched_pages: np.ndarray | None,
+        matched: int,
+        node: RadixNode,
+        most: int,
+    ) -> tuple[np.ndarray | None, int, RadixNode]:
+        """Go on past the tree's match with the pages the host tier holds: fresh pool pages,
+        the copies back recorded for the next plan, the pages into the tree; the sequence then
+        locks the new end (``node`` is locked on entry, the returned node on exit)."""
+        tier = self.host_tier
+        assert tier is not None
+        host = tier.lookup(tokens, matched, most)
+        if not host:
+            return matched_pages, matched, node
+        short = len(host) - self.allocator.num_free
+        if short > 0:
+            self._reclaim(short)
+        host = host[: self.allocator.num_free]
+        if not host:
+            return matched_pages, matched, node
+        pool = self.allocator.alloc_ids(len(host))
+        tier.load(host, pool)
+        end = matched + len(host) * self.page_size
+        before = [] if matched_pages is None else matched_pages.tolist()
+        present, new_node = self.tree.insert_at(tokens[:end], before + pool, node)
+        assert present == matched, f"the tree held {present} tokens, matched {matched}"
+        self.tree.lock(new_node)
+        self.tree.unlock(node)
+        self.host_hit_tokens += end - matched
+        return np.asarray(before + pool, dtype=np.int32), end, new_node
+
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
         """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence).
 
@@ -170,6 +227,10 @@ class KVCacheManager:
         if most > 0:
             matched_pages, matched, node = self.tree.match_prefix(tokens, most)
         self.tree.lock(node)
+        if self.host_tier is not None and most - matched >= self.page_size:
+            matched_pages, matched, node = self._load_from_host(
+                tokens, matched_pages, matched, node, most
+            )
         row = self.page_table.acquire()
         pages: list[int] = []
         if matched_pages is not None and matched:
@@ -494,6 +555,59 @@ class KVCacheManager:
         fewer when fewer are evictable) back to the free list; returns how many were freed."""
         return self._reclaim(num_pages)
 
+    # ----------------------------------------------------------------------------- eviction
+
+    def _eviction_counts(self) -> dict[str, int]:
+        return {**self.ledger.counts(), "hit_tokens": self.hit_tokens}
+
+    def set_eviction_rule(self, rule: EvictionRule) -> str:
+        """Order evictions by ``rule`` from now on; returns the name of the rule it replaces."""
+        previous = self.tree.rule.name
+        self.eviction_by_rule = self.eviction_stats()
+        self.tree.set_rule(rule)
+        self._rule_began = self._eviction_counts()
+        return previous
+
+    def eviction_stats(self) -> dict[str, dict[str, int]]:
+        """Evictions, evicted tokens, tokens computed again after an eviction, and prefix-cache
+        hit tokens, by the rule that was in charge when they happened."""
+        by_rule = {name: dict(counts) for name, counts in self.eviction_by_rule.items()}
+        now = self._eviction_counts()
+        live = by_rule.setdefault(self.tree.rule.name, dict.fromkeys(now, 0))
+        for key, value in now.items():
+            live[key] = live.get(key, 0) + value - self._rule_began[key]
+        return by_rule
+
+    # ----------------------------------------------------------------------------- pins
+
+    def pin(self, tokens: Tokens, expires_at: float | None = None) -> Pin:
+        """Keep the cached whole pages of ``tokens`` out of eviction (PinLimitError when
+        nothing of them is cached or the pool's pinned share would be exceeded)."""
+        if not self.enable_prefix_cache:
+            raise PinLimitError("the prefix cache is off: there is nothing to pin")
+        end = len(tokens) // self.page_size * self.page_size
+        matched = self.tree.prefix_length(tokens, end)
+        if matched == 0:
+            raise PinLimitError("no page of this prefix is cached: run it once, then pin it")
+        self.pins.check_room(matched // self.page_size)
+        _, matched, node = self.tree.match_prefix(tokens, matched)
+        pin = self.pins.add(node, self.page_size, expires_at)
+        self.tree.lock(node)
+        return pin
+
+    def unpin(self, pin_id: int) -> Pin:
+        """Let a pin's pages be evicted again (KeyError: no such pin)."""
+        pin = self.pins.remove(pin_id)
+        self.tree.unlock(pin.node)
+        return pin
+
+    def expire_pins(self, now: float) -> int:
+        """Unpin the pins past their time to live; how many."""
+        due = self.pins.due(now)
+        for pin in due:
+            self.tree.unlock(pin.node)
+        return len(due)
+
     def _check_open(self, seq: SeqKV) -> None:
         if self._open.get(seq.row) is not seq:
             raise ValueError(f"sequence in row {seq.row} is not open in this manager")
@@ -515,6 +629,11 @@ class KVCacheManager:
             "pages_evictable": self.tree.evictable_size // self.page_size,
             "hit_tokens": self.hit_tokens,
             "miss_tokens": self.miss_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
+            "pinned_prefixes": len(self.pins),
+            "pages_pinned": self.pins.pages,
+            **self.ledger.counts(),
             **(self.swap.stats() if self.swap is not None else {}),
         }
 
@@ -522,6 +641,10 @@ class KVCacheManager:
         """Drop the whole prefix cache and free every page; only when no sequence is open."""
         if self._open:
             raise RuntimeError(f"reset() with {len(self._open)} sequences still open")
+        for pin in self.pins.clear():
+            self.tree.unlock(pin.node)
+        if self.host_tier is not None:
+            self.host_tier.clear()
         self.tree.reset()
         self.tails.clear()
         self._page_copies.clear()
@@ -597,6 +720,12 @@ class KVCacheManager:
                 assert node.parent is not None, f"{name}: lock node is detached from the tree"
                 node = node.parent
 
+        for pin in self.pins:  # a pin locks its path as a sequence does
+            node = pin.node
+            while node is not self.tree.root:
+                expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
+                assert node.parent is not None, f"pin {pin.pin_id} is detached from the tree"
+                node = node.parent
         for node in self.tree.iter_nodes():
             expected = expected_locks.get(id(node), 0)
             assert node.lock_ref == expected, (

@@ -9,9 +9,12 @@ Invariants the code keeps:
   by repeatedly evicting unlocked leaves.
 - ``evictable_size`` (tokens in unlocked nodes) and ``protected_size`` (tokens in locked nodes)
   are kept incrementally; their sum is the tree's size.
-- Every unlocked leaf has an entry in ``_heap`` (``in_heap``). Entries are lazy: one may be stale
-  (the node got children, a lock, a newer access time, or was removed) and is checked when
-  popped; a stale time is re-pushed with the node's current time, so LRU order stays exact.
+- Every unlocked leaf has a live entry in ``_heap`` (its id is the node's ``heap_id``), keyed by
+  the eviction rule (cache/eviction_rule.py; LRU: the access time). Entries are lazy: one may be
+  stale (the node got children, a lock, a higher key, or was removed) and is checked when
+  popped; a key that rose is re-pushed at the node's current key, so the order stays exact for
+  keys that only rise. ``requeue`` pushes a fresh entry for a key that fell, and the old one,
+  no longer the node's ``heap_id``, is dropped when popped.
 
 Tokens are held as tuples (edge keys are tuple slices of the inserted sequence) and compared
 with slices at C speed; where an edge and a query diverge, the divergence point is found by a
@@ -30,6 +33,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from asyncengine.cache.eviction_ledger import EvictionLedger
+from asyncengine.cache.eviction_rule import EvictionRule, EvictionSpill, LeastRecentlyUsed
 from asyncengine.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -46,12 +51,14 @@ class RadixNode:
     __slots__ = (
         "children",
         "hashes",
-        "in_heap",
+        "heap_id",
+        "hits",
         "key",
         "last_access",
         "lock_ref",
         "parent",
         "prefix_len",
+        "score",
         "value",
     )
 
@@ -71,8 +78,14 @@ class RadixNode:
         self.prefix_len = prefix_len  # tokens from the root to the end of this node's edge
         self.lock_ref = lock_ref
         self.last_access = last_access
-        self.in_heap = False
+        self.heap_id = -1  # the id of its live heap entry (-1: none)
+        self.hits = 1  # matches and inserts that went through it
+        self.score = 0.0  # the eviction rule's own number (cache/eviction_rule.py)
         self.hashes: tuple[int, ...] = ()  # the edge's page hashes, when events are kept
+
+    @property
+    def in_heap(self) -> bool:
+        return self.heap_id >= 0
 
     @property
     def is_leaf(self) -> bool:
@@ -100,9 +113,12 @@ def _as_token_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
 
 
 class RadixCache:
-    def __init__(self, page_size: int = 1, events: bool = False) -> None:
+    def __init__(
+        self, page_size: int = 1, events: bool = False, rule: EvictionRule | None = None
+    ) -> None:
         """``events``: keep page hashes and record every page stored and removed and every
-        reset (cache/kv_events.py), for ``drain_events``."""
+        reset (cache/kv_events.py), for ``drain_events``. ``rule``: which evictable leaf goes
+        first (default LRU)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
@@ -115,7 +131,16 @@ class RadixCache:
         # cleared: a count seen before a reset must not come back after it
         self.head_inserts: dict[object, int] = {}
         self.inserts = 0  # all of them (never cleared either): the same, nothing grew
+        # what eviction cost (evictions, tokens computed again): off for a bare tree, the KV
+        # manager turns it on (it hashes every evicted page)
+        self.ledger: EvictionLedger | None = None
+        # hears every leaf evicted, still attached (the host tier copies its pages out)
+        self.spill: EvictionSpill | None = None
+        self.rule: EvictionRule = LeastRecentlyUsed()
+        self._plain_lru = True
+        self._touches = False
         self.reset()
+        self.set_rule(rule if rule is not None else LeastRecentlyUsed())
         self._events = [] if events else None
 
     def record_events(self) -> None:
@@ -124,6 +149,11 @@ class RadixCache:
             raise RuntimeError("events can only be turned on while the tree is empty")
         if self._events is None:
             self._events = []
+
+    def record(self, event: KVEvent) -> None:
+        """Keep an event of a tier below the tree (host_tier.py) with the tree's own."""
+        if self._events is not None:
+            self._events.append(event)
 
     def drain_events(self) -> list[KVEvent]:
         """The events since the last drain (empty when events are off)."""
@@ -140,10 +170,11 @@ class RadixCache:
             self._events.append(AllBlocksCleared())
         self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
         self.root.lock_ref = 1  # the root is never evicted
-        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._heap: list[tuple[float, int, RadixNode]] = []
         self._root_heads: dict[object, int] = {}  # first token of a root child's edge -> count
         self._evictable_size = 0
         self._protected_size = 0
+        self.rule.bind(self)  # a rule's marks on the old nodes go with them
 
     @property
     def evictable_size(self) -> int:
@@ -197,6 +228,8 @@ class RadixCache:
             node.last_access,
             node.lock_ref,
         )
+        upper.hits = node.hits
+        upper.score = node.score
         parent.children[self._child_key(node.key, 0)] = upper
         if node.hashes:
             pages = length // self.page_size
@@ -214,9 +247,36 @@ class RadixCache:
         else:
             del self._root_heads[head]
 
+    def _key(self, node: RadixNode) -> float:
+        return float(node.last_access) if self._plain_lru else self.rule.key(node)
+
     def _push(self, node: RadixNode) -> None:
-        node.in_heap = True
-        heapq.heappush(self._heap, (node.last_access, next(self._heap_ids), node))
+        entry = next(self._heap_ids)
+        node.heap_id = entry
+        heapq.heappush(self._heap, (self._key(node), entry, node))
+
+    def requeue(self, node: RadixNode) -> None:
+        """``node``'s key fell (the rule says so): an evictable leaf, or a node whose entry
+        is still in the heap, takes its new place now."""
+        if node.parent is None:
+            return
+        if node.heap_id >= 0 or (node.lock_ref == 0 and not node.children):
+            self._push(node)
+
+    def set_rule(self, rule: EvictionRule) -> None:
+        """Order evictions by ``rule`` from now on (the heap is rebuilt: O(n log n) once)."""
+        rule.bind(self)
+        self.rule = rule
+        self._plain_lru = rule.plain_lru
+        self._touches = rule.touches
+        self._heap = []
+        for node in self.iter_nodes():
+            node.heap_id = -1
+            if self._touches:
+                rule.touch(node)
+        for node in self.iter_nodes():
+            if node.lock_ref == 0 and not node.children:
+                self._push(node)
 
     def _stored(self, leaf: RadixNode, parent: RadixNode) -> None:
         """Hash a new leaf's pages after its parent's last one, and record them stored."""
@@ -262,6 +322,9 @@ class RadixCache:
                 length = self._common_length(edge, key, pos, end)
                 child = self._split(child, length)
             child.last_access = tick
+            child.hits += 1
+            if self._touches:
+                self.rule.touch(child)
             chunks.append(child.value)
             pos += length
             node = child
@@ -292,6 +355,29 @@ class RadixCache:
                 continue
             return pos + self._common_length(edge, key, pos, end)
         return pos
+
+    def prefix_nodes(self, tokens: Sequence[int] | np.ndarray) -> list[RadixNode]:
+        """The nodes the cached prefix of ``tokens`` runs through, root first (the last one
+        may match only part of its edge); no side effects."""
+        ps = self.page_size
+        end = len(tokens) - len(tokens) % ps
+        nodes: list[RadixNode] = []
+        if end == 0 or tokens[0] not in self._root_heads:
+            return nodes
+        key = _as_token_tuple(tokens)
+        node = self.root
+        pos = 0
+        while pos < end:
+            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            if child is None:
+                break
+            nodes.append(child)
+            length = len(child.key)
+            if pos + length > end or key[pos : pos + length] != child.key:
+                break
+            pos += length
+            node = child
+        return nodes
 
     # ----------------------------------------------------------------------------- updates
 
@@ -343,8 +429,11 @@ class RadixCache:
         if start is not None and start is not node and start.prefix_len <= end:
             node, pos = start, start.prefix_len
             above: RadixNode | None = start
-            while above is not None:
+            while above is not None and above is not self.root:
                 above.last_access = tick
+                above.hits += 1
+                if self._touches:
+                    self.rule.touch(above)
                 above = above.parent
         while pos < end:
             child_key = key[pos] if ps == 1 else key[pos : pos + ps]
@@ -362,12 +451,15 @@ class RadixCache:
                 node.children[child_key] = leaf
                 if self._events is not None:
                     self._stored(leaf, node)
+                if self.ledger is not None:
+                    self.ledger.stored(leaf)
+                if self._touches:
+                    self.rule.touch(leaf)
                 if node is self.root:
                     head = key[0]
                     self._root_heads[head] = self._root_heads.get(head, 0) + 1
                 self._evictable_size += end - pos
-                leaf.in_heap = True
-                heapq.heappush(self._heap, (tick, next(self._heap_ids), leaf))
+                self._push(leaf)
                 return pos, leaf
             edge = child.key
             length = len(edge)
@@ -375,6 +467,9 @@ class RadixCache:
                 length = self._common_length(edge, key, pos, end)
                 child = self._split(child, length)
             child.last_access = tick
+            child.hits += 1
+            if self._touches:
+                self.rule.touch(child)
             pos += length
             node = child
         return end, node
@@ -402,14 +497,14 @@ class RadixCache:
                 size = len(node.key)
                 self._protected_size -= size
                 self._evictable_size += size
-                if not node.children and not node.in_heap:
+                if not node.children and node.heap_id < 0:
                     self._push(node)
             parent = node.parent
             assert parent is not None, "unlock of a node that is no longer in the tree"
             node = parent
 
     def evict(self, num_tokens: int) -> np.ndarray:
-        """Evict unlocked leaves, least recently used first, until at least ``num_tokens``
+        """Evict unlocked leaves, lowest eviction key first (LRU: least recently used), until at least ``num_tokens``
         tokens are freed or nothing evictable is left; returns the freed page ids."""
         freed = self._evict(num_tokens)
         if not freed:
@@ -430,15 +525,21 @@ class RadixCache:
         count = 0
         heap = self._heap
         root = self.root
+        plain_lru = self._plain_lru
         while count < num_tokens and heap:
-            stamp, _, node = heapq.heappop(heap)
-            node.in_heap = False
+            stamp, entry, node = heapq.heappop(heap)
+            if entry != node.heap_id:
+                continue  # superseded by a fresher entry (requeue), or the node left
+            node.heap_id = -1
             parent = node.parent
             if parent is None or node.lock_ref > 0 or node.children:
                 continue  # removed, locked or no longer a leaf: re-pushed when that changes
-            if stamp != node.last_access:
-                self._push(node)  # accessed since it was pushed: take its place again
+            key = float(node.last_access) if plain_lru else self.rule.key(node)
+            if key > stamp:
+                self._push(node)  # its key rose since it was pushed: take its place again
                 continue
+            if self.spill is not None:
+                self.spill.store(node)
             del parent.children[self._child_key(node.key, 0)]
             if parent is root:
                 self._drop_root_head(node.key[0])
@@ -449,8 +550,12 @@ class RadixCache:
             freed.append(node.value)
             if self._events is not None:
                 self._events.append(BlockRemoved(list(node.hashes), None))
+            if self.ledger is not None:
+                self.ledger.evicted(node)
+            if not plain_lru:
+                self.rule.evicted(node, key)
             if parent is not root and not parent.children and parent.lock_ref == 0:
-                if not parent.in_heap:
+                if parent.heap_id < 0:
                     self._push(parent)
         return freed
 
@@ -507,7 +612,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 evictable += len(node.key)
                 if not node.children:
-                    assert node.in_heap, f"evictable leaf {node!r} is missing from the heap"
+                    assert node.heap_id >= 0, f"evictable leaf {node!r} is missing from the heap"
             else:
                 protected += len(node.key)
         assert evictable == self._evictable_size, (

@@ -6,8 +6,12 @@ before its pool pages are released, and copied back into fresh pool pages when i
 again, so nothing is recomputed. Only page ids live here; the executor does the copies, in the
 order of each plan's ``swap_out`` then ``swap_in`` lists (plan.py ``SwapCopy``).
 
+The host tier under the prefix cache (host_tier.py) takes its pages from the same allocator:
+``store`` copies evicted pool pages out, ``load`` copies them back into fresh pool pages on a
+hit, ``release`` gives them up; its copies ride in the same lists.
+
 Invariant (``check``): every host page is exactly one of free, held by one swapped-out request
-(``SwappedKV.host_pages``), or released by a swap-in whose plan may not have run yet
+(``SwappedKV.host_pages``), held by the host tier, or released by a swap-in whose plan may not have run yet
 (``_releasing``: a host page is only reused once the copy that reads it has run, i.e. from
 the plan after next, since plans execute in order and each is planned after the previous
 one landed).
@@ -38,6 +42,8 @@ class SwapCounters:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     swap_full: int = 0  # swap-outs refused for want of host pages (recomputed instead)
+    tier_out_bytes: int = 0  # evicted prefix-cache pages copied to the host tier
+    tier_in_bytes: int = 0  # host-tier pages copied back on a prefix-cache hit
 
 
 class SwapSpace:
@@ -47,6 +53,7 @@ class SwapSpace:
         self.allocator = PageAllocator(num_pages)
         self.counters = SwapCounters()
         self._held: dict[int, SwappedKV] = {}  # id -> live swapped-out KV
+        self._tier: set[int] = set()  # host pages the prefix cache's host tier holds
         self._releasing: list[np.ndarray] = []  # read by the plan being built now
         self._released_next: list[np.ndarray] = []  # read by the last plan handed out
         self._out: list[SwapCopy] = []
@@ -84,6 +91,26 @@ class SwapSpace:
         self.counters.swap_ins += 1
         self.counters.swapped_in_bytes += len(host) * self.page_bytes
 
+    def store(self, pool_pages: list[int]) -> list[int]:
+        """Host pages for the host tier, and the copy of ``pool_pages`` into them recorded for
+        the next plan (the caller checked ``num_free``)."""
+        host = self.allocator.alloc_ids(len(pool_pages))
+        self._tier.update(host)
+        self._out.append(SwapCopy(list(pool_pages), host))
+        self.counters.tier_out_bytes += len(host) * self.page_bytes
+        return host
+
+    def load(self, host_pages: list[int], pool_pages: list[int]) -> None:
+        """Copy host-tier pages back into ``pool_pages`` in the next plan (they stay held)."""
+        assert len(host_pages) == len(pool_pages) and self._tier.issuperset(host_pages)
+        self._in.append(SwapCopy(list(pool_pages), list(host_pages)))
+        self.counters.tier_in_bytes += len(host_pages) * self.page_bytes
+
+    def release(self, host_pages: list[int]) -> None:
+        """The host tier gives pages up: free once no plan handed out can still read them."""
+        self._tier.difference_update(host_pages)
+        self._releasing.append(np.asarray(host_pages, dtype=np.int32))
+
     def drop(self, swapped: SwappedKV) -> None:
         """A swapped-out request ended while waiting: its host pages are free again (no plan
         reads them; a copy-out still pending only writes them)."""
@@ -111,6 +138,7 @@ class SwapSpace:
         owner[free] += 1
         for swapped in self._held.values():
             owner[np.asarray(swapped.host_pages, dtype=np.int64)] += 1
+        owner[np.fromiter(self._tier, dtype=np.int64, count=len(self._tier))] += 1
         for pages in self._releasing + self._released_next:
             owner[pages] += 1
         twice = np.flatnonzero(owner > 1)
@@ -128,4 +156,7 @@ class SwapSpace:
             "swapped_out_bytes": c.swapped_out_bytes,
             "swapped_in_bytes": c.swapped_in_bytes,
             "swap_full": c.swap_full,
+            "tier_pages_used": len(self._tier),
+            "tier_out_bytes": c.tier_out_bytes,
+            "tier_in_bytes": c.tier_in_bytes,
         }

@@ -118,6 +118,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     allowed_policies: list[str] = []
     shadow_policy_options: dict[str, Any] = {}
     shadow_top_k: int = 4
+    # which cached page goes first when the KV pool runs short (policies/eviction_registry.py):
+    # lru, lfu, arc, queue-aware, cost-aware, "pkg.mod:Class" or "path/to/file.py:Class"
+    eviction_policy: str = "lru"
+    eviction_policy_options: dict[str, Any] = {}
+    # what POST /admin/eviction-policy may swap in besides the built-ins (loaded at start-up)
+    allowed_eviction_policies: list[str] = []
+    # pinned prefixes (engine.pin, POST /v1/cache/pin) hold at most this share of the KV pool
+    max_pinned_fraction: float = 0.25
     # KV shortage: which running request goes (policies/victims.py: newest, least-computed,
     # lowest-priority, largest-kv; a policy may choose otherwise) and what happens to its KV:
     # "recompute" (cached prefix kept, the rest computed again) or "swap" (copied to a host
@@ -125,6 +133,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     preemption_victim: str = "newest"
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
+    # a host-memory tier under the prefix cache: evicted pages are copied to the same host
+    # buffer (swap_space_bytes, one allocator with swap preemption) and copied back on a hit
+    # instead of being computed again (cache/host_tier.py)
+    host_kv_tier: bool = False
     # predicts a request's output length for the policies that rank by it (sjf, ltr): a
     # built-in (policies/length_registry.py: max-tokens, oracle (simulator only), history,
     # ranker), "pkg.mod:Class" or "path/to/file.py:Class"
@@ -249,6 +261,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise bad("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
+        if not 0 <= self.max_pinned_fraction < 1:
+            raise bad("max_pinned_fraction", "must be in [0, 1)")
         if self.swap_space_bytes < 0:
             raise bad("swap_space_bytes", "must be >= 0")
         if self.shadow_policy is None and self.shadow_policy_options:

@@ -17,6 +17,7 @@ from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor, KVLayout, ModelSpec
 from asyncengine.policies.base import Policy
+from asyncengine.policies.eviction_registry import build_eviction_rule, resolve_eviction_rule
 from asyncengine.policies.length_predictor import LengthPredictions
 from asyncengine.policies.length_registry import build_length_predictor
 from asyncengine.policies.registry import build_policy, resolve_policy
@@ -60,14 +61,14 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -
 
 def swap_pages(config: EngineConfig, spec: ModelSpec) -> int:
     """Pages of the host buffer for swapped-out KV (0 unless ``preemption_mode`` is "swap")."""
-    if config.preemption_mode != "swap":
+    if config.preemption_mode != "swap" and not config.host_kv_tier:
         return 0
     page_bytes = spec.kv_bytes_per_token * config.page_size
     pages = config.swap_space_bytes // page_bytes
     if pages < 1:
         raise ConfigError(
             f"config key 'swap_space_bytes' = {config.swap_space_bytes}: holds no KV page "
-            f"({page_bytes} bytes each) for preemption_mode 'swap'"
+            f"({page_bytes} bytes each) for preemption_mode 'swap' or host_kv_tier"
         )
     return pages
 
@@ -89,6 +90,14 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
         )
     build_length_predictor(config.length_predictor, config.length_predictor_options)  # checked
     policy = build_policy(config.policy, config.policy_options)
+    build_eviction_rule(config.eviction_policy, config.eviction_policy_options)  # checked
+    for allowed in config.allowed_eviction_policies:  # loaded now, never on a request
+        try:
+            resolve_eviction_rule(allowed)
+        except ValueError as exc:
+            raise ConfigError(
+                f"config key 'allowed_eviction_policies' entry {allowed!r}: {exc}"
+            ) from None
     for allowed in config.allowed_policies:  # the operator's plugins load now, not on a request
         try:
             resolve_policy(allowed)
@@ -120,6 +129,9 @@ def build_core(
         swap=SwapSpace(layout.swap_pages, spec.kv_bytes_per_token * layout.page_size)
         if layout.swap_pages
         else None,
+        eviction_rule=build_eviction_rule(config.eviction_policy, config.eviction_policy_options),
+        max_pinned_fraction=config.max_pinned_fraction,
+        host_tier=config.host_kv_tier and config.enable_prefix_cache,
     )
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)

@@ -23,12 +23,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.pins import Pin
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.common.request import Grammar, Request
 from asyncengine.core.executor_api import Executor, ModelSpec, defers_inputs
 from asyncengine.core.lifecycle import Lifecycle
 from asyncengine.policies.base import Policy
+from asyncengine.policies.eviction_registry import build_eviction_rule
 from asyncengine.policies.registry import build_policy
 from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.scheduler.step_events import StepEvents
@@ -163,6 +165,32 @@ class EngineCore:
         policy = build_policy(config.policy, config.policy_options)
         return self.scheduler.set_policy(policy, config)
 
+    def set_eviction_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
+        """Order the prefix cache's evictions by another rule from now on (between steps: the
+        tree is the loop thread's); cached pages stay. A bad name or option raises
+        ConfigError and changes nothing. Returns the name of the rule it replaces."""
+        config = self.config.replace(
+            eviction_policy=spec, eviction_policy_options=dict(options or {})
+        )
+        rule = build_eviction_rule(config.eviction_policy, config.eviction_policy_options)
+        previous = self.kv.set_eviction_rule(rule)
+        self.scheduler.config = config
+        log.info("eviction policy %r replaces %r", spec, previous)
+        return previous
+
+    def pin(self, tokens: Sequence[int], ttl_s: float | None = None) -> Pin:
+        """Keep the cached whole pages of ``tokens`` out of eviction, for ``ttl_s`` seconds
+        (None: until ``unpin``); PinLimitError (a ValueError) past the pinned share or when
+        nothing of them is cached."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+        expires = None if ttl_s is None else self.now() + ttl_s
+        return self.kv.pin(tokens, expires)
+
+    def unpin(self, pin_id: int) -> Pin:
+        """Release a pin (KeyError: no such pin, or it expired)."""
+        return self.kv.unpin(pin_id)
+
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler.stats()
@@ -178,6 +206,9 @@ class EngineCore:
             "tenants": self.lifecycle.tenants.snapshot(),
             "shadow": None if shadow is None else shadow.stats(),
             "length_predictor": self.scheduler.lengths.stats(),
+            "eviction_policy": self.kv.tree.rule.name,
+            "eviction_rule": self.kv.tree.rule.stats(),
+            "eviction_by_rule": self.kv.eviction_stats(),
             **self._speculation_stats(sched),
         }
 

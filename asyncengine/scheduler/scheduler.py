@@ -268,6 +268,11 @@ class Scheduler:
             self.lora_slots.max_loras = self.config.max_loras
         self.step_count += 1
         self.lora_slots.new_step()
+        if len(self.kv.pins):
+            self.kv.expire_pins(self.clock())
+        rule = self.kv.tree.rule
+        if rule.watches_queue and self.waiting:  # queue-aware eviction: what waiting prompts use
+            rule.watch_waiting([req.cache_ids for req in self.waiting.oldest(rule.queue_window)])
         self.step_guesses = {}
         self.step_drafts = {}
         return BatchPlan(step=self.step_count)

@@ -7,8 +7,15 @@
   request never names a file or module to load.
 - ``GET /admin/policy`` answers the live policy, its shadow's agreement figures and the
   admission-block counts.
+- ``POST /admin/eviction-policy`` ``{"policy": "lfu", "options": {...}}`` orders the prefix
+  cache's evictions by another rule from now on (built-ins, or ``allowed_eviction_policies``);
+  ``GET`` answers the rule and its figures by rule.
+- ``POST /v1/cache/pin`` ``{"prompt": "..." | [token ids], "ttl_s": 600}`` keeps the
+  prompt's whole KV pages out of eviction (computing them first when not cached) and answers
+  ``{"pin_id", "tokens", "pages", "expires_in_s"}``; past ``max_pinned_fraction`` of the pool it
+  is a 409. ``POST /v1/cache/unpin`` ``{"pin_id": 1}`` releases it (404 for no such pin).
 
-Both need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
+All need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
 token 403. The API key (``--api-key``) does not open them, and they are not there at all (404)
 without an admin token. They share the server's own address (127.0.0.1 unless told otherwise).
 """
@@ -22,7 +29,10 @@ import msgspec
 from aiohttp import web
 from msgspec import Struct
 
+from asyncengine.cache.pins import PinLimitError
 from asyncengine.common.config import ConfigError
+from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.policies.eviction_registry import check_live_eviction_rule
 from asyncengine.policies.registry import check_live_policy
 from asyncengine.server.body import check_content_type
 from asyncengine.server.errors import ApiError, invalid_request
@@ -30,12 +40,28 @@ from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE
 
 ADMIN_PREFIX = "/admin/"
+# admin routes outside ADMIN_PREFIX (the admin token guards them, not the API key)
+ADMIN_PATHS = frozenset({"/v1/cache/pin", "/v1/cache/unpin"})
 ADMIN_TOKEN = web.AppKey("asyncengine_admin_token", str)
 
 
 class PolicyChange(Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str
     options: dict[str, Any] | None = None
+
+
+class EvictionChange(Struct, kw_only=True, forbid_unknown_fields=True):
+    policy: str
+    options: dict[str, Any] | None = None
+
+
+class PinBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[int]  # text or token ids
+    ttl_s: float | None = None
+
+
+class UnpinBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    pin_id: int
 
 
 def _check_token(request: web.Request) -> None:
@@ -94,9 +120,90 @@ async def get_policy(request: web.Request) -> web.Response:
     )
 
 
+async def set_eviction_policy(request: web.Request) -> web.Response:
+    _check_token(request)
+    check_content_type(request)
+    change = decode_body(await request.read(), EvictionChange)
+    engine = request.app[STATE].engine
+    if not hasattr(engine, "set_eviction_policy"):
+        raise ApiError(
+            501,
+            "this server's engines (replicas) do not support a live eviction policy change",
+            type="not_implemented",
+            code="eviction_swap_unsupported",
+        )
+    try:
+        check_live_eviction_rule(change.policy, engine.config.allowed_eviction_policies)
+        previous = engine.set_eviction_policy(change.policy, change.options)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise invalid_request(str(exc), param="policy", code="invalid_eviction_policy") from None
+    return _json({"policy": change.policy, "options": change.options or {}, "previous": previous})
+
+
+async def get_eviction_policy(request: web.Request) -> web.Response:
+    _check_token(request)
+    stats = request.app[STATE].engine.stats()
+    return _json(
+        {
+            "policy": stats.get("eviction_policy"),
+            "rule": stats.get("eviction_rule"),
+            "by_rule": stats.get("eviction_by_rule"),
+            "pinned_prefixes": stats.get("pinned_prefixes"),
+            "pages_pinned": stats.get("pages_pinned"),
+        }
+    )
+
+
+def _pinning_engine(request: web.Request) -> Any:
+    engine = request.app[STATE].engine
+    if not hasattr(engine, "pin"):
+        raise ApiError(
+            501,
+            "this server's engines (replicas) do not support pinned prefixes",
+            type="not_implemented",
+            code="pin_unsupported",
+        )
+    return engine
+
+
+async def pin_prefix(request: web.Request) -> web.Response:
+    _check_token(request)
+    check_content_type(request)
+    body = decode_body(await request.read(), PinBody)
+    engine = _pinning_engine(request)
+    try:
+        pin = await engine.pin(body.prompt, body.ttl_s)
+    except PinLimitError as exc:
+        raise ApiError(409, str(exc), code="pin_limit") from None
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param="prompt", code="invalid_pin") from None
+    expires_in = None if pin.expires_at is None else body.ttl_s
+    return _json(
+        {"pin_id": pin.pin_id, "tokens": pin.tokens, "pages": pin.pages, "expires_in_s": expires_in}
+    )
+
+
+async def unpin_prefix(request: web.Request) -> web.Response:
+    _check_token(request)
+    check_content_type(request)
+    body = decode_body(await request.read(), UnpinBody)
+    engine = _pinning_engine(request)
+    try:
+        pin = engine.unpin(body.pin_id)
+    except KeyError:
+        raise ApiError(
+            404, f"no pin {body.pin_id} (unpinned, or past its ttl)", code="no_such_pin"
+        ) from None
+    return _json({"pin_id": pin.pin_id, "tokens": pin.tokens, "unpinned": True})
+
+
 def add_admin_routes(app: web.Application, token: str) -> None:
     if not token:
         raise ValueError("the admin token must not be empty")
     app[ADMIN_TOKEN] = token
     app.router.add_post("/admin/policy", set_policy)
     app.router.add_get("/admin/policy", get_policy)
+    app.router.add_post("/admin/eviction-policy", set_eviction_policy)
+    app.router.add_get("/admin/eviction-policy", get_eviction_policy)
+    app.router.add_post("/v1/cache/pin", pin_prefix)
+    app.router.add_post("/v1/cache/unpin", unpin_prefix)

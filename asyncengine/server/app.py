@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.common.errors import EngineNotRunningError
-from asyncengine.server.admin import ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.admin import ADMIN_PATHS, ADMIN_PREFIX, add_admin_routes
 from asyncengine.server.anthropic_messages import add_anthropic_routes
 from asyncengine.server.connection_limits import (
     DEFAULT_WRITE_TIMEOUT_SECONDS,
@@ -117,6 +117,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         not api_keys
         or request.path in OPEN_PATHS
         or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
+        or request.path in ADMIN_PATHS
         or request.method == "OPTIONS"
     ):
         return await handler(request)

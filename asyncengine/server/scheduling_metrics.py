@@ -10,6 +10,9 @@ scrape time (the server's metrics collector yields them):
   is ``tenant_label(name)``, a hash of the client's ``user`` string (a scrape must not list
   other clients' names; the operator hashes a name to find its series), "" for requests without
   one and "_other" for those past the cap on tenants (tenant_stats.py);
+- ``asyncengine_eviction_{evictions,evicted_tokens,recomputed_tokens,hit_tokens}_total{rule}``:
+  prefix-cache evictions (leaves), tokens evicted, tokens computed again after an eviction had
+  dropped them, and prefix-cache hit tokens, by the eviction rule in charge when they happened;
 - ``asyncengine_shadow_decisions_total``, ``..._shadow_first_pick_agreements_total`` and
   ``..._shadow_top_k_same_total`` with the gauges ``asyncengine_shadow_first_pick_agreement``
   and ``asyncengine_shadow_top_k_agreement`` (means over the decisions), labelled with the
@@ -41,6 +44,17 @@ TENANT_COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+EVICTION_COUNTERS: dict[str, tuple[str, str]] = {
+    "eviction_evictions": ("evictions", "Prefix-cache leaves evicted, by eviction rule"),
+    "eviction_evicted_tokens": ("evicted_tokens", "Prefix-cache tokens evicted, by rule"),
+    "eviction_recomputed_tokens": (
+        "evicted_recomputed_tokens",
+        "Tokens computed again because an eviction had dropped them, by eviction rule",
+    ),
+    "eviction_hit_tokens": ("hit_tokens", "Prompt tokens served from the prefix cache, by rule"),
+}
+
+
 def tenant_label(tenant: str) -> str:
     """The metrics label of a tenant: ``t-`` and 12 hex digits of its SHA-256."""
     if tenant in (NO_TENANT, OTHER):
@@ -63,6 +77,13 @@ def scheduling_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
         value = stats.get(key)
         if isinstance(value, (int, float)):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+    by_rule = stats.get("eviction_by_rule")
+    if isinstance(by_rule, dict) and by_rule:
+        for name, (key, doc) in EVICTION_COUNTERS.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["rule"])
+            for rule, row in by_rule.items():
+                family.add_metric([str(rule)], float(row.get(key, 0)))
+            yield family
     tenants = stats.get("tenants")
     if isinstance(tenants, dict) and tenants:
         for name, (key, doc) in TENANT_COUNTERS.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from asyncengine.workloads.adapters import ADAPTER_WORKLOADS, adapter_mix, hot_adapter_flood
 from asyncengine.workloads.arrivals import Arrivals, all_at_once, fixed_interval, poisson
+from asyncengine.workloads.eviction import EVICTION_WORKLOADS, hot_scan
 from asyncengine.workloads.generators import (
     WORKLOADS,
     long_short,
@@ -24,6 +25,7 @@ from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
 
 WORKLOADS.update(SCHEDULING_WORKLOADS)
 WORKLOADS.update(ADAPTER_WORKLOADS)
+WORKLOADS.update(EVICTION_WORKLOADS)
 
 __all__ = [
     "WORKLOADS",
@@ -33,6 +35,7 @@ __all__ = [
     "all_at_once",
     "fixed_interval",
     "hot_adapter_flood",
+    "hot_scan",
     "load_trace",
     "long_short",
     "make_workload",

@@ -56,6 +56,7 @@
 #include "cpu_group_attention.h"
 #include "cpu_paged.h"
 #include "cpu_quant_blocks.h"
+#include "cpu_step_lora.h"
 
 #define MAX_PARTS 4
 #define MAX_HEAD_DIM 256 /* MAX_HEAD_DIM in decode_step_native.py */
@@ -90,6 +91,7 @@ typedef struct {
     const float *cos_sin; /* [rope_rows, head_dim]: cos | sin halves */
     const float *final_norm;
     const layer_desc *layers;
+    const lora_desc *lora; /* the step's adapter rows (cpu_step_lora.h); NULL: none */
 } model_desc;
 
 /* a thread's activations: n rows of k values, in q8 form (q, d, sd) and as float32 (f: the rows
@@ -421,8 +423,10 @@ static inline void prefetch_gate_up_share(const qlinear *lin, int64_t inter) {
 }
 
 /* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1
- * (this thread's share of the pairs; no barrier) */
-static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h) {
+ * (this thread's share of the pairs; no barrier); delta [n, 2 inter] (NULL: none) is added to
+ * gate and up before the product (the LoRA updates of this thread's share, lora_gate_up_share) */
+static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h,
+                         const float *delta) {
     int64_t t_first, t_last;
     share((inter + PAIR_TILE - 1) / PAIR_TILE, &t_first, &t_last);
     for (int64_t t = t_first; t < t_last; t++) {
@@ -436,6 +440,11 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                 float g[NR * XR], u[NR * XR];
                 group_out(gate, gate_local, a, i, nr, g);
                 group_out(up, up_local, a, i, nr, u);
+                for (int r = 0; delta && r < nr; r++)
+                    for (int j = 0; j < XR; j++) {
+                        g[r * XR + j] += delta[(i + r) * 2 * inter + j0 + j];
+                        u[r * XR + j] += delta[(i + r) * 2 * inter + inter + j0 + j];
+                    }
                 for (int r = 0; r < nr; r++) {
 #if defined(Q_ISA_SIMD)
                     _Static_assert(XR == 8, "a group's row of gate/up is one 8-lane vector");
@@ -456,6 +465,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
             if (n == 1) { /* gate row j and up row j as a pair */
                 float gu[2];
                 linear_rows2(lin, j, inter + j, a, gu);
+                if (delta) gu[0] += delta[j], gu[1] += delta[inter + j];
                 h[j] = gu[0] / (1.0f + expf(-gu[0])) * gu[1];
                 continue;
             }
@@ -465,6 +475,10 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                                a->f + i0 * a->k, a->k};
                 float g[256], u[256];
                 linear_rows2_n(lin, j, inter + j, &sub, m, g, u);
+                for (int64_t i = 0; delta && i < m; i++) {
+                    g[i] += delta[(i0 + i) * 2 * inter + j];
+                    u[i] += delta[(i0 + i) * 2 * inter + inter + j];
+                }
                 for (int64_t i = 0; i < m; i++) {
                     const float silu = g[i] / (1.0f + expf(-g[i]));
                     h[(i0 + i) * inter + j] = silu * u[i];
@@ -588,6 +602,39 @@ static int64_t split_floats(int64_t n, int64_t kv_heads, int64_t group, int64_t 
     return n * kv_heads * min_chunks * MAX_SPLITS * ATTN_PART(heads, D);
 }
 
+/* LoRA: y[i, o] += the update of target `which` for each adapter row i, over the outputs of
+ * this thread's share of gemv(lin, rows) (the rows its gemv wrote: no barrier added); x [n, ldx]
+ * the float32 activations the projection read. t and acc: the thread's scratch. */
+static void lora_gemv_share(const model_desc *m, int64_t l, int which, const qlinear *lin,
+                            int64_t rows, const float *x, int64_t ldx, int64_t n, float *y,
+                            int64_t ldy, float *t, float *acc) {
+    int64_t t0, t1;
+    share_bytes(lin, rows, &t0, &t1);
+    const int64_t o0 = t0 * ROW_TILE, o1 = t1 * ROW_TILE < rows ? t1 * ROW_TILE : rows;
+    for (int64_t i = 0; o0 < o1 && i < n; i++) {
+        const lora_proj *p = lora_of(m->lora, l, which, i);
+        if (p) lora_add_range(p, m->lora->w_bf16, x + i * ldx, y + i * ldy, o0, o1, t, acc);
+    }
+}
+
+/* LoRA of gate/up: delta [n, 2 inter] = the updates of this thread's share of gate_up_silu's
+ * pairs (gate j and up j), 0 for rows of no adapter (gate_up_silu adds them before the silu) */
+static void lora_gate_up_share(const model_desc *m, int64_t l, int64_t inter, const float *x,
+                               int64_t ldx, int64_t n, float *delta, float *t, float *acc) {
+    int64_t t0, t1;
+    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
+    const int64_t j0 = t0 * PAIR_TILE, j1 = t1 * PAIR_TILE < inter ? t1 * PAIR_TILE : inter;
+    for (int64_t i = 0; j0 < j1 && i < n; i++) {
+        float *d = delta + i * 2 * inter;
+        memset(d + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+        memset(d + inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+        const lora_proj *p = lora_of(m->lora, l, LORA_GATE_UP, i);
+        if (!p) continue;
+        lora_add_range(p, m->lora->w_bf16, x + i * ldx, d, j0, j1, t, acc);
+        lora_add_range(p, m->lora->w_bf16, x + i * ldx, d, inter + j0, inter + j1, t, acc);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 
 /* 0 on success, -1 when a buffer could not be allocated (out untouched) */
@@ -616,8 +663,12 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     atomic_int *done_ranges =
         may_split ? (atomic_int *)malloc((size_t)(m->num_layers * units + 1) * sizeof(atomic_int))
                   : NULL;
+    const lora_desc *lora = m->lora;
+    /* LoRA: gate/up updates [n, 2 inter]; each thread's rank and output scratch */
+    float *lora_gu = lora ? (float *)malloc((size_t)(n * 2 * inter) * sizeof(float)) : NULL;
+    const int64_t lora_scratch = lora ? lora->max_rank + (qkv_size > widest ? qkv_size : widest) : 0;
     int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
-                 (may_split && (!parts || !done_ranges));
+                 (may_split && (!parts || !done_ranges)) || (lora && !lora_gu);
     if (failed) goto done;
     sort_rows(order, n, seq_lens);
     for (int64_t l = 0; l < m->num_layers; l++) atomic_init(&claimed[l], 0);
@@ -638,7 +689,9 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         act_buf a = {(int8_t *)malloc((size_t)(n * widest)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), NULL, 0};
-        if (!(x && a.q && a.d && a.sd)) {
+        float *lora_t = lora ? (float *)malloc((size_t)lora_scratch * sizeof(float)) : NULL;
+        float *lora_acc = lora_t ? lora_t + lora->max_rank : NULL;
+        if (!(x && a.q && a.d && a.sd) || (lora && !lora_t)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -658,6 +711,9 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
+                if (lora)
+                    lora_gemv_share(m, l, LORA_QKV, &L->qkv, qkv_size, x, H, n, qkv, qkv_size,
+                                    lora_t, lora_acc);
                 prefetch_gemv_share(&L->o_proj, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -720,18 +776,25 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 
                 quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
+                if (lora)
+                    lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, n, residual, H,
+                                    lora_t, lora_acc);
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->gate_up));
-                gate_up_silu(&L->gate_up, inter, &a, n, mlp);
+                if (lora) lora_gate_up_share(m, l, inter, x, H, n, lora_gu, lora_t, lora_acc);
+                gate_up_silu(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL);
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
+                if (lora)
+                    lora_gemv_share(m, l, LORA_DOWN, &L->down, H, mlp, inter, n, residual, H,
+                                    lora_t, lora_acc);
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);
             }
@@ -743,6 +806,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         free(a.q);
         free(a.d);
         free(a.sd);
+        free(lora_t);
     }
 done:
     free(parts);
@@ -753,6 +817,7 @@ done:
     free(mlp);
     free(order);
     free((void *)claimed);
+    free(lora_gu);
     return failed ? -1 : 0;
 }
 

@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include "cpu_simd.h"
+#include "cpu_step_lora.h"
 
 /* rows x rank x (in + out) multiply-adds below which one thread does the whole call */
 #define PARALLEL_MIN_WORK 262144
@@ -129,6 +130,58 @@ int asyncengine_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_s
         }
     }
     free(rows);
+    free(scratch);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* Every adapter's rows of one projection in one call (the layer-by-layer path's decode rows):
+ * row i of n gets the update lora->adapters[row_adapter[i]][slot] (cpu_step_lora.h; -1 or a
+ * NULL update: nothing), the rows split over the threads where the work is worth it. ``out``:
+ * the projection's output features. Returns 0, -1 when scratch could not be allocated, -2 when
+ * an update's shape is not in x out (nothing written then). */
+int asyncengine_lora_apply_table(void *y, int64_t y_stride, const void *x, int64_t x_stride,
+                                 int bf16, const lora_desc *lora, int64_t slot, int64_t n,
+                                 int64_t in, int64_t out, int threads) {
+    int64_t work = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t k = lora->row_adapter[i];
+        const lora_proj *p = k >= 0 ? &lora->adapters[k][slot] : NULL;
+        if (p == NULL || p->a == NULL) continue;
+        if (p->in != in || p->out != out) return -2;
+        work += p->rank * (in + out);
+    }
+    if (work == 0) return 0;
+    const int team = threads > 1 && n > 1 && work >= PARALLEL_MIN_WORK ? threads : 1;
+    const int64_t per_thread = in + lora->max_rank + 2 * out;
+    float *scratch = (float *)malloc((size_t)team * (size_t)per_thread * sizeof(float));
+    if (scratch == NULL) return -1;
+    const size_t esize = bf16 ? 2 : 4;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        float *xf = scratch + (size_t)omp_get_thread_num() * (size_t)per_thread;
+        float *t = xf + in, *acc = t + lora->max_rank, *delta = acc + out;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t k = lora->row_adapter[i];
+            const lora_proj *p = k >= 0 ? &lora->adapters[k][slot] : NULL;
+            if (p == NULL || p->a == NULL) continue;
+            const char *xr = (const char *)x + i * x_stride * esize;
+            char *yr = (char *)y + i * y_stride * esize;
+            if (!bf16) {
+                lora_add_range(p, lora->w_bf16, (const float *)xr, (float *)yr, 0, out, t, acc);
+                continue;
+            }
+            for (int64_t j = 0; j < in; j++) xf[j] = bf16_to_float(((const uint16_t *)xr)[j]);
+            for (int64_t o = 0; o < out; o++) delta[o] = 0.0f;
+            lora_add_range(p, lora->w_bf16, xf, delta, 0, out, t, acc);
+            uint16_t *yh = (uint16_t *)yr; /* rounded once, as one_row */
+            for (int64_t s = 0; s < p->n_slices; s++)
+                for (int32_t o = p->slices[4 * s]; o < p->slices[4 * s + 1]; o++)
+                    yh[o] = float_to_bf16(bf16_to_float(yh[o]) + delta[o]);
+        }
+    }
     free(scratch);
     return 0;
 }

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.decode_step_lora import LoraDesc, StepLora
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference.kv_int8_ref import pool_row
 
@@ -71,6 +72,7 @@ class _Model(ctypes.Structure):
         ("cos_sin", _PTR),
         ("final_norm", _PTR),
         ("layers", ctypes.POINTER(_Layer)),
+        ("lora", ctypes.POINTER(LoraDesc)),  # set for a step with adapter rows only
     ]
 
 
@@ -250,12 +252,13 @@ class DecodeStepModel:
         seq_lens: torch.Tensor,
         page_size: int,
         max_position: int | None = None,
+        lora: StepLora | None = None,
     ) -> torch.Tensor:
         """hidden [n, hidden] float32 or bfloat16 (the embedded tokens, one per request) -> the
         final-normed hidden states [n, hidden] in hidden's dtype; each request's new K/V lands at its slot of the bound pool.
         positions/slots int64 [n]; block_table int32 [n, pages]; seq_lens int32 [n] (keys
         including the new one); ``max_position``: the largest position where the caller knows
-        it (else read from ``positions``)."""
+        it (else read from ``positions``); ``lora``: the rows' adapters (decode_step_lora.py)."""
         if not self._caches:
             raise RuntimeError("bind_caches first")
         lib = _library(self._kv_dtype)
@@ -276,7 +279,10 @@ class DecodeStepModel:
         slots = _as(slots, torch.int64)
         table = _as(block_table, torch.int32)
         lens = _as(seq_lens, torch.int32)
+        if lora is not None and lora.num_rows != n:
+            raise ValueError(f"LoRA rows for {lora.num_rows} rows, not {n}")
         out = torch.empty((n, self.shape.hidden), dtype=torch.float32)
+        self._model.lora = None if lora is None else ctypes.pointer(lora.desc)
         status = lib.asyncengine_decode_step(
             ctypes.byref(self._model),
             hidden.data_ptr(),
@@ -290,6 +296,7 @@ class DecodeStepModel:
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        self._model.lora = None
         if status != 0:
             raise MemoryError("the native decode step could not allocate its buffers")
         return out if dtype == torch.float32 else out.to(dtype)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.decode_step_lora import StepLora
 from asyncengine.kernels.reference.lora_ref import lora_apply_ref
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -28,6 +29,9 @@ def _library() -> Any:
     fn.restype = _INT
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64]
     fn.argtypes += [_PTR, _I64, _PTR, _INT, _INT]
+    table = lib.asyncengine_lora_apply_table
+    table.restype = _INT
+    table.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _INT]
     return lib
 
 
@@ -150,6 +154,44 @@ def apply_prepared(
         int(weights.slices.shape[0]),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise MemoryError("the LoRA kernel could not allocate its scratch rows")
+    return True
+
+
+def apply_table(
+    y: torch.Tensor, x: torch.Tensor, lora: StepLora, slot: int, in_features: int
+) -> bool:
+    """Every adapter's rows of one projection in one call: row i of ``y`` (the step's rows)
+    gets ``lora``'s update at ``slot`` (layer * TARGETS + target) of its adapter. False (nothing
+    done) where the rows do not fit the kernel."""
+    if (
+        x.dtype != y.dtype
+        or y.dtype not in _FLOATS
+        or x.dim() != 2
+        or y.dim() != 2
+        or x.stride(1) != 1
+        or y.stride(1) != 1
+        or x.shape[1] != in_features
+        or x.shape[0] != lora.num_rows
+        or y.shape[0] != lora.num_rows
+    ):
+        return False
+    status = _library().asyncengine_lora_apply_table(
+        y.data_ptr(),
+        y.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        int(y.dtype == torch.bfloat16),
+        ctypes.addressof(lora.desc),
+        slot,
+        lora.num_rows,
+        in_features,
+        int(y.shape[1]),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise ValueError(f"a LoRA update is not {in_features} -> {int(y.shape[1])} features")
     if status != 0:
         raise MemoryError("the LoRA kernel could not allocate its scratch rows")
     return True

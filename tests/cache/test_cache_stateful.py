@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from asyncengine.cache import KVCacheManager, OutOfPagesError, RadixCache, RadixNode, SeqKV
+from asyncengine.policies.eviction_registry import EVICTION_RULES, make_eviction_rule
 
 Prefix = tuple[int, ...]
 
@@ -66,8 +67,11 @@ class PrefixModel:
         parents = {prefix[: -self.page_size] for prefix in self.pages}
         return set(self.pages) - parents
 
-    def apply_eviction(self, remaining: dict[Prefix, int], locked: set[Prefix], asked: int) -> int:
-        """Check an eviction that left ``remaining`` and adopt it; returns tokens freed."""
+    def apply_eviction(
+        self, remaining: dict[Prefix, int], locked: set[Prefix], asked: int, lru: bool = True
+    ) -> int:
+        """Check an eviction that left ``remaining`` and adopt it; returns tokens freed
+        (``lru``: and that the least recently used leaf went first)."""
         ps = self.page_size
         removed = set(self.pages) - set(remaining)
         for prefix, page in remaining.items():
@@ -81,7 +85,7 @@ class PrefixModel:
             f"asked {asked}, evictable {evictable}, freed {freed}"
         )
         candidates = [leaf for leaf in self.leaves() if leaf not in locked]
-        if asked > 0 and candidates:
+        if lru and asked > 0 and candidates:
             oldest = min(candidates, key=lambda prefix: self.times[prefix])
             assert oldest in removed, f"least recently used leaf {oldest} survived eviction"
         for prefix in removed:
@@ -133,13 +137,24 @@ class SequencePool:
 # --------------------------------------------------------------------------- RadixCache alone
 
 
+def lowest_key_leaves(tree: RadixCache) -> tuple[float, list[RadixNode]]:
+    """The unlocked leaves the tree's eviction rule ranks lowest, and their key."""
+    leaves = [node for node in tree.iter_nodes() if not node.children and node.lock_ref == 0]
+    if not leaves:
+        return 0.0, []
+    keys = [tree.rule.key(node) for node in leaves]
+    low = min(keys)
+    return low, [node for node, key in zip(leaves, keys, strict=True) if key == low]
+
+
 class RadixMachine(RuleBasedStateMachine):
     page_size = 1
     max_len = 40
+    rule_name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.tree = RadixCache(self.page_size)
+        self.tree = RadixCache(self.page_size, rule=make_eviction_rule(self.rule_name))
         self.model = PrefixModel(self.page_size)
         self.pool = SequencePool(self.max_len)
         self.next_page = 0
@@ -176,12 +191,20 @@ class RadixMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(index)
         self.tree.unlock(node)
 
+    @rule(data=st.data())
+    def watch_waiting(self, data: st.DataObject) -> None:
+        prompts = [self.pool.draw(data) for _ in range(data.draw(st.integers(0, 3)))]
+        self.tree.rule.watch_waiting(prompts)
+
     @rule(num_tokens=st.integers(0, 60))
     def evict(self, num_tokens: int) -> None:
         locked = locked_prefixes(self.model, [path for _, path in self.locks])
+        _, first = lowest_key_leaves(self.tree)
         freed = self.tree.evict(num_tokens)
+        if num_tokens > 0 and first:  # the rule's lowest key went first, whatever the rule
+            assert any(node.parent is None for node in first), "the lowest key survived"
         remaining = tree_contents(self.tree)
-        count = self.model.apply_eviction(remaining, locked, num_tokens)
+        count = self.model.apply_eviction(remaining, locked, num_tokens, self.rule_name == "lru")
         assert freed.size * self.page_size == count
 
     @invariant()
@@ -208,6 +231,21 @@ TestRadixPage16 = RadixMachinePage16.TestCase
 TestRadixPage16.settings = RADIX_SETTINGS
 
 
+def _rule_machine(base: type[RadixMachine], name: str) -> type:
+    machine = type(f"{base.__name__}_{name}", (base,), {"rule_name": name})
+    case = machine.TestCase
+    case.settings = RADIX_SETTINGS
+    return case
+
+
+# every eviction rule: the same tree contents, locks and sizes; its own lowest key goes first
+for _name in EVICTION_RULES:
+    if _name != "lru":
+        _ident = _name.replace("-", "_")
+        globals()[f"TestRadixPage1_{_ident}"] = _rule_machine(RadixMachine, _name)
+        globals()[f"TestRadixPage16_{_ident}"] = _rule_machine(RadixMachinePage16, _name)
+
+
 # --------------------------------------------------------------------------- KVCacheManager
 
 
@@ -222,6 +260,7 @@ class ManagerMachine(RuleBasedStateMachine):
     num_pages = 96
     max_pages_per_row = 48
     max_rows = 4
+    rule_name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -230,6 +269,7 @@ class ManagerMachine(RuleBasedStateMachine):
             page_size=self.page_size,
             max_rows=self.max_rows,
             max_pages_per_row=self.max_pages_per_row,
+            eviction_rule=make_eviction_rule(self.rule_name),
         )
         self.model = PrefixModel(self.page_size)
         self.max_tokens = self.max_pages_per_row * self.page_size
@@ -307,7 +347,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert seq.pages[: len(before[3])] == before[3]
         # Evicts only when the free list is short, and then the LRU leaves first.
         asked = max(0, shortfall) * self.page_size
-        freed = self.model.apply_eviction(tree_contents(self.mgr.tree), locked, asked)
+        freed = self.model.apply_eviction(
+            tree_contents(self.mgr.tree), locked, asked, self.rule_name == "lru"
+        )
         assert freed == 0 or shortfall > 0, "extend evicted with enough free pages"
 
     @precondition(lambda self: self.live)
@@ -375,8 +417,9 @@ class ManagerMachine(RuleBasedStateMachine):
         locked = self.locked()
         tails = min(num_pages, len(self.mgr.tails))  # kept tails go first
         freed = self.mgr.evict(num_pages)
+        asked = (num_pages - tails) * self.page_size
         count = self.model.apply_eviction(
-            tree_contents(self.mgr.tree), locked, (num_pages - tails) * self.page_size
+            tree_contents(self.mgr.tree), locked, asked, self.rule_name == "lru"
         )
         assert (freed - tails) * self.page_size == count
 
@@ -413,3 +456,16 @@ TestManagerPage1 = ManagerMachine.TestCase
 TestManagerPage1.settings = MANAGER_SETTINGS
 TestManagerPage16 = ManagerMachinePage16.TestCase
 TestManagerPage16.settings = MANAGER_SETTINGS
+
+
+def _manager_machine(name: str) -> type:
+    machine = type(f"ManagerMachinePage16_{name}", (ManagerMachinePage16,), {"rule_name": name})
+    case = machine.TestCase
+    case.settings = MANAGER_SETTINGS
+    return case
+
+
+# every eviction rule keeps the page accounting invariant after every step
+for _name in EVICTION_RULES:
+    if _name != "lru":
+        globals()[f"TestManagerPage16_{_name.replace('-', '_')}"] = _manager_machine(_name)

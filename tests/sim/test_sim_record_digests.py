@@ -40,18 +40,18 @@ def _random(seed: int) -> list[WorkloadRequest]:
     return random_lengths(1500, input_median=80.0, arrivals=Arrivals.parse("poisson:4"), seed=seed)
 
 
-# policy, trace, digest and step count from main at 06a3804
+# policy, trace, digest (of the records, steps, virtual time and scheduler stats) and step count
 CASES: dict[str, tuple[str, Callable[[], list[WorkloadRequest]], str, int]] = {
-    "fcfs-random": ("fcfs", lambda: _random(3), "a8b8d588fed9c70f", 6461),
-    "lpm-shared": ("lpm", lambda: _shared(12, 100, 3), "cd0f03331d569667", 1399),
-    "sjf-random": ("sjf", lambda: _random(4), "094eac937e196c21", 5742),
+    "fcfs-random": ("fcfs", lambda: _random(3), "ec4179fff99230ae", 6461),
+    "lpm-shared": ("lpm", lambda: _shared(12, 100, 3), "13e08710ab96f443", 1399),
+    "sjf-random": ("sjf", lambda: _random(4), "a3598c4fb3131880", 5742),
     "fair-tenants": (
         "fair",
         lambda: multi_tenant(num_heavy=600, num_light=300),
-        "20bd3a6ba5b28715",
+        "ae3dc27f99f8ed22",
         5729,
     ),
-    "dfs-shared": ("dfs-weight", lambda: _shared(20, 50, 5), "e1259ef90f0bbaf4", 1309),
+    "dfs-shared": ("dfs-weight", lambda: _shared(20, 50, 5), "025bff3595357769", 1309),
 }
 
 

@@ -26,6 +26,7 @@ from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import Linear, QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.kernels.cpu import decode_step_native
+from asyncengine.kernels.cpu.decode_step_lora import StepLora
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
@@ -137,8 +138,10 @@ def run(
     hidden: torch.Tensor,
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
+    lora: StepLora | None = None,
 ) -> torch.Tensor:
-    """The final-normed hidden states of the batch's sampled rows, as ``LlamaModel.forward``."""
+    """The final-normed hidden states of the batch's sampled rows, as ``LlamaModel.forward``;
+    ``lora``: the rows' adapters (native_decode_lora.py)."""
     model.bind_caches(k_caches, v_caches)
     out = model.step(
         hidden,
@@ -148,6 +151,7 @@ def run(
         batch.decode_seq_lens,
         batch.page_size,
         batch.decode_max_seq_len - 1,  # decodes only (takes): each row's kv length - 1
+        lora,
     )
     if batch.sample_indices.shape[0] == batch.num_tokens:
         return out

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from asyncengine.executor.attention.selector import KernelOps, kernel_ops
 from asyncengine.executor.attention.torch_backend import AttentionBackend, AttentionOptions
 from asyncengine.executor.cpu import native_decode, weight_arena
+from asyncengine.executor.cpu.native_decode_lora import NativeDecodeLora
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import (
     F32_HEAD_DENSE_FROM_ROWS,
@@ -143,6 +144,12 @@ class LlamaModel:
             self.device,
             row_block,
         )
+        # the adapters' tables for LoRA rows in that native call
+        self.native_decode_lora = (
+            None
+            if self.native_decode is None
+            else NativeDecodeLora(self.native_decode.shape, c.num_layers)
+        )
 
     def _load_layer(self, take: _WeightTaker, i: int) -> LayerWeights:
         c = self.config
@@ -234,11 +241,17 @@ class LlamaModel:
             hidden = hidden * self.embedding_multiplier
         if (
             self.native_decode is not None
-            and lora is None
             and batch.kv_copies is None
             and native_decode.takes(self.native_decode, batch)
         ):
-            return native_decode.run(self.native_decode, batch, hidden, k_caches, v_caches)
+            fused_lora = None
+            if lora is not None:
+                assert self.native_decode_lora is not None
+                fused_lora = self.native_decode_lora.step_rows(lora, batch.num_tokens)
+            if lora is None or fused_lora is not None:
+                return native_decode.run(
+                    self.native_decode, batch, hidden, k_caches, v_caches, lora=fused_lora
+                )
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             cos_sin, options = self.layer_cos_sin[i], self.layer_options[i]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -83,6 +83,9 @@ class LoraAdapter:
     # per layer: projection name (PROJECTIONS) -> its update; a projection left out is untouched
     layers: tuple[dict[str, ProjectionLora], ...]
     target_modules: tuple[str, ...]
+    # the native kernels' tables of its updates, by the cache that built them
+    # (executor/lora/native_tables.py): they live and go with the adapter
+    tables: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:

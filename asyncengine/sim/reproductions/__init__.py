@@ -13,11 +13,19 @@ from __future__ import annotations
 from asyncengine.sim.reproductions.base import Claim, Outcome, Reproduction, run_workload
 from asyncengine.sim.reproductions.chunked_prefill import ChunkedPrefillTradeoff
 from asyncengine.sim.reproductions.hol_skip import HeadOfLineSkip
+from asyncengine.sim.reproductions.host_tier import HostTier
 from asyncengine.sim.reproductions.recompute_tax import RecomputeTax
 from asyncengine.sim.reproductions.vtc import VTCFairness
 
 REPRODUCTIONS: dict[str, Reproduction] = {
-    r.name: r for r in (VTCFairness(), HeadOfLineSkip(), ChunkedPrefillTradeoff(), RecomputeTax())
+    r.name: r
+    for r in (
+        VTCFairness(),
+        HeadOfLineSkip(),
+        ChunkedPrefillTradeoff(),
+        RecomputeTax(),
+        HostTier(),
+    )
 }
 
 

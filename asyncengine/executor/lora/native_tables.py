@@ -1,0 +1,50 @@
+"""Each adapter's updates as the native kernels' table (kernels/cpu/decode_step_lora.py's
+``AdapterTable``: per layer, qkv / o_proj / gate_up / down), built once per adapter and kept on
+the adapter (``LoraAdapter.tables``), so that it goes when the registry drops the adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncengine.executor.lora.peft_adapter import LoraAdapter
+from asyncengine.kernels.cpu.decode_step_lora import AdapterTable
+from asyncengine.kernels.cpu.lora_native import PreparedLora
+
+# the projections in the table's order (TARGETS)
+TARGET_NAMES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def target_slot(layer: int, projection: str) -> int:
+    return layer * len(TARGET_NAMES) + TARGET_NAMES.index(projection)
+
+
+class TableCache:
+    """Adapter -> its table, or None where some update is not the native kernel's to take
+    (not prepared for it, or refused by ``accepts``: the update, its target's index)."""
+
+    def __init__(self, accepts: Callable[[PreparedLora, int], bool] | None = None) -> None:
+        self.accepts = accepts
+
+    def table(self, adapter: LoraAdapter) -> AdapterTable | None:
+        if self in adapter.tables:
+            table = adapter.tables[self]
+            return table if isinstance(table, AdapterTable) else None
+        built = self._build(adapter)
+        adapter.tables[self] = built
+        return built
+
+    def _build(self, adapter: LoraAdapter) -> AdapterTable | None:
+        layers: list[list[PreparedLora | None]] = []
+        for updates in adapter.layers:
+            row: list[PreparedLora | None] = []
+            for target, name in enumerate(TARGET_NAMES):
+                update = updates.get(name)
+                if update is None:
+                    row.append(None)
+                    continue
+                prepared = update.native
+                if prepared is None or (self.accepts and not self.accepts(prepared, target)):
+                    return None
+                row.append(prepared)
+            layers.append(row)
+        return AdapterTable(layers)

@@ -1,0 +1,149 @@
+/* LoRA inside the fused decode step (cpu_decode_step.c): after a projection, each row that runs
+ * under an adapter gets ``y += B (A x)`` (shrink to the adapter's rank, then expand, the scaling
+ * folded into B), on the float32 activations the projection read, so the base weights stay as
+ * stored. The same layout as cpu_lora.c: A [R, in], B transposed Bt [R, out], float32 or bfloat16,
+ * B zero outside ``slices`` (out_start, out_end, rank_start, rank_end: a fused q/k/v or gate/up
+ * expands each part from its own rank block). float32 sums.
+ *
+ * A thread expands the outputs of its own share of the projection (the rows its gemv wrote), so
+ * no barrier is added: it shrinks the rank blocks of the slices its share meets, itself. */
+#ifndef ASYNCENGINE_CPU_STEP_LORA_H
+#define ASYNCENGINE_CPU_STEP_LORA_H
+
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+/* one projection's update under one adapter (a NULL: the adapter leaves it as it is) */
+typedef struct {
+    const void *a;  /* [rank, in] */
+    const void *bt; /* [rank, out] */
+    const int32_t *slices;
+    int64_t n_slices, in, out, rank;
+} lora_proj;
+
+#define LORA_TARGETS 4 /* qkv, o_proj, gate_up, down */
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN };
+
+typedef struct {
+    const lora_proj *const *adapters; /* adapters[k][layer * LORA_TARGETS + target] */
+    const int32_t *row_adapter;       /* [n]: index into adapters, -1: the base alone */
+    int64_t max_rank;                 /* the largest rank of any projection */
+    int32_t w_bf16;                   /* A and Bt in bfloat16 (else float32) */
+} lora_desc;
+
+#if defined(__AVX512F__) && !defined(Q_FORCE_AVX2)
+#define LORA_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LORA_AVX2 1
+#endif
+
+static inline float lora_w1(const void *w, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* x . w over n: x float32, w float32 or bfloat16 */
+static inline float lora_dot(const float *x, const void *w, int bf16, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(LORA_AVX512)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    if (bf16) {
+        const uint16_t *wh = (const uint16_t *)w;
+        for (; i + 32 <= n; i += 32) {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load_bf16x16(wh + i + 16), acc1);
+        }
+        for (; i + 16 <= n; i += 16)
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
+    } else {
+        const float *wf = (const float *)w;
+        for (; i + 32 <= n; i += 32) {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(wf + i + 16), acc1);
+        }
+        for (; i + 16 <= n; i += 16)
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(LORA_AVX2)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    if (bf16) {
+        const uint16_t *wh = (const uint16_t *)w;
+        for (; i + 16 <= n; i += 16) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load_bf16x8(wh + i + 8), acc1);
+        }
+        for (; i + 8 <= n; i += 8)
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
+    } else {
+        const float *wf = (const float *)w;
+        for (; i + 16 <= n; i += 16) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(wf + i + 8), acc1);
+        }
+        for (; i + 8 <= n; i += 8)
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
+    }
+    sum = hsum256(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += x[i] * lora_w1(w, bf16, i);
+    return sum;
+}
+
+/* y[0:n] += t * w[0:n]: w float32 or bfloat16 */
+static inline void lora_axpy(float *y, float t, const void *w, int bf16, int64_t n) {
+    int64_t i = 0;
+#if defined(LORA_AVX512)
+    const __m512 tv = _mm512_set1_ps(t);
+    if (bf16)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, load_bf16x16((const uint16_t *)w + i),
+                                                    _mm512_loadu_ps(y + i)));
+    else
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, _mm512_loadu_ps((const float *)w + i),
+                                                    _mm512_loadu_ps(y + i)));
+#elif defined(LORA_AVX2)
+    const __m256 tv = _mm256_set1_ps(t);
+    if (bf16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, load_bf16x8((const uint16_t *)w + i),
+                                                    _mm256_loadu_ps(y + i)));
+    else
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, _mm256_loadu_ps((const float *)w + i),
+                                                    _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += t * lora_w1(w, bf16, i);
+}
+
+/* y[o] += (B (A x))[o] for the outputs o0 <= o < o1 of p (y indexed by output); t: max_rank
+ * floats of scratch. The update is summed in acc (o1 - o0 floats) and added once, as cpu_lora.c
+ * adds it to a projection's output. */
+static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
+                                  int64_t o0, int64_t o1, float *t, float *acc) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t s = 0; s < p->n_slices; s++) {
+        const int32_t *sl = p->slices + 4 * s;
+        const int64_t lo = o0 > sl[0] ? o0 : sl[0], hi = o1 < sl[1] ? o1 : sl[1];
+        if (lo >= hi) continue;
+        const int64_t r0 = sl[2], r1 = sl[3];
+        for (int64_t r = r0; r < r1; r++)
+            t[r - r0] = lora_dot(x, (const char *)p->a + r * p->in * es, bf16, p->in);
+        for (int64_t o = lo; o < hi; o++) acc[o - lo] = 0.0f;
+        for (int64_t r = r0; r < r1; r++)
+            lora_axpy(acc, t[r - r0], (const char *)p->bt + (r * p->out + lo) * es, bf16, hi - lo);
+        for (int64_t o = lo; o < hi; o++) y[o] += acc[o - lo];
+    }
+}
+
+/* the update of target `which` in layer l for adapter row i, or NULL */
+static inline const lora_proj *lora_of(const lora_desc *lora, int64_t l, int which, int64_t i) {
+    const int32_t k = lora->row_adapter[i];
+    if (k < 0) return NULL;
+    const lora_proj *p = &lora->adapters[k][l * LORA_TARGETS + which];
+    return p->a ? p : NULL;
+}
+
+#endif

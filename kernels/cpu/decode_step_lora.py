@@ -1,0 +1,97 @@
+"""LoRA in the fused decode step (kernels/cpu/cpu_step_lora.h): each adapter's projections as
+the step reads them (``AdapterTable``, built once per adapter), and one step's rows by adapter
+(``StepLora``, built per step: an index per row, -1 for the base)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from asyncengine.kernels.cpu.lora_native import PreparedLora
+
+TARGETS = 4  # qkv, o_proj, gate_up, down: LORA_TARGETS in the C header, in that order
+_I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+class _LoraProj(ctypes.Structure):
+    _fields_ = [
+        ("a", _PTR),
+        ("bt", _PTR),
+        ("slices", _PTR),
+        ("n_slices", _I64),
+        ("in_features", _I64),
+        ("out_features", _I64),
+        ("rank", _I64),
+    ]
+
+
+class LoraDesc(ctypes.Structure):
+    _fields_ = [
+        ("adapters", _PTR),
+        ("row_adapter", _PTR),
+        ("max_rank", _I64),
+        ("w_bf16", _I32),
+    ]
+
+
+class AdapterTable:
+    """One adapter's updates, [layer][target] (None: that projection untouched), as C structs.
+    Holds the prepared weights whose addresses it hands on."""
+
+    def __init__(self, layers: Sequence[Sequence[PreparedLora | None]]) -> None:
+        self._keep = [p for layer in layers for p in layer if p is not None]
+        dtypes = {p.dtype for p in self._keep}
+        if len(dtypes) > 1:
+            raise ValueError("an adapter's projections must share one dtype")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.projs = (_LoraProj * (len(layers) * TARGETS))()
+        self.max_rank = 0
+        for index, layer in enumerate(layers):
+            if len(layer) != TARGETS:
+                raise ValueError(f"a layer has {TARGETS} LoRA targets, not {len(layer)}")
+            for t, prepared in enumerate(layer):
+                if prepared is None:
+                    continue
+                a, bt, _, in_features, out_features, rank = prepared.args
+                slot = self.projs[index * TARGETS + t]
+                slot.a, slot.bt = a, bt
+                slot.slices = prepared.slices.ctypes.data
+                slot.n_slices = int(prepared.slices.shape[0])
+                slot.in_features, slot.out_features, slot.rank = in_features, out_features, rank
+                self.max_rank = max(self.max_rank, rank)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.projs)
+
+
+class StepLora:
+    """One step's adapter rows: ``row_adapter[i]`` indexes ``tables`` (-1: the base alone)."""
+
+    def __init__(self, tables: Sequence[AdapterTable], row_adapter: np.ndarray) -> None:
+        if len({t.dtype for t in tables}) > 1:
+            raise ValueError("the adapters of one step must share one dtype")
+        if row_adapter.dtype != np.int32 or row_adapter.ndim != 1:
+            raise ValueError("row_adapter must be a 1-d int32 array")
+        if row_adapter.size and not -1 <= int(row_adapter.min()) <= int(row_adapter.max()) < len(
+            tables
+        ):
+            raise ValueError("row_adapter indexes past the step's adapters")
+        self.tables = tuple(tables)
+        self.rows = np.ascontiguousarray(row_adapter)
+        self._pointers = (_PTR * max(len(tables), 1))(*(t.address for t in tables))
+        self.desc = LoraDesc(
+            adapters=ctypes.addressof(self._pointers),
+            row_adapter=self.rows.ctypes.data,
+            max_rank=max((t.max_rank for t in tables), default=0),
+            w_bf16=int(bool(tables) and tables[0].dtype == torch.bfloat16),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.shape[0])

@@ -1,0 +1,62 @@
+"""Eviction rules by name (``eviction_policy``): the built-ins, "package.module:Class" and
+"path/to/file.py:Class" (a subclass of asyncengine.cache.eviction_rule.EvictionRule), with the
+policies' loader and the same rule for live swaps: a request names only a built-in or what the
+operator listed at start-up (``allowed_eviction_policies``), never a file or module to load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from asyncengine.cache.eviction_rule import EvictionRule, LeastRecentlyUsed
+from asyncengine.common.config import ConfigError
+from asyncengine.policies.eviction_arc import AdaptiveReplacement
+from asyncengine.policies.eviction_cost_aware import CostAware
+from asyncengine.policies.eviction_lfu import LeastFrequentlyUsed
+from asyncengine.policies.eviction_queue_aware import QueueAware
+from asyncengine.policies.plugin_loader import resolve_plugin
+
+EVICTION_RULES: dict[str, type[EvictionRule]] = {
+    cls.name: cls
+    for cls in (LeastRecentlyUsed, LeastFrequentlyUsed, AdaptiveReplacement, QueueAware, CostAware)
+}
+KIND = "eviction policy"
+
+
+def resolve_eviction_rule(spec: str) -> type[EvictionRule]:
+    return resolve_plugin(spec, EvictionRule, EVICTION_RULES, KIND)
+
+
+def make_eviction_rule(spec: str, options: dict[str, Any] | None = None) -> EvictionRule:
+    """The rule ``spec`` names, built with ``options``; ValueError/TypeError when either is bad."""
+    return resolve_eviction_rule(spec)(**(options or {}))
+
+
+def build_eviction_rule(
+    spec: str, options: dict[str, Any] | None = None, key: str = "eviction_policy"
+) -> EvictionRule:
+    """``make_eviction_rule`` for a config: ConfigError naming the key of what is wrong."""
+    try:
+        cls = resolve_eviction_rule(spec)
+    except ValueError as exc:
+        raise ConfigError(f"config key {key!r} = {spec!r}: {exc}") from None
+    try:
+        return cls(**(options or {}))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config key '{key}_options' = {options!r}: {exc}") from None
+
+
+def check_live_eviction_rule(spec: str, allowed: Sequence[str]) -> None:
+    """ValueError unless ``spec`` is a built-in name or listed in ``allowed`` (loaded at
+    start-up): an admin request never makes the engine load code."""
+    name = spec.strip()
+    if name in {entry.strip() for entry in allowed}:
+        return
+    if name.lower().replace("_", "-") in EVICTION_RULES:
+        return
+    what = "may not be swapped in live" if ":" in name else "is unknown"
+    raise ValueError(
+        f"{KIND} {spec!r} {what}: a live swap takes the built-ins "
+        f"({', '.join(sorted(EVICTION_RULES))}); other rules must be listed at start-up "
+        "(--allow-eviction-policy or 'allowed_eviction_policies')"
+    )

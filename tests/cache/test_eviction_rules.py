@@ -1,0 +1,155 @@
+"""Each eviction rule's own order on small trees, a rule of one's own from a file, live swaps
+through the core with figures by rule, and the config's checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncengine.cache import RadixCache
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.builder import make_policies
+from asyncengine.policies.eviction_registry import (
+    check_live_eviction_rule,
+    make_eviction_rule,
+)
+from tests.fake_executor import fake_core
+
+
+def tree(rule: str, **options: object) -> RadixCache:
+    return RadixCache(page_size=2, rule=make_eviction_rule(rule, dict(options)))
+
+
+def insert(cache: RadixCache, tokens: list[int]) -> None:
+    cache.insert(tokens, np.arange(100 * tokens[0], 100 * tokens[0] + len(tokens) // 2))
+
+
+def survivors(cache: RadixCache) -> set[int]:
+    return {node.key[0] for node in cache.root.children.values()}
+
+
+def test_lfu_keeps_a_page_used_often_over_one_used_last() -> None:
+    cache = tree("lfu")
+    insert(cache, [1, 1, 1, 1])
+    for _ in range(5):
+        cache.match_prefix([1, 1, 1, 1])
+    insert(cache, [2, 2, 2, 2])
+    insert(cache, [3, 3, 3, 3])
+    cache.evict(4)
+    assert survivors(cache) == {1, 3}  # lru would have evicted 1, used longest ago
+
+
+def test_lfu_ages_a_page_used_often_long_ago() -> None:
+    cache = tree("lfu")
+    insert(cache, [1, 1])
+    cache.match_prefix([1, 1])  # two uses more than a page inserted once
+    for first in range(2, 12):  # each eviction raises the floor past the old count
+        insert(cache, [first, first])
+        cache.evict(2)
+    assert 1 not in survivors(cache)
+    assert cache.rule.stats()["floor"] >= 3
+
+
+def test_cost_aware_evicts_the_shallow_page_first() -> None:
+    cache = tree("cost-aware", attention_tokens=4)
+    insert(cache, [5, 5, 6, 6, 7, 7, 8, 8])  # one deep leaf (depth 0..8)
+    insert(cache, [9, 9])  # a shallow one, newer
+    cache.evict(2)
+    assert survivors(cache) == {5}  # lru would have evicted the older, deep one
+
+
+def test_queue_aware_keeps_what_a_waiting_prompt_matches() -> None:
+    cache = tree("queue-aware")
+    insert(cache, [1, 1, 1, 1])
+    insert(cache, [2, 2, 2, 2])
+    cache.rule.watch_waiting([[1, 1, 1, 1, 4, 4]])
+    cache.evict(4)
+    assert survivors(cache) == {1}
+    cache.rule.watch_waiting([])  # no longer wanted: its plain lru place again
+    insert(cache, [3, 3])
+    cache.evict(2)
+    assert survivors(cache) == {3}
+
+
+def test_arc_moves_its_bonus_by_ghost_hits() -> None:
+    cache = tree("arc", frequent_hits=2, bonus=100.0, step=10.0)
+    insert(cache, [1, 1])
+    cache.evict(2)  # evicted seen once: a recency ghost
+    insert(cache, [1, 1])  # back: recency deserved more room
+    assert cache.rule.bonus == 90.0
+    cache.match_prefix([1, 1])  # now frequent
+    cache.evict(2)
+    insert(cache, [1, 1])  # a frequency ghost back
+    assert cache.rule.bonus == 100.0
+    assert cache.rule.stats()["recent_ghost_hits"] == 1
+
+
+def test_a_rule_of_ones_own_from_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "longest_first.py"
+    file.write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n"
+        "class LongestFirst(EvictionRule):\n"
+        "    name = 'longest-first'\n"
+        "    def key(self, node):\n"
+        "        return -float(len(node.key))\n"
+    )
+    cache = RadixCache(page_size=2, rule=make_eviction_rule(f"{file}:LongestFirst"))
+    insert(cache, [1, 1, 1, 1, 1, 1])
+    insert(cache, [2, 2])
+    cache.evict(2)
+    assert survivors(cache) == {2}
+
+
+def test_the_config_names_the_key_of_a_bad_rule_or_option() -> None:
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        make_policies(EngineConfig(eviction_policy="mru"))
+    with pytest.raises(ConfigError, match="eviction_policy_options"):
+        make_policies(EngineConfig(eviction_policy="lfu", eviction_policy_options={"x": 1}))
+    with pytest.raises(ConfigError, match="max_pinned_fraction"):
+        EngineConfig(max_pinned_fraction=1.5)
+
+
+def test_a_live_swap_takes_only_built_ins_or_the_start_up_list(tmp_path: Path) -> None:
+    check_live_eviction_rule("cost-aware", [])
+    with pytest.raises(ValueError, match="may not be swapped in live"):
+        check_live_eviction_rule(f"{tmp_path}/x.py:X", [])
+    check_live_eviction_rule(f"{tmp_path}/x.py:X", [f"{tmp_path}/x.py:X"])
+
+
+def run(core, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    for index, prompt in enumerate(prompts):
+        core.add(Request(f"r{index}", prompt, SamplingParams(max_new_tokens=2, temperature=0), 0.0))
+        while core.has_work():
+            core.step()
+            core.kv.check_invariant()
+
+
+def test_a_live_swap_counts_each_rule_apart_and_keeps_the_invariant() -> None:
+    core, _ = fake_core(num_pages=24, page_size=4)
+    system = list(range(1, 33))
+    prompts = [system + [100 + i] * 12 for i in range(6)]
+    run(core, prompts)
+    assert core.set_eviction_policy("lfu") == "lru"
+    run(core, prompts)
+    stats = core.stats()
+    assert stats["eviction_policy"] == "lfu"
+    by_rule = stats["eviction_by_rule"]
+    assert set(by_rule) == {"lru", "lfu"}
+    assert by_rule["lru"]["evictions"] > 0 and by_rule["lfu"]["hit_tokens"] > 0
+    assert by_rule["lfu"]["evicted_recomputed_tokens"] > 0  # the suffixes came back
+    with pytest.raises(ConfigError):
+        core.set_eviction_policy("nope")
+    assert core.stats()["eviction_policy"] == "lfu"
+
+
+def test_queue_aware_hears_the_waiting_queue_through_the_scheduler() -> None:
+    core, _ = fake_core(num_pages=24, page_size=4, eviction_policy="queue-aware")
+    prompt = list(range(1, 33))
+    run(core, [prompt])
+    core.add(Request("w", prompt + [7, 7], SamplingParams(max_new_tokens=1, temperature=0), 0.0))
+    core.scheduler.begin_step()  # a step boundary: the rule hears who waits
+    assert core.kv.tree.rule.stats()["wanted_nodes"] >= 1

@@ -1,0 +1,122 @@
+"""Pinned prefixes: the engine's pin/unpin and POST /v1/cache/pin, /v1/cache/unpin over real
+HTTP (admin token, as the other admin routes), the pool's pinned share (409 past it), TTLs,
+and the eviction policy's live swap over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from asyncengine.cache.pins import PinLimitError
+from tests.api.test_scheduling_e2e import engine, params
+from tests.server.test_server_scheduling import ADMIN, API_KEY, auth, post
+from tests.server_support import start_server
+
+SYSTEM = "You are a careful assistant. " * 4  # 112 characters: 28 pages of 4
+
+
+async def test_a_pinned_prefix_outlives_eviction_pressure_until_unpinned() -> None:
+    eng = engine(num_pages=64, max_pinned_fraction=0.5)
+    await eng.start()
+    try:
+        pin = await eng.pin(SYSTEM)  # computed first: nothing was cached
+        assert pin.tokens == len(SYSTEM) // 4 * 4 and pin.pages == pin.tokens // 4
+        for index in range(12):  # unrelated prompts churn the pool many times over
+            await eng.generate(f"{index:03d} " + "x" * 60, params(4))
+        kv = eng.scheduler.kv
+        assert kv.tree.prefix_length(eng.tokenize(SYSTEM)) == pin.tokens
+        assert eng.stats()["pages_pinned"] == pin.pages
+        eng.unpin(pin.pin_id)
+        for index in range(12):
+            await eng.generate(f"{index:03d} " + "y" * 60, params(4))
+        assert kv.tree.prefix_length(eng.tokenize(SYSTEM)) < pin.tokens  # evictable again
+        with pytest.raises(KeyError):
+            eng.unpin(pin.pin_id)
+        kv.check_invariant()
+    finally:
+        await eng.stop()
+
+
+async def test_a_pin_past_the_pinned_share_is_refused_before_any_work() -> None:
+    eng = engine(num_pages=64, max_pinned_fraction=0.25)  # 16 pages
+    await eng.start()
+    try:
+        with pytest.raises(PinLimitError, match="max_pinned_fraction"):
+            await eng.pin(SYSTEM)  # 28 pages
+        assert eng.stats()["prompt_tokens"] == 0  # nothing was computed for it
+        first = await eng.pin(SYSTEM[:40])  # 10 pages
+        with pytest.raises(PinLimitError):
+            await eng.pin(SYSTEM[40:80])  # 10 more: 20 > 16
+        eng.unpin(first.pin_id)
+        await eng.pin(SYSTEM[40:80])
+    finally:
+        await eng.stop()
+
+
+async def test_a_pin_ends_at_its_ttl() -> None:
+    eng = engine(num_pages=64, max_pinned_fraction=0.5)
+    await eng.start()
+    try:
+        pin = await eng.pin(SYSTEM, ttl_s=0.05)
+        assert eng.stats()["pinned_prefixes"] == 1
+        await asyncio.sleep(0.1)
+        await eng.generate("tick", params(1))  # a step boundary drops what expired
+        assert eng.stats()["pinned_prefixes"] == 0
+        with pytest.raises(KeyError):
+            eng.unpin(pin.pin_id)
+        eng.scheduler.kv.check_invariant()
+    finally:
+        await eng.stop()
+
+
+async def test_pin_and_unpin_over_http_need_the_admin_token() -> None:
+    eng = engine(num_pages=64, max_pinned_fraction=0.25)
+    await eng.start()
+    running = await start_server(eng.config, engine=eng, admin_token=ADMIN, api_key=API_KEY)
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": SYSTEM[:40], "ttl_s": 600}
+            status, _ = await post(session, running, "/v1/cache/pin", body)
+            assert status == 401
+            status, _ = await post(session, running, "/v1/cache/pin", body, headers=auth())
+            assert status == 403  # the API key does not open an admin route
+            status, out = await post(session, running, "/v1/cache/pin", body, headers=auth(ADMIN))
+            assert status == 200 and out["tokens"] == 40 and out["expires_in_s"] == 600
+            status, out_big = await post(
+                session, running, "/v1/cache/pin", {"prompt": SYSTEM}, headers=auth(ADMIN)
+            )
+            assert status == 409 and "max_pinned_fraction" in out_big["error"]["message"]
+            status, _ = await post(
+                session, running, "/v1/cache/pin", {"prompt": "ab"}, headers=auth(ADMIN)
+            )
+            assert status == 400  # shorter than a page
+            unpin = {"pin_id": out["pin_id"]}
+            status, _ = await post(session, running, "/v1/cache/unpin", unpin, headers=auth(ADMIN))
+            assert status == 200
+            status, _ = await post(session, running, "/v1/cache/unpin", unpin, headers=auth(ADMIN))
+            assert status == 404
+    finally:
+        await running.stop()
+
+
+async def test_the_eviction_policy_swaps_live_over_http_and_refuses_files() -> None:
+    eng = engine(num_pages=64)
+    await eng.start()
+    running = await start_server(eng.config, engine=eng, admin_token=ADMIN)
+    try:
+        async with aiohttp.ClientSession() as session:
+            path = "/admin/eviction-policy"
+            status, out = await post(session, running, path, {"policy": "lfu"}, headers=auth(ADMIN))
+            assert status == 200 and out["previous"] == "lru"
+            status, out = await post(
+                session, running, path, {"policy": "/tmp/x.py:X"}, headers=auth(ADMIN)
+            )
+            assert status == 400 and "may not be swapped in live" in out["error"]["message"]
+            async with session.get(running.base_url + path, headers=auth(ADMIN)) as resp:
+                shown = await resp.json()
+            assert shown["policy"] == "lfu" and "lru" in shown["by_rule"]
+        assert eng.config.eviction_policy == "lfu"
+    finally:
+        await running.stop()
