@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from asyncengine.kernels.cpu.lora_native import PreparedLora
+
+@dataclass(frozen=True, slots=True)
+class PreparedLora:
+    """One projection's adapter weights with the kernel's constant arguments worked out once
+    (a decode step makes ~120 calls: their Python share is most of the cost at batch 1)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    slices: np.ndarray
+    args: tuple[int, int, int, int, int, int]  # a, bt, weights bf16, in, out, rank
+    dtype: torch.dtype
+
 
 TARGETS = 4  # qkv, o_proj, gate_up, down: LORA_TARGETS in the C header, in that order
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p

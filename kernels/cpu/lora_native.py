@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
-from asyncengine.kernels.cpu.decode_step_lora import StepLora
+from asyncengine.kernels.cpu.decode_step_lora import PreparedLora, StepLora
 from asyncengine.kernels.reference.lora_ref import lora_apply_ref
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -95,18 +94,6 @@ def lora_apply(
     )
     if status != 0:
         raise MemoryError("the LoRA kernel could not allocate its scratch rows")
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLora:
-    """One projection's adapter weights with the kernel's constant arguments worked out once
-    (a decode step makes ~120 calls: their Python share is most of the cost at batch 1)."""
-
-    a: torch.Tensor
-    bt: torch.Tensor
-    slices: np.ndarray
-    args: tuple[int, int, int, int, int, int]  # a, bt, weights bf16, in, out, rank
-    dtype: torch.dtype
 
 
 def prepare(a: torch.Tensor, bt: torch.Tensor, slices: np.ndarray) -> PreparedLora | None:

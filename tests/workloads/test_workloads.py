@@ -32,6 +32,7 @@ SMALL: dict[str, dict[str, object]] = {
     "task_mix": {"num_requests": 30},
     "adapter_mix": {"num_requests": 30},
     "hot_adapter_flood": {"num_hot": 20, "per_cold": 2},
+    "hot_scan": {"num_requests": 24, "system_len": 64, "scan_median": 64.0, "max_scan_len": 256},
 }
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from asyncengine.executor.lora.peft_adapter import LoraAdapter
-from asyncengine.kernels.cpu.decode_step_lora import AdapterTable
-from asyncengine.kernels.cpu.lora_native import PreparedLora
+from asyncengine.kernels.cpu.decode_step_lora import AdapterTable, PreparedLora
 
 # the projections in the table's order (TARGETS)
 TARGET_NAMES = ("qkv", "o_proj", "gate_up", "down")

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.kernels.cpu import lora_native
-from asyncengine.kernels.cpu.lora_native import PreparedLora
+from asyncengine.kernels.cpu.decode_step_lora import PreparedLora
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
