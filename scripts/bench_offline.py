@@ -79,7 +79,7 @@ from systems import (
     SystemRun,
     VllmSystem,
     cell,
-    machine,
+    finish,
     require_peers,
     resolve_dtype,
     timed,
@@ -707,17 +707,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.time()
     result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)
-    result["machine"] = machine()
-    result["command"] = " ".join(
-        ["scripts/bench_offline.py", *(argv if argv is not None else sys.argv[1:])]
-    )
     result["dtype"] = args.dtype
     result["model"] = args.model
-    result["bench_seconds"] = time.time() - started
-    print(table(result))
-    if args.out is not None:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
+    finish(result, "scripts/bench_offline.py", argv, started, args.out, table)
     return result
 
 

@@ -58,11 +58,10 @@ from systems import (
     WARMUP_PROMPT,
     cell,
     decode_tokens_per_second,
+    finish,
     greedy,
-    machine,
     require_peers,
     stream_repeats,
-    write_json,
 )
 
 from asyncengine.common.config import EngineConfig, key_value
@@ -483,16 +482,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "threads": args.threads or os.cpu_count(),
     }
     add_bounds(result)
-    result["machine"] = machine()
-    result["command"] = " ".join(
-        ["scripts/bench_real_sizes.py", *(argv if argv is not None else sys.argv[1:])]
-    )
-    result["bench_seconds"] = time.time() - started
-    print(table(result))
-    if args.out is not None:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
-    return result
+    return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, table)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,10 @@ from systems import (
     LlamaCppSystem,
     VllmSystem,
     cell,
-    machine,
+    finish,
     model_dir_for,
     require_peers,
     resolve_dtype,
-    write_json,
 )
 
 from asyncengine.common.config import EngineConfig, key_value
@@ -386,16 +385,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         bandwidth.bytes_per_second, weights["bytes"]
     )
     add_fractions(result)
-    result["machine"] = machine()
-    result["command"] = " ".join(
-        ["scripts/bench_single_stream.py", *(argv if argv is not None else sys.argv[1:])]
-    )
-    result["bench_seconds"] = time.time() - started
-    print(table(result))
-    if args.out is not None:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
-    return result
+    return finish(result, "scripts/bench_single_stream.py", argv, started, args.out, table)
 
 
 if __name__ == "__main__":

@@ -228,6 +228,26 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(finite(result), indent=2) + "\n", encoding="utf-8")
 
 
+def finish(
+    result: dict[str, Any],
+    script: str,
+    argv: Sequence[str] | None,
+    started: float,
+    out: Path | None,
+    render: Callable[[dict[str, Any]], str],
+) -> dict[str, Any]:
+    """A benchmark's last steps: the machine, the command and the run time into ``result``,
+    its table printed, its JSON written to ``out`` when given."""
+    result["machine"] = machine()
+    result["command"] = " ".join([script, *(argv if argv is not None else sys.argv[1:])])
+    result["bench_seconds"] = time.time() - started
+    print(render(result))
+    if out is not None:
+        write_json(out, result)
+        print(f"wrote {out}")
+    return result
+
+
 def greedy(output_len: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
 
