@@ -23,6 +23,7 @@ without an admin token. They share the server's own address (127.0.0.1 unless to
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -85,24 +86,47 @@ def _json(body: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
-async def set_policy(request: web.Request) -> web.Response:
+async def _swap(
+    request: web.Request,
+    body_type: type[PolicyChange] | type[EvictionChange],
+    method: str,
+    check: Callable[[str, Any], None],
+    what: str,
+    code: str,
+    unsupported_code: str,
+) -> web.Response:
+    """A live swap (``engine.<method>``) of what ``body_type`` names, once ``check`` allows it
+    against the start-up list; a refusal is a 400 with ``code``, an engine without the method
+    a 501 with ``unsupported_code``."""
     _check_token(request)
     check_content_type(request)
-    change = decode_body(await request.read(), PolicyChange)
+    change = decode_body(await request.read(), body_type)
     engine = request.app[STATE].engine
-    if not hasattr(engine, "set_policy"):
+    if not hasattr(engine, method):
         raise ApiError(
             501,
-            "this server's engines (replicas) do not support a live policy change",
+            f"this server's engines (replicas) do not support a live {what} change",
             type="not_implemented",
-            code="policy_swap_unsupported",
+            code=unsupported_code,
         )
     try:
-        check_live_policy(change.policy, engine.config.allowed_policies)
-        previous = engine.set_policy(change.policy, change.options)
+        check(change.policy, engine.config)
+        previous = getattr(engine, method)(change.policy, change.options)
     except (ConfigError, ValueError, TypeError) as exc:
-        raise invalid_request(str(exc), param="policy", code="invalid_policy") from None
+        raise invalid_request(str(exc), param="policy", code=code) from None
     return _json({"policy": change.policy, "options": change.options or {}, "previous": previous})
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    return await _swap(
+        request,
+        PolicyChange,
+        "set_policy",
+        lambda name, config: check_live_policy(name, config.allowed_policies),
+        "policy",
+        "invalid_policy",
+        "policy_swap_unsupported",
+    )
 
 
 async def get_policy(request: web.Request) -> web.Response:
@@ -121,23 +145,15 @@ async def get_policy(request: web.Request) -> web.Response:
 
 
 async def set_eviction_policy(request: web.Request) -> web.Response:
-    _check_token(request)
-    check_content_type(request)
-    change = decode_body(await request.read(), EvictionChange)
-    engine = request.app[STATE].engine
-    if not hasattr(engine, "set_eviction_policy"):
-        raise ApiError(
-            501,
-            "this server's engines (replicas) do not support a live eviction policy change",
-            type="not_implemented",
-            code="eviction_swap_unsupported",
-        )
-    try:
-        check_live_eviction_rule(change.policy, engine.config.allowed_eviction_policies)
-        previous = engine.set_eviction_policy(change.policy, change.options)
-    except (ConfigError, ValueError, TypeError) as exc:
-        raise invalid_request(str(exc), param="policy", code="invalid_eviction_policy") from None
-    return _json({"policy": change.policy, "options": change.options or {}, "previous": previous})
+    return await _swap(
+        request,
+        EvictionChange,
+        "set_eviction_policy",
+        lambda name, config: check_live_eviction_rule(name, config.allowed_eviction_policies),
+        "eviction policy",
+        "invalid_eviction_policy",
+        "eviction_swap_unsupported",
+    )
 
 
 async def get_eviction_policy(request: web.Request) -> web.Response:
