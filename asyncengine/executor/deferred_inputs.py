@@ -1,6 +1,10 @@
 """The token each page-table row sampled last, kept where the model runs, so that a plan made
 before the previous step landed (overlap scheduling: scheduler/plan_ahead.py) gets its
-deferred decode inputs (``BatchPlan.deferred``) without the host waiting for them."""
+deferred decode inputs (``BatchPlan.deferred``) without the host waiting for them.
+
+Both directions go over the index arrays ``build_forward_batch`` made with the step's other
+inputs (``ForwardBatch.sampled_rows``, ``deferred_at``, ``deferred_rows``; on a GPU they
+travel in the same copy): no pass over the plan's segments, no index copy of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncengine.common.plan import BatchPlan
+from asyncengine.executor.forward_batch import ForwardBatch
 
 
 class LastSampled:
@@ -18,30 +22,20 @@ class LastSampled:
         self.device = device
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
 
-    def fill(self, plan: BatchPlan, input_ids: torch.Tensor) -> None:
-        """Write each deferred decode's input into ``input_ids`` (the forward's flat tokens:
-        the extends' tokens, then one per decode), in place."""
-        if not plan.deferred:
+    def fill(self, batch: ForwardBatch) -> None:
+        """Write each deferred decode's input into ``batch.input_ids``, in place."""
+        at, rows = batch.deferred_at, batch.deferred_rows
+        if at is None or rows is None or not at.shape[0]:
             return
-        num_extend = sum(len(s.input_ids) for s in plan.extends)
-        decodes = plan.decodes
-        at = [num_extend + i for i in plan.deferred]
-        rows = [decodes[i].row for i in plan.deferred]
-        if any(len(s.input_ids) != 1 for s in decodes):
-            raise ValueError(f"plan {plan.step} defers inputs beside multi-token decodes")
-        input_ids[self._index(at)] = self.tokens[self._index(rows)]
+        batch.input_ids[at] = self.tokens[rows]
 
-    def record(self, plan: BatchPlan, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """The tokens just sampled for ``plan`` (one per sampled segment, plan order)."""
-        rows = [s.row for s in plan.extends if s.sample] + [s.row for s in plan.decodes if s.sample]
-        if not rows:
+    def record(self, batch: ForwardBatch, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """The tokens just sampled for ``batch`` (one per sampled segment, plan order)."""
+        rows = batch.sampled_rows
+        if rows is None:
+            raise ValueError("a batch without sampled_rows (not from build_forward_batch)")
+        if not rows.shape[0]:
             return
         if not isinstance(token_ids, torch.Tensor):
             token_ids = torch.tensor(list(token_ids), dtype=torch.int64)
-        self.tokens[self._index(rows)] = token_ids.to(self.device, torch.int64)
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        index = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cpu":
-            return index
-        return index.pin_memory().to(self.device, non_blocking=True)
+        self.tokens[rows] = token_ids.to(self.device, torch.int64)

@@ -37,6 +37,13 @@ class ForwardBatch:
     # (source, destination) [C] int64 KV slots each layer copies after storing, before
     # attending (BatchPlan.kv_copies)
     kv_copies: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [num_sampled] int64: the page-table row of each sampled segment, plan order (where the
+    # executor keeps each row's last sampled token: deferred_inputs.py)
+    sampled_rows: torch.Tensor | None = None
+    # [D] int64 flat token rows whose input is their page-table row's last sampled token
+    # (BatchPlan.deferred), and [D] int64 those rows: filled in on the device, over arrays
+    deferred_at: torch.Tensor | None = None
+    deferred_rows: torch.Tensor | None = None
 
     @property
     def hidden_rows(self) -> torch.Tensor:
@@ -116,6 +123,7 @@ def build_forward_batch(
         len(plan.decodes) == 1
         and not plan.extends
         and not plan.num_guesses
+        and not plan.deferred
         and device.type == "cpu"
         and len(plan.decodes[0].input_ids) == 1
     ):
@@ -134,6 +142,8 @@ def _vectorized_batch(
     """build_forward_batch over numpy arrays of all the plan's segments."""
     extends, decodes = plan.extends, plan.decodes
     if plan.num_guesses:
+        if plan.deferred:
+            raise ValueError(f"plan {plan.step} defers inputs beside guessed tokens")
         if not extends and sum(len(s.input_ids) for s in decodes) <= verify_decode_rows:
             rows = _verified_as_decodes(plan)
             return build_forward_batch(rows, page_table, page_size, device, staging)
@@ -176,9 +186,13 @@ def _vectorized_batch(
     slots += positions % page_size
     sampled = np.concatenate([cu[1:][ext[:, 3] != 0] - 1, n_ext + np.flatnonzero(dec[:, 3])])
     scored = _score_rows(plan, cu)
+    longs = [input_ids, positions, slots, sampled, token_rows[sampled]]
+    if plan.deferred:  # their flat token rows and page-table rows, in the same copy
+        deferred = np.asarray(plan.deferred, dtype=np.int64)
+        longs += [n_ext + deferred, dec_rows[deferred]]
 
     tensors = _to_device(
-        [input_ids, positions, slots, sampled],
+        longs,
         [
             page_table[ext_rows, :ext_width],
             ext_seq_lens.astype(np.int32),
@@ -189,9 +203,11 @@ def _vectorized_batch(
         device,
         staging,
     )
-    ids_t, positions_t, slots_t, sampled_t, ext_table, ext_lens_t, cu_t, dec_table, dec_lens_t = (
-        tensors
-    )
+    ext_table, ext_lens_t, cu_t, dec_table, dec_lens_t = tensors[len(longs) :]
+    ids_t, positions_t, slots_t, sampled_t, sampled_rows_t = tensors[:5]
+    deferred_at_t = deferred_rows_t = None
+    if plan.deferred:
+        deferred_at_t, deferred_rows_t = tensors[5:7]
     score_t = None
     if scored is not None:
         score_t = torch.from_numpy(scored).to(device)
@@ -216,6 +232,9 @@ def _vectorized_batch(
         decode_block_table=dec_table,
         decode_seq_lens=dec_lens_t,
         decode_max_seq_len=dec_max,
+        sampled_rows=sampled_rows_t,
+        deferred_at=deferred_at_t,
+        deferred_rows=deferred_rows_t,
     )
 
 
@@ -231,7 +250,9 @@ def _one_decode_batch(plan: BatchPlan, page_table: np.ndarray, page_size: int) -
     if plan.kv_copies:
         pairs = torch.tensor(plan.kv_copies, dtype=torch.int64)
         kv_copies = (pairs[:, 0], pairs[:, 1])
-    longs = torch.from_numpy(np.array([seg.input_ids[0], position, slot, 0], dtype=np.int64))
+    longs = torch.from_numpy(
+        np.array([seg.input_ids[0], position, slot, 0, seg.row], dtype=np.int64)
+    )
     ints = torch.from_numpy(np.array([seq_len, 0], dtype=np.int32))
     return ForwardBatch(
         input_ids=longs[0:1],
@@ -251,6 +272,7 @@ def _one_decode_batch(plan: BatchPlan, page_table: np.ndarray, page_size: int) -
         decode_seq_lens=ints[0:1],
         decode_max_seq_len=seq_len,
         kv_copies=kv_copies,
+        sampled_rows=longs[4:5] if seg.sample else longs[4:4],
     )
 
 

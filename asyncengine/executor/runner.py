@@ -194,7 +194,7 @@ class ModelRunner:
             self._staging,
             verify_decode_rows=self.verify_decode_rows,
         )
-        self.last_sampled.fill(plan, batch.input_ids)
+        self.last_sampled.fill(batch)
         return batch
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
@@ -307,14 +307,14 @@ class ModelRunner:
                 return lambda: output
             greedy = self._greedy_graph_step(batch, plan)
             if greedy is not None:  # forward, LM head and argmax replayed as one graph
-                self.last_sampled.record(plan, greedy)
+                self.last_sampled.record(batch, greedy)
                 return _tokens_when_ready(greedy, start)
             result = self._forward(batch, plan)
             ids: list[int] = []
             logprobs: list[TokenLogprobs | None] = []
             if plan.sampling:
                 token_ids, sampled_logprobs = self.sampler.sample(result.logits, plan.sampling)
-                self.last_sampled.record(plan, token_ids)
+                self.last_sampled.record(batch, token_ids)
                 ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
                 logprobs = list(sampled_logprobs)
         output = StepOutput(

@@ -4,20 +4,24 @@
 The real ``AsyncEngine`` (scheduler, policy, radix cache, commit, stop checks, detokenizer,
 streams) drives a stand-in executor that does an executor's host work and no model: it applies
 the plan's page writes, turns the plan into the forward's tensors (``build_forward_batch``, on
-the CPU) and samples greedily through the real ``Sampler`` from a stand-in logits tensor of
-``--logits-width`` columns (the argmax of a [B, vocab] tensor is device work on a GPU; the
-sampled column is offset into ordinary text tokens). Every request streams its deltas to a
-consumer task, as an HTTP handler would.
+the CPU), fills in and keeps the deferred decode inputs as the GPU executor does, and picks the
+tokens from a stand-in logits tensor of ``--logits-width`` columns (the sampled column offset
+into ordinary text tokens): a plain greedy step's argmax is device work on a GPU (the captured
+step's last kernel), so there the host only checks that every row is plain greedy; other steps
+go through the real ``Sampler``. Every request streams its deltas to a consumer task, as an
+HTTP handler would.
 
-``--device-ms X`` makes the stand-in forward a wait of X ms that releases the GIL, as waiting
-on a GPU does (X: the device's measured step, e.g. 1.6 for a batch-256 decode step of the
-embedded model on an H200), and ``--overlap`` turns ``enable_overlap_schedule`` on: the stand-in
-fills in deferred decode inputs as a GPU executor does, so the engine plans step N+1 while the
-"device" runs step N (scheduler/plan_ahead.py). Together they show how much of the host work
-hides under the device: the report gives each scenario's step wall time against max(host CPU
-ms per step, device ms), which overlap should approach. (With overlap, parts of one step run
-during the next step's forward, so the per-part split is charged to whichever step was
-scheduled last.)
+``--device-ms X`` gives the stand-in a device: each step, once launched, takes X ms of a
+timeline of its own (X: the device's measured step, e.g. 1.6 for a batch-256 decode step of the
+embedded model on an H200), starting when both its launch and the step before it are done, and
+waiting for its output sleeps with the GIL released, as waiting on a GPU does. The stand-in
+launches in two halves as the GPU executor does (``launch``: the host half, then the wait), and
+``--overlap`` turns ``enable_overlap_schedule`` on: the engine plans and launches step N+1
+while the "device" runs step N (scheduler/plan_ahead.py). Together they show how much of the
+host work hides under the device: the report gives each scenario's step wall time against
+max(host CPU ms per step, device ms), which overlap should approach. (With overlap, parts of
+one step run during the next step's forward, so the per-part split is charged to whichever
+step was scheduled last.)
 
 Scenarios: ``decode`` at batch B (B requests of 16-token prompts and long outputs, all running
 at once; the steps with exactly B decodes and no prefill are measured), and ``mixed`` (1,024
@@ -60,12 +64,12 @@ import torch
 from asyncengine.api.event_loop import run as run_loop
 from asyncengine.cache.page_table import PageTable
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.plan import BatchPlan, StepOutput, TokenLogprobs
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.deferred_inputs import LastSampled
 from asyncengine.executor.forward_batch import build_forward_batch
-from asyncengine.executor.sampler import Sampler
+from asyncengine.executor.sampler import Sampler, greedy_tokens
 
 TOKEN_OFFSET = 1000  # stand-in logits column c samples token TOKEN_OFFSET + c (ordinary text)
 
@@ -119,6 +123,27 @@ class StepClock:
         return timed
 
 
+class StandInDevice:
+    """A device's timeline: each launched step runs ``seconds`` from when both it is launched
+    and the step before it is done, apart from the host thread that launched it, as a GPU
+    runs a queue of enqueued work; waiting for a step sleeps (GIL released) until it is done."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.free_at = 0.0  # perf_counter when the last launched step is done
+
+    def enqueue(self) -> float:
+        """Queue one step now; when it is done."""
+        self.free_at = max(self.free_at, time.perf_counter()) + self.seconds
+        return self.free_at
+
+    @staticmethod
+    def wait(done: float) -> None:
+        left = done - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 class StandInExecutor:
     """An executor's host work without a model (see the module docstring)."""
 
@@ -134,7 +159,7 @@ class StandInExecutor:
         self.sampler = Sampler(eos_token_ids)
         self.defers_inputs = True  # as a GPU executor: plans may be made ahead (overlap)
         self.width = width
-        self.forward_seconds = forward_ms / 1e3  # a GPU's forward: a wait that frees the GIL
+        self.device = StandInDevice(forward_ms / 1e3)  # a GPU's forward: a wait, GIL free
         self.clock: StepClock | None = None
         gen = torch.Generator().manual_seed(0)
         self._logits = torch.randn(4096, width, generator=gen)
@@ -157,23 +182,43 @@ class StandInExecutor:
     def _prepare(self, plan: BatchPlan) -> Any:
         self.table.apply(plan.page_writes)
         batch = build_forward_batch(plan, self.table.array, self.layout.page_size, _CPU)
-        self.last_sampled.fill(plan, batch.input_ids)
+        self.last_sampled.fill(batch)
         return batch
 
-    def execute(self, plan: BatchPlan) -> StepOutput:
-        start = time.perf_counter()
-        self._timed("plan -> tensors", self._prepare, plan)
-        if self.forward_seconds:
-            time.sleep(self.forward_seconds)
+    def _sample(self, plan: BatchPlan) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """The step's tokens: a plain greedy step's argmax is device work on a GPU (the
+        captured step's last kernel: the host only checks that the rows are plain greedy),
+        any other goes through the sampler on the host, as there."""
         rows = len(plan.sampling)
-        if not rows:
-            return StepOutput([], [], time.perf_counter() - start)
         offset = plan.step % (self._logits.shape[0] - rows + 1)
         logits = self._logits[offset : offset + rows]
-        ids, logprobs = self._timed("sampling", self.sampler.sample, logits, plan.sampling)
-        tokens = [TOKEN_OFFSET + t for t in ids]
-        self.last_sampled.record(plan, tokens)
-        return StepOutput(tokens, list(logprobs), time.perf_counter() - start)
+        if self.sampler.plain_greedy(plan.sampling):
+            return greedy_tokens(logits) + TOKEN_OFFSET, [None] * rows
+        ids, logprobs = self.sampler.sample(logits, plan.sampling)
+        return torch.tensor(ids, dtype=torch.int64) + TOKEN_OFFSET, list(logprobs)
+
+    def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
+        """The host half of a step, as the model executor's ``launch`` on a GPU: the plan
+        turned into tensors, the tokens picked and kept for the next plan's deferred inputs,
+        the step queued on the device; returns the wait for its output."""
+        start = time.perf_counter()
+        batch = self._timed("plan -> tensors", self._prepare, plan)
+        tokens: torch.Tensor | None = None
+        logprobs: list[TokenLogprobs | None] = []
+        if plan.sampling:
+            tokens, logprobs = self._timed("sampling", self._sample, plan)
+            self.last_sampled.record(batch, tokens)
+        done = self.device.enqueue()
+
+        def collect() -> StepOutput:
+            self.device.wait(done)
+            ids = [] if tokens is None else tokens.tolist()
+            return StepOutput(ids, logprobs, time.perf_counter() - start)
+
+        return collect
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        return self.launch(plan)()
 
 
 _CPU = torch.device("cpu")

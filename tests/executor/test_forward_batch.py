@@ -47,6 +47,9 @@ def test_batch_matches_a_per_token_loop(num_ext: int, num_dec: int) -> None:
     assert batch.positions.tolist() == positions
     assert batch.slot_mapping.tolist() == slots
     assert batch.sample_indices.tolist() == sampled
+    assert batch.sampled_rows is not None
+    assert batch.sampled_rows.tolist() == [s.row for s in plan.segments if s.sample]
+    assert batch.deferred_at is None and batch.deferred_rows is None
     assert batch.input_ids.dtype == torch.int64 and batch.extend_seq_lens.dtype == torch.int32
     assert batch.num_extend_tokens == sum(s.num_tokens for s in plan.extends)
     assert batch.decode_seq_lens.tolist() == [s.start_pos + 1 for s in plan.decodes]
