@@ -51,6 +51,8 @@ class InFlight(NamedTuple):
 
     plan: BatchPlan
     future: asyncio.Future[StepOutput]
+    # an executor that launches in two halves: done when the first half has returned
+    launched: asyncio.Future[None] | None = None
 
 
 class StepLoop:
@@ -111,6 +113,12 @@ class StepLoop:
                     # forward queues behind this one on the worker thread, so the device goes
                     # from one to the next while this step lands and streams.
                     pending = self._launch(core)
+                    if pending is not None and pending.launched is not None:
+                        # Its launch goes first: the worker needs the GIL for it, which this
+                        # step's landing and streaming would hold for their whole length (the
+                        # interpreter hands it over after 5 ms), the device waiting meanwhile;
+                        # it returns as soon as the step is enqueued.
+                        await pending.launched
                 try:
                     output: StepOutput | BaseException = await step.future
                 except Exception as exc:  # one bad forward fails its batch, not the engine
@@ -155,18 +163,56 @@ class StepLoop:
             return None
         loop = asyncio.get_running_loop()
         if self.split_launch is None:
-            future = loop.run_in_executor(self.worker, core.executor.execute, plan)
-        else:
-            future = asyncio.ensure_future(self._launched(self.split_launch, plan))
-        return InFlight(plan, future)
+            return InFlight(plan, loop.run_in_executor(self.worker, core.executor.execute, plan))
+        return self._launched(self.split_launch, plan)
 
-    async def _launched(
+    def _launched(
         self, launch: Callable[[BatchPlan], Callable[[], StepOutput]], plan: BatchPlan
-    ) -> StepOutput:
-        """``plan`` enqueued on the worker thread, then its output waited for on the waiter
-        thread (one, so outputs come in launch order)."""
+    ) -> InFlight:
+        """``plan`` enqueued on the worker thread, which hands the wait for its output to the
+        waiter thread (one, so outputs come in launch order); the loop hears when the launch
+        has returned and when the output (or an error) is there."""
         loop = asyncio.get_running_loop()
-        collect = await loop.run_in_executor(self.worker, launch, plan)
+        future: asyncio.Future[StepOutput] = loop.create_future()
+        launched: asyncio.Future[None] = loop.create_future()
+
+        def mark_launched() -> None:
+            if not launched.done():
+                launched.set_result(None)
+
         if self.waiter is None:
             self.waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-wait")
-        return await loop.run_in_executor(self.waiter, collect)
+        waiter = self.waiter
+
+        def deliver(output: StepOutput) -> None:
+            mark_launched()
+            if not future.cancelled():
+                future.set_result(output)
+
+        def fail(error: Exception) -> None:  # the loop's to report, as an executor's error
+            mark_launched()
+            if not future.cancelled():
+                future.set_exception(error)
+
+        def wait(collect: Callable[[], StepOutput]) -> None:  # on the waiter thread
+            try:
+                output = collect()
+            except Exception as error:
+                loop.call_soon_threadsafe(fail, error)
+            else:
+                loop.call_soon_threadsafe(deliver, output)
+
+        def start() -> None:  # on the worker thread
+            try:
+                collect = launch(plan)
+            except Exception as error:
+                loop.call_soon_threadsafe(fail, error)
+            else:
+                waiter.submit(wait, collect)
+                loop.call_soon_threadsafe(mark_launched)
+
+        if self.worker is None:
+            loop.run_in_executor(None, start)
+        else:
+            self.worker.submit(start)
+        return InFlight(plan, future, launched)

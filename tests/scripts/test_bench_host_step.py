@@ -64,12 +64,14 @@ def test_with_overlap_the_steps_are_planned_ahead_of_the_device(
     bench: ModuleType, tmp_path: Path
 ) -> None:
     out = tmp_path / "host.json"
-    bench.main(["--batches", "8", "--output-len", "16", "--mixed-requests", "0",
+    bench.main(["--batches", "8", "--output-len", "32", "--mixed-requests", "0",
                 "--device-ms", "1.0", "--overlap", "--out", str(out)])  # fmt: skip
     (row,) = json.loads(out.read_text())["rows"]
     assert row["device_ms"] == 1.0
     assert row["planned_ahead"] == 1.0  # every steady decode step was planned during the last
-    assert row["host_ms_per_step"] >= 1.0  # the device's wait is in every step's wall
+    # the device runs one step at a time: steps come no faster than its 1 ms (a step's wall
+    # runs from one plan to the next, and plans are made ahead, so single steps may be shorter)
+    assert row["host_ms_mean"] >= 0.95
     assert row["wall_over_bound"] == row["host_ms_per_step"] / max(row["cpu_ms_per_step"], 1.0)
 
 
