@@ -247,13 +247,11 @@ class RadixCache:
         else:
             del self._root_heads[head]
 
-    def _key(self, node: RadixNode) -> float:
-        return float(node.last_access) if self._plain_lru else self.rule.key(node)
-
     def _push(self, node: RadixNode) -> None:
         entry = next(self._heap_ids)
         node.heap_id = entry
-        heapq.heappush(self._heap, (self._key(node), entry, node))
+        key = float(node.last_access) if self._plain_lru else self.rule.key(node)
+        heapq.heappush(self._heap, (key, entry, node))
 
     def requeue(self, node: RadixNode) -> None:
         """``node``'s key fell (the rule says so): an evictable leaf, or a node whose entry
@@ -312,6 +310,7 @@ class RadixCache:
         key = _as_token_tuple(tokens)
         pos = 0
         chunks: list[np.ndarray] = []
+        touches = self._touches
         while pos < end:
             child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
             if child is None:
@@ -323,7 +322,7 @@ class RadixCache:
                 child = self._split(child, length)
             child.last_access = tick
             child.hits += 1
-            if self._touches:
+            if touches:
                 self.rule.touch(child)
             chunks.append(child.value)
             pos += length
@@ -526,6 +525,7 @@ class RadixCache:
         heap = self._heap
         root = self.root
         plain_lru = self._plain_lru
+        spill, ledger = self.spill, self.ledger
         while count < num_tokens and heap:
             stamp, entry, node = heapq.heappop(heap)
             if entry != node.heap_id:
@@ -538,8 +538,8 @@ class RadixCache:
             if key > stamp:
                 self._push(node)  # its key rose since it was pushed: take its place again
                 continue
-            if self.spill is not None:
-                self.spill.store(node)
+            if spill is not None:
+                spill.store(node)
             del parent.children[self._child_key(node.key, 0)]
             if parent is root:
                 self._drop_root_head(node.key[0])
@@ -550,8 +550,8 @@ class RadixCache:
             freed.append(node.value)
             if self._events is not None:
                 self._events.append(BlockRemoved(list(node.hashes), None))
-            if self.ledger is not None:
-                self.ledger.evicted(node)
+            if ledger is not None:
+                ledger.evicted(node)
             if not plain_lru:
                 self.rule.evicted(node, key)
             if parent is not root and not parent.children and parent.lock_ref == 0:
