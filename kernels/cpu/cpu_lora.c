@@ -154,14 +154,14 @@ int asyncengine_lora_apply_table(void *y, int64_t y_stride, const void *x, int64
     }
     if (work == 0) return 0;
     const int team = threads > 1 && n > 1 && work >= PARALLEL_MIN_WORK ? threads : 1;
-    const int64_t per_thread = in + lora->max_rank + 2 * out;
+    const int64_t per_thread = in + lora->max_rank + out;
     float *scratch = (float *)malloc((size_t)team * (size_t)per_thread * sizeof(float));
     if (scratch == NULL) return -1;
     const size_t esize = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *xf = scratch + (size_t)omp_get_thread_num() * (size_t)per_thread;
-        float *t = xf + in, *acc = t + lora->max_rank, *delta = acc + out;
+        float *t = xf + in, *delta = t + lora->max_rank;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             const int32_t k = lora->row_adapter[i];
@@ -170,12 +170,12 @@ int asyncengine_lora_apply_table(void *y, int64_t y_stride, const void *x, int64
             const char *xr = (const char *)x + i * x_stride * esize;
             char *yr = (char *)y + i * y_stride * esize;
             if (!bf16) {
-                lora_add_range(p, lora->w_bf16, (const float *)xr, (float *)yr, 0, out, t, acc);
+                lora_add_range(p, lora->w_bf16, (const float *)xr, (float *)yr, 0, out, t);
                 continue;
             }
             for (int64_t j = 0; j < in; j++) xf[j] = bf16_to_float(((const uint16_t *)xr)[j]);
             for (int64_t o = 0; o < out; o++) delta[o] = 0.0f;
-            lora_add_range(p, lora->w_bf16, xf, delta, 0, out, t, acc);
+            lora_add_range(p, lora->w_bf16, xf, delta, 0, out, t);
             uint16_t *yh = (uint16_t *)yr; /* rounded once, as one_row */
             for (int64_t s = 0; s < p->n_slices; s++)
                 for (int32_t o = p->slices[4 * s]; o < p->slices[4 * s + 1]; o++)

@@ -1,9 +1,11 @@
 /* LoRA inside the fused decode step (cpu_decode_step.c): after a projection, each row that runs
  * under an adapter gets ``y += B (A x)`` (shrink to the adapter's rank, then expand, the scaling
  * folded into B), on the float32 activations the projection read, so the base weights stay as
- * stored. The same layout as cpu_lora.c: A [R, in], B transposed Bt [R, out], float32 or bfloat16,
- * B zero outside ``slices`` (out_start, out_end, rank_start, rank_end: a fused q/k/v or gate/up
- * expands each part from its own rank block). float32 sums.
+ * stored. A [R, in] as cpu_lora.c takes it; B as tiles (``b_tiles``): per slice (out_start,
+ * out_end, rank_start, rank_end: a fused q/k/v or gate/up expands each part from its own rank
+ * block), in order, ceil((out_end - out_start) / 16) tiles of [rank_end - rank_start][16]
+ * (B's 16 outputs by the slice's ranks, zero past out_end), so that a share of outputs reads one
+ * contiguous run and sums 16 outputs per load; float32 or bfloat16, float32 sums.
  *
  * A thread expands the outputs of its own share of the projection (the rows its gemv wrote), so
  * no barrier is added: it shrinks the rank blocks of the slices its share meets, itself. */
@@ -16,12 +18,13 @@
 
 /* one projection's update under one adapter (a NULL: the adapter leaves it as it is) */
 typedef struct {
-    const void *a;  /* [rank, in] */
-    const void *bt; /* [rank, out] */
+    const void *a;       /* [rank, in] */
+    const void *b_tiles; /* per slice, its tiles of B: [tiles][slice rank][LORA_TILE] */
     const int32_t *slices;
     int64_t n_slices, in, out, rank;
 } lora_proj;
 
+#define LORA_TILE 16 /* outputs of one tile of B */
 #define LORA_TARGETS 4 /* qkv, o_proj, gate_up, down */
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN };
 
@@ -91,50 +94,85 @@ static inline float lora_dot(const float *x, const void *w, int bf16, int64_t n)
     return sum;
 }
 
-/* y[0:n] += t * w[0:n]: w float32 or bfloat16 */
-static inline void lora_axpy(float *y, float t, const void *w, int bf16, int64_t n) {
-    int64_t i = 0;
+/* out[0:16] = sum over r < k of t[r] * tile[r][0:16]: tile float32 or bfloat16 */
+static inline void lora_tile(const float *t, const void *tile, int bf16, int64_t k, float *out) {
 #if defined(LORA_AVX512)
-    const __m512 tv = _mm512_set1_ps(t);
-    if (bf16)
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, load_bf16x16((const uint16_t *)w + i),
-                                                    _mm512_loadu_ps(y + i)));
-    else
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, _mm512_loadu_ps((const float *)w + i),
-                                                    _mm512_loadu_ps(y + i)));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t r = 0;
+    if (bf16) {
+        const uint16_t *w = (const uint16_t *)tile;
+        for (; r + 2 <= k; r += 2) {
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), load_bf16x16(w + r * LORA_TILE), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(t[r + 1]),
+                                   load_bf16x16(w + (r + 1) * LORA_TILE), acc1);
+        }
+        if (r < k) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), load_bf16x16(w + r * LORA_TILE), acc0);
+    } else {
+        const float *w = (const float *)tile;
+        for (; r + 2 <= k; r += 2) {
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(w + r * LORA_TILE), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(t[r + 1]),
+                                   _mm512_loadu_ps(w + (r + 1) * LORA_TILE), acc1);
+        }
+        if (r < k)
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(w + r * LORA_TILE), acc0);
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(acc0, acc1));
 #elif defined(LORA_AVX2)
-    const __m256 tv = _mm256_set1_ps(t);
-    if (bf16)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, load_bf16x8((const uint16_t *)w + i),
-                                                    _mm256_loadu_ps(y + i)));
-    else
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, _mm256_loadu_ps((const float *)w + i),
-                                                    _mm256_loadu_ps(y + i)));
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t r = 0; r < k; r++) {
+        const __m256 tv = _mm256_set1_ps(t[r]);
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)tile + r * LORA_TILE;
+            lo = _mm256_fmadd_ps(tv, load_bf16x8(w), lo);
+            hi = _mm256_fmadd_ps(tv, load_bf16x8(w + 8), hi);
+        } else {
+            const float *w = (const float *)tile + r * LORA_TILE;
+            lo = _mm256_fmadd_ps(tv, _mm256_loadu_ps(w), lo);
+            hi = _mm256_fmadd_ps(tv, _mm256_loadu_ps(w + 8), hi);
+        }
+    }
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+#else
+    for (int c = 0; c < LORA_TILE; c++) out[c] = 0.0f;
+    for (int64_t r = 0; r < k; r++)
+        for (int c = 0; c < LORA_TILE; c++)
+            out[c] += t[r] * lora_w1(tile, bf16, r * LORA_TILE + c);
 #endif
-    for (; i < n; i++) y[i] += t * lora_w1(w, bf16, i);
 }
 
 /* y[o] += (B (A x))[o] for the outputs o0 <= o < o1 of p (y indexed by output); t: max_rank
- * floats of scratch. The update is summed in acc (o1 - o0 floats) and added once, as cpu_lora.c
+ * floats of scratch. Each output's update is summed in float32 and added once, as cpu_lora.c
  * adds it to a projection's output. */
 static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
-                                  int64_t o0, int64_t o1, float *t, float *acc) {
+                                  int64_t o0, int64_t o1, float *t) {
     const int64_t es = bf16 ? 2 : 4;
+    const char *tiles = (const char *)p->b_tiles;
     for (int64_t s = 0; s < p->n_slices; s++) {
         const int32_t *sl = p->slices + 4 * s;
+        const int64_t k = sl[3] - sl[2], tile_bytes = k * LORA_TILE * es;
+        const char *slice_tiles = tiles;
+        tiles += (sl[1] - sl[0] + LORA_TILE - 1) / LORA_TILE * tile_bytes;
         const int64_t lo = o0 > sl[0] ? o0 : sl[0], hi = o1 < sl[1] ? o1 : sl[1];
         if (lo >= hi) continue;
-        const int64_t r0 = sl[2], r1 = sl[3];
-        for (int64_t r = r0; r < r1; r++)
-            t[r - r0] = lora_dot(x, (const char *)p->a + r * p->in * es, bf16, p->in);
-        for (int64_t o = lo; o < hi; o++) acc[o - lo] = 0.0f;
-        for (int64_t r = r0; r < r1; r++)
-            lora_axpy(acc, t[r - r0], (const char *)p->bt + (r * p->out + lo) * es, bf16, hi - lo);
-        for (int64_t o = lo; o < hi; o++) y[o] += acc[o - lo];
+        for (int64_t r = 0; r < k; r++)
+            t[r] = lora_dot(x, (const char *)p->a + (sl[2] + r) * p->in * es, bf16, p->in);
+        for (int64_t j = (lo - sl[0]) / LORA_TILE; sl[0] + j * LORA_TILE < hi; j++) {
+            const int64_t first = sl[0] + j * LORA_TILE;
+            float sum[LORA_TILE];
+            lora_tile(t, slice_tiles + j * tile_bytes, bf16, k, sum);
+            const int64_t c0 = lo > first ? lo - first : 0;
+            const int64_t c1 = hi - first < LORA_TILE ? hi - first : LORA_TILE;
+            if (c0 == 0 && c1 == LORA_TILE) {
+#if defined(LORA_AVX512)
+                _mm512_storeu_ps(y + first,
+                                 _mm512_add_ps(_mm512_loadu_ps(y + first), _mm512_loadu_ps(sum)));
+                continue;
+#endif
+            }
+            for (int64_t c = c0; c < c1; c++) y[first + c] += sum[c];
+        }
     }
 }
 

@@ -1,11 +1,14 @@
 """Each adapter's updates as the native kernels' table (kernels/cpu/decode_step_lora.py's
-``AdapterTable``: per layer, qkv / o_proj / gate_up / down), built once per adapter and kept on
-the adapter (``LoraAdapter.tables``), so that it goes when the registry drops the adapter."""
+``AdapterTable``: per layer, qkv / o_proj / gate_up / down, in one huge-page buffer in the order a
+step reads them, as the base weights: weights scattered over 4 KiB pages stall a batch-1 step on
+TLB misses and stop the hardware prefetcher at every page), built once per adapter and kept on the
+adapter (``LoraAdapter.tables``), so that it goes when the registry drops the adapter."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from asyncengine.executor.cpu.weight_arena import hugepage_buffer
 from asyncengine.executor.lora.peft_adapter import LoraAdapter
 from asyncengine.kernels.cpu.decode_step_lora import AdapterTable, PreparedLora
 
@@ -46,4 +49,4 @@ class TableCache:
                     return None
                 row.append(prepared)
             layers.append(row)
-        return AdapterTable(layers)
+        return AdapterTable(layers, hugepage_buffer)
