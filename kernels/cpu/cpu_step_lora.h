@@ -31,6 +31,8 @@ enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN };
 typedef struct {
     const lora_proj *const *adapters; /* adapters[k][layer * LORA_TARGETS + target] */
     const int32_t *row_adapter;       /* [n]: index into adapters, -1: the base alone */
+    const int32_t *order;             /* the adapter rows, grouped by adapter (n_order of them) */
+    int64_t n_order;
     int64_t max_rank;                 /* the largest rank of any projection */
     int32_t w_bf16;                   /* A and Bt in bfloat16 (else float32) */
 } lora_desc;
@@ -45,135 +47,144 @@ static inline float lora_w1(const void *w, int bf16, int64_t i) {
     return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
-/* x . w over n: x float32, w float32 or bfloat16 */
-static inline float lora_dot(const float *x, const void *w, int bf16, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.0f;
+/* vectors of LV floats: the weights float32 or bfloat16, widened on load */
 #if defined(LORA_AVX512)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    if (bf16) {
-        const uint16_t *wh = (const uint16_t *)w;
-        for (; i + 32 <= n; i += 32) {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load_bf16x16(wh + i + 16), acc1);
-        }
-        for (; i + 16 <= n; i += 16)
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
-    } else {
-        const float *wf = (const float *)w;
-        for (; i + 32 <= n; i += 32) {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(wf + i + 16), acc1);
-        }
-        for (; i + 16 <= n; i += 16)
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+typedef __m512 lora_v;
+#define LV 16
+#define LV_ZERO() _mm512_setzero_ps()
+#define LV_LOADX(p) _mm512_loadu_ps(p)
+#define LV_LOADW(w, bf16, i) \
+    ((bf16) ? load_bf16x16((const uint16_t *)(w) + (i)) : _mm512_loadu_ps((const float *)(w) + (i)))
+#define LV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define LV_SET1(v) _mm512_set1_ps(v)
+#define LV_SUM(v) _mm512_reduce_add_ps(v)
+#define LV_ADDTO(p, v) _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), v))
+#define LV_STORE(p, v) _mm512_storeu_ps(p, v)
 #elif defined(LORA_AVX2)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    if (bf16) {
-        const uint16_t *wh = (const uint16_t *)w;
-        for (; i + 16 <= n; i += 16) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load_bf16x8(wh + i + 8), acc1);
-        }
-        for (; i + 8 <= n; i += 8)
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
-    } else {
-        const float *wf = (const float *)w;
-        for (; i + 16 <= n; i += 16) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(wf + i + 8), acc1);
-        }
-        for (; i + 8 <= n; i += 8)
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
-    }
-    sum = hsum256(_mm256_add_ps(acc0, acc1));
-#endif
-    for (; i < n; i++) sum += x[i] * lora_w1(w, bf16, i);
-    return sum;
-}
-
-/* out[0:16] = sum over r < k of t[r] * tile[r][0:16]: tile float32 or bfloat16 */
-static inline void lora_tile(const float *t, const void *tile, int bf16, int64_t k, float *out) {
-#if defined(LORA_AVX512)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t r = 0;
-    if (bf16) {
-        const uint16_t *w = (const uint16_t *)tile;
-        for (; r + 2 <= k; r += 2) {
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), load_bf16x16(w + r * LORA_TILE), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(t[r + 1]),
-                                   load_bf16x16(w + (r + 1) * LORA_TILE), acc1);
-        }
-        if (r < k) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), load_bf16x16(w + r * LORA_TILE), acc0);
-    } else {
-        const float *w = (const float *)tile;
-        for (; r + 2 <= k; r += 2) {
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(w + r * LORA_TILE), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(t[r + 1]),
-                                   _mm512_loadu_ps(w + (r + 1) * LORA_TILE), acc1);
-        }
-        if (r < k)
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(w + r * LORA_TILE), acc0);
-    }
-    _mm512_storeu_ps(out, _mm512_add_ps(acc0, acc1));
-#elif defined(LORA_AVX2)
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int64_t r = 0; r < k; r++) {
-        const __m256 tv = _mm256_set1_ps(t[r]);
-        if (bf16) {
-            const uint16_t *w = (const uint16_t *)tile + r * LORA_TILE;
-            lo = _mm256_fmadd_ps(tv, load_bf16x8(w), lo);
-            hi = _mm256_fmadd_ps(tv, load_bf16x8(w + 8), hi);
-        } else {
-            const float *w = (const float *)tile + r * LORA_TILE;
-            lo = _mm256_fmadd_ps(tv, _mm256_loadu_ps(w), lo);
-            hi = _mm256_fmadd_ps(tv, _mm256_loadu_ps(w + 8), hi);
-        }
-    }
-    _mm256_storeu_ps(out, lo);
-    _mm256_storeu_ps(out + 8, hi);
+typedef __m256 lora_v;
+#define LV 8
+#define LV_ZERO() _mm256_setzero_ps()
+#define LV_LOADX(p) _mm256_loadu_ps(p)
+#define LV_LOADW(w, bf16, i) \
+    ((bf16) ? load_bf16x8((const uint16_t *)(w) + (i)) : _mm256_loadu_ps((const float *)(w) + (i)))
+#define LV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define LV_SET1(v) _mm256_set1_ps(v)
+#define LV_SUM(v) hsum256(v)
+#define LV_ADDTO(p, v) _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), v))
+#define LV_STORE(p, v) _mm256_storeu_ps(p, v)
 #else
-    for (int c = 0; c < LORA_TILE; c++) out[c] = 0.0f;
-    for (int64_t r = 0; r < k; r++)
-        for (int c = 0; c < LORA_TILE; c++)
-            out[c] += t[r] * lora_w1(tile, bf16, r * LORA_TILE + c);
+typedef float lora_v;
+#define LV 1
+#define LV_ZERO() 0.0f
+#define LV_LOADX(p) (*(p))
+#define LV_LOADW(w, bf16, i) lora_w1(w, bf16, i)
+#define LV_FMA(a, b, c) ((a) * (b) + (c))
+#define LV_SET1(v) (v)
+#define LV_SUM(v) (v)
+#define LV_ADDTO(p, v) (*(p) += (v))
+#define LV_STORE(p, v) (*(p) = (v))
 #endif
+#define LORA_ROWS 4 /* rows of one adapter that one pass over its weights serves */
+#define LORA_TV (LORA_TILE / LV) /* vectors of one tile row */
+
+/* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the k rank
+ * rows of A from a (each of in weights): every weight loaded once for the m rows */
+static inline __attribute__((always_inline)) void lora_shrink(const float *const *xs, int m,
+                                                              const void *a, int bf16, int64_t in,
+                                                              int64_t k, float *t) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < k; r++) {
+        const char *w = (const char *)a + r * in * es;
+        lora_v acc[LORA_ROWS];
+        for (int j = 0; j < m; j++) acc[j] = LV_ZERO();
+        int64_t i = 0;
+        for (; i + LV <= in; i += LV) {
+            const lora_v wv = LV_LOADW(w, bf16, i);
+            for (int j = 0; j < m; j++) acc[j] = LV_FMA(LV_LOADX(xs[j] + i), wv, acc[j]);
+        }
+        for (int j = 0; j < m; j++) {
+            float sum = LV_SUM(acc[j]);
+            for (int64_t e = i; e < in; e++) sum += xs[j][e] * lora_w1(w, bf16, e);
+            t[j * k + r] = sum;
+        }
+    }
 }
 
-/* y[o] += (B (A x))[o] for the outputs o0 <= o < o1 of p (y indexed by output); t: max_rank
- * floats of scratch. Each output's update is summed in float32 and added once, as cpu_lora.c
- * adds it to a projection's output. */
-static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
-                                  int64_t o0, int64_t o1, float *t) {
+/* ys[j][o] += (B t_j)[o] for the outputs lo <= o < hi of one slice (its first output first, its
+ * k ranks, its tiles from tiles): each tile row loaded once for the m rows */
+static inline __attribute__((always_inline)) void lora_expand(const float *t, int m, int64_t k,
+                                                              const char *tiles, int bf16,
+                                                              int64_t first_out, int64_t lo,
+                                                              int64_t hi, float *const *ys) {
+    const int64_t tile_bytes = k * LORA_TILE * (bf16 ? 2 : 4);
+    for (int64_t tj = (lo - first_out) / LORA_TILE; first_out + tj * LORA_TILE < hi; tj++) {
+        const char *tile = tiles + tj * tile_bytes;
+        lora_v acc[LORA_ROWS][LORA_TV];
+        for (int j = 0; j < m; j++)
+            for (int v = 0; v < LORA_TV; v++) acc[j][v] = LV_ZERO();
+        for (int64_t r = 0; r < k; r++)
+            for (int v = 0; v < LORA_TV; v++) {
+                const lora_v wv = LV_LOADW(tile, bf16, r * LORA_TILE + v * LV);
+                for (int j = 0; j < m; j++) acc[j][v] = LV_FMA(LV_SET1(t[j * k + r]), wv, acc[j][v]);
+            }
+        const int64_t o = first_out + tj * LORA_TILE;
+        const int64_t c0 = lo > o ? lo - o : 0, c1 = hi - o < LORA_TILE ? hi - o : LORA_TILE;
+        for (int j = 0; j < m; j++) {
+            if (c0 == 0 && c1 == LORA_TILE) {
+                for (int v = 0; v < LORA_TV; v++) LV_ADDTO(ys[j] + o + v * LV, acc[j][v]);
+                continue;
+            }
+            float sum[LORA_TILE];
+            for (int v = 0; v < LORA_TV; v++) LV_STORE(sum + v * LV, acc[j][v]);
+            for (int64_t c = c0; c < c1; c++) ys[j][o + c] += sum[c];
+        }
+    }
+}
+
+/* ys[j][o] += (B (A xs[j]))[o] for the outputs o0 <= o < o1 of p (each y indexed by output), for
+ * m rows of one adapter; t: m * max_rank floats of scratch. Each output's update is summed in
+ * float32 and added once, as cpu_lora.c adds it to a projection's output. */
+static inline __attribute__((always_inline)) void lora_add_rows_m(
+    const lora_proj *p, int bf16, const float *const *xs, float *const *ys, int m, int64_t o0,
+    int64_t o1, float *t) {
     const int64_t es = bf16 ? 2 : 4;
     const char *tiles = (const char *)p->b_tiles;
     for (int64_t s = 0; s < p->n_slices; s++) {
         const int32_t *sl = p->slices + 4 * s;
-        const int64_t k = sl[3] - sl[2], tile_bytes = k * LORA_TILE * es;
+        const int64_t k = sl[3] - sl[2];
         const char *slice_tiles = tiles;
-        tiles += (sl[1] - sl[0] + LORA_TILE - 1) / LORA_TILE * tile_bytes;
+        tiles += (sl[1] - sl[0] + LORA_TILE - 1) / LORA_TILE * k * LORA_TILE * es;
         const int64_t lo = o0 > sl[0] ? o0 : sl[0], hi = o1 < sl[1] ? o1 : sl[1];
         if (lo >= hi) continue;
-        for (int64_t r = 0; r < k; r++)
-            t[r] = lora_dot(x, (const char *)p->a + (sl[2] + r) * p->in * es, bf16, p->in);
-        for (int64_t j = (lo - sl[0]) / LORA_TILE; sl[0] + j * LORA_TILE < hi; j++) {
-            const int64_t first = sl[0] + j * LORA_TILE;
-            float sum[LORA_TILE];
-            lora_tile(t, slice_tiles + j * tile_bytes, bf16, k, sum);
-            const int64_t c0 = lo > first ? lo - first : 0;
-            const int64_t c1 = hi - first < LORA_TILE ? hi - first : LORA_TILE;
-            if (c0 == 0 && c1 == LORA_TILE) {
-#if defined(LORA_AVX512)
-                _mm512_storeu_ps(y + first,
-                                 _mm512_add_ps(_mm512_loadu_ps(y + first), _mm512_loadu_ps(sum)));
-                continue;
-#endif
-            }
-            for (int64_t c = c0; c < c1; c++) y[first + c] += sum[c];
-        }
+        lora_shrink(xs, m, (const char *)p->a + sl[2] * p->in * es, bf16, p->in, k, t);
+        lora_expand(t, m, k, slice_tiles, bf16, sl[0], lo, hi, ys);
     }
+}
+
+/* lora_add_rows_m for 1 <= m <= LORA_ROWS, each m its own unrolled build */
+static inline void lora_add_rows(const lora_proj *p, int bf16, const float *const *xs,
+                                 float *const *ys, int m, int64_t o0, int64_t o1, float *t) {
+    switch (m) {
+    case 1: lora_add_rows_m(p, bf16, xs, ys, 1, o0, o1, t); break;
+    case 2: lora_add_rows_m(p, bf16, xs, ys, 2, o0, o1, t); break;
+    case 3: lora_add_rows_m(p, bf16, xs, ys, 3, o0, o1, t); break;
+    default: lora_add_rows_m(p, bf16, xs, ys, 4, o0, o1, t); break;
+    }
+}
+
+/* one row: y[o] += (B (A x))[o] for o0 <= o < o1; t: max_rank floats */
+static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
+                                  int64_t o0, int64_t o1, float *t) {
+    lora_add_rows(p, bf16, &x, &y, 1, o0, o1, t);
+}
+
+/* rows order[g], order[g + 1], ... of one adapter: how many (at most LORA_ROWS) from g on */
+static inline int lora_group(const lora_desc *lora, int64_t g) {
+    const int32_t k = lora->row_adapter[lora->order[g]];
+    int m = 1;
+    while (m < LORA_ROWS && g + m < lora->n_order && lora->row_adapter[lora->order[g + m]] == k)
+        m++;
+    return m;
 }
 
 /* the update of target `which` in layer l for adapter row i, or NULL */

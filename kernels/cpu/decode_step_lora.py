@@ -46,6 +46,8 @@ class LoraDesc(ctypes.Structure):
     _fields_ = [
         ("adapters", _PTR),
         ("row_adapter", _PTR),
+        ("order", _PTR),
+        ("n_order", _I64),
         ("max_rank", _I64),
         ("w_bf16", _I32),
     ]
@@ -135,10 +137,15 @@ class StepLora:
             raise ValueError("row_adapter indexes past the step's adapters")
         self.tables = tuple(tables)
         self.rows = np.ascontiguousarray(row_adapter)
+        # the adapter rows grouped by adapter: the kernels run a group's rows together
+        by_adapter = np.argsort(self.rows, kind="stable").astype(np.int32)
+        self.order = np.ascontiguousarray(by_adapter[self.rows[by_adapter] >= 0])
         self._pointers = (_PTR * max(len(tables), 1))(*(t.address for t in tables))
         self.desc = LoraDesc(
             adapters=ctypes.addressof(self._pointers),
             row_adapter=self.rows.ctypes.data,
+            order=self.order.ctypes.data,
+            n_order=int(self.order.shape[0]),
             max_rank=max((t.max_rank for t in tables), default=0),
             w_bf16=int(bool(tables) and tables[0].dtype == torch.bfloat16),
         )
