@@ -85,6 +85,18 @@ typedef float lora_v;
 #define LV_STORE(p, v) (*(p) = (v))
 #endif
 #define LORA_ROWS 4 /* rows of one adapter that one pass over its weights serves */
+/* how far ahead of the weights being multiplied the passes ask for theirs (a table holds an
+ * adapter's weights in the order they are read: past a matrix's end lies the next one), as the
+ * base products do (Q_PREFETCH_BYTES): after each projection's product the LoRA weights come
+ * cold, in short runs the hardware prefetcher alone ramps up on too late */
+#ifndef LORA_PREFETCH_BYTES
+#define LORA_PREFETCH_BYTES 1024
+#endif
+#if (defined(LORA_AVX512) || defined(LORA_AVX2)) && LORA_PREFETCH_BYTES > 0
+#define LORA_PREFETCH(p) _mm_prefetch((const char *)(p) + LORA_PREFETCH_BYTES, _MM_HINT_T0)
+#else
+#define LORA_PREFETCH(p) ((void)(p))
+#endif
 #define LORA_TV (LORA_TILE / LV) /* vectors of one tile row */
 
 /* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the k rank
@@ -99,6 +111,7 @@ static inline __attribute__((always_inline)) void lora_shrink(const float *const
         for (int j = 0; j < m; j++) acc[j] = LV_ZERO();
         int64_t i = 0;
         for (; i + LV <= in; i += LV) {
+            LORA_PREFETCH(w + i * es);
             const lora_v wv = LV_LOADW(w, bf16, i);
             for (int j = 0; j < m; j++) acc[j] = LV_FMA(LV_LOADX(xs[j] + i), wv, acc[j]);
         }
@@ -124,6 +137,7 @@ static inline __attribute__((always_inline)) void lora_expand(const float *t, in
             for (int v = 0; v < LORA_TV; v++) acc[j][v] = LV_ZERO();
         for (int64_t r = 0; r < k; r++)
             for (int v = 0; v < LORA_TV; v++) {
+                LORA_PREFETCH(tile + (r * LORA_TILE + v * LV) * (bf16 ? 2 : 4));
                 const lora_v wv = LV_LOADW(tile, bf16, r * LORA_TILE + v * LV);
                 for (int j = 0; j < m; j++) acc[j][v] = LV_FMA(LV_SET1(t[j * k + r]), wv, acc[j][v]);
             }
