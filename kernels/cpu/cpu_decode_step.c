@@ -604,34 +604,52 @@ static int64_t split_floats(int64_t n, int64_t kv_heads, int64_t group, int64_t 
 
 /* LoRA: y[i, o] += the update of target `which` for each adapter row i, over the outputs of
  * this thread's share of gemv(lin, rows) (the rows its gemv wrote: no barrier added); x [n, ldx]
- * the float32 activations the projection read. t and acc: the thread's scratch. */
+ * the float32 activations the projection read; rows of one adapter LORA_ROWS at a time (one pass
+ * over its weights). t: the thread's scratch (LORA_ROWS * max_rank floats). */
 static void lora_gemv_share(const model_desc *m, int64_t l, int which, const qlinear *lin,
-                            int64_t rows, const float *x, int64_t ldx, int64_t n, float *y,
-                            int64_t ldy, float *t, float *acc) {
+                            int64_t rows, const float *x, int64_t ldx, float *y, int64_t ldy,
+                            float *t) {
     int64_t t0, t1;
     share_bytes(lin, rows, &t0, &t1);
     const int64_t o0 = t0 * ROW_TILE, o1 = t1 * ROW_TILE < rows ? t1 * ROW_TILE : rows;
-    for (int64_t i = 0; o0 < o1 && i < n; i++) {
-        const lora_proj *p = lora_of(m->lora, l, which, i);
-        if (p) lora_add_range(p, m->lora->w_bf16, x + i * ldx, y + i * ldy, o0, o1, t, acc);
+    for (int64_t g = 0, count; o0 < o1 && g < m->lora->n_order; g += count) {
+        count = lora_group(m->lora, g);
+        const lora_proj *p = lora_of(m->lora, l, which, m->lora->order[g]);
+        if (!p) continue;
+        const float *xs[LORA_ROWS];
+        float *ys[LORA_ROWS];
+        for (int64_t j = 0; j < count; j++) {
+            xs[j] = x + m->lora->order[g + j] * ldx;
+            ys[j] = y + m->lora->order[g + j] * ldy;
+        }
+        lora_add_rows(p, m->lora->w_bf16, xs, ys, (int)count, o0, o1, t);
     }
 }
 
 /* LoRA of gate/up: delta [n, 2 inter] = the updates of this thread's share of gate_up_silu's
  * pairs (gate j and up j), 0 for rows of no adapter (gate_up_silu adds them before the silu) */
 static void lora_gate_up_share(const model_desc *m, int64_t l, int64_t inter, const float *x,
-                               int64_t ldx, int64_t n, float *delta, float *t, float *acc) {
+                               int64_t ldx, int64_t n, float *delta, float *t) {
     int64_t t0, t1;
     share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
     const int64_t j0 = t0 * PAIR_TILE, j1 = t1 * PAIR_TILE < inter ? t1 * PAIR_TILE : inter;
-    for (int64_t i = 0; j0 < j1 && i < n; i++) {
-        float *d = delta + i * 2 * inter;
-        memset(d + j0, 0, (size_t)(j1 - j0) * sizeof(float));
-        memset(d + inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
-        const lora_proj *p = lora_of(m->lora, l, LORA_GATE_UP, i);
+    if (j0 >= j1) return;
+    for (int64_t i = 0; i < n; i++) {
+        memset(delta + i * 2 * inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+        memset(delta + i * 2 * inter + inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+    }
+    for (int64_t g = 0, count; g < m->lora->n_order; g += count) {
+        count = lora_group(m->lora, g);
+        const lora_proj *p = lora_of(m->lora, l, LORA_GATE_UP, m->lora->order[g]);
         if (!p) continue;
-        lora_add_range(p, m->lora->w_bf16, x + i * ldx, d, j0, j1, t, acc);
-        lora_add_range(p, m->lora->w_bf16, x + i * ldx, d, inter + j0, inter + j1, t, acc);
+        const float *xs[LORA_ROWS];
+        float *ds[LORA_ROWS];
+        for (int64_t j = 0; j < count; j++) {
+            xs[j] = x + m->lora->order[g + j] * ldx;
+            ds[j] = delta + m->lora->order[g + j] * 2 * inter;
+        }
+        lora_add_rows(p, m->lora->w_bf16, xs, ds, (int)count, j0, j1, t);
+        lora_add_rows(p, m->lora->w_bf16, xs, ds, (int)count, inter + j0, inter + j1, t);
     }
 }
 
@@ -664,9 +682,9 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         may_split ? (atomic_int *)malloc((size_t)(m->num_layers * units + 1) * sizeof(atomic_int))
                   : NULL;
     const lora_desc *lora = m->lora;
-    /* LoRA: gate/up updates [n, 2 inter]; each thread's rank and output scratch */
+    /* LoRA: gate/up updates [n, 2 inter]; each thread's rank scratch */
     float *lora_gu = lora ? (float *)malloc((size_t)(n * 2 * inter) * sizeof(float)) : NULL;
-    const int64_t lora_scratch = lora ? lora->max_rank + (qkv_size > widest ? qkv_size : widest) : 0;
+    const int64_t lora_scratch = lora ? LORA_ROWS * lora->max_rank + 1 : 0;
     int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
                  (may_split && (!parts || !done_ranges)) || (lora && !lora_gu);
     if (failed) goto done;
@@ -690,7 +708,6 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), NULL, 0};
         float *lora_t = lora ? (float *)malloc((size_t)lora_scratch * sizeof(float)) : NULL;
-        float *lora_acc = lora_t ? lora_t + lora->max_rank : NULL;
         if (!(x && a.q && a.d && a.sd) || (lora && !lora_t)) {
 #pragma omp atomic write
             failed = 1;
@@ -712,8 +729,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
                 if (lora)
-                    lora_gemv_share(m, l, LORA_QKV, &L->qkv, qkv_size, x, H, n, qkv, qkv_size,
-                                    lora_t, lora_acc);
+                    lora_gemv_share(m, l, LORA_QKV, &L->qkv, qkv_size, x, H, qkv, qkv_size, lora_t);
                 prefetch_gemv_share(&L->o_proj, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -777,15 +793,14 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
                 if (lora)
-                    lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, n, residual, H,
-                                    lora_t, lora_acc);
+                    lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, residual, H, lora_t);
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->gate_up));
-                if (lora) lora_gate_up_share(m, l, inter, x, H, n, lora_gu, lora_t, lora_acc);
+                if (lora) lora_gate_up_share(m, l, inter, x, H, n, lora_gu, lora_t);
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL);
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
@@ -793,8 +808,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
                 if (lora)
-                    lora_gemv_share(m, l, LORA_DOWN, &L->down, H, mlp, inter, n, residual, H,
-                                    lora_t, lora_acc);
+                    lora_gemv_share(m, l, LORA_DOWN, &L->down, H, mlp, inter, residual, H, lora_t);
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);
             }

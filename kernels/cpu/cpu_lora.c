@@ -12,6 +12,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 
 #include "cpu_simd.h"
@@ -138,50 +139,83 @@ int asyncengine_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_s
 
 /* Every adapter's rows of one projection in one call (the layer-by-layer path's decode rows):
  * row i of n gets the update lora->adapters[row_adapter[i]][slot] (cpu_step_lora.h; -1 or a
- * NULL update: nothing), the rows split over the threads where the work is worth it. ``out``:
- * the projection's output features. Returns 0, -1 when scratch could not be allocated, -2 when
- * an update's shape is not in x out (nothing written then). */
+ * NULL update: nothing), rows of one adapter LORA_ROWS at a time (one pass over its weights),
+ * the groups split over the threads where the work is worth it. ``out``: the projection's output
+ * features. Returns 0, -1 when scratch could not be allocated, -2 when an update's shape is not
+ * in x out (nothing written then). */
 int asyncengine_lora_apply_table(void *y, int64_t y_stride, const void *x, int64_t x_stride,
                                  int bf16, const lora_desc *lora, int64_t slot, int64_t n,
                                  int64_t in, int64_t out, int threads) {
-    int64_t work = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int32_t k = lora->row_adapter[i];
-        const lora_proj *p = k >= 0 ? &lora->adapters[k][slot] : NULL;
-        if (p == NULL || p->a == NULL) continue;
+    (void)n;
+    int64_t work = 0, n_groups = 0;
+    for (int64_t g = 0; g < lora->n_order; g++) {
+        const lora_proj *p = &lora->adapters[lora->row_adapter[lora->order[g]]][slot];
+        if (p->a == NULL) continue;
         if (p->in != in || p->out != out) return -2;
         work += p->rank * (in + out);
     }
     if (work == 0) return 0;
-    const int team = threads > 1 && n > 1 && work >= PARALLEL_MIN_WORK ? threads : 1;
-    const int64_t per_thread = in + lora->max_rank + 2 * out;
+    int64_t *groups = (int64_t *)malloc((size_t)lora->n_order * sizeof(int64_t));
+    if (groups == NULL) return -1;
+    for (int64_t g = 0; g < lora->n_order; g += lora_group(lora, g)) groups[n_groups++] = g;
+    const int team = threads > 1 && n_groups > 1 && work >= PARALLEL_MIN_WORK ? threads : 1;
+    /* per thread: the rank sums, and for bfloat16 rows their float32 activations and updates */
+    const int64_t per_thread = LORA_ROWS * (lora->max_rank + (bf16 ? in + out : 0));
     float *scratch = (float *)malloc((size_t)team * (size_t)per_thread * sizeof(float));
-    if (scratch == NULL) return -1;
+    if (scratch == NULL) {
+        free(groups);
+        return -1;
+    }
     const size_t esize = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        float *xf = scratch + (size_t)omp_get_thread_num() * (size_t)per_thread;
-        float *t = xf + in, *acc = t + lora->max_rank, *delta = acc + out;
+        float *t = scratch + (size_t)omp_get_thread_num() * (size_t)per_thread;
+        float *xf = t + LORA_ROWS * lora->max_rank, *delta = xf + LORA_ROWS * in;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            const int32_t k = lora->row_adapter[i];
-            const lora_proj *p = k >= 0 ? &lora->adapters[k][slot] : NULL;
-            if (p == NULL || p->a == NULL) continue;
-            const char *xr = (const char *)x + i * x_stride * esize;
-            char *yr = (char *)y + i * y_stride * esize;
-            if (!bf16) {
-                lora_add_range(p, lora->w_bf16, (const float *)xr, (float *)yr, 0, out, t, acc);
-                continue;
+        for (int64_t gi = 0; gi < n_groups; gi++) {
+            const int64_t g = groups[gi];
+            const int m = lora_group(lora, g);
+            const lora_proj *p = &lora->adapters[lora->row_adapter[lora->order[g]]][slot];
+            if (p->a == NULL) continue;
+            const float *xs[LORA_ROWS];
+            float *ys[LORA_ROWS];
+            for (int j = 0; j < m; j++) {
+                const int64_t i = lora->order[g + j];
+                const char *xr = (const char *)x + i * x_stride * esize;
+                if (!bf16) {
+                    xs[j] = (const float *)xr;
+                    ys[j] = (float *)((char *)y + i * y_stride * esize);
+                    continue;
+                }
+                float *xj = xf + j * in, *dj = delta + j * out;
+                const uint16_t *xh = (const uint16_t *)xr;
+                int64_t e = 0;
+#if defined(LORA_AVX512)
+                for (; e + 16 <= in; e += 16) _mm512_storeu_ps(xj + e, load_bf16x16(xh + e));
+#endif
+                for (; e < in; e++) xj[e] = bf16_to_float(xh[e]);
+                memset(dj, 0, (size_t)out * sizeof(float));
+                xs[j] = xj;
+                ys[j] = dj;
             }
-            for (int64_t j = 0; j < in; j++) xf[j] = bf16_to_float(((const uint16_t *)xr)[j]);
-            for (int64_t o = 0; o < out; o++) delta[o] = 0.0f;
-            lora_add_range(p, lora->w_bf16, xf, delta, 0, out, t, acc);
-            uint16_t *yh = (uint16_t *)yr; /* rounded once, as one_row */
-            for (int64_t s = 0; s < p->n_slices; s++)
-                for (int32_t o = p->slices[4 * s]; o < p->slices[4 * s + 1]; o++)
-                    yh[o] = float_to_bf16(bf16_to_float(yh[o]) + delta[o]);
+            lora_add_rows(p, lora->w_bf16, xs, ys, m, 0, out, t);
+            for (int j = 0; bf16 && j < m; j++) { /* rounded once, as one_row */
+                uint16_t *yh = (uint16_t *)((char *)y + lora->order[g + j] * y_stride * esize);
+                for (int64_t s = 0; s < p->n_slices; s++) {
+                    int64_t o = p->slices[4 * s];
+                    const int64_t end = p->slices[4 * s + 1];
+#if defined(LORA_AVX512)
+                    for (; o + 16 <= end; o += 16)
+                        _mm256_storeu_si256((__m256i *)(yh + o),
+                                            to_bf16x16(_mm512_add_ps(load_bf16x16(yh + o),
+                                                                     _mm512_loadu_ps(ys[j] + o))));
+#endif
+                    for (; o < end; o++) yh[o] = float_to_bf16(bf16_to_float(yh[o]) + ys[j][o]);
+                }
+            }
         }
     }
     free(scratch);
+    free(groups);
     return 0;
 }

@@ -1,9 +1,11 @@
 /* LoRA inside the fused decode step (cpu_decode_step.c): after a projection, each row that runs
  * under an adapter gets ``y += B (A x)`` (shrink to the adapter's rank, then expand, the scaling
  * folded into B), on the float32 activations the projection read, so the base weights stay as
- * stored. The same layout as cpu_lora.c: A [R, in], B transposed Bt [R, out], float32 or bfloat16,
- * B zero outside ``slices`` (out_start, out_end, rank_start, rank_end: a fused q/k/v or gate/up
- * expands each part from its own rank block). float32 sums.
+ * stored. A [R, in] as cpu_lora.c takes it; B as tiles (``b_tiles``): per slice (out_start,
+ * out_end, rank_start, rank_end: a fused q/k/v or gate/up expands each part from its own rank
+ * block), in order, ceil((out_end - out_start) / 16) tiles of [rank_end - rank_start][16]
+ * (B's 16 outputs by the slice's ranks, zero past out_end), so that a share of outputs reads one
+ * contiguous run and sums 16 outputs per load; float32 or bfloat16, float32 sums.
  *
  * A thread expands the outputs of its own share of the projection (the rows its gemv wrote), so
  * no barrier is added: it shrinks the rank blocks of the slices its share meets, itself. */
@@ -16,18 +18,21 @@
 
 /* one projection's update under one adapter (a NULL: the adapter leaves it as it is) */
 typedef struct {
-    const void *a;  /* [rank, in] */
-    const void *bt; /* [rank, out] */
+    const void *a;       /* [rank, in] */
+    const void *b_tiles; /* per slice, its tiles of B: [tiles][slice rank][LORA_TILE] */
     const int32_t *slices;
     int64_t n_slices, in, out, rank;
 } lora_proj;
 
+#define LORA_TILE 16 /* outputs of one tile of B */
 #define LORA_TARGETS 4 /* qkv, o_proj, gate_up, down */
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN };
 
 typedef struct {
     const lora_proj *const *adapters; /* adapters[k][layer * LORA_TARGETS + target] */
     const int32_t *row_adapter;       /* [n]: index into adapters, -1: the base alone */
+    const int32_t *order;             /* the adapter rows, grouped by adapter (n_order of them) */
+    int64_t n_order;
     int64_t max_rank;                 /* the largest rank of any projection */
     int32_t w_bf16;                   /* A and Bt in bfloat16 (else float32) */
 } lora_desc;
@@ -42,100 +47,158 @@ static inline float lora_w1(const void *w, int bf16, int64_t i) {
     return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
-/* x . w over n: x float32, w float32 or bfloat16 */
-static inline float lora_dot(const float *x, const void *w, int bf16, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.0f;
+/* vectors of LV floats: the weights float32 or bfloat16, widened on load */
 #if defined(LORA_AVX512)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    if (bf16) {
-        const uint16_t *wh = (const uint16_t *)w;
-        for (; i + 32 <= n; i += 32) {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load_bf16x16(wh + i + 16), acc1);
-        }
-        for (; i + 16 <= n; i += 16)
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_bf16x16(wh + i), acc0);
-    } else {
-        const float *wf = (const float *)w;
-        for (; i + 32 <= n; i += 32) {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(wf + i + 16), acc1);
-        }
-        for (; i + 16 <= n; i += 16)
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc0);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+typedef __m512 lora_v;
+#define LV 16
+#define LV_ZERO() _mm512_setzero_ps()
+#define LV_LOADX(p) _mm512_loadu_ps(p)
+#define LV_LOADW(w, bf16, i) \
+    ((bf16) ? load_bf16x16((const uint16_t *)(w) + (i)) : _mm512_loadu_ps((const float *)(w) + (i)))
+#define LV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define LV_SET1(v) _mm512_set1_ps(v)
+#define LV_SUM(v) _mm512_reduce_add_ps(v)
+#define LV_ADDTO(p, v) _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), v))
+#define LV_STORE(p, v) _mm512_storeu_ps(p, v)
 #elif defined(LORA_AVX2)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    if (bf16) {
-        const uint16_t *wh = (const uint16_t *)w;
-        for (; i + 16 <= n; i += 16) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load_bf16x8(wh + i + 8), acc1);
-        }
-        for (; i + 8 <= n; i += 8)
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_bf16x8(wh + i), acc0);
-    } else {
-        const float *wf = (const float *)w;
-        for (; i + 16 <= n; i += 16) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(wf + i + 8), acc1);
-        }
-        for (; i + 8 <= n; i += 8)
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(wf + i), acc0);
-    }
-    sum = hsum256(_mm256_add_ps(acc0, acc1));
+typedef __m256 lora_v;
+#define LV 8
+#define LV_ZERO() _mm256_setzero_ps()
+#define LV_LOADX(p) _mm256_loadu_ps(p)
+#define LV_LOADW(w, bf16, i) \
+    ((bf16) ? load_bf16x8((const uint16_t *)(w) + (i)) : _mm256_loadu_ps((const float *)(w) + (i)))
+#define LV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define LV_SET1(v) _mm256_set1_ps(v)
+#define LV_SUM(v) hsum256(v)
+#define LV_ADDTO(p, v) _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), v))
+#define LV_STORE(p, v) _mm256_storeu_ps(p, v)
+#else
+typedef float lora_v;
+#define LV 1
+#define LV_ZERO() 0.0f
+#define LV_LOADX(p) (*(p))
+#define LV_LOADW(w, bf16, i) lora_w1(w, bf16, i)
+#define LV_FMA(a, b, c) ((a) * (b) + (c))
+#define LV_SET1(v) (v)
+#define LV_SUM(v) (v)
+#define LV_ADDTO(p, v) (*(p) += (v))
+#define LV_STORE(p, v) (*(p) = (v))
 #endif
-    for (; i < n; i++) sum += x[i] * lora_w1(w, bf16, i);
-    return sum;
-}
-
-/* y[0:n] += t * w[0:n]: w float32 or bfloat16 */
-static inline void lora_axpy(float *y, float t, const void *w, int bf16, int64_t n) {
-    int64_t i = 0;
-#if defined(LORA_AVX512)
-    const __m512 tv = _mm512_set1_ps(t);
-    if (bf16)
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, load_bf16x16((const uint16_t *)w + i),
-                                                    _mm512_loadu_ps(y + i)));
-    else
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(tv, _mm512_loadu_ps((const float *)w + i),
-                                                    _mm512_loadu_ps(y + i)));
-#elif defined(LORA_AVX2)
-    const __m256 tv = _mm256_set1_ps(t);
-    if (bf16)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, load_bf16x8((const uint16_t *)w + i),
-                                                    _mm256_loadu_ps(y + i)));
-    else
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(tv, _mm256_loadu_ps((const float *)w + i),
-                                                    _mm256_loadu_ps(y + i)));
+#define LORA_ROWS 4 /* rows of one adapter that one pass over its weights serves */
+/* how far ahead of the weights being multiplied the passes ask for theirs (a table holds an
+ * adapter's weights in the order they are read: past a matrix's end lies the next one), as the
+ * base products do (Q_PREFETCH_BYTES): after each projection's product the LoRA weights come
+ * cold, in short runs the hardware prefetcher alone ramps up on too late */
+#ifndef LORA_PREFETCH_BYTES
+#define LORA_PREFETCH_BYTES 1024
 #endif
-    for (; i < n; i++) y[i] += t * lora_w1(w, bf16, i);
-}
+#if (defined(LORA_AVX512) || defined(LORA_AVX2)) && LORA_PREFETCH_BYTES > 0
+#define LORA_PREFETCH(p) _mm_prefetch((const char *)(p) + LORA_PREFETCH_BYTES, _MM_HINT_T0)
+#else
+#define LORA_PREFETCH(p) ((void)(p))
+#endif
+#define LORA_TV (LORA_TILE / LV) /* vectors of one tile row */
 
-/* y[o] += (B (A x))[o] for the outputs o0 <= o < o1 of p (y indexed by output); t: max_rank
- * floats of scratch. The update is summed in acc (o1 - o0 floats) and added once, as cpu_lora.c
- * adds it to a projection's output. */
-static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
-                                  int64_t o0, int64_t o1, float *t, float *acc) {
+/* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the k rank
+ * rows of A from a (each of in weights): every weight loaded once for the m rows */
+static inline __attribute__((always_inline)) void lora_shrink(const float *const *xs, int m,
+                                                              const void *a, int bf16, int64_t in,
+                                                              int64_t k, float *t) {
     const int64_t es = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < k; r++) {
+        const char *w = (const char *)a + r * in * es;
+        lora_v acc[LORA_ROWS];
+        for (int j = 0; j < m; j++) acc[j] = LV_ZERO();
+        int64_t i = 0;
+        for (; i + LV <= in; i += LV) {
+            LORA_PREFETCH(w + i * es);
+            const lora_v wv = LV_LOADW(w, bf16, i);
+            for (int j = 0; j < m; j++) acc[j] = LV_FMA(LV_LOADX(xs[j] + i), wv, acc[j]);
+        }
+        for (int j = 0; j < m; j++) {
+            float sum = LV_SUM(acc[j]);
+            for (int64_t e = i; e < in; e++) sum += xs[j][e] * lora_w1(w, bf16, e);
+            t[j * k + r] = sum;
+        }
+    }
+}
+
+/* ys[j][o] += (B t_j)[o] for the outputs lo <= o < hi of one slice (its first output first, its
+ * k ranks, its tiles from tiles): each tile row loaded once for the m rows */
+static inline __attribute__((always_inline)) void lora_expand(const float *t, int m, int64_t k,
+                                                              const char *tiles, int bf16,
+                                                              int64_t first_out, int64_t lo,
+                                                              int64_t hi, float *const *ys) {
+    const int64_t tile_bytes = k * LORA_TILE * (bf16 ? 2 : 4);
+    for (int64_t tj = (lo - first_out) / LORA_TILE; first_out + tj * LORA_TILE < hi; tj++) {
+        const char *tile = tiles + tj * tile_bytes;
+        lora_v acc[LORA_ROWS][LORA_TV];
+        for (int j = 0; j < m; j++)
+            for (int v = 0; v < LORA_TV; v++) acc[j][v] = LV_ZERO();
+        for (int64_t r = 0; r < k; r++)
+            for (int v = 0; v < LORA_TV; v++) {
+                LORA_PREFETCH(tile + (r * LORA_TILE + v * LV) * (bf16 ? 2 : 4));
+                const lora_v wv = LV_LOADW(tile, bf16, r * LORA_TILE + v * LV);
+                for (int j = 0; j < m; j++) acc[j][v] = LV_FMA(LV_SET1(t[j * k + r]), wv, acc[j][v]);
+            }
+        const int64_t o = first_out + tj * LORA_TILE;
+        const int64_t c0 = lo > o ? lo - o : 0, c1 = hi - o < LORA_TILE ? hi - o : LORA_TILE;
+        for (int j = 0; j < m; j++) {
+            if (c0 == 0 && c1 == LORA_TILE) {
+                for (int v = 0; v < LORA_TV; v++) LV_ADDTO(ys[j] + o + v * LV, acc[j][v]);
+                continue;
+            }
+            float sum[LORA_TILE];
+            for (int v = 0; v < LORA_TV; v++) LV_STORE(sum + v * LV, acc[j][v]);
+            for (int64_t c = c0; c < c1; c++) ys[j][o + c] += sum[c];
+        }
+    }
+}
+
+/* ys[j][o] += (B (A xs[j]))[o] for the outputs o0 <= o < o1 of p (each y indexed by output), for
+ * m rows of one adapter; t: m * max_rank floats of scratch. Each output's update is summed in
+ * float32 and added once, as cpu_lora.c adds it to a projection's output. */
+static inline __attribute__((always_inline)) void lora_add_rows_m(
+    const lora_proj *p, int bf16, const float *const *xs, float *const *ys, int m, int64_t o0,
+    int64_t o1, float *t) {
+    const int64_t es = bf16 ? 2 : 4;
+    const char *tiles = (const char *)p->b_tiles;
     for (int64_t s = 0; s < p->n_slices; s++) {
         const int32_t *sl = p->slices + 4 * s;
+        const int64_t k = sl[3] - sl[2];
+        const char *slice_tiles = tiles;
+        tiles += (sl[1] - sl[0] + LORA_TILE - 1) / LORA_TILE * k * LORA_TILE * es;
         const int64_t lo = o0 > sl[0] ? o0 : sl[0], hi = o1 < sl[1] ? o1 : sl[1];
         if (lo >= hi) continue;
-        const int64_t r0 = sl[2], r1 = sl[3];
-        for (int64_t r = r0; r < r1; r++)
-            t[r - r0] = lora_dot(x, (const char *)p->a + r * p->in * es, bf16, p->in);
-        for (int64_t o = lo; o < hi; o++) acc[o - lo] = 0.0f;
-        for (int64_t r = r0; r < r1; r++)
-            lora_axpy(acc, t[r - r0], (const char *)p->bt + (r * p->out + lo) * es, bf16, hi - lo);
-        for (int64_t o = lo; o < hi; o++) y[o] += acc[o - lo];
+        lora_shrink(xs, m, (const char *)p->a + sl[2] * p->in * es, bf16, p->in, k, t);
+        lora_expand(t, m, k, slice_tiles, bf16, sl[0], lo, hi, ys);
     }
+}
+
+/* lora_add_rows_m for 1 <= m <= LORA_ROWS, each m its own unrolled build */
+static inline void lora_add_rows(const lora_proj *p, int bf16, const float *const *xs,
+                                 float *const *ys, int m, int64_t o0, int64_t o1, float *t) {
+    switch (m) {
+    case 1: lora_add_rows_m(p, bf16, xs, ys, 1, o0, o1, t); break;
+    case 2: lora_add_rows_m(p, bf16, xs, ys, 2, o0, o1, t); break;
+    case 3: lora_add_rows_m(p, bf16, xs, ys, 3, o0, o1, t); break;
+    default: lora_add_rows_m(p, bf16, xs, ys, 4, o0, o1, t); break;
+    }
+}
+
+/* one row: y[o] += (B (A x))[o] for o0 <= o < o1; t: max_rank floats */
+static inline void lora_add_range(const lora_proj *p, int bf16, const float *x, float *y,
+                                  int64_t o0, int64_t o1, float *t) {
+    lora_add_rows(p, bf16, &x, &y, 1, o0, o1, t);
+}
+
+/* rows order[g], order[g + 1], ... of one adapter: how many (at most LORA_ROWS) from g on */
+static inline int lora_group(const lora_desc *lora, int64_t g) {
+    const int32_t k = lora->row_adapter[lora->order[g]];
+    int m = 1;
+    while (m < LORA_ROWS && g + m < lora->n_order && lora->row_adapter[lora->order[g + m]] == k)
+        m++;
+    return m;
 }
 
 /* the update of target `which` in layer l for adapter row i, or NULL */

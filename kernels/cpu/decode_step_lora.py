@@ -5,7 +5,7 @@ the step reads them (``AdapterTable``, built once per adapter), and one step's r
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,13 +25,15 @@ class PreparedLora:
 
 
 TARGETS = 4  # qkv, o_proj, gate_up, down: LORA_TARGETS in the C header, in that order
+TILE = 16  # outputs of one tile of B: LORA_TILE in the C header
+ALIGN = 64  # each matrix of a table starts on a cache line
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 
 class _LoraProj(ctypes.Structure):
     _fields_ = [
         ("a", _PTR),
-        ("bt", _PTR),
+        ("b_tiles", _PTR),
         ("slices", _PTR),
         ("n_slices", _I64),
         ("in_features", _I64),
@@ -44,32 +46,69 @@ class LoraDesc(ctypes.Structure):
     _fields_ = [
         ("adapters", _PTR),
         ("row_adapter", _PTR),
+        ("order", _PTR),
+        ("n_order", _I64),
         ("max_rank", _I64),
         ("w_bf16", _I32),
     ]
 
 
-class AdapterTable:
-    """One adapter's updates, [layer][target] (None: that projection untouched), as C structs.
-    Holds the prepared weights whose addresses it hands on."""
+def b_tiles(bt: torch.Tensor, slices: np.ndarray) -> torch.Tensor:
+    """B as the step reads it (cpu_step_lora.h): per slice (out_start, out_end, rank_start,
+    rank_end), ceil(width / TILE) tiles of [slice rank, TILE], zero past out_end; flat."""
+    parts = []
+    for o0, o1, r0, r1 in slices.tolist():
+        width = o1 - o0
+        tiles = -(-width // TILE)
+        block = torch.nn.functional.pad(bt[r0:r1, o0:o1], (0, tiles * TILE - width))
+        parts.append(block.reshape(r1 - r0, tiles, TILE).transpose(0, 1).reshape(-1))
+    return torch.cat(parts) if parts else bt.new_zeros(0)
 
-    def __init__(self, layers: Sequence[Sequence[PreparedLora | None]]) -> None:
-        self._keep = [p for layer in layers for p in layer if p is not None]
-        dtypes = {p.dtype for p in self._keep}
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class AdapterTable:
+    """One adapter's updates, [layer][target] (None: that projection untouched), as C structs
+    over one buffer holding every A and B in the order a step reads them (``buffer``: how it is
+    allocated, uint8 of a size; the executor gives huge pages, as for the base weights)."""
+
+    def __init__(
+        self,
+        layers: Sequence[Sequence[PreparedLora | None]],
+        buffer: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
+        prepared_all = [p for layer in layers for p in layer if p is not None]
+        dtypes = {p.dtype for p in prepared_all}
         if len(dtypes) > 1:
             raise ValueError("an adapter's projections must share one dtype")
         self.dtype = dtypes.pop() if dtypes else torch.float32
+        if any(len(layer) != TARGETS for layer in layers):
+            raise ValueError(f"a layer has {TARGETS} LoRA targets")
+        self._slices = [p.slices for p in prepared_all]
+        packed = [(p.a, b_tiles(p.bt, p.slices)) for p in prepared_all]
+        total = sum(_round_up(m.nbytes, ALIGN) for pair in packed for m in pair)
+        self.buffer = (buffer or _plain_buffer)(max(total, 1))
+        addresses: list[int] = []
+        start = 0
+        for pair in packed:
+            for matrix in pair:
+                flat = matrix.contiguous().reshape(-1).view(torch.uint8)
+                self.buffer[start : start + flat.numel()].copy_(flat)
+                addresses.append(self.buffer.data_ptr() + start)
+                start += _round_up(flat.numel(), ALIGN)
         self.projs = (_LoraProj * (len(layers) * TARGETS))()
         self.max_rank = 0
-        for index, layer in enumerate(layers):
-            if len(layer) != TARGETS:
-                raise ValueError(f"a layer has {TARGETS} LoRA targets, not {len(layer)}")
+        index = 0
+        for layer_index, layer in enumerate(layers):
             for t, prepared in enumerate(layer):
                 if prepared is None:
                     continue
-                a, bt, _, in_features, out_features, rank = prepared.args
-                slot = self.projs[index * TARGETS + t]
-                slot.a, slot.bt = a, bt
+                _, _, _, in_features, out_features, rank = prepared.args
+                slot = self.projs[layer_index * TARGETS + t]
+                slot.a, slot.b_tiles = addresses[2 * index], addresses[2 * index + 1]
+                index += 1
                 slot.slices = prepared.slices.ctypes.data
                 slot.n_slices = int(prepared.slices.shape[0])
                 slot.in_features, slot.out_features, slot.rank = in_features, out_features, rank
@@ -78,6 +117,10 @@ class AdapterTable:
     @property
     def address(self) -> int:
         return ctypes.addressof(self.projs)
+
+
+def _plain_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class StepLora:
@@ -94,10 +137,15 @@ class StepLora:
             raise ValueError("row_adapter indexes past the step's adapters")
         self.tables = tuple(tables)
         self.rows = np.ascontiguousarray(row_adapter)
+        # the adapter rows grouped by adapter: the kernels run a group's rows together
+        by_adapter = np.argsort(self.rows, kind="stable").astype(np.int32)
+        self.order = np.ascontiguousarray(by_adapter[self.rows[by_adapter] >= 0])
         self._pointers = (_PTR * max(len(tables), 1))(*(t.address for t in tables))
         self.desc = LoraDesc(
             adapters=ctypes.addressof(self._pointers),
             row_adapter=self.rows.ctypes.data,
+            order=self.order.ctypes.data,
+            n_order=int(self.order.shape[0]),
             max_rank=max((t.max_rank for t in tables), default=0),
             w_bf16=int(bool(tables) and tables[0].dtype == torch.bfloat16),
         )

@@ -32,6 +32,15 @@ DECODE_STEPS = 6
 # each request's adapter index in a step of all REQUESTS (the step's adapters by name; -1: base)
 NAMES = sorted({lora for lora, _ in REQUESTS if lora is not None})
 ROW_ADAPTERS = [-1 if lora is None else NAMES.index(lora) for lora, _ in REQUESTS]
+# more rows of one adapter than one pass over its weights takes (LORA_ROWS), among others
+CROWDED = [
+    *REQUESTS,
+    ("r16", [9, 31, 77, 2, 18]),
+    (None, [40, 41, 42]),
+    ("r16", [64, 3, 3, 90, 15, 28]),
+    ("r16", [11, 58, 23]),
+    ("r16", [36, 6, 81, 47]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +108,7 @@ def _decode(
     )
 
 
+@pytest.mark.parametrize("requests", [REQUESTS, CROWDED], ids=["one-row-each", "crowded"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_decode_steps_with_mixed_adapters_match_peft(
     tiny_llama: TinyCheckpoint,
@@ -106,19 +116,20 @@ def test_fused_decode_steps_with_mixed_adapters_match_peft(
     oracle: PeftOracle,
     isa: str,
     threads: int,
+    requests: list[tuple[str | None, list[int]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h = _harness(tiny_llama, adapters)
+    h = _harness(tiny_llama, adapters, len(requests))
     assert h.runner.model.native_decode is not None
     seen = _record_lora_steps(h.runner, monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        firsts = _prefill(h.runner, REQUESTS)
-        tokens = [[*prompt, first] for (_, prompt), first in zip(REQUESTS, firsts, strict=True)]
+        firsts = _prefill(h.runner, requests)
+        tokens = [[*prompt, first] for (_, prompt), first in zip(requests, firsts, strict=True)]
         for step in range(DECODE_STEPS):
-            logits = _decode(h.runner, REQUESTS, tokens, 1 + step)
-            for row, (lora, _) in enumerate(REQUESTS):
+            logits = _decode(h.runner, requests, tokens, 1 + step)
+            for row, (lora, _) in enumerate(requests):
                 want = oracle.logits(lora, tokens[row])[-1]
                 assert torch.allclose(logits[row], want, atol=TOLERANCE, rtol=0), (
                     f"row {row} ({lora}) step {step}: "
@@ -128,8 +139,9 @@ def test_fused_decode_steps_with_mixed_adapters_match_peft(
     finally:
         torch.set_num_threads(before)
     # every decode step ran fused, with the rows' adapters
-    assert seen == [ROW_ADAPTERS] * DECODE_STEPS
-    for row, (lora, prompt) in enumerate(REQUESTS):
+    row_adapters = [-1 if lora is None else NAMES.index(lora) for lora, _ in requests]
+    assert seen == [row_adapters] * DECODE_STEPS
+    for row, (lora, prompt) in enumerate(requests):
         assert tokens[row][len(prompt) :] == oracle.greedy(lora, prompt, DECODE_STEPS + 1)
 
 

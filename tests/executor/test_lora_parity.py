@@ -38,8 +38,8 @@ def oracle(tiny_llama: TinyCheckpoint, adapters: dict[str, Path]) -> PeftOracle:
     return PeftOracle(tiny_llama.path, adapters)
 
 
-def _harness(ckpt: TinyCheckpoint, adapters: dict[str, Path]) -> Harness:
-    h = Harness(ckpt, page_size=4)
+def _harness(ckpt: TinyCheckpoint, adapters: dict[str, Path], num_requests: int = 4) -> Harness:
+    h = Harness(ckpt, page_size=4, num_requests=num_requests)
     config = ModelConfig.from_hf_dict(ckpt.hf_config)
     registry = LoraRegistry(config, 64, None, torch.float32, torch.device("cpu"))
     for name, path in adapters.items():

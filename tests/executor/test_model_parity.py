@@ -31,10 +31,10 @@ class Harness:
         page_size: int,
         dtype: torch.dtype = torch.float32,
         deterministic: bool = False,
+        num_requests: int = 4,
     ) -> None:
         self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
         pages_per_request = -(-MAX_LEN // page_size)
-        num_requests = 4
         num_pages = pages_per_request * num_requests + 3
         self.pool = KVPool(
             self.config.num_layers,

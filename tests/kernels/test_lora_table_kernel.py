@@ -79,3 +79,30 @@ def test_row_adapters_past_the_tables_are_refused() -> None:
     table, _, _ = _table(gen, 64, [(32, 8)], torch.float32)
     with pytest.raises(ValueError, match="past"):
         StepLora([table], np.array([0, 1], dtype=np.int32))
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_past_a_slice_end_and_groups_of_more_rows_than_one_pass(
+    dtype: torch.dtype, weights: torch.dtype
+) -> None:
+    """Widths and inputs not a multiple of the 16-output tile or a vector (the tiles' zero tails,
+    the shrink's scalar tail), and an adapter of 7 rows spread over the step (one pass of 4 rows,
+    one of 3, in the grouped order)."""
+    gen = torch.Generator().manual_seed(7)
+    in_features, out_parts = 100, (40, 21)
+    made = [
+        _table(gen, in_features, list(zip(out_parts, r, strict=True)), weights)
+        for r in ((5, 3), (2, 0))
+    ]
+    row_adapter = np.array([0, -1, 1, 0, 0, 1, 0, -1, 0, 0, 0, 1], dtype=np.int32)
+    x = torch.randn(row_adapter.size, in_features, generator=gen).to(dtype)
+    y = torch.randn(row_adapter.size, sum(out_parts), generator=gen).to(dtype)
+    want = y.clone()
+    for k, (_, a, b) in enumerate(made):
+        lora_apply_ref(want, x, torch.from_numpy(np.flatnonzero(row_adapter == k)), a, b)
+    got = y.clone()
+    step = StepLora([t for t, _, _ in made], row_adapter)
+    assert lora_native.apply_table(got, x, step, SLOT, in_features)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)

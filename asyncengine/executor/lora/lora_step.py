@@ -21,12 +21,10 @@ from asyncengine.kernels.cpu import lora_native
 from asyncengine.kernels.cpu.decode_step_lora import AdapterTable, StepLora
 from asyncengine.kernels.reference.lora_ref import lora_apply_ref
 
-# From this many rows of one adapter the two products run as GEMMs (oneDNN) instead of the
-# native kernel's row-by-row dot products (a prefill chunk's rows); not measured on a quiet
-# machine: scripts/bench_lora.py is the command that would tune it.
-GEMM_FROM_ROWS = 16
-# the adapters' native tables, for the steps whose rows of few per adapter take one call per
-# projection for all adapters
+# the adapters' native tables: a CPU step's rows of every adapter take one call per projection
+# (a prefill's rows too: the native kernel runs four rows of an adapter per pass over its
+# weights, ~1.5-2x faster than the torch products per adapter at 1,024 rows of 8 adapters, in
+# float32 and bfloat16)
 TABLES = TableCache()
 
 
@@ -46,7 +44,7 @@ class LoraStep:
     ) -> None:
         self.groups = groups
         self.device = device
-        # the groups marked in_table in one native call per projection (a CPU's decode rows)
+        # the groups marked in_table in one native call per projection (a CPU's rows)
         self.table = table
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -64,8 +62,8 @@ class LoraStep:
                 from asyncengine.kernels.triton.triton_lora import lora_apply
 
                 lora_apply(y, x, group.rows, update.a, update.b)
-            elif self.device.type != "cpu" or group.rows.shape[0] >= GEMM_FROM_ROWS:
-                lora_apply_ref(y, x, group.rows, update.a, update.b)  # a prefill's rows: GEMMs
+            elif self.device.type != "cpu":
+                lora_apply_ref(y, x, group.rows, update.a, update.b)
             elif update.native is None or not lora_native.apply_prepared(
                 y, x, group.segments, update.native
             ):
@@ -101,18 +99,17 @@ def lora_step(plan: BatchPlan, registry: LoraRegistry, device: torch.device) -> 
         segments = np.array(runs[name], dtype=np.int64).reshape(-1, 2)
         rows = np.concatenate([np.arange(s, e) for s, e in runs[name]])
         groups.append(AdapterRows(adapters[name], torch.from_numpy(rows).to(device), segments))
-    table = _small_groups_table(groups, at) if device.type == "cpu" else None
+    table = _groups_table(groups, at) if device.type == "cpu" else None
     return LoraStep(groups, device, table)
 
 
-def _small_groups_table(groups: list[AdapterRows], num_rows: int) -> StepLora | None:
-    """The groups of fewer than GEMM_FROM_ROWS rows as one table (marked ``in_table``), or None
-    where there are none or the native kernel is not here."""
+def _groups_table(groups: list[AdapterRows], num_rows: int) -> StepLora | None:
+    """The groups as one table (marked ``in_table``), or None where the native kernel is not
+    here or some adapter is not its to take."""
     if not lora_native.available():
         return None
-    small = [g for g in groups if g.rows.shape[0] < GEMM_FROM_ROWS]
     tables: list[AdapterTable] = []
-    for group in small:
+    for group in groups:
         table = TABLES.table(group.adapter)
         if table is None:
             return None
@@ -120,7 +117,7 @@ def _small_groups_table(groups: list[AdapterRows], num_rows: int) -> StepLora | 
     if not tables or len({t.dtype for t in tables}) > 1:
         return None
     row_adapter = np.full(num_rows, -1, dtype=np.int32)
-    for index, group in enumerate(small):
+    for index, group in enumerate(groups):
         for start, end in group.segments.tolist():
             row_adapter[start:end] = index
         group.in_table = True

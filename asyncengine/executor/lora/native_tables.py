@@ -1,11 +1,12 @@
 """Each adapter's updates as the native kernels' table (kernels/cpu/decode_step_lora.py's
-``AdapterTable``: per layer, qkv / o_proj / gate_up / down), built once per adapter and kept on
-the adapter (``LoraAdapter.tables``), so that it goes when the registry drops the adapter."""
+``AdapterTable``: per layer, qkv / o_proj / gate_up / down, in one huge-page buffer in the order a
+step reads them, as the base weights: weights scattered over 4 KiB pages stall a batch-1 step on
+TLB misses and stop the hardware prefetcher at every page), built once per adapter and kept on the
+adapter (``LoraAdapter.tables``), so that it goes when the registry drops the adapter."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from asyncengine.executor.cpu.weight_arena import hugepage_buffer
 from asyncengine.executor.lora.peft_adapter import LoraAdapter
 from asyncengine.kernels.cpu.decode_step_lora import AdapterTable, PreparedLora
 
@@ -18,11 +19,8 @@ def target_slot(layer: int, projection: str) -> int:
 
 
 class TableCache:
-    """Adapter -> its table, or None where some update is not the native kernel's to take
-    (not prepared for it, or refused by ``accepts``: the update, its target's index)."""
-
-    def __init__(self, accepts: Callable[[PreparedLora, int], bool] | None = None) -> None:
-        self.accepts = accepts
+    """Adapter -> its table, or None where some update is not the native kernel's to take (not
+    prepared for it)."""
 
     def table(self, adapter: LoraAdapter) -> AdapterTable | None:
         if self in adapter.tables:
@@ -36,14 +34,14 @@ class TableCache:
         layers: list[list[PreparedLora | None]] = []
         for updates in adapter.layers:
             row: list[PreparedLora | None] = []
-            for target, name in enumerate(TARGET_NAMES):
+            for name in TARGET_NAMES:
                 update = updates.get(name)
                 if update is None:
                     row.append(None)
                     continue
                 prepared = update.native
-                if prepared is None or (self.accepts and not self.accepts(prepared, target)):
+                if prepared is None:
                     return None
                 row.append(prepared)
             layers.append(row)
-        return AdapterTable(layers)
+        return AdapterTable(layers, hugepage_buffer)
