@@ -114,9 +114,10 @@ static inline void quarters(__m512 v16, __m512 *out) {
     for (int q = 0; q < 4; q++) out[q] = quarter(v16, q);
 }
 
-/* Q4_K / Q5_K: super-blocks of groups a and b (rows 0..7, 8..15) -> tiles 0..7 at dst */
+/* Q4_K / Q5_K: super-blocks of groups a and b (rows 0..7, 8..15), chunks c_first..c_last - 1
+ * (sub-blocks 2c, 2c + 1) -> tiles 2c, 2c + 1 at dst */
 static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *b, int has_high,
-                                               uint8_t *dst) {
+                                               int c_first, int c_last, uint8_t *dst) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(63),
                   m30 = _mm256_set1_epi8(0x30);
     const uint8_t *g[2] = {a, b};
@@ -137,7 +138,7 @@ static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *
                                    _mm256_and_si256(_mm256_srli_epi16(s1, 2), m30));
     }
     const int64_t qs_at = 128 + (has_high ? 8 * 32 : 0);
-    for (int c = 0; c < 4; c++) {
+    for (int c = c_first; c < c_last; c++) {
         __m512 dq[2][4], mq[2][4]; /* [lo / hi sub-block][quarter] */
         for (int half = 0; half < 2; half++) {
             const int j = 2 * c + half;
@@ -169,16 +170,18 @@ static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *
     }
 }
 
-/* Q6_K: super-blocks of groups a and b -> tiles 0..7 at dst (tile 4 half + g: values
- * 128 half + 32 g..+31) */
-static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b, uint8_t *dst) {
+/* Q6_K: super-blocks of groups a and b -> tiles t_first..t_last - 1 at dst (tile 4 half + g:
+ * values 128 half + 32 g..+31) */
+static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b, int t_first,
+                                             int t_last, uint8_t *dst) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m512 d16 = rows16(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a)),
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
     const __m512 k32 = _mm512_set1_ps(32.0f);
     const int64_t ql_at = 16, qh_at = 16 + 32 * 32, sc_at = qh_at + 16 * 32;
-    for (int half = 0; half < 2; half++) {
-        for (int g = 0; g < 4; g++) {
+    for (int tt = t_first; tt < t_last; tt++) {
+        const int half = tt / 4, g = tt % 4;
+        {
             /* sub-blocks 8 half + 2g (values 0..15 of the 32) and + 1 (16..31) */
             __m512 dq[2][4], mq[2][4];
             for (int s = 0; s < 2; s++) {
@@ -215,19 +218,18 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
     }
 }
 
-/* rows 16 blk..16 blk + 15 of W (groups 2 blk and 2 blk + 1; `single`: only the first exists,
- * the second's columns are zeros) -> k / 32 tiles at dst */
-static void unpack_block(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t blk,
-                         int single, uint8_t *dst) {
+/* tiles 2 part, 2 part + 1 (of 8) of super-block s of rows 16 blk..16 blk + 15 of W (groups
+ * 2 blk and 2 blk + 1; `single`: only the first exists) -> the block's k / 32 tiles at dst */
+static void unpack_part(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t blk,
+                        int single, int64_t s, int part, uint8_t *dst) {
     const int64_t sb_bytes = row_bytes / (k / QK_K) * XR; /* a group's super-block */
-    const uint8_t *a = w + 16 * blk * row_bytes, *b = single ? a : a + XR * row_bytes;
-    for (int64_t s = 0; s < k / QK_K; s++) {
-        uint8_t *tiles = dst + s * 8 * K_TILE_BYTES;
-        if (fmt == FMT_Q6_K) unpack_q6(a + s * sb_bytes, b + s * sb_bytes, tiles);
-        else unpack_qk45(a + s * sb_bytes, b + s * sb_bytes, fmt == FMT_Q5_K, tiles);
-    }
-    if (single) /* columns 8..15 of each B row: the second half of each 64-byte row */
-        for (int64_t r = 0; r < k / 2; r++) memset(dst + 64 * r + 32, 0, 32);
+    const uint8_t *a = w + 16 * blk * row_bytes + s * sb_bytes;
+    const uint8_t *b = single ? a : a + XR * row_bytes;
+    uint8_t *tiles = dst + s * 8 * K_TILE_BYTES;
+    if (fmt == FMT_Q6_K) unpack_q6(a, b, 2 * part, 2 * part + 2, tiles);
+    else unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, tiles);
+    if (single) /* the second group's columns (8..15: each 64-byte row's second half) are zeros */
+        for (int r = 32 * part; r < 32 * part + 32; r++) memset(tiles + 64 * r + 32, 0, 32);
 }
 
 /* C tile (16 activation rows x 16 weight rows, float32) -> y rows i0.., columns c0.. (cols: 16
@@ -245,9 +247,10 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
     }
 }
 
-/* activation tiles a0 (and a0 + 1 where two) against the unpacked blocks bt0 (and bt1):
- * C(a, b) in tmm(2a + b) */
-#define K_AMX_PASS(NA, NB)                                                                       \
+/* activation tiles at, at + 1 (where NA is 2) against the unpacked blocks at bt0 (and bt1,
+ * NB 2): C(a, b) in tmm(2a + b). After every second k step, NEXT(t) unpacks two tiles' worth of
+ * the next blocks: the vector units unpack while the tile unit multiplies. */
+#define K_AMX_PASS(NA, NB, NEXT)                                                                 \
     do {                                                                                         \
         _tile_zero(0);                                                                           \
         if (NB > 1) _tile_zero(1);                                                               \
@@ -266,6 +269,7 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
                 _tile_dpbf16ps(2, 5, 6);                                                         \
                 if (NB > 1) _tile_dpbf16ps(3, 5, 7);                                             \
             }                                                                                    \
+            if (t & 1) NEXT(t);                                                      \
         }                                                                                        \
         _tile_stored(0, cbuf[0], 64);                                                            \
         if (NB > 1) _tile_stored(1, cbuf[1], 64);                                                \
@@ -273,7 +277,17 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
         if (NA > 1 && NB > 1) _tile_stored(3, cbuf[3], 64);                                      \
     } while (0)
 
-/* one thread's blocks b_first..b_last - 1, in pairs */
+/* the blocks of the next pair: their tiles t - 1 and t */
+#define K_UNPACK_NEXT(t)                                                                        \
+    do {                                                                                         \
+        for (int j = 0; j < next_nb; j++)                                                        \
+            unpack_part(fmt, w, row_bytes, k, blk + 2 + j, 2 * (blk + 2 + j) + 1 >= groups,      \
+                        (t) >> 3, ((t) >> 1) & 3, next + j * tiles_bytes);                       \
+    } while (0)
+#define K_NOTHING(t) ((void)(t))
+
+/* one thread's blocks b_first..b_last - 1, in pairs; bufs: two pairs' tiles (the pair being
+ * multiplied and the next, unpacked meanwhile) */
 static void amx_blocks(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
                        const uint8_t *xb, int64_t n, int64_t n_tiles, const float *bias, void *y,
                        int64_t ldy, int out_bf16, int64_t b_first, int64_t b_last,
@@ -281,27 +295,39 @@ static void amx_blocks(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
     const int64_t stride = x_stride(k), tiles_bytes = k / 32 * K_TILE_BYTES, groups = rows / XR;
     float cbuf[4][256] __attribute__((aligned(64)));
     configure_tiles();
+    uint8_t *now = bufs, *next = bufs + 2 * tiles_bytes;
+    for (int j = 0; j < 2 && b_first + j < b_last; j++)
+        for (int64_t t = 1; t < k / 32; t += 2)
+            unpack_part(fmt, w, row_bytes, k, b_first + j, 2 * (b_first + j) + 1 >= groups, t >> 3,
+                        (t >> 1) & 3, now + j * tiles_bytes);
     for (int64_t blk = b_first; blk < b_last; blk += 2) {
         const int nb = blk + 1 < b_last ? 2 : 1;
-        uint8_t *bt0 = bufs, *bt1 = bufs + tiles_bytes;
-        int cols[2] = {16, 16};
-        for (int j = 0; j < nb; j++) {
-            const int single = 2 * (blk + j) + 1 >= groups;
-            cols[j] = single ? 8 : 16;
-            unpack_block(fmt, w, row_bytes, k, blk + j, single, j ? bt1 : bt0);
-        }
+        const int next_nb = blk + 2 >= b_last ? 0 : blk + 3 < b_last ? 2 : 1;
+        const uint8_t *bt0 = now, *bt1 = now + tiles_bytes;
+        int cols[2];
+        for (int j = 0; j < nb; j++) cols[j] = 2 * (blk + j) + 1 >= groups ? 8 : 16;
         for (int64_t at = 0; at < n_tiles; at += 2) {
             const uint8_t *xa = xb + at * 16 * stride;
             const int na = at + 1 < n_tiles ? 2 : 1;
-            if (na == 2 && nb == 2) K_AMX_PASS(2, 2);
-            else if (na == 2) K_AMX_PASS(2, 1);
-            else if (nb == 2) K_AMX_PASS(1, 2);
-            else K_AMX_PASS(1, 1);
+            if (at == 0) { /* the first pass unpacks the next pair */
+                if (na == 2 && nb == 2) K_AMX_PASS(2, 2, K_UNPACK_NEXT);
+                else if (na == 2) K_AMX_PASS(2, 1, K_UNPACK_NEXT);
+                else if (nb == 2) K_AMX_PASS(1, 2, K_UNPACK_NEXT);
+                else K_AMX_PASS(1, 1, K_UNPACK_NEXT);
+            } else {
+                if (na == 2 && nb == 2) K_AMX_PASS(2, 2, K_NOTHING);
+                else if (na == 2) K_AMX_PASS(2, 1, K_NOTHING);
+                else if (nb == 2) K_AMX_PASS(1, 2, K_NOTHING);
+                else K_AMX_PASS(1, 1, K_NOTHING);
+            }
             for (int a2 = 0; a2 < na; a2++)
                 for (int j = 0; j < nb; j++)
                     store_tile(cbuf[2 * a2 + j], (at + a2) * 16, n, (blk + j) * 16, bias, y, ldy,
                                out_bf16, cols[j]);
         }
+        uint8_t *done = now;
+        now = next;
+        next = done;
     }
     _tile_release();
 }
@@ -349,7 +375,7 @@ int asyncengine_k_amx_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64
     {
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = 2 * (pairs * me / nt), last = 2 * (pairs * (me + 1) / nt);
-        uint8_t *bufs = (uint8_t *)aligned_alloc(64, (size_t)(2 * k / 32 * K_TILE_BYTES));
+        uint8_t *bufs = (uint8_t *)aligned_alloc(64, (size_t)(4 * k / 32 * K_TILE_BYTES));
         if (!bufs) failed = 1;
         else if (first < blocks)
             amx_blocks(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy,
