@@ -74,13 +74,16 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
     "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
     "BF16": BF16_ROWS_DENSE_FROM,
 }  # fmt: skip
-# Below this many rows, where the table above sends a K-format projection (Q4_K / Q5_K / Q6_K
-# parts only) with bfloat16 activations to the dense product, an AMX CPU takes the AMX product
+# Below this many rows, where the table above sends a projection with bfloat16 activations to
+# the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
 # instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
-# product's sums without streaming its copy, which is 3-4x the quantized bytes and bounds a
-# 32-row decode step); from it the dense product's better-blocked GEMM wins
-# (scripts/micro/bench_quant_matmul.py --shape llama-3.2-1b --dtype bfloat16 --amx).
+# product's sums without streaming its copy, 3.6x the Q4_K bytes, which bounds a 32-row decode
+# step); from it the dense product's better-blocked GEMM wins. Q6_K stays dense: its unpacking
+# costs more per value and its copy is only 2.4x its bytes (a 1B Q4_K_M step at 32 rows, one
+# thread, CPU time: 265 ms with Q4_K on AMX and Q6_K dense, 299 ms with both on AMX, 327 ms all
+# dense; scripts/micro/bench_many_rows_step.py).
 K_AMX_BELOW_ROWS = 128
+K_AMX_FORMATS = frozenset({"Q4_K", "Q5_K"})
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -198,7 +201,7 @@ class QuantizedLinear:
         self._dense: Linear | None = None
         # every part a K format the AMX product takes on this CPU (asked once per linear)
         self._amx = dense_from_rows is not None and all(
-            quant_amx_native.takes(p) for p in self.parts
+            p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
 
     @property
