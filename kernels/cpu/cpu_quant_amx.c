@@ -20,6 +20,7 @@
  * asyncengine_k_amx_available); without it, on CPUs without AMX, and in the narrower builds
  * (-DQ_FORCE_AVX2 / -DQ_FORCE_SCALAR) the functions say so and the caller keeps the other paths.
  */
+#define _GNU_SOURCE /* syscall(), for arch_prctl */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
