@@ -28,7 +28,8 @@
 #include "cpu_quant_blocks.h"
 
 #if defined(Q_ISA_VNNI) && defined(__AMX_TILE__) && defined(__AMX_BF16__) &&                      \
-    defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+    defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) &&           \
+    defined(__linux__)
 #define K_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -77,14 +78,15 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* row r of 16 (4 each) repeated 4 times: lanes 4q..4q+3 of quarter q's vector */
-static inline __m512 quarter(__m512 v16, int q) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
-                                         _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10,
-                                                                            9, 8, 7, 6, 5, 4, 3, 2,
-                                                                            1, 0),
-                                                           2));
-    return _mm512_permutexvar_ps(idx, v16);
+/* lane j: row 8h + j / 2 of v16's 16 (each of group h's rows in two lanes) */
+static inline __m512 half_rows(__m512 v16, int h) {
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(8 * h), pairs), v16);
+}
+
+static inline void halves(__m512 v16, __m512 *out) {
+    out[0] = half_rows(v16, 0);
+    out[1] = half_rows(v16, 1);
 }
 
 /* the two groups' 8-lane vectors as one of 16 rows */
@@ -92,27 +94,29 @@ static inline __m512 rows16(__m256 a, __m256 b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
 
-/* one piece of each group (lane r: 4 values of row r, u8) -> rows 2i, 2i + 1 of a B tile at
- * dst: values q D - M of the 16 rows (D, M: each row's 4 lanes, quarters as `quarter`) */
-static inline Q_ALWAYS_INLINE void put_piece(__m256i qa, __m256i qb, const __m512 *d,
-                                             const __m512 *m, uint8_t *dst) {
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    __m512 f[4];
-    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(qa)));
-    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(qa, 1)));
-    f[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(qb)));
-    f[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(qb, 1)));
-    for (int q = 0; q < 4; q++) f[q] = _mm512_fmsub_ps(f[q], d[q], m[q]);
-    /* dword 2r + p: row r's pair p (values 2p, 2p + 1 of its 4) */
-    const __m512i ga = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-    const __m512i gb = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-    _mm512_store_si512((void *)dst, _mm512_permutex2var_epi32(ga, even, gb));
-    _mm512_store_si512((void *)(dst + 64), _mm512_permutex2var_epi32(ga, odd, gb));
+/* byte indices into [group a's piece | group b's piece] putting value 2p + e of row n of group h
+ * (byte 32 h + 4 n + 2 p + e) in dword lane 2n + e */
+static inline __m512i pick_index(int h, int p) {
+    const __m512i at = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    return _mm512_add_epi32(_mm512_set1_epi32(32 * h + 2 * p), at);
 }
 
-static inline void quarters(__m512 v16, __m512 *out) {
-    for (int q = 0; q < 4; q++) out[q] = quarter(v16, q);
+/* one piece of each group (lane r: 4 values of row r, u8) -> rows 2i, 2i + 1 of a B tile at
+ * dst: values q D - M of the 16 rows (D, M: `halves` of the 16 rows' vectors). Each row's
+ * values 2p, 2p + 1 land in the lanes that the bfloat16 conversion puts in dword n of B row
+ * 2i + p: no shuffles after it. */
+static inline Q_ALWAYS_INLINE void put_piece(__m256i qa, __m256i qb, const __m512 *d,
+                                             const __m512 *m, uint8_t *dst) {
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+    const __mmask64 low_bytes = 0x1111111111111111ull;
+    for (int p = 0; p < 2; p++) {
+        __m512 f[2];
+        for (int h = 0; h < 2; h++)
+            f[h] = _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(low_bytes, pick_index(h, p), v)),
+                d[h], m[h]);
+        _mm512_store_si512((void *)(dst + 64 * p), (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+    }
 }
 
 /* Q4_K / Q5_K: super-blocks of groups a and b (rows 0..7, 8..15), chunks c_first..c_last - 1
@@ -140,13 +144,13 @@ static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *
     }
     const int64_t qs_at = 128 + (has_high ? 8 * 32 : 0);
     for (int c = c_first; c < c_last; c++) {
-        __m512 dq[2][4], mq[2][4]; /* [lo / hi sub-block][quarter] */
+        __m512 dq[2][2], mq[2][2]; /* [lo / hi sub-block][group] */
         for (int half = 0; half < 2; half++) {
             const int j = 2 * c + half;
-            quarters(rows16(_mm256_mul_ps(d[0], lane_byte(sc[0][j / 4], j % 4)),
+            halves(rows16(_mm256_mul_ps(d[0], lane_byte(sc[0][j / 4], j % 4)),
                             _mm256_mul_ps(d[1], lane_byte(sc[1][j / 4], j % 4))),
                      dq[half]);
-            quarters(rows16(_mm256_mul_ps(dmin[0], lane_byte(mn[0][j / 4], j % 4)),
+            halves(rows16(_mm256_mul_ps(dmin[0], lane_byte(mn[0][j / 4], j % 4)),
                             _mm256_mul_ps(dmin[1], lane_byte(mn[1][j / 4], j % 4))),
                      mq[half]);
         }
@@ -184,7 +188,7 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
         const int half = tt / 4, g = tt % 4;
         {
             /* sub-blocks 8 half + 2g (values 0..15 of the 32) and + 1 (16..31) */
-            __m512 dq[2][4], mq[2][4];
+            __m512 dq[2][2], mq[2][2];
             for (int s = 0; s < 2; s++) {
                 const int j = 8 * half + 2 * g + s;
                 const __m256i sa = _mm256_loadu_si256((const __m256i *)(a + sc_at + 32 * (j / 4)));
@@ -192,8 +196,8 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
                 const __m512 dsc = _mm512_mul_ps(
                     d16, rows16(_mm256_cvtepi32_ps(lane_sbyte(sa, j % 4)),
                                 _mm256_cvtepi32_ps(lane_sbyte(sb, j % 4))));
-                quarters(dsc, dq[s]);
-                for (int q = 0; q < 4; q++) mq[s][q] = _mm512_mul_ps(dq[s][q], k32);
+                halves(dsc, dq[s]);
+                for (int h = 0; h < 2; h++) mq[s][h] = _mm512_mul_ps(dq[s][h], k32);
             }
             const int64_t lp = ql_at + 32 * (16 * half + 8 * (g & 1)), hp = qh_at + 32 * 8 * half;
             uint8_t *tile = dst + (4 * half + g) * K_TILE_BYTES;

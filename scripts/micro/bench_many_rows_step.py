@@ -55,7 +55,9 @@ class Step:
         pool = KVPool.for_model(config, pages * rows, page_size, dtype)
         pool.k.uniform_(-1, 1)
         pool.v.uniform_(-1, 1)
-        self.runner = ModelRunner(config, dict(loaded.weights), pool, PageTable.contiguous(rows, pages), dtype)
+        self.runner = ModelRunner(
+            config, dict(loaded.weights), pool, PageTable.contiguous(rows, pages), dtype
+        )
         self.runner.model.native_decode = None  # the many-row path, at every batch
         model = self.runner.model
         self.linears = [
@@ -73,7 +75,7 @@ class Step:
 
     def use_amx(self, on: bool) -> None:
         for linear, taken in self.amx.items():
-            linear._amx = on and taken  # noqa: SLF001
+            linear._amx = on and taken
 
     def run(self, batch: int) -> dict[str, float]:
         plan = BatchPlan(
@@ -94,7 +96,9 @@ class Step:
 
             return timed_call
 
-        originals = [(layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS]
+        originals = [
+            (layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS
+        ]
         head = model.lm_head
         for layer, name, fn in originals:
             setattr(layer, name, wrap("projections", fn))
@@ -112,7 +116,12 @@ class Step:
             model.lm_head = head
         timed["sample"] = end - sample_start
         timed["step"] = end - start
-        timed["rest"] = timed["step"] - timed["sample"] - timed.get("projections", 0.0) - timed.get("lm_head", 0.0)
+        timed["rest"] = (
+            timed["step"]
+            - timed["sample"]
+            - timed.get("projections", 0.0)
+            - timed.get("lm_head", 0.0)
+        )
         return timed
 
 
@@ -129,7 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     args.batches = [int(b) for b in args.batches.split(",")]
     step = Step(args)
-    print(f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}")
+    print(
+        f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"
+    )
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
@@ -147,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row[path] = {key: statistics.median(v) * 1e3 for key, v in parts.items()}
             rows.append(row)
             print(
-                f"B={batch:4d} " + "  ".join(
+                f"B={batch:4d} "
+                + "  ".join(
                     f"{path}: step {row[path]['step']:7.1f} ms (proj {row[path].get('projections', 0):6.1f}, "
                     f"head {row[path].get('lm_head', 0):6.1f}, sample {row[path]['sample']:5.1f}, "
                     f"rest {row[path]['rest']:5.1f})"

@@ -133,7 +133,9 @@ def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     assert projection._dense is not None
 
 
-def test_without_amx_the_projection_keeps_the_dense_product(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_amx_the_projection_keeps_the_dense_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(quant_amx_native, "available", lambda: False)
     q4 = random_weight(FORMATS["Q4_K"], 16, 256, seed=4)
     projection = QuantizedLinear([q4], dense_from_rows=8)
