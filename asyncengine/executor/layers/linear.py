@@ -80,8 +80,9 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
 # product's sums without streaming its copy, 3.6x the Q4_K bytes, which bounds a 32-row decode
 # step); from it the dense product's better-blocked GEMM wins. Q6_K stays dense: its unpacking
 # costs more per value and its copy is only 2.4x its bytes (a 1B Q4_K_M step at 32 rows, one
-# thread, CPU time: 265 ms with Q4_K on AMX and Q6_K dense, 299 ms with both on AMX, 327 ms all
-# dense; scripts/micro/bench_many_rows_step.py).
+# thread, CPU time, two runs on a busy machine: 265-285 ms with Q4_K on AMX and Q6_K dense,
+# 299-307 ms with both on AMX, 327-371 ms all dense, the 128k-row Q6_K LM head alone 55-62 ms
+# dense, 73-77 ms on AMX; scripts/micro/bench_many_rows_step.py).
 K_AMX_BELOW_ROWS = 128
 K_AMX_FORMATS = frozenset({"Q4_K", "Q5_K"})
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
