@@ -230,6 +230,14 @@ static void unpack_part(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k,
     const int64_t sb_bytes = row_bytes / (k / QK_K) * XR; /* a group's super-block */
     const uint8_t *a = w + 16 * blk * row_bytes + s * sb_bytes;
     const uint8_t *b = single ? a : a + XR * row_bytes;
+    /* a quarter of the super-block of both groups, 2 blocks (one pair, about one pair's
+     * products) ahead: the hardware's prefetch alone kept one thread's stream at 3-3.5 GB/s, a
+     * third of the dense product's */
+    const int64_t ahead = 2 * 16 * row_bytes, quarter = sb_bytes / 4;
+    for (int64_t o = part * quarter; o < (part + 1) * quarter + 64; o += 64) {
+        _mm_prefetch((const char *)a + ahead + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + ahead + o, _MM_HINT_T0);
+    }
     uint8_t *tiles = dst + s * 8 * K_TILE_BYTES;
     if (fmt == FMT_Q6_K) unpack_q6(a, b, 2 * part, 2 * part + 2, tiles);
     else unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, tiles);
