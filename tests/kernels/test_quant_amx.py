@@ -108,14 +108,28 @@ def test_weights_it_cannot_take_are_refused() -> None:
 @needs_amx
 def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     """A Q4_K projection with bfloat16 rows: the q8 kernel below its crossover, the AMX product
-    from it (no dense copy built), the dense product from K_AMX_BELOW_ROWS; Q6_K parts keep the
-    dense product. Every path agrees with the dequantized weights to bfloat16 rounding."""
+    from it (no dense copy built), the dense product from K_AMX_BELOW_ROWS. Parts of several K
+    formats (q/k in Q4_K, v in Q6_K) take it part by part; a part in another format keeps the
+    dense product for all. Every path agrees with the dequantized weights to bfloat16 rounding."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
+    q8 = random_weight(FORMATS["Q8_0"], 16, 512, seed=4)
     projection = QuantizedLinear([q4], dense_from_rows=8)
-    mixed = QuantizedLinear([q4, q6], dense_from_rows=8)
-    assert projection._amx and not mixed._amx
+    mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
+    assert projection._amx and mixed._amx
+    assert not QuantizedLinear([q4, q8], dense_from_rows=8)._amx
     below = linear_module.K_AMX_BELOW_ROWS
+    x = torch.randn(40, 512).to(torch.bfloat16)
+    assert mixed.bias is not None
+    both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
+    ref = x.double() @ both.to(torch.bfloat16).double().T + mixed.bias.double()
+    torch.testing.assert_close(
+        mixed(x).double(),
+        ref,
+        rtol=2**-7,
+        atol=1e-5 * float((x.double().abs() @ both.double().abs().T).max()),
+    )
+    assert mixed._dense is None
     small = torch.randn(4, 512).to(torch.bfloat16)
     assert torch.equal(projection(small), quant_native.quant_linear(small, projection.parts[0]))
     for n in (8, 31, below - 1):

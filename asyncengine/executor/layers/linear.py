@@ -77,14 +77,13 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
 # Below this many rows, where the table above sends a projection with bfloat16 activations to
 # the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
 # instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
-# product's sums without streaming its copy, 3.6x the Q4_K bytes, which bounds a 32-row decode
-# step); from it the dense product's better-blocked GEMM wins. Q6_K stays dense: its unpacking
-# costs more per value and its copy is only 2.4x its bytes (a 1B Q4_K_M step at 32 rows, one
-# thread, CPU time, two runs on a busy machine: 265-285 ms with Q4_K on AMX and Q6_K dense,
-# 299-307 ms with both on AMX, 327-371 ms all dense, the 128k-row Q6_K LM head alone 55-62 ms
-# dense, 73-77 ms on AMX; scripts/micro/bench_many_rows_step.py).
+# product's sums without streaming its copy, 2.4x (Q6_K) to 3.6x (Q4_K) the quantized bytes,
+# which bounds a 32-row decode step); from it the dense product's better-blocked GEMM wins. A 1B
+# Q4_K_M step at 32 rows, one thread, CPU time, on a busy machine: 211 ms on the AMX product
+# (its 128k-row Q6_K LM head 40 ms), 247 ms with the Q6_K parts dense, 337 ms all dense (head
+# 62 ms); scripts/micro/bench_many_rows_step.py.
 K_AMX_BELOW_ROWS = 128
-K_AMX_FORMATS = frozenset({"Q4_K", "Q5_K"})
+K_AMX_FORMATS = quant_amx_native.FORMATS
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
