@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
-from asyncengine.kernels.cpu import quant_native
+from asyncengine.kernels.cpu import quant_amx_native, quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
@@ -74,6 +74,16 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
     "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
     "BF16": BF16_ROWS_DENSE_FROM,
 }  # fmt: skip
+# Below this many rows, where the table above sends a projection with bfloat16 activations to
+# the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
+# instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
+# product's sums without streaming its copy, 2.4x (Q6_K) to 3.6x (Q4_K) the quantized bytes,
+# which bounds a 32-row decode step); from it the dense product's better-blocked GEMM wins. A 1B
+# Q4_K_M step at 32 rows, one thread, CPU time, on a busy machine: 211 ms on the AMX product
+# (its 128k-row Q6_K LM head 40 ms), 247 ms with the Q6_K parts dense, 337 ms all dense (head
+# 62 ms); scripts/micro/bench_many_rows_step.py.
+K_AMX_BELOW_ROWS = 128
+K_AMX_FORMATS = quant_amx_native.FORMATS
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -165,7 +175,15 @@ class QuantizedLinear:
     quantized kernel.
     """
 
-    __slots__ = ("_dense", "bias", "dense_from_rows", "in_features", "out_features", "parts")
+    __slots__ = (
+        "_amx",
+        "_dense",
+        "bias",
+        "dense_from_rows",
+        "in_features",
+        "out_features",
+        "parts",
+    )
 
     def __init__(
         self,
@@ -181,6 +199,10 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.dense_from_rows = dense_from_rows
         self._dense: Linear | None = None
+        # every part a K format the AMX product takes on this CPU (asked once per linear)
+        self._amx = dense_from_rows is not None and all(
+            p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
+        )
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +214,10 @@ class QuantizedLinear:
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
-            out = self.dense(x2.dtype)(x2)
+            if self._amx and x2.dtype == torch.bfloat16 and x2.shape[0] < K_AMX_BELOW_ROWS:
+                out = self._amx_product(x2)
+            else:
+                out = self.dense(x2.dtype)(x2)
         else:
             out = self._quantized(x2)
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)
@@ -219,6 +244,19 @@ class QuantizedLinear:
         there is one part (the usual case: same-format parts are merged)."""
         weights = [p.data.view(torch.float32) for p in self.parts]
         return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Each part's columns of one output by the AMX product (``_amx`` holds)."""
+        if len(self.parts) == 1:
+            return quant_amx_native.linear(x, self.parts[0], self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        start = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            bias = None if self.bias is None else self.bias[start : start + rows]
+            quant_amx_native.linear(x, part, bias, out[:, start : start + rows])
+            start += rows
+        return out
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:  # one native call

@@ -1,0 +1,102 @@
+"""The K formats' many-row product with AMX (kernels/cpu/cpu_quant_amx.c), loaded with ctypes.
+
+``takes(weight)`` says whether a weight can go this way here (an AMX CPU whose kernel grants the
+permission, Q4_K / Q5_K / Q6_K in interleaved groups of whole groups); ``linear`` is then
+``x @ weight.T (+ bias)`` with each weight value unpacked to bfloat16 once per call and the
+activations rounded to bfloat16: the sums of the dense bfloat16 product, without its copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.quant_formats import QuantizedTensor
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+GROUP_ROWS = 8  # cpu_quant_blocks.h XR
+SUPER_BLOCK = 256
+ENABLE_ENV = "ASYNCENGINE_K_AMX"  # "0": never this path (to measure what it gives)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    lib = cpu_native.load("cpu_quant_amx")
+    if lib is None:
+        return None
+    lib.asyncengine_k_amx_available.restype = _INT
+    lib.asyncengine_k_amx_available.argtypes = []
+    lib.asyncengine_k_amx_linear.restype = _INT
+    lib.asyncengine_k_amx_linear.argtypes = [
+        _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
+    ]  # fmt: skip
+    return lib if lib.asyncengine_k_amx_available() else None
+
+
+def available() -> bool:
+    """Whether this CPU, build and process run the AMX path (asks for AMX the first time)."""
+    return _library() is not None
+
+
+def takes(weight: QuantizedTensor) -> bool:
+    rows, cols = weight.shape
+    return (
+        weight.format.name in FORMATS
+        and weight.interleaved
+        and rows % GROUP_ROWS == 0
+        and cols % SUPER_BLOCK == 0
+        and available()
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: QuantizedTensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [n, rows] in x's dtype (or written into ``out``, a [n, rows] view of x's dtype whose
+    rows may be longer) = x @ weight.T (+ bias, float32). ``takes(weight)`` must hold."""
+    lib = _library()
+    if lib is None or not takes(weight):
+        raise ValueError(f"the AMX product does not take this {weight.format.name} weight here")
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        raise ValueError(f"activations must be 2-D CPU fp32/bf16, not {x.dtype} {x.device}")
+    rows, cols = weight.shape
+    if x.shape[1] != cols:
+        raise ValueError(f"activation rows of {x.shape[1]} values against {cols} columns")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous float32 vector")
+    x = x.contiguous()
+    n = x.shape[0]
+    if out is None:
+        out = torch.empty((n, rows), dtype=x.dtype)
+    if out.dtype != x.dtype or out.shape != (n, rows) or out.stride(1) != 1:
+        raise ValueError("out must be [n, rows] in x's dtype with unit column stride")
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    bf16 = int(x.dtype == torch.bfloat16)
+    status = lib.asyncengine_k_amx_linear(
+        weight.format.code,
+        data.data_ptr(),
+        data.shape[1],
+        rows,
+        cols,
+        x.data_ptr(),
+        n,
+        bf16,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        bf16,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the AMX product could not allocate its buffers")
+    return out

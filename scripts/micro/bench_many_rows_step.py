@@ -1,0 +1,174 @@
+"""Where a many-row decode step of a real GGUF model goes, and what the K formats' AMX product
+(kernels/cpu/cpu_quant_amx.c) changes in it: ``ModelRunner.forward_logits`` of B one-token decodes
+at context C, the projections on the AMX product ("amx") against the same projections on the
+dense bfloat16 product the crossovers otherwise pick ("dense"), in one process, alternating step
+by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
+layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
+rotary, Python).
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py \\
+        --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf --batches 8,16,32,64
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --model ... --threads 1 --cpu-time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from asyncengine.cache.page_table import PageTable
+from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor.kv_pool import KVPool
+from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.loader.quantized import load_model
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.sampler import Sampler
+from asyncengine.script_main import run_main
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
+class Step:
+    """One model and pool; ``run`` times one forward + greedy sample, by part."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        dtype = torch.bfloat16
+        loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
+        hf_config = json.loads((loaded.model_dir / "config.json").read_text())
+        self.summary = loaded.summary()
+        config = ModelConfig.from_hf_dict(hf_config)
+        page_size = 16
+        pages = -(-(args.context + 2) // page_size)
+        rows = max(args.batches)
+        pool = KVPool.for_model(config, pages * rows, page_size, dtype)
+        pool.k.uniform_(-1, 1)
+        pool.v.uniform_(-1, 1)
+        self.runner = ModelRunner(
+            config, dict(loaded.weights), pool, PageTable.contiguous(rows, pages), dtype
+        )
+        self.runner.model.native_decode = None  # the many-row path, at every batch
+        model = self.runner.model
+        self.linears = [
+            linear
+            for layer in model.layers
+            for linear in (getattr(layer, name) for name in PROJECTIONS)
+            if isinstance(linear, QuantizedLinear)
+        ]
+        if isinstance(model.lm_head, QuantizedLinear):
+            self.linears.append(model.lm_head)
+        self.amx = {linear: bool(getattr(linear, "_amx", False)) for linear in self.linears}
+        self.context = args.context
+        self.clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
+        self.sampler = Sampler()
+
+    def use_amx(self, on: bool) -> None:
+        for linear, taken in self.amx.items():
+            linear._amx = on and taken
+
+    def run(self, batch: int) -> dict[str, float]:
+        plan = BatchPlan(
+            step=0,
+            decodes=[Segment(f"r{b}", b, [100 + b], self.context, True) for b in range(batch)],
+        )
+        model = self.runner.model
+        timed: dict[str, float] = {}
+        clock = self.clock
+
+        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_call(*args: Any) -> Any:
+                start = clock()
+                try:
+                    return fn(*args)
+                finally:
+                    timed[name] = timed.get(name, 0.0) + clock() - start
+
+            return timed_call
+
+        originals = [
+            (layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS
+        ]
+        head = model.lm_head
+        for layer, name, fn in originals:
+            setattr(layer, name, wrap("projections", fn))
+        model.lm_head = wrap("lm_head", head)
+        greedy = [SamplingInfo(SamplingParams(temperature=0.0), [], [])] * batch
+        try:
+            start = clock()
+            logits = self.runner.forward_logits(plan)
+            sample_start = clock()
+            self.sampler.sample(logits, greedy)
+            end = clock()
+        finally:
+            for layer, name, fn in originals:
+                setattr(layer, name, fn)
+            model.lm_head = head
+        timed["sample"] = end - sample_start
+        timed["step"] = end - start
+        timed["rest"] = (
+            timed["step"]
+            - timed["sample"]
+            - timed.get("projections", 0.0)
+            - timed.get("lm_head", 0.0)
+        )
+        return timed
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a GGUF file")
+    parser.add_argument("--batches", default="8,16,32,64")
+    parser.add_argument("--context", type=int, default=96, help="kv length of each request")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    step = Step(args)
+    print(
+        f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"
+    )
+    rows = []
+    with torch.inference_mode():
+        for batch in args.batches:
+            samples: dict[str, dict[str, list[float]]] = {"amx": {}, "dense": {}}
+            for repeat in range(args.repeats + 1):
+                for path in samples:
+                    step.use_amx(path == "amx")
+                    timed = step.run(batch)
+                    if repeat:  # the first round warms up (and builds the dense copies)
+                        for key, value in timed.items():
+                            samples[path].setdefault(key, []).append(value)
+            step.use_amx(True)
+            row: dict[str, Any] = {"batch": batch}
+            for path, parts in samples.items():
+                row[path] = {key: statistics.median(v) * 1e3 for key, v in parts.items()}
+            rows.append(row)
+            print(
+                f"B={batch:4d} "
+                + "  ".join(
+                    f"{path}: step {row[path]['step']:7.1f} ms (proj {row[path].get('projections', 0):6.1f}, "
+                    f"head {row[path].get('lm_head', 0):6.1f}, sample {row[path]['sample']:5.1f}, "
+                    f"rest {row[path]['rest']:5.1f})"
+                    for path in samples
+                ),
+                flush=True,
+            )
+    return {"model": step.summary, "rows": rows}
+
+
+if __name__ == "__main__":
+    run_main(main)
