@@ -5,6 +5,8 @@ gathered rows, any thread count; and the products the same."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,12 +17,17 @@ from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native, quant_native, weight_pack_native
 from asyncengine.kernels.cpu.weight_pack_native import RowSource
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor, cat_rows
+from asyncengine.kernels.reference.kquant_ref import quantize_k
+from tests.conftest import TINY_CONFIGS, make_tiny_checkpoint
+from tests.executor.test_native_decode import PROMPTS, Pair, _run_both
+from tests.executor.test_native_decode_kquant import MIXES
 from tests.kernels.test_quantized_kernels import random_weight
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
 )
 
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 COLS = {"Q8_0": 96, "Q4_0": 64, "Q4_1": 96, "Q4_K": 512, "Q5_K": 256, "Q6_K": 512}
 COLS.update({"I8": 64, "F32": 40, "BF16": 48})
 
@@ -124,3 +131,51 @@ def test_products_match_the_torch_paths_linear(name: str, monkeypatch: pytest.Mo
     for a, b in zip(packed.parts, through_torch.parts, strict=True):
         assert torch.equal(a.data, b.data)
     assert torch.equal(packed(x), through_torch(x))
+
+
+def test_a_q4_k_m_model_packed_in_one_pass_has_the_torch_paths_weights_and_logits(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model of a Q4_K_M file's mix (Q4_K q/k, Q6_K v: two runs in one qkv; a Q6_K tied
+    embedding), built twice: its weights packed in one pass, and through the torch copies. Every
+    projection's bytes equal, in the arena in both; the logits of a prefill and decode steps
+    (the fused native step) equal to the last bit."""
+    overrides = {"tie_word_embeddings": True, "hidden_size": 256, "intermediate_size": 512}
+    overrides |= {"num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0}
+    monkeypatch.setitem(TINY_CONFIGS, "llama_k_formats", ("llama", overrides))
+    ckpt = make_tiny_checkpoint("llama_k_formats", tmp_path / "ckpt")
+    formats = MIXES["Q4_K_M"]
+    weights: dict[str, Any] = {}
+    for name, weight in ckpt.load_weights().items():
+        fmt = next((f for part, f in formats.items() if f".{part}." in name), None)
+        if fmt is None and "embed_tokens" in name:
+            fmt = formats["embed_tokens"]
+        weights[name] = weight if fmt is None else quantize_k(weight, fmt)
+    one_pass = Pair(ckpt, weights)
+    with monkeypatch.context() as patch:
+        patch.setattr(linear_module, "pack_parts", lambda *args: None)
+        through_torch = Pair(ckpt, weights)
+
+    def projections(runner: Any) -> list[QuantizedLinear]:
+        model = runner.model
+        linears = [getattr(layer, n) for layer in model.layers for n in PROJECTIONS]
+        return [*linears, model.lm_head]
+
+    for new, old in zip(
+        projections(one_pass.native), projections(through_torch.native), strict=True
+    ):
+        assert [p.format for p in new.parts] == [p.format for p in old.parts]
+        for a, b in zip(new.parts, old.parts, strict=True):
+            assert a.interleaved == b.interleaved and torch.equal(a.data, b.data)
+    arena = one_pass.native.model._weight_arena
+    assert arena is not None
+    start, stop = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.buffer.numel()
+    for linear in projections(one_pass.native):
+        assert all(start <= p.data.data_ptr() < stop for p in linear.parts)
+
+    class Runners:
+        runners = [one_pass.native, through_torch.native]
+
+    new_logits, old_logits = _run_both(Runners(), 4, PROMPTS)  # type: ignore[arg-type]
+    for a, b in zip(new_logits, old_logits, strict=True):
+        assert torch.equal(a, b)
