@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncengine.executor.cpu import weight_arena
+from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor
@@ -35,6 +36,7 @@ def test_parts_are_written_into_one_aligned_buffer_with_their_bytes_and_products
     arena = weight_arena.arena_for([p for run in parts for p in run])
     assert arena is not None and arena.buffer.data_ptr() % weight_arena.HUGE_PAGE == 0
     linears = [QuantizedLinear(parts[0], arena=arena), QuantizedLinear(parts[1], bias, arena=arena)]
+    write_pending(arena)
     end = arena.buffer.data_ptr() + arena.buffer.numel()
     previous = arena.buffer.data_ptr()
     for linear, own in zip(linears, alone, strict=True):

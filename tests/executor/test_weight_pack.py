@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncengine.executor.cpu import weight_arena
-from asyncengine.executor.cpu.weight_pack import pack_parts
+from asyncengine.executor.cpu.weight_pack import pack_parts, write_pending
 from asyncengine.executor.layers import linear as linear_module
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native, quant_native, weight_pack_native
@@ -60,7 +60,7 @@ def test_packed_bytes_are_the_torch_paths(name: str, threads: int) -> None:
     assert torch.equal(out, want[0].data)
 
 
-def test_mixed_formats_split_into_runs_and_land_in_the_arena_in_order() -> None:
+def test_mixed_formats_split_into_runs_and_land_in_the_arena_in_order_in_one_call() -> None:
     q4k, q6k = FORMATS["Q4_K"], FORMATS["Q6_K"]
     parts = [
         random_weight(q4k, 64, 512, seed=1),  # q
@@ -72,6 +72,9 @@ def test_mixed_formats_split_into_runs_and_land_in_the_arena_in_order() -> None:
     got = pack_parts(parts, arena, interleave=True)
     want = torch_path(parts)
     assert got is not None and [p.format for p in got] == [q4k, q6k]
+    assert len(arena.pending) == 2  # handed their slices, written together
+    write_pending(arena)
+    assert arena.pending == []
     previous = arena.buffer.data_ptr()
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.data, w.data)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from asyncengine.kernels.cpu.weight_pack_native import PackJob
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 log = logging.getLogger("asyncengine.executor")
@@ -58,15 +59,18 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:
 
 
 class WeightArena:
-    """One huge-page buffer handed out front to back: each quantized projection's parts are
-    written into the next slice as the model is built (executor/cpu/weight_pack.py), so they lie
-    in the order a decode step reads them, each written once. Sized from the checkpoint's 2-D
+    """One huge-page buffer handed out front to back: each quantized projection's parts take the
+    next slice as the model is built and are written there once, all together when the last
+    is made (executor/cpu/weight_pack.py), so they lie in the order a decode step reads them. Sized from the checkpoint's 2-D
     weights, an upper bound (merged parts share their alignment padding): the pages of the slack
     at its end are never touched, so they take no memory."""
 
     def __init__(self, capacity: int) -> None:
         self.buffer = hugepage_buffer(capacity)
         self.used = 0
+        # slices handed out, their bytes still to write (executor/cpu/weight_pack.py: all of
+        # them in one native call once the model's projections are made, ``write_pending``)
+        self.pending: list[PackJob] = []
 
     def take(self, rows: int, row_bytes: int) -> torch.Tensor:
         """The next uint8 [rows, row_bytes] slice, starting on a cache line; past the end (a

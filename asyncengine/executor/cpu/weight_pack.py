@@ -17,7 +17,7 @@ import torch
 from asyncengine.executor.cpu.weight_arena import WeightArena
 from asyncengine.executor.loader.load_threads import native_load_threads
 from asyncengine.kernels.cpu import weight_pack_native
-from asyncengine.kernels.cpu.weight_pack_native import RowSource
+from asyncengine.kernels.cpu.weight_pack_native import PackJob, RowSource
 from asyncengine.kernels.quant_formats import INTERLEAVED_FORMATS, QuantizedTensor
 
 
@@ -36,8 +36,9 @@ def pack_parts(
     parts: Sequence[QuantizedTensor], arena: WeightArena | None, interleave: bool
 ) -> list[QuantizedTensor] | None:
     """Each run of one format as one part, in interleaved groups where ``interleave`` and its
-    format has them, written into ``arena`` (None: a tensor of its own). None where the native
-    packer cannot do it (no library; a part interleaved already): the caller takes the torch path."""
+    format has them, in ``arena`` (written by ``write_pending``), else a tensor of its own
+    (written now). None where the native packer cannot do it (no library; a part interleaved
+    already): the caller takes the torch path."""
     if not weight_pack_native.available() or any(p.interleaved for p in parts):
         return None
     packed = []
@@ -52,7 +53,20 @@ def pack_parts(
             out = arena.take(rows, row_bytes)
         else:
             out = torch.empty((rows, row_bytes), dtype=torch.uint8)
-        sources = [RowSource(p.data) for p in run]
-        weight_pack_native.pack_rows(fmt, sources, cols, out, grouped, native_load_threads())
+        job = PackJob(fmt, tuple(RowSource(p.data) for p in run), cols, out, grouped)
+        if arena is not None:
+            arena.pending.append(job)  # written with every other part: ``write_pending``
+        else:
+            weight_pack_native.pack_many([job], native_load_threads())
         packed.append(QuantizedTensor(fmt, out, cols, interleaved=grouped))
     return packed
+
+
+def write_pending(arena: WeightArena) -> None:
+    """Write every part handed a slice of ``arena`` and not yet written, in one native call:
+    one parallel region for the whole model, its chunks handed to threads as they come free
+    (a region per projection made each thread wait at ~70 ends; on a busy machine, each a
+    thread descheduled). The parts' bytes are undefined until this returns."""
+    if arena.pending:
+        weight_pack_native.pack_many(arena.pending, native_load_threads())
+        arena.pending.clear()

@@ -24,6 +24,7 @@ from asyncengine.executor.attention.selector import KernelOps, kernel_ops
 from asyncengine.executor.attention.torch_backend import AttentionBackend, AttentionOptions
 from asyncengine.executor.cpu import native_decode, weight_arena
 from asyncengine.executor.cpu.native_decode_lora import NativeDecodeLora
+from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import (
     F32_HEAD_DENSE_FROM_ROWS,
@@ -110,6 +111,8 @@ class LlamaModel:
         self.lm_head = make_linear(
             [head], None, dtype, row_block, F32_HEAD_DENSE_FROM_ROWS, self._weight_arena
         )
+        if self._weight_arena is not None:  # every projection made: their bytes, in one pass
+            write_pending(self._weight_arena)
         if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
             # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
             self.embed = self.lm_head.parts[0]
