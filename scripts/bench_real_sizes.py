@@ -10,7 +10,16 @@ system in turn, medians of ``--repeats``:
 - 8 and 32 concurrent requests (``--concurrency``): output tok/s, all sent at once;
 - prefill at 512 and 2048 tokens (``--prefill-lens``): prompt tok/s of a fresh random prompt
   with one token out (wall time: the first token's sampling included, for both);
-- start-up: until the engine answers (AsyncEngine started / llama-server's /health).
+- start-up: until the engine answers (AsyncEngine started / llama-server's /health); in the
+  full run ours is timed in this process, its imports already done.
+
+``--startup-only`` measures start-up alone, each start a process of its own, the systems taking
+turns (ours, llama.cpp, ours, ...; medians of ``--repeats``). Ours runs scripts/startup_probe.py,
+which reports the interpreter's start and its imports (torch alone is ~1.3 s) apart from the
+model's load: the load is the figure set beside llama-server's process-to-``/health`` time
+(llama-server has no import phase), and process-to-ready, all of it, is shown too. After each
+start, a ``--prompt-len``-token request with one token out, then a second: the first request's
+latency beside the second's shows any work a start deferred to it, beside llama.cpp's.
 
 asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
 every timed prompt is new, except the stream's repeats, where only the decode is counted);
@@ -22,6 +31,8 @@ llama.cpp as ``llama-server`` (scripts/peers/llamacpp/): ``-np 1`` for the strea
         --repeats 2 --out /tmp/real_sizes.json                                    # a short run
     .venv/bin/python scripts/bench_real_sizes.py --systems asyncengine --models tiny-llama \\
         --formats hf                                                              # no llama.cpp
+    .venv/bin/python scripts/bench_real_sizes.py --startup-only --models llama-3.2-1b \\
+        --formats Q4_K_M --repeats 5 --llamacpp-arg=--no-repack                  # start-up alone
 
 Models are made first where missing (make_real_models.py; a 3B takes minutes). A format
 ``hf`` is the bfloat16 HF directory (asyncengine only: llama.cpp reads GGUF).
@@ -35,6 +46,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -251,6 +263,167 @@ def run_llamacpp(
     return row
 
 
+# -- start-up alone (--startup-only) -------------------------------------------------------
+
+PROBE = Path(__file__).resolve().parent / "startup_probe.py"
+STARTUP_FIGURES = (
+    "interpreter_seconds",
+    "imports_seconds",
+    "load_seconds",
+    "process_to_ready_seconds",
+    "first_request_seconds",
+    "second_request_seconds",
+)
+
+
+def start_asyncengine(
+    config: EngineConfig, engine_args: Sequence[tuple[str, Any]], prompt_len: int
+) -> dict[str, Any]:
+    """One cold start of ours in a process of its own (scripts/startup_probe.py), with the run's
+    ``--engine-arg`` keys."""
+    settings = {
+        "device": config.device,
+        "log_interval": config.log_interval,
+        "max_model_len": config.max_model_len,
+        "kv_cache_tokens": config.kv_cache_tokens,
+        **dict(engine_args),
+    }
+    command = [
+        sys.executable,
+        str(PROBE),
+        str(config.model),
+        "--config-json",
+        json.dumps(settings),
+        "--prompt-len",
+        str(prompt_len),
+        "--spawned-at",
+        repr(time.time()),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"startup_probe.py failed ({done.returncode}): {done.stderr[-2000:]}")
+    row: dict[str, Any] = json.loads(lines[-1])
+    return row
+
+
+def start_llamacpp(
+    gguf: Path, plan: Plan, vocab: int, threads: int | None, extra_args: tuple[str, ...]
+) -> dict[str, Any]:
+    """One cold start of llama-server (-np 1), timed to /health, then two one-token requests."""
+    import aiohttp
+
+    server = peer_llamacpp.LlamaServer(
+        gguf,
+        parallel=1,
+        threads=threads,
+        context_per_slot=plan.context,
+        extra_args=extra_args,
+        poll_seconds=0.01,  # its start-up is under a second: 0.2 s probes would blur it
+    )
+
+    async def two_requests() -> list[float]:
+        timeout = aiohttp.ClientTimeout(total=None)
+        seconds = []
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for offset in (1000, 20000):
+                prompt = [3 + (offset + i) % min(vocab, 40000) for i in range(plan.prompt_len)]
+                start = time.perf_counter()
+                await server.complete(session, prompt, 1)
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    with server:
+        first, second = asyncio.run(two_requests())
+    return {
+        "interpreter_seconds": 0.0,
+        "imports_seconds": 0.0,
+        "load_seconds": server.startup_seconds,
+        "process_to_ready_seconds": server.startup_seconds,
+        "first_request_seconds": first,
+        "second_request_seconds": second,
+    }
+
+
+def bench_startup(
+    name: str,
+    fmt: str,
+    path: Path,
+    plan: Plan,
+    systems: Sequence[str],
+    threads: int | None,
+    engine_args: Sequence[tuple[str, Any]],
+    llamacpp_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """``--repeats`` cold starts per system, the systems taking turns; medians and each start."""
+    vocab = vocab_size(path)
+    runs = [s for s in systems if s == "asyncengine" or path.suffix == ".gguf"]
+    starts: dict[str, list[dict[str, Any]]] = {system: [] for system in runs}
+    for repeat in range(plan.repeats):
+        for system in runs if repeat % 2 == 0 else list(reversed(runs)):
+            load = os.getloadavg()[0]
+            if system == "asyncengine":
+                config = engine_config(path, plan, engine_args)
+                row = start_asyncengine(config, engine_args, plan.prompt_len)
+            else:
+                row = start_llamacpp(path, plan, vocab, threads, llamacpp_args)
+            row["load_average"] = load
+            starts[system].append(row)
+            print(f"{name} {fmt} {system} start {repeat + 1}: {startup_summary(row)}", flush=True)
+    entry: dict[str, Any] = {"model": name, "format": fmt, "path": str(path), "runs": {}}
+    for system, rows in starts.items():
+        entry["runs"][system] = {
+            **{key: median([row[key] for row in rows]) for key in STARTUP_FIGURES},
+            "starts": rows,
+        }
+    return entry
+
+
+def startup_summary(row: dict[str, Any]) -> str:
+    return (
+        f"interpreter {row['interpreter_seconds']:.2f} s, imports {row['imports_seconds']:.2f} s, "
+        f"load {row['load_seconds']:.2f} s (process to ready {row['process_to_ready_seconds']:.2f}"
+        f" s); first request {row['first_request_seconds']:.3f} s, second "
+        f"{row['second_request_seconds']:.3f} s"
+    )
+
+
+def startup_table(result: dict[str, Any]) -> str:
+    header = [
+        "model", "format", "system", "interpreter s", "imports s", "load s",
+        "process to ready s", "1st request s", "2nd request s",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
+    for entry in result["entries"]:
+        runs = entry["runs"]
+        for system, row in runs.items():
+            cells = [entry["model"], entry["format"], system]
+            cells += [cell(row[key], "{:.2f}") for key in STARTUP_FIGURES[:4]]
+            cells += [cell(row[key], "{:.3f}") for key in STARTUP_FIGURES[4:]]
+            lines.append("| " + " | ".join(cells) + " |")
+        if {"asyncengine", "llamacpp"} <= set(runs):
+            ours, theirs = runs["asyncengine"], runs["llamacpp"]
+            ratio = ["", "", "", "", ""]
+            ratio[2] = cell(ours["load_seconds"] / theirs["load_seconds"], "{:.2f}x")
+            ratio[3] = cell(
+                ours["process_to_ready_seconds"] / theirs["process_to_ready_seconds"], "{:.2f}x"
+            )
+            ratio[4] = cell(
+                ours["first_request_seconds"] / theirs["first_request_seconds"], "{:.2f}x"
+            )
+            cells = [entry["model"], entry["format"], "**ours / llama.cpp**", *ratio[:4]]
+            cells += [ratio[4], ""]
+            lines.append("| " + " | ".join(cells) + " |")
+    plan = result["plan"]
+    lines.append(
+        f"\nmedians of {plan['repeats']} cold starts each, the systems taking turns; ours: "
+        "interpreter and imports (torch, asyncengine) apart from the load, the load set beside "
+        f"llama-server's process-to-/health time; requests: {plan['prompt_len']}-token prompt, "
+        "1 token out, the first sent once ready"
+    )
+    return "\n".join(lines)
+
+
 # -- one model, one format -------------------------------------------------------------------
 
 
@@ -431,6 +604,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bandwidth-mib", type=int, default=512)
     parser.add_argument("--bandwidth-repeats", type=int, default=10)
+    parser.add_argument(
+        "--startup-only",
+        action="store_true",
+        help="only start-up: cold starts in processes of their own, by phase, and the first "
+        "two requests (the stream, concurrent and prefill cases are not run)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     return parser
 
@@ -457,6 +636,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     started = time.time()
     entries = []
+    if args.startup_only:
+        for name in args.models:
+            paths = models.make(name, args.formats)
+            for fmt in args.formats:
+                entries.append(
+                    bench_startup(
+                        name,
+                        fmt,
+                        paths[fmt],
+                        plan,
+                        systems,
+                        args.threads,
+                        args.engine_arg,
+                        tuple(args.llamacpp_arg),
+                    )  # fmt: skip
+                )
+        result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}
+        result.update(entries=entries, threads=args.threads or os.cpu_count())
+        return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, startup_table)
     for name in args.models:
         paths = models.make(name, args.formats)
         for fmt in args.formats:

@@ -1,6 +1,6 @@
-"""The quantized weights packed into one huge-page buffer (executor/cpu/weight_arena.py): the same
-bytes and the same products, every part a view of one buffer that starts on a huge page, and
-the switch that turns it off."""
+"""The quantized weights written into one huge-page buffer (executor/cpu/weight_arena.py): the
+same bytes and the same products, every part a view of one buffer that starts on a huge page,
+and the switch that turns it off."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from asyncengine.executor.cpu import weight_arena
+from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native
-from asyncengine.kernels.quant_formats import FORMATS
+from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor
 from tests.kernels.test_quantized_kernels import random_weight
 
 pytestmark = pytest.mark.skipif(
@@ -20,46 +21,53 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _linears() -> list[QuantizedLinear]:
+def _parts() -> list[list[QuantizedTensor]]:
     q4 = FORMATS["Q4_1"]
     return [
-        QuantizedLinear(
-            [random_weight(q4, 40, 96, seed=1), random_weight(FORMATS["Q8_0"], 9, 96, seed=2)]
-        ),
-        QuantizedLinear([random_weight(q4, 17, 64, seed=3)], bias=torch.randn(17)),
+        [random_weight(q4, 40, 96, seed=1), random_weight(FORMATS["Q8_0"], 9, 96, seed=2)],
+        [random_weight(q4, 17, 64, seed=3)],
     ]
 
 
-def test_parts_move_into_one_aligned_buffer_with_their_bytes_and_products() -> None:
-    linears = _linears()
-    before = [[p.data.clone() for p in linear.parts] for linear in linears]
-    x = [torch.randn(3, linear.in_features) for linear in linears]
-    expected = [linear(xi) for linear, xi in zip(linears, x, strict=True)]
-    buffer = weight_arena.pack_quantized(linears)
-    assert buffer is not None and buffer.data_ptr() % weight_arena.HUGE_PAGE == 0
-    end = buffer.data_ptr() + buffer.numel()
-    previous = buffer.data_ptr()
-    for linear, old in zip(linears, before, strict=True):
-        for part, data in zip(linear.parts, old, strict=True):
-            assert torch.equal(part.data, data)
+def test_parts_are_written_into_one_aligned_buffer_with_their_bytes_and_products() -> None:
+    parts = _parts()
+    bias = torch.randn(17)
+    alone = [QuantizedLinear(parts[0]), QuantizedLinear(parts[1], bias=bias)]
+    arena = weight_arena.arena_for([p for run in parts for p in run])
+    assert arena is not None and arena.buffer.data_ptr() % weight_arena.HUGE_PAGE == 0
+    linears = [QuantizedLinear(parts[0], arena=arena), QuantizedLinear(parts[1], bias, arena=arena)]
+    write_pending(arena)
+    end = arena.buffer.data_ptr() + arena.buffer.numel()
+    previous = arena.buffer.data_ptr()
+    for linear, own in zip(linears, alone, strict=True):
+        for part, data in zip(linear.parts, own.parts, strict=True):
+            assert torch.equal(part.data, data.data)
             start = part.data.data_ptr()  # in the buffer, in order, on a cache line
             assert previous <= start and start + part.nbytes <= end
             assert start % weight_arena.ALIGN == 0
             previous = start + part.nbytes
-    for linear, xi, want in zip(linears, x, expected, strict=True):
-        assert torch.equal(linear(xi), want)
+    for linear, own in zip(linears, alone, strict=True):
+        x = torch.randn(3, linear.in_features)
+        assert torch.equal(linear(x), own(x))
 
 
-def test_switched_off_the_parts_stay_where_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_part_past_the_end_gets_its_own_tensor() -> None:
+    arena = weight_arena.WeightArena(100)
+    inside = arena.take(2, 40)
+    outside = arena.take(1, 40)  # 80 + 40 > 100
+    assert inside.data_ptr() == arena.buffer.data_ptr() and inside.shape == (2, 40)
+    start, stop = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.buffer.numel()
+    assert outside.shape == (1, 40) and not start <= outside.data_ptr() < stop
+
+
+def test_switched_off_there_is_no_arena(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(weight_arena.ENABLE_ENV, "0")
-    linears = _linears()
-    parts = [list(linear.parts) for linear in linears]
-    assert weight_arena.pack_quantized(linears) is None
-    assert [list(linear.parts) for linear in linears] == parts
+    assert weight_arena.arena_for(_parts()[0]) is None
 
 
-def test_nothing_to_pack() -> None:
-    assert weight_arena.pack_quantized([]) is None
+def test_nothing_to_hold() -> None:
+    assert weight_arena.arena_for([]) is None
+    assert weight_arena.arena_for([torch.ones(8)]) is None  # norms are not held there
 
 
 def _mapping(address: int) -> dict[str, list[str]]:

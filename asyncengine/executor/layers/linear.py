@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
+from asyncengine.executor.cpu.weight_arena import WeightArena
+from asyncengine.executor.cpu.weight_pack import pack_parts
 from asyncengine.kernels.cpu import quant_amx_native, quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
@@ -190,10 +192,13 @@ class QuantizedLinear:
         parts: Sequence[QuantizedTensor],
         bias: torch.Tensor | None = None,
         dense_from_rows: int | None = None,
+        arena: WeightArena | None = None,
     ) -> None:
+        """``arena``: where the parts are written (the model's weights in step order), else
+        each in a tensor of its own."""
         if not parts or any(p.cols != parts[0].cols for p in parts):
             raise ValueError("a quantized linear needs parts of one input width")
-        self.parts = [_interleaved(p) for p in _merge_same_format(parts)]
+        self.parts = _packed(parts, arena)
         self.in_features = parts[0].cols
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
@@ -281,6 +286,24 @@ def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
     return quant_native.interleave(part)
 
 
+def _packed(parts: Sequence[QuantizedTensor], arena: WeightArena | None) -> list[QuantizedTensor]:
+    """The parts merged by format and interleaved, written once (executor/cpu/weight_pack.py);
+    where the native packer is missing, through torch's copies (then moved into the arena)."""
+    interleave = os.environ.get(INTERLEAVE_ENV, "1") != "0" and quant_native.available()
+    packed = pack_parts(parts, arena, interleave)
+    if packed is not None:
+        return packed
+    packed = [_interleaved(p) for p in _merge_same_format(parts)]
+    if arena is None:
+        return packed
+    moved = []
+    for part in packed:
+        view = arena.take(*part.data.shape)
+        view.copy_(part.data)
+        moved.append(QuantizedTensor(part.format, view, part.cols, part.interleaved))
+    return moved
+
+
 def _merge_same_format(parts: Sequence[QuantizedTensor]) -> list[QuantizedTensor]:
     """Adjacent parts of one format as one (one kernel call, better thread balance)."""
     merged: list[QuantizedTensor] = []
@@ -337,23 +360,24 @@ def make_linear(
     dtype: torch.dtype,
     row_block: int | None = None,
     f32_dense_from_rows: int | None = None,
+    arena: WeightArena | None = None,
 ) -> Linear | QuantizedLinear:
     """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
     is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized. Dense
     float32 (bfloat16) parts on a CPU become F32 (BF16) rows (``QuantizedLinear``: the native
     products up to their crossover, the fused decode step) where ``_as_float_rows`` allows;
     ``f32_dense_from_rows``: F32 rows' crossover where this shape's differs from the layers' (the
-    LM head's)."""
+    LM head's); ``arena``: where quantized parts are written (``QuantizedLinear``)."""
     rows = _as_float_rows(parts, dtype, row_block)
     if rows is not None:
         head = f32_dense_from_rows if dtype == torch.float32 else None
-        return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype))
+        return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype), arena)
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
         # rows are batch invariant, a switch to the dense product at some size would not be
         crossover = None if row_block is not None else dense_from_rows(quantized, dtype)
-        return QuantizedLinear(quantized, bias, crossover)
+        return QuantizedLinear(quantized, bias, crossover, arena)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
         if isinstance(p, QuantizedTensor)

@@ -24,6 +24,7 @@ from asyncengine.executor.attention.selector import KernelOps, kernel_ops
 from asyncengine.executor.attention.torch_backend import AttentionBackend, AttentionOptions
 from asyncengine.executor.cpu import native_decode, weight_arena
 from asyncengine.executor.cpu.native_decode_lora import NativeDecodeLora
+from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import (
     F32_HEAD_DENSE_FROM_ROWS,
@@ -85,6 +86,11 @@ class LlamaModel:
         # (adjacent in the qkv output) in one call; other kernels take the contract's arguments.
         self.rotary_once_per_forward = self.ops.apply_rotary is rotary_ref.apply_rotary
         take = _WeightTaker(weights, dtype, self.device)
+        # the quantized weights in the order a decode step reads them (the order they are
+        # made in below: each layer's qkv, o_proj, gate_up, down, then the LM head), in huge pages
+        self._weight_arena = (
+            weight_arena.arena_for(weights.values()) if self.device.type == "cpu" else None
+        )
         c = config
         self.embed = take.any("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(c.num_layers)]
@@ -102,19 +108,11 @@ class LlamaModel:
             if c.tie_word_embeddings
             else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
         )
-        self.lm_head = make_linear([head], None, dtype, row_block, F32_HEAD_DENSE_FROM_ROWS)
-        # the quantized weights in the order a decode step reads them, in huge pages
-        in_step_order = [
-            *(
-                p
-                for layer in self.layers
-                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            ),
-            self.lm_head,
-        ]
-        self._weight_arena = weight_arena.pack_quantized(
-            [linear for linear in in_step_order if isinstance(linear, QuantizedLinear)]
+        self.lm_head = make_linear(
+            [head], None, dtype, row_block, F32_HEAD_DENSE_FROM_ROWS, self._weight_arena
         )
+        if self._weight_arena is not None:  # every projection made: their bytes, in one pass
+            write_pending(self._weight_arena)
         if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
             # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
             self.embed = self.lm_head.parts[0]
@@ -200,7 +198,7 @@ class LlamaModel:
     def _linear(
         self, parts: list[torch.Tensor | QuantizedTensor], bias: torch.Tensor | None = None
     ) -> Linear | QuantizedLinear:
-        return make_linear(parts, bias, self.dtype, self.row_block)
+        return make_linear(parts, bias, self.dtype, self.row_block, arena=self._weight_arena)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):

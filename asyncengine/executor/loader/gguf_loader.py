@@ -226,8 +226,29 @@ def read_gguf(
     ``keep_types`` stay as stored (QuantizedTensor), every other tensor is dequantized to dtype
     (one log line names the quantized types that were)."""
     path = Path(path)
-    start = time.perf_counter()
     reader = read_gguf_file(path)
+    config, weights = read_gguf_weights(path, dtype, keep_types, reader)
+    return GGUFCheckpoint(
+        config=config,
+        generation_config=generation_config(reader.metadata),
+        weights=weights,
+        tokenizer=build_tokenizer(reader.metadata, path),
+        tokenizer_config=tokenizer_config(reader.metadata, config["max_position_embeddings"]),
+    )
+
+
+def read_gguf_weights(
+    path: str | Path,
+    dtype: torch.dtype,
+    keep_types: frozenset[int] = frozenset(),
+    reader: GGUFFile | None = None,
+) -> tuple[dict[str, Any], dict[str, Weight]]:
+    """``read_gguf``'s config and weights alone: what a load needs once the tokenizer files are
+    in the model's metadata directory (building the tokenizer from a 128k vocabulary takes
+    longer than reading a 1B model's quantized tensors)."""
+    path = Path(path)
+    start = time.perf_counter()
+    reader = reader if reader is not None else read_gguf_file(path)
     metadata = reader.metadata
     names = {tensor.name for tensor in reader.tensors}
     config = hf_config(metadata, names, dtype, rope_factors(reader))
@@ -265,13 +286,6 @@ def read_gguf(
             weight = unpermute_rope_rows(weight, heads_of[match.group(2)])
         weights[name] = weight
 
-    checkpoint = GGUFCheckpoint(
-        config=config,
-        generation_config=generation_config(metadata),
-        weights=weights,
-        tokenizer=build_tokenizer(metadata, path),
-        tokenizer_config=tokenizer_config(metadata, config["max_position_embeddings"]),
-    )
     total_bytes = sum(w.nbytes for w in weights.values())
     kept = sum(isinstance(w, QuantizedTensor) for w in weights.values())
     if keep_types and dequantized_types:
@@ -291,7 +305,7 @@ def read_gguf(
         format_bytes(total_bytes),
         time.perf_counter() - start,
     )
-    return checkpoint
+    return config, weights
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from asyncengine.common.config import ConfigError
 from asyncengine.executor.loader.default_model import gguf_file, metadata_dir, resolve_model
-from asyncengine.executor.loader.gguf_loader import Weight, read_gguf
+from asyncengine.executor.loader.gguf_loader import Weight, read_gguf_weights
 from asyncengine.executor.loader.hf_dir import load_weights
 from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, I8, QuantizedTensor
@@ -70,8 +70,8 @@ def load_model(
     found = gguf_file(model)
     if quantization == "auto" and found is not None and native_kernels(device):
         gguf_path, cache_name = found
-        checkpoint = read_gguf(gguf_path, dtype, keep_types=frozenset(GGUF_FORMATS))
-        return LoadedModel(metadata_dir(gguf_path, cache_name), checkpoint.weights)
+        _, weights = read_gguf_weights(gguf_path, dtype, keep_types=frozenset(GGUF_FORMATS))
+        return LoadedModel(metadata_dir(gguf_path, cache_name), weights)
     model_dir = resolve_model(model, dtype)
     return LoadedModel(model_dir, dict(load_weights(model_dir, dtype)))
 

@@ -105,6 +105,7 @@ class LlamaServer:
         log_path: Path | None = None,
         startup_timeout: float = 300.0,
         extra_args: tuple[str, ...] = (),  # appended to the command (e.g. --spec-type ...)
+        poll_seconds: float = 0.2,  # between /health probes while it starts
     ) -> None:
         self.model = model
         self.extra_args = extra_args
@@ -115,6 +116,7 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.startup_timeout = startup_timeout
+        self.poll_seconds = poll_seconds
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds = float("nan")
         self.peak_rss_bytes: int | None = None
@@ -151,7 +153,7 @@ class LlamaServer:
                 self.startup_seconds = time.perf_counter() - started
                 self.idle_rss_bytes = status_bytes(self.process.pid, "VmRSS")
                 return self
-            time.sleep(0.2)
+            time.sleep(self.poll_seconds)
         self.__exit__(None, None, None)
         raise LlamaCppPeerError(f"llama-server not ready in {self.startup_timeout:.0f} s")
 

@@ -1,0 +1,72 @@
+"""A quantized projection's parts as the kernels take them, each byte written once at load.
+
+A projection's parts of one format are merged (q/k/v, gate/up: one kernel call) and laid out in
+interleaved row groups (kernels/cpu/cpu_quant_blocks.h), in the weight arena where there is one
+(executor/cpu/weight_arena.py). Done as three copies (``torch.cat``, the interleave, the arena)
+that was most of a 1B GGUF's start-up; here one native call per merged part reads the rows where
+they lie (the file's memory map) and writes them, interleaved, into their final place, on every
+core the process has (kernels/cpu/cpu_weight_pack.c). The bytes are those of the three copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from asyncengine.executor.cpu.weight_arena import WeightArena
+from asyncengine.executor.loader.load_threads import native_load_threads
+from asyncengine.kernels.cpu import weight_pack_native
+from asyncengine.kernels.cpu.weight_pack_native import PackJob, RowSource
+from asyncengine.kernels.quant_formats import INTERLEAVED_FORMATS, QuantizedTensor
+
+
+def same_format_runs(parts: Sequence[QuantizedTensor]) -> list[list[QuantizedTensor]]:
+    """Adjacent parts of one format, together (each run becomes one part)."""
+    runs: list[list[QuantizedTensor]] = []
+    for part in parts:
+        if runs and runs[-1][0].format == part.format:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+def pack_parts(
+    parts: Sequence[QuantizedTensor], arena: WeightArena | None, interleave: bool
+) -> list[QuantizedTensor] | None:
+    """Each run of one format as one part, in interleaved groups where ``interleave`` and its
+    format has them, in ``arena`` (written by ``write_pending``), else a tensor of its own
+    (written now). None where the native packer cannot do it (no library; a part interleaved
+    already): the caller takes the torch path."""
+    if not weight_pack_native.available() or any(p.interleaved for p in parts):
+        return None
+    packed = []
+    for run in same_format_runs(parts):
+        fmt, cols = run[0].format, run[0].cols
+        grouped = interleave and fmt.name in INTERLEAVED_FORMATS
+        if arena is None and not grouped and len(run) == 1 and run[0].data.is_contiguous():
+            packed.append(run[0])  # nothing to reorder, nowhere to move it: the bytes as given
+            continue
+        rows, row_bytes = sum(p.shape[0] for p in run), fmt.row_bytes(cols)
+        if arena is not None:
+            out = arena.take(rows, row_bytes)
+        else:
+            out = torch.empty((rows, row_bytes), dtype=torch.uint8)
+        job = PackJob(fmt, tuple(RowSource(p.data) for p in run), cols, out, grouped)
+        if arena is not None:
+            arena.pending.append(job)  # written with every other part: ``write_pending``
+        else:
+            weight_pack_native.pack_many([job], native_load_threads())
+        packed.append(QuantizedTensor(fmt, out, cols, interleaved=grouped))
+    return packed
+
+
+def write_pending(arena: WeightArena) -> None:
+    """Write every part handed a slice of ``arena`` and not yet written, in one native call:
+    one parallel region for the whole model, its chunks handed to threads as they come free
+    (a region per projection made each thread wait at ~70 ends; on a busy machine, each a
+    thread descheduled). The parts' bytes are undefined until this returns."""
+    if arena.pending:
+        weight_pack_native.pack_many(arena.pending, native_load_threads())
+        arena.pending.clear()
