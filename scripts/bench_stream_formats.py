@@ -47,7 +47,7 @@ from systems import WARMUP_PROMPT, cell, finish, greedy
 from asyncengine.common.config import key_value
 from asyncengine.script_main import run_main
 
-LLAMACPP_MODES = {"repacked": ("--repack", "1"), "as stored": ("--repack", "0")}
+LLAMACPP_MODES = {"repacked": ("--repack", "1"), "as-stored": ("--repack", "0")}
 
 
 def llama_bench() -> Path:
@@ -70,14 +70,19 @@ def llamacpp_decode(gguf: Path, output_len: int, threads: int, mode: tuple[str, 
 
 
 async def rounds_for(
-    gguf: Path, plan: Plan, rounds: int, threads: int, engine_args: Sequence[tuple[str, Any]]
+    gguf: Path,
+    plan: Plan,
+    rounds: int,
+    threads: int,
+    modes: Sequence[str],
+    engine_args: Sequence[tuple[str, Any]],
 ) -> dict[str, Any]:
     from asyncengine.api.engine import AsyncEngine
 
     vocab = vocab_size(gguf)
     prompt = random_prompt(vocab, plan.prompt_len, plan.seed)
     ours: list[float] = []
-    theirs: dict[str, list[float]] = {name: [] for name in LLAMACPP_MODES}
+    theirs: dict[str, list[float]] = {name: [] for name in modes}
     loads: list[float] = []
     async with AsyncEngine(engine_config(gguf, plan, engine_args)) as engine:
         await engine.generate(WARMUP_PROMPT, greedy(4))
@@ -93,8 +98,10 @@ async def rounds_for(
             if len(out.token_ids) != plan.output_len:
                 raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {plan.output_len}")
             ours.append((plan.output_len - 1) / (full - first))
-            for name, mode in LLAMACPP_MODES.items():
-                theirs[name].append(llamacpp_decode(gguf, plan.output_len, threads, mode))
+            for name in modes:
+                theirs[name].append(
+                    llamacpp_decode(gguf, plan.output_len, threads, LLAMACPP_MODES[name])
+                )
             line = ", ".join(f"llama.cpp {n} {v[-1]:.1f}" for n, v in theirs.items())
             print(f"  round {r}: ours {ours[-1]:.1f}, {line} (load {loads[-1]:.1f})", flush=True)
     return {"asyncengine": ours, **{f"llamacpp {n}": v for n, v in theirs.items()}, "load": loads}
@@ -105,11 +112,11 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def summarize(entry: dict[str, Any], bandwidth: float) -> None:
+def summarize(entry: dict[str, Any], bandwidth: float, modes: Sequence[str]) -> None:
     runs = entry["rounds"]
     bound = bound_tokens_per_second(bandwidth, entry["weights"]["bytes"])
     ours = median(runs["asyncengine"])
-    best = max((median(runs[f"llamacpp {n}"]) for n in LLAMACPP_MODES), default=math.nan)
+    best = max((median(runs[f"llamacpp {n}"]) for n in modes), default=math.nan)
     entry["bound_tokens_per_second"] = bound
     entry["medians"] = {key: median(v) for key, v in runs.items()}
     entry["ours_fraction_of_bound"] = ours / bound
@@ -117,8 +124,9 @@ def summarize(entry: dict[str, Any], bandwidth: float) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
+    modes = result["llamacpp_modes"]
     header = ["model", "format", "GB", "ours tok/s", "of bound"]
-    header += [f"llama.cpp {n}" for n in LLAMACPP_MODES] + ["ours / best llama.cpp", "load"]
+    header += [f"llama.cpp {n}" for n in modes] + ["ours / best llama.cpp", "load"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for entry in result["entries"]:
         m = entry["medians"]
@@ -128,7 +136,7 @@ def table(result: dict[str, Any]) -> str:
             cell(entry["weights"]["bytes"] / 1e9, "{:.2f}"),
             cell(m["asyncengine"], "{:.1f}"),
             cell(entry["ours_fraction_of_bound"], "{:.0%}"),
-            *(cell(m[f"llamacpp {n}"], "{:.1f}") for n in LLAMACPP_MODES),
+            *(cell(m[f"llamacpp {n}"], "{:.1f}") for n in modes),
             cell(entry["ours_over_best_llamacpp"], "{:.2f}x"),
             cell(m["load"], "{:.1f}"),
         ]
@@ -155,6 +163,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="llama-bench -t (default: all)")
+    parser.add_argument(
+        "--llamacpp-modes",
+        nargs="+",
+        default=list(LLAMACPP_MODES),
+        choices=list(LLAMACPP_MODES),
+        help="llama-bench with its weight repacking and/or with the weights as stored",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--engine-arg",
@@ -177,7 +192,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         paths = models.make(name, args.formats)
         for fmt in args.formats:
             print(f"{name} {fmt}:", flush=True)
-            runs = asyncio.run(rounds_for(paths[fmt], plan, args.rounds, threads, args.engine_arg))
+            runs = asyncio.run(
+                rounds_for(
+                    paths[fmt], plan, args.rounds, threads, args.llamacpp_modes, args.engine_arg
+                )
+            )
             entries.append(
                 {
                     "model": name,
@@ -189,11 +208,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
     bandwidth = measure_copy_bandwidth(512, 10)
     for entry in entries:
-        summarize(entry, bandwidth.bytes_per_second)
+        summarize(entry, bandwidth.bytes_per_second, args.llamacpp_modes)
     result: dict[str, Any] = {
         "mode": "stream_formats",
         "plan": asdict(plan),
         "rounds": args.rounds,
+        "llamacpp_modes": args.llamacpp_modes,
         "entries": entries,
         "bandwidth": {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second},
         "threads": threads,
