@@ -821,9 +821,11 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
                                   float *out);
 
 #include "cpu_quant_kgroups.h"
+#include "cpu_quant_b1.h"
 
 /* the XR rows of an interleaved group (fmt: interleaves(fmt)) against one activation row */
 static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row *a, float *out) {
+    if (group_dot_b1(fmt, w, k, a, out)) return;
     if (xr_block_values(fmt) == QK_K) {
         group_dot_k(fmt, w, k, a, 1, out);
         return;
@@ -841,6 +843,7 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out) {
+    if (nr == 1 && group_dot_b1(fmt, w, k, a, out)) return;
     if (xr_block_values(fmt) == QK_K) {
         group_dot_k(fmt, w, k, a, nr, out);
         return;
