@@ -239,23 +239,6 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
 }
 
 #ifdef __AVX512F__
-/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (lane order 0..15): a tree of
- * in-lane unpacks and shuffles, ~3 instructions per vector instead of a reduction each. */
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 c[8], w[4], u[2];
-    for (int k = 0; k < 8; k++)
-        c[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        w[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int k = 0; k < 2; k++)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* 16 fp32 of row r, chunk j (16 values), of a bf16 or fp32 cache */
 #define LOAD_ROW_BF16(base, r, j) load_bf16x16((const uint16_t *)(base) + (r) + 16 * (j))
 #define LOAD_ROW_F32(base, r, j) _mm512_loadu_ps((const float *)(base) + (r) + 16 * (j))
