@@ -241,31 +241,9 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
 }
 
 #ifdef ATTN_STREAM
-/* keys ahead that stream_range asks for whole slots (a block: 32 .. 128 keys ahead and hints
- * T0 / T1 all streamed at the same ~7 GB/s a thread on a loaded 2-core AVX-512 machine; none
- * at 5) */
-#define STREAM_AHEAD ATTN_BLOCK
-/* whole pool slots (w elements each) of keys first .. end - 1 of a row, into the caches: each
- * page's run of slots is one contiguous span */
-static inline void prefetch_span(const kv_t *k_cache, const kv_t *v_cache,
-                                 const int32_t *table_row, int64_t first, int64_t end,
-                                 int64_t page_size, int64_t w) {
-    while (first < end) {
-        const int64_t page = first / page_size, off = first % page_size;
-        const int64_t n = page_size - off < end - first ? page_size - off : end - first;
-        const char *k = (const char *)(k_cache + ((int64_t)table_row[page] * page_size + off) * w);
-        const char *v = (const char *)(v_cache + ((int64_t)table_row[page] * page_size + off) * w);
-        const int64_t bytes = n * w * (int64_t)sizeof(kv_t);
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(v + b, 0, 3);
-        }
-        first += n;
-    }
-}
-
-/* attend_range on AVX-512 (stream_fits): each block's rows, prefetched a block ahead, through
- * stream_block (cpu_stream_attention.h) per kv head and half block of 16 keys */
+/* attend_range on AVX-512 (stream_fits): each block's rows through stream_block
+ * (cpu_stream_attention.h) per kv head and half block of 16 keys, the next block's rows asked
+ * for meanwhile (at batch 1 a range's item takes whole slots: plan_items) */
 static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t begin, int64_t end,
                          int64_t len, int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d,
@@ -287,14 +265,7 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
         if (next < end) {
             n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
                                 kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
-            if (kvc != kv_heads) /* some of a slot's kv heads: their rows alone */
-                prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * KV_ROW(d));
         }
-        const int64_t ahead = first + STREAM_AHEAD;
-        if (kvc == kv_heads && ahead < end) /* whole slots: each page's run of them */
-            prefetch_span(k_cache, v_cache, table_row, ahead,
-                          ahead + ATTN_BLOCK < end ? ahead + ATTN_BLOCK : end, page_size,
-                          kv_heads * KV_ROW(d));
         for (int64_t c = 0; c < kvc; c++) {
             const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
             if (c) { /* kv head kv0 + c: the next row of each slot */
@@ -304,6 +275,13 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
             }
             for (int h = 0; h < n; h += STREAM_KEYS) {
                 const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
+                /* the next block's rows of this kv head and half, a few lines at a time
+                 * between the blocks' work (a block's worth at once stalled on fill buffers) */
+                for (int i = h; i < h + STREAM_KEYS && i < n_next; i++)
+                    for (int64_t b = 0; b < KV_ROW(d); b += 64 / (int64_t)sizeof(kv_t)) {
+                        __builtin_prefetch(k_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
+                        __builtin_prefetch(v_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
+                    }
                 stream_block(q + c * gc * d, gc, d, kc + h, vc + h, m, scale, acc + c * gc * d,
                              mx + c * gc, lsum + c * gc);
             }
