@@ -373,7 +373,7 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 
 /* softmax(q k^T scale) v over all of a row's len keys (attend_range over 0 .. len): out [kvc *
  * gc, d] (out may be q: q is read before out is written) */
-static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+static inline void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t len,
                          int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
                          const kv_t *k_new, const kv_t *v_new, float *out) {
