@@ -11,17 +11,24 @@ decodes), once per ``--kv`` entry:
   ``kv_cache_dtype = "int8"``, a scale per token and head).
 
 One stream, for each ``--contexts`` N: prefill tok/s of an N-token prompt into an empty pool
-(llama-bench's pp N at depth 0) and, where 2N fits the model's positions, of N more tokens after
-N already cached (pp N at depth N); decode tok/s of ``--decode`` (128) tokens after N (tg 128 at
-depth N). Then ``--batch`` (16) requests of ``--batch-context`` (4096) tokens each decoding
-``--batch-decode`` steps together: decode tok/s summed over the batch (llama.cpp:
-``llama-batched-bench -npp 4096 -ntg N -npl 16`` where that tool is built). Medians of
-``--repeats`` runs; prompts are random token ids (the same every run).
+and, where 2N fits the model's positions, of N more tokens after N already cached (llama-bench's
+pp N at depth N); decode tok/s of ``--decode`` (64) tokens after N (tg at depth N), and its
+fraction of the bandwidth bound: the bytes a decoded token reads (every weight of the GGUF once,
+the K/V of its context once: the pool's bytes per token) at ``--bandwidth`` GB/s (default: this
+machine's read speed, measured: torch's sum over 1 GiB, above any L3). Then ``--batch`` (16)
+requests of ``--batch-context`` (4096) tokens each decoding ``--batch-decode`` steps together:
+decode tok/s summed over the batch. Decodes are medians of ``--repeats`` (3) runs, prefills of
+``--prefill-repeats`` (1); prompts are random token ids (the same every run).
 
-llama.cpp: ``llama-bench -m GGUF -p N -n 128 -d 0,N -ctk T -ctv T -fa 1 -t THREADS -r R -o
-json`` per context, for T in ``--llamacpp-kv`` (f16, q8_0; quantized V needs flash attention),
-when its build is found (scripts/setup_llamacpp.sh; ``LLAMACPP_VENV``). Its GGUF is the one
-ours runs (the embedded Q4_1 file by default).
+llama.cpp: ``llama-bench -m GGUF -p N -n DECODE -d N -ctk T -ctv T -fa 1 -t THREADS -r R -o
+json`` per context (``--llamacpp-repeats`` R, 1), for T in ``--llamacpp-kv`` (f16, q8_0;
+quantized V needs flash attention), when its build is found (scripts/setup_llamacpp.sh;
+``LLAMACPP_VENV``); rerun with ``--repack 0`` where its repacked weights crash its prompt
+processing. Its GGUF is the one ours runs (the embedded Q4_1 file). With ``--llamacpp-batch``
+also ``llama-batched-bench -npp 4096 -ntg N -npl 16`` (off by default: its 65k prompt tokens
+take ~7 minutes a K/V type on 2 cores).
+
+The defaults take ~15 minutes on a quiet 2-core AVX-512 machine:
 
     python scripts/bench_long_context.py --json bench_results/long_context.json
     python scripts/bench_long_context.py --contexts 1024 --decode 16 --batch 0 --kv float32,int8
@@ -47,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from peers.llamacpp import launcher as peer_llamacpp  # noqa: E402
+from systems import finish  # noqa: E402
 
 from asyncengine.cache.page_table import PageTable  # noqa: E402
 from asyncengine.common.config import EngineConfig  # noqa: E402
@@ -77,6 +85,19 @@ class Row:
     tokens: int  # timed tokens (a prefill's prompt, a decode's steps, x batch for a batch)
     batch: int
     tok_per_s: float
+    bound_fraction: float | None = None  # decodes: tok/s over the bandwidth bound's
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a multi-threaded read of ``gib`` GiB (a sum: one pass, nothing written), the
+    median of ``repeats``"""
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        float(data.sum())
+        seconds.append(time.perf_counter() - start)
+    return data.nbytes / statistics.median(seconds) / 1e9
 
 
 class Ours:
@@ -93,6 +114,9 @@ class Ours:
         pool = KVPool.for_model(self.config, rows * pages, PAGE_SIZE, kv_dtype)
         table = PageTable.contiguous(rows, pages)
         self.runner = ModelRunner(self.config, weights, pool, table, dtype)
+        # a decoded token reads every weight once and its context's K/V once
+        self.weight_bytes = gguf.stat().st_size
+        self.kv_bytes_per_token = pool.bytes_per_token
         self.step = 0
         # untimed: the kernels' first calls (a build compiled on first use, pages touched)
         self.decode([0], [self.prefill(0, prompt(64, seed=0), 0, 64)], [64], 2)
@@ -144,14 +168,17 @@ def bench_ours(args: argparse.Namespace, kv: str) -> list[Row]:
     limit = ours.config.max_model_len
     for n in args.contexts:
         tokens, more = prompt(n, seed=n), prompt(n, seed=n + 1)
-        seconds = median_seconds(args.repeats, ours.prefill, 0, tokens, 0, args.chunk)
+        seconds = median_seconds(args.prefill_repeats, ours.prefill, 0, tokens, 0, args.chunk)
         rows.append(Row("asyncengine", kv, "prefill", 0, n, 1, n / seconds))
         if 2 * n <= limit:  # N more after the N above, as llama-bench's -d N
-            seconds = median_seconds(args.repeats, ours.prefill, 0, more, n, args.chunk)
+            seconds = median_seconds(args.prefill_repeats, ours.prefill, 0, more, n, args.chunk)
             rows.append(Row("asyncengine", kv, "prefill", n, n, 1, n / seconds))
         first = ours.prefill(0, tokens, 0, args.chunk)
         seconds = median_seconds(args.repeats, ours.decode, [0], [first], [n], args.decode)
-        rows.append(Row("asyncengine", kv, "decode", n, args.decode, 1, args.decode / seconds))
+        speed = args.decode / seconds
+        token_bytes = ours.weight_bytes + ours.kv_bytes_per_token * (n + args.decode / 2)
+        bound = args.bandwidth * 1e9 / token_bytes
+        rows.append(Row("asyncengine", kv, "decode", n, args.decode, 1, speed, speed / bound))
         print(f"asyncengine {kv} context {n}: done", file=sys.stderr)
     del ours
     if args.batch:
@@ -185,8 +212,8 @@ def bench_llamacpp(args: argparse.Namespace, gguf: Path) -> list[Row]:
     for kv in args.llamacpp_kv:
         for n in args.contexts:
             command = [str(bench), "-m", str(gguf), "-p", str(n), "-n", str(args.decode)]
-            command += ["-d", f"0,{n}", "-ctk", kv, "-ctv", kv, "-fa", "1", "-t", threads]
-            command += ["-r", str(args.repeats), "-o", "json"]
+            command += ["-d", str(n), "-ctk", kv, "-ctv", kv, "-fa", "1", "-t", threads]
+            command += ["-r", str(args.llamacpp_repeats), "-o", "json"]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 # llama.cpp's repacked (AMX) weights crash its prompt processing on some CPUs:
@@ -199,7 +226,7 @@ def bench_llamacpp(args: argparse.Namespace, gguf: Path) -> list[Row]:
                 done = subprocess.run(command, capture_output=True, text=True, check=True)
             for record in json.loads(done.stdout):
                 depth, n_prompt, n_gen = record["n_depth"], record["n_prompt"], record["n_gen"]
-                if n_prompt and (depth == 0 or depth == n):
+                if n_prompt and depth == n:
                     rows.append(
                         Row("llama.cpp", kv, "prefill", depth, n_prompt, 1, record["avg_ts"])
                     )
@@ -207,7 +234,7 @@ def bench_llamacpp(args: argparse.Namespace, gguf: Path) -> list[Row]:
                     rows.append(Row("llama.cpp", kv, "decode", depth, n_gen, 1, record["avg_ts"]))
             print(f"llama.cpp {kv} context {n}: done", file=sys.stderr)
         batched = llamacpp_tool("llama-batched-bench")
-        if args.batch and batched is not None:
+        if args.batch and args.llamacpp_batch and batched is not None:
             n, b = args.batch_context, args.batch
             command = [str(batched), "-m", str(gguf), "-c", str(b * (n + args.batch_decode + 1))]
             command += ["-npp", str(n), "-ntg", str(args.batch_decode), "-npl", str(b)]
@@ -234,46 +261,54 @@ def bench_llamacpp(args: argparse.Namespace, gguf: Path) -> list[Row]:
     return rows
 
 
-def print_table(rows: list[Row]) -> None:
-    print("| system | K/V | test | context | tokens | batch | tok/s |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r.system} | {r.kv} | {r.test} | {r.context} | {r.tokens} | {r.batch} | "
-            f"{r.tok_per_s:.1f} |"
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"bandwidth bound at {result['bandwidth_gbs']:.1f} GB/s",
+        "| system | K/V | test | context | tokens | batch | tok/s | of the bound |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        share = f"{r['bound_fraction']:.0%}" if r["bound_fraction"] is not None else "-"
+        lines.append(
+            f"| {r['system']} | {r['kv']} | {r['test']} | {r['context']} | {r['tokens']} | "
+            f"{r['batch']} | {r['tok_per_s']:.1f} | {share} |"
         )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="1024,4096,7680", help="one-stream contexts")
-    parser.add_argument("--decode", type=int, default=128, help="decode steps timed")
+    parser.add_argument("--decode", type=int, default=64, help="decode steps timed")
     parser.add_argument("--batch", type=int, default=16, help="requests decoding at once (0: off)")
     parser.add_argument("--batch-context", type=int, default=4096)
     parser.add_argument("--batch-decode", type=int, default=32)
     parser.add_argument("--kv", default="bfloat16,int8", help=f"of {', '.join(KV_RUNS)}")
     parser.add_argument("--llamacpp-kv", default="f16,q8_0", help="'' to skip llama.cpp")
     parser.add_argument("--chunk", type=int, default=EngineConfig().chunked_prefill_size)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="of each decode")
+    parser.add_argument("--prefill-repeats", type=int, default=1)
+    parser.add_argument("--llamacpp-repeats", type=int, default=1)
+    parser.add_argument("--llamacpp-batch", action="store_true", help="llama-batched-bench too")
+    parser.add_argument("--bandwidth", type=float, default=0.0, help="GB/s (0: measure)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", type=Path, default=None)
+    started = time.time()
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.llamacpp_kv = [k for k in args.llamacpp_kv.split(",") if k]
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.bandwidth:
+        args.bandwidth = read_bandwidth()
     rows: list[Row] = []
     for kv in args.kv.split(","):
         rows += bench_ours(args, kv)
     if args.llamacpp_kv:
         rows += bench_llamacpp(args, peer_llamacpp.model_file(peer_llamacpp.EMBEDDED_KIND))
-    print_table(rows)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        setup = {"threads": torch.get_num_threads(), "args": {**vars(args), "json": str(args.json)}}
-        args.json.write_text(
-            json.dumps({"setup": setup, "rows": [asdict(r) for r in rows]}, indent=2)
-        )
+    setup = {"threads": torch.get_num_threads(), "args": {**vars(args), "json": str(args.json)}}
+    result = {"setup": setup, "bandwidth_gbs": args.bandwidth, "rows": [asdict(r) for r in rows]}
+    finish(result, "scripts/bench_long_context.py", None, started, args.json, render)
 
 
 if __name__ == "__main__":

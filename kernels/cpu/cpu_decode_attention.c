@@ -27,11 +27,17 @@
  * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too). Built with
  * -DKV_I8 the pool is int8 with a scale per head row (cpu_kv.h): the same per-item loop, each
  * dot product and value row taking its row's scale once.
+ *
+ * On AVX-512, float32 queries over a pool the register-resident items do not take (float16,
+ * int8, or a group / head dim they lack) go through the fused step's streamed range
+ * (attend_range: cpu_group_attention.h, cpu_stream_attention.h) unless a softcap is set:
+ * each key row widened once for all the group's heads, 16 scores from one reduction.
  */
 #include <omp.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "cpu_group_attention.h"
 #include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
@@ -239,23 +245,6 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
 }
 
 #ifdef __AVX512F__
-/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (lane order 0..15): a tree of
- * in-lane unpacks and shuffles, ~3 instructions per vector instead of a reduction each. */
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 c[8], w[4], u[2];
-    for (int k = 0; k < 8; k++)
-        c[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        w[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int k = 0; k < 2; k++)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* 16 fp32 of row r, chunk j (16 values), of a bf16 or fp32 cache */
 #define LOAD_ROW_BF16(base, r, j) load_bf16x16((const uint16_t *)(base) + (r) + 16 * (j))
 #define LOAD_ROW_F32(base, r, j) _mm512_loadu_ps((const float *)(base) + (r) + 16 * (j))
@@ -586,6 +575,22 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
             l2_stream none = {NULL, 0, 0, 0};
             fast(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end, b, kvh,
                  H, Hkv, page_size, scale, softcap, out, 1, &none, part);
+        } else
+#endif
+#ifdef ATTN_STREAM
+        if (!is_bf16 && softcap <= 0.0f && stream_fits(G, D)) {
+            float own[ATTN_PART(MAX_GROUP, MAX_HEAD_DIM)];
+            float *state = part != NULL ? part : own;
+            const float *qh = (const float *)q + b * q_stride + kvh * G * D;
+            attend_range(qh, 1, G, (const kv_t *)k_cache, (const kv_t *)v_cache,
+                         block_table + b * table_stride, first, end, len, page_size, kvh, Hkv, D,
+                         scale, NULL, NULL, state, state + G * D, state + G * D + G);
+            if (part == NULL)
+                for (int64_t g = 0; g < G; g++) {
+                    const float l = state[G * D + G + g], inv = l > 0.0f ? 1.0f / l : 0.0f;
+                    for (int64_t i = 0; i < D; i++)
+                        ((float *)out)[(b * H + kvh * G + g) * D + i] = state[g * D + i] * inv;
+                }
         } else
 #endif
             decode_item(q, q_stride, k_cache, v_cache, block_table + b * table_stride, first, end,

@@ -507,9 +507,10 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
  *      heads), each block of keys read as whole pool slots (every kv head's lines of a slot are
  *      adjacent: the hardware prefetcher's neighbouring lines are used, not thrown away);
  *   else, >= 4 (row, kv head) items a thread: one kv head and its query heads;
- *   else (a request or two alone) with at least 2 * SPLIT_MIN_KEYS keys (cpu_split_k.h): one
- *      kv head and all its query heads over a range of its keys (split-K), the ranges'
- *      softmax states merged by whichever range finishes last (merge_ranges): every key and
+ *   else (a request or two alone) with at least 2 * SPLIT_MIN_KEYS keys (cpu_split_k.h): a
+ *      row's kv heads together (as above; else one kv head) and all their query heads over a
+ *      range of its keys (split-K), the ranges' softmax states merged by whichever range
+ *      finishes last (merge_ranges): each range streams whole pool slots, and every key and
  *      value row is read once per step however few the kv heads, where one item a query head
  *      read each row once per query head (3 times over for SmolLM2's 9 / 3 heads: at 8k keys
  *      a kv head's rows outgrow L2, and the reads went to memory each time);
@@ -543,8 +544,17 @@ static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, 
         for (int64_t c = kv_heads; c > 1 && kv_per_item == 1; c--)
             if (kv_heads % c == 0 && c * group <= ATTN_MAX_HEADS) kv_per_item = c;
     } else if (n * kv_heads * min_chunks < 4 * threads) {
-        splits = split_count(n * kv_heads * min_chunks, n > 0 ? seq_lens[order[0]] : 0, threads);
-        if (splits == 1) chunks = group;
+        const int64_t longest = n > 0 ? seq_lens[order[0]] : 0;
+        const int64_t whole = min_chunks == 1 && kv_heads * group <= ATTN_MAX_HEADS
+                                  ? split_count(n, longest, threads)
+                                  : 1;
+        if (whole > 1) { /* a row's kv heads together over each range: whole slots streamed */
+            kv_per_item = kv_heads;
+            splits = whole;
+        } else {
+            splits = split_count(n * kv_heads * min_chunks, longest, threads);
+            if (splits == 1) chunks = group;
+        }
     }
     const int64_t chunk_heads = (group + chunks - 1) / chunks;
     chunks = (group + chunk_heads - 1) / chunk_heads;
@@ -585,14 +595,14 @@ static void attention_item(const attn_items *items, const attn_item *it, const f
                      kv_heads, D, scale, k_new, v_new, out);
         return;
     }
-    const int64_t stride = ATTN_PART(it->gc, D);
+    const int64_t heads = it->kvc * it->gc, stride = ATTN_PART(heads, D);
     float *part = parts + (it->unit * items->splits + it->split) * stride;
-    attend_range(q, 1, it->gc, k_cache, v_cache, table_row, it->begin, it->end, len, page_size,
-                 it->kv0, kv_heads, D, scale, k_new, v_new, part, part + it->gc * D,
-                 part + it->gc * D + it->gc);
+    attend_range(q, it->kvc, it->gc, k_cache, v_cache, table_row, it->begin, it->end, len,
+                 page_size, it->kv0, kv_heads, D, scale, k_new, v_new, part, part + heads * D,
+                 part + heads * D + heads);
     /* release: this range's state is written; acquire: the others' are seen by the last */
     if (atomic_fetch_add_explicit(&done[it->unit], 1, memory_order_acq_rel) + 1 == items->splits)
-        merge_ranges(parts + it->unit * items->splits * stride, items->splits, it->gc, D, out);
+        merge_ranges(parts + it->unit * items->splits * stride, items->splits, heads, D, out);
 }
 
 /* floats of the split-K states of a step of n rows (0: no split-K at any thread count) */
@@ -759,28 +769,33 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     float *out_heads = attn + i * q_size + it.h0 * D;
                     /* rotated q, into its output's place; a split-K range's into its own (the
                      * unit's other ranges read theirs meanwhile, and the last one writes out) */
-                    float q_own[ATTN_MAX_GROUP * MAX_HEAD_DIM];
+                    float q_own[ATTN_MAX_HEADS * MAX_HEAD_DIM];
                     float *q_heads = items.splits > 1 ? q_own : out_heads;
                     for (int64_t c = 0; c < it.kvc; c++)
                         for (int64_t g = 0; g < it.gc; g++) {
                             const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
                             rotate(row + h * D, cs, half, q_heads + (h - it.h0) * D);
                         }
-                    /* one row: its new K/V as the pool holds them (float16 rounded) */
-                    kv_t k_new[MAX_HEAD_DIM + KV_ROW_EXTRA], v_new[MAX_HEAD_DIM + KV_ROW_EXTRA];
-                    if (one) { /* items of one kv head (plan_items: one row is never whole) */
-                        float k_rot[MAX_HEAD_DIM];
-                        rotate(row + (heads + kvh) * D, cs, half, k_rot);
-                        kv_store_row(k_new, k_rot, D);
-                        kv_store_row(v_new, row + (heads + kv_heads + kvh) * D, D);
+                    /* one row: its new K/V as the pool holds them (float16 rounded), the item's
+                     * kv heads' rows in a row (a split-K range may take them all) */
+                    kv_t k_new[ATTN_MAX_HEADS * (MAX_HEAD_DIM + KV_ROW_EXTRA)];
+                    kv_t v_new[ATTN_MAX_HEADS * (MAX_HEAD_DIM + KV_ROW_EXTRA)];
+                    if (one) {
+                        for (int64_t c = 0; c < it.kvc; c++) {
+                            float k_rot[MAX_HEAD_DIM];
+                            rotate(row + (heads + kvh + c) * D, cs, half, k_rot);
+                            kv_store_row(k_new + c * KV_ROW(D), k_rot, D);
+                            kv_store_row(v_new + c * KV_ROW(D),
+                                         row + (heads + kv_heads + kvh + c) * D, D);
+                        }
                         /* the group's first chunk stores its K/V (a padding row: nothing); of
                          * split-K ranges, the last one (no other range reads that key) */
                         if (it.h0 == kvh * group && it.split == items.splits - 1 &&
                             slots[i] >= 0) {
                             memcpy(L->k_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), k_new,
-                                   (size_t)KV_ROW(D) * sizeof(kv_t));
+                                   (size_t)(it.kvc * KV_ROW(D)) * sizeof(kv_t));
                             memcpy(L->v_cache + (slots[i] * kv_heads + kvh) * KV_ROW(D), v_new,
-                                   (size_t)KV_ROW(D) * sizeof(kv_t));
+                                   (size_t)(it.kvc * KV_ROW(D)) * sizeof(kv_t));
                         }
                     }
                     attention_item(&items, &it, q_heads, L->k_cache, L->v_cache,

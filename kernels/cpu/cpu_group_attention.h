@@ -26,6 +26,7 @@
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 #include "cpu_split_k.h"
+#include "cpu_stream_attention.h"
 
 #define ATTN_BLOCK 32    /* keys per online-softmax block */
 #define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
@@ -239,16 +240,77 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
     return n;
 }
 
+#ifdef ATTN_STREAM
+/* attend_range on AVX-512 (stream_fits): each block's rows through stream_block
+ * (cpu_stream_attention.h) per kv head and half block of 16 keys, the next block's rows asked
+ * for meanwhile (at batch 1 a range's item takes whole slots: plan_items) */
+static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+                         const kv_t *v_cache, const int32_t *table_row, int64_t begin, int64_t end,
+                         int64_t len, int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d,
+                         float scale, const kv_t *k_new, const kv_t *v_new, float *acc, float *mx,
+                         float *sum) {
+    const int64_t heads = kvc * gc;
+    __m512 lsum[ATTN_MAX_HEADS];
+    const kv_t *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
+    const kv_t *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
+    for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
+    for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, lsum[h] = _mm512_setzero_ps();
+    int cur = 0;
+    int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
+                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0])
+                        : 0;
+    for (int64_t first = begin; first < end; first += ATTN_BLOCK) {
+        const int64_t next = first + ATTN_BLOCK;
+        int n_next = 0;
+        if (next < end) {
+            n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
+                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
+        }
+        for (int64_t c = 0; c < kvc; c++) {
+            const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+            if (c) { /* kv head kv0 + c: the next row of each slot */
+                for (int i = 0; i < n; i++)
+                    kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
+                kc = kh, vc = vh;
+            }
+            for (int h = 0; h < n; h += STREAM_KEYS) {
+                const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
+                /* the next block's rows of this kv head and half, a few lines at a time
+                 * between the blocks' work (a block's worth at once stalled on fill buffers) */
+                for (int i = h; i < h + STREAM_KEYS && i < n_next; i++)
+                    for (int64_t b = 0; b < KV_ROW(d); b += 64 / (int64_t)sizeof(kv_t)) {
+                        __builtin_prefetch(k_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
+                        __builtin_prefetch(v_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
+                    }
+                stream_block(q + c * gc * d, gc, d, kc + h, vc + h, m, scale, acc + c * gc * d,
+                             mx + c * gc, lsum + c * gc);
+            }
+        }
+        cur = !cur;
+        n = n_next;
+    }
+    for (int64_t h = 0; h < heads; h++) sum[h] = _mm512_reduce_add_ps(lsum[h]);
+}
+#endif
+
 /* The online-softmax state of the query heads of kv heads kv0 .. kv0 + kvc - 1, gc heads each
  * (kvc * gc <= ATTN_MAX_HEADS), over keys begin .. end - 1 of a row of len keys: acc [kvc * gc,
  * d] the unnormalized sum of exp(s - mx) v, mx and sum per head (mx -inf and sum 0 where the
  * range is empty). q [kvc * gc, d], heads in order. k_new / v_new: the last key's rows when
- * it is not in the pool yet (kvc 1 only). Each block's rows are read once for all the heads. */
+ * it is not in the pool yet (the kvc heads' rows one after another, KV_ROW(d) apart, as in a
+ * pool slot). Each block's rows are read once for all the heads. */
 static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t begin,
                          int64_t end, int64_t len, int64_t page_size, int64_t kv0,
                          int64_t kv_heads, int64_t d, float scale, const kv_t *k_new,
                          const kv_t *v_new, float *acc, float *mx, float *sum) {
+#ifdef ATTN_STREAM
+    if (stream_fits(gc, d)) {
+        stream_range(q, kvc, gc, k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
+                     kv_heads, d, scale, k_new, v_new, acc, mx, sum);
+        return;
+    }
+#endif
     const int64_t heads = kvc * gc;
     float s[ATTN_BLOCK];
     const kv_t *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
@@ -311,7 +373,7 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 
 /* softmax(q k^T scale) v over all of a row's len keys (attend_range over 0 .. len): out [kvc *
  * gc, d] (out may be q: q is read before out is written) */
-static void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
+static inline void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t len,
                          int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
                          const kv_t *k_new, const kv_t *v_new, float *out) {

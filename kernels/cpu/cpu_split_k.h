@@ -17,10 +17,13 @@
 #define MAX_SPLITS 16
 
 /* ranges for `units` items of up to `longest` keys on `threads` threads: enough for 4 items a
- * thread, each of SPLIT_MIN_KEYS keys at least; 1 (no split) where that leaves fewer than 2 */
+ * thread, each of SPLIT_MIN_KEYS keys at least; 1 (no split) where that leaves fewer than 2.
+ * Where it can, the items' count is a multiple of the threads (3 units of 3 ranges on 2 threads
+ * left one thread 5 ranges to the other's 4: a step ~10% longer than an even share). */
 static inline int64_t split_count(int64_t units, int64_t longest, int64_t threads) {
     if (units <= 0 || units >= 4 * threads) return 1;
     int64_t splits = (4 * threads + units - 1) / units;
+    while (threads > 1 && (units * splits) % threads != 0 && splits < MAX_SPLITS) splits++;
     if (splits > longest / SPLIT_MIN_KEYS) splits = longest / SPLIT_MIN_KEYS;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
     return splits < 2 ? 1 : splits;

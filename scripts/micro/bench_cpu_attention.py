@@ -95,8 +95,9 @@ class Pools:
         self.bytes_per_layer = 2 * batch * context * kv_heads * row_bytes
 
 
-def compile_baseline(rev: str) -> Callable[..., int]:
-    """The decode kernel of git revision ``rev``, compiled as cpu_native compiles today's."""
+def compile_baseline(rev: str, dtype: torch.dtype) -> Callable[..., int]:
+    """The decode kernel of git revision ``rev``, compiled as cpu_native compiles today's for a
+    pool of ``dtype`` (its -DKV_F16 / -DKV_I8 build for a float16 / int8 pool)."""
     source = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu/cpu_decode_attention.c"],
         check=True,
@@ -114,13 +115,14 @@ def compile_baseline(rev: str) -> Callable[..., int]:
         )
     c_file = workdir / "baseline.c"
     c_file.write_text(source)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+    flags = cpu_native.kv_flags(dtype)
+    digest = hashlib.sha256(source.encode() + " ".join(flags).encode()).hexdigest()[:12]
     library = workdir / f"baseline-{digest}.so"
     compiler = cpu_native._compiler()
     if compiler is None:
         raise SystemExit("no C compiler: cannot build the baseline kernel")
     subprocess.run(
-        [compiler, *cpu_native.FLAGS, str(c_file), "-o", str(library), "-lm"], check=True
+        [compiler, *cpu_native.FLAGS, *flags, str(c_file), "-o", str(library), "-lm"], check=True
     )
     fn = ctypes.CDLL(str(library)).asyncengine_paged_decode_attention
     fn.restype = ctypes.c_int
@@ -164,7 +166,7 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, batch: int, context: i
     runs: dict[str, Callable[[], None]] = {"current": current}
     baseline_out = torch.empty_like(pools.q)
     if args.baseline_rev:
-        call = compile_baseline(args.baseline_rev)
+        call = compile_baseline(args.baseline_rev, dtype)
 
         def baseline() -> None:
             for i in range(args.layers):

@@ -173,7 +173,12 @@ def _compare(
         k_torch = pair.torch_path.kv_pool.k_cache(layer)
         written = ~torch.isnan(k_torch)
         assert torch.equal(written, ~torch.isnan(k_native))
-        torch.testing.assert_close(k_native[written], k_torch[written], atol=1e-3, rtol=1e-3)
+        # past layer 0 a flipped int8 rounding of an attention output (above) moves the K of
+        # the layers after it as it moves the logits: by up to ~1% of the largest
+        atol = 1e-3
+        if layer and int8_activations:
+            atol = max(atol, FLIP_TOLERANCE * float(k_torch[written].abs().max()))
+        torch.testing.assert_close(k_native[written], k_torch[written], atol=atol, rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied"])

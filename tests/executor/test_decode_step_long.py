@@ -1,0 +1,76 @@
+"""The fused decode step of one request at a long context (kernels/cpu/cpu_decode_step.c): its
+attention is cut into split-K ranges of all the row's kv heads, the new K/V taken from
+registers by every range and stored by the last one. The same row repeated in a batch of 8
+(items of a kv head over the whole row, the K/V stored before any row attends) is the oracle:
+the same logits within float32 summation order, and the same K/V in the pool (layer 0's bit for
+bit, later layers' from inputs that differ in summation order), nothing else written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncengine.executor.loader.quantized import quantize_int8
+from asyncengine.kernels.cpu import cpu_native
+from tests.conftest import TinyCheckpoint
+from tests.executor.test_native_decode import Pair
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+
+
+@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("keys", [600, 1101])
+def test_one_long_row_is_the_same_row_in_a_batch(
+    tiny_llama: TinyCheckpoint, threads: int, dtype: torch.dtype, keys: int
+) -> None:
+    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+    model = pair.native.model.native_decode
+    assert model is not None
+    c = pair.config
+    page_size, pages = 16, -(-keys // 16) + 1
+    gen = torch.Generator().manual_seed(keys)
+    shape = (pages * page_size, c.num_kv_heads, c.head_dim)
+    base_k = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
+    base_v = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
+    last = keys - 1  # the new key's position in the row; rotary at position 100 (any)
+    slot = int(table[0, last // page_size]) * page_size + last % page_size
+    hidden = torch.randn(1, c.hidden_size, generator=gen).to(dtype)
+
+    def run(rows: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        k = [t.clone() for t in base_k]
+        v = [t.clone() for t in base_v]
+        model.bind_caches(k, v)
+        out = model.step(
+            hidden.expand(rows, -1).contiguous(),
+            torch.full((rows,), 100),
+            torch.full((rows,), slot),
+            table.expand(rows, -1).contiguous(),
+            torch.full((rows,), keys, dtype=torch.int32),
+            page_size,
+        )
+        return out[:1].float(), k, v
+
+    got, k_one, v_one = run(1)
+    want, k_batch, v_batch = run(8)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+    assert torch.equal(k_one[0], k_batch[0]) and torch.equal(v_one[0], v_batch[0])
+    for layer in range(1, c.num_layers):  # from inputs equal within summation order
+        torch.testing.assert_close(k_one[layer], k_batch[layer], atol=1e-4, rtol=1e-2)
+        torch.testing.assert_close(v_one[layer], v_batch[layer], atol=1e-4, rtol=1e-2)
+        others = torch.ones(shape[0], dtype=torch.bool)
+        others[slot] = False
+        assert torch.equal(k_one[layer][others], base_k[layer][others])
