@@ -41,6 +41,7 @@ async def replay_real(
                 await asyncio.sleep(delay)
             arrival = loop.time() - start
             record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+            record.tenant, record.priority, record.lora = item.tenant, item.priority, item.lora
             try:
                 out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
             except Exception:  # every failure counts as a failed request; the run goes on
@@ -48,7 +49,6 @@ async def replay_real(
                 record.finish_time = loop.time() - start
                 return record
             metrics = out.metrics
-            record.tenant, record.priority = item.tenant, item.priority
             record.blocked = dict(metrics.blocked)
             record.timed_out = out.finish_reason == "timeout"
             record.finish_time = arrival + metrics.e2e
