@@ -87,9 +87,10 @@ def engine_config(args: argparse.Namespace, loras: dict[str, str]) -> Any:
 
 
 async def run_engine(args: argparse.Namespace, loras: dict[str, str]) -> dict[str, Any]:
+    from systems import timed
+
     from asyncengine.api.engine import AsyncEngine
     from asyncengine.common.sampling_params import SamplingParams
-    from systems import timed
 
     config = engine_config(args, loras)
     prompts, picks = workload(args, sorted(loras))
@@ -270,9 +271,10 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from asyncengine.common.config import key_value
     from bench_offline import agreement
     from systems import finish
+
+    from asyncengine.common.config import key_value
 
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -29,12 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asyncengine.common.config import key_value
+from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.script_main import run_main
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.lora_fairness import (
     DEFAULT_RUNS,
     FAIRNESS_ENGINE,
+    Outcome,
     Runner,
     fairness_table,
     lora_fairness,
@@ -42,6 +43,7 @@ from asyncengine.sim.lora_fairness import (
     simulated,
 )
 from asyncengine.workloads.adapters import HOT_ADAPTER
+from asyncengine.workloads.trace import WorkloadRequest
 
 # (simulated, real): the real flood is sized to finish in minutes on a 2-core machine while
 # still arriving faster than the engine serves it (the simulator's runs 50 s of flood).
@@ -68,6 +70,24 @@ def write_adapters(model: str, names: Sequence[str], root: Path, rank: int, targ
             random_adapter(base, path, rank, targets.split(","), seed=seed)
         paths[name] = str(path)
     return paths
+
+
+def announced(runner: Runner) -> Runner:
+    """``runner``, saying how each run went (a real one takes minutes)."""
+
+    def run(config: EngineConfig, workload: Sequence[WorkloadRequest]) -> Outcome:
+        started = time.perf_counter()
+        outcome = runner(config, workload)
+        hot = sum(item.lora == HOT_ADAPTER for item in workload)
+        print(
+            f"[{config.policy}] {len(workload)} requests ({hot} of {HOT_ADAPTER}): "
+            f"{outcome.seconds:.1f} s from the first arrival, {outcome.preemptions} preempted "
+            f"({time.perf_counter() - started:.0f} s with start-up)",
+            flush=True,
+        )
+        return outcome
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -120,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             names = [HOT_ADAPTER, *(f"cold-{j}" for j in range(args.num_cold))]
             model = str(engine.get("model", "smollm2-135m"))
             root = args.adapter_dir or Path(tmp)
-            runner = real(write_adapters(model, names, root, args.rank, args.targets))
+            runner = announced(real(write_adapters(model, names, root, args.rank, args.targets)))
         else:
             runner = simulated(CostModel.load(args.cost_model) if args.cost_model else None)
         rows = lora_fairness(runs, engine=engine, runner=runner, **workload)

@@ -434,7 +434,7 @@ def validate_spec(spec: dict[str, Any]) -> None:
         if not r.get("prompt_ids") or int(r.get("output_len", 0)) < 1:
             fail(f"request {i}: needs non-empty prompt_ids and output_len >= 1")
         if r.get("lora") is not None and r["lora"] not in loras:
-            fail(f"request {i}: adapter {r['lora']!r} is not in the spec's \"loras\"")
+            fail(f'request {i}: adapter {r["lora"]!r} is not in the spec\'s "loras"')
     if int(spec.get("repeats", 1)) < 1:
         fail('"repeats" must be >= 1')
 
