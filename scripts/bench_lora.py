@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -233,6 +235,21 @@ def run_hf_peft(args: argparse.Namespace, loras: dict[str, str]) -> dict[str, An
     return {"hf_peft_output_tok_s": args.requests * args.output_len / statistics.median(seconds)}
 
 
+@contextlib.contextmanager
+def exclusive_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive flock on ``path`` for the block (none when None)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        print(f"waiting for the lock {path} ...", flush=True)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def render(result: dict[str, Any]) -> str:
     """The headline rows: output tok/s of each system on the mix, and the ratios."""
     rows = [
@@ -306,6 +323,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds")
     parser.add_argument(
+        "--vllm-lock",
+        type=Path,
+        help="hold an exclusive flock on this file while vLLM runs (a machine whose big jobs "
+        "take turns): waits for it after the engine's runs",
+    )
+    parser.add_argument(
         "--vllm-workdir", type=Path, help="the vLLM spec, result and log (default: temp)"
     )
     parser.add_argument("--out", type=Path)
@@ -323,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
         result.update(asyncio.run(run_engine(args, loras)))
         if args.vllm:
-            result.update(run_vllm(args, loras, args.vllm_workdir or Path(tmp) / "vllm"))
+            with exclusive_lock(args.vllm_lock):
+                result.update(run_vllm(args, loras, args.vllm_workdir or Path(tmp) / "vllm"))
             result["vs_vllm"] = result["mix_output_tok_s"] / result["vllm_output_tok_s"]
             ours = result["outputs"]
             theirs = result.pop("vllm_outputs")

@@ -29,6 +29,18 @@ async def replay_real(
             await engine.generate(
                 item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
             )
+        # each adapter once too: its first step builds its kernel tables, which is set-up
+        adapters = sorted({item.lora for item in workload if item.lora is not None})
+        if warmup_requests and adapters:
+            prompt = workload[0].prompt_ids[:8]
+            await asyncio.gather(
+                *(
+                    engine.generate(
+                        prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, lora=name)
+                    )
+                    for name in adapters
+                )
+            )
         await engine.reset_prefix_cache(
             reset_counters=True
         )  # warm-up prompts must not turn into hits

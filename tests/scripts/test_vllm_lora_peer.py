@@ -128,3 +128,25 @@ def test_bench_lora_runs_the_peer_on_the_same_mix_beside_the_engine(
     assert 0.0 <= result["vllm_agreement_with_ours"]["mean_prefix_fraction"] <= 1.0
     saved = json.loads(out.read_text())
     assert saved["vs_vllm"] == pytest.approx(result["vs_vllm"]) and "outputs" not in saved
+
+
+def test_the_vllm_lock_is_held_while_the_peer_runs_and_only_then(tmp_path: Path) -> None:
+    import fcntl
+
+    bench = load_script("bench_lora")
+    lock = tmp_path / "big.lock"
+
+    def free() -> bool:
+        with open(lock, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return True
+
+    with bench.exclusive_lock(lock):
+        assert not free()
+    assert free()
+    with bench.exclusive_lock(None):  # no lock asked for: nothing held
+        pass
