@@ -3,7 +3,7 @@
 
     python scripts/lora_fairness.py --out results/lora_fairness.json
     python scripts/lora_fairness.py --per-cold 24 --seed 3 --set max_loras=4 --out f.json
-    python scripts/lora_fairness.py --real --out results/lora_fairness_real.json   # ~10 min
+    python scripts/lora_fairness.py --real --out results/lora_fairness_real.json   # ~15 min
 
 One adapter ("hot") floods the engine; seven others ("cold-0" ..) send a few requests each
 (asyncengine.workloads.adapters.hot_adapter_flood). Each policy runs the workload with the
@@ -47,7 +47,7 @@ from asyncengine.workloads.trace import WorkloadRequest
 
 # (simulated, real): the real flood arrives at a third of the simulator's rate, still faster
 # than the engine serves it, over the cold adapters' two minutes, so that a real run ends in
-# about ten minutes on two cores; the cold requests are the simulator's (fewer of them make the
+# about a quarter of an hour on two cores (13 min of runs in the simulator); the cold requests are the simulator's (fewer of them make the
 # p99 one request's luck: the simulator itself gives 1.3-1.6x for lora-fair with these over
 # seeds 0-2, and 2-2.5x with 5-12 per cold adapter).
 WORKLOAD_DEFAULTS = {
