@@ -47,9 +47,9 @@ from asyncengine.workloads.trace import WorkloadRequest
 
 # (simulated, real): the real flood arrives at a third of the simulator's rate, still faster
 # than the engine serves it, over the cold adapters' two minutes, so that a real run ends in
-# about a quarter of an hour on two cores (13 min of runs in the simulator); the cold requests are the simulator's (fewer of them make the
-# p99 one request's luck: the simulator itself gives 1.3-1.6x for lora-fair with these over
-# seeds 0-2, and 2-2.5x with 5-12 per cold adapter).
+# about a quarter of an hour on two cores (13 min of runs in the simulator). The cold requests
+# are the simulator's: fewer of them make the p99 one request's luck (the simulator gives
+# lora-fair 1.3-1.6x with these over seeds 0-2, and 2-2.5x with 5-12 per cold adapter).
 WORKLOAD_DEFAULTS = {
     "num_hot": (600, 480),
     "per_cold": (24, 24),
