@@ -107,7 +107,7 @@ def real(loras: Mapping[str, str]) -> Runner:
             raise ValueError(f"no adapter directory for {', '.join(missing)}")
         records, stats = asyncio.run(replay_real(config.replace(loras=dict(loras)), workload))
         span = max((r.finish_time or 0.0 for r in records), default=0.0)
-        return Outcome(records, span, int(stats.get("preemptions", 0)))  # type: ignore[call-overload]
+        return Outcome(records, span, int(stats["preemptions"]))  # type: ignore[call-overload]
 
     return run
 
