@@ -29,6 +29,18 @@ async def replay_real(
             await engine.generate(
                 item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
             )
+        # each adapter once too: its first step builds its kernel tables, which is set-up
+        adapters = sorted({item.lora for item in workload if item.lora is not None})
+        if warmup_requests and adapters:
+            prompt = workload[0].prompt_ids[:8]
+            await asyncio.gather(
+                *(
+                    engine.generate(
+                        prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, lora=name)
+                    )
+                    for name in adapters
+                )
+            )
         await engine.reset_prefix_cache(
             reset_counters=True
         )  # warm-up prompts must not turn into hits
@@ -41,6 +53,7 @@ async def replay_real(
                 await asyncio.sleep(delay)
             arrival = loop.time() - start
             record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+            record.tenant, record.priority, record.lora = item.tenant, item.priority, item.lora
             try:
                 out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
             except Exception:  # every failure counts as a failed request; the run goes on
@@ -48,7 +61,6 @@ async def replay_real(
                 record.finish_time = loop.time() - start
                 return record
             metrics = out.metrics
-            record.tenant, record.priority = item.tenant, item.priority
             record.blocked = dict(metrics.blocked)
             record.timed_out = out.finish_reason == "timeout"
             record.finish_time = arrival + metrics.e2e

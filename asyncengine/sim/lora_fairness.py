@@ -1,15 +1,18 @@
-"""Adapter fairness in the simulator: the cold adapters' TTFT under a hot adapter's flood.
+"""Adapter fairness: the cold adapters' TTFT under a hot adapter's flood, simulated or real.
 
 One adapter floods the engine and seven others send a few requests each
 (``workloads.adapters.hot_adapter_flood``). For each policy the same cold requests run twice:
 with the flood and alone. A policy is fair to the cold adapters when their p99 TTFT under the
 flood stays within a small factor of their p99 alone; ``fcfs`` makes them wait behind the
-flood's backlog. Simulated TTFT is deterministic: the same arguments give the same table.
+flood's backlog. A runner runs each workload: ``simulated`` (a cost model on a virtual clock,
+deterministic: the same arguments give the same table) or ``real`` (the engine on the wall
+clock, the adapters loaded from disk).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ from asyncengine.common.config import EngineConfig
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.simulator import simulate
 from asyncengine.workloads.adapters import HOT_ADAPTER, hot_adapter_flood
+from asyncengine.workloads.trace import WorkloadRequest
 
 # The engine the comparison runs: room in one step for every adapter of the workload (so the
 # order decides, not the slot limit), a running batch a CPU serves, and prefill budgeted per
@@ -69,6 +73,57 @@ class FairnessRow:
         return {**asdict(self), "ratio": self.ratio}
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One workload's run: its records, how long it took, the requests preempted."""
+
+    records: list[RequestRecord]
+    seconds: float  # virtual seconds (simulated) or wall seconds from the first arrival (real)
+    preemptions: int
+
+
+Runner = Callable[[EngineConfig, Sequence[WorkloadRequest]], Outcome]
+
+
+def simulated(cost_model: CostModel | None = None) -> Runner:
+    """Runs a workload in the simulator (``cost_model``: the shipped one when None)."""
+
+    def run(config: EngineConfig, workload: Sequence[WorkloadRequest]) -> Outcome:
+        result = simulate(config, workload, cost_model)
+        preempted = int(result.scheduler_stats["preemptions"])
+        return Outcome(result.records, result.virtual_seconds, preempted)
+
+    return run
+
+
+def real(loras: Mapping[str, str]) -> Runner:
+    """Runs a workload on the real engine (``engine_replay.replay_real``) with ``loras`` (name
+    -> PEFT directory; every adapter the workload names) loaded, one engine per run."""
+    from asyncengine.sim.engine_replay import replay_real
+
+    def run(config: EngineConfig, workload: Sequence[WorkloadRequest]) -> Outcome:
+        missing = sorted({w.lora for w in workload if w.lora is not None} - set(loras))
+        if missing:
+            raise ValueError(f"no adapter directory for {', '.join(missing)}")
+        records, stats = asyncio.run(replay_real(config.replace(loras=dict(loras)), workload))
+        span = max((r.finish_time or 0.0 for r in records), default=0.0)
+        return Outcome(records, span, int(stats["preemptions"]))  # type: ignore[call-overload]
+
+    return run
+
+
+def _checked(outcome: Outcome, workload: Sequence[WorkloadRequest]) -> Outcome:
+    """The table splits records by adapter: each record must name its request's adapter."""
+    adapters = {item.rid: item.lora for item in workload}
+    wrong = [r.rid for r in outcome.records if adapters.get(r.rid, "?") != r.lora]
+    if wrong or len(outcome.records) != len(workload):
+        raise RuntimeError(
+            f"{len(outcome.records)} records for {len(workload)} requests, {len(wrong)} not "
+            f"naming their request's adapter (first: {wrong[:1]})"
+        )
+    return outcome
+
+
 def _ttfts(records: Sequence[RequestRecord], hot: bool) -> list[float]:
     return [
         r.ttft
@@ -82,18 +137,21 @@ def lora_fairness(
     *,
     engine: dict[str, Any] | None = None,
     cost_model: CostModel | None = None,
+    runner: Runner | None = None,
     **workload: Any,
 ) -> list[FairnessRow]:
     """One row per run: the cold adapters' TTFT with the flood and alone (``workload``: the
-    arguments of ``hot_adapter_flood``; ``engine``: config keys over ``FAIRNESS_ENGINE``)."""
+    arguments of ``hot_adapter_flood``; ``engine``: config keys over ``FAIRNESS_ENGINE``;
+    ``runner``: ``simulated(cost_model)`` unless given)."""
     settings = {**FAIRNESS_ENGINE, **(engine or {})}
+    run_workload = runner or simulated(cost_model)
     flood = hot_adapter_flood(include_hot=True, **workload)
     alone = hot_adapter_flood(include_hot=False, **workload)
     rows = []
     for run in runs:
         config = EngineConfig(policy=run.policy, policy_options=run.options, **settings)
-        with_flood = simulate(config, flood, cost_model)
-        by_itself = simulate(config, alone, cost_model)
+        with_flood = _checked(run_workload(config, flood), flood)
+        by_itself = _checked(run_workload(config, alone), alone)
         cold_flood = _ttfts(with_flood.records, hot=False)
         cold_alone = _ttfts(by_itself.records, hot=False)
         hot = [r for r in with_flood.records if r.lora == HOT_ADAPTER and r.completed]
@@ -107,8 +165,8 @@ def lora_fairness(
                 float(np.percentile(cold_alone, 50)),
                 float(np.percentile(cold_flood, 50)),
                 float(np.percentile(_ttfts(with_flood.records, hot=True), 50)),
-                hot_tokens / with_flood.virtual_seconds,
-                int(with_flood.scheduler_stats["preemptions"]),
+                hot_tokens / with_flood.seconds,
+                with_flood.preemptions,
             )
         )
     return rows

@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,10 @@ SPEC_KEYS = frozenset(
         "quiet_wait",
         "progress",
         "tokenizer",
+        "repeats",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
     }
 )
 
@@ -117,11 +121,20 @@ def offline_spec(
     dtype: str,
     kv_cache_bytes: int,
     vllm_args: Sequence[tuple[str, Any]] = (),
+    loras: Mapping[str, str | Path] | None = None,
+    adapters: Sequence[str | None] | None = None,
 ) -> dict[str, Any]:
     """The spec peers/vllm/runner.py runs: each request's prompt ids and output length, in order.
 
-    ``vllm_args`` (``--vllm-arg KEY=VALUE``) override the spec's keys (the KV size included);
-    keys peers/vllm/runner.py does not know go to ``vllm.LLM`` as ``llm_kwargs``."""
+    ``loras`` (name -> PEFT directory) turn on vLLM's LoRA serving; ``adapters`` names each
+    request's adapter (None: the base). ``vllm_args`` (``--vllm-arg KEY=VALUE``) override the
+    spec's keys (the KV size and the LoRA limits included); keys peers/vllm/runner.py does not
+    know go to ``vllm.LLM`` as ``llm_kwargs``."""
+    if adapters is not None and len(adapters) != len(requests):
+        raise ValueError(f"{len(adapters)} adapter names for {len(requests)} requests")
+    unknown = sorted({a for a in adapters or () if a is not None} - set(loras or {}))
+    if unknown:
+        raise ValueError(f"requests name adapters not in loras: {', '.join(unknown)}")
     spec: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -132,6 +145,11 @@ def offline_spec(
             for prompt, output_len in requests
         ],
     }
+    if loras:
+        spec["loras"] = {name: str(path) for name, path in loras.items()}
+        for request, adapter in zip(spec["requests"], adapters or (), strict=False):
+            if adapter is not None:
+                request["lora"] = adapter
     llm_kwargs: dict[str, Any] = {}
     for key, value in vllm_args:
         if key in SPEC_KEYS:

@@ -13,10 +13,17 @@ Modes
     ``max_model_len``, ``block_size``,
     ``enforce_eager``, ``enable_prefix_caching``, ``seed``, ``warmup`` (default true),
     ``return_token_ids`` (default true), ``quiet_wait`` (seconds to wait, before timing, for
-    other processes to leave the CPUs alone), ``llm_kwargs`` (more ``vllm.LLM`` arguments).
-    Builds ``vllm.LLM`` (timed: ``startup_seconds``), runs one small warm-up generate, then
-    times ONE ``llm.generate`` over all requests given as token-id prompts, each with
-    ``SamplingParams(max_tokens=min_tokens=output_len, ignore_eos=True, temperature=0)``.
+    other processes to leave the CPUs alone), ``llm_kwargs`` (more ``vllm.LLM`` arguments),
+    ``repeats`` (default 1), and for LoRA ``loras`` (adapter name -> PEFT directory; each
+    request may name one in ``"lora"``) with ``max_loras`` (default: all of them),
+    ``max_lora_rank`` (default 16) and ``max_cpu_loras``: vLLM's ``--enable-lora
+    --lora-modules NAME=PATH ... --max-loras N --max-lora-rank R`` as ``vllm.LLM`` arguments,
+    each request under its ``LoRARequest``.
+    Builds ``vllm.LLM`` (timed: ``startup_seconds``), runs one small warm-up generate (one
+    request under each adapter too), then times ``llm.generate`` over all requests given as
+    token-id prompts, each with
+    ``SamplingParams(max_tokens=min_tokens=output_len, ignore_eos=True, temperature=0)``,
+    ``repeats`` times: ``seconds`` is the median, ``seconds_each`` all of them.
     The result also carries ``foreign_cpu_fraction``: the share of the machine's CPU that
     processes outside vLLM's process tree used during the timed region (noise indicator).
 ``peers/vllm/runner.py --single-stream --model DIR --dtype bfloat16 --out RESULT.json``
@@ -325,6 +332,13 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, float]:
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             log("WARNING: VLLM_CPU_KVCACHE_SPACE is set and overrides the spec's KV size")
         kwargs["kv_cache_memory_bytes"] = kv_bytes
+    loras = spec.get("loras") or {}
+    if loras:
+        kwargs["enable_lora"] = True
+        kwargs["max_loras"] = int(spec.get("max_loras") or len(loras))
+        kwargs["max_lora_rank"] = int(spec.get("max_lora_rank") or 16)
+        if spec.get("max_cpu_loras") is not None:
+            kwargs["max_cpu_loras"] = int(spec["max_cpu_loras"])
     kwargs.update(spec.get("llm_kwargs", {}))
     log(f"vllm {vllm.__version__}: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
     t0 = time.perf_counter()
@@ -357,6 +371,13 @@ def engine_facts(llm: Any) -> dict[str, Any]:
             compilation_backend=str(cfg.compilation_config.backend),
             executor_backend=str(cfg.parallel_config.distributed_executor_backend),
         )
+        lora = getattr(cfg, "lora_config", None)
+        if lora is not None:
+            facts.update(
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.max_cpu_loras,
+            )
         if facts["num_gpu_blocks"]:
             facts["kv_cache_tokens"] = facts["num_gpu_blocks"] * cc.block_size
     except Exception as exc:  # facts are informational only
@@ -382,15 +403,40 @@ def token_prompts(requests: list[dict[str, Any]]) -> list[Any]:
     return [TokensPrompt(prompt_token_ids=[int(t) for t in r["prompt_ids"]]) for r in requests]
 
 
+def lora_requests(spec: dict[str, Any], names: list[str | None]) -> list[Any] | None:
+    """One ``LoRARequest`` (or None: the base) per name; ids numbered in the spec's order of
+    ``loras`` (vLLM keys its adapter slots by id). None when the spec has no adapters."""
+    loras = spec.get("loras") or {}
+    if not loras:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    made = {
+        name: LoRARequest(name, index + 1, str(path))
+        for index, (name, path) in enumerate(loras.items())
+    }
+    return [None if name is None else made[name] for name in names]
+
+
 def validate_spec(spec: dict[str, Any]) -> None:
     if not isinstance(spec, dict) or "model" not in spec or "requests" not in spec:
         fail('spec must be a JSON object with "model" and "requests"')
     reqs = spec["requests"]
     if not isinstance(reqs, list) or not reqs:
         fail('"requests" must be a non-empty list')
+    loras = spec.get("loras") or {}
+    if not isinstance(loras, dict):
+        fail('"loras" must map adapter names to PEFT directories')
+    for name, path in loras.items():
+        if not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
+            fail(f"adapter {name!r}: {path} has no adapter_config.json (a PEFT directory)")
     for i, r in enumerate(reqs):
         if not r.get("prompt_ids") or int(r.get("output_len", 0)) < 1:
             fail(f"request {i}: needs non-empty prompt_ids and output_len >= 1")
+        if r.get("lora") is not None and r["lora"] not in loras:
+            fail(f'request {i}: adapter {r["lora"]!r} is not in the spec\'s "loras"')
+    if int(spec.get("repeats", 1)) < 1:
+        fail('"repeats" must be >= 1')
 
 
 def run_offline(spec: dict[str, Any]) -> dict[str, Any]:
@@ -408,24 +454,40 @@ def run_offline(spec: dict[str, Any]) -> dict[str, Any]:
     warmup_seconds = None
     if spec.get("warmup", True):
         t0 = time.perf_counter()
-        warm = [{"prompt_ids": list(range(3, 19)), "output_len": 4}]
-        llm.generate(token_prompts(warm), [sampling(4)], use_tqdm=False)
+        # the base, then each adapter once: compiled, loaded and in a slot before timing
+        warm_names: list[str | None] = [None, *(spec.get("loras") or {})]
+        warm = [{"prompt_ids": list(range(3, 19)), "output_len": 4} for _ in warm_names]
+        llm.generate(
+            token_prompts(warm),
+            [sampling(4)] * len(warm),
+            use_tqdm=False,
+            lora_request=lora_requests(spec, warm_names),
+        )
         warmup_seconds = time.perf_counter() - t0
         log(f"warm-up generate: {warmup_seconds:.2f} s")
 
     prompts = token_prompts(requests)
     params = [sampling(int(r["output_len"])) for r in requests]
+    adapters = lora_requests(spec, [r.get("lora") for r in requests])
     quiet = wait_quiet(mon, float(spec["quiet_wait"])) if spec.get("quiet_wait") else None
     load_start = loadavg()
     busy0 = system_busy_seconds()
     cpu0 = mon.tree_cpu_seconds()
     proc_cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=bool(spec.get("progress", False)))
-    wall = time.perf_counter() - t0
-    proc_cpu = time.process_time() - proc_cpu0
-    cpu = mon.tree_cpu_seconds() - cpu0
-    busy = system_busy_seconds() - busy0
+    seconds_each = []
+    for _ in range(int(spec.get("repeats", 1))):
+        t0 = time.perf_counter()
+        outputs = llm.generate(
+            prompts,
+            params,
+            use_tqdm=bool(spec.get("progress", False)),
+            lora_request=adapters,
+        )
+        seconds_each.append(time.perf_counter() - t0)
+    wall = sorted(seconds_each)[len(seconds_each) // 2]  # the median (the upper one of two)
+    proc_cpu = (time.process_time() - proc_cpu0) / len(seconds_each)
+    cpu = (mon.tree_cpu_seconds() - cpu0) / len(seconds_each)  # per repeat
+    busy = (system_busy_seconds() - busy0) / len(seconds_each)
     load_end = loadavg()
 
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
@@ -450,6 +512,7 @@ def run_offline(spec: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": output_tokens,
         "expected_output_tokens": expected,
         "seconds": wall,
+        "seconds_each": seconds_each,
         "output_tokens_per_second": output_tokens / wall,
         "total_tokens_per_second": (prompt_tokens + output_tokens) / wall,
         "cpu_seconds": cpu,  # all processes of the tree (front end, engine core, worker)
@@ -460,11 +523,13 @@ def run_offline(spec: dict[str, Any]) -> dict[str, Any]:
         "load_start": load_start[0],
         "load_end": load_end[0],
         # share of the machine's CPU (all cores) that other processes took while timed
-        "foreign_cpu_fraction": max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1)),
+        "foreign_cpu_fraction": max(0.0, busy - cpu)
+        / (sum(seconds_each) / len(seconds_each) * (os.cpu_count() or 1)),
         "foreign_cpu_fraction_before": quiet,
         "peak_tree_rss_bytes": mon.peak_tree_rss,
         "peak_tree_pss_bytes": mon.peak_tree_pss,
         "engine": facts,
+        "loras": dict(spec.get("loras") or {}),
     }
     if spec.get("return_token_ids", True):
         result["token_ids"] = token_ids
