@@ -99,60 +99,106 @@ typedef float lora_v;
 #endif
 #define LORA_TV (LORA_TILE / LV) /* vectors of one tile row */
 
-/* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the k rank
- * rows of A from a (each of in weights): every weight loaded once for the m rows */
+/* independent sums one pass keeps going at once: a sum over one row's weights is a chain of FMAs,
+ * each waiting on the last (4 cycles), so a single row and rank alone would run at a quarter of
+ * the load rate; few rows take several rank rows (shrink) or tiles (expand) at a time. Each sum
+ * keeps its own order, so the result is the same bit for bit. */
+#define LORA_CHAINS 4
+#define LORA_BLOCK(m) ((m) >= LORA_CHAINS ? 1 : LORA_CHAINS / (m))
+
+/* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the rank rows
+ * r0 <= r < r1 of the k rows of A from a (each of in weights), nb rank rows a pass: every weight
+ * loaded once for the m rows, every activation once for the nb rank rows */
+static inline __attribute__((always_inline)) void lora_shrink_block(
+    const float *const *xs, int m, const void *a, int bf16, int64_t in, int64_t k, int64_t r0,
+    int nb, float *t) {
+    const int64_t es = bf16 ? 2 : 4;
+    const char *w[LORA_CHAINS];
+    lora_v acc[LORA_ROWS][LORA_CHAINS];
+    for (int b = 0; b < nb; b++) {
+        w[b] = (const char *)a + (r0 + b) * in * es;
+        for (int j = 0; j < m; j++) acc[j][b] = LV_ZERO();
+    }
+    int64_t i = 0;
+    for (; i + LV <= in; i += LV) {
+        lora_v xv[LORA_ROWS];
+        for (int j = 0; j < m; j++) xv[j] = LV_LOADX(xs[j] + i);
+        for (int b = 0; b < nb; b++) {
+            LORA_PREFETCH(w[b] + i * es);
+            const lora_v wv = LV_LOADW(w[b], bf16, i);
+            for (int j = 0; j < m; j++) acc[j][b] = LV_FMA(xv[j], wv, acc[j][b]);
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int j = 0; j < m; j++) {
+            float sum = LV_SUM(acc[j][b]);
+            for (int64_t e = i; e < in; e++) sum += xs[j][e] * lora_w1(w[b], bf16, e);
+            t[j * k + r0 + b] = sum;
+        }
+}
+
+/* t[j * k + r] = x_j . A[r] for the m rows j and the k rank rows of A from a */
 static inline __attribute__((always_inline)) void lora_shrink(const float *const *xs, int m,
                                                               const void *a, int bf16, int64_t in,
                                                               int64_t k, float *t) {
-    const int64_t es = bf16 ? 2 : 4;
+    const int nb = LORA_BLOCK(m);
+    int64_t r = 0;
+    if (nb > 1)
+        for (; r + nb <= k; r += nb) lora_shrink_block(xs, m, a, bf16, in, k, r, nb, t);
+    for (; r < k; r++) lora_shrink_block(xs, m, a, bf16, in, k, r, 1, t);
+}
+
+/* ys[j][o] += (B t_j)[o] for the outputs of nb tiles from tile tj on, of one slice (its first
+ * output first, its k ranks, its tiles from tiles), clipped to lo <= o < hi: each tile row loaded
+ * once for the m rows */
+static inline __attribute__((always_inline)) void lora_expand_block(
+    const float *t, int m, int64_t k, const char *tiles, int bf16, int64_t first_out, int64_t lo,
+    int64_t hi, int64_t tj, int nb, float *const *ys) {
+    const int64_t es = bf16 ? 2 : 4, tile_bytes = k * LORA_TILE * es;
+    lora_v acc[LORA_ROWS][LORA_CHAINS][LORA_TV];
+    for (int j = 0; j < m; j++)
+        for (int b = 0; b < nb; b++)
+            for (int v = 0; v < LORA_TV; v++) acc[j][b][v] = LV_ZERO();
     for (int64_t r = 0; r < k; r++) {
-        const char *w = (const char *)a + r * in * es;
-        lora_v acc[LORA_ROWS];
-        for (int j = 0; j < m; j++) acc[j] = LV_ZERO();
-        int64_t i = 0;
-        for (; i + LV <= in; i += LV) {
-            LORA_PREFETCH(w + i * es);
-            const lora_v wv = LV_LOADW(w, bf16, i);
-            for (int j = 0; j < m; j++) acc[j] = LV_FMA(LV_LOADX(xs[j] + i), wv, acc[j]);
+        lora_v tv[LORA_ROWS];
+        for (int j = 0; j < m; j++) tv[j] = LV_SET1(t[j * k + r]);
+        for (int b = 0; b < nb; b++) {
+            const char *tile = tiles + (tj + b) * tile_bytes;
+            for (int v = 0; v < LORA_TV; v++) {
+                LORA_PREFETCH(tile + (r * LORA_TILE + v * LV) * es);
+                const lora_v wv = LV_LOADW(tile, bf16, r * LORA_TILE + v * LV);
+                for (int j = 0; j < m; j++) acc[j][b][v] = LV_FMA(tv[j], wv, acc[j][b][v]);
+            }
         }
+    }
+    for (int b = 0; b < nb; b++) {
+        const int64_t o = first_out + (tj + b) * LORA_TILE;
+        const int64_t c0 = lo > o ? lo - o : 0, c1 = hi - o < LORA_TILE ? hi - o : LORA_TILE;
         for (int j = 0; j < m; j++) {
-            float sum = LV_SUM(acc[j]);
-            for (int64_t e = i; e < in; e++) sum += xs[j][e] * lora_w1(w, bf16, e);
-            t[j * k + r] = sum;
+            if (c0 == 0 && c1 == LORA_TILE) {
+                for (int v = 0; v < LORA_TV; v++) LV_ADDTO(ys[j] + o + v * LV, acc[j][b][v]);
+                continue;
+            }
+            float sum[LORA_TILE];
+            for (int v = 0; v < LORA_TV; v++) LV_STORE(sum + v * LV, acc[j][b][v]);
+            for (int64_t c = c0; c < c1; c++) ys[j][o + c] += sum[c];
         }
     }
 }
 
 /* ys[j][o] += (B t_j)[o] for the outputs lo <= o < hi of one slice (its first output first, its
- * k ranks, its tiles from tiles): each tile row loaded once for the m rows */
+ * k ranks, its tiles from tiles) */
 static inline __attribute__((always_inline)) void lora_expand(const float *t, int m, int64_t k,
                                                               const char *tiles, int bf16,
                                                               int64_t first_out, int64_t lo,
                                                               int64_t hi, float *const *ys) {
-    const int64_t tile_bytes = k * LORA_TILE * (bf16 ? 2 : 4);
-    for (int64_t tj = (lo - first_out) / LORA_TILE; first_out + tj * LORA_TILE < hi; tj++) {
-        const char *tile = tiles + tj * tile_bytes;
-        lora_v acc[LORA_ROWS][LORA_TV];
-        for (int j = 0; j < m; j++)
-            for (int v = 0; v < LORA_TV; v++) acc[j][v] = LV_ZERO();
-        for (int64_t r = 0; r < k; r++)
-            for (int v = 0; v < LORA_TV; v++) {
-                LORA_PREFETCH(tile + (r * LORA_TILE + v * LV) * (bf16 ? 2 : 4));
-                const lora_v wv = LV_LOADW(tile, bf16, r * LORA_TILE + v * LV);
-                for (int j = 0; j < m; j++) acc[j][v] = LV_FMA(LV_SET1(t[j * k + r]), wv, acc[j][v]);
-            }
-        const int64_t o = first_out + tj * LORA_TILE;
-        const int64_t c0 = lo > o ? lo - o : 0, c1 = hi - o < LORA_TILE ? hi - o : LORA_TILE;
-        for (int j = 0; j < m; j++) {
-            if (c0 == 0 && c1 == LORA_TILE) {
-                for (int v = 0; v < LORA_TV; v++) LV_ADDTO(ys[j] + o + v * LV, acc[j][v]);
-                continue;
-            }
-            float sum[LORA_TILE];
-            for (int v = 0; v < LORA_TV; v++) LV_STORE(sum + v * LV, acc[j][v]);
-            for (int64_t c = c0; c < c1; c++) ys[j][o + c] += sum[c];
-        }
-    }
+    const int nb = LORA_BLOCK(m * LORA_TV);
+    int64_t tj = (lo - first_out) / LORA_TILE;
+    const int64_t end = (hi - first_out + LORA_TILE - 1) / LORA_TILE; /* past the last tile */
+    if (nb > 1)
+        for (; tj + nb <= end; tj += nb)
+            lora_expand_block(t, m, k, tiles, bf16, first_out, lo, hi, tj, nb, ys);
+    for (; tj < end; tj++) lora_expand_block(t, m, k, tiles, bf16, first_out, lo, hi, tj, 1, ys);
 }
 
 /* ys[j][o] += (B (A xs[j]))[o] for the outputs o0 <= o < o1 of p (each y indexed by output), for
