@@ -107,16 +107,16 @@ typedef float lora_v;
 #define LORA_BLOCK(m) ((m) >= LORA_CHAINS ? 1 : LORA_CHAINS / (m))
 
 /* t[j * k + r] = x_j . A[r] for the m rows j (their float32 activations xs[j]) and the rank rows
- * r0 <= r < r1 of the k rows of A from a (each of in weights), nb rank rows a pass: every weight
+ * r0 <= r < r0 + nb of the k rows of A from a (in weights each, rows ld apart), nb a pass: every weight
  * loaded once for the m rows, every activation once for the nb rank rows */
 static inline __attribute__((always_inline)) void lora_shrink_block(
-    const float *const *xs, int m, const void *a, int bf16, int64_t in, int64_t k, int64_t r0,
-    int nb, float *t) {
+    const float *const *xs, int m, const void *a, int bf16, int64_t ld, int64_t in, int64_t k,
+    int64_t r0, int nb, float *t) {
     const int64_t es = bf16 ? 2 : 4;
     const char *w[LORA_CHAINS];
     lora_v acc[LORA_ROWS][LORA_CHAINS];
     for (int b = 0; b < nb; b++) {
-        w[b] = (const char *)a + (r0 + b) * in * es;
+        w[b] = (const char *)a + (r0 + b) * ld * es;
         for (int j = 0; j < m; j++) acc[j][b] = LV_ZERO();
     }
     int64_t i = 0;
@@ -137,15 +137,25 @@ static inline __attribute__((always_inline)) void lora_shrink_block(
         }
 }
 
+/* t[j * k + r] = x_j . A[r] for the m rows j and the k rank rows of A from a (in weights each,
+ * rows ld apart: a share of A's columns when in < ld) */
+static inline __attribute__((always_inline)) void lora_shrink_strided(const float *const *xs,
+                                                                      int m, const void *a,
+                                                                      int bf16, int64_t ld,
+                                                                      int64_t in, int64_t k,
+                                                                      float *t) {
+    const int nb = LORA_BLOCK(m);
+    int64_t r = 0;
+    if (nb > 1)
+        for (; r + nb <= k; r += nb) lora_shrink_block(xs, m, a, bf16, ld, in, k, r, nb, t);
+    for (; r < k; r++) lora_shrink_block(xs, m, a, bf16, ld, in, k, r, 1, t);
+}
+
 /* t[j * k + r] = x_j . A[r] for the m rows j and the k rank rows of A from a */
 static inline __attribute__((always_inline)) void lora_shrink(const float *const *xs, int m,
                                                               const void *a, int bf16, int64_t in,
                                                               int64_t k, float *t) {
-    const int nb = LORA_BLOCK(m);
-    int64_t r = 0;
-    if (nb > 1)
-        for (; r + nb <= k; r += nb) lora_shrink_block(xs, m, a, bf16, in, k, r, nb, t);
-    for (; r < k; r++) lora_shrink_block(xs, m, a, bf16, in, k, r, 1, t);
+    lora_shrink_strided(xs, m, a, bf16, in, in, k, t);
 }
 
 /* ys[j][o] += (B t_j)[o] for the outputs of nb tiles from tile tj on, of one slice (its first
@@ -218,6 +228,48 @@ static inline __attribute__((always_inline)) void lora_add_rows_m(
         if (lo >= hi) continue;
         lora_shrink(xs, m, (const char *)p->a + sl[2] * p->in * es, bf16, p->in, k, t);
         lora_expand(t, m, k, slice_tiles, bf16, sl[0], lo, hi, ys);
+    }
+}
+
+/* ys[j][o] += (B t_j)[o] for the outputs o0 <= o < o1 of p, t_j (t + j * ld) the whole shrink
+ * of row j (its p->rank sums, worked out beforehand); ts: m * max_rank floats of scratch */
+static inline __attribute__((always_inline)) void lora_expand_rows_m(
+    const lora_proj *p, int bf16, const float *t, int64_t ld, float *const *ys, int m, int64_t o0,
+    int64_t o1, float *ts) {
+    const int64_t es = bf16 ? 2 : 4;
+    const char *tiles = (const char *)p->b_tiles;
+    for (int64_t s = 0; s < p->n_slices; s++) {
+        const int32_t *sl = p->slices + 4 * s;
+        const int64_t k = sl[3] - sl[2];
+        const char *slice_tiles = tiles;
+        tiles += (sl[1] - sl[0] + LORA_TILE - 1) / LORA_TILE * k * LORA_TILE * es;
+        const int64_t lo = o0 > sl[0] ? o0 : sl[0], hi = o1 < sl[1] ? o1 : sl[1];
+        if (lo >= hi) continue;
+        for (int j = 0; j < m; j++)
+            for (int64_t r = 0; r < k; r++) ts[j * k + r] = t[j * ld + sl[2] + r];
+        lora_expand(ts, m, k, slice_tiles, bf16, sl[0], lo, hi, ys);
+    }
+}
+
+static inline void lora_expand_rows(const lora_proj *p, int bf16, const float *t, int64_t ld,
+                                    float *const *ys, int m, int64_t o0, int64_t o1, float *ts) {
+    switch (m) {
+    case 1: lora_expand_rows_m(p, bf16, t, ld, ys, 1, o0, o1, ts); break;
+    case 2: lora_expand_rows_m(p, bf16, t, ld, ys, 2, o0, o1, ts); break;
+    case 3: lora_expand_rows_m(p, bf16, t, ld, ys, 3, o0, o1, ts); break;
+    default: lora_expand_rows_m(p, bf16, t, ld, ys, 4, o0, o1, ts); break;
+    }
+}
+
+/* t[j * k + r] for the m rows' share of A's columns c0 <= c < c1 (p->rank sums each) */
+static inline void lora_shrink_cols(const lora_proj *p, int bf16, const float *const *xs, int m,
+                                    int64_t c0, int64_t c1, float *t) {
+    const char *a = (const char *)p->a + c0 * (bf16 ? 2 : 4);
+    switch (m) {
+    case 1: lora_shrink_strided(xs, 1, a, bf16, p->in, c1 - c0, p->rank, t); break;
+    case 2: lora_shrink_strided(xs, 2, a, bf16, p->in, c1 - c0, p->rank, t); break;
+    case 3: lora_shrink_strided(xs, 3, a, bf16, p->in, c1 - c0, p->rank, t); break;
+    default: lora_shrink_strided(xs, 4, a, bf16, p->in, c1 - c0, p->rank, t); break;
     }
 }
 
