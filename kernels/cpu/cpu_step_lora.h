@@ -8,7 +8,10 @@
  * contiguous run and sums 16 outputs per load; float32 or bfloat16, float32 sums.
  *
  * A thread expands the outputs of its own share of the projection (the rows its gemv wrote), so
- * no barrier is added: it shrinks the rank blocks of the slices its share meets, itself. */
+ * no barrier is added. The shrinks of down and of the next layer's gate/up and q/k/v are split
+ * over the team by input (cpu_decode_step.c, lora_shrink_share: each thread over the share of
+ * the input it wrote, summed after the barrier the step has anyway); o_proj's and the first
+ * layer's q/k/v's are done whole by each thread for the rank blocks its share meets. */
 #ifndef ASYNCENGINE_CPU_STEP_LORA_H
 #define ASYNCENGINE_CPU_STEP_LORA_H
 
@@ -86,11 +89,13 @@ typedef float lora_v;
 #endif
 #define LORA_ROWS 4 /* rows of one adapter that one pass over its weights serves */
 /* how far ahead of the weights being multiplied the passes ask for theirs (a table holds an
- * adapter's weights in the order they are read: past a matrix's end lies the next one), as the
- * base products do (Q_PREFETCH_BYTES): after each projection's product the LoRA weights come
- * cold, in short runs the hardware prefetcher alone ramps up on too late */
+ * adapter's weights in the order they are read: past a matrix's end lies the next one): after
+ * each projection's product the LoRA weights come cold, in short runs the hardware prefetcher
+ * alone ramps up on too late. Farther than the base products (Q_PREFETCH_BYTES): a bfloat16
+ * weight takes less work than a quantized one, so more lines must be on their way at once
+ * (1 KiB ahead left the passes waiting on their prefetches; 2-8 KiB measured alike) */
 #ifndef LORA_PREFETCH_BYTES
-#define LORA_PREFETCH_BYTES 1024
+#define LORA_PREFETCH_BYTES 4096
 #endif
 #if (defined(LORA_AVX512) || defined(LORA_AVX2)) && LORA_PREFETCH_BYTES > 0
 #define LORA_PREFETCH(p) _mm_prefetch((const char *)(p) + LORA_PREFETCH_BYTES, _MM_HINT_T0)
