@@ -424,7 +424,7 @@ static inline void prefetch_gate_up_share(const qlinear *lin, int64_t inter) {
 
 /* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1
  * (this thread's share of the pairs; no barrier); delta [n, 2 inter] (NULL: none) is added to
- * gate and up before the product (the LoRA updates of this thread's share, lora_gate_up_share) */
+ * gate and up before the product (the LoRA updates of this thread's share, lora_expand_share) */
 static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h,
                          const float *delta) {
     int64_t t_first, t_last;
@@ -636,31 +636,88 @@ static void lora_gemv_share(const model_desc *m, int64_t l, int which, const qli
     }
 }
 
-/* LoRA of gate/up: delta [n, 2 inter] = the updates of this thread's share of gate_up_silu's
- * pairs (gate j and up j), 0 for rows of no adapter (gate_up_silu adds them before the silu) */
-static void lora_gate_up_share(const model_desc *m, int64_t l, int64_t inter, const float *x,
-                               int64_t ldx, int64_t n, float *delta, float *t) {
-    int64_t t0, t1;
-    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
-    const int64_t j0 = t0 * PAIR_TILE, j1 = t1 * PAIR_TILE < inter ? t1 * PAIR_TILE : inter;
-    if (j0 >= j1) return;
-    for (int64_t i = 0; i < n; i++) {
-        memset(delta + i * 2 * inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
-        memset(delta + i * 2 * inter + inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
-    }
-    for (int64_t g = 0, count; g < m->lora->n_order; g += count) {
-        count = lora_group(m->lora, g);
-        const lora_proj *p = lora_of(m->lora, l, LORA_GATE_UP, m->lora->order[g]);
+/* LoRA shrinks split over the team by input: the input of down (mlp) and of the next gate/up
+ * or q/k/v (the normed residual) is written in shares, each thread's before the barrier the step
+ * has anyway; each thread shrinks over the inputs of its own share (A's columns c0 <= c < c1),
+ * and after the barrier every thread sums the team's parts, so no thread reads all of A (o_proj,
+ * whose input attention writes in claimed items, and the first layer's q/k/v shrink whole).
+ * part[g * max_rank + r]: adapter row order[g]'s sum of rank r over the share (0 where none);
+ * w: the next RMS norm's weights (the residual's share times them; the sum takes the 1 / rms
+ * after the barrier) or NULL; xw: LORA_ROWS * (c1 - c0) floats of scratch, t: the thread's. */
+static void lora_shrink_share(const model_desc *m, int64_t l, int which, const float *x,
+                              int64_t ldx, const float *w, int64_t c0, int64_t c1, float *part,
+                              float *xw, float *t) {
+    const lora_desc *lora = m->lora;
+    memset(part, 0, (size_t)(lora->n_order * lora->max_rank) * sizeof(float));
+    for (int64_t g = 0, count; c0 < c1 && g < lora->n_order; g += count) {
+        count = lora_group(lora, g);
+        const lora_proj *p = lora_of(lora, l, which, lora->order[g]);
         if (!p) continue;
         const float *xs[LORA_ROWS];
-        float *ds[LORA_ROWS];
         for (int64_t j = 0; j < count; j++) {
-            xs[j] = x + m->lora->order[g + j] * ldx;
-            ds[j] = delta + m->lora->order[g + j] * 2 * inter;
+            const float *row = x + lora->order[g + j] * ldx + c0;
+            if (!w) {
+                xs[j] = row;
+                continue;
+            }
+            float *scaled = xw + j * (c1 - c0);
+            for (int64_t c = 0; c < c1 - c0; c++) scaled[c] = row[c] * w[c0 + c];
+            xs[j] = scaled;
         }
-        lora_add_rows(p, m->lora->w_bf16, xs, ds, (int)count, j0, j1, t);
-        lora_add_rows(p, m->lora->w_bf16, xs, ds, (int)count, inter + j0, inter + j1, t);
+        lora_shrink_cols(p, lora->w_bf16, xs, (int)count, c0, c1, t);
+        for (int64_t j = 0; j < count; j++)
+            memcpy(part + (g + j) * lora->max_rank, t + j * p->rank,
+                   (size_t)p->rank * sizeof(float));
     }
+}
+
+/* the outputs o0 <= o < o1 of target `which` in layer l, y[i, o] += B t_i for each adapter row
+ * i, t_i the sum of the team's parts (parts + k * part_stride, lora_shrink_share) times 1 / rms
+ * of norm_of's row i (the residual the input was normed from: eps) or 1 (norm_of NULL);
+ * t: the thread's scratch (2 * LORA_ROWS * max_rank floats) */
+static void lora_expand_share(const model_desc *m, int64_t l, int which, const float *parts,
+                              int64_t part_stride, int team, const float *norm_of, int64_t h,
+                              float eps, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                              int64_t shift, float *t) {
+    const lora_desc *lora = m->lora;
+    const int64_t R = lora->max_rank;
+    float *sums = t + LORA_ROWS * R;
+    for (int64_t g = 0, count; o0 < o1 && g < lora->n_order; g += count) {
+        count = lora_group(lora, g);
+        const lora_proj *p = lora_of(lora, l, which, lora->order[g]);
+        if (!p) continue;
+        float *ys[LORA_ROWS];
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t i = lora->order[g + j];
+            ys[j] = y + i * ldy + shift;
+            const float scale =
+                norm_of ? 1.0f / sqrtf(sum_squares(norm_of + i * h, h) / (float)h + eps) : 1.0f;
+            for (int64_t r = 0; r < p->rank; r++) {
+                float sum = 0.0f;
+                for (int k = 0; k < team; k++) sum += parts[k * part_stride + (g + j) * R + r];
+                sums[j * R + r] = sum * scale;
+            }
+        }
+        lora_expand_rows(p, lora->w_bf16, sums, R, ys, (int)count, o0, o1, t);
+    }
+}
+
+/* this thread's share of the outputs of gemv(lin, rows): o0 <= o < o1 */
+static inline void gemv_share_outputs(const qlinear *lin, int64_t rows, int64_t *o0, int64_t *o1) {
+    int64_t t0, t1;
+    share_bytes(lin, rows, &t0, &t1);
+    *o0 = t0 * ROW_TILE;
+    *o1 = t1 * ROW_TILE < rows ? t1 * ROW_TILE : rows;
+    if (*o0 > *o1) *o0 = *o1;
+}
+
+/* this thread's share of gate_up_silu's pairs: j0 <= j < j1 */
+static inline void gate_up_share_pairs(int64_t inter, int64_t *j0, int64_t *j1) {
+    int64_t t0, t1;
+    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
+    *j0 = t0 * PAIR_TILE;
+    *j1 = t1 * PAIR_TILE < inter ? t1 * PAIR_TILE : inter;
+    if (*j0 > *j1) *j0 = *j1;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -694,9 +751,13 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     const lora_desc *lora = m->lora;
     /* LoRA: gate/up updates [n, 2 inter]; each thread's rank scratch */
     float *lora_gu = lora ? (float *)malloc((size_t)(n * 2 * inter) * sizeof(float)) : NULL;
-    const int64_t lora_scratch = lora ? LORA_ROWS * lora->max_rank + 1 : 0;
+    const int64_t lora_scratch = lora ? 2 * LORA_ROWS * lora->max_rank + 1 : 0;
+    /* the shrinks' parts (lora_shrink_share): q/k/v's and gate/up's, then down's, per thread */
+    const int64_t part_stride = lora ? lora->n_order * lora->max_rank : 0;
+    float *lora_parts =
+        lora ? (float *)malloc((size_t)(2 * threads * part_stride + 1) * sizeof(float)) : NULL;
     int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
-                 (may_split && (!parts || !done_ranges)) || (lora && !lora_gu);
+                 (may_split && (!parts || !done_ranges)) || (lora && (!lora_gu || !lora_parts));
     if (failed) goto done;
     sort_rows(order, n, seq_lens);
     for (int64_t l = 0; l < m->num_layers; l++) atomic_init(&claimed[l], 0);
@@ -718,7 +779,10 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)),
                      (float *)malloc((size_t)(n * widest / QK) * sizeof(float)), NULL, 0};
         float *lora_t = lora ? (float *)malloc((size_t)lora_scratch * sizeof(float)) : NULL;
-        if (!(x && a.q && a.d && a.sd) || (lora && !lora_t)) {
+        float *lora_xw =
+            lora ? (float *)malloc((size_t)(LORA_ROWS * (inter > H ? inter : H)) * sizeof(float))
+                 : NULL;
+        if (!(x && a.q && a.d && a.sd) || (lora && !(lora_t && lora_xw))) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -731,6 +795,10 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         int my_sense = 0;
         const attn_items items =
             plan_items(order, n, kv_heads, group, phase_barrier.threads, seq_lens);
+        const int team = phase_barrier.threads;
+        float *const norm_parts = lora_parts, *const down_parts = lora_parts + team * part_stride;
+        float *const my_norm_part = norm_parts + omp_get_thread_num() * part_stride;
+        float *const my_down_part = down_parts + omp_get_thread_num() * part_stride;
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
@@ -738,8 +806,14 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
                 gemv(&L->qkv, qkv_size, &a, n, qkv, qkv_size, 0);
-                if (lora)
+                if (lora && l == 0)
                     lora_gemv_share(m, l, LORA_QKV, &L->qkv, qkv_size, x, H, qkv, qkv_size, lora_t);
+                if (lora && l > 0) { /* the parts the last layer's down phase left */
+                    int64_t o0, o1;
+                    gemv_share_outputs(&L->qkv, qkv_size, &o0, &o1);
+                    lora_expand_share(m, l, LORA_QKV, norm_parts, part_stride, team, residual, H,
+                                      m->eps, qkv, qkv_size, o0, o1, 0, lora_t);
+                }
                 prefetch_gemv_share(&L->o_proj, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -807,23 +881,55 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
 
                 quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
                 gemv(&L->o_proj, H, &a, n, residual, H, 1);
-                if (lora)
+                if (lora) {
                     lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, residual, H, lora_t);
+                    int64_t o0, o1; /* this thread's share of the residual is final: gate/up's */
+                    gemv_share_outputs(&L->o_proj, H, &o0, &o1);
+                    lora_shrink_share(m, l, LORA_GATE_UP, residual, H, L->post_norm, o0, o1,
+                                      my_norm_part, lora_xw, lora_t);
+                }
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->gate_up));
-                if (lora) lora_gate_up_share(m, l, inter, x, H, n, lora_gu, lora_t);
+                if (lora) {
+                    int64_t j0, j1;
+                    gate_up_share_pairs(inter, &j0, &j1);
+                    for (int64_t i = 0; i < n && j0 < j1; i++) {
+                        memset(lora_gu + i * 2 * inter + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+                        memset(lora_gu + i * 2 * inter + inter + j0, 0,
+                               (size_t)(j1 - j0) * sizeof(float));
+                    }
+                    lora_expand_share(m, l, LORA_GATE_UP, norm_parts, part_stride, team, residual,
+                                      H, m->eps, lora_gu, 2 * inter, j0, j1, 0, lora_t);
+                    lora_expand_share(m, l, LORA_GATE_UP, norm_parts, part_stride, team, residual,
+                                      H, m->eps, lora_gu, 2 * inter, inter + j0, inter + j1, 0,
+                                      lora_t);
+                }
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL);
+                if (lora) { /* this thread's pairs of mlp are final: down's shrink over them */
+                    int64_t j0, j1;
+                    gate_up_share_pairs(inter, &j0, &j1);
+                    lora_shrink_share(m, l, LORA_DOWN, mlp, inter, NULL, j0, j1, my_down_part,
+                                      lora_xw, lora_t);
+                }
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
-                if (lora)
-                    lora_gemv_share(m, l, LORA_DOWN, &L->down, H, mlp, inter, residual, H, lora_t);
+                if (lora) {
+                    int64_t o0, o1;
+                    gemv_share_outputs(&L->down, H, &o0, &o1);
+                    lora_expand_share(m, l, LORA_DOWN, down_parts, part_stride, team, NULL, H,
+                                      m->eps, residual, H, o0, o1, 0, lora_t);
+                    if (l + 1 < m->num_layers) /* the next q/k/v's, over this share */
+                        lora_shrink_share(m, l + 1, LORA_QKV, residual, H,
+                                          m->layers[l + 1].input_norm, o0, o1, my_norm_part,
+                                          lora_xw, lora_t);
+                }
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);
             }
@@ -836,6 +942,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         free(a.d);
         free(a.sd);
         free(lora_t);
+        free(lora_xw);
     }
 done:
     free(parts);
@@ -847,6 +954,7 @@ done:
     free(order);
     free((void *)claimed);
     free(lora_gu);
+    free(lora_parts);
     return failed ? -1 : 0;
 }
 
