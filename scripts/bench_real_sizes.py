@@ -635,31 +635,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
     )
     started = time.time()
+    bench = bench_startup if args.startup_only else bench_one
     entries = []
-    if args.startup_only:
-        for name in args.models:
-            paths = models.make(name, args.formats)
-            for fmt in args.formats:
-                entries.append(
-                    bench_startup(
-                        name,
-                        fmt,
-                        paths[fmt],
-                        plan,
-                        systems,
-                        args.threads,
-                        args.engine_arg,
-                        tuple(args.llamacpp_arg),
-                    )  # fmt: skip
-                )
-        result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}
-        result.update(entries=entries, threads=args.threads or os.cpu_count())
-        return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, startup_table)
     for name in args.models:
         paths = models.make(name, args.formats)
         for fmt in args.formats:
             entries.append(
-                bench_one(
+                bench(
                     name,
                     fmt,
                     paths[fmt],
@@ -670,6 +652,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     tuple(args.llamacpp_arg),
                 )  # fmt: skip
             )
+    if args.startup_only:
+        result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}
+        result.update(entries=entries, threads=args.threads or os.cpu_count())
+        return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, startup_table)
     bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     result: dict[str, Any] = {
         "mode": "real_sizes",
