@@ -119,6 +119,11 @@ class AdapterTable:
         return ctypes.addressof(self.projs)
 
 
+def _data(array: np.ndarray) -> int:
+    """array's data address (``array.ctypes.data`` builds a ctypes view first, ~2 us)."""
+    return int(array.__array_interface__["data"][0])
+
+
 def _plain_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -131,21 +136,22 @@ class StepLora:
             raise ValueError("the adapters of one step must share one dtype")
         if row_adapter.dtype != np.int32 or row_adapter.ndim != 1:
             raise ValueError("row_adapter must be a 1-d int32 array")
-        if row_adapter.size and not -1 <= int(row_adapter.min()) <= int(row_adapter.max()) < len(
-            tables
-        ):
+        # a decode step builds one per step: plain Python over the rows (a few), no numpy
+        # reductions or ctypes views, ~4x cheaper than them at one row
+        values = row_adapter.tolist()
+        if values and not -1 <= min(values) <= max(values) < len(tables):
             raise ValueError("row_adapter indexes past the step's adapters")
         self.tables = tuple(tables)
         self.rows = np.ascontiguousarray(row_adapter)
-        # the adapter rows grouped by adapter: the kernels run a group's rows together
-        by_adapter = np.argsort(self.rows, kind="stable").astype(np.int32)
-        self.order = np.ascontiguousarray(by_adapter[self.rows[by_adapter] >= 0])
+        # the adapter rows grouped by adapter (stable): the kernels run a group's rows together
+        by_adapter = sorted(range(len(values)), key=values.__getitem__)
+        self.order = np.array([i for i in by_adapter if values[i] >= 0], dtype=np.int32)
         self._pointers = (_PTR * max(len(tables), 1))(*(t.address for t in tables))
         self.desc = LoraDesc(
             adapters=ctypes.addressof(self._pointers),
-            row_adapter=self.rows.ctypes.data,
-            order=self.order.ctypes.data,
-            n_order=int(self.order.shape[0]),
+            row_adapter=_data(self.rows),
+            order=_data(self.order),
+            n_order=len(self.order),
             max_rank=max((t.max_rank for t in tables), default=0),
             w_bf16=int(bool(tables) and tables[0].dtype == torch.bfloat16),
         )
