@@ -27,6 +27,7 @@
 #include "cpu_simd.h"
 #include "cpu_split_k.h"
 #include "cpu_stream_attention.h"
+#include "cpu_stream_i8_dots.h"
 
 #define ATTN_BLOCK 32    /* keys per online-softmax block */
 #define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
@@ -255,6 +256,12 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
     const kv_t *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
     for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, lsum[h] = _mm512_setzero_ps();
+#ifdef STREAM_I8_DOTS
+    uint8_t qu[ATTN_MAX_HEADS * ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float qs[ATTN_MAX_HEADS];
+    const int i8_dots = stream_i8_dots(d) && end > begin;
+    if (i8_dots) quantize_query_i8(q, heads, d, qu, qs);
+#endif
     int cur = 0;
     int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
                                      kv_heads, d, k_new, v_new, k_rows[0], v_rows[0])
@@ -282,6 +289,13 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
                         __builtin_prefetch(k_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
                         __builtin_prefetch(v_rows[!cur][i] + c * KV_ROW(d) + b, 0, 3);
                     }
+#ifdef STREAM_I8_DOTS
+                if (i8_dots) {
+                    stream_block_i8(qu + c * gc * d, qs + c * gc, gc, d, kc + h, vc + h, m, scale,
+                                    acc + c * gc * d, mx + c * gc, lsum + c * gc);
+                    continue;
+                }
+#endif
                 stream_block(q + c * gc * d, gc, d, kc + h, vc + h, m, scale, acc + c * gc * d,
                              mx + c * gc, lsum + c * gc);
             }

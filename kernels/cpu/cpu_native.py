@@ -159,6 +159,14 @@ def kv_i8_native() -> bool:
     return True
 
 
+def kv_i8_query_dots(head_dim: int) -> bool:
+    """Whether the int8 decode attention (the fused step's and the paged kernel's streamed path)
+    takes the query rounded to int8 for heads of ``head_dim`` (AVX-512 VNNI builds,
+    cpu_stream_i8_dots.h; kv_int8_ref.quantize_query is its twin)."""
+    lib = load("cpu_decode_attention", _KV_I8_FLAGS)
+    return lib is not None and bool(lib.asyncengine_kv_i8_query_dots()) and head_dim % 64 == 0
+
+
 def kv_f16_native() -> bool:
     """Whether every KV library builds for a float16 pool here and reads it through F16C
     (``asyncengine_kv_element``: 2 bytes + 16 for F16C)."""

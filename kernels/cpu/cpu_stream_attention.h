@@ -27,42 +27,25 @@
 #define STREAM_KEYS 16
 #define STREAM_MAX_GROUP 8
 
-/* The g heads' (G of them, q [G, 16 NV]) state after n <= 16 more keys, rows k[i] / v[i]: acc
- * [G, 16 NV] the unnormalized sum of exp(s - mx) v, mx per head, lsum per head and lane. */
-static inline __attribute__((always_inline)) void stream_keys(const float *q, const int G,
-                                                              const int NV,
-                                                              const kv_t *const *k,
-                                                              const kv_t *const *v, int n,
-                                                              float scale, float *acc, float *mx,
-                                                              __m512 *lsum) {
+/* The g heads' (G of them, head dim 16 NV) state after the block's n <= 16 keys, given their
+ * scaled scores sc[g] (16 lanes, -inf past n) and value rows v[i]: the online softmax's max and
+ * per-lane sums, then acc += exp(s - mx) v (an int8 pool's value scales taken into the weights,
+ * once a key). */
+static inline __attribute__((always_inline)) void stream_values(const int G, const int NV,
+                                                                const __m512 *sc,
+                                                                const kv_t *const *v, int n,
+                                                                float *acc, float *mx,
+                                                                __m512 *lsum) {
     const int64_t d = 16 * NV;
-    __m512 part[STREAM_MAX_GROUP][STREAM_KEYS];
-    for (int i = 0; i < STREAM_KEYS; i++) {
-        if (i >= n) {
-            for (int g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
-            continue;
-        }
-        __m512 kr[16];
-        for (int j = 0; j < NV; j++) kr[j] = KV_LOAD16(k[i] + 16 * j);
-        for (int g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * d), kr[0]);
-            for (int j = 1; j < NV; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * j), kr[j], a);
-            part[g][i] = a;
-        }
-    }
     const __mmask16 valid = n >= STREAM_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    __m512 kscale = _mm512_set1_ps(scale);
 #if KV_IS_I8
-    float ks[STREAM_KEYS] = {0}, vs[STREAM_KEYS] = {0};
-    for (int i = 0; i < n; i++) ks[i] = kv_row_scale(k[i], d), vs[i] = kv_row_scale(v[i], d);
-    kscale = _mm512_mul_ps(_mm512_loadu_ps(ks), kscale);
+    float vs[STREAM_KEYS] = {0};
+    for (int i = 0; i < n; i++) vs[i] = kv_row_scale(v[i], d);
     const __m512 vscale = _mm512_loadu_ps(vs);
 #endif
     float p[STREAM_MAX_GROUP][STREAM_KEYS] __attribute__((aligned(64)));
     for (int g = 0; g < G; g++) {
-        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                             _mm512_mul_ps(reduce16(part[g]), kscale));
-        const float block_max = _mm512_reduce_max_ps(sc);
+        const float block_max = _mm512_reduce_max_ps(sc[g]);
         if (block_max > mx[g]) { /* the max grew: rescale what was summed so far */
             if (mx[g] > -INFINITY) {
                 const float r = expf(mx[g] - block_max);
@@ -74,7 +57,7 @@ static inline __attribute__((always_inline)) void stream_keys(const float *q, co
             }
             mx[g] = block_max;
         }
-        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx[g]))));
+        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx[g]))));
         lsum[g] = _mm512_add_ps(lsum[g], e);
 #if KV_IS_I8
         e = _mm512_mul_ps(e, vscale);
@@ -106,6 +89,43 @@ static inline __attribute__((always_inline)) void stream_keys(const float *q, co
         }
         for (int g = 0; g < G; g++) _mm512_storeu_ps(acc + g * d + 16 * j, a[g]);
     }
+}
+
+/* The g heads' (G of them, q [G, 16 NV]) state after n <= 16 more keys, rows k[i] / v[i]: acc
+ * [G, 16 NV] the unnormalized sum of exp(s - mx) v, mx per head, lsum per head and lane. */
+static inline __attribute__((always_inline)) void stream_keys(const float *q, const int G,
+                                                              const int NV,
+                                                              const kv_t *const *k,
+                                                              const kv_t *const *v, int n,
+                                                              float scale, float *acc, float *mx,
+                                                              __m512 *lsum) {
+    const int64_t d = 16 * NV;
+    __m512 part[STREAM_MAX_GROUP][STREAM_KEYS];
+    for (int i = 0; i < STREAM_KEYS; i++) {
+        if (i >= n) {
+            for (int g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
+            continue;
+        }
+        __m512 kr[16];
+        for (int j = 0; j < NV; j++) kr[j] = KV_LOAD16(k[i] + 16 * j);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * d), kr[0]);
+            for (int j = 1; j < NV; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * j), kr[j], a);
+            part[g][i] = a;
+        }
+    }
+    const __mmask16 valid = n >= STREAM_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    __m512 kscale = _mm512_set1_ps(scale);
+#if KV_IS_I8
+    float ks[STREAM_KEYS] = {0};
+    for (int i = 0; i < n; i++) ks[i] = kv_row_scale(k[i], d);
+    kscale = _mm512_mul_ps(_mm512_loadu_ps(ks), kscale);
+#endif
+    __m512 sc[STREAM_MAX_GROUP];
+    for (int g = 0; g < G; g++)
+        sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                   _mm512_mul_ps(reduce16(part[g]), kscale));
+    stream_values(G, NV, sc, v, n, acc, mx, lsum);
 }
 
 typedef void (*stream_fn)(const float *, const kv_t *const *, const kv_t *const *, int, float,

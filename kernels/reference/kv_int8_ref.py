@@ -72,3 +72,14 @@ def store_kv_int8(
     """int8 caches [S, Hkv, D + 2] get k / v [N, Hkv, D] quantized at rows slot_mapping [N]."""
     k_cache.index_copy_(0, slot_mapping, quantize_kv(k))
     v_cache.index_copy_(0, slot_mapping, quantize_kv(v))
+
+
+def quantize_query(q: torch.Tensor) -> torch.Tensor:
+    """[..., D] float32 queries -> the float32 values the AVX-512 VNNI int8 decode attention
+    computes with (kernels/cpu/cpu_stream_i8_dots.h): each head rounded half-even to int8 at
+    amax / 127 (no bfloat16 rounding of that scale), then scaled back."""
+    q = q.to(torch.float32)
+    scale = q.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    rounded = torch.where(scale > 0, torch.round(q / safe), torch.zeros_like(q)).clamp_(-127, 127)
+    return rounded * scale

@@ -28,6 +28,7 @@ from asyncengine.kernels.reference.kv_int8_ref import (
     SCALE_BYTES,
     dequantize_kv,
     quantize_kv,
+    quantize_query,
     row_scales,
 )
 from asyncengine.kernels.reference.kv_store_ref import store_kv
@@ -54,6 +55,12 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     decode_step_native._library.cache_clear()
     yield request.param
     decode_step_native._library.cache_clear()
+
+
+def query_as_read(q: torch.Tensor) -> torch.Tensor:
+    """The decode attention's queries as this build computes with them: rounded to int8 per
+    head where it takes Q.K in integers (AVX-512 VNNI, cpu_stream_i8_dots.h), else as they are."""
+    return quantize_query(q) if cpu_native.kv_i8_query_dots(q.shape[-1]) else q
 
 
 @pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
@@ -140,7 +147,9 @@ def test_native_decode_reads_an_int8_pool(
     plan = plan_native_decode(kv.block_table, kv.seq_lens, page_size, num_heads, kv.k_cache)
     assert plan is not None
     got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, scale)
-    ref = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale)
+    ref = decode_attention(
+        query_as_read(q), kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale
+    )
     assert got.dtype == F32 and torch.isfinite(got).all(), "read a slot no request owns"
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     for b in range(len(seq_lens)):
@@ -247,7 +256,7 @@ def test_fused_step_attention_reads_an_int8_pool(
     scale = head_dim**-0.5
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale)
     got = decode_step_native.group_attention(q, *args)
-    ref = decode_attention(q, *args)
+    ref = decode_attention(query_as_read(q), *args)
     assert torch.isfinite(got).all(), "read a slot no request owns"
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     for b in range(len(seq_lens)):
