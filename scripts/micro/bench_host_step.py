@@ -37,6 +37,16 @@ hand-off).
     .venv/bin/python scripts/micro/bench_host_step.py --batches 256 --mixed-requests 0 \
         --device-ms 1.6 --overlap                                      # wall vs max(host, device)
 
+``--before DIR`` measures another checkout beside this one (e.g. main's, for a change's
+before/after): each scenario runs there (its own ``.venv`` and script, a subprocess), then
+here, alternately, so that both see the same load; the report adds the two CPU figures per
+step and per running request, before and after. How the host work grows with the batch (a
+steady decode step changes nothing but each request's one token) shows in the per-request
+figure across ``--batches 64,256,1024``:
+
+    .venv/bin/python scripts/micro/bench_host_step.py --batches 64,256,1024 --mixed-requests 0 \
+        --before /work/main
+
 The last line printed is ``host_ms_per_step <ms at decode batch 256>``.
 """
 
@@ -49,7 +59,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -401,6 +413,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="batches 1,256; 256 mixed requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--before", type=Path, default=None,
+        help="another checkout to measure beside this one, scenario by scenario (A/B)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.mixed_requests = "1,256", 256
@@ -414,10 +430,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         scenarios.append(mixed_scenario(args.mixed_requests, args.mixed_batch, args.seed))
     load_start = os.getloadavg()
     # the engine's own runner (uvloop when installed), as `asyncengine serve` runs
-    rows = [
-        run_loop(run_scenario(s, tokenizer, args.logits_width, args.forward_ms, args.overlap))
-        for s in scenarios
-    ]
+    rows: list[Row] = []
+    before: list[dict[str, Any]] = []
+    for scenario in scenarios:
+        if args.before is not None:
+            before.append(run_before(args.before, scenario, args))
+        rows.append(
+            run_loop(
+                run_scenario(scenario, tokenizer, args.logits_width, args.forward_ms, args.overlap)
+            )
+        )
     result: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
@@ -433,6 +455,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["host_ms_per_step_256"] = at_256.host_ms_per_step if at_256 else None
     result["cpu_ms_per_step_256"] = at_256.cpu_ms_per_step if at_256 else None
     print(table(rows))
+    if before:
+        result["before"] = {"checkout": str(args.before), "rows": before}
+        print(before_after(rows, before, args.before))
     print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -448,6 +473,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         print(f"host_ms_per_step {at_256.host_ms_per_step:.3f}")
     return result
+
+
+def run_before(checkout: Path, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
+    """``scenario`` measured by ``checkout``'s own copy of this script, in its own venv: the
+    row it reports (a JSON row of the same fields)."""
+    python = checkout / ".venv" / "bin" / "python"
+    script = checkout / "scripts" / "micro" / "bench_host_step.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        flags = [
+            f"--logits-width={args.logits_width}",
+            f"--device-ms={args.forward_ms}",
+            f"--seed={args.seed}",
+            f"--out={out}",
+            *(["--overlap"] if args.overlap else []),
+            *(["--tokenizer", str(args.tokenizer)] if args.tokenizer else []),
+        ]
+        if scenario.decode_only:
+            flags += [f"--batches={scenario.batch}", "--mixed-requests=0"]
+            flags += [f"--output-len={scenario.output_lens[0]}"]
+        else:
+            flags += ["--batches=", f"--mixed-requests={len(scenario.prompt_lens)}"]
+            flags += [f"--mixed-batch={scenario.batch}"]
+        subprocess.run(
+            [str(python), str(script), *flags],
+            cwd=checkout,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        rows: list[dict[str, Any]] = json.loads(out.read_text())["rows"]
+    (row,) = rows
+    return row
+
+
+def before_after(rows: list[Row], before: list[dict[str, Any]], checkout: Path) -> str:
+    """Host CPU ms per step and microseconds per running request, here against ``checkout``."""
+    lines = [
+        f"before: {checkout}; after: this checkout (CPU ms per step, median; us per request)",
+        f"{'scenario':<20}{'before ms':>10}{'after ms':>10}{'after/before':>13}"
+        f"{'before us/req':>14}{'after us/req':>13}",
+    ]
+    for after, old in zip(rows, before, strict=True):
+        requests = max(after.mean_decodes, 1.0)
+        old_ms = float(old["cpu_ms_per_step"])
+        lines.append(
+            f"{after.scenario:<20}{old_ms:>10.3f}{after.cpu_ms_per_step:>10.3f}"
+            f"{after.cpu_ms_per_step / old_ms:>13.2f}{old_ms / requests * 1e3:>14.2f}"
+            f"{after.cpu_ms_per_step / requests * 1e3:>13.2f}"
+        )
+    return "\n".join(lines)
 
 
 def _row_dict(row: Row) -> dict[str, Any]:

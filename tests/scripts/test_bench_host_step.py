@@ -91,3 +91,24 @@ def test_the_stand_in_fills_in_deferred_inputs(bench: ModuleType) -> None:
     ahead.sampling, ahead.deferred = sampling, [0, 1]
     batch = executor._prepare(ahead)
     assert batch.input_ids.tolist() == sampled
+
+
+def test_before_measures_another_checkout_scenario_by_scenario(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkout = Path(__file__).resolve().parents[2]  # this checkout as its own "before"
+    out = tmp_path / "host.json"
+    bench.main(["--batches", "4", "--output-len", "8", "--mixed-requests", "0",
+                "--before", str(checkout), "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    (before,) = report["before"]["rows"]
+    (after,) = report["rows"]
+    assert before["scenario"] == after["scenario"] == "decode B=4"
+    assert before["mean_decodes"] == after["mean_decodes"] == 4
+    assert before["cpu_ms_per_step"] > 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("before: "))
+    row = lines[at + 2].split()  # the header, then the scenario's row
+    assert row[:2] == ["decode", "B=4"]
+    assert float(row[2]) == pytest.approx(before["cpu_ms_per_step"], abs=1e-3)
+    assert float(row[3]) == pytest.approx(after["cpu_ms_per_step"], abs=1e-3)
