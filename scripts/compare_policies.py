@@ -201,7 +201,8 @@ def closed_loop_report(
         f"closed loop: {len(conversations)} conversations, {args.closed_loop} turns in flight, "
         f"think time {args.think_time:g} s; each turn is the previous prompt + the engine's own "
         f"answer + the next message. Working set (every conversation's last prompt and answer): "
-        f"{working_set} tokens, {ratios}.\n\n"
+        f"{working_set} tokens, {ratios}. The hit bounds share prompts only: the engine also "
+        "caches its answers, which the next turn sends back, so a run can pass them.\n\n"
         f"greedy outputs across the {len(loops)} run(s): {agree}"
     )
     return note, not agree.startswith("identical"), loops[0]["prompts"]
