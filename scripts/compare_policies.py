@@ -52,6 +52,7 @@ from asyncengine.bench.eviction_table import EvictionRow, eviction_table
 from asyncengine.bench.groups import SLO
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.bench.optimal_hit_finite import optimal_hit_finite
+from asyncengine.bench.percentiles import percentiles
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import (
     RunReport,
@@ -197,13 +198,24 @@ def closed_loop_report(
     for loop, (_, _, extra) in zip(loops, results, strict=True):
         extra["outputs"] = loop["outputs"]
     agree = outputs_agree([loop["outputs"] for loop in loops])
+    later = {t.rid for c in conversations for t in c.turns[1:]}
+    ttfts = []
+    for job, (records, summary, _) in zip(jobs, results, strict=True):
+        resumed = [
+            r.token_times[0] - r.arrival_time
+            for r in records
+            if r.completed and r.token_times and r.rid in later
+        ]
+        p50 = percentiles(resumed, [50])[0] if resumed else float("nan")
+        ttfts.append(f"{job.label}: {summary.ttft.p50 * 1e3:.0f} ms ({p50 * 1e3:.0f} ms)")
     note = (
         f"closed loop: {len(conversations)} conversations, {args.closed_loop} turns in flight, "
         f"think time {args.think_time:g} s; each turn is the previous prompt + the engine's own "
         f"answer + the next message. Working set (every conversation's last prompt and answer): "
         f"{working_set} tokens, {ratios}. The hit bounds share prompts only: the engine also "
         "caches its answers, which the next turn sends back, so a run can pass them.\n\n"
-        f"greedy outputs across the {len(loops)} run(s): {agree}"
+        f"greedy outputs across the {len(loops)} run(s): {agree}\n\n"
+        f"TTFT p50, all turns (later turns): {'; '.join(ttfts)}"
     )
     return note, not agree.startswith("identical"), loops[0]["prompts"]
 
