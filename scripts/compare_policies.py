@@ -52,6 +52,7 @@ from asyncengine.bench.eviction_table import EvictionRow, eviction_table
 from asyncengine.bench.groups import SLO
 from asyncengine.bench.optimal_hit import optimal_hit
 from asyncengine.bench.optimal_hit_finite import optimal_hit_finite
+from asyncengine.bench.percentiles import percentiles
 from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import (
     RunReport,
@@ -149,7 +150,19 @@ def run_one(
     """Run one configuration on the real engine; its records, their summary and its stats."""
     from asyncengine.sim.engine_replay import replay_real
 
-    records, stats = asyncio.run(replay_real(config, workload))
+    closed: dict[str, Any] = {}
+    if args.closed_loop:
+        from asyncengine.sim.closed_loop import conversations_of, replay_closed_loop
+
+        run = asyncio.run(
+            replay_closed_loop(
+                config, conversations_of(workload), args.closed_loop, args.think_time
+            )
+        )
+        records, stats = run.records, run.stats
+        closed = {"closed_loop": {"prompts": run.prompts, "outputs": run.outputs}}
+    else:
+        records, stats = asyncio.run(replay_real(config, workload))
     retracts = stats.get("retractions")
     summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
     details = {
@@ -157,8 +170,54 @@ def run_one(
         "pages_total": stats["pages_total"],
         "admission_blocked": stats.get("admission_blocked"),
         "shadow": stats.get("shadow"),
+        **closed,
     }
     return records, summary, details
+
+
+def closed_loop_report(
+    workload: list[WorkloadRequest],
+    jobs: list[SimJob],
+    results: list[tuple[list[RequestRecord], BenchSummary, dict[str, Any]]],
+    args: argparse.Namespace,
+) -> tuple[str, bool, dict[str, list[int]]]:
+    """The closed loop's note (working set against the pool, whether every run gave the same
+    answers), whether they differ, and the first run's prompts as sent."""
+    from asyncengine.sim.closed_loop import conversations_of, outputs_agree
+
+    conversations = conversations_of(workload)
+    working_set = sum(c.final_context for c in conversations)
+    pools = sorted(
+        {
+            int(e["pages_total"]) * j.config.page_size
+            for j, (_, _, e) in zip(jobs, results, strict=True)
+        }
+    )
+    ratios = ", ".join(f"{working_set / pool:.1f}x the pool of {pool} tokens" for pool in pools)
+    loops = [extra.pop("closed_loop") for _, _, extra in results]
+    for loop, (_, _, extra) in zip(loops, results, strict=True):
+        extra["outputs"] = loop["outputs"]
+    agree = outputs_agree([loop["outputs"] for loop in loops])
+    later = {t.rid for c in conversations for t in c.turns[1:]}
+    ttfts = []
+    for job, (records, summary, _) in zip(jobs, results, strict=True):
+        resumed = [
+            r.token_times[0] - r.arrival_time
+            for r in records
+            if r.completed and r.token_times and r.rid in later
+        ]
+        p50 = percentiles(resumed, [50])[0] if resumed else float("nan")
+        ttfts.append(f"{job.label}: {summary.ttft.p50 * 1e3:.0f} ms ({p50 * 1e3:.0f} ms)")
+    note = (
+        f"closed loop: {len(conversations)} conversations, {args.closed_loop} turns in flight, "
+        f"think time {args.think_time:g} s; each turn is the previous prompt + the engine's own "
+        f"answer + the next message. Working set (every conversation's last prompt and answer): "
+        f"{working_set} tokens, {ratios}. The hit bounds share prompts only: the engine also "
+        "caches its answers, which the next turn sends back, so a run can pass them.\n\n"
+        f"greedy outputs across the {len(loops)} run(s): {agree}\n\n"
+        f"TTFT p50, all turns (later turns): {'; '.join(ttfts)}"
+    )
+    return note, not agree.startswith("identical"), loops[0]["prompts"]
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunReport]:
@@ -213,6 +272,17 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     mode.add_argument("--sim", action="store_true", help="simulate (default)")
     mode.add_argument("--real", action="store_true", help="run the real engine")
     parser.add_argument("--cost-model", default=None, help="cost model JSON for --sim")
+    parser.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--real chat as a client sends it: a conversation's next turn after its last "
+        "finished, with the engine's own answer; N turns in flight (asyncengine/sim/closed_loop.py)",
+    )
+    parser.add_argument(
+        "--think-time", type=float, default=0.0, help="--closed-loop: seconds between turns"
+    )
     parser.add_argument(
         "--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="a grid of settings"
     )
@@ -292,13 +362,22 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         raise SystemExit(
             f"--ray and {'/'.join(JOB_KEYS)} apply to simulated runs; --real runs one engine here"
         )
+    if args.closed_loop and not args.real:
+        raise SystemExit("--closed-loop runs the real engine: add --real")
     if args.real:
         results = []
         for job in jobs:
             print(f"[{job.label}] policy={job.config.policy} ...", flush=True)
             records, summary, extra = run_one(job.config, workload, args)
             results.append((records, summary, extra))
-    else:
+    closed_note, outputs_differ = "", False
+    if args.closed_loop:  # the bounds are of the prompts sent, with the engine's answers
+        closed_note, outputs_differ, sent = closed_loop_report(workload, jobs, results, args)
+        prompts = list(sent.values())
+        in_arrival_order = [
+            sent[r.rid] for r in sorted(results[0][0], key=lambda r: r.arrival_time)
+        ]
+    if not args.real:
         from asyncengine.sim.cost_model import CostModel
 
         if args.fit_from_trace:
@@ -373,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     )
     if not args.real:
         header += f", cost model: {next(iter(details.values()))['cost_model']}"
+    if closed_note:
+        header += f"\n\n{closed_note}"
     if slo is not None:
         header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
     sections = [header, markdown_table(runs)]
@@ -404,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         for by in args.group_by:
             write_group_figure(runs, by, out)
     print("\n\n".join(sections[1:]))
+    if outputs_differ:
+        raise SystemExit(f"the runs' greedy outputs differ: {out / 'results.md'}")
     return runs
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from asyncengine.bench.records import RequestRecord
 from asyncengine.common.config import EngineConfig
+from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
+
+if TYPE_CHECKING:
+    from asyncengine.api.engine import AsyncEngine
 
 
 async def replay_real(
@@ -25,25 +30,7 @@ async def replay_real(
     from asyncengine.api.engine import AsyncEngine
 
     async with AsyncEngine(config) as engine:
-        for item in itertools.islice(workload, warmup_requests):  # compile, allocate, warm caches
-            await engine.generate(
-                item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
-            )
-        # each adapter once too: its first step builds its kernel tables, which is set-up
-        adapters = sorted({item.lora for item in workload if item.lora is not None})
-        if warmup_requests and adapters:
-            prompt = workload[0].prompt_ids[:8]
-            await asyncio.gather(
-                *(
-                    engine.generate(
-                        prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, lora=name)
-                    )
-                    for name in adapters
-                )
-            )
-        await engine.reset_prefix_cache(
-            reset_counters=True
-        )  # warm-up prompts must not turn into hits
+        await warm_up(engine, workload, warmup_requests)
         loop = asyncio.get_running_loop()
         start = loop.time()
 
@@ -52,30 +39,62 @@ async def replay_real(
             if delay > 0:
                 await asyncio.sleep(delay)
             arrival = loop.time() - start
-            record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
-            record.tenant, record.priority, record.lora = item.tenant, item.priority, item.lora
             try:
                 out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
             except Exception:  # every failure counts as a failed request; the run goes on
-                record.failed = True
-                record.finish_time = loop.time() - start
-                return record
-            metrics = out.metrics
-            record.blocked = dict(metrics.blocked)
-            record.timed_out = out.finish_reason == "timeout"
-            record.finish_time = arrival + metrics.e2e
-            if not out.token_ids:
-                return record
-            ttft = metrics.ttft if metrics.ttft is not None else metrics.e2e
-            times = [arrival + ttft]
-            for gap in metrics.itl:
-                times.append(times[-1] + gap)
-            record.token_times = times
-            record.finish_time = arrival + metrics.e2e
-            record.cached_tokens = out.usage.cached_tokens
-            record.retracts = getattr(metrics, "retractions", 0)
-            record.failed = out.finish_reason == "abort"
-            return record
+                out = None
+            return record_of(item, arrival, out, loop.time() - start)
 
         records = await asyncio.gather(*(one(item) for item in workload))
         return list(records), dict(engine.stats())
+
+
+async def warm_up(
+    engine: AsyncEngine, workload: Sequence[WorkloadRequest], warmup_requests: int
+) -> None:
+    """Compile, allocate and warm caches on the workload's first prompts (and each adapter
+    once: its first step builds its kernel tables), then forget them: they must not turn
+    into hits."""
+    for item in itertools.islice(workload, warmup_requests):
+        await engine.generate(
+            item.prompt_ids[:8], SamplingParams(max_new_tokens=2, ignore_eos=True)
+        )
+    adapters = sorted({item.lora for item in workload if item.lora is not None})
+    if warmup_requests and adapters:
+        prompt = workload[0].prompt_ids[:8]
+        await asyncio.gather(
+            *(
+                engine.generate(
+                    prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, lora=name)
+                )
+                for name in adapters
+            )
+        )
+    await engine.reset_prefix_cache(reset_counters=True)
+
+
+def record_of(
+    item: WorkloadRequest, arrival: float, out: GenerateOutput | None, now: float
+) -> RequestRecord:
+    """The record of ``item`` sent at ``arrival`` (run time); ``out`` None: it raised."""
+    record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+    record.tenant, record.priority, record.lora = item.tenant, item.priority, item.lora
+    if out is None:  # every failure counts as a failed request; the run goes on
+        record.failed = True
+        record.finish_time = now
+        return record
+    metrics = out.metrics
+    record.blocked = dict(metrics.blocked)
+    record.timed_out = out.finish_reason == "timeout"
+    record.finish_time = arrival + metrics.e2e
+    if not out.token_ids:
+        return record
+    ttft = metrics.ttft if metrics.ttft is not None else metrics.e2e
+    times = [arrival + ttft]
+    for gap in metrics.itl:
+        times.append(times[-1] + gap)
+    record.token_times = times
+    record.cached_tokens = out.usage.cached_tokens
+    record.retracts = getattr(metrics, "retractions", 0)
+    record.failed = out.finish_reason == "abort"
+    return record

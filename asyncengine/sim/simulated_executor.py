@@ -48,10 +48,11 @@ def default_kv_bytes_per_token(kv_cache_dtype: str) -> int:
 _start_pos = operator.attrgetter("start_pos")
 
 # Bytes per second a swap copies between the KV pool and the host buffer: scripts/micro/bench_swap.py
-# on the 2-core development CPU (0.42-0.44 GB/s for 64-page victims, under a load average of
-# 12; docs/BENCHMARKS.md), as the default cost model is that CPU's. A GPU's pinned PCIe copies
-# are far faster. A swap costs its bytes over this, added to the step's forward time.
-DEFAULT_SWAP_BYTES_PER_SECOND = 0.4e9
+# on the 2-core development CPU with the native page-run copy (0.8-1.1 GB/s each way for 64-
+# and 256-page victims, under a load average of 8), as the default cost model is that CPU's.
+# A GPU's pinned PCIe copies are far faster. A swap costs its bytes over this, added to the
+# step's forward time.
+DEFAULT_SWAP_BYTES_PER_SECOND = 0.9e9
 
 
 class SimulatedExecutor:

@@ -239,3 +239,55 @@ def test_compare_policies_on_the_real_engine(tmp_path: Path, tiny_model_dir: Pat
         assert engine_stats["hit_tokens"] == run.summary.cached_tokens  # warm-up hits reset
         assert engine_stats["policy"] == run.policy
     assert "real engine" in (out / "results.md").read_text()
+
+
+def test_compare_policies_closed_loop_states_the_working_set_and_that_outputs_agree(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    compare = load_script("compare_policies")
+    out = tmp_path / "closed"
+    runs = compare.main(
+        [
+            "--policies",
+            "fcfs",
+            "--real",
+            "--closed-loop",
+            "2",
+            "--set",
+            f"model={tiny_model_dir}",
+            "dtype=float32",
+            "page_size=4",
+            "kv_cache_tokens=128",
+            "swap_space_bytes=1048576",
+            "log_interval=0",
+            "--sweep",
+            "host_kv_tier=false,true",
+            "--workload",
+            "multi_turn",
+            "--workload-arg",
+            "num_conversations=5",
+            "num_turns=3",
+            "system_len=16",
+            "user_median=16",
+            "max_user_len=24",
+            "output_len=5",
+            "vocab_size=49152",
+            "--out",
+            str(out),
+            "--no-figures",
+        ]
+    )
+    assert [run.summary.num_completed for run in runs] == [15, 15]
+    report = (out / "results.md").read_text()
+    assert "closed loop: 5 conversations, 2 turns in flight, think time 0 s" in report
+    assert "x the pool of 128 tokens" in report
+    assert "greedy outputs across the 2 run(s): identical (15 answers)" in report
+    assert "TTFT p50, all turns (later turns): fcfs host_kv_tier=False: " in report
+    details = json.loads((out / "summary.json").read_text())
+    plain, tiered = (details[run.label] for run in runs)
+    assert plain["outputs"] == tiered["outputs"]
+    assert tiered["engine_stats"]["host_hit_tokens"] > 0
+    assert plain["engine_stats"]["host_hit_tokens"] == 0
+    with pytest.raises(SystemExit, match="add --real"):
+        compare.main(["--policies", "fcfs", "--closed-loop", "2", "--workload", "multi_turn",
+                      "--out", str(tmp_path / "sim")])  # fmt: skip

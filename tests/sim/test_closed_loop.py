@@ -1,0 +1,104 @@
+"""Closed-loop chat on the real engine (tiny float32 model, greedy): each turn's prompt is the
+previous turn's prompt and the engine's own answer and the next message; the host tier gets the
+evicted histories back as hits and changes no answer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from asyncengine import EngineConfig
+from asyncengine.sim.closed_loop import (
+    ClosedLoopRun,
+    conversations_of,
+    outputs_agree,
+    replay_closed_loop,
+)
+from asyncengine.workloads.generators import multi_turn
+from tests.api.test_engine_parity import VOCAB, tiny_chat_model  # noqa: F401
+
+CONVERSATIONS, TURNS = 6, 3
+
+
+def chats() -> list:  # type: ignore[type-arg]
+    return multi_turn(
+        CONVERSATIONS,
+        TURNS,
+        vocab_size=VOCAB,
+        system_len=16,
+        user_median=16.0,
+        max_user_len=24,
+        output_len=6,
+        seed=3,
+    )
+
+
+def test_conversations_are_read_back_out_of_a_multi_turn_workload() -> None:
+    workload = chats()
+    conversations = conversations_of(workload)
+    assert len(conversations) == CONVERSATIONS
+    for index, conversation in enumerate(conversations):
+        # multi_turn orders turn by turn: request i is turn i // CONVERSATIONS of chat i % ...
+        assert [t.rid for t in conversation.turns] == [
+            workload[turn * CONVERSATIONS + index].rid for turn in range(TURNS)
+        ]
+        assert conversation.messages[0] == conversation.turns[0].prompt_ids
+        for before, turn, message in zip(
+            conversation.turns, conversation.turns[1:], conversation.messages[1:], strict=False
+        ):
+            head = len(before.prompt_ids)
+            assert turn.prompt_ids[:head] == before.prompt_ids
+            assert turn.prompt_ids[head + before.output_len :] == message and message
+    assert sum(c.final_context for c in conversations) == sum(
+        len(w.prompt_ids) + w.output_len for w in workload[-CONVERSATIONS:]
+    )
+
+
+def run(model: Path, concurrency: int, **config: object) -> ClosedLoopRun:
+    engine_config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        page_size=4,
+        kv_cache_tokens=128,  # the conversations hold ~4x more
+        swap_space_bytes=1 << 20,
+        log_interval=0,
+        **config,  # type: ignore[arg-type]
+    )
+    return asyncio.run(replay_closed_loop(engine_config, conversations_of(chats()), concurrency))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_each_turn_sends_back_the_engines_answer_and_the_tier_keeps_it(
+    tiny_chat_model: Path,
+    concurrency: int,
+) -> None:
+    tiered = run(tiny_chat_model, concurrency, host_kv_tier=True)
+    plain = run(tiny_chat_model, concurrency)
+    conversations = conversations_of(chats())
+    assert sum(c.final_context for c in conversations) >= 3 * 128
+    for conversation in conversations:
+        previous: list[int] | None = None
+        for turn, message in zip(conversation.turns, conversation.messages, strict=True):
+            prompt = tiered.prompts[turn.rid]
+            answer = tiered.outputs[turn.rid]
+            assert len(answer) == turn.output_len
+            if previous is not None:  # the previous prompt, its answer, then the new message
+                assert prompt == previous + message
+            previous = prompt + answer
+    assert all(r.completed for r in tiered.records) and len(tiered.records) == CONVERSATIONS * TURNS
+    assert outputs_agree([plain.outputs, tiered.outputs]).startswith("identical")
+    assert tiered.stats["host_hit_tokens"] > 0  # type: ignore[operator]
+    assert tiered.stats["hit_tokens"] > plain.stats["hit_tokens"]  # type: ignore[operator]
+    # with one turn in flight the closed loop runs chats round-robin: turn by turn
+    if concurrency == 1:
+        order = [r.rid for r in tiered.records]
+        assert order == sorted(order)
+
+
+def test_outputs_agree_names_the_first_answer_that_differs() -> None:
+    assert outputs_agree([{"a": [1], "b": [2]}, {"a": [1], "b": [2]}]) == "identical (2 answers)"
+    assert outputs_agree([{"a": [1], "b": [2]}, {"a": [1], "b": [3]}]).startswith(
+        "DIFFER in 1 of 2 answers (first: b)"
+    )
