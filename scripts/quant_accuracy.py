@@ -27,6 +27,7 @@ reference's, and the greedy continuations of a few prompts compared token by tok
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -178,20 +179,29 @@ def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> lis
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     max_len = max(len(text_tokens), *(len(p) + GREEDY_TOKENS for p in prompts)) + 1
 
-    reference_weights = read_gguf(gguf_path, torch.float32).weights
+    variants = variants or ["gguf", "q8_0", "int8", "gguf_kv_f16"]
+
+    def float32_weights() -> dict[str, Weight]:
+        return read_gguf(gguf_path, torch.float32).weights
+
+    # the float32 weights are kept only for the variants quantized from them: a real-shape
+    # model's reference alone is 4 bytes a parameter, and the runner copies it once more
+    kept = float32_weights() if {"q8_0", "int8"} & set(variants) else None
     builders = {
         "gguf": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
-        "q8_0": lambda: requantize_q8_0(reference_weights),
-        "int8": lambda: quantize_int8(reference_weights),
+        "q8_0": lambda: requantize_q8_0(kept or float32_weights()),
+        "int8": lambda: quantize_int8(kept or float32_weights()),
         "gguf_kv_f16": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
     }
     kv_dtypes = {"gguf_kv_f16": torch.float16}
-    reference = Model(config, reference_weights, max_len)
+    reference = Model(config, kept or float32_weights(), max_len)
     ref_logits = reference.all_logits(text_tokens)
     ref_ppl = perplexity(ref_logits, text_tokens)
     ref_greedy = [reference.greedy(p, GREEDY_TOKENS) for p in prompts]
+    del reference  # before a candidate is built
+    gc.collect()
     results = []
-    for name in variants or list(builders):
+    for name in variants:
         candidate = Model(config, builders[name](), max_len, kv_dtypes.get(name, torch.float32))
         logits = candidate.all_logits(text_tokens)
         diff = (logits - ref_logits).abs()
