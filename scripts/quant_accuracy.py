@@ -2,6 +2,11 @@
 dequantized to float32 (the reference: the GGUF's Q4_1 / Q8_0 blocks expand to float32 exactly).
 
     python scripts/quant_accuracy.py [--json out.json]
+    python scripts/quant_accuracy.py --gguf ~/.cache/asyncengine/models/qwen2.5-1.5b/qwen2.5-1.5b-Q4_K_M.gguf --variants gguf
+
+``--gguf`` measures another GGUF file the same way (a model of a real shape from
+scripts/make_real_models.py, in any format the kernels take: the K formats expand to float32
+exactly as well); its float32 reference takes 4 bytes a parameter.
 
 Variants (all float32 activations, the CPU):
 - ``gguf``: the file's tensors kept as stored (Q4_1 projections, Q8_0 embedding / LM head) on
@@ -22,6 +27,7 @@ reference's, and the greedy continuations of a few prompts compared token by tok
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -38,7 +44,12 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
-from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir
+from asyncengine.executor.loader.default_model import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    gguf_file,
+    metadata_dir,
+)
 from asyncengine.executor.loader.gguf_loader import Weight
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.runner import ModelRunner
@@ -154,30 +165,43 @@ def requantize_q8_0(weights: dict[str, Weight]) -> dict[str, Weight]:
     return out
 
 
-def evaluate(variants: list[str] | None = None) -> list[VariantResult]:
+def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> list[VariantResult]:
+    """``gguf``: the file to measure (default: the embedded model's)."""
     model = KNOWN_MODELS[DEFAULT_MODEL]
-    gguf_path = model.gguf_path()
-    meta = metadata_dir(gguf_path, model.name)
+    found = gguf_file(gguf) if gguf is not None else (model.gguf_path(), model.name)
+    if found is None:
+        raise SystemExit(f"{gguf} is not a .gguf file")
+    gguf_path, cache_name = found
+    meta = metadata_dir(gguf_path, cache_name)
     tokenizer = Tokenizer(meta)
     config = ModelConfig.from_hf_dict(json.loads((meta / "config.json").read_text()))
     text_tokens = tokenizer.encode(TEXT)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     max_len = max(len(text_tokens), *(len(p) + GREEDY_TOKENS for p in prompts)) + 1
 
-    reference_weights = read_gguf(gguf_path, torch.float32).weights
+    variants = variants or ["gguf", "q8_0", "int8", "gguf_kv_f16"]
+
+    def float32_weights() -> dict[str, Weight]:
+        return read_gguf(gguf_path, torch.float32).weights
+
+    # the float32 weights are kept only for the variants quantized from them: a real-shape
+    # model's reference alone is 4 bytes a parameter, and the runner copies it once more
+    kept = float32_weights() if {"q8_0", "int8"} & set(variants) else None
     builders = {
         "gguf": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
-        "q8_0": lambda: requantize_q8_0(reference_weights),
-        "int8": lambda: quantize_int8(reference_weights),
+        "q8_0": lambda: requantize_q8_0(kept or float32_weights()),
+        "int8": lambda: quantize_int8(kept or float32_weights()),
         "gguf_kv_f16": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
     }
     kv_dtypes = {"gguf_kv_f16": torch.float16}
-    reference = Model(config, reference_weights, max_len)
+    reference = Model(config, kept or float32_weights(), max_len)
     ref_logits = reference.all_logits(text_tokens)
     ref_ppl = perplexity(ref_logits, text_tokens)
     ref_greedy = [reference.greedy(p, GREEDY_TOKENS) for p in prompts]
+    del reference  # before a candidate is built
+    gc.collect()
     results = []
-    for name in variants or list(builders):
+    for name in variants:
         candidate = Model(config, builders[name](), max_len, kv_dtypes.get(name, torch.float32))
         logits = candidate.all_logits(text_tokens)
         diff = (logits - ref_logits).abs()
@@ -208,8 +232,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="gguf,q8_0,int8,gguf_kv_f16")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded model")
     args = parser.parse_args()
-    results = evaluate(args.variants.split(","))
+    results = evaluate(args.variants.split(","), args.gguf)
     print(
         "| weights | max abs logit diff | mean abs diff | argmax agrees | perplexity (fp32) | greedy tokens agreeing |"
     )

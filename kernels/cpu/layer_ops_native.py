@@ -50,13 +50,15 @@ def _lib(kv_flags: tuple[str, ...] = ()) -> Any:
     return lib
 
 
-def _check(x: torch.Tensor) -> int:
+def _check(x: torch.Tensor, row: int | None = None) -> int:
+    """``row``: the values a kernel holds at once (default: a row of ``x``)."""
     if x.device.type != "cpu" or x.dtype not in _DTYPES or not x.is_contiguous():
         raise ValueError(
             f"native kernels take contiguous CPU bf16/fp32 tensors, not {x.dtype} {x.device}"
         )
-    if x.shape[-1] > MAX_ROW:
-        raise ValueError(f"rows of {x.shape[-1]} values exceed {MAX_ROW}")
+    row = x.shape[-1] if row is None else row
+    if row > MAX_ROW:
+        raise ValueError(f"rows of {row} values exceed {MAX_ROW}")
     return int(x.dtype == torch.bfloat16)
 
 
@@ -112,8 +114,8 @@ def fused_add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
-    bf16 = _check(x)
     inter = x.shape[-1] // 2
+    bf16 = _check(x, inter)  # gate and up each a row of their own (an MLP of 8960: 17,920)
     y = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
     _lib().asyncengine_silu_and_mul(
         x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], inter, bf16, torch.get_num_threads()
