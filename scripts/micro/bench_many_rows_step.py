@@ -23,6 +23,13 @@ with oneDNN's packed copy, beside the quantized bytes and their dense copies).
     .venv/bin/python scripts/micro/bench_many_rows_step.py --vs-expanded \
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf,... \
         --repeats 3 --out /tmp/vs_expanded.json
+
+``--amx-crossovers Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
+LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (where
+executor/layers/linear.py's ``K_AMX_BELOW_ROWS_BY_FORMAT`` comes from):
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-crossovers Q4_K,Q5_K,Q6_K \
+        --shape llama-3.2-1b --batches 64,80,96,112,128,160 --threads 1 --cpu-time
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_expanded
 
 import torch
+from amx_crossovers import run_amx_crossovers
 from vs_expanded import run_vs_expanded
 
 from asyncengine.cache.page_table import PageTable
@@ -144,12 +152,14 @@ class Step:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", required=True, action="append", help="a GGUF file (--vs-expanded: several)"
+        "--model", action="append", default=[], help="a GGUF file (--vs-expanded: several)"
     )
     parser.add_argument("--batches", default=None, help="default 8,16,32,64 (1,8,32,128,256)")
     parser.add_argument("--vs-expanded", action="store_true", help="quantized vs bfloat16 (above)")
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
+    parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="--amx-crossovers' shape")
     parser.add_argument("--context", type=int, default=96, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     default_batches = "1,8,32,128,256" if args.vs_expanded else "8,16,32,64"
     args.batches = [int(b) for b in (args.batches or default_batches).split(",")]
     models = [m for given in args.model for m in given.split(",") if m]
+    if args.amx_crossovers:
+        return run_amx_crossovers(args)
     if args.vs_expanded:
         return run_vs_expanded(models, args)
     if len(models) != 1:
