@@ -96,8 +96,9 @@ K_AMX_FORMATS = quant_amx_native.FORMATS
 # 0.96 / 0.99; Q5_K down 1.14 at 96 (0.99 at 80, where a whole Q5_K_M step is 4% faster on
 # the AMX product), gate/up 0.93 / 0.97 / 1.11; Q6_K down 1.09 from 64, gate/up 0.92 / 1.04 at
 # 96 / 128. Whole 1B steps at 96-112 rows against one crossover of 128: 4-6% faster (Q4_K_M,
-# Q5_K_M, Q6_K); a Q4_K_M step at 144 rows was 2% slower with its gate/up on AMX. The parts of a projection in several formats take the smallest. From the crossover the
-# projection builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
+# Q5_K_M, Q6_K); a Q4_K_M step at 144 rows was 2% slower with its gate/up on AMX. The parts
+# of a projection in several formats take the smallest. From the crossover the projection
+# builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
 K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
 K_AMX_WIDE_RATIO = 4
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
