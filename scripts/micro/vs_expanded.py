@@ -59,6 +59,7 @@ def one_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
     pool = KVPool.for_model(config, pages, PAGE, dtype)
     pool.k.uniform_(-1, 1)
     pool.v.uniform_(-1, 1)
+    kept = loaded.summary()
     start = time.perf_counter()
     dense = expanded(loaded.weights)
     expand_s = time.perf_counter() - start
@@ -115,7 +116,7 @@ def one_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
             f"{tok_s['expanded']:8.1f} tok/s  ratio {ratio:5.2f}{'  <1' if ratio < 1 else ''}",
             flush=True,
         )
-    return {"model": Path(path).name, "expand_s": expand_s, "cells": cells}
+    return {"model": Path(path).name, "kept": kept, "expand_s": expand_s, "cells": cells}
 
 
 def run_vs_expanded(models: list[str], args: argparse.Namespace) -> dict[str, Any]:
