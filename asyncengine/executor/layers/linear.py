@@ -76,6 +76,14 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
     "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
     "BF16": BF16_ROWS_DENSE_FROM,
 }  # fmt: skip
+# Projections of at least this many inputs (a 1B model's hidden size and up) with bfloat16
+# activations: where oneDNN's bfloat16 product meets Q8_0 there (per projection, one thread, CPU
+# time: quantized / dense for a 1B layer 1.03 at 8 rows, 1.36 at 12, 0.82 at 4; its LM head
+# 1.31 at 8; a 3B layer 0.93 at 6, 1.07 at 8; bench_quant_matmul.py --formats Q8_0 --shape
+# llama-3.2-1b --dtype bfloat16 --lm-head --threads 1 --cpu-time). The table's 16 was measured
+# per whole step of the 135M model, whose small dense weights stay in cache.
+WIDE_INPUT = 2048
+DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
 # Below this many rows, where the table above sends a projection with bfloat16 activations to
 # the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
 # instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
@@ -359,9 +367,18 @@ def dense_from_rows(parts: Sequence[QuantizedTensor], dtype: torch.dtype = torch
     else:
         table, generic = DENSE_FROM_ROWS_BY_FORMAT, DENSE_FROM_ROWS
     return min(
-        table.get(p.format.name, generic) if grouped or p.format in FLOAT_FORMATS else generic
+        _crossover(p, table, generic) if grouped or p.format in FLOAT_FORMATS else generic
         for p in parts
     )
+
+
+def _crossover(part: QuantizedTensor, table: dict[str, int], generic: int) -> int:
+    """``part``'s row in ``table``, or its wide-input row where the bfloat16 table applies."""
+    if table is DENSE_FROM_ROWS_BF16_BY_FORMAT and part.cols >= WIDE_INPUT:
+        wide = DENSE_FROM_ROWS_BF16_WIDE_INPUT.get(part.format.name)
+        if wide is not None:
+            return wide
+    return table.get(part.format.name, generic)
 
 
 def _as_float_rows(
