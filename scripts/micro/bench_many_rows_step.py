@@ -9,6 +9,27 @@ rotary, Python).
     .venv/bin/python scripts/micro/bench_many_rows_step.py \\
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf --batches 8,16,32,64
     .venv/bin/python scripts/micro/bench_many_rows_step.py --model ... --threads 1 --cpu-time
+
+``--vs-expanded``: each GGUF (``--model`` repeated, or comma-separated) as the engine keeps it
+quantized (``quantization auto``) against the same file expanded to bfloat16 at load (what
+``--quantization none --dtype bfloat16`` gives: the weights dequantized to dense bfloat16, the
+oneDNN bfloat16 products), the engine's paths at every batch (the fused decode step where it
+takes the batch), alternating step by step over one KV pool: decode step tok/s at each of
+``--batches`` (default here 1,8,32,128,256) and prefill tok/s of ``--prefill`` tokens. Prints
+quantized / expanded per cell (< 1: the format is slower than its bfloat16 expansion) and
+writes JSON (``--out``). Holds both copies of a model at once (a 1B: ~2.5 GB expanded, ~5 GB
+with oneDNN's packed copy, beside the quantized bytes and their dense copies).
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --vs-expanded \
+        --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf,... \
+        --repeats 3 --out /tmp/vs_expanded.json
+
+``--amx-crossovers Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
+LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (where
+executor/layers/linear.py's ``K_AMX_BELOW_ROWS_BY_FORMAT`` comes from):
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-crossovers Q4_K,Q5_K,Q6_K \
+        --shape llama-3.2-1b --batches 64,80,96,112,128,160 --threads 1 --cpu-time
 """
 
 from __future__ import annotations
@@ -23,8 +44,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_expanded
 
 import torch
+from amx_crossovers import run_amx_crossovers
+from vs_expanded import run_vs_expanded
 
 from asyncengine.cache.page_table import PageTable
 from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
@@ -127,8 +151,15 @@ class Step:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a GGUF file")
-    parser.add_argument("--batches", default="8,16,32,64")
+    parser.add_argument(
+        "--model", action="append", default=[], help="a GGUF file (--vs-expanded: several)"
+    )
+    parser.add_argument("--batches", default=None, help="default 8,16,32,64 (1,8,32,128,256)")
+    parser.add_argument("--vs-expanded", action="store_true", help="quantized vs bfloat16 (above)")
+    parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
+    parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
+    parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="--amx-crossovers' shape")
     parser.add_argument("--context", type=int, default=96, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -136,7 +167,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.batches = [int(b) for b in args.batches.split(",")]
+    default_batches = "1,8,32,128,256" if args.vs_expanded else "8,16,32,64"
+    args.batches = [int(b) for b in (args.batches or default_batches).split(",")]
+    models = [m for given in args.model for m in given.split(",") if m]
+    if args.amx_crossovers:
+        return run_amx_crossovers(args)
+    if args.vs_expanded:
+        return run_vs_expanded(models, args)
+    if len(models) != 1:
+        parser.error("one --model without --vs-expanded")
+    args.model = models[0]
     step = Step(args)
     print(
         f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"

@@ -224,6 +224,52 @@ def test_bfloat16_activations_take_the_dense_product_sooner_where_it_is_fast(
     torch.testing.assert_close(got, rows @ reference.T, rtol=0.02, atol=0.05)
 
 
+def test_wide_q8_0_projections_meet_the_bfloat16_product_at_their_own_crossover(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With bfloat16 activations, a Q8_0 projection of a 1B model's width crosses to the dense
+    product at its own row count (a narrower one at the table's); one row below it (the q8
+    kernel) and at it (the dense copy) both follow the dequantized weights within 2% relative
+    plus 1% of the largest sum of |products|, and a row in both calls agrees to that too."""
+    monkeypatch.setattr(linear_module, "fastest_cpu_dtype", lambda: torch.bfloat16)
+    wide_cols = linear_module.WIDE_INPUT
+    narrow_cols = wide_cols // 2
+    weights = {
+        cols: np.random.default_rng(cols).standard_normal((24, cols)).astype(np.float32)
+        for cols in (narrow_cols, wide_cols)
+    }
+    blocks = {
+        cols: QuantizedTensor(
+            Q8_0,
+            torch.from_numpy(np.ascontiguousarray(quantize(w, gguf.GGMLQuantizationType.Q8_0))),
+            cols,
+        )
+        for cols, w in weights.items()
+    }
+    narrow = make_linear([blocks[narrow_cols]], None, torch.bfloat16)
+    wide = make_linear([blocks[wide_cols]], None, torch.bfloat16)
+    assert isinstance(narrow, QuantizedLinear) and isinstance(wide, QuantizedLinear)
+    assert narrow.dense_from_rows == DENSE_FROM_ROWS_BF16_BY_FORMAT["Q8_0"]
+    crossover = linear_module.DENSE_FROM_ROWS_BF16_WIDE_INPUT["Q8_0"]
+    assert wide.dense_from_rows == crossover < narrow.dense_from_rows
+    reference = quant_ref.dequantize(blocks[wide_cols]).to(torch.bfloat16).double()
+    x = torch.randn(crossover, wide_cols, generator=torch.Generator().manual_seed(3))
+    x = x.to(torch.bfloat16)
+    below = wide(x[: crossover - 1])
+    assert wide._dense is None  # still the quantized kernel
+    at = wide(x)
+    assert wide._dense is not None and at.dtype == torch.bfloat16
+    scale = float((x.double().abs() @ reference.abs().T).max())
+    for got in (below, at):
+        n = got.shape[0]
+        torch.testing.assert_close(
+            got.double(), x[:n].double() @ reference.T, rtol=0.02, atol=0.01 * scale
+        )
+    torch.testing.assert_close(
+        below.double(), at[: crossover - 1].double(), rtol=0.02, atol=0.01 * scale
+    )
+
+
 def _accuracy_module() -> Any:
     return load_script("quant_accuracy")
 

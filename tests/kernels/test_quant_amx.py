@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncengine.executor.layers import linear as linear_module
-from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.executor.layers.linear import QuantizedLinear, k_amx_below_rows
 from asyncengine.kernels.cpu import cpu_native, quant_amx_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import quant_ref
@@ -108,7 +108,7 @@ def test_weights_it_cannot_take_are_refused() -> None:
 @needs_amx
 def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     """A Q4_K projection with bfloat16 rows: the q8 kernel below its crossover, the AMX product
-    from it (no dense copy built), the dense product from K_AMX_BELOW_ROWS. Parts of several K
+    from it (no dense copy built), the dense product from its AMX crossover. Parts of several K
     formats (q/k in Q4_K, v in Q6_K) take it part by part; a part in another format keeps the
     dense product for all. Every path agrees with the dequantized weights to bfloat16 rounding."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
@@ -118,7 +118,8 @@ def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
     assert projection._amx and mixed._amx
     assert not QuantizedLinear([q4, q8], dense_from_rows=8)._amx
-    below = linear_module.K_AMX_BELOW_ROWS
+    below = projection._amx_below
+    assert below == k_amx_below_rows(projection.parts) > 31
     x = torch.randn(40, 512).to(torch.bfloat16)
     assert mixed.bias is not None
     both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
@@ -145,6 +146,55 @@ def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     x = torch.randn(below, 512).to(torch.bfloat16)
     projection(x)
     assert projection._dense is not None
+
+
+def test_the_amx_crossover_is_per_format_and_shape() -> None:
+    """Narrow and wide projections (outputs per input) have their own crossovers per format; a
+    projection of several formats takes the smallest; a format without an entry the default."""
+    table = linear_module.K_AMX_BELOW_ROWS_BY_FORMAT
+    wide_ratio = linear_module.K_AMX_WIDE_RATIO
+    for name in K_FORMATS:
+        narrow = random_weight(FORMATS[name], 32, 512, seed=5)
+        wide = random_weight(FORMATS[name], wide_ratio * 256, 256, seed=6)
+        assert k_amx_below_rows([narrow]) == table[name][0]
+        assert k_amx_below_rows([wide]) == table[name][1]
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=7)
+    q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=8)
+    assert k_amx_below_rows([q4, q6]) == min(table["Q4_K"][0], table["Q6_K"][0])
+    q4_1 = random_weight(FORMATS["Q4_1"], 16, 512, seed=9)
+    assert k_amx_below_rows([q4_1]) == linear_module.K_AMX_BELOW_ROWS
+
+
+@needs_amx
+@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("wide", [False, True])
+def test_both_sides_of_the_amx_crossover_agree(name: str, wide: bool) -> None:
+    """One row below the crossover (the AMX product, no dense copy) and at it (the dense bfloat16
+    product of the dequantized weight) the projection agrees with the bfloat16-rounded reference
+    to bfloat16 rounding, and a row given to both calls comes out the same to that tolerance."""
+    cols = 256
+    rows = linear_module.K_AMX_WIDE_RATIO * cols if wide else 48
+    weight = random_weight(FORMATS[name], rows, cols, seed=rows + len(name))
+    bias = torch.randn(rows)
+    projection = QuantizedLinear([weight], bias, dense_from_rows=8)
+    below = projection._amx_below
+    assert below == linear_module.K_AMX_BELOW_ROWS_BY_FORMAT[name][wide]
+    x = torch.randn(below, cols, generator=torch.Generator().manual_seed(below)).to(torch.bfloat16)
+    amx_side = projection(x[: below - 1])
+    assert projection._dense is None
+    assert torch.equal(
+        amx_side, quant_amx_native.linear(x[: below - 1], projection.parts[0], projection.bias)
+    )
+    dense_side = projection(x)
+    assert projection._dense is not None
+    scale = product_scale(x, weight, bias)
+    for side, n in ((amx_side, below - 1), (dense_side, below)):
+        torch.testing.assert_close(
+            side.double(), reference(x[:n], weight, bias), rtol=2**-7, atol=1e-5 * scale
+        )
+    torch.testing.assert_close(
+        amx_side.double(), dense_side[: below - 1].double(), rtol=2**-7, atol=1e-5 * scale
+    )
 
 
 def test_without_amx_the_projection_keeps_the_dense_product(

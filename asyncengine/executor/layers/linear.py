@@ -76,6 +76,14 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
     "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
     "BF16": BF16_ROWS_DENSE_FROM,
 }  # fmt: skip
+# Projections of at least this many inputs (a 1B model's hidden size and up) with bfloat16
+# activations: where oneDNN's bfloat16 product meets Q8_0 there (per projection, one thread, CPU
+# time: quantized / dense for a 1B layer 1.03 at 8 rows, 1.36 at 12, 0.82 at 4; its LM head
+# 1.31 at 8; a 3B layer 0.93 at 6, 1.07 at 8; bench_quant_matmul.py --formats Q8_0 --shape
+# llama-3.2-1b --dtype bfloat16 --lm-head --threads 1 --cpu-time). The table's 16 was measured
+# per whole step of the 135M model, whose small dense weights stay in cache.
+WIDE_INPUT = 2048
+DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
 # Below this many rows, where the table above sends a projection with bfloat16 activations to
 # the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
 # instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
@@ -83,9 +91,24 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
 # which bounds a 32-row decode step); from it the dense product's better-blocked GEMM wins. A 1B
 # Q4_K_M step at 32 rows, one thread, CPU time, on a busy machine: 211 ms on the AMX product
 # (its 128k-row Q6_K LM head 40 ms), 247 ms with the Q6_K parts dense, 337 ms all dense (head
-# 62 ms); scripts/micro/bench_many_rows_step.py.
+# 62 ms); scripts/micro/bench_many_rows_step.py. Per format and shape: K_AMX_BELOW_ROWS_BY_FORMAT
+# below (this value: a format without an entry).
 K_AMX_BELOW_ROWS = 128
 K_AMX_FORMATS = quant_amx_native.FORMATS
+# The AMX product's crossover per format and shape, (narrow, wide): a wide projection (at least
+# K_AMX_WIDE_RATIO outputs per input: a 1B's gate/up 8x, its LM head 62x) keeps the lead longer
+# than q/k/v, o_proj (whose dense copy is small enough to stay in cache) or down (8192 inputs).
+# Per projection of a 1B layer, AMX / dense time at 96 / 128 / 160 rows (one thread, CPU time,
+# a busy machine: +-10%; scripts/micro/bench_many_rows_step.py --amx-crossovers Q4_K,Q5_K,Q6_K
+# --shape llama-3.2-1b --threads 1 --cpu-time): Q4_K down 1.00 / 1.05 / 1.19, gate/up 0.86 /
+# 0.96 / 0.99; Q5_K down 1.14 at 96 (0.99 at 80, where a whole Q5_K_M step is 4% faster on
+# the AMX product), gate/up 0.93 / 0.97 / 1.11; Q6_K down 1.09 from 64, gate/up 0.92 / 1.04 at
+# 96 / 128. Whole 1B steps at 96-112 rows against one crossover of 128: 4-6% faster (Q4_K_M,
+# Q5_K_M, Q6_K); a Q4_K_M step at 144 rows was 2% slower with its gate/up on AMX. The parts
+# of a projection in several formats take the smallest. From the crossover the projection
+# builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
+K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
+K_AMX_WIDE_RATIO = 4
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -179,6 +202,7 @@ class QuantizedLinear:
 
     __slots__ = (
         "_amx",
+        "_amx_below",
         "_dense",
         "bias",
         "dense_from_rows",
@@ -208,6 +232,7 @@ class QuantizedLinear:
         self._amx = dense_from_rows is not None and all(
             p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
+        self._amx_below = k_amx_below_rows(self.parts) if self._amx else 0
 
     @property
     def nbytes(self) -> int:
@@ -219,7 +244,7 @@ class QuantizedLinear:
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
-            if self._amx and x2.dtype == torch.bfloat16 and x2.shape[0] < K_AMX_BELOW_ROWS:
+            if self._amx and x2.dtype == torch.bfloat16 and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
             else:
                 out = self.dense(x2.dtype)(x2)
@@ -277,6 +302,20 @@ class QuantizedLinear:
         return out
 
 
+def k_amx_below_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """Rows below which these K-format parts take the AMX product rather than the dense one
+    (``K_AMX_BELOW_ROWS_BY_FORMAT`` by the projection's shape; ``K_AMX_BELOW_ROWS`` for a format
+    not in it)."""
+    out_features = sum(p.shape[0] for p in parts)
+    wide = out_features >= K_AMX_WIDE_RATIO * parts[0].cols
+    return min(
+        K_AMX_BELOW_ROWS_BY_FORMAT[p.format.name][wide]
+        if p.format.name in K_AMX_BELOW_ROWS_BY_FORMAT
+        else K_AMX_BELOW_ROWS
+        for p in parts
+    )
+
+
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
     """The part in interleaved row groups where its format has them and the native library is
     here (Q8_0 / Q4_0 / Q4_1: 1.1-3x faster batch-1 products, docs/BENCHMARKS.md; the K formats
@@ -328,9 +367,18 @@ def dense_from_rows(parts: Sequence[QuantizedTensor], dtype: torch.dtype = torch
     else:
         table, generic = DENSE_FROM_ROWS_BY_FORMAT, DENSE_FROM_ROWS
     return min(
-        table.get(p.format.name, generic) if grouped or p.format in FLOAT_FORMATS else generic
+        _crossover(p, table, generic) if grouped or p.format in FLOAT_FORMATS else generic
         for p in parts
     )
+
+
+def _crossover(part: QuantizedTensor, table: dict[str, int], generic: int) -> int:
+    """``part``'s row in ``table``, or its wide-input row where the bfloat16 table applies."""
+    if table is DENSE_FROM_ROWS_BF16_BY_FORMAT and part.cols >= WIDE_INPUT:
+        wide = DENSE_FROM_ROWS_BF16_WIDE_INPUT.get(part.format.name)
+        if wide is not None:
+            return wide
+    return table.get(part.format.name, generic)
 
 
 def _as_float_rows(

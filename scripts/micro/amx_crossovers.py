@@ -1,0 +1,63 @@
+"""bench_many_rows_step.py's ``--amx-crossovers`` mode: per projection of a real shape's layer
+(and the LM head), the K formats' AMX product against the dense bfloat16 product of the same
+weight (prepacked oneDNN: what the crossover otherwise picks), per row count; the medians of
+repeated calls, the two alternating. Random blocks: a product's speed does not depend on the
+values. Run it with ``--threads 1 --cpu-time`` on a busy machine."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_quant_matmul import SHAPES, random_blocks
+
+from asyncengine.executor.layers.linear import QuantizedLinear, k_amx_below_rows
+
+
+def run_amx_crossovers(args: argparse.Namespace) -> dict[str, Any]:
+    clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
+    layer, head = SHAPES[args.shape]
+    rows_list = args.batches
+    results = []
+    print(f"{args.shape}; threads {torch.get_num_threads()}; amx / dense ms (< 1: AMX faster)")
+    with torch.inference_mode():
+        for fmt in args.amx_crossovers.split(","):
+            for name, out, inp in [*layer, head]:
+                linear = QuantizedLinear([random_blocks(fmt, out, inp)], None, 1)
+                if not linear._amx:
+                    raise SystemExit(f"{fmt}: no AMX product on this CPU")
+                dense = linear.dense(torch.bfloat16)
+                ratios = []
+                for n in rows_list:
+                    x = torch.randn(n, inp).to(torch.bfloat16)
+                    times: dict[str, list[float]] = {"amx": [], "dense": []}
+                    for repeat in range(args.repeats + 1):
+                        for path in times:
+                            start = clock()
+                            if path == "amx":
+                                linear._amx_product(x)
+                            else:
+                                dense(x)
+                            if repeat:
+                                times[path].append(clock() - start)
+                    amx, dense_ms = (statistics.median(times[p]) * 1e3 for p in ("amx", "dense"))
+                    ratios.append(amx / dense_ms)
+                    results.append(
+                        {
+                            "format": fmt,
+                            "projection": name,
+                            "rows": n,
+                            "amx_ms": amx,
+                            "dense_ms": dense_ms,
+                        }  # fmt: skip
+                    )
+                print(
+                    f"{fmt} {name:8s} (crossover {k_amx_below_rows(linear.parts):3d}) "
+                    + " ".join(f"{n}: {r:4.2f}" for n, r in zip(rows_list, ratios, strict=True)),
+                    flush=True,
+                )
+    return {"shape": args.shape, "rows": results}
