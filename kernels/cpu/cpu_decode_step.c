@@ -787,9 +787,10 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                                            threads);
 }
 
-/* asyncengine_decode_step on a team of `threads`, its attention items (split-K: what is summed
- * in which order) planned for `plan_threads` whatever the team's size, so that a step gives the
- * same bits on any team (the products split outputs, never a sum) */
+/* asyncengine_decode_step on a team of `threads`, what it sums in pieces planned for
+ * `plan_threads` whatever the team's size (the attention items: split-K ranges; the LoRA
+ * shrinks' shares, lora_shrink_late), so that a step gives the same bits on any team (the
+ * products split outputs, never a sum) */
 int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, int64_t n,
                                     const int64_t *positions, const int64_t *slots,
                                     const int32_t *block_table, int64_t table_stride,
