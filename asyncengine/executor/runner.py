@@ -34,6 +34,7 @@ from asyncengine.executor.lora.lora_step import lora_step
 from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.prompt_logprobs import logits_and_scores
 from asyncengine.executor.sampler import Sampler
+from asyncengine.kernels.cpu.plan_threads import planning_for
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.speculative.acceptance import accepted_prefix
 
@@ -264,15 +265,17 @@ class ModelRunner:
         """Forward the plan and sample one token per entry of ``plan.sampling``, plan order."""
         if self.step_threads is None:
             return self._execute(plan)
-        return run_on_chosen_threads(
-            self.step_threads,
-            plan.num_tokens,
-            bool(plan.extends),
-            lambda: self._execute(plan),
-            torch.set_num_threads,
-            time.perf_counter,
-            time.process_time,
-        )
+        # the kernels' split-K pieces planned for all threads on either count: the same bits
+        with planning_for(self.step_threads.most):
+            return run_on_chosen_threads(
+                self.step_threads,
+                plan.num_tokens,
+                bool(plan.extends),
+                lambda: self._execute(plan),
+                torch.set_num_threads,
+                time.perf_counter,
+                time.process_time,
+            )
 
     def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
         """``execute`` in two halves: this one starts the step and returns the wait for its

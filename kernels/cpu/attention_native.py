@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.plan_threads import plan_threads
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int8)
@@ -166,7 +167,10 @@ def native_extend_attention(
 
 
 def _kernel(kv_dtype: torch.dtype = torch.float32) -> Any:
-    return _bound(_DECODE_LIB, "asyncengine_paged_decode_attention", _DECODE_ARGS, kv_dtype)
+    # its split-K ranges planned for plan_threads() on a team of torch's count (plan_threads.py)
+    return _bound(
+        _DECODE_LIB, "asyncengine_paged_decode_attention_planned", _PLANNED_ARGS, kv_dtype
+    )
 
 
 def _bound(library: str, name: str, argtypes: list[Any], kv_dtype: torch.dtype) -> Any:
@@ -188,6 +192,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]
 _DECODE_ARGS += [ctypes.c_float, _I64, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
 _EXTEND_ARGS = [*_DECODE_ARGS[:6], _PTR, *_DECODE_ARGS[6:]]
+_PLANNED_ARGS = [*_DECODE_ARGS, ctypes.c_int]  # and the threads its items are planned for
 
 
 def plan_native_decode(
@@ -245,6 +250,7 @@ def native_decode_attention(
         out.data_ptr(),
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
+        plan_threads(),
     )
     if rc != 0:
         raise ValueError(

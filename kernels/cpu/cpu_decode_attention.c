@@ -504,18 +504,38 @@ static inline int first_key(int len, int64_t window) {
  * the torch path): H a multiple of Hkv, H / Hkv <= MAX_GROUP, D a multiple of 32, <= 256.
  * ``window`` > 0: the query (at position len - 1) sees its last ``window`` keys only;
  * ``softcap`` > 0: scaled scores s become softcap * tanh(s / softcap) before the softmax. */
+int asyncengine_paged_decode_attention_planned(
+    const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+    const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, int64_t B,
+    int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, int64_t window,
+    float softcap, void *out, int is_bf16, int num_threads, int plan_threads);
+
 int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                                        const void *v_cache,
                                        const int32_t *block_table, int64_t table_stride,
                                        const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
                                        int64_t D, int64_t page_size, float scale, int64_t window,
                                        float softcap, void *out, int is_bf16, int num_threads) {
+    return asyncengine_paged_decode_attention_planned(
+        q, q_stride, k_cache, v_cache, block_table, table_stride, seq_lens, B, H, Hkv, D,
+        page_size, scale, window, softcap, out, is_bf16, num_threads, num_threads);
+}
+
+/* The same on a team of `num_threads`, the items (whole requests or split-K ranges: what is
+ * summed in which order) chosen for `plan_threads` whatever the team's size, so that any team
+ * gives the same bits. */
+int asyncengine_paged_decode_attention_planned(
+    const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+    const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, int64_t B,
+    int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale, int64_t window,
+    float softcap, void *out, int is_bf16, int num_threads, int plan_threads) {
+    if (plan_threads < 1) plan_threads = 1;
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM ||
         ((KV_IS_F16 || KV_IS_I8) && is_bf16))
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
 #ifdef __AVX512F__
-    if (fast != NULL && B >= 4 * num_threads) {
+    if (fast != NULL && B >= 4 * plan_threads) {
         /* Whole requests, thread t taking t, t + T, ...: while one request computes (its heads
          * in turn), the thread streams the rows of its next request into L2, spread over the
          * key blocks; its first request is cold and prefetches its own rows ahead instead. */
@@ -548,7 +568,7 @@ int asyncengine_paged_decode_attention(const void *q, int64_t q_stride, const vo
         const int keys = seq_lens[b] - first_key(seq_lens[b], window);
         longest = keys > longest ? keys : longest;
     }
-    const int64_t splits = split_count(B * Hkv, longest, num_threads);
+    const int64_t splits = split_count(B * Hkv, longest, plan_threads);
     const int64_t G = H / Hkv, stride = ATTN_PART(G, D);
     float *parts = NULL;
     atomic_int *done = NULL;

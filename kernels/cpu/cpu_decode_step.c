@@ -279,12 +279,16 @@ static void barrier_wait(team_barrier *b, int *my_sense) {
     }
 }
 
-/* this thread's contiguous share [*first, *last) of count items (sizes differ by one at most) */
-static inline void share(int64_t count, int64_t *first, int64_t *last) {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+/* share t of nt: [*first, *last) of count items (sizes differ by one at most) */
+static inline void share_of(int64_t count, int64_t t, int64_t nt, int64_t *first, int64_t *last) {
     const int64_t q = count / nt, r = count % nt;
     *first = t * q + (t < r ? t : r);
     *last = *first + q + (t < r ? 1 : 0);
+}
+
+/* this thread's contiguous share [*first, *last) of count items */
+static inline void share(int64_t count, int64_t *first, int64_t *last) {
+    share_of(count, omp_get_thread_num(), omp_get_num_threads(), first, last);
 }
 
 /* the weight bytes of rows 0..row-1 of lin */
@@ -303,13 +307,13 @@ static inline int64_t bytes_before(const qlinear *lin, int64_t row) {
  * each thread streaming about the same weight bytes: a tile goes to the thread whose equal part
  * of the bytes holds the tile's middle byte. A fused q/k/v of a Q4_K_M model is Q4_K rows (144
  * bytes per 256 values) and Q6_K ones (210): split by rows, the thread with v read ~15% more. */
-static inline void share_bytes(const qlinear *lin, int64_t rows, int64_t *first, int64_t *last) {
+static inline void share_bytes_of(const qlinear *lin, int64_t rows, int64_t t, int64_t nt,
+                                  int64_t *first, int64_t *last) {
     const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
     if (lin->num_parts == 1) {
-        share(tiles, first, last);
+        share_of(tiles, t, nt, first, last);
         return;
     }
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const double total = (double)bytes_before(lin, rows);
     *first = *last = 0;
     int found = 0;
@@ -325,6 +329,10 @@ static inline void share_bytes(const qlinear *lin, int64_t rows, int64_t *first,
             *last = i + 1;
         }
     }
+}
+
+static inline void share_bytes(const qlinear *lin, int64_t rows, int64_t *first, int64_t *last) {
+    share_bytes_of(lin, rows, omp_get_thread_num(), omp_get_num_threads(), first, last);
 }
 
 /* bytes the first weight row `row` of lin on (within its part) asked for ahead of its phase */
@@ -702,31 +710,93 @@ static void lora_expand_share(const model_desc *m, int64_t l, int which, const f
     }
 }
 
-/* this thread's share of the outputs of gemv(lin, rows): o0 <= o < o1 */
-static inline void gemv_share_outputs(const qlinear *lin, int64_t rows, int64_t *o0, int64_t *o1) {
+/* share t of nt of the outputs of gemv(lin, rows): o0 <= o < o1 */
+static inline void gemv_share_outputs_of(const qlinear *lin, int64_t rows, int64_t t, int64_t nt,
+                                         int64_t *o0, int64_t *o1) {
     int64_t t0, t1;
-    share_bytes(lin, rows, &t0, &t1);
+    share_bytes_of(lin, rows, t, nt, &t0, &t1);
     *o0 = t0 * ROW_TILE;
     *o1 = t1 * ROW_TILE < rows ? t1 * ROW_TILE : rows;
     if (*o0 > *o1) *o0 = *o1;
 }
 
-/* this thread's share of gate_up_silu's pairs: j0 <= j < j1 */
-static inline void gate_up_share_pairs(int64_t inter, int64_t *j0, int64_t *j1) {
+/* this thread's share of the outputs of gemv(lin, rows) */
+static inline void gemv_share_outputs(const qlinear *lin, int64_t rows, int64_t *o0, int64_t *o1) {
+    gemv_share_outputs_of(lin, rows, omp_get_thread_num(), omp_get_num_threads(), o0, o1);
+}
+
+/* share t of nt of gate_up_silu's pairs: j0 <= j < j1 */
+static inline void gate_up_share_pairs_of(int64_t inter, int64_t t, int64_t nt, int64_t *j0,
+                                          int64_t *j1) {
     int64_t t0, t1;
-    share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
+    share_of((inter + PAIR_TILE - 1) / PAIR_TILE, t, nt, &t0, &t1);
     *j0 = t0 * PAIR_TILE;
     *j1 = t1 * PAIR_TILE < inter ? t1 * PAIR_TILE : inter;
     if (*j0 > *j1) *j0 = *j1;
 }
 
+/* this thread's share of gate_up_silu's pairs */
+static inline void gate_up_share_pairs(int64_t inter, int64_t *j0, int64_t *j1) {
+    gate_up_share_pairs_of(inter, omp_get_thread_num(), omp_get_num_threads(), j0, j1);
+}
+
+/* The LoRA shrinks of a team other than the plan's (cpu_decode_step_planned): after the barrier
+ * that makes the input final, the team's threads take the plan's shares in turn, each share's
+ * part in its own slot, so that the sum after the next barrier adds the parts a team of
+ * plan_threads would, in its order. which: the shrink after o_proj (gate/up's, into norm_parts),
+ * after gate_up_silu (down's, into down_parts) or after down (the next layer's q/k/v's). */
+enum { LATE_GATE_UP, LATE_DOWN, LATE_NEXT_QKV };
+static void lora_shrink_late(const model_desc *m, int64_t l, int which, const float *residual,
+                             const float *mlp, int64_t plan, float *norm_parts, float *down_parts,
+                             int64_t part_stride, float *xw, float *t) {
+    const layer_desc *L = &m->layers[l];
+    const int64_t H = m->hidden, inter = m->inter;
+    for (int64_t p = omp_get_thread_num(); p < plan; p += omp_get_num_threads()) {
+        int64_t c0, c1;
+        if (which == LATE_GATE_UP) {
+            gemv_share_outputs_of(&L->o_proj, H, p, plan, &c0, &c1);
+            lora_shrink_share(m, l, LORA_GATE_UP, residual, H, L->post_norm, c0, c1,
+                              norm_parts + p * part_stride, xw, t);
+        } else if (which == LATE_DOWN) {
+            gate_up_share_pairs_of(inter, p, plan, &c0, &c1);
+            lora_shrink_share(m, l, LORA_DOWN, mlp, inter, NULL, c0, c1,
+                              down_parts + p * part_stride, xw, t);
+        } else {
+            gemv_share_outputs_of(&L->down, H, p, plan, &c0, &c1);
+            lora_shrink_share(m, l + 1, LORA_QKV, residual, H, m->layers[l + 1].input_norm, c0,
+                              c1, norm_parts + p * part_stride, xw, t);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
+
+int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, int64_t n,
+                                    const int64_t *positions, const int64_t *slots,
+                                    const int32_t *block_table, int64_t table_stride,
+                                    const int32_t *seq_lens, int64_t page_size, float *out,
+                                    int threads, int plan_threads);
 
 /* 0 on success, -1 when a buffer could not be allocated (out untouched) */
 int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                              const int64_t *positions, const int64_t *slots,
                              const int32_t *block_table, int64_t table_stride,
                              const int32_t *seq_lens, int64_t page_size, float *out, int threads) {
+    return asyncengine_decode_step_planned(m, hidden, n, positions, slots, block_table,
+                                           table_stride, seq_lens, page_size, out, threads,
+                                           threads);
+}
+
+/* asyncengine_decode_step on a team of `threads`, what it sums in pieces planned for
+ * `plan_threads` whatever the team's size (the attention items: split-K ranges; the LoRA
+ * shrinks' shares, lora_shrink_late), so that a step gives the same bits on any team (the
+ * products split outputs, never a sum) */
+int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, int64_t n,
+                                    const int64_t *positions, const int64_t *slots,
+                                    const int32_t *block_table, int64_t table_stride,
+                                    const int32_t *seq_lens, int64_t page_size, float *out,
+                                    int threads, int plan_threads) {
+    if (plan_threads < 1) plan_threads = 1;
     const int64_t H = m->hidden, D = m->head_dim, half = D / 2, heads = m->num_heads;
     const int64_t kv_heads = m->num_kv_heads, group = heads / kv_heads, inter = m->inter;
     const int64_t q_size = heads * D, qkv_size = (heads + 2 * kv_heads) * D;
@@ -741,7 +811,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     atomic_llong *claimed = (atomic_llong *)malloc((size_t)m->num_layers * sizeof(atomic_llong));
     /* split-K (plan_items): the ranges' states, and a counter per (layer, unit) */
     const int64_t units = n * kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
-    const int may_split = units < 4 * (int64_t)threads;
+    const int may_split = units < 4 * (int64_t)plan_threads;
     float *parts = may_split ? (float *)malloc((size_t)split_floats(n, kv_heads, group, D) *
                                                sizeof(float) + 1)
                              : NULL;
@@ -754,8 +824,9 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
     const int64_t lora_scratch = lora ? 2 * LORA_ROWS * lora->max_rank + 1 : 0;
     /* the shrinks' parts (lora_shrink_share): q/k/v's and gate/up's, then down's, per thread */
     const int64_t part_stride = lora ? lora->n_order * lora->max_rank : 0;
+    const int64_t part_slots = threads > plan_threads ? threads : plan_threads;
     float *lora_parts =
-        lora ? (float *)malloc((size_t)(2 * threads * part_stride + 1) * sizeof(float)) : NULL;
+        lora ? (float *)malloc((size_t)(2 * part_slots * part_stride + 1) * sizeof(float)) : NULL;
     int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
                  (may_split && (!parts || !done_ranges)) || (lora && (!lora_gu || !lora_parts));
     if (failed) goto done;
@@ -793,9 +864,10 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
         seen_failed = failed;
         const int ok = !seen_failed;
         int my_sense = 0;
-        const attn_items items =
-            plan_items(order, n, kv_heads, group, phase_barrier.threads, seq_lens);
-        const int team = phase_barrier.threads;
+        const attn_items items = plan_items(order, n, kv_heads, group, plan_threads, seq_lens);
+        /* LoRA shrinks: each thread its own share where the team is the plan's, else the plan's
+         * shares after the barrier (lora_shrink_late); summed over the plan's parts either way */
+        const int team = plan_threads, late = phase_barrier.threads != plan_threads;
         float *const norm_parts = lora_parts, *const down_parts = lora_parts + team * part_stride;
         float *const my_norm_part = norm_parts + omp_get_thread_num() * part_stride;
         float *const my_down_part = down_parts + omp_get_thread_num() * part_stride;
@@ -885,11 +957,17 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, residual, H, lora_t);
                     int64_t o0, o1; /* this thread's share of the residual is final: gate/up's */
                     gemv_share_outputs(&L->o_proj, H, &o0, &o1);
-                    lora_shrink_share(m, l, LORA_GATE_UP, residual, H, L->post_norm, o0, o1,
-                                      my_norm_part, lora_xw, lora_t);
+                    if (!late)
+                        lora_shrink_share(m, l, LORA_GATE_UP, residual, H, L->post_norm, o0, o1,
+                                          my_norm_part, lora_xw, lora_t);
                 }
                 prefetch_gate_up_share(&L->gate_up, inter);
                 barrier_wait(&phase_barrier, &my_sense);
+                if (lora && late) {
+                    lora_shrink_late(m, l, LATE_GATE_UP, residual, mlp, plan_threads, norm_parts,
+                                     down_parts, part_stride, lora_xw, lora_t);
+                    barrier_wait(&phase_barrier, &my_sense);
+                }
 
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->post_norm, H, m->eps, x + i * H);
@@ -909,7 +987,7 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                                       lora_t);
                 }
                 gate_up_silu(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL);
-                if (lora) { /* this thread's pairs of mlp are final: down's shrink over them */
+                if (lora && !late) { /* this thread's pairs of mlp are final: down's shrink */
                     int64_t j0, j1;
                     gate_up_share_pairs(inter, &j0, &j1);
                     lora_shrink_share(m, l, LORA_DOWN, mlp, inter, NULL, j0, j1, my_down_part,
@@ -917,6 +995,11 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                 }
                 prefetch_gemv_share(&L->down, H);
                 barrier_wait(&phase_barrier, &my_sense);
+                if (lora && late) {
+                    lora_shrink_late(m, l, LATE_DOWN, residual, mlp, plan_threads, norm_parts,
+                                     down_parts, part_stride, lora_xw, lora_t);
+                    barrier_wait(&phase_barrier, &my_sense);
+                }
 
                 quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
                 gemv(&L->down, H, &a, n, residual, H, 1);
@@ -925,13 +1008,18 @@ int asyncengine_decode_step(const model_desc *m, const float *hidden, int64_t n,
                     gemv_share_outputs(&L->down, H, &o0, &o1);
                     lora_expand_share(m, l, LORA_DOWN, down_parts, part_stride, team, NULL, H,
                                       m->eps, residual, H, o0, o1, 0, lora_t);
-                    if (l + 1 < m->num_layers) /* the next q/k/v's, over this share */
+                    if (l + 1 < m->num_layers && !late) /* the next q/k/v's, over this share */
                         lora_shrink_share(m, l + 1, LORA_QKV, residual, H,
                                           m->layers[l + 1].input_norm, o0, o1, my_norm_part,
                                           lora_xw, lora_t);
                 }
                 if (l + 1 < m->num_layers) prefetch_gemv_share(&m->layers[l + 1].qkv, qkv_size);
                 barrier_wait(&phase_barrier, &my_sense);
+                if (lora && late && l + 1 < m->num_layers) {
+                    lora_shrink_late(m, l, LATE_NEXT_QKV, residual, mlp, plan_threads, norm_parts,
+                                     down_parts, part_stride, lora_xw, lora_t);
+                    barrier_wait(&phase_barrier, &my_sense);
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++)

@@ -16,7 +16,9 @@
 #define SPLIT_MIN_KEYS 256
 #define MAX_SPLITS 16
 
-/* ranges for `units` items of up to `longest` keys on `threads` threads: enough for 4 items a
+/* ranges for `units` items of up to `longest` keys on `threads` threads (the count the step is
+ * planned for, not its team: the ranges set the merge's rounding, and a step's bits must not
+ * depend on the team that runs it, plan_threads.py): enough for 4 items a
  * thread, each of SPLIT_MIN_KEYS keys at least; 1 (no split) where that leaves fewer than 2.
  * Where it can, the items' count is a multiple of the threads (3 units of 3 ranges on 2 threads
  * left one thread 5 ranges to the other's 4: a step ~10% longer than an even share). */

@@ -10,8 +10,10 @@
  * A thread expands the outputs of its own share of the projection (the rows its gemv wrote), so
  * no barrier is added. The shrinks of down and of the next layer's gate/up and q/k/v are split
  * over the team by input (cpu_decode_step.c, lora_shrink_share: each thread over the share of
- * the input it wrote, summed after the barrier the step has anyway); o_proj's and the first
- * layer's q/k/v's are done whole by each thread for the rank blocks its share meets. */
+ * the input it wrote, summed after the barrier the step has anyway; a team smaller than the
+ * step's plan shrinks the plan's shares after that barrier, so the sum is the same bits);
+ * o_proj's and the first layer's q/k/v's are done whole by each thread for the rank blocks its
+ * share meets. */
 #ifndef ASYNCENGINE_CPU_STEP_LORA_H
 #define ASYNCENGINE_CPU_STEP_LORA_H
 

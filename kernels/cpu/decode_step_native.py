@@ -22,6 +22,7 @@ import torch
 
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_lora import LoraDesc, StepLora
+from asyncengine.kernels.cpu.plan_threads import plan_threads
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference.kv_int8_ref import pool_row
 
@@ -96,6 +97,10 @@ def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     fn.argtypes = [
         ctypes.POINTER(_Model), _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int
     ]  # fmt: skip
+    # and the threads its attention items are planned for (plan_threads.py)
+    planned = lib.asyncengine_decode_step_planned
+    planned.restype = ctypes.c_int
+    planned.argtypes = [*fn.argtypes, ctypes.c_int]
     attention = lib.asyncengine_group_attention
     attention.restype = ctypes.c_int
     attention.argtypes = [
@@ -283,7 +288,7 @@ class DecodeStepModel:
             raise ValueError(f"LoRA rows for {lora.num_rows} rows, not {n}")
         out = torch.empty((n, self.shape.hidden), dtype=torch.float32)
         self._model.lora = None if lora is None else ctypes.pointer(lora.desc)
-        status = lib.asyncengine_decode_step(
+        status = lib.asyncengine_decode_step_planned(
             ctypes.byref(self._model),
             hidden.data_ptr(),
             n,
@@ -295,6 +300,7 @@ class DecodeStepModel:
             page_size,
             out.data_ptr(),
             torch.get_num_threads(),
+            plan_threads(),
         )
         self._model.lora = None
         if status != 0:

@@ -3,9 +3,13 @@ each step gets as the load comes and goes, and that the count never changes a re
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
+from asyncengine.common.plan import BatchPlan, Segment
 from asyncengine.executor.cpu.step_threads import (
     CHOOSE_BELOW_ROWS,
     CHOOSE_DECODE_ROWS,
@@ -17,9 +21,20 @@ from asyncengine.executor.cpu.step_threads import (
     step_threads,
 )
 from asyncengine.executor.layers.linear import make_linear
-from asyncengine.kernels.cpu import quant_native
+from asyncengine.executor.loader.quantized import quantize_int8
+from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu.attention_native import native_decode_attention, plan_native_decode
+from asyncengine.kernels.cpu.plan_threads import plan_threads, planning_for
+from tests.conftest import TinyCheckpoint
+from tests.executor.lora_support import write_adapters
+from tests.executor.test_lora_parity import REQUESTS, _greedy, _harness
+from tests.executor.test_model_parity import Harness
+from tests.executor.test_native_decode import Pair
 
 ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
+native = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
 
 
 class FakeMachine:
@@ -208,3 +223,115 @@ def test_one_stream_decodes_choose_apart_from_prompt_steps() -> None:
     counts = [quiet.step(chooser, rows=1, prompt_rows=False) for _ in range(300)]
     assert counts[:3] == [1, 1, 2]
     assert counts[3:].count(1) <= 5  # the tries, ever rarer
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch on two threads (the process's count a chooser starts from), set back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _on_one_thread_and_on_two(step: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """``step()`` on one thread and on two, its work planned for two (as a chosen step's is)."""
+    results = []
+    with planning_for(2):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(step())
+    return results
+
+
+# keys of one row where split-K cuts 4 ranges for one thread and 8 for two (cpu_split_k.h)
+LONG_KEYS = 2100
+
+
+@native
+def test_a_long_one_row_decode_is_bit_identical_on_one_thread_and_on_two(
+    tiny_llama: TinyCheckpoint, two_threads: None
+) -> None:
+    """The fused step's split-K attention: its key ranges are planned for the process's count,
+    so a team of one sums the same ranges in the same order."""
+    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+    model = pair.native.model.native_decode
+    assert model is not None
+    c = pair.config
+    page_size, pages = 16, -(-LONG_KEYS // 16) + 1
+    gen = torch.Generator().manual_seed(LONG_KEYS)
+    shape = (pages * page_size, c.num_kv_heads, c.head_dim)
+    k = [torch.randn(shape, generator=gen) for _ in range(c.num_layers)]
+    v = [torch.randn(shape, generator=gen) for _ in range(c.num_layers)]
+    model.bind_caches(k, v)  # the step rewrites its own key's slot with the same values
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
+    last = LONG_KEYS - 1
+    slot = int(table[0, last // page_size]) * page_size + last % page_size
+    hidden = torch.randn(1, c.hidden_size, generator=gen)
+    lens = torch.tensor([LONG_KEYS], dtype=torch.int32)
+
+    def step() -> torch.Tensor:
+        return model.step(hidden, torch.tensor([100]), torch.tensor([slot]), table, lens, 16)
+
+    one, two = _on_one_thread_and_on_two(step)
+    assert torch.isfinite(one).all()
+    assert torch.equal(one, two)
+
+
+@native
+def test_the_paged_decode_kernel_is_bit_identical_on_one_thread_and_on_two(
+    two_threads: None,
+) -> None:
+    """The layer-by-layer path's decode attention (cpu_decode_attention.c), split-K alike:
+    SmolLM2's heads (9 query, 3 kv, 64 wide) over one long row."""
+    gen = torch.Generator().manual_seed(7)
+    page_size, pages = 16, -(-LONG_KEYS // 16)
+    k_cache = torch.randn(pages * page_size, 3, 64, generator=gen)
+    v_cache = torch.randn(pages * page_size, 3, 64, generator=gen)
+    q = torch.randn(1, 9, 64, generator=gen)
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
+    plan = plan_native_decode(table, torch.tensor([LONG_KEYS]), page_size, 9, k_cache)
+    assert plan is not None
+    one, two = _on_one_thread_and_on_two(
+        lambda: native_decode_attention(q, k_cache, v_cache, plan, 0.125)
+    )
+    assert torch.equal(one, two)
+
+
+@native
+def test_a_decode_step_with_lora_rows_is_bit_identical_on_one_thread_and_on_two(
+    tiny_llama: TinyCheckpoint, tmp_path: Path, two_threads: None
+) -> None:
+    """The fused step's LoRA shrinks, split over the team by input: a team of one sums the
+    parts of the shares a team of two would, in their order."""
+    h = _harness(tiny_llama, write_adapters(tiny_llama.path, tmp_path))
+    assert h.runner.model.native_decode is not None
+    prefill = [
+        Segment(f"r{row}", row, prompt, 0, True, lora=lora)
+        for row, (lora, prompt) in enumerate(REQUESTS)
+    ]
+    firsts = h.runner.forward_logits(
+        BatchPlan(step=0, extends=prefill, sampling=_greedy(len(REQUESTS)))
+    ).argmax(-1)
+    decodes = [
+        Segment(f"r{row}", row, [int(firsts[row])], len(prompt), True, lora=lora)
+        for row, (lora, prompt) in enumerate(REQUESTS)
+    ]
+    plan = BatchPlan(step=1, decodes=decodes, sampling=_greedy(len(REQUESTS)))
+    one, two = _on_one_thread_and_on_two(lambda: h.runner.forward_logits(plan))
+    assert torch.equal(one, two)
+
+
+def test_a_chosen_step_plans_the_kernels_for_the_process_count(
+    tiny_llama: TinyCheckpoint, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's steps on one thread still plan the kernels' pieces for two."""
+    runner = Harness(tiny_llama, page_size=4).runner
+    runner.step_threads = StepThreads(2)
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        runner, "_execute", lambda plan: seen.append((torch.get_num_threads(), plan_threads()))
+    )
+    runner.execute(BatchPlan(step=0))  # a class's first step: on one thread
+    assert seen == [(1, 2)]
+    assert plan_threads() == torch.get_num_threads() == 2  # outside a step: torch's count

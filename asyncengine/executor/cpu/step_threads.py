@@ -25,8 +25,11 @@ and half its speed on one thread; beside other processes two spinning threads lo
 get on all threads: process CPU time over threads x wall time, ~0.98 on idle cores, ~0.5 beside the load
 (``cpu_share``, smoothed). Below ``CONTENDED_SHARE`` every step chooses, until watched steps run
 on all threads with their cores again (a class's try of all threads that wins, then its steps).
-Both counts give bit-identical results (the products split rows and columns across threads,
-never a sum: tests/executor/test_step_threads.py), so the choice changes speed only.
+Both counts give bit-identical results, so the choice changes speed only: the products split
+rows and columns across threads, never a sum, and the native sums that are split (split-K
+attention's key ranges, the fused step's LoRA shrinks by input) are cut for ``most`` threads
+whatever the team that runs them (kernels/cpu/plan_threads.py: the runner plans every step for
+``most``). tests/executor/test_step_threads.py checks both.
 
 ``ASYNCENGINE_ADAPTIVE_THREADS=0`` keeps every step on the thread count the process starts with.
 """
