@@ -8,6 +8,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,3 +215,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return "ray" if file in RAY_TEST_FILES else file
 
     return FileScheduling(config, log)
+
+
+@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread count for the test: a native kernel's work split over 1, 2 and 3 threads
+    (a module overrides it where other counts matter)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

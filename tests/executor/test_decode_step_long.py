@@ -7,8 +7,6 @@ bit, later layers' from inputs that differ in summation order), nothing else wri
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,14 +18,6 @@ from tests.executor.test_native_decode import Pair
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
 )
-
-
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -11,7 +11,6 @@ float32 query and the first oracle is the plain reference."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,14 +43,6 @@ SHAPES = [
 ]
 # around 16-key blocks, 32-key prefetch blocks and 256-key split-K ranges
 SEQ_LENS = [[1, 15, 16, 17, 31, 33], [255], [257, 3], [513], [1031]]
-
-
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def check(got: torch.Tensor, q: torch.Tensor, kv: PagedInt8KV, page_size: int) -> None:

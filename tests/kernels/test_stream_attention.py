@@ -32,14 +32,6 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     decode_step_native._library.cache_clear()
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size"),
