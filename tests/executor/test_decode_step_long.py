@@ -7,6 +7,9 @@ bit, later layers' from inputs that differ in summation order), nothing else wri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,36 +23,57 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("keys", [600, 1101])
-def test_one_long_row_is_the_same_row_in_a_batch(
-    tiny_llama: TinyCheckpoint, threads: int, dtype: torch.dtype, keys: int
-) -> None:
-    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
+@dataclass(frozen=True, slots=True)
+class LongRow:
+    """One request of ``keys`` keys for tiny_llama's fused step (int8 weights): every layer's
+    random K/V, the row's pages in random order, its new key's slot and a hidden state."""
+
+    model: Any  # the native DecodeStepModel
+    num_layers: int
+    page_size: int
+    keys: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    table: torch.Tensor  # [1, pages]
+    slot: int
+    hidden: torch.Tensor  # [1, hidden]
+
+
+def long_row(checkpoint: TinyCheckpoint, keys: int, dtype: torch.dtype = torch.float32) -> LongRow:
+    pair = Pair(checkpoint, quantize_int8(checkpoint.load_weights()))
     model = pair.native.model.native_decode
     assert model is not None
     c = pair.config
     page_size, pages = 16, -(-keys // 16) + 1
     gen = torch.Generator().manual_seed(keys)
     shape = (pages * page_size, c.num_kv_heads, c.head_dim)
-    base_k = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
-    base_v = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
+    k = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
+    v = [torch.randn(shape, generator=gen).to(dtype) for _ in range(c.num_layers)]
     table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
     last = keys - 1  # the new key's position in the row; rotary at position 100 (any)
     slot = int(table[0, last // page_size]) * page_size + last % page_size
     hidden = torch.randn(1, c.hidden_size, generator=gen).to(dtype)
+    return LongRow(model, c.num_layers, page_size, keys, k, v, table, slot, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("keys", [600, 1101])
+def test_one_long_row_is_the_same_row_in_a_batch(
+    tiny_llama: TinyCheckpoint, threads: int, dtype: torch.dtype, keys: int
+) -> None:
+    row = long_row(tiny_llama, keys, dtype)
 
     def run(rows: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        k = [t.clone() for t in base_k]
-        v = [t.clone() for t in base_v]
-        model.bind_caches(k, v)
-        out = model.step(
-            hidden.expand(rows, -1).contiguous(),
+        k = [t.clone() for t in row.k]
+        v = [t.clone() for t in row.v]
+        row.model.bind_caches(k, v)
+        out = row.model.step(
+            row.hidden.expand(rows, -1).contiguous(),
             torch.full((rows,), 100),
-            torch.full((rows,), slot),
-            table.expand(rows, -1).contiguous(),
+            torch.full((rows,), row.slot),
+            row.table.expand(rows, -1).contiguous(),
             torch.full((rows,), keys, dtype=torch.int32),
-            page_size,
+            row.page_size,
         )
         return out[:1].float(), k, v
 
@@ -58,9 +82,9 @@ def test_one_long_row_is_the_same_row_in_a_batch(
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
     assert torch.equal(k_one[0], k_batch[0]) and torch.equal(v_one[0], v_batch[0])
-    for layer in range(1, c.num_layers):  # from inputs equal within summation order
+    for layer in range(1, row.num_layers):  # from inputs equal within summation order
         torch.testing.assert_close(k_one[layer], k_batch[layer], atol=1e-4, rtol=1e-2)
         torch.testing.assert_close(v_one[layer], v_batch[layer], atol=1e-4, rtol=1e-2)
-        others = torch.ones(shape[0], dtype=torch.bool)
-        others[slot] = False
-        assert torch.equal(k_one[layer][others], base_k[layer][others])
+        others = torch.ones(row.k[layer].shape[0], dtype=torch.bool)
+        others[row.slot] = False
+        assert torch.equal(k_one[layer][others], row.k[layer][others])

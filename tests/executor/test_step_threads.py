@@ -21,15 +21,14 @@ from asyncengine.executor.cpu.step_threads import (
     step_threads,
 )
 from asyncengine.executor.layers.linear import make_linear
-from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.kernels.cpu import cpu_native, quant_native
 from asyncengine.kernels.cpu.attention_native import native_decode_attention, plan_native_decode
 from asyncengine.kernels.cpu.plan_threads import plan_threads, planning_for
 from tests.conftest import TinyCheckpoint
 from tests.executor.lora_support import write_adapters
+from tests.executor.test_decode_step_long import long_row
 from tests.executor.test_lora_parity import REQUESTS, _greedy, _harness
 from tests.executor.test_model_parity import Harness
-from tests.executor.test_native_decode import Pair
 
 ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
 native = pytest.mark.skipif(
@@ -254,24 +253,13 @@ def test_a_long_one_row_decode_is_bit_identical_on_one_thread_and_on_two(
 ) -> None:
     """The fused step's split-K attention: its key ranges are planned for the process's count,
     so a team of one sums the same ranges in the same order."""
-    pair = Pair(tiny_llama, quantize_int8(tiny_llama.load_weights()))
-    model = pair.native.model.native_decode
-    assert model is not None
-    c = pair.config
-    page_size, pages = 16, -(-LONG_KEYS // 16) + 1
-    gen = torch.Generator().manual_seed(LONG_KEYS)
-    shape = (pages * page_size, c.num_kv_heads, c.head_dim)
-    k = [torch.randn(shape, generator=gen) for _ in range(c.num_layers)]
-    v = [torch.randn(shape, generator=gen) for _ in range(c.num_layers)]
-    model.bind_caches(k, v)  # the step rewrites its own key's slot with the same values
-    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
-    last = LONG_KEYS - 1
-    slot = int(table[0, last // page_size]) * page_size + last % page_size
-    hidden = torch.randn(1, c.hidden_size, generator=gen)
+    row = long_row(tiny_llama, LONG_KEYS)
+    row.model.bind_caches(row.k, row.v)  # the step rewrites its own key's slot with the same values
     lens = torch.tensor([LONG_KEYS], dtype=torch.int32)
 
     def step() -> torch.Tensor:
-        return model.step(hidden, torch.tensor([100]), torch.tensor([slot]), table, lens, 16)
+        slots = torch.tensor([row.slot])
+        return row.model.step(row.hidden, torch.tensor([100]), slots, row.table, lens, 16)
 
     one, two = _on_one_thread_and_on_two(step)
     assert torch.isfinite(one).all()
