@@ -49,18 +49,21 @@ def expected(hf_greedy) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return asyncio.run(chat(generate, seed=5))
 
 
-async def run_engine(model: Path, **config: object) -> tuple[list[list[int]], dict]:
-    engine = AsyncEngine(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            page_size=4,
-            kv_cache_tokens=128,  # the conversations hold ~4x more
-            swap_space_bytes=1 << 20,
-            log_interval=0,
-            **config,  # type: ignore[arg-type]
-        )
+def tier_config(model: Path, **config: object) -> EngineConfig:
+    """The tiny float32 model with a 128-token pool, a host buffer beside it, ``config`` on top."""
+    return EngineConfig(
+        model=str(model),
+        dtype="float32",
+        page_size=4,
+        kv_cache_tokens=128,  # the conversations hold ~4x more
+        swap_space_bytes=1 << 20,
+        log_interval=0,
+        **config,  # type: ignore[arg-type]
     )
+
+
+async def run_engine(model: Path, **config: object) -> tuple[list[list[int]], dict]:
+    engine = AsyncEngine(tier_config(model, **config))
     params = SamplingParams(max_new_tokens=ANSWER, temperature=0, ignore_eos=True)
     async with engine:
         engine.step_hooks.append(lambda plan: engine.scheduler.kv.check_invariant())

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine import EngineConfig
 from asyncengine.sim.closed_loop import (
     ClosedLoopRun,
     conversations_of,
@@ -18,6 +17,7 @@ from asyncengine.sim.closed_loop import (
 )
 from asyncengine.workloads.generators import multi_turn
 from tests.api.test_engine_parity import VOCAB, tiny_chat_model  # noqa: F401
+from tests.api.test_host_tier_parity import tier_config
 
 CONVERSATIONS, TURNS = 6, 3
 
@@ -57,15 +57,7 @@ def test_conversations_are_read_back_out_of_a_multi_turn_workload() -> None:
 
 
 def run(model: Path, concurrency: int, **config: object) -> ClosedLoopRun:
-    engine_config = EngineConfig(
-        model=str(model),
-        dtype="float32",
-        page_size=4,
-        kv_cache_tokens=128,  # the conversations hold ~4x more
-        swap_space_bytes=1 << 20,
-        log_interval=0,
-        **config,  # type: ignore[arg-type]
-    )
+    engine_config = tier_config(model, **config)
     return asyncio.run(replay_closed_loop(engine_config, conversations_of(chats()), concurrency))
 
 
