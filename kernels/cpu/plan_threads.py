@@ -11,23 +11,34 @@ same order: the same bits.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
-_planned: list[int] = []  # the count each ``planning_for`` in force fixed, innermost last
+
+class _Planned(threading.local):
+    """Per thread (a forward thread's step must not see another runner's count): the count
+    each ``planning_for`` in force fixed, innermost last."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+
+_planned = _Planned()
 
 
 @contextlib.contextmanager
 def planning_for(threads: int) -> Iterator[None]:
     """Plan the kernels' work for ``threads`` threads inside, whatever torch's count is."""
-    _planned.append(max(threads, 1))
+    _planned.counts.append(max(threads, 1))
     try:
         yield
     finally:
-        _planned.pop()
+        _planned.counts.pop()
 
 
 def plan_threads() -> int:
     """The count to plan for: the innermost ``planning_for``'s, else torch's."""
-    return _planned[-1] if _planned else torch.get_num_threads()
+    counts = _planned.counts
+    return counts[-1] if counts else torch.get_num_threads()
