@@ -4,6 +4,7 @@
     python scripts/lora_fairness.py --out results/lora_fairness.json
     python scripts/lora_fairness.py --per-cold 24 --seed 3 --set max_loras=4 --out f.json
     python scripts/lora_fairness.py --real --out results/lora_fairness_real.json   # ~15 min
+    python scripts/lora_fairness.py --real --quick --runs lora-fair --out f.json   # ~2 min
 
 One adapter ("hot") floods the engine; seven others ("cold-0" ..) send a few requests each
 (asyncengine.workloads.adapters.hot_adapter_flood). Each policy runs the workload with the
@@ -14,6 +15,9 @@ their ratio (asyncengine/sim/lora_fairness.py). Prints a markdown table, writes 
 clock, one engine per run, with a random rank ``--rank`` adapter per name written by
 scripts/make_lora.py; its defaults are a shorter flood (the simulator's would take an hour on
 two cores), and the runs are fcfs and lora-fair (``--runs`` picks any of the table's rows).
+``--quick`` sends a quarter of the requests at the same rates, for iterating. The JSON lists
+every cold request of each row (its TTFT with the flood and alone, its wait, its retractions
+and, real, the batch it was admitted into), to tell what its p99 is made of.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ WORKLOAD_DEFAULTS = {
     "cold_rate": (0.2, 0.2),
 }
 REAL_RUNS = ("fcfs", "lora-fair")
+QUICK_SHARE = 4  # --quick: a quarter of the hot and cold requests
 ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -104,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> str:
             default=None,
             help=f"default {sim_default} (--real: {real_default})",
         )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"1/{QUICK_SHARE} of the default hot and cold requests, at the same rates",
+    )
     parser.add_argument("--num-cold", type=int, default=7, help="cold adapters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -133,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         key: getattr(args, key) if getattr(args, key) is not None else defaults[int(args.real)]
         for key, defaults in WORKLOAD_DEFAULTS.items()
     }
+    if args.quick:
+        for key in ("num_hot", "per_cold"):
+            if getattr(args, key) is None:
+                workload[key] = max(1, workload[key] // QUICK_SHARE)
     workload.update(num_cold=args.num_cold, seed=args.seed)
     labels = args.runs if args.runs is not None else (REAL_RUNS if args.real else None)
     runs = [run for run in DEFAULT_RUNS if labels is None or run.label in labels]

@@ -35,6 +35,7 @@ class RequestRecord:
     priority: int = 0
     blocked: dict[str, int] = field(default_factory=dict)
     lora: str | None = None  # the LoRA adapter it ran under (None: the base model)
+    queue_time: float | None = None  # arrival to first scheduled (None: never scheduled)
 
     @property
     def output_tokens(self) -> int:

@@ -11,6 +11,7 @@ from asyncengine.bench.records import RequestRecord
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.sim.step_log import StepLog
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -19,13 +20,17 @@ if TYPE_CHECKING:
 
 
 async def replay_real(
-    config: EngineConfig, workload: Sequence[WorkloadRequest], warmup_requests: int = 1
+    config: EngineConfig,
+    workload: Sequence[WorkloadRequest],
+    warmup_requests: int = 1,
+    step_log: StepLog | None = None,
 ) -> tuple[list[RequestRecord], dict[str, object]]:
     """Run ``workload`` on an ``AsyncEngine(config)``; returns the records and engine stats.
 
     Times in the records are relative to the first arrival. Per-token times come from the
     engine's own metrics (TTFT, then the inter-token gaps), so they do not include the
-    caller's scheduling jitter.
+    caller's scheduling jitter. ``step_log`` (if given) logs every step after the warm-up, on
+    the same clock.
     """
     from asyncengine.api.engine import AsyncEngine
 
@@ -33,6 +38,11 @@ async def replay_real(
         await warm_up(engine, workload, warmup_requests)
         loop = asyncio.get_running_loop()
         start = loop.time()
+        if step_log is not None:
+            core = engine.core
+            assert core is not None  # started by the context manager
+            step_log.attach(core.scheduler, lambda: loop.time() - start)
+            core.step_hooks.append(step_log)
 
         async def one(item: WorkloadRequest) -> RequestRecord:
             delay = start + item.arrival_time - loop.time()
@@ -85,6 +95,7 @@ def record_of(
         return record
     metrics = out.metrics
     record.blocked = dict(metrics.blocked)
+    record.queue_time = metrics.queue_time
     record.timed_out = out.finish_reason == "timeout"
     record.finish_time = arrival + metrics.e2e
     if not out.token_ids:

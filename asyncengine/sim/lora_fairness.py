@@ -7,6 +7,11 @@ flood stays within a small factor of their p99 alone; ``fcfs`` makes them wait b
 flood's backlog. A runner runs each workload: ``simulated`` (a cost model on a virtual clock,
 deterministic: the same arguments give the same table) or ``real`` (the engine on the wall
 clock, the adapters loaded from disk).
+
+Each row also lists every cold request (``cold_requests``): its adapter, arrival, TTFT with the
+flood and alone, its wait before it was first scheduled, whether it was retracted, the steps
+admission kept it waiting by reason and, on the real engine, the batch of the step it was
+admitted into: what a p99 made by a few requests needs to be explained.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from asyncengine.bench.records import RequestRecord
 from asyncengine.common.config import EngineConfig
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.simulator import simulate
+from asyncengine.sim.step_log import StepLog
 from asyncengine.workloads.adapters import HOT_ADAPTER, hot_adapter_flood
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -63,6 +69,8 @@ class FairnessRow:
     hot_p50_flood: float
     hot_output_throughput: float  # the flooding adapter's output tokens per second
     preemptions: int
+    # each cold request with the flood and alone (cold_request), by arrival; not in the table
+    cold_requests: tuple[dict[str, Any], ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -75,11 +83,13 @@ class FairnessRow:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One workload's run: its records, how long it took, the requests preempted."""
+    """One workload's run: its records, how long it took, the requests preempted, and what
+    each step ran (the real runner's; None from the simulator)."""
 
     records: list[RequestRecord]
     seconds: float  # virtual seconds (simulated) or wall seconds from the first arrival (real)
     preemptions: int
+    steps: StepLog | None = None
 
 
 Runner = Callable[[EngineConfig, Sequence[WorkloadRequest]], Outcome]
@@ -105,9 +115,13 @@ def real(loras: Mapping[str, str]) -> Runner:
         missing = sorted({w.lora for w in workload if w.lora is not None} - set(loras))
         if missing:
             raise ValueError(f"no adapter directory for {', '.join(missing)}")
-        records, stats = asyncio.run(replay_real(config.replace(loras=dict(loras)), workload))
+        steps = StepLog()
+        records, stats = asyncio.run(
+            replay_real(config.replace(loras=dict(loras)), workload, step_log=steps)
+        )
         span = max((r.finish_time or 0.0 for r in records), default=0.0)
-        return Outcome(records, span, int(stats["preemptions"]))  # type: ignore[call-overload]
+        preempted = int(stats["preemptions"])  # type: ignore[call-overload]
+        return Outcome(records, span, preempted, steps)
 
     return run
 
@@ -130,6 +144,29 @@ def _ttfts(records: Sequence[RequestRecord], hot: bool) -> list[float]:
         for r in records
         if r.ttft is not None and r.completed and (r.lora == HOT_ADAPTER) == hot
     ]
+
+
+def cold_request(
+    flood: RequestRecord, alone: RequestRecord | None, steps: StepLog | None
+) -> dict[str, Any]:
+    """One cold request as the JSON lists it: its times under the flood (and alone), in
+    seconds from the first arrival."""
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 4)
+
+    admitted = steps.first_extend(flood.rid) if steps is not None else None
+    return {
+        "rid": flood.rid,
+        "adapter": flood.lora,
+        "arrival": rounded(flood.arrival_time),
+        "ttft": rounded(flood.ttft),
+        "ttft_alone": rounded(alone.ttft) if alone is not None else None,
+        "queue_time": rounded(flood.queue_time),
+        "retracts": flood.retracts,
+        "blocked": flood.blocked,
+        "admitted_into": admitted.batch() if admitted is not None else None,
+    }
 
 
 def lora_fairness(
@@ -167,9 +204,17 @@ def lora_fairness(
                 float(np.percentile(_ttfts(with_flood.records, hot=True), 50)),
                 hot_tokens / with_flood.seconds,
                 with_flood.preemptions,
+                _cold_requests(with_flood, by_itself),
             )
         )
     return rows
+
+
+def _cold_requests(flood: Outcome, alone: Outcome) -> tuple[dict[str, Any], ...]:
+    by_rid = {r.rid: r for r in alone.records}
+    cold = [r for r in flood.records if r.lora != HOT_ADAPTER]
+    cold.sort(key=lambda r: (r.arrival_time, r.rid))
+    return tuple(cold_request(r, by_rid.get(r.rid), flood.steps) for r in cold)
 
 
 def fairness_table(rows: Sequence[FairnessRow]) -> str:

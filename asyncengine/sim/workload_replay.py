@@ -274,6 +274,7 @@ def request_record(
             rid, arrival_time, prompt_tokens, failed=True, finish_time=arrival_time
         )
     reason = req.finish_reason
+    scheduled = req.first_scheduled_time
     return RequestRecord(
         rid,
         arrival_time,
@@ -285,6 +286,7 @@ def request_record(
         req.retractions,
         reason == "timeout",
         blocked=dict(req.blocked),
+        queue_time=None if scheduled is None else scheduled - req.arrival_time,
     )
 
 

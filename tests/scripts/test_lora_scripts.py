@@ -43,3 +43,21 @@ def test_lora_fairness_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     assert set(rows) == {"fcfs", "lora-fair", "lora-fair, preempt = false"}
     for row in rows.values():
         assert row["ratio"] == row["cold_p99_flood"] / row["cold_p99_alone"]
+    # every cold request, by arrival, with its times with the flood and alone
+    cold = rows["lora-fair"]["cold_requests"]
+    assert len(cold) == 7 * 4 and all(item["adapter"] != "hot" for item in cold)
+    assert [item["arrival"] for item in cold] == sorted(item["arrival"] for item in cold)
+    ttfts = sorted(item["ttft"] for item in cold)
+    assert rows["lora-fair"]["cold_p99_flood"] <= ttfts[-1]
+    assert all(item["ttft_alone"] > 0 and 0 <= item["queue_time"] <= item["ttft"] for item in cold)
+    assert all(item["admitted_into"] is None for item in cold)  # the simulator logs no steps
+
+
+def test_lora_fairness_quick_sends_a_quarter_of_the_requests(tmp_path: Path) -> None:
+    script = load_script("lora_fairness")
+    out = tmp_path / "quick.json"
+    script.main(["--quick", "--per-cold", "8", "--runs", "fcfs", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["workload"]["num_hot"] == 600 // 4  # the simulator's default, a quarter
+    assert report["workload"]["per_cold"] == 8  # given: kept
+    assert len(report["rows"][0]["cold_requests"]) == 7 * 8

@@ -72,6 +72,21 @@ def test_the_real_engine_runs_the_table_with_each_record_under_its_adapter(
     for row in rows:
         assert row.cold_p99_alone > 0 and row.cold_p99_flood > 0 and row.hot_output_throughput > 0
     assert "| lora-fair |" in fairness_table(rows)
+    # each cold request with the step it was admitted into, from the run's step log
+    records = {r.rid: r for r in seen[2].records}
+    steps = seen[2].steps
+    assert steps is not None
+    for item in rows[1].cold_requests:
+        record = records[item["rid"]]
+        assert item["ttft"] == round(record.ttft, 4) and item["adapter"] == record.lora
+        batch = item["admitted_into"]
+        admitted = steps.first_extend(item["rid"])
+        assert admitted is not None and batch["step"] == admitted.step
+        assert item["rid"] in {rid for rid, _ in admitted.extends}
+        assert batch["prefills"] >= 1 and batch["prefill_tokens"] >= 1 and batch["adapters"] >= 1
+        # admitted after it arrived and by its first token, on the records' clock (the engine
+        # stamps its arrival a little after the replay does)
+        assert record.arrival_time <= batch["landed"] <= record.arrival_time + record.ttft + 0.05
 
 
 def test_a_runner_whose_records_do_not_name_the_adapter_is_refused() -> None:

@@ -57,9 +57,14 @@ CASES: dict[str, tuple[str, Callable[[], list[WorkloadRequest]], str, int]] = {
 
 def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, int]:
     result = Simulator(config, CostModel.default(), bulk_decode=bulk).run(workload)  # type: ignore[arg-type]
-    # a record's adapter came after the digests: the base model's (None) leaves them as they were
+    # a record's adapter came after the digests: the base model's (None) leaves them as they
+    # were; so did its queue time, which only reads the first scheduled time
     records = [
-        {k: v for k, v in asdict(record).items() if k != "lora" or v is not None}
+        {
+            k: v
+            for k, v in asdict(record).items()
+            if (k != "lora" or v is not None) and k != "queue_time"
+        }
         for record in result.records
     ]
     blob = json.dumps(
