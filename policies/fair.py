@@ -17,7 +17,16 @@ With ``preempt = true`` a waiting request that the running-request cap or KV mem
 may have running requests of clients whose counter is more than ``preempt_margin`` above its
 client's retracted for it, the most served client's first (their computed prefix stays
 cached, and they never emit a token twice): a flood that fills the running batch then cannot
-make an under-served client wait for its requests to finish.
+make an under-served client wait for its requests to finish. The margin keeps two clients
+served alike from trading places step by step, but a client coming back from idle starts at
+the flood's counter (below), so by counters alone it would wait for the flood to be served
+``preempt_margin`` more. So it may also take its share of the running batch
+(``preempt_for_share``, on by default). A client's share is ``max_running_requests`` split
+among the clients with requests in the engine by weight; one running fewer requests than its
+share may have running requests retracted of a client over its share that is served no less
+(the least computed first), as many as leave that one at its share and at least as many as
+it has, never more: the one that gives them up cannot take them back by the same rule, never
+leaves the batch by it, and clients at or under their share are never touched by it.
 
 A tenant that comes back after having nothing in the engine starts from the smallest counter
 of the tenants that are active, never below its own: it cannot bank service it did not use
@@ -33,6 +42,7 @@ competing for while idle.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +54,11 @@ from asyncengine.policies.base import Policy, PolicyContext, take_options
 
 def tenant_of(req: Request) -> str:
     return req.params.tenant or ""
+
+
+def _least_computed(req: Request) -> tuple[int, float, str]:
+    """Sort key: the fewest tokens generated first, then the newest."""
+    return (len(req.output_ids), -req.arrival_time, req.rid)
 
 
 class FairPolicy(Policy):
@@ -63,6 +78,7 @@ class FairPolicy(Policy):
                 "max_idle_tenants": 4096,
                 "preempt": self.preempt_by_default,
                 "preempt_margin": 1024.0,
+                "preempt_for_share": True,
             },
         )
         weights = {str(k): v for k, v in opts["weights"].items()}
@@ -83,6 +99,7 @@ class FairPolicy(Policy):
         self.decode_weight = float(opts["decode_weight"])
         self.preempts = bool(opts["preempt"])
         self.preempt_margin = float(opts["preempt_margin"])
+        self.preempt_for_share = bool(opts["preempt_for_share"])
         self.counters: dict[str, float] = {}
         self._tenant_of_rid: dict[str, str] = {}  # live requests this policy has seen
         self._live: dict[str, int] = {}  # tenant -> live requests seen
@@ -143,14 +160,37 @@ class FairPolicy(Policy):
         if not self.preempts:
             return []
         counters = self.counters
-        floor = counters.get(self.group_of(candidate), 0.0) + self.preempt_margin
-        keyed = []
+        client = self.group_of(candidate)
+        served = counters.get(client, 0.0)
+        floor = served + self.preempt_margin
+        by_client: dict[str, list[Request]] = {}
         for req in running:
-            counter = counters.get(self.group_of(req), 0.0)
-            if counter > floor:  # the most served client first, its least computed first
-                keyed.append((-counter, len(req.output_ids), -req.arrival_time, req.rid, req))
+            by_client.setdefault(self.group_of(req), []).append(req)
+        rows = len(by_client.get(client, ()))
+        shares = self._shares(ctx.config.max_running_requests) if self.preempt_for_share else {}
+        under = rows < shares.get(client, 0.0)
+        keyed = []
+        for group, reqs in by_client.items():
+            counter = counters.get(group, 0.0)
+            if counter > floor:
+                named = reqs
+            elif under and group != client and counter >= served:
+                # down to its share, and to no fewer than the candidate's client then runs
+                over = min(len(reqs) - shares.get(group, 0.0), (len(reqs) - rows) / 2)
+                named = sorted(reqs, key=_least_computed)[: max(0, math.floor(over))]
+            else:
+                continue
+            for req in named:  # the most served client first, its least computed first
+                keyed.append((-counter, *_least_computed(req), req))
         keyed.sort(key=lambda item: item[:4])
         return [item[4] for item in keyed]
+
+    def _shares(self, slots: int) -> dict[str, float]:
+        """Each client with requests in the engine -> its share of ``slots`` running requests,
+        by weight."""
+        live = [client for client, count in self._live.items() if count > 0]
+        total = sum(self.weight(client) for client in live)
+        return {client: slots * self.weight(client) / total for client in live}
 
     def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
         """Each tenant's ``size`` oldest waiting requests (a window per tenant), in queue

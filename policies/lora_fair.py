@@ -9,8 +9,9 @@ their counters stay low, so they are ordered ahead of its backlog. An adapter th
 starts from the active floor (no banked service). ``policy_window`` applies per adapter. The
 options are ``fair``'s (``max_idle_tenants`` bounds the idle adapters remembered), and it
 preempts by default (``preempt = false`` turns it off): a request of an adapter whose counter
-is ``preempt_margin`` below the most served one's does not wait for the flood's running
-requests to finish (they are retracted, their computed prefix cached, and resume later).
+is ``preempt_margin`` below the most served one's, or that runs fewer requests than an adapter
+served no less (``preempt_for_share``), does not wait for the flood's running requests to
+finish (they are retracted, their computed prefix cached, and resume later).
 
 Composes with budgets as the other orderings do (``lora-fair+token-budget``). Whether an
 adapter can join the step (``max_loras``) is admission's to decide: it passes over one that

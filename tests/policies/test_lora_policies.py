@@ -97,3 +97,44 @@ def test_lpm_rejects_a_negative_affinity() -> None:
     with pytest.raises(ValueError, match="lora_affinity"):
         LPMPolicy(lora_affinity=-1.0)
     assert EngineConfig(policy="lpm", policy_options={"lora_affinity": 32.0}).policy == "lpm"
+
+
+def test_lora_fair_evens_the_running_batch_for_an_adapter_back_from_idle() -> None:
+    """An adapter coming back starts at the flood's counter, within ``preempt_margin`` of it:
+    it may still have the flood's least computed requests retracted, down to the flood's share
+    of max_running_requests and to no fewer than its own, and the flood cannot take them back
+    that way."""
+    policy = LoraFairPolicy()
+    context = ctx(max_running_requests=6)  # two adapters with requests: three each
+    running = [req(f"h{i}", 10, arrival=i, lora="hot") for i in range(6)]
+    for i, r in enumerate(running):
+        r.output_ids = [7] * (10 - i)  # h5 has generated the least
+    policy.order(running, context)
+    policy.observe(prefill_plan(*[(r.rid, 0, 10) for r in running]), 0.1)
+    cold = req("c0", 10, arrival=10, lora="cold")
+    policy.order([cold], context)
+    assert policy.counters["cold"] == policy.counters["hot"]  # lifted to the active floor
+    assert rids(policy.preempt_candidates(cold, running, context)) == ["h5", "h4", "h3"]
+    # the cold adapter running two of its own: two more of the flood's even them
+    mine = [req(f"c{i}", 10, arrival=10 + i, lora="cold") for i in (1, 2)]
+    policy.order(mine, context)
+    assert rids(policy.preempt_candidates(cold, [*running, *mine], context)) == ["h5", "h4"]
+    # at its share, it takes none
+    third = req("c3", 10, arrival=13, lora="cold")
+    policy.order([third], context)
+    assert policy.preempt_candidates(cold, [*running, *mine, third], context) == []
+    # the flood's waiting request names none of the cold adapter's (it runs more than they do)
+    late = req("h9", 10, arrival=20, lora="hot")
+    policy.order([late], context)
+    assert policy.preempt_candidates(late, [*running[:1], *mine, third], context) == []
+    # nor when the cold adapter runs over its share, while it has been served less
+    more = [req(f"c{i}", 10, arrival=20 + i, lora="cold") for i in (4, 5)]
+    policy.order(more, context)
+    batch = [*running[:1], *mine, third, *more]
+    policy.observe(prefill_plan(decodes=("h0",)), 0.1)
+    assert policy.preempt_candidates(late, batch, context) == []
+    policy.observe(prefill_plan(("c1", 0, 100)), 0.1)  # served more now: down to its share
+    assert rids(policy.preempt_candidates(late, batch, context)) == ["c5", "c4"]
+    off = LoraFairPolicy(preempt_for_share=False)
+    off.order([*running, cold], context)
+    assert off.preempt_candidates(cold, running, context) == []

@@ -205,3 +205,33 @@ def test_a_preempting_policy_frees_the_most_served_adapter_s_slot(preempt: bool)
         step(core, runner, clock)
     for req in [*flood.values(), base, cold]:
         assert req.output_ids == reference_output(req.prompt_ids, req.params.max_new_tokens)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_lora_fair_takes_its_share_of_a_full_running_batch(share: bool) -> None:
+    """A flood of adapter A fills max_running_requests; B comes back from idle at A's counter
+    (within preempt_margin of it): with preempt_for_share one of A's running requests is
+    retracted and B starts within two steps, without it B waits for one of A's to finish. Greedy
+    outputs are the reference's either way (the retracted one resumes without re-emitting)."""
+    core, runner, clock = make(
+        max_loras=4,
+        max_running_requests=4,
+        policy="lora-fair",
+        policy_options={"preempt_for_share": share},
+    )
+    flood = {f"a{i}": add(core, clock, f"a{i}", "A", n=12) for i in range(6)}
+    step(core, runner, clock)
+    step(core, runner, clock)  # four of A's running, two waiting
+    cold = add(core, clock, "b0", "B", n=3)
+    steps = 0
+    while cold.first_scheduled_time is None:
+        step(core, runner, clock)
+        steps += 1
+    # tied with A's counter, B is ordered after A's oldest for a step; A's first to finish
+    # needs ten more tokens
+    assert (steps <= 2) == share and steps < 12, steps
+    assert core.scheduler.retraction.total_preemptions == (1 if share else 0)
+    while core.has_work():
+        step(core, runner, clock)
+    for req in [*flood.values(), cold]:
+        assert req.output_ids == reference_output(req.prompt_ids, req.params.max_new_tokens)
