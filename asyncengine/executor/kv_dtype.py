@@ -69,9 +69,12 @@ def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str
     """Why an int8 pool cannot be honoured here ("" where it can)."""
     if device.type != "cpu":
         return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
-    if dtype != torch.float32:
+    if dtype not in (torch.float32, torch.bfloat16):
         model = str(dtype).removeprefix("torch.")
-        return f"an int8 pool is read beside float32 activations only (the model runs in {model})"
+        return (
+            "an int8 pool is read beside float32 or bfloat16 activations only "
+            f"(the model runs in {model})"
+        )
     if backend not in ("auto", "torch"):
         return f"attention_backend {backend!r} does not read an int8 pool (use torch or auto)"
     return ""
