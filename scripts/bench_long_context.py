@@ -8,7 +8,9 @@ decodes), once per ``--kv`` entry:
 
 - ``bfloat16``: the model in bfloat16, its pool bfloat16 (what a bfloat16 model keeps);
 - ``float32`` / ``float16`` / ``int8``: the model in float32 with that pool (int8:
-  ``kv_cache_dtype = "int8"``, a scale per token and head).
+  ``kv_cache_dtype = "int8"``, a scale per token and head);
+- ``bfloat16-int8``: the model in bfloat16 over an int8 pool (a bfloat16 model's
+  ``kv_cache_dtype = "int8"``).
 
 One stream, for each ``--contexts`` N: prefill tok/s of an N-token prompt into an empty pool
 and, where 2N fits the model's positions, of N more tokens after N already cached (llama-bench's
@@ -73,6 +75,7 @@ KV_RUNS = {
     "float32": (torch.float32, torch.float32),
     "float16": (torch.float32, torch.float16),
     "int8": (torch.float32, torch.int8),
+    "bfloat16-int8": (torch.bfloat16, torch.int8),
 }
 
 

@@ -51,11 +51,10 @@ on and off, and reports the throughput ratio and the prefill tokens the cache sa
         --workload-arg input_median=160 --workload-arg output_median=96 --dtype bfloat16
     python scripts/bench_offline.py --shared-prefix --out bench_results/prefix.json
 
-An int8 K/V pool is read beside float32 activations only: with ``--engine-arg
-kv_cache_dtype=int8`` a ``--dtype auto`` run takes float32 (compare it with a ``--dtype float32``
-run of the default pool, like for like):
+An int8 K/V pool against the default one, the model's activations as the engine picks them
+(bfloat16 on AVX-512 BF16 CPUs, its pool then bfloat16 too):
 
-    python scripts/bench_offline.py --num-requests 128 --systems asyncengine --dtype float32 \
+    python scripts/bench_offline.py --num-requests 128 --systems asyncengine \
         --workload-arg input_median=160 --workload-arg output_median=96 [--engine-arg kv_cache_dtype=int8]
 """
 
@@ -708,11 +707,6 @@ def hf_device(device: str) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     args.systems = list(dict.fromkeys(name for group in args.systems for name in group))
-    if args.dtype == "auto" and dict(args.engine_arg).get("kv_cache_dtype") == "int8":
-        # an int8 pool is read beside float32 activations only (executor/kv_dtype.py), where
-        # the engine's own pick may be bfloat16: compare it with --dtype float32 runs
-        print("kv_cache_dtype=int8: --dtype auto runs float32 activations", file=sys.stderr)
-        args.dtype = "float32"
     args.dtype = resolve_dtype(args.dtype, args.device)
     if not args.shared_prefix:
         require_peers(args.systems)  # fail now, not after asyncengine's run

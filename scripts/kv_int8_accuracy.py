@@ -1,7 +1,11 @@
 """Accuracy of an int8 K/V pool (``kv_cache_dtype = "int8"``) on the embedded model, beside the
-pools it replaces: float32 (the reference) and float16 (2 bytes a value, as bfloat16).
+pools it replaces: float32 (the reference) and a 16-bit one.
 
-    python scripts/kv_int8_accuracy.py [--tokens 4096] [--json out.json]
+    python scripts/kv_int8_accuracy.py [--tokens 4096] [--dtype bfloat16] [--json out.json]
+
+``--dtype float32`` (the default): float32 activations over float32, float16 and int8 pools;
+``--dtype bfloat16``: the model in bfloat16 (what ``dtype = "auto"`` picks on AVX-512 BF16
+CPUs) over its own bfloat16 pool and over int8, against the float32 model and pool.
 
 The weights are the same in every variant, so only the pool differs: ``--weights gguf`` (the
 default) the file's as stored (Q4_1 projections on the native kernels, which also quantize the
@@ -18,7 +22,7 @@ activations to int8 blocks: any small change then turns into another rounding no
   plus a few short questions, token by token against each other pool, counted up to the
   first difference.
 
-Target (issue: int8 KV): perplexity within 0.5% of the 16-bit pool's.
+Target: perplexity within 0.5% of the 16-bit pool's.
 """
 
 from __future__ import annotations
@@ -55,10 +59,16 @@ SHORT_PROMPTS = [
     "Water boils at",
 ]
 PAGE_SIZE = 16
-POOLS = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+F32, BF16 = torch.float32, torch.bfloat16
+# --dtype -> each pool's name -> (the model's dtype, the pool's); the first is the reference,
+# the second the 16-bit pool int8 is held against
+POOLS = {
+    "float32": {"float32": (F32, F32), "float16": (F32, torch.float16), "int8": (F32, torch.int8)},
+    "bfloat16": {"float32": (F32, F32), "bfloat16": (BF16, BF16), "int8": (BF16, torch.int8)},
+}
 PPL_TARGET = 0.005  # int8 within 0.5% of the 16-bit pool
 WEIGHTS = {
-    "gguf": "GGUF as stored (Q4_1), float32 activations",
+    "gguf": "GGUF as stored (Q4_1)",
     "dense": "GGUF dequantized to float32",
 }
 
@@ -67,24 +77,29 @@ WEIGHTS = {
 class PoolResult:
     kv_cache_dtype: str
     perplexity: float
+    activations: str
     perplexity_vs_float32: float  # ratio - 1
-    perplexity_vs_float16: float
+    perplexity_vs_16bit: float  # against float16, or bfloat16 for --dtype bfloat16
     greedy_agreeing_float32: int  # tokens equal to that pool's before the first difference
-    greedy_agreeing_float16: int
+    greedy_agreeing_16bit: int
     greedy_total: int
 
 
 class Runner:
-    """The model over a fresh pool of ``kv_dtype``, one sequence at a time (page-table row 0)."""
+    """The model in ``dtype`` over a fresh pool of ``kv_dtype``, one sequence at a time (page-table
+    row 0)."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, Weight], max_len: int, kv_dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: dict[str, Weight],
+        max_len: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
     ) -> None:
         pages = -(-max_len // PAGE_SIZE)
         pool = KVPool.for_model(config, pages, PAGE_SIZE, kv_dtype)
-        self.runner = ModelRunner(
-            config, weights, pool, PageTable.contiguous(1, pages), torch.float32
-        )
+        self.runner = ModelRunner(config, weights, pool, PageTable.contiguous(1, pages), dtype)
 
     def chunk_logits(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [len(tokens), vocab] of tokens at positions start.. (the pool holds 0..start)."""
@@ -96,7 +111,7 @@ class Runner:
             hidden = runner.model.forward(
                 batch, runner.backend, metadata, runner.k_caches, runner.v_caches
             )
-            return runner.model.compute_logits(hidden)
+            return runner.model.compute_logits(hidden).float()
 
     def nll_sum(self, tokens: list[int], chunk: int) -> float:
         """Sum of -log p(token | earlier tokens) over tokens[1:], prefilled in chunks."""
@@ -144,11 +159,16 @@ def evaluate(args: argparse.Namespace) -> tuple[list[PoolResult], dict[str, obje
     prompts += [tokenizer.encode(p) for p in SHORT_PROMPTS]
     max_len = max(len(tokens), args.context + args.greedy_tokens) + 1
     formats = frozenset(GGUF_FORMATS) if args.weights == "gguf" else frozenset()
-    weights = read_gguf(gguf_path, torch.float32, formats).weights
+    pools = POOLS[args.dtype]
+    half = list(pools)[1]
+    weights = {
+        dtype: read_gguf(gguf_path, dtype, formats).weights
+        for dtype in {model for model, _ in pools.values()}
+    }
     ppl: dict[str, float] = {}
     greedy: dict[str, list[list[int]]] = {}
-    for name, dtype in POOLS.items():
-        runner = Runner(config, weights, max_len, dtype)
+    for name, (dtype, kv_dtype) in pools.items():
+        runner = Runner(config, weights[dtype], max_len, dtype, kv_dtype)
         ppl[name] = math.exp(runner.nll_sum(tokens, args.chunk) / (len(tokens) - 1))
         greedy[name] = [runner.greedy(p, args.greedy_tokens) for p in prompts]
         print(f"{name}: perplexity {ppl[name]:.4f}", file=sys.stderr)
@@ -157,17 +177,20 @@ def evaluate(args: argparse.Namespace) -> tuple[list[PoolResult], dict[str, obje
         PoolResult(
             kv_cache_dtype=name,
             perplexity=ppl[name],
+            activations=str(pools[name][0]).removeprefix("torch."),
             perplexity_vs_float32=ppl[name] / ppl["float32"] - 1,
-            perplexity_vs_float16=ppl[name] / ppl["float16"] - 1,
+            perplexity_vs_16bit=ppl[name] / ppl[half] - 1,
             greedy_agreeing_float32=agreeing(greedy[name], greedy["float32"]),
-            greedy_agreeing_float16=agreeing(greedy[name], greedy["float16"]),
+            greedy_agreeing_16bit=agreeing(greedy[name], greedy[half]),
             greedy_total=total,
         )
-        for name in POOLS
+        for name in pools
     ]
     setup = {
         "model": model.name,
         "weights": WEIGHTS[args.weights],
+        "activations": args.dtype,
+        "16bit_pool": half,
         "text": list(TEXT_FILES),
         "text_tokens": len(tokens),
         "text_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
@@ -175,7 +198,7 @@ def evaluate(args: argparse.Namespace) -> tuple[list[PoolResult], dict[str, obje
         "prompts": len(prompts),
         "context": args.context,
         "greedy_tokens": args.greedy_tokens,
-        "int8_within_target": abs(ppl["int8"] / ppl["float16"] - 1) <= PPL_TARGET,
+        "int8_within_target": abs(ppl["int8"] / ppl[half] - 1) <= PPL_TARGET,
     }
     return results, setup
 
@@ -188,24 +211,30 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="tokens of each long prompt")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--weights", choices=list(WEIGHTS), default="gguf")
+    parser.add_argument(
+        "--dtype", choices=list(POOLS), default="float32", help="the model's activations"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results, setup = evaluate(args)
+    half = setup["16bit_pool"]
     print(
         f"{setup['model']}, {setup['weights']}; {setup['text_tokens']} tokens of "
         f"{' + '.join(TEXT_FILES)} in chunks of {args.chunk}"
     )
     print(
-        "| KV pool | perplexity | vs float32 | vs float16 | greedy = float32 | greedy = float16 |"
+        f"| KV pool | activations | perplexity | vs float32 | vs {half} | greedy = float32 | "
+        f"greedy = {half} |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         print(
-            f"| {r.kv_cache_dtype} | {r.perplexity:.4f} | {r.perplexity_vs_float32:+.3%} | "
-            f"{r.perplexity_vs_float16:+.3%} | {r.greedy_agreeing_float32}/{r.greedy_total} | "
-            f"{r.greedy_agreeing_float16}/{r.greedy_total} |"
+            f"| {r.kv_cache_dtype} | {r.activations} | {r.perplexity:.4f} | "
+            f"{r.perplexity_vs_float32:+.3%} | {r.perplexity_vs_16bit:+.3%} | "
+            f"{r.greedy_agreeing_float32}/{r.greedy_total} | "
+            f"{r.greedy_agreeing_16bit}/{r.greedy_total} |"
         )
-    print(f"int8 within {PPL_TARGET:.1%} of float16: {setup['int8_within_target']}")
+    print(f"int8 within {PPL_TARGET:.1%} of {half}: {setup['int8_within_target']}")
     if args.json:
         payload = {"setup": setup, "results": [asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -16,18 +16,18 @@ An explicit value must be honoured or refused: the model's own dtype always; flo
 beside float32 activations (the kernels' -DKV_F16 builds, or the torch references where no
 kernel runs), not in deterministic mode (its torch fallback reads the pool in the model's
 dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) likewise: on a
-CPU beside float32 activations, with the torch attention backend (the native kernels' -DKV_I8
-builds, the torch references dequantizing where no kernel runs), deterministic mode too (its
-native extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the
-Triton and FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` does not
-pick int8 on any ISA yet: its perplexity is within 0.5% of the 16-bit pools'
-(scripts/kv_int8_accuracy.py) and on AVX-512 it decodes long contexts faster than a bfloat16
-pool (scripts/bench_long_context.py --kv bfloat16,int8: 1.24x at 7,680 keys, before the
-integer Q.K of AVX-512 VNNI builds), but it is not measured on the offline mix's short
-contexts (scripts/bench_offline.py --dtype float32, with and without kv_cache_dtype=int8),
-where it must not be slower, nor at all on AVX2; and where ``dtype = "auto"`` picks bfloat16
-activations (AVX-512 BF16 CPUs) an int8 pool cannot sit beside them. It stays an explicit
-choice until those are measured. Anything else is a ``ConfigError``.
+CPU beside float32 or bfloat16 activations, with the torch attention backend (the native
+kernels' -DKV_I8 builds, which take bfloat16 queries and outputs too; the torch references
+dequantizing to the queries' dtype where no kernel runs), deterministic mode too (its native
+extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the Triton and
+FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` does not pick int8 on
+any ISA yet: its perplexity is within 0.5% of the 16-bit pools' (scripts/kv_int8_accuracy.py,
+--dtype bfloat16 for a bfloat16 model) and on AVX-512 it decodes long contexts faster than a
+bfloat16 pool (scripts/bench_long_context.py --kv bfloat16,int8: 1.24x at 7,680 keys, before
+the integer Q.K of AVX-512 VNNI builds), but on the offline mix beside the bfloat16 model that
+``dtype = "auto"`` picks on AVX-512 BF16 CPUs (scripts/bench_offline.py with and without
+--engine-arg kv_cache_dtype=int8) it is not yet measured faster on a quiet machine, and on AVX2
+not at all. It stays an explicit choice until then. Anything else is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -69,9 +69,12 @@ def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str
     """Why an int8 pool cannot be honoured here ("" where it can)."""
     if device.type != "cpu":
         return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
-    if dtype != torch.float32:
+    if dtype not in (torch.float32, torch.bfloat16):
         model = str(dtype).removeprefix("torch.")
-        return f"an int8 pool is read beside float32 activations only (the model runs in {model})"
+        return (
+            "an int8 pool is read beside float32 or bfloat16 activations only "
+            f"(the model runs in {model})"
+        )
     if backend not in ("auto", "torch"):
         return f"attention_backend {backend!r} does not read an int8 pool (use torch or auto)"
     return ""

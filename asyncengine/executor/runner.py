@@ -434,10 +434,11 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
-    """The pool fits the model: its layers and heads, and the model's dtype (or float16 beside
-    float32 activations on a CPU: executor/kv_dtype.py)."""
-    narrow = pool.dtype in (torch.float16, torch.int8)
-    half = narrow and dtype == torch.float32 and pool.device.type == "cpu"
+    """The pool fits the model: its layers and heads, and the model's dtype (or, on a CPU,
+    float16 beside float32 activations, int8 beside float32 or bfloat16: executor/kv_dtype.py)."""
+    on_cpu = pool.device.type == "cpu"
+    half = on_cpu and pool.dtype == torch.float16 and dtype == torch.float32
+    half |= on_cpu and pool.dtype == torch.int8 and dtype in (torch.float32, torch.bfloat16)
     expected = (
         config.num_layers,
         config.num_kv_heads,

@@ -8,9 +8,9 @@ against. The planners return None where a kernel does not apply (not a CPU tenso
 dtype, unsupported head shapes, or no compiled kernel): callers then take the torch path.
 
 A float16 pool (float32 queries and outputs) is read by the kernels' -DKV_F16 builds
-(cpu_kv.h, ``cpu_native.kv_flags``), an int8 pool (rows with their scales: kv_int8_ref.py) by
-their -DKV_I8 builds; bfloat16 and float32 pools by the default one, whose
-element is the queries' dtype.
+(cpu_kv.h, ``cpu_native.kv_flags``), an int8 pool (rows with their scales: kv_int8_ref.py;
+float32 or bfloat16 queries and outputs) by their -DKV_I8 builds; bfloat16 and float32 pools
+by the default one, whose element is the queries' dtype.
 """
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ def extend_kernel_features(kv_dtype: torch.dtype = torch.float32) -> int:
 
 
 def _queries_fit(q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """A float16 or int8 pool's build takes float32 queries only."""
-    if k_cache.dtype in (torch.float16, torch.int8) and q.dtype != torch.float32:
-        name = str(k_cache.dtype).removeprefix("torch.")
-        raise ValueError(f"a {name} KV pool is read with float32 queries, not {q.dtype}")
+    """A float16 pool's build takes float32 queries only, an int8 pool's float32 or bfloat16
+    ones."""
+    if k_cache.dtype == torch.float16 and q.dtype != torch.float32:
+        raise ValueError(f"a float16 KV pool is read with float32 queries, not {q.dtype}")
+    if k_cache.dtype == torch.int8 and q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"an int8 KV pool is read with float32 or bfloat16 queries, not {q.dtype}")
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:

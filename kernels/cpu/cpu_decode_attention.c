@@ -26,7 +26,9 @@
  * the per-item loop below reads it through F16C; the register-resident AVX-512 items are not
  * built for it (AVX-512 CPUs take the per-item loop, whose dots are AVX-512 too). Built with
  * -DKV_I8 the pool is int8 with a scale per head row (cpu_kv.h): the same per-item loop, each
- * dot product and value row taking its row's scale once.
+ * dot product and value row taking its row's scale once; there q / out may be bfloat16 too
+ * (is_bf16: a bfloat16 model's queries, widened to float32 on the way in, the output rounded on
+ * the way out).
  *
  * On AVX-512, float32 queries over a pool the register-resident items do not take (float16,
  * int8, or a group / head dim they lack) go through the fused step's streamed range
@@ -157,14 +159,15 @@ static inline void scale_f32(float *acc, float c, int d) {
     for (int i = 0; i < d; i++) acc[i] *= c;
 }
 
-/* One (request, kv head) item over keys first .. len - 1. is_bf16 selects the element type of q,
- * caches and out. part != NULL (a split-K range): its state (cpu_split_k.h) goes there instead
+/* One (request, kv head) item over keys first .. len - 1. is_bf16 selects the element type of q
+ * and out, and of the caches where the build has no element of its own (KV_OWN_ELEMENT). part != NULL (a split-K range): its state (cpu_split_k.h) goes there instead
  * of the output. */
 static void decode_item(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int32_t *table_row, int first, int len, int64_t b, int64_t kvh,
                         int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
                         float softcap, void *out, int is_bf16, float *part) {
     const int64_t G = H / Hkv;
+    const int pool_bf16 = is_bf16 && !KV_OWN_ELEMENT;
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     uint16_t qb[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
@@ -192,7 +195,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
         for (int i = 0; i < n; i++) {
             const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
-                float dot = is_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
+                float dot = pool_bf16 ? dot_bf16(qb[g], qf[g], (const uint16_t *)k_cache + row, (int)D)
                                     : dot_f32(qf[g], (const kv_t *)k_cache + row, (int)D);
                 s[g][i] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
             }
@@ -216,7 +219,7 @@ static void decode_item(const void *q, int64_t q_stride, const void *k_cache, co
         for (int i = 0; i < n; i++) {
             const int64_t row = (slots[i] * Hkv + kvh) * KV_ROW(D);
             for (int64_t g = 0; g < G; g++) {
-                if (is_bf16)
+                if (pool_bf16)
                     axpy_bf16(acc[g], s[g][i], (const uint16_t *)v_cache + row, (int)D);
                 else
                     axpy_f32(acc[g], s[g][i], (const kv_t *)v_cache + row, (int)D);
@@ -531,7 +534,7 @@ int asyncengine_paged_decode_attention_planned(
     float softcap, void *out, int is_bf16, int num_threads, int plan_threads) {
     if (plan_threads < 1) plan_threads = 1;
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || D % 32 != 0 || D > MAX_HEAD_DIM ||
-        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
+        (KV_IS_F16 && is_bf16))
         return -1;
     const fast_item_fn fast = fast_item(is_bf16, H / Hkv, D);
 #ifdef __AVX512F__
@@ -598,18 +601,30 @@ int asyncengine_paged_decode_attention_planned(
         } else
 #endif
 #ifdef ATTN_STREAM
-        if (!is_bf16 && softcap <= 0.0f && stream_fits(G, D)) {
+        if ((!is_bf16 || KV_IS_I8) && softcap <= 0.0f && stream_fits(G, D)) {
             float own[ATTN_PART(MAX_GROUP, MAX_HEAD_DIM)];
             float *state = part != NULL ? part : own;
+            float widened[MAX_GROUP * MAX_HEAD_DIM];
             const float *qh = (const float *)q + b * q_stride + kvh * G * D;
+            if (is_bf16) { /* an int8 pool beside bfloat16 queries: widened once per item */
+                const uint16_t *qb = (const uint16_t *)q + b * q_stride + kvh * G * D;
+                for (int64_t i = 0; i < G * D; i++) widened[i] = bf16_to_float(qb[i]);
+                qh = widened;
+            }
             attend_range(qh, 1, G, (const kv_t *)k_cache, (const kv_t *)v_cache,
                          block_table + b * table_stride, first, end, len, page_size, kvh, Hkv, D,
                          scale, NULL, NULL, state, state + G * D, state + G * D + G);
             if (part == NULL)
                 for (int64_t g = 0; g < G; g++) {
                     const float l = state[G * D + G + g], inv = l > 0.0f ? 1.0f / l : 0.0f;
-                    for (int64_t i = 0; i < D; i++)
-                        ((float *)out)[(b * H + kvh * G + g) * D + i] = state[g * D + i] * inv;
+                    const int64_t off = (b * H + kvh * G + g) * D;
+                    for (int64_t i = 0; i < D; i++) {
+                        const float value = state[g * D + i] * inv;
+                        if (is_bf16)
+                            ((uint16_t *)out)[off + i] = float_to_bf16(value);
+                        else
+                            ((float *)out)[off + i] = value;
+                    }
                 }
         } else
 #endif

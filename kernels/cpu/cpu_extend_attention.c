@@ -21,7 +21,9 @@
  * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
  * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
  * and values widened to float32 once per block as they are gathered; -DKV_I8 likewise for an
- * int8 pool (each row times its scale as it is widened).
+ * int8 pool (each row times its scale as it is widened), beside float32 or bfloat16 q / out:
+ * with bfloat16 queries each dequantized key row is rounded to bfloat16 pairs, so the scores
+ * take the same AVX512-BF16 dot products as a bfloat16 pool's (the values stay float32).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -128,6 +130,9 @@ typedef struct {
                     for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = 0;                        \
                     for (int64_t d = 0; d < D; d++) kt[d][k] = 0.0f;                             \
                     memset(vf[k], 0, sizeof vf[k]);                                              \
+                } else if (bf16 && KV_IS_I8) {                                                   \
+                    i8_key_pairs((const kv_t *)kc + slot_rows[k], NV, kt2, k);                   \
+                    kv_load_row(vf[k], (const kv_t *)vc + slot_rows[k], D);                      \
                 } else if (bf16) {                                                               \
                     const uint32_t *kr = (const uint32_t *)((const uint16_t *)kc + slot_rows[k]); \
                     for (int64_t d = 0; d < 8 * (NV); d++) kt2[d][k] = kr[d];                    \
@@ -221,6 +226,16 @@ typedef struct {
         }                                                                                        \
     }
 
+/* An int8 key row (its scale after its 16 NV values) -> column k of kt2 [8 NV][KB]: the
+ * dequantized values rounded to bfloat16, two dims a pair (as a bfloat16 pool's row reads) */
+static inline void i8_key_pairs(const kv_t *row, int nv, uint32_t (*kt2)[KB], int64_t k) {
+    const __m512 ks = _mm512_set1_ps(kv_row_scale(row, 16 * nv));
+    uint32_t pairs[8 * 16] __attribute__((aligned(64)));
+    for (int j = 0; j < nv; j++)
+        _mm256_store_si256((__m256i *)(pairs + 8 * j), to_bf16x16(_mm512_mul_ps(KV_LOAD16(row + 16 * j), ks)));
+    for (int d2 = 0; d2 < 8 * nv; d2++) kt2[d2][k] = pairs[d2];
+}
+
 /* acc + (q pair as bf16) . (16 key pairs); without AVX512-BF16 the pairs are widened */
 #ifdef __AVX512BF16__
 #define PAIR_DOT(acc, pair, w) \
@@ -252,7 +267,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
                                        int num_threads) {
 #ifdef __AVX512F__
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
-        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
+        (KV_IS_F16 && is_bf16))
         return -1;
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
@@ -288,7 +303,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
     return 0;
 #elif defined(EXTEND_AVX2)
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
-        ((KV_IS_F16 || KV_IS_I8) && is_bf16))
+        (KV_IS_F16 && is_bf16))
         return -1;
     const int64_t G = H / Hkv, per_item = x2_queries_per_item(G);
     int64_t count = 0;

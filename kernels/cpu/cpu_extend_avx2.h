@@ -162,7 +162,7 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
         const int64_t nk = (last_key + 1 - k0 < X2_KB) ? (last_key + 1 - k0) : X2_KB;
         for (int64_t k = 0; k < nk; k++) {
             const int64_t row = (pool_slot(table_row, k0 + k, page_size) * Hkv + kvh) * KV_ROW(D);
-            if (bf16) {
+            if (bf16 && !KV_OWN_ELEMENT) {
                 const uint16_t *kr = (const uint16_t *)kc + row, *vr = (const uint16_t *)vc + row;
                 for (int64_t d = 0; d < D; d += 8) {
                     _mm256_store_ps(kbuf[k] + d, load_bf16x8(kr + d));

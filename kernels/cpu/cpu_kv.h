@@ -240,6 +240,10 @@ static inline float kv_row_scale(const kv_t *row, int64_t d) {
 }
 #endif
 #define KV_ROW(d) ((d) + KV_ROW_EXTRA)
+/* The pool's element is the build's own (float16, int8), not the queries' dtype: there a
+ * kernel's is_bf16 says only that q / out are bfloat16 (an int8 pool is read beside bfloat16
+ * activations too; a float16 one beside float32 only). */
+#define KV_OWN_ELEMENT (KV_IS_F16 || KV_IS_I8)
 
 /* What a library that includes this header was built for (kernels/cpu/cpu_native.py checks it):
  * bytes of the pool's element, plus 16 where float16 is converted through F16C, plus 32 for

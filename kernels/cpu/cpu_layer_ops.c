@@ -12,7 +12,8 @@
  *
  * "bf(.)" is rounding to bfloat16 (nearest even) for bf16 tensors and nothing for float32.
  * Built with -DKV_F16 (cpu_kv.h), rotary_store writes k and v to a float16 pool (rounded to
- * nearest even) from float32 rows (bf16 must be 0 there).
+ * nearest even) from float32 rows (bf16 must be 0 there); with -DKV_I8 to an int8 pool, each
+ * row quantized as rotated and rounded to the dtype (bfloat16 or float32).
  * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <math.h>

@@ -135,7 +135,7 @@ def rotary_store(
 ) -> torch.Tensor:
     """qkv [N, (H + 2 Hkv) D] -> q [N, H, D] rotated; k rotated and v stored at their slots of
     k_cache / v_cache [S, Hkv, D] (``apply_rotary`` then ``store_kv``, in one pass; an int8 pool's
-    rows quantized: kv_int8_ref.py)."""
+    rows quantized from the rotated rows as rounded to qkv's dtype: kv_int8_ref.py)."""
     bf16 = _check(qkv)
     head_dim = cache_head_dim(k_cache)
     n = qkv.shape[0]
@@ -143,9 +143,13 @@ def rotary_store(
         raise ValueError(
             f"qkv of {qkv.shape[1]} columns does not hold {num_heads}+2x{num_kv_heads} heads of {head_dim}"
         )
-    narrow_pool = k_cache.dtype in (torch.float16, torch.int8) and qkv.dtype == torch.float32
+    narrow_pool = (k_cache.dtype == torch.float16 and qkv.dtype == torch.float32) or (
+        k_cache.dtype == torch.int8
+    )
     if (k_cache.dtype != qkv.dtype and not narrow_pool) or v_cache.dtype != k_cache.dtype:
-        raise ValueError("caches must be of qkv's dtype, or float16 / int8 beside float32 qkv")
+        raise ValueError(
+            "caches must be of qkv's dtype, float16 beside float32 qkv, or int8 (either qkv)"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("caches must be contiguous")
     cos_sin = (

@@ -56,7 +56,8 @@ DECODE_CHUNK_BYTES = 4 << 20
 
 def attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     """The dtype attention over a pool of ``cache_dtype`` computes in (its masks' dtype):
-    float32 for a float16 or int8 pool (whose queries are float32), the pool's own otherwise."""
+    float32 for a float16 or int8 pool (whose queries are float32; a bfloat16 model's queries
+    over an int8 pool read the same float32 masks of 0 and -inf), the pool's own otherwise."""
     return torch.float32 if cache_dtype in (torch.float16, INT8) else cache_dtype
 
 

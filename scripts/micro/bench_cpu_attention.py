@@ -70,7 +70,13 @@ class Pools:
     ``context`` tokens on shuffled pages."""
 
     def __init__(
-        self, layers: int, batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace
+        self,
+        layers: int,
+        batch: int,
+        context: int,
+        dtype: torch.dtype,
+        args: argparse.Namespace,
+        q_dtype: torch.dtype | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(0)
         page, heads, kv_heads, dim = args.page_size, args.heads, args.kv_heads, args.head_dim
@@ -87,8 +93,9 @@ class Pools:
 
         self.k = [pool() for _ in range(layers)]
         self.v = [pool() for _ in range(layers)]
-        # a float16 or int8 pool is read beside float32 queries
-        q_dtype = torch.float32 if dtype in (torch.float16, torch.int8) else dtype
+        # a float16 or int8 pool is read beside float32 queries unless told (int8-bf16)
+        if q_dtype is None:
+            q_dtype = torch.float32 if dtype in (torch.float16, torch.int8) else dtype
         self.q = torch.randn(batch, heads, dim, generator=gen).to(q_dtype)
         self.page_size, self.scale = page, dim**-0.5
         row_bytes = self.k[0][0, 0].nbytes  # an int8 row's scale included
@@ -148,8 +155,14 @@ def seconds_of(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(args: argparse.Namespace, dtype: torch.dtype, batch: int, context: int) -> Row:
-    pools = Pools(args.layers, batch, context, dtype, args)
+def measure(
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    batch: int,
+    context: int,
+    q_dtype: torch.dtype | None = None,
+) -> Row:
+    pools = Pools(args.layers, batch, context, dtype, args, q_dtype)
     plan = plan_native_decode(
         pools.block_table, pools.seq_lens, pools.page_size, args.heads, pools.k[0]
     )
@@ -192,7 +205,7 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, batch: int, context: i
             seconds[name].append(seconds_of(run))
     ms = {name: sorted(s)[len(s) // 2] / args.layers * 1000 for name, s in seconds.items()}
     row = Row(
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch.") + ("" if q_dtype is None else "-bf16-queries"),
         batch=batch,
         context=context,
         threads=args.threads,
@@ -212,7 +225,11 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, batch: int, context: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="64x257,128x257,32x2049", help="batch x context, ...")
-    parser.add_argument("--dtypes", default="bf16,fp32", help="of bf16, fp32, fp16, int8")
+    parser.add_argument(
+        "--dtypes",
+        default="bf16,fp32",
+        help="of bf16, fp32, fp16, int8, int8-bf16 (an int8 pool, bfloat16 queries)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--layers", type=int, default=30, help="distinct pools (the model's)")
     parser.add_argument("--repeats", type=int, default=7)
@@ -225,11 +242,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtypes = {
-        "bf16": torch.bfloat16,
-        "fp32": torch.float32,
-        "fp16": torch.float16,
-        "int8": torch.int8,
+    dtypes: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+        "bf16": (torch.bfloat16, None),
+        "fp32": (torch.float32, None),
+        "fp16": (torch.float16, None),
+        "int8": (torch.int8, None),
+        "int8-bf16": (torch.int8, torch.bfloat16),
     }
     rows = []
     print(
@@ -240,7 +258,8 @@ def main() -> None:
     for name in args.dtypes.split(","):
         for shape in args.shapes.split(","):
             batch, context = (int(v) for v in shape.split("x"))
-            row = measure(args, dtypes[name], batch, context)
+            pool_dtype, q_dtype = dtypes[name]
+            row = measure(args, pool_dtype, batch, context, q_dtype)
             rows.append(row)
             print(
                 f"{name:5s} {batch:6d} {context:5d} {row.ms_per_layer:11.3f} {row.gb_per_s:6.1f} "

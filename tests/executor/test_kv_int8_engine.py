@@ -1,6 +1,8 @@
 """``kv_cache_dtype = "int8"`` in the engine: which combinations are refused at start-up, the
 pool's tokens per byte against float16 / bfloat16, and a tiny model served over an int8 pool
-through prefix caching, chunked prefills, retraction with swap, and the KV invariant."""
+through prefix caching, chunked prefills, retraction with swap, and the KV invariant: in float32
+(head dim 16: the torch references) and in bfloat16 (head dim 64: the native kernels with
+bfloat16 queries)."""
 
 from __future__ import annotations
 
@@ -22,18 +24,32 @@ from tests.executor.test_deterministic_engine import OUTPUT, greedy, workload
 from tests.server_support import engine_config, tiny_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# the model's dtype -> the tiny checkpoint's overrides (tiny_model_dir)
+MODELS: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bfloat16": {"hidden_size": 256, "intermediate_size": 256, "initializer_range": 0.1},
+}
 I8, F16, BF16, F32 = torch.int8, torch.float16, torch.bfloat16, torch.float32
 
 
-def test_int8_is_honoured_beside_float32_activations_on_a_cpu_only() -> None:
-    assert pick_kv_dtype("int8", CPU, F32, quantized=True, deterministic=False) == I8
-    assert pick_kv_dtype("int8", CPU, F32, quantized=False, deterministic=False) == I8
-    assert pick_kv_dtype("int8", CPU, F32, quantized=True, deterministic=True) == I8
+def test_int8_is_honoured_beside_float32_or_bfloat16_activations_on_a_cpu_only() -> None:
+    for dtype in (F32, BF16):
+        assert pick_kv_dtype("int8", CPU, dtype, quantized=True, deterministic=False) == I8
+        assert pick_kv_dtype("int8", CPU, dtype, quantized=False, deterministic=False) == I8
+        assert pick_kv_dtype("int8", CPU, dtype, quantized=True, deterministic=True) == I8
+        assert (
+            pick_kv_dtype("int8", CPU, dtype, quantized=True, deterministic=False, backend="torch")
+            == I8
+        )
     refused = [
         (CUDA, F32, False, "auto", "on cuda no attention kernel reads an int8 pool"),
-        (CPU, BF16, False, "auto", "beside float32 activations only"),
+        (CUDA, BF16, False, "auto", "on cuda no attention kernel reads an int8 pool"),
+        (CUDA, BF16, False, "flashinfer", "on cuda no attention kernel reads an int8 pool"),
+        (CPU, F16, False, "auto", "beside float32 or bfloat16 activations only"),
         (CPU, F32, False, "triton", "'triton' does not read an int8 pool"),
+        (CPU, BF16, False, "triton", "'triton' does not read an int8 pool"),
         (CPU, F32, False, "flashinfer", "'flashinfer' does not read an int8 pool"),
+        (CPU, BF16, True, "flashinfer", "'flashinfer' does not read an int8 pool"),
     ]
     for device, dtype, deterministic, backend, why in refused:
         with pytest.raises(ConfigError, match=f"'kv_cache_dtype' = 'int8'.*{why}"):
@@ -97,18 +113,25 @@ async def _generate(model: str, **overrides: Any) -> tuple[list[list[int]], dict
 
 
 @pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@pytest.mark.parametrize("dtype", list(MODELS))
 def test_a_tiny_model_over_an_int8_pool_survives_swap_and_the_prefix_cache(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, dtype: str
 ) -> None:
     """The same greedy tokens with a roomy pool and with one so small that requests are
     retracted and swapped out and back (the int8 rows and their scales copied as bytes),
     chunked prefills and prefix hits: a token's K/V quantize alone (per token and head), so
-    however a prompt is split or shared its pool rows are the same."""
-    model = str(tiny_model_dir(tmp_path_factory))
-    roomy, _ = asyncio.run(_generate(model, kv_cache_tokens=4096))
+    however a prompt is split or shared its pool rows are the same. A bfloat16 model's products
+    round differently with the batch's shape: its runs are deterministic mode's."""
+    model = str(tiny_model_dir(tmp_path_factory, **MODELS[dtype]))
+    invariant = dtype == "bfloat16"
+    roomy, _ = asyncio.run(
+        _generate(model, dtype=dtype, deterministic=invariant, kv_cache_tokens=4096)
+    )
     tight, stats = asyncio.run(
         _generate(
             model,
+            dtype=dtype,
+            deterministic=invariant,
             kv_cache_tokens=192,
             page_size=4,
             chunked_prefill_size=16,
@@ -126,13 +149,15 @@ def test_a_tiny_model_over_an_int8_pool_survives_swap_and_the_prefix_cache(
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.parametrize("dtype", list(MODELS))
 async def test_deterministic_mode_over_an_int8_pool(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, dtype: str
 ) -> None:
     """Deterministic mode reads int8 rows too (each dequantized alone): the same greedy tokens
     alone and under load (chunked, retracted, beside others), as over its own dtype's pool."""
     config = engine_config(
-        str(tiny_model_dir(tmp_path_factory)),
+        str(tiny_model_dir(tmp_path_factory, **MODELS[dtype])),
+        dtype=dtype,
         kv_cache_dtype="int8",
         deterministic=True,
         chunked_prefill_size=32,

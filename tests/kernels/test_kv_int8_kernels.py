@@ -1,6 +1,7 @@
 """An int8 K/V pool (a bfloat16 scale per token and head after each head's row: kv_int8_ref.py)
 written and read by the native kernels' -DKV_I8 builds (kernels/cpu/cpu_kv.h), on this CPU's
-widest ISA and forced to AVX2 (-mno-avx512f).
+widest ISA and forced to AVX2 (-mno-avx512f), beside float32 activations (bfloat16 ones:
+test_kv_int8_bf16.py).
 
 Two oracles: the torch references over the same int8 pool (they dequantize the rows, then both
 sides compute in float32 on the same values: the float32 tolerance ATOL holds), and float32
@@ -174,13 +175,13 @@ def test_native_decode_window_and_softcap_over_int8(
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
-def test_an_int8_pool_refuses_bfloat16_queries() -> None:
+def test_an_int8_pool_refuses_float16_queries() -> None:
     kv = PagedInt8KV([5], 16, 1, 64, seed=0)
     plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 2, kv.k_cache)
     assert plan is not None
-    with pytest.raises(ValueError, match="int8 KV pool is read with float32 queries"):
+    with pytest.raises(ValueError, match="int8 KV pool is read with float32 or bfloat16 queries"):
         native_decode_attention(
-            torch.zeros(1, 2, 64, dtype=torch.bfloat16), kv.k_cache, kv.v_cache, plan, 1.0
+            torch.zeros(1, 2, 64, dtype=torch.float16), kv.k_cache, kv.v_cache, plan, 1.0
         )
 
 

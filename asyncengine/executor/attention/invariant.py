@@ -131,9 +131,16 @@ def padded_queries(q_len: int, group: int, dtype: torch.dtype) -> int:
     return q_len
 
 
-def plan_invariant(batch: ForwardBatch, k_cache: torch.Tensor, num_heads: int) -> InvariantPlan:
+def plan_invariant(
+    batch: ForwardBatch,
+    k_cache: torch.Tensor,
+    num_heads: int,
+    query_dtype: torch.dtype | None = None,
+) -> InvariantPlan:
+    """``query_dtype``: what attention computes in (default: the pool's, float32 for an int8
+    pool); an int8 pool's rows are dequantized to it."""
     device = k_cache.device
-    dtype = attention_dtype(k_cache.dtype)  # an int8 pool's rows are attended in float32
+    dtype = query_dtype or attention_dtype(k_cache.dtype)
     group = num_heads // k_cache.shape[1]
     groups_of: dict[tuple[bool, int], list[_Request]] = {}
     for req in _requests(batch):
@@ -267,7 +274,7 @@ class InvariantTorchBackend(StoreThenAttendBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, InvariantMetadata)
         if metadata.plan is None:
-            metadata.plan = plan_invariant(metadata.batch, k_cache, q.shape[1])
+            metadata.plan = plan_invariant(metadata.batch, k_cache, q.shape[1], q.dtype)
         return invariant_attention(
             q, k_cache, v_cache, metadata.plan, scale, self.buffers, options.window, options.softcap
         )

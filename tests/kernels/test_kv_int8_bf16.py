@@ -1,0 +1,180 @@
+"""An int8 K/V pool read and written beside bfloat16 activations (a bfloat16 model's
+``kv_cache_dtype = "int8"``): the native kernels' -DKV_I8 builds with bfloat16 queries and
+outputs, on this CPU's widest ISA and forced to AVX2.
+
+The oracle is float32 attention over the same int8 pool (the torch reference, the query widened
+exactly). The kernels compute in float32 and round the output to bfloat16 (half a step: 2^-9
+relative); the extend kernel also rounds each dequantized key to bfloat16 for its AVX512-BF16
+dot products, as a bfloat16 pool's keys are. BF16_ATOL bounds both for unit-variance K/V and
+outputs of magnitude ~1 (measured here: decode 0.007, extend 0.009 at most)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine.kernels.cpu import cpu_native, layer_ops_native
+from asyncengine.kernels.cpu.attention_native import (
+    extend_kernel_runs,
+    native_decode_attention,
+    native_extend_attention,
+    plan_native_decode,
+    plan_native_extend,
+)
+from asyncengine.kernels.reference.attention_ref import decode_attention, extend_attention
+from asyncengine.kernels.reference.kv_int8_ref import SCALE_BYTES
+from asyncengine.kernels.reference.kv_store_ref import store_kv
+from asyncengine.kernels.reference.rotary_ref import apply_rotary
+from tests.kernels.test_kernels_ref import naive_attention
+from tests.kernels.test_kv_int8_kernels import (  # noqa: F401  (fixtures)
+    INT8_ATOL,
+    PagedInt8KV,
+    isa,
+    query_as_read,
+    threads,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+I8, BF16, F32 = torch.int8, torch.bfloat16, torch.float32
+BF16_ATOL = 0.02
+SHAPES = [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 2, 64, 7), (8, 4, 256, 5)]
+
+
+def bf16_queries(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "page_size"), SHAPES)
+@pytest.mark.parametrize("seq_lens", [[1, 31, 32, 33, 70, 5, 129, 64], [1500], [700, 2051]])
+def test_native_decode_takes_bfloat16_queries_over_an_int8_pool(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    seq_lens: list[int],
+    isa: str,
+    threads: int,
+) -> None:
+    kv = PagedInt8KV(seq_lens, page_size, num_kv_heads, head_dim, seed=head_dim + page_size)
+    q = bf16_queries((len(seq_lens), num_heads, head_dim), seed=1)
+    scale = head_dim**-0.5
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, page_size, num_heads, kv.k_cache)
+    assert plan is not None
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, scale)
+    assert got.dtype == BF16 and torch.isfinite(got).all(), "read a slot no request owns"
+    wide = q.float()
+    ref = decode_attention(
+        query_as_read(wide), kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale
+    )
+    torch.testing.assert_close(got.float(), ref, atol=BF16_ATOL, rtol=0)
+    for b in range(len(seq_lens)):
+        want = naive_attention(wide[b : b + 1], kv.keys[b], kv.values[b], scale)
+        torch.testing.assert_close(got[b].float(), want[0], atol=INT8_ATOL + BF16_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "window"), [([40, 3, 100], 7), ([1500], 700)], ids=["3", "split-K"]
+)
+def test_native_decode_window_and_softcap_with_bfloat16_queries(
+    seq_lens: list[int],
+    window: int,
+    isa: str,
+) -> None:
+    kv = PagedInt8KV(seq_lens, 16, 2, 64, seed=5)
+    q = bf16_queries((len(seq_lens), 8, 64), seed=3)
+    plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 8, kv.k_cache)
+    assert plan is not None
+    got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, window, 1.5)
+    ref = decode_attention(
+        q.float(), kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125, window, 1.5
+    )
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), ref, atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "page_size"), SHAPES)
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 2.0)])
+def test_native_extend_takes_bfloat16_queries_over_an_int8_pool(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    window: int,
+    softcap: float,
+    isa: str,
+) -> None:
+    if not extend_kernel_runs(I8):
+        pytest.skip("no AVX2 + FMA or AVX-512 here: extends take the torch path")
+    seq_lens = [50, 300, 17, 64, 129, 33, 193]
+    q_lens = [50, 120, 1, 33, 16, 33, 35]
+    kv = PagedInt8KV(seq_lens, page_size, num_kv_heads, head_dim, seed=head_dim + page_size)
+    cu = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    q = bf16_queries((int(cu[-1]), num_heads, head_dim), seed=2)
+    scale = head_dim**-0.5
+    plan = plan_native_extend(kv.block_table, cu, kv.seq_lens, page_size, num_heads, kv.k_cache)
+    assert plan is not None
+    got = native_extend_attention(q, kv.k_cache, kv.v_cache, plan, scale, window, softcap)
+    assert got.dtype == BF16 and torch.isfinite(got).all()
+    args = (kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, page_size, scale)
+    ref = extend_attention(q.float(), *args, window, softcap)
+    torch.testing.assert_close(got.float(), ref, atol=BF16_ATOL, rtol=0)
+    # the torch reference with the bfloat16 queries themselves (the fallback where no kernel
+    # runs: the pool dequantized to bfloat16, the fused attention in bfloat16)
+    fallback = extend_attention(q, *args, window, softcap)
+    assert fallback.dtype == BF16
+    torch.testing.assert_close(fallback.float(), ref, atol=BF16_ATOL, rtol=0)
+
+
+def test_the_decode_fallback_takes_bfloat16_queries_over_an_int8_pool() -> None:
+    """The torch reference's gathered decode (where no kernel runs), padded chunks included."""
+    kv = PagedInt8KV([1, 31, 70, 5, 129], 16, 3, 64, seed=7)
+    q = bf16_queries((5, 9, 64), seed=4)
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125)
+    got = decode_attention(q, *args)
+    assert got.dtype == BF16
+    torch.testing.assert_close(
+        got.float(), decode_attention(q.float(), *args), atol=BF16_ATOL, rtol=0
+    )
+
+
+def test_a_float16_pool_still_refuses_bfloat16_queries() -> None:
+    k_cache = torch.zeros(16, 1, 64, dtype=torch.float16)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    plan = plan_native_decode(table, lens, 16, 2, k_cache)
+    assert plan is not None
+    with pytest.raises(ValueError, match="float16 KV pool is read with float32 queries"):
+        native_decode_attention(torch.zeros(1, 2, 64, dtype=BF16), k_cache, k_cache, plan, 1.0)
+
+
+def test_rotary_store_quantizes_bfloat16_rows_as_the_reference_does(
+    isa: str,
+) -> None:
+    n, heads, kv_heads, d, slots = 7, 6, 2, 64, 40
+    gen = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen) * 3).to(BF16)
+    qkv[2] = 0.0  # a zero row: scale 0
+    positions = torch.tensor([0, 5, 9, 100, 3, 77, 12])
+    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(128).float()[:, None] * freqs[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    slot_mapping = torch.tensor([3, 17, 0, 39, 8, 22, 31])
+    k_cache = torch.full((slots, kv_heads, d + SCALE_BYTES), 99, dtype=I8)
+    v_cache = k_cache.clone()
+    q = layer_ops_native.rotary_store(
+        qkv, heads, kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping
+    )
+    q_all, k_all, v_all = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q_ref, k_ref = apply_rotary(
+        q_all.reshape(n, heads, d), k_all.reshape(n, kv_heads, d), positions, cos_sin
+    )
+    want_k = torch.full_like(k_cache, 99)
+    want_v = want_k.clone()
+    store_kv(want_k, want_v, k_ref, v_all.reshape(n, kv_heads, d), slot_mapping)
+    assert q.dtype == BF16
+    torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
+    # the same bfloat16 k and v rows quantized: the same scales, the same rounding
+    assert torch.equal(k_cache, want_k)
+    assert torch.equal(v_cache, want_v)
