@@ -79,12 +79,17 @@ typedef struct {
         const int64_t nq = (q_len - it.q0 < QB) ? (q_len - it.q0) : QB;                          \
         const int64_t rows = G * nq, padded = (rows + TILE - 1) / TILE * TILE;                   \
         const int64_t pos0 = kv_len - q_len + it.q0;                                             \
-        static __thread uint32_t qp[MAX_ROWS][8 * (NV)] __attribute__((aligned(64)));            \
-        static __thread float qf[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));              \
-        static __thread float o[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));               \
-        static __thread uint32_t kt2[8 * (NV)][KB] __attribute__((aligned(64)));                 \
-        static __thread float kt[16 * (NV)][KB] __attribute__((aligned(64)));                    \
-        static __thread float vf[KB][16 * (NV)] __attribute__((aligned(64)));                    \
+        static __thread uint32_t qp_[MAX_ROWS][8 * (NV)] __attribute__((aligned(64)));           \
+        static __thread float qf_[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));             \
+        static __thread float o_[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));              \
+        static __thread uint32_t kt2_[8 * (NV)][KB] __attribute__((aligned(64)));                \
+        static __thread float kt_[16 * (NV)][KB] __attribute__((aligned(64)));                   \
+        static __thread float vf_[KB][16 * (NV)] __attribute__((aligned(64)));                   \
+        /* the thread-locals' addresses once, made opaque: re-derived at each use they cost a    \
+         * TLS look-up call in a shared library */                                              \
+        uint32_t(*qp)[8 * (NV)] = qp_, (*kt2)[KB] = kt2_;                                       \
+        float(*qf)[16 * (NV)] = qf_, (*o)[16 * (NV)] = o_, (*kt)[KB] = kt_, (*vf)[16 * (NV)] = vf_; \
+        __asm__("" : "+r"(qp), "+r"(kt2), "+r"(qf), "+r"(o), "+r"(kt), "+r"(vf));             \
         float m[MAX_ROWS], l[MAX_ROWS];                                                          \
         int64_t qpos[MAX_ROWS], qlo[MAX_ROWS]; /* a row's first and last visible key */         \
         for (int64_t r = 0; r < padded; r++) {                                                   \
