@@ -17,8 +17,10 @@
  * alone (deterministic mode relies on it).
  *
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
- * products where the CPU has them; on AVX2 + FMA CPUs without AVX-512, the items of
- * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
+ * products where the CPU has them, bfloat16 queries over a bfloat16 pool then taking the items
+ * of cpu_extend_bf16.h (rows in lanes, both products bf16 dot products); on AVX2 + FMA CPUs
+ * without AVX-512, the items of cpu_extend_avx2.h (float32 arithmetic, scores transposed);
+ * elsewhere -1 (the torch path).
  * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
  * and values widened to float32 once per block as they are gathered; -DKV_I8 likewise for an
  * int8 pool (each row times its scale as it is widened).
@@ -33,7 +35,7 @@
 #define EXTEND_AVX2 1
 #include "cpu_extend_avx2.h"
 #endif
-#if defined(__AVX512BF16__) && !KV_IS_F16 && !KV_IS_I8 && !defined(XB_OFF)
+#if defined(__AVX512BF16__) && !KV_IS_F16 && !KV_IS_I8
 #define EXTEND_BF16 1
 #include "cpu_extend_bf16.h"
 #endif
