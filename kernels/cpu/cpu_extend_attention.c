@@ -17,8 +17,10 @@
  * alone (deterministic mode relies on it).
  *
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
- * products where the CPU has them; on AVX2 + FMA CPUs without AVX-512, the items of
- * cpu_extend_avx2.h (float32 arithmetic, scores transposed); elsewhere -1 (the torch path).
+ * products where the CPU has them, bfloat16 queries over a bfloat16 pool then taking the items
+ * of cpu_extend_bf16.h (rows in lanes, both products bf16 dot products); on AVX2 + FMA CPUs
+ * without AVX-512, the items of cpu_extend_avx2.h (float32 arithmetic, scores transposed);
+ * elsewhere -1 (the torch path).
  * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
  * and values widened to float32 once per block as they are gathered; -DKV_I8 likewise for an
  * int8 pool (each row times its scale as it is widened), beside float32 or bfloat16 q / out:
@@ -34,6 +36,10 @@
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define EXTEND_AVX2 1
 #include "cpu_extend_avx2.h"
+#endif
+#if defined(__AVX512BF16__) && !KV_IS_F16 && !KV_IS_I8
+#define EXTEND_BF16 1
+#include "cpu_extend_bf16.h"
 #endif
 
 #define MAX_GROUP 16
@@ -77,12 +83,17 @@ typedef struct {
         const int64_t nq = (q_len - it.q0 < QB) ? (q_len - it.q0) : QB;                          \
         const int64_t rows = G * nq, padded = (rows + TILE - 1) / TILE * TILE;                   \
         const int64_t pos0 = kv_len - q_len + it.q0;                                             \
-        static __thread uint32_t qp[MAX_ROWS][8 * (NV)] __attribute__((aligned(64)));            \
-        static __thread float qf[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));              \
-        static __thread float o[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));               \
-        static __thread uint32_t kt2[8 * (NV)][KB] __attribute__((aligned(64)));                 \
-        static __thread float kt[16 * (NV)][KB] __attribute__((aligned(64)));                    \
-        static __thread float vf[KB][16 * (NV)] __attribute__((aligned(64)));                    \
+        static __thread uint32_t qp_[MAX_ROWS][8 * (NV)] __attribute__((aligned(64)));           \
+        static __thread float qf_[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));             \
+        static __thread float o_[MAX_ROWS][16 * (NV)] __attribute__((aligned(64)));              \
+        static __thread uint32_t kt2_[8 * (NV)][KB] __attribute__((aligned(64)));                \
+        static __thread float kt_[16 * (NV)][KB] __attribute__((aligned(64)));                   \
+        static __thread float vf_[KB][16 * (NV)] __attribute__((aligned(64)));                   \
+        /* the thread-locals' addresses once, made opaque: re-derived at each use they cost a    \
+         * TLS look-up call in a shared library */                                              \
+        uint32_t(*qp)[8 * (NV)] = qp_, (*kt2)[KB] = kt2_;                                       \
+        float(*qf)[16 * (NV)] = qf_, (*o)[16 * (NV)] = o_, (*kt)[KB] = kt_, (*vf)[16 * (NV)] = vf_; \
+        __asm__("" : "+r"(qp), "+r"(kt2), "+r"(qf), "+r"(o), "+r"(kt), "+r"(vf));             \
         float m[MAX_ROWS], l[MAX_ROWS];                                                          \
         int64_t qpos[MAX_ROWS], qlo[MAX_ROWS]; /* a row's first and last visible key */         \
         for (int64_t r = 0; r < padded; r++) {                                                   \
@@ -269,9 +280,16 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || (D != 64 && D != 128 && D != 256) ||
         (KV_IS_F16 && is_bf16))
         return -1;
+#ifdef EXTEND_BF16
+    const int bf16_items = is_bf16 != 0;
+    const int64_t per_item = bf16_items ? xb_queries_per_item(H / Hkv) : QB;
+#else
+    const int bf16_items = 0;
+    const int64_t per_item = QB;
+#endif
     int64_t count = 0;
     for (int64_t b = 0; b < B; b++)
-        count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + QB - 1) / QB);
+        count += Hkv * ((cu_seqlens_q[b + 1] - cu_seqlens_q[b] + per_item - 1) / per_item);
     extend_item *items = (extend_item *)malloc((size_t)(count > 0 ? count : 1) * sizeof(extend_item));
     if (items == NULL) return -1;
     int64_t n = 0;
@@ -279,13 +297,30 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
      * does not finish on one long item */
     for (int64_t b = 0; b < B; b++) {
         const int64_t q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        for (int64_t q0 = ((q_len - 1) / QB) * QB; q0 >= 0; q0 -= QB)
+        for (int64_t q0 = ((q_len - 1) / per_item) * per_item; q0 >= 0; q0 -= per_item)
             for (int64_t h = 0; h < Hkv; h++) items[n++] = (extend_item){b, h, q0};
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < count; i++) {
         const extend_item it = items[i];
         const int64_t q_len = cu_seqlens_q[it.b + 1] - cu_seqlens_q[it.b];
+#ifdef EXTEND_BF16
+        if (bf16_items) {
+            const int64_t q_start = cu_seqlens_q[it.b];
+            const int64_t nq = (q_len - it.q0 < per_item) ? (q_len - it.q0) : per_item;
+            const int64_t row = q_start + it.q0;
+            static __thread xb_item scratch __attribute__((aligned(64)));
+            xb_item *x = &scratch;
+            __asm__("" : "+r"(x)); /* opaque: no clone of the item may re-derive the TLS address */
+            extend_item_bf16(x, (const uint16_t *)q + row * q_stride, q_stride,
+                             (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                             block_table + it.b * table_stride, nq, seq_lens[it.b] - q_len + it.q0,
+                             it.kvh, H / Hkv, Hkv, D, page_size, scale, window, softcap,
+                             (uint16_t *)out + row * H * D, H * D);
+            continue;
+        }
+#endif
+        (void)bf16_items;
         if (D == 64)
             extend_item_4(q, q_stride, k_cache, v_cache, block_table + it.b * table_stride,
                           cu_seqlens_q[it.b], q_len, seq_lens[it.b], it, H, Hkv, page_size, scale,

@@ -108,11 +108,16 @@ static void extend_item_avx2(const void *q, int64_t q_stride, const void *kc, co
                              int64_t G, int64_t Hkv, int64_t D, int64_t page_size, float scale,
                              int64_t window, float softcap, void *out, int64_t out_stride,
                              int bf16) {
-    static __thread float qt[X2_MAX_DIM * X2_MAX_ROWS] __attribute__((aligned(32)));
-    static __thread float o[X2_MAX_ROWS * X2_MAX_DIM] __attribute__((aligned(32)));
-    static __thread float s[X2_KB][X2_MAX_ROWS] __attribute__((aligned(32)));
-    static __thread float kbuf[X2_KB][X2_MAX_DIM] __attribute__((aligned(32)));
-    static __thread float vbuf[X2_KB][X2_MAX_DIM] __attribute__((aligned(32)));
+    static __thread float qt_[X2_MAX_DIM * X2_MAX_ROWS] __attribute__((aligned(32)));
+    static __thread float o_[X2_MAX_ROWS * X2_MAX_DIM] __attribute__((aligned(32)));
+    static __thread float s_[X2_KB][X2_MAX_ROWS] __attribute__((aligned(32)));
+    static __thread float kbuf_[X2_KB][X2_MAX_DIM] __attribute__((aligned(32)));
+    static __thread float vbuf_[X2_KB][X2_MAX_DIM] __attribute__((aligned(32)));
+    /* the thread-locals' addresses once, made opaque: re-derived at each use they cost a TLS
+     * look-up call in a shared library */
+    float *qt = qt_, *o = o_, (*s)[X2_MAX_ROWS] = s_, (*kbuf)[X2_MAX_DIM] = kbuf_;
+    float(*vbuf)[X2_MAX_DIM] = vbuf_;
+    __asm__("" : "+r"(qt), "+r"(o), "+r"(s), "+r"(kbuf), "+r"(vbuf));
     float corr[X2_MAX_ROWS] __attribute__((aligned(32)));
     __m256 m[X2_ROW_VECS], l[X2_ROW_VECS];
     x2_rows rw;
