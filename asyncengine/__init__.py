@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncengine import compiled
+from asyncengine import hugepage_tensors
+
+# before torch allocates anything: it reads the setting once, at its first CPU allocation
+hugepage_tensors.request()
+
+from asyncengine import compiled  # noqa: E402
 
 # before any compiled module loads: a stale build must not shadow an edited source
 compiled.run_edits_interpreted()
