@@ -17,15 +17,16 @@
  * alone (deterministic mode relies on it).
  *
  * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
- * products where the CPU has them, bfloat16 queries over a bfloat16 pool then taking the items
- * of cpu_extend_bf16.h (rows in lanes, both products bf16 dot products); on AVX2 + FMA CPUs
+ * products where the CPU has them, bfloat16 queries over a bfloat16 or int8 pool then taking the
+ * items of cpu_extend_bf16.h (rows in lanes, both products bf16 dot products); on AVX2 + FMA CPUs
  * without AVX-512, the items of cpu_extend_avx2.h (float32 arithmetic, scores transposed);
  * elsewhere -1 (the torch path).
  * Built with -DKV_F16 (cpu_kv.h): a float16 pool, q / out float32 (is_bf16 must be 0), its keys
  * and values widened to float32 once per block as they are gathered; -DKV_I8 likewise for an
  * int8 pool (each row times its scale as it is widened), beside float32 or bfloat16 q / out:
- * with bfloat16 queries each dequantized key row is rounded to bfloat16 pairs, so the scores
- * take the same AVX512-BF16 dot products as a bfloat16 pool's (the values stay float32).
+ * with bfloat16 queries and AVX512-BF16, the bf16 items over key and value rows dequantized to
+ * bfloat16 once per block; without AVX512-BF16 each dequantized key row is rounded to bfloat16
+ * pairs for the scores' pair dots (the values stay float32).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -37,7 +38,7 @@
 #define EXTEND_AVX2 1
 #include "cpu_extend_avx2.h"
 #endif
-#if defined(__AVX512BF16__) && !KV_IS_F16 && !KV_IS_I8
+#if defined(__AVX512BF16__) && !KV_IS_F16
 #define EXTEND_BF16 1
 #include "cpu_extend_bf16.h"
 #endif
@@ -313,7 +314,7 @@ int asyncengine_paged_extend_attention(const void *q, int64_t q_stride, const vo
             xb_item *x = &scratch;
             __asm__("" : "+r"(x)); /* opaque: no clone of the item may re-derive the TLS address */
             extend_item_bf16(x, (const uint16_t *)q + row * q_stride, q_stride,
-                             (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                             (const xb_pool_t *)k_cache, (const xb_pool_t *)v_cache,
                              block_table + it.b * table_stride, nq, seq_lens[it.b] - q_len + it.q0,
                              it.kvh, H / Hkv, Hkv, D, page_size, scale, window, softcap,
                              (uint16_t *)out + row * H * D, H * D);

@@ -1,5 +1,6 @@
-/* One work item of the paged extend attention for bfloat16 queries over a bfloat16 pool on
- * AVX512-BF16 CPUs (cpu_extend_attention.c includes it there): (request, kv head, block of
+/* One work item of the paged extend attention for bfloat16 queries over a bfloat16 pool, or an
+ * int8 one (the -DKV_I8 build), on AVX512-BF16 CPUs (cpu_extend_attention.c includes it
+ * there): (request, kv head, block of
  * queries), the item's rows being its queries x the kv head's group of query heads, row
  * r = i * G + g (position first, so that a vector of 16 rows spans few positions).
  *
@@ -15,6 +16,10 @@
  * The probabilities are rounded to bf16 for the value product only; the row's sum takes them
  * unrounded (float32), as the float32 reference does.
  *
+ * The pool is read through xb_row32 only, as each key block is gathered: a plain load of a
+ * bfloat16 row, or an int8 row times its scale rounded once to bfloat16 (so the int8 pool's
+ * keys and values enter the same dot products, dequantized once per block, not per row).
+ *
  * Each row's arithmetic is the same whatever its lane, item or neighbours, and its key blocks
  * are visited in absolute order from a multiple of XB_KB, skipped or masked keys adding exact
  * zeros: a row's output depends on its query and keys alone (deterministic mode relies on it).
@@ -25,6 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kv.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
 
@@ -52,12 +58,43 @@ typedef struct {
     int32_t qpos[XB_MAX_ROWS], qlo[XB_MAX_ROWS]; /* a row's last and first visible key */
 } xb_item;
 
-/* the pool offsets of the rows of keys k0 .. k0 + n - 1 (one division, not one a key) */
+/* The pool's element and its rows as bfloat16: xb_row32(row, c, s) is elements c .. c + 31 of
+ * a head's row as 16 bf16 pairs, s = xb_row_scale(row, D) the row's scale taken once. */
+#if KV_IS_I8
+typedef int8_t xb_pool_t;
+
+static inline __m512 xb_row_scale(const xb_pool_t *row, int64_t D) {
+    return _mm512_set1_ps(kv_row_scale(row, D));
+}
+
+/* int8 x scale is exact in float32 (7 + 8 significant bits), so this rounds once */
+static inline __m512i xb_row32(const xb_pool_t *row, int64_t c, __m512 row_scale) {
+    const __m512 lo = _mm512_mul_ps(KV_LOAD16(row + c), row_scale);
+    const __m512 hi = _mm512_mul_ps(KV_LOAD16(row + c + 16), row_scale);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#else
+typedef uint16_t xb_pool_t;
+
+static inline __m512 xb_row_scale(const xb_pool_t *row, int64_t D) {
+    (void)row;
+    (void)D;
+    return _mm512_setzero_ps();
+}
+
+static inline __m512i xb_row32(const xb_pool_t *row, int64_t c, __m512 row_scale) {
+    (void)row_scale;
+    return _mm512_loadu_si512(row + c);
+}
+#endif
+
+/* the pool offsets (elements) of the rows of keys k0 .. k0 + n - 1, row_len elements a head's
+ * row (one division, not one a key) */
 static inline void xb_block_rows(const int32_t *table_row, int64_t k0, int64_t n, int64_t page_size,
-                                 int64_t Hkv, int64_t kvh, int64_t D, int64_t *rows) {
+                                 int64_t Hkv, int64_t kvh, int64_t row_len, int64_t *rows) {
     int64_t page = k0 / page_size, offset = k0 - page * page_size;
     for (int64_t k = 0; k < n; k++) {
-        rows[k] = (((int64_t)table_row[page] * page_size + offset) * Hkv + kvh) * D;
+        rows[k] = (((int64_t)table_row[page] * page_size + offset) * Hkv + kvh) * row_len;
         if (++offset == page_size) page++, offset = 0;
     }
 }
@@ -179,8 +216,8 @@ static inline void xb_block_values(xb_item *x, int64_t D, int64_t npairs, int64_
  * sits at pos0. Writes out rows the same way (out_stride apart). x: the thread's scratch (a
  * parameter: a thread-local taken inside would cost a TLS look-up call at each use in a shared
  * library). */
-static void extend_item_bf16(xb_item *x, const uint16_t *q, int64_t q_stride, const uint16_t *kc,
-                             const uint16_t *vc, const int32_t *table_row, int64_t nq,
+static void extend_item_bf16(xb_item *x, const uint16_t *q, int64_t q_stride, const xb_pool_t *kc,
+                             const xb_pool_t *vc, const int32_t *table_row, int64_t nq,
                              int64_t pos0, int64_t kvh, int64_t G, int64_t Hkv, int64_t D,
                              int64_t page_size, float scale, int64_t window, float softcap,
                              uint16_t *out, int64_t out_stride) {
@@ -249,27 +286,31 @@ static void extend_item_bf16(xb_item *x, const uint16_t *q, int64_t q_stride, co
         /* this block's rows, then the next block's prefetched while this one computes (pages
          * are scattered in the pool) */
         int64_t rows_now[XB_KB], rows_next[XB_KB];
-        xb_block_rows(table_row, k0, nk, page_size, Hkv, kvh, D, rows_now);
+        xb_block_rows(table_row, k0, nk, page_size, Hkv, kvh, KV_ROW(D), rows_now);
         const int64_t next = k0 + XB_KB;
         const int64_t nk_next = last_key + 1 - next < XB_KB ? last_key + 1 - next : XB_KB;
-        xb_block_rows(table_row, next, nk_next, page_size, Hkv, kvh, D, rows_next);
+        xb_block_rows(table_row, next, nk_next, page_size, Hkv, kvh, KV_ROW(D), rows_next);
+        const int64_t row_bytes = KV_ROW(D) * (int64_t)sizeof(xb_pool_t);
         for (int64_t k = 0; k < nk_next; k++)
-            for (int64_t c = 0; c < D; c += 32) {
-                _mm_prefetch((const char *)(kc + rows_next[k] + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(vc + rows_next[k] + c), _MM_HINT_T0);
+            for (int64_t c = 0; c < row_bytes; c += 64) {
+                _mm_prefetch((const char *)(kc + rows_next[k]) + c, _MM_HINT_T0);
+                _mm_prefetch((const char *)(vc + rows_next[k]) + c, _MM_HINT_T0);
             }
         for (int64_t k = 0; k < XB_KB; k += 2) {
-            const uint16_t *a = k < nk ? vc + rows_now[k] : NULL;
-            const uint16_t *b = k + 1 < nk ? vc + rows_now[k + 1] : NULL;
+            const xb_pool_t *a = k < nk ? vc + rows_now[k] : NULL;
+            const xb_pool_t *b = k + 1 < nk ? vc + rows_now[k + 1] : NULL;
+            const __m512 as = a ? xb_row_scale(a, D) : _mm512_setzero_ps();
+            const __m512 bs = b ? xb_row_scale(b, D) : _mm512_setzero_ps();
             for (int64_t t = 0; t < 2; t++) {
-                const uint16_t *kr = k + t < nk ? kc + rows_now[k + t] : NULL;
+                const xb_pool_t *kr = k + t < nk ? kc + rows_now[k + t] : NULL;
+                const __m512 ks = kr ? xb_row_scale(kr, D) : _mm512_setzero_ps();
                 for (int64_t c = 0; c < D; c += 32)
                     _mm512_store_si512(&x->kb[k + t][c / 2],
-                                       kr ? _mm512_loadu_si512(kr + c) : _mm512_setzero_si512());
+                                       kr ? xb_row32(kr, c, ks) : _mm512_setzero_si512());
             }
             for (int64_t c = 0; c < D; c += 32) {
-                const __m512i va = a ? _mm512_loadu_si512(a + c) : _mm512_setzero_si512();
-                const __m512i vb = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
+                const __m512i va = a ? xb_row32(a, c, as) : _mm512_setzero_si512();
+                const __m512i vb = b ? xb_row32(b, c, bs) : _mm512_setzero_si512();
                 _mm512_store_si512(&x->vp[k / 2][c], _mm512_permutex2var_epi16(va, lo_idx, vb));
                 _mm512_store_si512(&x->vp[k / 2][c + 16], _mm512_permutex2var_epi16(va, hi_idx, vb));
             }

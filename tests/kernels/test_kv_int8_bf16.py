@@ -4,9 +4,10 @@ outputs, on this CPU's widest ISA and forced to AVX2.
 
 The oracle is float32 attention over the same int8 pool (the torch reference, the query widened
 exactly). The kernels compute in float32 and round the output to bfloat16 (half a step: 2^-9
-relative); the extend kernel also rounds each dequantized key to bfloat16 for its AVX512-BF16
-dot products, as a bfloat16 pool's keys are. BF16_ATOL bounds both for unit-variance K/V and
-outputs of magnitude ~1 (measured here: decode 0.007, extend 0.009 at most)."""
+relative); the extend kernel also rounds each dequantized key (and, on AVX512-BF16 CPUs, value
+and probability) to bfloat16 for its dot products, as over a bfloat16 pool. BF16_ATOL bounds
+these for unit-variance K/V and outputs of magnitude ~1 (measured here: decode 0.007, extend
+0.015 at most)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from asyncengine.kernels.cpu import cpu_native, layer_ops_native
 from asyncengine.kernels.cpu.attention_native import (
+    extend_kernel_features,
     extend_kernel_runs,
     native_decode_attention,
     native_extend_attention,
@@ -23,7 +25,7 @@ from asyncengine.kernels.cpu.attention_native import (
     plan_native_extend,
 )
 from asyncengine.kernels.reference.attention_ref import decode_attention, extend_attention
-from asyncengine.kernels.reference.kv_int8_ref import SCALE_BYTES
+from asyncengine.kernels.reference.kv_int8_ref import SCALE_BYTES, dequantize_kv
 from asyncengine.kernels.reference.kv_store_ref import store_kv
 from asyncengine.kernels.reference.rotary_ref import apply_rotary
 from tests.kernels.test_kernels_ref import naive_attention
@@ -126,6 +128,32 @@ def test_native_extend_takes_bfloat16_queries_over_an_int8_pool(
     fallback = extend_attention(q, *args, window, softcap)
     assert fallback.dtype == BF16
     torch.testing.assert_close(fallback.float(), ref, atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "page_size"), SHAPES)
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 2.0)])
+def test_extend_over_an_int8_pool_is_the_bfloat16_kernel_over_its_rounded_rows(
+    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, window: int, softcap: float
+) -> None:
+    """With AVX512-BF16 the int8 build's extend runs the bfloat16 pool's item kernel over each
+    row times its scale rounded once to bfloat16: bit for bit that kernel over a bfloat16 pool
+    holding those rows."""
+    if not extend_kernel_features(I8) & extend_kernel_features(BF16) & 2:
+        pytest.skip("no AVX512-BF16 here: an int8 pool's extend takes the float32 item kernels")
+    seq_lens = [50, 300, 17, 64, 129, 33, 193]
+    q_lens = [50, 120, 1, 33, 16, 33, 35]
+    kv = PagedInt8KV(seq_lens, page_size, num_kv_heads, head_dim, seed=head_dim + page_size)
+    cu = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    q = bf16_queries((int(cu[-1]), num_heads, head_dim), seed=3)
+    scale = head_dim**-0.5
+    k16, v16 = dequantize_kv(kv.k_cache, BF16), dequantize_kv(kv.v_cache, BF16)
+    outs = []
+    for k_cache, v_cache in ((kv.k_cache, kv.v_cache), (k16, v16)):
+        plan = plan_native_extend(kv.block_table, cu, kv.seq_lens, page_size, num_heads, k_cache)
+        assert plan is not None
+        outs.append(native_extend_attention(q, k_cache, v_cache, plan, scale, window, softcap))
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_decode_fallback_takes_bfloat16_queries_over_an_int8_pool() -> None:
