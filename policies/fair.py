@@ -216,16 +216,22 @@ class FairPolicy(Policy):
             queues.setdefault(self.group_of(req), []).append(req)
         if len(queues) == 1:
             return waiting
-        # (virtual counter, position of the tenant's oldest request, tenant, next index)
-        heap = [(self.counters.get(t, 0.0), i, t, 0) for i, t in enumerate(queues)]
+        # (virtual counter, requests in the engine per weight, position of the tenant's oldest
+        # request, tenant, next index): at equal counters (a tenant back from idle is lifted to
+        # the flood's) the one with fewer requests in the engine goes first, else it would wait
+        # a step behind the flood's older backlog
+        heap = [
+            (self.counters.get(t, 0.0), self._live.get(t, 0) / self.weight(t), i, t, 0)
+            for i, t in enumerate(queues)
+        ]
         heapq.heapify(heap)
         ordered: list[Request] = []
         while heap:
-            counter, position, tenant, index = heapq.heappop(heap)
+            counter, load, position, tenant, index = heapq.heappop(heap)
             queue = queues[tenant]
             req = queue[index]
             ordered.append(req)
             if index + 1 < len(queue):
                 charge = self.prefill_weight * len(req.all_ids) / self.weight(tenant)
-                heapq.heappush(heap, (counter + charge, position, tenant, index + 1))
+                heapq.heappush(heap, (counter + charge, load, position, tenant, index + 1))
         return ordered

@@ -25,8 +25,8 @@ def test_lora_fair_serves_the_least_served_adapter_first() -> None:
     hot = [req(f"h{i}", 10, arrival=i, lora="hot") for i in range(4)]
     cold = req("c0", 10, arrival=10, lora="cold")
     base = req("b0", 10, arrival=11)
-    # no service yet: adapters interleave, each in arrival order
-    assert rids(policy.order([*hot, cold, base], ctx())) == ["h0", "c0", "b0", "h1", "h2", "h3"]
+    # no service yet: the adapters with fewer requests first, then they interleave
+    assert rids(policy.order([*hot, cold, base], ctx())) == ["c0", "b0", "h0", "h1", "h2", "h3"]
     policy.observe(prefill_plan(*[(f"h{i}", 0, 10) for i in range(4)]), 0.1)
     assert policy.counters["hot"] == 40.0 and policy.counters["cold"] == 0.0
     later = [req(f"h{i}", 10, arrival=20 + i, lora="hot") for i in range(4, 8)]
@@ -138,3 +138,16 @@ def test_lora_fair_evens_the_running_batch_for_an_adapter_back_from_idle() -> No
     off = LoraFairPolicy(preempt_for_share=False)
     off.order([*running, cold], context)
     assert off.preempt_candidates(cold, running, context) == []
+
+
+def test_lora_fair_breaks_a_tie_for_the_adapter_with_fewer_requests() -> None:
+    """An adapter back from idle is lifted to the flood's counter; at that tie its request goes
+    before the flood's older backlog, not a step behind it."""
+    policy = LoraFairPolicy()
+    flood = [req(f"h{i}", 10, arrival=i, lora="hot") for i in range(4)]
+    policy.order(flood, ctx())
+    policy.observe(prefill_plan(("h0", 0, 10)), 0.1)
+    cold = req("c0", 10, arrival=10, lora="cold")
+    ordered = rids(policy.order([*flood[1:], cold], ctx()))
+    assert policy.counters["cold"] == policy.counters["hot"]
+    assert ordered == ["c0", "h1", "h2", "h3"]

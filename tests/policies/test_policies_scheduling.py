@@ -92,7 +92,8 @@ def test_fair_serves_the_tenant_with_least_weighted_service_and_interleaves() ->
     policy = FairPolicy(weights={"gold": 2.0}, prefill_weight=1.0, decode_weight=2.0)
     a = [req(f"a{i}", 10, arrival=i, tenant="a") for i in range(3)]
     b = [req(f"b{i}", 10, arrival=10 + i, tenant="b") for i in range(2)]
-    assert rids(policy.order(a + b, ctx())) == ["a0", "b0", "a1", "b1", "a2"]
+    # equal service: the tenant with fewer requests in the engine first, then they interleave
+    assert rids(policy.order(a + b, ctx())) == ["b0", "a0", "b1", "a1", "a2"]
     policy.observe(prefill_plan(("a0", 0, 10), ("a1", 0, 10)), 0.1)  # a got 20 tokens, b none
     assert policy.counters["a"] == 20.0
     assert rids(policy.order(a[2:] + b, ctx())) == ["b0", "b1", "a2"]
