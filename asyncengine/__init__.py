@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncengine import hugepage_tensors
-
-# before torch allocates anything: it reads the setting once, at its first CPU allocation
-hugepage_tensors.request()
-
-from asyncengine import compiled  # noqa: E402
+from asyncengine import compiled
 
 # before any compiled module loads: a stale build must not shadow an edited source
 compiled.run_edits_interpreted()
