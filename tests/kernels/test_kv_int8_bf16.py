@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, layer_ops_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import (
     extend_kernel_features,
     extend_kernel_runs,
@@ -25,9 +25,7 @@ from asyncengine.kernels.cpu.attention_native import (
     plan_native_extend,
 )
 from asyncengine.kernels.reference.attention_ref import decode_attention, extend_attention
-from asyncengine.kernels.reference.kv_int8_ref import SCALE_BYTES, dequantize_kv
-from asyncengine.kernels.reference.kv_store_ref import store_kv
-from asyncengine.kernels.reference.rotary_ref import apply_rotary
+from asyncengine.kernels.reference.kv_int8_ref import dequantize_kv
 from tests.kernels.test_kernels_ref import naive_attention
 from tests.kernels.test_kv_int8_kernels import (  # noqa: F401  (fixtures)
     INT8_ATOL,
@@ -175,34 +173,3 @@ def test_a_float16_pool_still_refuses_bfloat16_queries() -> None:
     assert plan is not None
     with pytest.raises(ValueError, match="float16 KV pool is read with float32 queries"):
         native_decode_attention(torch.zeros(1, 2, 64, dtype=BF16), k_cache, k_cache, plan, 1.0)
-
-
-def test_rotary_store_quantizes_bfloat16_rows_as_the_reference_does(
-    isa: str,
-) -> None:
-    n, heads, kv_heads, d, slots = 7, 6, 2, 64, 40
-    gen = torch.Generator().manual_seed(4)
-    qkv = (torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen) * 3).to(BF16)
-    qkv[2] = 0.0  # a zero row: scale 0
-    positions = torch.tensor([0, 5, 9, 100, 3, 77, 12])
-    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    angles = torch.arange(128).float()[:, None] * freqs[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
-    slot_mapping = torch.tensor([3, 17, 0, 39, 8, 22, 31])
-    k_cache = torch.full((slots, kv_heads, d + SCALE_BYTES), 99, dtype=I8)
-    v_cache = k_cache.clone()
-    q = layer_ops_native.rotary_store(
-        qkv, heads, kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping
-    )
-    q_all, k_all, v_all = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    q_ref, k_ref = apply_rotary(
-        q_all.reshape(n, heads, d), k_all.reshape(n, kv_heads, d), positions, cos_sin
-    )
-    want_k = torch.full_like(k_cache, 99)
-    want_v = want_k.clone()
-    store_kv(want_k, want_v, k_ref, v_all.reshape(n, kv_heads, d), slot_mapping)
-    assert q.dtype == BF16
-    torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
-    # the same bfloat16 k and v rows quantized: the same scales, the same rounding
-    assert torch.equal(k_cache, want_k)
-    assert torch.equal(v_cache, want_v)

@@ -265,10 +265,14 @@ def test_fused_step_attention_reads_an_int8_pool(
         torch.testing.assert_close(got[b], want[0], atol=INT8_ATOL, rtol=0)
 
 
-def test_rotary_store_quantizes_k_and_v_as_the_reference_does(isa: str) -> None:
+@pytest.mark.parametrize(("dtype", "q_atol"), [(torch.float32, 1e-6), (torch.bfloat16, 0.0)])
+def test_rotary_store_quantizes_k_and_v_as_the_reference_does(
+    isa: str, dtype: torch.dtype, q_atol: float
+) -> None:
+    """float32 or bfloat16 rows (a bfloat16 model's): the same scales, the same rounding."""
     n, heads, kv_heads, d, slots = 7, 6, 2, 64, 40
     gen = torch.Generator().manual_seed(4)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen) * 3
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen) * 3).to(dtype)
     qkv[2] = 0.0  # a zero row: scale 0
     positions = torch.tensor([0, 5, 9, 100, 3, 77, 12])
     freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
@@ -282,11 +286,12 @@ def test_rotary_store_quantizes_k_and_v_as_the_reference_does(isa: str) -> None:
     )
     q_all, k_all, v_all = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     q_ref, k_ref = apply_rotary(
-        q_all.view(n, heads, d), k_all.view(n, kv_heads, d), positions, cos_sin
+        q_all.reshape(n, heads, d), k_all.reshape(n, kv_heads, d), positions, cos_sin
     )
     want_k = torch.full_like(k_cache, 99)
     want_v = want_k.clone()
     store_kv(want_k, want_v, k_ref, v_all.reshape(n, kv_heads, d), slot_mapping)
-    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=0)
+    assert q.dtype == dtype
+    torch.testing.assert_close(q, q_ref, atol=q_atol, rtol=0)
     assert torch.equal(k_cache, want_k)  # bit for bit: the same scale, the same rounding
     assert torch.equal(v_cache, want_v)
