@@ -40,6 +40,7 @@ import torch
 from asyncengine.common.config import ConfigError
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_features
+from asyncengine.kernels.pool_pairs import beside_what, pool_fits
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 
 KV_DTYPE_NAMES = {
@@ -70,10 +71,10 @@ def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str
     """Why an int8 pool cannot be honoured here ("" where it can)."""
     if device.type != "cpu":
         return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
-    if dtype not in (torch.float32, torch.bfloat16):
+    if not pool_fits(torch.int8, dtype):
         model = str(dtype).removeprefix("torch.")
         return (
-            "an int8 pool is read beside float32 or bfloat16 activations only "
+            f"an int8 pool is read beside {beside_what(torch.int8)} activations only "
             f"(the model runs in {model})"
         )
     if backend not in ("auto", "torch"):
@@ -109,12 +110,16 @@ def pick_kv_dtype(
     if wanted == dtype:
         return wanted
     model = str(dtype).removeprefix("torch.")
-    if wanted == torch.float16 and on_cpu and dtype == torch.float32 and not deterministic:
+    fits = on_cpu and pool_fits(wanted, dtype)
+    if wanted == torch.float16 and fits and not deterministic:
         return wanted
-    if wanted == torch.float16 and on_cpu and dtype == torch.float32:
+    if wanted == torch.float16 and fits:
         why = "deterministic mode reads the pool in the model's dtype"
     elif wanted == torch.float16 and on_cpu:
-        why = f"a float16 pool is read beside float32 activations only (the model runs in {model})"
+        why = (
+            f"a float16 pool is read beside {beside_what(torch.float16)} activations only "
+            f"(the model runs in {model})"
+        )
     elif on_cpu:
         why = (
             f"on cpu the pool is kept in the model's dtype ({model}), or in float16 beside "

@@ -35,6 +35,7 @@ from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.prompt_logprobs import logits_and_scores
 from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.cpu.plan_threads import planning_for
+from asyncengine.kernels.pool_pairs import pool_fits
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
 from asyncengine.speculative.acceptance import accepted_prefix
 
@@ -435,15 +436,13 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
     """The pool fits the model: its layers and heads, and the model's dtype (or, on a CPU,
-    float16 beside float32 activations, int8 beside float32 or bfloat16: executor/kv_dtype.py)."""
-    on_cpu = pool.device.type == "cpu"
-    half = on_cpu and pool.dtype == torch.float16 and dtype == torch.float32
-    half |= on_cpu and pool.dtype == torch.int8 and dtype in (torch.float32, torch.bfloat16)
+    a narrower pool beside the activations kernels/pool_pairs.py allows)."""
+    narrow = pool.device.type == "cpu" and pool_fits(pool.dtype, dtype)
     expected = (
         config.num_layers,
         config.num_kv_heads,
         config.head_dim,
-        pool.dtype if half else dtype,
+        pool.dtype if narrow else dtype,
     )
     actual = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
     if expected != actual:

@@ -24,6 +24,7 @@ import torch
 
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.plan_threads import plan_threads
+from asyncengine.kernels.pool_pairs import NARROW_POOLS, beside_what, pool_fits
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int8)
@@ -73,12 +74,12 @@ def extend_kernel_features(kv_dtype: torch.dtype = torch.float32) -> int:
 
 
 def _queries_fit(q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """A float16 pool's build takes float32 queries only, an int8 pool's float32 or bfloat16
-    ones."""
-    if k_cache.dtype == torch.float16 and q.dtype != torch.float32:
-        raise ValueError(f"a float16 KV pool is read with float32 queries, not {q.dtype}")
-    if k_cache.dtype == torch.int8 and q.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"an int8 KV pool is read with float32 or bfloat16 queries, not {q.dtype}")
+    """A narrower pool's build takes the queries kernels/pool_pairs.py says it sits beside."""
+    if k_cache.dtype in NARROW_POOLS and not pool_fits(k_cache.dtype, q.dtype):
+        pool = str(k_cache.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"a {pool} KV pool is read with {beside_what(k_cache.dtype)} queries, not {q.dtype}"
+        )
 
 
 def _supported(num_heads: int, k_cache: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.pool_pairs import pool_fits
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
@@ -143,10 +144,7 @@ def rotary_store(
         raise ValueError(
             f"qkv of {qkv.shape[1]} columns does not hold {num_heads}+2x{num_kv_heads} heads of {head_dim}"
         )
-    narrow_pool = (k_cache.dtype == torch.float16 and qkv.dtype == torch.float32) or (
-        k_cache.dtype == torch.int8
-    )
-    if (k_cache.dtype != qkv.dtype and not narrow_pool) or v_cache.dtype != k_cache.dtype:
+    if not pool_fits(k_cache.dtype, qkv.dtype) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             "caches must be of qkv's dtype, float16 beside float32 qkv, or int8 (either qkv)"
         )
