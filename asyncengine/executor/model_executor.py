@@ -176,6 +176,7 @@ class ModelExecutor:
             enable_cuda_graph=self.config.enable_cuda_graph,
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
+            dense_weight_bytes=self.config.dense_weight_bytes,
         )
         self.runner.loras = self.loras
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
