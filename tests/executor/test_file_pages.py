@@ -95,3 +95,15 @@ def test_the_served_model_holds_its_weights_once() -> None:
     # the tied embedding is the LM head's table, not a second one
     assert isinstance(model.embed, QuantizedTensor) and model.embed is model.lm_head.parts[0]
     assert held <= arena.used <= held + len(linears) * 4 * 64  # parts, their alignment padding
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+def test_the_pool_is_the_bytes_asked_for_and_mapped_in_as_used() -> None:
+    budget = 160 << 20  # K and V each past malloc's largest threshold: maps of their own
+    config = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_bytes=budget)
+    core, _ = model_core(config)
+    pool = core.executor.runner.kv_pool
+    page_bytes = pool.bytes_per_token * pool.page_size
+    assert budget - page_bytes < pool.nbytes <= budget
+    for half in (pool.k, pool.v):  # nothing written yet: nothing mapped in
+        assert resident(half.data_ptr(), half.nbytes) <= 2 * PAGE
