@@ -294,8 +294,8 @@ def table(result: dict[str, Any]) -> str:
     for name in names:
         line(name, [row["components"].get(name, {}).get("resident") for row in phases])
     line("shared libraries (code)", [row["shared_libraries"] for row in phases])
-    line("malloc heap ([heap])", [row["malloc_heap"] for row in phases])
-    line("other (heap, anonymous, files)", [row.get("other") for row in phases])
+    line("other (heaps, anonymous, files)", [row.get("other") for row in phases])
+    line("of which the main malloc heap", [row["malloc_heap"] for row in phases])
     allocated = {n: phases[-1]["components"][n]["allocated"] for n in phases[-1]["components"]}
     notes = ", ".join(f"{n}: {v / MB:,.0f}" for n, v in allocated.items())
     info = result["info"]
