@@ -56,6 +56,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU whichever of bf16/fp32 runs faster
     quantization: str = "auto"  # how weights are held: one of QUANTIZATIONS (see there)
+    # bytes the dense copies of a model's quantized projections may take together (each built
+    # by the first step of at least its crossover rows, then kept: faster many-row steps, at up
+    # to ~3x a Q4_K_M file's bytes; executor/layers/linear.py); past it a projection keeps its
+    # quantized products. None: no limit (a draft model has a budget of its own)
+    dense_weight_bytes: int | None = None
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # the most tokens one request may ask to generate (None: up to the context); a request
@@ -239,6 +244,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("chunked_prefill_size", "must be >= 0 (0 turns chunking off)")
         if self.chunked_prefill_size and self.chunked_prefill_size < self.page_size:
             raise bad("chunked_prefill_size", f"must be 0 or >= page_size ({self.page_size})")
+        if self.dense_weight_bytes is not None and self.dense_weight_bytes < 0:
+            raise bad("dense_weight_bytes", "must be >= 0 (0: no dense copies)")
         for key in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "max_new_tokens_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:

@@ -29,6 +29,7 @@ from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import load_hf_config
+from asyncengine.executor.loader.gguf_file import drop_all_file_pages
 from asyncengine.executor.loader.load_threads import one_torch_thread
 from asyncengine.executor.loader.pooling_config import model_pooling
 from asyncengine.executor.loader.quantized import load_model
@@ -175,9 +176,12 @@ class ModelExecutor:
             enable_cuda_graph=self.config.enable_cuda_graph,
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
+            dense_weight_bytes=self.config.dense_weight_bytes,
         )
         self.runner.loras = self.loras
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
+        # the model holds its own copies now: the file's pages read go (loader/gguf_file.py)
+        drop_all_file_pages()
         self._weights = None
         if self._draft is not None:
             self.drafter = bind_draft_model(

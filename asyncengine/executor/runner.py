@@ -65,6 +65,7 @@ class ModelRunner:
         enable_cuda_graph: bool = False,
         max_batch_size: int = 256,
         deterministic: bool = False,
+        dense_weight_bytes: int | None = None,
     ) -> None:
         """``page_table`` is the runner's own: each plan's page writes are applied to it before
         the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
@@ -72,7 +73,9 @@ class ModelRunner:
         ``Sampler(eos_token_ids=model_config.eos_token_ids)``. ``enable_cuda_graph`` captures
         decode forwards up to ``max_batch_size`` requests (CUDA with the triton backend only;
         elsewhere it has no effect). ``deterministic``: batch-invariant forward
-        (executor/deterministic.py); it replaces ``backend`` and turns CUDA graphs off."""
+        (executor/deterministic.py); it replaces ``backend`` and turns CUDA graphs off.
+        ``dense_weight_bytes``: the most the dense copies of quantized projections may take
+        (executor/layers/linear.py's ``DenseBudget``; None: no limit)."""
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
@@ -101,7 +104,13 @@ class ModelRunner:
         self.backend = parts.backend
         with one_torch_thread():
             self.model = LlamaModel(
-                model_config, weights, self.dtype, self.device, parts.ops, parts.row_block
+                model_config,
+                weights,
+                self.dtype,
+                self.device,
+                parts.ops,
+                parts.row_block,
+                dense_weight_bytes,
             )
         # a verify step small enough for the fused decode step runs its positions as decode
         # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step
@@ -154,6 +163,7 @@ class ModelRunner:
                 isinstance(linear, QuantizedLinear)
                 and linear.dense_from_rows is not None
                 and all(part.format == F32 for part in linear.parts)
+                and linear.dense_allowed(torch.float32)
             ):
                 linear.dense(torch.float32)
 

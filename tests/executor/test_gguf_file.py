@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS
-from asyncengine.executor.loader.gguf_file import read_gguf_file
+from asyncengine.executor.loader.gguf_file import StringArray, read_gguf_file
 from asyncengine.executor.loader.hf_dir import ModelFilesError
 
 
@@ -78,3 +78,13 @@ def test_not_a_gguf_file_and_a_truncated_one_are_refused(tmp_path: Path) -> None
     (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ModelFilesError, match="past the end"):
         read_gguf_file(tmp_path / "cut.gguf")
+
+
+def test_a_vocabulary_is_decoded_when_first_read() -> None:
+    path = Path(KNOWN_MODELS[DEFAULT_MODEL].gguf_path())
+    tokens = read_gguf_file(path).metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray)
+    assert len(tokens) == 49152 and tokens._strings is None  # its length alone decodes nothing
+    want = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[0] == want[0] and tokens[-1] == want[-1] and list(tokens) == want
+    assert tokens == want and tokens[10:12] == want[10:12]

@@ -17,42 +17,51 @@ import torch
 # a decode-sized GEMM: big enough that the kernel path dominates, small enough for a slow path.
 # At 32 x 256 x 256 bfloat16 led too narrowly on an AVX-512 BF16 CPU for a loaded machine to
 # pick it reliably; at 32 x 512 x 512 it leads by ~1.9x. On an AVX2 CPU's slow bfloat16 path the
-# bfloat16 repeats stop as soon as one call is slower than float32's best several times over.
+# bfloat16 calls stop once their best is several times float32's.
 _PROBE_SHAPE = (32, 512, 512)
-_PROBE_REPEATS = 5
+# The two dtypes' calls alternate, best of this many each: timed one dtype after the other, five
+# calls each, a 2-core machine at load 5 had all five bfloat16 calls descheduled and picked
+# float32 on an AMX CPU (whose dense weight copies are then twice the bytes and 4x slower).
+_PROBE_REPEATS = 15
 _CLEARLY_SLOWER = 4.0
 
 
 @functools.cache
-def cpu_matmul_seconds(dtype: torch.dtype) -> float:
-    """Best of a few timings of one [M, K] @ [K, N] product in ``dtype`` on the CPU.
+def _probe() -> dict[torch.dtype, float]:
+    """Best of ``_PROBE_REPEATS`` timings of one [M, K] @ [K, N] product per dtype, the dtypes'
+    calls alternating so that a busy spell slows both alike.
 
     On one thread: a multi-threaded product on a busy machine waits for its slowest thread
     (seen: a 0.05 ms product taking 20 ms), which measures the load, not the kernel."""
     m, k, n = _PROBE_SHAPE
-    # float32 first: a bfloat16 call past a few times its best ends the bfloat16 probe
-    limit = (
-        float("inf")
-        if dtype == torch.float32
-        else _CLEARLY_SLOWER * cpu_matmul_seconds(torch.float32)
-    )
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=generator).to(dtype)
-    b = torch.randn(k, n, generator=generator).to(dtype)
+    dtypes = (torch.float32, torch.bfloat16)
+    operands = {}
+    for dtype in dtypes:
+        a = torch.randn(m, k, generator=generator).to(dtype)
+        operands[dtype] = (a, torch.randn(k, n, generator=generator).to(dtype))
+    best = dict.fromkeys(dtypes, float("inf"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.mm(a, b)  # the first call picks and primes the kernel
-        best = float("inf")
-        for _ in range(_PROBE_REPEATS):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-            if best > limit:
-                break
+        for dtype in dtypes:
+            torch.mm(*operands[dtype])  # the first call picks and primes the kernel
+        for repeat in range(_PROBE_REPEATS):
+            for dtype in dtypes:
+                slow = best[torch.bfloat16] > _CLEARLY_SLOWER * best[torch.float32]
+                if dtype == torch.bfloat16 and repeat >= 2 and slow:
+                    continue  # a slow path (~90x): its few calls tell already
+                start = time.perf_counter()
+                torch.mm(*operands[dtype])
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
     return best
+
+
+def cpu_matmul_seconds(dtype: torch.dtype) -> float:
+    """The probe's best time of its product in ``dtype`` (float32 or bfloat16) on the CPU."""
+    return _probe()[dtype]
 
 
 def fastest_cpu_dtype() -> torch.dtype:

@@ -135,6 +135,25 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+class DenseBudget:
+    """Bytes one model's dense copies (``QuantizedLinear.dense``) may still take together: each
+    copy takes its bytes when it is built and keeps them. A projection refused one keeps its
+    quantized products (the AMX product where it has one) at every size; a copy buys speed,
+    not correctness (the AMX product is 1.5-2x slower than a kept dense copy at 1024 rows: per
+    projection of a 1.5B layer, scripts/micro/bench_many_rows_step.py --amx-crossovers)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
 class Linear:
     """Once packed, the plain weight is no longer referenced from here (the packed copy is a
     second tensor of the same size: keeping both doubled a dense model's resident weights)."""
@@ -196,7 +215,8 @@ class QuantizedLinear:
     ``dense_from_rows``: calls with at least this many rows take the dense product of today's
     ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
     time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
-    under large batches both: the quantized bytes and one packed dense copy). None: always the
+    under large batches both: the quantized bytes and one packed dense copy), where ``budget``
+    (shared by a model's projections; None: no limit) has room for it. None: always the
     quantized kernel.
     """
 
@@ -205,6 +225,7 @@ class QuantizedLinear:
         "_amx_below",
         "_dense",
         "bias",
+        "budget",
         "dense_from_rows",
         "in_features",
         "out_features",
@@ -217,6 +238,7 @@ class QuantizedLinear:
         bias: torch.Tensor | None = None,
         dense_from_rows: int | None = None,
         arena: WeightArena | None = None,
+        budget: DenseBudget | None = None,
     ) -> None:
         """``arena``: where the parts are written (the model's weights in step order), else
         each in a tensor of its own."""
@@ -227,6 +249,7 @@ class QuantizedLinear:
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
         self.dense_from_rows = dense_from_rows
+        self.budget = budget
         self._dense: Linear | None = None
         # every part a K format the AMX product takes on this CPU (asked once per linear)
         self._amx = dense_from_rows is not None and all(
@@ -244,13 +267,23 @@ class QuantizedLinear:
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
-            if self._amx and x2.dtype == torch.bfloat16 and x2.shape[0] < self._amx_below:
+            amx = self._amx and x2.dtype == torch.bfloat16
+            if amx and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
-            else:
+            elif self.dense_allowed(x2.dtype):
                 out = self.dense(x2.dtype)(x2)
+            else:
+                out = self._amx_product(x2) if amx else self._quantized(x2)
         else:
             out = self._quantized(x2)
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+
+    def dense_allowed(self, dtype: torch.dtype) -> bool:
+        """A dense copy in dtype is here, or the budget takes one (its bytes as oneDNN holds it)."""
+        if self.budget is None or (self._dense is not None and self._dense.dtype == dtype):
+            return True
+        element = torch.empty((), dtype=dtype).element_size()
+        return self.budget.take(self.out_features * self.in_features * element)
 
     def dense(self, dtype: torch.dtype) -> Linear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
@@ -409,23 +442,25 @@ def make_linear(
     row_block: int | None = None,
     f32_dense_from_rows: int | None = None,
     arena: WeightArena | None = None,
+    budget: DenseBudget | None = None,
 ) -> Linear | QuantizedLinear:
     """One linear over the rows of ``parts`` (q/k/v or gate/up fused): quantized when every part
     is, dense (``Linear``) otherwise, a quantized part among dense ones being dequantized. Dense
     float32 (bfloat16) parts on a CPU become F32 (BF16) rows (``QuantizedLinear``: the native
     products up to their crossover, the fused decode step) where ``_as_float_rows`` allows;
     ``f32_dense_from_rows``: F32 rows' crossover where this shape's differs from the layers' (the
-    LM head's); ``arena``: where quantized parts are written (``QuantizedLinear``)."""
+    LM head's); ``arena``: where quantized parts are written and ``budget`` the bytes their dense
+    copies may take (``QuantizedLinear``)."""
     rows = _as_float_rows(parts, dtype, row_block)
     if rows is not None:
         head = f32_dense_from_rows if dtype == torch.float32 else None
-        return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype), arena)
+        return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype), arena, budget)
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
         # rows are batch invariant, a switch to the dense product at some size would not be
         crossover = None if row_block is not None else dense_from_rows(quantized, dtype)
-        return QuantizedLinear(quantized, bias, crossover, arena)
+        return QuantizedLinear(quantized, bias, crossover, arena, budget)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)
         if isinstance(p, QuantizedTensor)

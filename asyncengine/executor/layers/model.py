@@ -28,6 +28,7 @@ from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import (
     F32_HEAD_DENSE_FROM_ROWS,
+    DenseBudget,
     Linear,
     QuantizedLinear,
     make_linear,
@@ -72,11 +73,14 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
         row_block: int | None = None,
+        dense_weight_bytes: int | None = None,
     ) -> None:
         """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
         executor/layers/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
         blocks, or int8) stay quantized: their projections run the quantized kernels and a
-        quantized embedding is dequantized a looked-up row at a time."""
+        quantized embedding is dequantized a looked-up row at a time. ``dense_weight_bytes``: what
+        the dense copies of quantized projections may take together (layers/linear.py's
+        ``DenseBudget``; None: no limit)."""
         self.config = config
         self.row_block = row_block
         self.dtype = dtype
@@ -86,6 +90,7 @@ class LlamaModel:
         # (adjacent in the qkv output) in one call; other kernels take the contract's arguments.
         self.rotary_once_per_forward = self.ops.apply_rotary is rotary_ref.apply_rotary
         take = _WeightTaker(weights, dtype, self.device)
+        self.dense_budget = None if dense_weight_bytes is None else DenseBudget(dense_weight_bytes)
         # the quantized weights in the order a decode step reads them (the order they are
         # made in below: each layer's qkv, o_proj, gate_up, down, then the LM head), in huge pages
         self._weight_arena = (
@@ -109,7 +114,13 @@ class LlamaModel:
             else take.any("lm_head.weight", (c.vocab_size, c.hidden_size))
         )
         self.lm_head = make_linear(
-            [head], None, dtype, row_block, F32_HEAD_DENSE_FROM_ROWS, self._weight_arena
+            [head],
+            None,
+            dtype,
+            row_block,
+            F32_HEAD_DENSE_FROM_ROWS,
+            self._weight_arena,
+            self.dense_budget,
         )
         if self._weight_arena is not None:  # every projection made: their bytes, in one pass
             write_pending(self._weight_arena)
@@ -198,7 +209,14 @@ class LlamaModel:
     def _linear(
         self, parts: list[torch.Tensor | QuantizedTensor], bias: torch.Tensor | None = None
     ) -> Linear | QuantizedLinear:
-        return make_linear(parts, bias, self.dtype, self.row_block, arena=self._weight_arena)
+        return make_linear(
+            parts,
+            bias,
+            self.dtype,
+            self.row_block,
+            arena=self._weight_arena,
+            budget=self.dense_budget,
+        )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):

@@ -110,6 +110,7 @@ def bind_draft_model(
         backend=config.attention_backend,
         max_batch_size=config.max_running_requests,
         deterministic=config.deterministic,
+        dense_weight_bytes=config.dense_weight_bytes,
     )
     kv = KVCacheManager(
         layout.num_pages,

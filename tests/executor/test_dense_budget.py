@@ -1,0 +1,77 @@
+"""``dense_weight_bytes``: the dense copies of quantized projections take at most that many bytes
+together; a projection refused one keeps its quantized product at every row count, with the same
+rows as without a dense copy; None keeps today's unbounded copies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
+from asyncengine.executor.loader import DEFAULT_MODEL
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.quant_formats import Q8_0
+from tests.kernels.test_quantized_kernels import random_weight
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+ROWS, COLS = 40, 64
+
+
+def linear(budget: DenseBudget | None, seed: int = 0) -> QuantizedLinear:
+    return QuantizedLinear([random_weight(Q8_0, ROWS, COLS, seed)], None, 4, budget=budget)
+
+
+def test_no_room_keeps_the_quantized_product() -> None:
+    x = torch.randn(8, COLS)
+    bounded, free = linear(DenseBudget(0)), linear(None)
+    out = bounded(x)
+    assert bounded._dense is None
+    assert torch.equal(out, free._quantized(x))  # the quantized rows, not a dense copy's
+    free(x)
+    assert free._dense is not None  # no budget: the copy is built past the crossover
+
+
+def test_copies_are_built_while_the_budget_has_room() -> None:
+    nbytes = ROWS * COLS * 4  # a float32 copy
+    budget = DenseBudget(nbytes + nbytes // 2)
+    first, second = linear(budget, 0), linear(budget, 1)
+    x = torch.randn(8, COLS)
+    first(x)
+    second(x)
+    assert first._dense is not None and second._dense is None
+    assert budget.left == nbytes // 2
+    first(x)  # a copy already built takes nothing more
+    assert budget.left == nbytes // 2
+
+
+def test_a_negative_budget_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="dense_weight_bytes"):
+        EngineConfig(dense_weight_bytes=-1)
+
+
+def test_the_engine_honours_the_key() -> None:
+    # 80 prompt tokens: past every crossover of the embedded model's Q4_1 / Q8_0 projections
+    async def run() -> list[QuantizedLinear]:
+        config = EngineConfig(
+            model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=512, dense_weight_bytes=0
+        )
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        async with AsyncEngine(config) as engine:
+            await engine.generate(list(range(3, 83)), params)
+            model = engine.executor.runner.model
+            return [
+                p
+                for layer in model.layers
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if isinstance(p, QuantizedLinear)
+            ] + [model.lm_head]
+
+    linears = asyncio.run(run())
+    assert linears and all(p._dense is None for p in linears)
