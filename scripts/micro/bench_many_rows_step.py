@@ -69,9 +69,16 @@ class Step:
 
     def __init__(self, args: argparse.Namespace) -> None:
         dtype = torch.bfloat16
-        loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
-        hf_config = json.loads((loaded.model_dir / "config.json").read_text())
-        self.summary = loaded.summary()
+        if args.model:
+            loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
+            hf_config = json.loads((loaded.model_dir / "config.json").read_text())
+            weights = dict(loaded.weights)
+            self.summary = loaded.summary()
+        else:  # a random model of --shape in --mix's formats (no GGUF file)
+            from scripts.micro.synthetic_model import synthetic_weights
+
+            hf_config, weights = synthetic_weights(args.shape, args.mix)
+            self.summary = f"{args.shape} {args.mix} (random weights)"
         config = ModelConfig.from_hf_dict(hf_config)
         page_size = 16
         pages = -(-(args.context + 2) // page_size)
@@ -79,9 +86,7 @@ class Step:
         pool = KVPool.for_model(config, pages * rows, page_size, dtype)
         pool.k.uniform_(-1, 1)
         pool.v.uniform_(-1, 1)
-        self.runner = ModelRunner(
-            config, dict(loaded.weights), pool, PageTable.contiguous(rows, pages), dtype
-        )
+        self.runner = ModelRunner(config, weights, pool, PageTable.contiguous(rows, pages), dtype)
         self.runner.model.native_decode = None  # the many-row path, at every batch
         model = self.runner.model
         self.linears = [
@@ -110,13 +115,14 @@ class Step:
         timed: dict[str, float] = {}
         clock = self.clock
 
-        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap(names: tuple[str, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed_call(*args: Any) -> Any:
                 start = clock()
                 try:
                     return fn(*args)
                 finally:
-                    timed[name] = timed.get(name, 0.0) + clock() - start
+                    for name in names:
+                        timed[name] = timed.get(name, 0.0) + clock() - start
 
             return timed_call
 
@@ -125,8 +131,8 @@ class Step:
         ]
         head = model.lm_head
         for layer, name, fn in originals:
-            setattr(layer, name, wrap("projections", fn))
-        model.lm_head = wrap("lm_head", head)
+            setattr(layer, name, wrap(("projections", name), fn))
+        model.lm_head = wrap(("lm_head",), head)
         greedy = [SamplingInfo(SamplingParams(temperature=0.0), [], [])] * batch
         try:
             start = clock()
@@ -159,7 +165,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
     parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
-    parser.add_argument("--shape", default="llama-3.2-1b", help="--amx-crossovers' shape")
+    parser.add_argument(
+        "--shape",
+        default="llama-3.2-1b",
+        help="--amx-crossovers' shape; without --model, a random model of it (synthetic_model)",
+    )
+    parser.add_argument("--mix", default="Q4_K_M", help="the random model's formats")
     parser.add_argument("--context", type=int, default=96, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -174,9 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run_amx_crossovers(args)
     if args.vs_expanded:
         return run_vs_expanded(models, args)
-    if len(models) != 1:
+    if len(models) > 1:
         parser.error("one --model without --vs-expanded")
-    args.model = models[0]
+    args.model = models[0] if models else None
     step = Step(args)
     print(
         f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"
@@ -207,6 +218,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ),
                 flush=True,
             )
+            for path in samples:
+                print(
+                    f"       {path:5s} "
+                    + ", ".join(f"{p} {row[path].get(p, 0):6.1f}" for p in PROJECTIONS),
+                    flush=True,
+                )
     return {"model": step.summary, "rows": rows}
 
 
