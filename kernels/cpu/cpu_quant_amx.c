@@ -10,8 +10,10 @@
  * values of the dense product's bfloat16 copy). The activation rows, in bfloat16, are the first
  * operand as they lie in memory (16 rows x 32 values a tile, k in natural order: each group's
  * piece holds 4 consecutive values of each row, so the pieces of a sub-block in order are its 32
- * values in order). Sums are float32. All of a thread's unpacked tiles for a pair of 16-row blocks
- * (k * 64 bytes: 512 KiB at k = 8192) stay in L2 while every activation tile meets them.
+ * values in order). Sums are float32. Past 32 activation rows, all of a thread's unpacked tiles
+ * for a pair of 16-row blocks (k * 64 bytes: 512 KiB at k = 8192) stay in L2 while every
+ * activation tile meets them; up to 32 (one pass, amx_blocks_once) each quarter super-block is
+ * unpacked just before its products and met once, from L1.
  *
  * Nothing else here keeps an unpacked weight: the bytes read per step are the quantized ones,
  * a third to a quarter of a bfloat16 copy's, which is what bounds a 32-row decode step.

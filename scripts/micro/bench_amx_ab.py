@@ -15,11 +15,13 @@ blocks: a product's speed does not depend on the values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +32,29 @@ import torch
 from bench_quant_matmul import SHAPES, random_blocks
 
 from asyncengine.kernels.cpu import quant_amx_native, quant_native
-from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.script_main import run_main
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
-
-def baseline_product(path: str) -> Any:
-    """The baseline build's ``asyncengine_k_amx_linear``, after it asked for AMX."""
-    lib = ctypes.CDLL(path)
-    if not lib.asyncengine_k_amx_available():
+def baseline_library(path: str) -> ctypes.CDLL:
+    """Another build of cpu_quant_amx.c, declared as the engine's (quant_amx_native)."""
+    lib = quant_amx_native.declared(ctypes.CDLL(path))
+    if lib is None:
         raise SystemExit(f"{path}: no AMX product here")
-    product = lib.asyncengine_k_amx_linear
-    product.restype = _INT
-    product.argtypes = [
-        _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
-    ]  # fmt: skip
-    return product
+    return lib
 
 
-def run_baseline(product: Any, x: torch.Tensor, weight: QuantizedTensor, out: torch.Tensor) -> None:
-    rows, cols = weight.shape
-    status = product(
-        weight.format.code, weight.data.data_ptr(), weight.data.shape[1], rows, cols,
-        x.data_ptr(), x.shape[0], 1, None, out.data_ptr(), rows, 1, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError("the baseline AMX product failed")
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL | None) -> Iterator[None]:
+    """quant_amx_native's products on ``lib`` meanwhile (None: the engine's own build)."""
+    if lib is None:
+        yield
+        return
+    own = quant_amx_native._library
+    quant_amx_native._library = lambda: lib  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        quant_amx_native._library = own
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -72,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     if not quant_amx_native.available():
         raise SystemExit("no AMX product on this CPU")
-    baseline = baseline_product(args.baseline_library)
+    baseline = baseline_library(args.baseline_library)
     layer, head = SHAPES[args.shape]
     results = []
     print(f"{args.shape}; threads {args.threads}; CPU ms, this tree / baseline (< 1: faster)")
@@ -88,10 +86,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for repeat in range(args.repeats + 1):
                         for path in times:
                             start = time.process_time()
-                            if path == "ours":
-                                quant_amx_native.linear(x, weight, None, ours_out)
-                            else:
-                                run_baseline(baseline, x, weight, base_out)
+                            with using(baseline if path == "baseline" else None):
+                                quant_amx_native.linear(
+                                    x, weight, None, ours_out if path == "ours" else base_out
+                                )
                             if repeat:  # the first round warms up
                                 times[path].append(time.process_time() - start)
                     if not torch.equal(ours_out, base_out):

@@ -4,7 +4,13 @@ at context C, the projections on the AMX product ("amx") against the same projec
 dense bfloat16 product the crossovers otherwise pick ("dense"), in one process, alternating step
 by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
 layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
-rotary, Python).
+rotary, Python), and the layers' projections by kind. Without ``--model``, a random model of
+``--shape`` in ``--mix``'s formats (scripts/micro/synthetic_model.py: no GGUF file needed).
+``--baseline-library``: a third path, "base", the AMX product of another build of
+cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how to build one).
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --shape qwen2.5-1.5b --mix Q4_K_M \
+        --batches 32 --threads 1 --cpu-time --baseline-library /tmp/amx_main.so
 
     .venv/bin/python scripts/micro/bench_many_rows_step.py \\
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf --batches 8,16,32,64
@@ -48,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_ex
 
 import torch
 from amx_crossovers import run_amx_crossovers
+from bench_amx_ab import baseline_library, using
 from vs_expanded import run_vs_expanded
 
 from asyncengine.cache.page_table import PageTable
@@ -175,6 +182,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    parser.add_argument(
+        "--baseline-library",
+        default=None,
+        help="also the AMX product of this build of cpu_quant_amx.c (.so), alternating",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("one --model without --vs-expanded")
     args.model = models[0] if models else None
     step = Step(args)
+    baseline = baseline_library(args.baseline_library) if args.baseline_library else None
     print(
         f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"
     )
@@ -196,10 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.inference_mode():
         for batch in args.batches:
             samples: dict[str, dict[str, list[float]]] = {"amx": {}, "dense": {}}
+            if baseline is not None:
+                samples["base"] = {}
             for repeat in range(args.repeats + 1):
                 for path in samples:
-                    step.use_amx(path == "amx")
-                    timed = step.run(batch)
+                    step.use_amx(path != "dense")
+                    with using(baseline if path == "base" else None):
+                        timed = step.run(batch)
                     if repeat:  # the first round warms up (and builds the dense copies)
                         for key, value in timed.items():
                             samples[path].setdefault(key, []).append(value)
