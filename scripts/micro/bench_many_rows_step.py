@@ -9,7 +9,7 @@ rotary, Python), and the layers' projections by kind. Without ``--model``, a ran
 ``--baseline-library``: a third path, "base", the AMX product of another build of
 cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how to build one).
 
-    .venv/bin/python scripts/micro/bench_many_rows_step.py --shape qwen2.5-1.5b --mix Q4_K_M \
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --shape qwen2.5-1.5b --mix Q4_K_M \\
         --batches 32 --threads 1 --cpu-time --baseline-library /tmp/amx_main.so
 
     .venv/bin/python scripts/micro/bench_many_rows_step.py \\
