@@ -10,8 +10,10 @@
  * values of the dense product's bfloat16 copy). The activation rows, in bfloat16, are the first
  * operand as they lie in memory (16 rows x 32 values a tile, k in natural order: each group's
  * piece holds 4 consecutive values of each row, so the pieces of a sub-block in order are its 32
- * values in order). Sums are float32. All of a thread's unpacked tiles for a pair of 16-row blocks
- * (k * 64 bytes: 512 KiB at k = 8192) stay in L2 while every activation tile meets them.
+ * values in order). Sums are float32. Past 32 activation rows, all of a thread's unpacked tiles
+ * for a pair of 16-row blocks (k * 64 bytes: 512 KiB at k = 8192) stay in L2 while every
+ * activation tile meets them; up to 32 (one pass, amx_blocks_once) each quarter super-block is
+ * unpacked just before its products and met once, from L1.
  *
  * Nothing else here keeps an unpacked weight: the bytes read per step are the quantized ones,
  * a third to a quarter of a bfloat16 copy's, which is what bounds a 32-row decode step.
@@ -120,7 +122,7 @@ static inline Q_ALWAYS_INLINE void put_piece(__m256i qa, __m256i qb, const __m51
 }
 
 /* Q4_K / Q5_K: super-blocks of groups a and b (rows 0..7, 8..15), chunks c_first..c_last - 1
- * (sub-blocks 2c, 2c + 1) -> tiles 2c, 2c + 1 at dst */
+ * (sub-blocks 2c, 2c + 1) -> tiles 2 (c - c_first), + 1 at dst */
 static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *b, int has_high,
                                                int c_first, int c_last, uint8_t *dst) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(63),
@@ -154,7 +156,8 @@ static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *
                             _mm256_mul_ps(dmin[1], lane_byte(mn[1][j / 4], j % 4))),
                      mq[half]);
         }
-        uint8_t *lo_tile = dst + (2 * c) * K_TILE_BYTES, *hi_tile = lo_tile + K_TILE_BYTES;
+        uint8_t *lo_tile = dst + 2 * (c - c_first) * K_TILE_BYTES;
+        uint8_t *hi_tile = lo_tile + K_TILE_BYTES;
         for (int i = 0; i < 8; i++) {
             const __m256i va = _mm256_loadu_si256((const __m256i *)(a + qs_at + 256 * c + 32 * i));
             const __m256i vb = _mm256_loadu_si256((const __m256i *)(b + qs_at + 256 * c + 32 * i));
@@ -175,8 +178,8 @@ static inline Q_ALWAYS_INLINE void unpack_qk45(const uint8_t *a, const uint8_t *
     }
 }
 
-/* Q6_K: super-blocks of groups a and b -> tiles t_first..t_last - 1 at dst (tile 4 half + g:
- * values 128 half + 32 g..+31) */
+/* Q6_K: super-blocks of groups a and b -> tiles t_first..t_last - 1 (tile 4 half + g: values
+ * 128 half + 32 g..+31) at dst, t_first first */
 static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b, int t_first,
                                              int t_last, uint8_t *dst) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -200,7 +203,7 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
                 for (int h = 0; h < 2; h++) mq[s][h] = _mm512_mul_ps(dq[s][h], k32);
             }
             const int64_t lp = ql_at + 32 * (16 * half + 8 * (g & 1)), hp = qh_at + 32 * 8 * half;
-            uint8_t *tile = dst + (4 * half + g) * K_TILE_BYTES;
+            uint8_t *tile = dst + (tt - t_first) * K_TILE_BYTES;
             for (int i = 0; i < 8; i++) {
                 __m256i q2[2];
                 for (int h = 0; h < 2; h++) {
@@ -224,7 +227,7 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
 }
 
 /* tiles 2 part, 2 part + 1 (of 8) of super-block s of rows 16 blk..16 blk + 15 of W (groups
- * 2 blk and 2 blk + 1; `single`: only the first exists) -> the block's k / 32 tiles at dst */
+ * 2 blk and 2 blk + 1; `single`: only the first exists) -> the two tiles at dst */
 static void unpack_part(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t blk,
                         int single, int64_t s, int part, uint8_t *dst) {
     const int64_t sb_bytes = row_bytes / (k / QK_K) * XR; /* a group's super-block */
@@ -238,11 +241,10 @@ static void unpack_part(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k,
         _mm_prefetch((const char *)a + ahead + o, _MM_HINT_T0);
         _mm_prefetch((const char *)b + ahead + o, _MM_HINT_T0);
     }
-    uint8_t *tiles = dst + s * 8 * K_TILE_BYTES;
-    if (fmt == FMT_Q6_K) unpack_q6(a, b, 2 * part, 2 * part + 2, tiles);
-    else unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, tiles);
+    if (fmt == FMT_Q6_K) unpack_q6(a, b, 2 * part, 2 * part + 2, dst);
+    else unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, dst);
     if (single) /* the second group's columns (8..15: each 64-byte row's second half) are zeros */
-        for (int r = 32 * part; r < 32 * part + 32; r++) memset(tiles + 64 * r + 32, 0, 32);
+        for (int r = 0; r < 32; r++) memset(dst + 64 * r + 32, 0, 32);
 }
 
 /* C tile (16 activation rows x 16 weight rows, float32) -> y rows i0.., columns c0.. (cols: 16
@@ -295,9 +297,79 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
     do {                                                                                         \
         for (int j = 0; j < next_nb; j++)                                                        \
             unpack_part(fmt, w, row_bytes, k, blk + 2 + j, 2 * (blk + 2 + j) + 1 >= groups,      \
-                        (t) >> 3, ((t) >> 1) & 3, next + j * tiles_bytes);                       \
+                        (t) >> 3, ((t) >> 1) & 3,                                                \
+                        next + j * tiles_bytes + ((t) - 1) * K_TILE_BYTES);                      \
     } while (0)
 #define K_NOTHING(t) ((void)(t))
+
+/* up to 32 activation rows (one pass: each unpacked tile meets every activation tile once):
+ * one thread's blocks b_first..b_last - 1 in pairs, as a stream of quarter super-blocks of a
+ * pair (4 tiles), each unpacked while the one before it is multiplied, into the other half of
+ * an 8-tile ring in bufs. The tiles stay in L1, where amx_blocks' pair of whole unpacked rows
+ * (k * 64 bytes) went to L2 and back: 8-30% less time at 32 rows (Q4_K / Q6_K, 1B and 1.5B
+ * shapes; scripts/micro/bench_amx_ab.py). The same products in the same order as amx_blocks
+ * (unpacking two quarters ahead instead of one changed nothing). */
+#define K_ONCE_AHEAD 1
+#define K_ONCE_RING 2
+static void amx_blocks_once(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
+                            const uint8_t *xb, int64_t n, int64_t n_tiles, const float *bias,
+                            void *y, int64_t ldy, int out_bf16, int64_t b_first, int64_t b_last,
+                            uint8_t *bufs) {
+    const int64_t stride = x_stride(k), groups = rows / XR, quarters = k / 64;
+    const int64_t total = (b_last - b_first + 1) / 2 * quarters;
+    const int na = n_tiles > 1 ? 2 : 1;
+    float cbuf[4][256] __attribute__((aligned(64)));
+    configure_tiles();
+    /* quarter q: of the pair at b_first + 2 (q / quarters), k tiles 2 (q % quarters), + 1 */
+#define K_ONCE_UNPACK(q)                                                                         \
+    do {                                                                                         \
+        const int64_t ublk = b_first + 2 * ((q) / quarters), uq = (q) % quarters;                \
+        uint8_t *dst = bufs + ((q) % K_ONCE_RING) * 4 * K_TILE_BYTES;                            \
+        for (int64_t j = ublk; j < ublk + 2 && j < b_last; j++)                                  \
+            unpack_part(fmt, w, row_bytes, k, j, 2 * j + 1 >= groups, uq >> 2, uq & 3,          \
+                        dst + 2 * (j - ublk) * K_TILE_BYTES);                                    \
+    } while (0)
+    for (int64_t q = 0; q < K_ONCE_AHEAD && q < total; q++) K_ONCE_UNPACK(q);
+    for (int64_t q = 0; q < total; q++) {
+        const int64_t blk = b_first + 2 * (q / quarters), t = 2 * (q % quarters);
+        const int nb = blk + 1 < b_last ? 2 : 1;
+        if (t == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        const uint8_t *bt = bufs + (q % K_ONCE_RING) * 4 * K_TILE_BYTES;
+        for (int u = 0; u < 2; u++) {
+            const uint8_t *xa = xb + (t + u) * 64;
+            _tile_loadd(6, bt + u * K_TILE_BYTES, 64);
+            _tile_loadd(4, xa, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nb > 1) {
+                _tile_loadd(7, bt + (2 + u) * K_TILE_BYTES, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (na > 1) {
+                _tile_loadd(5, xa + 16 * stride, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        if (q + K_ONCE_AHEAD < total) K_ONCE_UNPACK(q + K_ONCE_AHEAD);
+        if (t + 2 == 2 * quarters) {
+            _tile_stored(0, cbuf[0], 64);
+            _tile_stored(1, cbuf[1], 64);
+            _tile_stored(2, cbuf[2], 64);
+            _tile_stored(3, cbuf[3], 64);
+            for (int a2 = 0; a2 < na; a2++)
+                for (int j = 0; j < nb; j++)
+                    store_tile(cbuf[2 * a2 + j], a2 * 16, n, (blk + j) * 16, bias, y, ldy,
+                               out_bf16, 2 * (blk + j) + 1 >= groups ? 8 : 16);
+        }
+    }
+#undef K_ONCE_UNPACK
+    _tile_release();
+}
 
 /* one thread's blocks b_first..b_last - 1, in pairs; bufs: two pairs' tiles (the pair being
  * multiplied and the next, unpacked meanwhile) */
@@ -312,7 +384,7 @@ static void amx_blocks(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
     for (int j = 0; j < 2 && b_first + j < b_last; j++)
         for (int64_t t = 1; t < k / 32; t += 2)
             unpack_part(fmt, w, row_bytes, k, b_first + j, 2 * (b_first + j) + 1 >= groups, t >> 3,
-                        (t >> 1) & 3, now + j * tiles_bytes);
+                        (t >> 1) & 3, now + j * tiles_bytes + (t - 1) * K_TILE_BYTES);
     for (int64_t blk = b_first; blk < b_last; blk += 2) {
         const int nb = blk + 1 < b_last ? 2 : 1;
         const int next_nb = blk + 2 >= b_last ? 0 : blk + 3 < b_last ? 2 : 1;
@@ -390,6 +462,9 @@ int asyncengine_k_amx_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64
         const int64_t first = 2 * (pairs * me / nt), last = 2 * (pairs * (me + 1) / nt);
         uint8_t *bufs = (uint8_t *)aligned_alloc(64, (size_t)(4 * k / 32 * K_TILE_BYTES));
         if (!bufs) failed = 1;
+        else if (first < blocks && n_tiles <= 2)
+            amx_blocks_once(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy, out_bf16,
+                            first, last < blocks ? last : blocks, bufs);
         else if (first < blocks)
             amx_blocks(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy,
                        out_bf16, first, last < blocks ? last : blocks, bufs);

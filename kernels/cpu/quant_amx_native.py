@@ -29,8 +29,12 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get(ENABLE_ENV, "1") == "0":
         return None
     lib = cpu_native.load("cpu_quant_amx")
-    if lib is None:
-        return None
+    return None if lib is None else declared(lib)
+
+
+def declared(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    """``lib`` (a build of cpu_quant_amx.c) with its functions' signatures, or None where it
+    cannot run the product here."""
     lib.asyncengine_k_amx_available.restype = _INT
     lib.asyncengine_k_amx_available.argtypes = []
     lib.asyncengine_k_amx_linear.restype = _INT

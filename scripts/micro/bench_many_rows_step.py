@@ -4,7 +4,13 @@ at context C, the projections on the AMX product ("amx") against the same projec
 dense bfloat16 product the crossovers otherwise pick ("dense"), in one process, alternating step
 by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
 layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
-rotary, Python).
+rotary, Python), and the layers' projections by kind. Without ``--model``, a random model of
+``--shape`` in ``--mix``'s formats (scripts/micro/synthetic_model.py: no GGUF file needed).
+``--baseline-library``: a third path, "base", the AMX product of another build of
+cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how to build one).
+
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --shape qwen2.5-1.5b --mix Q4_K_M \\
+        --batches 32 --threads 1 --cpu-time --baseline-library /tmp/amx_main.so
 
     .venv/bin/python scripts/micro/bench_many_rows_step.py \\
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf --batches 8,16,32,64
@@ -48,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_ex
 
 import torch
 from amx_crossovers import run_amx_crossovers
+from bench_amx_ab import baseline_library, using
 from vs_expanded import run_vs_expanded
 
 from asyncengine.cache.page_table import PageTable
@@ -69,9 +76,16 @@ class Step:
 
     def __init__(self, args: argparse.Namespace) -> None:
         dtype = torch.bfloat16
-        loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
-        hf_config = json.loads((loaded.model_dir / "config.json").read_text())
-        self.summary = loaded.summary()
+        if args.model:
+            loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
+            hf_config = json.loads((loaded.model_dir / "config.json").read_text())
+            weights = dict(loaded.weights)
+            self.summary = loaded.summary()
+        else:  # a random model of --shape in --mix's formats (no GGUF file)
+            from scripts.micro.synthetic_model import synthetic_weights
+
+            hf_config, weights = synthetic_weights(args.shape, args.mix)
+            self.summary = f"{args.shape} {args.mix} (random weights)"
         config = ModelConfig.from_hf_dict(hf_config)
         page_size = 16
         pages = -(-(args.context + 2) // page_size)
@@ -79,9 +93,7 @@ class Step:
         pool = KVPool.for_model(config, pages * rows, page_size, dtype)
         pool.k.uniform_(-1, 1)
         pool.v.uniform_(-1, 1)
-        self.runner = ModelRunner(
-            config, dict(loaded.weights), pool, PageTable.contiguous(rows, pages), dtype
-        )
+        self.runner = ModelRunner(config, weights, pool, PageTable.contiguous(rows, pages), dtype)
         self.runner.model.native_decode = None  # the many-row path, at every batch
         model = self.runner.model
         self.linears = [
@@ -110,13 +122,14 @@ class Step:
         timed: dict[str, float] = {}
         clock = self.clock
 
-        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap(names: tuple[str, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed_call(*args: Any) -> Any:
                 start = clock()
                 try:
                     return fn(*args)
                 finally:
-                    timed[name] = timed.get(name, 0.0) + clock() - start
+                    for name in names:
+                        timed[name] = timed.get(name, 0.0) + clock() - start
 
             return timed_call
 
@@ -125,8 +138,8 @@ class Step:
         ]
         head = model.lm_head
         for layer, name, fn in originals:
-            setattr(layer, name, wrap("projections", fn))
-        model.lm_head = wrap("lm_head", head)
+            setattr(layer, name, wrap(("projections", name), fn))
+        model.lm_head = wrap(("lm_head",), head)
         greedy = [SamplingInfo(SamplingParams(temperature=0.0), [], [])] * batch
         try:
             start = clock()
@@ -159,11 +172,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
     parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
-    parser.add_argument("--shape", default="llama-3.2-1b", help="--amx-crossovers' shape")
+    parser.add_argument(
+        "--shape",
+        default="llama-3.2-1b",
+        help="--amx-crossovers' shape; without --model, a random model of it (synthetic_model)",
+    )
+    parser.add_argument("--mix", default="Q4_K_M", help="the random model's formats")
     parser.add_argument("--context", type=int, default=96, help="kv length of each request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    parser.add_argument(
+        "--baseline-library",
+        default=None,
+        help="also the AMX product of this build of cpu_quant_amx.c (.so), alternating",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,10 +197,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run_amx_crossovers(args)
     if args.vs_expanded:
         return run_vs_expanded(models, args)
-    if len(models) != 1:
+    if len(models) > 1:
         parser.error("one --model without --vs-expanded")
-    args.model = models[0]
+    args.model = models[0] if models else None
     step = Step(args)
+    baseline = baseline_library(args.baseline_library) if args.baseline_library else None
     print(
         f"{step.summary}; threads {torch.get_num_threads()}; clock {'CPU' if args.cpu_time else 'wall'}"
     )
@@ -185,10 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.inference_mode():
         for batch in args.batches:
             samples: dict[str, dict[str, list[float]]] = {"amx": {}, "dense": {}}
+            if baseline is not None:
+                samples["base"] = {}
             for repeat in range(args.repeats + 1):
                 for path in samples:
-                    step.use_amx(path == "amx")
-                    timed = step.run(batch)
+                    step.use_amx(path != "dense")
+                    with using(baseline if path == "base" else None):
+                        timed = step.run(batch)
                     if repeat:  # the first round warms up (and builds the dense copies)
                         for key, value in timed.items():
                             samples[path].setdefault(key, []).append(value)
@@ -207,6 +234,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ),
                 flush=True,
             )
+            for path in samples:
+                print(
+                    f"       {path:5s} "
+                    + ", ".join(f"{p} {row[path].get(p, 0):6.1f}" for p in PROJECTIONS),
+                    flush=True,
+                )
     return {"model": step.summary, "rows": rows}
 
 

@@ -81,6 +81,35 @@ def test_rows_do_not_depend_on_each_other_or_the_thread_count(name: str) -> None
 
 
 @needs_amx
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_one_pass_rows_stream_across_pairs_and_super_blocks(name: str) -> None:
+    """Up to 32 rows, each thread unpacks its blocks a quarter super-block at a time, the
+    stream running on from one pair of blocks into the next: with several pairs per thread
+    (72 rows: four and a half blocks), an odd count of super-blocks (1280 columns) and 1 or 2
+    threads, its rows agree with the dequantized weights and are bit for bit the rows of the
+    many-row path (the same rows among 40)."""
+    fmt = FORMATS[name]
+    weight = random_weight(fmt, 72, 1280, seed=11)
+    packed = quant_native.interleave(weight)
+    bias = torch.randn(72)
+    x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(12))
+    scale = product_scale(x, weight, bias)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            many = quant_amx_native.linear(x, packed, bias)
+            for n in (5, 16, 29, 32):
+                y = quant_amx_native.linear(x[:n], packed, bias)
+                assert torch.equal(y, many[:n])
+                torch.testing.assert_close(
+                    y.double(), reference(x[:n], weight, bias), rtol=0, atol=1e-5 * scale
+                )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 def test_output_into_a_column_slice_leaves_the_other_columns() -> None:
     weight = quant_native.interleave(random_weight(FORMATS["Q4_K"], 24, 256, seed=9))
     x = torch.randn(19, 256).to(torch.bfloat16)
