@@ -97,8 +97,13 @@ class Plan:
 
     @property
     def context(self) -> int:
-        """Tokens one sequence may hold: the longest prefill (+1 out) or the stream."""
-        return max(max(self.prefill_lens, default=0) + 2, self.prompt_len + self.output_len + 1)
+        """Tokens one sequence may hold: the longest prefill (+1 out), the stream or a concurrent
+        request."""
+        return max(
+            max(self.prefill_lens, default=0) + 2,
+            self.prompt_len + self.output_len + 1,
+            self.concurrent_prompt_len + self.concurrent_output_len + 1,
+        )
 
 
 def random_prompt(vocab: int, length: int, seed: int) -> list[int]:

@@ -139,3 +139,18 @@ def test_bad_options_are_refused(bench: ModuleType) -> None:
         bench.main(["--systems", "vllm", "--models", "tiny-llama"])
     with pytest.raises(SystemExit, match="positive"):
         bench.main(["--systems", "asyncengine", "--concurrency", "0"])
+
+
+def test_context_holds_the_concurrent_requests_without_a_prefill(bench: ModuleType) -> None:
+    """With no prefill lengths the concurrent requests still fit their prompt and output."""
+    plan = bench.Plan(
+        prompt_len=16,
+        output_len=16,
+        repeats=1,
+        concurrency=(32,),
+        concurrent_prompt_len=64,
+        concurrent_output_len=64,
+        prefill_lens=(),
+        seed=0,
+    )
+    assert plan.context == 64 + 64 + 1
