@@ -28,9 +28,10 @@ the integer Q.K of AVX-512 VNNI builds), but on the offline mix beside the bfloa
 ``dtype = "auto"`` picks on AVX-512 BF16 CPUs (scripts/bench_offline.py with and without
 --engine-arg kv_cache_dtype=int8) it takes 2% less CPU time yet no more tokens a second, within
 run-to-run noise, and on AVX2 it is not measured. On an AMX Xeon beside bfloat16 activations it
-decodes 7,680 keys 1.8x as fast (--kv bfloat16,bfloat16-int8 --batch 0) and took less CPU time
-than bfloat16 in each of six interleaved offline-mix pairs (median 10% less), but two shared
-cores left the mix's tokens a second within noise. It stays an explicit choice until it
+took less CPU time than bfloat16 in every interleaved offline-mix pair and 1.06x its tokens a
+second (three quiet pairs), but decoded 8,000 keys only 0.94-1.17x as fast (two quiet runs of
+--kv bfloat16,bfloat16-int8 --batch 0): the bfloat16-query path does not yet gain what the
+float32 one does (1.30x at 7,680). It stays an explicit choice until it
 measures faster there. Which activations each pool sits beside is one rule:
 kernels/pool_pairs.py. Anything else is a ``ConfigError``.
 """
