@@ -282,8 +282,7 @@ class QuantizedLinear:
         """A dense copy in dtype is here, or the budget takes one (its bytes as oneDNN holds it)."""
         if self.budget is None or (self._dense is not None and self._dense.dtype == dtype):
             return True
-        element = torch.empty((), dtype=dtype).element_size()
-        return self.budget.take(self.out_features * self.in_features * element)
+        return self.budget.take(self.out_features * self.in_features * dtype.itemsize)
 
     def dense(self, dtype: torch.dtype) -> Linear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
