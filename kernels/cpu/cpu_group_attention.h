@@ -257,10 +257,11 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
     for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, lsum[h] = _mm512_setzero_ps();
 #ifdef STREAM_I8_DOTS
-    uint8_t qu[ATTN_MAX_HEADS * ATTN_MAX_DIM] __attribute__((aligned(64)));
+    int8_t qi[ATTN_MAX_HEADS * ATTN_MAX_DIM] __attribute__((aligned(64)));
     float qs[ATTN_MAX_HEADS];
+    int32_t qb[ATTN_MAX_HEADS];
     const int i8_dots = stream_i8_dots(d) && end > begin;
-    if (i8_dots) quantize_query_i8(q, heads, d, qu, qs);
+    if (i8_dots) quantize_query_i8(q, heads, d, qi, qs, qb);
 #endif
     int cur = 0;
     int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
@@ -291,8 +292,9 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
                     }
 #ifdef STREAM_I8_DOTS
                 if (i8_dots) {
-                    stream_block_i8(qu + c * gc * d, qs + c * gc, gc, d, kc + h, vc + h, m, scale,
-                                    acc + c * gc * d, mx + c * gc, lsum + c * gc);
+                    stream_block_i8(qi + c * gc * d, qs + c * gc, qb + c * gc, gc, d, kc + h,
+                                    vc + h, m, scale, acc + c * gc * d, mx + c * gc,
+                                    lsum + c * gc);
                     continue;
                 }
 #endif
@@ -303,6 +305,9 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
         cur = !cur;
         n = n_next;
     }
+#ifdef STREAM_I8_DOTS
+    if (i8_dots) i8_unpermute(acc, heads, d); /* the integer value sums' order (I8V_SLOT) */
+#endif
     for (int64_t h = 0; h < heads; h++) sum[h] = _mm512_reduce_add_ps(lsum[h]);
 }
 #endif

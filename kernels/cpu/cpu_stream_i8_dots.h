@@ -7,10 +7,11 @@
  * reach. Here a head dim of 64 is one 64-byte load per key and one vpdpbusd per query head.
  * Each query head is rounded to int8 once per range with a scale of its own (amax / 127,
  * round-half-even, the torch twin: kv_int8_ref.quantize_query); vpdpbusd multiplies unsigned
- * by signed bytes, so the query is stored + 128 and 128 * sum(k) (one more vpdpbusd a key,
- * shared by the heads) taken off. The integer sums are exact (|q.k| <= 256 * 127 * 127 < 2^24,
- * so their float32 reduction is exact too); score = dot * k scale * q scale * softmax scale.
- * The values are summed in float32 as before (stream_values).
+ * by signed bytes, so each key byte is read + 128 (a xor) and 128 * sum(q), once a range and
+ * head, taken off. The integer sums are exact (|q.k| <= 256 * 127 * 127 < 2^24, so their
+ * float32 widening is exact too); score = dot * k scale * q scale * softmax scale. A head's 16
+ * sums are reduced as integers (reduce16_epi32), then widened once. The values are summed in
+ * integers too (cpu_stream_i8_values.h).
  */
 #ifndef ASYNCENGINE_CPU_STREAM_I8_DOTS_H
 #define ASYNCENGINE_CPU_STREAM_I8_DOTS_H
@@ -21,82 +22,105 @@
 #include "cpu_kv.h"
 #include "cpu_simd.h"
 #include "cpu_stream_attention.h"
+#include "cpu_stream_i8_values.h"
 
 #if defined(ATTN_STREAM) && KV_IS_I8 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define STREAM_I8_DOTS 1
 
+/* reduce16 of 16 int32 vectors: lane i = the sum of v[i]'s lanes (exact) */
+static inline __m512i reduce16_epi32(const __m512i *v) {
+#define I8_PS(x) _mm512_castsi512_ps(x)
+#define I8_SI(x) _mm512_castps_si512(x)
+    __m512i c[8], w[4], u[2];
+    for (int k = 0; k < 8; k++)
+        c[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        w[k] = _mm512_add_epi32(
+            I8_SI(_mm512_shuffle_ps(I8_PS(c[2 * k]), I8_PS(c[2 * k + 1]), _MM_SHUFFLE(1, 0, 1, 0))),
+            I8_SI(_mm512_shuffle_ps(I8_PS(c[2 * k]), I8_PS(c[2 * k + 1]), _MM_SHUFFLE(3, 2, 3, 2))));
+    for (int k = 0; k < 2; k++)
+        u[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#undef I8_PS
+#undef I8_SI
+}
+
 /* Whether the query of heads of dim d takes the integer dot products (stream_fits first) */
 static inline int stream_i8_dots(int64_t d) { return d % 64 == 0; }
 
-/* q [heads, d] -> qu [heads, d] = round(q / qs) + 128 and qs [heads] = amax / 127 per head
- * (a head of zeros: qs 0, every byte 128) */
-static inline void quantize_query_i8(const float *q, int64_t heads, int64_t d, uint8_t *qu,
-                                     float *qs) {
+/* q [heads, d] -> qi [heads, d] = round(q / qs), qs [heads] = amax / 127 and qb [heads] = 128
+ * sum(qi) per head (a head of zeros: qs 0, qi 0) */
+static inline void quantize_query_i8(const float *q, int64_t heads, int64_t d, int8_t *qi,
+                                     float *qs, int32_t *qb) {
     for (int64_t h = 0; h < heads; h++) {
         const float *x = q + h * d;
         float amax = 0.0f;
         for (int64_t j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
         const float s = amax / 127.0f;
+        int32_t sum = 0;
         qs[h] = s;
         for (int64_t j = 0; j < d; j++) {
             float r = s > 0.0f ? nearbyintf(x[j] / s) : 0.0f;
             r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            qu[h * d + j] = (uint8_t)((int)r + 128);
+            qi[h * d + j] = (int8_t)r;
+            sum += (int32_t)r;
         }
+        qb[h] = 128 * sum;
     }
 }
 
-/* stream_keys with integer Q.K: qu / qs the G heads' quantized query (quantize_query_i8), d =
- * 64 NB */
-static inline __attribute__((always_inline)) void stream_keys_i8(const uint8_t *qu,
-                                                                 const float *qs, const int G,
+/* stream_keys with integer Q.K and P.V: qi / qs / qb the G heads' quantized query
+ * (quantize_query_i8), d = 64 NB; acc in I8V_SLOT order (stream_values_i8). Each head takes
+ * its 16 keys' dot products in turn (the rows from L1 after the first head), its 16 sums in
+ * registers for one reduction. */
+static inline __attribute__((always_inline)) void stream_keys_i8(const int8_t *qi,
+                                                                 const float *qs,
+                                                                 const int32_t *qb, const int G,
                                                                  const int NB,
                                                                  const kv_t *const *k,
                                                                  const kv_t *const *v, int n,
                                                                  float scale, float *acc,
                                                                  float *mx, __m512 *lsum) {
     const int64_t d = 64 * NB;
-    const __m512i zero = _mm512_setzero_si512(), bias = _mm512_set1_epi8((char)0x80);
-    __m512 part[STREAM_MAX_GROUP][STREAM_KEYS];
-    for (int i = 0; i < STREAM_KEYS; i++) {
-        if (i >= n) {
-            for (int g = 0; g < G; g++) part[g][i] = _mm512_setzero_ps();
-            continue;
-        }
-        __m512i kr[4], corr = zero;
-        for (int j = 0; j < NB; j++) {
-            kr[j] = _mm512_loadu_si512((const void *)(k[i] + 64 * j));
-            corr = _mm512_dpbusd_epi32(corr, bias, kr[j]);
-        }
-        const __m512i start = _mm512_sub_epi32(zero, corr);
-        for (int g = 0; g < G; g++) {
-            __m512i a = start;
-            for (int j = 0; j < NB; j++)
-                a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(qu + g * d + 64 * j)),
-                                        kr[j]);
-            part[g][i] = _mm512_cvtepi32_ps(a);
-        }
-    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const kv_t *rows[STREAM_KEYS];
+    for (int i = 0; i < STREAM_KEYS; i++) rows[i] = i < n ? k[i] : (const kv_t *)I8V_ZERO_ROW;
     const __mmask16 valid = n >= STREAM_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
     float ks[STREAM_KEYS] = {0};
     for (int i = 0; i < n; i++) ks[i] = kv_row_scale(k[i], d);
     const __m512 kscale = _mm512_mul_ps(_mm512_loadu_ps(ks), _mm512_set1_ps(scale));
     __m512 sc[STREAM_MAX_GROUP];
-    for (int g = 0; g < G; g++)
+    for (int g = 0; g < G; g++) {
+        __m512i part[STREAM_KEYS];
+        for (int i = 0; i < STREAM_KEYS; i++) {
+            __m512i a = _mm512_setzero_si512();
+            for (int j = 0; j < NB; j++) {
+                const __m512i ku = _mm512_xor_si512(
+                    _mm512_loadu_si512((const void *)(rows[i] + 64 * j)), flip);
+                a = _mm512_dpbusd_epi32(a, ku,
+                                        _mm512_loadu_si512((const void *)(qi + g * d + 64 * j)));
+            }
+            part[i] = a;
+        }
+        const __m512i dots = _mm512_sub_epi32(reduce16_epi32(part), _mm512_set1_epi32(qb[g]));
         sc[g] = _mm512_mask_mov_ps(
             _mm512_set1_ps(-INFINITY), valid,
-            _mm512_mul_ps(_mm512_mul_ps(reduce16(part[g]), kscale), _mm512_set1_ps(qs[g])));
-    stream_values(G, 4 * NB, sc, v, n, acc, mx, lsum);
+            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), kscale), _mm512_set1_ps(qs[g])));
+    }
+    stream_values_i8(G, NB, sc, v, n, acc, mx, lsum);
 }
 
-typedef void (*stream_i8_fn)(const uint8_t *, const float *, const kv_t *const *,
+typedef void (*stream_i8_fn)(const int8_t *, const float *, const int32_t *, const kv_t *const *,
                              const kv_t *const *, int, float, float *, float *, __m512 *);
 
 #define DEFINE_STREAM_I8(G, NB)                                                                  \
-    static void stream_i8_##G##_##NB(const uint8_t *qu, const float *qs, const kv_t *const *k,   \
-                                     const kv_t *const *v, int n, float scale, float *acc,       \
-                                     float *mx, __m512 *lsum) {                                  \
-        stream_keys_i8(qu, qs, G, NB, k, v, n, scale, acc, mx, lsum);                            \
+    static void stream_i8_##G##_##NB(const int8_t *qi, const float *qs, const int32_t *qb,       \
+                                     const kv_t *const *k, const kv_t *const *v, int n,          \
+                                     float scale, float *acc, float *mx, __m512 *lsum) {         \
+        stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, acc, mx, lsum);                        \
     }
 #define DEFINE_STREAM_I8_GROUPS(NB)                                                              \
     DEFINE_STREAM_I8(1, NB) DEFINE_STREAM_I8(2, NB) DEFINE_STREAM_I8(3, NB)                      \
@@ -111,21 +135,22 @@ static const stream_i8_fn STREAM_I8_64[8] = STREAM_I8_TABLE(1);
 static const stream_i8_fn STREAM_I8_128[8] = STREAM_I8_TABLE(2);
 
 /* head dims 192 and 256: the same steps, not unrolled */
-static void stream_i8_any(const uint8_t *qu, const float *qs, int G, int NB,
+static void stream_i8_any(const int8_t *qi, const float *qs, const int32_t *qb, int G, int NB,
                           const kv_t *const *k, const kv_t *const *v, int n, float scale,
                           float *acc, float *mx, __m512 *lsum) {
-    stream_keys_i8(qu, qs, G, NB, k, v, n, scale, acc, mx, lsum);
+    stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, acc, mx, lsum);
 }
 
 /* stream_keys_i8 of gc heads of dim d (stream_fits and stream_i8_dots) */
-static inline void stream_block_i8(const uint8_t *qu, const float *qs, int64_t gc, int64_t d,
-                                   const kv_t *const *k, const kv_t *const *v, int n,
-                                   float scale, float *acc, float *mx, __m512 *lsum) {
+static inline void stream_block_i8(const int8_t *qi, const float *qs, const int32_t *qb,
+                                   int64_t gc, int64_t d, const kv_t *const *k,
+                                   const kv_t *const *v, int n, float scale, float *acc,
+                                   float *mx, __m512 *lsum) {
     const stream_i8_fn *table = d == 64 ? STREAM_I8_64 : d == 128 ? STREAM_I8_128 : NULL;
     if (table != NULL)
-        table[gc - 1](qu, qs, k, v, n, scale, acc, mx, lsum);
+        table[gc - 1](qi, qs, qb, k, v, n, scale, acc, mx, lsum);
     else
-        stream_i8_any(qu, qs, (int)gc, (int)(d / 64), k, v, n, scale, acc, mx, lsum);
+        stream_i8_any(qi, qs, qb, (int)gc, (int)(d / 64), k, v, n, scale, acc, mx, lsum);
 }
 #endif
 
