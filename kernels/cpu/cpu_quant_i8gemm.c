@@ -12,7 +12,8 @@
  * (u8 x s8, 64 multiply-adds an instruction: twice the bfloat16 rate) are summed in int32, scaled
  * by the sub-block's integer scale, and each super-block meets its float scales once:
  *
- *   y[i, c] = sum_s xd[i, s] (d[c, s] sum_j sc[c, s, j] S[i, c, s, j] - dm[c, s] sum_j m[c, s, j] B[i, s, j])
+ *   y[i, c] = sum_s xd[i, s] (d[c, s] sum_j sc[c, s, j] S[i, c, s, j]
+ *                              - dm[c, s] sum_j m[c, s, j] B[i, s, j])
  *
  *   Q4_K / Q5_K  j: 8 sub-blocks of 32, sc / m: the 6-bit scale / min, dm = dmin
  *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d
@@ -20,10 +21,10 @@
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
  * panels of int32 and float sums in registers, each loaded weight vector meeting all MR rows;
- * threads split the panels. Only the AVX-512 VNNI build has the fast kernel
- * (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2, -DQ_FORCE_SCALAR, CPUs without it)
- * run a scalar kernel on the same layout, the reference the tests hold the fast one to. Built by
- * kernels/cpu/cpu_native.py. */
+ * threads take units of NV panels (each a contiguous stream) as they come free. Only the AVX-512
+ * VNNI build has the fast kernel (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2,
+ * -DQ_FORCE_SCALAR, CPUs without it) run a scalar kernel on the same layout, the reference the
+ * tests hold the fast one to. Built by kernels/cpu/cpu_native.py. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,8 +36,9 @@
 #endif
 
 #define NP 16 /* columns per panel */
-#define MR 4  /* activation rows per micro-kernel: with NV, 8 int32 sums per sub-block and 8 per */
-#define NV 2  /* panels per micro-kernel               super-block in registers (more spilled) */
+#define MR 4  /* activation rows per micro-kernel */
+#define NV 2  /* panels per micro-kernel: MR x NV int32 sums per sub-block and as many per
+               * super-block fit the registers (larger tiles spilled and ran slower) */
 
 /* Q4_K's values are nibbles: each 64-byte vector holds two steps of 4 k (the even step in the
  * low nibbles), so a panel streams about the bytes of the quantized weight; unpacking them
@@ -163,7 +165,8 @@ void asyncengine_i8_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
                 if (g + XR <= grouped) { /* a whole group: taken out of its interleaving */
                     interleave_group(fmt, staging + (g - r0) * row_bytes, row_bytes, k,
                                      (uint8_t *)w + g * row_bytes, 1);
-                    for (int r = 0; r < XR; r++) src[g - r0 + r] = staging + (g - r0 + r) * row_bytes;
+                    for (int r = 0; r < XR; r++)
+                        src[g - r0 + r] = staging + (g - r0 + r) * row_bytes;
                 } else {
                     for (int64_t r = g; r < r0 + nrows && r < g + XR; r++)
                         src[r - r0] = w + r * row_bytes;
@@ -202,12 +205,14 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int8
 #if defined(I8_512)
             /* the loop below, 16 values at a time: the same products and roundings */
             __m512 amax16 = _mm512_setzero_ps();
-            for (int j = 0; j < QK_K; j += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+            for (int j = 0; j < QK_K; j += 16)
+                amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
             const float amax = _mm512_reduce_max_ps(amax16);
             const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             for (int j = 0; j < QK_K; j += 16) {
-                const __m512i qi = _mm512_cvtps_epi32(_mm512_roundscale_ps(
-                    _mm512_mul_ps(_mm512_loadu_ps(v + j), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                const __m512i qi = _mm512_cvtps_epi32(
+                    _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qi));
                 sums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
             }
@@ -258,12 +263,11 @@ static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, in
                             const int kk = j * l.sub + t;
                             const int q = (blk[value_at(fmt, kk, c)] >> value_shift(fmt, kk)) &
                                           (nibbles(fmt) ? 0xF : 0xFF);
-                            part += q *
-                                    (int32_t)a[r].q[s * QK_K + kk];
+                            part += q * (int32_t)a[r].q[s * QK_K + kk];
                         }
                         isum += part * ((const int8_t *)(blk + l.sc))[j * NP + c];
-                        imin += ((const int16_t *)(blk + l.mins))[(j / 2) * 2 * NP + 2 * c + j % 2] *
-                                (int32_t)a[r].b[s * l.nsub + j];
+                        const int16_t *mins = (const int16_t *)(blk + l.mins);
+                        imin += mins[(j / 2) * 2 * NP + 2 * c + j % 2] * a[r].b[s * l.nsub + j];
                     }
                     float d, dm;
                     memcpy(&d, blk + l.d + 4 * c, 4);
@@ -353,7 +357,8 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                 int32_t b2;
                 memcpy(&b2, a[r].b + s * nsub + 2 * p, 4);
                 const __m512i bb = _mm512_set1_epi32(b2);
-                for (int v = 0; v < nv; v++) imin[r][v] = _mm512_dpwssd_epi32(imin[r][v], mv[v], bb);
+                for (int v = 0; v < nv; v++)
+                    imin[r][v] = _mm512_dpwssd_epi32(imin[r][v], mv[v], bb);
             }
         }
         for (int v = 0; v < nv; v++) {
@@ -419,7 +424,8 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
     for (; c + 16 <= count; c += 16) {
         __m512 val = _mm512_loadu_ps(v + c);
         if (bias) val = _mm512_add_ps(val, _mm512_loadu_ps(bias + c0 + c));
-        if (out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + at + c0 + c), to_bf16x16(val));
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at + c0 + c), to_bf16x16(val));
         else _mm512_storeu_ps((float *)y + at + c0 + c, val);
     }
 #endif
@@ -437,7 +443,8 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 #endif
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
- * output and W's panels; parallel over units of NV panels. */
+ * output and W's panels; parallel over units of NV panels, handed out as threads come free (a
+ * descheduled thread on a loaded machine then delays no one). */
 void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
                            const int8_t *xq, const float *xd, const int16_t *b16,
                            const int16_t *b32, int64_t n, const float *bias, void *y, int64_t ldy,
@@ -450,7 +457,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
 #pragma omp parallel num_threads(threads) if (units > 1)
     {
         float *acc = (float *)malloc((size_t)(tiles * MR * NV * NP) * sizeof(float));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {
             if (acc == NULL) continue;
             const int64_t p0 = u * NV;

@@ -1,8 +1,8 @@
 """The K formats' many-row int8 product (kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
 
 ``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight once into the kernel's panels (each value
-one byte, its sub-block scales and mins beside it: ~1.1-1.2 bytes a weight, against a dense
-bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
+its exact integer, a nibble (Q4_K) or a byte, its sub-block scales and mins beside it: ~0.63 /
+1.13 / 1.22 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
 int8 per 256 values, the weights exact. ``available()``: this CPU's build has the fast kernel
 (AVX-512 VNNI). ``isa`` picks the library variant as quant_native's does ("native", "avx2",
 "scalar"); the builds without the fast kernel run a scalar one on the same layout (the

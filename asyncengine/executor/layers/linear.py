@@ -113,14 +113,14 @@ K_AMX_WIDE_RATIO = 4
 # takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c: the weights'
 # exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.22 bytes a weight for Q4_K / Q5_K / Q6_K
 # against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and builds no
-# dense copy for those rows. Per projection of a 1.5B layer, dense bfloat16 time / int8 time (one
-# thread, CPU time, a busy machine: +-15%; scripts/micro/bench_many_rows_step.py --i8-crossovers
-# Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.4-1.9 at 16 rows,
-# 1.4-1.6 at 32, 1.2-1.4 at 64, and ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K 1.1-1.5
-# up to 16 rows (the dense product streams more bytes) but ~1.0 at 32-256 and 0.87 (down) at
-# 512: its sub-blocks of 16 pay the integer scale step twice as often as those of 32. The parts
-# of a projection in several formats take the smallest.
-I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 512, "Q6_K": 48}
+# dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
+# int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
+# --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
+# 16 rows, 1.3-1.7 at 32, 1.2-1.5 at 64, ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K
+# 1.1-1.3 at 16-256 but 0.87 (down) at 512: its sub-blocks of 16 pay the integer scale step twice
+# as often as those of 32, and its values are bytes. The parts of a projection in several formats
+# take the smallest.
+I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 512, "Q6_K": 384}
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
