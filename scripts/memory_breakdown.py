@@ -161,6 +161,8 @@ def model_components(engine: Any, gguf: Path | None) -> dict[str, dict[str, int]
         if isinstance(lin, QuantizedLinear):
             for part in lin.parts:
                 tensor(f"weights: {kind} quantized outside the arena", part)
+            for panels in lin._i8 or []:
+                tensor(f"weights: {kind} int8 panels", panels.data)
             dense = lin._dense
             if dense is not None:
                 tensor(f"weights: {kind} dense copies", dense.packed)

@@ -1,8 +1,8 @@
 """Where a many-row decode step of a real GGUF model goes, and what the K formats' AMX product
-(kernels/cpu/cpu_quant_amx.c) changes in it: ``ModelRunner.forward_logits`` of B one-token decodes
-at context C, the projections on the AMX product ("amx") against the same projections on the
-dense bfloat16 product the crossovers otherwise pick ("dense"), in one process, alternating step
-by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
+(kernels/cpu/cpu_quant_amx.c) or int8 product (cpu_quant_i8gemm.c) changes in it:
+``ModelRunner.forward_logits`` of B one-token decodes at context C, the projections on the path
+the engine takes ("quant": the AMX or int8 product where the crossovers give it) against the same
+projections on the dense bfloat16 product ("dense"), in one process, alternating step by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
 layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
 rotary, Python), and the layers' projections by kind. Without ``--model``, a random model of
 ``--shape`` in ``--mix``'s formats (scripts/micro/synthetic_model.py: no GGUF file needed).
@@ -30,6 +30,9 @@ with oneDNN's packed copy, beside the quantized bytes and their dense copies).
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf,... \
         --repeats 3 --out /tmp/vs_expanded.json
 
+``--i8-crossovers Q4_K,Q5_K,Q6_K``: as ``--amx-crossovers`` for the int8 product
+(scripts/micro/i8_crossovers.py; ``I8_BELOW_ROWS_BY_FORMAT``).
+
 ``--amx-crossovers Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
 LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (where
 executor/layers/linear.py's ``K_AMX_BELOW_ROWS_BY_FORMAT`` comes from):
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_ex
 import torch
 from amx_crossovers import run_amx_crossovers
 from bench_amx_ab import baseline_library, using
+from i8_crossovers import run_i8_crossovers
 from vs_expanded import run_vs_expanded
 
 from asyncengine.cache.page_table import PageTable
@@ -105,13 +109,16 @@ class Step:
         if isinstance(model.lm_head, QuantizedLinear):
             self.linears.append(model.lm_head)
         self.amx = {linear: bool(getattr(linear, "_amx", False)) for linear in self.linears}
+        self.i8 = {linear: int(getattr(linear, "_i8_below", 0)) for linear in self.linears}
         self.context = args.context
         self.clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
         self.sampler = Sampler()
 
     def use_amx(self, on: bool) -> None:
+        """The AMX and int8 products where the engine takes them (on), or neither."""
         for linear, taken in self.amx.items():
             linear._amx = on and taken
+            linear._i8_below = self.i8[linear] if on else 0
 
     def run(self, batch: int) -> dict[str, float]:
         plan = BatchPlan(
@@ -172,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
     parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
+    parser.add_argument("--i8-crossovers", default=None, help="K formats: per projection (above)")
     parser.add_argument(
         "--shape",
         default="llama-3.2-1b",
@@ -195,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     models = [m for given in args.model for m in given.split(",") if m]
     if args.amx_crossovers:
         return run_amx_crossovers(args)
+    if args.i8_crossovers:
+        return run_i8_crossovers(args)
     if args.vs_expanded:
         return run_vs_expanded(models, args)
     if len(models) > 1:
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
-            samples: dict[str, dict[str, list[float]]] = {"amx": {}, "dense": {}}
+            samples: dict[str, dict[str, list[float]]] = {"quant": {}, "dense": {}}
             if baseline is not None:
                 samples["base"] = {}
             for repeat in range(args.repeats + 1):

@@ -12,7 +12,7 @@ import torch
 
 from asyncengine.executor.layers import linear as linear_module
 from asyncengine.executor.layers.linear import QuantizedLinear, k_amx_below_rows
-from asyncengine.kernels.cpu import cpu_native, quant_amx_native, quant_native
+from asyncengine.kernels.cpu import cpu_native, quant_amx_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import quant_ref
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
@@ -230,6 +230,7 @@ def test_without_amx_the_projection_keeps_the_dense_product(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(quant_amx_native, "available", lambda: False)
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda: False)
     q4 = random_weight(FORMATS["Q4_K"], 16, 256, seed=4)
     projection = QuantizedLinear([q4], dense_from_rows=8)
     assert not projection._amx

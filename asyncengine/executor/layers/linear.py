@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
 from asyncengine.executor.cpu.weight_arena import WeightArena
 from asyncengine.executor.cpu.weight_pack import pack_parts
-from asyncengine.kernels.cpu import quant_amx_native, quant_native
+from asyncengine.kernels.cpu import quant_amx_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
@@ -109,6 +109,18 @@ K_AMX_FORMATS = quant_amx_native.FORMATS
 # builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
 K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
 K_AMX_WIDE_RATIO = 4
+# From its dense crossover up to these rows (exclusive), a projection whose parts are all K formats
+# takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c: the weights'
+# exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.22 bytes a weight for Q4_K / Q5_K / Q6_K
+# against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and builds no
+# dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
+# int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
+# --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
+# 16 rows, 1.3-1.7 at 32, 1.2-1.5 at 64, ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K
+# 1.1-1.3 at 16-256 but 0.87 (down) at 512: its sub-blocks of 16 pay the integer scale step twice
+# as often as those of 32, and its values are bytes. The parts of a projection in several formats
+# take the smallest.
+I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 512, "Q6_K": 384}
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -217,13 +229,17 @@ class QuantizedLinear:
     time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
     under large batches both: the quantized bytes and one packed dense copy), where ``budget``
     (shared by a model's projections; None: no limit) has room for it. None: always the
-    quantized kernel.
+    quantized kernel. From ``dense_from_rows`` up to ``I8_BELOW_ROWS_BY_FORMAT`` K-format parts
+    take the int8 product instead, where this CPU runs it (``_i8``: its panels, built by the
+    first such call from the same budget).
     """
 
     __slots__ = (
         "_amx",
         "_amx_below",
         "_dense",
+        "_i8",
+        "_i8_below",
         "bias",
         "budget",
         "dense_from_rows",
@@ -256,6 +272,9 @@ class QuantizedLinear:
             p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
         self._amx_below = k_amx_below_rows(self.parts) if self._amx else 0
+        # the int8 product's panels, built by the first call that takes it
+        self._i8: list[quant_i8gemm_native.I8Panels] | None = None
+        self._i8_below = 0 if self._amx or dense_from_rows is None else i8_below_rows(self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -270,6 +289,8 @@ class QuantizedLinear:
             amx = self._amx and x2.dtype == torch.bfloat16
             if amx and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
+            elif x2.shape[0] < self._i8_below and self._i8_allowed():
+                out = self._i8_product(x2)
             elif self.dense_allowed(x2.dtype):
                 out = self.dense(x2.dtype)(x2)
             else:
@@ -283,6 +304,31 @@ class QuantizedLinear:
         if self.budget is None or (self._dense is not None and self._dense.dtype == dtype):
             return True
         return self.budget.take(self.out_features * self.in_features * dtype.itemsize)
+
+    def _i8_allowed(self) -> bool:
+        """The int8 product's panels are here, or the budget takes them (then they are built);
+        refused, the projection stops asking."""
+        if self._i8 is not None:
+            return True
+        nbytes = sum(quant_i8gemm_native.packed_bytes(p) for p in self.parts)
+        if self.budget is not None and not self.budget.take(nbytes):
+            self._i8_below = 0
+            return False
+        self._i8 = [quant_i8gemm_native.pack(p) for p in self.parts]
+        return True
+
+    def _i8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Each part's columns of one output by the int8 product (``_i8`` built)."""
+        assert self._i8 is not None
+        if len(self._i8) == 1:
+            return quant_i8gemm_native.linear(x, self._i8[0], self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        start = 0
+        for panels in self._i8:
+            bias = None if self.bias is None else self.bias[start : start + panels.rows]
+            quant_i8gemm_native.linear(x, panels, bias, out[:, start : start + panels.rows])
+            start += panels.rows
+        return out
 
     def dense(self, dtype: torch.dtype) -> Linear:
         """The weight dequantized to dtype as a prepacked ``Linear`` (built once, then kept)."""
@@ -346,6 +392,18 @@ def k_amx_below_rows(parts: Sequence[QuantizedTensor]) -> int:
         else K_AMX_BELOW_ROWS
         for p in parts
     )
+
+
+def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """Rows below which these parts take the int8 product from their dense crossover
+    (``I8_BELOW_ROWS_BY_FORMAT``); 0: never (a part it does not take, or no fast kernel here)."""
+    if not all(
+        p.format.name in I8_BELOW_ROWS_BY_FORMAT and quant_i8gemm_native.takes(p) for p in parts
+    ):
+        return 0
+    if not quant_i8gemm_native.available():
+        return 0
+    return min(I8_BELOW_ROWS_BY_FORMAT[p.format.name] for p in parts)
 
 
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:

@@ -1,0 +1,512 @@
+/* The K formats' (Q4_K, Q5_K, Q6_K) products for many activation rows at once, in int8.
+ *
+ *   y[i, c] = sum_k x[i, k] * W[c, k]
+ *
+ * From ~8 rows the batch-1 group kernels are compute-bound, and a dense bfloat16 copy of the
+ * weight multiplies at the bfloat16 rate. Here the weight keeps its exact integers: each value
+ * (4, 5 or 6 bits) is one unsigned byte, repacked once at load into panels of 16 output columns
+ * whose 64-byte vectors hold 4 consecutive k of each column (the operand vpdpbusd takes), beside
+ * each sub-block's integer scale and min and each super-block's float d and dmin. The activation
+ * rows are quantized once per product to int8 per 256 values (one float scale per row and super-
+ * block, as llama.cpp's q8_K) with their sums per 16 and per 32 values. A sub-block's products
+ * (u8 x s8, 64 multiply-adds an instruction: twice the bfloat16 rate) are summed in int32, scaled
+ * by the sub-block's integer scale, and each super-block meets its float scales once:
+ *
+ *   y[i, c] = sum_s xd[i, s] (d[c, s] sum_j sc[c, s, j] S[i, c, s, j]
+ *                              - dm[c, s] sum_j m[c, s, j] B[i, s, j])
+ *
+ *   Q4_K / Q5_K  j: 8 sub-blocks of 32, sc / m: the 6-bit scale / min, dm = dmin
+ *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d
+ *
+ * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
+ * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
+ * panels of int32 and float sums in registers, each loaded weight vector meeting all MR rows;
+ * threads take units of NV panels (each a contiguous stream) as they come free. Only the AVX-512
+ * VNNI build has the fast kernel (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2,
+ * -DQ_FORCE_SCALAR, CPUs without it) run a scalar kernel on the same layout, the reference the
+ * tests hold the fast one to. Built by kernels/cpu/cpu_native.py. */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_quant_blocks.h"
+
+#if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define I8_512 1
+#endif
+
+#define NP 16 /* columns per panel */
+#define MR 4  /* activation rows per micro-kernel */
+#define NV 2  /* panels per micro-kernel: MR x NV int32 sums per sub-block and as many per
+               * super-block fit the registers (larger tiles spilled and ran slower) */
+
+/* Q4_K's values are nibbles: each 64-byte vector holds two steps of 4 k (the even step in the
+ * low nibbles), so a panel streams about the bytes of the quantized weight; unpacking them
+ * (and, shift) cost no measurable time beside the products. Q5_K's and Q6_K's are bytes. */
+static inline int nibbles(int fmt) { return fmt == FMT_Q4_K; }
+static inline int64_t value_bytes(int fmt) { return nibbles(fmt) ? QK_K * NP / 2 : QK_K * NP; }
+
+/* byte of value v (0..255) of column c in a super-block's values, and its shift */
+static inline int64_t value_at(int fmt, int v, int c) {
+    return nibbles(fmt) ? (v / 8) * 64 + 4 * c + v % 4 : (v / 4) * 64 + 4 * c + v % 4;
+}
+static inline int value_shift(int fmt, int v) { return nibbles(fmt) ? 4 * ((v / 4) % 2) : 0; }
+
+/* one panel's super-block: where its parts lie and its size */
+typedef struct {
+    int nsub, sub;                         /* sub-blocks and their values */
+    int64_t sc, mins, d, dm, bytes;        /* offsets; values at 0 */
+} sb_layout;
+
+static sb_layout layout_of(int fmt) {
+    sb_layout l;
+    l.nsub = fmt == FMT_Q6_K ? 16 : 8;
+    l.sub = QK_K / l.nsub;
+    l.sc = value_bytes(fmt);               /* int8 [nsub][NP] */
+    l.mins = l.sc + l.nsub * NP;           /* int16 [nsub / 2][NP][2]: pairs per column */
+    l.d = l.mins + l.nsub * NP * 2;        /* float [NP] */
+    l.dm = l.d + NP * 4;                   /* float [NP] */
+    l.bytes = l.dm + NP * 4;
+    return l;
+}
+
+static int takes_format(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
+
+int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
+    return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
+}
+
+int asyncengine_i8_available(void) {
+#if defined(I8_512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* packing                                                                                    */
+
+/* one row's super-block as GGUF stores it -> values (u8), scales, mins, d, dm */
+static void decode_super_block(int fmt, const uint8_t *w, uint8_t *q, int *sc, int *m, float *d,
+                               float *dm) {
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *s = (const int8_t *)(w + 192);
+        *d = fp16_to_float(w + 208);
+        *dm = 32.0f * *d;
+        for (int j = 0; j < 16; j++) sc[j] = m[j] = s[j];
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, q += 128)
+            for (int l = 0; l < 32; l++) {
+                q[l] = (uint8_t)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+                q[l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                q[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        return;
+    }
+    const int high = fmt == FMT_Q5_K;
+    const uint8_t *qh = w + 16, *qs = w + (high ? 48 : 16);
+    *d = fp16_to_float(w);
+    *dm = fp16_to_float(w + 2);
+    for (int j = 0; j < 8; j++) k_scale_min(j, w + 4, &sc[j], &m[j]);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+            if (high) {
+                lo += (qh[l] & (1 << (2 * c))) ? 16 : 0;
+                hi += (qh[l] & (2 << (2 * c))) ? 16 : 0;
+            }
+            q[64 * c + l] = (uint8_t)lo;
+            q[64 * c + 32 + l] = (uint8_t)hi;
+        }
+}
+
+/* rows' (at most NP, the rest of the panel zero) super-blocks into one panel */
+static void pack_panel(int fmt, const uint8_t *const *rows, int nrows, int64_t k, uint8_t *dst) {
+    const sb_layout l = layout_of(fmt);
+    const int64_t nsb = k / QK_K, block = fmt == FMT_Q6_K ? 210 : fmt == FMT_Q5_K ? 176 : 144;
+    memset(dst, 0, (size_t)(l.bytes * nsb));
+    uint8_t q[QK_K];
+    int sc[16], m[16];
+    for (int64_t s = 0; s < nsb; s++) {
+        uint8_t *out = dst + s * l.bytes;
+        for (int c = 0; c < nrows; c++) {
+            float d, dm;
+            decode_super_block(fmt, rows[c] + s * block, q, sc, m, &d, &dm);
+            for (int v = 0; v < QK_K; v++)
+                out[value_at(fmt, v, c)] |= (uint8_t)(q[v] << value_shift(fmt, v));
+            for (int j = 0; j < l.nsub; j++) {
+                ((int8_t *)(out + l.sc))[j * NP + c] = (int8_t)sc[j];
+                ((int16_t *)(out + l.mins))[(j / 2) * 2 * NP + 2 * c + j % 2] = (int16_t)m[j];
+            }
+            memcpy(out + l.d + 4 * c, &d, 4);
+            memcpy(out + l.dm + 4 * c, &dm, 4);
+        }
+    }
+}
+
+/* W (rows x k in fmt; the first rows / XR * XR in interleaved groups where `interleaved`) ->
+ * ceil(rows / NP) panels at dst (asyncengine_i8_panel_bytes each) */
+void asyncengine_i8_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
+                         int interleaved, uint8_t *dst, int threads) {
+    const int64_t panels = (rows + NP - 1) / NP, pb = asyncengine_i8_panel_bytes(fmt, k);
+    const int64_t grouped = interleaved && interleaves(fmt) ? rows / XR * XR : 0;
+#pragma omp parallel num_threads(threads) if (panels > 1)
+    {
+        uint8_t *staging = (uint8_t *)malloc((size_t)(NP * row_bytes));
+        if (staging == NULL) abort();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *src[NP];
+            const int64_t r0 = p * NP;
+            const int nrows = (int)(rows - r0 < NP ? rows - r0 : NP);
+            for (int64_t g = r0; g < r0 + nrows; g += XR) {
+                if (g + XR <= grouped) { /* a whole group: taken out of its interleaving */
+                    interleave_group(fmt, staging + (g - r0) * row_bytes, row_bytes, k,
+                                     (uint8_t *)w + g * row_bytes, 1);
+                    for (int r = 0; r < XR; r++)
+                        src[g - r0 + r] = staging + (g - r0 + r) * row_bytes;
+                } else {
+                    for (int64_t r = g; r < r0 + nrows && r < g + XR; r++)
+                        src[r - r0] = w + r * row_bytes;
+                }
+            }
+            pack_panel(fmt, src, nrows, k, dst + p * pb);
+        }
+        free(staging);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* activations                                                                                */
+
+/* x [n, k] (float32 or bf16) -> q int8 [n, k], xd [n, k / 256] (max|x| / 127 of each 256),
+ * b16 int16 [n, k / 16] and b32 int16 [n, k / 32] (sums of q) */
+void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int8_t *q, float *xd,
+                             int16_t *b16, int16_t *b32, int threads) {
+    const int64_t nsb = k / QK_K;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        float v[QK_K];
+        for (int64_t s = 0; s < nsb; s++) {
+            const int64_t off = i * k + s * QK_K;
+            if (bf16) {
+                int j = 0;
+#if defined(I8_512)
+                for (; j < QK_K; j += 16)
+                    _mm512_storeu_ps(v + j, load_bf16x16((const uint16_t *)x + off + j));
+#endif
+                for (; j < QK_K; j++) v[j] = bf16_to_float(((const uint16_t *)x)[off + j]);
+            } else
+                memcpy(v, (const float *)x + off, sizeof v);
+            int8_t *qs = q + off;
+            int16_t *sums = b16 + i * (k / 16) + s * 16;
+#if defined(I8_512)
+            /* the loop below, 16 values at a time: the same products and roundings */
+            __m512 amax16 = _mm512_setzero_ps();
+            for (int j = 0; j < QK_K; j += 16)
+                amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+            const float amax = _mm512_reduce_max_ps(amax16);
+            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            for (int j = 0; j < QK_K; j += 16) {
+                const __m512i qi = _mm512_cvtps_epi32(
+                    _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qi));
+                sums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
+            }
+#else
+            float amax = 0.0f;
+            for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)nearbyintf(v[j] * inv);
+            for (int b = 0; b < QK_K / 16; b++) {
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += qs[16 * b + j];
+                sums[b] = (int16_t)sum;
+            }
+#endif
+            xd[i * nsb + s] = amax / 127.0f;
+            for (int b = 0; b < QK_K / 32; b++)
+                b32[i * (k / 32) + s * 8 + b] = (int16_t)(sums[2 * b] + sums[2 * b + 1]);
+        }
+    }
+}
+
+/* one activation row as the kernels take it */
+typedef struct {
+    const int8_t *q;
+    const float *xd;
+    const int16_t *b; /* sums per sub-block: b16 (Q6_K) or b32 */
+} i8_row;
+
+/* ------------------------------------------------------------------------------------------ */
+/* the products                                                                               */
+
+#if !defined(I8_512)
+/* the scalar kernel: nr rows x np panels over super-blocks s0..s1 - 1, added into
+ * out[r * NV * NP + v * NP + c] */
+static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
+                        const i8_row *a, int nr, float *out) {
+    const sb_layout l = layout_of(fmt);
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < np; v++)
+            for (int c = 0; c < NP; c++) {
+                float acc = out[r * NV * NP + v * NP + c];
+                for (int64_t s = s0; s < s1; s++) {
+                    const uint8_t *blk = w[v] + s * l.bytes;
+                    int32_t isum = 0, imin = 0;
+                    for (int j = 0; j < l.nsub; j++) {
+                        int32_t part = 0;
+                        for (int t = 0; t < l.sub; t++) {
+                            const int kk = j * l.sub + t;
+                            const int q = (blk[value_at(fmt, kk, c)] >> value_shift(fmt, kk)) &
+                                          (nibbles(fmt) ? 0xF : 0xFF);
+                            part += q * (int32_t)a[r].q[s * QK_K + kk];
+                        }
+                        isum += part * ((const int8_t *)(blk + l.sc))[j * NP + c];
+                        const int16_t *mins = (const int16_t *)(blk + l.mins);
+                        imin += mins[(j / 2) * 2 * NP + 2 * c + j % 2] * a[r].b[s * l.nsub + j];
+                    }
+                    float d, dm;
+                    memcpy(&d, blk + l.d + 4 * c, 4);
+                    memcpy(&dm, blk + l.dm + 4 * c, 4);
+                    acc = fmaf(d * (float)isum - dm * (float)imin, a[r].xd[s], acc);
+                }
+                out[r * NV * NP + v * NP + c] = acc;
+            }
+}
+#endif
+
+#if defined(I8_512)
+/* one step of 4 k: the loaded weight vectors wv[0..nv-1] meet rows xq[0..mr-1] */
+static inline Q_ALWAYS_INLINE void k4_step(__m512i (*iacc)[NV], const __m512i *wv,
+                                           const int8_t *const *xq, int kk, const int mr,
+                                           const int nv) {
+    for (int r = 0; r < mr; r++) {
+        int32_t x4;
+        memcpy(&x4, xq[r] + 4 * kk, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        for (int v = 0; v < nv; v++) iacc[r][v] = _mm512_dpbusd_epi32(iacc[r][v], wv[v], xb);
+    }
+}
+
+/* the AVX-512 VNNI micro-kernel: mr rows x nv panels over super-blocks s0..s1 - 1 of nsub
+ * sub-blocks, the values nibbles (nib) or bytes, added into out; pf as tile's */
+static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int nv, int64_t s0,
+                                            int64_t s1, const i8_row *a, const int mr,
+                                            const int nsub, const int nib, float *out,
+                                            const uint8_t *const *pf) {
+    const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
+    const int step_bytes = nib ? 32 : 64;
+    const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
+                  d_at = mins_at + nsub * NP * 2;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int64_t bytes = d_at + 2 * NP * 4;
+    __m512 facc[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) facc[r][v] = _mm512_loadu_ps(out + r * NV * NP + v * NP);
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *blk[NV];
+        const uint8_t *ahead[NV]; /* this super-block's share of the next chunk (pf) */
+        for (int v = 0; v < nv; v++) {
+            blk[v] = w[v] + s * bytes;
+            ahead[v] = pf ? pf[v] + (s - s0) * bytes : NULL;
+        }
+        const int8_t *xq[MR];
+        for (int r = 0; r < mr; r++) xq[r] = a[r].q + s * QK_K;
+        __m512i isum[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) isum[r][v] = _mm512_setzero_si512();
+        for (int j = 0; j < nsub; j++) {
+            __m512i iacc[MR][NV];
+            for (int r = 0; r < mr; r++)
+                for (int v = 0; v < nv; v++) iacc[r][v] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int t = 0; t < sub4; t += 1 + nib) {
+                const int kk = j * sub4 + t;
+                __m512i wv[NV], hi[NV];
+                for (int v = 0; v < nv; v++) {
+                    wv[v] = _mm512_load_si512((const void *)(blk[v] + 64 * (nib ? kk / 2 : kk)));
+                    if (pf) _mm_prefetch((const char *)(ahead[v] + step_bytes * kk), _MM_HINT_T0);
+                    if (nib) {
+                        hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv[v], 4), m4);
+                        wv[v] = _mm512_and_si512(wv[v], m4);
+                    }
+                }
+                k4_step(iacc, wv, xq, kk, mr, nv);
+                if (nib) k4_step(iacc, hi, xq, kk + 1, mr, nv);
+            }
+            for (int v = 0; v < nv; v++) {
+                if (pf) _mm_prefetch((const char *)(ahead[v] + sc_at + 64 * j), _MM_HINT_T0);
+                const __m512i scv = _mm512_cvtepi8_epi32(
+                    _mm_load_si128((const __m128i *)(blk[v] + sc_at + NP * j)));
+                for (int r = 0; r < mr; r++)
+                    isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(iacc[r][v], scv));
+            }
+        }
+        __m512i imin[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) imin[r][v] = _mm512_setzero_si512();
+        for (int p = 0; p < nsub / 2; p++) {
+            __m512i mv[NV];
+            for (int v = 0; v < nv; v++)
+                mv[v] = _mm512_load_si512((const void *)(blk[v] + mins_at + 64 * p));
+            for (int r = 0; r < mr; r++) {
+                int32_t b2;
+                memcpy(&b2, a[r].b + s * nsub + 2 * p, 4);
+                const __m512i bb = _mm512_set1_epi32(b2);
+                for (int v = 0; v < nv; v++)
+                    imin[r][v] = _mm512_dpwssd_epi32(imin[r][v], mv[v], bb);
+            }
+        }
+        for (int v = 0; v < nv; v++) {
+            const __m512 d = _mm512_load_ps((const float *)(blk[v] + d_at));
+            const __m512 dm = _mm512_load_ps((const float *)(blk[v] + d_at + NP * 4));
+            for (int r = 0; r < mr; r++) {
+                const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum[r][v]), d,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(imin[r][v]), dm));
+                facc[r][v] = _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].xd[s]), facc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(out + r * NV * NP + v * NP, facc[r][v]);
+}
+
+/* one function per (rows, panels, sub-block count): constants in each keep the sums in
+ * registers */
+#define I8_TILE_FN(mr, nv, nsub, nib)                                                            \
+    static Q_NOINLINE void tile_##mr##_##nv##_##nsub##_##nib(const uint8_t *const *w, int64_t s0, \
+                                                     int64_t s1, const i8_row *a, float *out,   \
+                                                     const uint8_t *const *pf) {                \
+        tile_512(w, nv, s0, s1, a, mr, nsub, nib, out, pf);                                      \
+    }
+#define I8_TILES(X, nsub, nib)                                                                   \
+    X(1, 1, nsub, nib) X(2, 1, nsub, nib) X(3, 1, nsub, nib) X(4, 1, nsub, nib)                  \
+    X(1, 2, nsub, nib) X(2, 2, nsub, nib) X(3, 2, nsub, nib) X(4, 2, nsub, nib)
+I8_TILES(I8_TILE_FN, 8, 1)
+I8_TILES(I8_TILE_FN, 8, 0)
+I8_TILES(I8_TILE_FN, 16, 0)
+
+typedef void (*i8_tile_fn)(const uint8_t *const *, int64_t, int64_t, const i8_row *, float *,
+                           const uint8_t *const *);
+/* [format - Q4_K][panels - 1][rows - 1] */
+static const i8_tile_fn TILES[3][NV][MR] = {
+    {{tile_1_1_8_1, tile_2_1_8_1, tile_3_1_8_1, tile_4_1_8_1},
+     {tile_1_2_8_1, tile_2_2_8_1, tile_3_2_8_1, tile_4_2_8_1}},
+    {{tile_1_1_8_0, tile_2_1_8_0, tile_3_1_8_0, tile_4_1_8_0},
+     {tile_1_2_8_0, tile_2_2_8_0, tile_3_2_8_0, tile_4_2_8_0}},
+    {{tile_1_1_16_0, tile_2_1_16_0, tile_3_1_16_0, tile_4_1_16_0},
+     {tile_1_2_16_0, tile_2_2_16_0, tile_3_2_16_0, tile_4_2_16_0}},
+};
+#undef I8_TILE_FN
+#undef I8_TILES
+#endif
+
+/* pf: where the next chunk's super-blocks start in each panel (asked for ahead), or NULL */
+static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
+                        const i8_row *a, int nr, float *out, const uint8_t *const *pf) {
+#if defined(I8_512)
+    TILES[fmt - FMT_Q4_K][np - 1][nr - 1](w, s0, s1, a, out, pf);
+#else
+    (void)pf;
+    tile_scalar(fmt, w, np, s0, s1, a, nr, out);
+#endif
+}
+
+/* y[at + c0 .. at + c0 + count - 1] = v[0 .. count - 1] + bias[c0 ..] */
+static inline void store_row(const float *v, int64_t c0, int64_t count, const float *bias, void *y,
+                             int64_t at, int out_bf16) {
+    int64_t c = 0;
+#if defined(I8_512)
+    for (; c + 16 <= count; c += 16) {
+        __m512 val = _mm512_loadu_ps(v + c);
+        if (bias) val = _mm512_add_ps(val, _mm512_loadu_ps(bias + c0 + c));
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at + c0 + c), to_bf16x16(val));
+        else _mm512_storeu_ps((float *)y + at + c0 + c, val);
+    }
+#endif
+    for (; c < count; c++) {
+        const float val = v[c] + (bias ? bias[c0 + c] : 0.0f);
+        if (out_bf16) ((uint16_t *)y)[at + c0 + c] = float_to_bf16(val);
+        else ((float *)y)[at + c0 + c] = val;
+    }
+}
+
+/* super-blocks a unit of panels takes at a time, every activation row meeting them while they
+ * stay in L1 */
+#ifndef I8_CHUNK_SB
+#define I8_CHUNK_SB 2
+#endif
+
+/* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
+ * output and W's panels; parallel over units of NV panels, handed out as threads come free (a
+ * descheduled thread on a loaded machine then delays no one). */
+void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
+                           const int8_t *xq, const float *xd, const int16_t *b16,
+                           const int16_t *b32, int64_t n, const float *bias, void *y, int64_t ldy,
+                           int out_bf16, int threads) {
+    const sb_layout l = layout_of(fmt);
+    const int64_t nsb = k / QK_K, pb = l.bytes * nsb, np_all = (rows + NP - 1) / NP;
+    const int64_t units = (np_all + NV - 1) / NV, tiles = (n + MR - 1) / MR;
+    const int16_t *b = fmt == FMT_Q6_K ? b16 : b32;
+    const int64_t bstride = fmt == FMT_Q6_K ? k / 16 : k / 32;
+#pragma omp parallel num_threads(threads) if (units > 1)
+    {
+        float *acc = (float *)malloc((size_t)(tiles * MR * NV * NP) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            if (acc == NULL) continue;
+            const int64_t p0 = u * NV;
+            const int np = (int)(np_all - p0 < NV ? np_all - p0 : NV);
+            const uint8_t *w[NV];
+            for (int v = 0; v < np; v++) w[v] = panels + (p0 + v) * pb;
+            memset(acc, 0, (size_t)(tiles * MR * NV * NP) * sizeof(float));
+            for (int64_t s0 = 0; s0 < nsb; s0 += I8_CHUNK_SB) {
+                const int64_t s1 = s0 + I8_CHUNK_SB < nsb ? s0 + I8_CHUNK_SB : nsb;
+                const uint8_t *next[NV];
+                for (int v = 0; v < np; v++) next[v] = w[v] + s1 * l.bytes;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t i0 = t * MR;
+                    const int nr = (int)(n - i0 < MR ? n - i0 : MR);
+                    i8_row a[MR];
+                    for (int r = 0; r < nr; r++)
+                        a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * nsb,
+                                        b + (i0 + r) * bstride};
+                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP,
+                         t == 0 && s1 < nsb ? next : NULL);
+                }
+            }
+            for (int64_t i = 0; i < n; i++)
+                store_row(acc + (i / MR) * MR * NV * NP + (i % MR) * NV * NP, p0 * NP,
+                          np * NP < rows - p0 * NP ? np * NP : rows - p0 * NP, bias, y, i * ldy,
+                          out_bf16);
+        }
+        free(acc);
+    }
+}
+
+/* quantize then multiply, in one call (the activations in scratch buffers); 0, or -1 where a
+ * buffer could not be had */
+int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t k, const void *x,
+                          int64_t n, int x_bf16, const float *bias, void *y, int64_t ldy,
+                          int out_bf16, int threads) {
+    int8_t *q = (int8_t *)malloc((size_t)(n * k));
+    float *xd = (float *)malloc((size_t)(n * (k / QK_K)) * sizeof(float));
+    int16_t *b16 = (int16_t *)malloc((size_t)(n * (k / 16)) * sizeof(int16_t));
+    int16_t *b32 = (int16_t *)malloc((size_t)(n * (k / 32)) * sizeof(int16_t));
+    const int ok = q && xd && b16 && b32;
+    if (ok) {
+        asyncengine_i8_quantize(x, n, k, x_bf16, q, xd, b16, b32, threads);
+        asyncengine_i8_matmul(fmt, panels, rows, k, q, xd, b16, b32, n, bias, y, ldy, out_bf16,
+                              threads);
+    }
+    free(q);
+    free(xd);
+    free(b16);
+    free(b32);
+    return ok ? 0 : -1;
+}

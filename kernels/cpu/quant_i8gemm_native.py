@@ -1,0 +1,158 @@
+"""The K formats' many-row int8 product (kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
+
+``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight once into the kernel's panels (each value
+its exact integer, a nibble (Q4_K) or a byte, its sub-block scales and mins beside it: ~0.63 /
+1.13 / 1.22 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
+int8 per 256 values, the weights exact. ``available()``: this CPU's build has the fast kernel
+(AVX-512 VNNI). ``isa`` picks the library variant as quant_native's does ("native", "avx2",
+"scalar"); the builds without the fast kernel run a scalar one on the same layout (the
+reference the tests hold the fast one to).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.quant_native import ISA_FLAGS
+from asyncengine.kernels.quant_formats import QuantizedTensor
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+SUPER_BLOCK = 256
+PANEL_COLUMNS = 16
+ENABLE_ENV = "ASYNCENGINE_I8_GEMM"  # "0": never this path (to measure what it gives)
+
+
+@dataclass(frozen=True, slots=True)
+class I8Panels:
+    """A weight repacked for the int8 product: ``data`` uint8 [panels, panel_bytes]."""
+
+    format_code: int
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+@functools.cache
+def _library(isa: str = "native") -> ctypes.CDLL | None:
+    lib = cpu_native.load("cpu_quant_i8gemm", ISA_FLAGS[isa])
+    if lib is None:
+        return None
+    lib.asyncengine_i8_available.restype = _INT
+    lib.asyncengine_i8_available.argtypes = []
+    lib.asyncengine_i8_panel_bytes.restype = _I64
+    lib.asyncengine_i8_panel_bytes.argtypes = [_INT, _I64]
+    lib.asyncengine_i8_pack.restype = None
+    lib.asyncengine_i8_pack.argtypes = [_INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _INT]
+    lib.asyncengine_i8_linear.restype = _INT
+    lib.asyncengine_i8_linear.argtypes = [
+        _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
+    ]  # fmt: skip
+    return lib
+
+
+def _lib(isa: str = "native") -> ctypes.CDLL:
+    lib = _library(isa)
+    if lib is None:
+        raise RuntimeError("the native int8 product library is not available")
+    return lib
+
+
+def available(isa: str = "native") -> bool:
+    """Whether this build runs the fast kernel here (and the path is not turned off)."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return False
+    lib = _library(isa)
+    return lib is not None and bool(lib.asyncengine_i8_available())
+
+
+def takes(weight: QuantizedTensor) -> bool:
+    """Whether ``pack`` takes this weight (the format, whole super-blocks), whatever the CPU."""
+    return weight.format.name in FORMATS and weight.cols % SUPER_BLOCK == 0
+
+
+def packed_bytes(weight: QuantizedTensor) -> int:
+    """The bytes ``pack`` makes of this weight (``takes`` must hold)."""
+    if not takes(weight):
+        raise ValueError(f"the int8 product does not take {weight.format.name} x {weight.cols}")
+    rows, cols = weight.shape
+    return -(-rows // PANEL_COLUMNS) * int(
+        _lib().asyncengine_i8_panel_bytes(weight.format.code, cols)
+    )
+
+
+def pack(weight: QuantizedTensor) -> I8Panels:
+    """The weight (interleaved groups or rows as stored) as the int8 product's panels."""
+    if not takes(weight):
+        raise ValueError(f"the int8 product does not take {weight.format.name} x {weight.cols}")
+    lib = _lib()
+    rows, cols = weight.shape
+    code = weight.format.code
+    panel_bytes = int(lib.asyncengine_i8_panel_bytes(code, cols))
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    panels = -(-rows // PANEL_COLUMNS)
+    out = torch.empty((panels, panel_bytes), dtype=torch.uint8)
+    lib.asyncengine_i8_pack(
+        code,
+        data.data_ptr(),
+        data.shape[1],
+        rows,
+        cols,
+        int(weight.interleaved),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return I8Panels(code, out, rows, cols)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: I8Panels,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    isa: str = "native",
+) -> torch.Tensor:
+    """y [n, rows] in x's dtype (or written into ``out``, a [n, rows] view of x's dtype whose
+    rows may be longer) = x @ W.T (+ bias, float32), by ``isa``'s build of the library."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        raise ValueError(f"activations must be 2-D CPU fp32/bf16, not {x.dtype} {x.device}")
+    if x.shape[1] != weight.cols:
+        raise ValueError(f"activation rows of {x.shape[1]} values against {weight.cols} columns")
+    if bias is not None and (
+        bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != weight.rows
+    ):
+        raise ValueError("bias must be a contiguous float32 vector, one value an output")
+    x = x.contiguous()
+    n = x.shape[0]
+    if out is None:
+        out = torch.empty((n, weight.rows), dtype=x.dtype)
+    if out.dtype != x.dtype or out.shape != (n, weight.rows) or out.stride(1) != 1:
+        raise ValueError("out must be [n, rows] in x's dtype with unit column stride")
+    bf16 = int(x.dtype == torch.bfloat16)
+    status = _lib(isa).asyncengine_i8_linear(
+        weight.format_code,
+        weight.data.data_ptr(),
+        weight.rows,
+        weight.cols,
+        x.data_ptr(),
+        n,
+        bf16,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        bf16,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the int8 product could not allocate its activation buffers")
+    return out

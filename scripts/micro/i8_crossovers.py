@@ -1,0 +1,76 @@
+"""bench_many_rows_step.py's ``--i8-crossovers``: per projection of a real shape's layer (and the
+LM head), the K formats' int8 product (kernels/cpu/cpu_quant_i8gemm.c) against the dense
+bfloat16 product of the same weight (prepacked oneDNN) and, up to 16 rows, the quantized group
+kernels; per row count, the medians of repeated calls, the paths alternating. Prints GMAC/s of
+each and dense / int8 (> 1: the int8 product faster), where executor/layers/linear.py's
+``I8_BELOW_ROWS_BY_FORMAT`` comes from. Run it with ``--threads 1 --cpu-time`` on a busy machine.
+Random blocks: a product's speed does not depend on the values."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from bench_quant_matmul import SHAPES, random_blocks
+
+from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.kernels.cpu import quant_i8gemm_native, quant_native
+
+GROUP_UP_TO = 16  # rows up to which the group kernels are timed too
+
+
+def run_i8_crossovers(args: argparse.Namespace) -> dict[str, Any]:
+    if not quant_i8gemm_native.available():
+        raise SystemExit("no int8 product on this CPU")
+    clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
+    layer, head = SHAPES[args.shape]
+    results = []
+    print(
+        f"{args.shape}; threads {torch.get_num_threads()}; GMAC/s, dense / int8 (> 1: int8 faster)"
+    )
+    with torch.inference_mode():
+        for fmt in args.i8_crossovers.split(","):
+            for name, out, inp in [*layer, head]:
+                linear = QuantizedLinear([random_blocks(fmt, out, inp)], None, 1)
+                part = linear.parts[0]
+                dense = linear.dense(torch.bfloat16)
+                panels = quant_i8gemm_native.pack(part)
+                for n in args.batches:
+                    x = torch.randn(n, inp).to(torch.bfloat16)
+                    paths: dict[str, Callable[[], Any]] = {
+                        "int8": partial(quant_i8gemm_native.linear, x, panels),
+                        "dense": partial(dense, x),
+                    }
+                    if n <= GROUP_UP_TO:
+                        paths["group"] = partial(quant_native.quant_linear, x, part)
+                    times: dict[str, list[float]] = {path: [] for path in paths}
+                    for repeat in range(args.repeats + 1):
+                        for path, call in paths.items():
+                            start = clock()
+                            call()
+                            if repeat:
+                                times[path].append(clock() - start)
+                    ms = {path: statistics.median(t) * 1e3 for path, t in times.items()}
+                    gmac = n * out * inp / 1e6
+                    row = {
+                        "format": fmt,
+                        "projection": name,
+                        "rows": n,
+                        **{f"{p}_ms": v for p, v in ms.items()},
+                    }
+                    results.append(row)
+                    print(
+                        f"{fmt} {name:8s} {n:4d} rows: "
+                        + "  ".join(f"{path} {gmac / v:6.1f}" for path, v in ms.items())
+                        + f"  dense/int8 {ms['dense'] / ms['int8']:4.2f}"
+                        + (
+                            f"  group/int8 {ms['group'] / ms['int8']:4.2f}" if "group" in ms else ""
+                        ),
+                        flush=True,
+                    )
+    return {"shape": args.shape, "rows": results}

@@ -1,0 +1,160 @@
+"""The K formats' int8 product (kernels/cpu/cpu_quant_i8gemm.c) against its torch twin
+(kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256 values, the weights
+exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
+or as stored, activation row counts around its 4-row tiles, float32 and bfloat16 activations,
+bias, and outputs written into column slices; within the activations' rounding of the exact
+product; and where the engine takes it (executor/layers/linear.py). The fast kernel runs where
+the CPU has AVX-512 VNNI; the other builds run the scalar kernel of the same layout, tested on
+every CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.executor.layers import linear as linear_module
+from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear, i8_below_rows
+from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native, quant_native
+from asyncengine.kernels.quant_formats import FORMATS
+from asyncengine.kernels.reference import i8gemm_ref, quant_ref
+from tests.kernels.test_quantized_kernels import product_scale, random_weight
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+needs_fast = pytest.mark.skipif(
+    not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
+)
+K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
+# weight rows: half a panel, one, a panel and a half, odd pairs of panels, tails past the groups
+WEIGHT_ROWS = (8, 16, 24, 44, 56)
+ACTIVATION_ROWS = (1, 3, 4, 5, 9, 17, 33)
+
+
+def _builds() -> list[str]:
+    """The native build where it has the fast kernel, and always one without (the scalar
+    kernel)."""
+    return ["native", "avx2"] if quant_i8gemm_native.available() else ["avx2", "scalar"]
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_products_match_the_twin(name: str, isa: str) -> None:
+    fmt = FORMATS[name]
+    for cols in (256, 768):
+        for rows in WEIGHT_ROWS:
+            weight = random_weight(fmt, rows, cols, seed=rows * 31 + cols)
+            bias = torch.randn(rows) if rows % 16 else None
+            for stored in (weight, quant_native.interleave(weight)):
+                panels = quant_i8gemm_native.pack(stored)
+                assert panels.nbytes == quant_i8gemm_native.packed_bytes(stored)
+                for n in ACTIVATION_ROWS:
+                    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n + rows))
+                    ref = i8gemm_ref.linear(x, weight, bias)
+                    scale = product_scale(x, weight, bias)
+                    y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+                    assert y.dtype == torch.float32 and y.shape == (n, rows)
+                    torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", _builds())
+def test_bfloat16_rows_and_column_slices(isa: str) -> None:
+    """bfloat16 activations are quantized as their float32 values, the output rounded once to
+    bfloat16; an output view whose rows are longer gets only its columns."""
+    weight = random_weight(FORMATS["Q4_K"], 40, 512, seed=7)
+    panels = quant_i8gemm_native.pack(weight)
+    bias = torch.randn(40)
+    x = torch.randn(6, 512).to(torch.bfloat16)
+    ref = i8gemm_ref.linear(x.float(), weight, bias)
+    scale = product_scale(x.float(), weight, bias)
+    y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * scale)
+    wide = torch.full((6, 50), 7.0, dtype=torch.bfloat16)
+    quant_i8gemm_native.linear(x, panels, bias, out=wide[:, 5:45], isa=isa)
+    assert torch.equal(wide[:, 5:45], y)
+    assert bool((wide[:, :5] == 7).all()) and bool((wide[:, 45:] == 7).all())
+
+
+@needs_fast
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_within_the_activation_rounding_of_the_exact_product(name: str) -> None:
+    """The weights are exact: only rounding the activations to int8 moves the outputs, by at most
+    sum_k |W| d / 2 (plus float32 rounding)."""
+    weight = random_weight(FORMATS[name], 48, 1024, seed=11)
+    x = torch.randn(12, 1024, generator=torch.Generator().manual_seed(3))
+    x[:, 5] *= 40.0  # an outlier feature: its super-block's scale is coarse, the others' not
+    exact = x.double() @ quant_ref.dequantize(weight).double().T
+    y = quant_i8gemm_native.linear(x, quant_i8gemm_native.pack(weight)).double()
+    bound = i8gemm_ref.rounding_bound(x, weight) + 1e-5 * product_scale(x, weight, None)
+    assert bool(((y - exact).abs() <= bound).all())
+    assert float((y - exact).abs().max()) > 0  # the rounding is there: the bound is the real one
+
+
+def test_what_it_takes() -> None:
+    assert quant_i8gemm_native.takes(random_weight(FORMATS["Q6_K"], 16, 256, seed=1))
+    assert not quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 256, seed=1))
+    with pytest.raises(ValueError, match="does not take"):
+        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 256, seed=1))
+    panels = quant_i8gemm_native.pack(random_weight(FORMATS["Q4_K"], 16, 256, seed=1))
+    with pytest.raises(ValueError, match="columns"):
+        quant_i8gemm_native.linear(torch.randn(2, 512), panels, isa="avx2")
+
+
+@needs_fast
+def test_the_engine_takes_it_between_the_crossovers() -> None:
+    """From the dense crossover a K-format projection takes the int8 product (no dense copy
+    built), to its format's I8_BELOW_ROWS_BY_FORMAT; parts of several K formats take the
+    smallest, part by part; a part in another format keeps the dense product for all. Every path
+    agrees with the dequantized weights to its own rounding."""
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
+    q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
+    q8 = random_weight(FORMATS["Q8_0"], 16, 512, seed=4)
+    mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
+    below = linear_module.I8_BELOW_ROWS_BY_FORMAT["Q6_K"]
+    assert mixed._i8_below == i8_below_rows(mixed.parts) == below
+    assert QuantizedLinear([q4, q8], dense_from_rows=8)._i8_below == 0
+    assert QuantizedLinear([q4], dense_from_rows=None)._i8_below == 0  # deterministic mode
+    assert mixed.bias is not None
+    both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
+    small = torch.randn(4, 512).to(torch.bfloat16)
+    assert torch.equal(mixed(small), mixed._quantized(small))  # below the dense crossover
+    assert mixed._i8 is None
+    for n in (8, below - 1):
+        x = torch.randn(n, 512).to(torch.bfloat16)
+        out = mixed(x)
+        ref = i8gemm_ref.linear(x.float(), q4, mixed.bias[:32])
+        atol = 1e-5 * product_scale(x.float(), q4, mixed.bias[:32])
+        torch.testing.assert_close(out[:, :32].double(), ref, rtol=2**-8, atol=atol)
+        exact = x.double() @ both.double().T + mixed.bias.double()
+        scale = float((x.double().abs() @ both.double().abs().T).max())
+        torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=2e-2 * scale)
+    assert mixed._i8 is not None and mixed._dense is None
+    mixed(torch.randn(below, 512).to(torch.bfloat16))
+    assert mixed._dense is not None
+
+
+@needs_fast
+def test_a_budget_without_room_keeps_the_other_paths() -> None:
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=5)
+    refused = QuantizedLinear([q4], dense_from_rows=8, budget=DenseBudget(0))
+    x = torch.randn(16, 512)
+    assert torch.equal(refused(x), refused._quantized(x))
+    assert refused._i8 is None and refused._i8_below == 0
+    room = quant_i8gemm_native.packed_bytes(refused.parts[0])
+    budget = DenseBudget(room)
+    taken = QuantizedLinear([q4], dense_from_rows=8, budget=budget)
+    taken(x)
+    assert taken._i8 is not None and budget.left == 0
+
+
+def test_without_the_fast_kernel_the_engine_keeps_its_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda: False)
+    q4 = random_weight(FORMATS["Q4_K"], 16, 256, seed=4)
+    assert i8_below_rows([q4]) == 0
+    projection = QuantizedLinear([q4], dense_from_rows=8)
+    assert projection._i8_below == 0
+    projection(torch.randn(16, 256))
+    assert projection._i8 is None and projection._dense is not None
