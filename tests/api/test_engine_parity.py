@@ -158,6 +158,9 @@ def test_swapped_out_kv_comes_back_exact(
             tiny_chat_model,
             prompts(seed=11),
             preemption_mode="swap",
+            # room for every request's KV at once (1,024 pages of 4 tokens) and not the default
+            # 1 GiB: the KV invariant checks each host page after every step
+            swap_space_bytes=1 << 20,
             preemption_victim=victim,
             enable_prefix_cache=prefix_cache,
         )

@@ -139,6 +139,9 @@ def test_a_tiny_model_over_an_int8_pool_survives_swap_and_the_prefix_cache(
             init_new_token_ratio=0.05,
             min_new_token_ratio=0.01,
             preemption_mode="swap",
+            # room for every request's KV at once, not the default 1 GiB: the KV invariant
+            # checks each host page after every step
+            swap_space_bytes=1 << 20,
         )
     )
     assert [len(t) for t in roomy] == [24] * len(roomy)

@@ -32,6 +32,9 @@ SHORT_POOL = dict(
     init_new_token_ratio=0.05,
     min_new_token_ratio=0.01,
 )
+# room for every request's KV swapped out at once (24 requests of at most 51 pages of 4 bytes)
+# and no more: the KV invariant checks every host page after each step
+SWAP_BYTES = 1 << 14
 
 
 def short_core(**overrides: object) -> tuple[EngineCore, FakeExecutor, Clock]:
@@ -88,7 +91,7 @@ def test_a_bad_victim_rule_or_an_empty_swap_space_is_a_config_error() -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_outputs_exact_under_every_victim_rule_and_mode(rule: str, mode: str) -> None:
     core, runner, clock = short_core(
-        preemption_victim=rule, preemption_mode=mode, swap_space_bytes=1 << 20
+        preemption_victim=rule, preemption_mode=mode, swap_space_bytes=SWAP_BYTES
     )
     items = workload(seed=3, n=24, max_out=64)
     reqs = submit(core, clock, items)
@@ -128,7 +131,7 @@ def test_swap_in_copies_only_what_the_prefix_cache_lost() -> None:
     totals = {}
     for cache in (False, True):
         core, runner, clock = short_core(
-            preemption_mode="swap", swap_space_bytes=1 << 20, enable_prefix_cache=cache
+            preemption_mode="swap", swap_space_bytes=SWAP_BYTES, enable_prefix_cache=cache
         )
         items = workload(seed=3, n=24, max_out=64)
         reqs = submit(core, clock, items)
