@@ -1,39 +1,28 @@
 """The K/V pool's element type: the ``kv_cache_dtype`` config key resolved for a model.
 
-``"auto"``: float16 on a CPU where the model keeps quantized weights (a GGUF's blocks, int8),
-its activations are float32 and every native kernel that touches the pool reads float16 through
-F16C on AVX2 + FMA, not in deterministic mode; the model's dtype otherwise (as before: dense
-checkpoints, GPUs, bfloat16 models). Why: a decode of a long context streams every key and
-value of its request per layer, and at the offline mix's mean context (~440 keys) that
-attention was ~40% of a CPU step; a half pool halves those bytes and the pool's memory. It is
-also what llama.cpp keeps by default (f16 K/V), so quantized-model comparisons stay like for
-like. Rounding K/V to half moves the model's logits a little (tests/executor/test_kv_cache_dtype.py
-reports the greedy agreement with a float32 pool). AVX-512 builds read a float16 pool through
-their per-item decode loop (the register-resident items are float32/bfloat16 only), which is
-not measured yet, so ``auto`` keeps float32 there.
+``"auto"`` on a CPU, outside deterministic mode, picks the narrowest pool measured faster there:
+
+- ``int8`` beside bfloat16 activations where the int8 decode attention takes its integer dot
+  products for the model's head dim (AVX-512 VNNI builds, ``cpu_native.kv_i8_query_dots``). A
+  decode step streams every key and value of its request per layer; int8 rows halve those bytes
+  and hold ~2x the tokens per ``kv_cache_bytes``. Beside a bfloat16 pool it decoded 8,000 keys
+  faster and ran the offline mix no slower, with perplexity within 0.5%
+  (docs/BENCHMARKS.md, "How fast at long contexts"; scripts/kv_int8_accuracy.py).
+- ``float16`` beside float32 activations of quantized weights where every native kernel reads
+  float16 through F16C on the AVX2 + FMA build (llama.cpp's default K/V type too). AVX-512
+  builds read float16 through a slower per-item loop, so they keep float32.
+- the model's dtype otherwise (dense float32 checkpoints, GPUs, deterministic mode).
 
 An explicit value must be honoured or refused: the model's own dtype always; float16 on a CPU
 beside float32 activations (the kernels' -DKV_F16 builds, or the torch references where no
 kernel runs), not in deterministic mode (its torch fallback reads the pool in the model's
 dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) likewise: on a
 CPU beside float32 or bfloat16 activations, with the torch attention backend (the native
-kernels' -DKV_I8 builds, which take bfloat16 queries and outputs too; the torch references
-dequantizing to the queries' dtype where no kernel runs), deterministic mode too (its native
-extend kernel reads int8 rows, its torch fallback dequantizes each row alone); the Triton and
-FlashInfer kernels do not read it, so on CUDA it is refused. ``auto`` does not pick int8 on
-any ISA yet: its perplexity is within 0.5% of the 16-bit pools' (scripts/kv_int8_accuracy.py,
---dtype bfloat16 for a bfloat16 model) and on AVX-512 it decodes long contexts faster than a
-bfloat16 pool (scripts/bench_long_context.py --kv bfloat16,int8: 1.24x at 7,680 keys, before
-the integer Q.K of AVX-512 VNNI builds), but on the offline mix beside the bfloat16 model that
-``dtype = "auto"`` picks on AVX-512 BF16 CPUs (scripts/bench_offline.py with and without
---engine-arg kv_cache_dtype=int8) it takes 2% less CPU time yet no more tokens a second, within
-run-to-run noise, and on AVX2 it is not measured. On an AMX Xeon beside bfloat16 activations it
-took less CPU time than bfloat16 in every interleaved offline-mix pair and 1.06x its tokens a
-second (three quiet pairs), but decoded 8,000 keys only 0.94-1.17x as fast (two quiet runs of
---kv bfloat16,bfloat16-int8 --batch 0): the bfloat16-query path does not yet gain what the
-float32 one does (1.30x at 7,680). It stays an explicit choice until it
-measures faster there. Which activations each pool sits beside is one rule:
-kernels/pool_pairs.py. Anything else is a ``ConfigError``.
+kernels' -DKV_I8 builds; the torch references dequantizing to the queries' dtype where no
+kernel runs), deterministic mode too (its native extend kernel reads int8 rows, its torch
+fallback dequantizes each row alone); the Triton and FlashInfer kernels do not read it, so on
+CUDA it is refused. Which activations each pool sits beside is one rule: kernels/pool_pairs.py.
+Anything else is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -72,6 +61,17 @@ def f16_pool_runs_natively() -> bool:
     return bool(features & _AVX2) and not features & _AVX512
 
 
+def int8_pool_runs_natively(head_dim: int, backend: str = "auto") -> bool:
+    """Whether the int8 decode attention takes integer dot products for heads of ``head_dim``
+    here (AVX-512 VNNI builds) and ``backend`` reads an int8 pool."""
+    return (
+        head_dim > 0
+        and backend in ("auto", "torch")
+        and cpu_native.kv_i8_native()
+        and cpu_native.kv_i8_query_dots(head_dim)
+    )
+
+
 def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str:
     """Why an int8 pool cannot be honoured here ("" where it can)."""
     if device.type != "cpu":
@@ -94,12 +94,18 @@ def pick_kv_dtype(
     quantized: bool,
     deterministic: bool,
     backend: str = "auto",
+    head_dim: int = 0,
 ) -> torch.dtype:
-    """The pool's dtype for ``kv_cache_dtype = name`` and a model of ``dtype`` on ``device``
-    whose attention runs on ``backend`` (the ``attention_backend`` config key)."""
+    """The pool's dtype for ``kv_cache_dtype = name`` and a model of ``dtype`` with heads of
+    ``head_dim`` (0: unknown) on ``device`` whose attention runs on ``backend`` (the
+    ``attention_backend`` config key)."""
     on_cpu = device.type == "cpu"
     if name == "auto":
-        half = on_cpu and quantized and dtype == torch.float32 and not deterministic
+        if not on_cpu or deterministic:
+            return dtype
+        if dtype == torch.bfloat16 and int8_pool_runs_natively(head_dim, backend):
+            return torch.int8
+        half = quantized and dtype == torch.float32
         return torch.float16 if half and f16_pool_runs_natively() else dtype
     if name not in KV_DTYPE_NAMES:
         raise ConfigError(

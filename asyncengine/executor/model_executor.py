@@ -93,6 +93,7 @@ class ModelExecutor:
             quantized=keeps_quantized_weights(loaded.weights),
             deterministic=config.deterministic,
             backend=config.attention_backend,
+            head_dim=self.model_config.head_dim,
         )
         self._eos_token_ids = list(self.model_config.eos_token_ids)
         self.runner: ModelRunner | None = None

@@ -14,7 +14,11 @@ import torch
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.common.config import ConfigError
 from asyncengine.core.builder import build_core
-from asyncengine.executor.kv_dtype import f16_pool_runs_natively, pick_kv_dtype
+from asyncengine.executor.kv_dtype import (
+    f16_pool_runs_natively,
+    int8_pool_runs_natively,
+    pick_kv_dtype,
+)
 from asyncengine.executor.model_executor import ModelExecutor
 from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
@@ -39,6 +43,30 @@ def test_auto_picks_float16_for_quantized_weights_on_an_f16c_cpu_only() -> None:
     assert pick_kv_dtype("auto", CPU, BF16, quantized=True, deterministic=False) == BF16
     assert pick_kv_dtype("auto", CPU, F32, quantized=True, deterministic=True) == F32
     assert pick_kv_dtype("auto", CUDA, BF16, quantized=True, deterministic=False) == BF16
+
+
+def test_auto_picks_int8_beside_bfloat16_where_the_integer_dots_run() -> None:
+    i8 = torch.int8 if int8_pool_runs_natively(64) else BF16
+    assert pick_kv_dtype("auto", CPU, BF16, quantized=True, deterministic=False, head_dim=64) == i8
+    assert pick_kv_dtype("auto", CPU, BF16, quantized=False, deterministic=False, head_dim=128) == (
+        torch.int8 if int8_pool_runs_natively(128) else BF16
+    )
+    # heads the integer dots do not take, deterministic mode, other backends and GPUs keep bfloat16
+    assert (
+        pick_kv_dtype("auto", CPU, BF16, quantized=True, deterministic=False, head_dim=80) == BF16
+    )
+    assert pick_kv_dtype("auto", CPU, BF16, quantized=True, deterministic=True, head_dim=64) == BF16
+    assert (
+        pick_kv_dtype(
+            "auto", CPU, BF16, quantized=True, deterministic=False, backend="triton", head_dim=64
+        )
+        == BF16
+    )
+    assert (
+        pick_kv_dtype("auto", CUDA, BF16, quantized=True, deterministic=False, head_dim=64) == BF16
+    )
+    # float32 activations keep their rule (float16 or float32)
+    assert pick_kv_dtype("auto", CPU, F32, quantized=False, deterministic=False, head_dim=64) == F32
 
 
 def test_explicit_values_are_honoured_or_refused() -> None:
