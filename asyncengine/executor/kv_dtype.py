@@ -67,8 +67,8 @@ def int8_pool_runs_natively(head_dim: int, backend: str = "auto") -> bool:
     return (
         head_dim > 0
         and backend in ("auto", "torch")
-        and cpu_native.kv_i8_native()
         and cpu_native.kv_i8_query_dots(head_dim)
+        and cpu_native.kv_i8_native()
     )
 
 

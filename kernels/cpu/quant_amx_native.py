@@ -15,6 +15,7 @@ import os
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.linear_operands import linear_operands
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -71,19 +72,9 @@ def linear(
     lib = _library()
     if lib is None or not takes(weight):
         raise ValueError(f"the AMX product does not take this {weight.format.name} weight here")
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
-        raise ValueError(f"activations must be 2-D CPU fp32/bf16, not {x.dtype} {x.device}")
     rows, cols = weight.shape
-    if x.shape[1] != cols:
-        raise ValueError(f"activation rows of {x.shape[1]} values against {cols} columns")
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError("bias must be a contiguous float32 vector")
-    x = x.contiguous()
+    x, out = linear_operands(x, rows, cols, bias, out)
     n = x.shape[0]
-    if out is None:
-        out = torch.empty((n, rows), dtype=x.dtype)
-    if out.dtype != x.dtype or out.shape != (n, rows) or out.stride(1) != 1:
-        raise ValueError("out must be [n, rows] in x's dtype with unit column stride")
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     bf16 = int(x.dtype == torch.bfloat16)
     status = lib.asyncengine_k_amx_linear(

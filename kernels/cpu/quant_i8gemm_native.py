@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
+from asyncengine.kernels.cpu.linear_operands import linear_operands
 from asyncengine.kernels.cpu.quant_native import ISA_FLAGS
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
@@ -124,20 +125,8 @@ def linear(
 ) -> torch.Tensor:
     """y [n, rows] in x's dtype (or written into ``out``, a [n, rows] view of x's dtype whose
     rows may be longer) = x @ W.T (+ bias, float32), by ``isa``'s build of the library."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
-        raise ValueError(f"activations must be 2-D CPU fp32/bf16, not {x.dtype} {x.device}")
-    if x.shape[1] != weight.cols:
-        raise ValueError(f"activation rows of {x.shape[1]} values against {weight.cols} columns")
-    if bias is not None and (
-        bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != weight.rows
-    ):
-        raise ValueError("bias must be a contiguous float32 vector, one value an output")
-    x = x.contiguous()
+    x, out = linear_operands(x, weight.rows, weight.cols, bias, out)
     n = x.shape[0]
-    if out is None:
-        out = torch.empty((n, weight.rows), dtype=x.dtype)
-    if out.dtype != x.dtype or out.shape != (n, weight.rows) or out.stride(1) != 1:
-        raise ValueError("out must be [n, rows] in x's dtype with unit column stride")
     bf16 = int(x.dtype == torch.bfloat16)
     status = _lib(isa).asyncengine_i8_linear(
         weight.format_code,
