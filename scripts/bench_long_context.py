@@ -4,7 +4,8 @@ llama.cpp's ``llama-bench`` (f16 and q8_0 K/V).
 
 Ours runs the model's ``ModelRunner`` directly (the engine's forward: the native extend kernel
 for prefills in ``--chunk``-token chunks as the engine chunks them, the fused decode step for
-decodes), once per ``--kv`` entry:
+decodes), one runner per ``--kv`` entry, all loaded at once and timed in turn, repeat by repeat
+(the order rotated each round), so that a host's drift lands on every pool alike:
 
 - ``bfloat16``: the model in bfloat16, its pool bfloat16 (what a bfloat16 model keeps);
 - ``float32`` / ``float16`` / ``int8``: the model in float32 with that pool (int8:
@@ -20,7 +21,8 @@ the K/V of its context once: the pool's bytes per token) at ``--bandwidth`` GB/s
 machine's read speed, measured: torch's sum over 1 GiB, above any L3). Then ``--batch`` (16)
 requests of ``--batch-context`` (4096) tokens each decoding ``--batch-decode`` steps together:
 decode tok/s summed over the batch. Decodes are medians of ``--repeats`` (3) runs, prefills of
-``--prefill-repeats`` (1); prompts are random token ids (the same every run).
+``--prefill-repeats`` (1); prompts are random token ids (the same every run). Each test's
+speed by pool is also given over the first ``--kv`` entry's (``ratios``: same run, interleaved).
 
 llama.cpp: ``llama-bench -m GGUF -p N -n DECODE -d N -ctk T -ctv T -fa 1 -t THREADS -r R -o
 json`` per context (``--llamacpp-repeats`` R, 1), for T in ``--llamacpp-kv`` (f16, q8_0;
@@ -45,7 +47,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +154,18 @@ class Ours:
             positions = [p + 1 for p in positions]
 
 
-def median_seconds(repeats: int, run: Any, *args: Any) -> float:
-    """The median wall time of ``run(*args)`` over ``repeats`` calls."""
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(*args)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+def interleaved_seconds(repeats: int, runs: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """The median wall time of each of ``runs`` over ``repeats`` rounds, each round one call of
+    every run in turn, the order rotated by one each round."""
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            runs[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in seconds.items()}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -165,35 +173,60 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
-def bench_ours(args: argparse.Namespace, kv: str) -> list[Row]:
+def bench_ours(args: argparse.Namespace, kvs: list[str]) -> list[Row]:
     rows: list[Row] = []
-    ours = Ours(kv, 1, 2 * max(args.contexts) + args.decode + 1)
-    limit = ours.config.max_model_len
+    pools = {kv: Ours(kv, 1, 2 * max(args.contexts) + args.decode + 1) for kv in kvs}
+    limit = pools[kvs[0]].config.max_model_len
     for n in args.contexts:
         tokens, more = prompt(n, seed=n), prompt(n, seed=n + 1)
-        seconds = median_seconds(args.prefill_repeats, ours.prefill, 0, tokens, 0, args.chunk)
-        rows.append(Row("asyncengine", kv, "prefill", 0, n, 1, n / seconds))
+        prefills = {kv: partial(o.prefill, 0, tokens, 0, args.chunk) for kv, o in pools.items()}
+        for kv, seconds in interleaved_seconds(args.prefill_repeats, prefills).items():
+            rows.append(Row("asyncengine", kv, "prefill", 0, n, 1, n / seconds))
         if 2 * n <= limit:  # N more after the N above, as llama-bench's -d N
-            seconds = median_seconds(args.prefill_repeats, ours.prefill, 0, more, n, args.chunk)
-            rows.append(Row("asyncengine", kv, "prefill", n, n, 1, n / seconds))
-        first = ours.prefill(0, tokens, 0, args.chunk)
-        seconds = median_seconds(args.repeats, ours.decode, [0], [first], [n], args.decode)
-        speed = args.decode / seconds
-        token_bytes = ours.weight_bytes + ours.kv_bytes_per_token * (n + args.decode / 2)
-        bound = args.bandwidth * 1e9 / token_bytes
-        rows.append(Row("asyncengine", kv, "decode", n, args.decode, 1, speed, speed / bound))
-        print(f"asyncengine {kv} context {n}: done", file=sys.stderr)
-    del ours
+            deeper = {kv: partial(o.prefill, 0, more, n, args.chunk) for kv, o in pools.items()}
+            for kv, seconds in interleaved_seconds(args.prefill_repeats, deeper).items():
+                rows.append(Row("asyncengine", kv, "prefill", n, n, 1, n / seconds))
+        decodes = {
+            kv: partial(o.decode, [0], [o.prefill(0, tokens, 0, args.chunk)], [n], args.decode)
+            for kv, o in pools.items()
+        }
+        for kv, seconds in interleaved_seconds(args.repeats, decodes).items():
+            ours = pools[kv]
+            speed = args.decode / seconds
+            token_bytes = ours.weight_bytes + ours.kv_bytes_per_token * (n + args.decode / 2)
+            bound = args.bandwidth * 1e9 / token_bytes
+            rows.append(Row("asyncengine", kv, "decode", n, args.decode, 1, speed, speed / bound))
+        print(f"asyncengine context {n}: done", file=sys.stderr)
+    del pools
     if args.batch:
         n, b = args.batch_context, args.batch
-        ours = Ours(kv, b, n + args.batch_decode + 1)
-        firsts = [ours.prefill(r, prompt(n, seed=1000 + r), 0, args.chunk) for r in range(b)]
-        seconds = median_seconds(
-            args.repeats, ours.decode, list(range(b)), firsts, [n] * b, args.batch_decode
-        )
+        pools = {kv: Ours(kv, b, n + args.batch_decode + 1) for kv in kvs}
+        decodes = {}
+        for kv, ours in pools.items():
+            firsts = [ours.prefill(r, prompt(n, seed=1000 + r), 0, args.chunk) for r in range(b)]
+            rows_of = list(range(b))
+            decodes[kv] = partial(ours.decode, rows_of, firsts, [n] * b, args.batch_decode)
         total = b * args.batch_decode
-        rows.append(Row("asyncengine", kv, "batch decode", n, total, b, total / seconds))
+        for kv, seconds in interleaved_seconds(args.repeats, decodes).items():
+            rows.append(Row("asyncengine", kv, "batch decode", n, total, b, total / seconds))
     return rows
+
+
+def ratios(rows: list[Row], kvs: list[str]) -> list[dict[str, Any]]:
+    """Each of our tests' tok/s by pool over the first pool's (the same run, interleaved)."""
+    ours = [r for r in rows if r.system == "asyncengine"]
+    base = {(r.test, r.context): r.tok_per_s for r in ours if r.kv == kvs[0]}
+    return [
+        {
+            "kv": r.kv,
+            "over": kvs[0],
+            "test": r.test,
+            "context": r.context,
+            "ratio": r.tok_per_s / base[(r.test, r.context)],
+        }
+        for r in ours
+        if r.kv != kvs[0] and (r.test, r.context) in base
+    ]
 
 
 def llamacpp_tool(name: str) -> Path | None:
@@ -276,6 +309,10 @@ def render(result: dict[str, Any]) -> str:
             f"| {r['system']} | {r['kv']} | {r['test']} | {r['context']} | {r['tokens']} | "
             f"{r['batch']} | {r['tok_per_s']:.1f} | {share} |"
         )
+    for r in result.get("ratios", []):
+        lines.append(
+            f"{r['kv']} over {r['over']}, {r['test']} at {r['context']}: {r['ratio']:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -304,13 +341,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if not args.bandwidth:
         args.bandwidth = read_bandwidth()
-    rows: list[Row] = []
-    for kv in args.kv.split(","):
-        rows += bench_ours(args, kv)
+    kvs = [kv for kv in args.kv.split(",") if kv]
+    rows = bench_ours(args, kvs) if kvs else []
     if args.llamacpp_kv:
         rows += bench_llamacpp(args, peer_llamacpp.model_file(peer_llamacpp.EMBEDDED_KIND))
     setup = {"threads": torch.get_num_threads(), "args": {**vars(args), "json": str(args.json)}}
-    result = {"setup": setup, "bandwidth_gbs": args.bandwidth, "rows": [asdict(r) for r in rows]}
+    result = {
+        "setup": setup,
+        "bandwidth_gbs": args.bandwidth,
+        "rows": [asdict(r) for r in rows],
+        "ratios": ratios(rows, kvs) if kvs else [],
+    }
     finish(result, "scripts/bench_long_context.py", None, started, args.json, render)
 
 
