@@ -4,20 +4,22 @@
  *
  * Widening each key row to float32 and multiplying it by every head's query was most of an
  * int8 step's attention work: at 7.7k keys it ran below the bytes' bound that bfloat16 rows
- * reach. Here a head dim of 64 is one 64-byte load per key and one vpdpbusd per query head.
- * Each query head is rounded to int8 once per range with a scale of its own (amax / 127,
+ * reach. Here a head dim of 64 is one 64-byte load per key and one vpdpbusd per query head
+ * and 4 bytes of 16 keys. Each query head is rounded to int8 once per range with a scale of its own (amax / 127,
  * round-half-even, the torch twin: kv_int8_ref.quantize_query); vpdpbusd multiplies unsigned
  * by signed bytes, so each key byte is read + 128 (a xor) and 128 * sum(q), once a range and
  * head, taken off. The integer sums are exact (|q.k| <= 256 * 127 * 127 < 2^24, so their
- * float32 widening is exact too); score = dot * k scale * q scale * softmax scale. A head's 16
- * sums are reduced as integers (reduce16_epi32), then widened once. The values are summed in
- * integers too (cpu_stream_i8_values.h).
+ * float32 widening is exact too); score = dot * k scale * q scale * softmax scale. A block's 16
+ * key rows are transposed as dwords once for all the heads (transpose16_epi32), so that each
+ * head's 16 scores come out of its vpdpbusd as one vector, widened once. The values are summed
+ * in integers too (cpu_stream_i8_values.h).
  */
 #ifndef ASYNCENGINE_CPU_STREAM_I8_DOTS_H
 #define ASYNCENGINE_CPU_STREAM_I8_DOTS_H
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_kv.h"
 #include "cpu_simd.h"
@@ -27,25 +29,30 @@
 #if defined(ATTN_STREAM) && KV_IS_I8 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define STREAM_I8_DOTS 1
 
-/* reduce16 of 16 int32 vectors: lane i = the sum of v[i]'s lanes (exact) */
-static inline __m512i reduce16_epi32(const __m512i *v) {
-#define I8_PS(x) _mm512_castsi512_ps(x)
-#define I8_SI(x) _mm512_castps_si512(x)
-    __m512i c[8], w[4], u[2];
-    for (int k = 0; k < 8; k++)
-        c[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
-                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        w[k] = _mm512_add_epi32(
-            I8_SI(_mm512_shuffle_ps(I8_PS(c[2 * k]), I8_PS(c[2 * k + 1]), _MM_SHUFFLE(1, 0, 1, 0))),
-            I8_SI(_mm512_shuffle_ps(I8_PS(c[2 * k]), I8_PS(c[2 * k + 1]), _MM_SHUFFLE(3, 2, 3, 2))));
-    for (int k = 0; k < 2; k++)
-        u[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-#undef I8_PS
-#undef I8_SI
+/* t[0:16] (16 rows of 16 dwords) transposed in place: t[j] lane i = row i's dword j */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i *t) {
+    __m512i u[16];
+    for (int k = 0; k < 8; k++) { /* per 128-bit lane: rows 2k, 2k + 1 interleaved */
+        u[2 * k] = _mm512_unpacklo_epi32(t[2 * k], t[2 * k + 1]);
+        u[2 * k + 1] = _mm512_unpackhi_epi32(t[2 * k], t[2 * k + 1]);
+    }
+    for (int r = 0; r < 4; r++) { /* t[4 r + e] lane L: rows 4r .. 4r + 3 of dword 4 L + e */
+        t[4 * r] = _mm512_unpacklo_epi64(u[4 * r], u[4 * r + 2]);
+        t[4 * r + 1] = _mm512_unpackhi_epi64(u[4 * r], u[4 * r + 2]);
+        t[4 * r + 2] = _mm512_unpacklo_epi64(u[4 * r + 1], u[4 * r + 3]);
+        t[4 * r + 3] = _mm512_unpackhi_epi64(u[4 * r + 1], u[4 * r + 3]);
+    }
+    for (int e = 0; e < 4; e++) { /* the 4 x 4 128-bit lanes of t[e], t[4 + e], ... transposed */
+        const __m512i v0 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0xdd);
+        const __m512i v2 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0xdd);
+        u[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        u[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        u[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        u[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) t[j] = u[j];
 }
 
 /* Whether the query of heads of dim d takes the integer dot products (stream_fits first) */
@@ -73,9 +80,12 @@ static inline void quantize_query_i8(const float *q, int64_t heads, int64_t d, i
 }
 
 /* stream_keys with integer Q.K and P.V: qi / qs / qb the G heads' quantized query
- * (quantize_query_i8), d = 64 NB; acc in I8V_SLOT order (stream_values_i8). Each head takes
- * its 16 keys' dot products in turn (the rows from L1 after the first head), its 16 sums in
- * registers for one reduction. */
+ * (quantize_query_i8), d = 64 NB; acc in I8V_SLOT order (stream_values_i8). Each 64 bytes of
+ * the block's 16 key rows are read and flipped once for all the heads and transposed as
+ * dwords (t[j] lane i: key i's dims 4 j .. 4 j + 3), so that a head's 16 scores are 16
+ * vpdpbusd against its query's dwords broadcast, in 4 chains, and no reduction after them
+ * (a reduction of 16 vectors a head, the rows flipped once per head, was ~1.15x slower over
+ * 8,000 keys: the attention alone at SmolLM2's 9 / 3 heads). */
 static inline __attribute__((always_inline)) void stream_keys_i8(const int8_t *qi,
                                                                  const float *qs,
                                                                  const int32_t *qb, const int G,
@@ -89,27 +99,32 @@ static inline __attribute__((always_inline)) void stream_keys_i8(const int8_t *q
     const kv_t *rows[STREAM_KEYS];
     for (int i = 0; i < STREAM_KEYS; i++) rows[i] = i < n ? k[i] : (const kv_t *)I8V_ZERO_ROW;
     const __mmask16 valid = n >= STREAM_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    float ks[STREAM_KEYS] = {0};
-    for (int i = 0; i < n; i++) ks[i] = kv_row_scale(k[i], d);
-    const __m512 kscale = _mm512_mul_ps(_mm512_loadu_ps(ks), _mm512_set1_ps(scale));
-    __m512 sc[STREAM_MAX_GROUP];
-    for (int g = 0; g < G; g++) {
-        __m512i part[STREAM_KEYS];
-        for (int i = 0; i < STREAM_KEYS; i++) {
-            __m512i a = _mm512_setzero_si512();
-            for (int j = 0; j < NB; j++) {
-                const __m512i ku = _mm512_xor_si512(
-                    _mm512_loadu_si512((const void *)(rows[i] + 64 * j)), flip);
-                a = _mm512_dpbusd_epi32(a, ku,
-                                        _mm512_loadu_si512((const void *)(qi + g * d + 64 * j)));
+    const __m512 kscale = _mm512_mul_ps(i8_row_scales(rows, d), _mm512_set1_ps(scale));
+    __m512i dots[STREAM_MAX_GROUP];
+    for (int g = 0; g < G; g++) dots[g] = _mm512_set1_epi32(-qb[g]);
+    for (int c = 0; c < NB; c++) { /* a 64-dim chunk of every head at a time */
+        __m512i t[STREAM_KEYS];
+        for (int i = 0; i < STREAM_KEYS; i++)
+            t[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rows[i] + 64 * c)), flip);
+        transpose16_epi32(t);
+        for (int g = 0; g < G; g++) {
+            const int8_t *qg = qi + g * d + 64 * c;
+            __m512i a[4];
+            for (int e = 0; e < 4; e++) a[e] = _mm512_setzero_si512();
+            for (int j = 0; j < 16; j++) {
+                int32_t w;
+                memcpy(&w, qg + 4 * j, sizeof w);
+                a[j & 3] = _mm512_dpbusd_epi32(a[j & 3], t[j], _mm512_set1_epi32(w));
             }
-            part[i] = a;
+            dots[g] = _mm512_add_epi32(dots[g], _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]),
+                                                                 _mm512_add_epi32(a[2], a[3])));
         }
-        const __m512i dots = _mm512_sub_epi32(reduce16_epi32(part), _mm512_set1_epi32(qb[g]));
+    }
+    __m512 sc[STREAM_MAX_GROUP];
+    for (int g = 0; g < G; g++)
         sc[g] = _mm512_mask_mov_ps(
             _mm512_set1_ps(-INFINITY), valid,
-            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), kscale), _mm512_set1_ps(qs[g])));
-    }
+            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[g]), kscale), _mm512_set1_ps(qs[g])));
     stream_values_i8(G, NB, sc, v, n, acc, mx, lsum);
 }
 

@@ -32,8 +32,18 @@
 /* the accumulator's place of dim j (of a head of a multiple of 64 dims) */
 #define I8V_SLOT(j) (((j) & ~63) + (((j) >> 2) & 3) * 16 + (((j) >> 4) & 3) * 4 + ((j) & 3))
 
-/* the rows a block lacks (keys past n) read as zeros: their weight is 0 too */
-static const int8_t I8V_ZERO_ROW[256] __attribute__((aligned(64)));
+/* the rows a block lacks (keys past n) read as zeros, their scale too: their weight is 0 */
+static const int8_t I8V_ZERO_ROW[256 + KV_ROW_EXTRA] __attribute__((aligned(64)));
+
+/* the scales of a block's 16 rows of d values (i8_row_scales), as 16 lanes: the 16 bits of
+ * each in a scalar load, widened together (a float a row took 4 instructions) */
+static inline __attribute__((always_inline)) __m512 i8_row_scales(const kv_t *const *rows,
+                                                                  int64_t d) {
+    uint16_t bits[STREAM_KEYS];
+    for (int i = 0; i < STREAM_KEYS; i++) memcpy(&bits[i], rows[i] + d, sizeof bits[i]);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bits));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 /* 4 keys' 64 bytes each -> x[m]: per 128-bit lane L, dword e = the 4 keys' bytes of dim
  * 16 L + 4 m + e */
@@ -59,9 +69,9 @@ static inline __attribute__((always_inline)) void stream_values_i8(const int G, 
                                                                    __m512 *lsum) {
     const int64_t d = 64 * NB;
     const __mmask16 valid = n >= STREAM_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    float vs[STREAM_KEYS] = {0};
-    for (int i = 0; i < n; i++) vs[i] = kv_row_scale(v[i], d);
-    const __m512 vscale = _mm512_loadu_ps(vs);
+    const kv_t *rows[STREAM_KEYS];
+    for (int i = 0; i < STREAM_KEYS; i++) rows[i] = i < n ? v[i] : (const kv_t *)I8V_ZERO_ROW;
+    const __m512 vscale = i8_row_scales(rows, d);
     /* each head's 16 weights as bytes, 4 keys a dword: hi[g][t] keys 4t .. 4t + 3 */
     uint32_t hi[STREAM_MAX_GROUP][4] __attribute__((aligned(16)));
     uint32_t lo[STREAM_MAX_GROUP][4] __attribute__((aligned(16)));
@@ -90,31 +100,29 @@ static inline __attribute__((always_inline)) void stream_values_i8(const int G, 
         _mm_store_si128((__m128i *)lo[g], _mm512_cvtepi32_epi8(_mm512_and_si512(u, _mm512_set1_epi32(255))));
         _mm_store_si128((__m128i *)hi[g], _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
     }
-    const kv_t *rows[STREAM_KEYS];
-    for (int i = 0; i < STREAM_KEYS; i++) rows[i] = i < n ? v[i] : (const kv_t *)I8V_ZERO_ROW;
     for (int c = 0; c < NB; c++) { /* a 64-dim chunk of every head at a time */
-        __m512i ah[STREAM_MAX_GROUP][4], al[STREAM_MAX_GROUP][4];
-        for (int g = 0; g < G; g++)
-            for (int m = 0; m < 4; m++) ah[g][m] = al[g][m] = _mm512_setzero_si512();
-        for (int t = 0; 4 * t < n; t++) {
-            __m512i x[4];
+        __m512i x[4][4]; /* the block's 4 quads, interleaved once for all the heads */
+        for (int t = 0; t < 4; t++)
             v_quad(rows[4 * t] + 64 * c, rows[4 * t + 1] + 64 * c, rows[4 * t + 2] + 64 * c,
-                   rows[4 * t + 3] + 64 * c, x);
-            for (int g = 0; g < G; g++) {
-                const __m512i bh = _mm512_set1_epi32((int)hi[g][t]);
-                const __m512i bl = _mm512_set1_epi32((int)lo[g][t]);
-                for (int m = 0; m < 4; m++) {
-                    ah[g][m] = _mm512_dpbusd_epi32(ah[g][m], bh, x[m]);
-                    al[g][m] = _mm512_dpbusd_epi32(al[g][m], bl, x[m]);
-                }
-            }
-        }
+                   rows[4 * t + 3] + 64 * c, x[t]);
         for (int g = 0; g < G; g++) {
+            /* the high bytes' sums, shifted, then the low bytes' added: (hi << 8) + lo in one
+             * accumulator (< 2^31: 16 keys of 65535 * 127) */
+            __m512i a[4];
+            for (int m = 0; m < 4; m++) a[m] = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                const __m512i bh = _mm512_set1_epi32((int)hi[g][t]);
+                for (int m = 0; m < 4; m++) a[m] = _mm512_dpbusd_epi32(a[m], bh, x[t][m]);
+            }
+            for (int m = 0; m < 4; m++) a[m] = _mm512_slli_epi32(a[m], 8);
+            for (int t = 0; t < 4; t++) {
+                const __m512i bl = _mm512_set1_epi32((int)lo[g][t]);
+                for (int m = 0; m < 4; m++) a[m] = _mm512_dpbusd_epi32(a[m], bl, x[t][m]);
+            }
             const __m512 sv = _mm512_set1_ps(step[g]);
             for (int m = 0; m < 4; m++) {
-                float *a = acc + g * d + 64 * c + 16 * m;
-                const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ah[g][m], 8), al[g][m]);
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sv, _mm512_loadu_ps(a)));
+                float *o = acc + g * d + 64 * c + 16 * m;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), sv, _mm512_loadu_ps(o)));
             }
         }
     }

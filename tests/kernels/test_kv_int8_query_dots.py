@@ -34,6 +34,8 @@ QUERY_ATOL = 0.05
 # (heads, kv heads, head dim, page size): groups 1..8, the unrolled dims 64 / 128 and the
 # looped 192 / 256
 SHAPES = [
+    (9, 3, 64, 16),
+    (12, 2, 128, 5),
     (5, 1, 64, 16),
     (14, 2, 64, 5),
     (7, 1, 128, 16),
