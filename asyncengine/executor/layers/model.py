@@ -14,6 +14,8 @@ per-layer RoPE tables (Gemma 3's sliding layers) and a soft-cap on the final log
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -217,6 +219,34 @@ class LlamaModel:
             arena=self._weight_arena,
             budget=self.dense_budget,
         )
+
+    def defer_panels(self) -> Callable[[], bool] | None:
+        """The int8 panels of every projection that takes that product (linear.py), built a row
+        range per call of the function returned (True while any remain), in step order, rather
+        than whole by each projection's first many-row call; None: none to build. The calls
+        and the forwards must come from one thread (the engine's worker: between steps)."""
+        linears = [
+            *(
+                p
+                for layer in self.layers
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            ),
+            self.lm_head,
+        ]
+        deferred = deque(p for p in linears if isinstance(p, QuantizedLinear) and p.defer_i8())
+        if not deferred:
+            return None
+
+        def step() -> bool:
+            while deferred and not deferred[0].i8_deferred:  # built by a forward meanwhile
+                deferred.popleft()
+            if deferred:
+                deferred[0].build_i8_step()
+            while deferred and not deferred[0].i8_deferred:
+                deferred.popleft()
+            return bool(deferred)
+
+        return step
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):
