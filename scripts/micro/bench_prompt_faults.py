@@ -54,9 +54,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     async with AsyncEngine(config) as engine:
-        task = engine._one_time_task
-        if task is not None:
-            await task
+        await engine.one_time_work_done()
         model = engine._core().executor.runner.model  # type: ignore[attr-defined]
         assert isinstance(model, LlamaModel)
         chunked = model.gate_up_row_bytes

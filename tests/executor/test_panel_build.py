@@ -224,9 +224,8 @@ async def test_the_engine_builds_them_on_its_worker_between_steps(
     async with engine:
         out = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
         assert len(out.token_ids) == 4
-        task = engine._one_time_task
-        assert task is not None
-        await task
+        assert engine._one_time_task is not None
+        await engine.one_time_work_done()
     assert projection._i8 is not None
     assert threads and all(name.startswith("asyncengine-forward") for name in threads)
     stopped = _mixed()
