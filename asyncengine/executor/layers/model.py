@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 # largest mmap threshold (32 MiB on 64-bit): a block above it is a fresh mapping each time, faulted
 # in page by page (a 1,024-token step of a 1.5B model: a 36 MB output a layer, ~0.9M page faults
 # per 2,048 prompt tokens); below it malloc reuses the memory freed layer after layer. Prompt
-# steps 1.2x faster there (scripts/micro/bench_prompt_faults.py).
+# steps up to 1.2x faster there (as often as the allocator's state made the whole rows fault;
+# scripts/micro/bench_prompt_faults.py), the 32-concurrent run 1.03-1.10x.
 MLP_CHUNK_BYTES = 32 << 20
 
 
