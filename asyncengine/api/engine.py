@@ -18,6 +18,7 @@ from asyncengine.api.grammar_wait import GrammarWait
 from asyncengine.api.intake import Intake, Prompt
 from asyncengine.api.kv_event_publisher import KVEventPublisher
 from asyncengine.api.lora_adapters import LoraAdapters
+from asyncengine.api.one_time_work import run_between_steps
 from asyncengine.api.request_group import ChoiceCollector, RequestGroup
 from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
@@ -35,7 +36,7 @@ from asyncengine.common.plan import BatchPlan
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.core.builder import build_core, make_policies
 from asyncengine.core.engine_core import EngineCore
-from asyncengine.core.executor_api import Executor
+from asyncengine.core.executor_api import Executor, defer_one_time_work
 from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
@@ -85,6 +86,7 @@ class AsyncEngine:
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
         self._summary_task: asyncio.Task[None] | None = None
+        self._one_time_task: asyncio.Task[None] | None = None  # deferred work after start-up
         self.kv_events: KVEventPublisher | None = None  # config.kv_events, from start()
         self.loras = LoraAdapters(self.config.loras)
         self.step_hooks.append(self._drop_unloaded_loras)
@@ -135,6 +137,11 @@ class AsyncEngine:
             self.config.enable_overlap_schedule,
         )  # fmt: skip
         self._task = asyncio.create_task(self._steps.run(), name="asyncengine-loop")
+        work = defer_one_time_work(self._core().executor)
+        if work is not None and self._worker is not None:  # ready now; it runs between steps
+            self._one_time_task = asyncio.create_task(
+                run_between_steps(self._worker, work), name="asyncengine-one-time"
+            )
         if self.config.log_interval > 0:
             self.summary.reset()
             self._summary_task = asyncio.create_task(
@@ -156,6 +163,11 @@ class AsyncEngine:
             return
         assert self._steps is not None
         self._steps.stopping = True
+        if self._one_time_task is not None:
+            self._one_time_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._one_time_task
+            self._one_time_task = None
         groups = self.streams.groups
         compiling = [g.compiling for g in groups.values() if g.compiling is not None]
         for rid in list(groups):
@@ -183,6 +195,13 @@ class AsyncEngine:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+
+    async def one_time_work_done(self) -> None:
+        """Wait until the work the executor deferred at start-up is done (the int8 panels: a
+        benchmark that must not time it waits here); at once where there is none."""
+        task = self._one_time_task
+        if task is not None:
+            await asyncio.shield(task)
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()

@@ -9,6 +9,7 @@ with ``bind``, and from then on the core only calls ``execute``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,3 +67,15 @@ def defers_inputs(executor: object) -> bool:
     (overlap scheduling: scheduler/plan_ahead.py). An executor says so with a true
     ``defers_inputs`` attribute."""
     return bool(getattr(executor, "defers_inputs", False))
+
+
+def defer_one_time_work(executor: object) -> Callable[[], bool] | None:
+    """Work the executor would otherwise do in its first steps (the real model's int8 panels),
+    left for the engine to run between steps: the function that does a piece of it, on the
+    thread that runs ``execute``, True while more remains; None where the executor defers none
+    (it says so with a ``defer_one_time_work`` method)."""
+    defer = getattr(executor, "defer_one_time_work", None)
+    if defer is None:
+        return None
+    work: Callable[[], bool] | None = defer()
+    return work

@@ -209,6 +209,12 @@ class ModelExecutor:
             pool.nbytes / 2**20,
         )
 
+    def defer_one_time_work(self) -> Callable[[], bool] | None:
+        """One-time work the first steps would do (the int8 panels), left to be done a piece per
+        call of the function returned, on the thread that runs ``execute`` (True while more
+        remains); None: none."""
+        return None if self.runner is None else self.runner.defer_one_time_work()
+
     def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
         """``execute`` in two halves (``ModelRunner.launch``): a plain decode step is enqueued
         and the wait for its tokens returned; a step that swaps KV or drafts runs whole."""

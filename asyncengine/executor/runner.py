@@ -167,6 +167,11 @@ class ModelRunner:
             ):
                 linear.dense(torch.float32)
 
+    def defer_one_time_work(self) -> Callable[[], bool] | None:
+        """The model's int8 panels, left to be built between steps (``LlamaModel.defer_panels``:
+        the function that builds a piece, True while more remains); None: nothing deferred."""
+        return self.model.defer_panels() if self.device.type == "cpu" else None
+
     def _warm_up_attention(self, max_batch_size: int) -> None:
         """Autotune the attention kernels for every length class now, not on first requests."""
         from asyncengine.executor.attention.triton_backend import TritonBackend

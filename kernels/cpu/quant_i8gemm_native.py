@@ -92,8 +92,18 @@ def packed_bytes(weight: QuantizedTensor) -> int:
     )
 
 
-def pack(weight: QuantizedTensor) -> I8Panels:
-    """The weight (interleaved groups or rows as stored) as the int8 product's panels."""
+def empty_panels(weight: QuantizedTensor) -> I8Panels:
+    """Room for the weight's panels, not yet packed (``takes`` must hold)."""
+    rows, cols = weight.shape
+    panel_bytes = int(_lib().asyncengine_i8_panel_bytes(weight.format.code, cols))
+    data = torch.empty((-(-rows // PANEL_COLUMNS), panel_bytes), dtype=torch.uint8)
+    return I8Panels(weight.format.code, data, rows, cols)
+
+
+def pack(weight: QuantizedTensor, out: torch.Tensor | None = None) -> I8Panels:
+    """The weight (interleaved groups or rows as stored) as the int8 product's panels, written
+    into ``out`` where given (the rows of a larger weight's panels, e.g. ``empty_panels``'s:
+    a weight of rows from a multiple of ``PANEL_COLUMNS`` packs to its panels there)."""
     if not takes(weight):
         raise ValueError(f"the int8 product does not take {weight.format.name} x {weight.cols}")
     lib = _lib()
@@ -102,7 +112,10 @@ def pack(weight: QuantizedTensor) -> I8Panels:
     panel_bytes = int(lib.asyncengine_i8_panel_bytes(code, cols))
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     panels = -(-rows // PANEL_COLUMNS)
-    out = torch.empty((panels, panel_bytes), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty((panels, panel_bytes), dtype=torch.uint8)
+    elif out.shape != (panels, panel_bytes) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"the panels of {rows} x {cols} are uint8 [{panels}, {panel_bytes}]")
     lib.asyncengine_i8_pack(
         code,
         data.data_ptr(),

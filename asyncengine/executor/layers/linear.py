@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from asyncengine.executor.cpu.cpu_dtype import fastest_cpu_dtype
 from asyncengine.executor.cpu.weight_arena import WeightArena
 from asyncengine.executor.cpu.weight_pack import pack_parts
+from asyncengine.executor.layers import panel_build
+from asyncengine.executor.layers.panel_build import PanelBuild
 from asyncengine.kernels.cpu import quant_amx_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
@@ -121,6 +123,13 @@ K_AMX_WIDE_RATIO = 4
 # as often as those of 32, and its values are bytes. The parts of a projection in several formats
 # take the smallest.
 I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 512, "Q6_K": 384}
+# While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
+# calls take the quantized product instead of waiting, until they have taken it for this many
+# rows in all; then the call packs what is left of its panels (ski rental: packing a projection
+# costs what the quantized product loses to the int8 one over ~150-330 rows, so a busy engine
+# pays at most twice; per projection of a 1.5B Q4_K_M model, two threads: pack 1.5-19 ms, the
+# LM head 177 ms, against the quantized / int8 products at 16-128 rows).
+I8_DEFERRED_ROWS = 256
 # A float32 LM head (SmolLM2's 49152 x 576) meets the dense product sooner than the layers
 # (scripts/micro/bench_quant_matmul.py --formats F32 --lm-head --threads 1 --cpu-time)
 F32_HEAD_DENSE_FROM_ROWS = 8
@@ -240,6 +249,8 @@ class QuantizedLinear:
         "_dense",
         "_i8",
         "_i8_below",
+        "_i8_build",
+        "_i8_rented",
         "bias",
         "budget",
         "dense_from_rows",
@@ -272,9 +283,12 @@ class QuantizedLinear:
             p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
         self._amx_below = k_amx_below_rows(self.parts) if self._amx else 0
-        # the int8 product's panels, built by the first call that takes it
+        # the int8 product's panels, built by the first call that takes it, or between steps
+        # (``defer_i8``: ``_i8_build`` holds them while they are built)
         self._i8: list[quant_i8gemm_native.I8Panels] | None = None
         self._i8_below = 0 if self._amx or dense_from_rows is None else i8_below_rows(self.parts)
+        self._i8_build: PanelBuild | None = None
+        self._i8_rented = 0  # rows the quantized product took while they were deferred
 
     @property
     def nbytes(self) -> int:
@@ -289,8 +303,10 @@ class QuantizedLinear:
             amx = self._amx and x2.dtype == torch.bfloat16
             if amx and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
-            elif x2.shape[0] < self._i8_below and self._i8_allowed():
+            elif x2.shape[0] < self._i8_below and self._i8_allowed(x2.shape[0]):
                 out = self._i8_product(x2)
+            elif x2.shape[0] < self._i8_below:  # panels on their way: the product without them
+                out = self._quantized(x2)
             elif self.dense_allowed(x2.dtype):
                 out = self.dense(x2.dtype)(x2)
             else:
@@ -305,17 +321,57 @@ class QuantizedLinear:
             return True
         return self.budget.take(self.out_features * self.in_features * dtype.itemsize)
 
-    def _i8_allowed(self) -> bool:
-        """The int8 product's panels are here, or the budget takes them (then they are built);
-        refused, the projection stops asking."""
+    def _i8_allowed(self, rows: int) -> bool:
+        """The int8 product's panels are here, or they are built now: where they are deferred,
+        once the quantized product has taken ``I8_DEFERRED_ROWS`` rows meanwhile (the calls
+        before take it); else where the budget takes them (refused, the projection stops
+        asking)."""
         if self._i8 is not None:
             return True
-        nbytes = sum(quant_i8gemm_native.packed_bytes(p) for p in self.parts)
-        if self.budget is not None and not self.budget.take(nbytes):
-            self._i8_below = 0
+        if self._i8_build is not None and self._i8_rented + rows < I8_DEFERRED_ROWS:
+            self._i8_rented += rows
             return False
-        self._i8 = [quant_i8gemm_native.pack(p) for p in self.parts]
+        return self._finish_i8()
+
+    def defer_i8(self) -> bool:
+        """Whether the int8 panels will be built by ``build_i8_step`` calls (this projection
+        takes the int8 product and has no panels yet); until they are, the calls that would take
+        it take the quantized product, up to ``I8_DEFERRED_ROWS`` rows in all."""
+        if self._i8_below == 0 or self._i8 is not None:
+            return False
+        if self._i8_build is None:
+            self._i8_build = PanelBuild(self.parts)
         return True
+
+    @property
+    def i8_deferred(self) -> bool:
+        """Deferred panels (``defer_i8``) are not all built yet."""
+        return self._i8_build is not None
+
+    def build_i8_step(self) -> None:
+        """One row range of the deferred panels (``defer_i8``). The first takes the panels'
+        bytes from the budget (refused: no panels, nothing deferred)."""
+        build = self._i8_build
+        if build is None or (build.panels is None and not self._take_i8_bytes(build)):
+            return
+        build.step()
+        if build.done:
+            self._i8, self._i8_build = build.finish(), None
+
+    def _finish_i8(self) -> bool:
+        """The panels built now (what a deferred build has left), where the budget takes them."""
+        build = self._i8_build or PanelBuild(self.parts, panel_build.WHOLE_PARTS)
+        if build.panels is None and not self._take_i8_bytes(build):
+            return False
+        self._i8, self._i8_build = build.finish(), None
+        return True
+
+    def _take_i8_bytes(self, build: PanelBuild) -> bool:
+        """The budget takes the panels' bytes; refused, the projection stops asking."""
+        if self.budget is None or self.budget.take(build.nbytes):
+            return True
+        self._i8_below, self._i8_build = 0, None
+        return False
 
     def _i8_product(self, x: torch.Tensor) -> torch.Tensor:
         """Each part's columns of one output by the int8 product (``_i8`` built)."""

@@ -14,6 +14,8 @@ per-layer RoPE tables (Gemma 3's sliding layers) and a soft-cap on the final log
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,15 @@ from asyncengine.kernels.reference.kv_store_ref import copy_kv_slots, store_kv
 
 if TYPE_CHECKING:
     from asyncengine.executor.lora.lora_step import LoraStep
+
+
+# A CPU forward runs the MLP over equal row chunks whose gate/up output stays within glibc's
+# largest mmap threshold (32 MiB on 64-bit): a block above it is a fresh mapping each time, faulted
+# in page by page (a 1,024-token step of a 1.5B model: a 36 MB output a layer, ~0.9M page faults
+# per 2,048 prompt tokens); below it malloc reuses the memory freed layer after layer. Prompt
+# steps up to 1.2x faster there (as often as the allocator's state made the whole rows fault;
+# scripts/micro/bench_prompt_faults.py), the 32-concurrent run 1.03-1.10x.
+MLP_CHUNK_BYTES = 32 << 20
 
 
 class WeightsError(ValueError):
@@ -141,6 +152,7 @@ class LlamaModel:
         self.layer_options = [
             AttentionOptions(c.layer_window(i), c.attn_logit_softcap) for i in range(c.num_layers)
         ]
+        self.gate_up_row_bytes = 2 * c.intermediate_size * dtype.itemsize  # ``_mlp``'s chunks
         # decode batches of a quantized model in one native call where it can run (None: never)
         self.native_decode = native_decode.native_decode_model(
             c,
@@ -217,6 +229,34 @@ class LlamaModel:
             arena=self._weight_arena,
             budget=self.dense_budget,
         )
+
+    def defer_panels(self) -> Callable[[], bool] | None:
+        """The int8 panels of every projection that takes that product (linear.py), built a row
+        range per call of the function returned (True while any remain), in step order, rather
+        than whole by each projection's first many-row call; None: none to build. The calls
+        and the forwards must come from one thread (the engine's worker: between steps)."""
+        linears = [
+            *(
+                p
+                for layer in self.layers
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            ),
+            self.lm_head,
+        ]
+        deferred = deque(p for p in linears if isinstance(p, QuantizedLinear) and p.defer_i8())
+        if not deferred:
+            return None
+
+        def step() -> bool:
+            while deferred and not deferred[0].i8_deferred:  # built by a forward meanwhile
+                deferred.popleft()
+            if deferred:
+                deferred[0].build_i8_step()
+            while deferred and not deferred[0].i8_deferred:
+                deferred.popleft()
+            return bool(deferred)
+
+        return step
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):
@@ -328,7 +368,7 @@ class LlamaModel:
                 hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             if lora is None:
-                hidden = layer.down(self.act_and_mul(layer.gate_up(x)))
+                hidden = self._mlp(layer, x)
             else:
                 gate_up = layer.gate_up(x)
                 lora.apply(i, "gate_up", x, gate_up)
@@ -342,6 +382,20 @@ class LlamaModel:
             rows = batch.hidden_rows
         last = hidden.index_select(0, rows) + residual.index_select(0, rows)
         return ops.rms_norm(last, self.norm, eps)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate_up(x))); on the CPU over equal row chunks whose gate/up output stays
+        within ``MLP_CHUNK_BYTES`` (the rows are independent)."""
+        n = x.shape[0]
+        chunks = -(-n * self.gate_up_row_bytes // MLP_CHUNK_BYTES)
+        if chunks <= 1 or self.device.type != "cpu":
+            return layer.down(self.act_and_mul(layer.gate_up(x)))
+        step = -(-n // chunks)
+        out = torch.empty((n, self.config.hidden_size), dtype=x.dtype, device=x.device)
+        for start in range(0, n, step):
+            rows = x[start : start + step]
+            out[start : start + rows.shape[0]] = layer.down(self.act_and_mul(layer.gate_up(rows)))
+        return out
 
     def _norm_qk(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """qkv with each q and k head RMS-normed over head_dim (Qwen3), v untouched."""
