@@ -20,8 +20,9 @@
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
- * panels of int32 and float sums in registers, each loaded weight vector meeting all MR rows;
- * threads take units of NV panels (each a contiguous stream) as they come free. Only the AVX-512
+ * panels of int32 sums in registers (the float sums in memory, met once a super-block), each
+ * loaded weight vector meeting all MR rows; threads take units of NV panels (each a contiguous
+ * stream) as they come free. Only the AVX-512
  * VNNI build has the fast kernel (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2,
  * -DQ_FORCE_SCALAR, CPUs without it) run a scalar kernel on the same layout, the reference the
  * tests hold the fast one to. Built by kernels/cpu/cpu_native.py. */
@@ -36,9 +37,10 @@
 #endif
 
 #define NP 16 /* columns per panel */
-#define MR 4  /* activation rows per micro-kernel */
-#define NV 2  /* panels per micro-kernel: MR x NV int32 sums per sub-block and as many per
-               * super-block fit the registers (larger tiles spilled and ran slower) */
+#define MR 4 /* activation rows per micro-kernel (I8_ROWS lists 1..MR) */
+#define NV 2 /* panels per micro-kernel (I8_SHAPES lists 1..NV): MR x NV chains of vpdpbusd and
+              * as many int32 sums fill the registers; 6 x 2, 4 x 3, 4 x 4 and 8 x 2 (spilling
+              * their sums, or keeping them in memory) ran no faster */
 
 /* Q4_K's values are nibbles: each 64-byte vector holds two steps of 4 k (the even step in the
  * low nibbles), so a panel streams about the bytes of the quantized weight; unpacking them
@@ -293,27 +295,19 @@ static inline Q_ALWAYS_INLINE void k4_step(__m512i (*iacc)[NV], const __m512i *w
 }
 
 /* the AVX-512 VNNI micro-kernel: mr rows x nv panels over super-blocks s0..s1 - 1 of nsub
- * sub-blocks, the values nibbles (nib) or bytes, added into out; pf as tile's */
+ * sub-blocks, the values nibbles (nib) or bytes, added into out (the float sums stay there, so
+ * that the registers hold the MR x NV product chains and as many int32 sums) */
 static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int nv, int64_t s0,
                                             int64_t s1, const i8_row *a, const int mr,
-                                            const int nsub, const int nib, float *out,
-                                            const uint8_t *const *pf) {
+                                            const int nsub, const int nib, float *out) {
     const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
-    const int step_bytes = nib ? 32 : 64;
     const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
                   d_at = mins_at + nsub * NP * 2;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int64_t bytes = d_at + 2 * NP * 4;
-    __m512 facc[MR][NV];
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) facc[r][v] = _mm512_loadu_ps(out + r * NV * NP + v * NP);
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *blk[NV];
-        const uint8_t *ahead[NV]; /* this super-block's share of the next chunk (pf) */
-        for (int v = 0; v < nv; v++) {
-            blk[v] = w[v] + s * bytes;
-            ahead[v] = pf ? pf[v] + (s - s0) * bytes : NULL;
-        }
+        for (int v = 0; v < nv; v++) blk[v] = w[v] + s * bytes;
         const int8_t *xq[MR];
         for (int r = 0; r < mr; r++) xq[r] = a[r].q + s * QK_K;
         __m512i isum[MR][NV];
@@ -329,7 +323,6 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                 __m512i wv[NV], hi[NV];
                 for (int v = 0; v < nv; v++) {
                     wv[v] = _mm512_load_si512((const void *)(blk[v] + 64 * (nib ? kk / 2 : kk)));
-                    if (pf) _mm_prefetch((const char *)(ahead[v] + step_bytes * kk), _MM_HINT_T0);
                     if (nib) {
                         hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv[v], 4), m4);
                         wv[v] = _mm512_and_si512(wv[v], m4);
@@ -339,7 +332,6 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                 if (nib) k4_step(iacc, hi, xq, kk + 1, mr, nv);
             }
             for (int v = 0; v < nv; v++) {
-                if (pf) _mm_prefetch((const char *)(ahead[v] + sc_at + 64 * j), _MM_HINT_T0);
                 const __m512i scv = _mm512_cvtepi8_epi32(
                     _mm_load_si128((const __m128i *)(blk[v] + sc_at + NP * j)));
                 for (int r = 0; r < mr; r++)
@@ -365,53 +357,44 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
             const __m512 d = _mm512_load_ps((const float *)(blk[v] + d_at));
             const __m512 dm = _mm512_load_ps((const float *)(blk[v] + d_at + NP * 4));
             for (int r = 0; r < mr; r++) {
+                float *o = out + r * NV * NP + v * NP;
                 const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum[r][v]), d,
                                                  _mm512_mul_ps(_mm512_cvtepi32_ps(imin[r][v]), dm));
-                facc[r][v] = _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].xd[s]), facc[r][v]);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].xd[s]),
+                                                    _mm512_loadu_ps(o)));
             }
         }
     }
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(out + r * NV * NP + v * NP, facc[r][v]);
 }
 
-/* one function per (rows, panels, sub-block count): constants in each keep the sums in
- * registers */
-#define I8_TILE_FN(mr, nv, nsub, nib)                                                            \
-    static Q_NOINLINE void tile_##mr##_##nv##_##nsub##_##nib(const uint8_t *const *w, int64_t s0, \
-                                                     int64_t s1, const i8_row *a, float *out,   \
-                                                     const uint8_t *const *pf) {                \
-        tile_512(w, nv, s0, s1, a, mr, nsub, nib, out, pf);                                      \
+/* one function per format, one inlined copy of the micro-kernel per (rows, panels): constants in
+ * each keep the sums in registers */
+#define I8_ROWS(X, nv) X(1, nv) X(2, nv) X(3, nv) X(4, nv)
+#define I8_SHAPES(X) I8_ROWS(X, 1) I8_ROWS(X, 2)
+#define I8_CASE(mr, nv)                                                                          \
+    case (nv) * 16 + (mr):                                                                       \
+        tile_512(w, nv, s0, s1, a, mr, NSUB, NIB, out);                                          \
+        return;
+#define I8_FORMAT_FN(name, nsub, nib)                                                            \
+    static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
+                                const i8_row *a, int nr, float *out) {                          \
+        enum { NSUB = nsub, NIB = nib };                                                         \
+        switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
     }
-#define I8_TILES(X, nsub, nib)                                                                   \
-    X(1, 1, nsub, nib) X(2, 1, nsub, nib) X(3, 1, nsub, nib) X(4, 1, nsub, nib)                  \
-    X(1, 2, nsub, nib) X(2, 2, nsub, nib) X(3, 2, nsub, nib) X(4, 2, nsub, nib)
-I8_TILES(I8_TILE_FN, 8, 1)
-I8_TILES(I8_TILE_FN, 8, 0)
-I8_TILES(I8_TILE_FN, 16, 0)
-
-typedef void (*i8_tile_fn)(const uint8_t *const *, int64_t, int64_t, const i8_row *, float *,
-                           const uint8_t *const *);
-/* [format - Q4_K][panels - 1][rows - 1] */
-static const i8_tile_fn TILES[3][NV][MR] = {
-    {{tile_1_1_8_1, tile_2_1_8_1, tile_3_1_8_1, tile_4_1_8_1},
-     {tile_1_2_8_1, tile_2_2_8_1, tile_3_2_8_1, tile_4_2_8_1}},
-    {{tile_1_1_8_0, tile_2_1_8_0, tile_3_1_8_0, tile_4_1_8_0},
-     {tile_1_2_8_0, tile_2_2_8_0, tile_3_2_8_0, tile_4_2_8_0}},
-    {{tile_1_1_16_0, tile_2_1_16_0, tile_3_1_16_0, tile_4_1_16_0},
-     {tile_1_2_16_0, tile_2_2_16_0, tile_3_2_16_0, tile_4_2_16_0}},
-};
-#undef I8_TILE_FN
-#undef I8_TILES
+I8_FORMAT_FN(tile_q4_k, 8, 1)
+I8_FORMAT_FN(tile_q5_k, 8, 0)
+I8_FORMAT_FN(tile_q6_k, 16, 0)
+#undef I8_FORMAT_FN
+#undef I8_CASE
 #endif
 
-/* pf: where the next chunk's super-blocks start in each panel (asked for ahead), or NULL */
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
-                        const i8_row *a, int nr, float *out, const uint8_t *const *pf) {
+                        const i8_row *a, int nr, float *out) {
 #if defined(I8_512)
-    TILES[fmt - FMT_Q4_K][np - 1][nr - 1](w, s0, s1, a, out, pf);
+    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
+    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out);
+    else tile_q6_k(w, np, s0, s1, a, nr, out);
 #else
-    (void)pf;
     tile_scalar(fmt, w, np, s0, s1, a, nr, out);
 #endif
 }
@@ -437,10 +420,13 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 }
 
 /* super-blocks a unit of panels takes at a time, every activation row meeting them while they
- * stay in L1 */
+ * stay in L1 (the next ones asked for meanwhile, spread over the tiles); up to 32 rows one at a
+ * time, so that the weights stream with the least wait, and more rows take I8_CHUNK_SB (gcc
+ * -DI8_CHUNK_SB=... of /tmp copies, A/B: 1 ahead at 32 rows, 4 ahead from 128 to 2048) */
 #ifndef I8_CHUNK_SB
-#define I8_CHUNK_SB 2
+#define I8_CHUNK_SB 4
 #endif
+#define I8_ONE_SB_ROWS 32
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
  * output and W's panels; parallel over units of NV panels, handed out as threads come free (a
@@ -452,6 +438,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
     const sb_layout l = layout_of(fmt);
     const int64_t nsb = k / QK_K, pb = l.bytes * nsb, np_all = (rows + NP - 1) / NP;
     const int64_t units = (np_all + NV - 1) / NV, tiles = (n + MR - 1) / MR;
+    const int64_t chunk = n <= I8_ONE_SB_ROWS ? 1 : I8_CHUNK_SB;
     const int16_t *b = fmt == FMT_Q6_K ? b16 : b32;
     const int64_t bstride = fmt == FMT_Q6_K ? k / 16 : k / 32;
 #pragma omp parallel num_threads(threads) if (units > 1)
@@ -465,19 +452,22 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
             const uint8_t *w[NV];
             for (int v = 0; v < np; v++) w[v] = panels + (p0 + v) * pb;
             memset(acc, 0, (size_t)(tiles * MR * NV * NP) * sizeof(float));
-            for (int64_t s0 = 0; s0 < nsb; s0 += I8_CHUNK_SB) {
-                const int64_t s1 = s0 + I8_CHUNK_SB < nsb ? s0 + I8_CHUNK_SB : nsb;
-                const uint8_t *next[NV];
-                for (int v = 0; v < np; v++) next[v] = w[v] + s1 * l.bytes;
+            for (int64_t s0 = 0; s0 < nsb; s0 += chunk) {
+                const int64_t s1 = s0 + chunk < nsb ? s0 + chunk : nsb;
+                const int64_t s2 = s1 + chunk < nsb ? s1 + chunk : nsb;
+                const int64_t ahead = (s2 - s1) * l.bytes / 64; /* lines of each panel */
                 for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t from = ahead * t / tiles, to = ahead * (t + 1) / tiles;
+                    for (int v = 0; v < np; v++)
+                        for (int64_t line = from; line < to; line++)
+                            __builtin_prefetch(w[v] + s1 * l.bytes + 64 * line, 0, 3);
                     const int64_t i0 = t * MR;
                     const int nr = (int)(n - i0 < MR ? n - i0 : MR);
                     i8_row a[MR];
                     for (int r = 0; r < nr; r++)
                         a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * nsb,
                                         b + (i0 + r) * bstride};
-                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP,
-                         t == 0 && s1 < nsb ? next : NULL);
+                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP);
                 }
             }
             for (int64_t i = 0; i < n; i++)

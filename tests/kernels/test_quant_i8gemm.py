@@ -58,6 +58,22 @@ def test_products_match_the_twin(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
+    """Rows of 10 super-blocks: up to 32 activation rows a unit takes them one at a time, more
+    rows in chunks of several (the last one short), asking for the next while it multiplies."""
+    weight = random_weight(FORMATS[name], 40, 2560, seed=13)
+    panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
+    bias = torch.randn(40)
+    for n in (2, 32, 33, 70):
+        x = torch.randn(n, 2560, generator=torch.Generator().manual_seed(n))
+        y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+        ref = i8gemm_ref.linear(x, weight, bias)
+        scale = product_scale(x, weight, bias)
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", _builds())
 def test_bfloat16_rows_and_column_slices(isa: str) -> None:
     """bfloat16 activations are quantized as their float32 values, the output rounded once to
     bfloat16; an output view whose rows are longer gets only its columns."""
