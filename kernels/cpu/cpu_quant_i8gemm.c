@@ -4,8 +4,8 @@
  *
  * From ~8 rows the batch-1 group kernels are compute-bound, and a dense bfloat16 copy of the
  * weight multiplies at the bfloat16 rate. Here the weight keeps its exact integers: each value
- * (4, 5 or 6 bits) is one unsigned byte, repacked once at load into panels of 16 output columns
- * whose 64-byte vectors hold 4 consecutive k of each column (the operand vpdpbusd takes), beside
+ * (4, 5 or 6 bits) is one byte, repacked once at load into panels of 16 output columns whose
+ * 64-byte vectors hold 4 consecutive k of each column (the operand vpdpbusd takes), beside
  * each sub-block's integer scale and min and each super-block's float d and dmin. The activation
  * rows are quantized once per product to int8 per 256 values (one float scale per row and super-
  * block, as llama.cpp's q8_K) with their sums per 16 and per 32 values. A sub-block's products
@@ -16,16 +16,18 @@
  *                              - dm[c, s] sum_j m[c, s, j] B[i, s, j])
  *
  *   Q4_K / Q5_K  j: 8 sub-blocks of 32, sc / m: the 6-bit scale / min, dm = dmin
- *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d
+ *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d: kept
+ *                as q - 32 (s8) against x + 128 (u8), its min term a constant per column:
+ *                y[i, c] = sum_s xd[i, s] d[c, s] (sum_j sc_j S'[i, c, s, j] - 128 off[c, s])
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
  * panels of int32 sums in registers (the float sums in memory, met once a super-block), each
  * loaded weight vector meeting all MR rows; threads take units of NV panels (each a contiguous
- * stream) as they come free. Only the AVX-512
- * VNNI build has the fast kernel (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2,
- * -DQ_FORCE_SCALAR, CPUs without it) run a scalar kernel on the same layout, the reference the
- * tests hold the fast one to. Built by kernels/cpu/cpu_native.py. */
+ * stream) as they come free. Only the AVX-512 VNNI build has the fast kernel
+ * (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2, -DQ_FORCE_SCALAR, CPUs without
+ * it) run a scalar kernel on the same layout, the reference the tests hold the fast one to.
+ * Built by kernels/cpu/cpu_native.py. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +56,12 @@ static inline int64_t value_at(int fmt, int v, int c) {
 }
 static inline int value_shift(int fmt, int v) { return nibbles(fmt) ? 4 * ((v / 4) % 2) : 0; }
 
+/* Q6_K's values are kept centred (q - 32, int8) and meet the activations shifted to unsigned
+ * bytes (x + 128): sum (x + 128)(q - 32) = sum x (q - 32) + 128 sum (q - 32), so its offset is
+ * one int32 per column and super-block (sum_j sc_j sum (q - 32), "off"), not a min term per
+ * activation row */
+static inline int centred(int fmt) { return fmt == FMT_Q6_K; }
+
 /* one panel's super-block: where its parts lie and its size */
 typedef struct {
     int nsub, sub;                         /* sub-blocks and their values */
@@ -65,10 +73,10 @@ static sb_layout layout_of(int fmt) {
     l.nsub = fmt == FMT_Q6_K ? 16 : 8;
     l.sub = QK_K / l.nsub;
     l.sc = value_bytes(fmt);               /* int8 [nsub][NP] */
-    l.mins = l.sc + l.nsub * NP;           /* int16 [nsub / 2][NP][2]: pairs per column */
-    l.d = l.mins + l.nsub * NP * 2;        /* float [NP] */
-    l.dm = l.d + NP * 4;                   /* float [NP] */
-    l.bytes = l.dm + NP * 4;
+    l.mins = l.sc + l.nsub * NP;           /* int16 [nsub / 2][NP][2]: pairs per column, or */
+    l.d = l.mins + (centred(fmt) ? NP * 4 : l.nsub * NP * 2); /* int32 off [NP]; float [NP] */
+    l.dm = l.d + NP * 4;                   /* float [NP] (not centred) */
+    l.bytes = l.dm + (centred(fmt) ? 0 : NP * 4);
     return l;
 }
 
@@ -136,14 +144,20 @@ static void pack_panel(int fmt, const uint8_t *const *rows, int nrows, int64_t k
         for (int c = 0; c < nrows; c++) {
             float d, dm;
             decode_super_block(fmt, rows[c] + s * block, q, sc, m, &d, &dm);
-            for (int v = 0; v < QK_K; v++)
-                out[value_at(fmt, v, c)] |= (uint8_t)(q[v] << value_shift(fmt, v));
+            const int mid = centred(fmt) ? 32 : 0;
+            int32_t off = 0;
+            for (int v = 0; v < QK_K; v++) {
+                out[value_at(fmt, v, c)] |= (uint8_t)((q[v] - mid) << value_shift(fmt, v));
+                off += sc[v / l.sub] * (q[v] - mid);
+            }
             for (int j = 0; j < l.nsub; j++) {
                 ((int8_t *)(out + l.sc))[j * NP + c] = (int8_t)sc[j];
-                ((int16_t *)(out + l.mins))[(j / 2) * 2 * NP + 2 * c + j % 2] = (int16_t)m[j];
+                if (!centred(fmt))
+                    ((int16_t *)(out + l.mins))[(j / 2) * 2 * NP + 2 * c + j % 2] = (int16_t)m[j];
             }
+            if (centred(fmt)) memcpy(out + l.mins + 4 * c, &off, 4);
             memcpy(out + l.d + 4 * c, &d, 4);
-            memcpy(out + l.dm + 4 * c, &dm, 4);
+            if (!centred(fmt)) memcpy(out + l.dm + 4 * c, &dm, 4);
         }
     }
 }
@@ -183,10 +197,11 @@ void asyncengine_i8_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
 /* ------------------------------------------------------------------------------------------ */
 /* activations                                                                                */
 
-/* x [n, k] (float32 or bf16) -> q int8 [n, k], xd [n, k / 256] (max|x| / 127 of each 256),
- * b16 int16 [n, k / 16] and b32 int16 [n, k / 32] (sums of q) */
-void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int8_t *q, float *xd,
-                             int16_t *b16, int16_t *b32, int threads) {
+/* x [n, k] (float32 or bf16) -> q int8 [n, k] (or q + 128 as unsigned bytes where `shifted`: what
+ * the centred values meet), xd [n, k / 256] (max|x| / 127 of each 256), b16 int16 [n, k / 16] and
+ * b32 int16 [n, k / 32] (sums of q) */
+void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int shifted,
+                             int8_t *q, float *xd, int16_t *b16, int16_t *b32, int threads) {
     const int64_t nsb = k / QK_K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
     for (int64_t i = 0; i < n; i++) {
@@ -215,7 +230,8 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int8
                 const __m512i qi = _mm512_cvtps_epi32(
                     _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qi));
+                const __m512i qu = shifted ? _mm512_add_epi32(qi, _mm512_set1_epi32(128)) : qi;
+                _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qu));
                 sums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
             }
 #else
@@ -228,6 +244,8 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int8
                 for (int j = 0; j < 16; j++) sum += qs[16 * b + j];
                 sums[b] = (int16_t)sum;
             }
+            if (shifted)
+                for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)(uint8_t)(qs[j] + 128);
 #endif
             xd[i * nsb + s] = amax / 127.0f;
             for (int b = 0; b < QK_K / 32; b++)
@@ -263,17 +281,27 @@ static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, in
                         int32_t part = 0;
                         for (int t = 0; t < l.sub; t++) {
                             const int kk = j * l.sub + t;
-                            const int q = (blk[value_at(fmt, kk, c)] >> value_shift(fmt, kk)) &
-                                          (nibbles(fmt) ? 0xF : 0xFF);
-                            part += q * (int32_t)a[r].q[s * QK_K + kk];
+                            const uint8_t byte = blk[value_at(fmt, kk, c)];
+                            const int x = centred(fmt) ? (uint8_t)a[r].q[s * QK_K + kk]
+                                                       : a[r].q[s * QK_K + kk];
+                            if (centred(fmt)) part += (int8_t)byte * x;
+                            else part += ((byte >> value_shift(fmt, kk)) &
+                                          (nibbles(fmt) ? 0xF : 0xFF)) * x;
                         }
                         isum += part * ((const int8_t *)(blk + l.sc))[j * NP + c];
-                        const int16_t *mins = (const int16_t *)(blk + l.mins);
-                        imin += mins[(j / 2) * 2 * NP + 2 * c + j % 2] * a[r].b[s * l.nsub + j];
+                        if (!centred(fmt)) {
+                            const int16_t *mins = (const int16_t *)(blk + l.mins);
+                            imin += mins[(j / 2) * 2 * NP + 2 * c + j % 2] * a[r].b[s * l.nsub + j];
+                        }
                     }
-                    float d, dm;
+                    float d, dm = 0.0f;
                     memcpy(&d, blk + l.d + 4 * c, 4);
-                    memcpy(&dm, blk + l.dm + 4 * c, 4);
+                    if (centred(fmt)) {
+                        int32_t off;
+                        memcpy(&off, blk + l.mins + 4 * c, 4);
+                        isum -= 128 * off;
+                    } else
+                        memcpy(&dm, blk + l.dm + 4 * c, 4);
                     acc = fmaf(d * (float)isum - dm * (float)imin, a[r].xd[s], acc);
                 }
                 out[r * NV * NP + v * NP + c] = acc;
@@ -282,15 +310,18 @@ static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, in
 #endif
 
 #if defined(I8_512)
-/* one step of 4 k: the loaded weight vectors wv[0..nv-1] meet rows xq[0..mr-1] */
+/* one step of 4 k: the loaded weight vectors wv[0..nv-1] meet rows xq[0..mr-1] (the weights
+ * the unsigned operand, or the shifted activations where the values are centred) */
 static inline Q_ALWAYS_INLINE void k4_step(__m512i (*iacc)[NV], const __m512i *wv,
                                            const int8_t *const *xq, int kk, const int mr,
-                                           const int nv) {
+                                           const int nv, const int cen) {
     for (int r = 0; r < mr; r++) {
         int32_t x4;
         memcpy(&x4, xq[r] + 4 * kk, 4);
         const __m512i xb = _mm512_set1_epi32(x4);
-        for (int v = 0; v < nv; v++) iacc[r][v] = _mm512_dpbusd_epi32(iacc[r][v], wv[v], xb);
+        for (int v = 0; v < nv; v++)
+            iacc[r][v] = cen ? _mm512_dpbusd_epi32(iacc[r][v], xb, wv[v])
+                             : _mm512_dpbusd_epi32(iacc[r][v], wv[v], xb);
     }
 }
 
@@ -301,10 +332,11 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                                             int64_t s1, const i8_row *a, const int mr,
                                             const int nsub, const int nib, float *out) {
     const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
+    const int cen = nsub == 16;       /* Q6_K: centred values */
     const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
-                  d_at = mins_at + nsub * NP * 2;
+                  d_at = mins_at + (cen ? NP * 4 : nsub * NP * 2);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const int64_t bytes = d_at + 2 * NP * 4;
+    const int64_t bytes = d_at + (cen ? NP * 4 : 2 * NP * 4);
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *blk[NV];
         for (int v = 0; v < nv; v++) blk[v] = w[v] + s * bytes;
@@ -323,13 +355,15 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                 __m512i wv[NV], hi[NV];
                 for (int v = 0; v < nv; v++) {
                     wv[v] = _mm512_load_si512((const void *)(blk[v] + 64 * (nib ? kk / 2 : kk)));
+                    /* once into a register: folded into each row's vpdpbusd it was 10% slower */
+                    if (cen) __asm__("" : "+v"(wv[v]));
                     if (nib) {
                         hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv[v], 4), m4);
                         wv[v] = _mm512_and_si512(wv[v], m4);
                     }
                 }
-                k4_step(iacc, wv, xq, kk, mr, nv);
-                if (nib) k4_step(iacc, hi, xq, kk + 1, mr, nv);
+                k4_step(iacc, wv, xq, kk, mr, nv, cen);
+                if (nib) k4_step(iacc, hi, xq, kk + 1, mr, nv, cen);
             }
             for (int v = 0; v < nv; v++) {
                 const __m512i scv = _mm512_cvtepi8_epi32(
@@ -337,6 +371,21 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                 for (int r = 0; r < mr; r++)
                     isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(iacc[r][v], scv));
             }
+        }
+        if (cen) {
+            for (int v = 0; v < nv; v++) {
+                const __m512i off = _mm512_slli_epi32(
+                    _mm512_load_si512((const void *)(blk[v] + mins_at)), 7);
+                const __m512 d = _mm512_load_ps((const float *)(blk[v] + d_at));
+                for (int r = 0; r < mr; r++) {
+                    float *o = out + r * NV * NP + v * NP;
+                    const __m512 t =
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][v], off)), d);
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].xd[s]),
+                                                        _mm512_loadu_ps(o)));
+                }
+            }
+            continue;
         }
         __m512i imin[MR][NV];
         for (int r = 0; r < mr; r++)
@@ -490,7 +539,7 @@ int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t 
     int16_t *b32 = (int16_t *)malloc((size_t)(n * (k / 32)) * sizeof(int16_t));
     const int ok = q && xd && b16 && b32;
     if (ok) {
-        asyncengine_i8_quantize(x, n, k, x_bf16, q, xd, b16, b32, threads);
+        asyncengine_i8_quantize(x, n, k, x_bf16, centred(fmt), q, xd, b16, b32, threads);
         asyncengine_i8_matmul(fmt, panels, rows, k, q, xd, b16, b32, n, bias, y, ldy, out_bf16,
                               threads);
     }

@@ -74,6 +74,25 @@ def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize(
+    ("value_byte", "scale_byte", "sign"), [(0xFF, 0x80, 1.0), (0x00, 0x7F, -1.0)]
+)
+def test_q6_k_sums_at_their_extremes(
+    isa: str, value_byte: int, scale_byte: int, sign: float
+) -> None:
+    """Q6_K's centred values (q - 32) meet the activations as unsigned bytes (x + 128): with every
+    value, scale and activation at the end of its range the int32 sums stay exact."""
+    weight = random_weight(FORMATS["Q6_K"], 16, 2048, seed=17)
+    blocks = weight.data.view(16, 8, 210)
+    blocks[:, :, :192] = value_byte  # ql, qh: every q 63 (0xFF) or 0
+    blocks[:, :, 192:208] = scale_byte  # every sub-block scale -128 or 127
+    x = torch.full((5, 2048), sign)
+    ref = i8gemm_ref.linear(x, weight)
+    y = quant_i8gemm_native.linear(x, quant_i8gemm_native.pack(weight), isa=isa)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("isa", _builds())
 def test_bfloat16_rows_and_column_slices(isa: str) -> None:
     """bfloat16 activations are quantized as their float32 values, the output rounded once to
     bfloat16; an output view whose rows are longer gets only its columns."""
