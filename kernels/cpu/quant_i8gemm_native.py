@@ -2,7 +2,7 @@
 
 ``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight once into the kernel's panels (each value
 its exact integer, a nibble (Q4_K) or a byte, its sub-block scales and mins beside it: ~0.63 /
-1.13 / 1.22 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
+1.13 / 1.11 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
 int8 per 256 values, the weights exact. ``available()``: this CPU's build has the fast kernel
 (AVX-512 VNNI). ``isa`` picks the library variant as quant_native's does ("native", "avx2",
 "scalar"); the builds without the fast kernel run a scalar one on the same layout (the

@@ -58,6 +58,41 @@ def test_products_match_the_twin(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
+    """Rows of 10 super-blocks: up to 32 activation rows a unit takes them one at a time, more
+    rows in chunks of several (the last one short), asking for the next while it multiplies."""
+    weight = random_weight(FORMATS[name], 40, 2560, seed=13)
+    panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
+    bias = torch.randn(40)
+    for n in (2, 32, 33, 70):
+        x = torch.randn(n, 2560, generator=torch.Generator().manual_seed(n))
+        y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+        ref = i8gemm_ref.linear(x, weight, bias)
+        scale = product_scale(x, weight, bias)
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize(
+    ("value_byte", "scale_byte", "sign"), [(0xFF, 0x80, 1.0), (0x00, 0x7F, -1.0)]
+)
+def test_q6_k_sums_at_their_extremes(
+    isa: str, value_byte: int, scale_byte: int, sign: float
+) -> None:
+    """Q6_K's centred values (q - 32) meet the activations as unsigned bytes (x + 128): with every
+    value, scale and activation at the end of its range the int32 sums stay exact."""
+    weight = random_weight(FORMATS["Q6_K"], 16, 2048, seed=17)
+    blocks = weight.data.view(16, 8, 210)
+    blocks[:, :, :192] = value_byte  # ql, qh: every q 63 (0xFF) or 0
+    blocks[:, :, 192:208] = scale_byte  # every sub-block scale -128 or 127
+    x = torch.full((5, 2048), sign)
+    ref = i8gemm_ref.linear(x, weight)
+    y = quant_i8gemm_native.linear(x, quant_i8gemm_native.pack(weight), isa=isa)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("isa", _builds())
 def test_bfloat16_rows_and_column_slices(isa: str) -> None:
     """bfloat16 activations are quantized as their float32 values, the output rounded once to
     bfloat16; an output view whose rows are longer gets only its columns."""

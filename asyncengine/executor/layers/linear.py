@@ -113,7 +113,7 @@ K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64,
 K_AMX_WIDE_RATIO = 4
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K formats
 # takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c: the weights'
-# exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.22 bytes a weight for Q4_K / Q5_K / Q6_K
+# exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K / Q5_K / Q6_K
 # against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and builds no
 # dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
 # int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
