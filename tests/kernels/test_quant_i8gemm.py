@@ -137,11 +137,14 @@ def test_what_it_takes() -> None:
 
 
 @needs_fast
-def test_the_engine_takes_it_between_the_crossovers() -> None:
+def test_the_engine_takes_it_between_the_crossovers(monkeypatch: pytest.MonkeyPatch) -> None:
     """From the dense crossover a K-format projection takes the int8 product (no dense copy
     built), to its format's I8_BELOW_ROWS_BY_FORMAT; parts of several K formats take the
     smallest, part by part; a part in another format keeps the dense product for all. Every path
-    agrees with the dequantized weights to its own rounding."""
+    agrees with the dequantized weights to its own rounding. (The limits here are small ones,
+    so that the rows above them can be tried.)"""
+    monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q4_K", 96)
+    monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q6_K", 40)
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
     q8 = random_weight(FORMATS["Q8_0"], 16, 512, seed=4)

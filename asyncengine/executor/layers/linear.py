@@ -119,10 +119,12 @@ K_AMX_WIDE_RATIO = 4
 # int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
 # --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
 # 16 rows, 1.3-1.7 at 32, 1.2-1.5 at 64, ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K
-# 1.1-1.3 at 16-256 but 0.87 (down) at 512: its sub-blocks of 16 pay the integer scale step twice
-# as often as those of 32, and its values are bytes. The parts of a projection in several formats
-# take the smallest.
-I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 512, "Q6_K": 384}
+# 1.1-1.3 at 16-256. At 512-2048 rows (two threads, the same script with --batches): Q5_K
+# 1.11-1.47, Q6_K 0.99-1.51 (its values centred, the min term one constant a column); a whole
+# prompt of 512 / 2048 tokens 1.25-1.33x / 1.07-1.14x against the dense copies at those rows
+# (scripts/bench_real_sizes.py --prefill-lens). So every K format takes it at any row count (no
+# dense copy built); the parts of a projection in several formats take the smallest.
+I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
