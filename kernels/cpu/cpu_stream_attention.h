@@ -27,6 +27,29 @@
 #define STREAM_KEYS 16
 #define STREAM_MAX_GROUP 8
 
+/* One head's online softmax over a block: where the block's max exceeds the running max, what
+ * was summed so far (lsum and the head's nchunks 16-float chunks of acc) is rescaled; returns
+ * exp(s - max), 0 past the valid keys, already added into lsum. */
+static inline __attribute__((always_inline)) __m512 stream_softmax_block(const __m512 sc,
+                                                                         const __mmask16 valid,
+                                                                         float *acc,
+                                                                         const int nchunks,
+                                                                         float *mx, __m512 *lsum) {
+    const float block_max = _mm512_reduce_max_ps(sc);
+    if (block_max > *mx) {
+        if (*mx > -INFINITY) {
+            const __m512 rv = _mm512_set1_ps(expf(*mx - block_max));
+            *lsum = _mm512_mul_ps(*lsum, rv);
+            for (int j = 0; j < nchunks; j++)
+                _mm512_storeu_ps(acc + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), rv));
+        }
+        *mx = block_max;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(*mx))));
+    *lsum = _mm512_add_ps(*lsum, e);
+    return e;
+}
+
 /* The g heads' (G of them, head dim 16 NV) state after the block's n <= 16 keys, given their
  * scaled scores sc[g] (16 lanes, -inf past n) and value rows v[i]: the online softmax's max and
  * per-lane sums, then acc += exp(s - mx) v (an int8 pool's value scales taken into the weights,
@@ -45,20 +68,7 @@ static inline __attribute__((always_inline)) void stream_values(const int G, con
 #endif
     float p[STREAM_MAX_GROUP][STREAM_KEYS] __attribute__((aligned(64)));
     for (int g = 0; g < G; g++) {
-        const float block_max = _mm512_reduce_max_ps(sc[g]);
-        if (block_max > mx[g]) { /* the max grew: rescale what was summed so far */
-            if (mx[g] > -INFINITY) {
-                const float r = expf(mx[g] - block_max);
-                const __m512 rv = _mm512_set1_ps(r);
-                lsum[g] = _mm512_mul_ps(lsum[g], rv);
-                for (int j = 0; j < NV; j++)
-                    _mm512_storeu_ps(acc + g * d + 16 * j,
-                                     _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * j), rv));
-            }
-            mx[g] = block_max;
-        }
-        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx[g]))));
-        lsum[g] = _mm512_add_ps(lsum[g], e);
+        __m512 e = stream_softmax_block(sc[g], valid, acc + g * d, NV, &mx[g], &lsum[g]);
 #if KV_IS_I8
         e = _mm512_mul_ps(e, vscale);
 #endif

@@ -77,20 +77,7 @@ static inline __attribute__((always_inline)) void stream_values_i8(const int G, 
     uint32_t lo[STREAM_MAX_GROUP][4] __attribute__((aligned(16)));
     float step[STREAM_MAX_GROUP];
     for (int g = 0; g < G; g++) {
-        const float block_max = _mm512_reduce_max_ps(sc[g]);
-        if (block_max > mx[g]) { /* the max grew: rescale what was summed so far */
-            if (mx[g] > -INFINITY) {
-                const float r = expf(mx[g] - block_max);
-                const __m512 rv = _mm512_set1_ps(r);
-                lsum[g] = _mm512_mul_ps(lsum[g], rv);
-                for (int j = 0; j < 4 * NB; j++)
-                    _mm512_storeu_ps(acc + g * d + 16 * j,
-                                     _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * j), rv));
-            }
-            mx[g] = block_max;
-        }
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx[g]))));
-        lsum[g] = _mm512_add_ps(lsum[g], e);
+        const __m512 e = stream_softmax_block(sc[g], valid, acc + g * d, 4 * NB, &mx[g], &lsum[g]);
         const __m512 w = _mm512_mul_ps(e, vscale);
         const float wmax = _mm512_reduce_max_ps(w);
         step[g] = wmax / 65535.0f;
