@@ -24,7 +24,10 @@ latency beside the second's shows any work a start deferred to it, beside llama.
 asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
 every timed prompt is new, except the stream's repeats, where only the decode is counted);
 llama.cpp as ``llama-server`` (scripts/peers/llamacpp/): ``-np 1`` for the stream and prefill,
-``-np N`` for N concurrent requests. Prints a table, writes JSON (``--out``).
+``-np N`` for N concurrent requests. ``--interleave-concurrent`` keeps both loaded for the
+concurrent case and times them in turn, repeat by repeat (the order swapped each repeat), so drift
+of the host lands on both sides; the ratio is then the median of each repeat's ratio. Prints a
+table, writes JSON (``--out``).
 
     .venv/bin/python scripts/bench_real_sizes.py                                  # everything
     .venv/bin/python scripts/bench_real_sizes.py --models llama-3.2-1b --formats Q4_K_M \\
@@ -51,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +466,7 @@ def bench_one(
     threads: int | None,
     engine_args: Sequence[tuple[str, Any]],
     llamacpp_args: tuple[str, ...] = (),
+    interleave: bool = False,
 ) -> dict[str, Any]:
     vocab = vocab_size(path)
     entry: dict[str, Any] = {
@@ -472,14 +476,87 @@ def bench_one(
         "weights": step_bytes(path),
         "runs": {},
     }
+    both = "asyncengine" in systems and "llamacpp" in systems and path.suffix == ".gguf"
+    together = interleave and both and bool(plan.concurrency)
+    # interleaved, the concurrent case runs apart from each system's own run
+    own_plan = replace(plan, concurrency=()) if together else plan
+    config = engine_config(path, plan, engine_args)
     if "asyncengine" in systems:
-        config = engine_config(path, plan, engine_args)
-        entry["runs"]["asyncengine"] = asyncio.run(run_asyncengine(config, plan, vocab))
-        print(f"{name} {fmt} asyncengine: {summary(entry['runs']['asyncengine'])}", flush=True)
+        entry["runs"]["asyncengine"] = asyncio.run(run_asyncengine(config, own_plan, vocab))
     if "llamacpp" in systems and path.suffix == ".gguf":
-        entry["runs"]["llamacpp"] = run_llamacpp(path, plan, vocab, threads, llamacpp_args)
-        print(f"{name} {fmt} llamacpp: {summary(entry['runs']['llamacpp'])}", flush=True)
+        entry["runs"]["llamacpp"] = run_llamacpp(path, own_plan, vocab, threads, llamacpp_args)
+    if together:
+        timed = asyncio.run(
+            interleaved_concurrent(config, path, plan, vocab, threads, llamacpp_args)
+        )
+        for system, seconds in timed["seconds"].items():
+            entry["runs"][system]["concurrent_output_tokens_per_second"] = {
+                n: plan.concurrent_output_len * int(n) / median(walls)
+                for n, walls in seconds.items()
+            }
+        entry["interleaved_concurrent"] = timed
+    for system, row in entry["runs"].items():
+        print(f"{name} {fmt} {system}: {summary(row)}", flush=True)
     return entry
+
+
+async def interleaved_concurrent(
+    config: EngineConfig,
+    gguf: Path,
+    plan: Plan,
+    vocab: int,
+    threads: int | None,
+    extra_args: tuple[str, ...],
+) -> dict[str, Any]:
+    """Per N in ``plan.concurrency``: our engine and an ``-np N`` llama-server loaded at once, each
+    repeat timing both in turn (who goes first swapped every repeat); wall seconds per system and
+    the median of the repeats' ours-over-llama.cpp throughput ratios."""
+    from asyncengine.api.engine import AsyncEngine
+
+    seconds: dict[str, dict[str, list[float]]] = {"asyncengine": {}, "llamacpp": {}}
+    ratios: dict[str, float] = {}
+    async with AsyncEngine(config) as engine:
+        await engine.generate(WARMUP_PROMPT, greedy(4))
+        await engine.one_time_work_done()
+
+        async def ours(prompts: list[list[int]]) -> float:
+            start = time.perf_counter()
+            outs = await asyncio.gather(
+                *(engine.generate(p, greedy(plan.concurrent_output_len)) for p in prompts)
+            )
+            if any(len(out.token_ids) != plan.concurrent_output_len for out in outs):
+                raise RuntimeError("asyncengine gave fewer tokens than asked")
+            return time.perf_counter() - start
+
+        for n in plan.concurrency:
+            server = peer_llamacpp.LlamaServer(
+                gguf,
+                parallel=n,
+                threads=threads,
+                context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
+                extra_args=extra_args,
+            )
+            with server:
+                await ours(concurrent_prompts(plan, vocab, n, -1))  # warm-up of this batch size
+                for r in range(plan.repeats):
+                    prompts = concurrent_prompts(plan, vocab, n, r)
+                    requests = [(p, plan.concurrent_output_len) for p in prompts]
+                    walls: dict[str, float] = {}
+                    for system in ("asyncengine", "llamacpp")[:: 1 if r % 2 == 0 else -1]:
+                        if system == "asyncengine":
+                            walls[system] = await ours(prompts)
+                        else:
+                            _, walls[system] = await peer_llamacpp.run_requests(server, requests)
+                    for system, wall in walls.items():
+                        seconds[system].setdefault(str(n), []).append(wall)
+                    print(
+                        f"{n} at once, repeat {r + 1}: ours {walls['asyncengine']:.2f} s, "
+                        f"llama.cpp {walls['llamacpp']:.2f} s",
+                        flush=True,
+                    )
+            pairs = zip(seconds["asyncengine"][str(n)], seconds["llamacpp"][str(n)], strict=True)
+            ratios[str(n)] = median([theirs / ours for ours, theirs in pairs])
+    return {"seconds": seconds, "ratio_median_of_repeats": ratios}
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -513,6 +590,10 @@ def add_bounds(result: dict[str, Any]) -> None:
             ):
                 for n, value in ours[key].items():
                     ratios[label + n] = value / theirs[key][n]
+            for n, ratio in (
+                entry.get("interleaved_concurrent", {}).get("ratio_median_of_repeats", {}).items()
+            ):
+                ratios["concurrent_" + n] = ratio
             ratios["startup"] = ours["startup_seconds"] / theirs["startup_seconds"]
             entry["ours_over_llamacpp"] = ratios
 
@@ -567,6 +648,11 @@ def table(result: dict[str, Any]) -> str:
         f"stream: {plan['prompt_len']}-token prompt, {plan['output_len']} tokens; concurrent: "
         f"{plan['concurrent_prompt_len']} in, {plan['concurrent_output_len']} out each; "
         f"medians of {plan['repeats']}"
+        + (
+            "; concurrent: both loaded, timed in turn"
+            if result.get("interleave_concurrent")
+            else ""
+        )
     )
     return "\n".join(lines)
 
@@ -608,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="an extra llama-server argument (repeatable), e.g. --llamacpp-arg=--no-repack",
     )
+    parser.add_argument(
+        "--interleave-concurrent",
+        action="store_true",
+        help="time the concurrent case with both systems loaded, in turn each repeat (the "
+        "ratio: the median of the repeats' ratios)",
+    )
     parser.add_argument("--bandwidth-mib", type=int, default=512)
     parser.add_argument("--bandwidth-repeats", type=int, default=10)
     parser.add_argument(
@@ -641,23 +733,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
     )
     started = time.time()
-    bench = bench_startup if args.startup_only else bench_one
     entries = []
     for name in args.models:
         paths = models.make(name, args.formats)
         for fmt in args.formats:
-            entries.append(
-                bench(
-                    name,
-                    fmt,
-                    paths[fmt],
-                    plan,
-                    systems,
-                    args.threads,
-                    args.engine_arg,
-                    tuple(args.llamacpp_arg),
-                )  # fmt: skip
-            )
+            common = (name, fmt, paths[fmt], plan, systems, args.threads, args.engine_arg)
+            if args.startup_only:
+                entries.append(bench_startup(*common, tuple(args.llamacpp_arg)))
+            else:
+                entries.append(
+                    bench_one(*common, tuple(args.llamacpp_arg), args.interleave_concurrent)
+                )
     if args.startup_only:
         result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}
         result.update(entries=entries, threads=args.threads or os.cpu_count())
@@ -670,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "entries": entries,
         "bandwidth": {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second},
         "threads": args.threads or os.cpu_count(),
+        "interleave_concurrent": args.interleave_concurrent,
     }
     add_bounds(result)
     return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, table)

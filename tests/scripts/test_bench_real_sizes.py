@@ -154,3 +154,71 @@ def test_context_holds_the_concurrent_requests_without_a_prefill(bench: ModuleTy
         seed=0,
     )
     assert plan.context == 64 + 64 + 1
+
+
+def test_interleaved_ratio_replaces_the_ratio_of_medians(bench: ModuleType) -> None:
+    result = {
+        "bandwidth": {"bytes_per_second": 20e9},
+        "entries": [
+            {
+                "weights": {"bytes": 800_000_000},
+                "runs": {
+                    "asyncengine": _row(20.0, {"32": 150.0}, {}, 3.0),
+                    "llamacpp": _row(16.0, {"32": 50.0}, {}, 2.0),
+                },
+                "interleaved_concurrent": {"ratio_median_of_repeats": {"32": 2.5}},
+            }
+        ],
+    }
+    bench.add_bounds(result)
+    assert result["entries"][0]["ours_over_llamacpp"]["concurrent_32"] == 2.5
+
+
+def test_interleaved_concurrent_times_both_in_turn(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both systems each repeat, who goes first swapped; the ratio is the median of the repeats'."""
+    import asyncio
+
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "cache"))
+    path = bench.models.make("tiny-llama", ["hf"])["hf"]
+    import time
+
+    order: list[str] = []
+    called_at: list[float] = []
+    walls = iter([4.0, 1.0, 9.0])  # llama.cpp's seconds, repeat by repeat
+
+    class FakeServer:
+        def __init__(self, gguf: Path, parallel: int, **_: Any) -> None:
+            assert parallel == 3
+
+        def __enter__(self) -> FakeServer:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            order.append("stopped")
+
+    async def run_requests(server: FakeServer, requests: list[Any]) -> tuple[list[Any], float]:
+        assert len(requests) == 3 and all(n == 5 for _, n in requests)
+        order.append("llamacpp")
+        called_at.append(time.perf_counter())
+        return [], next(walls)
+
+    monkeypatch.setattr(bench.peer_llamacpp, "LlamaServer", FakeServer)
+    monkeypatch.setattr(bench.peer_llamacpp, "run_requests", run_requests)
+    plan = bench.Plan(
+        prompt_len=8, output_len=8, repeats=3, concurrency=(3,), concurrent_prompt_len=10,
+        concurrent_output_len=5, prefill_lens=(), seed=0,
+    )  # fmt: skip
+    config = bench.engine_config(path, plan, [])
+    timed = asyncio.run(bench.interleaved_concurrent(config, path, plan, 1000, None, ()))
+    ours = timed["seconds"]["asyncengine"]["3"]
+    assert timed["seconds"]["llamacpp"]["3"] == [4.0, 1.0, 9.0]
+    assert len(ours) == 3 and all(s > 0 for s in ours)
+    assert order == ["llamacpp", "llamacpp", "llamacpp", "stopped"]
+    # turns: ours, llama.cpp | llama.cpp, ours | ours, llama.cpp: its 1st and 2nd back to back,
+    # our 2nd and 3rd between its 2nd and 3rd
+    assert called_at[1] - called_at[0] < min(ours)
+    assert called_at[2] - called_at[1] >= ours[1] + ours[2]
+    expected = sorted(theirs / mine for mine, theirs in zip(ours, [4.0, 1.0, 9.0], strict=True))
+    assert timed["ratio_median_of_repeats"]["3"] == pytest.approx(expected[1])
