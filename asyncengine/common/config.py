@@ -202,8 +202,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.kv_cache_dtype == "fp8":
             raise bad(
                 "kv_cache_dtype",
-                "no attention kernel here reads an fp8 pool (the Triton and FlashInfer paths "
-                "keep the model's dtype); on a CPU, int8 halves the pool of bfloat16",
+                "no attention kernel here reads an fp8 pool; int8 (a scale per token and head) "
+                "halves a bfloat16 pool, on a CPU and on CUDA with the Triton backend",
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")

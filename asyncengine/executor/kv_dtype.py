@@ -11,7 +11,8 @@
 - ``float16`` beside float32 activations of quantized weights where every native kernel reads
   float16 through F16C on the AVX2 + FMA build (llama.cpp's default K/V type too). AVX-512
   builds read float16 through a slower per-item loop, so they keep float32.
-- the model's dtype otherwise (dense float32 checkpoints, GPUs, deterministic mode).
+- the model's dtype otherwise (dense float32 checkpoints, GPUs: nothing measured there yet,
+  deterministic mode).
 
 An explicit value must be honoured or refused: the model's own dtype always; float16 on a CPU
 beside float32 activations (the kernels' -DKV_F16 builds, or the torch references where no
@@ -20,8 +21,10 @@ dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) 
 CPU beside float32 or bfloat16 activations, with the torch attention backend (the native
 kernels' -DKV_I8 builds; the torch references dequantizing to the queries' dtype where no
 kernel runs), deterministic mode too (its native extend kernel reads int8 rows, its torch
-fallback dequantizes each row alone); the Triton and FlashInfer kernels do not read it, so on
-CUDA it is refused. Which activations each pool sits beside is one rule: kernels/pool_pairs.py.
+fallback dequantizes each row alone); on CUDA beside the same activations with the Triton
+backend (triton or auto: its store kernels quantize, its attention kernels dequantize on
+load), refused for FlashInfer, whose kernels do not read it. Which activations each pool sits
+beside is one rule: kernels/pool_pairs.py.
 Anything else is a ``ConfigError``.
 """
 
@@ -74,16 +77,20 @@ def int8_pool_runs_natively(head_dim: int, backend: str = "auto") -> bool:
 
 def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str:
     """Why an int8 pool cannot be honoured here ("" where it can)."""
-    if device.type != "cpu":
-        return f"on {device.type} no attention kernel reads an int8 pool (CPU only)"
+    if device.type not in ("cpu", "cuda"):
+        return f"on {device.type} no attention kernel reads an int8 pool (CPU or CUDA only)"
     if not pool_fits(torch.int8, dtype):
         model = str(dtype).removeprefix("torch.")
         return (
             f"an int8 pool is read beside {beside_what(torch.int8)} activations only "
             f"(the model runs in {model})"
         )
-    if backend not in ("auto", "torch"):
-        return f"attention_backend {backend!r} does not read an int8 pool (use torch or auto)"
+    readers = ("auto", "torch") if device.type == "cpu" else ("auto", "triton")
+    if backend not in readers:
+        return (
+            f"attention_backend {backend!r} does not read an int8 pool on {device.type} "
+            f"(use {' or '.join(reversed(readers))})"
+        )
     return ""
 
 

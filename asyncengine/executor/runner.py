@@ -186,6 +186,7 @@ class ModelRunner:
                 self.page_size,
                 max_batch_size,
                 self.page_table.max_pages_per_row * self.page_size,
+                self.dtype,
             )
         torch.cuda.synchronize(self.device)
         log.info(
@@ -450,9 +451,10 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
-    """The pool fits the model: its layers and heads, and the model's dtype (or, on a CPU,
-    a narrower pool beside the activations kernels/pool_pairs.py allows)."""
-    narrow = pool.device.type == "cpu" and pool_fits(pool.dtype, dtype)
+    """The pool fits the model: its layers and heads, and the model's dtype (or a narrower pool
+    beside the activations kernels/pool_pairs.py allows: on a CPU, or int8 on a GPU)."""
+    on_cpu = pool.device.type == "cpu"
+    narrow = (on_cpu or pool.dtype == torch.int8) and pool_fits(pool.dtype, dtype)
     expected = (
         config.num_layers,
         config.num_kv_heads,

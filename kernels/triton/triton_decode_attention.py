@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
+from asyncengine.kernels.triton.triton_kv_int8 import is_int8, scales
 from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
@@ -69,6 +71,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -85,6 +89,10 @@ def _decode_split_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -101,6 +109,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -146,7 +155,13 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if INT8:  # each key's scale on its dot products
+            k_scale = tl.load(
+                k_scale_ptr + slot * stride_kss + kv_head * stride_ksh, mask=mask_n, other=0.0
+            )
+            scores = scores * k_scale.to(tl.float32)[None, :]
+        scores = scores * scale_log2
         if SOFTCAP:
             scores = soft_cap(scores, softcap_log2)
         scores = tl.where(mask_n[None, :] & (pos[None, :] >= first_key), scores, float("-inf"))
@@ -161,7 +176,14 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        if INT8:  # each value's scale on its softmax weights
+            v_scale = tl.load(
+                v_scale_ptr + slot * stride_vss + kv_head * stride_vsh, mask=mask_n, other=0.0
+            )
+            pv = p * v_scale.to(tl.float32)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v, input_precision="ieee")
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -286,6 +308,13 @@ def decode_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
+    if cache_head_dim(k_cache) != head_dim or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"q of head dim {head_dim} does not fit caches of {k_cache.dtype} rows "
+            f"{k_cache.shape[-1]} / {v_cache.dtype}"
+        )
+    k_scales, *k_scale_strides = scales(k_cache)
+    v_scales, *v_scale_strides = scales(v_cache)
     group = num_heads // num_kv_heads
     out = _output(q, out)
     if batch == 0:
@@ -314,6 +343,8 @@ def decode_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_table,
         seq_lens,
         out,
@@ -330,6 +361,8 @@ def decode_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *k_scale_strides,
+        *v_scale_strides,
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
@@ -343,6 +376,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype(q.dtype),
         DIRECT=direct,
         SOFTCAP=softcap > 0,
+        INT8=is_int8(k_cache),
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](

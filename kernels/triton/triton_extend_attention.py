@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
+from asyncengine.kernels.triton.triton_kv_int8 import is_int8, scales
 from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
@@ -54,6 +56,8 @@ def _extend_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     block_table_ptr,
     cu_seqlens_q_ptr,
@@ -68,6 +72,10 @@ def _extend_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     stride_on,
     stride_oh,
     stride_bt,
@@ -77,6 +85,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -126,7 +135,13 @@ def _extend_kernel(
                 mask=kv_mask,
                 other=0.0,
             ).to(DOT_DTYPE)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if INT8:  # each key's scale on its dot products
+                k_scale = tl.load(
+                    k_scale_ptr + slot * stride_kss + kv_head * stride_ksh, mask=mask_n, other=0.0
+                )
+                scores = scores * k_scale.to(tl.float32)[None, :]
+            scores = scores * scale_log2
             if SOFTCAP:
                 scores = soft_cap(scores, softcap_log2)
             visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -143,7 +158,14 @@ def _extend_kernel(
                 mask=kv_mask,
                 other=0.0,
             ).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+            if INT8:  # each value's scale on its softmax weights
+                v_scale = tl.load(
+                    v_scale_ptr + slot * stride_vss + kv_head * stride_vsh, mask=mask_n, other=0.0
+                )
+                pv = p * v_scale.to(tl.float32)[None, :]
+            else:
+                pv = p
+            acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v, input_precision="ieee")
             m_i = m_new
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -185,6 +207,13 @@ def extend_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
+    if cache_head_dim(k_cache) != head_dim or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"q of head dim {head_dim} does not fit caches of {k_cache.dtype} rows "
+            f"{k_cache.shape[-1]} / {v_cache.dtype}"
+        )
+    k_scales, *k_scale_strides = scales(k_cache)
+    v_scales, *v_scale_strides = scales(v_cache)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
@@ -206,6 +235,8 @@ def extend_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         out,
         block_table,
         cu_seqlens_q,
@@ -220,6 +251,8 @@ def extend_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *k_scale_strides,
+        *v_scale_strides,
         out.stride(0),
         out.stride(1),
         block_table.stride(0),
@@ -229,5 +262,6 @@ def extend_attention(
         BLOCK_D=max(next_power_of_2(head_dim), 16),
         DOT_DTYPE=dot_dtype(q.dtype),
         SOFTCAP=softcap > 0,
+        INT8=is_int8(k_cache),
     )
     return out

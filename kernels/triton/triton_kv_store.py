@@ -1,4 +1,8 @@
-"""KV store in Triton: write the new tokens' K and V into the paged pool at their slots."""
+"""KV store in Triton: write the new tokens' K and V into the paged pool at their slots.
+
+A pool of the activations' float type takes the rows as they are (cast); an int8 pool takes
+each head's row quantized with its scale beside it (triton_kv_int8.py, kv_int8_ref.py's bits).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
+from asyncengine.kernels.triton.triton_kv_int8 import is_int8, quantize, row_scale, scales
 from asyncengine.kernels.triton.triton_utils import check_device, next_power_of_2
 
 MAX_BLOCK = 2048
@@ -53,6 +59,61 @@ def _store_kv_kernel(
         )
 
 
+@triton.jit
+def _store_row_int8(x_ptr, cache_ptr, scale_ptr, offs, mask):  # type: ignore[no-untyped-def]
+    """One head's row quantized into the int8 pool, its scale into the scale view."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(x), 0))
+    tl.store(cache_ptr + offs, quantize(x, scale).to(tl.int8), mask=mask)
+    tl.store(scale_ptr, scale.to(tl.bfloat16))
+
+
+@triton.jit
+def _store_kv_int8_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_mapping_ptr,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # a negative slot is a padding token
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < HEAD_DIM
+        _store_row_int8(
+            k_ptr + token * stride_kn + head * stride_kh,
+            k_cache_ptr + slot * stride_kcs + head * stride_kch,
+            k_scale_ptr + slot * stride_kss + head * stride_ksh,
+            offs,
+            mask,
+        )
+        _store_row_int8(
+            v_ptr + token * stride_vn + head * stride_vh,
+            v_cache_ptr + slot * stride_vcs + head * stride_vch,
+            v_scale_ptr + slot * stride_vss + head * stride_vsh,
+            offs,
+            mask,
+        )
+
+
 def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -60,7 +121,8 @@ def store_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k_cache/v_cache ``[S, Hkv, D]`` get k/v ``[N, Hkv, D]`` at rows slot_mapping ``[N]``.
+    """k_cache/v_cache ``[S, Hkv, D]`` (int8: ``[S, Hkv, D + 2]``) get k/v ``[N, Hkv, D]`` at
+    rows slot_mapping ``[N]``.
 
     In place. Tokens whose slot is negative are skipped (padding).
     """
@@ -71,6 +133,19 @@ def store_kv(
     for tensor in (k_cache, v_cache, k, v):
         if tensor.stride(-1) != 1:
             raise ValueError("the head dimension of k, v and the caches must be contiguous")
+    if cache_head_dim(k_cache) != head_dim:
+        raise ValueError(f"rows of {head_dim} do not fit a pool of rows {k_cache.shape[-1]}")
+    if is_int8(k_cache):
+        k_scales, *k_scale_strides = scales(k_cache)
+        v_scales, *v_scale_strides = scales(v_cache)
+        _store_kv_int8_kernel[(num_tokens, num_kv_heads)](
+            k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            *k_scale_strides, *v_scale_strides,
+            HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), num_warps=1,
+        )  # fmt: skip
+        return
     num_elements = num_kv_heads * head_dim
     block = min(next_power_of_2(num_elements), MAX_BLOCK)
     grid = (num_tokens, triton.cdiv(num_elements, block))

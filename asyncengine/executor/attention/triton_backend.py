@@ -5,6 +5,11 @@ Per layer: one KV-store launch, one extend launch over the extend tokens, one de
 that does not change between layers (the longest extend, the decode split count) is fixed once
 per forward, so no layer reads a value back from the device. The split count needs the number
 of KV heads, which the batch does not carry: the first layer computes it from its cache.
+
+The pool is in the model's dtype or int8 (kv_cache_dtype = int8): the store kernels quantize
+each head's row with its scale beside it (kernels/reference/kv_int8_ref.py's layout and
+rounding), the attention kernels take each key's scale on its dot products and each value's on
+its softmax weights.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from asyncengine.executor.attention.torch_backend import PLAIN, AttentionBackend, AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
+from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
 from asyncengine.kernels.triton.triton_decode_attention import (
     CONTEXT_BUCKETS,
     choose_num_splits,
@@ -58,16 +64,18 @@ class TritonBackend(AttentionBackend):
         page_size: int,
         max_batch_size: int,
         max_context: int,
+        dtype: torch.dtype | None = None,
     ) -> list[WarmUpRun]:
-        """Run each attention kernel once per autotuning key a server can reach.
+        """Run each attention kernel once per autotuning key a server can reach, with queries
+        of ``dtype`` (the model's; default: the pool's).
 
         Autotuning benchmarks every config the first time a key is seen; without this the
         first requests of each length class pay it (seconds on a fresh process). Reads pool
         pages, writes none. Returns the runs made, one per key.
         """
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        num_kv_heads, head_dim = k_cache.shape[1], cache_head_dim(k_cache)
         num_pages = max(k_cache.shape[0] // page_size, 1)
-        device, dtype = k_cache.device, k_cache.dtype
+        device, dtype = k_cache.device, dtype or k_cache.dtype
         scale = head_dim**-0.5
         lengths = sorted(
             {min(n, max_context) for n in (page_size, 256, *CONTEXT_BUCKETS, *Q_LEN_BUCKETS)}

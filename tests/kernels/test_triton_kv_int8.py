@@ -1,0 +1,265 @@
+"""The Triton kernels over an int8 K/V pool, under the Triton interpreter (CPU), and compiled for
+sm_90 without a GPU.
+
+The store kernels against kernels/reference/kv_int8_ref.py bit for bit (values and scales); the
+attention kernels against the torch references reading the same int8 pool (which dequantize it
+to float32 first), within 1e-4 (float32 queries: the interpreter's dots are float32; the kernels
+take the scales on the dot products instead, so only the order of the float32 rounding
+differs). Unwritten pool rows hold -1 bytes, whose scale is a bfloat16 NaN: a kernel that reads a
+key it should not see fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before triton loads (tests/conftest.py sets it too): run the kernels in the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import textwrap
+
+import pytest
+import torch
+
+from asyncengine.kernels.reference import attention_ref, kv_int8_ref
+from asyncengine.kernels.triton.triton_decode_attention import decode_attention
+from asyncengine.kernels.triton.triton_extend_attention import extend_attention
+from asyncengine.kernels.triton.triton_kv_store import store_kv
+from asyncengine.kernels.triton.triton_rotary_store import rotary_store
+from tests.kernels.test_triton_kernels import PagedKV
+from tests.python_subprocess import run_python
+
+I8 = torch.int8
+ATOL = RTOL = 1e-4
+
+
+def unwritten_pool(num_slots: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """An int8 pool layer whose every row reads as NaN (scale bytes 0xFFFF) until written."""
+    return torch.full((num_slots, num_kv_heads, head_dim + kv_int8_ref.SCALE_BYTES), -1, dtype=I8)
+
+
+def int8_paged_kv(
+    seq_lens: list[int], num_kv_heads: int, head_dim: int, page_size: int, gen: torch.Generator
+) -> PagedKV:
+    """Requests' pages drawn shuffled from an int8 pool with spare pages; rows of several
+    magnitudes (per-row scales that differ), one all-zero row (scale 0)."""
+    pages_needed = [-(-length // page_size) for length in seq_lens]
+    num_pages = sum(pages_needed) + 3
+    order = torch.randperm(num_pages, generator=gen)
+    block_table = torch.zeros((len(seq_lens), max(pages_needed)), dtype=torch.int32)
+    k_cache = unwritten_pool(num_pages * page_size, num_kv_heads, head_dim)
+    v_cache = k_cache.clone()
+    taken = 0
+    for b, (length, count) in enumerate(zip(seq_lens, pages_needed, strict=True)):
+        pages = order[taken : taken + count]
+        taken += count
+        block_table[b, :count] = pages.to(torch.int32)
+        positions = torch.arange(length)
+        slots = pages[positions // page_size] * page_size + positions % page_size
+        for cache in (k_cache, v_cache):
+            magnitude = torch.rand((length, num_kv_heads, 1), generator=gen) * 4 + 0.1
+            rows = torch.randn((length, num_kv_heads, head_dim), generator=gen) * magnitude
+            rows[0, 0] = 0.0
+            cache[slots] = kv_int8_ref.quantize_kv(rows)
+    return PagedKV(k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32))
+
+
+# --- stores: the reference's bits --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (3, 128), (2, 64)])
+def test_store_kv_quantizes_as_the_reference(
+    dtype: torch.dtype, num_kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
+    num_tokens, num_slots = 9, 14
+    # k and v as strided views of one fused projection output, as the model produces them.
+    kv = torch.randn((num_tokens, 2 * num_kv_heads * head_dim + 3), generator=gen)
+    kv = (kv * torch.rand((num_tokens, 1), generator=gen) * 8).to(dtype)
+    kv[1] = 0.0  # zero rows: scale 0, values 0
+    kv[2, :head_dim] = 0.5 * torch.arange(head_dim)  # exact halves: rounding to even shows
+    k = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = kv[:, num_kv_heads * head_dim : -3].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[4] = -1  # a padding token: stored nowhere
+    k_cache = unwritten_pool(num_slots, num_kv_heads, head_dim)
+    v_cache = k_cache.clone()
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    kv_int8_ref.store_kv_int8(k_want, v_want, k[keep], v[keep], slots[keep])
+
+    store_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, k_want)
+    assert torch.equal(v_cache, v_want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(3, 1, 64), (8, 2, 128), (4, 4, 64)]
+)
+def test_rotary_store_quantizes_the_rows_it_would_store(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Into an int8 pool, the fused kernel stores kv_int8_ref's quantization of the rows it
+    stores into a pool of qkv's dtype (the rotated keys as rounded to that dtype), and rotates
+    q the same."""
+    gen = torch.Generator().manual_seed(num_heads * head_dim)
+    num_tokens, num_slots = 5, 16
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn((num_tokens, width), generator=gen) * 3).to(dtype)
+    angles = torch.rand((100, head_dim // 2), generator=gen) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 100, (num_tokens,), generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[0] = -1
+
+    float_k = torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype)
+    float_v = float_k.clone()
+    q_float = rotary_store(
+        qkv.clone(), num_heads, num_kv_heads, positions, cos_sin, float_k, float_v, slots
+    )
+    k_cache = unwritten_pool(num_slots, num_kv_heads, head_dim)
+    v_cache = k_cache.clone()
+    q = rotary_store(qkv, num_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slots)
+
+    assert torch.equal(q, q_float)
+    written = slots[slots >= 0]
+    unwritten = torch.ones(num_slots, dtype=torch.bool)
+    unwritten[written] = False
+    for got, rows in ((k_cache, float_k), (v_cache, float_v)):
+        assert torch.equal(got[written], kv_int8_ref.quantize_kv(rows[written]))
+        assert got[unwritten].eq(-1).all()
+
+
+# --- attention: dequantized on load ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "page_size", "num_splits"),
+    [(64, 1, 16, None), (128, 4, 1, 3), (64, 8, 16, 2), (128, 8, 5, 1)],
+)
+def test_decode_attention_over_int8_matches_the_reference(
+    head_dim: int, group: int, page_size: int, num_splits: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim + group)
+    seq_lens = [33, 1, 17, 70]  # not multiples of the page
+    kv = int8_paged_kv(seq_lens, 2, head_dim, page_size, gen)
+    q = torch.randn((len(seq_lens), 2 * group, head_dim), generator=gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5)
+    got = decode_attention(*args, num_splits=num_splits)
+    want = attention_ref.decode_attention(*args)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("head_dim", "group", "page_size"), [(64, 1, 16), (128, 4, 1), (64, 8, 7)])
+def test_extend_attention_over_int8_matches_the_reference(
+    head_dim: int, group: int, page_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim * group)
+    lengths = [(5, 20), (0, 9), (16, 1)]  # (cached prefix, new tokens)
+    q_lens = [new for _, new in lengths]
+    kv = int8_paged_kv([p + n for p, n in lengths], 2, head_dim, page_size, gen)
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn((sum(q_lens), 2 * group, head_dim), generator=gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, cu_seqlens_q, kv.seq_lens, page_size)
+    got = extend_attention(*args, head_dim**-0.5)
+    want = attention_ref.extend_attention(*args, head_dim**-0.5)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_int8_attention_with_window_and_softcap_matches_the_reference() -> None:
+    gen = torch.Generator().manual_seed(8)
+    options = {"window": 20, "softcap": 0.8}
+    kv = int8_paged_kv([1, 9, 40, 70], 2, 64, 16, gen)
+    q = torch.randn((4, 6, 64), generator=gen) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125)
+    want = attention_ref.decode_attention(*args, **options)
+    for splits in (1, 3):
+        got = decode_attention(*args, num_splits=splits, **options)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+    q_lens = [3, 18, 40]
+    kv = int8_paged_kv([21, 18, 56], 2, 64, 16, gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn((sum(q_lens), 6, 64), generator=gen) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, cu, kv.seq_lens, 16, 0.125)
+    want = attention_ref.extend_attention(*args, **options)
+    torch.testing.assert_close(extend_attention(*args, **options), want, atol=ATOL, rtol=RTOL)
+
+
+def test_attention_refuses_queries_that_do_not_fit_the_pool_rows() -> None:
+    pool = unwritten_pool(16, 1, 64)
+    q = torch.zeros((1, 2, 66))  # the int8 row's width, not its head dim
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention(q, pool, pool, table, torch.tensor([3], dtype=torch.int32), 16, 0.1)
+
+
+# --- GPU code generation without a GPU ---------------------------------------------------------
+
+_COMPILE_INT8_FOR_SM90 = textwrap.dedent(
+    """
+    import warnings
+    warnings.filterwarnings("ignore")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.autotuner import Autotuner
+    import triton.language as tl
+
+    from asyncengine.kernels.triton import triton_decode_attention, triton_extend_attention
+    from asyncengine.kernels.triton import triton_kv_store, triton_rotary_store
+
+    POINTERS = {
+        "k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "mid_out_ptr": "*fp32",
+        "mid_lse_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "cu_seqlens_q_ptr": "*i32", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64",
+        "cache_ptr": "*fp32",
+    }
+
+    def compile_for_sm90(kernel, constants, num_warps=4, num_stages=2):
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        signature = {
+            name: "constexpr" if name in constants
+            else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
+            else "fp32" if name == "scale_log2" else "i32"
+            for name in fn.arg_names
+        }
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+        assert compiled.asm["ptx"], fn.__name__
+        print("compiled", fn.__name__)
+
+    bf16 = tl.bfloat16
+    compile_for_sm90(
+        triton_decode_attention._decode_split_kernel,
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, DOT_DTYPE=bf16, DIRECT=False,
+             INT8=True, BLOCK_N=64),
+        num_stages=3,
+    )
+    compile_for_sm90(
+        triton_extend_attention._extend_kernel,
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=bf16, INT8=True,
+             BLOCK_M=128, BLOCK_N=64),
+        num_warps=8, num_stages=3,
+    )
+    compile_for_sm90(triton_kv_store._store_kv_int8_kernel, dict(HEAD_DIM=128, BLOCK_D=128), 1)
+    compile_for_sm90(
+        triton_rotary_store._rotary_store_kernel,
+        dict(HEAD_DIM=64, HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, INT8=True),
+    )
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_int8_kernels_compile_for_sm90() -> None:
+    """Triton's own compiler and ptxas (shipped in the wheel) build the int8 variants."""
+    stdout = run_python(_COMPILE_INT8_FOR_SM90, timeout=300)
+    assert stdout.count("compiled") == 4, stdout
