@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # checkpoint's weights per output row at load (CPU kernels only)
 QUANTIZATIONS = ("auto", "none", "int8")
 # the K/V pool's element (asyncengine/executor/kv_dtype.py says what auto picks and what is refused)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 # attention backends (asyncengine/executor/attention/selector.py says what each needs)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -199,12 +199,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
-        if self.kv_cache_dtype == "fp8":
-            raise bad(
-                "kv_cache_dtype",
-                "no attention kernel here reads an fp8 pool; int8 (a scale per token and head) "
-                "halves a bfloat16 pool, on a CPU and on CUDA with the Triton backend",
-            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.device not in DEVICES:

@@ -21,15 +21,19 @@ dtype). ``int8`` (a scale per token and head: kernels/reference/kv_int8_ref.py) 
 CPU beside float32 or bfloat16 activations, with the torch attention backend (the native
 kernels' -DKV_I8 builds; the torch references dequantizing to the queries' dtype where no
 kernel runs), deterministic mode too (its native extend kernel reads int8 rows, its torch
-fallback dequantizes each row alone); on CUDA beside the same activations with the Triton
-backend (triton or auto: its store kernels quantize, its attention kernels dequantize on
-load), refused for FlashInfer, whose kernels do not read it. Which activations each pool sits
-beside is one rule: kernels/pool_pairs.py.
+fallback dequantizes each row alone); on CUDA beside the same activations where the Triton
+kernels attend (attention_backend triton, or auto with Triton installed; not in deterministic
+mode, which runs torch's): their store kernels quantize, their attention kernels dequantize on
+load. FlashInfer's kernels do not read it. ``fp8`` (e4m3 values with the same scales:
+kernels/reference/kv_fp8_ref.py) likewise on CUDA only, on GPUs of compute capability 8.9 or
+newer (Ada, Hopper and later convert e4m3 in hardware). Which activations each pool sits beside
+is one rule: kernels/pool_pairs.py.
 Anything else is a ``ConfigError``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 
 import torch
@@ -39,12 +43,14 @@ from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_features
 from asyncengine.kernels.pool_pairs import beside_what, pool_fits
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
+from asyncengine.kernels.reference.kv_int8_ref import SCALED_POOLS
 
 KV_DTYPE_NAMES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
 }
 
 _AVX512, _AVX2 = 1, 4  # extend_kernel_features bits
@@ -75,21 +81,57 @@ def int8_pool_runs_natively(head_dim: int, backend: str = "auto") -> bool:
     )
 
 
-def _int8_refusal(device: torch.device, dtype: torch.dtype, backend: str) -> str:
-    """Why an int8 pool cannot be honoured here ("" where it can)."""
+def _triton_reads(device: torch.device, backend: str, deterministic: bool) -> str:
+    """Why the Triton kernels would not attend on ``device`` ("" where they would)."""
+    if deterministic:
+        return f"deterministic mode on {device.type} runs the torch attention backend"
+    resolved = "triton" if backend == "auto" and importlib.util.find_spec("triton") else backend
+    if resolved == "triton":
+        return ""
+    return f"attention_backend {backend!r} does not read it (use triton, or auto with Triton)"
+
+
+def _fp8_capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability: e4m3 conversions in hardware from 8.9 (Ada, Hopper)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def _scaled_refusal(
+    wanted: torch.dtype, device: torch.device, dtype: torch.dtype, backend: str, deterministic: bool
+) -> str:
+    """Why a pool of int8 or fp8 rows with their scales cannot be honoured here ("" where it
+    can)."""
+    name = "int8" if wanted == torch.int8 else "fp8"
+    if wanted != torch.int8 and device.type != "cuda":
+        return (
+            f"on {device.type} no attention kernel reads an fp8 pool (CUDA with the Triton "
+            "backend only; int8 halves a bfloat16 pool on a CPU too)"
+        )
     if device.type not in ("cpu", "cuda"):
         return f"on {device.type} no attention kernel reads an int8 pool (CPU or CUDA only)"
-    if not pool_fits(torch.int8, dtype):
+    if not pool_fits(wanted, dtype):
         model = str(dtype).removeprefix("torch.")
         return (
-            f"an int8 pool is read beside {beside_what(torch.int8)} activations only "
+            f"an {name} pool is read beside {beside_what(wanted)} activations only "
             f"(the model runs in {model})"
         )
-    readers = ("auto", "torch") if device.type == "cpu" else ("auto", "triton")
-    if backend not in readers:
+    if device.type == "cpu":
+        if backend in ("auto", "torch"):
+            return ""
         return (
-            f"attention_backend {backend!r} does not read an int8 pool on {device.type} "
-            f"(use {' or '.join(reversed(readers))})"
+            f"attention_backend {backend!r} does not read an int8 pool on cpu (use torch or auto)"
+        )
+    why = _triton_reads(device, backend, deterministic)
+    if why:
+        return f"on cuda only the Triton kernels read an {name} pool: {why}"
+    if wanted == torch.int8:
+        return ""
+    major, minor = _fp8_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"an fp8 (e4m3) pool needs a GPU of compute capability 8.9 or newer (this one is "
+            f"{major}.{minor}); int8 halves the pool there too"
         )
     return ""
 
@@ -120,8 +162,8 @@ def pick_kv_dtype(
             f"{', '.join(KV_DTYPE_NAMES)}"
         )
     wanted = KV_DTYPE_NAMES[name]
-    if wanted == torch.int8:
-        why = _int8_refusal(device, dtype, backend)
+    if wanted in SCALED_POOLS:
+        why = _scaled_refusal(wanted, device, dtype, backend, deterministic)
         if why:
             raise ConfigError(f"config key 'kv_cache_dtype' = {name!r}: {why}")
         return wanted

@@ -37,6 +37,7 @@ from asyncengine.executor.sampler import Sampler
 from asyncengine.kernels.cpu.plan_threads import planning_for
 from asyncengine.kernels.pool_pairs import pool_fits
 from asyncengine.kernels.quant_formats import F32, QuantizedTensor
+from asyncengine.kernels.reference.kv_int8_ref import SCALED_POOLS
 from asyncengine.speculative.acceptance import accepted_prefix
 
 if TYPE_CHECKING:
@@ -452,9 +453,9 @@ def rows_with_logits(plan: BatchPlan, device: torch.device) -> torch.Tensor:
 
 def _check_pool(config: ModelConfig, pool: KVPool, dtype: torch.dtype) -> None:
     """The pool fits the model: its layers and heads, and the model's dtype (or a narrower pool
-    beside the activations kernels/pool_pairs.py allows: on a CPU, or int8 on a GPU)."""
+    beside the activations kernels/pool_pairs.py allows: on a CPU, or int8 / fp8 on a GPU)."""
     on_cpu = pool.device.type == "cpu"
-    narrow = (on_cpu or pool.dtype == torch.int8) and pool_fits(pool.dtype, dtype)
+    narrow = (on_cpu or pool.dtype in SCALED_POOLS) and pool_fits(pool.dtype, dtype)
     expected = (
         config.num_layers,
         config.num_kv_heads,

@@ -30,9 +30,9 @@ from asyncengine.sim.lora_cost import LoraCharges
 DEFAULT_SPEC = ModelSpec(
     max_model_len=8192, vocab_size=49152, eos_token_ids=(0,), kv_bytes_per_token=30 * 3 * 64 * 2 * 2
 )
-# bytes of one K or V value by kv_cache_dtype ("auto": the default model's bfloat16); an int8
-# row also carries a 2-byte scale per token and head (kernels/reference/kv_int8_ref.py)
-KV_VALUE_BYTES = {"auto": 2, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# bytes of one K or V value by kv_cache_dtype ("auto": the default model's bfloat16); an int8 or
+# fp8 row also carries a 2-byte scale per token and head (kernels/reference/kv_int8_ref.py)
+KV_VALUE_BYTES = {"auto": 2, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
 INT8_SCALE_BYTES = 2
 
 
@@ -40,7 +40,7 @@ def default_kv_bytes_per_token(kv_cache_dtype: str) -> int:
     """K + V bytes of one token of the default model in a pool of ``kv_cache_dtype``."""
     layers, kv_heads, head_dim = 30, 3, 64
     row = head_dim * KV_VALUE_BYTES[kv_cache_dtype]
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in ("int8", "fp8"):
         row += INT8_SCALE_BYTES
     return 2 * layers * kv_heads * row
 

@@ -14,17 +14,20 @@ import torch
 
 SCALE_BYTES = 2
 INT8 = torch.int8
+# pools of one-byte values whose rows carry their scale so: int8, and fp8 e4m3 (kv_fp8_ref.py)
+SCALED_POOLS = (INT8, torch.float8_e4m3fn)
 
 
 def pool_row(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one head's row in a pool of ``dtype`` (int8: the values and their scale)."""
-    return head_dim + SCALE_BYTES if dtype == INT8 else head_dim
+    """Elements of one head's row in a pool of ``dtype`` (int8, fp8: the values and their
+    scale)."""
+    return head_dim + SCALE_BYTES if dtype in SCALED_POOLS else head_dim
 
 
 def cache_head_dim(cache: torch.Tensor) -> int:
-    """The head dim of a pool layer [S, Hkv, row] (an int8 row carries its scale too)."""
+    """The head dim of a pool layer [S, Hkv, row] (an int8 or fp8 row carries its scale too)."""
     row = cache.shape[-1]
-    return row - SCALE_BYTES if cache.dtype == INT8 else row
+    return row - SCALE_BYTES if cache.dtype in SCALED_POOLS else row
 
 
 def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -46,12 +49,12 @@ def quantize_kv(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
-    """int8 [..., D + 2] -> their scales, float32 [..., 1]."""
+    """int8 (or fp8) [..., D + 2] -> their scales, float32 [..., 1]."""
     return rows[..., -SCALE_BYTES:].contiguous().view(torch.bfloat16).to(torch.float32)
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8 [..., D + 2] -> [..., D] in ``dtype``."""
+    """int8 (or fp8) [..., D + 2] -> [..., D] in ``dtype``."""
     values = rows[..., :-SCALE_BYTES].to(torch.float32) * row_scales(rows)
     return values.to(dtype)
 

@@ -29,5 +29,7 @@ def copy_kv_slots(
     """Rows ``copies[0]`` of k_cache/v_cache [S, Hkv, D] copied to rows ``copies[1]`` [C]
     (int64), in place; no row is both a source and a destination."""
     source, destination = copies
+    if k_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel: copy the bytes
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
     k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
     v_cache.index_copy_(0, destination, v_cache.index_select(0, source))

@@ -16,6 +16,9 @@ the values of ``seq_lens``, so the launch needs no device-to-host sync and can b
 CUDA graph; each request divides its own length among the splits inside the kernel (with a
 sliding window, only the keys inside it). Soft-capping maps the scaled scores s to
 softcap * tanh(s / softcap) before the softmax.
+An int8 or fp8 pool (rows of one-byte values and their scales: triton_kv_quant.py) is read as
+its values in the dot's operand type, each key's scale taken on its dot products and each
+value's on its softmax weights.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
-from asyncengine.kernels.triton.triton_kv_int8 import is_int8, scales
+from asyncengine.kernels.triton.triton_kv_quant import is_quantized, scales
 from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
@@ -109,7 +112,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    INT8: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -156,7 +159,7 @@ def _decode_split_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if INT8:  # each key's scale on its dot products
+        if QUANTIZED:  # each key's scale on its dot products
             k_scale = tl.load(
                 k_scale_ptr + slot * stride_kss + kv_head * stride_ksh, mask=mask_n, other=0.0
             )
@@ -176,7 +179,7 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(DOT_DTYPE)
-        if INT8:  # each value's scale on its softmax weights
+        if QUANTIZED:  # each value's scale on its softmax weights
             v_scale = tl.load(
                 v_scale_ptr + slot * stride_vss + kv_head * stride_vsh, mask=mask_n, other=0.0
             )
@@ -295,8 +298,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged KV (incl. its own new token).
 
-    q ``[B, H, D]``; k_cache, v_cache ``[S, Hkv, D]``; block_table ``[B, P]`` int32;
-    seq_lens ``[B]`` int32. Returns ``[B, H, D]`` in ``q.dtype``. ``num_splits`` overrides the
+    q ``[B, H, D]``; k_cache, v_cache ``[S, Hkv, D]`` (int8, fp8: ``[S, Hkv, D + 2]``);
+    block_table ``[B, P]`` int32; seq_lens ``[B]`` int32. Returns ``[B, H, D]`` in ``q.dtype``. ``num_splits`` overrides the
     split-K heuristic (tests use it to exercise the merge); ``out`` (``[B, H, D]``, last dim
     contiguous) receives the result instead of a new tensor. Rows with ``seq_lens == 0`` give 0.
     ``window``: keys the query sees, itself included (0: all); ``softcap``: 0 off.
@@ -376,7 +379,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype(q.dtype),
         DIRECT=direct,
         SOFTCAP=softcap > 0,
-        INT8=is_int8(k_cache),
+        QUANTIZED=is_quantized(k_cache),
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](

@@ -8,6 +8,9 @@ gives each request's rows of ``q``, ``seq_lens`` its total KV length (prefix + n
 A sliding window (``window`` > 0: a query at p sees keys p - window + 1 .. p) starts each
 program at the first key block its queries can see; soft-capping (``softcap`` > 0) maps the
 scaled scores s to softcap * tanh(s / softcap) before the softmax.
+An int8 or fp8 pool (rows of one-byte values and their scales: triton_kv_quant.py) is read as
+its values in the dot's operand type, each key's scale taken on its dot products and each
+value's on its softmax weights.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
-from asyncengine.kernels.triton.triton_kv_int8 import is_int8, scales
+from asyncengine.kernels.triton.triton_kv_quant import is_quantized, scales
 from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
@@ -85,7 +88,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    INT8: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -136,7 +139,7 @@ def _extend_kernel(
                 other=0.0,
             ).to(DOT_DTYPE)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if INT8:  # each key's scale on its dot products
+            if QUANTIZED:  # each key's scale on its dot products
                 k_scale = tl.load(
                     k_scale_ptr + slot * stride_kss + kv_head * stride_ksh, mask=mask_n, other=0.0
                 )
@@ -158,7 +161,7 @@ def _extend_kernel(
                 mask=kv_mask,
                 other=0.0,
             ).to(DOT_DTYPE)
-            if INT8:  # each value's scale on its softmax weights
+            if QUANTIZED:  # each value's scale on its softmax weights
                 v_scale = tl.load(
                     v_scale_ptr + slot * stride_vss + kv_head * stride_vsh, mask=mask_n, other=0.0
                 )
@@ -193,8 +196,9 @@ def extend_attention(
 ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their paged prefix and themselves.
 
-    q ``[N, H, D]`` ragged by cu_seqlens_q ``[B+1]`` int32; seq_lens ``[B]`` int32 (total KV
-    length incl. the new tokens); query ``i`` of request ``b`` sits at position
+    q ``[N, H, D]`` ragged by cu_seqlens_q ``[B+1]`` int32; k_cache, v_cache ``[S, Hkv, D]``
+    (int8, fp8: ``[S, Hkv, D + 2]``); seq_lens ``[B]`` int32 (total KV length incl. the new
+    tokens); query ``i`` of request ``b`` sits at position
     ``seq_lens[b] - q_len[b] + i``. Returns ``[N, H, D]`` in ``q.dtype``. Pass ``max_q_len``
     (the longest request's new tokens) when known to avoid a device-to-host read; ``out``
     (``[N, H, D]``, last dim contiguous) receives the result instead of a new tensor.
@@ -262,6 +266,6 @@ def extend_attention(
         BLOCK_D=max(next_power_of_2(head_dim), 16),
         DOT_DTYPE=dot_dtype(q.dtype),
         SOFTCAP=softcap > 0,
-        INT8=is_int8(k_cache),
+        QUANTIZED=is_quantized(k_cache),
     )
     return out

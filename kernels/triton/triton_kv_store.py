@@ -1,7 +1,8 @@
 """KV store in Triton: write the new tokens' K and V into the paged pool at their slots.
 
-A pool of the activations' float type takes the rows as they are (cast); an int8 pool takes
-each head's row quantized with its scale beside it (triton_kv_int8.py, kv_int8_ref.py's bits).
+A pool of the activations' float type takes the rows as they are (cast); an int8 or fp8 pool
+takes each head's row quantized with its scale beside it (triton_kv_quant.py: the bits of
+kv_int8_ref.py / kv_fp8_ref.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
-from asyncengine.kernels.triton.triton_kv_int8 import is_int8, quantize, row_scale, scales
+from asyncengine.kernels.triton.triton_kv_quant import is_quantized, quantize, row_scale, scales
 from asyncengine.kernels.triton.triton_utils import check_device, next_power_of_2
 
 MAX_BLOCK = 2048
@@ -60,16 +61,17 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _store_row_int8(x_ptr, cache_ptr, scale_ptr, offs, mask):  # type: ignore[no-untyped-def]
-    """One head's row quantized into the int8 pool, its scale into the scale view."""
+def _store_row_quantized(x_ptr, cache_ptr, scale_ptr, offs, mask):  # type: ignore[no-untyped-def]
+    """One head's row quantized into the pool, its scale into the scale view."""
+    pool = cache_ptr.dtype.element_ty
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = row_scale(tl.max(tl.abs(x), 0))
-    tl.store(cache_ptr + offs, quantize(x, scale).to(tl.int8), mask=mask)
+    scale = row_scale(tl.max(tl.abs(x), 0), pool)
+    tl.store(cache_ptr + offs, quantize(x, scale, pool), mask=mask)
     tl.store(scale_ptr, scale.to(tl.bfloat16))
 
 
 @triton.jit
-def _store_kv_int8_kernel(
+def _store_kv_quantized_kernel(
     k_ptr,
     v_ptr,
     k_cache_ptr,
@@ -98,14 +100,14 @@ def _store_kv_int8_kernel(
     if slot >= 0:  # a negative slot is a padding token
         offs = tl.arange(0, BLOCK_D)
         mask = offs < HEAD_DIM
-        _store_row_int8(
+        _store_row_quantized(
             k_ptr + token * stride_kn + head * stride_kh,
             k_cache_ptr + slot * stride_kcs + head * stride_kch,
             k_scale_ptr + slot * stride_kss + head * stride_ksh,
             offs,
             mask,
         )
-        _store_row_int8(
+        _store_row_quantized(
             v_ptr + token * stride_vn + head * stride_vh,
             v_cache_ptr + slot * stride_vcs + head * stride_vch,
             v_scale_ptr + slot * stride_vss + head * stride_vsh,
@@ -121,7 +123,7 @@ def store_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k_cache/v_cache ``[S, Hkv, D]`` (int8: ``[S, Hkv, D + 2]``) get k/v ``[N, Hkv, D]`` at
+    """k_cache/v_cache ``[S, Hkv, D]`` (int8, fp8: ``[S, Hkv, D + 2]``) get k/v ``[N, Hkv, D]`` at
     rows slot_mapping ``[N]``.
 
     In place. Tokens whose slot is negative are skipped (padding).
@@ -135,10 +137,10 @@ def store_kv(
             raise ValueError("the head dimension of k, v and the caches must be contiguous")
     if cache_head_dim(k_cache) != head_dim:
         raise ValueError(f"rows of {head_dim} do not fit a pool of rows {k_cache.shape[-1]}")
-    if is_int8(k_cache):
+    if is_quantized(k_cache):
         k_scales, *k_scale_strides = scales(k_cache)
         v_scales, *v_scale_strides = scales(v_cache)
-        _store_kv_int8_kernel[(num_tokens, num_kv_heads)](
+        _store_kv_quantized_kernel[(num_tokens, num_kv_heads)](
             k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -5,8 +5,8 @@ One program per token: its query heads are rotated in place in the fused QKV pro
 output, its key heads rotated and written with its value heads into the paged pool at the
 token's slot (a negative slot, a CUDA-graph padding row, stores nothing). The rounding is the
 two kernels': cos/sin rounded to qkv's dtype, products in float32, the rotated key rounded to
-qkv's dtype, then to the pool's (an int8 pool: quantized from those rows with their scales,
-triton_kv_int8.py).
+qkv's dtype, then to the pool's (an int8 or fp8 pool: quantized from those rows with their
+scales, triton_kv_quant.py).
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
-from asyncengine.kernels.triton.triton_kv_int8 import is_int8, quantize, row_scale, scales
+from asyncengine.kernels.triton.triton_kv_quant import is_quantized, quantize, row_scale, scales
 from asyncengine.kernels.triton.triton_rotary import _rotate_heads
 from asyncengine.kernels.triton.triton_utils import check_device, next_power_of_2
 
 
 @triton.jit
-def _store_halves_int8(first, second, dst, HALF, mask, scale_dst, mask_h):  # type: ignore[no-untyped-def]
-    """Heads' rows [BLOCK_HK, HALF] x 2 (masked entries 0) quantized into the int8 pool at dst,
+def _store_halves_quantized(first, second, dst, HALF, mask, scale_dst, mask_h):  # type: ignore[no-untyped-def]
+    """Heads' rows [BLOCK_HK, HALF] x 2 (masked entries 0) quantized into the pool at dst,
     their scales at scale_dst."""
+    pool = dst.dtype.element_ty
     amax = tl.maximum(tl.max(tl.abs(first), 1), tl.max(tl.abs(second), 1))
-    scale = row_scale(amax)
-    tl.store(dst, quantize(first, scale[:, None]).to(tl.int8), mask=mask)
-    tl.store(dst + HALF, quantize(second, scale[:, None]).to(tl.int8), mask=mask)
+    scale = row_scale(amax, pool)
+    tl.store(dst, quantize(first, scale[:, None], pool), mask=mask)
+    tl.store(dst + HALF, quantize(second, scale[:, None], pool), mask=mask)
     tl.store(scale_dst, scale.to(tl.bfloat16), mask=mask_h)
 
 
@@ -59,7 +60,7 @@ def _rotary_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    INT8: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -89,14 +90,14 @@ def _rotary_store_kernel(
         k_dst = k_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
         v_first = k_first + num_kv_heads * HEAD_DIM
         v_dst = v_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-        if INT8:
+        if QUANTIZED:
             v1 = tl.load(v_first, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(v_first + HALF, mask=mask, other=0.0).to(tl.float32)
-            _store_halves_int8(
+            _store_halves_quantized(
                 out1.to(tl.float32), out2.to(tl.float32), k_dst, HALF, mask,
                 k_scale_ptr + slot * stride_kss + offs_h * stride_ksh, offs_h < num_kv_heads,
             )  # fmt: skip
-            _store_halves_int8(
+            _store_halves_quantized(
                 v1, v2, v_dst, HALF, mask,
                 v_scale_ptr + slot * stride_vss + offs_h * stride_vsh, offs_h < num_kv_heads,
             )  # fmt: skip
@@ -122,7 +123,7 @@ def rotary_store(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """qkv ``[N, (H + 2 Hkv) D]`` -> q ``[N, H, D]`` rotated in place; k rotated and v stored at
-    their slots of k_cache / v_cache ``[S, Hkv, D]`` (int8: ``[S, Hkv, D + 2]``; ``apply_rotary``
+    their slots of k_cache / v_cache ``[S, Hkv, D]`` (int8, fp8: ``[S, Hkv, D + 2]``; ``apply_rotary``
     then ``store_kv``; the keys in qkv are left as they were). The signature of the native CPU
     kernel's."""
     check_device(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
@@ -170,7 +171,7 @@ def rotary_store(
         BLOCK_HQ=next_power_of_2(num_heads),
         BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half),
-        INT8=is_int8(k_cache),
+        QUANTIZED=is_quantized(k_cache),
         num_warps=4,
     )
     return q

@@ -33,7 +33,7 @@ I8, F16, BF16, F32 = torch.int8, torch.float16, torch.bfloat16, torch.float32
 
 
 def test_int8_is_honoured_beside_float32_or_bfloat16_activations_on_a_cpu() -> None:
-    """(On CUDA: tests/executor/test_triton_kv_int8_model.py.)"""
+    """(On CUDA: tests/executor/test_triton_kv_quant_model.py.)"""
     for dtype in (F32, BF16):
         assert pick_kv_dtype("int8", CPU, dtype, quantized=True, deterministic=False) == I8
         assert pick_kv_dtype("int8", CPU, dtype, quantized=False, deterministic=False) == I8
@@ -43,7 +43,7 @@ def test_int8_is_honoured_beside_float32_or_bfloat16_activations_on_a_cpu() -> N
             == I8
         )
     refused = [
-        (CUDA, BF16, False, "flashinfer", "'flashinfer' does not read an int8 pool on cuda"),
+        (CUDA, BF16, False, "flashinfer", "only the Triton kernels read an int8 pool"),
         (CPU, F16, False, "auto", "beside float32 or bfloat16 activations only"),
         (CPU, F32, False, "triton", "'triton' does not read an int8 pool on cpu"),
         (CPU, BF16, False, "triton", "'triton' does not read an int8 pool on cpu"),
@@ -57,9 +57,11 @@ def test_int8_is_honoured_beside_float32_or_bfloat16_activations_on_a_cpu() -> N
             )
 
 
-def test_fp8_is_a_config_error_that_says_why() -> None:
-    with pytest.raises(ConfigError, match="'kv_cache_dtype' = 'fp8': no attention kernel"):
-        EngineConfig(kv_cache_dtype="fp8")
+def test_fp8_on_a_cpu_is_a_config_error_that_says_why() -> None:
+    """(On CUDA: tests/executor/test_triton_kv_quant_model.py.)"""
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="'kv_cache_dtype' = 'fp8': on cpu no attention kernel"):
+        pick_kv_dtype("fp8", CPU, BF16, quantized=False, deterministic=False)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -417,7 +417,7 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     compile_for_sm90(
         triton_decode_attention._decode_split_kernel,
         dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, DOT_DTYPE=bf16, DIRECT=False,
-             INT8=False, BLOCK_N=64),
+             QUANTIZED=False, BLOCK_N=64),
         num_stages=3,
     )
     compile_for_sm90(
@@ -425,7 +425,7 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     )
     compile_for_sm90(
         triton_extend_attention._extend_kernel,
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=bf16, INT8=False,
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=bf16, QUANTIZED=False,
              BLOCK_M=128, BLOCK_N=64),
         num_warps=8, num_stages=3,
     )

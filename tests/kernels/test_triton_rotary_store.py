@@ -96,7 +96,7 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
 
     from asyncengine.kernels.triton.triton_rotary_store import _rotary_store_kernel as kernel
 
-    constants = dict(HEAD_DIM=64, HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, INT8=False)
+    constants = dict(HEAD_DIM=64, HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, QUANTIZED=False)
     pointers = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cache_ptr": "*fp32"}
     signature = {
         name: "constexpr" if name in constants

@@ -163,16 +163,17 @@ def test_kv_pool_size_follows_the_config() -> None:
     by_bytes = config(kv_cache_tokens=None, kv_cache_bytes=4 * 1000)
     assert Simulator(by_bytes, kv_bytes_per_token=10).core.kv.num_pages == 100
     assert Simulator(config()).core.kv.num_pages == 1024
-    # the default model's K/V in kv_cache_bytes by the pool's dtype: int8 with its scales
-    # holds ~1.94x the tokens of bfloat16
+    # the default model's K/V in kv_cache_bytes by the pool's dtype: int8 (or fp8) with its
+    # scales holds ~1.94x the tokens of bfloat16
     pages = {
         kv: Simulator(
             config(kv_cache_tokens=None, kv_cache_bytes=64 << 20, kv_cache_dtype=kv)
         ).core.kv.num_pages
-        for kv in ("auto", "bfloat16", "int8")
+        for kv in ("auto", "bfloat16", "int8", "fp8")
     }
     assert pages["auto"] == pages["bfloat16"]
     assert 1.9 * pages["bfloat16"] <= pages["int8"] < 2 * pages["bfloat16"]
+    assert pages["fp8"] == pages["int8"]
 
 
 @pytest.mark.parametrize(
