@@ -29,8 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncengine.kernels.reference.kv_int8_ref import cache_head_dim
-from asyncengine.kernels.triton.triton_kv_quant import is_quantized, scales
+from asyncengine.kernels.triton.triton_kv_quant import (
+    attention_scales,
+    is_quantized,
+    load_scales,
+)
 from asyncengine.kernels.triton.triton_utils import (
     autotune,
     autotune_configs,
@@ -160,10 +163,8 @@ def _decode_split_kernel(
         ).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if QUANTIZED:  # each key's scale on its dot products
-            k_scale = tl.load(
-                k_scale_ptr + slot * stride_kss + kv_head * stride_ksh, mask=mask_n, other=0.0
-            )
-            scores = scores * k_scale.to(tl.float32)[None, :]
+            k_scale = load_scales(k_scale_ptr, slot, stride_kss, kv_head, stride_ksh, mask_n)
+            scores = scores * k_scale[None, :]
         scores = scores * scale_log2
         if SOFTCAP:
             scores = soft_cap(scores, softcap_log2)
@@ -180,10 +181,8 @@ def _decode_split_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
         if QUANTIZED:  # each value's scale on its softmax weights
-            v_scale = tl.load(
-                v_scale_ptr + slot * stride_vss + kv_head * stride_vsh, mask=mask_n, other=0.0
-            )
-            pv = p * v_scale.to(tl.float32)[None, :]
+            v_scale = load_scales(v_scale_ptr, slot, stride_vss, kv_head, stride_vsh, mask_n)
+            pv = p * v_scale[None, :]
         else:
             pv = p
         acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v, input_precision="ieee")
@@ -311,13 +310,7 @@ def decode_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
-    if cache_head_dim(k_cache) != head_dim or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"q of head dim {head_dim} does not fit caches of {k_cache.dtype} rows "
-            f"{k_cache.shape[-1]} / {v_cache.dtype}"
-        )
-    k_scales, *k_scale_strides = scales(k_cache)
-    v_scales, *v_scale_strides = scales(v_cache)
+    k_scales, v_scales, *scale_strides = attention_scales(head_dim, k_cache, v_cache)
     group = num_heads // num_kv_heads
     out = _output(q, out)
     if batch == 0:
@@ -364,8 +357,7 @@ def decode_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
-        *k_scale_strides,
-        *v_scale_strides,
+        *scale_strides,
         block_table.stride(0),
         out.stride(0),
         out.stride(1),

@@ -38,6 +38,28 @@ def scales(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return view, view.stride(0), view.stride(1)
 
 
+def attention_scales(
+    head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """The attention kernels' scale arguments for caches read by queries of ``head_dim``: the
+    keys' and values' ``scales`` views, then their strides (ValueError where they do not fit)."""
+    if cache_head_dim(k_cache) != head_dim or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"q of head dim {head_dim} does not fit caches of {k_cache.dtype} rows "
+            f"{k_cache.shape[-1]} / {v_cache.dtype}"
+        )
+    k_scales, *k_strides = scales(k_cache)
+    v_scales, *v_strides = scales(v_cache)
+    return k_scales, v_scales, k_strides[0], k_strides[1], v_strides[0], v_strides[1]
+
+
+@triton.jit
+def load_scales(scale_ptr, slot, stride_s, head, stride_h, mask):  # type: ignore[no-untyped-def]
+    """The scales of one head's rows at ``slot`` [BLOCK_N], float32 (0 where masked)."""
+    scales = tl.load(scale_ptr + slot * stride_s + head * stride_h, mask=mask, other=0.0)
+    return scales.to(tl.float32)
+
+
 @triton.jit
 def row_scale(amax, POOL: tl.constexpr):  # type: ignore[no-untyped-def]
     """amax / QMAX rounded up to a bfloat16 (returned as float32): no value passes QMAX after

@@ -114,6 +114,34 @@ class RunnerPair:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def prefill_then_decode_plans() -> list[BatchPlan]:
+    """Prefills (c only its first chunk, unsampled), then c's second chunk on a prefix that ends
+    mid-page beside decodes, then decodes of all three."""
+    rng = np.random.default_rng(11)
+    full = {rid: rng.integers(3, 90, MAX_LEN).tolist() for rid in "abc"}
+    plans = [
+        BatchPlan(
+            step=1,
+            extends=[
+                seg("a", 0, full["a"][:5], 0),
+                seg("c", 2, full["c"][:12], 0, sample=False),
+                seg("b", 1, full["b"][:23], 0),
+            ],
+        ),
+        BatchPlan(
+            step=2,
+            extends=[seg("c", 2, full["c"][12:17], 12)],
+            decodes=[seg("a", 0, [full["a"][5]], 5), seg("b", 1, [full["b"][23]], 23)],
+        ),
+    ]
+    pos, rows = {"a": 6, "b": 24, "c": 17}, {"a": 0, "b": 1, "c": 2}
+    for step in range(3, 5):
+        decodes = [seg(rid, rows[rid], [full[rid][p]], p) for rid, p in pos.items()]
+        plans.append(BatchPlan(step=step, decodes=decodes))
+        pos = {rid: p + 1 for rid, p in pos.items()}
+    return plans
+
+
 @pytest.mark.parametrize(
     ("name", "page_size"),
     [
@@ -129,33 +157,8 @@ def test_model_logits_with_triton_backend_match_torch_backend(
     tiny_checkpoints: dict[str, TinyCheckpoint], name: str, page_size: int
 ) -> None:
     pair = RunnerPair(tiny_checkpoints[name], page_size)
-    rng = np.random.default_rng(11)
-    full = {rid: rng.integers(3, 90, MAX_LEN).tolist() for rid in "abc"}
-    # Prefills (c only its first chunk, unsampled), then c's second chunk on a prefix that ends
-    # mid-page beside decodes, then decodes of all three.
-    pair.check(
-        BatchPlan(
-            step=1,
-            extends=[
-                seg("a", 0, full["a"][:5], 0),
-                seg("c", 2, full["c"][:12], 0, sample=False),
-                seg("b", 1, full["b"][:23], 0),
-            ],
-        )
-    )
-    pair.check(
-        BatchPlan(
-            step=2,
-            extends=[seg("c", 2, full["c"][12:17], 12)],
-            decodes=[seg("a", 0, [full["a"][5]], 5), seg("b", 1, [full["b"][23]], 23)],
-        )
-    )
-    pos = {"a": 6, "b": 24, "c": 17}
-    rows = {"a": 0, "b": 1, "c": 2}
-    for step in range(3, 5):
-        decodes = [seg(rid, rows[rid], [full[rid][p]], p) for rid, p in pos.items()]
-        pair.check(BatchPlan(step=step, decodes=decodes))
-        pos = {rid: p + 1 for rid, p in pos.items()}
+    for plan in prefill_then_decode_plans():
+        pair.check(plan)
 
 
 _CUDA_CHECK = textwrap.dedent(
@@ -172,39 +175,48 @@ _CUDA_CHECK = textwrap.dedent(
     from asyncengine.common.plan import BatchPlan, Segment
 
     path, device = sys.argv[1], torch.device(sys.argv[2])
+    # optionally a quantized pool ("int8" or "fp8"): a third runner, Triton over it
+    pool_name = sys.argv[3] if len(sys.argv) > 3 else ""
+    quantized = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(pool_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = ModelConfig.from_hf_dict(json.load(open(f"{path}/config.json")))
     weights = load_file(f"{path}/model.safetensors")
     page_size, rows, pages_per_row = 16, 4, 4
     tokens = np.random.default_rng(0).integers(3, 90, (rows, 40)).tolist()
-    prefill = BatchPlan(step=1, extends=[
+    plans = [BatchPlan(step=1, extends=[
         Segment(str(r), r, tokens[r][: 5 + 7 * r], 0, True) for r in range(rows)
-    ])
-    decode = BatchPlan(step=2, decodes=[
-        Segment(str(r), r, [tokens[r][5 + 7 * r]], 5 + 7 * r, True) for r in range(rows)
-    ])
+    ])]
+    for step in range(3 if quantized else 1):
+        plans.append(BatchPlan(step=2 + step, decodes=[
+            Segment(str(r), r, [tokens[r][5 + 7 * r + step]], 5 + 7 * r + step, True)
+            for r in range(rows)
+        ]))
     runners, logits = [], []
-    for backend in ("torch", "triton"):
+    kinds = [("torch", dtype), ("triton", dtype)] + ([("triton", quantized)] if quantized else [])
+    for backend, kv_dtype in kinds:
         table = PageTable(rows, pages_per_row)
         order = np.random.default_rng(1).permutation(rows * pages_per_row + 2)
         for r in range(rows):
             table.set_pages(r, 0, order[r * pages_per_row : (r + 1) * pages_per_row])
         pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim,
-                      rows * pages_per_row + 2, page_size, dtype, device)
+                      rows * pages_per_row + 2, page_size, kv_dtype, device)
         runner = ModelRunner(config, weights, pool, table, dtype, device=device, backend=backend)
-        logits.append(torch.cat([runner.forward_logits(prefill), runner.forward_logits(decode)]))
+        logits.append(torch.cat([runner.forward_logits(plan).float() for plan in plans]))
         runners.append(runner)
     scale = logits[0].abs().max().item()
     print("backend_rel_diff", (logits[1] - logits[0]).abs().max().item() / scale)
+    if quantized:
+        print("pool_rel_diff", (logits[2] - logits[1]).abs().max().item() / scale)
 
     if device.type == "cuda":  # replay a captured decode step against the eager forward
-        runner = runners[1]
+        runner = runners[-1]
         graphs = DecodeGraphs(runner.model, runner.backend, runner.k_caches, runner.v_caches,
                               max_batch_size=8, max_pages_per_row=pages_per_row,
                               page_size=page_size)
         graphs.capture()
-        step3 = BatchPlan(step=3, decodes=[
-            Segment(str(r), r, [tokens[r][6 + 7 * r]], 6 + 7 * r, True) for r in range(3)
+        at = 4 + len(plans)  # the position after the last decode step
+        step3 = BatchPlan(step=len(plans) + 1, decodes=[
+            Segment(str(r), r, [tokens[r][at + 7 * r]], at + 7 * r, True) for r in range(3)
         ])
         with torch.inference_mode():
             batch = runner.prepare(step3)
@@ -225,13 +237,19 @@ _CUDA_CHECK = textwrap.dedent(
 )
 
 
-def run_cuda_check(checkpoint: TinyCheckpoint, device: str, interpret: bool) -> dict[str, float]:
-    """Run ``_CUDA_CHECK`` in a fresh interpreter, compiled kernels unless ``interpret``."""
-    stdout = run_python(_CUDA_CHECK, str(checkpoint.path), device, interpret=interpret)
+def run_cuda_check(
+    checkpoint: TinyCheckpoint, device: str, interpret: bool, pool: str = ""
+) -> dict[str, float]:
+    """Run ``_CUDA_CHECK`` in a fresh interpreter, compiled kernels unless ``interpret``;
+    ``pool`` ("int8", "fp8"): a Triton runner over that pool too, the graph replayed over it.
+    On a CPU without the fused native decode step, which would take the decode steps."""
+    args = (str(checkpoint.path), device, *([pool] if pool else []))
+    env = {native_decode.ENABLE_ENV: "0"} if device == "cpu" else {}
+    stdout = run_python(_CUDA_CHECK, *args, interpret=interpret, env=env)
     figures: dict[str, float] = {}
     for line in stdout.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("backend_rel_diff", "graph_rel_diff", "graph_greedy_wrong"):
+        if name in ("backend_rel_diff", "pool_rel_diff", "graph_rel_diff", "graph_greedy_wrong"):
             figures[name] = float(value)
     return figures
 

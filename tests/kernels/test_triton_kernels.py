@@ -378,40 +378,12 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     """
     import warnings
     warnings.filterwarnings("ignore")
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.autotuner import Autotuner
 
     from asyncengine.kernels.triton import triton_activation, triton_decode_attention
     from asyncengine.kernels.triton import triton_extend_attention, triton_kv_store, triton_norm
     from asyncengine.kernels.triton import triton_rotary
-
-    POINTERS = {
-        "mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_table_ptr": "*i32",
-        "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "slot_mapping_ptr": "*i64",
-        "positions_ptr": "*i64", "cache_ptr": "*fp32",
-    }
-    FLOATS = {"scale_log2", "eps"}
-
-    def compile_for_sm90(kernel, constants, num_warps=4, num_stages=2):
-        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        signature = {}
-        for name in fn.arg_names:
-            if name in constants:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = POINTERS.get(name, "*bf16")
-            else:
-                signature[name] = "fp32" if name in FLOATS else "i32"
-        compiled = triton.compile(
-            ASTSource(fn, signature, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps, "num_stages": num_stages},
-        )
-        assert compiled.asm["ptx"], fn.__name__
-        print("compiled", fn.__name__)
+    from tests.triton_sm90 import compile_for_sm90
 
     bf16 = tl.bfloat16
     compile_for_sm90(

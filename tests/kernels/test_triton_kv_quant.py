@@ -266,38 +266,17 @@ _COMPILE_QUANTIZED_FOR_SM90 = textwrap.dedent(
     import sys
     import warnings
     warnings.filterwarnings("ignore")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.autotuner import Autotuner
     import triton.language as tl
 
     from asyncengine.kernels.triton import triton_decode_attention, triton_extend_attention
     from asyncengine.kernels.triton import triton_kv_store, triton_rotary_store
+    from tests.triton_sm90 import compile_for_sm90 as compile_any
 
     POOL = sys.argv[1]  # the pool's pointer type: *i8 or *fp8e4nv
-    POINTERS = {
-        "k_cache_ptr": POOL, "v_cache_ptr": POOL, "mid_out_ptr": "*fp32",
-        "mid_lse_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "cu_seqlens_q_ptr": "*i32", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64",
-        "cache_ptr": "*fp32",
-    }
 
     def compile_for_sm90(kernel, constants, num_warps=4, num_stages=2):
-        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        signature = {
-            name: "constexpr" if name in constants
-            else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
-            else "fp32" if name == "scale_log2" else "i32"
-            for name in fn.arg_names
-        }
-        compiled = triton.compile(
-            ASTSource(fn, signature, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps, "num_stages": num_stages},
-        )
-        assert compiled.asm["ptx"], fn.__name__
-        print("compiled", fn.__name__)
+        pointers = {"k_cache_ptr": POOL, "v_cache_ptr": POOL}
+        compile_any(kernel, constants, num_warps, num_stages, pointers)
 
     bf16 = tl.bfloat16
     compile_for_sm90(

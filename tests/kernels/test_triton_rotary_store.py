@@ -89,27 +89,13 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
     """
     import warnings
     warnings.filterwarnings("ignore")
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from asyncengine.kernels.triton.triton_rotary_store import _rotary_store_kernel
+    from tests.triton_sm90 import compile_for_sm90
 
-    from asyncengine.kernels.triton.triton_rotary_store import _rotary_store_kernel as kernel
-
-    constants = dict(HEAD_DIM=64, HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, QUANTIZED=False)
-    pointers = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cache_ptr": "*fp32"}
-    signature = {
-        name: "constexpr" if name in constants
-        else pointers.get(name, "*bf16") if name.endswith("_ptr") else "i32"
-        for name in kernel.arg_names
-    }
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs=constants),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4, "num_stages": 2},
+    compile_for_sm90(
+        _rotary_store_kernel,
+        dict(HEAD_DIM=64, HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, QUANTIZED=False),
     )
-    assert compiled.asm["ptx"]
-    print("compiled", kernel.__name__)
     """
 )
 
