@@ -138,7 +138,7 @@ def test_quantized_pool_on_cuda_stays_near_the_bfloat16_pool_and_replays_in_a_gr
 def test_int8_and_fp8_on_cuda_are_read_by_the_triton_backend_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kv_dtype, "_fp8_capability", lambda device: (9, 0))  # an H100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))  # an H100
     for dtype in (F32, BF16):
         for backend in ("auto", "triton"):
             for name, pool in (("int8", I8), ("fp8", FP8)):
@@ -170,7 +170,7 @@ def test_int8_and_fp8_on_cuda_are_read_by_the_triton_backend_only(
 def test_fp8_needs_a_gpu_of_compute_capability_8_9(
     monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], honoured: bool
 ) -> None:
-    monkeypatch.setattr(kv_dtype, "_fp8_capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     assert pick_kv_dtype("int8", CUDA, BF16, False, False) == I8  # int8 on any
     if honoured:
         assert pick_kv_dtype("fp8", CUDA, BF16, False, False) == FP8
