@@ -9,7 +9,8 @@ Phases, each its own figure (the interpreter's imports are not the model's load,
 apart from it):
 - ``interpreter_seconds``: from ``--spawned-at`` (the parent's clock when it started this
   process) to the first line of this script;
-- ``imports_seconds``: importing torch and asyncengine's engine;
+- ``imports_seconds``: importing torch and asyncengine's engine, the garbage collector paused
+  as the ``asyncengine`` command pauses it;
 - ``load_seconds``: ``AsyncEngine.start()``, until the engine takes requests: the model read,
   its weights packed, kernels loaded, the tokenizer, the KV pool (what llama-server does before
   it answers ``/health``);
@@ -47,9 +48,12 @@ def prompt_ids(length: int, offset: int) -> list[int]:
 
 async def measure(model: str, settings: dict[str, Any], prompt_len: int) -> dict[str, Any]:
     imports_at = time.time()
-    from asyncengine.api.engine import AsyncEngine
-    from asyncengine.common.config import EngineConfig
-    from asyncengine.common.sampling_params import SamplingParams
+    from asyncengine.cli import collector_paused_for_imports
+
+    with collector_paused_for_imports():  # as ``asyncengine serve`` imports
+        from asyncengine.api.engine import AsyncEngine
+        from asyncengine.common.config import EngineConfig
+        from asyncengine.common.sampling_params import SamplingParams
 
     config = EngineConfig.from_toml(None, model=model, **settings)
     one_token = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

@@ -23,7 +23,7 @@ from asyncengine.executor.loader.hf_dir import ModelFilesError, load_eos_token_i
 from asyncengine.text.detokenizer import (
     ByteLevelDetokenizer,
     IncrementalDetokenizer,
-    byte_level_token_bytes,
+    TokenBytes,
 )
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -135,9 +135,9 @@ class Tokenizer:
             eos_ids.append(eos)
         self.eos_token_ids: list[int] = eos_ids
         self._compiled_template: Any = None
-        # byte-level BPE: each token's bytes, by skip_special_tokens (built at first use)
+        # byte-level BPE: each token's bytes, by skip_special_tokens (made at first use)
         self._byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
-        self._token_bytes: dict[bool, list[bytes]] = {}
+        self._token_bytes: dict[bool, TokenBytes] = {}
 
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -159,13 +159,9 @@ class Tokenizer:
         table = self._token_bytes.get(skip_special_tokens)
         if table is None:
             added = self.backend.get_added_tokens_decoder()
-            skipped = {i for i, t in added.items() if t.special} if skip_special_tokens else set()
-            table = byte_level_token_bytes(
-                self.backend.get_vocab(with_added_tokens=False),
-                self.vocab_size,
-                skipped,
-                {i: t.content for i, t in added.items()},
-            )
+            skipped = frozenset(i for i, t in added.items() if t.special and skip_special_tokens)
+            # id_to_token: an added token's content where one has the id, else the model's
+            table = TokenBytes(self.backend.id_to_token, self.vocab_size, skipped)
             self._token_bytes[skip_special_tokens] = table
         return ByteLevelDetokenizer(table, prompt_ids)
 

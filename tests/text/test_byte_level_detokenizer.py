@@ -75,3 +75,22 @@ def test_several_tokens_at_once_and_unknown_ids(tokenizer: Tokenizer) -> None:
     detokenizer = tokenizer.detokenizer()
     text = detokenizer.add(ids[:5]) + detokenizer.add([10**7]) + detokenizer.add(ids[5:])
     assert text + detokenizer.flush() == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_each_ids_bytes_decode_as_the_tokenizer_decodes_it(
+    tokenizer: Tokenizer, skip: bool
+) -> None:
+    # the table's bytes are worked out per id when first looked up: every id of the vocabulary,
+    # the added tokens and an id past it
+    detokenizer = tokenizer.detokenizer(skip)
+    assert isinstance(detokenizer, ByteLevelDetokenizer)
+    table = detokenizer._table
+    assert len(table) == tokenizer.vocab_size
+    for token_id in range(len(table)):
+        text = table[token_id].decode("utf-8", "replace")
+        assert text == tokenizer.decode([token_id], skip), token_id
+    assert table[-1] == table[len(table) - 1]
+    assert table[3:6] == [table[3], table[4], table[5]]
+    with pytest.raises(IndexError):
+        table[len(table)]
