@@ -1,4 +1,5 @@
-/* The K formats' (Q4_K, Q5_K, Q6_K) products for many activation rows at once, in int8.
+/* The K formats' (Q4_K, Q5_K, Q6_K) and Q8_0's products for many activation rows at once, in
+ * int8.
  *
  *   y[i, c] = sum_k x[i, k] * W[c, k]
  *
@@ -19,6 +20,9 @@
  *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d: kept
  *                as q - 32 (s8) against x + 128 (u8), its min term a constant per column:
  *                y[i, c] = sum_s xd[i, s] d[c, s] (sum_j sc_j S'[i, c, s, j] - 128 off[c, s])
+ *   Q8_0         j: 8 blocks of 32, values q (s8) against x + 128 (u8), a float scale d each:
+ *                y[i, c] = sum_s xd[i, s] sum_j d[c, s, j] (S'[i, c, s, j] - 128 off[c, s, j])
+ *                (off: the block's sum of q; the int32 sums start at -128 off)
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
@@ -61,6 +65,14 @@ static inline int value_shift(int fmt, int v) { return nibbles(fmt) ? 4 * ((v / 
  * one int32 per column and super-block (sum_j sc_j sum (q - 32), "off"), not a min term per
  * activation row */
 static inline int centred(int fmt) { return fmt == FMT_Q6_K; }
+/* the formats whose values are signed bytes, meeting the activations as x + 128 */
+static inline int shifted_input(int fmt) { return fmt == FMT_Q6_K || fmt == FMT_Q8_0; }
+
+/* Q8_0's panel super-block: its values (as Q5_K's bytes), then per block of 32 and column the
+ * int32 sums' start (-128 times the block's sum of values) and the float scale d */
+#define Q8_OFF_AT (QK_K * NP)
+#define Q8_D_AT (Q8_OFF_AT + 8 * NP * 4)
+#define Q8_BYTES (Q8_D_AT + 8 * NP * 4)
 
 /* one panel's super-block: where its parts lie and its size */
 typedef struct {
@@ -70,6 +82,14 @@ typedef struct {
 
 static sb_layout layout_of(int fmt) {
     sb_layout l;
+    if (fmt == FMT_Q8_0) {
+        l.nsub = 8;
+        l.sub = 32;
+        l.sc = l.mins = Q8_OFF_AT;
+        l.d = l.dm = Q8_D_AT;
+        l.bytes = Q8_BYTES;
+        return l;
+    }
     l.nsub = fmt == FMT_Q6_K ? 16 : 8;
     l.sub = QK_K / l.nsub;
     l.sc = value_bytes(fmt);               /* int8 [nsub][NP] */
@@ -80,7 +100,9 @@ static sb_layout layout_of(int fmt) {
     return l;
 }
 
-static int takes_format(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
+static int takes_format(int fmt) {
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_Q8_0;
+}
 
 int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
     return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
@@ -132,11 +154,34 @@ static void decode_super_block(int fmt, const uint8_t *w, uint8_t *q, int *sc, i
         }
 }
 
+/* Q8_0 rows' (at most NP) blocks of 34 bytes (fp16 d, 32 int8) into one panel (zeroed) */
+static void pack_panel_q8_0(const uint8_t *const *rows, int nrows, int64_t k, uint8_t *dst) {
+    for (int64_t s = 0; s < k / QK_K; s++) {
+        uint8_t *out = dst + s * Q8_BYTES;
+        for (int c = 0; c < nrows; c++)
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *blk = rows[c] + (8 * s + j) * 34;
+                const float d = fp16_to_float(blk);
+                int32_t start = 0;
+                for (int t = 0; t < 32; t++) {
+                    out[value_at(FMT_Q8_0, 32 * j + t, c)] = blk[2 + t];
+                    start -= 128 * (int8_t)blk[2 + t];
+                }
+                memcpy(out + Q8_OFF_AT + 4 * (j * NP + c), &start, 4);
+                memcpy(out + Q8_D_AT + 4 * (j * NP + c), &d, 4);
+            }
+    }
+}
+
 /* rows' (at most NP, the rest of the panel zero) super-blocks into one panel */
 static void pack_panel(int fmt, const uint8_t *const *rows, int nrows, int64_t k, uint8_t *dst) {
     const sb_layout l = layout_of(fmt);
     const int64_t nsb = k / QK_K, block = fmt == FMT_Q6_K ? 210 : fmt == FMT_Q5_K ? 176 : 144;
     memset(dst, 0, (size_t)(l.bytes * nsb));
+    if (fmt == FMT_Q8_0) {
+        pack_panel_q8_0(rows, nrows, k, dst);
+        return;
+    }
     uint8_t q[QK_K];
     int sc[16], m[16];
     for (int64_t s = 0; s < nsb; s++) {
@@ -267,9 +312,40 @@ typedef struct {
 #if !defined(I8_512)
 /* the scalar kernel: nr rows x np panels over super-blocks s0..s1 - 1, added into
  * out[r * NV * NP + v * NP + c] */
+static void tile_scalar_q8_0(const uint8_t *const *w, int np, int64_t s0, int64_t s1,
+                             const i8_row *a, int nr, float *out) {
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < np; v++)
+            for (int c = 0; c < NP; c++) {
+                float acc = out[r * NV * NP + v * NP + c];
+                for (int64_t s = s0; s < s1; s++) {
+                    const uint8_t *blk = w[v] + s * Q8_BYTES;
+                    float t = 0.0f;
+                    for (int j = 0; j < 8; j++) {
+                        int32_t isum;
+                        float d;
+                        memcpy(&isum, blk + Q8_OFF_AT + 4 * (j * NP + c), 4);
+                        memcpy(&d, blk + Q8_D_AT + 4 * (j * NP + c), 4);
+                        for (int u = 0; u < 32; u++) {
+                            const int kk = 32 * j + u;
+                            isum += (int8_t)blk[value_at(FMT_Q8_0, kk, c)] *
+                                    (uint8_t)a[r].q[s * QK_K + kk];
+                        }
+                        t = fmaf((float)isum, d, t);
+                    }
+                    acc = fmaf(t, a[r].xd[s], acc);
+                }
+                out[r * NV * NP + v * NP + c] = acc;
+            }
+}
+
 static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out) {
     const sb_layout l = layout_of(fmt);
+    if (fmt == FMT_Q8_0) {
+        tile_scalar_q8_0(w, np, s0, s1, a, nr, out);
+        return;
+    }
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < np; v++)
             for (int c = 0; c < NP; c++) {
@@ -416,6 +492,51 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
     }
 }
 
+/* Q8_0's micro-kernel: each block of 32's int32 sums (started at -128 off) meet its float scale
+ * as they end, into float sums per super-block, which meet the activation scale once */
+static inline Q_ALWAYS_INLINE void tile_512_q8_0(const uint8_t *const *w, const int nv,
+                                                 int64_t s0, int64_t s1, const i8_row *a,
+                                                 const int mr, float *out) {
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *blk[NV];
+        for (int v = 0; v < nv; v++) blk[v] = w[v] + s * Q8_BYTES;
+        const int8_t *xq[MR];
+        for (int r = 0; r < mr; r++) xq[r] = a[r].q + s * QK_K;
+        __m512 facc[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) facc[r][v] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            __m512i iacc[MR][NV];
+            for (int v = 0; v < nv; v++) {
+                const __m512i start =
+                    _mm512_load_si512((const void *)(blk[v] + Q8_OFF_AT + 64 * j));
+                for (int r = 0; r < mr; r++) iacc[r][v] = start;
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const int kk = 8 * j + t;
+                __m512i wv[NV];
+                for (int v = 0; v < nv; v++) {
+                    wv[v] = _mm512_load_si512((const void *)(blk[v] + 64 * kk));
+                    __asm__("" : "+v"(wv[v])); /* once into a register, as Q6_K's */
+                }
+                k4_step(iacc, wv, xq, kk, mr, nv, 1);
+            }
+            for (int v = 0; v < nv; v++) {
+                const __m512 d = _mm512_load_ps((const float *)(blk[v] + Q8_D_AT + 64 * j));
+                for (int r = 0; r < mr; r++)
+                    facc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][v]), d, facc[r][v]);
+            }
+        }
+        for (int v = 0; v < nv; v++)
+            for (int r = 0; r < mr; r++) {
+                float *o = out + r * NV * NP + v * NP;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(facc[r][v], _mm512_set1_ps(a[r].xd[s]),
+                                                    _mm512_loadu_ps(o)));
+            }
+    }
+}
+
 /* one function per format, one inlined copy of the micro-kernel per (rows, panels): constants in
  * each keep the sums in registers */
 #define I8_ROWS(X, nv) X(1, nv) X(2, nv) X(3, nv) X(4, nv)
@@ -435,12 +556,22 @@ I8_FORMAT_FN(tile_q5_k, 8, 0)
 I8_FORMAT_FN(tile_q6_k, 16, 0)
 #undef I8_FORMAT_FN
 #undef I8_CASE
+#define I8_CASE(mr, nv)                                                                          \
+    case (nv) * 16 + (mr):                                                                       \
+        tile_512_q8_0(w, nv, s0, s1, a, mr, out);                                                \
+        return;
+static Q_NOINLINE void tile_q8_0(const uint8_t *const *w, int np, int64_t s0, int64_t s1,
+                                 const i8_row *a, int nr, float *out) {
+    switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }
+}
+#undef I8_CASE
 #endif
 
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out) {
 #if defined(I8_512)
-    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
+    if (fmt == FMT_Q8_0) tile_q8_0(w, np, s0, s1, a, nr, out);
+    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
     else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out);
     else tile_q6_k(w, np, s0, s1, a, nr, out);
 #else
@@ -541,7 +672,7 @@ int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t 
     int16_t *b32 = (int16_t *)malloc((size_t)(n * (k / 32)) * sizeof(int16_t));
     const int ok = q && xd && b16 && b32;
     if (ok) {
-        asyncengine_i8_quantize(x, n, k, x_bf16, centred(fmt), q, xd, b16, b32, threads);
+        asyncengine_i8_quantize(x, n, k, x_bf16, shifted_input(fmt), q, xd, b16, b32, threads);
         asyncengine_i8_matmul(fmt, panels, rows, k, q, xd, b16, b32, n, bias, y, ldy, out_bf16,
                               threads);
     }

@@ -21,7 +21,7 @@ from bench_quant_matmul import SHAPES, random_blocks
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import quant_i8gemm_native, quant_native
 
-GROUP_UP_TO = 16  # rows up to which the group kernels are timed too
+GROUP_UP_TO = 64  # rows up to which the group kernels are timed too
 
 
 def run_i8_crossovers(args: argparse.Namespace) -> dict[str, Any]:

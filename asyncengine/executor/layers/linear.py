@@ -111,11 +111,11 @@ K_AMX_FORMATS = quant_amx_native.FORMATS
 # builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
 K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
 K_AMX_WIDE_RATIO = 4
-# From its dense crossover up to these rows (exclusive), a projection whose parts are all K formats
-# takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c: the weights'
-# exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K / Q5_K / Q6_K
-# against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and builds no
-# dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
+# From its dense crossover up to these rows (exclusive), a projection whose parts are all K
+# formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
+# the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
+# Q5_K / Q6_K against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and
+# builds no dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
 # int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
 # --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
 # 16 rows, 1.3-1.7 at 32, 1.2-1.5 at 64, ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K
@@ -124,7 +124,15 @@ K_AMX_WIDE_RATIO = 4
 # prompt of 512 / 2048 tokens 1.25-1.33x / 1.07-1.14x against the dense copies at those rows
 # (scripts/bench_real_sizes.py --prefill-lens). So every K format takes it at any row count (no
 # dense copy built); the parts of a projection in several formats take the smallest.
-I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30}
+# Q8_0 (its exact int8 values, 1.25 bytes a weight with their block scales and sums) against the
+# dense bfloat16 product: 1.3-1.8 at 8-64 rows (one thread, CPU time), 1.0-1.6 at 256-2048 (two
+# threads), per projection of a 1.5B and a 1B layer and their LM heads (the same script,
+# --i8-crossovers Q8_0 --shape qwen2.5-1.5b / llama-3.2-1b); so it too takes it at any row count.
+I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30}
+# Where every part takes the int8 product, it takes it from this many rows even below the dense
+# crossover (in place of the quantized group kernels). Q8_0's group kernels / its int8 product at
+# 8 / 16 / 32 rows: 1.9-3.0 / 2.9-3.3 / 3.1-3.6 (at 4 rows 0.84-2.4; the same measurements).
+I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
@@ -240,9 +248,9 @@ class QuantizedLinear:
     time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
     under large batches both: the quantized bytes and one packed dense copy), where ``budget``
     (shared by a model's projections; None: no limit) has room for it. None: always the
-    quantized kernel. From ``dense_from_rows`` up to ``I8_BELOW_ROWS_BY_FORMAT`` K-format parts
-    take the int8 product instead, where this CPU runs it (``_i8``: its panels, built by the
-    first such call from the same budget).
+    quantized kernel. From ``dense_from_rows`` (or sooner, ``I8_FROM_ROWS_BY_FORMAT``) up to
+    ``I8_BELOW_ROWS_BY_FORMAT`` K-format and Q8_0 parts take the int8 product instead, where this
+    CPU runs it (``_i8``: its panels, built by the first such call from the same budget).
     """
 
     __slots__ = (
@@ -252,6 +260,7 @@ class QuantizedLinear:
         "_i8",
         "_i8_below",
         "_i8_build",
+        "_i8_from",
         "_i8_rented",
         "bias",
         "budget",
@@ -289,6 +298,7 @@ class QuantizedLinear:
         # (``defer_i8``: ``_i8_build`` holds them while they are built)
         self._i8: list[quant_i8gemm_native.I8Panels] | None = None
         self._i8_below = 0 if self._amx or dense_from_rows is None else i8_below_rows(self.parts)
+        self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
         self._i8_build: PanelBuild | None = None
         self._i8_rented = 0  # rows the quantized product took while they were deferred
 
@@ -301,7 +311,10 @@ class QuantizedLinear:
         # step, which runs with the caches cold after streaming the weights)
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
-        if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
+        n = x2.shape[0]
+        if self.dense_from_rows is not None and (
+            n >= self.dense_from_rows or self._i8_from <= n < self._i8_below
+        ):
             amx = self._amx and x2.dtype == torch.bfloat16
             if amx and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
@@ -462,6 +475,12 @@ def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
     if not quant_i8gemm_native.available():
         return 0
     return min(I8_BELOW_ROWS_BY_FORMAT[p.format.name] for p in parts)
+
+
+def i8_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """Rows from which these parts take the int8 product below their dense crossover
+    (``I8_FROM_ROWS_BY_FORMAT``; a part without an entry: never below it)."""
+    return max(I8_FROM_ROWS_BY_FORMAT.get(p.format.name, 1 << 30) for p in parts)
 
 
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
