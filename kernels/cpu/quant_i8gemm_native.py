@@ -26,7 +26,7 @@ from asyncengine.kernels.cpu.quant_native import ISA_FLAGS
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
+FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"})
 SUPER_BLOCK = 256
 PANEL_COLUMNS = 16
 ENABLE_ENV = "ASYNCENGINE_I8_GEMM"  # "0": never this path (to measure what it gives)

@@ -1,6 +1,6 @@
-"""The K formats' and Q8_0's int8 product (kernels/cpu/cpu_quant_i8gemm.c) against its torch twin
-(kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256 values, the weights
-exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
+"""The int8 product of the K formats and the 32-value block formats (kernels/cpu/cpu_quant_i8gemm.c)
+against its torch twin (kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256
+or 32 values, the weights exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
 or as stored, activation row counts around its 4-row tiles, float32 and bfloat16 activations,
 bias, and outputs written into column slices; within the activations' rounding of the exact
 product; and where the engine takes it (executor/layers/linear.py). The fast kernel runs where
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 needs_fast = pytest.mark.skipif(
     not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
 )
-I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
 # weight rows: half a panel, one, a panel and a half, odd pairs of panels, tails past the groups
 WEIGHT_ROWS = (8, 16, 24, 44, 56)
 ACTIVATION_ROWS = (1, 3, 4, 5, 9, 17, 33)
@@ -112,10 +112,11 @@ def test_q8_0_sums_at_their_extremes(isa: str, value_byte: int, sign: float) -> 
 
 
 @pytest.mark.parametrize("isa", _builds())
-def test_q8_0_at_every_row_count_of_a_tile(isa: str) -> None:
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_block32_formats_at_every_row_count_of_a_tile(isa: str, name: str) -> None:
     """Every activation row count from 1 to 33 (whole and partial 4-row tiles, one super-block a
     chunk up to 32 rows, several from 33) and 70, on a weight of a partial last panel pair."""
-    weight = random_weight(FORMATS["Q8_0"], 40, 1280, seed=23)
+    weight = random_weight(FORMATS[name], 40, 1280, seed=23)
     panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
     bias = torch.randn(40)
     for n in (*range(1, 34), 70):
@@ -167,7 +168,7 @@ def test_what_it_takes() -> None:
     # Q8_0 rows of whole 32-value blocks but not of whole 256-value super-blocks
     assert not quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 288, seed=1))
     with pytest.raises(ValueError, match="does not take"):
-        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 256, seed=1))
+        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 288, seed=1))
     panels = quant_i8gemm_native.pack(random_weight(FORMATS["Q4_K"], 16, 256, seed=1))
     with pytest.raises(ValueError, match="columns"):
         quant_i8gemm_native.linear(torch.randn(2, 512), panels, isa="avx2")
@@ -184,11 +185,11 @@ def test_the_engine_takes_it_between_the_crossovers(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q6_K", 40)
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
-    q4_0 = random_weight(FORMATS["Q4_0"], 16, 512, seed=4)
+    i8 = random_weight(FORMATS["I8"], 16, 512, seed=4)
     mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
     below = linear_module.I8_BELOW_ROWS_BY_FORMAT["Q6_K"]
     assert mixed._i8_below == i8_below_rows(mixed.parts) == below
-    assert QuantizedLinear([q4, q4_0], dense_from_rows=8)._i8_below == 0
+    assert QuantizedLinear([q4, i8], dense_from_rows=8)._i8_below == 0
     assert QuantizedLinear([q4], dense_from_rows=None)._i8_below == 0  # deterministic mode
     assert mixed.bias is not None
     both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
@@ -211,9 +212,10 @@ def test_the_engine_takes_it_between_the_crossovers(monkeypatch: pytest.MonkeyPa
 
 @needs_fast
 def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q8_0 projection takes the int8 product from I8_FROM_ROWS_BY_FORMAT's rows even where its
-    dense crossover lies further (the group kernels below), up to I8_BELOW_ROWS_BY_FORMAT's (the
-    dense product from there); with Q4_K parts beside it, from the later of the two starts."""
+    """With bfloat16 activations a Q8_0 projection takes the int8 product from
+    I8_FROM_ROWS_BY_FORMAT's rows even where its dense crossover lies further (the group kernels
+    below), up to I8_BELOW_ROWS_BY_FORMAT's (the dense product from there); with Q4_K parts
+    beside it, from the later of the two starts; float32 activations keep the crossover."""
     monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q8_0", 40)
     start = linear_module.I8_FROM_ROWS_BY_FORMAT["Q8_0"]
     q8 = random_weight(FORMATS["Q8_0"], 48, 512, seed=6)
@@ -224,6 +226,8 @@ def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch
     assert projection.bias is not None
     small = torch.randn(start - 1, 512).to(torch.bfloat16)
     assert torch.equal(projection(small), projection._quantized(small))
+    single = torch.randn(start, 512)  # float32
+    assert torch.equal(projection(single), projection._quantized(single))
     assert projection._i8 is None
     for n in (start, 17, 39):
         x = torch.randn(n, 512).to(torch.bfloat16)
@@ -240,7 +244,7 @@ def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch
 def test_a_refused_q8_0_keeps_the_group_kernels_below_its_dense_crossover() -> None:
     q8 = random_weight(FORMATS["Q8_0"], 32, 512, seed=9)
     refused = QuantizedLinear([q8], dense_from_rows=16, budget=DenseBudget(0))
-    x = torch.randn(8, 512)
+    x = torch.randn(8, 512).to(torch.bfloat16)
     assert torch.equal(refused(x), refused._quantized(x))
     assert refused._i8 is None and refused._i8_below == 0 and refused._dense is None
     assert torch.equal(refused(x), refused._quantized(x))  # it no longer asks

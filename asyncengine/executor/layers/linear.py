@@ -124,15 +124,23 @@ K_AMX_WIDE_RATIO = 4
 # prompt of 512 / 2048 tokens 1.25-1.33x / 1.07-1.14x against the dense copies at those rows
 # (scripts/bench_real_sizes.py --prefill-lens). So every K format takes it at any row count (no
 # dense copy built); the parts of a projection in several formats take the smallest.
-# Q8_0 (its exact int8 values, 1.25 bytes a weight with their block scales and sums) against the
-# dense bfloat16 product: 1.3-1.8 at 8-64 rows (one thread, CPU time), 1.0-1.6 at 256-2048 (two
-# threads), per projection of a 1.5B and a 1B layer and their LM heads (the same script,
-# --i8-crossovers Q8_0 --shape qwen2.5-1.5b / llama-3.2-1b); so it too takes it at any row count.
-I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30}
-# Where every part takes the int8 product, it takes it from this many rows even below the dense
-# crossover (in place of the quantized group kernels). Q8_0's group kernels / its int8 product at
-# 8 / 16 / 32 rows: 1.9-3.0 / 2.9-3.3 / 3.1-3.6 (at 4 rows 0.84-2.4; the same measurements).
-I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8}
+# The 32-value block formats (their exact values as bytes, the activations' scales per 32 too:
+# 1.25 bytes a weight for Q8_0 / Q4_0, 1.375 for Q4_1) against the dense bfloat16 product, per
+# projection of a 1.5B layer and its LM head (the same script, --i8-crossovers Q8_0,Q4_0,Q4_1
+# --shape qwen2.5-1.5b, one thread, CPU time): Q8_0 1.3-1.9 at 8-64 rows, 1.1-1.4 at 256-1024,
+# 1.1-1.3 at 2048 but down's 0.9 (the rows' activations no longer in cache); a 1B layer's alike;
+# Q4_0 1.2-1.8 at 8-64, 1.2-1.4 at 128-1024; Q4_1 (its min one more multiply-add a block) 1.1-1.6
+# at 16-64, 1.03-1.22 at 128-1024. So they too take it at any row count.
+I8_BELOW_ROWS_BY_FORMAT = {
+    "Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30, "Q4_0": 1 << 30,
+    "Q4_1": 1 << 30,
+}  # fmt: skip
+# With bfloat16 activations, where every part takes the int8 product, it takes it from this many
+# rows even below the dense crossover (in place of the quantized group kernels; float32 ones keep
+# their crossovers, as measured). The group kernels / the int8 product (the same measurements):
+# Q8_0 1.6-2.4 at 8 rows, 2.5-3.3 at 16-64 (0.84-2.4 at 4); Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64;
+# Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64.
+I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8, "Q4_0": 8, "Q4_1": 16}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
@@ -313,7 +321,8 @@ class QuantizedLinear:
         x2 = x if flat else x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if self.dense_from_rows is not None and (
-            n >= self.dense_from_rows or self._i8_from <= n < self._i8_below
+            n >= self.dense_from_rows
+            or (self._i8_from <= n < self._i8_below and x2.dtype == torch.bfloat16)
         ):
             amx = self._amx and x2.dtype == torch.bfloat16
             if amx and x2.shape[0] < self._amx_below:
