@@ -672,8 +672,9 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 #define I8_ONE_SB_ROWS 32
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
- * output (xd per 32 values for the 32-value block formats, else per 256) and W's panels; parallel over units of NV panels, handed out as threads come free (a
- * descheduled thread on a loaded machine then delays no one). */
+ * output (xd per 32 values for the 32-value block formats, else per 256) and W's panels;
+ * parallel over units of NV panels, handed out as threads come free (a descheduled thread on a
+ * loaded machine then delays no one). */
 void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
                            const int8_t *xq, const float *xd, const int16_t *b16,
                            const int16_t *b32, int64_t n, const float *bias, void *y, int64_t ldy,
@@ -722,6 +723,13 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
     }
 }
 
+/* activation rows a product meets the panels in, one block after another: a long input's rows
+ * (a 2048-row prompt chunk of an 8960-wide down projection: 18 MB in int8) no longer stay in
+ * cache while every unit of panels streams them all */
+#ifndef I8_ROW_BLOCK
+#define I8_ROW_BLOCK 256
+#endif
+
 /* quantize then multiply, in one call (the activations in scratch buffers); 0, or -1 where a
  * buffer could not be had */
 int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t k, const void *x,
@@ -736,8 +744,14 @@ int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t 
     if (ok) {
         asyncengine_i8_quantize(x, n, k, x_bf16, shifted_input(fmt), qb, q, xd, b16, b32,
                                 threads);
-        asyncengine_i8_matmul(fmt, panels, rows, k, q, xd, b16, b32, n, bias, y, ldy, out_bf16,
-                              threads);
+        for (int64_t r0 = 0; r0 < n; r0 += I8_ROW_BLOCK) {
+            const int64_t m = n - r0 < I8_ROW_BLOCK ? n - r0 : I8_ROW_BLOCK;
+            void *yr = out_bf16 ? (void *)((uint16_t *)y + r0 * ldy)
+                                : (void *)((float *)y + r0 * ldy);
+            asyncengine_i8_matmul(fmt, panels, rows, k, q + r0 * k, xd + r0 * (k / qb),
+                                  b16 + r0 * (k / 16), b32 + r0 * (k / 32), m, bias, yr, ldy,
+                                  out_bf16, threads);
+        }
     }
     free(q);
     free(xd);

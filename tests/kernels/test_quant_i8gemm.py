@@ -66,16 +66,18 @@ def test_products_match_the_twin(name: str, isa: str) -> None:
 @pytest.mark.parametrize("name", I8_FORMATS)
 def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
     """Rows of 10 super-blocks: up to 32 activation rows a unit takes them one at a time, more
-    rows in chunks of several (the last one short), asking for the next while it multiplies."""
+    rows in chunks of several (the last one short), asking for the next while it multiplies;
+    past 256 rows the rows in blocks (the last one short), each row as a call of it alone."""
     weight = random_weight(FORMATS[name], 40, 2560, seed=13)
     panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
     bias = torch.randn(40)
-    for n in (2, 32, 33, 70):
+    for n in (2, 32, 33, 70, 300):
         x = torch.randn(n, 2560, generator=torch.Generator().manual_seed(n))
         y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
         ref = i8gemm_ref.linear(x, weight, bias)
         scale = product_scale(x, weight, bias)
         torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+    assert torch.equal(quant_i8gemm_native.linear(x[257:], panels, bias, isa=isa), y[257:])
 
 
 @pytest.mark.parametrize("isa", _builds())

@@ -127,10 +127,11 @@ K_AMX_WIDE_RATIO = 4
 # The 32-value block formats (their exact values as bytes, the activations' scales per 32 too:
 # 1.25 bytes a weight for Q8_0 / Q4_0, 1.375 for Q4_1) against the dense bfloat16 product, per
 # projection of a 1.5B layer and its LM head (the same script, --i8-crossovers Q8_0,Q4_0,Q4_1
-# --shape qwen2.5-1.5b, one thread, CPU time): Q8_0 1.3-1.9 at 8-64 rows, 1.1-1.4 at 256-1024,
-# 1.1-1.3 at 2048 but down's 0.9 (the rows' activations no longer in cache); a 1B layer's alike;
-# Q4_0 1.2-1.8 at 8-64, 1.2-1.4 at 128-1024; Q4_1 (its min one more multiply-add a block) 1.1-1.6
-# at 16-64, 1.03-1.22 at 128-1024. So they too take it at any row count.
+# --shape qwen2.5-1.5b, one thread, CPU time): Q8_0 1.3-1.9 at 8-64 rows, 1.1-1.4 at 256-2048
+# (the rows met 256 at a time: down's 0.9 at 2048 otherwise, its activations out of cache), the
+# K formats 1.1-1.4 at 2048; Q4_0 1.2-1.8 at 8-64, 1.2-1.4 at 128-1024; Q4_1 (its min one more
+# multiply-add a block) 1.1-1.6 at 16-64, 1.03-1.22 at 128-1024. So they too take it at any row
+# count.
 I8_BELOW_ROWS_BY_FORMAT = {
     "Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30, "Q4_0": 1 << 30,
     "Q4_1": 1 << 30,
