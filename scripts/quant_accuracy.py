@@ -15,10 +15,14 @@ Variants (all float32 activations, the CPU):
 - ``q8_0``: every 2-D weight of the reference re-quantized to Q8_0 (gguf's quantizer);
 - ``int8``: every 2-D weight quantized per output row (quantization = "int8");
 - ``gguf_kv_f16``: ``gguf`` over a float16 K/V pool (``kv_cache_dtype = "float16"``, what
-  ``auto`` picks for it on an F16C CPU): the activations' int8 blocks and K/V rounded to half.
+  ``auto`` picks for it on an F16C CPU): the activations' int8 blocks and K/V rounded to half;
+- ``gguf_i8``: ``gguf`` on the int8 product (kernels/cpu/cpu_quant_i8gemm.c: the activations in
+  int8 per 256 values against the K formats, per 32 against Q8_0 / Q4_0 / Q4_1) wherever a call
+  reaches the projections and the CPU runs it for them (else the dense product of their float32
+  weights); the fused decode step of the greedy tokens keeps the quantized kernel.
 
-Every quantized projection runs the quantized kernel here, at every batch size (the engine
-switches to the dense product from 32 rows). For each: the largest and mean absolute logit
+Every quantized projection but ``gguf_i8``'s runs the quantized kernel here, at every batch size
+(the engine switches to the dense product from 32 rows). For each: the largest and mean absolute logit
 difference over every position of a fixed text
 (teacher-forced), the share of positions whose argmax agrees, the text's perplexity beside the
 reference's, and the greedy continuations of a few prompts compared token by token.
@@ -98,6 +102,7 @@ class Model:
         weights: dict[str, Weight],
         max_len: int,
         kv_dtype: torch.dtype = torch.float32,
+        i8: bool = False,
     ) -> None:
         pages = -(-max_len // PAGE_SIZE)
         self.config = config
@@ -108,12 +113,10 @@ class Model:
         # the quantized kernel at every batch size: a prefill of the text would otherwise take
         # the dense product of the same (dequantized) weights and hide the kernel's error
         model = self.runner.model
-        for linear in [
-            model.lm_head,
-            *(getattr(layer, n) for layer in model.layers for n in PROJECTIONS),
-        ]:
+        linears = [model.lm_head, *(getattr(b, n) for b in model.layers for n in PROJECTIONS)]
+        for linear in linears:
             if isinstance(linear, QuantizedLinear):
-                linear.dense_from_rows = None
+                linear.dense_from_rows = 1 if i8 else None
 
     def all_logits(self, tokens: list[int]) -> torch.Tensor:
         """[len(tokens), vocab] float32 logits of a whole sequence, one prefill."""
@@ -192,6 +195,7 @@ def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> lis
         "q8_0": lambda: requantize_q8_0(kept or float32_weights()),
         "int8": lambda: quantize_int8(kept or float32_weights()),
         "gguf_kv_f16": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
+        "gguf_i8": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
     }
     kv_dtypes = {"gguf_kv_f16": torch.float16}
     reference = Model(config, kept or float32_weights(), max_len)
@@ -202,7 +206,13 @@ def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> lis
     gc.collect()
     results = []
     for name in variants:
-        candidate = Model(config, builders[name](), max_len, kv_dtypes.get(name, torch.float32))
+        candidate = Model(
+            config,
+            builders[name](),
+            max_len,
+            kv_dtypes.get(name, torch.float32),
+            i8=name == "gguf_i8",
+        )
         logits = candidate.all_logits(text_tokens)
         diff = (logits - ref_logits).abs()
         ppl = perplexity(logits, text_tokens)

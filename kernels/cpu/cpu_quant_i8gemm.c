@@ -1,4 +1,5 @@
-/* The K formats' (Q4_K, Q5_K, Q6_K) products for many activation rows at once, in int8.
+/* The K formats' (Q4_K, Q5_K, Q6_K) and the 32-value block formats' (Q8_0, Q4_0, Q4_1) products
+ * for many activation rows at once, in int8.
  *
  *   y[i, c] = sum_k x[i, k] * W[c, k]
  *
@@ -19,6 +20,14 @@
  *   Q6_K         j: 16 sub-blocks of 16, values q (0..63, for q - 32), m = sc, dm = 32 d: kept
  *                as q - 32 (s8) against x + 128 (u8), its min term a constant per column:
  *                y[i, c] = sum_s xd[i, s] d[c, s] (sum_j sc_j S'[i, c, s, j] - 128 off[c, s])
+ *   Q8_0         j: 8 blocks of 32, values q (s8) against x + 128 (u8), a float scale d each,
+ *                the activations' scale per 32 too (as llama.cpp's q8_0: per 256 a 1B model's
+ *                mean logit error was 1.65x its group kernels', per 32 the same;
+ *                scripts/quant_accuracy.py --variants gguf,gguf_i8), met with d:
+ *                y[i, c] = sum_s sum_j xd[i, s, j] d[c, s, j] (S'[i, c, s, j] - 128 off[c, s, j])
+ *                (off: the block's sum of q; the int32 sums start at -128 off)
+ *   Q4_0, Q4_1   as Q8_0, their values widened to bytes (Q4_0's q - 8); Q4_1's min m per block
+ *                adds m[c, s, j] B[i, s, j] inside the super-block's sum
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
@@ -61,6 +70,20 @@ static inline int value_shift(int fmt, int v) { return nibbles(fmt) ? 4 * ((v / 
  * one int32 per column and super-block (sum_j sc_j sum (q - 32), "off"), not a min term per
  * activation row */
 static inline int centred(int fmt) { return fmt == FMT_Q6_K; }
+/* the formats whose values are signed bytes, meeting the activations as x + 128 */
+/* the 32-value block formats, kept in Q8_0's panel layout */
+static inline int q8_layout(int fmt) {
+    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
+}
+static inline int shifted_input(int fmt) { return fmt == FMT_Q6_K || q8_layout(fmt); }
+
+/* Q8_0's panel super-block: its values (as Q5_K's bytes), then per block of 32 and column the
+ * int32 sums' start (-128 times the block's sum of values) and the float scale d; Q4_1's also
+ * the float min m */
+#define Q8_OFF_AT (QK_K * NP)
+#define Q8_D_AT (Q8_OFF_AT + 8 * NP * 4)
+#define Q8_M_AT (Q8_D_AT + 8 * NP * 4)
+static inline int64_t q8_bytes(int fmt) { return Q8_M_AT + (fmt == FMT_Q4_1 ? 8 * NP * 4 : 0); }
 
 /* one panel's super-block: where its parts lie and its size */
 typedef struct {
@@ -70,6 +93,15 @@ typedef struct {
 
 static sb_layout layout_of(int fmt) {
     sb_layout l;
+    if (q8_layout(fmt)) {
+        l.nsub = 8;
+        l.sub = 32;
+        l.sc = Q8_OFF_AT;
+        l.d = Q8_D_AT;
+        l.mins = l.dm = Q8_M_AT;
+        l.bytes = q8_bytes(fmt);
+        return l;
+    }
     l.nsub = fmt == FMT_Q6_K ? 16 : 8;
     l.sub = QK_K / l.nsub;
     l.sc = value_bytes(fmt);               /* int8 [nsub][NP] */
@@ -80,7 +112,9 @@ static sb_layout layout_of(int fmt) {
     return l;
 }
 
-static int takes_format(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
+static int takes_format(int fmt) {
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || q8_layout(fmt);
+}
 
 int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
     return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
@@ -132,11 +166,55 @@ static void decode_super_block(int fmt, const uint8_t *w, uint8_t *q, int *sc, i
         }
 }
 
+/* one block of 32 as GGUF stores it -> values (s8), d and m: Q8_0 (fp16 d, 32 int8), Q4_0
+ * (fp16 d, 16 bytes of nibbles: q - 8), Q4_1 (fp16 d, fp16 m, nibbles: q) */
+static void decode_block32(int fmt, const uint8_t *w, int8_t *q, float *d, float *m) {
+    *d = fp16_to_float(w);
+    *m = fmt == FMT_Q4_1 ? fp16_to_float(w + 2) : 0.0f;
+    if (fmt == FMT_Q8_0) {
+        memcpy(q, w + 2, 32);
+        return;
+    }
+    const uint8_t *qs = w + (fmt == FMT_Q4_1 ? 4 : 2);
+    const int mid = fmt == FMT_Q4_0 ? 8 : 0;
+    for (int t = 0; t < 16; t++) {
+        q[t] = (int8_t)((qs[t] & 0xF) - mid);
+        q[t + 16] = (int8_t)((qs[t] >> 4) - mid);
+    }
+}
+
+/* 32-value block rows' (at most NP) blocks into one panel (zeroed) */
+static void pack_panel_q8(int fmt, const uint8_t *const *rows, int nrows, int64_t k,
+                          uint8_t *dst) {
+    const int64_t block = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_1 ? 20 : 18, bytes = q8_bytes(fmt);
+    int8_t q[32];
+    for (int64_t s = 0; s < k / QK_K; s++) {
+        uint8_t *out = dst + s * bytes;
+        for (int c = 0; c < nrows; c++)
+            for (int j = 0; j < 8; j++) {
+                float d, m;
+                decode_block32(fmt, rows[c] + (8 * s + j) * block, q, &d, &m);
+                int32_t start = 0;
+                for (int t = 0; t < 32; t++) {
+                    out[value_at(FMT_Q8_0, 32 * j + t, c)] = (uint8_t)q[t];
+                    start -= 128 * q[t];
+                }
+                memcpy(out + Q8_OFF_AT + 4 * (j * NP + c), &start, 4);
+                memcpy(out + Q8_D_AT + 4 * (j * NP + c), &d, 4);
+                if (fmt == FMT_Q4_1) memcpy(out + Q8_M_AT + 4 * (j * NP + c), &m, 4);
+            }
+    }
+}
+
 /* rows' (at most NP, the rest of the panel zero) super-blocks into one panel */
 static void pack_panel(int fmt, const uint8_t *const *rows, int nrows, int64_t k, uint8_t *dst) {
     const sb_layout l = layout_of(fmt);
     const int64_t nsb = k / QK_K, block = fmt == FMT_Q6_K ? 210 : fmt == FMT_Q5_K ? 176 : 144;
     memset(dst, 0, (size_t)(l.bytes * nsb));
+    if (q8_layout(fmt)) {
+        pack_panel_q8(fmt, rows, nrows, k, dst);
+        return;
+    }
     uint8_t q[QK_K];
     int sc[16], m[16];
     for (int64_t s = 0; s < nsb; s++) {
@@ -198,9 +276,10 @@ void asyncengine_i8_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
 /* activations                                                                                */
 
 /* x [n, k] (float32 or bf16) -> q int8 [n, k] (or q + 128 as unsigned bytes where `shifted`: what
- * the centred values meet), xd [n, k / 256] (max|x| / 127 of each 256), b16 int16 [n, k / 16] and
+ * the centred values meet), xd [n, k / qb] (max|x| / 127 of each qb values: 256, or 32 for the
+ * 32-value block formats, whose scales meet each block's sums anyway), b16 int16 [n, k / 16] and
  * b32 int16 [n, k / 32] (sums of q) */
-void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int shifted,
+void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int shifted, int qb,
                              int8_t *q, float *xd, int16_t *b16, int16_t *b32, int threads) {
     const int64_t nsb = k / QK_K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
@@ -219,35 +298,38 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int 
                 memcpy(v, (const float *)x + off, sizeof v);
             int8_t *qs = q + off;
             int16_t *sums = b16 + i * (k / 16) + s * 16;
+            for (int g = 0; g < QK_K; g += qb) {
 #if defined(I8_512)
-            /* the loop below, 16 values at a time: the same products and roundings */
-            __m512 amax16 = _mm512_setzero_ps();
-            for (int j = 0; j < QK_K; j += 16)
-                amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
-            const float amax = _mm512_reduce_max_ps(amax16);
-            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            for (int j = 0; j < QK_K; j += 16) {
-                const __m512i qi = _mm512_cvtps_epi32(
-                    _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                const __m512i qu = shifted ? _mm512_add_epi32(qi, _mm512_set1_epi32(128)) : qi;
-                _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qu));
-                sums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
-            }
+                /* the loop below, 16 values at a time: the same products and roundings */
+                __m512 amax16 = _mm512_setzero_ps();
+                for (int j = g; j < g + qb; j += 16)
+                    amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+                const float amax = _mm512_reduce_max_ps(amax16);
+                const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+                for (int j = g; j < g + qb; j += 16) {
+                    const __m512i qi = _mm512_cvtps_epi32(
+                        _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    const __m512i qu =
+                        shifted ? _mm512_add_epi32(qi, _mm512_set1_epi32(128)) : qi;
+                    _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qu));
+                    sums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
+                }
 #else
-            float amax = 0.0f;
-            for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(v[j]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)nearbyintf(v[j] * inv);
-            for (int b = 0; b < QK_K / 16; b++) {
-                int sum = 0;
-                for (int j = 0; j < 16; j++) sum += qs[16 * b + j];
-                sums[b] = (int16_t)sum;
-            }
-            if (shifted)
-                for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)(uint8_t)(qs[j] + 128);
+                float amax = 0.0f;
+                for (int j = g; j < g + qb; j++) amax = fmaxf(amax, fabsf(v[j]));
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                for (int j = g; j < g + qb; j++) qs[j] = (int8_t)nearbyintf(v[j] * inv);
+                for (int b = g / 16; b < (g + qb) / 16; b++) {
+                    int sum = 0;
+                    for (int j = 0; j < 16; j++) sum += qs[16 * b + j];
+                    sums[b] = (int16_t)sum;
+                }
+                if (shifted)
+                    for (int j = g; j < g + qb; j++) qs[j] = (int8_t)(uint8_t)(qs[j] + 128);
 #endif
-            xd[i * nsb + s] = amax / 127.0f;
+                xd[(i * k + s * QK_K + g) / qb] = amax / 127.0f;
+            }
             for (int b = 0; b < QK_K / 32; b++)
                 b32[i * (k / 32) + s * 8 + b] = (int16_t)(sums[2 * b] + sums[2 * b + 1]);
         }
@@ -267,9 +349,47 @@ typedef struct {
 #if !defined(I8_512)
 /* the scalar kernel: nr rows x np panels over super-blocks s0..s1 - 1, added into
  * out[r * NV * NP + v * NP + c] */
+static void tile_scalar_q8(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
+                           const i8_row *a, int nr, float *out) {
+    const int64_t bytes = q8_bytes(fmt);
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < np; v++)
+            for (int c = 0; c < NP; c++) {
+                float acc = out[r * NV * NP + v * NP + c];
+                for (int64_t s = s0; s < s1; s++) {
+                    const uint8_t *blk = w[v] + s * bytes;
+                    float t = 0.0f;
+                    for (int j = 0; j < 8; j++) {
+                        int32_t isum;
+                        float d;
+                        memcpy(&isum, blk + Q8_OFF_AT + 4 * (j * NP + c), 4);
+                        memcpy(&d, blk + Q8_D_AT + 4 * (j * NP + c), 4);
+                        for (int u = 0; u < 32; u++) {
+                            const int kk = 32 * j + u;
+                            isum += (int8_t)blk[value_at(FMT_Q8_0, kk, c)] *
+                                    (uint8_t)a[r].q[s * QK_K + kk];
+                        }
+                        const float xd = a[r].xd[s * 8 + j];
+                        t = fmaf((float)isum, d * xd, t);
+                        if (fmt == FMT_Q4_1) {
+                            float m;
+                            memcpy(&m, blk + Q8_M_AT + 4 * (j * NP + c), 4);
+                            t = fmaf(m, (float)a[r].b[s * 8 + j] * xd, t);
+                        }
+                    }
+                    acc += t;
+                }
+                out[r * NV * NP + v * NP + c] = acc;
+            }
+}
+
 static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out) {
     const sb_layout l = layout_of(fmt);
+    if (q8_layout(fmt)) {
+        tile_scalar_q8(fmt, w, np, s0, s1, a, nr, out);
+        return;
+    }
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < np; v++)
             for (int c = 0; c < NP; c++) {
@@ -416,6 +536,62 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
     }
 }
 
+/* the 32-value block formats' micro-kernel: each block's int32 sums (started at -128 off) meet
+ * its float scale as they end (and Q4_1's min its activations' sum), into float sums per
+ * super-block, which meet the activation scale once */
+static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const int nv, int64_t s0,
+                                               int64_t s1, const i8_row *a, const int mr,
+                                               const int has_min, float *out) {
+    const int64_t bytes = has_min ? Q8_M_AT + 8 * NP * 4 : Q8_M_AT;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *blk[NV];
+        for (int v = 0; v < nv; v++) blk[v] = w[v] + s * bytes;
+        const int8_t *xq[MR];
+        for (int r = 0; r < mr; r++) xq[r] = a[r].q + s * QK_K;
+        __m512 facc[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) facc[r][v] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            __m512i iacc[MR][NV];
+            for (int v = 0; v < nv; v++) {
+                const __m512i start =
+                    _mm512_load_si512((const void *)(blk[v] + Q8_OFF_AT + 64 * j));
+                for (int r = 0; r < mr; r++) iacc[r][v] = start;
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const int kk = 8 * j + t;
+                __m512i wv[NV];
+                for (int v = 0; v < nv; v++) {
+                    wv[v] = _mm512_load_si512((const void *)(blk[v] + 64 * kk));
+                    __asm__("" : "+v"(wv[v])); /* once into a register, as Q6_K's */
+                }
+                k4_step(iacc, wv, xq, kk, mr, nv, 1);
+            }
+            __m512 xd[MR];
+            for (int r = 0; r < mr; r++) xd[r] = _mm512_set1_ps(a[r].xd[s * 8 + j]);
+            for (int v = 0; v < nv; v++) {
+                const __m512 d = _mm512_load_ps((const float *)(blk[v] + Q8_D_AT + 64 * j));
+                for (int r = 0; r < mr; r++)
+                    facc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][v]),
+                                                 _mm512_mul_ps(d, xd[r]), facc[r][v]);
+                if (has_min) {
+                    const __m512 m = _mm512_load_ps((const float *)(blk[v] + Q8_M_AT + 64 * j));
+                    for (int r = 0; r < mr; r++)
+                        facc[r][v] = _mm512_fmadd_ps(
+                            m, _mm512_set1_ps((float)a[r].b[s * 8 + j] * a[r].xd[s * 8 + j]),
+                            facc[r][v]);
+                }
+            }
+        }
+        for (int v = 0; v < nv; v++)
+            for (int r = 0; r < mr; r++) {
+                float *o = out + r * NV * NP + v * NP;
+                _mm512_storeu_ps(o, _mm512_add_ps(facc[r][v], _mm512_loadu_ps(o)));
+            }
+    }
+}
+
 /* one function per format, one inlined copy of the micro-kernel per (rows, panels): constants in
  * each keep the sums in registers */
 #define I8_ROWS(X, nv) X(1, nv) X(2, nv) X(3, nv) X(4, nv)
@@ -435,12 +611,28 @@ I8_FORMAT_FN(tile_q5_k, 8, 0)
 I8_FORMAT_FN(tile_q6_k, 16, 0)
 #undef I8_FORMAT_FN
 #undef I8_CASE
+#define I8_CASE(mr, nv)                                                                          \
+    case (nv) * 16 + (mr):                                                                       \
+        tile_512_q8(w, nv, s0, s1, a, mr, HAS_MIN, out);                                         \
+        return;
+#define I8_BLOCK32_FN(name, has_min)                                                             \
+    static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
+                                const i8_row *a, int nr, float *out) {                          \
+        enum { HAS_MIN = has_min };                                                              \
+        switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
+    }
+I8_BLOCK32_FN(tile_q8, 0)
+I8_BLOCK32_FN(tile_q4_1, 1)
+#undef I8_BLOCK32_FN
+#undef I8_CASE
 #endif
 
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out) {
 #if defined(I8_512)
-    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
+    if (fmt == FMT_Q8_0 || fmt == FMT_Q4_0) tile_q8(w, np, s0, s1, a, nr, out);
+    else if (fmt == FMT_Q4_1) tile_q4_1(w, np, s0, s1, a, nr, out);
+    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
     else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out);
     else tile_q6_k(w, np, s0, s1, a, nr, out);
 #else
@@ -480,8 +672,9 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 #define I8_ONE_SB_ROWS 32
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
- * output and W's panels; parallel over units of NV panels, handed out as threads come free (a
- * descheduled thread on a loaded machine then delays no one). */
+ * output (xd per 32 values for the 32-value block formats, else per 256) and W's panels;
+ * parallel over units of NV panels, handed out as threads come free (a descheduled thread on a
+ * loaded machine then delays no one). */
 void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
                            const int8_t *xq, const float *xd, const int16_t *b16,
                            const int16_t *b32, int64_t n, const float *bias, void *y, int64_t ldy,
@@ -491,7 +684,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
     const int64_t units = (np_all + NV - 1) / NV, tiles = (n + MR - 1) / MR;
     const int64_t chunk = n <= I8_ONE_SB_ROWS ? 1 : I8_CHUNK_SB;
     const int16_t *b = fmt == FMT_Q6_K ? b16 : b32;
-    const int64_t bstride = fmt == FMT_Q6_K ? k / 16 : k / 32;
+    const int64_t bstride = fmt == FMT_Q6_K ? k / 16 : k / 32, qb = q8_layout(fmt) ? QK : QK_K;
 #pragma omp parallel num_threads(threads) if (units > 1)
     {
         float *acc = (float *)malloc((size_t)(tiles * MR * NV * NP) * sizeof(float));
@@ -516,7 +709,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     const int nr = (int)(n - i0 < MR ? n - i0 : MR);
                     i8_row a[MR];
                     for (int r = 0; r < nr; r++)
-                        a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * nsb,
+                        a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * (k / qb),
                                         b + (i0 + r) * bstride};
                     tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP);
                 }
@@ -530,20 +723,35 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
     }
 }
 
+/* activation rows a product meets the panels in, one block after another: a long input's rows
+ * (a 2048-row prompt chunk of an 8960-wide down projection: 18 MB in int8) no longer stay in
+ * cache while every unit of panels streams them all */
+#ifndef I8_ROW_BLOCK
+#define I8_ROW_BLOCK 256
+#endif
+
 /* quantize then multiply, in one call (the activations in scratch buffers); 0, or -1 where a
  * buffer could not be had */
 int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t k, const void *x,
                           int64_t n, int x_bf16, const float *bias, void *y, int64_t ldy,
                           int out_bf16, int threads) {
     int8_t *q = (int8_t *)malloc((size_t)(n * k));
-    float *xd = (float *)malloc((size_t)(n * (k / QK_K)) * sizeof(float));
+    const int qb = q8_layout(fmt) ? QK : QK_K;
+    float *xd = (float *)malloc((size_t)(n * (k / qb)) * sizeof(float));
     int16_t *b16 = (int16_t *)malloc((size_t)(n * (k / 16)) * sizeof(int16_t));
     int16_t *b32 = (int16_t *)malloc((size_t)(n * (k / 32)) * sizeof(int16_t));
     const int ok = q && xd && b16 && b32;
     if (ok) {
-        asyncengine_i8_quantize(x, n, k, x_bf16, centred(fmt), q, xd, b16, b32, threads);
-        asyncengine_i8_matmul(fmt, panels, rows, k, q, xd, b16, b32, n, bias, y, ldy, out_bf16,
-                              threads);
+        asyncengine_i8_quantize(x, n, k, x_bf16, shifted_input(fmt), qb, q, xd, b16, b32,
+                                threads);
+        for (int64_t r0 = 0; r0 < n; r0 += I8_ROW_BLOCK) {
+            const int64_t m = n - r0 < I8_ROW_BLOCK ? n - r0 : I8_ROW_BLOCK;
+            void *yr = out_bf16 ? (void *)((uint16_t *)y + r0 * ldy)
+                                : (void *)((float *)y + r0 * ldy);
+            asyncengine_i8_matmul(fmt, panels, rows, k, q + r0 * k, xd + r0 * (k / qb),
+                                  b16 + r0 * (k / 16), b32 + r0 * (k / 32), m, bias, yr, ldy,
+                                  out_bf16, threads);
+        }
     }
     free(q);
     free(xd);

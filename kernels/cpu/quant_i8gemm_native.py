@@ -1,12 +1,15 @@
-"""The K formats' many-row int8 product (kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
+"""The many-row int8 product of the K formats and the 32-value block formats
+(kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
 
-``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight once into the kernel's panels (each value
-its exact integer, a nibble (Q4_K) or a byte, its sub-block scales and mins beside it: ~0.63 /
-1.13 / 1.11 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to
-int8 per 256 values, the weights exact. ``available()``: this CPU's build has the fast kernel
-(AVX-512 VNNI). ``isa`` picks the library variant as quant_native's does ("native", "avx2",
-"scalar"); the builds without the fast kernel run a scalar one on the same layout (the
-reference the tests hold the fast one to).
+``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 weight (rows of whole
+256-value super-blocks) once into the kernel's panels (each value its exact integer, a nibble
+(Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11 / 1.25 / 1.25 / 1.375 bytes a
+weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with
+the activations rounded to int8 per 256 values (per 32 against the 32-value block formats), the
+weights exact. ``available()``: this CPU's build has the fast kernel (AVX-512 VNNI). ``isa``
+picks the library variant as quant_native's does ("native", "avx2", "scalar"); the builds
+without the fast kernel run a scalar one on the same layout (the reference the tests hold the
+fast one to).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from asyncengine.kernels.cpu.quant_native import ISA_FLAGS
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"})
 SUPER_BLOCK = 256
 PANEL_COLUMNS = 16
 ENABLE_ENV = "ASYNCENGINE_I8_GEMM"  # "0": never this path (to measure what it gives)

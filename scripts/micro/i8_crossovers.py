@@ -1,10 +1,10 @@
 """bench_many_rows_step.py's ``--i8-crossovers``: per projection of a real shape's layer (and the
-LM head), the K formats' int8 product (kernels/cpu/cpu_quant_i8gemm.c) against the dense
-bfloat16 product of the same weight (prepacked oneDNN) and, up to 16 rows, the quantized group
-kernels; per row count, the medians of repeated calls, the paths alternating. Prints GMAC/s of
-each and dense / int8 (> 1: the int8 product faster), where executor/layers/linear.py's
-``I8_BELOW_ROWS_BY_FORMAT`` comes from. Run it with ``--threads 1 --cpu-time`` on a busy machine.
-Random blocks: a product's speed does not depend on the values."""
+LM head), the K formats' and Q8_0's int8 product (kernels/cpu/cpu_quant_i8gemm.c) against the
+dense bfloat16 product of the same weight (prepacked oneDNN) and, up to 64 rows, the quantized
+group kernels; per row count, the medians of repeated calls, the paths alternating. Prints GMAC/s
+of each and dense / int8 (> 1: the int8 product faster), where executor/layers/linear.py's
+``I8_BELOW_ROWS_BY_FORMAT`` and ``I8_FROM_ROWS_BY_FORMAT`` come from. Run it with ``--threads 1
+--cpu-time`` on a busy machine. Random blocks: a product's speed does not depend on the values."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from bench_quant_matmul import SHAPES, random_blocks
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import quant_i8gemm_native, quant_native
 
-GROUP_UP_TO = 16  # rows up to which the group kernels are timed too
+GROUP_UP_TO = 64  # rows up to which the group kernels are timed too
 
 
 def run_i8_crossovers(args: argparse.Namespace) -> dict[str, Any]:

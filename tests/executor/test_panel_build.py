@@ -43,7 +43,7 @@ def _counting_pack(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return packed
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_ranges_pack_the_bytes_of_one_call(name: str, interleaved: bool) -> None:
     """Rows past the last whole panel and past the last interleaved group included."""

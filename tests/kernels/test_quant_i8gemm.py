@@ -1,6 +1,6 @@
-"""The K formats' int8 product (kernels/cpu/cpu_quant_i8gemm.c) against its torch twin
-(kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256 values, the weights
-exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
+"""The int8 product of the K formats and the 32-value block formats (kernels/cpu/cpu_quant_i8gemm.c)
+against its torch twin (kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256
+or 32 values, the weights exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
 or as stored, activation row counts around its 4-row tiles, float32 and bfloat16 activations,
 bias, and outputs written into column slices; within the activations' rounding of the exact
 product; and where the engine takes it (executor/layers/linear.py). The fast kernel runs where
@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from asyncengine.executor.layers import linear as linear_module
-from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear, i8_below_rows
+from asyncengine.executor.layers.linear import (
+    DenseBudget,
+    QuantizedLinear,
+    i8_below_rows,
+    i8_from_rows,
+)
 from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import i8gemm_ref, quant_ref
@@ -25,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 needs_fast = pytest.mark.skipif(
     not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
 )
-K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
+I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
 # weight rows: half a panel, one, a panel and a half, odd pairs of panels, tails past the groups
 WEIGHT_ROWS = (8, 16, 24, 44, 56)
 ACTIVATION_ROWS = (1, 3, 4, 5, 9, 17, 33)
@@ -38,7 +43,7 @@ def _builds() -> list[str]:
 
 
 @pytest.mark.parametrize("isa", _builds())
-@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("name", I8_FORMATS)
 def test_products_match_the_twin(name: str, isa: str) -> None:
     fmt = FORMATS[name]
     for cols in (256, 768):
@@ -58,19 +63,21 @@ def test_products_match_the_twin(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", _builds())
-@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("name", I8_FORMATS)
 def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
     """Rows of 10 super-blocks: up to 32 activation rows a unit takes them one at a time, more
-    rows in chunks of several (the last one short), asking for the next while it multiplies."""
+    rows in chunks of several (the last one short), asking for the next while it multiplies;
+    past 256 rows the rows in blocks (the last one short), each row as a call of it alone."""
     weight = random_weight(FORMATS[name], 40, 2560, seed=13)
     panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
     bias = torch.randn(40)
-    for n in (2, 32, 33, 70):
+    for n in (2, 32, 33, 70, 300):
         x = torch.randn(n, 2560, generator=torch.Generator().manual_seed(n))
         y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
         ref = i8gemm_ref.linear(x, weight, bias)
         scale = product_scale(x, weight, bias)
         torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+    assert torch.equal(quant_i8gemm_native.linear(x[257:], panels, bias, isa=isa), y[257:])
 
 
 @pytest.mark.parametrize("isa", _builds())
@@ -93,10 +100,41 @@ def test_q6_k_sums_at_their_extremes(
 
 
 @pytest.mark.parametrize("isa", _builds())
-def test_bfloat16_rows_and_column_slices(isa: str) -> None:
+@pytest.mark.parametrize(("value_byte", "sign"), [(0x80, 1.0), (0x7F, -1.0), (0x80, -1.0)])
+def test_q8_0_sums_at_their_extremes(isa: str, value_byte: int, sign: float) -> None:
+    """Q8_0's values (s8) meet the activations as unsigned bytes (x + 128), the sums started at
+    -128 times each block's sum of values: with every value -128 or 127 and every activation at
+    +-127 the int32 sums stay exact."""
+    weight = random_weight(FORMATS["Q8_0"], 16, 2048, seed=19)
+    weight.data.view(16, 64, 34)[:, :, 2:] = value_byte
+    x = torch.full((5, 2048), sign)
+    ref = i8gemm_ref.linear(x, weight)
+    y = quant_i8gemm_native.linear(x, quant_i8gemm_native.pack(weight), isa=isa)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_block32_formats_at_every_row_count_of_a_tile(isa: str, name: str) -> None:
+    """Every activation row count from 1 to 33 (whole and partial 4-row tiles, one super-block a
+    chunk up to 32 rows, several from 33) and 70, on a weight of a partial last panel pair."""
+    weight = random_weight(FORMATS[name], 40, 1280, seed=23)
+    panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
+    bias = torch.randn(40)
+    for n in (*range(1, 34), 70):
+        x = torch.randn(n, 1280, generator=torch.Generator().manual_seed(n))
+        y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+        ref = i8gemm_ref.linear(x, weight, bias)
+        scale = product_scale(x, weight, bias)
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_bfloat16_rows_and_column_slices(isa: str, name: str) -> None:
     """bfloat16 activations are quantized as their float32 values, the output rounded once to
     bfloat16; an output view whose rows are longer gets only its columns."""
-    weight = random_weight(FORMATS["Q4_K"], 40, 512, seed=7)
+    weight = random_weight(FORMATS[name], 40, 512, seed=7)
     panels = quant_i8gemm_native.pack(weight)
     bias = torch.randn(40)
     x = torch.randn(6, 512).to(torch.bfloat16)
@@ -112,7 +150,7 @@ def test_bfloat16_rows_and_column_slices(isa: str) -> None:
 
 
 @needs_fast
-@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("name", I8_FORMATS)
 def test_within_the_activation_rounding_of_the_exact_product(name: str) -> None:
     """The weights are exact: only rounding the activations to int8 moves the outputs, by at most
     sum_k |W| d / 2 (plus float32 rounding)."""
@@ -128,9 +166,11 @@ def test_within_the_activation_rounding_of_the_exact_product(name: str) -> None:
 
 def test_what_it_takes() -> None:
     assert quant_i8gemm_native.takes(random_weight(FORMATS["Q6_K"], 16, 256, seed=1))
-    assert not quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 256, seed=1))
+    assert quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 256, seed=1))
+    # Q8_0 rows of whole 32-value blocks but not of whole 256-value super-blocks
+    assert not quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 288, seed=1))
     with pytest.raises(ValueError, match="does not take"):
-        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 256, seed=1))
+        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 288, seed=1))
     panels = quant_i8gemm_native.pack(random_weight(FORMATS["Q4_K"], 16, 256, seed=1))
     with pytest.raises(ValueError, match="columns"):
         quant_i8gemm_native.linear(torch.randn(2, 512), panels, isa="avx2")
@@ -147,11 +187,11 @@ def test_the_engine_takes_it_between_the_crossovers(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q6_K", 40)
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
-    q8 = random_weight(FORMATS["Q8_0"], 16, 512, seed=4)
+    i8 = random_weight(FORMATS["I8"], 16, 512, seed=4)
     mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
     below = linear_module.I8_BELOW_ROWS_BY_FORMAT["Q6_K"]
     assert mixed._i8_below == i8_below_rows(mixed.parts) == below
-    assert QuantizedLinear([q4, q8], dense_from_rows=8)._i8_below == 0
+    assert QuantizedLinear([q4, i8], dense_from_rows=8)._i8_below == 0
     assert QuantizedLinear([q4], dense_from_rows=None)._i8_below == 0  # deterministic mode
     assert mixed.bias is not None
     both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
@@ -170,6 +210,47 @@ def test_the_engine_takes_it_between_the_crossovers(monkeypatch: pytest.MonkeyPa
     assert mixed._i8 is not None and mixed._dense is None
     mixed(torch.randn(below, 512).to(torch.bfloat16))
     assert mixed._dense is not None
+
+
+@needs_fast
+def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With bfloat16 activations a Q8_0 projection takes the int8 product from
+    I8_FROM_ROWS_BY_FORMAT's rows even where its dense crossover lies further (the group kernels
+    below), up to I8_BELOW_ROWS_BY_FORMAT's (the dense product from there); with Q4_K parts
+    beside it, from the later of the two starts; float32 activations keep the crossover."""
+    monkeypatch.setitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q8_0", 40)
+    start = linear_module.I8_FROM_ROWS_BY_FORMAT["Q8_0"]
+    q8 = random_weight(FORMATS["Q8_0"], 48, 512, seed=6)
+    q4 = random_weight(FORMATS["Q4_K"], 16, 512, seed=8)
+    projection = QuantizedLinear([q8], torch.randn(48), dense_from_rows=32)
+    assert projection._i8_from == i8_from_rows([q8]) == start
+    assert QuantizedLinear([q8, q4], dense_from_rows=32)._i8_from == 1 << 30
+    assert projection.bias is not None
+    small = torch.randn(start - 1, 512).to(torch.bfloat16)
+    assert torch.equal(projection(small), projection._quantized(small))
+    single = torch.randn(start, 512)  # float32
+    assert torch.equal(projection(single), projection._quantized(single))
+    assert projection._i8 is None
+    for n in (start, 17, 39):
+        x = torch.randn(n, 512).to(torch.bfloat16)
+        out = projection(x)
+        ref = i8gemm_ref.linear(x.float(), q8, projection.bias)
+        atol = 1e-5 * product_scale(x.float(), q8, projection.bias)
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=atol)
+    assert projection._i8 is not None and projection._dense is None
+    projection(torch.randn(40, 512).to(torch.bfloat16))
+    assert projection._dense is not None
+
+
+@needs_fast
+def test_a_refused_q8_0_keeps_the_group_kernels_below_its_dense_crossover() -> None:
+    q8 = random_weight(FORMATS["Q8_0"], 32, 512, seed=9)
+    refused = QuantizedLinear([q8], dense_from_rows=16, budget=DenseBudget(0))
+    x = torch.randn(8, 512).to(torch.bfloat16)
+    assert torch.equal(refused(x), refused._quantized(x))
+    assert refused._i8 is None and refused._i8_below == 0 and refused._dense is None
+    assert torch.equal(refused(x), refused._quantized(x))  # it no longer asks
+    assert refused._dense is None
 
 
 @needs_fast

@@ -111,11 +111,11 @@ K_AMX_FORMATS = quant_amx_native.FORMATS
 # builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
 K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
 K_AMX_WIDE_RATIO = 4
-# From its dense crossover up to these rows (exclusive), a projection whose parts are all K formats
-# takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c: the weights'
-# exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K / Q5_K / Q6_K
-# against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and builds no
-# dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
+# From its dense crossover up to these rows (exclusive), a projection whose parts are all K
+# formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
+# the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
+# Q5_K / Q6_K against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and
+# builds no dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
 # int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
 # --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
 # 16 rows, 1.3-1.7 at 32, 1.2-1.5 at 64, ahead up to 2048 rows; Q5_K 1.1-1.5 at 16-256; Q6_K
@@ -124,7 +124,24 @@ K_AMX_WIDE_RATIO = 4
 # prompt of 512 / 2048 tokens 1.25-1.33x / 1.07-1.14x against the dense copies at those rows
 # (scripts/bench_real_sizes.py --prefill-lens). So every K format takes it at any row count (no
 # dense copy built); the parts of a projection in several formats take the smallest.
-I8_BELOW_ROWS_BY_FORMAT = {"Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30}
+# The 32-value block formats (their exact values as bytes, the activations' scales per 32 too:
+# 1.25 bytes a weight for Q8_0 / Q4_0, 1.375 for Q4_1) against the dense bfloat16 product, per
+# projection of a 1.5B layer and its LM head (the same script, --i8-crossovers Q8_0,Q4_0,Q4_1
+# --shape qwen2.5-1.5b, one thread, CPU time): Q8_0 1.3-1.9 at 8-64 rows, 1.1-1.4 at 256-2048
+# (the rows met 256 at a time: down's 0.9 at 2048 otherwise, its activations out of cache), the
+# K formats 1.1-1.4 at 2048; Q4_0 1.2-1.8 at 8-64, 1.2-1.4 at 128-1024; Q4_1 (its min one more
+# multiply-add a block) 1.1-1.6 at 16-64, 1.03-1.22 at 128-1024. So they too take it at any row
+# count.
+I8_BELOW_ROWS_BY_FORMAT = {
+    "Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30, "Q4_0": 1 << 30,
+    "Q4_1": 1 << 30,
+}  # fmt: skip
+# With bfloat16 activations, where every part takes the int8 product, it takes it from this many
+# rows even below the dense crossover (in place of the quantized group kernels; float32 ones keep
+# their crossovers, as measured). The group kernels / the int8 product (the same measurements):
+# Q8_0 1.6-2.4 at 8 rows, 2.5-3.3 at 16-64 (0.84-2.4 at 4); Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64;
+# Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64.
+I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8, "Q4_0": 8, "Q4_1": 16}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
@@ -240,9 +257,9 @@ class QuantizedLinear:
     time such a call comes (so an idle or lightly loaded engine holds only the quantized bytes;
     under large batches both: the quantized bytes and one packed dense copy), where ``budget``
     (shared by a model's projections; None: no limit) has room for it. None: always the
-    quantized kernel. From ``dense_from_rows`` up to ``I8_BELOW_ROWS_BY_FORMAT`` K-format parts
-    take the int8 product instead, where this CPU runs it (``_i8``: its panels, built by the
-    first such call from the same budget).
+    quantized kernel. From ``dense_from_rows`` (or sooner, ``I8_FROM_ROWS_BY_FORMAT``) up to
+    ``I8_BELOW_ROWS_BY_FORMAT`` K-format and Q8_0 parts take the int8 product instead, where this
+    CPU runs it (``_i8``: its panels, built by the first such call from the same budget).
     """
 
     __slots__ = (
@@ -252,6 +269,7 @@ class QuantizedLinear:
         "_i8",
         "_i8_below",
         "_i8_build",
+        "_i8_from",
         "_i8_rented",
         "bias",
         "budget",
@@ -289,6 +307,7 @@ class QuantizedLinear:
         # (``defer_i8``: ``_i8_build`` holds them while they are built)
         self._i8: list[quant_i8gemm_native.I8Panels] | None = None
         self._i8_below = 0 if self._amx or dense_from_rows is None else i8_below_rows(self.parts)
+        self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
         self._i8_build: PanelBuild | None = None
         self._i8_rented = 0  # rows the quantized product took while they were deferred
 
@@ -301,7 +320,11 @@ class QuantizedLinear:
         # step, which runs with the caches cold after streaming the weights)
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
-        if self.dense_from_rows is not None and x2.shape[0] >= self.dense_from_rows:
+        n = x2.shape[0]
+        if self.dense_from_rows is not None and (
+            n >= self.dense_from_rows
+            or (self._i8_from <= n < self._i8_below and x2.dtype == torch.bfloat16)
+        ):
             amx = self._amx and x2.dtype == torch.bfloat16
             if amx and x2.shape[0] < self._amx_below:
                 out = self._amx_product(x2)
@@ -462,6 +485,12 @@ def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
     if not quant_i8gemm_native.available():
         return 0
     return min(I8_BELOW_ROWS_BY_FORMAT[p.format.name] for p in parts)
+
+
+def i8_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """Rows from which these parts take the int8 product below their dense crossover
+    (``I8_FROM_ROWS_BY_FORMAT``; a part without an entry: never below it)."""
+    return max(I8_FROM_ROWS_BY_FORMAT.get(p.format.name, 1 << 30) for p in parts)
 
 
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
