@@ -5,8 +5,9 @@ at most 32 MiB) with a fresh mapping, returns the free top of a heap past its tr
 unmaps a thread's heap (64 MiB at most each) once it is empty unless its top pad holds it; each
 way the next step's block of that size is faulted in again page by page. A prompt step of 1,024
 rows of a 1.5B model frees and reallocates tens of MB a layer (its products' activation buffers
-and outputs, the MLP's chunks) and a 32-row decode step its logits: ~150k page faults in all for
-32 requests of 64 tokens in and 64 out, ~44k with these settings (whose CPU time: 0.88-0.93x).
+and outputs, the MLP's chunks) and a 32-row decode step its logits: 32 requests of 64 tokens in
+and 64 out take 90k-250k page faults, 40k-46k with these settings, and run 1.08x as fast
+(Qwen2.5-1.5B Q4_K_M, two threads; CPU time 0.93x).
 ``keep_freed_memory`` sets all three at start-up: blocks up to the largest threshold glibc takes
 come from a heap, a heap's free top is kept up to ``TRIM_THRESHOLD_BYTES``, and an empty heap of
 the forward's thread stays mapped (a pad of a whole heap: it grows the address space a heap
