@@ -19,6 +19,7 @@ from asyncengine.executor.attention.selector import (
     resolve_backend_name,
 )
 from asyncengine.executor.cpu import native_decode
+from asyncengine.executor.cpu.malloc_reuse import keep_freed_memory
 from asyncengine.executor.cpu.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.executor.cuda_graph import DecodeGraphs
 from asyncengine.executor.deferred_inputs import LastSampled
@@ -120,6 +121,7 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             self._pack_float_rows()
+            keep_freed_memory()  # the steps' large blocks reused, not faulted in each step
         # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);
         # deterministic mode keeps one count (its row blocks are tuned to it)
         self.step_threads: StepThreads | None = None

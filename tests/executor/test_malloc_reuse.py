@@ -1,0 +1,57 @@
+"""keep_freed_memory: blocks a step frees come back without page faults (glibc only)."""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import threading
+
+import pytest
+
+from asyncengine.executor.cpu import malloc_reuse
+
+LIBC = ctypes.CDLL(None)
+GLIBC = hasattr(LIBC, "gnu_get_libc_version")
+BLOCK_BYTES = 16 << 20  # below the fixed mmap threshold, above glibc's default one
+BLOCKS = 12  # 192 MiB: past glibc's default trim threshold and more than one thread heap
+PAGES = BLOCKS * BLOCK_BYTES // 4096
+
+
+def faults_per_round(rounds: int = 3) -> list[int]:
+    """Minor page faults of each round of allocating, writing and freeing ``BLOCKS`` blocks, on a
+    thread of its own (the engine's forward runs on one: its own malloc arena)."""
+    malloc, free, memset = LIBC.malloc, LIBC.free, LIBC.memset
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    counted: list[int] = []
+
+    def run() -> None:
+        for round_ in range(rounds):
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            blocks = [malloc(BLOCK_BYTES) for _ in range(BLOCKS)]
+            assert all(blocks)
+            for block in blocks:
+                memset(block, round_ + 1, BLOCK_BYTES)
+            for block in blocks:
+                free(block)
+            counted.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return counted
+
+
+@pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's (mallopt)")
+def test_freed_blocks_come_back_without_faults() -> None:
+    assert malloc_reuse.keep_freed_memory()
+    first, *later = faults_per_round()
+    # the first round faults its pages in (glibc's defaults: every round does, or ~3/4 of them)
+    assert first >= PAGES
+    assert max(later) < PAGES // 100
+
+
+def test_switch_off_leaves_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(malloc_reuse.ENABLE_ENV, "0")
+    assert not malloc_reuse.keep_freed_memory()
