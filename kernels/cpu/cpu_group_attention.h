@@ -274,16 +274,18 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
             n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
                                 kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
         }
-        for (int64_t c = 0; c < kvc; c++) {
-            const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
-            if (c) { /* kv head kv0 + c: the next row of each slot */
-                for (int i = 0; i < n; i++)
-                    kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
-                kc = kh, vc = vh;
-            }
-            for (int h = 0; h < n; h += STREAM_KEYS) {
-                const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
-                /* the next block's rows of this kv head and half, a few lines at a time
+        /* each half block's slots whole (its kv heads in turn) before the next half: the
+         * rows are read in the pool's order, not a kv head's lines strided over the block */
+        for (int h = 0; h < n; h += STREAM_KEYS) {
+            const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
+            for (int64_t c = 0; c < kvc; c++) {
+                const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+                if (c) { /* kv head kv0 + c: the next row of each slot */
+                    for (int i = h; i < h + m; i++)
+                        kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
+                    kc = kh, vc = vh;
+                }
+                /* the next block's rows of this half and kv head, a few lines at a time
                  * between the blocks' work (a block's worth at once stalled on fill buffers) */
                 for (int i = h; i < h + STREAM_KEYS && i < n_next; i++)
                     for (int64_t b = 0; b < KV_ROW(d); b += 64 / (int64_t)sizeof(kv_t)) {
