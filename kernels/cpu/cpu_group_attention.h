@@ -33,6 +33,10 @@
 #define ATTN_MAX_GROUP 8 /* query heads of one kv head in an item at most (a larger group is split) */
 #define ATTN_MAX_HEADS 32 /* query heads of one item at most */
 #define ATTN_MAX_DIM 256
+/* keys per block of the streamed path (stream_range): the block computed and the next one,
+ * asked for meanwhile, stay within L1 (at 32 keys the two were 48 KB of SmolLM2's bfloat16
+ * slots, L1's size, and the prefetched lines pushed out the ones in use) */
+#define STREAM_BLOCK 16
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define ATTN_AVX2 1
@@ -214,14 +218,14 @@ static inline void prefetch_rows(const kv_t *const *k, const kv_t *const *v, int
         }
 }
 
-/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row (n up to ATTN_BLOCK,
+/* the K and V rows at kv head kv0 of keys first..first + n - 1 of a row (n up to most,
  * none past end); k_new / v_new (NULL: none) stand for the last key, len - 1, not yet in the
  * pool */
 static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int32_t *table_row,
                              int64_t first, int64_t end, int64_t len, int64_t page_size,
                              int64_t kv0, int64_t kv_heads, int64_t d, const kv_t *k_new,
-                             const kv_t *v_new, const kv_t **k, const kv_t **v) {
-    const int n = (int)(end - first < ATTN_BLOCK ? end - first : ATTN_BLOCK);
+                             const kv_t *v_new, const kv_t **k, const kv_t **v, int most) {
+    const int n = (int)(end - first < most ? end - first : most);
     /* the page and the offset in it step along with the keys (pool_slot's two divisions per
      * key were a visible share of a block) */
     int64_t page = first / page_size, off = first % page_size;
@@ -243,8 +247,8 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
 
 #ifdef ATTN_STREAM
 /* attend_range on AVX-512 (stream_fits): each block's rows through stream_block
- * (cpu_stream_attention.h) per kv head and half block of 16 keys, the next block's rows asked
- * for meanwhile (at batch 1 a range's item takes whole slots: plan_items) */
+ * (cpu_stream_attention.h) per 16 keys and kv head, the next block's rows asked for meanwhile
+ * (at batch 1 a range's item takes whole slots: plan_items) */
 static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t begin, int64_t end,
                          int64_t len, int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d,
@@ -252,8 +256,8 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
                          float *sum) {
     const int64_t heads = kvc * gc;
     __m512 lsum[ATTN_MAX_HEADS];
-    const kv_t *k_rows[2][ATTN_BLOCK], *v_rows[2][ATTN_BLOCK];
-    const kv_t *kh[ATTN_BLOCK], *vh[ATTN_BLOCK];
+    const kv_t *k_rows[2][STREAM_BLOCK], *v_rows[2][STREAM_BLOCK];
+    const kv_t *kh[STREAM_BLOCK], *vh[STREAM_BLOCK];
     for (int64_t j = 0; j < heads * d; j++) acc[j] = 0.0f;
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, lsum[h] = _mm512_setzero_ps();
 #ifdef STREAM_I8_DOTS
@@ -265,25 +269,27 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 #endif
     int cur = 0;
     int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
-                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0])
+                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0], STREAM_BLOCK)
                         : 0;
-    for (int64_t first = begin; first < end; first += ATTN_BLOCK) {
-        const int64_t next = first + ATTN_BLOCK;
+    for (int64_t first = begin; first < end; first += STREAM_BLOCK) {
+        const int64_t next = first + STREAM_BLOCK;
         int n_next = 0;
         if (next < end) {
             n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
-                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
+                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur], STREAM_BLOCK);
         }
-        for (int64_t c = 0; c < kvc; c++) {
-            const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
-            if (c) { /* kv head kv0 + c: the next row of each slot */
-                for (int i = 0; i < n; i++)
-                    kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
-                kc = kh, vc = vh;
-            }
-            for (int h = 0; h < n; h += STREAM_KEYS) {
-                const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
-                /* the next block's rows of this kv head and half, a few lines at a time
+        /* 16 keys' slots whole (their kv heads in turn) before the next 16: the rows are read
+         * in the pool's order, not a kv head's lines strided over the block */
+        for (int h = 0; h < n; h += STREAM_KEYS) {
+            const int m = n - h < STREAM_KEYS ? n - h : STREAM_KEYS;
+            for (int64_t c = 0; c < kvc; c++) {
+                const kv_t *const *kc = k_rows[cur], *const *vc = v_rows[cur];
+                if (c) { /* kv head kv0 + c: the next row of each slot */
+                    for (int i = h; i < h + m; i++)
+                        kh[i] = k_rows[cur][i] + c * KV_ROW(d), vh[i] = v_rows[cur][i] + c * KV_ROW(d);
+                    kc = kh, vc = vh;
+                }
+                /* the next block's rows of these keys and kv head, a few lines at a time
                  * between the blocks' work (a block's worth at once stalled on fill buffers) */
                 for (int i = h; i < h + STREAM_KEYS && i < n_next; i++)
                     for (int64_t b = 0; b < KV_ROW(d); b += 64 / (int64_t)sizeof(kv_t)) {
@@ -338,14 +344,14 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
     int cur = 0;
     int n = end > begin ? block_rows(k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
-                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0])
+                                     kv_heads, d, k_new, v_new, k_rows[0], v_rows[0], ATTN_BLOCK)
                         : 0;
     for (int64_t first = begin; first < end; first += ATTN_BLOCK) {
         const int64_t next = first + ATTN_BLOCK;
         int n_next = 0;
         if (next < end) {
             n_next = block_rows(k_cache, v_cache, table_row, next, end, len, page_size, kv0,
-                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur]);
+                                kv_heads, d, k_new, v_new, k_rows[!cur], v_rows[!cur], ATTN_BLOCK);
             prefetch_rows(k_rows[!cur], v_rows[!cur], n_next, kvc * KV_ROW(d));
         }
         for (int64_t c = 0; c < kvc; c++) {

@@ -157,10 +157,10 @@ class Bench:
         self.baseline = None
         if args.baseline_library:
             self.baseline = ctypes.CDLL(str(args.baseline_library))
-            step = self.baseline.asyncengine_decode_step
             assert self.library is not None
-            step.restype = self.library.asyncengine_decode_step.restype
-            step.argtypes = self.library.asyncengine_decode_step.argtypes
+            for name in ("asyncengine_decode_step", "asyncengine_decode_step_planned"):
+                step, ours = getattr(self.baseline, name), getattr(self.library, name)
+                step.restype, step.argtypes = ours.restype, ours.argtypes
 
     def plan(self, batch: int) -> BatchPlan:
         ctx = self.args.context
