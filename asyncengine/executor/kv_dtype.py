@@ -33,12 +33,12 @@ Anything else is a ``ConfigError``.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 
 import torch
 
 from asyncengine.common.config import ConfigError
+from asyncengine.executor.attention.selector import resolve_backend_name
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_features
 from asyncengine.kernels.pool_pairs import beside_what, pool_fits
@@ -85,16 +85,10 @@ def _triton_reads(device: torch.device, backend: str, deterministic: bool) -> st
     """Why the Triton kernels would not attend on ``device`` ("" where they would)."""
     if deterministic:
         return f"deterministic mode on {device.type} runs the torch attention backend"
-    resolved = "triton" if backend == "auto" and importlib.util.find_spec("triton") else backend
+    resolved = resolve_backend_name(backend, device) if backend == "auto" else backend
     if resolved == "triton":
         return ""
     return f"attention_backend {backend!r} does not read it (use triton, or auto with Triton)"
-
-
-def _fp8_capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability: e4m3 conversions in hardware from 8.9 (Ada, Hopper)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return major, minor
 
 
 def _scaled_refusal(
@@ -127,7 +121,7 @@ def _scaled_refusal(
         return f"on cuda only the Triton kernels read an {name} pool: {why}"
     if wanted == torch.int8:
         return ""
-    major, minor = _fp8_capability(device)
+    major, minor = torch.cuda.get_device_capability(device)  # e4m3 in hardware from 8.9
     if (major, minor) < (8, 9):
         return (
             f"an fp8 (e4m3) pool needs a GPU of compute capability 8.9 or newer (this one is "

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncengine.common.config import ConfigError
-from asyncengine.executor import kv_dtype
+from asyncengine.executor.attention import selector
 from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.kv_dtype import pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
@@ -158,7 +158,7 @@ def test_int8_and_fp8_on_cuda_are_read_by_the_triton_backend_only(
     with pytest.raises(ConfigError, match="on mps no attention kernel reads an int8 pool"):
         pick_kv_dtype("int8", torch.device("mps"), BF16, False, False)
     # without Triton, auto is the torch backend on CUDA: no quantized pool
-    monkeypatch.setattr(kv_dtype.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(selector, "_importable", lambda name: False)
     with pytest.raises(ConfigError, match="'auto' does not read it"):
         pick_kv_dtype("int8", CUDA, BF16, False, False)
 
