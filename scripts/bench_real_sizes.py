@@ -149,6 +149,35 @@ def engine_config(model: Path, plan: Plan, engine_args: Sequence[tuple[str, Any]
     return EngineConfig.from_toml(None, **{**settings, **dict(engine_args)})
 
 
+async def together(engine: Any, prompts: list[list[int]], output_len: int) -> float:
+    """Wall seconds of ``prompts`` sent to our engine at once, ``output_len`` greedy tokens each."""
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(p, greedy(output_len)) for p in prompts))
+    seconds = time.perf_counter() - start
+    if any(len(out.token_ids) != output_len for out in outs):
+        raise RuntimeError("asyncengine gave fewer tokens than asked")
+    return seconds
+
+
+def concurrent_server(
+    gguf: Path,
+    plan: Plan,
+    n: int,
+    threads: int | None,
+    extra_args: tuple[str, ...],
+    log_path: Path | None = None,
+) -> peer_llamacpp.LlamaServer:
+    """An ``-np n`` llama-server whose slots each hold one concurrent request."""
+    return peer_llamacpp.LlamaServer(
+        gguf,
+        parallel=n,
+        threads=threads,
+        context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
+        log_path=log_path,
+        extra_args=extra_args,
+    )
+
+
 async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[str, Any]:
     from asyncengine.api.engine import AsyncEngine
 
@@ -168,25 +197,19 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
         await stream(8)  # warm-up of the stream's own shapes
         firsts, fulls, _ = await stream_repeats(stream, plan.output_len, plan.repeats)
 
-        async def together(prompts: list[list[int]], output_len: int) -> float:
-            start = time.perf_counter()
-            outs = await asyncio.gather(*(engine.generate(p, greedy(output_len)) for p in prompts))
-            seconds = time.perf_counter() - start
-            if any(len(out.token_ids) != output_len for out in outs):
-                raise RuntimeError("asyncengine gave fewer tokens than asked")
-            return seconds
-
         concurrent = {}
         for n in plan.concurrency:
             seconds = [
-                await together(concurrent_prompts(plan, vocab, n, r), plan.concurrent_output_len)
+                await together(
+                    engine, concurrent_prompts(plan, vocab, n, r), plan.concurrent_output_len
+                )
                 for r in range(plan.repeats)
             ]
             concurrent[str(n)] = n * plan.concurrent_output_len / median(seconds)
         prefill = {}
         for length in plan.prefill_lens:
             seconds = [
-                await together([prefill_prompt(plan, vocab, length, r)], 1)
+                await together(engine, [prefill_prompt(plan, vocab, length, r)], 1)
                 for r in range(plan.repeats)
             ]
             prefill[str(length)] = length / median(seconds)
@@ -250,15 +273,8 @@ def run_llamacpp(
     row["peak_rss_bytes"] = single.peak_rss_bytes
     concurrent = {}
     for n in plan.concurrency:
-        server = peer_llamacpp.LlamaServer(
-            gguf,
-            parallel=n,
-            threads=threads,
-            context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
-            log_path=folder / f"llama-server-np{n}.log",
-            extra_args=extra_args,
-        )
-        with server:
+        log = folder / f"llama-server-np{n}.log"
+        with concurrent_server(gguf, plan, n, threads, extra_args, log) as server:
             seconds = []
             for r in range(plan.repeats):
                 requests = [
@@ -519,32 +535,17 @@ async def interleaved_concurrent(
         await engine.generate(WARMUP_PROMPT, greedy(4))
         await engine.one_time_work_done()
 
-        async def ours(prompts: list[list[int]]) -> float:
-            start = time.perf_counter()
-            outs = await asyncio.gather(
-                *(engine.generate(p, greedy(plan.concurrent_output_len)) for p in prompts)
-            )
-            if any(len(out.token_ids) != plan.concurrent_output_len for out in outs):
-                raise RuntimeError("asyncengine gave fewer tokens than asked")
-            return time.perf_counter() - start
-
+        out_len = plan.concurrent_output_len
         for n in plan.concurrency:
-            server = peer_llamacpp.LlamaServer(
-                gguf,
-                parallel=n,
-                threads=threads,
-                context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
-                extra_args=extra_args,
-            )
-            with server:
-                await ours(concurrent_prompts(plan, vocab, n, -1))  # warm-up of this batch size
+            with concurrent_server(gguf, plan, n, threads, extra_args) as server:
+                await together(engine, concurrent_prompts(plan, vocab, n, -1), out_len)  # warm-up
                 for r in range(plan.repeats):
                     prompts = concurrent_prompts(plan, vocab, n, r)
                     requests = [(p, plan.concurrent_output_len) for p in prompts]
                     walls: dict[str, float] = {}
                     for system in ("asyncengine", "llamacpp")[:: 1 if r % 2 == 0 else -1]:
                         if system == "asyncengine":
-                            walls[system] = await ours(prompts)
+                            walls[system] = await together(engine, prompts, out_len)
                         else:
                             _, walls[system] = await peer_llamacpp.run_requests(server, requests)
                     for system, wall in walls.items():
