@@ -724,8 +724,8 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
 }
 
 /* activation rows a product meets the panels in, one block after another: a long input's rows
- * (a 2048-row prompt chunk of an 8960-wide down projection: 18 MB in int8) no longer stay in
- * cache while every unit of panels streams them all */
+ * (a 2048-row prompt chunk of an 8960-wide down projection: 18 MB in int8) would not stay in
+ * cache while every unit of panels streamed them all */
 #ifndef I8_ROW_BLOCK
 #define I8_ROW_BLOCK 256
 #endif

@@ -298,8 +298,8 @@ def decode_attention(
     """Attention of one query token per request over its paged KV (incl. its own new token).
 
     q ``[B, H, D]``; k_cache, v_cache ``[S, Hkv, D]`` (int8, fp8: ``[S, Hkv, D + 2]``);
-    block_table ``[B, P]`` int32; seq_lens ``[B]`` int32. Returns ``[B, H, D]`` in ``q.dtype``. ``num_splits`` overrides the
-    split-K heuristic (tests use it to exercise the merge); ``out`` (``[B, H, D]``, last dim
+    block_table ``[B, P]`` int32; seq_lens ``[B]`` int32. Returns ``[B, H, D]`` in ``q.dtype``.
+    ``num_splits`` overrides the split-K heuristic (tests use it to exercise the merge); ``out`` (``[B, H, D]``, last dim
     contiguous) receives the result instead of a new tensor. Rows with ``seq_lens == 0`` give 0.
     ``window``: keys the query sees, itself included (0: all); ``softcap``: 0 off.
     """
