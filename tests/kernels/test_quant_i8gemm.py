@@ -81,6 +81,31 @@ def test_long_rows_over_several_chunks(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_every_unit_of_panels_once_whatever_the_threads(name: str, isa: str) -> None:
+    """Threads take the units of panels as they come free, each claiming its next one before it
+    ends the last: 13 panels (7 units, the last of one panel) give the same bits on one thread
+    as on three, and the twin's product."""
+    weight = random_weight(FORMATS[name], 200, 768, seed=29)
+    panels = quant_i8gemm_native.pack(quant_native.interleave(weight))
+    threads = torch.get_num_threads()
+    for n in (3, 32, 40):
+        x = torch.randn(n, 768, generator=torch.Generator().manual_seed(n))
+        outs = []
+        try:
+            for count in (1, 3):
+                torch.set_num_threads(count)
+                outs.append(quant_i8gemm_native.linear(x, panels, isa=isa))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outs[0], outs[1])
+        ref = i8gemm_ref.linear(x, weight)
+        torch.testing.assert_close(
+            outs[0].double(), ref, rtol=0, atol=1e-5 * product_scale(x, weight, None)
+        )
+
+
+@pytest.mark.parametrize("isa", _builds())
 @pytest.mark.parametrize(
     ("value_byte", "scale_byte", "sign"), [(0xFF, 0x80, 1.0), (0x00, 0x7F, -1.0)]
 )
