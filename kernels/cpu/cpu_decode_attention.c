@@ -582,6 +582,37 @@ int asyncengine_paged_decode_attention_planned(
         return 0;
     }
 #endif
+#ifdef ATTN_STREAM
+    if (fast == NULL && (!is_bf16 || KV_IS_I8) && softcap <= 0.0f && stream_fits(H / Hkv, D) &&
+        H <= ATTN_MAX_HEADS && B >= 4 * plan_threads) {
+        /* Whole requests, all their kv heads in one streamed range: a slot's rows of every kv
+         * head are read in the pool's order, and the query's rounding and the range's set-up
+         * are paid once a request, not once a kv head. The same keys in the same blocks per
+         * head, so the same bits as the (request, kv head) items below. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t b = 0; b < B; b++) {
+            float state[ATTN_PART(ATTN_MAX_HEADS, MAX_HEAD_DIM)];
+            float widened[ATTN_MAX_HEADS * MAX_HEAD_DIM];
+            const float *qh = (const float *)q + b * q_stride;
+            if (is_bf16) { /* an int8 pool beside bfloat16 queries: widened once per request */
+                const uint16_t *qb = (const uint16_t *)q + b * q_stride;
+                for (int64_t i = 0; i < H * D; i += 16)
+                    _mm512_storeu_ps(widened + i, load_bf16x16(qb + i));
+                qh = widened;
+            }
+            const int len = seq_lens[b];
+            attend_range(qh, Hkv, H / Hkv, (const kv_t *)k_cache, (const kv_t *)v_cache,
+                         block_table + b * table_stride, first_key(len, window), len, len,
+                         page_size, 0, Hkv, D, scale, NULL, NULL, state, state + H * D,
+                         state + H * D + H);
+            for (int64_t h = 0; h < H; h++) {
+                const float l = state[H * D + H + h], inv = l > 0.0f ? 1.0f / l : 0.0f;
+                store_row(out, (b * H + h) * D, state + h * D, inv, D, is_bf16);
+            }
+        }
+        return 0;
+    }
+#endif
     /* split-K where the (request, kv head) items are too few for the threads: each item's keys
      * in ranges (cpu_split_k.h), merged by the range that finishes last */
     int longest = 0;
