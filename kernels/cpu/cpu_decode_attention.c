@@ -500,8 +500,8 @@ static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) { (void)is_bf16
 
 #ifdef ATTN_STREAM
 /* out[off .. off + d) = row * inv, as bfloat16 (round to nearest even, NaN kept) or float32; d a
- * multiple of 16. With the query's widening and rounding in vectors too, a 32-request step of
- * Qwen2.5-1.5B's heads at ~100 keys attends ~1.13x as fast over an int8 pool
+ * multiple of 16. In vectors, as the query's widening: at ~100 keys a request, element by
+ * element they were a tenth of a 32-request step's attention over an int8 pool
  * (scripts/micro/bench_cpu_attention.py --dtypes int8-bf16 --baseline-rev). */
 static inline void store_row(void *out, int64_t off, const float *row, float inv, int64_t d,
                              int is_bf16) {
