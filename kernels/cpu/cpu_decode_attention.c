@@ -498,6 +498,24 @@ typedef void (*fast_item_fn)(void);
 static fast_item_fn fast_item(int is_bf16, int64_t G, int64_t D) { (void)is_bf16; (void)G; (void)D; return NULL; }
 #endif
 
+#ifdef ATTN_STREAM
+/* out[off .. off + d) = row * inv, as bfloat16 (round to nearest even, NaN kept) or float32; d a
+ * multiple of 16. In vectors, as the query's widening: at ~100 keys a request, element by
+ * element they were a tenth of a 32-request step's attention over an int8 pool
+ * (scripts/micro/bench_cpu_attention.py --dtypes int8-bf16 --baseline-rev). */
+static inline void store_row(void *out, int64_t off, const float *row, float inv, int64_t d,
+                             int is_bf16) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + i), s);
+        if (is_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + off + i), to_bf16x16(v));
+        else
+            _mm512_storeu_ps((float *)out + off + i, v);
+    }
+}
+#endif
+
 /* the first key a decode at length len sees: window 0 means all */
 static inline int first_key(int len, int64_t window) {
     return (window > 0 && len > window) ? (int)(len - window) : 0;
@@ -564,6 +582,37 @@ int asyncengine_paged_decode_attention_planned(
         return 0;
     }
 #endif
+#ifdef ATTN_STREAM
+    if (fast == NULL && (!is_bf16 || KV_IS_I8) && softcap <= 0.0f && stream_fits(H / Hkv, D) &&
+        H <= ATTN_MAX_HEADS && B >= 4 * plan_threads) {
+        /* Whole requests, all their kv heads in one streamed range: a slot's rows of every kv
+         * head are read in the pool's order, and the query's rounding and the range's set-up
+         * are paid once a request, not once a kv head. The same keys in the same blocks per
+         * head, so the same bits as the (request, kv head) items below. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t b = 0; b < B; b++) {
+            float state[ATTN_PART(ATTN_MAX_HEADS, MAX_HEAD_DIM)];
+            float widened[ATTN_MAX_HEADS * MAX_HEAD_DIM];
+            const float *qh = (const float *)q + b * q_stride;
+            if (is_bf16) { /* an int8 pool beside bfloat16 queries: widened once per request */
+                const uint16_t *qb = (const uint16_t *)q + b * q_stride;
+                for (int64_t i = 0; i < H * D; i += 16)
+                    _mm512_storeu_ps(widened + i, load_bf16x16(qb + i));
+                qh = widened;
+            }
+            const int len = seq_lens[b];
+            attend_range(qh, Hkv, H / Hkv, (const kv_t *)k_cache, (const kv_t *)v_cache,
+                         block_table + b * table_stride, first_key(len, window), len, len,
+                         page_size, 0, Hkv, D, scale, NULL, NULL, state, state + H * D,
+                         state + H * D + H);
+            for (int64_t h = 0; h < H; h++) {
+                const float l = state[H * D + H + h], inv = l > 0.0f ? 1.0f / l : 0.0f;
+                store_row(out, (b * H + h) * D, state + h * D, inv, D, is_bf16);
+            }
+        }
+        return 0;
+    }
+#endif
     /* split-K where the (request, kv head) items are too few for the threads: each item's keys
      * in ranges (cpu_split_k.h), merged by the range that finishes last */
     int longest = 0;
@@ -608,7 +657,8 @@ int asyncengine_paged_decode_attention_planned(
             const float *qh = (const float *)q + b * q_stride + kvh * G * D;
             if (is_bf16) { /* an int8 pool beside bfloat16 queries: widened once per item */
                 const uint16_t *qb = (const uint16_t *)q + b * q_stride + kvh * G * D;
-                for (int64_t i = 0; i < G * D; i++) widened[i] = bf16_to_float(qb[i]);
+                for (int64_t i = 0; i < G * D; i += 16)
+                    _mm512_storeu_ps(widened + i, load_bf16x16(qb + i));
                 qh = widened;
             }
             attend_range(qh, 1, G, (const kv_t *)k_cache, (const kv_t *)v_cache,
@@ -618,13 +668,7 @@ int asyncengine_paged_decode_attention_planned(
                 for (int64_t g = 0; g < G; g++) {
                     const float l = state[G * D + G + g], inv = l > 0.0f ? 1.0f / l : 0.0f;
                     const int64_t off = (b * H + kvh * G + g) * D;
-                    for (int64_t i = 0; i < D; i++) {
-                        const float value = state[g * D + i] * inv;
-                        if (is_bf16)
-                            ((uint16_t *)out)[off + i] = float_to_bf16(value);
-                        else
-                            ((float *)out)[off + i] = value;
-                    }
+                    store_row(out, off, state + g * D, inv, D, is_bf16);
                 }
         } else
 #endif

@@ -68,6 +68,32 @@ static inline __m512 round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
 }
 
+/* t[0:16] (16 rows of 16 dwords) transposed in place: t[j] lane i = row i's dword j */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i *t) {
+    __m512i u[16];
+    for (int k = 0; k < 8; k++) { /* per 128-bit lane: rows 2k, 2k + 1 interleaved */
+        u[2 * k] = _mm512_unpacklo_epi32(t[2 * k], t[2 * k + 1]);
+        u[2 * k + 1] = _mm512_unpackhi_epi32(t[2 * k], t[2 * k + 1]);
+    }
+    for (int r = 0; r < 4; r++) { /* t[4 r + e] lane L: rows 4r .. 4r + 3 of dword 4 L + e */
+        t[4 * r] = _mm512_unpacklo_epi64(u[4 * r], u[4 * r + 2]);
+        t[4 * r + 1] = _mm512_unpackhi_epi64(u[4 * r], u[4 * r + 2]);
+        t[4 * r + 2] = _mm512_unpacklo_epi64(u[4 * r + 1], u[4 * r + 3]);
+        t[4 * r + 3] = _mm512_unpackhi_epi64(u[4 * r + 1], u[4 * r + 3]);
+    }
+    for (int e = 0; e < 4; e++) { /* the 4 x 4 128-bit lanes of t[e], t[4 + e], ... transposed */
+        const __m512i v0 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0xdd);
+        const __m512i v2 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0xdd);
+        u[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        u[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        u[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        u[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) t[j] = u[j];
+}
+
 /* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (lane order 0..15): a tree of
  * in-lane unpacks and shuffles, ~3 instructions per vector instead of a reduction each. */
 static inline __m512 reduce16(const __m512 *v) {

@@ -29,53 +29,38 @@
 #if defined(ATTN_STREAM) && KV_IS_I8 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define STREAM_I8_DOTS 1
 
-/* t[0:16] (16 rows of 16 dwords) transposed in place: t[j] lane i = row i's dword j */
-static inline __attribute__((always_inline)) void transpose16_epi32(__m512i *t) {
-    __m512i u[16];
-    for (int k = 0; k < 8; k++) { /* per 128-bit lane: rows 2k, 2k + 1 interleaved */
-        u[2 * k] = _mm512_unpacklo_epi32(t[2 * k], t[2 * k + 1]);
-        u[2 * k + 1] = _mm512_unpackhi_epi32(t[2 * k], t[2 * k + 1]);
-    }
-    for (int r = 0; r < 4; r++) { /* t[4 r + e] lane L: rows 4r .. 4r + 3 of dword 4 L + e */
-        t[4 * r] = _mm512_unpacklo_epi64(u[4 * r], u[4 * r + 2]);
-        t[4 * r + 1] = _mm512_unpackhi_epi64(u[4 * r], u[4 * r + 2]);
-        t[4 * r + 2] = _mm512_unpacklo_epi64(u[4 * r + 1], u[4 * r + 3]);
-        t[4 * r + 3] = _mm512_unpackhi_epi64(u[4 * r + 1], u[4 * r + 3]);
-    }
-    for (int e = 0; e < 4; e++) { /* the 4 x 4 128-bit lanes of t[e], t[4 + e], ... transposed */
-        const __m512i v0 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0x88);
-        const __m512i v1 = _mm512_shuffle_i32x4(t[e], t[4 + e], 0xdd);
-        const __m512i v2 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0x88);
-        const __m512i v3 = _mm512_shuffle_i32x4(t[8 + e], t[12 + e], 0xdd);
-        u[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        u[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        u[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        u[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-    for (int j = 0; j < 16; j++) t[j] = u[j];
-}
-
 /* Whether the query of heads of dim d takes the integer dot products (stream_fits first) */
 static inline int stream_i8_dots(int64_t d) { return d % 64 == 0; }
 
 /* q [heads, d] -> qi [heads, d] = round(q / qs), qs [heads] = amax / 127 and qb [heads] = 128
- * sum(qi) per head (a head of zeros: qs 0, qi 0) */
+ * sum(qi) per head (a head of zeros: qs 0, qi 0). 16 lanes at a time (d is a multiple of 64):
+ * it runs once a range, and at ~100 keys a range is short enough for it to show. The same bits
+ * as the torch twin: an IEEE division and a round-half-even each. */
 static inline void quantize_query_i8(const float *q, int64_t heads, int64_t d, int8_t *qi,
                                      float *qs, int32_t *qb) {
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t h = 0; h < heads; h++) {
         const float *x = q + h * d;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-        const float s = amax / 127.0f;
-        int32_t sum = 0;
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) /* a NaN lane ignored, as fabsf(x) > amax was */
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), m);
+        const float s = _mm512_reduce_max_ps(m) / 127.0f;
         qs[h] = s;
-        for (int64_t j = 0; j < d; j++) {
-            float r = s > 0.0f ? nearbyintf(x[j] / s) : 0.0f;
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            qi[h * d + j] = (int8_t)r;
-            sum += (int32_t)r;
+        if (!(s > 0.0f)) {
+            memset(qi + h * d, 0, (size_t)d);
+            qb[h] = 0;
+            continue;
         }
-        qb[h] = 128 * sum;
+        const __m512 sv = _mm512_set1_ps(s);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t j = 0; j < d; j += 16) {
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i r32 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            sum = _mm512_add_epi32(sum, r32);
+            _mm_storeu_si128((__m128i *)(qi + h * d + j), _mm512_cvtepi32_epi8(r32));
+        }
+        qb[h] = 128 * _mm512_reduce_add_epi32(sum);
     }
 }
 

@@ -19,6 +19,7 @@ import torch
 
 from asyncengine.kernels.cpu import cpu_native, decode_step_native
 from asyncengine.kernels.cpu.attention_native import native_decode_attention, plan_native_decode
+from asyncengine.kernels.cpu.plan_threads import planning_for
 from asyncengine.kernels.reference.attention_ref import decode_attention
 from asyncengine.kernels.reference.kv_int8_ref import dequantize_kv, quantize_kv, quantize_query
 from tests.kernels.test_kernels_ref import TOLERANCE
@@ -44,8 +45,16 @@ SHAPES = [
     (8, 1, 256, 7),
     (3, 3, 256, 16),
 ]
-# around 16-key blocks, 32-key prefetch blocks and 256-key split-K ranges
-SEQ_LENS = [[1, 15, 16, 17, 31, 33], [255], [257, 3], [513], [1031]]
+# around 16-key blocks, 32-key prefetch blocks and 256-key split-K ranges; nine requests: the
+# paged kernel's whole-request items on 1 and 2 threads (4 a thread), its per-kv-head ones on 3
+SEQ_LENS = [
+    [1, 15, 16, 17, 31, 33],
+    [255],
+    [257, 3],
+    [513],
+    [1031],
+    [1, 15, 16, 17, 31, 33, 64, 100, 257],
+]
 
 
 def check(got: torch.Tensor, q: torch.Tensor, kv: PagedInt8KV, page_size: int) -> None:
@@ -127,3 +136,26 @@ def test_avx512_vnni_builds_take_the_integer_dots() -> None:
     assert cpu_native.kv_i8_query_dots(64) == vnni
     assert cpu_native.kv_i8_query_dots(128) == vnni
     assert not cpu_native.kv_i8_query_dots(96)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(12, 2, 128), (32, 8, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_request_items_match_kv_head_items(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Nine requests planned for one thread (4 requests a thread or more: an item takes a whole
+    request, all its kv heads) and for three (an item per request and kv head, no split-K at
+    18 or more items) give the same bits: the same keys in the same blocks per head."""
+    lens = [1, 15, 16, 17, 31, 33, 64, 100, 257]
+    kv = PagedInt8KV(lens, 16, num_kv_heads, head_dim, seed=head_dim)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    q = q.to(dtype)
+    outs = []
+    for plan_for in (1, 3):
+        with planning_for(plan_for):
+            plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, num_heads, kv.k_cache)
+            assert plan is not None
+            outs.append(native_decode_attention(q, kv.k_cache, kv.v_cache, plan, head_dim**-0.5))
+    assert torch.equal(outs[0], outs[1])
+    if dtype == torch.float32:  # and right (the bfloat16 queries' oracle: test_kv_int8_bf16.py)
+        check(outs[0], q, kv, 16)
