@@ -4,7 +4,8 @@
 the engine takes ("quant": the AMX or int8 product where the crossovers give it) against the same
 projections on the dense bfloat16 product ("dense"), in one process, alternating step by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
 layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
-rotary, Python), and the layers' projections by kind. Without ``--model``, a random model of
+rotary, Python), and the layers' projections by kind (SwiGLU in ``down``'s: a down projection
+on the int8 product makes it itself). Without ``--model``, a random model of
 ``--shape`` in ``--mix``'s formats (scripts/micro/synthetic_model.py: no GGUF file needed).
 ``--baseline-library``: a third path, "base", the AMX product of another build of
 cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how to build one).
