@@ -209,9 +209,8 @@ void asyncengine_rotary_store(const void *qkv, int64_t row_stride, const int64_t
 void asyncengine_silu_and_mul(const void *x, void *y, int64_t n, int64_t inter, int bf16,
                               int threads) {
 #pragma omp parallel for num_threads(threads) if (n * inter >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t row = 0; row < n; row++) {
-        float v[MAX_ROW];
-        silu_mul_row(x, row, inter, bf16, v);
-        row_store(y, row * inter, inter, bf16, v);
-    }
+    for (int64_t row = 0; row < n; row++)
+        silu_mul_row(x, row, inter, bf16,
+                     bf16 ? (void *)((uint16_t *)y + row * inter) : (void *)((float *)y + row * inter),
+                     1);
 }

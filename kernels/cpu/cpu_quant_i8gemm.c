@@ -802,7 +802,7 @@ int asyncengine_i8_silu_linear(int fmt, const uint8_t *panels, int64_t rows, int
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             if (v == NULL) continue;
-            silu_mul_row(x, i, k, x_bf16, v);
+            silu_mul_row(x, i, k, x_bf16, v, 0);
             asyncengine_i8_quantize(v, 1, k, 0, shifted, qb, a.q + i * k, a.xd + i * (k / qb),
                                     a.b16 + i * (k / 16), a.b32 + i * (k / 32), 1);
         }
