@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "cpu_kv.h"
+#include "cpu_silu_row.h"
 #include "cpu_simd.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -204,39 +205,12 @@ void asyncengine_rotary_store(const void *qkv, int64_t row_stride, const int64_t
     }
 }
 
-/* x [n, 2 inter] = gate | up -> y [n, inter] = bf(bf(silu(gate)) * up) */
+/* x [n, 2 inter] = gate | up -> y [n, inter] = bf(bf(silu(gate)) * up) (cpu_silu_row.h) */
 void asyncengine_silu_and_mul(const void *x, void *y, int64_t n, int64_t inter, int bf16,
                               int threads) {
 #pragma omp parallel for num_threads(threads) if (n * inter >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t row = 0; row < n; row++) {
-#ifdef __AVX512F__
-        if (inter % 16 == 0) {
-            const __m512 one = _mm512_set1_ps(1.0f);
-            for (int64_t i = 0; i < inter; i += 16) {
-                const __m512 g = vload(x, row * 2 * inter + i, bf16);
-                const __m512 u = vload(x, row * 2 * inter + inter + i, bf16);
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-                const __m512 silu = vround(_mm512_div_ps(g, _mm512_add_ps(one, e)), bf16);
-                vstore(y, row * inter + i, _mm512_mul_ps(silu, u), bf16);
-            }
-            continue;
-        }
-#endif
-        float g[MAX_ROW], u[MAX_ROW];
-        row_load(x, row * 2 * inter, inter, bf16, g);
-        row_load(x, row * 2 * inter + inter, inter, bf16, u);
-        int64_t i = 0;
-#ifdef __AVX512F__
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= inter; i += 16) {
-            __m512 v = _mm512_loadu_ps(g + i);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
-            _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
-        }
-#endif
-        for (; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
-        row_round(g, inter, bf16);
-        for (i = 0; i < inter; i++) g[i] *= u[i];
-        row_store(y, row * inter, inter, bf16, g);
-    }
+    for (int64_t row = 0; row < n; row++)
+        silu_mul_row(x, row, inter, bf16,
+                     bf16 ? (void *)((uint16_t *)y + row * inter) : (void *)((float *)y + row * inter),
+                     1);
 }

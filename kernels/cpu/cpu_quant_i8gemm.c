@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "cpu_quant_blocks.h"
+#include "cpu_silu_row.h"
 
 #if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define I8_512 1
@@ -762,32 +763,84 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
 #define I8_ROW_BLOCK 256
 #endif
 
+/* the quantized activations of n rows of k values (asyncengine_i8_quantize's outputs), in one
+ * allocation */
+typedef struct {
+    int8_t *q;
+    float *xd;
+    int16_t *b16, *b32;
+} i8_acts;
+
+static int acts_alloc(i8_acts *a, int fmt, int64_t n, int64_t k) {
+    const int64_t qb = q8_layout(fmt) ? QK : QK_K;
+    const size_t xd = (size_t)(n * (k / qb)) * sizeof(float);
+    const size_t b16 = (size_t)(n * (k / 16)) * sizeof(int16_t);
+    const size_t b32 = (size_t)(n * (k / 32)) * sizeof(int16_t);
+    char *base = (char *)malloc(xd + b16 + b32 + (size_t)(n * k));
+    a->xd = (float *)base;
+    a->b16 = (int16_t *)(base + xd);
+    a->b32 = (int16_t *)(base + xd + b16);
+    a->q = (int8_t *)(base + xd + b16 + b32);
+    return base != NULL;
+}
+
+static void acts_free(i8_acts *a) { free(a->xd); }
+
+/* the product of every row of a, I8_ROW_BLOCK rows at a time */
+static void multiply_rows(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
+                          const i8_acts *a, int64_t n, const float *bias, void *y, int64_t ldy,
+                          int out_bf16, int threads) {
+    const int qb = q8_layout(fmt) ? QK : QK_K;
+    for (int64_t r0 = 0; r0 < n; r0 += I8_ROW_BLOCK) {
+        const int64_t m = n - r0 < I8_ROW_BLOCK ? n - r0 : I8_ROW_BLOCK;
+        void *yr = out_bf16 ? (void *)((uint16_t *)y + r0 * ldy) : (void *)((float *)y + r0 * ldy);
+        asyncengine_i8_matmul(fmt, panels, rows, k, a->q + r0 * k, a->xd + r0 * (k / qb),
+                              a->b16 + r0 * (k / 16), a->b32 + r0 * (k / 32), m, bias, yr, ldy,
+                              out_bf16, threads);
+    }
+}
+
 /* quantize then multiply, in one call (the activations in scratch buffers); 0, or -1 where a
  * buffer could not be had */
 int asyncengine_i8_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t k, const void *x,
                           int64_t n, int x_bf16, const float *bias, void *y, int64_t ldy,
                           int out_bf16, int threads) {
-    int8_t *q = (int8_t *)malloc((size_t)(n * k));
-    const int qb = q8_layout(fmt) ? QK : QK_K;
-    float *xd = (float *)malloc((size_t)(n * (k / qb)) * sizeof(float));
-    int16_t *b16 = (int16_t *)malloc((size_t)(n * (k / 16)) * sizeof(int16_t));
-    int16_t *b32 = (int16_t *)malloc((size_t)(n * (k / 32)) * sizeof(int16_t));
-    const int ok = q && xd && b16 && b32;
-    if (ok) {
-        asyncengine_i8_quantize(x, n, k, x_bf16, shifted_input(fmt), qb, q, xd, b16, b32,
-                                threads);
-        for (int64_t r0 = 0; r0 < n; r0 += I8_ROW_BLOCK) {
-            const int64_t m = n - r0 < I8_ROW_BLOCK ? n - r0 : I8_ROW_BLOCK;
-            void *yr = out_bf16 ? (void *)((uint16_t *)y + r0 * ldy)
-                                : (void *)((float *)y + r0 * ldy);
-            asyncengine_i8_matmul(fmt, panels, rows, k, q + r0 * k, xd + r0 * (k / qb),
-                                  b16 + r0 * (k / 16), b32 + r0 * (k / 32), m, bias, yr, ldy,
-                                  out_bf16, threads);
+    i8_acts a;
+    if (!acts_alloc(&a, fmt, n, k)) return -1;
+    asyncengine_i8_quantize(x, n, k, x_bf16, shifted_input(fmt), q8_layout(fmt) ? QK : QK_K, a.q,
+                            a.xd, a.b16, a.b32, threads);
+    multiply_rows(fmt, panels, rows, k, &a, n, bias, y, ldy, out_bf16, threads);
+    acts_free(&a);
+    return 0;
+}
+
+/* asyncengine_i8_linear of SwiGLU's rows (cpu_silu_row.h) from x [n, 2 k] = gate | up: each row
+ * made in a buffer and quantized from there (the same values as from the bf16 / float32 rows
+ * silu_and_mul would write), the [n, k] activations never written out and read back */
+int asyncengine_i8_silu_linear(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
+                               const void *x, int64_t n, int x_bf16, const float *bias, void *y,
+                               int64_t ldy, int out_bf16, int threads) {
+    i8_acts a;
+    if (!acts_alloc(&a, fmt, n, k)) return -1;
+    const int qb = q8_layout(fmt) ? QK : QK_K, shifted = shifted_input(fmt);
+    int ok = 1;
+#pragma omp parallel num_threads(threads) if (n * k >= 65536)
+    {
+        float *v = (float *)malloc((size_t)k * sizeof(float));
+        if (v == NULL) {
+#pragma omp atomic write
+            ok = 0;
         }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (v == NULL) continue;
+            silu_mul_row(x, i, k, x_bf16, v, 0);
+            asyncengine_i8_quantize(v, 1, k, 0, shifted, qb, a.q + i * k, a.xd + i * (k / qb),
+                                    a.b16 + i * (k / 16), a.b32 + i * (k / 32), 1);
+        }
+        free(v);
     }
-    free(q);
-    free(xd);
-    free(b16);
-    free(b32);
+    if (ok) multiply_rows(fmt, panels, rows, k, &a, n, bias, y, ldy, out_bf16, threads);
+    acts_free(&a);
     return ok ? 0 : -1;
 }

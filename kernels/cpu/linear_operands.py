@@ -7,10 +7,16 @@ import torch
 
 
 def linear_operands(
-    x: torch.Tensor, rows: int, cols: int, bias: torch.Tensor | None, out: torch.Tensor | None
+    x: torch.Tensor,
+    rows: int,
+    cols: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` made contiguous and the [n, rows] output (``out``, or a new tensor of x's dtype),
-    or a ValueError naming what a kernel could not read or write safely."""
+    """``x`` made contiguous and the [n, rows] output (``out``, or a new tensor of x's dtype or
+    ``out_dtype``: x's or float32), or a ValueError naming what a kernel could not read or write
+    safely."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
         raise ValueError(f"activations must be 2-D CPU fp32/bf16, not {x.dtype} {x.device}")
     if x.shape[1] != cols:
@@ -19,10 +25,13 @@ def linear_operands(
         bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != rows
     ):
         raise ValueError("bias must be a contiguous float32 vector, one value an output")
+    dtype = x.dtype if out_dtype is None else out_dtype
+    if dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"the output is in x's dtype or float32, not {dtype}")
     x = x.contiguous()
     n = x.shape[0]
     if out is None:
-        out = torch.empty((n, rows), dtype=x.dtype)
-    if out.dtype != x.dtype or out.shape != (n, rows) or out.stride(1) != 1:
-        raise ValueError("out must be [n, rows] in x's dtype with unit column stride")
+        out = torch.empty((n, rows), dtype=dtype)
+    if out.dtype != dtype or out.shape != (n, rows) or out.stride(1) != 1:
+        raise ValueError(f"out must be [n, rows] in {dtype} with unit column stride")
     return x, out

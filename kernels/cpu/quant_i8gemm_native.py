@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +59,11 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.asyncengine_i8_panel_bytes.argtypes = [_INT, _I64]
     lib.asyncengine_i8_pack.restype = None
     lib.asyncengine_i8_pack.argtypes = [_INT, _PTR, _I64, _I64, _I64, _INT, _PTR, _INT]
-    lib.asyncengine_i8_linear.restype = _INT
-    lib.asyncengine_i8_linear.argtypes = [
-        _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
-    ]  # fmt: skip
+    for entry in (lib.asyncengine_i8_linear, lib.asyncengine_i8_silu_linear):
+        entry.restype = _INT
+        entry.argtypes = [
+            _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT, _INT
+        ]  # fmt: skip
     return lib
 
 
@@ -138,24 +140,50 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     isa: str = "native",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y [n, rows] in x's dtype (or written into ``out``, a [n, rows] view of x's dtype whose
-    rows may be longer) = x @ W.T (+ bias, float32), by ``isa``'s build of the library."""
-    x, out = linear_operands(x, weight.rows, weight.cols, bias, out)
-    n = x.shape[0]
-    bf16 = int(x.dtype == torch.bfloat16)
-    status = _lib(isa).asyncengine_i8_linear(
+    """y [n, rows] in x's dtype or ``out_dtype`` (or written into ``out``, a [n, rows] view of
+    that dtype whose rows may be longer) = x @ W.T (+ bias, float32), by ``isa``'s build of the
+    library. A bfloat16 x may write float32 (the LM head's logits: no bfloat16 rounding)."""
+    x, out = linear_operands(x, weight.rows, weight.cols, bias, out, out_dtype)
+    return _call(_lib(isa).asyncengine_i8_linear, x, weight, bias, out)
+
+
+def silu_linear(
+    gate_up: torch.Tensor,
+    weight: I8Panels,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    isa: str = "native",
+) -> torch.Tensor:
+    """``linear(silu_and_mul(gate_up), ...)`` with ``gate_up`` [n, 2 * weight.cols] = gate | up:
+    the same result (the activations' values are layer_ops_native.silu_and_mul's where the two
+    libraries are built for one ISA) without writing the [n, weight.cols] activations out."""
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.cols:
+        raise ValueError(f"gate | up rows of {2 * weight.cols} values, not {tuple(gate_up.shape)}")
+    x, out = linear_operands(gate_up, weight.rows, 2 * weight.cols, bias, out)
+    return _call(_lib(isa).asyncengine_i8_silu_linear, x, weight, bias, out)
+
+
+def _call(
+    entry: Callable[..., int],
+    x: torch.Tensor,
+    weight: I8Panels,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    status = entry(
         weight.format_code,
         weight.data.data_ptr(),
         weight.rows,
         weight.cols,
         x.data_ptr(),
-        n,
-        bf16,
+        x.shape[0],
+        int(x.dtype == torch.bfloat16),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         out.stride(0),
-        bf16,
+        int(out.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if status != 0:

@@ -4,7 +4,8 @@
 the engine takes ("quant": the AMX or int8 product where the crossovers give it) against the same
 projections on the dense bfloat16 product ("dense"), in one process, alternating step by step (a busy machine slows both alike: compare the ratio). Per path, the step splits into the
 layers' projections, the LM head, greedy sampling and the rest (embedding, attention, norms,
-rotary, Python), and the layers' projections by kind. Without ``--model``, a random model of
+rotary, Python), and the layers' projections by kind (SwiGLU in ``down``'s: a down projection
+on the int8 product makes it itself). Without ``--model``, a random model of
 ``--shape`` in ``--mix``'s formats (scripts/micro/synthetic_model.py: no GGUF file needed).
 ``--baseline-library``: a third path, "base", the AMX product of another build of
 cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how to build one).
@@ -65,7 +66,7 @@ from asyncengine.cache.page_table import PageTable
 from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.kv_pool import KVPool
-from asyncengine.executor.layers.linear import QuantizedLinear
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader.quantized import load_model
 from asyncengine.executor.runner import ModelRunner
@@ -129,24 +130,41 @@ class Step:
         timed: dict[str, float] = {}
         clock = self.clock
 
-        def wrap(names: tuple[str, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
-            def timed_call(*args: Any) -> Any:
+        # each projection's calls timed through its class's entries (the model takes a fused one
+        # by the projection's type, so the objects stay in place), the outermost call only: a
+        # fused entry that falls back calls the projection itself
+        names_of: dict[int, tuple[str, ...]] = {
+            id(getattr(layer, name)): ("projections", name)
+            for layer in model.layers
+            for name in PROJECTIONS
+        }
+        names_of[id(model.lm_head)] = ("lm_head",)
+        depth = [0]
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_call(linear: Any, *args: Any) -> Any:
+                names = names_of.get(id(linear), ())
+                if depth[0] or not names:
+                    return fn(linear, *args)
+                depth[0] += 1
                 start = clock()
                 try:
-                    return fn(*args)
+                    return fn(linear, *args)
                 finally:
+                    depth[0] -= 1
                     for name in names:
                         timed[name] = timed.get(name, 0.0) + clock() - start
 
             return timed_call
 
         originals = [
-            (layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS
+            (cls, entry, cls.__dict__[entry])
+            for cls in (Linear, QuantizedLinear)
+            for entry in ("__call__", "silu_and_mul_product", "float32_out")
+            if entry in cls.__dict__
         ]
-        head = model.lm_head
-        for layer, name, fn in originals:
-            setattr(layer, name, wrap(("projections", name), fn))
-        model.lm_head = wrap(("lm_head",), head)
+        for cls, entry, fn in originals:
+            setattr(cls, entry, wrap(fn))
         greedy = [SamplingInfo(SamplingParams(temperature=0.0), [], [])] * batch
         try:
             start = clock()
@@ -155,9 +173,8 @@ class Step:
             self.sampler.sample(logits, greedy)
             end = clock()
         finally:
-            for layer, name, fn in originals:
-                setattr(layer, name, fn)
-            model.lm_head = head
+            for cls, entry, fn in originals:
+                setattr(cls, entry, fn)
         timed["sample"] = end - sample_start
         timed["step"] = end - start
         timed["rest"] = (

@@ -21,7 +21,7 @@ rows) and more, smaller calls for long prefills (scripts/bench_deterministic.py)
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -320,25 +320,47 @@ class QuantizedLinear:
         # step, which runs with the caches cold after streaming the weights)
         flat = x.dim() == 2 and x.shape[1] == self.in_features
         x2 = x if flat else x.reshape(-1, self.in_features)
-        n = x2.shape[0]
+        out = self._product(x2.shape[0], x2.dtype)(x2)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product that takes ``n`` rows of activations in ``dtype``, by the crossovers."""
         if self.dense_from_rows is not None and (
             n >= self.dense_from_rows
-            or (self._i8_from <= n < self._i8_below and x2.dtype == torch.bfloat16)
+            or (self._i8_from <= n < self._i8_below and dtype == torch.bfloat16)
         ):
-            amx = self._amx and x2.dtype == torch.bfloat16
-            if amx and x2.shape[0] < self._amx_below:
-                out = self._amx_product(x2)
-            elif x2.shape[0] < self._i8_below and self._i8_allowed(x2.shape[0]):
-                out = self._i8_product(x2)
-            elif x2.shape[0] < self._i8_below:  # panels on their way: the product without them
-                out = self._quantized(x2)
-            elif self.dense_allowed(x2.dtype):
-                out = self.dense(x2.dtype)(x2)
-            else:
-                out = self._amx_product(x2) if amx else self._quantized(x2)
-        else:
-            out = self._quantized(x2)
-        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+            amx = self._amx and dtype == torch.bfloat16
+            if amx and n < self._amx_below:
+                return self._amx_product
+            if n < self._i8_below and self._i8_allowed(n):
+                return self._i8_product
+            if n < self._i8_below:  # panels on their way: the product without them
+                return self._quantized
+            if self.dense_allowed(dtype):
+                return self.dense(dtype)
+            return self._amx_product if amx else self._quantized
+        return self._quantized
+
+    def float32_out(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` as float32 [rows, out_features] from 2-D x (the LM head's logits): the int8
+        product writes its float32 sums without rounding them to bfloat16 first; the other
+        products' outputs are widened."""
+        product = self._product(x.shape[0], x.dtype)
+        if product == self._i8_product:
+            return self._i8_product(x, torch.float32)
+        return product(x).float()
+
+    def silu_and_mul_product(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))`` for 2-D gate_up = gate | up, where ``silu_and_mul`` is
+        layer_ops_native's: the int8 product makes and quantizes each row of SwiGLU itself (the
+        same values, never written out: quant_i8gemm_native.silu_linear)."""
+        if self._product(gate_up.shape[0], gate_up.dtype) == self._i8_product:
+            assert self._i8 is not None
+            if len(self._i8) == 1:
+                return quant_i8gemm_native.silu_linear(gate_up, self._i8[0], self.bias)
+        return self(silu_and_mul(gate_up))
 
     def dense_allowed(self, dtype: torch.dtype) -> bool:
         """A dense copy in dtype is here, or the budget takes one (its bytes as oneDNN holds it)."""
@@ -398,12 +420,13 @@ class QuantizedLinear:
         self._i8_below, self._i8_build = 0, None
         return False
 
-    def _i8_product(self, x: torch.Tensor) -> torch.Tensor:
-        """Each part's columns of one output by the int8 product (``_i8`` built)."""
+    def _i8_product(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Each part's columns of one output (x's dtype or ``out_dtype``: float32) by the int8
+        product (``_i8`` built)."""
         assert self._i8 is not None
         if len(self._i8) == 1:
-            return quant_i8gemm_native.linear(x, self._i8[0], self.bias)
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+            return quant_i8gemm_native.linear(x, self._i8[0], self.bias, out_dtype=out_dtype)
+        out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype or x.dtype)
         start = 0
         for panels in self._i8:
             bias = None if self.bias is None else self.bias[start : start + panels.rows]

@@ -37,6 +37,7 @@ from asyncengine.executor.layers.linear import (
 )
 from asyncengine.executor.layers.model_config import ModelConfig, RopeScaling
 from asyncengine.executor.layers.rope import build_cos_sin_cache
+from asyncengine.kernels.cpu import layer_ops_native
 from asyncengine.kernels.cpu.quant_native import dequantize_rows
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference import rotary_ref
@@ -119,6 +120,8 @@ class LlamaModel:
         )
         # The Triton twins cover SwiGLU; GeGLU runs its torch reference on either device.
         self.act_and_mul = self.ops.silu_and_mul if c.activation == "silu" else gelu_tanh_and_mul
+        # the int8 product reproduces the native SwiGLU's values (not the references')
+        self.fused_silu = self.act_and_mul is layer_ops_native.silu_and_mul
         head = (
             self.embed
             if c.tie_word_embeddings
@@ -389,13 +392,20 @@ class LlamaModel:
         n = x.shape[0]
         chunks = -(-n * self.gate_up_row_bytes // MLP_CHUNK_BYTES)
         if chunks <= 1 or self.device.type != "cpu":
-            return layer.down(self.act_and_mul(layer.gate_up(x)))
+            return self._down(layer, layer.gate_up(x))
         step = -(-n // chunks)
         out = torch.empty((n, self.config.hidden_size), dtype=x.dtype, device=x.device)
         for start in range(0, n, step):
             rows = x[start : start + step]
-            out[start : start + rows.shape[0]] = layer.down(self.act_and_mul(layer.gate_up(rows)))
+            out[start : start + rows.shape[0]] = self._down(layer, layer.gate_up(rows))
         return out
+
+    def _down(self, layer: LayerWeights, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate_up)); the native SwiGLU made inside a quantized down projection's
+        product where it takes one (``QuantizedLinear.silu_and_mul_product``)."""
+        if self.fused_silu and isinstance(layer.down, QuantizedLinear) and gate_up.dim() == 2:
+            return layer.down.silu_and_mul_product(gate_up, self.act_and_mul)
+        return layer.down(self.act_and_mul(gate_up))
 
     def _norm_qk(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """qkv with each q and k head RMS-normed over head_dim (Qwen3), v untouched."""
@@ -409,7 +419,10 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        logits = self.lm_head(hidden)
+        if isinstance(self.lm_head, QuantizedLinear) and hidden.dim() == 2:
+            logits = self.lm_head.float32_out(hidden)
+        else:
+            logits = self.lm_head(hidden)
         if logits.dtype != torch.float32:
             logits = logits.float()
         cap = self.config.final_logit_softcap
