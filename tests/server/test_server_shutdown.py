@@ -67,7 +67,7 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
     model = tiny_model_dir(tmp_path_factory)
     async with server_subprocess(
         "-c", SERVER_SCRIPT, str(model),
-        "--port", "0", "--shutdown-grace", "10", "--server-log-interval", "0.2",
+        "--port", "0", "--shutdown-grace", "2", "--server-log-interval", "0.2",
     ) as server:  # fmt: skip
         proc, port = server.proc, server.port
         url = f"http://127.0.0.1:{port}/v1/completions"
