@@ -311,6 +311,11 @@ class LlamaModel:
                 return native_decode.run(
                     self.native_decode, batch, hidden, k_caches, v_caches, lora=fused_lora
                 )
+        if rows is None:
+            rows = batch.hidden_rows
+        # the last layer's o_proj and MLP run only on the rows kept (a prompt's last one; the
+        # K/V of every row is stored before): LoRA's updates index the whole batch's rows
+        prune_at = len(self.layers) - 1 if lora is None and rows.shape[0] < n else -1
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             cos_sin, options = self.layer_cos_sin[i], self.layer_options[i]
@@ -364,6 +369,8 @@ class LlamaModel:
                     q, k, v, k_caches[i], v_caches[i], metadata, self.scale, options
                 )
             attn_out = attn.reshape(n, c.q_size)
+            if i == prune_at:
+                attn_out, residual = attn_out.index_select(0, rows), residual.index_select(0, rows)
             hidden = layer.o_proj(attn_out)
             if lora is not None:
                 lora.apply(i, "o_proj", attn_out, hidden)
@@ -381,10 +388,9 @@ class LlamaModel:
             if layer.mlp_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         assert residual is not None
-        if rows is None:
-            rows = batch.hidden_rows
-        last = hidden.index_select(0, rows) + residual.index_select(0, rows)
-        return ops.rms_norm(last, self.norm, eps)
+        if prune_at < 0:
+            hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
+        return ops.rms_norm(hidden + residual, self.norm, eps)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate_up(x))); on the CPU over equal row chunks whose gate/up output stays
