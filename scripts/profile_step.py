@@ -14,8 +14,11 @@ Then the same plans are replayed alone, on a fresh executor in this thread with 
 running (page writes and shapes identical, so the work is the same): the difference between the
 forward thread's time in the engine and alone is what the loop thread's concurrent work costs
 the forward (the GIL and the two cores it shares). The replay also splits the forward into
-its parts, timed where they are called: the projections (GEMMs), the LM head, attention (with
-the K/V store), norms, rotary, the MLP activation, and the rest (embedding, Python, plan).
+its parts, timed where they are called: the projections (GEMMs; with the SwiGLU a quantized down
+projection makes inside its int8 product), the LM head, attention (with the K/V store), norms,
+rotary, the MLP activation, a small decode step's layers fused in one native call, and the rest
+(embedding, Python, plan). Both runs start with the int8 panels built (start-up's deferred work)
+and the built objects frozen out of the collector's passes, as the engine does.
 
 Native kernels and weight prepacking can be switched off (``ASYNCENGINE_NATIVE_KERNELS=0
 ASYNCENGINE_PACKED_LINEAR=0``) to profile the torch paths the same way.
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -53,13 +57,18 @@ class Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
+        self._open: dict[str, int] = collections.defaultdict(int)  # calls of a part under way
 
     def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._open[part]:  # a call inside a timed call of the same part: counted once
+                return fn(*args, **kwargs)
+            self._open[part] += 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self._open[part] -= 1
                 self.seconds[part] += time.perf_counter() - start
                 self.calls[part] += 1
 
@@ -94,6 +103,7 @@ async def engine_run(config: EngineConfig, workload: list, timer: Timer) -> tupl
     async with AsyncEngine(config) as engine:
         warm = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         await engine.generate(list(range(3, 19)), warm)
+        await engine.one_time_work_done()  # start-up's deferred work (int8 panels): not timed
         plans = instrument(engine, timer)
         start = time.perf_counter()
         await asyncio.gather(
@@ -117,6 +127,11 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
 
     executor = ModelExecutor(config)
     build_core(config, executor)  # binds the executor to the same layout
+    one_time_work = executor.defer_one_time_work()  # the int8 panels, built before as in the run
+    while one_time_work is not None and one_time_work():
+        pass
+    gc.collect()  # the built executor frozen out of the collector's passes, as the engine does
+    gc.freeze()
     timer = Timer()
     runner = executor.runner
     assert runner is not None
@@ -126,10 +141,15 @@ def replay_alone(config: EngineConfig, plans: list[BatchPlan]) -> dict[str, Any]
     parts = Timer()
     model = runner.model
     lm_head = model.lm_head
-    model.lm_head = _TimedLinear(lm_head, parts, "LM head")
+    time_products(lm_head, parts, "LM head")
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(layer, name, _TimedLinear(getattr(layer, name), parts, "projections (GEMMs)"))
+            time_products(getattr(layer, name), parts, "projections (GEMMs)")
+    # a small decode step's layers are one native call (native_decode.takes)
+    if model.native_decode is not None:
+        model.native_decode.step = parts.wrap(
+            "fused decode steps' layers (one native call)", model.native_decode.step
+        )
     backend = runner.backend
     ops = model.ops
     # the model calls attend() when the native kernels stored K/V, forward() (store + attend)
@@ -183,15 +203,15 @@ def step_kind(plan: BatchPlan) -> str:
     return "mixed" if plan.decodes else "prefill"
 
 
-class _TimedLinear:
-    """A Linear whose calls add their time to one part of a Timer."""
-
-    def __init__(self, inner: Any, timer: Timer, part: str) -> None:
-        self.inner = inner
-        self.call = timer.wrap(part, inner.__call__)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.call(x)  # type: ignore[no-any-return]
+def time_products(linear: Any, timer: Timer, part: str) -> None:
+    """Time every product ``linear`` runs under ``part``, its class kept (a timed subclass of
+    it), so the model still takes the paths it picks by class: a quantized down projection's
+    SwiGLU made inside its int8 product (timed here, not as the MLP activation), the LM head's
+    float32 logits."""
+    cls = type(linear)
+    methods = [m for m in ("__call__", "float32_out", "silu_and_mul_product") if hasattr(cls, m)]
+    timed = {m: timer.wrap(part, getattr(cls, m)) for m in methods}
+    linear.__class__ = type(f"Timed{cls.__name__}", (cls,), {"__slots__": (), **timed})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
