@@ -249,7 +249,8 @@ def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch
     q4 = random_weight(FORMATS["Q4_K"], 16, 512, seed=8)
     projection = QuantizedLinear([q8], torch.randn(48), dense_from_rows=32)
     assert projection._i8_from == i8_from_rows([q8]) == start
-    assert QuantizedLinear([q8, q4], dense_from_rows=32)._i8_from == 1 << 30
+    later = max(start, linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"])
+    assert QuantizedLinear([q8, q4], dense_from_rows=32)._i8_from == later
     assert projection.bias is not None
     small = torch.randn(start - 1, 512).to(torch.bfloat16)
     assert torch.equal(projection(small), projection._quantized(small))
@@ -265,6 +266,26 @@ def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch
     assert projection._i8 is not None and projection._dense is None
     projection(torch.randn(40, 512).to(torch.bfloat16))
     assert projection._dense is not None
+
+
+@needs_fast
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_formats_take_it_from_their_start_rows_below_the_dense_crossover(name: str) -> None:
+    """A K-format projection with bfloat16 activations takes the group kernels below
+    I8_FROM_ROWS_BY_FORMAT's rows and the int8 product from them, before its dense crossover."""
+    start = linear_module.I8_FROM_ROWS_BY_FORMAT[name]
+    weight = random_weight(FORMATS[name], 32, 512, seed=11)
+    projection = QuantizedLinear([weight], dense_from_rows=start + 8)
+    below = torch.randn(start - 1, 512).to(torch.bfloat16)
+    assert torch.equal(projection(below), projection._quantized(below))
+    assert projection._i8 is None
+    for n in (start, start + 7):
+        x = torch.randn(n, 512).to(torch.bfloat16)
+        out = projection(x)
+        assert projection._i8 is not None and projection._dense is None
+        ref = i8gemm_ref.linear(x.float(), weight, None)
+        atol = 1e-5 * product_scale(x.float(), weight, None)
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=atol)
 
 
 @needs_fast

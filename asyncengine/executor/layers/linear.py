@@ -140,8 +140,11 @@ I8_BELOW_ROWS_BY_FORMAT = {
 # rows even below the dense crossover (in place of the quantized group kernels; float32 ones keep
 # their crossovers, as measured). The group kernels / the int8 product (the same measurements):
 # Q8_0 1.6-2.4 at 8 rows, 2.5-3.3 at 16-64 (0.84-2.4 at 4); Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64;
-# Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64.
-I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8, "Q4_0": 8, "Q4_1": 16}
+# Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64. The K formats per projection of a 1B layer and its LM
+# head, two threads (bench_many_rows_step.py --i8-crossovers Q4_K,Q5_K,Q6_K --shape llama-3.2-1b
+# --batches 4,5,6,8,12): Q4_K 0.79-1.88 at 4 rows, 1.27-1.71 at 5, 1.37-2.3 at 6-12; Q5_K
+# 0.61-1.52 at 4, 0.96-1.91 at 6; Q6_K 0.71-1.89 at 4, 1.29-2.35 at 6, 1.5-2.9 at 8-12.
+I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 6, "Q6_K": 6}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
