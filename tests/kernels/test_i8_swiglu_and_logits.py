@@ -15,14 +15,12 @@ from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native, layer_ops_native, quant_i8gemm_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import activation_ref, i8gemm_ref
+from tests.kernels.test_quant_i8gemm import needs_fast
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found() or not layer_ops_native.available(),
     reason="no C compiler: the native kernels cannot be built",
-)
-needs_fast = pytest.mark.skipif(
-    not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
 )
 
 
