@@ -50,10 +50,12 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
 
 /* How far ahead of the bytes being multiplied the K-format group kernels ask for their weight
  * bytes, spread over the super-block (a burst of a whole super-block's lines at once kept one
- * thread's stream at ~80% of the Q4_0 kernel's on the same bytes). Tunable with
- * -DQ_K_PREFETCH_BYTES. */
+ * thread's stream at ~80% of the Q4_0 kernel's on the same bytes). 8 KiB rather than 2: Q4_K
+ * and Q6_K at batch 1 from memory 1.07-1.12x faster on a Zen 5 VM (6-16 KiB alike), a 1B
+ * Q4_K_M model's fused layers 1.04-1.09x (scripts/micro/bench_decode_step.py
+ * --baseline-library). Tunable with -DQ_K_PREFETCH_BYTES. */
 #ifndef Q_K_PREFETCH_BYTES
-#define Q_K_PREFETCH_BYTES 2048
+#define Q_K_PREFETCH_BYTES 8192
 #endif
 
 static inline Q_ALWAYS_INLINE void kq_prefetch(const uint8_t *w, int64_t bytes) {

@@ -93,9 +93,8 @@ typedef float lora_v;
 /* how far ahead of the weights being multiplied the passes ask for theirs (a table holds an
  * adapter's weights in the order they are read: past a matrix's end lies the next one): after
  * each projection's product the LoRA weights come cold, in short runs the hardware prefetcher
- * alone ramps up on too late. Farther than the base products (Q_PREFETCH_BYTES): a bfloat16
- * weight takes less work than a quantized one, so more lines must be on their way at once
- * (1 KiB ahead left the passes waiting on their prefetches; 2-8 KiB measured alike) */
+ * alone ramps up on too late (1 KiB ahead left the passes waiting on their prefetches; 2-8 KiB
+ * measured alike) */
 #ifndef LORA_PREFETCH_BYTES
 #define LORA_PREFETCH_BYTES 4096
 #endif
