@@ -547,9 +547,10 @@ static inline void interleave_group(int fmt, const uint8_t *src, int64_t row_byt
  * A batch-1 product spends ~1/4 of its time computing and the rest waiting on memory; the
  * hardware prefetcher alone kept one thread's stream at ~60% of a plain read loop's rate on the
  * 2-core EPYC (it stops at each 4 KiB page). 8 KiB ahead covers a Zen 5 VM's memory latency at
- * 40-70 GB/s: Q8_0 at batch 1 from memory 1.07-1.3x faster than 1 KiB ahead, the embedded Q4_1
- * model's fused step 1.04-1.06x (scripts/micro/bench_decode_step.py --baseline-library, steps
- * alternating). Tunable with -DQ_PREFETCH_BYTES (0: none). */
+ * 40-80 GB/s: Q8_0 at batch 1 from memory 1.07-1.3x faster than 1 KiB ahead, the fused step of
+ * the embedded model 0.99-1.11x in its Q4_1 file, 1.18x in bfloat16 (scripts/micro/
+ * bench_decode_step.py --baseline-library, steps alternating). Tunable with -DQ_PREFETCH_BYTES
+ * (0: none). */
 #ifndef Q_PREFETCH_BYTES
 #define Q_PREFETCH_BYTES 8192
 #endif
