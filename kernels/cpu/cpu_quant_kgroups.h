@@ -53,7 +53,8 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
  * thread's stream at ~80% of the Q4_0 kernel's on the same bytes). 8 KiB rather than 2: Q4_K
  * and Q6_K at batch 1 from memory 1.07-1.12x faster on a Zen 5 VM (6-16 KiB alike), a 1B
  * Q4_K_M model's fused layers 1.04-1.09x (scripts/micro/bench_decode_step.py
- * --baseline-library). Tunable with -DQ_K_PREFETCH_BYTES. */
+ * --baseline-library); on a Zen 4 VM batch 1 alike, 2 rows 0.94x. Tunable with
+ * -DQ_K_PREFETCH_BYTES. */
 #ifndef Q_K_PREFETCH_BYTES
 #define Q_K_PREFETCH_BYTES 8192
 #endif
