@@ -158,6 +158,14 @@ class Bench:
         if args.baseline_library:
             self.baseline = ctypes.CDLL(str(args.baseline_library))
             assert self.library is not None
+            # a build for another pool reads this one's slots wrongly (a crash, not a figure)
+            theirs, ours = (lib.asyncengine_kv_element() for lib in (self.baseline, self.library))
+            if theirs != ours:
+                raise SystemExit(
+                    f"--baseline-library is a build for another K/V pool ({theirs}-byte elements, "
+                    f"this run's {ours}): build it with this pool's flags "
+                    f"{decode_step_native.KV_BUILD_FLAGS[dtype]}"
+                )
             for name in ("asyncengine_decode_step", "asyncengine_decode_step_planned"):
                 step, ours = getattr(self.baseline, name), getattr(self.library, name)
                 step.restype, step.argtypes = ours.restype, ours.argtypes
