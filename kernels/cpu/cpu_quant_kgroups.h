@@ -58,10 +58,16 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
 #ifndef Q_K_PREFETCH_BYTES
 #define Q_K_PREFETCH_BYTES 8192
 #endif
+/* Into L2 rather than L1: on a Zen 4 VM a 1B Q4_K_M model's batch-1 and 2-row steps 1.10-1.23x
+ * faster (docs/KERNELS.md), on a Zen 5 VM alike; Q8_0's block kernels keep T0 (T2 made their
+ * batch-1 step 0.93x on Zen 4). */
+#ifndef Q_K_PREFETCH_HINT
+#define Q_K_PREFETCH_HINT _MM_HINT_T2
+#endif
 
 static inline Q_ALWAYS_INLINE void kq_prefetch(const uint8_t *w, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64)
-        _mm_prefetch((const char *)w + Q_K_PREFETCH_BYTES + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + Q_K_PREFETCH_BYTES + o, Q_K_PREFETCH_HINT);
 }
 
 /* byte j (0..3) of each 32-bit lane, unsigned, as float */
