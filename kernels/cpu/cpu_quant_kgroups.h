@@ -53,14 +53,14 @@ static inline __m256i kq_acc(__m256i s, __m256i u, __m256i x) {
  * thread's stream at ~80% of the Q4_0 kernel's on the same bytes). 8 KiB rather than 2: Q4_K
  * and Q6_K at batch 1 from memory 1.07-1.12x faster on a Zen 5 VM (6-16 KiB alike), a 1B
  * Q4_K_M model's fused layers 1.04-1.09x (scripts/micro/bench_decode_step.py
- * --baseline-library); on a Zen 4 VM batch 1 alike, 2 rows 0.94x. Tunable with
+ * --baseline-library); on a Zen 4 VM (into L1) batch 1 alike, 2 rows 0.94x. Tunable with
  * -DQ_K_PREFETCH_BYTES. */
 #ifndef Q_K_PREFETCH_BYTES
 #define Q_K_PREFETCH_BYTES 8192
 #endif
 /* Into L2 rather than L1: on a Zen 4 VM a 1B Q4_K_M model's batch-1 and 2-row steps 1.10-1.23x
- * faster (docs/KERNELS.md), on a Zen 5 VM alike; Q8_0's block kernels keep T0 (T2 made their
- * batch-1 step 0.93x on Zen 4). */
+ * faster (docs/KERNELS.md), on a Zen 5 VM batch 1 alike; Q8_0's block kernels keep T0 (T2 made
+ * their batch-1 step 0.93x on Zen 4). */
 #ifndef Q_K_PREFETCH_HINT
 #define Q_K_PREFETCH_HINT _MM_HINT_T2
 #endif
