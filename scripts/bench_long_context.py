@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_single_stream import measure_read_bandwidth  # noqa: E402
 from peers.llamacpp import launcher as peer_llamacpp  # noqa: E402
 from systems import finish  # noqa: E402
 
@@ -93,18 +94,6 @@ class Row:
     batch: int
     tok_per_s: float
     bound_fraction: float | None = None  # decodes: tok/s over the bandwidth bound's
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of a multi-threaded read of ``gib`` GiB (a sum: one pass, nothing written), the
-    median of ``repeats``"""
-    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        float(data.sum())
-        seconds.append(time.perf_counter() - start)
-    return data.nbytes / statistics.median(seconds) / 1e9
 
 
 class Ours:
@@ -340,7 +329,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.bandwidth:
-        args.bandwidth = read_bandwidth()
+        args.bandwidth = measure_read_bandwidth(1024, 5).gb_per_second
     kvs = [kv for kv in args.kv.split(",") if kv]
     rows = bench_ours(args, kvs) if kvs else []
     if args.llamacpp_kv:

@@ -67,7 +67,8 @@ SYSTEMS = ("asyncengine", "vllm", "llamacpp")
 
 @dataclass(frozen=True, slots=True)
 class Bandwidth:
-    """Copy bandwidth: bytes read + written per second, the median over repeats."""
+    """Memory bandwidth: bytes moved per second (a copy: read + written; a read: read), the
+    median over repeats."""
 
     bytes_per_second: float
     tensor_bytes: int
@@ -98,6 +99,23 @@ def measure_copy_bandwidth(mib: int, repeats: int) -> Bandwidth:
         dst.copy_(src)
         times.append(time.perf_counter() - start)
     return copy_bandwidth(n, times)
+
+
+def measure_read_bandwidth(mib: int, repeats: int) -> Bandwidth:
+    """A multi-threaded read of ``mib`` MiB (torch's float32 sum: one pass, nothing written, as
+    a decode step reads its weights): bytes / the median time."""
+    import torch
+
+    data = torch.ones((mib << 20) // 4, dtype=torch.float32)
+    float(data.sum())  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        float(data.sum())
+        times.append(time.perf_counter() - start)
+    if min(times) <= 0:
+        raise ValueError(f"need positive read times, got {times}")
+    return Bandwidth(data.nbytes / statistics.median(times), data.nbytes, times)
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

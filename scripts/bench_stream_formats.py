@@ -14,7 +14,9 @@ of ``--rounds`` rounds times, back to back:
 Interleaving puts both systems under the same background load in each round; the figures are
 per-round medians, and ours over llama.cpp is taken against llama.cpp's faster mode. Each round
 records the 1-minute load average (a busy machine's ratios are noise; say so when quoting them).
-The bound is the measured copy bandwidth over the GGUF's tensor bytes (one read per token).
+Each run's bound is the machine's read rate measured just before it (a VM's memory can switch
+between rates within minutes) over the GGUF's tensor bytes (one read per token); a system's
+share of it is the median over the rounds.
 
     .venv/bin/python scripts/bench_stream_formats.py --models llama-3.2-1b --formats Q4_K_M Q8_0 \\
         --rounds 5 --out /tmp/stream_formats.json
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: systems, p
 
 import make_real_models as models
 from bench_real_sizes import Plan, engine_config, random_prompt, step_bytes, vocab_size
-from bench_single_stream import bound_tokens_per_second, measure_copy_bandwidth
+from bench_single_stream import bound_tokens_per_second, measure_read_bandwidth
 from peers.llamacpp import launcher as peer_llamacpp
 from systems import WARMUP_PROMPT, cell, finish, greedy
 
@@ -49,6 +51,12 @@ from asyncengine.common.config import key_value
 from asyncengine.script_main import run_main
 
 LLAMACPP_MODES = {"repacked": ("--repack", "1"), "as-stored": ("--repack", "0")}
+READ_PROBE_MIB = 512  # above any L3: the probe reads from memory, as a decode step does
+
+
+def read_rate() -> float:
+    """The machine's read bytes/s now (the bound of the run that follows)."""
+    return measure_read_bandwidth(READ_PROBE_MIB, 3).bytes_per_second
 
 
 def llama_bench() -> Path:
@@ -85,12 +93,14 @@ async def rounds_for(
     ours: list[float] = []
     theirs: dict[str, list[float]] = {name: [] for name in modes}
     loads: list[float] = []
+    reads: dict[str, list[float]] = {"asyncengine": [], **{f"llamacpp {n}": [] for n in modes}}
     async with AsyncEngine(engine_config(gguf, plan, engine_args)) as engine:
         await engine.generate(WARMUP_PROMPT, greedy(4))
         await engine.one_time_work_done()  # start-up's deferred work (int8 panels): not timed
         await engine.generate(prompt, greedy(8))
         for r in range(rounds):
             loads.append(os.getloadavg()[0])
+            reads["asyncengine"].append(read_rate())
             start = time.perf_counter()
             await engine.generate(prompt, greedy(1))
             first = time.perf_counter() - start
@@ -101,12 +111,25 @@ async def rounds_for(
                 raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {plan.output_len}")
             ours.append((plan.output_len - 1) / (full - first))
             for name in modes:
+                reads[f"llamacpp {name}"].append(read_rate())
                 theirs[name].append(
                     llamacpp_decode(gguf, plan.output_len, threads, LLAMACPP_MODES[name])
                 )
-            line = ", ".join(f"llama.cpp {n} {v[-1]:.1f}" for n, v in theirs.items())
-            print(f"  round {r}: ours {ours[-1]:.1f}, {line} (load {loads[-1]:.1f})", flush=True)
-    return {"asyncengine": ours, **{f"llamacpp {n}": v for n, v in theirs.items()}, "load": loads}
+            line = ", ".join(
+                f"llama.cpp {n} {v[-1]:.1f} (read {reads[f'llamacpp {n}'][-1] / 1e9:.1f} GB/s)"
+                for n, v in theirs.items()
+            )
+            print(
+                f"  round {r}: ours {ours[-1]:.1f} (read {reads['asyncengine'][-1] / 1e9:.1f} GB/s),"
+                f" {line} (load {loads[-1]:.1f})",
+                flush=True,
+            )
+    return {
+        "asyncengine": ours,
+        **{f"llamacpp {n}": v for n, v in theirs.items()},
+        "load": loads,
+        "read_bytes_per_second": reads,
+    }
 
 
 def median(values: Sequence[float]) -> float:
@@ -114,21 +137,41 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def summarize(entry: dict[str, Any], bandwidth: float, modes: Sequence[str]) -> None:
+def summarize(entry: dict[str, Any], modes: Sequence[str]) -> None:
+    """Medians per system, each system's median share of its rounds' bounds, and ours over
+    llama.cpp's faster mode."""
     runs = entry["rounds"]
-    bound = bound_tokens_per_second(bandwidth, entry["weights"]["bytes"])
+    reads = runs["read_bytes_per_second"]
+    step = entry["weights"]["bytes"]
+    systems = ["asyncengine", *(f"llamacpp {n}" for n in modes)]
     ours = median(runs["asyncengine"])
-    best = max((median(runs[f"llamacpp {n}"]) for n in modes), default=math.nan)
-    entry["bound_tokens_per_second"] = bound
-    entry["medians"] = {key: median(v) for key, v in runs.items()}
-    entry["ours_fraction_of_bound"] = ours / bound
+    best = max((median(runs[system]) for system in systems[1:]), default=math.nan)
+    entry["medians"] = {system: median(runs[system]) for system in systems}
+    entry["medians"]["load"] = median(runs["load"])
+    entry["medians"]["read_gb_per_second"] = median([r for v in reads.values() for r in v]) / 1e9
+    entry["fractions_of_bound"] = {
+        system: median(
+            [
+                tokens / bound_tokens_per_second(read, step)
+                for tokens, read in zip(runs[system], reads[system], strict=True)
+            ]
+        )
+        for system in systems
+    }
     entry["ours_over_best_llamacpp"] = ours / best if best > 0 else math.nan
+
+
+def speed(entry: dict[str, Any], system: str) -> str:
+    """A system's median tok/s and, in brackets, its median share of the bound."""
+    share = cell(entry["fractions_of_bound"][system], "{:.0%}")
+    return f"{cell(entry['medians'][system], '{:.1f}')} ({share})"
 
 
 def table(result: dict[str, Any]) -> str:
     modes = result["llamacpp_modes"]
-    header = ["model", "format", "GB", "ours tok/s", "of bound"]
-    header += [f"llama.cpp {n}" for n in modes] + ["ours / best llama.cpp", "load"]
+    header = ["model", "format", "GB", "ours tok/s (of bound)"]
+    header += [f"llama.cpp {n}" for n in modes]
+    header += ["ours / best llama.cpp", "read GB/s", "load"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for entry in result["entries"]:
         m = entry["medians"]
@@ -136,19 +179,19 @@ def table(result: dict[str, Any]) -> str:
             entry["model"],
             entry["format"],
             cell(entry["weights"]["bytes"] / 1e9, "{:.2f}"),
-            cell(m["asyncengine"], "{:.1f}"),
-            cell(entry["ours_fraction_of_bound"], "{:.0%}"),
-            *(cell(m[f"llamacpp {n}"], "{:.1f}") for n in modes),
+            speed(entry, "asyncengine"),
+            *(speed(entry, f"llamacpp {n}") for n in modes),
             cell(entry["ours_over_best_llamacpp"], "{:.2f}x"),
+            cell(m["read_gb_per_second"], "{:.1f}"),
             cell(m["load"], "{:.1f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     plan = result["plan"]
     lines.append(
         f"\nmedians of {result['rounds']} interleaved rounds; {plan['prompt_len']}-token prompt, "
-        f"{plan['output_len']} tokens; bound = {result['bandwidth']['gb_per_second']:.1f} GB/s "
-        f"copy bandwidth / the GGUF's bytes; load: the 1-minute load average at each round "
-        f"({result['threads']} threads each)"
+        f"{plan['output_len']} tokens; (of bound): the median share of the bound, the read rate "
+        f"measured before each run / the GGUF's bytes; read GB/s: those rates' median; load: "
+        f"the 1-minute load average at each round ({result['threads']} threads each)"
     )
     return "\n".join(lines)
 
@@ -208,16 +251,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "rounds": runs,
                 }
             )
-    bandwidth = measure_copy_bandwidth(512, 10)
     for entry in entries:
-        summarize(entry, bandwidth.bytes_per_second, args.llamacpp_modes)
+        summarize(entry, args.llamacpp_modes)
     result: dict[str, Any] = {
         "mode": "stream_formats",
         "plan": asdict(plan),
         "rounds": args.rounds,
         "llamacpp_modes": args.llamacpp_modes,
         "entries": entries,
-        "bandwidth": {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second},
         "threads": threads,
     }
     return finish(result, "scripts/bench_stream_formats.py", argv, started, args.out, table)
