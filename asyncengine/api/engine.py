@@ -140,7 +140,8 @@ class AsyncEngine:
         work = defer_one_time_work(self._core().executor)
         if work is not None and self._worker is not None:  # ready now; it runs between steps
             self._one_time_task = asyncio.create_task(
-                run_between_steps(self._worker, work), name="asyncengine-one-time"
+                run_between_steps(self._worker, work, self._core().has_work),
+                name="asyncengine-one-time",
             )
         if self.config.log_interval > 0:
             self.summary.reset()
