@@ -445,6 +445,23 @@ static void tile_scalar(int fmt, const uint8_t *const *w, int np, int64_t s0, in
 }
 #endif
 
+/* lines [from, to) of panels pf[0..n-1], asked for while a tile runs, a part before each of its
+ * steps over a sub-block (the whole range at once before a tile kept a thread's panel stream at
+ * ~16 GB/s at 8 rows, the products waiting on memory) */
+typedef struct {
+    const uint8_t *const *pf;
+    int n;
+    int64_t from, to;
+} i8_prefetch;
+
+static inline Q_ALWAYS_INLINE void prefetch_part(const i8_prefetch *p, int64_t step,
+                                                 int64_t steps) {
+    const int64_t span = p->to - p->from;
+    const int64_t a = p->from + span * step / steps, b = p->from + span * (step + 1) / steps;
+    for (int v = 0; v < p->n; v++)
+        for (int64_t line = a; line < b; line++) __builtin_prefetch(p->pf[v] + 64 * line, 0, 3);
+}
+
 #if defined(I8_512)
 /* one step of 4 k: the loaded weight vectors wv[0..nv-1] meet rows xq[0..mr-1] (the weights
  * the unsigned operand, or the shifted activations where the values are centred) */
@@ -466,7 +483,8 @@ static inline Q_ALWAYS_INLINE void k4_step(__m512i (*iacc)[NV], const __m512i *w
  * that the registers hold the MR x NV product chains and as many int32 sums) */
 static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int nv, int64_t s0,
                                             int64_t s1, const i8_row *a, const int mr,
-                                            const int nsub, const int nib, float *out) {
+                                            const int nsub, const int nib, float *out,
+                                            const i8_prefetch *pf) {
     const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
     const int cen = nsub == 16;       /* Q6_K: centred values */
     const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
@@ -482,6 +500,7 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < nv; v++) isum[r][v] = _mm512_setzero_si512();
         for (int j = 0; j < nsub; j++) {
+            prefetch_part(pf, (s - s0) * nsub + j, (s1 - s0) * nsub);
             __m512i iacc[MR][NV];
             for (int r = 0; r < mr; r++)
                 for (int v = 0; v < nv; v++) iacc[r][v] = _mm512_setzero_si512();
@@ -557,7 +576,8 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
  * super-block, which meet the activation scale once */
 static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const int nv, int64_t s0,
                                                int64_t s1, const i8_row *a, const int mr,
-                                               const int has_min, float *out) {
+                                               const int has_min, float *out,
+                                               const i8_prefetch *pf) {
     const int64_t bytes = has_min ? Q8_M_AT + 8 * NP * 4 : Q8_M_AT;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *blk[NV];
@@ -568,6 +588,7 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < nv; v++) facc[r][v] = _mm512_setzero_ps();
         for (int j = 0; j < 8; j++) {
+            prefetch_part(pf, (s - s0) * 8 + j, (s1 - s0) * 8);
             __m512i iacc[MR][NV];
             for (int v = 0; v < nv; v++) {
                 const __m512i start =
@@ -614,11 +635,11 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
 #define I8_SHAPES(X) I8_ROWS(X, 1) I8_ROWS(X, 2)
 #define I8_CASE(mr, nv)                                                                          \
     case (nv) * 16 + (mr):                                                                       \
-        tile_512(w, nv, s0, s1, a, mr, NSUB, NIB, out);                                          \
+        tile_512(w, nv, s0, s1, a, mr, NSUB, NIB, out, pf);                                      \
         return;
 #define I8_FORMAT_FN(name, nsub, nib)                                                            \
     static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
-                                const i8_row *a, int nr, float *out) {                          \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
         enum { NSUB = nsub, NIB = nib };                                                         \
         switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
     }
@@ -629,11 +650,11 @@ I8_FORMAT_FN(tile_q6_k, 16, 0)
 #undef I8_CASE
 #define I8_CASE(mr, nv)                                                                          \
     case (nv) * 16 + (mr):                                                                       \
-        tile_512_q8(w, nv, s0, s1, a, mr, HAS_MIN, out);                                         \
+        tile_512_q8(w, nv, s0, s1, a, mr, HAS_MIN, out, pf);                                     \
         return;
 #define I8_BLOCK32_FN(name, has_min)                                                             \
     static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
-                                const i8_row *a, int nr, float *out) {                          \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
         enum { HAS_MIN = has_min };                                                              \
         switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
     }
@@ -644,14 +665,15 @@ I8_BLOCK32_FN(tile_q4_1, 1)
 #endif
 
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
-                        const i8_row *a, int nr, float *out) {
+                        const i8_row *a, int nr, float *out, const i8_prefetch *pf) {
 #if defined(I8_512)
-    if (fmt == FMT_Q8_0 || fmt == FMT_Q4_0) tile_q8(w, np, s0, s1, a, nr, out);
-    else if (fmt == FMT_Q4_1) tile_q4_1(w, np, s0, s1, a, nr, out);
-    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out);
-    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out);
-    else tile_q6_k(w, np, s0, s1, a, nr, out);
+    if (fmt == FMT_Q8_0 || fmt == FMT_Q4_0) tile_q8(w, np, s0, s1, a, nr, out, pf);
+    else if (fmt == FMT_Q4_1) tile_q4_1(w, np, s0, s1, a, nr, out, pf);
+    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
+    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
+    else tile_q6_k(w, np, s0, s1, a, nr, out, pf);
 #else
+    (void)pf;
     tile_scalar(fmt, w, np, s0, s1, a, nr, out);
 #endif
 }
@@ -686,6 +708,11 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 #define I8_CHUNK_SB 4
 #endif
 #define I8_ONE_SB_ROWS 32
+/* 0: a tile's share of the next chunk's lines asked for all at once before it (prefetch_part:
+ * 1.1-1.6x slower per projection at 4-16 rows, 1B / 3B decode steps of 6-8 rows 1.35-1.4x) */
+#ifndef I8_SPREAD_PREFETCH
+#define I8_SPREAD_PREFETCH 1
+#endif
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
  * output (xd per 32 values for the 32-value block formats, else per 256) and W's panels;
@@ -715,7 +742,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
             if (acc) memset(acc, 0, (size_t)(tiles * MR * NV * NP) * sizeof(float));
             for (int64_t s0 = 0; s0 < nsb && acc; s0 += chunk) {
                 const int64_t s1 = s0 + chunk < nsb ? s0 + chunk : nsb;
-                /* the panels' next chunk, prefetched over the tiles: this unit's, or as its
+                /* the panels' next chunk, asked for over the tiles: this unit's, or as its
                  * last chunk starts the first of the unit this thread takes next (claimed now:
                  * else each unit began waiting on memory; 4-8% on 1536-deep projections) */
                 const uint8_t *pf[NV];
@@ -731,17 +758,24 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     ahead = (chunk < nsb ? chunk : nsb) * l.bytes / 64;
                 }
                 for (int64_t t = 0; t < tiles; t++) {
-                    const int64_t from = ahead * t / tiles, to = ahead * (t + 1) / tiles;
+                    const i8_prefetch part = {pf, npf, ahead * t / tiles, ahead * (t + 1) / tiles};
+#if !I8_SPREAD_PREFETCH
                     for (int v = 0; v < npf; v++)
-                        for (int64_t line = from; line < to; line++)
+                        for (int64_t line = part.from; line < part.to; line++)
                             __builtin_prefetch(pf[v] + 64 * line, 0, 3);
+                    const i8_prefetch none = {pf, 0, 0, 0};
+#endif
                     const int64_t i0 = t * MR;
                     const int nr = (int)(n - i0 < MR ? n - i0 : MR);
                     i8_row a[MR];
                     for (int r = 0; r < nr; r++)
                         a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * (k / qb),
                                         b + (i0 + r) * bstride};
-                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP);
+#if I8_SPREAD_PREFETCH
+                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &part);
+#else
+                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &none);
+#endif
                 }
             }
             if (next < 0) next = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED);

@@ -138,13 +138,14 @@ I8_BELOW_ROWS_BY_FORMAT = {
 }  # fmt: skip
 # With bfloat16 activations, where every part takes the int8 product, it takes it from this many
 # rows even below the dense crossover (in place of the quantized group kernels; float32 ones keep
-# their crossovers, as measured). The group kernels / the int8 product (the same measurements):
-# Q8_0 1.6-2.4 at 8 rows, 2.5-3.3 at 16-64 (0.84-2.4 at 4); Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64;
-# Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64. The K formats per projection of a 1B layer and its LM
-# head, two threads (bench_many_rows_step.py --i8-crossovers Q4_K,Q5_K,Q6_K --shape llama-3.2-1b
-# --batches 4,5,6,8,12): Q4_K 0.79-1.88 at 4 rows, 1.27-1.71 at 5, 1.37-2.3 at 6-12; Q5_K
-# 0.61-1.52 at 4, 0.96-1.91 at 6; Q6_K 0.71-1.89 at 4, 1.29-2.35 at 6, 1.5-2.9 at 8-12.
-I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 8, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 6, "Q6_K": 6}
+# their crossovers, as measured). The group kernels / the int8 product per projection of a 1B
+# layer and its LM head, two threads (bench_many_rows_step.py --i8-crossovers
+# Q4_K,Q5_K,Q6_K,Q8_0 --shape llama-3.2-1b --batches 4,5,6,8): at 5 rows Q4_K 1.47-1.95, Q5_K
+# 0.93-1.73, Q6_K 1.19-2.47, Q8_0 1.21-1.81; at 4 mixed (0.71-2.47), where a bfloat16 model's
+# fused decode step takes the batch anyway (native_decode.BF16_NATIVE_DECODE_MAX_ROWS); whole
+# 5-row steps of 1B Q4_K_M, Q5_K_M and Q8_0 models 1.09-1.23x faster from 5 than from 6 or 8.
+# Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64; Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64 (a 1.5B layer).
+I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 5, "Q6_K": 5}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
