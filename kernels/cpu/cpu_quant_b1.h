@@ -45,19 +45,6 @@ static Q_NOINLINE void group_q8_0_b1(const uint8_t *w, int64_t nb, const act_row
     _mm256_storeu_ps(out, acc);
 }
 
-/* 32 times the sum of each run of 16 activation values of one super-block: sums[4 h] for half h
- * (0..15; the other lanes hold partial sums) */
-static inline Q_ALWAYS_INLINE void half_sums32(const int8_t *x, int32_t *sums) {
-    const __m512i k32 = _mm512_set1_epi8(32);
-    for (int v = 0; v < 4; v++) {
-        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32,
-                                        _mm512_loadu_si512((const void *)(x + 64 * v)));
-        t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
-        t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
-        _mm512_storeu_si512((void *)(sums + 16 * v), t);
-    }
-}
-
 /* a | (b & mask) in one instruction (vpternlogd) where an and and an or took two */
 static inline __m512i or_masked(__m512i a, __m512i b, __m512i mask) {
     return _mm512_ternarylogic_epi32(a, b, mask, 0xF8);
