@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -181,7 +182,12 @@ def load_all(kv_extra_flags: tuple[str, ...] = ()) -> int:
     """Compile (where not cached) and load every kernel library, so that no request waits for
     gcc: the engine calls it at start-up on a CPU, with its pool's ``kv_flags`` (the KV
     libraries are also built with those). Returns how many loaded."""
-    loaded = sum(load(path.stem) is not None for path in sorted(SOURCE_DIR.glob("*.c")))
+    builds = [(path.stem, ()) for path in sorted(SOURCE_DIR.glob("*.c"))]
     if kv_extra_flags:
-        loaded += sum(load(name, kv_extra_flags) is not None for name in KV_LIBRARIES)
-    return loaded
+        builds += [(name, kv_extra_flags) for name in KV_LIBRARIES]
+    # one compiler per core at once: a first start compiles ~15 libraries (~45 s one at a time
+    # on two cores)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with ThreadPoolExecutor(max_workers=max(1, cores or 1)) as pool:
+        libraries = list(pool.map(lambda build: load(*build), builds))
+    return sum(lib is not None for lib in libraries)

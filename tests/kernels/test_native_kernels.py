@@ -363,3 +363,36 @@ def test_native_decode_window_and_softcap(
             q[b : b + 1].float(), kv.keys[b], kv.values[b], scale, window, softcap
         )
         torch.testing.assert_close(got[b].float(), want[0], atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_load_all_builds_every_library_once_and_compiles_side_by_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every C file, and the K/V libraries again with the pool's flags, each asked for once; the
+    builds overlap where the machine has more than one core (a first start's ~15 compiles)."""
+    import threading
+    import time
+
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def fake_load(name: str, extra_flags: tuple[str, ...] = ()) -> object | None:
+        nonlocal running, most
+        with lock:
+            calls.append((name, extra_flags))
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)  # a compiler's process
+        with lock:
+            running -= 1
+        return None if name == "cpu_lora" else object()
+
+    monkeypatch.setattr(cpu_native, "load", fake_load)
+    monkeypatch.setattr(cpu_native.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    sources = sorted(p.stem for p in cpu_native.SOURCE_DIR.glob("*.c"))
+    loaded = cpu_native.load_all(("-DKV_F16",))
+    expected = [(s, ()) for s in sources] + [(n, ("-DKV_F16",)) for n in cpu_native.KV_LIBRARIES]
+    assert sorted(calls) == sorted(expected)
+    assert loaded == len(expected) - 1  # cpu_lora "did not compile"
+    assert most == 2
