@@ -182,7 +182,9 @@ def load_all(kv_extra_flags: tuple[str, ...] = ()) -> int:
     """Compile (where not cached) and load every kernel library, so that no request waits for
     gcc: the engine calls it at start-up on a CPU, with its pool's ``kv_flags`` (the KV
     libraries are also built with those). Returns how many loaded."""
-    builds = [(path.stem, ()) for path in sorted(SOURCE_DIR.glob("*.c"))]
+    builds: list[tuple[str, tuple[str, ...]]] = [
+        (path.stem, ()) for path in sorted(SOURCE_DIR.glob("*.c"))
+    ]
     if kv_extra_flags:
         builds += [(name, kv_extra_flags) for name in KV_LIBRARIES]
     # one compiler per core at once: a first start compiles ~15 libraries (~45 s one at a time
