@@ -19,7 +19,8 @@ which reports the interpreter's start and its imports (torch alone is ~1.3 s) ap
 model's load: the load is the figure set beside llama-server's process-to-``/health`` time
 (llama-server has no import phase), and process-to-ready, all of it, is shown too. After each
 start, a ``--prompt-len``-token request with one token out, then a second: the first request's
-latency beside the second's shows any work a start deferred to it, beside llama.cpp's.
+latency beside the second's shows any work a start deferred to it, beside llama.cpp's; then a
+``--output-len`` stream at once and another once that work is done (decode tok/s of each).
 
 asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
 every timed prompt is new, except the stream's repeats, where only the decode is counted);
@@ -298,11 +299,22 @@ STARTUP_FIGURES = (
     "process_to_ready_seconds",
     "first_request_seconds",
     "second_request_seconds",
+    "stream_at_start_tokens_per_second",
+    "stream_settled_tokens_per_second",
 )
 
 
+def add_stream_rates(row: dict[str, Any], stream_len: int) -> dict[str, Any]:
+    """A start's two streams as decode tok/s: (stream_len - 1) tokens in the stream's seconds
+    less a one-token request's (the second: a fresh prompt of the same length)."""
+    for key in ("stream_at_start", "stream_settled"):
+        gap = row[f"{key}_seconds"] - row["second_request_seconds"]
+        row[f"{key}_tokens_per_second"] = (stream_len - 1) / gap if gap > 0 else math.nan
+    return row
+
+
 def start_asyncengine(
-    config: EngineConfig, engine_args: Sequence[tuple[str, Any]], prompt_len: int
+    config: EngineConfig, engine_args: Sequence[tuple[str, Any]], prompt_len: int, stream_len: int
 ) -> dict[str, Any]:
     """One cold start of ours in a process of its own (scripts/startup_probe.py), with the run's
     ``--engine-arg`` keys."""
@@ -321,6 +333,8 @@ def start_asyncengine(
         json.dumps(settings),
         "--prompt-len",
         str(prompt_len),
+        "--stream-len",
+        str(stream_len),
         "--spawned-at",
         repr(time.time()),
     ]
@@ -329,13 +343,14 @@ def start_asyncengine(
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"startup_probe.py failed ({done.returncode}): {done.stderr[-2000:]}")
     row: dict[str, Any] = json.loads(lines[-1])
-    return row
+    return add_stream_rates(row, stream_len)
 
 
 def start_llamacpp(
     gguf: Path, plan: Plan, vocab: int, threads: int | None, extra_args: tuple[str, ...]
 ) -> dict[str, Any]:
-    """One cold start of llama-server (-np 1), timed to /health, then two one-token requests."""
+    """One cold start of llama-server (-np 1), timed to /health, then two one-token requests and
+    two streams of ``plan.output_len`` tokens (as startup_probe.py sends ours)."""
     import aiohttp
 
     server = peer_llamacpp.LlamaServer(
@@ -347,27 +362,35 @@ def start_llamacpp(
         poll_seconds=0.01,  # its start-up is under a second: 0.2 s probes would blur it
     )
 
-    async def two_requests() -> list[float]:
+    async def requests() -> list[float]:
         timeout = aiohttp.ClientTimeout(total=None)
         seconds = []
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            for offset in (1000, 20000):
+            for offset, n in (
+                (1000, 1),
+                (20000, 1),
+                (30000, plan.output_len),
+                (35000, plan.output_len),
+            ):
                 prompt = [3 + (offset + i) % min(vocab, 40000) for i in range(plan.prompt_len)]
                 start = time.perf_counter()
-                await server.complete(session, prompt, 1)
+                await server.complete(session, prompt, n)
                 seconds.append(time.perf_counter() - start)
         return seconds
 
     with server:
-        first, second = asyncio.run(two_requests())
-    return {
+        first, second, at_start, settled = asyncio.run(requests())
+    row = {
         "interpreter_seconds": 0.0,
         "imports_seconds": 0.0,
         "load_seconds": server.startup_seconds,
         "process_to_ready_seconds": server.startup_seconds,
         "first_request_seconds": first,
         "second_request_seconds": second,
+        "stream_at_start_seconds": at_start,
+        "stream_settled_seconds": settled,
     }
+    return add_stream_rates(row, plan.output_len)
 
 
 def bench_startup(
@@ -389,7 +412,7 @@ def bench_startup(
             load = os.getloadavg()[0]
             if system == "asyncengine":
                 config = engine_config(path, plan, engine_args)
-                row = start_asyncengine(config, engine_args, plan.prompt_len)
+                row = start_asyncengine(config, engine_args, plan.prompt_len, plan.output_len)
             else:
                 row = start_llamacpp(path, plan, vocab, threads, llamacpp_args)
             row["load_average"] = load
@@ -409,14 +432,17 @@ def startup_summary(row: dict[str, Any]) -> str:
         f"interpreter {row['interpreter_seconds']:.2f} s, imports {row['imports_seconds']:.2f} s, "
         f"load {row['load_seconds']:.2f} s (process to ready {row['process_to_ready_seconds']:.2f}"
         f" s); first request {row['first_request_seconds']:.3f} s, second "
-        f"{row['second_request_seconds']:.3f} s"
+        f"{row['second_request_seconds']:.3f} s; a stream at start "
+        f"{row['stream_at_start_tokens_per_second']:.1f} tok/s, settled "
+        f"{row['stream_settled_tokens_per_second']:.1f}"
     )
 
 
 def startup_table(result: dict[str, Any]) -> str:
     header = [
         "model", "format", "system", "interpreter s", "imports s", "load s",
-        "process to ready s", "1st request s", "2nd request s",
+        "process to ready s", "1st request s", "2nd request s", "stream at start tok/s",
+        "settled tok/s",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
     for entry in result["entries"]:
@@ -424,7 +450,8 @@ def startup_table(result: dict[str, Any]) -> str:
         for system, row in runs.items():
             cells = [entry["model"], entry["format"], system]
             cells += [cell(row[key], "{:.2f}") for key in STARTUP_FIGURES[:4]]
-            cells += [cell(row[key], "{:.3f}") for key in STARTUP_FIGURES[4:]]
+            cells += [cell(row[key], "{:.3f}") for key in STARTUP_FIGURES[4:6]]
+            cells += [cell(row[key], "{:.1f}") for key in STARTUP_FIGURES[6:]]
             lines.append("| " + " | ".join(cells) + " |")
         if {"asyncengine", "llamacpp"} <= set(runs):
             ours, theirs = runs["asyncengine"], runs["llamacpp"]
@@ -438,13 +465,18 @@ def startup_table(result: dict[str, Any]) -> str:
             )
             cells = [entry["model"], entry["format"], "**ours / llama.cpp**", *ratio[:4]]
             cells += [ratio[4], ""]
+            cells += [
+                cell(ours[key] / theirs[key], "{:.2f}x") if theirs[key] else ""
+                for key in STARTUP_FIGURES[6:]
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     plan = result["plan"]
     lines.append(
         f"\nmedians of {plan['repeats']} cold starts each, the systems taking turns; ours: "
         "interpreter and imports (torch, asyncengine) apart from the load, the load set beside "
         f"llama-server's process-to-/health time; requests: {plan['prompt_len']}-token prompt, "
-        "1 token out, the first sent once ready"
+        f"1 token out, the first sent once ready; then a stream of {plan['output_len']} tokens "
+        "(decode tok/s), and another once ours has built what its start left (int8 panels)"
     )
     return "\n".join(lines)
 

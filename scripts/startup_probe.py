@@ -17,6 +17,9 @@ apart from it):
 - ``first_request_seconds``, ``second_request_seconds``: a ``--prompt-len``-token prompt, one
   token out, sent once ready, then another of the same length (new tokens: no prefix hit). A
   first request that paid for work the start deferred would show here, beside the second.
+- ``stream_at_start_seconds``, ``stream_settled_seconds`` (``--stream-len`` N > 1): a new prompt
+  with N tokens out right after those, while the work the start deferred (the int8 panels) may
+  still run, then another once it is done: a first stream's decode beside a settled one's.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def prompt_ids(length: int, offset: int) -> list[int]:
     return [3 + (offset + i) % 40000 for i in range(length)]
 
 
-async def measure(model: str, settings: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+async def measure(
+    model: str, settings: dict[str, Any], prompt_len: int, stream_len: int = 0
+) -> dict[str, Any]:
     imports_at = time.time()
     from asyncengine.cli import collector_paused_for_imports
 
@@ -67,7 +72,22 @@ async def measure(model: str, settings: dict[str, Any], prompt_len: int) -> dict
             requests.append(time.perf_counter() - start)
             if len(out.token_ids) != 1:
                 raise RuntimeError(f"asyncengine gave {len(out.token_ids)} tokens, not 1")
+        streams = {}
+        if stream_len > 1:
+            many = SamplingParams(max_new_tokens=stream_len, temperature=0.0, ignore_eos=True)
+            for key, offset in (
+                ("stream_at_start_seconds", 30000),
+                ("stream_settled_seconds", 35000),
+            ):
+                if key == "stream_settled_seconds":
+                    await engine.one_time_work_done()
+                start = time.perf_counter()
+                out = await engine.generate(prompt_ids(prompt_len, offset), many)
+                streams[key] = time.perf_counter() - start
+                if len(out.token_ids) != stream_len:
+                    raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {stream_len}")
     return {
+        **streams,
         "imports_seconds": load_at - imports_at,
         "load_seconds": ready_at - load_at,
         "load_cpu_seconds": ready_cpu - load_cpu,
@@ -82,9 +102,11 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--config-json", default="{}", help="engine config keys, as JSON")
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--stream-len", type=int, default=0, help="tokens of the two streams")
     parser.add_argument("--spawned-at", type=float, default=None, help="the parent's time.time()")
     args = parser.parse_args()
-    row = asyncio.run(measure(args.model, json.loads(args.config_json), args.prompt_len))
+    settings = json.loads(args.config_json)
+    row = asyncio.run(measure(args.model, settings, args.prompt_len, args.stream_len))
     spawned = args.spawned_at if args.spawned_at is not None else _MAIN_AT
     row["interpreter_seconds"] = _MAIN_AT - spawned
     row["process_to_ready_seconds"] = row.pop("ready_at") - spawned

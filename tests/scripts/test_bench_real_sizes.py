@@ -222,3 +222,53 @@ def test_interleaved_concurrent_times_both_in_turn(
     assert called_at[2] - called_at[1] >= ours[1] + ours[2]
     expected = sorted(theirs / mine for mine, theirs in zip(ours, [4.0, 1.0, 9.0], strict=True))
     assert timed["ratio_median_of_repeats"]["3"] == pytest.approx(expected[1])
+
+
+def test_startup_only_times_a_stream_at_start_and_a_settled_one(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--startup-only starts ours in a process of its own (startup_probe.py); after the two
+    one-token requests a stream right away and one once the deferred work is done."""
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_KERNELS", "0")  # not compiled again into tmp_path
+    result = bench.main(
+        [
+            "--startup-only", "--systems", "asyncengine", "--models", "tiny-llama",
+            "--formats", "hf", "--repeats", "1", "--output-len", "8",
+        ]
+    )  # fmt: skip
+    (entry,) = result["entries"]
+    row = entry["runs"]["asyncengine"]
+    (start,) = row["starts"]
+    for key in ("stream_at_start", "stream_settled"):
+        assert start[f"{key}_seconds"] > start["second_request_seconds"] > 0
+        rate = 7 / (start[f"{key}_seconds"] - start["second_request_seconds"])
+        assert row[f"{key}_tokens_per_second"] == pytest.approx(rate)
+    assert "stream at start tok/s" in bench.startup_table(result)
+
+
+def test_startup_table_sets_the_streams_side_by_side(bench: ModuleType) -> None:
+    def start(load: float, at_start: float, settled: float) -> dict[str, float]:
+        row = {
+            "interpreter_seconds": 0.1, "imports_seconds": 1.0, "load_seconds": load,
+            "process_to_ready_seconds": load + 1.1, "first_request_seconds": 0.3,
+            "second_request_seconds": 0.2, "stream_at_start_seconds": 0.2 + 127 / at_start,
+            "stream_settled_seconds": 0.2 + 127 / settled,
+        }  # fmt: skip
+        return bench.add_stream_rates(row, 128)
+
+    ours, theirs = start(1.0, 40.0, 50.0), start(2.0, 40.0, 40.0)
+    assert ours["stream_at_start_tokens_per_second"] == pytest.approx(40.0)
+    result = {
+        "plan": {"repeats": 1, "prompt_len": 16, "output_len": 128},
+        "entries": [
+            {"model": "m", "format": "Q4_K_M", "runs": {"asyncengine": ours, "llamacpp": theirs}}
+        ],
+    }
+    text = bench.startup_table(result)
+    assert (
+        "| m | Q4_K_M | asyncengine | 0.10 | 1.00 | 1.00 | 2.10 | 0.300 | 0.200 | 40.0 | 50.0 |"
+        in text
+    )
+    assert text.splitlines()[4].endswith("| 1.00x | 1.25x |")
+    assert "a stream of 128 tokens" in text
