@@ -72,20 +72,20 @@ async def measure(
             requests.append(time.perf_counter() - start)
             if len(out.token_ids) != 1:
                 raise RuntimeError(f"asyncengine gave {len(out.token_ids)} tokens, not 1")
+
+        async def stream_seconds(offset: int) -> float:
+            many = SamplingParams(max_new_tokens=stream_len, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            out = await engine.generate(prompt_ids(prompt_len, offset), many)
+            if len(out.token_ids) != stream_len:
+                raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {stream_len}")
+            return time.perf_counter() - start
+
         streams = {}
         if stream_len > 1:
-            many = SamplingParams(max_new_tokens=stream_len, temperature=0.0, ignore_eos=True)
-            for key, offset in (
-                ("stream_at_start_seconds", 30000),
-                ("stream_settled_seconds", 35000),
-            ):
-                if key == "stream_settled_seconds":
-                    await engine.one_time_work_done()
-                start = time.perf_counter()
-                out = await engine.generate(prompt_ids(prompt_len, offset), many)
-                streams[key] = time.perf_counter() - start
-                if len(out.token_ids) != stream_len:
-                    raise RuntimeError(f"asyncengine gave {len(out.token_ids)} of {stream_len}")
+            streams["stream_at_start_seconds"] = await stream_seconds(30000)
+            await engine.one_time_work_done()
+            streams["stream_settled_seconds"] = await stream_seconds(35000)
     return {
         **streams,
         "imports_seconds": load_at - imports_at,

@@ -758,12 +758,10 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     ahead = (chunk < nsb ? chunk : nsb) * l.bytes / 64;
                 }
                 for (int64_t t = 0; t < tiles; t++) {
-                    const i8_prefetch part = {pf, npf, ahead * t / tiles, ahead * (t + 1) / tiles};
+                    i8_prefetch part = {pf, npf, ahead * t / tiles, ahead * (t + 1) / tiles};
 #if !I8_SPREAD_PREFETCH
-                    for (int v = 0; v < npf; v++)
-                        for (int64_t line = part.from; line < part.to; line++)
-                            __builtin_prefetch(pf[v] + 64 * line, 0, 3);
-                    const i8_prefetch none = {pf, 0, 0, 0};
+                    prefetch_part(&part, 0, 1); /* the tile's whole share, before it */
+                    part.n = 0;
 #endif
                     const int64_t i0 = t * MR;
                     const int nr = (int)(n - i0 < MR ? n - i0 : MR);
@@ -771,11 +769,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     for (int r = 0; r < nr; r++)
                         a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * (k / qb),
                                         b + (i0 + r) * bstride};
-#if I8_SPREAD_PREFETCH
                     tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &part);
-#else
-                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &none);
-#endif
                 }
             }
             if (next < 0) next = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED);
