@@ -25,10 +25,13 @@ latency beside the second's shows any work a start deferred to it, beside llama.
 asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
 every timed prompt is new, except the stream's repeats, where only the decode is counted);
 llama.cpp as ``llama-server`` (scripts/peers/llamacpp/): ``-np 1`` for the stream and prefill,
-``-np N`` for N concurrent requests. ``--interleave-concurrent`` keeps both loaded for the
-concurrent case and times them in turn, repeat by repeat (the order swapped each repeat), so drift
-of the host lands on both sides; the ratio is then the median of each repeat's ratio. Prints a
-table, writes JSON (``--out``).
+``-np N`` for N concurrent requests, once with its weights repacked at load (its default) and once
+as stored (``--no-repack``; ``--llamacpp-modes``): which is faster depends on the CPU and the
+figure, and each ratio is against the faster. ``--interleave-concurrent`` keeps ours and a server
+per mode loaded for the concurrent case and times them in turn, repeat by repeat (who goes first
+rotating), so drift of the host lands on every side; the ratio is then the median of each
+repeat's ratio against llama.cpp's faster mode in that repeat. Prints a table, writes JSON
+(``--out``).
 
     .venv/bin/python scripts/bench_real_sizes.py                                  # everything
     .venv/bin/python scripts/bench_real_sizes.py --models llama-3.2-1b --formats Q4_K_M \\
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -515,6 +519,7 @@ def bench_one(
     engine_args: Sequence[tuple[str, Any]],
     llamacpp_args: tuple[str, ...] = (),
     interleave: bool = False,
+    modes: Sequence[str] = tuple(peer_llamacpp.SERVER_REPACK_MODES),
 ) -> dict[str, Any]:
     vocab = vocab_size(path)
     entry: dict[str, Any] = {
@@ -532,10 +537,12 @@ def bench_one(
     if "asyncengine" in systems:
         entry["runs"]["asyncengine"] = asyncio.run(run_asyncengine(config, own_plan, vocab))
     if "llamacpp" in systems and path.suffix == ".gguf":
-        entry["runs"]["llamacpp"] = run_llamacpp(path, own_plan, vocab, threads, llamacpp_args)
+        for mode in modes:
+            args = llamacpp_args + peer_llamacpp.SERVER_REPACK_MODES[mode]
+            entry["runs"][f"llamacpp {mode}"] = run_llamacpp(path, own_plan, vocab, threads, args)
     if together:
         timed = asyncio.run(
-            interleaved_concurrent(config, path, plan, vocab, threads, llamacpp_args)
+            interleaved_concurrent(config, path, plan, vocab, threads, llamacpp_args, modes)
         )
         for system, seconds in timed["seconds"].items():
             entry["runs"][system]["concurrent_output_tokens_per_second"] = {
@@ -555,41 +562,67 @@ async def interleaved_concurrent(
     vocab: int,
     threads: int | None,
     extra_args: tuple[str, ...],
+    modes: Sequence[str] = ("repacked",),
 ) -> dict[str, Any]:
-    """Per N in ``plan.concurrency``: our engine and an ``-np N`` llama-server loaded at once, each
-    repeat timing both in turn (who goes first swapped every repeat); wall seconds per system and
-    the median of the repeats' ours-over-llama.cpp throughput ratios."""
+    """Per N in ``plan.concurrency``: our engine and an ``-np N`` llama-server per mode
+    (``SERVER_REPACK_MODES``) loaded at once, each repeat timing all in turn (who goes first
+    rotating repeat by repeat, so that a change of the host's speed lands on every side); wall
+    seconds per system, and the median of the repeats' ours-over-llama.cpp throughput ratios,
+    against llama.cpp's faster mode in each repeat and per mode."""
     from asyncengine.api.engine import AsyncEngine
 
-    seconds: dict[str, dict[str, list[float]]] = {"asyncengine": {}, "llamacpp": {}}
+    theirs = [f"llamacpp {mode}" for mode in modes]
+    seconds: dict[str, dict[str, list[float]]] = {name: {} for name in ["asyncengine", *theirs]}
     ratios: dict[str, float] = {}
+    by_mode: dict[str, dict[str, float]] = {mode: {} for mode in modes}
     async with AsyncEngine(config) as engine:
         await engine.generate(WARMUP_PROMPT, greedy(4))
         await engine.one_time_work_done()
 
         out_len = plan.concurrent_output_len
         for n in plan.concurrency:
-            with concurrent_server(gguf, plan, n, threads, extra_args) as server:
-                await together(engine, concurrent_prompts(plan, vocab, n, -1), out_len)  # warm-up
+            with contextlib.ExitStack() as stack:
+                servers = {
+                    name: stack.enter_context(
+                        concurrent_server(
+                            gguf,
+                            plan,
+                            n,
+                            threads,
+                            extra_args + peer_llamacpp.SERVER_REPACK_MODES[m],
+                        )
+                    )
+                    for name, m in zip(theirs, modes, strict=True)
+                }
+                warm = concurrent_prompts(plan, vocab, n, -1)
+                await together(engine, warm, out_len)
+                for server in servers.values():  # its slots' first prompts, two tokens out
+                    await peer_llamacpp.run_requests(server, [(p, 2) for p in warm])
+                names = ["asyncengine", *theirs]
                 for r in range(plan.repeats):
                     prompts = concurrent_prompts(plan, vocab, n, r)
-                    requests = [(p, plan.concurrent_output_len) for p in prompts]
+                    requests = [(p, out_len) for p in prompts]
                     walls: dict[str, float] = {}
-                    for system in ("asyncengine", "llamacpp")[:: 1 if r % 2 == 0 else -1]:
-                        if system == "asyncengine":
-                            walls[system] = await together(engine, prompts, out_len)
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
+                        if name == "asyncengine":
+                            walls[name] = await together(engine, prompts, out_len)
                         else:
-                            _, walls[system] = await peer_llamacpp.run_requests(server, requests)
-                    for system, wall in walls.items():
-                        seconds[system].setdefault(str(n), []).append(wall)
+                            _, walls[name] = await peer_llamacpp.run_requests(
+                                servers[name], requests
+                            )
+                        seconds[name].setdefault(str(n), []).append(walls[name])
                     print(
                         f"{n} at once, repeat {r + 1}: ours {walls['asyncengine']:.2f} s, "
-                        f"llama.cpp {walls['llamacpp']:.2f} s",
+                        + ", ".join(f"{name} {walls[name]:.2f} s" for name in theirs),
                         flush=True,
                     )
-            pairs = zip(seconds["asyncengine"][str(n)], seconds["llamacpp"][str(n)], strict=True)
-            ratios[str(n)] = median([theirs / ours for ours, theirs in pairs])
-    return {"seconds": seconds, "ratio_median_of_repeats": ratios}
+            ours = seconds["asyncengine"][str(n)]
+            for mode, name in zip(modes, theirs, strict=True):
+                pairs = zip(ours, seconds[name][str(n)], strict=True)
+                by_mode[mode][str(n)] = median([t / o for o, t in pairs])
+            best = [min(seconds[name][str(n)][r] for name in theirs) for r in range(len(ours))]
+            ratios[str(n)] = median([t / o for o, t in zip(ours, best, strict=True)])
+    return {"seconds": seconds, "ratio_median_of_repeats": ratios, "ratio_by_mode": by_mode}
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -604,7 +637,7 @@ def summary(row: dict[str, Any]) -> str:
 
 
 def add_bounds(result: dict[str, Any]) -> None:
-    """Each run's share of the batch-1 bound, and ours over llama.cpp per figure."""
+    """Each run's share of the batch-1 bound, and ours over llama.cpp's best mode per figure."""
     bandwidth = result["bandwidth"]["bytes_per_second"]
     for entry in result["entries"]:
         bound = bound_tokens_per_second(bandwidth, entry["weights"]["bytes"])
@@ -612,22 +645,23 @@ def add_bounds(result: dict[str, Any]) -> None:
         for row in entry["runs"].values():
             row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
         runs = entry["runs"]
-        if {"asyncengine", "llamacpp"} <= set(runs):
-            ours, theirs = runs["asyncengine"], runs["llamacpp"]
-            ratios = {
-                "stream": ours["decode_tokens_per_second"] / theirs["decode_tokens_per_second"]
-            }
+        theirs = [row for name, row in runs.items() if name.startswith("llamacpp")]
+        if "asyncengine" in runs and theirs:
+            ours = runs["asyncengine"]
+            best = max(row["decode_tokens_per_second"] for row in theirs)
+            ratios = {"stream": ours["decode_tokens_per_second"] / best}
             for key, label in (
                 ("concurrent_output_tokens_per_second", "concurrent_"),
                 ("prefill_tokens_per_second", "prefill_"),
             ):
                 for n, value in ours[key].items():
-                    ratios[label + n] = value / theirs[key][n]
+                    ratios[label + n] = value / max(row[key][n] for row in theirs)
             for n, ratio in (
                 entry.get("interleaved_concurrent", {}).get("ratio_median_of_repeats", {}).items()
             ):
                 ratios["concurrent_" + n] = ratio
-            ratios["startup"] = ours["startup_seconds"] / theirs["startup_seconds"]
+            fastest_start = min(row["startup_seconds"] for row in theirs)
+            ratios["startup"] = ours["startup_seconds"] / fastest_start
             entry["ours_over_llamacpp"] = ratios
 
 
@@ -667,7 +701,7 @@ def table(result: dict[str, Any]) -> str:
             cells = [
                 entry["model"],
                 entry["format"],
-                "**ours / llama.cpp**",
+                "**ours / llama.cpp's best**",
                 cell(ratios["stream"], "{:.2f}x"),
                 "",
                 *(cell(ratios.get("concurrent_" + n), "{:.2f}x") for n in concurrency),
@@ -728,6 +762,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="an extra llama-server argument (repeatable), e.g. --llamacpp-arg=--no-repack",
     )
     parser.add_argument(
+        "--llamacpp-modes",
+        nargs="+",
+        default=list(peer_llamacpp.SERVER_REPACK_MODES),
+        choices=list(peer_llamacpp.SERVER_REPACK_MODES),
+        help="llama-server with its weight repacking and/or with the weights as stored (each "
+        "figure's ratio is against the faster)",
+    )
+    parser.add_argument(
         "--interleave-concurrent",
         action="store_true",
         help="time the concurrent case with both systems loaded, in turn each repeat (the "
@@ -775,7 +817,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 entries.append(bench_startup(*common, tuple(args.llamacpp_arg)))
             else:
                 entries.append(
-                    bench_one(*common, tuple(args.llamacpp_arg), args.interleave_concurrent)
+                    bench_one(
+                        *common,
+                        tuple(args.llamacpp_arg),
+                        args.interleave_concurrent,
+                        args.llamacpp_modes,
+                    )
                 )
     if args.startup_only:
         result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}

@@ -38,6 +38,10 @@ MODEL_FILES = {
 }
 EMBEDDED_KIND = "q4_1"
 CONTEXT_PER_SLOT = 1536
+# llama-server's weights: repacked at load into its interleaved layouts (its default) or used as
+# stored; which is faster depends on the CPU and the batch (on Zen 4 its repacked Q4_K decodes
+# one stream faster and prompts and batches slower), so benchmarks time both
+SERVER_REPACK_MODES: dict[str, tuple[str, ...]] = {"repacked": (), "as-stored": ("--no-repack",)}
 
 
 class LlamaCppUnavailableError(RuntimeError):
