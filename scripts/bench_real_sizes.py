@@ -14,13 +14,14 @@ system in turn, medians of ``--repeats``:
   full run ours is timed in this process, its imports already done.
 
 ``--startup-only`` measures start-up alone, each start a process of its own, the systems taking
-turns (ours, llama.cpp, ours, ...; medians of ``--repeats``). Ours runs scripts/startup_probe.py,
-which reports the interpreter's start and its imports (torch alone is ~1.3 s) apart from the
-model's load: the load is the figure set beside llama-server's process-to-``/health`` time
-(llama-server has no import phase), and process-to-ready, all of it, is shown too. After each
-start, a ``--prompt-len``-token request with one token out, then a second: the first request's
-latency beside the second's shows any work a start deferred to it, beside llama.cpp's; then a
-``--output-len`` stream at once and another once that work is done (decode tok/s of each).
+turns (ours, then llama.cpp in each mode, then back; medians of ``--repeats``; each ratio against
+llama.cpp's best mode). Ours runs scripts/startup_probe.py, which reports the interpreter's start
+and its imports (torch alone is ~1.3 s) apart from the model's load: the load is the figure set
+beside llama-server's process-to-``/health`` time (llama-server has no import phase), and
+process-to-ready, all of it, is shown too. After each start, a ``--prompt-len``-token request
+with one token out, then a second: the first request's latency beside the second's shows any
+work a start deferred to it, beside llama.cpp's; then a ``--output-len`` stream at once and
+another once that work is done (decode tok/s of each).
 
 asyncengine runs in this process (one engine per model and format, its prefix cache never hit:
 every timed prompt is new, except the stream's repeats, where only the decode is counted);
@@ -39,7 +40,7 @@ repeat's ratio against llama.cpp's faster mode in that repeat. Prints a table, w
     .venv/bin/python scripts/bench_real_sizes.py --systems asyncengine --models tiny-llama \\
         --formats hf                                                              # no llama.cpp
     .venv/bin/python scripts/bench_real_sizes.py --startup-only --models llama-3.2-1b \\
-        --formats Q4_K_M --repeats 5 --llamacpp-arg=--no-repack                  # start-up alone
+        --formats Q4_K_M --repeats 5                                              # start-up alone
 
 Models are made first where missing (make_real_models.py; a 3B takes minutes). A format
 ``hf`` is the bfloat16 HF directory (asyncengine only: llama.cpp reads GGUF).
@@ -406,10 +407,14 @@ def bench_startup(
     threads: int | None,
     engine_args: Sequence[tuple[str, Any]],
     llamacpp_args: tuple[str, ...] = (),
+    modes: Sequence[str] = tuple(peer_llamacpp.SERVER_REPACK_MODES),
 ) -> dict[str, Any]:
-    """``--repeats`` cold starts per system, the systems taking turns; medians and each start."""
+    """``--repeats`` cold starts per system (llama.cpp once per mode), taking turns; medians and
+    each start."""
     vocab = vocab_size(path)
-    runs = [s for s in systems if s == "asyncengine" or path.suffix == ".gguf"]
+    runs = ["asyncengine"] if "asyncengine" in systems else []
+    if "llamacpp" in systems and path.suffix == ".gguf":
+        runs += [f"llamacpp {mode}" for mode in modes]
     starts: dict[str, list[dict[str, Any]]] = {system: [] for system in runs}
     for repeat in range(plan.repeats):
         for system in runs if repeat % 2 == 0 else list(reversed(runs)):
@@ -418,7 +423,8 @@ def bench_startup(
                 config = engine_config(path, plan, engine_args)
                 row = start_asyncengine(config, engine_args, plan.prompt_len, plan.output_len)
             else:
-                row = start_llamacpp(path, plan, vocab, threads, llamacpp_args)
+                mode = peer_llamacpp.SERVER_REPACK_MODES[system.removeprefix("llamacpp ")]
+                row = start_llamacpp(path, plan, vocab, threads, llamacpp_args + mode)
             row["load_average"] = load
             starts[system].append(row)
             print(f"{name} {fmt} {system} start {repeat + 1}: {startup_summary(row)}", flush=True)
@@ -442,6 +448,17 @@ def startup_summary(row: dict[str, Any]) -> str:
     )
 
 
+def over_best(
+    ours: dict[str, Any], peers: Sequence[dict[str, Any]], key: str, higher: bool = False
+) -> str:
+    """Ours over llama.cpp's best mode in one start-up figure (the lowest time, or the highest
+    rate where ``higher``), as a table cell."""
+    values = [row[key] for row in peers if row[key] and not math.isnan(row[key])]
+    if not values:
+        return ""
+    return cell(ours[key] / (max if higher else min)(values), "{:.2f}x")
+
+
 def startup_table(result: dict[str, Any]) -> str:
     header = [
         "model", "format", "system", "interpreter s", "imports s", "load s",
@@ -457,22 +474,13 @@ def startup_table(result: dict[str, Any]) -> str:
             cells += [cell(row[key], "{:.3f}") for key in STARTUP_FIGURES[4:6]]
             cells += [cell(row[key], "{:.1f}") for key in STARTUP_FIGURES[6:]]
             lines.append("| " + " | ".join(cells) + " |")
-        if {"asyncengine", "llamacpp"} <= set(runs):
-            ours, theirs = runs["asyncengine"], runs["llamacpp"]
-            ratio = ["", "", "", "", ""]
-            ratio[2] = cell(ours["load_seconds"] / theirs["load_seconds"], "{:.2f}x")
-            ratio[3] = cell(
-                ours["process_to_ready_seconds"] / theirs["process_to_ready_seconds"], "{:.2f}x"
-            )
-            ratio[4] = cell(
-                ours["first_request_seconds"] / theirs["first_request_seconds"], "{:.2f}x"
-            )
-            cells = [entry["model"], entry["format"], "**ours / llama.cpp**", *ratio[:4]]
-            cells += [ratio[4], ""]
-            cells += [
-                cell(ours[key] / theirs[key], "{:.2f}x") if theirs[key] else ""
-                for key in STARTUP_FIGURES[6:]
-            ]
+        peers = [row for system, row in runs.items() if system.startswith("llamacpp")]
+        if "asyncengine" in runs and peers:
+            ours = runs["asyncengine"]
+            cells = [entry["model"], entry["format"], "**ours / llama.cpp's best**", "", ""]
+            cells += [over_best(ours, peers, key) for key in STARTUP_FIGURES[2:5]]
+            cells += [""]
+            cells += [over_best(ours, peers, key, higher=True) for key in STARTUP_FIGURES[6:]]
             lines.append("| " + " | ".join(cells) + " |")
     plan = result["plan"]
     lines.append(
@@ -814,7 +822,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for fmt in args.formats:
             common = (name, fmt, paths[fmt], plan, systems, args.threads, args.engine_arg)
             if args.startup_only:
-                entries.append(bench_startup(*common, tuple(args.llamacpp_arg)))
+                entries.append(
+                    bench_startup(*common, tuple(args.llamacpp_arg), args.llamacpp_modes)
+                )
             else:
                 entries.append(
                     bench_one(
