@@ -5,8 +5,9 @@ Per model (scripts/make_real_models.py's shapes: random weights, real shapes) an
 system in turn, medians of ``--repeats``:
 
 - one stream: decode tok/s at batch 1 (a ``--prompt-len`` prompt, ``--output-len`` tokens:
-  (output_len - 1) / (full - first-token time)), and its fraction of the bandwidth bound
-  (measured copy GB/s / the bytes one decode step reads: the GGUF's tensors as stored);
+  (output_len - 1) / (full - first-token time)), and its fraction of the bandwidth bound (the
+  machine's read rate, probed just before each repeat, / the bytes one decode step reads: the
+  GGUF's tensors as stored; the median over the repeats);
 - 8 and 32 concurrent requests (``--concurrency``): output tok/s, all sent at once;
 - prefill at 512 and 2048 tokens (``--prefill-lens``): prompt tok/s of a fresh random prompt
   with one token out (wall time: the first token's sampling included, for both);
@@ -69,9 +70,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: systems, p
 
 import make_real_models as models
 from bench_single_stream import (
+    READ_PROBE_MIB,
     bound_tokens_per_second,
     gguf_weight_bytes,
-    measure_copy_bandwidth,
+    read_rate,
     weight_bytes,
 )
 from peers.llamacpp import launcher as peer_llamacpp
@@ -103,6 +105,7 @@ class Plan:
     concurrent_output_len: int
     prefill_lens: tuple[int, ...]
     seed: int
+    read_probe_mib: int = READ_PROBE_MIB  # the read-rate probe before each stream repeat
 
     @property
     def context(self) -> int:
@@ -201,7 +204,13 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
             return out
 
         await stream(8)  # warm-up of the stream's own shapes
-        firsts, fulls, _ = await stream_repeats(stream, plan.output_len, plan.repeats)
+        reads: list[float] = []
+        firsts, fulls, _ = await stream_repeats(
+            stream,
+            plan.output_len,
+            plan.repeats,
+            lambda: reads.append(read_rate(plan.read_probe_mib)),
+        )
 
         concurrent = {}
         for n in plan.concurrency:
@@ -226,6 +235,7 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
         "prefill_tokens_per_second": prefill,
         "stream_first_token_seconds": firsts,
         "stream_full_seconds": fulls,
+        "stream_read_bytes_per_second": reads,
     }
 
 
@@ -248,7 +258,13 @@ def run_llamacpp(
             async def stream(n: int) -> Any:
                 return await server.complete(session, prompt, n)
 
-            firsts, fulls, _ = await stream_repeats(stream, plan.output_len, plan.repeats)
+            reads: list[float] = []
+            firsts, fulls, _ = await stream_repeats(
+                stream,
+                plan.output_len,
+                plan.repeats,
+                lambda: reads.append(read_rate(plan.read_probe_mib)),
+            )
             prefill = {}
             for length in plan.prefill_lens:
                 seconds = []
@@ -262,6 +278,7 @@ def run_llamacpp(
             "prefill_tokens_per_second": prefill,
             "stream_first_token_seconds": firsts,
             "stream_full_seconds": fulls,
+            "stream_read_bytes_per_second": reads,
         }
 
     single = peer_llamacpp.LlamaServer(
@@ -644,14 +661,45 @@ def summary(row: dict[str, Any]) -> str:
     )
 
 
+def stream_reads(result: dict[str, Any]) -> list[float]:
+    """Every read-rate probe of the run's streams, bytes/s."""
+    return [
+        read
+        for entry in result["entries"]
+        for row in entry["runs"].values()
+        for read in row.get("stream_read_bytes_per_second", [])
+    ]
+
+
+def fraction_of_bound(row: dict[str, Any], output_len: int, step_bytes: int) -> float:
+    """The median over a stream's repeats of its decode rate over the bound at the read rate
+    probed just before it (the rate can change between repeats)."""
+    fractions = [
+        (output_len - 1) / (full - first) / bound_tokens_per_second(read, step_bytes)
+        for first, full, read in zip(
+            row.get("stream_first_token_seconds", []),
+            row.get("stream_full_seconds", []),
+            row.get("stream_read_bytes_per_second", []),
+            strict=True,
+        )
+        if full > first
+    ]
+    return median(fractions)
+
+
 def add_bounds(result: dict[str, Any]) -> None:
     """Each run's share of the batch-1 bound, and ours over llama.cpp's best mode per figure."""
-    bandwidth = result["bandwidth"]["bytes_per_second"]
+    output_len = result["plan"]["output_len"]
     for entry in result["entries"]:
-        bound = bound_tokens_per_second(bandwidth, entry["weights"]["bytes"])
-        entry["bound_tokens_per_second"] = bound
+        step = entry["weights"]["bytes"]
+        reads = [
+            r for row in entry["runs"].values() for r in row.get("stream_read_bytes_per_second", [])
+        ]
+        entry["bound_tokens_per_second"] = (
+            bound_tokens_per_second(median(reads), step) if reads else math.nan
+        )
         for row in entry["runs"].values():
-            row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
+            row["fraction_of_bound"] = fraction_of_bound(row, output_len, step)
         runs = entry["runs"]
         theirs = [row for name, row in runs.items() if name.startswith("llamacpp")]
         if "asyncengine" in runs and theirs:
@@ -717,9 +765,11 @@ def table(result: dict[str, Any]) -> str:
                 cell(ratios["startup"], "{:.2f}x"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-    bandwidth = result["bandwidth"]["gb_per_second"]
+    reads = stream_reads(result)
+    rates = f"{min(reads) / 1e9:.0f}-{max(reads) / 1e9:.0f} GB/s" if reads else "none probed"
     lines.append(
-        f"\nbound = {bandwidth:.1f} GB/s measured copy bandwidth / the bytes a decode step reads; "
+        "\nof bound: each stream repeat's decode rate over the read rate probed just before it "
+        f"({rates}) / the bytes a decode step reads; "
         f"stream: {plan['prompt_len']}-token prompt, {plan['output_len']} tokens; concurrent: "
         f"{plan['concurrent_prompt_len']} in, {plan['concurrent_output_len']} out each; "
         f"medians of {plan['repeats']}"
@@ -783,8 +833,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the concurrent case with both systems loaded, in turn each repeat (the "
         "ratio: the median of the repeats' ratios)",
     )
-    parser.add_argument("--bandwidth-mib", type=int, default=512)
-    parser.add_argument("--bandwidth-repeats", type=int, default=10)
+    parser.add_argument(
+        "--read-probe-mib",
+        type=int,
+        default=READ_PROBE_MIB,
+        help="MiB the read-rate probe before each stream repeat reads (the bound's rate)",
+    )
     parser.add_argument(
         "--startup-only",
         action="store_true",
@@ -799,8 +853,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.output_len < 2 or args.repeats < 1 or args.prompt_len < 1:
         raise SystemExit("need --output-len >= 2, --repeats >= 1 and --prompt-len >= 1")
-    if any(n < 1 for n in [*args.concurrency, *args.prefill_lens]):
-        raise SystemExit("--concurrency and --prefill-lens take positive numbers")
+    if any(n < 1 for n in [*args.concurrency, *args.prefill_lens, args.read_probe_mib]):
+        raise SystemExit("--concurrency, --prefill-lens and --read-probe-mib take positive numbers")
     systems = [n.strip() for n in args.systems.split(",") if n.strip()]
     if not systems or not set(systems) <= set(SYSTEMS):
         raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
@@ -814,6 +868,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         concurrent_output_len=args.concurrent_output_len,
         prefill_lens=tuple(args.prefill_lens),
         seed=args.seed,
+        read_probe_mib=args.read_probe_mib,
     )
     started = time.time()
     entries = []
@@ -838,13 +893,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = {"mode": "real_sizes_startup", "plan": asdict(plan), "systems": systems}
         result.update(entries=entries, threads=args.threads or os.cpu_count())
         return finish(result, "scripts/bench_real_sizes.py", argv, started, args.out, startup_table)
-    bandwidth = measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     result: dict[str, Any] = {
         "mode": "real_sizes",
         "plan": asdict(plan),
         "systems": systems,
         "entries": entries,
-        "bandwidth": {**asdict(bandwidth), "gb_per_second": bandwidth.gb_per_second},
         "threads": args.threads or os.cpu_count(),
         "interleave_concurrent": args.interleave_concurrent,
     }

@@ -118,6 +118,15 @@ def measure_read_bandwidth(mib: int, repeats: int) -> Bandwidth:
     return Bandwidth(data.nbytes / statistics.median(times), data.nbytes, times)
 
 
+READ_PROBE_MIB = 512  # above any L3: the probe reads from memory, as a decode step does
+
+
+def read_rate(mib: int = READ_PROBE_MIB) -> float:
+    """The machine's read bytes/s now (the bound of the run that follows: a VM's memory rate can
+    change within seconds)."""
+    return measure_read_bandwidth(mib, 3).bytes_per_second
+
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 

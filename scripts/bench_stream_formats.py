@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: systems, p
 
 import make_real_models as models
 from bench_real_sizes import Plan, engine_config, random_prompt, step_bytes, vocab_size
-from bench_single_stream import bound_tokens_per_second, measure_read_bandwidth
+from bench_single_stream import bound_tokens_per_second, read_rate
 from peers.llamacpp import launcher as peer_llamacpp
 from systems import WARMUP_PROMPT, cell, finish, greedy
 
@@ -51,12 +51,6 @@ from asyncengine.common.config import key_value
 from asyncengine.script_main import run_main
 
 LLAMACPP_MODES = {"repacked": ("--repack", "1"), "as-stored": ("--repack", "0")}
-READ_PROBE_MIB = 512  # above any L3: the probe reads from memory, as a decode step does
-
-
-def read_rate() -> float:
-    """The machine's read bytes/s now (the bound of the run that follows)."""
-    return measure_read_bandwidth(READ_PROBE_MIB, 3).bytes_per_second
 
 
 def llama_bench() -> Path:

@@ -261,12 +261,18 @@ def decode_tokens_per_second(
 
 
 async def stream_repeats(
-    generate: Callable[[int], Awaitable[Any]], output_len: int, repeats: int
+    generate: Callable[[int], Awaitable[Any]],
+    output_len: int,
+    repeats: int,
+    before_each: Callable[[], object] | None = None,
 ) -> tuple[list[float], list[float], list[Any]]:
     """Batch-1 timing: each repeat times one token (prefill and the first token), then all
-    ``output_len``; the replies of the full requests come back too."""
+    ``output_len``; the replies of the full requests come back too. ``before_each`` runs, untimed,
+    before every repeat (e.g. a probe of the machine's read rate)."""
     firsts, fulls, replies = [], [], []
     for _ in range(repeats):
+        if before_each is not None:
+            before_each()
         start = time.perf_counter()
         await generate(1)
         firsts.append(time.perf_counter() - start)
