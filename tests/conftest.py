@@ -217,6 +217,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return FileScheduling(config, log)
 
 
+@pytest.fixture
+def without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 product's paths on a CPU with AMX too, where the K formats take the AMX product
+    instead (executor/layers/linear.py, ``K_AMX_BELOW_ROWS_BY_FORMAT``)."""
+    from asyncengine.kernels.cpu import quant_amx_native
+
+    monkeypatch.setattr(quant_amx_native, "available", lambda: False)
+
+
 @pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """torch's thread count for the test: a native kernel's work split over 1, 2 and 3 threads

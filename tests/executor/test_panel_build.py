@@ -21,9 +21,12 @@ from asyncengine.kernels.cpu.quant_native import interleave
 from asyncengine.kernels.quant_formats import FORMATS
 from tests.kernels.test_quantized_kernels import random_weight
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+    ),
+    pytest.mark.usefixtures("without_amx"),  # the int8 product's paths where AMX would take them
+]
 needs_fast = pytest.mark.skipif(
     not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
 )

@@ -18,10 +18,13 @@ from asyncengine.kernels.reference import activation_ref, i8gemm_ref
 from tests.kernels.test_quant_i8gemm import needs_fast
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found() or not layer_ops_native.available(),
-    reason="no C compiler: the native kernels cannot be built",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_native.compiler_found() or not layer_ops_native.available(),
+        reason="no C compiler: the native kernels cannot be built",
+    ),
+    pytest.mark.usefixtures("without_amx"),  # the int8 product's paths where AMX would take them
+]
 
 
 def _other_builds() -> list[str]:
