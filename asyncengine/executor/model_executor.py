@@ -75,8 +75,11 @@ def gpu_kv_budget_bytes(utilization: float, device: torch.device, weight_bytes: 
 
 
 class ModelExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, defer_huge_pages: bool = False) -> None:
+        """``defer_huge_pages``: the weights' huge pages left to ``defer_one_time_work`` (the
+        engine's start: executor/cpu/weight_arena.py)."""
         self.config = config
+        self.defer_huge_pages = defer_huge_pages
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         with one_torch_thread():
@@ -178,6 +181,7 @@ class ModelExecutor:
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
             dense_weight_bytes=self.config.dense_weight_bytes,
+            defer_huge_pages=self.defer_huge_pages,
         )
         self.runner.loras = self.loras
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None
@@ -245,7 +249,7 @@ def model_core(
     config: EngineConfig, policies: tuple[Policy, ShadowPolicy | None] | None = None
 ) -> tuple[EngineCore, Tokenizer]:
     """The real model's core and its tokenizer (loads weights: off the event loop)."""
-    executor = ModelExecutor(config)
+    executor = ModelExecutor(config, defer_huge_pages=True)  # the engine runs the deferred work
     tokenizer = Tokenizer(executor.model_dir)
     executor.add_eos_token_ids(tokenizer.eos_token_ids)
     return build_core(config, executor, policies=policies), tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -68,6 +69,7 @@ class ModelRunner:
         max_batch_size: int = 256,
         deterministic: bool = False,
         dense_weight_bytes: int | None = None,
+        defer_huge_pages: bool = False,
     ) -> None:
         """``page_table`` is the runner's own: each plan's page writes are applied to it before
         the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
@@ -77,7 +79,8 @@ class ModelRunner:
         elsewhere it has no effect). ``deterministic``: batch-invariant forward
         (executor/deterministic.py); it replaces ``backend`` and turns CUDA graphs off.
         ``dense_weight_bytes``: the most the dense copies of quantized projections may take
-        (executor/layers/linear.py's ``DenseBudget``; None: no limit)."""
+        (executor/layers/linear.py's ``DenseBudget``; None: no limit). ``defer_huge_pages``:
+        the weights' huge pages left to ``defer_one_time_work`` (executor/cpu/weight_arena.py)."""
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
@@ -113,6 +116,8 @@ class ModelRunner:
                 parts.ops,
                 parts.row_block,
                 dense_weight_bytes,
+                defer_huge_pages,
+                max_positions=page_table.max_pages_per_row * kv_pool.page_size,
             )
         # a verify step small enough for the fused decode step runs its positions as decode
         # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step
@@ -171,9 +176,25 @@ class ModelRunner:
                 linear.dense(torch.float32)
 
     def defer_one_time_work(self) -> Callable[[], bool] | None:
-        """The model's int8 panels, left to be built between steps (``LlamaModel.defer_panels``:
-        the function that builds a piece, True while more remains); None: nothing deferred."""
-        return self.model.defer_panels() if self.device.type == "cpu" else None
+        """The weights' move into huge pages, then the model's int8 panels, left to be done
+        between steps (``LlamaModel.deferred_huge_pages``, ``defer_panels``: the function that
+        does a piece, True while more remains); None: nothing deferred."""
+        if self.device.type != "cpu":
+            return None
+        pieces = deque(
+            work
+            for work in (self.model.deferred_huge_pages(), self.model.defer_panels())
+            if work is not None
+        )
+        if not pieces:
+            return None
+
+        def step() -> bool:
+            if not pieces[0]():
+                pieces.popleft()
+            return bool(pieces)
+
+        return step
 
     def _warm_up_attention(self, max_batch_size: int) -> None:
         """Autotune the attention kernels for every length class now, not on first requests."""

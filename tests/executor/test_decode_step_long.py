@@ -40,7 +40,7 @@ class LongRow:
 
 
 def long_row(checkpoint: TinyCheckpoint, keys: int, dtype: torch.dtype = torch.float32) -> LongRow:
-    pair = Pair(checkpoint, quantize_int8(checkpoint.load_weights()))
+    pair = Pair(checkpoint, quantize_int8(checkpoint.load_weights()), max_len=keys)
     model = pair.native.model.native_decode
     assert model is not None
     c = pair.config

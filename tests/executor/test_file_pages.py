@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from asyncengine.common.config import EngineConfig
+from asyncengine.executor.cpu import weight_arena
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS
 from asyncengine.executor.loader.gguf_file import drop_tensor_pages, read_gguf_file
 from asyncengine.executor.model_executor import model_core
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
+from tests.executor.test_weight_arena import mapping_fields, needs_collapse
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="/proc/self/pagemap and smaps are Linux's"
@@ -106,3 +108,27 @@ def test_the_pool_is_the_bytes_asked_for() -> None:
     pool = core.executor.runner.kv_pool
     page_bytes = pool.bytes_per_token * pool.page_size
     assert budget - page_bytes < pool.nbytes <= budget
+
+
+@needs_collapse
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+async def test_the_engine_moves_the_weights_into_huge_pages_once_ready() -> None:
+    """Ready with the weights in plain pages (a fresh huge page is what start-up paid most
+    for), in huge pages once the work left for after start-up is done; the answers unchanged."""
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.common.sampling_params import SamplingParams
+
+    config = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        arena = engine._core().executor.runner.model._weight_arena
+        assert arena is not None and arena.huge_pages_deferred
+        start = arena.buffer.data_ptr()
+        assert int(mapping_fields(start)["AnonHugePages"][0]) == 0
+        before = await engine.generate([1, 2, 3, 4], greedy)
+        await engine.one_time_work_done()
+        assert not arena.huge_pages_deferred
+        huge = int(mapping_fields(start)["AnonHugePages"][0]) * 1024
+        assert huge >= arena.used - weight_arena.HUGE_PAGE
+        after = await engine.generate([1, 2, 3, 4], greedy)
+    assert after.token_ids == before.token_ids

@@ -76,9 +76,12 @@ class Pair:
         weights: dict[str, Any],
         dense_reference: pytest.MonkeyPatch | None = None,
         dtype: torch.dtype = torch.float32,
+        max_len: int = MAX_LEN,
     ) -> None:
+        """``max_len``: the longest row its page tables hold (the model's RoPE rows)."""
         self.config = ModelConfig.from_hf_dict(ckpt.hf_config)
         self.dtype = dtype  # the activations' and the pool's
+        self.max_len = max_len
         self.native = self._runner(weights)
         if dense_reference is None:
             self.torch_path = self._runner(weights)
@@ -92,7 +95,7 @@ class Pair:
 
     def _runner(self, weights: dict[str, Any]) -> ModelRunner:
         c = self.config
-        pages = -(-MAX_LEN // PAGE_SIZE)
+        pages = -(-self.max_len // PAGE_SIZE)
         pool = KVPool(
             c.num_layers, c.num_kv_heads, c.head_dim, pages * 4 + 1, PAGE_SIZE, self.dtype
         )

@@ -4,7 +4,9 @@ and the switch that turns it off."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +72,7 @@ def test_nothing_to_hold() -> None:
     assert weight_arena.arena_for([torch.ones(8)]) is None  # norms are not held there
 
 
-def _mapping(address: int) -> dict[str, list[str]]:
+def mapping_fields(address: int) -> dict[str, list[str]]:
     """The /proc/self/smaps fields of the mapping holding address (name -> values)."""
     fields: dict[str, list[str]] = {}
     inside = False
@@ -89,7 +91,58 @@ def test_the_buffer_is_private_memory_advised_to_use_huge_pages() -> None:
     buffer = weight_arena.hugepage_buffer(3 << 20)
     buffer.fill_(1)
     for address in (buffer.data_ptr(), buffer.data_ptr() + buffer.numel() - 1):
-        fields = _mapping(address)
+        fields = mapping_fields(address)
         assert "hg" in fields["VmFlags"]  # madvise(MADV_HUGEPAGE) took
         # anonymous, not shmem (a shared mapping's huge pages follow another setting)
         assert int(fields["Anonymous"][0]) > 0
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+def collapse_runs_here() -> bool:
+    """Linux 6.1+ (MADV_COLLAPSE) with transparent huge pages not switched off."""
+    if not sys.platform.startswith("linux") or not _kernel_at_least(6, 1):
+        return False
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return setting.exists() and "[never]" not in setting.read_text()
+
+
+needs_collapse = pytest.mark.skipif(
+    not collapse_runs_here(), reason="MADV_COLLAPSE: Linux 6.1+, huge pages not off"
+)
+
+
+@needs_collapse
+def test_deferred_huge_pages_come_after_the_write_with_the_same_bytes() -> None:
+    """Written in plain pages (no advice, no huge page), then moved a few MiB per step: the
+    same bytes at the same address, in huge pages once the steps say they are done."""
+    parts = [random_weight(FORMATS["Q8_0"], 4096, 2048, seed=7)]  # 8.5 MiB: three steps
+    arena = weight_arena.arena_for(parts, defer_huge_pages=True)
+    assert arena is not None
+    linear = QuantizedLinear(parts, arena=arena)
+    write_pending(arena)
+    start = arena.buffer.data_ptr()
+    assert "hg" not in mapping_fields(start)["VmFlags"]
+    assert int(mapping_fields(start)["AnonHugePages"][0]) == 0
+    before = linear.parts[0].data.clone()
+    x = torch.randn(2, 2048)
+    expected = linear(x)
+    steps = 1
+    while arena.huge_pages_step():
+        steps += 1
+        assert steps < 100
+    assert steps == -(-arena.used // weight_arena.COLLAPSE_BYTES)
+    assert not arena.huge_pages_deferred and not arena.huge_pages_step()
+    fields = mapping_fields(start)
+    assert "hg" in fields["VmFlags"]
+    assert int(fields["AnonHugePages"][0]) * 1024 >= arena.used - weight_arena.HUGE_PAGE
+    assert linear.parts[0].data.data_ptr() == start
+    assert torch.equal(linear.parts[0].data, before) and torch.equal(linear(x), expected)
+
+
+def test_an_arena_advised_at_once_has_nothing_deferred() -> None:
+    arena = weight_arena.arena_for(_parts()[0])
+    assert arena is not None and not arena.huge_pages_deferred and not arena.huge_pages_step()

@@ -86,13 +86,18 @@ class LlamaModel:
         ops: KernelOps | None = None,
         row_block: int | None = None,
         dense_weight_bytes: int | None = None,
+        defer_huge_pages: bool = False,
+        max_positions: int | None = None,
     ) -> None:
         """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
         executor/layers/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
         blocks, or int8) stay quantized: their projections run the quantized kernels and a
         quantized embedding is dequantized a looked-up row at a time. ``dense_weight_bytes``: what
         the dense copies of quantized projections may take together (layers/linear.py's
-        ``DenseBudget``; None: no limit)."""
+        ``DenseBudget``; None: no limit). ``defer_huge_pages``: the quantized weights written in
+        plain pages, moved into huge pages by ``defer_huge_pages()``'s calls (the engine's, after
+        start-up: executor/cpu/weight_arena.py). ``max_positions``: the longest sequence the
+        caller's KV pages can hold (the RoPE tables' length; None: the model's context)."""
         self.config = config
         self.row_block = row_block
         self.dtype = dtype
@@ -106,7 +111,9 @@ class LlamaModel:
         # the quantized weights in the order a decode step reads them (the order they are
         # made in below: each layer's qkv, o_proj, gate_up, down, then the LM head), in huge pages
         self._weight_arena = (
-            weight_arena.arena_for(weights.values()) if self.device.type == "cpu" else None
+            weight_arena.arena_for(weights.values(), defer_huge_pages)
+            if self.device.type == "cpu"
+            else None
         )
         c = config
         self.embed = take.any("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
@@ -141,13 +148,16 @@ class LlamaModel:
         if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
             # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
             self.embed = self.lm_head.parts[0]
-        self.cos_sin_cache = build_cos_sin_cache(config).to(self.device)
+        # a row per position a sequence can reach (a 128k-position table for a 2k-token engine
+        # was 0.1-0.2 s of a 3B's start)
+        positions = min(c.max_model_len, max_positions or c.max_model_len)
+        self.cos_sin_cache = build_cos_sin_cache(config, positions).to(self.device)
         # each layer's RoPE table: Gemma 3's sliding layers have their own base
         self.layer_cos_sin = [self.cos_sin_cache] * c.num_layers
         if c.sliding_rope_theta is not None:
             scaling = c.sliding_rope_scaling or RopeScaling()
             local = replace(c, rope_theta=c.sliding_rope_theta, rope_scaling=scaling)
-            local_cache = build_cos_sin_cache(local, c.max_model_len).to(self.device)
+            local_cache = build_cos_sin_cache(local, positions).to(self.device)
             for i in range(c.num_layers):
                 if c.layer_window(i):
                     self.layer_cos_sin[i] = local_cache
@@ -260,6 +270,13 @@ class LlamaModel:
             return bool(deferred)
 
         return step
+
+    def deferred_huge_pages(self) -> Callable[[], bool] | None:
+        """The quantized weights' move into huge pages, a few MiB per call of the function
+        returned (True while more remain; ``WeightArena.huge_pages_step``); None: nothing left
+        to move. Calls from the thread that runs the forwards, between them."""
+        arena = self._weight_arena
+        return arena.huge_pages_step if arena is not None and arena.huge_pages_deferred else None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):
