@@ -194,7 +194,7 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
     async with AsyncEngine(config) as engine:
         startup = time.perf_counter() - started
         await engine.generate(WARMUP_PROMPT, greedy(4))
-        await engine.one_time_work_done()  # start-up's deferred work (int8 panels): not timed
+        await engine.one_time_work_done()  # start-up's deferred work (huge pages, panels): untimed
         prompt = random_prompt(vocab, plan.prompt_len, plan.seed)
 
         async def stream(n: int) -> Any:
@@ -505,7 +505,8 @@ def startup_table(result: dict[str, Any]) -> str:
         "interpreter and imports (torch, asyncengine) apart from the load, the load set beside "
         f"llama-server's process-to-/health time; requests: {plan['prompt_len']}-token prompt, "
         f"1 token out, the first sent once ready; then a stream of {plan['output_len']} tokens "
-        "(decode tok/s), and another once ours has built what its start left (int8 panels)"
+        "(decode tok/s), and another once ours has done what its start left (huge pages, int8 "
+        "panels)"
     )
     return "\n".join(lines)
 

@@ -18,8 +18,9 @@ apart from it):
   token out, sent once ready, then another of the same length (new tokens: no prefix hit). A
   first request that paid for work the start deferred would show here, beside the second.
 - ``stream_at_start_seconds``, ``stream_settled_seconds`` (``--stream-len`` N > 1): a new prompt
-  with N tokens out right after those, while the work the start deferred (the int8 panels) may
-  still run, then another once it is done: a first stream's decode beside a settled one's.
+  with N tokens out right after those, while the work the start deferred (huge pages, the int8
+  panels) may still run, then another once it is done: a first stream's decode beside a settled
+  one's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""One-time work an executor leaves to be done after start-up (the real model's int8 panels:
-executor_api.defer_one_time_work), run on the forward's worker thread a piece at a time, so
-that it takes no core from a step and delays the readiness and a step by one piece at most.
+"""One-time work an executor leaves to be done after start-up (the real model's huge pages and
+int8 panels: executor_api.defer_one_time_work), run on the forward's worker thread a piece at a
+time, so that it takes no core from a step and delays the readiness and a step by one piece at
+most.
 
 An idle engine runs the pieces back to back; a busy one gives them ``BUSY_SHARE`` of its time at
 most, so the first requests after start-up decode at nearly full speed (a piece between every

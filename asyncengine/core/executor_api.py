@@ -70,10 +70,10 @@ def defers_inputs(executor: object) -> bool:
 
 
 def defer_one_time_work(executor: object) -> Callable[[], bool] | None:
-    """Work the executor would otherwise do in its first steps (the real model's int8 panels),
-    left for the engine to run between steps: the function that does a piece of it, on the
-    thread that runs ``execute``, True while more remains; None where the executor defers none
-    (it says so with a ``defer_one_time_work`` method)."""
+    """Work the executor would otherwise do in its first steps (the real model's huge pages and
+    int8 panels), left for the engine to run between steps: the function that does a piece of
+    it, on the thread that runs ``execute``, True while more remains; None where the executor
+    defers none (it says so with a ``defer_one_time_work`` method)."""
     defer = getattr(executor, "defer_one_time_work", None)
     if defer is None:
         return None

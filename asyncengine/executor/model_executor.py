@@ -214,9 +214,9 @@ class ModelExecutor:
         )
 
     def defer_one_time_work(self) -> Callable[[], bool] | None:
-        """One-time work the first steps would do (the int8 panels), left to be done a piece per
-        call of the function returned, on the thread that runs ``execute`` (True while more
-        remains); None: none."""
+        """One-time work the first steps would do (huge pages, the int8 panels), left to be done a
+        piece per call of the function returned, on the thread that runs ``execute`` (True while
+        more remains); None: none."""
         return None if self.runner is None else self.runner.defer_one_time_work()
 
     def launch(self, plan: BatchPlan) -> Callable[[], StepOutput]:
