@@ -17,7 +17,7 @@ The engine writes them in plain pages and moves them into huge pages after it is
 MiB at a time, between steps). A fresh huge page is the costly one: in a VM that hands free
 memory back to its host (virtio-balloon's free page reporting gives back whole free 2 MiB blocks,
 not scattered 4 KiB ones) each is faulted in from the host, and writing a 1B model's 0.8 GB
-into them took 1.0-1.7 s against 0.6 s for the whole load in plain pages.
+into them took 1.2-1.3 s, into plain pages 0.3 s (a whole load: 1.6 s against 0.6 s).
 
 ``ASYNCENGINE_HUGEPAGE_WEIGHTS=0`` keeps each weight in its own allocation (to measure). Where
 huge pages are not available (another OS, THP off) the buffer is plain memory.
