@@ -59,8 +59,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # bytes the dense copies of a model's quantized projections may take together (each built
     # by the first step of at least its crossover rows, then kept: faster many-row steps, at up
     # to ~3x a Q4_K_M file's bytes; executor/layers/linear.py; the int8 product's repacked
-    # weights take from it too); past it a projection keeps its quantized products. None: no
-    # limit (a draft model has a budget of its own)
+    # weights take from it too); past it a projection keeps its quantized products. None: on a
+    # CPU half the memory available when the model is bound, less its weights
+    # (executor/cpu/dense_budget.py); on a GPU no limit. A draft model has a budget of its own
+    # (the number given; None: no limit)
     dense_weight_bytes: int | None = None
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings

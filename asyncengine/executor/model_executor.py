@@ -23,6 +23,7 @@ from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.core.builder import build_core
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import KVLayout, ModelSpec
+from asyncengine.executor.cpu.dense_budget import default_dense_weight_bytes
 from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
@@ -168,6 +169,9 @@ class ModelExecutor:
             raise RuntimeError("the executor is bound already")
         mc = self.model_config
         pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.kv_dtype, self.device)
+        dense_bytes = self.config.dense_weight_bytes
+        if dense_bytes is None and self.device.type == "cpu":
+            dense_bytes = default_dense_weight_bytes(self.weight_bytes)
         self.runner = ModelRunner(
             mc,
             self._weights,
@@ -180,7 +184,7 @@ class ModelExecutor:
             enable_cuda_graph=self.config.enable_cuda_graph,
             max_batch_size=self.config.max_running_requests,
             deterministic=self.config.deterministic,
-            dense_weight_bytes=self.config.dense_weight_bytes,
+            dense_weight_bytes=dense_bytes,
             defer_huge_pages=self.defer_huge_pages,
         )
         self.runner.loras = self.loras

@@ -1,10 +1,11 @@
 """``dense_weight_bytes``: the dense copies of quantized projections take at most that many bytes
 together; a projection refused one keeps its quantized product at every row count, with the same
-rows as without a dense copy; None keeps today's unbounded copies."""
+rows as without a dense copy; None bounds them on a CPU by the memory the OS says is available."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ import torch
 from asyncengine.api.engine import AsyncEngine
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.executor.cpu import dense_budget
 from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
+from asyncengine.executor.model_executor import ModelExecutor, model_core
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import Q8_0
 from tests.kernels.test_quantized_kernels import random_weight
@@ -75,3 +78,30 @@ def test_the_engine_honours_the_key() -> None:
 
     linears = asyncio.run(run())
     assert linears and all(p._dense is None for p in linears)
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24681012 kB\nMemAvailable:    8000000 kB\nBuffers: 1 kB\n")
+    assert dense_budget.available_bytes(meminfo) == 8_000_000 * 1024
+    # half of what is left once the weights are packed; none left: no copies
+    assert dense_budget.default_dense_weight_bytes(1_000_000 * 1024, meminfo) == 3_500_000 * 1024
+    assert dense_budget.default_dense_weight_bytes(9_000_000 * 1024, meminfo) == 0
+    meminfo.write_text("MemTotal: 1 kB\n")
+    assert dense_budget.available_bytes(meminfo) is None
+    assert dense_budget.default_dense_weight_bytes(0, meminfo) is None  # no bound where unknown
+    assert dense_budget.available_bytes(tmp_path / "missing") is None
+
+
+def test_without_the_key_the_budget_is_the_memory_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_budget, "available_bytes", lambda meminfo=None: 3 << 30)
+    unset = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256)
+    core, _ = model_core(unset)
+    budget = core.executor.runner.model.dense_budget
+    weights = ModelExecutor(unset).weight_bytes  # the bytes the bind packed
+    assert budget is not None and budget.left == ((3 << 30) - weights) // 2
+    given = EngineConfig(
+        model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256, dense_weight_bytes=7
+    )
+    core, _ = model_core(given)
+    assert core.executor.runner.model.dense_budget.left == 7
