@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -204,13 +204,7 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
             return out
 
         await stream(8)  # warm-up of the stream's own shapes
-        reads: list[float] = []
-        firsts, fulls, _ = await stream_repeats(
-            stream,
-            plan.output_len,
-            plan.repeats,
-            lambda: reads.append(read_rate(plan.read_probe_mib)),
-        )
+        firsts, fulls, reads = await probed_stream_repeats(stream, plan)
 
         concurrent = {}
         for n in plan.concurrency:
@@ -239,6 +233,21 @@ async def run_asyncengine(config: EngineConfig, plan: Plan, vocab: int) -> dict[
     }
 
 
+async def probed_stream_repeats(
+    stream: Callable[[int], Awaitable[Any]], plan: Plan
+) -> tuple[list[float], list[float], list[float]]:
+    """``stream_repeats`` of ``plan.output_len`` tokens, the machine's read rate probed (bytes a
+    second) before each repeat: first-token and full seconds, and the rates."""
+    reads: list[float] = []
+    firsts, fulls, _ = await stream_repeats(
+        stream,
+        plan.output_len,
+        plan.repeats,
+        lambda: reads.append(read_rate(plan.read_probe_mib)),
+    )
+    return firsts, fulls, reads
+
+
 # -- llama.cpp -------------------------------------------------------------------------------
 
 
@@ -258,13 +267,7 @@ def run_llamacpp(
             async def stream(n: int) -> Any:
                 return await server.complete(session, prompt, n)
 
-            reads: list[float] = []
-            firsts, fulls, _ = await stream_repeats(
-                stream,
-                plan.output_len,
-                plan.repeats,
-                lambda: reads.append(read_rate(plan.read_probe_mib)),
-            )
+            firsts, fulls, reads = await probed_stream_repeats(stream, plan)
             prefill = {}
             for length in plan.prefill_lens:
                 seconds = []
