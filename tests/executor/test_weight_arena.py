@@ -146,3 +146,23 @@ def test_deferred_huge_pages_come_after_the_write_with_the_same_bytes() -> None:
 def test_an_arena_advised_at_once_has_nothing_deferred() -> None:
     arena = weight_arena.arena_for(_parts()[0])
     assert arena is not None and not arena.huge_pages_deferred and not arena.huge_pages_step()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_without_collapse_the_deferred_pages_are_left_to_khugepaged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where madvise has no MADV_COLLAPSE the first step advises huge pages over the written
+    bytes (khugepaged's to move) and ends the work; the bytes stay as written."""
+    monkeypatch.setattr(weight_arena, "MADV_COLLAPSE", None)
+    parts = [random_weight(FORMATS["Q8_0"], 64, 256, seed=8)]
+    arena = weight_arena.arena_for(parts, defer_huge_pages=True)
+    assert arena is not None
+    linear = QuantizedLinear(parts, arena=arena)
+    write_pending(arena)
+    before = linear.parts[0].data.clone()
+    assert arena.huge_pages_deferred
+    assert not arena.huge_pages_step()
+    assert not arena.huge_pages_deferred and not arena.huge_pages_step()
+    assert "hg" in mapping_fields(arena.buffer.data_ptr())["VmFlags"]
+    assert torch.equal(linear.parts[0].data, before)

@@ -17,7 +17,7 @@ The engine writes them in plain pages and moves them into huge pages after it is
 MiB at a time, between steps). A fresh huge page is the costly one: in a VM that hands free
 memory back to its host (virtio-balloon's free page reporting gives back whole free 2 MiB blocks,
 not scattered 4 KiB ones) each is faulted in from the host, and writing a 1B model's 0.8 GB
-into them took 1.2-1.3 s, into plain pages 0.3 s (a whole load: 1.6 s against 0.6 s).
+into them takes 1.2-1.3 s, into plain pages 0.3 s (a whole load: 1.6 s against 0.6 s).
 
 ``ASYNCENGINE_HUGEPAGE_WEIGHTS=0`` keeps each weight in its own allocation (to measure). Where
 huge pages are not available (another OS, THP off) the buffer is plain memory.
@@ -127,24 +127,23 @@ class WeightArena:
         bytes at the same addresses: the kernel copies them); True while more remain. The first
         call advises huge pages over them all, so where MADV_COLLAPSE is missing (Linux before
         6.1) khugepaged moves them in the background instead."""
-        if not self.huge_pages_deferred or self.collapsed is None or self._mapping is None:
+        if self.collapsed is None or self._mapping is None or self.collapsed >= self.used:
             return False
         if self.collapsed == 0:
             _advise_huge_pages(self._mapping, self._offset, self.used)
         end = min(self.collapsed + COLLAPSE_BYTES, _round_up(self.used, HUGE_PAGE))
-        try:
-            if MADV_COLLAPSE is None:
-                raise OSError(errno.EINVAL, "no MADV_COLLAPSE here")
-            self._mapping.madvise(
-                MADV_COLLAPSE, self._offset + self.collapsed, end - self.collapsed
-            )
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:  # not this kernel's: khugepaged's, as advised
-                log.debug("weights left to khugepaged: %s", exc)
-                self.collapsed = self.used
-                return False
-            # EAGAIN / ENOMEM: no huge page free for these bytes now; they stay in plain pages
-            log.debug("weights at %d not moved into huge pages: %s", self.collapsed, exc)
+        left_to_khugepaged = MADV_COLLAPSE is None
+        if MADV_COLLAPSE is not None:
+            try:
+                start = self._offset + self.collapsed
+                self._mapping.madvise(MADV_COLLAPSE, start, end - self.collapsed)
+            except OSError as exc:
+                left_to_khugepaged = exc.errno == errno.EINVAL  # a kernel before 6.1
+                if not left_to_khugepaged:  # EAGAIN / ENOMEM: no huge page free for these now
+                    log.debug("weights at %d left in plain pages: %s", self.collapsed, exc)
+        if left_to_khugepaged:
+            log.info("weights left to khugepaged for huge pages (no MADV_COLLAPSE here)")
+            end = self.used
         self.collapsed = end
         return self.huge_pages_deferred
 
