@@ -148,8 +148,8 @@ class LlamaModel:
         if head is self.embed and isinstance(self.lm_head, QuantizedLinear):
             # one copy of a tied table: the head's (possibly interleaved) one serves lookups too
             self.embed = self.lm_head.parts[0]
-        # a row per position a sequence can reach (a 128k-position table for a 2k-token engine
-        # was 0.1-0.2 s of a 3B's start)
+        # a row per position a sequence can reach: a table of the model's 128k positions costs a
+        # 3B's start 0.1-0.2 s, and a 2k-token engine reads 2k of them
         positions = min(c.max_model_len, max_positions or c.max_model_len)
         self.cos_sin_cache = build_cos_sin_cache(config, positions).to(self.device)
         # each layer's RoPE table: Gemma 3's sliding layers have their own base
