@@ -5,7 +5,6 @@ error, the server serving normally afterwards with no KV page leaked."""
 from __future__ import annotations
 
 import json
-import time
 from types import ModuleType
 from typing import Any
 
@@ -148,11 +147,12 @@ def test_the_fuzzer_reports_each_body_that_made_the_server_log_an_error(
         runs = []
         for _ in range(2):
             report = fuzz.FuzzReport(log=log)
-            fuzz.fuzz(base_url, 4, seed=3, paths=("/v1/completions",), report=report)
+            # 8 bodies an operation: a few of the valid ones are answered 200 (most ask past the
+            # limit of 4 new tokens)
+            fuzz.fuzz(base_url, 8, seed=3, paths=("/v1/completions",), report=report)
             runs.append(report)
-        started = time.monotonic()
         timed = fuzz.fuzz_for(base_url, 3.0, 50, seed=3, paths=("/v1/completions",))
-        assert timed.rounds >= 1 and time.monotonic() - started < 20
+        assert 1 <= timed.rounds < 50  # stopped by its 3 s, not by its rounds
     finally:
         logging.getLogger().removeHandler(log)
         server.stop()
