@@ -220,7 +220,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.fixture
 def without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     """The int8 product's paths on a CPU with AMX too, where the K formats take the AMX product
-    instead (executor/layers/linear.py, ``K_AMX_BELOW_ROWS_BY_FORMAT``)."""
+    instead (executor/layers/linear.py, ``AMX_FORMATS``)."""
     from asyncengine.kernels.cpu import quant_amx_native
 
     monkeypatch.setattr(quant_amx_native, "available", lambda: False)

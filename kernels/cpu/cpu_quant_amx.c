@@ -1,4 +1,5 @@
-/* The K formats' (Q4_K, Q5_K, Q6_K) products for many activation rows at once, with AMX.
+/* The GGUF block formats' (Q4_K, Q5_K, Q6_K; Q8_0, Q4_0, Q4_1) products for many activation rows
+ * at once, with AMX.
  *
  *   y[i, r] = sum_k x[i, k] * W[r, k]      W: interleaved groups of 8 rows (cpu_quant_blocks.h)
  *
@@ -6,14 +7,15 @@
  * own integer products and per-sub-block float scaling. Here each weight is unpacked once per
  * call: 16 rows (two groups) of 32 values at a time become a bfloat16 tile in the layout AMX's
  * TDPBF16PS takes as its second operand (pairs of k side by side, one column per weight row),
- * with each row's scale and min applied in float (d sc q - dmin m, rounded once to bfloat16: the
- * values of the dense product's bfloat16 copy). The activation rows, in bfloat16, are the first
- * operand as they lie in memory (16 rows x 32 values a tile, k in natural order: each group's
- * piece holds 4 consecutive values of each row, so the pieces of a sub-block in order are its 32
- * values in order). Sums are float32. Past 32 activation rows, all of a thread's unpacked tiles
- * for a pair of 16-row blocks (k * 64 bytes: 512 KiB at k = 8192) stay in L2 while every
- * activation tile meets them; up to 32 (one pass, amx_blocks_once) each quarter super-block is
- * unpacked just before its products and met once, from L1.
+ * with each row's scale and min applied in float (d sc q - dmin m, or a 32-value block's q d - m,
+ * rounded once to bfloat16: the values of the dense product's bfloat16 copy). The activation
+ * rows, in bfloat16, are the first operand as they lie in memory (16 rows x 32 values a tile, k in
+ * natural order: each group's piece holds 4 consecutive values of each row, so the pieces of a
+ * sub-block in order are its 32 values in order). Sums are float32. Up to 32 activation rows (one
+ * pass, amx_blocks_once) each quarter super-block (64 values) is unpacked just before its
+ * products and met once, from L1; past 32 a
+ * panel of unpacked tiles (up to 1 MiB) stays in L2 while every activation tile meets it
+ * (amx_blocks_panels).
  *
  * Nothing else here keeps an unpacked weight: the bytes read per step are the quantized ones,
  * a third to a quarter of a bfloat16 copy's, which is what bounds a 32-row decode step.
@@ -226,23 +228,70 @@ static inline Q_ALWAYS_INLINE void unpack_q6(const uint8_t *a, const uint8_t *b,
     }
 }
 
-/* tiles 2 part, 2 part + 1 (of 8) of super-block s of rows 16 blk..16 blk + 15 of W (groups
- * 2 blk and 2 blk + 1; `single`: only the first exists) -> the two tiles at dst */
+/* Q8_0 / Q4_0 / Q4_1: blocks j0, j0 + 1 (32 values each) of groups a and b -> tiles 0, 1 at
+ * dst. A group's block: the 8 rows' fp16 d (Q4_1: then their fp16 m), then its value pieces
+ * (cpu_quant_blocks.h): Q8_0 8 pieces of int8 (made unsigned by +128, taken back in the min),
+ * Q4_x 4 pieces whose low nibbles are values 4c..4c+3, high ones 16 + 4c.. (Q4_0: q - 8). */
+static inline Q_ALWAYS_INLINE void unpack_q32(int fmt, const uint8_t *a, const uint8_t *b,
+                                              int64_t j0, uint8_t *dst) {
+    const int64_t hb = fmt == FMT_Q4_1 ? 4 : 2, vb = fmt == FMT_Q8_0 ? 32 : 16;
+    const int64_t gb = XR * (hb + vb);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t j = j0; j < j0 + 2; j++) {
+        const uint8_t *ga = a + j * gb, *gbk = b + j * gb;
+        const __m512 d16 = rows16(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ga)),
+                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gbk)));
+        __m512 m16;
+        if (fmt == FMT_Q4_1) /* q d + m = q d - (-m) */
+            m16 = _mm512_sub_ps(
+                _mm512_setzero_ps(),
+                rows16(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ga + 2 * XR))),
+                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gbk + 2 * XR)))));
+        else m16 = _mm512_mul_ps(d16, _mm512_set1_ps(fmt == FMT_Q8_0 ? 128.0f : 8.0f));
+        __m512 d[2], m[2];
+        halves(d16, d);
+        halves(m16, m);
+        const uint8_t *qa = ga + XR * hb, *qb = gbk + XR * hb;
+        uint8_t *tile = dst + (j - j0) * K_TILE_BYTES;
+        for (int c = 0; c < vb / 4; c++) {
+            const __m256i va = _mm256_loadu_si256((const __m256i *)(qa + 32 * c));
+            const __m256i vbv = _mm256_loadu_si256((const __m256i *)(qb + 32 * c));
+            if (fmt == FMT_Q8_0) {
+                put_piece(_mm256_xor_si256(va, flip), _mm256_xor_si256(vbv, flip), d, m,
+                          tile + 128 * c);
+            } else {
+                put_piece(_mm256_and_si256(va, m4), _mm256_and_si256(vbv, m4), d, m,
+                          tile + 128 * c);
+                put_piece(_mm256_and_si256(_mm256_srli_epi16(va, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(vbv, 4), m4), d, m,
+                          tile + 128 * (4 + c));
+            }
+        }
+    }
+}
+
+/* tiles 2 quarter, 2 quarter + 1 of rows 16 blk..16 blk + 15 of W (groups 2 blk and 2 blk + 1;
+ * `single`: only the first exists): values 64 quarter..+63 -> the two tiles at dst */
 static void unpack_part(int fmt, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t blk,
-                        int single, int64_t s, int part, uint8_t *dst) {
-    const int64_t sb_bytes = row_bytes / (k / QK_K) * XR; /* a group's super-block */
-    const uint8_t *a = w + 16 * blk * row_bytes + s * sb_bytes;
+                        int single, int64_t quarter, uint8_t *dst) {
+    const int k_format = fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+    /* a group's bytes for these 64 values (a K format's: a quarter of its super-block's) */
+    const int64_t sb_bytes = k_format ? row_bytes / (k / QK_K) * XR : 0;
+    const int64_t span = k_format ? sb_bytes / 4 : row_bytes / (k / 64) * XR;
+    const int64_t s = quarter / 4, part = quarter % 4;
+    const uint8_t *a = w + 16 * blk * row_bytes + (k_format ? s * sb_bytes : 0);
     const uint8_t *b = single ? a : a + XR * row_bytes;
-    /* a quarter of the super-block of both groups, 2 blocks (one pair, about one pair's
-     * products) ahead: the hardware's prefetch alone kept one thread's stream at 3-3.5 GB/s, a
-     * third of the dense product's */
-    const int64_t ahead = 2 * 16 * row_bytes, quarter = sb_bytes / 4;
-    for (int64_t o = part * quarter; o < (part + 1) * quarter + 64; o += 64) {
+    /* these 64 values of both groups, 2 blocks (one pair, about one pair's products) ahead: the
+     * hardware's prefetch alone kept one thread's stream at 3-3.5 GB/s, a third of the dense
+     * product's */
+    const int64_t ahead = 2 * 16 * row_bytes, at = k_format ? part * span : quarter * span;
+    for (int64_t o = at; o < at + span + 64; o += 64) {
         _mm_prefetch((const char *)a + ahead + o, _MM_HINT_T0);
         _mm_prefetch((const char *)b + ahead + o, _MM_HINT_T0);
     }
     if (fmt == FMT_Q6_K) unpack_q6(a, b, 2 * part, 2 * part + 2, dst);
-    else unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, dst);
+    else if (k_format) unpack_qk45(a, b, fmt == FMT_Q5_K, part, part + 1, dst);
+    else unpack_q32(fmt, a, b, 2 * quarter, dst);
     if (single) /* the second group's columns (8..15: each 64-byte row's second half) are zeros */
         for (int r = 0; r < 32; r++) memset(dst + 64 * r + 32, 0, 32);
 }
@@ -262,52 +311,12 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
     }
 }
 
-/* activation tiles at, at + 1 (where NA is 2) against the unpacked blocks at bt0 (and bt1,
- * NB 2): C(a, b) in tmm(2a + b). After every second k step, NEXT(t) unpacks two tiles' worth of
- * the next blocks: the vector units unpack while the tile unit multiplies. */
-#define K_AMX_PASS(NA, NB, NEXT)                                                                 \
-    do {                                                                                         \
-        _tile_zero(0);                                                                           \
-        if (NB > 1) _tile_zero(1);                                                               \
-        if (NA > 1) _tile_zero(2);                                                               \
-        if (NA > 1 && NB > 1) _tile_zero(3);                                                     \
-        for (int64_t t = 0; t < k / 32; t++) {                                                   \
-            _tile_loadd(6, bt0 + t * K_TILE_BYTES, 64);                                          \
-            _tile_loadd(4, xa + t * 64, stride);                                                 \
-            _tile_dpbf16ps(0, 4, 6);                                                             \
-            if (NB > 1) {                                                                        \
-                _tile_loadd(7, bt1 + t * K_TILE_BYTES, 64);                                      \
-                _tile_dpbf16ps(1, 4, 7);                                                         \
-            }                                                                                    \
-            if (NA > 1) {                                                                        \
-                _tile_loadd(5, xa + 16 * stride + t * 64, stride);                               \
-                _tile_dpbf16ps(2, 5, 6);                                                         \
-                if (NB > 1) _tile_dpbf16ps(3, 5, 7);                                             \
-            }                                                                                    \
-            if (t & 1) NEXT(t);                                                      \
-        }                                                                                        \
-        _tile_stored(0, cbuf[0], 64);                                                            \
-        if (NB > 1) _tile_stored(1, cbuf[1], 64);                                                \
-        if (NA > 1) _tile_stored(2, cbuf[2], 64);                                                \
-        if (NA > 1 && NB > 1) _tile_stored(3, cbuf[3], 64);                                      \
-    } while (0)
-
-/* the blocks of the next pair: their tiles t - 1 and t */
-#define K_UNPACK_NEXT(t)                                                                        \
-    do {                                                                                         \
-        for (int j = 0; j < next_nb; j++)                                                        \
-            unpack_part(fmt, w, row_bytes, k, blk + 2 + j, 2 * (blk + 2 + j) + 1 >= groups,      \
-                        (t) >> 3, ((t) >> 1) & 3,                                                \
-                        next + j * tiles_bytes + ((t) - 1) * K_TILE_BYTES);                      \
-    } while (0)
-#define K_NOTHING(t) ((void)(t))
-
 /* up to 32 activation rows (one pass: each unpacked tile meets every activation tile once):
  * one thread's blocks b_first..b_last - 1 in pairs, as a stream of quarter super-blocks of a
  * pair (4 tiles), each unpacked while the one before it is multiplied, into the other half of
- * an 8-tile ring in bufs. The tiles stay in L1, where amx_blocks' pair of whole unpacked rows
- * (k * 64 bytes) went to L2 and back: 8-30% less time at 32 rows (Q4_K / Q6_K, 1B and 1.5B
- * shapes; scripts/micro/bench_amx_ab.py). The same products in the same order as amx_blocks
+ * an 8-tile ring in bufs. The tiles stay in L1, where a pair of whole unpacked rows (k * 64
+ * bytes) went to L2 and back: 8-30% less time at 32 rows (Q4_K / Q6_K, 1B and 1.5B shapes;
+ * scripts/micro/bench_amx_ab.py). The same products in the same order as amx_blocks_panels
  * (unpacking two quarters ahead instead of one changed nothing). */
 #define K_ONCE_AHEAD 1
 #define K_ONCE_RING 2
@@ -326,7 +335,7 @@ static void amx_blocks_once(int fmt, const uint8_t *w, int64_t row_bytes, int64_
         const int64_t ublk = b_first + 2 * ((q) / quarters), uq = (q) % quarters;                \
         uint8_t *dst = bufs + ((q) % K_ONCE_RING) * 4 * K_TILE_BYTES;                            \
         for (int64_t j = ublk; j < ublk + 2 && j < b_last; j++)                                  \
-            unpack_part(fmt, w, row_bytes, k, j, 2 * j + 1 >= groups, uq >> 2, uq & 3,          \
+            unpack_part(fmt, w, row_bytes, k, j, 2 * j + 1 >= groups, uq,                       \
                         dst + 2 * (j - ublk) * K_TILE_BYTES);                                    \
     } while (0)
     for (int64_t q = 0; q < K_ONCE_AHEAD && q < total; q++) K_ONCE_UNPACK(q);
@@ -371,48 +380,101 @@ static void amx_blocks_once(int fmt, const uint8_t *w, int64_t row_bytes, int64_
     _tile_release();
 }
 
-/* one thread's blocks b_first..b_last - 1, in pairs; bufs: two pairs' tiles (the pair being
- * multiplied and the next, unpacked meanwhile) */
-static void amx_blocks(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
-                       const uint8_t *xb, int64_t n, int64_t n_tiles, const float *bias, void *y,
-                       int64_t ldy, int out_bf16, int64_t b_first, int64_t b_last,
-                       uint8_t *bufs) {
-    const int64_t stride = x_stride(k), tiles_bytes = k / 32 * K_TILE_BYTES, groups = rows / XR;
+/* Many activation rows: the weights unpacked a panel at a time (up to K_PANEL_BLOCKS 16-row
+ * blocks x up to K_PANEL_K values, K_PANEL_BYTES of bfloat16 tiles, in L2) and every activation
+ * tile pair meets the panel's blocks in turn before the next panel is unpacked: each weight is
+ * still unpacked once per call, and an activation strip (32 rows x the panel's k) comes from
+ * memory once per panel, not once per pair of blocks (which past L2, 256 rows at k = 2048, left
+ * the tile unit waiting: 1.1-1.3 TFLOPS at 1024-2048 rows on two Sapphire Rapids cores where
+ * panels reach 1.7-2.0, the dense product's 1.5-1.9; scripts/micro/bench_amx_ab.py). Where k
+ * is longer than a panel, the sums wait between its chunks in cacc (float32: the same values in
+ * the same order, so the same bits as one chunk). */
+#ifndef K_PANEL_BLOCKS
+#define K_PANEL_BLOCKS 16
+#endif
+#ifndef K_PANEL_K
+#define K_PANEL_K 2048
+#endif
+#ifndef K_PANEL_BYTES
+#define K_PANEL_BYTES (1024 * 1024)
+#endif
+static int64_t panel_k(int64_t k) { return k < K_PANEL_K ? k : K_PANEL_K; }
+static int64_t panel_blocks(int64_t k) {
+    const int64_t fit = K_PANEL_BYTES / (32 * panel_k(k)) & ~(int64_t)1;
+    return fit < 2 ? 2 : fit > K_PANEL_BLOCKS ? K_PANEL_BLOCKS : fit;
+}
+/* tiles of one panel, and floats of a thread's sums between chunks (none where k fits a panel) */
+static int64_t panel_tiles(int64_t k) { return panel_blocks(k) * panel_k(k) / 32; }
+static int64_t cacc_floats(int64_t k, int64_t n_tiles) {
+    return k > panel_k(k) ? (n_tiles + 1) / 2 * panel_blocks(k) / 2 * 4 * 256 : 0;
+}
+
+static void amx_blocks_panels(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                              int64_t k, const uint8_t *xb, int64_t n, int64_t n_tiles,
+                              const float *bias, void *y, int64_t ldy, int out_bf16,
+                              int64_t b_first, int64_t b_last, uint8_t *bufs, float *cacc) {
+    const int64_t stride = x_stride(k), groups = rows / XR, pbm = panel_blocks(k);
     float cbuf[4][256] __attribute__((aligned(64)));
     configure_tiles();
-    uint8_t *now = bufs, *next = bufs + 2 * tiles_bytes;
-    for (int j = 0; j < 2 && b_first + j < b_last; j++)
-        for (int64_t t = 1; t < k / 32; t += 2)
-            unpack_part(fmt, w, row_bytes, k, b_first + j, 2 * (b_first + j) + 1 >= groups, t >> 3,
-                        (t >> 1) & 3, now + j * tiles_bytes + (t - 1) * K_TILE_BYTES);
-    for (int64_t blk = b_first; blk < b_last; blk += 2) {
-        const int nb = blk + 1 < b_last ? 2 : 1;
-        const int next_nb = blk + 2 >= b_last ? 0 : blk + 3 < b_last ? 2 : 1;
-        const uint8_t *bt0 = now, *bt1 = now + tiles_bytes;
-        int cols[2];
-        for (int j = 0; j < nb; j++) cols[j] = 2 * (blk + j) + 1 >= groups ? 8 : 16;
-        for (int64_t at = 0; at < n_tiles; at += 2) {
-            const uint8_t *xa = xb + at * 16 * stride;
-            const int na = at + 1 < n_tiles ? 2 : 1;
-            if (at == 0) { /* the first pass unpacks the next pair */
-                if (na == 2 && nb == 2) K_AMX_PASS(2, 2, K_UNPACK_NEXT);
-                else if (na == 2) K_AMX_PASS(2, 1, K_UNPACK_NEXT);
-                else if (nb == 2) K_AMX_PASS(1, 2, K_UNPACK_NEXT);
-                else K_AMX_PASS(1, 1, K_UNPACK_NEXT);
-            } else {
-                if (na == 2 && nb == 2) K_AMX_PASS(2, 2, K_NOTHING);
-                else if (na == 2) K_AMX_PASS(2, 1, K_NOTHING);
-                else if (nb == 2) K_AMX_PASS(1, 2, K_NOTHING);
-                else K_AMX_PASS(1, 1, K_NOTHING);
+    for (int64_t p0 = b_first; p0 < b_last; p0 += pbm) {
+        const int64_t pb = b_last - p0 < pbm ? b_last - p0 : pbm;
+        for (int64_t k0 = 0; k0 < k; k0 += panel_k(k)) {
+            const int64_t kc = k - k0 < panel_k(k) ? k - k0 : panel_k(k), kt = kc / 32;
+            for (int64_t j = 0; j < pb; j++)
+                for (int64_t qq = 0; qq < kc / 64; qq++) {
+                    const int64_t quarter = k0 / 64 + qq;
+                    unpack_part(fmt, w, row_bytes, k, p0 + j, 2 * (p0 + j) + 1 >= groups,
+                                quarter, bufs + (j * kt + 2 * qq) * K_TILE_BYTES);
+                }
+            const int first = k0 == 0, last = k0 + kc == k;
+            for (int64_t at = 0; at < n_tiles; at += 2) {
+                const int na = at + 1 < n_tiles ? 2 : 1;
+                const uint8_t *xa = xb + at * 16 * stride + k0 * 2;
+                for (int64_t jb = 0; jb < pb; jb += 2) {
+                    const int nb = jb + 1 < pb ? 2 : 1;
+                    float *c = cacc + ((at / 2) * (pbm / 2) + jb / 2) * 4 * 256;
+                    if (first) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, c, 64);
+                        _tile_loadd(1, c + 256, 64);
+                        _tile_loadd(2, c + 512, 64);
+                        _tile_loadd(3, c + 768, 64);
+                    }
+                    const uint8_t *b0 = bufs + jb * kt * K_TILE_BYTES;
+                    const uint8_t *b1 = b0 + kt * K_TILE_BYTES;
+                    for (int64_t t = 0; t < kt; t++) {
+                        _tile_loadd(6, b0 + t * K_TILE_BYTES, 64);
+                        _tile_loadd(4, xa + t * 64, stride);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (nb > 1) {
+                            _tile_loadd(7, b1 + t * K_TILE_BYTES, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (na > 1) {
+                            _tile_loadd(5, xa + 16 * stride + t * 64, stride);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    float *to = last ? cbuf[0] : c;
+                    _tile_stored(0, to, 64);
+                    _tile_stored(1, to + 256, 64);
+                    _tile_stored(2, to + 512, 64);
+                    _tile_stored(3, to + 768, 64);
+                    if (last)
+                        for (int a2 = 0; a2 < na; a2++)
+                            for (int j = 0; j < nb; j++) {
+                                const int64_t blk = p0 + jb + j;
+                                store_tile(cbuf[2 * a2 + j], (at + a2) * 16, n, blk * 16, bias,
+                                           y, ldy, out_bf16, 2 * blk + 1 >= groups ? 8 : 16);
+                            }
+                }
             }
-            for (int a2 = 0; a2 < na; a2++)
-                for (int j = 0; j < nb; j++)
-                    store_tile(cbuf[2 * a2 + j], (at + a2) * 16, n, (blk + j) * 16, bias, y, ldy,
-                               out_bf16, cols[j]);
         }
-        uint8_t *done = now;
-        now = next;
-        next = done;
     }
     _tile_release();
 }
@@ -429,22 +491,27 @@ int asyncengine_k_amx_available(void) {
 }
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias) for x [n, k] (float32 or bf16)
- * and W a K format (Q4_K / Q5_K / Q6_K) in interleaved groups, rows % 8 == 0, k % 256 == 0.
+ * and W in interleaved groups, rows % 8 == 0: a K format (Q4_K / Q5_K / Q6_K), k % 256 == 0, or
+ * Q8_0 / Q4_0 / Q4_1, k % 64 == 0.
  * Returns 0 when done, -1 when it cannot run here (no AMX, other formats or shapes, no memory):
  * y is then untouched. Parallel over pairs of 16-row blocks, each thread a contiguous share. */
 int asyncengine_k_amx_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows,
                              int64_t k, const void *x, int64_t n, int x_bf16, const float *bias,
                              void *y, int64_t ldy, int out_bf16, int threads) {
 #if defined(K_AMX)
-    if ((fmt != FMT_Q4_K && fmt != FMT_Q5_K && fmt != FMT_Q6_K) || rows % XR || k % QK_K ||
-        n < 1 || !amx_permitted())
+    const int k_format = fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+    const int q32 = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
+    if (!(k_format || q32) || rows % XR || k % (k_format ? QK_K : 64) || n < 1 ||
+        !amx_permitted())
         return -1;
     const int64_t n_tiles = (n + 15) / 16, blocks = (rows + 15) / 16;
     /* the activations as bfloat16 rows x_stride(k) apart, zero rows up to a whole tile */
     const int64_t stride = x_stride(k);
     uint8_t *xb = (uint8_t *)aligned_alloc(64, (size_t)(n_tiles * 16 * stride));
     if (!xb) return -1;
-    memset(xb, 0, (size_t)(n_tiles * 16 * stride));
+    /* only the rows past n need zeros (the line past each row is never read) */
+    memset(xb + n * stride, 0, (size_t)((n_tiles * 16 - n) * stride));
+#pragma omp parallel for num_threads(threads) if (n * k >= 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         uint16_t *dst = (uint16_t *)(xb + i * stride);
         if (x_bf16) memcpy(dst, (const uint16_t *)x + i * k, (size_t)k * 2);
@@ -460,15 +527,20 @@ int asyncengine_k_amx_linear(int fmt, const uint8_t *w, int64_t row_bytes, int64
     {
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = 2 * (pairs * me / nt), last = 2 * (pairs * (me + 1) / nt);
-        uint8_t *bufs = (uint8_t *)aligned_alloc(64, (size_t)(4 * k / 32 * K_TILE_BYTES));
-        if (!bufs) failed = 1;
-        else if (first < blocks && n_tiles <= 2)
+        const int panels = n_tiles > 2;
+        const int64_t buf_tiles = panels ? panel_tiles(k) : K_ONCE_RING * 4;
+        const int64_t cfloats = panels ? cacc_floats(k, n_tiles) : 0;
+        uint8_t *bufs = (uint8_t *)aligned_alloc(64, (size_t)(buf_tiles * K_TILE_BYTES));
+        float *cacc = cfloats ? (float *)aligned_alloc(64, (size_t)cfloats * 4) : NULL;
+        if (!bufs || (cfloats && !cacc)) failed = 1;
+        else if (first < blocks && panels)
+            amx_blocks_panels(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy,
+                              out_bf16, first, last < blocks ? last : blocks, bufs, cacc);
+        else if (first < blocks)
             amx_blocks_once(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy, out_bf16,
                             first, last < blocks ? last : blocks, bufs);
-        else if (first < blocks)
-            amx_blocks(fmt, w, row_bytes, rows, k, xb, n, n_tiles, bias, y, ldy,
-                       out_bf16, first, last < blocks ? last : blocks, bufs);
         free(bufs);
+        free(cacc);
     }
     free(xb);
     return failed ? -1 : 0;

@@ -1,9 +1,11 @@
-"""The K formats' many-row product with AMX (kernels/cpu/cpu_quant_amx.c), loaded with ctypes.
+"""The GGUF block formats' many-row product with AMX (kernels/cpu/cpu_quant_amx.c), loaded with
+ctypes.
 
 ``takes(weight)`` says whether a weight can go this way here (an AMX CPU whose kernel grants the
-permission, Q4_K / Q5_K / Q6_K in interleaved groups of whole groups); ``linear`` is then
-``x @ weight.T (+ bias)`` with each weight value unpacked to bfloat16 once per call and the
-activations rounded to bfloat16: the sums of the dense bfloat16 product, without its copy.
+permission; Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 in interleaved groups of whole groups);
+``linear`` is then ``x @ weight.T (+ bias)`` with each weight value unpacked to bfloat16 once per
+call and the activations rounded to bfloat16: the sums of the dense bfloat16 product, without its
+copy.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from asyncengine.kernels.cpu.linear_operands import linear_operands
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 GROUP_ROWS = 8  # cpu_quant_blocks.h XR
-SUPER_BLOCK = 256
+# the formats it takes, and the columns a weight needs in whole multiples of: a K format's
+# super-block, two 32-value blocks
+COLUMN_MULTIPLE = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 64, "Q4_0": 64, "Q4_1": 64}
+FORMATS = frozenset(COLUMN_MULTIPLE)
 ENABLE_ENV = "ASYNCENGINE_K_AMX"  # "0": never this path (to measure what it gives)
 
 
@@ -56,7 +60,7 @@ def takes(weight: QuantizedTensor) -> bool:
         weight.format.name in FORMATS
         and weight.interleaved
         and rows % GROUP_ROWS == 0
-        and cols % SUPER_BLOCK == 0
+        and cols % COLUMN_MULTIPLE[weight.format.name] == 0
         and available()
     )
 

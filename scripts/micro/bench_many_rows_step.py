@@ -31,15 +31,15 @@ with oneDNN's packed copy, beside the quantized bytes and their dense copies).
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf,... \
         --repeats 3 --out /tmp/vs_expanded.json
 
-``--i8-crossovers Q4_K,Q5_K,Q6_K``: as ``--amx-crossovers`` for the int8 product
+``--i8-crossovers Q4_K,Q5_K,Q6_K``: as ``--amx-vs-dense`` for the int8 product
 (scripts/micro/i8_crossovers.py; ``I8_BELOW_ROWS_BY_FORMAT``).
 
-``--amx-crossovers Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
-LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (where
-executor/layers/linear.py's ``K_AMX_BELOW_ROWS_BY_FORMAT`` comes from):
+``--amx-vs-dense Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
+LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (why
+executor/layers/linear.py gives the K formats the AMX product at every row count):
 
-    .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-crossovers Q4_K,Q5_K,Q6_K \
-        --shape llama-3.2-1b --batches 64,80,96,112,128,160 --threads 1 --cpu-time
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-vs-dense Q4_K,Q5_K,Q6_K \
+        --shape llama-3.2-1b --batches 48,128,256,1024,2048 --threads 2
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/micro: vs_expanded
 
 import torch
-from amx_crossovers import run_amx_crossovers
+from amx_vs_dense import run_amx_vs_dense
 from bench_amx_ab import baseline_library, using
 from i8_crossovers import run_i8_crossovers
 from vs_expanded import run_vs_expanded
@@ -200,12 +200,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vs-expanded", action="store_true", help="quantized vs bfloat16 (above)")
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
-    parser.add_argument("--amx-crossovers", default=None, help="K formats: per projection (above)")
+    parser.add_argument("--amx-vs-dense", default=None, help="K formats: per projection (above)")
     parser.add_argument("--i8-crossovers", default=None, help="K formats: per projection (above)")
     parser.add_argument(
         "--shape",
         default="llama-3.2-1b",
-        help="--amx-crossovers' shape; without --model, a random model of it (synthetic_model)",
+        help="--amx-vs-dense' shape; without --model, a random model of it (synthetic_model)",
     )
     parser.add_argument("--mix", default="Q4_K_M", help="the random model's formats")
     parser.add_argument("--context", type=int, default=96, help="kv length of each request")
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     default_batches = "1,8,32,128,256" if args.vs_expanded else "8,16,32,64"
     args.batches = [int(b) for b in (args.batches or default_batches).split(",")]
     models = [m for given in args.model for m in given.split(",") if m]
-    if args.amx_crossovers:
-        return run_amx_crossovers(args)
+    if args.amx_vs_dense:
+        return run_amx_vs_dense(args)
     if args.i8_crossovers:
         return run_i8_crossovers(args)
     if args.vs_expanded:

@@ -192,11 +192,12 @@ def test_interleaved_formats_stay_quantized_up_to_their_own_crossover() -> None:
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_bfloat16_activations_take_the_dense_product_sooner_where_it_is_fast(
-    monkeypatch: pytest.MonkeyPatch, fast_bf16: bool
+    monkeypatch: pytest.MonkeyPatch, fast_bf16: bool, without_amx: None
 ) -> None:
     """Where this CPU runs dense bfloat16 products fast (AVX-512 BF16, AMX), bfloat16
     activations meet them from the bfloat16 table's rows (the same weights dequantized), and
-    the rows below stay on the quantized kernel; where bfloat16 is slow, the float32 table."""
+    the rows below stay on the quantized kernel; where bfloat16 is slow, the float32 table.
+    (On an AMX CPU the AMX product takes Q4_0 instead: tests/kernels/test_quant_amx.py.)"""
     fastest = torch.bfloat16 if fast_bf16 else torch.float32
     monkeypatch.setattr(linear_module, "fastest_cpu_dtype", lambda: fastest)
     blocks = quantize(np.random.randn(40, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)

@@ -1,5 +1,5 @@
-"""The K formats' AMX product (kernels/cpu/cpu_quant_amx.c) against the GGUF-dequantized float32
-weights: with the weights and activations rounded to bfloat16 as the kernel takes them, the sums
+"""The AMX product of the GGUF block formats (kernels/cpu/cpu_quant_amx.c) against the
+GGUF-dequantized float32 weights: with the weights and activations rounded to bfloat16 as the kernel takes them, the sums
 agree to float32 rounding, for weights of whole and half 16-row blocks, odd pairs of blocks,
 activation row counts around its 16-row tiles, float32 and bfloat16 activations, bias, and
 outputs written into column slices; and where the engine takes it (executor/layers/linear.py).
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncengine.executor.layers import linear as linear_module
-from asyncengine.executor.layers.linear import QuantizedLinear, k_amx_below_rows
+from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.kernels.cpu import cpu_native, quant_amx_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import quant_ref
@@ -24,6 +24,7 @@ needs_amx = pytest.mark.skipif(
     not quant_amx_native.available(), reason="this CPU (or kernel) does not run AMX"
 )
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
+BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # 32 values a block
 # weight rows: one group (half a block), whole blocks, a block and a half, odd pairs of blocks
 WEIGHT_ROWS = (8, 16, 24, 40, 56)
 ACTIVATION_ROWS = (1, 7, 15, 16, 17, 32, 33, 47, 64, 100)
@@ -37,10 +38,10 @@ def reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tenso
 
 
 @needs_amx
-@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
 def test_products_match_the_dequantized_weights(name: str) -> None:
     fmt = FORMATS[name]
-    for cols in (256, 768):
+    for cols in (256, 768) if name in K_FORMATS else (64, 576):
         for rows in WEIGHT_ROWS:
             weight = random_weight(fmt, rows, cols, seed=rows * 31 + cols)
             packed = quant_native.interleave(weight)
@@ -60,7 +61,7 @@ def test_products_match_the_dequantized_weights(name: str) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
 def test_rows_do_not_depend_on_each_other_or_the_thread_count(name: str) -> None:
     """Bit for bit: a row alone or among 40 others, in any position, on 1 or 2 threads."""
     weight = quant_native.interleave(random_weight(FORMATS[name], 48, 512, seed=5))
@@ -127,28 +128,28 @@ def test_weights_it_cannot_take_are_refused() -> None:
         quant_amx_native.linear(torch.randn(2, 256), plain)
     tail = quant_native.interleave(random_weight(FORMATS["Q4_K"], 12, 256, seed=1))
     assert not quant_amx_native.takes(tail)  # 12 rows: not whole groups of 8
-    q8 = quant_native.interleave(random_weight(FORMATS["Q8_0"], 16, 256, seed=1))
-    assert not quant_amx_native.takes(q8)
+    i8 = random_weight(FORMATS["I8"], 16, 256, seed=1)
+    assert not quant_amx_native.takes(i8)
+    q8 = quant_native.interleave(random_weight(FORMATS["Q8_0"], 16, 288, seed=1))
+    assert not quant_amx_native.takes(q8)  # 288 columns: not whole pairs of blocks
     packed = quant_native.interleave(plain)
     with pytest.raises(ValueError, match="columns"):
         quant_amx_native.linear(torch.randn(2, 512), packed)
 
 
 @needs_amx
-def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
+def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
     """A Q4_K projection with bfloat16 rows: the q8 kernel below its crossover, the AMX product
-    from it (no dense copy built), the dense product from its AMX crossover. Parts of several K
-    formats (q/k in Q4_K, v in Q6_K) take it part by part; a part in another format keeps the
-    dense product for all. Every path agrees with the dequantized weights to bfloat16 rounding."""
+    from it at any row count (no dense copy built). Parts of several formats (q/k in Q4_K, v in
+    Q6_K) take it part by part; a part in a format it does not take keeps the other products for
+    all. Every path agrees with the dequantized weights to bfloat16 rounding."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
-    q8 = random_weight(FORMATS["Q8_0"], 16, 512, seed=4)
+    i8 = random_weight(FORMATS["I8"], 16, 512, seed=4)
     projection = QuantizedLinear([q4], dense_from_rows=8)
     mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
     assert projection._amx and mixed._amx
-    assert not QuantizedLinear([q4, q8], dense_from_rows=8)._amx
-    below = projection._amx_below
-    assert below == k_amx_below_rows(projection.parts) > 31
+    assert not QuantizedLinear([q4, i8], dense_from_rows=8)._amx
     x = torch.randn(40, 512).to(torch.bfloat16)
     assert mixed.bias is not None
     both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
@@ -162,7 +163,7 @@ def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
     assert mixed._dense is None
     small = torch.randn(4, 512).to(torch.bfloat16)
     assert torch.equal(projection(small), quant_native.quant_linear(small, projection.parts[0]))
-    for n in (8, 31, below - 1):
+    for n in (8, 31, 33, 200, 600):
         x = torch.randn(n, 512).to(torch.bfloat16)
         assert torch.equal(projection(x), quant_amx_native.linear(x, projection.parts[0]))
         torch.testing.assert_close(
@@ -172,57 +173,79 @@ def test_the_projection_takes_it_between_the_crossover_and_its_limit() -> None:
             atol=1e-5 * product_scale(x, q4, None),
         )
     assert projection._dense is None  # the AMX product needs no dense copy
-    x = torch.randn(below, 512).to(torch.bfloat16)
-    projection(x)
+    # float32 activations keep the dense product past the crossover (the AMX product takes
+    # bfloat16 rows)
+    projection(torch.randn(64, 512))
     assert projection._dense is not None
-
-
-def test_the_amx_crossover_is_per_format_and_shape() -> None:
-    """Narrow and wide projections (outputs per input) have their own crossovers per format; a
-    projection of several formats takes the smallest; a format without an entry the default."""
-    table = linear_module.K_AMX_BELOW_ROWS_BY_FORMAT
-    wide_ratio = linear_module.K_AMX_WIDE_RATIO
-    for name in K_FORMATS:
-        narrow = random_weight(FORMATS[name], 32, 512, seed=5)
-        wide = random_weight(FORMATS[name], wide_ratio * 256, 256, seed=6)
-        assert k_amx_below_rows([narrow]) == table[name][0]
-        assert k_amx_below_rows([wide]) == table[name][1]
-    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=7)
-    q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=8)
-    assert k_amx_below_rows([q4, q6]) == min(table["Q4_K"][0], table["Q6_K"][0])
-    q4_1 = random_weight(FORMATS["Q4_1"], 16, 512, seed=9)
-    assert k_amx_below_rows([q4_1]) == linear_module.K_AMX_BELOW_ROWS
 
 
 @needs_amx
-@pytest.mark.parametrize("name", K_FORMATS)
-@pytest.mark.parametrize("wide", [False, True])
-def test_both_sides_of_the_amx_crossover_agree(name: str, wide: bool) -> None:
-    """One row below the crossover (the AMX product, no dense copy) and at it (the dense bfloat16
-    product of the dequantized weight) the projection agrees with the bfloat16-rounded reference
-    to bfloat16 rounding, and a row given to both calls comes out the same to that tolerance."""
-    cols = 256
-    rows = linear_module.K_AMX_WIDE_RATIO * cols if wide else 48
-    weight = random_weight(FORMATS[name], rows, cols, seed=rows + len(name))
-    bias = torch.randn(rows)
-    projection = QuantizedLinear([weight], bias, dense_from_rows=8)
-    below = projection._amx_below
-    assert below == linear_module.K_AMX_BELOW_ROWS_BY_FORMAT[name][wide]
-    x = torch.randn(below, cols, generator=torch.Generator().manual_seed(below)).to(torch.bfloat16)
-    amx_side = projection(x[: below - 1])
-    assert projection._dense is None
-    assert torch.equal(
-        amx_side, quant_amx_native.linear(x[: below - 1], projection.parts[0], projection.bias)
-    )
-    dense_side = projection(x)
-    assert projection._dense is not None
-    scale = product_scale(x, weight, bias)
-    for side, n in ((amx_side, below - 1), (dense_side, below)):
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_block_formats_keep_the_int8_product_below_their_amx_rows(name: str) -> None:
+    """Q8_0 / Q4_0 / Q4_1 with bfloat16 rows: the int8 product from its rows up to
+    ``AMX_FROM_ROWS_BY_FORMAT``, the AMX product from there at any size; no dense copy."""
+    assert quant_i8gemm_native.available()  # every AMX CPU has AVX-512 VNNI
+    weight = random_weight(FORMATS[name], 32, 512, seed=31)
+    projection = QuantizedLinear([weight], torch.randn(32), dense_from_rows=8)
+    assert projection._amx
+    start = linear_module.AMX_FROM_ROWS_BY_FORMAT[name]
+    i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT[name]
+    for n in (i8_from, start - 1, start, 100):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        y = projection(x)
+        if n < start:  # its activations quantized to int8 (tests/kernels/test_quant_i8gemm.py)
+            assert projection._i8 is not None
+            assert torch.equal(y, projection._i8_product(x))
+            continue
+        assert torch.equal(y, quant_amx_native.linear(x, projection.parts[0], projection.bias))
         torch.testing.assert_close(
-            side.double(), reference(x[:n], weight, bias), rtol=2**-7, atol=1e-5 * scale
+            y.double(),
+            reference(x, weight, projection.bias),
+            rtol=2**-7,
+            atol=1e-5 * product_scale(x, weight, projection.bias),
         )
+    assert projection._dense is None
+
+
+@needs_amx
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
+def test_panels_split_k_and_rows_without_changing_a_bit(name: str) -> None:
+    """Past 32 rows the weights are unpacked a panel (blocks x a chunk of k) at a time, the sums
+    of a longer k waiting between chunks: a build with small panels (4 blocks x 512 values: three
+    chunks of a 1280-column weight, the last a ragged 256, and 72 rows in two panels, the second
+    a block and a half) gives the same bits as the default's one chunk, on 1 and 2 threads; a
+    k longer than the default's chunk (4352: two chunks and a ragged 256) agrees with the
+    dequantized weights."""
+    small_panels = quant_amx_native.declared(
+        cpu_native.load("cpu_quant_amx", ("-DK_PANEL_K=512", "-DK_PANEL_BYTES=65536"))
+    )
+    assert small_panels is not None
+    fmt = FORMATS[name]
+    weight = random_weight(fmt, 72, 1280, seed=21)
+    packed = quant_native.interleave(weight)
+    bias = torch.randn(72)
+    x = torch.randn(70, 1280, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    own = quant_amx_native._library
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            default = quant_amx_native.linear(x, packed, bias)
+            quant_amx_native._library = lambda: small_panels  # type: ignore[assignment]
+            chunked = quant_amx_native.linear(x, packed, bias)
+            quant_amx_native._library = own
+            assert torch.equal(chunked, default)
+    finally:
+        quant_amx_native._library = own
+        torch.set_num_threads(threads)
+    long_weight = random_weight(fmt, 24, 4352, seed=23)
+    long_x = torch.randn(40, 4352, generator=torch.Generator().manual_seed(24))
+    y = quant_amx_native.linear(long_x, quant_native.interleave(long_weight))
     torch.testing.assert_close(
-        amx_side.double(), dense_side[: below - 1].double(), rtol=2**-7, atol=1e-5 * scale
+        y.double(),
+        reference(long_x, long_weight, None),
+        rtol=0,
+        atol=1e-5 * product_scale(long_x, long_weight, None),
     )
 
 

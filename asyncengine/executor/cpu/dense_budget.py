@@ -1,12 +1,12 @@
 """The dense copies' default budget on a CPU, where the config gives none.
 
-Above its crossover a quantized projection builds a dense copy and keeps it
-(executor/layers/linear.py, ``DenseBudget``): a 3B Q4_K_M engine on an AMX CPU held 5.5 GB of
-them after one 2,048-token prompt, 2.7x its packed weights (scripts/memory_breakdown.py), so an
-8B's (~15 GB beside its 5 GB) would not fit in 24 GB and its first long prompt would end the
-process. So by default the copies may take a share of the memory the OS reports available when
-the model is bound, less the weights about to be packed; past it a projection keeps its
-quantized products (slower on many rows, never wrong).
+Above its crossover a quantized projection with no int8 or AMX product for its format and
+activations here builds a dense copy and keeps it (executor/layers/linear.py, ``DenseBudget``):
+2 bytes a weight in bfloat16 against a Q4_K_M file's ~0.6, so an 8B's (~15 GB beside its 5 GB)
+would not fit in 24 GB and its first long prompt would end the process. So by default the
+copies may take a share of the memory the OS reports available when the model is bound, less
+the weights about to be packed; past it a projection keeps its quantized products (slower on
+many rows, never wrong).
 """
 
 from __future__ import annotations

@@ -86,31 +86,23 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
 # per whole step of the 135M model, whose small dense weights stay in cache.
 WIDE_INPUT = 2048
 DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
-# Below this many rows, where the table above sends a projection with bfloat16 activations to
-# the dense product and every part is in one of K_AMX_FORMATS, an AMX CPU takes the AMX product
-# instead (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
-# product's sums without streaming its copy, 2.4x (Q6_K) to 3.6x (Q4_K) the quantized bytes,
-# which bounds a 32-row decode step); from it the dense product's better-blocked GEMM wins. A 1B
-# Q4_K_M step at 32 rows, one thread, CPU time, on a busy machine: 211 ms on the AMX product
-# (its 128k-row Q6_K LM head 40 ms), 247 ms with the Q6_K parts dense, 337 ms all dense (head
-# 62 ms); scripts/micro/bench_many_rows_step.py. Per format and shape: K_AMX_BELOW_ROWS_BY_FORMAT
-# below (this value: a format without an entry).
-K_AMX_BELOW_ROWS = 128
-K_AMX_FORMATS = quant_amx_native.FORMATS
-# The AMX product's crossover per format and shape, (narrow, wide): a wide projection (at least
-# K_AMX_WIDE_RATIO outputs per input: a 1B's gate/up 8x, its LM head 62x) keeps the lead longer
-# than q/k/v, o_proj (whose dense copy is small enough to stay in cache) or down (8192 inputs).
-# Per projection of a 1B layer, AMX / dense time at 96 / 128 / 160 rows (one thread, CPU time,
-# a busy machine: +-10%; scripts/micro/bench_many_rows_step.py --amx-crossovers Q4_K,Q5_K,Q6_K
-# --shape llama-3.2-1b --threads 1 --cpu-time): Q4_K down 1.00 / 1.05 / 1.19, gate/up 0.86 /
-# 0.96 / 0.99; Q5_K down 1.14 at 96 (0.99 at 80, where a whole Q5_K_M step is 4% faster on
-# the AMX product), gate/up 0.93 / 0.97 / 1.11; Q6_K down 1.09 from 64, gate/up 0.92 / 1.04 at
-# 96 / 128. Whole 1B steps at 96-112 rows against one crossover of 128: 4-6% faster (Q4_K_M,
-# Q5_K_M, Q6_K); a Q4_K_M step at 144 rows was 2% slower with its gate/up on AMX. The parts
-# of a projection in several formats take the smallest. From the crossover the projection
-# builds its dense copy and keeps it (a 1B's: up to 2.5 GB; docs/KERNELS.md).
-K_AMX_BELOW_ROWS_BY_FORMAT = {"Q4_K": (96, 144), "Q5_K": (96, 112), "Q6_K": (64, 112)}
-K_AMX_WIDE_RATIO = 4
+# Where the table above sends a projection with bfloat16 activations to the dense product and
+# every part is in one of AMX_FORMATS, an AMX CPU takes the AMX product instead, at any row count
+# (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
+# product's sums without its copy): at 32 rows it reads 2.4x (Q6_K) to 3.6x (Q4_K) fewer bytes
+# than the copy, and from 33 rows its panels keep the tile unit as busy as oneDNN's blocking.
+# Per projection of a 1B layer, two threads, AMX / dense time (scripts/micro/bench_amx_ab.py's
+# shapes): Q4_K at 256 / 1024 / 2048 rows qkv 0.88 / 0.90 / 0.91, gate_up 0.94 / 0.88 / 0.89,
+# down 0.87 / 0.86 / 1.1; at 48-192 rows 0.7-1.1 (small projections' copies stay in cache in
+# such a loop, not in a step). A 1B Q4_K_M prompt of 512 / 2048 tokens 1.26x / 1.16x faster
+# than with dense copies (scripts/bench_real_sizes.py --prefill-lens), and no copy is held.
+AMX_FORMATS = quant_amx_native.FORMATS
+# The 32-value block formats keep the int8 product (I8_FROM_ROWS_BY_FORMAT) below these rows
+# and take the AMX product from them: per projection of a 1B layer, two threads, int8 / AMX time
+# at 8 rows 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at
+# 128-512 1.8-3.6 (and AMX / dense 0.8-1.3). The K formats take the AMX product from their dense
+# crossover and no int8 panels are built for them.
+AMX_FROM_ROWS_BY_FORMAT = {"Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K
 # formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
 # the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
@@ -182,9 +174,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class DenseBudget:
     """Bytes one model's dense copies (``QuantizedLinear.dense``) may still take together: each
     copy takes its bytes when it is built and keeps them. A projection refused one keeps its
-    quantized products (the AMX product where it has one) at every size; a copy buys speed,
-    not correctness (the AMX product is 1.5-2x slower than a kept dense copy at 1024 rows: per
-    projection of a 1.5B layer, scripts/micro/bench_many_rows_step.py --amx-crossovers)."""
+    quantized products at every size; a copy buys speed, not correctness."""
 
     __slots__ = ("left",)
 
@@ -268,7 +258,7 @@ class QuantizedLinear:
 
     __slots__ = (
         "_amx",
-        "_amx_below",
+        "_amx_from",
         "_dense",
         "_i8",
         "_i8_below",
@@ -302,15 +292,22 @@ class QuantizedLinear:
         self.dense_from_rows = dense_from_rows
         self.budget = budget
         self._dense: Linear | None = None
-        # every part a K format the AMX product takes on this CPU (asked once per linear)
+        # every part in a format the AMX product takes on this CPU (asked once per linear), and
+        # the rows from which it takes them (0: from the dense crossover)
         self._amx = dense_from_rows is not None and all(
-            p.format.name in K_AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
+            p.format.name in AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
-        self._amx_below = k_amx_below_rows(self.parts) if self._amx else 0
+        amx_from = amx_from_rows(self.parts) if self._amx else 0
+        self._amx_from = (amx_from or dense_from_rows or 0) if self._amx else 1 << 30
         # the int8 product's panels, built by the first call that takes it, or between steps
-        # (``defer_i8``: ``_i8_build`` holds them while they are built)
+        # (``defer_i8``: ``_i8_build`` holds them while they are built); none where the AMX
+        # product takes every row from the dense crossover
         self._i8: list[quant_i8gemm_native.I8Panels] | None = None
-        self._i8_below = 0 if self._amx or dense_from_rows is None else i8_below_rows(self.parts)
+        self._i8_below = (
+            0
+            if (self._amx and not amx_from) or dense_from_rows is None
+            else i8_below_rows(self.parts)
+        )
         self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
         self._i8_build: PanelBuild | None = None
         self._i8_rented = 0  # rows the quantized product took while they were deferred
@@ -329,20 +326,19 @@ class QuantizedLinear:
 
     def _product(self, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """The product that takes ``n`` rows of activations in ``dtype``, by the crossovers."""
+        if self._amx and dtype == torch.bfloat16 and n >= self._amx_from:
+            return self._amx_product
         if self.dense_from_rows is not None and (
             n >= self.dense_from_rows
             or (self._i8_from <= n < self._i8_below and dtype == torch.bfloat16)
         ):
-            amx = self._amx and dtype == torch.bfloat16
-            if amx and n < self._amx_below:
-                return self._amx_product
             if n < self._i8_below and self._i8_allowed(n):
                 return self._i8_product
             if n < self._i8_below:  # panels on their way: the product without them
                 return self._quantized
             if self.dense_allowed(dtype):
                 return self.dense(dtype)
-            return self._amx_product if amx else self._quantized
+            return self._quantized
         return self._quantized
 
     def float32_out(self, x: torch.Tensor) -> torch.Tensor:
@@ -488,18 +484,10 @@ class QuantizedLinear:
         return out
 
 
-def k_amx_below_rows(parts: Sequence[QuantizedTensor]) -> int:
-    """Rows below which these K-format parts take the AMX product rather than the dense one
-    (``K_AMX_BELOW_ROWS_BY_FORMAT`` by the projection's shape; ``K_AMX_BELOW_ROWS`` for a format
-    not in it)."""
-    out_features = sum(p.shape[0] for p in parts)
-    wide = out_features >= K_AMX_WIDE_RATIO * parts[0].cols
-    return min(
-        K_AMX_BELOW_ROWS_BY_FORMAT[p.format.name][wide]
-        if p.format.name in K_AMX_BELOW_ROWS_BY_FORMAT
-        else K_AMX_BELOW_ROWS
-        for p in parts
-    )
+def amx_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+    """Rows from which these parts take the AMX product (``AMX_FROM_ROWS_BY_FORMAT``; 0: from
+    their dense crossover)."""
+    return max(AMX_FROM_ROWS_BY_FORMAT.get(p.format.name, 0) for p in parts)
 
 
 def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:

@@ -1,8 +1,9 @@
-"""bench_many_rows_step.py's ``--amx-crossovers`` mode: per projection of a real shape's layer
+"""bench_many_rows_step.py's ``--amx-vs-dense`` mode: per projection of a real shape's layer
 (and the LM head), the K formats' AMX product against the dense bfloat16 product of the same
-weight (prepacked oneDNN: what the crossover otherwise picks), per row count; the medians of
-repeated calls, the two alternating. Random blocks: a product's speed does not depend on the
-values. Run it with ``--threads 1 --cpu-time`` on a busy machine."""
+weight (prepacked oneDNN: what a projection without the AMX product takes past its crossover),
+per row count; the medians of repeated calls, the two alternating. Random blocks: a product's
+speed does not depend on the values. Run it with ``--threads 1 --cpu-time`` on a busy
+machine."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ from typing import Any
 import torch
 from bench_quant_matmul import SHAPES, random_blocks
 
-from asyncengine.executor.layers.linear import QuantizedLinear, k_amx_below_rows
+from asyncengine.executor.layers.linear import QuantizedLinear
 
 
-def run_amx_crossovers(args: argparse.Namespace) -> dict[str, Any]:
+def run_amx_vs_dense(args: argparse.Namespace) -> dict[str, Any]:
     clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
     layer, head = SHAPES[args.shape]
     rows_list = args.batches
     results = []
     print(f"{args.shape}; threads {torch.get_num_threads()}; amx / dense ms (< 1: AMX faster)")
     with torch.inference_mode():
-        for fmt in args.amx_crossovers.split(","):
+        for fmt in args.amx_vs_dense.split(","):
             for name, out, inp in [*layer, head]:
                 linear = QuantizedLinear([random_blocks(fmt, out, inp)], None, 1)
                 if not linear._amx:
@@ -56,7 +57,7 @@ def run_amx_crossovers(args: argparse.Namespace) -> dict[str, Any]:
                         }  # fmt: skip
                     )
                 print(
-                    f"{fmt} {name:8s} (crossover {k_amx_below_rows(linear.parts):3d}) "
+                    f"{fmt} {name:8s} "
                     + " ".join(f"{n}: {r:4.2f}" for n, r in zip(rows_list, ratios, strict=True)),
                     flush=True,
                 )
