@@ -139,8 +139,9 @@ def test_weights_it_cannot_take_are_refused() -> None:
 
 @needs_amx
 def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
-    """A Q4_K projection with bfloat16 rows: the q8 kernel below its crossover, the AMX product
-    from it at any row count (no dense copy built). Parts of several formats (q/k in Q4_K, v in
+    """A Q4_K projection with bfloat16 rows: the q8 kernel below ``AMX_FROM_ROWS_BY_FORMAT`` or
+    its dense crossover, whichever is sooner, the AMX product from there at any row count (no
+    dense copy built). Parts of several formats (q/k in Q4_K, v in
     Q6_K) take it part by part; a part in a format it does not take keeps the other products for
     all. Every path agrees with the dequantized weights to bfloat16 rounding."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
@@ -173,6 +174,18 @@ def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
             atol=1e-5 * product_scale(x, q4, None),
         )
     assert projection._dense is None  # the AMX product needs no dense copy
+    # where the dense crossover comes later (a 1B model's Q4_K layers: 14 rows), the group
+    # kernels keep the rows below AMX_FROM_ROWS_BY_FORMAT
+    late = QuantizedLinear([q4], dense_from_rows=14)
+    start = linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
+    assert start < 14
+    for n, group_kernels in ((start - 1, True), (start, False), (13, False)):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        by_group = quant_native.quant_linear(x, late.parts[0])
+        by_amx = quant_amx_native.linear(x, late.parts[0])
+        assert not torch.equal(by_group, by_amx)
+        assert torch.equal(late(x), by_group if group_kernels else by_amx)
+    assert late._dense is None and late._i8 is None
     # float32 activations keep the dense product past the crossover (the AMX product takes
     # bfloat16 rows)
     projection(torch.randn(64, 512))

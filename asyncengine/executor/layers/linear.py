@@ -86,9 +86,9 @@ DENSE_FROM_ROWS_BF16_BY_FORMAT = {
 # per whole step of the 135M model, whose small dense weights stay in cache.
 WIDE_INPUT = 2048
 DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
-# Where the table above sends a projection with bfloat16 activations to the dense product and
-# every part is in one of AMX_FORMATS, an AMX CPU takes the AMX product instead, at any row count
-# (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
+# A projection with bfloat16 activations whose parts are all in AMX_FORMATS takes, on an AMX CPU,
+# the AMX product from AMX_FROM_ROWS_BY_FORMAT rows, at any row count from there, instead of the
+# dense one (kernels/cpu/cpu_quant_amx.c: each weight unpacked to bfloat16 once per call, the dense
 # product's sums without its copy): at 32 rows it reads 2.4x (Q6_K) to 3.6x (Q4_K) fewer bytes
 # than the copy, and from 33 rows its panels keep the tile unit as busy as oneDNN's blocking.
 # Per projection of a 1B layer, two threads, AMX / dense time (scripts/micro/bench_amx_ab.py's
@@ -98,11 +98,16 @@ DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
 # than with dense copies (scripts/bench_real_sizes.py --prefill-lens), and no copy is held.
 AMX_FORMATS = quant_amx_native.FORMATS
 # The 32-value block formats keep the int8 product (I8_FROM_ROWS_BY_FORMAT) below these rows
-# and take the AMX product from them: per projection of a 1B layer, two threads, int8 / AMX time
-# at 8 rows 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at
-# 128-512 1.8-3.6 (and AMX / dense 0.8-1.3). The K formats take the AMX product from their dense
-# crossover and no int8 panels are built for them.
-AMX_FROM_ROWS_BY_FORMAT = {"Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
+# (AMX_I8_BELOW_FORMATS): per projection of a 1B layer, two threads, int8 / AMX time at 8 rows
+# 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at 128-512 1.8-3.6
+# (and AMX / dense 0.8-1.3). The K formats keep their group kernels below them and build no int8
+# panels (AMX unpacks ~10 G values a second a core, ~0.3 cycles a value, flat up to 16 rows: a
+# 16384 x 2048 Q4_K projection 1.85 ms against its 0.45 at one row). Group kernels / AMX time per
+# projection of a 1B layer and its LM head, two threads, alternating (medians of 31): Q4_K at
+# 8 / 9 / 10 / 12 rows 1.12-1.18 / 0.93-0.99 / 0.86-0.91 / 0.76-0.82; Q5_K at 8 / 9 1.00-1.05 /
+# 0.81-0.85; Q6_K at 6 / 7 / 8 a layer's 1.71 / 1.12 / 0.96, the LM head's 0.88 / 0.77 / 0.70.
+AMX_FROM_ROWS_BY_FORMAT = {"Q4_K": 10, "Q5_K": 9, "Q6_K": 7, "Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
+AMX_I8_BELOW_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K
 # formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
 # the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
@@ -293,19 +298,24 @@ class QuantizedLinear:
         self.budget = budget
         self._dense: Linear | None = None
         # every part in a format the AMX product takes on this CPU (asked once per linear), and
-        # the rows from which it takes them (0: from the dense crossover)
+        # the rows from which it takes them: where the int8 product is not kept below them, by the
+        # dense crossover at the latest (it is the dense product's sums without a copy)
         self._amx = dense_from_rows is not None and all(
             p.format.name in AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
-        amx_from = amx_from_rows(self.parts) if self._amx else 0
-        self._amx_from = (amx_from or dense_from_rows or 0) if self._amx else 1 << 30
+        keeps_i8 = all(p.format.name in AMX_I8_BELOW_FORMATS for p in self.parts)
+        self._amx_from = 1 << 30
+        if self._amx and dense_from_rows is not None:
+            self._amx_from = amx_from_rows(self.parts)
+            if not keeps_i8:
+                self._amx_from = min(self._amx_from, dense_from_rows)
         # the int8 product's panels, built by the first call that takes it, or between steps
         # (``defer_i8``: ``_i8_build`` holds them while they are built); none where the AMX
-        # product takes every row from the dense crossover
+        # product takes over from the group kernels
         self._i8: list[quant_i8gemm_native.I8Panels] | None = None
         self._i8_below = (
             0
-            if (self._amx and not amx_from) or dense_from_rows is None
+            if (self._amx and not keeps_i8) or dense_from_rows is None
             else i8_below_rows(self.parts)
         )
         self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
@@ -485,9 +495,9 @@ class QuantizedLinear:
 
 
 def amx_from_rows(parts: Sequence[QuantizedTensor]) -> int:
-    """Rows from which these parts take the AMX product (``AMX_FROM_ROWS_BY_FORMAT``; 0: from
-    their dense crossover)."""
-    return max(AMX_FROM_ROWS_BY_FORMAT.get(p.format.name, 0) for p in parts)
+    """Rows from which these parts, all in ``AMX_FORMATS``, take the AMX product
+    (``AMX_FROM_ROWS_BY_FORMAT``)."""
+    return max(AMX_FROM_ROWS_BY_FORMAT[p.format.name] for p in parts)
 
 
 def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
