@@ -311,6 +311,24 @@ static void store_tile(const float *c, int64_t i0, int64_t n, int64_t c0, const 
     }
 }
 
+/* one step of k (32 values) of the products: activation tiles a (rows 0..15) and a + 16 stride
+ * (16..31, where na > 1) against weight tiles b0 and b1 (where nb > 1), added into C tiles 0..3 */
+static inline Q_ALWAYS_INLINE void tile_step(const uint8_t *a, int64_t stride, const uint8_t *b0,
+                                             const uint8_t *b1, int na, int nb) {
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(4, a, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nb > 1) {
+        _tile_loadd(7, b1, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (na > 1) {
+        _tile_loadd(5, a + 16 * stride, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* up to 32 activation rows (one pass: each unpacked tile meets every activation tile once):
  * one thread's blocks b_first..b_last - 1 in pairs, as a stream of quarter super-blocks of a
  * pair (4 tiles), each unpacked while the one before it is multiplied, into the other half of
@@ -349,21 +367,9 @@ static void amx_blocks_once(int fmt, const uint8_t *w, int64_t row_bytes, int64_
             _tile_zero(3);
         }
         const uint8_t *bt = bufs + (q % K_ONCE_RING) * 4 * K_TILE_BYTES;
-        for (int u = 0; u < 2; u++) {
-            const uint8_t *xa = xb + (t + u) * 64;
-            _tile_loadd(6, bt + u * K_TILE_BYTES, 64);
-            _tile_loadd(4, xa, stride);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nb > 1) {
-                _tile_loadd(7, bt + (2 + u) * K_TILE_BYTES, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-            if (na > 1) {
-                _tile_loadd(5, xa + 16 * stride, stride);
-                _tile_dpbf16ps(2, 5, 6);
-                if (nb > 1) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        for (int u = 0; u < 2; u++)
+            tile_step(xb + (t + u) * 64, stride, bt + u * K_TILE_BYTES,
+                      bt + (2 + u) * K_TILE_BYTES, na, nb);
         if (q + K_ONCE_AHEAD < total) K_ONCE_UNPACK(q + K_ONCE_AHEAD);
         if (t + 2 == 2 * quarters) {
             _tile_stored(0, cbuf[0], 64);
@@ -446,20 +452,9 @@ static void amx_blocks_panels(int fmt, const uint8_t *w, int64_t row_bytes, int6
                     }
                     const uint8_t *b0 = bufs + jb * kt * K_TILE_BYTES;
                     const uint8_t *b1 = b0 + kt * K_TILE_BYTES;
-                    for (int64_t t = 0; t < kt; t++) {
-                        _tile_loadd(6, b0 + t * K_TILE_BYTES, 64);
-                        _tile_loadd(4, xa + t * 64, stride);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (nb > 1) {
-                            _tile_loadd(7, b1 + t * K_TILE_BYTES, 64);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                        if (na > 1) {
-                            _tile_loadd(5, xa + 16 * stride + t * 64, stride);
-                            _tile_dpbf16ps(2, 5, 6);
-                            if (nb > 1) _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
+                    for (int64_t t = 0; t < kt; t++)
+                        tile_step(xa + t * 64, stride, b0 + t * K_TILE_BYTES,
+                                  b1 + t * K_TILE_BYTES, na, nb);
                     float *to = last ? cbuf[0] : c;
                     _tile_stored(0, to, 64);
                     _tile_stored(1, to + 256, 64);
