@@ -1,5 +1,5 @@
 """bench_many_rows_step.py's ``--amx-vs-dense`` mode: per projection of a real shape's layer
-(and the LM head), the K formats' AMX product against the dense bfloat16 product of the same
+(and the LM head), a GGUF block format's AMX product against the dense bfloat16 product of the same
 weight (prepacked oneDNN: what a projection without the AMX product takes past its crossover),
 per row count; the medians of repeated calls, the two alternating. Random blocks: a product's
 speed does not depend on the values. Run it with ``--threads 1 --cpu-time`` on a busy

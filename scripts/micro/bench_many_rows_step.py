@@ -36,7 +36,7 @@ with oneDNN's packed copy, beside the quantized bytes and their dense copies).
 
 ``--amx-vs-dense Q4_K,Q5_K,Q6_K``: no model; per projection of ``--shape``'s layer and its
 LM head, the AMX product against the dense bfloat16 one at each of ``--batches`` (why
-executor/layers/linear.py gives the K formats the AMX product at every row count):
+executor/layers/linear.py never gives a projection with the AMX product a dense copy):
 
     .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-vs-dense Q4_K,Q5_K,Q6_K \
         --shape llama-3.2-1b --batches 48,128,256,1024,2048 --threads 2

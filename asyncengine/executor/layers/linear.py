@@ -306,9 +306,8 @@ class QuantizedLinear:
         keeps_i8 = all(p.format.name in AMX_I8_BELOW_FORMATS for p in self.parts)
         self._amx_from = 1 << 30
         if self._amx and dense_from_rows is not None:
-            self._amx_from = amx_from_rows(self.parts)
-            if not keeps_i8:
-                self._amx_from = min(self._amx_from, dense_from_rows)
+            by_format = amx_from_rows(self.parts)
+            self._amx_from = by_format if keeps_i8 else min(by_format, dense_from_rows)
         # the int8 product's panels, built by the first call that takes it, or between steps
         # (``defer_i8``: ``_i8_build`` holds them while they are built); none where the AMX
         # product takes over from the group kernels
