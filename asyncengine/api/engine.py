@@ -204,11 +204,24 @@ class AsyncEngine:
         if task is not None:
             await asyncio.shield(task)
 
+    async def close(self) -> None:
+        """``stop``, then let go of the model, its KV pool and the tokenizer: their memory
+        returns now, not once the collector finds the engine's reference cycles (an engine
+        closed and then dropped held it until then: a second one loaded in the same process
+        doubled the peak). A later ``start`` loads them again."""
+        await self.stop()
+        self.core = None
+        self._steps = None
+        self._intake = None
+        if self._given[0] is None:  # the tokenizer came with the model: it goes with it
+            self._tokenizer = None
+        gc.collect()
+
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+        await self.close()
 
     @property
     def is_running(self) -> bool:

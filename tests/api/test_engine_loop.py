@@ -407,10 +407,27 @@ async def test_a_stopped_engine_dropped_by_its_caller_is_collected() -> None:
     unfreeze them, or a dropped engine's pool and weights (on a GPU: the memory a second engine
     in the process sizes its pool from) could never be collected."""
     engine = fake_engine()
-    async with engine:
-        out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
-        assert len(out.token_ids) == 4
+    await engine.start()
+    out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+    assert len(out.token_ids) == 4
+    await engine.stop()
     core = weakref.ref(engine.core)
     del engine
     gc.collect()
     assert core() is None
+
+
+async def test_leaving_async_with_lets_go_of_the_core_and_a_start_builds_it_again() -> None:
+    """close() (the end of ``async with``): the core (model, KV pool) is gone at once while the
+    caller still holds the engine, not when the collector gets to its cycles; the engine starts
+    again on a new core."""
+    engine = fake_engine()
+    async with engine:
+        out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+        core = weakref.ref(engine.core)
+    assert engine.core is None
+    assert core() is None
+    async with engine:
+        again = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+        assert engine.core is not None and engine.core is not core()
+    assert again.token_ids == out.token_ids
