@@ -77,7 +77,7 @@ async def test_outputs_are_the_lock_step_ones(overlap: bool) -> None:
             assert out.token_ids == reference_output(prompt, 9)
         await wait_idle(engine)
         assert_idle_and_clean(engine)
-    executor = engine.executor
+        executor = engine.executor  # the engine lets go of it at the end of `async with`
     assert isinstance(executor, SplitFakeExecutor)
     if overlap:
         assert sum(1 for n in ahead if n) > 3, "steps were meant to be planned ahead"
