@@ -213,8 +213,8 @@ def test_a_bfloat16_checkpoint_decodes_through_the_step_on_its_bf16_rows(
     assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
     if name == "llama_tied":  # one copy of the table: the head's BF16 rows
         assert isinstance(model.embed, QuantizedTensor) and model.embed.format == BF16_ROWS
-    crossover = min(p.dense_from_rows or 1 << 30 for p in projections)  # type: ignore[union-attr]
-    most = min(crossover - 1, native_decode.BF16_NATIVE_DECODE_MAX_ROWS)
+    crossover = min(p.group_kernels_below(BF16) for p in projections)  # type: ignore[union-attr]
+    most = min(crossover - 1, native_decode.bf16_max_rows())
     assert native_decode.max_rows(model.native_decode) == most >= len(prompts)
     rows = _count_fused_rows(pair.native, monkeypatch)
     fused = _teacher_forced(pair.native, prompts, 8)

@@ -108,3 +108,31 @@ def test_bfloat16_projections_are_bf16_rows_over_the_same_bytes(
     assert isinstance(make_linear([weight], None, torch.bfloat16, row_block=32), Linear)
     monkeypatch.setenv(linear_module.FLOAT_ROWS_ENV, "0")
     assert isinstance(make_linear([weight], None, torch.bfloat16), Linear)
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "I8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", [True, False])
+def test_group_kernels_below_is_where_the_product_leaves_them(
+    name: str, dtype: torch.dtype, amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``group_kernels_below`` (the fused decode step stops below it: native_decode.py) is the
+    first row count whose product is not the quantized group kernels, on this CPU and on one
+    without AMX (the AMX, int8 or dense product, as the crossovers give them), and says so
+    without building anything."""
+    from asyncengine.kernels.cpu import quant_amx_native
+    from asyncengine.kernels.quant_formats import FORMATS
+    from tests.kernels.test_quantized_kernels import random_weight
+
+    if not amx:
+        monkeypatch.setattr(quant_amx_native, "available", lambda: False)
+    weight = random_weight(FORMATS[name], 32, 512, seed=7)
+    projection = QuantizedLinear([weight], dense_from_rows=dense_from_rows([weight], dtype))
+    below = projection.group_kernels_below(dtype)
+    assert projection._dense is None and projection._i8 is None
+    assert all(
+        projection._product(n, dtype) == projection._quantized for n in range(1, min(below, 300))
+    )
+    if below < 300:  # the float32 crossovers of the block formats lie past any step
+        assert projection._product(below, dtype) != projection._quantized

@@ -9,8 +9,8 @@ float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every
 plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms, one RoPE table, no sliding
 window or soft-cap) and not deterministic mode (whose row blocks the torch path keeps). Which
 batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from
-which the projections turn dense: 24 for F32, linear.py; a bfloat16 model's at most
-``BF16_NATIVE_DECODE_MAX_ROWS``).
+which a projection of the torch path leaves the group kernels for the dense, int8 or AMX
+product: 24 for F32, linear.py; a bfloat16 model's at most ``bf16_max_rows()``).
 ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncengine.executor.attention.torch_backend import AttentionOptions
 from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import Linear, QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.kernels.cpu import decode_step_native
+from asyncengine.kernels.cpu import decode_step_native, quant_amx_native
 from asyncengine.kernels.cpu.decode_step_lora import StepLora
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
@@ -35,8 +35,8 @@ from asyncengine.kernels.cpu.decode_step_native import (
 )
 
 ENABLE_ENV = "ASYNCENGINE_NATIVE_DECODE"
-# Decode batches up to this many requests take the fused step, and never as many as the model's
-# projections take their dense product from (layers/linear.py's crossover, per format); the cap
+# Decode batches up to this many requests take the fused step, and never as many as a projection
+# of the model leaves the group kernels from (layers/linear.py's crossovers, per format); the cap
 # keeps the step's per-thread buffers small. Measured by scripts/micro/bench_decode_step.py.
 NATIVE_DECODE_MAX_ROWS = 256
 # A bfloat16 model's decode batches take the fused step up to this many requests: past them its
@@ -44,6 +44,14 @@ NATIVE_DECODE_MAX_ROWS = 256
 # step reads the pool 8 lanes at a time) is as fast or faster
 # (scripts/micro/bench_decode_step.py --dtype bfloat16 --threads 1 --cpu-time).
 BF16_NATIVE_DECODE_MAX_ROWS = 4
+# On a CPU with AMX the fused step stays ahead further, while the torch path keeps the group
+# kernels (fused / torch path, the embedded Q4_1 model in bfloat16 on the Xeon: context 443, one
+# thread, CPU time: 4 / 6 / 8 / 12 rows 0.72 / 0.74 / 0.80 / 0.75; two threads, wall: 5-12 rows
+# 0.63-0.77 at context 300, 0.68-0.78 at 4,000 over a bfloat16 pool, 0.65-0.75 at 300 and
+# 0.83-0.87 at 4,000 over an int8 one, 1.02-1.03 at 16; a 1B Q4_K_M 0.87-0.90 at 1-8 rows,
+# 0.89-0.96 at 9-12, 1.30 at 16: bench_decode_step.py --dtype bfloat16, bench_many_rows_step.py's
+# model)
+BF16_NATIVE_DECODE_MAX_ROWS_AMX = 12
 # A speculative verify step of up to this many positions runs them as fused decode rows
 # (runner.py; measured at batch 1); larger ones keep the extend path they were tuned with
 # (speculative/settings.py).
@@ -109,17 +117,22 @@ def native_decode_model(
         rms_norm_eps=c.rms_norm_eps,
         scale=scale,
     )
-    dense_from = min(
-        p.dense_from_rows if isinstance(p, QuantizedLinear) and p.dense_from_rows else 1 << 30
+    # the rows from which some projection of the torch path leaves the group kernels the fused
+    # step runs (for another product: dense, int8 or AMX)
+    leaves = min(
+        p.group_kernels_below(dtype) if isinstance(p, QuantizedLinear) else 1 << 30
         for layer in layers
         for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     )
-    most = (
-        dense_from - 1
-        if dtype == torch.float32
-        else min(dense_from - 1, BF16_NATIVE_DECODE_MAX_ROWS)
-    )
+    most = leaves - 1 if dtype == torch.float32 else min(leaves - 1, bf16_max_rows())
     return DecodeStepModel(shape, parts, final_norm, cos_sin_tables[0], most)
+
+
+def bf16_max_rows() -> int:
+    """The most rows a bfloat16 model's fused step takes on this CPU."""
+    if quant_amx_native.available():
+        return BF16_NATIVE_DECODE_MAX_ROWS_AMX
+    return BF16_NATIVE_DECODE_MAX_ROWS
 
 
 def max_rows(model: DecodeStepModel | None) -> int:

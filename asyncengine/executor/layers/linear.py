@@ -350,6 +350,18 @@ class QuantizedLinear:
             return self._quantized
         return self._quantized
 
+    def group_kernels_below(self, dtype: torch.dtype) -> int:
+        """Rows from which ``_product`` leaves the quantized group kernels for activations in
+        ``dtype`` (the AMX, int8 or dense product, by the crossovers; a budget that refuses
+        copies or panels keeps them longer)."""
+        rows = [self.dense_from_rows or 1 << 30]
+        if dtype == torch.bfloat16:
+            if self._amx:
+                rows.append(self._amx_from)
+            if self._i8_from < self._i8_below:
+                rows.append(self._i8_from)
+        return min(rows)
+
     def float32_out(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x)`` as float32 [rows, out_features] from 2-D x (the LM head's logits): the int8
         product writes its float32 sums without rounding them to bfloat16 first; the other
