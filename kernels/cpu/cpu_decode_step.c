@@ -154,11 +154,12 @@ static inline const qpart *group_at(const qlinear *lin, int64_t row, int64_t *lo
     return part && *local % XR == 0 && *local + XR <= grouped_rows(part) ? part : NULL;
 }
 
-/* out[r * XR + j] = the group's row j . activation row i + r of a (+ bias), r < nr <= NR */
+/* out[r * XR + j] = the group's row j . activation row i + r of a (+ bias),
+ * r < nr <= group_tile_rows(part->fmt) */
 static inline void group_out(const qpart *part, int64_t local, const act_buf *a, int64_t i,
                              int nr, float *out) {
     const int64_t k = a->k, nb = k / QK;
-    act_row rows[NR];
+    act_row rows[GR_MAX];
     for (int r = 0; r < nr; r++)
         rows[r] = (act_row){a->q + (i + r) * k, a->d + (i + r) * nb, a->sd + (i + r) * nb,
                             a->f + (i + r) * k};
@@ -372,9 +373,10 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
             int64_t local;
             const qpart *part = group_at(lin, first, &local);
             if (!part) break;
-            for (int64_t i = 0; i < n; i += NR) {
-                const int nr = (int)(n - i < NR ? n - i : NR);
-                float v[NR * XR];
+            const int tile = group_tile_rows(part->fmt);
+            for (int64_t i = 0; i < n; i += tile) {
+                const int nr = (int)(n - i < tile ? n - i : tile);
+                float v[GR_MAX * XR];
                 group_out(part, local, a, i, nr, v);
                 for (int r = 0; r < nr; r++) {
                     float *dst = y + (i + r) * ldy + first;
@@ -443,9 +445,12 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
         const qpart *gate = j1 - j0 == XR ? group_at(lin, j0, &gate_local) : NULL;
         const qpart *up = gate ? group_at(lin, inter + j0, &up_local) : NULL;
         if (up) { /* gate rows j0.. and up rows inter + j0.. as two interleaved groups */
-            for (int64_t i = 0; i < n; i += NR) {
-                const int nr = (int)(n - i < NR ? n - i : NR);
-                float g[NR * XR], u[NR * XR];
+            /* gate and up may differ in format: the smaller tile */
+            const int tg = group_tile_rows(gate->fmt), tu = group_tile_rows(up->fmt);
+            const int tile = tg < tu ? tg : tu;
+            for (int64_t i = 0; i < n; i += tile) {
+                const int nr = (int)(n - i < tile ? n - i : tile);
+                float g[GR_MAX * XR], u[GR_MAX * XR];
                 group_out(gate, gate_local, a, i, nr, g);
                 group_out(up, up_local, a, i, nr, u);
                 for (int r = 0; delta && r < nr; r++)

@@ -819,8 +819,8 @@ static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act
     }
 }
 
-/* the XR rows of an interleaved group against nr (<= NR) activation rows: out[r * XR + j];
- * the same results as group_dot row by row */
+/* the XR rows of an interleaved group against nr (<= group_tile_rows(fmt)) activation rows:
+ * out[r * XR + j]; the same results as group_dot row by row */
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out);
 
@@ -844,6 +844,10 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 #endif
     group_scalar(fmt, w, k / QK, a, out);
 }
+
+/* the most activation rows group_dot_rows takes at once (callers' buffers: GR_MAX) */
+#define GR_MAX (KR > NR ? KR : NR)
+static inline int group_tile_rows(int fmt) { return xr_block_values(fmt) == QK_K ? KR : NR; }
 
 static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const act_row *a, int nr,
                                   float *out) {

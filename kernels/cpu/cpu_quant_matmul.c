@@ -106,7 +106,7 @@ static inline void act_rows(const int8_t *xq, const float *xd, const float *xsd,
     }
 }
 
-#define ACT_CHUNK 64 /* a multiple of NR */
+#define ACT_CHUNK 64 /* a multiple of NR and of KR */
 
 /* asyncengine_quant_matmul's tiles t_first..t_last - 1 (one thread's share) */
 static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k,
@@ -120,12 +120,13 @@ static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
                                                              ? t_last * ROW_TILE : grouped;
     for (int64_t c0 = 0; c0 < n && g_first < g_last; c0 += ACT_CHUNK) {
         const int64_t c1 = c0 + ACT_CHUNK < n ? c0 + ACT_CHUNK : n;
+        const int tile = group_tile_rows(fmt);
         for (int64_t g = g_first; g < g_last; g += XR) {
-            for (int64_t i0 = c0; i0 < c1; i0 += NR) {
-                const int nr = (int)(c1 - i0 < NR ? c1 - i0 : NR);
-                act_row a[NR];
+            for (int64_t i0 = c0; i0 < c1; i0 += tile) {
+                const int nr = (int)(c1 - i0 < tile ? c1 - i0 : tile);
+                act_row a[GR_MAX];
                 act_rows(xq, xd, xsd, xf, k, i0, nr, a);
-                float out[NR * XR];
+                float out[GR_MAX * XR];
                 group_dot_rows(fmt, w + g * row_bytes, k, a, nr, out);
                 for (int r = 0; r < nr; r++)
                     for (int j = 0; j < XR; j++)
