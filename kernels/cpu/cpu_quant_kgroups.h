@@ -19,6 +19,11 @@
 #ifndef ASYNCENGINE_CPU_QUANT_KGROUPS_H
 #define ASYNCENGINE_CPU_QUANT_KGROUPS_H
 
+/* the AVX-512 forms (below) where the library is built for AVX-512 VNNI / BW */
+#if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KQ_512 1
+#endif
+
 /* Activation rows a K-format tile takes at once: 8 with the AVX-512 forms (their 32 registers
  * hold 8 rows' integer sums beside the weights), NR with the 32-byte ones (16 registers). 5-8
  * rows then unpack and read each weight piece once, not twice: 1B Q4_K_M steps of 5 / 6 / 8 rows
@@ -26,7 +31,7 @@
  * path (Xeon, alternating builds); Q4_K, Q5_K, Q6_K projections at 5-6 rows 0.79-0.85. -DKR=4
  * builds the 4-row tiles (to measure what 8 give). */
 #if !defined(KR)
-#if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) /* KQ_512 below */
+#if defined(KQ_512)
 #define KR 8
 #else
 #define KR NR
@@ -124,13 +129,12 @@ static inline __m256i bit_to_16(__m256i h, int bit) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
-#if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(KQ_512)
 /* The AVX-512 forms: one 64-byte load is two pieces (lanes 0..7: rows' piece i, 8..15: piece
  * i + 1), the activation's two 4-byte pieces put beside them by one permute of the block, and
  * the two halves of the int32 sums added once per sub-block: half the instructions per weight
  * byte of the 32-byte form, which a batch-1 product needs to keep up with memory (at 32 bytes
  * per step one thread computed a Q4_K stream from DRAM at ~80% of the Q4_0 kernel's rate). */
-#define KQ_512 1
 
 static inline __m256i kq_fold(__m512i s) {
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
@@ -194,7 +198,7 @@ static inline __m512i bit_to_16_512(__m512i h, int bit) {
 }
 
 /* The kernels below take a tile of mr (1..KR) activation rows: each weight piece is unpacked
- * once for all of them (the batched products of 2-4 rows; a batch-1 step takes mr = 1), and each
+ * once for all of them (the batched products of 2-KR rows; a batch-1 step takes mr = 1), and each
  * row's sums are those it has alone, in the same order: results are batch invariant. */
 
 /* chunk c (sub-blocks 2c, 2c + 1) of a Q4_K / Q5_K super-block: the 8 rows' integer sums

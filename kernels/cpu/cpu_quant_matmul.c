@@ -118,9 +118,9 @@ static void matmul_tiles(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
      * of a 1024-token prefill streamed them from L3 for each group) */
     const int64_t g_first = t_first * ROW_TILE, g_last = t_last * ROW_TILE < grouped
                                                              ? t_last * ROW_TILE : grouped;
+    const int tile = group_tile_rows(fmt);
     for (int64_t c0 = 0; c0 < n && g_first < g_last; c0 += ACT_CHUNK) {
         const int64_t c1 = c0 + ACT_CHUNK < n ? c0 + ACT_CHUNK : n;
-        const int tile = group_tile_rows(fmt);
         for (int64_t g = g_first; g < g_last; g += XR) {
             for (int64_t i0 = c0; i0 < c1; i0 += tile) {
                 const int nr = (int)(c1 - i0 < tile ? c1 - i0 : tile);

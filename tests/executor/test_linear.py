@@ -110,7 +110,7 @@ def test_bfloat16_projections_are_bf16_rows_over_the_same_bytes(
     assert isinstance(make_linear([weight], None, torch.bfloat16), Linear)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "I8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False])

@@ -76,8 +76,8 @@ def test_products_on_the_packed_rows_match_the_reference(name: str, isa: str) ->
 @pytest.mark.parametrize("name", sorted(INTERLEAVED_FORMATS))
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(name: str, isa: str) -> None:
     """Batch invariance, bit for bit: a row alone (the one-row kernel), in a tile of 2-4 rows
-    (the register-tiled kernels; the K formats' AVX-512 ones take 2-8), among other rows or in
-    another position gives the same output."""
+    (the register-tiled kernels, whose tail tiles repeat their last row; the K formats' AVX-512
+    ones take 2-8), among other rows or in another position gives the same output."""
     fmt = FORMATS[name]
     cols = widths(name)[-1]
     weight = quant_native.interleave(random_weight(fmt, 40, cols, seed=3), isa)
