@@ -28,6 +28,14 @@
 #define Q_ISA_SCALAR 1
 #endif
 
+#if defined(__GNUC__)
+#define Q_ALWAYS_INLINE __attribute__((always_inline))
+#define Q_NOINLINE __attribute__((noinline))
+#else
+#define Q_ALWAYS_INLINE
+#define Q_NOINLINE
+#endif
+
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6,
        FMT_F32 = 7, FMT_BF16 = 8 };
 
@@ -572,14 +580,6 @@ static inline __m256i bcast4(const int8_t *x) {
     memcpy(&v, x, 4);
     return _mm256_set1_epi32(v);
 }
-
-#if defined(__GNUC__)
-#define Q_ALWAYS_INLINE __attribute__((always_inline))
-#define Q_NOINLINE __attribute__((noinline))
-#else
-#define Q_ALWAYS_INLINE
-#define Q_NOINLINE
-#endif
 
 /* The integer sums as they stand, as far as the compiler knows: it may no longer regroup the
  * additions before this point. Without it GCC turned each row's chain of multiply-adds into all
