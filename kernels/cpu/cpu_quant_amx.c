@@ -394,7 +394,9 @@ static void amx_blocks_once(int fmt, const uint8_t *w, int64_t row_bytes, int64_
  * the tile unit waiting: 1.1-1.3 TFLOPS at 1024-2048 rows on two Sapphire Rapids cores where
  * panels reach 1.7-2.0, the dense product's 1.5-1.9; scripts/micro/bench_amx_ab.py). Where k
  * is longer than a panel, the sums wait between its chunks in cacc (float32: the same values in
- * the same order, so the same bits as one chunk). */
+ * the same order, so the same bits as one chunk). The next panel's unpacking spread between this
+ * one's tile steps (a second buffer) took 1.1-1.3x the time: the vector unpacking and the tile
+ * unit took turns on Sapphire Rapids rather than overlapping. */
 #ifndef K_PANEL_BLOCKS
 #define K_PANEL_BLOCKS 16
 #endif
