@@ -37,6 +37,7 @@ from asyncengine.common.sampling_params import InvalidRequestError, SamplingPara
 from asyncengine.core.builder import build_core, make_policies
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor, defer_one_time_work
+from asyncengine.executor.cpu.malloc_reuse import give_back_freed_memory
 from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
@@ -208,7 +209,8 @@ class AsyncEngine:
         """``stop``, then let go of the model, its KV pool and the tokenizer: their memory
         returns now, not once the collector finds the engine's reference cycles (an engine
         closed and then dropped held it until then: a second one loaded in the same process
-        doubled the peak). A later ``start`` loads them again."""
+        doubled the peak), and the C heap's freed pages go back to the OS. A later ``start``
+        loads them again."""
         await self.stop()
         self.core = None
         self._steps = None
@@ -216,6 +218,7 @@ class AsyncEngine:
         if self._given[0] is None:  # the tokenizer came with the model: it goes with it
             self._tokenizer = None
         gc.collect()
+        give_back_freed_memory()
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()

@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 
+from asyncengine.api import engine as engine_module
 from asyncengine.api.engine import AsyncEngine
 from asyncengine.api.event_loop import run
 from asyncengine.common.config import EngineConfig
@@ -417,16 +418,21 @@ async def test_a_stopped_engine_dropped_by_its_caller_is_collected() -> None:
     assert core() is None
 
 
-async def test_leaving_async_with_lets_go_of_the_core_and_a_start_builds_it_again() -> None:
+async def test_leaving_async_with_lets_go_of_the_core_and_a_start_builds_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """close() (the end of ``async with``): the core (model, KV pool) is gone at once while the
-    caller still holds the engine, not when the collector gets to its cycles; the engine starts
-    again on a new core."""
+    caller still holds the engine, not when the collector gets to its cycles, and the memory the
+    steps kept goes back; the engine starts again on a new core."""
     engine = fake_engine()
+    given_back: list[bool] = []
+    monkeypatch.setattr(engine_module, "give_back_freed_memory", lambda: given_back.append(True))
     async with engine:
         out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
         core = weakref.ref(engine.core)
     assert engine.core is None
     assert core() is None
+    assert given_back == [True]  # and the C heap's freed pages handed back to the OS
     async with engine:
         again = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
         assert engine.core is not None and engine.core is not core()

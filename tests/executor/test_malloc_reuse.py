@@ -1,4 +1,5 @@
-"""keep_freed_memory: blocks a step frees come back without page faults (glibc only)."""
+"""keep_freed_memory: blocks a step frees come back without page faults; give_back_freed_memory:
+what it kept goes back to the OS (glibc only)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,35 @@ def test_freed_blocks_come_back_without_faults() -> None:
     # the first round faults its pages in (glibc's defaults: every round does, or ~3/4 of them)
     assert first >= PAGES
     assert max(later) < PAGES // 100
+
+
+def anon_mib() -> int:
+    """This process's anonymous resident memory, MiB."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) // 1024
+
+
+GIVE_BACK = """
+import json
+from asyncengine.executor.cpu import malloc_reuse
+from tests.executor.test_malloc_reuse import anon_mib, faults_per_round
+assert malloc_reuse.keep_freed_memory()
+before = anon_mib()
+faults_per_round(rounds=1)
+kept = anon_mib()
+assert malloc_reuse.give_back_freed_memory()
+print(json.dumps([before, kept, anon_mib()]))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_kept_memory_goes_back_to_the_os() -> None:
+    before, kept, after = json.loads(run_python(GIVE_BACK).strip().splitlines()[-1])
+    written = BLOCKS * BLOCK_BYTES >> 20
+    assert kept - before >= written * 3 // 4  # freed, but kept mapped for the next step
+    # back to the OS but for the top of the last thread heap (glibc trims only the main heap's)
+    assert kept - after >= (kept - before) // 2
 
 
 def test_switch_off_leaves_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
