@@ -84,6 +84,7 @@ from systems import (
     LlamaCppSystem,
     SystemRun,
     VllmSystem,
+    build_cpu_kernels,
     cell,
     finish,
     require_peers,
@@ -710,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.dtype = resolve_dtype(args.dtype, args.device)
     if not args.shared_prefix:
         require_peers(args.systems)  # fail now, not after asyncengine's run
+    build_cpu_kernels(
+        ["asyncengine"] if args.shared_prefix else args.systems, hf_device(args.device)
+    )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.time()
     result = compare_prefix_cache(args) if args.shared_prefix else compare_systems(args)

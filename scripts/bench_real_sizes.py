@@ -79,6 +79,7 @@ from bench_single_stream import (
 from peers.llamacpp import launcher as peer_llamacpp
 from systems import (
     WARMUP_PROMPT,
+    build_cpu_kernels,
     cell,
     decode_tokens_per_second,
     finish,
@@ -863,6 +864,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not systems or not set(systems) <= set(SYSTEMS):
         raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
     require_peers(systems)
+    build_cpu_kernels(systems)
     plan = Plan(
         prompt_len=args.prompt_len,
         output_len=args.output_len,

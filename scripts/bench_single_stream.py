@@ -49,6 +49,7 @@ from systems import (
     AsyncEngineSystem,
     LlamaCppSystem,
     VllmSystem,
+    build_cpu_kernels,
     cell,
     finish,
     model_dir_for,
@@ -350,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not systems or not set(systems) <= set(SYSTEMS):
         raise SystemExit(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems}")
     require_peers(systems)
+    build_cpu_kernels(systems)
     if args.threads:
         import torch
 

@@ -39,6 +39,7 @@ def test_tiny_shape_runs_end_to_end_and_writes_its_json(
     bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_KERNELS", "0")  # not compiled again into tmp_path
     out = tmp_path / "real_sizes.json"
     result = bench.main(
         [

@@ -783,3 +783,30 @@ def test_the_llamacpp_peer_runs_the_weights_asyncengine_runs() -> None:
     assert peer.model_kind_for("/some/model-dir", "auto", "float32") == "float32"
     with pytest.raises(peer.LlamaCppPeerError):
         peer.model_kind_for("smollm2-135m", "none", "auto")
+
+
+def test_our_cpu_kernels_are_built_before_any_timing(
+    systems: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_cpu_kernels compiles (or finds cached) every build an engine's pool may load, in a
+    process of its own, so that no start-up figure counts gcc; nothing for peers alone or a GPU."""
+    from asyncengine.kernels.cpu import cpu_native, decode_step_native
+
+    ran: list[list[str]] = []
+    real_run = systems.subprocess.run
+
+    def spy(command: list[str], **kwargs: Any) -> Any:
+        ran.append(command)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(systems.subprocess, "run", spy)
+    systems.build_cpu_kernels(["llamacpp"])
+    systems.build_cpu_kernels(["asyncengine"], "cuda")
+    assert ran == []
+    systems.build_cpu_kernels(["asyncengine", "llamacpp"])
+    assert len(ran) == 1
+    builds = [(path.stem, ()) for path in cpu_native.SOURCE_DIR.glob("*.c")]
+    for kv_dtype, flags in decode_step_native.KV_BUILD_FLAGS.items():
+        builds += [(name, cpu_native.kv_flags(kv_dtype)) for name in cpu_native.KV_LIBRARIES]
+        builds.append(("cpu_decode_step", flags))
+    assert all(cpu_native.library_path(name, flags).exists() for name, flags in builds)
