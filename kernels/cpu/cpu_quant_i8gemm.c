@@ -463,6 +463,16 @@ static inline Q_ALWAYS_INLINE void prefetch_part(const i8_prefetch *p, int64_t s
 }
 
 #if defined(I8_512)
+/* each byte's high nibble: one GFNI bit-matrix instruction (row i of the matrix picks bit i + 4)
+ * where the CPU has it, for the shift and mask */
+static inline __m512i high_nibbles(__m512i w) {
+#if defined(__GFNI__)
+    return _mm512_gf2p8affine_epi64_epi8(w, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 /* one step of 4 k: the loaded weight vectors wv[0..nv-1] meet rows xq[0..mr-1] (the weights
  * the unsigned operand, or the shifted activations where the values are centred) */
 static inline Q_ALWAYS_INLINE void k4_step(__m512i (*iacc)[NV], const __m512i *wv,
@@ -501,9 +511,10 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
             for (int v = 0; v < nv; v++) isum[r][v] = _mm512_setzero_si512();
         for (int j = 0; j < nsub; j++) {
             prefetch_part(pf, (s - s0) * nsub + j, (s1 - s0) * nsub);
-            __m512i iacc[MR][NV];
+            /* nibbles: the low ones' sums in iacc, the high ones' in ihi (16 values each) */
+            __m512i iacc[MR][NV], ihi[MR][NV];
             for (int r = 0; r < mr; r++)
-                for (int v = 0; v < nv; v++) iacc[r][v] = _mm512_setzero_si512();
+                for (int v = 0; v < nv; v++) iacc[r][v] = ihi[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int t = 0; t < sub4; t += 1 + nib) {
                 const int kk = j * sub4 + t;
@@ -514,18 +525,25 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
                      * every row's vpdpbusd (Q5_K's product at 32 rows 1.3x slower, Q6_K's 10%) */
                     if (!nib) __asm__("" : "+v"(wv[v]));
                     if (nib) {
-                        hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv[v], 4), m4);
+                        hi[v] = high_nibbles(wv[v]);
                         wv[v] = _mm512_and_si512(wv[v], m4);
                     }
                 }
                 k4_step(iacc, wv, xq, kk, mr, nv, cen);
-                if (nib) k4_step(iacc, hi, xq, kk + 1, mr, nv, cen);
+                if (nib) k4_step(ihi, hi, xq, kk + 1, mr, nv, cen);
             }
             for (int v = 0; v < nv; v++) {
                 const __m512i scv = _mm512_cvtepi8_epi32(
                     _mm_load_si128((const __m128i *)(blk[v] + sc_at + NP * j)));
                 for (int r = 0; r < mr; r++)
-                    isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(iacc[r][v], scv));
+                    if (nib) { /* a sum of 16 nibble products (|.| <= 16 * 127 * 15) fits its
+                                * low 16 bits: vpdpwssd against the scale scales and adds it in
+                                * one instruction (vpmulld is two, and an add) */
+                        isum[r][v] = _mm512_dpwssd_epi32(isum[r][v], iacc[r][v], scv);
+                        isum[r][v] = _mm512_dpwssd_epi32(isum[r][v], ihi[r][v], scv);
+                    } else
+                        isum[r][v] =
+                            _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(iacc[r][v], scv));
             }
         }
         if (cen) {

@@ -128,6 +128,20 @@ def test_q6_k_sums_at_their_extremes(
 
 
 @pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_q4_k_sums_at_their_extremes(isa: str, sign: float) -> None:
+    """Q4_K's sums of 16 nibble products are scaled in 16 bits (vpdpwssd): with every value 15,
+    every scale and min 63 and every activation at +-127 they stay exact."""
+    weight = random_weight(FORMATS["Q4_K"], 16, 2048, seed=23)
+    blocks = weight.data.view(16, 8, 144)
+    blocks[:, :, 4:] = 0xFF  # the 12 scale bytes (every 6-bit scale and min 63), every nibble 15
+    x = torch.full((5, 2048), sign)
+    ref = i8gemm_ref.linear(x, weight)
+    y = quant_i8gemm_native.linear(x, quant_i8gemm_native.pack(weight), isa=isa)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("isa", _builds())
 @pytest.mark.parametrize(("value_byte", "sign"), [(0x80, 1.0), (0x7F, -1.0), (0x80, -1.0)])
 def test_q8_0_sums_at_their_extremes(isa: str, value_byte: int, sign: float) -> None:
     """Q8_0's values (s8) meet the activations as unsigned bytes (x + 128), the sums started at
