@@ -7,7 +7,9 @@ import os
 # Triton kernel tests run on CPU through the interpreter; it must be chosen before triton loads.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import glob
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +179,24 @@ def tiny_llama(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
 def tiny_qwen2(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     """Qwen2 with q/k/v biases and tied embeddings."""
     return tiny_checkpoints["qwen2_bias"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forget_temporary_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The engine caches a GGUF's metadata (and a float GGUF's conversion) under a name made from
+    the file's path, size and time; the suite's GGUFs live in temporary directories, so their
+    cache entries go with them at the end instead of piling up in the user's cache."""
+    yield
+    from asyncengine.common.private_cache import cache_root
+    from asyncengine.executor.loader.default_model import gguf_file
+
+    root = cache_root()
+    for path in tmp_path_factory.getbasetemp().rglob("*.gguf"):
+        found = gguf_file(path)
+        if found is None:
+            continue
+        for entry in root.glob(f"{glob.escape(found[1])}-*"):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
