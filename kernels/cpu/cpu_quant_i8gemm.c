@@ -33,9 +33,9 @@
  * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
  * panels of int32 sums in registers (the float sums in memory, met once a super-block), each
  * loaded weight vector meeting all MR rows; threads take units of NV panels (each a contiguous
- * stream) as they come free. Only the AVX-512 VNNI build has the fast kernel
- * (asyncengine_i8_available); the other builds (-DQ_FORCE_AVX2, -DQ_FORCE_SCALAR, CPUs without
- * it) run a scalar kernel on the same layout, the reference the tests hold the fast one to.
+ * stream) as they come free. The AVX-512 VNNI build has a fast kernel for every format, the
+ * AVX2 build (-DQ_FORCE_AVX2, CPUs without VNNI) one for the K formats (asyncengine_i8_fast);
+ * the others run a scalar kernel on the same layout, the reference the tests hold them to.
  * Built by kernels/cpu/cpu_native.py. */
 #include <omp.h>
 #include <stdlib.h>
@@ -46,6 +46,8 @@
 
 #if defined(Q_ISA_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define I8_512 1
+#elif defined(Q_ISA_AVX2)
+#define I8_256 1 /* the K formats' AVX2 kernel; the 32-value block formats run the scalar one */
 #endif
 
 #define NP 16 /* columns per panel */
@@ -121,10 +123,15 @@ int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
     return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
 }
 
-int asyncengine_i8_available(void) {
+/* 1 where this build has a fast kernel for format fmt: AVX-512 VNNI every format, AVX2 the K
+ * formats (their products' pairs of u8 x s8 stay within 16 bits; Q8_0's against x + 128 do not) */
+int asyncengine_i8_fast(int fmt) {
 #if defined(I8_512)
-    return 1;
+    return takes_format(fmt);
+#elif defined(I8_256)
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
 #else
+    (void)fmt;
     return 0;
 #endif
 }
@@ -683,6 +690,111 @@ I8_BLOCK32_FN(tile_q4_1, 1)
 #undef I8_CASE
 #endif
 
+#if defined(I8_256)
+/* the AVX2 micro-kernel of the K formats: mr rows x one panel's 8 columns from c0 (a half), over
+ * super-blocks s0..s1 - 1, added into out. Without vpdpbusd a step of 4 k is vpmaddubsw (the
+ * pairs of u8 x s8 products in int16: at most 2 * 255 * 32, Q6_K's, within 16 bits) and vpmaddwd
+ * against the sub-block's scale in both words of each column's lane: the scale is applied in
+ * the instruction that widens the pairs to int32, so the sums need no step per sub-block (the
+ * same integers as the VNNI kernel's) */
+static inline Q_ALWAYS_INLINE void tile_256(const uint8_t *w, int c0, int64_t s0, int64_t s1,
+                                            const i8_row *a, const int mr, const int nsub,
+                                            const int nib, float *out, const i8_prefetch *pf) {
+    const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
+    const int cen = nsub == 16;       /* Q6_K: centred values */
+    const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
+                  d_at = mins_at + (cen ? NP * 4 : nsub * NP * 2);
+    const int64_t bytes = d_at + (cen ? NP * 4 : 2 * NP * 4);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), low_words = _mm256_set1_epi32(0xFFFF);
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *blk = w + s * bytes;
+        const int8_t *xq[MR];
+        for (int r = 0; r < mr; r++) xq[r] = a[r].q + s * QK_K;
+        __m256i isum[MR];
+        for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < nsub; j++) {
+            if (pf) prefetch_part(pf, (s - s0) * nsub + j, (s1 - s0) * nsub);
+            const __m256i sc = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(blk + sc_at + NP * j + c0)));
+            const __m256i scw = _mm256_or_si256(_mm256_and_si256(sc, low_words),
+                                                _mm256_slli_epi32(sc, 16));
+#pragma GCC unroll 8
+            for (int t = 0; t < sub4; t += 1 + nib) {
+                const int kk = j * sub4 + t;
+                const __m256i wv = _mm256_load_si256(
+                    (const __m256i *)(blk + 64 * (nib ? kk / 2 : kk) + 4 * c0));
+                const __m256i lo = nib ? _mm256_and_si256(wv, m4) : wv;
+                for (int r = 0; r < mr; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[r] + 4 * kk, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    const __m256i p = cen ? _mm256_maddubs_epi16(xb, lo)
+                                          : _mm256_maddubs_epi16(lo, xb);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scw));
+                }
+                if (nib) {
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                    for (int r = 0; r < mr; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xq[r] + 4 * (kk + 1), 4);
+                        const __m256i p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scw));
+                    }
+                }
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *)(blk + d_at) + c0);
+        if (cen) {
+            const __m256i off = _mm256_slli_epi32(
+                _mm256_loadu_si256((const __m256i *)(blk + mins_at + 4 * c0)), 7);
+            for (int r = 0; r < mr; r++) {
+                float *o = out + r * NV * NP + c0;
+                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), d);
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(a[r].xd[s]),
+                                                    _mm256_loadu_ps(o)));
+            }
+            continue;
+        }
+        const __m256 dm = _mm256_loadu_ps((const float *)(blk + d_at + NP * 4) + c0);
+        for (int r = 0; r < mr; r++) {
+            __m256i imin = _mm256_setzero_si256();
+            for (int p = 0; p < nsub / 2; p++) {
+                int32_t b2;
+                memcpy(&b2, a[r].b + s * nsub + 2 * p, 4);
+                const __m256i mv =
+                    _mm256_loadu_si256((const __m256i *)(blk + mins_at + 64 * p + 4 * c0));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mv, _mm256_set1_epi32(b2)));
+            }
+            float *o = out + r * NV * NP + c0;
+            const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), d,
+                                             _mm256_mul_ps(_mm256_cvtepi32_ps(imin), dm));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(a[r].xd[s]), _mm256_loadu_ps(o)));
+        }
+    }
+}
+
+/* one function per K format, one inlined copy per row count; each panel of the unit in turn,
+ * its halves in turn (the first pass asks for the unit's next lines) */
+#define I8_CASE(mr)                                                                              \
+    case mr:                                                                                     \
+        for (int v = 0; v < np; v++)                                                             \
+            for (int h = 0; h < 2; h++)                                                          \
+                tile_256(w[v], 8 * h, s0, s1, a, mr, NSUB, NIB, out + v * NP,                    \
+                         v == 0 && h == 0 ? pf : NULL);                                          \
+        return;
+#define I8_FORMAT_FN(name, nsub, nib)                                                            \
+    static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
+        enum { NSUB = nsub, NIB = nib };                                                         \
+        switch (nr) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) }                              \
+    }
+I8_FORMAT_FN(tile_q4_k, 8, 1)
+I8_FORMAT_FN(tile_q5_k, 8, 0)
+I8_FORMAT_FN(tile_q6_k, 16, 0)
+#undef I8_FORMAT_FN
+#undef I8_CASE
+#endif
+
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out, const i8_prefetch *pf) {
 #if defined(I8_512)
@@ -691,6 +803,11 @@ static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, in
     else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
     else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
     else tile_q6_k(w, np, s0, s1, a, nr, out, pf);
+#elif defined(I8_256)
+    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
+    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
+    else if (fmt == FMT_Q6_K) tile_q6_k(w, np, s0, s1, a, nr, out, pf);
+    else tile_scalar(fmt, w, np, s0, s1, a, nr, out);
 #else
     (void)pf;
     tile_scalar(fmt, w, np, s0, s1, a, nr, out);

@@ -6,10 +6,10 @@
 (Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11 / 1.25 / 1.25 / 1.375 bytes a
 weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with
 the activations rounded to int8 per 256 values (per 32 against the 32-value block formats), the
-weights exact. ``available()``: this CPU's build has the fast kernel (AVX-512 VNNI). ``isa``
-picks the library variant as quant_native's does ("native", "avx2", "scalar"); the builds
-without the fast kernel run a scalar one on the same layout (the reference the tests hold the
-fast one to).
+weights exact. ``available(formats)``: this CPU's build has a fast kernel for those formats
+(AVX-512 VNNI: all of them; AVX2: the K formats). ``isa`` picks the library variant as
+quant_native's does ("native", "avx2", "scalar"); a build without a fast kernel for a format
+runs a scalar one on the same layout (the reference the tests hold the fast ones to).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.linear_operands import linear_operands
 from asyncengine.kernels.cpu.quant_native import ISA_FLAGS
+from asyncengine.kernels.quant_formats import FORMATS as QUANT_FORMATS
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -53,8 +54,8 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib = cpu_native.load("cpu_quant_i8gemm", ISA_FLAGS[isa])
     if lib is None:
         return None
-    lib.asyncengine_i8_available.restype = _INT
-    lib.asyncengine_i8_available.argtypes = []
+    lib.asyncengine_i8_fast.restype = _INT
+    lib.asyncengine_i8_fast.argtypes = [_INT]
     lib.asyncengine_i8_panel_bytes.restype = _I64
     lib.asyncengine_i8_panel_bytes.argtypes = [_INT, _I64]
     lib.asyncengine_i8_pack.restype = None
@@ -74,12 +75,15 @@ def _lib(isa: str = "native") -> ctypes.CDLL:
     return lib
 
 
-def available(isa: str = "native") -> bool:
-    """Whether this build runs the fast kernel here (and the path is not turned off)."""
+def available(isa: str = "native", formats: Iterable[str] = FORMATS) -> bool:
+    """Whether this build runs a fast kernel here for every one of ``formats`` (and the path is
+    not turned off)."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
         return False
     lib = _library(isa)
-    return lib is not None and bool(lib.asyncengine_i8_available())
+    return lib is not None and all(
+        lib.asyncengine_i8_fast(QUANT_FORMATS[name].code) for name in formats
+    )
 
 
 def takes(weight: QuantizedTensor) -> bool:

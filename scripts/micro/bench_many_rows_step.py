@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--amx-vs-dense", default=None, help="K formats: per projection (above)")
     parser.add_argument("--i8-crossovers", default=None, help="K formats: per projection (above)")
     parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="--i8-crossovers' activations and dense product (float32: an AVX2 CPU's)",
+    )
+    parser.add_argument(
         "--shape",
         default="llama-3.2-1b",
         help="--amx-vs-dense' shape; without --model, a random model of it (synthetic_model)",

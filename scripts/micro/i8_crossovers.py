@@ -1,6 +1,7 @@
 """bench_many_rows_step.py's ``--i8-crossovers``: per projection of a real shape's layer (and the
 LM head), the K formats' and Q8_0's int8 product (kernels/cpu/cpu_quant_i8gemm.c) against the
-dense bfloat16 product of the same weight (prepacked oneDNN) and, up to 64 rows, the quantized
+dense product of the same weight (prepacked oneDNN; bfloat16, or float32 with ``--dtype
+float32`` as on an AVX2 CPU, whose fast kernel takes the K formats) and, up to 64 rows, the quantized
 group kernels; per row count, the medians of repeated calls, the paths alternating. Prints GMAC/s
 of each and dense / int8 (> 1: the int8 product faster), where executor/layers/linear.py's
 ``I8_BELOW_ROWS_BY_FORMAT`` and ``I8_FROM_ROWS_BY_FORMAT`` come from. Run it with ``--threads 1
@@ -25,23 +26,26 @@ GROUP_UP_TO = 64  # rows up to which the group kernels are timed too
 
 
 def run_i8_crossovers(args: argparse.Namespace) -> dict[str, Any]:
-    if not quant_i8gemm_native.available():
-        raise SystemExit("no int8 product on this CPU")
+    formats = args.i8_crossovers.split(",")
+    if not quant_i8gemm_native.available(formats=formats):
+        raise SystemExit(f"no fast int8 product of {', '.join(formats)} on this CPU")
+    dtype = getattr(torch, args.dtype)
     clock: Callable[[], float] = time.process_time if args.cpu_time else time.perf_counter
     layer, head = SHAPES[args.shape]
     results = []
     print(
-        f"{args.shape}; threads {torch.get_num_threads()}; GMAC/s, dense / int8 (> 1: int8 faster)"
+        f"{args.shape}; threads {torch.get_num_threads()}; {args.dtype}; GMAC/s, "
+        "dense / int8 (> 1: int8 faster)"
     )
     with torch.inference_mode():
-        for fmt in args.i8_crossovers.split(","):
+        for fmt in formats:
             for name, out, inp in [*layer, head]:
                 linear = QuantizedLinear([random_blocks(fmt, out, inp)], None, 1)
                 part = linear.parts[0]
-                dense = linear.dense(torch.bfloat16)
+                dense = linear.dense(dtype)
                 panels = quant_i8gemm_native.pack(part)
                 for n in args.batches:
-                    x = torch.randn(n, inp).to(torch.bfloat16)
+                    x = torch.randn(n, inp).to(dtype)
                     paths: dict[str, Callable[[], Any]] = {
                         "int8": partial(quant_i8gemm_native.linear, x, panels),
                         "dense": partial(dense, x),

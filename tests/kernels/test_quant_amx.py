@@ -266,7 +266,7 @@ def test_without_amx_the_projection_keeps_the_dense_product(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(quant_amx_native, "available", lambda: False)
-    monkeypatch.setattr(quant_i8gemm_native, "available", lambda: False)
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda **_: False)
     q4 = random_weight(FORMATS["Q4_K"], 16, 256, seed=4)
     projection = QuantizedLinear([q4], dense_from_rows=8)
     assert not projection._amx

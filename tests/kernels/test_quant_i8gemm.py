@@ -333,7 +333,7 @@ def test_a_budget_without_room_keeps_the_other_paths() -> None:
 def test_without_the_fast_kernel_the_engine_keeps_its_paths(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(quant_i8gemm_native, "available", lambda: False)
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda **_: False)
     q4 = random_weight(FORMATS["Q4_K"], 16, 256, seed=4)
     assert i8_below_rows([q4]) == 0
     projection = QuantizedLinear([q4], dense_from_rows=8)

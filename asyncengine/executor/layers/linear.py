@@ -111,7 +111,8 @@ AMX_I8_BELOW_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K
 # formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
 # the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
-# Q5_K / Q6_K against a dense bfloat16 copy's 2; AVX-512 VNNI) instead of the dense product, and
+# Q5_K / Q6_K against a dense bfloat16 copy's 2; AVX-512 VNNI, or AVX2 for the K formats:
+# 1.3-3.9x a dense float32 copy at 32-256 rows, docs/KERNELS.md) instead of the dense product, and
 # builds no dense copy for those rows. Per projection of a 1.5B layer and its LM head, dense bfloat16 time /
 # int8 time (one thread, CPU time, a shared machine: +-15%; scripts/micro/bench_many_rows_step.py
 # --i8-crossovers Q4_K,Q5_K,Q6_K --shape qwen2.5-1.5b --threads 1 --cpu-time): Q4_K 1.5-2.1 at
@@ -518,7 +519,7 @@ def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
         p.format.name in I8_BELOW_ROWS_BY_FORMAT and quant_i8gemm_native.takes(p) for p in parts
     ):
         return 0
-    if not quant_i8gemm_native.available():
+    if not quant_i8gemm_native.available(formats={p.format.name for p in parts}):
         return 0
     return min(I8_BELOW_ROWS_BY_FORMAT[p.format.name] for p in parts)
 
