@@ -123,6 +123,17 @@ int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
     return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
 }
 
+/* the fast kernels' vector width in bits: 512 (AVX-512 VNNI), 256 (AVX2), 0 (none) */
+int asyncengine_i8_width(void) {
+#if defined(I8_512)
+    return 512;
+#elif defined(I8_256)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 /* 1 where this build has a fast kernel for format fmt: AVX-512 VNNI every format, AVX2 the K
  * formats (their products' pairs of u8 x s8 stay within 16 bits; Q8_0's against x + 128 do not) */
 int asyncengine_i8_fast(int fmt) {

@@ -56,6 +56,8 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
         return None
     lib.asyncengine_i8_fast.restype = _INT
     lib.asyncengine_i8_fast.argtypes = [_INT]
+    lib.asyncengine_i8_width.restype = _INT
+    lib.asyncengine_i8_width.argtypes = []
     lib.asyncengine_i8_panel_bytes.restype = _I64
     lib.asyncengine_i8_panel_bytes.argtypes = [_INT, _I64]
     lib.asyncengine_i8_pack.restype = None
@@ -84,6 +86,13 @@ def available(isa: str = "native", formats: Iterable[str] = FORMATS) -> bool:
     return lib is not None and all(
         lib.asyncengine_i8_fast(QUANT_FORMATS[name].code) for name in formats
     )
+
+
+def kernel_width(isa: str = "native") -> int:
+    """The fast kernels' vector width in bits here: 512 (AVX-512 VNNI), 256 (AVX2: the K formats'
+    products as vpmaddubsw and vpmaddwd), 0 (none)."""
+    lib = _library(isa)
+    return 0 if lib is None else int(lib.asyncengine_i8_width())
 
 
 def takes(weight: QuantizedTensor) -> bool:

@@ -285,6 +285,34 @@ def test_q8_0_takes_it_below_its_dense_crossover(monkeypatch: pytest.MonkeyPatch
     assert projection._dense is not None
 
 
+@pytest.mark.parametrize("width", [512, 256])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_float32_rows_take_it_below_the_dense_crossover_only_with_the_avx2_kernel(
+    name: str, width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 activations keep the group kernels below the dense crossover where the fast
+    kernel is VNNI's; where it is the AVX2 one they take it from I8_FROM_ROWS_FLOAT32_AVX2."""
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda **_: True)
+    monkeypatch.setattr(quant_i8gemm_native, "kernel_width", lambda: width)
+    start = linear_module.I8_FROM_ROWS_FLOAT32_AVX2[name]
+    weight = random_weight(FORMATS[name], 32, 512, seed=13)
+    projection = QuantizedLinear([weight], dense_from_rows=start + 8)
+    below = torch.randn(start - 1, 512)
+    assert torch.equal(projection(below), projection._quantized(below))
+    at = torch.randn(start, 512)
+    out = projection(at)
+    if width == 512:
+        assert projection._i8 is None
+        assert projection.group_kernels_below(torch.float32) == start + 8
+        return
+    assert projection._i8 is not None and projection._dense is None
+    assert projection.group_kernels_below(torch.float32) == start
+    ref = i8gemm_ref.linear(at, weight, None)
+    torch.testing.assert_close(
+        out.double(), ref, rtol=0, atol=1e-5 * product_scale(at, weight, None)
+    )
+
+
 @needs_fast
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_formats_take_it_from_their_start_rows_below_the_dense_crossover(name: str) -> None:

@@ -21,7 +21,7 @@ rows) and more, smaller calls for long prefills (scripts/bench_deterministic.py)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +144,15 @@ I8_BELOW_ROWS_BY_FORMAT = {
 # 5-row steps of 1B Q4_K_M, Q5_K_M and Q8_0 models 1.09-1.23x faster from 5 than from 6 or 8.
 # Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64; Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64 (a 1.5B layer).
 I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 5, "Q6_K": 5}
+# Where the int8 product is the AVX2 kernel (a CPU without VNNI: float32 activations by default),
+# float32 activations take it from these rows below the dense crossover. Group kernels / int8
+# product per projection of a 1B layer and its LM head, two threads, a Zen 3 ISA build
+# (bench_many_rows_step.py --i8-crossovers Q4_K,Q5_K,Q6_K --dtype float32): Q6_K 1.1-1.6 at 2
+# rows, 1.6-2.1 at 3, 2.8-3.6 at 8-64 (its group kernels' 16-value sub-blocks); Q5_K 0.8-0.96
+# at 4, 1.1-1.2 at 8, 1.2-1.4 at 12-32; Q4_K 0.8-1.3 at 2-12, 1.0-1.1 at 16-64. A 1B Q4_K_M's
+# fused decode step then takes up to 7 rows, where it took 31: 8 / 16 at once 1.3-1.4x / 1.2-1.4x
+# out tok/s (bench_real_sizes.py --concurrency 4 8 16 32, two runs, against its 4 at once).
+I8_FROM_ROWS_FLOAT32_AVX2 = {"Q4_K": 16, "Q5_K": 8, "Q6_K": 8}
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
@@ -270,6 +279,7 @@ class QuantizedLinear:
         "_i8_below",
         "_i8_build",
         "_i8_from",
+        "_i8_from_float32",
         "_i8_rented",
         "bias",
         "budget",
@@ -319,6 +329,11 @@ class QuantizedLinear:
             else i8_below_rows(self.parts)
         )
         self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
+        self._i8_from_float32 = (
+            i8_from_rows(self.parts, I8_FROM_ROWS_FLOAT32_AVX2)
+            if self._i8_below and quant_i8gemm_native.kernel_width() == 256
+            else 1 << 30
+        )
         self._i8_build: PanelBuild | None = None
         self._i8_rented = 0  # rows the quantized product took while they were deferred
 
@@ -338,9 +353,9 @@ class QuantizedLinear:
         """The product that takes ``n`` rows of activations in ``dtype``, by the crossovers."""
         if self._amx and dtype == torch.bfloat16 and n >= self._amx_from:
             return self._amx_product
+        i8_from = self._i8_from if dtype == torch.bfloat16 else self._i8_from_float32
         if self.dense_from_rows is not None and (
-            n >= self.dense_from_rows
-            or (self._i8_from <= n < self._i8_below and dtype == torch.bfloat16)
+            n >= self.dense_from_rows or i8_from <= n < self._i8_below
         ):
             if n < self._i8_below and self._i8_allowed(n):
                 return self._i8_product
@@ -356,11 +371,11 @@ class QuantizedLinear:
         ``dtype`` (the AMX, int8 or dense product, by the crossovers; a budget that refuses
         copies or panels keeps them longer)."""
         rows = [self.dense_from_rows or 1 << 30]
-        if dtype == torch.bfloat16:
-            if self._amx:
-                rows.append(self._amx_from)
-            if self._i8_from < self._i8_below:
-                rows.append(self._i8_from)
+        i8_from = self._i8_from if dtype == torch.bfloat16 else self._i8_from_float32
+        if i8_from < self._i8_below:
+            rows.append(i8_from)
+        if dtype == torch.bfloat16 and self._amx:
+            rows.append(self._amx_from)
         return min(rows)
 
     def float32_out(self, x: torch.Tensor) -> torch.Tensor:
@@ -524,10 +539,12 @@ def i8_below_rows(parts: Sequence[QuantizedTensor]) -> int:
     return min(I8_BELOW_ROWS_BY_FORMAT[p.format.name] for p in parts)
 
 
-def i8_from_rows(parts: Sequence[QuantizedTensor]) -> int:
+def i8_from_rows(
+    parts: Sequence[QuantizedTensor], by_format: Mapping[str, int] = I8_FROM_ROWS_BY_FORMAT
+) -> int:
     """Rows from which these parts take the int8 product below their dense crossover
-    (``I8_FROM_ROWS_BY_FORMAT``; a part without an entry: never below it)."""
-    return max(I8_FROM_ROWS_BY_FORMAT.get(p.format.name, 1 << 30) for p in parts)
+    (``by_format``; a part without an entry: never below it)."""
+    return max(by_format.get(p.format.name, 1 << 30) for p in parts)
 
 
 def _interleaved(part: QuantizedTensor) -> QuantizedTensor:
