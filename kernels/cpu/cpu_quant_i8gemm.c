@@ -740,9 +740,8 @@ static inline Q_ALWAYS_INLINE void tile_256(const uint8_t *w, int c0, int64_t s0
                                             const int nib, float *out, const i8_prefetch *pf) {
     const int sub4 = QK_K / nsub / 4; /* steps of 4 k per sub-block */
     const int cen = nsub == 16;       /* Q6_K: centred values */
-    const int64_t sc_at = QK_K * NP / (nib ? 2 : 1), mins_at = sc_at + nsub * NP,
-                  d_at = mins_at + (cen ? NP * 4 : nsub * NP * 2);
-    const int64_t bytes = d_at + (cen ? NP * 4 : 2 * NP * 4);
+    const sb_layout l = layout_of(nib ? FMT_Q4_K : cen ? FMT_Q6_K : FMT_Q5_K);
+    const int64_t sc_at = l.sc, mins_at = l.mins, d_at = l.d, bytes = l.bytes;
     const __m256i m4 = _mm256_set1_epi8(0x0F), low_words = _mm256_set1_epi32(0xFFFF);
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *blk = w + s * bytes;
@@ -794,7 +793,7 @@ static inline Q_ALWAYS_INLINE void tile_256(const uint8_t *w, int c0, int64_t s0
             }
             continue;
         }
-        const __m256 dm = _mm256_loadu_ps((const float *)(blk + d_at + NP * 4) + c0);
+        const __m256 dm = _mm256_loadu_ps((const float *)(blk + l.dm) + c0);
         for (int r = 0; r < mr; r++) {
             __m256i imin = _mm256_setzero_si256();
             for (int p = 0; p < nsub / 2; p++) {

@@ -94,6 +94,12 @@ def test_kept_memory_goes_back_to_the_os() -> None:
     assert kept - after >= (kept - before) // 2
 
 
+def test_without_glibc_nothing_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another C library (no ``gnu_get_libc_version``): the call says it did nothing."""
+    monkeypatch.setattr(malloc_reuse.ctypes, "CDLL", lambda name: object())
+    assert malloc_reuse.give_back_freed_memory() is False
+
+
 def test_switch_off_leaves_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(malloc_reuse.ENABLE_ENV, "0")
     assert not malloc_reuse.keep_freed_memory()

@@ -353,7 +353,7 @@ class QuantizedLinear:
         """The product that takes ``n`` rows of activations in ``dtype``, by the crossovers."""
         if self._amx and dtype == torch.bfloat16 and n >= self._amx_from:
             return self._amx_product
-        i8_from = self._i8_from if dtype == torch.bfloat16 else self._i8_from_float32
+        i8_from = self._i8_from_rows(dtype)
         if self.dense_from_rows is not None and (
             n >= self.dense_from_rows or i8_from <= n < self._i8_below
         ):
@@ -366,12 +366,17 @@ class QuantizedLinear:
             return self._quantized
         return self._quantized
 
+    def _i8_from_rows(self, dtype: torch.dtype) -> int:
+        """Rows from which activations in ``dtype`` take the int8 product below the dense
+        crossover (``I8_FROM_ROWS_BY_FORMAT``, float32 ``I8_FROM_ROWS_FLOAT32_AVX2``)."""
+        return self._i8_from if dtype == torch.bfloat16 else self._i8_from_float32
+
     def group_kernels_below(self, dtype: torch.dtype) -> int:
         """Rows from which ``_product`` leaves the quantized group kernels for activations in
         ``dtype`` (the AMX, int8 or dense product, by the crossovers; a budget that refuses
         copies or panels keeps them longer)."""
         rows = [self.dense_from_rows or 1 << 30]
-        i8_from = self._i8_from if dtype == torch.bfloat16 else self._i8_from_float32
+        i8_from = self._i8_from_rows(dtype)
         if i8_from < self._i8_below:
             rows.append(i8_from)
         if dtype == torch.bfloat16 and self._amx:
