@@ -235,6 +235,7 @@ def test_wide_q8_0_projections_meet_the_bfloat16_product_at_their_own_crossover(
     |products|, and a row in both calls agrees to that too."""
     monkeypatch.setattr(linear_module, "fastest_cpu_dtype", lambda: torch.bfloat16)
     monkeypatch.delitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q8_0")
+    monkeypatch.setattr(linear_module, "AMX_FORMATS", frozenset())  # nor AMX, as such a CPU
     wide_cols = linear_module.WIDE_INPUT
     narrow_cols = wide_cols // 2
     weights = {

@@ -139,11 +139,11 @@ def test_weights_it_cannot_take_are_refused() -> None:
 
 @needs_amx
 def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
-    """A Q4_K projection with bfloat16 rows: the q8 kernel below ``AMX_FROM_ROWS_BY_FORMAT`` or
-    its dense crossover, whichever is sooner, the AMX product from there at any row count (no
-    dense copy built). Parts of several formats (q/k in Q4_K, v in
-    Q6_K) take it part by part; a part in a format it does not take keeps the other products for
-    all. Every path agrees with the dequantized weights to bfloat16 rounding."""
+    """A Q4_K projection with bfloat16 rows: the group kernels below ``I8_FROM_ROWS_BY_FORMAT``,
+    the int8 product up to ``AMX_FROM_ROWS_BY_FORMAT``, the AMX product from there at any row
+    count (no dense copy built), which agrees with the dequantized weights to bfloat16 rounding.
+    Parts of several formats (q/k in Q4_K, v in Q6_K) take it from the latest of their rows; a
+    part in a format it does not take keeps the other products for all."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=2)
     q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=3)
     i8 = random_weight(FORMATS["I8"], 16, 512, seed=4)
@@ -151,7 +151,9 @@ def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
     mixed = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
     assert projection._amx and mixed._amx
     assert not QuantizedLinear([q4, i8], dense_from_rows=8)._amx
-    x = torch.randn(40, 512).to(torch.bfloat16)
+    start = linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
+    assert mixed._amx_from == max(start, linear_module.AMX_FROM_ROWS_BY_FORMAT["Q6_K"])
+    x = torch.randn(mixed._amx_from + 8, 512).to(torch.bfloat16)
     assert mixed.bias is not None
     both = torch.cat([quant_ref.dequantize(q4), quant_ref.dequantize(q6)])
     ref = x.double() @ both.to(torch.bfloat16).double().T + mixed.bias.double()
@@ -161,41 +163,51 @@ def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
         rtol=2**-7,
         atol=1e-5 * float((x.double().abs() @ both.double().abs().T).max()),
     )
-    assert mixed._dense is None
-    small = torch.randn(4, 512).to(torch.bfloat16)
-    assert torch.equal(projection(small), quant_native.quant_linear(small, projection.parts[0]))
-    for n in (8, 31, 33, 200, 600):
-        x = torch.randn(n, 512).to(torch.bfloat16)
-        assert torch.equal(projection(x), quant_amx_native.linear(x, projection.parts[0]))
-        torch.testing.assert_close(
-            projection(x).double(),
-            reference(x, q4, None),
-            rtol=2**-7,
-            atol=1e-5 * product_scale(x, q4, None),
-        )
-    assert projection._dense is None  # the AMX product needs no dense copy
-    # where the dense crossover comes later (a 1B model's Q4_K layers: 14 rows), the group
-    # kernels keep the rows below AMX_FROM_ROWS_BY_FORMAT
-    late = QuantizedLinear([q4], dense_from_rows=14)
-    start = linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
-    assert start < 14
-    for n, group_kernels in ((start - 1, True), (start, False), (13, False)):
+    i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"]
+    for n in (i8_from - 1, i8_from, start - 1, start, start + 5, 200, 600):
         x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-        by_group = quant_native.quant_linear(x, late.parts[0])
-        by_amx = quant_amx_native.linear(x, late.parts[0])
-        assert not torch.equal(by_group, by_amx)
-        assert torch.equal(late(x), by_group if group_kernels else by_amx)
-    assert late._dense is None and late._i8 is None
-    # float32 activations keep the dense product past the crossover (the AMX product takes
-    # bfloat16 rows)
-    projection(torch.randn(64, 512))
-    assert projection._dense is not None
+        y = projection(x)
+        if n < i8_from:  # the group kernels (tests/kernels/test_quantized_kernels.py)
+            assert torch.equal(y, quant_native.quant_linear(x, projection.parts[0]))
+            continue
+        if n < start:  # its activations quantized to int8 (tests/kernels/test_quant_i8gemm.py)
+            assert projection._i8 is not None
+            assert torch.equal(y, projection._i8_product(x))
+            continue
+        assert torch.equal(y, quant_amx_native.linear(x, projection.parts[0]))
+        torch.testing.assert_close(
+            y.double(), reference(x, q4, None), rtol=2**-7, atol=1e-5 * product_scale(x, q4, None)
+        )
+    assert projection._dense is None and mixed._dense is None  # no dense copy
+    # float32 activations take the int8 product past the dense crossover (the AMX product takes
+    # bfloat16 rows), as on a CPU without AMX
+    x = torch.randn(64, 512)
+    assert torch.equal(projection(x), projection._i8_product(x))
+    assert projection._dense is None
 
 
 @needs_amx
-@pytest.mark.parametrize("name", BLOCK_FORMATS)
-def test_block_formats_keep_the_int8_product_below_their_amx_rows(name: str) -> None:
-    """Q8_0 / Q4_0 / Q4_1 with bfloat16 rows: the int8 product from its rows up to
+def test_without_room_for_int8_panels_amx_takes_over_at_the_dense_crossover() -> None:
+    """Where the budget refuses a K-format projection its int8 panels, the AMX product takes
+    the rows from the dense crossover (it is the dense product's sums without a copy), the group
+    kernels below it."""
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=5)
+    projection = QuantizedLinear([q4], dense_from_rows=14, budget=linear_module.DenseBudget(0))
+    assert 14 < linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
+    i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"]
+    for n, group_kernels in ((i8_from, True), (13, True), (14, False), (40, False)):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        by_group = quant_native.quant_linear(x, projection.parts[0])
+        by_amx = quant_amx_native.linear(x, projection.parts[0])
+        assert not torch.equal(by_group, by_amx)
+        assert torch.equal(projection(x), by_group if group_kernels else by_amx)
+    assert projection._i8 is None and projection._dense is None
+
+
+@needs_amx
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
+def test_every_format_keeps_the_int8_product_below_its_amx_rows(name: str) -> None:
+    """Every format with bfloat16 rows: the int8 product from its rows up to
     ``AMX_FROM_ROWS_BY_FORMAT``, the AMX product from there at any size; no dense copy."""
     assert quant_i8gemm_native.available()  # every AMX CPU has AVX-512 VNNI
     weight = random_weight(FORMATS[name], 32, 512, seed=31)

@@ -97,17 +97,16 @@ DENSE_FROM_ROWS_BF16_WIDE_INPUT = {"Q8_0": 8}
 # such a loop, not in a step). A 1B Q4_K_M prompt of 512 / 2048 tokens 1.26x / 1.16x faster
 # than with dense copies (scripts/bench_real_sizes.py --prefill-lens), and no copy is held.
 AMX_FORMATS = quant_amx_native.FORMATS
-# The 32-value block formats keep the int8 product (I8_FROM_ROWS_BY_FORMAT) below these rows
-# (AMX_I8_BELOW_FORMATS): per projection of a 1B layer, two threads, int8 / AMX time at 8 rows
-# 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at 128-512 1.8-3.6
-# (and AMX / dense 0.8-1.3). The K formats keep their group kernels below them and build no int8
-# panels (AMX unpacks ~10 G values a second a core, ~0.3 cycles a value, flat up to 16 rows: a
-# 16384 x 2048 Q4_K projection 1.85 ms against its 0.45 at one row). Group kernels / AMX time per
-# projection of a 1B layer and its LM head, two threads, alternating (medians of 31): Q4_K at
-# 8 / 9 / 10 / 12 rows 1.12-1.18 / 0.93-0.99 / 0.86-0.91 / 0.76-0.82; Q5_K at 8 / 9 1.00-1.05 /
-# 0.81-0.85; Q6_K at 6 / 7 / 8 a layer's 1.71 / 1.12 / 0.96, the LM head's 0.88 / 0.77 / 0.70.
-AMX_FROM_ROWS_BY_FORMAT = {"Q4_K": 10, "Q5_K": 9, "Q6_K": 7, "Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
-AMX_I8_BELOW_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+# Below these rows every format keeps the int8 product (from I8_FROM_ROWS_BY_FORMAT; the group
+# kernels below that): AMX unpacks every weight to bfloat16 per call (~10 G values a second a
+# core, flat up to 16 rows, its tiles 16 rows), where the int8 product's panels are unpacked
+# once. Per projection of a 1B layer and its LM head, two threads, AMX / int8 time (medians of
+# 7): int8 / AMX time, Q4_K at 16 / 24 / 28 / 32 / 48 rows 0.76-1.00 / 0.75-1.01 / 0.86-1.37 /
+# 0.96-1.54 / 1.03-1.47; Q5_K 0.84-0.93 / 0.80-0.89 / 0.91-1.03 / 1.03-1.15 / 1.04-1.22; Q6_K's
+# layers 0.66-0.87 / 0.60-0.85 / 0.69-0.79 / 0.78-0.86 / 0.86-0.97, its LM head 0.97 / 0.94 /
+# 1.06 / 1.19 / 0.96. The 32-value block formats at 8 rows 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16
+# 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at 128-512 1.8-3.6 (and AMX / dense 0.8-1.3).
+AMX_FROM_ROWS_BY_FORMAT = {"Q4_K": 28, "Q5_K": 28, "Q6_K": 32, "Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K
 # formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
 # the weights' exact integers, Q4_K's as nibbles, ~0.63 / 1.13 / 1.11 bytes a weight for Q4_K /
@@ -308,26 +307,20 @@ class QuantizedLinear:
         self.dense_from_rows = dense_from_rows
         self.budget = budget
         self._dense: Linear | None = None
+        # the int8 product's panels, built by the first call that takes it, or between steps
+        # (``defer_i8``: ``_i8_build`` holds them while they are built)
+        self._i8: list[quant_i8gemm_native.I8Panels] | None = None
+        self._i8_below = 0 if dense_from_rows is None else i8_below_rows(self.parts)
         # every part in a format the AMX product takes on this CPU (asked once per linear), and
-        # the rows from which it takes them: where the int8 product is not kept below them, by the
-        # dense crossover at the latest (it is the dense product's sums without a copy)
+        # the rows from which it takes them: the int8 product below, else the group kernels up
+        # to the dense crossover at the latest (AMX gives the dense product's sums without a copy)
         self._amx = dense_from_rows is not None and all(
             p.format.name in AMX_FORMATS and quant_amx_native.takes(p) for p in self.parts
         )
-        keeps_i8 = all(p.format.name in AMX_I8_BELOW_FORMATS for p in self.parts)
         self._amx_from = 1 << 30
         if self._amx and dense_from_rows is not None:
             by_format = amx_from_rows(self.parts)
-            self._amx_from = by_format if keeps_i8 else min(by_format, dense_from_rows)
-        # the int8 product's panels, built by the first call that takes it, or between steps
-        # (``defer_i8``: ``_i8_build`` holds them while they are built); none where the AMX
-        # product takes over from the group kernels
-        self._i8: list[quant_i8gemm_native.I8Panels] | None = None
-        self._i8_below = (
-            0
-            if (self._amx and not keeps_i8) or dense_from_rows is None
-            else i8_below_rows(self.parts)
-        )
+            self._amx_from = by_format if self._i8_below else min(by_format, dense_from_rows)
         self._i8_from = i8_from_rows(self.parts) if self._i8_below else 1 << 30
         self._i8_from_float32 = (
             i8_from_rows(self.parts, I8_FROM_ROWS_FLOAT32_AVX2)
@@ -460,6 +453,8 @@ class QuantizedLinear:
         if self.budget is None or self.budget.take(build.nbytes):
             return True
         self._i8_below, self._i8_build = 0, None
+        if self._amx and self.dense_from_rows is not None:  # from the dense crossover instead
+            self._amx_from = min(self._amx_from, self.dense_from_rows)
         return False
 
     def _i8_product(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
