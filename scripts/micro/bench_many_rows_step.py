@@ -40,6 +40,9 @@ executor/layers/linear.py never gives a projection with the AMX product a dense 
 
     .venv/bin/python scripts/micro/bench_many_rows_step.py --amx-vs-dense Q4_K,Q5_K,Q6_K \
         --shape llama-3.2-1b --batches 48,128,256,1024,2048 --threads 2
+
+``--amx-against i8``: the same against the int8 product (``AMX_FROM_ROWS_BY_FORMAT``: where the
+AMX product takes over from it), e.g. ``--batches 16,24,28,32,48``.
 """
 
 from __future__ import annotations
@@ -201,6 +204,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill", type=int, default=512, help="--vs-expanded's prompt tokens")
     parser.add_argument("--out", default=None, help="--vs-expanded: JSON here")
     parser.add_argument("--amx-vs-dense", default=None, help="K formats: per projection (above)")
+    parser.add_argument(
+        "--amx-against",
+        default="dense",
+        choices=("dense", "i8"),
+        help="--amx-vs-dense' other product (above)",
+    )
     parser.add_argument("--i8-crossovers", default=None, help="K formats: per projection (above)")
     parser.add_argument(
         "--dtype",

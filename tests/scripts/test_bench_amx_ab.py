@@ -26,3 +26,15 @@ def test_every_projection_is_timed_on_both_builds(tmp_path: Path) -> None:
     names = ("qkv", "o_proj", "gate_up", "down", "lm_head")
     assert cells == {(name, rows) for name in names for rows in (3, 17)}
     assert all(row["ours_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
+
+
+@pytest.mark.skipif(not quant_amx_native.available(), reason="this CPU does not run AMX")
+def test_amx_against_the_int8_product_times_every_projection() -> None:
+    """bench_many_rows_step.py --amx-vs-dense ... --amx-against i8: the AMX product beside the
+    int8 one (the crossover AMX_FROM_ROWS_BY_FORMAT comes from), per projection and row count."""
+    bench = load_script("micro/bench_many_rows_step")
+    report = bench.main(["--amx-vs-dense", "Q4_K", "--amx-against", "i8", "--shape",
+                         "qwen2.5-1.5b", "--batches", "17", "--repeats", "1"])  # fmt: skip
+    names = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+    assert [row["projection"] for row in report["rows"]] == list(names)
+    assert all(row["amx_ms"] > 0 and row["i8_ms"] > 0 for row in report["rows"])

@@ -100,12 +100,12 @@ AMX_FORMATS = quant_amx_native.FORMATS
 # Below these rows every format keeps the int8 product (from I8_FROM_ROWS_BY_FORMAT; the group
 # kernels below that): AMX unpacks every weight to bfloat16 per call (~10 G values a second a
 # core, flat up to 16 rows, its tiles 16 rows), where the int8 product's panels are unpacked
-# once. Per projection of a 1B layer and its LM head, two threads, AMX / int8 time (medians of
-# 7): int8 / AMX time, Q4_K at 16 / 24 / 28 / 32 / 48 rows 0.76-1.00 / 0.75-1.01 / 0.86-1.37 /
-# 0.96-1.54 / 1.03-1.47; Q5_K 0.84-0.93 / 0.80-0.89 / 0.91-1.03 / 1.03-1.15 / 1.04-1.22; Q6_K's
-# layers 0.66-0.87 / 0.60-0.85 / 0.69-0.79 / 0.78-0.86 / 0.86-0.97, its LM head 0.97 / 0.94 /
-# 1.06 / 1.19 / 0.96. The 32-value block formats at 8 rows 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16
-# 0.97-1.4 (Q4_1 1.1-1.4), at 32 1.6-2.2, at 128-512 1.8-3.6 (and AMX / dense 0.8-1.3).
+# once. AMX / int8 time per projection of a 1B layer and its LM head, two threads, medians of 7
+# (bench_many_rows_step.py --amx-vs-dense Q4_K,Q5_K,Q6_K --amx-against i8 --batches
+# 16,24,28,32,48), three runs on the Xeon, whose AMX speed swings the most: at 16-24 rows
+# 0.82-1.67 (above 1 in 73 of 80 cells), at 28-32 0.65-1.44, at 48 0.64-1.22. The 32-value
+# block formats, int8 / AMX: at 8 rows 0.6-1.0 (Q8_0; Q4_1 0.7-1.1), at 16 0.97-1.4 (Q4_1
+# 1.1-1.4), at 32 1.6-2.2, at 128-512 1.8-3.6 (and AMX / dense 0.8-1.3).
 AMX_FROM_ROWS_BY_FORMAT = {"Q4_K": 28, "Q5_K": 28, "Q6_K": 32, "Q8_0": 16, "Q4_0": 16, "Q4_1": 16}
 # From its dense crossover up to these rows (exclusive), a projection whose parts are all K
 # formats (or Q8_0) takes the int8 product where this CPU runs it (kernels/cpu/cpu_quant_i8gemm.c:
