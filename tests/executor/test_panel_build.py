@@ -90,7 +90,7 @@ def test_a_deferred_projection_answers_by_the_quantized_product_until_built(
     packed = _counting_pack(monkeypatch)
     monkeypatch.setattr(panel_build, "UNIT_BYTES", 1)  # a panel a range
     lazy, deferred = _mixed(), _mixed()
-    assert deferred.defer_i8() and deferred.defer_i8()  # asked twice: one build
+    assert deferred.defer_i8(torch.bfloat16) and deferred.defer_i8(torch.bfloat16)  # one build
     x = torch.randn(16, 512).to(torch.bfloat16)
     assert torch.equal(deferred(x), deferred._quantized(x))
     assert deferred._i8 is None and deferred._dense is None and not packed
@@ -101,7 +101,7 @@ def test_a_deferred_projection_answers_by_the_quantized_product_until_built(
         if deferred.i8_deferred:  # half built: still the quantized product
             assert torch.equal(deferred(x), deferred._quantized(x))
     assert steps == 3 + 2 and sum(packed) == 64  # 40 rows in 3 panels, 24 in 2: each once
-    assert not deferred.defer_i8()  # built: nothing more to defer
+    assert not deferred.defer_i8(torch.bfloat16)  # built: nothing more to defer
     deferred.build_i8_step()  # a step past the end does nothing
     assert sum(packed) == 64
     assert torch.equal(deferred(x), lazy(x))  # the panels one build makes, the int8 product
@@ -118,7 +118,7 @@ def test_a_call_past_the_deferred_rows_finishes_the_build_without_packing_twice(
     packed = _counting_pack(monkeypatch)
     monkeypatch.setattr(panel_build, "UNIT_BYTES", 1)
     lazy, deferred = _mixed(), _mixed()
-    assert deferred.defer_i8()
+    assert deferred.defer_i8(torch.bfloat16)
     deferred.build_i8_step()
     assert packed == [16] and deferred.i8_deferred
     x = torch.randn(16, 512).to(torch.bfloat16)
@@ -135,7 +135,7 @@ def test_a_call_past_the_deferred_rows_finishes_the_build_without_packing_twice(
 @needs_fast
 def test_the_budget_is_asked_once_and_a_refusal_ends_the_build() -> None:
     refused = _mixed(DenseBudget(0))
-    assert refused.defer_i8()
+    assert refused.defer_i8(torch.bfloat16)
     refused.build_i8_step()
     assert not refused.i8_deferred and refused._i8 is None and refused._i8_below == 0
     x = torch.randn(16, 512)
@@ -143,7 +143,7 @@ def test_the_budget_is_asked_once_and_a_refusal_ends_the_build() -> None:
     room = sum(quant_i8gemm_native.packed_bytes(p) for p in refused.parts)
     budget = DenseBudget(room)
     taken = _mixed(budget)
-    assert taken.defer_i8()
+    assert taken.defer_i8(torch.bfloat16)
     while taken.i8_deferred:
         taken.build_i8_step()
     assert taken._i8 is not None and budget.left == 0
@@ -169,6 +169,7 @@ def test_the_model_builds_every_projection_in_step_order(
     model = LlamaModel.__new__(LlamaModel)
     model.layers = [_Layer(a) for a in layers]  # type: ignore[list-item]
     model.lm_head = _mixed()
+    model.dtype = torch.bfloat16
     work = model.defer_panels()
     assert work is not None
     layers[1](torch.randn(DEFERRED_ROWS, 512))  # a long prompt's call packs this one now
@@ -212,7 +213,7 @@ async def test_the_engine_builds_them_on_its_worker_between_steps(
     monkeypatch.setattr(panel_build, "UNIT_BYTES", 1)
 
     def defer() -> Any:
-        assert projection.defer_i8()
+        assert projection.defer_i8(torch.bfloat16)
 
         def work() -> bool:
             projection.build_i8_step()
@@ -233,7 +234,7 @@ async def test_the_engine_builds_them_on_its_worker_between_steps(
     assert threads and all(name.startswith("asyncengine-forward") for name in threads)
     stopped = _mixed()
     executor = FakeExecutor(256)
-    executor.defer_one_time_work = lambda: lambda: stopped.defer_i8()  # type: ignore[attr-defined]
+    executor.defer_one_time_work = lambda: lambda: stopped.defer_i8(torch.bfloat16)  # type: ignore[attr-defined]
     engine = fake_engine()
     engine._given = (executor, CharTokenizer())
     async with engine:  # endless work: the stop cancels it

@@ -206,6 +206,24 @@ def test_without_room_for_int8_panels_amx_takes_over_at_the_dense_crossover() ->
 
 @needs_amx
 @pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
+def test_int8_panels_are_built_only_where_some_rows_take_them(name: str) -> None:
+    """A projection's panels are deferred for building (``defer_i8``) where some row count of
+    the model's activations takes the int8 product: not for a bfloat16 Q4_1 model, whose AMX
+    product starts at the int8 product's first rows; float32 rows (no AMX) take it."""
+    weight = random_weight(FORMATS[name], 32, 512, seed=33)
+    projection = QuantizedLinear([weight], None, dense_from_rows=32)
+    starts = linear_module.I8_FROM_ROWS_BY_FORMAT[name]
+    takes = starts < linear_module.AMX_FROM_ROWS_BY_FORMAT[name]
+    assert takes == (name != "Q4_1")
+    assert projection.takes_i8(torch.bfloat16) == takes == projection.defer_i8(torch.bfloat16)
+    assert projection.takes_i8(torch.float32)
+    fresh = QuantizedLinear([weight], None, dense_from_rows=32)  # builds panels when it needs them
+    by_int8 = [fresh._product(n, torch.bfloat16) == fresh._i8_product for n in range(64)]
+    assert any(by_int8) == takes
+
+
+@needs_amx
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
 def test_every_format_keeps_the_int8_product_below_its_amx_rows(name: str) -> None:
     """Every format with bfloat16 rows: the int8 product from its rows up to
     ``AMX_FROM_ROWS_BY_FORMAT``, the AMX product from there at any size; no dense copy."""

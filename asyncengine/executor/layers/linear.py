@@ -415,11 +415,22 @@ class QuantizedLinear:
             return False
         return self._finish_i8()
 
-    def defer_i8(self) -> bool:
+    def takes_i8(self, dtype: torch.dtype) -> bool:
+        """Some row count of activations in ``dtype`` takes the int8 product (``_product``):
+        not a bfloat16 Q4_1 projection on an AMX CPU, whose AMX product starts where it would."""
+        if self._i8_below == 0 or self.dense_from_rows is None:
+            return False
+        upto = self._i8_below
+        if self._amx and dtype == torch.bfloat16:
+            upto = min(upto, self._amx_from)
+        return min(self.dense_from_rows, self._i8_from_rows(dtype)) < upto
+
+    def defer_i8(self, dtype: torch.dtype) -> bool:
         """Whether the int8 panels will be built by ``build_i8_step`` calls (this projection
-        takes the int8 product and has no panels yet); until they are, the calls that would take
-        it take the quantized product, up to ``I8_DEFERRED_ROWS`` rows in all."""
-        if self._i8_below == 0 or self._i8 is not None:
+        takes the int8 product for activations in ``dtype`` and has no panels yet); until they
+        are, the calls that would take it take the quantized product, up to ``I8_DEFERRED_ROWS``
+        rows in all."""
+        if not self.takes_i8(dtype) or self._i8 is not None:
             return False
         if self._i8_build is None:
             self._i8_build = PanelBuild(self.parts)

@@ -256,7 +256,9 @@ class LlamaModel:
             ),
             self.lm_head,
         ]
-        deferred = deque(p for p in linears if isinstance(p, QuantizedLinear) and p.defer_i8())
+        deferred = deque(
+            p for p in linears if isinstance(p, QuantizedLinear) and p.defer_i8(self.dtype)
+        )
         if not deferred:
             return None
 
