@@ -12,8 +12,10 @@ import pytest
 from asyncengine.kernels.cpu import cpu_native, quant_amx_native
 from tests.scripts.test_bench_scripts import load_script
 
+needs_amx = pytest.mark.skipif(not quant_amx_native.available(), reason="this CPU does not run AMX")
 
-@pytest.mark.skipif(not quant_amx_native.available(), reason="this CPU does not run AMX")
+
+@needs_amx
 def test_every_projection_is_timed_on_both_builds(tmp_path: Path) -> None:
     bench = load_script("micro/bench_amx_ab")
     library = cpu_native.library_path("cpu_quant_amx")
@@ -28,7 +30,7 @@ def test_every_projection_is_timed_on_both_builds(tmp_path: Path) -> None:
     assert all(row["ours_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
 
 
-@pytest.mark.skipif(not quant_amx_native.available(), reason="this CPU does not run AMX")
+@needs_amx
 def test_amx_against_the_int8_product_times_every_projection() -> None:
     """bench_many_rows_step.py --amx-vs-dense ... --amx-against i8: the AMX product beside the
     int8 one (the crossover AMX_FROM_ROWS_BY_FORMAT comes from), per projection and row count."""
