@@ -205,6 +205,30 @@ def test_without_room_for_int8_panels_amx_takes_over_at_the_dense_crossover() ->
 
 
 @needs_amx
+def test_while_its_panels_are_built_amx_takes_the_rows_from_the_dense_crossover() -> None:
+    """While a K-format projection's int8 panels are still being built (``defer_i8``), the calls
+    that will take the int8 product take AMX from the dense crossover (the group kernels below
+    it); once the calls have taken ``I8_DEFERRED_ROWS`` rows the panels are finished and the int8
+    product takes them."""
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=6)
+    projection = QuantizedLinear([q4], dense_from_rows=14)
+    assert projection.defer_i8(torch.bfloat16)
+    i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"]
+    assert i8_from < 14 < 20 < linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
+    for n, group_kernels in ((i8_from, True), (13, True), (14, False), (20, False)):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        by_group = quant_native.quant_linear(x, projection.parts[0])
+        by_amx = quant_amx_native.linear(x, projection.parts[0])
+        assert not torch.equal(by_group, by_amx)
+        assert torch.equal(projection(x), by_group if group_kernels else by_amx)
+        assert projection.i8_deferred
+    x = torch.randn(20, 512).to(torch.bfloat16)
+    while projection.i8_deferred:
+        projection(x)
+    assert projection._product(20, torch.bfloat16) == projection._i8_product
+
+
+@needs_amx
 @pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
 def test_int8_panels_are_built_only_where_some_rows_take_them(name: str) -> None:
     """A projection's panels are deferred for building (``defer_i8``) where some row count of

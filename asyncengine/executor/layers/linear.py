@@ -352,7 +352,10 @@ class QuantizedLinear:
         ):
             if n < self._i8_below and self._i8_allowed(n):
                 return self._i8_product
-            if n < self._i8_below:  # panels on their way: the product without them
+            if n < self._i8_below:  # panels on their way: the product without them (AMX from
+                # the dense crossover, as where the budget refuses panels; else the group kernels)
+                if self._amx and dtype == torch.bfloat16 and n >= self.dense_from_rows:
+                    return self._amx_product
                 return self._quantized
             if self.dense_allowed(dtype):
                 return self.dense(dtype)
