@@ -16,6 +16,7 @@ cpu_quant_amx.c (e.g. the main branch's; scripts/micro/bench_amx_ab.py shows how
     .venv/bin/python scripts/micro/bench_many_rows_step.py \\
         --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf --batches 8,16,32,64
     .venv/bin/python scripts/micro/bench_many_rows_step.py --model ... --threads 1 --cpu-time
+    .venv/bin/python scripts/micro/bench_many_rows_step.py --model ... --dtype float32  # AVX2's
 
 ``--vs-expanded``: each GGUF (``--model`` repeated, or comma-separated) as the engine keeps it
 quantized (``quantization auto``) against the same file expanded to bfloat16 at load (what
@@ -84,7 +85,7 @@ class Step:
     """One model and pool; ``run`` times one forward + greedy sample, by part."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        dtype = torch.bfloat16
+        dtype = getattr(torch, args.dtype)
         if args.model:
             loaded = load_model(args.model, dtype, torch.device("cpu"), "auto")
             hf_config = json.loads((loaded.model_dir / "config.json").read_text())
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--dtype",
         default="bfloat16",
         choices=("bfloat16", "float32"),
-        help="--i8-crossovers' activations and dense product (float32: an AVX2 CPU's)",
+        help="the step's or --i8-crossovers' activations and dense product (float32: an AVX2 CPU's)",
     )
     parser.add_argument(
         "--shape",
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also the AMX product of this build of cpu_quant_amx.c (.so), alternating",
     )
     args = parser.parse_args(argv)
+    if args.dtype != "bfloat16" and (args.vs_expanded or args.amx_vs_dense):
+        parser.error("--dtype float32 times the step or --i8-crossovers (AMX takes bfloat16)")
     if args.threads:
         torch.set_num_threads(args.threads)
     default_batches = "1,8,32,128,256" if args.vs_expanded else "8,16,32,64"
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     + ", ".join(f"{p} {row[path].get(p, 0):6.1f}" for p in PROJECTIONS),
                     flush=True,
                 )
-    return {"model": step.summary, "rows": rows}
+    return {"model": step.summary, "dtype": args.dtype, "rows": rows}
 
 
 if __name__ == "__main__":
