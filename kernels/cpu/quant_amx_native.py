@@ -70,17 +70,18 @@ def linear(
     weight: QuantizedTensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y [n, rows] in x's dtype (or written into ``out``, a [n, rows] view of x's dtype whose
-    rows may be longer) = x @ weight.T (+ bias, float32). ``takes(weight)`` must hold."""
+    """y [n, rows] in x's dtype or ``out_dtype`` (float32: the sums as they are, not rounded to
+    bfloat16 first), or written into ``out`` (a [n, rows] view of that dtype whose rows may be
+    longer) = x @ weight.T (+ bias, float32). ``takes(weight)`` must hold."""
     lib = _library()
     if lib is None or not takes(weight):
         raise ValueError(f"the AMX product does not take this {weight.format.name} weight here")
     rows, cols = weight.shape
-    x, out = linear_operands(x, rows, cols, bias, out)
+    x, out = linear_operands(x, rows, cols, bias, out, out_dtype)
     n = x.shape[0]
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
-    bf16 = int(x.dtype == torch.bfloat16)
     status = lib.asyncengine_k_amx_linear(
         weight.format.code,
         data.data_ptr(),
@@ -89,11 +90,11 @@ def linear(
         cols,
         x.data_ptr(),
         n,
-        bf16,
+        int(x.dtype == torch.bfloat16),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         out.stride(0),
-        bf16,
+        int(out.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if status != 0:

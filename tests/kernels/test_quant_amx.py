@@ -121,6 +121,52 @@ def test_output_into_a_column_slice_leaves_the_other_columns() -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("name", K_FORMATS + BLOCK_FORMATS)
+def test_float32_out_is_what_the_bfloat16_out_rounds(name: str) -> None:
+    """bfloat16 rows into float32 sums (the LM head's logits): the sums as they are, which the
+    bfloat16 output rounds; a float32 x writes float32 only."""
+    cols = 512
+    weight = random_weight(FORMATS[name], 40, cols, seed=13)
+    packed = quant_native.interleave(weight)
+    bias = torch.randn(40)
+    for n in (7, 33, 100):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        wide = quant_amx_native.linear(x, packed, bias, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide.to(torch.bfloat16), quant_amx_native.linear(x, packed, bias))
+        scale = product_scale(x.float(), weight, bias)
+        torch.testing.assert_close(
+            wide.double(), reference(x, weight, bias), rtol=0, atol=1e-5 * scale
+        )
+    with pytest.raises(ValueError, match="float32"):
+        quant_amx_native.linear(torch.randn(2, cols), packed, out_dtype=torch.bfloat16)
+
+
+@needs_amx
+def test_the_lm_head_takes_float32_sums_from_every_part() -> None:
+    """``float32_out`` on the AMX product's rows: each part's float32 sums in its columns (the
+    int8 product's below them), what the bfloat16 output rounds."""
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=14)
+    q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=15)
+    projection = QuantizedLinear([q4, q6], torch.randn(48), dense_from_rows=8)
+    for n in (8, 40):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        logits = projection.float32_out(x)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits.to(torch.bfloat16), projection(x))
+        if projection._product(n, torch.bfloat16) == projection._amx_product:
+            assert projection.bias is not None
+            parts = [
+                quant_amx_native.linear(x, part, bias, out_dtype=torch.float32)
+                for part, bias in zip(
+                    projection.parts, projection.bias.split([32, 16]), strict=True
+                )
+            ]
+            assert torch.equal(logits, torch.cat(parts, dim=1))
+    assert projection._product(40, torch.bfloat16) == projection._amx_product
+
+
+@needs_amx
 def test_weights_it_cannot_take_are_refused() -> None:
     plain = random_weight(FORMATS["Q4_K"], 16, 256, seed=1)  # not interleaved
     assert not quant_amx_native.takes(plain)
