@@ -382,8 +382,7 @@ class QuantizedLinear:
     def float32_out(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x)`` as float32 [rows, out_features] from 2-D x (the LM head's logits): the int8
         and AMX products write their float32 sums without rounding them to bfloat16 first (nor
-        a pass widening them after: 15-40 ms of a 1B's 128-256-row step); the other products'
-        outputs are widened."""
+        a pass widening them after); the other products' outputs are widened."""
         product = self._product(x.shape[0], x.dtype)
         if product == self._i8_product:
             return self._i8_product(x, torch.float32)
