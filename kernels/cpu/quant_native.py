@@ -170,11 +170,13 @@ def quant_linear(
     weight: QuantizedTensor,
     bias: torch.Tensor | None = None,
     isa: str = "native",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``quant_matmul`` in one native call (the q8 activations never reach Python): the batch-1
     path, where each projection's call overhead counts. F32 weights take x (float32) as it is;
     BF16 weights take float32 x as it is and bfloat16 x widened to float32 (exact), the product
-    summed in float32 and rounded once to x's dtype."""
+    summed in float32 and rounded once to x's dtype, or written as it is where ``out_dtype`` is
+    float32 (the LM head's logits)."""
     if not x.is_contiguous():
         x = x.contiguous()
     if weight.format == F32:
@@ -195,8 +197,10 @@ def quant_linear(
         )
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError("bias must be a contiguous float32 vector")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"the output is in x's dtype or float32, not {out_dtype}")
     data = weight.data
-    out = torch.empty((n, rows), dtype=x.dtype)
+    out = torch.empty((n, rows), dtype=out_dtype or x.dtype)
     _lib(isa).asyncengine_quant_linear(
         weight.format.code,
         data.data_ptr(),
@@ -210,7 +214,7 @@ def quant_linear(
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         rows,
-        bf16,
+        int(out.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     return out

@@ -116,6 +116,29 @@ def test_matmul_matches_the_reference(name: str, isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "BF16"])
+def test_float32_out_is_what_the_bfloat16_out_rounds(name: str, isa: str) -> None:
+    """bfloat16 rows into float32 sums (the LM head's logits): the sums as they are, which the
+    bfloat16 output rounds; a float32 x writes float32 only."""
+    fmt = FORMATS[name]
+    cols = _cols(fmt)[0]
+    weight = random_weight(fmt, 40, cols, seed=17)
+    bias = torch.randn(40)
+    for n in (1, 3):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        wide = quant_native.quant_linear(x, weight, bias, isa=isa, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32
+        assert torch.equal(
+            wide.to(torch.bfloat16), quant_native.quant_linear(x, weight, bias, isa=isa)
+        )
+        ref = quant_ref.quant_matmul(x.float(), weight, bias)
+        scale = product_scale(x.float(), weight, bias)
+        torch.testing.assert_close(wide, ref, rtol=2e-5, atol=2e-5 * scale)
+    with pytest.raises(ValueError, match="float32"):
+        quant_native.quant_linear(torch.randn(1, cols), weight, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_quantized_activations_are_the_reference_bit_for_bit(isa: str) -> None:
     x = torch.randn(5, 96) * 3
     x[1] = 0.0  # an all-zero row: scale 0, values 0

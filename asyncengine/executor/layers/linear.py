@@ -380,14 +380,17 @@ class QuantizedLinear:
         return min(rows)
 
     def float32_out(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` as float32 [rows, out_features] from 2-D x (the LM head's logits): the int8
-        and AMX products write their float32 sums without rounding them to bfloat16 first (nor
-        a pass widening them after); the other products' outputs are widened."""
+        """``self(x)`` as float32 [rows, out_features] from 2-D x (the LM head's logits): the
+        group kernels and the int8 and AMX products write their float32 sums without rounding
+        them to bfloat16 first (nor a pass widening them after); a dense copy's output is
+        widened."""
         product = self._product(x.shape[0], x.dtype)
         if product == self._i8_product:
             return self._i8_product(x, torch.float32)
         if product == self._amx_product:
             return self._amx_product(x, torch.float32)
+        if product == self._quantized:
+            return self._quantized(x, torch.float32)
         return product(x).float()
 
     def silu_and_mul_product(
@@ -525,11 +528,13 @@ class QuantizedLinear:
             start += rows
         return out
 
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Each part's columns of one output (x's dtype or ``out_dtype``: float32) by the group
+        kernels."""
         if len(self.parts) == 1:  # one native call
-            return quant_native.quant_linear(x, self.parts[0], self.bias)
+            return quant_native.quant_linear(x, self.parts[0], self.bias, out_dtype=out_dtype)
         activation = quant_native.quantize_q8(x)
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype or x.dtype)
         start = 0
         for part in self.parts:
             rows = part.shape[0]
