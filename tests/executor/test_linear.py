@@ -136,3 +136,30 @@ def test_group_kernels_below_is_where_the_product_leaves_them(
     )
     if below < 300:  # the float32 crossovers of the block formats lie past any step
         assert projection._product(below, dtype) != projection._quantized
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_of_the_group_kernels_are_their_float32_sums(dtype: torch.dtype) -> None:
+    """``float32_out`` below every crossover (the group kernels): each part's float32 sums of
+    the same q8 activations, whether the projection has one part or several, never a bfloat16
+    output widened."""
+    from asyncengine.kernels.cpu import quant_native
+    from asyncengine.kernels.quant_formats import FORMATS
+    from tests.kernels.test_quantized_kernels import random_weight
+
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=8)
+    q6 = random_weight(FORMATS["Q6_K"], 16, 512, seed=9)
+    bias = torch.randn(48)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    one = QuantizedLinear([q4], bias[:32], dense_from_rows=8)
+    both = QuantizedLinear([q4, q6], bias, dense_from_rows=8)
+    assert one._product(2, dtype) == one._quantized and both._product(2, dtype) == both._quantized
+    wide = [
+        quant_native.quant_linear(x, part, b, out_dtype=torch.float32)
+        for part, b in zip(both.parts, bias.split([32, 16]), strict=True)
+    ]
+    assert torch.equal(one.float32_out(x), wide[0])
+    logits = both.float32_out(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, torch.cat(wide, dim=1))
+    assert torch.equal(logits.to(dtype), both(x))
