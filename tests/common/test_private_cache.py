@@ -8,6 +8,7 @@ import contextlib
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +98,29 @@ def test_a_built_kernel_is_private_and_loads(cache: Path) -> None:
     assert built.parent == cache / "kernels"
     assert _mode(built) == 0o700
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no staging file left
+
+
+def test_a_compile_deletes_the_libraries_no_process_has_loaded_for_a_month(cache: Path) -> None:
+    """Each load marks its library in use; compiling another deletes the libraries (and left-over
+    staging files) not marked for ``STALE_AFTER_S``, and nothing else."""
+    assert cpu_native.load(KERNEL) is not None
+    kernels = cache / "kernels"
+    built = cpu_native.library_path(KERNEL)
+    month_ago = time.time() - cpu_native.STALE_AFTER_S - 60
+    stale = kernels / "cpu_gone-0123456789abcdef.so"
+    recent = kernels / "cpu_recent-0123456789abcdef.so"
+    not_a_library = kernels / "notes.txt"
+    for path in (stale, recent, not_a_library):
+        path.write_bytes(b"")
+    for path in (stale, not_a_library, built):
+        os.utime(path, (month_ago, month_ago))
+    cpu_native.load.cache_clear()
+    assert cpu_native.load(KERNEL) is not None  # loaded again: in use
+    assert built.stat().st_mtime > month_ago + 60
+    assert stale.exists()  # loading compiles nothing, so deletes nothing
+    assert cpu_native.load(KERNEL, ("-DASYNCENGINE_ANOTHER_BUILD",)) is not None
+    assert not stale.exists()
+    assert recent.exists() and not_a_library.exists() and built.exists()
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
