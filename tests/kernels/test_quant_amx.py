@@ -232,6 +232,19 @@ def test_the_projection_takes_it_from_its_crossover_at_every_size() -> None:
     assert projection._dense is None
 
 
+def assert_group_kernels_then_amx(
+    projection: QuantizedLinear, cases: tuple[tuple[int, bool], ...]
+) -> None:
+    """Each (rows, group kernels) case: the projection's bfloat16 rows are the group kernels'
+    output where True, the AMX product's where False (the two differ)."""
+    for n, group_kernels in cases:
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        by_group = quant_native.quant_linear(x, projection.parts[0])
+        by_amx = quant_amx_native.linear(x, projection.parts[0])
+        assert not torch.equal(by_group, by_amx)
+        assert torch.equal(projection(x), by_group if group_kernels else by_amx)
+
+
 @needs_amx
 def test_without_room_for_int8_panels_amx_takes_over_at_the_dense_crossover() -> None:
     """Where the budget refuses a K-format projection its int8 panels, the AMX product takes
@@ -241,12 +254,9 @@ def test_without_room_for_int8_panels_amx_takes_over_at_the_dense_crossover() ->
     projection = QuantizedLinear([q4], dense_from_rows=14, budget=linear_module.DenseBudget(0))
     assert 14 < linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
     i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"]
-    for n, group_kernels in ((i8_from, True), (13, True), (14, False), (40, False)):
-        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-        by_group = quant_native.quant_linear(x, projection.parts[0])
-        by_amx = quant_amx_native.linear(x, projection.parts[0])
-        assert not torch.equal(by_group, by_amx)
-        assert torch.equal(projection(x), by_group if group_kernels else by_amx)
+    assert_group_kernels_then_amx(
+        projection, ((i8_from, True), (13, True), (14, False), (40, False))
+    )
     assert projection._i8 is None and projection._dense is None
 
 
@@ -261,13 +271,10 @@ def test_while_its_panels_are_built_amx_takes_the_rows_from_the_dense_crossover(
     assert projection.defer_i8(torch.bfloat16)
     i8_from = linear_module.I8_FROM_ROWS_BY_FORMAT["Q4_K"]
     assert i8_from < 14 < 20 < linear_module.AMX_FROM_ROWS_BY_FORMAT["Q4_K"]
-    for n, group_kernels in ((i8_from, True), (13, True), (14, False), (20, False)):
-        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-        by_group = quant_native.quant_linear(x, projection.parts[0])
-        by_amx = quant_amx_native.linear(x, projection.parts[0])
-        assert not torch.equal(by_group, by_amx)
-        assert torch.equal(projection(x), by_group if group_kernels else by_amx)
-        assert projection.i8_deferred
+    assert_group_kernels_then_amx(
+        projection, ((i8_from, True), (13, True), (14, False), (20, False))
+    )
+    assert projection.i8_deferred
     x = torch.randn(20, 512).to(torch.bfloat16)
     while projection.i8_deferred:
         projection(x)
