@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from asyncengine.kernels.cpu import cpu_native, quant_amx_native
+from asyncengine.kernels.cpu import cpu_native
+from tests.kernels.test_quant_amx import needs_amx
 from tests.scripts.test_bench_scripts import load_script
-
-needs_amx = pytest.mark.skipif(not quant_amx_native.available(), reason="this CPU does not run AMX")
 
 
 @needs_amx
