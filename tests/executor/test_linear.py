@@ -23,6 +23,8 @@ from asyncengine.executor.layers.linear import (
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import BF16, F32
 
+needs_native = pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+
 
 def test_a_packed_linear_drops_the_plain_weight_and_multiplies_the_same() -> None:
     torch.manual_seed(0)
@@ -52,7 +54,7 @@ def test_the_packed_linear_keeps_no_reference_to_the_weight_it_was_given() -> No
     assert linear(torch.ones(2, 16)).shape == (2, 32)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+@needs_native
 def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -78,7 +80,7 @@ def test_float32_projections_are_f32_rows_with_a_dense_product_on_the_same_bytes
     assert isinstance(make_linear(parts, None, torch.float32), Linear)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+@needs_native
 def test_bfloat16_projections_are_bf16_rows_over_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -110,7 +112,7 @@ def test_bfloat16_projections_are_bf16_rows_over_the_same_bytes(
     assert isinstance(make_linear([weight], None, torch.bfloat16), Linear)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+@needs_native
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "I8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False])
@@ -138,7 +140,7 @@ def test_group_kernels_below_is_where_the_product_leaves_them(
         assert projection._product(below, dtype) != projection._quantized
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logits_of_the_group_kernels_are_their_float32_sums(dtype: torch.dtype) -> None:
     """``float32_out`` below every crossover (the group kernels): each part's float32 sums of
