@@ -148,7 +148,7 @@ def _delete_stale(directory: Path) -> None:
         try:
             if path.lstat().st_mtime < cutoff:
                 path.unlink()
-        except OSError:
+        except OSError:  # gone already (a concurrent compile) or not ours to delete: keep going
             pass
 
 
