@@ -19,7 +19,9 @@ Variants (all float32 activations, the CPU):
 - ``gguf_i8``: ``gguf`` on the int8 product (kernels/cpu/cpu_quant_i8gemm.c: the activations in
   int8 per 256 values against the K formats, per 32 against Q8_0 / Q4_0 / Q4_1) wherever a call
   reaches the projections and the CPU runs it for them (else the dense product of their float32
-  weights); the fused decode step of the greedy tokens keeps the quantized kernel.
+  weights); the fused decode step of the greedy tokens keeps the quantized kernel;
+- ``gguf_deterministic``: ``gguf`` in deterministic mode (``deterministic = true``: the int8
+  product at every row count where the CPU runs it for every part, else the quantized kernel).
 
 Every quantized projection but ``gguf_i8``'s runs the quantized kernel here, at every batch size
 (the engine switches to the dense product from 32 rows). For each: the largest and mean absolute logit
@@ -103,13 +105,16 @@ class Model:
         max_len: int,
         kv_dtype: torch.dtype = torch.float32,
         i8: bool = False,
+        deterministic: bool = False,
     ) -> None:
         pages = -(-max_len // PAGE_SIZE)
         self.config = config
         self.max_len = max_len
         pool = KVPool.for_model(config, pages, PAGE_SIZE, kv_dtype)
         table = PageTable.contiguous(1, pages)
-        self.runner = ModelRunner(config, weights, pool, table, torch.float32)
+        self.runner = ModelRunner(
+            config, weights, pool, table, torch.float32, deterministic=deterministic
+        )
         # the quantized kernel at every batch size: a prefill of the text would otherwise take
         # the dense product of the same (dequantized) weights and hide the kernel's error
         model = self.runner.model
@@ -196,6 +201,9 @@ def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> lis
         "int8": lambda: quantize_int8(kept or float32_weights()),
         "gguf_kv_f16": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
         "gguf_i8": lambda: read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights,
+        "gguf_deterministic": lambda: (
+            read_gguf(gguf_path, torch.float32, frozenset(GGUF_FORMATS)).weights
+        ),
     }
     kv_dtypes = {"gguf_kv_f16": torch.float16}
     reference = Model(config, kept or float32_weights(), max_len)
@@ -212,6 +220,7 @@ def evaluate(variants: list[str] | None = None, gguf: Path | None = None) -> lis
             max_len,
             kv_dtypes.get(name, torch.float32),
             i8=name == "gguf_i8",
+            deterministic=name == "gguf_deterministic",
         )
         logits = candidate.all_logits(text_tokens)
         diff = (logits - ref_logits).abs()

@@ -125,6 +125,7 @@ class ModelRunner:
             native_decode.VERIFY_DECODE_MAX_ROWS, native_decode.max_rows(self.model.native_decode)
         )
         if self.device.type == "cpu":
+            self.model.build_i8_every_row()  # on every thread, outside the load's one
             self._pack_float_rows()
             keep_freed_memory()  # the steps' large blocks reused, not faulted in each step
         # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);

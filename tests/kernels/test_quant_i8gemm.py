@@ -9,15 +9,21 @@ every CPU."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncengine.executor.layers import linear as linear_module
 from asyncengine.executor.layers.linear import (
+    ROW_BLOCK,
     DenseBudget,
     QuantizedLinear,
     i8_below_rows,
     i8_from_rows,
+    make_linear,
 )
 from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
@@ -189,6 +195,93 @@ def test_bfloat16_rows_and_column_slices(isa: str, name: str) -> None:
     quant_i8gemm_native.linear(x, panels, bias, out=wide[:, 5:45], isa=isa)
     assert torch.equal(wide[:, 5:45], y)
     assert bool((wide[:, :5] == 7).all()) and bool((wide[:, 45:] == 7).all())
+
+
+@functools.cache
+def _invariance_case(name: str) -> tuple[quant_i8gemm_native.I8Panels, torch.Tensor]:
+    """Panels of 40 rows (a partial last pair of panels) x 10 super-blocks, and 300 input rows."""
+    weight = quant_native.interleave(random_weight(FORMATS[name], 40, 2560, seed=31))
+    x = torch.randn(300, 2560, generator=torch.Generator().manual_seed(5))
+    x[:, 7] *= 30.0  # an outlier feature, as real activations have
+    return quant_i8gemm_native.pack(weight), x
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    name=st.sampled_from(I8_FORMATS),
+    isa=st.sampled_from(_builds()),
+    start=st.integers(0, 299),
+    size=st.integers(1, 300),
+    bfloat16=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
+    name: str, isa: str, start: int, size: int, bfloat16: bool, threads: int
+) -> None:
+    """What deterministic mode takes it for (``QuantizedLinear``'s ``i8_every_row``): a row's
+    output is the same bits alone as at any place of a call of any size, whatever the threads:
+    its tiles of 4 rows, one or several super-blocks a chunk, blocks of 256 rows, float32 or
+    bfloat16 in and out."""
+    panels, x = _invariance_case(name)
+    rows = x[start : start + size]
+    if bfloat16:
+        rows = rows.to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = quant_i8gemm_native.linear(rows, panels, isa=isa)
+    finally:
+        torch.set_num_threads(previous)
+    for i in {0, len(rows) // 2, len(rows) - 1}:
+        alone = quant_i8gemm_native.linear(rows[i : i + 1], panels, isa=isa)
+        assert torch.equal(out[i : i + 1], alone), (i, len(rows))
+
+
+@needs_fast
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deterministic_mode_takes_it_at_every_row_count(dtype: torch.dtype) -> None:
+    """A projection made for deterministic mode (``make_linear`` with a row block) builds its
+    panels whole when asked (the model asks once its weights are written; none deferred: a
+    row's output must not depend on when it came) and takes the int8 product for one row as
+    for many, its parts in two formats; the LM head's float32 logits too."""
+    parts = [
+        random_weight(FORMATS["Q4_K"], 32, 512, seed=3),
+        random_weight(FORMATS["Q6_K"], 16, 512, seed=4),
+    ]
+    projection = make_linear(parts, None, dtype, row_block=ROW_BLOCK)
+    assert isinstance(projection, QuantizedLinear)
+    assert projection._i8 is None  # not from the parts' bytes before the model writes them
+    assert projection.build_i8_every_row()
+    assert projection._i8 is not None and not projection.defer_i8(dtype)
+    assert projection.group_kernels_below(dtype) == 1
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = projection(x)
+    for n in (1, 2, 5, 33):
+        assert torch.equal(projection(x[:n]), out[:n])
+    ref = torch.cat([i8gemm_ref.linear(x.float(), part, None) for part in parts], dim=1)
+    atol = 1e-5 * max(product_scale(x.float(), part, None) for part in parts)
+    torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=atol)
+    logits = projection.float32_out(x[:1])
+    assert logits.dtype == torch.float32 and torch.equal(logits, projection.float32_out(x)[:1])
+    assert projection._dense is None
+
+
+def test_deterministic_mode_keeps_the_group_kernels_without_the_panels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where this CPU has no fast int8 product, or the budget refuses the panels, deterministic
+    mode's projection takes the group kernels at every row count (also batch invariant)."""
+    q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=6)
+    x = torch.randn(40, 512)
+    refused = QuantizedLinear([q4], budget=DenseBudget(0), i8_every_row=True)
+    monkeypatch.setattr(quant_i8gemm_native, "available", lambda **_: False)
+    without = QuantizedLinear([q4], i8_every_row=True)
+    for projection in (refused, without):
+        assert projection._i8 is None
+        for n in (1, 40):
+            assert torch.equal(projection(x[:n]), projection._quantized(x[:n]))
 
 
 @needs_fast

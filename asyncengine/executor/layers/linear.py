@@ -258,7 +258,9 @@ class QuantizedLinear:
     files, is several parts) writes its columns of one output.
 
     Each row's sums run in the same order whatever the other rows hold, so outputs are batch
-    invariant and deterministic mode needs no row blocks here.
+    invariant and deterministic mode needs no row blocks here; it keeps one product for every row
+    count: the int8 one where ``i8_every_row`` and this CPU runs it for every part (its panels
+    from the budget, ``build_i8_every_row``), else the group kernels.
 
     ``dense_from_rows``: calls with at least this many rows take the dense product of today's
     ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
@@ -279,6 +281,7 @@ class QuantizedLinear:
         "_i8_build",
         "_i8_from",
         "_i8_from_float32",
+        "_i8_every_row",
         "_i8_rented",
         "bias",
         "budget",
@@ -295,9 +298,11 @@ class QuantizedLinear:
         dense_from_rows: int | None = None,
         arena: WeightArena | None = None,
         budget: DenseBudget | None = None,
+        i8_every_row: bool = False,
     ) -> None:
         """``arena``: where the parts are written (the model's weights in step order), else
-        each in a tensor of its own."""
+        each in a tensor of its own; ``i8_every_row`` (without ``dense_from_rows``): the int8
+        product for every row count (above)."""
         if not parts or any(p.cols != parts[0].cols for p in parts):
             raise ValueError("a quantized linear needs parts of one input width")
         self.parts = _packed(parts, arena)
@@ -329,6 +334,11 @@ class QuantizedLinear:
         )
         self._i8_build: PanelBuild | None = None
         self._i8_rented = 0  # rows the quantized product took while they were deferred
+        # deterministic mode's int8 product at every row count, its panels built whole before
+        # the first call's rows (never deferred: a row's output must not depend on when it came)
+        self._i8_every_row = (
+            i8_every_row and dense_from_rows is None and i8_below_rows(self.parts) > 0
+        )
 
     @property
     def nbytes(self) -> int:
@@ -344,6 +354,8 @@ class QuantizedLinear:
 
     def _product(self, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """The product that takes ``n`` rows of activations in ``dtype``, by the crossovers."""
+        if self._i8_every_row and self.build_i8_every_row():
+            return self._i8_product
         if self._amx and dtype == torch.bfloat16 and n >= self._amx_from:
             return self._amx_product
         i8_from = self._i8_from_rows(dtype)
@@ -362,6 +374,15 @@ class QuantizedLinear:
             return self._quantized
         return self._quantized
 
+    def build_i8_every_row(self) -> bool:
+        """Whether the int8 product takes every row count (``i8_every_row``), its panels built
+        now if they are not yet (the parts' bytes must be written: the model calls it once its
+        weight arena is); where the budget refuses them, the group kernels take every row
+        count from the first call on."""
+        if self._i8_every_row and self._i8 is None and not self._finish_i8():
+            self._i8_every_row = False
+        return self._i8_every_row
+
     def _i8_from_rows(self, dtype: torch.dtype) -> int:
         """Rows from which activations in ``dtype`` take the int8 product below the dense
         crossover (``I8_FROM_ROWS_BY_FORMAT``, float32 ``I8_FROM_ROWS_FLOAT32_AVX2``)."""
@@ -371,6 +392,8 @@ class QuantizedLinear:
         """Rows from which ``_product`` leaves the quantized group kernels for activations in
         ``dtype`` (the AMX, int8 or dense product, by the crossovers; a budget that refuses
         copies or panels keeps them longer)."""
+        if self._i8_every_row:
+            return 1
         rows = [self.dense_from_rows or 1 << 30]
         i8_from = self._i8_from_rows(dtype)
         if i8_from < self._i8_below:
@@ -678,9 +701,12 @@ def make_linear(
         return QuantizedLinear(rows, bias, head or dense_from_rows(rows, dtype), arena, budget)
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
-        # deterministic mode (row_block) stays on the quantized kernel at every batch size: its
-        # rows are batch invariant, a switch to the dense product at some size would not be
-        crossover = None if row_block is not None else dense_from_rows(quantized, dtype)
+        # deterministic mode (row_block) keeps one quantized product at every batch size (the
+        # int8 one where it runs: 2-3x the group kernels from ~5 rows): each is batch invariant,
+        # a switch between products at some size would not be
+        if row_block is not None:
+            return QuantizedLinear(quantized, bias, None, arena, budget, i8_every_row=True)
+        crossover = dense_from_rows(quantized, dtype)
         return QuantizedLinear(quantized, bias, crossover, arena, budget)
     dense = [
         quant_native.dequantize_rows(p, None, torch.float32).to(dtype)

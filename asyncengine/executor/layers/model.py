@@ -243,12 +243,9 @@ class LlamaModel:
             budget=self.dense_budget,
         )
 
-    def defer_panels(self) -> Callable[[], bool] | None:
-        """The int8 panels of every projection that takes that product (linear.py), built a row
-        range per call of the function returned (True while any remain), in step order, rather
-        than whole by each projection's first many-row call; None: none to build. The calls
-        and the forwards must come from one thread (the engine's worker: between steps)."""
-        linears = [
+    def _linears(self) -> list[Linear | QuantizedLinear]:
+        """Every projection, in the order a step reads them: each layer's, then the LM head."""
+        return [
             *(
                 p
                 for layer in self.layers
@@ -256,8 +253,22 @@ class LlamaModel:
             ),
             self.lm_head,
         ]
+
+    def build_i8_every_row(self) -> None:
+        """Deterministic mode's int8 panels (linear.py's ``i8_every_row``) built whole now, from
+        the written weights: the runner calls it at start-up with every thread (else each
+        projection's first call builds its own, in the first request)."""
+        for linear in self._linears():
+            if isinstance(linear, QuantizedLinear):
+                linear.build_i8_every_row()
+
+    def defer_panels(self) -> Callable[[], bool] | None:
+        """The int8 panels of every projection that takes that product (linear.py), built a row
+        range per call of the function returned (True while any remain), in step order, rather
+        than whole by each projection's first many-row call; None: none to build. The calls
+        and the forwards must come from one thread (the engine's worker: between steps)."""
         deferred = deque(
-            p for p in linears if isinstance(p, QuantizedLinear) and p.defer_i8(self.dtype)
+            p for p in self._linears() if isinstance(p, QuantizedLinear) and p.defer_i8(self.dtype)
         )
         if not deferred:
             return None
