@@ -239,7 +239,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
         assert torch.equal(out[i : i + 1], alone), (i, len(rows))
 
 
-@needs_fast
+@pytest.mark.skipif(
+    not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
+    reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_deterministic_mode_takes_it_at_every_row_count(dtype: torch.dtype) -> None:
     """A projection made for deterministic mode (``make_linear`` with a row block) builds its
