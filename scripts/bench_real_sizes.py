@@ -185,6 +185,7 @@ def concurrent_server(
         context_per_slot=plan.concurrent_prompt_len + plan.concurrent_output_len + 8,
         log_path=log_path,
         extra_args=extra_args,
+        as_stored_fallback=False,  # --llamacpp-modes chose the layout
     )
 
 
@@ -292,6 +293,7 @@ def run_llamacpp(
         context_per_slot=plan.context,
         log_path=folder / "llama-server-np1.log",
         extra_args=extra_args,
+        as_stored_fallback=False,  # --llamacpp-modes chose the layout
     )
     print(f"llamacpp: {' '.join(single.command)}", flush=True)
     with single:
@@ -385,6 +387,7 @@ def start_llamacpp(
         threads=threads,
         context_per_slot=plan.context,
         extra_args=extra_args,
+        as_stored_fallback=False,  # --llamacpp-modes chose the layout
         poll_seconds=0.01,  # its start-up is under a second: 0.2 s probes would blur it
     )
 

@@ -12,6 +12,11 @@ and it is very sensitive to another process on the cores.
 
 Peak RSS: the server process's ``VmHWM`` (/proc), read before it is stopped; idle RSS: its
 ``VmRSS`` once it answers ``/health``.
+
+On some AMX CPUs (a Sapphire Rapids VM here) b11434 dies of SIGILL while it starts with its
+weights repacked (its default: the AMX layouts): a server started with its defaults then starts
+again with them as stored (``--no-repack``), saying so; ``as_stored_fallback=False`` (a caller
+that chose the layout) raises instead.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ CONTEXT_PER_SLOT = 1536
 # stored; which is faster depends on the CPU and the batch (on Zen 4 its repacked Q4_K decodes
 # one stream faster and prompts and batches slower), so benchmarks time both
 SERVER_REPACK_MODES: dict[str, tuple[str, ...]] = {"repacked": (), "as-stored": ("--no-repack",)}
+AS_STORED = SERVER_REPACK_MODES["as-stored"]
 
 
 class LlamaCppUnavailableError(RuntimeError):
@@ -110,9 +116,11 @@ class LlamaServer:
         startup_timeout: float = 300.0,
         extra_args: tuple[str, ...] = (),  # appended to the command (e.g. --spec-type ...)
         poll_seconds: float = 0.2,  # between /health probes while it starts
+        as_stored_fallback: bool = True,  # a repacked start killed by SIGILL: again, as stored
     ) -> None:
         self.model = model
         self.extra_args = extra_args
+        self.as_stored_fallback = as_stored_fallback
         self.parallel = parallel
         self.threads = threads or os.cpu_count() or 1
         self.context = parallel * context_per_slot
@@ -150,9 +158,7 @@ class LlamaServer:
         deadline = started + self.startup_timeout
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
-                raise LlamaCppPeerError(
-                    f"llama-server exited with {self.process.returncode} (log: {self.log_path})"
-                )
+                return self._after_a_failed_start(self.process.returncode)
             if self._healthy():
                 self.startup_seconds = time.perf_counter() - started
                 self.idle_rss_bytes = status_bytes(self.process.pid, "VmRSS")
@@ -160,6 +166,29 @@ class LlamaServer:
             time.sleep(self.poll_seconds)
         self.__exit__(None, None, None)
         raise LlamaCppPeerError(f"llama-server not ready in {self.startup_timeout:.0f} s")
+
+    def _after_a_failed_start(self, returncode: int) -> LlamaServer:
+        """Start again with the weights as stored where a repacked start died of SIGILL (and
+        the caller lets it), else raise."""
+        self.process = None
+        repacked = AS_STORED[0] not in self.extra_args
+        if returncode == -signal.SIGILL and repacked and self.as_stored_fallback:
+            print(
+                "llamacpp: llama-server died of SIGILL with its weights repacked (llama.cpp's AMX "
+                "layouts on this CPU); starting it again with them as stored (--no-repack)",
+                flush=True,
+            )
+            self.extra_args = (*self.extra_args, *AS_STORED)
+            return self.__enter__()
+        hint = (
+            " (its repacked weights die of SIGILL on this CPU: time them as stored, "
+            "--llamacpp-modes as-stored)"
+            if returncode == -signal.SIGILL and repacked
+            else ""
+        )
+        raise LlamaCppPeerError(
+            f"llama-server exited with {returncode}{hint} (log: {self.log_path})"
+        )
 
     def cpu_seconds(self) -> float:
         """The server's CPU time so far (user + system, /proc/<pid>/stat)."""
