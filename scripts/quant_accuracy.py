@@ -21,7 +21,8 @@ Variants (all float32 activations, the CPU):
   reaches the projections and the CPU runs it for them (else the dense product of their float32
   weights); the fused decode step of the greedy tokens keeps the quantized kernel;
 - ``gguf_deterministic``: ``gguf`` in deterministic mode (``deterministic = true``: the int8
-  product at every row count where the CPU runs it for every part, else the quantized kernel).
+  product at every row count for the K formats and Q8_0 where the CPU runs it, else the
+  quantized kernel; the embedded model's Q4_1 projections keep the quantized kernel).
 
 Every quantized projection but ``gguf_i8``'s runs the quantized kernel here, at every batch size
 (the engine switches to the dense product from 32 rows). For each: the largest and mean absolute logit

@@ -5,8 +5,8 @@ Where batch dependence comes from, measured on a CPU in bfloat16 (float32 hides 
 rounding differences rarely flip a token):
 - matmuls: the GEMM kernel is chosen by shape, and a different kernel sums a row in a
   different order (executor/layers/linear.py: fixed-shape row blocks for dense weights; a
-  quantized projection keeps one product at every row count, the int8 one where the CPU runs
-  it, else the group kernels, both batch invariant);
+  quantized projection keeps one product at every row count, the int8 one for the K formats
+  and Q8_0 where the CPU runs it, else the group kernels, both batch invariant);
 - attention: the decode kernel sums in another order than the extend kernel, and torch's fused
   attention picks its key block from the call's key length, which padding to the longest
   request, chunked prefill and prefix-cache hits change. On a CPU with the native extend kernel

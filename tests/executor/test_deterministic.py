@@ -27,10 +27,15 @@ from asyncengine.executor.attention.invariant import (
 )
 from asyncengine.executor.attention.invariant_native import plan_invariant_native
 from asyncengine.executor.forward_batch import ForwardBatch
-from asyncengine.executor.layers.linear import ROW_BLOCK, Linear
+from asyncengine.executor.layers.linear import ROW_BLOCK, Linear, QuantizedLinear
+from asyncengine.executor.layers.model import LlamaModel
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.kernels.cpu import quant_i8gemm_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_runs, native_extend_attention
+from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor
 from asyncengine.kernels.reference.kv_int8_ref import quantize_kv
 from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
+from tests.kernels.test_quantized_kernels import random_weight
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -64,6 +69,72 @@ def test_row_blocked_linear_rows_do_not_depend_on_the_batch(
     torch.testing.assert_close(
         fixed_block_linear(x).float(), (x.float() @ weight.float().T), atol=0.5, rtol=0.05
     )
+
+
+def _k_format_llama() -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor]]:
+    """One layer of whole super-blocks (hidden 256) in Q4_K_M's formats, random blocks."""
+    config = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": False,
+        }
+    )
+    q4, q6 = FORMATS["Q4_K"], FORMATS["Q6_K"]
+    p = "model.layers.0."
+    shapes = {
+        p + "self_attn.q_proj.weight": (q4, 256, 256),
+        p + "self_attn.k_proj.weight": (q4, 128, 256),
+        p + "self_attn.v_proj.weight": (q6, 128, 256),
+        p + "self_attn.o_proj.weight": (q4, 256, 256),
+        p + "mlp.gate_proj.weight": (q4, 512, 256),
+        p + "mlp.up_proj.weight": (q4, 512, 256),
+        p + "mlp.down_proj.weight": (q6, 256, 512),
+        "lm_head.weight": (q6, 320, 256),
+    }
+    weights: dict[str, torch.Tensor | QuantizedTensor] = {
+        name: random_weight(fmt, rows, cols, seed=i)
+        for i, (name, (fmt, rows, cols)) in enumerate(shapes.items())
+    }
+    weights["model.embed_tokens.weight"] = torch.randn(320, 256) * 0.1
+    for name in (
+        p + "input_layernorm.weight",
+        p + "post_attention_layernorm.weight",
+        "model.norm.weight",
+    ):
+        weights[name] = torch.ones(256)
+    return config, weights
+
+
+@pytest.mark.skipif(
+    not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
+    reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
+)
+def test_quantized_projections_take_the_int8_product_built_from_the_written_weights() -> None:
+    """A deterministic model's K-format projections (their parts in the model's weight arena,
+    written only once every projection is made) build their int8 panels when the runner asks,
+    after that: the panels give the group kernels' products of the same weights (within the
+    activations' rounding), for one row and for many."""
+    config, weights = _k_format_llama()
+    model = LlamaModel(config, weights, torch.float32, row_block=ROW_BLOCK)
+    layer = model.layers[0]
+    projections = [layer.qkv, layer.o_proj, layer.gate_up, layer.down, model.lm_head]
+    assert all(isinstance(p, QuantizedLinear) and p._i8 is None for p in projections)
+    model.build_i8_every_row()  # the runner's start-up
+    for projection in projections:
+        assert isinstance(projection, QuantizedLinear) and projection._i8 is not None
+        for n in (1, 40):
+            x = torch.randn(n, projection.in_features, generator=torch.Generator().manual_seed(n))
+            got, group = projection(x), projection._quantized(x)
+            assert float((got - group).norm() / group.norm()) < 0.02
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -281,8 +281,7 @@ def _accuracy_module() -> Any:
 @pytest.mark.slow
 def test_embedded_model_accuracy_against_float32() -> None:
     """Logits, greedy tokens and perplexity of the native paths vs the same weights in fp32."""
-    variants = ["gguf", "q8_0", "int8", "gguf_deterministic"]
-    results = {r.name: r for r in _accuracy_module().evaluate(variants)}
+    results = {r.name: r for r in _accuracy_module().evaluate(["gguf", "q8_0", "int8"])}
     gguf_run, q8, int8 = results["gguf"], results["q8_0"], results["int8"]
     # the file's own weights: only the activations are quantized (int8 blocks of 32); measured
     # (AVX2): max 1.70, mean 0.17, argmax 97.3%, perplexity +0.58%, greedy 72/96 tokens; (AVX-512
@@ -295,13 +294,4 @@ def test_embedded_model_accuracy_against_float32() -> None:
     # Q8_0 weights: perplexity within 1% of float32 (measured +0.62%); int8 per row: -0.04%
     assert abs(q8.perplexity_ratio - 1) < 0.01
     assert abs(int8.perplexity_ratio - 1) < 0.02
-    # deterministic mode: its down projections (1536 inputs, whole super-blocks) on the int8
-    # product where the CPU runs it, built from the weights once they are written (AVX-512 VNNI:
-    # max 0.94, mean 0.15, argmax 96.4%, perplexity +1.77%). The text's perplexity moves by up to
-    # 1.5% when the embeddings move by 1e-6 (activations crossing int8 rounding steps): the
-    # bound is the same draw's spread, not a finer claim.
-    deterministic = results["gguf_deterministic"]
-    assert deterministic.max_abs_logit_diff < 2.5 and deterministic.mean_abs_logit_diff < 0.25
-    assert deterministic.argmax_agreement >= 0.94
-    assert abs(deterministic.perplexity_ratio - 1) < 0.03
     assert np.isfinite([r.perplexity for r in results.values()]).all()

@@ -274,14 +274,18 @@ def test_deterministic_mode_takes_it_at_every_row_count(dtype: torch.dtype) -> N
 def test_deterministic_mode_keeps_the_group_kernels_without_the_panels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where this CPU has no fast int8 product, or the budget refuses the panels, deterministic
-    mode's projection takes the group kernels at every row count (also batch invariant)."""
+    """Where this CPU has no fast int8 product, the budget refuses the panels or a part's
+    format is not in I8_EVERY_ROW_FORMATS (Q4_1: its panels twice the file's bytes, half the
+    group kernels' speed at one row), deterministic mode's projection takes the group kernels at
+    every row count (also batch invariant)."""
     q4 = random_weight(FORMATS["Q4_K"], 32, 512, seed=6)
     x = torch.randn(40, 512)
     refused = QuantizedLinear([q4], budget=DenseBudget(0), i8_every_row=True)
+    q4_1 = QuantizedLinear([random_weight(FORMATS["Q4_1"], 32, 512, seed=7)], i8_every_row=True)
+    assert not q4_1.build_i8_every_row()
     monkeypatch.setattr(quant_i8gemm_native, "available", lambda **_: False)
     without = QuantizedLinear([q4], i8_every_row=True)
-    for projection in (refused, without):
+    for projection in (refused, q4_1, without):
         assert projection._i8 is None
         for n in (1, 40):
             assert torch.equal(projection(x[:n]), projection._quantized(x[:n]))

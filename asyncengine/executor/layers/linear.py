@@ -152,6 +152,14 @@ I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 5
 # fused decode step then takes up to 7 rows, where it took 31: 8 / 16 at once 1.3-1.4x / 1.2-1.4x
 # out tok/s (bench_real_sizes.py --concurrency 4 8 16 32, two runs, against its 4 at once).
 I8_FROM_ROWS_FLOAT32_AVX2 = {"Q4_K": 16, "Q5_K": 8, "Q6_K": 8}
+# Deterministic mode keeps one product at every row count (``QuantizedLinear``'s
+# ``i8_every_row``): the int8 one for these formats, whose panels read about the file's bytes and
+# so keep up with the group kernels at one row (group / int8 time per projection of a 1B layer and
+# its LM head, two threads: Q4_K 0.80-1.15, Q6_K 0.84-1.04, Q8_0 0.85-1.00, Q5_K 0.61-0.89 at 1
+# row; every format 2-3.6 at 64 rows); Q4_0 / Q4_1 panels hold 2.2x the file's bytes (0.41-0.67
+# at 1 row), so they keep the group kernels (bench_many_rows_step.py --i8-crossovers
+# Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1 --shape llama-3.2-1b --batches 1,2,64)
+I8_EVERY_ROW_FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
 # While a projection's int8 panels are built between steps (``QuantizedLinear.defer_i8``), its
 # calls take the quantized product instead of waiting, until they have taken it for this many
 # rows in all; then the call packs what is left of its panels (ski rental: packing a projection
@@ -259,8 +267,9 @@ class QuantizedLinear:
 
     Each row's sums run in the same order whatever the other rows hold, so outputs are batch
     invariant and deterministic mode needs no row blocks here; it keeps one product for every row
-    count: the int8 one where ``i8_every_row`` and this CPU runs it for every part (its panels
-    from the budget, ``build_i8_every_row``), else the group kernels.
+    count: the int8 one where ``i8_every_row``, every part is in ``I8_EVERY_ROW_FORMATS`` and
+    this CPU runs it for them (its panels from the budget, ``build_i8_every_row``), else the
+    group kernels.
 
     ``dense_from_rows``: calls with at least this many rows take the dense product of today's
     ``Linear`` (prepacked oneDNN) instead, the weight dequantized to the activation dtype the first
@@ -337,7 +346,10 @@ class QuantizedLinear:
         # deterministic mode's int8 product at every row count, its panels built whole before
         # the first call's rows (never deferred: a row's output must not depend on when it came)
         self._i8_every_row = (
-            i8_every_row and dense_from_rows is None and i8_below_rows(self.parts) > 0
+            i8_every_row
+            and dense_from_rows is None
+            and all(p.format.name in I8_EVERY_ROW_FORMATS for p in self.parts)
+            and i8_below_rows(self.parts) > 0
         )
 
     @property
@@ -702,8 +714,8 @@ def make_linear(
     if all(isinstance(p, QuantizedTensor) for p in parts):
         quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
         # deterministic mode (row_block) keeps one quantized product at every batch size (the
-        # int8 one where it runs: 2-3x the group kernels from ~5 rows): each is batch invariant,
-        # a switch between products at some size would not be
+        # int8 one where it keeps up at one row: 2-3.6x the group kernels at 64 rows): each is
+        # batch invariant, a switch between products at some size would not be
         if row_block is not None:
             return QuantizedLinear(quantized, bias, None, arena, budget, i8_every_row=True)
         crossover = dense_from_rows(quantized, dtype)
