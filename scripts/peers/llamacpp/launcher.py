@@ -13,7 +13,7 @@ and it is very sensitive to another process on the cores.
 Peak RSS: the server process's ``VmHWM`` (/proc), read before it is stopped; idle RSS: its
 ``VmRSS`` once it answers ``/health``.
 
-On some AMX CPUs (a Sapphire Rapids VM here) b11434 dies of SIGILL while it starts with its
+On some AMX CPUs (a Sapphire Rapids VM among them) b11434 dies of SIGILL while it starts with its
 weights repacked (its default: the AMX layouts): a server started with its defaults then starts
 again with them as stored (``--no-repack``), saying so; ``as_stored_fallback=False`` (a caller
 that chose the layout) raises instead.
