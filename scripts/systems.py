@@ -457,6 +457,17 @@ class LlamaCppServer(LaunchedServer):
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
 
+    def start(self) -> None:
+        """As ``LaunchedServer.start``; a start with the weights repacked that dies of SIGILL
+        goes again with them as stored (the launcher's ``as_stored_after``)."""
+        try:
+            super().start()
+        except SystemExit:
+            if self.process is None or not self.peer.as_stored_after(self.process.returncode):
+                raise
+            self.command = self.peer.command
+            super().start()
+
 
 # -- asyncengine -----------------------------------------------------------------------------
 

@@ -76,3 +76,17 @@ def test_a_caller_that_chose_the_layout_gets_the_error(
     )
     with as_stored:
         assert as_stored._healthy()
+
+
+def test_the_serving_benchmarks_server_falls_back_as_well(
+    launcher: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench_serving's llama.cpp server (systems.LlamaCppServer) starts through its own loop."""
+    systems = sys.modules["bench_script_systems"]
+    server = systems.LlamaCppServer(tmp_path / "model.gguf", 1, 30.0, tmp_path / "server.log")
+    try:
+        server.start()
+        assert "--no-repack" in server.command
+    finally:
+        server.stop()
+    assert "died of SIGILL" in capsys.readouterr().out

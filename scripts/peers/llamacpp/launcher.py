@@ -167,23 +167,32 @@ class LlamaServer:
         self.__exit__(None, None, None)
         raise LlamaCppPeerError(f"llama-server not ready in {self.startup_timeout:.0f} s")
 
+    def as_stored_after(self, returncode: int | None) -> bool:
+        """Whether a start that ended with ``returncode`` goes again with the weights as stored
+        (it died of SIGILL with them repacked, and the caller lets it): then ``command`` has
+        ``--no-repack``, and a line says why."""
+        if not self._died_repacked(returncode) or not self.as_stored_fallback:
+            return False
+        print(
+            "llamacpp: llama-server died of SIGILL with its weights repacked (llama.cpp's AMX "
+            "layouts on this CPU); starting it again with them as stored (--no-repack)",
+            flush=True,
+        )
+        self.extra_args = (*self.extra_args, *AS_STORED)
+        return True
+
+    def _died_repacked(self, returncode: int | None) -> bool:
+        return returncode == -signal.SIGILL and AS_STORED[0] not in self.extra_args
+
     def _after_a_failed_start(self, returncode: int) -> LlamaServer:
-        """Start again with the weights as stored where a repacked start died of SIGILL (and
-        the caller lets it), else raise."""
+        """Start again with the weights as stored where ``as_stored_after`` says so, else raise."""
         self.process = None
-        repacked = AS_STORED[0] not in self.extra_args
-        if returncode == -signal.SIGILL and repacked and self.as_stored_fallback:
-            print(
-                "llamacpp: llama-server died of SIGILL with its weights repacked (llama.cpp's AMX "
-                "layouts on this CPU); starting it again with them as stored (--no-repack)",
-                flush=True,
-            )
-            self.extra_args = (*self.extra_args, *AS_STORED)
+        if self.as_stored_after(returncode):
             return self.__enter__()
         hint = (
             " (its repacked weights die of SIGILL on this CPU: time them as stored, "
             "--llamacpp-modes as-stored)"
-            if returncode == -signal.SIGILL and repacked
+            if self._died_repacked(returncode)
             else ""
         )
         raise LlamaCppPeerError(
