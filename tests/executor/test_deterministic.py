@@ -30,11 +30,11 @@ from asyncengine.executor.forward_batch import ForwardBatch
 from asyncengine.executor.layers.linear import ROW_BLOCK, Linear, QuantizedLinear
 from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.kernels.cpu import quant_i8gemm_native
 from asyncengine.kernels.cpu.attention_native import extend_kernel_runs, native_extend_attention
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor
 from asyncengine.kernels.reference.kv_int8_ref import quantize_kv
 from asyncengine.kernels.reference.norm_ref import fused_add_rms_norm, rms_norm
+from tests.kernels.test_quant_i8gemm import needs_k_format_i8
 from tests.kernels.test_quantized_kernels import random_weight
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -114,10 +114,7 @@ def _k_format_llama() -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTe
     return config, weights
 
 
-@pytest.mark.skipif(
-    not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
-    reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
-)
+@needs_k_format_i8
 def test_quantized_projections_take_the_int8_product_built_from_the_written_weights() -> None:
     """A deterministic model's K-format projections (their parts in the model's weight arena,
     written only once every projection is made) build their int8 panels when the runner asks,

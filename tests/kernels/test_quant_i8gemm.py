@@ -39,6 +39,10 @@ pytestmark = [
 needs_fast = pytest.mark.skipif(
     not quant_i8gemm_native.available(), reason="this CPU has no AVX-512 VNNI int8 product"
 )
+needs_k_format_i8 = pytest.mark.skipif(
+    not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
+    reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
+)
 I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
 # weight rows: half a panel, one, a panel and a half, odd pairs of panels, tails past the groups
 WEIGHT_ROWS = (8, 16, 24, 44, 56)
@@ -239,10 +243,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
         assert torch.equal(out[i : i + 1], alone), (i, len(rows))
 
 
-@pytest.mark.skipif(
-    not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
-    reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
-)
+@needs_k_format_i8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_deterministic_mode_takes_it_at_every_row_count(dtype: torch.dtype) -> None:
     """A projection made for deterministic mode (``make_linear`` with a row block) builds its
