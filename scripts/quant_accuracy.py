@@ -63,20 +63,59 @@ from asyncengine.executor.runner import ModelRunner
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantizedTensor
 from asyncengine.text.tokenizer import Tokenizer
 
-# A fixed text the model was not tuned on (written for this check).
+# A fixed text the model was not tuned on (written for this check): ~630 tokens of prose, a recipe,
+# code and facts: long enough that a logit crossing an int8 rounding step moves the figures by
+# little (a 1e-6 change of the norms moves ``gguf``'s perplexity by up to 0.8% here, 2% over 110 tokens)
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "can of oil, a cloth and a notebook in which he wrote the weather, the ships he had seen and "
     "the state of the lamp. In winter the wind came from the north and rattled the windows of "
     "the lantern room, and he would stay until the beam turned steadily over the dark water. "
     "Over forty years he filled eleven notebooks. When the light was automated, the notebooks "
-    "went to the town museum, where children still read them aloud on rainy afternoons."
+    "went to the town museum, where children still read them aloud on rainy afternoons.\n\n"
+    "Bread needs only four things: flour, water, salt and time. Mix the flour and water until no "
+    "dry patches remain, then leave the dough to rest for half an hour so that the flour can "
+    "absorb the water. Add the salt and a little yeast, and fold the dough over itself every "
+    "thirty minutes for the next two hours. Each fold stretches the gluten and traps more air. "
+    "Once the dough has doubled in size, shape it into a round loaf, cover it with a towel and "
+    "let it rise again in a cool place overnight. In the morning, bake it in a very hot oven "
+    "for forty minutes, until the crust is deep brown and the loaf sounds hollow when tapped "
+    "underneath. Let it cool completely before cutting, or the crumb will be gummy.\n\n"
+    "A library is more than a room full of books. In the small town where I grew up, the "
+    "library was the only warm place open on Sunday afternoons, and it was where old men read "
+    "the newspapers, students prepared for their exams and families borrowed films for the "
+    "weekend. The librarian knew every regular visitor by name and remembered which authors "
+    "they liked. When the council proposed closing it to save money, hundreds of people came "
+    "to the meeting, and the plan was quietly dropped.\n\n"
+    "To find the largest number in a list, start by assuming that the first element is the "
+    "largest. Then walk through the rest of the list, and whenever you meet an element larger "
+    "than the current answer, replace the answer with it. When the walk ends, the answer is the "
+    "largest element. In Python this is a short loop:\n\n"
+    "def largest(values):\n"
+    "    best = values[0]\n"
+    "    for value in values[1:]:\n"
+    "        if value > best:\n"
+    "            best = value\n"
+    "    return best\n\n"
+    "The loop looks at each element once, so its running time grows linearly with the length of "
+    "the list. Python's built-in max function does the same work and is usually faster.\n\n"
+    "The migration of the arctic tern is the longest of any animal. Each year these small "
+    "seabirds fly from their breeding grounds in the Arctic to the coast of Antarctica and back, "
+    "a round trip of more than seventy thousand kilometres. Because they follow the summer from "
+    "one pole to the other, they see more daylight than any other creature on Earth. A tern can "
+    "live for thirty years, so over its lifetime it may fly a distance equal to three trips to "
+    "the Moon and back. Scientists learned these facts by fitting the birds with tiny "
+    "geolocators that weigh less than a paper clip."
 )
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Three things to pack for a hike are",
     "Water boils at",
+    "Once upon a time, in a small village,",
+    "The main difference between a virus and a bacterium is",
+    "SELECT name, age FROM users WHERE",
+    "My favourite season of the year is",
 ]
 GREEDY_TOKENS = 24
 PAGE_SIZE = 16

@@ -163,19 +163,20 @@ def test_embedded_model_over_a_float16_pool_follows_the_float32_pool() -> None:
     total = accuracy.GREEDY_TOKENS * len(prompts)
     ref_logits, ref_greedy = run(frozenset(), F32)
     ref_ppl = accuracy.perplexity(ref_logits, text)
-    # dense weights: measured (AVX2) max 0.019, mean 0.0018, argmax 100%, perplexity +0.02%
+    # dense weights: measured (AVX-512 VNNI and AVX2, unperturbed and under 1e-6 changes of the
+    # norms) max 0.018-0.028, mean 0.0019-0.0020, argmax 99.8%, perplexity within 0.005%, greedy all
     logits, greedy = run(frozenset(), F16)
     diff = (logits - ref_logits).abs()
     assert float(diff.max()) < 0.05 and float(diff.mean()) < 0.005
     assert float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()) >= 0.99
     assert abs(accuracy.perplexity(logits, text) / ref_ppl - 1) < 0.002
     assert agreeing(greedy, ref_greedy) >= 0.9 * total
-    # the file as stored over a half pool, against the float32 reference: measured max 1.30,
-    # mean 0.157, argmax 95.5%, perplexity -0.11%, greedy 65/96 (over a float32 pool: 1.70,
-    # 0.158, 96.4%, +0.53%, 52/96)
+    # the file as stored over a half pool, against the float32 reference: measured (the same
+    # runs) max 1.18-2.41, mean 0.147-0.151, argmax 96.0-97.5%, perplexity +0.23 to +1.00%, greedy
+    # 126-160/192 (over a float32 pool: the file's figures in test_quantized_model.py)
     logits, greedy = run(frozenset(accuracy.GGUF_FORMATS), F16)
     diff = (logits - ref_logits).abs()
-    assert float(diff.max()) < 2.5 and float(diff.mean()) < 0.25
+    assert float(diff.max()) < 3.5 and float(diff.mean()) < 0.25
     assert float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()) >= 0.94
     assert abs(accuracy.perplexity(logits, text) / ref_ppl - 1) < 0.015
     assert agreeing(greedy, ref_greedy) >= 0.4 * total
