@@ -20,12 +20,14 @@ from asyncengine.sim.reproductions.base import Outcome, Reproduction
 MODES = {"sim": "In the simulator", "real": "On the real engine (this CPU)"}
 PAGE_HEADER = """# Published scheduling results, reproduced
 
-Each section below is written by `scripts/reproduce.py NAME` (`--real`: also on the real
-engine on this CPU) and by nothing else: the claim with its source, our setting, and our
-numbers beside the claim's. `scripts/reproduce.py --list` lists the reproductions; the numbers
-of each section are also in `docs/reproductions/NAME.json`. Simulated runs use the shipped cost
-model (`asyncengine/sim/default_cost_model.json`) on a virtual clock and are the same on any
-machine; real runs time each step on this thread's CPU clock (SmolLM2-135M, one torch thread).
+Each section below is written by `python scripts/reproduce.py NAME` (`--real`: also on the
+real engine on this CPU) and by nothing else: the claim with its source, our setting, and our
+numbers beside the claim's. `python scripts/reproduce.py --list` lists the reproductions; the
+numbers of each section are also in `docs/reproductions/NAME.json`. Simulated runs use the
+shipped cost model (`asyncengine/sim/default_cost_model.json`) on a virtual clock, so their
+verdicts hold on any machine (host-tier and recompute-tax charge copies at this machine's
+measured copy rate, so their times move with it); real runs time each step on this thread's CPU clock (SmolLM2-135M,
+one torch thread).
 """
 
 
@@ -85,7 +87,7 @@ def section(data: dict[str, Any]) -> str:
             "",
         ]
     lines.append(
-        f"Reproduce: `scripts/reproduce.py {data['name']}` (add `--real` for the CPU run)."
+        f"Reproduce: `python scripts/reproduce.py {data['name']}` (add `--real` for the CPU run)."
     )
     return "\n".join(lines) + "\n"
 

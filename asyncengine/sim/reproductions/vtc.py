@@ -246,8 +246,6 @@ class VTCFairness:
                 if windowed_holds
                 else ", **past it**: the window hides what the policy needs to see"
             )
-            + ". (With one window over the whole queue, as before, a backlog deeper than the "
-            "window was all the heavier client's and the policy could only choose among its "
-            "requests: 1 : 1.76, past the bound.)"
+            + "."
         )
         return Outcome(setting, table, verdict, holds, numbers)
