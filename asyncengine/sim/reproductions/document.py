@@ -26,8 +26,8 @@ numbers beside the claim's. `python scripts/reproduce.py --list` lists the repro
 numbers of each section are also in `docs/reproductions/NAME.json`. Simulated runs use the
 shipped cost model (`asyncengine/sim/default_cost_model.json`) on a virtual clock, so their
 verdicts hold on any machine (host-tier and recompute-tax charge copies at this machine's
-measured copy rate, so their times move with it); real runs time each step on this thread's CPU clock (SmolLM2-135M,
-one torch thread).
+measured copy rate, so their times move with it); real runs time each step on this thread's
+CPU clock (SmolLM2-135M, one torch thread).
 """
 
 
