@@ -186,3 +186,16 @@ def fake_core(
     executor = FakeExecutor(max_model_len)
     core = build_core(config, executor) if clock is None else build_core(config, executor, clock)
     return core, executor
+
+
+class StopStringAt:
+    """A request's output text that "completes" the stop string ``"END"`` at its k-th token
+    (if the request may stop by then)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.seen = 0
+
+    def push(self, token_id: int, may_stop: bool = True) -> str | None:
+        self.seen += 1
+        return "END" if self.seen == self.k and may_stop else None

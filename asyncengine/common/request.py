@@ -55,8 +55,9 @@ class Proposer(Protocol):
 class OutputText(Protocol):
     """A request's output text, detokenized as its tokens land (asyncengine/text/output_text.py)."""
 
-    def push(self, token_id: int) -> str | None:
-        """Take one sampled token; return the stop string it completed, if any."""
+    def push(self, token_id: int, may_stop: bool = True) -> str | None:
+        """Take one sampled token; return the stop string it completed, if any (none while
+        ``may_stop`` is False)."""
         ...
 
 

@@ -154,21 +154,20 @@ class Lifecycle:
         tokens[:] = kept
 
     def _stop(self, req: Request, token: int, n: int) -> tuple[str | None, str | int | None]:
-        """Why ``token``, the ``n``-th token of ``req``'s output, ends it, if it does."""
+        """Why ``token``, the ``n``-th token of ``req``'s output, ends it, if it does. Before
+        ``min_new_tokens`` neither EOS, a stop token nor a stop string ends it (as vLLM); a
+        stop string or a complete grammar on the last allowed token is a "stop", not "length"."""
         params = req.params
-        reason: str | None = None
-        matched: str | int | None = None
-        if n >= params.min_new_tokens and (
+        may_stop = n >= params.min_new_tokens
+        stop_token = may_stop and (
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_set
-        ):
-            reason, matched = "stop", token
-        elif n >= params.max_new_tokens or len(req.prompt_ids) + n >= self.scheduler.max_model_len:
-            reason = "length"
+        )
         text = req.text
-        stop_string = None if text is None else text.push(token)  # the text streams either way
-        if reason is not None:
-            return reason, matched
+        # the text streams either way
+        stop_string = None if text is None else text.push(token, may_stop)
+        if stop_token:
+            return "stop", token
         grammar = req.grammar
         if grammar is not None:
             if not grammar.accept(token):
@@ -181,6 +180,8 @@ class Lifecycle:
                 return "stop", token
         if stop_string is not None:
             return "stop", stop_string
+        if n >= params.max_new_tokens or len(req.prompt_ids) + n >= self.scheduler.max_model_len:
+            return "length", None
         return None, None
 
     def failed(self, failed: list[Request]) -> None:

@@ -17,9 +17,10 @@ class OutputText:
         self.stops = StopStringFilter(stop)
         self.ready = ""  # text cleared for the caller, not yet taken
 
-    def push(self, token_id: int) -> str | None:
-        """Take one sampled token; return the stop string it completed, if any."""
-        scan = self.stops.push(self.detokenizer.add([token_id]))
+    def push(self, token_id: int, may_stop: bool = True) -> str | None:
+        """Take one sampled token; return the stop string it completed, if any (none while
+        ``may_stop`` is False: before the request's minimum tokens)."""
+        scan = self.stops.push(self.detokenizer.add([token_id]), may_stop)
         self.ready += scan.emit
         return scan.matched
 

@@ -66,19 +66,20 @@ class StopAutomaton:
         self._ends = ends
         self.depth = depth
 
-    def advance(self, state: int, text: str) -> tuple[int, int, str | None, int]:
-        """Walk ``text`` from ``state`` until a stop string ends.
+    def advance(self, state: int, text: str, start: int = 0) -> tuple[int, int, str | None, int]:
+        """Walk ``text[start:]`` from ``state`` until a stop string ends.
 
-        Returns the state reached, the number of characters of ``text`` consumed (up to and
-        including the match's last one), the stop string matched (None: none, all consumed),
-        and the transitions taken (each failure link and each character: the work done).
+        Returns the state reached, the characters of ``text`` consumed (up to and including the
+        match's last one; ``start`` included), the stop string matched (None: none, all
+        consumed), and the transitions taken (each failure link and each character: the work
+        done). Walking on from the returned state and index finds the matches after it.
         """
         goto = self._goto
         fail = self._fail
         ends = self._ends
         steps = 0
-        for index, char in enumerate(text):
-            code = ord(char)
+        for index in range(start, len(text)):
+            code = ord(text[index])
             while True:
                 steps += 1
                 target = goto.get(state << _CHAR_BITS | code)

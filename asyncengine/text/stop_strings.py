@@ -66,7 +66,9 @@ class StopStringFilter:
         """The text held back (a suffix of the output that begins some stop string)."""
         return "".join(self._held)
 
-    def push(self, delta: str) -> StopScan:
+    def push(self, delta: str, may_stop: bool = True) -> StopScan:
+        """``may_stop`` False: a stop string ending in this delta does not count (the request
+        has not produced its minimum tokens yet); one ending in a later delta does."""
         if self.matched is not None:
             return StopScan("", self.matched, 0)
         automaton = self._automaton
@@ -74,6 +76,9 @@ class StopStringFilter:
             return StopScan(delta, None, 0)
         state, consumed, matched, steps = automaton.advance(self._state, delta)
         self.steps += steps
+        while matched is not None and not may_stop:
+            state, consumed, matched, steps = automaton.advance(state, delta, consumed)
+            self.steps += steps
         if matched is not None:
             self.matched = matched
             self._append(delta[:consumed])

@@ -137,6 +137,36 @@ async def test_stop_string_cuts_text_and_frees_kv() -> None:
         assert_idle_and_clean(engine)
 
 
+async def test_a_stop_string_ending_on_the_last_allowed_token_is_a_stop() -> None:
+    async with fake_engine() as engine:
+        prompt = [5, 6, 7, 8]
+        expected = reference_output(prompt, 4)
+        stop = render(expected[2:4])
+        out = await engine.generate(prompt, SamplingParams(max_new_tokens=4, stop=[stop]))
+        assert (out.finish_reason, out.matched_stop) == ("stop", stop)
+        assert out.text == render(expected[:2])
+
+
+async def test_min_new_tokens_holds_back_stop_strings_that_end_before_it() -> None:
+    async with fake_engine() as engine:
+        prompt = [5, 6, 7, 8]
+        expected = reference_output(prompt, 6)
+        assert len(set(expected)) == 6  # each stop below can match in one place only
+        stop = render(expected[1:3])  # spans tokens 2 and 3: it ends on the 3rd
+        for minimum, reason, text in [
+            (3, "stop", render(expected[:1])),
+            (4, "length", render(expected)),
+        ]:
+            params = SamplingParams(max_new_tokens=6, min_new_tokens=minimum, stop=[stop])
+            out = await engine.generate(prompt, params)
+            assert (out.finish_reason, out.text) == (reason, text)
+            streamed = [d async for d in engine.stream(prompt, params)]
+            assert "".join(d.text for d in streamed) == text
+            assert streamed[-1].finish_reason == reason
+        await wait_idle(engine)
+        assert_idle_and_clean(engine)
+
+
 async def test_chat_messages_and_text_prompts() -> None:
     async with fake_engine() as engine:
         out = await engine.generate(

@@ -6,20 +6,8 @@ from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.scheduler.step_events import StepEvents
-from tests.fake_executor import FakeExecutor, fake_core, reference_output
+from tests.fake_executor import FakeExecutor, StopStringAt, fake_core, reference_output
 from tests.scheduler.test_scheduler import Clock
-
-
-class MatchAt:
-    """A request's output text that "completes" the stop string ``"END"`` at its k-th token."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.seen = 0
-
-    def push(self, token_id: int) -> str | None:
-        self.seen += 1
-        return "END" if self.seen == self.k else None
 
 
 def make(**overrides: object) -> tuple[EngineCore, FakeExecutor, Clock]:
@@ -57,7 +45,7 @@ def test_each_ending_is_reported_once_with_its_reason() -> None:
         request("stop-string", prompt, 8, clock),
         request("late", [9, 9, 9], 8, clock, timeout=0.5),
     ]
-    reqs[2].text = MatchAt(3)
+    reqs[2].text = StopStringAt(3)
     for req in reqs:
         core.add(req)
     first = core.step()

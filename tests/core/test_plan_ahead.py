@@ -13,20 +13,8 @@ from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.engine_core import EngineCore
-from tests.fake_executor import FakeExecutor, fake_core, reference_output
+from tests.fake_executor import FakeExecutor, StopStringAt, fake_core, reference_output
 from tests.scheduler.test_scheduler import Clock
-
-
-class MatchAt:
-    """Output text that "completes" the stop string ``"END"`` at its k-th token."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.seen = 0
-
-    def push(self, token_id: int) -> str | None:
-        self.seen += 1
-        return "END" if self.seen == self.k else None
 
 
 def drive_overlapped(core: EngineCore, executor: FakeExecutor, clock: Clock) -> list[BatchPlan]:
@@ -82,7 +70,7 @@ def workload(seed: int, clock: Clock) -> list[Request]:
             )
         )
         if i % 4 == 3 and n > 2:  # a stop string completed at its k-th token
-            reqs[-1].text = MatchAt(rng.randrange(1, n))
+            reqs[-1].text = StopStringAt(rng.randrange(1, n))
     return reqs
 
 
@@ -141,7 +129,7 @@ def test_nothing_past_the_end_and_the_length_known_ahead() -> None:
         clock(),
     )
     by_text = Request("txt", prompt, SamplingParams(max_new_tokens=6, temperature=0), clock())
-    by_text.text = MatchAt(3)  # type: ignore[assignment]
+    by_text.text = StopStringAt(3)  # type: ignore[assignment]
     for req in (by_length, by_token, by_text):
         core.add(req)
     plans = drive_overlapped(core, executor, clock)

@@ -17,7 +17,7 @@ from asyncengine.speculative.acceptance import accepted_prefix
 from asyncengine.speculative.ngram import NgramProposer
 from asyncengine.speculative.rules import adaptive_guesses
 from asyncengine.speculative.settings import parse_speculative
-from tests.fake_executor import fake_core, reference_output
+from tests.fake_executor import StopStringAt, fake_core, reference_output
 from tests.scheduler.test_scheduler import Clock
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "rule": "fixed"}
@@ -204,22 +204,11 @@ def test_a_stop_token_inside_accepted_guesses_ends_the_request_there() -> None:
     assert core.stats()["pages_used"] == 0
 
 
-class StopAfter:
-    """Output text whose stop string completes at the k-th token."""
-
-    def __init__(self, k: int) -> None:
-        self.k, self.seen = k, 0
-
-    def push(self, token_id: int) -> str | None:
-        self.seen += 1
-        return "END" if self.seen == self.k else None
-
-
 def test_a_stop_string_inside_accepted_guesses_ends_the_request_there() -> None:
     core, clock = make()
     prompt = [1, 2, 3, 4, 5]
     req = add(core, clock, "r", prompt, 30, [0])
-    req.text = StopAfter(8)
+    req.text = StopStringAt(8)
     events = []
     while core.has_work():
         step = core.step()

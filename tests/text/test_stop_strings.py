@@ -121,6 +121,47 @@ def test_incremental_matcher_agrees_with_a_naive_scan(
         assert emitted == text[: stop_end - len(stop_string)]
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc|", max_size=40),
+    stop=st.lists(st.text(alphabet="abc|", min_size=1, max_size=5), max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+    early=st.integers(0, 10),
+)
+def test_matches_ending_in_deltas_that_may_not_stop_are_passed_over(
+    text: str, stop: list[str], cuts: list[int], early: int
+) -> None:
+    """The first ``early`` deltas may not stop (a request below its minimum tokens): the stop
+    is the first that a naive scan meets ending after them, even one that began inside them."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = list(zip(bounds, bounds[1:], strict=False))
+    f = StopStringFilter(stop)
+    emitted = ""
+    for index, (start, end) in enumerate(deltas):
+        scan = f.push(text[start:end], may_stop=index >= early)
+        emitted += scan.emit
+        if scan.matched is not None:
+            break
+        assert emitted + f.pending == text[:end]
+    allowed_from = deltas[early - 1][1] if 0 < early <= len(deltas) else 0
+    if early > len(deltas):
+        allowed_from = len(text)
+    first = next(
+        (
+            (end, max(ending, key=len))
+            for end in range(allowed_from + 1, len(text) + 1)
+            if (ending := [s for s in stop if text[:end].endswith(s)])
+        ),
+        None,
+    )
+    if first is None:
+        assert f.matched is None and emitted + f.flush() == text
+    else:
+        stop_end, stop_string = first
+        assert f.matched == stop_string
+        assert emitted == text[: stop_end - len(stop_string)]
+
+
 def _steps_for_held_output(length: int) -> int:
     """Matching steps to stream ``length`` characters, one per delta, all held back by a
     stop string that keeps almost matching (beside 15 other long ones)."""
