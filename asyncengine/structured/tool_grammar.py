@@ -1,7 +1,8 @@
 """The grammar a tool choice decodes under, as an xgrammar structural tag.
 
 - ``required``: the output is one or more calls (``parallel`` false: exactly one), each of a
-  listed function with arguments valid under its ``parameters`` schema, and nothing else;
+  listed function with arguments valid under its ``parameters`` schema, and nothing else (but
+  the separator after the last);
 - a named function: exactly one call of it;
 - ``auto``: free text in which a call, once its trigger (``<tool_call>``, or ``{"name": `` for
   Llama 3) is written, must complete as a valid call of a listed function.
@@ -78,12 +79,16 @@ def tool_call_grammar(
     elif mode == "named" or not parallel:
         body = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     elif mode == "required":
-        body = {
+        calls = {
             "type": "tags_with_separator",
             "tags": tags,
             "separator": fmt.separator,
             "at_least_one": True,
         }
+        # the separator may also close the output: a model that ends its last call with it (a
+        # Hermes newline before its end of turn) is not held to write one more call
+        trailing = {"type": "optional", "content": {"type": "const_string", "value": fmt.separator}}
+        body = {"type": "sequence", "elements": [calls, trailing]}
     else:
         raise ValueError(f"unknown tool grammar mode {mode!r}")
     if reasoning and mode != "auto":

@@ -247,6 +247,9 @@ def test_call_grammars_accept_valid_calls_only() -> None:
         return bool(matcher.accept_string(text)) and matcher.is_completed()
 
     assert accepts(required, good) and accepts(required, good + "\n" + good)
+    # a newline after the last call may end the output: it does not oblige another call
+    assert accepts(required, good + "\n") and accepts(required, good + "\n" + good + "\n")
+    assert not accepts(required, good + "\n\n")
     assert not accepts(required, "Sure! " + good)  # nothing but calls
     assert not accepts(required, bad_value) and not accepts(required, unknown)
     assert not accepts(required, "")
