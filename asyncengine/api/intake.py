@@ -52,7 +52,7 @@ class Intake:
     ) -> int:
         """The request's max new tokens: ``requested`` (None: not given, then ``default``, and
         None there means up to the context), checked against the context and the limit."""
-        room = self._room(prompt_tokens)
+        room = self._room(prompt_tokens, scoring_only=requested == 0)
         limit = self.config.max_new_tokens_limit
         if requested is None:
             value = room if default is None else min(default, room)
@@ -101,7 +101,7 @@ class Intake:
         if params.lora is not None and params.lora not in self.lora_names:
             raise UnknownAdapterError(params.lora, sorted(self.lora_names))
         ids = self.tokenize(prompt)
-        self._room(len(ids))
+        self._room(len(ids), scoring_only=params.max_new_tokens == 0)
         self._check_limit(params.max_new_tokens, "max_new_tokens")
         vocab = self.vocab_size
         for name, named in (
@@ -138,12 +138,13 @@ class Intake:
             )
         return ids
 
-    def _room(self, prompt_tokens: int) -> int:
-        """Tokens the context leaves after the prompt (at least 1, else refused)."""
+    def _room(self, prompt_tokens: int, scoring_only: bool = False) -> int:
+        """Tokens the context leaves after the prompt (at least 1, else refused; 0 will do for
+        a request that only scores its prompt: a whole context window, as lm-eval sends)."""
         if prompt_tokens == 0:
             raise InvalidRequestError("prompt is empty after tokenization")
         room = self.max_model_len - prompt_tokens
-        if room < 1:
+        if room < (0 if scoring_only else 1):
             raise InvalidRequestError(
                 f"the prompt has {prompt_tokens} tokens but the context is {self.max_model_len} "
                 "tokens (max_model_len), leaving no room to generate",

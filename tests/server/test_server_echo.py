@@ -15,6 +15,7 @@ import pytest_asyncio
 
 from tests.hf_scorer import HFScorer, hf, model_dir  # noqa: F401  (fixtures)
 from tests.server_support import (
+    MAX_MODEL_LEN,
     RunningServer,
     assert_no_leak,
     engine_config,
@@ -133,6 +134,21 @@ async def test_text_prompt_scored_with_max_tokens_zero(
     assert "".join(choice.logprobs.tokens) == TEXT
     assert_scored_like_hf(hf, prompt, choice.logprobs, 3)
     assert out.usage.completion_tokens == 0
+
+
+async def test_a_whole_context_prompt_is_scored_but_not_continued(
+    client: openai.AsyncOpenAI, server: RunningServer, hf: HFScorer
+) -> None:
+    prompt = (server.engine.tokenize(TEXT) * MAX_MODEL_LEN)[:MAX_MODEL_LEN]
+    out = await client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=0, logprobs=1, echo=True
+    )
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert choice.logprobs is not None and len(choice.logprobs.tokens) == MAX_MODEL_LEN
+    assert_scored_like_hf(hf, prompt, choice.logprobs, 1)
+    with pytest.raises(openai.BadRequestError, match="no room to generate"):
+        await client.completions.create(model=server.model, prompt=prompt, max_tokens=1)
 
 
 async def test_echo_without_logprobs_only_echoes(
