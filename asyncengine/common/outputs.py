@@ -53,6 +53,9 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     index: int = 0  # which choice of an n > 1 request
     embedding: list[float] | None = None  # an embedding request's vector, on its final delta
+    # prompt tokens read from the prefix cache (as Usage's), fixed at the request's first
+    # scheduling: a stream's header can show the split of its prompt before the usage comes
+    cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: one entry per prompt token (None: not scored), in the
     # choice's first delta
     prompt_logprobs: list[TokenLogprobs | None] | None = None

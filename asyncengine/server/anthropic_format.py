@@ -152,14 +152,23 @@ class MessageStream:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.reader = reader
+        self.started = False
 
     def opening(self) -> list[NamedEvent]:
-        usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
-        message = message_body(self.message_id, self.model, [], (None, None), usage)
-        return [_event("message_start", message=message)]
+        # message_start comes with the first delta: how much of the prompt the prefix cache
+        # served is known once the request is scheduled, and its usage splits the prompt so
+        return []
 
     def frames(self, delta: StreamDelta) -> list[NamedEvent]:
-        return [self._frame(event) for event in self.reader.feed(delta.text, delta.finished)]
+        start = [] if self.started else [self._start(delta)]
+        self.started = True
+        events = self.reader.feed(delta.text, delta.finished)
+        return [*start, *(self._frame(event) for event in events)]
+
+    def _start(self, first: StreamDelta) -> NamedEvent:
+        usage = usage_body(self.shown_usage(Usage(self.prompt_tokens, 0, first.cached_tokens)))
+        message = message_body(self.message_id, self.model, [], (None, None), usage)
+        return _event("message_start", message=message)
 
     @staticmethod
     def _frame(event: BlockEvent) -> NamedEvent:

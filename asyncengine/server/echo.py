@@ -11,6 +11,7 @@ from asyncengine.common.outputs import Usage
 from asyncengine.common.plan import TokenLogprobs
 from asyncengine.server.openai_format import Json
 from asyncengine.server.state import ServerState
+from asyncengine.text.detokenizer import TextOffsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,22 +54,17 @@ class Echo:
         return built
 
     def _build(self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None]) -> Json:
-        tokens: list[str] = []
-        offsets: list[int] = []
-        offset = 0
-        for token_id in self.token_ids:
-            text = state.token_text(token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
+        # the text is the prompt as given or its ids decoded with special tokens kept: that
+        # decode, a token at a time, tells where each token starts in it
+        offsets = TextOffsets(state.engine.tokenizer.detokenizer(False))
         return {
-            "tokens": tokens,
+            "tokens": [state.token_text(t) for t in self.token_ids],
             "token_logprobs": [None if lp is None else lp.token_logprob for lp in prompt_logprobs],
             "top_logprobs": [
                 None if lp is None else {state.token_text(t): v for t, v in lp.top}
                 for lp in prompt_logprobs
             ],
-            "text_offset": offsets,
+            "text_offset": offsets.of(self.token_ids, len(self.text)),
         }
 
 
@@ -78,9 +74,10 @@ def join_logprobs(first: Json, then: Json) -> Json:
 
 
 def sum_usage(usages: list[Usage]) -> Usage:
-    """A batch's usage: its prompts' (each counted once) together."""
+    """A batch's usage: its prompts' (each counted once) together, every count added up."""
     return Usage(
-        sum(u.prompt_tokens for u in usages),
-        sum(u.completion_tokens for u in usages),
-        sum(u.cached_tokens for u in usages),
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+        accepted_speculative_tokens=sum(u.accepted_speculative_tokens for u in usages),
     )

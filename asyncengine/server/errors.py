@@ -93,7 +93,7 @@ def from_engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, QueueFullError):
         return ApiError(
             503,
-            f"the server is at capacity ({exc}); retry later",
+            f"the server is at capacity: {exc}; retry later",
             type="server_overloaded",
             code="queue_full",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)},

@@ -8,8 +8,10 @@ from typing import Any
 
 from asyncengine.common.outputs import Usage
 from asyncengine.common.plan import TokenLogprobs
+from asyncengine.text.detokenizer import TextOffsets
 
 TokenText = Callable[[int], str]
+TokenBytesOf = Callable[[int], bytes]
 
 Json = dict[str, Any]
 
@@ -40,18 +42,22 @@ def usage_body(usage: Usage, cached_tokens: bool = True) -> Json:
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs],
+    token_text: TokenText,
+    token_bytes: TokenBytesOf,
 ) -> Json:
+    """``bytes``: each token's own bytes, not its decoded text's (a piece of a character decodes
+    to U+FFFD alone), so that the bytes of a reply's tokens joined are its text's."""
     content = []
     for token_id, lp in zip(token_ids, logprobs, strict=False):
-        text = token_text(token_id)
         content.append(
             {
-                "token": text,
+                "token": token_text(token_id),
                 "logprob": lp.token_logprob,
-                "bytes": list(text.encode()),
+                "bytes": list(token_bytes(token_id)),
                 "top_logprobs": [
-                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                    {"token": token_text(t), "logprob": v, "bytes": list(token_bytes(t))}
                     for t, v in lp.top
                 ],
             }
@@ -60,20 +66,19 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText, text_offset: int
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs],
+    token_text: TokenText,
+    offsets: TextOffsets,
+    end: int,
 ) -> Json:
-    tokens: list[str] = []
-    offsets: list[int] = []
-    for token_id in token_ids:
-        text = token_text(token_id)
-        tokens.append(text)
-        offsets.append(text_offset)
-        text_offset += len(text)
+    """``offsets``: the choice's, fed its earlier tokens; ``end``: the length of its text
+    returned up to and with these tokens' (no offset goes past it)."""
     return {
-        "tokens": tokens,
+        "tokens": [token_text(t) for t in token_ids],
         "token_logprobs": [lp.token_logprob for lp in logprobs],
         "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in logprobs],
-        "text_offset": offsets,
+        "text_offset": offsets.of(token_ids, end),
     }
 
 

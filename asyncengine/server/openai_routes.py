@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from asyncengine.api.intake import logprob_entries
-from asyncengine.common.outputs import StreamDelta
+from asyncengine.common.outputs import StreamDelta, Usage
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import ChoiceReader, read_choice
@@ -37,9 +39,9 @@ from asyncengine.server.openai_schema import (
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
+from asyncengine.text.detokenizer import TextOffsets
 
 if TYPE_CHECKING:
-    from asyncengine.api.engine import Prompt
     from asyncengine.api.engine_client import DeltaStream
 
 
@@ -130,24 +132,38 @@ def _model_card(state: ServerState, name: str) -> Json:
     return card
 
 
+def _text_offsets(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, start: int
+) -> TextOffsets:
+    """A choice's text offsets, from a decode like the engine's of its text (the prompt's last
+    tokens as context, the same special tokens skipped), starting at ``start``."""
+    tokenizer = state.engine.tokenizer
+    return TextOffsets(tokenizer.detokenizer(params.skip_special_tokens, prompt_ids), start)
+
+
 def _logprobs(
     state: ServerState,
     builder: ResponseBuilder,
     token_ids: list[int],
     logprobs: list | None,
-    text_offset: int,
+    offsets: Callable[[], TextOffsets],
+    end: int,
 ) -> Json | None:
+    """``offsets``: the choice's text offsets (made only for a text completion's logprobs);
+    ``end``: the length of its text returned with these tokens'."""
     if logprobs is None:
         return None
     if builder.chat:
-        return chat_logprobs(token_ids, logprobs, state.token_text)
-    return completion_logprobs(token_ids, logprobs, state.token_text, text_offset)
+        return chat_logprobs(
+            token_ids, logprobs, state.token_text, state.engine.tokenizer.token_bytes
+        )
+    return completion_logprobs(token_ids, logprobs, state.token_text, offsets(), end)
 
 
 async def _complete(
     request: web.Request,
     state: ServerState,
-    prompt: Prompt,
+    prompt: list[int],
     params: SamplingParams,
     builder: ResponseBuilder,
     chat_output: ChatOutputSpec | None = None,
@@ -158,13 +174,26 @@ async def _complete(
     request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
     choices: list[tuple[str | Json, str | None, Json | None]] = []
     for o in outputs:
-        logprobs = _logprobs(state, builder, o.token_ids, o.logprobs, 0)
+        logprobs = _logprobs(
+            state,
+            builder,
+            o.token_ids,
+            o.logprobs,
+            lambda: _text_offsets(state, prompt, params, 0),
+            len(o.text),
+        )
         if chat_output is None:
             choices.append((o.text, o.finish_reason, logprobs))
         else:
             message, finish_reason = read_choice(chat_output, o.text, o.finish_reason)
             choices.append((message, finish_reason, logprobs))
-    return json_response(builder.full(choices, combined_usage([o.usage for o in outputs])))
+    return json_response(builder.full(choices, _usage([o.usage for o in outputs], params.n)))
+
+
+def _usage(usages: list[Usage], n: int) -> Usage:
+    """A request's usage from its choices' (by choice index, ``n`` per prompt): each prompt
+    counted once (its choices share one prefill), every choice's output."""
+    return sum_usage([combined_usage(usages[i : i + n]) for i in range(0, len(usages), n)])
 
 
 class _ChunkFormat:
@@ -180,15 +209,21 @@ class _ChunkFormat:
         choices: int,
         chat_output: ChatOutputSpec | None = None,
         echo: list[Echo] | None = None,
-        n: int = 1,
+        *,
+        n: int,
+        offsets_of: Callable[[int, int], TextOffsets] | None = None,
     ) -> None:
-        """``echo``: each prompt (choices ``i * n .. i * n + n - 1`` are prompt ``i``'s), sent
-        in a chunk of its own before a choice's first."""
+        """``n``: choices per prompt (choices ``i * n .. i * n + n - 1`` are prompt ``i``'s);
+        ``echo``: each prompt, sent in a chunk of its own before a choice's first;
+        ``offsets_of``: a text completion choice's text offsets, from its index and where its
+        generated text starts."""
         self.state = state
         self.builder = builder
         self.include_usage = include_usage
         self.choices = choices
         self.text_offsets = [0] * choices
+        self.offsets_of = offsets_of
+        self.offsets: dict[int, TextOffsets] = {}  # by choice, made at its first logprobs
         self.echo = echo
         self.n = n
         self.echoed = [False] * choices
@@ -210,10 +245,16 @@ class _ChunkFormat:
         if not (delta.text or delta.finished or delta.logprobs):
             return echoed
         index = delta.index
+        end = self.text_offsets[index] + len(delta.text)
         logprobs = _logprobs(
-            self.state, self.builder, delta.token_ids, delta.logprobs, self.text_offsets[index]
+            self.state,
+            self.builder,
+            delta.token_ids,
+            delta.logprobs,
+            lambda: self._offsets(index),
+            end,
         )
-        self.text_offsets[index] += len(delta.text)
+        self.text_offsets[index] = end
         finish_reason, payload = delta.finish_reason, None
         if self.readers is not None:
             reader = self.readers[index]
@@ -232,6 +273,13 @@ class _ChunkFormat:
         )
         return [*echoed, chunk]
 
+    def _offsets(self, index: int) -> TextOffsets:
+        offsets = self.offsets.get(index)
+        if offsets is None:
+            assert self.offsets_of is not None, "a text completion stream is given offsets_of"
+            offsets = self.offsets[index] = self.offsets_of(index, self.text_offsets[index])
+        return offsets
+
     def _echo(self, delta: StreamDelta) -> list[Json]:
         """The prompt's chunk, before the choice's first."""
         index = delta.index
@@ -249,7 +297,7 @@ class _ChunkFormat:
     def closing(self, finals: list[StreamDelta]) -> list[Json]:
         usages = [d.usage for d in finals if d.usage is not None]
         if self.include_usage and len(usages) == self.choices:
-            return [self.builder.usage_chunk(combined_usage(usages))]
+            return [self.builder.usage_chunk(_usage(usages, self.n))]
         return []
 
 
@@ -281,19 +329,27 @@ async def _complete_batch(
     for i, outs in enumerate(per_prompt):
         for o in outs:
             if echo is None:
-                logprobs = _logprobs(state, builder, o.token_ids, o.logprobs, 0)
+                logprobs = _logprobs(
+                    state,
+                    builder,
+                    o.token_ids,
+                    o.logprobs,
+                    partial(_text_offsets, state, prompts[i], params[i], 0),
+                    len(o.text),
+                )
                 choices.append((o.text, o.finish_reason, logprobs))
                 continue
             prompt = echo[i]
             logprobs = prompt.logprobs(state, o.prompt_logprobs)
             if logprobs is not None and o.logprobs is not None:
+                start = len(prompt.text)
+                offsets = _text_offsets(state, prompts[i], params[i], start)
                 generated = completion_logprobs(
-                    o.token_ids, o.logprobs, state.token_text, len(prompt.text)
+                    o.token_ids, o.logprobs, state.token_text, offsets, start + len(o.text)
                 )
                 logprobs = join_logprobs(logprobs, generated)
             choices.append((prompt.text + o.text, o.finish_reason, logprobs))
-    usage = sum_usage([combined_usage([o.usage for o in outs]) for outs in per_prompt])
-    return json_response(builder.full(choices, usage))
+    return json_response(builder.full(choices, _usage([o.usage for o in outputs], params[0].n)))
 
 
 def _request_ids(builder: ResponseBuilder, count: int) -> list[str]:
@@ -320,21 +376,39 @@ async def _stream_batch(
         for stream in streams:  # a later prompt refused: the earlier ones go too
             await stream.aclose()
         raise
-    fmt = _ChunkFormat(state, builder, include_usage, n * len(prompts), echo=echo, n=n)
+    fmt = _ChunkFormat(
+        state,
+        builder,
+        include_usage,
+        n * len(prompts),
+        echo=echo,
+        n=n,
+        offsets_of=lambda index, start: _text_offsets(
+            state, prompts[index // n], params[index // n], start
+        ),
+    )
     return await stream_response(request, state, MergedStream(streams, n), fmt, n * len(prompts))
 
 
 async def _stream(
     request: web.Request,
     state: ServerState,
-    prompt: Prompt,
+    prompt: list[int],
     params: SamplingParams,
     builder: ResponseBuilder,
     include_usage: bool,
     chat_output: ChatOutputSpec | None = None,
 ) -> web.StreamResponse:
     stream = state.engine.stream(prompt, params, request_id=builder.id)
-    fmt = _ChunkFormat(state, builder, include_usage, params.n, chat_output)
+    fmt = _ChunkFormat(
+        state,
+        builder,
+        include_usage,
+        params.n,
+        chat_output,
+        n=params.n,
+        offsets_of=lambda _, start: _text_offsets(state, prompt, params, start),
+    )
     return await stream_response(request, state, stream, fmt, params.n)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Callable, Sequence
 from typing import Protocol, overload
 
@@ -11,6 +12,10 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class Detokenizer(Protocol):
+    def add(self, token_ids: list[int]) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -179,6 +184,19 @@ def byte_level_bytes(token: str) -> bytes:
     return token.encode("utf-8")
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+def piece_bytes(token: str) -> bytes:
+    """A sentencepiece-style token's bytes: a byte-fallback token (``<0xF0>``) the byte it names,
+    any other its UTF-8 with the word marker ``\u2581`` read as the space it stands for."""
+    byte = _BYTE_PIECE.fullmatch(token)
+    if byte is not None:
+        return bytes((int(byte.group(1), 16),))
+    return token.replace(SENTENCEPIECE_SPACE, " ").encode("utf-8")
+
+
 class TokenBytes(Sequence[bytes]):
     """Each id's bytes (``byte_level_bytes`` of its token), worked out when the id is first
     looked up: b"" for the ``skipped`` ids (special tokens, when the decode skips them) and ids
@@ -209,3 +227,23 @@ class TokenBytes(Sequence[bytes]):
             token = None if index in self._skipped else self._token_of(index % len(self))
             known = self._known[index] = b"" if token is None else byte_level_bytes(token)
         return known
+
+
+class TextOffsets:
+    """OpenAI's legacy ``text_offset``: where each of a choice's tokens starts in its text, in
+    characters. A token's offset is ``start`` plus what the incremental decode of the tokens
+    before it emitted, so a token holding part of a character moves no offset until a later one
+    completes it. Tokens go in order, a delta's at a time, through the one ``detokenizer``."""
+
+    def __init__(self, detokenizer: Detokenizer, start: int = 0) -> None:
+        self._detokenizer = detokenizer
+        self._at = start
+
+    def of(self, token_ids: list[int], end: int) -> list[int]:
+        """The offsets of ``token_ids``, none past ``end``: the length of the text returned so
+        far, which a stop string may have cut short of what the tokens decode to."""
+        offsets: list[int] = []
+        for token_id in token_ids:
+            offsets.append(min(self._at, end))
+            self._at += len(self._detokenizer.add([token_id]))
+        return offsets

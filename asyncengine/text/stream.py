@@ -99,6 +99,7 @@ class StreamState:
             token_ids=self.tokens,
             logprobs=self.logprobs or None,
             index=self.index,
+            cached_tokens=self.req.cached_tokens,
         )
         if self.prompt_scorer is not None:
             delta.prompt_logprobs = prompt_logprobs_by_position(self.prompt_scorer)

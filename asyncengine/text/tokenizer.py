@@ -24,6 +24,7 @@ from asyncengine.text.detokenizer import (
     ByteLevelDetokenizer,
     IncrementalDetokenizer,
     TokenBytes,
+    piece_bytes,
 )
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -138,6 +139,7 @@ class Tokenizer:
         # byte-level BPE: each token's bytes, by skip_special_tokens (made at first use)
         self._byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
         self._token_bytes: dict[bool, TokenBytes] = {}
+        self._piece_bytes: dict[int, bytes] = {}  # token_bytes of the other tokenizers, by id
 
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -156,6 +158,9 @@ class Tokenizer:
         for byte-level BPE tokenizers, windows decoded by the tokenizer for the others."""
         if not self._byte_level:
             return IncrementalDetokenizer(self, skip_special_tokens, prompt_ids)
+        return ByteLevelDetokenizer(self._byte_table(skip_special_tokens), prompt_ids)
+
+    def _byte_table(self, skip_special_tokens: bool) -> TokenBytes:
         table = self._token_bytes.get(skip_special_tokens)
         if table is None:
             added = self.backend.get_added_tokens_decoder()
@@ -163,7 +168,21 @@ class Tokenizer:
             # id_to_token: an added token's content where one has the id, else the model's
             table = TokenBytes(self.backend.id_to_token, self.vocab_size, skipped)
             self._token_bytes[skip_special_tokens] = table
-        return ByteLevelDetokenizer(table, prompt_ids)
+        return table
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (OpenAI's logprob ``bytes``): those of a piece of a
+        multi-byte character are that piece, so a sequence's joined are its decoded UTF-8. A
+        special token gives its text, an id without a token b"". Worked out once per id."""
+        if not 0 <= token_id < self.vocab_size:
+            return b""
+        if self._byte_level:
+            return self._byte_table(False)[token_id]
+        known = self._piece_bytes.get(token_id)
+        if known is None:
+            token = self.backend.id_to_token(token_id)
+            known = self._piece_bytes[token_id] = b"" if token is None else piece_bytes(token)
+        return known
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

@@ -243,6 +243,28 @@ async def test_the_api_key_comes_as_x_api_key_or_bearer(server: RunningServer) -
         await guarded.stop(stop_engine=False)
 
 
+async def test_a_streamed_message_splits_a_cached_prompt_as_the_whole_one(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        max_tokens=4,
+        system="You answer in one word. " * 4,  # several pages: a repeat reads most from cache
+        messages=_user("Name a colour."),
+        extra_body=GREEDY,
+    )
+    await claude.messages.create(**kwargs)  # the later two find the prompt cached
+    async with claude.messages.stream(**kwargs) as stream:
+        events = [e async for e in stream]
+    whole = (await claude.messages.create(**kwargs)).usage
+    (start,) = [e.message.usage for e in events if e.type == "message_start"]
+    (end,) = [e.usage for e in events if e.type == "message_delta"]
+    assert (whole.cache_read_input_tokens or 0) >= 16
+    for usage in (start, end):
+        assert usage.input_tokens == whole.input_tokens
+        assert usage.cache_read_input_tokens == whole.cache_read_input_tokens
+
+
 async def test_nothing_leaks_after_the_messages(server: RunningServer) -> None:
     assert await wait_until(lambda: engine_idle(server.engine))
     assert_no_leak(server.engine)

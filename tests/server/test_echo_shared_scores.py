@@ -3,6 +3,7 @@ carrying them gets that JSON (not n copies of the work); other scores are built 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 from asyncengine.common.plan import TokenLogprobs
@@ -10,9 +11,20 @@ from asyncengine.server.echo import Echo
 from asyncengine.server.state import ServerState
 
 
+class _Detokenizer:
+    def add(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class _Tokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> _Detokenizer:
+        return _Detokenizer()
+
+
 class CountingState:
     def __init__(self) -> None:
         self.looked_up = 0
+        self.engine = SimpleNamespace(tokenizer=_Tokenizer())  # the text offsets' decode
 
     def token_text(self, token_id: int) -> str:
         self.looked_up += 1

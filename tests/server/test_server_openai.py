@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import openai
 import pytest
 
 from asyncengine.api.intake import Intake
 from asyncengine.common.config import EngineConfig
+from asyncengine.common.outputs import Usage
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.server.echo import sum_usage
 from asyncengine.server.errors import from_engine_error
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
@@ -176,6 +179,39 @@ async def test_completion_stream_without_usage(
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert all(c.usage is None for c in chunks)
+
+
+async def test_batched_prompts_usage_is_the_same_streamed_and_whole(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    # the second prompt is longer than a page: once cached, its cached tokens show in the sum
+    prompts = ["x", PROMPT + " " + PROMPT]
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        prompt=prompts,
+        n=2,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    await client.completions.create(**kwargs)  # the later two find both prompts cached
+    stream = await client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    streamed = [c.usage async for c in stream if c.usage is not None]
+    whole = (await client.completions.create(**kwargs)).usage
+    assert whole is not None and len(streamed) == 1
+    lengths = [len(server.engine.tokenizer.encode(p)) for p in prompts]
+    assert whole.prompt_tokens == sum(lengths)  # each prompt once, not once per choice
+    assert whole.completion_tokens == len(prompts) * 2 * 3
+    assert whole.prompt_tokens_details is not None
+    assert whole.prompt_tokens_details.cached_tokens >= 16  # the long prompt's first page
+    assert streamed[0].model_dump() == whole.model_dump()
+
+
+async def test_a_batch_usage_adds_up_every_count() -> None:
+    total = sum_usage([Usage(1, 2, 3, 4), Usage(10, 20, 30, 40)])
+    assert total == Usage(11, 22, 33, 44)
 
 
 @pytest.mark.parametrize("stream", [False, True])
