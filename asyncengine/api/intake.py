@@ -104,14 +104,14 @@ class Intake:
         self._room(len(ids), scoring_only=params.max_new_tokens == 0)
         self._check_limit(params.max_new_tokens, "max_new_tokens")
         vocab = self.vocab_size
-        for name, named in (
-            ("stop token", params.stop_token_ids),
-            ("logit_bias token", params.logit_bias),
+        for name, param, named in (
+            ("stop token", "stop_token_ids", params.stop_token_ids),
+            ("logit_bias token", "logit_bias", params.logit_bias),
         ):
             bad = [t for t in named if t >= vocab]
             if bad:
                 raise InvalidRequestError(
-                    f"{name} id {bad[0]} is outside the vocabulary [0, {vocab})"
+                    f"{name} id {bad[0]} is outside the vocabulary [0, {vocab})", param=param
                 )
         self.check_logprob_entries(logprob_entries(len(ids), params))
         if params.n > self.config.max_n:

@@ -164,7 +164,8 @@ class SamplingParams:
 
     def _bad(self, name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(
-            f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}"
+            f"invalid sampling parameter {name}={_short_repr(getattr(self, name))}: {why}",
+            param=name,
         )
 
     def _check_types(self) -> None:

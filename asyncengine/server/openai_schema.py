@@ -353,6 +353,10 @@ def _constraint(req: _CommonRequest) -> StructuredOutput | None:
     return structured_output(req.response_format)
 
 
+# SamplingParams' fields whose OpenAI request fields are named otherwise
+OPENAI_FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
 def _sampling_params(
     req: _CommonRequest,
     max_tokens: int,
@@ -390,7 +394,11 @@ def _sampling_params(
             cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
-        raise invalid_request(str(exc), code="invalid_value") from None
+        message, param = str(exc), exc.param
+        for engine_name, api_name in OPENAI_FIELD_NAMES.items():  # the names the client sent
+            message = message.replace(engine_name, api_name)
+        param = OPENAI_FIELD_NAMES.get(param, param) if param is not None else None
+        raise invalid_request(message, param=param, code="invalid_value") from None
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:

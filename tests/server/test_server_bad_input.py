@@ -164,7 +164,7 @@ CASES = [
         chat(stream_options={"include_usage": True}),
         param="stream_options",
     ),
-    Bad("min_tokens above max", CHAT, chat(min_tokens=5), says="min_new_tokens"),
+    Bad("min_tokens above max", CHAT, chat(min_tokens=5), param="min_tokens", says="min_tokens=5"),
     Bad("stop_token_ids negative", CHAT, chat(stop_token_ids=[-1]), param="stop_token_ids[0]"),
     Bad(
         "stop_token_ids outside vocab",
@@ -247,6 +247,7 @@ CASES = [
         "logit_bias outside vocab",
         COMPLETIONS,
         completion(logit_bias={str(10**9): 1}),
+        param="logit_bias",
         says="outside the vocabulary",
     ),
     # model
@@ -504,7 +505,7 @@ CASES = [
         says="outside the vocabulary",
     ),
     Bad("input_ids 10**30", GENERATE, {"input_ids": [10**30]}, says="outside the vocabulary"),
-    Bad("min_tokens 10**12", CHAT, chat(min_tokens=10**12), says="min_new_tokens"),
+    Bad("min_tokens 10**12", CHAT, chat(min_tokens=10**12), param="min_tokens", says="min_tokens"),
     Bad(
         "native min_new_tokens above max", GENERATE, native(min_new_tokens=5), says="min_new_tokens"
     ),
