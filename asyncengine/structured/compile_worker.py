@@ -17,6 +17,8 @@ import os
 import sys
 from typing import Any, BinaryIO
 
+# json_object's longest run of whitespace: room for a newline and the indent of 3-4 levels
+JSON_OBJECT_WHITESPACE = 16
 COMPILE_NICENESS = 10  # scripts/grammar_flood.py measures what a flood of compiles costs others
 
 
@@ -39,7 +41,15 @@ def read_frame(stream: BinaryIO) -> tuple[bool, bytes] | None:
 
 def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+        # an object, as OpenAI's JSON mode promises (xgrammar's built-in grammar takes any JSON
+        # value), laid out freely but with bounded runs of whitespace: a weak model padded the
+        # unbounded grammar's output with blanks to the length limit
+        return compiler.compile_json_schema(
+            '{"type": "object"}',
+            any_whitespace=True,
+            max_whitespace_cnt=JSON_OBJECT_WHITESPACE,
+            strict_mode=False,
+        )
     if kind == "json_schema":
         # compact JSON: a model cannot pad the output with endless whitespace
         return compiler.compile_json_schema(spec, any_whitespace=False)

@@ -30,7 +30,7 @@ import torch
 
 from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
 from asyncengine.structured.compile_pool import CompilePool, CompileTimeout, WorkerGone
-from asyncengine.structured.compile_worker import COMPILE_NICENESS
+from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_WORKERS = 2
@@ -179,11 +179,11 @@ class GrammarCompiler:
         return xgrammar.CompiledGrammar.deserialize_json(payload.decode(), self._tokenizer_info)
 
     def _compile_json_object(self) -> Any:
-        """Here, on a thread (the first call imports xgrammar: over a second); the built-in
-        JSON grammar takes milliseconds."""
+        """Here, on a thread (the first call imports xgrammar: over a second); JSON mode's
+        grammar takes milliseconds."""
         compiler = self._xgrammar_compiler()
         self.compiles += 1
-        return compiler.compile_builtin_json_grammar()
+        return compile_spec(compiler, "json_object", "")
 
     def _worker_setup(self) -> bytes:
         """The serialized TokenizerInfo the worker processes start from."""
