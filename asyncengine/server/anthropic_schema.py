@@ -7,8 +7,8 @@ split for every API.
   a string or blocks: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (a user's
   answer to one), ``thinking`` / ``redacted_thinking`` (dropped: templates drop earlier
   reasoning). ``image`` and ``document`` blocks are refused (no vision model is served).
-- A conversation that ends with an assistant turn (Anthropic's "prefill") is refused: the
-  chat template opens a new turn after it rather than continuing it.
+- A conversation that ends with an assistant turn (Anthropic's "prefill") is continued: the
+  prompt stops after its text and the reply is what the model writes next.
 - ``tool_choice``: auto, any (a call is required), tool (that one), none;
   ``disable_parallel_tool_use`` allows one call at most. Server tools (``web_search_...``) are
   refused: only custom tools (``name``, ``input_schema``) are served.
@@ -208,13 +208,6 @@ def _unsupported_content(param: str, block: Any) -> ApiError:
 
 
 def _messages(req: CountTokensRequest) -> list[ChatMessage]:
-    if req.messages[-1].role == "assistant":
-        raise invalid_request(
-            "the last message is an assistant turn; continuing it (prefill) is not supported: "
-            "end with a user turn",
-            param=f"messages[{len(req.messages) - 1}]",
-            code="unsupported_value",
-        )
     out: list[ChatMessage] = []
     if req.system:
         system = req.system
@@ -324,6 +317,8 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=_template_variables(req),
+        # a final assistant turn is the start of the reply, which the model goes on writing
+        continue_final_message=req.messages[-1].role == "assistant",
     )
     if isinstance(req, MessagesRequest):
         chat.max_tokens = req.max_tokens

@@ -158,12 +158,19 @@ def render_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     variables: dict[str, Any],
+    add_generation_prompt: bool = True,
+    continue_final: bool = False,
 ) -> str:
-    """The chat template's text; a template that fails on these inputs is a 400."""
+    """The chat template's text (``continue_final``: cut after the final message's text, so
+    that the model goes on writing it); a template that fails on these inputs is a 400."""
     if tools is not None:
         variables = {**variables, "tools": tools}
     try:
-        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables))
+        text = str(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        )
     except ChatTemplateError as error:
         raise invalid_request(str(error), code="invalid_value") from None
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
@@ -172,6 +179,42 @@ def render_prompt(
             f"the chat template failed on these messages: {type(error).__name__}: {error}",
             code="invalid_value",
         ) from None
+    return open_final_message(text, messages[-1].get("content")) if continue_final else text
+
+
+def open_final_message(rendered: str, content: object) -> str:
+    """``rendered`` up to the end of the final message's text ``content`` (with its trailing
+    blanks where the template kept them): the template's end of turn after it dropped."""
+    if not isinstance(content, str) or not content.strip():
+        raise invalid_request(
+            "continue_final_message needs a final message with text to continue",
+            param="messages",
+        )
+    text = content.strip()
+    at = rendered.rfind(text)
+    if at < 0:
+        raise invalid_request(
+            "the chat template does not write the final message's text as given, so it cannot "
+            "be continued",
+            param="continue_final_message",
+        )
+    end = at + len(text)
+    trailing = content[len(content.rstrip()) :]
+    if rendered.startswith(trailing, end):
+        end += len(trailing)
+    return rendered[:end]
+
+
+def _generation_prompt(req: ChatCompletionRequest) -> bool:
+    """Whether the template opens the reply: not when the final message is continued."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid_request(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="add_generation_prompt",
+        )
+    if req.add_generation_prompt is None:
+        return not req.continue_final_message
+    return req.add_generation_prompt
 
 
 def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
@@ -180,7 +223,14 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
     functions = _functions(req.tools or [], choice) if choice != "none" else []
     tools = [msgspec.to_builtins(tool) for tool in req.tools or []] if functions else None
     messages, template_tools = template_messages(_turns(req), fmt, tools)
-    prompt = render_prompt(tokenizer, messages, template_tools, _template_variables(req))
+    prompt = render_prompt(
+        tokenizer,
+        messages,
+        template_tools,
+        _template_variables(req),
+        _generation_prompt(req),
+        req.continue_final_message,
+    )
     starts_inside = prompt_opens_thinking(prompt) if fmt.reasons else None
     grammar = None
     if functions:

@@ -123,6 +123,10 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     parallel_tool_calls: bool = True
     # variables for the chat template, e.g. {"enable_thinking": false} (vLLM and SGLang's name)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's opening of the reply (None: unless continuing), or the final
+    # message left open for the model to go on writing (a prefilled start of the reply)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):

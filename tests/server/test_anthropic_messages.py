@@ -102,6 +102,41 @@ async def test_the_same_greedy_text_as_chat_completions_whole_and_streamed(
     assert counted.input_tokens == chat.usage.prompt_tokens
 
 
+async def test_a_final_assistant_turn_is_continued_as_the_same_prompt_completed(
+    claude: anthropic.AsyncAnthropic, client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Anthropic's prefill and Chat Completions' continue_final_message: the prompt ends with
+    the final message's text (no end of turn), and the reply is what follows it."""
+    start = "The answer is"
+    opened = server.engine.tokenizer.apply_chat_template(_user(QUESTION)) + start
+    completion = await client.completions.create(
+        model=server.model, prompt=opened, max_tokens=8, temperature=0
+    )
+    messages: list[Any] = [*_user(QUESTION), {"role": "assistant", "content": start}]
+    chat = await client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True},
+    )
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage is not None and completion.usage is not None
+    assert chat.usage.prompt_tokens == completion.usage.prompt_tokens
+    message = await claude.messages.create(
+        model=server.model, max_tokens=8, messages=messages, extra_body=GREEDY
+    )
+    (block,) = message.content
+    assert block.type == "text" and block.text == completion.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        await client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )
+
+
 async def test_a_stop_sequence_ends_the_message_and_is_named(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
@@ -201,7 +236,6 @@ async def test_refusals_have_anthropics_error_shape(
     status, body = await _raw(server, "/v1/messages", {"messages": _user("hi")})
     assert status == 400 and body["type"] == "error" and "max_tokens" in body["error"]["message"]
     for bad in (
-        {"messages": [*_user("hi"), {"role": "assistant", "content": "Sure"}]},  # prefill
         {"messages": _user("hi"), "tool_choice": {"type": "any"}},  # no tools
         {"messages": _user("hi"), "tools": [{**TOOLS[0], "type": "web_search_20250305"}]},
         {"messages": _user("hi"), "temperature": 1.5},
