@@ -343,7 +343,9 @@ class AsyncEngine:
         # a request waiting for its grammar waits as much as a queued one
         waiting = len(core.scheduler.waiting) + self.grammars.waiting
         if waiting >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
+            raise QueueFullError(
+                f"{waiting} waiting requests, the most max_waiting_requests allows"
+            )
 
     def _add(self, group: RequestGroup) -> None:
         """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
