@@ -14,6 +14,7 @@ cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -37,13 +38,29 @@ _ERROR_TYPES = {
 }
 
 
+# The chat path validates the translated request: its field names, as the client wrote them
+_ANTHROPIC_NAMES = (
+    (re.compile(r"\btools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+    (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
+    (re.compile(r"\bstop(?=[\[=])"), "stop_sequences"),
+)
+
+
+def anthropic_names(message: str) -> str:
+    """``message`` with the chat request's field names put as Anthropic's request has them."""
+    for pattern, name in _ANTHROPIC_NAMES:
+        message = pattern.sub(name, message)
+    return message
+
+
 def error_body(error: ApiError) -> Json:
     """``{"type": "error", "error": {"type", "message"}}``."""
     status = error.status
     fallback = "invalid_request_error" if status < 500 else "api_error"
+    message = anthropic_names(error.message)
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(status, fallback), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(status, fallback), "message": message},
     }
 
 

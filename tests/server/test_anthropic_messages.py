@@ -242,6 +242,16 @@ async def test_refusals_have_anthropics_error_shape(
     ):
         status, body = await _raw(server, "/v1/messages", {"max_tokens": 4, **bad})
         assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
+    # the fields are named as the Anthropic request names them, not as the chat request does
+    for bad, named in (
+        ({"stop_sequences": ["ok", ""]}, "stop_sequences[1]"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
+    ):
+        status, body = await _raw(
+            server, "/v1/messages", {"max_tokens": 4, "messages": _user("hi"), **bad}
+        )
+        message = body["error"]["message"]
+        assert status == 400 and named in message and "function" not in message, message
     status, body = await _raw(server, "/v1/messages/count_tokens", {"messages": []})
     assert status == 400 and body["type"] == "error"
     # the other APIs keep OpenAI's shape
