@@ -307,15 +307,16 @@ async def test_sampled_request_equals_engine_generate(
     assert resp.usage is not None and resp.usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("seed", [1234, -1, -(2**63)])
 async def test_seeded_sampling_is_reproducible(
-    client: openai.AsyncOpenAI, server: RunningServer
+    client: openai.AsyncOpenAI, server: RunningServer, seed: int
 ) -> None:
     kwargs = {
         "model": server.model,
         "messages": CHAT,
         "max_tokens": 12,
         "temperature": 1.0,
-        "seed": 1234,
+        "seed": seed,
     }
     first = await client.chat.completions.create(**kwargs)
     second = await client.chat.completions.create(**kwargs)
