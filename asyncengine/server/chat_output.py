@@ -27,6 +27,7 @@ class ChoiceReader:
             else None
         )
         self._tools = tool_parser(spec.tool_format) if spec.tool_format is not None else None
+        self._calls_only = spec.calls_only
         self.called = False  # any tool call so far
 
     def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
@@ -49,7 +50,7 @@ class ChoiceReader:
             answer.calls += rest_answer.calls
         if answer.calls:
             self.called = True
-        return reasoning, answer.text, answer.calls
+        return reasoning, "" if self._calls_only else answer.text, answer.calls
 
     def feed(self, text: str, final: bool = False) -> Json | None:
         """The ``delta`` of a chunk for ``text`` (None: nothing to send yet)."""

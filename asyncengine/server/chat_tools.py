@@ -46,10 +46,13 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 @dataclass(frozen=True, slots=True)
 class ChatOutputSpec:
     """How a choice's text is read: calls in ``tool_format`` (None: no calls), reasoning
-    split off (None: none; else whether the output starts inside the think block)."""
+    split off (None: none; else whether the output starts inside the think block);
+    ``calls_only``: the tool choice allows nothing but calls (``required`` or a named
+    function), so any other text is the markup of a call cut off by the length limit."""
 
     tool_format: ToolCallFormat | None
     reasoning_starts_inside: bool | None
+    calls_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,5 +248,9 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
         )
     output = None
     if functions or starts_inside is not None:
-        output = ChatOutputSpec(fmt.tool_format if functions else None, starts_inside)
+        output = ChatOutputSpec(
+            fmt.tool_format if functions else None,
+            starts_inside,
+            calls_only=bool(functions) and choice != "auto",
+        )
     return ChatPlan(prompt, output, grammar)

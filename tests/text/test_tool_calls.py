@@ -139,6 +139,21 @@ def test_reading_a_choice_whole_and_streamed_agree() -> None:
     )
 
 
+def test_a_call_cut_off_under_a_calls_only_choice_leaves_no_markup_as_content() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    output = call + '\n<tool_call>\n{"na'  # the length limit met inside a second call
+    spec = ChatOutputSpec(HERMES, reasoning_starts_inside=None, calls_only=True)
+    message, reason = read_choice(spec, output, "length")
+    assert (message["content"], reason) == (None, "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+    reader = ChoiceReader(spec)
+    deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
+    assert not any("content" in d for d in deltas if d)
+    # where text may stand beside calls ("auto"), what is not a whole call stays text
+    auto = ChatOutputSpec(HERMES, reasoning_starts_inside=None)
+    assert "<tool_call>" in read_choice(auto, output, "length")[0]["content"]
+
+
 LLAMA31_LIKE = (
     "{% if tools %}Given the following functions, respond with a JSON for a function call "
     'with its proper arguments: {"name": function name, "parameters": dictionary}.'
