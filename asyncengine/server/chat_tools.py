@@ -190,7 +190,8 @@ def open_final_message(rendered: str, content: object) -> str:
     blanks where the template kept them): the template's end of turn after it dropped."""
     if not isinstance(content, str) or not content.strip():
         raise invalid_request(
-            "continue_final_message needs a final message with text to continue",
+            "the final message is continued (continue_final_message, or a last assistant turn "
+            "in /v1/messages) but has no text",
             param="messages",
         )
     text = content.strip()
