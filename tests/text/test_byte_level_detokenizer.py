@@ -7,18 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS, write_tokenizer_dir
 from asyncengine.text.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
 from asyncengine.text.tokenizer import Tokenizer
 
 TEXT = "你好，世界！🙂👍🏽 naïve café € 𝔘𝔫𝔦 🇫🇷 The quick brown fox.\n\tok <|im_start|>"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory = tmp_path_factory.mktemp("smollm2_tokenizer")
-    write_tokenizer_dir(KNOWN_MODELS[DEFAULT_MODEL].gguf_path(), directory)
-    return Tokenizer(directory)
 
 
 def _streamed(tokenizer: Tokenizer, ids: list[int], skip: bool, prompt: list[int] | None) -> str:

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS, write_tokenizer_dir
 from asyncengine.text.detokenizer import IncrementalDetokenizer
 from asyncengine.text.tokenizer import Tokenizer
 
@@ -20,13 +19,6 @@ NATURAL_TEXT = (
     "The quick brown fox jumps over the lazy dog. 素早い茶色の狐が怠惰な犬を飛び越える。 "
     "Numbers 1234567890 and emoji 🦊🐶 mixed in, with tabs\tand\nnew lines. "
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory = tmp_path_factory.mktemp("smollm2_tokenizer")
-    write_tokenizer_dir(KNOWN_MODELS[DEFAULT_MODEL].gguf_path(), directory)
-    return Tokenizer(directory)
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,11 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
-from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS, write_tokenizer_dir
 from asyncengine.text.detokenizer import TextOffsets
 from asyncengine.text.tokenizer import Tokenizer
 
 TEXT = "日本語 🎉 naïve café ok"
 SPACE = "\u2581"
-
-
-@pytest.fixture(scope="module")
-def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory = tmp_path_factory.mktemp("smollm2_tokenizer")
-    write_tokenizer_dir(KNOWN_MODELS[DEFAULT_MODEL].gguf_path(), directory)
-    return Tokenizer(directory)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +43,14 @@ def byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer(directory)
 
 
-def test_byte_level_tokens_bytes_join_to_the_text(byte_level: Tokenizer) -> None:
-    ids = byte_level.encode(TEXT)
-    pieces = [byte_level.token_bytes(t) for t in ids]
+def test_byte_level_tokens_bytes_join_to_the_text(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    pieces = [tokenizer.token_bytes(t) for t in ids]
     assert b"".join(pieces) == TEXT.encode()
     assert any(piece.decode("utf-8", "replace") != piece.decode("latin-1") for piece in pieces)
-    special = byte_level.encode("<|im_end|>")
-    assert [byte_level.token_bytes(t) for t in special] == [b"<|im_end|>"]
-    assert byte_level.token_bytes(byte_level.vocab_size) == b""  # an id without a token
+    special = tokenizer.encode("<|im_end|>")
+    assert [tokenizer.token_bytes(t) for t in special] == [b"<|im_end|>"]
+    assert tokenizer.token_bytes(tokenizer.vocab_size) == b""  # an id without a token
 
 
 def test_byte_fallback_tokens_are_the_bytes_they_name(byte_fallback: Tokenizer) -> None:
@@ -71,7 +63,7 @@ def test_byte_fallback_tokens_are_the_bytes_they_name(byte_fallback: Tokenizer) 
     assert byte_fallback.token_bytes(-1) == b""
 
 
-@pytest.mark.parametrize("name", ["byte_level", "byte_fallback"])
+@pytest.mark.parametrize("name", ["tokenizer", "byte_fallback"])
 def test_text_offsets_count_the_characters_decoded_before_each_token(
     name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -92,8 +84,8 @@ def test_text_offsets_count_the_characters_decoded_before_each_token(
     assert max(cut) == 2 and cut == sorted(cut)
 
 
-def test_text_offsets_do_not_walk_back_over_a_split_character(byte_level: Tokenizer) -> None:
-    ids = byte_level.encode("🎉🎉")
+def test_text_offsets_do_not_walk_back_over_a_split_character(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("🎉🎉")
     assert len(ids) > 2  # the emoji is byte pieces
-    got = TextOffsets(byte_level.detokenizer(False)).of(ids, end=2)
+    got = TextOffsets(tokenizer.detokenizer(False)).of(ids, end=2)
     assert got[0] == 0 and set(got) == {0, 1}
