@@ -316,7 +316,8 @@ class AsyncEngine:
             self.grammars.submit(group, params)
         else:
             self._add(group)
-        return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        return RequestStream(group.states, rid, self.abort, loop, group.compiling)
 
     async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
         """``prompt``'s embedding: a prefill-only request through the same scheduler, policy

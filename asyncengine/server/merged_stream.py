@@ -24,6 +24,9 @@ class MergedStream:
     def __aiter__(self) -> MergedStream:
         return self
 
+    async def accepted(self) -> None:
+        await asyncio.gather(*(stream.accepted() for stream in self.streams))
+
     async def __anext__(self) -> StreamDelta:
         for i in self._open - set(self._pending.values()):
             self._pending[asyncio.ensure_future(self.streams[i].__anext__())] = i

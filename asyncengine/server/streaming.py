@@ -1,10 +1,11 @@
 """The streaming tail every endpoint shares: one engine request as an SSE response.
 
 An endpoint supplies only how deltas become frames (a ``StreamFormat``); this module owns the
-rest: the first delta is awaited before headers go out (so an engine refusal is still a proper
-4xx/503), engine errors after the headers are reported in-band, a client that goes away ends
-the request, and however the handler ends (done, error, client gone, cancelled) the
-``RequestStream`` is closed, which aborts the request in the engine unless it finished.
+rest: headers go out once the engine accepted the request (its grammar compiled: a refusal is
+still a proper 4xx; a queued or long prefill does not hold them back), engine errors after the
+headers are reported in-band, a client that goes away ends the request, and however the handler
+ends (done, error, client gone, cancelled) the ``RequestStream`` is closed, which aborts the
+request in the engine unless it finished.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ async def stream_response(
     without); ``error_frame``: the frame that reports an engine failure after the headers."""
     finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
-        delta = await _next(stream)  # engine refusals become a 4xx/503 before headers go out
+        await stream.accepted()  # a refusal becomes a 4xx before headers go out
         writer = SSEWriter(request)
         await writer.open()
         try:
             for frame in fmt.opening():
                 await writer.send(frame)
+            delta = await _next(stream)
             while delta is not None:
                 for frame in fmt.frames(delta):
                     await writer.send(frame)

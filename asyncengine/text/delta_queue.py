@@ -1,5 +1,5 @@
 """DeltaQueue: one reader's queue of stream deltas, the part of ``asyncio.Queue`` a stream uses
-(``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``), without its size bound, task
+(``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``, and ``peek``), without its size bound, task
 counting and waiter lists: a token of every running request passes through one each step."""
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class DeltaQueue(Generic[T]):
         if not self._items:
             raise asyncio.QueueEmpty
         return self._items.popleft()
+
+    def peek(self) -> T | None:
+        """The next item, left in the queue (None when it is empty)."""
+        return self._items[0] if self._items else None
 
     def empty(self) -> bool:
         return not self._items

@@ -115,7 +115,8 @@ class RequestStream:
     ``index``, in the order they were produced); leaving it early aborts the request.
 
     ``abort(request_id)`` is the engine's abort; it runs on ``loop``, the engine's loop (a stream
-    dropped by the garbage collector on another thread schedules it there).
+    dropped by the garbage collector on another thread schedules it there). ``compiling``: the
+    task compiling the request's grammar, which may still refuse it (``accepted``).
     """
 
     def __init__(
@@ -124,7 +125,9 @@ class RequestStream:
         request_id: str,
         abort: Callable[[str], object],
         loop: asyncio.AbstractEventLoop,
+        compiling: asyncio.Task[None] | None = None,
     ) -> None:
+        self._compiling = compiling
         self.states = states
         self.state = states[0]
         self.request_id = request_id
@@ -135,6 +138,19 @@ class RequestStream:
 
     def __aiter__(self) -> RequestStream:
         return self
+
+    async def accepted(self) -> None:
+        """Return once nothing but a failed forward can end the request with an error (its
+        grammar compiled; a server can send its headers then); raise its refusal instead."""
+        compiling = self._compiling
+        if compiling is not None and not compiling.done():
+            try:
+                await asyncio.wait((compiling,))  # an abort that cancels it is not our error
+            except BaseException:
+                await self.aclose()  # cancelled while waiting: abort the request
+                raise
+        if isinstance(self.state.queue.peek(), BaseException):
+            await self.__anext__()  # raises the refusal
 
     async def __anext__(self) -> StreamDelta:
         if self._ended:

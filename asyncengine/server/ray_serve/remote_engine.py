@@ -70,13 +70,27 @@ class RemoteStream:
         self._call = call
         self._calls = calls
         self._open_choices = choices
+        self._accepted = False  # the replica's first item (None: accepted) was read
 
     def __aiter__(self) -> RemoteStream:
         return self
 
+    async def accepted(self) -> None:
+        """Return once the replica's engine accepted the request; raise its refusal instead."""
+        if not self._accepted:
+            self._accepted = True
+            marker = await self._item()
+            assert marker is None, "a replica's stream opens with None"
+
     async def __anext__(self) -> StreamDelta:
+        await self.accepted()
+        delta = await self._item()
+        assert delta is not None
+        return delta
+
+    async def _item(self) -> StreamDelta | None:
         try:
-            delta: StreamDelta | Exception = await self._call.__anext__()
+            delta: StreamDelta | Exception | None = await self._call.__anext__()
         except StopAsyncIteration:
             self._calls.pop(self.request_id, None)
             raise
@@ -88,7 +102,7 @@ class RemoteStream:
         if isinstance(delta, Exception):  # the engine refused the request
             self._calls.pop(self.request_id, None)
             raise delta
-        if delta.finished:
+        if delta is not None and delta.finished:
             self._open_choices -= 1
             if self._open_choices == 0:
                 self._calls.pop(self.request_id, None)

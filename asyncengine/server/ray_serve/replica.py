@@ -55,9 +55,13 @@ class EngineReplica:
         params: SamplingParams,
         request_id: str,
         route_ids: list[int] | None = None,
-    ) -> AsyncIterator[StreamDelta | Exception]:
+    ) -> AsyncIterator[StreamDelta | Exception | None]:
+        """None first, once the engine accepted the request (RemoteStream.accepted), then
+        its deltas; or a refusal."""
         try:
             stream = self.engine.stream(prompt, params, request_id=request_id)
+            await stream.accepted()
+            yield None
             async for delta in stream:
                 yield delta
         except REFUSALS as exc:
