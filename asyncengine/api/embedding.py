@@ -15,10 +15,16 @@ from asyncengine.text.stream import RequestStream
 
 
 def embedding_group(
-    rid: str, ids: list[int], now: float, detokenizer: Callable[[], Any], pooling: str
+    rid: str,
+    ids: list[int],
+    params: SamplingParams,
+    now: float,
+    detokenizer: Callable[[], Any],
+    pooling: str,
 ) -> RequestGroup:
-    """The group of one embedding request, its pooling set (``spec.pooling``)."""
-    group = RequestGroup.create(rid, ids, SamplingParams(max_new_tokens=1), now, detokenizer)
+    """The group of one embedding request (``params``: Intake.accept_embedding's), its
+    pooling set (``spec.pooling``)."""
+    group = RequestGroup.create(rid, ids, params, now, detokenizer)
     group.held[0].embedding = PooledEmbedding(pooling)
     return group
 

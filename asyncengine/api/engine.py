@@ -319,22 +319,32 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return RequestStream(group.states, rid, self.abort, loop, group.compiling)
 
-    async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
+    async def embed(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> EmbeddingOutput:
         """``prompt``'s embedding: a prefill-only request through the same scheduler, policy
         and prefix cache, its final hidden states pooled as the model says (``spec.pooling``:
         mean or last token) and normalized (pooling.py). Concurrent calls batch together.
-        Bad input raises ``InvalidRequestError`` before anything is queued."""
-        return await await_embedding(self._queue_embedding(prompt, request_id))
+        Of ``params`` it takes priority, timeout, tenant, cache_salt and lora (the adapter's
+        hidden states). Bad input raises ``InvalidRequestError`` before anything is queued."""
+        return await await_embedding(self._queue_embedding(prompt, params, request_id))
 
-    def _queue_embedding(self, prompt: Prompt, request_id: str | None) -> RequestStream:
+    def _queue_embedding(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> RequestStream:
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
         core = self._core()
-        ids = self.intake.accept_embedding(prompt)
+        ids, params = self.intake.accept_embedding(prompt, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self._check_queue(core)
         group = embedding_group(
-            rid, ids, core.now(), lambda: self._tokenizer.detokenizer(True, ids), core.spec.pooling
+            rid,
+            ids,
+            params,
+            core.now(),
+            lambda: self._tokenizer.detokenizer(True, ids),
+            core.spec.pooling,
         )
         self.streams.open(group)
         self._add(group)

@@ -67,6 +67,8 @@ class EngineClient(Protocol):
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> list[GenerateOutput]: ...
 
-    async def embed(self, prompt: Prompt, *, request_id: str | None = None) -> EmbeddingOutput:
+    async def embed(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> EmbeddingOutput:
         """``prompt``'s embedding (a prefill-only request; asyncengine/common/pooling.py)."""
         ...

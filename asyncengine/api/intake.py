@@ -123,9 +123,26 @@ class Intake:
             raise InvalidRequestError("structured output needs the model's own tokenizer")
         return ids, params
 
-    def accept_embedding(self, prompt: Prompt) -> TokenIds:
-        """An embedding request's token ids: not empty, and within the context (it needs no
-        room to generate)."""
+    def accept_embedding(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> tuple[TokenIds, SamplingParams]:
+        """An embedding request's token ids (not empty, and within the context: it needs no
+        room to generate) and the parameters it runs with: of ``params`` only what schedules
+        it and keys its cache (priority, timeout, tenant, cache_salt) and its adapter."""
+        given = params if params is not None else SamplingParams()
+        if not isinstance(given, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(given).__name__}")
+        given.validate()
+        if given.lora is not None and given.lora not in self.lora_names:
+            raise UnknownAdapterError(given.lora, sorted(self.lora_names))
+        params = SamplingParams(
+            max_new_tokens=1,
+            priority=given.priority,
+            timeout=given.timeout,
+            tenant=given.tenant,
+            cache_salt=given.cache_salt,
+            lora=given.lora,
+        )
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("input is empty after tokenization", param="input")
@@ -136,7 +153,7 @@ class Intake:
                 param="input",
                 code=CONTEXT_EXCEEDED,
             )
-        return ids
+        return ids, params
 
     def _room(self, prompt_tokens: int, scoring_only: bool = False) -> int:
         """Tokens the context leaves after the prompt (at least 1, else refused; 0 will do for

@@ -19,7 +19,7 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from asyncengine.common.outputs import EmbeddingOutput
-from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.off_loop import input_chars, run_sized
@@ -36,7 +36,9 @@ class EmbeddingRequest(Struct, kw_only=True):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
-    user: str | None = None  # accepted, as OpenAI's, and not used
+    user: str | None = None  # the tenant, as on the other routes ("fair" policy, metrics)
+    cache_salt: str | None = None  # as on the other routes (and the API key's namespace)
+    priority: int = 0
 
 
 def embedding_inputs(value: EmbeddingInput) -> list[str | list[int]]:
@@ -45,10 +47,10 @@ def embedding_inputs(value: EmbeddingInput) -> list[str | list[int]]:
         return [value]
     if not value:
         raise invalid_request("input is empty", param="input")
+    if all(isinstance(item, int) for item in value):  # one prompt (the context bounds it)
+        return [[int(item) for item in value if isinstance(item, int)]]
     if len(value) > MAX_INPUTS:
         raise invalid_request(f"input has more than {MAX_INPUTS} items", param="input")
-    if all(isinstance(item, int) for item in value):
-        return [[int(item) for item in value if isinstance(item, int)]]
     if all(isinstance(item, str) for item in value):
         return [item for item in value if isinstance(item, str)]
     if all(isinstance(item, list) for item in value):
@@ -69,31 +71,42 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = await read_json(request, state, EmbeddingRequest)
-    model = state.check_model(req.model)
+    model = state.check_model(req.model, adapters=True)
     items = embedding_inputs(req.input)
     engine = state.engine
     try:
-        prompts = await run_sized(  # all checked first
-            input_chars(items), lambda: [engine.intake.accept_embedding(i) for i in items]
+        params = SamplingParams(
+            max_new_tokens=1,
+            tenant=req.user or None,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            lora=state.lora_for(model),
         )
+        accepted = await run_sized(  # all checked first
+            input_chars(items), lambda: [engine.intake.accept_embedding(i, params) for i in items]
+        )
+        prompts = [ids for ids, _ in accepted]
     except InvalidRequestError as exc:
         exc.param = exc.param or "input"  # a token id outside the vocabulary, say
         raise
-    tasks = [asyncio.ensure_future(engine.embed(prompt)) for prompt in prompts]
+    outputs: list[EmbeddingOutput] = []
+    if req.dimensions is not None:  # one item tells the size: refuse before the others run
+        outputs.append(await engine.embed(prompts[0], params))
+        if req.dimensions != len(outputs[0].embedding):
+            raise invalid_request(
+                f"dimensions={req.dimensions} is not supported: this model's embeddings have "
+                f"{len(outputs[0].embedding)} dimensions",
+                param="dimensions",
+                code="unsupported_parameter",
+            )
+    tasks = [asyncio.ensure_future(engine.embed(p, params)) for p in prompts[len(outputs) :]]
     try:
-        outputs: list[EmbeddingOutput] = await asyncio.gather(*tasks)
+        outputs += await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    if req.dimensions is not None and req.dimensions != len(outputs[0].embedding):
-        raise invalid_request(
-            f"dimensions={req.dimensions} is not supported: this model's embeddings have "
-            f"{len(outputs[0].embedding)} dimensions",
-            param="dimensions",
-            code="unsupported_parameter",
-        )
     request[OUTCOME] = "success"
     prompt_tokens = sum(out.prompt_tokens for out in outputs)
     body = {

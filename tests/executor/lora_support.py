@@ -71,6 +71,15 @@ class PeftOracle:
         with torch.no_grad():
             return self.models[lora](input_ids=torch.tensor([tokens])).logits[0].float()
 
+    def embedding(self, lora: str | None, tokens: list[int]) -> torch.Tensor:
+        """The mean-pooled, normalized final hidden states (the engine's default pooling)."""
+        model = self.models[lora]
+        causal_lm = model.get_base_model() if lora is not None else model
+        with torch.no_grad():
+            hidden = causal_lm.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+        pooled = hidden.double().mean(dim=0)
+        return pooled / pooled.norm()
+
     def greedy(self, lora: str | None, prompt: list[int], n: int) -> list[int]:
         tokens = list(prompt)
         for _ in range(n):

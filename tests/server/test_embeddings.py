@@ -109,6 +109,14 @@ async def test_bad_requests_are_refused(client: openai.AsyncOpenAI, server: Runn
     assert refused.value.param == "input"
     with pytest.raises(openai.BadRequestError, match="context"):
         await client.embeddings.create(input=[1] * 2000, model=server.model)
+    with pytest.raises(openai.BadRequestError, match="context"):  # one prompt, not 3000 items
+        await client.embeddings.create(input=[1] * 3000, model=server.model)
+    # a wrong size is refused after one item, not after all of them
+    misses = server.engine.stats()["miss_tokens"]
+    many = [f"{i} {TEXTS[1]}" for i in range(40)]
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        await client.embeddings.create(input=many, model=server.model, dimensions=16)
+    assert server.engine.stats()["miss_tokens"] - misses <= 2 * len(server.engine.tokenize(many[0]))
     with pytest.raises(openai.NotFoundError):
         await client.embeddings.create(input="hi", model="not-this-one")
     async with aiohttp.ClientSession() as session:

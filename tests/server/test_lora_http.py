@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 
 from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.server_support import engine_config, start_server, tiny_model_dir
@@ -75,6 +76,15 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
 
             assert await token_ids("r4") == oracle.greedy("r4", PROMPT, NEW_TOKENS)
             assert await token_ids(None) == oracle.greedy(None, PROMPT, NEW_TOKENS)
+            # an adapter's embedding is its hidden states' (HF + PEFT)
+            for model, lora in ((base, None), ("r4", "r4")):
+                body = {"model": model, "input": PROMPT, "encoding_format": "float"}
+                status, out = await _post(session, url + "/v1/embeddings", body)
+                assert status == 200, out
+                vector = torch.tensor(out["data"][0]["embedding"], dtype=torch.float64)
+                reference = oracle.embedding(lora, PROMPT)
+                assert (vector - reference).abs().max() < 1e-4, lora
+            assert (oracle.embedding("r4", PROMPT) - oracle.embedding(None, PROMPT)).norm() > 1e-2
             status, by_model = await complete("r4")
             assert status == 200 and by_model["model"] == "r4"
             status, by_base = await complete(base)

@@ -11,9 +11,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from asyncengine.common.config import EngineConfig
 from asyncengine.server.app import create_app
 from asyncengine.server.scheduling_metrics import tenant_label
-from tests.api.test_engine_loop import fake_engine
+from tests.api.test_engine_loop import CharTokenizer, CheckedEngine, fake_engine
+from tests.fake_executor import FakeExecutor
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
@@ -104,6 +106,41 @@ async def test_each_api_key_gets_its_own_namespace() -> None:
             assert status == 401
         assert await wait_until(lambda: engine_idle(server.engine))
         assert_no_leak(server.engine)
+    finally:
+        await server.stop()
+
+
+async def test_embeddings_keep_to_the_keys_namespace() -> None:
+    """Last-token pooling reads cached pages: another key's text is computed again."""
+    engine = CheckedEngine(
+        EngineConfig.from_dict({"page_size": 4, "kv_cache_tokens": 1024, "log_interval": 0}),
+        executor=FakeExecutor(256, pooling="last"),
+        tokenizer=CharTokenizer(),
+    )
+    await engine.start()
+    server = await start_server(
+        engine.config, engine=engine, api_key=["key-a", "key-b"], cache_isolation="api-key"
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            for key, salt, computed in [
+                ("key-a", None, True),
+                ("key-b", None, True),  # another key
+                ("key-b", "own", True),  # a salt splits a key's namespace
+                ("key-a", None, False),
+                ("key-b", "own", False),
+            ]:
+                misses = engine.stats()["miss_tokens"]
+                async with session.post(
+                    server.base_url + "/v1/embeddings",
+                    json={"input": PROMPT, "cache_salt": salt},
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as resp:
+                    assert resp.status == 200
+                grown = engine.stats()["miss_tokens"] - misses
+                assert (grown == len(PROMPT)) is computed, (key, salt, grown)
+        assert await wait_until(lambda: engine_idle(engine))
+        assert_no_leak(engine)
     finally:
         await server.stop()
 

@@ -225,9 +225,11 @@ class RemoteEngine:
         )
         return outputs
 
-    async def embed(self, prompt: Any, *, request_id: str | None = None) -> EmbeddingOutput:
+    async def embed(
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> EmbeddingOutput:
         """One prompt's embedding, from the replica the router picks (its prefix cache)."""
-        output: EmbeddingOutput = await self._call_replica("embed", prompt, None, request_id)
+        output: EmbeddingOutput = await self._call_replica("embed", prompt, params, request_id)
         return output
 
     async def _call_replica(

@@ -98,9 +98,9 @@ class EngineReplica:
         request_id: str,
         route_ids: list[int] | None = None,
     ) -> EmbeddingOutput | Exception:
-        """``engine.embed`` (``params`` is unused: the call has the shape the router reads)."""
+        """``engine.embed``."""
         try:
-            return await self.engine.embed(prompt, request_id=request_id)
+            return await self.engine.embed(prompt, params, request_id=request_id)
         except REFUSALS as exc:
             return exc
 
