@@ -16,7 +16,8 @@
   is a 409. ``POST /v1/cache/unpin`` ``{"pin_id": 1}`` releases it (404 for no such pin).
 
 All need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
-token 403. The API key (``--api-key``) does not open them, and they are not there at all (404)
+token 403; so does ``POST /flush_cache`` under ``cache_isolation = "api-key"`` (it empties every
+key's cache), a 403 when there is no admin token. The API key (``--api-key``) does not open them, and they are not there at all (404)
 without an admin token. They share the server's own address (127.0.0.1 unless told otherwise).
 """
 
@@ -65,8 +66,25 @@ class UnpinBody(Struct, kw_only=True, forbid_unknown_fields=True):
     pin_id: int
 
 
-def _check_token(request: web.Request) -> None:
-    token = request.app[ADMIN_TOKEN]
+def carries_admin_token(request: web.Request) -> bool:
+    """The request's bearer token is the server's admin token (compared in constant time)."""
+    token = request.app.get(ADMIN_TOKEN)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token is None or scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def check_admin_token(request: web.Request) -> None:
+    """401/403 unless the request carries the admin token (403 when the server has none)."""
+    token = request.app.get(ADMIN_TOKEN)
+    if token is None:
+        raise ApiError(
+            403,
+            "this needs the admin token, and the server has none (--admin-token)",
+            type="permission_error",
+            code="needs_admin_token",
+        )
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise ApiError(
@@ -76,7 +94,7 @@ def _check_token(request: web.Request) -> None:
             code="missing_admin_token",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not carries_admin_token(request):
         raise ApiError(
             403, "wrong admin token", type="permission_error", code="invalid_admin_token"
         )
@@ -98,7 +116,7 @@ async def _swap(
     """A live swap (``engine.<method>``) of what ``body_type`` names, once ``check`` allows it
     against the start-up list; a refusal is a 400 with ``code``, an engine without the method
     a 501 with ``unsupported_code``."""
-    _check_token(request)
+    check_admin_token(request)
     check_content_type(request)
     change = decode_body(await request.read(), body_type)
     engine = request.app[STATE].engine
@@ -130,7 +148,7 @@ async def set_policy(request: web.Request) -> web.Response:
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    _check_token(request)
+    check_admin_token(request)
     engine = request.app[STATE].engine
     stats = engine.stats()
     return _json(
@@ -157,7 +175,7 @@ async def set_eviction_policy(request: web.Request) -> web.Response:
 
 
 async def get_eviction_policy(request: web.Request) -> web.Response:
-    _check_token(request)
+    check_admin_token(request)
     stats = request.app[STATE].engine.stats()
     return _json(
         {
@@ -183,7 +201,7 @@ def _pinning_engine(request: web.Request) -> Any:
 
 
 async def pin_prefix(request: web.Request) -> web.Response:
-    _check_token(request)
+    check_admin_token(request)
     check_content_type(request)
     body = decode_body(await request.read(), PinBody)
     engine = _pinning_engine(request)
@@ -200,7 +218,7 @@ async def pin_prefix(request: web.Request) -> web.Response:
 
 
 async def unpin_prefix(request: web.Request) -> web.Response:
-    _check_token(request)
+    check_admin_token(request)
     check_content_type(request)
     body = decode_body(await request.read(), UnpinBody)
     engine = _pinning_engine(request)

@@ -30,7 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.common.errors import EngineNotRunningError
-from asyncengine.server.admin import ADMIN_PATHS, ADMIN_PREFIX, add_admin_routes
+from asyncengine.server.admin import (
+    ADMIN_PATHS,
+    ADMIN_PREFIX,
+    add_admin_routes,
+    carries_admin_token,
+)
 from asyncengine.server.anthropic_messages import add_anthropic_routes
 from asyncengine.server.connection_limits import (
     DEFAULT_WRITE_TIMEOUT_SECONDS,
@@ -52,7 +57,7 @@ from asyncengine.server.responses_store import (
     DEFAULT_STORE_TTL_SECONDS,
     ResponseStore,
 )
-from asyncengine.server.sglang_worker import add_sglang_worker_routes
+from asyncengine.server.sglang_worker import FLUSH_PATH, add_sglang_worker_routes
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.tenancy import (
     API_KEY_DIGEST,
@@ -118,6 +123,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.path in OPEN_PATHS
         or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
         or request.path in ADMIN_PATHS
+        or (request.path == FLUSH_PATH and request.app[STATE].cache_isolation == "api-key")
         or request.method == "OPTIONS"
     ):
         return await handler(request)
@@ -150,13 +156,21 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
+def whole_scrape_allowed(request: web.Request, state: ServerState) -> bool:
+    """The whole scrape: to anyone without API keys, to a key holder, and under cache isolation
+    by key (where a key holder must not learn of the others) to the admin token alone."""
+    if state.cache_isolation == "api-key":
+        return carries_admin_token(request)
+    header = request.headers.get("Authorization", "")
+    return not state.api_keys or matching_key_digest(header, state.api_keys) is not None
+
+
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    keys, header = state.api_keys, request.headers.get("Authorization", "")
-    if keys and matching_key_digest(header, keys) is None:  # open to scrapers, less tenants' data
-        body = public_exposition(state.metrics.registry)
-    else:
+    if whole_scrape_allowed(request, state):
         body = state.metrics.exposition()
+    else:  # open to scrapers, less what tells of tenants and their prompts
+        body = public_exposition(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -37,7 +37,7 @@ from asyncengine.server.responses_schema import (
 from asyncengine.server.responses_store import ResponseStore, not_found
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
-from asyncengine.server.tenancy import isolate
+from asyncengine.server.tenancy import API_KEY_DIGEST, isolate
 
 RESPONSES_PATH = "/v1/responses"
 RESPONSES_STORE = web.AppKey("responses_store", ResponseStore)
@@ -55,7 +55,9 @@ class _Turn:
         req: ResponsesRequest,
         items: list[InputItem],
         response: ResponseBody,
+        owner: str | None,
     ) -> None:
+        self.owner = owner  # the API key's digest: only that key reads the stored response
         self.state = state
         self.store = store
         self.req = req
@@ -76,7 +78,12 @@ class _Turn:
         if self.req.store and self.store.enabled:
             turn = [*self.items, *(as_input_item(item) for item in output)]
             self.store.put(
-                self.response.id, body, turn, self.req.previous_response_id, self.req.user
+                self.response.id,
+                body,
+                turn,
+                self.req.previous_response_id,
+                self.owner,
+                self.req.user,
             )
         return body
 
@@ -88,13 +95,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check_supported(req)
     history = []
     if req.previous_response_id is not None:
-        history = store.conversation(req.previous_response_id, req.user)
+        history = store.conversation(
+            req.previous_response_id, request.get(API_KEY_DIGEST), req.user
+        )
     items = input_items(req)
     chat_req = isolate(request, state.cache_isolation, chat_request(req, history, items))
     chat = await prepare_chat(state, chat_req, "max_output_tokens")
     response_id = f"resp_{uuid.uuid4().hex}"
     response = ResponseBody(response_id, chat.model, req, req.store and store.enabled)
-    turn = _Turn(state, store, req, items, response)
+    turn = _Turn(state, store, req, items, response, request.get(API_KEY_DIGEST))
     if req.stream:
         stream = state.engine.stream(chat.prompt, chat.params, request_id=response_id)
         fmt = ResponseStream(
@@ -114,7 +123,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def get_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    stored = request.app[RESPONSES_STORE].get(response_id)
+    stored = request.app[RESPONSES_STORE].get(response_id, request.get(API_KEY_DIGEST))
     if stored is None:
         raise not_found(response_id)
     return json_response(stored.body)
@@ -122,7 +131,7 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    if not request.app[RESPONSES_STORE].delete(response_id):
+    if not request.app[RESPONSES_STORE].delete(response_id, request.get(API_KEY_DIGEST)):
         raise not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 

@@ -6,8 +6,10 @@ input items and its output as items) with a link to the response it continued, s
 costs the size of its turns, not the square of its length. A response leaves the store
 ``ttl`` seconds after it was stored, or earlier, oldest first, when the store would exceed
 ``max_bytes`` (the JSON size of bodies and turns); a chain one of whose responses has left
-cannot be continued (404, as an unknown id). A response stored with a ``user`` is continued
-only by requests of that user. Ids are random (128 bits), the only key to a stored response.
+cannot be continued (404, as an unknown id). Ids are random (128 bits); behind API keys a
+response belongs to the key that made it (``owner``, its digest): another key's GET, DELETE or
+continuation gets a 404, as for an unknown id. A response stored with a ``user`` is continued
+only by requests of that user.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class StoredResponse:
     body: Json
     turn: list[InputItem]  # its input items and its output items
     previous: str | None
-    tenant: str | None
+    owner: str | None  # the digest of the API key that made it (None: no keys)
+    tenant: str | None  # its request's ``user``
     expires: float
     size: int
 
@@ -70,6 +73,7 @@ class ResponseStore:
         body: Json,
         turn: list[InputItem],
         previous: str | None,
+        owner: str | None,
         tenant: str | None,
     ) -> bool:
         """Keep a response; False when it alone is larger than the store."""
@@ -80,25 +84,30 @@ class ResponseStore:
         while self._entries and self.bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
         expires = self._clock() + self.ttl
-        self._entries[response_id] = StoredResponse(body, turn, previous, tenant, expires, size)
+        self._entries[response_id] = StoredResponse(
+            body, turn, previous, owner, tenant, expires, size
+        )
         self.bytes += size
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        """The response, when it is stored and ``owner``'s."""
         self._expire()
-        return self._entries.get(response_id)
+        entry = self._entries.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
-        self._expire()
-        if response_id not in self._entries:
+    def delete(self, response_id: str, owner: str | None) -> bool:
+        if self.get(response_id, owner) is None:
             return False
         self._drop(response_id)
         return True
 
-    def conversation(self, response_id: str, tenant: str | None) -> list[InputItem]:
+    def conversation(
+        self, response_id: str, owner: str | None, tenant: str | None
+    ) -> list[InputItem]:
         """The items of the chain that ends with ``response_id``, oldest first; 404 when it
-        (or a response before it) is not stored, or was stored for another user."""
-        head = self.get(response_id)
+        (or a response before it) is not stored, or was stored by another key or user."""
+        head = self.get(response_id, owner)
         if head is None or head.tenant != tenant:
             raise not_found(response_id, "previous_response_id")
         turns = []

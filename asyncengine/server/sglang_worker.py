@@ -4,7 +4,8 @@ that it can route over several asyncengine servers as over SGLang workers.
 GET /server_info and /get_server_info (limits and engine stats), GET /model_info and
 /get_model_info (the model), GET /get_load (requests and tokens in the engine), POST
 /flush_cache (empty the prefix cache; 400 while requests run or wait; a GET is 405: a state
-change is never a GET, which a web page can make a browser send), GET /health_generate
+change is never a GET, which a web page can make a browser send; under cache isolation by API
+key it needs the admin token), GET /health_generate
 (/health that also generates one token; a failure's text goes to the log, the client gets an
 error id). /health, /generate and /v1/* are the app's own.
 """
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from asyncengine.common.errors import EngineError
 from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.server.admin import check_admin_token
 from asyncengine.server.completion import generate
 from asyncengine.server.errors import ApiError, logged_failure
 from asyncengine.server.openai_routes import json_response
@@ -84,8 +86,16 @@ async def get_load(request: web.Request) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
+FLUSH_PATH = "/flush_cache"
+
+
 async def flush_cache(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
+    """Empty the prefix cache; under ``cache_isolation = "api-key"`` the admin token's (one key
+    must not empty the others' caches), else the API key's."""
+    state = request.app[STATE]
+    if state.cache_isolation == "api-key":
+        check_admin_token(request)
+    engine = state.engine
     try:
         await engine.reset_prefix_cache()
     except EngineError as exc:
@@ -135,4 +145,4 @@ def add_sglang_worker_routes(app: web.Application) -> None:
         ("/health_generate", health_generate),
     ):
         app.router.add_get(path, handler)
-    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post(FLUSH_PATH, flush_cache)

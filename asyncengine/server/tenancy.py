@@ -6,7 +6,9 @@
 - ``report_cached_tokens = False``: responses omit ``cached_tokens``.
 - With an API key, ``/metrics`` without it leaves out the series that answer "was this prompt
   cached?" (hit/miss and computed-token counters, cached-page gauges) and the tenant-labelled
-  ones (other clients' ``user`` strings); with the key the scrape is whole.
+  ones (other clients' ``user`` strings); with the key the scrape is whole. Under
+  ``cache_isolation = "api-key"`` only the admin token gets the whole scrape, and only it may
+  flush the prefix cache (one key must learn nothing of, or empty, the others' caches).
 """
 
 from __future__ import annotations

@@ -90,38 +90,41 @@ def _turn(text: str) -> list[InputItem]:
     return [InputItem(role="user", content=text)]
 
 
-def test_the_store_follows_a_chain_and_keeps_users_apart() -> None:
+def test_the_store_follows_a_chain_and_keeps_keys_and_users_apart() -> None:
     store = ResponseStore(max_bytes=1 << 20, ttl=60.0)
-    store.put("a", {"id": "a"}, _turn("one"), None, "alice")
-    store.put("b", {"id": "b"}, _turn("two"), "a", "alice")
-    assert [i.content for i in store.conversation("b", "alice")] == ["one", "two"]
-    for tenant in ("bob", None):
+    store.put("a", {"id": "a"}, _turn("one"), None, "key-a", "alice")
+    store.put("b", {"id": "b"}, _turn("two"), "a", "key-a", "alice")
+    assert [i.content for i in store.conversation("b", "key-a", "alice")] == ["one", "two"]
+    for owner, tenant in (("key-a", "bob"), ("key-a", None), ("key-b", "alice"), (None, "alice")):
         with pytest.raises(ApiError) as refused:
-            store.conversation("b", tenant)
+            store.conversation("b", owner, tenant)
         assert refused.value.status == 404
-    assert store.delete("a") and not store.delete("a")
+    # another key neither reads nor deletes it
+    assert store.get("a", "key-b") is None and store.get("a", None) is None
+    assert not store.delete("a", "key-b") and store.get("a", "key-a") is not None
+    assert store.delete("a", "key-a") and not store.delete("a", "key-a")
     with pytest.raises(ApiError, match="no longer stored"):
-        store.conversation("b", "alice")  # its chain is broken
+        store.conversation("b", "key-a", "alice")  # its chain is broken
 
 
 def test_the_store_forgets_after_the_ttl_and_drops_the_oldest_past_its_size() -> None:
     clock = FakeClock()
     store = ResponseStore(max_bytes=1 << 20, ttl=10.0, clock=clock)
-    store.put("a", {"id": "a"}, _turn("x"), None, None)
+    store.put("a", {"id": "a"}, _turn("x"), None, None, None)
     clock.now = 5.0
-    store.put("b", {"id": "b"}, _turn("x"), None, None)
+    store.put("b", {"id": "b"}, _turn("x"), None, None, None)
     clock.now = 10.0
-    assert store.get("a") is None and store.get("b") is not None
+    assert store.get("a", None) is None and store.get("b", None) is not None
     clock.now = 15.0
     assert len(store) == 0 and store.bytes == 0
 
     entry = ResponseStore(max_bytes=1 << 20)
-    entry.put("probe", {"id": "a"}, _turn("x" * 100), None, None)
+    entry.put("probe", {"id": "a"}, _turn("x" * 100), None, None, None)
     size = entry.bytes
     small = ResponseStore(max_bytes=size * 2, ttl=10.0)
     for name in "abc":
-        assert small.put(name, {"id": "a"}, _turn("x" * 100), None, None)
-    assert [small.get(n) is not None for n in "abc"] == [False, True, True]
+        assert small.put(name, {"id": "a"}, _turn("x" * 100), None, None, None)
+    assert [small.get(n, None) is not None for n in "abc"] == [False, True, True]
     assert small.bytes == 2 * size
-    assert not small.put("big", {"id": "a"}, _turn("x" * 10 * size), None, None)
+    assert not small.put("big", {"id": "a"}, _turn("x" * 10 * size), None, None, None)
     assert ResponseStore(max_bytes=0).enabled is False

@@ -1,7 +1,7 @@
 """OpenAI's Responses API (``/v1/responses``, GET and DELETE by id) through the ``openai``
 client over loopback, on the tiny random models: the same greedy text as Chat Completions,
 streamed and whole, a two-round function-call loop by hand and by ``previous_response_id``,
-the store (``store: false``, users kept apart), structured output, reasoning items, errors."""
+the store (``store: false``, API keys and users kept apart), structured output, reasoning items, errors."""
 
 from __future__ import annotations
 
@@ -201,6 +201,30 @@ async def test_the_store_get_delete_store_false_and_users(
     with pytest.raises(openai.NotFoundError) as missing:
         await client.responses.create(input="more", previous_response_id=unstored.id, **kwargs)
     assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+async def test_another_api_key_neither_reads_continues_nor_deletes(server: RunningServer) -> None:
+    keyed = await start_server(server.engine.config, engine=server.engine, api_key=["ka", "kb"])
+    url = keyed.base_url + "/v1"
+    try:
+        async with (
+            openai.AsyncOpenAI(base_url=url, api_key="ka", max_retries=0) as a,
+            openai.AsyncOpenAI(base_url=url, api_key="kb", max_retries=0) as b,
+        ):
+            kwargs: dict[str, Any] = dict(model=server.model, max_output_tokens=4, user="alice")
+            kept = await a.responses.create(input="My password is hunter2.", **kwargs)
+            for other in (
+                b.responses.retrieve(kept.id),
+                b.responses.delete(kept.id),
+                b.responses.create(input="more", previous_response_id=kept.id, **kwargs),
+            ):
+                with pytest.raises(openai.NotFoundError):
+                    await other
+            assert (await a.responses.retrieve(kept.id)).id == kept.id
+            await a.responses.create(input="more", previous_response_id=kept.id, **kwargs)
+            await a.responses.delete(kept.id)
+    finally:
+        await keyed.stop(stop_engine=False)
 
 
 async def test_a_json_schema_text_format_is_structured_output(

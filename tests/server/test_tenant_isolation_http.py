@@ -145,6 +145,35 @@ async def test_embeddings_keep_to_the_keys_namespace() -> None:
         await server.stop()
 
 
+async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole_cache() -> None:
+    for admin_token, statuses in ((None, (403, 403)), ("adm", (403, 200))):
+        server = await started(
+            api_key=["key-a", "key-b"], cache_isolation="api-key", admin_token=admin_token
+        )
+        try:
+            async with aiohttp.ClientSession() as session:
+                status, _ = await complete(session, server, "key-a")
+                assert status == 200
+                flush = server.base_url + "/flush_cache"
+                async with session.post(flush, headers={"Authorization": "Bearer key-b"}) as r:
+                    assert r.status == statuses[0]
+                status, out = await complete(session, server, "key-a")
+                assert status == 200 and cached(out) >= 48  # still there
+                scrapes = {}
+                for key in ("key-a", "adm"):
+                    async with session.get(
+                        server.base_url + "/metrics", headers={"Authorization": f"Bearer {key}"}
+                    ) as r:
+                        scrapes[key] = await r.text()
+                assert "cache_hit" not in scrapes["key-a"]  # a key learns nothing of the others
+                assert ("cache_hit" in scrapes["adm"]) is (admin_token is not None)
+                async with session.post(flush, headers={"Authorization": "Bearer adm"}) as r:
+                    assert r.status == statuses[1]
+            assert await wait_until(lambda: engine_idle(server.engine))
+        finally:
+            await server.stop()
+
+
 async def test_cached_tokens_can_be_left_out_and_metrics_keep_tenants_behind_the_key() -> None:
     server = await started(api_key="k", report_cached_tokens=False)
     try:
