@@ -99,12 +99,20 @@ def _resolve(name: str) -> type[Policy]:
     return resolve_plugin(name, Policy, BUILTIN, "policy")
 
 
+def policy_names(spec: str) -> list[str]:
+    """The names ``spec`` composes with ``+``; ValueError for an empty spec or an empty part."""
+    names = [n.strip() for n in spec.split("+")]
+    if not spec.strip():
+        raise ValueError("policy must not be empty")
+    if not all(names):
+        raise ValueError(f"policy {spec!r} has an empty part between its '+'s")
+    return names
+
+
 def resolve_policy(spec: str) -> list[type[Policy]]:
     """The classes ``spec`` names (one, or the parts of a composition); ValueError if none,
     if a name is unknown or cannot be imported, or if more than one part orders the queue."""
-    names = [n for n in spec.split("+") if n.strip()]
-    if not names:
-        raise ValueError("policy must not be empty")
+    names = policy_names(spec)
     classes = [_resolve(n) for n in names]
     orderers = [cls.name for cls in classes if cls.orders]
     if len(classes) > 1 and len(orderers) > 1:
@@ -119,7 +127,7 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     tables for a composition (``{"lpm": {...}, "dynamic-chunking": {...}}``).
     """
     options = dict(options or {})
-    names = [n for n in spec.split("+") if n.strip()]
+    names = policy_names(spec)
     classes = resolve_policy(spec)
     if len(classes) == 1:
         return classes[0](**options)
@@ -147,7 +155,7 @@ def check_live_policy(spec: str, allowed: Sequence[str]) -> None:
     listed = {entry.strip() for entry in allowed}
     if spec.strip() in listed:
         return
-    names = [n.strip() for n in spec.split("+") if n.strip()]
+    names = policy_names(spec)
     refused = [n for n in names if _builtin_key(n) not in BUILTIN and n not in listed]
     if refused:
         extra = f"; listed at start-up: {', '.join(sorted(listed))}" if listed else ""

@@ -158,11 +158,14 @@ class Scheduler:
         """Hand ordering and budgets to ``policy`` (named by ``config``) from the next
         schedule() on: a step boundary, where running requests, their KV and the request
         mid-chunk are the scheduler's, not the policy's, and stay as they are. A swap still
-        pending is replaced (it never ran). Returns the name of the policy running now."""
+        pending is replaced (it never ran). Returns the name of the policy it replaces: the
+        pending one, else the one running (what ``/admin/policy`` showed before)."""
+        pending = self._next_policy
+        previous = pending.config.policy if pending is not None else self.config.policy
         self._next_policy = PendingPolicy(policy, config)
         self.policy_swaps += 1
-        log.info("policy %r replaces %r at the next step", config.policy, self.config.policy)
-        return self.config.policy
+        log.info("policy %r replaces %r at the next step", config.policy, previous)
+        return previous
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

@@ -296,8 +296,8 @@ def test_a_policy_swap_takes_over_at_the_next_step_and_leaks_nothing() -> None:
     for _ in range(3):
         step(core, clock)
     assert core.set_policy("lpm") == "fcfs"
-    # a pending swap replaced before it ran: the policy replaced is still the running one
-    assert core.set_policy("priority+dynamic-chunking", {"priority": {"preempt": True}}) == "fcfs"
+    # a pending swap replaced before it ran: it is the one replaced (what GET showed)
+    assert core.set_policy("priority+dynamic-chunking", {"priority": {"preempt": True}}) == "lpm"
     assert core.policy.name == "fcfs"  # not before the step boundary
     step(core, clock)
     assert core.policy.name == "priority+dynamic-chunking"

@@ -163,6 +163,17 @@ async def test_the_admin_endpoint_swaps_the_policy_behind_its_own_token(
             session, server, "/admin/policy", {"policy": "fair", "oops": 1}, headers=auth(ADMIN)
         )
         assert status == 400
+        status, out = await post(
+            session, server, "/admin/policy", {"policy": "lpm+"}, headers=auth(ADMIN)
+        )
+        assert status == 400 and "empty part" in out["error"]["message"]
+        # a swap replacing one still pending (idle engine) names the pending one as previous
+        status, out = await post(
+            session, server, "/admin/policy", {"policy": "lpm"}, headers=auth(ADMIN)
+        )
+        assert status == 200 and out["previous"] == "priority+dynamic-chunking"
+        status, out = await post(session, server, "/admin/policy", body, headers=auth(ADMIN))
+        assert status == 200 and out["previous"] == "lpm"
         # the swap happens at the next step
         status, _ = await post(
             session, server, "/generate", {"text": "go", "sampling_params": {"max_new_tokens": 2}},
@@ -171,7 +182,7 @@ async def test_the_admin_endpoint_swaps_the_policy_behind_its_own_token(
         assert status == 200
         async with session.get(server.base_url + "/admin/policy", headers=auth(ADMIN)) as resp:
             current = await resp.json()
-        assert current["policy"] == "priority+dynamic-chunking" and current["policy_swaps"] == 1
+        assert current["policy"] == "priority+dynamic-chunking" and current["policy_swaps"] == 3
         assert server.engine.stats()["policy"] == "priority+dynamic-chunking"
         async with session.get(server.base_url + "/admin/policy") as resp:
             assert resp.status == 401

@@ -6,6 +6,7 @@ KV invariant is checked after every step (CheckedEngine)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import aiohttp
@@ -169,7 +170,7 @@ async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole
                 assert ("cache_hit" in scrapes["adm"]) is (admin_token is not None)
                 async with session.post(flush, headers={"Authorization": "Bearer adm"}) as r:
                     assert r.status == statuses[1]
-            assert await wait_until(lambda: engine_idle(server.engine))
+            assert await wait_until(functools.partial(engine_idle, server.engine))
         finally:
             await server.stop()
 
