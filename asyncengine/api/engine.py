@@ -24,6 +24,7 @@ from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
 from asyncengine.api.summary_log import SummaryLog
 from asyncengine.cache.pins import Pin
+from asyncengine.common.cache_salt import salted_ids
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.errors import (
     EngineError,
@@ -454,12 +455,16 @@ class AsyncEngine:
         )
         return previous
 
-    async def pin(self, prompt: Prompt, ttl_s: float | None = None) -> Pin:
+    async def pin(
+        self, prompt: Prompt, ttl_s: float | None = None, *, cache_salt: str | None = None
+    ) -> Pin:
         """Keep ``prompt``'s whole pages (a system prompt, a few-shot block) in the prefix cache,
         out of eviction, until ``unpin(pin.pin_id)`` or ``ttl_s`` seconds; computes them first
-        when they are not cached. Raises InvalidRequestError for a prompt shorter than a page,
-        PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool."""
+        when they are not cached. ``cache_salt``: the pages of the requests with that salt (the
+        salts' namespaces share nothing). Raises InvalidRequestError for a prompt shorter than a
+        page, PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool."""
         core = self._core()
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt=cache_salt)
         ids = self.intake.tokenize(prompt)
         page_size = core.kv.page_size
         whole = len(ids) // page_size * page_size
@@ -470,9 +475,10 @@ class AsyncEngine:
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         core.kv.pins.check_room(whole // page_size)  # refuse before computing anything
-        if core.kv.tree.prefix_length(ids, whole) < whole:
-            await self.generate(ids, SamplingParams(max_new_tokens=1, temperature=0.0))
-        return core.pin(ids[:whole], ttl_s)
+        keys = salted_ids(ids, params.cache_salt) if params.cache_salt is not None else ids
+        if core.kv.tree.prefix_length(keys, whole) < whole:
+            await self.generate(ids, params)
+        return core.pin(keys[:whole], ttl_s)
 
     def unpin(self, pin_id: int) -> Pin:
         """Release a pin; KeyError when there is no such pin (unpinned, or past its TTL)."""

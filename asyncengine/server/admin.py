@@ -10,7 +10,9 @@
 - ``POST /admin/eviction-policy`` ``{"policy": "lfu", "options": {...}}`` orders the prefix
   cache's evictions by another rule from now on (built-ins, or ``allowed_eviction_policies``);
   ``GET`` answers the rule and its figures by rule.
-- ``POST /v1/cache/pin`` ``{"prompt": "..." | [token ids], "ttl_s": 600}`` keeps the
+- ``POST /v1/cache/pin`` ``{"prompt": "..." | [token ids], "ttl_s": 600}`` (or ``messages``:
+  a chat's opening turns, rendered as a chat request begins; ``cache_salt`` and, under cache
+  isolation by key, ``api_key``: whose requests the pages serve) keeps the
   prompt's whole KV pages out of eviction (computing them first when not cached) and answers
   ``{"pin_id", "tokens", "pages", "expires_in_s"}``; past ``max_pinned_fraction`` of the pool it
   is a 409. ``POST /v1/cache/unpin`` ``{"pin_id": 1}`` releases it (404 for no such pin).
@@ -37,9 +39,11 @@ from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.policies.eviction_registry import check_live_eviction_rule
 from asyncengine.policies.registry import check_live_policy
 from asyncengine.server.body import check_content_type
+from asyncengine.server.chat_tools import render_prompt
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE
+from asyncengine.server.tenancy import matching_key_digest, namespaced_salt
 
 ADMIN_PREFIX = "/admin/"
 # admin routes outside ADMIN_PREFIX (the admin token guards them, not the API key)
@@ -58,8 +62,12 @@ class EvictionChange(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PinBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[int]  # text or token ids
+    prompt: str | list[int] | None = None  # text or token ids
+    # or chat messages (a system prompt), as the chat template renders them before a turn
+    messages: list[dict[str, Any]] | None = None
     ttl_s: float | None = None
+    cache_salt: str | None = None  # the pages of the requests sent with this salt
+    api_key: str | None = None  # under cache isolation by key: the pages of this key's requests
 
 
 class UnpinBody(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -205,8 +213,9 @@ async def pin_prefix(request: web.Request) -> web.Response:
     check_content_type(request)
     body = decode_body(await request.read(), PinBody)
     engine = _pinning_engine(request)
+    salt = _pin_salt(request, body)
     try:
-        pin = await engine.pin(body.prompt, body.ttl_s)
+        pin = await engine.pin(_pin_prompt(engine, body), body.ttl_s, cache_salt=salt)
     except PinLimitError as exc:
         raise ApiError(409, str(exc), code="pin_limit") from None
     except InvalidRequestError as exc:
@@ -215,6 +224,40 @@ async def pin_prefix(request: web.Request) -> web.Response:
     return _json(
         {"pin_id": pin.pin_id, "tokens": pin.tokens, "pages": pin.pages, "expires_in_s": expires_in}
     )
+
+
+def _pin_prompt(engine: Any, body: PinBody) -> str | list[int]:
+    """The text or ids to pin: ``prompt``, or ``messages`` rendered as a chat request's start."""
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("give one of 'prompt' and 'messages'", param="prompt")
+    if body.prompt is not None:
+        return body.prompt
+    assert body.messages is not None
+    tokenizer = engine.tokenizer
+    text = render_prompt(tokenizer, body.messages, None, {}, add_generation_prompt=False)
+    return list(tokenizer.encode(text))
+
+
+def _pin_salt(request: web.Request, body: PinBody) -> str | None:
+    """The salt the pinned pages are keyed under: the requests' own ``cache_salt``, in the
+    namespace of ``api_key`` under cache isolation by key (where every request has one)."""
+    state = request.app[STATE]
+    if state.cache_isolation != "api-key":
+        if body.api_key is not None:
+            raise invalid_request(
+                "api_key names a key's cache namespace: only under --cache-isolation api-key",
+                param="api_key",
+            )
+        return body.cache_salt
+    if body.api_key is None:
+        raise invalid_request(
+            "under cache isolation by key a pin names the API key whose requests it serves",
+            param="api_key",
+        )
+    digest = matching_key_digest(f"Bearer {body.api_key}", state.api_keys)
+    if digest is None:
+        raise invalid_request("api_key is not one of this server's keys", param="api_key")
+    return namespaced_salt(digest, body.cache_salt)
 
 
 async def unpin_prefix(request: web.Request) -> web.Response:

@@ -1,6 +1,7 @@
 """Pinned prefixes: the engine's pin/unpin and POST /v1/cache/pin, /v1/cache/unpin over real
 HTTP (admin token, as the other admin routes), the pool's pinned share (409 past it), TTLs,
-and the eviction policy's live swap over HTTP."""
+a chat's system prompt pinned as chat requests begin, pins in a salt's or an API key's cache
+namespace, and the eviction policy's live swap over HTTP."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 from asyncengine.cache.pins import PinLimitError
 from tests.api.test_scheduling_e2e import engine, params
 from tests.server.test_server_scheduling import ADMIN, API_KEY, auth, post
-from tests.server_support import start_server
+from tests.server_support import (
+    engine_config,
+    engine_idle,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
 
 SYSTEM = "You are a careful assistant. " * 4  # 112 characters: 28 pages of 4
 
@@ -120,3 +127,80 @@ async def test_the_eviction_policy_swaps_live_over_http_and_refuses_files() -> N
         assert eng.config.eviction_policy == "lfu"
     finally:
         await running.stop()
+
+
+async def test_a_pinned_system_prompt_serves_chat_requests_in_its_keys_namespace(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    config = engine_config(tiny_model_dir(tmp_path_factory), page_size=4)
+    keys = ["key-a", "key-b"]
+    running = await start_server(config, admin_token=ADMIN, api_key=keys, cache_isolation="api-key")
+    system = {"role": "system", "content": "You are a careful assistant. " * 6}
+    url = running.base_url
+    try:
+        async with aiohttp.ClientSession() as session:
+            pin_url = url + "/v1/cache/pin"
+            status, out = await post_json(session, pin_url, {"messages": [system]}, ADMIN)
+            assert status == 400 and out["error"]["param"] == "api_key"
+            status, out = await post_json(
+                session, pin_url, {"messages": [system], "api_key": "key-c"}, ADMIN
+            )
+            assert status == 400 and out["error"]["param"] == "api_key"
+            status, pin = await post_json(
+                session, pin_url, {"messages": [system], "api_key": "key-a"}, ADMIN
+            )
+            assert status == 200 and pin["tokens"] >= 32, pin
+            chat = {
+                "messages": [system, {"role": "user", "content": "Hi."}],
+                "max_tokens": 2,
+            }
+            cached = {}
+            for key in keys:
+                status, out = await post_json(session, url + "/v1/chat/completions", chat, key)
+                assert status == 200, out
+                cached[key] = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached["key-a"] >= pin["tokens"] and cached["key-b"] == 0, cached
+        engine = running.engine
+        assert await wait_until(lambda: engine_idle(engine))
+    finally:
+        await running.stop()
+
+
+async def test_a_pin_takes_a_cache_salt_and_api_key_only_under_isolation(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    config = engine_config(tiny_model_dir(tmp_path_factory), page_size=4)
+    running = await start_server(config, admin_token=ADMIN)
+    prompt = "Answer in one short paragraph, and say so when you are not sure. " * 2
+    url = running.base_url
+    try:
+        async with aiohttp.ClientSession() as session:
+            pin_url = url + "/v1/cache/pin"
+            status, out = await post_json(
+                session, pin_url, {"prompt": prompt, "api_key": "k"}, ADMIN
+            )
+            assert status == 400 and out["error"]["param"] == "api_key"
+            status, out = await post_json(session, pin_url, {}, ADMIN)
+            assert status == 400
+            status, pin = await post_json(
+                session, pin_url, {"prompt": prompt, "cache_salt": "s1"}, ADMIN
+            )
+            assert status == 200, pin
+            for salt, hit in (("s1", pin["tokens"]), (None, 0)):
+                body = {"prompt": prompt + " Go.", "max_tokens": 1, "cache_salt": salt}
+                status, out = await post_json(session, url + "/v1/completions", body, None)
+                assert status == 200, out
+                got = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (got >= hit) if hit else got == 0, (salt, got)
+        engine = running.engine
+        assert await wait_until(lambda: engine_idle(engine))
+    finally:
+        await running.stop()
+
+
+async def post_json(
+    session: aiohttp.ClientSession, url: str, body: dict, key: str | None
+) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with session.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
