@@ -1,6 +1,6 @@
 """``dense_weight_bytes``: the dense copies of quantized projections take at most that many bytes
 together; a projection refused one keeps its quantized product at every row count, with the same
-rows as without a dense copy; None bounds them on a CPU by the memory the OS says is available."""
+rows as without a dense copy (a float model's own rows multiply as stored); None bounds them on a CPU by the memory the OS says is available."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.model_executor import ModelExecutor, model_core
 from asyncengine.kernels.cpu import cpu_native
-from asyncengine.kernels.quant_formats import Q8_0
+from asyncengine.kernels.quant_formats import Q8_0, float_rows
 from tests.kernels.test_quantized_kernels import random_weight
 
 pytestmark = pytest.mark.skipif(
@@ -52,6 +52,23 @@ def test_copies_are_built_while_the_budget_has_room() -> None:
     assert budget.left == nbytes // 2
     first(x)  # a copy already built takes nothing more
     assert budget.left == nbytes // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_models_rows_refused_a_copy_multiply_as_stored(dtype: torch.dtype) -> None:
+    """A float32 (bfloat16) model's own rows need no copy for the dense product: refused one,
+    many-row steps multiply the stored bytes (not the rows kernel, 3-16x slower there)."""
+    weight = torch.randn(ROWS, COLS).to(dtype)
+    bounded = QuantizedLinear([float_rows(weight)], None, 4, budget=DenseBudget(0))
+    x = torch.randn(8, COLS).to(dtype)
+    out = bounded(x)
+    assert bounded._dense is not None and bounded._dense.packed is None
+    assert bounded._dense.weight is not None
+    assert bounded._dense.weight.data_ptr() == bounded.parts[0].data.data_ptr()  # no copy
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+    roomy = QuantizedLinear([float_rows(weight)], None, 4, budget=DenseBudget(1 << 20))
+    roomy(x)
+    assert roomy._dense is not None and roomy._dense.packed is not None  # prepacked: faster
 
 
 def test_a_negative_budget_is_a_config_error() -> None:
