@@ -192,6 +192,8 @@ class ModelExecutor:
         # the model holds its own copies now: the file's pages read go (loader/gguf_file.py)
         drop_all_file_pages()
         self._weights = None
+        if self.device.type == "cpu":
+            self.runner.pack_float_rows()
         if self._draft is not None:
             self.drafter = bind_draft_model(
                 self._draft, layout, self.config, self.dtype, self.device, mc.vocab_size

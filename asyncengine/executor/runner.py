@@ -126,7 +126,6 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             self.model.build_i8_every_row()  # on every thread, outside the load's one
-            self._pack_float_rows()
             keep_freed_memory()  # the steps' large blocks reused, not faulted in each step
         # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);
         # deterministic mode keeps one count (its row blocks are tuned to it)
@@ -153,11 +152,12 @@ class ModelRunner:
             )
             self.graphs.capture()
 
-    def _pack_float_rows(self) -> None:
+    def pack_float_rows(self) -> None:
         """A float32 model's projections (F32 rows) take the prepacked oneDNN product from 24
-        rows (executor/layers/linear.py), packed at the first such call: pack them at start-up instead,
-        so that the first prompt of 24 tokens or more (every scoring request of lm-eval's first
-        batch) does not wait for it. Other formats are not packed here: with float32 activations
+        rows (executor/layers/linear.py), packed at the first such call: pack them at start-up
+        instead (the executor calls this once the loaded weights are let go, so that the copies
+        do not stand beside them), so that the first prompt of 24 tokens or more (every scoring
+        request of lm-eval's first batch) does not wait for it. Other formats are not packed here: with float32 activations
         they go dense only past any step's rows; with bfloat16 ones (linear.py's bfloat16 table,
         from 16-32 rows) the first such call builds the copy (~0.3 s CPU for SmolLM2, +208 MB),
         which an idle server or a single stream never pays."""
