@@ -116,6 +116,7 @@ class AsyncEngine:
                 core.max_model_len,
                 self.config,
                 self.loras.names,
+                self.loras.keys,
             )
             log.info(
                 "engine ready in %.1fs: model %s, max_model_len %d, policy %s",

@@ -15,6 +15,7 @@ context (or the front end's default), and ``max_new_tokens_limit`` caps both.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +38,9 @@ class Intake:
     vocab_size: int
     max_model_len: int
     config: EngineConfig
-    # the LoRA adapters served now (api/lora_adapters.py keeps it up to date)
+    # the LoRA adapters served now, and each one's key (api/lora_adapters.py keeps them)
     lora_names: set[str] = field(default_factory=set)
+    lora_keys: dict[str, str] = field(default_factory=dict)
 
     def tokenize(self, prompt: Prompt) -> TokenIds:
         """The token ids the engine would queue for ``prompt`` (chat messages go through the
@@ -98,8 +100,7 @@ class Intake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.lora is not None and params.lora not in self.lora_names:
-            raise UnknownAdapterError(params.lora, sorted(self.lora_names))
+        params = self._keyed_lora(params)
         ids = self.tokenize(prompt)
         self._room(len(ids), scoring_only=params.max_new_tokens == 0)
         self._check_limit(params.max_new_tokens, "max_new_tokens")
@@ -133,8 +134,7 @@ class Intake:
         if not isinstance(given, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(given).__name__}")
         given.validate()
-        if given.lora is not None and given.lora not in self.lora_names:
-            raise UnknownAdapterError(given.lora, sorted(self.lora_names))
+        given = self._keyed_lora(given)
         params = SamplingParams(
             max_new_tokens=1,
             priority=given.priority,
@@ -154,6 +154,17 @@ class Intake:
                 code=CONTEXT_EXCEEDED,
             )
         return ids, params
+
+    def _keyed_lora(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its adapter's name as the key of the adapter's current load (a copy
+        where they differ: the caller's object is left as it is); UnknownAdapterError for an
+        adapter not served."""
+        if params.lora is None:
+            return params
+        if params.lora not in self.lora_names:
+            raise UnknownAdapterError(params.lora, sorted(self.lora_names))
+        key = self.lora_keys.get(params.lora, params.lora)
+        return params if key == params.lora else dataclasses.replace(params, lora=key)
 
     def _room(self, prompt_tokens: int, scoring_only: bool = False) -> int:
         """Tokens the context leaves after the prompt (at least 1, else refused; 0 will do for

@@ -4,6 +4,12 @@ and unloaded while serving (``engine.load_lora`` / ``engine.unload_lora``).
 A load reads and checks the adapter on the forward thread, between steps; a refused one changes
 nothing. An unload takes the name away from new requests at once; the adapter's weights stay
 with the executor until no request in flight runs under it (they finish as they began).
+
+Each load of a name is served under a key of its own (``keys``: the name for its first load,
+``name/2``, ``name/3``... for later ones; no name holds a '/'), which requests carry as their
+``lora``: the executor holds the adapter under it and the prefix cache keys its pages by it, so
+a name loaded again (over the old one, or after an unload) never meets the old weights' KV, and
+the requests in flight under the old weights finish under them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ class LoraAdapters:
     def __init__(self, configured: dict[str, str]) -> None:
         self.paths: dict[str, str] = dict(configured)  # served now: name -> PEFT directory
         self.names: set[str] = set(configured)  # the intake's view (shared, updated in place)
-        self._retiring: set[str] = set()  # unloaded, still held by requests in flight
+        # served now: name -> the key of its current load (shared with the intake, in place)
+        self.keys: dict[str, str] = {name: name for name in configured}
+        self._loads: dict[str, int] = dict.fromkeys(configured, 1)  # loads of each name so far
+        self._retiring: set[str] = set()  # keys unloaded or replaced, held by requests in flight
 
     def check(self, name: str | None) -> None:
         if name is not None and name not in self.names:
@@ -49,14 +58,20 @@ class LoraAdapters:
             raise InvalidRequestError("this engine's executor serves no LoRA adapters")
         from asyncengine.executor.lora.peft_adapter import LoraLoadError
 
+        loads = self._loads.get(name, 0)
+        key = name if loads == 0 else f"{name}/{loads + 1}"
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(worker, add, name, str(path))
+            await loop.run_in_executor(worker, add, key, str(path))
         except LoraLoadError as exc:
             raise InvalidRequestError(str(exc), param="lora_path") from None
+        self._loads[name] = loads + 1
+        replaced = self.keys.get(name)
+        if replaced is not None:
+            self._retiring.add(replaced)
+        self.keys[name] = key
         self.paths[name] = str(path)
         self.names.add(name)
-        self._retiring.discard(name)
 
     def unload(self, name: str) -> None:
         """Serve ``name`` to no new request; its weights go once its requests are done
@@ -65,10 +80,11 @@ class LoraAdapters:
             raise UnknownAdapterError(name, sorted(self.names))
         del self.paths[name]
         self.names.discard(name)
-        self._retiring.add(name)
+        self._retiring.add(self.keys.pop(name))
 
     def drop_idle(self, in_flight: Iterable[str | None], remove: Callable[[str], object]) -> None:
-        """Remove from the executor the unloaded adapters no request in flight runs under."""
+        """Remove from the executor the unloaded (replaced) adapters' keys no request in flight
+        runs under (``in_flight``: their ``lora`` keys)."""
         if not self._retiring:
             return
         busy = set(in_flight)

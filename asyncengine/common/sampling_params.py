@@ -280,8 +280,8 @@ class SamplingParams:
 
         if self.lora == "":
             self.lora = None
-        if self.lora is not None and (
-            not isinstance(self.lora, str) or len(self.lora) > MAX_LORA_NAME_LENGTH
+        if self.lora is not None and (  # (the engine's key of a reloaded one adds "/<n>")
+            not isinstance(self.lora, str) or len(self.lora) > MAX_LORA_NAME_LENGTH + 16
         ):
             raise bad(
                 "lora", f"must be an adapter name of at most {MAX_LORA_NAME_LENGTH} characters"

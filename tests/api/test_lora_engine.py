@@ -124,6 +124,53 @@ async def test_load_unload_and_refusals(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_speculation_verifies_under_the_requests_adapter(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle, method: str
+) -> None:
+    speculative: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        speculative["model"] = str(model_dir)  # the base as the draft: it guesses bare
+    config = engine_config(model_dir, loras={"r8": str(adapters["r8"])}, speculative=speculative)
+    prompt = [1, *[300, 301, 302, 303] * 8]  # repeats: prompt lookup has guesses to make
+    async with AsyncEngine(config) as engine:
+        for lora in ("r8", None):
+            out = await engine.generate(prompt, greedy(lora))
+            assert out.token_ids == oracle.greedy(lora, prompt, NEW_TOKENS), lora
+
+
+@pytest.mark.asyncio
+async def test_a_name_loaded_again_never_meets_the_old_weights(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle
+) -> None:
+    """Over the old load or after an unload, a name's new weights start from an empty cache,
+    and a request in flight under the old weights finishes under them."""
+    config = engine_config(model_dir, loras={"a": str(adapters["r4"])})
+    async with AsyncEngine(config) as engine:
+        params = greedy("a")
+        first = await engine.generate(PROMPT, params)
+        assert first.token_ids == oracle.greedy("r4", PROMPT, NEW_TOKENS)
+        running = asyncio.create_task(
+            engine.generate(OTHER, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                  ignore_eos=True, lora="a"))
+        )  # fmt: skip
+        await asyncio.sleep(0.05)
+        await engine.load_lora("a", str(adapters["r8"]))  # over the old load
+        replaced = await engine.generate(PROMPT, params)
+        assert replaced.usage.cached_tokens == 0  # the r4 pages are not the r8 adapter's
+        assert replaced.token_ids == oracle.greedy("r8", PROMPT, NEW_TOKENS)
+        assert (await running).token_ids[:NEW_TOKENS] == oracle.greedy("r4", OTHER, NEW_TOKENS)
+        engine.unload_lora("a")
+        await engine.load_lora("a", str(adapters["r4"]))  # after an unload
+        again = await engine.generate(PROMPT, params)
+        assert again.usage.cached_tokens == 0 and again.token_ids == first.token_ids
+        assert params.lora == "a"  # the caller's parameters are left as they were
+        await engine.generate(PROMPT, greedy(None))  # a step after the replaced loads' last
+        await asyncio.sleep(0.05)
+        assert sorted(engine.executor.loras.paths) == ["a/3"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.asyncio
 async def test_least_recently_used_adapters_are_read_back_from_disk(
     model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle
 ) -> None:

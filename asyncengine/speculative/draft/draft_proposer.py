@@ -206,6 +206,7 @@ def _with_guesses(plan: BatchPlan, guessing: list[_Guessing]) -> BatchPlan:
                 seg.start_pos,
                 True,
                 guesses=len(guesses),
+                lora=seg.lora,  # verified under the request's adapter (the draft guesses bare)
             )
         decodes.append(seg)
     return replace(plan, decodes=decodes)
