@@ -131,7 +131,8 @@ class Lifecycle:
         new token stops it, and every prefill-only request whose prompt is computed: an
         embedding ("stop"), or a request scoring its prompt with max_new_tokens 0 ("length").
         A request given several tokens in the step (accepted guesses) keeps those up to the one
-        that ends it: the rest leave its output and ``tokens``, as if never sampled."""
+        that ends it: the rest leave its output, ``tokens`` and its accepted count, as if never
+        sampled."""
         for req in prompts_done:
             self.end(req, "stop" if req.embedding is not None else "length")
         kept: list[TokenEvent] = []
@@ -146,6 +147,9 @@ class Lifecycle:
                     self._released.append(follower)
             reason, matched = self._stop(req, event.token_id, event.output_len)
             if reason is not None:
+                # the tokens after it were accepted guesses but the step's last, sampled one
+                dropped = len(req.output_ids) - event.output_len
+                req.accepted_guesses -= max(0, dropped - 1)
                 del req.output_ids[event.output_len :]
                 del req.token_times[event.output_len :]
                 self.end(req, reason, matched)

@@ -201,6 +201,8 @@ def test_a_stop_token_inside_accepted_guesses_ends_the_request_there() -> None:
     run(core, clock)
     assert req.output_ids == expected[:7]
     assert req.finish_reason == "stop" and req.matched_stop == expected[6]
+    # the prefill's token, 4 guesses + 1 sampled, then 1 guess kept of the last step's 4
+    assert req.accepted_guesses == 5
     assert core.stats()["pages_used"] == 0
 
 
@@ -218,6 +220,7 @@ def test_a_stop_string_inside_accepted_guesses_ends_the_request_there() -> None:
     assert req.finish_reason == "stop" and req.matched_stop == "END"
     assert [ev.token_id for ev in events] == req.output_ids  # the rest never reach a stream
     assert events[-1].finished
+    assert req.accepted_guesses == 6  # 4 + 1 sampled, then 2 guesses kept: none dropped counted
 
 
 def test_aborting_a_speculating_request_while_its_step_runs() -> None:
