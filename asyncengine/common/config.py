@@ -75,8 +75,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     page_size: int = 16
     kv_cache_tokens: int | None = None  # KV pool capacity; default 32768 on CPU, see below on CUDA
     kv_cache_bytes: int | None = None
-    # the pool's element: auto = float16 on a CPU for quantized weights (F16C), else the model's
-    # dtype; or one of KV_CACHE_DTYPES that can be honoured (executor/kv_dtype.py)
+    # the pool's element: auto = on a CPU int8 beside bfloat16 activations (VNNI dot products) or
+    # float16 beside float32 ones of quantized weights (AVX2 + F16C), else the model's dtype; or
+    # one of KV_CACHE_DTYPES that can be honoured (executor/kv_dtype.py)
     kv_cache_dtype: str = "auto"
     max_loras: int = 4  # distinct LoRA adapters in one step (the base model counts as none)
     # LoRA adapters served over the base model: name -> PEFT directory (executor/lora/), picked

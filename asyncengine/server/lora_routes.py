@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH
 from asyncengine.server.body import read_json
-from asyncengine.server.errors import ApiError
+from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.state import STATE
 
 MAX_LORA_PATH_LENGTH = 4096
@@ -48,7 +48,12 @@ def _engine(request: web.Request) -> ServesLoras:
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    req = await read_json(request, request.app[STATE], LoadLoraRequest)
+    state = request.app[STATE]
+    req = await read_json(request, state, LoadLoraRequest)
+    if req.lora_name in state.served_model_names:  # the model field could not reach it
+        raise invalid_request(
+            f"{req.lora_name!r} is a name the base model is served under", param="lora_name"
+        )
     await _engine(request).load_lora(req.lora_name, req.lora_path)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

@@ -22,8 +22,17 @@ PREFIX = "base_model.model.model.layers"
 
 
 def write(path: Path, tensors: dict[str, torch.Tensor], **config: Any) -> Path:
+    """An adapter directory; its ``r`` and ``rank_pattern`` say the tensors' ranks (as PEFT
+    writes them) unless ``config`` gives its own."""
     path.mkdir(parents=True, exist_ok=True)
-    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}
+    ranks = {
+        name.removesuffix(".lora_A.weight"): int(t.shape[0])
+        for name, t in tensors.items()
+        if name.endswith(".lora_A.weight")
+    }
+    r = max(ranks.values(), default=4)
+    pattern = {module.removeprefix("base_model.model."): k for module, k in ranks.items() if k != r}
+    settings = {"peft_type": "LORA", "r": r, "rank_pattern": pattern, "lora_alpha": 8, **config}
     (path / "adapter_config.json").write_text(json.dumps(settings))
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return path
@@ -74,6 +83,7 @@ def test_scaling_and_fused_blocks(config: ModelConfig, tmp_path: Path) -> None:
         (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"use_dora": True}, "DoRA"),
         (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"modules_to_save": ["lm_head"]}, "modules_to_save"),
         (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"peft_type": "IA3"}, "IA3"),
+        (lambda c: pair("self_attn.q_proj", 2, c.q_size, c.hidden_size), {"r": 4, "rank_pattern": {}}, "rank 2 but adapter_config.json says 4"),
     ],
 )  # fmt: skip
 def test_refusals_leave_the_registry_as_it_was(

@@ -112,6 +112,10 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
             assert status == 400 and "not a PEFT adapter" in err["error"]["message"]
             status, err = await _post(session, load, {"lora_name": "r8"})
             assert status == 400
+            status, err = await _post(  # the base's served name: the model field selects the base
+                session, load, {"lora_name": base, "lora_path": str(adapters["r8"])}
+            )
+            assert status == 400 and err["error"]["param"] == "lora_name"
             assert "r16" not in server.engine.lora_adapters
             # a hot load, then the adapter serves
             status, text = await _post(

@@ -187,6 +187,8 @@ def load_peft_adapter(
     use_rslora = bool(adapter_config.get("use_rslora", False))
     alpha = float(adapter_config.get("lora_alpha", adapter_config.get("r", 8)))  # type: ignore[arg-type]
     alpha_pattern = dict(adapter_config.get("alpha_pattern") or {})  # type: ignore[call-overload]
+    rank_pattern = dict(adapter_config.get("rank_pattern") or {})  # type: ignore[call-overload]
+    configured_r = adapter_config.get("r")
     shapes = _part_shapes(config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
@@ -217,6 +219,13 @@ def load_peft_adapter(
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoraLoadError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}")
         rank = int(a.shape[0])
+        if isinstance(configured_r, int | float):  # PEFT builds the module at this rank only
+            said = int(_pattern_value(rank_pattern, module, float(configured_r)))  # type: ignore[arg-type]
+            if said != rank:
+                raise LoraLoadError(
+                    f"{module}: its weights have rank {rank} but adapter_config.json says "
+                    f"{said} (r / rank_pattern)"
+                )
         if rank > max_rank:
             raise LoraLoadError(
                 f"{module} has rank {rank}, over the limit of {max_rank} (max_lora_rank)"
