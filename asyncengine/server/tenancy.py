@@ -2,7 +2,8 @@
 
 - ``cache_isolation = "api-key"``: every API key gets its own cache namespace: a request's
   ``cache_salt`` is combined with a digest of the key it presented, so clients with different
-  keys share no prefix pages (a client's own ``cache_salt`` splits its namespace further).
+  keys share no prefix pages (a client's own ``cache_salt`` splits its namespace further); and
+  the key, not the request's ``user``, is its tenant.
 - ``report_cached_tokens = False``: responses omit ``cached_tokens``.
 - With an API key, ``/metrics`` without it leaves out the series that answer "was this prompt
   cached?" (hit/miss and computed-token counters, cached-page gauges) and the tenant-labelled
@@ -65,12 +66,21 @@ def namespaced_salt(digest: str, salt: str | None) -> str:
 
 
 def isolate(request: web.Request, isolation: str, body: Any) -> Any:
-    """``body`` (a decoded request with ``cache_salt``) with its salt in the key's namespace."""
+    """``body`` (a decoded request with ``cache_salt``) with its salt in the key's namespace,
+    and its ``user`` (the tenant the fair policy and the metrics count) the key's: a client
+    neither speaks for another key's users nor gains a larger share by naming many."""
     if isolation == "api-key" and hasattr(body, "cache_salt"):
         digest = request.get(API_KEY_DIGEST)
         assert digest is not None, "cache isolation by API key runs behind the auth middleware"
         body.cache_salt = namespaced_salt(digest, body.cache_salt)
+        if hasattr(body, "user"):
+            body.user = key_tenant(digest)
     return body
+
+
+def key_tenant(digest: str) -> str:
+    """The tenant of an API key's requests under isolation by key (a prefix of its digest)."""
+    return "key-" + digest[:12]
 
 
 class _PublicMetrics:

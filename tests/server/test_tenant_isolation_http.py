@@ -7,6 +7,7 @@ KV invariant is checked after every step (CheckedEngine)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ import pytest
 from asyncengine.common.config import EngineConfig
 from asyncengine.server.app import create_app
 from asyncengine.server.scheduling_metrics import tenant_label
+from asyncengine.server.tenancy import key_tenant
 from tests.api.test_engine_loop import CharTokenizer, CheckedEngine, fake_engine
 from tests.fake_executor import FakeExecutor
 from tests.server_support import (
@@ -173,6 +175,24 @@ async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole
             assert await wait_until(functools.partial(engine_idle, server.engine))
         finally:
             await server.stop()
+
+
+async def test_under_isolation_the_key_is_the_tenant_not_the_user_field() -> None:
+    server = await started(api_key=["key-a", "key-b"], cache_isolation="api-key", admin_token="adm")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for user in ("alice", "bob"):
+                status, _ = await complete(session, server, "key-a", user=user)
+                assert status == 200
+            async with session.get(
+                server.base_url + "/metrics", headers={"Authorization": "Bearer adm"}
+            ) as resp:
+                scrape = await resp.text()
+        key_a = key_tenant(hashlib.sha256(b"key-a").hexdigest())
+        assert tenant_label(key_a) in scrape
+        assert tenant_label("alice") not in scrape and tenant_label("bob") not in scrape
+    finally:
+        await server.stop()
 
 
 async def test_cached_tokens_can_be_left_out_and_metrics_keep_tenants_behind_the_key() -> None:
