@@ -157,10 +157,10 @@ class ModelRunner:
         rows (executor/layers/linear.py), packed at the first such call: pack them at start-up
         instead (the executor calls this once the loaded weights are let go, so that the copies
         do not stand beside them), so that the first prompt of 24 tokens or more (every scoring
-        request of lm-eval's first batch) does not wait for it. Other formats are not packed here: with float32 activations
-        they go dense only past any step's rows; with bfloat16 ones (linear.py's bfloat16 table,
-        from 16-32 rows) the first such call builds the copy (~0.3 s CPU for SmolLM2, +208 MB),
-        which an idle server or a single stream never pays."""
+        request of lm-eval's first batch) does not wait for it. Other formats are not packed
+        here: with float32 activations they go dense only past any step's rows; with bfloat16
+        ones (linear.py's bfloat16 table, from 16-32 rows) the first such call builds the copy
+        (~0.3 s CPU for SmolLM2, +208 MB), which an idle server or a single stream never pays."""
         model = self.model
         projections = [
             linear

@@ -19,8 +19,9 @@
 
 All need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
 token 403; so does ``POST /flush_cache`` under ``cache_isolation = "api-key"`` (it empties every
-key's cache), a 403 when there is no admin token. The API key (``--api-key``) does not open them, and they are not there at all (404)
-without an admin token. They share the server's own address (127.0.0.1 unless told otherwise).
+key's cache), a 403 when there is no admin token. The API key (``--api-key``) does not open
+them, and they are not there at all (404) without an admin token. They share the server's own
+address (127.0.0.1 unless told otherwise).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """DeltaQueue: one reader's queue of stream deltas, the part of ``asyncio.Queue`` a stream uses
-(``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``, and ``peek``), without its size bound, task
-counting and waiter lists: a token of every running request passes through one each step."""
+(``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``, and ``peek``), without its
+size bound, task counting and waiter lists: a token of every running request passes through one
+each step."""
 
 from __future__ import annotations
 

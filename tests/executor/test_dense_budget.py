@@ -1,6 +1,7 @@
 """``dense_weight_bytes``: the dense copies of quantized projections take at most that many bytes
 together; a projection refused one keeps its quantized product at every row count, with the same
-rows as without a dense copy (a float model's own rows multiply as stored); None bounds them on a CPU by the memory the OS says is available."""
+rows as without a dense copy (a float model's own rows multiply as stored); None bounds them on
+a CPU by the memory the OS says is available."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``, GET and DELETE by id) through the ``openai``
 client over loopback, on the tiny random models: the same greedy text as Chat Completions,
 streamed and whole, a two-round function-call loop by hand and by ``previous_response_id``,
-the store (``store: false``, API keys and users kept apart), structured output, reasoning items, errors."""
+the store (``store: false``, API keys and users kept apart), structured output, reasoning
+items, errors."""
 
 from __future__ import annotations
 

@@ -220,7 +220,7 @@ def load_peft_adapter(
             raise LoraLoadError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}")
         rank = int(a.shape[0])
         if isinstance(configured_r, int | float):  # PEFT builds the module at this rank only
-            said = int(_pattern_value(rank_pattern, module, float(configured_r)))  # type: ignore[arg-type]
+            said = int(_pattern_value(rank_pattern, module, float(configured_r)))
             if said != rank:
                 raise LoraLoadError(
                     f"{module}: its weights have rank {rank} but adapter_config.json says "
