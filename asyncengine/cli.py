@@ -93,8 +93,8 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "products, float16 beside float32 ones of quantized weights on an AVX2 build; else the "
         "model's dtype) | float32 | bfloat16 | float16 | int8 (float32 or bfloat16 activations, "
         "on a CPU or with the Triton kernels on CUDA: a scale per token and head, ~1.94x the "
-        "tokens of bfloat16 in the same bytes) | fp8 (e4m3 with the same scales: CUDA, Triton, compute "
-        "capability >= 8.9)",
+        "tokens of bfloat16 in the same bytes) | fp8 (e4m3 with the same scales: CUDA, Triton, "
+        "compute capability >= 8.9)",
     ),
     (
         "--gpu-memory-utilization",
