@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan
-from asyncengine.common.request import Request, RequestStatus
+from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.scheduler.admission import (
     CHUNK_IN_FLIGHT,
@@ -27,6 +27,7 @@ from asyncengine.scheduler.admission import (
     AdmissionLog,
 )
 from asyncengine.scheduler.lora_slots import LoraSlots
+from asyncengine.scheduler.policy_guard import PolicyFailed, checked_order, victims_named
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import cache_match_limit, may_reuse_prefix
 from asyncengine.scheduler.retraction import Retraction
@@ -53,6 +54,7 @@ class Admitter:
         new_token_ratio: float,
         max_model_len: int,
         lora_slots: LoraSlots,
+        policy_failed: PolicyFailed,
     ) -> None:
         """The step's ``plan`` and ``budget``; the scheduler's parts, policy and config; its
         policy context, its admitted requests' future tokens, and the ratio of those that
@@ -74,6 +76,7 @@ class Admitter:
         self.ratio = new_token_ratio
         self.max_model_len = max_model_len
         self.lora_slots = lora_slots
+        self.policy_failed = policy_failed  # a hook that fails: FCFS's answer (policy_guard.py)
         chunk = budget.chunk_size
         # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
         # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
@@ -165,14 +168,28 @@ class Admitter:
         # ordering cost when the queue is very long.
         policy, shadow = self.policy, self.shadow
         size = self.config.policy_window
-        window = policy.candidates(self.waiting, size)
+        if type(policy).candidates is Policy.candidates:
+            window = policy.candidates(self.waiting, size)
+        else:  # checked against the whole queue: only for a policy that reaches past the window
+            try:
+                answer = policy.candidates(self.waiting, size)
+                window = checked_order(policy, "candidates", self.waiting, answer)
+            except Exception as exc:
+                self.policy_failed("candidates", exc)
+                window = self.waiting.oldest(size)
         if len(window) > size:  # the policy added requests from past the oldest ones
             self.log.reshaped()
         if type(policy).order is Policy.order and shadow is None and not policy.preempts:
             self.ordered = window  # arrival order; nothing else reads a context: none is made
         else:
             self.ctx = self.context(self.num_decodes)
-            self.ordered = policy.order(window, self.ctx)
+            try:
+                self.ordered = checked_order(
+                    policy, "order", window, policy.order(window, self.ctx)
+                )
+            except Exception as exc:
+                self.policy_failed("order", exc)
+                self.ordered = window
         outcome = Admission(window=window)
         if self.lora_slots.claimant is not None:
             self.lora_slots.renew(self.ordered)
@@ -181,7 +198,10 @@ class Admitter:
             outcome.held = [req for req in window if id(req) not in kept]
         if shadow is not None:
             assert self.ctx is not None
-            shadow.compare(window, self.ordered, self.ctx)
+            try:
+                shadow.compare(window, self.ordered, self.ctx)
+            except Exception as exc:
+                self.policy_failed("shadow", exc)
         return outcome
 
     def _try(self, req: Request) -> str | None:
@@ -236,7 +256,7 @@ class Admitter:
         ctx, slots = self.ctx, self.lora_slots
         if ctx is None or not self.policy.preempts or slots.claimant not in (None, req.lora):
             return False
-        named = self.policy.preempt_candidates(req, list(self.running), ctx)
+        named = victims_named(self.policy, req, list(self.running), ctx, self.policy_failed)
         if not named:
             return False
         leaving = named[0].params.lora
@@ -246,11 +266,6 @@ class Admitter:
         if len(victims) != slots.rows.get(leaving, 0):
             return False  # some of it is mid-prompt or not named: it cannot leave now
         for victim in victims:
-            if victim.status is not RequestStatus.RUNNING:
-                raise ValueError(
-                    f"policy {self.policy.name!r} named {victim.rid!r} to preempt, "
-                    "which is not a running request"
-                )
             self.retraction.retract(victim, self.config)
             self.retraction.total_preemptions += 1
         self.outcome.preempted += victims

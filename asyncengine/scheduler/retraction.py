@@ -20,6 +20,7 @@ from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.policies.victims import order_victims
+from asyncengine.scheduler.policy_guard import PolicyFailed, victims_named
 from asyncengine.scheduler.waiting_queue import WaitingQueue
 
 log = logging.getLogger("asyncengine.scheduler.scheduler")
@@ -30,7 +31,14 @@ class Retraction:
     held here by reference, the policy and config of the step passed. A retracted request
     goes to the front of the waiting queue: the caller tells the admission counts."""
 
-    def __init__(self, kv: KVCacheManager, waiting: WaitingQueue, running: list[Request]) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        waiting: WaitingQueue,
+        running: list[Request],
+        policy_failed: PolicyFailed,
+    ) -> None:
+        self.policy_failed = policy_failed  # a hook that fails names no victim (policy_guard.py)
         self.kv = kv
         self.page_size = kv.page_size
         self.waiting = waiting
@@ -97,15 +105,8 @@ class Retraction:
         choice (``preempt_candidates`` with no candidate; by default the config's
         ``preemption_victim`` rule), then those it left out in the config's order."""
         running = list(self.running)
-        named = policy.preempt_candidates(None, running, ctx)
-        seen: set[int] = set()
-        for victim in named:
-            if victim.status is not RequestStatus.RUNNING or id(victim) in seen:
-                raise ValueError(
-                    f"policy {policy.name!r} named {victim.rid!r} to preempt, "
-                    "which is not a running request (or named it twice)"
-                )
-            seen.add(id(victim))
+        named = victims_named(policy, None, running, ctx, self.policy_failed)
+        seen = {id(victim) for victim in named}
         left = [r for r in running if id(r) not in seen]
         return list(named) + order_victims(config.preemption_victim, left)
 
@@ -144,16 +145,11 @@ class Retraction:
         length capped at ``cap``); none (None) when all of them would not."""
         if not policy.preempts or not self.running:
             return None
-        candidates = policy.preempt_candidates(req, list(self.running), ctx)
+        candidates = victims_named(policy, req, list(self.running), ctx, self.policy_failed)
         ps = self.page_size
         chosen: list[Request] = []
         pages = slots = 0
         for victim in candidates:
-            if victim.status is not RequestStatus.RUNNING or any(v is victim for v in chosen):
-                raise ValueError(
-                    f"policy {policy.name!r} named {victim.rid!r} to preempt, "
-                    "which is not a running request (or named it twice)"
-                )
             chosen.append(victim)
             # at least what retracting it frees: its own pages, the floor of its reservation
             pages += self.kv.own_pages(victim.kv) + int(victim.future_tokens(cap) * ratio / ps)

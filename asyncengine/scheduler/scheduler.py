@@ -27,6 +27,7 @@ from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, SamplingInfo, StepOutput
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
 from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
 from asyncengine.scheduler.admitter import Admitter
@@ -36,6 +37,7 @@ from asyncengine.scheduler.plan_ahead import (
     decodes_ahead,
     plan_ahead_allowed,
 )
+from asyncengine.scheduler.policy_guard import checked_budget
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import tail_scores
 from asyncengine.scheduler.retraction import Retraction
@@ -75,6 +77,8 @@ class Scheduler:
         self.shadow = shadow
         self._next_policy: PendingPolicy | None = None  # takes over at the next schedule()
         self.policy_swaps = 0
+        self.policy_failures = 0  # hooks that raised or answered what cannot be (policy_guard)
+        self._failed_policy: Policy | None = None  # the last policy that failed (replaced)
         self.max_model_len = max_model_len
         self.clock = clock
         self.page_size = kv.page_size
@@ -121,7 +125,7 @@ class Scheduler:
         self.prompt_scores: PromptScoreCache | None = None
         if config.prompt_score_cache_pages > 0 and kv.enable_prefix_cache:
             self.prompt_scores = PromptScoreCache(self.page_size, config.prompt_score_cache_pages)
-        self.retraction = Retraction(kv, self.waiting, self.running)
+        self.retraction = Retraction(kv, self.waiting, self.running, self.policy_failed)
         # distinct LoRA adapters of the requests a step may hold, kept <= max_loras
         self.lora_slots = LoraSlots(config.max_loras, self.running, self.prefilling)
         self.prefill = Prefill(
@@ -167,6 +171,30 @@ class Scheduler:
         log.info("policy %r replaces %r at the next step", config.policy, previous)
         return previous
 
+    def policy_failed(self, hook: str, exc: BaseException) -> None:
+        """A hook of the live policy (or of the shadow: ``hook`` "shadow") raised or answered
+        what cannot be: logged with its traceback and counted; FCFS replaces the policy from
+        the next step (a failed shadow is dropped at once). The step goes on as FCFS would."""
+        self.policy_failures += 1
+        if hook == "shadow":
+            shadow, self.shadow = self.shadow, None
+            name = shadow.policy.name if shadow is not None else "?"
+            log.error("shadow policy %r failed; it is dropped: %s", name, exc, exc_info=exc)
+            return
+        policy = self.policy
+        if self._failed_policy is policy:
+            return  # reported already: FCFS takes over at the next step
+        self._failed_policy = policy
+        log.error(
+            "policy %r failed in %s(); FCFS takes over from the next step: %s",
+            policy.name,
+            hook,
+            exc,
+            exc_info=exc,
+        )
+        fallback = self.config.replace(policy="fcfs", policy_options={})
+        self.set_policy(FCFSPolicy(), fallback)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
@@ -194,9 +222,15 @@ class Scheduler:
         self.lengths.finished(req)
         del self.requests[req.rid]
         self.admission.left(req)
-        self.policy.finished(req)
+        try:
+            self.policy.finished(req)
+        except Exception as exc:
+            self.policy_failed("finished", exc)
         if self.shadow is not None:
-            self.shadow.finished(req)
+            try:
+                self.shadow.finished(req)
+            except Exception as exc:
+                self.policy_failed("shadow", exc)
 
     # -- planning -------------------------------------------------------------------------
     def _context(self, num_decodes: int) -> PolicyContext:
@@ -335,11 +369,13 @@ class Scheduler:
 
     def step_budget(self, num_decodes: int) -> StepBudget:
         """The policy's token budget for a step with ``num_decodes`` decode tokens."""
-        policy = self.policy
-        if type(policy).budget is Policy.budget:  # the config's limits: no context needed
-            config = self.config
-            return StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
-        return policy.budget(self._context(num_decodes))
+        policy, config = self.policy, self.config
+        if type(policy).budget is not Policy.budget:
+            try:
+                return checked_budget(policy, policy.budget(self._context(num_decodes)))
+            except Exception as exc:
+                self.policy_failed("budget", exc)
+        return StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
 
     def admit(self, plan: BatchPlan, num_decodes: int) -> Admission:
         """Fill ``plan.extends`` under the step's budget and the KV memory check (admitter.py);
@@ -367,6 +403,7 @@ class Scheduler:
             self.new_token_ratio,
             self.max_model_len,
             self.lora_slots,
+            self.policy_failed,
         )
 
     def _prepare_decodes(self) -> list[Request]:
@@ -397,9 +434,15 @@ class Scheduler:
         owners = self._owners(plan)
         self._landed(plan)  # its KV is written now
         self.retraction.count_computed(plan, owners, output.swap_seconds)
-        self.policy.observe(plan, output.forward_seconds)
+        try:
+            self.policy.observe(plan, output.forward_seconds)
+        except Exception as exc:
+            self.policy_failed("observe", exc)
         if self.shadow is not None:
-            self.shadow.observe(plan, output.forward_seconds)
+            try:
+                self.shadow.observe(plan, output.forward_seconds)
+            except Exception as exc:
+                self.policy_failed("shadow", exc)
         if plan.num_guesses or any(output.drafted):
             self.spec_steps += 1
         events, prompts_done, verified, accepted = commit_segments(
@@ -457,6 +500,7 @@ class Scheduler:
             "preemptions": self.retraction.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
+            "policy_failures": self.policy_failures,
             "spec_steps": self.spec_steps,
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,

@@ -67,8 +67,10 @@ def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, in
         }
         for record in result.records
     ]
+    # so did the count of failed policy hooks while it is 0
+    stats = {k: v for k, v in result.scheduler_stats.items() if k != "policy_failures" or v != 0}
     blob = json.dumps(
-        [records, result.steps, result.virtual_seconds, result.scheduler_stats],
+        [records, result.steps, result.virtual_seconds, stats],
         sort_keys=True,
         default=str,
     )
