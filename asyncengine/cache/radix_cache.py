@@ -526,6 +526,9 @@ class RadixCache:
         root = self.root
         plain_lru = self._plain_lru
         spill, ledger = self.spill, self.ledger
+        # nodes whose key rose once in this call: a rule whose key rises at every read (one
+        # of time) would take its place again forever; the second time it goes
+        repushed: set[int] = set()
         while count < num_tokens and heap:
             stamp, entry, node = heapq.heappop(heap)
             if entry != node.heap_id:
@@ -535,7 +538,8 @@ class RadixCache:
             if parent is None or node.lock_ref > 0 or node.children:
                 continue  # removed, locked or no longer a leaf: re-pushed when that changes
             key = float(node.last_access) if plain_lru else self.rule.key(node)
-            if key > stamp:
+            if key > stamp and id(node) not in repushed:
+                repushed.add(id(node))
                 self._push(node)  # its key rose since it was pushed: take its place again
                 continue
             if spill is not None:

@@ -104,6 +104,27 @@ def test_a_rule_of_ones_own_from_a_file(tmp_path: Path) -> None:
     assert survivors(cache) == {2}
 
 
+def test_a_rule_whose_key_rises_at_every_read_still_evicts(tmp_path: Path) -> None:
+    """A key of time (or a counter) rises between the push and the pop: the node takes its
+    place again once, then goes (it looped forever, the event loop with it)."""
+    file = tmp_path / "rising.py"
+    file.write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n"
+        "class RisingKey(EvictionRule):\n"
+        "    name = 'rising-key'\n"
+        "    reads = 0\n"
+        "    def key(self, node):\n"
+        "        type(self).reads += 1\n"
+        "        return float(type(self).reads)\n"
+    )
+    cache = RadixCache(page_size=2, rule=make_eviction_rule(f"{file}:RisingKey"))
+    for first in (1, 2, 3):
+        insert(cache, [first] * 4)
+    assert len(cache.evict(4)) >= 1
+    assert len(survivors(cache)) <= 2
+    cache.check()
+
+
 def test_the_config_names_the_key_of_a_bad_rule_or_option() -> None:
     with pytest.raises(ConfigError, match="eviction_policy"):
         make_policies(EngineConfig(eviction_policy="mru"))
