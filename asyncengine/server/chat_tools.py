@@ -71,6 +71,9 @@ class ChatPlan:
                 "response_format cannot be combined with tools unless tool_choice is 'none'",
                 param="response_format",
             )
+        if self.output is not None and self.output.calls_only:
+            # nothing but calls, each whole by its grammar: a stop string (text's) cuts none
+            return dataclasses.replace(params, structured=self.grammar, stop=[])
         return dataclasses.replace(params, structured=self.grammar)
 
 

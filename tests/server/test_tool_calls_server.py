@@ -123,6 +123,40 @@ async def test_a_named_function_streams_id_and_name_then_arguments(
     assert (call.function.name, call.function.arguments) == ("get_time", arguments)
 
 
+async def test_a_stop_string_never_cuts_a_forced_call(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Every call's JSON holds '"': with tool_choice required (or named) the output is calls
+    alone, whole by their grammar, and a stop string (text's) cuts none of them."""
+    for stream in (False, True):
+        kwargs: dict[str, Any] = dict(
+            model=server.model,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stop=['"', "time"],
+            max_tokens=120,
+            temperature=0,
+        )
+        if not stream:
+            whole = await client.chat.completions.create(**kwargs)
+            choice = whole.choices[0]
+            finish, calls = choice.finish_reason, choice.message.tool_calls or []
+            pairs = [(c.function.name, c.function.arguments) for c in calls]
+        else:
+            pieces, finish = [], None
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                for delta_choice in chunk.choices:
+                    pieces += delta_choice.delta.tool_calls or []
+                    finish = delta_choice.finish_reason or finish
+            arguments = "".join(p.function.arguments or "" for p in pieces)
+            pairs = [(pieces[0].function.name, arguments)]
+        assert finish == "tool_calls", (stream, pairs)
+        for name, arguments in pairs:
+            run_tool(name, arguments)  # valid JSON that the function's schema takes
+
+
 async def test_tool_choice_none_and_no_tools_leave_the_output_text(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
