@@ -15,7 +15,10 @@ from msgspec import Meta, Struct
 FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 
 
-class FunctionDefinition(Struct, kw_only=True):
+class FunctionDefinition(Struct, kw_only=True, omit_defaults=True):
+    """As the client wrote it: fields it left out stay out of the tools the template renders
+    (``"strict": null`` cost prompt tokens HF's rendering has not)."""
+
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object

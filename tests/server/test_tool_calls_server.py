@@ -197,6 +197,20 @@ async def qwen3_client(qwen3: RunningServer) -> AsyncIterator[openai.AsyncOpenAI
         yield c
 
 
+async def test_the_template_renders_the_tools_as_the_client_wrote_them(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    """Fields a tool leaves out stay out of the prompt: its tokens are HF's rendering's."""
+    out = await qwen3_client.chat.completions.create(
+        model=qwen3.model, messages=QUESTION, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    tokenizer = qwen3.engine.tokenizer
+    rendered = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tools=TOOLS)
+    assert "strict" not in rendered and "get_time" in rendered
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(tokenizer.encode(rendered))
+
+
 def _token(server: RunningServer, text: str) -> int:
     (token,) = server.engine.tokenizer.encode(text)
     return int(token)
