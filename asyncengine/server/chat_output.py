@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.text.reasoning import ReasoningParser
-from asyncengine.text.tool_calls import ToolCallDelta, collect_calls, tool_parser
+from asyncengine.text.tool_calls import ToolCallDelta, collect_calls, merge_deltas, tool_parser
 
 Json = dict[str, Any]
 
@@ -61,7 +61,7 @@ class ChoiceReader:
         if content and not (self.called and not content.strip()):  # not the blanks around calls
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [call.body() for call in calls]
+            delta["tool_calls"] = [call.body() for call in merge_deltas(calls)]
         return delta or None
 
     def finish_reason(self, reason: str | None) -> str | None:

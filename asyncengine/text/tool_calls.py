@@ -394,6 +394,21 @@ def tool_parser(fmt: ToolCallFormat) -> ToolParser:
     return HermesToolParser() if fmt is HERMES else Llama3JsonToolParser()
 
 
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """``deltas`` with adjacent pieces of one call joined: a chunk carries one entry per call
+    index, as OpenAI's do (the id and name, if any, then all its argument text)."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        last = merged[-1] if merged else None
+        if last is not None and last.index == delta.index and delta.id is None:
+            last.arguments += delta.arguments
+            if last.name is None:
+                last.name = delta.name
+        else:
+            merged.append(ToolCallDelta(delta.index, delta.id, delta.name, delta.arguments))
+    return merged
+
+
 def collect_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     """The calls that a sequence of deltas describes, in index order."""
     calls: dict[int, ToolCall] = {}

@@ -110,7 +110,9 @@ async def test_a_named_function_streams_id_and_name_then_arguments(
     finish_reasons = []
     async for chunk in stream:
         for choice in chunk.choices:
-            pieces += choice.delta.tool_calls or []
+            in_chunk = choice.delta.tool_calls or []
+            assert len({p.index for p in in_chunk}) == len(in_chunk)  # one entry per call
+            pieces += in_chunk
             assert not choice.delta.content
             finish_reasons.append(choice.finish_reason)
     assert finish_reasons[-1] == "tool_calls"
