@@ -296,3 +296,40 @@ def test_the_llama3_grammar_writes_parameters_json_calls() -> None:
     assert text == "" and [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris"}')
     ]
+
+
+def test_descriptions_bound_nothing_so_the_grammar_leaves_them_out() -> None:
+    """An agent's tool set is mostly descriptions: they neither count toward the grammar's
+    size limit nor change what it accepts; a property named "description" stays."""
+    from asyncengine.structured.schema_annotations import without_annotations
+    from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+
+    described = {
+        "type": "object",
+        "title": "Args",
+        "description": "x" * 3000,
+        "properties": {
+            "description": {"type": "string", "description": "y" * 3000, "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string", "examples": ["a"]}},
+            "mode": {"anyOf": [{"const": "a", "title": "A"}, {"const": "b"}], "default": "a"},
+        },
+        "required": ["description"],
+    }
+    assert without_annotations(described) == {
+        "type": "object",
+        "properties": {
+            "description": {"type": "string", "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "mode": {"anyOf": [{"const": "a"}, {"const": "b"}]},
+        },
+        "required": ["description"],
+    }
+    assert described["properties"]["description"]["description"] == "y" * 3000  # untouched
+    functions = [ToolFunction(f"tool_{i}", described) for i in range(20)]  # 120k of descriptions
+    grammar = tool_call_grammar(HERMES, functions, "required")  # under the limit: no refusal
+    assert "xxx" not in grammar.spec and len(grammar.spec) < 20_000
+    matcher = _matcher(grammar.spec)()
+    call = '<tool_call>\n{"name": "tool_3", "arguments": {"description": "hi", "mode": "b"}}'
+    assert matcher.accept_string(call + "\n</tool_call>") and matcher.is_completed()
+    too_long = _matcher(grammar.spec)()
+    assert not too_long.accept_string(call.replace('"hi"', '"toolong"') + "\n</tool_call>")
