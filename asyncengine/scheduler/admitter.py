@@ -170,10 +170,10 @@ class Admitter:
         size = self.config.policy_window
         if type(policy).candidates is Policy.candidates:
             window = policy.candidates(self.waiting, size)
-        else:  # checked against the whole queue: only for a policy that reaches past the window
+        else:  # a policy that reaches past the oldest ones (waiting requests, each once)
             try:
                 answer = policy.candidates(self.waiting, size)
-                window = checked_order(policy, "candidates", self.waiting, answer)
+                window = checked_order(policy, "candidates", None, answer)
             except Exception as exc:
                 self.policy_failed("candidates", exc)
                 window = self.waiting.oldest(size)

@@ -25,18 +25,20 @@ class PolicyAnswerError(ValueError):
 
 
 def checked_order(
-    policy: Policy, hook: str, window: Sequence[Request], ordered: object
+    policy: Policy, hook: str, window: Sequence[Request] | None, ordered: object
 ) -> list[Request]:
     """``ordered`` (the answer of ``policy.order`` or ``policy.candidates``, ``hook``) when it
-    is a list of requests of ``window``, each once."""
+    is a list of waiting requests, each once, of ``window`` where it is given (None: the whole
+    queue, whose length is not walked: any waiting request)."""
     if not isinstance(ordered, list):
         raise PolicyAnswerError(
             f"policy {policy.name!r}: {hook}() returned {type(ordered).__name__}, not a list"
         )
-    allowed = {id(req) for req in window}
+    allowed = None if window is None else {id(req) for req in window}
     seen: set[int] = set()
     for req in ordered:
-        if id(req) not in allowed or id(req) in seen:
+        waiting = getattr(req, "status", None) is RequestStatus.WAITING
+        if not waiting or (allowed is not None and id(req) not in allowed) or id(req) in seen:
             rid = getattr(req, "rid", repr(req))
             raise PolicyAnswerError(
                 f"policy {policy.name!r}: {hook}() returned {rid!r}, which is not a waiting "
