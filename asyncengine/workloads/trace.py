@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +64,24 @@ class WorkloadRequest:
         timeout = record.get("timeout")
         acceptance = record.get("acceptance")
         lora = record.get("lora")
+        rid = record.get("rid")
+        if any(isinstance(t, bool) or t < 0 for t in prompt_ids):
+            raise ValueError(f"request {rid!r}: prompt_ids must be token ids >= 0")
+        arrival = record["arrival_time"]
+        if isinstance(arrival, bool) or not isinstance(arrival, int | float):
+            raise ValueError(f"request {rid!r}: arrival_time must be a number of seconds")
+        if not math.isfinite(arrival) or arrival < 0:  # a NaN never arrives: a run waits forever
+            raise ValueError(
+                f"request {rid!r}: arrival_time must be finite and >= 0, got {arrival}"
+            )
+        output_len = record["output_len"]
+        if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 0:
+            raise ValueError(f"request {rid!r}: output_len must be a whole number >= 0")
         return cls(
             rid=str(record["rid"]),
-            arrival_time=float(record["arrival_time"]),  # type: ignore[arg-type]
+            arrival_time=float(arrival),
             prompt_ids=prompt_ids,
-            output_len=int(record["output_len"]),  # type: ignore[call-overload]
+            output_len=output_len,
             prompt_text=None if text is None else str(text),
             priority=int(record.get("priority", 0)),  # type: ignore[call-overload]
             tenant=None if tenant is None else str(tenant),

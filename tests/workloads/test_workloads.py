@@ -139,6 +139,30 @@ def test_bad_trace_line_names_the_line(tmp_path: Path) -> None:
         load_trace(path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("arrival_time", "NaN", "finite"),  # never arrives: the simulator waited forever
+        ("arrival_time", "Infinity", "finite"),
+        ("arrival_time", "-100", ">= 0"),
+        ("arrival_time", "true", "number"),
+        ("output_len", "3.9", "whole number"),
+        ("output_len", "-1", "whole number"),
+        ("prompt_ids", "[1, -2]", "token ids"),
+        ("prompt_ids", "[true]", "token ids"),
+    ],
+)
+def test_a_trace_value_a_run_cannot_take_is_refused(
+    tmp_path: Path, field: str, value: str, says: str
+) -> None:
+    fields = {"rid": '"a"', "arrival_time": "0", "prompt_ids": "[1]", "output_len": "2"}
+    fields[field] = value
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}\n")
+    with pytest.raises(ValueError, match=says):
+        load_trace(path)
+
+
 def test_pseudo_text_is_injective_per_token() -> None:
     words = pseudo_text(range(20000)).split(" ")
     assert len(set(words)) == 20000
