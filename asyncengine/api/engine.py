@@ -115,7 +115,6 @@ class AsyncEngine:
                 core.spec.vocab_size,
                 core.max_model_len,
                 self.config,
-                self.loras.names,
                 self.loras.keys,
             )
             log.info(

@@ -38,8 +38,7 @@ class Intake:
     vocab_size: int
     max_model_len: int
     config: EngineConfig
-    # the LoRA adapters served now, and each one's key (api/lora_adapters.py keeps them)
-    lora_names: set[str] = field(default_factory=set)
+    # the LoRA adapters served now: name -> its current load's key (api/lora_adapters.py)
     lora_keys: dict[str, str] = field(default_factory=dict)
 
     def tokenize(self, prompt: Prompt) -> TokenIds:
@@ -161,9 +160,9 @@ class Intake:
         adapter not served."""
         if params.lora is None:
             return params
-        if params.lora not in self.lora_names:
-            raise UnknownAdapterError(params.lora, sorted(self.lora_names))
-        key = self.lora_keys.get(params.lora, params.lora)
+        key = self.lora_keys.get(params.lora)
+        if key is None:
+            raise UnknownAdapterError(params.lora, sorted(self.lora_keys))
         return params if key == params.lora else dataclasses.replace(params, lora=key)
 
     def _room(self, prompt_tokens: int, scoring_only: bool = False) -> int:

@@ -26,15 +26,10 @@ from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH, InvalidRequ
 class LoraAdapters:
     def __init__(self, configured: dict[str, str]) -> None:
         self.paths: dict[str, str] = dict(configured)  # served now: name -> PEFT directory
-        self.names: set[str] = set(configured)  # the intake's view (shared, updated in place)
-        # served now: name -> the key of its current load (shared with the intake, in place)
+        # served now: name -> the key of its current load (the intake's view, shared in place)
         self.keys: dict[str, str] = {name: name for name in configured}
         self._loads: dict[str, int] = dict.fromkeys(configured, 1)  # loads of each name so far
         self._retiring: set[str] = set()  # keys unloaded or replaced, held by requests in flight
-
-    def check(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
-            raise UnknownAdapterError(name, sorted(self.names))
 
     async def load(
         self,
@@ -71,15 +66,13 @@ class LoraAdapters:
             self._retiring.add(replaced)
         self.keys[name] = key
         self.paths[name] = str(path)
-        self.names.add(name)
 
     def unload(self, name: str) -> None:
         """Serve ``name`` to no new request; its weights go once its requests are done
         (``drop_idle``)."""
         if name not in self.paths:
-            raise UnknownAdapterError(name, sorted(self.names))
+            raise UnknownAdapterError(name, sorted(self.keys))
         del self.paths[name]
-        self.names.discard(name)
         self._retiring.add(self.keys.pop(name))
 
     def drop_idle(self, in_flight: Iterable[str | None], remove: Callable[[str], object]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from asyncengine.common.request import Request, RequestStatus
-from asyncengine.policies.base import Policy, StepBudget
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 
 # (hook name, what it raised): the scheduler's ``policy_failed``
 PolicyFailed = Callable[[str, BaseException], None]
@@ -87,13 +87,13 @@ def victims_named(
     policy: Policy,
     req: Request | None,
     running: list[Request],
-    ctx: object,
+    ctx: PolicyContext,
     failed: PolicyFailed,
 ) -> list[Request]:
     """The running requests ``policy`` names to preempt for ``req`` (None: KV ran short),
     checked; none where the hook fails (``failed`` hears of it)."""
     try:
-        return checked_victims(policy, policy.preempt_candidates(req, running, ctx))  # type: ignore[arg-type]
+        return checked_victims(policy, policy.preempt_candidates(req, running, ctx))
     except Exception as exc:
         failed("preempt_candidates", exc)
         return []

@@ -457,11 +457,8 @@ class QuantizedLinear:
     def _stored_dense(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The stored weight as a dense [out, in] tensor of ``dtype`` without a copy: one F32
         (BF16) part, as a float32 (bfloat16) model's rows are; None for anything else."""
-        if len(self.parts) != 1 or self.parts[0].format != (
-            F32 if dtype == torch.float32 else BF16
-        ):
-            return None
-        if dtype not in (torch.float32, torch.bfloat16):
+        stored = {torch.float32: F32, torch.bfloat16: BF16}.get(dtype)
+        if stored is None or len(self.parts) != 1 or self.parts[0].format != stored:
             return None
         return self.parts[0].data.view(dtype)
 
