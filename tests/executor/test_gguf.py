@@ -4,6 +4,8 @@ matches transformers' own GGUF loader, and is converted into the cache once."""
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -214,7 +216,7 @@ def test_tiny_gguf_resolves_once_into_a_directory_transformers_loads(
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
     """The default model converted into a fresh cache: (directory, conversions run)."""
     cache = tmp_path_factory.mktemp("asyncengine_cache")
     conversions = 0
@@ -229,7 +231,8 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
         patch.setenv(CACHE_ENV, str(cache))
         patch.setattr(default_model_module, "convert_gguf_to_hf_dir", counted)
         directory = resolve_model(DEFAULT_MODEL, torch.float32)
-    return directory, conversions
+    yield directory, conversions
+    shutil.rmtree(cache)  # the float32 checkpoint, ~0.5 GB: not kept to the session's end
 
 
 @pytest.fixture(scope="module")
