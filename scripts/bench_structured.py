@@ -72,7 +72,7 @@ async def per_token_costs(engine: AsyncEngine, repeats: int) -> dict[str, float]
     out = await engine.generate(
         MESSAGES, SamplingParams(max_new_tokens=96, seed=0, structured=constraint)
     )
-    compiled = await engine.grammars.compiler.compile(constraint)
+    compiled = await engine.held.compiler.compile(constraint)
     fills: list[float] = []
     accepts: list[float] = []
     masks = []

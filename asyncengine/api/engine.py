@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncengine.api.embedding import await_embedding, embedding_group
-from asyncengine.api.grammar_wait import GrammarWait
+from asyncengine.api.held_groups import HeldGroups
 from asyncengine.api.intake import Intake, Prompt
 from asyncengine.api.kv_event_publisher import KVEventPublisher
 from asyncengine.api.lora_adapters import LoraAdapters
@@ -79,7 +79,7 @@ class AsyncEngine:
         self._tokenizer: Any = None
         self._intake: Intake | None = None
         self.streams = Streams(lambda: self._core().now(), self.abort)
-        self.grammars = GrammarWait(
+        self.held = HeldGroups(
             self.config, self.streams, self._core, lambda: self._tokenizer, self._add
         )
         self._worker: ThreadPoolExecutor | None = None
@@ -91,7 +91,7 @@ class AsyncEngine:
         self._one_time_task: asyncio.Task[None] | None = None  # deferred work after start-up
         self.kv_events: KVEventPublisher | None = None  # config.kv_events, from start()
         self.loras = LoraAdapters(self.config.loras)
-        self.step_hooks.append(self._drop_unloaded_loras)
+        self.step_hooks.append(self._sync_loras)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -172,12 +172,12 @@ class AsyncEngine:
                 await self._one_time_task
             self._one_time_task = None
         groups = self.streams.groups
-        compiling = [g.compiling for g in groups.values() if g.compiling is not None]
+        preparing = [g.preparing for g in groups.values() if g.preparing is not None]
         for rid in list(groups):
             self.abort(rid)
-        for task in compiling:
+        for task in preparing:
             task.cancel()
-        await asyncio.gather(*compiling, return_exceptions=True)
+        await asyncio.gather(*preparing, return_exceptions=True)
         self._steps.wakeup.set()
         await self._task
         self._task = None
@@ -193,7 +193,7 @@ class AsyncEngine:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        self.grammars.close()
+        self.held.close()
         self.stop_recording()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -313,12 +313,9 @@ class AsyncEngine:
             lambda: self._tokenizer.detokenizer(params.skip_special_tokens, prompt_ids),
         )
         self.streams.open(group)
-        if params.structured is not None:
-            self.grammars.submit(group, params)
-        else:
-            self._add(group)
+        self._queue(group, params)
         loop = asyncio.get_running_loop()
-        return RequestStream(group.states, rid, self.abort, loop, group.compiling)
+        return RequestStream(group.states, rid, self.abort, loop, group.preparing)
 
     async def embed(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -348,16 +345,27 @@ class AsyncEngine:
             core.spec.pooling,
         )
         self.streams.open(group)
-        self._add(group)
-        return RequestStream(group.states, rid, self.abort, asyncio.get_running_loop())
+        self._queue(group, params)
+        return RequestStream(
+            group.states, rid, self.abort, asyncio.get_running_loop(), group.preparing
+        )
 
     def _check_queue(self, core: EngineCore) -> None:
-        # a request waiting for its grammar waits as much as a queued one
-        waiting = len(core.scheduler.waiting) + self.grammars.waiting
+        # a request held for its adapter or grammar waits as much as a queued one
+        waiting = len(core.scheduler.waiting) + self.held.waiting
         if waiting >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"{waiting} waiting requests, the most max_waiting_requests allows"
             )
+
+    def _queue(self, group: RequestGroup, params: SamplingParams) -> None:
+        """Hand the group to the core now, or hold it until its adapter is back in memory and
+        its grammar compiled (held_groups.py)."""
+        adapter = self.loras.hold(params.lora, self._lora_registry())
+        if adapter is not None or params.structured is not None:
+            self.held.submit(group, params, adapter)
+        else:
+            self._add(group)
 
     def _add(self, group: RequestGroup) -> None:
         """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
@@ -373,9 +381,9 @@ class AsyncEngine:
         if group is None:
             return False
         core = self._core()
-        if group.compiling is not None and not group.compiling.done():
-            group.compiling.cancel()  # a compile no one else waits for never starts
-        held = group.end_held(core.now())  # its grammar was still compiling
+        if group.preparing is not None and not group.preparing.done():
+            group.preparing.cancel()  # a read or compile no one else waits for never starts
+        held = group.end_held(core.now())  # its adapter or grammar was still on its way
         for state in group.states:
             if not state.done and state.req not in held:
                 core.abort(state.req.rid)
@@ -419,19 +427,28 @@ class AsyncEngine:
         """Stop serving ``name``: new requests for it are refused (UnknownAdapterError); those in
         flight finish under it, then its weights are dropped."""
         self.loras.unload(name)
-        self._drop_unloaded_loras()
+        self._sync_loras()
 
-    def _drop_unloaded_loras(self, plan: BatchPlan | None = None) -> None:
-        registry = getattr(self.core.executor if self.core else None, "loras", None)
+    def _lora_registry(self) -> Any:
+        """The executor's LoraRegistry (None: an executor that serves no adapters)."""
+        return getattr(self.core.executor if self.core else None, "loras", None)
+
+    def _sync_loras(self, plan: BatchPlan | None = None) -> None:
+        """Only the adapters of requests in flight stay held in memory; unloaded ones no
+        request runs under go."""
+        registry = self._lora_registry()
         worker = self._worker
-        if registry is None or worker is None:
+        bounded = getattr(registry, "max_loaded", None) is not None  # else all stay in memory
+        if registry is None or worker is None or not (bounded or self.loras.retiring):
             return
-        in_flight = (
+        in_flight = {
             state.req.lora
             for group in self.streams.groups.values()
             for state in group.states
-            if not state.done
-        )
+            if not state.done and state.req.lora is not None
+        }
+        if bounded:
+            registry.release_all_but(in_flight)
         # on the forward thread, between steps: a step never sees the registry change
         self.loras.drop_idle(in_flight, lambda name: worker.submit(registry.remove, name))
 

@@ -10,17 +10,35 @@ Each load of a name is served under a key of its own (``keys``: the name for its
 ``lora``: the executor holds the adapter under it and the prefix cache keys its pages by it, so
 a name loaded again (over the old one, or after an unload) never meets the old weights' KV, and
 the requests in flight under the old weights finish under them.
+
+With ``max_cpu_loras`` an adapter may have been dropped from memory: a request for it is held
+(``hold``) while its weights are read back off the forward thread, once for all the requests
+that wait for it, so a step never reads files. When they cannot be read (its directory deleted,
+unreadable or corrupt), its requests are refused with AdapterUnavailableError and nothing else
+is touched; requests for it are served again once its files are back, or it can be unloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor as ThreadPool
 from pathlib import Path
+from typing import Any, Protocol
 
-from asyncengine.common.errors import UnknownAdapterError
+from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
 from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH, InvalidRequestError
+
+log = logging.getLogger("asyncengine.api.engine")
+
+
+class AdapterMemory(Protocol):
+    """What the executor's LoraRegistry offers for holding adapters in memory."""
+
+    def hold(self, name: str) -> bool: ...
+    def read(self, name: str) -> Any: ...
+    def install(self, name: str, adapter: Any) -> None: ...
 
 
 class LoraAdapters:
@@ -30,6 +48,7 @@ class LoraAdapters:
         self.keys: dict[str, str] = {name: name for name in configured}
         self._loads: dict[str, int] = dict.fromkeys(configured, 1)  # loads of each name so far
         self._retiring: set[str] = set()  # keys unloaded or replaced, held by requests in flight
+        self._reading: dict[str, asyncio.Future[None]] = {}  # keys being read back into memory
 
     async def load(
         self,
@@ -85,3 +104,37 @@ class LoraAdapters:
             if name not in busy:
                 self._retiring.discard(name)
                 remove(name)
+
+    @property
+    def retiring(self) -> bool:
+        """Some unloaded (replaced) adapter's weights wait for its requests to finish."""
+        return bool(self._retiring)
+
+    def hold(self, key: str | None, registry: AdapterMemory | None) -> Awaitable[None] | None:
+        """Keep the adapter ``key`` (a request's ``lora``) in memory while the request is in
+        flight: None when it is there (or the executor serves none), else its read back, which
+        raises AdapterUnavailableError when its files cannot be read."""
+        if key is None or registry is None or registry.hold(key):
+            return None
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_back(key, registry))
+            self._reading[key] = reading
+            reading.add_done_callback(lambda done: self._read_done(key, done))
+        return asyncio.shield(reading)  # a waiter aborted leaves the read to the others
+
+    def _read_done(self, key: str, reading: asyncio.Future[None]) -> None:
+        del self._reading[key]
+        if not reading.cancelled():
+            reading.exception()  # each waiter has it; none left is no error to report
+
+    async def _read_back(self, key: str, registry: AdapterMemory) -> None:
+        from asyncengine.executor.lora.peft_adapter import LoraLoadError
+
+        loop = asyncio.get_running_loop()
+        try:
+            adapter = await loop.run_in_executor(None, registry.read, key)
+        except (LoraLoadError, OSError) as exc:
+            log.warning("LoRA adapter %s could not be read back: %s", key, exc)
+            raise AdapterUnavailableError(key.split("/")[0]) from None
+        registry.install(key, adapter)

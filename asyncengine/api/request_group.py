@@ -2,10 +2,11 @@
 
 Choice ``i`` is its own Request (id ``<rid>`` when n is 1, else ``<rid>-<i>``) with its own
 stream state; all share one queue, so the caller reads their deltas in the order they come.
-A group's requests are *held* (known to the engine, not yet to the core) while their grammar
-compiles; choices 1..n-1 are handed to the core as choice 0's followers, and the core's
-lifecycle queues them once choice 0 has prefilled the prompt, so they take the prompt's pages
-from the radix cache (a fork) instead of computing them again.
+A group's requests are *held* (known to the engine, not yet to the core) while their adapter is
+read back and their grammar compiles (held_groups.py); choices 1..n-1 are handed to the core as
+choice 0's followers, and the core's lifecycle queues them once choice 0 has prefilled the
+prompt, so they take the prompt's pages from the radix cache (a fork) instead of computing them
+again.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class RequestGroup:
     rid: str
     states: list[StreamState]
     held: list[Request] = field(default_factory=list)  # not yet added to the core
-    compiling: asyncio.Task[None] | None = None
+    preparing: asyncio.Task[None] | None = None
 
     @classmethod
     def create(

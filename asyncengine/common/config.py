@@ -84,8 +84,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # per request by SamplingParams.lora (the OpenAI "model" field)
     loras: dict[str, str] = {}
     max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
-    # adapters kept in memory; the least recently used beyond this are dropped and read back
-    # from disk on their next request (None: every adapter stays loaded)
+    # adapters kept in memory besides those of requests in flight; the least recently used
+    # beyond this are dropped and read back from disk when a request for one arrives (None:
+    # every adapter stays loaded)
     max_cpu_loras: int | None = None
     # on CUDA with neither size given: the share of the GPU's memory the engine may fill; the
     # pool takes what the weights and an activation reserve leave of it (vLLM's meaning)

@@ -22,6 +22,7 @@ class QueueFullError(EngineError):
 
 
 __all__ = [
+    "AdapterUnavailableError",
     "EngineError",
     "EngineNotRunningError",
     "InvalidRequestError",
@@ -40,4 +41,18 @@ class UnknownAdapterError(InvalidRequestError):
             f"the LoRA adapter {name!r} is not loaded; loaded adapters: {served}",
             param="model",
             code="model_not_found",
+        )
+
+
+class AdapterUnavailableError(InvalidRequestError):
+    """A request names a served LoRA adapter whose weights are not in memory and could not be
+    read back from its directory (deleted, unreadable or corrupt): HTTP 404. Its other requests
+    are refused the same way until the files are back or the adapter is unloaded."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"the LoRA adapter {name!r} is unavailable: its weights could not be read from its "
+            "directory (the server's log says why); restore its files, or load it again",
+            param="model",
+            code="adapter_unavailable",
         )

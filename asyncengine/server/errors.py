@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from asyncengine.common.errors import (
+    AdapterUnavailableError,
     EngineNotRunningError,
     InvalidRequestError,
     QueueFullError,
@@ -86,7 +87,7 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 def from_engine_error(exc: Exception) -> ApiError:
     """Map an exception raised by the engine's public API to the error the client sees."""
-    if isinstance(exc, UnknownAdapterError):  # as an unknown model
+    if isinstance(exc, UnknownAdapterError | AdapterUnavailableError):  # as an unknown model
         return ApiError(404, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")

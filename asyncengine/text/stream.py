@@ -115,8 +115,9 @@ class RequestStream:
     ``index``, in the order they were produced); leaving it early aborts the request.
 
     ``abort(request_id)`` is the engine's abort; it runs on ``loop``, the engine's loop (a stream
-    dropped by the garbage collector on another thread schedules it there). ``compiling``: the
-    task compiling the request's grammar, which may still refuse it (``accepted``).
+    dropped by the garbage collector on another thread schedules it there). ``preparing``: the
+    task that holds the request until its adapter is in memory and its grammar compiled, which
+    may still refuse it (``accepted``).
     """
 
     def __init__(
@@ -125,9 +126,9 @@ class RequestStream:
         request_id: str,
         abort: Callable[[str], object],
         loop: asyncio.AbstractEventLoop,
-        compiling: asyncio.Task[None] | None = None,
+        preparing: asyncio.Task[None] | None = None,
     ) -> None:
-        self._compiling = compiling
+        self._preparing = preparing
         self.states = states
         self.state = states[0]
         self.request_id = request_id
@@ -141,11 +142,12 @@ class RequestStream:
 
     async def accepted(self) -> None:
         """Return once nothing but a failed forward can end the request with an error (its
-        grammar compiled; a server can send its headers then); raise its refusal instead."""
-        compiling = self._compiling
-        if compiling is not None and not compiling.done():
+        adapter in memory, its grammar compiled; a server can send its headers then); raise its
+        refusal instead."""
+        preparing = self._preparing
+        if preparing is not None and not preparing.done():
             try:
-                await asyncio.wait((compiling,))  # an abort that cancels it is not our error
+                await asyncio.wait((preparing,))  # an abort that cancels it is not our error
             except BaseException:
                 await self.aclose()  # cancelled while waiting: abort the request
                 raise

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from asyncengine.api.engine import AsyncEngine
-from asyncengine.common.errors import UnknownAdapterError
+from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
+from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.server_support import engine_config, tiny_model_dir
@@ -184,3 +185,55 @@ async def test_least_recently_used_adapters_are_read_back_from_disk(
             assert out.token_ids == oracle.greedy(lora, PROMPT, NEW_TOKENS)
             assert registry.loaded == [lora]
         assert registry.loads_from_disk >= 3
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_whose_files_are_gone_fails_only_its_own_requests(
+    model_dir: Path, adapters: dict[str, Path], oracle: PeftOracle, tmp_path: Path
+) -> None:
+    """With max_cpu_loras, an adapter dropped from memory is read back when a request for it
+    arrives, before any step runs it: when its directory is gone, only its requests fail (a
+    clear error naming it) and the base's and other adapters' requests in the same steps finish
+    with their exact tokens; while its weights are in memory it goes on serving."""
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["r4"], gone)
+    loras = {"gone": str(gone), "r8": str(adapters["r8"])}
+    config = engine_config(model_dir, loras=loras, max_cpu_loras=1, enable_prefix_cache=False)
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        registry = engine.executor.loras  # type: ignore[attr-defined]
+        assert (await engine.generate(PROMPT, greedy("gone"))).token_ids == oracle.greedy(
+            "r4", PROMPT, NEW_TOKENS
+        )
+        shutil.rmtree(gone)
+        # in memory: it serves on
+        out = await engine.generate(OTHER, greedy("gone"))
+        assert out.token_ids == oracle.greedy("r4", OTHER, NEW_TOKENS)
+        await engine.generate(PROMPT, greedy("r8"))  # drops "gone" from memory
+        assert registry.loaded == ["r8"]
+        # a base request runs while requests for the lost adapter arrive
+        running = asyncio.create_task(engine.generate(OTHER, long))
+        await asyncio.sleep(0.05)
+        results = await asyncio.gather(
+            engine.generate(PROMPT, greedy("gone")),
+            engine.generate(PROMPT, greedy("r8")),
+            engine.generate(PROMPT, greedy(None)),
+            engine.generate(OTHER, greedy("gone")),
+            return_exceptions=True,
+        )
+        for failed in (results[0], results[3]):
+            assert isinstance(failed, AdapterUnavailableError), failed
+            assert "'gone'" in str(failed) and failed.param == "model"
+        for done, lora in ((results[1], "r8"), (results[2], None)):
+            assert isinstance(done, GenerateOutput), done
+            assert done.token_ids == oracle.greedy(lora, PROMPT, NEW_TOKENS), lora
+        base = await running
+        assert base.token_ids[:NEW_TOKENS] == oracle.greedy(None, OTHER, NEW_TOKENS)
+        assert base.finish_reason == "length" and len(base.token_ids) == 40
+        # it stays unavailable until unloaded; then it is unknown
+        with pytest.raises(AdapterUnavailableError):
+            await engine.generate(PROMPT, greedy("gone"))
+        engine.unload_lora("gone")
+        with pytest.raises(UnknownAdapterError):
+            await engine.generate(PROMPT, greedy("gone"))
+        assert engine.lora_adapters == {"r8": str(adapters["r8"])}

@@ -111,3 +111,30 @@ def test_missing_files_are_refused(config: ModelConfig, tmp_path: Path) -> None:
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(LoraLoadError, match="not a readable safetensors"):
         load_peft_adapter("a", tmp_path, config, 64)
+
+
+def test_held_adapters_stay_in_memory_past_max_loaded(config: ModelConfig, tmp_path: Path) -> None:
+    """An adapter a request in flight holds is never dropped (its step reads no file); one
+    dropped is read back off the step (``read``, ``install``) and held from then on."""
+    registry = LoraRegistry(config, 4, 1, torch.float32, torch.device("cpu"))
+    paths = {
+        name: write(tmp_path / name, pair("self_attn.q_proj", 2, config.q_size, config.hidden_size))
+        for name in ("a", "b", "c")
+    }
+    for name, path in paths.items():
+        registry.add(name, path)
+    assert registry.loaded == ["c"]
+    assert registry.hold("c") and not registry.hold("a")
+    registry.install("a", registry.read("a"))
+    for name in ("a", "c"):
+        paths[name].joinpath("adapter_model.safetensors").unlink()
+    registry.adapters({"b"})  # another adapter's step, past max_loaded: a and c stay
+    assert sorted(registry.loaded) == ["a", "b", "c"]
+    assert set(registry.adapters({"a", "c"})) == {"a", "c"}
+    assert registry.loads_from_disk == 2
+    registry.release_all_but({"a"})
+    registry.adapters({"a"})
+    assert registry.loaded == ["a"]
+    with pytest.raises(LoraLoadError, match="has no adapter_model.safetensors"):
+        registry.read("c")
+    assert registry.loaded == ["a"] and registry.remove("c") and not registry.hold("c")

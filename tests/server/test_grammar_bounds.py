@@ -57,7 +57,7 @@ async def test_a_json_object_request_after_a_dropped_flood_answers_quickly(
         assert result.warmup_status == 200 and result.flood_dropped == 20
         assert result.json_object_status == 200
         assert result.json_object_seconds < 5.0, result
-        compiler = server.engine.grammars.compiler
+        compiler = server.engine.held.compiler
         # the warm-up, json_object, and the flood's compiles a worker took up before the drop
         assert compiler.compiles <= 2 + 2 * 2, compiler.compiles
         assert await wait_until(lambda: engine_idle(server.engine))
@@ -77,7 +77,7 @@ async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempP
             status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": heavy})
             assert status == 400, out
             assert "took longer than 0.3 s to compile" in out["error"]["message"]
-        assert server.engine.grammars.compiler.killed == 1
+        assert server.engine.held.compiler.killed == 1
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()

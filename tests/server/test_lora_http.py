@@ -1,10 +1,13 @@
 """LoRA adapters over real HTTP: the OpenAI ``model`` field and ``lora`` on /generate select an
 adapter (its output is HF + PEFT's), /v1/models lists adapters with their parent, an unknown
 adapter is a 404 like an unknown model, and /v1/load_lora_adapter and /v1/unload_lora_adapter
-(vLLM's shape) load and unload while serving, behind the API key; a refused load is a 400."""
+(vLLM's shape) load and unload while serving, behind the API key; a refused load is a 400; an
+adapter whose files are gone when it must be read back is a 404 for its own requests alone."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from tests.executor.lora_support import PeftOracle, write_adapters
-from tests.server_support import engine_config, start_server, tiny_model_dir
+from tests.server_support import engine_config, start_server, tiny_model_dir, wait_until
 
 KEY = "sk-lora-test"
 PROMPT = [1, *range(300, 330)]
@@ -132,5 +135,69 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
             assert status == 404
             status, err = await _post(session, unload, {"lora_name": "r8"})
             assert status == 404
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_whose_directory_is_gone_is_a_404_for_its_requests_alone(
+    model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """max_cpu_loras 1 keeps one of the two adapters in memory; the other's directory is deleted.
+    Requests for it, sent together with the base's and the other adapter's while a long base
+    request runs, get a 404 naming it; all the others finish with HF + PEFT's tokens."""
+    oracle = PeftOracle(model_dir, {"r8": adapters["r8"]})
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["r4"], gone)
+    loras = {"gone": str(gone), "r8": str(adapters["r8"])}  # r8, loaded last, stays in memory
+    config = engine_config(model_dir, loras=loras, max_cpu_loras=1, enable_prefix_cache=False)
+    server = await start_server(config, api_key=KEY)
+    url = server.base_url
+    try:
+        assert server.engine.executor.loras.loaded == ["r8"]
+        shutil.rmtree(gone)
+        async with aiohttp.ClientSession() as session:
+
+            def generate(lora: str | None, max_new_tokens: int = NEW_TOKENS) -> Any:
+                body: dict[str, Any] = {
+                    "input_ids": PROMPT,
+                    "lora": lora,
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                        "ignore_eos": True},
+                }  # fmt: skip
+                return _post(session, url + "/generate", body)
+
+            completion = {"model": "gone", "prompt": PROMPT, "max_tokens": NEW_TOKENS}
+            streamed = {**completion, "stream": True}
+            long = asyncio.create_task(generate(None, 48))
+            await wait_until(lambda: bool(server.engine.scheduler.running))
+            results = await asyncio.gather(
+                generate("gone"),
+                generate(None),
+                generate("r8"),
+                _post(session, url + "/v1/completions", completion),
+                generate("gone"),
+                _post(session, url + "/v1/completions", streamed),  # refused before its headers
+            )
+            for status, err in (results[0], results[3], results[4], results[5]):
+                assert status == 404, err
+                assert err["error"]["code"] == "adapter_unavailable"
+                assert "'gone' is unavailable" in err["error"]["message"]
+                assert str(tmp_path) not in err["error"]["message"]
+            for (status, out), lora in ((results[1], None), (results[2], "r8")):
+                assert status == 200, out
+                assert out["output_ids"] == oracle.greedy(lora, PROMPT, NEW_TOKENS), lora
+            status, out = await long
+            assert status == 200 and len(out["output_ids"]) == 48
+            assert out["output_ids"][:NEW_TOKENS] == oracle.greedy(None, PROMPT, NEW_TOKENS)
+            # later requests for it are refused the same way, until it is unloaded
+            status, err = await generate("gone")
+            assert status == 404 and err["error"]["code"] == "adapter_unavailable"
+            unload = url + "/v1/unload_lora_adapter"
+            status, text = await _post(session, unload, {"lora_name": "gone"})
+            assert status == 200, text
+            status, err = await generate("gone")
+            assert status == 404 and err["error"]["code"] == "model_not_found"
+            assert server.engine.lora_adapters == {"r8": str(adapters["r8"])}
     finally:
         await server.stop()

@@ -121,7 +121,7 @@ async def test_headers_wait_for_the_grammar(
     async with http.post(server.base_url + COMPLETIONS, json=body) as resp:
         assert resp.status == 200  # the compiler exists now
         await resp.read()
-    compiler = server.engine.grammars.compiler
+    compiler = server.engine.held.compiler
     release = threading.Event()
     real = compiler._compile_now
     monkeypatch.setattr(compiler, "_compile_now", lambda c: (release.wait(30), real(c))[1])

@@ -172,9 +172,9 @@ async def test_grammar_compiles_once_per_spec(server: RunningServer) -> None:
     spec = StructuredOutput("regex", "[0-9]{3}")
     params = SamplingParams(max_new_tokens=10, structured=spec)
     await server.engine.generate(PROMPT, params)
-    compiles = server.engine.grammars.compiler.compiles
+    compiles = server.engine.held.compiler.compiles
     await asyncio.gather(*(server.engine.generate(PROMPT, params) for _ in range(3)))
-    assert server.engine.grammars.compiler.compiles == compiles
+    assert server.engine.held.compiler.compiles == compiles
 
 
 async def test_compiling_request_waits_without_blocking_others(
@@ -184,7 +184,7 @@ async def test_compiling_request_waits_without_blocking_others(
     await engine.generate(
         PROMPT, SamplingParams(max_new_tokens=4, structured=StructuredOutput("regex", "a"))
     )
-    compiler = engine.grammars.compiler
+    compiler = engine.held.compiler
     release = threading.Event()
     real = compiler._compile_now
 
@@ -211,7 +211,7 @@ async def test_abort_while_compiling_leaks_nothing(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = server.engine
-    compiler = engine.grammars.compiler
+    compiler = engine.held.compiler
     release = threading.Event()
     real = compiler._compile_now
     monkeypatch.setattr(compiler, "_compile_now", lambda c: (release.wait(30), real(c))[1])

@@ -1,11 +1,13 @@
-"""Requests waiting for their structured-output grammar: compiled off the event loop (by the
-GrammarCompiler, made at the first constrained request), then queued with their matchers."""
+"""Requests held before they are queued: their LoRA adapter read back into memory (when it was
+dropped: api/lora_adapters.py) and their structured-output grammar compiled (by the
+GrammarCompiler, made at the first constrained request), both off the event loop; then queued,
+with their matchers. A failed read or compile refuses the request, before any step runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncengine.api.request_group import RequestGroup
@@ -18,8 +20,9 @@ from asyncengine.core.engine_core import EngineCore
 log = logging.getLogger("asyncengine.api.engine")
 
 
-class GrammarWait:
-    """The groups whose grammar compiles; ``add`` queues a group once it has its matchers."""
+class HeldGroups:
+    """The groups held until their adapter is in memory and their grammar compiled; ``add``
+    queues a group once they are."""
 
     def __init__(
         self,
@@ -35,41 +38,50 @@ class GrammarWait:
         self._tokenizer = tokenizer
         self._add = add
         self.compiler: Any = None  # the GrammarCompiler, made at the first constrained request
-        self.waiting = 0  # requests waiting for their grammar (counted as waiting)
+        self.waiting = 0  # requests held here (counted as waiting)
 
-    def submit(self, group: RequestGroup, params: SamplingParams) -> None:
-        """Compile the group's grammar in a task (``group.compiling``: an abort cancels it)."""
+    def submit(
+        self, group: RequestGroup, params: SamplingParams, adapter: Awaitable[None] | None
+    ) -> None:
+        """Await ``adapter`` (its read back) and compile the group's grammar, if it has one, in
+        a task (``group.preparing``: an abort cancels it); then queue the group."""
         self.waiting += 1
-        group.compiling = asyncio.create_task(self._compile_then_add(group, params))
+        group.preparing = asyncio.create_task(self._prepare_then_add(group, params, adapter))
 
     def close(self) -> None:
         if self.compiler is not None:
             self.compiler.close()
             self.compiler = None
 
-    async def _compile_then_add(self, group: RequestGroup, params: SamplingParams) -> None:
-        """Compile the group's grammar off the loop, then queue its requests with matchers."""
-        from asyncengine.structured import GrammarMatcher
-
-        assert params.structured is not None
+    async def _prepare_then_add(
+        self, group: RequestGroup, params: SamplingParams, adapter: Awaitable[None] | None
+    ) -> None:
+        """Wait for the adapter, compile the grammar off the loop, then queue the group's
+        requests with their matchers."""
+        matchers: list[Any] = []  # one GrammarMatcher per held request, with a grammar
         try:
-            compiled = await self._compiled(params.structured)
-            matchers = [GrammarMatcher(compiled) for _ in group.held]
+            if adapter is not None:
+                await adapter
+            if params.structured is not None:
+                from asyncengine.structured import GrammarMatcher
+
+                compiled = await self._compiled(params.structured)
+                matchers = [GrammarMatcher(compiled) for _ in group.held]
         except asyncio.CancelledError:
             return  # aborted while it waited: its compile, if no one else waits, never runs
         except Exception as exc:
             if self.streams.groups.get(group.rid) is group and group.held:
                 error = exc
                 if not isinstance(exc, InvalidRequestError):
-                    log.exception("compiling the grammar of request %s failed", group.rid)
+                    log.exception("preparing request %s failed", group.rid)
                     error = RequestFailedError(f"request {group.rid} failed: {exc}")
                 self.streams.refuse(group, error)
             return
         finally:
             self.waiting -= 1
         if self.streams.groups.get(group.rid) is not group or not group.held:
-            return  # aborted while it compiled
-        for req, matcher in zip(group.held, matchers, strict=True):
+            return  # aborted while it was held
+        for req, matcher in zip(group.held, matchers, strict=False):
             req.grammar = matcher
         self._add(group)
 
