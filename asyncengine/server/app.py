@@ -1,10 +1,11 @@
 """The aiohttp application: routes, middlewares (metrics, errors, auth), health and metrics.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses
-and GET/DELETE /v1/responses/{id} (OpenAI's Responses: openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py), the worker endpoints SGLang's router polls
-(sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py: its own bearer
-token, not the API key).
+POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses,
+GET/DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (OpenAI's Responses:
+openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py),
+the worker endpoints SGLang's router polls (sglang_worker.py); with an admin token,
+GET/POST /admin/policy (admin.py: its own bearer token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
 - With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>`` or, as

@@ -1,5 +1,7 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (streamed or whole),
-``GET /v1/responses/{response_id}`` and ``DELETE /v1/responses/{response_id}``, answered by the
+``GET /v1/responses/{response_id}``, ``DELETE /v1/responses/{response_id}`` and
+``GET /v1/responses/{response_id}/input_items`` (a page of what its request sent as ``input``,
+OpenAI's ``limit``, ``order``, ``after`` and ``before``), answered by the
 chat path: the body (after the conversation of ``previous_response_id``, from the store) is
 translated into a chat completion request (server/responses_schema.py), runs through the same
 intake, grammar and streaming tail as ``/v1/chat/completions``, and its output is read back as
@@ -18,14 +20,18 @@ from asyncengine.common.outputs import Usage
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.completion import generate, outcome_of
+from asyncengine.server.errors import invalid_request
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.output_blocks import BlockReader, read_blocks
 from asyncengine.server.responses_format import (
     ResponseBody,
     ResponseStream,
     as_input_item,
+    items_page,
+    listed_item,
     status_of,
     usage_body,
+    with_ids,
 )
 from asyncengine.server.responses_schema import (
     InputItem,
@@ -41,6 +47,8 @@ from asyncengine.server.tenancy import API_KEY_DIGEST, isolate
 
 RESPONSES_PATH = "/v1/responses"
 RESPONSES_STORE = web.AppKey("responses_store", ResponseStore)
+MAX_ITEMS_PAGE = 100  # OpenAI's bounds of ``limit``; 20 when not given
+DEFAULT_ITEMS_PAGE = 20
 
 Json = dict[str, Any]
 
@@ -61,7 +69,7 @@ class _Turn:
         self.state = state
         self.store = store
         self.req = req
-        self.items = items
+        self.items = with_ids(items)  # ids that page GET .../input_items
         self.response = response
 
     def finish(self, reader: BlockReader, finish_reason: str | None, usage: Usage | None) -> Json:
@@ -84,6 +92,7 @@ class _Turn:
                 self.req.previous_response_id,
                 self.owner,
                 self.req.user,
+                inputs=len(self.items),
             )
         return body
 
@@ -129,6 +138,37 @@ async def get_response(request: web.Request) -> web.Response:
     return json_response(stored.body)
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    """A page of a stored response's input items, under the same ownership as GET."""
+    response_id = request.match_info["response_id"]
+    stored = request.app[RESPONSES_STORE].get(response_id, request.get(API_KEY_DIGEST))
+    if stored is None:
+        raise not_found(response_id)
+    query = request.rel_url.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"order must be 'asc' or 'desc', not {order!r}", param="order")
+    items = [listed_item(item) for item in stored.input_items]
+    page = items_page(
+        items, _limit(query.get("limit")), order == "desc", query.get("after"), query.get("before")
+    )
+    return json_response(page)
+
+
+def _limit(text: str | None) -> int:
+    if text is None:
+        return DEFAULT_ITEMS_PAGE
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_ITEMS_PAGE:
+        raise invalid_request(
+            f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, not {text!r}", param="limit"
+        )
+    return limit
+
+
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     if not request.app[RESPONSES_STORE].delete(response_id, request.get(API_KEY_DIGEST)):
@@ -141,3 +181,4 @@ def add_responses_routes(app: web.Application, store: ResponseStore) -> None:
     app.router.add_post(RESPONSES_PATH, create_response)
     app.router.add_get(RESPONSES_PATH + "/{response_id}", get_response)
     app.router.add_delete(RESPONSES_PATH + "/{response_id}", delete_response)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}/input_items", list_input_items)

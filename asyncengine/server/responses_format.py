@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from asyncengine.common.outputs import StreamDelta, Usage
 from asyncengine.server.errors import ApiError
 from asyncengine.server.output_blocks import Block, BlockEvent, BlockReader
@@ -105,6 +107,84 @@ def as_input_item(item: Json) -> InputItem:
     return InputItem(
         role="assistant", content=[OutputText(text=p["text"]) for p in item["content"]]
     )
+
+
+# input items without an id of their own get one when stored, by type (as OpenAI's)
+_INPUT_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+    "item_reference": "ref",
+}
+
+
+def with_ids(items: list[InputItem]) -> list[InputItem]:
+    """The items, each with an id (its own, else a new one): the ids that page their list."""
+    return [item if item.id is not None else _with_new_id(item) for item in items]
+
+
+def _with_new_id(item: InputItem) -> InputItem:
+    return msgspec.structs.replace(item, id=f"{_INPUT_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}")
+
+
+def listed_item(item: InputItem) -> Json:
+    """An input item as ``GET /v1/responses/{id}/input_items`` lists it, in OpenAI's shape: a
+    message's content as parts (a string as one ``input_text``, or ``output_text`` for the
+    assistant's), every item with its ``type`` and a ``status``."""
+    body: Json = {
+        "type": item.type,
+        **msgspec.to_builtins(item),
+        "status": item.status or "completed",
+    }
+    if item.type == "message":
+        content = item.content
+        if isinstance(content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            body["content"] = [{"type": kind, "text": content}]
+        for part in body.get("content") or []:
+            if part["type"] == "output_text":
+                part.setdefault("annotations", [])
+    elif item.type == "reasoning":
+        body.setdefault("summary", [])
+    return body
+
+
+def items_page(
+    items: list[Json], limit: int, descending: bool, after: str | None, before: str | None
+) -> Json:
+    """One page of ``items`` (oldest first) as OpenAI's list object: ``limit`` items in the
+    order asked for, after the item ``after`` or ending just before the item ``before`` (ids
+    in that order); 400 for an id not among them."""
+    ordered = items[::-1] if descending else items
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    if after is not None:
+        start = _position(ids, after, "after") + 1
+    if before is not None:
+        end = _position(ids, before, "before")
+    if before is not None and after is None:
+        start = max(start, end - limit)  # the items closest to the cursor
+        has_more = start > 0
+    else:
+        has_more = end - start > limit
+    data = ordered[start:end][:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def _position(ids: list[str], item_id: str, param: str) -> int:
+    try:
+        return ids.index(item_id)
+    except ValueError:
+        raise ApiError(
+            400, f"{param}: no input item of this response has the id {item_id!r}", param=param
+        ) from None
 
 
 class ResponseBody:

@@ -2,14 +2,14 @@
 bounded by size and age.
 
 Each stored response keeps its body (what GET answers) and its turn of the conversation (its
-input items and its output as items) with a link to the response it continued, so a chain
-costs the size of its turns, not the square of its length. A response leaves the store
-``ttl`` seconds after it was stored, or earlier, oldest first, when the store would exceed
-``max_bytes`` (the JSON size of bodies and turns); a chain one of whose responses has left
-cannot be continued (404, as an unknown id). Ids are random (128 bits); behind API keys a
-response belongs to the key that made it (``owner``, its digest): another key's GET, DELETE or
-continuation gets a 404, as for an unknown id. A response stored with a ``user`` is continued
-only by requests of that user.
+input items, which ``GET /v1/responses/{id}/input_items`` lists, and its output as items) with
+a link to the response it continued, so a chain costs the size of its turns, not the square of
+its length. A response leaves the store ``ttl`` seconds after it was stored, or earlier, oldest
+first, when the store would exceed ``max_bytes`` (the JSON size of bodies and turns); a chain
+one of whose responses has left cannot be continued (404, as an unknown id). Ids are random
+(128 bits); behind API keys a response belongs to the key that made it (``owner``, its digest):
+another key's GET (of it or its input items), DELETE or continuation gets a 404, as for an
+unknown id. A response stored with a ``user`` is continued only by requests of that user.
 """
 
 from __future__ import annotations
@@ -34,12 +34,18 @@ DEFAULT_STORE_TTL_SECONDS = 3600.0
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     body: Json
-    turn: list[InputItem]  # its input items and its output items
+    turn: list[InputItem]  # its input items (the first ``inputs``), then its output items
+    inputs: int
     previous: str | None
     owner: str | None  # the digest of the API key that made it (None: no keys)
     tenant: str | None  # its request's ``user``
     expires: float
     size: int
+
+    @property
+    def input_items(self) -> list[InputItem]:
+        """What its request sent as ``input`` (not the items of the responses it continued)."""
+        return self.turn[: self.inputs]
 
 
 class ResponseStore:
@@ -75,8 +81,11 @@ class ResponseStore:
         previous: str | None,
         owner: str | None,
         tenant: str | None,
+        *,
+        inputs: int,
     ) -> bool:
-        """Keep a response; False when it alone is larger than the store."""
+        """Keep a response (``inputs``: how many of ``turn``'s first items were its input);
+        False when it alone is larger than the store."""
         size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(turn))
         if size > self.max_bytes:
             return False
@@ -85,7 +94,7 @@ class ResponseStore:
             self._drop(next(iter(self._entries)))
         expires = self._clock() + self.ttl
         self._entries[response_id] = StoredResponse(
-            body, turn, previous, owner, tenant, expires, size
+            body, turn, inputs, previous, owner, tenant, expires, size
         )
         self.bytes += size
         return True

@@ -92,8 +92,8 @@ def _turn(text: str) -> list[InputItem]:
 
 def test_the_store_follows_a_chain_and_keeps_keys_and_users_apart() -> None:
     store = ResponseStore(max_bytes=1 << 20, ttl=60.0)
-    store.put("a", {"id": "a"}, _turn("one"), None, "key-a", "alice")
-    store.put("b", {"id": "b"}, _turn("two"), "a", "key-a", "alice")
+    store.put("a", {"id": "a"}, _turn("one"), None, "key-a", "alice", inputs=1)
+    store.put("b", {"id": "b"}, _turn("two"), "a", "key-a", "alice", inputs=1)
     assert [i.content for i in store.conversation("b", "key-a", "alice")] == ["one", "two"]
     for owner, tenant in (("key-a", "bob"), ("key-a", None), ("key-b", "alice"), (None, "alice")):
         with pytest.raises(ApiError) as refused:
@@ -110,21 +110,21 @@ def test_the_store_follows_a_chain_and_keeps_keys_and_users_apart() -> None:
 def test_the_store_forgets_after_the_ttl_and_drops_the_oldest_past_its_size() -> None:
     clock = FakeClock()
     store = ResponseStore(max_bytes=1 << 20, ttl=10.0, clock=clock)
-    store.put("a", {"id": "a"}, _turn("x"), None, None, None)
+    store.put("a", {"id": "a"}, _turn("x"), None, None, None, inputs=1)
     clock.now = 5.0
-    store.put("b", {"id": "b"}, _turn("x"), None, None, None)
+    store.put("b", {"id": "b"}, _turn("x"), None, None, None, inputs=1)
     clock.now = 10.0
     assert store.get("a", None) is None and store.get("b", None) is not None
     clock.now = 15.0
     assert len(store) == 0 and store.bytes == 0
 
     entry = ResponseStore(max_bytes=1 << 20)
-    entry.put("probe", {"id": "a"}, _turn("x" * 100), None, None, None)
+    entry.put("probe", {"id": "a"}, _turn("x" * 100), None, None, None, inputs=1)
     size = entry.bytes
     small = ResponseStore(max_bytes=size * 2, ttl=10.0)
     for name in "abc":
-        assert small.put(name, {"id": "a"}, _turn("x" * 100), None, None, None)
+        assert small.put(name, {"id": "a"}, _turn("x" * 100), None, None, None, inputs=1)
     assert [small.get(n, None) is not None for n in "abc"] == [False, True, True]
     assert small.bytes == 2 * size
-    assert not small.put("big", {"id": "a"}, _turn("x" * 10 * size), None, None, None)
+    assert not small.put("big", {"id": "a"}, _turn("x" * 10 * size), None, None, None, inputs=1)
     assert ResponseStore(max_bytes=0).enabled is False

@@ -1,8 +1,8 @@
-"""OpenAI's Responses API (``/v1/responses``, GET and DELETE by id) through the ``openai``
-client over loopback, on the tiny random models: the same greedy text as Chat Completions,
-streamed and whole, a two-round function-call loop by hand and by ``previous_response_id``,
-the store (``store: false``, API keys and users kept apart), structured output, reasoning
-items, errors."""
+"""OpenAI's Responses API (``/v1/responses``, GET and DELETE by id, the pages of input items)
+through the ``openai`` client over loopback, on the tiny random models: the same greedy text as
+Chat Completions, streamed and whole, a two-round function-call loop by hand and by
+``previous_response_id``, the store (``store: false``, API keys and users kept apart),
+structured output, reasoning items, errors."""
 
 from __future__ import annotations
 
@@ -204,6 +204,72 @@ async def test_the_store_get_delete_store_false_and_users(
     assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
+async def test_input_items_list_what_each_response_was_sent_a_page_at_a_time(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    sent: list[Any] = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temp": 21}'},
+        {"type": "message", "role": "assistant", "content": "It is 21 degrees.", "id": "msg_mine"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]  # fmt: skip
+    kwargs: dict[str, Any] = dict(model=server.model, max_output_tokens=4, temperature=0)
+    first = await client.responses.create(input=sent, tools=TOOLS, tool_choice="none", **kwargs)
+    page = await client.responses.input_items.list(first.id)
+    assert page.object == "list" and page.has_more is False  # type: ignore[attr-defined]
+    items = page.data[::-1]  # newest first by default
+    assert [item.type for item in items] == [
+        "message", "message", "function_call", "function_call_output", "message", "message"
+    ]  # fmt: skip
+    ids = [item.id for item in items]
+    assert len(set(ids)) == 6 and ids[4] == "msg_mine" and ids[0].startswith("msg_")
+    assert (page.first_id, page.last_id) == (ids[-1], ids[0])  # type: ignore[attr-defined]
+    dumped = [item.model_dump(exclude_none=True) for item in items]
+    assert dumped[0]["role"] == "developer"
+    assert dumped[0]["content"] == [{"type": "input_text", "text": "Answer briefly."}]
+    assert dumped[1]["content"] == [{"type": "input_text", "text": QUESTION}]
+    assert dumped[2]["name"] == "get_weather" and dumped[2]["call_id"] == "call_1"
+    assert dumped[3]["output"] == '{"temp": 21}' and dumped[3]["call_id"] == "call_1"
+    assert dumped[4]["role"] == "assistant"
+    assert dumped[4]["content"][0]["text"] == "It is 21 degrees."
+    assert all(item["status"] == "completed" for item in dumped)
+
+    # pages of 4, oldest first: the client follows ``after`` to the end
+    pager = client.responses.input_items.list(first.id, limit=4, order="asc")
+    assert [item.id async for item in pager] == ids
+    head = await client.responses.input_items.list(first.id, limit=4, order="asc")
+    assert [i.id for i in head.data] == ids[:4] and head.has_more
+    tail = await client.responses.input_items.list(first.id, limit=4, after=ids[2])
+    assert [i.id for i in tail.data] == ids[1::-1] and tail.has_more is False
+    before = await client.responses.input_items.list(
+        first.id, limit=2, order="asc", extra_query={"before": ids[4]}
+    )
+    assert [i.id for i in before.data] == ids[2:4] and before.has_more
+
+    # a continued response lists its own input alone, not its chain's
+    second = await client.responses.create(
+        input="And Oslo?", previous_response_id=first.id, **kwargs
+    )
+    (only,) = (await client.responses.input_items.list(second.id)).data
+    assert only.model_dump(exclude_none=True)["content"] == [
+        {"type": "input_text", "text": "And Oslo?"}
+    ]
+
+    refusals = [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"),
+                ({"order": "sideways"}, "order"), ({"after": "msg_nope"}, "after")]  # fmt: skip
+    for query, param in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.input_items.list(first.id, extra_query=query)
+        assert refused.value.body["param"] == param  # type: ignore[index]
+    unstored = await client.responses.create(input="hi", store=False, **kwargs)
+    for missing in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.input_items.list(missing)
+
+
 async def test_another_api_key_neither_reads_continues_nor_deletes(server: RunningServer) -> None:
     keyed = await start_server(server.engine.config, engine=server.engine, api_key=["ka", "kb"])
     url = keyed.base_url + "/v1"
@@ -216,12 +282,15 @@ async def test_another_api_key_neither_reads_continues_nor_deletes(server: Runni
             kept = await a.responses.create(input="My password is hunter2.", **kwargs)
             for other in (
                 b.responses.retrieve(kept.id),
+                b.responses.input_items.list(kept.id),
                 b.responses.delete(kept.id),
                 b.responses.create(input="more", previous_response_id=kept.id, **kwargs),
             ):
                 with pytest.raises(openai.NotFoundError):
                     await other
             assert (await a.responses.retrieve(kept.id)).id == kept.id
+            (item,) = (await a.responses.input_items.list(kept.id)).data
+            assert item.content[0].text == "My password is hunter2."  # type: ignore[union-attr]
             await a.responses.create(input="more", previous_response_id=kept.id, **kwargs)
             await a.responses.delete(kept.id)
     finally:
