@@ -90,4 +90,7 @@ class Streams:
         if self.recorder is not None:
             self.recorder.finish(req, self.now(), "failed")
         state.fail(RequestFailedError(f"request {req.rid} failed: {type(exc).__name__}: {exc}"))
-        self.abort(state.request_id)
+        self.abort(state.request_id)  # ends its other choices, whose last finish forgets it
+        group = self.groups.get(state.request_id)
+        if group is not None and all(s.done for s in group.states):
+            del self.groups[state.request_id]  # no other choice was left to finish

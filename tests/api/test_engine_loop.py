@@ -83,6 +83,8 @@ def assert_idle_and_clean(engine: AsyncEngine) -> None:
     assert (
         stats["pages_free"] + stats["pages_cached"] + stats["pages_tail"] == stats["pages_total"]
     ), stats
+    # no request's stream bookkeeping outlives it (a kept group would refuse its id for good)
+    assert engine.streams.groups == {} and engine.streams.states == {}
 
 
 async def wait_idle(engine: AsyncEngine) -> None:
@@ -252,8 +254,9 @@ async def test_failed_forward_fails_its_batch_and_engine_keeps_serving() -> None
         runner = engine.executor  # type: ignore[union-attr]
         runner.fail_on_step = runner.steps + 1
         with pytest.raises(RequestFailedError, match="injected"):
-            await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
-        out = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+            await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), request_id="r")
+        # the failed request's id is free again, as after any other end
+        out = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), request_id="r")
         assert out.token_ids == reference_output([1, 2, 3], 4)
         assert engine.is_running
         await wait_idle(engine)
