@@ -16,12 +16,14 @@ context (or the front end's default), and ``max_new_tokens_limit`` caps both.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.errors import UnknownAdapterError
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.structured.schema_support import check_enforced
 from asyncengine.text.tokenizer import prompt_token_ids
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -119,8 +121,11 @@ class Intake:
                 f"n={params.n} is more choices than this engine allows (max_n={self.config.max_n})",
                 param="n",
             )
-        if params.structured is not None and not hasattr(self.tokenizer, "backend"):
-            raise InvalidRequestError("structured output needs the model's own tokenizer")
+        if params.structured is not None:
+            if not hasattr(self.tokenizer, "backend"):
+                raise InvalidRequestError("structured output needs the model's own tokenizer")
+            if params.structured.kind == "json_schema":
+                check_enforced(json.loads(params.structured.spec), "structured")
         return ids, params
 
     def accept_embedding(

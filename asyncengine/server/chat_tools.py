@@ -19,10 +19,11 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.common.sampling_params import SamplingParams, StructuredOutput
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.openai_schema import ChatCompletionRequest, chat_messages
 from asyncengine.server.tool_schema import NamedToolChoice, Tool
+from asyncengine.structured.schema_support import check_enforced
 from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
 from asyncengine.text.chat_format import ChatFormat, ChatTurn, chat_format, template_messages
 from asyncengine.text.reasoning import prompt_opens_thinking
@@ -106,6 +107,7 @@ def _functions(tools: list[Tool], choice: str | NamedToolChoice) -> list[ToolFun
         functions[name] = ToolFunction(
             name, True if parameters is None or tool.function.strict is False else parameters
         )
+    chosen = list(functions.values())
     if isinstance(choice, NamedToolChoice):
         named = functions.get(choice.function.name)
         if named is None:
@@ -113,8 +115,26 @@ def _functions(tools: list[Tool], choice: str | NamedToolChoice) -> list[ToolFun
                 f"tool_choice names the function {choice.function.name!r}, which is not in tools",
                 param="tool_choice",
             )
-        return [named]
-    return list(functions.values())
+        chosen = [named]
+    names = {function.name for function in chosen}
+    for i, tool in enumerate(tools):
+        if tool.function.name in names and _held(tool, choice):
+            _check_enforced(functions[tool.function.name], f"tools[{i}].function.parameters")
+    return chosen
+
+
+def _held(tool: Tool, choice: str | NamedToolChoice) -> bool:
+    """Whether the tool's arguments are a constraint the client asked to be held: a strict
+    tool, or a choice that makes the output calls. Under "auto" a tool that is not strict
+    is described by its schema; a call still keeps to the keywords the grammar enforces."""
+    return tool.function.strict is True or choice != "auto"
+
+
+def _check_enforced(function: ToolFunction, param: str) -> None:
+    try:
+        check_enforced(function.parameters, param)
+    except InvalidRequestError as exc:
+        raise invalid_request(str(exc), param=param, code=exc.code) from None
 
 
 def _turns(req: ChatCompletionRequest) -> list[ChatTurn]:

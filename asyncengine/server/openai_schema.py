@@ -26,6 +26,7 @@ from asyncengine.common.sampling_params import (
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 from asyncengine.server.tool_schema import AssistantToolCall, Tool, ToolChoice
+from asyncengine.structured.schema_support import check_enforced
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -327,9 +328,10 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
                 "response_format.json_schema.schema must be a JSON schema object",
                 param="response_format.json_schema.schema",
             )
+        check_enforced(schema, "response_format.json_schema.schema")
         return StructuredOutput.json_schema(schema)
     except InvalidRequestError as exc:
-        raise invalid_request(str(exc), param="response_format") from None
+        raise invalid_request(str(exc), exc.param or "response_format", exc.code) from None
 
 
 def _constraint(req: _CommonRequest) -> StructuredOutput | None:

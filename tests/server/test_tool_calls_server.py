@@ -179,6 +179,48 @@ async def test_tool_choice_none_and_no_tools_leave_the_output_text(
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # tools not rendered
 
 
+def _tagging_tool(strict: bool | None) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "not": {}}},
+    }
+    function: dict[str, Any] = {"name": "tag", "parameters": schema}
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+async def test_a_held_tool_schema_with_a_keyword_the_grammar_drops_is_a_400(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Strict tools, "required" and a named choice hold the arguments to the schema: one the
+    grammar cannot hold is refused. Under "auto" a tool that is not strict is described by
+    its schema, and served."""
+    named = {"type": "function", "function": {"name": "tag"}}
+    for strict, choice in ((True, "auto"), (None, "required"), (None, named)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.model,
+                messages=QUESTION,
+                tools=[TOOLS[1], _tagging_tool(strict)],
+                tool_choice=choice,  # type: ignore[arg-type]
+                max_tokens=5,
+            )
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert "'not' at #/properties/tags" in error["message"], error
+        assert error["param"] == "tools[1].function.parameters"
+    for strict, choice in ((None, "auto"), (False, "required")):
+        out = await client.chat.completions.create(
+            model=server.model,
+            messages=QUESTION,
+            tools=[TOOLS[1], _tagging_tool(strict)],
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=5,
+        )
+        assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
 async def test_nothing_leaks_after_the_tool_requests(server: RunningServer) -> None:
     assert await wait_until(lambda: engine_idle(server.engine))
     assert_no_leak(server.engine)

@@ -360,6 +360,33 @@ async def test_openai_parse_helper_with_a_pydantic_model(
         assert 1 <= len(parsed.lines) <= 3
 
 
+UNIQUE_TAGS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+}
+
+
+async def test_a_schema_keyword_the_grammar_does_not_hold_is_a_400(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "Tags, please."}],
+            max_tokens=MAX_TOKENS,
+            response_format={"type": "json_schema", "json_schema": {"schema": UNIQUE_TAGS}},
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert "'uniqueItems' at #/properties/tags" in error["message"]
+    assert error["param"] == "response_format.json_schema.schema"
+    # the Python API holds the same line
+    with pytest.raises(InvalidRequestError, match="'uniqueItems' at #/properties/tags"):
+        await server.engine.generate(
+            PROMPT, SamplingParams(structured=StructuredOutput.json_schema(UNIQUE_TAGS))
+        )
+
+
 # ------------------------------------------------------------------------ /generate
 
 

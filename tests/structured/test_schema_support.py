@@ -1,0 +1,121 @@
+"""The JSON-schema keywords refused as not enforced are the ones xgrammar's converter lets an
+instance break, and those let through are held: each case is probed against xgrammar itself
+(a compiled grammar and an instance that breaks the keyword), so an xgrammar upgrade that
+changes either side shows here."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import xgrammar
+from xgrammar.testing import _is_grammar_accept_string
+
+from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.structured.schema_support import check_enforced, unenforced
+
+INT_ARRAY = {"type": "array", "items": {"type": "integer"}}
+
+# (schema, an instance it forbids, the keyword refused, where)
+REFUSED: list[tuple[dict[str, Any], Any, str, str]] = [
+    ({"type": "object", "properties": {"t": {**INT_ARRAY, "uniqueItems": True}}}, {"t": [1, 1]},
+     "uniqueItems", "#/properties/t"),
+    ({"type": "integer", "not": {"const": 3}}, 3, "not", "#"),
+    ({"type": "string", "pattern": "^(?=a)[a-z]+$"}, "bz", "pattern", "#"),
+    ({"type": "string", "format": "email", "maxLength": 9}, "abcdefg@cd.com", "maxLength", "#"),
+    ({"type": "string", "pattern": "[a-z]+", "minLength": 3}, "ab", "minLength", "#"),
+    ({"type": "string", "pattern": "^a", "format": "email"}, "bb@cd.com", "pattern", "#"),
+    ({"type": "string", "format": "iri"}, "x y", "format", "#"),
+    ({"minimum": 2}, 1, "minimum", "#"),
+    ({"minLength": 2}, "a", "minLength", "#"),
+    ({"minItems": 2}, [1], "minItems", "#"),
+    ({"type": "number", "multipleOf": 2}, 3, "multipleOf", "#"),
+    ({"type": "integer", "multipleOf": 1.5}, 4, "multipleOf", "#"),
+    ({**INT_ARRAY, "contains": {"const": 5}}, [1], "contains", "#"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, {"a": 1}, "dependentRequired", "#"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, {"a": 1}, "if",
+     "#"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, 2, "allOf", "#"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1, "oneOf", "#"),
+    ({"type": "integer", "anyOf": [{"minimum": 3}, {"maximum": 0}]}, "s", "type", "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x", "maximum": 3}},
+      "required": ["a"], "$defs": {"x": {"type": "integer"}}}, {"a": 5}, "maximum",
+     "#/properties/a"),
+    ({"type": "string", "enum": ["a", 1]}, 1, "type", "#"),
+    ({"enum": ["a", "bbb"], "minLength": 2}, "a", "minLength", "#"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
+      "additionalProperties": True}, {"a": 1}, "required", "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "#x"}}, "required": ["a"],
+      "$defs": {"x": {"$anchor": "x", "type": "integer"}}}, {"a": "s"}, "$ref",
+     "#/properties/a"),
+]  # fmt: skip
+
+# (schema, an instance it forbids): held by the grammar, so let through
+HELD: list[tuple[Any, Any]] = [
+    ({"type": "string", "pattern": "^[a-z]+$"}, "B"),
+    ({"type": "string", "maxLength": 2, "description": "short"}, "abc"),
+    ({"type": ["string", "null"], "minLength": 3, "title": "T"}, "a"),
+    ({"type": "string", "format": "date"}, "x"),
+    ({"type": "integer", "minimum": 3, "examples": [4]}, 2),
+    ({"type": "number", "exclusiveMaximum": 1.5}, 1.5),
+    ({"type": "integer", "multipleOf": 3}, 4),
+    ({**INT_ARRAY, "minItems": 2, "uniqueItems": False}, [1]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),
+    ({"allOf": [{"type": "integer", "minimum": 3}]}, 2),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, None),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}, "s"),
+    ({"type": "string", "enum": ["a", "b"]}, "c"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x", "description": "d"}},
+      "required": ["a"], "$defs": {"x": {"type": "integer"}}}, {"a": "s"}),
+    ({"type": "object", "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"},
+      {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}}}, "required": ["pet"],
+      "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}},
+      "required": ["kind"]}, "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}},
+      "required": ["kind"]}}}, {"pet": {"kind": "cow"}}),
+]  # fmt: skip
+
+
+def accepts(schema: Any, instance: Any) -> bool:
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return any(  # either layout xgrammar's compact JSON may take
+        _is_grammar_accept_string(grammar, json.dumps(instance, separators=separators))
+        for separators in ((",", ":"), (", ", ": "))
+    )
+
+
+@pytest.mark.parametrize(("schema", "instance", "keyword", "where"), REFUSED)
+def test_a_keyword_the_grammar_drops_is_refused(
+    schema: dict[str, Any], instance: Any, keyword: str, where: str
+) -> None:
+    assert accepts(schema, instance)  # xgrammar lets the instance through
+    found = unenforced(schema)
+    assert found is not None and (found.keyword, found.where) == (keyword, where)
+    with pytest.raises(InvalidRequestError, match=re.escape(f"'{keyword}' at {where} ")) as caught:
+        check_enforced(schema, "response_format.json_schema.schema")
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert caught.value.code == "unsupported_schema_keyword"
+
+
+@pytest.mark.parametrize(("schema", "instance"), HELD)
+def test_a_keyword_the_grammar_holds_is_let_through(schema: Any, instance: Any) -> None:
+    assert not accepts(schema, instance)  # xgrammar holds it
+    assert unenforced(schema) is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "format": ["email"]},
+        {"type": "integer", "multipleOf": "2"},
+        {"type": "object", "required": [{"a": 1}, 3], "properties": []},
+        {"type": "object", "patternProperties": [1, 2]},
+        {"oneOf": [{"required": [[1]]}, {"required": [{"b": 2}]}]},
+        {"$ref": 5, "items": [1, {"not": 1}], "properties": {"a": None}, "type": 7},
+    ],
+)
+def test_odd_values_do_not_crash_the_check(schema: dict[str, Any]) -> None:
+    unenforced(schema)  # xgrammar itself refuses what is malformed; the check only reads
