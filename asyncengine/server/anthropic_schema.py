@@ -10,8 +10,9 @@ split for every API.
 - A conversation that ends with an assistant turn (Anthropic's "prefill") is continued: the
   prompt stops after its text and the reply is what the model writes next.
 - ``tool_choice``: auto, any (a call is required), tool (that one), none;
-  ``disable_parallel_tool_use`` allows one call at most. Server tools (``web_search_...``) are
-  refused: only custom tools (``name``, ``input_schema``) are served.
+  ``disable_parallel_tool_use`` allows one call at most. Server and typed tools
+  (``web_search_...``, ``bash_...``, ``text_editor_...``) are refused with a 400 that says
+  so: only custom tools (``name``, ``input_schema``, ``strict``) are served.
 - ``thinking``: "enabled" / "adaptive" / "between_tools" / "disabled" set the template's
   ``enable_thinking`` (absent: the template's default). ``budget_tokens`` is checked but not
   enforced apart: reasoning counts against ``max_tokens``.
@@ -105,10 +106,14 @@ class MessageParam(Struct, kw_only=True):
 
 
 class ToolParam(Struct, kw_only=True):
+    """A custom tool; Anthropic's typed tools (``web_search_20250305``, ``bash_20250124``,
+    ...) have no ``input_schema``, so it is checked after the type, which refuses them."""
+
     name: FunctionName
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
     description: str | None = None
-    type: str | None = None  # "custom" (or absent); other types are Anthropic's server tools
+    type: str | None = None  # "custom" (or absent); other types are Anthropic's typed tools
+    strict: bool | None = None  # the arguments held to input_schema, as in Chat Completions
 
 
 class ToolChoiceAuto(Struct, tag="auto", tag_field="type", kw_only=True):
@@ -276,18 +281,25 @@ def _tools(req: CountTokensRequest) -> tuple[list[Tool] | None, ToolChoice | Non
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
             raise invalid_request(
-                f"tools[{i}] has type {tool.type!r}: only custom tools (name, input_schema) are "
-                "served",
+                f"tools[{i}] has type {tool.type!r}: Anthropic's server tools (web search, "
+                "code execution, ...) and typed tools (bash, text editor, computer use, ...) "
+                "are not served here; only custom tools (name, input_schema)",
                 param=f"tools[{i}].type",
                 code="unsupported_value",
             )
-        tools.append(
-            Tool(
-                function=FunctionDefinition(
-                    name=tool.name, description=tool.description, parameters=tool.input_schema
-                )
+        if tool.input_schema is None:
+            raise invalid_request(
+                f"tools[{i}].input_schema is missing: a custom tool needs the JSON schema of "
+                "its input",
+                param=f"tools[{i}].input_schema",
             )
+        definition = FunctionDefinition(
+            name=tool.name,
+            description=tool.description,
+            parameters=tool.input_schema,
+            strict=tool.strict,
         )
+        tools.append(Tool(function=definition))
     choice = req.tool_choice
     parallel = not getattr(choice, "disable_parallel_tool_use", False)
     if choice is None or (isinstance(choice, ToolChoiceAuto) and not tools):

@@ -259,6 +259,48 @@ async def test_refusals_have_anthropics_error_shape(
     assert status == 400 and set(body) == {"error"} and "param" in body["error"]
 
 
+async def test_server_and_typed_tools_are_refused_as_not_served(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """They have no input_schema: the refusal says what they are, not that a field is
+    missing; the same for count_tokens."""
+    typed_tools: list[Any] = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+        {"type": "bash_20250124", "name": "bash"},
+        {"type": "text_editor_20250124", "name": "str_replace_editor"},
+    ]
+    for typed in typed_tools:
+        for call in (claude.messages.create, claude.messages.count_tokens):
+            kwargs = {"max_tokens": 4} if call == claude.messages.create else {}
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await call(
+                    model=server.model, messages=_user("hi"), tools=[TOOLS[0], typed], **kwargs
+                )
+            message = refused.value.body["error"]["message"]  # type: ignore[index]
+            assert "tools[1] has type" in message and "not served" in message, message
+            assert "input_schema" not in message.split("only")[0], message
+    status, body = await _raw(
+        server, "/v1/messages", {"max_tokens": 4, "messages": _user("hi"), "tools": [{"name": "f"}]}
+    )
+    assert status == 400 and "tools[0].input_schema is missing" in body["error"]["message"]
+
+
+async def test_a_strict_tool_schema_the_grammar_cannot_hold_is_refused(
+    server: RunningServer,
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
+    tool = {"name": "f", "input_schema": schema}
+    for extra, refused in (({"strict": True}, True), ({}, False)):
+        body = {"max_tokens": 4, "messages": _user("hi"), "tools": [{**tool, **extra}]}
+        status, answer = await _raw(server, "/v1/messages", body)
+        if refused:
+            message = answer["error"]["message"]
+            assert status == 400 and "tools[0].input_schema" in message, answer
+            assert "'not' at #/properties/n" in message
+        else:  # a tool that is not strict, under auto: its schema describes it
+            assert status == 200, answer
+
+
 async def test_the_api_key_comes_as_x_api_key_or_bearer(server: RunningServer) -> None:
     guarded = await start_server(server.engine.config, engine=server.engine, api_key="s3cret")
     try:
