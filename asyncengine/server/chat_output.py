@@ -1,6 +1,7 @@
 """A chat choice's text read back as OpenAI's message: ``reasoning_content`` (the think
 block), ``content`` (the answer, None when the choice only called tools) and ``tool_calls``;
-``finish_reason`` "tool_calls" when it called any and stopped on its own.
+``finish_reason`` "tool_calls" when it called any and stopped on its own (the legacy
+``functions``: the call as ``function_call``, and "function_call").
 
 The same reader serves both tails: ``ChoiceReader.feed`` turns each streamed text delta into
 the ``delta`` of a chunk (None: nothing to send yet), the last one with ``final`` flushing
@@ -28,6 +29,7 @@ class ChoiceReader:
         )
         self._tools = tool_parser(spec.tool_format) if spec.tool_format is not None else None
         self._calls_only = spec.calls_only
+        self._legacy = spec.legacy_functions
         self.called = False  # any tool call so far
 
     def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
@@ -60,12 +62,16 @@ class ChoiceReader:
             delta["reasoning_content"] = reasoning
         if content and not (self.called and not content.strip()):  # not the blanks around calls
             delta["content"] = content
-        if calls:
+        if calls and self._legacy:  # one call: its name first, then its arguments' pieces
+            delta["function_call"] = merge_deltas(calls)[0].body()["function"]
+        elif calls:
             delta["tool_calls"] = [call.body() for call in merge_deltas(calls)]
         return delta or None
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.called and reason == "stop" else reason
+        if self.called and reason == "stop":
+            return "function_call" if self._legacy else "tool_calls"
+        return reason
 
 
 def read_choice(
@@ -78,7 +84,10 @@ def read_choice(
     message: Json = {"role": "assistant", "content": content}
     if calls:
         message["content"] = content if content.strip() else None
-        message["tool_calls"] = [call.body() for call in calls]
+        if spec.legacy_functions:
+            message["function_call"] = calls[0].body()["function"]
+        else:
+            message["tool_calls"] = [call.body() for call in calls]
     if spec.reasoning_starts_inside is not None:
         message["reasoning_content"] = reasoning or None
     return message, reader.finish_reason(finish_reason)

@@ -22,7 +22,12 @@ import msgspec
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.openai_schema import ChatCompletionRequest, chat_messages
-from asyncengine.server.tool_schema import NamedToolChoice, Tool
+from asyncengine.server.tool_schema import (
+    AssistantToolCall,
+    NamedToolChoice,
+    Tool,
+    ToolChoiceFunction,
+)
 from asyncengine.structured.schema_support import check_enforced
 from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
 from asyncengine.text.chat_format import ChatFormat, ChatTurn, chat_format, template_messages
@@ -49,11 +54,14 @@ class ChatOutputSpec:
     """How a choice's text is read: calls in ``tool_format`` (None: no calls), reasoning
     split off (None: none; else whether the output starts inside the think block);
     ``calls_only``: the tool choice allows nothing but calls (``required`` or a named
-    function), so any other text is the markup of a call cut off by the length limit."""
+    function), so any other text is the markup of a call cut off by the length limit;
+    ``legacy_functions``: the request gave ``functions``, so its call is a
+    ``function_call``."""
 
     tool_format: ToolCallFormat | None
     reasoning_starts_inside: bool | None
     calls_only: bool = False
+    legacy_functions: bool = False  # the call read back as ``function_call`` (one at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,34 @@ class ChatPlan:
             # nothing but calls, each whole by its grammar: a stop string (text's) cuts none
             return dataclasses.replace(params, structured=self.grammar, stop=[])
         return dataclasses.replace(params, structured=self.grammar)
+
+
+def with_legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``functions`` / ``function_call`` (OpenAI's legacy names) as ``tools`` /
+    ``tool_choice``, with one call at most, as the legacy API made."""
+    if req.functions is None and req.function_call is None:
+        return req
+    if req.tools is not None or req.tool_choice is not None:
+        raise invalid_request(
+            "give tools and tool_choice, or the legacy functions and function_call, not both",
+            param="functions" if req.functions is not None else "function_call",
+        )
+    if not req.functions and req.function_call not in (None, "none"):
+        raise invalid_request(
+            "function_call needs functions: send the functions the model may call",
+            param="function_call",
+        )
+    choice = req.function_call
+    return msgspec.structs.replace(
+        req,
+        tools=[Tool(function=function) for function in req.functions or []] or None,
+        tool_choice=NamedToolChoice(function=choice)
+        if isinstance(choice, ToolChoiceFunction)
+        else choice,
+        parallel_tool_calls=False,
+        functions=None,
+        function_call=None,
+    )
 
 
 def _tool_choice(req: ChatCompletionRequest) -> str | NamedToolChoice:
@@ -139,8 +175,29 @@ def _check_enforced(function: ToolFunction, param: str) -> None:
 
 def _turns(req: ChatCompletionRequest) -> list[ChatTurn]:
     turns: list[ChatTurn] = []
+    legacy_call: str | None = None  # the id given to the last legacy function_call
     for i, (plain, message) in enumerate(zip(chat_messages(req), req.messages, strict=True)):
         calls = None
+        call_id = message.tool_call_id
+        if message.function_call is not None:
+            if message.role != "assistant" or message.tool_calls:
+                raise invalid_request(
+                    f"messages[{i}].function_call: only an assistant message without "
+                    "tool_calls carries a function_call",
+                    param=f"messages[{i}].function_call",
+                )
+            legacy_call = f"call_{i}"
+            message = msgspec.structs.replace(
+                message,
+                tool_calls=[AssistantToolCall(id=legacy_call, function=message.function_call)],
+            )
+        if message.role == "function":
+            if legacy_call is None:
+                raise invalid_request(
+                    f"messages[{i}] has role 'function' but no assistant function_call before it",
+                    param=f"messages[{i}].role",
+                )
+            call_id = legacy_call
         if message.tool_calls:
             if message.role != "assistant":
                 raise invalid_request(
@@ -157,14 +214,12 @@ def _turns(req: ChatCompletionRequest) -> list[ChatTurn]:
                 )
                 for call in message.tool_calls
             ]
-        if message.role == "tool" and message.tool_call_id is None:
+        if message.role == "tool" and call_id is None:
             raise invalid_request(
                 f"messages[{i}] has role 'tool' but no tool_call_id",
                 param=f"messages[{i}].tool_call_id",
             )
-        turns.append(
-            ChatTurn(plain["role"], plain["content"], calls, message.tool_call_id, message.name)
-        )
+        turns.append(ChatTurn(plain["role"], plain["content"], calls, call_id, message.name))
     return turns
 
 
@@ -245,6 +300,8 @@ def _generation_prompt(req: ChatCompletionRequest) -> bool:
 
 
 def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
+    legacy = req.functions is not None
+    req = with_legacy_functions(req)
     choice = _tool_choice(req)
     fmt: ChatFormat = chat_format(getattr(tokenizer, "chat_template", None))
     functions = _functions(req.tools or [], choice) if choice != "none" else []
@@ -276,5 +333,6 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             fmt.tool_format if functions else None,
             starts_inside,
             calls_only=bool(functions) and choice != "auto",
+            legacy_functions=legacy,
         )
     return ChatPlan(prompt, output, grammar)

@@ -25,7 +25,14 @@ from asyncengine.common.sampling_params import (
 )
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
-from asyncengine.server.tool_schema import AssistantToolCall, Tool, ToolChoice
+from asyncengine.server.tool_schema import (
+    AssistantToolCall,
+    FunctionDefinition,
+    Tool,
+    ToolCallFunction,
+    ToolChoice,
+    ToolChoiceFunction,
+)
 from asyncengine.structured.schema_support import check_enforced
 
 MAX_SEED = 2**63 - 1
@@ -71,7 +78,8 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
-ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+# "function": a legacy function result (as "tool", answering the legacy call before it)
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -80,6 +88,7 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
+    function_call: ToolCallFunction | None = None  # an assistant's earlier legacy call
 
 
 class _CommonRequest(Struct, kw_only=True):
@@ -123,6 +132,9 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's legacy tools and tool_choice: one call at most (server/chat_tools.py)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None
     # variables for the chat template, e.g. {"enable_thinking": false} (vLLM and SGLang's name)
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the template's opening of the reply (None: unless continuing), or the final
@@ -143,7 +155,7 @@ class CompletionRequest(_CommonRequest, kw_only=True):
 # OpenAI's documented default for /v1/completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
@@ -236,7 +248,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
-        role = "system" if message.role == "developer" else message.role
+        role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
         messages.append({"role": role, "content": content})
     return messages
 

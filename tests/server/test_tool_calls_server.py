@@ -159,6 +159,64 @@ async def test_a_stop_string_never_cuts_a_forced_call(
             run_tool(name, arguments)  # valid JSON that the function's schema takes
 
 
+FUNCTIONS = [tool["function"] for tool in TOOLS]
+
+
+async def test_legacy_functions_call_as_function_call_whole_and_streamed(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """OpenAI's legacy ``functions`` / ``function_call``: one call, in ``message.function_call``
+    with finish_reason "function_call" (streamed: ``delta.function_call``, its name first), and
+    the result sent back as a "function" message."""
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        messages=QUESTION,
+        functions=FUNCTIONS,
+        function_call={"name": "get_weather"},
+        max_tokens=120,
+        temperature=0,
+    )
+    whole = await client.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "function_call"
+    call = choice.message.function_call
+    assert call is not None and call.name == "get_weather" and not choice.message.tool_calls
+    run_tool(call.name, call.arguments)
+    pieces, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for delta_choice in chunk.choices:
+            assert not delta_choice.delta.tool_calls
+            if delta_choice.delta.function_call is not None:
+                pieces.append(delta_choice.delta.function_call)
+            finish = delta_choice.finish_reason or finish
+    assert finish == "function_call" and pieces[0].name == "get_weather"
+    assert all(piece.name is None for piece in pieces[1:])
+    assert "".join(piece.arguments or "" for piece in pieces) == call.arguments
+    result = {"role": "function", "name": call.name, "content": run_tool(call.name, call.arguments)}
+    messages = [*QUESTION, choice.message.model_dump(exclude_none=True), result]
+    answer = await client.chat.completions.create(
+        model=server.model, messages=messages, functions=FUNCTIONS, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "function_call")
+
+
+async def test_legacy_functions_refusals(client: openai.AsyncOpenAI, server: RunningServer) -> None:
+    for extra, param in (
+        ({"functions": FUNCTIONS, "tools": TOOLS}, "functions"),
+        ({"function_call": {"name": "get_weather"}}, "function_call"),
+        ({"messages": [*QUESTION, {"role": "function", "name": "f", "content": "1"}]}, None),
+    ):
+        kwargs: dict[str, Any] = {"model": server.model, "messages": QUESTION, "max_tokens": 4}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(**{**kwargs, **extra})
+        error = caught.value.body
+        assert isinstance(error, dict)
+        if param is not None:
+            assert error["param"] == param, error
+        else:
+            assert "no assistant function_call before it" in error["message"], error
+
+
 async def test_tool_choice_none_and_no_tools_leave_the_output_text(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
