@@ -31,7 +31,7 @@ from asyncengine.server.tool_schema import (
 from asyncengine.structured.schema_support import check_enforced
 from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
 from asyncengine.text.chat_format import ChatFormat, ChatTurn, chat_format, template_messages
-from asyncengine.text.reasoning import prompt_opens_thinking
+from asyncengine.text.reasoning import prompt_closes_thinking, prompt_opens_thinking
 from asyncengine.text.tokenizer import ChatTemplateError
 from asyncengine.text.tool_calls import ToolCallFormat
 
@@ -324,7 +324,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             functions,
             mode,
             parallel=req.parallel_tool_calls,
-            reasoning=starts_inside is not None,
+            # thinking turned off in the prompt: the calls come at once, with no block first
+            reasoning=starts_inside is not None and not prompt_closes_thinking(prompt),
             starts_inside_thinking=bool(starts_inside),
         )
     output = None

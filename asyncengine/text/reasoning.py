@@ -34,6 +34,13 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return opened > closed and not prompt[opened + len(THINK_OPEN) :].strip()
 
 
+def prompt_closes_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends with a closed think block: the template turned thinking
+    off (Qwen3's ``enable_thinking: false`` writes ``<think>\n\n</think>\n\n``)."""
+    opened, closed = prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)
+    return 0 <= opened < closed and not prompt[closed + len(THINK_CLOSE) :].strip()
+
+
 class ReasoningParser:
     """Feed output text in order; each ``feed`` gives what is now known to be reasoning and
     what is answer; ``finish`` gives the rest."""

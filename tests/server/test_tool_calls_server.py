@@ -404,6 +404,34 @@ async def test_enable_thinking_false_reaches_the_template(
     assert await prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > thinking + 2
 
 
+async def test_with_thinking_off_required_calls_come_without_a_think_block(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    """The bias pushes the model to open a think block; with enable_thinking false the
+    grammar has none, so the output is the call at once (thinking on, the block is let in)."""
+    bias = {str(_token(qwen3, "<think>")): 100}
+    for thinking in (False, True):
+        response = await qwen3_client.chat.completions.create(
+            model=qwen3.model,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            logit_bias=bias,
+            max_tokens=80,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        )
+        choice = response.choices[0]
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+        if thinking:
+            assert reasoning, choice  # the block was let in, and the bias opened it
+            continue
+        assert reasoning is None and choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls or []
+        run_tool(call.function.name, call.function.arguments)
+
+
 async def test_qwen3_server_leaks_nothing(qwen3: RunningServer) -> None:
     assert await wait_until(lambda: engine_idle(qwen3.engine))
     assert_no_leak(qwen3.engine)
