@@ -31,6 +31,7 @@ class ChoiceReader:
         self._calls_only = spec.calls_only
         self._legacy = spec.legacy_functions
         self.called = False  # any tool call so far
+        self.reasoning = ""  # the reasoning read so far
 
     def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
         """The reasoning, answer text and call pieces that ``text`` completes (``final``: the
@@ -43,6 +44,7 @@ class ChoiceReader:
                 piece.reasoning += rest.reasoning
                 piece.content += rest.content
             reasoning, content = piece.reasoning, piece.content
+            self.reasoning += reasoning
         if self._tools is None:
             return reasoning, content, []
         answer = self._tools.feed(content)
@@ -91,3 +93,9 @@ def read_choice(
     if spec.reasoning_starts_inside is not None:
         message["reasoning_content"] = reasoning or None
     return message, reader.finish_reason(finish_reason)
+
+
+def reasoning_tokens(tokenizer: Any, reasoning: str) -> int:
+    """The tokens of a choice's reasoning (its think block's text, the tags left out), as the
+    usage's ``reasoning_tokens`` counts them in both OpenAI APIs."""
+    return len(tokenizer.encode(reasoning)) if reasoning else 0

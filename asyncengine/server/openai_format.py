@@ -24,16 +24,19 @@ def combined_usage(usages: list[Usage]) -> Usage:
     return Usage(first.prompt_tokens, completion, first.cached_tokens, accepted)
 
 
-def usage_body(usage: Usage, cached_tokens: bool = True) -> Json:
-    """``cached_tokens`` False: without ``prompt_tokens_details`` (server/tenancy.py)."""
+def usage_body(usage: Usage, cached_tokens: bool = True, reasoning_tokens: int = 0) -> Json:
+    """``cached_tokens`` False: without ``prompt_tokens_details`` (server/tenancy.py);
+    ``reasoning_tokens``: the output's in think blocks (server/chat_output.py)."""
     body: Json = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        # OpenAI's name for output tokens that were accepted predictions (speculative guesses)
         "completion_tokens_details": {
-            "accepted_prediction_tokens": usage.accepted_speculative_tokens
+            "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens),
+            # OpenAI's name for output tokens that were accepted predictions (speculative
+            # guesses)
+            "accepted_prediction_tokens": usage.accepted_speculative_tokens,
         },
     }
     if not cached_tokens:
@@ -101,7 +104,12 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def full(self, choices: list[tuple[str | Json, str | None, Json | None]], usage: Usage) -> Json:
+    def full(
+        self,
+        choices: list[tuple[str | Json, str | None, Json | None]],
+        usage: Usage,
+        reasoning_tokens: int = 0,
+    ) -> Json:
         """The whole response; ``choices`` holds (text, finish_reason, logprobs) by index (a
         chat choice's text may be its whole message: server/chat_output.py)."""
         bodies = []
@@ -117,7 +125,7 @@ class ResponseBuilder:
                 {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
             )
         body = self._envelope("chat.completion" if self.chat else "text_completion", bodies)
-        body["usage"] = usage_body(usage, self.cached_tokens)
+        body["usage"] = usage_body(usage, self.cached_tokens, reasoning_tokens)
         return body
 
     def chunk(
@@ -156,8 +164,8 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, usage: Usage) -> Json:
+    def usage_chunk(self, usage: Usage, reasoning_tokens: int = 0) -> Json:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(object_, [])
-        body["usage"] = usage_body(usage, self.cached_tokens)
+        body["usage"] = usage_body(usage, self.cached_tokens, reasoning_tokens)
         return body

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from asyncengine.common.outputs import Usage
 from asyncengine.server.body import read_json
+from asyncengine.server.chat_output import reasoning_tokens
 from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import invalid_request
@@ -76,11 +77,9 @@ class _Turn:
         status, incomplete = status_of(reader.finish_reason(finish_reason))
         output = self.response.items(reader.blocks, status)
         reasoning = "".join(b.text for b in reader.blocks if b.kind == "reasoning")
-        reasoning_tokens = len(self.state.engine.tokenizer.encode(reasoning)) if reasoning else 0
+        counted = reasoning_tokens(self.state.engine.tokenizer, reasoning)
         usage_json = (
-            usage_body(self.state.shown_usage(usage), reasoning_tokens)
-            if usage is not None
-            else None
+            usage_body(self.state.shown_usage(usage), counted) if usage is not None else None
         )
         body = self.response.body(status, output, usage_json, incomplete)
         if self.req.store and self.store.enabled:

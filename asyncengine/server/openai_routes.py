@@ -15,7 +15,7 @@ from asyncengine.api.intake import logprob_entries
 from asyncengine.common.outputs import StreamDelta, Usage
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
-from asyncengine.server.chat_output import ChoiceReader, read_choice
+from asyncengine.server.chat_output import ChoiceReader, read_choice, reasoning_tokens
 from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.server.completion import generate, outcome_of
@@ -173,6 +173,7 @@ async def _complete(
         state.metrics.observe_finished(output.metrics)
     request[OUTCOME] = outcome_of(*(output.finish_reason for output in outputs))
     choices: list[tuple[str | Json, str | None, Json | None]] = []
+    reasoning = 0
     for o in outputs:
         logprobs = _logprobs(
             state,
@@ -187,7 +188,10 @@ async def _complete(
         else:
             message, finish_reason = read_choice(chat_output, o.text, o.finish_reason)
             choices.append((message, finish_reason, logprobs))
-    return json_response(builder.full(choices, _usage([o.usage for o in outputs], params.n)))
+            tokenizer = state.engine.tokenizer
+            reasoning += reasoning_tokens(tokenizer, message.get("reasoning_content") or "")
+    usage = _usage([o.usage for o in outputs], params.n)
+    return json_response(builder.full(choices, usage, reasoning))
 
 
 def _usage(usages: list[Usage], n: int) -> Usage:
@@ -297,7 +301,9 @@ class _ChunkFormat:
     def closing(self, finals: list[StreamDelta]) -> list[Json]:
         usages = [d.usage for d in finals if d.usage is not None]
         if self.include_usage and len(usages) == self.choices:
-            return [self.builder.usage_chunk(_usage(usages, self.n))]
+            tokenizer = self.state.engine.tokenizer
+            reasoning = sum(reasoning_tokens(tokenizer, r.reasoning) for r in self.readers or [])
+            return [self.builder.usage_chunk(_usage(usages, self.n), reasoning)]
         return []
 
 

@@ -358,6 +358,19 @@ async def test_reasoning_comes_as_a_reasoning_item_whole_and_streamed(
         assert part.type == "reasoning_text" and part.text.strip() and "<think>" not in part.text
         assert whole.usage is not None
         assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= 10
+        # Chat Completions counts the same greedy output's reasoning the same
+        chat = await c.chat.completions.create(
+            model=thinker.model,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=10,
+            temperature=0,
+        )
+        assert chat.usage is not None and chat.usage.completion_tokens_details is not None
+        assert chat.choices[0].message.model_extra["reasoning_content"] == part.text
+        assert (
+            chat.usage.completion_tokens_details.reasoning_tokens
+            == whole.usage.output_tokens_details.reasoning_tokens
+        )
         stream = await c.responses.create(stream=True, **kwargs)
         deltas = []
         async for event in stream:

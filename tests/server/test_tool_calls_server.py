@@ -389,6 +389,37 @@ async def test_reasoning_is_split_from_the_answer_whole_and_streamed(
     assert order.count("reasoning_content") > 1 and order.count("content") > 1
 
 
+async def test_usage_counts_the_reasoning_tokens_whole_and_streamed(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"regex": THINK_THEN_ANSWER},
+    )
+    whole = await qwen3_client.chat.completions.create(**kwargs)
+    reasoning = whole.choices[0].message.model_extra["reasoning_content"]
+    usage = whole.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    counted = usage.completion_tokens_details.reasoning_tokens
+    assert counted == len(qwen3.engine.tokenizer.encode(reasoning))
+    assert 0 < counted < usage.completion_tokens  # the answer's tokens are not counted
+    stream = await qwen3_client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    chunks = [chunk async for chunk in stream]
+    final = chunks[-1].usage
+    assert final is not None and final.completion_tokens_details is not None
+    assert final.completion_tokens_details.reasoning_tokens == counted
+    plain = await qwen3_client.chat.completions.create(
+        model=qwen3.model, messages=QUESTION, max_tokens=4, extra_body={"regex": "[a-z]{4}"}
+    )
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 async def test_enable_thinking_false_reaches_the_template(
     qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
 ) -> None:
