@@ -81,7 +81,7 @@ class Policy:
     decoding on; 0: none): by default the configured rule's answer (speculative/rules.py).
     """
 
-    name = "base"
+    name = "base"  # a subclass that sets none is called by its class name
     orders = False  # True when the subclass overrides ``order``
     budgets = False  # True when the subclass overrides ``budget``
     preempts = False  # True when ``preempt_candidates`` may name requests to retract
@@ -89,6 +89,11 @@ class Policy:
     # request's progress (its output, KV length): the simulator may then count decodes in
     # bulk instead of writing them step by step (sim/bulk_decode.py), with the same results
     sees_decodes = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -46,7 +46,10 @@ class EvictionTree(Protocol):
 
 
 class EvictionRule:
-    """Least recently used first (the default). Override ``key`` (and ``touch``/``evicted``)."""
+    """Least recently used first (the default). Override ``key`` (and ``touch``/``evicted``).
+
+    ``name`` is what stats, metrics and reports call the rule: a subclass that sets none is
+    called by its class name (not its base's, which would count its evictions as another's)."""
 
     name = "lru"
     # the tree calls touch() for every node a match or an insert stamps (off: no call at all)
@@ -56,6 +59,11 @@ class EvictionRule:
     queue_window = 64  # how many waiting requests, oldest first, it is handed
     # key(node) is exactly node.last_access: the tree reads it without calling key()
     plain_lru = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def bind(self, tree: EvictionTree) -> None:
         """The tree this rule orders (called before any other method; again on a reset)."""

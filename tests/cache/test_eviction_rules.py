@@ -104,6 +104,27 @@ def test_a_rule_of_ones_own_from_a_file(tmp_path: Path) -> None:
     assert survivors(cache) == {2}
 
 
+def test_a_rule_without_a_name_reports_as_its_class(tmp_path: Path) -> None:
+    file = tmp_path / "deepest_first.py"
+    file.write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n"
+        "from asyncengine.policies.eviction_lfu import LeastFrequentlyUsed\n"
+        "class DeepestFirst(LeastFrequentlyUsed):\n"
+        "    def key(self, node):\n"
+        "        return -float(node.prefix_len)\n"
+        "class OldestFirst(EvictionRule):\n"
+        "    pass\n"
+    )
+    assert make_eviction_rule(f"{file}:OldestFirst").name == "OldestFirst"  # not "lru"
+    core, _ = fake_core(num_pages=24, page_size=4, eviction_policy=f"{file}:DeepestFirst")
+    system = list(range(1, 33))
+    run(core, [system + [100 + i] * 12 for i in range(6)])
+    stats = core.stats()
+    assert stats["eviction_policy"] == "DeepestFirst"  # neither "lru" nor its base's "lfu"
+    assert set(stats["eviction_by_rule"]) == {"DeepestFirst"}
+    assert stats["eviction_by_rule"]["DeepestFirst"]["evictions"] > 0
+
+
 def test_a_rule_whose_key_rises_at_every_read_still_evicts(tmp_path: Path) -> None:
     """A key of time (or a counter) rises between the push and the pop: the node takes its
     place again once, then goes (it looped forever, the event loop with it)."""
