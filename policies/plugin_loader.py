@@ -13,6 +13,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TypeVar
 
+from asyncengine.common.plugin_spec import file_part
+
 T = TypeVar("T")
 
 
@@ -41,9 +43,9 @@ def resolve_plugin(spec: str, base: type[T], builtins: Mapping[str, type[T]], ki
     ``kind`` ("policy", "length predictor") in the message."""
     if ":" in spec:
         module_name, _, class_name = spec.rpartition(":")
-        from_file = module_name.endswith(".py") or "/" in module_name
+        path = file_part(spec)
         try:
-            module = load_file(module_name) if from_file else importlib.import_module(module_name)
+            module = load_file(path) if path else importlib.import_module(module_name)
             cls = getattr(module, class_name)
         except (ImportError, AttributeError, SyntaxError) as exc:
             raise ValueError(f"cannot load {kind} {spec!r}: {exc}") from None

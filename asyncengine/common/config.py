@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.common.plugin_spec import anchor_config_paths
 from asyncengine.speculative.settings import SpeculativeConfig, parse_speculative
 
 try:
@@ -290,7 +291,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @classmethod
     def from_toml(cls, path: str | Path | None = None, **overrides: Any) -> EngineConfig:
-        """Load ``path`` (top-level keys, or an ``[engine]`` table), then apply non-None overrides."""
+        """Load ``path`` (top-level keys, or an ``[engine]`` table), then apply non-None
+        overrides. A relative "file.py:Class" path in the file (a policy, an eviction rule, a
+        length predictor) is relative to the file's folder; in ``overrides`` it stays as given."""
         values: dict[str, Any] = {}
         if path is not None:
             try:
@@ -307,6 +310,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                         f"config file {path}: unknown top-level keys {extra} beside [engine]"
                     )
                 values = dict(values["engine"])
+            values = anchor_config_paths(values, Path(path).resolve().parent)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)
 

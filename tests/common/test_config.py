@@ -10,6 +10,7 @@ from asyncengine import AsyncEngine
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.core.builder import make_policies
 from asyncengine.policies import make_policy
+from tests.fake_executor import fake_core
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -105,3 +106,42 @@ def test_kv_blocked_skips_must_not_be_negative() -> None:
     assert EngineConfig(kv_blocked_skips=3).kv_blocked_skips == 3
     with pytest.raises(ConfigError, match="kv_blocked_skips"):
         EngineConfig(kv_blocked_skips=-1)
+
+
+def test_a_config_files_plugin_paths_are_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "experiment"
+    (folder / "rules").mkdir(parents=True)
+    (folder / "newest.py").write_text(
+        "from asyncengine.policies.base import Policy\n\n"
+        "class Newest(Policy):\n"
+        "    orders = True\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        return waiting[::-1]\n"
+    )
+    (folder / "rules" / "oldest.py").write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n\n"
+        "class Oldest(EvictionRule):\n"
+        "    pass\n"
+    )
+    path = folder / "run.toml"
+    path.write_text(
+        'policy = "newest.py:Newest+token-budget"\n'
+        'eviction_policy = "rules/oldest.py:Oldest"\n'
+        'allowed_policies = ["./newest.py:Newest", "lpm"]\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # started from another folder than the config's
+    config = EngineConfig.from_toml(path)
+    assert config.policy == f"{folder / 'newest.py'}:Newest+token-budget"
+    assert config.allowed_policies == [f"{folder / 'newest.py'}:Newest", "lpm"]
+    policy, _ = make_policies(config)
+    assert policy.name == "Newest+token-budget"
+    assert fake_core(eviction_policy=config.eviction_policy)[0].kv.tree.rule.name == "Oldest"
+    # a path on the command line (an override) stays relative to where the command runs
+    given = EngineConfig.from_toml(path, policy="newest.py:Newest")
+    assert given.policy == "newest.py:Newest"
+    with pytest.raises(ConfigError, match="cannot load policy"):
+        make_policies(given)

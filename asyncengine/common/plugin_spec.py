@@ -1,0 +1,48 @@
+"""How a plug-in (a policy, an eviction rule, a length predictor) is named: a built-in name,
+"package.module:Class" (an importable module) or "path/to/file.py:Class" (a file anywhere).
+A config file's relative file paths are relative to the file itself, as a user who keeps a
+policy beside its config expects; a command line's stay relative to where it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# the config keys that name plug-ins (and, for policies, compositions of them with '+')
+PLUGIN_KEYS = ("eviction_policy", "allowed_eviction_policies", "length_predictor")
+POLICY_KEYS = ("policy", "shadow_policy", "allowed_policies")
+
+
+def file_part(spec: str) -> str | None:
+    """The file path of a "path/to/file.py:Class" spec (None: a built-in or module name)."""
+    if ":" not in spec:
+        return None
+    module = spec.rpartition(":")[0].strip()
+    return module if module.endswith(".py") or "/" in module else None
+
+
+def anchored(spec: str, folder: Path, composed: bool = False) -> str:
+    """``spec`` with a relative file path taken as relative to ``folder``; ``composed``: each
+    '+' part of a policy composition on its own."""
+    if composed and "+" in spec:
+        return "+".join(anchored(part, folder) for part in spec.split("+"))
+    path = file_part(spec)
+    if path is None or Path(path).expanduser().is_absolute():
+        return spec
+    return f"{folder / path}:{spec.rpartition(':')[2]}"
+
+
+def anchor_config_paths(values: dict[str, object], folder: Path) -> dict[str, object]:
+    """A config file's ``values`` with the plug-in file paths it names relative to ``folder``
+    (the file's own folder); other values as they are."""
+    out = dict(values)
+    for key in PLUGIN_KEYS + POLICY_KEYS:
+        value = out.get(key)
+        composed = key in POLICY_KEYS
+        if isinstance(value, str):
+            out[key] = anchored(value, folder, composed)
+        elif isinstance(value, list):
+            out[key] = [
+                anchored(item, folder, composed) if isinstance(item, str) else item
+                for item in value
+            ]
+    return out
