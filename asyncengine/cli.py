@@ -22,9 +22,13 @@ def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} (not JSON: {exc})"
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}"
+        )
     return value
 
 
@@ -44,11 +48,24 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "dynamic-chunking, 'a+b' to compose an ordering with a budget, or 'package.module:Class'",
     ),
     (
+        "--policy-options",
+        "policy_options",
+        json_object,
+        "the policy's options as a JSON object, as the config's [policy_options] table, e.g. "
+        '\'{"aging": 0.5}\' (a composition: one object per part, \'{"lpm": {"aging": 0.5}}\')',
+    ),
+    (
         "--eviction-policy",
         "eviction_policy",
         str,
         "which cached KV page goes first when the pool runs short: lru (default), lfu, arc, "
         "queue-aware, cost-aware, or 'path/to/file.py:Class'",
+    ),
+    (
+        "--eviction-policy-options",
+        "eviction_policy_options",
+        json_object,
+        "the eviction rule's options as a JSON object, as [eviction_policy_options]",
     ),
     (
         "--max-pinned-fraction",
