@@ -46,14 +46,32 @@ def build_eviction_rule(
         raise ConfigError(f"config key '{key}_options' = {options!r}: {exc}") from None
 
 
-def check_live_eviction_rule(spec: str, allowed: Sequence[str]) -> None:
-    """ValueError unless ``spec`` is a built-in name or listed in ``allowed`` (loaded at
-    start-up): an admin request never makes the engine load code."""
+def listed_rule(spec: str, allowed: Sequence[str]) -> str:
+    """The entry of ``allowed`` whose rule is named ``spec`` (not a built-in's name), else
+    ``spec``. The entries loaded at start-up; one that does not load names nothing here."""
     name = spec.strip()
+    if ":" in name or name.lower().replace("_", "-") in EVICTION_RULES:
+        return spec
+    for entry in allowed:
+        if ":" not in entry:
+            continue
+        try:
+            if resolve_eviction_rule(entry.strip()).name == name:
+                return entry.strip()
+        except ValueError:  # the start-up check says why
+            continue
+    return spec
+
+
+def check_live_eviction_rule(spec: str, allowed: Sequence[str]) -> str:
+    """The spec to swap in for ``spec``: a built-in name, an entry of ``allowed`` (loaded at
+    start-up, with the rule the engine started with), or a listed rule's name (its entry:
+    ``listed_rule``); ValueError otherwise: an admin request never makes the engine load code."""
+    name = listed_rule(spec, allowed).strip()
     if name in {entry.strip() for entry in allowed}:
-        return
+        return name
     if name.lower().replace("_", "-") in EVICTION_RULES:
-        return
+        return name
     what = "may not be swapped in live" if ":" in name else "is unknown"
     raise ValueError(
         f"{KIND} {spec!r} {what}: a live swap takes the built-ins "

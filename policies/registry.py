@@ -147,14 +147,36 @@ def _builtin_key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-def check_live_policy(spec: str, allowed: Sequence[str]) -> None:
-    """ValueError unless ``spec`` may be swapped in from a request: every ``+`` part is a
-    built-in name, or the spec or the part is listed in ``allowed`` (the operator's start-up
-    list, whose plugin files loaded then). A path or module named only by a request never
-    loads, so that an admin request cannot run code."""
+def listed_names(spec: str, allowed: Sequence[str]) -> str:
+    """``spec`` with each ``+`` part that is the name of a policy listed in ``allowed`` (and
+    not a built-in's) replaced by the listed entry: ``"mine"`` for ``"my_policy.py:Mine"``
+    whose class is named ``mine``. The entries loaded at start-up; one that does not load
+    names nothing here (the start-up check says why)."""
+    aliases: dict[str, str] = {}
+    for entry in allowed:
+        for part in policy_names(entry):
+            if _builtin_key(part) in BUILTIN or ":" not in part:
+                continue
+            try:
+                aliases.setdefault(_resolve(part).name, part)
+            except ValueError:
+                continue
+    names = policy_names(spec)
+    return "+".join(aliases.get(n, n) if _builtin_key(n) not in BUILTIN else n for n in names)
+
+
+def check_live_policy(spec: str, allowed: Sequence[str]) -> str:
+    """The spec to swap in for ``spec`` (a listed policy's name gives its entry: see
+    ``listed_names``); ValueError unless every ``+`` part is a built-in name, or the spec or
+    the part is listed in ``allowed`` (the operator's start-up list, with the policy the engine
+    started with, whose plugin files loaded then). A path or module named only by a request
+    never loads, so that an admin request cannot run code."""
     listed = {entry.strip() for entry in allowed}
     if spec.strip() in listed:
-        return
+        return spec
+    spec = listed_names(spec, allowed)
+    if spec in listed:
+        return spec
     names = policy_names(spec)
     refused = [n for n in names if _builtin_key(n) not in BUILTIN and n not in listed]
     if refused:
@@ -165,6 +187,7 @@ def check_live_policy(spec: str, allowed: Sequence[str]) -> None:
             f"names ({', '.join(sorted(BUILTIN))}, composed with '+'){extra}; other policies "
             "must be listed at start-up (--allow-policy or 'allowed_policies')"
         )
+    return spec
 
 
 def build_policy(spec: str, options: dict[str, Any] | None = None, key: str = "policy") -> Policy:

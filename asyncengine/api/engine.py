@@ -35,10 +35,12 @@ from asyncengine.common.errors import (
 from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput
 from asyncengine.common.plan import BatchPlan
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
-from asyncengine.core.builder import build_core, make_policies
+from asyncengine.core.builder import build_core, listed_at_start_up, make_policies
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import Executor, defer_one_time_work
 from asyncengine.executor.cpu.malloc_reuse import give_back_freed_memory
+from asyncengine.policies.eviction_registry import listed_rule
+from asyncengine.policies.registry import listed_names
 from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
@@ -68,6 +70,7 @@ class AsyncEngine:
             raise ValueError("give both an executor and a tokenizer, or neither")
         self._given = (executor, tokenizer)
         self._policies = make_policies(self.config)  # a bad policy fails before the model loads
+        self.config = listed_at_start_up(self.config)
         if self.config.length_predictor == "oracle":
             raise ConfigError(
                 "config key 'length_predictor' = 'oracle': the oracle knows output lengths only "
@@ -456,7 +459,10 @@ class AsyncEngine:
         """Swap the scheduling policy (``"lpm"``, ``"priority+dynamic-chunking"``, a
         ``"pkg.mod:Class"``, with ``options`` as in ``policy_options``) at the next step
         boundary, without touching running requests or KV memory. A bad name or option raises
-        ConfigError (a ValueError) and changes nothing. Returns the policy it replaces."""
+        ConfigError (a ValueError) and changes nothing. Returns the policy it replaces. A
+        policy loaded at start-up (``allowed_policies``, the start-up policy) may be named by
+        its ``name``."""
+        spec = listed_names(spec, self.config.allowed_policies)
         previous = self._core().set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
         return previous
@@ -465,7 +471,9 @@ class AsyncEngine:
         """Order the prefix cache's evictions by another rule (``"lfu"``, ``"arc"``,
         ``"queue-aware"``, ``"cost-aware"``, ``"lru"``, a ``"pkg.mod:Class"``, with ``options``
         as in ``eviction_policy_options``) from now on; cached pages stay. A bad name or option
-        raises ConfigError (a ValueError) and changes nothing. Returns the rule it replaces."""
+        raises ConfigError (a ValueError) and changes nothing. Returns the rule it replaces. A
+        rule loaded at start-up may be named by its ``name``."""
+        spec = listed_rule(spec, self.config.allowed_eviction_policies)
         previous = self._core().set_eviction_policy(spec, options)
         self.config = self.config.replace(
             eviction_policy=spec, eviction_policy_options=dict(options or {})

@@ -109,6 +109,20 @@ def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
     return policy, ShadowPolicy(shadow, config.shadow_top_k)
 
 
+def listed_at_start_up(config: EngineConfig) -> EngineConfig:
+    """``config`` with the policy, shadow policy and eviction rule it starts with added to the
+    lists a live swap may name (``allowed_policies``, ``allowed_eviction_policies``): they load
+    at start-up like the lists, so a swap to a built-in can be undone, by spec or by name."""
+    policies = list(config.allowed_policies)
+    for spec in (config.policy, config.shadow_policy):
+        if spec is not None and ":" in spec and spec not in policies:
+            policies.append(spec)
+    rules = list(config.allowed_eviction_policies)
+    if ":" in config.eviction_policy and config.eviction_policy not in rules:
+        rules.append(config.eviction_policy)
+    return config.replace(allowed_policies=policies, allowed_eviction_policies=rules)
+
+
 def build_core(
     config: EngineConfig,
     executor: Executor,

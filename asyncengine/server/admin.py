@@ -3,8 +3,9 @@
 - ``POST /admin/policy`` ``{"policy": "lpm+dynamic-chunking", "options": {...}}`` swaps the
   scheduling policy at the next step boundary (running requests and KV memory untouched);
   answers ``{"policy", "options", "previous"}``. A bad name or option is a 400 naming it, and
-  so is a policy that is neither built in nor listed at start-up (``allowed_policies``): a
-  request never names a file or module to load.
+  so is a policy that is neither built in nor loaded at start-up (``allowed_policies``, and
+  the policy the engine started with, named by spec or by its ``name``): a request never names
+  a file or module to load.
 - ``GET /admin/policy`` answers the live policy, its shadow's agreement figures and the
   admission-block counts.
 - ``POST /admin/eviction-policy`` ``{"policy": "lfu", "options": {...}}`` orders the prefix
@@ -117,14 +118,14 @@ async def _swap(
     request: web.Request,
     body_type: type[PolicyChange] | type[EvictionChange],
     method: str,
-    check: Callable[[str, Any], None],
+    check: Callable[[str, Any], str],
     what: str,
     code: str,
     unsupported_code: str,
 ) -> web.Response:
     """A live swap (``engine.<method>``) of what ``body_type`` names, once ``check`` allows it
-    against the start-up list; a refusal is a 400 with ``code``, an engine without the method
-    a 501 with ``unsupported_code``."""
+    against the start-up list (and gives the spec a listed name stands for); a refusal is a
+    400 with ``code``, an engine without the method a 501 with ``unsupported_code``."""
     check_admin_token(request)
     check_content_type(request)
     change = decode_body(await request.read(), body_type)
@@ -137,11 +138,11 @@ async def _swap(
             code=unsupported_code,
         )
     try:
-        check(change.policy, engine.config)
-        previous = getattr(engine, method)(change.policy, change.options)
+        spec = check(change.policy, engine.config)
+        previous = getattr(engine, method)(spec, change.options)
     except (ConfigError, ValueError, TypeError) as exc:
         raise invalid_request(str(exc), param="policy", code=code) from None
-    return _json({"policy": change.policy, "options": change.options or {}, "previous": previous})
+    return _json({"policy": spec, "options": change.options or {}, "previous": previous})
 
 
 async def set_policy(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ import pytest
 
 from asyncengine.cli import engine_config_from_args
 from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.builder import make_policies
 from asyncengine.policies.registry import check_live_policy
 from tests.api.test_scheduling_e2e import engine
@@ -90,6 +91,51 @@ async def test_a_plugin_listed_at_start_up_loads_then_and_swaps_in_live(tmp_path
             assert status == 200, out
         assert eng.config.policy == f"{file}:Mine"
         assert not marker.exists() and not other_marker.exists()  # not loaded again, nor the other
+    finally:
+        await running.stop()
+
+
+RULE = """
+from asyncengine.cache.eviction_rule import EvictionRule
+
+
+class Deepest(EvictionRule):
+    def key(self, node):
+        return -float(node.prefix_len)
+"""
+
+
+async def test_the_start_up_policy_and_rule_swap_back_in_by_spec_or_name(tmp_path: Path) -> None:
+    file, _ = plugin(tmp_path, "start")
+    rule = tmp_path / "deepest.py"
+    rule.write_text(RULE)
+    eng = engine(policy=f"{file}:Mine", eviction_policy=f"{rule}:Deepest")  # nothing listed
+    await eng.start()
+    running = await start_server(eng.config, engine=eng, admin_token=ADMIN)
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def swap(path: str, spec: str) -> dict[str, str]:
+                status, out = await post(
+                    session, running, path, {"policy": spec}, headers=auth(ADMIN)
+                )
+                assert status == 200, (spec, out)
+                return out  # type: ignore[no-any-return]
+
+            assert (await swap("/admin/policy", "lpm"))["previous"] == f"{file}:Mine"
+            back = await swap("/admin/policy", "mine")  # its class's name
+            assert back == {"policy": f"{file}:Mine", "options": {}, "previous": "lpm"}
+            await swap("/admin/policy", "fcfs")
+            await swap("/admin/policy", "mine+token-budget")
+            assert eng.config.policy == f"{file}:Mine+token-budget"
+            await swap("/admin/policy", f"{file}:Mine")  # by the spec it started with
+            assert eng.config.policy == f"{file}:Mine"
+            assert (await swap("/admin/eviction-policy", "lru"))["previous"] == "Deepest"
+            back = await swap("/admin/eviction-policy", "Deepest")
+            assert back["policy"] == f"{rule}:Deepest"
+        assert eng.stats()["eviction_policy"] == "Deepest"
+        await eng.generate("hello", SamplingParams(max_new_tokens=2, temperature=0))
+        assert eng.stats()["policy"] == "mine"  # it runs again
     finally:
         await running.stop()
 
