@@ -69,7 +69,7 @@ from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.script_main import run_main
 from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
-from asyncengine.workloads.live_trace import is_live_trace, load_live_trace, load_requests
+from asyncengine.workloads.live_trace import is_live_trace, load_requests
 from asyncengine.workloads.trace import WorkloadRequest
 
 
@@ -88,8 +88,11 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 
 
 def trace_cost_model(path: str, out: Path) -> Any:
-    """The cost model fitted to the steps a live trace measured (saved to out/cost_model.json)."""
-    from asyncengine.sim.cost_model import CostModel, StepFeatures
+    """The cost model fitted to the steps a live trace measured (saved to out/cost_model.json),
+    with how far it is from those steps; a warning when that is past POOR_FIT_ERROR."""
+    from dataclasses import replace
+
+    from asyncengine.sim.cost_model import POOR_FIT_ERROR, CostModel, live_trace_steps
 
     if not is_live_trace(path):
         raise SystemExit(f"--fit-from-trace needs a live trace (serve --record-trace), not {path}")
@@ -97,18 +100,20 @@ def trace_cost_model(path: str, out: Path) -> Any:
         model = CostModel.from_live_trace(path)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
-    features = [
-        StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
-        for s in steps
-    ]
+    error = model.fit_error(*live_trace_steps(path))
+    model = replace(model, description=f"{model.description} ({error.describe()})")
     model.save(out / "cost_model.json")
-    errors = sorted(model.relative_errors(features, [s.seconds for s in steps]))
-    print(
-        f"cost model fitted to {len(steps)} live steps: median relative error "
-        f"{float(errors[len(errors) // 2]):.1%}",
-        flush=True,
-    )
+    print(f"cost model {model.description}", flush=True)
+    if error.poor:
+        print(
+            f"warning: the fitted cost model misses the trace's own steps by more than "
+            f"{POOR_FIT_ERROR:.0%} (median step {error.median:.1%}, all steps {error.total:.1%}): "
+            "simulated latencies will be off by about as much. The steps' time depends on "
+            "something the model's features (prefill tokens, attention, decodes, decoded KV) "
+            "do not see, or the machine's load changed during the recording.",
+            file=sys.stderr,
+            flush=True,
+        )
     return model
 
 

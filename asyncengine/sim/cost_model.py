@@ -18,9 +18,40 @@ import numpy as np
 
 from asyncengine.common.plan import BatchPlan, StepFeatures
 
-__all__ = ["DEFAULT_COST_MODEL_PATH", "CostModel", "StepFeatures"]
+__all__ = ["DEFAULT_COST_MODEL_PATH", "POOR_FIT_ERROR", "CostModel", "FitError", "StepFeatures"]
 
 DEFAULT_COST_MODEL_PATH = Path(__file__).with_name("default_cost_model.json")
+# a fitted model that misses its own steps by more than this (the median step, or their total)
+# is reported as a poor fit: the simulator's latencies would be off by about as much
+POOR_FIT_ERROR = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class FitError:
+    """How far a cost model's step times are from the measured ones it was fitted to."""
+
+    steps: int
+    median: float  # the median step's relative error
+    p90: float  # the 90th percentile step's
+    predicted_seconds: float  # all steps together, as the model has them
+    measured_seconds: float
+
+    @property
+    def total(self) -> float:
+        """Relative error of the steps' total time (what a run's latencies add up)."""
+        return abs(self.predicted_seconds - self.measured_seconds) / self.measured_seconds
+
+    @property
+    def poor(self) -> bool:
+        return max(self.median, self.total) > POOR_FIT_ERROR
+
+    def describe(self) -> str:
+        ratio = self.predicted_seconds / self.measured_seconds
+        return (
+            f"step time error on its {self.steps} steps: median {self.median:.1%}, "
+            f"p90 {self.p90:.1%}; all steps {self.predicted_seconds:.3g} s against "
+            f"{self.measured_seconds:.3g} s measured ({ratio:.2f}x)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +134,18 @@ class CostModel:
         predicted = np.asarray([self.time_of(f) for f in features])
         return np.abs(predicted - np.asarray(seconds)) / np.asarray(seconds)
 
+    def fit_error(self, features: Sequence[StepFeatures], seconds: Sequence[float]) -> FitError:
+        """How far this model is from the measured ``seconds`` of steps with ``features``."""
+        errors = self.relative_errors(features, seconds)
+        predicted = sum(self.time_of(f) for f in features)
+        return FitError(
+            len(errors),
+            float(np.median(errors)),
+            float(np.percentile(errors, 90)),
+            predicted,
+            float(sum(seconds)),
+        )
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
@@ -119,20 +162,10 @@ class CostModel:
     def from_live_trace(cls, path: str | Path, min_steps: int = 5) -> CostModel:
         """Fitted to the steps a live trace measured (``serve --record-trace``, or
         ``sim.fidelity.write_measured_trace``); ValueError with fewer than ``min_steps``."""
-        from asyncengine.workloads.live_trace import load_live_trace
-
-        steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
-        if len(steps) < min_steps:
-            raise ValueError(f"{path} holds {len(steps)} measured steps; too few to fit a model")
-        features = [
-            StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
-            for s in steps
-        ]
-        return cls.fit(
-            features,
-            [s.seconds for s in steps],
-            f"fitted to {len(steps)} steps of {Path(path).name}",
-        )
+        features, seconds = live_trace_steps(path)
+        if len(seconds) < min_steps:
+            raise ValueError(f"{path} holds {len(seconds)} measured steps; too few to fit a model")
+        return cls.fit(features, seconds, f"fitted to {len(seconds)} steps of {Path(path).name}")
 
     @classmethod
     def default(cls) -> CostModel:
@@ -140,3 +173,15 @@ class CostModel:
         if DEFAULT_COST_MODEL_PATH.exists():
             return cls.load(DEFAULT_COST_MODEL_PATH)
         return cls()
+
+
+def live_trace_steps(path: str | Path) -> tuple[list[StepFeatures], list[float]]:
+    """The features and measured seconds of the timed steps of a live trace."""
+    from asyncengine.workloads.live_trace import load_live_trace
+
+    steps = [s for s in load_live_trace(path).steps if s.seconds > 0]
+    features = [
+        StepFeatures(s.prefill_tokens, s.prefill_attention, s.decode_requests, s.decode_context)
+        for s in steps
+    ]
+    return features, [s.seconds for s in steps]

@@ -143,3 +143,35 @@ async def test_compare_policies_replays_a_live_trace_with_a_fitted_cost_model(
     with pytest.raises(SystemExit):
         compare.main(["--workload", "random", "--fit-from-trace", "--policies", "fcfs",
                       "--out", str(out)])  # fmt: skip
+
+
+def write_steps(path: Path, seconds: list[float], decodes: list[int]) -> Path:
+    """A live trace of decode steps only: ``decodes[i]`` requests took ``seconds[i]``."""
+    lines = [{"type": "header", "version": 1, "page_size": 4, "vocab_size": 100}]
+    lines += [
+        {"type": "step", "time": float(i), "seconds": s, "prefill_tokens": 0,
+         "prefill_attention": 0, "decode_requests": n, "decode_context": 10 * n}
+        for i, (s, n) in enumerate(zip(seconds, decodes, strict=True))
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_fit_from_trace_reports_its_error_and_warns_on_a_poor_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    compare = load_script("compare_policies")
+    decodes = [1, 2, 3, 4] * 5
+    linear = write_steps(tmp_path / "linear.jsonl", [0.01 + 0.002 * n for n in decodes], decodes)
+    model = compare.trace_cost_model(str(linear), tmp_path)
+    out, err = capsys.readouterr()
+    assert "median 0.0%" in model.description and "(1.00x)" in out
+    assert "warning" not in err
+    # the same steps, every other one 10x slower: no model of these features can follow
+    slow = [(0.01 + 0.002 * n) * (10 if i % 2 else 1) for i, n in enumerate(decodes)]
+    noisy = write_steps(tmp_path / "noisy.jsonl", slow, decodes)
+    model = compare.trace_cost_model(str(noisy), tmp_path)
+    out, err = capsys.readouterr()
+    assert "warning: the fitted cost model misses the trace's own steps by more than 25%" in err
+    saved = json.loads((tmp_path / "cost_model.json").read_text())
+    assert saved["description"] == model.description and "p90" in saved["description"]
