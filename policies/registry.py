@@ -84,6 +84,11 @@ class ComposedPolicy(Policy):
         for part in self.parts:
             part.finished(req)
 
+    def wake_time(self, ctx: PolicyContext) -> float | None:
+        """The earliest time a part names (a part that holds may let go then)."""
+        times = [t for t in (part.wake_time(ctx) for part in self.parts) if t is not None]
+        return min(times) if times else None
+
     def preempt_candidates(
         self, candidate: Request | None, running: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:

@@ -17,6 +17,7 @@ from asyncengine.api.streams import Streams
 from asyncengine.common.plan import BatchPlan, StepOutput
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import defers_inputs
+from asyncengine.scheduler.policy_guard import IDLE_POLL_SECONDS
 
 log = logging.getLogger("asyncengine.api.engine")
 
@@ -104,7 +105,8 @@ class StepLoop:
                         continue
                     pending = self._launch(core)
                     if pending is None:
-                        await asyncio.sleep(0.002)  # nothing fits yet; let aborts and arrivals in
+                        # nothing fits yet, or the policy holds: let aborts and arrivals in
+                        await asyncio.sleep(IDLE_POLL_SECONDS)
                         continue
                 step, pending = pending, None
                 if overlap and core.can_launch_ahead():

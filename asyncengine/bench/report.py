@@ -205,15 +205,28 @@ def predictor_table(runs: Sequence[RunReport]) -> str:
 
 
 def blocked_table(runs: Sequence[RunReport]) -> str:
-    """Why admission stopped: steps counted under each reason, per configuration."""
+    """Why admission stopped: steps counted under each reason, per configuration; and the
+    steps that ran nothing because the policy held every waiting request while nothing ran
+    (``policy_idle_holds``, with the seconds the engine so sat idle)."""
     reasons = sorted({k for run in runs for k, v in (run.admission_blocked or {}).items() if v})
-    if not reasons:
+    idle = [run.engine_stats or {} for run in runs]
+    held = any(stats.get("policy_idle_holds") for stats in idle)
+    if not reasons and not held:
         return ""
     rows = [
         [run.label, *(str((run.admission_blocked or {}).get(k, 0)) for k in reasons)]
-        for run in runs
+        + (
+            [
+                str(int(stats.get("policy_idle_holds", 0))),
+                _num(float(stats.get("policy_idle_seconds", 0.0))),
+            ]
+            if held
+            else []
+        )
+        for run, stats in zip(runs, idle, strict=True)
     ]
-    return _markdown(("config", *reasons), rows, 1)
+    header = ("config", *reasons, *(("policy_idle_holds", "policy_idle_seconds") if held else ()))
+    return _markdown(header, rows, 1)
 
 
 def shadow_table(runs: Sequence[RunReport]) -> str:

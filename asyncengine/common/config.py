@@ -121,6 +121,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # seconds a request may wait before it is first scheduled; then it ends with reason
     # "timeout" (None: no limit). A request's own SamplingParams.timeout bounds its whole life.
     max_queue_time: float | None = None
+    # seconds the policy may admit nothing while requests wait and nothing runs (a batching
+    # window or pacing holds on purpose); past it the engine logs an error and FCFS takes over,
+    # the simulator raises PolicyStalledError (scheduler/policy_guard.py). 0: no bound
+    max_policy_stall: float = 30.0
     # a second policy asked to order the same waiting queue every step, without acting: the
     # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one
     shadow_policy: str | None = None
@@ -266,6 +270,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("log_interval", "must be >= 0")
         if self.max_queue_time is not None and not self.max_queue_time > 0:
             raise bad("max_queue_time", "must be > 0 seconds, or absent for no limit")
+        if not self.max_policy_stall >= 0:
+            raise bad("max_policy_stall", "must be >= 0 seconds (0: no bound)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise bad("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
         if not 0 <= self.max_pinned_fraction < 1:

@@ -7,11 +7,22 @@ each once). A failed hook's step goes on as FCFS would have it (arrival order, t
 budget, no victims); the failure is logged with its traceback and counted, and FCFS replaces the
 policy from the next step, as a live swap would (the scheduler's ``policy_failed``). A shadow
 policy that fails is dropped.
+
+A policy that admits nothing while requests wait and nothing runs holds the engine idle. That
+may be what it means (a batching window, pacing: ``Policy.wake_time`` may say until when), so
+such steps are only counted (``PolicyStall``: ``policy_idle_holds`` and ``policy_idle_seconds``
+in the stats) until the stall has lasted ``max_policy_stall`` seconds. Then it is a failure
+like any other: a live engine logs it once, counts it and hands over to FCFS, so requests do
+not wait forever on a policy that will never admit them (a budget of zeros); the simulator
+raises ``PolicyStalledError`` instead, since a run that silently switched policy would
+measure the wrong one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
@@ -19,9 +30,72 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 # (hook name, what it raised): the scheduler's ``policy_failed``
 PolicyFailed = Callable[[str, BaseException], None]
 
+# how often the live engine asks the policy again while it admits nothing and nothing runs;
+# the simulator steps its clock by as much when the policy names no ``wake_time``
+IDLE_POLL_SECONDS = 0.002
+_NAMED_REQUESTS = 5  # waiting requests a stall's message names
+
 
 class PolicyAnswerError(ValueError):
     """A hook answered what the scheduler cannot act on."""
+
+
+class PolicyStalledError(RuntimeError):
+    """The policy admitted nothing for ``max_policy_stall`` seconds while requests waited and
+    nothing ran."""
+
+
+@dataclass(slots=True)
+class PolicyStall:
+    """Steps that ran nothing because the policy held every waiting request while nothing ran
+    (``holds``), the seconds such stalls lasted (``seconds``, the one going on included by
+    ``seconds_until``), and when the one going on began (``since``; None: none is)."""
+
+    holds: int = 0
+    seconds: float = 0.0
+    since: float | None = None
+
+    def held(self, now: float) -> float:
+        """Count one such step; how long the stall has lasted so far."""
+        self.holds += 1
+        if self.since is None:
+            self.since = now
+        return now - self.since
+
+    def ended(self, now: float) -> None:
+        """A step ran (or nothing waits any more): the stall, if any, is over."""
+        if self.since is not None:
+            self.seconds += now - self.since
+            self.since = None
+
+    def seconds_until(self, now: float) -> float:
+        return self.seconds + (0.0 if self.since is None else now - self.since)
+
+
+def stalled_error(policy: Policy, seconds: float, waiting: Sequence[Request]) -> PolicyStalledError:
+    """The error of a policy that has held every waiting request for ``seconds``."""
+    named = ", ".join(repr(req.rid) for req in waiting[:_NAMED_REQUESTS])
+    more = f" and {len(waiting) - _NAMED_REQUESTS} more" if len(waiting) > _NAMED_REQUESTS else ""
+    return PolicyStalledError(
+        f"policy {policy.name!r} admitted nothing for {seconds:.3f} s while nothing ran: "
+        f"{len(waiting)} request(s) wait ({named}{more}). A policy that holds on purpose says "
+        "until when in wake_time(); max_policy_stall bounds the wait (0: no bound)"
+    )
+
+
+def checked_wake_time(policy: Policy, answer: object) -> float | None:
+    """``answer`` (``policy.wake_time``'s) when it is None or a finite number."""
+    if answer is None:
+        return None
+    if (
+        isinstance(answer, bool)
+        or not isinstance(answer, (int, float))
+        or not math.isfinite(answer)
+    ):
+        raise PolicyAnswerError(
+            f"policy {policy.name!r}: wake_time() returned {answer!r}, not a time or None"
+        )
+    return float(answer)
 
 
 def checked_order(

@@ -37,7 +37,12 @@ from asyncengine.scheduler.plan_ahead import (
     decodes_ahead,
     plan_ahead_allowed,
 )
-from asyncengine.scheduler.policy_guard import checked_budget
+from asyncengine.scheduler.policy_guard import (
+    PolicyStall,
+    checked_budget,
+    checked_wake_time,
+    stalled_error,
+)
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import tail_scores
 from asyncengine.scheduler.retraction import Retraction
@@ -79,6 +84,10 @@ class Scheduler:
         self.policy_swaps = 0
         self.policy_failures = 0  # hooks that raised or answered what cannot be (policy_guard)
         self._failed_policy: Policy | None = None  # the last policy that failed (replaced)
+        # steps where the policy held every waiting request while nothing ran (policy_guard.py)
+        self.stall = PolicyStall()
+        # past max_policy_stall: raise PolicyStalledError (the simulator) instead of FCFS
+        self.stall_raises = False
         self.max_model_len = max_model_len
         self.clock = clock
         self.page_size = kv.page_size
@@ -186,9 +195,9 @@ class Scheduler:
             return  # reported already: FCFS takes over at the next step
         self._failed_policy = policy
         log.error(
-            "policy %r failed in %s(); FCFS takes over from the next step: %s",
+            "policy %r %s; FCFS takes over from the next step: %s",
             policy.name,
-            hook,
+            "stalled" if hook == "stall" else f"failed in {hook}()",
             exc,
             exc_info=exc,
         )
@@ -207,6 +216,8 @@ class Scheduler:
             return
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            if not self.waiting and self.stall.since is not None:
+                self.stall.ended(self.clock())  # nothing is held any more
         elif req.status is RequestStatus.PREFILLING:
             self.prefilling.remove(req)
         elif req.status is RequestStatus.RUNNING:
@@ -292,9 +303,40 @@ class Scheduler:
                 plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
         if plan.is_empty():
             self.count_step(False, False)
+            self._idle()
             return None
         self.end_step(plan, admission, bool(plan.decodes))
         return plan
+
+    def _idle(self) -> None:
+        """A step that runs nothing: counted as a policy stall when requests wait and nothing
+        runs (the policy held them all); past ``max_policy_stall`` a failure (policy_guard.py)."""
+        now = self.clock()
+        if not self.waiting or self.running or self.prefilling or self.inflight is not None:
+            self.stall.ended(now)
+            return
+        lasted = self.stall.held(now)
+        limit = self.config.max_policy_stall
+        if limit and lasted >= limit:
+            self.stall.ended(now)
+            error = stalled_error(
+                self.policy, lasted, self.waiting.oldest(self.config.policy_window)
+            )
+            if self.stall_raises:
+                raise error
+            self.policy_failed("stall", error)
+
+    def wake_time(self) -> float | None:
+        """When the policy, holding every waiting request while nothing runs, may admit one
+        (``Policy.wake_time``); None when it does not say (or its answer fails)."""
+        policy = self.policy
+        if type(policy).wake_time is Policy.wake_time:
+            return None
+        try:
+            return checked_wake_time(policy, policy.wake_time(self._context(0)))
+        except Exception as exc:
+            self.policy_failed("wake_time", exc)
+            return None
 
     def begin_step(self) -> BatchPlan:
         """The next step's empty plan; a policy handed over by ``set_policy`` takes over."""
@@ -333,6 +375,8 @@ class Scheduler:
         put it in flight."""
         self.count_step(bool(plan.extends), decodes)
         self.admission.record(self.waiting, admission)
+        if self.stall.since is not None:
+            self.stall.ended(self.clock())
         kv = self.kv
         plan.page_writes = kv.page_table.drain_writes()
         plan.released_rows = kv.page_table.drain_released()
@@ -501,6 +545,10 @@ class Scheduler:
             "prefix_deferrals": self.total_prefix_deferrals,
             "policy_swaps": self.policy_swaps,
             "policy_failures": self.policy_failures,
+            # steps that ran nothing because the policy held every waiting request while
+            # nothing ran, and the seconds the engine so sat idle (policy_guard.py)
+            "policy_idle_holds": self.stall.holds,
+            "policy_idle_seconds": self.stall.seconds_until(self.clock()),
             "spec_steps": self.spec_steps,
             "spec_verified_tokens": self.spec_verified,
             "spec_accepted_tokens": self.spec_accepted,

@@ -6,6 +6,9 @@ scrape time (the server's metrics collector yields them):
 - ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
 - ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
 - ``asyncengine_policy_swaps_total``: live policy changes;
+- ``asyncengine_policy_idle_holds_total`` and ``..._policy_idle_seconds_total``: steps that
+  ran nothing because the policy held every waiting request while nothing ran, and the
+  seconds the engine so sat idle (scheduler/policy_guard.py);
 - ``asyncengine_tenant_{requests,prompt_tokens,generation_tokens}_total{tenant}``: the label
   is ``tenant_label(name)``, a hash of the client's ``user`` string (a scrape must not list
   other clients' names; the operator hashes a name to find its series), "" for requests without
@@ -35,6 +38,14 @@ SCALAR_COUNTERS: dict[str, tuple[str, str]] = {
     "preemptions": ("preemptions", "Running requests retracted for a better-priority request"),
     "request_timeouts": ("finished_timeout", "Requests ended by their timeout or max_queue_time"),
     "policy_swaps": ("policy_swaps", "Live scheduling policy changes"),
+    "policy_idle_holds": (
+        "policy_idle_holds",
+        "Steps that ran nothing: the policy held every waiting request while nothing ran",
+    ),
+    "policy_idle_seconds": (
+        "policy_idle_seconds",
+        "Seconds the engine sat idle because the policy held every waiting request",
+    ),
 }
 
 TENANT_COUNTERS: dict[str, tuple[str, str]] = {

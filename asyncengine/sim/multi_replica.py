@@ -126,6 +126,7 @@ class MultiReplicaSimulator:
             clock = VirtualClock()
             executor = SimulatedExecutor(cost, clock, spec, sampled_token_id)
             core = build_core(config, executor, clock=clock)
+            core.scheduler.stall_raises = True  # a simulation measures its policy, not FCFS
             if router.consumes_kv_events:
                 core.kv.tree.record_events()
             self.replicas.append(_Replica(f"replica-{i}", clock, executor, core))

@@ -18,6 +18,7 @@ from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.engine_core import EngineCore
+from asyncengine.scheduler.policy_guard import IDLE_POLL_SECONDS, stalled_error
 from asyncengine.scheduler.step_events import StepEvents
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
@@ -99,6 +100,8 @@ class WorkloadReplay:
         millions of requests); ``requests`` then holds the unfinished ones."""
         self.core = core
         self.clock = clock
+        # a policy that holds past max_policy_stall is an error here, not a switch to FCFS
+        core.scheduler.stall_raises = True
         self.workload = workload
         self.overhead_timer = overhead_timer
         self.check_invariant_every = check_invariant_every
@@ -217,8 +220,9 @@ class WorkloadReplay:
         self._sweep_at = max(_FIRST_SWEEP, 2 * len(still))
 
     def step(self) -> StepEvents | None:
-        """Let in what has arrived by now and run one step (waiting for arrivals if idle);
-        None when the last requests ran out of time and nothing is left to run."""
+        """Let in what has arrived by now and run one step (waiting for arrivals, or for a
+        policy that holds, if idle); None when the last requests ran out of time and nothing
+        is left to run."""
         timer = self.overhead_timer
         while True:
             self._admit_arrivals()
@@ -229,13 +233,14 @@ class WorkloadReplay:
             result = self.core.step() if self.core.has_work() else None
             if result is not None:
                 break
-            if self.next_arrival == len(self.arrival_times):
+            wake = self._next_event()
+            if wake is None:
                 if not self.core.has_work():
                     return None  # what waited has timed out
                 raise SchedulerStuckError(
                     f"scheduler is stuck at t={self.clock.now:.3f}s: {self.core.stats()}"
                 )
-            self.clock.advance_to(self.arrival_times[self.next_arrival])
+            self.clock.advance_to(wake)
         if timer is not None:
             spent = getattr(self.core.executor, "spent", 0.0)
             overhead = max(0.0, timer() - start - spent)
@@ -247,6 +252,30 @@ class WorkloadReplay:
         if self.check_invariant_every and self.steps % self.check_invariant_every == 0:
             self.core.check_invariant()
         return result
+
+    def _next_event(self) -> float | None:
+        """When a step that ran nothing should be tried again: the next arrival; while the
+        policy holds every waiting request with nothing running, the earliest of that, a
+        waiting request's deadline and the policy's wake time (none named: the engine's next
+        idle poll; a stall past ``max_policy_stall`` raises from the step). None: never."""
+        times = self.arrival_times
+        arrival = times[self.next_arrival] if self.next_arrival < len(times) else None
+        sched = self.core.scheduler
+        if sched.stall.since is None:  # not held by the policy: only an arrival changes things
+            return arrival
+        now = self.clock.now
+        deadlines = self.core.lifecycle._deadlines  # a waiting request may time out first
+        deadline = deadlines[0][0] if deadlines and deadlines[0][0] > now else None
+        wake = sched.wake_time()
+        if wake is None or wake <= now:
+            if arrival is None and deadline is None and not sched.config.max_policy_stall:
+                # nothing to arrive or expire, no wake time and no bound: polls would never end
+                raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
+            wake = now + IDLE_POLL_SECONDS
+        for event in (arrival, deadline):
+            if event is not None and event < wake:
+                wake = event
+        return wake
 
     def run(self) -> list[RequestRecord]:
         bulk = self.bulk

@@ -71,3 +71,16 @@ def test_compare_policies_prints_the_hint_and_the_shadow_agreement(
     assert "## Shadow policy agreement" in results and "| fcfs | `fcfs` | `lpm` |" in results
     assert "Shadow policy agreement" in capsys.readouterr().out
     assert "never held more than" not in results  # a single run: nothing to compare
+
+
+def test_the_report_counts_the_steps_a_policy_held_the_engine_idle(tmp_path: Path) -> None:
+    compare = load_script("compare_policies")
+    holds = "tests.sim.test_simulator:HoldUntilFiveSaysSo"  # admits nothing before t = 5 s
+    compare.main([*SMALL, *SETTINGS, "--arrivals", "burst", "--policies", "fcfs", holds,
+                  "--out", str(tmp_path)])  # fmt: skip
+    results = (tmp_path / "results.md").read_text()
+    table = results.split("## Why admission stopped (steps, by reason)")[1]
+    header = table.strip().splitlines()[0]
+    assert header.endswith("| policy_idle_holds | policy_idle_seconds |")
+    assert "| fcfs |" in table and table.count("| 0 | 0.00 |") == 1  # fcfs never held
+    assert f"| {holds} |" in table and "| 1 | 5.00 |" in table  # one jump to its wake time

@@ -5,6 +5,7 @@ holds at every step; a failing shadow policy is dropped and changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from tests.api.test_scheduling_e2e import engine, params, prompt
 from tests.fake_executor import reference_output
 from tests.scheduler.test_preemption import short_core
 from tests.scheduler.test_scheduler import drive, submit, workload
@@ -120,3 +122,45 @@ def test_a_failing_shadow_is_dropped_and_changes_nothing(
     assert len(shadow_plans) == len(plans)
     assert shadowed.scheduler.shadow is None and shadowed.scheduler.policy.name == "fcfs"
     assert any("shadow policy" in r.getMessage() for r in caplog.records)
+
+
+class ZeroBudget(Policy):
+    name = "zero-budget"
+
+    def budget(self, ctx: PolicyContext) -> StepBudget:
+        return StepBudget(0, 0, 0)
+
+
+async def test_a_policy_that_stalls_a_live_engine_hands_over_to_fcfs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing runs, requests wait and the policy admits nothing: after max_policy_stall
+    seconds of that the engine logs it once and FCFS serves them, instead of a silent hang."""
+    async with engine(policy=f"{HERE}:ZeroBudget", max_policy_stall=0.05) as eng:
+        outs = await asyncio.gather(
+            *(eng.generate(prompt(k), params(3), request_id=f"r{k}") for k in range(3))
+        )
+        stats = eng.stats()
+    assert [out.finish_reason for out in outs] == ["length"] * 3
+    assert stats["policy"] == "fcfs" and stats["policy_failures"] == 1
+    assert stats["policy_idle_holds"] >= 1 and stats["policy_idle_seconds"] >= 0.05
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "policy 'zero-budget' stalled" in errors[0], errors
+    assert "admitted nothing for" in errors[0] and "'r0'" in errors[0]
+
+
+def test_holds_stall_only_while_nothing_runs_and_a_stall_ends_when_the_queue_empties() -> None:
+    core, _, clock = short_core(policy=f"{HERE}:ZeroBudget", max_policy_stall=10.0)
+    submit(core, clock, [([1, 2, 3], 2)])
+    assert core.launch() is None
+    clock.t += 4.0
+    assert core.launch() is None
+    assert core.stats()["policy_idle_holds"] == 2
+    assert core.abort("r0")
+    core.events()
+    clock.t += 100.0  # nothing waits: no stall goes on meanwhile
+    submit(core, clock, [([1, 2, 3], 2)], tag="s")
+    assert core.launch() is None  # a new stall, not one 104 s old
+    stats = core.stats()
+    assert stats["policy_failures"] == 0 and stats["policy"] == "zero-budget"
+    assert stats["policy_idle_seconds"] == 4.0

@@ -230,3 +230,6 @@ async def test_scheduler_counters_are_prometheus_series(server: RunningServer) -
         assert f'tenant="{tenant}"' not in text
     assert samples[("asyncengine_preemptions_total", ())] == 0
     assert ("asyncengine_request_timeouts_total", ()) in samples
+    stats = eng.stats()  # fcfs never holds the engine idle
+    assert samples[("asyncengine_policy_idle_holds_total", ())] == stats["policy_idle_holds"] == 0
+    assert samples[("asyncengine_policy_idle_seconds_total", ())] == 0.0

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,9 @@ import pytest
 from asyncengine.bench import optimal_hit
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.common.request import Request
+from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.scheduler.policy_guard import IDLE_POLL_SECONDS, PolicyStalledError
 from asyncengine.sim import CostModel, Simulator, StepFeatures, VirtualClock, simulate
 from asyncengine.workloads import Arrivals, WorkloadRequest, multi_turn, shared_prefix
 
@@ -258,3 +262,67 @@ def test_lpm_schedules_the_same_on_a_slower_machine() -> None:
     assert [[t / 8 for t in r.token_times] for r in slow.records] == [
         r.token_times for r in fast.records
     ]
+
+
+class HoldUntilFive(Policy):
+    """A batching window: admits nothing before t = 5 s."""
+
+    orders = True
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return waiting if ctx.now >= 5.0 else []
+
+
+class HoldUntilFiveSaysSo(HoldUntilFive):
+    def wake_time(self, ctx: PolicyContext) -> float | None:
+        return 5.0
+
+
+class ZeroBudget(Policy):
+    budgets = True
+
+    def budget(self, ctx: PolicyContext) -> StepBudget:
+        return StepBudget(0, 0, 0)
+
+
+HERE = "tests.sim.test_simulator"
+
+
+def test_a_policy_that_holds_runs_to_completion_at_its_wake_time() -> None:
+    # one request and nothing else to arrive: the clock has no event to go to but the policy's
+    result = simulate(config(policy=f"{HERE}:HoldUntilFiveSaysSo"), [request("a", 0.0, 10, 3)],
+                      ONE_SECOND_PER_STEP)  # fmt: skip
+    assert result.records[0].token_times == [6.0, 7.0, 8.0]  # admitted at 5, 1 s a step
+    assert result.scheduler_stats["policy_idle_holds"] == 1  # one jump, no polling
+    assert result.scheduler_stats["policy_idle_seconds"] == 5.0
+
+
+def test_a_policy_that_holds_without_a_wake_time_is_polled_like_the_engine() -> None:
+    # a later arrival is no reason to sleep past t = 5: the engine asks again every poll
+    workload = [request("a", 0.0, 10, 3), request("b", 100.0, 10, 1, first=50)]
+    result = simulate(config(policy=f"{HERE}:HoldUntilFive"), workload, ONE_SECOND_PER_STEP)
+    first = result.records[0].token_times[0]
+    assert 6.0 <= first <= 6.0 + IDLE_POLL_SECONDS + 1e-9
+    assert result.records[1].token_times == [101.0]
+    stats = result.scheduler_stats
+    assert stats["policy_idle_holds"] >= 5.0 / IDLE_POLL_SECONDS
+    assert 5.0 <= stats["policy_idle_seconds"] <= 5.0 + IDLE_POLL_SECONDS + 1e-9
+    assert stats["policy_failures"] == 0
+
+
+@pytest.mark.parametrize("bound", [2.0, 0.0])
+def test_a_policy_that_never_admits_is_an_error_naming_it_and_the_requests(bound: float) -> None:
+    workload = [request("a", 0.0, 10, 3), request("b", 0.5, 10, 3, first=50)]
+    with pytest.raises(PolicyStalledError) as raised:
+        simulate(config(policy=f"{HERE}:ZeroBudget", max_policy_stall=bound), workload,
+                 ONE_SECOND_PER_STEP)  # fmt: skip
+    message = str(raised.value)
+    assert "policy 'ZeroBudget' admitted nothing" in message
+    assert "2 request(s) wait ('a', 'b')" in message
+
+
+def test_a_waiting_request_times_out_while_the_policy_holds() -> None:
+    workload = [replace(request("a", 0.0, 10, 3), timeout=1.0)]
+    result = simulate(config(policy=f"{HERE}:ZeroBudget"), workload, ONE_SECOND_PER_STEP)
+    record = result.records[0]
+    assert record.timed_out and record.finish_time == 1.0  # at its deadline, not a poll later
