@@ -34,8 +34,9 @@ import numpy as np
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.plan import BatchPlan
+from asyncengine.scheduler.policy_guard import PolicyStalledError
 from asyncengine.sim.simulator import Simulator
-from asyncengine.sim.workload_replay import WorkloadReplay
+from asyncengine.sim.workload_replay import SchedulerStuckError, WorkloadReplay
 from asyncengine.workloads.trace import WorkloadRequest
 
 VOCAB = 32000
@@ -146,8 +147,11 @@ def run_adversary(config: EngineConfig, adv: Adversary, step_factor: int = 20) -
     while not replay.done():
         if replay.steps > limit:
             return Outcome(adv, -1, "", -1, "", f"livelock: {replay.steps} steps and not done")
-        if replay.step() is None:
-            break
+        try:
+            if replay.step() is None:
+                break
+        except (PolicyStalledError, SchedulerStuckError) as exc:
+            return Outcome(adv, -1, "", -1, "", f"stuck: {exc}")
     admitted: list[tuple[float, int, str, int]] = []  # (admitted, arrival rank, rid, computed)
     by_arrival = sorted(workload, key=lambda w: (w.arrival_time, w.rid))
     worst_wait, wait_rid = 0, ""

@@ -57,6 +57,12 @@ def test_fcfs_overtakes_nobody_and_waits_are_counted_in_prefill_tokens() -> None
     assert outcome.worst_wait_tokens > 0  # the stream outruns the engine: a queue builds
 
 
+def test_a_policy_that_never_admits_is_reported_stuck() -> None:
+    outcome = run_adversary(config("tests.sim.test_simulator:ZeroBudget"), SMALL)
+    assert outcome.problem is not None and outcome.problem.startswith("stuck: ")
+    assert "policy 'ZeroBudget' admitted nothing" in outcome.problem
+
+
 @pytest.mark.parametrize(
     ("policy", "options", "starves"),
     [
