@@ -6,7 +6,8 @@ block), ``content`` (the answer, None when the choice only called tools) and ``t
 The same reader serves both tails: ``ChoiceReader.feed`` turns each streamed text delta into
 the ``delta`` of a chunk (None: nothing to send yet), the last one with ``final`` flushing
 what was held back; a whole output is one final read, so streamed and non-streamed answers
-agree.
+agree: the SDK's accumulation of the deltas is the whole message (``content`` null until
+answer text comes, blanks held until text follows them, "" at the end when nothing came).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class ChoiceReader:
         self._legacy = spec.legacy_functions
         self.called = False  # any tool call so far
         self.reasoning = ""  # the reasoning read so far
+        self._answered = False  # answer text sent (streaming)
+        self._blanks = ""  # blank answer text held back until text follows it
 
     def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
         """The reasoning, answer text and call pieces that ``text`` completes (``final``: the
@@ -62,13 +65,29 @@ class ChoiceReader:
         delta: Json = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content and not (self.called and not content.strip()):  # not the blanks around calls
-            delta["content"] = content
+        answer = self._answer(content, final)
+        if answer is not None:
+            delta["content"] = answer
+        if calls:
+            delta.setdefault("content", None)  # as OpenAI's call deltas have it
         if calls and self._legacy:  # one call: its name first, then its arguments' pieces
             delta["function_call"] = merge_deltas(calls)[0].body()["function"]
         elif calls:
             delta["tool_calls"] = [call.body() for call in merge_deltas(calls)]
         return delta or None
+
+    def _answer(self, text: str, final: bool) -> str | None:
+        """The answer text to send now: blanks wait for text after them (the whole message has
+        no content when blanks only stand around its calls); at the end of an output without
+        calls, whatever is held ("" when nothing came)."""
+        if self._answered:
+            return text or None
+        self._blanks += text
+        if not self._blanks.strip() and not (final and not self.called):
+            return None
+        self._answered = True
+        held, self._blanks = self._blanks, ""
+        return held
 
     def finish_reason(self, reason: str | None) -> str | None:
         if self.called and reason == "stop":

@@ -235,11 +235,20 @@ class _ChunkFormat:
         self.readers = [ChoiceReader(chat_output) for _ in range(choices)] if chat_output else None
 
     def opening(self) -> list[Json]:
+        """Each choice's role chunk: content "" for plain text (as OpenAI's), null where the
+        answer may be calls alone (the reader sends its text as it comes)."""
         if not self.builder.chat:
             return []
+        role = {"role": "assistant", "content": None} if self.readers else None
         return [
             self.builder.chunk(
-                "", None, None, first=True, include_usage=self.include_usage, index=index
+                "",
+                None,
+                None,
+                first=True,
+                include_usage=self.include_usage,
+                index=index,
+                delta=dict(role) if role else None,
             )
             for index in range(self.choices)
         ]

@@ -130,7 +130,7 @@ def test_reading_a_choice_whole_and_streamed_agree() -> None:
     deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
     sent = [d for d in deltas if d]
     assert "".join(d.get("reasoning_content", "") for d in sent) == "plan"
-    assert not any("content" in d for d in sent)  # the blank between </think> and the call
+    assert not any(d.get("content") for d in sent)  # the blank between </think> and the call
     arguments = "".join(c["function"]["arguments"] for d in sent for c in d.get("tool_calls", []))
     assert arguments == '{"a": 1}'
     assert read_choice(spec, "just text", "length") == (
@@ -148,10 +148,37 @@ def test_a_call_cut_off_under_a_calls_only_choice_leaves_no_markup_as_content() 
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
     reader = ChoiceReader(spec)
     deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
-    assert not any("content" in d for d in deltas if d)
+    assert not any(d.get("content") for d in deltas if d)
     # where text may stand beside calls ("auto"), what is not a whole call stays text
     auto = ChatOutputSpec(HERMES, reasoning_starts_inside=None)
     assert "<tool_call>" in read_choice(auto, output, "length")[0]["content"]
+
+
+@pytest.mark.parametrize(
+    ("output", "calls_only"),
+    [
+        ("just text", False),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', True),
+        ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n', False),
+        ('\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', False),
+        ("\n\n", False),
+        ('<tool_call>\n{"na', True),
+    ],
+)
+def test_the_streamed_deltas_accumulate_to_the_whole_message(output: str, calls_only: bool) -> None:
+    """As the openai client accumulates them: content null in the role chunk, then each
+    delta's content joined (a null leaves it as it was)."""
+    spec = ChatOutputSpec(HERMES, reasoning_starts_inside=None, calls_only=calls_only)
+    message, _ = read_choice(spec, output, "stop")
+    reader = ChoiceReader(spec)
+    deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
+    content: str | None = None
+    for delta in filter(None, deltas):
+        if delta.get("tool_calls"):
+            assert "content" in delta and delta["content"] is None
+        if delta.get("content") is not None:
+            content = (content or "") + delta["content"]
+    assert content == message["content"]
 
 
 LLAMA31_LIKE = (
