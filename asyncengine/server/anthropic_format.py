@@ -13,7 +13,6 @@ cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from asyncengine.common.outputs import StreamDelta, Usage
 from asyncengine.server.errors import ApiError
 from asyncengine.server.output_blocks import Block, BlockEvent, BlockReader
 from asyncengine.server.sse import NamedEvent
+from asyncengine.text.tool_calls import arguments_so_far
 
 Json = dict[str, Any]
 
@@ -98,16 +98,6 @@ def tool_use_id(call_id: str | None) -> str:
     return "toolu_" + (call_id or "").removeprefix("call_")
 
 
-def _tool_input(arguments: str) -> Json:
-    """A call's arguments as the object Anthropic sends; a call cut off by ``max_tokens``
-    (arguments not yet JSON) has the empty object."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def content_block(block: Block, whole: bool = True) -> Json:
     """The block's body; ``whole`` false: as a stream starts it (empty)."""
     if block.kind == "reasoning":
@@ -118,7 +108,8 @@ def content_block(block: Block, whole: bool = True) -> Json:
         "type": "tool_use",
         "id": tool_use_id(block.call_id),
         "name": block.name,
-        "input": _tool_input(block.text) if whole else {},
+        # a call cut by max_tokens: the members written whole, as the client reads the stream
+        "input": arguments_so_far(block.text) if whole else {},
     }
 
 

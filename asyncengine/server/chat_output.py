@@ -1,7 +1,9 @@
 """A chat choice's text read back as OpenAI's message: ``reasoning_content`` (the think
 block), ``content`` (the answer, None when the choice only called tools) and ``tool_calls``;
-``finish_reason`` "tool_calls" when it called any and stopped on its own (the legacy
-``functions``: the call as ``function_call``, and "function_call").
+``finish_reason`` "tool_calls" when it called any and stopped on its own with every call whole
+(the legacy ``functions``: the call as ``function_call``, and "function_call"). A call cut by
+the length limit stays with the arguments written so far, and the finish reason stays
+"length", as OpenAI's API reports it.
 
 The same reader serves both tails: ``ChoiceReader.feed`` turns each streamed text delta into
 the ``delta`` of a chunk (None: nothing to send yet), the last one with ``final`` flushing
@@ -35,6 +37,11 @@ class ChoiceReader:
         self.reasoning = ""  # the reasoning read so far
         self._answered = False  # answer text sent (streaming)
         self._blanks = ""  # blank answer text held back until text follows it
+
+    @property
+    def cut(self) -> bool:
+        """Whether the output ended inside a tool call."""
+        return self._tools is not None and self._tools.cut
 
     def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
         """The reasoning, answer text and call pieces that ``text`` completes (``final``: the
@@ -90,7 +97,7 @@ class ChoiceReader:
         return held
 
     def finish_reason(self, reason: str | None) -> str | None:
-        if self.called and reason == "stop":
+        if self.called and reason == "stop" and not self.cut:
             return "function_call" if self._legacy else "tool_calls"
         return reason
 

@@ -11,8 +11,11 @@ value is unwrapped). While streaming, a call's id and name go out as soon as the
 and its arguments follow as they are generated, the way OpenAI streams ``delta.tool_calls``;
 the concatenated argument chunks equal the non-streamed ``arguments``. A block that does not
 hold a call (bad JSON, no name, a name longer than ``MAX_TOOL_NAME_CHARS``) is given back as
-text. The head (name first) is looked for in a call's first ``MAX_HEAD_CHARS`` characters only,
-so the work per piece is bounded; a call written otherwise (arguments first) is parsed whole
+text. An output that ends inside a call (the length limit met) leaves the parser ``cut``: a call
+whose name was read keeps the arguments written so far (JSON cut short, as OpenAI reports such a
+call), and one cut before its name is dropped (its markup is neither text nor a call). The head
+(name first) is looked for in a call's first ``MAX_HEAD_CHARS`` characters only, so the work
+per piece is bounded; a call written otherwise (arguments first) is parsed whole
 when it closes.
 """
 
@@ -249,6 +252,11 @@ class _StreamedCall:
             self.sent_args += len(new)
         return deltas
 
+    @property
+    def cut(self) -> bool:
+        """Whether the call's arguments began but did not close."""
+        return self.args_start is not None and not self.arguments_end.done
+
     def close(self) -> list[ToolCallDelta] | None:
         """The rest of the call once its text is complete; None when the body holds no call
         (then nothing was sent)."""
@@ -268,6 +276,7 @@ class HermesToolParser:
         self._pending = ""  # text not yet classified (may begin a marker)
         self._call: _StreamedCall | None = None
         self.count = 0  # calls found so far
+        self.cut = False  # the output ended inside a call
 
     def feed(self, text: str) -> ParsedPiece:
         piece = ParsedPiece()
@@ -298,11 +307,14 @@ class HermesToolParser:
     def _close(self, piece: ParsedPiece, closed: bool) -> None:
         assert self._call is not None
         rest = self._call.close()
-        if rest is None:  # not a call: give the block back as text
-            piece.text += _HERMES_OPEN + self._call.body + (_HERMES_CLOSE if closed else "")
+        if rest is None and closed:  # not a call: give the block back as text
+            piece.text += _HERMES_OPEN + self._call.body + _HERMES_CLOSE
+        elif rest is None:  # cut before its name: nothing of it was sent
+            self.cut = True
         else:
             piece.calls += rest
             self.count += 1
+            self.cut = not closed and self._call.cut
         self._call = None
 
     def finish(self) -> ParsedPiece:
@@ -326,6 +338,7 @@ class Llama3JsonToolParser:
         self._calls: list[str] = []  # an output of calls, in pieces (joined once, at the end)
         self._calls_mode: bool | None = None  # None until the first non-space character
         self.count = 0
+        self.cut = False  # the output ended inside a call
 
     def feed(self, text: str) -> ParsedPiece:
         if self._calls_mode:
@@ -351,9 +364,10 @@ class Llama3JsonToolParser:
         self._buffer, self._calls = "", []
         if not self._calls_mode:
             return ParsedPiece(text)
-        calls = _split_llama_calls(text.strip().removeprefix(_PYTHON_TAG))
-        if calls is None:
+        split = _split_llama_calls(text.strip().removeprefix(_PYTHON_TAG))
+        if split is None:
             return ParsedPiece(text)
+        calls, self.cut = split
         deltas = [
             ToolCallDelta(index, new_call_id(), name, arguments)
             for index, (name, arguments) in enumerate(calls)
@@ -362,7 +376,9 @@ class Llama3JsonToolParser:
         return ParsedPiece("", deltas)
 
 
-def _split_llama_calls(text: str) -> list[tuple[str, str]] | None:
+def _split_llama_calls(text: str) -> tuple[list[tuple[str, str]], bool] | None:
+    """The calls (name, arguments) and whether the last was cut (its arguments so far; one
+    cut before its name is left out); None when the text is not calls."""
     calls: list[tuple[str, str]] = []
     decoder = json.JSONDecoder()
     position = 0
@@ -370,12 +386,16 @@ def _split_llama_calls(text: str) -> list[tuple[str, str]] | None:
         while position < len(text) and text[position] in " \t\r\n;":
             position += 1
         if position == len(text):
-            return calls or None
+            return (calls, False) if calls else None
         if text[position] != "{":
             return None
         end = _json_value_end(text, position)
         if end is None:
-            return None
+            head = _CALL_HEAD.match(text, position)
+            name = _head_name(head) if head is not None else None
+            if head is not None and name is not None and text[head.end() : head.end() + 1] == "{":
+                calls.append((name, text[head.end() :]))
+            return calls, True
         try:
             decoder.decode(text[position:end])
         except ValueError:
@@ -425,3 +445,80 @@ def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall
     parser = tool_parser(fmt)
     first, last = parser.feed(text), parser.finish()
     return first.text + last.text, collect_calls(first.calls + last.calls)
+
+
+class _Unread(Exception):
+    """No value can be read at this place of a cut JSON text."""
+
+
+_DECODER = json.JSONDecoder()
+_BLANKS = " \t\r\n"
+
+
+def arguments_so_far(arguments: str) -> dict[str, Any]:
+    """The object a call's arguments describe as far as they were written: the members whose
+    values are whole, inside open objects and arrays too; a string, literal or key cut short is
+    left out (what Anthropic's client reads from a stream of ``partial_json`` pieces)."""
+    try:
+        value, _, _ = _value_so_far(arguments, _skip_blanks(arguments, 0))
+    except _Unread:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _skip_blanks(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _BLANKS:
+        i += 1
+    return i
+
+
+def _value_so_far(text: str, i: int) -> tuple[Any, int, bool]:
+    """The value at ``text[i]``, where it ends, and whether it is whole."""
+    if i >= len(text):
+        raise _Unread
+    if text[i] in "{[":
+        return _container_so_far(text, i)
+    try:
+        value, end = _DECODER.raw_decode(text, i)
+    except ValueError:
+        raise _Unread from None
+    if end < len(text) and text[end] not in _BLANKS + ",]}":  # a number that goes on
+        raise _Unread
+    return value, end, True
+
+
+def _container_so_far(text: str, i: int) -> tuple[Any, int, bool]:
+    is_object = text[i] == "{"
+    close = "}" if is_object else "]"
+    members: dict[str, Any] = {}
+    items: list[Any] = []
+    i = _skip_blanks(text, i + 1)
+    while i < len(text) and text[i] != close:
+        key = ""
+        if is_object:
+            if text[i] != '"':
+                break
+            try:
+                key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            except ValueError:
+                break
+            i = _skip_blanks(text, i)
+            if text[i : i + 1] != ":":
+                break
+            i = _skip_blanks(text, i + 1)
+        try:
+            value, i, whole = _value_so_far(text, i)
+        except _Unread:
+            break
+        if is_object:
+            members[key] = value
+        else:
+            items.append(value)
+        i = _skip_blanks(text, i)
+        if not whole or text[i : i + 1] != ",":
+            break
+        i = _skip_blanks(text, i + 1)
+    found = members if is_object else items
+    if text[i : i + 1] == close:
+        return found, i + 1, True
+    return found, len(text), False

@@ -353,6 +353,34 @@ async def test_auto_lets_the_model_call_and_the_grammar_completes_the_call(
         run_tool(name, arguments)
 
 
+async def test_a_call_cut_before_its_name_is_neither_a_call_nor_text(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    """Under "auto" the call marker starts a call the grammar holds: cut before its name, its
+    markup is not the answer, whole or streamed."""
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="auto",
+        logit_bias={str(_token(qwen3, "<tool_call>")): 100},
+        max_tokens=3,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    whole = (await qwen3_client.chat.completions.create(**kwargs)).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.content == "" and whole.message.tool_calls is None
+    stream = await qwen3_client.chat.completions.create(stream=True, **kwargs)
+    content, reasons = "", []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            content += choice.delta.content or ""
+            reasons.append(choice.finish_reason)
+    assert (content, reasons[-1]) == ("", "length")
+
+
 THINK_THEN_ANSWER = r"<think>[a-z]{2,6}( [a-z]{2,6}){2,4}</think>\n\n[a-z]{2,6}( [a-z]{2,6}){2,4}"
 
 

@@ -20,6 +20,7 @@ from asyncengine.text.reasoning import ReasoningParser, prompt_opens_thinking, s
 from asyncengine.text.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    arguments_so_far,
     collect_calls,
     parse_tool_calls,
     tool_parser,
@@ -74,8 +75,47 @@ def test_streamed_calls_equal_the_whole_parse_however_the_text_is_cut(seed: int)
 def test_a_call_cut_by_the_length_limit_keeps_what_was_streamed() -> None:
     text, calls = parse_tool_calls(HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b')
     assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1, "b')]
-    text, calls = parse_tool_calls(HERMES, "<tool_call>\n{")  # no name yet: text
-    assert text == "<tool_call>\n{" and calls == []
+    parser = tool_parser(HERMES)
+    assert parser.feed("Look: <tool_call>\n{").text == "Look: "
+    assert (parser.finish().text, parser.cut) == ("", True)  # no name yet: neither text nor call
+    closed = tool_parser(HERMES)
+    pieces = closed.feed('<tool_call>\n{"name": "f", "arguments": {"a": 1}}').calls
+    pieces += closed.finish().calls  # the arguments closed, the call's markup did not
+    assert ([c.arguments for c in collect_calls(pieces)], closed.cut) == (['{"a": 1}'], False)
+
+
+def test_a_llama3_output_cut_keeps_its_whole_calls_and_the_cut_ones_arguments() -> None:
+    output = '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": [2'
+    parser = tool_parser(LLAMA3_JSON)
+    parser.feed(output)
+    out = parser.finish()
+    assert out.text == "" and parser.cut
+    assert [(c.name, c.arguments) for c in collect_calls(out.calls)] == [
+        ("f", '{"x": 1}'),
+        ("g", '{"y": [2'),
+    ]
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f", "param') == ("", [])
+
+
+def test_the_arguments_so_far_are_the_members_written_whole() -> None:
+    """What Anthropic's client reads from a cut stream of partial_json (jiter's partial mode)."""
+    cases = {
+        '{"a": 12': {"a": 12},
+        '{"a": [1, "x': {"a": [1]},
+        '{"a": {"b": 1, "c": "x': {"a": {"b": 1}},
+        '{"a": {"b": 1, "c"': {"a": {"b": 1}},
+        '{"a": nu': {},
+        '{"a": 1.5e': {},
+        '{"a": {}, "b": [': {"a": {}, "b": []},
+        '{"a": "q\\': {},
+        "": {},
+        '{"a": {"b": [1, {"c": true}], "d": null}, "e": "f"}': {
+            "a": {"b": [1, {"c": True}], "d": None},
+            "e": "f",
+        },
+    }
+    for text, members in cases.items():
+        assert arguments_so_far(text) == members, text
 
 
 def test_llama3_json_calls_and_plain_text() -> None:
@@ -149,9 +189,20 @@ def test_a_call_cut_off_under_a_calls_only_choice_leaves_no_markup_as_content() 
     reader = ChoiceReader(spec)
     deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
     assert not any(d.get("content") for d in deltas if d)
-    # where text may stand beside calls ("auto"), what is not a whole call stays text
+    # where text may stand beside calls ("auto"), the cut call's markup is no text either
     auto = ChatOutputSpec(HERMES, reasoning_starts_inside=None)
-    assert "<tool_call>" in read_choice(auto, output, "length")[0]["content"]
+    message, reason = read_choice(auto, "Sure. " + output, "length")
+    assert (message["content"], reason) == ("Sure. \n", "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+
+
+def test_a_call_cut_by_a_stop_string_is_no_finished_call() -> None:
+    auto = ChatOutputSpec(HERMES, reasoning_starts_inside=None)
+    cut = '<tool_call>\n{"name": "f", "arguments": {"a": "x'
+    message, reason = read_choice(auto, cut, "stop")
+    assert reason == "stop" and message["tool_calls"][0]["function"]["arguments"] == '{"a": "x'
+    whole = cut + '"}}\n</tool_call>'
+    assert read_choice(auto, whole, "stop")[1] == "tool_calls"
 
 
 @pytest.mark.parametrize(
