@@ -48,6 +48,7 @@ from asyncengine.server.tool_schema import (
     ToolCallFunction,
     ToolChoice,
     ToolChoiceFunction,
+    answers_no_call,
 )
 
 AnthropicTemperature = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -220,7 +221,9 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
             system = "\n".join(block.text for block in system)
         out.append(ChatMessage(role="system", content=system))
     names: dict[str, str] = {}  # tool_use id -> function name
+    asked: set[str] = set()  # the tool_use ids of the message before, which results answer
     for i, message in enumerate(req.messages):
+        called, asked = asked, set()
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
             continue
@@ -238,6 +241,7 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
                         f"{param}: a tool_use block belongs in an assistant message", param=param
                     )
                 names[block.id] = block.name
+                asked.add(block.id)
                 arguments = json.dumps(block.input, ensure_ascii=False)
                 calls.append(
                     AssistantToolCall(
@@ -248,6 +252,15 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
                 if message.role != "user":
                     raise invalid_request(
                         f"{param}: a tool_result block belongs in a user message", param=param
+                    )
+                if block.tool_use_id not in called:  # Anthropic's rule: the turn just before
+                    raise answers_no_call(
+                        f"{param}.tool_use_id",
+                        block.tool_use_id,
+                        f"the message before it, messages[{i - 1}], has no tool_use block "
+                        "with this id"
+                        if i
+                        else "no message comes before it",
                     )
                 if texts:  # text before the result keeps its place
                     out.append(ChatMessage(role="user", content="\n".join(texts)))

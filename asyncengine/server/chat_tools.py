@@ -27,6 +27,7 @@ from asyncengine.server.tool_schema import (
     NamedToolChoice,
     Tool,
     ToolChoiceFunction,
+    answers_no_call,
 )
 from asyncengine.structured.schema_support import check_enforced
 from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
@@ -221,6 +222,25 @@ def _turns(req: ChatCompletionRequest) -> list[ChatTurn]:
             )
         turns.append(ChatTurn(plain["role"], plain["content"], calls, call_id, message.name))
     return turns
+
+
+def check_tool_results(req: ChatCompletionRequest) -> None:
+    """400 for a tool message whose ``tool_call_id`` names no call of the assistant message
+    before it (other tool messages between them), as OpenAI's Chat Completions refuses it; the
+    calls may be answered in any order. Anthropic's and Responses' own rules are checked where
+    their bodies are translated."""
+    calls: set[str] = set()
+    asked = "no assistant message with tool_calls comes before it"
+    for i, message in enumerate(req.messages):
+        if message.role == "tool" and message.tool_call_id is not None:
+            if message.tool_call_id not in calls:
+                raise answers_no_call(f"messages[{i}].tool_call_id", message.tool_call_id, asked)
+        elif message.role not in ("tool", "function"):
+            calls = {call.id for call in message.tool_calls or []}
+            if message.role != "assistant" or not calls:
+                asked = f"messages[{i}] before it is not an assistant message with tool_calls"
+            else:
+                asked = f"the assistant message before it, messages[{i}], has no such call"
 
 
 def _template_variables(req: ChatCompletionRequest) -> dict[str, Any]:

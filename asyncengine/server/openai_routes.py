@@ -17,7 +17,7 @@ from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import ChoiceReader, read_choice, reasoning_tokens
 from asyncengine.server.chat_request import prepare_chat
-from asyncengine.server.chat_tools import ChatOutputSpec
+from asyncengine.server.chat_tools import ChatOutputSpec, check_tool_results
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.lora_routes import add_lora_routes
@@ -54,6 +54,7 @@ def json_response(body: Json, status: int = 200) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, ChatCompletionRequest)
+    check_tool_results(req)
     chat = await prepare_chat(state, req)
     builder = ResponseBuilder(
         f"chatcmpl-{uuid.uuid4().hex}",

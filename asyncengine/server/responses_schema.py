@@ -48,6 +48,7 @@ from asyncengine.server.tool_schema import (
     ToolCallFunction,
     ToolChoice,
     ToolChoiceFunction,
+    answers_no_call,
 )
 
 MAX_METADATA_KEYS = 16
@@ -246,6 +247,13 @@ def _messages(instructions: str | None, items: list[InputItem], first: int) -> l
         elif item.type == "function_call_output":
             if item.call_id is None or item.output is None:
                 raise _missing(param, "call_id and output")
+            if item.call_id not in names:
+                raise answers_no_call(
+                    f"{param}.call_id",
+                    item.call_id,
+                    "no function_call with this call_id comes before it in input or in the "
+                    "previous_response_id conversation",
+                )
             output = _text(item.output, f"{param}.output")
             out.append(
                 ChatMessage(

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from asyncengine.server.errors import ApiError, invalid_request
+
 # OpenAI asks for [a-zA-Z0-9_-]{1,64}; dots and colons are let through too (MCP tool names use
 # them). The name is written into the call grammar and the prompt, so nothing else is allowed.
 FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -53,3 +55,9 @@ class AssistantToolCall(Struct, kw_only=True):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
+
+
+def answers_no_call(param: str, call_id: str, where: str) -> ApiError:
+    """The 400 for a tool result whose call id names no call it may answer (``where``: the
+    calls it was looked for among), as OpenAI's and Anthropic's APIs refuse it."""
+    return invalid_request(f"{param} {call_id!r} answers no call: {where}", param=param)

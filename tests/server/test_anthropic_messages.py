@@ -259,6 +259,37 @@ async def test_refusals_have_anthropics_error_shape(
     assert status == 400 and set(body) == {"error"} and "param" in body["error"]
 
 
+def _tool_use(*ids: str) -> dict[str, Any]:
+    blocks = [{"type": "tool_use", "id": i, "name": "get_weather", "input": {}} for i in ids]
+    return {"role": "assistant", "content": blocks}
+
+
+def _tool_results(*ids: str) -> dict[str, Any]:
+    results = [{"type": "tool_result", "tool_use_id": i, "content": "21"} for i in ids]
+    return {"role": "user", "content": results}
+
+
+async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(model=server.model, max_tokens=1, tools=TOOLS)
+    ask = _user(QUESTION)
+    for messages in (
+        [*ask, _tool_use("toolu_a", "toolu_b"), _tool_results("toolu_b", "toolu_a")],
+        [*ask, _tool_use("toolu_a"), _tool_results("toolu_a")],
+    ):
+        assert (await claude.messages.create(messages=messages, **kwargs)).stop_reason
+    for messages, index in (
+        ([*ask, _tool_use("toolu_a"), _tool_results("toolu_x")], 2),
+        ([*ask, _tool_use("toolu_x"), _tool_results("toolu_x"), _tool_results("toolu_x")], 3),
+        ([_tool_results("toolu_x")], 0),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(messages=messages, **kwargs)
+        message = refused.value.body["error"]["message"]  # type: ignore[index]
+        assert f"messages[{index}].content[0].tool_use_id 'toolu_x'" in message, message
+
+
 async def test_server_and_typed_tools_are_refused_as_not_served(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:

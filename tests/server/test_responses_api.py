@@ -320,6 +320,10 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
+            "input[0].call_id",
+        ),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ]

@@ -217,6 +217,54 @@ async def test_legacy_functions_refusals(client: openai.AsyncOpenAI, server: Run
             assert "no assistant function_call before it" in error["message"], error
 
 
+def _called(*ids: str) -> dict[str, Any]:
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+        for i in ids
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "12:00"}
+
+
+async def test_a_tool_result_must_answer_a_call_of_the_assistant_message_before_it(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """As OpenAI's API: refused when the id names no call of the assistant message just before
+    (tool messages between); answered in any order, or after trimmed turns, it is served."""
+    served = [
+        [*QUESTION, _called("call_a", "call_b"), _result("call_b"), _result("call_a")],
+        [_called("call_a"), _result("call_a"), *QUESTION],  # the turns before it trimmed
+        [*QUESTION, _called("call_a"), _result("call_a"), _called("call_b"), _result("call_b")],
+    ]
+    for messages in served:
+        out = await client.chat.completions.create(
+            model=server.model, messages=messages, tools=TOOLS, max_tokens=1
+        )
+        assert out.choices[0].finish_reason == "length"
+    refused = [
+        ([*QUESTION, _called("call_a"), _result("call_x")], 2, "call_x"),
+        ([*QUESTION, _called("call_a"), _result("call_a"), _result("call_a2")], 3, "call_a2"),
+        ([_result("call_a"), *QUESTION], 0, "call_a"),  # the call it answers trimmed away
+        ([*QUESTION, _called("call_a"), *QUESTION, _result("call_a")], 3, "call_a"),
+        (
+            [_called("call_a"), _result("call_a"), *QUESTION, _called("c"), _result("call_a")],
+            4,
+            "call_a",
+        ),
+    ]
+    for messages, index, call_id in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.model, messages=messages, tools=TOOLS, max_tokens=1
+            )
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == f"messages[{index}].tool_call_id"
+        assert repr(call_id) in error["message"], error
+
+
 async def test_tool_choice_none_and_no_tools_leave_the_output_text(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
