@@ -21,7 +21,7 @@ from asyncengine.server.body import read_json
 from asyncengine.server.chat_output import reasoning_tokens
 from asyncengine.server.chat_request import prepare_chat
 from asyncengine.server.completion import generate, outcome_of
-from asyncengine.server.errors import invalid_request
+from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.output_blocks import BlockReader, read_blocks
 from asyncengine.server.responses_format import (
@@ -40,6 +40,7 @@ from asyncengine.server.responses_schema import (
     chat_request,
     check_supported,
     input_items,
+    responses_names,
 )
 from asyncengine.server.responses_store import ResponseStore, not_found
 from asyncengine.server.state import OUTCOME, STATE, ServerState
@@ -108,7 +109,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     items = input_items(req)
     chat_req = isolate(request, state.cache_isolation, chat_request(req, history, items))
-    chat = await prepare_chat(state, chat_req, "max_output_tokens")
+    try:
+        chat = await prepare_chat(state, chat_req, "max_output_tokens")
+    except ApiError as error:
+        raise responses_names(error) from None
     response_id = f"resp_{uuid.uuid4().hex}"
     response = ResponseBody(response_id, chat.model, req, req.store and store.enabled)
     turn = _Turn(state, store, req, items, response, request.get(API_KEY_DIGEST))

@@ -200,7 +200,7 @@ class ResponseBody:
                 "name": t.name,
                 "description": t.description,
                 "parameters": t.parameters,
-                "strict": t.strict,
+                "strict": t.strict is not False,  # strict unless turned off (OpenAI's)
             }
             for t in req.tools or []
         ]

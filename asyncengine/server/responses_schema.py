@@ -11,7 +11,10 @@ translation into the ``ChatCompletionRequest`` that the chat path runs
   (as OpenAI's API does), whose conversation (its input and output items, back along its chain)
   comes before ``input`` (server/responses_store.py).
 - Function tools only (``type`` "function"); ``tool_choice`` none / auto / required /
-  ``{"type": "function", "name"}``; ``parallel_tool_calls``.
+  ``{"type": "function", "name"}``; ``parallel_tool_calls``. A tool is strict unless its
+  ``strict`` is false (OpenAI's default here, unlike Chat Completions): its schema is held to
+  the grammar (a keyword it cannot hold is a 400), and one whose ``strict`` was left out is
+  made strict as OpenAI's API does it, every object's properties all required.
 - ``text.format``: text, json_object or json_schema (structured output, as
   ``response_format`` in Chat Completions).
 - ``reasoning.effort`` "none" sets the template's ``enable_thinking`` false; other efforts leave
@@ -24,6 +27,7 @@ translation into the ``ChatCompletionRequest`` that the chat path runs
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
@@ -286,14 +290,55 @@ def _tools(req: ResponsesRequest) -> list[Tool] | None:
             )
         if tool.name is None:
             raise _missing(f"tools[{i}]", "a name")
+        parameters = tool.parameters
+        if tool.strict is None and parameters is not None:
+            parameters = all_required(parameters)
         definition = FunctionDefinition(
             name=tool.name,
             description=tool.description,
-            parameters=tool.parameters,
-            strict=tool.strict,
+            parameters=parameters,
+            strict=tool.strict is not False,
         )
         tools.append(Tool(function=definition))
     return tools or None
+
+
+_SUBSCHEMAS = ("items", "additionalProperties", "not")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def all_required(schema: Any) -> Any:
+    """``schema`` with every object's listed properties required: how OpenAI's Responses API
+    makes a function's schema strict when the tool leaves ``strict`` out (an optional field
+    is one whose type allows null). A new object; ``schema`` is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = all_required(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [all_required(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: all_required(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("properties"), dict):
+        out["required"] = list(out["properties"])
+    return out
+
+
+_CHAT_TOOL_FIELD = re.compile(r"\btools\[(\d+)\]\.function\.")
+
+
+def responses_names(error: ApiError) -> ApiError:
+    """``error`` from the chat path with a tool's fields named as this API's flat tools have
+    them (``tools[0].parameters``, not ``tools[0].function.parameters``)."""
+    error.message = _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.message)
+    if error.param is not None:
+        error.param = _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.param)
+    return error
 
 
 def _tool_choice(req: ResponsesRequest) -> ToolChoice | None:

@@ -312,6 +312,41 @@ async def test_a_json_schema_text_format_is_structured_output(
     assert response.text is not None and response.text.format.type == "json_schema"
 
 
+async def test_function_tools_are_strict_unless_strict_is_false(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """OpenAI's default in this API: a schema keyword the grammar cannot hold is refused even
+    under "auto", and a schema whose strict was left out has its properties all required."""
+    tagging = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    tool: dict[str, Any] = {"type": "function", "name": "tag", "parameters": tagging}
+    kwargs: dict[str, Any] = dict(model=server.model, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(tools=[tool], **kwargs)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "unsupported_schema_keyword"
+    assert "uniqueItems" in error["message"] and error["param"] == "tools[0].parameters", error
+    served = await client.responses.create(tools=[{**tool, "strict": False}], **kwargs)
+    assert served.tools[0].strict is False  # type: ignore[union-attr]
+
+    optional = {**WEATHER_SCHEMA, "required": []}
+    weather = {"type": "function", "name": "get_weather", "parameters": optional}
+    response = await client.responses.create(
+        model=server.model,
+        input=QUESTION,
+        tools=[weather],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    )
+    assert response.tools[0].strict is True  # type: ignore[union-attr]
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert set(json.loads(call.arguments)) == set(optional["properties"])
+
+
 async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: RunningServer) -> None:
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
     cases: list[tuple[dict[str, Any], str]] = [
