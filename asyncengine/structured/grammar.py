@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import threading
@@ -31,6 +32,7 @@ import torch
 from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
 from asyncengine.structured.compile_pool import CompilePool, CompileTimeout, WorkerGone
 from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
+from asyncengine.structured.schema_annotations import grammar_schema
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_WORKERS = 2
@@ -160,7 +162,7 @@ class GrammarCompiler:
         """On a pool thread: compiled in the thread's worker process, then read back here."""
         self.compiles += 1
         try:
-            ok, payload = self.pool.compile(constraint.kind, constraint.spec, self.timeout)
+            ok, payload = self.pool.compile(constraint.kind, _given_spec(constraint), self.timeout)
         except CompileTimeout:
             raise InvalidRequestError(
                 f"the {_WHAT[constraint.kind]} took longer than {self.timeout:g} s to compile: "
@@ -208,6 +210,14 @@ class GrammarCompiler:
     def close(self) -> None:
         self._here.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
+
+
+def _given_spec(constraint: StructuredOutput) -> str:
+    """The spec as xgrammar is given it: a JSON schema as the grammar reads it (OpenAPI's
+    ``nullable`` honoured, annotations dropped: structured/schema_annotations.py)."""
+    if constraint.kind != "json_schema":
+        return constraint.spec
+    return json.dumps(grammar_schema(json.loads(constraint.spec)))
 
 
 def _lower_priority() -> None:

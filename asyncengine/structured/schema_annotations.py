@@ -1,8 +1,11 @@
-"""A JSON schema less its annotations: the keywords that describe a value without constraining
-it (``description``, ``title``, ``examples``, ...). A tool's schema goes into its call grammar
-this way: descriptions can be most of an agent's tool set, and they bound nothing, so they
-neither count toward the grammar's size limit nor cost its compile. Only keywords at schema
-positions go; a property *named* "description" stays.
+"""A JSON schema as the grammar is given it: less its annotations, the keywords that describe a
+value without constraining it (``description``, ``title``, ``examples``, ...), and with
+OpenAPI's ``nullable: true`` read as JSON Schema says it (``null`` among the ``type``s). A
+tool's descriptions can be most of an agent's tool set, and they bound nothing, so they neither
+count toward the grammar's size limit nor cost its compile; ``nullable`` is how clients
+generated from OpenAPI 3.0 specs allow null, which the grammar would otherwise ignore as an
+unknown keyword. Only keywords at schema positions change; a property *named* "description"
+stays.
 """
 
 from __future__ import annotations
@@ -30,21 +33,31 @@ _LIST = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
 _MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def without_annotations(schema: Any) -> Any:
-    """``schema`` (a JSON schema, or a boolean one) with its annotation keywords removed at
-    every schema position; a new object, ``schema`` left as it is."""
+def grammar_schema(schema: Any) -> Any:
+    """``schema`` (a JSON schema, or a boolean one) with its annotation keywords removed and
+    ``nullable`` read at every schema position; a new object, ``schema`` left as it is."""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in ANNOTATIONS:
+        if key in ANNOTATIONS or key == "nullable":
             continue
         if key in _LIST and isinstance(value, list):
-            out[key] = [without_annotations(item) for item in value]
+            out[key] = [grammar_schema(item) for item in value]
         elif key in _ONE:
-            out[key] = without_annotations(value)
+            out[key] = grammar_schema(value)
         elif key in _MAP and isinstance(value, dict):
-            out[key] = {name: without_annotations(sub) for name, sub in value.items()}
+            out[key] = {name: grammar_schema(sub) for name, sub in value.items()}
         else:
             out[key] = value  # enum, const, required, type, bounds: as written
+    if schema.get("nullable") is True and "type" in out:
+        out["type"] = _with_null(out["type"])
     return out
+
+
+def _with_null(given: Any) -> Any:
+    """A ``type`` that also allows null (OpenAPI 3.0.3: nullable acts only beside a type)."""
+    types = [given] if isinstance(given, str) else list(given) if isinstance(given, list) else []
+    if not types or "null" in types:
+        return given
+    return [*types, "null"]

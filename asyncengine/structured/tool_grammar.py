@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.common.sampling_params import StructuredOutput
-from asyncengine.structured.schema_annotations import without_annotations
+from asyncengine.structured.schema_annotations import grammar_schema
 from asyncengine.text.reasoning import THINK_CLOSE, THINK_OPEN
 from asyncengine.text.tool_calls import ToolCallFormat
 
@@ -34,7 +34,7 @@ class ToolFunction:
 
 
 def _call_tag(fmt: ToolCallFormat, function: ToolFunction) -> dict[str, Any]:
-    schema = without_annotations(function.parameters)  # descriptions bound nothing
+    schema = grammar_schema(function.parameters)  # descriptions bound nothing
     if schema is True:
         schema = {"type": "object"}
     return {

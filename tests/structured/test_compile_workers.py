@@ -96,3 +96,28 @@ async def test_a_worker_that_dies_mid_compile_is_replaced(
         assert compiler.killed == 0
         assert GrammarMatcher(await compiler.compile(StructuredOutput("regex", "[a-c]+")))
         assert compiler.pool.live_pids() not in ([], [pid])
+
+
+async def test_a_json_schema_reads_openapi_nullable_as_null_allowed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """response_format and the Python API's json_schema go through the compiler: a field
+    marked ``nullable: true`` takes null, as clients generated from OpenAPI specs expect."""
+    tokenizer = Tokenizer(tiny_model_dir(tmp_path_factory))
+    schema = {
+        "type": "object",
+        "properties": {"note": {"type": "string", "nullable": True}, "n": {"type": "integer"}},
+        "required": ["note", "n"],
+        "additionalProperties": False,
+    }
+
+    def accepts(compiled: object, text: str) -> bool:
+        matcher = GrammarMatcher(compiled)
+        ids = [*tokenizer.encode(text), tokenizer.eos_token_ids[0]]
+        return all(matcher.accept(token) for token in ids) and matcher.is_terminated()
+
+    async with started(tmp_path_factory, workers=1) as compiler:
+        compiled = await compiler.compile(StructuredOutput.json_schema(schema))
+        assert accepts(compiled, '{"note": null, "n": 1}')
+        assert accepts(compiled, '{"note": "hi", "n": 1}')
+        assert not accepts(compiled, '{"note": "hi", "n": null}')

@@ -379,7 +379,7 @@ def test_the_llama3_grammar_writes_parameters_json_calls() -> None:
 def test_descriptions_bound_nothing_so_the_grammar_leaves_them_out() -> None:
     """An agent's tool set is mostly descriptions: they neither count toward the grammar's
     size limit nor change what it accepts; a property named "description" stays."""
-    from asyncengine.structured.schema_annotations import without_annotations
+    from asyncengine.structured.schema_annotations import grammar_schema
     from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
 
     described = {
@@ -393,7 +393,7 @@ def test_descriptions_bound_nothing_so_the_grammar_leaves_them_out() -> None:
         },
         "required": ["description"],
     }
-    assert without_annotations(described) == {
+    assert grammar_schema(described) == {
         "type": "object",
         "properties": {
             "description": {"type": "string", "maxLength": 5},
@@ -411,3 +411,38 @@ def test_descriptions_bound_nothing_so_the_grammar_leaves_them_out() -> None:
     assert matcher.accept_string(call + "\n</tool_call>") and matcher.is_completed()
     too_long = _matcher(grammar.spec)()
     assert not too_long.accept_string(call.replace('"hi"', '"toolong"') + "\n</tool_call>")
+
+
+def test_openapi_nullable_lets_a_tool_argument_be_null() -> None:
+    """OpenAPI 3.0's ``nullable: true`` (what clients generated from OpenAPI specs send) adds
+    null to the field's ``type``; without a ``type`` beside it, it does nothing (OpenAPI 3.0.3)."""
+    from asyncengine.structured.schema_annotations import grammar_schema
+    from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "note": {"type": "string", "nullable": True},
+            "days": {"type": "array", "items": {"type": ["integer"], "nullable": True}},
+            "kind": {"enum": ["a", "b"], "nullable": True},
+            "city": {"type": "string", "nullable": False},
+        },
+        "required": ["note", "days", "city"],
+    }
+    assert grammar_schema(schema)["properties"] == {
+        "note": {"type": ["string", "null"]},
+        "days": {"type": "array", "items": {"type": ["integer", "null"]}},
+        "kind": {"enum": ["a", "b"]},
+        "city": {"type": "string"},
+    }
+    grammar = tool_call_grammar(HERMES, [ToolFunction("f", schema)], "named").spec
+
+    def accepts(arguments: str) -> bool:
+        matcher = _matcher(grammar)()
+        call = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        return bool(matcher.accept_string(call)) and matcher.is_completed()
+
+    # (the call grammar's JSON has its keys sorted, so the properties come in name order)
+    assert accepts('{"city": "Oslo", "days": [1, null], "note": null}')
+    assert accepts('{"city": "Oslo", "days": [], "note": "hi"}')
+    assert not accepts('{"city": null, "days": [], "note": "hi"}')
