@@ -94,6 +94,7 @@ def tool_call_grammar(
         raise ValueError(f"unknown tool grammar mode {mode!r}")
     if reasoning and mode != "auto":
         body = {"type": "sequence", "elements": [_think_block(starts_inside_thinking), body]}
+    # keys in their given order: a schema's properties are generated in the order listed
     return StructuredOutput(
-        "structural_tag", json.dumps({"type": "structural_tag", "format": body}, sort_keys=True)
+        "structural_tag", json.dumps({"type": "structural_tag", "format": body})
     )
