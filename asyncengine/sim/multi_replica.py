@@ -27,7 +27,12 @@ from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.lora_cost import LoraCharges, SimLoras
 from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
 from asyncengine.sim.simulator import reveal_lengths
-from asyncengine.sim.workload_replay import SchedulerStuckError, params_for, workload_records
+from asyncengine.sim.workload_replay import (
+    SchedulerStuckError,
+    held_retry,
+    params_for,
+    workload_records,
+)
 from asyncengine.workloads.trace import WorkloadRequest
 
 
@@ -63,10 +68,13 @@ class _Replica:
     inbox: list[Request] = field(default_factory=list)  # routed, joins at the next ready time
     in_flight: tuple[BatchPlan, StepOutput | BaseException] | None = None
     steps: int = 0
+    retry_at: float | None = None  # its policy holds every waiting request: try again then
 
     @property
     def ready_at(self) -> float:
-        return self.clock.now if self.in_flight is not None else math.inf
+        if self.in_flight is not None:
+            return self.clock.now
+        return math.inf if self.retry_at is None else self.retry_at
 
     def state(self) -> ReplicaState:
         stats = self.core.kv.stats()
@@ -79,12 +87,14 @@ class _Replica:
             self.core.add(req)
         self.inbox.clear()
 
-    def launch(self) -> None:
+    def launch(self, more_to_arrive: bool) -> None:
         """Launch and run the next step; it lands when the clock reaches ready_at."""
+        self.retry_at = None
         if self.in_flight is not None or not self.core.has_work():
             return
         plan = self.core.launch()
-        if plan is None:  # nothing fits now; an arrival to this replica may change that
+        if plan is None:  # nothing fits now (an arrival may change that) or the policy holds
+            self.retry_at = held_retry(self.core, self.clock.now, more_to_arrive)
             return
         try:
             output: StepOutput | BaseException = self.core.executor.execute(plan)
@@ -93,7 +103,11 @@ class _Replica:
         self.in_flight = (plan, output)
 
     def land(self) -> None:
-        assert self.in_flight is not None
+        """The step in flight lands (or, none in flight, the clock moves to ``retry_at``)."""
+        if self.in_flight is None:
+            assert self.retry_at is not None
+            self.clock.advance_to(self.retry_at)
+            return
         plan, output = self.in_flight
         self.in_flight = None
         self.core.land(plan, output)
@@ -178,7 +192,7 @@ class MultiReplicaSimulator:
                     if r.in_flight is None and r.inbox:
                         r.clock.advance_to(now)
                         r.admit()
-                        r.launch()
+                        r.launch(k < len(pending))
             else:
                 for r in replicas:
                     if r.ready_at == next_ready:
@@ -186,7 +200,7 @@ class MultiReplicaSimulator:
                         if self.router.consumes_kv_events:  # as a replica's publisher would
                             self.router.observe(r.replica_id, r.core.kv.tree.drain_events())
                         r.admit()
-                        r.launch()
+                        r.launch(k < len(pending))
         stuck = [r.replica_id for r in replicas if r.core.has_work()]
         if stuck:
             raise SchedulerStuckError(f"replicas {stuck} hold requests no step can serve")

@@ -254,28 +254,14 @@ class WorkloadReplay:
         return result
 
     def _next_event(self) -> float | None:
-        """When a step that ran nothing should be tried again: the next arrival; while the
-        policy holds every waiting request with nothing running, the earliest of that, a
-        waiting request's deadline and the policy's wake time (none named: the engine's next
-        idle poll; a stall past ``max_policy_stall`` raises from the step). None: never."""
+        """When a step that ran nothing should be tried again: the next arrival, or sooner
+        while the policy holds (``held_retry``). None: never."""
         times = self.arrival_times
         arrival = times[self.next_arrival] if self.next_arrival < len(times) else None
-        sched = self.core.scheduler
-        if sched.stall.since is None:  # not held by the policy: only an arrival changes things
+        retry = held_retry(self.core, self.clock.now, arrival is not None)
+        if retry is None:  # not held by the policy: only an arrival changes things
             return arrival
-        now = self.clock.now
-        deadlines = self.core.lifecycle._deadlines  # a waiting request may time out first
-        deadline = deadlines[0][0] if deadlines and deadlines[0][0] > now else None
-        wake = sched.wake_time()
-        if wake is None or wake <= now:
-            if arrival is None and deadline is None and not sched.config.max_policy_stall:
-                # nothing to arrive or expire, no wake time and no bound: polls would never end
-                raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
-            wake = now + IDLE_POLL_SECONDS
-        for event in (arrival, deadline):
-            if event is not None and event < wake:
-                wake = event
-        return wake
+        return retry if arrival is None else min(retry, arrival)
 
     def run(self) -> list[RequestRecord]:
         bulk = self.bulk
@@ -291,6 +277,25 @@ class WorkloadReplay:
     def records(self) -> list[RequestRecord]:
         """One record per workload request, in workload order."""
         return workload_records(self.workload, self.requests, self.finished_records)
+
+
+def held_retry(core: EngineCore, now: float, more_to_arrive: bool) -> float | None:
+    """When to try again a step that ran nothing because the policy held every waiting
+    request while nothing ran: the earlier of a waiting request's deadline and the policy's
+    wake time, or without one the engine's next idle poll (a stall past ``max_policy_stall``
+    raises from the step). None: the policy holds nothing. With nothing ``more_to_arrive``,
+    no deadline, no wake time and no bound, the polls would never end: PolicyStalledError."""
+    sched = core.scheduler
+    if sched.stall.since is None:
+        return None
+    deadlines = core.lifecycle._deadlines  # a waiting request may time out first
+    deadline = deadlines[0][0] if deadlines and deadlines[0][0] > now else None
+    wake = sched.wake_time()
+    if wake is None or wake <= now:
+        if not more_to_arrive and deadline is None and not sched.config.max_policy_stall:
+            raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
+        wake = now + IDLE_POLL_SECONDS
+    return wake if deadline is None else min(wake, deadline)
 
 
 def request_record(

@@ -6,6 +6,7 @@ import pytest
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.routing import CacheAwareRouter, make_router
+from asyncengine.scheduler.policy_guard import PolicyStalledError
 from asyncengine.sim.multi_replica import MultiReplicaSimulator
 from asyncengine.sim.simulator import simulate
 from asyncengine.workloads import Arrivals, make_workload
@@ -95,3 +96,33 @@ def test_the_load_guard_spreads_a_burst_of_one_prefix() -> None:
     per_replica = [sum(d.replica == i for d in run.decisions) for i in (0, 1)]
     assert min(per_replica) >= 10
     assert run.summary.num_completed == 40
+
+
+@pytest.mark.parametrize("policy", ["HoldUntilFiveSaysSo", "HoldUntilFive", "ZeroBudget"])
+def test_a_policy_that_holds_runs_behind_the_router_as_in_the_single_simulator(
+    policy: str,
+) -> None:
+    """A replica whose policy holds tries again at its wake time (or the engine's next poll)
+    rather than at the next arrival; one that never admits is named as stalled."""
+    from tests.sim.test_simulator import ONE_SECOND_PER_STEP, config, request
+
+    settings = config(policy=f"tests.sim.test_simulator:{policy}", max_policy_stall=20.0)
+    workload = [request("a", 0.0, 10, 3), request("b", 100.0, 10, 1, first=50)]
+    if policy == "ZeroBudget":
+        for run in (
+            lambda: simulate(settings, workload, ONE_SECOND_PER_STEP),
+            lambda: MultiReplicaSimulator(
+                settings, 1, make_router("round-robin"), ONE_SECOND_PER_STEP
+            ).run(workload),
+        ):
+            with pytest.raises(PolicyStalledError, match="'ZeroBudget' admitted nothing"):
+                run()
+        return
+    single = simulate(settings, workload, ONE_SECOND_PER_STEP)
+    multi = MultiReplicaSimulator(settings, 1, make_router("round-robin"), ONE_SECOND_PER_STEP)
+    result = multi.run(workload)
+    assert [r.token_times for r in result.records] == [r.token_times for r in single.records]
+    assert result.records[0].token_times[0] < 7.0  # admitted at 5, not at b's arrival (100)
+    assert (
+        result.replica_stats[0]["policy_idle_holds"] == single.scheduler_stats["policy_idle_holds"]
+    )
