@@ -119,7 +119,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         float,
         "CUDA, no KV size given: share of GPU memory for weights + KV pool + activations",
     ),
-    ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
+    (
+        "--max-model-len",
+        "max_model_len",
+        int,
+        "longest prompt + output (default: the model's; at most what the KV pool holds)",
+    ),
     (
         "--max-new-tokens-limit",
         "max_new_tokens_limit",

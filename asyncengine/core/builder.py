@@ -8,6 +8,7 @@ smallest of the config's ``max_model_len``, the model's, and the pool.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,8 @@ from asyncengine.scheduler.scheduler import Scheduler
 from asyncengine.scheduler.shadow import ShadowPolicy
 
 DEFAULT_KV_TOKENS = 32768
+
+log = logging.getLogger("asyncengine.core.builder")
 
 
 def kv_capacity_pages(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -> int:
@@ -77,6 +80,21 @@ def context_limit(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
     """The longest sequence (prompt + output) the engine accepts."""
     wanted = config.max_model_len or spec.max_model_len
     return min(wanted, spec.max_model_len, num_pages * config.page_size)
+
+
+def warn_context_cut(config: EngineConfig, spec: ModelSpec, served: int) -> None:
+    """Say so when the config asks for a longer context than ``served``: otherwise the first
+    sign is a request refused for a limit below the one set."""
+    asked = config.max_model_len
+    if asked is None or asked <= served:
+        return
+    why = (
+        "the model's context"
+        if served == spec.max_model_len
+        else "what the KV pool holds (kv_cache_tokens, kv_cache_bytes or, on a GPU, "
+        "gpu_memory_utilization size it)"
+    )
+    log.warning("max_model_len %d is cut to %d tokens, %s", asked, served, why)
 
 
 def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:
@@ -150,6 +168,7 @@ def build_core(
     executor.bind(layout)
     policy, shadow = policies if policies is not None else make_policies(config)
     max_model_len = context_limit(config, spec, layout.num_pages)
+    warn_context_cut(config, spec, max_model_len)
     predictor = build_length_predictor(config.length_predictor, config.length_predictor_options)
     scheduler = Scheduler(
         config, kv, policy, max_model_len, clock, shadow, LengthPredictions(predictor)

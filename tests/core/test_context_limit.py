@@ -1,0 +1,47 @@
+"""The context the engine serves against the max_model_len a config asks for."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncengine.common.config import EngineConfig
+from asyncengine.core.builder import build_core
+from asyncengine.core.engine_core import EngineCore
+from tests.fake_executor import FakeExecutor
+
+
+def core_for(asked: int | None, pool_tokens: int, model_len: int) -> EngineCore:
+    values: dict[str, object] = {"page_size": 4, "kv_cache_tokens": pool_tokens, "log_interval": 0}
+    if asked is not None:
+        values["max_model_len"] = asked
+    return build_core(EngineConfig.from_dict(values), FakeExecutor(model_len))
+
+
+def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_context_past_the_pool_is_cut_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncengine.core.builder"):
+        assert core_for(4096, pool_tokens=256, model_len=8192).max_model_len == 256
+    assert cut_warnings(caplog) == [
+        "max_model_len 4096 is cut to 256 tokens, what the KV pool holds (kv_cache_tokens, "
+        "kv_cache_bytes or, on a GPU, gpu_memory_utilization size it)"
+    ]
+
+
+def test_a_context_past_the_model_is_cut_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncengine.core.builder"):
+        assert core_for(4096, pool_tokens=8192, model_len=2048).max_model_len == 2048
+    assert cut_warnings(caplog) == ["max_model_len 4096 is cut to 2048 tokens, the model's context"]
+
+
+def test_a_context_that_fits_or_was_not_asked_for_is_not_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncengine.core.builder"):
+        assert core_for(1024, pool_tokens=8192, model_len=2048).max_model_len == 1024
+        assert core_for(None, pool_tokens=256, model_len=2048).max_model_len == 256
+    assert cut_warnings(caplog) == []
