@@ -61,6 +61,8 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),
     "kv_pages_evictable": ("pages_evictable", "Cached KV pages no live request locks"),
     "kv_pages_tail": ("pages_tail", "Partly filled KV pages of ended requests kept for reuse"),
+    "kv_pages_pinned": ("pages_pinned", "Cached KV pages held by pinned prefixes"),
+    "host_tier_pages": ("host_tier_pages", "Evicted KV pages the host tier holds (host_kv_tier)"),
     "spec_decode_acceptance_rate": (
         "spec_acceptance_rate",
         "Share of verified speculative guesses accepted (speculative decoding on)",
@@ -85,7 +87,16 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "swap_out_bytes": ("swapped_out_bytes", "KV bytes swapped out to the host buffer"),
     "swap_in_bytes": ("swapped_in_bytes", "KV bytes swapped back in from the host buffer"),
-    "swap_seconds": ("swap_seconds", "Seconds spent copying swapped KV"),
+    "swap_seconds": (
+        "swap_seconds",
+        "Seconds spent copying KV to and from the host buffer (swapped KV and the host tier)",
+    ),
+    "host_tier_hit_tokens": (
+        "host_hit_tokens",
+        "Prompt tokens served from the host tier: copied back, not computed (host_kv_tier)",
+    ),
+    "host_tier_out_bytes": ("tier_out_bytes", "KV bytes of evicted pages copied to the host tier"),
+    "host_tier_in_bytes": ("tier_in_bytes", "KV bytes copied back from the host tier"),
     "spec_decode_steps": ("spec_steps", "Steps that verified speculative guesses"),
     "spec_decode_num_draft_tokens": ("spec_verified_tokens", "Speculative guesses verified"),
     "spec_decode_num_accepted_tokens": ("spec_accepted_tokens", "Speculative guesses accepted"),

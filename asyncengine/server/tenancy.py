@@ -42,6 +42,7 @@ _CACHE_REVEALING = (
     "kv_pages_evictable",
     "kv_pages_tail",
     "shared_tokens",
+    "host_tier",
 )
 
 

@@ -244,3 +244,51 @@ async def test_preemption_counters_come_from_their_stats_keys() -> None:
     assert samples["asyncengine_swap_out_bytes_total"] == 4096
     assert samples["asyncengine_swap_in_bytes_total"] == 2048
     assert samples["asyncengine_swap_seconds_total"] == 0.25
+
+
+async def test_the_host_tier_and_pins_are_scraped_behind_the_key(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # a pool of 16 pages of 4 tokens, a host tier beside it; the first prompt is pushed out by
+    # the others and served from the host tier when it comes back
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory),
+        page_size=4,
+        kv_cache_tokens=64,
+        max_model_len=64,
+        host_kv_tier=True,
+        swap_space_bytes=1 << 20,
+    )
+    server = await start_server(config, api_key="k", admin_token="adm")
+    key, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.post(
+                server.base_url + "/v1/cache/pin", json={"prompt": "pinned " * 2}, headers=admin
+            ) as resp:
+                assert resp.status == 200
+                pinned = (await resp.json())["pages"]
+            for word in ("first", "second", "third", "fourth", "first"):
+                body = {"prompt": f"{word} " * 24, "max_tokens": 2}  # 6 whole pages
+                async with session.post(
+                    server.base_url + "/v1/completions", json=body, headers=key
+                ) as resp:
+                    assert resp.status == 200
+            stats = server.engine.stats()
+            async with session.get(server.base_url + "/metrics", headers=key) as resp:
+                whole = {
+                    sample.name: sample.value
+                    for family in text_string_to_metric_families(await resp.text())
+                    for sample in family.samples
+                }
+            async with session.get(server.base_url + "/metrics") as resp:
+                public = await resp.text()
+    finally:
+        await server.stop()
+    assert stats["host_hit_tokens"] > 0 and stats["tier_in_bytes"] > 0
+    assert whole["asyncengine_host_tier_hit_tokens_total"] == stats["host_hit_tokens"]
+    assert whole["asyncengine_host_tier_out_bytes_total"] == stats["tier_out_bytes"]
+    assert whole["asyncengine_host_tier_in_bytes_total"] == stats["tier_in_bytes"]
+    assert whole["asyncengine_host_tier_pages"] == stats["host_tier_pages"] > 0
+    assert whole["asyncengine_kv_pages_pinned"] == pinned > 0
+    assert "host_tier" not in public and "asyncengine_kv_pages_pinned" in public
