@@ -186,6 +186,7 @@ class ModelExecutor:
             deterministic=self.config.deterministic,
             dense_weight_bytes=dense_bytes,
             defer_huge_pages=self.defer_huge_pages,
+            consume_weights=True,  # the checkpoint's tensors go as their packed copies are made
         )
         self.runner.loras = self.loras
         self.host_kv = HostKVBuffer(pool, layout.swap_pages) if layout.swap_pages else None

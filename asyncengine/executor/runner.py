@@ -70,6 +70,7 @@ class ModelRunner:
         deterministic: bool = False,
         dense_weight_bytes: int | None = None,
         defer_huge_pages: bool = False,
+        consume_weights: bool = False,
     ) -> None:
         """``page_table`` is the runner's own: each plan's page writes are applied to it before
         the forward (tests may also write it directly). ``backend``: "torch", "triton" or "auto"
@@ -80,7 +81,8 @@ class ModelRunner:
         (executor/deterministic.py); it replaces ``backend`` and turns CUDA graphs off.
         ``dense_weight_bytes``: the most the dense copies of quantized projections may take
         (executor/layers/linear.py's ``DenseBudget``; None: no limit). ``defer_huge_pages``:
-        the weights' huge pages left to ``defer_one_time_work`` (executor/cpu/weight_arena.py)."""
+        the weights' huge pages left to ``defer_one_time_work`` (executor/cpu/weight_arena.py).
+        ``consume_weights``: the model takes each weight out of ``weights`` (``LlamaModel``)."""
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
         _check_pool(model_config, kv_pool, self.dtype)
@@ -118,6 +120,7 @@ class ModelRunner:
                 dense_weight_bytes,
                 defer_huge_pages,
                 max_positions=page_table.max_pages_per_row * kv_pool.page_size,
+                consume_weights=consume_weights,
             )
         # a verify step small enough for the fused decode step runs its positions as decode
         # rows there (forward_batch.py): at batch 1 the extend path cost 1.7-2.2x a decode step

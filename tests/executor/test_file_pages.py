@@ -5,6 +5,7 @@ the LM head's table, and no dense copy exists before a step asks for one."""
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +13,16 @@ import pytest
 import torch
 
 from asyncengine.common.config import EngineConfig
-from asyncengine.executor.cpu import weight_arena
+from asyncengine.core.builder import build_core
+from asyncengine.executor.cpu import weight_arena, weight_pack
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS
 from asyncengine.executor.loader.gguf_file import drop_tensor_pages, read_gguf_file
-from asyncengine.executor.model_executor import model_core
-from asyncengine.kernels.cpu import cpu_native
+from asyncengine.executor.model_executor import ModelExecutor, model_core
+from asyncengine.kernels.cpu import cpu_native, weight_pack_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from tests.executor.test_weight_arena import mapping_fields, needs_collapse
+from tests.server_support import TINY_MODEL, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="/proc/self/pagemap and smaps are Linux's"
@@ -132,3 +135,33 @@ async def test_the_engine_moves_the_weights_into_huge_pages_once_ready() -> None
         assert huge >= arena.used - weight_arena.HUGE_PAGE
         after = await engine.generate([1, 2, 3, 4], greedy)
     assert after.token_ids == before.token_ids
+
+
+@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+def test_a_checkpoints_tensors_go_as_their_packed_copies_are_written(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a safetensors checkpoint is loaded into memory of its own: held until the whole model is
+    # packed, a model would need twice its bytes at start-up
+    model_dir = tiny_model_dir(tmp_path_factory)
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=256)
+    executor = ModelExecutor(config)
+    assert executor._weights is not None
+    held = [
+        weakref.ref(tensor)
+        for name, tensor in executor._weights.items()
+        if name.endswith("_proj.weight")
+    ]
+    alive_at_each_write: list[int] = []
+    pack_many = weight_pack_native.pack_many
+
+    def counting(jobs: list[weight_pack_native.PackJob], threads: int) -> None:
+        # the checkpoint's tensors and the rows earlier calls wrote: none may be held still
+        alive_at_each_write.append(sum(ref() is not None for ref in held))
+        held.extend(weakref.ref(source.data) for job in jobs for source in job.sources)
+        pack_many(jobs, threads)
+
+    monkeypatch.setattr(weight_pack_native, "pack_many", counting)
+    monkeypatch.setattr(weight_pack, "DROP_EVERY_BYTES", 1)  # one native call per projection
+    build_core(config, executor)
+    assert alive_at_each_write == [0] * (4 * TINY_MODEL["num_hidden_layers"] + 1)

@@ -14,6 +14,7 @@ copy at once (a 1.5B Q4_K_M's load peaked at 2.4 GB with both, 1.4 GB without).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -78,16 +79,18 @@ def write_pending(arena: WeightArena) -> None:
     the whole model (each one parallel region, its chunks handed to threads as they come free),
     dropping the file pages each call read. The parts' bytes are undefined until this returns."""
     threads = native_load_threads()
+    # each batch's jobs are let go once written: a source no one else holds (a checkpoint's
+    # tensor its model consumed) is freed then, not after the whole model is written
+    jobs, arena.pending = deque(arena.pending), []
     batch: list[PackJob] = []
     size = 0
-    for job in arena.pending:
-        batch.append(job)
-        size += job.out.numel()
+    while jobs:
+        batch.append(jobs.popleft())
+        size += batch[-1].out.numel()
         if size >= DROP_EVERY_BYTES:
             _write_and_drop(batch, threads)
             batch, size = [], 0
     _write_and_drop(batch, threads)
-    arena.pending.clear()
 
 
 def _write_and_drop(jobs: list[PackJob], threads: int) -> None:

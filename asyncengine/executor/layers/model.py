@@ -88,6 +88,7 @@ class LlamaModel:
         dense_weight_bytes: int | None = None,
         defer_huge_pages: bool = False,
         max_positions: int | None = None,
+        consume_weights: bool = False,
     ) -> None:
         """``row_block``: every matmul runs on blocks of this many rows (deterministic mode,
         executor/layers/linear.py); None: one call per matmul. Weights given as QuantizedTensor (a GGUF's
@@ -97,7 +98,9 @@ class LlamaModel:
         ``DenseBudget``; None: no limit). ``defer_huge_pages``: the quantized weights written in
         plain pages, moved into huge pages by ``defer_huge_pages()``'s calls (the engine's, after
         start-up: executor/cpu/weight_arena.py). ``max_positions``: the longest sequence the
-        caller's KV pages can hold (the RoPE tables' length; None: the model's context)."""
+        caller's KV pages can hold (the RoPE tables' length; None: the model's context).
+        ``consume_weights``: each weight taken leaves ``weights``, so that a checkpoint's tensor
+        is freed once its packed copy is written, not held beside the whole packed model."""
         self.config = config
         self.row_block = row_block
         self.dtype = dtype
@@ -106,7 +109,7 @@ class LlamaModel:
         # The torch reference rotary gets its cos/sin rows once per forward and rotates q and k
         # (adjacent in the qkv output) in one call; other kernels take the contract's arguments.
         self.rotary_once_per_forward = self.ops.apply_rotary is rotary_ref.apply_rotary
-        take = _WeightTaker(weights, dtype, self.device)
+        take = _WeightTaker(weights, dtype, self.device, consume_weights)
         self.dense_budget = None if dense_weight_bytes is None else DenseBudget(dense_weight_bytes)
         # the quantized weights in the order a decode step reads them (the order they are
         # made in below: each layer's qkv, o_proj, gate_up, down, then the LM head), in huge pages
@@ -466,17 +469,20 @@ class LlamaModel:
 
 
 class _WeightTaker:
-    """Fetch an HF-named tensor, check its shape, move it to the model's dtype and device."""
+    """Fetch an HF-named tensor, check its shape, move it to the model's dtype and device;
+    ``consume``: take it out of ``weights``."""
 
     def __init__(
         self,
         weights: dict[str, torch.Tensor | QuantizedTensor],
         dtype: torch.dtype,
         device: torch.device,
+        consume: bool = False,
     ):
         self.weights = weights
         self.dtype = dtype
         self.device = device
+        self.consume = consume
 
     def __call__(self, name: str, shape: tuple[int, ...], offset: float = 0.0) -> torch.Tensor:
         """``offset`` is added in float32 before the cast (Gemma's ``1 + w`` norm weights)."""
@@ -498,7 +504,7 @@ class _WeightTaker:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
-        tensor = self.weights.get(name)
+        tensor = self.weights.pop(name, None) if self.consume else self.weights.get(name)
         if tensor is None:
             raise WeightsError(f"weight {name!r} is missing from the checkpoint")
         if tuple(tensor.shape) != shape:
