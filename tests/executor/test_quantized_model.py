@@ -5,6 +5,7 @@ the logits, greedy agreement and perplexity against the same weights in float32
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,24 @@ def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_int8_of_a_quantized_gguf_says_its_blocks_are_rounded_again(
+    quantized_gguf: Path, tiny_llama: TinyCheckpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="asyncengine.loader"):
+        loaded = load_model(str(quantized_gguf), torch.float32, cpu, "int8")
+    assert loaded.weights["model.layers.0.self_attn.q_proj.weight"].format == I8  # type: ignore[union-attr]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "quantization 'int8': the Q4_0, Q8_0 weights of tiny-q.gguf are expanded to float32 and "
+        "rounded again to int8 rows, more bytes and more error than the blocks 'auto' keeps as "
+        "stored"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncengine.loader"):
+        load_model(str(tiny_llama.path), torch.float32, cpu, "int8")  # a float checkpoint
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_gguf_blocks_are_kept_and_their_rows_unpermuted(quantized_gguf: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from asyncengine.common.config import ConfigError
 from asyncengine.executor.loader.default_model import gguf_file, metadata_dir, resolve_model
+from asyncengine.executor.loader.gguf_file import read_gguf_file
 from asyncengine.executor.loader.gguf_loader import Weight, read_gguf_weights
 from asyncengine.executor.loader.hf_dir import load_weights
 from asyncengine.kernels.cpu import quant_native
@@ -33,6 +34,7 @@ from asyncengine.kernels.reference.quant_ref import quantize_i8
 log = logging.getLogger("asyncengine.loader")
 
 _INT8_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+_FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # GGUF tensors held as floats
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ def load_model(
                 f"config key 'quantization' = 'int8': no int8 kernel on {device.type} "
                 "(the CPU's needs a C compiler); use 'none'"
             )
+        warn_requantized(model, dtype)
         model_dir = resolve_model(model, dtype)
         return LoadedModel(model_dir, quantize_int8(dict(load_weights(model_dir, dtype))))
     found = gguf_file(model)
@@ -74,6 +77,25 @@ def load_model(
         return LoadedModel(metadata_dir(gguf_path, cache_name), weights)
     model_dir = resolve_model(model, dtype)
     return LoadedModel(model_dir, dict(load_weights(model_dir, dtype)))
+
+
+def warn_requantized(model: str, dtype: torch.dtype) -> None:
+    """Say so when ``int8`` is asked of a GGUF whose weights are quantized already: they are
+    expanded and rounded again, larger and coarser than the blocks ``auto`` would keep."""
+    found = gguf_file(model)
+    if found is None:
+        return
+    blocks = sorted(
+        {t.tensor_type.name for t in read_gguf_file(found[0]).tensors} - _FLOAT_GGUF_TYPES
+    )
+    if blocks:
+        log.warning(
+            "quantization 'int8': the %s weights of %s are expanded to %s and rounded again to "
+            "int8 rows, more bytes and more error than the blocks 'auto' keeps as stored",
+            ", ".join(blocks),
+            found[0].name,
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def quantize_int8(weights: dict[str, Weight]) -> dict[str, Weight]:
