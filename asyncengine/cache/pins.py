@@ -45,6 +45,11 @@ class PinnedPrefixes:
         return sum(pin.pages for pin in self._pins.values())
 
     def check_room(self, pages: int) -> None:
+        if pages > self.max_pages:  # unpinning would not make room
+            raise PinLimitError(
+                f"a pin of {pages} pages is more than the pool's pinned share of "
+                f"{self.max_pages} pages; raise max_pinned_fraction or pin a shorter prefix"
+            )
         if self.pages + pages > self.max_pages:
             raise PinLimitError(
                 f"pinning {pages} more pages would hold {self.pages + pages} of the pool's "

@@ -50,11 +50,11 @@ async def test_a_pin_past_the_pinned_share_is_refused_before_any_work() -> None:
     eng = engine(num_pages=64, max_pinned_fraction=0.25)  # 16 pages
     await eng.start()
     try:
-        with pytest.raises(PinLimitError, match="max_pinned_fraction"):
-            await eng.pin(SYSTEM)  # 28 pages
+        with pytest.raises(PinLimitError, match="of 16 pages; raise max_pinned_fraction"):
+            await eng.pin(SYSTEM)  # 28 pages: more than the share, whatever is unpinned
         assert eng.stats()["prompt_tokens"] == 0  # nothing was computed for it
         first = await eng.pin(SYSTEM[:40])  # 10 pages
-        with pytest.raises(PinLimitError):
+        with pytest.raises(PinLimitError, match="would hold 20 .* unpin first"):
             await eng.pin(SYSTEM[40:80])  # 10 more: 20 > 16
         eng.unpin(first.pin_id)
         await eng.pin(SYSTEM[40:80])
