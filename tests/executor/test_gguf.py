@@ -232,7 +232,7 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
         patch.setattr(default_model_module, "convert_gguf_to_hf_dir", counted)
         directory = resolve_model(DEFAULT_MODEL, torch.float32)
     yield directory, conversions
-    shutil.rmtree(cache)  # the float32 checkpoint, ~0.5 GB: not kept to the session's end
+    shutil.rmtree(cache)  # the float32 checkpoint, ~0.5 GB: not kept until the whole run ends
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ def shape(
     write_gguf(name, model, folder / f"{name}.gguf", quantize=False)
     write_gguf(name, model, folder / f"{name}-q8_0.gguf", quantize=True)
     yield name, folder, model
-    shutil.rmtree(folder)  # ~0.8 GB for Qwen2.5-1.5B's MLP: not kept to the session's end
+    shutil.rmtree(folder)  # ~0.8 GB for Qwen2.5-1.5B's MLP: not kept until the whole run ends
 
 
 def test_config_read_from_the_gguf_equals_the_hf_directorys(shape: Any) -> None:
