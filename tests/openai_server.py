@@ -1,10 +1,12 @@
 """Module-scoped fixtures shared by the OpenAI-endpoint tests: one server on the tiny model per
-test module, and an ``openai`` client for it. Import both names into a test module to use them."""
+test module, and an ``openai`` (and an ``anthropic``) client for it. Import the names into a test
+module to use them."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anthropic
 import openai
 import pytest
 import pytest_asyncio
@@ -23,5 +25,13 @@ async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Runn
 async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
         base_url=server.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def claude(server: RunningServer) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(
+        base_url=server.base_url, api_key="unused", max_retries=0
     ) as c:
         yield c

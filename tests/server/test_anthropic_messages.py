@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from tests.chat_models import tiny_thinking_qwen3_dir
-from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.openai_server import claude, client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
     assert_no_leak,
@@ -38,14 +38,6 @@ WEATHER_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def claude(server: RunningServer) -> AsyncIterator[anthropic.AsyncAnthropic]:
-    async with anthropic.AsyncAnthropic(
-        base_url=server.base_url, api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 def _prompt_tokens(usage: anthropic.types.Usage) -> int:

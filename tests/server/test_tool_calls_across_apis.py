@@ -6,28 +6,19 @@ streamed answer accumulates, as the SDK does it, to the whole one."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
 import openai
 import pytest
-import pytest_asyncio
 
-from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.openai_server import claude, client, server  # noqa: F401  (fixtures)
+from tests.server.test_tool_calls_server import WEATHER_SCHEMA
 from tests.server_support import RunningServer, assert_no_leak, engine_idle, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+SCHEMA = WEATHER_SCHEMA
 # the same tool on each API, strict everywhere, so that each renders the same prompt
 CHAT_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA, "strict": True}}
@@ -39,14 +30,6 @@ RESPONSES_TOOLS = [
 QUESTION = "What is the weather in Paris?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
 GREEDY = {"temperature": 0}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def claude(server: RunningServer) -> AsyncIterator[anthropic.AsyncAnthropic]:
-    async with anthropic.AsyncAnthropic(
-        base_url=server.base_url, api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 def _is_json(text: str) -> bool:
