@@ -152,6 +152,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "longest prefill chunk (0: no chunking)",
     ),
     (
+        "--short-prompt-tokens",
+        "short_prompt_tokens",
+        int,
+        "prompts this short join the steps of a long prompt mid-chunk (0: none)",
+    ),
+    (
         "--max-consecutive-prefill-steps",
         "max_consecutive_prefill_steps",
         int,

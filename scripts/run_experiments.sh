@@ -49,10 +49,11 @@ compare tree_of_thought --workload tree_of_thought --arrivals burst \
     --configs "${POLICIES[@]}" --set kv_cache_tokens=4096
 
 # 5. Long/short mix: three 32-token prompts then one of 2048, one request a second;
-#    chunked prefill and mixed batches on and off.
+#    chunked prefill, mixed batches and the short-prompt lane on and off.
 compare long_short --workload long_short --arrivals interval:1 \
     --configs "${POLICIES[@]}" "$EXTRA/fcfs-no-chunk.toml" "$EXTRA/fcfs-no-mixed.toml" \
-    "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-chunk-256.toml"
+    "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-chunk-256.toml" \
+    "$EXTRA/fcfs-no-lane.toml"
 
 # 7. Two tenants: "heavy" sends 600-token prompts at 1.2 per second (more than the engine
 #    serves), "light" 60-token prompts at 0.12 per second.

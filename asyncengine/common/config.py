@@ -104,6 +104,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_waiting_requests: int = 4096
     max_prefill_tokens: int = 4096  # prefill tokens per step (and at most one chunk when chunking)
     chunked_prefill_size: int = 1024  # longest prefill chunk; 0 turns chunking off
+    # while a long prompt is mid-chunk, waiting prompts of at most this many uncached tokens
+    # join its steps, taken from its chunk (at most half of it): a short request does not wait
+    # for a long prompt's whole prefill; 0 keeps a step to the one prompt mid-chunk
+    short_prompt_tokens: int = 256
     enable_mixed_batch: bool = True  # decodes ride along with a prefill chunk in one forward
     max_consecutive_prefill_steps: int = 4  # then a decode step, so decodes are never starved
     policy_window: int = 128  # the policy orders at most this many oldest waiting requests
@@ -246,6 +250,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise bad("kv_blocked_skips", "must be >= 0 (0: stop at the first that does not fit)")
         if self.chunked_prefill_size < 0:
             raise bad("chunked_prefill_size", "must be >= 0 (0 turns chunking off)")
+        if self.short_prompt_tokens < 0:
+            raise bad("short_prompt_tokens", "must be >= 0 (0: none join a prompt mid-chunk)")
         if self.chunked_prefill_size and self.chunked_prefill_size < self.page_size:
             raise bad("chunked_prefill_size", f"must be 0 or >= page_size ({self.page_size})")
         if self.dense_weight_bytes is not None and self.dense_weight_bytes < 0:

@@ -86,6 +86,7 @@ class Admitter:
             remaining = min(remaining, budget.total_tokens - num_decodes)
         self.chunk = chunk
         self.remaining = remaining  # prefill tokens the step may still take
+        self.lane = 0  # of those, kept from a prompt mid-chunk for short waiting prompts
         self.slots = 0  # running requests it may still add (stops_before_ordering sets it)
         self.reserved = 0  # future tokens of every admitted request (the same)
         self.skips = config.kv_blocked_skips  # too big for KV now, and may be passed
@@ -95,7 +96,9 @@ class Admitter:
         """Fill the plan's extends: the prompts mid-chunk, then waiting requests."""
         prefill = self.prefill
         prefill.new_step()
-        self.remaining, stopped = prefill.continue_prefills(self.plan, self.remaining, self.chunk)
+        lane = self.lane = self._short_lane()
+        remaining, stopped = prefill.continue_prefills(self.plan, self.remaining - lane, self.chunk)
+        self.remaining = remaining + lane
         if stopped is not None:
             return Admission(stopped)
         if not self.waiting:
@@ -112,6 +115,8 @@ class Admitter:
                 return outcome
         # every ordered request was tried: say what would have stopped the next one
         stopped = self._budget_spent()
+        if stopped is None and self._in_lane():
+            stopped = CHUNK_IN_FLIGHT  # the longer ones wait for the prompt mid-chunk
         outcome.stopped = RUNNING_CAP if stopped is None and self.slots <= 0 else stopped
         return outcome
 
@@ -144,9 +149,29 @@ class Admitter:
     def _budget_spent(self) -> str | None:
         if self.remaining <= 0:
             return TOKEN_BUDGET
-        if self.prefill.chunked is not None and self.chunk:
+        if self.prefill.chunked is not None and self.chunk and not self.lane:
             return CHUNK_IN_FLIGHT  # at most one request mid-chunk
         return None
+
+    def _short_lane(self) -> int:
+        """Prefill tokens a prompt mid-chunk leaves to the short prompts waiting (vLLM's
+        partial prefills): their lengths, up to ``short_prompt_tokens`` and half the step's
+        budget, so a short request waits one step, not a long prompt's whole prefill."""
+        cap = min(self.config.short_prompt_tokens, self.remaining // 2)
+        if cap <= 0 or self.prefill.chunked is None or not self.chunk or not self.waiting:
+            return 0
+        lane = 0
+        for req in self.waiting.head(self.config.policy_window):
+            size = req.num_tokens  # its uncached tokens at most
+            if size <= cap:
+                lane += size
+                if lane >= cap:
+                    return cap
+        return lane
+
+    def _in_lane(self) -> bool:
+        """A prompt is mid-chunk and short prompts may still join beside it."""
+        return self.lane > 0 and self.prefill.chunked is not None
 
     def _alone(self) -> bool:
         """Nothing else runs: a request is admitted whatever it needs."""
@@ -224,6 +249,8 @@ class Admitter:
             self.outcome.deferred.append(req)
             return None
         estimate = len(ids) - matched
+        if estimate > self.remaining and self._in_lane():
+            return None  # beside a prompt mid-chunk only prompts that end in this step join
         future = req.future_tokens(self.max_model_len)
         alone = self._alone()
         if not alone and (self.slots <= 0 or self._need(estimate, future) > kv.available_pages):

@@ -133,7 +133,9 @@ def test_prefix_sharing_hits_cache(page_size: int) -> None:
 
 
 def test_mid_chunk_request_goes_first_and_samples_only_at_the_end() -> None:
-    core, runner, clock = make_scheduler(chunked_prefill_size=8, max_prefill_tokens=8)
+    core, runner, clock = make_scheduler(
+        chunked_prefill_size=8, max_prefill_tokens=8, short_prompt_tokens=0
+    )
     long_prompt = list(range(1, 41))
     submit(core, clock, [(long_prompt, 3), ([5, 6, 7], 3)])
     plans = drive(core, runner, clock)

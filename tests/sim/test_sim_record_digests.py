@@ -84,6 +84,23 @@ def test_simulator_gives_the_records_it_gave_before(case: str) -> None:
     logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     policy, make, digest, steps = CASES[case]
     workload = make()
-    config = EngineConfig(policy=policy, kv_cache_tokens=8192, max_queue_time=300.0)
+    # the digests were taken before short prompts joined the steps of a prompt mid-chunk
+    config = EngineConfig(
+        policy=policy, kv_cache_tokens=8192, max_queue_time=300.0, short_prompt_tokens=0
+    )
     assert _digest(config, workload, bulk=False) == (digest, steps)
     assert _digest(config, CompactWorkload.from_requests(workload), bulk=True) == (digest, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fair-tenants", "lpm-shared"])
+def test_the_fast_path_gives_the_step_by_step_records_with_the_short_prompt_lane(
+    case: str,
+) -> None:
+    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
+    policy, make, _, _ = CASES[case]
+    workload = make()
+    config = EngineConfig(policy=policy, kv_cache_tokens=8192, max_queue_time=300.0)
+    assert config.short_prompt_tokens > 0
+    step_by_step = _digest(config, workload, bulk=False)
+    assert _digest(config, CompactWorkload.from_requests(workload), bulk=True) == step_by_step
