@@ -80,8 +80,9 @@ class Policy:
     ``speculate`` says how many tokens a decoding request may guess this step (speculative
     decoding on; 0: none): by default the configured rule's answer (speculative/rules.py).
     ``wake_time`` says, when the policy holds back every waiting request while nothing runs
-    (a batching window, pacing), the clock time at which it may admit one: the simulator then
-    moves its clock there instead of polling (None: it does not say).
+    (a batching window, pacing), the clock time at which it may admit one: the engine sleeps
+    until then and the simulator moves its clock there, instead of polling (an arrival still
+    comes first; None: it does not say).
     """
 
     name = "base"  # a subclass that sets none is called by its class name
@@ -138,7 +139,7 @@ class Policy:
     def wake_time(self, ctx: PolicyContext) -> float | None:
         """Asked when the policy admitted nothing, requests wait and nothing runs: the clock
         time (``ctx.now``'s clock) at which it may admit one; None: it does not say (the
-        simulator then polls, as the engine does, every ``IDLE_POLL_SECONDS``)."""
+        engine and the simulator then ask again every ``IDLE_POLL_SECONDS``)."""
         return None
 
     def preempt_candidates(

@@ -374,8 +374,13 @@ class AsyncEngine:
         """Hand a group's requests to the core: the other choices follow (fork) choice 0."""
         self._core().add(group.held[0], followers=group.held[1:])
         group.held = []
-        assert self._steps is not None
-        self._steps.wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the step loop: a launch may run something now (an arrival, or a change to
+        what waits or to the policy that holds it)."""
+        if self._steps is not None:
+            self._steps.wakeup.set()
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (all its choices); its KV pages are released
@@ -394,6 +399,7 @@ class AsyncEngine:
         for state in group.states:
             if not state.done:  # held, or already gone from the core
                 self.streams.finish(state)
+        self._wake()  # a policy holding the others may decide otherwise without it
         return True
 
     async def reset_prefix_cache(self, reset_counters: bool = False) -> None:
@@ -465,6 +471,7 @@ class AsyncEngine:
         spec = listed_names(spec, self.config.allowed_policies)
         previous = self._core().set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
+        self._wake()  # the new policy may admit what the old one held
         return previous
 
     def set_eviction_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:

@@ -57,7 +57,8 @@ class InFlight(NamedTuple):
 
 
 class StepLoop:
-    """Runs ``core``'s steps until ``stopping``; ``wakeup`` is set when work arrives."""
+    """Runs ``core``'s steps until ``stopping``; ``wakeup`` is set when work arrives or what
+    waits may change (an abort, a policy swap)."""
 
     def __init__(
         self,
@@ -104,9 +105,8 @@ class StepLoop:
                         await self.wakeup.wait()
                         continue
                     pending = self._launch(core)
-                    if pending is None:
-                        # nothing fits yet, or the policy holds: let aborts and arrivals in
-                        await asyncio.sleep(IDLE_POLL_SECONDS)
+                    if pending is None:  # nothing fits yet, or the policy holds
+                        await self._idle(core)
                         continue
                 step, pending = pending, None
                 if overlap and core.can_launch_ahead():
@@ -157,6 +157,19 @@ class StepLoop:
             if self.waiter is not None:
                 self.waiter.shutdown(wait=True)
                 self.waiter = None
+
+    async def _idle(self, core: EngineCore) -> None:
+        """After a launch that ran nothing: wait for new work (``wakeup``: an arrival, an
+        abort, a policy swap), or until the holding policy's wake time (``held_until``); with
+        none, ask again in ``IDLE_POLL_SECONDS``, since what blocks admission (KV memory, a
+        policy that names no time) may change without anything waking the loop."""
+        until = core.held_until()
+        delay = IDLE_POLL_SECONDS if until is None else max(0.0, until - core.now())
+        self.wakeup.clear()
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
 
     def _launch(self, core: EngineCore) -> InFlight | None:
         """The core's next plan, its forward started on the worker thread (None: no plan);

@@ -101,6 +101,25 @@ class EngineCore:
         self._launched_at = time.perf_counter()
         return plan
 
+    def held_until(self) -> float | None:
+        """While the policy holds every waiting request and nothing runs (the last launch ran
+        nothing): when a launch may change that, the earliest of the policy's wake time, a
+        waiting request's deadline and the end of ``max_policy_stall``. None: the policy holds
+        nothing, or names no wake time ahead (a driver then asks again every
+        ``IDLE_POLL_SECONDS``)."""
+        sched = self.scheduler
+        since = sched.stall.since
+        if since is None:
+            return None
+        wake = sched.wake_time()
+        if wake is None or wake <= self.now():
+            return None
+        limit = sched.config.max_policy_stall
+        if limit:
+            wake = min(wake, since + limit)
+        deadline = self.lifecycle.next_deadline()
+        return wake if deadline is None else min(wake, deadline)
+
     def can_launch_ahead(self) -> bool:
         """Whether ``launch`` may run now, before the plan in flight lands, with the same
         result as after it (overlap scheduling: scheduler/plan_ahead.py): the executor fills

@@ -78,6 +78,12 @@ class Lifecycle:
             deadline = req.arrival_time + max_queue_time
             heapq.heappush(self._deadlines, (deadline, next(order), req, True))
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline still queued (its request may have ended since: ``expire``
+        then finds nothing to end); None: none is."""
+        deadlines = self._deadlines
+        return deadlines[0][0] if deadlines else None
+
     # -- endings -----------------------------------------------------------------------------
     def end(self, req: Request, reason: str, matched: str | int | None = None) -> None:
         """End ``req`` now (no-op if it has ended): its queues and KV are released (the

@@ -30,8 +30,8 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 # (hook name, what it raised): the scheduler's ``policy_failed``
 PolicyFailed = Callable[[str, BaseException], None]
 
-# how often the live engine asks the policy again while it admits nothing and nothing runs;
-# the simulator steps its clock by as much when the policy names no ``wake_time``
+# how often the live engine asks again while requests wait and nothing runs, unless the policy
+# holds them and names a ``wake_time``; the simulator steps its clock by as much
 IDLE_POLL_SECONDS = 0.002
 _NAMED_REQUESTS = 5  # waiting requests a stall's message names
 

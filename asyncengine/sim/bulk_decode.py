@@ -93,8 +93,8 @@ class BulkDecode:
             or policy.sees_decodes
         ):
             return False
-        deadlines = core.lifecycle._deadlines
-        return not (deadlines and deadlines[0][0] <= sched.clock())
+        deadline = core.lifecycle.next_deadline()
+        return deadline is None or deadline > sched.clock()
 
     def _plain(self, req: Request) -> bool:
         """Only its length can end it, and its KV holds exactly the pages its length needs."""

@@ -281,20 +281,23 @@ class WorkloadReplay:
 
 def held_retry(core: EngineCore, now: float, more_to_arrive: bool) -> float | None:
     """When to try again a step that ran nothing because the policy held every waiting
-    request while nothing ran: the earlier of a waiting request's deadline and the policy's
-    wake time, or without one the engine's next idle poll (a stall past ``max_policy_stall``
-    raises from the step). None: the policy holds nothing. With nothing ``more_to_arrive``,
-    no deadline, no wake time and no bound, the polls would never end: PolicyStalledError."""
+    request while nothing ran: ``EngineCore.held_until`` (the policy's wake time, a waiting
+    request's deadline or the end of ``max_policy_stall``, whichever comes first), or without
+    a wake time the engine's next idle poll (or a deadline before it). None: the policy holds
+    nothing. With nothing ``more_to_arrive``, no deadline, no wake time and no bound, the
+    polls would never end: PolicyStalledError."""
     sched = core.scheduler
     if sched.stall.since is None:
         return None
-    deadlines = core.lifecycle._deadlines  # a waiting request may time out first
-    deadline = deadlines[0][0] if deadlines and deadlines[0][0] > now else None
-    wake = sched.wake_time()
-    if wake is None or wake <= now:
-        if not more_to_arrive and deadline is None and not sched.config.max_policy_stall:
-            raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
-        wake = now + IDLE_POLL_SECONDS
+    until = core.held_until()
+    if until is not None:
+        return until
+    deadline = core.lifecycle.next_deadline()  # a waiting request may time out first
+    if deadline is not None and deadline <= now:
+        deadline = None
+    if not more_to_arrive and deadline is None and not sched.config.max_policy_stall:
+        raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
+    wake = now + IDLE_POLL_SECONDS
     return wake if deadline is None else min(wake, deadline)
 
 

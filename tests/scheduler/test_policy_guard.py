@@ -13,7 +13,7 @@ import pytest
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
-from tests.api.test_scheduling_e2e import engine, params, prompt
+from tests.api.test_scheduling_e2e import engine, params, prompt, until
 from tests.fake_executor import reference_output
 from tests.scheduler.test_preemption import short_core
 from tests.scheduler.test_scheduler import drive, submit, workload
@@ -147,6 +147,66 @@ async def test_a_policy_that_stalls_a_live_engine_hands_over_to_fcfs(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "policy 'zero-budget' stalled" in errors[0], errors
     assert "admitted nothing for" in errors[0] and "'r0'" in errors[0]
+
+
+class HoldsLowPriority(Policy):
+    """Holds every request of priority > 0 until ``released``, asking to be woken ``ahead``
+    seconds on (a pacing window that ends only when the test says so); the others go at once."""
+
+    name = "holds-low-priority"
+    orders = True
+
+    def __init__(self, ahead: float = 0.5) -> None:
+        self.ahead = ahead
+        self.released = False
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return [req for req in waiting if self.released or req.params.priority == 0]
+
+    def wake_time(self, ctx: PolicyContext) -> float | None:
+        return ctx.now + self.ahead
+
+
+async def test_a_live_engine_sleeps_until_a_holding_policy_wakes_instead_of_polling() -> None:
+    """A policy that holds with a wake time 0.5 s ahead is asked again at that time, not every
+    2 ms: a tenth of a second of holding is one idle step, not fifty; held and released, the
+    request is served at its next wake."""
+    async with engine(policy=f"{HERE}:HoldsLowPriority") as eng:
+        held = asyncio.create_task(
+            eng.generate(prompt(0), params(3, priority=1), request_id="held")
+        )
+        await until(lambda: eng.stats()["policy_idle_holds"] >= 1)
+        steps = eng.scheduler.step_count
+        await asyncio.sleep(0.1)  # a loop polling every 2 ms holds ~50 times meanwhile
+        stats = eng.stats()
+        assert stats["policy_idle_holds"] <= 2, stats  # 2: the sleep overran the wake time
+        assert eng.scheduler.step_count - steps <= 1 and not held.done()
+        eng.scheduler.policy.released = True  # type: ignore[attr-defined]
+        out = await asyncio.wait_for(held, 30)
+        stats = eng.stats()
+    assert out.finish_reason == "length" and stats["policy_failures"] == 0
+    assert 1 <= stats["policy_idle_holds"] <= 4, stats
+    assert stats["policy_idle_seconds"] > 0
+
+
+async def test_an_arrival_or_a_swap_wakes_a_loop_sleeping_until_a_far_wake_time() -> None:
+    """The loop sleeps until the holding policy's wake time (an hour ahead here), but new work
+    wakes it at once: an arrival the policy admits is served while the held one waits, and a
+    swap to FCFS serves the held one, both long before the wake time."""
+    async with engine(
+        policy=f"{HERE}:HoldsLowPriority", policy_options={"ahead": 3600.0}, max_policy_stall=0
+    ) as eng:
+        held = asyncio.create_task(
+            eng.generate(prompt(0), params(3, priority=1), request_id="held")
+        )
+        await until(lambda: eng.stats()["policy_idle_holds"] >= 1)
+        urgent = await asyncio.wait_for(eng.generate(prompt(1), params(3), request_id="u"), 30)
+        assert urgent.finish_reason == "length" and not held.done()
+        eng.set_policy("fcfs")
+        out = await asyncio.wait_for(held, 30)
+        stats = eng.stats()
+    assert out.finish_reason == "length" and stats["policy"] == "fcfs"
+    assert stats["policy_idle_holds"] <= 3, stats
 
 
 def test_holds_stall_only_while_nothing_runs_and_a_stall_ends_when_the_queue_empties() -> None:
