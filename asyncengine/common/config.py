@@ -305,7 +305,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def from_toml(cls, path: str | Path | None = None, **overrides: Any) -> EngineConfig:
         """Load ``path`` (top-level keys, or an ``[engine]`` table), then apply non-None
         overrides. A relative "file.py:Class" path in the file (a policy, an eviction rule, a
-        length predictor) is relative to the file's folder; in ``overrides`` it stays as given."""
+        length predictor), and a relative model or LoRA adapter path (plugin_spec.model_path),
+        is relative to the file's folder; in ``overrides`` it stays as given."""
         values: dict[str, Any] = {}
         if path is not None:
             try:

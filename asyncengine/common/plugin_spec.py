@@ -1,10 +1,12 @@
 """How a plug-in (a policy, an eviction rule, a length predictor) is named: a built-in name,
 "package.module:Class" (an importable module) or "path/to/file.py:Class" (a file anywhere).
 A config file's relative file paths are relative to the file itself, as a user who keeps a
-policy beside its config expects; a command line's stay relative to where it runs."""
+policy beside its config expects; a command line's stay relative to where it runs. So are the
+local model and LoRA adapter paths a config file names (``model_path``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # the config keys that name plug-ins (and, for policies, compositions of them with '+')
@@ -31,10 +33,34 @@ def anchored(spec: str, folder: Path, composed: bool = False) -> str:
     return f"{folder / path}:{spec.rpartition(':')[2]}"
 
 
+def model_path(value: str, folder: Path) -> str:
+    """``value``, a model (or adapter) the loader takes as a path or a known name, as a path in
+    ``folder`` when it is relative and says it is a path ("./m", "../m") or names something
+    there; otherwise as it is (an absolute path, a known name such as "smollm2-135m", or a
+    path from the working directory, as the loader reads it)."""
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return value
+    if value.startswith(("./", "../")) or (folder / path).exists():
+        return os.path.normpath(folder / path)  # ``folder`` is resolved: ".." is its parent
+    return value
+
+
 def anchor_config_paths(values: dict[str, object], folder: Path) -> dict[str, object]:
-    """A config file's ``values`` with the plug-in file paths it names relative to ``folder``
-    (the file's own folder); other values as they are."""
+    """A config file's ``values`` with the plug-in files, model and LoRA adapters it names by
+    relative paths taken as relative to ``folder`` (the file's own folder); other values as
+    they are."""
     out = dict(values)
+    model, loras, speculative = out.get("model"), out.get("loras"), out.get("speculative")
+    if isinstance(model, str):
+        out["model"] = model_path(model, folder)
+    if isinstance(loras, dict):
+        out["loras"] = {
+            name: model_path(path, folder) if isinstance(path, str) else path
+            for name, path in loras.items()
+        }
+    if isinstance(speculative, dict) and isinstance(speculative.get("model"), str):
+        out["speculative"] = {**speculative, "model": model_path(speculative["model"], folder)}
     for key in PLUGIN_KEYS + POLICY_KEYS:
         value = out.get(key)
         composed = key in POLICY_KEYS

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.config import EngineConfig
 from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
 from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
@@ -79,6 +80,34 @@ async def test_mixed_batch_equals_peft_and_no_adapter_reuses_anothers_kv(
         base_again = await engine.generate(PROMPT, greedy(None))
     assert first.token_ids == base_again.token_ids == want[0]
     assert (base_again.usage.cached_tokens > 0) == prefix_cache
+
+
+@pytest.mark.asyncio
+async def test_a_config_files_relative_model_and_adapter_load_from_its_folder(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    oracle: PeftOracle,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TOML beside its model and adapter names them by relative paths, and the engine loads
+    them when started from another folder."""
+    folder = tmp_path / "experiment"
+    shutil.copytree(model_dir, folder / "m")
+    shutil.copytree(adapters["r4"], folder / "adapters" / "r4")
+    path = folder / "run.toml"
+    path.write_text(
+        'model = "./m"\ndtype = "float32"\ndevice = "cpu"\nlog_interval = 0.0\n'
+        'page_size = 16\nkv_cache_tokens = 4096\n[loras]\nr4 = "adapters/r4"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    async with AsyncEngine(EngineConfig.from_toml(path)) as engine:
+        base = await engine.generate(PROMPT, greedy(None))
+        tuned = await engine.generate(PROMPT, greedy("r4"))
+    assert base.token_ids == oracle.greedy(None, PROMPT, NEW_TOKENS)
+    assert tuned.token_ids == oracle.greedy("r4", PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.asyncio

@@ -145,3 +145,33 @@ def test_a_config_files_plugin_paths_are_relative_to_the_file(
     assert given.policy == "newest.py:Newest"
     with pytest.raises(ConfigError, match="cannot load policy"):
         make_policies(given)
+
+
+def test_a_config_files_model_and_adapter_paths_are_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative path that says it is one, or names something beside the file, is taken from
+    the file's folder; a known model name, an absolute path, and a path found nowhere beside
+    the file stay as written (the loader reads them from the working directory)."""
+    folder = tmp_path / "experiment"
+    (folder / "adapters" / "mine").mkdir(parents=True)
+    path = folder / "run.toml"
+    path.write_text(
+        'model = "./m"\n'
+        'speculative = {method = "draft", model = "../draft.gguf"}\n'
+        '[loras]\nmine = "adapters/mine"\nelsewhere = "not/here"\nabsolute = "/srv/lora"\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    config = EngineConfig.from_toml(path)
+    assert config.model == str(folder / "m")
+    assert config.speculative is not None
+    assert config.speculative["model"] == str(tmp_path / "draft.gguf")
+    assert config.loras == {
+        "mine": str(folder / "adapters" / "mine"),
+        "elsewhere": "not/here",
+        "absolute": "/srv/lora",
+    }
+    path.write_text('model = "smollm2-135m"\n')
+    assert EngineConfig.from_toml(path).model == "smollm2-135m"
+    # on the command line (an override) a path stays relative to where the command runs
+    assert EngineConfig.from_toml(path, model="./m").model == "./m"
