@@ -127,7 +127,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_queue_time: float | None = None
     # seconds the policy may admit nothing while requests wait and nothing runs (a batching
     # window or pacing holds on purpose); past it the engine logs an error and FCFS takes over,
-    # the simulator raises PolicyStalledError (scheduler/policy_guard.py). 0: no bound
+    # the simulator raises PolicyStalledError (scheduler/policy_guard.py); admission blocked by
+    # something else (KV memory) past it is only logged, naming why. 0: no bound
     max_policy_stall: float = 30.0
     # a second policy asked to order the same waiting queue every step, without acting: the
     # engine reports how often its first pick and its top ``shadow_top_k`` agree with the live one

@@ -17,6 +17,9 @@ out (``Request.blocked``):
 - ``decode_turn``: with mixed batches off, this step was a decode step;
 - ``lora_slots``: its LoRA adapter is not in the step and ``max_loras`` adapters are (or its
   adapter drains to free a slot for another: lora_slots.py); admission went on past it.
+
+A step that admits nothing while nothing runs is the policy's hold only when its reason is the
+policy's (``POLICY_REASONS``): the stall check blames the policy for no other (policy_guard.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ POLICY_WINDOW = "policy_window"
 POLICY_HOLD = "policy_hold"
 DECODE_TURN = "decode_turn"
 LORA_SLOTS = "lora_slots"
+
+# the reasons that are the policy's doing when a step admits nothing and nothing else runs (its
+# budget, its order, its window); the others block admission whatever the policy answers
+POLICY_REASONS = frozenset((TOKEN_BUDGET, POLICY_HOLD, POLICY_WINDOW))
 
 REASONS = (
     TOKEN_BUDGET,
@@ -190,21 +197,11 @@ class AdmissionLog:
         if not waiting:
             return
         outside = len(waiting) - len(inside)
-        stopped = admission.stopped
-        beyond = stopped or POLICY_WINDOW  # the reason of the requests the policy never saw
-        if stopped is None:  # every request the policy ordered was tried
-            if admission.skipped:
-                stopped = KV_RESERVATION
-            elif admission.lora_blocked:
-                stopped = LORA_SLOTS
-            elif admission.held:
-                stopped = POLICY_HOLD
-            elif outside:
-                stopped = POLICY_WINDOW
-            elif admission.deferred:
-                stopped = PREFIX_DEDUP
-            else:
-                return
+        # the reason of the requests the policy never saw
+        beyond = admission.stopped or POLICY_WINDOW
+        stopped = stop_reason(admission, outside)
+        if stopped is None:
+            return
         self.steps[stopped] += 1
         if outside:
             self._outside_totals[_INDEX[beyond]] += 1
@@ -220,6 +217,25 @@ class AdmissionLog:
                     blocked = req.blocked
                     blocked[reason] = blocked.get(reason, 0) + 1
                     blocked[stopped] = blocked.get(stopped, 0) - 1
+
+
+def stop_reason(admission: Admission, outside: int) -> str | None:
+    """Why a step that went as ``admission`` left requests waiting, ``outside`` of them past
+    the policy's window: where it stopped, else (every request the policy ordered was tried)
+    what kept the first of them out. None: nothing kept one out."""
+    if admission.stopped is not None:
+        return admission.stopped
+    if admission.skipped:
+        return KV_RESERVATION
+    if admission.lora_blocked:
+        return LORA_SLOTS
+    if admission.held:
+        return POLICY_HOLD
+    if outside:
+        return POLICY_WINDOW
+    if admission.deferred:
+        return PREFIX_DEDUP
+    return None
 
 
 def _add(req: Request, totals: list[int], snapshot: tuple[int, ...]) -> None:

@@ -8,14 +8,18 @@ budget, no victims); the failure is logged with its traceback and counted, and F
 policy from the next step, as a live swap would (the scheduler's ``policy_failed``). A shadow
 policy that fails is dropped.
 
-A policy that admits nothing while requests wait and nothing runs holds the engine idle. That
-may be what it means (a batching window, pacing: ``Policy.wake_time`` may say until when), so
+A policy that admits nothing while requests wait and nothing runs holds the engine idle (its
+order, window or budget let nothing in: admission.py's ``POLICY_REASONS``). That may be what
+it means (a batching window, pacing: ``Policy.wake_time`` may say until when), so
 such steps are only counted (``PolicyStall``: ``policy_idle_holds`` and ``policy_idle_seconds``
 in the stats) until the stall has lasted ``max_policy_stall`` seconds. Then it is a failure
 like any other: a live engine logs it once, counts it and hands over to FCFS, so requests do
 not wait forever on a policy that will never admit them (a budget of zeros); the simulator
 raises ``PolicyStalledError`` instead, since a run that silently switched policy would
-measure the wrong one.
+measure the wrong one. When admission is blocked otherwise (the KV pool full of pinned
+prefixes, no LoRA slot) the policy is not to blame and no other would do better: such steps
+are an ``IdleBlock``, which a live engine logs once, naming the reason, past
+``max_policy_stall``, and the simulator names when it is stuck.
 """
 
 from __future__ import annotations
@@ -70,6 +74,40 @@ class PolicyStall:
 
     def seconds_until(self, now: float) -> float:
         return self.seconds + (0.0 if self.since is None else now - self.since)
+
+
+@dataclass(slots=True)
+class IdleBlock:
+    """Steps that ran nothing while requests waited and nothing ran, with admission blocked
+    by something other than the policy (``reason``, admission.py's): since when the spell going
+    on began (None: none is) and whether it was reported."""
+
+    reason: str | None = None
+    since: float | None = None
+    reported: bool = False
+
+    def blocked(self, reason: str, now: float) -> float:
+        """Count one such step; how long the spell has lasted so far."""
+        self.reason = reason
+        if self.since is None:
+            self.since, self.reported = now, False
+        return now - self.since
+
+    def ended(self) -> None:
+        """A step ran, the policy holds, or nothing waits: the spell, if any, is over."""
+        self.reason = self.since = None
+
+
+def blocked_message(
+    reason: str, policy: Policy, seconds: float, waiting: int, pinned: int, pages: int
+) -> str:
+    """Why nothing has run for ``seconds`` while ``waiting`` requests wait, when the policy is
+    not why (an ``IdleBlock``'s ``reason``), with the KV pool's ``pinned`` pages of ``pages``."""
+    return (
+        f"nothing has run for {seconds:.3f} s while {waiting} request(s) wait: admission is "
+        f"blocked by {reason}, not by policy {policy.name!r} ({pinned} of {pages} KV pages "
+        "are pinned)"
+    )
 
 
 def stalled_error(policy: Policy, seconds: float, waiting: Sequence[Request]) -> PolicyStalledError:

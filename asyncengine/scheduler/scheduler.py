@@ -29,7 +29,13 @@ from asyncengine.common.request import Request, RequestStatus
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.length_predictor import LengthPredictions, MaxTokensPredictor
-from asyncengine.scheduler.admission import DECODE_TURN, Admission, AdmissionLog
+from asyncengine.scheduler.admission import (
+    DECODE_TURN,
+    POLICY_REASONS,
+    Admission,
+    AdmissionLog,
+    stop_reason,
+)
 from asyncengine.scheduler.admitter import Admitter
 from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.plan_ahead import (
@@ -38,7 +44,9 @@ from asyncengine.scheduler.plan_ahead import (
     plan_ahead_allowed,
 )
 from asyncengine.scheduler.policy_guard import (
+    IdleBlock,
     PolicyStall,
+    blocked_message,
     checked_budget,
     checked_wake_time,
     stalled_error,
@@ -86,6 +94,8 @@ class Scheduler:
         self._failed_policy: Policy | None = None  # the last policy that failed (replaced)
         # steps where the policy held every waiting request while nothing ran (policy_guard.py)
         self.stall = PolicyStall()
+        # steps that ran nothing while requests waited, blocked by something else (KV memory)
+        self.idle_block = IdleBlock()
         # past max_policy_stall: raise PolicyStalledError (the simulator) instead of FCFS
         self.stall_raises = False
         self.max_model_len = max_model_len
@@ -216,8 +226,10 @@ class Scheduler:
             return
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-            if not self.waiting and self.stall.since is not None:
-                self.stall.ended(self.clock())  # nothing is held any more
+            if not self.waiting:  # nothing is held or blocked any more
+                if self.stall.since is not None:
+                    self.stall.ended(self.clock())
+                self.idle_block.ended()
         elif req.status is RequestStatus.PREFILLING:
             self.prefilling.remove(req)
         elif req.status is RequestStatus.RUNNING:
@@ -303,18 +315,26 @@ class Scheduler:
                 plan.sampling.append(SamplingInfo(req.params, req.prompt_ids, req.output_ids))
         if plan.is_empty():
             self.count_step(False, False)
-            self._idle()
+            self._idle(admission)
             return None
         self.end_step(plan, admission, bool(plan.decodes))
         return plan
 
-    def _idle(self) -> None:
-        """A step that runs nothing: counted as a policy stall when requests wait and nothing
-        runs (the policy held them all); past ``max_policy_stall`` a failure (policy_guard.py)."""
+    def _idle(self, admission: Admission) -> None:
+        """A step that runs nothing (its admission went as ``admission``): while requests wait
+        and nothing runs, counted as a policy stall when the policy is why admission stopped
+        (past ``max_policy_stall`` a failure), else as an ``IdleBlock`` (policy_guard.py)."""
         now = self.clock()
         if not self.waiting or self.running or self.prefilling or self.inflight is not None:
             self.stall.ended(now)
+            self.idle_block.ended()
             return
+        reason = stop_reason(admission, len(self.waiting) - len(admission.window))
+        if reason is not None and reason not in POLICY_REASONS:
+            self.stall.ended(now)  # the policy holds nothing: no other would admit one now
+            self._blocked(reason, now)
+            return
+        self.idle_block.ended()
         lasted = self.stall.held(now)
         limit = self.config.max_policy_stall
         if limit and lasted >= limit:
@@ -325,6 +345,20 @@ class Scheduler:
             if self.stall_raises:
                 raise error
             self.policy_failed("stall", error)
+
+    def _blocked(self, reason: str, now: float) -> None:
+        """A step that ran nothing, blocked by ``reason`` (not the policy): past
+        ``max_policy_stall`` of that, logged once, naming it."""
+        block = self.idle_block
+        lasted = block.blocked(reason, now)
+        limit = self.config.max_policy_stall
+        if limit and lasted >= limit and not block.reported:
+            block.reported = True
+            kv, waiting = self.kv, len(self.waiting)
+            message = blocked_message(
+                reason, self.policy, lasted, waiting, kv.pins.pages, kv.num_pages
+            )
+            log.warning("%s", message)
 
     def wake_time(self) -> float | None:
         """When the policy, holding every waiting request while nothing runs, may admit one
@@ -377,6 +411,8 @@ class Scheduler:
         self.admission.record(self.waiting, admission)
         if self.stall.since is not None:
             self.stall.ended(self.clock())
+        if self.idle_block.since is not None:
+            self.idle_block.ended()
         kv = self.kv
         plan.page_writes = kv.page_table.drain_writes()
         plan.released_rows = kv.page_table.drain_released()

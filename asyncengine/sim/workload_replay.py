@@ -238,7 +238,8 @@ class WorkloadReplay:
                 if not self.core.has_work():
                     return None  # what waited has timed out
                 raise SchedulerStuckError(
-                    f"scheduler is stuck at t={self.clock.now:.3f}s: {self.core.stats()}"
+                    f"scheduler is stuck at t={self.clock.now:.3f}s"
+                    f"{stuck_reason(self.core)}: {self.core.stats()}"
                 )
             self.clock.advance_to(wake)
         if timer is not None:
@@ -299,6 +300,13 @@ def held_retry(core: EngineCore, now: float, more_to_arrive: bool) -> float | No
         raise stalled_error(sched.policy, now - sched.stall.since, list(sched.waiting))
     wake = now + IDLE_POLL_SECONDS
     return wake if deadline is None else min(wake, deadline)
+
+
+def stuck_reason(core: EngineCore) -> str:
+    """What blocks admission while nothing runs, when the policy is not why (an empty string
+    when nothing is known)."""
+    reason = core.scheduler.idle_block.reason
+    return "" if reason is None else f" (admission blocked by {reason}, not by the policy)"
 
 
 def request_record(

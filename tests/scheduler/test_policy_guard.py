@@ -6,17 +6,22 @@ holds at every step; a failing shadow policy is dropped and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import pytest
 
+from asyncengine.cache.pins import Pin
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
+from asyncengine.scheduler.policy_guard import PolicyStalledError
+from asyncengine.sim.workload_replay import held_retry
 from tests.api.test_scheduling_e2e import engine, params, prompt, until
 from tests.fake_executor import reference_output
 from tests.scheduler.test_preemption import short_core
-from tests.scheduler.test_scheduler import drive, submit, workload
+from tests.scheduler.test_scheduler import Clock, drive, submit, workload
 
 HERE = "tests.scheduler.test_policy_guard"
 
@@ -224,3 +229,67 @@ def test_holds_stall_only_while_nothing_runs_and_a_stall_ends_when_the_queue_emp
     stats = core.stats()
     assert stats["policy_failures"] == 0 and stats["policy"] == "zero-budget"
     assert stats["policy_idle_seconds"] == 4.0
+
+
+def pinned_pool(policy: str, simulated: bool) -> tuple[EngineCore, Clock, Pin]:
+    """A core whose 40-page pool has 36 pages pinned and a request waiting whose first chunk
+    (16 pages) does not fit in the rest: admission is blocked by KV memory whatever the policy
+    answers; ``simulated``: a stall raises, as in the simulator. ``policy`` takes over once the
+    pinned prefix is cached."""
+    core, runner, clock = short_core(
+        max_pinned_fraction=0.9,
+        chunked_prefill_size=64,
+        max_prefill_tokens=64,
+        max_policy_stall=10.0,
+    )
+    core.scheduler.stall_raises = simulated
+    system = list(range(1, 145))
+    submit(core, clock, [(system, 1)], tag="warm")
+    drive(core, runner, clock)
+    pin = core.pin(system)
+    core.set_policy(policy)
+    submit(core, clock, [(list(range(500, 600)), 2)])
+    return core, clock, pin
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["engine", "simulator"])
+def test_a_pool_blocked_by_pins_is_not_blamed_on_the_policy(
+    simulated: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing runs for longer than max_policy_stall because pinned prefixes fill the pool:
+    no hold is counted, the policy neither fails over to FCFS nor is raised against, and one
+    warning names what blocks admission; unpinned, the request runs."""
+    core, clock, pin = pinned_pool("lpm", simulated)
+    for _ in range(4):  # 18 s of steps that run nothing
+        assert core.launch() is None
+        assert held_retry(core, clock(), more_to_arrive=False) is None  # not held by the policy
+        clock.t += 6.0
+    stats = core.stats()
+    assert stats["policy"] == "lpm" and stats["policy_failures"] == 0
+    assert stats["policy_idle_holds"] == 0 and stats["policy_idle_seconds"] == 0.0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1, said
+    assert "blocked by kv_reservation, not by policy 'lpm' (36 of 40 KV pages" in said[0]
+    core.unpin(pin.pin_id)
+    plan = core.launch()
+    assert plan is not None and [seg.rid for seg in plan.extends] == ["r0"]
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["engine", "simulator"])
+def test_a_policy_that_holds_over_a_blocked_pool_still_stalls(
+    simulated: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same pinned pool under a policy whose budget lets nothing in: the policy held, so
+    past max_policy_stall it is a stall, as anywhere else."""
+    core, clock, _ = pinned_pool(f"{HERE}:ZeroBudget", simulated)
+    assert core.launch() is None
+    clock.t += 10.0
+    if simulated:
+        with pytest.raises(PolicyStalledError, match="'zero-budget' admitted nothing"):
+            core.launch()
+        return
+    assert core.launch() is None
+    stats = core.stats()
+    assert stats["policy_failures"] == 1 and stats["policy_idle_holds"] == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "policy 'zero-budget' stalled" in errors[0], errors
