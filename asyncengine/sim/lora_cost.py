@@ -1,4 +1,4 @@
-"""LoRA's share of a simulated step: the adapters' compute on their rows, and adapter loads.
+"""LoRA in a simulated run: the adapters' compute in each step, and their read back into memory.
 
 Each row (token) of a request under an adapter of rank r passes, in every layer and target
 module (``in`` -> ``out`` features), through the adapter's shrink (``2 * in * r`` FLOPs) and
@@ -8,9 +8,12 @@ its file) and a segment of kernels launched. So a step's LoRA time is
     per_flop * flops + per_weight_byte * (weight bytes of the step's adapters)
                      + per_adapter * (distinct adapters in the step)
 
-An adapter not held in memory is read from disk at its first use: ``per_load + per_load_byte
-* bytes``, added to that step; at most ``max_cpu_loras`` are held, the least recently used
-dropped first (and read again when it comes back). The coefficients are fitted by
+As in the engine (api/held_groups.py, executor/lora/registry.py), a request whose adapter is not
+in memory is held out of the queue from its arrival while the adapter is read back, ``per_load +
+per_load_byte * bytes`` later, once for all the requests that wait for it; the steps go on
+meanwhile and pay nothing for it. At most ``max_cpu_loras`` adapters stay in memory besides
+those of requests in flight (held, waiting or running), the least recently used dropped first
+at each step (and read again when they come back). The coefficients are fitted by
 ``scripts/fit_lora_cost.py``; the shipped ones are ``default_lora_cost_model.json``.
 """
 
@@ -18,13 +21,15 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
+from asyncengine.common.config import ConfigError
 from asyncengine.common.plan import BatchPlan
+from asyncengine.common.request import Request
 
 DEFAULT_LORA_COST_MODEL_PATH = Path(__file__).with_name("default_lora_cost_model.json")
 
@@ -166,6 +171,14 @@ class SimLoras:
     def rank(self, adapter: str) -> int:
         return self.ranks.get(adapter, self.default_rank)
 
+    def check_fits(self, max_loras: int) -> None:
+        """ConfigError unless a step's ``max_loras`` adapters fit in memory together."""
+        if self.max_cpu_loras < max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({max_loras}): "
+                "a step's adapters are all loaded"
+            )
+
     @classmethod
     def for_config(cls, max_cpu_loras: int | None) -> SimLoras:
         """The engine's ``max_cpu_loras`` (None: every adapter stays loaded, so none is read
@@ -173,21 +186,78 @@ class SimLoras:
         return cls(max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else 1 << 30)
 
 
-class LoraCharges:
-    """What a simulated run's adapters cost, step by step: their compute, and loads from disk
-    of the adapters not held (an LRU of ``max_cpu_loras``). ``adapters`` maps each request id
-    to its adapter (requests without one cost nothing here)."""
+@dataclass(slots=True)
+class ReadBack:
+    """An adapter's weights being read back into memory, and the requests held for them."""
 
-    def __init__(self, loras: SimLoras, adapters: Mapping[str, str]) -> None:
+    ends: float  # when the read is done, in simulated seconds
+    held: list[Request] = field(default_factory=list)
+
+
+class LoraCharges:
+    """What a simulated run's adapters cost and which are in memory. ``adapters`` maps each
+    request id to its adapter (requests without one cost nothing here); ``in_flight`` holds the
+    ids of the requests queued or running (the scheduler's), whose adapters are never dropped.
+
+    A driver hands each arrival to ``hold`` and queues it unless held, and queues what
+    ``read_back`` gives once the simulated clock reaches ``next_read_end``."""
+
+    def __init__(
+        self, loras: SimLoras, adapters: Mapping[str, str], in_flight: Collection[str] = ()
+    ) -> None:
         self.loras = loras
         self.adapters = adapters
-        self.held: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.in_flight = in_flight
+        self.resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.reading: dict[str, ReadBack] = {}  # adapter -> its read under way
+        self.holding = 0  # requests held for a read
         self.loads = 0
         self.load_seconds = 0.0
         self.compute_seconds = 0.0
 
+    def hold(self, req: Request) -> bool:
+        """Whether ``req`` waits out of the queue for its adapter's read back: started at its
+        arrival, or the one already under way. False: no adapter, or it is in memory."""
+        lora = req.lora
+        if lora is None:
+            return False
+        if lora in self.resident:
+            self.resident.move_to_end(lora)
+            return False
+        read = self.reading.get(lora)
+        if read is None:
+            seconds = self.loras.cost.load_seconds(
+                self.loras.shape.adapter_bytes(self.loras.rank(lora))
+            )
+            read = self.reading[lora] = ReadBack(req.arrival_time + seconds)
+            self.loads += 1
+            self.load_seconds += seconds
+        read.held.append(req)
+        self.holding += 1
+        return True
+
+    def next_read_end(self) -> float | None:
+        """When the first read under way is done (None: none is)."""
+        return min((read.ends for read in self.reading.values()), default=None)
+
+    def read_back(self, until: float) -> list[Request]:
+        """The held requests whose adapter's read has ended by ``until``, in the order the
+        reads ended, to be queued; their adapters are in memory from here."""
+        if not self.reading:
+            return []
+        done = sorted(
+            (read.ends, lora) for lora, read in self.reading.items() if read.ends <= until
+        )
+        released: list[Request] = []
+        for _, lora in done:
+            released += self.reading.pop(lora).held
+            self.resident[lora] = None
+        self.holding -= len(released)
+        return released
+
     def step_seconds(self, plan: BatchPlan) -> float:
-        """The LoRA time of ``plan`` (its adapters' rows, and loading those not held)."""
+        """The LoRA compute of ``plan``'s adapters' rows (an adapter not in memory, which a
+        driver that holds nothing leaves there, is read by the step, as in the engine)."""
         adapters = self.adapters
         rows: dict[str, int] = {}
         for seg in plan.extends:
@@ -198,33 +268,44 @@ class LoraCharges:
             lora = adapters.get(seg.rid)
             if lora is not None:
                 rows[lora] = rows.get(lora, 0) + 1 + seg.guesses
-        if not rows:
-            return 0.0
         loras, shape, cost = self.loras, self.loras.shape, self.loras.cost
         flops = weight_bytes = 0
         load = 0.0
-        held = self.held
+        resident = self.resident
         for lora, count in rows.items():
             rank = loras.rank(lora)
             flops += count * shape.flops_per_row(rank)
             nbytes = shape.adapter_bytes(rank)
             weight_bytes += nbytes
-            if lora in held:
-                held.move_to_end(lora)
+            if lora in resident:
+                resident.move_to_end(lora)
             else:
-                held[lora] = None
+                resident[lora] = None
                 self.loads += 1
                 load += cost.load_seconds(nbytes)
-        # drop the least recently used past the cap, never one this step uses
-        while len(held) > loras.max_cpu_loras:
-            oldest = next(iter(held))
-            if oldest in rows:
-                break
-            del held[oldest]
+        self._drop_past_cap(rows)
+        if not rows:
+            return 0.0
         compute = cost.compute_seconds(flops, weight_bytes, len(rows))
         self.compute_seconds += compute
         self.load_seconds += load
         return compute + load
+
+    def _drop_past_cap(self, step: Collection[str]) -> None:
+        """Drop the least recently used adapters past ``max_cpu_loras``, never one of the step
+        or of a request in flight."""
+        resident = self.resident
+        excess = len(resident) - self.loras.max_cpu_loras
+        if excess <= 0:
+            return
+        adapters = self.adapters
+        keep = {adapters.get(rid) for rid in self.in_flight}
+        for lora in list(resident):
+            if excess == 0:
+                return
+            if lora not in step and lora not in keep:
+                del resident[lora]
+                excess -= 1
 
     def stats(self) -> dict[str, float]:
         return {

@@ -6,6 +6,8 @@ of each replica (requests in flight, prefix-cache capacity). Events run in time 
 arrival is routed at its arrival time and joins its replica when that replica is next ready
 (at once when idle, else when its step in flight lands), exactly as WorkloadReplay admits a
 single engine's arrivals; so one replica behind any router gives the single simulator's run.
+A request whose adapter is not in its replica's memory joins that replica's queue when the
+adapter's read back ends (sim/lora_cost.py), an event like the others.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class MultiReplicaResult:
     summary: BenchSummary
     replica_ids: list[str]
     decisions: list[RoutedRequest]  # in routing (arrival) order; refused requests have none
-    replica_stats: list[dict[str, float]]  # each replica's scheduler stats at the end
+    replica_stats: list[dict[str, float]]  # each replica's scheduler (and LoRA) stats
     router_decisions: dict[str, int]  # decisions by reason
     steps: int
     virtual_seconds: float
@@ -74,18 +76,42 @@ class _Replica:
     def ready_at(self) -> float:
         if self.in_flight is not None:
             return self.clock.now
-        return math.inf if self.retry_at is None else self.retry_at
+        ready = math.inf if self.retry_at is None else self.retry_at
+        lora = self.executor.lora
+        read = None if lora is None else lora.next_read_end()
+        return ready if read is None else min(ready, read)
+
+    @property
+    def holding(self) -> int:
+        """Requests held for their adapter's read back."""
+        return 0 if self.executor.lora is None else self.executor.lora.holding
 
     def state(self) -> ReplicaState:
         stats = self.core.kv.stats()
         capacity = int(stats["pages_total"]) * self.core.config.page_size
-        load = len(self.core.scheduler.requests) + len(self.inbox)
+        load = len(self.core.scheduler.requests) + len(self.inbox) + self.holding
         return ReplicaState(self.replica_id, load, capacity)
 
     def admit(self) -> None:
+        """Queue the routed requests (a request whose adapter is read back is held) and those
+        whose adapter's read ended by now, in time order."""
+        lora, add = self.executor.lora, self.core.add
         for req in self.inbox:
-            self.core.add(req)
+            if lora is not None:
+                for ready in lora.read_back(req.arrival_time):
+                    add(ready)
+            if lora is None or not lora.hold(req):
+                add(req)
         self.inbox.clear()
+        if lora is not None:
+            for ready in lora.read_back(self.clock.now):
+                add(ready)
+
+    def stats(self) -> dict[str, float]:
+        stats = self.core.scheduler.stats()
+        if self.executor.lora is not None:
+            stats.update(self.executor.lora.stats())
+        return stats
 
     def launch(self, more_to_arrive: bool) -> None:
         """Launch and run the next step; it lands when the clock reaches ready_at."""
@@ -94,7 +120,8 @@ class _Replica:
             return
         plan = self.core.launch()
         if plan is None:  # nothing fits now (an arrival may change that) or the policy holds
-            self.retry_at = held_retry(self.core, self.clock.now, more_to_arrive)
+            more = more_to_arrive or self.holding > 0
+            self.retry_at = held_retry(self.core, self.clock.now, more)
             return
         try:
             output: StepOutput | BaseException = self.core.executor.execute(plan)
@@ -103,10 +130,10 @@ class _Replica:
         self.in_flight = (plan, output)
 
     def land(self) -> None:
-        """The step in flight lands (or, none in flight, the clock moves to ``retry_at``)."""
+        """The step in flight lands (or, none in flight, the clock moves to ``ready_at``: a
+        retry or the end of an adapter's read back)."""
         if self.in_flight is None:
-            assert self.retry_at is not None
-            self.clock.advance_to(self.retry_at)
+            self.clock.advance_to(self.ready_at)
             return
         plan, output = self.in_flight
         self.in_flight = None
@@ -126,7 +153,9 @@ class MultiReplicaSimulator:
         *,
         max_model_len: int | None = None,
         sampled_token_id: int = 1,
+        loras: SimLoras | None = None,
     ) -> None:
+        """``loras``: as the Simulator's, for each replica (its own adapters in memory)."""
         if num_replicas < 1:
             raise ValueError("num_replicas must be >= 1")
         spec = replace(
@@ -134,7 +163,10 @@ class MultiReplicaSimulator:
             max_model_len=max_model_len or config.max_model_len or DEFAULT_SPEC.max_model_len,
         )
         cost = cost_model or CostModel.default()
+        if loras is not None:
+            loras.check_fits(config.max_loras)
         self.router = router
+        self.loras = loras
         self.replicas: list[_Replica] = []
         for i in range(num_replicas):
             clock = VirtualClock()
@@ -154,8 +186,9 @@ class MultiReplicaSimulator:
         for replica in self.replicas:
             reveal_lengths(replica.core, workload)
             if adapters:  # each replica loads and holds its own adapters
-                loras = SimLoras.for_config(replica.core.config.max_cpu_loras)
-                replica.executor.lora = LoraCharges(loras, adapters)
+                loras = self.loras or SimLoras.for_config(replica.core.config.max_cpu_loras)
+                in_flight = replica.core.scheduler.requests
+                replica.executor.lora = LoraCharges(loras, adapters, in_flight)
         wall_start = time.perf_counter()
         pending = sorted(workload, key=lambda w: w.arrival_time)
         requests: dict[str, Request] = {}
@@ -205,7 +238,7 @@ class MultiReplicaSimulator:
         if stuck:
             raise SchedulerStuckError(f"replicas {stuck} hold requests no step can serve")
         records = workload_records(workload, requests)
-        stats = [r.core.scheduler.stats() for r in replicas]
+        stats = [r.stats() for r in replicas]
         return MultiReplicaResult(
             records=records,
             summary=summarize(records, retracts=int(sum(s["retractions"] for s in stats))),

@@ -8,8 +8,8 @@ per-token and attention terms: verifying is an extend over the paged KV), and ea
 request is accepted with its ``acceptance`` (from the workload; 0 when unknown) until the first
 rejection, drawn from a seeded generator, so a rule that guesses where guesses fail pays for it.
 
-LoRA: with ``lora`` set, each step also pays its adapters' compute and the loads of adapters
-not held in memory (sim/lora_cost.py).
+LoRA: with ``lora`` set, each step also pays its adapters' compute; their read back into
+memory holds their requests before the queue, not the step (sim/lora_cost.py).
 """
 
 from __future__ import annotations

@@ -97,11 +97,8 @@ class Simulator:
         self.core.kv.page_table.rows_only()
         self.check_invariant_every = check_invariant_every
         self.bulk = BulkDecode(self.core) if bulk_decode else None
-        if loras is not None and loras.max_cpu_loras < config.max_loras:
-            raise ConfigError(
-                f"max_cpu_loras ({loras.max_cpu_loras}) must be >= max_loras ({config.max_loras}): "
-                "a step's adapters are all loaded"
-            )
+        if loras is not None:
+            loras.check_fits(config.max_loras)
         self.loras = loras
         self._used = False
 
@@ -119,7 +116,8 @@ class Simulator:
                 loras = self.loras
                 if loras is None:
                     loras = SimLoras.for_config(self.config.max_cpu_loras)
-                self.executor.lora = LoraCharges(loras, adapters)
+                in_flight = self.core.scheduler.requests
+                self.executor.lora = LoraCharges(loras, adapters, in_flight)
                 # bulk decoding costs decodes without their requests: LoRA rows need them
                 self.bulk = None
         wall_start, cpu_start = time.perf_counter(), time.process_time()
@@ -130,6 +128,7 @@ class Simulator:
             check_invariant_every=self.check_invariant_every,
             bulk=self.bulk,
             keep_requests=False,  # a run gives records: a million requests fit in memory
+            lora=self.executor.lora,
         )
         with fewer_collections():
             records = replay.run()

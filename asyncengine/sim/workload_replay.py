@@ -4,6 +4,8 @@ The one driver of every virtual-clock run: the simulator (a SimulatedExecutor ad
 clock by the cost model) and the sim-vs-real replay (a TimedExecutor advances it by the
 measured forward; with ``overhead_timer`` the replay also adds the measured scheduling and
 commit time of each step). Each request generates exactly its ``output_len`` tokens, greedily.
+With ``lora``, a request whose adapter is not in memory joins the queue when its read back ends
+(sim/lora_cost.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from asyncengine.scheduler.policy_guard import IDLE_POLL_SECONDS, stalled_error
 from asyncengine.scheduler.step_events import StepEvents
 from asyncengine.sim.bulk_decode import BulkDecode
 from asyncengine.sim.clock import VirtualClock
+from asyncengine.sim.lora_cost import LoraCharges
 from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
 
@@ -93,11 +96,13 @@ class WorkloadReplay:
         check_invariant_every: int = 0,
         bulk: BulkDecode | None = None,
         keep_requests: bool = True,
+        lora: LoraCharges | None = None,
     ) -> None:
         """``bulk``: run the steps it can with the decodes counted (sim/bulk_decode.py; a
         SimulatedExecutor's core only, same results). ``keep_requests=False``: a finished
         request is kept as its record only (its prompt and outputs let go, for runs of
-        millions of requests); ``requests`` then holds the unfinished ones."""
+        millions of requests); ``requests`` then holds the unfinished ones. ``lora``: the
+        adapters in memory, which hold an arrival until its adapter is read back."""
         self.core = core
         self.clock = clock
         # a policy that holds past max_policy_stall is an error here, not a switch to FCFS
@@ -106,6 +111,7 @@ class WorkloadReplay:
         self.overhead_timer = overhead_timer
         self.check_invariant_every = check_invariant_every
         self.bulk = bulk
+        self.lora = lora
         # a compact workload stays arrays: each request is made when it arrives
         self.compact = workload.by_arrival() if isinstance(workload, CompactWorkload) else None
         self.pending: Sequence[WorkloadRequest] = (
@@ -137,7 +143,21 @@ class WorkloadReplay:
         self.shared_params: dict[ParamsKey, SamplingParams] = {}
 
     def done(self) -> bool:
-        return self.next_arrival == len(self.arrival_times) and not self.core.has_work()
+        return (
+            self.next_arrival == len(self.arrival_times)
+            and not self.core.has_work()
+            and not self._holding()
+        )
+
+    def _holding(self) -> bool:
+        """Some request waits for its adapter's read back."""
+        return self.lora is not None and self.lora.holding > 0
+
+    def _queue_read_back(self, until: float) -> None:
+        """Queue the requests whose adapter's read ended by ``until``."""
+        if self.lora is not None:
+            for req in self.lora.read_back(until):
+                self.core.add(req)
 
     def _bulk_step(self) -> bool:
         """Run the next step in bulk if it can be (False: it runs step by step)."""
@@ -159,12 +179,16 @@ class WorkloadReplay:
     def _admit_arrivals(self) -> None:
         times, now = self.arrival_times, self.clock.now
         if self.next_arrival == len(times) or times[self.next_arrival] > now:
+            if self._holding():
+                self._queue_read_back(now)
             return
-        compact, pending = self.compact, self.pending
+        compact, pending, lora = self.compact, self.pending, self.lora
         max_len = self.core.max_model_len
         while self.next_arrival < len(times) and times[self.next_arrival] <= now:
             index = self.next_arrival
             self.next_arrival += 1
+            if lora is not None and lora.holding:  # reads ended before this arrival go first
+                self._queue_read_back(times[index])
             if compact is not None:
                 start, end = self._starts[index], self._starts[index + 1]
                 if start == end or end - start >= max_len:
@@ -193,7 +217,10 @@ class WorkloadReplay:
             self.requests[rid] = req
             if not self.keep_requests:
                 self._unswept.append(req)
-            self.core.add(req)
+            if lora is None or not lora.hold(req):
+                self.core.add(req)
+        if lora is not None and lora.holding:
+            self._queue_read_back(now)
         if len(self._unswept) >= self._sweep_at:
             self._sweep()
 
@@ -255,14 +282,18 @@ class WorkloadReplay:
         return result
 
     def _next_event(self) -> float | None:
-        """When a step that ran nothing should be tried again: the next arrival, or sooner
-        while the policy holds (``held_retry``). None: never."""
+        """When a step that ran nothing should be tried again: the next arrival or end of an
+        adapter's read back, or sooner while the policy holds (``held_retry``). None: never."""
         times = self.arrival_times
-        arrival = times[self.next_arrival] if self.next_arrival < len(times) else None
-        retry = held_retry(self.core, self.clock.now, arrival is not None)
-        if retry is None:  # not held by the policy: only an arrival changes things
-            return arrival
-        return retry if arrival is None else min(retry, arrival)
+        joins = times[self.next_arrival] if self.next_arrival < len(times) else None
+        if self.lora is not None:
+            read = self.lora.next_read_end()
+            if read is not None and (joins is None or read < joins):
+                joins = read
+        retry = held_retry(self.core, self.clock.now, joins is not None)
+        if retry is None:  # not held by the policy: only a request joining changes things
+            return joins
+        return retry if joins is None else min(retry, joins)
 
     def run(self) -> list[RequestRecord]:
         bulk = self.bulk

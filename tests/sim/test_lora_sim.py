@@ -9,6 +9,8 @@ import pytest
 
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.plan import BatchPlan, Segment
+from asyncengine.common.request import Request
+from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.routing import make_router
 from asyncengine.sim.lora_cost import LoraCharges, LoraCostModel, LoraShape, SimLoras
 from asyncengine.sim.lora_fairness import DEFAULT_RUNS, fairness_table, lora_fairness
@@ -38,33 +40,57 @@ def test_shape_counts_shrink_and_expand_per_row_and_the_adapter_bytes() -> None:
     assert SHAPE.adapter_bytes(3) == 2 * 3 * (8 + 12) * 2
 
 
-def test_a_step_pays_its_rows_its_adapters_and_a_cold_adapter_load() -> None:
+def request(rid: str, lora: str | None, arrival: float) -> Request:
+    return Request(rid, [1, 2], SamplingParams(max_new_tokens=2, lora=lora), arrival)
+
+
+def test_a_step_pays_its_rows_and_adapters_and_a_read_back_holds_its_requests() -> None:
     loras = SimLoras(ranks={"a": 2}, default_rank=4, max_cpu_loras=2, cost=COST, shape=SHAPE)
     charges = LoraCharges(loras, {"x": "a", "y": "b", "z": "a"})
-    first = charges.step_seconds(plan(("x", 10), ("base", 50), decodes=("y", "z")))
+    x, y, z = request("x", "a", 0.0), request("y", "b", 0.0), request("z", "a", 0.1)
+    assert not charges.hold(request("base", None, 0.0))
+    assert charges.hold(x) and charges.hold(y) and charges.hold(z)  # z waits for x's read
+    a_ends = 0.5 + SHAPE.adapter_bytes(2) * 1e-3
+    b_ends = 0.5 + SHAPE.adapter_bytes(4) * 1e-3
+    assert charges.loads == 2 and charges.holding == 3
+    assert charges.next_read_end() == pytest.approx(a_ends)
+    assert charges.read_back(a_ends - 1e-6) == []
+    assert charges.read_back(b_ends) == [x, z, y]  # in the order the reads end
+    assert charges.holding == 0 and list(charges.resident) == ["a", "b"]
+    assert charges.load_seconds == pytest.approx(a_ends + b_ends)
+    assert not charges.hold(request("w", "a", 9.0))  # in memory now
     flops = 11 * SHAPE.flops_per_row(2) + 1 * SHAPE.flops_per_row(4)
     weights = SHAPE.adapter_bytes(2) + SHAPE.adapter_bytes(4)
     compute = flops * 1e-9 + weights * 1e-6 + 2 * 1e-3
-    loads = 2 * 0.5 + weights * 1e-3  # both adapters are cold
-    assert first == pytest.approx(compute + loads)
-    assert charges.step_seconds(plan(decodes=("x", "y", "z"))) == pytest.approx(
-        2 * SHAPE.flops_per_row(2) * 1e-9 + SHAPE.flops_per_row(4) * 1e-9 + weights * 1e-6 + 2e-3
-    )  # held now: no load
+    # the step pays its adapters' compute, not their reads
+    assert charges.step_seconds(plan(("x", 10), ("base", 50), decodes=("y", "z"))) == pytest.approx(
+        compute
+    )
     assert charges.step_seconds(plan(("base", 7))) == 0.0
     assert charges.loads == 2
+    # a driver that holds nothing has the step read what is not in memory
+    direct = LoraCharges(loras, {"x": "a"})
+    assert direct.step_seconds(plan(("x", 1))) == pytest.approx(
+        SHAPE.flops_per_row(2) * 1e-9 + SHAPE.adapter_bytes(2) * 1e-6 + 1e-3 + a_ends
+    )
 
 
-def test_adapters_past_max_cpu_loras_are_dropped_least_recently_used_and_reloaded() -> None:
+def test_adapters_past_max_cpu_loras_go_least_recently_used_first_unless_in_flight() -> None:
     loras = SimLoras(max_cpu_loras=2, cost=COST, shape=SHAPE)
-    charges = LoraCharges(loras, {"1": "a", "2": "b", "3": "c"})
+    in_flight: set[str] = set()
+    charges = LoraCharges(loras, {"1": "a", "2": "b", "3": "c"}, in_flight)
     for rid in ("1", "2", "1", "3"):  # c drops b, the least recently used
         charges.step_seconds(plan((rid, 1)))
-    assert list(charges.held) == ["a", "c"] and charges.loads == 3
+    assert list(charges.resident) == ["a", "c"] and charges.loads == 3
     charges.step_seconds(plan(("2", 1)))  # b comes back: read again, a goes
-    assert list(charges.held) == ["c", "b"] and charges.loads == 4
+    assert list(charges.resident) == ["c", "b"] and charges.loads == 4
     # a step's own adapters are never dropped, even past the cap
     charges.step_seconds(plan(("1", 1), ("2", 1), ("3", 1)))
-    assert set(charges.held) == {"a", "b", "c"}
+    assert list(charges.resident) == ["a", "b", "c"]
+    # nor are those of requests in flight: a, the least recently used, stays for request 1
+    in_flight.add("1")
+    charges.step_seconds(plan(("2", 1)))
+    assert list(charges.resident) == ["a", "b"]
 
 
 def test_the_cost_model_fits_its_coefficients_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
