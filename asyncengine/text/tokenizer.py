@@ -31,6 +31,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "spiece.model")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves the template
+_GIL_FREE_CHARS = 1024  # texts this long are encoded without the GIL (as fast from here on)
 
 
 class ChatTemplateError(InvalidRequestError):
@@ -146,7 +147,11 @@ class Tokenizer:
         return None if content is None else self.backend.token_to_id(content)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _GIL_FREE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode` holds the GIL for the whole text (seconds for a 4 MiB body), `encode_batch`
+        # lets it go: a long prompt tokenized on a worker thread leaves the event loop free
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,34 @@ def test_special_tokens_are_matched_whole_and_skipped_on_request(tokenizer: Toke
     assert tokenizer.decode(ids) == "assistant\nHi"
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>assistant\nHi<|im_end|>"
     assert tokenizer.encode("hi", add_special_tokens=True) == tokenizer.encode("hi")  # no BOS added
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(tokenizer: Tokenizer) -> None:
+    """The server tokenizes a long prompt on a worker thread (server/off_loop.py) to keep the
+    event loop serving; that helps only if the encode lets the GIL go. With a switch interval
+    too long for the interpreter to preempt the worker, this thread runs while the encode is
+    still going only if the encode released the GIL itself."""
+    text = "a long prompt, <|im_end|> and all " * 20_000
+    started, done = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def encode() -> None:
+        started.set()
+        ids.extend(tokenizer.encode(text))
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        worker = threading.Thread(target=encode)
+        worker.start()
+        started.wait()
+        ran_during_encode = not done.is_set()
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_during_encode
+    assert ids == tokenizer.backend.encode(text, add_special_tokens=False).ids
 
 
 # SmolLM2's byte alphabet lacks 21 bytes (some C0 controls, 0xC0/0xC1 and the UTF-8 leads
