@@ -20,8 +20,9 @@
 
 All need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
 token 403; so does ``POST /flush_cache`` under ``cache_isolation = "api-key"`` (it empties every
-key's cache), a 403 when there is no admin token. The API key (``--api-key``) does not open
-them, and they are not there at all (404) without an admin token. They share the server's own
+key's cache), a 403 when there is no admin token, and so do the LoRA hot load and unload
+(lora_routes.py). The API key (``--api-key``) does not open them, and those above are not there
+at all (404) without an admin token. They share the server's own
 address (127.0.0.1 unless told otherwise).
 """
 
@@ -48,8 +49,10 @@ from asyncengine.server.state import STATE
 from asyncengine.server.tenancy import matching_key_digest, namespaced_salt
 
 ADMIN_PREFIX = "/admin/"
+# LoRA hot load and unload (lora_routes.py): served with or without an admin token
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # admin routes outside ADMIN_PREFIX (the admin token guards them, not the API key)
-ADMIN_PATHS = frozenset({"/v1/cache/pin", "/v1/cache/unpin"})
+ADMIN_PATHS = frozenset({"/v1/cache/pin", "/v1/cache/unpin", *LORA_PATHS})
 ADMIN_TOKEN = web.AppKey("asyncengine_admin_token", str)
 
 

@@ -1,8 +1,10 @@
 """LoRA adapters over real HTTP: the OpenAI ``model`` field and ``lora`` on /generate select an
 adapter (its output is HF + PEFT's), /v1/models lists adapters with their parent, an unknown
 adapter is a 404 like an unknown model, and /v1/load_lora_adapter and /v1/unload_lora_adapter
-(vLLM's shape) load and unload while serving, behind the API key; a refused load is a 400; an
-adapter whose files are gone when it must be read back is a 404 for its own requests alone."""
+(vLLM's shape) load and unload while serving, with the admin token alone (an API key holder may
+neither name the server's directories nor unload another client's adapter); a refused load is a
+400; an adapter whose files are gone when it must be read back is a 404 for its own requests
+alone."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.server_support import engine_config, start_server, tiny_model_dir, wait_until
 
 KEY = "sk-lora-test"
+ADMIN = "lora-admin"
 PROMPT = [1, *range(300, 330)]
 NEW_TOKENS = 6
 
@@ -49,7 +52,7 @@ async def _post(
 async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) -> None:
     oracle = PeftOracle(model_dir, {"r4": adapters["r4"], "r8": adapters["r8"]})
     config = engine_config(model_dir, loras={"r4": str(adapters["r4"])}, max_lora_rank=8)
-    server = await start_server(config, api_key=KEY)
+    server = await start_server(config, api_key=KEY, admin_token=ADMIN)
     base = server.model
     url = server.base_url
     try:
@@ -101,39 +104,47 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
             assert status == 404 and err["error"]["code"] == "model_not_found"
 
             load = url + "/v1/load_lora_adapter"
-            # behind the API key
-            status, _ = await _post(session, load, {"lora_name": "r8", "lora_path": "x"}, None)
+            unload = url + "/v1/unload_lora_adapter"
+            # the admin token's: the API key opens neither
+            r8 = {"lora_name": "r8", "lora_path": str(adapters["r8"])}
+            status, _ = await _post(session, load, r8, None)
             assert status == 401
+            status, err = await _post(session, load, r8)
+            assert status == 403 and err["error"]["code"] == "invalid_admin_token"
+            assert "r8" not in server.engine.lora_adapters
+            status, err = await _post(session, unload, {"lora_name": "r4"})
+            assert status == 403 and err["error"]["code"] == "invalid_admin_token"
+            status, _ = await complete("r4")
+            assert status == 200  # still served
             # refused loads: 400, nothing changes
             status, err = await _post(
-                session, load, {"lora_name": "r16", "lora_path": str(adapters["r16"])}
+                session, load, {"lora_name": "r16", "lora_path": str(adapters["r16"])}, ADMIN
             )
             assert status == 400 and "rank 16, over the limit of 8" in err["error"]["message"]
             status, err = await _post(
-                session, load, {"lora_name": "x", "lora_path": str(model_dir)}
+                session, load, {"lora_name": "x", "lora_path": str(model_dir)}, ADMIN
             )
             assert status == 400 and "not a PEFT adapter" in err["error"]["message"]
-            status, err = await _post(session, load, {"lora_name": "r8"})
+            status, err = await _post(session, load, {"lora_name": "r8"}, ADMIN)
             assert status == 400
             status, err = await _post(  # the base's served name: the model field selects the base
-                session, load, {"lora_name": base, "lora_path": str(adapters["r8"])}
+                session, load, {"lora_name": base, "lora_path": str(adapters["r8"])}, ADMIN
             )
             assert status == 400 and err["error"]["param"] == "lora_name"
             assert "r16" not in server.engine.lora_adapters
             # a hot load, then the adapter serves
             status, text = await _post(
-                session, load, {"lora_name": "r8", "lora_path": str(adapters["r8"])}
+                session, load, {"lora_name": "r8", "lora_path": str(adapters["r8"])}, ADMIN
             )
             assert status == 200, text
             assert await token_ids("r8") == oracle.greedy("r8", PROMPT, NEW_TOKENS)
             status, _ = await complete("r8")
             assert status == 200
-            unload = url + "/v1/unload_lora_adapter"
-            status, text = await _post(session, unload, {"lora_name": "r8"})
+            status, text = await _post(session, unload, {"lora_name": "r8"}, ADMIN)
             assert status == 200, text
             status, _ = await complete("r8")
             assert status == 404
-            status, err = await _post(session, unload, {"lora_name": "r8"})
+            status, err = await _post(session, unload, {"lora_name": "r8"}, ADMIN)
             assert status == 404
     finally:
         await server.stop()
@@ -151,7 +162,7 @@ async def test_an_adapter_whose_directory_is_gone_is_a_404_for_its_requests_alon
     shutil.copytree(adapters["r4"], gone)
     loras = {"gone": str(gone), "r8": str(adapters["r8"])}  # r8, loaded last, stays in memory
     config = engine_config(model_dir, loras=loras, max_cpu_loras=1, enable_prefix_cache=False)
-    server = await start_server(config, api_key=KEY)
+    server = await start_server(config, api_key=KEY, admin_token=ADMIN)
     url = server.base_url
     try:
         assert server.engine.executor.loras.loaded == ["r8"]
@@ -194,10 +205,28 @@ async def test_an_adapter_whose_directory_is_gone_is_a_404_for_its_requests_alon
             status, err = await generate("gone")
             assert status == 404 and err["error"]["code"] == "adapter_unavailable"
             unload = url + "/v1/unload_lora_adapter"
-            status, text = await _post(session, unload, {"lora_name": "gone"})
+            status, text = await _post(session, unload, {"lora_name": "gone"}, ADMIN)
             assert status == 200, text
             status, err = await generate("gone")
             assert status == 404 and err["error"]["code"] == "model_not_found"
             assert server.engine.lora_adapters == {"r8": str(adapters["r8"])}
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_without_an_admin_token_no_client_loads_an_adapter(
+    model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    server = await start_server(engine_config(model_dir), api_key=KEY)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for route, body in (
+                ("/v1/load_lora_adapter", {"lora_name": "r8", "lora_path": str(adapters["r8"])}),
+                ("/v1/unload_lora_adapter", {"lora_name": "r8"}),
+            ):
+                status, err = await _post(session, server.base_url + route, body)
+                assert status == 403 and err["error"]["code"] == "needs_admin_token", err
+            assert "r8" not in server.engine.lora_adapters
     finally:
         await server.stop()
