@@ -41,6 +41,11 @@ class Grammar(Protocol):
         """The grammar is complete and took its end token."""
         ...
 
+    def too_slow(self) -> bool:
+        """A step of the grammar (a mask, a token) took more than its time limit: the next
+        would cost more still, so the request ends."""
+        ...
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (a verified row's guesses)."""
         ...

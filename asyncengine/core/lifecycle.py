@@ -180,6 +180,9 @@ class Lifecycle:
             return "stop", token
         grammar = req.grammar
         if grammar is not None:
+            if grammar.too_slow():  # its next mask would take longer still (structured/grammar.py)
+                log.info("request %s: its grammar is too slow to follow; ended", req.rid)
+                return "abort", None
             if not grammar.accept(token):
                 if grammar.allows_nothing():  # the request's own constraint has a dead end
                     log.info("request %s: its grammar allows no next token; ended", req.rid)

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,10 @@ from asyncengine.structured.schema_annotations import grammar_schema
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_WORKERS = 2
 DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a compile may run before its spec is refused
+# seconds one mask or token of a matcher may take: under a millisecond for the embedded model's
+# vocabulary, but nested repetitions (the pattern "(([a-z]{0,100}){0,100}){0,100}") compile
+# fast and then grow the matcher's work some tenfold per token, on the event loop
+MAX_STEP_SECONDS = 0.25
 # errors that stay cached: the spec would cost a worker as much again
 REFUSED_FROM_NOW_ON = ("grammar_too_complex", "grammar_compiler_crashed")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[06:27:45] /path/file.cc:83: "
@@ -244,6 +249,7 @@ class GrammarMatcher:
         xgrammar = _import_xgrammar()
         self._matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+        self._slowest = 0.0  # seconds of the slowest mask or token so far
         if self.allows_nothing():  # e.g. the regex "[^\\s\\S]": no output can ever match
             raise InvalidRequestError("the constraint admits no output: no token can begin it")
 
@@ -251,12 +257,24 @@ class GrammarMatcher:
         """int32 [words]: bit i of word j set when token 32 j + i may come next. A fresh tensor
         each call: it travels to the forward thread with the plan."""
         bitmask = torch.empty((1, self._words), dtype=torch.int32)
+        start = time.perf_counter()
         self._matcher.fill_next_token_bitmask(bitmask, 0)
+        self._timed(start)
         return bitmask[0]
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) when the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token_id))
+        start = time.perf_counter()
+        accepted = bool(self._matcher.accept_token(token_id))
+        self._timed(start)
+        return accepted
+
+    def too_slow(self) -> bool:
+        """A mask or a token took more than ``MAX_STEP_SECONDS``."""
+        return self._slowest > MAX_STEP_SECONDS
+
+    def _timed(self, start: float) -> None:
+        self._slowest = max(self._slowest, time.perf_counter() - start)
 
     def allows_nothing(self) -> bool:
         """No token may come next and the grammar is not complete (a regex like "a[^\\s\\S]"

@@ -110,3 +110,26 @@ async def test_requests_waiting_for_a_compile_count_as_waiting(
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()
+
+
+async def test_a_grammar_whose_steps_grow_ends_its_request(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # compiles in under a second, then each token forced into the nested repetitions multiplies
+    # the matcher's work by some tenfold (its 4th mask took 19 s): the request ends once one
+    # step is over the limit, with what it has
+    bomb = "(([a-z]{0,100}){0,100}){0,100}"
+    server = await started(tmp_path_factory)
+    try:
+        (abc,) = server.engine.tokenizer.encode("abc")
+        body = {"prompt": "x", "max_tokens": 4, "regex": bomb, "logit_bias": {str(abc): 100}}
+        status, out = await post(server, body)
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["text"].startswith("abc")
+        assert out["usage"]["completion_tokens"] < 4
+        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
+        assert status == 200 and out["choices"][0]["text"].isdigit()
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()
