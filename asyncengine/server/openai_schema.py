@@ -114,6 +114,13 @@ class _CommonRequest(Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     regex: str | None = None  # output constraints SGLang also takes (one at most)
     ebnf: str | None = None
+    # vLLM's names for output constraints: refused, since ignored they would leave the output
+    # unconstrained with nothing said (response_format, regex and ebnf say the same)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     # Extensions that vLLM and SGLang also accept.
     priority: Priority = 0  # lower is served first (the "priority" policy)
     timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
@@ -207,7 +214,18 @@ def _unsupported(param: str, why: str) -> ApiError:
     return invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
+_VLLM_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")  # fmt: skip
+
+
 def _check_common(req: _CommonRequest, max_n: int) -> None:
+    for name in _VLLM_CONSTRAINTS:
+        if getattr(req, name) is not None:
+            raise _unsupported(
+                name,
+                f"vLLM's {name} is not read here; constrain the output with response_format "
+                "(json_schema or json_object), regex or ebnf",
+            )
     if req.n is not None and req.n > max_n:
         raise invalid_request(
             f"n={req.n} is more choices than this server allows (max_n={max_n})", param="n"

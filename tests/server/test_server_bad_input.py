@@ -288,6 +288,16 @@ CASES = [
     Bad("max_tokens 0 without echo", COMPLETIONS, completion(max_tokens=0), param="max_tokens"),
     Bad("best_of", COMPLETIONS, completion(best_of=3), param="best_of"),
     Bad("suffix", COMPLETIONS, completion(suffix="end"), param="suffix"),
+    # vLLM's constraint fields, ignored, would leave the output unconstrained
+    Bad("guided_regex", CHAT, chat(guided_regex="[0-9]+"), param="guided_regex", says="regex"),
+    Bad("guided_json", COMPLETIONS, completion(guided_json={}), param="guided_json", says="json"),
+    Bad("guided_choice", CHAT, chat(guided_choice=["yes", "no"]), param="guided_choice"),
+    Bad(
+        "structured_outputs",
+        COMPLETIONS,
+        completion(structured_outputs={}),
+        param="structured_outputs",
+    ),
     Bad(
         "prompt too long by ids",
         COMPLETIONS,
