@@ -24,8 +24,7 @@ from asyncengine.server.anthropic_format import (
 )
 from asyncengine.server.anthropic_schema import CountTokensRequest, MessagesRequest, chat_request
 from asyncengine.server.body import read_json
-from asyncengine.server.chat_request import prepare_chat
-from asyncengine.server.chat_tools import plan_chat
+from asyncengine.server.chat_request import planned_chat, prepare_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import ERROR_BODIES
 from asyncengine.server.off_loop import tokenize
@@ -70,7 +69,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = await read_json(request, state, CountTokensRequest)
     state.check_model(req.model)
-    plan = plan_chat(chat_request(req), state.engine.tokenizer)
+    plan = await planned_chat(state, chat_request(req))
     return json_response({"input_tokens": len(await tokenize(state.engine, plan.prompt))})
 
 

@@ -261,6 +261,35 @@ async def test_a_large_prompt_is_tokenized_off_the_loop(
     assert len(threads) == 4 and all(t.startswith("asyncengine-tokenize") for t in threads[1:])
 
 
+async def test_a_long_conversation_renders_off_the_loop(
+    http: aiohttp.ClientSession, server: RunningServer
+) -> None:
+    tokenizer = server.engine.tokenizer
+    threads: list[str] = []
+    render = type(tokenizer).apply_chat_template
+
+    def recording(messages: Any, *args: Any, **kwargs: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return render(tokenizer, messages, *args, **kwargs)
+
+    tokenizer.apply_chat_template = recording
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    many = [*turns * (LARGE_INPUT_CHARS // 16), turns[0]]  # short turns
+    try:
+        for route, messages in (
+            ("/v1/chat/completions", turns[:1]),
+            ("/v1/chat/completions", many),
+            ("/v1/messages/count_tokens", many),
+        ):
+            body = {"model": server.model, "messages": messages, "max_tokens": 1}
+            async with http.post(server.base_url + route, json=body) as resp:
+                assert resp.status in (200, 400), await resp.text()  # 400: longer than the context
+    finally:
+        del tokenizer.apply_chat_template
+    assert threads[0] == threading.current_thread().name  # the server shares the test's loop
+    assert len(threads) == 3 and all(t.startswith("asyncengine-tokenize") for t in threads[1:])
+
+
 # -- connection limit and write timeout ----------------------------------------------------------
 
 
