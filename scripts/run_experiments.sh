@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate everything in docs/experiments/ (see docs/EXPERIMENTS.md).
 #
-#   scripts/run_experiments.sh            # simulator runs (about a minute of one core)
+#   scripts/run_experiments.sh            # simulator runs (a few minutes of one core)
 #   scripts/run_experiments.sh --real     # also the simulator-vs-real check (a few minutes)
 #   ONLY="multi_tenant slo" scripts/run_experiments.sh   # just these experiments
 #
@@ -54,6 +54,24 @@ compare long_short --workload long_short --arrivals interval:1 \
     --configs "${POLICIES[@]}" "$EXTRA/fcfs-no-chunk.toml" "$EXTRA/fcfs-no-mixed.toml" \
     "$EXTRA/fcfs-no-chunk-no-mixed.toml" "$EXTRA/fcfs-chunk-256.toml" \
     "$EXTRA/fcfs-no-lane.toml"
+
+# 5b. The same requests tagged by class (tenant "short" or "long"), so that --group-by gives
+#     the short requests' TTFT apart from the long ones': the lane on and off, and the budgets.
+if [[ -z "$ONLY" || " $ONLY " == *" long_short_by_class "* ]]; then
+    TAGGED=$OUT/long_short_by_class/workload.jsonl  # compare removes it after the run
+    mkdir -p "$OUT/long_short_by_class"
+    "$PY" - "$TAGGED" <<'PYEOF'
+import sys
+from asyncengine.workloads import Arrivals, make_workload, save_trace
+requests = make_workload("long_short", seed=0, arrivals=Arrivals.parse("interval:1"))
+for r in requests:
+    r.tenant = "long" if len(r.prompt_ids) > 256 else "short"
+save_trace(sys.argv[1], requests)
+PYEOF
+    compare long_short_by_class --workload "$TAGGED" --group-by tenant --no-figures \
+        --configs configs/fcfs.toml "$EXTRA/fcfs-no-lane.toml" configs/token-budget.toml \
+        configs/dynamic-chunking.toml "$EXTRA/fcfs-chunk-256.toml"
+fi
 
 # 7. Two tenants: "heavy" sends 600-token prompts at 1.2 per second (more than the engine
 #    serves), "light" 60-token prompts at 0.12 per second.
