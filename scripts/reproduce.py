@@ -3,7 +3,7 @@
 
     python scripts/reproduce.py --list
     python scripts/reproduce.py vtc            # in the simulator (seconds)
-    python scripts/reproduce.py vtc --real     # also on the real engine on this CPU (minutes)
+    python scripts/reproduce.py vtc --real     # also on the real engine on the CPU (minutes)
     python scripts/reproduce.py all
 
 Each run prints its table and verdict, rewrites only its own section of the page and stores its
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Outcome]]:
     parser.add_argument("names", nargs="*", help="reproductions to run (or 'all')")
     parser.add_argument("--list", action="store_true", help="list the reproductions")
     parser.add_argument(
-        "--real", action="store_true", help="also run on the real engine (SmolLM2, this CPU)"
+        "--real", action="store_true", help="also run on the real engine (SmolLM2, on the CPU)"
     )
     parser.add_argument("--page", default=str(ROOT / "docs" / "REPRODUCTIONS.md"))
     parser.add_argument("--json-dir", default=str(ROOT / "docs" / "reproductions"))

@@ -60,6 +60,15 @@ def test_a_simulated_run_keeps_the_real_numbers_of_an_earlier_run(tmp_path: Path
     assert "On the real engine" in content and "| x | 7 |" in content and "| x | 3 |" in content
 
 
+def test_the_page_names_no_commit_and_the_json_keeps_it(tmp_path: Path) -> None:
+    """Which code made a run is provenance for the JSON; the page leaves history to git."""
+    page, json_dir = tmp_path / "R.md", tmp_path / "json"
+    path = write(cast(Any, Dummy(3)), "sim", Dummy(3).run(False), page, json_dir)
+    assert json.loads(path.read_text())["runs"]["sim"]["commit"]
+    headings = [line for line in page.read_text().splitlines() if line.startswith("### ")]
+    assert headings == ["### In the simulator: the claim holds"]
+
+
 def test_service_difference_is_measured_only_while_both_are_backlogged() -> None:
     meter = ServiceMeter(cast(Any, None), cast(Any, None), {})
     meter.samples = [

@@ -1,7 +1,7 @@
 """What a reproduction is: a published claim, and a run of ours that checks it.
 
 A reproduction names the claim and its source, builds its own setting (workload, engine
-configs), runs it in the simulator (or, with ``real``, on the real executor on this CPU, each
+configs), runs it in the simulator (or, with ``real``, on the real executor on the CPU it runs on, each
 step timed on this thread's CPU clock) and returns an ``Outcome``: our setting, a table of our
 numbers beside the claim's, a verdict, and the numbers as JSON. ``run_workload`` is the one
 way every reproduction runs a configuration, so the simulated and the real run go through the
@@ -27,7 +27,7 @@ from asyncengine.workloads.trace import WorkloadRequest
 # step, with its plan); the hook reads what it needs from the core at that moment.
 HookFactory = Callable[[EngineCore, VirtualClock], Callable[[BatchPlan], None]]
 
-# The real engine of the --real runs: the embedded model on this CPU, one torch thread.
+# The real engine of the --real runs: the embedded model on the CPU, one torch thread.
 REAL_BASE = EngineConfig(model="smollm2-135m", device="cpu", log_interval=0.0)
 
 

@@ -17,22 +17,22 @@ from typing import Any
 
 from asyncengine.sim.reproductions.base import Outcome, Reproduction
 
-MODES = {"sim": "In the simulator", "real": "On the real engine (this CPU)"}
+MODES = {"sim": "In the simulator", "real": "On the real engine (CPU)"}
 PAGE_HEADER = """# Published scheduling results, reproduced
 
 Each section below is written by `python scripts/reproduce.py NAME` (`--real`: also on the
-real engine on this CPU) and by nothing else: the claim with its source, our setting, and our
+real engine on the CPU) and by nothing else: the claim with its source, our setting, and our
 numbers beside the claim's. `python scripts/reproduce.py --list` lists the reproductions; the
 numbers of each section are also in `docs/reproductions/NAME.json`. Simulated runs use the
 shipped cost model (`asyncengine/sim/default_cost_model.json`) on a virtual clock, so their
-verdicts hold on any machine (host-tier and recompute-tax charge copies at this machine's
-measured copy rate, so their times move with it); real runs time each step on this thread's
-CPU clock (SmolLM2-135M, one torch thread).
+verdicts hold on any machine; real runs time each step on the CPU clock of the machine that ran
+them (SmolLM2-135M, one torch thread).
 """
 
 
 def _commit() -> str:
-    """The checkout's commit, marked ``+changes`` when the tree differs from it."""
+    """The checkout's commit, marked ``+changes`` when the tree differs from it: kept in the
+    JSON to tell which code made a run (the page leaves it to git)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -77,7 +77,7 @@ def section(data: dict[str, Any]) -> str:
             continue
         verdict = "holds" if run["holds"] else "does not hold"
         lines += [
-            f"### {heading}: the claim {verdict} (commit `{run['commit']}`)",
+            f"### {heading}: the claim {verdict}",
             "",
             f"**Setting.** {run['setting']}",
             "",

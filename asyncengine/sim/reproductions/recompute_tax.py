@@ -35,7 +35,7 @@ class RecomputeTax:
         url="https://github.com/vllm-project/vllm/issues/54644",
     )
 
-    # (workload shape, KV pool tokens): the real run takes minutes on this CPU, so it has
+    # (workload shape, KV pool tokens): the real run takes minutes on a 2-core CPU, so it has
     # fewer, shorter requests into a smaller pool
     sim_setting: tuple[dict[str, Any], int] = (
         dict(num_requests=600, input_median=180.0, output_median=120.0, max_input_len=2048,
@@ -126,7 +126,7 @@ class RecomputeTax:
             f"{about}. Swapping (`{SWAP_RULE}`) recomputes {swap['recomputed_tokens']} "
             f"tokens ({swap['recompute_tax'] * 100:.1f}%) and spends "
             f"{seconds(swap['swap_seconds'])} copying {swap['swapped_bytes'] / 1e6:.0f} MB "
-            "(the simulator charges bytes over the copy bandwidth measured on this CPU, "
-            "scripts/micro/bench_swap.py)."
+            "(the simulator charges bytes over a fixed copy bandwidth, "
+            "scripts/micro/bench_swap.py's measurement on a 2-core CPU)."
         )
         return Outcome(setting, table, verdict, holds, numbers)
