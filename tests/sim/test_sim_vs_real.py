@@ -111,8 +111,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     model_dir = write_model(tmp_path_factory.mktemp("sim_vs_real") / "model")
     # A 256-token prefill budget spreads the burst over mixed steps of a few prompts each:
     # the torch attention pads a step's prompts to its longest, which the cost model's
-    # features do not see (docs/EXPERIMENTS.md), so one step of 48 ragged prompts would not
-    # be predicted.
+    # features do not see, so one step of 48 ragged prompts would not be predicted.
     return EngineConfig(
         model=str(model_dir),
         dtype="float32",  # bfloat16 matmuls are ~90x slower on a CPU without AVX-512 BF16
