@@ -79,7 +79,8 @@ class ChunkedPrefillTradeoff:
             chunks = [0, 2048, 1024, 512, 256, 128]
         workload = chat_and_documents(**shape)  # type: ignore[arg-type]
         docs = {w.rid for w in workload if w.rid.startswith("doc")}
-        base = EngineConfig(log_interval=0.0)
+        # the short-prompt lane off: the chunk alone decides which prompts share a step
+        base = EngineConfig(log_interval=0.0, short_prompt_tokens=0)
         rows, numbers = [], {}
         for chunk in chunks:
             label = "no chunking" if chunk == 0 else f"chunks of {chunk}"
@@ -112,7 +113,8 @@ class ChunkedPrefillTradeoff:
             f"{shape['num_requests']} requests Poisson at {shape['rate']:g} req/s (more than the "
             f"engine serves): chat prompts of {shape['chat_prompt']} tokens and "
             f"{shape['doc_share']:.0%} documents of {shape['doc_prompt']} tokens, "
-            f"{shape['output_len']} output tokens each; FCFS, mixed batches, engine defaults "
+            f"{shape['output_len']} output tokens each; FCFS, mixed batches, no short-prompt "
+            "lane (`short_prompt_tokens = 0`: no prompt joins one mid-chunk), engine defaults "
             "otherwise (no chunking: a step's prefill is at most 4096 tokens)."
         )
         table = markdown_table(
