@@ -42,6 +42,7 @@ FENCE = re.compile(r"```(\w*)\n(.*?)```", flags=re.S)
 INLINE = re.compile(r"`([^`]+)`")
 PYTHON = (".venv/bin/python", "python", "python3")
 ASYNCENGINE = (".venv/bin/asyncengine", "asyncengine")
+PIP = (".venv/bin/pip", "pip", "pip3")
 ENV = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")
 SCRIPT = re.compile(r"scripts/[\w/-]+\.(py|sh)")
 
@@ -78,7 +79,7 @@ def commands(path: Path) -> list[Command]:
                 words = words[1:]
             if words and SCRIPT.fullmatch(words[0]):  # a script run by its path
                 words = ["python" if words[0].endswith(".py") else "bash", *words]
-            if words and (words[0] in PYTHON + ASYNCENGINE or words[0] in ("make", "bash")):
+            if words and (words[0] in PYTHON + ASYNCENGINE + PIP or words[0] in ("make", "bash")):
                 found.append(Command(path.name, tuple(words)))
     return found
 
@@ -160,6 +161,14 @@ def test_make_targets_exist() -> None:
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
     named = {c.words[1] for c in all_commands() if c.words[0] == "make" and len(c.words) > 1}
     assert named and named - {"ARGS"} <= targets, named - targets
+
+
+def test_pip_installs_the_checkout() -> None:
+    """The project is installed from its checkout: `pip install asyncengine...` would fetch
+    whatever a package index holds under that name."""
+    installs = [c for c in all_commands() if c.words[0] in PIP and "install" in c.words]
+    from_index = [c for c in installs if any(w.startswith("asyncengine") for w in c.words)]
+    assert installs and from_index == []
 
 
 def test_serve_commands_take_their_options() -> None:
