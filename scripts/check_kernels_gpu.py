@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     global DEVICE, SCALE, DTYPES
+    if args.cpu_dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton picks the interpreter when it wraps the kernels, at import: too late to set here
+        raise ValueError("--cpu-dry-run runs under the Triton interpreter: set TRITON_INTERPRET=1")
     if args.cpu_dry_run:
         DEVICE, SCALE, DTYPES = "cpu", 0.02, (torch.float32,)
     elif not torch.cuda.is_available():

@@ -4,6 +4,7 @@ and the loop-side cost benchmark runs (scripts/micro/bench_land.py)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,23 @@ ROOT = Path(__file__).resolve().parents[2]
     ],
 )
 def test_a_bad_value_is_one_line(script: str, args: list[str], says: str) -> None:
+    assert_one_error_line(script, args, says, dict(os.environ))
+
+
+def test_a_gpu_dry_run_outside_the_interpreter_is_one_line() -> None:
+    """The kernels run on CPU tensors only under TRITON_INTERPRET=1, which must be set before
+    Triton loads them: without it the dry run says so instead of failing in the first kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    assert_one_error_line("check_kernels_gpu.py", ["--cpu-dry-run"], "TRITON_INTERPRET=1", env)
+
+
+def assert_one_error_line(script: str, args: list[str], says: str, env: dict[str, str]) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
         timeout=300,
     )
     lines = out.stderr.strip().splitlines()
