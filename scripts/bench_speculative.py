@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/peers (--llamacpp)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asyncengine.api.engine import AsyncEngine
@@ -117,7 +118,7 @@ def llamacpp_runs(
 ) -> dict[str, dict[str, Any]]:
     """Batch-1 decode tok/s of llama-server without and with its n-gram speculation."""
     import aiohttp
-    import peer_llamacpp
+    from peers.llamacpp import launcher as peer_llamacpp
 
     spec = (
         "--spec-type", "ngram-simple",

@@ -3,8 +3,10 @@ a table and the JSON rows (speeds, acceptance) for each."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +65,40 @@ def test_bench_speculative_runs_the_draft_modes(
     assert rows[1]["acceptance"] > 0.9 and rows[1]["accepted_tokens"] > 0
     with pytest.raises(ValueError, match="--draft-model"):
         bench.main(["--modes", "off", "draft_adaptive"])
+
+
+def test_bench_speculative_measures_llama_server_without_and_with_ngrams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--llamacpp starts the peer's server twice, the second time with its n-gram speculation;
+    a stand-in server answers with llama-server's timings."""
+    bench = load_script("bench_speculative")
+    from peers.llamacpp import launcher
+
+    started: list[tuple[str, ...]] = []
+
+    class FakeServer:
+        def __init__(self, model: Path, parallel: int, threads: int, extra_args: tuple[str, ...]):
+            started.append(extra_args)
+
+        def __enter__(self) -> FakeServer:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        async def complete(self, session: Any, prompt: list[int], n_predict: int) -> Any:
+            rate = 40.0 if len(started) == 1 else 60.0
+            return {"timings": {"predicted_per_second": rate, "draft_n": 4, "draft_n_accepted": 3}}
+
+    monkeypatch.setattr(launcher, "LlamaServer", FakeServer)
+    monkeypatch.setattr(launcher, "model_file", lambda kind: Path(f"{kind}.gguf"))
+    args = argparse.Namespace(llamacpp_ngram_n=3, llamacpp_ngram_m=4, threads=1, output_len=8)
+    result = bench.llamacpp_runs({"copy": [[5, 6, 7]]}, args)
+    assert started[0] == () and "--spec-type" in started[1]
+    assert result["llamacpp_off"]["copy"]["decode_tok_s"] == 40.0
+    assert result["llamacpp_ngram"]["copy"] == {
+        "decode_tok_s": 60.0,
+        "per_request": [60.0],
+        "acceptance": 0.75,
+    }
