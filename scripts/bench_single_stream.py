@@ -227,7 +227,8 @@ def add_fractions(result: dict[str, Any]) -> None:
         if {"asyncengine", peer} <= set(result["runs"]):
             ours = result["runs"]["asyncengine"]["decode_tokens_per_second"]
             theirs = result["runs"][peer]["decode_tokens_per_second"]
-            result[f"speedup_vs_{peer}"] = ours / theirs
+            if ours > 0 and theirs > 0:  # nan: a first token slower than the whole request
+                result[f"speedup_vs_{peer}"] = ours / theirs
 
 
 def cpu_ms_per_token(row: dict[str, Any], result: dict[str, Any]) -> float | None:

@@ -658,6 +658,30 @@ def test_single_stream_fractions_and_table(single_stream: ModuleType) -> None:
     assert "= 40.0 tok/s" in text and "ahead of vLLM by 2.00x" in text
 
 
+def test_single_stream_gives_no_ratio_to_a_peer_without_a_decode_rate(
+    single_stream: ModuleType,
+) -> None:
+    """On busy cores a peer's one-token request can take longer than its whole request: no
+    decode rate (nan), so no ratio rather than 'nanx its speed'."""
+    rows = {
+        name: {"decode_tokens_per_second": tps, "first_token_seconds": [0.05],
+               "full_seconds": [1.0], "startup_seconds": 1.0, "peak_rss_bytes": 10**9}
+        for name, tps in (("asyncengine", 20.0), ("llamacpp", math.nan))
+    }  # fmt: skip
+    result = {
+        "dtype": "bfloat16",
+        "bound_tokens_per_second": 40.0,
+        "bandwidth": {"gb_per_second": 10.0, "seconds": [0.1] * 3, "tensor_bytes": 512 << 20},
+        "weights": {"bytes": 250_000_000, "parameters": 125_000_000,
+                    "tied_embeddings_counted_once": True},
+        "runs": rows,
+    }  # fmt: skip
+    single_stream.add_fractions(result)
+    assert "speedup_vs_llamacpp" not in result
+    text = single_stream.table(result)
+    assert "| llamacpp | - |" in text and "nan" not in text
+
+
 def test_single_stream_cpu_time_per_token(single_stream: ModuleType) -> None:
     result = {"repeats": 3, "output_len": 127}
     # each repeat generates 1 + 127 tokens: 3.84 CPU seconds over 384 tokens
