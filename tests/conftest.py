@@ -85,6 +85,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Qwen2.5's YaRN form, trained on 16 positions: the prompts run past them
+    "qwen2_yarn": (
+        "qwen2",
+        {
+            "tie_word_embeddings": True,
+            "rope_theta": 1000.0,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        },
+    ),
     # q/k RMSNorm per head, no attention bias, head_dim apart from hidden/heads
     "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
     # (1 + w) norms, GeGLU (tanh), embeddings times sqrt(hidden), tied, head_dim 32 (not 16)

@@ -324,3 +324,50 @@ def test_default_model_is_converted_once_then_reused(default_model) -> None:
         assert resolve_model(DEFAULT_MODEL, torch.float32) == directory
     assert (directory / "model.safetensors").stat().st_mtime_ns == written
     assert [p.name for p in cache.iterdir()] == [directory.name]
+
+
+def test_yarn_parameters_come_from_the_gguf_metadata_as_the_converter_writes_them() -> None:
+    """A Qwen2.5 YaRN checkpoint through llama.cpp's converter: rope.scaling.type / factor /
+    original_context_length and, where the config gives them, yarn_beta_* and yarn_attn_factor
+    (float32 in the file): the same RoPE as the HF config's."""
+    from asyncengine.executor.layers.model_config import ModelConfig
+    from asyncengine.executor.layers.rope import build_cos_sin_cache
+    from asyncengine.executor.loader.gguf_loader import hf_config
+
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768}
+    extra = {"beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3}
+    metadata: dict[str, object] = {
+        "general.architecture": "qwen2",
+        "qwen2.embedding_length": 256,
+        "qwen2.feed_forward_length": 512,
+        "qwen2.block_count": 2,
+        "qwen2.attention.head_count": 2,
+        "qwen2.attention.head_count_kv": 1,
+        "qwen2.context_length": 32768,
+        "qwen2.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+        "qwen2.rope.freq_base": 1000000.0,
+        "qwen2.vocab_size": 1000,
+        "qwen2.rope.scaling.type": "yarn",
+        "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32768,
+    }
+    for key, value in extra.items():
+        gguf_key = "attn_factor" if key == "attention_factor" else key
+        metadata[f"qwen2.rope.scaling.yarn_{gguf_key}"] = float(np.float32(value))
+    got = ModelConfig.from_hf_dict(hf_config(metadata, set(), torch.float32))
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "yarn", **yarn, **extra},
+    }
+    want = ModelConfig.from_hf_dict(hf)
+    assert got.rope_scaling == want.rope_scaling and got.rope_scaling.attention_factor == 1.3
+    assert got.max_model_len == want.max_model_len == 131072
+    assert torch.equal(build_cos_sin_cache(got, 40000), build_cos_sin_cache(want, 40000))

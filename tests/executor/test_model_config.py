@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -85,7 +86,7 @@ def test_rope_parameters_of_transformers_5_and_rope_scaling_of_older_files_agree
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"sliding_window": 4096}, "sliding_window"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "linear"}}, "factor"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
@@ -247,6 +248,19 @@ def test_tiny_checkpoints_parse(tiny_checkpoints: dict[str, TinyCheckpoint]) -> 
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        # Qwen2.5's long-context form (the old "type" key), then every YaRN parameter given
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "truncate": False,
+        },
+        {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5},
     ],
 )
 def test_inv_freq_and_cos_sin_match_hf(rope: dict[str, Any]) -> None:
@@ -289,3 +303,13 @@ def test_dynamic_ntk_stretches_positions_past_the_trained_length() -> None:
     half = c.head_dim // 2
     torch.testing.assert_close(cache[:64, :half], plain[:64].cos())
     assert not torch.allclose(cache[100, :half], plain[100].cos())
+
+
+def test_yarn_stretches_the_original_length_by_its_factor() -> None:
+    """As Qwen2.5's YaRN config reads: 32k trained, 4x by YaRN, a 128k context."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    c = ModelConfig.from_hf_dict(
+        {**SMOLLM2_LIKE, "max_position_embeddings": 32768, "rope_scaling": yarn}
+    )
+    assert c.rope_scaling.rope_type == "yarn" and c.max_model_len == 131072
+    assert c.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)

@@ -85,6 +85,7 @@ def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) 
         "llama_tied",
         "qwen2_bias",
         "llama3_rope",
+        "qwen2_yarn",
         "qwen3_qk_norm",
         "gemma",
         "gemma2",

@@ -8,6 +8,7 @@ forward reads once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Windows that the engine does not implement (sliding window ignored when it is off).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -41,7 +42,11 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin scaled by it
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +97,14 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence the positional encoding covers (dynamic NTK stretches it by factor)."""
-        if self.rope_scaling.rope_type == "dynamic":
-            return int(self.max_position_embeddings * self.rope_scaling.factor)
+        """Longest sequence the positional encoding covers (dynamic NTK stretches it by factor,
+        YaRN the original length by factor, as vLLM counts them)."""
+        s = self.rope_scaling
+        if s.rope_type == "dynamic":
+            return int(self.max_position_embeddings * s.factor)
+        if s.rope_type == "yarn" and s.original_max_position_embeddings is not None:
+            stretched = int(s.original_max_position_embeddings * s.factor)
+            return max(self.max_position_embeddings, stretched)
         return self.max_position_embeddings
 
     @classmethod
@@ -276,11 +286,14 @@ def _rope_from_params(
     if "factor" not in params:
         raise UnsupportedModelError(f"rope_type={rope_type!r} needs rope_scaling.factor")
     factor = float(params["factor"])
-    if rope_type != "llama3":
+    if rope_type in ("linear", "dynamic"):
         return rope_theta, RopeScaling(rope_type=rope_type, factor=factor)
-    original = params.get(
-        "original_max_position_embeddings", d.get("original_max_position_embeddings")
+    # HF prefers a config's own original_max_position_embeddings (Phi-3 keeps it there)
+    original = d.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings"
     )
+    if rope_type == "yarn":
+        return rope_theta, _yarn(params, factor, int(original or max_pos))
     return rope_theta, RopeScaling(
         rope_type=rope_type,
         factor=factor,
@@ -288,3 +301,28 @@ def _rope_from_params(
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original) if original is not None else max_pos,
     )
+
+
+def _yarn(params: dict[str, Any], factor: float, original: int) -> RopeScaling:
+    """YaRN's parameters with HF's defaults; the attention factor from mscale / mscale_all_dim
+    (DeepSeek's form) or the factor alone where the config does not give it."""
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1.0)
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -43,6 +43,12 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# YaRN's parameters as llama.cpp's converter writes them (rope.scaling.*) -> HF's names
+_YARN_KEYS = (
+    ("yarn_beta_fast", "beta_fast"),
+    ("yarn_beta_slow", "beta_slow"),
+    ("yarn_attn_factor", "attention_factor"),
+)
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -164,6 +170,9 @@ def hf_config(
         rope_parameters["factor"] = float(key("rope.scaling.factor"))
         if original := metadata.get(f"{arch}.rope.scaling.original_context_length"):
             rope_parameters["original_max_position_embeddings"] = int(original)
+        for gguf_key, hf_key in _YARN_KEYS:
+            if (value := metadata.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
+                rope_parameters[hf_key] = _float32_decimal(value)
     return {
         "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
