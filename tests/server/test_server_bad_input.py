@@ -872,3 +872,37 @@ async def test_no_max_tokens_generates_up_to_the_limit(server: RunningServer) ->
     # ... which max_new_tokens_limit caps
     assert out["usage"]["completion_tokens"] == MAX_NEW_TOKENS_LIMIT
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+async def test_text_that_encodes_past_the_models_vocabulary_is_a_400_beside_good_requests(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A tokenizer that knows more tokens than the model has embeddings (added tokens never
+    resized into the model): text and chat that encode to such ids are refused at intake; in the
+    forward they failed the whole step, the token-id request batched beside them included."""
+    small = await start_server(engine_config(tiny_model_dir(tmp_path_factory, vocab_size=300)))
+    good = {"prompt": list(range(5, 120)), "max_tokens": 4, "ignore_eos": True}
+    bad = [
+        (COMPLETIONS, completion(prompt="The quick brown fox")),
+        (CHAT, chat(messages=[{"role": "user", "content": "The quick brown fox"}])),
+        (GENERATE, native()),
+    ]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def post(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+                async with session.post(small.base_url + path, json=body) as resp:
+                    return resp.status, await resp.json(content_type=None)
+
+            answers = await asyncio.gather(
+                post(COMPLETIONS, good), *(post(path, body) for path, body in bad)
+            )
+        (status, out), refused = answers[0], answers[1:]
+        assert status == 200 and out["usage"]["completion_tokens"] == 4, out
+        for code, body in refused:
+            assert code == 400, body
+            assert "outside the model's vocabulary [0, 300)" in body["error"]["message"]
+        assert await wait_until(lambda: engine_idle(small.engine))
+        assert_no_leak(small.engine)
+    finally:
+        await small.stop()
