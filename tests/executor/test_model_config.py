@@ -313,3 +313,57 @@ def test_yarn_stretches_the_original_length_by_its_factor() -> None:
     )
     assert c.rope_scaling.rope_type == "yarn" and c.max_model_len == 131072
     assert c.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+
+
+@pytest.mark.parametrize(
+    ("hf_dict", "positions"),
+    [
+        (  # Llama 3.2's RoPE: positions past its original 8192
+            {
+                "max_position_embeddings": 131072,
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            },
+            (8000, 10000),
+        ),
+        (  # Qwen2.5's with YaRN (head dim 128): positions past its original 32768
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "hidden_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 32768,
+                "rope_theta": 1000000.0,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32768,
+                },
+            },
+            (32000, 34000),
+        ),
+    ],
+    ids=["llama3.2", "qwen2.5-yarn"],
+)
+def test_real_long_context_rope_matches_hf_past_the_original_length(
+    hf_dict: dict[str, Any], positions: tuple[int, int]
+) -> None:
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    d = {**SMOLLM2_LIKE, **hf_dict}
+    ours = ModelConfig.from_hf_dict(d)
+    model_type = "qwen2" if d["architectures"] == ["Qwen2ForCausalLM"] else "llama"
+    hf_rope = LlamaRotaryEmbedding(AutoConfig.for_model(model_type, **d))
+    lo, hi = positions
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), torch.arange(lo, hi)[None])
+    cache = build_cos_sin_cache(ours, hi)
+    half = ours.head_dim // 2
+    torch.testing.assert_close(cache[lo:, :half], cos[0, :, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cache[lo:, half:], sin[0, :, :half], rtol=0, atol=1e-6)
