@@ -9,7 +9,7 @@ Launches ``asyncengine serve`` (engine flags after ``--``) once per run and
 (the values alternate within each repeat). Loopback only.
     python scripts/bench_short_beside_long.py --repeats 3 --out bench_results/short_long.json
     python scripts/bench_short_beside_long.py --long-len 6000 --vocab-size 128256 \\
-        -- --model ~/.cache/asyncengine/real_models/llama-3.2-1b-Q4_K_M.gguf
+        -- --model ~/.cache/asyncengine/models/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf
 """
 
 from __future__ import annotations
