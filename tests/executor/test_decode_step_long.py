@@ -3,11 +3,14 @@ attention is cut into split-K ranges of all the row's kv heads, the new K/V take
 registers by every range and stored by the last one. The same row repeated in a batch of 8
 (items of a kv head over the whole row, the K/V stored before any row attends) is the oracle:
 the same logits within float32 summation order, and the same K/V in the pool (layer 0's bit for
-bit, later layers' from inputs that differ in summation order), nothing else written."""
+bit, later layers' from inputs that differ in summation order), nothing else written. A
+bfloat16 model decoding past Llama 3.2's original 8,192 positions is no further from its
+float32 run than its torch path."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +18,9 @@ import torch
 
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.kernels.cpu import cpu_native
-from tests.conftest import TinyCheckpoint
-from tests.executor.test_native_decode import Pair
+from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
+from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
+from tests.executor.test_native_decode import Pair, _count_fused_rows
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
@@ -88,3 +92,39 @@ def test_one_long_row_is_the_same_row_in_a_batch(
         others = torch.ones(row.k[layer].shape[0], dtype=torch.bool)
         others[row.slot] = False
         assert torch.equal(k_one[layer][others], row.k[layer][others])
+
+
+# Llama 3.2's RoPE (its scaled frequencies, base 500000) on a tiny model, room for 16k positions
+LLAMA32_ROPE = {
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 16384,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+
+def test_a_bfloat16_runner_past_the_original_context_is_no_further_than_its_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 weights in bfloat16 with Llama 3.2's RoPE, decoding at positions 8,200-8,207 over
+    2,000 pages: the fused step's logits are no further from the float32 run than the bfloat16
+    torch path's. Each row's position picks its RoPE row as an integer (bfloat16 holds integers
+    exactly only up to 256: a position carried in it is off by up to 16 here, ~15x the error)."""
+    monkeypatch.setitem(TINY_CONFIGS, "llama32_rope", ("llama", LLAMA32_ROPE))
+    ckpt = make_tiny_checkpoint("llama32_rope", tmp_path / "ckpt")
+    weights = quantize_int8(ckpt.load_weights())
+    prompt = torch.randint(3, 96, (8200,), generator=torch.Generator().manual_seed(0)).tolist()
+    pair = Pair(ckpt, weights, dtype=torch.bfloat16, max_len=8300)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    fused = _teacher_forced(pair.native, [prompt], 8)
+    assert rows == [1] * 8
+    torch_path = _teacher_forced(pair.torch_path, [prompt], 8)
+    reference = _teacher_forced(Pair(ckpt, weights, max_len=8300).torch_path, [prompt], 8)
+    assert all(torch.isfinite(step).all() for step in fused)
+    _assert_no_further_than(fused, torch_path, reference)
