@@ -65,6 +65,15 @@ _COMMON: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+# Llama 3.2's RoPE scaling as its config.json has it (base 500000 beside it)
+LLAMA32_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_gqa": ("llama", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "llama_tied": (

@@ -18,7 +18,12 @@ import torch
 
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.kernels.cpu import cpu_native
-from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
+from tests.conftest import (
+    LLAMA32_ROPE_SCALING,
+    TINY_CONFIGS,
+    TinyCheckpoint,
+    make_tiny_checkpoint,
+)
 from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
 from tests.executor.test_native_decode import Pair, _count_fused_rows
 
@@ -99,13 +104,7 @@ LLAMA32_ROPE = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 16384,
     "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    "rope_scaling": LLAMA32_ROPE_SCALING,
 }
 
 

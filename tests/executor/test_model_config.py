@@ -10,7 +10,7 @@ import torch
 
 from asyncengine.executor.layers.model_config import ModelConfig, RopeScaling, UnsupportedModelError
 from asyncengine.executor.layers.rope import build_cos_sin_cache, rope_inv_freq
-from tests.conftest import TinyCheckpoint
+from tests.conftest import LLAMA32_ROPE_SCALING, TinyCheckpoint
 
 SMOLLM2_LIKE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -322,13 +322,7 @@ def test_yarn_stretches_the_original_length_by_its_factor() -> None:
             {
                 "max_position_embeddings": 131072,
                 "rope_theta": 500000.0,
-                "rope_scaling": {
-                    "rope_type": "llama3",
-                    "factor": 32.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
+                "rope_scaling": LLAMA32_ROPE_SCALING,
             },
             (8000, 10000),
         ),

@@ -16,7 +16,7 @@ from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.scheduler.lora_slots import LoraSlots
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.scheduler.test_scheduler import Clock
+from tests.scheduler.test_scheduler import Clock, step
 
 
 def make(**overrides: object) -> tuple[EngineCore, FakeExecutor, Clock]:
@@ -31,16 +31,6 @@ def add(core: EngineCore, clock: Clock, rid: str, lora: str | None, n: int = 4) 
     req = Request(rid, prompt, params, clock())
     core.add(req)
     return req
-
-
-def step(core: EngineCore, runner: FakeExecutor, clock: Clock) -> BatchPlan:
-    plan = core.launch()
-    assert plan is not None
-    output = runner.execute(plan)
-    clock.t += output.forward_seconds
-    core.land(plan, output)
-    core.kv.check_invariant()
-    return plan
 
 
 def plan_loras(core: EngineCore, plan: BatchPlan, owners: dict[str, Request]) -> set[str]:

@@ -72,6 +72,17 @@ def workload(seed: int, n: int, shared: int = 3, max_out: int = 24) -> list[tupl
     return out
 
 
+def step(core: EngineCore, runner: FakeExecutor, clock: Clock) -> BatchPlan:
+    """One step that runs something, landed, the KV invariant checked."""
+    plan = core.launch()
+    assert plan is not None
+    output = runner.execute(plan)
+    clock.t += output.forward_seconds
+    core.land(plan, output)
+    core.kv.check_invariant()
+    return plan
+
+
 def submit(
     core: EngineCore, clock: Clock, items: list[tuple[list[int], int]], tag: str = "r"
 ) -> list[Request]:

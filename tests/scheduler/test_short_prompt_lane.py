@@ -9,20 +9,10 @@ from hypothesis import strategies as st
 from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.core.engine_core import EngineCore
-from tests.fake_executor import FakeExecutor, reference_output
-from tests.scheduler.test_scheduler import Clock, drive, make_scheduler, submit
+from tests.fake_executor import reference_output
+from tests.scheduler.test_scheduler import drive, make_scheduler, step, submit
 
 LONG = list(range(1, 65))  # 64 tokens: four chunks of 16
-
-
-def step(core: EngineCore, runner: FakeExecutor, clock: Clock) -> BatchPlan:
-    plan = core.launch()
-    assert plan is not None
-    output = runner.execute(plan)
-    clock.t += output.forward_seconds
-    core.land(plan, output)
-    core.kv.check_invariant()
-    return plan
 
 
 def tokens(plan: BatchPlan, rid: str) -> int:

@@ -634,21 +634,25 @@ def test_weight_bytes_count_a_tied_head_once(single_stream: ModuleType, tmp_path
     assert untied["bytes"] == 4 * untied["parameters"]
 
 
-def test_single_stream_fractions_and_table(single_stream: ModuleType) -> None:
-    def row(tps: float) -> dict[str, Any]:
-        return {
-            "decode_tokens_per_second": tps, "first_token_seconds": [0.05],
-            "full_seconds": [1.0], "startup_seconds": 1.0, "peak_rss_bytes": 10**9,
-        }  # fmt: skip
-
-    result = {
+def single_stream_result(rates: dict[str, float]) -> dict[str, Any]:
+    """A bench_single_stream result whose systems decoded at ``rates`` tok/s (bound 40)."""
+    rows = {
+        name: {"decode_tokens_per_second": tps, "first_token_seconds": [0.05],
+               "full_seconds": [1.0], "startup_seconds": 1.0, "peak_rss_bytes": 10**9}
+        for name, tps in rates.items()
+    }  # fmt: skip
+    return {
         "dtype": "bfloat16",
         "bound_tokens_per_second": 40.0,
         "bandwidth": {"gb_per_second": 10.0, "seconds": [0.1] * 3, "tensor_bytes": 512 << 20},
         "weights": {"bytes": 250_000_000, "parameters": 125_000_000,
                     "tied_embeddings_counted_once": True},
-        "runs": {"asyncengine": row(20.0), "vllm": row(10.0)},
+        "runs": rows,
     }  # fmt: skip
+
+
+def test_single_stream_fractions_and_table(single_stream: ModuleType) -> None:
+    result = single_stream_result({"asyncengine": 20.0, "vllm": 10.0})
     single_stream.add_fractions(result)
     assert result["runs"]["asyncengine"]["fraction_of_bound"] == pytest.approx(0.5)
     assert result["runs"]["vllm"]["fraction_of_bound"] == pytest.approx(0.25)
@@ -663,19 +667,7 @@ def test_single_stream_gives_no_ratio_to_a_peer_without_a_decode_rate(
 ) -> None:
     """On busy cores a peer's one-token request can take longer than its whole request: no
     decode rate (nan), so no ratio rather than 'nanx its speed'."""
-    rows = {
-        name: {"decode_tokens_per_second": tps, "first_token_seconds": [0.05],
-               "full_seconds": [1.0], "startup_seconds": 1.0, "peak_rss_bytes": 10**9}
-        for name, tps in (("asyncengine", 20.0), ("llamacpp", math.nan))
-    }  # fmt: skip
-    result = {
-        "dtype": "bfloat16",
-        "bound_tokens_per_second": 40.0,
-        "bandwidth": {"gb_per_second": 10.0, "seconds": [0.1] * 3, "tensor_bytes": 512 << 20},
-        "weights": {"bytes": 250_000_000, "parameters": 125_000_000,
-                    "tied_embeddings_counted_once": True},
-        "runs": rows,
-    }  # fmt: skip
+    result = single_stream_result({"asyncengine": 20.0, "llamacpp": math.nan})
     single_stream.add_fractions(result)
     assert "speedup_vs_llamacpp" not in result
     text = single_stream.table(result)
