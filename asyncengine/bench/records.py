@@ -72,10 +72,12 @@ class BenchSummary:
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens of completed requests / s
     input_throughput: float  # prompt tokens of completed requests / s
+    # of every request, ended or not: a request that timed out after its prefill left its
+    # pages to the others, so the hit rate is over the whole workload, like its offline bound
     prompt_tokens: int
-    output_tokens: int
+    output_tokens: int  # of completed requests
     cached_tokens: int
-    cache_hit_rate: float  # cached / prompt tokens of completed requests
+    cache_hit_rate: float  # cached / prompt tokens
     ttft: LatencyStats
     tpot: LatencyStats
     itl: LatencyStats  # every gap between consecutive tokens of every request, pooled
@@ -108,9 +110,9 @@ def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) 
     finishes = [r.finish_time for r in records if r.finish_time is not None]
     start = min((r.arrival_time for r in records), default=0.0)
     duration = max(finishes) - start if finishes else 0.0
-    prompt_tokens = sum(r.prompt_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in records)
     output_tokens = sum(r.output_tokens for r in done)
-    cached_tokens = sum(r.cached_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in records)
     gaps = inter_token_gaps([r.token_times for r in done])
 
     def rate(amount: float) -> float:
@@ -125,7 +127,7 @@ def summarize(records: Sequence[RequestRecord], *, retracts: int | None = None) 
         duration=duration,
         request_throughput=rate(len(done)),
         output_throughput=rate(output_tokens),
-        input_throughput=rate(prompt_tokens),
+        input_throughput=rate(sum(r.prompt_tokens for r in done)),
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         cached_tokens=cached_tokens,

@@ -64,8 +64,10 @@ def test_summary_hand_made_run() -> None:
     assert s.duration == 4.0
     assert s.request_throughput == pytest.approx(3 / 4)
     assert s.output_throughput == pytest.approx(6 / 4)
-    assert (s.prompt_tokens, s.output_tokens, s.cached_tokens) == (45, 6, 5)
-    assert s.cache_hit_rate == pytest.approx(5 / 45)
+    # prompt and cached tokens of every request (the failed one too), as the hit bounds count
+    assert (s.prompt_tokens, s.output_tokens, s.cached_tokens) == (53, 6, 5)
+    assert s.cache_hit_rate == pytest.approx(5 / 53)
+    assert s.input_throughput == pytest.approx(45 / 4)
     ttfts = [1.0, 1.0, 1.0]
     assert s.ttft.p50 == pytest.approx(np.percentile(ttfts, 50))
     assert s.tpot.count == 2 and s.tpot.mean == pytest.approx((0.75 + 1.0) / 2)

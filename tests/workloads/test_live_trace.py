@@ -118,7 +118,7 @@ async def test_compare_policies_replays_a_live_trace_with_a_fitted_cost_model(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "live.jsonl"
-    await record(path, hashed=True)
+    *sent, _ = await record(path, hashed=True)
     compare = load_script("compare_policies")
     out = tmp_path / "out"
     runs = compare.main(
@@ -135,6 +135,9 @@ async def test_compare_policies_replays_a_live_trace_with_a_fitted_cost_model(
     for run in runs:
         assert run.summary.num_requests == 9
         assert run.summary.num_completed + run.summary.num_timed_out == 9
+        # the timed-out request's prompt counts in the hit rate as in its bound
+        assert run.summary.prompt_tokens == sum(len(ids) for _, ids, _ in sent)
+        assert 0 < run.summary.cache_hit_rate <= run.optimal_hit_rate
     fitted = json.loads((out / "cost_model.json").read_text())
     assert "fitted to" in fitted["description"] and fitted["intercept"] >= 0
     results = (out / "results.md").read_text()
