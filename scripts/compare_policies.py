@@ -167,7 +167,9 @@ def run_one(
         records, stats = run.records, run.stats
         closed = {"closed_loop": {"prompts": run.prompts, "outputs": run.outputs}}
     else:
-        records, stats = asyncio.run(replay_real(config, workload))
+        outputs: dict[str, list[int]] = {}
+        records, stats = asyncio.run(replay_real(config, workload, outputs=outputs))
+        closed = {"outputs": outputs}
     retracts = stats.get("retractions")
     summary = summarize(records, retracts=None if retracts is None else int(retracts))  # type: ignore[call-overload]
     details = {
@@ -217,8 +219,8 @@ def closed_loop_report(
         f"closed loop: {len(conversations)} conversations, {args.closed_loop} turns in flight, "
         f"think time {args.think_time:g} s; each turn is the previous prompt + the engine's own "
         f"answer + the next message. Working set (every conversation's last prompt and answer): "
-        f"{working_set} tokens, {ratios}. The hit bounds share prompts only: the engine also "
-        "caches its answers, which the next turn sends back, so a run can pass them.\n\n"
+        f"{working_set} tokens, {ratios}. The hit bounds are of these prompts with the "
+        "first run's answers cached, as the engine caches them for the next turn.\n\n"
         f"greedy outputs across the {len(loops)} run(s): {agree}\n\n"
         f"TTFT p50, all turns (later turns): {'; '.join(ttfts)}"
     )
@@ -330,20 +332,28 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     configs = build_configs(args)
     prompts = [w.prompt_ids for w in workload]
     in_arrival_order = [w.prompt_ids for w in sorted(workload, key=lambda w: w.arrival_time)]
-    bounds: dict[tuple[str, int, int], float] = {}
+    bounds: dict[tuple[str, int, int, int], float] = {}
+    # each run's generated tokens, aligned with ``prompts``: later prompts may hit them
+    answers: list[list[list[int]]] = []
 
-    def bound(kind: str, page_size: int, pool_pages: int = 0) -> float:
-        """The infinite-pool bound, or with ``pool_pages`` in any order / in arrival order."""
-        key = (kind, page_size, pool_pages)
+    def bound(kind: str, page_size: int, pool_pages: int = 0, run: int = 0) -> float:
+        """The infinite-pool bound, or with ``pool_pages`` in any order / in arrival order.
+        The first two are at token granularity (the engine shares partial pages too) and
+        count run ``run``'s answers as cached; the arrival-order one is over whole pages."""
+        run = min(run, len(answers) - 1)
+        key = (kind, page_size, pool_pages, run)
         if key not in bounds:
             if kind == "infinite":
-                bounds[key] = optimal_hit(prompts, page_size).rate
+                bounds[key] = optimal_hit(prompts, 1, answers[run]).rate
             elif not pool_pages:
                 bounds[key] = float("nan")  # several replicas: several pools
+            elif kind == "pool":
+                tokens = pool_pages * page_size
+                found = optimal_hit_finite(prompts, 1, tokens, "any", answers[run])
+                bounds[key] = found.rate
             else:
-                order = "any" if kind == "pool" else "arrival"
-                ordered = prompts if kind == "pool" else in_arrival_order
-                bounds[key] = optimal_hit_finite(ordered, page_size, pool_pages, order).rate  # type: ignore[arg-type]
+                found = optimal_hit_finite(in_arrival_order, page_size, pool_pages, "arrival")
+                bounds[key] = found.rate
         return bounds[key]
 
     if args.eviction:
@@ -379,11 +389,18 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     if args.closed_loop:  # the bounds are of the prompts sent, with the engine's answers
         closed_note, outputs_differ, sent = closed_loop_report(workload, jobs, results, args)
         prompts = list(sent.values())
+        answers.append([results[0][2]["outputs"].get(rid, []) for rid in sent])
         in_arrival_order = [
             sent[r.rid] for r in sorted(results[0][0], key=lambda r: r.arrival_time)
         ]
+    elif args.real:
+        for _, _, extra in results:
+            answers.append([extra["outputs"].get(w.rid, []) for w in workload])
     if not args.real:
         from asyncengine.sim.cost_model import CostModel
+        from asyncengine.sim.simulated_executor import SAMPLED_TOKEN_ID
+
+        answers.append([[SAMPLED_TOKEN_ID] * w.output_len for w in workload])
 
         if args.fit_from_trace:
             cost = trace_cost_model(args.trace, out)
@@ -398,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     runs: list[RunReport] = []
     eviction_rows: list[EvictionRow] = []
     details: dict[str, Any] = {}
-    for job, (records, summary, extra) in zip(jobs, results, strict=True):
+    for index, (job, (records, summary, extra)) in enumerate(zip(jobs, results, strict=True)):
         label, config = job.label, job.config
         ps, pool = config.page_size, int(extra.get("pages_total") or 0)
         run = RunReport(
@@ -406,9 +423,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             config.policy,
             summary,
             records,
-            bound("infinite", ps),
-            pool_hit_rate=bound("pool", ps, pool),
-            arrival_hit_rate=bound("arrival", ps, pool),
+            bound("infinite", ps, run=index),
+            pool_hit_rate=bound("pool", ps, pool, index),
+            arrival_hit_rate=bound("arrival", ps, pool, index),
             slo=slo,
             admission_blocked=extra.get("admission_blocked"),
             engine_stats=extra.get("scheduler_stats") or extra.get("engine_stats"),

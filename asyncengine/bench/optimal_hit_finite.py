@@ -70,22 +70,35 @@ def _trie(prompts: Sequence[Sequence[int]], page_size: int) -> tuple[list[_Promp
 
 
 def optimal_hit_finite(
-    prompts: Sequence[Sequence[int]], page_size: int, pool_pages: int, order: Order = "any"
+    prompts: Sequence[Sequence[int]],
+    page_size: int,
+    pool_pages: int,
+    order: Order = "any",
+    outputs: Sequence[Sequence[int]] | None = None,
 ) -> OptimalHit:
     """The most prompt tokens any schedule can take from a cache of ``pool_pages`` pages
-    (``order`` "any": over all orders; "arrival": in the given order). See the module notes."""
+    (``order`` "any": over all orders; "arrival": in the given order). See the module notes.
+    ``outputs`` (order "any" only): each prompt's generated tokens, as ``optimal_hit`` takes."""
     if page_size < 1 or pool_pages < 1:
         raise ValueError(f"page_size and pool_pages must be >= 1, got {page_size}, {pool_pages}")
+    if outputs is not None and order != "any":
+        raise ValueError("outputs are taken by the any-order bound only")
     if order == "any":
-        return _any_order(prompts, page_size, pool_pages)
+        return _any_order(prompts, page_size, pool_pages, outputs)
     if order == "arrival":
         return _arrival_order(prompts, page_size, pool_pages)
     raise ValueError(f"order must be 'any' or 'arrival', got {order!r}")
 
 
-def _any_order(prompts: Sequence[Sequence[int]], page_size: int, pool_pages: int) -> OptimalHit:
-    fits = [p for p in prompts if -(-len(p) // page_size) <= pool_pages]
-    best = optimal_hit(fits, page_size)
+def _any_order(
+    prompts: Sequence[Sequence[int]],
+    page_size: int,
+    pool_pages: int,
+    outputs: Sequence[Sequence[int]] | None,
+) -> OptimalHit:
+    fits = [i for i, p in enumerate(prompts) if -(-len(p) // page_size) <= pool_pages]
+    kept = None if outputs is None else [outputs[i] for i in fits]
+    best = optimal_hit([prompts[i] for i in fits], page_size, kept)
     total = sum(len(p) for p in prompts)
     return OptimalHit(total, best.hit_tokens, best.trie_pages)
 

@@ -24,13 +24,14 @@ async def replay_real(
     workload: Sequence[WorkloadRequest],
     warmup_requests: int = 1,
     step_log: StepLog | None = None,
+    outputs: dict[str, list[int]] | None = None,
 ) -> tuple[list[RequestRecord], dict[str, object]]:
     """Run ``workload`` on an ``AsyncEngine(config)``; returns the records and engine stats.
 
     Times in the records are relative to the first arrival. Per-token times come from the
     engine's own metrics (TTFT, then the inter-token gaps), so they do not include the
     caller's scheduling jitter. ``step_log`` (if given) logs every step after the warm-up, on
-    the same clock.
+    the same clock. ``outputs`` (if given) receives each request's generated token ids.
     """
     from asyncengine.api.engine import AsyncEngine
 
@@ -53,6 +54,8 @@ async def replay_real(
                 out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
             except Exception:  # every failure counts as a failed request; the run goes on
                 out = None
+            if outputs is not None and out is not None:
+                outputs[item.rid] = list(out.token_ids)
             return record_of(item, arrival, out, loop.time() - start)
 
         records = await asyncio.gather(*(one(item) for item in workload))

@@ -27,7 +27,7 @@ from asyncengine.routing import ReplicaRouter, ReplicaState
 from asyncengine.sim.clock import VirtualClock
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.sim.lora_cost import LoraCharges, SimLoras
-from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SimulatedExecutor
+from asyncengine.sim.simulated_executor import DEFAULT_SPEC, SAMPLED_TOKEN_ID, SimulatedExecutor
 from asyncengine.sim.simulator import reveal_lengths
 from asyncengine.sim.workload_replay import (
     SchedulerStuckError,
@@ -152,7 +152,7 @@ class MultiReplicaSimulator:
         cost_model: CostModel | None = None,
         *,
         max_model_len: int | None = None,
-        sampled_token_id: int = 1,
+        sampled_token_id: int = SAMPLED_TOKEN_ID,
         loras: SimLoras | None = None,
     ) -> None:
         """``loras``: as the Simulator's, for each replica (its own adapters in memory)."""

@@ -53,6 +53,8 @@ _start_pos = operator.attrgetter("start_pos")
 # A GPU's pinned PCIe copies are far faster. A swap costs its bytes over this, added to the
 # step's forward time.
 DEFAULT_SWAP_BYTES_PER_SECOND = 0.9e9
+# every token a simulated step samples, unless the executor is given another
+SAMPLED_TOKEN_ID = 1
 
 
 class SimulatedExecutor:
@@ -61,7 +63,7 @@ class SimulatedExecutor:
         cost_model: CostModel,
         clock: VirtualClock,
         spec: ModelSpec = DEFAULT_SPEC,
-        sampled_token_id: int = 1,
+        sampled_token_id: int = SAMPLED_TOKEN_ID,
         swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,
     ) -> None:
         if swap_bytes_per_second <= 0:

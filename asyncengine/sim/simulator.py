@@ -25,6 +25,7 @@ from asyncengine.sim.lora_cost import LoraCharges, SimLoras
 from asyncengine.sim.simulated_executor import (
     DEFAULT_SPEC,
     DEFAULT_SWAP_BYTES_PER_SECOND,
+    SAMPLED_TOKEN_ID,
     SimulatedExecutor,
     default_kv_bytes_per_token,
 )
@@ -57,7 +58,7 @@ class Simulator:
         *,
         max_model_len: int | None = None,
         eos_token_ids: Sequence[int] = (0,),
-        sampled_token_id: int = 1,
+        sampled_token_id: int = SAMPLED_TOKEN_ID,
         kv_bytes_per_token: int | None = None,
         check_invariant_every: int = 0,
         swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND,

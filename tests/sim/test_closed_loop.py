@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.bench.records import summarize
 from asyncengine.sim.closed_loop import (
     ClosedLoopRun,
     conversations_of,
@@ -83,10 +85,35 @@ def test_each_turn_sends_back_the_engines_answer_and_the_tier_keeps_it(
     assert outputs_agree([plain.outputs, tiered.outputs]).startswith("identical")
     assert tiered.stats["host_hit_tokens"] > 0  # type: ignore[operator]
     assert tiered.stats["hit_tokens"] > plain.stats["hit_tokens"]  # type: ignore[operator]
+    for loop in (tiered, plain):
+        _, hit, bound = hit_and_bounds(loop)
+        assert hit <= bound
     # with one turn in flight the closed loop runs chats round-robin: turn by turn
     if concurrency == 1:
         order = [r.rid for r in tiered.records]
         assert order == sorted(order)
+
+
+def hit_and_bounds(loop: ClosedLoopRun) -> tuple[float, float, float]:
+    """The run's hit rate, the bound over its prompts alone, the bound with its answers."""
+    prompts = [loop.prompts[r.rid] for r in loop.records]
+    answers = [loop.outputs[r.rid] for r in loop.records]
+    hit = summarize(loop.records).cache_hit_rate
+    return optimal_hit(prompts).rate, hit, optimal_hit(prompts, 1, answers).rate
+
+
+@pytest.mark.parametrize("config", [{"kv_cache_tokens": 1024}, {"host_kv_tier": True}])
+def test_later_turns_hit_the_answers_within_the_bound(
+    tiny_chat_model: Path, config: dict[str, object]
+) -> None:
+    # long answers, short messages: most of a later turn is the previous answer, which the
+    # pool (or the host tier under a small pool) keeps; a bound over prompts alone misses it
+    workload = multi_turn(3, 3, vocab_size=VOCAB, system_len=8, user_median=4.0,
+                          max_user_len=6, output_len=24, seed=1)  # fmt: skip
+    engine_config = tier_config(tiny_chat_model).replace(**config)
+    loop = asyncio.run(replay_closed_loop(engine_config, conversations_of(workload), 1))
+    prompts_only, hit, bound = hit_and_bounds(loop)
+    assert prompts_only < hit <= bound
 
 
 def test_outputs_agree_names_the_first_answer_that_differs() -> None:
