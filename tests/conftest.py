@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Triton kernel tests run on CPU through the interpreter; it must be chosen before triton loads.
@@ -272,3 +273,20 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def quiet_scheduler(caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler's warnings (an overloaded run's retractions) off for one test, restored
+    after it: a level left set would hide them from a later test's ``caplog``."""
+    caplog.set_level(logging.ERROR, logger="asyncengine.scheduler.scheduler")
+
+
+@pytest.fixture(autouse=True)
+def _scheduler_log_level() -> Iterator[None]:
+    """Whatever a test's code sets the scheduler logger's level to (a script's ``main`` run in
+    process quiets it) ends with the test, so a later test's ``caplog`` sees its warnings."""
+    logger = logging.getLogger("asyncengine.scheduler.scheduler")
+    level = logger.level
+    yield
+    logger.setLevel(level)

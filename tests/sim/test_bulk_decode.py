@@ -8,7 +8,6 @@ virtual time and every counter of the scheduler and the core.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -62,9 +61,7 @@ def _workload(name: str, n: int, rate: float, seed: int = 0) -> list[WorkloadReq
     )
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> None:
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
+pytestmark = pytest.mark.usefixtures("quiet_scheduler")
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "sjf", "dfs-weight"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -80,8 +79,8 @@ def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.usefixtures("quiet_scheduler")
 def test_simulator_gives_the_records_it_gave_before(case: str) -> None:
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     policy, make, digest, steps = CASES[case]
     workload = make()
     # the digests were taken before short prompts joined the steps of a prompt mid-chunk
@@ -94,10 +93,10 @@ def test_simulator_gives_the_records_it_gave_before(case: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fair-tenants", "lpm-shared"])
+@pytest.mark.usefixtures("quiet_scheduler")
 def test_the_fast_path_gives_the_step_by_step_records_with_the_short_prompt_lane(
     case: str,
 ) -> None:
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     policy, make, _, _ = CASES[case]
     workload = make()
     config = EngineConfig(policy=policy, kv_cache_tokens=8192, max_queue_time=300.0)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -183,8 +182,8 @@ def test_kv_pool_size_follows_the_config() -> None:
 @pytest.mark.parametrize(
     "policy", ["fcfs", "lpm", "dfs-weight", "lpm+token-budget", "dynamic-chunking"]
 )
+@pytest.mark.usefixtures("quiet_scheduler")
 def test_policies_finish_everything_under_memory_pressure(policy: str) -> None:
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     workload = multi_turn(
         num_conversations=6, num_turns=3, vocab_size=500, system_len=32, output_len=24
     )
@@ -235,11 +234,11 @@ def scaled_world(
     return arrivals, slow
 
 
+@pytest.mark.usefixtures("quiet_scheduler")
 def test_lpm_schedules_the_same_on_a_slower_machine() -> None:
     """LPM's aging and starvation cap are in work (prefilled tokens), not seconds: on a machine
     8x slower with arrivals 8x further apart, every decision is the same and every time is 8x.
     (A power of two keeps the scaled floating-point times exact.)"""
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
     workload = shared_prefix(
         num_groups=4,
         questions_per_group=10,

@@ -10,7 +10,6 @@ tokens, admission blocks.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import asdict, replace
 
@@ -25,9 +24,7 @@ from asyncengine.workloads.compact import CompactWorkload, random_compact
 POISSON_3 = Arrivals.parse("poisson:3")
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> None:
-    logging.getLogger("asyncengine.scheduler.scheduler").setLevel(logging.ERROR)
+pytestmark = pytest.mark.usefixtures("quiet_scheduler")
 
 
 @pytest.mark.parametrize("seed", [0, 5])
