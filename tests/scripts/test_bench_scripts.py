@@ -299,6 +299,28 @@ def test_serving_launches_and_stops_its_own_server(
     assert "--chunked-prefill-size" in result["launch"]["command"]
 
 
+@pytest.mark.slow
+def test_short_beside_long_launches_a_server_per_lane_and_reports_each(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    bench = load_script("bench_short_beside_long")
+    out = tmp_path / "short_long.json"
+    result = bench.main(
+        [
+            "--lanes", "0,8", "--long-len", "200", "--short-len", "4", "--num-short", "2",
+            "--short-delay", "0.05", "--short-interval", "0.05", "--output-len", "2",
+            "--repeats", "1", "--out", str(out),
+            "--", "--model", str(model_dir), "--dtype", "float32", "--max-model-len",
+            str(MAX_MODEL_LEN), "--chunked-prefill-size", "16", "--log-interval", "0",
+        ]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["medians"] == result["medians"]
+    for lane in ("0", "8"):
+        (run,) = result["runs"][lane]
+        assert 0 < run["short_ttft_p50"] <= run["short_ttft_max"] < run["wall_seconds"]
+        assert 0 < run["long_ttft"] < run["wall_seconds"]
+
+
 # -- vLLM as a peer: the parts that need no vLLM (CI has no vLLM virtualenv) ----------------
 
 TINY_LLAMA_CONFIG = {
