@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> CostModel:
         where += f" ({torch.cuda.get_device_name()})"
     else:
         where += f" ({platform.machine()}, {torch.get_num_threads()} threads, {args.clock} clock)"
-    where += f", backend {runner.backend_name}, page {ps}, {time.strftime('%Y-%m-%d')}"
+    where += f", backend {runner.backend_name}, page {ps}"
     model = CostModel.fit(features, seconds, description=f"fitted: {where}")
     errors = model.relative_errors(features, seconds)
     print("\nplan                                      measured ms  predicted ms  error")
