@@ -199,16 +199,25 @@ class LoraCharges:
     request id to its adapter (requests without one cost nothing here); ``in_flight`` holds the
     ids of the requests queued or running (the scheduler's), whose adapters are never dropped.
 
+    ``loaded``: the adapters read at start-up, in order (the config's ``loras``, which the
+    engine loads before its first request): the last ``max_cpu_loras`` of them start in memory.
+
     A driver hands each arrival to ``hold`` and queues it unless held, and queues what
     ``read_back`` gives once the simulated clock reaches ``next_read_end``."""
 
     def __init__(
-        self, loras: SimLoras, adapters: Mapping[str, str], in_flight: Collection[str] = ()
+        self,
+        loras: SimLoras,
+        adapters: Mapping[str, str],
+        in_flight: Collection[str] = (),
+        loaded: Sequence[str] = (),
     ) -> None:
         self.loras = loras
         self.adapters = adapters
         self.in_flight = in_flight
-        self.resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        kept = list(loaded)[-loras.max_cpu_loras :] if loaded else []
+        # least recently used first
+        self.resident: OrderedDict[str, None] = OrderedDict.fromkeys(kept)
         self.reading: dict[str, ReadBack] = {}  # adapter -> its read under way
         self.holding = 0  # requests held for a read
         self.loads = 0

@@ -188,7 +188,8 @@ class MultiReplicaSimulator:
             if adapters:  # each replica loads and holds its own adapters
                 loras = self.loras or SimLoras.for_config(replica.core.config.max_cpu_loras)
                 in_flight = replica.core.scheduler.requests
-                replica.executor.lora = LoraCharges(loras, adapters, in_flight)
+                loaded = tuple(replica.core.config.loras)  # as each engine starts
+                replica.executor.lora = LoraCharges(loras, adapters, in_flight, loaded)
         wall_start = time.perf_counter()
         pending = sorted(workload, key=lambda w: w.arrival_time)
         requests: dict[str, Request] = {}

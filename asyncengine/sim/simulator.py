@@ -118,7 +118,9 @@ class Simulator:
                 if loras is None:
                     loras = SimLoras.for_config(self.config.max_cpu_loras)
                 in_flight = self.core.scheduler.requests
-                self.executor.lora = LoraCharges(loras, adapters, in_flight)
+                self.executor.lora = LoraCharges(
+                    loras, adapters, in_flight, loaded=tuple(self.config.loras)
+                )
                 # bulk decoding costs decodes without their requests: LoRA rows need them
                 self.bulk = None
         wall_start, cpu_start = time.perf_counter(), time.process_time()

@@ -16,6 +16,7 @@ from asyncengine.common.config import EngineConfig
 from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
 from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
+from asyncengine.sim.lora_cost import LoraCharges, SimLoras
 from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.server_support import engine_config, tiny_model_dir
 
@@ -214,6 +215,20 @@ async def test_least_recently_used_adapters_are_read_back_from_disk(
             assert out.token_ids == oracle.greedy(lora, PROMPT, NEW_TOKENS)
             assert registry.loaded == [lora]
         assert registry.loads_from_disk >= 3
+
+
+@pytest.mark.asyncio
+async def test_the_simulator_starts_with_the_adapters_the_engine_holds_at_start(
+    model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    loras = {name: str(path) for name, path in adapters.items()}
+    config = engine_config(model_dir, loras=loras, max_loras=2, max_cpu_loras=2)
+    async with AsyncEngine(config) as engine:
+        held = engine.executor.loras.loaded  # type: ignore[attr-defined]
+    simulated = LoraCharges(
+        SimLoras.for_config(config.max_cpu_loras), {}, loaded=tuple(config.loras)
+    )
+    assert held == list(simulated.resident) == list(loras)[-2:]
 
 
 @pytest.mark.asyncio

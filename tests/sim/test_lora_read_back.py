@@ -95,6 +95,24 @@ def test_a_read_back_delays_its_adapter_s_request_and_not_a_base_one(simulator: 
 
 
 @pytest.mark.parametrize("simulator", SIMULATORS)
+def test_a_run_starts_with_the_configured_adapters_in_memory(simulator: str) -> None:
+    """The engine reads the config's ``loras`` at start-up, in order, keeping the last
+    ``max_cpu_loras``: a request for one of those waits for no read, one for a dropped one does."""
+    prompt = list(range(1, 33))
+    workload = [
+        WorkloadRequest("kept", 0.0, prompt, 8, lora="c"),
+        WorkloadRequest("dropped", 0.0, prompt[::-1], 8, lora="a"),
+    ]
+    paths = {name: f"adapters/{name}" for name in ("a", "b", "c")}
+    config = EngineConfig(log_interval=0, policy="fcfs", loras=paths, max_loras=2, max_cpu_loras=2)
+    records, stats = run(simulator, workload, loras(2), config)
+    kept, dropped = records
+    assert kept.ttft is not None and kept.ttft < 1.0
+    assert dropped.ttft is not None and dropped.ttft >= READ_SECONDS
+    assert stats["lora_loads"] == 1
+
+
+@pytest.mark.parametrize("simulator", SIMULATORS)
 def test_requests_for_an_adapter_being_read_wait_for_the_same_read(simulator: str) -> None:
     prompt = list(range(1, 33))
     workload = [
