@@ -28,7 +28,7 @@ from asyncengine.sim.sim_vs_real import (
     replay_measured,
     replay_measured_together,
 )
-from asyncengine.workloads import WorkloadRequest, random_lengths
+from asyncengine.workloads import Arrivals, WorkloadRequest, hot_scan, random_lengths
 
 pytestmark = pytest.mark.slow
 WIDE = 2.0  # simulated and measured times agree within this factor
@@ -194,3 +194,33 @@ def test_a_scaled_cost_model_scales_the_simulated_run(config: EngineConfig, runs
     assert fast.steps == base.steps
     assert fast.summary.duration == pytest.approx(0.7 * base.summary.duration, rel=1e-9)
     assert fast.summary.e2e.mean == pytest.approx(0.7 * base.summary.e2e.mean, rel=1e-9)
+
+
+def test_simulator_and_real_run_hit_the_same_tokens_under_each_eviction_rule(
+    config: EngineConfig, one_thread: None
+) -> None:
+    """A hot system prompt between one-off prompts that overflow a small pool: LRU evicts the
+    hot prompt, LFU keeps it. One request at a time (100 s apart), so no step time changes a
+    plan: the simulator must hit and evict exactly what the real executor does, rule by rule."""
+    workload = hot_scan(
+        18,
+        hot_every=3,
+        vocab_size=VOCAB,
+        system_len=128,
+        question_median=8.0,
+        scan_median=128.0,
+        max_scan_len=256,
+        output_len=4,
+        arrivals=Arrivals("interval", interval=100.0),
+    )
+    hits: dict[str, int] = {}
+    for rule in ("lru", "lfu"):
+        small = config.replace(kv_cache_tokens=448, max_model_len=384, eviction_policy=rule)
+        real = replay_measured(small, workload)
+        simulated = Simulator(small).run(workload)
+        assert [r.cached_tokens for r in simulated.records] == [
+            r.cached_tokens for r in real.records
+        ], rule
+        assert simulated.scheduler_stats["evictions"] == real.stats["evictions"] > 0, rule
+        hits[rule] = real.summary.cached_tokens
+    assert hits["lfu"] > hits["lru"]  # the rule is in charge on both sides
