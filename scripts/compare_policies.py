@@ -321,15 +321,15 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         logging.ERROR
     )  # retract notes: counted
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.fit_from_trace and not args.trace:
         raise SystemExit("--fit-from-trace fits to the live run given with --trace")
     if args.fit_from_trace and args.real:
         raise SystemExit("--fit-from-trace is for the simulator (--sim)")
     slo = SLO.parse(args.slo) if args.slo else None
     workload = load_workload(args)
-    save_trace(out / "workload.jsonl", workload)
     configs = build_configs(args)
+    out.mkdir(parents=True, exist_ok=True)  # after the checks: a mistake leaves no folder
+    save_trace(out / "workload.jsonl", workload)
     prompts = [w.prompt_ids for w in workload]
     in_arrival_order = [w.prompt_ids for w in sorted(workload, key=lambda w: w.arrival_time)]
     bounds: dict[tuple[str, int, int, int], float] = {}

@@ -6,6 +6,7 @@ readable pseudo-word rendering of each prompt (``pseudo_text``) for text-only fr
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -284,11 +285,19 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
 
 
 def make_workload(name: str, **kwargs: object) -> list[WorkloadRequest]:
-    """Build a named workload; keyword arguments go to its generator."""
+    """Build a named workload; keyword arguments go to its generator (ValueError naming the
+    generator's arguments when one is not among them)."""
     try:
         generator = WORKLOADS[name]
     except KeyError:
         raise ValueError(
             f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
         ) from None
+    known = inspect.signature(generator).parameters
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(
+            f"workload {name!r} takes no argument {', '.join(map(repr, unknown))}; "
+            f"its arguments: {', '.join(known)}"
+        )
     return generator(**kwargs)

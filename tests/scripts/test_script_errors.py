@@ -18,11 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
     ("script", "args", "says"),
     [
         ("bench_simulator.py", ["--policies", "nope", "--num-requests", "5"], "unknown policy"),
-        ("compare_policies.py", ["--workload", "nope", "--out", "unused"], "unknown workload"),
+        ("compare_policies.py", ["--workload", "nope", "--out", "{out}"], "unknown workload"),
+        (
+            "compare_policies.py",
+            ["--workload", "shared_prefix", "--workload-arg", "num_requests=9", "--out", "{out}"],
+            "takes no argument 'num_requests'; its arguments: num_groups, questions_per_group",
+        ),
     ],
 )
-def test_a_bad_value_is_one_line(script: str, args: list[str], says: str) -> None:
+def test_a_bad_value_is_one_line(script: str, args: list[str], says: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [arg.format(out=out) for arg in args]
     assert_one_error_line(script, args, says, dict(os.environ))
+    assert not out.exists()  # a mistake leaves no output folder behind
 
 
 def test_a_gpu_dry_run_outside_the_interpreter_is_one_line() -> None:
