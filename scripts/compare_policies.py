@@ -26,7 +26,8 @@ run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py; one-replic
 
 ``--eviction lru,lfu,arc,queue-aware,cost-aware`` runs every configuration under each eviction
 rule and adds a table of each rule's hit tokens next to Belady's bound on the same pool (the best
-eviction for the arrival order) and their gain over lru (asyncengine/bench/eviction_table.py).
+eviction for the arrival order) and their gain over the same configuration's lru run
+(asyncengine/bench/eviction_table.py); a rule of one's own is named as for --eviction-policy.
 
 ``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
 KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
@@ -66,6 +67,7 @@ from asyncengine.bench.report import (
     write_group_figure,
 )
 from asyncengine.common.config import EngineConfig, key_value
+from asyncengine.policies.eviction_registry import resolve_eviction_rule
 from asyncengine.script_main import run_main
 from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
@@ -440,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
             eviction_rows.append(
                 EvictionRow(
                     label,
-                    config.eviction_policy,
+                    label.rpartition(" eviction_policy=")[0],  # the sweep's last axis
+                    resolve_eviction_rule(config.eviction_policy).name,
                     round(summary.cache_hit_rate * summary.prompt_tokens),
                     belady_tokens(ps, pool),
                     summary.cache_hit_rate,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class EvictionRow:
     label: str
-    rule: str
+    base: str  # the run less its rule: a rule's gain is over the lru row of the same base
+    rule: str  # the rule's name
     hit_tokens: int
     bound_tokens: int  # Belady's, in arrival order, same pool
     hit_rate: float
@@ -31,14 +32,15 @@ class EvictionRow:
 
 def eviction_table(rows: Sequence[EvictionRow]) -> str:
     """Markdown: each rule's hit tokens, their share of Belady's bound, and their gain over
-    the ``lru`` row of the same table (when there is one)."""
-    lru = next((row for row in rows if row.rule == "lru"), None)
+    the ``lru`` row of the same base (when there is one)."""
+    lrus = {row.base: row for row in rows if row.rule == "lru"}
     lines = [
         "| run | rule | hit tokens | Belady (arrival order) | % of Belady | vs lru | hit rate "
         "| TTFT p50 ms | out tok/s | evictions | re-computed tokens |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
+        lru = lrus.get(row.base)
         gain = (
             f"{row.hit_tokens / lru.hit_tokens - 1:+.1%}"
             if lru is not None and lru.hit_tokens

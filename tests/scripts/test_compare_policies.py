@@ -123,6 +123,45 @@ def test_compare_policies_replays_a_trace_file(tmp_path: Path) -> None:
     assert not (out / "ttft_cdf.png").exists()
 
 
+def test_compare_policies_compares_eviction_rules_one_of_them_from_a_file(
+    tmp_path: Path,
+) -> None:
+    """A rule of one's own runs beside the built-ins; the table calls it by its name and puts
+    each rule beside the lru run of the same policy."""
+    (tmp_path / "deep.py").write_text(
+        "from asyncengine.cache.eviction_rule import CachedNode, EvictionRule\n\n\n"
+        "class Deepest(EvictionRule):\n"
+        "    def key(self, node: CachedNode) -> float:\n"
+        "        return float(node.prefix_len)\n"
+    )
+    compare = load_script("compare_policies")
+    out = tmp_path / "out"
+    runs = compare.main(
+        [
+            *("--policies", "fcfs", "lpm", "--workload", "hot_scan", "--workload-arg"),
+            *("num_requests=40", "system_len=64", "scan_median=64.0", "max_scan_len=256"),
+            *("output_len=4", "--arrivals", "poisson:4", "--set", "page_size=4"),
+            *("kv_cache_tokens=512", "max_model_len=512", "--eviction"),
+            f"lru,lfu,{tmp_path / 'deep.py'}:Deepest",
+            *("--no-figures", "--out", str(out)),
+        ]
+    )
+    assert len(runs) == 6
+    table = (out / "results.md").read_text().split("## Eviction rules")[1].split("\n## ")[0]
+    rows = [
+        line.split("|")
+        for line in table.splitlines()
+        if line.startswith("| fcfs") or line.startswith("| lpm")
+    ]
+    assert [r[2].strip() for r in rows] == ["lru", "lfu", "Deepest"] * 2
+    hits = [int(r[3]) for r in rows]
+    assert hits[2] < hits[0]  # the file's rule is in charge: it keeps less than lru here
+    for first in (0, 3):
+        for k in range(3):
+            gain = hits[first + k] / hits[first] - 1
+            assert rows[first + k][6].strip() == f"{gain:+.1%}"
+
+
 def test_compare_policies_refuses_bad_arguments(tmp_path: Path) -> None:
     compare = load_script("compare_policies")
     with pytest.raises(SystemExit):
