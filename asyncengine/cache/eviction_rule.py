@@ -9,7 +9,7 @@ what the tree keeps on every node (``last_access``, ``hits``, ``prefix_len``, ``
 may keep one number of its own there (``node.score``, set in ``touch``).
 
 The base class is LRU (the key is the access time). A rule of one's own subclasses it and is
-named like a policy (``--eviction-policy my_rule.py:MyRule``; policies/eviction/registry.py).
+named like a policy (``--eviction-policy my_rule.py:MyRule``; policies/eviction_registry.py).
 """
 
 from __future__ import annotations

@@ -104,6 +104,26 @@ def test_a_rule_of_ones_own_from_a_file(tmp_path: Path) -> None:
     assert survivors(cache) == {2}
 
 
+def test_the_guide_s_rule_runs_as_written_from_a_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/policies.md's DeepLast, as written there, named in a config file beside it."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "policies.md").read_text()
+    (example,) = [b.split("```")[0] for b in guide.split("```python\n") if "class DeepLast" in b]
+    (tmp_path / "deep_last.py").write_text(example)
+    (tmp_path / "run.toml").write_text('eviction_policy = "deep_last.py:DeepLast"\n')
+    monkeypatch.chdir(tmp_path.parent)  # started from another folder than the config's
+    config = EngineConfig.from_toml(tmp_path / "run.toml")
+    cache = RadixCache(page_size=2, rule=make_eviction_rule(config.eviction_policy))
+    insert(cache, [1] * 8)
+    insert(cache, [2, 2])  # used last, but shallow
+    cache.evict(2)
+    assert survivors(cache) == {1}
+    core, _ = fake_core(num_pages=24, page_size=4, eviction_policy=config.eviction_policy)
+    run(core, [list(range(1, 33)) + [100 + i] * 12 for i in range(6)])
+    assert core.stats()["eviction_by_rule"]["deep-last"]["evictions"] > 0
+
+
 def test_a_rule_without_a_name_reports_as_its_class(tmp_path: Path) -> None:
     file = tmp_path / "deepest_first.py"
     file.write_text(
