@@ -1,7 +1,8 @@
 """``asyncengine serve --replicas 2`` end to end: a local Ray started and stopped with the
 server, the same HTTP API, and a replica killed mid-stream: its streams end cleanly with an
 in-band error, the other replica's streams finish, the next requests succeed, Ray Serve
-restarts the replica, and SIGTERM takes everything down."""
+restarts the replica, and SIGTERM takes everything down: a stream still running when the
+grace period ends finishes with an abort, as one engine's does."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ async def test_replicas_survive_a_replica_killed_mid_stream(
         "-m", "asyncengine.cli", "serve", "--model", str(model),
         "--dtype", "float32", "--device", "cpu", "--max-model-len", "4096",
         "--kv-cache-tokens", "16384", "--log-interval", "0", "--server-log-interval", "0",
-        "--port", "0", "--replicas", "2", "--router", "round-robin",
+        "--port", "0", "--replicas", "2", "--router", "round-robin", "--shutdown-grace", "1",
     ) as server:  # fmt: skip
         base = f"http://127.0.0.1:{server.port}"
         pids = replica_pids(server.proc.pid)
@@ -99,6 +100,13 @@ async def test_replicas_survive_a_replica_killed_mid_stream(
                 assert resp.status == 200
         new_pids = replica_pids(server.proc.pid)
         assert len(new_pids) == 2 and pids[0] not in new_pids
-        server.proc.send_signal(signal.SIGTERM)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            body = {"prompt": "draining", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+                server.proc.send_signal(signal.SIGTERM)
+                frames = split_sse(await resp.read())
+            assert frames[-1] == b"[DONE]"
+            assert b'"finish_reason":"abort"' in frames[-2], frames[-3:]
         assert await asyncio.wait_for(server.proc.wait(), 90) == 0
         assert not any(alive(p) for p in new_pids)

@@ -25,6 +25,9 @@ from asyncengine.server.ray_serve.registry import router_for
 log = logging.getLogger("asyncengine.server.ray")
 
 CONTROL_CALL_TIMEOUT_SECONDS = 30.0
+# at stop: how long the requests the replicas aborted get to deliver their final deltas before
+# the calls still open are cancelled (a cancelled call ends as a failure, not an abort)
+ABORT_DELIVERY_SECONDS = 5.0
 # stats of several replicas that are not added up
 _NOT_SUMMED = frozenset({"cache_hit_rate", "new_token_ratio"})
 
@@ -143,10 +146,32 @@ class RemoteEngine:
         return self
 
     async def stop(self) -> None:
-        """Abort what is in flight; the deployment itself is the server's to tear down."""
+        """Abort what is in flight, as a local engine does: the replicas end each request with
+        its final ``abort`` output; a call they do not end in time is cancelled. The deployment
+        itself is the server's to tear down."""
         self._running = False
+        in_flight = list(self._calls)
+        if in_flight:
+            await self._abort_on_replicas(in_flight)
+            deadline = asyncio.get_running_loop().time() + ABORT_DELIVERY_SECONDS
+            while self._calls and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
         for rid in list(self._calls):
             self.abort(rid)
+
+    async def _abort_on_replicas(self, request_ids: list[str]) -> None:
+        """Ask every replica to abort those of ``request_ids`` it holds."""
+        router = self.router()
+        replicas = router.replica_ids() if router is not None else []
+        await asyncio.gather(
+            *(
+                asyncio.wait_for(
+                    self._handle.abort.remote(request_ids, replica=r), ABORT_DELIVERY_SECONDS
+                )
+                for r in replicas
+            ),
+            return_exceptions=True,  # a replica gone or slow: its calls are cancelled below
+        )
 
     @property
     def is_running(self) -> bool:

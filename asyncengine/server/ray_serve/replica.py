@@ -118,6 +118,11 @@ class EngineReplica:
             "cache_tokens": cache_tokens(engine.stats(), self.config.page_size),
         }
 
+    async def abort(self, request_ids: list[str], replica: str | None = None) -> int:
+        """Abort those of ``request_ids`` this replica's engine holds; each ends its stream
+        with a final ``abort`` delta, as a local engine's requests do. Answers how many."""
+        return sum(self.engine.abort(rid) for rid in request_ids)
+
     async def flush_cache(self, replica: str | None = None) -> None:
         """Empty the prefix cache (EngineError while requests run)."""
         await self.engine.reset_prefix_cache()
