@@ -1,6 +1,6 @@
 """What the terminal shows: `generate` prints the text and its one-line report without the
 engine's INFO lines unless -v; `serve` on a taken port says so in one line, before loading
-anything."""
+anything (or starting Ray for replicas)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_serve_on_a_taken_port_says_so_in_one_line() -> None:
+@pytest.mark.parametrize("replicas", [(), ("--replicas", "2")], ids=["one-engine", "replicas"])
+def test_serve_on_a_taken_port_says_so_in_one_line(replicas: tuple[str, ...]) -> None:
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         # a model that does not exist: the port is checked first, so it is never looked for
-        result = cli("serve", "--model", "/no/such/model", "--port", str(port), timeout=120)
+        result = cli(
+            "serve", "--model", "/no/such/model", "--port", str(port), *replicas, timeout=120
+        )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"asyncengine: error: port {port} is in use; pass --port"]
 
