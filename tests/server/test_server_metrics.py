@@ -4,6 +4,7 @@ engine.stats(); each app has its own registry."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncengine.server.prometheus import ServerMetrics
 from tests.server_support import (
+    REPO_ROOT,
     RunningServer,
     engine_config,
     engine_idle,
@@ -179,6 +181,26 @@ async def test_metric_names_and_types(server: RunningServer) -> None:
         "asyncengine_kv_pages_cached": "gauge",
     }
     assert {name: types.get(name) for name in expected} == expected
+
+
+def documented_series() -> set[str]:
+    """The series docs/serving.md's "Health and metrics" names."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text()
+    section = text.split("## Health and metrics", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"\basyncengine_[a-z_]+\b", section))
+
+
+async def test_every_series_the_guide_names_is_served(server: RunningServer) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        body = {"prompt": "named", "max_tokens": 2, "user": "a tenant"}
+        async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+        samples = await scrape(session, server)
+    served = {name for name, _ in samples}
+    named = documented_series()
+    assert len(named) >= 20
+    missing = {n for n in named if n not in served and f"{n}_count" not in served}
+    assert not missing, missing
 
 
 async def test_each_metrics_object_has_its_own_registry() -> None:

@@ -1,6 +1,7 @@
-"""serve(): a real server process on uvloop. SIGTERM closes the listener, lets in-flight streams
-finish within the grace period, aborts the rest (their streams still end with a final chunk and
-[DONE]), stops the engine and exits 0; the periodic log line is written."""
+"""serve(): a real server process on uvloop. SIGTERM closes the listener (a new connection, a
+health probe's too, is refused), lets in-flight streams finish within the grace period, aborts
+the rest (their streams still end with a final chunk and [DONE]), stops the engine and exits 0;
+the periodic log line is written."""
 
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ async def _stream(
     return first, asyncio.create_task(rest())
 
 
+async def _refused(url: str, tries: int = 200) -> bool:
+    """Whether a new connection to ``url`` is refused within ``tries`` attempts."""
+    for _ in range(tries):
+        try:
+            async with aiohttp.ClientSession() as session, session.get(url) as resp:
+                await resp.read()
+        except aiohttp.ClientConnectionError:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 def _finish_reason(raw: bytes) -> str:
     chunks = [json.loads(p) for p in split_sse(raw)[:-1]]
     return chunks[-1]["choices"][0]["finish_reason"]
@@ -76,6 +89,9 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
             short_head, short_rest = await _stream(session, url, 4)
             long_head, long_rest = await _stream(session, url, 8000)
             proc.send_signal(signal.SIGTERM)
+            # the listener closes at once: a health probe is refused while the streams drain
+            assert await _refused(f"http://127.0.0.1:{port}/health")
+            assert not long_rest.done()
             short_raw = short_head + await short_rest
             long_raw = long_head + await long_rest
         assert _finish_reason(short_raw) == "length"
