@@ -7,9 +7,9 @@ cancels the task iterating the engine's stream, which aborts the request and fre
 An engine's refusal (bad input, full queue) comes back as the exception object itself, as a
 value rather than raised: it is the client's error, not the replica's, and Ray logs raised
 exceptions as failures.
-``record_routing_stats`` hands the engine's counters and its prefix-cache capacity to the
-routers every few seconds (Ray Serve polls it); ``check_health`` fails once the engine loop
-has stopped, so that Ray Serve replaces the replica.
+``record_routing_stats`` hands the engine's counters (``reported_stats``) and its prefix-cache
+capacity to the routers every few seconds (Ray Serve polls it); ``check_health`` fails once the
+engine loop has stopped, so that Ray Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDe
 from asyncengine.common.sampling_params import SamplingParams
 
 REFUSALS = (InvalidRequestError, QueueFullError, EngineNotRunningError)
+ADMISSION_BLOCKED = "admission_blocked"
 
 
 def cache_tokens(stats: dict[str, Any], page_size: int) -> int:
@@ -39,6 +40,15 @@ def reachable_endpoint(endpoint: str) -> str:
 
         return endpoint.replace(host, ray.util.get_node_ip_address(), 1)
     return endpoint
+
+
+def reported_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a replica reports of its engine's ``stats()``: the numbers, and the admission
+    blocks by reason as ``admission_blocked:<reason>`` (a fixed set; /metrics labels them)."""
+    reported: dict[str, Any] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+    for reason, count in (stats.get("admission_blocked") or {}).items():
+        reported[f"{ADMISSION_BLOCKED}:{reason}"] = count
+    return reported
 
 
 class EngineReplica:
@@ -128,9 +138,7 @@ class EngineReplica:
         await self.engine.reset_prefix_cache()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {
-            k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))
-        }
+        stats = reported_stats(self.engine.stats())
         stats["cache_tokens"] = cache_tokens(stats, self.config.page_size)
         if self.engine.kv_events is not None:  # a kv-events router subscribes to it
             stats["kv_events_endpoint"] = reachable_endpoint(self.engine.kv_events.endpoint)
