@@ -134,8 +134,10 @@ def _add_access_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--admin-token",
         default=os.environ.get(ADMIN_TOKEN_ENV),
-        help="serve POST/GET /admin/policy (live policy swap), guarded by "
-        f"'Authorization: Bearer <token>' (default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
+        help="serve the admin endpoints, guarded by 'Authorization: Bearer <token>': "
+        "/admin/policy and /admin/eviction-policy (live swaps), /v1/cache/pin and "
+        "/v1/cache/unpin, /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        f"(default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
     )
     group.add_argument(
         "--allowed-host",

@@ -93,6 +93,31 @@ def test_serve_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -
     assert missing == []
 
 
+def test_admin_token_help_names_every_route_it_guards(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.server.admin import ADMIN_PATHS, ADMIN_PREFIX
+    from asyncengine.server.app import create_app
+    from tests.server_support import engine_config
+
+    engine = AsyncEngine(engine_config(tiny_model_dir(tmp_path_factory)))  # never started
+    app = create_app(engine, admin_token="t")
+    guarded = {
+        route.resource.canonical
+        for route in app.router.routes()
+        if route.resource is not None
+        and (
+            route.resource.canonical.startswith(ADMIN_PREFIX)
+            or route.resource.canonical in ADMIN_PATHS
+        )
+    }
+    assert len(guarded) >= 6
+    (action,) = [a for a in serve_parser()._actions if "--admin-token" in a.option_strings]
+    assert action.help is not None
+    assert sorted(p for p in guarded if p not in action.help) == []
+
+
 def test_readme_examples_match_the_defaults() -> None:
     """`make serve` serves the default model on the default address: what the README talks to."""
     commands = curl_commands()
