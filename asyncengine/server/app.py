@@ -233,8 +233,8 @@ def create_app(
         client_max_size=max_body_bytes,
         middlewares=[
             host_check_middleware,
+            metrics_middleware,  # outside the connection limit: its 503s count as overloaded
             connection_limit_middleware,
-            metrics_middleware,
             error_middleware,
             auth_middleware,
         ],

@@ -19,6 +19,7 @@ import pytest_asyncio
 from asyncengine.server.app import create_app
 from asyncengine.server.connection_limits import LIMITS
 from asyncengine.server.off_loop import LARGE_INPUT_CHARS
+from asyncengine.server.state import STATE
 from tests.server_support import (
     RunningServer,
     engine_config,
@@ -331,6 +332,10 @@ async def test_a_client_that_stops_reading_is_dropped_and_counted_in_the_limit(
             http, "POST", limited.base_url + "/v1/chat/completions", json=CHAT
         )
         assert status == 503 and answer["error"]["code"] == "too_many_connections"
+        # counted where an operator looks for refusals
+        overloaded = {"endpoint": "chat_completions", "outcome": "overloaded"}
+        metrics = limited.app[STATE].metrics
+        assert metrics.counter_value("asyncengine_requests_total", overloaded) == 1
         # the stalled stream is dropped once its writes wait past the write timeout
         assert await wait_until(lambda: limits.active == 0, timeout=60), limits
         assert await wait_until(lambda: engine_idle(server.engine), timeout=30)
