@@ -235,8 +235,9 @@ async def drain(runner: web.AppRunner, engine: EngineClient, grace: float) -> No
     cleanup = asyncio.create_task(runner.cleanup())
     done, _ = await asyncio.wait({cleanup}, timeout=grace)
     if not done:
-        running = engine.stats().get("running", 0) if engine.is_running else 0
-        log.info("grace period over: aborting %s in-flight request(s)", running)
+        stats = engine.stats() if engine.is_running else {}
+        in_flight = sum(stats.get(k, 0) for k in ("running", "prefilling", "waiting"))
+        log.info("grace period over: aborting %s in-flight request(s)", in_flight)
         await engine.stop()  # aborts every request: each stream ends with finish_reason "abort"
     await cleanup
 

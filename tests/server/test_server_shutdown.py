@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import signal
 from pathlib import Path
@@ -14,7 +15,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.server_support import server_subprocess, split_sse, tiny_model_dir
+from asyncengine.server.serve import drain
+from tests.server_support import (
+    engine_config,
+    server_subprocess,
+    split_sse,
+    start_server,
+    tiny_model_dir,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,3 +146,28 @@ async def test_short_grace_with_many_streams_logs_no_unhandled_errors(
         assert "grace period over: aborting 10" in log and "server stopped" in log, log[-3000:]
         for bad in ("Unhandled exception", "InvalidStateError", "Traceback", "Error handling"):
             assert bad not in log, log[-3000:]
+
+
+@pytest.mark.asyncio
+async def test_the_grace_period_aborts_and_counts_the_queued_requests_too(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asyncengine.server")
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory), max_running_requests=1, max_model_len=8192
+    )
+    server = await start_server(config)
+    body = {"prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            responses = [
+                await session.post(server.base_url + "/v1/completions", json=body) for _ in range(2)
+            ]
+            stats = server.engine.stats
+            assert await wait_until(lambda: stats()["running"] == 1 and stats()["waiting"] == 1)
+            await drain(server.runner, server.engine, 0.2)
+            for resp in responses:
+                assert _finish_reason(await resp.read()) == "abort"
+        assert "grace period over: aborting 2 in-flight request(s)" in caplog.text
+    finally:
+        await server.engine.stop()
