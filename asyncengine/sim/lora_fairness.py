@@ -96,10 +96,13 @@ Runner = Callable[[EngineConfig, Sequence[WorkloadRequest]], Outcome]
 
 
 def simulated(cost_model: CostModel | None = None) -> Runner:
-    """Runs a workload in the simulator (``cost_model``: the shipped one when None)."""
+    """Runs a workload in the simulator (``cost_model``: the shipped one when None), its
+    adapters loaded at start as ``real`` loads them (only their names matter here)."""
 
     def run(config: EngineConfig, workload: Sequence[WorkloadRequest]) -> Outcome:
-        result = simulate(config, workload, cost_model)
+        names = sorted({w.lora for w in workload if w.lora is not None})
+        loaded = config.replace(loras={name: name for name in names})
+        result = simulate(loaded, workload, cost_model)
         preempted = int(result.scheduler_stats["preemptions"])
         return Outcome(result.records, result.virtual_seconds, preempted)
 

@@ -13,7 +13,12 @@ from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.routing import make_router
 from asyncengine.sim.lora_cost import LoraCharges, LoraCostModel, LoraShape, SimLoras
-from asyncengine.sim.lora_fairness import DEFAULT_RUNS, fairness_table, lora_fairness
+from asyncengine.sim.lora_fairness import (
+    DEFAULT_RUNS,
+    fairness_table,
+    lora_fairness,
+    simulated,
+)
 from asyncengine.sim.multi_replica import MultiReplicaSimulator
 from asyncengine.sim.simulator import Simulator, simulate
 from asyncengine.workloads import make_workload
@@ -190,6 +195,17 @@ def test_lora_fair_keeps_cold_adapters_within_twice_their_latency_alone(
     assert rows["fcfs"].ratio >= 10.0, fairness_table(list(rows.values()))
     # the flood still runs: the hot adapter is slowed, not stopped
     assert rows["lora-fair"].hot_output_throughput > 0.8 * rows["fcfs"].hot_output_throughput
+
+
+def test_the_fairness_runner_starts_with_its_adapters_loaded_as_the_real_one_does() -> None:
+    """The real runner loads every adapter before the first request: the simulated one pays
+    no read back either, so the two compare the same thing."""
+    workload = [WorkloadRequest("r", 0.0, list(range(1, 40)), 4, lora="a")]
+    config = EngineConfig(log_interval=0)
+    cold = simulate(config, workload).records[0].ttft
+    loaded = simulate(config.replace(loras={"a": "a"}), workload).records[0].ttft
+    assert cold is not None and loaded is not None and loaded < cold
+    assert simulated()(config, workload).records[0].ttft == loaded
 
 
 def test_replicas_charge_their_adapters_as_one_engine_does() -> None:
