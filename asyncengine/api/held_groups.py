@@ -63,10 +63,8 @@ class HeldGroups:
             if adapter is not None:
                 await adapter
             if params.structured is not None:
-                from asyncengine.structured import GrammarMatcher
-
                 compiled = await self._compiled(params.structured)
-                matchers = [GrammarMatcher(compiled) for _ in group.held]
+                matchers = [self.compiler.matcher(params.structured, compiled) for _ in group.held]
         except asyncio.CancelledError:
             return  # aborted while it waited: its compile, if no one else waits, never runs
         except Exception as exc:

@@ -2,7 +2,7 @@
 
     compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
     compiled = await compiler.compile(StructuredOutput.json_schema(schema))  # cached by spec
-    matcher = GrammarMatcher(compiled)       # one per request (per choice): its own state
+    matcher = compiler.matcher(constraint, compiled)  # one per request (per choice)
     matcher.next_bitmask()                   # int32 words, bit set = token allowed next
     matcher.accept(token_id)                 # advance; is_terminated() once it took EOS
 
@@ -11,6 +11,10 @@ long compile neither blocks the event loop nor waits behind forwards, and one pa
 limit is killed. Requests for a spec that is being compiled wait for the same compile. A spec
 xgrammar cannot compile, or not within the time limit, is an ``InvalidRequestError`` that
 names the problem (specs are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
+
+A grammar's work per token can grow with its output (nested repetitions): each mask and token
+of a matcher is timed, and one over ``MAX_STEP_SECONDS`` ends its request; its spec is then
+refused like one that compiled too long.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +73,15 @@ _WHAT = {
 def _problem(kind: str, message: str) -> InvalidRequestError:
     detail = " ".join(_LOG_PREFIX.sub("", message).split())
     return InvalidRequestError(f"invalid {_WHAT[kind]}: {detail}")
+
+
+def _too_slow(kind: str, detail: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the {_WHAT[kind]} is too slow to follow: {detail}, over the limit of "
+        f"{MAX_STEP_SECONDS:g} s a token: simplify it (fewer nested repetitions, smaller "
+        "repetition bounds)",
+        code="grammar_too_complex",
+    )
 
 
 @dataclass(eq=False)
@@ -138,10 +151,7 @@ class GrammarCompiler:
             entry = self._cache.get(constraint) or self._wrap(
                 self.pool.submit(lambda: self._compile_now(constraint))
             )
-            self._cache[constraint] = entry
-            self._cache.move_to_end(constraint)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._keep(constraint, entry)
         entry.waiters += 1
         try:
             return await asyncio.shield(entry.future)
@@ -156,6 +166,36 @@ class GrammarCompiler:
             if entry.waiters == 0 and entry is not self._json_object and entry.job.cancel():
                 if self._cache.get(constraint) is entry:  # nobody wants it: it never runs
                     del self._cache[constraint]
+
+    def matcher(self, constraint: StructuredOutput, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher of ``compiled``, ``constraint``'s grammar (made on the event loop).
+        Should one of its steps take over ``MAX_STEP_SECONDS``, ``constraint`` is refused from
+        then on, as one whose compile ran past the time limit: its next request is a 400 at
+        once, before any mask runs."""
+        loop = asyncio.get_running_loop()
+
+        def refuse(seconds: float) -> None:  # on the thread that timed the step
+            error = _too_slow(constraint.kind, f"one token's step took {seconds:.2f} s")
+            with contextlib.suppress(RuntimeError):  # the loop closed: no request comes
+                loop.call_soon_threadsafe(self._refuse, constraint, error)
+
+        return GrammarMatcher(compiled, refuse)
+
+    def _refuse(self, constraint: StructuredOutput, error: InvalidRequestError) -> None:
+        """``error`` is ``constraint``'s answer from now on (while the cache keeps it).
+        json_object's grammar is everyone's: a slow step there ends its request only."""
+        if constraint.kind == "json_object":
+            return
+        job: Future[Any] = Future()
+        job.set_exception(error)
+        self._keep(constraint, self._wrap(job))
+
+    def _keep(self, constraint: StructuredOutput, entry: _Compile) -> None:
+        """``entry`` cached as ``constraint``'s, the most recent; the oldest past the size go."""
+        self._cache[constraint] = entry
+        self._cache.move_to_end(constraint)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
 
     @staticmethod
     def _wrap(job: Future[Any]) -> _Compile:
@@ -242,14 +282,16 @@ class GrammarMatcher:
     """One request's position in its grammar (the ``Grammar`` a Request carries).
 
     Used on the event loop only: the core asks for the bitmask when it plans a step and
-    advances the matcher when it commits the step's token.
+    advances the matcher when it commits the step's token. ``on_too_slow(seconds)`` is called
+    by the first step over ``MAX_STEP_SECONDS``.
     """
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, on_too_slow: Callable[[float], None] | None = None) -> None:
         xgrammar = _import_xgrammar()
         self._matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
         self._slowest = 0.0  # seconds of the slowest mask or token so far
+        self._on_too_slow = on_too_slow
         if self.allows_nothing():  # e.g. the regex "[^\\s\\S]": no output can ever match
             raise InvalidRequestError("the constraint admits no output: no token can begin it")
 
@@ -275,7 +317,13 @@ class GrammarMatcher:
 
     def _timed(self, start: float) -> None:
         # this thread's CPU time: a busy host that leaves the thread waiting ends nothing
-        self._slowest = max(self._slowest, time.thread_time() - start)
+        seconds = time.thread_time() - start
+        if seconds <= self._slowest:
+            return
+        first_too_slow = self._slowest <= MAX_STEP_SECONDS < seconds
+        self._slowest = seconds
+        if first_too_slow and self._on_too_slow is not None:
+            self._on_too_slow(seconds)
 
     def allows_nothing(self) -> bool:
         """No token may come next and the grammar is not complete (a regex like "a[^\\s\\S]"

@@ -1,8 +1,9 @@
-"""Grammar compiles are bounded, over real HTTP on the tiny model: a flood of heavy regular
+"""Grammar work is bounded, over real HTTP on the tiny model: a flood of heavy regular
 expressions that clients drop does not hold up a json_object request (scripts/grammar_flood.py),
 the dropped requests' compiles never run, a spec over the length limit is a 400 naming it, a
 compile past the time limit is a 400 saying so (and its spec stays refused), and requests
-waiting for a compile count against max_waiting_requests."""
+waiting for a compile count against max_waiting_requests. A grammar too slow to follow ends its
+request and is refused at once from then on."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 
 from asyncengine.common.sampling_params import MAX_GRAMMAR_CHARS
+from asyncengine.structured import grammar
+from asyncengine.structured.grammar import GrammarMatcher
 from tests.server_support import (
     RunningServer,
     engine_config,
@@ -45,6 +49,31 @@ async def post(server: RunningServer, body: dict[str, Any]) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session:
         async with session.post(server.base_url + "/v1/completions", json=body) as resp:
             return resp.status, await resp.json()
+
+
+def counted_masks(monkeypatch: pytest.MonkeyPatch) -> list[GrammarMatcher]:
+    """Every matcher's masks from here on, one entry per mask made."""
+    made: list[GrammarMatcher] = []
+    real = GrammarMatcher.next_bitmask
+
+    def next_bitmask(self: GrammarMatcher) -> torch.Tensor:
+        made.append(self)
+        return real(self)
+
+    monkeypatch.setattr(GrammarMatcher, "next_bitmask", next_bitmask)
+    return made
+
+
+class SlowSteps:
+    """Stands for the ``time`` module in structured/grammar.py: each step of a matcher reads
+    a second of CPU time, over ``MAX_STEP_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def thread_time(self) -> float:
+        self.now += 0.5  # read at the step's start and end
+        return self.now
 
 
 async def test_a_json_object_request_after_a_dropped_flood_answers_quickly(
@@ -130,6 +159,35 @@ async def test_a_grammar_whose_steps_grow_ends_its_request(
         assert out["usage"]["completion_tokens"] < 4
         status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
         assert status == 200 and out["choices"][0]["text"].isdigit()
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()
+
+
+async def test_a_grammar_too_slow_to_follow_is_refused_at_once_the_next_time(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = await started(tmp_path_factory)
+    try:
+        masks = counted_masks(monkeypatch)
+        monkeypatch.setattr(grammar, "time", SlowSteps())
+        body = {"prompt": "x", "max_tokens": 4, "regex": "[a-z]+"}
+        status, out = await post(server, body)
+        assert status == 200, out
+        assert out["choices"][0]["finish_reason"] == "abort"
+        assert out["usage"]["completion_tokens"] == 1  # ended at the first token's landing
+        compiler = server.engine.held.compiler
+        ran, compiles = len(masks), compiler.compiles
+        assert ran >= 1
+        for _ in range(2):
+            status, out = await post(server, body)
+            assert status == 400, out
+            assert out["error"]["code"] == "grammar_too_complex"
+            assert "regular expression is too slow to follow" in out["error"]["message"]
+        assert len(masks) == ran and compiler.compiles == compiles  # no mask, no compile
+        monkeypatch.undo()
+        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
+        assert status == 200 and out["choices"][0]["text"].isdigit()  # another spec is served
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()
