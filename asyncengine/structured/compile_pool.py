@@ -2,8 +2,9 @@
 
     pool = CompilePool(workers=2, setup=tokenizer_info_json)  # threads, then their processes
     future = pool.submit(run)        # run() on a pool thread; cancel() before it starts
-    pool.compile("regex", "[0-9]+", timeout=10.0)  # within run(): (ok, payload) from the
-                                     # thread's own process; CompileTimeout once it was killed
+    pool.compile("regex", "[0-9]+", timeout=10.0, max_step_seconds=0.25)
+                                     # within run(): (ok, payload) from the thread's own
+                                     # process; CompileTimeout once it was killed
 
 A thread cannot be stopped, and xgrammar can compile a pathological regex for minutes: each
 pool thread owns a worker process (structured/compile_worker.py, a fresh interpreter: the
@@ -38,6 +39,11 @@ class WorkerGone(Exception):
     """The worker process exited while it compiled (it crashed, or the pool closed)."""
 
 
+class FirstStepTooSlow(Exception):
+    """The grammar compiled, but its first mask took longer than its limit (the message says
+    how long)."""
+
+
 class WorkerProcess:
     """One compile worker process; used by one thread at a time."""
 
@@ -70,15 +76,23 @@ class WorkerProcess:
             self._receive(None)
             self.ready = True
 
-    def compile(self, kind: str, spec: str, timeout: float) -> tuple[bool, bytes]:
-        """(True, the serialized CompiledGrammar) or (False, xgrammar's error message);
-        CompileTimeout (the process killed) past ``timeout`` seconds."""
-        self._send(True, json.dumps({"kind": kind, "spec": spec}).encode())
+    def compile(
+        self, kind: str, spec: str, timeout: float, max_step_seconds: float
+    ) -> tuple[bool, bytes]:
+        """(True, the serialized CompiledGrammar) or (False, the problem: xgrammar's error
+        message, or no output possible); CompileTimeout (the process killed) past ``timeout``
+        seconds; FirstStepTooSlow when the grammar's first mask took over
+        ``max_step_seconds`` of CPU time (structured/compile_worker.py)."""
+        job = {"kind": kind, "spec": spec, "max_step_seconds": max_step_seconds}
+        self._send(True, json.dumps(job).encode())
         try:
-            return self._receive(time.monotonic() + timeout)
+            header, payload = self._receive(time.monotonic() + timeout)
         except CompileTimeout:
             self.kill()
             raise
+        if header.get("slow"):
+            raise FirstStepTooSlow(payload.decode(errors="replace"))
+        return bool(header["ok"]), payload
 
     def signal_kill(self) -> None:
         """SIGKILL, from any thread: its owner then reads EOF and calls ``kill()``."""
@@ -103,7 +117,7 @@ class WorkerProcess:
             self._broken = True
             raise WorkerGone from None
 
-    def _receive(self, deadline: float | None) -> tuple[bool, bytes]:
+    def _receive(self, deadline: float | None) -> tuple[dict[str, Any], bytes]:
         while (end := self._buffer.find(b"\n")) < 0:
             self._fill(deadline)
         header = json.loads(self._buffer[:end])
@@ -112,7 +126,7 @@ class WorkerProcess:
             self._fill(deadline)
         payload = bytes(self._buffer[end + 1 : end + 1 + size])
         del self._buffer[: end + 1 + size]
-        return bool(header["ok"]), payload
+        return header, payload
 
     def _fill(self, deadline: float | None) -> None:
         stdout = self._proc.stdout
@@ -172,10 +186,12 @@ class CompilePool:
         self._jobs.put((future, run))
         return future
 
-    def compile(self, kind: str, spec: str, timeout: float) -> tuple[bool, bytes]:
+    def compile(
+        self, kind: str, spec: str, timeout: float, max_step_seconds: float
+    ) -> tuple[bool, bytes]:
         """In ``run()``: compile on this thread's process (see WorkerProcess.compile)."""
         try:
-            return self._local.process.compile(kind, spec, timeout)
+            return self._local.process.compile(kind, spec, timeout, max_step_seconds)
         except CompileTimeout:
             with self._lock:
                 self.killed += 1

@@ -14,7 +14,8 @@ names the problem (specs are capped in length at intake: ``sampling_params.MAX_G
 
 A grammar's work per token can grow with its output (nested repetitions): each mask and token
 of a matcher is timed, and one over ``MAX_STEP_SECONDS`` ends its request; its spec is then
-refused like one that compiled too long.
+refused like one that compiled too long, and so is a spec whose first mask (made in the
+compile worker) is over the limit.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ from typing import Any
 import torch
 
 from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
-from asyncengine.structured.compile_pool import CompilePool, CompileTimeout, WorkerGone
+from asyncengine.structured.compile_pool import (
+    CompilePool,
+    CompileTimeout,
+    FirstStepTooSlow,
+    WorkerGone,
+)
 from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
 from asyncengine.structured.schema_annotations import grammar_schema
 
@@ -207,7 +213,11 @@ class GrammarCompiler:
         """On a pool thread: compiled in the thread's worker process, then read back here."""
         self.compiles += 1
         try:
-            ok, payload = self.pool.compile(constraint.kind, _given_spec(constraint), self.timeout)
+            ok, payload = self.pool.compile(
+                constraint.kind, _given_spec(constraint), self.timeout, MAX_STEP_SECONDS
+            )
+        except FirstStepTooSlow as slow:
+            raise _too_slow(constraint.kind, str(slow)) from None
         except CompileTimeout:
             raise InvalidRequestError(
                 f"the {_WHAT[constraint.kind]} took longer than {self.timeout:g} s to compile: "
@@ -283,7 +293,8 @@ class GrammarMatcher:
 
     Used on the event loop only: the core asks for the bitmask when it plans a step and
     advances the matcher when it commits the step's token. ``on_too_slow(seconds)`` is called
-    by the first step over ``MAX_STEP_SECONDS``.
+    by the first step over ``MAX_STEP_SECONDS``. Making one does no work: the grammar's first
+    mask was made in the compile worker.
     """
 
     def __init__(self, compiled: Any, on_too_slow: Callable[[float], None] | None = None) -> None:
@@ -292,8 +303,6 @@ class GrammarMatcher:
         self._words = xgrammar.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
         self._slowest = 0.0  # seconds of the slowest mask or token so far
         self._on_too_slow = on_too_slow
-        if self.allows_nothing():  # e.g. the regex "[^\\s\\S]": no output can ever match
-            raise InvalidRequestError("the constraint admits no output: no token can begin it")
 
     def next_bitmask(self) -> torch.Tensor:
         """int32 [words]: bit i of word j set when token 32 j + i may come next. A fresh tensor

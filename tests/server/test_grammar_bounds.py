@@ -3,7 +3,8 @@ expressions that clients drop does not hold up a json_object request (scripts/gr
 the dropped requests' compiles never run, a spec over the length limit is a 400 naming it, a
 compile past the time limit is a 400 saying so (and its spec stays refused), and requests
 waiting for a compile count against max_waiting_requests. A grammar too slow to follow ends its
-request and is refused at once from then on."""
+request and is refused at once from then on, and one whose first mask is too slow is refused
+at compile."""
 
 from __future__ import annotations
 
@@ -188,6 +189,29 @@ async def test_a_grammar_too_slow_to_follow_is_refused_at_once_the_next_time(
         monkeypatch.undo()
         status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
         assert status == 200 and out["choices"][0]["text"].isdigit()  # another spec is served
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await server.stop()
+
+
+async def test_a_grammar_whose_first_mask_is_too_slow_is_refused_at_compile(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # compiles in milliseconds, then its first mask takes over a second of CPU time (five
+    # nested repetitions); it was made on the event loop as the request was queued
+    nested = "(((([a-z]{0,5}){0,5}){0,5}){0,5}){0,5}"
+    server = await started(tmp_path_factory)
+    try:
+        masks = counted_masks(monkeypatch)
+        compiles = []
+        for _ in range(2):  # probed once in a compile worker, then refused from the cache
+            status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": nested})
+            assert status == 400, out
+            assert out["error"]["code"] == "grammar_too_complex"
+            assert "first token's mask took" in out["error"]["message"]
+            compiles.append(server.engine.held.compiler.compiles)
+        assert compiles[0] == compiles[1]
+        assert masks == []  # nothing of it ran in the engine
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         await server.stop()
