@@ -180,15 +180,16 @@ class StepLoop:
             return None
         loop = asyncio.get_running_loop()
         if self.split_launch is None:
-            return InFlight(plan, loop.run_in_executor(self.worker, core.executor.execute, plan))
+            return InFlight(plan, loop.run_in_executor(self.worker, core.execute, plan))
         return self._launched(self.split_launch, plan)
 
     def _launched(
         self, launch: Callable[[BatchPlan], Callable[[], StepOutput]], plan: BatchPlan
     ) -> InFlight:
-        """``plan`` enqueued on the worker thread, which hands the wait for its output to the
-        waiter thread (one, so outputs come in launch order); the loop hears when the launch
-        has returned and when the output (or an error) is there."""
+        """``plan`` enqueued on the worker thread (its masks made there first, as
+        ``EngineCore.execute`` makes them), which hands the wait for its output to the waiter
+        thread (one, so outputs come in launch order); the loop hears when the launch has
+        returned and when the output (or an error) is there."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[StepOutput] = loop.create_future()
         launched: asyncio.Future[None] = loop.create_future()
@@ -221,6 +222,7 @@ class StepLoop:
 
         def start() -> None:  # on the worker thread
             try:
+                self.core.make_masks(plan)
                 collect = launch(plan)
             except Exception as error:
                 loop.call_soon_threadsafe(fail, error)

@@ -3,16 +3,17 @@
     core = build_core(config, executor)      # asyncengine/core/builder.py
     core.add(request)
     while core.has_work():
-        events = core.step()                 # launch -> executor.execute -> land
+        events = core.step()                 # launch -> execute -> land
 
-A step is ``launch()`` (the deadlines that passed end, then the scheduler plans) and
+A step is ``launch()`` (the deadlines that passed end, then the scheduler plans),
+``execute(plan)`` (the structured-output rows' masks, then the executor's forward) and
 ``land(plan, output or error)`` (the scheduler commits, the lifecycle decides who ended);
-``step()`` runs ``execute`` between them on this thread. Every driver uses these two:
-``AsyncEngine`` (``execute`` on its forward thread, so it can overlap the next launch with
-streaming), the simulator and the sim-vs-real replay (``step`` on a virtual clock), the
-replica simulator (a replica's ``land`` when the shared virtual clock reaches it) and the
-tests. Drivers own arrivals, clocks and output streams; what a step does to requests and KV
-memory is here, in the scheduler and in the lifecycle.
+``step()`` runs all three on this thread. Every driver uses these: ``AsyncEngine``
+(``execute`` on its forward thread, so it can overlap the next launch with streaming, and a
+slow grammar's masks hold up no HTTP client), the simulator and the sim-vs-real replay
+(``step`` on a virtual clock), the replica simulator (a replica's ``land`` when the shared
+virtual clock reaches it) and the tests. Drivers own arrivals, clocks and output streams;
+what a step does to requests and KV memory is here, in the scheduler and in the lifecycle.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.pins import Pin
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.plan import BatchPlan, StepOutput
+from asyncengine.common.plan import BatchPlan, SamplingInfo, StepOutput
 from asyncengine.common.request import Grammar, Request
 from asyncengine.core.executor_api import Executor, ModelSpec, defers_inputs
 from asyncengine.core.lifecycle import Lifecycle
@@ -38,6 +40,16 @@ from asyncengine.scheduler.step_events import StepEvents
 log = logging.getLogger("asyncengine.core.engine_core")
 
 
+@dataclass(slots=True)
+class _MaskRow:
+    """A structured-output row of a plan: what its sampler gets, its request's grammar, and
+    the guesses the row verifies (none without speculative decoding)."""
+
+    info: SamplingInfo
+    grammar: Grammar
+    guesses: list[int]
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
@@ -45,6 +57,9 @@ class EngineCore:
         self.lifecycle = Lifecycle(scheduler, executor.spec.eos_token_ids)
         self.step_hooks: list[Callable[[BatchPlan], None]] = []  # after every landed step
         self._launched_at = 0.0  # perf_counter at the last launch
+        # plan.step -> its structured-output rows, picked at launch on the driver's thread and
+        # given their masks by execute, on the forward thread
+        self._masks_due: dict[int, list[_MaskRow]] = {}
 
     # -- what it is made of ----------------------------------------------------------------
     @property
@@ -91,15 +106,31 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def launch(self) -> BatchPlan | None:
         """The next plan, or None when nothing can run now. The requests whose deadline has
-        passed end first (reported with the next events)."""
+        passed end first (reported with the next events). Its structured-output rows get
+        their masks in ``execute``."""
         self.lifecycle.expire()
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         if any(info.params.structured for info in plan.sampling):
-            self._add_token_bitmasks(plan)
+            self._masks_due[plan.step] = self._mask_rows(plan)
         self._launched_at = time.perf_counter()
         return plan
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        """Run ``plan`` (from ``launch``) on this thread: each structured-output row's mask,
+        then the executor's forward. A driver calls this on its forward thread: xgrammar
+        releases the GIL while it makes a mask, so a grammar whose masks are slow (up to
+        ``MAX_STEP_SECONDS`` of CPU each, then its request ends: structured/grammar.py) delays
+        the step, while the event loop goes on streaming and admitting."""
+        self.make_masks(plan)
+        return self.executor.execute(plan)
+
+    def make_masks(self, plan: BatchPlan) -> None:
+        """``plan``'s structured-output rows (picked at its launch) get their masks, on this
+        thread: what ``execute`` does first, for a driver that starts the forward its own way
+        (the step loop's launch in two halves). Once per plan."""
+        self._fill_masks(self._masks_due.pop(plan.step, []))
 
     def held_until(self) -> float | None:
         """While the policy holds every waiting request and nothing runs (the last launch ran
@@ -130,6 +161,7 @@ class EngineCore:
         """Apply what the forward of ``plan`` gave: its output (tokens appended, prefixes
         cached, every request its token ends ended), or its error (its requests fail, reason
         "abort", nothing cached: one bad forward fails its batch, not the engine)."""
+        self._masks_due.pop(plan.step, None)  # a plan run without execute, or that failed
         if isinstance(result, BaseException):
             failed = self.scheduler.fail(plan)
             self.lifecycle.failed(failed)
@@ -158,23 +190,38 @@ class EngineCore:
         if plan is None:
             return None
         try:
-            output = self.executor.execute(plan)
+            output = self.execute(plan)
         except Exception as error:
             return self.land(plan, error)
         return self.land(plan, output)
 
-    def _add_token_bitmasks(self, plan: BatchPlan) -> None:
-        """Each structured-output row of the plan gets the tokens its grammar allows next (the
-        grammar is at the request's last landed token: land precedes the next launch)."""
+    def add_token_bitmasks(self, plan: BatchPlan) -> None:
+        """The masks of a plan made outside ``launch`` (the simulator's bulk decode), now."""
+        self._fill_masks(self._mask_rows(plan))
+
+    def _mask_rows(self, plan: BatchPlan) -> list[_MaskRow]:
+        """The plan's structured-output rows, with their requests' grammars (looked up here,
+        on the driver's thread: an abort may drop a request before the masks are made)."""
+        rows: list[_MaskRow] = []
         sampled = (seg for seg in plan.segments if seg.sample)
         for seg, info in zip(sampled, plan.sampling, strict=True):
             grammar = self.scheduler.requests[seg.rid].grammar
             if grammar is not None:
-                info.token_bitmask = grammar.next_bitmask()
-                if seg.guesses:
-                    info.guess_bitmasks = _guess_bitmasks(
-                        grammar, seg.input_ids[-seg.guesses :], info.token_bitmask
-                    )
+                guesses = seg.input_ids[-seg.guesses :] if seg.guesses else []
+                rows.append(_MaskRow(info, grammar, guesses))
+        return rows
+
+    @staticmethod
+    def _fill_masks(rows: list[_MaskRow]) -> None:
+        """Each row gets the tokens its grammar allows next. The grammar is at the request's
+        last landed token: a plan is made after the landing of the request's previous one (one
+        made ahead holds no request with a grammar that decodes: scheduler/plan_ahead.py)."""
+        for row in rows:
+            row.info.token_bitmask = row.grammar.next_bitmask()
+            if row.guesses:
+                row.info.guess_bitmasks = _guess_bitmasks(
+                    row.grammar, row.guesses, row.info.token_bitmask
+                )
 
     def set_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
         """Swap the ordering/budget policy at the next step boundary; running requests and KV

@@ -35,7 +35,7 @@ def propose_guesses(
         k = min(policy.speculate(req, ctx), req.remaining_new_tokens - 1)
         k = max(0, min(k, room - req.num_tokens))
         if settings.method == "draft":
-            # a grammar's mask after each guess is made before the forward (core.launch),
+            # a grammar's mask after each guess is made before the forward (core.execute),
             # so a structured-output request's guesses must be known here: it gets none
             if k and req.grammar is None:
                 drafts[req.rid] = k

@@ -288,7 +288,7 @@ class BulkDecode:
             admission = Admission(DECODE_TURN)
         sched.end_step(plan, admission, decodes=True)
         if any(info.params.structured for info in plan.sampling):
-            self.core._add_token_bitmasks(plan)  # as EngineCore.launch
+            self.core.add_token_bitmasks(plan)  # as EngineCore.launch and execute
         return plan
 
     def _land_quiet(self, plan: BatchPlan, forward: float) -> None:

@@ -124,7 +124,7 @@ class _Replica:
             self.retry_at = held_retry(self.core, self.clock.now, more)
             return
         try:
-            output: StepOutput | BaseException = self.core.executor.execute(plan)
+            output: StepOutput | BaseException = self.core.execute(plan)
         except Exception as error:  # lands as a failed step, like any driver's
             output = error
         self.in_flight = (plan, output)

@@ -291,10 +291,12 @@ def _consume(future: asyncio.Future[Any]) -> None:
 class GrammarMatcher:
     """One request's position in its grammar (the ``Grammar`` a Request carries).
 
-    Used on the event loop only: the core asks for the bitmask when it plans a step and
-    advances the matcher when it commits the step's token. ``on_too_slow(seconds)`` is called
-    by the first step over ``MAX_STEP_SECONDS``. Making one does no work: the grammar's first
-    mask was made in the compile worker.
+    Used by one thread at a time: the core makes a plan's masks on the forward thread, before
+    its forward (xgrammar releases the GIL meanwhile, so the event loop goes on), and advances
+    the matcher on the event loop when the plan lands; a request's next plan is made after
+    that (core/engine_core.py). ``on_too_slow(seconds)`` is called, on the thread that timed
+    it, by the first step over ``MAX_STEP_SECONDS``. Making one does no work: the grammar's
+    first mask was made in the compile worker.
     """
 
     def __init__(self, compiled: Any, on_too_slow: Callable[[float], None] | None = None) -> None:
@@ -341,7 +343,7 @@ class GrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding checks a row's
-        guesses against the grammar at launch, then steps back)."""
+        guesses against the grammar before the forward, then steps back)."""
         self._matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:

@@ -34,7 +34,7 @@ def drive_overlapped(core: EngineCore, executor: FakeExecutor, clock: Clock) -> 
             ahead = core.launch()
             if ahead is not None:
                 ahead_plans.append(ahead)
-        output = executor.execute(pending)
+        output = core.execute(pending)
         clock.t += output.forward_seconds
         core.land(pending, output)
         core.check_invariant()

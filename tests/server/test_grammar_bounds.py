@@ -3,14 +3,15 @@ expressions that clients drop does not hold up a json_object request (scripts/gr
 the dropped requests' compiles never run, a spec over the length limit is a 400 naming it, a
 compile past the time limit is a 400 saying so (and its spec stays refused), and requests
 waiting for a compile count against max_waiting_requests. A grammar too slow to follow ends its
-request and is refused at once from then on, and one whose first mask is too slow is refused
-at compile."""
+request and is refused at once from then on, one whose first mask is too slow is refused at
+compile, and while a mask runs the event loop goes on serving."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -214,4 +215,43 @@ async def test_a_grammar_whose_first_mask_is_too_slow_is_refused_at_compile(
         assert masks == []  # nothing of it ran in the engine
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
+        await server.stop()
+
+
+async def test_the_event_loop_serves_while_a_mask_is_made(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = await started(tmp_path_factory)
+    making = threading.Event()  # the first mask has begun
+    release = threading.Event()
+    blocked: list[bool] = []  # whether the mask was still held when it went on
+    real = GrammarMatcher.next_bitmask
+
+    def next_bitmask(self: GrammarMatcher) -> torch.Tensor:
+        if not making.is_set():
+            making.set()
+            # held until the test releases it; on the event loop that release never comes,
+            # and the wait's end lets the test see it
+            blocked.append(release.wait(timeout=30))
+        return real(self)
+
+    monkeypatch.setattr(GrammarMatcher, "next_bitmask", next_bitmask)
+    try:
+        body = {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"}
+        constrained = asyncio.ensure_future(post(server, body))
+        assert await asyncio.to_thread(making.wait, 30)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.base_url + "/health") as resp:
+                assert resp.status == 200
+        plain = asyncio.ensure_future(post(server, {"prompt": "hello", "max_tokens": 2}))
+        assert blocked == []  # /health answered while the mask was being made
+        release.set()
+        status, out = await constrained
+        assert status == 200 and out["choices"][0]["text"].isdigit(), out
+        assert blocked == [True]
+        status, out = await plain
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        release.set()
         await server.stop()
