@@ -182,6 +182,8 @@ class KVCacheManager:
         short = len(host) - self.allocator.num_free
         if short > 0:
             self._reclaim(short)
+            # the leaves evicted for room spill into the tier, which may drop the pages found
+            host = tier.lookup(tokens, matched, most)
         host = host[: self.allocator.num_free]
         if not host:
             return matched_pages, matched, node

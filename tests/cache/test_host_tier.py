@@ -67,3 +67,20 @@ def test_a_full_host_tier_drops_its_oldest_pages_and_frees_them_later() -> None:
     mgr.swap.drain()  # released pages are free two plans later
     assert mgr.swap.num_free == 6
     np.testing.assert_array_equal(np.sort(mgr.swap.allocator.free_pages()), np.arange(6))
+
+
+def test_a_prefix_whose_host_pages_the_room_for_it_drops_is_computed() -> None:
+    """Opening a prompt found in the tier evicts a leaf for pool room; the leaf spills into a
+    full tier, which drops the pages just found: they are not copied back (they are gone)."""
+    mgr = manager(num_pages=8, host_pages=4)
+    first = list(range(100, 121))  # 5 whole pages + 1 token
+    run(mgr, first)
+    mgr.swap.drain()
+    run(mgr, list(range(200, 221)))  # evicts the first prompt: its first 4 pages to the tier
+    mgr.swap.drain()
+    assert mgr.stats()["host_tier_pages"] == 4 and mgr.tree.prefix_length(first) == 0
+    seq = mgr.open(first)  # the 4 pages found; room for them evicts the second prompt
+    assert seq.num_cached == 0 and mgr.stats()["host_tier_dropped_pages"] == 4
+    _, into = mgr.swap.drain()
+    assert not into and mgr.host_hit_tokens == 0
+    mgr.check_invariant()
