@@ -424,6 +424,8 @@ class KVCacheManager:
         if kept is not None:
             own = [page for page in own if page != kept]
         if own:
+            if self._page_copies:
+                self._drop_copies_into(own)
             self.allocator.free_ids(own)
         del self._open[seq.row]
         self.page_table.release(seq.row)
@@ -432,6 +434,13 @@ class KVCacheManager:
         seq.computed_len = 0
         seq.num_in_tree = 0
         seq.lock_node = self.tree.root
+
+    def _drop_copies_into(self, pages: list[int]) -> None:
+        """Forget the recorded tail copies into ``pages``, which go back to the free list: the
+        copy runs before the next forward and would overwrite whatever the next owner of such a
+        page was given before it (a host tier or swap-in copy)."""
+        freed = set(pages)
+        self._page_copies = [copy for copy in self._page_copies if copy[1] not in freed]
 
     def _keep_tail(
         self,
@@ -732,6 +741,11 @@ class KVCacheManager:
             expected = expected_locks.get(id(node), 0)
             assert node.lock_ref == expected, (
                 f"{node!r}: lock_ref {node.lock_ref}, but {expected} open sequences lock it"
+            )
+        for source, dest in self._page_copies:  # copied before the next forward
+            assert owner[dest] >= 0, (
+                f"a tail copy from page {source} is recorded into page {dest}, which belongs to "
+                f"{self._owner_name(int(owner[dest]))}, not to a live sequence"
             )
         nobody = np.flatnonzero(owner == -1)
         assert nobody.size == 0, (

@@ -271,3 +271,33 @@ def test_invariant_catches_a_wrong_lock_count() -> None:
     mgr.tree.lock(seq.lock_node)  # a lock no open sequence accounts for
     with pytest.raises(AssertionError, match="lock_ref 2, but 1 open sequences lock it"):
         mgr.check_invariant()
+
+
+def test_closing_a_sequence_drops_the_tail_copy_into_its_page() -> None:
+    """An admission that fails after ``take_tail`` closes the sequence: its page is free again
+    and must not be overwritten by the copy recorded for it before the next forward."""
+    mgr = make()
+    first = list(range(10))  # two whole pages and a tail of two tokens
+    mgr.close(run_prefill(mgr, first), first)
+    tokens = [*first, 70, 71]
+    seq = mgr.open(tokens)
+    found = mgr.find_tail(seq, tokens)
+    assert found is not None and found[1] == 2
+    assert mgr.take_tail(seq, found[0], 2)
+    page = seq.pages[-1]
+    mgr.check_invariant()  # the copy goes into a page the sequence holds
+    mgr.close(seq, cache=False)
+    assert page in mgr.allocator.free_pages().tolist()
+    assert mgr.drain_page_copies() == []
+    mgr.check_invariant()
+
+
+def test_invariant_catches_a_tail_copy_into_a_free_page() -> None:
+    mgr = make()
+    first = list(range(10))
+    mgr.close(run_prefill(mgr, first), first)
+    (tail,) = mgr.tails.pages()
+    free = int(mgr.allocator.free_pages()[0])
+    mgr._page_copies.append((tail, free))
+    with pytest.raises(AssertionError, match=f"into page {free}, which belongs to the free list"):
+        mgr.check_invariant()
