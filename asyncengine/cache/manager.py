@@ -41,12 +41,13 @@ class SeqKV:
 
     row: int  # page-table row
     kv_len: int  # tokens with KV slots allocated (positions 0 .. kv_len - 1)
-    num_cached: int  # tokens matched in the prefix cache at open
+    num_cached: int  # tokens whose KV the caches give (matched at open, a kept tail, copies)
     pages: list[int]  # page ids covering positions 0 .. kv_len - 1
     lock_node: RadixNode  # the tree node this sequence locks
     num_in_tree: int  # leading tokens whose pages the tree owns (a multiple of page_size)
     # tokens whose KV is written: kv_len less the slots planned for a step not yet landed
     computed_len: int = 0
+    tail_tokens: int = 0  # of num_cached, those a kept tail page gives (take_tail)
 
 
 class KVCacheManager:
@@ -212,7 +213,9 @@ class KVCacheManager:
 
     def open(self, tokens: Tokens, limit: int | None = None) -> SeqKV:
         """Start a sequence: match its cached prefix (page aligned, at most len - 1 tokens and
-        at most ``limit``), lock it, take a page-table row and write the matched pages into it."""
+        at most ``limit``), lock it, take a page-table row and write the matched pages into it.
+        The hit counters wait for ``count_admitted``: an open whose admission fails is closed and
+        opened again later, and a retracted request opens again, each counted once."""
         if len(tokens) > self.max_tokens_per_request:
             raise ValueError(
                 f"sequence of {len(tokens)} tokens exceeds {self.max_tokens_per_request} "
@@ -238,8 +241,6 @@ class KVCacheManager:
         if matched_pages is not None and matched:
             self.page_table.set_pages(row, 0, matched_pages)
             pages = matched_pages.tolist()
-        self.hit_tokens += matched
-        self.miss_tokens += len(tokens) - matched
         seq = SeqKV(
             row=row,
             kv_len=matched,
@@ -511,18 +512,21 @@ class KVCacheManager:
         seq.kv_len += num_tokens
         seq.computed_len += num_tokens
         seq.num_cached += num_tokens
-        self.hit_tokens += num_tokens
-        self.miss_tokens -= num_tokens
-        self.tails.hit_tokens += num_tokens
+        seq.tail_tokens = num_tokens
         return True
 
     def note_shared(self, seq: SeqKV, num_tokens: int) -> None:
         """``num_tokens`` of ``seq``'s positions after its match get their KV by copy from
-        another sequence of the same step (step_shares.py): counted as cache hits."""
+        another sequence of the same step (step_shares.py): cache hits (``count_admitted``)."""
         seq.num_cached += num_tokens
-        self.hit_tokens += num_tokens
-        self.miss_tokens -= num_tokens
         self.in_step_shared_tokens += num_tokens
+
+    def count_admitted(self, seq: SeqKV, num_tokens: int) -> None:
+        """Count the prompt of a sequence whose request was admitted (the first time): its
+        ``num_tokens`` tokens, ``seq.num_cached`` of them cache hits, the rest computed."""
+        self.hit_tokens += seq.num_cached
+        self.miss_tokens += num_tokens - seq.num_cached
+        self.tails.hit_tokens += seq.tail_tokens
 
     def drain_page_copies(self) -> list[tuple[int, int]]:
         """The tail-page copies recorded since the last call, for the next plan."""

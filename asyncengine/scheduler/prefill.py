@@ -107,6 +107,7 @@ class Prefill:
         restore = max(0, swapped.computed_len - cached) if swapped is not None else 0
         take = self._chunk_take(len(ids) - cached - restore, remaining, chunk)
         if not self._try_extend(req, restore + take):
+            # closing drops the tail copy take_tail recorded; nothing was counted yet
             self.kv.close(req.kv, [], cache=False)
             req.seq = None
             if swapped is not None:
@@ -122,8 +123,9 @@ class Prefill:
                 take -= shared.copied
         self.waiting.remove(req)
         req.status = RequestStatus.PREFILLING
-        if req.retractions == 0:
+        if req.retractions == 0:  # a retracted request's prompt was counted when first admitted
             req.cached_tokens = req.kv.num_cached
+            self.kv.count_admitted(req.kv, len(ids))
         self.prefilling.append(req)
         lead = None if shared is None else shared.lead
         self._note_segment(req, self._add_extend(plan, req, take, lead), shared)

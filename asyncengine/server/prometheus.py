@@ -74,6 +74,7 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
 ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests the engine accepted"),
     "generation_tokens": ("generated_tokens", "Tokens generated (aborted requests included)"),
+    # each request's prompt counted once, when first admitted (not again after a retraction)
     "cache_hit_tokens": ("hit_tokens", "Prompt tokens served from the prefix cache"),
     "cache_miss_tokens": ("miss_tokens", "Prompt tokens computed (not in the prefix cache)"),
     "retractions": (

@@ -313,6 +313,12 @@ class ManagerMachine(RuleBasedStateMachine):
             self.model.match(tokens[:limit])
         assert (seq.kv_len, seq.num_cached, seq.num_in_tree) == (expected_len,) * 3
         assert seq.pages == expected_pages
+        opened = self.mgr.stats()
+        assert (opened["hit_tokens"], opened["miss_tokens"]) == (
+            before["hit_tokens"],
+            before["miss_tokens"],
+        ), "open counted a prompt that is not admitted yet"
+        self.mgr.count_admitted(seq, len(tokens))
         after = self.mgr.stats()
         assert after["hit_tokens"] == before["hit_tokens"] + expected_len
         assert after["miss_tokens"] == before["miss_tokens"] + len(tokens) - expected_len
@@ -400,6 +406,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert tokens[seq.kv_len : seq.kv_len + common] == list(found_entry.tokens[:common])
         num_tokens = data.draw(st.integers(1, min(common, len(tokens) - 1 - seq.kv_len)))
         before = (seq.kv_len, list(seq.pages), self.mgr.stats()["hit_tokens"])
+        tail_hits = self.mgr.tails.hit_tokens
         free, locked = self.mgr.allocator.num_free, self.locked()
         self.mgr.drain_page_copies()
         assert self.mgr.take_tail(seq, found_entry, num_tokens)  # a tail is there to give back
@@ -408,7 +415,10 @@ class ManagerMachine(RuleBasedStateMachine):
         copies = self.mgr.drain_page_copies()
         assert copies == [(found_entry.page, seq.pages[-1])]
         assert seq.pages[-1] not in self.mgr.tails.pages()
-        assert self.mgr.stats()["hit_tokens"] == before[2] + num_tokens
+        assert self.mgr.stats()["hit_tokens"] == before[2]  # counted once admitted
+        self.mgr.count_admitted(seq, len(tokens))
+        assert self.mgr.stats()["hit_tokens"] == before[2] + before[0] + num_tokens
+        assert self.mgr.tails.hit_tokens == tail_hits + num_tokens
         self.model.apply_eviction(tree_contents(self.mgr.tree), locked, 0)
         assert free > 0 or len(self.mgr.tails) < len(entries)  # a tail went, not a tree page
 
@@ -438,7 +448,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats["pages_evictable"] == len(self.model.pages) - len(self.locked())
         assert self.mgr.num_open == len(self.live)
         counters = (stats["hit_tokens"], stats["miss_tokens"])
-        # a tail taken turns missed tokens into hits: neither hits nor all tokens go back
+        # counted once at admission: neither hits nor all tokens go back
         assert counters[0] >= self.counters[0] and sum(counters) >= sum(self.counters), (
             f"hit/miss counters went back from {self.counters} to {counters}"
         )

@@ -19,7 +19,9 @@ def make(num_pages: int = 16, page_size: int = 4, **kwargs: object) -> KVCacheMa
 
 
 def run_prefill(mgr: KVCacheManager, tokens: list[int]) -> SeqKV:
+    """Open ``tokens``, admitted: counted and given slots for every token."""
     seq = mgr.open(tokens)
+    mgr.count_admitted(seq, len(tokens))
     mgr.extend(seq, len(tokens) - seq.kv_len)
     mgr.check_invariant()
     return seq
@@ -56,6 +58,8 @@ def test_second_request_reuses_the_cached_prefix() -> None:
     assert again.kv_len == again.num_cached == 8
     assert again.pages == own_pages[:2]
     assert mgr.stats()["pages_evictable"] == 0  # locked by the open sequence
+    assert (mgr.stats()["hit_tokens"], mgr.stats()["miss_tokens"]) == (0, 10)  # not admitted yet
+    mgr.count_admitted(again, 11)
     assert mgr.stats()["hit_tokens"] == 8
     assert mgr.stats()["miss_tokens"] == 10 + 3
     mgr.check_invariant()
@@ -289,6 +293,7 @@ def test_closing_a_sequence_drops_the_tail_copy_into_its_page() -> None:
     mgr.close(seq, cache=False)
     assert page in mgr.allocator.free_pages().tolist()
     assert mgr.drain_page_copies() == []
+    assert (mgr.hit_tokens, mgr.miss_tokens, mgr.tails.hit_tokens) == (0, 10, 0)
     mgr.check_invariant()
 
 

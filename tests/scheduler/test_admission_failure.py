@@ -1,9 +1,10 @@
 """An admission that fails after the request's KV was opened (its first chunk does not fit once
-its matched prefix is locked and a kept tail page copied): the request waits with no copy left
-behind."""
+its matched prefix is locked and a kept tail page copied): the request waits with nothing
+counted and no copy left behind, and is counted once when it is admitted."""
 
 from __future__ import annotations
 
+from asyncengine.common.request import RequestStatus
 from asyncengine.core.engine_core import EngineCore
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
 from tests.scheduler.test_scheduler import Clock, drive, submit
@@ -27,6 +28,42 @@ def make(num_pages: int, **overrides: object) -> tuple[EngineCore, FakeExecutor,
         **overrides,
     )
     return core, executor, clock
+
+
+def counters(core: EngineCore) -> tuple[int, int, int]:
+    kv = core.kv
+    return kv.hit_tokens, kv.miss_tokens, kv.tails.hit_tokens
+
+
+def test_a_failed_admission_is_counted_once_when_it_succeeds() -> None:
+    core, runner, clock = make(16)
+    pinned = list(range(100, 116))  # four whole pages, pinned below
+    submit(core, clock, [(SHARED + TAIL, 1), (pinned, 1)], tag="x")
+    drive(core, runner, clock)
+    pin = core.pin(pinned)
+    prompt = SHARED + TAIL + list(range(200, 240))  # 13 pages: 12 are there past the pin
+    kv = core.kv
+    before = counters(core)
+    hits, misses, tail_hits = before
+    (req,) = submit(core, clock, [(prompt, 2)], tag="y")
+    # alone, it is tried whatever it needs: opened, the tail taken, then 11 pages short of 12
+    assert kv.tails.best(tuple(SHARED), TAIL) is not None
+    assert core.launch() is None
+    assert req.status is RequestStatus.WAITING and req.seq is None
+    assert counters(core) == before, "a failed admission was counted"
+    assert kv.drain_page_copies() == [], "a failed admission left its tail copy behind"
+    kv.check_invariant()
+    core.unpin(pin.pin_id)
+    plan = core.launch()  # the pinned pages may go now
+    assert plan is not None and [seg.rid for seg in plan.extends] == [req.rid]
+    (copy,) = plan.page_copies  # the tail's page, into the request's third page
+    assert copy[1] == kv.page_table.row_pages(req.kv.row, 3)[2]
+    core.land(plan, runner.execute(plan))
+    drive(core, runner, clock)
+    taken = len(SHARED) + len(TAIL)
+    assert req.cached_tokens == taken
+    assert counters(core) == (hits + taken, misses + len(prompt) - taken, tail_hits + len(TAIL))
+    assert req.output_ids == reference_output(prompt, 2)
 
 
 def test_a_failed_admission_leaves_no_copy_over_a_host_tier_hit() -> None:

@@ -208,13 +208,20 @@ def test_a_policy_naming_a_request_that_is_not_running_is_replaced(
     swap_pages=st.integers(1, 64),
     rule=st.sampled_from(sorted(VICTIM_RULES)),
     cache=st.booleans(),
+    host_tier=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 15)), max_size=4),
 )
 def test_kv_invariant_holds_with_swaps_and_aborts(
-    seed: int, swap_pages: int, rule: str, cache: bool, aborts: list[tuple[int, int]]
+    seed: int,
+    swap_pages: int,
+    rule: str,
+    cache: bool,
+    host_tier: bool,
+    aborts: list[tuple[int, int]],
 ) -> None:
-    """Random workloads on a short pool with a small swap buffer, requests aborted at random
-    steps (swapped out or not): the page invariant (pool and host buffer) after every step,
+    """Random workloads on a short pool with a small swap buffer (and the host tier in it),
+    requests aborted at random steps (swapped out or not): the page invariant (pool and host
+    buffer) and each admitted prompt counted once in the hit and miss tokens after every step,
     exact outputs for those not aborted, and nothing held at the end."""
     core, runner, clock = short_core(
         num_pages=24,
@@ -222,6 +229,7 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
         swap_space_bytes=swap_pages * 4,
         preemption_victim=rule,
         enable_prefix_cache=cache,
+        host_kv_tier=host_tier and cache,
     )
     # each fits the pool alone (the engine refuses longer ones at intake)
     items = [(p, n) for p, n in workload(seed=seed, n=16, max_out=40) if len(p) + n <= 96]
@@ -239,6 +247,7 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
         clock.t += output.forward_seconds
         core.land(plan, output)
         core.kv.check_invariant()
+        assert_counted_once(core, reqs)
     assert not core.has_work()
     for req, (prompt, n) in zip(reqs, items, strict=True):
         if req.finish_reason != "abort":
@@ -246,6 +255,15 @@ def test_kv_invariant_holds_with_swaps_and_aborts(
     stats = core.stats()
     assert stats["pages_used"] == 0 and stats["swap_pages_used"] == 0
     assert not core.scheduler.retraction.swapped and not core.scheduler.retraction.recompute_until
+
+
+def assert_counted_once(core: EngineCore, reqs: Sequence[Request]) -> None:
+    """The hit and miss tokens are the prompts of the requests admitted so far, each once (not
+    again when retracted and admitted again, nor for an admission that failed)."""
+    admitted = [req for req in reqs if req.first_scheduled_time is not None]
+    kv = core.kv
+    assert kv.hit_tokens + kv.miss_tokens == sum(len(req.prompt_ids) for req in admitted)
+    assert kv.hit_tokens == sum(req.cached_tokens for req in admitted)
 
 
 def test_the_simulator_charges_swaps_their_bytes_over_the_copy_bandwidth() -> None:

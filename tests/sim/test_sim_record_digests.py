@@ -2,9 +2,10 @@
 
 Digests of every request's record (token times, finish time, cached tokens, admission blocks),
 the step count, the virtual time and the scheduler's counters, taken with the simulator of
-main at 06a3804 (before the waiting queue, the lazy prompts and the lighter quiet steps),
-on five traces that queue hundreds of requests under a small KV pool: fcfs, lpm, sjf, fair
-(two tenants) and dfs-weight. Each is checked step by step from a list workload and on the
+main at 06a3804 (before the waiting queue, the lazy prompts and the lighter quiet steps), its
+prefix-cache hit and miss tokens counting each prompt once, at its first admission, on five
+traces that queue hundreds of requests under a small KV pool: fcfs, lpm, sjf, fair (two
+tenants) and dfs-weight. Each is checked step by step from a list workload and on the
 fast path (bulk decoding, a compact workload, finished requests kept as records only).
 Simulated results are pure Python arithmetic on a virtual clock: the same on every machine.
 """
@@ -41,16 +42,16 @@ def _random(seed: int) -> list[WorkloadRequest]:
 
 # policy, trace, digest (of the records, steps, virtual time and scheduler stats) and step count
 CASES: dict[str, tuple[str, Callable[[], list[WorkloadRequest]], str, int]] = {
-    "fcfs-random": ("fcfs", lambda: _random(3), "ec4179fff99230ae", 6461),
-    "lpm-shared": ("lpm", lambda: _shared(12, 100, 3), "13e08710ab96f443", 1399),
-    "sjf-random": ("sjf", lambda: _random(4), "a3598c4fb3131880", 5742),
+    "fcfs-random": ("fcfs", lambda: _random(3), "655da32b4f7fe175", 6461),
+    "lpm-shared": ("lpm", lambda: _shared(12, 100, 3), "6cd4acd3011d5be7", 1399),
+    "sjf-random": ("sjf", lambda: _random(4), "8528015b5b17be9e", 5742),
     "fair-tenants": (
         "fair",
         lambda: multi_tenant(num_heavy=600, num_light=300),
-        "b3a08637e58f1bce",  # fair's order at equal counters: fewer requests in the engine first
+        "152653003b2e43dd",  # fair's order at equal counters: fewer requests in the engine first
         5729,
     ),
-    "dfs-shared": ("dfs-weight", lambda: _shared(20, 50, 5), "025bff3595357769", 1309),
+    "dfs-shared": ("dfs-weight", lambda: _shared(20, 50, 5), "d2f547d457a8ecfd", 1309),
 }
 
 

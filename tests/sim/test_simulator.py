@@ -200,6 +200,25 @@ def test_policies_finish_everything_under_memory_pressure(policy: str) -> None:
     assert 0 <= summary.cache_hit_rate <= optimal_hit([w.prompt_ids for w in workload], 4).rate
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+@pytest.mark.usefixtures("quiet_scheduler")
+def test_the_engine_counts_each_prompt_once_under_memory_pressure(policy: str) -> None:
+    """The engine's hit and miss tokens (/metrics, engine.stats()) agree with the records':
+    a request retracted and admitted again, or whose admission failed on KV memory and was
+    tried again, is counted once."""
+    workload = shared_prefix(
+        num_groups=4, questions_per_group=12, vocab_size=1000, prefix_len=64, seed=2
+    )
+    result = Simulator(config(policy=policy, kv_cache_tokens=256), check_invariant_every=1).run(
+        workload
+    )
+    summary, stats = result.summary, result.core_stats
+    assert summary.num_completed == len(workload) and stats["retractions"] > 0
+    assert stats["hit_tokens"] == summary.cached_tokens
+    assert stats["hit_tokens"] + stats["miss_tokens"] == summary.prompt_tokens
+    assert stats["cache_hit_rate"] == pytest.approx(summary.cache_hit_rate)
+
+
 def test_simulation_is_deterministic_and_prefix_aware_policies_help() -> None:
     workload = shared_prefix(
         num_groups=4, questions_per_group=12, vocab_size=1000, prefix_len=64, seed=2
