@@ -323,7 +323,7 @@ class KVCacheManager:
                     # for the next sequence, tail after tail: the same pages, in that order
                     popped = [tails.pop_lru() for _ in range(min(len(tails), n - len(taken)))]
                     popped.reverse()  # the free list is a stack: the first popped on top
-                    allocator.free_ids(popped)
+                    self._give_back(popped)
                 elif self._reclaim(1) == 0:
                     if store:
                         table.set_each(rows, indexes, taken)
@@ -425,9 +425,7 @@ class KVCacheManager:
         if kept is not None:
             own = [page for page in own if page != kept]
         if own:
-            if self._page_copies:
-                self._drop_copies_into(own)
-            self.allocator.free_ids(own)
+            self._give_back(own)
         del self._open[seq.row]
         self.page_table.release(seq.row)
         seq.pages = []
@@ -436,12 +434,31 @@ class KVCacheManager:
         seq.num_in_tree = 0
         seq.lock_node = self.tree.root
 
-    def _drop_copies_into(self, pages: list[int]) -> None:
-        """Forget the recorded tail copies into ``pages``, which go back to the free list: the
-        copy runs before the next forward and would overwrite whatever the next owner of such a
-        page was given before it (a host tier or swap-in copy)."""
-        freed = set(pages)
-        self._page_copies = [copy for copy in self._page_copies if copy[1] not in freed]
+    def _give_back(self, pages: list[int]) -> None:
+        """Free ``pages`` (a closed sequence's own, kept tails let go), minding the tail copies
+        recorded for the next plan: the executor runs them after the plan's host copies in,
+        which may take a freed page and write it first. A copy into one of them is forgotten;
+        a page a copy reads goes to the copy's sequence in place of the page it copies into
+        (it holds that KV already), and that page is freed instead."""
+        if self._page_copies:
+            freed = set(pages)
+            self._page_copies = [copy for copy in self._page_copies if copy[1] not in freed]
+            pages = [self._hand_over(page) for page in pages]
+        self.allocator.free_ids(pages)
+
+    def _hand_over(self, page: int) -> int:
+        """The page to free for ``page``: itself, or the page a recorded copy from it writes,
+        ``page`` taking its place in the copy's sequence."""
+        copy = next((copy for copy in self._page_copies if copy[0] == page), None)
+        if copy is None:
+            return page
+        self._page_copies.remove(copy)
+        dest = copy[1]
+        seq = next(seq for seq in self._open.values() if dest in seq.pages)
+        index = seq.pages.index(dest)
+        seq.pages[index] = page
+        self.page_table.set_page(seq.row, index, page)
+        return dest
 
     def _keep_tail(
         self,
@@ -469,7 +486,7 @@ class KVCacheManager:
             entry.scores, entry.top_k = scores
         freed = self.tails.add(entry)
         if freed:
-            self.allocator.free_ids(freed)
+            self._give_back(freed)
         return None if page in freed else page
 
     def find_tail(self, seq: SeqKV, tokens: Tokens) -> tuple[TailPage, int] | None:
@@ -540,7 +557,7 @@ class KVCacheManager:
         while len(freed) < num_pages and self.tails:
             freed.append(self.tails.pop_lru())
         if freed:
-            self.allocator.free_ids(freed)
+            self._give_back(freed)
         if len(freed) < num_pages:
             evicted = self.tree.evict_ids((num_pages - len(freed)) * self.page_size)
             self.allocator.free_ids(evicted)
@@ -750,6 +767,10 @@ class KVCacheManager:
             assert owner[dest] >= 0, (
                 f"a tail copy from page {source} is recorded into page {dest}, which belongs to "
                 f"{self._owner_name(int(owner[dest]))}, not to a live sequence"
+            )
+            assert owner[source] == -4 or owner[source] >= 0, (
+                f"a tail copy into page {dest} reads page {source}, which belongs to "
+                f"{self._owner_name(int(owner[source]))}, not to a kept tail or a live sequence"
             )
         nobody = np.flatnonzero(owner == -1)
         assert nobody.size == 0, (

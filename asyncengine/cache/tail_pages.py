@@ -13,7 +13,9 @@ the tail's prompt positions (``SamplingParams.prompt_logprobs``) stay with it, s
 request takes them too (prompt_scoring.py ``take_tail``).
 
 A bounded LRU: its pages are the manager's fourth kind of page (free, held, in the tree, or
-here), and are given back before any tree page is evicted when the free list runs short.
+here), and are given back before any tree page is evicted when the free list runs short. A tail
+given back while a copy from it still waits for the plan goes to the copying sequence in place
+of its fresh page, which is freed instead (manager.py ``_give_back``).
 """
 
 from __future__ import annotations

@@ -306,3 +306,23 @@ def test_invariant_catches_a_tail_copy_into_a_free_page() -> None:
     mgr._page_copies.append((tail, free))
     with pytest.raises(AssertionError, match=f"into page {free}, which belongs to the free list"):
         mgr.check_invariant()
+
+
+def test_a_tail_given_back_while_a_copy_reads_it_goes_to_the_copying_sequence() -> None:
+    """The page a recorded tail copy reads, given back for room before the copy runs: the
+    copying sequence takes it (it holds that KV) and its fresh page is freed instead, so no
+    host copy into a reused page lands before the tail copy reads it."""
+    mgr = make()
+    first = list(range(10))
+    mgr.close(run_prefill(mgr, first), first)
+    (tail,) = mgr.tails.pages()
+    tokens = [*first, 70, 71]
+    seq = mgr.open(tokens)
+    found = mgr.find_tail(seq, tokens)
+    assert found is not None and mgr.take_tail(seq, found[0], 2)
+    fresh = seq.pages[-1]
+    assert mgr.evict(1) == 1  # the kept tail goes first
+    assert seq.pages[-1] == tail and fresh in mgr.allocator.free_pages().tolist()
+    assert mgr.page_table.row_pages(seq.row, 3).tolist() == seq.pages
+    assert mgr.drain_page_copies() == []
+    mgr.check_invariant()
