@@ -670,7 +670,9 @@ class KVCacheManager:
         }
 
     def reset(self, reset_counters: bool = False) -> None:
-        """Drop the whole prefix cache and free every page; only when no sequence is open."""
+        """Drop the whole prefix cache and free every page; only when no sequence is open.
+        ``reset_counters``: every hit, miss and eviction count starts again too (a replay's
+        next run)."""
         if self._open:
             raise RuntimeError(f"reset() with {len(self._open)} sequences still open")
         for pin in self.pins.clear():
@@ -686,6 +688,9 @@ class KVCacheManager:
             self.hit_tokens = 0
             self.miss_tokens = 0
             self.in_step_shared_tokens = 0
+            self.host_hit_tokens = 0
+            self.tails.hit_tokens = 0
+            self.ledger = self.tree.ledger = EvictionLedger(self.page_size)
 
     def check_invariant(self) -> None:
         """Assert the page accounting invariant; raises AssertionError saying what broke."""

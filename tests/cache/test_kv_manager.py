@@ -242,8 +242,12 @@ def test_reset_requires_no_open_sequences() -> None:
     mgr.reset()
     assert mgr.stats()["pages_free"] == 16 and mgr.stats()["hit_tokens"] == 0
     assert mgr.stats()["miss_tokens"] == 8  # counters are monotonic unless asked
+    mgr.tails.hit_tokens, mgr.host_hit_tokens = 5, 3  # as a run with tails and a host tier
+    mgr.ledger.evictions = 2
     mgr.reset(reset_counters=True)
-    assert mgr.stats()["miss_tokens"] == 0
+    counted = ("hit_tokens", "miss_tokens", "tail_hit_tokens", "host_hit_tokens", "evictions")
+    assert [mgr.stats()[name] for name in counted] == [0, 0, 0, 0, 0]
+    assert mgr.tree.ledger is mgr.ledger  # the tree counts its evictions in the new ledger
     mgr.check_invariant()
 
 
