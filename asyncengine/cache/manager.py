@@ -150,7 +150,7 @@ class KVCacheManager:
     def prefix_epoch(self, tokens: Tokens) -> int:
         """Changes whenever ``match_length(tokens)`` may have grown: the inserts into the tree
         that start with ``tokens``' first token (RadixCache.head_inserts)."""
-        return self.tree.head_inserts.get(tokens[0], 0) if len(tokens) else 0
+        return self.tree.head_epoch(int(tokens[0])) if len(tokens) else 0
 
     def cache_epoch(self) -> int:
         """Changes whenever any ``match_length`` may have grown: every insert into the tree."""

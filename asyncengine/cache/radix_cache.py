@@ -46,6 +46,16 @@ from asyncengine.common.cache_salt import lora_id_of_key
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 
+# counters of inserts by first token (RadixCache.head_inserts): every token of a vocabulary up
+# to this size has its own; salted first tokens share them (a shared counter moves more often,
+# which only makes a remembered prefix length be looked up again)
+HEAD_BUCKETS = 1 << 16
+
+
+def head_bucket(first_token: int) -> int:
+    """The counter of RadixCache.head_inserts that inserts starting with ``first_token`` move."""
+    return first_token % HEAD_BUCKETS
+
 
 class RadixNode:
     __slots__ = (
@@ -125,11 +135,12 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._heap_ids = itertools.count()
         self._events: list[KVEvent] | None = None
-        # inserts so far by the first token of what they inserted: only an insert starting
-        # with a sequence's first token can make its prefix_length grow (evictions and resets
-        # only shrink answers), so an answer holds while that count stays the same. Never
-        # cleared: a count seen before a reset must not come back after it
-        self.head_inserts: dict[object, int] = {}
+        # inserts so far by the first token of what they inserted (head_epoch): only an insert
+        # starting with a sequence's first token can make its prefix_length grow (evictions and
+        # resets only shrink answers), so an answer holds while that count stays the same.
+        # Never cleared: a count seen before a reset must not come back after it. Keyed by
+        # head_bucket, as salted first tokens are as many as the salts clients send
+        self.head_inserts: dict[int, int] = {}
         self.inserts = 0  # all of them (never cleared either): the same, nothing grew
         # what eviction cost (evictions, tokens computed again): off for a bare tree, the KV
         # manager turns it on (it hashes every evicted page)
@@ -332,6 +343,11 @@ class RadixCache:
         pages = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         return pages, pos, node
 
+    def head_epoch(self, first_token: int) -> int:
+        """Changes whenever an insert may have made the prefix length of a sequence that starts
+        with ``first_token`` grow (head_inserts)."""
+        return self.head_inserts.get(head_bucket(first_token), 0)
+
     def prefix_length(self, tokens: Sequence[int] | np.ndarray, end: int | None = None) -> int:
         """Length of the cached page-aligned prefix of ``tokens[:end]``; no side effects."""
         ps = self.page_size
@@ -404,7 +420,8 @@ class RadixCache:
         key = _as_token_tuple(tokens)
         if key:
             head_inserts = self.head_inserts
-            head_inserts[key[0]] = head_inserts.get(key[0], 0) + 1
+            bucket = head_bucket(key[0])
+            head_inserts[bucket] = head_inserts.get(bucket, 0) + 1
             self.inserts += 1
         ps = self.page_size
         end = len(key) - len(key) % ps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from asyncengine.cache.kv_events import BlockStored
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.cache.radix_cache import HEAD_BUCKETS
 from asyncengine.common.cache_salt import lora_id, lora_id_of_key, salt_token, salted_ids
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
@@ -53,3 +54,19 @@ def test_pages_of_one_adapter_match_nothing_else_and_events_carry_it() -> None:
     kv.check_invariant()
     stored = [e for e in kv.tree.drain_events() if isinstance(e, BlockStored)]
     assert [e.lora_id for e in stored] == [lora_id("a"), None, None, lora_id("a")]
+
+
+def test_insert_counters_stay_bounded_however_many_cache_salts_arrive() -> None:
+    # every salt makes a first token of its own; a server that sees a new salt per user must
+    # not keep a counter per salt for as long as it runs
+    kv = KVCacheManager(num_pages=64, page_size=4, max_rows=4, max_pages_per_row=16)
+    page = PROMPT[:4]
+    for i in range(HEAD_BUCKETS + 2048):
+        _cache(kv, salted_ids(page, f"user-{i}"))
+    assert len(kv.tree.head_inserts) <= HEAD_BUCKETS
+    # a salted prompt's epoch still moves when a prefix it could match is inserted
+    salted = salted_ids(PROMPT, "fresh")
+    before = kv.prefix_epoch(salted)
+    _cache(kv, salted)
+    assert kv.prefix_epoch(salted) != before
+    assert kv.match_length(salted) >= len(PROMPT) - 4
