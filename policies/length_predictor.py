@@ -4,8 +4,8 @@ A predictor says how many tokens a request will generate (``predict``) and hears
 when the request ends by itself (``observe``: EOS, stop, length). Policies that rank by job
 size (sjf, ltr) ask through ``PolicyContext.predicted_len``; ``LengthPredictions`` asks the
 predictor once per request, remembers the answer, feeds each ending back, and scores the
-predictions it made against the actual lengths (Kendall's tau-b: 1 orders every pair right,
-0 is no better than chance).
+predictions it made against the actual lengths (Kendall's tau-b over the latest
+``SCORED_PAIRS`` endings: 1 orders every pair right, 0 is no better than chance).
 
 Built-ins (``length_predictor`` in the config; policies/length_registry.py loads them or
 "pkg.mod:Class"): ``max-tokens`` (the request's own ``max_new_tokens``: the engine's old
@@ -16,6 +16,7 @@ lengths; simulator only), ``history`` (policies/length_history.py) and ``ranker`
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from asyncengine.common.request import Request
 
 NATURAL_ENDS = ("stop", "length")  # the request generated all it was going to
+# the (predicted, actual) pairs a score is computed over: the latest ones (a server runs for
+# days), as many as kendall_tau takes by default
+SCORED_PAIRS = 3000
 
 
 class LengthPredictor:
@@ -88,7 +92,9 @@ class LengthPredictions:
         self.predictor = predictor
         self._made: dict[int, tuple[int, float]] = {}  # id(request) -> (observed, prediction)
         self.observed = 0  # endings fed back to the predictor
-        self.pairs: list[tuple[float, int]] = []  # (predicted, actual) of natural endings
+        # (predicted, actual) of the latest natural endings; ``scored`` counts them all
+        self.pairs: deque[tuple[float, int]] = deque(maxlen=SCORED_PAIRS)
+        self.scored = 0
 
     def predicted_len(self, req: Request) -> float:
         key = id(req)
@@ -106,19 +112,20 @@ class LengthPredictions:
         self.observed += 1
         if made is not None:
             self.pairs.append((made[1], actual))
+            self.scored += 1
 
     def stats(self) -> dict[str, Any]:
         predicted = [p for p, _ in self.pairs]
         actual = [a for _, a in self.pairs]
         return {
             "name": self.predictor.name,
-            "scored": len(self.pairs),
+            "scored": self.scored,
             "kendall_tau": kendall_tau(predicted, actual),
         }
 
 
 def kendall_tau(
-    x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, limit: int = 3000
+    x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, limit: int = SCORED_PAIRS
 ) -> float:
     """Kendall's tau-b of two rankings (nan with fewer than two items or a constant one).
     Past ``limit`` items it is computed on a fixed, evenly spaced sample of them."""

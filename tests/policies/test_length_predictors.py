@@ -15,6 +15,7 @@ from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.policies.base import PolicyContext
 from asyncengine.policies.length_history import HistoryPredictor
 from asyncengine.policies.length_predictor import (
+    SCORED_PAIRS,
     LengthPredictions,
     LengthPredictor,
     MaxTokensPredictor,
@@ -142,8 +143,25 @@ def test_predictions_are_asked_again_once_the_predictor_learned_and_scored_at_th
     book.predicted_len(aborted)
     aborted.finish_reason = "abort"
     book.finished(aborted)  # no actual length: neither learned nor scored
-    assert book.pairs == [(8.0, 9)] and book.observed == 2
+    assert list(book.pairs) == [(8.0, 9)] and book.observed == 2
     assert book.stats()["name"] == "history" and book.stats()["scored"] == 1
+
+
+def test_scored_pairs_stay_bounded_and_score_the_latest_endings() -> None:
+    # every ending of a long-running server is scored; the pairs kept must not grow with them
+    book = LengthPredictions(MaxTokensPredictor())
+    extra = 200
+    for i in range(SCORED_PAIRS + extra):
+        # the first ``extra`` end in the reverse order of their prediction, the rest in order
+        req = request(f"r{i}", [1], max_new=1000 + i)
+        book.predicted_len(req)
+        req.output_ids = [1] * (extra - i if i < extra else i)
+        req.finish_reason = "length"
+        book.finished(req)
+    assert len(book.pairs) == SCORED_PAIRS
+    stats = book.stats()
+    assert stats["scored"] == SCORED_PAIRS + extra
+    assert stats["kendall_tau"] == pytest.approx(1.0)  # the latest endings only
 
 
 def context(predict: Any) -> PolicyContext:
