@@ -3,12 +3,13 @@
 Each request's key is its tenant and its prompt length's power-of-two bucket; the predictor
 keeps the last ``window`` observed lengths per key and predicts their ``quantile``. A key with
 fewer than ``min_samples`` observations falls back to the tenant's, then to all requests',
-then to ``default`` tokens.
+then to ``default`` tokens. Tenants come from clients (the ``user`` field), so at most
+``max_keys`` keys are kept, the least recently observed forgotten first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,17 +29,24 @@ class HistoryPredictor(LengthPredictor):
         opts = predictor_options(
             self.name,
             options,
-            {"quantile": 0.5, "window": 256, "min_samples": 4, "default": 128.0},
+            {"quantile": 0.5, "window": 256, "min_samples": 4, "default": 128.0, "max_keys": 4096},
         )
-        if not 0 <= opts["quantile"] <= 1 or opts["window"] < 1 or opts["min_samples"] < 1:
+        if (
+            not 0 <= opts["quantile"] <= 1
+            or opts["window"] < 1
+            or opts["min_samples"] < 1
+            or opts["max_keys"] < 3
+        ):
             raise ValueError(
-                "length predictor 'history': need 0 <= quantile <= 1, window >= 1, min_samples >= 1"
+                "length predictor 'history': need 0 <= quantile <= 1, window >= 1, "
+                "min_samples >= 1, max_keys >= 3"
             )
         self.quantile = opts["quantile"]
         self.window = opts["window"]
         self.min_samples = opts["min_samples"]
         self.default = opts["default"]
-        self.seen: dict[Key, deque[int]] = {}
+        self.max_keys = int(opts["max_keys"])
+        self.seen: OrderedDict[Key, deque[int]] = OrderedDict()  # least recently observed first
         self._quantiles: dict[Key, float] = {}  # of ``seen``, dropped when a key grows
 
     @staticmethod
@@ -64,5 +72,10 @@ class HistoryPredictor(LengthPredictor):
             lengths = self.seen.get(key)
             if lengths is None:
                 lengths = self.seen[key] = deque(maxlen=self.window)
+            else:
+                self.seen.move_to_end(key)
             lengths.append(actual)
             self._quantiles.pop(key, None)
+        while len(self.seen) > self.max_keys:
+            gone, _ = self.seen.popitem(last=False)
+            self._quantiles.pop(gone, None)

@@ -72,6 +72,7 @@ def test_predictors_load_by_name_module_path_and_file(tmp_path: Path) -> None:
         ),  # not a class
         ("no.such.module:Thing", None, "'length_predictor'"),
         ("history", {"quantile": 2.0}, "'length_predictor_options'"),
+        ("history", {"max_keys": 2}, "'length_predictor_options'"),
         ("ranker", {"unknown": 1}, "'length_predictor_options'"),
     ],
 )
@@ -145,6 +146,19 @@ def test_predictions_are_asked_again_once_the_predictor_learned_and_scored_at_th
     book.finished(aborted)  # no actual length: neither learned nor scored
     assert list(book.pairs) == [(8.0, 9)] and book.observed == 2
     assert book.stats()["name"] == "history" and book.stats()["scored"] == 1
+
+
+def test_history_forgets_the_least_recent_tenants_past_max_keys() -> None:
+    # a server whose clients send a new ``user`` each must not keep every one of them
+    history = HistoryPredictor(min_samples=1, default=99.0, max_keys=64)
+    prompt = [1, 2, 3]
+    for i in range(1000):
+        history.observe(request(f"r{i}", prompt, f"user-{i}"), 10)
+    history.observe(request("old", prompt, "user-0"), 500)  # forgotten, then seen again
+    assert len(history.seen) <= 64
+    assert history.predict(request("a", prompt, "user-0")) == 500.0  # its own again
+    assert history.predict(request("b", prompt, "user-999")) == 10.0  # recent: still known
+    assert history.predict(request("c", prompt, "user-1")) == 10.0  # forgotten: all requests'
 
 
 def test_scored_pairs_stay_bounded_and_score_the_latest_endings() -> None:
