@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from asyncengine import AsyncEngine
 from asyncengine.common.config import ConfigError, EngineConfig
@@ -95,6 +98,31 @@ def test_kendall_tau() -> None:
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
     # a constant prediction ranks nothing
     assert kendall_tau([5, 5, 5], [1, 2, 3]) != kendall_tau([5, 5, 5], [1, 2, 3])  # nan
+
+
+def tau_b_by_its_definition(x: list[int], y: list[int]) -> float:
+    """Every ordered pair compared: (concordant - discordant) over the untied pairs' root."""
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    sa, sb = np.sign(a[:, None] - a[None, :]), np.sign(b[:, None] - b[None, :])
+    norm = float(np.sqrt(np.abs(sa).sum() * np.abs(sb).sum()))
+    return float((sa * sb).sum()) / norm if norm else float("nan")
+
+
+@given(
+    st.integers(2, 40).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.integers(0, 5), min_size=n, max_size=n),
+            st.lists(st.integers(0, 5), min_size=n, max_size=n),
+        )
+    )
+)
+def test_kendall_tau_agrees_with_its_definition_with_ties(
+    pair: tuple[list[int], list[int]],
+) -> None:
+    x, y = pair
+    expected = tau_b_by_its_definition(x, y)
+    got = kendall_tau(x, y)
+    assert (np.isnan(expected) and np.isnan(got)) or got == pytest.approx(expected, abs=1e-12)
 
 
 def test_history_predicts_each_tenant_and_bucket_quantile_with_fallbacks() -> None:
