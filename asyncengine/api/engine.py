@@ -65,6 +65,11 @@ class AsyncEngine:
         **overrides: Any,
     ) -> None:
         config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"config must be an EngineConfig (or None), got {type(config).__name__}: build "
+                "one with EngineConfig(...) or EngineConfig.from_toml(path)"
+            )
         self.config = config.replace(**overrides) if overrides else config
         if (executor is None) != (tokenizer is None):
             raise ValueError("give both an executor and a tokenizer, or neither")
@@ -87,6 +92,7 @@ class AsyncEngine:
         )
         self._worker: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self._steps: StepLoop | None = None
         # the one periodic summary line (config.log_interval); front ends add their counters
         self.summary = SummaryLog(self.stats)
@@ -98,8 +104,11 @@ class AsyncEngine:
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
+            self._on_own_loop()
             return self
+        if self._task is not None:  # its loop ended without stop(): tidy up first
+            await self.stop()
         loop = asyncio.get_running_loop()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-forward")
         if self.core is None:
@@ -109,8 +118,11 @@ class AsyncEngine:
             gc.freeze()
             try:
                 core, self._tokenizer = await loop.run_in_executor(self._worker, self._build)
-            except BaseException:
+            except BaseException as exc:
                 gc.unfreeze()  # no engine runs: nothing of a failed start stays uncollectable
+                # nor its forward thread (idle once the build failed; a cancelled build runs on)
+                self._worker.shutdown(wait=not isinstance(exc, asyncio.CancelledError))
+                self._worker = None
                 raise
             self.core = core
             self._intake = Intake(
@@ -142,6 +154,7 @@ class AsyncEngine:
             self.config.enable_overlap_schedule,
         )  # fmt: skip
         self._task = asyncio.create_task(self._steps.run(), name="asyncengine-loop")
+        self._loop = loop
         work = defer_one_time_work(self._core().executor)
         if work is not None and self._worker is not None:  # ready now; it runs between steps
             self._one_time_task = asyncio.create_task(
@@ -167,6 +180,9 @@ class AsyncEngine:
         """Abort what is still in flight and stop the loop."""
         if self._task is None:
             return
+        if self._task.done():  # its loop ended without stop(): whichever loop runs now tidies up
+            self._loop = None
+        self._on_own_loop()
         assert self._steps is not None
         self._steps.stopping = True
         if self._one_time_task is not None:
@@ -175,15 +191,18 @@ class AsyncEngine:
                 await self._one_time_task
             self._one_time_task = None
         groups = self.streams.groups
-        preparing = [g.preparing for g in groups.values() if g.preparing is not None]
+        # (a task of a loop that ended is done: only the running loop's are awaited)
+        preparing = [g.preparing for g in groups.values() if g.preparing and not g.preparing.done()]
         for rid in list(groups):
             self.abort(rid)
         for task in preparing:
             task.cancel()
         await asyncio.gather(*preparing, return_exceptions=True)
         self._steps.wakeup.set()
-        await self._task
+        if not self._task.done():  # else its loop ended (and cancelled it): nothing to wait for
+            await self._task
         self._task = None
+        self._loop = None
         # start() froze every object alive then (this engine's pool and weights among them);
         # a frozen object is never collected, so an engine dropped after stop() would keep its
         # memory (on a GPU, a second engine in the process would find no room for its pool)
@@ -234,6 +253,19 @@ class AsyncEngine:
     def is_running(self) -> bool:
         running = self._task is not None and not self._task.done()
         return running and self._steps is not None and not self._steps.stopping
+
+    def _on_own_loop(self) -> None:
+        """Raise unless called on the event loop that started the engine: its requests, streams
+        and step loop belong to that loop (the forward thread aside), none of them thread-safe."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._loop is not None and running is not self._loop:
+            raise EngineError(
+                "the engine runs on the event loop that started it; call it from a coroutine on "
+                "that loop (from another thread: asyncio.run_coroutine_threadsafe(coro, loop))"
+            )
 
     def _core(self) -> EngineCore:
         if self.core is None:
@@ -304,6 +336,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
+        self._on_own_loop()
         core = self._core()
         prompt_ids, params = self.intake.accept(prompt, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -335,6 +368,7 @@ class AsyncEngine:
     ) -> RequestStream:
         if not self.is_running:
             raise EngineNotRunningError("the engine is not running")
+        self._on_own_loop()
         core = self._core()
         ids, params = self.intake.accept_embedding(prompt, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -388,6 +422,7 @@ class AsyncEngine:
         group = self.streams.groups.get(request_id)
         if group is None:
             return False
+        self._on_own_loop()
         core = self._core()
         if group.preparing is not None and not group.preparing.done():
             group.preparing.cancel()  # a read or compile no one else waits for never starts

@@ -470,3 +470,67 @@ async def test_leaving_async_with_lets_go_of_the_core_and_a_start_builds_it_agai
         again = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
         assert engine.core is not None and engine.core is not core()
     assert again.token_ids == out.token_ids
+
+
+def test_a_config_of_the_wrong_type_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        AsyncEngine("lpm")  # type: ignore[arg-type]
+
+
+async def test_a_call_from_another_event_loop_is_refused_before_queueing() -> None:
+    """The engine's state belongs to the loop that started it: a coroutine on another loop (in
+    another thread) gets a clear error and queues nothing; run_coroutine_threadsafe works."""
+    async with fake_engine() as engine:
+        loop = asyncio.get_running_loop()
+
+        def from_another_loop() -> BaseException | None:
+            async def go() -> None:
+                # bounded: a delta handed over from the engine's thread may never wake this loop
+                await asyncio.wait_for(
+                    engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4)), 30
+                )
+
+            try:
+                asyncio.run(go())
+            except BaseException as exc:
+                return exc
+            return None
+
+        error = await loop.run_in_executor(None, from_another_loop)
+        assert isinstance(error, EngineError) and "run_coroutine_threadsafe" in str(error)
+        assert_idle_and_clean(engine)
+
+        def via_the_engines_loop() -> list[int]:
+            coro = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+            return asyncio.run_coroutine_threadsafe(coro, loop).result().token_ids
+
+        out = await loop.run_in_executor(None, via_the_engines_loop)
+        assert out == reference_output([5, 6, 7], 4)
+
+
+def test_an_engine_whose_loop_ended_unclosed_closes_and_starts_on_another_loop() -> None:
+    engine = fake_engine()
+    asyncio.run(engine.start())  # the loop ends, cancelling the step loop's task
+
+    async def on_another_loop() -> list[int]:
+        with pytest.raises(EngineError, match="not running"):
+            await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+        await engine.close()
+        async with engine:
+            out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+        return out.token_ids
+
+    assert asyncio.run(on_another_loop()) == reference_output([5, 6, 7], 4)
+
+
+async def test_a_failed_start_leaves_no_forward_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_core(*args: object, **kwargs: object) -> None:
+        raise OSError("no model here")
+
+    monkeypatch.setattr(engine_module, "build_core", no_core)
+    engine = fake_engine()
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="no model here"):
+        await engine.start()
+    assert not engine.is_running
+    assert set(threading.enumerate()) - before == set()
