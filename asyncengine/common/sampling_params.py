@@ -181,6 +181,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as true
+                raise bad(name, "must be True or False")
         for name in (
             "temperature",
             "top_p",

@@ -208,6 +208,12 @@ def test_bad_sampling_params_raise() -> None:
         SamplingParams(max_new_tokens=0)
 
 
+@pytest.mark.parametrize("name", ["ignore_eos", "logprobs", "skip_special_tokens"])
+def test_a_flag_that_is_not_a_bool_is_refused_by_name(name: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"{name}='no': must be True or False"):
+        SamplingParams(**{name: "no"})  # type: ignore[arg-type]
+
+
 async def test_cancel_and_early_exit_abort_without_leaks() -> None:
     rng = random.Random(5)
     async with fake_engine(num_pages=64, chunked_prefill_size=8, max_prefill_tokens=16) as engine:
