@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config key {key!r} = {getattr(self, key)!r}: {why}")
 
+        for field in _fields():  # EngineConfig(...) itself converts nothing: say which is wrong
+            try:
+                msgspec.convert(getattr(self, field.name), field.type, strict=True)
+            except msgspec.ValidationError as exc:
+                raise bad(field.name, str(exc)) from None
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
@@ -297,6 +304,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        for key in values:
+            if key not in cls.__struct_fields__:
+                raise ConfigError(_unknown_key(key))
         try:
             return msgspec.convert(values, cls)
         except msgspec.ValidationError as exc:
@@ -338,3 +348,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
+
+
+@functools.cache
+def _fields() -> tuple[msgspec.structs.FieldInfo, ...]:
+    return msgspec.structs.fields(EngineConfig)
+
+
+def _unknown_key(key: str) -> str:
+    close = difflib.get_close_matches(key, EngineConfig.__struct_fields__, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r}{hint}"

@@ -32,7 +32,7 @@ def test_overrides_win_and_none_is_ignored(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("pagesize = 3", "pagesize"),
+        ("pagesize = 3", "unknown config key 'pagesize' \\(did you mean 'page_size'\\?\\)"),
         ('page_size = "big"', "page_size"),
         ("page_size = 0", "page_size"),
         ('dtype = "int8"', "dtype"),
@@ -53,6 +53,21 @@ def test_bad_keys_and_values_are_named(tmp_path: Path, text: str, message: str) 
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         make_policies(EngineConfig.from_toml(path))  # policies are checked where they are built
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_running_requests": "3"}, "config key 'max_running_requests' = '3': Expected `int`"),
+        ({"loras": {"a": 5}}, "config key 'loras'.*Expected `str`"),
+        ({"enable_prefix_cache": "no"}, "config key 'enable_prefix_cache'.*Expected `bool`"),
+    ],
+)
+def test_a_config_built_directly_names_a_value_of_the_wrong_type(
+    values: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**values)  # type: ignore[arg-type]
 
 
 def test_unknown_policy_and_option_are_named() -> None:
