@@ -18,7 +18,7 @@ from asyncengine.common.errors import (  # noqa: E402
     QueueFullError,
     RequestFailedError,
 )
-from asyncengine.common.sampling_params import SamplingParams  # noqa: E402
+from asyncengine.common.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
 if TYPE_CHECKING:
     from asyncengine.api.engine import AsyncEngine
@@ -39,6 +39,7 @@ __all__ = [
     "RequestFailedError",
     "SamplingParams",
     "StreamDelta",
+    "StructuredOutput",
 ]
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.python_subprocess import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = [
     ROOT / "README.md",
@@ -195,3 +197,30 @@ def test_script_commands_take_their_options(script: str) -> None:
     text = help_text(script) if script.endswith(".py") else (ROOT / script).read_text()
     unknown = sorted(o for o in script_runs()[script] if o not in text)
     assert unknown == [], f"{script} does not take {unknown}"
+
+
+def guide_examples(path: Path) -> list[tuple[str, str]]:
+    """Each ```python block of a guide with the ```text block that shows what it prints."""
+    blocks = FENCE.findall(path.read_text())
+    return [
+        (code, printed)
+        for (kind, code), (after, printed) in zip(blocks, blocks[1:], strict=False)
+        if kind == "python" and after == "text"
+    ]
+
+
+PYTHON_API_EXAMPLES = guide_examples(ROOT / "docs" / "python-api.md")
+
+
+@pytest.mark.parametrize("code, printed", PYTHON_API_EXAMPLES)
+def test_the_python_api_guides_examples_run_as_written(code: str, printed: str) -> None:
+    """Each example runs with the embedded model; its output ends as the guide's (the text
+    itself depends on the dtype the CPU picks)."""
+    got = run_python(code).strip().splitlines()
+    assert got and got[-1].split()[0] == printed.strip().splitlines()[-1].split()[0]
+
+
+def test_the_python_api_guides_examples_are_all_found() -> None:
+    assert len(PYTHON_API_EXAMPLES) == (ROOT / "docs" / "python-api.md").read_text().count(
+        "```python"
+    )
