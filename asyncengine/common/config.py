@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config key {key!r} = {getattr(self, key)!r}: {why}")
 
+        # paths may come as pathlib.Path (EngineConfig(model=Path(...))): kept as strings
+        if isinstance(self.model, os.PathLike):
+            msgspec.structs.force_setattr(self, "model", os.fspath(self.model))
+        if any(isinstance(path, os.PathLike) for path in self.loras.values()):
+            loras = {name: os.fspath(path) for name, path in self.loras.items()}
+            msgspec.structs.force_setattr(self, "loras", loras)
         for field in _fields():  # EngineConfig(...) itself converts nothing: say which is wrong
             try:
                 msgspec.convert(getattr(self, field.name), field.type, strict=True)

@@ -70,6 +70,12 @@ def test_a_config_built_directly_names_a_value_of_the_wrong_type(
         EngineConfig(**values)  # type: ignore[arg-type]
 
 
+def test_paths_may_be_given_as_path_objects(tmp_path: Path) -> None:
+    config = EngineConfig(model=tmp_path / "m", loras={"a": tmp_path / "a"})  # type: ignore[arg-type]
+    assert config.model == str(tmp_path / "m") and config.loras == {"a": str(tmp_path / "a")}
+    assert EngineConfig.from_dict(config.to_dict()) == config
+
+
 def test_unknown_policy_and_option_are_named() -> None:
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         make_policy("nope")
