@@ -342,8 +342,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                     )
                 values = dict(values["engine"])
             values = anchor_config_paths(values, Path(path).resolve().parent)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_dict(values)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            return cls.from_dict({**values, **given})
+        except ConfigError as exc:
+            if path is None:
+                raise
+            if given:  # the file alone: a mistake of the overrides' is not the file's
+                try:
+                    cls.from_dict(values)
+                except ConfigError as own:
+                    raise ConfigError(f"config file {path}: {own}") from None
+                raise
+            raise ConfigError(f"config file {path}: {exc}") from None
 
     @property
     def speculation(self) -> SpeculativeConfig | None:

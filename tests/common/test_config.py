@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,23 @@ def test_paths_may_be_given_as_path_objects(tmp_path: Path) -> None:
     config = EngineConfig(model=tmp_path / "m", loras={"a": tmp_path / "a"})  # type: ignore[arg-type]
     assert config.model == str(tmp_path / "m") and config.loras == {"a": str(tmp_path / "a")}
     assert EngineConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_mistake_in_the_file_names_the_file_and_one_in_the_overrides_does_not(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("page_size = 0\n")
+    for overrides in ({}, {"policy": "lpm"}):
+        with pytest.raises(
+            ConfigError, match=f"^config file {re.escape(str(path))}: .*'page_size'"
+        ):
+            EngineConfig.from_toml(path, **overrides)
+    path.write_text("page_size = 8\n")
+    with pytest.raises(
+        ConfigError, match="^(bad engine config: )?config key 'max_running_requests'"
+    ):
+        EngineConfig.from_toml(path, max_running_requests=0)
 
 
 def test_unknown_policy_and_option_are_named() -> None:
