@@ -215,7 +215,7 @@ class AsyncEngine:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        self.held.close()
+        await self.held.close()
         self.stop_recording()
         if self.kv_events is not None:
             self.kv_events.close()

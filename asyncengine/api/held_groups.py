@@ -48,10 +48,11 @@ class HeldGroups:
         self.waiting += 1
         group.preparing = asyncio.create_task(self._prepare_then_add(group, params, adapter))
 
-    def close(self) -> None:
-        if self.compiler is not None:
-            self.compiler.close()
-            self.compiler = None
+    async def close(self) -> None:
+        """Stop the compiler; waits, off the loop, until its threads and processes are gone."""
+        compiler, self.compiler = self.compiler, None
+        if compiler is not None:
+            await asyncio.get_running_loop().run_in_executor(None, compiler.close)
 
     async def _prepare_then_add(
         self, group: RequestGroup, params: SamplingParams, adapter: Awaitable[None] | None

@@ -198,7 +198,9 @@ class CompilePool:
             raise
 
     def close(self) -> None:
-        """Kill the processes; queued jobs are cancelled, running ones fail with WorkerGone."""
+        """Kill the processes; queued jobs are cancelled, running ones fail with WorkerGone.
+        Returns once every thread has ended and reaped its process (a thread still reading
+        the tokenizer takes seconds: call it off the event loop)."""
         with self._lock:
             self._closed = True
             processes = list(self._processes)
@@ -213,6 +215,8 @@ class CompilePool:
             self._jobs.put(None)
         for process in processes:
             process.signal_kill()
+        for thread in self._threads:
+            thread.join()
 
     def _serve(self, first: bool) -> None:
         tokenizer_info: bytes | None = None

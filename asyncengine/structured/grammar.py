@@ -263,8 +263,11 @@ class GrammarCompiler:
             return self._compiler
 
     def close(self) -> None:
+        """Stop the compiles and return once no thread or process of the compiler is left
+        (seconds while a thread still reads the tokenizer: call it off the event loop)."""
         self._here.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
+        self._here.shutdown(wait=True)
 
 
 def _given_spec(constraint: StructuredOutput) -> str:

@@ -8,15 +8,22 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 
+import psutil
 import pytest
 
-from asyncengine.common.sampling_params import InvalidRequestError, StructuredOutput
+from asyncengine.api.engine import AsyncEngine
+from asyncengine.common.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from asyncengine.structured.grammar import GrammarCompiler, GrammarMatcher
 from asyncengine.text.tokenizer import Tokenizer
-from tests.server_support import tiny_model_dir, wait_until
+from tests.server_support import engine_config, tiny_model_dir, wait_until
 
 
 def pathological_regex() -> StructuredOutput:
@@ -121,3 +128,47 @@ async def test_a_json_schema_reads_openapi_nullable_as_null_allowed(
         assert accepts(compiled, '{"note": null, "n": 1}')
         assert accepts(compiled, '{"note": "hi", "n": 1}')
         assert not accepts(compiled, '{"note": "hi", "n": null}')
+
+
+def grammar_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncengine-grammar")]
+
+
+def compile_children() -> list[int]:
+    """This process's compile worker processes, zombies (killed, not yet reaped) included."""
+    children = psutil.Process().children(recursive=True)
+    return [p.pid for p in children if "compile_worker.py" in " ".join(_cmdline(p))]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ["compile_worker.py"]  # a zombie's command line is gone: count it
+
+
+@pytest.mark.parametrize("when", ["workers ready", "tokenizer info building"])
+async def test_engine_close_leaves_no_compile_thread_or_process(
+    tmp_path_factory: pytest.TempPathFactory, when: str
+) -> None:
+    """A program that closes an engine and checks its threads, or starts the next engine,
+    finds none of the compiler's threads or processes left."""
+    config = engine_config(tiny_model_dir(tmp_path_factory), grammar_compile_workers=2)
+    params = SamplingParams(max_new_tokens=4, structured=StructuredOutput("regex", "[0-9]+"))
+    engine = AsyncEngine(config)
+    await engine.start()
+    try:
+        if when == "workers ready":
+            await engine.generate("hello", params)
+            pool = engine.held.compiler.pool
+            assert await wait_until(lambda: len(pool.live_pids()) == pool.size, timeout=60)
+        else:  # closed while the first request's compile has only just begun
+            pending = asyncio.ensure_future(engine.generate("hello", params))
+            assert await wait_until(lambda: bool(grammar_threads()), timeout=60)
+        assert grammar_threads()
+    finally:
+        await engine.close()
+    assert grammar_threads() == []
+    assert compile_children() == []
+    if when != "workers ready":
+        assert (await pending).finish_reason == "abort"
