@@ -98,6 +98,9 @@ class KVCacheManager:
             self.host_tier = HostTier(swap, self.tree)
             self.tree.spill = self.host_tier
         self.host_hit_tokens = 0  # hit tokens copied back from the host tier
+        # tree pages copied back from the host tier that no admitted prompt has counted yet: an
+        # admission that fails after the copy counts them when it (or another prompt) gets in
+        self._host_pages: set[int] = set()
         # eviction figures by rule: the rules swapped out, and the live one's since it began
         self.eviction_by_rule: dict[str, dict[str, int]] = {}
         self._rule_began = self._eviction_counts()
@@ -196,7 +199,7 @@ class KVCacheManager:
         assert present == matched, f"the tree held {present} tokens, matched {matched}"
         self.tree.lock(new_node)
         self.tree.unlock(node)
-        self.host_hit_tokens += end - matched
+        self._host_pages.update(pool)
         return np.asarray(before + pool, dtype=np.int32), end, new_node
 
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
@@ -540,10 +543,15 @@ class KVCacheManager:
 
     def count_admitted(self, seq: SeqKV, num_tokens: int) -> None:
         """Count the prompt of a sequence whose request was admitted (the first time): its
-        ``num_tokens`` tokens, ``seq.num_cached`` of them cache hits, the rest computed."""
+        ``num_tokens`` tokens, ``seq.num_cached`` of them cache hits (those on pages copied
+        back from the host tier and not counted yet host-tier hits too), the rest computed."""
         self.hit_tokens += seq.num_cached
         self.miss_tokens += num_tokens - seq.num_cached
         self.tails.hit_tokens += seq.tail_tokens
+        if self._host_pages:
+            host = self._host_pages.intersection(seq.pages[: seq.num_cached // self.page_size])
+            self._host_pages -= host
+            self.host_hit_tokens += len(host) * self.page_size
 
     def drain_page_copies(self) -> list[tuple[int, int]]:
         """The tail-page copies recorded since the last call, for the next plan."""
@@ -561,6 +569,7 @@ class KVCacheManager:
         if len(freed) < num_pages:
             evicted = self.tree.evict_ids((num_pages - len(freed)) * self.page_size)
             self.allocator.free_ids(evicted)
+            self._host_pages.difference_update(evicted)
             return len(freed) + len(evicted)
         return len(freed)
 
@@ -682,6 +691,7 @@ class KVCacheManager:
         self.tree.reset()
         self.tails.clear()
         self._page_copies.clear()
+        self._host_pages.clear()
         self.allocator.reset()
         self.page_table.reset()
         if reset_counters:
@@ -721,6 +731,8 @@ class KVCacheManager:
 
         self.tree.check()
         claim(self.tree.all_pages(), -3, "radix tree")
+        stray = [page for page in self._host_pages if owner[page] != -3]
+        assert not stray, f"pages {stray[:8]} counted as copied back are not the tree's"
         tree_pages = self.tree.total_size // ps
         tail_pages = np.asarray(self.tails.pages(), dtype=np.int64)
         claim(tail_pages, -4, "kept tails")

@@ -25,8 +25,9 @@ def manager(num_pages: int = 8, host_pages: int = 16) -> KVCacheManager:
 
 
 def run(mgr: KVCacheManager, tokens: list[int]) -> int:
-    """Open, compute the rest, close into the cache; the tokens the cache gave."""
+    """Open, admit, compute the rest, close into the cache; the tokens the cache gave."""
     seq = mgr.open(tokens)
+    mgr.count_admitted(seq, len(tokens))
     cached = seq.num_cached
     mgr.extend(seq, len(tokens) - seq.kv_len)
     seq.computed_len = seq.kv_len

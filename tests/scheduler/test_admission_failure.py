@@ -97,3 +97,32 @@ def test_a_failed_admission_leaves_no_copy_over_a_host_tier_hit() -> None:
     assert req.cached_tokens == len(host) and core.kv.host_hit_tokens == len(host)
     assert req.output_ids == reference_output(prompt, 2)
     core.unpin(pin.pin_id)
+
+
+def test_copied_back_pages_count_as_host_hits_once_a_failed_admission_gets_in() -> None:
+    """The host tier's pages a prompt's open copied back stay in the tree when its admission
+    fails; they are counted (as host-tier hits too) when it is admitted, not before."""
+    core, runner, clock = make(32, host_kv_tier=True, swap_space_bytes=4096)
+    pinned, host = list(range(300, 340)), list(range(400, 416))
+    submit(core, clock, [(pinned, 1), (host, 1)], tag="a")
+    drive(core, runner, clock)
+    pin = core.pin(pinned)
+    # a long prompt that evicts ``host`` to the host tier, aborted before its KV lands
+    (filler,) = submit(core, clock, [(list(range(500, 576)), 1)], tag="f")
+    plan = core.launch()
+    assert plan is not None and plan.swap_out
+    core.abort(filler.rid)
+    core.land(plan, runner.execute(plan))
+    kv = core.kv
+    hits = kv.hit_tokens
+    # opened: ``host`` copied back into 4 of the 22 free pages, then 19 more wanted
+    prompt = host + list(range(600, 676))
+    (req,) = submit(core, clock, [(prompt, 2)], tag="y")
+    assert core.launch() is None
+    assert req.status is RequestStatus.WAITING and kv.tree.prefix_length(host) == len(host)
+    assert (kv.hit_tokens, kv.host_hit_tokens) == (hits, 0), "a failed admission was counted"
+    core.unpin(pin.pin_id)
+    drive(core, runner, clock)  # found in the tree now, as the copy left it
+    assert req.cached_tokens == len(host)
+    assert (kv.hit_tokens, kv.host_hit_tokens) == (hits + len(host), len(host))
+    assert req.output_ids == reference_output(prompt, 2)
