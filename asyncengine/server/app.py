@@ -16,8 +16,8 @@ GET/POST /admin/policy (admin.py: its own bearer token, not the API key).
   have not arrived within ``body_timeout`` seconds 408 (server/body.py).
 - Requests that arrive over loopback with a Host or Origin that is not loopback (nor one of
   ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
-  requests at once 503, and a client that reads nothing for ``write_timeout`` seconds is
-  dropped (server/connection_limits.py).
+  requests at once 503 (probes a few later), and a client that reads nothing for
+  ``write_timeout`` seconds is dropped (server/connection_limits.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 

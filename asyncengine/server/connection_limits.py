@@ -2,7 +2,10 @@
 response may wait for its client to read it.
 
 - More than ``max_requests`` requests in the server at once (streams included, until their
-  last byte is sent): the next is answered 503 at once and its connection closed.
+  last byte is sent): the next is answered 503 at once and its connection closed. Probes
+  (GET /health and GET /metrics) get ``PROBE_REQUESTS`` more, so a flood of stalled clients
+  does not fail a liveness probe (an orchestrator would restart the server), nor can probes
+  grow the flood.
 - A response the client does not read for ``write_timeout`` seconds (a stream whose client
   stopped reading, a large body) ends: its connection is dropped, which aborts its engine
   request. Whole bodies are sent here, inside the limit, so their writes are bounded too.
@@ -27,6 +30,9 @@ DEFAULT_WRITE_TIMEOUT_SECONDS = 30.0
 DEFAULT_IDLE_TIMEOUT_SECONDS = 75.0
 # requests beyond what the engine can hold (its waiting queue and running batch), for probes
 SPARE_REQUESTS = 64
+# probes served beyond max_requests (a few scrapers and orchestrators probing at once)
+PROBE_REQUESTS = 4
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 
 
 def default_max_requests(max_waiting_requests: int, max_running_requests: int) -> int:
@@ -81,7 +87,8 @@ async def connection_limit_middleware(request: web.Request, handler: Handler) ->
     limits = request.app.get(LIMITS)
     if limits is None:
         return await handler(request)
-    if limits.active >= limits.max_requests:
+    probe = request.method == "GET" and request.path in PROBE_PATHS
+    if limits.active >= limits.max_requests + (PROBE_REQUESTS if probe else 0):
         return ApiError(
             503,
             f"the server is serving its limit of {limits.max_requests} requests at once "

@@ -347,6 +347,40 @@ async def test_a_client_that_stops_reading_is_dropped_and_counted_in_the_limit(
     await limited.stop(stop_engine=False)
 
 
+def _stalled_body(port: int) -> socket.socket:
+    """A client that sends a request's head and then none of the body it announced."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    return sock
+
+
+async def test_probes_are_served_past_the_limit_and_other_requests_are_not(
+    http: aiohttp.ClientSession, server: RunningServer
+) -> None:
+    """A flood of stalled clients fills the limit: an orchestrator's liveness probe and a
+    scrape still answer (a few more than the limit are kept for them), nothing else does."""
+    limited = await start_server(server.engine.config, engine=server.engine, max_connections=2)
+    limits = limited.app[LIMITS]
+    socks = [_stalled_body(limited.port) for _ in range(2)]
+    try:
+        assert await wait_until(lambda: limits.active == 2, timeout=30)
+        async with http.get(limited.base_url + "/health") as resp:
+            assert resp.status == 200 and await resp.json() == {"status": "ok"}
+        async with http.get(limited.base_url + "/metrics") as resp:
+            assert resp.status == 200 and "asyncengine_" in await resp.text()
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+            status, answer = await _status(http, method, limited.base_url + path, json=CHAT)
+            assert status == 503 and answer["error"]["code"] == "too_many_connections"
+        assert limits.active == 2
+    finally:
+        for sock in socks:
+            sock.close()
+        await limited.stop(stop_engine=False)
+
+
 async def test_limits_are_validated(server: RunningServer) -> None:
     for kwargs in ({"max_connections": 0}, {"write_timeout": 0.0}):
         with pytest.raises(ValueError):
