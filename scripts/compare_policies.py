@@ -332,8 +332,11 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     configs = build_configs(args)
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a mistake leaves no folder
     save_trace(out / "workload.jsonl", workload)
-    prompts = [w.prompt_ids for w in workload]
-    in_arrival_order = [w.prompt_ids for w in sorted(workload, key=lambda w: w.arrival_time)]
+    # the bounds see what the prefix cache keys: each choice's prompt, under its salt and adapter
+    prompts = [w.cache_ids for w in workload for _ in range(w.n)]
+    in_arrival_order = [
+        w.cache_ids for w in sorted(workload, key=lambda w: w.arrival_time) for _ in range(w.n)
+    ]
     bounds: dict[tuple[str, int, int, int], float] = {}
     # each run's generated tokens, aligned with ``prompts``: later prompts may hit them
     answers: list[list[list[int]]] = []
@@ -397,12 +400,14 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         ]
     elif args.real:
         for _, _, extra in results:
-            answers.append([extra["outputs"].get(w.rid, []) for w in workload])
+            answers.append(
+                [extra["outputs"].get(rid, []) for w in workload for rid in w.choice_rids]
+            )
     if not args.real:
         from asyncengine.sim.cost_model import CostModel
         from asyncengine.sim.simulated_executor import SAMPLED_TOKEN_ID
 
-        answers.append([[SAMPLED_TOKEN_ID] * w.output_len for w in workload])
+        answers.append([[SAMPLED_TOKEN_ID] * w.output_len for w in workload for _ in range(w.n)])
 
         if args.fit_from_trace:
             cost = trace_cost_model(args.trace, out)

@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncengine.common.outputs import GenerateOutput, StreamDelta
 from asyncengine.common.plan import TokenLogprobs
-from asyncengine.common.request import Request
+from asyncengine.common.request import Request, choice_rid
 from asyncengine.common.sampling_params import SamplingParams, choice_seed
 from asyncengine.text.delta_queue import DeltaQueue
 from asyncengine.text.output_text import OutputText
@@ -59,8 +59,9 @@ class RequestGroup:
         queue: DeltaQueue[StreamDelta | BaseException] = DeltaQueue()
         states: list[StreamState] = []
         for i in range(params.n):
-            child_rid = rid if params.n == 1 else f"{rid}-{i}"
-            req = Request(child_rid, prompt_ids, choice_params(params, i), arrival_time)
+            req = Request(
+                choice_rid(rid, params.n, i), prompt_ids, choice_params(params, i), arrival_time
+            )
             req.text = OutputText(detokenizer(), list(params.stop))
             scorer = None
             if params.prompt_logprobs is not None:

@@ -34,8 +34,8 @@ class Streams:
         self.groups[group.rid] = group
         for state in group.states:
             self.states[state.req.rid] = state
-            if self.recorder is not None:
-                self.recorder.arrival(state.req)
+        if self.recorder is not None:
+            self.recorder.arrival(group.states[0].req, group.rid)
 
     def refuse(self, group: RequestGroup, error: BaseException) -> None:
         """End a group the core never saw (its grammar did not compile) with ``error``."""

@@ -22,6 +22,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def choice_rid(rid: str, n: int, index: int) -> str:
+    """The engine-side id of choice ``index`` of a caller's request ``rid`` with ``n`` choices."""
+    return rid if n == 1 else f"{rid}-{index}"
+
+
 class Grammar(Protocol):
     """A structured-output request's grammar state (asyncengine/structured/grammar.py)."""
 

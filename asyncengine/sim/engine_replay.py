@@ -45,21 +45,31 @@ async def replay_real(
             step_log.attach(core.scheduler, lambda: loop.time() - start)
             core.step_hooks.append(step_log)
 
-        async def one(item: WorkloadRequest) -> RequestRecord:
+        async def one(item: WorkloadRequest) -> list[RequestRecord]:
+            """The records of ``item``'s choices (one per choice, as the simulator's)."""
             delay = start + item.arrival_time - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             arrival = loop.time() - start
+            rids = item.choice_rids
+            outs: list[GenerateOutput | None]
             try:
-                out = await engine.generate(item.prompt_ids, params_for(item), request_id=item.rid)
+                given = await engine.generate_choices(
+                    item.prompt_ids, params_for(item), request_id=item.rid
+                )
+                outs = list(given)
             except Exception:  # every failure counts as a failed request; the run goes on
-                out = None
-            if outputs is not None and out is not None:
-                outputs[item.rid] = list(out.token_ids)
-            return record_of(item, arrival, out, loop.time() - start)
+                outs = [None] * len(rids)
+            now = loop.time() - start
+            records = []
+            for rid, out in zip(rids, outs, strict=True):
+                if outputs is not None and out is not None:
+                    outputs[rid] = list(out.token_ids)
+                records.append(record_of(item, arrival, out, now, rid))
+            return records
 
-        records = await asyncio.gather(*(one(item) for item in workload))
-        return list(records), dict(engine.stats())
+        per_item = await asyncio.gather(*(one(item) for item in workload))
+        return [record for records in per_item for record in records], dict(engine.stats())
 
 
 async def warm_up(
@@ -87,10 +97,15 @@ async def warm_up(
 
 
 def record_of(
-    item: WorkloadRequest, arrival: float, out: GenerateOutput | None, now: float
+    item: WorkloadRequest,
+    arrival: float,
+    out: GenerateOutput | None,
+    now: float,
+    rid: str | None = None,
 ) -> RequestRecord:
-    """The record of ``item`` sent at ``arrival`` (run time); ``out`` None: it raised."""
-    record = RequestRecord(item.rid, arrival, len(item.prompt_ids))
+    """The record of ``item`` (or of its choice ``rid``) sent at ``arrival`` (run time);
+    ``out`` None: it raised."""
+    record = RequestRecord(rid or item.rid, arrival, len(item.prompt_ids))
     record.tenant, record.priority, record.lora = item.tenant, item.priority, item.lora
     if out is None:  # every failure counts as a failed request; the run goes on
         record.failed = True

@@ -67,14 +67,13 @@ def write_measured_trace(
     )
     try:
         for item in workload:
-            recorder.arrival(
-                Request(item.rid, list(item.prompt_ids), params_for(item), item.arrival_time)
-            )
+            req = Request(item.rid, list(item.prompt_ids), params_for(item), item.arrival_time)
+            recorder.arrival(req, item.rid)
         now = 0.0
         for plan, seconds in zip(plans, step_seconds, strict=True):
             now += seconds
             recorder.step(plan, seconds, now)
-        by_rid = {item.rid: item for item in workload}
+        by_rid = {rid: item for item in workload for rid in item.choice_rids}
         for record in records:
             req = Request(record.rid, list(by_rid[record.rid].prompt_ids), params_for(by_rid[record.rid]), record.arrival_time)  # fmt: skip
             req.output_ids = [0] * record.output_tokens

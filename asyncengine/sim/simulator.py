@@ -110,9 +110,17 @@ class Simulator:
         reveal_lengths(self.core, workload)
         if not isinstance(workload, CompactWorkload):  # which holds no acceptance
             self.executor.acceptance = {
-                item.rid: item.acceptance for item in workload if item.acceptance is not None
+                rid: item.acceptance
+                for item in workload
+                if item.acceptance is not None
+                for rid in item.choice_rids
             }
-            adapters = {item.rid: item.lora for item in workload if item.lora is not None}
+            adapters = {
+                rid: item.lora
+                for item in workload
+                if item.lora is not None
+                for rid in item.choice_rids
+            }
             if adapters:
                 loras = self.loras
                 if loras is None:
@@ -175,7 +183,9 @@ def reveal_lengths(core: EngineCore, workload: Sequence[WorkloadRequest]) -> Non
         if isinstance(workload, CompactWorkload):  # without making each request
             predictor.reveal(dict(zip(workload.rids, workload.output_lens.tolist(), strict=True)))
         else:
-            predictor.reveal({item.rid: item.output_len for item in workload})
+            predictor.reveal(
+                {rid: item.output_len for item in workload for rid in item.choice_rids}
+            )
 
 
 def simulate(

@@ -3,7 +3,9 @@
 The one driver of every virtual-clock run: the simulator (a SimulatedExecutor advances the
 clock by the cost model) and the sim-vs-real replay (a TimedExecutor advances it by the
 measured forward; with ``overhead_timer`` the replay also adds the measured scheduling and
-commit time of each step). Each request generates exactly its ``output_len`` tokens, greedily.
+commit time of each step). Each request generates exactly its ``output_len`` tokens, greedily;
+one with n choices runs as the engine runs it: choice 0, then the others forking its prompt
+pages (each choice is a request of the run, records included).
 With ``lora``, a request whose adapter is not in memory joins the queue when its read back ends
 (sim/lora_cost.py).
 """
@@ -29,8 +31,8 @@ from asyncengine.workloads.compact import CompactWorkload
 from asyncengine.workloads.trace import WorkloadRequest
 
 # a request's controls, which its params are made from: output length, priority, tenant,
-# timeout, adapter
-ParamsKey = tuple[int, int, str | None, float | None, str | None]
+# timeout, adapter, cache salt, choices
+ParamsKey = tuple[int, int, str | None, float | None, str | None, str | None, int]
 
 _FIRST_SWEEP = 4096  # unswept requests before the first sweep (keep_requests=False)
 # token ids below this share one int object each across every prompt made from a compact
@@ -40,8 +42,12 @@ _SHARED_TOKEN_IDS = 1 << 20
 
 def params_for(item: WorkloadRequest) -> SamplingParams:
     """Exactly ``output_len`` tokens, greedy: the same work whatever the model says; the
-    request's scheduling controls (priority, tenant, timeout) as the workload gives them."""
-    return controls_params(item.output_len, item.priority, item.tenant, item.timeout, item.lora)
+    request's scheduling controls (priority, tenant, timeout), adapter, cache salt and
+    choices as the workload gives them."""
+    return controls_params(
+        item.output_len, item.priority, item.tenant, item.timeout, item.lora,
+        item.cache_salt, item.n,
+    )  # fmt: skip
 
 
 def controls_params(
@@ -50,6 +56,8 @@ def controls_params(
     tenant: str | None,
     timeout: float | None,
     lora: str | None = None,
+    cache_salt: str | None = None,
+    n: int = 1,
 ) -> SamplingParams:
     """``params_for`` from the controls themselves."""
     return SamplingParams(
@@ -60,6 +68,8 @@ def controls_params(
         tenant=tenant,
         timeout=timeout,
         lora=lora,
+        cache_salt=cache_salt,
+        n=n,
     )
 
 
@@ -141,6 +151,7 @@ class WorkloadReplay:
         self.steps = 0
         self.peak_waiting = 0  # the most requests waiting before a step
         self.shared_params: dict[ParamsKey, SamplingParams] = {}
+        self.followers: dict[str, list[Request]] = {}  # choices 1..n-1 of a held choice 0
 
     def done(self) -> bool:
         return (
@@ -157,7 +168,7 @@ class WorkloadReplay:
         """Queue the requests whose adapter's read ended by ``until``."""
         if self.lora is not None:
             for req in self.lora.read_back(until):
-                self.core.add(req)
+                self.core.add(req, followers=self.followers.pop(req.rid, ()))
 
     def _bulk_step(self) -> bool:
         """Run the next step in bulk if it can be (False: it runs step by step)."""
@@ -201,6 +212,8 @@ class WorkloadReplay:
                     tenant,
                     compact.timeout(index),
                     None,
+                    None,
+                    1,
                 )
                 ids = compact.tokens[start:end]
                 ints = self._token_ints
@@ -211,18 +224,42 @@ class WorkloadReplay:
                 if not item.prompt_ids or len(item.prompt_ids) >= max_len:
                     continue  # the engine refuses it before queueing (no room to generate)
                 rid = item.rid
-                key = (item.output_len, item.priority, item.tenant, item.timeout, item.lora)
+                key = (
+                    item.output_len, item.priority, item.tenant, item.timeout, item.lora,
+                    item.cache_salt, item.n,
+                )  # fmt: skip
                 prompt = list(item.prompt_ids)
+                if item.n > 1:
+                    self._admit_choices(item, prompt, self._params(key), times[index])
+                    continue
             req = Request(rid, prompt, self._params(key), times[index])
-            self.requests[rid] = req
-            if not self.keep_requests:
-                self._unswept.append(req)
-            if lora is None or not lora.hold(req):
-                self.core.add(req)
+            self._admit(req, ())
         if lora is not None and lora.holding:
             self._queue_read_back(now)
         if len(self._unswept) >= self._sweep_at:
             self._sweep()
+
+    def _admit_choices(
+        self, item: WorkloadRequest, prompt: list[int], params: SamplingParams, now: float
+    ) -> None:
+        """Queue ``item``'s n choices as the engine does: the others follow choice 0."""
+        leader, *others = (Request(rid, prompt, params, now) for rid in item.choice_rids)
+        for follower in others:
+            self.requests[follower.rid] = follower
+            if not self.keep_requests:
+                self._unswept.append(follower)
+        self._admit(leader, others)
+
+    def _admit(self, req: Request, followers: Sequence[Request]) -> None:
+        """Queue ``req`` (and the choices that follow it), or hold it for its adapter."""
+        self.requests[req.rid] = req
+        if not self.keep_requests:
+            self._unswept.append(req)
+        lora = self.lora
+        if lora is None or not lora.hold(req):
+            self.core.add(req, followers=followers)
+        elif followers:
+            self.followers[req.rid] = list(followers)
 
     def _params(self, key: ParamsKey) -> SamplingParams:
         """Requests with the same controls share one validated (never changed) params."""
@@ -307,7 +344,7 @@ class WorkloadReplay:
         return self.records()
 
     def records(self) -> list[RequestRecord]:
-        """One record per workload request, in workload order."""
+        """One record per workload request's choice, in workload order."""
         return workload_records(self.workload, self.requests, self.finished_records)
 
 
@@ -371,8 +408,9 @@ def workload_records(
     requests: dict[str, Request],
     finished: dict[str, RequestRecord] | None = None,
 ) -> list[RequestRecord]:
-    """One record per workload request, in workload order; ``requests`` holds those admitted
-    (``finished``: the records of those already let go, WorkloadReplay's keep_requests)."""
+    """One record per workload request's choice, in workload order; ``requests`` holds those
+    admitted (``finished``: the records of those already let go, WorkloadReplay's
+    keep_requests)."""
     done = finished or {}
     records = []
     no_lora: str | None = None  # a compact workload holds no adapters
@@ -393,7 +431,7 @@ def workload_records(
     else:
         rows = (
             (
-                item.rid,
+                rid,
                 item.arrival_time,
                 len(item.prompt_ids),
                 item.tenant,
@@ -401,6 +439,7 @@ def workload_records(
                 item.lora,
             )
             for item in workload
+            for rid in item.choice_rids
         )
     for rid, arrival, prompt_tokens, tenant, priority, lora in rows:
         record = done.get(rid)

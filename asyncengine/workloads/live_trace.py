@@ -6,15 +6,23 @@ One JSON object per line, each with a ``type``:
 - ``header``: ``version``, ``page_size``, ``vocab_size``, ``hashed``, ``model``, ``policy``;
 - ``arrival``: ``rid``, ``time`` (seconds since recording began), ``prompt_ids`` (or, when
   hashed, ``page_hashes`` and ``prompt_len``), ``params`` (the sampling parameters that differ
-  from the defaults), ``tenant``, ``priority``, ``timeout``, ``lora`` (the adapter, when one);
-- ``finish``: ``rid``, ``time``, ``output_tokens``, ``finish_reason``, ``cached_tokens``;
+  from the defaults), ``tenant``, ``priority``, ``timeout``, ``lora`` (the adapter, when one),
+  ``cache_salt`` (when one; hashed in a hashed trace) and ``n`` (when more than one choice);
+- ``finish``: ``rid`` (a choice's: ``<rid>-<i>`` when n > 1), ``time``, ``output_tokens``,
+  ``finish_reason``, ``cached_tokens``;
 - ``step``: ``time``, ``seconds`` (measured forward time) and the step's cost-model features
   ``prefill_tokens``, ``prefill_attention``, ``decode_requests``, ``decode_context``.
 
 Hashed traces keep no token: a prompt is the chain of its whole pages' hashes (each hashes the
 previous one and the page's tokens) and its length. Read back, each page hash becomes the same
 pseudo-random page of tokens wherever it occurs and the partial last page fresh tokens, so the
-prefix cache, which shares whole pages only, sees exactly the sharing of the live run.
+prefix cache, which shares whole pages only, sees exactly the sharing of the live run. A salt is
+kept as its digest: distinct salts stay distinct, so the cache sees the same namespaces.
+
+A request with n choices is one arrival (replayed as n choices that fork choice 0's prompt
+pages, as the engine runs them); each choice generates the longest choice's length. Version 1
+traces wrote an arrival per choice and no top-level ``cache_salt``: they load as before, with
+the salt read from ``params``.
 
 Replay lengths: a request that finished by stop or length generates what it generated live
 (ignoring EOS); one that timed out asks for its ``max_new_tokens``; an aborted one generates
@@ -32,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from asyncengine.common.request import choice_rid
 from asyncengine.workloads.trace import WorkloadRequest, load_trace
 
-VERSION = 1
+VERSION = 2
 HASH_BYTES = 8
 
 
@@ -47,6 +56,11 @@ def page_hashes(token_ids: Sequence[int], page_size: int) -> list[str]:
         previous = hashlib.blake2b(previous + page, digest_size=HASH_BYTES).digest()
         hashes.append(previous.hex())
     return hashes
+
+
+def salt_digest(salt: str) -> str:
+    """A hashed trace's stand-in for a cache salt: equal for equal salts, and nothing more."""
+    return hashlib.blake2b(salt.encode(), digest_size=HASH_BYTES, person=b"trace-salt").hexdigest()
 
 
 def tokens_of_hashes(
@@ -160,20 +174,29 @@ def load_live_trace(path: str | Path) -> LiveTrace:
             prompt = tokens_of_hashes(
                 arrival["page_hashes"], int(arrival["prompt_len"]), page_size, vocab, unique
             )
-        finish = finishes.get(rid)
-        if finish is not None:
-            trace.finish_reasons[unique] = str(finish.get("finish_reason"))
+        n = int(arrival.get("n", 1))
+        if n < 1:
+            raise ValueError(f"{path}: request {rid!r} has n={n}")
+        output_len = 0
+        for i in range(n):
+            finish = finishes.get(choice_rid(rid, n, i))
+            if finish is not None:
+                trace.finish_reasons[choice_rid(unique, n, i)] = str(finish.get("finish_reason"))
+            output_len = max(output_len, _output_len(arrival, finish))
         timeout = arrival.get("timeout")
+        salt = arrival.get("cache_salt", arrival.get("params", {}).get("cache_salt"))
         trace.requests.append(
             WorkloadRequest(
                 rid=unique,
                 arrival_time=float(arrival["time"]),
                 prompt_ids=prompt,
-                output_len=_output_len(arrival, finish),
+                output_len=output_len,
                 priority=int(arrival.get("priority", 0)),
                 tenant=arrival.get("tenant"),
                 timeout=None if timeout is None else float(timeout),
                 lora=arrival.get("lora"),
+                cache_salt=None if salt is None else str(salt),
+                n=n,
             )
         )
     return trace

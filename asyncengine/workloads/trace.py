@@ -8,6 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncengine.common.cache_salt import salted_ids
+from asyncengine.common.request import choice_rid
+
 
 @dataclass(slots=True)
 class WorkloadRequest:
@@ -19,7 +22,9 @@ class WorkloadRequest:
     ``acceptance``: for the simulator, the chance that each speculative guess of this request
     is accepted (None: its guesses are all rejected there); a live run measures it per request
     (usage ``accepted_speculative_tokens``). ``lora``: the LoRA adapter it runs under (None:
-    the base model).
+    the base model). ``cache_salt``: its prefix-cache namespace (SamplingParams.cache_salt).
+    ``n``: its choices, each generating ``output_len`` tokens; choices 1..n-1 fork choice 0's
+    prompt pages, as the engine runs them (ids ``choice_rids``).
     """
 
     rid: str
@@ -32,6 +37,20 @@ class WorkloadRequest:
     timeout: float | None = None
     acceptance: float | None = None
     lora: str | None = None
+    cache_salt: str | None = None
+    n: int = 1
+
+    @property
+    def choice_rids(self) -> list[str]:
+        """The ids its choices run under, choice 0 first."""
+        return [choice_rid(self.rid, self.n, i) for i in range(self.n)]
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it (under its salt and adapter)."""
+        if self.cache_salt is None and self.lora is None:
+            return self.prompt_ids
+        return salted_ids(self.prompt_ids, self.cache_salt, self.lora)
 
     def to_json(self) -> dict[str, object]:
         record: dict[str, object] = {
@@ -52,6 +71,10 @@ class WorkloadRequest:
             record["acceptance"] = self.acceptance
         if self.lora is not None:
             record["lora"] = self.lora
+        if self.cache_salt is not None:
+            record["cache_salt"] = self.cache_salt
+        if self.n != 1:
+            record["n"] = self.n
         return record
 
     @classmethod
@@ -77,6 +100,10 @@ class WorkloadRequest:
         output_len = record["output_len"]
         if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 0:
             raise ValueError(f"request {rid!r}: output_len must be a whole number >= 0")
+        n = record.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"request {rid!r}: n must be a whole number >= 1")
+        salt = record.get("cache_salt")
         return cls(
             rid=str(record["rid"]),
             arrival_time=float(arrival),
@@ -88,6 +115,8 @@ class WorkloadRequest:
             timeout=None if timeout is None else float(timeout),  # type: ignore[arg-type]
             acceptance=None if acceptance is None else float(acceptance),  # type: ignore[arg-type]
             lora=None if lora is None else str(lora),
+            cache_salt=None if salt is None else str(salt),
+            n=n,
         )
 
 

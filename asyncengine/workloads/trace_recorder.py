@@ -15,14 +15,14 @@ from typing import Any
 from asyncengine.common.plan import BatchPlan, StepFeatures
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
-from asyncengine.workloads.live_trace import VERSION, page_hashes
+from asyncengine.workloads.live_trace import VERSION, page_hashes, salt_digest
 
 log = logging.getLogger("asyncengine.trace")
 
 TRACE_FILE_MODE = 0o600
 
 # recorded in their own fields, or meaningless to a replay
-_OWN_FIELDS = frozenset({"priority", "tenant", "timeout", "lora"})
+_OWN_FIELDS = frozenset({"priority", "tenant", "timeout", "lora", "cache_salt", "n"})
 _DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingParams) if f.init}
 
 
@@ -75,11 +75,13 @@ class TraceRecorder:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self.lines += 1
 
-    def arrival(self, req: Request) -> None:
+    def arrival(self, req: Request, rid: str | None = None) -> None:
+        """The arrival of the caller's request ``rid`` (default ``req.rid``) with all its
+        choices: ``req`` is choice 0; each choice finishes under its own id (choice_rid)."""
         params = req.params
         record: dict[str, Any] = {
             "type": "arrival",
-            "rid": req.rid,
+            "rid": req.rid if rid is None else rid,
             "time": req.arrival_time - self.start,
         }
         if self.hashed:
@@ -93,6 +95,11 @@ class TraceRecorder:
         record["timeout"] = params.timeout
         if params.lora is not None:
             record["lora"] = params.lora
+        if params.cache_salt is not None:
+            salt = params.cache_salt
+            record["cache_salt"] = salt_digest(salt) if self.hashed else salt
+        if params.n != 1:
+            record["n"] = params.n
         self._write(record)
 
     def finish(self, req: Request, now: float, reason: str | None = None) -> None:

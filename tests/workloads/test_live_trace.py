@@ -7,11 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from asyncengine.bench.optimal_hit import optimal_hit
+from asyncengine.common.config import EngineConfig
+from asyncengine.common.request import choice_rid
+from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.sim.engine_replay import replay_real
+from asyncengine.sim.simulator import simulate
 from asyncengine.workloads.live_trace import (
     is_live_trace,
     load_live_trace,
@@ -22,6 +28,7 @@ from asyncengine.workloads.live_trace import (
 from asyncengine.workloads.trace import WorkloadRequest, load_trace, save_trace
 from tests.api.test_scheduling_e2e import engine, params, prompt
 from tests.scripts.test_compare_policies import load_script
+from tests.server_support import engine_config, tiny_model_dir
 
 SHARED = prompt(42, 24)  # six pages of 4 tokens
 
@@ -178,3 +185,112 @@ def test_fit_from_trace_reports_its_error_and_warns_on_a_poor_fit(
     assert "warning: the fitted cost model misses the trace's own steps by more than 25%" in err
     saved = json.loads((tmp_path / "cost_model.json").read_text())
     assert saved["description"] == model.description and "p90" in saved["description"]
+
+
+SALTED = [  # (request id, prompt seed, cache salt, choices), served one after the other
+    ("a1", 1, "a", 1),
+    ("b1", 1, "b", 1),  # the same prompt in another namespace: no hit live, none in replay
+    ("a2", 1, "a", 1),
+    ("base", 1, None, 1),
+    ("fan", 2, "a", 3),  # three choices fork one prefill
+]
+
+
+async def record_salted(path: Path, hashed: bool) -> dict[str, int]:
+    """Serve SALTED while recording; the cached tokens of each choice, by its engine id."""
+    cached: dict[str, int] = {}
+    async with engine() as eng:
+        eng.record_trace(str(path), hashed=hashed)
+        for rid, seed, salt, n in SALTED:
+            p = SamplingParams(
+                max_new_tokens=3, temperature=0, cache_salt=salt, n=n, ignore_eos=True
+            )
+            outs = await eng.generate_choices(SHARED + prompt(seed, 6), p, request_id=rid)
+            assert len(outs) == n
+            for i, out in enumerate(outs):
+                cached[choice_rid(rid, n, i)] = out.usage.cached_tokens
+    return cached
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+async def test_a_replay_keeps_each_requests_cache_salt_and_choices(
+    tmp_path: Path, hashed: bool
+) -> None:
+    path = tmp_path / "live.jsonl"
+    served = await record_salted(path, hashed)
+    assert served["b1"] == 0 and served["a2"] > 0 and served["base"] == 0
+    assert served["fan-1"] > served["fan-0"] > 0  # choices 1.. fork choice 0's prompt pages
+    text = path.read_text()
+    assert ('"cache_salt":"a"' in text) is not hashed  # a hashed trace keeps salts' digests
+    trace = load_live_trace(path)
+    by_rid = {r.rid: r for r in trace.requests}
+    assert set(by_rid) == {rid for rid, *_ in SALTED}  # one arrival per request, not per choice
+    assert by_rid["fan"].n == 3 and by_rid["fan"].output_len == 3
+    assert by_rid["a1"].cache_salt == by_rid["a2"].cache_salt != by_rid["b1"].cache_salt
+    assert by_rid["base"].cache_salt is None
+    # far apart: each request finds the cache as its predecessors left it, as live
+    spaced = [replace(r, arrival_time=10.0 * k) for k, r in enumerate(trace.requests)]
+    config = EngineConfig.from_dict({"page_size": 4, "kv_cache_tokens": 1024})
+    records = simulate(config, spaced).records
+    assert {r.rid: r.cached_tokens for r in records} == served
+    assert all(r.output_tokens == 3 for r in records)
+
+
+def test_an_old_trace_without_salts_or_choices_loads(tmp_path: Path) -> None:
+    """Version 1 wrote an arrival per choice and a salt only among the params."""
+    lines = [
+        {"type": "header", "version": 1, "page_size": 4, "vocab_size": 100, "hashed": False},
+        {"type": "arrival", "rid": "x-0", "time": 0.0, "prompt_ids": [1, 2, 3],
+         "params": {"max_new_tokens": 5, "n": 2, "cache_salt": "s"}, "tenant": None,
+         "priority": 0, "timeout": None},
+        {"type": "arrival", "rid": "x-1", "time": 0.0, "prompt_ids": [1, 2, 3],
+         "params": {"max_new_tokens": 5, "n": 2, "cache_salt": "s"}, "tenant": None,
+         "priority": 0, "timeout": None},
+        {"type": "arrival", "rid": "y", "time": 0.5, "prompt_ids": [4],
+         "params": {"max_new_tokens": 2}, "tenant": "t", "priority": 1, "timeout": None},
+        {"type": "finish", "rid": "x-0", "time": 1.0, "output_tokens": 4,
+         "finish_reason": "stop", "cached_tokens": 0},
+    ]  # fmt: skip
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests = load_requests(path)
+    assert [(r.rid, r.n, r.cache_salt, r.output_len) for r in requests] == [
+        ("x-0", 1, "s", 4),
+        ("x-1", 1, "s", 5),
+        ("y", 1, None, 2),
+    ]
+    assert requests[2].tenant == "t" and requests[2].priority == 1
+
+
+def test_workload_traces_carry_salts_and_choices(tmp_path: Path) -> None:
+    items = [
+        WorkloadRequest("a", 0.0, [1, 2], 3, cache_salt="s", n=4),
+        WorkloadRequest("b", 1, [3], 1),
+    ]
+    save_trace(tmp_path / "w.jsonl", items)
+    assert load_trace(tmp_path / "w.jsonl") == items
+    assert items[0].choice_rids == ["a-0", "a-1", "a-2", "a-3"] and items[1].choice_rids == ["b"]
+    bad = {"rid": "c", "arrival_time": 0.0, "prompt_ids": [1], "output_len": 1, "n": 0}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="n must be a whole number >= 1"):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+async def test_the_real_engine_replays_salts_and_choices(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    config = engine_config(tiny_model_dir(tmp_path_factory), page_size=4)
+    ids = prompt(5, 30)
+    workload = [  # apart, so each finds the cache its predecessors left
+        WorkloadRequest("a1", 0.0, ids, 3, cache_salt="a"),
+        WorkloadRequest("b1", 0.5, ids, 3, cache_salt="b"),
+        WorkloadRequest("fan", 1.0, ids, 3, cache_salt="b", n=3),
+    ]
+    outputs: dict[str, list[int]] = {}
+    records, _ = await replay_real(config, workload, outputs=outputs)
+    by_rid = {r.rid: r for r in records}
+    assert list(by_rid) == ["a1", "b1", "fan-0", "fan-1", "fan-2"]
+    assert by_rid["b1"].cached_tokens == 0  # another namespace than a1's
+    # each choice is its own output, and the later ones fork choice 0's prompt pages
+    assert all(len(outputs[rid]) == 3 for rid in by_rid)
+    assert by_rid["fan-1"].cached_tokens >= 28 and by_rid["fan-2"].cached_tokens >= 28
