@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from asyncengine.bench.records import RequestRecord
 from asyncengine.common.config import EngineConfig
+from asyncengine.common.outputs import GenerateOutput
 from asyncengine.sim.engine_replay import record_of, warm_up
 from asyncengine.sim.workload_replay import params_for
 from asyncengine.workloads.trace import WorkloadRequest
@@ -135,16 +136,20 @@ async def replay_closed_loop(
                 item = conversation.turns[turn]
                 prompt = histories[index] + conversation.messages[turn]
                 arrival = loop.time() - start
+                outs: list[GenerateOutput | None]
                 try:
-                    out = await engine.generate(prompt, params_for(item), request_id=item.rid)
+                    given = await engine.generate_choices(
+                        prompt, params_for(item), request_id=item.rid
+                    )
+                    outs = list(given)
                 except Exception:  # counted as failed; the run goes on
-                    out = None
-                sent = WorkloadRequest(
-                    item.rid, arrival, prompt, item.output_len, tenant=item.tenant,
-                    priority=item.priority, timeout=item.timeout, lora=item.lora,
-                )  # fmt: skip
-                run.records.append(record_of(sent, arrival, out, loop.time() - start))
+                    outs = [None] * item.n
+                sent = replace(item, arrival_time=arrival, prompt_ids=prompt)
+                now = loop.time() - start
+                for rid, got in zip(sent.choice_rids, outs, strict=True):
+                    run.records.append(record_of(sent, arrival, got, now, rid))
                 run.prompts[item.rid] = prompt
+                out = outs[0]  # the conversation goes on from choice 0's answer
                 dropped = 0
                 if out is None or out.finish_reason in ("abort", "timeout"):
                     dropped = len(conversation.turns) - turn - 1  # a failed turn ends its chat

@@ -71,6 +71,8 @@ class _Replica:
     in_flight: tuple[BatchPlan, StepOutput | BaseException] | None = None
     steps: int = 0
     retry_at: float | None = None  # its policy holds every waiting request: try again then
+    # choices 1..n-1 of a routed choice 0, which they follow (fork) into its replica's core
+    followers: dict[str, list[Request]] = field(default_factory=dict)
 
     @property
     def ready_at(self) -> float:
@@ -95,17 +97,20 @@ class _Replica:
     def admit(self) -> None:
         """Queue the routed requests (a request whose adapter is read back is held) and those
         whose adapter's read ended by now, in time order."""
-        lora, add = self.executor.lora, self.core.add
+        lora = self.executor.lora
         for req in self.inbox:
             if lora is not None:
                 for ready in lora.read_back(req.arrival_time):
-                    add(ready)
+                    self._add(ready)
             if lora is None or not lora.hold(req):
-                add(req)
+                self._add(req)
         self.inbox.clear()
         if lora is not None:
             for ready in lora.read_back(self.clock.now):
-                add(ready)
+                self._add(ready)
+
+    def _add(self, req: Request) -> None:
+        self.core.add(req, followers=self.followers.pop(req.rid, ()))
 
     def stats(self) -> dict[str, float]:
         stats = self.core.scheduler.stats()
@@ -219,8 +224,12 @@ class MultiReplicaSimulator:
                     decisions.append(
                         RoutedRequest(item.rid, target, decision.reason, decision.matched_tokens)
                     )
-                    req = Request(item.rid, list(item.prompt_ids), params_for(item), now)
-                    requests[item.rid] = req
+                    params, prompt = params_for(item), list(item.prompt_ids)
+                    req, *others = (Request(rid, prompt, params, now) for rid in item.choice_rids)
+                    for choice in (req, *others):
+                        requests[choice.rid] = choice
+                    if others:
+                        replicas[target].followers[req.rid] = others
                     replicas[target].inbox.append(req)
                 for r in replicas:
                     if r.in_flight is None and r.inbox:

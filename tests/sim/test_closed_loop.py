@@ -5,6 +5,7 @@ evicted histories back as hits and changes no answer."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,21 @@ def test_outputs_agree_names_the_first_answer_that_differs() -> None:
     assert outputs_agree([{"a": [1], "b": [2]}, {"a": [1], "b": [3]}]).startswith(
         "DIFFER in 1 of 2 answers (first: b)"
     )
+
+
+def test_a_turn_with_several_choices_runs_them_and_the_chat_goes_on_from_the_first(
+    tiny_chat_model: Path,
+) -> None:
+    workload = chats()
+    first = workload[0]
+    workload[0] = replace(first, n=2, cache_salt="s")
+    conversations = conversations_of(workload)
+    loop = asyncio.run(replay_closed_loop(tier_config(tiny_chat_model), conversations, 2))
+    rids = [r.rid for r in loop.records]
+    assert f"{first.rid}-0" in rids and f"{first.rid}-1" in rids and first.rid not in rids
+    assert all(r.completed for r in loop.records)
+    assert len(loop.records) == CONVERSATIONS * TURNS + 1
+    chat = next(c for c in conversations if c.turns[0].rid == first.rid)
+    answer = loop.outputs[first.rid]
+    assert len(answer) == first.output_len
+    assert loop.prompts[chat.turns[1].rid] == first.prompt_ids + answer + chat.messages[1]

@@ -9,7 +9,7 @@ from asyncengine.routing import CacheAwareRouter, make_router
 from asyncengine.scheduler.policy_guard import PolicyStalledError
 from asyncengine.sim.multi_replica import MultiReplicaSimulator
 from asyncengine.sim.simulator import simulate
-from asyncengine.workloads import Arrivals, make_workload
+from asyncengine.workloads import Arrivals, WorkloadRequest, make_workload
 
 CONFIG = EngineConfig(
     page_size=16, kv_cache_tokens=4096, max_model_len=2048, chunked_prefill_size=256
@@ -126,3 +126,21 @@ def test_a_policy_that_holds_runs_behind_the_router_as_in_the_single_simulator(
     assert (
         result.replica_stats[0]["policy_idle_holds"] == single.scheduler_stats["policy_idle_holds"]
     )
+
+
+def test_one_replica_replays_salts_and_choices_as_the_single_simulator() -> None:
+    prompt = list(range(1, 65))
+    workload = [
+        WorkloadRequest("a", 0.0, prompt, 4, cache_salt="a"),
+        WorkloadRequest("b", 5.0, prompt, 4, cache_salt="b"),
+        WorkloadRequest("fan", 10.0, prompt, 4, cache_salt="c", n=3),
+    ]
+    single = simulate(CONFIG, workload).records
+    multi = MultiReplicaSimulator(CONFIG, 1, make_router("round-robin")).run(workload).records
+    cached = {r.rid: r.cached_tokens for r in single}
+    # a new namespace each: only the later choices hit, on the pages choice 0 computed
+    assert list(cached) == ["a", "b", "fan-0", "fan-1", "fan-2"]
+    assert cached["a"] == cached["b"] == cached["fan-0"] == 0
+    assert cached["fan-1"] >= 48 and cached["fan-2"] >= 48
+    assert {r.rid: r.cached_tokens for r in multi} == cached
+    assert all(r.output_tokens == 4 for r in multi)
