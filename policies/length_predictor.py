@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 NATURAL_ENDS = ("stop", "length")  # the request generated all it was going to
 # the (predicted, actual) pairs a score is computed over: the latest ones (a server runs for
-# days), as many as kendall_tau takes by default
+# days)
 SCORED_PAIRS = 3000
 
 
@@ -124,32 +124,30 @@ class LengthPredictions:
         }
 
 
-def kendall_tau(
-    x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, limit: int = SCORED_PAIRS
-) -> float:
+def kendall_tau(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
     """Kendall's tau-b of two rankings (nan with fewer than two items or a constant one).
-    Past ``limit`` items it is computed on a fixed, evenly spaced sample of them. Knight's
-    O(n log n) count: ``stats`` runs on the event loop at every /metrics scrape."""
+    Knight's O(n log n) count: ``stats`` runs on the event loop at every /metrics scrape."""
     a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if a.size > limit:
-        pick = np.linspace(0, a.size - 1, limit).astype(np.int64)
-        a, b = a[pick], b[pick]
     n = int(a.size)
     if n < 2:
         return float("nan")
     order = np.lexsort((b, a))  # by a, ties by b: a pair tied in a is never counted discordant
     a, b = a[order], b[order]
     pairs = n * (n - 1) // 2
-    new_a = np.concatenate(([True], a[1:] != a[:-1]))  # where a run of equal values begins
-    sorted_b = np.sort(b)
+    new_a = _run_starts(a)
     tied_a = _tied_pairs(new_a)
-    tied_b = _tied_pairs(np.concatenate(([True], sorted_b[1:] != sorted_b[:-1])))
-    tied_both = _tied_pairs(new_a | np.concatenate(([True], b[1:] != b[:-1])))
+    tied_b = _tied_pairs(_run_starts(np.sort(b)))
+    tied_both = _tied_pairs(new_a | _run_starts(b))
     norm = float(np.sqrt(float(pairs - tied_a) * float(pairs - tied_b)))
     if not norm:
         return float("nan")
     discordant = _inversions(np.unique(b, return_inverse=True)[1])
     return (pairs - tied_a - tied_b + tied_both - 2 * discordant) / norm
+
+
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal neighbours in ``values`` begins."""
+    return np.concatenate(([True], values[1:] != values[:-1]))
 
 
 def _tied_pairs(starts: np.ndarray) -> int:
