@@ -4,6 +4,7 @@ counted and no copy left behind, and is counted once when it is admitted."""
 
 from __future__ import annotations
 
+from asyncengine.cache.pins import Pin
 from asyncengine.common.request import RequestStatus
 from asyncengine.core.engine_core import EngineCore
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
@@ -33,6 +34,22 @@ def make(num_pages: int, **overrides: object) -> tuple[EngineCore, FakeExecutor,
 def counters(core: EngineCore) -> tuple[int, int, int]:
     kv = core.kv
     return kv.hit_tokens, kv.miss_tokens, kv.tails.hit_tokens
+
+
+def host_tier_holding_a_prefix() -> tuple[EngineCore, FakeExecutor, Clock, Pin, list[int]]:
+    """A 32-page pool, 10 pages of it pinned, and ``host``'s 4 pages evicted to the host tier
+    (by a long prompt aborted before its KV landed)."""
+    core, runner, clock = make(32, host_kv_tier=True, swap_space_bytes=4096)
+    pinned, host = list(range(300, 340)), list(range(400, 416))
+    submit(core, clock, [(pinned, 1), (host, 1)], tag="a")
+    drive(core, runner, clock)
+    pin = core.pin(pinned)
+    (filler,) = submit(core, clock, [(list(range(500, 576)), 1)], tag="f")
+    plan = core.launch()
+    assert plan is not None and plan.swap_out
+    core.abort(filler.rid)
+    core.land(plan, runner.execute(plan))
+    return core, runner, clock, pin, host
 
 
 def test_a_failed_admission_is_counted_once_when_it_succeeds() -> None:
@@ -71,17 +88,7 @@ def test_a_failed_admission_leaves_no_copy_over_a_host_tier_hit() -> None:
     """The page a failed admission took for its tail copy goes back to the free list; the next
     step hands it to a prefix copied back from the host tier, and a copy still recorded into
     it would overwrite those cached pages after the host copy lands."""
-    core, runner, clock = make(32, host_kv_tier=True, swap_space_bytes=4096)
-    pinned, host = list(range(300, 340)), list(range(400, 416))
-    submit(core, clock, [(pinned, 1), (host, 1)], tag="a")
-    drive(core, runner, clock)
-    pin = core.pin(pinned)
-    # a long prompt that evicts ``host`` to the host tier, aborted before its KV lands
-    (filler,) = submit(core, clock, [(list(range(500, 576)), 1)], tag="f")
-    plan = core.launch()
-    assert plan is not None and plan.swap_out
-    core.abort(filler.rid)
-    core.land(plan, runner.execute(plan))
+    core, runner, clock, pin, host = host_tier_holding_a_prefix()
     submit(core, clock, [(SHARED + TAIL, 1)], tag="x")
     drive(core, runner, clock)
     # opened, the tail taken into a free page, then short of pages: the step runs nothing
@@ -102,17 +109,7 @@ def test_a_failed_admission_leaves_no_copy_over_a_host_tier_hit() -> None:
 def test_copied_back_pages_count_as_host_hits_once_a_failed_admission_gets_in() -> None:
     """The host tier's pages a prompt's open copied back stay in the tree when its admission
     fails; they are counted (as host-tier hits too) when it is admitted, not before."""
-    core, runner, clock = make(32, host_kv_tier=True, swap_space_bytes=4096)
-    pinned, host = list(range(300, 340)), list(range(400, 416))
-    submit(core, clock, [(pinned, 1), (host, 1)], tag="a")
-    drive(core, runner, clock)
-    pin = core.pin(pinned)
-    # a long prompt that evicts ``host`` to the host tier, aborted before its KV lands
-    (filler,) = submit(core, clock, [(list(range(500, 576)), 1)], tag="f")
-    plan = core.launch()
-    assert plan is not None and plan.swap_out
-    core.abort(filler.rid)
-    core.land(plan, runner.execute(plan))
+    core, runner, clock, pin, host = host_tier_holding_a_prefix()
     kv = core.kv
     hits = kv.hit_tokens
     # opened: ``host`` copied back into 4 of the 22 free pages, then 19 more wanted
