@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import subprocess
 import time
@@ -18,7 +19,12 @@ import torch
 from asyncengine.common.private_cache import cache_dir, check_private_file, private_dir
 from asyncengine.executor.loader import CACHE_ENV, UnsafeCacheError
 from asyncengine.executor.loader import default_model as default_model_module
-from asyncengine.executor.loader.default_model import metadata_dir, resolve_model
+from asyncengine.executor.loader.default_model import (
+    gguf_file,
+    metadata_dir,
+    resolve_model,
+    tokenizer_dir,
+)
 from asyncengine.kernels.cpu import cpu_native
 
 KERNEL = "cpu_layer_ops"
@@ -189,3 +195,35 @@ def test_a_model_directory_inside_the_cache_is_checked(cache: Path) -> None:
     os.chmod(entry / "config.json", 0o646)
     with pytest.raises(UnsafeCacheError, match="config.json is refused"):
         resolve_model(entry, torch.float32)
+
+
+def test_entries_of_a_changed_or_deleted_gguf_are_deleted_as_a_new_one_is_built(
+    cache: Path, tmp_path: Path
+) -> None:
+    kept = metadata_dir(_gguf(), "smollm2-135m")  # a known name's entry: never deleted
+    first = tmp_path / "first.gguf"
+    shutil.copyfile(_gguf(), first)
+    old = metadata_dir(*_found(first))
+    again = metadata_dir(*_found(first))
+    assert again == old and old.is_dir()  # unchanged: reused
+
+    os.utime(first, ns=(time.time_ns(), time.time_ns() + 10**9))  # replaced in place
+    new = metadata_dir(*_found(first))
+    assert new != old and not old.exists() and new.is_dir()
+
+    second = tmp_path / "second.gguf"
+    shutil.copyfile(_gguf(), second)
+    converted = tokenizer_dir(second)
+    second.unlink()
+    first_tokenizer = tokenizer_dir(first)  # a build: deletes what the gone file made
+    assert not converted.exists()
+    assert new.is_dir() and first_tokenizer.is_dir() and kept.is_dir()
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == sorted(
+        [kept.name, new.name, first_tokenizer.name]
+    )
+
+
+def _found(path: Path) -> tuple[Path, str]:
+    found = gguf_file(path)
+    assert found is not None
+    return found

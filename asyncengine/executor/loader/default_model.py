@@ -5,13 +5,17 @@ converts it on first use into ``$ASYNCENGINE_CACHE/smollm2-135m-<dtype>/`` (defa
 ``~/.cache/asyncengine``) and returns that directory; later calls check that it exists and
 that every file in it is this user's and no one else may write it (asyncengine/common/private_cache.py:
 the cache directories are 0700, entries are built in a private temporary directory and renamed
-into place); a cached entry that fails is refused with ``UnsafeCacheError``.
+into place); a cached entry that fails is refused with ``UnsafeCacheError``. A GGUF given by
+path is cached under its path, size and time; entries of a file since changed or deleted are
+deleted as the next entry is built.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
 import shutil
 import tempfile
 import time
@@ -78,30 +82,82 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Written into each entry made from a GGUF path: the file it was made from, so an entry whose
+# file changed or is gone (it can never be used again) is deleted as a new one is built.
+SOURCE_FILE = "asyncengine-source.json"
+
+
+def _identity(gguf_path: Path) -> dict[str, str | int]:
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def _gguf_cache_name(gguf_path: Path) -> str:
     # A path's stem alone could collide between different files; the hash of path, size and
     # modification time tells them apart and notices a replaced file.
-    stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+    identity = _identity(gguf_path)
+    key = f"{identity['path']}:{identity['size']}:{identity['mtime_ns']}"
+    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def _build_once(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
+def _build_once(
+    target: Path, marker: str, write: Callable[[Path], None], source: Path | None = None
+) -> Path:
     """target, written by ``write(staging)`` into a temporary sibling directory and renamed into
     place, unless ``target/marker`` exists already: a crash never leaves a half-written cache
     entry and concurrent starts cannot see one. The entry is checked before it is returned
-    (``check_private_tree``)."""
+    (``check_private_tree``). ``source``: the GGUF a path-named entry is made from."""
     if not (target / marker).is_file():
-        _build(target, marker, write)
+        _build(target, marker, write, source)
+        if source is not None:
+            delete_stale_entries()
     check_private_tree(target)
     return target
 
 
-def _build(target: Path, marker: str, write: Callable[[Path], None]) -> None:
+def _is_stale(entry: Path) -> bool:
+    try:
+        recorded = json.loads((entry / SOURCE_FILE).read_text())
+        source = Path(recorded["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # gone meanwhile or unreadable: not ours to judge
+    try:
+        return bool(recorded != _identity(source))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def delete_stale_entries() -> list[Path]:
+    """Delete the cache entries made from a GGUF file that has since changed or been deleted
+    (each was named by that file's path, size and time, so none can be found again); they can
+    be gigabytes each. Entries of known model names and the kernels have no source record and
+    are kept. Answers the entries deleted."""
+    deleted: list[Path] = []
+    for record in cache_root().glob(f"*/{SOURCE_FILE}"):
+        entry = record.parent
+        if entry.name.startswith(".") or not _is_stale(entry):
+            continue
+        # renamed first, so no process finds it half deleted
+        doomed = entry.with_name(f".deleting.{entry.name}.{os.getpid()}")
+        try:
+            entry.rename(doomed)
+        except OSError:  # another process got there first
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("deleted %s: the GGUF it was made from changed or is gone", entry)
+        deleted.append(entry)
+    return deleted
+
+
+def _build(target: Path, marker: str, write: Callable[[Path], None], source: Path | None) -> None:
     cache_dir()  # the cache root, 0700 and ours (else UnsafeCacheError)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(staging)
+        if source is not None:
+            (staging / SOURCE_FILE).write_text(json.dumps(_identity(source)))
         make_private(staging)
         try:
             staging.rename(target)
@@ -110,6 +166,12 @@ def _build(target: Path, marker: str, write: Callable[[Path], None]) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _path_source(gguf_path: Path, cache_name: str) -> Path | None:
+    """The GGUF an entry is named after by path (recorded in it); None for a known model's
+    entry, named by the model (its file moves with the virtual environment)."""
+    return None if cache_name in KNOWN_MODELS else gguf_path
 
 
 def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
@@ -121,7 +183,10 @@ def converted_dir(gguf_path: Path, cache_name: str, dtype: torch.dtype) -> Path:
     log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
     start = time.perf_counter()
     _build_once(
-        target, CONFIG_FILE, lambda staging: convert_gguf_to_hf_dir(gguf_path, staging, dtype)
+        target,
+        CONFIG_FILE,
+        lambda staging: convert_gguf_to_hf_dir(gguf_path, staging, dtype),
+        _path_source(gguf_path, cache_name),
     )
     log.info("model cache ready at %s after %.1f s", target, time.perf_counter() - start)
     return target
@@ -153,6 +218,7 @@ def metadata_dir(gguf_path: Path, cache_name: str) -> Path:
         cache_root() / f"{cache_name}-meta",
         CONFIG_FILE,
         lambda staging: write_tokenizer_dir(gguf_path, staging, with_config=True),
+        _path_source(gguf_path, cache_name),
     )
 
 
@@ -192,4 +258,5 @@ def tokenizer_dir(name_or_path: str | Path) -> Path:
         cache_root() / f"{cache_name}-tokenizer",
         TOKENIZER_FILE,
         lambda staging: write_tokenizer_dir(gguf_path, staging),
+        _path_source(gguf_path, cache_name),
     )
