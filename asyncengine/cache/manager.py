@@ -150,6 +150,23 @@ class KVCacheManager:
             return 0
         return self.tree.prefix_length(tokens, limit)  # tokens[:limit], without the copy
 
+    def match_room(self, tokens: Tokens, limit: int | None = None) -> tuple[int, int]:
+        """``match_length(tokens, limit)`` and the pages ``extend`` can then give the sequence
+        that ``open(tokens, limit)`` starts: ``available_pages`` less the matched pages that
+        are evictable now (the open locks them). No side effects.
+
+        The pages a kept tail or the host tier give an open each hold KV it would otherwise
+        compute, so they take no more of that room than computing it would, except where a
+        prompt is computed in chunks: there the host tier's pages and a kept tail's page may
+        take more than the first chunk alone."""
+        if not self.enable_prefix_cache:
+            return 0, self.available_pages
+        limit = self._match_limit(len(tokens), limit)
+        if limit == 0:
+            return 0, self.available_pages
+        matched, unlocked = self.tree.prefix_and_unlocked(tokens, limit)
+        return matched, self.available_pages - unlocked // self.page_size
+
     def prefix_epoch(self, tokens: Tokens) -> int:
         """Changes whenever ``match_length(tokens)`` may have grown: the inserts into the tree
         that start with ``tokens``' first token (RadixCache.head_inserts)."""
@@ -205,9 +222,9 @@ class KVCacheManager:
     def pages_needed(self, seq: SeqKV | None, num_tokens: int) -> int:
         """New pages extend(seq, num_tokens) would allocate (seq None: a fresh sequence).
 
-        extend() succeeds when this is at most ``available_pages``. Note that open() locks the
-        matched prefix, which takes it out of the evictable pages: open first, then ask with the
-        seq, for an exact answer."""
+        extend() succeeds when this is at most ``available_pages``. open() locks the matched
+        prefix, which takes it out of the evictable pages: before the open, ``match_room`` says
+        what is left for the sequence."""
         if seq is None:
             return -(-num_tokens // self.page_size)
         return max(0, -(-(seq.kv_len + num_tokens) // self.page_size) - len(seq.pages))

@@ -350,26 +350,35 @@ class RadixCache:
 
     def prefix_length(self, tokens: Sequence[int] | np.ndarray, end: int | None = None) -> int:
         """Length of the cached page-aligned prefix of ``tokens[:end]``; no side effects."""
+        return self.prefix_and_unlocked(tokens, end)[0]
+
+    def prefix_and_unlocked(
+        self, tokens: Sequence[int] | np.ndarray, end: int | None = None
+    ) -> tuple[int, int]:
+        """``prefix_length(tokens, end)`` and how many of those tokens no lock protects: what
+        locking the match's end would take out of ``evictable_size``; no side effects."""
         ps = self.page_size
         end = len(tokens) if end is None else min(end, len(tokens))
         end -= end % ps
         if end == 0 or tokens[0] not in self._root_heads:
-            return 0
+            return 0, 0
         key = _as_token_tuple(tokens)
         node = self.root
-        pos = 0
+        pos = unlocked = 0
         while pos < end:
             child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
             if child is None:
                 break
             edge = child.key
             length = len(edge)
-            if pos + length <= end and key[pos : pos + length] == edge:
-                pos += length
-                node = child
-                continue
-            return pos + self._common_length(edge, key, pos, end)
-        return pos
+            if pos + length > end or key[pos : pos + length] != edge:
+                length = self._common_length(edge, key, pos, end)
+                end = pos + length  # the match ends inside this edge
+            if child.lock_ref == 0:  # a part matched keeps its node's lock count when split
+                unlocked += length
+            pos += length
+            node = child
+        return pos, unlocked
 
     def prefix_nodes(self, tokens: Sequence[int] | np.ndarray) -> list[RadixNode]:
         """The nodes the cached prefix of ``tokens`` runs through, root first (the last one

@@ -307,8 +307,11 @@ class ManagerMachine(RuleBasedStateMachine):
         limit = max(0, (len(tokens) - 1) // self.page_size * self.page_size)
         expected_pages, expected_len = self.model.match(tokens[:limit], touch=False)
         assert self.mgr.match_length(tokens) == expected_len
+        matched, room = self.mgr.match_room(tokens)
         before = self.mgr.stats()
         seq = self.mgr.open(tokens)
+        # the room told before the open is what extend can give the sequence after it
+        assert (matched, room) == (expected_len, self.mgr.available_pages)
         if limit:
             self.model.match(tokens[:limit])
         assert (seq.kv_len, seq.num_cached, seq.num_in_tree) == (expected_len,) * 3
