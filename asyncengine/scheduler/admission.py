@@ -6,7 +6,8 @@ out (``Request.blocked``):
 
 - ``token_budget``: the step's prefill budget (policy ``budget()``, chunk size) was spent;
 - ``kv_reservation``: its pages plus the reservation for admitted requests' future tokens did
-  not fit in free + evictable KV memory;
+  not fit in free + evictable KV memory, or its first chunk did not fit in what is left once
+  its open locks its cached prefix;
 - ``running_cap``: ``max_running_requests`` were admitted;
 - ``chunk_in_flight``: a prompt is mid-chunk (at most one is, and it goes first);
 - ``prefix_dedup``: it shares an uncached page with a prompt admitted this step and takes that

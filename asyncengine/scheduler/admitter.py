@@ -4,10 +4,10 @@ The scheduler builds one each step with the step's token budget. It carries on t
 mid-chunk first, then asks the policy to order its window of the waiting queue and tries those
 requests one at a time under the budget, ``max_running_requests`` and the KV memory check: a
 request's uncached pages plus the reservation for every admitted request's future tokens must
-fit in free and evictable memory (a preempting policy may retract running requests to make it
-fit). What it did and why it stopped is the ``Admission`` it returns (admission.py counts it).
-The simulator's bulk decoding asks the same object whether a step admits nothing
-(sim/closed_admission.py).
+fit in free and evictable memory, and its first chunk in what is left once its open locks its
+cached prefix (a preempting policy may retract running requests to make it fit). What it did
+and why it stopped is the ``Admission`` it returns (admission.py counts it). The simulator's
+bulk decoding asks the same object whether a step admits nothing (sim/closed_admission.py).
 """
 
 from __future__ import annotations
@@ -139,12 +139,11 @@ class Admitter:
         return None
 
     def fits(self, req: Request) -> bool:
-        """Whether ``req``'s uncached pages and reservation fit in KV memory now (after
-        ``stops_before_ordering``)."""
-        ids = req.cache_ids
-        matched = self.kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
-        need = self._need(len(ids) - matched, req.future_tokens(self.max_model_len))
-        return need <= self.kv.available_pages
+        """Whether ``req`` fits in KV memory now (after ``stops_before_ordering``), as
+        admission asks it of a request that does not run alone."""
+        matched, room = self._room(req)
+        estimate = len(req.cache_ids) - matched
+        return self._short(estimate, room, req.future_tokens(self.max_model_len), False) <= 0
 
     def _budget_spent(self) -> str | None:
         if self.remaining <= 0:
@@ -184,6 +183,23 @@ class Admitter:
     def _need(self, estimate: int, future: int) -> int:
         """Pages a request computing ``estimate`` tokens needs, its reservation included."""
         return self.kv.pages_needed(None, estimate) + self._reservation(self.reserved + future)
+
+    def _room(self, req: Request) -> tuple[int, int]:
+        """The prompt tokens ``req``'s open would take from the cache now and the pages it may
+        then have (KVCacheManager.match_room)."""
+        return self.kv.match_room(req.cache_ids, cache_match_limit(req, self.prefill.prompt_scores))
+
+    def _short(self, estimate: int, room: int, future: int, alone: bool) -> int:
+        """Pages a request computing ``estimate`` tokens is short of (0 or less: it fits): its
+        first chunk (what ``Prefill.start`` extends it by) in the ``room`` its open leaves and,
+        unless it runs ``alone``, its pages and the reservation for every admitted request's
+        future tokens (``future`` its own) in free and evictable memory."""
+        kv = self.kv
+        first = self.prefill.chunk_take(estimate, self.remaining, self.chunk)
+        short = kv.pages_needed(None, first) - room
+        if alone:
+            return short
+        return max(short, self._need(estimate, future) - kv.available_pages)
 
     def _order(self) -> Admission:
         """The policy's order of its window (``self.ordered``); the outcome so far: the window,
@@ -242,7 +258,7 @@ class Admitter:
             return None
         ids = req.cache_ids
         kv = self.kv
-        matched = kv.match_length(ids, cache_match_limit(req, self.prefill.prompt_scores))
+        matched, room = self._room(req)
         if self._deferred(req, ids, matched):
             # another prompt of this step computes the same uncached page: left waiting,
             # this one takes it (and whatever more they share) from the cache next step
@@ -253,11 +269,18 @@ class Admitter:
             return None  # beside a prompt mid-chunk only prompts that end in this step join
         future = req.future_tokens(self.max_model_len)
         alone = self._alone()
-        if not alone and (self.slots <= 0 or self._need(estimate, future) > kv.available_pages):
-            passed, stopped = self._make_room(req, estimate, future)
+        short = self._short(estimate, room, future, alone)
+        if not alone and (self.slots <= 0 or short > 0):
+            passed, stopped = self._make_room(req, short)
             if passed or stopped is not None:
                 return stopped
+            # retracted for it: what they computed is cached, and no longer locked by them
             alone = self._alone()
+            matched, room = self._room(req)
+            estimate = len(ids) - matched
+            short = self._short(estimate, room, future, alone)
+        if short > 0:
+            return KV_RESERVATION  # alone, or still short after retracting: it cannot start
         if not alone:
             if not self.chunk and estimate > self.remaining:
                 return TOKEN_BUDGET  # no chunking: a prompt over the budget runs alone
@@ -313,12 +336,11 @@ class Admitter:
             and not self.prefill.copies_next_page_in_step(ids, matched)
         )
 
-    def _make_room(self, req: Request, estimate: int, future: int) -> tuple[bool, str | None]:
-        """``req`` does not fit (KV memory or the running cap): retract the running requests a
-        preempting policy names for it, or pass it over while ``kv_blocked_skips`` allows.
-        Returns whether it was passed over, and why admission stops (None: it fits now)."""
-        kv = self.kv
-        short = self._need(estimate, future) - kv.available_pages
+    def _make_room(self, req: Request, short: int) -> tuple[bool, str | None]:
+        """``req`` does not fit (it is ``short`` of KV pages, or the running cap is reached):
+        retract the running requests a preempting policy names for it, or pass it over while
+        ``kv_blocked_skips`` allows. Returns whether it was passed over, and why admission
+        stops (None: retracted for, it is to be tried again)."""
         victims = None
         if self.ctx is not None:  # none: the policy does not preempt (preempt_for's None)
             victims = self.retraction.preempt_for(
@@ -340,6 +362,4 @@ class Admitter:
         self.outcome.preempted += victims
         self.slots += len(victims)
         self.reserved = self.reserved_tokens()  # without the victims' future tokens
-        if not self._alone() and self._need(estimate, future) > kv.available_pages:
-            return False, KV_RESERVATION
         return False, None

@@ -53,6 +53,8 @@ class Prefill:
         self.step_shares = step_shares
         self.prompt_scores = prompt_scores
         self.chunked: Request | None = None  # the one request mid-chunk
+        # starts whose first chunk did not fit once opened: the open and its copies undone
+        self.failed_starts = 0
 
     def new_step(self) -> None:
         """Forget the last step's prompts: nothing of this step is shared yet."""
@@ -66,7 +68,7 @@ class Prefill:
         if self.chunked is req:
             self.chunked = None
 
-    def _chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
+    def chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
         """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
         budget and the chunk allow, cut to whole pages when the prompt does not end here."""
         take = min(todo, remaining, chunk) if chunk else todo
@@ -84,7 +86,7 @@ class Prefill:
                 return remaining, TOKEN_BUDGET
             if req.kv.kv_len >= req.num_tokens:
                 continue  # its last chunk is in a forward that has not landed (overlap)
-            take = self._chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
+            take = self.chunk_take(req.num_tokens - req.kv.kv_len, remaining, chunk)
             computed = req.kv.kv_len
             if not self._try_extend(req, take):
                 return remaining, KV_RESERVATION
@@ -105,8 +107,9 @@ class Prefill:
         # copy (no compute, no budget), then computes what it never had
         swapped = self.swapped.pop(id(req), None) if req.retractions and self.swapped else None
         restore = max(0, swapped.computed_len - cached) if swapped is not None else 0
-        take = self._chunk_take(len(ids) - cached - restore, remaining, chunk)
+        take = self.chunk_take(len(ids) - cached - restore, remaining, chunk)
         if not self._try_extend(req, restore + take):
+            self.failed_starts += 1
             # closing drops the tail copy take_tail recorded; nothing was counted yet
             self.kv.close(req.kv, [], cache=False)
             req.seq = None

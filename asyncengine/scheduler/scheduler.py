@@ -579,6 +579,7 @@ class Scheduler:
             "retractions": self.retraction.total_retractions,
             "preemptions": self.retraction.total_preemptions,
             "prefix_deferrals": self.total_prefix_deferrals,
+            "failed_admissions": self.prefill.failed_starts,
             "policy_swaps": self.policy_swaps,
             "policy_failures": self.policy_failures,
             # steps that ran nothing because the policy held every waiting request while

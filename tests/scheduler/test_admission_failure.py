@@ -1,34 +1,65 @@
-"""An admission that fails after the request's KV was opened (its first chunk does not fit once
-its matched prefix is locked and a kept tail page copied): the request waits with nothing
+"""Admission and the KV its open takes: a request is admitted only when its first chunk fits in
+the pages left once its open locks its cached prefix, so on a small pool with shared prefixes no
+admission fails after the open. Where a prompt computed in chunks takes a kept tail's page or
+the host tier's pages on top of its first chunk, one still may: the request waits with nothing
 counted and no copy left behind, and is counted once when it is admitted."""
 
 from __future__ import annotations
+
+import pytest
 
 from asyncengine.cache.pins import Pin
 from asyncengine.common.request import RequestStatus
 from asyncengine.core.engine_core import EngineCore
 from tests.fake_executor import FakeExecutor, fake_core, reference_output
-from tests.scheduler.test_scheduler import Clock, drive, submit
+from tests.scheduler.test_preemption import short_core
+from tests.scheduler.test_scheduler import Clock, drive, submit, workload
 
 PAGE = 4
 SHARED = list(range(1, 2 * PAGE + 1))  # two whole pages, cached by the first request
 TAIL = [50, 51]  # the first request's last, partly filled page: kept as a tail
 
 
-def make(num_pages: int, **overrides: object) -> tuple[EngineCore, FakeExecutor, Clock]:
-    """No chunking: a prompt's first chunk is all of it, so it fits or fails whole."""
+def make(
+    num_pages: int, chunk: int = 0, **overrides: object
+) -> tuple[EngineCore, FakeExecutor, Clock]:
+    """Prompts computed in chunks of ``chunk`` tokens (0: whole)."""
     clock = Clock()
     core, executor = fake_core(
         num_pages,
         PAGE,
         512,
         clock,
-        chunked_prefill_size=0,
+        chunked_prefill_size=chunk,
         enable_in_step_prefix_sharing=False,
         max_pinned_fraction=0.5,
         **overrides,
     )
     return core, executor, clock
+
+
+def failed(core: EngineCore) -> int:
+    return int(core.stats()["failed_admissions"])
+
+
+@pytest.mark.parametrize("skips", [0, 3])
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_no_admission_fails_on_a_small_pool_with_shared_prefixes(chunk: int, skips: int) -> None:
+    """Requests sharing prefixes on a 24-page pool, retracted on KV shortage: none is opened
+    and then refused (its cached prefix, once locked, is not room for its first chunk)."""
+    retracted = 0
+    for seed in range(6):
+        core, runner, clock = short_core(
+            num_pages=24, chunked_prefill_size=chunk, kv_blocked_skips=skips
+        )
+        items = [(p, n) for p, n in workload(seed=seed, n=16, max_out=40) if len(p) + n <= 96]
+        reqs = submit(core, clock, items)
+        drive(core, runner, clock)
+        assert failed(core) == 0, f"seed {seed}"
+        retracted += int(core.stats()["retractions"])
+        for req, (prompt, n) in zip(reqs, items, strict=True):
+            assert req.output_ids == reference_output(prompt, n), req.rid
+    assert retracted > 0  # the pool is short
 
 
 def counters(core: EngineCore) -> tuple[int, int, int]:
@@ -37,9 +68,10 @@ def counters(core: EngineCore) -> tuple[int, int, int]:
 
 
 def host_tier_holding_a_prefix() -> tuple[EngineCore, FakeExecutor, Clock, Pin, list[int]]:
-    """A 32-page pool, 10 pages of it pinned, and ``host``'s 4 pages evicted to the host tier
-    (by a long prompt aborted before its KV landed)."""
-    core, runner, clock = make(32, host_kv_tier=True, swap_space_bytes=4096)
+    """A 32-page pool computing prompts in chunks of 80 tokens, 10 pages of it pinned, and
+    ``host``'s 4 pages evicted to the host tier (by a long prompt aborted before its KV
+    landed)."""
+    core, runner, clock = make(32, chunk=80, host_kv_tier=True, swap_space_bytes=4096)
     pinned, host = list(range(300, 340)), list(range(400, 416))
     submit(core, clock, [(pinned, 1), (host, 1)], tag="a")
     drive(core, runner, clock)
@@ -52,21 +84,48 @@ def host_tier_holding_a_prefix() -> tuple[EngineCore, FakeExecutor, Clock, Pin, 
     return core, runner, clock, pin, host
 
 
-def test_a_failed_admission_is_counted_once_when_it_succeeds() -> None:
+def test_a_prompt_whose_first_chunk_cannot_fit_is_not_opened() -> None:
+    """Alone, a request is admitted whatever its reservation; its first chunk must still fit
+    in the pages its open leaves: where it cannot, it waits unopened, not opened and undone."""
     core, runner, clock = make(16)
     pinned = list(range(100, 116))  # four whole pages, pinned below
     submit(core, clock, [(SHARED + TAIL, 1), (pinned, 1)], tag="x")
     drive(core, runner, clock)
     pin = core.pin(pinned)
-    prompt = SHARED + TAIL + list(range(200, 240))  # 13 pages; 12 not pinned
+    kv = core.kv
+    before = counters(core)
+    (tail_page,) = kv.tails.pages()
+    # 11 uncached pages where 12 are free, evictable or a kept tail, 2 of them its own prefix
+    prompt = SHARED + TAIL + list(range(200, 240))
+    (req,) = submit(core, clock, [(prompt, 2)], tag="y")
+    assert kv.available_pages == 12 and kv.match_room(prompt) == (len(SHARED), 10)
+    assert core.launch() is None
+    assert req.status is RequestStatus.WAITING and req.seq is None
+    assert failed(core) == 0 and counters(core) == before
+    assert kv.tails.pages() == [tail_page] and kv.drain_page_copies() == []
+    core.unpin(pin.pin_id)
+    drive(core, runner, clock)
+    assert req.cached_tokens == len(SHARED) + len(TAIL)
+    assert req.output_ids == reference_output(prompt, 2)
+
+
+def test_a_failed_admission_is_counted_once_when_it_succeeds() -> None:
+    core, runner, clock = make(8, chunk=8)
+    pinned = list(range(100, 116))  # four whole pages, pinned below
+    submit(core, clock, [(SHARED + TAIL, 1), (pinned, 1)], tag="x")
+    drive(core, runner, clock)
+    pin = core.pin(pinned)
+    prompt = SHARED + TAIL + list(range(200, 214))  # its first chunk: 2 pages after the match
     kv = core.kv
     before = counters(core)
     hits, misses, tail_hits = before
     (req,) = submit(core, clock, [(prompt, 2)], tag="y")
-    # alone, it is tried whatever it needs: opened (its 2 cached pages locked), the tail copied
-    # into a free page, then 10 more pages wanted where 8 are free and 1 a kept tail
+    assert kv.match_room(prompt) == (len(SHARED), 2)
+    # opened (its 2 cached pages locked), the tail copied into the one free page, then its
+    # first chunk of 8 tokens after the tail's 2 wants 2 more pages where the tail is 1
     (tail_page,) = kv.tails.pages()
     assert core.launch() is None
+    assert failed(core) == 1
     assert req.status is RequestStatus.WAITING and req.seq is None
     assert counters(core) == before, "a failed admission was counted"
     assert kv.drain_page_copies() == [], "a failed admission left its tail copy behind"
@@ -91,7 +150,8 @@ def test_a_failed_admission_leaves_no_copy_over_a_host_tier_hit() -> None:
     core, runner, clock, pin, host = host_tier_holding_a_prefix()
     submit(core, clock, [(SHARED + TAIL, 1)], tag="x")
     drive(core, runner, clock)
-    # opened, the tail taken into a free page, then short of pages: the step runs nothing
+    # its first chunk (80 of 84 uncached tokens) fits the room its open leaves, but opened,
+    # the tail taken into a free page, the chunk after the tail's 2 tokens is a page short
     (blocked,) = submit(core, clock, [(SHARED + TAIL + list(range(600, 682)), 1)], tag="y")
     assert core.launch() is None
     core.abort(blocked.rid)
@@ -112,7 +172,8 @@ def test_copied_back_pages_count_as_host_hits_once_a_failed_admission_gets_in() 
     core, runner, clock, pin, host = host_tier_holding_a_prefix()
     kv = core.kv
     hits = kv.hit_tokens
-    # opened: ``host`` copied back into 4 of the 22 free pages, then 19 more wanted
+    # its first chunk (80 tokens) fits the room its open leaves, but opened, ``host`` copied
+    # back into 4 of the 22 free pages, the chunk after it wants 19 more
     prompt = host + list(range(600, 676))
     (req,) = submit(core, clock, [(prompt, 2)], tag="y")
     assert core.launch() is None

@@ -67,8 +67,9 @@ def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, in
         }
         for record in result.records
     ]
-    # so did the counts of failed policy hooks and of the policy's idle holds while they are 0
-    later = ("policy_failures", "policy_idle_holds", "policy_idle_seconds")
+    # so did the counts of failed policy hooks, of the policy's idle holds and of admissions
+    # refused after their open while they are 0
+    later = ("policy_failures", "policy_idle_holds", "policy_idle_seconds", "failed_admissions")
     stats = {k: v for k, v in result.scheduler_stats.items() if k not in later or v != 0}
     blob = json.dumps(
         [records, result.steps, result.virtual_seconds, stats],
