@@ -10,7 +10,8 @@ OpenAI API names one), raised before anything is queued.
 How many tokens a request may generate: as vLLM does, a request whose prompt plus
 ``max_tokens`` would not fit the context is refused with the numbers (a huge ``max_tokens`` is
 a client mistake, not a request to run for minutes); a request without it generates up to the
-context (or the front end's default), and ``max_new_tokens_limit`` caps both.
+context (or the front end's default), and ``max_new_tokens_limit`` caps both. A request may
+ask for its prompt to be cut to its last tokens first (vLLM's ``truncate_prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.errors import UnknownAdapterError
@@ -32,6 +33,9 @@ CONTEXT_EXCEEDED = "context_length_exceeded"
 
 class TokenIds(list[int]):
     """A prompt's token ids as the intake gave them: already in the vocabulary."""
+
+
+IdsT = TypeVar("IdsT", bound=list[int])
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,27 @@ class Intake:
         if isinstance(prompt, TokenIds):
             return prompt
         return TokenIds(prompt_token_ids(self.tokenizer, prompt, self.vocab_size))
+
+    def truncate(self, ids: IdsT, keep: int | None) -> IdsT:
+        """``ids`` cut to their last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``: -1
+        keeps as many as the context holds, None all of them); a ``keep`` that is not an
+        integer >= 1 or -1, or that is past the context, is refused."""
+        if keep is None:
+            return ids
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={keep!r} must be an integer >= 1, or -1 (the context)",
+                param="truncate_prompt_tokens",
+            )
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={keep} is more than the context of "
+                f"{self.max_model_len} tokens (max_model_len)",
+                param="truncate_prompt_tokens",
+                code=CONTEXT_EXCEEDED,
+            )
+        keep = self.max_model_len if keep == -1 else keep
+        return ids if len(ids) <= keep else type(ids)(ids[-keep:])
 
     def max_new_tokens(
         self, requested: int | None, default: int | None, prompt_tokens: int, param: str
@@ -102,7 +127,7 @@ class Intake:
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params = self._keyed_lora(params)
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         self._room(len(ids), scoring_only=params.max_new_tokens == 0)
         self._check_limit(params.max_new_tokens, "max_new_tokens")
         vocab = self.vocab_size
@@ -133,7 +158,8 @@ class Intake:
     ) -> tuple[TokenIds, SamplingParams]:
         """An embedding request's token ids (not empty, and within the context: it needs no
         room to generate) and the parameters it runs with: of ``params`` only what schedules
-        it and keys its cache (priority, timeout, tenant, cache_salt) and its adapter."""
+        it and keys its cache (priority, timeout, tenant, cache_salt), its adapter and its
+        ``truncate_prompt_tokens``."""
         given = params if params is not None else SamplingParams()
         if not isinstance(given, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(given).__name__}")
@@ -146,8 +172,9 @@ class Intake:
             tenant=given.tenant,
             cache_salt=given.cache_salt,
             lora=given.lora,
+            truncate_prompt_tokens=given.truncate_prompt_tokens,
         )
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.tokenize(prompt), given.truncate_prompt_tokens)
         if not ids:
             raise InvalidRequestError("input is empty after tokenization", param="input")
         if len(ids) > self.max_model_len:

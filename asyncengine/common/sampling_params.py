@@ -144,6 +144,9 @@ class SamplingParams:
     # "": the shared cache
     cache_salt: str | None = None
     lora: str | None = None  # the LoRA adapter's name (EngineConfig.loras); None: the base model
+    # the prompt cut to its last k tokens before it runs (-1: as many as the context holds);
+    # checked where it is applied (asyncengine/api/intake.py)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

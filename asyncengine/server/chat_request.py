@@ -45,7 +45,8 @@ async def prepare_chat(
     request's own)."""
     model = state.check_model(req.model, adapters=True)
     chat = await planned_chat(state, req)
-    prompt = await tokenize(state.engine, chat.prompt)  # large ones off the loop
+    tokens = await tokenize(state.engine, chat.prompt)  # large ones off the loop
+    prompt = state.engine.intake.truncate(tokens, req.truncate_prompt_tokens)
     requested, param = chat_max_tokens(req)
     max_tokens = state.engine.intake.max_new_tokens(
         requested, state.default_chat_max_tokens, len(prompt), max_tokens_param or param

@@ -4,7 +4,8 @@
 item is one prefill-only request, queued together so the scheduler batches them. The vectors
 are unit length, pooled as the model says (mean or last token); ``dimensions`` other than the
 model's own is refused (no truncated embeddings), ``encoding_format`` is "float" or "base64"
-(little-endian float32, as OpenAI's).
+(little-endian float32, as OpenAI's). ``truncate_prompt_tokens`` (vLLM's) cuts each input to its
+last k tokens (-1: as many as the context holds) before it is checked against the context.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from asyncengine.common.sampling_params import InvalidRequestError, SamplingPara
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.off_loop import input_chars, run_sized
+from asyncengine.server.openai_schema import TruncatePromptTokens
 from asyncengine.server.state import OUTCOME, STATE
 
 MAX_INPUTS = 2048  # OpenAI's limit of items per request
@@ -39,6 +41,7 @@ class EmbeddingRequest(Struct, kw_only=True):
     user: str | None = None  # the tenant, as on the other routes ("fair" policy, metrics)
     cache_salt: str | None = None  # as on the other routes (and the API key's namespace)
     priority: int = 0
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: each input's last k
 
 
 def embedding_inputs(value: EmbeddingInput) -> list[str | list[int]]:
@@ -81,6 +84,7 @@ async def embeddings(request: web.Request) -> web.Response:
             cache_salt=req.cache_salt,
             priority=req.priority,
             lora=state.lora_for(model),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         accepted = await run_sized(  # all checked first
             input_chars(items), lambda: [engine.intake.accept_embedding(i, params) for i in items]

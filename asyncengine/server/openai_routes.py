@@ -77,7 +77,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model, adapters=True)
     given = completion_prompts(req)
-    prompts = await run_sized(input_chars(given), lambda: [state.engine.tokenize(p) for p in given])
+    intake = state.engine.intake
+    tokenized = await run_sized(input_chars(given), lambda: [intake.tokenize(p) for p in given])
+    prompts: list[list[int]] = [intake.truncate(t, req.truncate_prompt_tokens) for t in tokenized]
+    # a cut prompt echoes the tokens kept, not the text given
+    given = [
+        g if len(p) == len(t) else p for g, p, t in zip(given, prompts, tokenized, strict=True)
+    ]
     params = []
     for prompt in prompts:
         max_tokens = state.engine.intake.max_new_tokens(

@@ -40,6 +40,8 @@ MAX_TOP_LOGPROBS = 20
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+# a prompt's last k tokens, -1: as many as the context holds (0 is refused at the intake)
+TruncatePromptTokens = Annotated[int, Meta(ge=-1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=-1)]
@@ -128,6 +130,9 @@ class _CommonRequest(Struct, kw_only=True):
     min_tokens: NonNegativeInt = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    # vLLM's: the prompt (chat: the rendered conversation) cut to its last k tokens (-1: as
+    # many as the context holds) before it is checked against the context
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
