@@ -2,10 +2,11 @@
 
 Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
 temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, n, json_schema / regex /
-ebnf, ...), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``,
-``logprob_start_len`` (with ``return_logprob``, >= 0 also scores the prompt tokens from that
-position on: ``meta_info.input_token_logprobs`` / ``input_top_logprobs``, the first token's
-logprob null; ``max_new_tokens`` 0 then scores without generating). Response:
+ebnf, vLLM's truncate_prompt_tokens, ...), ``stream``, ``rid``, ``return_logprob``,
+``top_logprobs_num``, ``logprob_start_len`` (with ``return_logprob``, >= 0 also scores the
+prompt tokens from that position on: ``meta_info.input_token_logprobs`` /
+``input_top_logprobs``, the first token's logprob null; ``max_new_tokens`` 0 then scores
+without generating). Response:
 ``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
 ``index``). Streamed as SSE ``data:`` frames per choice (``index``), ending with
 ``data: [DONE]``: ``text`` is cumulative, as SGLang streams it (with
@@ -52,6 +53,7 @@ from asyncengine.server.openai_schema import (
     TopK,
     TopLogprobs,
     TopP,
+    TruncatePromptTokens,
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
@@ -90,6 +92,8 @@ class NativeSamplingParams(Struct, kw_only=True):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's: the prompt cut to its last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -342,7 +346,8 @@ class NativeResponder:
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, GenerateRequest)
-    prompt = await tokenize(state.engine, _prompt(req))
+    tokens = await tokenize(state.engine, _prompt(req))
+    prompt = state.engine.intake.truncate(tokens, req.sampling_params.truncate_prompt_tokens)
     max_new_tokens = state.engine.intake.max_new_tokens(
         req.sampling_params.max_new_tokens,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,

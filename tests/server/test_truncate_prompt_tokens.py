@@ -1,9 +1,10 @@
-"""vLLM's ``truncate_prompt_tokens`` with the real client: completions, chat, embeddings and the
-Python API run the prompt's last k tokens (a prompt past the context included), and a value
-they cannot honour is a 400 that names it."""
+"""vLLM's ``truncate_prompt_tokens`` with the real client: completions, chat, embeddings,
+/generate and the Python API run the prompt's last k tokens (a prompt past the context
+included), and a value they cannot honour is a 400 that names it."""
 
 from __future__ import annotations
 
+import aiohttp
 import numpy as np
 import openai
 import pytest
@@ -74,6 +75,23 @@ async def test_embeddings_embed_the_last_tokens(
         model=server.model, input=LONG, extra_body={"truncate_prompt_tokens": -1}
     )
     assert whole.usage.prompt_tokens == MAX_MODEL_LEN  # -1: as many as the context holds
+
+
+async def test_generate_runs_the_last_tokens(server: RunningServer) -> None:
+    sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        bodies = (
+            {"input_ids": LONG[-KEEP:], "sampling_params": sampling},
+            {"input_ids": LONG, "sampling_params": {**sampling, "truncate_prompt_tokens": KEEP}},
+        )
+        answers = []
+        for body in bodies:
+            async with session.post(f"{server.base_url}/generate", json=body) as response:
+                assert response.status == 200, await response.text()
+                answers.append(await response.json())
+    alone, cut = answers
+    assert cut["meta_info"]["prompt_tokens"] == KEEP
+    assert cut["output_ids"] == alone["output_ids"]
 
 
 @pytest.mark.parametrize(
