@@ -1,6 +1,7 @@
 """PEFT adapters as the loader reads them: PEFT's scaling (alpha / r, rsLoRA's alpha / sqrt(r),
-alpha_pattern), fused q/k/v and gate/up blocks, and a clear refusal of what does not fit the base
-model, which leaves the registry as it was."""
+alpha_pattern), fused q/k/v and gate/up blocks, and a clear refusal of
+what does not fit the base model, which leaves the registry as it was, and of the PEFT options
+under which PEFT's output is not the plain LoRA update's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.lora.peft_adapter import LoraLoadError, load_peft_adapter
 from asyncengine.executor.lora.registry import LoraRegistry, UnknownLoraError
 from tests.conftest import TinyCheckpoint
+from tests.executor.lora_support import fresh_hf_model
 
 PREFIX = "base_model.model.model.layers"
 
@@ -71,6 +73,54 @@ def test_scaling_and_fused_blocks(config: ModelConfig, tmp_path: Path) -> None:
     assert torch.allclose(qkv.b[config.q_size + kv :, 4:], v_b * 2 / math.sqrt(2))
     assert not qkv.b[config.q_size : config.q_size + kv].any()  # k is not targeted
     assert all(not layer for layer in adapter.layers[1:])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens is set: activated LoRA"),
+        ({"arrow_config": {"top_k": 2}}, "arrow_config is set"),
+        ({"use_bdlora": {"nblocks": 2}}, "use_bdlora is set"),
+        ({"velora_config": {"rank": 2}}, "velora_config is set"),
+        ({"monteclora_config": {"n": 2}}, "monteclora_config is set"),
+        ({"kasa_config": {"beta": 1.0}}, "kasa_config is set"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication is set"),
+        ({"lora_bias": True}, "lora_bias is set"),
+        ({"trainable_token_indices": [3, 4]}, "trainable_token_indices is set"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights 'pissa' changes the base weights"),
+        ({"init_lora_weights": "pissa_niter_4"}, "'pissa_niter_4' changes the base weights"),
+        ({"init_lora_weights": "olora"}, "'olora' changes the base weights"),
+        ({"init_lora_weights": "corda"}, "'corda' changes the base weights"),
+        ({"init_lora_weights": "loftq"}, "'loftq' changes the base weights"),
+    ],
+)
+def test_peft_options_that_change_its_output_are_refused(
+    config: ModelConfig, tmp_path: Path, settings: dict[str, Any], message: str
+) -> None:
+    """Read as a plain LoRA, each would be served with other outputs than PEFT's."""
+    tensors = pair("self_attn.q_proj", 2, config.q_size, config.hidden_size)
+    with pytest.raises(LoraLoadError, match=message):
+        load_peft_adapter("a", write(tmp_path / "a", tensors, **settings), config, 64)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"alora_invocation_tokens": [310, 311]}, {"init_lora_weights": "pissa"}],
+    ids=["alora", "pissa"],
+)
+def test_adapters_peft_writes_with_such_options_are_refused(
+    tiny_llama: TinyCheckpoint, config: ModelConfig, tmp_path: Path, options: dict[str, Any]
+) -> None:
+    """As PEFT saves them: its output under these adapters differs from ``W x + scaling B A x``
+    (aLoRA's before its invocation tokens; PiSSA's base loses its principal components)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **options)
+    peft_model = get_peft_model(fresh_hf_model(tiny_llama.path), lora)
+    peft_model.save_pretrained(tmp_path / "a")
+    name = next(iter(options))
+    with pytest.raises(LoraLoadError, match=name):
+        load_peft_adapter("a", tmp_path / "a", config, 64)
 
 
 @pytest.mark.parametrize(

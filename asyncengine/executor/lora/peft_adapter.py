@@ -9,7 +9,9 @@ the parts' ranks) and its B matrices laid block-diagonally ([out, R]), the scali
 one shrink and one expand per projection, and an untargeted part is a zero block left out of
 ``slices``. The base weights are never touched (a quantized base stays as stored).
 
-Every check happens before anything is kept, so a refused adapter changes nothing.
+Every check happens before anything is kept, so a refused adapter changes nothing. An option
+under which PEFT computes something else (a LoRA variant, an initialization PEFT applies to the
+base weights when it loads the adapter) is refused, never read as a plain LoRA.
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ _KEY = re.compile(
 )
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$")
 MAX_ADAPTER_FILE_BYTES = 8 << 30
+# LoraConfig fields under which PEFT computes something other than ``W x + scaling B A x``:
+# set (truthy), the adapter is refused rather than served as a plain LoRA
+_VARIANT_FIELDS = {
+    "alora_invocation_tokens": "activated LoRA (aLoRA) applies only after its invocation tokens",
+    "arrow_config": "Arrow routes each token among several adapters",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA) is not supported",
+    "velora_config": "VeLoRA is not supported",
+    "monteclora_config": "MonteCLoRA is not supported",
+    "kasa_config": "KaSA is not supported",
+    "layer_replication": "layer_replication adds layers to the base model",
+    "lora_bias": "a bias on lora_B is not supported",
+    "trainable_token_indices": "trained token embeddings are not supported",
+}
+# init_lora_weights under which PEFT rewrites the base weights when it loads the adapter
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 class LoraLoadError(ValueError):
@@ -124,6 +141,17 @@ def _read_config(directory: Path) -> dict[str, object]:
         )
     if config.get("fan_in_fan_out"):
         raise LoraLoadError(f"{path}: fan_in_fan_out adapters (Conv1D bases) do not fit a llama")
+    for key, why in _VARIANT_FIELDS.items():
+        if config.get(key):
+            raise LoraLoadError(f"{path}: {key} is set: {why} (plain LoRA only)")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_CHANGING_INITS):
+        raise LoraLoadError(
+            f"{path}: init_lora_weights {config['init_lora_weights']!r} changes the base weights "
+            "when PEFT loads the adapter; convert it to a plain LoRA first (PEFT's save_pretrained("
+            "..., path_initial_model_for_weight_conversion=...), or init_lora_weights true with the "
+            "base model it was trained on)"
+        )
     return config
 
 
