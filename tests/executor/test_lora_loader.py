@@ -1,5 +1,5 @@
 """PEFT adapters as the loader reads them: PEFT's scaling (alpha / r, rsLoRA's alpha / sqrt(r),
-alpha_pattern), fused q/k/v and gate/up blocks, and a clear refusal of
+alpha_pattern, PEFT's default alpha), fused q/k/v and gate/up blocks, and a clear refusal of
 what does not fit the base model, which leaves the registry as it was, and of the PEFT options
 under which PEFT's output is not the plain LoRA update's."""
 
@@ -73,6 +73,19 @@ def test_scaling_and_fused_blocks(config: ModelConfig, tmp_path: Path) -> None:
     assert torch.allclose(qkv.b[config.q_size + kv :, 4:], v_b * 2 / math.sqrt(2))
     assert not qkv.b[config.q_size : config.q_size + kv].any()  # k is not targeted
     assert all(not layer for layer in adapter.layers[1:])
+
+
+def test_an_adapter_config_without_lora_alpha_scales_by_peft_default(
+    config: ModelConfig, tmp_path: Path
+) -> None:
+    tensors = pair("self_attn.q_proj", 4, config.q_size, config.hidden_size)
+    path = write(tmp_path / "a", tensors)
+    settings = json.loads((path / "adapter_config.json").read_text())
+    del settings["lora_alpha"]  # PEFT's LoraConfig then takes lora_alpha = 8, whatever r is
+    (path / "adapter_config.json").write_text(json.dumps(settings))
+    qkv = load_peft_adapter("a", path, config, 64).layers[0]["qkv"]
+    q_b = tensors[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.allclose(qkv.b[: config.q_size, :4], q_b * 8 / 4)
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,7 @@ _KEY = re.compile(
 )
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<name>\w+)$")
 MAX_ADAPTER_FILE_BYTES = 8 << 30
+PEFT_DEFAULT_ALPHA = 8.0  # LoraConfig's lora_alpha when adapter_config.json leaves it out
 # LoraConfig fields under which PEFT computes something other than ``W x + scaling B A x``:
 # set (truthy), the adapter is refused rather than served as a plain LoRA
 _VARIANT_FIELDS = {
@@ -213,7 +214,7 @@ def load_peft_adapter(
     if weights_path.stat().st_size > MAX_ADAPTER_FILE_BYTES:
         raise LoraLoadError(f"{weights_path} is larger than {MAX_ADAPTER_FILE_BYTES} bytes")
     use_rslora = bool(adapter_config.get("use_rslora", False))
-    alpha = float(adapter_config.get("lora_alpha", adapter_config.get("r", 8)))  # type: ignore[arg-type]
+    alpha = float(adapter_config.get("lora_alpha", PEFT_DEFAULT_ALPHA))  # type: ignore[arg-type]
     alpha_pattern = dict(adapter_config.get("alpha_pattern") or {})  # type: ignore[call-overload]
     rank_pattern = dict(adapter_config.get("rank_pattern") or {})  # type: ignore[call-overload]
     configured_r = adapter_config.get("r")
