@@ -186,6 +186,17 @@ def _default_model_name(engine: EngineClient) -> str:
         return str(engine.config.model)
 
 
+def _check_adapter_names(state: ServerState) -> None:
+    """A LoRA adapter served under a base model's name would be unreachable (the name selects
+    the base), as /v1/load_lora_adapter refuses it."""
+    clash = sorted(set(state.served_model_names) & set(state.lora_names))
+    if clash:
+        raise ValueError(
+            f"LoRA adapter {clash[0]!r} has a name the base model is served under "
+            "(--served-model-name); requests could not reach it: rename the adapter"
+        )
+
+
 def create_app(
     engine: EngineClient,
     *,
@@ -229,6 +240,7 @@ def create_app(
         default_chat_max_tokens=default_chat_max_tokens,
         body_timeout=body_timeout,
     )
+    _check_adapter_names(state)
     app = web.Application(
         client_max_size=max_body_bytes,
         middlewares=[

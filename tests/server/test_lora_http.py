@@ -230,3 +230,17 @@ async def test_without_an_admin_token_no_client_loads_an_adapter(
             assert "r8" not in server.engine.lora_adapters
     finally:
         await server.stop()
+
+
+def test_an_adapter_named_as_the_base_model_is_refused_at_start(
+    model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """The ``model`` field naming it would reach the base: the server does not start, as a hot
+    load of that name is refused."""
+    from asyncengine.api.engine import AsyncEngine
+    from asyncengine.server.app import create_app
+
+    engine = AsyncEngine(engine_config(model_dir, loras={"tiny": str(adapters["r4"])}))
+    with pytest.raises(ValueError, match="LoRA adapter 'tiny' has a name the base model is served"):
+        create_app(engine, served_model_names=["base", "tiny"])
+    create_app(engine, served_model_names=["base"])
