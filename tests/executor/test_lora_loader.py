@@ -171,6 +171,9 @@ def test_missing_files_are_refused(config: ModelConfig, tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
     with pytest.raises(LoraLoadError, match="has no adapter_model.safetensors"):
         load_peft_adapter("a", tmp_path, config, 64)
+    (tmp_path / "adapter_model.bin").write_bytes(b"a pickle")
+    with pytest.raises(LoraLoadError, match="only adapter_model.bin, a pickle, .* safe_seria"):
+        load_peft_adapter("a", tmp_path, config, 64)
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(LoraLoadError, match="not a readable safetensors"):
         load_peft_adapter("a", tmp_path, config, 64)

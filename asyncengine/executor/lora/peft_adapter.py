@@ -31,6 +31,7 @@ from asyncengine.kernels.cpu.decode_step_lora import PreparedLora
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"
 # the engine's fused projections and the HF modules they are made of, in output order
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -210,6 +211,13 @@ def load_peft_adapter(
     adapter_config = _read_config(directory)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
+        # what save_pretrained(safe_serialization=False) writes
+        if (directory / PICKLED_WEIGHTS_FILE).is_file():
+            raise LoraLoadError(
+                f"{directory} has no {WEIGHTS_FILE}, only {PICKLED_WEIGHTS_FILE}, a pickle, which "
+                "the engine does not read: save the adapter with safe_serialization=True (PEFT's "
+                "default) or convert the file to safetensors"
+            )
         raise LoraLoadError(f"{directory} has no {WEIGHTS_FILE}")
     if weights_path.stat().st_size > MAX_ADAPTER_FILE_BYTES:
         raise LoraLoadError(f"{weights_path} is larger than {MAX_ADAPTER_FILE_BYTES} bytes")
