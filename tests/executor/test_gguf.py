@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,7 @@ from asyncengine.executor.loader import (
     CACHE_ENV,
     DEFAULT_MODEL,
     KNOWN_MODELS,
+    ModelFilesError,
     load_eos_token_ids,
     load_hf_config,
     load_weights,
@@ -371,3 +373,74 @@ def test_yarn_parameters_come_from_the_gguf_metadata_as_the_converter_writes_the
     assert got.rope_scaling == want.rope_scaling and got.rope_scaling.attention_factor == 1.3
     assert got.max_model_len == want.max_model_len == 131072
     assert torch.equal(build_cos_sin_cache(got, 40000), build_cos_sin_cache(want, 40000))
+
+
+def _gemma3_metadata(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """A Gemma 3 GGUF's keys as llama.cpp's converter writes them (no sliding-layer pattern, no
+    attention scale: llama.cpp knows those)."""
+    return {
+        "general.architecture": "gemma3",
+        "gemma3.embedding_length": hidden,
+        "gemma3.feed_forward_length": 4 * hidden,
+        "gemma3.block_count": layers,
+        "gemma3.attention.head_count": heads,
+        "gemma3.attention.head_count_kv": kv_heads,
+        "gemma3.attention.key_length": head_dim,
+        "gemma3.attention.value_length": head_dim,
+        "gemma3.attention.sliding_window": 1024,
+        "gemma3.context_length": 131072,
+        "gemma3.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+        "gemma3.rope.freq_base": 1000000.0,
+        "gemma3.rope.scaling.type": "linear",
+        "gemma3.rope.scaling.factor": 8.0,
+        "gemma3.vocab_size": 262208,
+    }
+
+
+@pytest.mark.parametrize(
+    ("shape", "query_pre_attn_scalar"),
+    [((34, 2560, 8, 4, 256), 256), ((62, 5376, 32, 16, 128), 168)],  # Gemma 3 4B and 27B
+)
+def test_gemma3_config_gets_what_the_file_leaves_out_as_llama_cpp_sets_it(
+    shape: tuple[int, int, int, int, int], query_pre_attn_scalar: int
+) -> None:
+    """Every sixth layer full, the sliding layers' RoPE base 10000, queries scaled by head_dim
+    (a 27B's by hidden / heads): the same model as the HF config of that checkpoint."""
+    from asyncengine.executor.layers.model_config import ModelConfig
+    from asyncengine.executor.loader.gguf_loader import hf_config
+
+    layers, hidden, heads, kv_heads, head_dim = shape
+    got = ModelConfig.from_hf_dict(hf_config(_gemma3_metadata(*shape), set(), torch.bfloat16))
+    hf = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 262208,
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 131072,
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "final_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    want = ModelConfig.from_hf_dict(hf)
+    assert replace(got, eos_token_ids=(), bos_token_id=None) == want
+    assert got.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(layers))
+
+
+def test_a_gguf_architecture_not_served_is_refused_naming_those_that_are() -> None:
+    from asyncengine.executor.loader.gguf_loader import hf_config
+
+    metadata = {**_gemma3_metadata(26, 1152, 4, 1, 256), "general.architecture": "gemma"}
+    served = r"\(supported: llama, qwen2, qwen3, gemma2, gemma3\)"
+    with pytest.raises(
+        ModelFilesError, match=rf"GGUF architecture 'gemma' is not supported {served}"
+    ):
+        hf_config(metadata, set(), torch.float32)

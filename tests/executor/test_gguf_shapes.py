@@ -1,9 +1,13 @@
 """Shapes beyond the toy, through a GGUF written the way llama.cpp's converter writes it: Llama 3
 RoPE scaling (its rope_freqs tensor), Qwen2 (its own architecture key, q/k/v biases, rows not
-permuted), GQA 4:1, 6:1 and 8:1, head dim 128, an MLP of 8960 (Qwen2.5-1.5B's), tied and untied
-embeddings, a 128k vocabulary (the converter's [PADn] tokens). The whole engine on the file
-against HF transformers (float32) on the same weights: greedy tokens equal, the logprob of every
-generated token close; kept as Q8_0 blocks, close to HF on the weights those blocks hold."""
+permuted), Qwen3 (q/k norms), Gemma 2 (norms stored as 1 + weight, sandwich norms, soft-caps,
+alternate sliding layers), Gemma 3 (q/k norms, five sliding layers to a full one, the sliding
+layers' own RoPE base, linear RoPE scaling on the full ones), GQA 4:1, 6:1 and 8:1, head dim
+128, an MLP of 8960 (Qwen2.5-1.5B's), tied and untied embeddings, a 128k vocabulary (the
+converter's [PADn] tokens). The whole engine on the file against HF transformers (float32) on
+the same weights: greedy tokens equal, the logprob of every generated token close, with the
+file's tensors as stored (F32) and expanded from F16 (``quantization = "none"``); kept as Q8_0
+blocks, close to HF on the weights those blocks hold."""
 
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ import torch
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.layers.rope import rope_inv_freq
-from asyncengine.executor.loader import load_hf_config, read_gguf
+from asyncengine.executor.loader import CACHE_ENV, load_hf_config, read_gguf, resolve_model
 from tests.executor.test_gguf import (
     CHATML,
+    GGUF_BLOCK_NAMES,
+    GGUF_NAMES,
     MERGES,
     SPECIAL_TOKENS,
     TINY_TOKENS,
-    _gguf_name,
     _llama_cpp_permute,
 )
 
@@ -69,6 +74,43 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "initializer_range": 0.25 * (128 / 1536) ** 0.5,
         },
     ),
+    "qwen3_qk_norm_gqa2_untied": (
+        "qwen3",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 48,  # not hidden / heads: read from the file's key_length
+            "tie_word_embeddings": False,
+        },
+    ),
+    # the attention scale and the window that a GGUF can hold: query_pre_attn_scalar = head_dim
+    "gemma2_softcaps_sliding": (
+        "gemma2",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 16,
+            "attn_logit_softcapping": 20.0,
+            "final_logit_softcapping": 15.0,
+        },
+    ),
+    "gemma3_sliding_local_rope_linear": (
+        "gemma3",
+        {
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 16,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        },
+    ),
     "llama_vocab128k_gqa4_tied": (
         "llama",
         {
@@ -106,8 +148,36 @@ def converter_rope_factors(theta: float, head_dim: int, p: dict[str, Any]) -> li
     return factors
 
 
+# HF name -> GGUF name where the converter's differ from llama's (Gemma 2/3's sandwich norms)
+SANDWICH_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+QK_NORM_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def converter_name(hf: str, kind: str) -> str:
+    """The GGUF name llama.cpp's converter gives an HF tensor of this architecture."""
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    names = {**GGUF_BLOCK_NAMES, **QK_NORM_NAMES}
+    if kind.startswith("gemma"):
+        names.update(SANDWICH_NAMES)
+    return f"blk.{layer}.{names[module]}.{suffix}"
+
+
 def make_hf(name: str, directory: Path) -> Any:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     kind, overrides = SHAPES[name]
     settings: dict[str, Any] = {
@@ -123,7 +193,16 @@ def make_hf(name: str, directory: Path) -> Any:
         "eos_token_id": 2,
         **overrides,
     }
-    config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**settings)
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
+    }
+    if kind == "gemma3":
+        del settings["rope_theta"]  # in its rope_parameters, per layer type
+    config = classes[kind](**settings)
     torch.manual_seed(sum(map(ord, name)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random biases and norms, so that a dropped one shows
@@ -134,11 +213,15 @@ def make_hf(name: str, directory: Path) -> Any:
     return model
 
 
-def write_gguf(name: str, model: Any, path: Path, quantize: bool) -> None:
-    """As convert_hf_to_gguf.py writes it (``quantize``: 2-D projections as Q8_0 blocks)."""
+def write_gguf(
+    name: str, model: Any, path: Path, stored: gguf.GGMLQuantizationType | None = None
+) -> None:
+    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type, F16 or Q8_0;
+    None: float32 as the model holds them)."""
     kind, _ = SHAPES[name]
     c = model.config
-    head_dim = c.hidden_size // c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     writer = gguf.GGUFWriter(str(path), kind)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -147,9 +230,24 @@ def write_gguf(name: str, model: Any, path: Path, quantize: bool) -> None:
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(c.vocab_size)
+    if kind != "gemma2":  # its converter writes no RoPE base (HF's default, 10000)
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if getattr(c, "head_dim", None):  # the converter writes the config's own head_dim
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if kind in ("llama", "qwen2"):
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(c.vocab_size)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if kind.startswith("gemma"):
+        writer.add_sliding_window(c.sliding_window)
+    if kind == "gemma3":
+        writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     pads = [f"[PAD{i}]" for i in range(len(TINY_TOKENS), c.vocab_size)]
@@ -175,11 +273,16 @@ def write_gguf(name: str, model: Any, path: Path, quantize: bool) -> None:
             array = _llama_cpp_permute(array, c.num_attention_heads)
         elif kind == "llama" and ".k_proj.weight" in hf_name:
             array = _llama_cpp_permute(array, c.num_key_value_heads)
-        if quantize and array.ndim == 2 and "_proj" in hf_name:
-            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(_gguf_name(hf_name), blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if kind.startswith("gemma") and hf_name.endswith("norm.weight"):
+            array = array + 1  # HF's Gemma norms scale by 1 + weight: the converter adds the 1
+        gguf_name = converter_name(hf_name, kind)
+        if stored == gguf.GGMLQuantizationType.Q8_0 and array.ndim == 2 and "_proj" in hf_name:
+            blocks = gguf.quants.quantize(array, stored)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=stored)
+        elif stored == gguf.GGMLQuantizationType.F16 and array.ndim == 2 and "_proj" in hf_name:
+            writer.add_tensor(gguf_name, array.astype(np.float16))
         else:
-            writer.add_tensor(_gguf_name(hf_name), array)
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -193,8 +296,9 @@ def shape(
     name = request.param
     folder = tmp_path_factory.mktemp(name)
     model = make_hf(name, folder / "hf")
-    write_gguf(name, model, folder / f"{name}.gguf", quantize=False)
-    write_gguf(name, model, folder / f"{name}-q8_0.gguf", quantize=True)
+    write_gguf(name, model, folder / f"{name}.gguf")
+    write_gguf(name, model, folder / f"{name}-f16.gguf", gguf.GGMLQuantizationType.F16)
+    write_gguf(name, model, folder / f"{name}-q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     yield name, folder, model
     shutil.rmtree(folder)  # ~0.8 GB for Qwen2.5-1.5B's MLP: not kept until the whole run ends
 
@@ -204,6 +308,7 @@ def test_config_read_from_the_gguf_equals_the_hf_directorys(shape: Any) -> None:
     want = ModelConfig.from_hf_dict(load_hf_config(folder / "hf"))
     checkpoint = read_gguf(folder / f"{name}.gguf", torch.float32)
     got = ModelConfig.from_hf_dict(checkpoint.config)
+    assert got == want
     assert got.architecture == want.architecture
     assert got.tie_word_embeddings == want.tie_word_embeddings
     assert got.attention_bias == want.attention_bias
@@ -224,9 +329,16 @@ def _items(vocab: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(3, vocab) for _ in range(n)], 10) for n in (5, 30, 90)]
 
 
-async def _engine(model: Path, items: list[tuple[list[int], int]]) -> list[Any]:
+async def _engine(
+    model: Path, items: list[tuple[list[int], int]], quantization: str = "auto"
+) -> list[Any]:
     config = EngineConfig(
-        model=str(model), dtype="float32", page_size=4, kv_cache_tokens=1024, log_interval=0
+        model=str(model),
+        dtype="float32",
+        page_size=4,
+        kv_cache_tokens=1024,
+        log_interval=0,
+        quantization=quantization,
     )
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
     async with AsyncEngine(config) as engine:
@@ -256,6 +368,38 @@ def test_engine_on_the_gguf_matches_hf_greedy_and_logprobs(shape: Any) -> None:
         asyncio.run(_engine(folder / f"{name}.gguf", items)), items, strict=True
     ):
         want_tokens, want_logprobs = _hf_reference(model, prompt, out.token_ids, n)
+        assert out.token_ids == want_tokens
+        got = [lp.token_logprob for lp in out.logprobs or []]
+        assert got == pytest.approx(want_logprobs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_f16_gguf_expanded_loads_in_transformers_and_the_engine_follows_it(
+    shape: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``quantization = "none"``: the F16 file expanded into an HF directory holds the model's
+    weights rounded to float16 (norms given back their HF form), transformers loads it, and the
+    engine on the file gives transformers' greedy tokens and logprobs on that directory."""
+    from transformers import AutoModelForCausalLM
+
+    name, folder, model = shape
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    path = folder / f"{name}-f16.gguf"
+    expanded = AutoModelForCausalLM.from_pretrained(
+        resolve_model(str(path), torch.float32), dtype=torch.float32
+    ).eval()
+    assert type(expanded) is type(model)
+    original = model.state_dict()
+    for param_name, tensor in expanded.state_dict().items():
+        want = original[param_name]
+        if "_proj" in param_name and want.dim() == 2:  # as write_gguf stores them
+            want = want.half().float()
+        torch.testing.assert_close(tensor, want, rtol=0, atol=2e-7, msg=param_name)
+    items = _items(len(TINY_TOKENS))
+    for out, (prompt, n) in zip(
+        asyncio.run(_engine(path, items, quantization="none")), items, strict=True
+    ):
+        want_tokens, want_logprobs = _hf_reference(expanded, prompt, out.token_ids, n)
         assert out.token_ids == want_tokens
         got = [lp.token_logprob for lp in out.logprobs or []]
         assert got == pytest.approx(want_logprobs, abs=1e-4)

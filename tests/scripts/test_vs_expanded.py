@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from tests.executor.test_gguf_shapes import make_hf, write_gguf
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def small_gguf(tmp_path: Path) -> Path:
     name = "llama3_rope_gqa8_untied"
     gguf_path = tmp_path / "model-q8_0.gguf"
-    write_gguf(name, make_hf(name, tmp_path / "hf"), gguf_path, quantize=True)
+    write_gguf(name, make_hf(name, tmp_path / "hf"), gguf_path, GGMLQuantizationType.Q8_0)
     return gguf_path
 
 

@@ -1,9 +1,12 @@
-"""Read a llama GGUF file (llama.cpp's format) as a Hugging Face checkpoint.
+"""Read a GGUF file (llama.cpp's format) of a llama, qwen2, qwen3, gemma2 or gemma3 model as a
+Hugging Face checkpoint.
 
-Every tensor is dequantized to the target dtype and renamed to its HF name; the row permutation
-llama.cpp's converter applies to q_proj/k_proj (for its interleaved RoPE) is undone, so the
-weights run with HF's rotate-half RoPE. The config, generation config and tokenizer come from
-the file's metadata.
+Every tensor is dequantized to the target dtype and renamed to its HF name; what llama.cpp's
+converter changes is undone: the row permutation of llama's q_proj/k_proj (for its interleaved
+RoPE), so the weights run with HF's rotate-half RoPE, and the 1 it adds to every Gemma norm
+weight (HF's Gemma norms scale by 1 + weight). The config, generation config and tokenizer come
+from the file's metadata, with what the file does not store (Gemma's sliding-layer pattern and
+attention scale) set as llama.cpp sets it.
 """
 
 from __future__ import annotations
@@ -38,10 +41,39 @@ from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantFormat, Quantiz
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
-# GGUF architecture -> HF architecture; llama.cpp permutes q/k rows for llama only (qwen2 runs
-# its NEOX RoPE, HF's rotate-half order, as stored)
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+@dataclass(frozen=True, slots=True)
+class GGUFArchitecture:
+    """How llama.cpp's converter writes one HF architecture."""
+
+    hf_architecture: str
+    model_type: str  # HF's, for config.json
+    permuted_qk: bool = False  # llama only: the others run NEOX RoPE, HF's rotate-half order
+    norm_shift: float = 0.0  # added to every norm weight (Gemma: HF's 1 + weight, stored whole)
+    sandwich_norms: bool = False  # Gemma 2/3: ffn_norm is HF's pre_feedforward_layernorm
+
+
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, sandwich_norms=True),
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, sandwich_norms=True
+    ),
+}
+# What llama.cpp sets for Gemma 2/3 where the file says nothing: Gemma 2's window and soft-caps,
+# Gemma 3's sliding-layer pattern (every 6th layer full) and sliding layers' RoPE base.
+_GEMMA2_DEFAULTS = {
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_SLIDING_ROPE_BASE = 10000.0
+# llama.cpp scales a Gemma 2/3 27B's queries by (hidden / heads) ** -0.5, others' by
+# head_dim ** -0.5 (HF's query_pre_attn_scalar); it tells a 27B by its layer count
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # YaRN's parameters as llama.cpp's converter writes them (rope.scaling.*) -> HF's names
 _YARN_KEYS = (
@@ -61,10 +93,20 @@ _BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 2/3 norm the attention and MLP outputs too: HF's post_attention_layernorm is then the
+# attention output's, and the MLP's input norm (GGUF's ffn_norm) pre_feedforward_layernorm
+_SANDWICH_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 Weight = torch.Tensor | QuantizedTensor  # a dense tensor, or a GGUF tensor kept as stored
@@ -95,16 +137,28 @@ def rope_factors(file: GGUFFile) -> list[float] | None:
     return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF llama parameter name of a GGUF tensor name; ModelFilesError for unknown ones."""
+def gguf_architecture(metadata: dict[str, Any]) -> tuple[str, GGUFArchitecture]:
+    """The file's general.architecture and how it is read; ModelFilesError for other ones."""
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelFilesError(
+            f"GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    return arch, SUPPORTED_GGUF_ARCHITECTURES[arch]
+
+
+def hf_name(gguf_name: str, arch: GGUFArchitecture = SUPPORTED_GGUF_ARCHITECTURES["llama"]) -> str:
+    """The HF parameter name of a GGUF tensor name; ModelFilesError for unknown ones."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    blocks = _SANDWICH_BLOCK_TENSORS if arch.sandwich_norms else _BLOCK_TENSORS
     match = _BLOCK_TENSOR_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_TENSORS:
+    if match and match.group(2) in blocks:
         layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{suffix}"
-    raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no llama counterpart")
+        return f"model.layers.{layer}.{blocks[part]}.{suffix}"
+    raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no {arch.hf_architecture} counterpart")
 
 
 def unpermute_rope_rows(weight: Weight, num_heads: int) -> Weight:
@@ -139,11 +193,7 @@ def hf_config(
 ) -> dict[str, Any]:
     """An HF config.json dict from the <arch>.* metadata keys (``rope_factors``: the file's
     rope_freqs tensor, Llama 3's RoPE scaling)."""
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelFilesError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
+    arch, spec = gguf_architecture(metadata)
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -161,21 +211,10 @@ def hf_config(
     if vocab_size is None:
         raise ModelFilesError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
     rope_theta = _float32_decimal(key("rope.freq_base", 10000.0))
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
-    if rope_factors is not None:
-        rope_parameters = llama3_rope_parameters(rope_factors, rope_theta, int(head_dim))
-    elif scaling_type not in (None, "none"):
-        rope_parameters["rope_type"] = scaling_type
-        rope_parameters["factor"] = float(key("rope.scaling.factor"))
-        if original := metadata.get(f"{arch}.rope.scaling.original_context_length"):
-            rope_parameters["original_max_position_embeddings"] = int(original)
-        for gguf_key, hf_key in _YARN_KEYS:
-            if (value := metadata.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
-                rope_parameters[hf_key] = _float32_decimal(value)
-    return {
-        "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+    rope_parameters = _rope_parameters(metadata, arch, rope_theta, int(head_dim), rope_factors)
+    config = {
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.model_type,
         "hidden_act": "silu",
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
@@ -196,6 +235,86 @@ def hf_config(
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(metadata, arch, config))
+    return config
+
+
+def _rope_parameters(
+    metadata: dict[str, Any],
+    arch: str,
+    rope_theta: float,
+    head_dim: int,
+    rope_factors: Sequence[float] | None,
+) -> dict[str, Any]:
+    """HF's rope_parameters: Llama 3's from the rope_freqs factors, others' from the
+    rope.scaling.* keys."""
+    if rope_factors is not None:
+        return llama3_rope_parameters(rope_factors, rope_theta, head_dim)
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return rope_parameters
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        raise ModelFilesError(f"GGUF metadata lacks {arch}.rope.scaling.factor")
+    rope_parameters["rope_type"] = scaling_type
+    rope_parameters["factor"] = float(factor)
+    if original := metadata.get(f"{arch}.rope.scaling.original_context_length"):
+        rope_parameters["original_max_position_embeddings"] = int(original)
+    for gguf_key, hf_key in _YARN_KEYS:
+        if (value := metadata.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
+            rope_parameters[hf_key] = _float32_decimal(value)
+    return rope_parameters
+
+
+def _gemma_config(metadata: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's config keys: GeGLU, the attention scale, soft-caps, the sliding layers and
+    (Gemma 3) their own RoPE base."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    is_27b = layers == _GEMMA_27B_LAYERS[arch]
+    defaults: dict[str, Any] = _GEMMA2_DEFAULTS if arch == "gemma2" else {}
+    window = metadata.get(f"{arch}.attention.sliding_window", defaults.get("sliding_window"))
+    out: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if is_27b else config["head_dim"],
+        "final_logit_softcapping": metadata.get(
+            f"{arch}.final_logit_softcapping", defaults.get("final_logit_softcapping")
+        ),
+        "sliding_window": int(window) if window else None,
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = metadata.get(
+            f"{arch}.attn_logit_softcapping", defaults["attn_logit_softcapping"]
+        )
+        pattern: Any = 2
+    else:
+        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+        sliding_base = metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_SLIDING_ROPE_BASE)
+        out["rope_parameters"] = {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": _float32_decimal(sliding_base),
+            },
+        }
+    out["layer_types"] = _layer_types(pattern if window else 1, layers)
+    return out
+
+
+def _layer_types(pattern: int | Sequence[bool], layers: int) -> list[str]:
+    """HF's layer_types from llama.cpp's sliding_window_pattern: per layer (True: sliding), or
+    n: every n-th layer full, the others sliding (1: every layer full)."""
+    if isinstance(pattern, int):
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+        if len(sliding) != layers:
+            raise ModelFilesError(
+                f"GGUF sliding_window_pattern has {len(sliding)} entries for {layers} layers"
+            )
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
 def generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -261,8 +380,9 @@ def read_gguf_weights(
     metadata = reader.metadata
     names = {tensor.name for tensor in reader.tensors}
     config = hf_config(metadata, names, dtype, rope_factors(reader))
+    _, spec = gguf_architecture(metadata)
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    if config["model_type"] not in _PERMUTED_QK_ARCHITECTURES:
+    if not spec.permuted_qk:
         heads_of = {}
 
     weights: dict[str, Weight] = {}
@@ -276,7 +396,7 @@ def read_gguf_weights(
     for tensor in tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # read into the config's RoPE parameters
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, spec)
         # GGUF lists dimensions innermost first.
         shape = tuple(int(n) for n in reversed(tensor.shape))
         # A plain ndarray view: slicing np.memmap objects inside dequantize is twice as slow.
@@ -289,7 +409,10 @@ def read_gguf_weights(
             if tensor.tensor_type not in _FLOAT_TYPES:
                 type_name = tensor.tensor_type.name
                 dequantized_types[type_name] = dequantized_types.get(type_name, 0) + 1
-            weight = _tensor_to_torch(dequantize(raw, tensor.tensor_type), shape, dtype)
+            values = dequantize(raw, tensor.tensor_type)
+            if spec.norm_shift and tensor.name.endswith("norm.weight"):
+                values = np.asarray(values, dtype=np.float32) - np.float32(spec.norm_shift)
+            weight = _tensor_to_torch(values, shape, dtype)
         match = _BLOCK_TENSOR_NAME.fullmatch(tensor.name)
         if match and match.group(2) in heads_of:
             weight = unpermute_rope_rows(weight, heads_of[match.group(2)])
