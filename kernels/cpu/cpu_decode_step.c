@@ -25,6 +25,10 @@
  * barrier it asks for the first bytes of its share of the next projection (prefetch_*_share), so
  * that each phase starts on weights already on their way rather than on a cold stream.
  *
+ * A layer with per-head q/k norms (Qwen3: layer_desc's q_norm, k_norm) has each q and k head
+ * RMS-normed just before it is rotated, by whichever item rotates it (norm_rotate): no phase of
+ * its own, since a head's values may come from both threads' shares of the qkv rows.
+ *
  * One request (batch 1, the single-stream case): the only key written this step is the row's
  * own, so each head takes the new key and value from the qkv row (the rotated key in registers)
  * instead of the pool, and the first item of each kv group stores them: no store phase and one
@@ -80,6 +84,8 @@ typedef struct {
 typedef struct {
     const float *input_norm;
     const float *post_norm;
+    /* [head_dim]: each q / k head RMS-normed by them before RoPE (Qwen3); NULL: no such norm */
+    const float *q_norm, *k_norm;
     kv_t *k_cache; /* [S, kv_heads, head_dim] */
     kv_t *v_cache;
     qlinear qkv, o_proj, gate_up, down;
@@ -512,6 +518,19 @@ static inline void rotate(const float *x, const float *cs, int64_t half, float *
     }
 }
 
+/* one q or k head as attention reads it: RMS-normed over its D values by w first where the
+ * layer has per-head norms (Qwen3; w NULL: none), in float32 as rms_norm_row, then rotated */
+static inline void norm_rotate(const float *x, const float *w, float eps, const float *cs,
+                               int64_t D, float *out) {
+    if (!w) {
+        rotate(x, cs, D / 2, out);
+        return;
+    }
+    float normed[MAX_HEAD_DIM];
+    rms_norm_row(x, w, D, eps, normed);
+    rotate(normed, cs, D / 2, out);
+}
+
 /* The attention phase's items, claimed one at a time from a counter of the layer's own, rows
  * longest first, so that the threads finish together however the rows' lengths differ (a
  * static split of requests left one thread with the long contexts). An item is, by how many
@@ -802,7 +821,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                                     const int32_t *seq_lens, int64_t page_size, float *out,
                                     int threads, int plan_threads) {
     if (plan_threads < 1) plan_threads = 1;
-    const int64_t H = m->hidden, D = m->head_dim, half = D / 2, heads = m->num_heads;
+    const int64_t H = m->hidden, D = m->head_dim, heads = m->num_heads;
     const int64_t kv_heads = m->num_kv_heads, group = heads / kv_heads, inter = m->inter;
     const int64_t q_size = heads * D, qkv_size = (heads + 2 * kv_heads) * D;
     const int64_t widest = H > inter ? (H > q_size ? H : q_size) : (inter > q_size ? inter : q_size);
@@ -904,7 +923,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                         const float *row = qkv + i * qkv_size;
                         const float *cs = m->cos_sin + positions[i] * D;
                         float k_rot[MAX_HEAD_DIM];
-                        rotate(row + (heads + h) * D, cs, half, k_rot);
+                        norm_rotate(row + (heads + h) * D, L->k_norm, m->eps, cs, D, k_rot);
                         kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * KV_ROW(D), k_rot, D);
                         kv_store_row(L->v_cache + (slots[i] * kv_heads + h) * KV_ROW(D),
                                      row + (heads + kv_heads + h) * D, D);
@@ -925,7 +944,8 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                     for (int64_t c = 0; c < it.kvc; c++)
                         for (int64_t g = 0; g < it.gc; g++) {
                             const int64_t h = (it.kv0 + c) * group + it.h0 - it.kv0 * group + g;
-                            rotate(row + h * D, cs, half, q_heads + (h - it.h0) * D);
+                            norm_rotate(row + h * D, L->q_norm, m->eps, cs, D,
+                                        q_heads + (h - it.h0) * D);
                         }
                     /* one row: its new K/V as the pool holds them (float16 rounded), the item's
                      * kv heads' rows in a row (a split-K range may take them all) */
@@ -934,7 +954,8 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                     if (one) {
                         for (int64_t c = 0; c < it.kvc; c++) {
                             float k_rot[MAX_HEAD_DIM];
-                            rotate(row + (heads + kvh + c) * D, cs, half, k_rot);
+                            norm_rotate(row + (heads + kvh + c) * D, L->k_norm, m->eps, cs,
+                                        D, k_rot);
                             kv_store_row(k_new + c * KV_ROW(D), k_rot, D);
                             kv_store_row(v_new + c * KV_ROW(D),
                                          row + (heads + kv_heads + kvh + c) * D, D);

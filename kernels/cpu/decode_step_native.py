@@ -1,5 +1,6 @@
 """A whole decode step of a llama-family model with quantized weights in one native call
-(kernels/cpu/cpu_decode_step.c): the model's shape, its layers' weights and its KV pool are
+(kernels/cpu/cpu_decode_step.c), per-head q/k norms before RoPE where a layer has them (Qwen3;
+``LayerParts.q_norm``): the model's shape, its layers' weights and its KV pool are
 described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
 float32 activations inside (a bfloat16 model's hidden states are widened on the way in and
@@ -50,6 +51,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_norm", _PTR),
+        ("q_norm", _PTR),  # NULL: no per-head q/k norms
+        ("k_norm", _PTR),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("qkv", _Linear),
@@ -135,6 +138,9 @@ class LayerParts:
     o_proj: ProjectionParts  # [hidden, q_size]
     gate_up: ProjectionParts  # [2 inter, hidden]: gate rows, then up rows
     down: ProjectionParts  # [hidden, inter]
+    # [head_dim] float32 each: every q / k head RMS-normed by them before RoPE (Qwen3)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +177,9 @@ class DecodeStepModel:
         for target, layer in zip(self._layers, layers, strict=True):
             target.input_norm = self._address(layer.input_norm)
             target.post_norm = self._address(layer.post_norm)
+            if layer.q_norm is not None or layer.k_norm is not None:
+                target.q_norm = self._head_norm(layer.q_norm)
+                target.k_norm = self._head_norm(layer.k_norm)
             self._fill(target.qkv, layer.qkv)
             self._fill(target.o_proj, layer.o_proj)
             self._fill(target.gate_up, layer.gate_up)
@@ -200,6 +209,13 @@ class DecodeStepModel:
 
     def _address(self, tensor: torch.Tensor) -> int:
         return int(self._float(tensor).data_ptr())
+
+    def _head_norm(self, norm: torch.Tensor | None) -> int:
+        """The address of a per-head q or k norm's weights (both or neither: Qwen3)."""
+        if norm is None or tuple(norm.shape) != (self.shape.head_dim,):
+            shape = None if norm is None else tuple(norm.shape)
+            raise ValueError(f"q and k norms must both be [{self.shape.head_dim}], not {shape}")
+        return self._address(norm)
 
     def _fill(self, target: _Linear, projection: ProjectionParts) -> None:
         if not 1 <= len(projection.parts) <= MAX_PARTS:

@@ -4,14 +4,14 @@ where the model and the batch allow it; ``LlamaModel.forward`` takes the torch p
 Which models: on a CPU, float32 or bfloat16 activations (a bfloat16 model's decode step runs in
 float32 inside: its hidden states widened on the way in, rounded on the way out), a float32,
 float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every projection a
-``QuantizedLinear``
-(GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows: executor/layers/linear.py), the
-plain llama layer (SwiGLU, no per-head q/k norms, no sandwich norms, one RoPE table, no sliding
-window or soft-cap) and not deterministic mode (whose row blocks the torch path keeps). Which
-batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from
-which a projection of the torch path leaves the group kernels for the dense, int8 or AMX
-product: 24 for F32, linear.py; a bfloat16 model's at most ``bf16_max_rows()``).
-``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives)."""
+``QuantizedLinear`` (GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows:
+executor/layers/linear.py), the llama layer (SwiGLU, no sandwich norms, one RoPE table, no
+sliding window or soft-cap), Qwen3's per-head q/k norms before RoPE or none, and not
+deterministic mode (whose row blocks the torch path keeps). Which batches: decodes only, at
+most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from which a projection of the
+torch path leaves the group kernels for the dense, int8 or AMX product: 24 for F32, linear.py;
+a bfloat16 model's at most ``bf16_max_rows()``). ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the
+torch path (to measure what the fused step gives)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ class LayerLike(Protocol):
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     qkv: Linear | QuantizedLinear
     o_proj: Linear | QuantizedLinear
     gate_up: Linear | QuantizedLinear
@@ -88,7 +90,6 @@ def native_decode_model(
         or dtype not in decode_step_native.HIDDEN_DTYPES
         or row_block is not None
         or c.activation != "silu"
-        or c.qk_norm
         or c.sandwich_norms
         or any(t is not cos_sin_tables[0] for t in cos_sin_tables)
         or not all(o.plain for o in layer_options)
@@ -107,7 +108,18 @@ def native_decode_model(
         qkv, o_proj, gate_up, down = (
             ProjectionParts(p.parts, p.bias) for p in projections if isinstance(p, QuantizedLinear)
         )
-        parts.append(LayerParts(layer.input_norm, layer.post_norm, qkv, o_proj, gate_up, down))
+        parts.append(
+            LayerParts(
+                layer.input_norm,
+                layer.post_norm,
+                qkv,
+                o_proj,
+                gate_up,
+                down,
+                layer.q_norm,
+                layer.k_norm,
+            )
+        )
     shape = DecodeShape(
         hidden=c.hidden_size,
         num_heads=c.num_heads,
