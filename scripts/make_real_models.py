@@ -23,6 +23,7 @@ kept; each is written under a temporary name and renamed. Prints one path per li
 
     .venv/bin/python scripts/make_real_models.py                # 1B, 3B, 1.5B shapes, all formats
     .venv/bin/python scripts/make_real_models.py --models llama-3.2-1b --formats Q4_K_M
+    .venv/bin/python scripts/make_real_models.py --models qwen3-1.7b --formats Q4_K_M
     .venv/bin/python scripts/make_real_models.py --list
 
 Needs scripts/setup_llamacpp.sh (llama-quantize, and the converter unpacked under the peer's
@@ -61,7 +62,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class Shape:
     """A model's shape in Hugging Face config terms (what a config.json of it says)."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -114,7 +115,9 @@ class Shape:
         q, kv = self.num_heads * head_dim, kv_heads * head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
         if self.architecture == "qwen2":
-            per_layer += q + 2 * kv
+            per_layer += q + 2 * kv  # q/k/v biases
+        if self.architecture == "qwen3":
+            per_layer += 2 * head_dim  # the per-head q/k norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -130,6 +133,11 @@ SHAPES: dict[str, Shape] = {
     "qwen2.5-1.5b": Shape(
         "qwen2", 1536, 28, 12, 2, 8960, 151936, True, rope_theta=1000000.0,
         max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    # per-head q/k norms (the converter's architecture qwen3), 16 query heads over 8 kv heads
+    "qwen3-1.7b": Shape(
+        "qwen3", 2048, 28, 16, 8, 6144, 151936, True, rope_theta=1000000.0,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, head_dim=128,
     ),
     # hidden 4096, MLP 14336, an untied 128k head: 16 GB of bf16 on the way (not made by default)
     "llama-3.1-8b": Shape(
@@ -183,9 +191,10 @@ def make_hf_dir(name: str, shape: Shape, out: Path, seed: int = SEED) -> Path:
 
     tokenizer = embedded_tokenizer()
     generation = _read_json(tokenizer / "generation_config.json")
-    config_class = (
-        transformers.Qwen2Config if shape.architecture == "qwen2" else transformers.LlamaConfig
-    )
+    config_class = {
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }.get(shape.architecture, transformers.LlamaConfig)
     config = config_class(
         **shape.config_dict(),
         bos_token_id=generation.get("bos_token_id"),
