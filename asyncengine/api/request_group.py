@@ -62,7 +62,9 @@ class RequestGroup:
             req = Request(
                 choice_rid(rid, params.n, i), prompt_ids, choice_params(params, i), arrival_time
             )
-            req.text = OutputText(detokenizer(), list(params.stop))
+            req.text = OutputText(
+                detokenizer(), list(params.stop), params.include_stop_str_in_output
+            )
             scorer = None
             if params.prompt_logprobs is not None:
                 scorer = states[0].req if states else req

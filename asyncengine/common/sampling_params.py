@@ -121,6 +121,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string it matched
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_new_tokens: int = 0
@@ -184,7 +185,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):  # "no" would read as true
                 raise bad(name, "must be True or False")
         for name in (

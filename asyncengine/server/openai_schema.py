@@ -133,6 +133,7 @@ class _CommonRequest(Struct, kw_only=True):
     # vLLM's: the prompt (chat: the rendered conversation) cut to its last k tokens (-1: as
     # many as the context holds) before it is checked against the context
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
 
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
@@ -420,6 +421,7 @@ def _sampling_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed,
             stop=stop,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             min_new_tokens=req.min_tokens,

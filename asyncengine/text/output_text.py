@@ -12,9 +12,9 @@ from asyncengine.text.stop_strings import StopStringFilter
 
 
 class OutputText:
-    def __init__(self, detokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, detokenizer: Any, stop: list[str], keep_stop: bool = False) -> None:
         self.detokenizer = detokenizer
-        self.stops = StopStringFilter(stop)
+        self.stops = StopStringFilter(stop, keep_stop)
         self.ready = ""  # text cleared for the caller, not yet taken
 
     def push(self, token_id: int, may_stop: bool = True) -> str | None:

@@ -2,7 +2,8 @@
 
 A stop string may arrive split over several deltas ("<|" then "end|>"), so the tail of the
 text that is the beginning of some stop string is not emitted until the next delta decides it.
-Text after a match is never emitted, and the stop string itself is not part of the output.
+Text after a match is never emitted, and the stop string itself is not part of the output
+(unless ``keep_matched``: vLLM's include_stop_str_in_output, SGLang's no_stop_trim).
 The match that ends first wins (the one a token-by-token scan meets first, so the result does
 not depend on how the text was split into deltas); of those ending at the same place, the
 longest.
@@ -50,6 +51,7 @@ class StopStringFilter:
     """
 
     stop: list[str]
+    keep_matched: bool = False  # the output ends with the stop string matched, not before it
     matched: str | None = field(default=None, init=False)
     steps: int = field(default=0, init=False)
     _automaton: StopAutomaton | None = field(default=None, init=False)
@@ -82,7 +84,8 @@ class StopStringFilter:
         if matched is not None:
             self.matched = matched
             self._append(delta[:consumed])
-            emit = self._take_front(self._held_length - len(matched))
+            kept = self._held_length if self.keep_matched else self._held_length - len(matched)
+            emit = self._take_front(kept)
             self._held.clear()
             self._held_length = 0
             return StopScan(emit, matched, 0)
