@@ -24,7 +24,11 @@ from asyncengine.common.sampling_params import InvalidRequestError, SamplingPara
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.off_loop import input_chars, run_sized
-from asyncengine.server.openai_schema import TruncatePromptTokens
+from asyncengine.server.openai_schema import (
+    ADD_SPECIAL_TOKENS_WHY,
+    TruncatePromptTokens,
+    check_unsupported,
+)
 from asyncengine.server.state import OUTCOME, STATE
 
 MAX_INPUTS = 2048  # OpenAI's limit of items per request
@@ -42,6 +46,15 @@ class EmbeddingRequest(Struct, kw_only=True):
     cache_salt: str | None = None  # as on the other routes (and the API key's namespace)
     priority: int = 0
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: each input's last k
+    # vLLM's, refused unless their default (EMBEDDING_UNSUPPORTED)
+    add_special_tokens: bool | None = None
+    normalize: bool | None = None
+
+
+EMBEDDING_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
+    ("normalize", True, "the embeddings are always unit length"),
+)
 
 
 def embedding_inputs(value: EmbeddingInput) -> list[str | list[int]]:
@@ -75,6 +88,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = await read_json(request, state, EmbeddingRequest)
     model = state.check_model(req.model, adapters=True)
+    check_unsupported(req, EMBEDDING_UNSUPPORTED)
     items = embedding_inputs(req.input)
     engine = state.engine
     try:

@@ -58,6 +58,7 @@ TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's (usage in every chunk): refused
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -134,6 +135,22 @@ class _CommonRequest(Struct, kw_only=True):
     # many as the context holds) before it is checked against the context
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    # vLLM's options that nothing here honours: a 400 when set to anything but their default
+    # (VLLM_UNSUPPORTED says why each); ignored, they would change the answer with nothing said
+    best_of: PositiveInt | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    add_special_tokens: bool | None = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
@@ -154,6 +171,11 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     # message left open for the model to go on writing (a prefilled start of the reply)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    # vLLM's, refused unless their default (CHAT_UNSUPPORTED)
+    echo: bool = False
+    documents: Any = None
+    chat_template: Any = None
+    include_reasoning: bool = True
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -162,7 +184,7 @@ class CompletionRequest(_CommonRequest, kw_only=True):
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: PositiveInt | None = None
+    prompt_embeds: Any = None  # vLLM's: refused
 
 
 # OpenAI's documented default for /v1/completions.
@@ -224,6 +246,49 @@ _VLLM_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_gra
                      "structured_outputs")  # fmt: skip
 
 
+ADD_SPECIAL_TOKENS_WHY = (
+    "prompt text is tokenized without special tokens (write them in the text, or send token ids)"
+)
+# vLLM's request fields that are not honoured here: (name, default, why), refused when set to
+# anything else (an empty list or object counts as the default)
+VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("best_of", 1, "only 1 is supported (each of the n choices is sampled on its own)"),
+    ("use_beam_search", False, "beam search is not supported"),
+    ("length_penalty", 1.0, "it scores beams, and beam search is not supported"),
+    ("prompt_logprobs", None, "use echo with logprobs on /v1/completions to score the prompt"),
+    ("allowed_token_ids", None, "not supported; logit_bias can favour or ban token ids"),
+    ("bad_words", None, "not supported; logit_bias can ban token ids"),
+    ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
+    ("logits_processors", None, "custom logits processors are not supported"),
+    ("return_tokens_as_token_ids", False, "not supported; logprobs give each token's bytes"),
+    ("structural_tag", None, "not supported"),
+    ("guided_whitespace_pattern", None, "not supported"),
+    ("kv_transfer_params", None, "disaggregated prefill is not supported"),
+    ("vllm_xargs", None, "no extension reads them"),
+)  # fmt: skip
+# vLLM's fields read nowhere, as they change nothing a client sees: request_id (the response's
+# id is the server's own), mm_processor_kwargs (no multimodal input: image parts are refused),
+# guided_decoding_backend (xgrammar enforces every constraint; the language is the same)
+CHAT_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("echo", False, "not supported on chat completions"),
+    ("documents", None, "not supported; give them to the template through chat_template_kwargs"),
+    ("chat_template", None, "a request's own chat template is not supported; the model's is used"),
+    ("include_reasoning", True, "the reasoning is returned in reasoning_content"),
+)  # fmt: skip
+COMPLETION_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("prompt_embeds", None, "prompt embeddings are not supported; send text or token ids"),
+)
+
+
+def check_unsupported(req: Struct, unsupported: tuple[tuple[str, object, str], ...]) -> None:
+    for name, default, why in unsupported:
+        value = getattr(req, name)
+        if value is not None and value != default and value != [] and value != {}:
+            given = msgspec.json.encode(value).decode()
+            given = given if len(given) <= 60 else given[:60] + "..."
+            raise _unsupported(name, f"{name}={given} is not honoured here: {why}")
+
+
 def _check_common(req: _CommonRequest, max_n: int) -> None:
     for name in _VLLM_CONSTRAINTS:
         if getattr(req, name) is not None:
@@ -232,6 +297,13 @@ def _check_common(req: _CommonRequest, max_n: int) -> None:
                 f"vLLM's {name} is not read here; constrain the output with response_format "
                 "(json_schema or json_object), regex or ebnf",
             )
+    check_unsupported(req, VLLM_UNSUPPORTED)
+    if not req.spaces_between_special_tokens and not req.skip_special_tokens:
+        raise _unsupported(  # (with special tokens skipped there is nothing between them)
+            "spaces_between_special_tokens",
+            "spaces_between_special_tokens=false is not honoured here: special tokens are "
+            "written as the tokenizer decodes them",
+        )
     if req.n is not None and req.n > max_n:
         raise invalid_request(
             f"n={req.n} is more choices than this server allows (max_n={max_n})", param="n"
@@ -239,6 +311,12 @@ def _check_common(req: _CommonRequest, max_n: int) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise _unsupported(
+            "stream_options.continuous_usage_stats",
+            "stream_options.continuous_usage_stats=true is not honoured here: include_usage "
+            "sends the usage once, in the last chunk",
         )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     for i, stop in enumerate(stops):
@@ -457,6 +535,7 @@ def chat_sampling_params(
 ) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (asyncengine/api/intake.py)."""
     _check_common(req, max_n)
+    check_unsupported(req, CHAT_UNSUPPORTED)
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
@@ -467,6 +546,7 @@ def completion_sampling_params(
 ) -> SamplingParams:
     """``max_tokens``: the request's, resolved against the context (asyncengine/api/intake.py)."""
     _check_common(req, max_n)
+    check_unsupported(req, COMPLETION_UNSUPPORTED)
     if max_tokens == 0 and not req.echo:
         raise invalid_request(
             "max_tokens=0 generates nothing: it needs echo (to score the prompt)",
@@ -474,8 +554,6 @@ def completion_sampling_params(
         )
     if req.suffix:
         raise _unsupported("suffix", "suffix is not supported")
-    if req.best_of is not None and req.best_of > 1:
-        raise _unsupported("best_of", f"best_of={req.best_of} is not supported; only 1")
     logprobs = req.logprobs is not None
     # echo with logprobs scores the prompt too, with as many alternatives
     scored = req.echo and (logprobs or max_tokens == 0)

@@ -1,5 +1,6 @@
 """vLLM's extra request fields, sent as the openai client sends them (``extra_body``): the ones
-honoured change the answer as in vLLM."""
+honoured change the answer as in vLLM, and the ones not honoured are a 400 that names the field
+when set to anything but vLLM's default (the default itself is accepted)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,86 @@ from tests.server_support import RunningServer, assert_no_leak
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-USER = [{"role": "user", "content": "hi"}]
+USER: Any = [{"role": "user", "content": "hi"}]  # the client's message type
+
+# (endpoint, field, a value not honoured, vLLM's default for it)
+REFUSED: list[tuple[str, str, Any, Any]] = [
+    *(
+        (endpoint, name, value, default)
+        for endpoint in ("chat", "completions")
+        for name, value, default in (
+            ("best_of", 2, 1),
+            ("use_beam_search", True, False),
+            ("length_penalty", 0.5, 1.0),
+            ("prompt_logprobs", 2, None),
+            ("allowed_token_ids", [1, 2], None),
+            ("bad_words", ["hello"], []),
+            ("add_special_tokens", True, False),
+            ("logits_processors", ["my.Processor"], None),
+            ("return_tokens_as_token_ids", True, False),
+            ("structural_tag", "{}", None),
+            ("guided_whitespace_pattern", " ", None),
+            ("kv_transfer_params", {"do_remote_decode": True}, None),
+            ("vllm_xargs", {"x": 1}, None),
+        )
+    ),
+    ("chat", "echo", True, False),
+    ("chat", "documents", [{"title": "a", "text": "b"}], None),
+    ("chat", "chat_template", "{{ messages }}", None),
+    ("chat", "include_reasoning", False, True),
+    ("completions", "prompt_embeds", "AAAA", None),
+    ("embeddings", "add_special_tokens", True, False),
+    ("embeddings", "normalize", False, True),
+]
 
 
 async def _create(
     client: openai.AsyncOpenAI, server: RunningServer, endpoint: str, **kwargs: Any
 ) -> str:
-    """The first choice's text of a greedy request."""
+    """The first choice's text of a greedy request (embeddings: the vector's length)."""
+    if endpoint == "embeddings":
+        kwargs.pop("max_tokens", None)
+        embedded = await client.embeddings.create(model=server.model, input="hi", **kwargs)
+        return str(len(embedded.data[0].embedding))
     common: dict[str, Any] = {"model": server.model, "temperature": 0, **kwargs}
     if endpoint == "chat":
-        chat = await client.chat.completions.create(messages=USER, **common)  # type: ignore[arg-type]
+        chat = await client.chat.completions.create(messages=USER, **common)
         return chat.choices[0].message.content or ""
     done = await client.completions.create(prompt="The story goes", **common)
     return done.choices[0].text
+
+
+@pytest.mark.parametrize(("endpoint", "name", "value", "default"), REFUSED)
+async def test_a_field_not_honoured_is_a_400_naming_it(
+    client: openai.AsyncOpenAI,
+    server: RunningServer,
+    endpoint: str,
+    name: str,
+    value: Any,
+    default: Any,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        await _create(client, server, endpoint, max_tokens=2, extra_body={name: value})
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == name and error["code"] == "unsupported_parameter"
+    assert name in error["message"]
+    # vLLM's default asks for nothing this server does not do
+    await _create(client, server, endpoint, max_tokens=2, extra_body={name: default})
+    assert_no_leak(server.engine)
+
+
+async def test_spaces_between_special_tokens_false_is_refused_only_with_special_tokens_shown(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    off = {"spaces_between_special_tokens": False}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await _create(
+            client, server, "chat", max_tokens=2, extra_body={**off, "skip_special_tokens": False}
+        )
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["param"] == "spaces_between_special_tokens"
+    await _create(client, server, "chat", max_tokens=2, extra_body=off)  # nothing between
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -74,7 +142,7 @@ async def _streamed(
     }
     parts: list[str] = []
     if endpoint == "chat":
-        chunks = await client.chat.completions.create(messages=USER, **common)  # type: ignore[arg-type]
+        chunks = await client.chat.completions.create(messages=USER, **common)
         async for chunk in chunks:
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
@@ -84,3 +152,19 @@ async def _streamed(
             if piece.choices:
                 parts.append(piece.choices[0].text)
     return "".join(parts)
+
+
+async def test_continuous_usage_stats_is_refused(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(
+            model=server.model,
+            prompt="hi",
+            max_tokens=2,
+            stream=True,
+            stream_options=options,
+        )
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["param"] == "stream_options.continuous_usage_stats"
