@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, TypeVar
 
 from asyncengine.common.config import EngineConfig
@@ -134,6 +135,12 @@ class Intake:
         for name, param, named in (
             ("stop token", "stop_token_ids", params.stop_token_ids),
             ("logit_bias token", "logit_bias", params.logit_bias),
+            ("allowed token", "allowed_token_ids", params.allowed_token_ids or []),
+            (
+                "bad word token",
+                "bad_words_token_ids",
+                chain.from_iterable(params.bad_words_token_ids),
+            ),
         ):
             bad = [t for t in named if t >= vocab]
             if bad:

@@ -26,6 +26,7 @@ MAX_STOP_STRINGS = 16
 # Characters per stop string: the matcher's automaton and the text held back grow with it.
 MAX_STOP_STRING_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024  # token sequences, checked against each row's output every step
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # alternatives per position, generated or prompt tokens
 
@@ -130,6 +131,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's: only these token ids may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad words as token sequences: each one's last token is banned wherever the output
+    # ends with the rest of it (a one-token sequence: everywhere)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None  # None: the prompt is not scored
     prompt_logprobs_start: int = 0  # first prompt position scored (SGLang's logprob_start_len)
@@ -308,6 +314,19 @@ class SamplingParams:
                 f"{len(self.stop_token_set)} distinct ids is more than the limit of "
                 f"{MAX_STOP_TOKEN_IDS} (MAX_STOP_TOKEN_IDS)",
             )
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(_is_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be None or a non-empty list of token ids")
+        if not isinstance(self.bad_words_token_ids, list) or not all(
+            isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq)
+            for seq in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", "must be a list of non-empty lists of token ids")
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise bad("bad_words_token_ids", f"at most {MAX_BAD_WORDS} sequences")
         if self.n < 1:
             raise bad("n", "must be >= 1")
         if not isinstance(self.logit_bias, dict):
@@ -329,6 +348,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"bias {bias!r} of token {token} is not in [-100, 100]")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise bad("structured", "must be a StructuredOutput")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -93,6 +93,32 @@ def ban_tokens(logits: torch.Tensor, rows: Sequence[int], banned: Sequence[Itera
     logits.view(-1)[keys] = float("-inf")
 
 
+def keep_only_tokens(
+    logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Iterable[int]]
+) -> None:
+    """Set every logit of row ``rows[j]`` to -inf but those of the tokens ``allowed[j]``."""
+    if not rows:
+        return
+    keys = token_keys(rows, allowed, logits.shape[1], logits.device)
+    kept = logits.view(-1)[keys]
+    logits[list(rows)] = float("-inf")
+    logits.view(-1)[keys] = kept
+
+
+def bad_word_bans(output_ids: Sequence[int], bad_words: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens a row may not sample next: the last token of each bad word whose other
+    tokens end the output (vLLM's bad_words)."""
+    banned = []
+    for word in bad_words:
+        head = len(word) - 1
+        if head == 0 or (
+            len(output_ids) >= head
+            and all(a == b for a, b in zip(output_ids[-head:], word[:head], strict=True))
+        ):
+            banned.append(word[-1])
+    return banned
+
+
 class LogitBiasArrays:
     """Each request's logit_bias as (token ids, biases) arrays, made once per request rather
     than once per step: keyed by the dict's identity (a request keeps the same dict), the

@@ -6,7 +6,8 @@ Order of operations for every row:
    before penalties, bans and temperature (vLLM's default ``raw_logprobs``).
 2. Repetition penalty (HF), then presence / frequency penalties (OpenAI), then ``logit_bias``,
    then, while fewer than ``min_new_tokens`` tokens were generated, the EOS ids (unless
-   ``ignore_eos``) and the request's ``stop_token_ids`` are banned (set to -inf). Last, a
+   ``ignore_eos``) and the request's ``stop_token_ids`` are banned (set to -inf), and so are
+   the tokens outside ``allowed_token_ids`` and the bad words' next tokens. Last, a
    structured-output row keeps only the tokens its grammar allows (``token_bitmask``); should
    the bans leave it none, the grammar wins (the row is masked without the bans).
 3. Greedy rows (temperature 0, or below ``GREEDY_TEMPERATURE``) take the argmax of the processed logits (first index on ties).
@@ -50,7 +51,9 @@ from asyncengine.executor.penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     apply_token_bitmasks,
+    bad_word_bans,
     ban_tokens,
+    keep_only_tokens,
 )
 
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw over whole rows
@@ -170,6 +173,8 @@ class Sampler:
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
             and not p.logit_bias
+            and p.allowed_token_ids is None
+            and not bad_word_bans(info.output_ids, p.bad_words_token_ids)
             and info.token_bitmask is None
             and not p.logprobs
             and p.top_logprobs <= 0
@@ -189,6 +194,7 @@ class Sampler:
         banned: list[list[int]] = []
         bias_rows: list[int] = []
         mask_rows: list[int] = []
+        allowed_rows: list[int] = []
         for i, info in enumerate(sampling):
             params = info.params
             if params.repetition_penalty != 1.0:
@@ -199,14 +205,24 @@ class Sampler:
                 bias_rows.append(i)
             if info.token_bitmask is not None:
                 mask_rows.append(i)
+            if params.allowed_token_ids is not None:
+                allowed_rows.append(i)
+            row_banned = bad_word_bans(info.output_ids, params.bad_words_token_ids)
             if len(info.output_ids) < params.min_new_tokens:
-                row_banned = list(params.stop_token_ids)
+                row_banned.extend(params.stop_token_ids)
                 if not params.ignore_eos:
                     row_banned.extend(self.eos_token_ids)
-                if row_banned:
-                    ban_rows.append(i)
-                    banned.append(row_banned)
-        if not (repetition_rows or presence_frequency_rows or ban_rows or bias_rows or mask_rows):
+            if row_banned:
+                ban_rows.append(i)
+                banned.append(row_banned)
+        if not (
+            repetition_rows
+            or presence_frequency_rows
+            or ban_rows
+            or bias_rows
+            or mask_rows
+            or allowed_rows
+        ):
             return logits
         processed = self._buffers.empty("processed", logits.shape[0], logits).copy_(logits)
         apply_repetition_penalty(
@@ -231,7 +247,15 @@ class Sampler:
         # a tiny repetition penalty divides logits past float32's range: keep them finite (an
         # infinite maximum would make every probability NaN)
         processed.clamp_(max=torch.finfo(processed.dtype).max)
+        allowed = [sampling[i].params.allowed_token_ids or [] for i in allowed_rows]
+        keep_only_tokens(processed, allowed_rows, allowed)
         ban_tokens(processed, ban_rows, banned)
+        if allowed_rows and ban_rows:  # the bans took every allowed token: allowed_token_ids win
+            both = sorted(set(allowed_rows) & set(ban_rows))
+            finite = torch.isfinite(processed[both]).any(dim=-1).tolist()
+            emptied = [row for row, ok in zip(both, finite, strict=True) if not ok]
+            processed[emptied] = logits[emptied]
+            keep_only_tokens(processed, emptied, [allowed[allowed_rows.index(r)] for r in emptied])
         masks = [torch.as_tensor(sampling[i].token_bitmask) for i in mask_rows]
         dead = apply_token_bitmasks(processed, mask_rows, masks)
         if dead:  # the bans took every token the grammar allows: the grammar wins

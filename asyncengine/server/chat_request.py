@@ -14,6 +14,7 @@ from asyncengine.server.off_loop import run_sized, tokenize
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
+    bad_words_token_ids,
     chat_max_tokens,
     chat_sampling_params,
 )
@@ -52,6 +53,7 @@ async def prepare_chat(
         requested, state.default_chat_max_tokens, len(prompt), max_tokens_param or param
     )
     params = chat.constrain(chat_sampling_params(req, max_tokens, state.engine.config.max_n))
+    params.bad_words_token_ids = bad_words_token_ids(req.bad_words, state.engine.tokenizer)
     params.lora = state.lora_for(model)
     return PreparedChat(model, prompt, params, chat.output)
 

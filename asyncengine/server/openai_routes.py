@@ -34,6 +34,7 @@ from asyncengine.server.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    bad_words_token_ids,
     completion_prompts,
     completion_sampling_params,
 )
@@ -85,12 +86,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         g if len(p) == len(t) else p for g, p, t in zip(given, prompts, tokenized, strict=True)
     ]
     params = []
+    bad_words = bad_words_token_ids(req.bad_words, state.engine.tokenizer)
     for prompt in prompts:
         max_tokens = state.engine.intake.max_new_tokens(
             req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt), "max_tokens"
         )
         params.append(completion_sampling_params(req, max_tokens, state.engine.config.max_n))
         params[-1].lora = state.lora_for(model)
+        params[-1].bad_words_token_ids = bad_words
     state.engine.intake.check_logprob_entries(
         sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
     )

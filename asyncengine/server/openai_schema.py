@@ -15,9 +15,11 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from asyncengine.common.sampling_params import (
+    MAX_BAD_WORDS,
     MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PRIORITY,
+    MAX_STOP_STRING_LENGTH,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -135,6 +137,9 @@ class _CommonRequest(Struct, kw_only=True):
     # many as the context holds) before it is checked against the context
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: words the output may not contain (bad_words_token_ids: how they are banned)
+    bad_words: list[str] | None = None
     # vLLM's options that nothing here honours: a 400 when set to anything but their default
     # (VLLM_UNSUPPORTED says why each); ignored, they would change the answer with nothing said
     best_of: PositiveInt | None = None
@@ -142,8 +147,6 @@ class _CommonRequest(Struct, kw_only=True):
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     add_special_tokens: bool | None = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None
@@ -256,8 +259,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("use_beam_search", False, "beam search is not supported"),
     ("length_penalty", 1.0, "it scores beams, and beam search is not supported"),
     ("prompt_logprobs", None, "use echo with logprobs on /v1/completions to score the prompt"),
-    ("allowed_token_ids", None, "not supported; logit_bias can favour or ban token ids"),
-    ("bad_words", None, "not supported; logit_bias can ban token ids"),
     ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
     ("logits_processors", None, "custom logits processors are not supported"),
     ("return_tokens_as_token_ids", False, "not supported; logprobs give each token's bytes"),
@@ -508,6 +509,7 @@ def _sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             n=req.n or 1,
             logit_bias=logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
             structured=structured,
             prompt_logprobs=prompt_logprobs,
             priority=req.priority,
@@ -521,6 +523,29 @@ def _sampling_params(
             message = message.replace(engine_name, api_name)
         param = OPENAI_FIELD_NAMES.get(param, param) if param is not None else None
         raise invalid_request(message, param=param, code="invalid_value") from None
+
+
+def bad_words_token_ids(words: list[str] | None, tokenizer: Any) -> list[list[int]]:
+    """vLLM's bad_words as the token sequences to ban: each word as it begins the text and as it
+    follows a space (vLLM keeps the second only where it is as many tokens as the first, and so
+    lets " Raj", one token, through for the bad word "Raj", two)."""
+    words = words or []
+    if len(words) > MAX_BAD_WORDS // 2:
+        raise invalid_request(f"bad_words has more than {MAX_BAD_WORDS // 2} words", "bad_words")
+    sequences: list[list[int]] = []
+    for i, word in enumerate(words):
+        word = word.lstrip()
+        if not word or len(word) > MAX_STOP_STRING_LENGTH:
+            raise invalid_request(
+                f"bad_words[{i}] must be 1 to {MAX_STOP_STRING_LENGTH} characters, not blank",
+                param="bad_words",
+            )
+        alone = list(tokenizer.encode(word))
+        spaced = list(tokenizer.encode(" " + word))
+        sequences.append(alone)
+        if spaced != alone:
+            sequences.append(spaced)
+    return sequences
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:

@@ -430,6 +430,25 @@ def test_min_new_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
     assert 1 not in tokens and set(tokens) == {0, 2, 3}
 
 
+def test_allowed_token_ids_and_bad_words_limit_the_next_token() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]])
+    sampler = Sampler(eos_token_ids=[])
+    only = SamplingParams(temperature=0, allowed_token_ids=[0, 3])
+    assert sampler.sample(logits, [info(only)])[0] == [3]
+    sampled = SamplingParams(temperature=5.0, allowed_token_ids=[0, 4])
+    tokens, _ = Sampler(eos_token_ids=[], seed=0).sample(
+        logits.expand(500, -1), [info(sampled)] * 500
+    )
+    assert set(tokens) == {0, 4}
+    # a two-token bad word bans its last token only after its first
+    bad = SamplingParams(temperature=0, bad_words_token_ids=[[2, 1], [3]])
+    assert sampler.sample(logits, [info(bad, output=[4])])[0] == [1]
+    assert sampler.sample(logits, [info(bad, output=[2])])[0] == [2]
+    # bans that leave no allowed token: allowed_token_ids win
+    emptied = SamplingParams(temperature=0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
+    assert sampler.sample(logits, [info(emptied)])[0] == [3]
+
+
 # ---------------------------------------------------------------- logprobs
 
 
@@ -497,6 +516,8 @@ def test_greedy_tokens_are_torch_argmax() -> None:
     generated=st.integers(0, 5),
     masked=st.booleans(),
     eos=st.sampled_from([(), (2,)]),
+    allowed=st.sampled_from([None, [5, 9]]),
+    bad_words=st.sampled_from([[], [[12]], [[11, 14]]]),
 )
 def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
     temperature: float,
@@ -512,6 +533,8 @@ def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
     generated: int,
     masked: bool,
     eos: tuple[int, ...],
+    allowed: list[int] | None,
+    bad_words: list[list[int]],
 ) -> None:
     """A lone greedy row skips the general path only where that path would neither change its
     logits (penalties, bias, bans, grammar) nor report logprobs: then its token is the same."""
@@ -519,7 +542,8 @@ def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
         temperature=temperature, repetition_penalty=repetition, presence_penalty=presence,
         frequency_penalty=frequency, logit_bias=bias, logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs, min_new_tokens=min_new, max_new_tokens=8,
-        stop_token_ids=stops, ignore_eos=ignore_eos,
+        stop_token_ids=stops, ignore_eos=ignore_eos, allowed_token_ids=allowed,
+        bad_words_token_ids=bad_words,
     )  # fmt: skip
     mask = torch.full((2,), -1, dtype=torch.int32) if masked else None
     info = SamplingInfo(params, [3, 4], list(range(10, 10 + generated)), mask)

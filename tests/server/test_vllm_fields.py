@@ -26,8 +26,6 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
             ("use_beam_search", True, False),
             ("length_penalty", 0.5, 1.0),
             ("prompt_logprobs", 2, None),
-            ("allowed_token_ids", [1, 2], None),
-            ("bad_words", ["hello"], []),
             ("add_special_tokens", True, False),
             ("logits_processors", ["my.Processor"], None),
             ("return_tokens_as_token_ids", True, False),
@@ -168,3 +166,77 @@ async def test_continuous_usage_stats_is_refused(
         )
     assert isinstance(refused.value.body, dict)
     assert refused.value.body["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_allowed_token_ids_are_the_only_tokens_sampled(
+    client: openai.AsyncOpenAI, server: RunningServer, endpoint: str
+) -> None:
+    tokenizer = server.engine.tokenizer
+    allowed = [tokenizer.encode(letter)[0] for letter in ("x", "y")]
+    assert tokenizer.decode(allowed) == "xy"
+    free = await _create(client, server, endpoint, max_tokens=8, extra_body={"ignore_eos": True})
+    assert set(free) - {"x", "y"}  # unconstrained, it writes other text
+    for temperature in (0.0, 1.0):
+        text = await _create(
+            client,
+            server,
+            endpoint,
+            max_tokens=8,
+            seed=7,
+            extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+            **{"temperature": temperature},
+        )
+        assert len(text) == 8 and set(text) <= {"x", "y"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await _create(client, server, endpoint, max_tokens=2, extra_body={"allowed_token_ids": []})
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["param"] == "allowed_token_ids"
+    assert_no_leak(server.engine)
+
+
+async def _greedy_ids(client: openai.AsyncOpenAI, server: RunningServer, **extra: Any) -> list[int]:
+    """The token ids of a greedy completion of 12 tokens (its logprobs' token strings, encoded)."""
+    done = await client.completions.create(
+        model=server.model,
+        prompt="The story goes",
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, **extra},
+    )
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    ids = [server.engine.tokenizer.encode(token) for token in logprobs.tokens]
+    assert all(len(one) == 1 for one in ids)
+    return [one[0] for one in ids]
+
+
+def _word_of(tokenizer: Any, ids: list[int]) -> bool:
+    """Whether ``ids`` are how a word encodes, at the start of the text or after a space."""
+    word = tokenizer.decode(ids).lstrip()
+    return ids in (tokenizer.encode(word), tokenizer.encode(" " + word))
+
+
+def _contains(ids: list[int], word: list[int]) -> bool:
+    return any(ids[i : i + len(word)] == word for i in range(len(ids) - len(word) + 1))
+
+
+async def test_bad_words_never_appear_in_the_output(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    tokenizer = server.engine.tokenizer
+    free = await _greedy_ids(client, server)
+    # a one-token word (banned everywhere) and a two-token one (its second token banned after
+    # its first), both as the greedy output writes them
+    two_at = next(i for i in range(1, len(free) - 1) if _word_of(tokenizer, free[i : i + 2]))
+    for at, ids in ((0, free[:1]), (two_at, free[two_at : two_at + 2])):
+        word = tokenizer.decode(ids)
+        banned = await _greedy_ids(client, server, bad_words=[word])
+        assert not _contains(banned, ids)
+        last = at + len(ids) - 1  # where the word's last token came, now banned there
+        assert banned[:last] == free[:last] and banned[last] != free[last]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await _create(client, server, "chat", max_tokens=2, extra_body={"bad_words": [" "]})
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "bad_words"
+    assert_no_leak(server.engine)
