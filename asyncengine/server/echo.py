@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from asyncengine.common.outputs import Usage
 from asyncengine.common.plan import TokenLogprobs
-from asyncengine.server.openai_format import Json
+from asyncengine.server.openai_format import Json, TokenText
 from asyncengine.server.state import ServerState
 from asyncengine.text.detokenizer import TextOffsets
 
@@ -19,6 +19,7 @@ class Echo:
     text: str  # the prompt as given, or its token ids decoded
     token_ids: list[int]
     scored: bool  # logprobs were asked for
+    token_text: TokenText = field(compare=False, repr=False)  # how logprobs name a token
     # the scores last turned into JSON, and it: the n choices of a prompt carry the same
     # scores (choice 0's), built once (a list per choice would cost n times the scoring's)
     _built: list[tuple[list[TokenLogprobs | None], Json]] = field(
@@ -27,13 +28,18 @@ class Echo:
 
     @classmethod
     def of(
-        cls, state: ServerState, given: str | list[int], token_ids: list[int], scored: bool
+        cls,
+        state: ServerState,
+        given: str | list[int],
+        token_ids: list[int],
+        scored: bool,
+        token_text: TokenText,
     ) -> Echo:
         if isinstance(given, str):
             text = given
         else:
             text = state.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
-        return cls(text, list(token_ids), scored)
+        return cls(text, list(token_ids), scored, token_text)
 
     def logprobs(
         self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None] | None
@@ -58,10 +64,10 @@ class Echo:
         # decode, a token at a time, tells where each token starts in it
         offsets = TextOffsets(state.engine.tokenizer.detokenizer(False))
         return {
-            "tokens": [state.token_text(t) for t in self.token_ids],
+            "tokens": [self.token_text(t) for t in self.token_ids],
             "token_logprobs": [None if lp is None else lp.token_logprob for lp in prompt_logprobs],
             "top_logprobs": [
-                None if lp is None else {state.token_text(t): v for t, v in lp.top}
+                None if lp is None else {self.token_text(t): v for t, v in lp.top}
                 for lp in prompt_logprobs
             ],
             "text_offset": offsets.of(self.token_ids, len(self.text)),

@@ -16,6 +16,11 @@ TokenBytesOf = Callable[[int], bytes]
 Json = dict[str, Any]
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids writes it: its id, whatever its text."""
+    return f"token_id:{token_id}"
+
+
 def combined_usage(usages: list[Usage]) -> Usage:
     """One request's usage over its choices: the prompt counted once (it is prefilled once)."""
     first = usages[0]
@@ -88,11 +93,19 @@ def completion_logprobs(
 class ResponseBuilder:
     """Builds the bodies of one chat or text completion (one id, one creation time)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, cached_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        cached_tokens: bool = True,
+        token_text: TokenText | None = None,
+    ) -> None:
         self.id = request_id
         self.cached_tokens = cached_tokens  # False: usage without cached_tokens
         self.model = model
         self.chat = chat
+        self.token_text = token_text  # how logprobs name a token (None: its decoded text)
         self.created = int(time.time())
 
     def _envelope(self, object_: str, choices: list[Json]) -> Json:

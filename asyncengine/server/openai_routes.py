@@ -26,9 +26,11 @@ from asyncengine.server.off_loop import input_chars, run_sized
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
+    TokenText,
     chat_logprobs,
     combined_usage,
     completion_logprobs,
+    token_id_text,
 )
 from asyncengine.server.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -62,6 +64,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         chat.model,
         chat=True,
         cached_tokens=state.report_cached_tokens,
+        token_text=token_id_text if req.return_tokens_as_token_ids else None,
     )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
@@ -98,13 +101,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         sum(logprob_entries(len(p), sp) for p, sp in zip(prompts, params, strict=True))
     )
     builder = ResponseBuilder(
-        f"cmpl-{uuid.uuid4().hex}", model, chat=False, cached_tokens=state.report_cached_tokens
+        f"cmpl-{uuid.uuid4().hex}",
+        model,
+        chat=False,
+        cached_tokens=state.report_cached_tokens,
+        token_text=token_id_text if req.return_tokens_as_token_ids else None,
     )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
     if req.echo:
         scored = req.logprobs is not None
-        echo = [Echo.of(state, g, p, scored) for g, p in zip(given, prompts, strict=True)]
+        token_text = _token_text(state, builder)
+        echo = [
+            Echo.of(state, g, p, scored, token_text) for g, p in zip(given, prompts, strict=True)
+        ]
     if len(prompts) == 1 and echo is None:
         if req.stream:
             return await _stream(request, state, prompts[0], params[0], builder, include_usage)
@@ -165,9 +175,13 @@ def _logprobs(
         return None
     if builder.chat:
         return chat_logprobs(
-            token_ids, logprobs, state.token_text, state.engine.tokenizer.token_bytes
+            token_ids, logprobs, _token_text(state, builder), state.engine.tokenizer.token_bytes
         )
-    return completion_logprobs(token_ids, logprobs, state.token_text, offsets(), end)
+    return completion_logprobs(token_ids, logprobs, _token_text(state, builder), offsets(), end)
+
+
+def _token_text(state: ServerState, builder: ResponseBuilder) -> TokenText:
+    return builder.token_text or state.token_text
 
 
 async def _complete(
@@ -370,7 +384,11 @@ async def _complete_batch(
                 start = len(prompt.text)
                 offsets = _text_offsets(state, prompts[i], params[i], start)
                 generated = completion_logprobs(
-                    o.token_ids, o.logprobs, state.token_text, offsets, start + len(o.text)
+                    o.token_ids,
+                    o.logprobs,
+                    _token_text(state, builder),
+                    offsets,
+                    start + len(o.text),
                 )
                 logprobs = join_logprobs(logprobs, generated)
             choices.append((prompt.text + o.text, o.finish_reason, logprobs))

@@ -137,6 +137,8 @@ class _CommonRequest(Struct, kw_only=True):
     # many as the context holds) before it is checked against the context
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    # vLLM's: logprobs name each token "token_id:<id>" (its bytes are still its own)
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these may be sampled
     # vLLM's: words the output may not contain (bad_words_token_ids: how they are banned)
     bad_words: list[str] | None = None
@@ -149,7 +151,6 @@ class _CommonRequest(Struct, kw_only=True):
     prompt_logprobs: Any = None
     add_special_tokens: bool | None = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: bool | None = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
     kv_transfer_params: Any = None
@@ -261,7 +262,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("prompt_logprobs", None, "use echo with logprobs on /v1/completions to score the prompt"),
     ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
     ("logits_processors", None, "custom logits processors are not supported"),
-    ("return_tokens_as_token_ids", False, "not supported; logprobs give each token's bytes"),
     ("structural_tag", None, "not supported"),
     ("guided_whitespace_pattern", None, "not supported"),
     ("kv_transfer_params", None, "disaggregated prefill is not supported"),

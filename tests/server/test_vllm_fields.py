@@ -28,7 +28,6 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
             ("prompt_logprobs", 2, None),
             ("add_special_tokens", True, False),
             ("logits_processors", ["my.Processor"], None),
-            ("return_tokens_as_token_ids", True, False),
             ("structural_tag", "{}", None),
             ("guided_whitespace_pattern", " ", None),
             ("kv_transfer_params", {"do_remote_decode": True}, None),
@@ -239,4 +238,46 @@ async def test_bad_words_never_appear_in_the_output(
     with pytest.raises(openai.BadRequestError) as refused:
         await _create(client, server, "chat", max_tokens=2, extra_body={"bad_words": [" "]})
     assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "bad_words"
+    assert_no_leak(server.engine)
+
+
+async def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    tokenizer = server.engine.tokenizer
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    chat = await client.chat.completions.create(
+        model=server.model,
+        messages=USER,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=as_ids,
+    )
+    content = chat.choices[0].logprobs and chat.choices[0].logprobs.content
+    assert content and len(content) == 4
+    ids = [int(entry.token.removeprefix("token_id:")) for entry in content]
+    assert all(entry.token.startswith("token_id:") for entry in content)
+    assert tokenizer.decode(ids) == chat.choices[0].message.content
+    assert all(top.token.startswith("token_id:") for e in content for top in e.top_logprobs)
+    assert bytes(b for entry in content for b in entry.bytes or []).decode() == tokenizer.decode(
+        ids
+    )
+    done = await client.completions.create(
+        model=server.model,
+        prompt="The story goes",
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body=as_ids,
+    )
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs
+    prompt_ids = tokenizer.encode("The story goes")
+    assert logprobs.tokens[: len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    generated = [int(t.removeprefix("token_id:")) for t in logprobs.tokens[len(prompt_ids) :]]
+    assert "The story goes" + tokenizer.decode(generated) == done.choices[0].text
+    assert all(k.startswith("token_id:") for top in logprobs.top_logprobs[1:] for k in top)
     assert_no_leak(server.engine)
