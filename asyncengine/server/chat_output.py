@@ -33,6 +33,7 @@ class ChoiceReader:
         self._tools = tool_parser(spec.tool_format) if spec.tool_format is not None else None
         self._calls_only = spec.calls_only
         self._legacy = spec.legacy_functions
+        self._include_reasoning = spec.include_reasoning
         self.called = False  # any tool call so far
         self.reasoning = ""  # the reasoning read so far
         self._answered = False  # answer text sent (streaming)
@@ -70,7 +71,7 @@ class ChoiceReader:
         """The ``delta`` of a chunk for ``text`` (None: nothing to send yet)."""
         reasoning, content, calls = self.read(text, final)
         delta: Json = {}
-        if reasoning:
+        if reasoning and self._include_reasoning:
             delta["reasoning_content"] = reasoning
         answer = self._answer(content, final)
         if answer is not None:
@@ -105,7 +106,8 @@ class ChoiceReader:
 def read_choice(
     spec: ChatOutputSpec, text: str, finish_reason: str | None
 ) -> tuple[Json, str | None]:
-    """The message of a whole choice, and its finish reason."""
+    """The message of a whole choice, and its finish reason (the reasoning kept in it whatever
+    ``spec.include_reasoning``: the caller counts it, then leaves it out)."""
     reader = ChoiceReader(spec)
     reasoning, content, pieces = reader.read(text, final=True)
     calls = collect_calls(pieces)

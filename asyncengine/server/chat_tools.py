@@ -63,6 +63,7 @@ class ChatOutputSpec:
     reasoning_starts_inside: bool | None
     calls_only: bool = False
     legacy_functions: bool = False  # the call read back as ``function_call`` (one at most)
+    include_reasoning: bool = True  # vLLM's: False leaves the reasoning out of the reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,5 +356,6 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             starts_inside,
             calls_only=bool(functions) and choice != "auto",
             legacy_functions=legacy,
+            include_reasoning=req.include_reasoning,
         )
     return ChatPlan(prompt, output, grammar)

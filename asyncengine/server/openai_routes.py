@@ -214,6 +214,8 @@ async def _complete(
             choices.append((message, finish_reason, logprobs))
             tokenizer = state.engine.tokenizer
             reasoning += reasoning_tokens(tokenizer, message.get("reasoning_content") or "")
+            if not chat_output.include_reasoning and "reasoning_content" in message:
+                message["reasoning_content"] = None
     usage = _usage([o.usage for o in outputs], params.n)
     return json_response(builder.full(choices, usage, reasoning))
 

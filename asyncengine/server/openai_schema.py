@@ -179,7 +179,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     echo: bool = False
     documents: Any = None
     chat_template: Any = None
-    include_reasoning: bool = True
+    include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (null)
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -274,7 +274,6 @@ CHAT_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("echo", False, "not supported on chat completions"),
     ("documents", None, "not supported; give them to the template through chat_template_kwargs"),
     ("chat_template", None, "a request's own chat template is not supported; the model's is used"),
-    ("include_reasoning", True, "the reasoning is returned in reasoning_content"),
 )  # fmt: skip
 COMPLETION_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("prompt_embeds", None, "prompt embeddings are not supported; send text or token ids"),

@@ -465,6 +465,35 @@ async def test_reasoning_is_split_from_the_answer_whole_and_streamed(
     assert order.count("reasoning_content") > 1 and order.count("content") > 1
 
 
+async def test_include_reasoning_false_leaves_the_reasoning_out_whole_and_streamed(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"regex": THINK_THEN_ANSWER, "include_reasoning": False},
+    )
+    shown = await qwen3_client.chat.completions.create(
+        **{**kwargs, "extra_body": {"regex": THINK_THEN_ANSWER}}
+    )
+    whole = await qwen3_client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert shown.choices[0].message.model_extra["reasoning_content"]  # there is reasoning
+    assert message.model_extra["reasoning_content"] is None
+    assert message.content == shown.choices[0].message.content
+    assert whole.usage and shown.usage  # still generated, and counted
+    assert whole.usage.completion_tokens_details == shown.usage.completion_tokens_details
+    stream = await qwen3_client.chat.completions.create(stream=True, **kwargs)
+    content = ""
+    async for chunk in stream:
+        for choice in chunk.choices:
+            assert not (choice.delta.model_extra or {}).get("reasoning_content")
+            content += choice.delta.content or ""
+    assert content == message.content
+
+
 async def test_usage_counts_the_reasoning_tokens_whole_and_streamed(
     qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
 ) -> None:

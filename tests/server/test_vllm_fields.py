@@ -37,7 +37,6 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
     ("chat", "echo", True, False),
     ("chat", "documents", [{"title": "a", "text": "b"}], None),
     ("chat", "chat_template", "{{ messages }}", None),
-    ("chat", "include_reasoning", False, True),
     ("completions", "prompt_embeds", "AAAA", None),
     ("embeddings", "add_special_tokens", True, False),
     ("embeddings", "normalize", False, True),
