@@ -46,7 +46,8 @@ async def prepare_chat(
     request's own)."""
     model = state.check_model(req.model, adapters=True)
     chat = await planned_chat(state, req)
-    tokens = await tokenize(state.engine, chat.prompt)  # large ones off the loop
+    # large ones off the loop
+    tokens = await tokenize(state.engine, chat.prompt, bool(req.add_special_tokens))
     prompt = state.engine.intake.truncate(tokens, req.truncate_prompt_tokens)
     requested, param = chat_max_tokens(req)
     max_tokens = state.engine.intake.max_new_tokens(

@@ -252,6 +252,12 @@ def _template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
             f"chat_template_kwargs may not set {', '.join(reserved)}",
             param="chat_template_kwargs",
         )
+    if req.documents is not None:  # vLLM's: for templates that take them (retrieval)
+        if "documents" in variables:
+            raise invalid_request(
+                "documents is given twice (also in chat_template_kwargs)", param="documents"
+            )
+        variables["documents"] = req.documents
     return variables
 
 

@@ -23,12 +23,8 @@ from asyncengine.common.outputs import EmbeddingOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
-from asyncengine.server.off_loop import input_chars, run_sized
-from asyncengine.server.openai_schema import (
-    ADD_SPECIAL_TOKENS_WHY,
-    TruncatePromptTokens,
-    check_unsupported,
-)
+from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
+from asyncengine.server.openai_schema import TruncatePromptTokens, check_unsupported
 from asyncengine.server.state import OUTCOME, STATE
 
 MAX_INPUTS = 2048  # OpenAI's limit of items per request
@@ -46,13 +42,12 @@ class EmbeddingRequest(Struct, kw_only=True):
     cache_salt: str | None = None  # as on the other routes (and the API key's namespace)
     priority: int = 0
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: each input's last k
-    # vLLM's, refused unless their default (EMBEDDING_UNSUPPORTED)
+    # vLLM's: a text input gets its tokenizer's special tokens (a BOS, say)
     add_special_tokens: bool | None = None
-    normalize: bool | None = None
+    normalize: bool | None = None  # vLLM's, refused unless true (EMBEDDING_UNSUPPORTED)
 
 
 EMBEDDING_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
-    ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
     ("normalize", True, "the embeddings are always unit length"),
 )
 
@@ -100,8 +95,13 @@ async def embeddings(request: web.Request) -> web.Response:
             lora=state.lora_for(model),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
+        special = bool(req.add_special_tokens)
         accepted = await run_sized(  # all checked first
-            input_chars(items), lambda: [engine.intake.accept_embedding(i, params) for i in items]
+            input_chars(items),
+            lambda: [
+                engine.intake.accept_embedding(tokenize_now(engine, i, special), params)
+                for i in items
+            ],
         )
         prompts = [ids for ids, _ in accepted]
     except InvalidRequestError as exc:

@@ -51,6 +51,20 @@ async def run_sized(chars: int, work: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_worker(), work)
 
 
-async def tokenize(engine: EngineClient, prompt: Prompt) -> list[int]:
+async def tokenize(
+    engine: EngineClient, prompt: Prompt, add_special_tokens: bool = False
+) -> list[int]:
     """``engine.tokenize(prompt)``, off the loop for a large prompt."""
-    return await run_sized(input_chars(prompt), lambda: engine.tokenize(prompt))
+    return await run_sized(
+        input_chars(prompt), lambda: tokenize_now(engine, prompt, add_special_tokens)
+    )
+
+
+def tokenize_now(
+    engine: EngineClient, prompt: Prompt, add_special_tokens: bool = False
+) -> list[int]:
+    """``engine.tokenize(prompt)``; ``add_special_tokens`` (vLLM's): a text prompt gets the
+    special tokens its tokenizer adds around a text (a BOS, say), as the chat template's do."""
+    if add_special_tokens and isinstance(prompt, str) and prompt:
+        prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+    return engine.tokenize(prompt)

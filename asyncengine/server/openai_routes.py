@@ -22,7 +22,7 @@ from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.lora_routes import add_lora_routes
 from asyncengine.server.merged_stream import MergedStream
-from asyncengine.server.off_loop import input_chars, run_sized
+from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -82,7 +82,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(req.model, adapters=True)
     given = completion_prompts(req)
     intake = state.engine.intake
-    tokenized = await run_sized(input_chars(given), lambda: [intake.tokenize(p) for p in given])
+    special = bool(req.add_special_tokens)
+    tokenized = await run_sized(
+        input_chars(given), lambda: [tokenize_now(state.engine, p, special) for p in given]
+    )
     prompts: list[list[int]] = [intake.truncate(t, req.truncate_prompt_tokens) for t in tokenized]
     # a cut prompt echoes the tokens kept, not the text given
     given = [

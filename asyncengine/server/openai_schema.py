@@ -137,6 +137,10 @@ class _CommonRequest(Struct, kw_only=True):
     # many as the context holds) before it is checked against the context
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    # vLLM's: a text prompt (chat: the rendered conversation) gets its tokenizer's special
+    # tokens (a BOS, say); None or false: tokenized as it is (vLLM's default on completions
+    # is true)
+    add_special_tokens: bool | None = None
     # vLLM's: logprobs name each token "token_id:<id>" (its bytes are still its own)
     return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these may be sampled
@@ -149,7 +153,6 @@ class _CommonRequest(Struct, kw_only=True):
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Any = None
-    add_special_tokens: bool | None = None
     logits_processors: Any = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
@@ -171,13 +174,13 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None
     # variables for the chat template, e.g. {"enable_thinking": false} (vLLM and SGLang's name)
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: the template's documents variable
     # vLLM's: the template's opening of the reply (None: unless continuing), or the final
     # message left open for the model to go on writing (a prefilled start of the reply)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     # vLLM's, refused unless their default (CHAT_UNSUPPORTED)
     echo: bool = False
-    documents: Any = None
     chat_template: Any = None
     include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (null)
 
@@ -250,9 +253,6 @@ _VLLM_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_gra
                      "structured_outputs")  # fmt: skip
 
 
-ADD_SPECIAL_TOKENS_WHY = (
-    "prompt text is tokenized without special tokens (write them in the text, or send token ids)"
-)
 # vLLM's request fields that are not honoured here: (name, default, why), refused when set to
 # anything else (an empty list or object counts as the default)
 VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
@@ -260,7 +260,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("use_beam_search", False, "beam search is not supported"),
     ("length_penalty", 1.0, "it scores beams, and beam search is not supported"),
     ("prompt_logprobs", None, "use echo with logprobs on /v1/completions to score the prompt"),
-    ("add_special_tokens", False, ADD_SPECIAL_TOKENS_WHY),
     ("logits_processors", None, "custom logits processors are not supported"),
     ("structural_tag", None, "not supported"),
     ("guided_whitespace_pattern", None, "not supported"),
@@ -272,7 +271,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
 # guided_decoding_backend (xgrammar enforces every constraint; the language is the same)
 CHAT_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("echo", False, "not supported on chat completions"),
-    ("documents", None, "not supported; give them to the template through chat_template_kwargs"),
     ("chat_template", None, "a request's own chat template is not supported; the model's is used"),
 )  # fmt: skip
 COMPLETION_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (

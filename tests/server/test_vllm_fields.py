@@ -4,13 +4,25 @@ when set to anything but vLLM's default (the default itself is accepted)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import pytest_asyncio
+from tokenizers import Tokenizer, processors
 
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
-from tests.server_support import RunningServer, assert_no_leak
+from tests.server_support import (
+    RunningServer,
+    assert_no_leak,
+    engine_config,
+    start_server,
+    tiny_model_dir,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -26,7 +38,6 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
             ("use_beam_search", True, False),
             ("length_penalty", 0.5, 1.0),
             ("prompt_logprobs", 2, None),
-            ("add_special_tokens", True, False),
             ("logits_processors", ["my.Processor"], None),
             ("structural_tag", "{}", None),
             ("guided_whitespace_pattern", " ", None),
@@ -35,10 +46,8 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
         )
     ),
     ("chat", "echo", True, False),
-    ("chat", "documents", [{"title": "a", "text": "b"}], None),
     ("chat", "chat_template", "{{ messages }}", None),
     ("completions", "prompt_embeds", "AAAA", None),
-    ("embeddings", "add_special_tokens", True, False),
     ("embeddings", "normalize", False, True),
 ]
 
@@ -280,3 +289,113 @@ async def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(
     assert "The story goes" + tokenizer.decode(generated) == done.choices[0].text
     assert all(k.startswith("token_id:") for top in logprobs.top_logprobs[1:] for k in top)
     assert_no_leak(server.engine)
+
+
+# a template that writes the documents before the conversation (as retrieval templates do)
+RAG_TEMPLATE = (
+    "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BOS = "<|im_start|>"
+
+
+def bos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a tokenizer that puts a BOS before a text when asked to add special
+    tokens, and RAG_TEMPLATE for its chat template."""
+    target = tmp_path_factory.mktemp("tiny_with_bos")
+    shutil.copytree(tiny_model_dir(tmp_path_factory), target, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    bos = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)]
+    )
+    tokenizer.save(str(target / "tokenizer.json"))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "chat_template.jinja").write_text(RAG_TEMPLATE)
+    return target
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def bos_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    running = await start_server(engine_config(bos_model_dir(tmp_path_factory)))
+    yield running
+    await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def bos_client(bos_server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=bos_server.base_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+PROMPT = "The story goes"
+
+
+async def test_add_special_tokens_puts_the_bos_before_a_completions_prompt(
+    bos_client: openai.AsyncOpenAI, bos_server: RunningServer
+) -> None:
+    async def echoed(**extra: Any) -> Any:
+        return await bos_client.completions.create(
+            model=bos_server.model,
+            prompt=PROMPT,
+            max_tokens=1,
+            echo=True,
+            logprobs=0,
+            extra_body=extra,
+        )
+
+    plain, special = await echoed(), await echoed(add_special_tokens=True)
+    assert plain.usage and special.usage
+    assert special.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+    tokens = special.choices[0].logprobs.tokens
+    assert tokens[0] == BOS and plain.choices[0].logprobs.tokens[0] != BOS
+    assert special.choices[0].text.startswith(PROMPT)  # the prompt echoed as given
+    unspecial = await echoed(add_special_tokens=False)
+    assert unspecial.usage and unspecial.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+async def test_add_special_tokens_on_chat_and_embeddings(
+    bos_client: openai.AsyncOpenAI, bos_server: RunningServer
+) -> None:
+    async def chat_tokens(**extra: Any) -> int:
+        reply = await bos_client.chat.completions.create(
+            model=bos_server.model, messages=USER, max_tokens=1, extra_body=extra
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    assert await chat_tokens(add_special_tokens=True) == await chat_tokens() + 1
+
+    async def embedded_tokens(**extra: Any) -> int:
+        done = await bos_client.embeddings.create(
+            model=bos_server.model, input=PROMPT, extra_body=extra
+        )
+        return done.usage.prompt_tokens
+
+    assert await embedded_tokens(add_special_tokens=True) == await embedded_tokens() + 1
+
+
+async def test_documents_reach_the_chat_template(
+    bos_client: openai.AsyncOpenAI, bos_server: RunningServer
+) -> None:
+    documents = [{"title": "Moon", "text": "The moon is made of rock and dust."}]
+
+    async def prompt_tokens(**extra: Any) -> int:
+        reply = await bos_client.chat.completions.create(
+            model=bos_server.model, messages=USER, max_tokens=1, extra_body=extra
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    alone = await prompt_tokens()
+    with_documents = await prompt_tokens(documents=documents)
+    assert with_documents > alone + 8
+    assert await prompt_tokens(chat_template_kwargs={"documents": documents}) == with_documents
+    with pytest.raises(openai.BadRequestError) as twice:
+        await prompt_tokens(documents=documents, chat_template_kwargs={"documents": documents})
+    assert isinstance(twice.value.body, dict) and twice.value.body["param"] == "documents"
