@@ -1,8 +1,9 @@
 """SGLang-style native endpoint: POST /generate.
 
 Request: ``{"text": str} | {"input_ids": [int]}``, ``sampling_params`` (max_new_tokens,
-temperature, top_p, top_k, min_p, stop, stop_token_ids, ignore_eos, n, json_schema / regex /
-ebnf, vLLM's truncate_prompt_tokens, ...), ``stream``, ``rid``, ``return_logprob``,
+temperature, top_p, top_k, min_p, stop, stop_token_ids, no_stop_trim, ignore_eos, n,
+logit_bias, json_schema / regex / ebnf, vLLM's truncate_prompt_tokens, ...), ``stream``, ``rid``,
+``lora`` (SGLang's ``lora_path``), ``return_logprob``,
 ``top_logprobs_num``, ``logprob_start_len`` (with ``return_logprob``, >= 0 also scores the
 prompt tokens from that position on: ``meta_info.input_token_logprobs`` /
 ``input_top_logprobs``, the first token's logprob null; ``max_new_tokens`` 0 then scores
@@ -39,7 +40,7 @@ from asyncengine.common.sampling_params import (
 )
 from asyncengine.server.body import read_json
 from asyncengine.server.completion import generate, outcome_of
-from asyncengine.server.errors import invalid_request
+from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_schema import (
     MinP,
@@ -54,6 +55,8 @@ from asyncengine.server.openai_schema import (
     TopLogprobs,
     TopP,
     TruncatePromptTokens,
+    check_unsupported,
+    logit_bias,
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
@@ -94,6 +97,21 @@ class NativeSamplingParams(Struct, kw_only=True):
     ebnf: str | None = None
     # vLLM's: the prompt cut to its last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    no_stop_trim: bool = False  # the matched stop string ends the text
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id strings to -100..100
+    # SGLang's, refused unless their default (NATIVE_SAMPLING_UNSUPPORTED)
+    stop_regex: Any = None
+    structural_tag: Any = None
+    custom_params: Any = None
+    spaces_between_special_tokens: bool = True
+    # stream_interval is read nowhere: it batches a stream's frames, their joined text the same
+
+
+NATIVE_SAMPLING_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("stop_regex", None, "stop strings are matched literally (stop)"),
+    ("structural_tag", None, "not supported; constrain with json_schema, regex or ebnf"),
+    ("custom_params", None, "custom logit processors are not supported"),
+)
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -113,6 +131,41 @@ class GenerateRequest(Struct, kw_only=True):
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     lora: Annotated[str, Meta(max_length=MAX_LORA_NAME_LENGTH)] | None = None  # an adapter's name
+    lora_path: Annotated[str, Meta(max_length=MAX_LORA_NAME_LENGTH)] | None = None  # SGLang's
+    # SGLang's, refused unless their default (NATIVE_UNSUPPORTED); read nowhere, as they change
+    # nothing a client sees: log_metrics, custom_labels, no_logs (no log line holds a prompt),
+    # data_parallel_rank / routed_dp_rank / routing_key (routing hints), extra_key,
+    # conversation_id, modalities (no multimodal input)
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_room: Any = None
+    require_reasoning: bool = False
+    background: bool = False
+
+
+NATIVE_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("input_embeds", None, "prompt embeddings are not supported; send text or input_ids"),
+    ("image_data", None, "multimodal input is not supported"),
+    ("video_data", None, "multimodal input is not supported"),
+    ("audio_data", None, "multimodal input is not supported"),
+    ("token_ids_logprob", None, "top_logprobs_num gives the most likely tokens' logprobs"),
+    ("return_hidden_states", False, "hidden states are not returned"),
+    ("return_entropy", False, "entropy is not returned"),
+    ("session_params", None, "sessions are not supported"),
+    ("custom_logit_processor", None, "custom logit processors are not supported"),
+    ("bootstrap_host", None, "disaggregated prefill is not supported"),
+    ("bootstrap_room", None, "disaggregated prefill is not supported"),
+    ("require_reasoning", False, "not supported"),
+    ("background", False, "background requests are not supported"),
+)
 
 
 def _prompt(req: GenerateRequest) -> Prompt:
@@ -150,6 +203,24 @@ def _one_of(name: str, top: Any, inner: Any) -> Any:
     return top if top is not None else inner
 
 
+def _adapter(req: GenerateRequest) -> str | None:
+    """The adapter named by ``lora`` or SGLang's ``lora_path`` (both: the same one)."""
+    if req.lora is not None and req.lora_path is not None and req.lora != req.lora_path:
+        raise invalid_request(
+            f"lora {req.lora!r} and lora_path {req.lora_path!r} name different adapters",
+            param="lora_path",
+        )
+    return req.lora if req.lora is not None else req.lora_path
+
+
+def _logit_bias(sp: NativeSamplingParams) -> dict[int, float]:
+    try:
+        return logit_bias(sp.logit_bias)
+    except ApiError as error:
+        error.param = "sampling_params.logit_bias"
+        raise
+
+
 def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
     given = {
         kind: spec
@@ -172,6 +243,15 @@ def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
 
 def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> SamplingParams:
     sp = req.sampling_params
+    check_unsupported(req, NATIVE_UNSUPPORTED)
+    check_unsupported(sp, NATIVE_SAMPLING_UNSUPPORTED, "sampling_params.")
+    if not sp.spaces_between_special_tokens and not sp.skip_special_tokens:
+        raise invalid_request(  # (with special tokens skipped there is nothing between them)
+            "sampling_params.spaces_between_special_tokens=false is not honoured here: special "
+            "tokens are written as the tokenizer decodes them",
+            param="sampling_params.spaces_between_special_tokens",
+            code="unsupported_parameter",
+        )
     priority = _one_of("priority", req.priority, sp.priority)
     if sp.n > max_n:
         raise invalid_request(
@@ -198,6 +278,7 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             presence_penalty=sp.presence_penalty,
             repetition_penalty=sp.repetition_penalty,
             stop=stop,
+            include_stop_str_in_output=sp.no_stop_trim,
             stop_token_ids=list(sp.stop_token_ids or []),
             ignore_eos=sp.ignore_eos,
             skip_special_tokens=sp.skip_special_tokens,
@@ -207,12 +288,13 @@ def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> S
             prompt_logprobs=req.top_logprobs_num if scores_prompt else None,
             prompt_logprobs_start=max(0, req.logprob_start_len),
             n=sp.n,
+            logit_bias=_logit_bias(sp),
             structured=_structured(sp),
             priority=0 if priority is None else priority,
             timeout=_one_of("timeout", req.timeout, sp.timeout),
             tenant=req.user or None,
             cache_salt=req.cache_salt,
-            lora=req.lora,
+            lora=_adapter(req),
         )
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param="sampling_params", code="invalid_value") from None

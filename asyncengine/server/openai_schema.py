@@ -278,13 +278,18 @@ COMPLETION_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
 )
 
 
-def check_unsupported(req: Struct, unsupported: tuple[tuple[str, object, str], ...]) -> None:
+def check_unsupported(
+    req: Struct, unsupported: tuple[tuple[str, object, str], ...], prefix: str = ""
+) -> None:
+    """A 400 naming the first of ``unsupported`` that ``req`` sets (``prefix``: the object's
+    path in the body, e.g. "sampling_params.")."""
     for name, default, why in unsupported:
         value = getattr(req, name)
         if value is not None and value != default and value != [] and value != {}:
             given = msgspec.json.encode(value).decode()
             given = given if len(given) <= 60 else given[:60] + "..."
-            raise _unsupported(name, f"{name}={given} is not honoured here: {why}")
+            param = prefix + name
+            raise _unsupported(param, f"{param}={given} is not honoured here: {why}")
 
 
 def _check_common(req: _CommonRequest, max_n: int) -> None:

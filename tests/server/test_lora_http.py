@@ -68,19 +68,22 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
                         "temperature": 0}  # fmt: skip
                 return await _post(session, url + "/v1/completions", body)
 
-            async def token_ids(model: str | None, route: str = "/generate") -> list[int]:
+            async def token_ids(
+                model: str | None, route: str = "/generate", key: str = "lora"
+            ) -> list[int]:
                 body: dict[str, Any] = {
                     "input_ids": PROMPT,
                     "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                         "ignore_eos": True},
                 }  # fmt: skip
                 if model is not None:
-                    body["lora"] = model
+                    body[key] = model
                 status, out = await _post(session, url + route, body)
                 assert status == 200, out
                 return list(out["output_ids"])
 
             assert await token_ids("r4") == oracle.greedy("r4", PROMPT, NEW_TOKENS)
+            assert await token_ids("r4", key="lora_path") == await token_ids("r4")  # SGLang's
             assert await token_ids(None) == oracle.greedy(None, PROMPT, NEW_TOKENS)
             # an adapter's embedding is its hidden states' (HF + PEFT)
             for model, lora in ((base, None), ("r4", "r4")):
