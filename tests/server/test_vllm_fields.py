@@ -399,3 +399,27 @@ async def test_documents_reach_the_chat_template(
     with pytest.raises(openai.BadRequestError) as twice:
         await prompt_tokens(documents=documents, chat_template_kwargs={"documents": documents})
     assert isinstance(twice.value.body, dict) and twice.value.body["param"] == "documents"
+
+
+async def test_the_sampling_fields_shared_with_vllm_change_the_output(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """stop_token_ids, min_tokens, repetition_penalty and skip_special_tokens, each against
+    the same greedy request without it (the tiny model is deterministic)."""
+    free = await _greedy_ids(client, server)
+
+    async def text(**extra: Any) -> str:
+        return await _create(
+            client, server, "completions", max_tokens=12, extra_body={"ignore_eos": True, **extra}
+        )
+
+    whole = server.engine.tokenizer.decode(free)
+    assert await text() == whole
+    stopped = await text(stop_token_ids=[free[3]])
+    assert len(stopped) < len(whole) and whole.startswith(stopped)
+    # the stop token banned until 6 tokens are out: the output goes past where it stopped
+    assert len(await text(stop_token_ids=[free[3]], min_tokens=6)) > len(stopped)
+    assert await text(repetition_penalty=0.1) != whole  # below 1: seen tokens favoured
+    special = server.engine.tokenizer.encode(BOS)
+    assert await text(allowed_token_ids=special, skip_special_tokens=False) == BOS * 12
+    assert await text(allowed_token_ids=special) == ""
