@@ -24,7 +24,11 @@ from asyncengine.common.sampling_params import InvalidRequestError, SamplingPara
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
 from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
-from asyncengine.server.openai_schema import TruncatePromptTokens, check_unsupported
+from asyncengine.server.openai_schema import (
+    RefusedUnlessTrue,
+    TruncatePromptTokens,
+    check_unsupported,
+)
 from asyncengine.server.state import OUTCOME, STATE
 
 MAX_INPUTS = 2048  # OpenAI's limit of items per request
@@ -44,7 +48,9 @@ class EmbeddingRequest(Struct, kw_only=True):
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: each input's last k
     # vLLM's: a text input gets its tokenizer's special tokens (a BOS, say)
     add_special_tokens: bool | None = None
-    normalize: bool | None = None  # vLLM's, refused unless true (EMBEDDING_UNSUPPORTED)
+    normalize: RefusedUnlessTrue | None = (
+        None  # vLLM's, refused unless true (EMBEDDING_UNSUPPORTED)
+    )
 
 
 EMBEDDING_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (

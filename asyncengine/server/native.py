@@ -47,6 +47,9 @@ from asyncengine.server.openai_schema import (
     NonNegativeInt,
     PositiveInt,
     Priority,
+    RefusedUnlessFalse,
+    RefusedUnlessNull,
+    RefusedUnlessTrue,
     RepetitionPenalty,
     Seed,
     TimeoutSeconds,
@@ -100,10 +103,10 @@ class NativeSamplingParams(Struct, kw_only=True):
     no_stop_trim: bool = False  # the matched stop string ends the text
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id strings to -100..100
     # SGLang's, refused unless their default (NATIVE_SAMPLING_UNSUPPORTED)
-    stop_regex: Any = None
-    structural_tag: Any = None
-    custom_params: Any = None
-    spaces_between_special_tokens: bool = True
+    stop_regex: RefusedUnlessNull = None
+    structural_tag: RefusedUnlessNull = None
+    custom_params: RefusedUnlessNull = None
+    spaces_between_special_tokens: RefusedUnlessTrue = True  # (false: with specials skipped)
     # stream_interval is read nowhere: it batches a stream's frames, their joined text the same
 
 
@@ -136,19 +139,19 @@ class GenerateRequest(Struct, kw_only=True):
     # nothing a client sees: log_metrics, custom_labels, no_logs (no log line holds a prompt),
     # data_parallel_rank / routed_dp_rank / routing_key (routing hints), extra_key,
     # conversation_id, modalities (no multimodal input)
-    input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    token_ids_logprob: Any = None
-    return_hidden_states: bool = False
-    return_entropy: bool = False
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    bootstrap_host: Any = None
-    bootstrap_room: Any = None
-    require_reasoning: bool = False
-    background: bool = False
+    input_embeds: RefusedUnlessNull = None
+    image_data: RefusedUnlessNull = None
+    video_data: RefusedUnlessNull = None
+    audio_data: RefusedUnlessNull = None
+    token_ids_logprob: RefusedUnlessNull = None
+    return_hidden_states: RefusedUnlessFalse = False
+    return_entropy: RefusedUnlessFalse = False
+    session_params: RefusedUnlessNull = None
+    custom_logit_processor: RefusedUnlessNull = None
+    bootstrap_host: RefusedUnlessNull = None
+    bootstrap_room: RefusedUnlessNull = None
+    require_reasoning: RefusedUnlessFalse = False
+    background: RefusedUnlessFalse = False
 
 
 NATIVE_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (

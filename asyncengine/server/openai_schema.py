@@ -56,11 +56,17 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
+# Fields refused unless they hold their default: the decoder takes any value, so that the 400
+# names the field (check_unsupported), and the OpenAPI document says that only the default is
+# valid.
+RefusedUnlessNull = Annotated[Any, Meta(extra_json_schema={"const": None})]
+RefusedUnlessFalse = Annotated[bool, Meta(extra_json_schema={"const": False})]
+RefusedUnlessTrue = Annotated[bool, Meta(extra_json_schema={"const": True})]
 
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's (usage in every chunk): refused
+    continuous_usage_stats: RefusedUnlessFalse = False  # vLLM's (usage in every chunk)
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -121,11 +127,11 @@ class _CommonRequest(Struct, kw_only=True):
     ebnf: str | None = None
     # vLLM's names for output constraints: refused, since ignored they would leave the output
     # unconstrained with nothing said (response_format, regex and ebnf say the same)
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    guided_json: RefusedUnlessNull = None
+    guided_regex: RefusedUnlessNull = None
+    guided_choice: RefusedUnlessNull = None
+    guided_grammar: RefusedUnlessNull = None
+    structured_outputs: RefusedUnlessNull = None
     # Extensions that vLLM and SGLang also accept.
     priority: Priority = 0  # lower is served first (the "priority" policy)
     timeout: TimeoutSeconds | None = None  # seconds from arrival, then finish_reason "timeout"
@@ -148,16 +154,16 @@ class _CommonRequest(Struct, kw_only=True):
     bad_words: list[str] | None = None
     # vLLM's options that nothing here honours: a 400 when set to anything but their default
     # (VLLM_UNSUPPORTED says why each); ignored, they would change the answer with nothing said
-    best_of: PositiveInt | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    spaces_between_special_tokens: bool = True
-    prompt_logprobs: Any = None
-    logits_processors: Any = None
-    structural_tag: Any = None
-    guided_whitespace_pattern: Any = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
+    best_of: Annotated[int, Meta(ge=1, extra_json_schema={"maximum": 1})] | None = None
+    use_beam_search: RefusedUnlessFalse = False
+    length_penalty: Annotated[float, Meta(extra_json_schema={"const": 1.0})] = 1.0
+    spaces_between_special_tokens: RefusedUnlessTrue = True  # (false: with specials skipped)
+    prompt_logprobs: RefusedUnlessNull = None
+    logits_processors: RefusedUnlessNull = None
+    structural_tag: RefusedUnlessNull = None
+    guided_whitespace_pattern: RefusedUnlessNull = None
+    kv_transfer_params: RefusedUnlessNull = None
+    vllm_xargs: RefusedUnlessNull = None
 
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
@@ -180,8 +186,8 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     # vLLM's, refused unless their default (CHAT_UNSUPPORTED)
-    echo: bool = False
-    chat_template: Any = None
+    echo: RefusedUnlessFalse = False
+    chat_template: RefusedUnlessNull = None
     include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (null)
 
 
@@ -191,7 +197,7 @@ class CompletionRequest(_CommonRequest, kw_only=True):
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    prompt_embeds: Any = None  # vLLM's: refused
+    prompt_embeds: RefusedUnlessNull = None  # vLLM's: refused
 
 
 # OpenAI's documented default for /v1/completions.
