@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from tokenizers import Tokenizer, processors
 
+from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
     RunningServer,
@@ -423,3 +424,23 @@ async def test_the_sampling_fields_shared_with_vllm_change_the_output(
     special = server.engine.tokenizer.encode(BOS)
     assert await text(allowed_token_ids=special, skip_special_tokens=False) == BOS * 12
     assert await text(allowed_token_ids=special) == ""
+
+
+async def test_the_python_api_checks_the_new_fields(server: RunningServer) -> None:
+    with pytest.raises(InvalidRequestError) as empty:
+        SamplingParams(allowed_token_ids=[])
+    assert empty.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidRequestError) as blank:
+        SamplingParams(bad_words_token_ids=[[]])
+    assert blank.value.param == "bad_words_token_ids"
+    vocab = server.engine.vocab_size
+    for name, value in (("allowed_token_ids", [vocab]), ("bad_words_token_ids", [[1, vocab]])):
+        with pytest.raises(InvalidRequestError) as outside:
+            await server.engine.generate("hi", SamplingParams(max_new_tokens=2, **{name: value}))
+        assert outside.value.param == name and str(vocab) in str(outside.value)
+    kept = await server.engine.generate(
+        "The story goes",
+        SamplingParams(max_new_tokens=2, temperature=0, allowed_token_ids=[7]),
+    )
+    assert kept.token_ids == [7, 7]
+    assert_no_leak(server.engine)
