@@ -2,8 +2,9 @@
 
 Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
 ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
-Known fields whose meaning we cannot honour (echo, best_of > 1, ...) are refused with a 400
-rather than silently ignored. Tools and reasoning: server/chat_tools.py.
+Known fields whose meaning we cannot honour (best_of > 1, beam search, vLLM's other extras in
+VLLM_UNSUPPORTED, ...) are refused with a 400 that names them rather than silently ignored.
+Tools and reasoning: server/chat_tools.py.
 """
 
 from __future__ import annotations
