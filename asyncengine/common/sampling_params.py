@@ -26,7 +26,9 @@ MAX_STOP_STRINGS = 16
 # Characters per stop string: the matcher's automaton and the text held back grow with it.
 MAX_STOP_STRING_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
-MAX_BAD_WORDS = 1024  # token sequences, checked against each row's output every step
+# Tokens of all bad words together (each row's output is checked against them every step)
+MAX_BAD_WORD_TOKENS = 2048
+MAX_BAD_WORDS_CHARS = 4096  # characters of all bad_words together, tokenized on the loop
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # alternatives per position, generated or prompt tokens
 
@@ -325,8 +327,8 @@ class SamplingParams:
             for seq in self.bad_words_token_ids
         ):
             raise bad("bad_words_token_ids", "must be a list of non-empty lists of token ids")
-        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
-            raise bad("bad_words_token_ids", f"at most {MAX_BAD_WORDS} sequences")
+        if sum(len(seq) for seq in self.bad_words_token_ids) > MAX_BAD_WORD_TOKENS:
+            raise bad("bad_words_token_ids", f"at most {MAX_BAD_WORD_TOKENS} tokens in all")
         if self.n < 1:
             raise bad("n", "must be >= 1")
         if not isinstance(self.logit_bias, dict):

@@ -109,12 +109,13 @@ def bad_word_bans(output_ids: Sequence[int], bad_words: Sequence[Sequence[int]])
     """The tokens a row may not sample next: the last token of each bad word whose other
     tokens end the output (vLLM's bad_words)."""
     banned = []
+    end = len(output_ids)
     for word in bad_words:
         head = len(word) - 1
-        if head == 0 or (
-            len(output_ids) >= head
-            and all(a == b for a, b in zip(output_ids[-head:], word[:head], strict=True))
-        ):
+        if head > end:
+            continue
+        # compared from the end, no copies: most words part at the output's last token
+        if all(output_ids[end - k] == word[head - k] for k in range(1, head + 1)):
             banned.append(word[-1])
     return banned
 

@@ -16,11 +16,11 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from asyncengine.common.sampling_params import (
-    MAX_BAD_WORDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS_CHARS,
     MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PRIORITY,
-    MAX_STOP_STRING_LENGTH,
     MAX_TENANT_LENGTH,
     InvalidRequestError,
     SamplingParams,
@@ -539,21 +539,24 @@ def bad_words_token_ids(words: list[str] | None, tokenizer: Any) -> list[list[in
     follows a space (vLLM keeps the second only where it is as many tokens as the first, and so
     lets " Raj", one token, through for the bad word "Raj", two)."""
     words = words or []
-    if len(words) > MAX_BAD_WORDS // 2:
-        raise invalid_request(f"bad_words has more than {MAX_BAD_WORDS // 2} words", "bad_words")
+    if sum(len(word) for word in words) > MAX_BAD_WORDS_CHARS:
+        raise invalid_request(
+            f"bad_words has more than {MAX_BAD_WORDS_CHARS} characters in all", "bad_words"
+        )
     sequences: list[list[int]] = []
     for i, word in enumerate(words):
         word = word.lstrip()
-        if not word or len(word) > MAX_STOP_STRING_LENGTH:
-            raise invalid_request(
-                f"bad_words[{i}] must be 1 to {MAX_STOP_STRING_LENGTH} characters, not blank",
-                param="bad_words",
-            )
+        if not word:
+            raise invalid_request(f"bad_words[{i}] is blank", param="bad_words")
         alone = list(tokenizer.encode(word))
         spaced = list(tokenizer.encode(" " + word))
         sequences.append(alone)
         if spaced != alone:
             sequences.append(spaced)
+    if sum(len(seq) for seq in sequences) > MAX_BAD_WORD_TOKENS:
+        raise invalid_request(
+            f"bad_words make more than {MAX_BAD_WORD_TOKENS} tokens in all", "bad_words"
+        )
     return sequences
 
 

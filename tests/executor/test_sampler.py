@@ -16,6 +16,7 @@ from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.executor.penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
+    bad_word_bans,
     ban_tokens,
 )
 from asyncengine.executor.sampler import Sampler, greedy_tokens, seeded_uniform, splitmix64
@@ -447,6 +448,28 @@ def test_allowed_token_ids_and_bad_words_limit_the_next_token() -> None:
     # bans that leave no allowed token: allowed_token_ids win
     emptied = SamplingParams(temperature=0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
     assert sampler.sample(logits, [info(emptied)])[0] == [3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    output=st.lists(st.integers(0, 3), max_size=8),
+    words=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), max_size=6),
+)
+def test_bad_word_bans_are_the_last_tokens_of_the_words_the_output_ends_before(
+    output: list[int], words: list[list[int]]
+) -> None:
+    expected = [
+        w[-1]
+        for w in words
+        if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1 :] == w[:-1]
+    ]
+    assert bad_word_bans(output, words) == expected
+
+
+def test_bad_words_are_bounded_in_tokens() -> None:
+    SamplingParams(bad_words_token_ids=[[1] * 1024, [2] * 1024])
+    with pytest.raises(ValueError, match="bad_words_token_ids=.*: at most 2048 tokens in all"):
+        SamplingParams(bad_words_token_ids=[[1] * 1024, [2] * 1025])
 
 
 # ---------------------------------------------------------------- logprobs

@@ -247,6 +247,11 @@ async def test_bad_words_never_appear_in_the_output(
     with pytest.raises(openai.BadRequestError) as refused:
         await _create(client, server, "chat", max_tokens=2, extra_body={"bad_words": [" "]})
     assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "bad_words"
+    # bounded: tokenized as the request arrives and checked against the output every step
+    for words, limit in ((["9" * 4097], "4096 characters"), (["9 " * 1500], "2048 tokens")):
+        with pytest.raises(openai.BadRequestError, match=limit) as refused:
+            await _create(client, server, "chat", max_tokens=2, extra_body={"bad_words": words})
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "bad_words"
     assert_no_leak(server.engine)
 
 
