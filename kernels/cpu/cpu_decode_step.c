@@ -17,7 +17,7 @@
  *   a -> q8                          each thread
  *   r += W_o a                       rows split over threads                       | barrier
  *   x = rms_norm(r) -> q8            each thread
- *   h = silu(W_gate x) * (W_up x)    pairs of rows (gate j, up j) over threads     | barrier
+ *   h = act(W_gate x) * (W_up x)     pairs of rows (gate j, up j) over threads     | barrier
  *   h -> q8; r += W_down h           rows split over threads                       | barrier
  *
  * then out = rms_norm(r, final_norm). Each thread takes one contiguous share of each phase's
@@ -25,9 +25,14 @@
  * barrier it asks for the first bytes of its share of the next projection (prefetch_*_share), so
  * that each phase starts on weights already on their way rather than on a cold stream.
  *
- * A layer with per-head q/k norms (Qwen3: layer_desc's q_norm, k_norm) has each q and k head
- * RMS-normed just before it is rotated, by whichever item rotates it (norm_rotate): no phase of
- * its own, since a head's values may come from both threads' shares of the qkv rows.
+ * A layer with per-head q/k norms (Qwen3, Gemma 3: layer_desc's q_norm, k_norm) has each q and
+ * k head RMS-normed just before it is rotated, by whichever item rotates it (norm_rotate): no
+ * phase of its own, since a head's values may come from both threads' shares of the qkv rows.
+ * Gemma 3's layers differ from the llama layer in flags and pointers of the same path (NULL or
+ * 0: the llama layer's): sandwich norms (attn_out_norm, mlp_out_norm: o_proj's and down's
+ * output RMS-normed before the residual add, written apart, then after a barrier added in row
+ * shares, add_normed_rows), a GELU gate (model_desc's gelu), a sliding window (window: a row's
+ * attention items cover its last `window` keys) and a RoPE table of the layer's own (cos_sin).
  *
  * One request (batch 1, the single-stream case): the only key written this step is the row's
  * own, so each head takes the new key and value from the qkv row (the rotated key in registers)
@@ -86,6 +91,11 @@ typedef struct {
     const float *post_norm;
     /* [head_dim]: each q / k head RMS-normed by them before RoPE (Qwen3); NULL: no such norm */
     const float *q_norm, *k_norm;
+    /* [hidden]: the attention / MLP output RMS-normed by them before its residual add (Gemma 3's
+     * sandwich norms); NULL: added as it is */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *cos_sin; /* [rope_rows, head_dim]: this layer's RoPE table; NULL: the model's */
+    int64_t window;       /* keys a row sees, its own included (a sliding layer); 0: all */
     kv_t *k_cache; /* [S, kv_heads, head_dim] */
     kv_t *v_cache;
     qlinear qkv, o_proj, gate_up, down;
@@ -98,6 +108,7 @@ typedef struct {
     const float *final_norm;
     const layer_desc *layers;
     const lora_desc *lora; /* the step's adapter rows (cpu_step_lora.h); NULL: none */
+    int64_t gelu;          /* the MLP's gate activation: 1 GELU (tanh form, Gemma), 0 SiLU */
 } model_desc;
 
 /* a thread's activations: n rows of k values, in q8 form (q, d, sd) and as float32 (f: the rows
@@ -298,6 +309,19 @@ static inline void share(int64_t count, int64_t *first, int64_t *last) {
     share_of(count, omp_get_thread_num(), omp_get_num_threads(), first, last);
 }
 
+/* residual[i] += rms_norm(out[i], w) for this thread's share of the n rows: a sublayer's output
+ * added through its sandwich norm (Gemma 3), which needs the output's whole row (no barrier) */
+static void add_normed_rows(const float *out, const float *w, int64_t n, int64_t h, float eps,
+                            float *residual) {
+    int64_t first, last;
+    share(n, &first, &last);
+    for (int64_t i = first; i < last; i++) {
+        const float *o = out + i * h;
+        const float inv = 1.0f / sqrtf(sum_squares(o, h) / (float)h + eps);
+        for (int64_t j = 0; j < h; j++) residual[i * h + j] += o[j] * inv * w[j];
+    }
+}
+
 /* the weight bytes of rows 0..row-1 of lin */
 static inline int64_t bytes_before(const qlinear *lin, int64_t row) {
     int64_t bytes = 0;
@@ -429,7 +453,7 @@ static void gemv(const qlinear *lin, int64_t rows, const act_buf *a, int64_t n, 
     }
 }
 
-/* the first bytes of this thread's share of gate_up_silu(lin, inter): its gate and up rows */
+/* the first bytes of this thread's share of gate_up_act(lin, inter): its gate and up rows */
 static inline void prefetch_gate_up_share(const qlinear *lin, int64_t inter) {
     int64_t t0, t1;
     share((inter + PAIR_TILE - 1) / PAIR_TILE, &t0, &t1);
@@ -438,11 +462,29 @@ static inline void prefetch_gate_up_share(const qlinear *lin, int64_t inter) {
     prefetch_rows_from(lin, inter + t0 * PAIR_TILE, PHASE_PREFETCH_BYTES / 2);
 }
 
-/* h[i, j] = silu(gate_j . x_i) * (up_j . x_i): gate rows 0..inter-1, up rows inter..2 inter-1
- * (this thread's share of the pairs; no barrier); delta [n, 2 inter] (NULL: none) is added to
- * gate and up before the product (the LoRA updates of this thread's share, lora_expand_share) */
-static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h,
-                         const float *delta) {
+/* the gate's activation: SiLU, or GELU in its tanh form (gelu: Gemma's gelu_pytorch_tanh) */
+static inline float gate_act(float g, int gelu) {
+    if (!gelu) return g / (1.0f + expf(-g));
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+#if defined(Q_ISA_SIMD)
+static inline __m256 gate_act256(__m256 g, int gelu) {
+    if (!gelu) return silu256(g);
+    const __m256 inner = _mm256_mul_ps(
+        _mm256_set1_ps(0.7978845608028654f),
+        _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+    const __m256 half_g = _mm256_mul_ps(_mm256_set1_ps(0.5f), g);
+    return _mm256_fmadd_ps(half_g, tanh256(inner), half_g);
+}
+#endif
+
+/* h[i, j] = act(gate_j . x_i) * (up_j . x_i) (gate_act): gate rows 0..inter-1, up rows
+ * inter..2 inter-1 (this thread's share of the pairs; no barrier); delta [n, 2 inter] (NULL:
+ * none) is added to gate and up before the product (the LoRA updates of this thread's share,
+ * lora_expand_share) */
+static void gate_up_act(const qlinear *lin, int64_t inter, const act_buf *a, int64_t n, float *h,
+                        const float *delta, int gelu) {
     int64_t t_first, t_last;
     share((inter + PAIR_TILE - 1) / PAIR_TILE, &t_first, &t_last);
     for (int64_t t = t_first; t < t_last; t++) {
@@ -468,12 +510,12 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
 #if defined(Q_ISA_SIMD)
                     _Static_assert(XR == 8, "a group's row of gate/up is one 8-lane vector");
                     _mm256_storeu_ps(h + (i + r) * inter + j0,
-                                     _mm256_mul_ps(silu256(_mm256_loadu_ps(g + r * XR)),
+                                     _mm256_mul_ps(gate_act256(_mm256_loadu_ps(g + r * XR), gelu),
                                                    _mm256_loadu_ps(u + r * XR)));
 #else
                     for (int j = 0; j < XR; j++) {
                         const float gv = g[r * XR + j];
-                        h[(i + r) * inter + j0 + j] = gv / (1.0f + expf(-gv)) * u[r * XR + j];
+                        h[(i + r) * inter + j0 + j] = gate_act(gv, gelu) * u[r * XR + j];
                     }
 #endif
                 }
@@ -485,7 +527,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                 float gu[2];
                 linear_rows2(lin, j, inter + j, a, gu);
                 if (delta) gu[0] += delta[j], gu[1] += delta[inter + j];
-                h[j] = gu[0] / (1.0f + expf(-gu[0])) * gu[1];
+                h[j] = gate_act(gu[0], gelu) * gu[1];
                 continue;
             }
             for (int64_t i0 = 0; i0 < n; i0 += 256) {
@@ -499,8 +541,7 @@ static void gate_up_silu(const qlinear *lin, int64_t inter, const act_buf *a, in
                     u[i] += delta[(i0 + i) * 2 * inter + inter + j];
                 }
                 for (int64_t i = 0; i < m; i++) {
-                    const float silu = g[i] / (1.0f + expf(-g[i]));
-                    h[(i0 + i) * inter + j] = silu * u[i];
+                    h[(i0 + i) * inter + j] = gate_act(g[i], gelu) * u[i];
                 }
             }
         }
@@ -596,22 +637,24 @@ static attn_items plan_items(const int64_t *order, int64_t n, int64_t kv_heads, 
 
 /* what item `item` covers: row `row`, kv heads kv0 .. kv0 + kvc - 1 and, of each, gc query
  * heads from h0 (kvc > 1: all of them); keys begin .. end - 1 of the row's len, range `split`
- * of the (row, kv chunk) `unit` (split-K; else all of them) */
+ * of the (row, kv chunk) `unit` (split-K; else all of them) of the keys the row sees (its last
+ * `window` in a sliding layer; window 0: all) */
 typedef struct {
     int64_t row, kv0, kvc, h0, gc, unit, split, begin, end;
 } attn_item;
 
 static inline attn_item item_at(const attn_items *items, int64_t item, int64_t kv_heads,
-                                int64_t group, const int32_t *seq_lens) {
+                                int64_t group, const int32_t *seq_lens, int64_t window) {
     const int64_t unit = item / items->splits, split = item % items->splits;
     const int64_t per_row = kv_heads / items->kv_per_item * items->chunks;
     const int64_t sub = unit % per_row, kv0 = sub / items->chunks * items->kv_per_item;
     const int64_t first = sub % items->chunks * items->chunk_heads;
     const int64_t gc = first + items->chunk_heads <= group ? items->chunk_heads : group - first;
     const int64_t row = items->order[unit / per_row], len = seq_lens[row];
+    const int64_t seen0 = window > 0 && len > window ? len - window : 0, seen = len - seen0;
     return (attn_item){row,   kv0,  items->kv_per_item, kv0 * group + first,
-                       gc,    unit, split,              len * split / items->splits,
-                       len * (split + 1) / items->splits};
+                       gc,    unit, split,              seen0 + seen * split / items->splits,
+                       seen0 + seen * (split + 1) / items->splits};
 }
 
 /* One item's attention: q [heads of the item, D] (rotated) -> out (may be q), or for a split-K
@@ -623,8 +666,8 @@ static void attention_item(const attn_items *items, const attn_item *it, const f
                            float scale, const kv_t *k_new, const kv_t *v_new, float *out,
                            float *parts, atomic_int *done) {
     if (items->splits == 1) {
-        attend_group(q, it->kvc, it->gc, k_cache, v_cache, table_row, len, page_size, it->kv0,
-                     kv_heads, D, scale, k_new, v_new, out);
+        attend_group(q, it->kvc, it->gc, k_cache, v_cache, table_row, it->begin, len, page_size,
+                     it->kv0, kv_heads, D, scale, k_new, v_new, out);
         return;
     }
     const int64_t heads = it->kvc * it->gc, stride = ATTN_PART(heads, D);
@@ -749,7 +792,7 @@ static inline void gemv_share_outputs(const qlinear *lin, int64_t rows, int64_t 
     gemv_share_outputs_of(lin, rows, omp_get_thread_num(), omp_get_num_threads(), o0, o1);
 }
 
-/* share t of nt of gate_up_silu's pairs: j0 <= j < j1 */
+/* share t of nt of gate_up_act's pairs: j0 <= j < j1 */
 static inline void gate_up_share_pairs_of(int64_t inter, int64_t t, int64_t nt, int64_t *j0,
                                           int64_t *j1) {
     int64_t t0, t1;
@@ -759,7 +802,7 @@ static inline void gate_up_share_pairs_of(int64_t inter, int64_t t, int64_t nt, 
     if (*j0 > *j1) *j0 = *j1;
 }
 
-/* this thread's share of gate_up_silu's pairs */
+/* this thread's share of gate_up_act's pairs */
 static inline void gate_up_share_pairs(int64_t inter, int64_t *j0, int64_t *j1) {
     gate_up_share_pairs_of(inter, omp_get_thread_num(), omp_get_num_threads(), j0, j1);
 }
@@ -768,7 +811,7 @@ static inline void gate_up_share_pairs(int64_t inter, int64_t *j0, int64_t *j1) 
  * that makes the input final, the team's threads take the plan's shares in turn, each share's
  * part in its own slot, so that the sum after the next barrier adds the parts a team of
  * plan_threads would, in its order. which: the shrink after o_proj (gate/up's, into norm_parts),
- * after gate_up_silu (down's, into down_parts) or after down (the next layer's q/k/v's). */
+ * after gate_up_act (down's, into down_parts) or after down (the next layer's q/k/v's). */
 enum { LATE_GATE_UP, LATE_DOWN, LATE_NEXT_QKV };
 static void lora_shrink_late(const model_desc *m, int64_t l, int which, const float *residual,
                              const float *mlp, int64_t plan, float *norm_parts, float *down_parts,
@@ -831,6 +874,8 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
     float *qkv = (float *)malloc((size_t)(n * qkv_size) * sizeof(float));
     float *attn = (float *)malloc((size_t)(n * q_size) * sizeof(float));
     float *mlp = (float *)malloc((size_t)(n * inter) * sizeof(float));
+    /* a sublayer's output before its sandwich norm (Gemma 3) */
+    float *sub = (float *)malloc((size_t)(n * H) * sizeof(float));
     int64_t *order = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     atomic_llong *claimed = (atomic_llong *)malloc((size_t)m->num_layers * sizeof(atomic_llong));
     /* split-K (plan_items): the ranges' states, and a counter per (layer, unit) */
@@ -851,7 +896,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
     const int64_t part_slots = threads > plan_threads ? threads : plan_threads;
     float *lora_parts =
         lora ? (float *)malloc((size_t)(2 * part_slots * part_stride + 1) * sizeof(float)) : NULL;
-    int failed = !residual || !qkv || !attn || !mlp || !order || !claimed ||
+    int failed = !residual || !qkv || !attn || !mlp || !sub || !order || !claimed ||
                  (may_split && (!parts || !done_ranges)) || (lora && (!lora_gu || !lora_parts));
     if (failed) goto done;
     sort_rows(order, n, seq_lens);
@@ -898,6 +943,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
         if (ok) {
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const layer_desc *L = &m->layers[l];
+                const float *rope = L->cos_sin ? L->cos_sin : m->cos_sin;
                 for (int64_t i = 0; i < n; i++)
                     rms_norm_row(residual + i * H, L->input_norm, H, m->eps, x + i * H);
                 quantize_rows(x, n, H, &a, needs_q8(&L->qkv));
@@ -921,7 +967,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                         const int64_t i = item / kv_heads, h = item % kv_heads;
                         if (slots[i] < 0) continue; /* a padding row writes nothing */
                         const float *row = qkv + i * qkv_size;
-                        const float *cs = m->cos_sin + positions[i] * D;
+                        const float *cs = rope + positions[i] * D;
                         float k_rot[MAX_HEAD_DIM];
                         norm_rotate(row + (heads + h) * D, L->k_norm, m->eps, cs, D, k_rot);
                         kv_store_row(L->k_cache + (slots[i] * kv_heads + h) * KV_ROW(D), k_rot, D);
@@ -933,9 +979,10 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
 
                 for (int64_t item; (item = atomic_fetch_add_explicit(
                                         &claimed[l], 1, memory_order_relaxed)) < items.count;) {
-                    const attn_item it = item_at(&items, item, kv_heads, group, seq_lens);
+                    const attn_item it =
+                        item_at(&items, item, kv_heads, group, seq_lens, L->window);
                     const int64_t i = it.row, kvh = it.kv0;
-                    const float *row = qkv + i * qkv_size, *cs = m->cos_sin + positions[i] * D;
+                    const float *row = qkv + i * qkv_size, *cs = rope + positions[i] * D;
                     float *out_heads = attn + i * q_size + it.h0 * D;
                     /* rotated q, into its output's place; a split-K range's into its own (the
                      * unit's other ranges read theirs meanwhile, and the last one writes out) */
@@ -978,7 +1025,13 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                 barrier_wait(&phase_barrier, &my_sense);
 
                 quantize_rows(attn, n, q_size, &a, needs_q8(&L->o_proj));
-                gemv(&L->o_proj, H, &a, n, residual, H, 1);
+                if (L->attn_out_norm) { /* normed before it is added: a phase of its own */
+                    gemv(&L->o_proj, H, &a, n, sub, H, 0);
+                    barrier_wait(&phase_barrier, &my_sense);
+                    add_normed_rows(sub, L->attn_out_norm, n, H, m->eps, residual);
+                } else {
+                    gemv(&L->o_proj, H, &a, n, residual, H, 1);
+                }
                 if (lora) {
                     lora_gemv_share(m, l, LORA_O, &L->o_proj, H, attn, q_size, residual, H, lora_t);
                     int64_t o0, o1; /* this thread's share of the residual is final: gate/up's */
@@ -1012,7 +1065,7 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                                       H, m->eps, lora_gu, 2 * inter, inter + j0, inter + j1, 0,
                                       lora_t);
                 }
-                gate_up_silu(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL);
+                gate_up_act(&L->gate_up, inter, &a, n, mlp, lora ? lora_gu : NULL, (int)m->gelu);
                 if (lora && !late) { /* this thread's pairs of mlp are final: down's shrink */
                     int64_t j0, j1;
                     gate_up_share_pairs(inter, &j0, &j1);
@@ -1028,7 +1081,13 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                 }
 
                 quantize_rows(mlp, n, inter, &a, needs_q8(&L->down));
-                gemv(&L->down, H, &a, n, residual, H, 1);
+                if (L->mlp_out_norm) {
+                    gemv(&L->down, H, &a, n, sub, H, 0);
+                    barrier_wait(&phase_barrier, &my_sense);
+                    add_normed_rows(sub, L->mlp_out_norm, n, H, m->eps, residual);
+                } else {
+                    gemv(&L->down, H, &a, n, residual, H, 1);
+                }
                 if (lora) {
                     int64_t o0, o1;
                     gemv_share_outputs(&L->down, H, &o0, &o1);
@@ -1065,6 +1124,7 @@ done:
     free(qkv);
     free(attn);
     free(mlp);
+    free(sub);
     free(order);
     free((void *)claimed);
     free(lora_gu);
@@ -1073,14 +1133,15 @@ done:
 }
 
 /* The attention phase alone, over queries already rotated: q and out [n, heads, head_dim]
- * float32 (the pool: kv_t), the same items and claims as a step's layer. For the kernel tests against the torch
+ * float32 (the pool: kv_t), the same items and claims as a step's layer (window: a sliding
+ * layer's, 0: every key). For the kernel tests against the torch
  * reference (tests/kernels/test_fused_attention.py). 0 on success, -1 when a buffer could not be
  * allocated or the shape is outside what the step takes. */
 int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                                 const int32_t *block_table, int64_t table_stride,
                                 const int32_t *seq_lens, int64_t n, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                                float *out, int threads) {
+                                int64_t window, float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads || head_dim > ATTN_MAX_DIM) return -1;
     const int64_t group = heads / kv_heads, D = head_dim;
     const int64_t units = n * kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
@@ -1103,7 +1164,7 @@ int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t 
             plan_items(order, n, kv_heads, group, omp_get_num_threads(), seq_lens);
         for (int64_t item; (item = atomic_fetch_add_explicit(&claimed, 1, memory_order_relaxed)) <
                            items.count;) {
-            const attn_item it = item_at(&items, item, kv_heads, group, seq_lens);
+            const attn_item it = item_at(&items, item, kv_heads, group, seq_lens, window);
             attention_item(&items, &it, q + (it.row * heads + it.h0) * D, k_cache, v_cache,
                            block_table + it.row * table_stride, seq_lens[it.row], page_size,
                            kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D,

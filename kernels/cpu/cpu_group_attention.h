@@ -396,15 +396,16 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
     }
 }
 
-/* softmax(q k^T scale) v over all of a row's len keys (attend_range over 0 .. len): out [kvc *
- * gc, d] (out may be q: q is read before out is written) */
+/* softmax(q k^T scale) v over keys first .. len - 1 of a row's len (attend_range over them; first
+ * 0: all, a sliding window's start else): out [kvc * gc, d] (out may be q: q is read before out
+ * is written) */
 static inline void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
-                         const kv_t *v_cache, const int32_t *table_row, int64_t len,
+                         const kv_t *v_cache, const int32_t *table_row, int64_t first, int64_t len,
                          int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
                          const kv_t *k_new, const kv_t *v_new, float *out) {
     float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
     float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
-    attend_range(q, kvc, gc, k_cache, v_cache, table_row, 0, len, len, page_size, kv0, kv_heads,
+    attend_range(q, kvc, gc, k_cache, v_cache, table_row, first, len, len, page_size, kv0, kv_heads,
                  d, scale, k_new, v_new, acc, mx, sum);
     for (int64_t g = 0; g < kvc * gc; g++) {
         const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;

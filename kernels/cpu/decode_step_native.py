@@ -1,7 +1,8 @@
 """A whole decode step of a llama-family model with quantized weights in one native call
-(kernels/cpu/cpu_decode_step.c), per-head q/k norms before RoPE where a layer has them (Qwen3;
-``LayerParts.q_norm``): the model's shape, its layers' weights and its KV pool are
-described once (``DecodeStepModel``), then each step passes only the batch's tensors.
+(kernels/cpu/cpu_decode_step.c), with what Qwen3 and Gemma 3 add to the llama layer where a
+layer has it (``LayerParts``' optional fields: per-head q/k norms, sandwich norms, a sliding
+window and its RoPE table; ``DecodeShape.gelu``): the model's shape, its layers' weights and its
+KV pool are described once (``DecodeStepModel``), then each step passes only the batch's tensors.
 
 float32 activations inside (a bfloat16 model's hidden states are widened on the way in and
 rounded on the way out: between the two, nothing is rounded to bfloat16); a float32, float16 or
@@ -53,6 +54,10 @@ class _Layer(ctypes.Structure):
         ("post_norm", _PTR),
         ("q_norm", _PTR),  # NULL: no per-head q/k norms
         ("k_norm", _PTR),
+        ("attn_out_norm", _PTR),  # NULL: no sandwich norms
+        ("mlp_out_norm", _PTR),
+        ("cos_sin", _PTR),  # NULL: the model's table
+        ("window", _I64),  # 0: every key
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("qkv", _Linear),
@@ -77,6 +82,7 @@ class _Model(ctypes.Structure):
         ("final_norm", _PTR),
         ("layers", ctypes.POINTER(_Layer)),
         ("lora", ctypes.POINTER(LoraDesc)),  # set for a step with adapter rows only
+        ("gelu", _I64),
     ]
 
 
@@ -107,7 +113,8 @@ def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     attention = lib.asyncengine_group_attention
     attention.restype = ctypes.c_int
     attention.argtypes = [
-        _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int
+        _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR,
+        ctypes.c_int,
     ]  # fmt: skip
     return lib
 
@@ -138,9 +145,14 @@ class LayerParts:
     o_proj: ProjectionParts  # [hidden, q_size]
     gate_up: ProjectionParts  # [2 inter, hidden]: gate rows, then up rows
     down: ProjectionParts  # [hidden, inter]
-    # [head_dim] float32 each: every q / k head RMS-normed by them before RoPE (Qwen3)
+    # [head_dim] float32 each: every q / k head RMS-normed by them before RoPE (Qwen3, Gemma 3)
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # [hidden] each: o_proj's / down's output RMS-normed by them before the residual add (Gemma 3)
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int = 0  # keys a row sees, its own included (a sliding layer); 0: all
+    cos_sin: torch.Tensor | None = None  # this layer's RoPE table; None: the model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +164,7 @@ class DecodeShape:
     intermediate: int
     rms_norm_eps: float
     scale: float
+    gelu: bool = False  # the MLP's gate: GELU in its tanh form (Gemma), else SiLU
 
 
 class DecodeStepModel:
@@ -174,17 +187,36 @@ class DecodeStepModel:
         self.max_rows = max_rows  # the most decode rows a step is given (the caller's limit)
         self._keep: list[Any] = []
         self._layers = (_Layer * len(layers))()
+        self.cos_sin = self._float(cos_sin)
+        rope_rows = self.cos_sin.shape[0]
+        # adapter rows (LoRA) add their updates where a sandwich norm needs the whole row first
+        self.takes_lora = not any(
+            layer.attn_out_norm is not None or layer.mlp_out_norm is not None for layer in layers
+        )
         for target, layer in zip(self._layers, layers, strict=True):
             target.input_norm = self._address(layer.input_norm)
             target.post_norm = self._address(layer.post_norm)
             if layer.q_norm is not None or layer.k_norm is not None:
                 target.q_norm = self._head_norm(layer.q_norm)
                 target.k_norm = self._head_norm(layer.k_norm)
+            if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
+                target.attn_out_norm = self._out_norm(layer.attn_out_norm)
+                target.mlp_out_norm = self._out_norm(layer.mlp_out_norm)
+            if layer.cos_sin is not None:
+                table = self._float(layer.cos_sin)
+                if table.shape != self.cos_sin.shape:
+                    raise ValueError(
+                        f"a layer's RoPE table of shape {tuple(table.shape)}, not the "
+                        f"model's {tuple(self.cos_sin.shape)}"
+                    )
+                target.cos_sin = table.data_ptr()
+            if layer.window < 0:
+                raise ValueError(f"a sliding window of {layer.window} keys")
+            target.window = layer.window
             self._fill(target.qkv, layer.qkv)
             self._fill(target.o_proj, layer.o_proj)
             self._fill(target.gate_up, layer.gate_up)
             self._fill(target.down, layer.down)
-        self.cos_sin = self._float(cos_sin)
         self._model = _Model(
             num_layers=len(layers),
             hidden=shape.hidden,
@@ -192,12 +224,13 @@ class DecodeStepModel:
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
             inter=shape.intermediate,
-            rope_rows=self.cos_sin.shape[0],
+            rope_rows=rope_rows,
             eps=shape.rms_norm_eps,
             scale=shape.scale,
             cos_sin=self.cos_sin.data_ptr(),
             final_norm=self._address(final_norm),
             layers=self._layers,
+            gelu=int(shape.gelu),
         )
         self._caches: tuple[int, ...] = ()
         self._kv_dtype = torch.float32
@@ -215,6 +248,13 @@ class DecodeStepModel:
         if norm is None or tuple(norm.shape) != (self.shape.head_dim,):
             shape = None if norm is None else tuple(norm.shape)
             raise ValueError(f"q and k norms must both be [{self.shape.head_dim}], not {shape}")
+        return self._address(norm)
+
+    def _out_norm(self, norm: torch.Tensor | None) -> int:
+        """The address of a sandwich norm's weights (both a layer's or neither: Gemma 3)."""
+        if norm is None or tuple(norm.shape) != (self.shape.hidden,):
+            shape = None if norm is None else tuple(norm.shape)
+            raise ValueError(f"sandwich norms must both be [{self.shape.hidden}], not {shape}")
         return self._address(norm)
 
     def _fill(self, target: _Linear, projection: ProjectionParts) -> None:
@@ -302,6 +342,8 @@ class DecodeStepModel:
         lens = _as(seq_lens, torch.int32)
         if lora is not None and lora.num_rows != n:
             raise ValueError(f"LoRA rows for {lora.num_rows} rows, not {n}")
+        if lora is not None and not self.takes_lora:
+            raise ValueError("LoRA rows of a model with sandwich norms take the torch path")
         out = torch.empty((n, self.shape.hidden), dtype=torch.float32)
         self._model.lora = None if lora is None else ctypes.pointer(lora.desc)
         status = lib.asyncengine_decode_step_planned(
@@ -339,10 +381,12 @@ def group_attention(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The fused step's attention phase alone (kernels/cpu/cpu_group_attention.h), for its tests:
     q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32, float16 or
-    bfloat16 pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim]."""
+    bfloat16 pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim];
+    ``window``: the last keys each row sees (a sliding layer's), 0: all."""
     lib = _library(k_cache.dtype)
     if lib is None:
         raise RuntimeError("the native decode step library is not available")
@@ -374,6 +418,7 @@ def group_attention(
         head_dim,
         page_size,
         scale,
+        window,
         out.data_ptr(),
         torch.get_num_threads(),
     )

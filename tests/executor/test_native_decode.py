@@ -317,8 +317,9 @@ def test_models_the_fused_step_does_not_cover_keep_the_torch_path(
     assert not fused("llama_gqa", deterministic=True)  # row blocks: the torch path
     assert fused("llama_gqa", torch.bfloat16)  # float32 inside: test_decode_step_bf16.py
     assert fused("qwen3_qk_norm")  # per-head q/k norms: test_native_decode_qwen3.py
-    assert not fused("gemma3")  # q/k norms too, but sandwich norms, windows, GeGLU
-    assert not fused("gemma2")  # GeGLU, sandwich norms, windows, soft-caps
+    assert fused("gemma3")  # sandwich norms, windows, GeGLU: test_native_decode_gemma3.py
+    assert fused("gemma")  # GeGLU
+    assert not fused("gemma2")  # attention soft-caps
     dense = tiny_checkpoints["llama_gqa"]
     config = ModelConfig.from_hf_dict(dense.hf_config)
 

@@ -86,3 +86,32 @@ def test_large_scores_do_not_overflow(seq_lens: list[int]) -> None:
     got = decode_step_native.group_attention(q, *args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, decode_attention(q, *args), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "window"),
+    [
+        ([1, 31, 33, 70, 5, 129], 8),  # rows shorter and longer than the window
+        ([1500], 40),  # split-K: the window's keys in ranges, some of them empty
+        ([700, 2051], 600),  # split-K over a window that spans several ranges
+    ],
+    ids=["6", "1-long", "2-long"],
+)
+def test_a_sliding_window_sees_the_last_keys_only(
+    seq_lens: list[int], window: int, threads: int
+) -> None:
+    """A sliding layer's rows attend to their last ``window`` keys (Gemma 3), as the torch
+    reference's windowed decode; the keys before it hold NaN, so one read poisons the row."""
+    kv = PagedKV(seq_lens, 16, 2, 64, torch.float32, seed=window)
+    gen = torch.Generator().manual_seed(window)
+    q = torch.randn(len(seq_lens), 4, 64, generator=gen)
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125)
+    want = decode_attention(q, *args, window=window)
+    for b, length in enumerate(seq_lens):  # the keys no window reaches: unread
+        for p in range(max(0, length - window)):
+            slot = int(kv.block_table[b, p // 16]) * 16 + p % 16
+            kv.k_cache[slot] = float("nan")
+            kv.v_cache[slot] = float("nan")
+    got = decode_step_native.group_attention(q, *args, window=window)
+    assert torch.isfinite(got).all(), "read a key outside the window"
+    torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=0)

@@ -5,13 +5,15 @@ Which models: on a CPU, float32 or bfloat16 activations (a bfloat16 model's deco
 float32 inside: its hidden states widened on the way in, rounded on the way out), a float32,
 float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every projection a
 ``QuantizedLinear`` (GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows:
-executor/layers/linear.py), the llama layer (SwiGLU, no sandwich norms, one RoPE table, no
-sliding window or soft-cap), Qwen3's per-head q/k norms before RoPE or none, and not
-deterministic mode (whose row blocks the torch path keeps). Which batches: decodes only, at
-most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from which a projection of the
-torch path leaves the group kernels for the dense, int8 or AMX product: 24 for F32, linear.py;
-a bfloat16 model's at most ``bf16_max_rows()``). ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the
-torch path (to measure what the fused step gives)."""
+executor/layers/linear.py), the llama layer with what Qwen3 and Gemma 1/3 add to it or without
+(per-head q/k norms before RoPE; sandwich norms, a GELU gate, sliding windows with their own
+RoPE table; no attention soft-cap, so Gemma 2 keeps the torch path), and not deterministic
+mode (whose row blocks the torch path keeps); LoRA rows of a model with sandwich norms take the
+torch path. Which batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer
+than the rows from which a projection of the torch path leaves the group kernels for the
+dense, int8 or AMX product: 24 for F32, linear.py; a bfloat16 model's at most
+``bf16_max_rows()``). ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what
+the fused step gives)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ class LayerLike(Protocol):
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    attn_out_norm: torch.Tensor | None
+    mlp_out_norm: torch.Tensor | None
     qkv: Linear | QuantizedLinear
     o_proj: Linear | QuantizedLinear
     gate_up: Linear | QuantizedLinear
@@ -89,16 +93,14 @@ def native_decode_model(
         or device.type != "cpu"
         or dtype not in decode_step_native.HIDDEN_DTYPES
         or row_block is not None
-        or c.activation != "silu"
-        or c.sandwich_norms
-        or any(t is not cos_sin_tables[0] for t in cos_sin_tables)
-        or not all(o.plain for o in layer_options)
+        or c.activation not in ("silu", "gelu_tanh")
+        or any(o.softcap for o in layer_options)
         or c.head_dim > decode_step_native.MAX_HEAD_DIM
         or not decode_step_native.available()
     ):
         return None
     parts: list[LayerParts] = []
-    for layer in layers:
+    for layer, table, options in zip(layers, cos_sin_tables, layer_options, strict=True):
         projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         if not all(
             isinstance(p, QuantizedLinear) and len(p.parts) <= decode_step_native.MAX_PARTS
@@ -118,6 +120,10 @@ def native_decode_model(
                 down,
                 layer.q_norm,
                 layer.k_norm,
+                layer.attn_out_norm,
+                layer.mlp_out_norm,
+                options.window,
+                None if table is cos_sin_tables[0] else table,
             )
         )
     shape = DecodeShape(
@@ -128,6 +134,7 @@ def native_decode_model(
         intermediate=c.intermediate_size,
         rms_norm_eps=c.rms_norm_eps,
         scale=scale,
+        gelu=c.activation == "gelu_tanh",
     )
     # the rows from which some projection of the torch path leaves the group kernels the fused
     # step runs (for another product: dense, int8 or AMX)

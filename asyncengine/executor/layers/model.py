@@ -181,10 +181,10 @@ class LlamaModel:
             self.device,
             row_block,
         )
-        # the adapters' tables for LoRA rows in that native call
+        # the adapters' tables for LoRA rows in that native call (None: LoRA rows never take it)
         self.native_decode_lora = (
             None
-            if self.native_decode is None
+            if self.native_decode is None or not self.native_decode.takes_lora
             else NativeDecodeLora(self.native_decode.shape, c.num_layers)
         )
 
@@ -337,8 +337,7 @@ class LlamaModel:
             and native_decode.takes(self.native_decode, batch)
         ):
             fused_lora = None
-            if lora is not None:
-                assert self.native_decode_lora is not None
+            if lora is not None and self.native_decode_lora is not None:
                 fused_lora = self.native_decode_lora.step_rows(lora, batch.num_tokens)
             if lora is None or fused_lora is not None:
                 return native_decode.run(

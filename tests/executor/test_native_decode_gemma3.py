@@ -1,0 +1,247 @@
+"""The fused native decode step on Gemma 3 (kernels/cpu/cpu_decode_step.c): sandwich norms on the
+attention and MLP outputs before their residual adds, a GELU (tanh) gate, per-head q/k norms,
+the attention scale of query_pre_attn_scalar, and sliding layers that see their last 8 keys
+only and rotate by a RoPE table of their own base (the full layer's linear-scaled). Against the
+torch path of the same weights on the tiny Gemma 3 (conftest's "gemma3": 3 sliding layers of 4,
+head_dim 64, GQA 4 / 2), decoded past the window: float32 activations over Q8_0 blocks and over
+F32 rows, one row and three, and bfloat16 activations; the Q8_0 GGUF as llama.cpp's converter
+writes it loads onto the step. Gemma 2 (attention soft-caps) keeps the torch path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from asyncengine.executor.cpu import native_decode
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.loader import read_gguf
+from asyncengine.kernels.cpu import cpu_native, decode_step_native
+from asyncengine.kernels.cpu.decode_step_native import (
+    DecodeShape,
+    DecodeStepModel,
+    LayerParts,
+    ProjectionParts,
+)
+from asyncengine.kernels.quant_formats import F32
+from tests.conftest import TinyCheckpoint
+from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
+from tests.executor.test_gguf_shapes import make_hf, write_gguf
+from tests.executor.test_native_decode import (
+    PROMPTS,
+    Pair,
+    _compare,
+    _count_fused_rows,
+)
+from tests.executor.test_native_decode_qwen3 import q8_0_blocks
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
+)
+BF16 = torch.bfloat16
+WINDOW = 8  # conftest's "gemma3": every prompt's context passes it within the steps below
+ROWS = [PROMPTS, PROMPTS[:1]]
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The step's library as built for this CPU, or forced to AVX2 (-mno-avx512f: the 8-lane
+    GELU, the attention's AVX2 loops over a window's keys)."""
+    flags = decode_step_native.KV_BUILD_FLAGS
+    saved = flags[torch.float32]
+    if request.param == "avx2":
+        flags[torch.float32] = ("-mno-avx512f",)
+    decode_step_native._library.cache_clear()
+    try:
+        yield request.param
+    finally:
+        flags[torch.float32] = saved
+        decode_step_native._library.cache_clear()
+
+
+@pytest.fixture
+def tiny_gemma3(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    ckpt = tiny_checkpoints["gemma3"]
+    c = ModelConfig.from_hf_dict(ckpt.hf_config)
+    assert c.sandwich_norms and c.qk_norm and c.activation == "gelu_tanh"
+    assert c.sliding_window == WINDOW and c.sliding_rope_theta is not None
+    assert c.attention_scale != c.head_dim**-0.5  # query_pre_attn_scalar
+    return ckpt
+
+
+def _assert_gemma3_layers(pair: Pair) -> None:
+    """The fused model holds what the torch path runs: sliding and full layers, their tables."""
+    model = pair.native.model
+    windows = [o.window for o in model.layer_options]
+    assert windows == [WINDOW, 0, WINDOW, WINDOW]
+    assert model.layer_cos_sin[0] is not model.layer_cos_sin[1]
+    assert model.layers[0].attn_out_norm is not None and model.layers[0].q_norm is not None
+
+
+@pytest.mark.parametrize("prompts", ROWS, ids=["3 rows", "1 row"])
+def test_a_gemma3_step_on_q8_0_blocks_follows_the_torch_path(
+    tiny_gemma3: TinyCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]],
+    isa: str,
+) -> None:
+    """Same logits within the int8 activations' rounding, same greedy tokens, the same K at the
+    same slots, every decode step fused, with contexts up to 23 keys over a window of 8 (a
+    window ignored, a sandwich norm dropped, SiLU for GELU or the global table on a sliding
+    layer each moves the logits by far more)."""
+    pair = Pair(tiny_gemma3, q8_0_blocks(tiny_gemma3.load_weights()))
+    _assert_gemma3_layers(pair)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=12, prompts=prompts)
+    assert rows == [len(prompts)] * 12
+
+
+@pytest.mark.parametrize("prompts", ROWS, ids=["3 rows", "1 row"])
+def test_a_float32_gemma3_step_on_f32_rows_follows_the_dense_torch_path(
+    tiny_gemma3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
+) -> None:
+    """No activation quantized on either side: the fused step's logits are the oneDNN torch
+    path's within float32 summation order."""
+    pair = Pair(tiny_gemma3, tiny_gemma3.load_weights(), dense_reference=monkeypatch)
+    qkv = pair.native.model.layers[0].qkv
+    assert [part.format for part in qkv.parts] == [F32]  # type: ignore[union-attr]
+    assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=10, prompts=prompts, tolerance=1e-4, int8_activations=False)
+    assert rows == [len(prompts)] * 10
+
+
+@pytest.mark.parametrize("prompts", ROWS, ids=["3 rows", "1 row"])
+def test_a_bfloat16_gemma3_decodes_through_the_step(
+    tiny_gemma3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
+) -> None:
+    """bfloat16 activations over Q8_0 blocks: every decode fused (float32 inside), no further
+    from the float32 model's logits than the bfloat16 torch path, and its greedy tokens the
+    float32 model's wherever that model's top two logits stand further apart than the
+    bfloat16 paths stray."""
+    weights = q8_0_blocks(tiny_gemma3.load_weights())
+    pair = Pair(tiny_gemma3, weights, dtype=BF16)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    fused = _teacher_forced(pair.native, prompts, 10)
+    assert rows == [len(prompts)] * 10
+    torch_path = _teacher_forced(pair.torch_path, prompts, 10)
+    reference = _teacher_forced(Pair(tiny_gemma3, weights).torch_path, prompts, 10)
+    assert all(torch.isfinite(step).all() for step in fused)
+    _assert_no_further_than(fused, torch_path, reference)
+    clear = 0
+    for got, want in zip(fused, reference, strict=True):
+        top2 = want.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        stray = (got - want).abs().max(dim=-1).values
+        sure = margin > 2 * stray  # no bfloat16 rounding of this size can swap the two
+        clear += int(sure.sum())
+        assert got.argmax(-1)[sure].tolist() == want.argmax(-1)[sure].tolist()
+    assert clear >= 2 * len(prompts)
+
+
+def test_a_gemma_step_takes_the_gelu_gate(
+    tiny_checkpoints: dict[str, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 1 (GELU gate, (1 + w) norms, no sandwich norms or windows) is fused too."""
+    ckpt = tiny_checkpoints["gemma"]
+    pair = Pair(ckpt, q8_0_blocks(ckpt.load_weights()))
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=8)
+    assert rows == [len(PROMPTS)] * 8
+
+
+def test_a_gemma3_q8_0_gguf_loads_onto_the_fused_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q8_0 GGUF of Gemma 3 as llama.cpp's converter writes it (five sliding layers to a full
+    one, the sliding layers' own RoPE base, linear scaling on the full one, GQA 4:1): read as
+    the engine reads it, its decode steps are fused and follow the torch path past the window
+    of 16."""
+    name = "gemma3_sliding_local_rope_linear"
+    path = tmp_path / "gemma3-q8_0.gguf"
+    write_gguf(name, make_hf(name, tmp_path / "hf"), path, gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = read_gguf(path, torch.float32, frozenset({int(gguf.GGMLQuantizationType.Q8_0)}))
+    (tmp_path / "read").mkdir()  # the config as read from the file, where Pair reads one
+    (tmp_path / "read" / "config.json").write_text(json.dumps(checkpoint.config))
+    pair = Pair(TinyCheckpoint("gemma3-q8_0", tmp_path / "read"), dict(checkpoint.weights))
+    assert isinstance(pair.native.model.layers[0].qkv, QuantizedLinear)
+    assert [o.window for o in pair.native.model.layer_options] == [16] * 5 + [0]
+    prompts = [[5, 17, 3, 90, 11, 40, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 2, 33]]
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=8, prompts=prompts)
+    assert rows == [2] * 8
+
+
+def test_gemma2_and_lora_rows_of_gemma3_keep_the_torch_path(
+    tiny_checkpoints: dict[str, TinyCheckpoint], tiny_gemma3: TinyCheckpoint
+) -> None:
+    """Gemma 2's attention soft-cap is not in the step; a LoRA row of Gemma 3 would add its
+    update where a sandwich norm needs the whole row first, so adapters take the torch path
+    (the step refuses them), while Gemma 1 (GELU, no sandwich norms) is fused with them."""
+    gemma2 = tiny_checkpoints["gemma2"]
+    weights = q8_0_blocks(gemma2.load_weights())
+    with pytest.raises(AssertionError):  # Pair asserts the fused model exists
+        Pair(gemma2, weights)
+    gemma3 = Pair(tiny_gemma3, q8_0_blocks(tiny_gemma3.load_weights())).native.model
+    assert gemma3.native_decode is not None and not gemma3.native_decode.takes_lora
+    assert gemma3.native_decode_lora is None
+    gemma = Pair(tiny_checkpoints["gemma"], q8_0_blocks(tiny_checkpoints["gemma"].load_weights()))
+    assert gemma.native.model.native_decode_lora is not None
+    assert native_decode.max_rows(gemma.native.model.native_decode) > 0
+
+
+def test_a_gemma3_layer_is_refused_with_one_sandwich_norm_or_a_wrong_table(
+    tiny_gemma3: TinyCheckpoint,
+) -> None:
+    """The step takes a layer's two sandwich norms together, each [hidden], a RoPE table of the
+    model's shape and a window of 0 keys or more: anything else is a clear error rather than a
+    read past the weights."""
+    model = Pair(tiny_gemma3, q8_0_blocks(tiny_gemma3.load_weights())).native.model
+    layer, c = model.layers[0], model.config
+    assert layer.attn_out_norm is not None and layer.mlp_out_norm is not None
+    shape = DecodeShape(
+        c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, 1e-6, 0.2
+    )
+    projections = [
+        ProjectionParts(p.parts, p.bias)  # type: ignore[union-attr]
+        for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    rope = torch.zeros(8, c.head_dim)
+
+    def step_model(
+        attn_out: torch.Tensor | None,
+        mlp_out: torch.Tensor | None,
+        window: int = 0,
+        table: torch.Tensor | None = None,
+    ) -> DecodeStepModel:
+        parts = LayerParts(
+            layer.input_norm,
+            layer.post_norm,
+            *projections,
+            layer.q_norm,
+            layer.k_norm,
+            attn_out,
+            mlp_out,
+            window,
+            table,
+        )
+        return DecodeStepModel(shape, [parts], model.norm, rope)
+
+    assert not step_model(layer.attn_out_norm, layer.mlp_out_norm, 8, rope + 1).takes_lora
+    assert step_model(None, None).takes_lora  # no sandwich norms
+    for attn_out, mlp_out in [
+        (layer.attn_out_norm, None),
+        (None, layer.mlp_out_norm),
+        (layer.attn_out_norm, torch.ones(c.hidden_size + 1)),
+    ]:
+        with pytest.raises(ValueError, match="sandwich norms"):
+            step_model(attn_out, mlp_out)
+    with pytest.raises(ValueError, match="RoPE table"):
+        step_model(None, None, table=torch.zeros(4, c.head_dim))
+    with pytest.raises(ValueError, match="sliding window"):
+        step_model(None, None, window=-1)
