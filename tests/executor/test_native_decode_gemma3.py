@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncengine.executor.cpu import native_decode
-from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
 from asyncengine.kernels.cpu import cpu_native, decode_step_native
@@ -28,9 +28,13 @@ from asyncengine.kernels.cpu.decode_step_native import (
     LayerParts,
     ProjectionParts,
 )
-from asyncengine.kernels.quant_formats import F32
 from tests.conftest import TinyCheckpoint
-from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
+from tests.executor.fused_step_checks import (
+    check_bf16_step,
+    check_f32_step,
+    check_q8_0_step,
+    q8_0_blocks,
+)
 from tests.executor.test_gguf_shapes import make_hf, write_gguf
 from tests.executor.test_native_decode import (
     PROMPTS,
@@ -38,12 +42,10 @@ from tests.executor.test_native_decode import (
     _compare,
     _count_fused_rows,
 )
-from tests.executor.test_native_decode_qwen3 import q8_0_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
 )
-BF16 = torch.bfloat16
 WINDOW = 8  # conftest's "gemma3": every prompt's context passes it within the steps below
 ROWS = [PROMPTS, PROMPTS[:1]]
 
@@ -90,58 +92,23 @@ def test_a_gemma3_step_on_q8_0_blocks_follows_the_torch_path(
     prompts: list[list[int]],
     isa: str,
 ) -> None:
-    """Same logits within the int8 activations' rounding, same greedy tokens, the same K at the
-    same slots, every decode step fused, with contexts up to 23 keys over a window of 8 (a
-    window ignored, a sandwich norm dropped, SiLU for GELU or the global table on a sliding
-    layer each moves the logits by far more)."""
-    pair = Pair(tiny_gemma3, q8_0_blocks(tiny_gemma3.load_weights()))
-    _assert_gemma3_layers(pair)
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=12, prompts=prompts)
-    assert rows == [len(prompts)] * 12
+    """Contexts up to 23 keys over a window of 8 (a window ignored, a sandwich norm dropped,
+    SiLU for GELU or the global table on a sliding layer each moves the logits by far more)."""
+    _assert_gemma3_layers(check_q8_0_step(tiny_gemma3, monkeypatch, prompts, steps=12))
 
 
 @pytest.mark.parametrize("prompts", ROWS, ids=["3 rows", "1 row"])
 def test_a_float32_gemma3_step_on_f32_rows_follows_the_dense_torch_path(
     tiny_gemma3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
 ) -> None:
-    """No activation quantized on either side: the fused step's logits are the oneDNN torch
-    path's within float32 summation order."""
-    pair = Pair(tiny_gemma3, tiny_gemma3.load_weights(), dense_reference=monkeypatch)
-    qkv = pair.native.model.layers[0].qkv
-    assert [part.format for part in qkv.parts] == [F32]  # type: ignore[union-attr]
-    assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=10, prompts=prompts, tolerance=1e-4, int8_activations=False)
-    assert rows == [len(prompts)] * 10
+    check_f32_step(tiny_gemma3, monkeypatch, prompts, steps=10)
 
 
 @pytest.mark.parametrize("prompts", ROWS, ids=["3 rows", "1 row"])
 def test_a_bfloat16_gemma3_decodes_through_the_step(
     tiny_gemma3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
 ) -> None:
-    """bfloat16 activations over Q8_0 blocks: every decode fused (float32 inside), no further
-    from the float32 model's logits than the bfloat16 torch path, and its greedy tokens the
-    float32 model's wherever that model's top two logits stand further apart than the
-    bfloat16 paths stray."""
-    weights = q8_0_blocks(tiny_gemma3.load_weights())
-    pair = Pair(tiny_gemma3, weights, dtype=BF16)
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    fused = _teacher_forced(pair.native, prompts, 10)
-    assert rows == [len(prompts)] * 10
-    torch_path = _teacher_forced(pair.torch_path, prompts, 10)
-    reference = _teacher_forced(Pair(tiny_gemma3, weights).torch_path, prompts, 10)
-    assert all(torch.isfinite(step).all() for step in fused)
-    _assert_no_further_than(fused, torch_path, reference)
-    clear = 0
-    for got, want in zip(fused, reference, strict=True):
-        top2 = want.topk(2, dim=-1).values
-        margin = top2[:, 0] - top2[:, 1]
-        stray = (got - want).abs().max(dim=-1).values
-        sure = margin > 2 * stray  # no bfloat16 rounding of this size can swap the two
-        clear += int(sure.sum())
-        assert got.argmax(-1)[sure].tolist() == want.argmax(-1)[sure].tolist()
-    assert clear >= 2 * len(prompts)
+    check_bf16_step(tiny_gemma3, monkeypatch, prompts, steps=10)
 
 
 def test_a_gemma_step_takes_the_gelu_gate(

@@ -7,13 +7,9 @@ the K formats of a Q4_K_M file: test_native_decode_kquant.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 
-from asyncengine.executor.layers.linear import Linear
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
@@ -21,21 +17,21 @@ from asyncengine.kernels.cpu.decode_step_native import (
     LayerParts,
     ProjectionParts,
 )
-from asyncengine.kernels.quant_formats import F32
 from tests.conftest import TinyCheckpoint
-from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
+from tests.executor.fused_step_checks import (
+    check_bf16_step,
+    check_f32_step,
+    check_q8_0_step,
+    q8_0_blocks,
+)
 from tests.executor.test_native_decode import (
     PROMPTS,
     Pair,
-    _compare,
-    _count_fused_rows,
-    _gguf_block,
 )
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
 )
-BF16 = torch.bfloat16
 
 
 @pytest.fixture
@@ -47,70 +43,31 @@ def tiny_qwen3(tiny_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     return ckpt
 
 
-def q8_0_blocks(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Every projection and the LM head as Q8_0 blocks, as a Q8_0 GGUF stores them."""
-    return {
-        name: _gguf_block(w, GGMLQuantizationType.Q8_0) if w.dim() == 2 else w
-        for name, w in weights.items()
-    }
-
-
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])
 def test_a_qwen3_step_on_q8_0_blocks_follows_the_torch_path(
     tiny_qwen3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
 ) -> None:
-    """Same logits within the int8 activations' rounding, same greedy tokens, the same normed
-    and rotated K at the same slots; every decode step fused (one row: the new key normed in
+    """The normed and rotated K at the same slots too (one row: the new key normed in
     registers, no store phase)."""
-    pair = Pair(tiny_qwen3, q8_0_blocks(tiny_qwen3.load_weights()))
+    pair = check_q8_0_step(tiny_qwen3, monkeypatch, prompts, steps=12)
     assert pair.config.qk_norm and pair.native.model.layers[0].q_norm is not None
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=12, prompts=prompts)
-    assert rows == [len(prompts)] * 12
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])
 def test_a_float32_qwen3_step_on_f32_rows_follows_the_dense_torch_path(
     tiny_qwen3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
 ) -> None:
-    """No activation quantized on either side: the fused step's logits are the oneDNN torch
-    path's within float32 summation order (a norm dropped, applied after RoPE or to v moves
-    them by far more)."""
-    pair = Pair(tiny_qwen3, tiny_qwen3.load_weights(), dense_reference=monkeypatch)
-    qkv = pair.native.model.layers[0].qkv
-    assert [part.format for part in qkv.parts] == [F32]  # type: ignore[union-attr]
-    assert isinstance(pair.torch_path.model.layers[0].qkv, Linear)
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=8, prompts=prompts, tolerance=1e-4, int8_activations=False)
-    assert rows == [len(prompts)] * 8
+    """A norm dropped, applied after RoPE or to v moves the logits by far more than float32
+    summation order."""
+    check_f32_step(tiny_qwen3, monkeypatch, prompts, steps=8)
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])
 def test_a_bfloat16_qwen3_decodes_through_the_step(
     tiny_qwen3: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]
 ) -> None:
-    """bfloat16 activations over Q8_0 blocks: every decode fused (float32 inside, the q/k norms
-    too, where the torch path rounds their outputs to bfloat16), no further from the float32
-    model's logits than the bfloat16 torch path, and its greedy tokens the float32 model's
-    wherever that model's top two logits stand further apart than the bfloat16 paths stray."""
-    weights = q8_0_blocks(tiny_qwen3.load_weights())
-    pair = Pair(tiny_qwen3, weights, dtype=BF16)
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    fused = _teacher_forced(pair.native, prompts, 8)
-    assert rows == [len(prompts)] * 8
-    torch_path = _teacher_forced(pair.torch_path, prompts, 8)
-    reference = _teacher_forced(Pair(tiny_qwen3, weights).torch_path, prompts, 8)
-    assert all(torch.isfinite(step).all() for step in fused)
-    _assert_no_further_than(fused, torch_path, reference)
-    clear = 0
-    for got, want in zip(fused, reference, strict=True):
-        top2 = want.topk(2, dim=-1).values
-        margin = top2[:, 0] - top2[:, 1]
-        stray = (got - want).abs().max(dim=-1).values
-        sure = margin > 2 * stray  # no bfloat16 rounding of this size can swap the two
-        clear += int(sure.sum())
-        assert got.argmax(-1)[sure].tolist() == want.argmax(-1)[sure].tolist()
-    assert clear >= 2 * len(prompts)  # a quarter of the (step, row) pairs at least
+    """The q/k norms in float32 too, where the torch path rounds their outputs to bfloat16."""
+    check_bf16_step(tiny_qwen3, monkeypatch, prompts, steps=8)
 
 
 def test_a_qwen3_layer_is_refused_with_one_norm_or_a_wrong_width(
