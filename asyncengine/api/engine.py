@@ -46,6 +46,9 @@ from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.api.engine")
+NOT_RUNNING = (
+    "the engine is not running: use `async with AsyncEngine(...)` or `await engine.start()`"
+)
 
 
 class AsyncEngine:
@@ -269,9 +272,7 @@ class AsyncEngine:
 
     def _core(self) -> EngineCore:
         if self.core is None:
-            raise EngineNotRunningError(
-                "the engine is not started: use `async with AsyncEngine(...)` or `await engine.start()`"
-            )
+            raise EngineNotRunningError(NOT_RUNNING)
         return self.core
 
     @property
@@ -335,7 +336,7 @@ class AsyncEngine:
         output spec that does not compile raises it from the iteration, before any delta.
         """
         if not self.is_running:
-            raise EngineNotRunningError("the engine is not running")
+            raise EngineNotRunningError(NOT_RUNNING)
         self._on_own_loop()
         core = self._core()
         prompt_ids, params = self.intake.accept(prompt, params)
@@ -367,7 +368,7 @@ class AsyncEngine:
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
     ) -> RequestStream:
         if not self.is_running:
-            raise EngineNotRunningError("the engine is not running")
+            raise EngineNotRunningError(NOT_RUNNING)
         self._on_own_loop()
         core = self._core()
         ids, params = self.intake.accept_embedding(prompt, params)
@@ -463,7 +464,7 @@ class AsyncEngine:
         """Serve the PEFT adapter at ``path`` as ``name`` (replacing one of that name);
         InvalidRequestError, with nothing changed, when the base model refuses it."""
         if self._worker is None:
-            raise EngineNotRunningError("the engine is not running")
+            raise EngineNotRunningError(NOT_RUNNING)
         registry = getattr(self._core().executor, "loras", None)
         await self.loras.load(name, path, registry, self._worker, self.model_name)
 

@@ -14,7 +14,12 @@ from asyncengine.api import engine as engine_module
 from asyncengine.api.engine import AsyncEngine
 from asyncengine.api.event_loop import run
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.errors import EngineError, QueueFullError, RequestFailedError
+from asyncengine.common.errors import (
+    EngineError,
+    EngineNotRunningError,
+    QueueFullError,
+    RequestFailedError,
+)
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.core.builder import build_core
 from tests.fake_executor import EOS, FakeExecutor, reference_output
@@ -540,3 +545,13 @@ async def test_a_failed_start_leaves_no_forward_thread(monkeypatch: pytest.Monke
         await engine.start()
     assert not engine.is_running
     assert set(threading.enumerate()) - before == set()
+
+
+async def test_a_request_to_an_engine_not_started_says_how_to_start_it() -> None:
+    engine = fake_engine()
+    for call in (
+        lambda: engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4)),
+        lambda: engine.embed([5, 6, 7]),
+    ):
+        with pytest.raises(EngineNotRunningError, match=r"await engine\.start\(\)"):
+            await call()
