@@ -62,7 +62,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class Shape:
     """A model's shape in Hugging Face config terms (what a config.json of it says)."""
 
-    architecture: str  # "llama", "qwen2" or "qwen3"
+    architecture: str  # "llama", "qwen2", "qwen3" or "gemma3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -102,6 +102,9 @@ class Shape:
         }
         if self.head_dim is not None:
             d["head_dim"] = self.head_dim
+        if self.architecture == "gemma3":  # Gemma3TextConfig's own RoPE pair (local, global)
+            del d["rope_parameters"], d["hidden_act"]
+            d.update(sliding_window=512, query_pre_attn_scalar=self.head_dim)
         if self.architecture == "llama":
             d["attention_bias"] = False
             d["mlp_bias"] = False
@@ -116,8 +119,10 @@ class Shape:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
         if self.architecture == "qwen2":
             per_layer += q + 2 * kv  # q/k/v biases
-        if self.architecture == "qwen3":
+        if self.architecture in ("qwen3", "gemma3"):
             per_layer += 2 * head_dim  # the per-head q/k norms
+        if self.architecture == "gemma3":
+            per_layer += 2 * h  # the sandwich norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -138,6 +143,13 @@ SHAPES: dict[str, Shape] = {
     "qwen3-1.7b": Shape(
         "qwen3", 2048, 28, 16, 8, 6144, 151936, True, rope_theta=1000000.0,
         max_position_embeddings=40960, rms_norm_eps=1e-6, head_dim=128,
+    ),
+    # Gemma 3 1B's layers (sliding windows of 512 on five layers in six, GELU, sandwich and q/k
+    # norms); its vocabulary is the tokenizer's 49,152, not 262,144: llama.cpp's converter cuts
+    # the embedding to the tokenizer's size
+    "gemma-3-1b": Shape(
+        "gemma3", 1152, 26, 4, 1, 6912, 49152, True, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, head_dim=256,
     ),
     # hidden 4096, MLP 14336, an untied 128k head: 16 GB of bf16 on the way (not made by default)
     "llama-3.1-8b": Shape(
@@ -194,6 +206,7 @@ def make_hf_dir(name: str, shape: Shape, out: Path, seed: int = SEED) -> Path:
     config_class = {
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }.get(shape.architecture, transformers.LlamaConfig)
     config = config_class(
         **shape.config_dict(),

@@ -3,6 +3,7 @@ only: no llama.cpp needed), and its report's arithmetic on a result with both sy
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -34,6 +35,9 @@ def test_named_shapes_have_the_real_models_parameter_counts(make_models: ModuleT
     assert billions["qwen2.5-1.5b"] == pytest.approx(1.544, abs=0.001)
     assert billions["qwen3-1.7b"] == pytest.approx(1.721, abs=0.001)
     assert billions["llama-3.1-8b"] == pytest.approx(8.030, abs=0.001)
+    # Gemma 3 1B's layers; with its own 262,144-token vocabulary, its exact count
+    gemma = make_models.SHAPES["gemma-3-1b"]
+    assert dataclasses.replace(gemma, vocab_size=262144).parameters == 999_885_952
 
 
 def test_tiny_shape_runs_end_to_end_and_writes_its_json(
