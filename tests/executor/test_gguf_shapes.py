@@ -216,7 +216,7 @@ def make_hf(name: str, directory: Path) -> Any:
 def write_gguf(
     name: str, model: Any, path: Path, stored: gguf.GGMLQuantizationType | None = None
 ) -> None:
-    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type, F16 or Q8_0;
+    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type, F16, Q8_0 or Q5_0;
     None: float32 as the model holds them)."""
     kind, _ = SHAPES[name]
     c = model.config
@@ -276,7 +276,8 @@ def write_gguf(
         if kind.startswith("gemma") and hf_name.endswith("norm.weight"):
             array = array + 1  # HF's Gemma norms scale by 1 + weight: the converter adds the 1
         gguf_name = converter_name(hf_name, kind)
-        if stored == gguf.GGMLQuantizationType.Q8_0 and array.ndim == 2 and "_proj" in hf_name:
+        blocky = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0)
+        if stored in blocky and array.ndim == 2 and "_proj" in hf_name:
             blocks = gguf.quants.quantize(array, stored)
             writer.add_tensor(gguf_name, blocks, raw_dtype=stored)
         elif stored == gguf.GGMLQuantizationType.F16 and array.ndim == 2 and "_proj" in hf_name:

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from asyncengine.executor.loader.gguf_file import GGUFFile, read_gguf_file
 from asyncengine.executor.loader.gguf_rope import llama3_rope_parameters
 from asyncengine.executor.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
+from asyncengine.executor.loader.gguf_widen import WIDENED_TYPES, as_q8_0
 from asyncengine.executor.loader.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -36,7 +37,7 @@ from asyncengine.executor.loader.hf_dir import (
     ModelFilesError,
 )
 from asyncengine.executor.loader.progress import format_bytes, log, progress
-from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantFormat, QuantizedTensor
+from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantFormat, QuantizedTensor
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -347,6 +348,17 @@ def _quantized(data: np.ndarray, fmt: QuantFormat, shape: tuple[int, ...]) -> Qu
     return QuantizedTensor(fmt, raw, cols)
 
 
+def _widened(
+    tensor_type: GGMLQuantizationType, keep_types: frozenset[int], shape: tuple[int, ...]
+) -> bool:
+    """Whether a tensor is kept as Q8_0 blocks of its exact values (gguf_widen.py)."""
+    return (
+        tensor_type in WIDENED_TYPES
+        and int(GGMLQuantizationType.Q8_0) in keep_types
+        and len(shape) == 2
+    )
+
+
 def read_gguf(
     path: str | Path, dtype: torch.dtype, keep_types: frozenset[int] = frozenset()
 ) -> GGUFCheckpoint:
@@ -405,6 +417,8 @@ def read_gguf_weights(
         weight: Weight
         if fmt is not None and int(tensor.tensor_type) in keep_types and len(shape) == 2:
             weight = _quantized(raw, fmt, shape)
+        elif _widened(tensor.tensor_type, keep_types, shape):
+            weight = _quantized(as_q8_0(raw, tensor.tensor_type, shape[0]), Q8_0, shape)
         else:
             if tensor.tensor_type not in _FLOAT_TYPES:
                 type_name = tensor.tensor_type.name
