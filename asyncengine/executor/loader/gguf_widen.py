@@ -23,11 +23,12 @@ _IQ4_NL_LEVELS = np.array(
 
 def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
     """[n, 22] Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) -> [n, 32] int8."""
-    high = blocks[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is value j's fifth bit
+    # bit j of the little-endian 32 high bits is value j's fifth bit; uint8 throughout (start-up)
+    fifth = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # [n, 32]
     low = blocks[:, 6:22]
-    bits = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [n, 32]
-    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1).astype(np.int16)
-    return (nibbles | (bits.astype(np.int16) << 4)) - 16
+    fifth[:, : BLOCK // 2] |= low & 0x0F
+    fifth[:, BLOCK // 2 :] |= low >> 4
+    return fifth.view(np.int8) - np.int8(16)
 
 
 def _iq4_nl_values(blocks: np.ndarray) -> np.ndarray:
@@ -49,5 +50,5 @@ def as_q8_0(data: np.ndarray, tensor_type: GGMLQuantizationType, rows: int) -> n
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, block_bytes)
     out = np.empty((blocks.shape[0], Q8_0_BYTES), dtype=np.uint8)
     out[:, :2] = blocks[:, :2]  # the fp16 scale, as it is
-    out[:, 2:] = values_of(blocks).astype(np.int8).view(np.uint8)
+    out[:, 2:] = values_of(blocks).view(np.uint8)
     return out.reshape(rows, -1)
