@@ -5,6 +5,8 @@ every decode step to have been fused."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,10 +14,26 @@ import torch
 from gguf import GGMLQuantizationType
 
 from asyncengine.executor.layers.linear import Linear
+from asyncengine.kernels.cpu import decode_step_native
 from asyncengine.kernels.quant_formats import F32
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
 from tests.executor.test_native_decode import Pair, _compare, _count_fused_rows, _gguf_block
+
+
+@contextlib.contextmanager
+def step_built_with(flags: tuple[str, ...] | None) -> Iterator[None]:
+    """Within it the float32 step's library is built with ``flags`` (None: as for this CPU)."""
+    built = decode_step_native.KV_BUILD_FLAGS
+    saved = built[torch.float32]
+    if flags is not None:
+        built[torch.float32] = flags
+    decode_step_native._library.cache_clear()
+    try:
+        yield
+    finally:
+        built[torch.float32] = saved
+        decode_step_native._library.cache_clear()
 
 
 def q8_0_blocks(weights: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.cpu import cpu_native, decode_step_native
+from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
+from tests.executor.fused_step_checks import step_built_with
 from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.executor.test_lora_parity import REQUESTS, TOLERANCE, _greedy, _harness
 from tests.executor.test_native_decode import FLIP_TOLERANCE, Pair
@@ -56,16 +57,8 @@ def oracle(tiny_llama: TinyCheckpoint, adapters: dict[str, Path]) -> PeftOracle:
 @pytest.fixture(params=["default", "avx2"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """The step's library as built for this CPU (AVX-512 where it has it), or its AVX2 build."""
-    flags = decode_step_native.KV_BUILD_FLAGS
-    saved = flags[torch.float32]
-    if request.param == "avx2":
-        flags[torch.float32] = ("-DQ_FORCE_AVX2",)
-    decode_step_native._library.cache_clear()
-    try:
+    with step_built_with(("-DQ_FORCE_AVX2",) if request.param == "avx2" else None):
         yield request.param
-    finally:
-        flags[torch.float32] = saved
-        decode_step_native._library.cache_clear()
 
 
 def _record_lora_steps(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:

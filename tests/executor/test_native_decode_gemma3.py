@@ -21,7 +21,7 @@ from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
-from asyncengine.kernels.cpu import cpu_native, decode_step_native
+from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
@@ -34,6 +34,7 @@ from tests.executor.fused_step_checks import (
     check_f32_step,
     check_q8_0_step,
     q8_0_blocks,
+    step_built_with,
 )
 from tests.executor.test_gguf_shapes import make_hf, write_gguf
 from tests.executor.test_native_decode import (
@@ -54,16 +55,8 @@ ROWS = [PROMPTS, PROMPTS[:1]]
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """The step's library as built for this CPU, or forced to AVX2 (-mno-avx512f: the 8-lane
     GELU, the attention's AVX2 loops over a window's keys)."""
-    flags = decode_step_native.KV_BUILD_FLAGS
-    saved = flags[torch.float32]
-    if request.param == "avx2":
-        flags[torch.float32] = ("-mno-avx512f",)
-    decode_step_native._library.cache_clear()
-    try:
+    with step_built_with(("-mno-avx512f",) if request.param == "avx2" else None):
         yield request.param
-    finally:
-        flags[torch.float32] = saved
-        decode_step_native._library.cache_clear()
 
 
 @pytest.fixture
