@@ -174,7 +174,7 @@ class Sampler:
             and p.frequency_penalty == 0.0
             and not p.logit_bias
             and p.allowed_token_ids is None
-            and not bad_word_bans(info.output_ids, p.bad_words_token_ids)
+            and not p.bad_words_token_ids  # their bans are checked once, on the full path
             and info.token_bitmask is None
             and not p.logprobs
             and p.top_logprobs <= 0
