@@ -291,6 +291,50 @@ async def test_a_long_conversation_renders_off_the_loop(
     assert len(threads) == 3 and all(t.startswith("asyncengine-tokenize") for t in threads[1:])
 
 
+def _tool(name: str, description: str = "d") -> dict[str, Any]:
+    parameters = {"type": "object", "properties": {"a": {"type": "string"}}}
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": parameters}}  # fmt: skip
+
+
+async def test_a_large_request_with_short_messages_renders_off_the_loop(
+    http: aiohttp.ClientSession, server: RunningServer
+) -> None:
+    """Tools (made into a call grammar too), earlier calls' arguments, documents and template
+    variables are rendered with the messages: their size, not only the messages', sends the
+    rendering to the worker thread."""
+    tokenizer = server.engine.tokenizer
+    threads: list[str] = []
+    render = type(tokenizer).apply_chat_template
+
+    def recording(messages: Any, *args: Any, **kwargs: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return render(tokenizer, messages, *args, **kwargs)
+
+    tokenizer.apply_chat_template = recording
+    user = {"role": "user", "content": "hi"}
+    large = "x" * LARGE_INPUT_CHARS
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": large}}
+    bodies = [
+        {"messages": [user]},
+        {"messages": [user], "tools": [_tool(f"f{i}") for i in range(LARGE_INPUT_CHARS // 64)]},
+        {"messages": [user], "tools": [_tool("f", large)]},
+        {"messages": [user, {"role": "assistant", "tool_calls": [call]}, user]},
+        {"messages": [user], "documents": [{"text": large}]},
+        {"messages": [user], "chat_template_kwargs": {"context": large}},
+    ]
+    try:
+        for body in bodies:
+            body = {"model": server.model, "max_tokens": 1, **body}
+            async with http.post(server.base_url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status in (200, 400), await resp.text()  # 400: longer than the context
+    finally:
+        del tokenizer.apply_chat_template
+    assert threads[0] == threading.current_thread().name  # the server shares the test's loop
+    assert len(threads) == len(bodies)
+    assert all(t.startswith("asyncengine-tokenize") for t in threads[1:]), threads
+
+
 # -- connection limit and write timeout ----------------------------------------------------------
 
 
