@@ -309,6 +309,9 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        # each id once: the sampler bans them every step (min_new_tokens), so a list of repeats
+        # would cost every step time in proportion to the request's size, not the vocabulary's
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         self.stop_token_set = frozenset(self.stop_token_ids)
         if len(self.stop_token_set) > MAX_STOP_TOKEN_IDS:
             raise bad(
@@ -322,6 +325,8 @@ class SamplingParams:
             or not all(_is_token_id(t) for t in self.allowed_token_ids)
         ):
             raise bad("allowed_token_ids", "must be None or a non-empty list of token ids")
+        if self.allowed_token_ids is not None:  # each id once, as stop_token_ids
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if not isinstance(self.bad_words_token_ids, list) or not all(
             isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq)
             for seq in self.bad_words_token_ids

@@ -203,6 +203,43 @@ async def test_allowed_token_ids_are_the_only_tokens_sampled(
     assert_no_leak(server.engine)
 
 
+async def test_repeated_token_ids_cost_each_step_no_more_than_each_id_once(
+    client: openai.AsyncOpenAI, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body of repeats (a 2 MiB list of one id) is one id to the sampler, every step: the
+    cost of a step stays within the vocabulary, whatever the request's size."""
+    import asyncengine.executor.sampler as sampler
+
+    sizes: list[int] = []
+
+    def sized(name: str) -> Any:
+        real = getattr(sampler, name)
+
+        def record(logits: Any, rows: Any, tokens: Any) -> None:
+            sizes.extend(len(list(row_tokens)) for row_tokens in tokens)
+            real(logits, rows, tokens)
+
+        return record
+
+    monkeypatch.setattr(sampler, "keep_only_tokens", sized("keep_only_tokens"))
+    monkeypatch.setattr(sampler, "ban_tokens", sized("ban_tokens"))
+    x, y = (server.engine.tokenizer.encode(letter)[0] for letter in ("x", "y"))
+    repeats = 100_000
+    text = await _create(
+        client,
+        server,
+        "completions",
+        max_tokens=3,
+        extra_body={
+            "allowed_token_ids": [x, y] * repeats,
+            "stop_token_ids": [2] * repeats,  # banned until min_tokens
+            "min_tokens": 3,
+        },
+    )
+    assert set(text) <= {"x", "y"}
+    assert sizes and max(sizes) <= 2, max(sizes)
+
+
 async def _greedy_ids(client: openai.AsyncOpenAI, server: RunningServer, **extra: Any) -> list[int]:
     """The token ids of a greedy completion of 12 tokens (its logprobs' token strings, encoded)."""
     done = await client.completions.create(
