@@ -34,6 +34,10 @@ class IncrementalDetokenizer:
     """
 
     PROMPT_CONTEXT_TOKENS = 5
+    # A UTF-8 character is at most 4 bytes and a token at least one: text still ending in
+    # U+FFFD after more tokens than that is not an incomplete character (_settle).
+    _CHARACTER_TOKENS = 4
+    _MAX_HELD_TOKENS = 2 * _CHARACTER_TOKENS
     _TRIM_AFTER = (
         1024  # drop decoded history past this many tokens (keeps memory per request small)
     )
@@ -70,13 +74,36 @@ class IncrementalDetokenizer:
             self._append(delta)
         if stable == len(window) and len(self._ids) > self._read_offset:
             # The window ends on a whole character: the tokens just read become the next prefix.
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._move(self._read_offset, len(self._ids))
             self._emitted = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
-            if self._prefix_offset > self._TRIM_AFTER:
-                del self._ids[: self._prefix_offset]
-                self._read_offset -= self._prefix_offset
-                self._prefix_offset = 0
+        elif len(self._ids) - self._read_offset > self._MAX_HELD_TOKENS:
+            delta += self._settle(window)
         return delta
+
+    def _settle(self, window: str) -> str:
+        """Emit the U+FFFD that ``_CHARACTER_TOKENS`` later tokens did not complete (invalid
+        bytes, or a token that is U+FFFD) and move the window past them: an output that keeps
+        ending in U+FFFD would otherwise decode a window as long as itself at every step. Left
+        as it is where the last tokens change how the ones before them decode."""
+        cut = len(self._ids) - self._CHARACTER_TOKENS
+        head = self._decode(self._ids[self._prefix_offset : cut])
+        start = max(self._prefix_offset, cut - self.PROMPT_CONTEXT_TOKENS)
+        context = self._decode(self._ids[start:cut])
+        tail = window[len(head) :]
+        if not window.startswith(head) or self._decode(self._ids[start:]) != context + tail:
+            return ""
+        delta = window[self._emitted : len(head)]
+        self._append(delta)
+        self._emitted = len(context) + max(self._emitted - len(head), 0)
+        self._move(start, cut)
+        return delta
+
+    def _move(self, prefix_offset: int, read_offset: int) -> None:
+        self._prefix_offset, self._read_offset = prefix_offset, read_offset
+        if self._prefix_offset > self._TRIM_AFTER:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
 
     def flush(self) -> str:
         """Emit text still held back (an incomplete character at the end of the generation)."""

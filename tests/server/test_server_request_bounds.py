@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from tokenizers import Tokenizer, decoders
 
 from asyncengine.common.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -183,3 +186,44 @@ async def test_generate_counts_its_logprobs_against_the_budget(
         assert status == 400, answer
     finally:
         await running.stop()
+
+
+def _windowed_decoder_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its byte-level decoder wrapped in a sequence: the same text, read
+    back by decoding windows of tokens (as for sentencepiece tokenizers) instead of a table."""
+    target = tmp_path_factory.mktemp("tiny_windowed_decoder")
+    shutil.copytree(tiny_model_dir(tmp_path_factory), target, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    tokenizer.save(str(target / "tokenizer.json"))
+    return target
+
+
+async def test_an_output_of_bytes_that_never_make_a_character_is_decoded_a_window_at_a_time(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Allowed only a UTF-8 lead byte, the model writes U+FFFD after U+FFFD: each step still
+    decodes a few tokens, not the whole output so far (quadratic in its length)."""
+    running = await start_server(engine_config(_windowed_decoder_model(tmp_path_factory)))
+    tokenizer = running.engine.tokenizer
+    lead = tokenizer.backend.token_to_id("ð")  # the byte 0xF0 in the byte-level alphabet
+    longest = 0
+    decode = type(tokenizer).decode
+
+    def recording(ids: list[int], skip_special_tokens: bool = True) -> str:
+        nonlocal longest
+        longest = max(longest, len(ids))
+        return decode(tokenizer, ids, skip_special_tokens)
+
+    tokenizer.decode = recording  # type: ignore[method-assign]
+    try:
+        status, answer = await post(
+            running,
+            COMPLETIONS,
+            completion(max_tokens=300, ignore_eos=True, allowed_token_ids=[lead]),
+        )
+    finally:
+        await running.stop()
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == "\ufffd" * 300
+    assert longest <= 16, longest

@@ -140,6 +140,37 @@ def test_each_step_decodes_a_small_window(tokenizer: Tokenizer) -> None:
     assert counting.longest_decode <= 8
 
 
+def test_an_output_that_keeps_ending_in_a_replacement_char_decodes_a_small_window(
+    tokenizer: Tokenizer, partial_character_ids: list[int]
+) -> None:
+    """Bytes that never complete a character (a lead byte over and over, as a request that
+    allows only that token gets) are emitted as U+FFFD a few tokens on, not held in a window
+    that grows with the output."""
+    counting = _CountingTokenizer(tokenizer.model_dir)
+    lead = next(i for i in partial_character_ids if tokenizer.decode([i, i]) == "\ufffd" * 2)
+    word = tokenizer.encode("ok")
+    for ids in ([lead] * 2000, [lead, *word] * 700):
+        counting.longest_decode = 0
+        deltas, _ = _stream(counting, ids, [1])
+        assert "".join(deltas) == tokenizer.decode(ids)
+        assert counting.longest_decode <= 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), chunk_sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_long_runs_of_character_pieces_join_to_the_full_decode(
+    tokenizer: Tokenizer, partial_character_ids: list[int], data, chunk_sizes
+) -> None:
+    """Runs long enough that held pieces are taken as final on the way: the text is still the
+    whole output's decode."""
+    token = st.one_of(
+        st.sampled_from(partial_character_ids), st.integers(0, tokenizer.vocab_size - 1)
+    )
+    ids = data.draw(st.lists(token, min_size=10, max_size=120))
+    deltas, detokenizer = _stream(tokenizer, ids, chunk_sizes)
+    assert "".join(deltas) == tokenizer.decode(ids) == detokenizer.text
+
+
 @pytest.fixture(scope="module")
 def metaspace_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """A sentencepiece-style BPE: words carry a leading '▁' that decoding turns into a space,
