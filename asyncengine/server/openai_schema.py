@@ -452,8 +452,10 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
                 "response_format.json_schema.schema must be a JSON schema object",
                 param="response_format.json_schema.schema",
             )
+        # its size checked first: the keyword walk is Python, on the event loop
+        structured = StructuredOutput.json_schema(schema)
         check_enforced(schema, "response_format.json_schema.schema")
-        return StructuredOutput.json_schema(schema)
+        return structured
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), exc.param or "response_format", exc.code) from None
 

@@ -1,8 +1,8 @@
 """Grammar work is bounded, over real HTTP on the tiny model: a flood of heavy regular
 expressions that clients drop does not hold up a json_object request (scripts/grammar_flood.py),
-the dropped requests' compiles never run, a spec over the length limit is a 400 naming it, a
-compile past the time limit is a 400 saying so (and its spec stays refused), and requests
-waiting for a compile count against max_waiting_requests. A grammar too slow to follow ends its
+the dropped requests' compiles never run, a spec over the length limit is a 400 naming it (a
+schema before its keywords are walked), a compile past the time limit is a 400 saying so (and
+its spec stays refused), and requests waiting for a compile count against max_waiting_requests. A grammar too slow to follow ends its
 request and is refused at once from then on, one whose first mask is too slow is refused at
 compile, and while a mask runs the event loop goes on serving."""
 
@@ -101,6 +101,14 @@ async def test_long_and_slow_grammars_are_refused(tmp_path_factory: pytest.TempP
     try:
         status, out = await post(server, {"prompt": "x", "regex": "a" * (MAX_GRAMMAR_CHARS + 1)})
         assert status == 400 and str(MAX_GRAMMAR_CHARS) in out["error"]["message"]
+        # a long schema is refused by its length before its keywords are walked (on the loop):
+        # its first property's unheld keyword is never reached
+        properties = {f"p{i}": {"type": "string"} for i in range(MAX_GRAMMAR_CHARS // 16)}
+        properties["p0"] = {"type": "string", "uniqueItems": True}
+        schema = {"type": "object", "properties": properties}
+        fmt = {"type": "json_schema", "json_schema": {"name": "long", "schema": schema}}
+        status, out = await post(server, {"prompt": "x", "response_format": fmt})
+        assert status == 400 and out["error"]["code"] == "grammar_too_long", out
         status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]"})
         assert status == 200  # the compiler started
         heavy = grammar_flood().heavy_regex(7)
