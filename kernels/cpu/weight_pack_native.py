@@ -2,6 +2,8 @@
 parts, each possibly gathered in another order, written into one destination in the interleaved
 groups the batch-1 kernels read, in parallel C threads; the same bytes as
 ``quant_native.interleave(cat_rows([p.select_rows(order) ...]))``, without the copies between.
+And ``widen_q8_0``: GGUF blocks of small integers (Q5_0, IQ4_NL) as Q8_0 blocks of the same
+values.
 
 ``available()`` says whether the library loaded (no C compiler: callers keep the torch path).
 """
@@ -13,12 +15,14 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import QuantFormat
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8 values
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.asyncengine_pack_jobs.restype = None
     lib.asyncengine_pack_jobs.argtypes = [_PTR, _I64, _INT]
+    lib.asyncengine_widen_q8_0.restype = _INT
+    lib.asyncengine_widen_q8_0.argtypes = [ctypes.c_int32, _PTR, _I64, _I64, _PTR]
     return lib
 
 
@@ -127,3 +133,20 @@ def pack_rows(
 ) -> None:
     """One ``PackJob``, done now."""
     pack_many([PackJob(fmt, tuple(sources), cols, out, interleave)], threads)
+
+
+def widen_q8_0(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """``blocks`` (uint8 [n, block bytes], contiguous) of GGUF type ``ggml_type`` (Q5_0 or
+    IQ4_NL) as uint8 [n, 34] Q8_0 blocks of exactly their values (without the GIL)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native weight-packing library is not available")
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous:
+        raise ValueError("blocks must be a contiguous uint8 [blocks, block bytes] array")
+    n, block_bytes = blocks.shape
+    out = np.empty((n, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    if not lib.asyncengine_widen_q8_0(
+        ggml_type, blocks.ctypes.data, n, block_bytes, out.ctypes.data
+    ):
+        raise ValueError(f"no Q8_0 widening of GGUF type {ggml_type} in blocks of {block_bytes} B")
+    return out

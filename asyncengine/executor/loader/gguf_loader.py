@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from asyncengine.executor.loader.gguf_file import GGUFFile, read_gguf_file
 from asyncengine.executor.loader.gguf_rope import llama3_rope_parameters
 from asyncengine.executor.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
-from asyncengine.executor.loader.gguf_widen import WIDENED_TYPES, as_q8_0
+from asyncengine.executor.loader.gguf_widen import WIDENED_TYPES, as_q8_0, widening_available
 from asyncengine.executor.loader.hf_dir import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -356,6 +356,7 @@ def _widened(
         tensor_type in WIDENED_TYPES
         and int(GGMLQuantizationType.Q8_0) in keep_types
         and len(shape) == 2
+        and widening_available()
     )
 
 

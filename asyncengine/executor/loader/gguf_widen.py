@@ -5,50 +5,31 @@ where dequantizing to bfloat16 would read 64.
 
 llama-quantize writes Q5_0 (and Q8_0) in place of the K formats for rows whose length is not a
 multiple of 256 (Gemma 3 1B's 1152, Qwen2.5-0.5B's 896): most of such a Q4_K_M file.
-IQ4_NL's 16 levels are int8 values of a fixed table.
+IQ4_NL's 16 levels are int8 values of a fixed table. The rewrite is native
+(kernels/cpu/cpu_weight_pack.c); without that library these tensors are dequantized as the
+others are.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-BLOCK = 32  # values per block, in each of these formats and in Q8_0
-Q8_0_BYTES = 2 + BLOCK
-# IQ4_NL's levels (ggml's kvalues_iq4nl)
-_IQ4_NL_LEVELS = np.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
-)
+from asyncengine.kernels.cpu import weight_pack_native
+
+WIDENED_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.IQ4_NL})
 
 
-def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
-    """[n, 22] Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) -> [n, 32] int8."""
-    # bit j of the little-endian 32 high bits is value j's fifth bit; uint8 throughout (start-up)
-    fifth = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # [n, 32]
-    low = blocks[:, 6:22]
-    fifth[:, : BLOCK // 2] |= low & 0x0F
-    fifth[:, BLOCK // 2 :] |= low >> 4
-    return fifth.view(np.int8) - np.int8(16)
-
-
-def _iq4_nl_values(blocks: np.ndarray) -> np.ndarray:
-    """[n, 18] IQ4_NL blocks (fp16 d, 16 bytes of nibbles indexing the levels) -> [n, 32] int8."""
-    low = blocks[:, 2:18]
-    return _IQ4_NL_LEVELS[np.concatenate([low & 0x0F, low >> 4], axis=1)]
-
-
-_VALUES = {
-    GGMLQuantizationType.Q5_0: (2 + 4 + BLOCK // 2, _q5_0_values),
-    GGMLQuantizationType.IQ4_NL: (2 + BLOCK // 2, _iq4_nl_values),
-}
-WIDENED_TYPES = frozenset(_VALUES)
+def widening_available() -> bool:
+    """Whether ``as_q8_0`` runs here (the native library loaded)."""
+    return weight_pack_native.available()
 
 
 def as_q8_0(data: np.ndarray, tensor_type: GGMLQuantizationType, rows: int) -> np.ndarray:
     """A tensor of ``tensor_type`` blocks (``rows`` rows) as Q8_0 blocks: uint8 [rows, bytes]."""
-    block_bytes, values_of = _VALUES[tensor_type]
-    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, block_bytes)
-    out = np.empty((blocks.shape[0], Q8_0_BYTES), dtype=np.uint8)
-    out[:, :2] = blocks[:, :2]  # the fp16 scale, as it is
-    out[:, 2:] = values_of(blocks).view(np.uint8)
-    return out.reshape(rows, -1)
+    if tensor_type not in WIDENED_TYPES:
+        raise ValueError(f"{tensor_type.name} blocks are not widened to Q8_0")
+    block_bytes = GGML_QUANT_SIZES[tensor_type][1]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    widened = weight_pack_native.widen_q8_0(blocks, int(tensor_type))
+    return widened.reshape(rows, -1)
