@@ -17,7 +17,12 @@ split for every API.
   ``enable_thinking`` (absent: the template's default). ``budget_tokens`` is checked but not
   enforced apart: reasoning counts against ``max_tokens``.
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``): structured output, as
-  ``response_format`` in Chat Completions; ``output_config.effort`` is ignored.
+  ``response_format`` in Chat Completions; ``output_config.effort`` is ignored. The top-level
+  ``output_format`` of Anthropic's structured-outputs beta is read the same way.
+- Refused, since nothing here could honour them: ``mcp_servers`` (the server would have to
+  call the MCP servers) and ``container`` (code execution). ``context_management``, which
+  Claude Code sends on every request, is accepted: earlier thinking is dropped anyway, and
+  no tool result is cleared (the conversation is read as sent).
 - ``metadata.user_id`` is the tenant (fair-share policies, per-tenant metrics).
 Unknown fields (``cache_control``, ``service_tier``, ...) are accepted and ignored.
 """
@@ -180,6 +185,9 @@ class CountTokensRequest(Struct, kw_only=True):
     thinking: ThinkingConfig | None = None
     # variables for the chat template (vLLM's and SGLang's extension)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Anthropic's server-side features: read only to refuse them (_check_served)
+    mcp_servers: Any = None
+    container: Any = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -193,6 +201,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stop_sequences: list[str] | None = None
     metadata: MessagesMetadata | None = None
     output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
 
 
 def _text_of(parts: list[ToolResultPart], param: str) -> str:
@@ -332,8 +341,31 @@ def _template_variables(req: CountTokensRequest) -> dict[str, Any] | None:
     return variables or None
 
 
+_NOT_SERVED = {
+    "mcp_servers": "MCP servers are not called by this server; send their tools as custom tools",
+    "container": "code execution containers are not served",
+}
+
+
+def _check_served(req: CountTokensRequest) -> None:
+    for param, why in _NOT_SERVED.items():
+        if getattr(req, param) is not None:
+            raise invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def _output_format(req: MessagesRequest) -> JsonOutputFormat | None:
+    configured = req.output_config.format if req.output_config is not None else None
+    if configured is not None and req.output_format is not None:
+        raise invalid_request(
+            "send the output format once: output_config.format or output_format, not both",
+            param="output_format",
+        )
+    return configured or req.output_format
+
+
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion that answers ``req`` (a ``MessagesRequest`` with its sampling)."""
+    _check_served(req)
     tools, choice, parallel = _tools(req)
     chat = ChatCompletionRequest(
         model=req.model,
@@ -353,7 +385,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         chat.stop = req.stop_sequences
         chat.stream = req.stream
         chat.user = req.metadata.user_id if req.metadata is not None else None
-        fmt = req.output_config.format if req.output_config is not None else None
+        fmt = _output_format(req)
         if fmt is not None:
             chat.response_format = ResponseFormat(
                 type="json_schema", json_schema=JsonSchemaFormat(schema_=fmt.schema_)

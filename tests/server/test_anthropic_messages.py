@@ -324,6 +324,48 @@ async def test_a_strict_tool_schema_the_grammar_cannot_hold_is_refused(
             assert status == 200, answer
 
 
+async def test_an_output_format_is_structured_output_under_either_name(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """``output_config.format``, and ``output_format`` as the structured-outputs beta sent it."""
+    fmt = {"type": "json_schema", "schema": WEATHER_SCHEMA}
+    kwargs: dict[str, Any] = dict(model=server.model, max_tokens=40, messages=_user(QUESTION))
+    for body in ({"output_config": {"format": fmt}}, {"output_format": fmt}):
+        message = await claude.messages.create(**kwargs, extra_body={**GREEDY, **body})
+        (block,) = message.content
+        assert message.stop_reason == "end_turn" and block.type == "text", message
+        jsonschema.validate(json.loads(block.text), WEATHER_SCHEMA)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        both = {"output_config": {"format": fmt}, "output_format": fmt}
+        await claude.messages.create(**kwargs, extra_body=both)
+    assert "not both" in refused.value.body["error"]["message"]  # type: ignore[index]
+
+
+async def test_server_side_features_are_refused_as_not_served(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """MCP servers and code-execution containers would change what the model may do; ignored,
+    the agent would run without them unawares. Context management, which Claude Code sends on
+    every request, is served as a conversation read as sent."""
+    mcp = [{"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}]
+    for param, value in (("mcp_servers", mcp), ("container", "container_1")):
+        for call in (claude.beta.messages.create, claude.beta.messages.count_tokens):
+            kwargs: dict[str, Any] = (
+                {"max_tokens": 4} if call == claude.beta.messages.create else {}
+            )
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await call(
+                    model=server.model, messages=_user("hi"), extra_body={param: value}, **kwargs
+                )
+            message = refused.value.body["error"]["message"]  # type: ignore[index]
+            assert message.startswith(f"{param}: ") and "not" in message, message
+    edits: Any = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    message = await claude.beta.messages.create(
+        model=server.model, max_tokens=2, messages=_user("hi"), context_management=edits
+    )
+    assert message.stop_reason == "max_tokens"
+
+
 async def test_the_api_key_comes_as_x_api_key_or_bearer(server: RunningServer) -> None:
     guarded = await start_server(server.engine.config, engine=server.engine, api_key="s3cret")
     try:
