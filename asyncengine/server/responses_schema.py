@@ -22,7 +22,8 @@ translation into the ``ChatCompletionRequest`` that the chat path runs
   (reasoning items carry the reasoning text itself).
 - ``user`` is the tenant; ``store`` false keeps the response out of the store; ``include`` is
   accepted and ignored (reasoning text is always included, never encrypted).
-- Refused: ``background`` true, ``truncation`` "auto", ``conversation``.
+- Refused: ``background`` true, ``truncation`` "auto", ``conversation``, ``prompt`` (a
+  prompt template stored with OpenAI) and ``top_logprobs`` above 0 (no logprobs are written).
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ class ResponsesRequest(Struct, kw_only=True):
     include: list[str] | None = None
     background: bool | None = None
     conversation: Any = None
+    prompt: Any = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # variables for the chat template (vLLM's and SGLang's extension)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -189,6 +192,12 @@ def check_supported(req: ResponsesRequest) -> None:
             req.conversation is not None,
             "conversations are not served; continue one with previous_response_id",
         ),
+        (
+            "prompt",
+            req.prompt is not None,
+            "stored prompt templates are not served; send instructions and input",
+        ),
+        ("top_logprobs", bool(req.top_logprobs), "logprobs are not served on this API"),
     ):
         if refused:
             raise invalid_request(f"{param}: {why}", param=param, code="unsupported_parameter")

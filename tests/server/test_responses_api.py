@@ -353,6 +353,8 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
         ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "prompt": {"id": "pmpt_abc", "variables": {"city": "Oslo"}}}, "prompt"),
+        ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
         (
