@@ -130,7 +130,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     names = [*state.served_model_names, *state.lora_names]
-    return json_response({"object": "list", "data": [_model_card(state, n) for n in names]})
+    # OpenAI's list, with the paging fields of Anthropic's (one page holds every model)
+    return json_response(
+        {
+            "object": "list",
+            "data": [_model_card(state, n) for n in names],
+            "has_more": False,
+            "first_id": names[0] if names else None,
+            "last_id": names[-1] if names else None,
+        }
+    )
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -148,6 +157,10 @@ def _model_card(state: ServerState, name: str) -> Json:
         "owned_by": "asyncengine",
         "root": state.engine.model_name,
         "max_model_len": state.engine.max_model_len,
+        # Anthropic's model fields, for its clients (created_at is `created` as RFC 3339)
+        "type": "model",
+        "display_name": name,
+        "created_at": "1970-01-01T00:00:00Z",
     }
     if state.lora_for(name) is not None:  # a LoRA adapter over the base (vLLM's card)
         card["root"] = name

@@ -366,6 +366,18 @@ async def test_server_side_features_are_refused_as_not_served(
     assert message.stop_reason == "max_tokens"
 
 
+async def test_the_models_list_has_anthropics_fields(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    page = await claude.models.list()
+    (model,) = page.data
+    assert (model.id, model.type, model.display_name) == (server.model, "model", server.model)
+    assert model.created_at.year == 1970  # OpenAI's `created` (0) as Anthropic dates it
+    assert (page.first_id, page.last_id, page.has_more) == (server.model, server.model, False)
+    one = await claude.models.retrieve(server.model)
+    assert (one.id, one.type, one.display_name) == (server.model, "model", server.model)
+
+
 async def test_the_api_key_comes_as_x_api_key_or_bearer(server: RunningServer) -> None:
     guarded = await start_server(server.engine.config, engine=server.engine, api_key="s3cret")
     try:
