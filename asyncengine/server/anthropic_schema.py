@@ -5,7 +5,8 @@ split for every API.
 
 - ``system``: a string or text blocks; ``messages``: user and assistant turns whose content is
   a string or blocks: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (a user's
-  answer to one), ``thinking`` / ``redacted_thinking`` (dropped: templates drop earlier
+  answer to one, in the message right after the call: every call answered, as Anthropic's
+  API has it), ``thinking`` / ``redacted_thinking`` (dropped: templates drop earlier
   reasoning). ``image`` and ``document`` blocks are refused (no vision model is served).
 - A conversation that ends with an assistant turn (Anthropic's "prefill") is continued: the
   prompt stops after its text and the reply is what the model writes next.
@@ -222,6 +223,21 @@ def _unsupported_content(param: str, block: Any) -> ApiError:
     )
 
 
+def _check_answered(i: int, message: MessageParam, called: set[str]) -> None:
+    """Anthropic's rule: every tool_use block is answered by a tool_result block in the
+    message right after it."""
+    blocks = [] if isinstance(message.content, str) else message.content
+    answered = {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlockParam)}
+    missing = sorted(called - answered)
+    if missing:
+        raise invalid_request(
+            f"messages[{i - 1}] has tool_use ids that messages[{i}] answers with no "
+            f"tool_result block: {', '.join(missing)}; each tool_use block needs a "
+            "tool_result block in the next message",
+            param=f"messages[{i}].content",
+        )
+
+
 def _messages(req: CountTokensRequest) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     if req.system:
@@ -233,6 +249,7 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
     asked: set[str] = set()  # the tool_use ids of the message before, which results answer
     for i, message in enumerate(req.messages):
         called, asked = asked, set()
+        _check_answered(i, message, called)
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
             continue

@@ -272,14 +272,31 @@ async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
     ):
         assert (await claude.messages.create(messages=messages, **kwargs)).stop_reason
     for messages, index in (
-        ([*ask, _tool_use("toolu_a"), _tool_results("toolu_x")], 2),
+        ([*ask, _tool_use("toolu_a"), {"role": "user", "content": [
+            _tool_results("toolu_a")["content"][0], _tool_results("toolu_x")["content"][0]
+        ]}], 2),
         ([*ask, _tool_use("toolu_x"), _tool_results("toolu_x"), _tool_results("toolu_x")], 3),
         ([_tool_results("toolu_x")], 0),
-    ):
+    ):  # fmt: skip
         with pytest.raises(anthropic.BadRequestError) as refused:
             await claude.messages.create(messages=messages, **kwargs)
         message = refused.value.body["error"]["message"]  # type: ignore[index]
-        assert f"messages[{index}].content[0].tool_use_id 'toolu_x'" in message, message
+        content = 1 if index == 2 else 0
+        assert f"messages[{index}].content[{content}].tool_use_id 'toolu_x'" in message, message
+    # and each call is answered in the next message, as the parallel calls of an agent are
+    for messages, missing in (
+        ([*ask, _tool_use("toolu_a", "toolu_b"), _tool_results("toolu_a")], "toolu_b"),
+        ([*ask, _tool_use("toolu_a", "toolu_b"), *_user("stop")], "toolu_a, toolu_b"),
+        ([*ask, _tool_use("toolu_b"), _tool_results("toolu_a")], "toolu_b"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(messages=messages, **kwargs)
+        with pytest.raises(anthropic.BadRequestError) as counted:
+            await claude.messages.count_tokens(model=server.model, messages=messages, tools=TOOLS)
+        for error in (refused, counted):
+            message = error.value.body["error"]["message"]  # type: ignore[index]
+            assert message.startswith("messages[1] has tool_use ids that messages[2] answers")
+            assert f"with no tool_result block: {missing};" in message, message
 
 
 async def test_server_and_typed_tools_are_refused_as_not_served(
