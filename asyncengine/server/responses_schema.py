@@ -5,8 +5,8 @@ translation into the ``ChatCompletionRequest`` that the chat path runs
 - ``input``: a string (one user turn) or items: messages (``role`` and string or parts content:
   ``input_text`` / ``output_text`` / ``refusal``; ``input_image``, ``input_file`` and
   ``input_audio`` are refused: no such model is served), ``function_call`` (an earlier call),
-  ``function_call_output`` (its result) and ``reasoning`` (dropped: templates drop earlier
-  reasoning). ``item_reference`` is refused.
+  ``function_call_output`` (its result: every call needs one, as in OpenAI's API) and
+  ``reasoning`` (dropped: templates drop earlier reasoning). ``item_reference`` is refused.
 - ``instructions``: the system turn, first; not carried over by ``previous_response_id``
   (as OpenAI's API does), whose conversation (its input and output items, back along its chain)
   comes before ``input`` (server/responses_store.py).
@@ -238,6 +238,7 @@ def _messages(instructions: str | None, items: list[InputItem], first: int) -> l
     if instructions:
         out.append(ChatMessage(role="system", content=instructions))
     names: dict[str, str] = {}  # call_id -> function name
+    unanswered: dict[str, str] = {}  # call_id -> where its function_call is
     for i, item in enumerate(items):
         param = f"input[{i - first}]" if i >= first else "previous_response_id"
         if item.type == "message":
@@ -249,6 +250,7 @@ def _messages(instructions: str | None, items: list[InputItem], first: int) -> l
             if item.call_id is None or item.name is None or item.arguments is None:
                 raise _missing(param, "call_id, name and arguments")
             names[item.call_id] = item.name
+            unanswered[item.call_id] = param
             call = AssistantToolCall(
                 id=item.call_id, function=ToolCallFunction(name=item.name, arguments=item.arguments)
             )
@@ -267,6 +269,7 @@ def _messages(instructions: str | None, items: list[InputItem], first: int) -> l
                     "no function_call with this call_id comes before it in input or in the "
                     "previous_response_id conversation",
                 )
+            unanswered.pop(item.call_id, None)
             output = _text(item.output, f"{param}.output")
             out.append(
                 ChatMessage(
@@ -283,6 +286,12 @@ def _messages(instructions: str | None, items: list[InputItem], first: int) -> l
                 code="unsupported_value",
             )
         # reasoning items: templates drop earlier reasoning
+    for call_id, param in unanswered.items():  # OpenAI's rule: every call gets its output
+        raise invalid_request(
+            f"no function_call_output answers the function_call {call_id!r} ({param}): "
+            "send one with its call_id",
+            param="input",
+        )
     if not out:
         raise invalid_request("input holds no message", param="input")
     return out

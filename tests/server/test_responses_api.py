@@ -166,6 +166,16 @@ async def test_the_function_call_loop_by_hand_and_by_previous_response_id(
     assert chained.usage.input_tokens == by_hand.usage.input_tokens
     assert chained.output_text == by_hand.output_text and chained.output_text
     assert [i.type for i in chained.output] == ["message"]
+    # as in OpenAI's API, a call is answered before the conversation goes on
+    for unanswered in (
+        dict(input="Never mind.", previous_response_id=first.id),
+        dict(input=[*[i.model_dump(exclude_none=True) for i in first.output]]),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(max_output_tokens=4, **unanswered, **kwargs)
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "input", error
+        assert f"answers the function_call {call.call_id!r}" in error["message"], error
     # a third turn continues the chain of two
     third = await client.responses.create(
         input="And Oslo?", previous_response_id=chained.id, max_output_tokens=4, **kwargs
