@@ -11,6 +11,7 @@ from asyncengine import AsyncEngine
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.core.builder import make_policies
 from asyncengine.policies import make_policy
+from asyncengine.policies.registry import BUILTIN
 from tests.fake_executor import fake_core
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -21,6 +22,12 @@ def test_shipped_configs_load(path: Path) -> None:
     config = EngineConfig.from_toml(path)
     policy = make_policy(config.policy, config.policy_options)
     assert policy.name == config.policy
+
+
+def test_every_builtin_policy_has_a_config() -> None:
+    # the README and policies.md promise a commented TOML file per built-in policy
+    shipped = {path.stem for path in CONFIGS}
+    assert sorted(set(BUILTIN) - shipped) == []
 
 
 def test_overrides_win_and_none_is_ignored(tmp_path: Path) -> None:
