@@ -10,8 +10,9 @@ from asyncengine import compiled
 compiled.run_edits_interpreted()
 
 from asyncengine import quiet_exit  # noqa: E402
-from asyncengine.common.config import EngineConfig  # noqa: E402
+from asyncengine.common.config import ConfigError, EngineConfig  # noqa: E402
 from asyncengine.common.errors import (  # noqa: E402
+    AdapterUnavailableError,
     EngineError,
     EngineNotRunningError,
     InvalidRequestError,
@@ -22,6 +23,7 @@ from asyncengine.common.sampling_params import SamplingParams, StructuredOutput 
 
 if TYPE_CHECKING:
     from asyncengine.api.engine import AsyncEngine
+    from asyncengine.cache.pins import PinLimitError
     from asyncengine.common.outputs import GenerateOutput, StreamDelta
 
 __version__ = "0.1.0"
@@ -29,12 +31,15 @@ __version__ = "0.1.0"
 quiet_exit.install()
 
 __all__ = [
+    "AdapterUnavailableError",
     "AsyncEngine",
+    "ConfigError",
     "EngineConfig",
     "EngineError",
     "EngineNotRunningError",
     "GenerateOutput",
     "InvalidRequestError",
+    "PinLimitError",
     "QueueFullError",
     "RequestFailedError",
     "SamplingParams",
@@ -53,4 +58,8 @@ def __getattr__(name: str) -> Any:
         from asyncengine.common import outputs
 
         return getattr(outputs, name)
+    if name == "PinLimitError":  # the cache's modules load with the engine, not before
+        from asyncengine.cache.pins import PinLimitError
+
+        return PinLimitError
     raise AttributeError(f"module 'asyncengine' has no attribute {name!r}")

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncengine import AdapterUnavailableError
 from asyncengine.api.engine import AsyncEngine
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
+from asyncengine.common.errors import UnknownAdapterError
 from asyncengine.common.outputs import GenerateOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.sim.lora_cost import LoraCharges, SimLoras

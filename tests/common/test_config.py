@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine import AsyncEngine
-from asyncengine.common.config import ConfigError, EngineConfig
+from asyncengine import AsyncEngine, ConfigError
+from asyncengine.common.config import EngineConfig
 from asyncengine.core.builder import make_policies
 from asyncengine.policies import make_policy
 from asyncengine.policies.registry import BUILTIN

@@ -10,7 +10,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from asyncengine.cache.pins import PinLimitError
+from asyncengine import PinLimitError
 from tests.api.test_scheduling_e2e import engine, params
 from tests.server.test_server_scheduling import ADMIN, API_KEY, auth, post
 from tests.server_support import (
