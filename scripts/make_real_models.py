@@ -8,7 +8,7 @@ are the benchmark models for every speed claim (no hub needed). For each named s
    normal(0, initializer_range) projections and embedding, unit norms) -> ``save_pretrained``
    in bfloat16, with a tokenizer (below);
 2. the llama.cpp sdist's ``convert_hf_to_gguf.py`` -> a bf16 GGUF;
-3. its ``llama-quantize`` -> Q4_K_M / Q5_K_M / Q6_K / Q8_0 GGUFs.
+3. its ``llama-quantize`` -> Q4_K_M / Q5_K_M / Q6_K / Q8_0 GGUFs (Q4_0 when named).
 
 Tokenizer: the embedded model's (SmolLM2's 49,152-token byte-level BPE with its ChatML
 template), read from the asyncengine cache. The config keeps the real vocab size (128,256 /
@@ -24,6 +24,7 @@ kept; each is written under a temporary name and renamed. Prints one path per li
     .venv/bin/python scripts/make_real_models.py                # 1B, 3B, 1.5B shapes, all formats
     .venv/bin/python scripts/make_real_models.py --models llama-3.2-1b --formats Q4_K_M
     .venv/bin/python scripts/make_real_models.py --models qwen3-1.7b --formats Q4_K_M
+    .venv/bin/python scripts/make_real_models.py --models qwen2.5-0.5b --formats Q4_K_M Q8_0 Q4_0
     .venv/bin/python scripts/make_real_models.py --list
 
 Needs scripts/setup_llamacpp.sh (llama-quantize, and the converter unpacked under the peer's
@@ -53,6 +54,8 @@ from asyncengine.common.private_cache import cache_dir
 from asyncengine.script_main import run_main
 
 FORMATS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+# made only when named: the legacy 4-bit format many small models ship in
+EXTRA_FORMATS = ("Q4_0",)
 HF_FORMAT = "hf"  # the bfloat16 HF directory itself
 SEED = 0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -137,6 +140,12 @@ SHAPES: dict[str, Shape] = {
     ),
     "qwen2.5-1.5b": Shape(
         "qwen2", 1536, 28, 12, 2, 8960, 151936, True, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    # hidden 896 and MLP 4864 are no multiples of 256, so llama-quantize falls back from the K
+    # formats to Q5_0 / Q8_0 blocks there; 14 query heads over 2 kv heads (GQA 7:1)
+    "qwen2.5-0.5b": Shape(
+        "qwen2", 896, 24, 14, 2, 4864, 151936, True, rope_theta=1000000.0,
         max_position_embeddings=32768, rms_norm_eps=1e-6,
     ),
     # per-head q/k norms (the converter's architecture qwen3), 16 query heads over 8 kv heads
@@ -347,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Path]]:
         choices=sorted(SHAPES),
     )  # fmt: skip
     parser.add_argument(
-        "--formats", nargs="+", default=list(FORMATS), choices=[HF_FORMAT, "bf16", *FORMATS]
+        "--formats",
+        nargs="+",
+        default=list(FORMATS),
+        choices=[HF_FORMAT, "bf16", *FORMATS, *EXTRA_FORMATS],
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-quantize's threads")
     parser.add_argument("--list", action="store_true", help="print the shapes and exit")

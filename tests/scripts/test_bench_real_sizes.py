@@ -33,6 +33,7 @@ def test_named_shapes_have_the_real_models_parameter_counts(make_models: ModuleT
     assert billions["llama-3.2-1b"] == pytest.approx(1.236, abs=0.001)
     assert billions["llama-3.2-3b"] == pytest.approx(3.213, abs=0.001)
     assert billions["qwen2.5-1.5b"] == pytest.approx(1.544, abs=0.001)
+    assert make_models.SHAPES["qwen2.5-0.5b"].parameters == 494_032_768
     assert billions["qwen3-1.7b"] == pytest.approx(1.721, abs=0.001)
     assert billions["llama-3.1-8b"] == pytest.approx(8.030, abs=0.001)
     # Gemma 3 1B's layers; with its own 262,144-token vocabulary, its exact count
