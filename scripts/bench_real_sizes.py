@@ -800,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--formats",
         nargs="+",
         default=list(models.FORMATS),
-        choices=[models.HF_FORMAT, "bf16", *models.FORMATS],
+        choices=[models.HF_FORMAT, "bf16", *models.FORMATS, *models.EXTRA_FORMATS],
     )
     parser.add_argument("--systems", default="asyncengine,llamacpp", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=3)

@@ -196,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--models", nargs="+", default=["llama-3.2-1b"], choices=sorted(models.SHAPES)
     )
     parser.add_argument(
-        "--formats", nargs="+", default=list(models.FORMATS), choices=["bf16", *models.FORMATS]
+        "--formats",
+        nargs="+",
+        default=list(models.FORMATS),
+        choices=["bf16", *models.FORMATS, *models.EXTRA_FORMATS],
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=16)
