@@ -603,8 +603,8 @@ int asyncengine_paged_decode_attention_planned(
             const int len = seq_lens[b];
             attend_range(qh, Hkv, H / Hkv, (const kv_t *)k_cache, (const kv_t *)v_cache,
                          block_table + b * table_stride, first_key(len, window), len, len,
-                         page_size, 0, Hkv, D, scale, NULL, NULL, state, state + H * D,
-                         state + H * D + H);
+                         page_size, 0, Hkv, D, scale, softcap, NULL, NULL, state,
+                         state + H * D, state + H * D + H);
             for (int64_t h = 0; h < H; h++) {
                 const float l = state[H * D + H + h], inv = l > 0.0f ? 1.0f / l : 0.0f;
                 store_row(out, (b * H + h) * D, state + h * D, inv, D, is_bf16);
@@ -663,7 +663,7 @@ int asyncengine_paged_decode_attention_planned(
             }
             attend_range(qh, 1, G, (const kv_t *)k_cache, (const kv_t *)v_cache,
                          block_table + b * table_stride, first, end, len, page_size, kvh, Hkv, D,
-                         scale, NULL, NULL, state, state + G * D, state + G * D + G);
+                         scale, softcap, NULL, NULL, state, state + G * D, state + G * D + G);
             if (part == NULL)
                 for (int64_t g = 0; g < G; g++) {
                     const float l = state[G * D + G + g], inv = l > 0.0f ? 1.0f / l : 0.0f;

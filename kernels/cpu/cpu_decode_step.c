@@ -32,7 +32,10 @@
  * 0: the llama layer's): sandwich norms (attn_out_norm, mlp_out_norm: o_proj's and down's
  * output RMS-normed before the residual add, written apart, then after a barrier added in row
  * shares, add_normed_rows), a GELU gate (model_desc's gelu), a sliding window (window: a row's
- * attention items cover its last `window` keys) and a RoPE table of the layer's own (cos_sin).
+ * attention items cover its last `window` keys) and a RoPE table of the layer's own (cos_sin);
+ * Gemma 2's in an attention soft-cap (softcap: each scaled score s becomes
+ * softcap * tanh(s / softcap) before the softmax, split-K ranges included, as the block's
+ * scores are made; 0 skips it, one branch a block).
  *
  * One request (batch 1, the single-stream case): the only key written this step is the row's
  * own, so each head takes the new key and value from the qkv row (the rotated key in registers)
@@ -96,6 +99,7 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos_sin; /* [rope_rows, head_dim]: this layer's RoPE table; NULL: the model's */
     int64_t window;       /* keys a row sees, its own included (a sliding layer); 0: all */
+    float softcap;        /* scaled scores s -> softcap * tanh(s / softcap) (Gemma 2); 0: none */
     kv_t *k_cache; /* [S, kv_heads, head_dim] */
     kv_t *v_cache;
     qlinear qkv, o_proj, gate_up, down;
@@ -663,18 +667,18 @@ static inline attn_item item_at(const attn_items *items, int64_t item, int64_t k
 static void attention_item(const attn_items *items, const attn_item *it, const float *q,
                            const kv_t *k_cache, const kv_t *v_cache, const int32_t *table_row,
                            int64_t len, int64_t page_size, int64_t kv_heads, int64_t D,
-                           float scale, const kv_t *k_new, const kv_t *v_new, float *out,
-                           float *parts, atomic_int *done) {
+                           float scale, float softcap, const kv_t *k_new, const kv_t *v_new,
+                           float *out, float *parts, atomic_int *done) {
     if (items->splits == 1) {
         attend_group(q, it->kvc, it->gc, k_cache, v_cache, table_row, it->begin, len, page_size,
-                     it->kv0, kv_heads, D, scale, k_new, v_new, out);
+                     it->kv0, kv_heads, D, scale, softcap, k_new, v_new, out);
         return;
     }
     const int64_t heads = it->kvc * it->gc, stride = ATTN_PART(heads, D);
     float *part = parts + (it->unit * items->splits + it->split) * stride;
     attend_range(q, it->kvc, it->gc, k_cache, v_cache, table_row, it->begin, it->end, len,
-                 page_size, it->kv0, kv_heads, D, scale, k_new, v_new, part, part + heads * D,
-                 part + heads * D + heads);
+                 page_size, it->kv0, kv_heads, D, scale, softcap, k_new, v_new, part,
+                 part + heads * D, part + heads * D + heads);
     /* release: this range's state is written; acquire: the others' are seen by the last */
     if (atomic_fetch_add_explicit(&done[it->unit], 1, memory_order_acq_rel) + 1 == items->splits)
         merge_ranges(parts + it->unit * items->splits * stride, items->splits, heads, D, out);
@@ -1019,8 +1023,9 @@ int asyncengine_decode_step_planned(const model_desc *m, const float *hidden, in
                     }
                     attention_item(&items, &it, q_heads, L->k_cache, L->v_cache,
                                    block_table + i * table_stride, seq_lens[i], page_size,
-                                   kv_heads, D, m->scale, one ? k_new : NULL, one ? v_new : NULL,
-                                   out_heads, parts, done_ranges ? done_ranges + l * units : NULL);
+                                   kv_heads, D, m->scale, L->softcap, one ? k_new : NULL,
+                                   one ? v_new : NULL, out_heads, parts,
+                                   done_ranges ? done_ranges + l * units : NULL);
                 }
                 barrier_wait(&phase_barrier, &my_sense);
 
@@ -1134,14 +1139,14 @@ done:
 
 /* The attention phase alone, over queries already rotated: q and out [n, heads, head_dim]
  * float32 (the pool: kv_t), the same items and claims as a step's layer (window: a sliding
- * layer's, 0: every key). For the kernel tests against the torch
- * reference (tests/kernels/test_fused_attention.py). 0 on success, -1 when a buffer could not be
- * allocated or the shape is outside what the step takes. */
+ * layer's, 0: every key; softcap: a soft-capped layer's, 0: none). For the kernel tests against
+ * the torch reference (tests/kernels/test_fused_attention.py). 0 on success, -1 when a buffer
+ * could not be allocated or the shape is outside what the step takes. */
 int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                                 const int32_t *block_table, int64_t table_stride,
                                 const int32_t *seq_lens, int64_t n, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                                int64_t window, float *out, int threads) {
+                                int64_t window, float softcap, float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads || head_dim > ATTN_MAX_DIM) return -1;
     const int64_t group = heads / kv_heads, D = head_dim;
     const int64_t units = n * kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
@@ -1167,8 +1172,8 @@ int asyncengine_group_attention(const float *q, const kv_t *k_cache, const kv_t 
             const attn_item it = item_at(&items, item, kv_heads, group, seq_lens, window);
             attention_item(&items, &it, q + (it.row * heads + it.h0) * D, k_cache, v_cache,
                            block_table + it.row * table_stride, seq_lens[it.row], page_size,
-                           kv_heads, D, scale, NULL, NULL, out + (it.row * heads + it.h0) * D,
-                           parts, done);
+                           kv_heads, D, scale, softcap, NULL, NULL,
+                           out + (it.row * heads + it.h0) * D, parts, done);
         }
     }
     free(order);

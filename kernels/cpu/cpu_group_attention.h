@@ -208,6 +208,16 @@ static inline float block_exp(float *s, int n, float mx) {
 #endif
 }
 
+/* s[0:n] = softcap * tanh(s / softcap): a block's scaled scores soft-capped (Gemma 2) */
+static inline void cap_scores(float *s, int n, float softcap) {
+    int i = 0;
+#ifdef ATTN_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(s + i, soft_cap256(_mm256_loadu_ps(s + i), softcap));
+#endif
+    for (; i < n; i++) s[i] = softcap * tanhf(s[i] / softcap);
+}
+
 /* the K and V rows (w elements each) of the block's keys, into L2 ahead of it (a block of
  * whole float32 slots is 48 KB at SmolLM2's shape: more than L1) */
 static inline void prefetch_rows(const kv_t *const *k, const kv_t *const *v, int n, int64_t w) {
@@ -252,8 +262,8 @@ static inline int block_rows(const kv_t *k_cache, const kv_t *v_cache, const int
 static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t begin, int64_t end,
                          int64_t len, int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d,
-                         float scale, const kv_t *k_new, const kv_t *v_new, float *acc, float *mx,
-                         float *sum) {
+                         float scale, float softcap, const kv_t *k_new, const kv_t *v_new,
+                         float *acc, float *mx, float *sum) {
     const int64_t heads = kvc * gc;
     __m512 lsum[ATTN_MAX_HEADS];
     const kv_t *k_rows[2][STREAM_BLOCK], *v_rows[2][STREAM_BLOCK];
@@ -299,13 +309,13 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 #ifdef STREAM_I8_DOTS
                 if (i8_dots) {
                     stream_block_i8(qi + c * gc * d, qs + c * gc, qb + c * gc, gc, d, kc + h,
-                                    vc + h, m, scale, acc + c * gc * d, mx + c * gc,
+                                    vc + h, m, scale, softcap, acc + c * gc * d, mx + c * gc,
                                     lsum + c * gc);
                     continue;
                 }
 #endif
-                stream_block(q + c * gc * d, gc, d, kc + h, vc + h, m, scale, acc + c * gc * d,
-                             mx + c * gc, lsum + c * gc);
+                stream_block(q + c * gc * d, gc, d, kc + h, vc + h, m, scale, softcap,
+                             acc + c * gc * d, mx + c * gc, lsum + c * gc);
             }
         }
         cur = !cur;
@@ -323,16 +333,18 @@ static void stream_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
  * d] the unnormalized sum of exp(s - mx) v, mx and sum per head (mx -inf and sum 0 where the
  * range is empty). q [kvc * gc, d], heads in order. k_new / v_new: the last key's rows when
  * it is not in the pool yet (the kvc heads' rows one after another, KV_ROW(d) apart, as in a
- * pool slot). Each block's rows are read once for all the heads. */
+ * pool slot). Each block's rows are read once for all the heads. softcap > 0: the scaled scores
+ * s become softcap * tanh(s / softcap) before the softmax (Gemma 2; 0: as they are). */
 static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t begin,
                          int64_t end, int64_t len, int64_t page_size, int64_t kv0,
-                         int64_t kv_heads, int64_t d, float scale, const kv_t *k_new,
-                         const kv_t *v_new, float *acc, float *mx, float *sum) {
+                         int64_t kv_heads, int64_t d, float scale, float softcap,
+                         const kv_t *k_new, const kv_t *v_new, float *acc, float *mx,
+                         float *sum) {
 #ifdef ATTN_STREAM
     if (stream_fits(gc, d)) {
         stream_range(q, kvc, gc, k_cache, v_cache, table_row, begin, end, len, page_size, kv0,
-                     kv_heads, d, scale, k_new, v_new, acc, mx, sum);
+                     kv_heads, d, scale, softcap, k_new, v_new, acc, mx, sum);
         return;
     }
 #endif
@@ -373,6 +385,7 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 #else
                 for (int i = 0; i < n; i++) s[i] *= scale;
 #endif
+                if (softcap > 0.0f) cap_scores(s, n, softcap);
                 const float block_max = max_of(s, n);
                 if (block_max > mx[g]) {
                     if (sum[g] > 0.0f) {
@@ -397,16 +410,16 @@ static void attend_range(const float *q, int64_t kvc, int64_t gc, const kv_t *k_
 }
 
 /* softmax(q k^T scale) v over keys first .. len - 1 of a row's len (attend_range over them; first
- * 0: all, a sliding window's start else): out [kvc * gc, d] (out may be q: q is read before out
- * is written) */
+ * 0: all, a sliding window's start else; softcap as there): out [kvc * gc, d] (out may be q: q
+ * is read before out is written) */
 static inline void attend_group(const float *q, int64_t kvc, int64_t gc, const kv_t *k_cache,
                          const kv_t *v_cache, const int32_t *table_row, int64_t first, int64_t len,
                          int64_t page_size, int64_t kv0, int64_t kv_heads, int64_t d, float scale,
-                         const kv_t *k_new, const kv_t *v_new, float *out) {
+                         float softcap, const kv_t *k_new, const kv_t *v_new, float *out) {
     float acc[ATTN_MAX_HEADS * ATTN_MAX_DIM];
     float mx[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
     attend_range(q, kvc, gc, k_cache, v_cache, table_row, first, len, len, page_size, kv0, kv_heads,
-                 d, scale, k_new, v_new, acc, mx, sum);
+                 d, scale, softcap, k_new, v_new, acc, mx, sum);
     for (int64_t g = 0; g < kvc * gc; g++) {
         const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
         for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[g * d + j] * inv;

@@ -152,6 +152,13 @@ static inline __m512 tanh512(__m512 x) {
     const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
 }
+
+/* cap * tanh(x / cap) for 16 lanes: attention scores soft-capped (Gemma 2), x / cap taken as
+ * x * (1 / cap) */
+static inline __m512 soft_cap512(__m512 x, float cap) {
+    const __m512 inv = _mm512_set1_ps(1.0f / cap);
+    return _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_mul_ps(x, inv)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -203,6 +210,12 @@ static inline __m256 tanh256(__m256 x) {
     const __m256 small = _mm256_mul_ps(p, ax);
     const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
     return _mm256_or_ps(r, _mm256_and_ps(x, sign_bit));
+}
+
+/* soft_cap512 for 8 lanes */
+static inline __m256 soft_cap256(__m256 x, float cap) {
+    const __m256 inv = _mm256_set1_ps(1.0f / cap);
+    return _mm256_mul_ps(_mm256_set1_ps(cap), tanh256(_mm256_mul_ps(x, inv)));
 }
 
 static inline float hsum256(__m256 v) {

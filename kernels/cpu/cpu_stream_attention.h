@@ -102,12 +102,14 @@ static inline __attribute__((always_inline)) void stream_values(const int G, con
 }
 
 /* The g heads' (G of them, q [G, 16 NV]) state after n <= 16 more keys, rows k[i] / v[i]: acc
- * [G, 16 NV] the unnormalized sum of exp(s - mx) v, mx per head, lsum per head and lane. */
+ * [G, 16 NV] the unnormalized sum of exp(s - mx) v, mx per head, lsum per head and lane. The
+ * scaled scores s become softcap * tanh(s / softcap) where softcap > 0 (Gemma 2). */
 static inline __attribute__((always_inline)) void stream_keys(const float *q, const int G,
                                                               const int NV,
                                                               const kv_t *const *k,
                                                               const kv_t *const *v, int n,
-                                                              float scale, float *acc, float *mx,
+                                                              float scale, float softcap,
+                                                              float *acc, float *mx,
                                                               __m512 *lsum) {
     const int64_t d = 16 * NV;
     __m512 part[STREAM_MAX_GROUP][STREAM_KEYS];
@@ -132,20 +134,23 @@ static inline __attribute__((always_inline)) void stream_keys(const float *q, co
     kscale = _mm512_mul_ps(_mm512_loadu_ps(ks), kscale);
 #endif
     __m512 sc[STREAM_MAX_GROUP];
-    for (int g = 0; g < G; g++)
-        sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                   _mm512_mul_ps(reduce16(part[g]), kscale));
+    for (int g = 0; g < G; g++) {
+        __m512 s = _mm512_mul_ps(reduce16(part[g]), kscale);
+        if (softcap > 0.0f) s = soft_cap512(s, softcap);
+        sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+    }
     stream_values(G, NV, sc, v, n, acc, mx, lsum);
 }
 
 typedef void (*stream_fn)(const float *, const kv_t *const *, const kv_t *const *, int, float,
-                          float *, float *, __m512 *);
+                          float, float *, float *, __m512 *);
 
 /* stream_keys for constant (G, NV): the loops unrolled, the accumulators in registers */
 #define DEFINE_STREAM(G, NV)                                                                     \
     static void stream_##G##_##NV(const float *q, const kv_t *const *k, const kv_t *const *v,   \
-                                  int n, float scale, float *acc, float *mx, __m512 *lsum) {    \
-        stream_keys(q, G, NV, k, v, n, scale, acc, mx, lsum);                                    \
+                                  int n, float scale, float softcap, float *acc, float *mx,     \
+                                  __m512 *lsum) {                                                \
+        stream_keys(q, G, NV, k, v, n, scale, softcap, acc, mx, lsum);                           \
     }
 #define DEFINE_STREAM_GROUPS(NV)                                                                 \
     DEFINE_STREAM(1, NV) DEFINE_STREAM(2, NV) DEFINE_STREAM(3, NV) DEFINE_STREAM(4, NV)          \
@@ -162,8 +167,8 @@ static const stream_fn STREAM_128[8] = STREAM_TABLE(8);
 
 /* any other head dim (a multiple of 16, up to 256): the same steps, not unrolled */
 static void stream_any(const float *q, int G, int NV, const kv_t *const *k, const kv_t *const *v,
-                       int n, float scale, float *acc, float *mx, __m512 *lsum) {
-    stream_keys(q, G, NV, k, v, n, scale, acc, mx, lsum);
+                       int n, float scale, float softcap, float *acc, float *mx, __m512 *lsum) {
+    stream_keys(q, G, NV, k, v, n, scale, softcap, acc, mx, lsum);
 }
 
 /* Whether stream_range takes gc heads of dim d */
@@ -173,13 +178,13 @@ static inline int stream_fits(int64_t gc, int64_t d) {
 
 /* stream_keys of gc heads of dim d (stream_fits), through the unrolled copy where there is one */
 static inline void stream_block(const float *q, int64_t gc, int64_t d, const kv_t *const *k,
-                                const kv_t *const *v, int n, float scale, float *acc, float *mx,
-                                __m512 *lsum) {
+                                const kv_t *const *v, int n, float scale, float softcap,
+                                float *acc, float *mx, __m512 *lsum) {
     const stream_fn *table = d == 64 ? STREAM_64 : d == 128 ? STREAM_128 : d == 32 ? STREAM_32 : NULL;
     if (table != NULL)
-        table[gc - 1](q, k, v, n, scale, acc, mx, lsum);
+        table[gc - 1](q, k, v, n, scale, softcap, acc, mx, lsum);
     else
-        stream_any(q, (int)gc, (int)(d / 16), k, v, n, scale, acc, mx, lsum);
+        stream_any(q, (int)gc, (int)(d / 16), k, v, n, scale, softcap, acc, mx, lsum);
 }
 #endif
 

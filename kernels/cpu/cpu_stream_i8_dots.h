@@ -77,8 +77,9 @@ static inline __attribute__((always_inline)) void stream_keys_i8(const int8_t *q
                                                                  const int NB,
                                                                  const kv_t *const *k,
                                                                  const kv_t *const *v, int n,
-                                                                 float scale, float *acc,
-                                                                 float *mx, __m512 *lsum) {
+                                                                 float scale, float softcap,
+                                                                 float *acc, float *mx,
+                                                                 __m512 *lsum) {
     const int64_t d = 64 * NB;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const kv_t *rows[STREAM_KEYS];
@@ -106,21 +107,24 @@ static inline __attribute__((always_inline)) void stream_keys_i8(const int8_t *q
         }
     }
     __m512 sc[STREAM_MAX_GROUP];
-    for (int g = 0; g < G; g++)
-        sc[g] = _mm512_mask_mov_ps(
-            _mm512_set1_ps(-INFINITY), valid,
-            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[g]), kscale), _mm512_set1_ps(qs[g])));
+    for (int g = 0; g < G; g++) {
+        __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[g]), kscale),
+                                 _mm512_set1_ps(qs[g]));
+        if (softcap > 0.0f) s = soft_cap512(s, softcap); /* as stream_keys */
+        sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+    }
     stream_values_i8(G, NB, sc, v, n, acc, mx, lsum);
 }
 
 typedef void (*stream_i8_fn)(const int8_t *, const float *, const int32_t *, const kv_t *const *,
-                             const kv_t *const *, int, float, float *, float *, __m512 *);
+                             const kv_t *const *, int, float, float, float *, float *, __m512 *);
 
 #define DEFINE_STREAM_I8(G, NB)                                                                  \
     static void stream_i8_##G##_##NB(const int8_t *qi, const float *qs, const int32_t *qb,       \
                                      const kv_t *const *k, const kv_t *const *v, int n,          \
-                                     float scale, float *acc, float *mx, __m512 *lsum) {         \
-        stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, acc, mx, lsum);                        \
+                                     float scale, float softcap, float *acc, float *mx,          \
+                                     __m512 *lsum) {                                             \
+        stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, softcap, acc, mx, lsum);               \
     }
 #define DEFINE_STREAM_I8_GROUPS(NB)                                                              \
     DEFINE_STREAM_I8(1, NB) DEFINE_STREAM_I8(2, NB) DEFINE_STREAM_I8(3, NB)                      \
@@ -137,20 +141,20 @@ static const stream_i8_fn STREAM_I8_128[8] = STREAM_I8_TABLE(2);
 /* head dims 192 and 256: the same steps, not unrolled */
 static void stream_i8_any(const int8_t *qi, const float *qs, const int32_t *qb, int G, int NB,
                           const kv_t *const *k, const kv_t *const *v, int n, float scale,
-                          float *acc, float *mx, __m512 *lsum) {
-    stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, acc, mx, lsum);
+                          float softcap, float *acc, float *mx, __m512 *lsum) {
+    stream_keys_i8(qi, qs, qb, G, NB, k, v, n, scale, softcap, acc, mx, lsum);
 }
 
 /* stream_keys_i8 of gc heads of dim d (stream_fits and stream_i8_dots) */
 static inline void stream_block_i8(const int8_t *qi, const float *qs, const int32_t *qb,
                                    int64_t gc, int64_t d, const kv_t *const *k,
-                                   const kv_t *const *v, int n, float scale, float *acc,
-                                   float *mx, __m512 *lsum) {
+                                   const kv_t *const *v, int n, float scale, float softcap,
+                                   float *acc, float *mx, __m512 *lsum) {
     const stream_i8_fn *table = d == 64 ? STREAM_I8_64 : d == 128 ? STREAM_I8_128 : NULL;
     if (table != NULL)
-        table[gc - 1](qi, qs, qb, k, v, n, scale, acc, mx, lsum);
+        table[gc - 1](qi, qs, qb, k, v, n, scale, softcap, acc, mx, lsum);
     else
-        stream_i8_any(qi, qs, qb, (int)gc, (int)(d / 64), k, v, n, scale, acc, mx, lsum);
+        stream_i8_any(qi, qs, qb, (int)gc, (int)(d / 64), k, v, n, scale, softcap, acc, mx, lsum);
 }
 #endif
 

@@ -1,8 +1,9 @@
 """A whole decode step of a llama-family model with quantized weights in one native call
-(kernels/cpu/cpu_decode_step.c), with what Qwen3 and Gemma 3 add to the llama layer where a
+(kernels/cpu/cpu_decode_step.c), with what Qwen3 and Gemma 2/3 add to the llama layer where a
 layer has it (``LayerParts``' optional fields: per-head q/k norms, sandwich norms, a sliding
-window and its RoPE table; ``DecodeShape.gelu``): the model's shape, its layers' weights and its
-KV pool are described once (``DecodeStepModel``), then each step passes only the batch's tensors.
+window and its RoPE table, an attention soft-cap; ``DecodeShape.gelu``): the model's shape, its
+layers' weights and its KV pool are described once (``DecodeStepModel``), then each step passes
+only the batch's tensors.
 
 float32 activations inside (a bfloat16 model's hidden states are widened on the way in and
 rounded on the way out: between the two, nothing is rounded to bfloat16); a float32, float16 or
@@ -58,6 +59,7 @@ class _Layer(ctypes.Structure):
         ("mlp_out_norm", _PTR),
         ("cos_sin", _PTR),  # NULL: the model's table
         ("window", _I64),  # 0: every key
+        ("softcap", _F32),  # 0: none
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("qkv", _Linear),
@@ -113,8 +115,8 @@ def _library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     attention = lib.asyncengine_group_attention
     attention.restype = ctypes.c_int
     attention.argtypes = [
-        _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR,
-        ctypes.c_int,
+        _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
+        _PTR, ctypes.c_int,
     ]  # fmt: skip
     return lib
 
@@ -153,6 +155,7 @@ class LayerParts:
     mlp_out_norm: torch.Tensor | None = None
     window: int = 0  # keys a row sees, its own included (a sliding layer); 0: all
     cos_sin: torch.Tensor | None = None  # this layer's RoPE table; None: the model's
+    softcap: float = 0.0  # scaled scores s -> softcap * tanh(s / softcap) (Gemma 2); 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +216,9 @@ class DecodeStepModel:
             if layer.window < 0:
                 raise ValueError(f"a sliding window of {layer.window} keys")
             target.window = layer.window
+            if not 0.0 <= layer.softcap < float("inf"):
+                raise ValueError(f"an attention soft-cap of {layer.softcap} (0: none)")
+            target.softcap = layer.softcap
             self._fill(target.qkv, layer.qkv)
             self._fill(target.o_proj, layer.o_proj)
             self._fill(target.gate_up, layer.gate_up)
@@ -382,11 +388,13 @@ def group_attention(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The fused step's attention phase alone (kernels/cpu/cpu_group_attention.h), for its tests:
     q [n, heads, head_dim] float32 (rotated), the [S, kv_heads, head_dim] float32, float16 or
     bfloat16 pool, block table int32 [n, pages], seq_lens int32 [n] -> [n, heads, head_dim];
-    ``window``: the last keys each row sees (a sliding layer's), 0: all."""
+    ``window``: the last keys each row sees (a sliding layer's), 0: all; ``softcap``: the scaled
+    scores' soft-cap (Gemma 2's), 0: none."""
     lib = _library(k_cache.dtype)
     if lib is None:
         raise RuntimeError("the native decode step library is not available")
@@ -419,6 +427,7 @@ def group_attention(
         page_size,
         scale,
         window,
+        softcap,
         out.data_ptr(),
         torch.get_num_threads(),
     )

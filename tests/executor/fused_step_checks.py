@@ -71,10 +71,15 @@ def check_f32_step(
 
 
 def check_bf16_step(
-    ckpt: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]], steps: int
+    ckpt: TinyCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]],
+    steps: int,
+    worst_noise: float = 1.25,
 ) -> None:
     """bfloat16 activations over Q8_0 blocks: every decode fused (float32 inside), no further
-    from the float32 model's logits than the bfloat16 torch path, and its greedy tokens the
+    from the float32 model's logits than the bfloat16 torch path (its worst step within
+    ``worst_noise`` times the torch path's: _assert_no_further_than), and its greedy tokens the
     float32 model's wherever that model's top two logits stand further apart than the bfloat16
     paths stray (a tiny random model's bfloat16 tokens are otherwise near ties)."""
     weights = q8_0_blocks(ckpt.load_weights())
@@ -85,7 +90,7 @@ def check_bf16_step(
     torch_path = _teacher_forced(pair.torch_path, prompts, steps)
     reference = _teacher_forced(Pair(ckpt, weights).torch_path, prompts, steps)
     assert all(torch.isfinite(step).all() for step in fused)
-    _assert_no_further_than(fused, torch_path, reference)
+    _assert_no_further_than(fused, torch_path, reference, worst_noise)
     clear = 0
     for got, want in zip(fused, reference, strict=True):
         top2 = want.topk(2, dim=-1).values

@@ -149,14 +149,18 @@ def _mean_error(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> fl
 
 
 def _assert_no_further_than(
-    fused: list[torch.Tensor], torch_path: list[torch.Tensor], reference: list[torch.Tensor]
+    fused: list[torch.Tensor],
+    torch_path: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    worst_noise: float = 1.25,
 ) -> None:
     """The fused step's logits are no further from the float32 oracle than the torch path's, on
-    average, and its worst step within the noise of the torch path's worst: both round the K/V
-    to bfloat16 and share the bfloat16 prefill, so which of two bfloat16 paths is nearer at one
-    step of a tiny random model is a coin toss (0.096 against 0.081 seen at 3 rows)."""
+    average, and its worst step within the noise of the torch path's worst (``worst_noise``
+    times it): both round the K/V to bfloat16 and share the bfloat16 prefill, so which of two
+    bfloat16 paths is nearer at one step of a tiny random model is a coin toss (0.096 against
+    0.081 seen at 3 rows)."""
     assert _mean_error(fused, reference) <= 1.1 * _mean_error(torch_path, reference)
-    assert _worst_error(fused, reference) <= 1.25 * _worst_error(torch_path, reference)
+    assert _worst_error(fused, reference) <= worst_noise * _worst_error(torch_path, reference)
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["3 rows", "1 row"])

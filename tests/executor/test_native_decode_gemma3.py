@@ -5,7 +5,7 @@ only and rotate by a RoPE table of their own base (the full layer's linear-scale
 torch path of the same weights on the tiny Gemma 3 (conftest's "gemma3": 3 sliding layers of 4,
 head_dim 64, GQA 4 / 2), decoded past the window: float32 activations over Q8_0 blocks and over
 F32 rows, one row and three, and bfloat16 activations; the Q8_0 GGUF as llama.cpp's converter
-writes it loads onto the step. Gemma 2 (attention soft-caps) keeps the torch path."""
+writes it loads onto the step (Gemma 2's soft-caps: test_native_decode_gemma2.py)."""
 
 from __future__ import annotations
 
@@ -137,16 +137,12 @@ def test_a_gemma3_q8_0_gguf_loads_onto_the_fused_step(
     assert rows == [2] * 8
 
 
-def test_gemma2_and_lora_rows_of_gemma3_keep_the_torch_path(
+def test_lora_rows_of_gemma3_keep_the_torch_path(
     tiny_checkpoints: dict[str, TinyCheckpoint], tiny_gemma3: TinyCheckpoint
 ) -> None:
-    """Gemma 2's attention soft-cap is not in the step; a LoRA row of Gemma 3 would add its
-    update where a sandwich norm needs the whole row first, so adapters take the torch path
-    (the step refuses them), while Gemma 1 (GELU, no sandwich norms) is fused with them."""
-    gemma2 = tiny_checkpoints["gemma2"]
-    weights = q8_0_blocks(gemma2.load_weights())
-    with pytest.raises(AssertionError):  # Pair asserts the fused model exists
-        Pair(gemma2, weights)
+    """A LoRA row of Gemma 3 would add its update where a sandwich norm needs the whole row
+    first, so adapters take the torch path (the step refuses them), while Gemma 1 (GELU, no
+    sandwich norms) is fused with them."""
     gemma3 = Pair(tiny_gemma3, q8_0_blocks(tiny_gemma3.load_weights())).native.model
     assert gemma3.native_decode is not None and not gemma3.native_decode.takes_lora
     assert gemma3.native_decode_lora is None

@@ -3,7 +3,8 @@
 the 32-key blocks and page boundaries, GQA ratios (a group larger than an item's 8 heads is
 split), head dims that take each register chunk (64, 32, 16, 8 floats) or the portable loop,
 one thread and several (one request: an item per query head; a few: an item per kv head; many
-requests: an item per row)."""
+requests: an item per row); sliding windows and Gemma 2's soft-capped scores over every pool the
+step reads, built for this CPU and for AVX2."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from asyncengine.kernels.cpu import cpu_native, decode_step_native
 from asyncengine.kernels.reference.attention_ref import decode_attention
 from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from tests.kernels.test_kv_int8_kernels import PagedInt8KV, atol_as_read, query_as_read
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
@@ -115,3 +117,63 @@ def test_a_sliding_window_sees_the_last_keys_only(
     got = decode_step_native.group_attention(q, *args, window=window)
     assert torch.isfinite(got).all(), "read a key outside the window"
     torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The step's library of each pool built for this CPU, or forced to AVX2 (-mno-avx512f: the
+    8-lane loops where this CPU streams blocks of 16 keys, or takes Q.K in integers)."""
+    if request.param == "avx2":
+        for dtype, flags in decode_step_native.KV_BUILD_FLAGS.items():
+            monkeypatch.setitem(decode_step_native.KV_BUILD_FLAGS, dtype, (*flags, "-mno-avx512f"))
+        # the int8 build that query_as_read asks whether the query is rounded
+        monkeypatch.setattr(
+            cpu_native, "_KV_I8_FLAGS", decode_step_native.KV_BUILD_FLAGS[torch.int8]
+        )
+    decode_step_native._library.cache_clear()
+    yield request.param
+    decode_step_native._library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 48])  # 64: an int8 pool's integer Q.K on VNNI
+@pytest.mark.parametrize(
+    ("seq_lens", "window"),
+    [
+        ([1, 31, 33, 70, 5, 129], 0),  # an item per row or kv head, ragged blocks
+        ([1500], 0),  # split-K: each range's scores capped before its softmax state
+        ([700, 2051], 600),  # split-K over a sliding window (Gemma 2's sliding layers)
+    ],
+    ids=["6", "1-long", "2-long-window"],
+)
+def test_soft_capped_scores_follow_the_reference(
+    dtype: torch.dtype,
+    head_dim: int,
+    seq_lens: list[int],
+    window: int,
+    isa: str,
+    threads: int,
+) -> None:
+    """Gemma 2's attention soft-cap: each scaled score s is softcap * tanh(s / softcap) before
+    the softmax, as the torch reference's decode. The scores here reach several times the cap,
+    so that uncapped attention lands far outside the tolerance."""
+    softcap = 1.5
+    kv: PagedKV | PagedInt8KV
+    if dtype == torch.int8:
+        kv = PagedInt8KV(seq_lens, 16, 2, head_dim, seed=head_dim)
+    else:
+        kv = PagedKV(seq_lens, 16, 2, head_dim, dtype, seed=head_dim)
+    q = 3.0 * torch.randn(len(seq_lens), 6, head_dim, generator=torch.Generator().manual_seed(5))
+    scale = head_dim**-0.5
+    rest = (kv.block_table, kv.seq_lens, 16, scale, window)
+    got = decode_step_native.group_attention(q, kv.k_cache, kv.v_cache, *rest, softcap=softcap)
+    # the reference over the values the pool holds, in float32 (the kernel's arithmetic)
+    q_read, atol = q, TOLERANCE[torch.float32]
+    pool = (kv.k_cache.float(), kv.v_cache.float())
+    if dtype == torch.int8:
+        q_read, atol, pool = query_as_read(q), atol_as_read(head_dim), (kv.k_cache, kv.v_cache)
+    want = decode_attention(q_read, *pool, *rest, softcap=softcap)
+    assert torch.isfinite(got).all(), "read a slot no request owns"
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    uncapped = decode_attention(q_read, *pool, *rest)
+    assert (uncapped - want).abs().max() > 100 * atol  # the cap changes the output

@@ -5,15 +5,14 @@ Which models: on a CPU, float32 or bfloat16 activations (a bfloat16 model's deco
 float32 inside: its hidden states widened on the way in, rounded on the way out), a float32,
 float16 or bfloat16 KV pool (the step's build for it: decode_step_native), every projection a
 ``QuantizedLinear`` (GGUF blocks, int8, or a float32 checkpoint's weights as F32 rows:
-executor/layers/linear.py), the llama layer with what Qwen3 and Gemma 1/3 add to it or without
-(per-head q/k norms before RoPE; sandwich norms, a GELU gate, sliding windows with their own
-RoPE table; no attention soft-cap, so Gemma 2 keeps the torch path), and not deterministic
-mode (whose row blocks the torch path keeps); LoRA rows of a model with sandwich norms take the
-torch path. Which batches: decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer
-than the rows from which a projection of the torch path leaves the group kernels for the
-dense, int8 or AMX product: 24 for F32, linear.py; a bfloat16 model's at most
-``bf16_max_rows()``). ``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what
-the fused step gives)."""
+executor/layers/linear.py), the llama layer with what Qwen3 and Gemma 1/2/3 add to it or
+without (per-head q/k norms before RoPE; sandwich norms, a GELU gate, sliding windows with their
+own RoPE table, an attention soft-cap), and not deterministic mode (whose row blocks the torch
+path keeps); LoRA rows of a model with sandwich norms take the torch path. Which batches:
+decodes only, at most ``NATIVE_DECODE_MAX_ROWS`` of them (and fewer than the rows from which a
+projection of the torch path leaves the group kernels for the dense, int8 or AMX product: 24
+for F32, linear.py; a bfloat16 model's at most ``bf16_max_rows()``).
+``ASYNCENGINE_NATIVE_DECODE=0`` keeps the torch path (to measure what the fused step gives)."""
 
 from __future__ import annotations
 
@@ -94,7 +93,6 @@ def native_decode_model(
         or dtype not in decode_step_native.HIDDEN_DTYPES
         or row_block is not None
         or c.activation not in ("silu", "gelu_tanh")
-        or any(o.softcap for o in layer_options)
         or c.head_dim > decode_step_native.MAX_HEAD_DIM
         or not decode_step_native.available()
     ):
@@ -124,6 +122,7 @@ def native_decode_model(
                 layer.mlp_out_norm,
                 options.window,
                 None if table is cos_sin_tables[0] else table,
+                options.softcap,
             )
         )
     shape = DecodeShape(
