@@ -25,6 +25,7 @@ kept; each is written under a temporary name and renamed. Prints one path per li
     .venv/bin/python scripts/make_real_models.py --models llama-3.2-1b --formats Q4_K_M
     .venv/bin/python scripts/make_real_models.py --models qwen3-1.7b --formats Q4_K_M
     .venv/bin/python scripts/make_real_models.py --models qwen2.5-0.5b --formats Q4_K_M Q8_0 Q4_0
+    .venv/bin/python scripts/make_real_models.py --models gemma-2-2b --formats Q4_K_M
     .venv/bin/python scripts/make_real_models.py --list
 
 Needs scripts/setup_llamacpp.sh (llama-quantize, and the converter unpacked under the peer's
@@ -65,7 +66,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class Shape:
     """A model's shape in Hugging Face config terms (what a config.json of it says)."""
 
-    architecture: str  # "llama", "qwen2", "qwen3" or "gemma3"
+    architecture: str  # "llama", "qwen2", "qwen3", "gemma2" or "gemma3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -108,6 +109,15 @@ class Shape:
         if self.architecture == "gemma3":  # Gemma3TextConfig's own RoPE pair (local, global)
             del d["rope_parameters"], d["hidden_act"]
             d.update(sliding_window=512, query_pre_attn_scalar=self.head_dim)
+        if self.architecture == "gemma2":  # every other layer sliding, Gemma2Config's default
+            del d["hidden_act"]
+            d.update(
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=4096,
+                query_pre_attn_scalar=self.head_dim,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+            )
         if self.architecture == "llama":
             d["attention_bias"] = False
             d["mlp_bias"] = False
@@ -124,7 +134,7 @@ class Shape:
             per_layer += q + 2 * kv  # q/k/v biases
         if self.architecture in ("qwen3", "gemma3"):
             per_layer += 2 * head_dim  # the per-head q/k norms
-        if self.architecture == "gemma3":
+        if self.architecture in ("gemma2", "gemma3"):
             per_layer += 2 * h  # the sandwich norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -159,6 +169,14 @@ SHAPES: dict[str, Shape] = {
     "gemma-3-1b": Shape(
         "gemma3", 1152, 26, 4, 1, 6912, 49152, True, rope_theta=1000000.0,
         max_position_embeddings=32768, rms_norm_eps=1e-6, head_dim=256,
+    ),
+    # Gemma 2 2B's layers (a window of 4,096 on every other layer, attention and final-logit
+    # soft-caps of 50 and 30, GELU, sandwich norms) and its 256,000-token vocabulary, padded
+    # (Gemma 2's converter cuts no embedding); converted with the embedded byte-level BPE
+    # tokenizer as Gemma 3's converter reads one (GEMMA2_GPT2_VOCAB)
+    "gemma-2-2b": Shape(
+        "gemma2", 2304, 26, 8, 4, 9216, 256000, True, rope_theta=10000.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, head_dim=256,
     ),
     # hidden 4096, MLP 14336, an untied 128k head: 16 GB of bf16 on the way (not made by default)
     "llama-3.1-8b": Shape(
@@ -215,6 +233,7 @@ def make_hf_dir(name: str, shape: Shape, out: Path, seed: int = SEED) -> Path:
     config_class = {
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
     }.get(shape.architecture, transformers.LlamaConfig)
     config = config_class(
@@ -301,15 +320,29 @@ def converter_view(hf_dir: Path) -> Path:
     return view
 
 
+# Gemma 2's converter reads a SentencePiece tokenizer.model only; the embedded tokenizer is
+# byte-level BPE, which it then takes as Gemma 3's converter does (its _set_vocab_gpt2). Run as
+# `python -c GEMMA2_GPT2_VOCAB convert_hf_to_gguf.py ARGS...`.
+GEMMA2_GPT2_VOCAB = """
+import runpy, sys
+from conversion import gemma
+gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def convert_bf16(name: str, hf_dir: Path, out: Path) -> Path:
     if out.is_file():
         return out
     script = converter_script()
     view = converter_view(hf_dir)
-    paths = [str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")]
+    paths = [str(script.parent), str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     staging = out.with_name(out.name + ".partial")
     command = [converter_python(), str(script), str(view), "--outtype", "bf16"]
+    if SHAPES[name].architecture == "gemma2":
+        command[1:1] = ["-c", GEMMA2_GPT2_VOCAB]
     command += ["--model-name", name, "--outfile", str(staging)]
     _run_logged(command, out.with_suffix(".convert.log"), env)
     shutil.rmtree(view)

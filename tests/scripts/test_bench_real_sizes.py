@@ -39,6 +39,7 @@ def test_named_shapes_have_the_real_models_parameter_counts(make_models: ModuleT
     # Gemma 3 1B's layers; with its own 262,144-token vocabulary, its exact count
     gemma = make_models.SHAPES["gemma-3-1b"]
     assert dataclasses.replace(gemma, vocab_size=262144).parameters == 999_885_952
+    assert make_models.SHAPES["gemma-2-2b"].parameters == 2_614_341_888  # Gemma 2 2B's
 
 
 def test_tiny_shape_runs_end_to_end_and_writes_its_json(
