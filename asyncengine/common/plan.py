@@ -144,6 +144,19 @@ class SamplingInfo:
     # the guesses before it were accepted (a guess its grammar refuses ends the list: every
     # later position is unreachable and takes the last mask)
     guess_bitmasks: list[object] | None = None
+    # a verified row's guesses before its position: its output is output_ids + guessed_ids,
+    # output_ids staying the request's own list (the sampler keeps penalty state by it)
+    guessed_ids: list[int] = field(default_factory=list)
+
+    def output_len(self) -> int:
+        """How many tokens the row's output holds (its guesses included)."""
+        return len(self.output_ids) + len(self.guessed_ids)
+
+    def output_tail(self, n: int) -> list[int]:
+        """The last ``n`` tokens of the row's output (its guesses included)."""
+        if n <= 0:
+            return []
+        return [*self.output_ids[-n:], *self.guessed_ids][-n:]
 
 
 @dataclass(slots=True)

@@ -2,18 +2,24 @@
 float32 logits tensor.
 
 Every function works on a subset of the batch rows. All but the grammar mask are sparse: their
-cost grows with the number of penalised tokens, never with batch * vocab. Token ids outside
-``[0, vocab)`` are ignored.
+cost grows with the number of penalised tokens, never with batch * vocab. The penalties read
+each row's distinct tokens from a ``PenaltyState`` kept between steps, so that a step reads only
+the tokens a row gained, never its whole context again. Token ids outside ``[0, vocab)`` are
+ignored.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
 
 
 def token_keys(
@@ -33,31 +39,45 @@ def token_keys(
     return torch.from_numpy(keys).to(device)
 
 
-def _per_row(
-    values: Sequence[float], rows: Sequence[int], batch_size: int, device: torch.device
+def _in_vocab(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The tokens of sorted ``tokens`` in ``[0, vocab_size)`` (a view)."""
+    lo, hi = np.searchsorted(tokens, (0, vocab_size))
+    return tokens[lo:hi]
+
+
+def _row_keys(rows: Sequence[int], tokens: Sequence[np.ndarray], vocab_size: int) -> np.ndarray:
+    """Flat indices ``rows[j] * vocab_size + token`` of every token of ``tokens[j]``."""
+    lengths = [len(t) for t in tokens]
+    row_of_token = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    return row_of_token * vocab_size + np.concatenate([*tokens, _NO_TOKENS])
+
+
+def _per_token(
+    values: Sequence[float], tokens: Sequence[np.ndarray], device: torch.device
 ) -> torch.Tensor:
-    """A [batch] float32 tensor holding ``values[j]`` at ``rows[j]`` (zero elsewhere)."""
-    table = torch.zeros(batch_size, dtype=torch.float32)
-    table[torch.tensor(list(rows), dtype=torch.int64)] = torch.tensor(
-        list(values), dtype=torch.float32
-    )
-    return table.to(device)
+    """A float32 tensor holding ``values[j]`` once for every token of ``tokens[j]``."""
+    per_row = np.asarray(values, dtype=np.float32)
+    return torch.from_numpy(np.repeat(per_row, [len(t) for t in tokens])).to(device)
 
 
 def apply_repetition_penalty(
     logits: torch.Tensor,
     rows: Sequence[int],
-    token_seqs: Sequence[Iterable[int]],
+    contexts: Sequence[np.ndarray],
     penalties: Sequence[float],
 ) -> None:
     """HF semantics: every distinct token seen in the row's context (prompt and generated tokens)
-    has its logit divided by the penalty when positive and multiplied by it otherwise, once."""
+    has its logit divided by the penalty when positive and multiplied by it otherwise, once.
+
+    ``contexts[j]``: the distinct tokens of row ``rows[j]``'s context, sorted
+    (``PenaltyState.context``)."""
     if not rows:
         return
-    batch_size, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
+    tokens = [_in_vocab(context, vocab_size) for context in contexts]
+    keys = torch.from_numpy(_row_keys(rows, tokens, vocab_size)).to(logits.device)
+    penalty = _per_token(penalties, tokens, logits.device)
     flat = logits.view(-1)
-    keys = torch.unique(token_keys(rows, token_seqs, vocab_size, logits.device))
-    penalty = _per_row(penalties, rows, batch_size, logits.device)[keys // vocab_size]
     values = flat[keys]
     flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
 
@@ -65,24 +85,166 @@ def apply_repetition_penalty(
 def apply_presence_frequency_penalties(
     logits: torch.Tensor,
     rows: Sequence[int],
-    output_seqs: Sequence[Iterable[int]],
+    outputs: Sequence[tuple[np.ndarray, np.ndarray]],
     presence: Sequence[float],
     frequency: Sequence[float],
 ) -> None:
     """OpenAI semantics over generated tokens only:
-    ``logit -= presence * (count > 0) + frequency * count``."""
+    ``logit -= presence * (count > 0) + frequency * count``.
+
+    ``outputs[j]``: the distinct tokens of row ``rows[j]``'s output, sorted, and their counts
+    (``PenaltyState.output_tokens`` and ``output_counts``)."""
     if not rows:
         return
-    batch_size, vocab_size = logits.shape
-    keys, counts = torch.unique(
-        token_keys(rows, output_seqs, vocab_size, logits.device), return_counts=True
-    )
-    key_rows = keys // vocab_size
-    presence_of_key = _per_row(presence, rows, batch_size, logits.device)[key_rows]
-    frequency_of_key = _per_row(frequency, rows, batch_size, logits.device)[key_rows]
+    vocab_size = logits.shape[1]
+    tokens: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    for row_tokens, row_counts in outputs:
+        lo, hi = np.searchsorted(row_tokens, (0, vocab_size))
+        tokens.append(row_tokens[lo:hi])
+        counts.append(row_counts[lo:hi])
+    keys = torch.from_numpy(_row_keys(rows, tokens, vocab_size)).to(logits.device)
+    count = torch.from_numpy(np.concatenate([*counts, _NO_COUNTS])).to(logits.device)
+    presence_of_key = _per_token(presence, tokens, logits.device)
+    frequency_of_key = _per_token(frequency, tokens, logits.device)
     logits.view(-1).index_add_(
-        0, keys, -(presence_of_key + frequency_of_key * counts.to(logits.dtype))
+        0, keys, -(presence_of_key + frequency_of_key * count.to(logits.dtype))
     )
+
+
+def distinct_counts(tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct tokens of ``tokens``, sorted, and how many times each occurs."""
+    array = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    distinct, counts = np.unique(array, return_counts=True)
+    return distinct, counts.astype(np.int32)
+
+
+def _positions(tokens: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of sorted distinct ``new`` goes in sorted ``tokens``, and whether it is there."""
+    at = np.searchsorted(tokens, new)
+    if not len(tokens):
+        return at, np.zeros(len(new), dtype=np.bool_)
+    return at, tokens[np.minimum(at, len(tokens) - 1)] == new
+
+
+def _merge_tokens(tokens: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Sorted distinct ``tokens`` with sorted distinct ``new`` added (a new array)."""
+    at, found = _positions(tokens, new)
+    return np.insert(tokens, at[~found], new[~found])
+
+
+def _merge_counts(
+    tokens: np.ndarray, counts: np.ndarray, new: np.ndarray, new_counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens`` and their ``counts`` with ``new`` occurring ``new_counts`` more times (new
+    arrays): the distinct tokens of both, sorted, with the sums of their counts."""
+    at, found = _positions(tokens, new)
+    merged = np.insert(tokens, at[~found], new[~found])
+    merged_counts = np.insert(counts, at[~found], new_counts[~found])
+    merged_counts[np.searchsorted(merged, new[found])] += new_counts[found]
+    return merged, merged_counts
+
+
+@dataclass(slots=True)
+class PenaltyState:
+    """A row's tokens as its penalties read them, over its prompt and ``output[:read]``: the
+    distinct tokens of both (repetition), and the distinct tokens of the output with their
+    counts (presence, frequency), sorted. Holds the lists it read, so that their ids, which
+    key it, are not reused while it lives."""
+
+    prompt: list[int]
+    output: list[int]
+    context: np.ndarray
+    prompt_len: int
+    output_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    output_counts: np.ndarray = field(default_factory=lambda: _NO_COUNTS)
+    read: int = 0
+    last: int = 0  # output[read - 1]: a rewrite of it means the output changed
+    used: int = 0  # the PenaltyStates call that used it last
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Take in ``tokens``, appended to the output."""
+        new, counts = distinct_counts(tokens)
+        self.output_tokens, self.output_counts = _merge_counts(
+            self.output_tokens, self.output_counts, new, counts
+        )
+        self.context = _merge_tokens(self.context, new)
+
+    def context_with(self, guessed: Sequence[int]) -> np.ndarray:
+        """``context`` with the tokens ``guessed`` after the output."""
+        if not guessed:
+            return self.context
+        return _merge_tokens(self.context, distinct_counts(guessed)[0])
+
+    def output_with(self, guessed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``output_tokens`` and ``output_counts`` with the tokens ``guessed`` after them."""
+        if not guessed:
+            return self.output_tokens, self.output_counts
+        return _merge_counts(self.output_tokens, self.output_counts, *distinct_counts(guessed))
+
+
+class PenaltyStates:
+    """Each row's ``PenaltyState`` kept between steps, so that a step reads only the tokens a
+    row gained rather than its whole context: keyed by the identity of the row's prompt and
+    output lists (a request keeps both for its life, and appends to its output). An output
+    found shorter than the state read, or changed at its last token read, and a prompt of
+    another length, are read again whole (an output cut and grown back past that token
+    between two calls is not seen: the engine cuts one only as its request ends). A state
+    unused for ``idle_calls`` calls goes (its request finished or waits), and so do the
+    least recently used past ``capacity``."""
+
+    def __init__(self, capacity: int = 4096, idle_calls: int = 8) -> None:
+        self.capacity = capacity
+        self.idle_calls = idle_calls
+        self.tokens_read = 0  # prompt and output tokens read from the rows' lists, all calls
+        self._calls = 0
+        self._states: OrderedDict[tuple[int, int], PenaltyState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def rows(self, lists: Sequence[tuple[list[int], list[int]]]) -> list[PenaltyState]:
+        """The state of each (prompt, output) pair, brought up to the output's end."""
+        self._calls += 1
+        states = [self._row(prompt, output) for prompt, output in lists]
+        while self._states:
+            key, oldest = next(iter(self._states.items()))
+            if len(self._states) <= self.capacity and oldest.used > self._calls - self.idle_calls:
+                break
+            del self._states[key]
+        return states
+
+    def _row(self, prompt: list[int], output: list[int]) -> PenaltyState:
+        key = (id(prompt), id(output))
+        state = self._states.get(key)
+        new = None if state is None else _new_tokens(state, prompt, output)
+        if state is None or new is None:
+            state = PenaltyState(prompt, output, distinct_counts(prompt)[0], len(prompt))
+            self.tokens_read += len(prompt)
+            self._states[key] = state
+            new = output[:]
+        if new:
+            state.add(np.asarray(new, dtype=np.int64))
+            state.read += len(new)
+            state.last = new[-1]
+            self.tokens_read += len(new)
+        state.used = self._calls
+        self._states.move_to_end(key)
+        return state
+
+
+def _new_tokens(state: PenaltyState, prompt: list[int], output: list[int]) -> list[int] | None:
+    """The tokens ``output`` gained since ``state`` read it; None when it changed otherwise (cut
+    shorter than the state read, or rewritten at the last token read) or ``prompt`` changed
+    length. One slice of the list: the loop thread may append to it meanwhile."""
+    if state.prompt_len != len(prompt):
+        return None
+    if not state.read:
+        return output[:]
+    tail = output[state.read - 1 :]
+    if not tail or tail[0] != state.last:
+        return None
+    return tail[1:]
 
 
 def ban_tokens(logits: torch.Tensor, rows: Sequence[int], banned: Sequence[Iterable[int]]) -> None:

@@ -403,7 +403,11 @@ class ModelRunner:
             for j in range(1, seg.guesses + 1):
                 rows.append(
                     SamplingInfo(
-                        info.params, info.prompt_ids, info.output_ids + guesses[:j], masks[j - 1]
+                        info.params,
+                        info.prompt_ids,
+                        info.output_ids,
+                        masks[j - 1],
+                        guessed_ids=guesses[:j],
                     )
                 )
         token_ids, logprobs = self.sampler.sample(logits, rows)

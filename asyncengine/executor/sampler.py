@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from itertools import chain
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ import torch
 from asyncengine.common.plan import SamplingInfo, TokenLogprobs
 from asyncengine.executor.penalties import (
     LogitBiasArrays,
+    PenaltyStates,
     apply_logit_bias,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
@@ -130,6 +130,7 @@ class Sampler:
             self._generator.manual_seed(seed)
         self._buffers = _Buffers()
         self._logit_bias = LogitBiasArrays()
+        self._penalty_states = PenaltyStates()
 
     def sample(
         self, logits: torch.Tensor, sampling: list[SamplingInfo]
@@ -179,7 +180,7 @@ class Sampler:
             and not p.logprobs
             and p.top_logprobs <= 0
             and (
-                len(info.output_ids) >= p.min_new_tokens
+                info.output_len() >= p.min_new_tokens
                 or not (p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids))
             )
         )
@@ -207,8 +208,8 @@ class Sampler:
                 mask_rows.append(i)
             if params.allowed_token_ids is not None:
                 allowed_rows.append(i)
-            row_banned = bad_word_bans(info.output_ids, params.bad_words_token_ids)
-            if len(info.output_ids) < params.min_new_tokens:
+            row_banned = _bad_word_bans(info)
+            if info.output_len() < params.min_new_tokens:
                 row_banned.extend(params.stop_token_ids)
                 if not params.ignore_eos:
                     row_banned.extend(self.eos_token_ids)
@@ -225,16 +226,21 @@ class Sampler:
         ):
             return logits
         processed = self._buffers.empty("processed", logits.shape[0], logits).copy_(logits)
+        penalised = sorted({*repetition_rows, *presence_frequency_rows})
+        state_list = self._penalty_states.rows(
+            [(sampling[i].prompt_ids, sampling[i].output_ids) for i in penalised]
+        )
+        states = dict(zip(penalised, state_list, strict=True))
         apply_repetition_penalty(
             processed,
             repetition_rows,
-            [chain(sampling[i].prompt_ids, sampling[i].output_ids) for i in repetition_rows],
+            [states[i].context_with(sampling[i].guessed_ids) for i in repetition_rows],
             [sampling[i].params.repetition_penalty for i in repetition_rows],
         )
         apply_presence_frequency_penalties(
             processed,
             presence_frequency_rows,
-            [sampling[i].output_ids for i in presence_frequency_rows],
+            [states[i].output_with(sampling[i].guessed_ids) for i in presence_frequency_rows],
             [sampling[i].params.presence_penalty for i in presence_frequency_rows],
             [sampling[i].params.frequency_penalty for i in presence_frequency_rows],
         )
@@ -307,7 +313,7 @@ class Sampler:
             if info.params.seed is not None:
                 seeded_rows.append(i)
                 seeds.append(_as_int64(info.params.seed))
-                steps.append(len(info.output_ids))
+                steps.append(info.output_len())
         if seeded_rows:
             uniform[torch.tensor(seeded_rows)] = seeded_uniform(
                 torch.tensor(seeds, dtype=torch.int64), torch.tensor(steps, dtype=torch.int64)
@@ -677,3 +683,13 @@ def _is_every_row(index: torch.Tensor, num_rows: int) -> bool:
     return index.numel() == num_rows and bool(
         (index == torch.arange(num_rows, device=index.device)).all()
     )
+
+
+def _bad_word_bans(info: SamplingInfo) -> list[int]:
+    """``bad_word_bans`` over the row's output, a verified row's guesses included."""
+    bad_words = info.params.bad_words_token_ids
+    if not bad_words:
+        return []
+    if not info.guessed_ids:
+        return bad_word_bans(info.output_ids, bad_words)
+    return bad_word_bans(info.output_tail(max(len(word) for word in bad_words)), bad_words)

@@ -18,6 +18,7 @@ from asyncengine.executor.penalties import (
     apply_repetition_penalty,
     bad_word_bans,
     ban_tokens,
+    distinct_counts,
 )
 from asyncengine.executor.sampler import Sampler, greedy_tokens, seeded_uniform, splitmix64
 
@@ -381,13 +382,14 @@ def test_splitmix64_matches_a_python_reference() -> None:
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]])
-    apply_repetition_penalty(logits, [0], [[0, 1, 1, 1, 9]], [2.0])  # 9: outside the vocab
+    context = distinct_counts([0, 1, 1, 1, 9, -1])[0]  # 9 and -1: outside the vocab
+    apply_repetition_penalty(logits, [0], [context], [2.0])
     assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]]
 
 
 def test_presence_and_frequency_penalties_follow_openai() -> None:
     logits = torch.zeros(2, 5)
-    apply_presence_frequency_penalties(logits, [1], [[2, 2, 3]], [0.5], [0.25])
+    apply_presence_frequency_penalties(logits, [1], [distinct_counts([2, 2, 3])], [0.5], [0.25])
     assert logits[0].tolist() == [0.0] * 5
     assert logits[1].tolist() == [0.0, 0.0, -1.0, -0.75, 0.0]
 

@@ -53,23 +53,33 @@ def greedy(rid: str, prompt: list[int], n: int = OUTPUT, **params: object) -> Re
     )  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["float32", "deterministic"])
+# they favour what the output repeats, so that they change the tiny random model's tokens
+PENALTIES = {"repetition_penalty": 0.7, "presence_penalty": -1.5, "frequency_penalty": 0.6}
+
+
+@pytest.mark.parametrize(
+    ("deterministic", "penalties"),
+    [(False, {}), (True, {}), (False, PENALTIES)],
+    ids=["float32", "deterministic", "penalties"],
+)
 def test_greedy_with_guesses_equals_greedy_without(
-    tmp_path_factory: pytest.TempPathFactory, deterministic: bool
+    tmp_path_factory: pytest.TempPathFactory, deterministic: bool, penalties: dict[str, float]
 ) -> None:
+    """Penalties included: a verified row's guesses count as its output, on top of the penalty
+    state the sampler keeps for the request."""
     model = str(tiny_model_dir(tmp_path_factory))
     plain = make_core(model, None, deterministic=deterministic)
-    reference = [greedy(f"p{i}", p) for i, p in enumerate(PROMPTS)]
+    reference = [greedy(f"p{i}", p, **penalties) for i, p in enumerate(PROMPTS)]
     run(plain, reference)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "rule": "fixed"}
     core = make_core(model, spec, deterministic=deterministic)
     reqs = []
     for i, (prompt, ref) in enumerate(zip(PROMPTS, reference, strict=True)):
-        req = greedy(f"s{i}", prompt)
+        req = greedy(f"s{i}", prompt, **penalties)
         # right guesses, wrong ones at every position, and none
         req.proposer = OracleProposer(prompt + ref.output_ids, [[0], [1, 3, 0, 5, 2], [4, 2]][i])
         reqs.append(req)
-    reqs.append(greedy("ngram", PROMPTS[0]))  # the real proposer
+    reqs.append(greedy("ngram", PROMPTS[0], **penalties))  # the real proposer
     run(core, reqs)
     assert [r.output_ids for r in reqs[:3]] == [r.output_ids for r in reference]
     assert reqs[3].output_ids == reference[0].output_ids
