@@ -61,7 +61,7 @@ def uses_ray(args: argparse.Namespace) -> bool:
 
 def ray_options(args: argparse.Namespace) -> RayOptions:
     options = RayOptions(
-        replicas=args.replicas or 1,
+        replicas=1 if args.replicas is None else args.replicas,  # --ray-address alone: 1
         address=args.ray_address,
         replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus,
