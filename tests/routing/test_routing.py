@@ -225,3 +225,13 @@ def test_make_router_by_name() -> None:
         make_router("random")
     with pytest.raises(ValueError, match="no replica"):
         make_router("round-robin").route([1], [], 0.0)
+
+
+def test_make_router_refuses_unknown_options_and_text_for_numbers() -> None:
+    with pytest.raises(ValueError, match="router 'round-robin' has no option 'x'.*none"):
+        make_router("round-robin", x=1)
+    with pytest.raises(ValueError, match="balance_abs_threshold must be a number, got '3'"):
+        make_router("kv-events", balance_abs_threshold="3")
+    with pytest.raises(ValueError, match="ttl_seconds must be a number, got True"):
+        make_router("cache-aware", ttl_seconds=True)
+    assert isinstance(make_router("cache-aware", ttl_seconds=None), CacheAwareRouter)

@@ -1,11 +1,27 @@
-"""``asyncengine serve --replicas``: a bad replica option is refused before Ray starts."""
+"""``asyncengine serve --replicas``: a bad replica or router option is one error line, before
+Ray starts or a model loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncengine.cli import build_parser
+from asyncengine.cli import build_parser, main
 from asyncengine.server.ray_serve.serve import ray_options
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("foo=1", "router 'cache-aware' has no option 'foo' (its options: cache_threshold, "),
+        ("cache_threshold=high", "router option cache_threshold must be a number, got 'high'"),
+    ],
+)
+def test_a_bad_router_option_is_one_error_line(
+    option: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--port", "0", "--replicas", "2", "--router-option", option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"asyncengine: error: {message}") and err.count("\n") == 1
 
 
 def test_zero_replicas_is_refused() -> None:
