@@ -3,8 +3,9 @@
 The app calls ``stream``/``generate``/``abort`` as on a local engine. Each call goes through
 the deployment handle with the prompt as given (the replica tokenizes and validates it) and the
 prompt's token ids for the router (tokenized here with the model's tokenizer, no weights
-loaded). A replica's engine errors come back as the same exceptions (so the same HTTP errors);
-a replica that dies fails its requests with RequestFailedError, never a hang.
+loaded), keyed as the replica's prefix cache keys them (under the request's salt and adapter).
+A replica's engine errors come back as the same exceptions (so the same HTTP errors); a replica
+that dies fails its requests with RequestFailedError, never a hang.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uuid
 from typing import Any
 
 from asyncengine.api.intake import Intake
+from asyncengine.common.cache_salt import salted_ids
 from asyncengine.common.config import EngineConfig
 from asyncengine.common.errors import EngineError, EngineNotRunningError, RequestFailedError
 from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
@@ -47,9 +49,17 @@ def engine_error(exc: BaseException, request_id: str) -> Exception:
     return RequestFailedError(f"request {request_id} failed: {type(cause).__name__}: {cause}")
 
 
-def route_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """The prompt's token ids as the replica will see them; [] when the prompt is malformed (the
-    replica then refuses it with the precise error)."""
+def route_ids(tokenizer: Any, prompt: Any, params: SamplingParams) -> list[int]:
+    """The prompt's token ids as the replica's prefix cache keys them (under the request's
+    ``cache_salt`` and adapter, so tenants' prompts never match each other's pages); [] when the
+    prompt is malformed (the replica then refuses it with the precise error)."""
+    ids = _prompt_ids(tokenizer, prompt)
+    if ids and (params.cache_salt is not None or params.lora is not None):
+        return salted_ids(ids, params.cache_salt, params.lora)
+    return ids
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     try:
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
@@ -229,7 +239,7 @@ class RemoteEngine:
     ) -> RemoteStream:
         params, rid = self._begin(params, request_id)
         call = self._streaming.stream.remote(
-            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
+            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt, params)
         )
         self._calls[rid] = call
         return RemoteStream(call, rid, self._calls, max(1, getattr(params, "n", 1)))
@@ -262,7 +272,7 @@ class RemoteEngine:
     ) -> Any:
         params, rid = self._begin(params, request_id)
         call = getattr(self._handle, method).remote(
-            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt)
+            prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt, params)
         )
         self._calls[rid] = call
         try:
