@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncengine.cli import build_parser, main
+from asyncengine.server.ray_serve.deployment import RayDeployment
 from asyncengine.server.ray_serve.serve import ray_options
 
 
@@ -33,3 +34,15 @@ def test_zero_replicas_is_refused() -> None:
 def test_a_cluster_address_alone_deploys_one_replica() -> None:
     args = build_parser().parse_args(["serve", "--ray-address", "10.0.0.1:6379"])
     assert ray_options(args).replicas == 1
+
+
+def test_a_fixed_kv_events_port_for_local_replicas_is_one_error_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each replica would bind the port and all but one fail to start, for ever."""
+    monkeypatch.setattr(RayDeployment, "open", lambda self, config: pytest.fail("Ray started"))
+    argv = ["serve", "--port", "0", "--replicas", "2", "--kv-events", "tcp://127.0.0.1:5557"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncengine: error: --kv-events tcp://127.0.0.1:5557 would be bound")
+    assert err.count("\n") == 1

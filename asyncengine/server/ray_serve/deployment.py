@@ -50,6 +50,26 @@ class RayOptions:
             raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
 
 
+def replica_config(config: EngineConfig, options: RayOptions) -> EngineConfig:
+    """The config each replica runs: a kv-events router has the replicas publish on free ports.
+    ValueError for a fixed KV events endpoint that several replicas of a local instance would
+    all bind (on a cluster, one replica per node can share a port)."""
+    if options.router == KVEventsRouter.name and config.kv_events is None:
+        return config.replace(kv_events=LOCAL_KV_EVENTS)
+    endpoint = config.kv_events
+    if (
+        endpoint
+        and options.replicas > 1
+        and options.address is None
+        and not endpoint.endswith(":*")
+    ):
+        raise ValueError(
+            f"--kv-events {endpoint} would be bound by each of the {options.replicas} replicas "
+            "on this machine: give a free port each, e.g. 'tcp://127.0.0.1:*'"
+        )
+    return config
+
+
 def replica_deployment(config: EngineConfig, options: RayOptions) -> Any:
     """The Serve application of ``options.replicas`` EngineReplicas of ``config``."""
     from ray import serve
@@ -57,11 +77,10 @@ def replica_deployment(config: EngineConfig, options: RayOptions) -> Any:
 
     from asyncengine.server.ray_serve.replica import EngineReplica
 
+    config = replica_config(config, options)
     router_options = dict(options.router_options)
     if options.router == KVEventsRouter.name:  # the replicas publish, the router subscribes
         router_options.setdefault("page_size", config.page_size)
-        if config.kv_events is None:
-            config = config.replace(kv_events=LOCAL_KV_EVENTS)
     router: dict[str, Any] = {
         "request_router_class": ROUTER_CLASS,
         "request_router_kwargs": {

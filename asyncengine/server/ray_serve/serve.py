@@ -13,7 +13,7 @@ from asyncengine.api.event_loop import run
 from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.routing import ROUTERS, make_router
 from asyncengine.server.ray_serve import require_ray
-from asyncengine.server.ray_serve.deployment import RayDeployment, RayOptions
+from asyncengine.server.ray_serve.deployment import RayDeployment, RayOptions, replica_config
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +95,7 @@ def serve_replicas(config: EngineConfig, args: argparse.Namespace) -> int:
     options = ray_options(args)
     tokenizer_dir(config.model)  # a bad model fails here, before Ray starts
     make_policies(config)  # and a bad policy or option
+    replica_config(config, options)  # and what the replicas cannot all run
     deployment = RayDeployment(options)
     try:
         handle = deployment.open(config)
