@@ -31,6 +31,10 @@ class ReportedReplicas:
     def router(self) -> None:
         return None
 
+    @property
+    def model_name(self) -> str:
+        return "tiny"
+
 
 async def engine_stats(tmp_path_factory: pytest.TempPathFactory, requests: int) -> Any:
     """A real engine's stats after ``requests`` requests at once, one running at a time."""
@@ -70,3 +74,19 @@ async def test_each_replica_reports_its_scheduler_counters(
             replica_stats["prompt_tokens"]
         )
     assert value("asyncengine_replicas") == 2.0
+
+
+@pytest.mark.asyncio
+async def test_the_replicas_stats_add_up_admission_blocks_by_reason(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """GET /admin/policy reads them from stats(), as of one engine."""
+    busy, idle = await engine_stats(tmp_path_factory, 3), await engine_stats(tmp_path_factory, 2)
+    reports = {"a": reported_stats(busy), "b": reported_stats(idle)}
+    replicas = cast(RemoteEngine, ReportedReplicas(reports))
+    blocked = RemoteEngine.stats(replicas)["admission_blocked"]
+    assert blocked == {
+        reason: busy["admission_blocked"][reason] + idle["admission_blocked"][reason]
+        for reason in busy["admission_blocked"]
+    }
+    assert blocked["running_cap"] > busy["admission_blocked"]["running_cap"] > 0

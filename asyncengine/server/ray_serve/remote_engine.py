@@ -23,6 +23,7 @@ from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDe
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
 from asyncengine.server.ray_serve.registry import router_for
+from asyncengine.server.ray_serve.replica import ADMISSION_BLOCKED
 
 log = logging.getLogger("asyncengine.server.ray")
 
@@ -353,6 +354,12 @@ class RemoteEngine:
                     total[key] = total.get(key, 0) + value
         hit, miss = total.get("hit_tokens", 0), total.get("miss_tokens", 0)
         total["cache_hit_rate"] = hit / (hit + miss) if hit + miss else 0.0
+        # by reason, as one engine's stats() has them (GET /admin/policy)
+        total[ADMISSION_BLOCKED] = {
+            key.partition(":")[2]: count
+            for key, count in total.items()
+            if key.startswith(f"{ADMISSION_BLOCKED}:")
+        }
         total["replicas"] = len(per_replica)
         total["model"] = self.model_name
         return total
