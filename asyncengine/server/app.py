@@ -18,6 +18,8 @@ GET/POST /admin/policy (admin.py: its own bearer token, not the API key).
   ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
   requests at once 503 (probes a few later), and a client that reads nothing for
   ``write_timeout`` seconds is dropped (server/connection_limits.py).
+- Every response carries its request's id in ``x-request-id`` and ``request-id``, the id the
+  server's log lines about it name (server/request_ids.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
 """
 
@@ -53,6 +55,7 @@ from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
 from asyncengine.server.openapi import add_openapi_route
 from asyncengine.server.prometheus import ServerMetrics
+from asyncengine.server.request_ids import add_request_id_headers, request_id_middleware
 from asyncengine.server.responses_store import (
     DEFAULT_STORE_BYTES,
     DEFAULT_STORE_TTL_SECONDS,
@@ -244,6 +247,7 @@ def create_app(
     app = web.Application(
         client_max_size=max_body_bytes,
         middlewares=[
+            request_id_middleware,  # outermost: every answer, refusals too, carries the id
             host_check_middleware,
             metrics_middleware,  # outside the connection limit: its 503s count as overloaded
             connection_limit_middleware,
@@ -271,5 +275,6 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
     add_openapi_route(app)  # describes the routes above
+    app.on_response_prepare.append(add_request_id_headers)
     app.on_shutdown.append(_mark_shutting_down)
     return app

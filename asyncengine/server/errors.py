@@ -26,6 +26,7 @@ from asyncengine.common.errors import (
     UnknownAdapterError,
 )
 from asyncengine.server.log_safe import log_safe
+from asyncengine.server.request_ids import current_request_id
 
 log = logging.getLogger("asyncengine.server")
 
@@ -131,7 +132,13 @@ def logged_failure(exc: BaseException) -> str:
     """Log a failure's text server side under a fresh error id and return the id: the client
     gets the id, never the exception's text (paths, internals)."""
     error_id = f"err-{uuid.uuid4().hex[:12]}"
-    log.error("%s: %s: %s", error_id, type(exc).__name__, log_safe(str(exc), 2000))
+    log.error(
+        "%s (request %s): %s: %s",
+        error_id,
+        current_request_id(),
+        type(exc).__name__,
+        log_safe(str(exc), 2000),
+    )
     return error_id
 
 
@@ -179,7 +186,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         error_id = f"err-{uuid.uuid4().hex[:12]}"
         log.exception(
-            "%s: unhandled error serving %s %s", error_id, request.method, log_safe(request.path)
+            "%s (request %s): unhandled error serving %s %s",
+            error_id,
+            current_request_id(),
+            request.method,
+            log_safe(request.path),
         )
         error = ApiError(
             500,
@@ -195,9 +206,10 @@ def _refused(request: web.Request, error: ApiError) -> web.Response:
     name fields and numbers, never the prompt's text)."""
     if error.status < 500 or error.status == 503:
         log.info(
-            "refused %s %s: %d %s: %s",
+            "refused %s %s (request %s): %d %s: %s",
             request.method,
             log_safe(request.path),
+            current_request_id(),
             error.status,
             error.code or error.type,
             log_safe(error.message, LOGGED_REASON_CHARS),
