@@ -8,6 +8,9 @@ split for every API.
   answer to one, in the message right after the call: every call answered, as Anthropic's
   API has it), ``thinking`` / ``redacted_thinking`` (dropped: templates drop earlier
   reasoning). ``image`` and ``document`` blocks are refused (no vision model is served).
+- Text as Anthropic's API takes it: every message has content (a final assistant turn may
+  not), no text block is empty or blank, and a final assistant turn does not end with
+  whitespace; else a 400 naming the message.
 - A conversation that ends with an assistant turn (Anthropic's "prefill") is continued: the
   prompt stops after its text and the reply is what the model writes next.
 - ``tool_choice``: auto, any (a call is required), tool (that one), none;
@@ -238,6 +241,44 @@ def _check_answered(i: int, message: MessageParam, called: set[str]) -> None:
         )
 
 
+def _check_text(i: int, message: MessageParam, last: bool) -> None:
+    """Anthropic's rules for a message's text: content that is not empty (the final assistant
+    turn, a prefill, may be), text blocks that are not empty nor blank, and a prefill that does
+    not end with whitespace."""
+    param = f"messages[{i}].content"
+    prefill = last and message.role == "assistant"
+    if not message.content and not prefill:
+        raise invalid_request(
+            f"{param} is empty: all messages must have non-empty content except for the "
+            "optional final assistant message",
+            param=param,
+        )
+    if isinstance(message.content, str):
+        texts = [(param, message.content)]
+    else:
+        texts = [
+            (f"{param}[{j}].text", block.text)
+            for j, block in enumerate(message.content)
+            if isinstance(block, TextBlockParam)
+        ]
+        for where, text in texts:
+            if not text:
+                raise invalid_request(f"{where}: text content blocks must be non-empty", where)
+    for where, text in texts:
+        if text and not text.strip() and not prefill:
+            raise invalid_request(
+                f"{where}: text content blocks must contain non-whitespace text", where
+            )
+    ending = message.content if isinstance(message.content, str) else ""
+    if message.content and isinstance(message.content[-1], TextBlockParam):
+        ending = message.content[-1].text
+    if prefill and ending and ending != ending.rstrip():
+        raise invalid_request(
+            f"{param}: final assistant content cannot end with trailing whitespace",
+            param=param,
+        )
+
+
 def _messages(req: CountTokensRequest) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     if req.system:
@@ -249,6 +290,7 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
     asked: set[str] = set()  # the tool_use ids of the message before, which results answer
     for i, message in enumerate(req.messages):
         called, asked = asked, set()
+        _check_text(i, message, i == len(req.messages) - 1)
         _check_answered(i, message, called)
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))

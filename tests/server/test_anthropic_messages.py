@@ -299,6 +299,66 @@ async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
             assert f"with no tool_result block: {missing};" in message, message
 
 
+async def test_empty_or_blank_text_and_a_prefill_ending_in_whitespace_are_refused(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """Anthropic's rules: every message but a final assistant one has content, no text block
+    is empty or blank, and a prefill does not end with whitespace; the 400 names the message."""
+    ask = _user(QUESTION)
+    refusals: list[tuple[list[Any], str, str]] = [
+        (_user(""), "messages[0].content", "all messages must have non-empty content"),
+        ([{"role": "user", "content": []}], "messages[0].content", "non-empty content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "Hi"}, _text("")]}],
+            "messages[0].content[1].text",
+            "text content blocks must be non-empty",
+        ),
+        (
+            [*ask, {"role": "assistant", "content": ""}, *_user("Again?")],
+            "messages[1].content",
+            "non-empty content",
+        ),
+        (_user(" \n"), "messages[0].content", "must contain non-whitespace text"),
+        (
+            [*ask, {"role": "assistant", "content": [_text("")]}],
+            "messages[1].content[0].text",
+            "text content blocks must be non-empty",
+        ),
+        (
+            [*ask, {"role": "assistant", "content": "The answer is "}],
+            "messages[1].content",
+            "final assistant content cannot end with trailing whitespace",
+        ),
+        (
+            [*ask, {"role": "assistant", "content": [_text("The answer\n")]}],
+            "messages[1].content",
+            "cannot end with trailing whitespace",
+        ),
+    ]
+    for messages, param, reason in refusals:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(model=server.model, max_tokens=1, messages=messages)
+        with pytest.raises(anthropic.BadRequestError) as counted:
+            await claude.messages.count_tokens(model=server.model, messages=messages)
+        for error in (refused, counted):
+            message = error.value.body["error"]["message"]  # type: ignore[index]
+            assert message.startswith(param) and reason in message, message
+    for last in ("", []):  # an empty prefill: nothing to continue (a 400, not a failure)
+        with pytest.raises(anthropic.BadRequestError, match="has no text"):
+            await claude.messages.create(
+                model=server.model,
+                max_tokens=1,
+                messages=[*ask, {"role": "assistant", "content": last}],
+            )
+    prefill = [*ask, {"role": "assistant", "content": [_text("The answer"), _text(" is")]}]
+    answer = await claude.messages.create(model=server.model, max_tokens=1, messages=prefill)
+    assert answer.stop_reason == "max_tokens"
+
+
+def _text(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
+
+
 async def test_server_and_typed_tools_are_refused_as_not_served(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
