@@ -208,6 +208,15 @@ class ResponseBody:
         fmt = req.text.format if req.text is not None else None
         self._echo: Json = {
             "model": model,
+            "background": False,  # background: true is refused
+            "conversation": None,  # refused when given
+            "prompt": None,  # refused when given
+            # accepted and not applied: no limit nor key was used
+            "max_tool_calls": None,
+            "prompt_cache_key": None,
+            "safety_identifier": None,
+            "service_tier": "default",  # the one tier served
+            "top_logprobs": req.top_logprobs or 0,  # above 0 is refused
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
@@ -257,6 +266,7 @@ class ResponseBody:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": None,
             "incomplete_details": incomplete,
             **self._echo,

@@ -322,6 +322,33 @@ async def test_a_json_schema_text_format_is_structured_output(
     assert response.text is not None and response.text.format.type == "json_schema"
 
 
+async def test_completed_at_is_set_once_completed_and_the_objects_fields_are_filled(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    schema = {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA}
+    kwargs: dict[str, Any] = dict(
+        model=server.model, input=QUESTION, text={"format": schema}, temperature=0
+    )
+    raw = await client.responses.with_raw_response.create(max_output_tokens=40, **kwargs)
+    body = raw.http_response.json()
+    assert body["status"] == "completed"
+    assert isinstance(body["completed_at"], int) and body["completed_at"] >= body["created_at"]
+    filled = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
+    filled |= {"service_tier": "default", "max_tool_calls": None, "safety_identifier": None}
+    assert {key: body.get(key, "absent") for key in filled} == filled
+    stored = await client.responses.retrieve(body["id"])
+    assert stored.completed_at == body["completed_at"]
+
+    events = [
+        e async for e in await client.responses.create(stream=True, max_output_tokens=40, **kwargs)
+    ]
+    assert events[0].response.completed_at is None  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.status == "completed" and final.completed_at is not None
+    cut = await client.responses.create(max_output_tokens=2, **kwargs)
+    assert cut.status == "incomplete" and cut.completed_at is None
+
+
 async def test_function_tools_are_strict_unless_strict_is_false(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
