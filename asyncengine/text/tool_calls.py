@@ -13,7 +13,8 @@ the concatenated argument chunks equal the non-streamed ``arguments``. A block t
 hold a call (bad JSON, no name, a name longer than ``MAX_TOOL_NAME_CHARS``) is given back as
 text. An output that ends inside a call (the length limit met) leaves the parser ``cut``: a call
 whose name was read keeps the arguments written so far (JSON cut short, as OpenAI reports such a
-call), and one cut before its name is dropped (its markup is neither text nor a call). The head
+call; none when it was cut right after its name), and one cut before its name was written whole
+is dropped (its markup is neither text nor a call). The head
 (name first) is looked for in a call's first ``MAX_HEAD_CHARS`` characters only, so the work
 per piece is bounded; a call written otherwise (arguments first) is parsed whole
 when it closes.
@@ -72,6 +73,8 @@ _PYTHON_TAG = "<|python_tag|>"
 _CALL_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 )
+# The start of a call cut short once its name was written whole, before its arguments began.
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 MAX_TOOL_NAME_CHARS = 256  # a longer "name" is no function's (OpenAI allows 64)
 MAX_HEAD_CHARS = 2 * MAX_TOOL_NAME_CHARS  # a head's name, keys, spacing and escapes fit
 
@@ -205,6 +208,18 @@ def parse_call_body(body: str) -> tuple[str, str] | None:
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+def _cut_call(text: str, position: int = 0) -> tuple[str, str] | None:
+    """(name, arguments written so far) of a call cut short at the end of ``text``; None when
+    it was cut before its name was written whole."""
+    head = _CALL_HEAD.match(text, position)
+    if head is not None and text[head.end() : head.end() + 1] == "{":
+        name = _head_name(head)
+        return None if name is None else (name, text[head.end() :])
+    named = _NAME_HEAD.match(text, position)
+    name = _head_name(named) if named is not None else None
+    return None if name is None else (name, "")
+
+
 class _StreamedCall:
     """One call while its text arrives: the head once the name is known, then the arguments
     object as it grows (held back past its closing brace)."""
@@ -218,6 +233,7 @@ class _StreamedCall:
         self.sent_args = 0  # characters of the arguments already sent
         self.arguments_end = JsonValueEnd()  # the arguments' scan, kept between pieces
         self.head_steps = 0  # characters the head's match was tried on, in all
+        self.named_only = False  # cut after its name, before its arguments began
 
     @property
     def body(self) -> str:
@@ -254,15 +270,18 @@ class _StreamedCall:
 
     @property
     def cut(self) -> bool:
-        """Whether the call's arguments began but did not close."""
-        return self.args_start is not None and not self.arguments_end.done
+        """Whether the call was cut: after its name, or inside its arguments."""
+        return self.named_only or (self.args_start is not None and not self.arguments_end.done)
 
-    def close(self) -> list[ToolCallDelta] | None:
-        """The rest of the call once its text is complete; None when the body holds no call
-        (then nothing was sent)."""
+    def close(self, closed: bool) -> list[ToolCallDelta] | None:
+        """The rest of the call once its text ends (``closed``: by its end marker, else cut
+        short); None when the body holds no call (then nothing was sent)."""
         if self.args_start is not None:
             return []
         parsed = parse_call_body(self.body)
+        if parsed is None and not closed:
+            parsed = _cut_call(self.body)
+            self.named_only = parsed is not None
         if parsed is None:
             return None
         name, arguments = parsed
@@ -306,7 +325,7 @@ class HermesToolParser:
 
     def _close(self, piece: ParsedPiece, closed: bool) -> None:
         assert self._call is not None
-        rest = self._call.close()
+        rest = self._call.close(closed)
         if rest is None and closed:  # not a call: give the block back as text
             piece.text += _HERMES_OPEN + self._call.body + _HERMES_CLOSE
         elif rest is None:  # cut before its name: nothing of it was sent
@@ -378,7 +397,7 @@ class Llama3JsonToolParser:
 
 def _split_llama_calls(text: str) -> tuple[list[tuple[str, str]], bool] | None:
     """The calls (name, arguments) and whether the last was cut (its arguments so far; one
-    cut before its name is left out); None when the text is not calls."""
+    cut before its name was written whole is left out); None when the text is not calls."""
     calls: list[tuple[str, str]] = []
     decoder = json.JSONDecoder()
     position = 0
@@ -391,10 +410,9 @@ def _split_llama_calls(text: str) -> tuple[list[tuple[str, str]], bool] | None:
             return None
         end = _json_value_end(text, position)
         if end is None:
-            head = _CALL_HEAD.match(text, position)
-            name = _head_name(head) if head is not None else None
-            if head is not None and name is not None and text[head.end() : head.end() + 1] == "{":
-                calls.append((name, text[head.end() :]))
+            cut = _cut_call(text, position)
+            if cut is not None:
+                calls.append(cut)
             return calls, True
         try:
             decoder.decode(text[position:end])

@@ -6,6 +6,7 @@ streamed answer accumulates, as the SDK does it, to the whole one."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic
@@ -143,6 +144,67 @@ async def test_a_call_cut_by_the_budget_is_reported_as_cut_on_every_api(
     assert events_seen[-1].type == "response.incomplete"
     done = [e for e in events_seen if e.type == "response.output_item.done"]
     assert [(e.item.status, e.item.arguments) for e in done] == [("incomplete", cut)]  # type: ignore[union-attr]
+
+
+async def test_a_call_cut_right_after_its_name_is_reported_on_every_api(
+    client: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """Not dropped: each API reports the named call with no arguments, as cut."""
+    budget = await _name_only_budget(client, server)
+    choice = (await _chat(client, server, budget)).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == ("get_weather", "")
+
+    message = await claude.messages.create(
+        model=server.model,
+        max_tokens=budget,
+        messages=MESSAGES,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    )
+    assert message.stop_reason == "max_tokens"
+    (block,) = message.content
+    assert block.type == "tool_use" and (block.name, block.input) == ("get_weather", {})
+
+    response = await client.responses.create(
+        model=server.model,
+        input=QUESTION,
+        tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=budget,
+        temperature=0,
+        store=False,
+    )
+    assert response.status == "incomplete"
+    (item,) = response.output
+    assert item.type == "function_call" and item.status == "incomplete"
+    assert (item.name, item.arguments) == ("get_weather", "")
+
+
+async def _name_only_budget(client: openai.AsyncOpenAI, server: RunningServer) -> int:
+    """A budget that ends the greedy call after its name, before its arguments (read from the
+    tokens' text, whatever the server makes of the call)."""
+    for budget in range(1, 80):
+        answer = await client.chat.completions.create(
+            model=server.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=CHAT_TOOLS,  # type: ignore[arg-type]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=budget,
+            temperature=0,
+            logprobs=True,
+        )
+        logprobs = answer.choices[0].logprobs
+        assert logprobs is not None and logprobs.content is not None
+        text = "".join(t.token for t in logprobs.content)
+        if re.search(r'"name"\s*:\s*"get_weather"', text):
+            assert not re.search(r'"arguments"\s*:\s*\{', text), text
+            return budget
+    raise AssertionError("no budget cuts the call after its name")
 
 
 async def test_a_streamed_answer_accumulates_to_the_whole_one(

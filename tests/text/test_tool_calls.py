@@ -94,7 +94,35 @@ def test_a_llama3_output_cut_keeps_its_whole_calls_and_the_cut_ones_arguments() 
         ("f", '{"x": 1}'),
         ("g", '{"y": [2'),
     ]
-    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f", "param') == ("", [])
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f') == ("", [])  # its name is not whole
+
+
+def test_a_call_cut_right_after_its_name_is_a_cut_call_with_no_arguments() -> None:
+    """Not dropped: the name was written whole, so the call is reported with the arguments
+    written so far (none), as cut (never a finished call)."""
+    for fmt, output in (
+        (HERMES, '<tool_call>\n{"name": "f", "'),
+        (HERMES, '<tool_call>\n{"name": "f", "arguments": '),
+        (LLAMA3_JSON, '{"name": "f", "param'),
+        (LLAMA3_JSON, '{"name": "g", "parameters": {}}; {"name": "f"'),
+    ):
+        parser = tool_parser(fmt)
+        pieces = parser.feed(output).calls + parser.finish().calls
+        assert [(c.name, c.arguments) for c in collect_calls(pieces)][-1] == ("f", ""), output
+        assert parser.cut, output
+    spec = ChatOutputSpec(HERMES, reasoning_starts_inside=None, calls_only=True)
+    output = '<tool_call>\n{"name": "f", "'
+    message, reason = read_choice(spec, output, "stop")
+    assert reason == "stop" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("f", "")
+    ]
+    reader = ChoiceReader(spec)
+    deltas = [reader.feed(ch) for ch in output[:-1]] + [reader.feed(output[-1], final=True)]
+    streamed = [call for d in deltas if d for call in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in streamed] == ["f"]
+    # a name cut short is no name: the call is left out
+    assert read_choice(spec, '<tool_call>\n{"name": "f', "length")[0]["content"] == ""
 
 
 def test_the_arguments_so_far_are_the_members_written_whole() -> None:
