@@ -30,10 +30,13 @@
  *                adds m[c, s, j] B[i, s, j] inside the super-block's sum
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
- * activation rounding and the float sums' order. A micro-kernel holds MR activation rows x NV
- * panels of int32 sums in registers (the float sums in memory, met once a super-block), each
- * loaded weight vector meeting all MR rows; threads take units of NV panels (each a contiguous
- * stream) as they come free. The AVX-512 VNNI build has a fast kernel for every format, the
+ * activation rounding and the float sums' order. Rows of the 32-value block formats need whole
+ * blocks only: a partial last super-block is padded with zero blocks (d = 0, values 0) in the
+ * panels and zero activations (they add exact zeros), so that every kernel keeps its loop over
+ * whole super-blocks. A micro-kernel holds MR activation rows x NV panels of int32 sums in
+ * registers (the float sums in memory, met once a super-block), each loaded weight vector
+ * meeting all MR rows; threads take units of NV panels (each a contiguous stream) as they come
+ * free. The AVX-512 VNNI build has a fast kernel for every format, the
  * AVX2 build (-DQ_FORCE_AVX2, CPUs without VNNI) one for the K formats (asyncengine_i8_fast);
  * the others run a scalar kernel on the same layout, the reference the tests hold them to.
  * Built by kernels/cpu/cpu_native.py. */
@@ -119,8 +122,16 @@ static int takes_format(int fmt) {
     return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || q8_layout(fmt);
 }
 
+/* k rounded up to whole super-blocks: the values a panel row and an activation row hold (the
+ * 32-value block formats' rows padded with zeros) */
+static inline int64_t padded(int64_t k) { return (k + QK_K - 1) / QK_K * QK_K; }
+
+/* the bytes of a panel of rows of k values; -1 where fmt or k is not taken (the K formats
+ * whole super-blocks, the 32-value block formats whole blocks) */
 int64_t asyncengine_i8_panel_bytes(int fmt, int64_t k) {
-    return takes_format(fmt) && k % QK_K == 0 ? layout_of(fmt).bytes * (k / QK_K) : -1;
+    const int64_t whole = q8_layout(fmt) ? QK : QK_K;
+    return takes_format(fmt) && k > 0 && k % whole == 0 ? layout_of(fmt).bytes * (padded(k) / QK_K)
+                                                        : -1;
 }
 
 /* the fast kernels' vector width in bits: 512 (AVX-512 VNNI), 256 (AVX2), 0 (none) */
@@ -202,15 +213,16 @@ static void decode_block32(int fmt, const uint8_t *w, int8_t *q, float *d, float
     }
 }
 
-/* 32-value block rows' (at most NP) blocks into one panel (zeroed) */
+/* 32-value block rows' (at most NP) blocks into one panel (zeroed: the blocks past k stay
+ * zero, d and m 0, their sums' start 0) */
 static void pack_panel_q8(int fmt, const uint8_t *const *rows, int nrows, int64_t k,
                           uint8_t *dst) {
     const int64_t block = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_1 ? 20 : 18, bytes = q8_bytes(fmt);
     int8_t q[32];
-    for (int64_t s = 0; s < k / QK_K; s++) {
+    for (int64_t s = 0; s < padded(k) / QK_K; s++) {
         uint8_t *out = dst + s * bytes;
         for (int c = 0; c < nrows; c++)
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < 8 && (8 * s + j) * QK < k; j++) {
                 float d, m;
                 decode_block32(fmt, rows[c] + (8 * s + j) * block, q, &d, &m);
                 int32_t start = 0;
@@ -228,7 +240,8 @@ static void pack_panel_q8(int fmt, const uint8_t *const *rows, int nrows, int64_
 /* rows' (at most NP, the rest of the panel zero) super-blocks into one panel */
 static void pack_panel(int fmt, const uint8_t *const *rows, int nrows, int64_t k, uint8_t *dst) {
     const sb_layout l = layout_of(fmt);
-    const int64_t nsb = k / QK_K, block = fmt == FMT_Q6_K ? 210 : fmt == FMT_Q5_K ? 176 : 144;
+    const int64_t nsb = padded(k) / QK_K;
+    const int64_t block = fmt == FMT_Q6_K ? 210 : fmt == FMT_Q5_K ? 176 : 144;
     memset(dst, 0, (size_t)(l.bytes * nsb));
     if (q8_layout(fmt)) {
         pack_panel_q8(fmt, rows, nrows, k, dst);
@@ -294,29 +307,32 @@ void asyncengine_i8_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r
 /* ------------------------------------------------------------------------------------------ */
 /* activations                                                                                */
 
-/* x [n, k] (float32 or bf16) -> q int8 [n, k] (or q + 128 as unsigned bytes where `shifted`: what
- * the centred values meet), xd [n, k / qb] (max|x| / 127 of each qb values: 256, or 32 for the
- * 32-value block formats, whose scales meet each block's sums anyway), b16 int16 [n, k / 16] and
- * b32 int16 [n, k / 32] (sums of q) */
+/* x [n, k] (float32 or bf16) -> q int8 [n, kp] (or q + 128 as unsigned bytes where `shifted`: what
+ * the centred values meet), xd [n, kp / qb] (max|x| / 127 of each qb values: 256, or 32 for the
+ * 32-value block formats, whose scales meet each block's sums anyway), b16 int16 [n, kp / 16] and
+ * b32 int16 [n, kp / 32] (sums of q); kp = padded(k), the values past k zero (k a multiple of
+ * 32) */
 void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int shifted, int qb,
                              int8_t *q, float *xd, int16_t *b16, int16_t *b32, int threads) {
-    const int64_t nsb = k / QK_K;
+    const int64_t kp = padded(k), nsb = kp / QK_K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
     for (int64_t i = 0; i < n; i++) {
         float v[QK_K];
         for (int64_t s = 0; s < nsb; s++) {
-            const int64_t off = i * k + s * QK_K;
+            const int64_t in = i * k + s * QK_K, off = i * kp + s * QK_K;
+            const int valid = (int)(k - s * QK_K < QK_K ? k - s * QK_K : QK_K);
+            if (valid < QK_K) memset(v + valid, 0, (size_t)(QK_K - valid) * sizeof(float));
             if (bf16) {
                 int j = 0;
 #if defined(I8_512)
-                for (; j < QK_K; j += 16)
-                    _mm512_storeu_ps(v + j, load_bf16x16((const uint16_t *)x + off + j));
+                for (; j + 16 <= valid; j += 16)
+                    _mm512_storeu_ps(v + j, load_bf16x16((const uint16_t *)x + in + j));
 #endif
-                for (; j < QK_K; j++) v[j] = bf16_to_float(((const uint16_t *)x)[off + j]);
+                for (; j < valid; j++) v[j] = bf16_to_float(((const uint16_t *)x)[in + j]);
             } else
-                memcpy(v, (const float *)x + off, sizeof v);
+                memcpy(v, (const float *)x + in, (size_t)valid * sizeof(float));
             int8_t *qs = q + off;
-            int16_t *sums = b16 + i * (k / 16) + s * 16;
+            int16_t *sums = b16 + i * (kp / 16) + s * 16;
 #if defined(I8_512)
             /* the loop below, 16 values at a time: the same roundings; the sums come from the
              * stored bytes (biased to unsigned, summed 8 at a time by vpsadbw) */
@@ -334,7 +350,7 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int 
                         shifted ? _mm512_add_epi32(qi, _mm512_set1_epi32(128)) : qi;
                     _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(qu));
                 }
-                xd[(i * k + s * QK_K + g) / qb] = amax / 127.0f;
+                xd[(off + g) / qb] = amax / 127.0f;
             }
             const __m512i bias = _mm512_set1_epi8(shifted ? 0 : (char)0x80);
             __m128i s8[4]; /* sums of 8 bytes, biased by 8 * 128 */
@@ -347,7 +363,7 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int 
                           hi = _mm_sub_epi16(_mm_hadd_epi16(s8[2], s8[3]), base);
             _mm_storeu_si128((__m128i *)sums, lo);
             _mm_storeu_si128((__m128i *)(sums + 8), hi);
-            _mm_storeu_si128((__m128i *)(b32 + i * (k / 32) + s * 8), _mm_hadd_epi16(lo, hi));
+            _mm_storeu_si128((__m128i *)(b32 + i * (kp / 32) + s * 8), _mm_hadd_epi16(lo, hi));
 #else
             for (int g = 0; g < QK_K; g += qb) {
 #if defined(I8_256)
@@ -388,10 +404,10 @@ void asyncengine_i8_quantize(const void *x, int64_t n, int64_t k, int bf16, int 
                 }
                 if (shifted)
                     for (int j = g; j < g + qb; j++) qs[j] = (int8_t)(uint8_t)(qs[j] + 128);
-                xd[(i * k + s * QK_K + g) / qb] = amax / 127.0f;
+                xd[(off + g) / qb] = amax / 127.0f;
             }
             for (int b = 0; b < QK_K / 32; b++)
-                b32[i * (k / 32) + s * 8 + b] = (int16_t)(sums[2 * b] + sums[2 * b + 1]);
+                b32[i * (kp / 32) + s * 8 + b] = (int16_t)(sums[2 * b] + sums[2 * b + 1]);
 #endif
         }
     }
@@ -902,7 +918,8 @@ static inline void store_row(const float *v, int64_t c0, int64_t count, const fl
 #endif
 
 /* y [n, ldy] (float32 or bf16) columns 0..rows-1 = x W^T (+ bias), from asyncengine_i8_quantize's
- * output (xd per 32 values for the 32-value block formats, else per 256) and W's panels;
+ * output (rows of padded(k) values; xd per 32 values for the 32-value block formats, else per
+ * 256) and W's panels;
  * parallel over units of NV panels, handed out as threads come free (a descheduled thread on a
  * loaded machine then delays no one). */
 void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
@@ -910,11 +927,12 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                            const int16_t *b32, int64_t n, const float *bias, void *y, int64_t ldy,
                            int out_bf16, int threads) {
     const sb_layout l = layout_of(fmt);
-    const int64_t nsb = k / QK_K, pb = l.bytes * nsb, np_all = (rows + NP - 1) / NP;
+    const int64_t kp = padded(k), nsb = kp / QK_K, pb = l.bytes * nsb;
+    const int64_t np_all = (rows + NP - 1) / NP;
     const int64_t units = (np_all + NV - 1) / NV, tiles = (n + MR - 1) / MR;
     const int64_t chunk = n <= I8_ONE_SB_ROWS ? 1 : I8_CHUNK_SB;
     const int16_t *b = fmt == FMT_Q6_K ? b16 : b32;
-    const int64_t bstride = fmt == FMT_Q6_K ? k / 16 : k / 32, qb = q8_layout(fmt) ? QK : QK_K;
+    const int64_t bstride = fmt == FMT_Q6_K ? kp / 16 : kp / 32, qb = q8_layout(fmt) ? QK : QK_K;
     int64_t handed = 0; /* units handed out */
 #pragma omp parallel num_threads(threads) if (units > 1)
     {
@@ -954,7 +972,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     const int nr = (int)(n - i0 < MR ? n - i0 : MR);
                     i8_row a[MR];
                     for (int r = 0; r < nr; r++)
-                        a[r] = (i8_row){xq + (i0 + r) * k, xd + (i0 + r) * (k / qb),
+                        a[r] = (i8_row){xq + (i0 + r) * kp, xd + (i0 + r) * (kp / qb),
                                         b + (i0 + r) * bstride};
                     tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &part);
                 }
@@ -978,8 +996,8 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
 #define I8_ROW_BLOCK 256
 #endif
 
-/* the quantized activations of n rows of k values (asyncengine_i8_quantize's outputs), in one
- * allocation */
+/* the quantized activations of n rows of k values (asyncengine_i8_quantize's outputs: rows of
+ * padded(k)), in one allocation */
 typedef struct {
     int8_t *q;
     float *xd;
@@ -987,11 +1005,11 @@ typedef struct {
 } i8_acts;
 
 static int acts_alloc(i8_acts *a, int fmt, int64_t n, int64_t k) {
-    const int64_t qb = q8_layout(fmt) ? QK : QK_K;
-    const size_t xd = (size_t)(n * (k / qb)) * sizeof(float);
-    const size_t b16 = (size_t)(n * (k / 16)) * sizeof(int16_t);
-    const size_t b32 = (size_t)(n * (k / 32)) * sizeof(int16_t);
-    char *base = (char *)malloc(xd + b16 + b32 + (size_t)(n * k));
+    const int64_t qb = q8_layout(fmt) ? QK : QK_K, kp = padded(k);
+    const size_t xd = (size_t)(n * (kp / qb)) * sizeof(float);
+    const size_t b16 = (size_t)(n * (kp / 16)) * sizeof(int16_t);
+    const size_t b32 = (size_t)(n * (kp / 32)) * sizeof(int16_t);
+    char *base = (char *)malloc(xd + b16 + b32 + (size_t)(n * kp));
     a->xd = (float *)base;
     a->b16 = (int16_t *)(base + xd);
     a->b32 = (int16_t *)(base + xd + b16);
@@ -1005,12 +1023,12 @@ static void acts_free(i8_acts *a) { free(a->xd); }
 static void multiply_rows(int fmt, const uint8_t *panels, int64_t rows, int64_t k,
                           const i8_acts *a, int64_t n, const float *bias, void *y, int64_t ldy,
                           int out_bf16, int threads) {
-    const int qb = q8_layout(fmt) ? QK : QK_K;
+    const int64_t qb = q8_layout(fmt) ? QK : QK_K, kp = padded(k);
     for (int64_t r0 = 0; r0 < n; r0 += I8_ROW_BLOCK) {
         const int64_t m = n - r0 < I8_ROW_BLOCK ? n - r0 : I8_ROW_BLOCK;
         void *yr = out_bf16 ? (void *)((uint16_t *)y + r0 * ldy) : (void *)((float *)y + r0 * ldy);
-        asyncengine_i8_matmul(fmt, panels, rows, k, a->q + r0 * k, a->xd + r0 * (k / qb),
-                              a->b16 + r0 * (k / 16), a->b32 + r0 * (k / 32), m, bias, yr, ldy,
+        asyncengine_i8_matmul(fmt, panels, rows, k, a->q + r0 * kp, a->xd + r0 * (kp / qb),
+                              a->b16 + r0 * (kp / 16), a->b32 + r0 * (kp / 32), m, bias, yr, ldy,
                               out_bf16, threads);
     }
 }
@@ -1038,6 +1056,7 @@ int asyncengine_i8_silu_linear(int fmt, const uint8_t *panels, int64_t rows, int
     i8_acts a;
     if (!acts_alloc(&a, fmt, n, k)) return -1;
     const int qb = q8_layout(fmt) ? QK : QK_K, shifted = shifted_input(fmt);
+    const int64_t kp = padded(k);
     int ok = 1;
 #pragma omp parallel num_threads(threads) if (n * k >= 65536)
     {
@@ -1050,8 +1069,8 @@ int asyncengine_i8_silu_linear(int fmt, const uint8_t *panels, int64_t rows, int
         for (int64_t i = 0; i < n; i++) {
             if (v == NULL) continue;
             silu_mul_row(x, i, k, x_bf16, v, 0);
-            asyncengine_i8_quantize(v, 1, k, 0, shifted, qb, a.q + i * k, a.xd + i * (k / qb),
-                                    a.b16 + i * (k / 16), a.b32 + i * (k / 32), 1);
+            asyncengine_i8_quantize(v, 1, k, 0, shifted, qb, a.q + i * kp, a.xd + i * (kp / qb),
+                                    a.b16 + i * (kp / 16), a.b32 + i * (kp / 32), 1);
         }
         free(v);
     }

@@ -1,13 +1,14 @@
 """The many-row int8 product of the K formats and the 32-value block formats
 (kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
 
-``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 weight (rows of whole
-256-value super-blocks) once into the kernel's panels (each value its exact integer, a nibble
-(Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11 / 1.25 / 1.25 / 1.375 bytes a
-weight, against a dense bfloat16 copy's 2); ``linear`` is then ``x @ weight.T (+ bias)`` with
-the activations rounded to int8 per 256 values (per 32 against the 32-value block formats), the
-weights exact. ``available(formats)``: this CPU's build has a fast kernel for those formats
-(AVX-512 VNNI: all of them; AVX2: the K formats). ``isa`` picks the library variant as
+``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight (rows of whole 256-value super-blocks) or
+a Q8_0 / Q4_0 / Q4_1 one (rows of whole 32-value blocks: a partial last super-block padded with
+zero blocks, as Qwen2.5-0.5B's 896 and Gemma 3 1B's 1152) once into the kernel's panels (each
+value its exact integer, a nibble (Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11 /
+1.25 / 1.25 / 1.375 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then
+``x @ weight.T (+ bias)`` with the activations rounded to int8 per 256 values (per 32 against
+the 32-value block formats), the weights exact. ``available(formats)``: this CPU's build has a
+fast kernel for those formats (AVX-512 VNNI: all of them; AVX2: the K formats). ``isa`` picks the library variant as
 quant_native's does ("native", "avx2", "scalar"); a build without a fast kernel for a format
 runs a scalar one on the same layout (the reference the tests hold the fast ones to).
 """
@@ -30,7 +31,9 @@ from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"})
+BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # rows of whole blocks of 32 values
 SUPER_BLOCK = 256
+BLOCK = 32
 PANEL_COLUMNS = 16
 ENABLE_ENV = "ASYNCENGINE_I8_GEMM"  # "0": never this path (to measure what it gives)
 
@@ -96,8 +99,11 @@ def kernel_width(isa: str = "native") -> int:
 
 
 def takes(weight: QuantizedTensor) -> bool:
-    """Whether ``pack`` takes this weight (the format, whole super-blocks), whatever the CPU."""
-    return weight.format.name in FORMATS and weight.cols % SUPER_BLOCK == 0
+    """Whether ``pack`` takes this weight (the format; rows of whole super-blocks, or of whole
+    blocks of 32 for ``BLOCK32_FORMATS``), whatever the CPU."""
+    name = weight.format.name
+    whole = BLOCK if name in BLOCK32_FORMATS else SUPER_BLOCK
+    return name in FORMATS and weight.cols > 0 and weight.cols % whole == 0
 
 
 def packed_bytes(weight: QuantizedTensor) -> int:

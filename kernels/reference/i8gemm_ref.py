@@ -28,7 +28,7 @@ def scale_block(weight: QuantizedTensor) -> int:
 
 
 def quantize_q8_k(x: torch.Tensor, block: int = SUPER_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, k] (k a multiple of 256) -> q int8 [n, k], d float32 [n, k / block]: d = max|x| / 127
+    """x [n, k] (k a multiple of block) -> q int8 [n, k], d float32 [n, k / block]: d = max|x| / 127
     per block of values, q = round-half-even(x * 127 / max|x|), as the C kernel does."""
     n, k = x.shape
     blocks = x.float().reshape(n, k // block, block)

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from asyncengine.executor.layers.linear import Linear
-from asyncengine.kernels.cpu import decode_step_native
+from asyncengine.kernels.cpu import decode_step_native, quant_i8gemm_native
 from asyncengine.kernels.quant_formats import F32
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
@@ -81,8 +81,12 @@ def check_bf16_step(
     from the float32 model's logits than the bfloat16 torch path (its worst step within
     ``worst_noise`` times the torch path's: _assert_no_further_than), and its greedy tokens the
     float32 model's wherever that model's top two logits stand further apart than the bfloat16
-    paths stray (a tiny random model's bfloat16 tokens are otherwise near ties)."""
+    paths stray (a tiny random model's bfloat16 tokens are otherwise near ties). The decodes
+    are what is compared: both bfloat16 paths prefill on the group kernels (on the int8
+    product's coarser activations the shared prefill tipped which path lands nearer the float32
+    logits, a coin toss at this size; test_native_decode_odd_widths.py holds that prefill)."""
     weights = q8_0_blocks(ckpt.load_weights())
+    monkeypatch.setenv(quant_i8gemm_native.ENABLE_ENV, "0")
     pair = Pair(ckpt, weights, dtype=torch.bfloat16)
     rows = _count_fused_rows(pair.native, monkeypatch)
     fused = _teacher_forced(pair.native, prompts, steps)

@@ -19,7 +19,7 @@ from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.model_executor import ModelExecutor, model_core
 from asyncengine.kernels.cpu import cpu_native
-from asyncengine.kernels.quant_formats import Q8_0, float_rows
+from asyncengine.kernels.quant_formats import I8, float_rows
 from tests.kernels.test_quantized_kernels import random_weight
 
 pytestmark = pytest.mark.skipif(
@@ -29,7 +29,9 @@ ROWS, COLS = 40, 64
 
 
 def linear(budget: DenseBudget | None, seed: int = 0) -> QuantizedLinear:
-    return QuantizedLinear([random_weight(Q8_0, ROWS, COLS, seed)], None, 4, budget=budget)
+    """I8 rows (which the int8 product does not take): from 4 rows the dense copy, where the
+    budget has room."""
+    return QuantizedLinear([random_weight(I8, ROWS, COLS, seed)], None, 4, budget=budget)
 
 
 def test_no_room_keeps_the_quantized_product() -> None:

@@ -216,9 +216,11 @@ def test_bfloat16_activations_take_the_dense_product_sooner_where_it_is_fast(
     """Where this CPU runs dense bfloat16 products fast (AVX-512 BF16, AMX), bfloat16
     activations meet them from the bfloat16 table's rows (the same weights dequantized), and
     the rows below stay on the quantized kernel; where bfloat16 is slow, the float32 table.
-    (On an AMX CPU the AMX product takes Q4_0 instead: tests/kernels/test_quant_amx.py.)"""
+    (On an AMX CPU the AMX product takes Q4_0 instead: tests/kernels/test_quant_amx.py; on an
+    AVX-512 VNNI one the int8 product, here turned off: tests/kernels/test_quant_i8gemm.py.)"""
     fastest = torch.bfloat16 if fast_bf16 else torch.float32
     monkeypatch.setattr(linear_module, "fastest_cpu_dtype", lambda: fastest)
+    monkeypatch.delitem(linear_module.I8_BELOW_ROWS_BY_FORMAT, "Q4_0")
     blocks = quantize(np.random.randn(40, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
     q4 = QuantizedTensor(Q4_0, torch.from_numpy(np.ascontiguousarray(blocks)), 64)
     i8 = quant_ref.quantize_i8(torch.randn(8, 64))

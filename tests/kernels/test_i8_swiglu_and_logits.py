@@ -41,8 +41,10 @@ def _gate_up(n: int, inter: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_swiglu_rows_give_the_product_of_the_native_swiglu(name: str, dtype: torch.dtype) -> None:
     """Bit for bit, around the 4-row tiles and past the 256-row blocks, with and without bias,
-    into a column slice of a wider output."""
-    for inter, rows in ((256, 24), (768, 40)):
+    into a column slice of a wider output; Q8_0 also over rows of a partial last super-block
+    (Gemma 3 1B's 1152: the rows made, then padded with zeros)."""
+    widths = ((256, 24), (768, 40), *([(1152, 24)] if name == "Q8_0" else []))
+    for inter, rows in widths:
         weight = random_weight(FORMATS[name], rows, inter, seed=inter + rows)
         panels = quant_i8gemm_native.pack(weight)
         for n in (1, 5, 33, 300):

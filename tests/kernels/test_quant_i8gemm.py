@@ -1,9 +1,10 @@
 """The int8 product of the K formats and the 32-value block formats (kernels/cpu/cpu_quant_i8gemm.c)
 against its torch twin (kernels/reference/i8gemm_ref.py: the activations rounded to int8 per 256
-or 32 values, the weights exact): within float32 rounding for weights of whole and partial 16-column panels, interleaved
-or as stored, activation row counts around its 4-row tiles, float32 and bfloat16 activations,
-bias, and outputs written into column slices; within the activations' rounding of the exact
-product; and where the engine takes it (executor/layers/linear.py). The fast kernel runs where
+or 32 values, the weights exact): within float32 rounding for weights of whole and partial
+16-column panels, interleaved or as stored, rows of the 32-value block formats ending in a
+partial super-block, activation row counts around its 4-row tiles, float32 and bfloat16
+activations, bias, and outputs written into column slices; within the activations' rounding of
+the exact product; and where the engine takes it (executor/layers/linear.py). The fast kernel runs where
 the CPU has AVX-512 VNNI; the other builds run the scalar kernel of the same layout, tested on
 every CPU."""
 
@@ -44,6 +45,10 @@ needs_k_format_i8 = pytest.mark.skipif(
     reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
 )
 I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+BLOCK32_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+# rows of whole 32-value blocks ending in a partial super-block: 3, 9, 28 (Qwen2.5-0.5B's
+# hidden) and 36 (Gemma 3 1B's) blocks
+PARTIAL_COLS = (96, 288, 896, 1152)
 # weight rows: half a panel, one, a panel and a half, odd pairs of panels, tails past the groups
 WEIGHT_ROWS = (8, 16, 24, 44, 56)
 ACTIVATION_ROWS = (1, 3, 4, 5, 9, 17, 33)
@@ -73,6 +78,52 @@ def test_products_match_the_twin(name: str, isa: str) -> None:
                     y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
                     assert y.dtype == torch.float32 and y.shape == (n, rows)
                     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("name", BLOCK32_FORMATS)
+def test_block32_rows_of_a_partial_last_super_block(name: str, isa: str) -> None:
+    """The panels' last super-block padded with zero blocks and the activations with zeros: the
+    twin's product to float32 rounding, and the exact one within the activations' rounding, at
+    1..4 rows (one tile) and more, float32 and bfloat16 activations, as stored or interleaved."""
+    for cols in PARTIAL_COLS:
+        weight = random_weight(FORMATS[name], 40, cols, seed=cols)
+        exact_weight = quant_ref.dequantize(weight).double()
+        bias = torch.randn(40, generator=torch.Generator().manual_seed(cols))
+        for stored in (weight, quant_native.interleave(weight)):
+            panels = quant_i8gemm_native.pack(stored)
+            assert panels.nbytes == quant_i8gemm_native.packed_bytes(stored)
+            for n in (1, 2, 3, 4, 5, 9, 33, 70):
+                x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n + cols))
+                x = x.to(torch.bfloat16).float() if n % 2 else x
+                y = quant_i8gemm_native.linear(x, panels, bias, isa=isa).double()
+                scale = product_scale(x, weight, bias)
+                ref = i8gemm_ref.linear(x, weight, bias)
+                torch.testing.assert_close(y, ref, rtol=0, atol=1e-5 * scale)
+                exact = x.double() @ exact_weight.T + bias.double()
+                bound = i8gemm_ref.rounding_bound(x, weight) + 1e-5 * scale
+                assert bool(((y - exact).abs() <= bound).all()), (cols, n)
+            x = torch.randn(6, cols).to(torch.bfloat16)
+            y = quant_i8gemm_native.linear(x, panels, bias, isa=isa)
+            ref = i8gemm_ref.linear(x.float(), weight, bias)
+            scale = product_scale(x.float(), weight, bias)
+            torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * scale)
+
+
+@needs_fast
+@pytest.mark.parametrize("name", BLOCK32_FORMATS)
+def test_the_fast_kernel_agrees_with_the_scalar_one_on_partial_super_blocks(name: str) -> None:
+    """The VNNI kernel and the scalar one on the same padded panels: the same integer sums, the
+    float ones to their order's rounding."""
+    for cols in PARTIAL_COLS:
+        weight = quant_native.interleave(random_weight(FORMATS[name], 56, cols, seed=cols + 1))
+        panels = quant_i8gemm_native.pack(weight)
+        for n in (1, 2, 3, 4, 7, 40):
+            x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+            fast = quant_i8gemm_native.linear(x, panels)
+            scalar = quant_i8gemm_native.linear(x, panels, isa="scalar")
+            atol = 1e-5 * product_scale(x, weight, None)
+            torch.testing.assert_close(fast, scalar, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("isa", _builds())
@@ -308,12 +359,20 @@ def test_within_the_activation_rounding_of_the_exact_product(name: str) -> None:
 
 
 def test_what_it_takes() -> None:
+    """The K formats' rows of whole super-blocks (as GGUF's always are), the 32-value block
+    formats' rows of whole blocks (a partial last super-block padded: its panels' bytes too);
+    nothing of the other formats."""
     assert quant_i8gemm_native.takes(random_weight(FORMATS["Q6_K"], 16, 256, seed=1))
     assert quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 256, seed=1))
-    # Q8_0 rows of whole 32-value blocks but not of whole 256-value super-blocks
-    assert not quant_i8gemm_native.takes(random_weight(FORMATS["Q8_0"], 16, 288, seed=1))
+    for name in BLOCK32_FORMATS:
+        partial = random_weight(FORMATS[name], 16, 288, seed=1)
+        assert quant_i8gemm_native.takes(partial)
+        whole = random_weight(FORMATS[name], 16, 512, seed=1)
+        assert quant_i8gemm_native.packed_bytes(partial) == quant_i8gemm_native.packed_bytes(whole)
+    i8 = random_weight(FORMATS["I8"], 16, 256, seed=1)
+    assert not quant_i8gemm_native.takes(i8)
     with pytest.raises(ValueError, match="does not take"):
-        quant_i8gemm_native.pack(random_weight(FORMATS["Q4_1"], 16, 288, seed=1))
+        quant_i8gemm_native.pack(i8)
     panels = quant_i8gemm_native.pack(random_weight(FORMATS["Q4_K"], 16, 256, seed=1))
     with pytest.raises(ValueError, match="columns"):
         quant_i8gemm_native.linear(torch.randn(2, 512), panels, isa="avx2")
