@@ -56,6 +56,9 @@ SHAPES = {
     "llama-3.2-1b": model_shapes(2048, 32, 8, 64, 8192, 128256),
     "llama-3.2-3b": model_shapes(3072, 24, 8, 128, 8192, 128256),
     "qwen2.5-1.5b": model_shapes(1536, 12, 2, 128, 8960, 151936),
+    # rows of no whole 256-value super-block (hidden 896, 1152): 32-value block formats only
+    "qwen2.5-0.5b": model_shapes(896, 14, 2, 64, 4864, 151936),
+    "gemma-3-1b": model_shapes(1152, 4, 1, 256, 6912, 262144),
 }
 LAYER_SHAPES, LM_HEAD = SHAPES["smollm2-135m"]
 

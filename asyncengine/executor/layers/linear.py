@@ -142,6 +142,12 @@ I8_BELOW_ROWS_BY_FORMAT = {
 # fused decode step takes the batch anyway (native_decode.BF16_NATIVE_DECODE_MAX_ROWS); whole
 # 5-row steps of 1B Q4_K_M, Q5_K_M and Q8_0 models 1.09-1.23x faster from 5 than from 6 or 8.
 # Q4_0 1.3-1.6 at 8, 2.0-2.5 at 16-64; Q4_1 0.8-1.3 at 8, 1.7-2.2 at 16-64 (a 1.5B layer).
+# Rows of a partial last super-block (Qwen2.5-0.5B's 896, Gemma 3 1B's 1152: padded with zero
+# blocks, 1/7-1/9 more products) keep these starts: a 1152 x 896 projection, one thread, CPU
+# time, a loaded machine, 1.5-1.6 (Q8_0) at 5 rows, 1.4 (Q4_0) at 8, 1.25 (Q4_1) at 16; at 64
+# rows a 1152 x 1152 one 1.9 / 1.6 / 1.3 (--i8-crossovers Q8_0,Q4_0,Q4_1 --shape qwen2.5-0.5b,
+# gemma-3-1b). SmolLM2's layers (576: 1/3 more) 1.2-1.6; its 49152 x 576 Q8_0 LM head, bound by
+# the bytes it streams, 0.7 at 5-8 rows (a 49152 x 512 one 0.86), 1.05 at 12, 1.4 at 16.
 I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 5, "Q6_K": 5}
 # Where the int8 product is the AVX2 kernel (a CPU without VNNI: float32 activations by default),
 # float32 activations take it from these rows below the dense crossover. Group kernels / int8
