@@ -82,6 +82,8 @@ NEEDS_TYPE = {
     "propertyNames": ("object",),
     "unevaluatedProperties": ("object",),
 }
+# the values "type" may name (xgrammar refuses any other only when it compiles the grammar)
+JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # keywords beside which only annotations are kept (xgrammar reads the one and drops the rest)
 ALONE = ("$ref", "anyOf", "oneOf", "allOf")
 # no constraint: annotations, and where other schemas live
@@ -207,6 +209,10 @@ def _values_only(
 
 def _typed(schema: dict[str, Any], refuse: Refuse) -> Iterator[Unenforced]:
     types = _types(schema) or set()
+    unknown = sorted(types - set(JSON_TYPES))
+    if unknown:  # refused here, before a grammar is compiled for it
+        names = ", ".join(JSON_TYPES)
+        yield refuse("type", f'Unsupported type "{unknown[0]}": the types are {names}')
     for keyword, needs in NEEDS_TYPE.items():
         if keyword in schema and not types & set(needs):
             yield refuse(keyword, f"it is held only with 'type' {' or '.join(map(repr, needs))}")

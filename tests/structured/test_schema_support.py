@@ -119,3 +119,22 @@ def test_a_keyword_the_grammar_holds_is_let_through(schema: Any, instance: Any) 
 )
 def test_odd_values_do_not_crash_the_check(schema: dict[str, Any]) -> None:
     unenforced(schema)  # xgrammar itself refuses what is malformed; the check only reads
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "objec"}, "#"),
+        ({"type": ["string", "nul"]}, "#"),
+        ({"type": "object", "properties": {"a": {"type": "int"}}}, "#/properties/a"),
+    ],
+)
+def test_an_unknown_type_is_refused_before_a_grammar_is_compiled(
+    schema: dict[str, Any], where: str
+) -> None:
+    """xgrammar refuses an unknown type only when it compiles the grammar (in the compile
+    workers, seconds on a loaded machine): the check refuses it first, naming it."""
+    with pytest.raises(RuntimeError, match="Unsupported type"):
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    with pytest.raises(InvalidRequestError, match=f"'type' at {re.escape(where)} .*Unsupported"):
+        check_enforced(schema, "response_format.json_schema.schema")
