@@ -562,7 +562,9 @@ def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
     bad_words: list[list[int]],
 ) -> None:
     """A lone greedy row skips the general path only where that path would neither change its
-    logits (penalties, bias, bans, grammar) nor report logprobs: then its token is the same."""
+    logits (penalties, bias, bans, grammar) nor report logprobs: then its token is the same. A
+    row with bad words takes the general path even in a step none of them bans a token (that path
+    finds its bans once a step)."""
     params = SamplingParams(
         temperature=temperature, repetition_penalty=repetition, presence_penalty=presence,
         frequency_penalty=frequency, logit_bias=bias, logprobs=logprobs or top_logprobs > 0,
@@ -576,6 +578,7 @@ def test_the_plain_greedy_shortcut_takes_exactly_the_rows_nothing_touches(
     logits = torch.randn(1, 64)
     untouched = sampler._apply_penalties_and_bans(logits, [info]) is logits
     no_logprobs = sampler._logprobs(logits, [info], logits.argmax(-1)) == [None]
-    assert sampler._plain_greedy(info) == (params.greedy and untouched and no_logprobs)
+    expected = params.greedy and untouched and no_logprobs and not bad_words
+    assert sampler._plain_greedy(info) == expected
     if sampler._plain_greedy(info):
         assert sampler.sample(logits, [info]) == ([int(logits.argmax())], [None])
