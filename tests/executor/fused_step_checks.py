@@ -6,18 +6,22 @@ every decode step to have been fused."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from asyncengine.executor.layers.linear import Linear
+from asyncengine.executor.layers.linear import Linear, QuantizedLinear
+from asyncengine.executor.loader import read_gguf
 from asyncengine.kernels.cpu import decode_step_native, quant_i8gemm_native
 from asyncengine.kernels.quant_formats import F32
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
+from tests.executor.test_gguf_shapes import make_hf, write_gguf
 from tests.executor.test_native_decode import Pair, _compare, _count_fused_rows, _gguf_block
 
 
@@ -53,6 +57,27 @@ def check_q8_0_step(
     rows = _count_fused_rows(pair.native, monkeypatch)
     _compare(pair, steps=steps, prompts=prompts)
     assert rows == [len(prompts)] * steps
+    return pair
+
+
+# two rows, the first past the tiny GGUFs' window of 16 before its decode steps
+GGUF_PROMPTS = [[5, 17, 3, 90, 11, 40, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 2, 33]]
+
+
+def check_q8_0_gguf_step(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pair:
+    """A Q8_0 GGUF of the tiny model ``name`` (tests/executor/test_gguf_shapes.py), written as
+    llama.cpp's converter writes it and read as the engine reads it: its projections stay Q8_0
+    blocks and 8 decode steps are fused and follow the torch path. Answers the pair."""
+    path = tmp_path / f"{name}-q8_0.gguf"
+    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.Q8_0)
+    checkpoint = read_gguf(path, torch.float32, frozenset({int(GGMLQuantizationType.Q8_0)}))
+    (tmp_path / "read").mkdir()  # the config as read from the file, where Pair reads one
+    (tmp_path / "read" / "config.json").write_text(json.dumps(checkpoint.config))
+    pair = Pair(TinyCheckpoint(f"{name}-q8_0", tmp_path / "read"), dict(checkpoint.weights))
+    assert isinstance(pair.native.model.layers[0].qkv, QuantizedLinear)
+    rows = _count_fused_rows(pair.native, monkeypatch)
+    _compare(pair, steps=8, prompts=GGUF_PROMPTS)
+    assert rows == [len(GGUF_PROMPTS)] * 8
     return pair
 
 

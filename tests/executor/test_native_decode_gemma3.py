@@ -9,18 +9,14 @@ writes it loads onto the step (Gemma 2's soft-caps: test_native_decode_gemma2.py
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 
 from asyncengine.executor.cpu import native_decode
-from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.executor.loader import read_gguf
 from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
@@ -32,11 +28,11 @@ from tests.conftest import TinyCheckpoint
 from tests.executor.fused_step_checks import (
     check_bf16_step,
     check_f32_step,
+    check_q8_0_gguf_step,
     check_q8_0_step,
     q8_0_blocks,
     step_built_with,
 )
-from tests.executor.test_gguf_shapes import make_hf, write_gguf
 from tests.executor.test_native_decode import (
     PROMPTS,
     Pair,
@@ -122,19 +118,8 @@ def test_a_gemma3_q8_0_gguf_loads_onto_the_fused_step(
     one, the sliding layers' own RoPE base, linear scaling on the full one, GQA 4:1): read as
     the engine reads it, its decode steps are fused and follow the torch path past the window
     of 16."""
-    name = "gemma3_sliding_local_rope_linear"
-    path = tmp_path / "gemma3-q8_0.gguf"
-    write_gguf(name, make_hf(name, tmp_path / "hf"), path, gguf.GGMLQuantizationType.Q8_0)
-    checkpoint = read_gguf(path, torch.float32, frozenset({int(gguf.GGMLQuantizationType.Q8_0)}))
-    (tmp_path / "read").mkdir()  # the config as read from the file, where Pair reads one
-    (tmp_path / "read" / "config.json").write_text(json.dumps(checkpoint.config))
-    pair = Pair(TinyCheckpoint("gemma3-q8_0", tmp_path / "read"), dict(checkpoint.weights))
-    assert isinstance(pair.native.model.layers[0].qkv, QuantizedLinear)
+    pair = check_q8_0_gguf_step("gemma3_sliding_local_rope_linear", tmp_path, monkeypatch)
     assert [o.window for o in pair.native.model.layer_options] == [16] * 5 + [0]
-    prompts = [[5, 17, 3, 90, 11, 40, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 2, 33]]
-    rows = _count_fused_rows(pair.native, monkeypatch)
-    _compare(pair, steps=8, prompts=prompts)
-    assert rows == [2] * 8
 
 
 def test_lora_rows_of_gemma3_keep_the_torch_path(
