@@ -543,7 +543,7 @@ class AsyncEngine:
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         core.kv.pins.check_room(whole // page_size)  # refuse before computing anything
-        keys = salted_ids(ids, params.cache_salt) if params.cache_salt is not None else ids
+        keys = salted_ids(ids, params.cache_salt)
         if core.kv.tree.prefix_length(keys, whole) < whole:
             await self.generate(ids, params)
         return core.pin(keys[:whole], ttl_s)

@@ -56,7 +56,8 @@ def lora_id_of_key(first_token: int) -> int | None:
 
 
 def salted_ids(prompt_ids: list[int], salt: str | None, lora: str | None = None) -> list[int]:
-    """``prompt_ids`` as the prefix cache keys them under ``salt`` and adapter ``lora``."""
-    if not prompt_ids:
+    """``prompt_ids`` as the prefix cache keys them under ``salt`` and adapter ``lora`` (the
+    ids themselves under neither)."""
+    if not prompt_ids or (salt is None and lora is None):
         return prompt_ids
     return [salt_token(salt, lora, prompt_ids[0]), *prompt_ids[1:]]

@@ -48,8 +48,6 @@ class WorkloadRequest:
     @property
     def cache_ids(self) -> list[int]:
         """The prompt as the prefix cache keys it (under its salt and adapter)."""
-        if self.cache_salt is None and self.lora is None:
-            return self.prompt_ids
         return salted_ids(self.prompt_ids, self.cache_salt, self.lora)
 
     def to_json(self) -> dict[str, object]:

@@ -54,10 +54,7 @@ def route_ids(tokenizer: Any, prompt: Any, params: SamplingParams) -> list[int]:
     """The prompt's token ids as the replica's prefix cache keys them (under the request's
     ``cache_salt`` and adapter, so tenants' prompts never match each other's pages); [] when the
     prompt is malformed (the replica then refuses it with the precise error)."""
-    ids = _prompt_ids(tokenizer, prompt)
-    if ids and (params.cache_salt is not None or params.lora is not None):
-        return salted_ids(ids, params.cache_salt, params.lora)
-    return ids
+    return salted_ids(_prompt_ids(tokenizer, prompt), params.cache_salt, params.lora)
 
 
 def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
