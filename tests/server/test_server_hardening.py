@@ -6,10 +6,11 @@ log, large inputs are tokenized off the loop, and clients that stop reading are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -262,10 +263,9 @@ async def test_a_large_prompt_is_tokenized_off_the_loop(
     assert len(threads) == 4 and all(t.startswith("asyncengine-tokenize") for t in threads[1:])
 
 
-async def test_a_long_conversation_renders_off_the_loop(
-    http: aiohttp.ClientSession, server: RunningServer
-) -> None:
-    tokenizer = server.engine.tokenizer
+@contextlib.contextmanager
+def _render_threads(tokenizer: Any) -> Iterator[list[str]]:
+    """The names of the threads the chat template renders on while inside."""
     threads: list[str] = []
     render = type(tokenizer).apply_chat_template
 
@@ -274,9 +274,18 @@ async def test_a_long_conversation_renders_off_the_loop(
         return render(tokenizer, messages, *args, **kwargs)
 
     tokenizer.apply_chat_template = recording
+    try:
+        yield threads
+    finally:
+        del tokenizer.apply_chat_template
+
+
+async def test_a_long_conversation_renders_off_the_loop(
+    http: aiohttp.ClientSession, server: RunningServer
+) -> None:
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
     many = [*turns * (LARGE_INPUT_CHARS // 16), turns[0]]  # short turns
-    try:
+    with _render_threads(server.engine.tokenizer) as threads:
         for route, messages in (
             ("/v1/chat/completions", turns[:1]),
             ("/v1/chat/completions", many),
@@ -285,8 +294,6 @@ async def test_a_long_conversation_renders_off_the_loop(
             body = {"model": server.model, "messages": messages, "max_tokens": 1}
             async with http.post(server.base_url + route, json=body) as resp:
                 assert resp.status in (200, 400), await resp.text()  # 400: longer than the context
-    finally:
-        del tokenizer.apply_chat_template
     assert threads[0] == threading.current_thread().name  # the server shares the test's loop
     assert len(threads) == 3 and all(t.startswith("asyncengine-tokenize") for t in threads[1:])
 
@@ -303,15 +310,6 @@ async def test_a_large_request_with_short_messages_renders_off_the_loop(
     """Tools (made into a call grammar too), earlier calls' arguments, documents and template
     variables are rendered with the messages: their size, not only the messages', sends the
     rendering to the worker thread."""
-    tokenizer = server.engine.tokenizer
-    threads: list[str] = []
-    render = type(tokenizer).apply_chat_template
-
-    def recording(messages: Any, *args: Any, **kwargs: Any) -> str:
-        threads.append(threading.current_thread().name)
-        return render(tokenizer, messages, *args, **kwargs)
-
-    tokenizer.apply_chat_template = recording
     user = {"role": "user", "content": "hi"}
     large = "x" * LARGE_INPUT_CHARS
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": large}}
@@ -323,13 +321,11 @@ async def test_a_large_request_with_short_messages_renders_off_the_loop(
         {"messages": [user], "documents": [{"text": large}]},
         {"messages": [user], "chat_template_kwargs": {"context": large}},
     ]
-    try:
+    with _render_threads(server.engine.tokenizer) as threads:
         for body in bodies:
             body = {"model": server.model, "max_tokens": 1, **body}
             async with http.post(server.base_url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status in (200, 400), await resp.text()  # 400: longer than the context
-    finally:
-        del tokenizer.apply_chat_template
     assert threads[0] == threading.current_thread().name  # the server shares the test's loop
     assert len(threads) == len(bodies)
     assert all(t.startswith("asyncengine-tokenize") for t in threads[1:]), threads
