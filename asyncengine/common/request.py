@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -59,7 +60,7 @@ class Grammar(Protocol):
 class Proposer(Protocol):
     """Guesses a request's next tokens from its tokens so far (speculative/ngram.py)."""
 
-    def propose(self, tokens: list[int], k: int) -> list[int]: ...
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
 
 
 class OutputText(Protocol):
@@ -182,7 +183,8 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        """Prompt then output. Read-only: it may be ``prompt_ids`` itself."""
+        """Prompt then output. Read-only: it may be ``prompt_ids`` itself, else it is a copy of
+        the whole context (code run every step reads ``JoinedIds`` instead)."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property

@@ -13,6 +13,7 @@ from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
 from asyncengine.cache.swap_space import SwappedKV
+from asyncengine.common.joined_ids import JoinedIds
 from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, SharedScores
 from asyncengine.common.request import Request, RequestStatus
 from asyncengine.scheduler.admission import KV_RESERVATION, TOKEN_BUDGET
@@ -253,7 +254,7 @@ class Prefill:
     ) -> Segment:
         start = req.kv.kv_len - take
         done = req.kv.kv_len == req.num_tokens
-        ids = req.all_ids[start : start + take]
+        ids = JoinedIds(req.prompt_ids, req.output_ids)[start : start + take]
         # a prefill-only request (an embedding, or max_new_tokens 0 scoring its prompt) samples
         # nothing: the lifecycle ends it once its prompt is computed
         sample = done and not req.prefill_only

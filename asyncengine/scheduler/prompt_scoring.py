@@ -103,7 +103,7 @@ def take_tail(
         return ()
     entry, common = found
     start = seq.kv_len
-    most = len(req.all_ids) - 1 - start
+    most = req.num_tokens - 1 - start
     following = next_scored_position(req)
     taken_scores: tuple[TokenLogprobs, ...] = ()
     if following is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from asyncengine.cache.manager import KVCacheManager
+from asyncengine.common.joined_ids import JoinedIds
 from asyncengine.common.plan import Segment, StepOutput
 from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext
@@ -42,7 +43,8 @@ def propose_guesses(
             continue
         if req.proposer is None:
             req.proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
-        guesses = req.proposer.propose(req.all_ids, k)  # indexes even when k is 0
+        # indexes even when k is 0; reads the new tokens in place, never the whole context
+        guesses = req.proposer.propose(JoinedIds(req.prompt_ids, req.output_ids), k)
         if guesses:
             out[req.rid] = guesses
     return out, drafts

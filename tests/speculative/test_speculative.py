@@ -5,6 +5,8 @@ step), and stops, aborts, retraction and n > 1 choices hold for a speculating re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -115,8 +117,8 @@ class OracleProposer:
         self.errors = errors or [0]
         self.calls = 0
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        assert tokens == self.full[: len(tokens)], "the request's tokens left the reference"
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        assert list(tokens) == self.full[: len(tokens)], "the request's tokens left the reference"
         self.calls += 1
         error = self.errors[self.calls % len(self.errors)]
         guesses = self.full[len(tokens) : len(tokens) + k]

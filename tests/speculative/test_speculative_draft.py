@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
+from typing import SupportsIndex, overload
 
 import pytest
 
@@ -291,3 +293,55 @@ def test_the_simulator_refuses_a_draft_model() -> None:
     config = EngineConfig(speculative=draft_spec("/models/small"))
     with pytest.raises(ConfigError, match="speculative"):
         Simulator(config)
+
+
+class CountedIds(list[int]):
+    """Token ids that count the tokens read from them (one per index, a slice's length, all of
+    both lists for a concatenation). A list: the plan's compiled classes take no other type."""
+
+    read = 0
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> int | list[int]:
+        got = super().__getitem__(index)
+        self.read += len(got) if isinstance(got, list) else 1
+        return got
+
+    def __add__(self, other: list[int]) -> list[int]:  # type: ignore[override]
+        self.read += len(self) + len(other)
+        return [*self, *other]
+
+
+@pytest.mark.parametrize("prompt_len", [20, 400])
+def test_a_drafting_step_reads_the_new_tokens_not_the_whole_context(
+    target: Path, prompt_len: int
+) -> None:
+    """After its first proposal (the whole prompt's catch-up) a row's draft reads a few tokens
+    a step, however long its context."""
+    k = 3
+    core = make_core(target, draft_spec(target, k=k, rule="fixed"))
+    drafter = drafter_of(core)
+    propose = drafter.propose
+    reads: list[int] = []
+
+    def counted(plan: BatchPlan) -> object:
+        ids = [(CountedIds(i.prompt_ids), CountedIds(i.output_ids)) for i in plan.sampling]
+        sampling = [
+            replace(info, prompt_ids=prompt, output_ids=output)
+            for info, (prompt, output) in zip(plan.sampling, ids, strict=True)
+        ]
+        guessing = propose(replace(plan, sampling=sampling))
+        reads.append(sum(prompt.read + output.read for prompt, output in ids))
+        return guessing
+
+    drafter.propose = counted  # type: ignore[method-assign]
+    run(core, [greedy("long", [(7 * i) % 900 + 5 for i in range(prompt_len)], 12)])
+    assert len(reads) >= 2
+    assert reads[0] >= prompt_len  # the first proposal catches up on the whole prompt
+    # then its last token and those accepted since its previous proposal (k + 1 at most)
+    assert max(reads[1:]) <= 1 + k + 1

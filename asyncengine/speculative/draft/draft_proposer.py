@@ -30,6 +30,7 @@ import torch
 
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager, SeqKV
+from asyncengine.common.joined_ids import JoinedIds
 from asyncengine.common.plan import BatchPlan, Segment, StepOutput
 from asyncengine.executor.runner import ModelRunner
 
@@ -49,7 +50,7 @@ class _Guessing:
 
     state: _DraftSeq
     entry: int  # its index among the plan's sampled segments
-    tokens: list[int]  # the request's tokens: prompt, then output so far
+    tokens: JoinedIds  # the request's tokens: prompt, then output so far
     wanted: int  # guesses to make
     guesses: list[int]
 
@@ -104,7 +105,8 @@ class DraftProposer:
         for entry, (seg, info) in enumerate(zip(sampled, plan.sampling, strict=True)):
             if not seg.draft:
                 continue
-            tokens = info.prompt_ids + info.output_ids
+            # read in place: a step reads the tokens the draft has not seen, not the context
+            tokens = JoinedIds(info.prompt_ids, info.output_ids)
             if tokens[-1] != seg.input_ids[0] or len(tokens) != seg.start_pos + 1:
                 raise ValueError(f"drafted row {seg.rid!r}: its tokens do not end at its segment")
             # the last guess is not fed back: the draft writes positions up to len + wanted - 2
