@@ -12,7 +12,8 @@ split for every API.
   not), no text block is empty or blank, and a final assistant turn does not end with
   whitespace; else a 400 naming the message.
 - A conversation that ends with an assistant turn (Anthropic's "prefill") is continued: the
-  prompt stops after its text and the reply is what the model writes next.
+  prompt stops after its text and the reply is what the model writes next. An empty final
+  assistant turn is no prefill: the reply starts afresh.
 - ``tool_choice``: auto, any (a call is required), tool (that one), none;
   ``disable_parallel_tool_use`` allows one call at most. Server and typed tools
   (``web_search_...``, ``bash_...``, ``text_editor_...``) are refused with a 400 that says
@@ -292,6 +293,8 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
         called, asked = asked, set()
         _check_text(i, message, i == len(req.messages) - 1)
         _check_answered(i, message, called)
+        if not message.content:  # an empty final assistant turn (_check_text): no prefill
+            continue
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
             continue
@@ -422,6 +425,13 @@ def _output_format(req: MessagesRequest) -> JsonOutputFormat | None:
     return configured or req.output_format
 
 
+def _prefills(req: CountTokensRequest) -> bool:
+    """Whether the conversation ends with a prefill: a final assistant turn with content, the
+    start of the reply, which the model goes on writing (an empty one is as if absent)."""
+    last = req.messages[-1]
+    return last.role == "assistant" and bool(last.content)
+
+
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion that answers ``req`` (a ``MessagesRequest`` with its sampling)."""
     _check_served(req)
@@ -433,8 +443,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=_template_variables(req),
-        # a final assistant turn is the start of the reply, which the model goes on writing
-        continue_final_message=req.messages[-1].role == "assistant",
+        continue_final_message=_prefills(req),
     )
     if isinstance(req, MessagesRequest):
         chat.max_tokens = req.max_tokens

@@ -343,16 +343,28 @@ async def test_empty_or_blank_text_and_a_prefill_ending_in_whitespace_are_refuse
         for error in (refused, counted):
             message = error.value.body["error"]["message"]  # type: ignore[index]
             assert message.startswith(param) and reason in message, message
-    for last in ("", []):  # an empty prefill: nothing to continue (a 400, not a failure)
-        with pytest.raises(anthropic.BadRequestError, match="has no text"):
-            await claude.messages.create(
-                model=server.model,
-                max_tokens=1,
-                messages=[*ask, {"role": "assistant", "content": last}],
-            )
     prefill = [*ask, {"role": "assistant", "content": [_text("The answer"), _text(" is")]}]
     answer = await claude.messages.create(model=server.model, max_tokens=1, messages=prefill)
     assert answer.stop_reason == "max_tokens"
+
+
+async def test_an_empty_final_assistant_turn_is_as_if_absent(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """Anthropic lets the final assistant message be empty: no prefill, the same reply (and
+    prompt) as without it."""
+    ask = _user(QUESTION)
+    plain = await claude.messages.create(
+        model=server.model, max_tokens=6, messages=ask, extra_body=GREEDY
+    )
+    counted = await claude.messages.count_tokens(model=server.model, messages=ask)
+    for last in ("", []):
+        messages = [*ask, {"role": "assistant", "content": last}]
+        answer = await claude.messages.create(
+            model=server.model, max_tokens=6, messages=messages, extra_body=GREEDY
+        )
+        assert answer.content == plain.content and answer.usage == plain.usage
+        assert await claude.messages.count_tokens(model=server.model, messages=messages) == counted
 
 
 def _text(text: str) -> dict[str, str]:
