@@ -20,6 +20,7 @@ from typing import Any
 from asyncengine.common.outputs import StreamDelta, Usage
 from asyncengine.server.errors import ApiError
 from asyncengine.server.output_blocks import Block, BlockEvent, BlockReader
+from asyncengine.server.request_ids import current_request_id
 from asyncengine.server.sse import NamedEvent
 from asyncengine.text.tool_calls import arguments_so_far
 
@@ -54,13 +55,15 @@ def anthropic_names(message: str) -> str:
 
 
 def error_body(error: ApiError) -> Json:
-    """``{"type": "error", "error": {"type", "message"}}``."""
+    """``{"type": "error", "error": {"type", "message"}, "request_id"}``: the id is the one
+    the ``request-id`` header carries (server/request_ids.py)."""
     status = error.status
     fallback = "invalid_request_error" if status < 500 else "api_error"
     message = anthropic_names(error.message)
     return {
         "type": "error",
         "error": {"type": _ERROR_TYPES.get(status, fallback), "message": message},
+        "request_id": current_request_id(),
     }
 
 

@@ -52,7 +52,7 @@ class ErrorDetail(msgspec.Struct, kw_only=True):
 
 class ErrorResponse(msgspec.Struct, kw_only=True):
     """The body of every error the server answers (server/errors.py); under /v1/messages,
-    Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    Anthropic's shape: ``{"type": "error", "error": {"type", "message"}, "request_id"}``."""
 
     error: ErrorDetail
 

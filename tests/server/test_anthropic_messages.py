@@ -303,7 +303,8 @@ async def test_empty_or_blank_text_and_a_prefill_ending_in_whitespace_are_refuse
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
     """Anthropic's rules: every message but a final assistant one has content, no text block
-    is empty or blank, and a prefill does not end with whitespace; the 400 names the message."""
+    is empty or blank, and a prefill does not end with whitespace; the 400 names the message.
+    Anthropic's error bodies carry the ``request-id`` header's id as ``request_id``."""
     ask = _user(QUESTION)
     refusals: list[tuple[list[Any], str, str]] = [
         (_user(""), "messages[0].content", "all messages must have non-empty content"),
@@ -343,6 +344,7 @@ async def test_empty_or_blank_text_and_a_prefill_ending_in_whitespace_are_refuse
         for error in (refused, counted):
             message = error.value.body["error"]["message"]  # type: ignore[index]
             assert message.startswith(param) and reason in message, message
+            assert error.value.body["request_id"] == error.value.request_id  # type: ignore[index]
     prefill = [*ask, {"role": "assistant", "content": [_text("The answer"), _text(" is")]}]
     answer = await claude.messages.create(model=server.model, max_tokens=1, messages=prefill)
     assert answer.stop_reason == "max_tokens"

@@ -55,6 +55,7 @@ async def test_anthropic_answers_carry_the_id_whole_streamed_and_refused(
     with pytest.raises(anthropic.BadRequestError) as refused:
         await claude.messages.create(model=server.model, messages=[], max_tokens=2)
     assert refused.value.request_id is not None and FRESH_ID.fullmatch(refused.value.request_id)
+    assert refused.value.body["request_id"] == refused.value.request_id  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
