@@ -24,10 +24,9 @@ from asyncengine.kernels.reference.attention_ref import decode_attention
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_native_decode import PROMPTS, Pair, _count_fused_rows, _plan
 from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 BF16, F32 = torch.bfloat16, torch.float32
 
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from asyncengine.executor.loader.quantized import quantize_int8
-from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import (
     LLAMA32_ROPE_SCALING,
     TINY_CONFIGS,
@@ -26,10 +25,9 @@ from tests.conftest import (
 )
 from tests.executor.test_decode_step_bf16 import _assert_no_further_than, _teacher_forced
 from tests.executor.test_native_decode import Pair, _count_fused_rows
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,11 @@ from asyncengine.executor.cpu import dense_budget
 from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL
 from asyncengine.executor.model_executor import ModelExecutor, model_core
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import I8, float_rows
 from tests.kernels.test_quantized_kernels import random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 ROWS, COLS = 40, 64
 
 

@@ -19,9 +19,10 @@ from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.loader import DEFAULT_MODEL, KNOWN_MODELS
 from asyncengine.executor.loader.gguf_file import drop_tensor_pages, read_gguf_file
 from asyncengine.executor.model_executor import ModelExecutor, model_core
-from asyncengine.kernels.cpu import cpu_native, weight_pack_native
+from asyncengine.kernels.cpu import weight_pack_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from tests.executor.test_weight_arena import mapping_fields, needs_collapse
+from tests.native_support import needs_native
 from tests.server_support import TINY_MODEL, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
@@ -74,7 +75,7 @@ def test_memory_outside_a_gguf_map_is_left_alone() -> None:
     assert torch.equal(tensor, torch.arange(1 << 20, dtype=torch.int32))
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+@needs_native
 def test_the_served_model_holds_its_weights_once() -> None:
     # float32: the file's F32 norms load as views of its map, which keeps the map open
     config = EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="float32", kv_cache_tokens=256)
@@ -103,7 +104,7 @@ def test_the_served_model_holds_its_weights_once() -> None:
     assert held <= arena.used <= held + len(linears) * 4 * 64  # parts, their alignment padding
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+@needs_native
 def test_the_pool_is_the_bytes_asked_for() -> None:
     budget = 8 << 20
     config = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_bytes=budget)
@@ -114,7 +115,7 @@ def test_the_pool_is_the_bytes_asked_for() -> None:
 
 
 @needs_collapse
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+@needs_native
 async def test_the_engine_moves_the_weights_into_huge_pages_once_ready() -> None:
     """Ready with the weights in plain pages (a fresh huge page is what start-up paid most
     for), in huge pages once the work left for after start-up is done; the answers unchanged."""
@@ -137,7 +138,7 @@ async def test_the_engine_moves_the_weights_into_huge_pages_once_ready() -> None
     assert after.token_ids == before.token_ids
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels")
+@needs_native
 def test_a_checkpoints_tensors_go_as_their_packed_copies_are_written(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,8 +20,8 @@ from asyncengine.executor.kv_dtype import (
     pick_kv_dtype,
 )
 from asyncengine.executor.model_executor import ModelExecutor
-from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
+from tests.native_support import needs_native
 from tests.scripts.test_bench_scripts import load_script
 from tests.server_support import engine_config, tiny_model_dir
 
@@ -85,7 +85,7 @@ def test_explicit_values_are_honoured_or_refused() -> None:
             pick_kv_dtype(name, device, dtype, quantized=True, deterministic=deterministic)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@needs_native
 def test_a_float16_pool_holds_twice_the_tokens_per_byte(tiny_llama: TinyCheckpoint) -> None:
     """kv_cache_bytes buys twice the pages in float16; kv_cache_tokens the same pages in half
     the bytes; the KV invariant holds through a run."""
@@ -106,7 +106,7 @@ def test_a_float16_pool_holds_twice_the_tokens_per_byte(tiny_llama: TinyCheckpoi
     assert 2 * pools["float16"].nbytes == pools["float32"].nbytes
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@needs_native
 def test_a_tiny_model_generates_over_a_float16_pool(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -130,7 +130,7 @@ def test_a_tiny_model_generates_over_a_float16_pool(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@needs_native
 def test_embedded_model_over_a_float16_pool_follows_the_float32_pool() -> None:
     """The embedded model's K/V kept in float16 against float32, teacher-forced over a fixed
     text (one prefill: the extend kernel reads the half pool) and greedy (decode steps: the

@@ -26,13 +26,11 @@ from asyncengine.common.plan import Segment
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.cpu import cpu_native
 from tests.executor.test_native_decode import _count_fused_rows, _plan
+from tests.native_support import needs_native
 from tests.server_support import tiny_model_dir
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 I8, BF16, F32 = torch.int8, torch.bfloat16, torch.float32
 LOGIT_TOLERANCE = 0.08
 PAST_BF16 = 2.0

@@ -18,9 +18,9 @@ from asyncengine.core.builder import build_core
 from asyncengine.executor.kv_dtype import pick_kv_dtype
 from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.model_executor import ModelExecutor
-from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_deterministic_engine import OUTPUT, greedy, workload
+from tests.native_support import needs_native
 from tests.server_support import engine_config, tiny_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -78,7 +78,7 @@ def test_int8_holds_at_least_1_9x_the_tokens_of_bfloat16(head_dim: int) -> None:
     assert pool.nbytes == 4 * 16 * pool.bytes_per_token
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@needs_native
 def test_kv_cache_bytes_buys_int8_pages(tiny_llama: TinyCheckpoint) -> None:
     def core(kv: str) -> Any:
         config = EngineConfig(
@@ -113,7 +113,7 @@ async def _generate(model: str, **overrides: Any) -> tuple[list[list[int]], dict
     return [o.token_ids for o in outs], stats
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native kernels")
+@needs_native
 @pytest.mark.parametrize("dtype", list(MODELS))
 def test_a_tiny_model_over_an_int8_pool_survives_swap_and_the_prefix_cache(
     tmp_path_factory: pytest.TempPathFactory, dtype: str

@@ -20,10 +20,8 @@ from asyncengine.executor.layers.linear import (
     dense_from_rows,
     make_linear,
 )
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import BF16, F32
-
-needs_native = pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+from tests.native_support import needs_native
 
 
 def test_a_packed_linear_drops_the_plain_weight_and_multiplies_the_same() -> None:

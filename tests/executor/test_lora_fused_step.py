@@ -18,16 +18,14 @@ from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.lora.registry import LoraRegistry
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.cpu import cpu_native
 from tests.conftest import TinyCheckpoint
 from tests.executor.fused_step_checks import step_built_with
 from tests.executor.lora_support import PeftOracle, write_adapters
 from tests.executor.test_lora_parity import REQUESTS, TOLERANCE, _greedy, _harness
 from tests.executor.test_native_decode import FLIP_TOLERANCE, Pair
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 DECODE_STEPS = 6
 # each request's adapter index in a step of all REQUESTS (the step's adapters by name; -1: base)

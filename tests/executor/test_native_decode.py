@@ -24,13 +24,11 @@ from asyncengine.executor.layers.linear import DENSE_FROM_ROWS, DENSE_FROM_ROWS_
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader.quantized import quantize_int8
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, QuantizedTensor
 from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 PAGE_SIZE = 4
 MAX_LEN = 64

@@ -18,7 +18,6 @@ import torch
 
 from asyncengine.executor.layers.linear import QuantizedLinear
 from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
@@ -35,10 +34,9 @@ from tests.executor.fused_step_checks import (
     step_built_with,
 )
 from tests.executor.test_native_decode import PROMPTS, Pair, _compare, _count_fused_rows
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 WINDOW = 8  # conftest's "gemma2": every prompt's context passes it within the steps below
 SOFTCAP = 2.0
 ROWS = [PROMPTS, PROMPTS[:1]]

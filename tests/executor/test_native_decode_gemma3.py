@@ -17,7 +17,6 @@ import torch
 
 from asyncengine.executor.cpu import native_decode
 from asyncengine.executor.layers.model_config import ModelConfig
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
@@ -39,10 +38,9 @@ from tests.executor.test_native_decode import (
     _compare,
     _count_fused_rows,
 )
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 WINDOW = 8  # conftest's "gemma3": every prompt's context passes it within the steps below
 ROWS = [PROMPTS, PROMPTS[:1]]
 

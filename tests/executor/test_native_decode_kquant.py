@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import Q4_K, Q5_K, Q6_K, QuantFormat
 from asyncengine.kernels.reference.kquant_ref import quantize_k
 from tests.conftest import TINY_CONFIGS, make_tiny_checkpoint
@@ -22,10 +21,9 @@ from tests.executor.test_native_decode import (
     _count_fused_rows,
     _run_both,
 )
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 MIXES: dict[str, dict[str, QuantFormat]] = {
     "Q4_K_M": {

@@ -23,7 +23,7 @@ from asyncengine.executor.kv_pool import KVPool
 from asyncengine.executor.layers import linear
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native
+from asyncengine.kernels.cpu import quant_i8gemm_native
 from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference import quant_ref
 from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
@@ -37,10 +37,9 @@ from tests.executor.test_native_decode import (
     _plan,
 )
 from tests.kernels.test_quant_i8gemm import needs_fast
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 NAME = "qwen2_gqa7_odd_widths"
 SHAPE: dict[str, Any] = {

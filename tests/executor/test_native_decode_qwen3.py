@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.decode_step_native import (
     DecodeShape,
     DecodeStepModel,
@@ -28,10 +27,9 @@ from tests.executor.test_native_decode import (
     PROMPTS,
     Pair,
 )
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 @pytest.fixture

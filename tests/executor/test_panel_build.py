@@ -16,15 +16,14 @@ from asyncengine.executor.layers import linear as linear_module
 from asyncengine.executor.layers import panel_build
 from asyncengine.executor.layers.linear import DenseBudget, QuantizedLinear
 from asyncengine.executor.layers.panel_build import PanelBuild
-from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native
+from asyncengine.kernels.cpu import quant_i8gemm_native
 from asyncengine.kernels.cpu.quant_native import interleave
 from asyncengine.kernels.quant_formats import FORMATS
 from tests.kernels.test_quantized_kernels import random_weight
+from tests.native_support import needs_native
 
 pytestmark = [
-    pytest.mark.skipif(
-        not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-    ),
+    needs_native,
     pytest.mark.usefixtures("without_amx"),  # the int8 product's paths where AMX would take them
 ]
 needs_fast = pytest.mark.skipif(

@@ -30,17 +30,15 @@ from asyncengine.executor.layers.model import LlamaModel
 from asyncengine.executor.layers.model_config import ModelConfig
 from asyncengine.executor.loader import read_gguf
 from asyncengine.executor.loader.quantized import load_model, quantize_int8
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import F32, GGUF_FORMATS, I8, Q4_0, Q8_0, QuantizedTensor
 from asyncengine.kernels.reference import quant_ref
 from tests.conftest import TinyCheckpoint
 from tests.executor.test_gguf import MERGES, TINY_TOKENS, _gguf_name, _llama_cpp_permute
+from tests.native_support import needs_native
 from tests.scripts.test_bench_scripts import load_script
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 def test_a_bad_quantization_is_a_config_error() -> None:
@@ -190,7 +188,7 @@ def test_large_batches_take_the_dense_product_of_the_same_weights() -> None:
     assert isinstance(invariant, QuantizedLinear) and invariant.dense_from_rows is None
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="needs the native library")
+@needs_native
 def test_interleaved_formats_stay_quantized_up_to_their_own_crossover() -> None:
     """Q4_0/Q4_1/Q8_0 (interleaved groups) keep the stored weights up to ~1-2k rows, the
     row-by-row I8 only below 64; a fused projection switches at its earliest part's crossover."""

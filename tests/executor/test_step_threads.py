@@ -21,7 +21,7 @@ from asyncengine.executor.cpu.step_threads import (
     step_threads,
 )
 from asyncengine.executor.layers.linear import make_linear
-from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.cpu.attention_native import native_decode_attention, plan_native_decode
 from asyncengine.kernels.cpu.plan_threads import plan_threads, planning_for
 from tests.conftest import TinyCheckpoint
@@ -29,11 +29,9 @@ from tests.executor.lora_support import write_adapters
 from tests.executor.test_decode_step_long import long_row
 from tests.executor.test_lora_parity import REQUESTS, _greedy, _harness
 from tests.executor.test_model_parity import Harness
+from tests.native_support import needs_native
 
 ROWS = 40  # a scoring step of lm-eval's (16-127 rows: one class)
-native = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
 
 
 class FakeMachine:
@@ -247,7 +245,7 @@ def _on_one_thread_and_on_two(step: Callable[[], torch.Tensor]) -> list[torch.Te
 LONG_KEYS = 2100
 
 
-@native
+@needs_native
 def test_a_long_one_row_decode_is_bit_identical_on_one_thread_and_on_two(
     tiny_llama: TinyCheckpoint, two_threads: None
 ) -> None:
@@ -266,7 +264,7 @@ def test_a_long_one_row_decode_is_bit_identical_on_one_thread_and_on_two(
     assert torch.equal(one, two)
 
 
-@native
+@needs_native
 def test_the_paged_decode_kernel_is_bit_identical_on_one_thread_and_on_two(
     two_threads: None,
 ) -> None:
@@ -286,7 +284,7 @@ def test_the_paged_decode_kernel_is_bit_identical_on_one_thread_and_on_two(
     assert torch.equal(one, two)
 
 
-@native
+@needs_native
 def test_a_decode_step_with_lora_rows_is_bit_identical_on_one_thread_and_on_two(
     tiny_llama: TinyCheckpoint, tmp_path: Path, two_threads: None
 ) -> None:

@@ -14,13 +14,11 @@ import torch
 from asyncengine.executor.cpu import weight_arena
 from asyncengine.executor.cpu.weight_pack import write_pending
 from asyncengine.executor.layers.linear import QuantizedLinear
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor
 from tests.kernels.test_quantized_kernels import random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 def _parts() -> list[list[QuantizedTensor]]:

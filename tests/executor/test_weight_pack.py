@@ -14,7 +14,7 @@ from asyncengine.executor.cpu import weight_arena
 from asyncengine.executor.cpu.weight_pack import pack_parts, write_pending
 from asyncengine.executor.layers import linear as linear_module
 from asyncengine.executor.layers.linear import QuantizedLinear
-from asyncengine.kernels.cpu import cpu_native, quant_native, weight_pack_native
+from asyncengine.kernels.cpu import quant_native, weight_pack_native
 from asyncengine.kernels.cpu.weight_pack_native import RowSource
 from asyncengine.kernels.quant_formats import FORMATS, QuantizedTensor, cat_rows
 from asyncengine.kernels.reference.kquant_ref import quantize_k
@@ -22,10 +22,9 @@ from tests.conftest import TINY_CONFIGS, make_tiny_checkpoint
 from tests.executor.test_native_decode import PROMPTS, Pair, _run_both
 from tests.executor.test_native_decode_kquant import MIXES
 from tests.kernels.test_quantized_kernels import random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 COLS = {"Q8_0": 96, "Q4_0": 64, "Q4_1": 96, "Q4_K": 512, "Q5_K": 256, "Q6_K": 512}

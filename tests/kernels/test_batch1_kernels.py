@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import quant_ref
 from tests.kernels.test_quantized_kernels import ISAS, product_scale, random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 WIDTHS = (1536, 2048, 3072, 8192, 8960)
 # the product's error from the int8 activation blocks, relative to |x| |W|^T (as
 # test_kquant_accuracy.py: ~5e-4 seen)

@@ -17,10 +17,9 @@ from asyncengine.kernels.cpu import cpu_native, decode_step_native
 from asyncengine.kernels.reference.attention_ref import decode_attention
 from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
 from tests.kernels.test_kv_int8_kernels import PagedInt8KV, atol_as_read, query_as_read
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 @pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from asyncengine.executor.layers.linear import QuantizedLinear
-from asyncengine.kernels.cpu import cpu_native, layer_ops_native, quant_i8gemm_native, quant_native
+from asyncengine.kernels.cpu import layer_ops_native, quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import activation_ref, i8gemm_ref
 from tests.kernels.test_quant_i8gemm import needs_fast
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
+from tests.native_support import needs_native
 
 pytestmark = [
+    needs_native,
     pytest.mark.skipif(
-        not cpu_native.compiler_found() or not layer_ops_native.available(),
-        reason="no C compiler: the native kernels cannot be built",
+        not layer_ops_native.available(), reason="the native layer kernels are not available"
     ),
     pytest.mark.usefixtures("without_amx"),  # the int8 product's paths where AMX would take them
 ]

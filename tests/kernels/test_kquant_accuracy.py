@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import Q4_K, Q5_K, Q6_K
 from asyncengine.kernels.reference import quant_ref
 from asyncengine.kernels.reference.kquant_ref import quantize_k
 from tests.kernels.test_quantized_kernels import ISAS
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 # root-mean-square error of the dequantized weights, relative to the weights' own: a plain
 # round-to-nearest quantizer's (4, 5 and 6 bits: 15, 31 and 63 levels per sub-block)
 WEIGHT_ERROR = {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}

@@ -25,10 +25,9 @@ from asyncengine.kernels.reference.attention_ref import decode_attention, extend
 from asyncengine.kernels.reference.kv_store_ref import store_kv
 from asyncengine.kernels.reference.rotary_ref import apply_rotary
 from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 F16, F32 = torch.float16, torch.float32
 ATOL = TOLERANCE[F32]
 

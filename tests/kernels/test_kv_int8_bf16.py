@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.cpu.attention_native import (
     extend_kernel_features,
     extend_kernel_runs,
@@ -34,10 +33,9 @@ from tests.kernels.test_kv_int8_kernels import (  # noqa: F401  (fixtures)
     query_as_read,
     threads,
 )
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 I8, BF16, F32 = torch.int8, torch.bfloat16, torch.float32
 BF16_ATOL = 0.02
 SHAPES = [(9, 3, 64, 16), (4, 4, 64, 1), (8, 2, 128, 16), (16, 2, 64, 7), (8, 4, 256, 5)]

@@ -35,10 +35,9 @@ from asyncengine.kernels.reference.kv_int8_ref import (
 from asyncengine.kernels.reference.kv_store_ref import store_kv
 from asyncengine.kernels.reference.rotary_ref import apply_rotary
 from tests.kernels.test_kernels_ref import TOLERANCE, naive_attention
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 I8, F32 = torch.int8, torch.float32
 ATOL = TOLERANCE[F32]
 # int8 K/V against float32 K/V, unit-variance rows of 64..256: the output's largest move

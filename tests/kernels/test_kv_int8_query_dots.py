@@ -24,10 +24,9 @@ from asyncengine.kernels.reference.attention_ref import decode_attention
 from asyncengine.kernels.reference.kv_int8_ref import dequantize_kv, quantize_kv, quantize_query
 from tests.kernels.test_kernels_ref import TOLERANCE
 from tests.kernels.test_kv_int8_kernels import PagedInt8KV, atol_as_read, query_as_read
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 ATOL = TOLERANCE[torch.float32]
 # the output's largest move from rounding the query to int8 (unit-variance K/V rows; the
 # same bound as rounding K/V to int8: test_kv_int8_kernels.INT8_ATOL)

@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.reference import activation_ref
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,8 +8,9 @@ import torch
 
 from asyncengine.common.config import ConfigError
 from asyncengine.executor.kv_dtype import pick_kv_dtype
-from asyncengine.kernels.cpu import cpu_native, layer_ops_native
+from asyncengine.kernels.cpu import layer_ops_native
 from asyncengine.kernels.pool_pairs import beside_what, pool_fits
+from tests.native_support import needs_native
 
 F32, BF16, F16, I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
 CPU = torch.device("cpu")
@@ -44,7 +45,7 @@ def test_the_config_refuses_what_the_rule_refuses(name: str, activations: torch.
         pick_kv_dtype(name, CPU, activations, quantized=True, deterministic=False)
 
 
-@pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler")
+@needs_native
 def test_rotary_store_refuses_a_pool_the_rule_refuses() -> None:
     qkv = torch.zeros(2, (2 + 2 * 1) * 64, dtype=BF16)
     cache = torch.zeros(16, 1, 64, dtype=F16)

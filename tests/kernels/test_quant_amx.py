@@ -16,10 +16,9 @@ from asyncengine.kernels.cpu import cpu_native, quant_amx_native, quant_i8gemm_n
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import quant_ref
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 needs_amx = pytest.mark.skipif(
     not quant_amx_native.available(), reason="this CPU (or kernel) does not run AMX"
 )

@@ -26,15 +26,14 @@ from asyncengine.executor.layers.linear import (
     i8_from_rows,
     make_linear,
 )
-from asyncengine.kernels.cpu import cpu_native, quant_i8gemm_native, quant_native
+from asyncengine.kernels.cpu import quant_i8gemm_native, quant_native
 from asyncengine.kernels.quant_formats import FORMATS
 from asyncengine.kernels.reference import i8gemm_ref, quant_ref
 from tests.kernels.test_quantized_kernels import product_scale, random_weight
+from tests.native_support import needs_native
 
 pytestmark = [
-    pytest.mark.skipif(
-        not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-    ),
+    needs_native,
     pytest.mark.usefixtures("without_amx"),  # the int8 product's paths where AMX would take them
 ]
 needs_fast = pytest.mark.skipif(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import (
     FORMATS,
     INTERLEAVED_FORMATS,
@@ -17,10 +17,9 @@ from asyncengine.kernels.quant_formats import (
 )
 from asyncengine.kernels.reference import quant_ref
 from tests.kernels.test_quantized_kernels import ISAS, product_scale, random_weight
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 ROW_COUNTS = (1, 7, 8, 9, 16, 17, 24, 33, 47)
 
 

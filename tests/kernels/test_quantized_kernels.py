@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, quant_native
+from asyncengine.kernels.cpu import quant_native
 from asyncengine.kernels.quant_formats import (
     BF16,
     F32,
@@ -28,11 +28,10 @@ from asyncengine.kernels.quant_formats import (
     f32_rows,
 )
 from asyncengine.kernels.reference import quant_ref
+from tests.native_support import needs_native
 
 # only a missing compiler skips: a kernel that fails to build with one fails these tests
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 
 
 def _cpu_flags() -> set[str]:

@@ -11,12 +11,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncengine.kernels.cpu import cpu_native, decode_step_native
+from asyncengine.kernels.cpu import decode_step_native
 from tests.kernels.test_kernels_ref import TOLERANCE, PagedKV, naive_attention
+from tests.native_support import needs_native
 
-pytestmark = pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+pytestmark = needs_native
 F32, BF16 = torch.float32, torch.bfloat16
 ISAS = {"native": (), "avx2": ("-mno-avx512f",)}
 

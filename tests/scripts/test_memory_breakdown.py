@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.kernels.cpu import cpu_native
+from tests.native_support import needs_native
 from tests.scripts.test_bench_scripts import load_script
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self"),
-    pytest.mark.skipif(not cpu_native.compiler_found(), reason="no C compiler: no native kernels"),
+    needs_native,
 ]
 
 
