@@ -90,3 +90,28 @@ async def test_the_replicas_stats_add_up_admission_blocks_by_reason(
         for reason in busy["admission_blocked"]
     }
     assert blocked["running_cap"] > busy["admission_blocked"]["running_cap"] > 0
+
+
+@pytest.mark.asyncio
+async def test_the_replicas_stats_say_their_eviction_policy_and_evictions_by_rule(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """GET /admin/eviction-policy reads them from stats(): the replicas' shared policy and
+    their evictions by rule added up, as of one engine."""
+    config = engine_config(tiny_model_dir(tmp_path_factory), kv_cache_tokens=16 * 12)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=0.0)
+    reports, by_rule = {}, []
+    for replica, prompts in (("a", 6), ("b", 3)):
+        async with AsyncEngine(config) as engine:
+            for i in range(prompts):  # one after the other: each caches its pages, then evicts
+                await engine.generate(f"replica {replica} prompt {i} " * 12, params)
+            stats = engine.stats()
+        reports[replica] = reported_stats(stats)
+        by_rule.append(stats["eviction_by_rule"]["lru"])
+    assert by_rule[0]["evictions"] > 0
+    total = RemoteEngine.stats(cast(RemoteEngine, ReportedReplicas(reports)))
+    assert total["eviction_policy"] == "lru"
+    assert total["eviction_rule"] == {}
+    assert total["eviction_by_rule"] == {
+        "lru": {key: count + by_rule[1][key] for key, count in by_rule[0].items()}
+    }

@@ -23,7 +23,12 @@ from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDe
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
 from asyncengine.server.ray_serve.registry import router_for
-from asyncengine.server.ray_serve.replica import ADMISSION_BLOCKED
+from asyncengine.server.ray_serve.replica import (
+    ADMISSION_BLOCKED,
+    EVICTION_BY_RULE,
+    EVICTION_POLICY,
+    EVICTION_RULE,
+)
 
 log = logging.getLogger("asyncengine.server.ray")
 
@@ -351,12 +356,22 @@ class RemoteEngine:
                     total[key] = total.get(key, 0) + value
         hit, miss = total.get("hit_tokens", 0), total.get("miss_tokens", 0)
         total["cache_hit_rate"] = hit / (hit + miss) if hit + miss else 0.0
-        # by reason, as one engine's stats() has them (GET /admin/policy)
-        total[ADMISSION_BLOCKED] = {
-            key.partition(":")[2]: count
-            for key, count in total.items()
-            if key.startswith(f"{ADMISSION_BLOCKED}:")
-        }
+        # grouped as one engine's stats() has them (GET /admin/policy, /admin/eviction-policy)
+        total[ADMISSION_BLOCKED] = _grouped(total, ADMISSION_BLOCKED)
+        # one name: the replicas share their config and refuse the live swap
+        total[EVICTION_POLICY] = ", ".join(sorted(_grouped(total, EVICTION_POLICY))) or None
+        total[EVICTION_RULE] = _grouped(total, EVICTION_RULE)
+        by_rule: dict[str, dict[str, Any]] = {}
+        for name, count in _grouped(total, EVICTION_BY_RULE).items():
+            rule, _, key = name.partition(":")
+            by_rule.setdefault(rule, {})[key] = count
+        total[EVICTION_BY_RULE] = by_rule
         total["replicas"] = len(per_replica)
         total["model"] = self.model_name
         return total
+
+
+def _grouped(total: dict[str, Any], group: str) -> dict[str, Any]:
+    """The figures reported as ``<group>:<name>`` (replica.reported_stats), by name."""
+    prefix = f"{group}:"
+    return {key.removeprefix(prefix): v for key, v in total.items() if key.startswith(prefix)}

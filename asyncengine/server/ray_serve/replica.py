@@ -25,6 +25,9 @@ from asyncengine.common.sampling_params import SamplingParams
 
 REFUSALS = (InvalidRequestError, QueueFullError, EngineNotRunningError)
 ADMISSION_BLOCKED = "admission_blocked"
+EVICTION_POLICY = "eviction_policy"
+EVICTION_RULE = "eviction_rule"
+EVICTION_BY_RULE = "eviction_by_rule"
 
 
 def cache_tokens(stats: dict[str, Any], page_size: int) -> int:
@@ -43,11 +46,21 @@ def reachable_endpoint(endpoint: str) -> str:
 
 
 def reported_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """What a replica reports of its engine's ``stats()``: the numbers, and the admission
-    blocks by reason as ``admission_blocked:<reason>`` (a fixed set; /metrics labels them)."""
+    """What a replica reports of its engine's ``stats()``: numbers only, which the router adds
+    up. Beside the engine's numbers: the admission blocks by reason as
+    ``admission_blocked:<reason>`` (a fixed set; /metrics labels them), the eviction policy
+    as ``eviction_policy:<name>`` = 1, its rule's figures as ``eviction_rule:<key>`` and the
+    evictions by rule as ``eviction_by_rule:<rule>:<key>`` (GET /admin/eviction-policy)."""
     reported: dict[str, Any] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-    for reason, count in (stats.get("admission_blocked") or {}).items():
+    for reason, count in (stats.get(ADMISSION_BLOCKED) or {}).items():
         reported[f"{ADMISSION_BLOCKED}:{reason}"] = count
+    if stats.get(EVICTION_POLICY) is not None:
+        reported[f"{EVICTION_POLICY}:{stats[EVICTION_POLICY]}"] = 1
+    for key, value in (stats.get(EVICTION_RULE) or {}).items():
+        reported[f"{EVICTION_RULE}:{key}"] = value
+    for rule, counts in (stats.get(EVICTION_BY_RULE) or {}).items():
+        for key, count in counts.items():
+            reported[f"{EVICTION_BY_RULE}:{rule}:{key}"] = count
     return reported
 
 
