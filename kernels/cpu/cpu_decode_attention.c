@@ -32,8 +32,8 @@
  *
  * On AVX-512, float32 queries over a pool the register-resident items do not take (float16,
  * int8, or a group / head dim they lack) go through the fused step's streamed range
- * (attend_range: cpu_group_attention.h, cpu_stream_attention.h) unless a softcap is set:
- * each key row widened once for all the group's heads, 16 scores from one reduction.
+ * (attend_range: cpu_group_attention.h, cpu_stream_attention.h), soft-capped or not: each key
+ * row widened once for all the group's heads, 16 scores from one reduction.
  */
 #include <omp.h>
 #include <stdatomic.h>
@@ -583,7 +583,7 @@ int asyncengine_paged_decode_attention_planned(
     }
 #endif
 #ifdef ATTN_STREAM
-    if (fast == NULL && (!is_bf16 || KV_IS_I8) && softcap <= 0.0f && stream_fits(H / Hkv, D) &&
+    if (fast == NULL && (!is_bf16 || KV_IS_I8) && stream_fits(H / Hkv, D) &&
         H <= ATTN_MAX_HEADS && B >= 4 * plan_threads) {
         /* Whole requests, all their kv heads in one streamed range: a slot's rows of every kv
          * head are read in the pool's order, and the query's rounding and the range's set-up
@@ -650,7 +650,7 @@ int asyncengine_paged_decode_attention_planned(
         } else
 #endif
 #ifdef ATTN_STREAM
-        if ((!is_bf16 || KV_IS_I8) && softcap <= 0.0f && stream_fits(G, D)) {
+        if ((!is_bf16 || KV_IS_I8) && stream_fits(G, D)) {
             float own[ATTN_PART(MAX_GROUP, MAX_HEAD_DIM)];
             float *state = part != NULL ? part : own;
             float widened[MAX_GROUP * MAX_HEAD_DIM];

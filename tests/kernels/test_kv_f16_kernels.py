@@ -76,9 +76,12 @@ def test_native_decode_reads_a_float16_pool(
         torch.testing.assert_close(got[b], want[0], atol=ATOL, rtol=0)
 
 
-def test_native_decode_window_and_softcap_over_float16() -> None:
-    kv = PagedKV([40, 3, 100], 16, 2, 64, F16, seed=5)
-    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize(
+    "seq_lens", [[40, 3, 100], [40, 3, 100, 17, 64, 65, 1, 33, 200, 9]], ids=["3", "10"]
+)
+def test_native_decode_window_and_softcap_over_float16(seq_lens: list[int]) -> None:
+    kv = PagedKV(seq_lens, 16, 2, 64, F16, seed=5)
+    q = torch.randn(len(seq_lens), 8, 64, generator=torch.Generator().manual_seed(3))
     plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 8, kv.k_cache)
     assert plan is not None
     got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, 7, 1.5)

@@ -168,7 +168,9 @@ def test_native_decode_reads_an_int8_pool(
 
 
 @pytest.mark.parametrize(
-    ("seq_lens", "window"), [([40, 3, 100], 7), ([1500], 700)], ids=["3", "split-K"]
+    ("seq_lens", "window"),
+    [([40, 3, 100], 7), ([1500], 700), ([40, 3, 100, 17, 64, 65, 1, 33, 200, 9, 48, 90], 0)],
+    ids=["3", "split-K", "whole-requests"],
 )
 def test_native_decode_window_and_softcap_over_int8(
     seq_lens: list[int], window: int, isa: str
@@ -178,10 +180,11 @@ def test_native_decode_window_and_softcap_over_int8(
     plan = plan_native_decode(kv.block_table, kv.seq_lens, 16, 8, kv.k_cache)
     assert plan is not None
     got = native_decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.125, window, 1.5)
-    ref = decode_attention(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125, window, 1.5
-    )
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 16, 0.125, window)
+    ref = decode_attention(query_as_read(q), *args, 1.5)
+    torch.testing.assert_close(got, ref, atol=atol_as_read(64), rtol=0)
+    uncapped = decode_attention(query_as_read(q), *args)
+    assert not torch.allclose(got, uncapped, atol=0.05), "the cap must matter"
 
 
 def test_an_int8_pool_refuses_float16_queries() -> None:
