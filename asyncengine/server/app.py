@@ -48,7 +48,12 @@ from asyncengine.server.connection_limits import (
     default_max_requests,
 )
 from asyncengine.server.embeddings import add_embeddings_route
-from asyncengine.server.errors import ApiError, Handler, error_middleware
+from asyncengine.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    ApiError,
+    Handler,
+    error_middleware,
+)
 from asyncengine.server.host_check import ALLOWED_HOSTS, allowed_hosts, host_check_middleware
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_responses import add_responses_routes
@@ -95,6 +100,8 @@ def _outcome_of_status(status: int) -> str:
         return "timeout"
     if status == 503:
         return "overloaded"
+    if status == CLIENT_CLOSED_REQUEST:
+        return "abort"
     if status < 500:
         return "invalid"
     return "error"

@@ -154,6 +154,9 @@ _HTTP_ERROR_TYPES: dict[int, tuple[str, str | None]] = {
     415: ("invalid_request_error", "unsupported_media_type"),
 }
 
+# nginx's status for a request whose client closed the connection before it was answered
+CLIENT_CLOSED_REQUEST = 499
+
 # longest reason written to the log for a refused request
 LOGGED_REASON_CHARS = 300
 
@@ -183,22 +186,38 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return _refused(request, _from_http_exception(request, exc))
-    except Exception:
-        error_id = f"err-{uuid.uuid4().hex[:12]}"
-        log.exception(
-            "%s (request %s): unhandled error serving %s %s",
-            error_id,
-            current_request_id(),
+    except ConnectionResetError:
+        if request.transport is not None and not request.transport.is_closing():
+            return _internal_error(request)
+        # the client closed its connection (mid-body: a cancelled request): nobody to answer
+        log.info(
+            "client left %s %s (request %s) before its answer",
             request.method,
             log_safe(request.path),
+            current_request_id(),
         )
-        error = ApiError(
-            500,
-            f"internal server error (error id {error_id})",
-            type="server_error",
-            code="internal_error",
-        )
-        return error.response(error_body_for(request, error))
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except Exception:
+        return _internal_error(request)
+
+
+def _internal_error(request: web.Request) -> web.Response:
+    """A 500 with a fresh error id; the traceback goes to the log under that id."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    log.exception(
+        "%s (request %s): unhandled error serving %s %s",
+        error_id,
+        current_request_id(),
+        request.method,
+        log_safe(request.path),
+    )
+    error = ApiError(
+        500,
+        f"internal server error (error id {error_id})",
+        type="server_error",
+        code="internal_error",
+    )
+    return error.response(error_body_for(request, error))
 
 
 def _refused(request: web.Request, error: ApiError) -> web.Response:

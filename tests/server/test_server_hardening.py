@@ -421,6 +421,31 @@ async def test_probes_are_served_past_the_limit_and_other_requests_are_not(
         await limited.stop(stop_engine=False)
 
 
+async def test_a_client_that_leaves_mid_body_is_an_abort_not_a_server_error(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that closes its connection halfway through its body (a cancelled request) is
+    counted as an abort with one INFO line, not as a 500 with a logged traceback."""
+    caplog.set_level(logging.INFO, logger="asyncengine.server")
+
+    def counted(outcome: str) -> float:
+        labels = {"endpoint": "chat_completions", "outcome": outcome}
+        return server.metrics.counter_value("asyncengine_requests_total", labels)
+
+    aborts, errors = counted("abort"), counted("error")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"messages": '
+    )
+    sock.close()
+    assert await wait_until(lambda: counted("abort") + counted("error") > aborts + errors)
+    assert (counted("abort"), counted("error")) == (aborts + 1, errors)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    left = [r.getMessage() for r in caplog.records if "left" in r.getMessage()]
+    assert len(left) == 1 and "/v1/chat/completions" in left[0], left
+
+
 async def test_limits_are_validated(server: RunningServer) -> None:
     for kwargs in ({"max_connections": 0}, {"write_timeout": 0.0}):
         with pytest.raises(ValueError):
