@@ -42,6 +42,11 @@ class UnknownAdapterError(InvalidRequestError):
             param="model",
             code="model_not_found",
         )
+        self.name, self.served = name, served
+
+    def __reduce__(self) -> tuple[type[UnknownAdapterError], tuple[str, list[str]]]:
+        # a replica's refusal reaches the router pickled (Ray): rebuilt from the arguments
+        return type(self), (self.name, self.served)
 
 
 class AdapterUnavailableError(InvalidRequestError):
@@ -56,3 +61,7 @@ class AdapterUnavailableError(InvalidRequestError):
             param="model",
             code="adapter_unavailable",
         )
+        self.name = name
+
+    def __reduce__(self) -> tuple[type[AdapterUnavailableError], tuple[str]]:
+        return type(self), (self.name,)
