@@ -6,6 +6,7 @@ replica refuses every request)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -54,6 +55,7 @@ class Method:
             return Call(INFO)
         params: SamplingParams = args[1]
         self.handle.routed.append((params.cache_salt, kwargs["route_ids"]))
+        self.handle.loras.append(params.lora)
         return Call(InvalidRequestError("refused by the test's replica"))
 
 
@@ -62,6 +64,7 @@ class RecordingHandle:
 
     def __init__(self) -> None:
         self.routed: list[tuple[str | None, list[int]]] = []
+        self.loras: list[str | None] = []
 
     def options(self, **_: Any) -> RecordingHandle:
         return self
@@ -100,3 +103,41 @@ async def test_each_api_key_routes_on_its_own_cache_keys(
     assert router.route(ids_a, replicas, 0.0).reason == "least_cached"
     assert router.route(ids_b, replicas, 0.0).reason == "least_cached"
     assert router.route(ids_a, replicas, 0.0).reason == "prefix"
+
+
+async def test_the_model_field_names_an_adapter_of_the_replicas(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The replicas' config's adapters are models of the app: listed with their parent, and a
+    request naming one reaches a replica under it, routed on its own cache keys; a hot load,
+    which would reach one replica only, is a 501."""
+    handle = RecordingHandle()
+    config = engine_config(tiny_model_dir(tmp_path_factory), loras={"mine": str(tmp_path)})
+    engine = await RemoteEngine(config, handle, "t").start()
+    app = create_app(engine, admin_token="admin")
+    runner, port = await start_http(app, "127.0.0.1", 0, shutdown_grace=1.0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/v1/models") as resp:
+                cards = {c["id"]: c for c in (await resp.json())["data"]}
+            assert cards["mine"]["parent"] == engine.model_name
+            for route, body in (
+                ("/v1/completions", {"model": "mine", "prompt": PROMPT, "max_tokens": 1}),
+                ("/v1/chat/completions", {"model": "mine", "max_tokens": 1,
+                                          "messages": [{"role": "user", "content": "Hi"}]}),
+            ):  # fmt: skip
+                async with session.post(url + route, json=body) as resp:
+                    assert resp.status == 400, await resp.text()  # the test replica refuses
+            load = {"lora_name": "other", "lora_path": str(tmp_path)}
+            async with session.post(
+                f"{url}/v1/load_lora_adapter",
+                json=load,
+                headers={"Authorization": "Bearer admin"},
+            ) as resp:
+                assert resp.status == 501, await resp.text()
+    finally:
+        await runner.cleanup()
+        await engine.stop()
+    assert handle.loras == ["mine", "mine"]
+    assert handle.routed[0] == (None, salted_ids(PROMPT, None, "mine"))

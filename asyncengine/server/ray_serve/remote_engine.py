@@ -200,6 +200,11 @@ class RemoteEngine:
         return self.config.model
 
     @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters every replica serves, its config's (hot loads answer 501 here)."""
+        return dict(self.config.loras)
+
+    @property
     def max_model_len(self) -> int:
         return int(self._require_info()["max_model_len"])
 
