@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncengine.common.errors import AdapterUnavailableError, UnknownAdapterError
-from asyncengine.common.sampling_params import MAX_LORA_NAME_LENGTH, InvalidRequestError
+from asyncengine.common.sampling_params import LORA_NAME_RULE, InvalidRequestError, is_lora_name
 
 log = logging.getLogger("asyncengine.api.engine")
 
@@ -60,11 +60,8 @@ class LoraAdapters:
     ) -> None:
         """Read and check the adapter on the forward thread, then serve it as ``name``.
         InvalidRequestError for a bad name or an adapter the base model refuses."""
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME_LENGTH or "/" in name:
-            raise InvalidRequestError(
-                f"a LoRA adapter name is 1 to {MAX_LORA_NAME_LENGTH} characters without '/'",
-                param="lora_name",
-            )
+        if not is_lora_name(name):
+            raise InvalidRequestError(f"a LoRA adapter name is {LORA_NAME_RULE}", param="lora_name")
         if name == base_name:
             raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
         add = getattr(registry, "add", None)

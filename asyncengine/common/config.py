@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from asyncengine.common.plugin_spec import anchor_config_paths
+from asyncengine.common.sampling_params import LORA_NAME_RULE, is_lora_name
 from asyncengine.speculative.settings import SpeculativeConfig, parse_speculative
 
 try:
@@ -257,8 +258,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise bad("max_cpu_loras", "must be >= 1, or absent to keep every adapter loaded")
         for name in self.loras:
-            if not name or "/" in name:
-                raise bad("loras", f"adapter name {name!r} must be non-empty without '/'")
+            if not is_lora_name(name):
+                raise bad("loras", f"adapter name {name!r} must be {LORA_NAME_RULE}")
         if self.prompt_score_cache_pages < 0:
             raise bad("prompt_score_cache_pages", "must be >= 0 (0 turns it off)")
         if self.kv_blocked_skips < 0:

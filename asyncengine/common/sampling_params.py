@@ -10,6 +10,18 @@ MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_LENGTH = 256
 MAX_CACHE_SALT_LENGTH = 256
 MAX_LORA_NAME_LENGTH = 256
+LORA_NAME_RULE = f"1 to {MAX_LORA_NAME_LENGTH} printable characters without '/'"
+
+
+def is_lora_name(name: object) -> bool:
+    """An adapter name a request can select: no '/' (a reload's key is ``name/2``), no line
+    breaks or control characters (names are written to the log), within the requests' limit."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_LORA_NAME_LENGTH
+        and "/" not in name
+        and name.isprintable()
+    )
 
 
 class InvalidRequestError(ValueError):

@@ -129,6 +129,9 @@ async def test_load_unload_and_refusals(
             await engine.load_lora("r16", str(adapters["r16"]))
         with pytest.raises(InvalidRequestError, match="not a PEFT adapter"):
             await engine.load_lora("empty", str(tmp_path))
+        for name in ("a/b", "two\nlines", "x" * 257):  # no request could name it as loaded
+            with pytest.raises(InvalidRequestError, match="name is 1 to 256 printable characters"):
+                await engine.load_lora(name, str(adapters["r8"]))
         bad = tmp_path / "bad"
         shutil.copytree(adapters["r4"], bad)
         cfg = json.loads((bad / "adapter_config.json").read_text())

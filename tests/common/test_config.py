@@ -221,3 +221,12 @@ def test_a_config_files_model_and_adapter_paths_are_relative_to_the_file(
     assert EngineConfig.from_toml(path).model == "smollm2-135m"
     # on the command line (an override) a path stays relative to where the command runs
     assert EngineConfig.from_toml(path, model="./m").model == "./m"
+
+
+@pytest.mark.parametrize("name", ["a/b", "", "two\nlines", "x" * 257])
+def test_an_adapter_name_no_request_could_select_is_refused(tmp_path: Path, name: str) -> None:
+    """A request names an adapter in 256 characters at most, and its key ``name/2`` (a reload)
+    must not be another's name; line breaks would split the log lines naming it."""
+    with pytest.raises(ConfigError, match="printable characters without '/'"):
+        EngineConfig(loras={name: str(tmp_path)})
+    EngineConfig(loras={"x" * 256: str(tmp_path), "a b.ü-1": str(tmp_path)})
