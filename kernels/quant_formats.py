@@ -37,6 +37,8 @@ Q4_1 = QuantFormat("Q4_1", 2, 32, 20, 3)
 Q4_K = QuantFormat("Q4_K", 3, 256, 144, 12)
 Q5_K = QuantFormat("Q5_K", 4, 256, 176, 13)
 Q6_K = QuantFormat("Q6_K", 5, 256, 210, 14)
+Q5_0 = QuantFormat("Q5_0", 9, 32, 22, 6)
+Q5_1 = QuantFormat("Q5_1", 10, 32, 24, 7)
 # ours: one float32 scale per output row, then the row's int8 values (symmetric; quantization
 # "int8" of a float checkpoint). The kernel reads values in blocks of 32.
 I8 = QuantFormat("I8", 6, 32, 32, None, row_header_bytes=4)
@@ -49,7 +51,7 @@ F32 = QuantFormat("F32", 7, 1, 4, None)
 BF16 = QuantFormat("BF16", 8, 1, 2, None)
 
 FORMATS: dict[str, QuantFormat] = {
-    f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, I8, F32, BF16)
+    f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, I8, F32, BF16)
 }
 # formats that are plain floating-point rows: they meet float32 activations, not q8 blocks
 FLOAT_FORMATS = frozenset({F32, BF16})
@@ -61,22 +63,28 @@ GGUF_FORMATS: dict[int, QuantFormat] = {
 # GGUF block weights are kept in interleaved groups of this many rows once loaded
 # (kernels/cpu/cpu_quant_blocks.h describes the layout; kernels/cpu/quant_native.interleave packs them)
 INTERLEAVED_ROWS = 8
-INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+INTERLEAVED_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 
 
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
-    """Where a grouped format's fp16 fields (the header: d; Q4_1's m, the K formats' dmin) lie in
-    a block as GGUF stores it; every other byte of the block is a value byte."""
+    """Where a grouped format's fp16 fields (the header: d; Q4_1's / Q5_1's m, the K formats'
+    dmin) lie in a block as GGUF stores it; every other byte of the block is a value byte (Q5_x's
+    qh, the first 4, with its bits reordered: ``high_bits_reordered``)."""
 
     header_at: int  # byte offset of the header in the block
     header_bytes: int
+    # the first 4 value bytes (Q5_x's fifth bits, bit j: value j's) as a group holds them: byte
+    # i, bit c: value 4c + i's; bit 4 + c: value 16 + 4c + i's (cpu_quant_blocks.h)
+    high_bits_reordered: bool = False
 
 
 GROUP_LAYOUTS: dict[str, GroupLayout] = {
     "Q8_0": GroupLayout(0, 2),
     "Q4_0": GroupLayout(0, 2),
     "Q4_1": GroupLayout(0, 4),
+    "Q5_0": GroupLayout(0, 2, high_bits_reordered=True),
+    "Q5_1": GroupLayout(0, 4, high_bits_reordered=True),
     "Q4_K": GroupLayout(0, 4),
     "Q5_K": GroupLayout(0, 4),
     "Q6_K": GroupLayout(208, 2),

@@ -37,11 +37,26 @@
 #endif
 
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5, FMT_I8 = 6,
-       FMT_F32 = 7, FMT_BF16 = 8 };
+       FMT_F32 = 7, FMT_BF16 = 8, FMT_Q5_0 = 9, FMT_Q5_1 = 10 };
 
 /* whether fmt holds plain floating-point rows (F32, BF16): they meet the float32 activation rows
  * (act_row.f), not their q8 form */
 static inline int float_rows(int fmt) { return fmt == FMT_F32 || fmt == FMT_BF16; }
+
+/* The 4- and 5-bit formats of 32 values a block share their kernels: has_min (Q4_1, Q5_1: an
+ * fp16 min m after d, value d q + m; else d (q - 8) or d (q - 16)) and has_high (Q5_0, Q5_1: 4
+ * bytes qh before the nibbles, bit j the fifth bit of value j) */
+static inline int q4_family(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1;
+}
+static inline int has_min_of(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_Q5_1; }
+static inline int has_high_of(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q5_1; }
+/* a block's bytes, where its nibbles start, and the offset (times d) without a min */
+static inline int64_t q4_block_bytes(int has_min, int has_high) {
+    return 18 + 2 * has_min + 4 * has_high;
+}
+static inline int64_t q4_qs_at(int has_min, int has_high) { return 2 + 2 * has_min + 4 * has_high; }
+static inline float q4_mid(int has_high) { return has_high ? 16.0f : 8.0f; }
 
 #define QK 32        /* activation block */
 #define QK_K 256     /* K-format super-block */
@@ -163,6 +178,29 @@ static inline __m256i unpack_nibbles16(const uint8_t *p) {
     const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
+
+/* a Q5 block's 32 fifth bits (bit j: element j) -> 32 bytes, 16 where the bit is set: each
+ * byte takes its bit's byte of qh (shuffle), every other bit forced to 1 (or), all ones then
+ * means the bit was set (cmpeq) */
+static inline __m256i high_bits16(const uint8_t *qh) {
+    int32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(h), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                0x0101010101010101, 0x0000000000000000));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* a | (b & 16 in every byte): a 4-bit value joined by its fifth bit (at bit 4 of b) */
+static inline __m256i or_bit4(__m256i a, __m256i b) {
+#if defined(Q_ISA_VNNI)
+    return _mm256_ternarylogic_epi32(a, b, _mm256_set1_epi8(16), 0xF8);
+#else
+    return _mm256_or_si256(a, _mm256_and_si256(b, _mm256_set1_epi8(16)));
+#endif
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
@@ -205,10 +243,11 @@ static inline void row_q8_0(const uint8_t *w, int64_t nb, const act_row *a, int 
 #endif
 }
 
-/* Q4_0 (has_min = 0: offset -8 d) and Q4_1 (has_min = 1: offset m) */
+/* Q4_0 (has_min = 0: offset -8 d) and Q4_1 (has_min = 1: offset m); with has_high Q5_0
+ * (offset -16 d) and Q5_1 */
 static inline void row_q4(const uint8_t *w, int64_t nb, const act_row *a, int nr, float *out,
-                          int has_min) {
-    const int64_t bytes = has_min ? 20 : 18;
+                          int has_min, int has_high) {
+    const int64_t bytes = q4_block_bytes(has_min, has_high);
     float off_acc[NR];
     for (int r = 0; r < nr; r++) off_acc[r] = 0.0f;
 #if defined(Q_ISA_SIMD)
@@ -219,10 +258,11 @@ static inline void row_q4(const uint8_t *w, int64_t nb, const act_row *a, int nr
 #endif
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         const float dw = fp16_to_float(w);
-        const float offset = has_min ? fp16_to_float(w + 2) : -8.0f * dw;
-        const uint8_t *qs = w + (has_min ? 4 : 2);
+        const float offset = has_min ? fp16_to_float(w + 2) : -q4_mid(has_high) * dw;
+        const uint8_t *qh = w + 2 + 2 * has_min, *qs = w + q4_qs_at(has_min, has_high);
 #if defined(Q_ISA_SIMD)
-        const __m256i wq = unpack_nibbles16(qs);
+        __m256i wq = unpack_nibbles16(qs);
+        if (has_high) wq = _mm256_or_si256(wq, high_bits16(qh));
         for (int r = 0; r < nr; r++) {
             const __m256i xq = _mm256_loadu_si256((const __m256i *)(a[r].q + b * QK));
             const __m256i p = dot_u8s8(wq, xq);
@@ -233,7 +273,14 @@ static inline void row_q4(const uint8_t *w, int64_t nb, const act_row *a, int nr
         for (int r = 0; r < nr; r++) {
             const int8_t *xq = a[r].q + b * QK;
             int s = 0;
-            for (int j = 0; j < 16; j++) s += (qs[j] & 0xF) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+            for (int j = 0; j < 16; j++) {
+                int lo = qs[j] & 0xF, hi = qs[j] >> 4;
+                if (has_high) {
+                    lo |= ((qh[j / 8] >> (j % 8)) & 1) << 4;
+                    hi |= ((qh[2 + j / 8] >> (j % 8)) & 1) << 4;
+                }
+                s += lo * xq[j] + hi * xq[j + 16];
+            }
             out[r] += dw * a[r].d[b] * (float)s;
             off_acc[r] += offset * a[r].sd[b];
         }
@@ -421,25 +468,30 @@ static inline void row_i8(const uint8_t *w, int64_t nb, const act_row *a, int nr
 }
 
 #if defined(Q_ISA_SIMD)
-/* Two weight rows against one activation row (Q4_0, Q4_1): the activation block is loaded
- * once for both and the two rows' accumulation chains interleave, which hides the multiply-add
- * latency a lone row waits on. Each row's sums are those of row_q4 with nr = 1, in the same
- * order: the results are identical. Measured (one thread's CPU time, the 49152x576 LM head at
- * batch 1): Q4_1 2.9 ms paired vs 3.6 row by row; the same pairing of Q8_0 rows took 6.8 ms
- * against 3.3, so Q8_0 (and the K formats) stay row by row. */
+/* Two weight rows against one activation row (Q4_0, Q4_1, Q5_0, Q5_1): the activation block is
+ * loaded once for both and the two rows' accumulation chains interleave, which hides the
+ * multiply-add latency a lone row waits on. Each row's sums are those of row_q4 with nr = 1, in the
+ * same order: the results are identical. Measured (one thread's CPU time, the 49152x576 LM head at
+ * batch 1): Q4_1 2.9 ms paired vs 3.6 row by row; the same pairing of Q8_0 rows took 6.8 ms against
+ * 3.3, so Q8_0 (and the K formats) stay row by row. */
 static inline void row_pair_q4(const uint8_t *w0, const uint8_t *w1, int64_t nb, const act_row *a,
-                               float *out, int has_min) {
-    const int64_t bytes = has_min ? 20 : 18;
+                               float *out, int has_min, int has_high) {
+    const int64_t bytes = q4_block_bytes(has_min, has_high), qs = q4_qs_at(has_min, has_high);
+    const float mid = q4_mid(has_high);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float off0 = 0.0f, off1 = 0.0f;
     for (int64_t b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
         const float d0 = fp16_to_float(w0), d1 = fp16_to_float(w1);
-        const float m0 = has_min ? fp16_to_float(w0 + 2) : -8.0f * d0;
-        const float m1 = has_min ? fp16_to_float(w1 + 2) : -8.0f * d1;
+        const float m0 = has_min ? fp16_to_float(w0 + 2) : -mid * d0;
+        const float m1 = has_min ? fp16_to_float(w1 + 2) : -mid * d1;
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + b * QK));
         const float xd = a->d[b], xsd = a->sd[b];
-        const __m256i p0 = dot_u8s8(unpack_nibbles16(w0 + (has_min ? 4 : 2)), xq);
-        const __m256i p1 = dot_u8s8(unpack_nibbles16(w1 + (has_min ? 4 : 2)), xq);
+        __m256i v0 = unpack_nibbles16(w0 + qs), v1 = unpack_nibbles16(w1 + qs);
+        if (has_high) {
+            v0 = _mm256_or_si256(v0, high_bits16(w0 + 2 + 2 * has_min));
+            v1 = _mm256_or_si256(v1, high_bits16(w1 + 2 + 2 * has_min));
+        }
+        const __m256i p0 = dot_u8s8(v0, xq), p1 = dot_u8s8(v1, xq);
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * xd), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * xd), acc1);
         off0 += m0 * xsd;
@@ -467,8 +519,10 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
     }
 #if defined(Q_ISA_SIMD)
     switch (fmt) {
-    case FMT_Q4_0: row_pair_q4(w0, w1, k / QK, a, out, 0); return 1;
-    case FMT_Q4_1: row_pair_q4(w0, w1, k / QK, a, out, 1); return 1;
+    case FMT_Q4_0: row_pair_q4(w0, w1, k / QK, a, out, 0, 0); return 1;
+    case FMT_Q4_1: row_pair_q4(w0, w1, k / QK, a, out, 1, 0); return 1;
+    case FMT_Q5_0: row_pair_q4(w0, w1, k / QK, a, out, 0, 1); return 1;
+    case FMT_Q5_1: row_pair_q4(w0, w1, k / QK, a, out, 1, 1); return 1;
     default: return 0;
     }
 #else
@@ -478,21 +532,25 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Interleaved groups of XR rows (Q8_0, Q4_0, Q4_1; the K formats Q4_K, Q5_K, Q6_K), packed once
- * at load (asyncengine_interleave_rows). A batch-1 product row by row spends most of its time per
- * block on work that does not depend on the row: broadcasting the activation block's scale, the
- * horizontal sums at the end, converting one fp16 scale at a time. With XR rows' blocks side by
- * side, one 32-byte load holds 4 values of each of the 8 rows, so each 4-value piece of the
- * activation block is broadcast once and feeds all 8 rows (u8 x s8 products whose lane r is row
- * r's partial sum: no horizontal sums), and the 8 rows' fp16 scales (and mins) convert in one
+/* Interleaved groups of XR rows (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the K formats Q4_K, Q5_K, Q6_K),
+ * packed once at load (asyncengine_interleave_rows). A batch-1 product row by row spends most of
+ * its time per block on work that does not depend on the row: broadcasting the activation block's
+ * scale, the horizontal sums at the end, converting one fp16 scale at a time. With XR rows' blocks
+ * side by side, one 32-byte load holds 4 values of each of the 8 rows, so each 4-value piece of the
+ * activation block is broadcast once and feeds all 8 rows (u8 x s8 products whose lane r is row r's
+ * partial sum: no horizontal sums), and the 8 rows' fp16 scales (and mins) convert in one
  * instruction into the vector that scales the 8 sums. The layout of one block (a K format's
  * super-block of 256) of a group:
  *
- *   header  the 8 rows' fp16 fields side by side: d (16 bytes); Q4_1 then m, Q4_K / Q5_K then
- *           dmin (16 bytes more). Q6_K's d, the last field of its block, comes first here.
+ *   header  the 8 rows' fp16 fields side by side: d (16 bytes); Q4_1 / Q5_1 then m, Q4_K / Q5_K
+ *           then dmin (16 bytes more). Q6_K's d, the last field of its block, comes first here.
  *   values  every other byte of the rows' blocks, in their order, in pieces of 32 bytes: piece
  *           c holds bytes 4c..4c+3 of each row's rest-of-block (row r at 4r). Q4_x: 4 pieces
  *           (the low nibbles are elements 4c..4c+3, the high ones 16+4c..16+4c+3), Q8_0: 8;
+ *           Q5_x: its qh piece, then Q4_x's 4; the qh's bits reordered (q5_high_to_group) so
+ *           that byte i of row r holds the fifth bits of both nibbles of byte i of each nibble
+ *           piece c: of element 4c+i at bit c, of element 16+4c+i at bit 4+c (a shift and a
+ *           mask put them at bit 4 beside the nibbles);
  *           Q4_K: 3 pieces of 6-bit scales and mins (lane r: row r's 4 packed bytes), 32 of
  *           nibbles; Q5_K: as Q4_K with 8 pieces of fifth bits between; Q6_K: 32 pieces of low
  *           nibbles, 16 of high bit pairs, 4 of int8 sub-block scales
@@ -504,8 +562,8 @@ static inline int row_pair_dot(int fmt, const uint8_t *w0, const uint8_t *w1, in
 #define XR 8
 
 static inline int interleaves(int fmt) {
-    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K ||
-           fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+    return fmt == FMT_Q8_0 || q4_family(fmt) || fmt == FMT_Q4_K || fmt == FMT_Q5_K ||
+           fmt == FMT_Q6_K;
 }
 /* values per block of a grouped format */
 static inline int64_t xr_block_values(int fmt) {
@@ -513,11 +571,13 @@ static inline int64_t xr_block_values(int fmt) {
 }
 /* a row block's header bytes (its fp16 fields) and value bytes (the rest), as GGUF stores it */
 static inline int64_t xr_header_bytes(int fmt) {
-    return fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K ? 4 : 2;
+    return has_min_of(fmt) || fmt == FMT_Q4_K || fmt == FMT_Q5_K ? 4 : 2;
 }
 static inline int64_t xr_value_bytes(int fmt) {
     switch (fmt) {
     case FMT_Q8_0: return 32;
+    case FMT_Q5_0:
+    case FMT_Q5_1: return 20;
     case FMT_Q4_K: return 140;
     case FMT_Q5_K: return 172;
     case FMT_Q6_K: return 208;
@@ -526,6 +586,34 @@ static inline int64_t xr_value_bytes(int fmt) {
 }
 /* where the header lies in a row block as GGUF stores it (Q6_K: d last) */
 static inline int64_t xr_header_at(int fmt) { return fmt == FMT_Q6_K ? 208 : 0; }
+
+/* a Q5 block's qh (bit j: element j) as a group holds it, and back: byte i, bit c <- bit
+ * 4c + i; bit 4 + c <- bit 16 + 4c + i */
+static inline uint32_t q5_high_to_group(uint32_t h) {
+    uint32_t g = 0;
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) {
+            g |= ((h >> (4 * c + i)) & 1u) << (8 * i + c);
+            g |= ((h >> (16 + 4 * c + i)) & 1u) << (8 * i + 4 + c);
+        }
+    return g;
+}
+static inline uint32_t q5_high_from_group(uint32_t g) {
+    uint32_t h = 0;
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) {
+            h |= ((g >> (8 * i + c)) & 1u) << (4 * c + i);
+            h |= ((g >> (8 * i + 4 + c)) & 1u) << (16 + 4 * c + i);
+        }
+    return h;
+}
+/* the 4 bytes at p (a qh) reordered by one of the two above */
+static inline void q5_high_reorder(uint8_t *p, int unpack) {
+    uint32_t h;
+    memcpy(&h, p, 4);
+    h = unpack ? q5_high_from_group(h) : q5_high_to_group(h);
+    memcpy(p, &h, 4);
+}
 
 /* XR rows (row_bytes apart, the blocks of k values each) -> one interleaved group at dst; and
  * back */
@@ -547,6 +635,8 @@ static inline void interleave_group(int fmt, const uint8_t *src, int64_t row_byt
                 if (unpack) memcpy(blk + values_at + 4 * c, packed, 4);
                 else memcpy(packed, blk + values_at + 4 * c, 4);
             }
+            if (has_high_of(fmt)) /* piece 0: the qh */
+                q5_high_reorder(unpack ? blk + values_at : g + XR * hb + 4 * r, unpack);
         }
     }
 }
@@ -611,25 +701,74 @@ static inline __m256 q4_sums(__m256i s) {
 #endif
 }
 
-static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, float *out,
-                            int has_min) {
-    const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);
+/* s + lo . xlo + hi . xhi, in q4_acc's sums; with has_high (values to 31: 8 pair products of a
+ * block would pass an int16) AVX2 widens each chunk's pairs to int32 as it adds them */
+static inline __m256i q4_chunk(__m256i s, __m256i lo, __m256i xlo, __m256i hi, __m256i xhi,
+                               int has_high) {
+#if defined(Q_ISA_VNNI)
+    (void)has_high;
+    return q4_acc(q4_acc(s, lo, xlo), hi, xhi);
+#else
+    if (!has_high) return q4_acc(q4_acc(s, lo, xlo), hi, xhi);
+    const __m256i p =
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* a block's sums of q4_chunk as float32 */
+static inline __m256 q4_block_sums(__m256i s, int has_high) {
+    return has_high ? _mm256_cvtepi32_ps(s) : q4_sums(s);
+}
+
+/* chunk c's low and high nibbles of the value piece v, with their fifth bits from the group's
+ * reordered qh piece h where has_high (the layout above) */
+static inline Q_ALWAYS_INLINE void q4_values(__m256i v, __m256i h, int c, int has_high,
+                                             __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (!has_high) return;
+    switch (c) { /* bit c -> bit 4 (low nibbles), bit 4 + c -> bit 4 (high) */
+    case 0: *lo = or_bit4(*lo, _mm256_slli_epi16(h, 4)); *hi = or_bit4(*hi, h); break;
+    case 1:
+        *lo = or_bit4(*lo, _mm256_slli_epi16(h, 3));
+        *hi = or_bit4(*hi, _mm256_srli_epi16(h, 1));
+        break;
+    case 2:
+        *lo = or_bit4(*lo, _mm256_slli_epi16(h, 2));
+        *hi = or_bit4(*hi, _mm256_srli_epi16(h, 2));
+        break;
+    default:
+        *lo = or_bit4(*lo, _mm256_slli_epi16(h, 1));
+        *hi = or_bit4(*hi, _mm256_srli_epi16(h, 3));
+        break;
+    }
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 groups (has_min, has_high as row_q4) against one activation row */
+static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, float *out,
+                            int has_min, int has_high) {
+    const int64_t bb = XR * q4_block_bytes(has_min, has_high), hb = XR * (has_min ? 4 : 2);
+    const __m256 neg_mid = _mm256_set1_ps(-q4_mid(has_high));
     __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bb) {
         prefetch_ahead(w, bb);
         const int8_t *x = a->q + b * QK;
-        const uint8_t *qs = w + hb;
+        const uint8_t *qs = w + hb + (has_high ? 32 : 0);
+        const __m256i h = has_high ? _mm256_loadu_si256((const __m256i *)(w + hb))
+                                   : _mm256_setzero_si256();
         __m256i s = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            s = q4_acc(s, _mm256_and_si256(v, m4), bcast4(x + 4 * c));
-            s = q4_acc(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bcast4(x + 16 + 4 * c));
+            __m256i lo, hi;
+            q4_values(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), h, c, has_high, &lo, &hi);
+            s = q4_chunk(s, lo, bcast4(x + 4 * c), hi, bcast4(x + 16 + 4 * c), has_high);
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        acc = _mm256_fmadd_ps(q4_sums(s), _mm256_mul_ps(d, _mm256_set1_ps(a->d[b])), acc);
+        acc = _mm256_fmadd_ps(q4_block_sums(s, has_high), _mm256_mul_ps(d, _mm256_set1_ps(a->d[b])),
+                              acc);
         const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)))
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+                                 : _mm256_mul_ps(d, neg_mid);
         off = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sd[b]), off);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
@@ -644,9 +783,9 @@ static inline void group_q4(const uint8_t *w, int64_t nb, const act_row *a, floa
  * a time at 16-1024 rows (scripts/micro/bench_quant_matmul.py). group_q4_rows picks the tile
  * height (2-4). */
 static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, const act_row *a,
-                                                  const int mr, float *out, int has_min) {
-    const int64_t bb = XR * (has_min ? 20 : 18), hb = XR * (has_min ? 4 : 2);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+                                                  const int mr, float *out, int has_min,
+                                                  int has_high) {
+    const int64_t bb = XR * q4_block_bytes(has_min, has_high), hb = XR * (has_min ? 4 : 2);
     /* every register named (mr, a constant, drops the unused ones): arrays of them the compiler
      * spilled to the stack */
     const int8_t *x0 = a[0].q, *x1 = a[mr > 1].q, *x2 = a[mr > 2 ? 2 : 0].q,
@@ -657,35 +796,36 @@ static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, c
     const uint8_t *g = w;
     for (int64_t b = 0; b < nb; b++, g += bb, x0 += QK, x1 += QK, x2 += QK, x3 += QK) {
         prefetch_ahead(g, bb); /* a group's first tile reads it from memory */
-        const uint8_t *qs = g + hb;
+        const uint8_t *qs = g + hb + (has_high ? 32 : 0);
+        const __m256i h = has_high ? _mm256_loadu_si256((const __m256i *)(g + hb))
+                                   : _mm256_setzero_si256();
         __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
         for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            s0 = q4_acc(q4_acc(s0, lo, bcast4(x0 + 4 * c)), hi, bcast4(x0 + 16 + 4 * c));
-            in_register(&s0);
-            if (mr > 1) {
-                s1 = q4_acc(q4_acc(s1, lo, bcast4(x1 + 4 * c)), hi, bcast4(x1 + 16 + 4 * c));
-                in_register(&s1);
-            }
-            if (mr > 2) {
-                s2 = q4_acc(q4_acc(s2, lo, bcast4(x2 + 4 * c)), hi, bcast4(x2 + 16 + 4 * c));
-                in_register(&s2);
-            }
-            if (mr > 3) {
-                s3 = q4_acc(q4_acc(s3, lo, bcast4(x3 + 4 * c)), hi, bcast4(x3 + 16 + 4 * c));
-                in_register(&s3);
-            }
+            __m256i lo, hi;
+            q4_values(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), h, c, has_high, &lo, &hi);
+#define Q4_ROW(s, x)                                                                            \
+    do {                                                                                        \
+        s = q4_chunk(s, lo, bcast4(x + 4 * c), hi, bcast4(x + 16 + 4 * c), has_high);          \
+        in_register(&s);                                                                        \
+    } while (0)
+            Q4_ROW(s0, x0);
+            if (mr > 1) Q4_ROW(s1, x1);
+            if (mr > 2) Q4_ROW(s2, x2);
+            if (mr > 3) Q4_ROW(s3, x3);
+#undef Q4_ROW
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        acc0 = _mm256_fmadd_ps(q4_sums(s0), _mm256_mul_ps(d, _mm256_set1_ps(d0[b])), acc0);
+        acc0 = _mm256_fmadd_ps(q4_block_sums(s0, has_high), _mm256_mul_ps(d, _mm256_set1_ps(d0[b])),
+                               acc0);
         if (mr > 1)
-            acc1 = _mm256_fmadd_ps(q4_sums(s1), _mm256_mul_ps(d, _mm256_set1_ps(d1[b])), acc1);
+            acc1 = _mm256_fmadd_ps(q4_block_sums(s1, has_high),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(d1[b])), acc1);
         if (mr > 2)
-            acc2 = _mm256_fmadd_ps(q4_sums(s2), _mm256_mul_ps(d, _mm256_set1_ps(d2[b])), acc2);
+            acc2 = _mm256_fmadd_ps(q4_block_sums(s2, has_high),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(d2[b])), acc2);
         if (mr > 3)
-            acc3 = _mm256_fmadd_ps(q4_sums(s3), _mm256_mul_ps(d, _mm256_set1_ps(d3[b])), acc3);
+            acc3 = _mm256_fmadd_ps(q4_block_sums(s3, has_high),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(d3[b])), acc3);
     }
     const float *sd0 = a[0].sd, *sd1 = a[mr > 1].sd, *sd2 = a[mr > 2 ? 2 : 0].sd,
                 *sd3 = a[mr > 3 ? 3 : 0].sd;
@@ -694,7 +834,7 @@ static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, c
     for (int64_t b = 0; b < nb; b++, g += bb) {
         const __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
                                  : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)),
-                                                 _mm256_set1_ps(-8.0f));
+                                                 _mm256_set1_ps(-q4_mid(has_high)));
         off0 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd0[b]), off0);
         if (mr > 1) off1 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd1[b]), off1);
         if (mr > 2) off2 = _mm256_fmadd_ps(m, _mm256_set1_ps(sd2[b]), off2);
@@ -709,10 +849,26 @@ static inline Q_ALWAYS_INLINE void group_q4_tile(const uint8_t *w, int64_t nb, c
 static Q_NOINLINE void group_q4_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
                                     float *out, int has_min) {
     switch (nr) {
-    case 2: group_q4_tile(w, nb, a, 2, out, has_min); break;
-    case 3: group_q4_tile(w, nb, a, 3, out, has_min); break;
-    default: group_q4_tile(w, nb, a, 4, out, has_min); break;
+    case 2: group_q4_tile(w, nb, a, 2, out, has_min, 0); break;
+    case 3: group_q4_tile(w, nb, a, 3, out, has_min, 0); break;
+    default: group_q4_tile(w, nb, a, 4, out, has_min, 0); break;
     }
+}
+
+static Q_NOINLINE void group_q5_rows(const uint8_t *w, int64_t nb, const act_row *a, int nr,
+                                    float *out, int has_min) {
+    switch (nr) {
+    case 2: group_q4_tile(w, nb, a, 2, out, has_min, 1); break;
+    case 3: group_q4_tile(w, nb, a, 3, out, has_min, 1); break;
+    default: group_q4_tile(w, nb, a, 4, out, has_min, 1); break;
+    }
+}
+
+/* group_q4 for Q5_x, one function per format (group_q4 inlined into each caller otherwise) */
+static Q_NOINLINE void group_q5(const uint8_t *w, int64_t nb, const act_row *a, float *out,
+                                int has_min) {
+    if (has_min) group_q4(w, nb, a, out, 1, 1);
+    else group_q4(w, nb, a, out, 0, 1);
 }
 
 static inline void group_q8_0(const uint8_t *w, int64_t nb, const act_row *a, float *out) {
@@ -806,12 +962,21 @@ static inline void group_scalar(int fmt, const uint8_t *w, int64_t nb, const act
                 for (int c = 0; c < 8; c++)
                     for (int i = 0; i < 4; i++) s += (int8_t)qs[32 * c + 4 * r + i] * x[4 * c + i];
             } else {
+                const int high = has_high_of(fmt);
+                const uint8_t *qh = qs + 4 * r, *nib = qs + (high ? 32 : 0);
                 for (int c = 0; c < 4; c++)
                     for (int i = 0; i < 4; i++) {
-                        const uint8_t v = qs[32 * c + 4 * r + i];
-                        s += (v & 0xF) * x[4 * c + i] + (v >> 4) * x[16 + 4 * c + i];
+                        const uint8_t v = nib[32 * c + 4 * r + i];
+                        int lo = v & 0xF, hi = v >> 4;
+                        if (high) {
+                            lo |= ((qh[i] >> c) & 1) << 4;
+                            hi |= ((qh[i] >> (4 + c)) & 1) << 4;
+                        }
+                        s += lo * x[4 * c + i] + hi * x[16 + 4 * c + i];
                     }
-                off += (fmt == FMT_Q4_1 ? fp16_to_float(g + 2 * XR + 2 * r) : -8.0f * dw) * a->sd[b];
+                off += (has_min_of(fmt) ? fp16_to_float(g + 2 * XR + 2 * r)
+                                        : -q4_mid(high) * dw) *
+                       a->sd[b];
             }
             total += dw * a->d[b] * (float)s;
         }
@@ -837,8 +1002,10 @@ static inline void group_dot(int fmt, const uint8_t *w, int64_t k, const act_row
 #if defined(Q_ISA_SIMD)
     switch (fmt) {
     case FMT_Q8_0: group_q8_0(w, k / QK, a, out); return;
-    case FMT_Q4_0: group_q4(w, k / QK, a, out, 0); return;
-    case FMT_Q4_1: group_q4(w, k / QK, a, out, 1); return;
+    case FMT_Q4_0: group_q4(w, k / QK, a, out, 0, 0); return;
+    case FMT_Q4_1: group_q4(w, k / QK, a, out, 1, 0); return;
+    case FMT_Q5_0: group_q5(w, k / QK, a, out, 0); return;
+    case FMT_Q5_1: group_q5(w, k / QK, a, out, 1); return;
     default: break;
     }
 #endif
@@ -861,8 +1028,9 @@ static inline void group_dot_rows(int fmt, const uint8_t *w, int64_t k, const ac
         group_q8_0_rows(w, k / QK, a, nr, out);
         return;
     }
-    if (nr > 1 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1)) {
-        group_q4_rows(w, k / QK, a, nr, out, fmt == FMT_Q4_1);
+    if (nr > 1 && q4_family(fmt)) {
+        if (has_high_of(fmt)) group_q5_rows(w, k / QK, a, nr, out, has_min_of(fmt));
+        else group_q4_rows(w, k / QK, a, nr, out, has_min_of(fmt));
         return;
     }
 #endif
@@ -1078,8 +1246,10 @@ static inline void row_dot(int fmt, const uint8_t *w, int64_t k, const act_row *
                            float *out) {
     switch (fmt) {
     case FMT_Q8_0: row_q8_0(w, k / QK, a, nr, out); break;
-    case FMT_Q4_0: row_q4(w, k / QK, a, nr, out, 0); break;
-    case FMT_Q4_1: row_q4(w, k / QK, a, nr, out, 1); break;
+    case FMT_Q4_0: row_q4(w, k / QK, a, nr, out, 0, 0); break;
+    case FMT_Q4_1: row_q4(w, k / QK, a, nr, out, 1, 0); break;
+    case FMT_Q5_0: row_q4(w, k / QK, a, nr, out, 0, 1); break;
+    case FMT_Q5_1: row_q4(w, k / QK, a, nr, out, 1, 1); break;
     case FMT_Q4_K: row_qk45(w, k / QK_K, a, nr, out, 0); break;
     case FMT_Q5_K: row_qk45(w, k / QK_K, a, nr, out, 1); break;
     case FMT_Q6_K: row_q6_k(w, k / QK_K, a, nr, out); break;

@@ -13,6 +13,10 @@
  *   Q8_0     32     34    d * q[j]                            (fp16 d, int8 q)
  *   Q4_0     32     18    d * (q[j] - 8)                      (fp16 d, nibbles)
  *   Q4_1     32     20    d * q[j] + m                        (fp16 d, fp16 m, nibbles)
+ *   Q5_0     32     22    d * (q[j] - 16)                     (fp16 d, 4 bytes of fifth bits
+ *                                                              (bit j: q[j]'s), nibbles)
+ *   Q5_1     32     24    d * q[j] + m                        (fp16 d, fp16 m, fifth bits,
+ *                                                              nibbles)
  *   Q4_K    256    144    d * sc_s * q[j] - dmin * m_s        (8 sub-blocks of 32, 6-bit sc/m)
  *   Q5_K    256    176    as Q4_K with a fifth bit per value  (qh)
  *   Q6_K    256    210    d * sc_s * (q[j] - 32)              (16 sub-blocks of 16, int8 sc)
@@ -25,9 +29,9 @@
  *                                                              widened to float32 as it is read:
  *                                                              as F32, see row_bf16)
  *
- * Offsets (Q4_0's -8, Q4_1's m, the K formats' mins) multiply the activation block's sum, so the
- * integer products take the unsigned values as stored. Q8_0 and Q6_K (signed values) use the
- * sign trick: |w| (u8) times x carrying w's sign (s8).
+ * Offsets (Q4_0's -8, Q5_0's -16, Q4_1's and Q5_1's m, the K formats' mins) multiply the
+ * activation block's sum, so the integer products take the unsigned values as stored. Q8_0 and
+ * Q6_K (signed values) use the sign trick: |w| (u8) times x carrying w's sign (s8).
  *
  * ISA, chosen when the library is compiled for this CPU (cc -march=native, at first use):
  *   AVX512_VNNI (+VL)  vpdpbusd: u8 x s8 summed into s32 in one instruction
@@ -213,15 +217,22 @@ static void dequantize_row(int fmt, const uint8_t *w, int64_t k, float *y) {
         }
         break;
     case FMT_Q4_0:
-    case FMT_Q4_1: {
-        const int has_min = fmt == FMT_Q4_1;
-        for (int64_t b = 0; b < k / QK; b++, w += has_min ? 20 : 18) {
+    case FMT_Q4_1:
+    case FMT_Q5_0:
+    case FMT_Q5_1: {
+        const int has_min = has_min_of(fmt), has_high = has_high_of(fmt);
+        for (int64_t b = 0; b < k / QK; b++, w += q4_block_bytes(has_min, has_high)) {
             const float d = fp16_to_float(w);
-            const float m = has_min ? fp16_to_float(w + 2) : -8.0f * d;
-            const uint8_t *qs = w + (has_min ? 4 : 2);
+            const float m = has_min ? fp16_to_float(w + 2) : -q4_mid(has_high) * d;
+            const uint8_t *qh = w + 2 + 2 * has_min, *qs = w + q4_qs_at(has_min, has_high);
             for (int j = 0; j < 16; j++) {
-                y[b * QK + j] = d * (float)(qs[j] & 0xF) + m;
-                y[b * QK + j + 16] = d * (float)(qs[j] >> 4) + m;
+                int lo = qs[j] & 0xF, hi = qs[j] >> 4;
+                if (has_high) {
+                    lo |= ((qh[j / 8] >> (j % 8)) & 1) << 4;
+                    hi |= ((qh[2 + j / 8] >> (j % 8)) & 1) << 4;
+                }
+                y[b * QK + j] = d * (float)lo + m;
+                y[b * QK + j + 16] = d * (float)hi + m;
             }
         }
         break;

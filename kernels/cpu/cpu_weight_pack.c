@@ -14,7 +14,7 @@
  * descheduled thread then delays no one); each thread's first touches fault in its own pages,
  * of the source map and of the destination.
  *
- * Also at load: Q5_0 and IQ4_NL tensors rewritten as Q8_0 blocks of the same values
+ * Also at load: IQ4_NL tensors rewritten as Q8_0 blocks of the same values
  * (asyncengine_widen_q8_0, at the end). Built by kernels/cpu/cpu_native.py. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -106,28 +106,12 @@ void asyncengine_pack_jobs(const pack_job *jobs, int64_t n_jobs, int threads) {
 }
 
 /* GGUF blocks whose values are small integers times the block's fp16 scale, rewritten as Q8_0
- * blocks of exactly those values (the same scale, each integer as an int8): ggml's type ids */
-enum { GGML_Q5_0 = 6, GGML_IQ4_NL = 20 };
+ * blocks of exactly those values (the same scale, each integer as an int8): ggml's type id */
+enum { GGML_IQ4_NL = 20 };
 
 /* ggml's kvalues_iq4nl */
 static const int8_t iq4_nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                          1,    13,   25,  38,  53,  69,  89,  113};
-
-/* 22 bytes: fp16 d, 32 fifth bits (bit j: value j's), 16 bytes of low nibbles (value j in byte
- * j % 16, low half for j < 16); the value is the 5-bit number less 16 */
-static void widen_q5_0(const uint8_t *src, int64_t n, uint8_t *dst) {
-    for (int64_t b = 0; b < n; b++, src += 22, dst += 2 + QK) {
-        uint32_t qh;
-        memcpy(&qh, src + 2, 4);
-        const uint8_t *qs = src + 6;
-        int8_t *q = (int8_t *)(dst + 2);
-        dst[0] = src[0], dst[1] = src[1];
-        for (int j = 0; j < QK / 2; j++) {
-            q[j] = (int8_t)((int)((qs[j] & 0x0F) | ((qh >> j) & 1) << 4) - 16);
-            q[j + QK / 2] = (int8_t)((int)((qs[j] >> 4) | ((qh >> (j + QK / 2)) & 1) << 4) - 16);
-        }
-    }
-}
 
 /* 18 bytes: fp16 d, 16 bytes of nibbles indexing iq4_nl_levels (value j in byte j % 16, low
  * half for j < 16) */
@@ -149,9 +133,7 @@ static void widen_iq4_nl(const uint8_t *src, int64_t n, uint8_t *dst) {
  * Returns 1, or 0 (nothing read or written) for a type it does not take or the wrong size. */
 int asyncengine_widen_q8_0(int32_t type, const uint8_t *src, int64_t n_blocks,
                            int64_t block_bytes, uint8_t *dst) {
-    if (type == GGML_Q5_0 && block_bytes == 22)
-        widen_q5_0(src, n_blocks, dst);
-    else if (type == GGML_IQ4_NL && block_bytes == 18)
+    if (type == GGML_IQ4_NL && block_bytes == 18)
         widen_iq4_nl(src, n_blocks, dst);
     else
         return 0;

@@ -2,7 +2,7 @@
 parts, each possibly gathered in another order, written into one destination in the interleaved
 groups the batch-1 kernels read, in parallel C threads; the same bytes as
 ``quant_native.interleave(cat_rows([p.select_rows(order) ...]))``, without the copies between.
-And ``widen_q8_0``: GGUF blocks of small integers (Q5_0, IQ4_NL) as Q8_0 blocks of the same
+And ``widen_q8_0``: GGUF blocks of small integers (IQ4_NL) as Q8_0 blocks of the same
 values.
 
 ``available()`` says whether the library loaded (no C compiler: callers keep the torch path).
@@ -136,8 +136,8 @@ def pack_rows(
 
 
 def widen_q8_0(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``blocks`` (uint8 [n, block bytes], contiguous) of GGUF type ``ggml_type`` (Q5_0 or
-    IQ4_NL) as uint8 [n, 34] Q8_0 blocks of exactly their values (without the GIL)."""
+    """``blocks`` (uint8 [n, block bytes], contiguous) of GGUF type ``ggml_type`` (IQ4_NL) as
+    uint8 [n, 34] Q8_0 blocks of exactly their values (without the GIL)."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native weight-packing library is not available")

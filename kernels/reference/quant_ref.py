@@ -59,10 +59,27 @@ def deinterleave(weight: QuantizedTensor) -> QuantizedTensor:
     head = blocks[:, :, : g * header].reshape(-1, nb, header // 2, g, 2).permute(0, 3, 1, 2, 4)
     vals = blocks[:, :, g * header :].reshape(-1, nb, values // 4, g, 4).permute(0, 3, 1, 2, 4)
     head_rows, val_rows = head.reshape(-1, g, nb, header), vals.reshape(-1, g, nb, values)
+    if layout.high_bits_reordered:
+        val_rows = torch.cat([_high_bits_as_stored(val_rows[..., :4]), val_rows[..., 4:]], dim=-1)
     at = layout.header_at
     parts = [val_rows[..., :at], head_rows, val_rows[..., at:]]
     rows_data = torch.cat(parts, dim=3).reshape(grouped, row_bytes)
     return QuantizedTensor(fmt, torch.cat([rows_data, data[grouped:]]), weight.cols)
+
+
+def _high_bits_as_stored(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_x fifth bits [..., 4] (uint8) as a group holds them -> as GGUF stores them (bit j of
+    the 4 bytes: value j's). The group's byte i, bit c holds value 4c + i's, bit 4 + c value
+    16 + 4c + i's."""
+    bits = (qh.unsqueeze(-1).to(torch.int32) >> torch.arange(8, dtype=torch.int32)) & 1
+    bits = bits.reshape(*qh.shape[:-1], 32)
+    value_of_bit = [
+        (16 if c >= 4 else 0) + 4 * (c % 4) + i for i in range(4) for c in range(8)
+    ]  # group bit 8i + c
+    stored = torch.zeros_like(bits)
+    stored[..., value_of_bit] = bits
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    return (stored.reshape(*qh.shape[:-1], 4, 8) * weights).sum(-1).to(torch.uint8)
 
 
 def dequantize(weight: QuantizedTensor) -> torch.Tensor:

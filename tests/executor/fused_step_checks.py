@@ -64,17 +64,25 @@ def check_q8_0_step(
 GGUF_PROMPTS = [[5, 17, 3, 90, 11, 40, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 2, 33]]
 
 
-def check_q8_0_gguf_step(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pair:
-    """A Q8_0 GGUF of the tiny model ``name`` (tests/executor/test_gguf_shapes.py), written as
-    llama.cpp's converter writes it and read as the engine reads it: its projections stay Q8_0
-    blocks and 8 decode steps are fused and follow the torch path. Answers the pair."""
-    path = tmp_path / f"{name}-q8_0.gguf"
-    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.Q8_0)
-    checkpoint = read_gguf(path, torch.float32, frozenset({int(GGMLQuantizationType.Q8_0)}))
+def check_q8_0_gguf_step(
+    name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+) -> Pair:
+    """A Q8_0 (or ``kind``) GGUF of the tiny model ``name`` (tests/executor/test_gguf_shapes.py),
+    written as llama.cpp's converter writes it and read as the engine reads it: its projections
+    stay blocks of that kind and 8 decode steps are fused and follow the torch path. Answers the
+    pair."""
+    path = tmp_path / f"{name}-{kind.name}.gguf"
+    write_gguf(name, make_hf(name, tmp_path / "hf"), path, kind)
+    checkpoint = read_gguf(path, torch.float32, frozenset({int(kind)}))
     (tmp_path / "read").mkdir()  # the config as read from the file, where Pair reads one
     (tmp_path / "read" / "config.json").write_text(json.dumps(checkpoint.config))
-    pair = Pair(TinyCheckpoint(f"{name}-q8_0", tmp_path / "read"), dict(checkpoint.weights))
-    assert isinstance(pair.native.model.layers[0].qkv, QuantizedLinear)
+    pair = Pair(TinyCheckpoint(f"{name}-{kind.name}", tmp_path / "read"), dict(checkpoint.weights))
+    qkv = pair.native.model.layers[0].qkv
+    assert isinstance(qkv, QuantizedLinear)
+    assert all(p.format.gguf_type == kind for p in qkv.parts)
     rows = _count_fused_rows(pair.native, monkeypatch)
     _compare(pair, steps=8, prompts=GGUF_PROMPTS)
     assert rows == [len(GGUF_PROMPTS)] * 8

@@ -216,8 +216,8 @@ def make_hf(name: str, directory: Path) -> Any:
 def write_gguf(
     name: str, model: Any, path: Path, stored: gguf.GGMLQuantizationType | None = None
 ) -> None:
-    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type, F16, Q8_0 or Q5_0;
-    None: float32 as the model holds them)."""
+    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type: F16, Q8_0, Q5_0
+    or Q5_1; None: float32 as the model holds them)."""
     kind, _ = SHAPES[name]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -276,7 +276,11 @@ def write_gguf(
         if kind.startswith("gemma") and hf_name.endswith("norm.weight"):
             array = array + 1  # HF's Gemma norms scale by 1 + weight: the converter adds the 1
         gguf_name = converter_name(hf_name, kind)
-        blocky = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0)
+        blocky = (
+            gguf.GGMLQuantizationType.Q8_0,
+            gguf.GGMLQuantizationType.Q5_0,
+            gguf.GGMLQuantizationType.Q5_1,
+        )
         if stored in blocky and array.ndim == 2 and "_proj" in hf_name:
             blocks = gguf.quants.quantize(array, stored)
             writer.add_tensor(gguf_name, blocks, raw_dtype=stored)

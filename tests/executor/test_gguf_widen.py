@@ -1,24 +1,19 @@
-"""Q5_0 and IQ4_NL blocks (llama-quantize's fallback for rows not a multiple of 256, and a
-non-linear 4-bit format) are kept as Q8_0 blocks of exactly their values
+"""IQ4_NL blocks (a non-linear 4-bit format) are kept as Q8_0 blocks of exactly their values
 (asyncengine/executor/loader/gguf_widen.py, kernels/cpu/cpu_weight_pack.c), not dequantized to
-the model's dtype."""
+the model's dtype; Q5_0 (which has its own kernels: tests/executor/test_gguf_q5.py) is not
+widened."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
-from asyncengine.executor.loader import gguf_loader, read_gguf
 from asyncengine.executor.loader.gguf_widen import as_q8_0
 from asyncengine.kernels.cpu.weight_pack_native import widen_q8_0
-from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantizedTensor
-from tests.executor.test_gguf_shapes import make_hf, write_gguf
+from asyncengine.kernels.quant_formats import Q8_0
 
 
 def _blocks(tensor_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
@@ -35,7 +30,7 @@ def _blocks(tensor_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarr
     return blocks.reshape(rows, -1)
 
 
-WIDENED = [GGMLQuantizationType.Q5_0, GGMLQuantizationType.IQ4_NL]
+WIDENED = [GGMLQuantizationType.IQ4_NL]
 
 
 # a few blocks; an odd number of them (8259); one alone; 256 blocks of one each
@@ -73,47 +68,8 @@ def test_blocks_of_another_size_or_type_are_refused() -> None:
         widen_q8_0(blocks.reshape(-1, 22), int(GGMLQuantizationType.IQ4_NL))
     with pytest.raises(ValueError, match="GGUF type 8"):
         widen_q8_0(np.zeros((2, 34), np.uint8), int(GGMLQuantizationType.Q8_0))
-    with pytest.raises(ValueError, match="not widened"):
-        as_q8_0(blocks, GGMLQuantizationType.Q4_0, 2)
-
-
-def test_q5_0_projections_are_kept_as_q8_0_blocks_of_their_values(tmp_path: Path) -> None:
-    name = "llama3_rope_gqa8_untied"  # its q/k rows unpermuted as blocks too
-    path = tmp_path / "q5_0.gguf"
-    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.Q5_0)
-    kept = read_gguf(path, torch.float32, frozenset(GGUF_FORMATS)).weights
-    expanded = read_gguf(path, torch.float32).weights  # every tensor dequantized by gguf-py
-    projections = [n for n in kept if n.endswith("_proj.weight")]
-    assert projections
-    for name in projections:
-        weight = kept[name]
-        assert isinstance(weight, QuantizedTensor) and weight.format == Q8_0
-        values = dequantize(weight.data.numpy(), GGMLQuantizationType.Q8_0)
-        np.testing.assert_array_equal(values, expanded[name].numpy())
-
-
-def test_q5_0_blocks_are_quantized_as_gguf_py_writes_them() -> None:
-    """The fixture's Q5_0 (gguf-py's quantize) reads back through the widening."""
-    array = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
-    blocks = quantize(array, GGMLQuantizationType.Q5_0)
-    widened = as_q8_0(blocks, GGMLQuantizationType.Q5_0, 4)
-    np.testing.assert_array_equal(
-        dequantize(widened, GGMLQuantizationType.Q8_0),
-        dequantize(blocks, GGMLQuantizationType.Q5_0),
-    )
-
-
-def test_without_the_native_library_q5_0_projections_are_dequantized(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name = "llama3_rope_gqa8_untied"
-    path = tmp_path / "q5_0.gguf"
-    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.Q5_0)
-    monkeypatch.setattr(gguf_loader, "widening_available", lambda: False)
-    kept = read_gguf(path, torch.float32, frozenset(GGUF_FORMATS)).weights
-    expanded = read_gguf(path, torch.float32).weights
-    projections = [n for n in kept if n.endswith("_proj.weight")]
-    assert projections
-    for name in projections:
-        assert isinstance(kept[name], torch.Tensor)
-        torch.testing.assert_close(kept[name], expanded[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="GGUF type 6"):
+        widen_q8_0(blocks.reshape(-1, 22), int(GGMLQuantizationType.Q5_0))
+    for kept in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0):
+        with pytest.raises(ValueError, match="not widened"):
+            as_q8_0(blocks, kept, 2)

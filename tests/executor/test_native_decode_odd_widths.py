@@ -2,10 +2,11 @@
 heads of 64 over 2 kv heads (GQA 7:1, a group no power of two), hidden 448 and an MLP of 2432
 (rows of 14, 28 and 76 blocks of 32 into q/k/v, o and down: no whole 256-value super-blocks, so
 no K format fits, as at 0.5B's 896), q/k/v biases, tied embeddings. Against the torch path of
-the same weights: over F32 rows (the dense oneDNN path beside it), over Q8_0 blocks (what a
-Q4_K_M file of that shape holds after Q5_0 is widened) and Q4_0 blocks, one row and three, and
-with bfloat16 activations; a bfloat16 prefill over Q8_0, Q4_0 and Q4_1 blocks on the int8
-product (its panels' last super-block padded)."""
+the same weights: over F32 rows (the dense oneDNN path beside it), over Q8_0 and Q4_0 blocks,
+one row and three, and with bfloat16 activations; over Q5_0 and Q5_1 blocks (what Q4_K_M and
+Q5_K_M files of that shape hold) fed the same tokens as the dense torch path of the dequantized
+weights, close to it; a bfloat16 prefill over Q8_0, Q4_0 and Q4_1 blocks on the int8 product (its
+panels' last super-block padded)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference import quant_ref
 from tests.conftest import TINY_CONFIGS, TinyCheckpoint, make_tiny_checkpoint
 from tests.executor.fused_step_checks import check_bf16_step, check_f32_step, check_q8_0_step
+from tests.executor.test_decode_step_bf16 import _teacher_forced
 from tests.executor.test_native_decode import (
     PROMPTS,
     Pair,
@@ -92,6 +94,38 @@ def test_a_q4_0_step_at_odd_widths_follows_the_torch_path(
     rows = _count_fused_rows(pair.native, monkeypatch)
     _compare(pair, steps=8)
     assert rows == [len(PROMPTS)] * 8
+
+
+@pytest.mark.parametrize(
+    "kind", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1], ids=lambda kind: kind.name
+)
+def test_a_q5_step_at_odd_widths_decodes_as_the_dequantized_weights(
+    odd_qwen2: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, kind: GGMLQuantizationType
+) -> None:
+    """Q5 blocks as gguf-py writes them, on the fused step (their group kernels at rows of 14, 28
+    and 76 blocks), fed the same tokens as the dense torch path over the blocks' float32 values:
+    every step's logits within the int8 activations' rounding of it (PREFILL_TOLERANCE), and the
+    same greedy token in at least 9 of 10 rows (a tiny random model's near ties can flip)."""
+    weights = {
+        name: _gguf_block(w, kind) if w.dim() == 2 else w
+        for name, w in odd_qwen2.load_weights().items()
+    }
+    dense = {
+        name: quant_ref.dequantize(w) if isinstance(w, QuantizedTensor) else w
+        for name, w in weights.items()
+    }
+    native = Pair(odd_qwen2, weights).native
+    reference = Pair(odd_qwen2, dense, dense_reference=monkeypatch).torch_path
+    rows = _count_fused_rows(native, monkeypatch)
+    got_steps = _teacher_forced(native, PROMPTS, 8)
+    want_steps = _teacher_forced(reference, PROMPTS, 8)
+    assert rows == [len(PROMPTS)] * 8
+    same = 0
+    for step, (got, want) in enumerate(zip(got_steps, want_steps, strict=True)):
+        error = float((got - want).abs().max() / want.abs().max())
+        assert error < PREFILL_TOLERANCE, (step, error)
+        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+    assert same >= 0.9 * 8 * len(PROMPTS), same
 
 
 def test_a_bfloat16_step_at_odd_widths_decodes_through_the_step(

@@ -27,8 +27,8 @@ from tests.native_support import needs_native
 pytestmark = needs_native
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-COLS = {"Q8_0": 96, "Q4_0": 64, "Q4_1": 96, "Q4_K": 512, "Q5_K": 256, "Q6_K": 512}
-COLS.update({"I8": 64, "F32": 40, "BF16": 48})
+COLS = {"Q8_0": 96, "Q4_0": 64, "Q4_1": 96, "Q5_0": 64, "Q5_1": 96, "Q4_K": 512, "Q5_K": 256}
+COLS.update({"Q6_K": 512, "I8": 64, "F32": 40, "BF16": 48})
 
 
 def torch_path(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:

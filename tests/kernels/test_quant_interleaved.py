@@ -119,3 +119,25 @@ def test_byte_row_operations_refuse_packed_rows() -> None:
         cat_rows([packed, packed])
     with pytest.raises(ValueError, match="no interleaved layout"):
         type(packed)(FORMATS["I8"], torch.zeros(1, 36, dtype=torch.uint8), 32, True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1"])
+def test_q5_sums_at_their_extremes(name: str, isa: str) -> None:
+    """Every value 31 (all nibbles 15, every fifth bit set) against activations all at +127 (or
+    alternating signs within a block's halves): a block's pair products sum past an int16, which
+    the AVX2 kernels must widen; the row, paired-row, group and tiled kernels all against the
+    reference, stored and packed."""
+    fmt = FORMATS[name]
+    rows, cols = 17, 96
+    weight = random_weight(fmt, rows, cols, seed=9)
+    blocks = weight.data.reshape(rows, cols // 32, fmt.block_bytes)
+    high_at = 2 if name == "Q5_0" else 4
+    blocks[:, :, high_at:] = 0xFF  # qh and nibbles: every value 31
+    for x in (torch.full((5, cols), 3.0), torch.tensor([1.0, -1.0]).repeat(5, cols // 2)):
+        ref = quant_ref.quant_matmul(x, weight)
+        scale = product_scale(x, weight, None)
+        for stored in (weight, quant_native.interleave(weight, isa)):
+            for n in (1, 2, 4, 5):
+                y = quant_native.quant_linear(x[:n], stored, isa=isa)
+                torch.testing.assert_close(y, ref[:n], rtol=2e-5, atol=2e-5 * scale)

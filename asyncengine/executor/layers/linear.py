@@ -58,8 +58,8 @@ DENSE_FROM_ROWS = 64
 # BF16 rows here (a bfloat16 model on a CPU whose bfloat16 product is slow): not measured, the
 # rows kernel keeps every size
 DENSE_FROM_ROWS_BY_FORMAT = {
-    "Q4_0": 8192, "Q4_1": 8192, "Q8_0": 8192, "Q4_K": 128, "Q5_K": 96, "Q6_K": 32, "F32": 24,
-    "BF16": 8192,
+    "Q4_0": 8192, "Q4_1": 8192, "Q5_0": 8192, "Q5_1": 8192, "Q8_0": 8192, "Q4_K": 128,
+    "Q5_K": 96, "Q6_K": 32, "F32": 24, "BF16": 8192,
 }  # fmt: skip
 # With bfloat16 activations on a CPU whose oneDNN runs bfloat16 products fast (AVX-512 BF16 or
 # AMX: ``cpu_dtype.fastest_cpu_dtype``) the dense product is ~4x float32's and crosses over much
@@ -75,8 +75,8 @@ BF16_ROWS_DENSE_FROM = 3
 # bfloat16 --threads 1 --cpu-time): the group kernels' ~0.8-2 ms per row against oneDNN's
 # bfloat16 product, flat at ~11 ms up to 16 rows
 DENSE_FROM_ROWS_BF16_BY_FORMAT = {
-    "Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11, "Q6_K": 7,
-    "BF16": BF16_ROWS_DENSE_FROM,
+    "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 16, "Q4_K": 14, "Q5_K": 11,
+    "Q6_K": 7, "BF16": BF16_ROWS_DENSE_FROM,
 }  # fmt: skip
 # Projections of at least this many inputs (a 1B model's hidden size and up) with bfloat16
 # activations: where oneDNN's bfloat16 product meets Q8_0 there (per projection, one thread, CPU

@@ -1,13 +1,10 @@
-"""GGUF block formats without a native kernel whose values are small integers times the block's
-fp16 scale, rewritten at load as Q8_0 blocks (the same scale, each value's integer as an int8):
-exact, so the native kernels and the fused decode step take them at 34 bytes per 32 weights
-where dequantizing to bfloat16 would read 64.
-
-llama-quantize writes Q5_0 (and Q8_0) in place of the K formats for rows whose length is not a
-multiple of 256 (Gemma 3 1B's 1152, Qwen2.5-0.5B's 896): most of such a Q4_K_M file.
-IQ4_NL's 16 levels are int8 values of a fixed table. The rewrite is native
-(kernels/cpu/cpu_weight_pack.c); without that library these tensors are dequantized as the
-others are.
+"""IQ4_NL, a GGUF block format without a native kernel whose values are small integers (its 16
+levels: int8 values of a fixed table) times the block's fp16 scale, rewritten at load as Q8_0
+blocks (the same scale, each value's integer as an int8): exact, so the native kernels and the
+fused decode step take it at 34 bytes per 32 weights where dequantizing to bfloat16 would read
+64. (Q5_0 and Q5_1, llama-quantize's blocks for rows whose length is not a multiple of 256, have
+native kernels and stay as stored.) The rewrite is native (kernels/cpu/cpu_weight_pack.c);
+without that library these tensors are dequantized as the others are.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from asyncengine.kernels.cpu import weight_pack_native
 
-WIDENED_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.IQ4_NL})
+WIDENED_TYPES = frozenset({GGMLQuantizationType.IQ4_NL})
 
 
 def widening_available() -> bool:
