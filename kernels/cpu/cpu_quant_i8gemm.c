@@ -1,4 +1,5 @@
-/* The K formats' (Q4_K, Q5_K, Q6_K) and the 32-value block formats' (Q8_0, Q4_0, Q4_1) products
+/* The K formats' (Q4_K, Q5_K, Q6_K) and the 32-value block formats' (Q8_0, Q4_0, Q4_1, Q5_0,
+ * Q5_1) products
  * for many activation rows at once, in int8.
  *
  *   y[i, c] = sum_k x[i, k] * W[c, k]
@@ -26,8 +27,9 @@
  *                scripts/quant_accuracy.py --variants gguf,gguf_i8), met with d:
  *                y[i, c] = sum_s sum_j xd[i, s, j] d[c, s, j] (S'[i, c, s, j] - 128 off[c, s, j])
  *                (off: the block's sum of q; the int32 sums start at -128 off)
- *   Q4_0, Q4_1   as Q8_0, their values widened to bytes (Q4_0's q - 8); Q4_1's min m per block
- *                adds m[c, s, j] B[i, s, j] inside the super-block's sum
+ *   Q4_0, Q4_1,  as Q8_0, their values widened to bytes (Q4_0's q - 8, Q5_0's q - 16); Q4_1's
+ *   Q5_0, Q5_1   and Q5_1's min m per block adds m[c, s, j] B[i, s, j] inside the super-block's
+ *                sum
  *
  * (S: the sub-block's sum of value x activation, B: its activations' sum). Exact but for the
  * activation rounding and the float sums' order. Rows of the 32-value block formats need whole
@@ -78,18 +80,16 @@ static inline int value_shift(int fmt, int v) { return nibbles(fmt) ? 4 * ((v / 
 static inline int centred(int fmt) { return fmt == FMT_Q6_K; }
 /* the formats whose values are signed bytes, meeting the activations as x + 128 */
 /* the 32-value block formats, kept in Q8_0's panel layout */
-static inline int q8_layout(int fmt) {
-    return fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
-}
+static inline int q8_layout(int fmt) { return fmt == FMT_Q8_0 || q4_family(fmt); }
 static inline int shifted_input(int fmt) { return fmt == FMT_Q6_K || q8_layout(fmt); }
 
 /* Q8_0's panel super-block: its values (as Q5_K's bytes), then per block of 32 and column the
- * int32 sums' start (-128 times the block's sum of values) and the float scale d; Q4_1's also
- * the float min m */
+ * int32 sums' start (-128 times the block's sum of values) and the float scale d; Q4_1's and
+ * Q5_1's also the float min m */
 #define Q8_OFF_AT (QK_K * NP)
 #define Q8_D_AT (Q8_OFF_AT + 8 * NP * 4)
 #define Q8_M_AT (Q8_D_AT + 8 * NP * 4)
-static inline int64_t q8_bytes(int fmt) { return Q8_M_AT + (fmt == FMT_Q4_1 ? 8 * NP * 4 : 0); }
+static inline int64_t q8_bytes(int fmt) { return Q8_M_AT + (has_min_of(fmt) ? 8 * NP * 4 : 0); }
 
 /* one panel's super-block: where its parts lie and its size */
 typedef struct {
@@ -197,19 +197,26 @@ static void decode_super_block(int fmt, const uint8_t *w, uint8_t *q, int *sc, i
 }
 
 /* one block of 32 as GGUF stores it -> values (s8), d and m: Q8_0 (fp16 d, 32 int8), Q4_0
- * (fp16 d, 16 bytes of nibbles: q - 8), Q4_1 (fp16 d, fp16 m, nibbles: q) */
+ * (fp16 d, 16 bytes of nibbles: q - 8), Q4_1 (fp16 d, fp16 m, nibbles: q), Q5_0 / Q5_1 (as
+ * Q4_0 / Q4_1 with 4 bytes of fifth bits before the nibbles: q - 16 / q) */
 static void decode_block32(int fmt, const uint8_t *w, int8_t *q, float *d, float *m) {
+    const int has_min = has_min_of(fmt), has_high = has_high_of(fmt);
     *d = fp16_to_float(w);
-    *m = fmt == FMT_Q4_1 ? fp16_to_float(w + 2) : 0.0f;
+    *m = has_min ? fp16_to_float(w + 2) : 0.0f;
     if (fmt == FMT_Q8_0) {
         memcpy(q, w + 2, 32);
         return;
     }
-    const uint8_t *qs = w + (fmt == FMT_Q4_1 ? 4 : 2);
-    const int mid = fmt == FMT_Q4_0 ? 8 : 0;
+    const uint8_t *qh = w + 2 + 2 * has_min, *qs = w + q4_qs_at(has_min, has_high);
+    const int mid = has_min ? 0 : (int)q4_mid(has_high);
     for (int t = 0; t < 16; t++) {
-        q[t] = (int8_t)((qs[t] & 0xF) - mid);
-        q[t + 16] = (int8_t)((qs[t] >> 4) - mid);
+        int lo = qs[t] & 0xF, hi = qs[t] >> 4;
+        if (has_high) {
+            lo |= ((qh[t / 8] >> (t % 8)) & 1) << 4;
+            hi |= ((qh[2 + t / 8] >> (t % 8)) & 1) << 4;
+        }
+        q[t] = (int8_t)(lo - mid);
+        q[t + 16] = (int8_t)(hi - mid);
     }
 }
 
@@ -217,7 +224,8 @@ static void decode_block32(int fmt, const uint8_t *w, int8_t *q, float *d, float
  * zero, d and m 0, their sums' start 0) */
 static void pack_panel_q8(int fmt, const uint8_t *const *rows, int nrows, int64_t k,
                           uint8_t *dst) {
-    const int64_t block = fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_1 ? 20 : 18, bytes = q8_bytes(fmt);
+    const int64_t bytes = q8_bytes(fmt);
+    const int64_t block = fmt == FMT_Q8_0 ? 34 : q4_block_bytes(has_min_of(fmt), has_high_of(fmt));
     int8_t q[32];
     for (int64_t s = 0; s < padded(k) / QK_K; s++) {
         uint8_t *out = dst + s * bytes;
@@ -232,7 +240,7 @@ static void pack_panel_q8(int fmt, const uint8_t *const *rows, int nrows, int64_
                 }
                 memcpy(out + Q8_OFF_AT + 4 * (j * NP + c), &start, 4);
                 memcpy(out + Q8_D_AT + 4 * (j * NP + c), &d, 4);
-                if (fmt == FMT_Q4_1) memcpy(out + Q8_M_AT + 4 * (j * NP + c), &m, 4);
+                if (has_min_of(fmt)) memcpy(out + Q8_M_AT + 4 * (j * NP + c), &m, 4);
             }
     }
 }
@@ -448,7 +456,7 @@ static void tile_scalar_q8(int fmt, const uint8_t *const *w, int np, int64_t s0,
                         }
                         const float xd = a[r].xd[s * 8 + j];
                         t = fmaf((float)isum, d * xd, t);
-                        if (fmt == FMT_Q4_1) {
+                        if (has_min_of(fmt)) {
                             float m;
                             memcpy(&m, blk + Q8_M_AT + 4 * (j * NP + c), 4);
                             t = fmaf(m, (float)a[r].b[s * 8 + j] * xd, t);
@@ -664,7 +672,7 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
 }
 
 /* the 32-value block formats' micro-kernel: each block's int32 sums (started at -128 off) meet
- * its float scale as they end (and Q4_1's min its activations' sum), into float sums per
+ * its float scale as they end (and Q4_1's / Q5_1's min its activations' sum), into float sums per
  * super-block, which meet the activation scale once */
 static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const int nv, int64_t s0,
                                                int64_t s1, const i8_row *a, const int mr,
@@ -865,8 +873,8 @@ I8_FORMAT_FN(tile_q6_k, 16, 0)
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
                         const i8_row *a, int nr, float *out, const i8_prefetch *pf) {
 #if defined(I8_512)
-    if (fmt == FMT_Q8_0 || fmt == FMT_Q4_0) tile_q8(w, np, s0, s1, a, nr, out, pf);
-    else if (fmt == FMT_Q4_1) tile_q4_1(w, np, s0, s1, a, nr, out, pf);
+    if (has_min_of(fmt)) tile_q4_1(w, np, s0, s1, a, nr, out, pf);
+    else if (q8_layout(fmt)) tile_q8(w, np, s0, s1, a, nr, out, pf);
     else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
     else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
     else tile_q6_k(w, np, s0, s1, a, nr, out, pf);

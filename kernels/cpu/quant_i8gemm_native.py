@@ -1,16 +1,17 @@
 """The many-row int8 product of the K formats and the 32-value block formats
 (kernels/cpu/cpu_quant_i8gemm.c), loaded with ctypes.
 
-``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight (rows of whole 256-value super-blocks) or
-a Q8_0 / Q4_0 / Q4_1 one (rows of whole 32-value blocks: a partial last super-block padded with
-zero blocks, as Qwen2.5-0.5B's 896 and Gemma 3 1B's 1152) once into the kernel's panels (each
-value its exact integer, a nibble (Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11 /
-1.25 / 1.25 / 1.375 bytes a weight, against a dense bfloat16 copy's 2); ``linear`` is then
-``x @ weight.T (+ bias)`` with the activations rounded to int8 per 256 values (per 32 against
-the 32-value block formats), the weights exact. ``available(formats)``: this CPU's build has a
-fast kernel for those formats (AVX-512 VNNI: all of them; AVX2: the K formats). ``isa`` picks the library variant as
-quant_native's does ("native", "avx2", "scalar"); a build without a fast kernel for a format
-runs a scalar one on the same layout (the reference the tests hold the fast ones to).
+``pack(weight)`` repacks a Q4_K / Q5_K / Q6_K weight (rows of whole 256-value super-blocks) or a
+Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 one (rows of whole 32-value blocks: a partial last super-block
+padded with zero blocks, as Qwen2.5-0.5B's 896 and Gemma 3 1B's 1152) once into the kernel's panels
+(each value its exact integer, a nibble (Q4_K) or a byte, its scales beside it: ~0.63 / 1.13 / 1.11
+/ 1.25 / 1.25 / 1.375 bytes a weight (Q5_0 / Q5_1 as Q4_0 / Q4_1), against a dense bfloat16 copy's
+2); ``linear`` is then ``x @ weight.T (+ bias)`` with the activations rounded to int8 per 256 values
+(per 32 against the 32-value block formats), the weights exact. ``available(formats)``: this CPU's
+build has a fast kernel for those formats (AVX-512 VNNI: all of them; AVX2: the K formats). ``isa``
+picks the library variant as quant_native's does ("native", "avx2", "scalar"); a build without a
+fast kernel for a format runs a scalar one on the same layout (the reference the tests hold the fast
+ones to).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from asyncengine.kernels.quant_formats import FORMATS as QUANT_FORMATS
 from asyncengine.kernels.quant_formats import QuantizedTensor
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"})
-BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # rows of whole blocks of 32 values
+BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})  # rows of whole blocks of 32
+FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"}) | BLOCK32_FORMATS
 SUPER_BLOCK = 256
 BLOCK = 32
 PANEL_COLUMNS = 16

@@ -4,7 +4,7 @@
     y = linear(x, weight, bias)    # x's int8 form (dequantized) @ weight (dequantized).T, float64
 
 The activations take one scale per 256 values against the K formats, per 32 against the 32-value
-block formats (Q8_0, Q4_0, Q4_1: ``scale_block``).
+block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: ``scale_block``).
 
 The kernel's integer sums are exact and its weights are the format's own values, so it differs
 from ``linear`` by float32 rounding only; ``rounding_bound`` is how far the activations' rounding
@@ -19,7 +19,7 @@ from asyncengine.kernels.quant_formats import QuantizedTensor
 from asyncengine.kernels.reference import quant_ref
 
 SUPER_BLOCK = 256
-BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 
 
 def scale_block(weight: QuantizedTensor) -> int:

@@ -5,8 +5,8 @@ no K format fits, as at 0.5B's 896), q/k/v biases, tied embeddings. Against the 
 the same weights: over F32 rows (the dense oneDNN path beside it), over Q8_0 and Q4_0 blocks,
 one row and three, and with bfloat16 activations; over Q5_0 and Q5_1 blocks (what Q4_K_M and
 Q5_K_M files of that shape hold) fed the same tokens as the dense torch path of the dequantized
-weights, close to it; a bfloat16 prefill over Q8_0, Q4_0 and Q4_1 blocks on the int8 product (its
-panels' last super-block padded)."""
+weights, close to it; a bfloat16 prefill over Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks on the int8
+product (its panels' last super-block padded)."""
 
 from __future__ import annotations
 
@@ -159,8 +159,14 @@ def _prefill_logits(ckpt: TinyCheckpoint, weights: dict[str, Any], dtype: torch.
 @pytest.mark.usefixtures("without_amx")
 @pytest.mark.parametrize(
     "kind",
-    [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1],
-    ids=["Q8_0", "Q4_0", "Q4_1"],
+    [
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+    ],
+    ids=lambda kind: kind.name,
 )
 def test_a_bfloat16_prefill_at_odd_widths_takes_the_int8_product(
     odd_qwen2: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch, kind: GGMLQuantizationType

@@ -384,3 +384,20 @@ def test_without_amx_the_projection_keeps_the_dense_product(
         atol=1e-5 * product_scale(x, q4, None),
     )
     assert projection._dense is not None
+
+
+def test_q5_projections_keep_the_other_products_on_an_amx_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Q5_0 / Q5_1 have no AMX unpacking: on an AMX CPU a projection with a part in them (alone
+    or beside a part AMX takes) keeps the int8 (or dense) product at every row count."""
+    monkeypatch.setattr(quant_amx_native, "available", lambda: True)
+    q4 = random_weight(FORMATS["Q4_K"], 16, 512, seed=1)
+    assert QuantizedLinear([q4], dense_from_rows=8)._amx
+    for name in ("Q5_0", "Q5_1"):
+        q5 = random_weight(FORMATS[name], 16, 512, seed=2)
+        assert not quant_amx_native.takes(quant_native.interleave(q5))
+        for parts in ([q5], [q4, q5]):
+            projection = QuantizedLinear(parts, dense_from_rows=8)
+            assert not projection._amx
+            assert projection._product(600, torch.bfloat16) != projection._amx_product

@@ -43,8 +43,8 @@ needs_k_format_i8 = pytest.mark.skipif(
     not quant_i8gemm_native.available(formats={"Q4_K", "Q6_K"}),
     reason="this CPU has no fast int8 product of the K formats (AVX-512 VNNI or AVX2)",
 )
-I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
-BLOCK32_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+I8_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+BLOCK32_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # rows of whole 32-value blocks ending in a partial super-block: 3, 9, 28 (Qwen2.5-0.5B's
 # hidden) and 36 (Gemma 3 1B's) blocks
 PARTIAL_COLS = (96, 288, 896, 1152)
@@ -216,7 +216,7 @@ def test_q8_0_sums_at_their_extremes(isa: str, value_byte: int, sign: float) -> 
 
 
 @pytest.mark.parametrize("isa", _builds())
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q5_1"])
 def test_block32_formats_at_every_row_count_of_a_tile(isa: str, name: str) -> None:
     """Every activation row count from 1 to 33 (whole and partial 4-row tiles, one super-block a
     chunk up to 32 rows, several from 33) and 70, on a weight of a partial last panel pair."""

@@ -131,7 +131,7 @@ AMX_FROM_ROWS_BY_FORMAT = {"Q4_K": 28, "Q5_K": 28, "Q6_K": 32, "Q8_0": 16, "Q4_0
 # count.
 I8_BELOW_ROWS_BY_FORMAT = {
     "Q4_K": 1 << 30, "Q5_K": 1 << 30, "Q6_K": 1 << 30, "Q8_0": 1 << 30, "Q4_0": 1 << 30,
-    "Q4_1": 1 << 30,
+    "Q4_1": 1 << 30, "Q5_0": 1 << 30, "Q5_1": 1 << 30,
 }  # fmt: skip
 # With bfloat16 activations, where every part takes the int8 product, it takes it from this many
 # rows even below the dense crossover (in place of the quantized group kernels; float32 ones keep
@@ -148,7 +148,11 @@ I8_BELOW_ROWS_BY_FORMAT = {
 # rows a 1152 x 1152 one 1.9 / 1.6 / 1.3 (--i8-crossovers Q8_0,Q4_0,Q4_1 --shape qwen2.5-0.5b,
 # gemma-3-1b). SmolLM2's layers (576: 1/3 more) 1.2-1.6; its 49152 x 576 Q8_0 LM head, bound by
 # the bytes it streams, 0.7 at 5-8 rows (a 49152 x 512 one 0.86), 1.05 at 12, 1.4 at 16.
-I8_FROM_ROWS_BY_FORMAT = {"Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q4_K": 5, "Q5_K": 5, "Q6_K": 5}
+# Q5_0 / Q5_1 (llama-quantize's blocks for those rows in Q4_K_M / Q5_K_M files) take Q4_0's /
+# Q4_1's crossovers: the same panels, one more bit a value in the file.
+I8_FROM_ROWS_BY_FORMAT = {
+    "Q8_0": 5, "Q4_0": 8, "Q4_1": 16, "Q5_0": 8, "Q5_1": 16, "Q4_K": 5, "Q5_K": 5, "Q6_K": 5,
+}  # fmt: skip
 # Where the int8 product is the AVX2 kernel (a CPU without VNNI: float32 activations by default),
 # float32 activations take it from these rows below the dense crossover. Group kernels / int8
 # product per projection of a 1B layer and its LM head, two threads, a Zen 3 ISA build
