@@ -179,18 +179,22 @@ static inline __m256i unpack_nibbles16(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
-/* a Q5 block's 32 fifth bits (bit j: element j) -> 32 bytes, 16 where the bit is set: each
- * byte takes its bit's byte of qh (shuffle), every other bit forced to 1 (or), all ones then
- * means the bit was set (cmpeq) */
+/* a Q5 block's 32 fifth bits (bit j: element j) -> 32 bytes, 16 where the bit is set: with
+ * AVX-512 BW the bits are a byte mask as they stand; else each byte takes its bit's byte of qh
+ * (shuffle), every other bit forced to 1 (or), all ones then means the bit was set (cmpeq) */
 static inline __m256i high_bits16(const uint8_t *qh) {
     int32_t h;
     memcpy(&h, qh, 4);
+#if defined(Q_ISA_VNNI) && defined(__AVX512BW__)
+    return _mm256_maskz_mov_epi8((__mmask32)(uint32_t)h, _mm256_set1_epi8(16));
+#else
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(h), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
                                                 0x0101010101010101, 0x0000000000000000));
     const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
     const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
+#endif
 }
 
 /* a | (b & 16 in every byte): a 4-bit value joined by its fifth bit (at bit 4 of b) */
