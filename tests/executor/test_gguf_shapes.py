@@ -213,11 +213,31 @@ def make_hf(name: str, directory: Path) -> Any:
     return model
 
 
+# ggml's kvalues_iq4nl
+IQ4_NL_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32
+)
+
+
+def iq4_nl_blocks(array: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of a float32 [rows, cols] array (gguf-py has no IQ4_NL quantizer): per block of
+    32 an fp16 d = max|x| / 127, each value the nearest level times d, as ggml packs the nibbles
+    (value j in byte j % 16, the low half for j < 16)."""
+    blocks = array.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(blocks).max(axis=1) / 127).astype(np.float16)
+    scale = np.where(d == 0, 1, d.astype(np.float32))[:, None]
+    nearest = np.abs((blocks / scale)[..., None] - IQ4_NL_LEVELS).argmin(-1).astype(np.uint8)
+    nibbles = nearest[:, :16] | (nearest[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), nibbles], axis=1).reshape(
+        array.shape[0], -1
+    )
+
+
 def write_gguf(
     name: str, model: Any, path: Path, stored: gguf.GGMLQuantizationType | None = None
 ) -> None:
-    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type: F16, Q8_0, Q5_0
-    or Q5_1; None: float32 as the model holds them)."""
+    """As convert_hf_to_gguf.py writes it (``stored``: the 2-D projections' type: F16, Q8_0, Q5_0,
+    Q5_1 or IQ4_NL (as llama-quantize would); None: float32 as the model holds them)."""
     kind, _ = SHAPES[name]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -284,6 +304,8 @@ def write_gguf(
         if stored in blocky and array.ndim == 2 and "_proj" in hf_name:
             blocks = gguf.quants.quantize(array, stored)
             writer.add_tensor(gguf_name, blocks, raw_dtype=stored)
+        elif stored == gguf.GGMLQuantizationType.IQ4_NL and array.ndim == 2 and "_proj" in hf_name:
+            writer.add_tensor(gguf_name, iq4_nl_blocks(array), raw_dtype=stored)
         elif stored == gguf.GGMLQuantizationType.F16 and array.ndim == 2 and "_proj" in hf_name:
             writer.add_tensor(gguf_name, array.astype(np.float16))
         else:

@@ -5,15 +5,20 @@ widened."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from asyncengine.executor.loader import gguf_loader, read_gguf
 from asyncengine.executor.loader.gguf_widen import as_q8_0
 from asyncengine.kernels.cpu.weight_pack_native import widen_q8_0
-from asyncengine.kernels.quant_formats import Q8_0
+from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantizedTensor
+from tests.executor.test_gguf_shapes import make_hf, write_gguf
 
 
 def _blocks(tensor_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
@@ -73,3 +78,34 @@ def test_blocks_of_another_size_or_type_are_refused() -> None:
     for kept in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0):
         with pytest.raises(ValueError, match="not widened"):
             as_q8_0(blocks, kept, 2)
+
+
+def test_iq4_nl_projections_are_kept_as_q8_0_blocks_of_their_values(tmp_path: Path) -> None:
+    name = "llama3_rope_gqa8_untied"  # its q/k rows unpermuted as blocks too
+    path = tmp_path / "iq4_nl.gguf"
+    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.IQ4_NL)
+    kept = read_gguf(path, torch.float32, frozenset(GGUF_FORMATS)).weights
+    expanded = read_gguf(path, torch.float32).weights  # every tensor dequantized by gguf-py
+    projections = [n for n in kept if n.endswith("_proj.weight")]
+    assert projections
+    for name in projections:
+        weight = kept[name]
+        assert isinstance(weight, QuantizedTensor) and weight.format == Q8_0
+        values = dequantize(weight.data.numpy(), GGMLQuantizationType.Q8_0)
+        np.testing.assert_array_equal(values, expanded[name].numpy())
+
+
+def test_without_the_native_library_iq4_nl_projections_are_dequantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = "llama3_rope_gqa8_untied"
+    path = tmp_path / "iq4_nl.gguf"
+    write_gguf(name, make_hf(name, tmp_path / "hf"), path, GGMLQuantizationType.IQ4_NL)
+    monkeypatch.setattr(gguf_loader, "widening_available", lambda: False)
+    kept = read_gguf(path, torch.float32, frozenset(GGUF_FORMATS)).weights
+    expanded = read_gguf(path, torch.float32).weights
+    projections = [n for n in kept if n.endswith("_proj.weight")]
+    assert projections
+    for name in projections:
+        assert isinstance(kept[name], torch.Tensor)
+        torch.testing.assert_close(kept[name], expanded[name], rtol=0, atol=0)
