@@ -97,7 +97,7 @@ class Pools:
         if q_dtype is None:
             q_dtype = torch.float32 if dtype in (torch.float16, torch.int8) else dtype
         self.q = torch.randn(batch, heads, dim, generator=gen).to(q_dtype)
-        self.page_size, self.scale = page, dim**-0.5
+        self.page_size, self.scale, self.softcap = page, dim**-0.5, args.softcap
         row_bytes = self.k[0][0, 0].nbytes  # an int8 row's scale included
         self.bytes_per_layer = 2 * batch * context * kv_heads * row_bytes
 
@@ -142,7 +142,7 @@ def compile_baseline(rev: str, dtype: torch.dtype) -> Callable[..., int]:
         head += [pools.block_table.data_ptr(), pools.block_table.stride(0)]
         head += [pools.seq_lens.data_ptr(), q.shape[0], q.shape[1], pools.k[layer].shape[1]]
         head += [q.shape[2], pools.page_size, pools.scale]
-        options = [0, 0.0] if with_options else []
+        options = [0, pools.softcap] if with_options else []
         tail = [out.data_ptr(), int(q.dtype == torch.bfloat16), threads]
         return int(fn(*head, *options, *tail))
 
@@ -173,7 +173,7 @@ def measure(
     def current() -> None:
         for i in range(args.layers):
             current_out[i] = native_decode_attention(
-                pools.q, pools.k[i], pools.v[i], plan, pools.scale
+                pools.q, pools.k[i], pools.v[i], plan, pools.scale, softcap=pools.softcap
             )
 
     runs: dict[str, Callable[[], None]] = {"current": current}
@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--softcap", type=float, default=0.0, help="attention soft-cap (Gemma 2's 50); 0: none"
+    )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--baseline-rev", help="git revision of the kernel to compare with")
     parser.add_argument("--torch", action="store_true", help="time the torch reference too")
