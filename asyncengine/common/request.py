@@ -117,6 +117,9 @@ class Request:
     # the prompt as the prefix cache keys it under the request's cache_salt (cache_salt.py);
     # None: the prompt itself (no salt)
     cache_prompt: list[int] | None = None
+    # ``cache_ids`` of a request with output, joined once and kept while its output stays as
+    # it is: a request waiting after a retraction is read every step, its context whole
+    joined_cache_ids: list[int] | None = None
 
     # Written out because mypyc compiles this class (every request makes one) and leaves a
     # dataclass-made __init__ interpreted; tests/test_compiled.py checks it against the fields.
@@ -147,6 +150,7 @@ class Request:
         proposed_guesses: int = 0,
         accepted_guesses: int = 0,
         cache_prompt: list[int] | None = None,
+        joined_cache_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -175,6 +179,7 @@ class Request:
         if cache_prompt is None and (params.cache_salt is not None or params.lora is not None):
             cache_prompt = salted_ids(prompt_ids, params.cache_salt, params.lora)
         self.cache_prompt = cache_prompt
+        self.joined_cache_ids = joined_cache_ids
 
     @property
     def lora(self) -> str | None:
@@ -194,9 +199,18 @@ class Request:
 
     @property
     def cache_ids(self) -> list[int]:
-        """``all_ids`` as the prefix cache keys them (salted: cache_salt.py). Read-only."""
+        """``all_ids`` as the prefix cache keys them (salted: cache_salt.py). Read-only: it is
+        the prompt itself, or one list joined per output length (an output only grows while
+        its request lives; it is cut only as the request ends)."""
         prompt = self.prompt_ids if self.cache_prompt is None else self.cache_prompt
-        return prompt + self.output_ids if self.output_ids else prompt
+        output = self.output_ids
+        if not output:
+            return prompt
+        joined = self.joined_cache_ids
+        if joined is None or len(joined) != len(prompt) + len(output):
+            joined = prompt + output
+            self.joined_cache_ids = joined
+        return joined
 
     @property
     def num_tokens(self) -> int:
@@ -243,3 +257,4 @@ class Request:
         self.finish_reason = reason
         self.matched_stop = matched
         self.finished_time = now
+        self.joined_cache_ids = None  # nothing reads its whole context every step any more

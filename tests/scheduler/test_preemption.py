@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncengine.cache.eviction_rule import EvictionRule
 from asyncengine.cache.manager import SeqKV
 from asyncengine.cache.radix_cache import RadixCache
 from asyncengine.common.config import ConfigError
@@ -311,3 +312,50 @@ def test_preemption_and_predictor_keys_come_from_toml_and_the_command_line(
     config = engine_config_from_args(args)
     assert config.preemption_victim == "least-computed" and config.preemption_mode == "swap"
     assert config.swap_space_bytes == 4096 and config.length_predictor == "ranker"
+
+
+class WatchesTheQueue(EvictionRule):
+    """LRU that keeps the ids the scheduler hands it for each waiting request, step by step."""
+
+    watches_queue = True
+
+    def __init__(self) -> None:
+        self.steps: list[list[Sequence[int]]] = []
+
+    def watch_waiting(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.steps.append(list(prompts))
+
+
+def test_a_retracted_request_waiting_is_read_without_a_copy_of_its_context_each_step() -> None:
+    # 6 pages of 4 tokens: each request alone fits (4 + 20 tokens), both together do not
+    core, runner, clock = short_core(
+        num_pages=6,
+        eviction_policy="tests.scheduler.test_preemption:WatchesTheQueue",
+        init_new_token_ratio=0.01,
+        max_model_len=24,
+    )
+    rule = core.kv.tree.rule
+    assert isinstance(rule, WatchesTheQueue)
+    (first,) = submit(core, clock, [([1, 2, 3, 4], 20)], tag="a")
+    for _ in range(4):
+        plan = core.launch()
+        assert plan is not None
+        core.land(plan, runner.execute(plan))
+    (second,) = submit(core, clock, [([9, 8, 7, 6], 20)], tag="b")
+    while core.scheduler.retraction.total_retractions == 0:
+        plan = core.launch()
+        assert plan is not None
+        core.land(plan, runner.execute(plan))
+    assert second.retractions == 1 and second.output_ids
+    rule.steps.clear()
+    while second.status is RequestStatus.WAITING:
+        plan = core.launch()
+        assert plan is not None
+        core.land(plan, runner.execute(plan))
+    # every step handed it its prompt and output; one list, joined once, not once a step
+    handed = [ids for step in rule.steps for ids in step]
+    assert len(handed) >= 5
+    assert all(ids is handed[0] for ids in handed)
+    assert list(handed[0]) == second.prompt_ids + second.output_ids
+    drive(core, runner, clock)
+    assert second.output_ids == reference_output([9, 8, 7, 6], 20)
