@@ -58,7 +58,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     req = await read_json(request, state, LoadLoraRequest)
     if req.lora_name in state.served_model_names:  # the model field could not reach it
         raise invalid_request(
-            f"{req.lora_name!r} is a name the base model is served under", param="lora_name"
+            f"{req.lora_name!r} is a name the base model is served under",
+            param="lora_name",
+            code="invalid_request",  # as the engine's refusals of a load (from_engine_error)
         )
     await _engine(request).load_lora(req.lora_name, req.lora_path)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")

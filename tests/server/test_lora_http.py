@@ -124,16 +124,20 @@ async def test_adapters_over_http(model_dir: Path, adapters: dict[str, Path]) ->
                 session, load, {"lora_name": "r16", "lora_path": str(adapters["r16"])}, ADMIN
             )
             assert status == 400 and "rank 16, over the limit of 8" in err["error"]["message"]
+            assert err["error"]["code"] == "invalid_request"
             status, err = await _post(
                 session, load, {"lora_name": "x", "lora_path": str(model_dir)}, ADMIN
             )
             assert status == 400 and "not a PEFT adapter" in err["error"]["message"]
+            assert err["error"]["code"] == "invalid_request"
             status, err = await _post(session, load, {"lora_name": "r8"}, ADMIN)
             assert status == 400
             status, err = await _post(  # the base's served name: the model field selects the base
                 session, load, {"lora_name": base, "lora_path": str(adapters["r8"])}, ADMIN
             )
             assert status == 400 and err["error"]["param"] == "lora_name"
+            assert err["error"]["code"] == "invalid_request"
+            assert "is a name the base model is served under" in err["error"]["message"]
             assert "r16" not in server.engine.lora_adapters
             # a hot load, then the adapter serves
             status, text = await _post(
