@@ -546,7 +546,10 @@ class AsyncEngine:
         keys = salted_ids(ids, params.cache_salt)
         if core.kv.tree.prefix_length(keys, whole) < whole:
             await self.generate(ids, params)
-        return core.pin(keys[:whole], ttl_s)
+        pin = core.pin(keys[:whole], ttl_s)
+        if ttl_s is not None:
+            self._wake()  # an idle loop sets its timer for the pin's end
+        return pin
 
     def unpin(self, pin_id: int) -> Pin:
         """Release a pin; KeyError when there is no such pin (unpinned, or past its TTL)."""

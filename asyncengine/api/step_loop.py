@@ -6,6 +6,7 @@ stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
@@ -101,8 +102,7 @@ class StepLoop:
             while not self.stopping:
                 if pending is None:
                     if not core.has_work():
-                        self.wakeup.clear()
-                        await self.wakeup.wait()
+                        await self._wait_for_work(core)
                         continue
                     pending = self._launch(core)
                     if pending is None:  # nothing fits yet, or the policy holds
@@ -157,6 +157,17 @@ class StepLoop:
             if self.waiter is not None:
                 self.waiter.shutdown(wait=True)
                 self.waiter = None
+
+    async def _wait_for_work(self, core: EngineCore) -> None:
+        """With nothing to run: wait for ``wakeup``, or until the next pin's ``ttl_s`` ends,
+        so that an engine with no traffic releases its pages then, not at the next step."""
+        until = core.expire_pins()
+        self.wakeup.clear()
+        if until is None:
+            await self.wakeup.wait()
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wakeup.wait(), max(0.0, until - core.now()))
 
     async def _idle(self, core: EngineCore) -> None:
         """After a launch that ran nothing: wait for new work (``wakeup``: an arrival, an

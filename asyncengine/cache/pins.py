@@ -77,6 +77,11 @@ class PinnedPrefixes:
         self.expired += len(gone)
         return gone
 
+    def next_expiry(self) -> float | None:
+        """When the first time to live ends (None: no pin has one)."""
+        ends = [p.expires_at for p in self._pins.values() if p.expires_at is not None]
+        return min(ends, default=None)
+
     def clear(self) -> list[Pin]:
         pins = list(self._pins.values())
         self._pins.clear()

@@ -253,6 +253,14 @@ class EngineCore:
         expires = None if ttl_s is None else self.now() + ttl_s
         return self.kv.pin(tokens, expires)
 
+    def expire_pins(self) -> float | None:
+        """Release the pins past their ``ttl_s`` (each step does too), and say when the next
+        one ends (None: none has a ttl): a driver with no work wakes then to release it."""
+        pins = self.kv.pins
+        if len(pins):
+            self.kv.expire_pins(self.now())
+        return pins.next_expiry()
+
     def unpin(self, pin_id: int) -> Pin:
         """Release a pin (KeyError: no such pin, or it expired)."""
         return self.kv.unpin(pin_id)

@@ -69,8 +69,27 @@ async def test_a_pin_ends_at_its_ttl() -> None:
         pin = await eng.pin(SYSTEM, ttl_s=0.05)
         assert eng.stats()["pinned_prefixes"] == 1
         await asyncio.sleep(0.1)
-        await eng.generate("tick", params(1))  # a step boundary drops what expired
+        await eng.generate("tick", params(1))  # a step after it finds it gone too
         assert eng.stats()["pinned_prefixes"] == 0
+        with pytest.raises(KeyError):
+            eng.unpin(pin.pin_id)
+        eng.scheduler.kv.check_invariant()
+    finally:
+        await eng.stop()
+
+
+async def test_an_idle_engine_releases_a_pin_when_its_ttl_ends() -> None:
+    eng = engine(num_pages=64, max_pinned_fraction=0.5)
+    await eng.start()
+    try:
+        await eng.generate(SYSTEM, params(1))  # cached: the pin computes nothing
+        steps = eng.scheduler.step_count
+        pin = await eng.pin(SYSTEM, ttl_s=0.05)
+        assert eng.stats()["pages_pinned"] == pin.pages > 0
+        # no request arrives: the pin's pages are released all the same, and no step ran
+        assert await wait_until(lambda: eng.stats()["pinned_prefixes"] == 0, timeout=5.0)
+        assert eng.stats()["pages_pinned"] == 0
+        assert eng.scheduler.step_count == steps
         with pytest.raises(KeyError):
             eng.unpin(pin.pin_id)
         eng.scheduler.kv.check_invariant()
