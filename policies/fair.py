@@ -232,6 +232,6 @@ class FairPolicy(Policy):
             req = queue[index]
             ordered.append(req)
             if index + 1 < len(queue):
-                charge = self.prefill_weight * len(req.all_ids) / self.weight(tenant)
+                charge = self.prefill_weight * req.num_tokens / self.weight(tenant)
                 heapq.heappush(heap, (counter + charge, load, position, tenant, index + 1))
         return ordered
