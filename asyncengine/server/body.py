@@ -4,6 +4,9 @@ decoding with exact errors (``decode_body``).
 - A Content-Type other than JSON (``application/json`` or ``*/*+json``, UTF-8), or none, is
   answered 415: a web page can send a body without a JSON type to another origin without
   the browser asking first (a "simple" request), never one with it.
+- A body sent with a ``Content-Encoding`` (gzip, deflate, ...) is answered 415 and its
+  connection closed, unread: a few MB of gzip inflate to GB, so the server (which starts
+  aiohttp with ``auto_decompress=False``) spends on a body only what the client sends.
 - A body that has not fully arrived after ``ServerState.body_timeout`` seconds (a chunked body
   that never ends, a client that stalls) is answered 408 and its connection closed.
 - Bodies above the app's ``client_max_size`` are answered 413 by aiohttp's reader.
@@ -24,7 +27,16 @@ JSON_TYPE = "application/json"
 
 
 def check_content_type(request: web.Request) -> None:
-    """415 unless the body is declared JSON (UTF-8)."""
+    """415 unless the body is declared JSON (UTF-8), sent as it is (no Content-Encoding)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise ApiError(
+            415,
+            f"compressed request bodies are not accepted (Content-Encoding: {encoding!r}); "
+            "send the JSON uncompressed",
+            code="unsupported_media_type",
+            close_connection=True,
+        )
     mime = request.content_type if "Content-Type" in request.headers else ""
     charset = (request.charset or "utf-8").lower()
     if (mime == JSON_TYPE or mime.endswith("+json")) and charset in ("utf-8", "utf8"):

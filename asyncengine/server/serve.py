@@ -210,6 +210,8 @@ async def start_http(
     """
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine request at once instead of when the next token fails to write.
+    # auto_decompress off: a compressed body is refused (server/body.py), and a body refused
+    # unread is skipped without inflating it (a few MB of gzip inflate to GB).
     log_client_errors_quietly()
     runner = web.AppRunner(
         app,
@@ -217,6 +219,7 @@ async def start_http(
         shutdown_timeout=shutdown_grace + ABORT_FLUSH_SECONDS,
         access_log=None,
         keepalive_timeout=idle_timeout,
+        auto_decompress=False,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import socket
 import threading
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -120,6 +121,46 @@ async def test_a_body_without_a_json_content_type_is_415(
     writer.close()
     assert answer.startswith(b"HTTP/1.1 415"), answer[:300]
     assert b"unsupported_media_type" in answer
+
+
+def _gzip_bomb(inflated_bytes: int) -> bytes:
+    """A JSON body's gzip that inflates to ``inflated_bytes`` (about a thousand times its size)."""
+    pack = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(1 << 20)
+    parts = [pack.compress(b'{"prompt": "')]
+    parts += [pack.compress(zeros) for _ in range(inflated_bytes >> 20)]
+    return b"".join(parts) + pack.flush()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+async def test_a_compressed_body_is_415_and_its_connection_closed_unread(
+    http: aiohttp.ClientSession, server: RunningServer, encoding: str
+) -> None:
+    """A body that inflates past the body limit is not inflated to find out: 415 at once."""
+    data = _gzip_bomb(64 * 1024 * 1024)
+    sent = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    async with http.post(server.base_url + "/v1/completions", data=data, headers=sent) as resp:
+        assert resp.status == 415, await resp.text()
+        assert (await resp.json())["error"]["code"] == "unsupported_media_type"
+        assert resp.headers["Connection"] == "close"
+
+
+async def test_a_body_refused_unread_is_skipped_not_inflated(server: RunningServer) -> None:
+    """The bytes of a body refused before it is read are skipped as sent: one that does not
+    inflate (not gzip at all) leaves the connection to serve the next request."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    garbage = b"not gzip" * 1000
+    writer.write(
+        b"POST /no/such/route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+        % len(garbage)
+        + garbage
+        + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    answer = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 404"), answer[:300]
+    assert b"HTTP/1.1 200" in answer and b'"status": "ok"' in answer.replace(b'":"', b'": "')
 
 
 # -- Host and Origin on loopback ---------------------------------------------------------------
