@@ -138,7 +138,7 @@ async def get_response(request: web.Request) -> web.Response:
     stored = request.app[RESPONSES_STORE].get(response_id, request.get(API_KEY_DIGEST))
     if stored is None:
         raise not_found(response_id)
-    return json_response(stored.body)
+    return web.Response(body=stored.body, content_type="application/json")
 
 
 async def list_input_items(request: web.Request) -> web.Response:

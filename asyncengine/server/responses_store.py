@@ -4,9 +4,11 @@ bounded by size and age.
 Each stored response keeps its body (what GET answers) and its turn of the conversation (its
 input items, which ``GET /v1/responses/{id}/input_items`` lists, and its output as items) with
 a link to the response it continued, so a chain costs the size of its turns, not the square of
-its length. A response leaves the store ``ttl`` seconds after it was stored, or earlier, oldest
-first, when the store would exceed ``max_bytes`` (the JSON size of bodies and turns); a chain
-one of whose responses has left cannot be continued (404, as an unknown id). Ids are random
+its length. Both are kept as their JSON bytes (decoded when read): the store's memory is the
+size it counts, where decoded objects would take several times their JSON. A response leaves
+the store ``ttl`` seconds after it was stored, or earlier, oldest first, when the store would
+exceed ``max_bytes`` (the JSON size of bodies and turns); a chain one of whose responses has
+left cannot be continued (404, as an unknown id). Ids are random
 (128 bits); behind API keys a response belongs to the key that made it (``owner``, its digest):
 another key's GET (of it or its input items), DELETE or continuation gets a 404, as for an
 unknown id. A response stored with a ``user`` is continued only by requests of that user.
@@ -31,10 +33,13 @@ DEFAULT_STORE_BYTES = 64 * 1024 * 1024
 DEFAULT_STORE_TTL_SECONDS = 3600.0
 
 
+_TURN = msgspec.json.Decoder(list[InputItem])
+
+
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    body: Json
-    turn: list[InputItem]  # its input items (the first ``inputs``), then its output items
+    body: bytes  # the response's JSON, as GET answers it
+    turn: bytes  # the JSON of its input items (the first ``inputs``), then its output items
     inputs: int
     previous: str | None
     owner: str | None  # the digest of the API key that made it (None: no keys)
@@ -43,9 +48,14 @@ class StoredResponse:
     size: int
 
     @property
+    def items(self) -> list[InputItem]:
+        """Its turn of the conversation: its input items, then its output items."""
+        return _TURN.decode(self.turn)
+
+    @property
     def input_items(self) -> list[InputItem]:
         """What its request sent as ``input`` (not the items of the responses it continued)."""
-        return self.turn[: self.inputs]
+        return self.items[: self.inputs]
 
 
 class ResponseStore:
@@ -86,7 +96,9 @@ class ResponseStore:
     ) -> bool:
         """Keep a response (``inputs``: how many of ``turn``'s first items were its input);
         False when it alone is larger than the store."""
-        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(turn))
+        body_json = _exact(msgspec.json.encode(body))
+        turn_json = _exact(msgspec.json.encode(turn))
+        size = len(body_json) + len(turn_json)
         if size > self.max_bytes:
             return False
         self._expire()
@@ -94,7 +106,7 @@ class ResponseStore:
             self._drop(next(iter(self._entries)))
         expires = self._clock() + self.ttl
         self._entries[response_id] = StoredResponse(
-            body, turn, inputs, previous, owner, tenant, expires, size
+            body_json, turn_json, inputs, previous, owner, tenant, expires, size
         )
         self.bytes += size
         return True
@@ -122,7 +134,7 @@ class ResponseStore:
         turns = []
         entry: StoredResponse | None = head
         while entry is not None:
-            turns.append(entry.turn)
+            turns.append(entry.items)
             if entry.previous is None:
                 break
             entry = self._entries.get(entry.previous)
@@ -146,6 +158,11 @@ class ResponseStore:
 
     def _drop(self, response_id: str) -> None:
         self.bytes -= self._entries.pop(response_id).size
+
+
+def _exact(encoded: bytes) -> bytes:
+    """A copy of exactly its length: msgspec's output keeps its spare buffer (up to half again)."""
+    return bytes(memoryview(encoded))
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:

@@ -6,7 +6,9 @@ structured output, reasoning items, errors."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from asyncengine.server.openai_responses import RESPONSES_STORE
 from tests.chat_models import tiny_thinking_qwen3_dir
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
@@ -406,6 +409,37 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
             await client.responses.create(model=server.model, **body)
         assert refused.value.status_code in (400, 404), body
         assert refused.value.body["param"] == param, (body, refused.value.body)  # type: ignore[index]
+
+
+async def test_the_store_holds_no_more_memory_than_the_bytes_it_counts(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Its bound is in JSON bytes: what it holds (measured as what deleting its responses frees)
+    stays near that, where decoded items would take several times their JSON."""
+    store = server.app[RESPONSES_STORE]
+    conversation: Any = [{"role": "user", "content": "hi"}] * 70
+    tracemalloc.start()
+    try:
+        ids = [
+            (
+                await client.responses.create(
+                    model=server.model, input=conversation, max_output_tokens=1
+                )
+            ).id
+            for _ in range(80)
+        ]
+        counted = store.bytes
+        gc.collect()
+        holding = tracemalloc.get_traced_memory()[0]
+        for response_id in ids:
+            await client.responses.delete(response_id)
+        counted -= store.bytes
+        gc.collect()
+        freed = holding - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert counted > 100_000
+    assert freed < 1.5 * counted, (freed, counted)
 
 
 async def test_nothing_leaks_after_the_responses(server: RunningServer) -> None:
