@@ -6,9 +6,10 @@ input items, which ``GET /v1/responses/{id}/input_items`` lists, and its output 
 a link to the response it continued, so a chain costs the size of its turns, not the square of
 its length. Both are kept as their JSON bytes (decoded when read): the store's memory is the
 size it counts, where decoded objects would take several times their JSON. A response leaves
-the store ``ttl`` seconds after it was stored, or earlier, oldest first, when the store would
-exceed ``max_bytes`` (the JSON size of bodies and turns); a chain one of whose responses has
-left cannot be continued (404, as an unknown id). Ids are random
+the store ``ttl`` seconds after it was stored, or earlier when the store would exceed
+``max_bytes`` (the JSON size of bodies and turns): the oldest of the owner (API key) holding
+the most bytes goes first, so a key that fills the store evicts its own responses, not another
+key's. A chain one of whose responses has left cannot be continued (404, as an unknown id). Ids are random
 (128 bits); behind API keys a response belongs to the key that made it (``owner``, its digest):
 another key's GET (of it or its input items), DELETE or continuation gets a 404, as for an
 unknown id. A response stored with a ``user`` is continued only by requests of that user.
@@ -73,6 +74,8 @@ class ResponseStore:
         self.ttl = ttl
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
+        self._owned: dict[str | None, OrderedDict[str, None]] = {}  # each owner's, oldest first
+        self._owner_bytes: dict[str | None, int] = {}
         self.bytes = 0
 
     @property
@@ -103,11 +106,14 @@ class ResponseStore:
             return False
         self._expire()
         while self._entries and self.bytes + size > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            largest = max(self._owner_bytes, key=self._owner_bytes.__getitem__)
+            self._drop(next(iter(self._owned[largest])))
         expires = self._clock() + self.ttl
         self._entries[response_id] = StoredResponse(
             body_json, turn_json, inputs, previous, owner, tenant, expires, size
         )
+        self._owned.setdefault(owner, OrderedDict())[response_id] = None
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
         self.bytes += size
         return True
 
@@ -157,7 +163,13 @@ class ResponseStore:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, response_id: str) -> None:
-        self.bytes -= self._entries.pop(response_id).size
+        entry = self._entries.pop(response_id)
+        self.bytes -= entry.size
+        owned = self._owned[entry.owner]
+        del owned[response_id]
+        self._owner_bytes[entry.owner] -= entry.size
+        if not owned:
+            del self._owned[entry.owner], self._owner_bytes[entry.owner]
 
 
 def _exact(encoded: bytes) -> bytes:

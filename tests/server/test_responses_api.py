@@ -310,6 +310,32 @@ async def test_another_api_key_neither_reads_continues_nor_deletes(server: Runni
         await keyed.stop(stop_engine=False)
 
 
+async def test_a_key_that_fills_the_store_evicts_its_own_responses(server: RunningServer) -> None:
+    keyed = await start_server(
+        server.engine.config,
+        engine=server.engine,
+        api_key=["ka", "kb"],
+        responses_store_bytes=32 * 1024,
+    )
+    store = keyed.app[RESPONSES_STORE]
+    url = keyed.base_url + "/v1"
+    try:
+        async with (
+            openai.AsyncOpenAI(base_url=url, api_key="ka", max_retries=0) as a,
+            openai.AsyncOpenAI(base_url=url, api_key="kb", max_retries=0) as b,
+        ):
+            kwargs: dict[str, Any] = dict(model=server.model, max_output_tokens=1)
+            kept = await b.responses.create(input="B's conversation", **kwargs)
+            flood = [(await a.responses.create(input="x " * 100, **kwargs)).id for _ in range(40)]
+            assert store.bytes <= store.max_bytes
+            with pytest.raises(openai.NotFoundError):
+                await a.responses.retrieve(flood[0])  # the flood evicted its own oldest
+            assert (await b.responses.retrieve(kept.id)).id == kept.id
+            assert (await a.responses.retrieve(flood[-1])).id == flood[-1]
+    finally:
+        await keyed.stop(stop_engine=False)
+
+
 async def test_a_json_schema_text_format_is_structured_output(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
