@@ -80,7 +80,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, CompletionRequest)
     model = state.check_model(req.model, adapters=True)
-    given = completion_prompts(req)
+    given = completion_prompts(req, state.engine.config.max_waiting_requests)
     intake = state.engine.intake
     special = bool(req.add_special_tokens)
     tokenized = await run_sized(

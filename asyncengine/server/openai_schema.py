@@ -369,9 +369,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 MAX_BATCHED_PROMPTS = 1024
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+def completion_prompts(req: CompletionRequest, max_waiting: int) -> list[str | list[int]]:
     """The prompts of a completions request: one text or list of token ids, or a batch of
-    either (each its own choices, ``n`` per prompt)."""
+    either (each its own choices, ``n`` per prompt). A batch larger than the engine's queue
+    (``max_waiting``) could never be admitted: a 400, not a 503 to retry."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -382,6 +383,12 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if len(prompt) > MAX_BATCHED_PROMPTS:
         raise invalid_request(
             f"{len(prompt)} batched prompts are more than {MAX_BATCHED_PROMPTS}; split the batch",
+            param="prompt",
+        )
+    if len(prompt) > max_waiting:
+        raise invalid_request(
+            f"{len(prompt)} batched prompts are more than the server queues at once "
+            f"(max_waiting_requests={max_waiting}); split the batch",
             param="prompt",
         )
     prompts: list[str | list[int]] = []

@@ -227,3 +227,21 @@ async def test_an_output_of_bytes_that_never_make_a_character_is_decoded_a_windo
     assert status == 200, answer
     assert answer["choices"][0]["text"] == "\ufffd" * 300
     assert longest <= 16, longest
+
+
+async def test_a_batch_larger_than_the_queue_is_400_not_a_503_to_retry(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A batch of more prompts than max_waiting_requests could never be admitted: retrying its
+    503 would only submit and abort part of it again."""
+    config = engine_config(tiny_model_dir(tmp_path_factory), max_waiting_requests=8)
+    running = await start_server(config)
+    try:
+        status, body = await post(running, COMPLETIONS, completion(prompt=["a"] * 9))
+        assert status == 400, body
+        assert body["error"]["param"] == "prompt"
+        assert "max_waiting_requests=8" in body["error"]["message"]
+        status, body = await post(running, COMPLETIONS, completion(prompt=["a"] * 8))
+        assert status == 200 and len(body["choices"]) == 8, body
+    finally:
+        await running.stop()
