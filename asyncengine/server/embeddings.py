@@ -27,6 +27,7 @@ from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
 from asyncengine.server.openai_schema import (
     RefusedUnlessTrue,
     TruncatePromptTokens,
+    check_fits_queue,
     check_unsupported,
 )
 from asyncengine.server.state import OUTCOME, STATE
@@ -92,6 +93,7 @@ async def embeddings(request: web.Request) -> web.Response:
     check_unsupported(req, EMBEDDING_UNSUPPORTED)
     items = embedding_inputs(req.input)
     engine = state.engine
+    check_fits_queue(len(items), engine.config.max_waiting_requests, "input")
     try:
         params = SamplingParams(
             max_new_tokens=1,

@@ -369,10 +369,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 MAX_BATCHED_PROMPTS = 1024
 
 
+def check_fits_queue(count: int, max_waiting: int, param: str) -> None:
+    """400 for a batch of more items than the engine queues (each is a request): it could
+    never be admitted, and a 503 would have the client retry it for ever."""
+    if count > max_waiting:
+        raise invalid_request(
+            f"{count} batched items are more than the server queues at once "
+            f"(max_waiting_requests={max_waiting}); split the batch",
+            param=param,
+        )
+
+
 def completion_prompts(req: CompletionRequest, max_waiting: int) -> list[str | list[int]]:
     """The prompts of a completions request: one text or list of token ids, or a batch of
-    either (each its own choices, ``n`` per prompt). A batch larger than the engine's queue
-    (``max_waiting``) could never be admitted: a 400, not a 503 to retry."""
+    either (each its own choices, ``n`` per prompt), no more than ``max_waiting``."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -385,12 +395,7 @@ def completion_prompts(req: CompletionRequest, max_waiting: int) -> list[str | l
             f"{len(prompt)} batched prompts are more than {MAX_BATCHED_PROMPTS}; split the batch",
             param="prompt",
         )
-    if len(prompt) > max_waiting:
-        raise invalid_request(
-            f"{len(prompt)} batched prompts are more than the server queues at once "
-            f"(max_waiting_requests={max_waiting}); split the batch",
-            param="prompt",
-        )
+    check_fits_queue(len(prompt), max_waiting, "prompt")
     prompts: list[str | list[int]] = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):

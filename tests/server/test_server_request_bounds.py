@@ -243,5 +243,9 @@ async def test_a_batch_larger_than_the_queue_is_400_not_a_503_to_retry(
         assert "max_waiting_requests=8" in body["error"]["message"]
         status, body = await post(running, COMPLETIONS, completion(prompt=["a"] * 8))
         assert status == 200 and len(body["choices"]) == 8, body
+        status, body = await post(running, "/v1/embeddings", {"input": ["a"] * 9})
+        assert status == 400 and body["error"]["param"] == "input", body
+        status, body = await post(running, "/v1/embeddings", {"input": ["a"] * 8})
+        assert status == 200 and len(body["data"]) == 8, body
     finally:
         await running.stop()
