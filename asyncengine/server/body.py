@@ -28,7 +28,7 @@ JSON_TYPE = "application/json"
 
 def check_content_type(request: web.Request) -> None:
     """415 unless the body is declared JSON (UTF-8), sent as it is (no Content-Encoding)."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    encoding = request.headers.get("Content-Encoding", "").strip().lower() or "identity"
     if encoding != "identity":
         raise ApiError(
             415,

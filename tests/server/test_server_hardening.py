@@ -145,6 +145,17 @@ async def test_a_compressed_body_is_415_and_its_connection_closed_unread(
         assert resp.headers["Connection"] == "close"
 
 
+@pytest.mark.parametrize("encoding", ["identity", "", " Identity "])
+async def test_a_body_sent_as_it_is_may_say_so(
+    http: aiohttp.ClientSession, server: RunningServer, encoding: str
+) -> None:
+    """``identity`` (or an empty header) is no compression: the body is read."""
+    sent = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    async with http.post(server.base_url + "/v1/completions", data=body, headers=sent) as resp:
+        assert resp.status == 200, await resp.text()
+
+
 async def test_a_body_refused_unread_is_skipped_not_inflated(server: RunningServer) -> None:
     """The bytes of a body refused before it is read are skipped as sent: one that does not
     inflate (not gzip at all) leaves the connection to serve the next request."""
