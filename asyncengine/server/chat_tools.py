@@ -77,14 +77,17 @@ class ChatPlan:
     def constrain(self, params: SamplingParams) -> SamplingParams:
         if self.grammar is None:
             return params
+        if self.output is not None and self.output.calls_only:
+            # nothing but calls, each whole by its grammar: a stop string (text's) cuts none,
+            # and a response format (text's, as OpenAI's API takes it beside forced calls)
+            # has no text to hold
+            return dataclasses.replace(params, structured=self.grammar, stop=[])
         if params.structured is not None:
             raise invalid_request(
-                "response_format cannot be combined with tools unless tool_choice is 'none'",
+                "response_format cannot be combined with tools unless tool_choice is"
+                " 'none', 'required' or a named function",
                 param="response_format",
             )
-        if self.output is not None and self.output.calls_only:
-            # nothing but calls, each whole by its grammar: a stop string (text's) cuts none
-            return dataclasses.replace(params, structured=self.grammar, stop=[])
         return dataclasses.replace(params, structured=self.grammar)
 
 

@@ -351,6 +351,26 @@ async def test_a_json_schema_text_format_is_structured_output(
     assert response.text is not None and response.text.format.type == "json_schema"
 
 
+async def test_a_text_format_beside_a_forced_function_call_is_served(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    # instructor's RESPONSES_TOOLS mode sends both: the call is the output, no text to format
+    fmt = {"type": "json_schema", "name": "weather", "strict": True, "schema": WEATHER_SCHEMA}
+    response = await client.responses.create(
+        model=server.model,
+        input=QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": fmt},  # type: ignore[typeddict-item]
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert response.status == "completed"
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+
+
 async def test_completed_at_is_set_once_completed_and_the_objects_fields_are_filled(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:

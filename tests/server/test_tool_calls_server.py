@@ -162,6 +162,27 @@ async def test_a_stop_string_never_cuts_a_forced_call(
 FUNCTIONS = [tool["function"] for tool in TOOLS]
 
 
+async def test_a_response_format_beside_forced_calls_is_served(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    # OpenAI's API takes both; under a forced call the output is calls, no text to format
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        response = await client.chat.completions.create(
+            model=server.model,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice=choice,  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            response_format=fmt,
+            max_tokens=80,
+            temperature=0,
+        )
+        (call,) = response.choices[0].message.tool_calls or []
+        assert response.choices[0].finish_reason == "tool_calls"
+        run_tool(call.function.name, call.function.arguments)
+
+
 async def test_legacy_functions_call_as_function_call_whole_and_streamed(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
