@@ -269,6 +269,11 @@ class _StreamedCall:
         return deltas
 
     @property
+    def in_string(self) -> bool:
+        """Whether the text so far ends inside a string of the arguments."""
+        return self.args_start is not None and self.arguments_end.in_string
+
+    @property
     def cut(self) -> bool:
         """Whether the call was cut: after its name, or inside its arguments."""
         return self.named_only or (self.args_start is not None and not self.arguments_end.done)
@@ -320,6 +325,9 @@ class HermesToolParser:
                     break
                 piece.calls += self._call.grow(self._pending[:at])
                 self._pending = self._pending[at + len(_HERMES_CLOSE) :]
+                if self._call.in_string:  # a string value's text (the grammar lets it be)
+                    piece.calls += self._call.grow(_HERMES_CLOSE)
+                    continue
                 self._close(piece, closed=True)
         return piece
 

@@ -450,6 +450,39 @@ async def test_a_call_cut_before_its_name_is_neither_a_call_nor_text(
     assert (content, reasons[-1]) == ("", "length")
 
 
+async def test_the_call_end_marker_inside_a_string_argument_is_the_arguments_text(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    """A string value may hold ``</tool_call>`` (the grammar allows it, and a weak model
+    writes it): it is the argument's text, not the call's end, whole and streamed."""
+    note = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+    close = "</tool_call>"
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        tools=[{"type": "function", "function": {"name": "take_note", "parameters": note}}],
+        tool_choice={"type": "function", "function": {"name": "take_note"}},
+        logit_bias={str(_token(qwen3, close)): 100},
+        max_tokens=40,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    whole = (await qwen3_client.chat.completions.create(**kwargs)).choices[0]
+    assert whole.finish_reason == "length"  # the string never closes: a cut call
+    (call,) = whole.message.tool_calls or []
+    value = call.function.arguments.partition('"note":')[2].lstrip()
+    assert value.startswith('"' + close + close), call.function.arguments
+    stream = await qwen3_client.chat.completions.create(stream=True, **kwargs)
+    pieces = [
+        piece
+        async for chunk in stream
+        for choice in chunk.choices
+        for piece in choice.delta.tool_calls or []
+    ]
+    assert {piece.index for piece in pieces} == {0}
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
 THINK_THEN_ANSWER = r"<think>[a-z]{2,6}( [a-z]{2,6}){2,4}</think>\n\n[a-z]{2,6}( [a-z]{2,6}){2,4}"
 
 

@@ -29,7 +29,8 @@ from tests.chat_models import TEMPLATES
 
 HERMES_OUTPUT = (
     "Let me look. <tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b"}}\n'
+    '{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b</tool_call>"}}\n'
     "</tool_call>\n<tool_call>\n"
     '{"name": "get_time", "arguments": {}}\n</tool_call> done <tool_call>{not json}</tool_call>'
 )
@@ -43,7 +44,9 @@ def _splits(text: str, rng: random.Random, pieces: int) -> list[str]:
 def test_hermes_calls_are_parsed_and_a_bad_block_stays_text() -> None:
     text, calls = parse_tool_calls(HERMES, HERMES_OUTPUT)
     assert [c.name for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0].arguments) == {"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b"}
+    # the end marker inside a string is the string's text
+    args = {"city": "Paris", "when": {"days": [1, 2]}, "q": "a}b</tool_call>"}
+    assert json.loads(calls[0].arguments) == args
     assert calls[1].arguments == "{}"
     assert text == "Let me look. \n done <tool_call>{not json}</tool_call>"
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
