@@ -44,6 +44,7 @@ _ANTHROPIC_NAMES = (
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
     (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
     (re.compile(r"\bstop(?=[\[=])"), "stop_sequences"),
+    (re.compile(r"\bresponse_format(?:\.json_schema)?"), "output_config.format"),
 )
 
 

@@ -84,8 +84,8 @@ class ChatPlan:
             return dataclasses.replace(params, structured=self.grammar, stop=[])
         if params.structured is not None:
             raise invalid_request(
-                "response_format cannot be combined with tools unless tool_choice is"
-                " 'none', 'required' or a named function",
+                "response_format cannot be combined with tools under tool_choice 'auto': the"
+                " answer may be text or calls, and one grammar cannot hold both",
                 param="response_format",
             )
         return dataclasses.replace(params, structured=self.grammar)

@@ -347,15 +347,25 @@ def all_required(schema: Any) -> Any:
     return out
 
 
-_CHAT_TOOL_FIELD = re.compile(r"\btools\[(\d+)\]\.function\.")
+_RESPONSES_NAMES = (
+    (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
+    (re.compile(r"\bresponse_format(?:\.json_schema)?"), "text.format"),
+)
+
+
+def _responses_name(text: str) -> str:
+    for pattern, name in _RESPONSES_NAMES:
+        text = pattern.sub(name, text)
+    return text
 
 
 def responses_names(error: ApiError) -> ApiError:
-    """``error`` from the chat path with a tool's fields named as this API's flat tools have
-    them (``tools[0].parameters``, not ``tools[0].function.parameters``)."""
-    error.message = _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.message)
+    """``error`` from the chat path with the fields named as this API has them: a tool's as
+    its flat tools (``tools[0].parameters``, not ``tools[0].function.parameters``), the
+    structured output's as ``text.format``."""
+    error.message = _responses_name(error.message)
     if error.param is not None:
-        error.param = _CHAT_TOOL_FIELD.sub(r"tools[\1].", error.param)
+        error.param = _responses_name(error.param)
     return error
 
 

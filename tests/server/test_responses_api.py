@@ -435,6 +435,7 @@ async def test_function_tools_are_strict_unless_strict_is_false(
 
 async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: RunningServer) -> None:
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    unique = {"type": "json_schema", "name": "u", "schema": {"type": "array", "uniqueItems": True}}
     cases: list[tuple[dict[str, Any], str]] = [
         ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -448,6 +449,11 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
             "input[0].call_id",
         ),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+        ({"input": "hi", "text": {"format": unique}}, "text.format.schema"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_object"}}, "tools": TOOLS},
+            "text.format",
+        ),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ]
     for body, param in cases:
@@ -455,6 +461,7 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
             await client.responses.create(model=server.model, **body)
         assert refused.value.status_code in (400, 404), body
         assert refused.value.body["param"] == param, (body, refused.value.body)  # type: ignore[index]
+        assert "response_format" not in refused.value.message, refused.value.message
 
 
 async def test_the_store_holds_no_more_memory_than_the_bytes_it_counts(
