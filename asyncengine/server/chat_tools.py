@@ -73,6 +73,7 @@ class ChatPlan:
     prompt: str
     output: ChatOutputSpec | None
     grammar: StructuredOutput | None
+    holds_format: bool = False  # the grammar holds the response format's JSON answer too
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         if self.grammar is None:
@@ -82,11 +83,10 @@ class ChatPlan:
             # and a response format (text's, as OpenAI's API takes it beside forced calls)
             # has no text to hold
             return dataclasses.replace(params, structured=self.grammar, stop=[])
-        if params.structured is not None:
+        if params.structured is not None and not self.holds_format:
             raise invalid_request(
-                "response_format cannot be combined with tools under tool_choice 'auto': the"
-                " answer may be text or calls, and one grammar cannot hold both",
-                param="response_format",
+                "regex and ebnf cannot be combined with tools under tool_choice 'auto'",
+                param="regex" if params.structured.kind == "regex" else "ebnf",
             )
         return dataclasses.replace(params, structured=self.grammar)
 
@@ -347,6 +347,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
     )
     starts_inside = prompt_opens_thinking(prompt) if fmt.reasons else None
     grammar = None
+    answer = _answer_schema(req) if choice == "auto" else None
     if functions:
         mode = "named" if isinstance(choice, NamedToolChoice) else str(choice)
         grammar = tool_call_grammar(
@@ -357,6 +358,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             # thinking turned off in the prompt: the calls come at once, with no block first
             reasoning=starts_inside is not None and not prompt_closes_thinking(prompt),
             starts_inside_thinking=bool(starts_inside),
+            answer=answer,
         )
     output = None
     if functions or starts_inside is not None:
@@ -367,4 +369,16 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             legacy_functions=legacy,
             include_reasoning=req.include_reasoning,
         )
-    return ChatPlan(prompt, output, grammar)
+    return ChatPlan(prompt, output, grammar, holds_format=answer is not None)
+
+
+def _answer_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` holds a text answer to (None: none); checked as
+    the format alone is, when the sampling parameters are made."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "json_object":
+        return None if fmt is None else {"type": "object"}
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if fmt.type != "json_schema" or schema is None:
+        return None
+    return schema if isinstance(schema, dict) else {}  # true: any JSON value

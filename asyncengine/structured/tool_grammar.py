@@ -5,7 +5,9 @@
   the separator after the last);
 - a named function: exactly one call of it;
 - ``auto``: free text in which a call, once its trigger (``<tool_call>``, or ``{"name": `` for
-  Llama 3) is written, must complete as a valid call of a listed function.
+  Llama 3) is written, must complete as a valid call of a listed function; with an ``answer``
+  schema (a response format beside the tools), either a JSON text valid under it or calls as
+  under ``required``.
 
 A model that reasons (``<think>`` templates) may write its think block first under
 ``required`` and a named function (it must, when the prompt left it inside the block).
@@ -67,34 +69,49 @@ def tool_call_grammar(
     parallel: bool = True,
     reasoning: bool = False,
     starts_inside_thinking: bool = False,
+    answer: dict[str, Any] | bool | None = None,
 ) -> StructuredOutput:
-    """``mode``: "auto", "required" or "named" (``functions`` then holds the one function)."""
+    """``mode``: "auto", "required" or "named" (``functions`` then holds the one function);
+    ``answer``: under "auto", the JSON schema a text answer is held to."""
     tags = [_call_tag(fmt, function) for function in functions]
-    if mode == "auto":
-        body: dict[str, Any] = {
+    if mode == "auto" and answer is not None:
+        text = {
+            "type": "json_schema",
+            "json_schema": grammar_schema(answer),
+            "max_whitespace_cnt": ARGUMENT_WHITESPACE,
+        }
+        calls = _calls(fmt, tags, parallel)
+        body: dict[str, Any] = {"type": "or", "elements": [text, calls]}
+    elif mode == "auto":
+        body = {
             "type": "triggered_tags",
             "triggers": [fmt.trigger],
             "tags": tags,
             "stop_after_first": not parallel,
         }
-    elif mode == "named" or not parallel:
-        body = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    elif mode == "required":
-        calls = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": fmt.separator,
-            "at_least_one": True,
-        }
-        # the separator may also close the output: a model that ends its last call with it (a
-        # Hermes newline before its end of turn) is not held to write one more call
-        trailing = {"type": "optional", "content": {"type": "const_string", "value": fmt.separator}}
-        body = {"type": "sequence", "elements": [calls, trailing]}
+    elif mode in ("named", "required"):
+        body = _calls(fmt, tags, parallel and mode == "required")
     else:
         raise ValueError(f"unknown tool grammar mode {mode!r}")
-    if reasoning and mode != "auto":
+    if reasoning and (mode != "auto" or answer is not None):
         body = {"type": "sequence", "elements": [_think_block(starts_inside_thinking), body]}
     # keys in their given order: a schema's properties are generated in the order listed
     return StructuredOutput(
         "structural_tag", json.dumps({"type": "structural_tag", "format": body})
     )
+
+
+def _calls(fmt: ToolCallFormat, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """One call of the tags (``parallel`` false), or one or more."""
+    if not parallel:
+        return tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": fmt.separator,
+        "at_least_one": True,
+    }
+    # the separator may also close the output: a model that ends its last call with it (a
+    # Hermes newline before its end of turn) is not held to write one more call
+    trailing = {"type": "optional", "content": {"type": "const_string", "value": fmt.separator}}
+    return {"type": "sequence", "elements": [calls, trailing]}

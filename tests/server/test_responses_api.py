@@ -450,10 +450,6 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
         ),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": unique}}, "text.format.schema"),
-        (
-            {"input": "hi", "text": {"format": {"type": "json_object"}}, "tools": TOOLS},
-            "text.format",
-        ),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ]
     for body, param in cases:

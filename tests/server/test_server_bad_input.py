@@ -190,13 +190,10 @@ CASES = [
     Bad("tool_choice without tools", CHAT, chat(tool_choice="required"), param="tool_choice"),
     Bad("tool_choice unknown", CHAT, chat(tool_choice="sometimes"), param="tool_choice"),
     Bad(
-        "tools and response_format",
+        "tools and regex under tool_choice auto",
         CHAT,
-        chat(
-            tools=[{"type": "function", "function": {"name": "f"}}],
-            response_format={"type": "json_object"},
-        ),
-        param="response_format",
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], regex="[a-z]+"),
+        param="regex",
     ),
     Bad(
         "tool result without its call id",

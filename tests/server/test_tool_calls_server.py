@@ -450,6 +450,36 @@ async def test_a_call_cut_before_its_name_is_neither_a_call_nor_text(
     assert (content, reasons[-1]) == ("", "length")
 
 
+async def test_auto_with_a_response_format_answers_its_json_or_calls(
+    qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
+) -> None:
+    """Agent frameworks send tools and an output schema together under "auto" (the Agents
+    SDK's tools with an output_type): the answer is JSON valid under the schema, or calls."""
+    answer = TIME_SCHEMA  # bounded: a random model's answer ends
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}
+    marker = str(_token(qwen3, "<tool_call>"))
+    kwargs: dict[str, Any] = dict(
+        model=qwen3.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        response_format=fmt,
+        max_tokens=80,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    called = await qwen3_client.chat.completions.create(logit_bias={marker: 100}, **kwargs)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    run_tool(call.function.name, call.function.arguments)
+    text = await qwen3_client.chat.completions.create(logit_bias={marker: -100}, **kwargs)
+    choice = text.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    jsonschema.validate(json.loads(choice.message.content or ""), answer)
+
+
 async def test_the_call_end_marker_inside_a_string_argument_is_the_arguments_text(
     qwen3_client: openai.AsyncOpenAI, qwen3: RunningServer
 ) -> None:

@@ -382,6 +382,15 @@ def test_call_grammars_accept_valid_calls_only() -> None:
     assert accepts(named, '<tool_call>\n{"name": "ping", "arguments": {"x": [1]}}\n</tool_call>')
     assert not accepts(named, good)
     assert accepts(reasoning, "<think>hmm</think>\n\n" + good) and accepts(reasoning, good)
+    # auto with a response format: its JSON answer or calls, nothing else
+    for thinks in (False, True):
+        answer = _matcher(
+            tool_call_grammar(HERMES, functions, "auto", reasoning=thinks, answer=WEATHER).spec
+        )
+        assert accepts(answer, '{"city": "Oslo"}') and accepts(answer, good + "\n" + good)
+        assert not accepts(answer, '{"city": "Rome"}') and not accepts(answer, "plain text")
+        assert not accepts(answer, "text " + good)
+        assert accepts(answer, "<think>hmm</think>\n\n" + '{"city": "Oslo"}') == thinks
 
 
 def test_the_llama3_grammar_writes_parameters_json_calls() -> None:
