@@ -1,6 +1,10 @@
-"""Bounds for clients that connect and then stop: requests served at once, and how long a
-response may wait for its client to read it.
+"""Bounds for clients that connect and then stop: open connections, requests served at once,
+and how long a response may wait for its client to read it.
 
+- More than ``max_open_connections`` TCP connections open at once (idle, half-sent or busy):
+  the next is answered 503 and closed before its request is read, so that connections which
+  send a few bytes and stop cannot use up the process's file descriptors (past them ``accept``
+  fails for everyone, probes included).
 - More than ``max_requests`` requests in the server at once (streams included, until their
   last byte is sent): the next is answered 503 at once and its connection closed. Probes
   (GET /health and GET /metrics) get ``PROBE_REQUESTS`` more, so a flood of stalled clients
@@ -17,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import resource
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
+import msgspec
 from aiohttp import web
 
 from asyncengine.server.errors import ApiError, Handler
@@ -33,6 +40,18 @@ SPARE_REQUESTS = 64
 # probes served beyond max_requests (a few scrapers and orchestrators probing at once)
 PROBE_REQUESTS = 4
 PROBE_PATHS = frozenset({"/health", "/metrics"})
+MAX_DEFAULT_OPEN_CONNECTIONS = 4096
+# descriptors kept for the rest of the process (model files, logs, the engine's pipes)
+FD_MARGIN = 256
+
+
+def default_max_open_connections() -> int:
+    """At most ``MAX_DEFAULT_OPEN_CONNECTIONS``, and ``FD_MARGIN`` (or half) below the soft
+    limit on open files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_DEFAULT_OPEN_CONNECTIONS
+    return max(1, min(MAX_DEFAULT_OPEN_CONNECTIONS, max(soft // 2, soft - FD_MARGIN)))
 
 
 def default_max_requests(max_waiting_requests: int, max_running_requests: int) -> int:
@@ -109,3 +128,98 @@ async def connection_limit_middleware(request: web.Request, handler: Handler) ->
         return response
     finally:
         limits.active -= 1
+
+
+# the answer to a connection past the cap, written before its request is read
+_REFUSAL_BODY = msgspec.json.encode(
+    ApiError(
+        503,
+        "the server holds its limit of open connections (max_open_connections); retry later",
+        type="server_overloaded",
+        code="too_many_open_connections",
+    ).body()
+)
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(_REFUSAL_BODY), _REFUSAL_BODY)
+)
+
+
+class OpenConnections:
+    """The listening socket's protocol factory: each connection gets a protocol of ``factory``
+    (aiohttp's ``runner.server``) while fewer than ``limit`` are open; past it the connection
+    is answered ``REFUSAL`` and closed, and ``on_refused`` called."""
+
+    def __init__(
+        self,
+        factory: Callable[[], asyncio.Protocol],
+        limit: int,
+        on_refused: Callable[[], None] = lambda: None,
+    ) -> None:
+        if limit < 1:
+            raise ValueError("max_open_connections must be >= 1")
+        self.factory = factory
+        self.limit = limit
+        self.on_refused = on_refused
+        self.open = 0
+        self.refused = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        return _CappedConnection(self)
+
+    def admit(self, transport: asyncio.BaseTransport) -> asyncio.Protocol | None:
+        """The protocol that serves ``transport``, or None when it was refused (and closed)."""
+        if self.open >= self.limit:
+            if self.refused == 0:
+                log.warning(
+                    "%d connections are open (max_open_connections): further ones are "
+                    "answered 503 and closed until some close",
+                    self.open,
+                )
+            self.refused += 1
+            self.on_refused()
+            # uvloop's transports are not asyncio.Transport subclasses, hence a cast
+            writer = cast(asyncio.Transport, transport)
+            writer.write(REFUSAL)
+            writer.close()  # sends what was written, then closes
+            return None
+        self.open += 1
+        return self.factory()
+
+
+class _CappedConnection(asyncio.Protocol):
+    """Counts one connection in its ``OpenConnections`` and hands every event to the protocol
+    that serves it (none when refused). Counted from ``connection_made`` on: a factory call
+    whose connection never opens holds nothing."""
+
+    __slots__ = ("_cap", "_inner")
+
+    def __init__(self, cap: OpenConnections) -> None:
+        self._cap = cap
+        self._inner: asyncio.Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner = self._cap.admit(transport)
+        if self._inner is not None:
+            self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is not None:
+            self._cap.open -= 1
+            self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()

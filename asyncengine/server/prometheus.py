@@ -170,6 +170,11 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.connections_refused = Counter(
+            f"{PREFIX}_connections_refused",
+            "Connections answered 503 and closed unread: max_open_connections were open",
+            registry=r,
+        )
         if engine is not None:
             r.register(EngineStatsCollector(engine))
 

@@ -31,6 +31,9 @@ from asyncengine.server.client_error_log import log_client_errors_quietly
 from asyncengine.server.connection_limits import (
     DEFAULT_IDLE_TIMEOUT_SECONDS,
     DEFAULT_WRITE_TIMEOUT_SECONDS,
+    MAX_DEFAULT_OPEN_CONNECTIONS,
+    OpenConnections,
+    default_max_open_connections,
 )
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
@@ -151,7 +154,8 @@ def _add_access_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
-    """Bounds on one connection: body size and time, open requests, stalled readers, shutdown."""
+    """Bounds on connections: body size and time, open connections and requests, stalled
+    readers, shutdown."""
     group.add_argument(
         "--max-body-bytes",
         type=int,
@@ -171,6 +175,14 @@ def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="requests served at once, streams included; more get 503 (default: "
         "max_waiting_requests + max_running_requests + 64)",
+    )
+    group.add_argument(
+        "--max-open-connections",
+        type=int,
+        default=None,
+        help="TCP connections open at once, idle ones included; more are answered 503 and "
+        "closed unread (default: the open-files limit less 256, at most "
+        f"{MAX_DEFAULT_OPEN_CONNECTIONS})",
     )
     group.add_argument(
         "--write-timeout",
@@ -194,14 +206,42 @@ def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
+class _CappedSite(web.TCPSite):
+    """aiohttp's TCP site with ``connections`` (around the runner's server) as the protocol
+    factory: the listener, its port and its closing on ``runner.cleanup()`` stay aiohttp's."""
+
+    __slots__ = ("_connections",)
+
+    def __init__(
+        self, runner: web.AppRunner, host: str, port: int, connections: OpenConnections
+    ) -> None:
+        super().__init__(runner, host, port, reuse_address=True)
+        self._connections = connections
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site; TCPSite.start would listen too
+        self._server = await asyncio.get_running_loop().create_server(
+            self._connections,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
 async def start_http(
     app: web.Application,
     host: str = DEFAULT_HOST,
     port: int = 0,
     shutdown_grace: float = 5.0,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
+    max_open_connections: int | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
+
+    ``max_open_connections`` (None: ``default_max_open_connections()``): connections past it
+    are answered 503 and closed unread (server/connection_limits.py).
 
     ``shutdown_grace`` is ``drain``'s: aiohttp's own shutdown timeout (after which it cancels
     the handlers still running) comes ``ABORT_FLUSH_SECONDS`` later, so that the two never fire
@@ -222,15 +262,26 @@ async def start_http(
         auto_decompress=False,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
+        site = _CappedSite(runner, host, port, _open_connections(runner, max_open_connections))
         await site.start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         await runner.cleanup()
-        if exc.errno == errno.EADDRINUSE:  # taken since check_port_free looked
-            raise PortInUseError(port) from None
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(port) from None  # taken since check_port_free looked
         raise
     return runner, int(runner.addresses[0][1])
+
+
+def _open_connections(runner: web.AppRunner, limit: int | None) -> OpenConnections:
+    """The cap on the runner's open connections; refusals count in the app's metrics."""
+    assert runner.server is not None, "the runner is set up"
+    state = runner.app.get(STATE)
+    return OpenConnections(
+        runner.server,
+        default_max_open_connections() if limit is None else limit,
+        state.metrics.connections_refused.inc if state is not None else lambda: None,
+    )
 
 
 async def drain(runner: web.AppRunner, engine: EngineClient, grace: float) -> None:
@@ -273,6 +324,7 @@ async def run_server(
     max_connections: int | None = None,
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
+    max_open_connections: int | None = None,
 ) -> int:
     """Start the engine and serve until SIGINT/SIGTERM (or ``stop_event``); return 0.
 
@@ -321,7 +373,9 @@ async def run_server(
             max_connections=max_connections,
             write_timeout=write_timeout,
         )
-        runner, bound_port = await start_http(app, host, port, shutdown_grace, idle_timeout)
+        runner, bound_port = await start_http(
+            app, host, port, shutdown_grace, idle_timeout, max_open_connections
+        )
         log.info(
             "serving %s on http://%s:%d (api key %s, admin endpoints %s)",
             engine.model_name,
@@ -370,6 +424,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "responses_store_ttl": args.responses_store_ttl,
         "allowed_hosts": args.allowed_host,
         "max_connections": args.max_connections,
+        "max_open_connections": args.max_open_connections,
         "write_timeout": args.write_timeout,
         "idle_timeout": args.idle_timeout,
     }

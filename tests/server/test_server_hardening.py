@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import socket
 import threading
 import zlib
@@ -19,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from asyncengine.server.app import create_app
-from asyncengine.server.connection_limits import LIMITS
+from asyncengine.server.connection_limits import LIMITS, default_max_open_connections
 from asyncengine.server.off_loop import LARGE_INPUT_CHARS
 from asyncengine.server.state import STATE
 from tests.server_support import (
@@ -499,9 +500,62 @@ async def test_a_client_that_leaves_mid_body_is_an_abort_not_a_server_error(
 
 
 async def test_limits_are_validated(server: RunningServer) -> None:
+    from asyncengine.server.serve import start_http
+
     for kwargs in ({"max_connections": 0}, {"write_timeout": 0.0}):
         with pytest.raises(ValueError):
             create_app(server.engine, **kwargs)
+    with pytest.raises(ValueError, match="max_open_connections"):
+        await start_http(create_app(server.engine), "127.0.0.1", 0, max_open_connections=0)
+
+
+def _half_sent_head(port: int) -> socket.socket:
+    """A client that sends the first ~40 bytes of a request's head and stops."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    return sock
+
+
+async def test_connections_past_the_open_connection_cap_are_refused_unread(
+    http: aiohttp.ClientSession, server: RunningServer
+) -> None:
+    """Connections that send a few bytes and stop fill max_open_connections (they never reach
+    a handler, so max_connections does not see them): the next connection, a probe's too, is
+    answered 503 and closed, and counted; once one of them closes, a fresh one is served."""
+    from asyncengine.server.serve import start_http
+
+    app = create_app(server.engine)
+    runner, port = await start_http(app, "127.0.0.1", 0, max_open_connections=3)
+    assert runner.server is not None
+    held = runner.server
+    base = f"http://127.0.0.1:{port}"
+    socks = [_half_sent_head(port) for _ in range(3)]
+    try:
+        assert await wait_until(lambda: len(held.connections) == 3, timeout=30)
+        for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions")):
+            status, answer = await _status(http, method, base + path, json=CHAT)
+            assert status == 503 and answer["error"]["code"] == "too_many_open_connections"
+        refused = app[STATE].metrics.counter_value("asyncengine_connections_refused_total")
+        assert refused == 2 and len(held.connections) == 3
+        socks.pop().close()
+        assert await wait_until(lambda: len(held.connections) == 2, timeout=30)
+        async with http.get(base + "/health") as resp:
+            assert resp.status == 200 and await resp.json() == {"status": "ok"}
+    finally:
+        for sock in socks:
+            sock.close()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("soft", "expected"), [(1024, 768), (300, 150), (65536, 4096), (resource.RLIM_INFINITY, 4096)]
+)
+async def test_the_default_open_connection_cap_keeps_descriptors_spare(
+    monkeypatch: pytest.MonkeyPatch, soft: int, expected: int
+) -> None:
+    """Below the open-files limit, with room for the process's own files, and at most 4096."""
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, resource.RLIM_INFINITY))
+    assert default_max_open_connections() == expected
 
 
 async def test_idle_connections_close_after_the_idle_timeout(server: RunningServer) -> None:
