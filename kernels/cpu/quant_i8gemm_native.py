@@ -33,6 +33,10 @@ from asyncengine.kernels.quant_formats import QuantizedTensor
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 BLOCK32_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})  # rows of whole blocks of 32
 FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"}) | BLOCK32_FORMATS
+# The 32-value block formats' panels hold their values as bytes, with a min per block or not:
+# the panels of a family share one layout and one kernel, so rows of several (a Q5_0 q / k beside
+# a Q8_0 v) make one panel set and one call.
+PANEL_FAMILIES = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q4_1"}
 SUPER_BLOCK = 256
 BLOCK = 32
 PANEL_COLUMNS = 16
@@ -117,9 +121,16 @@ def packed_bytes(weight: QuantizedTensor) -> int:
     )
 
 
-def empty_panels(weight: QuantizedTensor) -> I8Panels:
-    """Room for the weight's panels, not yet packed (``takes`` must hold)."""
-    rows, cols = weight.shape
+def panel_family(weight: QuantizedTensor) -> str:
+    """The format whose panels this weight's are (its own, or its family's: PANEL_FAMILIES)."""
+    return PANEL_FAMILIES.get(weight.format.name, weight.format.name)
+
+
+def empty_panels(weight: QuantizedTensor, rows: int | None = None) -> I8Panels:
+    """Room for the weight's panels (or for ``rows`` rows of its panel family), not yet packed
+    (``takes`` must hold)."""
+    cols = weight.cols
+    rows = weight.shape[0] if rows is None else rows
     panel_bytes = int(_lib().asyncengine_i8_panel_bytes(weight.format.code, cols))
     data = torch.empty((-(-rows // PANEL_COLUMNS), panel_bytes), dtype=torch.uint8)
     return I8Panels(weight.format.code, data, rows, cols)

@@ -239,3 +239,61 @@ async def test_the_engine_builds_them_on_its_worker_between_steps(
     async with engine:  # endless work: the stop cancels it
         pass
     assert engine._one_time_task is None
+
+
+@pytest.mark.parametrize(
+    ("names", "rows", "sets"),
+    [
+        (["Q5_0", "Q5_0", "Q8_0"], [32, 16, 24], [[0, 1, 2]]),  # a q / k / v of one family
+        (["Q4_0", "Q8_0"], [16, 40], [[0, 1]]),
+        (["Q5_1", "Q4_1"], [48, 8], [[0, 1]]),
+        (["Q5_0", "Q8_0"], [40, 16], [[0], [1]]),  # the first ends inside a panel
+        (["Q8_0", "Q4_1", "Q5_1"], [16, 16, 16], [[0], [1, 2]]),  # a min or not: two families
+        (["Q4_K", "Q6_K"], [32, 32], [[0], [1]]),
+    ],
+)
+def test_parts_of_one_panel_family_share_one_panel_set(
+    names: list[str], rows: list[int], sets: list[list[int]]
+) -> None:
+    """Their panels are each part's, one after another: the bytes ``pack`` makes of each."""
+    shapes = enumerate(zip(names, rows, strict=True))
+    parts = [random_weight(FORMATS[name], n, 512, seed=i) for i, (name, n) in shapes]
+    assert panel_build.panel_sets(parts) == sets
+    for unit_bytes in (1, None):
+        panels = PanelBuild(parts, unit_bytes).finish()
+        assert [p.rows for p in panels] == [sum(rows[i] for i in members) for members in sets]
+        for members, built in zip(sets, panels, strict=True):
+            whole = torch.cat([quant_i8gemm_native.pack(parts[i]).data for i in members])
+            assert torch.equal(built.data, whole)
+
+
+@needs_fast
+def test_a_projection_of_one_panel_family_is_one_int8_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Q5_0 q / k beside a Q8_0 v (llama-quantize's Q4_K_M at 896-wide rows): one call, the
+    activations quantized once, the same values as a call per part."""
+    parts = [
+        random_weight(FORMATS["Q5_0"], 64, 896, seed=1),
+        random_weight(FORMATS["Q5_0"], 16, 896, seed=2),
+        random_weight(FORMATS["Q8_0"], 16, 896, seed=3),
+    ]
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(4))
+    projection = QuantizedLinear(parts, bias, dense_from_rows=8)
+    x = torch.randn(32, 896, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    calls: list[int] = []
+    linear = quant_i8gemm_native.linear
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[1].rows)
+        return linear(*args, **kwargs)
+
+    monkeypatch.setattr(quant_i8gemm_native, "linear", counted)
+    got = projection(x)
+    assert calls == [96]
+    per_part = torch.cat(
+        [linear(x, quant_i8gemm_native.pack(p), bias[s : s + p.shape[0]]) for p, s in
+         zip(parts, (0, 64, 80), strict=True)],
+        dim=1,
+    )  # fmt: skip
+    assert torch.equal(got, per_part)

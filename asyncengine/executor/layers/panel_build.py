@@ -6,6 +6,9 @@ Each part's panels are allocated whole at the first range (the bytes the product
 more), then filled ``UNIT_BYTES`` of panels per ``step``: a step that arrives while a build runs
 waits for one range at most (~5 ms). The ranges start at multiples of the panel width, so a
 range's panels are those of the whole weight: the bytes are the same as one ``pack`` call's.
+Consecutive parts of one panel family (``quant_i8gemm_native.PANEL_FAMILIES``: a Q5_0 q / k
+beside a Q8_0 v) whose rows fill whole panels share one panel set, so the product makes one call
+for them, quantizing the activations once.
 """
 
 from __future__ import annotations
@@ -24,21 +27,30 @@ WHOLE_PARTS = 1 << 62  # as ``unit_bytes``: one range a part (a build done in on
 
 
 class PanelBuild:
-    """The panels of ``parts`` (each one ``takes``), filled by ``step`` until ``done``."""
+    """The panels of ``parts`` (each one ``takes``), filled by ``step`` until ``done``: one
+    panel set a run of parts that share it (``panel_sets``)."""
 
-    __slots__ = ("_todo", "panels", "parts")
+    __slots__ = ("_sets", "_todo", "panels", "parts")
 
     def __init__(self, parts: Sequence[QuantizedTensor], unit_bytes: int | None = None) -> None:
         unit_bytes = UNIT_BYTES if unit_bytes is None else unit_bytes
         self.parts = list(parts)
+        self._sets = panel_sets(self.parts)
         self.panels: list[I8Panels] | None = None  # allocated at the first step
-        self._todo: deque[tuple[int, int, int]] = deque()  # (part, first row, end row)
-        for index, part in enumerate(self.parts):
-            rows = part.shape[0]
-            panel_bytes = quant_i8gemm_native.packed_bytes(part) // -(-rows // PANEL_COLUMNS)
-            step_rows = max(1, unit_bytes // panel_bytes) * PANEL_COLUMNS
-            for start in range(0, rows, step_rows):
-                self._todo.append((index, start, min(rows, start + step_rows)))
+        # (panel set, part, the part's first panel in its set, first row, end row)
+        self._todo: deque[tuple[int, int, int, int, int]] = deque()
+        for set_index, members in enumerate(self._sets):
+            first_panel = 0
+            for index in members:
+                part = self.parts[index]
+                rows = part.shape[0]
+                panels = -(-rows // PANEL_COLUMNS)
+                panel_bytes = quant_i8gemm_native.packed_bytes(part) // panels
+                step_rows = max(1, unit_bytes // panel_bytes) * PANEL_COLUMNS
+                for start in range(0, rows, step_rows):
+                    end = min(rows, start + step_rows)
+                    self._todo.append((set_index, index, first_panel, start, end))
+                first_panel += panels
 
     @property
     def nbytes(self) -> int:
@@ -48,21 +60,44 @@ class PanelBuild:
     def done(self) -> bool:
         return not self._todo
 
+    def _allocate(self) -> list[I8Panels]:
+        return [
+            quant_i8gemm_native.empty_panels(
+                self.parts[members[0]], sum(self.parts[i].shape[0] for i in members)
+            )
+            for members in self._sets
+        ]
+
     def step(self) -> None:
-        """Pack the next row range (the first allocates every part's panels)."""
+        """Pack the next row range (the first allocates every panel set)."""
         if self.panels is None:
-            self.panels = [quant_i8gemm_native.empty_panels(p) for p in self.parts]
-        index, start, end = self._todo.popleft()
+            self.panels = self._allocate()
+        set_index, index, first_panel, start, end = self._todo.popleft()
         part = self.parts[index]
         rows = QuantizedTensor(part.format, part.data[start:end], part.cols, part.interleaved)
-        first = start // PANEL_COLUMNS
-        out = self.panels[index].data[first : first + -(-(end - start) // PANEL_COLUMNS)]
+        first = first_panel + start // PANEL_COLUMNS
+        out = self.panels[set_index].data[first : first + -(-(end - start) // PANEL_COLUMNS)]
         quant_i8gemm_native.pack(rows, out)
 
     def finish(self) -> list[I8Panels]:
-        """Pack what is left; the panels."""
+        """Pack what is left; the panel sets, in the parts' order."""
         while self._todo:
             self.step()
         if self.panels is None:  # no rows at all
-            self.panels = [quant_i8gemm_native.empty_panels(p) for p in self.parts]
+            self.panels = self._allocate()
         return self.panels
+
+
+def panel_sets(parts: Sequence[QuantizedTensor]) -> list[list[int]]:
+    """The parts' indexes, in runs that share one panel set: one panel family, and every part
+    but a run's last of whole panels (so that the next one's panels start on a panel)."""
+    sets: list[list[int]] = []
+    for index, part in enumerate(parts):
+        if sets:
+            last = parts[sets[-1][-1]]
+            family = quant_i8gemm_native.panel_family
+            if family(last) == family(part) and last.shape[0] % PANEL_COLUMNS == 0:
+                sets[-1].append(index)
+                continue
+        sets.append([index])
+    return sets
