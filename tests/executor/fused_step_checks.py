@@ -64,7 +64,7 @@ def check_q8_0_step(
 GGUF_PROMPTS = [[5, 17, 3, 90, 11, 40, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 2, 33]]
 
 
-def check_q8_0_gguf_step(
+def check_gguf_step(
     name: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from asyncengine.executor.loader import read_gguf
-from asyncengine.kernels.cpu import cpu_native
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, QuantizedTensor
-from tests.executor.fused_step_checks import check_q8_0_gguf_step
+from tests.executor.fused_step_checks import check_gguf_step
 from tests.executor.test_gguf_shapes import make_hf, write_gguf
+from tests.native_support import needs_native
 
 Q5_KINDS = [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1]
 NAME = "llama3_rope_gqa8_untied"  # its q/k rows unpermuted as blocks too
@@ -42,11 +42,9 @@ def test_q5_projections_are_kept_as_stored(kind: GGMLQuantizationType, tmp_path:
         np.testing.assert_array_equal(values, expanded[name].numpy())
 
 
-@pytest.mark.skipif(
-    not cpu_native.compiler_found(), reason="no C compiler: the native kernels cannot be built"
-)
+@needs_native
 @pytest.mark.parametrize("kind", Q5_KINDS, ids=lambda k: k.name)
 def test_a_q5_gguf_decodes_on_the_fused_step(
     kind: GGMLQuantizationType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    check_q8_0_gguf_step("gemma3_sliding_local_rope_linear", tmp_path, monkeypatch, kind)
+    check_gguf_step("gemma3_sliding_local_rope_linear", tmp_path, monkeypatch, kind)

@@ -28,7 +28,7 @@ from tests.conftest import TinyCheckpoint
 from tests.executor.fused_step_checks import (
     check_bf16_step,
     check_f32_step,
-    check_q8_0_gguf_step,
+    check_gguf_step,
     check_q8_0_step,
     q8_0_blocks,
     step_built_with,
@@ -132,7 +132,7 @@ def test_a_gemma2_q8_0_gguf_loads_onto_the_fused_step(
     """A Q8_0 GGUF of Gemma 2 as llama.cpp's converter writes it (soft-caps and a window of 16
     in its metadata): read as the engine reads it, its decode steps are fused and follow the
     torch path past the window."""
-    pair = check_q8_0_gguf_step("gemma2_softcaps_sliding", tmp_path, monkeypatch)
+    pair = check_gguf_step("gemma2_softcaps_sliding", tmp_path, monkeypatch)
     options = [(o.window, o.softcap) for o in pair.native.model.layer_options]
     assert options == [(16, 20.0), (0, 20.0)]
 

@@ -27,7 +27,7 @@ from tests.conftest import TinyCheckpoint
 from tests.executor.fused_step_checks import (
     check_bf16_step,
     check_f32_step,
-    check_q8_0_gguf_step,
+    check_gguf_step,
     check_q8_0_step,
     q8_0_blocks,
     step_built_with,
@@ -116,7 +116,7 @@ def test_a_gemma3_q8_0_gguf_loads_onto_the_fused_step(
     one, the sliding layers' own RoPE base, linear scaling on the full one, GQA 4:1): read as
     the engine reads it, its decode steps are fused and follow the torch path past the window
     of 16."""
-    pair = check_q8_0_gguf_step("gemma3_sliding_local_rope_linear", tmp_path, monkeypatch)
+    pair = check_gguf_step("gemma3_sliding_local_rope_linear", tmp_path, monkeypatch)
     assert [o.window for o in pair.native.model.layer_options] == [16] * 5 + [0]
 
 
