@@ -4,7 +4,8 @@ fed once), in the two formats the chat templates we know ask for:
 - ``hermes``: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, text allowed
   around the calls (Qwen2.5, Qwen3, Hermes, and our fallback prompt for templates without tools);
 - ``llama3_json``: the whole output is ``{"name": "f", "parameters": {...}}`` (Llama 3.1-3.3),
-  optionally after ``<|python_tag|>``, several calls separated by ``;``.
+  optionally after ``<|python_tag|>``, several calls separated by ``;``; an object with other
+  keys, or without its parameters, is a JSON answer (a response format's), not a call.
 
 A call's ``arguments`` is the model's own JSON text of the arguments object (a JSON string
 value is unwrapped). While streaming, a call's id and name go out as soon as the name is read
@@ -418,19 +419,52 @@ def _split_llama_calls(text: str) -> tuple[list[tuple[str, str]], bool] | None:
             return None
         end = _json_value_end(text, position)
         if end is None:
+            if not _may_be_call(text, position):
+                return None
             cut = _cut_call(text, position)
             if cut is not None:
                 calls.append(cut)
             return calls, True
         try:
-            decoder.decode(text[position:end])
+            value = decoder.decode(text[position:end])
         except ValueError:
+            return None
+        if not _is_llama_call(value):
             return None
         parsed = parse_call_body(text[position:end])
         if parsed is None:
             return None
         calls.append(parsed)
         position = end
+
+
+# A Llama 3 call is {"name": ..., "parameters": {...}} ("arguments" too; Llama 3.2 may lead with
+# "type"): an answer that merely has a "name" key (a response format's, say) stays text.
+_LLAMA_CALL_KEYS = frozenset({"type", "name", "parameters", "arguments"})
+_ARGUMENT_KEYS = ('"parameters"', '"arguments"')
+
+
+def _is_llama_call(value: object) -> bool:
+    return (
+        isinstance(value, dict)
+        and value.keys() <= _LLAMA_CALL_KEYS
+        and ("parameters" in value or "arguments" in value)
+    )
+
+
+def _may_be_call(text: str, position: int) -> bool:
+    """Whether a Llama 3 output cut at its end may still be a call: not when its name is
+    followed by another key than the arguments'."""
+    named = _NAME_HEAD.match(text, position)
+    if named is None:
+        return True
+    rest = text[named.end() :].lstrip()
+    if not rest:
+        return True
+    if rest[0] != ",":
+        return False
+    key = rest[1:].lstrip()
+    return any(k.startswith(key[: len(k)]) for k in _ARGUMENT_KEYS)
 
 
 ToolParser = HermesToolParser | Llama3JsonToolParser

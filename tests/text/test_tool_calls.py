@@ -505,3 +505,23 @@ def test_call_arguments_follow_the_schemas_own_property_order() -> None:
         return bool(matcher.accept_string(text)) and matcher.is_completed()
 
     assert accepts('{"zone": "eu", "amount": 3}')
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '{"name": "Alice", "age": 30}',  # a response format's object whose first key is "name"
+        '{"name": "Alice"}',
+        '{"name": "f", "parameters": {}, "note": 1}',
+        '{"name": "Alice", "age": 3',  # cut by the length limit
+    ],
+)
+def test_a_llama3_json_answer_with_a_name_key_is_text_not_a_call(answer: str) -> None:
+    assert parse_tool_calls(LLAMA3_JSON, answer) == (answer, [])
+
+
+def test_a_llama3_call_may_lead_with_its_type() -> None:
+    text, calls = parse_tool_calls(
+        LLAMA3_JSON, '{"type": "function", "name": "f", "parameters": {"x": 1}}'
+    )
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
