@@ -138,11 +138,24 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": {"rope_type": "linear", "factor": 4.0},
         },
     ),
+    # Mistral-7B-v0.1's form: a window (8 keys) on every layer, untied
+    "mistral_window": ("mistral", {"tie_word_embeddings": False, "sliding_window": 8}),
+    # Qwen2 with use_sliding_window: a window of 8 on the layers from max_window_layers (1) on
+    "qwen2_window": (
+        "qwen2",
+        {
+            "tie_word_embeddings": True,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+    ),
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -156,6 +169,7 @@ def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
         Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
+        MistralConfig,
         Qwen2Config,
         Qwen3Config,
     )
@@ -165,6 +179,7 @@ def make_tiny_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
         "gemma3": Gemma3TextConfig,

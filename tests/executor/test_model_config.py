@@ -98,11 +98,44 @@ def test_unsupported_configs_are_refused_naming_the_field(
         ModelConfig.from_hf_dict({**SMOLLM2_LIKE, **override})
 
 
-def test_a_sliding_window_that_never_takes_effect_is_accepted() -> None:
-    c = ModelConfig.from_hf_dict(
-        {**SMOLLM2_LIKE, "architectures": ["MistralForCausalLM"], "sliding_window": 8192}
-    )
-    assert c.architecture == "MistralForCausalLM"
+def test_mistral_slides_every_layer_and_a_window_that_never_takes_effect_is_off() -> None:
+    """Mistral-7B-v0.1's form: a window of 4096 below a context of 32768, on every layer (a
+    layer_types key, which transformers' Mistral ignores, changes nothing); a window no position
+    reaches past (v0.2's 32768 of 32768) runs as plain attention."""
+    mistral = {
+        **SMOLLM2_LIKE,
+        "architectures": ["MistralForCausalLM"],
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    }
+    c = ModelConfig.from_hf_dict(mistral)
+    assert [c.layer_window(i) for i in range(30)] == [4096] * 30
+    alternating = ["full_attention", "sliding_attention"] * 15
+    assert ModelConfig.from_hf_dict({**mistral, "layer_types": alternating}) == c
+    for window in (32768, None):
+        off = ModelConfig.from_hf_dict({**mistral, "sliding_window": window})
+        assert (off.sliding_window, off.sliding_layers) == (0, ())
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_windows_the_layers_from_max_window_layers_with_use_sliding_window(
+    architecture: str,
+) -> None:
+    """As transformers builds layer_types where a file has none: sliding from
+    max_window_layers on, and only with use_sliding_window; a file's layer_types win."""
+    qwen = {
+        **SMOLLM2_LIKE,
+        "architectures": [architecture],
+        "num_hidden_layers": 4,
+        "sliding_window": 1024,
+        "max_window_layers": 2,
+    }
+    assert ModelConfig.from_hf_dict(qwen).sliding_layers == ()
+    c = ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True})
+    assert [c.layer_window(i) for i in range(4)] == [0, 0, 1024, 1024]
+    types = ["sliding_attention", "full_attention"] * 2
+    c = ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True, "layer_types": types})
+    assert [c.layer_window(i) for i in range(4)] == [1024, 0, 1024, 0]
 
 
 def test_qwen3_has_qk_norm_and_no_bias() -> None:
@@ -217,8 +250,10 @@ def test_gemma_features_we_do_not_run_are_refused(change: dict[str, Any], messag
         ModelConfig.from_hf_dict({**GEMMA2_FILE, **change})
 
 
-def test_other_families_keep_refusing_sliding_windows() -> None:
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention is not implemented"):
+def test_a_window_on_a_family_without_windows_is_refused() -> None:
+    """transformers' Llama ignores sliding_window: a checkpoint that carries one expects
+    attention the family does not run, so it is refused naming the families that do."""
+    with pytest.raises(UnsupportedModelError, match="sliding_window=128 for LlamaForCausalLM"):
         ModelConfig.from_hf_dict({**SMOLLM2_LIKE, "sliding_window": 128})
 
 

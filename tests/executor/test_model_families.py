@@ -1,7 +1,8 @@
-"""Qwen3 and Gemma 1/2/3 through the whole engine against HF transformers: greedy tokens and the
-logprobs of every generated token (the engine's raw logits) match, with prompts chunked over
-several steps and sharing cached prefixes. Gemma 2/3 with a window of 8 keys on their sliding
-layers, so that windows matter at these lengths (prompts up to ~60 tokens)."""
+"""Qwen3, Mistral and Gemma 1/2/3 through the whole engine against HF transformers: greedy tokens
+and the logprobs of every generated token (the engine's raw logits) match, with prompts chunked
+over several steps and sharing cached prefixes. Mistral with a window of 8 keys on every layer,
+Gemma 2/3 on their sliding layers, so that windows matter at these lengths (prompts up to ~60
+tokens); Mistral also with a cached prefix six times its window."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ VOCAB = 49152  # the default model's tokenizer, so the engine has one
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": False}),
+    "mistral": ("MistralForCausalLM", {"sliding_window": 8, "tie_word_embeddings": False}),
     "gemma": ("GemmaForCausalLM", {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh"}),
     "gemma2": (
         "Gemma2ForCausalLM",
@@ -54,12 +56,14 @@ def _make(family: str, directory: Path) -> Path:
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        MistralConfig,
         Qwen3Config,
     )
 
     architecture, extra = FAMILIES[family]
     config_cls = {
         "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
         "gemma3": Gemma3TextConfig,
@@ -134,12 +138,31 @@ async def _run_engine(model: Path, items: list[tuple[list[int], int]]) -> tuple[
 
 @pytest.mark.slow
 def test_greedy_tokens_and_logprobs_match_hf(family_model: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(family_model, dtype=torch.float32).eval()
     items = _items()
     outputs, stats = asyncio.run(_run_engine(family_model, items))
     assert stats["hit_tokens"] > 0, "later prompts were meant to hit the cached shared prefix"
+    _assert_hf_answers(family_model, items, outputs)
+
+
+@pytest.mark.slow
+def test_a_mistral_prefix_hit_far_past_its_window_answers_as_hf(tmp_path: Path) -> None:
+    """An 80-token prompt, then one sharing its first 48 tokens (six windows of 8): the second
+    takes the cached prefix, whose keys outside its queries' windows stay in the pool unread,
+    and both answer HF's greedy tokens and logprobs over 24 decode steps."""
+    model = _make("mistral", tmp_path)
+    rng = random.Random(11)
+    first = [rng.randrange(3, VOCAB) for _ in range(80)]
+    items = [(first, 24), (first[:48] + [rng.randrange(3, VOCAB) for _ in range(20)], 24)]
+    outputs, stats = asyncio.run(_run_engine(model, items))
+    assert stats["hit_tokens"] >= 48 - 4  # the shared prefix's whole pages (page_size 4)
+    _assert_hf_answers(model, items, outputs)
+
+
+def _assert_hf_answers(model: Path, items: list[tuple[list[int], int]], outputs: list[Any]) -> None:
+    """Each output's tokens are HF's greedy ones and its logprobs HF's for those tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     for (prompt, n), out in zip(items, outputs, strict=True):
         with torch.inference_mode():
             want = hf.generate(

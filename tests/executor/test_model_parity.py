@@ -87,6 +87,8 @@ def seg(rid: str, row: int, tokens: list[int], start: int, sample: bool = True) 
         "llama3_rope",
         "qwen2_yarn",
         "qwen3_qk_norm",
+        "mistral_window",
+        "qwen2_window",
         "gemma",
         "gemma2",
         "gemma3",
@@ -106,7 +108,7 @@ def test_decode_in_chunks_of_one_request_matches_hf(
     check_prefill_extend_and_decode(tiny_llama, page_size=4)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_window"])
 def test_deterministic_mode_matches_hf(
     tiny_checkpoints: dict[str, TinyCheckpoint], name: str
 ) -> None:
@@ -126,7 +128,7 @@ def test_deterministic_torch_attention_takes_windows_and_soft_caps(
 
 
 @pytest.mark.parametrize("decode", ["sparse", "gather"])
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_window"])
 def test_torch_reference_attention_matches_hf(
     tiny_checkpoints: dict[str, TinyCheckpoint],
     name: str,

@@ -151,6 +151,7 @@ def prefill_then_decode_plans() -> list[BatchPlan]:
         ("gemma", 16),
         ("gemma2", 1),
         ("gemma3", 16),
+        ("mistral_window", 4),
     ],
 )
 def test_model_logits_with_triton_backend_match_torch_backend(

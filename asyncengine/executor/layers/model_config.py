@@ -2,8 +2,10 @@
 
 Qwen3 and the Gemmas are llama with a few differences, carried as plain fields (``qk_norm``,
 ``norm_weight_offset``, ``activation``, ``embedding_multiplier``; Gemma 2/3: ``sandwich_norms``,
-``attention_scale``, the soft-caps, the sliding-window layers and their own RoPE) that the
-forward reads once.
+``attention_scale``, the soft-caps, the sliding layers' own RoPE) that the forward reads once.
+Sliding-window layers (Mistral: every layer; Qwen2/3 with ``use_sliding_window``: the layers
+from ``max_window_layers`` on; Gemma 2/3: their ``layer_types``) are ``sliding_window`` and
+``sliding_layers``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their HF names: SwiGLU, and Gemma's GeGLU with the tanh approximation.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-# Windows that the engine does not implement (sliding window ignored when it is off).
+# Windows by family: Mistral's applies to every layer (transformers' Mistral has no layer
+# types); Qwen2/3's only with use_sliding_window, to the layers from max_window_layers on.
+_ALL_LAYERS_WINDOW = ("MistralForCausalLM",)
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_WINDOWED = (*_ALL_LAYERS_WINDOW, *_OPTIONAL_WINDOW, *GEMMAS[1:])
+_QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default where a Qwen2/3 config has none
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -99,13 +105,7 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """Longest sequence the positional encoding covers (dynamic NTK stretches it by factor,
         YaRN the original length by factor, as vLLM counts them)."""
-        s = self.rope_scaling
-        if s.rope_type == "dynamic":
-            return int(self.max_position_embeddings * s.factor)
-        if s.rope_type == "yarn" and s.original_max_position_embeddings is not None:
-            stretched = int(s.original_max_position_embeddings * s.factor)
-            return max(self.max_position_embeddings, stretched)
-        return self.max_position_embeddings
+        return _context(self.max_position_embeddings, self.rope_scaling)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -123,12 +123,11 @@ class ModelConfig:
         activation = _parse_activation(d, architecture)
         if d.get("mlp_bias", False):
             raise UnsupportedModelError("unsupported mlp_bias=True: MLP projections have no bias")
-        if architecture in GEMMAS[1:]:
-            if d.get("use_bidirectional_attention"):
-                raise UnsupportedModelError(
-                    "unsupported use_bidirectional_attention=True: causal attention only"
-                )
-        else:
+        if architecture in GEMMAS[1:] and d.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(
+                "unsupported use_bidirectional_attention=True: causal attention only"
+            )
+        if architecture not in _WINDOWED:
             _refuse_sliding_window(d, architecture)
 
         hidden_size = int(d["hidden_size"])
@@ -144,6 +143,10 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _parse_rope(d, max_pos)
         window, sliding_layers = _parse_sliding_layers(d, architecture, num_layers)
+        if not gemma and window >= _context(max_pos, rope_scaling):
+            # no position reaches past it: plain attention (Gemma 3's sliding layers keep
+            # their own RoPE, so Gemmas keep their layer kinds)
+            window, sliding_layers = 0, ()
         scalar = d.get("query_pre_attn_scalar") if gemma23 else None
         if architecture == "Qwen2ForCausalLM":
             attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
@@ -200,37 +203,37 @@ def _parse_activation(d: dict[str, Any], architecture: str) -> str:
 
 
 def _refuse_sliding_window(d: dict[str, Any], architecture: str) -> None:
+    """A family without windows in transformers (which ignores the key there): a window that
+    would take effect means the checkpoint expects attention this family does not run."""
     window = d.get("sliding_window")
     if window is None:
         return
-    if architecture in _OPTIONAL_WINDOW and not d.get("use_sliding_window", False):
-        return  # Qwen2/3 carry a window size but only use it when use_sliding_window is true
     if int(window) < int(d.get("max_position_embeddings", 0)):
         raise UnsupportedModelError(
-            f"unsupported sliding_window={window}: sliding-window attention is not implemented "
-            f"(it would take effect below max_position_embeddings={d.get('max_position_embeddings')})"
+            f"unsupported sliding_window={window} for {architecture}: sliding-window attention "
+            f"runs for {', '.join(_WINDOWED)} only (it would take effect below "
+            f"max_position_embeddings={d.get('max_position_embeddings')})"
         )
 
 
 def _parse_sliding_layers(
     d: dict[str, Any], architecture: str, num_layers: int
 ) -> tuple[int, tuple[bool, ...]]:
-    """Gemma 2/3: the window and which layers it applies to (``layer_types``, or HF's default
-    pattern where an older config has none: Gemma 2 alternates, Gemma 3 has every
-    ``sliding_window_pattern``-th layer full)."""
+    """The window and which layers it applies to, as transformers builds them: Mistral's every
+    layer; Qwen2/3's (with use_sliding_window) ``layer_types``, or the layers from
+    ``max_window_layers`` on; Gemma 2/3's ``layer_types``, or HF's default pattern where an
+    older config has none (Gemma 2 alternates, Gemma 3 has every ``sliding_window_pattern``-th
+    layer full)."""
     window = d.get("sliding_window")
-    if architecture not in GEMMAS[1:] or not window:
+    if architecture not in _WINDOWED or not window:
         return 0, ()
+    if architecture in _OPTIONAL_WINDOW and not d.get("use_sliding_window", False):
+        return 0, ()  # Qwen2/3 carry a window size but use it only with use_sliding_window
     layer_types = d.get("layer_types")
-    if layer_types is None:
-        if architecture == "Gemma2ForCausalLM":
-            pattern = 2
-        else:
-            pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        layer_types = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        ]
+    if architecture in _ALL_LAYERS_WINDOW:
+        layer_types = ["sliding_attention"] * num_layers
+    elif layer_types is None:
+        layer_types = _default_layer_types(d, architecture, num_layers)
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown or len(layer_types) != num_layers:
         raise UnsupportedModelError(
@@ -238,6 +241,28 @@ def _parse_sliding_layers(
             f"{' or '.join(LAYER_TYPES)} expected"
         )
     return int(window), tuple(t == "sliding_attention" for t in layer_types)
+
+
+def _default_layer_types(d: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
+    if architecture in _OPTIONAL_WINDOW:
+        first = int(d.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if architecture == "Gemma2ForCausalLM":
+        pattern = 2
+    else:
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+    return [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+
+
+def _context(max_pos: int, scaling: RopeScaling) -> int:
+    """Longest sequence the positional encoding covers (``ModelConfig.max_model_len``)."""
+    if scaling.rope_type == "dynamic":
+        return int(max_pos * scaling.factor)
+    if scaling.rope_type == "yarn" and scaling.original_max_position_embeddings is not None:
+        return max(max_pos, int(scaling.original_max_position_embeddings * scaling.factor))
+    return max_pos
 
 
 def _parse_layer_ropes(
