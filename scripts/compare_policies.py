@@ -58,6 +58,7 @@ from asyncengine.bench.records import BenchSummary, RequestRecord, summarize
 from asyncengine.bench.report import (
     RunReport,
     blocked_table,
+    failure_note,
     group_table,
     markdown_table,
     predictor_table,
@@ -487,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
     if slo is not None:
         header += f", SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s"
     sections = [header, markdown_table(runs)]
+    failed = failure_note(runs)
+    if failed:
+        sections.append(failed)
     hint = queue_hint(runs)
     if hint:
         sections.append(hint)

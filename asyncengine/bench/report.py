@@ -247,6 +247,22 @@ def shadow_table(runs: Sequence[RunReport]) -> str:
     return _markdown(header, rows, 3)
 
 
+def failure_note(runs: Sequence[RunReport]) -> str:
+    """A sentence naming the runs whose policy failed (``policy_failures``): from the first
+    failure FCFS ran in its place, so those rows do not measure the policy."""
+    failed = [(run.label, int((run.engine_stats or {}).get("policy_failures", 0))) for run in runs]
+    named = ", ".join(
+        f"`{label}` ({count} failure{'s' * (count != 1)})" for label, count in failed if count
+    )
+    if not named:
+        return ""
+    return (
+        f"**The policy failed in {named}**: a hook raised, answered what cannot be or stalled "
+        "the engine (the log has the error), and FCFS ran the rest of the run in its place (a "
+        "failed shadow policy is dropped), so these rows do not measure the policy."
+    )
+
+
 def queue_hint(runs: Sequence[RunReport]) -> str:
     """A sentence when the policies had nothing to reorder: every run's waiting queue held at
     most one request, or every run's latencies and throughput came out identical."""

@@ -162,6 +162,29 @@ def test_compare_policies_compares_eviction_rules_one_of_them_from_a_file(
             assert rows[first + k][6].strip() == f"{gain:+.1%}"
 
 
+def test_compare_policies_says_which_rows_a_failing_policy_did_not_measure(
+    tmp_path: Path,
+) -> None:
+    """A hook that raises hands the run to FCFS: its row measures FCFS, and the report says so
+    for that row alone."""
+    (tmp_path / "broken.py").write_text(
+        "from asyncengine.policies.base import Policy\n\n\n"
+        "class Broken(Policy):\n"
+        "    orders = True\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        raise RuntimeError('a bug of the policy')\n"
+    )
+    compare = load_script("compare_policies")
+    out = tmp_path / "out"
+    broken = f"{tmp_path / 'broken.py'}:Broken"
+    args = ["--policies", "fcfs", broken, "--workload", "random", "--workload-arg"]
+    runs = compare.main([*args, "num_requests=4", "--no-figures", "--out", str(out)])
+    assert [run.engine_stats["policy_failures"] for run in runs] == [0, 1]
+    notes = [p for p in (out / "results.md").read_text().split("\n\n") if "policy failed" in p]
+    assert len(notes) == 1 and f"`{broken}` (1 failure)" in notes[0]
+    assert "`fcfs`" not in notes[0]
+
+
 def test_compare_policies_refuses_bad_arguments(tmp_path: Path) -> None:
     compare = load_script("compare_policies")
     with pytest.raises(SystemExit):
