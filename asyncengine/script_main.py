@@ -2,8 +2,10 @@
 
 A mistyped option value (an unknown policy or workload, a bad ``--set key=value``, a missing
 file) raises ValueError (ConfigError and InvalidRequestError are ValueErrors) or
-FileNotFoundError; ``run_main`` prints it as ``<script>: error: <message>`` and exits 2
-instead of showing a traceback. Anything else still raises with its traceback.
+FileNotFoundError, and a policy of one's own that stalls the simulator raises PolicyStalledError
+(its message names the policy and the requests it held); ``run_main`` prints it as
+``<script>: error: <message>`` and exits 2 instead of showing a traceback. Anything else still
+raises with its traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-USER_ERRORS = (ValueError, FileNotFoundError)
+from asyncengine.scheduler.policy_guard import PolicyStalledError
+
+USER_ERRORS = (ValueError, FileNotFoundError, PolicyStalledError)
 
 
 def run_main(main: Callable[[], object]) -> NoReturn:

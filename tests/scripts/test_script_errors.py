@@ -33,6 +33,21 @@ def test_a_bad_value_is_one_line(script: str, args: list[str], says: str, tmp_pa
     assert not out.exists()  # a mistake leaves no output folder behind
 
 
+def test_a_policy_that_stalls_the_simulator_is_one_line(tmp_path: Path) -> None:
+    """compare_policies names the policy and the requests it held, without a traceback."""
+    (tmp_path / "holder.py").write_text(
+        "from asyncengine.policies.base import Policy\n\n\n"
+        "class Holder(Policy):\n"
+        "    orders = True\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        return []\n"
+    )
+    args = ["--policies", f"{tmp_path / 'holder.py'}:Holder", "--workload", "random"]
+    args += ["--workload-arg", "num_requests=3", "--no-figures", "--out", str(tmp_path / "out")]
+    says = "policy 'Holder' admitted nothing for 30"
+    assert_one_error_line("compare_policies.py", args, says, dict(os.environ))
+
+
 def test_a_gpu_dry_run_outside_the_interpreter_is_one_line() -> None:
     """The kernels run on CPU tensors only under TRITON_INTERPRET=1, which must be set before
     Triton loads them: without it the dry run says so instead of failing in the first kernel."""
