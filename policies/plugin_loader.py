@@ -38,6 +38,18 @@ def load_file(path: str) -> ModuleType:
     return module
 
 
+def _defined(module: ModuleType, base: type, kind: str) -> str:
+    """The subclasses of ``base`` that ``module`` defines, for a message naming one it lacks."""
+    found = [
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, base)
+        and value.__module__ == module.__name__
+    ]
+    return f"its {kind} classes: {', '.join(found)}" if found else f"it defines no {kind} class"
+
+
 def resolve_plugin(spec: str, base: type[T], builtins: Mapping[str, type[T]], kind: str) -> type[T]:
     """The class ``spec`` names: a subclass of ``base``; ValueError saying what is wrong, with
     ``kind`` ("policy", "length predictor") in the message."""
@@ -46,9 +58,15 @@ def resolve_plugin(spec: str, base: type[T], builtins: Mapping[str, type[T]], ki
         path = file_part(spec)
         try:
             module = load_file(path) if path else importlib.import_module(module_name)
-            cls = getattr(module, class_name)
-        except (ImportError, AttributeError, SyntaxError) as exc:
+        except (ImportError, AttributeError, SyntaxError) as exc:  # raised by the import
             raise ValueError(f"cannot load {kind} {spec!r}: {exc}") from None
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            where = path or module_name
+            raise ValueError(
+                f"cannot load {kind} {spec!r}: {where} defines no {class_name!r} "
+                f"({_defined(module, base, kind)})"
+            )
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(
                 f"{kind} {spec!r} is not a subclass of {base.__module__}.{base.__qualname__}"

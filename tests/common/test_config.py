@@ -144,7 +144,8 @@ def test_a_policy_loads_from_a_file_path(tmp_path: Path) -> None:
     assert policy.name == "newest"
     with pytest.raises(ConfigError, match="cannot load policy"):
         make_policies(EngineConfig(policy=f"{tmp_path / 'absent.py'}:Newest"))
-    with pytest.raises(ConfigError, match="cannot load policy"):
+    # a misspelt class is named with the ones the file defines (not those it imports)
+    with pytest.raises(ConfigError, match=r"defines no 'Absent' \(its policy classes: Newest\)"):
         make_policies(EngineConfig(policy=f"{source}:Absent"))
 
 
