@@ -69,6 +69,7 @@ from asyncengine.bench.report import (
 )
 from asyncengine.common.config import EngineConfig, key_value
 from asyncengine.policies.eviction_registry import resolve_eviction_rule
+from asyncengine.policies.registry import build_policy
 from asyncengine.script_main import run_main
 from asyncengine.sim.sweep import JOB_KEYS, SimJob, expand, parse_sweep, run_jobs
 from asyncengine.workloads import Arrivals, make_workload, save_trace
@@ -126,9 +127,10 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
     for path in args.configs:
         configs.append((Path(path).stem, EngineConfig.from_toml(path, **overrides)))
     for policy in args.policies:
-        configs.append(
-            (policy, EngineConfig.from_toml(args.base_config, policy=policy, **overrides))
-        )
+        config = EngineConfig.from_toml(args.base_config, policy=policy, **overrides)
+        # a policy of one's own goes by its name, as in the engine's stats; built-ins by spec
+        label = build_policy(policy, config.policy_options).name if ":" in policy else policy
+        configs.append((label, config))
     if not configs:
         raise SystemExit("give --configs and/or --policies")
     if args.shadow:  # each shadow as the live policy, right after its config

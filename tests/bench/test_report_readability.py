@@ -83,4 +83,5 @@ def test_the_report_counts_the_steps_a_policy_held_the_engine_idle(tmp_path: Pat
     header = table.strip().splitlines()[0]
     assert header.endswith("| policy_idle_holds | policy_idle_seconds |")
     assert "| fcfs |" in table and table.count("| 0 | 0.00 |") == 1  # fcfs never held
-    assert f"| {holds} |" in table and "| 1 | 5.00 |" in table  # one jump to its wake time
+    # labelled by its class's name; one jump to its wake time
+    assert "| HoldUntilFiveSaysSo |" in table and "| 1 | 5.00 |" in table

@@ -162,6 +162,29 @@ def test_compare_policies_compares_eviction_rules_one_of_them_from_a_file(
             assert rows[first + k][6].strip() == f"{gain:+.1%}"
 
 
+def test_compare_policies_calls_a_policy_of_ones_own_by_its_name(tmp_path: Path) -> None:
+    """--policies path.py:Class labels the run with the class's ``name``, as the engine's stats
+    do; the policy column keeps the spec that reproduces it. A class the file lacks fails
+    before anything is written."""
+    (tmp_path / "mine.py").write_text(
+        "from asyncengine.policies.fcfs import FCFSPolicy\n\n\n"
+        "class Newest(FCFSPolicy):\n"
+        "    name = 'newest-first'\n\n"
+        "    def order(self, waiting, ctx):\n"
+        "        return waiting[::-1]\n"
+    )
+    compare = load_script("compare_policies")
+    out, spec = tmp_path / "out", f"{tmp_path / 'mine.py'}:Newest"
+    args = ["--workload", "random", "--workload-arg", "num_requests=3", "--no-figures"]
+    runs = compare.main(["--policies", "fcfs", spec, *args, "--out", str(out)])
+    assert [(run.label, run.policy) for run in runs] == [("fcfs", "fcfs"), ("newest-first", spec)]
+    assert f"| newest-first | `{spec}` |" in (out / "results.md").read_text()
+    assert set(json.loads((out / "summary.json").read_text())) == {"fcfs", "newest-first"}
+    with pytest.raises(ValueError, match="defines no 'Oldest'"):
+        compare.main(["--policies", f"{spec[:-6]}Oldest", *args, "--out", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()
+
+
 def test_compare_policies_says_which_rows_a_failing_policy_did_not_measure(
     tmp_path: Path,
 ) -> None:
@@ -181,7 +204,7 @@ def test_compare_policies_says_which_rows_a_failing_policy_did_not_measure(
     runs = compare.main([*args, "num_requests=4", "--no-figures", "--out", str(out)])
     assert [run.engine_stats["policy_failures"] for run in runs] == [0, 1]
     notes = [p for p in (out / "results.md").read_text().split("\n\n") if "policy failed" in p]
-    assert len(notes) == 1 and f"`{broken}` (1 failure)" in notes[0]
+    assert len(notes) == 1 and "`Broken` (1 failure)" in notes[0]
     assert "`fcfs`" not in notes[0]
 
 
