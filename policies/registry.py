@@ -152,11 +152,8 @@ def _builtin_key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-def listed_names(spec: str, allowed: Sequence[str]) -> str:
-    """``spec`` with each ``+`` part that is the name of a policy listed in ``allowed`` (and
-    not a built-in's) replaced by the listed entry: ``"mine"`` for ``"my_policy.py:Mine"``
-    whose class is named ``mine``. The entries loaded at start-up; one that does not load
-    names nothing here (the start-up check says why)."""
+def _listed_aliases(allowed: Sequence[str]) -> dict[str, str]:
+    """The class name of each plug-in part of the ``allowed`` entries, to that part."""
     aliases: dict[str, str] = {}
     for entry in allowed:
         for part in policy_names(entry):
@@ -166,6 +163,15 @@ def listed_names(spec: str, allowed: Sequence[str]) -> str:
                 aliases.setdefault(_resolve(part).name, part)
             except ValueError:
                 continue
+    return aliases
+
+
+def listed_names(spec: str, allowed: Sequence[str]) -> str:
+    """``spec`` with each ``+`` part that is the name of a policy listed in ``allowed`` (and
+    not a built-in's) replaced by the listed entry: ``"mine"`` for ``"my_policy.py:Mine"``
+    whose class is named ``mine``. The entries loaded at start-up; one that does not load
+    names nothing here (the start-up check says why)."""
+    aliases = _listed_aliases(allowed)
     names = policy_names(spec)
     return "+".join(aliases.get(n, n) if _builtin_key(n) not in BUILTIN else n for n in names)
 
@@ -185,7 +191,9 @@ def check_live_policy(spec: str, allowed: Sequence[str]) -> str:
     names = policy_names(spec)
     refused = [n for n in names if _builtin_key(n) not in BUILTIN and n not in listed]
     if refused:
-        extra = f"; listed at start-up: {', '.join(sorted(listed))}" if listed else ""
+        named = {part: name for name, part in _listed_aliases(sorted(listed)).items()}
+        entries = [f"{e} (as {named[e]!r})" if e in named else e for e in sorted(listed)]
+        extra = f"; listed at start-up: {', '.join(entries)}" if listed else ""
         what = "may not be swapped in live" if ":" in refused[0] else "is unknown"
         raise ValueError(
             f"policy {refused[0]!r} {what}: a live swap takes built-in "

@@ -5,6 +5,7 @@ and swaps in live."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import aiohttp
@@ -148,6 +149,16 @@ def test_the_live_check_takes_built_ins_compositions_and_the_list() -> None:
         check_live_policy("pkg.mod:B", ["x.py:A"])
     with pytest.raises(ValueError, match="'bogus' is unknown"):
         check_live_policy("bogus", [])
+
+
+def test_a_refused_swap_names_each_listed_plugin_by_the_name_it_swaps_in_by(
+    tmp_path: Path,
+) -> None:
+    file, _ = plugin(tmp_path, "listed")
+    listed = re.escape(f"listed at start-up: {file}:Mine (as 'mine'), lpm;")
+    with pytest.raises(ValueError, match=listed):
+        check_live_policy("my-policy", [f"{file}:Mine", "lpm"])
+    assert check_live_policy("mine", [f"{file}:Mine", "lpm"]) == f"{file}:Mine"
 
 
 def test_the_start_up_list_comes_from_the_cli_and_toml_and_is_checked(tmp_path: Path) -> None:
