@@ -330,6 +330,15 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         raise SystemExit("--fit-from-trace fits to the live run given with --trace")
     if args.fit_from_trace and args.real:
         raise SystemExit("--fit-from-trace is for the simulator (--sim)")
+    if args.cost_model and (args.real or args.fit_from_trace):
+        raise SystemExit(
+            "--cost-model is the simulator's step cost: not with --real, nor with "
+            "--fit-from-trace (which fits one)"
+        )
+    if args.think_time and not args.closed_loop:
+        raise SystemExit(
+            "--think-time is the pause between a conversation's turns: add --closed-loop"
+        )
     slo = SLO.parse(args.slo) if args.slo else None
     workload = load_workload(args)
     configs = build_configs(args)

@@ -227,6 +227,24 @@ def test_compare_policies_refuses_bad_arguments(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        (["--real", "--cost-model", "model.json"], "--cost-model is the simulator's step cost"),
+        (["--think-time", "2"], "add --closed-loop"),
+    ],
+)
+def test_compare_policies_refuses_an_option_its_mode_would_ignore(
+    given: list[str], says: str, tmp_path: Path
+) -> None:
+    compare = load_script("compare_policies")
+    out = tmp_path / "out"
+    args = ["--policies", "fcfs", "--workload", "random", "--out", str(out)]
+    with pytest.raises(SystemExit, match=says):
+        compare.main([*args, *given])
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama (written directly, no transformers import) with the embedded default
