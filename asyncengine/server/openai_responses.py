@@ -105,7 +105,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     history = []
     if req.previous_response_id is not None:
         history = store.conversation(
-            req.previous_response_id, request.get(API_KEY_DIGEST), req.user
+            req.previous_response_id,
+            request.get(API_KEY_DIGEST),
+            req.user,
+            request.client_max_size,
         )
     items = input_items(req)
     chat_req = isolate(request, state.cache_isolation, chat_request(req, history, items))

@@ -57,6 +57,9 @@ from asyncengine.server.tool_schema import (
 )
 
 MAX_METADATA_KEYS = 16
+# items of one conversation: a request's input, or the stored chain that previous_response_id
+# continues (each GET of input items and each continuation decodes them all)
+MAX_CONVERSATION_ITEMS = 4096
 
 
 class InputText(Struct, tag="input_text", tag_field="type", kw_only=True):
@@ -158,7 +161,7 @@ class ReasoningConfig(Struct, kw_only=True):
 
 class ResponsesRequest(Struct, kw_only=True):
     model: str | None = None
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Meta(max_length=MAX_CONVERSATION_ITEMS)]
     instructions: str | None = None
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
     tools: list[FunctionTool] | None = None

@@ -9,7 +9,10 @@ size it counts, where decoded objects would take several times their JSON. A res
 the store ``ttl`` seconds after it was stored, or earlier when the store would exceed
 ``max_bytes`` (the JSON size of bodies and turns): the oldest of the owner (API key) holding
 the most bytes goes first, so a key that fills the store evicts its own responses, not another
-key's. A chain one of whose responses has left cannot be continued (404, as an unknown id). Ids are random
+key's. A chain one of whose responses has left cannot be continued (404, as an unknown id).
+A chain is continued only while it holds at most ``MAX_CONVERSATION_ITEMS`` items and at most
+the request body limit in JSON bytes (else a 400): what a request could send as ``input``, so
+that a small request costs no more to read its conversation than a large one. Ids are random
 (128 bits); behind API keys a response belongs to the key that made it (``owner``, its digest):
 another key's GET (of it or its input items), DELETE or continuation gets a 404, as for an
 unknown id. A response stored with a ``user`` is continued only by requests of that user.
@@ -25,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.server.errors import ApiError
-from asyncengine.server.responses_schema import InputItem
+from asyncengine.server.errors import ApiError, invalid_request
+from asyncengine.server.responses_schema import MAX_CONVERSATION_ITEMS, InputItem
 
 Json = dict[str, Any]
 
@@ -42,6 +45,7 @@ class StoredResponse:
     body: bytes  # the response's JSON, as GET answers it
     turn: bytes  # the JSON of its input items (the first ``inputs``), then its output items
     inputs: int
+    count: int  # the items of its turn
     previous: str | None
     owner: str | None  # the digest of the API key that made it (None: no keys)
     tenant: str | None  # its request's ``user``
@@ -110,7 +114,7 @@ class ResponseStore:
             self._drop(next(iter(self._owned[largest])))
         expires = self._clock() + self.ttl
         self._entries[response_id] = StoredResponse(
-            body_json, turn_json, inputs, previous, owner, tenant, expires, size
+            body_json, turn_json, inputs, len(turn), previous, owner, tenant, expires, size
         )
         self._owned.setdefault(owner, OrderedDict())[response_id] = None
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
@@ -130,17 +134,23 @@ class ResponseStore:
         return True
 
     def conversation(
-        self, response_id: str, owner: str | None, tenant: str | None
+        self, response_id: str, owner: str | None, tenant: str | None, max_bytes: int
     ) -> list[InputItem]:
         """The items of the chain that ends with ``response_id``, oldest first; 404 when it
-        (or a response before it) is not stored, or was stored by another key or user."""
+        (or a response before it) is not stored, or was stored by another key or user; 400
+        when it holds more than ``MAX_CONVERSATION_ITEMS`` items or ``max_bytes`` of JSON.
+        The chain is walked and measured before any of it is decoded."""
         head = self.get(response_id, owner)
         if head is None or head.tenant != tenant:
             raise not_found(response_id, "previous_response_id")
-        turns = []
+        chain: list[StoredResponse] = []
+        count = size = 0
         entry: StoredResponse | None = head
         while entry is not None:
-            turns.append(entry.items)
+            chain.append(entry)
+            count, size = count + entry.count, size + len(entry.turn)
+            if count > MAX_CONVERSATION_ITEMS or size > max_bytes:
+                raise _too_long(response_id, max_bytes)
             if entry.previous is None:
                 break
             entry = self._entries.get(entry.previous)
@@ -152,7 +162,7 @@ class ResponseStore:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
-        return [item for turn in reversed(turns) for item in turn]
+        return [item for entry in reversed(chain) for item in entry.items]
 
     def _expire(self) -> None:
         now = self._clock()
@@ -175,6 +185,16 @@ class ResponseStore:
 def _exact(encoded: bytes) -> bytes:
     """A copy of exactly its length: msgspec's output keeps its spare buffer (up to half again)."""
     return bytes(memoryview(encoded))
+
+
+def _too_long(response_id: str, max_bytes: int) -> ApiError:
+    return invalid_request(
+        f"the conversation of response {response_id!r} holds more than "
+        f"{MAX_CONVERSATION_ITEMS} items or {max_bytes} bytes of JSON (the request body "
+        "limit): start a new one, with the items to keep as input",
+        param="previous_response_id",
+        code="conversation_too_long",
+    )
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:

@@ -94,17 +94,17 @@ def test_the_store_follows_a_chain_and_keeps_keys_and_users_apart() -> None:
     store = ResponseStore(max_bytes=1 << 20, ttl=60.0)
     store.put("a", {"id": "a"}, _turn("one"), None, "key-a", "alice", inputs=1)
     store.put("b", {"id": "b"}, _turn("two"), "a", "key-a", "alice", inputs=1)
-    assert [i.content for i in store.conversation("b", "key-a", "alice")] == ["one", "two"]
+    assert [i.content for i in store.conversation("b", "key-a", "alice", 1 << 20)] == ["one", "two"]
     for owner, tenant in (("key-a", "bob"), ("key-a", None), ("key-b", "alice"), (None, "alice")):
         with pytest.raises(ApiError) as refused:
-            store.conversation("b", owner, tenant)
+            store.conversation("b", owner, tenant, 1 << 20)
         assert refused.value.status == 404
     # another key neither reads nor deletes it
     assert store.get("a", "key-b") is None and store.get("a", None) is None
     assert not store.delete("a", "key-b") and store.get("a", "key-a") is not None
     assert store.delete("a", "key-a") and not store.delete("a", "key-a")
     with pytest.raises(ApiError, match="no longer stored"):
-        store.conversation("b", "key-a", "alice")  # its chain is broken
+        store.conversation("b", "key-a", "alice", 1 << 20)  # its chain is broken
 
 
 def test_the_store_forgets_after_the_ttl_and_drops_the_oldest_past_its_size() -> None:

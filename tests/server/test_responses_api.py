@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from asyncengine.server.openai_responses import RESPONSES_STORE
+from asyncengine.server.responses_schema import MAX_CONVERSATION_ITEMS
 from tests.chat_models import tiny_thinking_qwen3_dir
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
@@ -458,6 +459,48 @@ async def test_refusals_name_the_field(client: openai.AsyncOpenAI, server: Runni
         assert refused.value.status_code in (400, 404), body
         assert refused.value.body["param"] == param, (body, refused.value.body)  # type: ignore[index]
         assert "response_format" not in refused.value.message, refused.value.message
+
+
+async def test_a_conversation_holds_what_one_request_could_send(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Continuing a conversation reads back its whole stored chain, so a chain is continued
+    only while it is no larger than one request's input could be: MAX_CONVERSATION_ITEMS items
+    (an input too) and the body limit in JSON bytes; past either a 400 that names
+    previous_response_id. Reasoning items stand in for what the prompt leaves out."""
+    kwargs: dict[str, Any] = dict(model=server.model, max_output_tokens=1)
+    say: Any = {"role": "user", "content": "hi"}
+    thoughts: Any = [{"type": "reasoning", "summary": []}] * MAX_CONVERSATION_ITEMS
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(input=[*thoughts, say], **kwargs)
+    assert refused.value.body["param"] == "input"  # type: ignore[index]
+
+    half = [*thoughts[: MAX_CONVERSATION_ITEMS // 2], say]
+    first = await client.responses.create(input=half, **kwargs)
+    second = await client.responses.create(input=half, previous_response_id=first.id, **kwargs)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(input="hi", previous_response_id=second.id, **kwargs)
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert f"more than {MAX_CONVERSATION_ITEMS} items" in refused.value.message
+
+    limit = 32 * 1024
+    small = await start_server(server.engine.config, engine=server.engine, max_body_bytes=limit)
+    async with openai.AsyncOpenAI(base_url=small.base_url + "/v1", api_key="x") as near:
+        try:
+            thought: Any = [{"type": "reasoning", "summary": [], "content": "x" * 12000}, say]
+            previous = None
+            for _ in range(3):  # 12 KB a turn: two fit the 32 KiB limit, the third does not
+                previous = (
+                    await near.responses.create(
+                        input=thought, previous_response_id=previous, **kwargs
+                    )
+                ).id
+            with pytest.raises(openai.BadRequestError) as refused:
+                await near.responses.create(input="hi", previous_response_id=previous, **kwargs)
+            assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+            assert f"{limit} bytes" in refused.value.message
+        finally:
+            await small.stop(stop_engine=False)
 
 
 async def test_the_store_holds_no_more_memory_than_the_bytes_it_counts(
