@@ -1,7 +1,8 @@
 """The worker endpoints SGLang's router (the ``sglang-router`` package) asks of a server, so
 that it can route over several asyncengine servers as over SGLang workers.
 
-GET /server_info and /get_server_info (limits and engine stats), GET /model_info and
+GET /server_info and /get_server_info (limits and engine stats; under cache isolation by API key
+only the figures /metrics shows without a key, tenancy.py), GET /model_info and
 /get_model_info (the model), GET /get_load (requests and tokens in the engine), POST
 /flush_cache (empty the prefix cache; 400 while requests run or wait; a GET is 405: a state
 change is never a GET, which a web page can make a browser send; under cache isolation by API
@@ -24,12 +25,25 @@ from asyncengine.server.admin import check_admin_token
 from asyncengine.server.completion import generate
 from asyncengine.server.errors import ApiError, logged_failure
 from asyncengine.server.openai_routes import json_response
-from asyncengine.server.state import STATE
+from asyncengine.server.prometheus import ENGINE_COUNTERS, ENGINE_GAUGES
+from asyncengine.server.state import STATE, ServerState
+from asyncengine.server.tenancy import cache_revealing
+
+# the engine figures the open /metrics scrape shows: all a key holder may see under cache
+# isolation by key (the others tell of the other keys' cached prompts)
+_PUBLIC_STATS = frozenset(
+    key
+    for name, (key, _) in {**ENGINE_COUNTERS, **ENGINE_GAUGES}.items()
+    if not cache_revealing(name)
+)
 
 
-def _numbers(stats: dict[str, Any]) -> dict[str, float]:
+def _numbers(stats: dict[str, Any], state: ServerState) -> dict[str, float]:
+    whole = state.cache_isolation != "api-key"
     return {
-        k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        k: v
+        for k, v in stats.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (whole or k in _PUBLIC_STATS)
     }
 
 
@@ -52,7 +66,7 @@ async def server_info(request: web.Request) -> web.Response:
             "dp_size": 1,
             "tp_size": 1,
             "version": f"asyncengine {_version()}",
-            "internal_states": [_numbers(stats)],
+            "internal_states": [_numbers(stats, state)],
         }
     )
 

@@ -9,7 +9,8 @@
   cached?" (hit/miss and computed-token counters, cached-page gauges) and the tenant-labelled
   ones (other clients' ``user`` strings); with the key the scrape is whole. Under
   ``cache_isolation = "api-key"`` only the admin token gets the whole scrape, and only it may
-  flush the prefix cache (one key must learn nothing of, or empty, the others' caches).
+  flush the prefix cache (one key must learn nothing of, or empty, the others' caches); the
+  engine figures of ``/server_info`` are then those of the open scrape.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ _CACHE_REVEALING = (
     "shared_tokens",
     "host_tier",
 )
+
+
+def cache_revealing(metric_name: str) -> bool:
+    """Whether a /metrics family (or the engine figure behind it) tells of cached prompts."""
+    return any(part in metric_name for part in _CACHE_REVEALING)
 
 
 def matching_key_digest(header: str, keys: tuple[str, ...]) -> str | None:
@@ -92,7 +98,7 @@ class _PublicMetrics:
 
     def collect(self) -> Iterator[Metric]:
         for family in self.registry.collect():
-            if any(part in family.name for part in _CACHE_REVEALING):
+            if cache_revealing(family.name):
                 continue
             if any("tenant" in sample.labels for sample in family.samples):
                 continue

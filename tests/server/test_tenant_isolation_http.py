@@ -177,6 +177,27 @@ async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole
             await server.stop()
 
 
+async def test_under_isolation_server_info_shows_a_key_no_cache_figures() -> None:
+    """/get_server_info (SGLang's router reads it) shows a key holder what /metrics shows
+    anyone: under isolation by key no hit, miss or cached-page figures; shared, all of them."""
+    cache_figures = {"hit_tokens", "miss_tokens", "computed_tokens", "pages_cached"}
+    for isolation, shown in (("api-key", set()), ("shared", cache_figures)):
+        server = await started(api_key=["key-a", "key-b"], cache_isolation=isolation)
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert (await complete(session, server, "key-a"))[0] == 200
+                async with session.get(
+                    server.base_url + "/get_server_info",
+                    headers={"Authorization": "Bearer key-b"},
+                ) as r:
+                    assert r.status == 200
+                    (figures,) = (await r.json())["internal_states"]
+            assert cache_figures & set(figures) == shown, isolation
+            assert figures["running"] == 0 and figures["prompt_tokens"] > 0
+        finally:
+            await server.stop()
+
+
 async def test_under_isolation_the_key_is_the_tenant_not_the_user_field() -> None:
     server = await started(api_key=["key-a", "key-b"], cache_isolation="api-key", admin_token="adm")
     try:
