@@ -10,7 +10,9 @@ prompt tokens from that position on: ``meta_info.input_token_logprobs`` /
 without generating). Response:
 ``{"text", "output_ids", "meta_info"}`` (with n > 1, a list of n of them, each with its
 ``index``). Streamed as SSE ``data:`` frames per choice (``index``), ending with
-``data: [DONE]``: ``text`` is cumulative, as SGLang streams it (with
+``data: [DONE]``. A ``rid`` is the id ``meta_info`` answers with; in the engine it is the
+API key's (``key-<digest prefix>:<rid>``), so that one key's rid neither refuses nor reveals
+another key's request in flight. ``text`` is cumulative, as SGLang streams it (with
 ``incremental_streaming_output``, SGLang's server switch, here per request: only the new text);
 ``output_ids`` and the logprobs in ``meta_info`` carry only the frame's new tokens (a client
 joins them; a cumulative copy in every frame costs the square of the output times top-k), the
@@ -63,6 +65,7 @@ from asyncengine.server.openai_schema import (
 )
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
+from asyncengine.server.tenancy import API_KEY_DIGEST, key_tenant
 
 if TYPE_CHECKING:
     from asyncengine.api.engine import Prompt
@@ -322,6 +325,13 @@ def _request_id(req: GenerateRequest) -> str:
     return req.rid
 
 
+def _engine_request_id(request: web.Request, request_id: str) -> str:
+    """The engine's id for a request: a client's rid within its API key's names (the engine
+    refuses a rid already in flight, which must not tell of or block another key's)."""
+    digest = request.get(API_KEY_DIGEST)
+    return request_id if digest is None else f"{key_tenant(digest)}:{request_id}"
+
+
 def finish_reason_body(
     reason: str | None, matched: str | int | None, completion_tokens: int
 ) -> dict[str, Any] | None:
@@ -452,11 +462,12 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
         )
         for _ in range(params.n)
     ]
+    engine_id = _engine_request_id(request, request_id)
     if req.stream:
-        stream = state.engine.stream(prompt, params, request_id=request_id)
+        stream = state.engine.stream(prompt, params, request_id=engine_id)
         fmt = _StreamFormat(responders, cumulative_text=not req.incremental_streaming_output)
         return await stream_response(request, state, stream, fmt, params.n)
-    outputs = await generate(state.engine, prompt, params, request_id)
+    outputs = await generate(state.engine, prompt, params, engine_id)
     bodies = []
     for out, responder in zip(outputs, responders, strict=True):
         state.metrics.observe_finished(out.metrics)

@@ -806,6 +806,34 @@ async def test_duplicate_rid_in_flight_is_refused(server: RunningServer) -> None
     assert await wait_until(lambda: engine_idle(server.engine))
 
 
+async def test_a_rid_in_flight_is_refused_only_to_its_own_api_key(server: RunningServer) -> None:
+    """Each API key names its rids apart: another key's request under the same rid is served
+    (its meta_info.id the rid it sent), so a rid neither tells of nor blocks another key's."""
+    keyed = await start_server(server.engine.config, engine=server.engine, api_key=["ka", "kb"])
+    body = {
+        "text": "hi",
+        "rid": "twin",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+    }
+    url = keyed.base_url + GENERATE
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            first = await session.post(url, json=body, headers={"Authorization": "Bearer ka"})
+            assert first.status == 200
+            whole = {**body, "stream": False, "sampling_params": {"max_new_tokens": 2}}
+            async with session.post(url, json=whole, headers={"x-api-key": "kb"}) as other:
+                assert other.status == 200
+                assert (await other.json())["meta_info"]["id"] == "twin"
+            async with session.post(url, json=whole, headers={"x-api-key": "ka"}) as same:
+                assert same.status == 400
+                assert "already in use" in (await same.json())["error"]["message"]
+            first.close()
+        assert await wait_until(lambda: engine_idle(server.engine))
+    finally:
+        await keyed.stop(stop_engine=False)
+
+
 async def test_full_queue_is_503_with_retry_after(tmp_path_factory: pytest.TempPathFactory) -> None:
     config = engine_config(
         tiny_model_dir(tmp_path_factory), max_running_requests=1, max_waiting_requests=1
