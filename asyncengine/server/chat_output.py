@@ -35,9 +35,17 @@ class ChoiceReader:
         self._legacy = spec.legacy_functions
         self._include_reasoning = spec.include_reasoning
         self.called = False  # any tool call so far
-        self.reasoning = ""  # the reasoning read so far
+        self._reasoning_pieces: list[str] = []  # joined when read (see ``reasoning``)
         self._answered = False  # answer text sent (streaming)
         self._blanks = ""  # blank answer text held back until text follows it
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning read so far (kept in pieces: appending to one string would copy it
+        all at every delta)."""
+        if len(self._reasoning_pieces) > 1:
+            self._reasoning_pieces[:] = ["".join(self._reasoning_pieces)]
+        return self._reasoning_pieces[0] if self._reasoning_pieces else ""
 
     @property
     def cut(self) -> bool:
@@ -55,7 +63,7 @@ class ChoiceReader:
                 piece.reasoning += rest.reasoning
                 piece.content += rest.content
             reasoning, content = piece.reasoning, piece.content
-            self.reasoning += reasoning
+            self._reasoning_pieces.append(reasoning)
         if self._tools is None:
             return reasoning, content, []
         answer = self._tools.feed(content)

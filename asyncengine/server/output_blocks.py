@@ -12,7 +12,7 @@ piece (the blanks before it go with it), so the blanks around tool calls make no
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncengine.server.chat_output import ChoiceReader
@@ -28,9 +28,17 @@ class Block:
 
     kind: BlockKind
     index: int  # its position among the choice's blocks
-    text: str = ""
     call_id: str | None = None
     name: str | None = None
+    # its pieces, joined when read: appending to one string would copy the text so far at
+    # every delta, work that grows with the square of the output
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +115,7 @@ class BlockReader:
 
     @staticmethod
     def _grow(block: Block, piece: str, events: list[BlockEvent]) -> None:
-        block.text += piece
+        block.pieces.append(piece)
         events.append(BlockEvent("delta", block, piece))
 
 

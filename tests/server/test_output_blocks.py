@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from asyncengine.server import chat_output
 from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.server.errors import ApiError
 from asyncengine.server.output_blocks import Block, BlockReader, read_blocks
 from asyncengine.server.responses_schema import InputItem
 from asyncengine.server.responses_store import ResponseStore
+from asyncengine.text.reasoning import ReasoningParser, ReasoningPiece
 from asyncengine.text.tool_calls import HERMES
 
 TOOLS_AND_REASONING = ChatOutputSpec(tool_format=HERMES, reasoning_starts_inside=False)
@@ -84,6 +86,46 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class _Piece(str):
+    """A delta that records how much text it was appended to: ``text += piece`` asks a str
+    subclass first (its ``__radd__``), so a reader that copies its whole text at each delta
+    shows it here."""
+
+    longest_before = 0
+
+    def __radd__(self, before: str) -> str:
+        _Piece.longest_before = max(_Piece.longest_before, len(before))
+        return before + str(self)
+
+
+class _PiecesParser(ReasoningParser):
+    """The reasoning parser, its reasoning handed on as ``_Piece``s."""
+
+    def feed(self, text: str) -> ReasoningPiece:
+        piece = super().feed(text)
+        piece.reasoning = _Piece(piece.reasoning)
+        return piece
+
+
+def test_a_delta_is_kept_without_copying_the_text_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's blocks, and a chat reader's reasoning, grow by each delta: the text before it
+    is not copied at every delta (work that grows with the square of the output)."""
+    _Piece.longest_before = 0
+    reader = BlockReader(None)
+    for _ in range(200):
+        reader.feed(_Piece("word "))
+    reader.feed("", final=True)
+    assert reader.blocks[0].text == "word " * 200
+    monkeypatch.setattr(chat_output, "ReasoningParser", _PiecesParser)
+    thinker = chat_output.ChoiceReader(ChatOutputSpec(None, reasoning_starts_inside=True))
+    for _ in range(200):
+        thinker.read("idea ", final=False)
+    assert thinker.reasoning == "idea " * 200
+    assert _Piece.longest_before <= len("word "), _Piece.longest_before
 
 
 def _turn(text: str) -> list[InputItem]:
