@@ -105,7 +105,7 @@ def template_messages(
     template is not given any)."""
     if fmt.renders_tools:
         return [_native_message(turn) for turn in turns], tools or None
-    messages = [_fallback_message(turn) for turn in turns]
+    messages = _fallback_messages(turns)
     if tools:
         prompt = FALLBACK_TOOL_PROMPT.format(
             tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
@@ -133,6 +133,20 @@ def _native_message(turn: ChatTurn) -> dict[str, Any]:
     if turn.name is not None:
         message["name"] = turn.name
     return message
+
+
+def _fallback_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
+    """The turns as the fallback prompt describes them; the results of consecutive tool calls
+    share one user turn, so templates that require user and assistant turns to alternate
+    (Gemma's) take a parallel call's results."""
+    messages: list[dict[str, Any]] = []
+    for index, turn in enumerate(turns):
+        message = _fallback_message(turn)
+        if turn.role == "tool" and index > 0 and turns[index - 1].role == "tool":
+            messages[-1]["content"] += "\n" + message["content"]
+        else:
+            messages.append(message)
+    return messages
 
 
 def _fallback_message(turn: ChatTurn) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -314,6 +316,38 @@ def test_the_fallback_prompt_carries_tools_calls_and_results() -> None:
     }
     assert messages[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     assert "<tool_call>" in FALLBACK_TOOL_PROMPT
+
+
+def test_a_parallel_calls_results_share_one_user_turn_in_an_alternating_template(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from asyncengine.executor.loader import DEFAULT_MODEL, resolve_model
+    from asyncengine.text.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model(DEFAULT_MODEL, torch.bfloat16) / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copy(TEMPLATES / "gemma3_style.jinja", tmp_path / "chat_template.jinja")
+    tokenizer = Tokenizer(tmp_path)
+    fmt = chat_format(tokenizer.chat_template)
+    assert not fmt.renders_tools
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    turns = [
+        ChatTurn("user", "go"),
+        ChatTurn("assistant", "", [("call_1", "f", '{"a": 1}'), ("call_2", "f", '{"a": 2}')]),
+        ChatTurn("tool", "41", tool_call_id="call_1"),
+        ChatTurn("tool", "42", tool_call_id="call_2"),
+    ]
+    messages, _ = template_messages(turns, fmt, tools)
+    prompt = tokenizer.apply_chat_template(messages)  # raised: roles must alternate
+    assert prompt.endswith(
+        "<start_of_turn>user\n<tool_response>\n41\n</tool_response>\n"
+        "<tool_response>\n42\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_a_template_that_renders_tools_gets_them_and_hf_shaped_calls() -> None:
