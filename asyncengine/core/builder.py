@@ -82,18 +82,29 @@ def context_limit(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
     return min(wanted, spec.max_model_len, num_pages * config.page_size)
 
 
+POOL_SIZED_BY = (
+    "what the KV pool holds (kv_cache_tokens, kv_cache_bytes or, on a GPU, "
+    "gpu_memory_utilization size it)"
+)
+
+
 def warn_context_cut(config: EngineConfig, spec: ModelSpec, served: int) -> None:
-    """Say so when the config asks for a longer context than ``served``: otherwise the first
-    sign is a request refused for a limit below the one set."""
+    """Say so when the config asks for a longer context than ``served`` (a warning: otherwise
+    the first sign is a request refused for a limit below the one set), and when the pool
+    cuts the model's own (an info line: /v1/models shows a context below the model card's)."""
     asked = config.max_model_len
-    if asked is None or asked <= served:
+    if asked is None:
+        if served < spec.max_model_len:
+            log.info(
+                "the model's context of %d tokens is served as %d, %s",
+                spec.max_model_len,
+                served,
+                POOL_SIZED_BY,
+            )
         return
-    why = (
-        "the model's context"
-        if served == spec.max_model_len
-        else "what the KV pool holds (kv_cache_tokens, kv_cache_bytes or, on a GPU, "
-        "gpu_memory_utilization size it)"
-    )
+    if asked <= served:
+        return
+    why = "the model's context" if served == spec.max_model_len else POOL_SIZED_BY
     log.warning("max_model_len %d is cut to %d tokens, %s", asked, served, why)
 
 

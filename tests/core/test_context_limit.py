@@ -38,6 +38,18 @@ def test_a_context_past_the_model_is_cut_with_a_warning(caplog: pytest.LogCaptur
     assert cut_warnings(caplog) == ["max_model_len 4096 is cut to 2048 tokens, the model's context"]
 
 
+def test_the_models_context_cut_by_the_pool_is_said_in_an_info_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="asyncengine.core.builder"):
+        assert core_for(None, pool_tokens=256, model_len=2048).max_model_len == 256
+        assert core_for(None, pool_tokens=8192, model_len=2048).max_model_len == 2048
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncengine.core.builder"] == [
+        "the model's context of 2048 tokens is served as 256, what the KV pool holds "
+        "(kv_cache_tokens, kv_cache_bytes or, on a GPU, gpu_memory_utilization size it)"
+    ]
+
+
 def test_a_context_that_fits_or_was_not_asked_for_is_not_warned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
