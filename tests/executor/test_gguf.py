@@ -444,3 +444,18 @@ def test_a_gguf_architecture_not_served_is_refused_naming_those_that_are() -> No
         ModelFilesError, match=rf"GGUF architecture 'gemma' is not supported {served}"
     ):
         hf_config(metadata, set(), torch.float32)
+
+
+def test_unused_tokens_of_a_padded_vocabulary_decode_to_nothing() -> None:
+    """A vocabulary padded to the embedding's rows ("[PAD3]", GGUF token type 5) prints as
+    nothing, as in llama.cpp; the other tokens decode as before."""
+    from asyncengine.executor.loader.gguf_tokenizer import byte_level_bpe_tokenizer
+
+    metadata = {
+        "tokenizer.ggml.tokens": ["a", "b", "ab", "[PAD3]"],
+        "tokenizer.ggml.token_type": [1, 1, 1, 5],
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    tokenizer = byte_level_bpe_tokenizer(metadata)
+    assert tokenizer.encode("ab").ids == [2]
+    assert tokenizer.decode([2, 3, 0], skip_special_tokens=True) == "aba"

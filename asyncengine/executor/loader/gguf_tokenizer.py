@@ -16,8 +16,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 log = logging.getLogger("asyncengine.loader")
 
-CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user defined, 6 byte
-USER_DEFINED_TOKEN = 4
+CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user defined,
+USER_DEFINED_TOKEN = 4  # 5 unused, 6 byte
+UNUSED_TOKEN = 5
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -107,12 +108,14 @@ def byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
         bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
     )
     # Control tokens (<|im_start|>, ...) are matched whole in text and dropped by
-    # skip_special_tokens; user-defined ones are matched whole but kept.
+    # skip_special_tokens, as are unused ones (a vocabulary padded to the embedding's rows:
+    # "[PAD123]", which llama.cpp prints as nothing); user-defined ones are matched whole but
+    # kept.
     tokenizer.add_special_tokens(
         [
             AddedToken(token, special=True, normalized=False)
             for token, kind in zip(tokens, token_types, strict=True)
-            if kind == CONTROL_TOKEN
+            if kind in (CONTROL_TOKEN, UNUSED_TOKEN)
         ]
     )
     tokenizer.add_tokens(
