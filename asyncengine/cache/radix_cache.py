@@ -18,7 +18,9 @@ Invariants the code keeps:
 
 Tokens are held as tuples (edge keys are tuple slices of the inserted sequence) and compared
 with slices at C speed; where an edge and a query diverge, the divergence point is found by a
-binary search over slice equality, not a per-token loop.
+binary search over slice equality, not a per-token loop. A query is never copied whole: each
+edge is compared with the span of the query it covers (``_span``), so a lookup reads the tokens
+it matches and one edge more, however long the query (a waiting request's whole context).
 
 ``_root_heads`` counts the root's children by the first token of their edge, so that
 ``prefix_length`` answers a query whose first token starts no cached edge (the common case
@@ -120,6 +122,15 @@ def _as_token_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
     if isinstance(tokens, np.ndarray):
         return tuple(tokens.tolist())
     return tuple(tokens)
+
+
+def _span(tokens: Sequence[int] | np.ndarray, start: int, stop: int) -> tuple[int, ...]:
+    """``tokens[start:stop]`` as a tuple (what edge keys are), copying only that span."""
+    if type(tokens) is tuple:
+        return tokens[start:stop]
+    if isinstance(tokens, np.ndarray):
+        return tuple(tokens[start:stop].tolist())
+    return tuple(tokens[start:stop])
 
 
 class RadixCache:
@@ -225,6 +236,17 @@ class RadixCache:
                 high = mid
         return low * ps
 
+    def _edge_match(
+        self, edge: tuple[int, ...], tokens: Sequence[int] | np.ndarray, pos: int, end: int
+    ) -> int:
+        """How many tokens of ``edge`` the query ``tokens[pos:end]`` matches, page aligned (the
+        caller selected the edge by its first page); reads only the span the edge covers."""
+        length = len(edge)
+        span = _span(tokens, pos, min(end, pos + length))
+        if len(span) == length and span == edge:
+            return length
+        return self._common_length(edge, span, 0, len(span))
+
     def _split(self, node: RadixNode, length: int) -> RadixNode:
         """Cut ``node``'s edge after ``length`` tokens; returns the new upper node.
 
@@ -318,18 +340,15 @@ class RadixCache:
         end -= end % ps
         if end == 0 or tokens[0] not in self._root_heads:
             return _EMPTY_PAGES, 0, node  # no edge starts with it (without the tuple copy)
-        key = _as_token_tuple(tokens)
         pos = 0
         chunks: list[np.ndarray] = []
         touches = self._touches
         while pos < end:
-            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            child = node.children.get(tokens[pos] if ps == 1 else _span(tokens, pos, pos + ps))
             if child is None:
                 break
-            edge = child.key
-            length = len(edge)
-            if pos + length > end or key[pos : pos + length] != edge:
-                length = self._common_length(edge, key, pos, end)
+            length = self._edge_match(child.key, tokens, pos, end)
+            if length < len(child.key):
                 child = self._split(child, length)
             child.last_access = tick
             child.hits += 1
@@ -362,17 +381,14 @@ class RadixCache:
         end -= end % ps
         if end == 0 or tokens[0] not in self._root_heads:
             return 0, 0
-        key = _as_token_tuple(tokens)
         node = self.root
         pos = unlocked = 0
         while pos < end:
-            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            child = node.children.get(tokens[pos] if ps == 1 else _span(tokens, pos, pos + ps))
             if child is None:
                 break
-            edge = child.key
-            length = len(edge)
-            if pos + length > end or key[pos : pos + length] != edge:
-                length = self._common_length(edge, key, pos, end)
+            length = self._edge_match(child.key, tokens, pos, end)
+            if length < len(child.key):
                 end = pos + length  # the match ends inside this edge
             if child.lock_ref == 0:  # a part matched keeps its node's lock count when split
                 unlocked += length
@@ -388,16 +404,15 @@ class RadixCache:
         nodes: list[RadixNode] = []
         if end == 0 or tokens[0] not in self._root_heads:
             return nodes
-        key = _as_token_tuple(tokens)
         node = self.root
         pos = 0
         while pos < end:
-            child = node.children.get(key[pos] if ps == 1 else key[pos : pos + ps])
+            child = node.children.get(tokens[pos] if ps == 1 else _span(tokens, pos, pos + ps))
             if child is None:
                 break
             nodes.append(child)
             length = len(child.key)
-            if pos + length > end or key[pos : pos + length] != child.key:
+            if pos + length > end or _span(tokens, pos, pos + length) != child.key:
                 break
             pos += length
             node = child

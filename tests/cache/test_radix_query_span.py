@@ -1,0 +1,97 @@
+"""A lookup reads the tokens it matches and one edge more, not its whole query: a request
+waiting to be admitted again is looked up every step with its whole context."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+import numpy as np
+import pytest
+
+from asyncengine.cache import RadixCache
+
+
+class CountingTokens(Sequence[int]):
+    """A token sequence that counts the elements read from it."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.read = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            part = self.tokens[index]
+            self.read += len(part)
+            return part
+        self.read += 1
+        return self.tokens[index]
+
+    def __iter__(self) -> Iterator[int]:
+        for token in self.tokens:
+            self.read += 1
+            yield token
+
+
+def tree_with_prefix(page_size: int, cached: list[int]) -> RadixCache:
+    tree = RadixCache(page_size)
+    tree.insert(cached, np.arange(len(cached) // page_size, dtype=np.int32))
+    return tree
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_each_lookup_reads_the_matched_span_not_the_whole_context(page_size: int) -> None:
+    cached = list(range(1, 33))  # 32 tokens: one edge
+    context = cached + [7] * 100_000  # a long context whose first 32 tokens are cached
+    tree = tree_with_prefix(page_size, cached)
+    # what one lookup may read: the cached edge, the first page after it, and a few tokens of
+    # the first-token checks
+    bound = len(cached) * 3 + page_size + 8
+    lookups = {
+        "prefix_length": lambda query: tree.prefix_length(query),
+        "prefix_and_unlocked": lambda query: tree.prefix_and_unlocked(query)[0],
+        "prefix_nodes": lambda query: sum(len(node.key) for node in tree.prefix_nodes(query)),
+        "match_prefix": lambda query: tree.match_prefix(query)[1],
+    }
+    for name, lookup in lookups.items():
+        query = CountingTokens(context)
+        assert lookup(query) == len(cached), name
+        assert query.read <= bound, f"{name} read {query.read} tokens of {len(context)}"
+
+
+def test_a_query_that_leaves_an_edge_early_reads_only_that_edge() -> None:
+    page_size = 4
+    cached = list(range(1, 4097))  # one long edge
+    tree = tree_with_prefix(page_size, cached)
+    query = CountingTokens(cached[:8] + [0] * 50_000)  # leaves the edge after two pages
+    assert tree.prefix_length(query) == 8
+    assert query.read <= 3 * len(cached)  # the edge's span, compared by a binary search
+    _, matched, node = tree.match_prefix(CountingTokens(cached[:8] + [0] * 50_000))
+    assert matched == 8 and node.prefix_len == 8
+    tree.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_every_kind_of_query_finds_the_same_prefix(page_size: int) -> None:
+    cached = list(range(1, 33))
+    tree = tree_with_prefix(page_size, cached)
+    query = cached[:20] + [99] * 30
+    expected = 20 // page_size * page_size
+    kinds: list[Sequence[int] | np.ndarray] = [
+        query,
+        tuple(query),
+        np.asarray(query, dtype=np.int64),
+        CountingTokens(query),
+    ]
+    for kind in kinds:
+        assert tree.prefix_length(kind) == expected
+        assert tree.prefix_and_unlocked(kind) == (expected, expected)
+        assert tree.match_prefix(kind)[1] == expected
+    tree.check()
