@@ -27,7 +27,7 @@ from asyncengine.cache.eviction_rule import EvictionRule
 from asyncengine.cache.host_tier import HostTier
 from asyncengine.cache.page_table import OutOfRowsError, PageTable
 from asyncengine.cache.pins import Pin, PinLimitError, PinnedPrefixes
-from asyncengine.cache.radix_cache import RadixCache, RadixNode
+from asyncengine.cache.radix_cache import PrefixEnd, RadixCache, RadixNode
 from asyncengine.cache.swap_space import SwappedKV, SwapSpace
 from asyncengine.cache.tail_pages import TailPage, TailPages
 from asyncengine.common.plan import TokenLogprobs
@@ -159,13 +159,23 @@ class KVCacheManager:
         compute, so they take no more of that room than computing it would, except where a
         prompt is computed in chunks: there the host tier's pages and a kept tail's page may
         take more than the first chunk alone."""
+        matched, room, _ = self.match_room_again(tokens, limit, None)
+        return matched, room
+
+    def match_room_again(
+        self, tokens: Tokens, limit: int | None, last: PrefixEnd | None
+    ) -> tuple[int, int, PrefixEnd | None]:
+        """``match_room``, and where the match ended (None: the cache is not asked): handed
+        back as ``last`` when asking about the same tokens and limit again, it spares walking
+        the tree while the tree under them is unchanged (RadixCache.prefix_end)."""
         if not self.enable_prefix_cache:
-            return 0, self.available_pages
+            return 0, self.available_pages, None
         limit = self._match_limit(len(tokens), limit)
         if limit == 0:
-            return 0, self.available_pages
-        matched, unlocked = self.tree.prefix_and_unlocked(tokens, limit)
-        return matched, self.available_pages - unlocked // self.page_size
+            return 0, self.available_pages, None
+        found = self.tree.prefix_end(tokens, limit, last)
+        unlocked = self.tree.unlocked_in(found)
+        return found.matched, self.available_pages - unlocked // self.page_size, found
 
     def prefix_epoch(self, tokens: Tokens) -> int:
         """Changes whenever ``match_length(tokens)`` may have grown: the inserts into the tree

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -133,6 +134,19 @@ def _span(tokens: Sequence[int] | np.ndarray, start: int, stop: int) -> tuple[in
     return tuple(tokens[start:stop])
 
 
+@dataclass(slots=True)
+class PrefixEnd:
+    """Where a query's cached prefix ended (RadixCache.prefix_end): a caller that asks again
+    about the same tokens, as a waiting request's admission does every step, hands it back and
+    is answered without a walk while the tree under the query is unchanged."""
+
+    end: int  # the page-aligned end of the query that was asked about
+    epoch: int  # head_epoch of the query's first token then
+    resets: int  # RadixCache.resets then
+    node: RadixNode  # the node whose edge holds the match's end (the root: nothing matched)
+    matched: int  # tokens matched
+
+
 class RadixCache:
     def __init__(
         self, page_size: int = 1, events: bool = False, rule: EvictionRule | None = None
@@ -153,6 +167,7 @@ class RadixCache:
         # head_bucket, as salted first tokens are as many as the salts clients send
         self.head_inserts: dict[int, int] = {}
         self.inserts = 0  # all of them (never cleared either): the same, nothing grew
+        self.resets = 0  # how many times the tree was emptied (PrefixEnd: a walk to trust)
         # what eviction cost (evictions, tokens computed again): off for a bare tree, the KV
         # manager turns it on (it hashes every evicted page)
         self.ledger: EvictionLedger | None = None
@@ -190,6 +205,7 @@ class RadixCache:
         """Forget every node (the caller owns the pages they held)."""
         if self._events is not None:
             self._events.append(AllBlocksCleared())
+        self.resets += 1
         self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._heap: list[tuple[float, int, RadixNode]] = []
@@ -369,32 +385,68 @@ class RadixCache:
 
     def prefix_length(self, tokens: Sequence[int] | np.ndarray, end: int | None = None) -> int:
         """Length of the cached page-aligned prefix of ``tokens[:end]``; no side effects."""
-        return self.prefix_and_unlocked(tokens, end)[0]
+        return self.prefix_end(tokens, end).matched
 
     def prefix_and_unlocked(
         self, tokens: Sequence[int] | np.ndarray, end: int | None = None
     ) -> tuple[int, int]:
         """``prefix_length(tokens, end)`` and how many of those tokens no lock protects: what
         locking the match's end would take out of ``evictable_size``; no side effects."""
+        found = self.prefix_end(tokens, end)
+        return found.matched, self.unlocked_in(found)
+
+    def prefix_end(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        end: int | None = None,
+        last: PrefixEnd | None = None,
+    ) -> PrefixEnd:
+        """Where the cached page-aligned prefix of ``tokens[:end]`` ends; no side effects.
+
+        ``last``: this answer for the same tokens at an earlier time. It is given back without
+        a walk while it holds: nothing was inserted under the tokens' first token since
+        (head_epoch), the tree was not reset, and the node it ends in is still in the tree and
+        still holds its end (evictions take leaves only, so the path to it is whole)."""
         ps = self.page_size
         end = len(tokens) if end is None else min(end, len(tokens))
         end -= end % ps
-        if end == 0 or tokens[0] not in self._root_heads:
-            return 0, 0
+        epoch = self.head_epoch(int(tokens[0])) if end else 0
+        if last is not None and last.end == end and last.epoch == epoch and self._holds(last):
+            return last
         node = self.root
-        pos = unlocked = 0
-        while pos < end:
-            child = node.children.get(tokens[pos] if ps == 1 else _span(tokens, pos, pos + ps))
-            if child is None:
-                break
-            length = self._edge_match(child.key, tokens, pos, end)
-            if length < len(child.key):
-                end = pos + length  # the match ends inside this edge
-            if child.lock_ref == 0:  # a part matched keeps its node's lock count when split
-                unlocked += length
-            pos += length
-            node = child
-        return pos, unlocked
+        pos = 0
+        if end and tokens[0] in self._root_heads:
+            while pos < end:
+                child = node.children.get(tokens[pos] if ps == 1 else _span(tokens, pos, pos + ps))
+                if child is None:
+                    break
+                length = self._edge_match(child.key, tokens, pos, end)
+                node = child
+                pos += length
+                if length < len(child.key):
+                    break  # the match ends inside this edge
+        return PrefixEnd(end, epoch, self.resets, node, pos)
+
+    def _holds(self, found: PrefixEnd) -> bool:
+        """``found`` is still the answer of its walk (prefix_end says when it may be asked)."""
+        if found.resets != self.resets:
+            return False
+        node = found.node
+        if node is self.root:
+            return True  # nothing matched; nothing inserted under its first token since
+        return node.parent is not None and node.prefix_len - len(node.key) < found.matched
+
+    def unlocked_in(self, found: PrefixEnd) -> int:
+        """How many tokens of the prefix ``found`` no lock protects (prefix_and_unlocked): the
+        unlocked nodes are the deep end of its path, as a lock walks up to the root."""
+        node = found.node
+        part = found.matched - (node.prefix_len - len(node.key))
+        unlocked = 0
+        while node.lock_ref == 0 and node.parent is not None:
+            unlocked += part  # a part matched keeps its node's lock count when split
+            node = node.parent
+            part = len(node.key)
+        return unlocked
 
     def prefix_nodes(self, tokens: Sequence[int] | np.ndarray) -> list[RadixNode]:
         """The nodes the cached prefix of ``tokens`` runs through, root first (the last one

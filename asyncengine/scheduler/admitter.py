@@ -29,7 +29,7 @@ from asyncengine.scheduler.admission import (
 from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.policy_guard import PolicyFailed, checked_order, victims_named
 from asyncengine.scheduler.prefill import Prefill
-from asyncengine.scheduler.prompt_scoring import cache_match_limit, may_reuse_prefix
+from asyncengine.scheduler.prompt_scoring import may_reuse_prefix
 from asyncengine.scheduler.retraction import Retraction
 from asyncengine.scheduler.shadow import ShadowPolicy
 
@@ -186,8 +186,8 @@ class Admitter:
 
     def _room(self, req: Request) -> tuple[int, int]:
         """The prompt tokens ``req``'s open would take from the cache now and the pages it may
-        then have (KVCacheManager.match_room)."""
-        return self.kv.match_room(req.cache_ids, cache_match_limit(req, self.prefill.prompt_scores))
+        then have (Prefill.match_room)."""
+        return self.prefill.match_room(req)
 
     def _short(self, estimate: int, room: int, future: int, alone: bool) -> int:
         """Pages a request computing ``estimate`` tokens is short of (0 or less: it fits): its

@@ -12,6 +12,7 @@ from __future__ import annotations
 from asyncengine.cache.allocator import OutOfPagesError
 from asyncengine.cache.manager import KVCacheManager
 from asyncengine.cache.prompt_scores import PromptScoreCache
+from asyncengine.cache.radix_cache import PrefixEnd
 from asyncengine.cache.swap_space import SwappedKV
 from asyncengine.common.joined_ids import JoinedIds
 from asyncengine.common.plan import BatchPlan, SamplingInfo, Segment, SharedScores
@@ -56,6 +57,10 @@ class Prefill:
         self.chunked: Request | None = None  # the one request mid-chunk
         # starts whose first chunk did not fit once opened: the open and its copies undone
         self.failed_starts = 0
+        # id(request) -> where its cached prefix ended when admission last asked, while it
+        # waits: a request that cannot start yet is asked about every step, with its whole
+        # context after a retraction, and the tree is walked again only where it changed
+        self.prefix_ends: dict[int, PrefixEnd] = {}
 
     def new_step(self) -> None:
         """Forget the last step's prompts: nothing of this step is shared yet."""
@@ -68,6 +73,20 @@ class Prefill:
         """``req`` left the engine."""
         if self.chunked is req:
             self.chunked = None
+        if self.prefix_ends:
+            self.prefix_ends.pop(id(req), None)
+
+    def match_room(self, req: Request) -> tuple[int, int]:
+        """The prompt tokens ``req``'s open would take from the cache now and the pages it may
+        then have (KVCacheManager.match_room), from its last answer while that holds."""
+        key = id(req)
+        limit = cache_match_limit(req, self.prompt_scores)
+        matched, room, found = self.kv.match_room_again(
+            req.cache_ids, limit, self.prefix_ends.get(key)
+        )
+        if found is not None:
+            self.prefix_ends[key] = found
+        return matched, room
 
     def chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
         """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the
@@ -126,6 +145,8 @@ class Prefill:
             if shared is not None:
                 take -= shared.copied
         self.waiting.remove(req)
+        if self.prefix_ends:
+            self.prefix_ends.pop(id(req), None)
         req.status = RequestStatus.PREFILLING
         if req.retractions == 0:  # a retracted request's prompt was counted when first admitted
             req.cached_tokens = req.kv.num_cached

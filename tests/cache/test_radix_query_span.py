@@ -8,8 +8,12 @@ from typing import overload
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from asyncengine.cache import RadixCache
+from asyncengine.cache import RadixCache, RadixNode
+
+tokens = st.lists(st.integers(0, 3), min_size=0, max_size=24)
 
 
 class CountingTokens(Sequence[int]):
@@ -95,3 +99,70 @@ def test_every_kind_of_query_finds_the_same_prefix(page_size: int) -> None:
         assert tree.prefix_and_unlocked(kind) == (expected, expected)
         assert tree.match_prefix(kind)[1] == expected
     tree.check()
+
+
+def test_an_answer_handed_back_is_kept_while_the_tree_under_it_is_unchanged() -> None:
+    page_size = 4
+    cached = list(range(1, 33))
+    tree = tree_with_prefix(page_size, cached)
+    context = cached + [7] * 10_000
+    first = tree.prefix_end(context)
+    assert first.matched == len(cached)
+    # an insert under another first token, a lock and an unlock: this answer holds
+    tree.insert([500] * 8, np.arange(100, 102, dtype=np.int32))
+    _, _, node = tree.match_prefix(cached[:8] + [0] * 4)  # splits the cached edge
+    tree.lock(node)
+    query = CountingTokens(context)
+    again = tree.prefix_end(query, None, first)
+    assert again is first and query.read <= 2  # its first token only: no walk
+    assert tree.unlocked_in(again) == len(cached) - 8  # the locked part is not counted
+    tree.unlock(node)
+    assert tree.unlocked_in(again) == len(cached)
+    # an insert under its first token: walked again, and the longer match found
+    longer = cached + [7] * 8
+    tree.insert(longer, np.arange(200, 210, dtype=np.int32))
+    grown = tree.prefix_end(context, None, first)
+    assert grown is not first and grown.matched == len(longer)
+    # the node it ends in evicted: walked again, and the shorter match found
+    tree.evict(tree.evictable_size - len(cached))
+    assert tree.prefix_end(context, None, grown).matched == tree.prefix_length(context)
+    # emptied: nothing matches
+    kept = tree.prefix_end(context)
+    tree.reset()
+    assert tree.prefix_end(context, None, kept).matched == 0
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "evict", "match", "lock", "unlock", "reset"]), tokens),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(page_size=st.sampled_from([1, 2]), steps=ops, query=tokens, end=st.integers(0, 30))
+def test_an_answer_handed_back_equals_a_fresh_walk(
+    page_size: int, steps: list[tuple[str, list[int]]], query: list[int], end: int
+) -> None:
+    """After any mix of inserts, evictions, splits, locks and resets, the answer given from the
+    last one is the answer of a fresh walk."""
+    tree = RadixCache(page_size)
+    locked: list[RadixNode] = []
+    last = tree.prefix_end(query, end)
+    for op, seq in steps:
+        if op == "insert":
+            n = len(seq) // page_size
+            tree.insert(seq, np.arange(n, dtype=np.int32))
+        elif op == "evict":
+            tree.evict(len(seq))
+        elif op == "match":
+            locked.append(tree.match_prefix(seq)[2])
+            tree.lock(locked[-1])
+        elif op == "unlock" and locked:
+            tree.unlock(locked.pop())
+        elif op == "reset":
+            tree.reset()
+            locked.clear()
+        last = tree.prefix_end(query, end, last)
+        fresh = tree.prefix_end(query, end)
+        assert last.matched == fresh.matched == tree.prefix_length(query[:end])
+        assert tree.unlocked_in(last) == tree.unlocked_in(fresh)

@@ -184,3 +184,28 @@ def test_copied_back_pages_count_as_host_hits_once_a_failed_admission_gets_in() 
     assert req.cached_tokens == len(host)
     assert (kv.hit_tokens, kv.host_hit_tokens) == (hits + len(host), len(host))
     assert req.output_ids == reference_output(prompt, 2)
+
+
+def test_a_request_waiting_for_room_is_not_looked_up_again_while_the_tree_is_unchanged() -> None:
+    """A request that cannot start is asked about every step: its cached prefix is found by
+    one walk of the tree, kept while nothing is inserted under its first token, and dropped
+    once it is admitted."""
+    core, runner, clock = make(16)
+    pinned = list(range(100, 116))
+    submit(core, clock, [(SHARED + TAIL, 1), (pinned, 1)], tag="x")
+    drive(core, runner, clock)
+    pin = core.pin(pinned)
+    prompt = SHARED + TAIL + list(range(200, 240))  # does not fit beside the pinned pages
+    (req,) = submit(core, clock, [(prompt, 2)], tag="y")
+    ends = core.scheduler.prefill.prefix_ends
+    assert core.launch() is None
+    first = ends[id(req)]
+    assert first.matched == len(SHARED)
+    for _ in range(3):
+        assert core.launch() is None
+        assert ends[id(req)] is first  # answered from its last answer: no walk
+    core.unpin(pin.pin_id)
+    drive(core, runner, clock)
+    assert id(req) not in ends
+    assert req.cached_tokens == len(SHARED) + len(TAIL)
+    assert req.output_ids == reference_output(prompt, 2)
