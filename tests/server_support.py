@@ -183,13 +183,17 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def server_subprocess(*args: str) -> AsyncIterator[ServerProcess]:
+async def server_subprocess(
+    *args: str, preexec_fn: Callable[[], object] | None = None
+) -> AsyncIterator[ServerProcess]:
     """``python *args`` serving on loopback (it logs "serving ... on http://127.0.0.1:PORT");
-    killed on the way out if it still runs."""
+    killed on the way out if it still runs. ``preexec_fn`` runs in the child before it starts
+    (resource limits to start it under)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *args,
         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=preexec_fn,
     )  # fmt: skip
     lines: list[str] = []
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()

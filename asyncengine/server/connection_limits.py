@@ -43,6 +43,27 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})
 MAX_DEFAULT_OPEN_CONNECTIONS = 4096
 # descriptors kept for the rest of the process (model files, logs, the engine's pipes)
 FD_MARGIN = 256
+# the soft open-files limit a server asks for at start (vLLM asks for 65535): room for every
+# open connection the default cap allows and for a larger --max-open-connections
+OPEN_FILES_TARGET = 65536
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> int:
+    """Raise the soft limit on open files to the hard limit, at most ``target`` (many hosts
+    start processes at 1024, far below their hard limit; vLLM and Ray raise it too); never
+    lowers it. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:  # a platform cap below the hard limit (macOS)
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, want, exc)
+            return soft
+        log.info("raised the open-files limit from %d to %d (hard limit %s)", soft, want, hard)
+        return want
+    log.debug("open-files limit %s (hard limit %s) left as it is", soft, hard)
+    return soft
 
 
 def default_max_open_connections() -> int:

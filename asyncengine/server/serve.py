@@ -34,6 +34,7 @@ from asyncengine.server.connection_limits import (
     MAX_DEFAULT_OPEN_CONNECTIONS,
     OpenConnections,
     default_max_open_connections,
+    raise_open_files_limit,
 )
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
@@ -277,9 +278,12 @@ def _open_connections(runner: web.AppRunner, limit: int | None) -> OpenConnectio
     """The cap on the runner's open connections; refusals count in the app's metrics."""
     assert runner.server is not None, "the runner is set up"
     state = runner.app.get(STATE)
+    if limit is None:
+        limit = default_max_open_connections()
+        log.info("open connections capped at %d (--max-open-connections)", limit)
     return OpenConnections(
         runner.server,
-        default_max_open_connections() if limit is None else limit,
+        limit,
         state.metrics.connections_refused.inc if state is not None else lambda: None,
     )
 
@@ -431,5 +435,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available."""
+    """Run ``run_server`` with the options of ``add_serve_arguments`` on uvloop when available,
+    the open-files limit raised first (the default ``--max-open-connections`` follows it)."""
+    raise_open_files_limit()
     return run(run_server(config, **http_options(args)))

@@ -87,10 +87,12 @@ def serve_replicas(config: EngineConfig, args: argparse.Namespace) -> int:
     """The CLI's entry: Ray up, replicas deployed, HTTP served, everything torn down."""
     from asyncengine.core.builder import make_policies
     from asyncengine.executor.loader import tokenizer_dir
+    from asyncengine.server.connection_limits import raise_open_files_limit
     from asyncengine.server.port import check_port_free
     from asyncengine.server.serve import http_options
 
     require_ray()
+    raise_open_files_limit()  # before Ray starts: its processes inherit it
     check_port_free(args.host, args.port)  # before Ray starts and the replicas load the model
     options = ray_options(args)
     tokenizer_dir(config.model)  # a bad model fails here, before Ray starts
