@@ -266,6 +266,9 @@ class TokenLogprobs:
 
     token_logprob: float
     top: list[tuple[int, float]]
+    # the token's rank in the vocabulary (1: none is more likely), as vLLM's prompt_logprobs
+    # give it: prompt scoring fills it (executor/prompt_logprobs.py), sampling does not
+    rank: int | None = None
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """Prompt logprobs: the final hidden states at a plan's scored positions into the logprob of
-each next prompt token and the top-k alternatives (``PromptScoring``, asyncengine/common/plan.py).
+each next prompt token, its rank and the top-k alternatives (``PromptScoring``,
+asyncengine/common/plan.py).
 
 Logits are vocabulary-wide, so they are made ``chunk_rows`` positions at a time: a long prompt
 never holds a [prompt, vocab] tensor, only a [chunk_rows, vocab] one, and it is gone before the
@@ -65,6 +66,7 @@ def logits_and_scores(
         rows = torch.arange(len(top_k), device=hidden.device)
     rows = rows + num_sampled  # rows of ``hidden``
     chosen = torch.empty(len(top_k), dtype=torch.float32, device=hidden.device)
+    ranks = torch.empty(len(top_k), dtype=torch.int64, device=hidden.device)
     tops: list[list[tuple[int, float]]] = [[] for _ in top_k]
     for begin in range(0, hidden.shape[0], chunk_rows):
         end = min(begin + chunk_rows, hidden.shape[0])
@@ -79,7 +81,10 @@ def logits_and_scores(
         rows_lse = row_max_lse(scored)  # a logprob is the logit less its row's log-sum-exp
         at = torch.nonzero((rows >= first_scored) & (rows < end)).flatten()  # positions read
         local = rows[at] - first_scored
-        chosen[at] = scored[local, targets[at]] - rows_lse.lse[local]
+        target_logits = scored[local, targets[at]]
+        chosen[at] = target_logits - rows_lse.lse[local]
+        # vLLM's rank: the tokens at least as likely, the token itself among them
+        ranks[at] = (scored[local] >= target_logits[:, None]).sum(dim=-1)
         positions = at.tolist()
         most = min(max((top_k[i] for i in positions), default=0), scored.shape[1])
         if most == 0:
@@ -93,12 +98,17 @@ def logits_and_scores(
             best_values = (best.values - rows_lse.lse[:, None])[local]
         for i, ids, values in zip(positions, best_ids.tolist(), best_values.tolist(), strict=True):
             tops[i] = list(zip(ids[: top_k[i]], values[: top_k[i]], strict=True))
-    values = chosen.tolist()
+    values, rank_of = chosen.tolist(), ranks.tolist()
     out: list[list[TokenLogprobs]] = []
     at_position = 0
     for scoring in scorings:
         n = scoring.num_positions
-        out.append([TokenLogprobs(values[i], tops[i]) for i in range(at_position, at_position + n)])
+        out.append(
+            [
+                TokenLogprobs(values[i], tops[i], rank_of[i])
+                for i in range(at_position, at_position + n)
+            ]
+        )
         at_position += n
     if sampled:
         logits = torch.cat(sampled) if len(sampled) > 1 else sampled[0]

@@ -20,6 +20,8 @@ class Echo:
     token_ids: list[int]
     scored: bool  # logprobs were asked for
     token_text: TokenText = field(compare=False, repr=False)  # how logprobs name a token
+    # alternatives shown per token (the scoring may keep more: prompt_logprobs' own k)
+    top_k: int = 0
     # the scores last turned into JSON, and it: the n choices of a prompt carry the same
     # scores (choice 0's), built once (a list per choice would cost n times the scoring's)
     _built: list[tuple[list[TokenLogprobs | None], Json]] = field(
@@ -34,12 +36,13 @@ class Echo:
         token_ids: list[int],
         scored: bool,
         token_text: TokenText,
+        top_k: int = 0,
     ) -> Echo:
         if isinstance(given, str):
             text = given
         else:
             text = state.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
-        return cls(text, list(token_ids), scored, token_text)
+        return cls(text, list(token_ids), scored, token_text, top_k)
 
     def logprobs(
         self, state: ServerState, prompt_logprobs: list[TokenLogprobs | None] | None
@@ -67,7 +70,7 @@ class Echo:
             "tokens": [self.token_text(t) for t in self.token_ids],
             "token_logprobs": [None if lp is None else lp.token_logprob for lp in prompt_logprobs],
             "top_logprobs": [
-                None if lp is None else {self.token_text(t): v for t, v in lp.top}
+                None if lp is None else {self.token_text(t): v for t, v in lp.top[: self.top_k]}
                 for lp in prompt_logprobs
             ],
             "text_offset": offsets.of(self.token_ids, len(self.text)),

@@ -40,6 +40,7 @@ from asyncengine.server.openai_schema import (
     completion_prompts,
     completion_sampling_params,
 )
+from asyncengine.server.prompt_logprobs import prompt_logprobs_body
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.streaming import stream_response
 from asyncengine.text.detokenizer import TextOffsets
@@ -71,7 +72,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _stream(
             request, state, chat.prompt, chat.params, builder, include_usage, chat.output
         )
-    return await _complete(request, state, chat.prompt, chat.params, builder, chat.output)
+    return await _complete(
+        request, state, chat.prompt, chat.params, builder, chat.output, req.prompt_logprobs
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -116,15 +119,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         scored = req.logprobs is not None
         token_text = _token_text(state, builder)
         echo = [
-            Echo.of(state, g, p, scored, token_text) for g, p in zip(given, prompts, strict=True)
+            Echo.of(state, g, p, scored, token_text, req.logprobs or 0)
+            for g, p in zip(given, prompts, strict=True)
         ]
     if len(prompts) == 1 and echo is None:
         if req.stream:
             return await _stream(request, state, prompts[0], params[0], builder, include_usage)
-        return await _complete(request, state, prompts[0], params[0], builder)
+        return await _complete(
+            request, state, prompts[0], params[0], builder, None, req.prompt_logprobs
+        )
     if req.stream:
         return await _stream_batch(request, state, prompts, params, builder, include_usage, echo)
-    return await _complete_batch(request, state, prompts, params, builder, echo)
+    return await _complete_batch(
+        request, state, prompts, params, builder, echo, req.prompt_logprobs
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -207,7 +215,9 @@ async def _complete(
     params: SamplingParams,
     builder: ResponseBuilder,
     chat_output: ChatOutputSpec | None = None,
+    prompt_logprobs: int | None = None,
 ) -> web.Response:
+    """``prompt_logprobs``: vLLM's field, the top alternatives it shows (None: not asked)."""
     outputs = await generate(state.engine, prompt, params, builder.id)
     for output in outputs:
         state.metrics.observe_finished(output.metrics)
@@ -233,7 +243,25 @@ async def _complete(
             if not chat_output.include_reasoning and "reasoning_content" in message:
                 message["reasoning_content"] = None
     usage = _usage([o.usage for o in outputs], params.n)
-    return json_response(builder.full(choices, usage, reasoning))
+    body = builder.full(choices, usage, reasoning)
+    if prompt_logprobs is not None:
+        token_text = _token_text(state, builder)
+        shown = [
+            prompt_logprobs_body(prompt, o.prompt_logprobs, prompt_logprobs, token_text)
+            for o in outputs
+        ]
+        _add_prompt_logprobs(body, shown)
+    return json_response(body)
+
+
+def _add_prompt_logprobs(body: Json, shown: list[list[Json | None] | None]) -> None:
+    """vLLM's places for prompt_logprobs: each text completion choice's, or the chat
+    response's (its choices share one prompt)."""
+    if body["object"] == "chat.completion":
+        body["prompt_logprobs"] = shown[0]
+        return
+    for choice, value in zip(body["choices"], shown, strict=True):
+        choice["prompt_logprobs"] = value
 
 
 def _usage(usages: list[Usage], n: int) -> Usage:
@@ -365,8 +393,10 @@ async def _complete_batch(
     params: list[SamplingParams],
     builder: ResponseBuilder,
     echo: list[Echo] | None,
+    prompt_logprobs: int | None = None,
 ) -> web.Response:
-    """Completions of a batch of prompts (or an echoed one), run together."""
+    """Completions of a batch of prompts (or an echoed one), run together; ``prompt_logprobs``
+    as ``_complete``'s."""
     ids = _request_ids(builder, len(prompts))
     tasks = [
         asyncio.ensure_future(generate(state.engine, prompt, p, rid))
@@ -410,7 +440,16 @@ async def _complete_batch(
                 )
                 logprobs = join_logprobs(logprobs, generated)
             choices.append((prompt.text + o.text, o.finish_reason, logprobs))
-    return json_response(builder.full(choices, _usage([o.usage for o in outputs], params[0].n)))
+    body = builder.full(choices, _usage([o.usage for o in outputs], params[0].n))
+    if prompt_logprobs is not None:
+        token_text = _token_text(state, builder)
+        shown = [
+            prompt_logprobs_body(prompts[i], o.prompt_logprobs, prompt_logprobs, token_text)
+            for i, outs in enumerate(per_prompt)
+            for o in outs
+        ]
+        _add_prompt_logprobs(body, shown)
+    return json_response(body)
 
 
 def _request_ids(builder: ResponseBuilder, count: int) -> list[str]:

@@ -151,6 +151,9 @@ class _CommonRequest(Struct, kw_only=True):
     # vLLM's: logprobs name each token "token_id:<id>" (its bytes are still its own)
     return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: each prompt token's logprob and rank, with the k most likely tokens there
+    # (server/prompt_logprobs.py); not with stream
+    prompt_logprobs: TopLogprobs | None = None
     # vLLM's: words the output may not contain (bad_words_token_ids: how they are banned)
     bad_words: list[str] | None = None
     # vLLM's options that nothing here honours: a 400 when set to anything but their default
@@ -159,7 +162,6 @@ class _CommonRequest(Struct, kw_only=True):
     use_beam_search: RefusedUnlessFalse = False
     length_penalty: Annotated[float, Meta(extra_json_schema={"const": 1.0})] = 1.0
     spaces_between_special_tokens: RefusedUnlessTrue = True  # (false: with specials skipped)
-    prompt_logprobs: RefusedUnlessNull = None
     logits_processors: RefusedUnlessNull = None
     structural_tag: RefusedUnlessNull = None
     guided_whitespace_pattern: RefusedUnlessNull = None
@@ -266,7 +268,6 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("best_of", 1, "only 1 is supported (each of the n choices is sampled on its own)"),
     ("use_beam_search", False, "beam search is not supported"),
     ("length_penalty", 1.0, "it scores beams, and beam search is not supported"),
-    ("prompt_logprobs", None, "use echo with logprobs on /v1/completions to score the prompt"),
     ("logits_processors", None, "custom logits processors are not supported"),
     ("structural_tag", None, "not supported"),
     ("guided_whitespace_pattern", None, "not supported"),
@@ -321,6 +322,11 @@ def _check_common(req: _CommonRequest, max_n: int) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid_request(
+            "prompt_logprobs is not available with stream: true (as in vLLM)",
+            param="prompt_logprobs",
         )
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         raise _unsupported(
@@ -589,7 +595,9 @@ def chat_sampling_params(
     check_unsupported(req, CHAT_UNSUPPORTED)
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    return _sampling_params(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
+    return _sampling_params(
+        req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, req.prompt_logprobs
+    )
 
 
 def completion_sampling_params(
@@ -606,8 +614,12 @@ def completion_sampling_params(
     if req.suffix:
         raise _unsupported("suffix", "suffix is not supported")
     logprobs = req.logprobs is not None
-    # echo with logprobs scores the prompt too, with as many alternatives
+    # echo with logprobs scores the prompt too, with as many alternatives; prompt_logprobs
+    # with its own (the scoring keeps the more, each view shows its own)
     scored = req.echo and (logprobs or max_tokens == 0)
+    wanted = [
+        k for k in ((req.logprobs or 0) if scored else None, req.prompt_logprobs) if k is not None
+    ]
     return _sampling_params(
-        req, max_tokens, logprobs, req.logprobs or 0, (req.logprobs or 0) if scored else None
+        req, max_tokens, logprobs, req.logprobs or 0, max(wanted) if wanted else None
     )

@@ -38,7 +38,6 @@ REFUSED: list[tuple[str, str, Any, Any]] = [
             ("best_of", 2, 1),
             ("use_beam_search", True, False),
             ("length_penalty", 0.5, 1.0),
-            ("prompt_logprobs", 2, None),
             ("logits_processors", ["my.Processor"], None),
             ("structural_tag", "{}", None),
             ("guided_whitespace_pattern", " ", None),
