@@ -235,6 +235,22 @@ def test_gemma3_per_layer_rope_from_an_older_file_and_from_transformers_5() -> N
     assert c.sliding_layers == (False, True) * 3 + (False,)
     assert (c.rope_theta, c.rope_scaling) == (1e6, RopeScaling("linear", 8.0))
     assert (c.sliding_rope_theta, c.sliding_rope_scaling) == (1e4, RopeScaling())
+    # its max_position_embeddings is its context, the linear scaling already counted (vLLM's)
+    assert c.max_model_len == c.max_position_embeddings
+
+
+@pytest.mark.parametrize("key", ["type", "rope_type"])
+def test_linear_scaling_stretches_the_context_by_its_factor(key: str) -> None:
+    """As vLLM and transformers count it: positions up to max_position_embeddings x factor."""
+    c = ModelConfig.from_hf_dict(
+        {
+            **SMOLLM2_LIKE,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {key: "linear", "factor": 4.0},
+        }
+    )
+    assert c.max_model_len == 16384
+    assert build_cos_sin_cache(c).shape[0] == 16384
 
 
 @pytest.mark.parametrize(

@@ -103,9 +103,10 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence the positional encoding covers (dynamic NTK stretches it by factor,
-        YaRN the original length by factor, as vLLM counts them)."""
-        return _context(self.max_position_embeddings, self.rope_scaling)
+        """Longest sequence the positional encoding covers, as vLLM counts it: linear scaling
+        and dynamic NTK stretch it by factor, YaRN the original length by factor. Gemma 3's
+        max_position_embeddings is its context with its linear scaling already counted."""
+        return _context(self.max_position_embeddings, self.rope_scaling, self.architecture)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -143,7 +144,7 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _parse_rope(d, max_pos)
         window, sliding_layers = _parse_sliding_layers(d, architecture, num_layers)
-        if not gemma and window >= _context(max_pos, rope_scaling):
+        if not gemma and window >= _context(max_pos, rope_scaling, architecture):
             # no position reaches past it: plain attention (Gemma 3's sliding layers keep
             # their own RoPE, so Gemmas keep their layer kinds)
             window, sliding_layers = 0, ()
@@ -256,9 +257,11 @@ def _default_layer_types(d: dict[str, Any], architecture: str, num_layers: int) 
     ]
 
 
-def _context(max_pos: int, scaling: RopeScaling) -> int:
+def _context(max_pos: int, scaling: RopeScaling, architecture: str) -> int:
     """Longest sequence the positional encoding covers (``ModelConfig.max_model_len``)."""
-    if scaling.rope_type == "dynamic":
+    if scaling.rope_type == "dynamic" or (
+        scaling.rope_type == "linear" and architecture != "Gemma3ForCausalLM"
+    ):
         return int(max_pos * scaling.factor)
     if scaling.rope_type == "yarn" and scaling.original_max_position_embeddings is not None:
         return max(max_pos, int(scaling.original_max_position_embeddings * scaling.factor))
