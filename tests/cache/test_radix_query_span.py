@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine.cache import RadixCache, RadixNode
+from asyncengine.cache.radix_cache import PrefixEnd
 
 tokens = st.lists(st.integers(0, 3), min_size=0, max_size=24)
 
@@ -165,4 +166,25 @@ def test_an_answer_handed_back_equals_a_fresh_walk(
         last = tree.prefix_end(query, end, last)
         fresh = tree.prefix_end(query, end)
         assert last.matched == fresh.matched == tree.prefix_length(query[:end])
-        assert tree.unlocked_in(last) == tree.unlocked_in(fresh)
+        assert tree.unlocked_in(last) == tree.unlocked_in(fresh) == unlocked_along(tree, last)
+
+
+def unlocked_along(tree: RadixCache, found: PrefixEnd) -> int:
+    """The matched tokens in unlocked nodes, summed along the path from the root."""
+    total = 0
+    for node in tree.prefix_nodes(found_query(found)):
+        start = node.prefix_len - len(node.key)
+        if node.lock_ref == 0 and start < found.matched:
+            total += min(node.prefix_len, found.matched) - start
+    return total
+
+
+def found_query(found: PrefixEnd) -> list[int]:
+    """The matched tokens, read back from the path the match ends on."""
+    keys: list[tuple[int, ...]] = []
+    node: RadixNode | None = found.node
+    while node is not None and node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    path = [token for key in reversed(keys) for token in key]
+    return path[: found.matched]
