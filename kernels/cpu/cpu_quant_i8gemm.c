@@ -677,9 +677,11 @@ static inline Q_ALWAYS_INLINE void tile_512(const uint8_t *const *w, const int n
 static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const int nv, int64_t s0,
                                                int64_t s1, const i8_row *a, const int mr,
                                                const int has_min, float *out,
-                                               const i8_prefetch *pf) {
+                                               const i8_prefetch *pf, const int tail) {
     const int64_t bytes = has_min ? Q8_M_AT + 8 * NP * 4 : Q8_M_AT;
     for (int64_t s = s0; s < s1; s++) {
+        /* the padding's zero blocks add exact zeros: skipped (hidden 896: 1/8 of each product) */
+        const int nb = s == s1 - 1 ? tail : 8;
         const uint8_t *blk[NV];
         for (int v = 0; v < nv; v++) blk[v] = w[v] + s * bytes;
         const int8_t *xq[MR];
@@ -687,7 +689,8 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
         __m512 facc[MR][NV];
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < nv; v++) facc[r][v] = _mm512_setzero_ps();
-        for (int j = 0; j < 8; j++) {
+        for (int j = nb; j < 8; j++) prefetch_part(pf, (s - s0) * 8 + j, (s1 - s0) * 8);
+        for (int j = 0; j < nb; j++) {
             prefetch_part(pf, (s - s0) * 8 + j, (s1 - s0) * 8);
             __m512i iacc[MR][NV];
             for (int v = 0; v < nv; v++) {
@@ -736,10 +739,12 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
 #define I8_CASE(mr, nv)                                                                          \
     case (nv) * 16 + (mr):                                                                       \
         tile_512(w, nv, s0, s1, a, mr, NSUB, NIB, out, pf);                                      \
+        (void)tail;                                                                              \
         return;
 #define I8_FORMAT_FN(name, nsub, nib)                                                            \
     static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
-                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf,     \
+                                int tail) {                                                    \
         enum { NSUB = nsub, NIB = nib };                                                         \
         switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
     }
@@ -750,11 +755,12 @@ I8_FORMAT_FN(tile_q6_k, 16, 0)
 #undef I8_CASE
 #define I8_CASE(mr, nv)                                                                          \
     case (nv) * 16 + (mr):                                                                       \
-        tile_512_q8(w, nv, s0, s1, a, mr, HAS_MIN, out, pf);                                     \
+        tile_512_q8(w, nv, s0, s1, a, mr, HAS_MIN, out, pf, tail);                               \
         return;
 #define I8_BLOCK32_FN(name, has_min)                                                             \
     static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
-                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf,     \
+                                int tail) {                                                    \
         enum { HAS_MIN = has_min };                                                              \
         switch (np * 16 + nr) { I8_SHAPES(I8_CASE) }                                             \
     }
@@ -859,8 +865,10 @@ static inline Q_ALWAYS_INLINE void tile_256(const uint8_t *w, int c0, int64_t s0
         return;
 #define I8_FORMAT_FN(name, nsub, nib)                                                            \
     static Q_NOINLINE void name(const uint8_t *const *w, int np, int64_t s0, int64_t s1,         \
-                                const i8_row *a, int nr, float *out, const i8_prefetch *pf) {   \
+                                const i8_row *a, int nr, float *out, const i8_prefetch *pf,     \
+                                int tail) {                                                    \
         enum { NSUB = nsub, NIB = nib };                                                         \
+        (void)tail;                                                                              \
         switch (nr) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) }                              \
     }
 I8_FORMAT_FN(tile_q4_k, 8, 1)
@@ -870,21 +878,24 @@ I8_FORMAT_FN(tile_q6_k, 16, 0)
 #undef I8_CASE
 #endif
 
+/* tail: the whole blocks of 32 in super-block s1 - 1 (8 but in a 32-value block format's row
+ * whose length is no multiple of 256) */
 static inline void tile(int fmt, const uint8_t *const *w, int np, int64_t s0, int64_t s1,
-                        const i8_row *a, int nr, float *out, const i8_prefetch *pf) {
+                        const i8_row *a, int nr, float *out, const i8_prefetch *pf, int tail) {
 #if defined(I8_512)
-    if (has_min_of(fmt)) tile_q4_1(w, np, s0, s1, a, nr, out, pf);
-    else if (q8_layout(fmt)) tile_q8(w, np, s0, s1, a, nr, out, pf);
-    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
-    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
-    else tile_q6_k(w, np, s0, s1, a, nr, out, pf);
+    if (has_min_of(fmt)) tile_q4_1(w, np, s0, s1, a, nr, out, pf, tail);
+    else if (q8_layout(fmt)) tile_q8(w, np, s0, s1, a, nr, out, pf, tail);
+    else if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf, tail);
+    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf, tail);
+    else tile_q6_k(w, np, s0, s1, a, nr, out, pf, tail);
 #elif defined(I8_256)
-    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf);
-    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf);
-    else if (fmt == FMT_Q6_K) tile_q6_k(w, np, s0, s1, a, nr, out, pf);
+    if (fmt == FMT_Q4_K) tile_q4_k(w, np, s0, s1, a, nr, out, pf, tail);
+    else if (fmt == FMT_Q5_K) tile_q5_k(w, np, s0, s1, a, nr, out, pf, tail);
+    else if (fmt == FMT_Q6_K) tile_q6_k(w, np, s0, s1, a, nr, out, pf, tail);
     else tile_scalar(fmt, w, np, s0, s1, a, nr, out);
 #else
     (void)pf;
+    (void)tail;
     tile_scalar(fmt, w, np, s0, s1, a, nr, out);
 #endif
 }
@@ -938,6 +949,7 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
     const int64_t kp = padded(k), nsb = kp / QK_K, pb = l.bytes * nsb;
     const int64_t np_all = (rows + NP - 1) / NP;
     const int64_t units = (np_all + NV - 1) / NV, tiles = (n + MR - 1) / MR;
+    const int tail = q8_layout(fmt) ? (int)((k + QK - 1) / QK - (nsb - 1) * 8) : 8;
     const int64_t chunk = n <= I8_ONE_SB_ROWS ? 1 : I8_CHUNK_SB;
     const int16_t *b = fmt == FMT_Q6_K ? b16 : b32;
     const int64_t bstride = fmt == FMT_Q6_K ? kp / 16 : kp / 32, qb = q8_layout(fmt) ? QK : QK_K;
@@ -982,7 +994,8 @@ void asyncengine_i8_matmul(int fmt, const uint8_t *panels, int64_t rows, int64_t
                     for (int r = 0; r < nr; r++)
                         a[r] = (i8_row){xq + (i0 + r) * kp, xd + (i0 + r) * (kp / qb),
                                         b + (i0 + r) * bstride};
-                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &part);
+                    tile(fmt, w, np, s0, s1, a, nr, acc + t * MR * NV * NP, &part,
+                         s1 == nsb ? tail : 8);
                 }
             }
             if (next < 0) next = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED);

@@ -83,7 +83,8 @@ def random_blocks(fmt_name: str, rows: int, cols: int) -> QuantizedTensor:
     """Random blocks of a GGUF format with valid small fp16 scales (its fp16 fields: as
     tests/kernels/test_quantized_kernels.py makes them)."""
     fmt = FORMATS[fmt_name]
-    fields = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+    fields = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+    fields |= {"Q4_K": (0, 2), "Q5_K": (0, 2)}
     blocks = cols // fmt.block_size
     data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), dtype=torch.uint8)
     for offset in fields.get(fmt_name, (208,)):
