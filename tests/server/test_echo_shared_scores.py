@@ -37,7 +37,7 @@ def test_choices_with_the_same_scores_share_their_json() -> None:
     scores: list[TokenLogprobs | None] = [None] + [
         TokenLogprobs(-1.0 - i, [(i, -0.5), (i + 1, -1.5)]) for i in range(1, 50)
     ]
-    echo = Echo("prompt", list(range(50)), scored=True, token_text=counting.token_text)
+    echo = Echo("prompt", list(range(50)), scored=True, token_text=counting.token_text, top_k=2)
     first = echo.logprobs(state, scores)
     built = counting.looked_up
     assert built == 50 + 49 * 2  # each prompt token, each alternative
