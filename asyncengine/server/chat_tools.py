@@ -284,12 +284,6 @@ def render_prompt(
         )
     except ChatTemplateError as error:
         raise invalid_request(str(error), code="invalid_value") from None
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
-        # a template indexing a value that chat_template_kwargs gave another type, ...
-        raise invalid_request(
-            f"the chat template failed on these messages: {type(error).__name__}: {error}",
-            code="invalid_value",
-        ) from None
     return open_final_message(text, messages[-1].get("content")) if continue_final else text
 
 

@@ -219,6 +219,12 @@ class Tokenizer:
             )
         except TemplateError as error:
             raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
+        except Exception as error:
+            # the template's own code on the caller's values (a division by a
+            # chat_template_kwargs value, an index past a list): the request's fault
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {type(error).__name__}: {error}"
+            ) from error
 
 
 def prompt_token_ids(tok: Any, prompt: object, vocab_size: int) -> list[int]:

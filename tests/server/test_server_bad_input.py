@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -927,6 +929,49 @@ async def test_text_that_encodes_past_the_models_vocabulary_is_a_400_beside_good
         for code, body in refused:
             assert code == 400, body
             assert "outside the model's vocabulary [0, 300)" in body["error"]["message"]
+        assert await wait_until(lambda: engine_idle(small.engine))
+        assert_no_leak(small.engine)
+    finally:
+        await small.stop()
+
+
+# a template doing arithmetic on a chat_template_kwargs value
+ARITHMETIC_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }} {{ 100 // scale }}"
+    " {{ 10.0 ** scale }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _model_with_template(tmp_path_factory: pytest.TempPathFactory, template: str) -> Path:
+    target = tmp_path_factory.mktemp("tiny_with_template")
+    shutil.copytree(tiny_model_dir(tmp_path_factory), target, dirs_exist_ok=True)
+    (target / "chat_template.jinja").write_text(template)
+    return target
+
+
+async def test_a_template_failing_on_a_kwarg_is_a_400_naming_its_error(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    small = await start_server(
+        engine_config(_model_with_template(tmp_path_factory, ARITHMETIC_TEMPLATE))
+    )
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def post(scale: int) -> tuple[int, dict[str, Any]]:
+                body = chat(chat_template_kwargs={"scale": scale})
+                async with session.post(small.base_url + CHAT, json=body) as resp:
+                    return resp.status, await resp.json(content_type=None)
+
+            for scale, error in ((0, "ZeroDivisionError"), (400, "OverflowError")):
+                status, out = await post(scale)
+                assert status == 400, out
+                assert out["error"]["type"] == "invalid_request_error"
+                message = out["error"]["message"]
+                assert f"the chat template failed on these messages: {error}" in message
+            status, out = await post(2)
+            assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
         assert await wait_until(lambda: engine_idle(small.engine))
         assert_no_leak(small.engine)
     finally:
