@@ -71,8 +71,8 @@ from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.tenancy import (
     API_KEY_DIGEST,
     CACHE_ISOLATIONS,
-    matching_key_digest,
     public_exposition,
+    request_key_digest,
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -138,10 +138,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.method == "OPTIONS"
     ):
         return await handler(request)
-    header = request.headers.get("Authorization")
-    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
-        header = "Bearer " + request.headers["x-api-key"]
-    digest = matching_key_digest(header or "", api_keys)
+    digest = request_key_digest(request, api_keys)
     if digest is None:
         raise ApiError(
             401,
@@ -172,8 +169,7 @@ def whole_scrape_allowed(request: web.Request, state: ServerState) -> bool:
     by key (where a key holder must not learn of the others) to the admin token alone."""
     if state.cache_isolation == "api-key":
         return carries_admin_token(request)
-    header = request.headers.get("Authorization", "")
-    return not state.api_keys or matching_key_digest(header, state.api_keys) is not None
+    return not state.api_keys or request_key_digest(request, state.api_keys) is not None
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

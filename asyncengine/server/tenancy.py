@@ -66,6 +66,15 @@ def matching_key_digest(header: str, keys: tuple[str, ...]) -> str | None:
     return None if matched is None else hashlib.sha256(matched.encode()).hexdigest()
 
 
+def request_key_digest(request: web.Request, keys: tuple[str, ...]) -> str | None:
+    """The digest of the API key ``request`` presents, when it is one of ``keys``: sent as
+    ``Authorization: Bearer <key>`` or, as Anthropic's clients send it, ``x-api-key: <key>``."""
+    header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:
+        header = "Bearer " + request.headers["x-api-key"]
+    return matching_key_digest(header or "", keys)
+
+
 def namespaced_salt(digest: str, salt: str | None) -> str:
     """The salt of a request under ``cache_isolation = "api-key"``: one namespace per key, and
     within it one per ``salt`` (fixed length whatever the salt's)."""

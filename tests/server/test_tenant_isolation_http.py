@@ -247,6 +247,25 @@ async def test_cached_tokens_can_be_left_out_and_metrics_keep_tenants_behind_the
         await server.stop()
 
 
+async def test_a_key_sent_as_x_api_key_gets_the_whole_scrape() -> None:
+    """Anthropic's clients send the key as ``x-api-key``: the scrape reads it as the API does."""
+    server = await started(api_key="k")
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert (await complete(session, server, "k"))[0] == 200
+            scrapes = []
+            for headers in ({"Authorization": "Bearer k"}, {"x-api-key": "k"}, {"x-api-key": "x"}):
+                async with session.get(server.base_url + "/metrics", headers=headers) as resp:
+                    assert resp.status == 200
+                    scrapes.append(await resp.text())
+        bearer, x_api_key, wrong = scrapes
+        assert "asyncengine_cache_hit_tokens_total" in bearer
+        assert "asyncengine_cache_hit_tokens_total" in x_api_key
+        assert "cache_hit" not in wrong  # a key the server does not hold: the public scrape
+    finally:
+        await server.stop()
+
+
 def test_isolation_by_key_needs_a_key() -> None:
     engine = fake_engine()
     with pytest.raises(ValueError, match="needs an API key"):
