@@ -57,6 +57,17 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 TimeoutSeconds = Annotated[float, Meta(gt=0.0)]
+# OpenAI's bounds on the metadata an object carries
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_LENGTH = 64
+MAX_METADATA_VALUE_LENGTH = 512
+Metadata = Annotated[
+    dict[
+        Annotated[str, Meta(max_length=MAX_METADATA_KEY_LENGTH)],
+        Annotated[str, Meta(max_length=MAX_METADATA_VALUE_LENGTH)],
+    ],
+    Meta(max_length=MAX_METADATA_PAIRS),
+]
 # Fields refused unless they hold their default: the decoder takes any value, so that the 400
 # names the field (check_unsupported), and the OpenAPI document says that only the default is
 # valid.
@@ -192,6 +203,9 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     echo: RefusedUnlessFalse = False
     chat_template: RefusedUnlessNull = None
     include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (null)
+    # OpenAI's, for its stored completions: nothing is stored here, but a client gets the 400
+    # that OpenAI gives for metadata past its bounds
+    metadata: Metadata | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -208,7 +222,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
-_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+# the field's path: "at `$.a.b`", a dict's key "at `key` in `$.a`", a dict's value "$.a[...]"
+_PATH_RE = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
 
 RequestT = TypeVar("RequestT", bound=Struct)
@@ -227,7 +242,7 @@ def decode_body(body: bytes, request_type: type[RequestT]) -> RequestT:
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH_RE.search(text)
-        param = match.group(1) if match and match.group(1) else None
+        param = match.group(1).replace("[...]", "") if match and match.group(1) else None
         if missing := _MISSING_RE.search(text):
             param = f"{param}.{missing.group(1)}" if param else missing.group(1)
         raise invalid_request(

@@ -39,6 +39,7 @@ from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
+    Metadata,
     PositiveInt,
     ResponseFormat,
     Temperature,
@@ -56,7 +57,6 @@ from asyncengine.server.tool_schema import (
     answers_no_call,
 )
 
-MAX_METADATA_KEYS = 16
 # items of one conversation: a request's input, or the stored chain that previous_response_id
 # continues (each GET of input items and each continuation decodes them all)
 MAX_CONVERSATION_ITEMS = 4096
@@ -173,7 +173,7 @@ class ResponsesRequest(Struct, kw_only=True):
     user: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
     store: bool = True
     stream: bool = False
-    metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
+    metadata: Metadata | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled", "auto"] | None = None

@@ -18,6 +18,11 @@ import pytest
 import pytest_asyncio
 
 from asyncengine.server.openai_responses import RESPONSES_STORE
+from asyncengine.server.openai_schema import (
+    MAX_METADATA_KEY_LENGTH,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_LENGTH,
+)
 from asyncengine.server.responses_schema import MAX_CONVERSATION_ITEMS
 from tests.chat_models import tiny_thinking_qwen3_dir
 from tests.openai_server import client, server  # noqa: F401  (fixtures)
@@ -216,6 +221,40 @@ async def test_the_store_get_delete_store_false_and_users(
     with pytest.raises(openai.NotFoundError) as missing:
         await client.responses.create(input="more", previous_response_id=unstored.id, **kwargs)
     assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+async def test_metadata_past_openais_bounds_is_a_400_naming_it(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """At most 16 pairs, keys of at most 64 characters, values of at most 512, on /v1/responses
+    and on chat completions (stored there by OpenAI, validated alike here)."""
+    too_long_key = {"k" * (MAX_METADATA_KEY_LENGTH + 1): "v"}
+    too_long_value = {"k": "v" * (MAX_METADATA_VALUE_LENGTH + 1)}
+    too_many = {f"k{i}": "v" for i in range(MAX_METADATA_PAIRS + 1)}
+    at_the_bounds = {
+        f"{i:0{MAX_METADATA_KEY_LENGTH}d}": "v" * MAX_METADATA_VALUE_LENGTH
+        for i in range(MAX_METADATA_PAIRS)
+    }
+    say: Any = [{"role": "user", "content": "hi"}]
+    for metadata in (too_long_key, too_long_value, too_many):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(
+                model=server.model, input="hi", max_output_tokens=1, metadata=metadata
+            )
+        assert refused.value.body["param"] == "metadata"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                model=server.model, messages=say, max_tokens=1, store=True, metadata=metadata
+            )
+        assert refused.value.body["param"] == "metadata"  # type: ignore[index]
+    kept = await client.responses.create(
+        model=server.model, input="hi", max_output_tokens=1, metadata=at_the_bounds
+    )
+    assert (await client.responses.retrieve(kept.id)).metadata == at_the_bounds
+    chat = await client.chat.completions.create(
+        model=server.model, messages=say, max_tokens=1, store=True, metadata=at_the_bounds
+    )
+    assert len(chat.choices) == 1  # served, the metadata at its bounds accepted
 
 
 async def test_input_items_list_what_each_response_was_sent_a_page_at_a_time(
