@@ -439,7 +439,8 @@ class AsyncEngine:
         return True
 
     async def reset_prefix_cache(self, reset_counters: bool = False) -> None:
-        """Empty the radix cache (and optionally its hit/miss counters); only while idle."""
+        """Empty the radix cache; only while idle. ``reset_counters``: the counts of
+        ``stats()`` start again too (a replay's warm-up kept out of its measured run)."""
         try:
             self._core().reset_prefix_cache(reset_counters)
         except RuntimeError as exc:

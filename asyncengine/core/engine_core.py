@@ -304,11 +304,15 @@ class EngineCore:
         }
 
     def reset_prefix_cache(self, reset_counters: bool = False) -> None:
-        """Empty the radix cache and the prompt score cache (and optionally the radix cache's
-        hit/miss counters); only while idle."""
+        """Empty the radix cache and the prompt score cache; only while idle. ``reset_counters``:
+        the counts of ``stats()`` start again too (hits, requests, tokens, tenants, steps), so
+        that a replay's warm-up stays out of the run it measures."""
         if self.has_work():
             raise RuntimeError("cannot reset the prefix cache while requests are in the engine")
         self.kv.reset(reset_counters=reset_counters)
+        if reset_counters:
+            self.lifecycle.forget_counts()
+            self.scheduler.forget_counts()
         if self.scheduler.prompt_scores is not None:
             self.scheduler.prompt_scores.clear()
 

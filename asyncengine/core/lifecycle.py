@@ -84,6 +84,12 @@ class Lifecycle:
         deadlines = self._deadlines
         return deadlines[0][0] if deadlines else None
 
+    def forget_counts(self) -> None:
+        """Count requests, tokens and tenants again from zero (a replay's warm-up kept out of
+        its measured run)."""
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.tenants = TenantStats()
+
     # -- endings -----------------------------------------------------------------------------
     def end(self, req: Request, reason: str, matched: str | int | None = None) -> None:
         """End ``req`` now (no-op if it has ended): its queues and KV are released (the

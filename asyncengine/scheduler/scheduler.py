@@ -162,6 +162,13 @@ class Scheduler:
         """The one request mid-chunk (Prefill's)."""
         return self.prefill.chunked
 
+    def forget_counts(self) -> None:
+        """Count steps, admission blocks and speculation again from zero (a replay's warm-up
+        kept out of its measured run)."""
+        self.step_count = 0
+        self.admission.steps = dict.fromkeys(self.admission.steps, 0)
+        self.spec_steps = self.spec_verified = self.spec_accepted = 0
+
     # -- queue ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.rid in self.requests:

@@ -165,9 +165,7 @@ class _MeasuredReplay:
         while self.core.has_work():
             self.core.step()
         sched = self.core.scheduler
-        sched.step_count = 0
         sched.new_token_ratio = sched.config.init_new_token_ratio
-        self.core.counters.update(dict.fromkeys(self.core.counters, 0))
         self.core.reset_prefix_cache(reset_counters=True)
         self.clock.now = 0.0
 

@@ -336,9 +336,12 @@ async def test_reset_prefix_cache_only_while_idle() -> None:
             await engine.reset_prefix_cache()
         await stream.aclose()
         await wait_idle(engine)
+        assert engine.stats()["finished_length"] == 1 and engine.stats()["tenants"]
         await engine.reset_prefix_cache(reset_counters=True)
         stats = engine.stats()
         assert stats["pages_cached"] == 0 and stats["hit_tokens"] == 0
+        assert stats["finished_length"] == stats["finished_abort"] == stats["steps"] == 0
+        assert stats["tenants"] == {} and stats["prompt_tokens"] == 0
         assert stats["pages_free"] == stats["pages_total"]
 
 

@@ -341,6 +341,11 @@ def test_compare_policies_on_the_real_engine(tmp_path: Path, tiny_model_dir: Pat
         engine_stats = details[run.label]["engine_stats"]
         assert engine_stats["hit_tokens"] == run.summary.cached_tokens  # warm-up hits reset
         assert engine_stats["policy"] == run.policy
+        # the warm-up request counts nowhere: not as a finished request, nor as a tenant's
+        assert engine_stats["finished_length"] == 8 and engine_stats["generated_tokens"] == 40
+        assert engine_stats["prompt_tokens"] == run.summary.prompt_tokens
+        assert list(engine_stats["tenants"]) == [""]  # the workload's requests name none
+        assert engine_stats["tenants"][""]["requests"] == 8
     assert "real engine" in (out / "results.md").read_text()
 
 
