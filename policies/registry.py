@@ -135,17 +135,32 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     names = policy_names(spec)
     classes = resolve_policy(spec)
     if len(classes) == 1:
-        return classes[0](**options)
+        return _built(classes[0], names[0], options)
     parts = []
     for name, cls in zip(names, classes, strict=True):
         own = options.pop(cls.name, None) or options.pop(name, None) or {}
-        parts.append(cls(**own))
+        parts.append(_built(cls, name, own))
     if options:
         raise ValueError(f"policy options {sorted(options)} match no part of {spec!r}")
     policy = ComposedPolicy(parts)
     if policy.orderer is None:
         policy.orderer = FCFSPolicy()
     return policy
+
+
+def _built(cls: type[Policy], name: str, options: dict[str, Any]) -> Policy:
+    """``cls(**options)``; a plug-in's TypeError or ValueError comes back as a ValueError that
+    names the policy (a built-in's own messages name it and the option already)."""
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        if BUILTIN.get(cls.name) is cls:
+            raise
+        given = f"options {options!r}" if options else "no options"
+        raise ValueError(
+            f"policy {name!r} (class {cls.__name__}) failed to build with {given}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _builtin_key(name: str) -> str:
@@ -213,4 +228,6 @@ def build_policy(spec: str, options: dict[str, Any] | None = None, key: str = "p
     try:
         return make_policy(spec, options)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config key '{key}_options' = {options!r}: {exc}") from None
+        # with no options given the policy itself failed: blame the key that names it
+        where = f"{key!r} = {spec!r}" if not options else f"'{key}_options' = {options!r}"
+        raise ConfigError(f"config key {where}: {exc}") from None

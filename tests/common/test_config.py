@@ -149,6 +149,39 @@ def test_a_policy_loads_from_a_file_path(tmp_path: Path) -> None:
         make_policies(EngineConfig(policy=f"{source}:Absent"))
 
 
+def test_a_plugin_policys_own_error_is_named_with_the_policy(tmp_path: Path) -> None:
+    """A policy of one's own that refuses to build says so in its own words, naming itself;
+    the options are blamed only when some were given."""
+    source = tmp_path / "strict.py"
+    source.write_text(
+        "from asyncengine.policies.fcfs import FCFSPolicy\n\n"
+        "class Strict(FCFSPolicy):\n"
+        "    def __init__(self, weight: float = -1.0) -> None:\n"
+        "        super().__init__()\n"
+        "        if weight <= 0:\n"
+        "            raise ValueError(f'weight must be positive, got {weight}')\n"
+    )
+    spec = f"{source}:Strict"
+    alone = re.escape(
+        f"config key 'policy' = '{spec}': policy '{spec}' (class Strict) failed to build with "
+        "no options: ValueError: weight must be positive, got -1.0"
+    )
+    with pytest.raises(ConfigError, match=f"^{alone}$"):
+        make_policies(EngineConfig(policy=spec))
+    given = re.escape(
+        f"config key 'policy_options' = {{'weight': 0}}: policy '{spec}' (class Strict) failed "
+        "to build with options {'weight': 0}: ValueError: weight must be positive, got 0"
+    )
+    with pytest.raises(ConfigError, match=f"^{given}$"):
+        make_policies(EngineConfig(policy=spec, policy_options={"weight": 0}))
+    with pytest.raises(ConfigError, match="'policy_options'.*TypeError.*unexpected keyword"):
+        make_policies(EngineConfig(policy=spec, policy_options={"wieght": 1}))
+    composed = f"{spec}+token-budget"
+    with pytest.raises(ConfigError, match=re.escape(f"policy '{spec}' (class Strict)")):
+        make_policies(EngineConfig(policy=composed))
+    assert make_policies(EngineConfig(policy=spec, policy_options={"weight": 2}))[0]
+
+
 def test_kv_blocked_skips_must_not_be_negative() -> None:
     assert EngineConfig(kv_blocked_skips=3).kv_blocked_skips == 3
     with pytest.raises(ConfigError, match="kv_blocked_skips"):
