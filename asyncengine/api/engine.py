@@ -506,8 +506,11 @@ class AsyncEngine:
         policy loaded at start-up (``allowed_policies``, the start-up policy) may be named by
         its ``name``."""
         spec = listed_names(spec, self.config.allowed_policies)
-        previous = self._core().set_policy(spec, options)
+        core = self._core()
+        previous = core.set_policy(spec, options)
         self.config = self.config.replace(policy=spec, policy_options=dict(options or {}))
+        if self.streams.recorder is not None:
+            self.streams.recorder.policy_swap(spec, self.config.policy_options, core.now())
         self._wake()  # the new policy may admit what the old one held
         return previous
 
@@ -561,7 +564,12 @@ class AsyncEngine:
         asyncengine/workloads/live_trace.py) until ``stop_recording`` or ``stop``."""
         core = self._core()
         self.stop_recording()
-        meta = {"model": self.config.model, "policy": core.config.policy}
+        config = core.config
+        meta = {
+            "model": self.config.model,
+            "policy": config.policy,
+            "policy_options": config.policy_options,
+        }
         self.streams.recorder = TraceRecorder(
             path, start=core.now(), page_size=core.kv.page_size,
             vocab_size=core.spec.vocab_size, hashed=hashed, meta=meta,

@@ -3,7 +3,10 @@ replayable workload plus the measured steps (for fitting a cost model to the sam
 
 One JSON object per line, each with a ``type``:
 
-- ``header``: ``version``, ``page_size``, ``vocab_size``, ``hashed``, ``model``, ``policy``;
+- ``header``: ``version``, ``page_size``, ``vocab_size``, ``hashed``, ``model``, ``policy``
+  and ``policy_options`` (the policy recording began under);
+- ``policy``: ``time``, ``policy``, ``options``: a live swap (``/admin/policy``); the requests
+  scheduled after it ran under that policy, until the next one;
 - ``arrival``: ``rid``, ``time`` (seconds since recording began), ``prompt_ids`` (or, when
   hashed, ``page_hashes`` and ``prompt_len``), ``params`` (the sampling parameters that differ
   from the defaults), ``tenant``, ``priority``, ``timeout``, ``lora`` (the adapter, when one),
@@ -22,7 +25,7 @@ kept as its digest: distinct salts stay distinct, so the cache sees the same nam
 A request with n choices is one arrival (replayed as n choices that fork choice 0's prompt
 pages, as the engine runs them); each choice generates the longest choice's length. Version 1
 traces wrote an arrival per choice and no top-level ``cache_salt``: they load as before, with
-the salt read from ``params``.
+the salt read from ``params``. Version 3 added the ``policy`` records.
 
 Replay lengths: a request that finished by stop or length generates what it generated live
 (ignoring EOS); one that timed out asks for its ``max_new_tokens``; an aborted one generates
@@ -43,7 +46,7 @@ import numpy as np
 from asyncengine.common.request import choice_rid
 from asyncengine.workloads.trace import WorkloadRequest, load_trace
 
-VERSION = 2
+VERSION = 3
 HASH_BYTES = 8
 
 
@@ -90,12 +93,23 @@ class StepRecord:
     decode_context: int
 
 
+@dataclass(frozen=True, slots=True)
+class PolicySwap:
+    """A live policy swap: from ``time`` on, ``policy`` with ``options`` scheduled."""
+
+    time: float
+    policy: str
+    options: dict[str, Any]
+
+
 @dataclass(slots=True)
 class LiveTrace:
     header: dict[str, Any]
     requests: list[WorkloadRequest] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     finish_reasons: dict[str, str] = field(default_factory=dict)
+    # the live swaps in time order (a replay runs the policies it is asked to compare)
+    policy_swaps: list[PolicySwap] = field(default_factory=list)
 
 
 def is_live_trace(path: str | Path) -> bool:
@@ -130,6 +144,7 @@ def load_live_trace(path: str | Path) -> LiveTrace:
     arrivals: list[dict[str, Any]] = []
     finishes: dict[str, dict[str, Any]] = {}
     steps: list[StepRecord] = []
+    swaps: list[PolicySwap] = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -154,6 +169,11 @@ def load_live_trace(path: str | Path) -> LiveTrace:
                             int(record["decode_context"]),
                         )
                     )
+                elif kind == "policy":
+                    options = record["options"]
+                    if not isinstance(options, dict):
+                        raise ValueError(f"policy options must be an object, got {options!r}")
+                    swaps.append(PolicySwap(float(record["time"]), str(record["policy"]), options))
                 else:
                     raise ValueError(f"unknown record type {kind!r}")
             except (KeyError, ValueError, TypeError) as exc:
@@ -162,7 +182,7 @@ def load_live_trace(path: str | Path) -> LiveTrace:
         raise ValueError(f"{path}: not a live trace (no header line)")
     page_size = int(header["page_size"])
     vocab = int(header.get("vocab_size", 32000))
-    trace = LiveTrace(header, steps=steps)
+    trace = LiveTrace(header, steps=steps, policy_swaps=sorted(swaps, key=lambda s: s.time))
     seen: dict[str, int] = {}
     for arrival in sorted(arrivals, key=lambda a: float(a["time"])):
         rid = str(arrival["rid"])

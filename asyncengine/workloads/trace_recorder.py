@@ -1,6 +1,7 @@
-"""TraceRecorder: writes a live trace (arrivals, finishes, measured steps) as the engine runs,
-for replay in the simulator under other policies (scripts/compare_policies.py --trace FILE)
-with a cost model fitted to the same run (--fit-from-trace). Format: workloads/live_trace.py.
+"""TraceRecorder: writes a live trace (arrivals, finishes, measured steps, policy swaps) as the
+engine runs, for replay in the simulator under other policies (scripts/compare_policies.py
+--trace FILE) with a cost model fitted to the same run (--fit-from-trace). Format:
+workloads/live_trace.py.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ class TraceRecorder:
         features = StepFeatures.of_plan(plan)
         self._write(
             {"type": "step", "time": now - self.start, "seconds": seconds, **asdict(features)}
+        )
+
+    def policy_swap(self, spec: str, options: dict[str, Any], now: float) -> None:
+        """A live swap to ``spec`` (with ``options``), so the trace says which policy ran
+        which requests."""
+        self._write(
+            {"type": "policy", "time": now - self.start, "policy": spec, "options": options}
         )
 
     def close(self) -> None:

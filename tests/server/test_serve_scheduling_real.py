@@ -84,6 +84,13 @@ async def test_a_served_run_with_shadow_admin_swap_and_trace(
     # the trace is the traffic: every request, its prompt and what it generated
     live = load_live_trace(trace)
     assert live.header["policy"] == "fcfs" and len(live.requests) == len(PROMPTS)
+    (swap,) = live.policy_swaps  # the admin swap, between the two batches of requests
+    assert (swap.policy, swap.options) == (
+        "priority+dynamic-chunking",
+        {"priority": {"preempt": True}},
+    )
+    arrivals = sorted(r.arrival_time for r in live.requests)
+    assert arrivals[3] <= swap.time <= arrivals[4]
     assert {r.tenant for r in live.requests} == {"u0", "u1"}
     assert sorted(r.output_len for r in live.requests) == sorted(len(v) for v in served.values())
     assert live.steps and all(s.seconds > 0 for s in live.steps)

@@ -31,6 +31,7 @@ from tests.scripts.test_compare_policies import load_script
 from tests.server_support import engine_config, tiny_model_dir
 
 SHARED = prompt(42, 24)  # six pages of 4 tokens
+SWAP_OPTIONS = {"max_wait_tokens": 64}
 
 
 async def record(path: Path, hashed: bool) -> list[tuple[str, list[int], int]]:
@@ -47,6 +48,8 @@ async def record(path: Path, hashed: bool) -> list[tuple[str, list[int], int]]:
             await asyncio.sleep(0.003)
         outs = await asyncio.gather(*calls)
         assert all(o.finish_reason == "length" for o in outs)
+        # a live swap: the trace says which policy ran which requests
+        eng.set_policy("priority", SWAP_OPTIONS)
         late = await eng.generate(prompt(77), params(500, timeout=0.02), request_id="late")
         assert late.finish_reason == "timeout"
         steps = eng.stats()["steps"]
@@ -68,7 +71,12 @@ async def test_a_recorded_trace_reads_back_as_the_same_workload(
     assert is_live_trace(path)
     trace = load_live_trace(path)
     assert trace.header["page_size"] == 4 and trace.header["hashed"] is hashed
+    assert (trace.header["policy"], trace.header["policy_options"]) == ("fcfs", {})
+    (swap,) = trace.policy_swaps
+    assert (swap.policy, swap.options) == ("priority", SWAP_OPTIONS)
     by_rid = {r.rid: r for r in trace.requests}
+    before = [r.arrival_time for r in trace.requests if r.rid != "late"]
+    assert max(before) <= swap.time <= by_rid["late"].arrival_time
     assert set(by_rid) == {rid for rid, _, _ in sent}
     arrivals = [r.arrival_time for r in trace.requests]
     assert arrivals == sorted(arrivals) and arrivals[0] >= 0
