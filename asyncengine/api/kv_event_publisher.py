@@ -45,7 +45,6 @@ class KVEventPublisher:
         self.endpoint = str(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self._topic = topic.encode()
         self.sequence = 0
-        self.published_events = 0
         log.info("KV cache events published on %s", self.endpoint)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
@@ -61,7 +60,6 @@ class KVEventPublisher:
         except self._zmq.Again:  # every subscriber's buffer is full: dropped, as PUB does
             log.warning("KV events batch %d dropped: subscribers are behind", self.sequence)
         self.sequence += 1
-        self.published_events += len(events)
 
     def close(self) -> None:
         self._socket.close(linger=0)

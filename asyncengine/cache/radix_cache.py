@@ -96,14 +96,6 @@ class RadixNode:
         self.score = 0.0  # the eviction rule's own number (cache/eviction_rule.py)
         self.hashes: tuple[int, ...] = ()  # the edge's page hashes, when events are kept
 
-    @property
-    def in_heap(self) -> bool:
-        return self.heap_id >= 0
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         head = self.key[:6]
         more = "..." if len(self.key) > 6 else ""

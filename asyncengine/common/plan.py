@@ -252,10 +252,6 @@ class BatchPlan:
         """The segments that compute prompt logprobs, in plan order."""
         return [s for s in self.segments if s.scoring is not None]
 
-    @property
-    def sampled_rids(self) -> list[str]:
-        return [s.rid for s in self.segments if s.sample]
-
     def is_empty(self) -> bool:
         return not self.extends and not self.decodes
 

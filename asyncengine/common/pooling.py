@@ -17,15 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-POOLINGS = ("mean", "last")
 SUM = "sum"  # Segment.pool: the sum of the segment's rows
 LAST = "last"  # Segment.pool: the segment's last row
-
-
-def check_pooling(pooling: str) -> str:
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    return pooling
 
 
 @dataclass(slots=True)

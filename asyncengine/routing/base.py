@@ -81,8 +81,3 @@ class ReplicaRouter(ABC):
     def tree_stats(self) -> dict[str, int]:
         """Size of the router's own state (empty for routers that keep none)."""
         return {}
-
-
-def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState:
-    """The replica with the fewest requests in flight (the first of those, in order)."""
-    return min(replicas, key=lambda r: r.load)

@@ -228,7 +228,6 @@ class _CappedSite(web.TCPSite):
             backlog=self._backlog,
             reuse_address=self._reuse_address,
         )
-        self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 async def start_http(

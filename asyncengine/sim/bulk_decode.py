@@ -42,14 +42,13 @@ _MAX_TIMES = 20_000
 @dataclass(slots=True)
 class _Decoding:
     """A running request whose progress is counted: before the decode of bulk step ``j`` its
-    KV holds ``base + j`` tokens and its output ``out_base + j``; its bulk tokens are stamped
-    ``times[first:]``; it gets its last token at step ``last``."""
+    KV holds ``base + j`` tokens; its bulk tokens are stamped ``times[first:]``; it gets its
+    last token at step ``last``."""
 
     req: Request
     seq: SeqKV  # its KV handle (the same while it is counted: only a retraction changes it)
     order: int  # its place in the running queue (joins append, as the scheduler's)
     base: int
-    out_base: int
     future_base: int  # future tokens before step j: future_base - j
     first: int
     last: int
@@ -128,14 +127,12 @@ class BulkDecode:
         """``req`` decodes from the next bulk step on."""
         j = len(self.times)
         seq = req.kv
-        out = len(req.output_ids)
         future = req.future_tokens(self.core.max_model_len)
         member = _Decoding(
             req,
             seq,
             self._order,
             base=seq.kv_len - j,
-            out_base=out - j,
             future_base=future + j,
             first=j,
             last=j + future - 1,

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.common.sampling_params import InvalidRequestError
-from asyncengine.structured.schema_annotations import ANNOTATIONS
 
 # constraints xgrammar's converter ignores wherever they stand
 IGNORED = {
@@ -86,8 +85,6 @@ NEEDS_TYPE = {
 JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # keywords beside which only annotations are kept (xgrammar reads the one and drops the rest)
 ALONE = ("$ref", "anyOf", "oneOf", "allOf")
-# no constraint: annotations, and where other schemas live
-PASSIVE = ANNOTATIONS | {"$schema", "$id", "$anchor", "$defs", "definitions", "discriminator"}
 # every keyword that constrains (anything else in a schema is an unknown keyword: no constraint)
 CONSTRAINTS = (
     set(IGNORED)

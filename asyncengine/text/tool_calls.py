@@ -65,7 +65,6 @@ LLAMA3_JSON = ToolCallFormat(
     trigger='{"name": ',
     separator="; ",
 )
-TOOL_CALL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"
@@ -231,7 +230,6 @@ class _StreamedCall:
         self.head = ""  # the call's text until its arguments begin, while the head may come
         self.rest: list[str] = []  # the text after it, once no head can come
         self.args_start: int | None = None  # where the arguments object starts in head
-        self.sent_args = 0  # characters of the arguments already sent
         self.arguments_end = JsonValueEnd()  # the arguments' scan, kept between pieces
         self.head_steps = 0  # characters the head's match was tried on, in all
         self.named_only = False  # cut after its name, before its arguments began
@@ -266,7 +264,6 @@ class _StreamedCall:
         new = text if end is None else text[:end]
         if new:
             deltas.append(ToolCallDelta(self.index, arguments=new))
-            self.sent_args += len(new)
         return deltas
 
     @property

@@ -328,19 +328,6 @@ class RemoteEngine:
             cause = error.cause if hasattr(error, "cause") else error
             raise EngineError(f"replica {replica} did not flush its cache: {cause}")
 
-    async def replica_info(self) -> dict[str, dict[str, Any]]:
-        """Each live replica's own account (model, limits, process id), asked of it now."""
-        router = self.router()
-        replicas = router.replica_ids() if router is not None else []
-        infos = await asyncio.gather(
-            *(
-                asyncio.wait_for(self._handle.info.remote(replica=r), CONTROL_CALL_TIMEOUT_SECONDS)
-                for r in replicas
-            ),
-            return_exceptions=True,
-        )
-        return {r: info for r, info in zip(replicas, infos, strict=True) if isinstance(info, dict)}
-
     # -- introspection ------------------------------------------------------------------------
     def router(self) -> Any:
         """This process's AsyncEngineRequestRouter of the deployment (None before a call)."""

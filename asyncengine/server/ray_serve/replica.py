@@ -127,7 +127,7 @@ class EngineReplica:
         except REFUSALS as exc:
             return exc
 
-    async def info(self, replica: str | None = None) -> dict[str, Any]:
+    async def info(self) -> dict[str, Any]:
         """What the driver needs to know of the model, and who answers (tests kill by pid)."""
         from ray import serve
 

@@ -4,8 +4,8 @@ Ray Serve builds it in every process that holds a handle to the deployment (here
 process) and asks ``choose_replicas`` for each request. A generation call carries the prompt's
 token ids (``route_ids``): the wrapped router picks one replica from each replica's requests
 in flight (Ray Serve's queue-length cache, kept by this handle's sends and completions) and
-its reported cache capacity (``routing_stats``). A call that names a ``replica`` (flush,
-info) goes to that replica only; any other call goes to the least loaded.
+its reported cache capacity (``routing_stats``). A call that names a ``replica`` (abort,
+flush) goes to that replica only; any other call goes to the least loaded.
 
 The routers of this process register under their application's name (registry.py) so that
 the HTTP side (metrics, flush) can read their counters, decision log and per-replica stats.
