@@ -80,7 +80,6 @@ class Mapping:
     end: int
     name: str
     rss: int = 0
-    anonymous: int = 0
 
 
 def smaps() -> list[Mapping]:
@@ -92,8 +91,6 @@ def smaps() -> list[Mapping]:
             maps.append(Mapping(lo, hi, head[5] if len(head) > 5 else ""))
         elif head[0] == "Rss:":
             maps[-1].rss = int(head[1]) * 1024
-        elif head[0] == "Anonymous:":
-            maps[-1].anonymous = int(head[1]) * 1024
     return maps
 
 

@@ -60,8 +60,6 @@ SHAPES = {
     "qwen2.5-0.5b": model_shapes(896, 14, 2, 64, 4864, 151936),
     "gemma-3-1b": model_shapes(1152, 4, 1, 256, 6912, 262144),
 }
-LAYER_SHAPES, LM_HEAD = SHAPES["smollm2-135m"]
-
 
 CLOCK: Callable[[], float] = time.perf_counter
 
