@@ -74,7 +74,7 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _operation(method: str, path: str, components: dict[str, Any]) -> dict[str, Any]:
+def _operation(method: str, path: str) -> dict[str, Any]:
     error = {"$ref": _REF.format(name="ErrorResponse")}
     ok: dict[str, Any] = {"description": "success", "content": _json({"type": "object"})}
     if path == "/metrics":
@@ -117,7 +117,7 @@ def openapi_document(app: web.Application, title: str = "asyncengine") -> dict[s
         path = route.resource.canonical if route.resource is not None else None
         if path is None or method in {"HEAD", "OPTIONS", "*"}:
             continue
-        paths.setdefault(path, {})[method.lower()] = _operation(method, path, components)
+        paths.setdefault(path, {})[method.lower()] = _operation(method, path)
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": __version__},
