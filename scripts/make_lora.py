@@ -9,7 +9,7 @@ random start's shape (B at zero, as PEFT starts), so that the adapter's effect s
 the model writes (it leans toward the text).
 
     python scripts/make_lora.py --out /tmp/lora-r16 --rank 16
-    python scripts/make_lora.py --out tests/data/smollm2-lora --rank 4 --targets q_proj,v_proj \\
+    python scripts/make_lora.py --out tests/data/smollm2-lora-r4 --rank 4 --targets q_proj,v_proj \\
         --train-text README.md --seconds 60 --save-dtype float16
     asyncengine serve --lora mine=/tmp/lora-r16
 """

@@ -2,7 +2,7 @@
 
 A router picks one replica for each generation request from the request's prompt token ids and
 the replicas' current state. The same router objects run inside the Ray Serve deployment (see
-asyncengine/server/ray/router.py) and in the simulator's multi-replica mode, so a routing
+asyncengine/server/ray_serve/router.py) and in the simulator's multi-replica mode, so a routing
 policy studied on a simulated trace is the one that serves. Routers know no Ray.
 """
 

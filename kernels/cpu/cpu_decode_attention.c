@@ -18,7 +18,7 @@
  * parallel under OpenMP; loaded after torch, this library shares torch's OpenMP runtime (same
  * soname), so the two thread pools are one.
  *
- * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native; the AVX-512 paths are
+ * Built by kernels/cpu/cpu_native.py with gcc -O3 -march=native; the AVX-512 paths are
  * used where the compiler targets them (AVX512F for float32, AVX512BF16 for bfloat16 dot
  * products), a portable loop otherwise.
  *

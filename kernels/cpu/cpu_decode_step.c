@@ -55,7 +55,7 @@
  *   block_table [n, table_stride] int32, seq_lens [n] int32 (keys incl. the new one)
  *   out         [n, hidden] float32       the final-normed hidden states
  *
- * Built by asyncengine/kernels/cpu_native.py.
+ * Built by kernels/cpu/cpu_native.py.
  */
 #include <math.h>
 #include <omp.h>

@@ -16,7 +16,7 @@
  * reduction in absolute key-block order, so a row's output still depends on its query and keys
  * alone (deterministic mode relies on it).
  *
- * Built by asyncengine/kernels/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
+ * Built by kernels/cpu/cpu_native.py with gcc -O3 -march=native: AVX512-BF16 dot
  * products where the CPU has them, bfloat16 queries over a bfloat16 or int8 pool then taking the
  * items of cpu_extend_bf16.h (rows in lanes, both products bf16 dot products); on AVX2 + FMA CPUs
  * without AVX-512, the items of cpu_extend_avx2.h (float32 arithmetic, scores transposed);

@@ -1,8 +1,9 @@
 /* The elementwise work of a transformer layer, fused, on the CPU (bfloat16 or float32).
  *
- * Each function does in one pass what the torch references (kernels/<op>_ref.py) do in several
- * ops, rounding to the tensor dtype after the same operations, so it follows them closely: the
- * sum inside an RMS and the exp inside SiLU are computed differently (float32 rounding level).
+ * Each function does in one pass what the torch references (kernels/reference/<op>_ref.py) do
+ * in several ops, rounding to the tensor dtype after the same operations, so it follows them
+ * closely: the sum inside an RMS and the exp inside SiLU are computed differently (float32
+ * rounding level).
  *
  *   rms_norm            y = w * bf(x * rsqrt(mean(x^2) + eps))           (kernels/reference/norm_ref.py)
  *   add_rms_norm        s = bf(x + r) written over r; y = rms_norm(s)
@@ -14,7 +15,7 @@
  * Built with -DKV_F16 (cpu_kv.h), rotary_store writes k and v to a float16 pool (rounded to
  * nearest even) from float32 rows (bf16 must be 0 there); with -DKV_I8 to an int8 pool, each
  * row quantized as rotated and rounded to the dtype (bfloat16 or float32).
- * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
+ * Built by kernels/cpu/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <math.h>
 #include <stdint.h>

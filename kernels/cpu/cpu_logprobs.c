@@ -5,7 +5,7 @@
  * [rows, vocab] chunk writes and re-reads the whole chunk (5.6 ms for 41 x 49152 on one core);
  * here each row is read twice, the second time from L2 (asyncengine/executor/prompt_logprobs.py).
  *
- * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
+ * Built by kernels/cpu/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <math.h>
 #include <stdint.h>

@@ -8,7 +8,7 @@
  * step streams); the sums are float32 and y is rounded once.
  *
  * The torch twin is kernels/reference/lora_ref.py; the binding is kernels/cpu/lora_native.py.
- * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
+ * Built by kernels/cpu/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <stdint.h>
 #include <stdlib.h>

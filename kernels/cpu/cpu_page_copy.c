@@ -6,7 +6,7 @@
  * second thread saved less than a loaded machine's parallel regions cost
  * (scripts/micro/bench_host_copy.py).
  *
- * Built by asyncengine/kernels/cpu_native.py (cc -O3 -march=native -fopenmp).
+ * Built by kernels/cpu/cpu_native.py (cc -O3 -march=native -fopenmp).
  */
 #include <stdint.h>
 #include <string.h>

@@ -41,7 +41,7 @@
  *
  * Parallel over tiles of weight rows (each thread streams its own rows once); within a tile,
  * up to four activation rows share each unpacked weight block (small-batch GEMM).
- * Built by asyncengine/kernels/cpu_native.py.
+ * Built by kernels/cpu/cpu_native.py.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Builds kernels/cpu_{decode,extend}_attention.c for this CPU twice (float32 and -DKV_F16 pools)
+# Builds kernels/cpu/cpu_{decode,extend}_attention.c for this CPU twice (float32 and -DKV_F16 pools)
 # and compares them over the same pool (check.c). Exit status 0 when every shape agrees.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
