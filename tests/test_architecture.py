@@ -7,12 +7,14 @@
 - the live engine imports nothing of the simulator (``sim/``), directly or through others;
 - one place builds a Scheduler (the builder), and one sequences a step (EngineCore: every
   driver calls its launch/land; nothing else calls the scheduler's schedule/commit/fail);
-- every package folder is installed (pyproject's explicit package list).
+- every package folder is installed (pyproject's explicit package list);
+- docs/ARCHITECTURE.md's layout names every package folder, and its layers are LAYERS.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -244,3 +246,40 @@ def test_every_package_folder_is_installed() -> None:
         "asyncengine.policies": "policies",
         "asyncengine.kernels": "kernels",
     }
+
+
+def architecture_section(title: str) -> str:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    _, found, rest = text.partition(f"\n## {title}\n")
+    assert found, title
+    return rest.split("\n## ", 1)[0]
+
+
+def test_the_layout_names_every_package_folder() -> None:
+    """docs/ARCHITECTURE.md's layout has a row for each top folder (``cache/``), which names
+    each of its package subfolders (``lora/`` in ``executor/``'s)."""
+    rows = {
+        line.split("`")[1]: line
+        for line in architecture_section("Layout").splitlines()
+        if line.startswith("| `")
+    }
+    missing = []
+    for name, path in module_files().items():
+        if path.name != "__init__.py":
+            continue
+        parts = name.split(".")[1:]  # under asyncengine (policies/, kernels/ included)
+        top = f"{parts[0]}/" if parts else "asyncengine/"
+        if top not in rows or any(f"`{sub}/`" not in rows[top] for sub in parts[1:]):
+            missing.append(name)
+    assert missing == []
+
+
+def test_the_layers_are_documented_as_they_are_checked() -> None:
+    """The layers paragraph of docs/ARCHITECTURE.md lists LAYERS' folders, group by group."""
+    text = architecture_section("Where each concern lives")
+    paragraph = text[text.index("Layers, by folder") :].split("The live engine", 1)[0]
+    documented = [
+        {word.rstrip("/").replace("/", ".") for word in re.findall(r"`([\w/]+/)`", group)}
+        for group in paragraph.split("→")
+    ]
+    assert documented == [set(folders) - {""} for folders in LAYERS]
