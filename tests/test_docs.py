@@ -131,7 +131,7 @@ def test_links_and_paths_exist(path: Path) -> None:
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if not target.startswith("http") and not (path.parent / target).exists():
             missing.append(target)
-    for span in INLINE.findall(text):
+    for span in INLINE.findall(FENCE.sub("", text)):  # a fence's ``` would pair them off
         for word in split_words(span):
             word = word.rstrip(".,:;)")
             if word.startswith(PATH_PREFIXES) and not PLACEHOLDER.search(word):
@@ -224,3 +224,79 @@ def test_the_python_api_guides_examples_are_all_found() -> None:
     assert len(PYTHON_API_EXAMPLES) == (ROOT / "docs" / "python-api.md").read_text().count(
         "```python"
     )
+
+
+# files the guides name that live outside this repository
+EXTERNAL_FILES = {"convert_hf_to_gguf.py"}  # llama.cpp's converter
+SOURCE_NAME = re.compile(r"[\w*./-]+\.(py|c|h)")
+
+
+@functools.cache
+def tree_files() -> tuple[str, ...]:
+    folders = {prefix.rstrip("/") for prefix in PATH_PREFIXES}
+    return tuple(
+        path.relative_to(ROOT).as_posix()
+        for folder in sorted(folders)
+        for path in (ROOT / folder).rglob("*")
+        if path.is_file()
+    )
+
+
+def names_a_file(name: str) -> bool:
+    """Whether a file of the tree is ``name`` (a glob's ``*`` stays within one folder): from the
+    root when it starts with a top-level folder, else the end of a path (``engine_core.py``,
+    ``cpu/cpu_kv.h``)."""
+    pattern = re.escape(name).replace(r"\*", "[^/]*")
+    if not name.startswith(PATH_PREFIXES):
+        pattern = "(.*/)?" + pattern
+    return any(re.fullmatch(pattern, path) for path in tree_files())
+
+
+@pytest.mark.parametrize("path", GUIDES, ids=lambda p: p.name)
+def test_named_source_files_exist(path: Path) -> None:
+    """Every Python or C file a guide names in code, by its path, a glob or its bare name, is one
+    of the tree's."""
+    named = {
+        word.rstrip(".,:;)")
+        for span in INLINE.findall(FENCE.sub("", path.read_text()))
+        for word in split_words(span)
+    }
+    sources = {n for n in named if SOURCE_NAME.fullmatch(n) and not n.startswith(("/", "~"))}
+    missing = sorted(n for n in sources - EXTERNAL_FILES if not names_a_file(n))
+    assert missing == []
+
+
+def test_a_named_file_is_looked_for_where_it_is_said_to_be() -> None:
+    assert names_a_file("engine_core.py") and names_a_file("kernels/reference/*_ref.py")
+    assert not names_a_file("core.py")
+    assert not names_a_file("kernels/*_ref.py")  # the references live in kernels/reference/
+
+
+def test_every_script_is_in_the_development_guide() -> None:
+    """docs/development.md's table of scripts names each script and folder of scripts/."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    words = {word for span in INLINE.findall(text) for word in split_words(span)}
+    # a script by its name or its stem (`bench_lora`), a folder by any path through it
+    named = {part for word in words for part in Path(word.removeprefix("scripts/")).parts}
+    named |= {Path(word).stem for word in named}
+    missing = sorted(
+        entry.name
+        for entry in (ROOT / "scripts").iterdir()
+        if not entry.name.startswith((".", "_"))
+        and (entry.suffix in (".py", ".sh") or entry.is_dir())
+        and entry.stem not in named
+    )
+    assert missing == []
+
+
+def test_every_kernel_file_is_in_the_kernels_guide() -> None:
+    text = (ROOT / "docs" / "KERNELS.md").read_text()
+    missing = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "kernels").rglob("*")
+        if path.suffix in (".py", ".c", ".h")
+        and path.name != "__init__.py"
+        and f"`{path.name}`" not in text
+        and f"`{path.relative_to(ROOT).as_posix()}`" not in text
+    )
+    assert missing == []
