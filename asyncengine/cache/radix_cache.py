@@ -220,10 +220,11 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable_size + self._protected_size
 
-    def _child_key(self, tokens: tuple[int, ...], pos: int) -> object:
+    def _child_key(self, edge: tuple[int, ...]) -> object:
+        """The key its parent files the node of ``edge`` under: its first token or page."""
         if self.page_size == 1:
-            return tokens[pos]
-        return tokens[pos : pos + self.page_size]
+            return edge[0]
+        return edge[: self.page_size]
 
     def _common_length(
         self, edge: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int
@@ -271,14 +272,14 @@ class RadixCache:
         )
         upper.hits = node.hits
         upper.score = node.score
-        parent.children[self._child_key(node.key, 0)] = upper
+        parent.children[self._child_key(node.key)] = upper
         if node.hashes:
             pages = length // self.page_size
             upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
         node.key = node.key[length:]
         node.value = node.value[length // self.page_size :]
         node.parent = upper
-        upper.children[self._child_key(node.key, 0)] = node
+        upper.children[self._child_key(node.key)] = node
         return upper
 
     def _drop_root_head(self, head: object) -> None:
@@ -629,7 +630,7 @@ class RadixCache:
                 continue
             if spill is not None:
                 spill.store(node)
-            del parent.children[self._child_key(node.key, 0)]
+            del parent.children[self._child_key(node.key)]
             if parent is root:
                 self._drop_root_head(node.key[0])
             node.parent = None
@@ -684,7 +685,7 @@ class RadixCache:
         for node in self.iter_nodes():
             parent = node.parent
             assert parent is not None, f"{node!r} has no parent"
-            assert parent.children.get(self._child_key(node.key, 0)) is node, (
+            assert parent.children.get(self._child_key(node.key)) is node, (
                 f"{node!r} is not its parent's child under its first key"
             )
             assert node.key and len(node.key) % ps == 0, f"{node!r}: edge not page aligned"
