@@ -86,6 +86,7 @@ class AdapterTable:
         self.dtype = dtypes.pop() if dtypes else torch.float32
         if any(len(layer) != TARGETS for layer in layers):
             raise ValueError(f"a layer has {TARGETS} LoRA targets")
+        # the table holds the slices arrays by address (slot.slices): keep them alive with it
         self._slices = [p.slices for p in prepared_all]
         packed = [(p.a, b_tiles(p.bt, p.slices)) for p in prepared_all]
         total = sum(_round_up(m.nbytes, ALIGN) for pair in packed for m in pair)
