@@ -306,13 +306,14 @@ class RemoteEngine:
 
     async def reset_prefix_cache(self, reset_counters: bool = False) -> None:
         """Empty every replica's prefix cache and the router's tree (EngineError while busy);
-        ``reset_counters`` is the replicas' to honour (they keep their hit counters)."""
+        ``reset_counters``: the replicas' counters too, as one engine's."""
         router = self.router()
         replicas = router.replica_ids() if router is not None else []
         results = await asyncio.gather(
             *(
                 asyncio.wait_for(
-                    self._handle.flush_cache.remote(replica=r), CONTROL_CALL_TIMEOUT_SECONDS
+                    self._handle.flush_cache.remote(replica=r, reset_counters=reset_counters),
+                    CONTROL_CALL_TIMEOUT_SECONDS,
                 )
                 for r in replicas
             ),

@@ -146,9 +146,10 @@ class EngineReplica:
         with a final ``abort`` delta, as a local engine's requests do. Answers how many."""
         return sum(self.engine.abort(rid) for rid in request_ids)
 
-    async def flush_cache(self, replica: str | None = None) -> None:
-        """Empty the prefix cache (EngineError while requests run)."""
-        await self.engine.reset_prefix_cache()
+    async def flush_cache(self, replica: str | None = None, reset_counters: bool = False) -> None:
+        """Empty the prefix cache, and with ``reset_counters`` the engine's counters (EngineError
+        while requests run)."""
+        await self.engine.reset_prefix_cache(reset_counters=reset_counters)
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = reported_stats(self.engine.stats())
