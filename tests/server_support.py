@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from tokenizers import Tokenizer, processors
 
 from asyncengine.common.config import EngineConfig
 from asyncengine.server.app import create_app
@@ -68,6 +69,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -
         if (default_dir / name).is_file():
             shutil.copy(default_dir / name, staging / name)
     staging.rename(target)
+    return target
+
+
+# a template that writes the documents before the conversation (as retrieval templates do)
+RAG_TEMPLATE = (
+    "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BOS = "<|im_start|>"
+
+
+def bos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a tokenizer that puts a BOS before a text when asked to add special
+    tokens, and RAG_TEMPLATE for its chat template."""
+    target = tmp_path_factory.mktemp("tiny_with_bos")
+    shutil.copytree(tiny_model_dir(tmp_path_factory), target, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    bos = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)]
+    )
+    tokenizer.save(str(target / "tokenizer.json"))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "chat_template.jinja").write_text(RAG_TEMPLATE)
     return target
 
 

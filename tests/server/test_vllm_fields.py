@@ -4,25 +4,17 @@ when set to anything but vLLM's default (the default itself is accepted)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import pytest_asyncio
-from tokenizers import Tokenizer, processors
 
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
-from tests.openai_server import client, server  # noqa: F401  (fixtures)
+from tests.openai_server import bos_client, bos_server, client, server  # noqa: F401  (fixtures)
 from tests.server_support import (
+    BOS,
     RunningServer,
     assert_no_leak,
-    engine_config,
-    start_server,
-    tiny_model_dir,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -331,48 +323,6 @@ async def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(
     assert "The story goes" + tokenizer.decode(generated) == done.choices[0].text
     assert all(k.startswith("token_id:") for top in logprobs.top_logprobs[1:] for k in top)
     assert_no_leak(server.engine)
-
-
-# a template that writes the documents before the conversation (as retrieval templates do)
-RAG_TEMPLATE = (
-    "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-BOS = "<|im_start|>"
-
-
-def bos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a tokenizer that puts a BOS before a text when asked to add special
-    tokens, and RAG_TEMPLATE for its chat template."""
-    target = tmp_path_factory.mktemp("tiny_with_bos")
-    shutil.copytree(tiny_model_dir(tmp_path_factory), target, dirs_exist_ok=True)
-    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
-    bos = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)]
-    )
-    tokenizer.save(str(target / "tokenizer.json"))
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (target / "tokenizer_config.json").write_text(json.dumps(config))
-    (target / "chat_template.jinja").write_text(RAG_TEMPLATE)
-    return target
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def bos_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
-    running = await start_server(engine_config(bos_model_dir(tmp_path_factory)))
-    yield running
-    await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def bos_client(bos_server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=bos_server.base_url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 PROMPT = "The story goes"
