@@ -3,15 +3,17 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
 POST /v1/messages[/count_tokens] (Anthropic's Messages: anthropic_messages.py), POST /v1/responses,
 GET/DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (OpenAI's Responses:
-openai_responses.py), POST /generate, GET /health, GET /metrics, GET /openapi.json (openapi.py),
-the worker endpoints SGLang's router polls (sglang_worker.py); with an admin token,
-GET/POST /admin/policy (admin.py: its own bearer token, not the API key).
+openai_responses.py), POST /generate, POST /tokenize and /detokenize (vLLM's: tokenize_routes.py),
+GET /health, GET /metrics, GET /openapi.json (openapi.py), GET /version, the worker endpoints
+SGLang's router polls (sglang_worker.py); with an admin token, GET/POST /admin/policy (admin.py:
+its own bearer token, not the API key).
 
 - An unknown ``model`` is answered 404 with code ``model_not_found`` (as OpenAI does).
-- With an API key (or several), /v1/* and /generate need ``Authorization: Bearer <key>`` or, as
-  Anthropic's clients send it, ``x-api-key: <key>`` (else 401); /health and /metrics stay open
-  for probes and scrapers, /metrics without the series that tell one tenant of another's prompts
-  unless the key is sent (server/tenancy.py).
+- With an API key (or several), the routes need ``Authorization: Bearer <key>`` or, as
+  Anthropic's clients send it, ``x-api-key: <key>`` (else 401), but for the admin routes (their
+  token) and /health, /metrics, /openapi.json and /version, open for probes, scrapers and
+  clients: /metrics without the series that tell one tenant of another's prompts unless the key
+  is sent (server/tenancy.py).
 - Bodies above ``max_body_bytes`` are answered 413, bodies not declared JSON 415, bodies that
   have not arrived within ``body_timeout`` seconds 408 (server/body.py).
 - Requests that arrive over loopback with a Host or Origin that is not loopback (nor one of
@@ -74,6 +76,7 @@ from asyncengine.server.tenancy import (
     public_exposition,
     request_key_digest,
 )
+from asyncengine.server.tokenize_routes import add_tokenize_routes
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_SECONDS = 30.0
@@ -88,9 +91,10 @@ GENERATION_ENDPOINTS = {
     "/v1/responses": "responses",
 }
 
-# served without the API key: health checks, scrapes, and the API's description (as vLLM
-# serves /openapi.json: it holds no data, and clients and fuzzers read it before any key)
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+# served without the API key: health checks, scrapes, the API's description and the version
+# (as vLLM serves /openapi.json and /version: they hold no data, and clients and fuzzers read
+# them before any key; the version is the document's too)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version"})
 
 
 def _outcome_of_status(status: int) -> str:
@@ -162,6 +166,12 @@ async def health(request: web.Request) -> web.Response:
             503, "the engine loop is not running", type="service_unavailable", code="engine_stopped"
         )
     return json_response({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    from asyncengine import __version__
+
+    return json_response({"version": __version__})
 
 
 def whole_scrape_allowed(request: web.Request, state: ServerState) -> bool:
@@ -273,10 +283,12 @@ def create_app(
     add_embeddings_route(app)
     add_native_routes(app)
     add_sglang_worker_routes(app)
+    add_tokenize_routes(app)
     if admin_token:
         add_admin_routes(app, admin_token)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/version", version)
     add_openapi_route(app)  # describes the routes above
     app.on_response_prepare.append(add_request_id_headers)
     app.on_shutdown.append(_mark_shutting_down)

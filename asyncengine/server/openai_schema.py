@@ -292,10 +292,13 @@ VLLM_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
 # vLLM's fields read nowhere, as they change nothing a client sees: request_id (the response's
 # id is the server's own), mm_processor_kwargs (no multimodal input: image parts are refused),
 # guided_decoding_backend (xgrammar enforces every constraint; the language is the same)
+CHAT_TEMPLATE_UNSUPPORTED: tuple[str, object, str] = (
+    "chat_template", None, "a request's own chat template is not supported; the model's is used"
+)  # fmt: skip
 CHAT_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("echo", False, "not supported on chat completions"),
-    ("chat_template", None, "a request's own chat template is not supported; the model's is used"),
-)  # fmt: skip
+    CHAT_TEMPLATE_UNSUPPORTED,
+)
 COMPLETION_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("prompt_embeds", None, "prompt embeddings are not supported; send text or token ids"),
 )

@@ -22,6 +22,7 @@ from asyncengine.server.lora_routes import LoadLoraRequest, UnloadLoraRequest
 from asyncengine.server.native import GenerateRequest
 from asyncengine.server.openai_schema import ChatCompletionRequest, CompletionRequest
 from asyncengine.server.responses_schema import ResponsesRequest
+from asyncengine.server.tokenize_routes import DetokenizeRequest, TokenizeRequest
 
 OPENAPI_PATH = "/openapi.json"
 _DOCUMENT = web.AppKey("openapi_document", dict)  # filled at the first request
@@ -37,6 +38,8 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/responses": ResponsesRequest,
     "/v1/load_lora_adapter": LoadLoraRequest,
     "/v1/unload_lora_adapter": UnloadLoraRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 STREAMING_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses"}
