@@ -65,6 +65,19 @@ class PolicyContext:
     # the LoRA adapters the step already holds (running and mid-prompt requests'; a request's
     # own is ``req.lora``): one of them joins without taking one of ``max_loras`` slots
     step_loras: Callable[[], Collection[str]] = lambda: ()
+    # ``cached_prefix``'s answers, kept per waiting request by the scheduler (None: ask
+    # ``prefix_len`` each time)
+    kept_prefix_len: Callable[[Request], int] | None = None
+
+    def cached_prefix(self, req: Request) -> int:
+        """The tokens of waiting ``req``'s ``cache_ids`` its admission would take from the
+        prefix cache now: ``prefix_len(req.cache_ids)``, or fewer where it may not take them
+        all (a mean-pooled embedding, prompt scores to compute). The scheduler keeps each
+        waiting request's answer and checks it instead of walking the tree again while the
+        cache under it is unchanged: asked every step, it costs the same for a long context."""
+        if self.kept_prefix_len is None:
+            return self.prefix_len(req.cache_ids)
+        return self.kept_prefix_len(req)
 
 
 class Policy:

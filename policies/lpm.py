@@ -73,7 +73,6 @@ class LPMPolicy(Policy):
         aging = self.aging * rate  # priority tokens per second waited
         cap = self.max_wait_tokens
         now = ctx.now
-        prefix_len = ctx.prefix_len
         epoch_of, cache_epoch = ctx.prefix_epoch, ctx.cache_epoch
         # requests whose adapter the step holds (the bonus goes to those only)
         boosted = self._in_step_adapters(waiting, ctx)
@@ -87,10 +86,7 @@ class LPMPolicy(Policy):
             and waiting == last[0]  # the same requests in the same places
         ):
             return list(last[2])
-        # The cache matches whole pages: a prompt whose first page is not cached matches
-        # nothing, and asking about its first page + 1 tokens (the last token of a prompt is
-        # never matched) is much cheaper than handing over the whole prompt.
-        probe = ctx.config.page_size + 1
+        cached_of = ctx.cached_prefix  # kept per waiting request: no walk while unchanged
         unmatched = self._unmatched
         # each one's cached prefix first: on a long queue of misses all are 0 (most skip the
         # tree walk by the memo), and then the order is known without scoring anyone
@@ -102,9 +98,7 @@ class LPMPolicy(Policy):
             if stamp is not None and unmatched.get(id(req)) == stamp:
                 matches.append(0)
                 continue
-            cached = prefix_len(ids[:probe])
-            if cached and len(ids) > probe:
-                cached = prefix_len(ids)
+            cached = cached_of(req)
             if stamp is not None and not cached:
                 unmatched[id(req)] = stamp
             matches.append(cached)

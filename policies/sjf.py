@@ -38,8 +38,7 @@ class SJFPolicy(Policy):
         self.prefill_rate.add(plan, seconds)
 
     def job_tokens(self, req: Request, ctx: PolicyContext) -> float:
-        ids = req.cache_ids
-        return len(ids) - ctx.prefix_len(ids) + self.output_tokens(req, ctx)
+        return len(req.cache_ids) - ctx.cached_prefix(req) + self.output_tokens(req, ctx)
 
     def output_tokens(self, req: Request, ctx: PolicyContext) -> float:
         """Output tokens ``req`` is predicted to generate still."""

@@ -86,8 +86,7 @@ class SLOPolicy(Policy):
             if not self.ttft:
                 keyed.append((not starving, False, req.arrival_time, index))
                 continue
-            ids = req.cache_ids
-            todo = len(ids) - ctx.prefix_len(ids)
+            todo = len(req.cache_ids) - ctx.cached_prefix(req)
             slack = req.arrival_time + self.ttft - ctx.now - self.model.prefill_seconds(todo)
             late = slack < 0
             key = req.arrival_time if starving or late else slack

@@ -143,12 +143,21 @@ class KVCacheManager:
 
     def match_length(self, tokens: Tokens, limit: int | None = None) -> int:
         """Tokens that open(tokens, limit) would take from the cache now; no side effects."""
+        return self.match_length_again(tokens, limit, None)[0]
+
+    def match_length_again(
+        self, tokens: Tokens, limit: int | None, last: PrefixEnd | None
+    ) -> tuple[int, PrefixEnd | None]:
+        """``match_length``, and where the match ended (None: the cache is not asked): handed
+        back as ``last`` when asking about the same tokens and limit again, it spares walking
+        the tree while the tree under them is unchanged (RadixCache.prefix_end)."""
         if not self.enable_prefix_cache:
-            return 0
+            return 0, None
         limit = self._match_limit(len(tokens), limit)
         if limit == 0:
-            return 0
-        return self.tree.prefix_length(tokens, limit)  # tokens[:limit], without the copy
+            return 0, None
+        found = self.tree.prefix_end(tokens, limit, last)  # tokens[:limit], without the copy
+        return found.matched, found
 
     def match_room(self, tokens: Tokens, limit: int | None = None) -> tuple[int, int]:
         """``match_length(tokens, limit)`` and the pages ``extend`` can then give the sequence
@@ -165,17 +174,12 @@ class KVCacheManager:
     def match_room_again(
         self, tokens: Tokens, limit: int | None, last: PrefixEnd | None
     ) -> tuple[int, int, PrefixEnd | None]:
-        """``match_room``, and where the match ended (None: the cache is not asked): handed
-        back as ``last`` when asking about the same tokens and limit again, it spares walking
-        the tree while the tree under them is unchanged (RadixCache.prefix_end)."""
-        if not self.enable_prefix_cache:
+        """``match_room``, and where the match ended, as ``match_length_again``."""
+        matched, found = self.match_length_again(tokens, limit, last)
+        if found is None:
             return 0, self.available_pages, None
-        limit = self._match_limit(len(tokens), limit)
-        if limit == 0:
-            return 0, self.available_pages, None
-        found = self.tree.prefix_end(tokens, limit, last)
         unlocked = self.tree.unlocked_in(found)
-        return found.matched, self.available_pages - unlocked // self.page_size, found
+        return matched, self.available_pages - unlocked // self.page_size, found
 
     def prefix_epoch(self, tokens: Tokens) -> int:
         """Changes whenever ``match_length(tokens)`` may have grown: the inserts into the tree

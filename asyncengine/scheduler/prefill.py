@@ -57,9 +57,9 @@ class Prefill:
         self.chunked: Request | None = None  # the one request mid-chunk
         # starts whose first chunk did not fit once opened: the open and its copies undone
         self.failed_starts = 0
-        # id(request) -> where its cached prefix ended when admission last asked, while it
-        # waits: a request that cannot start yet is asked about every step, with its whole
-        # context after a retraction, and the tree is walked again only where it changed
+        # id(request) -> where its cached prefix ended when admission or the policy last asked,
+        # while it waits: a request that cannot start yet is asked about every step, with its
+        # whole context after a retraction, and the tree is walked again only where it changed
         self.prefix_ends: dict[int, PrefixEnd] = {}
 
     def new_step(self) -> None:
@@ -87,6 +87,17 @@ class Prefill:
         if found is not None:
             self.prefix_ends[key] = found
         return matched, room
+
+    def cached_len(self, req: Request) -> int:
+        """The prompt tokens ``req``'s open would take from the cache now (``match_room``'s
+        first answer) without the room, from its last answer while that holds: what a policy
+        orders waiting requests by (PolicyContext.cached_prefix)."""
+        key = id(req)
+        limit = cache_match_limit(req, self.prompt_scores)
+        matched, found = self.kv.match_length_again(req.cache_ids, limit, self.prefix_ends.get(key))
+        if found is not None and req.status is RequestStatus.WAITING:
+            self.prefix_ends[key] = found  # kept while it waits: start and forget drop it
+        return matched
 
     def chunk_take(self, todo: int, remaining: int, chunk: int) -> int:
         """Tokens of a prompt's ``todo`` this step computes: all without chunking, else what the

@@ -276,6 +276,7 @@ class Scheduler:
             prefix_epoch=self.kv.prefix_epoch,
             cache_epoch=self.kv.cache_epoch(),
             step_loras=self.lora_slots.in_step,
+            kept_prefix_len=self.prefill.cached_len,
         )
 
     def _reserved_tokens(self) -> int:
