@@ -149,11 +149,12 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
 
 
 def _built(cls: type[Policy], name: str, options: dict[str, Any]) -> Policy:
-    """``cls(**options)``; a plug-in's TypeError or ValueError comes back as a ValueError that
-    names the policy (a built-in's own messages name it and the option already)."""
+    """``cls(**options)``; any exception from a plug-in's constructor comes back as a
+    ValueError that names the policy (a built-in's own messages name it and the option
+    already, and anything else a built-in raises is a bug of ours, left to propagate)."""
     try:
         return cls(**options)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         if BUILTIN.get(cls.name) is cls:
             raise
         given = f"options {options!r}" if options else "no options"

@@ -96,6 +96,46 @@ async def test_a_plugin_listed_at_start_up_loads_then_and_swaps_in_live(tmp_path
         await running.stop()
 
 
+BROKEN = """
+from asyncengine.policies.fcfs import FCFSPolicy
+
+
+class Broken(FCFSPolicy):
+    name = "broken"
+
+    def __init__(self, **options):
+        raise {error}("no tables to read")
+"""
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "KeyError", "ZeroDivisionError"])
+async def test_a_listed_plugin_whose_constructor_raises_is_a_400_and_the_policy_stays(
+    tmp_path: Path, error: str
+) -> None:
+    file = tmp_path / "broken.py"
+    file.write_text(BROKEN.format(error=error))
+    eng = engine(policy="fcfs", allowed_policies=[f"{file}:Broken"])
+    await eng.start()
+    running = await start_server(eng.config, engine=eng, admin_token=ADMIN)
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, out = await post(
+                session, running, "/admin/policy", {"policy": "broken"}, headers=auth(ADMIN)
+            )
+        assert status == 400, out
+        message = out["error"]["message"]
+        assert f"{file}:Broken" in message and "(class Broken)" in message
+        assert error in message and "no tables to read" in message
+        assert out["error"]["code"] == "invalid_policy"
+        with pytest.raises(ConfigError, match=f"class Broken.*{error}"):
+            eng.set_policy(f"{file}:Broken")
+        assert eng.config.policy == "fcfs"
+        await eng.generate("hello", SamplingParams(max_new_tokens=2, temperature=0))
+        assert eng.stats()["policy"] == "fcfs"  # the running policy stays in place
+    finally:
+        await running.stop()
+
+
 RULE = """
 from asyncengine.cache.eviction_rule import EvictionRule
 
