@@ -5,6 +5,7 @@ anything (or starting Ray for replicas)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +36,28 @@ def test_serve_on_a_taken_port_says_so_in_one_line(replicas: tuple[str, ...]) ->
         )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"asyncengine: error: port {port} is in use; pass --port"]
+
+
+def test_serve_with_a_template_that_does_not_compile_stops_before_serving(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = tmp_path_factory.mktemp("tiny_broken_template")
+    shutil.copytree(tiny_model_dir(tmp_path_factory), model, dirs_exist_ok=True)
+    template = model / "chat_template.jinja"
+    template.write_text("{% if add_generation_prompt %}<|im_start|>assistant\n")
+    result = cli(
+        "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "2048", "--port", "0",
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    (error,) = [line for line in result.stderr.splitlines() if "asyncengine: error:" in line]
+    assert error.startswith(
+        f"asyncengine: error: {template}: the chat template does not compile: line 1: "
+        "Unexpected end of template."
+    ), result.stderr[-2000:]
+    assert error.endswith("The innermost block that needs to be closed is 'if'.")
+    assert "serving" not in result.stderr
 
 
 @pytest.mark.slow

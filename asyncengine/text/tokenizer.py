@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
@@ -67,15 +67,29 @@ def _load_backend(model_dir: Path) -> BackendTokenizer:
     return backend
 
 
-def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, Path]:
+    """The model's chat template (None: it has none) and the file it comes from."""
     path = model_dir / CHAT_TEMPLATE_FILE
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8"), path
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {entry.get("name"): entry.get("template") for entry in template}
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    return (template if isinstance(template, str) else None), model_dir / TOKENIZER_CONFIG_FILE
+
+
+def _compile_chat_template(template: str | None, source: Path) -> Template | None:
+    """``template`` compiled at load, so that a broken one stops the start-up, not a chat
+    request; ModelFilesError naming ``source`` and jinja2's error if it does not compile."""
+    if template is None:
+        return None
+    try:
+        return _chat_environment().from_string(template)
+    except TemplateSyntaxError as error:
+        raise ModelFilesError(
+            f"{source}: the chat template does not compile: line {error.lineno}: {error.message}"
+        ) from error
 
 
 def _raise_exception(message: str) -> None:
@@ -118,7 +132,8 @@ class Tokenizer:
         self.backend = _load_backend(model_dir)
         config_path = model_dir / TOKENIZER_CONFIG_FILE
         config = read_json(config_path) if config_path.is_file() else {}
-        self.chat_template = _load_chat_template(model_dir, config)
+        self.chat_template, template_source = _load_chat_template(model_dir, config)
+        self._compiled_template = _compile_chat_template(self.chat_template, template_source)
         self.special_tokens: dict[str, str] = {
             name: content
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -136,7 +151,6 @@ class Tokenizer:
         if (eos := self._special_id("eos_token")) is not None and eos not in eos_ids:
             eos_ids.append(eos)
         self.eos_token_ids: list[int] = eos_ids
-        self._compiled_template: Any = None
         # byte-level BPE: each token's bytes, by skip_special_tokens (made at first use)
         self._byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
         self._token_bytes: dict[bool, TokenBytes] = {}
@@ -196,7 +210,7 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
         """The prompt text for a conversation (encode it with add_special_tokens=False)."""
-        if self.chat_template is None:
+        if self._compiled_template is None:
             raise ChatTemplateError(
                 f"the model in {self.model_dir} has no chat template: send a plain prompt "
                 "(a string or token ids) instead of chat messages"
@@ -208,8 +222,6 @@ class Tokenizer:
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ChatTemplateError(f"messages[{index}] must be an object with a string 'role'")
-        if self._compiled_template is None:
-            self._compiled_template = _chat_environment().from_string(self.chat_template)
         try:
             return self._compiled_template.render(
                 messages=messages,

@@ -4,6 +4,7 @@ special tokens, eos ids and the ChatML chat template."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import threading
@@ -181,6 +182,23 @@ def test_chat_template_file_and_template_errors(tokenizer_dir: Path, tmp_path: P
         tok.apply_chat_template([{"content": "no role"}])
     with pytest.raises(ChatTemplateError, match="non-empty"):
         tok.apply_chat_template([])
+
+
+def test_a_template_that_does_not_compile_stops_the_load_naming_its_file(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = tmp_path / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfo %}")
+    with pytest.raises(ModelFilesError) as raised:
+        Tokenizer(tmp_path)
+    assert str(raised.value).startswith(f"{template}: the chat template does not compile: line 2")
+    assert "endfo" in str(raised.value)
+    template.unlink()
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "{{ messages[0].content "}))
+    with pytest.raises(ModelFilesError, match=re.escape(f"{config}: the chat template does not")):
+        Tokenizer(tmp_path)
 
 
 def test_directory_without_tokenizer_files_is_rejected(tmp_path: Path) -> None:
