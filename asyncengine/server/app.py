@@ -68,7 +68,11 @@ from asyncengine.server.responses_store import (
     DEFAULT_STORE_TTL_SECONDS,
     ResponseStore,
 )
-from asyncengine.server.sglang_worker import FLUSH_PATH, add_sglang_worker_routes
+from asyncengine.server.sglang_worker import (
+    FLUSH_PATH,
+    add_sglang_worker_routes,
+    flush_needs_admin_token,
+)
 from asyncengine.server.state import OUTCOME, STATE, ServerState
 from asyncengine.server.tenancy import (
     API_KEY_DIGEST,
@@ -138,7 +142,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.path in OPEN_PATHS
         or request.path.startswith(ADMIN_PREFIX)  # the admin token guards these
         or request.path in ADMIN_PATHS
-        or (request.path == FLUSH_PATH and request.app[STATE].cache_isolation == "api-key")
+        or (request.path == FLUSH_PATH and flush_needs_admin_token(request.app))
         or request.method == "OPTIONS"
     ):
         return await handler(request)

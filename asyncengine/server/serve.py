@@ -140,7 +140,8 @@ def _add_access_arguments(group: argparse._ArgumentGroup) -> None:
         default=os.environ.get(ADMIN_TOKEN_ENV),
         help="serve the admin endpoints, guarded by 'Authorization: Bearer <token>': "
         "/admin/policy and /admin/eviction-policy (live swaps), /v1/cache/pin and "
-        "/v1/cache/unpin, /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "/v1/cache/unpin, /v1/load_lora_adapter and /v1/unload_lora_adapter; it alone may "
+        "then empty the prefix cache (/flush_cache) "
         f"(default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
     )
     group.add_argument(

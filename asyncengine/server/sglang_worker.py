@@ -5,8 +5,8 @@ GET /server_info and /get_server_info (limits and engine stats; under cache isol
 only the figures /metrics shows without a key, tenancy.py), GET /model_info and
 /get_model_info (the model), GET /get_load (requests and tokens in the engine), POST
 /flush_cache (empty the prefix cache; 400 while requests run or wait; a GET is 405: a state
-change is never a GET, which a web page can make a browser send; under cache isolation by API
-key it needs the admin token), GET /health_generate
+change is never a GET, which a web page can make a browser send; it needs the admin token when
+the server has one, and always under cache isolation by API key), GET /health_generate
 (/health that also generates one token; a failure's text goes to the log, the client gets an
 error id). /health, /generate and /v1/* are the app's own.
 """
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from asyncengine.common.errors import EngineError
 from asyncengine.common.sampling_params import SamplingParams
-from asyncengine.server.admin import check_admin_token
+from asyncengine.server.admin import ADMIN_TOKEN, check_admin_token
 from asyncengine.server.completion import generate
 from asyncengine.server.errors import ApiError, logged_failure
 from asyncengine.server.openai_routes import json_response
@@ -103,11 +103,17 @@ async def get_load(request: web.Request) -> web.Response:
 FLUSH_PATH = "/flush_cache"
 
 
+def flush_needs_admin_token(app: web.Application) -> bool:
+    """Emptying the prefix cache slows every tenant: an operator's act, the admin token's when
+    the server has one; under cache isolation by key always (one key must not empty the others'
+    caches: a 403 without an admin token). Else an API key holder's."""
+    return app.get(ADMIN_TOKEN) is not None or app[STATE].cache_isolation == "api-key"
+
+
 async def flush_cache(request: web.Request) -> web.Response:
-    """Empty the prefix cache; under ``cache_isolation = "api-key"`` the admin token's (one key
-    must not empty the others' caches), else the API key's."""
+    """Empty the prefix cache (``flush_needs_admin_token`` says who may)."""
     state = request.app[STATE]
-    if state.cache_isolation == "api-key":
+    if flush_needs_admin_token(request.app):
         check_admin_token(request)
     engine = state.engine
     try:

@@ -99,6 +99,7 @@ def test_admin_token_help_names_every_route_it_guards(
     from asyncengine.api.engine import AsyncEngine
     from asyncengine.server.admin import ADMIN_PATHS, ADMIN_PREFIX
     from asyncengine.server.app import create_app
+    from asyncengine.server.sglang_worker import FLUSH_PATH
     from tests.server_support import engine_config
 
     engine = AsyncEngine(engine_config(tiny_model_dir(tmp_path_factory)))  # never started
@@ -109,7 +110,7 @@ def test_admin_token_help_names_every_route_it_guards(
         if route.resource is not None
         and (
             route.resource.canonical.startswith(ADMIN_PREFIX)
-            or route.resource.canonical in ADMIN_PATHS
+            or route.resource.canonical in {*ADMIN_PATHS, FLUSH_PATH}
         )
     }
     assert len(guarded) >= 6

@@ -65,7 +65,12 @@ async def _status(
 async def test_flush_cache_is_post_only(http: aiohttp.ClientSession, server: RunningServer) -> None:
     status, body = await _status(http, "GET", server.base_url + "/flush_cache")
     assert status == 405 and "allowed: POST" in body["error"]["message"]
-    status, _ = await _status(http, "POST", server.base_url + "/flush_cache")
+    status, _ = await _status(
+        http,
+        "POST",
+        server.base_url + "/flush_cache",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
     assert status == 200
 
 

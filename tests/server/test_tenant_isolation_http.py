@@ -177,6 +177,35 @@ async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole
             await server.stop()
 
 
+async def test_a_shared_cache_is_flushed_by_the_admin_token_when_the_server_has_one() -> None:
+    """Emptying the shared cache slows every tenant: with an admin token a key alone may not."""
+    for admin_token, by_key in ((None, (200, 200)), ("adm", (401, 403))):
+        server = await started(api_key=["key-a"], admin_token=admin_token)
+        try:
+            async with aiohttp.ClientSession() as session:
+                flush = server.base_url + "/flush_cache"
+                status, _ = await complete(session, server, "key-a")
+                assert status == 200
+                async with session.post(flush, headers={"x-api-key": "key-a"}) as r:
+                    assert r.status == by_key[0], await r.text()
+                async with session.post(flush, headers={"Authorization": "Bearer key-a"}) as r:
+                    assert r.status == by_key[1], await r.text()
+                status, out = await complete(session, server, "key-a")
+                assert status == 200 and (cached(out) >= 48) is (admin_token is not None)
+                if admin_token is not None:
+                    async with session.post(
+                        flush, headers={"Authorization": f"Bearer {admin_token}"}
+                    ) as r:
+                        assert r.status == 200, await r.text()
+                    status, out = await complete(session, server, "key-a")
+                    assert status == 200 and cached(out) == 0  # emptied
+                async with session.post(flush) as r:  # neither key nor token
+                    assert r.status == 401
+            assert await wait_until(functools.partial(engine_idle, server.engine))
+        finally:
+            await server.stop()
+
+
 async def test_under_isolation_server_info_shows_a_key_no_cache_figures() -> None:
     """/get_server_info (SGLang's router reads it) shows a key holder what /metrics shows
     anyone: under isolation by key no hit, miss or cached-page figures; shared, all of them."""
