@@ -13,7 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template, TemplateError, TemplateSyntaxError
+from jinja2 import Template, TemplateError, TemplateSyntaxError, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
@@ -106,11 +108,24 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _GenerationBlocks(Extension):
+    """transformers' ``{% generation %} ... {% endgeneration %}`` (it marks the assistant's
+    tokens for training masks): its body, rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+
 def _chat_environment() -> ImmutableSandboxedEnvironment:
     # Same settings transformers renders chat templates with, so a model's template renders
     # the same text here as in transformers.
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

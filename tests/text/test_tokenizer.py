@@ -205,3 +205,23 @@ def test_directory_without_tokenizer_files_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelFilesError, match="no tokenizer"):
         Tokenizer(tmp_path)
+
+
+def test_a_template_marking_its_generation_renders_as_transformers_renders_it(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """transformers' ``{% generation %}`` blocks (assistant masks for training) load and
+    render as their body, so a model whose template has them is served."""
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    ours = Tokenizer(tmp_path).apply_chat_template(messages, add_generation_prompt=False)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    hf.chat_template = (tmp_path / "chat_template.jinja").read_text()
+    assert ours == hf.apply_chat_template(messages, tokenize=False) == "<user>hi<assistant>hello"
