@@ -33,6 +33,7 @@ from asyncengine.server.openai_schema import (
 )
 from asyncengine.server.state import STATE, ServerState
 from asyncengine.server.tool_schema import Tool
+from asyncengine.text.tokenizer import in_vocabulary
 
 TOKENIZE_PATH = "/tokenize"
 DETOKENIZE_PATH = "/detokenize"
@@ -124,13 +125,7 @@ async def detokenize_handler(request: web.Request) -> web.Response:
 def _decode(engine: EngineClient, tokens: list[int]) -> str:
     """The text of ``tokens``, special tokens kept (as vLLM's: a BOS that /tokenize added comes
     back as its text); a 400 naming ``tokens`` for an id outside the model's vocabulary."""
-    vocab = engine.vocab_size
-    bad = next((i for i, t in enumerate(tokens) if t >= vocab), None)
-    if bad is not None:
-        raise invalid_request(
-            f"tokens[{bad}] = {tokens[bad]} is outside the vocabulary [0, {vocab})",
-            param="tokens",
-        )
+    in_vocabulary(tokens, engine.vocab_size, encoded=False, param="tokens")
     return str(engine.tokenizer.decode(tokens, skip_special_tokens=False))
 
 

@@ -260,14 +260,14 @@ def prompt_token_ids(tok: Any, prompt: object, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
-        return _in_vocabulary(list(tok.encode(prompt)), vocab_size, encoded=True)
+        return in_vocabulary(list(tok.encode(prompt)), vocab_size, encoded=True)
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
             "prompt must be a non-empty string, list of token ids, or list of chat messages"
         )
     ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
     if len(ids) == len(prompt):
-        return _in_vocabulary(ids, vocab_size, encoded=False)
+        return in_vocabulary(ids, vocab_size, encoded=False)
     messages = [m for m in prompt if isinstance(m, dict)]
     if len(messages) == len(prompt):
         for i, m in enumerate(messages):
@@ -276,22 +276,23 @@ def prompt_token_ids(tok: Any, prompt: object, vocab_size: int) -> list[int]:
                     f"message {i} needs a string 'role' and a string 'content'"
                 )
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        return _in_vocabulary(list(tok.encode(text)), vocab_size, encoded=True)
+        return in_vocabulary(list(tok.encode(text)), vocab_size, encoded=True)
     raise InvalidRequestError(
         "prompt list must hold only token ids (int) or only chat messages (dict)"
     )
 
 
-def _in_vocabulary(ids: list[int], vocab: int, encoded: bool) -> list[int]:
-    """``ids``, or InvalidRequestError naming the first outside the model's embedding rows:
-    the forward would fail on it, and with it every request in its batch. ``encoded``: the
-    tokenizer made them (it knows more tokens than the model has rows)."""
+def in_vocabulary(ids: list[int], vocab: int, encoded: bool, param: str | None = None) -> list[int]:
+    """``ids``, or InvalidRequestError (naming ``param``) for the first outside the model's
+    embedding rows: the forward would fail on it, and with it every request in its batch.
+    ``encoded``: the tokenizer made them (it knows more tokens than the model has rows)."""
     if not ids or (min(ids) >= 0 and max(ids) < vocab):
         return ids
     bad = next(t for t in ids if not 0 <= t < vocab)
     if encoded:
         raise InvalidRequestError(
             f"the prompt encodes to token id {bad}, outside the model's vocabulary [0, {vocab}): "
-            "the tokenizer knows more tokens than the model has embeddings"
+            "the tokenizer knows more tokens than the model has embeddings",
+            param,
         )
-    raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
