@@ -41,6 +41,20 @@ def default_cap(soft: int) -> int:
     return min(MAX_DEFAULT_OPEN_CONNECTIONS, max(soft // 2, soft - FD_MARGIN))
 
 
+def run_started_low(script: str) -> str:
+    """What ``script`` prints, run in a process started with the low soft limit."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        preexec_fn=start_low,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
 def test_a_process_started_low_raises_its_limit_and_its_cap_follows() -> None:
     script = (
         "import json, resource\n"
@@ -52,16 +66,7 @@ def test_a_process_started_low_raises_its_limit_and_its_cap_follows() -> None:
         "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
         "print(json.dumps([before, raised, again, soft, default_max_open_connections()]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        preexec_fn=start_low,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    before, raised, again, soft, cap = json.loads(done.stdout.strip().splitlines()[-1])
+    before, raised, again, soft, cap = json.loads(run_started_low(script).splitlines()[-1])
     assert before == default_cap(LOW_SOFT_LIMIT) == LOW_SOFT_LIMIT // 2
     assert raised == again == soft == raised_limit() > LOW_SOFT_LIMIT
     assert cap == default_cap(raised_limit())
@@ -73,16 +78,7 @@ def test_a_limit_above_the_target_is_not_lowered() -> None:
         "from asyncengine.server.connection_limits import raise_open_files_limit\n"
         "print(raise_open_files_limit(target=64), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        preexec_fn=start_low,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert done.stdout.split() == [str(LOW_SOFT_LIMIT)] * 2
+    assert run_started_low(script).split() == [str(LOW_SOFT_LIMIT)] * 2
 
 
 @pytest.mark.slow
