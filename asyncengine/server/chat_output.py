@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncengine.server.chat_tools import ChatOutputSpec
 from asyncengine.text.reasoning import ReasoningParser
+from asyncengine.text.text_pieces import joined
 from asyncengine.text.tool_calls import ToolCallDelta, collect_calls, merge_deltas, tool_parser
 
 Json = dict[str, Any]
@@ -35,17 +36,14 @@ class ChoiceReader:
         self._legacy = spec.legacy_functions
         self._include_reasoning = spec.include_reasoning
         self.called = False  # any tool call so far
-        self._reasoning_pieces: list[str] = []  # joined when read (see ``reasoning``)
+        self._reasoning_pieces: list[str] = []  # joined when read (text_pieces)
         self._answered = False  # answer text sent (streaming)
         self._blanks = ""  # blank answer text held back until text follows it
 
     @property
     def reasoning(self) -> str:
-        """The reasoning read so far (kept in pieces: appending to one string would copy it
-        all at every delta)."""
-        if len(self._reasoning_pieces) > 1:
-            self._reasoning_pieces[:] = ["".join(self._reasoning_pieces)]
-        return self._reasoning_pieces[0] if self._reasoning_pieces else ""
+        """The reasoning read so far."""
+        return joined(self._reasoning_pieces)
 
     @property
     def cut(self) -> bool:

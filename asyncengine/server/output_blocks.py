@@ -17,6 +17,7 @@ from typing import Literal
 
 from asyncengine.server.chat_output import ChoiceReader
 from asyncengine.server.chat_tools import ChatOutputSpec
+from asyncengine.text.text_pieces import joined
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 PLAIN_TEXT = ChatOutputSpec(tool_format=None, reasoning_starts_inside=None)
@@ -30,15 +31,11 @@ class Block:
     index: int  # its position among the choice's blocks
     call_id: str | None = None
     name: str | None = None
-    # its pieces, joined when read: appending to one string would copy the text so far at
-    # every delta, work that grows with the square of the output
-    pieces: list[str] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # its text, joined when read (text_pieces)
 
     @property
     def text(self) -> str:
-        if len(self.pieces) > 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0] if self.pieces else ""
+        return joined(self.pieces)
 
 
 @dataclass(frozen=True, slots=True)
