@@ -81,9 +81,10 @@ def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | 
     return (template if isinstance(template, str) else None), model_dir / TOKENIZER_CONFIG_FILE
 
 
-def _compile_chat_template(template: str | None, source: Path) -> Template | None:
+def compile_chat_template(template: str | None, source: str | Path) -> Template | None:
     """``template`` compiled at load, so that a broken one stops the start-up, not a chat
-    request; ModelFilesError naming ``source`` and jinja2's error if it does not compile."""
+    request; ModelFilesError naming ``source`` (its file) and jinja2's error if it does not
+    compile."""
     if template is None:
         return None
     try:
@@ -148,7 +149,7 @@ class Tokenizer:
         config_path = model_dir / TOKENIZER_CONFIG_FILE
         config = read_json(config_path) if config_path.is_file() else {}
         self.chat_template, template_source = _load_chat_template(model_dir, config)
-        self._compiled_template = _compile_chat_template(self.chat_template, template_source)
+        self._compiled_template = compile_chat_template(self.chat_template, template_source)
         self.special_tokens: dict[str, str] = {
             name: content
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -25,6 +25,7 @@ from asyncengine.executor.loader import (
     load_weights,
     read_gguf,
     resolve_model,
+    tokenizer_dir,
 )
 from asyncengine.executor.loader import default_model as default_model_module
 from asyncengine.text.tokenizer import Tokenizer
@@ -212,6 +213,32 @@ def test_tiny_gguf_resolves_once_into_a_directory_transformers_loads(
     assert tokenizer.decode(tokenizer.encode("the 42 héllo")) == "the 42 héllo"
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_gguf_template_that_does_not_compile_is_reported_against_the_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error names the GGUF and its metadata key, not the cache's tokenizer_config.json the
+    template would be copied into, and no cache entry is left behind."""
+    path = tmp_path / "broken-template.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_merges(MERGES)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}{{ m.content }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(ModelFilesError) as raised:
+        tokenizer_dir(path)
+    assert str(raised.value).startswith(
+        f"{path} (tokenizer.chat_template): the chat template does not compile: line 1"
+    )
+    assert not list((tmp_path / "cache").glob("*tokenizer*"))
 
 
 # -- the embedded default model ----------------------------------------------------------------

@@ -38,6 +38,7 @@ from asyncengine.executor.loader.hf_dir import (
 )
 from asyncengine.executor.loader.progress import format_bytes, log, progress
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantFormat, QuantizedTensor
+from asyncengine.text.tokenizer import compile_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -488,7 +489,12 @@ def write_tokenizer_dir(
     context_length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation_config(metadata))
-    _write_json(out_dir / TOKENIZER_CONFIG_FILE, tokenizer_config(metadata, context_length))
+    tokenizer_settings = tokenizer_config(metadata, context_length)
+    # checked here, where the error can name the GGUF, not the cache's copy of its template
+    compile_chat_template(
+        tokenizer_settings.get("chat_template"), f"{gguf_path} (tokenizer.chat_template)"
+    )
+    _write_json(out_dir / TOKENIZER_CONFIG_FILE, tokenizer_settings)
     build_tokenizer(metadata, gguf_path).save(str(out_dir / TOKENIZER_FILE))
 
 
