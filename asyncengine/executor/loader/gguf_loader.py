@@ -38,7 +38,6 @@ from asyncengine.executor.loader.hf_dir import (
 )
 from asyncengine.executor.loader.progress import format_bytes, log, progress
 from asyncengine.kernels.quant_formats import GGUF_FORMATS, Q8_0, QuantFormat, QuantizedTensor
-from asyncengine.text.tokenizer import compile_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -491,6 +490,9 @@ def write_tokenizer_dir(
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation_config(metadata))
     tokenizer_settings = tokenizer_config(metadata, context_length)
     # checked here, where the error can name the GGUF, not the cache's copy of its template
+    # (imported here: text.tokenizer reads its files through this package)
+    from asyncengine.text.tokenizer import compile_chat_template
+
     compile_chat_template(
         tokenizer_settings.get("chat_template"), f"{gguf_path} (tokenizer.chat_template)"
     )
