@@ -23,7 +23,12 @@ from asyncengine.common.outputs import EmbeddingOutput
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.body import read_json
 from asyncengine.server.errors import invalid_request
-from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
+from asyncengine.server.off_loop import (
+    input_chars,
+    run_sized,
+    text_prompt_special_tokens,
+    tokenize_now,
+)
 from asyncengine.server.openai_schema import (
     RefusedUnlessTrue,
     TruncatePromptTokens,
@@ -103,7 +108,7 @@ async def embeddings(request: web.Request) -> web.Response:
             lora=state.lora_for(model),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
-        special = bool(req.add_special_tokens)
+        special = text_prompt_special_tokens(req.add_special_tokens)
         accepted = await run_sized(  # all checked first
             input_chars(items),
             lambda: [

@@ -441,7 +441,8 @@ class NativeResponder:
 async def generate_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_json(request, state, GenerateRequest)
-    tokens = await tokenize(state.engine, _prompt(req))
+    # a text gets its tokenizer's special tokens (a BOS), as SGLang's /generate tokenizes one
+    tokens = await tokenize(state.engine, _prompt(req), add_special_tokens=True)
     prompt = state.engine.intake.truncate(tokens, req.sampling_params.truncate_prompt_tokens)
     max_new_tokens = state.engine.intake.max_new_tokens(
         req.sampling_params.max_new_tokens,

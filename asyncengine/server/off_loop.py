@@ -60,6 +60,14 @@ async def tokenize(
     )
 
 
+def text_prompt_special_tokens(add_special_tokens: bool | None) -> bool:
+    """Whether a text prompt (completions, embeddings, /generate, /tokenize's prompt) gets the
+    special tokens its tokenizer adds (a BOS): yes unless the request says false, as vLLM,
+    SGLang and llama.cpp's server tokenize one. A chat's rendered template brings its own, so
+    there it is false unless asked for."""
+    return add_special_tokens is not False
+
+
 def tokenize_now(
     engine: EngineClient, prompt: Prompt, add_special_tokens: bool = False
 ) -> list[int]:

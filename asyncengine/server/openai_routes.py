@@ -22,7 +22,12 @@ from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.echo import Echo, join_logprobs, sum_usage
 from asyncengine.server.lora_routes import add_lora_routes
 from asyncengine.server.merged_stream import MergedStream
-from asyncengine.server.off_loop import input_chars, run_sized, tokenize_now
+from asyncengine.server.off_loop import (
+    input_chars,
+    run_sized,
+    text_prompt_special_tokens,
+    tokenize_now,
+)
 from asyncengine.server.openai_format import (
     Json,
     ResponseBuilder,
@@ -85,7 +90,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(req.model, adapters=True)
     given = completion_prompts(req, state.engine.config.max_waiting_requests)
     intake = state.engine.intake
-    special = bool(req.add_special_tokens)
+    special = text_prompt_special_tokens(req.add_special_tokens)
     tokenized = await run_sized(
         input_chars(given), lambda: [tokenize_now(state.engine, p, special) for p in given]
     )

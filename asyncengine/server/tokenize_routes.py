@@ -5,9 +5,10 @@ A count is what a completion of the same prompt, or a chat completion of the sam
 (tools, template variables, ``add_generation_prompt`` and ``continue_final_message``
 included), reports as ``usage.prompt_tokens``: the messages go through the chat route's planning
 (server/chat_request.py) and the text through the same tokenizing (server/off_loop.py).
-``add_special_tokens`` left out is false for a prompt too, as on this server's completions, so
-that the two counts agree (vLLM's /tokenize defaults it to true for a prompt). A prompt longer
-than the context is counted, not refused: ``max_model_len`` is in the answer to compare with.
+``add_special_tokens`` left out is true for a prompt and false for messages, as on the
+completions and the chat completions, so that the counts agree (and as vLLM's /tokenize has
+it). A prompt longer than the context is counted, not refused: ``max_model_len`` is in the
+answer to compare with.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from asyncengine.api.engine_client import EngineClient
 from asyncengine.server.body import read_json
 from asyncengine.server.chat_request import planned_chat
 from asyncengine.server.errors import invalid_request
-from asyncengine.server.off_loop import input_chars, run_sized, tokenize
+from asyncengine.server.off_loop import (
+    input_chars,
+    run_sized,
+    text_prompt_special_tokens,
+    tokenize,
+)
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.openai_schema import (
     CHAT_TEMPLATE_UNSUPPORTED,
@@ -71,7 +77,12 @@ async def tokenize_handler(request: web.Request) -> web.Response:
     state.check_model(req.model, adapters=True)  # an adapter shares the base's tokenizer
     check_unsupported(req, (CHAT_TEMPLATE_UNSUPPORTED,))
     text = await _text(state, req)
-    tokens = await tokenize(state.engine, text, bool(req.add_special_tokens))
+    special = (
+        bool(req.add_special_tokens)
+        if req.messages is not None
+        else text_prompt_special_tokens(req.add_special_tokens)
+    )
+    tokens = await tokenize(state.engine, text, special)
     token_strs = None
     if req.return_token_strs:
         tokenizer = state.engine.tokenizer

@@ -118,19 +118,30 @@ async def test_detokenize_gives_back_the_text_the_ids_were_made_from(
 async def test_add_special_tokens_is_honoured(
     bos_client: openai.AsyncOpenAI, bos_server: RunningServer
 ) -> None:
-    """Left out it is false for both kinds, as on the completions; true puts the BOS first,
-    as a completion or chat completion with it counts it."""
+    """Left out it is true for a prompt and false for messages, as on the completions and the
+    chat completions (and in vLLM); true puts the BOS first, as a completion or chat
+    completion with it counts it."""
     bos = bos_server.engine.tokenizer.encode(BOS)
-    plain = await _tokenize(bos_server, prompt=TEXT)
+    plain = await _tokenize(bos_server, prompt=TEXT, add_special_tokens=False)
     special = await _tokenize(bos_server, prompt=TEXT, add_special_tokens=True)
     assert special["tokens"] == bos + plain["tokens"]
-    assert (await _tokenize(bos_server, prompt=TEXT, add_special_tokens=False)) == plain
-    for answer, extra in ((plain, {}), (special, {"add_special_tokens": True})):
+    assert (await _tokenize(bos_server, prompt=TEXT)) == special
+    for answer, extra in (
+        (plain, {"add_special_tokens": False}),
+        (special, {"add_special_tokens": True}),
+        (special, {}),
+    ):
         done = await bos_client.completions.create(
             model=bos_server.model, prompt=TEXT, max_tokens=1, extra_body=extra
         )
         assert done.usage is not None and answer["count"] == done.usage.prompt_tokens
     assert await _detokenize(bos_server, special["tokens"]) == BOS + TEXT
+    # SGLang's /generate tokenizes a text the same way
+    status, generated = await _call(
+        bos_server, "/generate", {"text": TEXT, "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert status == 200, generated
+    assert generated["meta_info"]["prompt_tokens"] == special["count"]
     chat = await _tokenize(bos_server, messages=USER)
     chat_special = await _tokenize(bos_server, messages=USER, add_special_tokens=True)
     assert chat_special["tokens"] == bos + chat["tokens"]

@@ -341,14 +341,16 @@ async def test_add_special_tokens_puts_the_bos_before_a_completions_prompt(
             extra_body=extra,
         )
 
-    plain, special = await echoed(), await echoed(add_special_tokens=True)
-    assert plain.usage and special.usage
+    # left out it is true, as in vLLM, SGLang and llama.cpp's server
+    default, special = await echoed(), await echoed(add_special_tokens=True)
+    plain = await echoed(add_special_tokens=False)
+    assert default.usage and special.usage and plain.usage
     assert special.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+    assert default.usage.prompt_tokens == special.usage.prompt_tokens
     tokens = special.choices[0].logprobs.tokens
     assert tokens[0] == BOS and plain.choices[0].logprobs.tokens[0] != BOS
+    assert default.choices[0].logprobs.tokens[:-1] == tokens[:-1]  # the prompt, BOS first
     assert special.choices[0].text.startswith(PROMPT)  # the prompt echoed as given
-    unspecial = await echoed(add_special_tokens=False)
-    assert unspecial.usage and unspecial.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 async def test_add_special_tokens_on_chat_and_embeddings(
@@ -369,7 +371,9 @@ async def test_add_special_tokens_on_chat_and_embeddings(
         )
         return done.usage.prompt_tokens
 
-    assert await embedded_tokens(add_special_tokens=True) == await embedded_tokens() + 1
+    with_bos = await embedded_tokens(add_special_tokens=True)
+    assert with_bos == await embedded_tokens(add_special_tokens=False) + 1
+    assert await embedded_tokens() == with_bos
 
 
 async def test_documents_reach_the_chat_template(
