@@ -22,6 +22,18 @@ def file_part(spec: str) -> str | None:
     return module if module.endswith(".py") or "/" in module else None
 
 
+def same_plugin(first: str, second: str) -> bool:
+    """Whether two specs name the same plug-in: the same name, or the same file (however its
+    path is written) and class."""
+    if first.strip() == second.strip():
+        return True
+    paths = file_part(first), file_part(second)
+    if paths[0] is None or paths[1] is None:
+        return False
+    same_file = Path(paths[0]).expanduser().resolve() == Path(paths[1]).expanduser().resolve()
+    return same_file and first.rpartition(":")[2].strip() == second.rpartition(":")[2].strip()
+
+
 def anchored(spec: str, folder: Path, composed: bool = False) -> str:
     """``spec`` with a relative file path taken as relative to ``folder``; ``composed``: each
     '+' part of a policy composition on its own."""

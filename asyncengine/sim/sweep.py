@@ -17,12 +17,15 @@ from typing import Any
 from asyncengine.api.ray_local import init_ray
 from asyncengine.bench.records import BenchSummary, RequestRecord
 from asyncengine.common.config import EngineConfig
+from asyncengine.common.plugin_spec import same_plugin
 from asyncengine.routing import make_router
 from asyncengine.sim.cost_model import CostModel
 from asyncengine.workloads.trace import WorkloadRequest
 
 # --sweep keys that are not EngineConfig fields
 JOB_KEYS = ("replicas", "router")
+# config keys naming a plug-in whose options ("<key>_options") belong to that plug-in alone
+OPTIONED_KEYS = ("policy", "shadow_policy", "eviction_policy", "length_predictor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +81,23 @@ def expand(base: Sequence[SimJob], sweep: Sequence[tuple[str, list[Any]]]) -> li
             label = " ".join([job.label, *(f"{k}={v}" for k, v in changes.items())])
             replicas = int(changes.pop("replicas", job.replicas))
             router = changes.pop("router", job.router)
+            changes.update(_options_left_behind(job.config, changes))
             config = job.config.replace(**changes) if changes else job.config
             jobs.append(SimJob(label, config, replicas, router, job.router_options))
     return jobs
+
+
+def _options_left_behind(config: EngineConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """Empty options for each plug-in a sweep point swaps for another: the config's options
+    are its own plug-in's (an ``lfu`` weight given to ``lru`` would not build)."""
+    dropped: dict[str, Any] = {}
+    for key in OPTIONED_KEYS:
+        value, own = changes.get(key), getattr(config, key)
+        if f"{key}_options" in changes or not isinstance(value, str):
+            continue
+        if not (isinstance(own, str) and same_plugin(value, own)):
+            dropped[f"{key}_options"] = {}
+    return dropped
 
 
 def run_job(job: SimJob, workload: Sequence[WorkloadRequest], cost: CostModel) -> SimJobResult:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine.common.config import EngineConfig
+from asyncengine.policies.eviction_registry import build_eviction_rule
 from asyncengine.sim.sweep import SimJob, expand, parse_sweep
 from tests.scripts.test_compare_policies import load_script
 
@@ -37,6 +38,27 @@ def test_parse_and_expand_a_grid() -> None:
     assert {j.replicas for j in jobs} == {2} and jobs[1].router == "round-robin"
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         parse_sweep(["replicas"])
+
+
+def test_a_swept_rule_leaves_the_config_rules_options_behind(tmp_path: Path) -> None:
+    rule = tmp_path / "rule.py"
+    rule.write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n\n\n"
+        "class Mine(EvictionRule):\n"
+        "    def __init__(self, weight: float = 1.0) -> None:\n"
+        "        self.weight = weight\n"
+    )
+    config = EngineConfig(
+        eviction_policy=f"{rule}:Mine", eviction_policy_options={"weight": 2.0}
+    )
+    same_file = f"{tmp_path}/../{tmp_path.name}/rule.py:Mine"
+    sweep = parse_sweep([f"eviction_policy=lru,lfu,{same_file}"])
+    jobs = expand([SimJob("fcfs", config)], sweep)
+    assert [j.config.eviction_policy_options for j in jobs] == [{}, {}, {"weight": 2.0}]
+    for job in jobs:  # each run builds: lru is not handed the file rule's weight
+        build_eviction_rule(job.config.eviction_policy, job.config.eviction_policy_options)
+    own = expand([SimJob("fcfs", config)], parse_sweep(["eviction_policy_options={}"]))
+    assert own[0].config.eviction_policy_options == {}
 
 
 def test_a_sweep_of_settings_and_replicas_is_one_command(tmp_path: Path) -> None:
