@@ -542,10 +542,11 @@ class AsyncEngine:
         whole = len(ids) // page_size * page_size
         if whole == 0:
             raise InvalidRequestError(
-                f"a pin needs at least one whole KV page ({page_size} tokens), got {len(ids)}"
+                f"a pin needs at least one whole KV page ({page_size} tokens), got {len(ids)}",
+                param="prompt",
             )
         if ttl_s is not None and not ttl_s > 0:
-            raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+            raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}", param="ttl_s")
         core.kv.pins.check_room(whole // page_size)  # refuse before computing anything
         keys = salted_ids(ids, params.cache_salt)
         if core.kv.tree.prefix_length(keys, whole) < whole:

@@ -225,7 +225,7 @@ async def pin_prefix(request: web.Request) -> web.Response:
     except PinLimitError as exc:
         raise ApiError(409, str(exc), code="pin_limit") from None
     except InvalidRequestError as exc:
-        raise invalid_request(str(exc), param="prompt", code="invalid_pin") from None
+        raise invalid_request(str(exc), param=exc.param or "prompt", code="invalid_pin") from None
     expires_in = None if pin.expires_at is None else body.ttl_s
     return _json(
         {"pin_id": pin.pin_id, "tokens": pin.tokens, "pages": pin.pages, "expires_in_s": expires_in}

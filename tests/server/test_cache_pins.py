@@ -118,6 +118,11 @@ async def test_pin_and_unpin_over_http_need_the_admin_token() -> None:
                 session, running, "/v1/cache/pin", {"prompt": "ab"}, headers=auth(ADMIN)
             )
             assert status == 400  # shorter than a page
+            status, no_ttl = await post(
+                session, running, "/v1/cache/pin", {"prompt": SYSTEM[:40], "ttl_s": 0},
+                headers=auth(ADMIN),
+            )  # fmt: skip
+            assert status == 400 and no_ttl["error"]["param"] == "ttl_s", no_ttl  # at fault
             unpin = {"pin_id": out["pin_id"]}
             status, _ = await post(session, running, "/v1/cache/unpin", unpin, headers=auth(ADMIN))
             assert status == 200
