@@ -44,6 +44,8 @@ class EvictionTree(Protocol):
 
     def prefix_nodes(self, tokens: Sequence[int]) -> list[Any]: ...
 
+    def prefix_end(self, tokens: Sequence[int], end: int | None, last: Any) -> Any: ...
+
 
 class EvictionRule:
     """Least recently used first (the default). Override ``key`` (and ``touch``/``evicted``).

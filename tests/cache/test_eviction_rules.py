@@ -75,6 +75,40 @@ def test_queue_aware_keeps_what_a_waiting_prompt_matches() -> None:
     assert survivors(cache) == {3}
 
 
+class CountedTokens(list[int]):
+    """A prompt that counts the tokens read from it."""
+
+    read = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        part = super().__getitem__(index)
+        self.read += len(part) if isinstance(index, slice) else 1
+        return part
+
+
+def test_queue_aware_reads_no_prompt_again_while_the_tree_under_it_is_unchanged() -> None:
+    """The rule hears the waiting queue every step: a long waiting prompt must not cost its
+    length every step, only the nodes of its cached path."""
+    cache = RadixCache(page_size=16, rule=make_eviction_rule("queue-aware"))
+    prompts = [CountedTokens([index] + [7] * 4095 + [index]) for index in range(1, 9)]
+    for prompt in prompts:
+        cache.insert(list(prompt[:4096]), np.arange(256) + 256 * prompt[0])
+    cache.rule.watch_waiting(prompts)  # the first step walks each prompt once
+    assert cache.rule.stats()["wanted_nodes"] == 8
+    for prompt in prompts:
+        prompt.read = 0
+    for _ in range(3):
+        cache.rule.watch_waiting(prompts)
+    assert max(prompt.read for prompt in prompts) <= 3  # its first token, once a step
+    assert cache.rule.stats()["wanted_nodes"] == 8
+    cache.insert([1] * 64, np.arange(4) + 9000)  # a new prefix under a prompt's first token
+    cache.rule.watch_waiting(prompts)  # asked again: still the same wanted path
+    assert cache.rule.stats()["wanted_nodes"] == 8
+    cache.evict(64)  # the wanted pages go last: the new prefix, used last, goes first
+    assert cache.prefix_length([1] * 64) == 0
+    assert all(cache.prefix_length(list(prompt)) == 4096 for prompt in prompts)
+
+
 def test_arc_moves_its_bonus_by_ghost_hits() -> None:
     cache = tree("arc", frequent_hits=2, bonus=100.0, step=10.0)
     insert(cache, [1, 1])
