@@ -392,8 +392,9 @@ class Scheduler:
         if len(self.kv.pins):
             self.kv.expire_pins(self.clock())
         rule = self.kv.tree.rule
-        if rule.watches_queue and self.waiting:  # queue-aware eviction: what waiting prompts use
-            rule.watch_waiting([req.cache_ids for req in self.waiting.oldest(rule.queue_window)])
+        if rule.watches_queue:  # queue-aware eviction: what waiting prompts use (none: none)
+            waiting = self.waiting.oldest(rule.queue_window) if self.waiting else []
+            rule.watch_waiting([req.cache_ids for req in waiting])
         self.step_guesses = {}
         self.step_drafts = {}
         return BatchPlan(step=self.step_count)

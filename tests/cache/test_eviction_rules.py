@@ -249,3 +249,17 @@ def test_queue_aware_hears_the_waiting_queue_through_the_scheduler() -> None:
     core.add(Request("w", prompt + [7, 7], SamplingParams(max_new_tokens=1, temperature=0), 0.0))
     core.scheduler.begin_step()  # a step boundary: the rule hears who waits
     assert core.kv.tree.rule.stats()["wanted_nodes"] >= 1
+
+
+def test_queue_aware_lets_go_of_a_prompt_once_nothing_waits() -> None:
+    """A waiting request that leaves the queue without running (aborted) leaves its cached
+    pages no more wanted than any other, empty queue or not."""
+    core, _ = fake_core(num_pages=24, page_size=4, eviction_policy="queue-aware")
+    prompt = list(range(1, 33))
+    run(core, [prompt])
+    core.add(Request("w", prompt + [7, 7], SamplingParams(max_new_tokens=1, temperature=0), 0.0))
+    core.scheduler.begin_step()
+    assert core.kv.tree.rule.stats()["wanted_nodes"] >= 1
+    assert core.abort("w")
+    core.scheduler.begin_step()  # nothing waits now
+    assert core.kv.tree.rule.stats()["wanted_nodes"] == 0
