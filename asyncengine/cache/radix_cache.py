@@ -14,7 +14,10 @@ Invariants the code keeps:
   stale (the node got children, a lock, a higher key, or was removed) and is checked when
   popped; a key that rose is re-pushed at the node's current key, so the order stays exact for
   keys that only rise. ``requeue`` pushes a fresh entry for a key that fell, and the old one,
-  no longer the node's ``heap_id``, is dropped when popped.
+  no longer the node's ``heap_id``, is dropped when popped. Stale entries that no eviction pops
+  (a pool that never runs short, a rule that requeues every step) are dropped when the heap
+  reaches twice its size after the last such sweep: the heap stays within a constant factor of
+  the evictable leaves, at O(1) amortised per push.
 
 Tokens are held as tuples (edge keys are tuple slices of the inserted sequence) and compared
 with slices at C speed; where an edge and a query diverge, the divergence point is found by a
@@ -48,6 +51,8 @@ from asyncengine.cache.kv_events import (
 from asyncengine.common.cache_salt import lora_id_of_key
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
+# the heap's entries before stale ones are first swept out (RadixCache._sweep_heap)
+HEAP_SWEEP_AT = 1024
 
 # counters of inserts by first token (RadixCache.head_inserts): every token of a vocabulary up
 # to this size has its own; salted first tokens share them (a shared counter moves more often,
@@ -201,6 +206,7 @@ class RadixCache:
         self.root = RadixNode((), _EMPTY_PAGES, None, 0, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._heap: list[tuple[float, int, RadixNode]] = []
+        self._sweep_at = HEAP_SWEEP_AT
         self._root_heads: dict[object, int] = {}  # first token of a root child's edge -> count
         self._evictable_size = 0
         self._protected_size = 0
@@ -294,6 +300,26 @@ class RadixCache:
         node.heap_id = entry
         key = float(node.last_access) if self._plain_lru else self.rule.key(node)
         heapq.heappush(self._heap, (key, entry, node))
+        if len(self._heap) > self._sweep_at:
+            self._sweep_heap()
+
+    def _sweep_heap(self) -> None:
+        """Drop the entries a pop would drop (superseded, or of a node that is no longer an
+        evictable leaf: it is pushed again when it becomes one), in place (``_evict`` holds
+        the list)."""
+        heap = self._heap
+        kept: list[tuple[float, int, RadixNode]] = []
+        for item in heap:
+            node = item[2]
+            if item[1] != node.heap_id:
+                continue
+            if node.parent is None or node.lock_ref > 0 or node.children:
+                node.heap_id = -1
+                continue
+            kept.append(item)
+        heap[:] = kept
+        heapq.heapify(heap)
+        self._sweep_at = max(HEAP_SWEEP_AT, 2 * len(heap))
 
     def requeue(self, node: RadixNode) -> None:
         """``node``'s key fell (the rule says so): an evictable leaf, or a node whose entry
@@ -310,6 +336,7 @@ class RadixCache:
         self._plain_lru = rule.plain_lru
         self._touches = rule.touches
         self._heap = []
+        self._sweep_at = HEAP_SWEEP_AT
         for node in self.iter_nodes():
             node.heap_id = -1
             if self._touches:

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine.cache import RadixCache
+from asyncengine.cache.radix_cache import HEAP_SWEEP_AT
+from asyncengine.policies.eviction_registry import make_eviction_rule
 
 
 def pages(*ids: int) -> np.ndarray:
@@ -181,6 +183,28 @@ def test_touched_leaf_outlives_an_older_one_despite_stale_heap_entries() -> None
         tree.match_prefix([1])  # leaf [1]'s heap entry is now stale
     assert tree.evict(1).tolist() == [1]
     assert tree.evict(1).tolist() == [0]
+
+
+def test_requeued_entries_do_not_pile_up_in_a_pool_that_never_runs_short() -> None:
+    """A rule that requeues every step (queue-aware, as prompts come and go) leaves a stale
+    entry each time; with no eviction to pop them the heap must still not grow with steps."""
+    tree = RadixCache(page_size=1, rule=make_eviction_rule("queue-aware"))
+    tree.insert([1, 2], pages(0, 1))
+    tree.insert([1, 2, 5], pages(0, 1, 4))  # [1, 2] is no leaf now: its entry goes stale
+    tree.insert([3], pages(2))
+    _, _, locked = tree.match_prefix([3])
+    tree.lock(locked)
+    for _ in range(5 * HEAP_SWEEP_AT):
+        tree.rule.watch_waiting([[1, 2], [3]])
+        tree.rule.watch_waiting([])
+    assert len(tree._heap) <= 2 * HEAP_SWEEP_AT
+    tree.check()
+    tree.unlock(locked)  # swept out while locked: back in the heap now
+    tree.insert([4], pages(3))
+    assert tree.evict(1).tolist() == [4]  # least recently used first, as before
+    assert tree.evict(2).tolist() == [0, 1]  # a leaf again once its child went
+    assert tree.evict(1).tolist() == [2]
+    assert tree.evict(1).tolist() == [3]
 
 
 def test_reset_and_dump() -> None:
