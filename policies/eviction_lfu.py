@@ -1,7 +1,9 @@
 """``lfu``: least frequently used first, with dynamic aging (LFU-DA, Arlitt et al. 2000).
 
 A leaf's key is the floor at its last use plus its use count; the floor rises to the key of
-each leaf evicted, so a page used often long ago ages out instead of staying forever."""
+each leaf evicted, so a page used often long ago ages out instead of staying forever. It takes
+no options: a weight on the use count would scale every key and the floor alike, so it could
+not change which page goes first."""
 
 from __future__ import annotations
 
@@ -14,18 +16,14 @@ class LeastFrequentlyUsed(EvictionRule):
     name = "lfu"
     touches = True
 
-    def __init__(self, weight: float = 1.0) -> None:
-        """``weight``: what one use adds to a key (higher: frequency outlasts aging longer)."""
-        if weight <= 0:
-            raise ValueError(f"weight must be positive, got {weight}")
-        self.weight = weight
+    def __init__(self) -> None:
         self.floor = 0.0
 
     def key(self, node: CachedNode) -> float:
         return node.score
 
     def touch(self, node: CachedNode) -> None:
-        node.score = self.floor + self.weight * node.hits
+        node.score = self.floor + node.hits
 
     def evicted(self, node: CachedNode, key: float) -> None:
         self.floor = max(self.floor, key)

@@ -24,8 +24,8 @@ def test_the_flags_give_the_options_a_config_table_gives(tmp_path: Path) -> None
         "--policy", "lpm+token-budget", "--policy-options", '{"lpm": {"aging": 0.25}}'
     )
     assert composed.policy_options == {"lpm": {"aging": 0.25}}
-    rule = config_of("--eviction-policy", "lfu", "--eviction-policy-options", '{"weight": 2.0}')
-    assert rule.eviction_policy_options == {"weight": 2.0}
+    rule = config_of("--eviction-policy", "arc", "--eviction-policy-options", '{"step": 8.0}')
+    assert rule.eviction_policy_options == {"step": 8.0}
     toml = tmp_path / "c.toml"
     toml.write_text('policy = "lpm"\n[policy_options]\naging = 1.0\n')
     # the flag overrides the file's table, as every flag overrides its key

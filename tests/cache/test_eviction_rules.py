@@ -54,6 +54,13 @@ def test_lfu_ages_a_page_used_often_long_ago() -> None:
     assert cache.rule.stats()["floor"] >= 3
 
 
+def test_lfu_takes_no_weight_that_could_not_change_its_order() -> None:
+    """Every key and the floor are sums of use counts: scaling the counts scales them all, so
+    a weight would be an option accepted that does nothing; it is refused."""
+    with pytest.raises(ConfigError, match="eviction_policy_options"):
+        make_policies(EngineConfig(eviction_policy="lfu", eviction_policy_options={"weight": 2}))
+
+
 def test_cost_aware_evicts_the_shallow_page_first() -> None:
     cache = tree("cost-aware", attention_tokens=4)
     insert(cache, [5, 5, 6, 6, 7, 7, 8, 8])  # one deep leaf (depth 0..8)
