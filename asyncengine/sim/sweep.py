@@ -89,7 +89,7 @@ def expand(base: Sequence[SimJob], sweep: Sequence[tuple[str, list[Any]]]) -> li
 
 def _options_left_behind(config: EngineConfig, changes: dict[str, Any]) -> dict[str, Any]:
     """Empty options for each plug-in a sweep point swaps for another: the config's options
-    are its own plug-in's (an ``lfu`` weight given to ``lru`` would not build)."""
+    are its own plug-in's (an ``arc`` step given to ``lru`` would not build)."""
     dropped: dict[str, Any] = {}
     for key in OPTIONED_KEYS:
         value, own = changes.get(key), getattr(config, key)
