@@ -8,6 +8,8 @@ freed) and for LRU order (the least recently used unlocked leaf goes first).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,12 +240,25 @@ def _rule_machine(base: type[RadixMachine], name: str) -> type:
     return case
 
 
+# rules of one's own, checked as the built-ins are (docs/policies.md, "Eviction policies")
+OWN_RULES_VARIABLE = "ASYNCENGINE_CHECK_EVICTION"
+
+
+def rules_to_check(environ: Mapping[str, str]) -> dict[str, str]:
+    """Test-class suffix -> rule spec: every built-in past lru (which the base classes check),
+    then each comma-separated spec of ``OWN_RULES_VARIABLE`` as ``own_1``, ``own_2``, ..."""
+    rules = {name.replace("-", "_"): name for name in EVICTION_RULES if name != "lru"}
+    own = [spec.strip() for spec in environ.get(OWN_RULES_VARIABLE, "").split(",")]
+    for index, spec in enumerate([spec for spec in own if spec], 1):
+        rules[f"own_{index}"] = spec
+    return rules
+
+
+RULES_TO_CHECK = rules_to_check(os.environ)
 # every eviction rule: the same tree contents, locks and sizes; its own lowest key goes first
-for _name in EVICTION_RULES:
-    if _name != "lru":
-        _ident = _name.replace("-", "_")
-        globals()[f"TestRadixPage1_{_ident}"] = _rule_machine(RadixMachine, _name)
-        globals()[f"TestRadixPage16_{_ident}"] = _rule_machine(RadixMachinePage16, _name)
+for _ident, _name in RULES_TO_CHECK.items():
+    globals()[f"TestRadixPage1_{_ident}"] = _rule_machine(RadixMachine, _name)
+    globals()[f"TestRadixPage16_{_ident}"] = _rule_machine(RadixMachinePage16, _name)
 
 
 # --------------------------------------------------------------------------- KVCacheManager
@@ -479,6 +494,5 @@ def _manager_machine(name: str) -> type:
 
 
 # every eviction rule keeps the page accounting invariant after every step
-for _name in EVICTION_RULES:
-    if _name != "lru":
-        globals()[f"TestManagerPage16_{_name.replace('-', '_')}"] = _manager_machine(_name)
+for _ident, _name in RULES_TO_CHECK.items():
+    globals()[f"TestManagerPage16_{_ident}"] = _manager_machine(_name)

@@ -270,3 +270,37 @@ def test_queue_aware_lets_go_of_a_prompt_once_nothing_waits() -> None:
     assert core.abort("w")
     core.scheduler.begin_step()  # nothing waits now
     assert core.kv.tree.rule.stats()["wanted_nodes"] == 0
+
+
+def test_a_rule_of_ones_own_is_checked_as_the_built_ins_are(tmp_path: Path) -> None:
+    """docs/policies.md: the stateful tests take a rule named in ASYNCENGINE_CHECK_EVICTION, and
+    fail one whose key falls as the tree is read (an age in the key, no tree.requeue)."""
+    from hypothesis import Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from tests.cache.test_cache_stateful import (
+        OWN_RULES_VARIABLE,
+        RadixMachine,
+        rules_to_check,
+    )
+
+    file = tmp_path / "aged.py"
+    file.write_text(
+        "from asyncengine.cache.eviction_rule import EvictionRule\n"
+        "class Aged(EvictionRule):\n"
+        "    reads = 0\n"
+        "    def key(self, node):\n"
+        "        self.reads += 1  # aged by the reads since: falls with every read\n"
+        "        return node.hits - self.reads / 8\n"
+    )
+    rules = rules_to_check({OWN_RULES_VARIABLE: f" {file}:Aged , deep_last.py:DeepLast"})
+    assert rules["own_1"] == f"{file}:Aged" and rules["own_2"] == "deep_last.py:DeepLast"
+    assert rules["lfu"] == "lfu" and "lru" not in rules  # the base machines check lru
+    machine = type("AgedMachine", (RadixMachine,), {"rule_name": rules["own_1"]})
+    with pytest.raises(AssertionError, match="lowest key"):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=200, stateful_step_count=40, deadline=None, phases=[Phase.generate]
+            ),
+        )
