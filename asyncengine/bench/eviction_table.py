@@ -46,9 +46,11 @@ def eviction_table(rows: Sequence[EvictionRow]) -> str:
             if lru is not None and lru.hit_tokens
             else "-"
         )
+        # no prefix any eviction could serve (nothing shared, or a pool too small): no share
+        of_bound = f"{row.of_bound:.1%}" if row.bound_tokens else "-"
         lines.append(
             f"| {row.label} | {row.rule} | {row.hit_tokens} | {row.bound_tokens} | "
-            f"{row.of_bound:.1%} | {gain} | {row.hit_rate:.3f} | {row.ttft_p50_s * 1e3:.1f} | "
+            f"{of_bound} | {gain} | {row.hit_rate:.3f} | {row.ttft_p50_s * 1e3:.1f} | "
             f"{row.output_tok_s:.1f} | {row.evictions} | {row.recomputed_tokens} |"
         )
     return "\n".join(lines)

@@ -20,3 +20,10 @@ def test_each_rule_gains_over_the_lru_run_of_its_own_configuration() -> None:
     lines = eviction_table(rows).splitlines()[2:]
     gains = [line.split("|")[6].strip() for line in lines]
     assert gains == ["+0.0%", "+20.0%", "+0.0%", "+5.0%", "-"]
+
+
+def test_a_run_with_nothing_to_serve_shows_no_share_of_the_bound() -> None:
+    """Belady serves 0 tokens (nothing shared, or a pool smaller than any shared prefix)."""
+    empty = EvictionRow("fcfs lru", "fcfs", "lru", 0, 0, 0.0, 1.0, 10.0, 22, 0)
+    (line,) = eviction_table([empty]).splitlines()[2:]
+    assert [cell.strip() for cell in line.split("|")[4:7]] == ["0", "-", "-"]
