@@ -48,9 +48,7 @@ def test_a_swept_rule_leaves_the_config_rules_options_behind(tmp_path: Path) -> 
         "    def __init__(self, weight: float = 1.0) -> None:\n"
         "        self.weight = weight\n"
     )
-    config = EngineConfig(
-        eviction_policy=f"{rule}:Mine", eviction_policy_options={"weight": 2.0}
-    )
+    config = EngineConfig(eviction_policy=f"{rule}:Mine", eviction_policy_options={"weight": 2.0})
     same_file = f"{tmp_path}/../{tmp_path.name}/rule.py:Mine"
     sweep = parse_sweep([f"eviction_policy=lru,lfu,{same_file}"])
     jobs = expand([SimJob("fcfs", config)], sweep)
