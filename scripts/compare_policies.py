@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -152,6 +153,23 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
         seen[label] = seen.get(label, 0) + 1
         labelled.append((label if seen[label] == 1 else f"{label}#{seen[label]}", config))
     return labelled
+
+
+def with_rule_names(jobs: list[SimJob], eviction: str) -> list[SimJob]:
+    """A rule from a file or module goes by its ``name`` in the runs' labels (tables,
+    figures), as a policy of one's own does; by its spec where another rule has that name."""
+    specs = [spec.strip() for spec in eviction.split(",")]
+    names = {spec: resolve_eviction_rule(spec).name for spec in specs if ":" in spec}
+    shown = [names.get(spec, spec) for spec in specs]
+    named = []
+    for job in jobs:
+        label = job.label
+        for spec, name in names.items():
+            suffix = f" eviction_policy={spec}"  # the sweep's last axis
+            if label.endswith(suffix) and shown.count(name) == 1:
+                label = f"{label[: -len(suffix)]} eviction_policy={name}"
+        named.append(dataclasses.replace(job, label=label))
+    return named
 
 
 def run_one(
@@ -390,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunReport]:
         for label, config in configs
     ]
     jobs = expand(base, sweep)
+    if args.eviction:
+        jobs = with_rule_names(jobs, args.eviction)
     if args.real and (args.ray or any(job.multi_replica for job in jobs)):
         raise SystemExit(
             f"--ray and {'/'.join(JOB_KEYS)} apply to simulated runs; --real runs one engine here"

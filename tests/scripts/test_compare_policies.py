@@ -147,6 +147,12 @@ def test_compare_policies_compares_eviction_rules_one_of_them_from_a_file(
         ]
     )
     assert len(runs) == 6
+    # the file's rule goes by its name in the labels (tables, figures), not by its path
+    assert [r.label for r in runs[:3]] == [
+        "fcfs eviction_policy=lru",
+        "fcfs eviction_policy=lfu",
+        "fcfs eviction_policy=Deepest",
+    ]
     table = (out / "results.md").read_text().split("## Eviction rules")[1].split("\n## ")[0]
     rows = [
         line.split("|")
