@@ -61,6 +61,8 @@ class AdaptiveReplacement(EvictionRule):
             self._ghost_hit(node)  # only a new leaf can be a ghost coming back
 
     def _ghost_hit(self, node: CachedNode) -> None:
+        if not self.recent_ghosts and not self.frequent_ghosts:
+            return  # nothing evicted yet (a fresh rule, as a live swap makes): no key to hash
         ps = self.tree.page_size
         for page in page_keys(node, ps):
             if page in self.recent_ghosts:

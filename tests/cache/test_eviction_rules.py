@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from asyncengine.cache import RadixCache
+from asyncengine.cache.eviction_rule import CachedNode
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
@@ -127,6 +128,32 @@ def test_arc_moves_its_bonus_by_ghost_hits() -> None:
     insert(cache, [1, 1])  # a frequency ghost back
     assert cache.rule.bonus == 100.0
     assert cache.rule.stats()["recent_ghost_hits"] == 1
+
+
+def test_a_swap_to_arc_hashes_no_page_while_it_has_no_ghosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live swap touches every cached node; arc's ghosts are empty then, so a page seen once
+    cannot be one coming back and is not hashed to ask (a warm tree: a stall of the loop)."""
+    import asyncengine.policies.eviction_arc as arc
+
+    hashed: list[int] = []
+    real_page_keys = arc.page_keys
+
+    def counting(node: CachedNode, page_size: int) -> list[int]:
+        keys = real_page_keys(node, page_size)
+        hashed.extend(keys)
+        return keys
+
+    monkeypatch.setattr(arc, "page_keys", counting)
+    cache = tree("lru")
+    for first in range(1, 41):
+        insert(cache, [first] * 8)
+    cache.set_rule(make_eviction_rule("arc"))
+    assert hashed == []
+    cache.evict(8)  # a ghost now: new leaves are asked about again
+    insert(cache, [1] * 8)
+    assert hashed
 
 
 def test_a_rule_of_ones_own_from_a_file(tmp_path: Path) -> None:
