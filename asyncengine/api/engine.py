@@ -23,7 +23,7 @@ from asyncengine.api.request_group import ChoiceCollector, RequestGroup
 from asyncengine.api.step_loop import StepLoop
 from asyncengine.api.streams import Streams
 from asyncengine.api.summary_log import SummaryLog
-from asyncengine.cache.pins import Pin
+from asyncengine.cache.pins import Pin, PinLimitError
 from asyncengine.common.cache_salt import salted_ids
 from asyncengine.common.config import ConfigError, EngineConfig
 from asyncengine.common.errors import (
@@ -46,6 +46,8 @@ from asyncengine.text.stream import RequestStream
 from asyncengine.workloads.trace_recorder import TraceRecorder
 
 log = logging.getLogger("asyncengine.api.engine")
+# how many times a pin computes a prefix that steps in between evict before it is pinned
+PIN_TRIES = 3
 NOT_RUNNING = (
     "the engine is not running: use `async with AsyncEngine(...)` or `await engine.start()`"
 )
@@ -534,7 +536,8 @@ class AsyncEngine:
         out of eviction, until ``unpin(pin.pin_id)`` or ``ttl_s`` seconds; computes them first
         when they are not cached. ``cache_salt``: the pages of the requests with that salt (the
         salts' namespaces share nothing). Raises InvalidRequestError for a prompt shorter than a
-        page, PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool."""
+        page, PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool or when the
+        pages it computed were evicted ``PIN_TRIES`` times before it could pin them."""
         core = self._core()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt=cache_salt)
         ids = self.intake.tokenize(prompt)
@@ -549,8 +552,19 @@ class AsyncEngine:
             raise InvalidRequestError(f"ttl_s must be > 0 seconds, got {ttl_s}", param="ttl_s")
         core.kv.pins.check_room(whole // page_size)  # refuse before computing anything
         keys = salted_ids(ids, params.cache_salt)
-        if core.kv.tree.prefix_length(keys, whole) < whole:
+        tree = core.kv.tree
+        # the steps that run before this resumes may evict what the computation cached (a
+        # pool short of pages): compute it again, then pin with no step in between
+        for _ in range(PIN_TRIES if core.kv.enable_prefix_cache else 0):
+            if tree.prefix_length(keys, whole) == whole:
+                break
             await self.generate(ids, params)
+        else:
+            if core.kv.enable_prefix_cache and tree.prefix_length(keys, whole) < whole:
+                raise PinLimitError(
+                    f"the prefix was computed {PIN_TRIES} times and evicted each time before "
+                    "it could be pinned: the pool is short of free pages; try again later"
+                )
         pin = core.pin(keys[:whole], ttl_s)
         if ttl_s is not None:
             self._wake()  # an idle loop sets its timer for the pin's end

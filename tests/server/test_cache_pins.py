@@ -6,6 +6,7 @@ namespace, and the eviction policy's live swap over HTTP."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -41,6 +42,38 @@ async def test_a_pinned_prefix_outlives_eviction_pressure_until_unpinned() -> No
         assert kv.tree.prefix_length(eng.tokenize(SYSTEM)) < pin.tokens  # evictable again
         with pytest.raises(KeyError):
             eng.unpin(pin.pin_id)
+        kv.check_invariant()
+    finally:
+        await eng.stop()
+
+
+async def test_a_pin_computes_again_what_steps_evicted_before_it_could_pin() -> None:
+    """Steps run between the pin's computation and the pin (a pool short of pages evicts what
+    it cached): the pin computes it again; evicted every time, it says so."""
+    eng = engine(num_pages=64, max_pinned_fraction=0.5)
+    await eng.start()
+    try:
+        kv = eng.scheduler.kv
+        generate = eng.generate
+        pressure = [True]  # evict everything after the next computation
+
+        async def generate_then_evict(*args: Any, **kwargs: Any) -> Any:
+            out = await generate(*args, **kwargs)
+            if pressure:
+                pressure.pop()
+                kv.evict(kv.num_pages)
+            return out
+
+        eng.generate = generate_then_evict  # type: ignore[method-assign]
+        pin = await eng.pin(SYSTEM)
+        assert pin.tokens == len(SYSTEM) // 4 * 4 and not pressure
+        assert kv.tree.prefix_length(eng.tokenize(SYSTEM)) == pin.tokens
+        eng.unpin(pin.pin_id)
+        kv.evict(kv.num_pages)
+        pressure.extend([True] * 3)
+        with pytest.raises(PinLimitError, match="evicted each time"):
+            await eng.pin(SYSTEM)
+        assert eng.stats()["pinned_prefixes"] == 0
         kv.check_invariant()
     finally:
         await eng.stop()
