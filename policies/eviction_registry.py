@@ -14,7 +14,7 @@ from asyncengine.policies.eviction_arc import AdaptiveReplacement
 from asyncengine.policies.eviction_cost_aware import CostAware
 from asyncengine.policies.eviction_lfu import LeastFrequentlyUsed
 from asyncengine.policies.eviction_queue_aware import QueueAware
-from asyncengine.policies.plugin_loader import resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
 
 EVICTION_RULES: dict[str, type[EvictionRule]] = {
     cls.name: cls
@@ -28,8 +28,9 @@ def resolve_eviction_rule(spec: str) -> type[EvictionRule]:
 
 
 def make_eviction_rule(spec: str, options: dict[str, Any] | None = None) -> EvictionRule:
-    """The rule ``spec`` names, built with ``options``; ValueError/TypeError when either is bad."""
-    return resolve_eviction_rule(spec)(**(options or {}))
+    """The rule ``spec`` names, built with ``options``; ValueError/TypeError when either is bad
+    (whatever a plug-in's constructor raises comes back as a ValueError naming it)."""
+    return build_plugin(resolve_eviction_rule(spec), spec, options or {}, EVICTION_RULES, KIND)
 
 
 def build_eviction_rule(
@@ -37,13 +38,15 @@ def build_eviction_rule(
 ) -> EvictionRule:
     """``make_eviction_rule`` for a config: ConfigError naming the key of what is wrong."""
     try:
-        cls = resolve_eviction_rule(spec)
+        resolve_eviction_rule(spec)
     except ValueError as exc:
         raise ConfigError(f"config key {key!r} = {spec!r}: {exc}") from None
     try:
-        return cls(**(options or {}))
+        return make_eviction_rule(spec, options)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config key '{key}_options' = {options!r}: {exc}") from None
+        # with no options given the rule itself failed: blame the key that names it
+        where = f"{key!r} = {spec!r}" if not options else f"'{key}_options' = {options!r}"
+        raise ConfigError(f"config key {where}: {exc}") from None
 
 
 def listed_rule(spec: str, allowed: Sequence[str]) -> str:

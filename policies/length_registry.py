@@ -13,7 +13,7 @@ from asyncengine.policies.length_predictor import (
     OraclePredictor,
 )
 from asyncengine.policies.length_ranker import RankerPredictor
-from asyncengine.policies.plugin_loader import resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
 
 PREDICTORS: dict[str, type[LengthPredictor]] = {
     cls.name: cls
@@ -32,6 +32,6 @@ def build_length_predictor(spec: str, options: dict[str, Any] | None = None) -> 
     except ValueError as exc:
         raise ConfigError(f"config key 'length_predictor' = {spec!r}: {exc}") from None
     try:
-        return cls(**(options or {}))
+        return build_plugin(cls, spec, options or {}, PREDICTORS, "length predictor")
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config key 'length_predictor_options' = {options!r}: {exc}") from None

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from asyncengine.common.plugin_spec import file_part
 
@@ -79,3 +79,22 @@ def resolve_plugin(spec: str, base: type[T], builtins: Mapping[str, type[T]], ki
             "'package.module:Class' or 'path/to/file.py:Class'"
         )
     return builtins[key]
+
+
+def build_plugin(
+    cls: type[T], name: str, options: Mapping[str, Any], builtins: Mapping[str, type[T]], kind: str
+) -> T:
+    """``cls(**options)``; any exception from a plug-in's constructor comes back as a
+    ValueError that names the ``kind`` and ``name`` (a built-in's own messages name it and the
+    option already, and anything else a built-in raises is a bug of ours, left to propagate):
+    a live swap answers it as a bad request and keeps what runs."""
+    try:
+        return cls(**options)
+    except Exception as exc:
+        if builtins.get(getattr(cls, "name", "")) is cls:
+            raise
+        given = f"options {dict(options)!r}" if options else "no options"
+        raise ValueError(
+            f"{kind} {name!r} (class {cls.__name__}) failed to build with {given}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc

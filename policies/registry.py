@@ -17,7 +17,7 @@ from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lora_fair import LoraFairPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.ltr import LTRPolicy
-from asyncengine.policies.plugin_loader import resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
@@ -149,19 +149,7 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
 
 
 def _built(cls: type[Policy], name: str, options: dict[str, Any]) -> Policy:
-    """``cls(**options)``; any exception from a plug-in's constructor comes back as a
-    ValueError that names the policy (a built-in's own messages name it and the option
-    already, and anything else a built-in raises is a bug of ours, left to propagate)."""
-    try:
-        return cls(**options)
-    except Exception as exc:
-        if BUILTIN.get(cls.name) is cls:
-            raise
-        given = f"options {options!r}" if options else "no options"
-        raise ValueError(
-            f"policy {name!r} (class {cls.__name__}) failed to build with {given}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    return build_plugin(cls, name, options, BUILTIN, "policy")
 
 
 def _builtin_key(name: str) -> str:

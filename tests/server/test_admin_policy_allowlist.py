@@ -96,7 +96,8 @@ async def test_a_plugin_listed_at_start_up_loads_then_and_swaps_in_live(tmp_path
         await running.stop()
 
 
-BROKEN = """
+BROKEN = {
+    "policy": """
 from asyncengine.policies.fcfs import FCFSPolicy
 
 
@@ -105,33 +106,54 @@ class Broken(FCFSPolicy):
 
     def __init__(self, **options):
         raise {error}("no tables to read")
-"""
+""",
+    "eviction-policy": """
+from asyncengine.cache.eviction_rule import EvictionRule
+
+
+class Broken(EvictionRule):
+    def __init__(self, **options):
+        raise {error}("no tables to read")
+
+    def key(self, node):
+        return 0.0
+""",
+}
 
 
 @pytest.mark.parametrize("error", ["RuntimeError", "KeyError", "ZeroDivisionError"])
-async def test_a_listed_plugin_whose_constructor_raises_is_a_400_and_the_policy_stays(
-    tmp_path: Path, error: str
+@pytest.mark.parametrize("what", ["policy", "eviction-policy"])
+async def test_a_listed_plugin_whose_constructor_raises_is_a_400_and_what_runs_stays(
+    tmp_path: Path, what: str, error: str
 ) -> None:
+    """Policies and eviction rules alike: the error names the plug-in and its own words, and
+    the running policy or rule goes on."""
     file = tmp_path / "broken.py"
-    file.write_text(BROKEN.format(error=error))
-    eng = engine(policy="fcfs", allowed_policies=[f"{file}:Broken"])
+    file.write_text(BROKEN[what].format(error=error))
+    listed = f"{file}:Broken"
+    lists = "allowed_policies" if what == "policy" else "allowed_eviction_policies"
+    eng = engine(policy="fcfs", eviction_policy="lfu", **{lists: [listed]})
     await eng.start()
     running = await start_server(eng.config, engine=eng, admin_token=ADMIN)
+    swap = eng.set_policy if what == "policy" else eng.set_eviction_policy
+    before = {key: eng.stats()[key] for key in ("policy", "eviction_policy")}
     try:
         async with aiohttp.ClientSession() as session:
-            status, out = await post(
-                session, running, "/admin/policy", {"policy": "broken"}, headers=auth(ADMIN)
-            )
-        assert status == 400, out
-        message = out["error"]["message"]
-        assert f"{file}:Broken" in message and "(class Broken)" in message
-        assert error in message and "no tables to read" in message
-        assert out["error"]["code"] == "invalid_policy"
+            for name in (listed, "broken" if what == "policy" else "Broken"):
+                status, out = await post(
+                    session, running, f"/admin/{what}", {"policy": name}, headers=auth(ADMIN)
+                )
+                assert status == 400, out
+                message = out["error"]["message"]
+                assert listed in message and "(class Broken)" in message
+                assert error in message and "no tables to read" in message
+                assert out["error"]["code"] == f"invalid_{what.replace('-', '_')}"
         with pytest.raises(ConfigError, match=f"class Broken.*{error}"):
-            eng.set_policy(f"{file}:Broken")
-        assert eng.config.policy == "fcfs"
+            swap(listed)
+        assert (eng.config.policy, eng.config.eviction_policy) == ("fcfs", "lfu")
         await eng.generate("hello", SamplingParams(max_new_tokens=2, temperature=0))
-        assert eng.stats()["policy"] == "fcfs"  # the running policy stays in place
+        # the running policy and rule stay in place
+        assert {key: eng.stats()[key] for key in before} == before
     finally:
         await running.stop()
 
