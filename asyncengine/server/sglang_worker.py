@@ -89,12 +89,21 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+def live_pages(stats: dict[str, Any]) -> int:
+    """The pages live requests hold, their cached prefixes included: a request's load whether
+    its prompt was cached or computed, so that it tells no one what another client cached
+    (``pages_used`` leaves the cached prefix out; pinned pages count as held)."""
+    held = ("pages_total", "pages_free", "pages_tail", "pages_evictable")
+    total, free, tail, evictable = (int(stats.get(key, 0)) for key in held)
+    return total - free - tail - evictable
+
+
 async def get_load(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     stats = engine.stats()
     waiting = int(stats.get("waiting", 0))
     running = int(stats.get("running", 0)) + int(stats.get("prefilling", 0))
-    tokens = int(stats.get("pages_used", 0)) * engine.config.page_size
+    tokens = live_pages(stats) * engine.config.page_size
     load = {"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}
     body = msgspec.json.encode([{**load, "num_tokens": tokens}])  # one entry per data-parallel rank
     return web.Response(body=body, content_type="application/json")

@@ -6,8 +6,9 @@
   the key, not the request's ``user``, is its tenant.
 - ``report_cached_tokens = False``: responses omit ``cached_tokens``.
 - With an API key, ``/metrics`` without it leaves out the series that answer "was this prompt
-  cached?" (hit/miss and computed-token counters, cached-page gauges) and the tenant-labelled
-  ones (other clients' ``user`` strings); with the key the scrape is whole. Under
+  cached?" or "how much does the cache hold?" (hit/miss and computed-token counters, every
+  page gauge but the pool's size, evictions) and the tenant-labelled ones (other clients'
+  ``user`` strings); with the key the scrape is whole. Under
   ``cache_isolation = "api-key"`` only the admin token gets the whole scrape, and only it may
   flush the prefix cache (one key must learn nothing of, or empty, the others' caches); the
   engine figures of ``/server_info`` are then those of the open scrape.
@@ -34,7 +35,11 @@ API_KEY_DIGEST: Any = (
     else "asyncengine_api_key_digest"
 )
 
-# /metrics families (by a part of the name) that tell whether some prompt was cached
+# /metrics families (by a part of the name) that tell whether some prompt was cached, or how
+# much of the pool the cache holds: free and used pages give the cached ones (total - free -
+# used), evictions and pinned pages happen only to cached pages, the swap seconds count the
+# host tier's copies, and an admission held for a shared prefix in flight tells of two prompts
+# alike. The pool's size (kv_pages_total) is all that stays open.
 _CACHE_REVEALING = (
     "cache_hit",
     "cache_miss",
@@ -42,6 +47,12 @@ _CACHE_REVEALING = (
     "kv_pages_cached",
     "kv_pages_evictable",
     "kv_pages_tail",
+    "kv_pages_free",
+    "kv_pages_used",
+    "kv_pages_pinned",
+    "eviction_",
+    "swap_seconds",
+    "admission_blocked",
     "shared_tokens",
     "host_tier",
 )
