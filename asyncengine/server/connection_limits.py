@@ -2,9 +2,14 @@
 and how long a response may wait for its client to read it.
 
 - More than ``max_open_connections`` TCP connections open at once (idle, half-sent or busy):
-  the next is answered 503 and closed before its request is read, so that connections which
-  send a few bytes and stop cannot use up the process's file descriptors (past them ``accept``
-  fails for everyone, probes included).
+  the next is answered 503 and closed without being served, so that connections which send a
+  few bytes and stop cannot use up the process's file descriptors (past them ``accept`` fails
+  for everyone, probes included). A liveness probe must still answer there (an orchestrator
+  restarts a server that fails it): ``PROBE_SLOTS`` connections past the cap are each given
+  ``PROBE_SECONDS`` to send a whole ``GET /health`` head, and that one request is served (the
+  app's own handler, middlewares and all) before the connection closes; any other first bytes,
+  a longer head or a slower one get the 503. When the slots are full a new connection takes
+  the place of the oldest still sending its head, so that idle connections cannot hold them.
 - More than ``max_requests`` requests in the server at once (streams included, until their
   last byte is sent): the next is answered 503 at once and its connection closed. Probes
   (GET /health and GET /metrics) get ``PROBE_REQUESTS`` more, so a flood of stalled clients
@@ -167,10 +172,30 @@ REFUSAL = (
 )
 
 
+# the connections past the cap that may each send one GET /health (a few probers at once)
+PROBE_SLOTS = 4
+# how long such a connection has to send its head, and then to be answered, before it closes
+PROBE_SECONDS = 1.0
+PROBE_HEAD = b"GET /health HTTP/1."
+PROBE_HEAD_BYTES = 8192  # aiohttp's own bound on a request head
+
+
+def _probe_head_state(head: bytes) -> bool | None:
+    """Whether ``head`` (the bytes a connection past the cap sent so far) is one whole GET
+    /health head and nothing more (True), can still become one (None), or cannot (False)."""
+    if not head.startswith(PROBE_HEAD[: len(head)]) or len(head) > PROBE_HEAD_BYTES:
+        return False
+    end = head.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    return end + 4 == len(head)  # no body, no second request after it
+
+
 class OpenConnections:
     """The listening socket's protocol factory: each connection gets a protocol of ``factory``
     (aiohttp's ``runner.server``) while fewer than ``limit`` are open; past it the connection
-    is answered ``REFUSAL`` and closed, and ``on_refused`` called."""
+    may take a probe slot (one GET /health), else it is answered ``REFUSAL`` and closed, and
+    ``on_refused`` called."""
 
     def __init__(
         self,
@@ -185,54 +210,126 @@ class OpenConnections:
         self.on_refused = on_refused
         self.open = 0
         self.refused = 0
+        # the connections past the cap in a probe slot, oldest first
+        self.probes: list[_CappedConnection] = []
 
     def __call__(self) -> asyncio.Protocol:
         return _CappedConnection(self)
 
-    def admit(self, transport: asyncio.BaseTransport) -> asyncio.Protocol | None:
-        """The protocol that serves ``transport``, or None when it was refused (and closed)."""
-        if self.open >= self.limit:
-            if self.refused == 0:
-                log.warning(
-                    "%d connections are open (max_open_connections): further ones are "
-                    "answered 503 and closed until some close",
-                    self.open,
-                )
-            self.refused += 1
-            self.on_refused()
-            # uvloop's transports are not asyncio.Transport subclasses, hence a cast
-            writer = cast(asyncio.Transport, transport)
-            writer.write(REFUSAL)
-            writer.close()  # sends what was written, then closes
-            return None
-        self.open += 1
-        return self.factory()
+    def admit(
+        self, connection: _CappedConnection, transport: asyncio.BaseTransport
+    ) -> asyncio.Protocol | None:
+        """The protocol that serves ``connection``; None when it takes a probe slot (it is
+        served once its head shows a probe) or is refused (and closed)."""
+        if self.open < self.limit:
+            self.open += 1
+            return self.factory()
+        if len(self.probes) >= PROBE_SLOTS:
+            unsent = [probe for probe in self.probes if probe.head is not None]
+            if not unsent:
+                self.refuse(transport)
+                return None
+            unsent[0].give_up()  # the oldest that has not sent its head gives way
+        self.probes.append(connection)
+        connection.probe()
+        return None
+
+    def refuse(self, transport: asyncio.BaseTransport) -> None:
+        """Answer ``REFUSAL`` and close."""
+        if self.refused == 0:
+            log.warning(
+                "%d connections are open (max_open_connections): further ones are "
+                "answered 503 and closed until some close (a GET /health excepted)",
+                self.open,
+            )
+        self.refused += 1
+        self.on_refused()
+        # uvloop's transports are not asyncio.Transport subclasses, hence a cast
+        writer = cast(asyncio.Transport, transport)
+        writer.write(REFUSAL)
+        writer.close()  # sends what was written, then closes
 
 
 class _CappedConnection(asyncio.Protocol):
     """Counts one connection in its ``OpenConnections`` and hands every event to the protocol
-    that serves it (none when refused). Counted from ``connection_made`` on: a factory call
-    whose connection never opens holds nothing."""
+    that serves it (none when refused, nor while it is a probe slot's and sending its head).
+    Counted from ``connection_made`` on: a factory call whose connection never opens holds
+    nothing."""
 
-    __slots__ = ("_cap", "_inner")
+    __slots__ = ("_cap", "_counted", "_inner", "_timer", "head", "transport")
 
     def __init__(self, cap: OpenConnections) -> None:
         self._cap = cap
         self._inner: asyncio.Protocol | None = None
+        self._counted = False  # in the cap's open connections (not a probe slot's)
+        self._timer: asyncio.TimerHandle | None = None
+        self.head: bytearray | None = None  # a probe slot's bytes until its head is whole
+        self.transport: asyncio.BaseTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner = self._cap.admit(transport)
+        self.transport = transport
+        self._inner = self._cap.admit(self, transport)
+        self._counted = self._inner is not None
         if self._inner is not None:
             self._inner.connection_made(transport)
 
+    def probe(self) -> None:
+        """Take a probe slot: wait ``PROBE_SECONDS`` for a GET /health head."""
+        self.head = bytearray()
+        self._timer = asyncio.get_running_loop().call_later(PROBE_SECONDS, self.give_up)
+
+    def give_up(self) -> None:
+        """End a probe slot: a 503 when its head has not come, else close once answered."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._leave_slot()
+        assert self.transport is not None
+        if self.head is not None:
+            self.head = None
+            self._cap.refuse(self.transport)
+        else:
+            self.transport.close()  # sends the answer written so far, then closes
+
+    def _leave_slot(self) -> None:
+        if self in self._cap.probes:
+            self._cap.probes.remove(self)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._inner is not None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._leave_slot()
+        if self._counted:
             self._cap.open -= 1
+        if self._inner is not None:
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._inner is not None:
+        if self.head is not None:
+            self._probe_data(data)
+        elif self._counted:
+            assert self._inner is not None
             self._inner.data_received(data)
+        elif self._inner is not None:  # a probe slot's second request: it is not served
+            self.give_up()
+
+    def _probe_data(self, data: bytes) -> None:
+        assert self.head is not None and self.transport is not None
+        self.head += data
+        whole = _probe_head_state(bytes(self.head))
+        if whole is None:
+            return
+        if not whole:
+            self.give_up()
+            return
+        head, self.head = bytes(self.head), None
+        assert self._timer is not None
+        self._timer.cancel()  # served now, and closed PROBE_SECONDS later at the latest
+        self._timer = asyncio.get_running_loop().call_later(PROBE_SECONDS, self.give_up)
+        self._inner = self._cap.factory()
+        self._inner.connection_made(self.transport)
+        self._inner.data_received(head)
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._inner is not None else None

@@ -172,7 +172,7 @@ class ServerMetrics:
         )
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
-            "Connections answered 503 and closed unread: max_open_connections were open",
+            "Connections answered 503 and closed unserved: max_open_connections were open",
             registry=r,
         )
         if engine is not None:

@@ -183,7 +183,7 @@ def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help="TCP connections open at once, idle ones included; more are answered 503 and "
-        "closed unread (default: the open-files limit less 256, at most "
+        "closed, a few GET /health probes excepted (default: the open-files limit less 256, at most "
         f"{MAX_DEFAULT_OPEN_CONNECTIONS})",
     )
     group.add_argument(
@@ -242,7 +242,7 @@ async def start_http(
     """Listen on ``host:port`` (0: an ephemeral port); return the runner and the bound port.
 
     ``max_open_connections`` (None: ``default_max_open_connections()``): connections past it
-    are answered 503 and closed unread (server/connection_limits.py).
+    are answered 503 and closed, a few GET /health probes excepted (server/connection_limits.py).
 
     ``shutdown_grace`` is ``drain``'s: aiohttp's own shutdown timeout (after which it cancels
     the handlers still running) comes ``ABORT_FLUSH_SECONDS`` later, so that the two never fire

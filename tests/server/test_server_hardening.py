@@ -525,8 +525,9 @@ async def test_connections_past_the_open_connection_cap_are_refused_unread(
     http: aiohttp.ClientSession, server: RunningServer
 ) -> None:
     """Connections that send a few bytes and stop fill max_open_connections (they never reach
-    a handler, so max_connections does not see them): the next connection, a probe's too, is
-    answered 503 and closed, and counted; once one of them closes, a fresh one is served."""
+    a handler, so max_connections does not see them): the next connection is answered 503 and
+    closed, and counted (a GET /health excepted: test_probe_past_open_cap.py); once one of them
+    closes, a fresh one is served."""
     from asyncengine.server.serve import start_http
 
     app = create_app(server.engine)
@@ -537,7 +538,7 @@ async def test_connections_past_the_open_connection_cap_are_refused_unread(
     socks = [_half_sent_head(port) for _ in range(3)]
     try:
         assert await wait_until(lambda: len(held.connections) == 3, timeout=30)
-        for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions")):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
             status, answer = await _status(http, method, base + path, json=CHAT)
             assert status == 503 and answer["error"]["code"] == "too_many_open_connections"
         refused = app[STATE].metrics.counter_value("asyncengine_connections_refused_total")
