@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,10 @@ from typing import Any, TypeVar
 from asyncengine.common.plugin_spec import file_part
 
 T = TypeVar("T")
+
+# the largest integer a JSON number (a double) holds exactly: an option's integers stay within
+# it, so that a rule or policy mixing them with floats never meets one too large to convert
+MAX_OPTION_INTEGER = 2**53
 
 
 def load_file(path: str) -> ModuleType:
@@ -87,7 +92,16 @@ def build_plugin(
     """``cls(**options)``; any exception from a plug-in's constructor comes back as a
     ValueError that names the ``kind`` and ``name`` (a built-in's own messages name it and the
     option already, and anything else a built-in raises is a bug of ours, left to propagate):
-    a live swap answers it as a bad request and keeps what runs."""
+    a live swap answers it as a bad request and keeps what runs. A NaN, an infinity or an
+    integer past ``MAX_OPTION_INTEGER`` anywhere in ``options`` is a ValueError before any
+    constructor runs: the step that first used one would fail instead."""
+    for key, value in options.items():
+        bad = _unsafe_number(value)
+        if bad is not None:
+            raise ValueError(
+                f"{kind} {name!r}: option {key!r} must hold finite numbers, integers of "
+                f"magnitude at most 2**53; got {bad}"
+            )
     try:
         return cls(**options)
     except Exception as exc:
@@ -98,3 +112,22 @@ def build_plugin(
             f"{kind} {name!r} (class {cls.__name__}) failed to build with {given}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _unsafe_number(value: object) -> str | None:
+    """What in ``value`` (an option: a number, or lists and tables of them) is not a finite
+    number within ``MAX_OPTION_INTEGER``, in words; None when nothing is."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return (
+            None if abs(value) <= MAX_OPTION_INTEGER else f"an integer of {value.bit_length()} bits"
+        )
+    if isinstance(value, float):
+        return None if math.isfinite(value) else repr(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        bad = _unsafe_number(item)
+        if bad is not None:
+            return bad
+    return None
