@@ -261,6 +261,11 @@ def fuzz(
     from hypothesis.errors import Unsatisfiable
     from schemathesis.generation import GenerationMode
 
+    from asyncengine.server.admin import ADMIN_PATHS, ADMIN_PREFIX
+    from asyncengine.server.sglang_worker import FLUSH_PATH
+
+    # the routes the admin token opens (the server has one): fuzzed past their 401
+    admin_only = ADMIN_PATHS | {FLUSH_PATH}
     document = requests.get(f"{base_url}/openapi.json", timeout=30).json()
     schema = schemathesis.openapi.from_dict(document)
     report = report if report is not None else FuzzReport()
@@ -274,7 +279,7 @@ def fuzz(
             figures = report.operations.setdefault(name, OperationFigures())
             headers = (
                 {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-                if operation.path.startswith("/admin")
+                if operation.path.startswith(ADMIN_PREFIX) or operation.path in admin_only
                 else None
             )
             strategy = operation.as_strategy(generation_mode=GenerationMode(mode))

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from asyncengine.server.admin import PolicyChange
+from asyncengine.server.admin import EvictionChange, PinBody, PolicyChange, UnpinBody
 from asyncengine.server.anthropic_schema import CountTokensRequest, MessagesRequest
 from asyncengine.server.embeddings import EmbeddingRequest
 from asyncengine.server.lora_routes import LoadLoraRequest, UnloadLoraRequest
@@ -33,6 +33,9 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/generate": GenerateRequest,
     "/admin/policy": PolicyChange,
+    "/admin/eviction-policy": EvictionChange,
+    "/v1/cache/pin": PinBody,
+    "/v1/cache/unpin": UnpinBody,
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest,

@@ -53,6 +53,24 @@ async def test_the_document_lists_every_route_with_its_body(server: RunningServe
     assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
 
 
+# the POST routes that read no body
+BODILESS = frozenset({"/flush_cache"})
+
+
+def test_every_post_route_that_reads_a_body_documents_it() -> None:
+    """The admin routes too (the fuzzer generates bodies only from the document)."""
+    from asyncengine.server.app import create_app
+    from tests.api.test_engine_loop import fake_engine
+
+    app = create_app(fake_engine(), api_key="k", admin_token="adm")
+    posts = {
+        route.resource.canonical
+        for route in app.router.routes()
+        if route.method == "POST" and route.resource is not None
+    }
+    assert posts - BODILESS == set(REQUEST_BODIES)
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_the_document_is_open_while_the_api_needs_the_key(server: RunningServer) -> None:
     """As vLLM serves it: the document holds no data, and clients read it before any key."""
