@@ -180,12 +180,17 @@ PROBE_HEAD = b"GET /health HTTP/1."
 PROBE_HEAD_BYTES = 8192  # aiohttp's own bound on a request head
 
 
-def _probe_head_state(head: bytes) -> bool | None:
-    """Whether ``head`` (the bytes a connection past the cap sent so far) is one whole GET
-    /health head and nothing more (True), can still become one (None), or cannot (False)."""
-    if not head.startswith(PROBE_HEAD[: len(head)]) or len(head) > PROBE_HEAD_BYTES:
+def _probe_head_state(head: bytearray, new: int) -> bool | None:
+    """Whether ``head`` (the bytes a connection past the cap sent so far, the last ``new`` of
+    them just come) is one whole GET /health head and nothing more (True), can still become
+    one (None), or cannot (False). Only the new bytes are searched: a head sent a byte at a
+    time costs its length, not its square."""
+    if len(head) > PROBE_HEAD_BYTES:
         return False
-    end = head.find(b"\r\n\r\n")
+    checked = len(head) - new  # the bytes before were a start of a probe's head
+    if checked < len(PROBE_HEAD) and not PROBE_HEAD.startswith(head[: len(PROBE_HEAD)]):
+        return False
+    end = head.find(b"\r\n\r\n", max(0, len(head) - new - 3))
     if end < 0:
         return None
     return end + 4 == len(head)  # no body, no second request after it
@@ -317,7 +322,7 @@ class _CappedConnection(asyncio.Protocol):
     def _probe_data(self, data: bytes) -> None:
         assert self.head is not None and self.transport is not None
         self.head += data
-        whole = _probe_head_state(bytes(self.head))
+        whole = _probe_head_state(self.head, len(data))
         if whole is None:
             return
         if not whole:

@@ -97,6 +97,19 @@ async def test_health_is_served_past_the_cap_and_nothing_else_is(capped: Capped)
     assert await wait_until(lambda: capped.open_sockets == CAP)
 
 
+async def test_a_probe_head_sent_a_byte_at_a_time_is_served(capped: Capped) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", capped.port)
+    try:
+        for byte in HEALTH:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0)
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert _status(answer) == 200, answer
+    finally:
+        writer.close()
+
+
 async def test_a_probe_slot_is_closed_after_its_one_answer(capped: Capped) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", capped.port)
     try:
