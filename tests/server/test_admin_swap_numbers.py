@@ -22,7 +22,7 @@ HUGE = 10**400  # decodes from JSON as a Python int
 @pytest.mark.parametrize(
     ("path", "change"),
     [
-        ("/admin/eviction-policy", {"policy": "lfu", "options": {"weight": HUGE}}),
+        ("/admin/eviction-policy", {"policy": "arc", "options": {"bonus": HUGE}}),
         ("/admin/eviction-policy", {"policy": "arc", "options": {"ghost_pages": -HUGE}}),
         ("/admin/policy", {"policy": "lpm", "options": {"aging": HUGE}}),
         ("/admin/policy", {"policy": "lpm+token-budget", "options": {"lpm": {"aging": HUGE}}}),
@@ -50,14 +50,15 @@ async def test_an_integer_too_large_for_a_float_is_a_400_and_what_runs_stays(
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), [1.0, float("nan")]])
 def test_nan_and_infinities_in_options_are_config_errors(value: object) -> None:
-    with pytest.raises(ConfigError, match="'weight' must hold finite numbers"):
-        build_eviction_rule("lfu", {"weight": value})
+    with pytest.raises(ConfigError, match="'bonus' must hold finite numbers"):
+        build_eviction_rule("arc", {"bonus": value})
     with pytest.raises(ConfigError, match="'aging' must hold finite numbers"):
         make_policies(EngineConfig(policy="lpm", policy_options={"aging": value}))
 
 
 def test_numbers_a_double_holds_exactly_are_taken() -> None:
-    assert build_eviction_rule("lfu", {"weight": 2**53}).weight == 2**53  # type: ignore[attr-defined]
+    exact = build_eviction_rule("arc", {"bonus": 2**53, "max_bonus": 2**53})
+    assert exact.bonus == 2**53  # type: ignore[attr-defined]
     make_policies(
         EngineConfig(policy="lpm", policy_options={"aging": 2.5, "max_wait_tokens": 2**53})
     )
