@@ -30,8 +30,8 @@ class CharTokenizer:
 
     eos_token_ids = [EOS]
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 998 + 1 for c in text]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 998 + 1 for c in text]  # no special tokens to add
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
