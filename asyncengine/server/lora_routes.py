@@ -48,7 +48,13 @@ class ServesLoras(Protocol):
 def _engine(request: web.Request) -> ServesLoras:
     engine = request.app[STATE].engine
     if not isinstance(engine, ServesLoras):
-        raise ApiError(501, "this server's engine does not load LoRA adapters", code="unsupported")
+        raise ApiError(
+            501,
+            "this server's engines (replicas) do not load or unload LoRA adapters live: "
+            "give them at start-up (--lora NAME=PATH), which every replica serves",
+            type="not_implemented",
+            code="unsupported",
+        )
     return engine
 
 

@@ -129,13 +129,17 @@ async def test_the_model_field_names_an_adapter_of_the_replicas(
             ):  # fmt: skip
                 async with session.post(url + route, json=body) as resp:
                     assert resp.status == 400, await resp.text()  # the test replica refuses
-            load = {"lora_name": "other", "lora_path": str(tmp_path)}
-            async with session.post(
-                f"{url}/v1/load_lora_adapter",
-                json=load,
-                headers={"Authorization": "Bearer admin"},
-            ) as resp:
-                assert resp.status == 501, await resp.text()
+            for path, body in (
+                ("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(tmp_path)}),
+                ("/v1/unload_lora_adapter", {"lora_name": "mine"}),
+            ):  # as the other live changes the replicas refuse: a 501 that names the way
+                async with session.post(
+                    url + path, json=body, headers={"Authorization": "Bearer admin"}
+                ) as resp:
+                    assert resp.status == 501, await resp.text()
+                    error = (await resp.json())["error"]
+                assert error["type"] == "not_implemented"
+                assert "--lora" in error["message"]
     finally:
         await runner.cleanup()
         await engine.stop()
