@@ -57,6 +57,11 @@ class AsyncEngineRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Ray Serve sleeps between rounds that found no replica only when this is set
+            # (its locality rounds set it); unset, it asks again at once without yielding its
+            # event loop, which then never routes, completes or updates anything again
+            pending_request.routing_context.should_backoff = True
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("replica")
         if target is not None:  # none while that replica is gone: the caller times out
