@@ -33,6 +33,9 @@ from asyncengine.server.ray_serve.replica import (
 log = logging.getLogger("asyncengine.server.ray")
 
 CONTROL_CALL_TIMEOUT_SECONDS = 30.0
+# how often a call for one replica (flush, abort) checks that the router still lists it: Ray
+# Serve holds a call for a replica that died until the call is cancelled
+REPLICA_GONE_POLL_SECONDS = 0.25
 # at stop: how long the requests the replicas aborted get to deliver their final deltas before
 # the calls still open are cancelled (a cancelled call ends as a failure, not an abort)
 ABORT_DELIVERY_SECONDS = 5.0
@@ -75,6 +78,10 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     except Exception:  # the replica reports what is wrong
         return []
     return []
+
+
+class ReplicaGoneError(Exception):
+    """The replica a call was for left the deployment (it died) before it answered."""
 
 
 class RemoteStream:
@@ -174,17 +181,43 @@ class RemoteEngine:
 
     async def _abort_on_replicas(self, request_ids: list[str]) -> None:
         """Ask every replica to abort those of ``request_ids`` it holds."""
-        router = self.router()
-        replicas = router.replica_ids() if router is not None else []
         await asyncio.gather(
             *(
-                asyncio.wait_for(
-                    self._handle.abort.remote(request_ids, replica=r), ABORT_DELIVERY_SECONDS
-                )
-                for r in replicas
+                self._on_replica(r, ABORT_DELIVERY_SECONDS, "abort", request_ids)
+                for r in self._replica_ids()
             ),
             return_exceptions=True,  # a replica gone or slow: its calls are cancelled below
         )
+
+    def _replica_ids(self) -> list[str]:
+        router = self.router()
+        return router.replica_ids() if router is not None else []
+
+    async def _on_replica(
+        self, replica: str, timeout: float, method: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``method`` on ``replica`` alone: its answer, ReplicaGoneError once the router no
+        longer lists the replica, TimeoutError after ``timeout`` seconds. A call left without
+        an answer is cancelled in Ray Serve, which would otherwise keep it queued for a replica
+        that is gone."""
+        call = getattr(self._handle, method).remote(*args, replica=replica, **kwargs)
+        answer = asyncio.ensure_future(call)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"no answer in {timeout:.0f}s")
+                done, _ = await asyncio.wait({answer}, timeout=min(left, REPLICA_GONE_POLL_SECONDS))
+                if done:
+                    return answer.result()
+                if replica not in self._replica_ids():
+                    raise ReplicaGoneError(f"replica {replica} left the deployment")
+        finally:
+            if not answer.done():
+                answer.cancel()
+                call.cancel()
 
     @property
     def is_running(self) -> bool:
@@ -308,19 +341,21 @@ class RemoteEngine:
         """Empty every replica's prefix cache and the router's tree (EngineError while busy);
         ``reset_counters``: the replicas' counters too, as one engine's."""
         router = self.router()
-        replicas = router.replica_ids() if router is not None else []
+        replicas = self._replica_ids()
         results = await asyncio.gather(
             *(
-                asyncio.wait_for(
-                    self._handle.flush_cache.remote(replica=r, reset_counters=reset_counters),
-                    CONTROL_CALL_TIMEOUT_SECONDS,
+                self._on_replica(
+                    r, CONTROL_CALL_TIMEOUT_SECONDS, "flush_cache", reset_counters=reset_counters
                 )
                 for r in replicas
             ),
             return_exceptions=True,
         )
+        # a replica that died has nothing left to flush: its replacement starts empty
         failed = [
-            (r, e) for r, e in zip(replicas, results, strict=True) if isinstance(e, BaseException)
+            (r, e)
+            for r, e in zip(replicas, results, strict=True)
+            if isinstance(e, BaseException) and not isinstance(e, ReplicaGoneError)
         ]
         if router is not None:
             router.reset_tree()
