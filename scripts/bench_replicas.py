@@ -93,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     args = parser.parse_args(argv)
+    unknown = set(args.setups or []) - {label for label, _ in SETUPS}
+    if unknown:  # before the output folder is made: a mistake leaves nothing behind
+        raise ValueError(f"unknown setups {sorted(unknown)}: choose from {[s for s, _ in SETUPS]}")
     args.out.mkdir(parents=True, exist_ok=True)
     bench = [
         "--launch", "--workload", "shared_prefix",
@@ -104,9 +107,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         *(["--model", args.model] if args.model else []),
     ]  # fmt: skip
     setups = [(label, setup) for label, setup in SETUPS if label in (args.setups or [label])]
-    unknown = set(args.setups or []) - {label for label, _ in SETUPS}
-    if unknown:
-        raise SystemExit(f"unknown setups {sorted(unknown)}: choose from {[s for s, _ in SETUPS]}")
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in setups}
     loads: list[float] = []
     for repeat in range(args.repeats):

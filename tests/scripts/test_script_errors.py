@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
             ["--workload", "shared_prefix", "--workload-arg", "num_requests=9", "--out", "{out}"],
             "takes no argument 'num_requests'; its arguments: num_groups, questions_per_group",
         ),
+        ("bench_replicas.py", ["--setups", "nope", "--out", "{out}"], "unknown setups ['nope']"),
     ],
 )
 def test_a_bad_value_is_one_line(script: str, args: list[str], says: str, tmp_path: Path) -> None:
