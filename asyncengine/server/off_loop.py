@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.api.intake import Prompt
+from asyncengine.text.tokenizer import in_vocabulary
 
 T = TypeVar("T")
 
@@ -74,5 +75,7 @@ def tokenize_now(
     """``engine.tokenize(prompt)``; ``add_special_tokens`` (vLLM's): a text prompt gets the
     special tokens its tokenizer adds around a text (a BOS, say), as the chat template's do."""
     if add_special_tokens and isinstance(prompt, str) and prompt:
-        prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+        encoded = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+        # checked as the tokenizer's ids: an id past the model's rows is the tokenizer's doing
+        prompt = in_vocabulary(encoded, engine.intake.vocab_size, encoded=True)
     return engine.tokenize(prompt)
