@@ -179,6 +179,18 @@ def test_missing_files_are_refused(config: ModelConfig, tmp_path: Path) -> None:
         load_peft_adapter("a", tmp_path, config, 64)
 
 
+def test_a_gguf_lora_file_is_refused_as_one(config: ModelConfig, tmp_path: Path) -> None:
+    """llama.cpp's LoRA format: the refusal says so, not merely that a file is no directory."""
+    gguf = tmp_path / "lora.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(LoraLoadError, match="is a GGUF file: llama.cpp's GGUF LoRA files are not"):
+        load_peft_adapter("a", gguf, config, 64)
+    other = tmp_path / "notes.txt"
+    other.write_text("not an adapter")
+    with pytest.raises(LoraLoadError, match="is not a directory"):
+        load_peft_adapter("a", other, config, 64)
+
+
 def test_held_adapters_stay_in_memory_past_max_loaded(config: ModelConfig, tmp_path: Path) -> None:
     """An adapter a request in flight holds is never dropped (its step reads no file); one
     dropped is read back off the step (``read``, ``install``) and held from then on."""

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from asyncengine.executor.layers.model_config import ModelConfig
+from asyncengine.executor.loader.gguf_file import MAGIC as GGUF_MAGIC
 from asyncengine.kernels.cpu import lora_native
 from asyncengine.kernels.cpu.decode_step_lora import PreparedLora
 
@@ -119,6 +120,15 @@ def _pattern_value(patterns: dict[str, float], module: str, default: float) -> f
     return default
 
 
+def _is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as GGUF files do."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def _read_config(directory: Path) -> dict[str, object]:
     path = directory / CONFIG_FILE
     try:
@@ -207,6 +217,11 @@ def load_peft_adapter(
     """The adapter at ``path`` for a base model of ``config``; LoraLoadError says why not."""
     directory = Path(path)
     if not directory.is_dir():
+        if _is_gguf(directory):
+            raise LoraLoadError(
+                f"LoRA adapter path {str(path)!r} is a GGUF file: llama.cpp's GGUF LoRA files "
+                f"are not served; pass a PEFT adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})"
+            )
         raise LoraLoadError(f"LoRA adapter path {str(path)!r} is not a directory")
     adapter_config = _read_config(directory)
     weights_path = directory / WEIGHTS_FILE
