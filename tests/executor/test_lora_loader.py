@@ -179,6 +179,17 @@ def test_missing_files_are_refused(config: ModelConfig, tmp_path: Path) -> None:
         load_peft_adapter("a", tmp_path, config, 64)
 
 
+def test_an_adapter_of_another_shape_says_both_shapes(config: ModelConfig, tmp_path: Path) -> None:
+    inter, hidden = config.intermediate_size, config.hidden_size
+    tensors = pair("mlp.gate_proj", 2, inter + 1, hidden)
+    message = (
+        f"mlp.gate_proj: the adapter's shape is {inter + 1} x {hidden} \\(out x in\\), "
+        f"the base model's is {inter} x {hidden}: made for another base model"
+    )
+    with pytest.raises(LoraLoadError, match=message):
+        load_peft_adapter("a", write(tmp_path / "a", tensors), config, 64)
+
+
 def test_a_gguf_lora_file_is_refused_as_one(config: ModelConfig, tmp_path: Path) -> None:
     """llama.cpp's LoRA format: the refusal says so, not merely that a file is no directory."""
     gguf = tmp_path / "lora.gguf"

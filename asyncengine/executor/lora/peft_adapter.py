@@ -284,8 +284,8 @@ def load_peft_adapter(
             )
         if a.shape[1] != inp or b.shape[0] != out:
             raise LoraLoadError(
-                f"{module}: the adapter's shape is {tuple(b.shape[:1])} x {tuple(a.shape[1:])} "
-                f"(out x in), the base model's is ({out},) x ({inp},): "
+                f"{module}: the adapter's shape is {b.shape[0]} x {a.shape[1]} (out x in), the "
+                f"base model's is {out} x {inp}: "
                 "made for another base model"
             )
         module_alpha = _pattern_value(alpha_pattern, module, alpha)
