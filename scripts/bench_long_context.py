@@ -28,14 +28,18 @@ llama.cpp: ``llama-bench -m GGUF -p N -n DECODE -d N -ctk T -ctv T -fa 1 -t THRE
 json`` per context (``--llamacpp-repeats`` R, 1), for T in ``--llamacpp-kv`` (f16, q8_0;
 quantized V needs flash attention), when its build is found (scripts/setup_llamacpp.sh;
 ``LLAMACPP_VENV``); rerun with ``--repack 0`` where its repacked weights crash its prompt
-processing. Its GGUF is the one ours runs (the embedded Q4_1 file). With ``--llamacpp-batch``
-also ``llama-batched-bench -npp 4096 -ntg N -npl 16`` (off by default: its 65k prompt tokens
-take ~7 minutes a K/V type on 2 cores).
+processing. Its GGUF is the one ours runs: ``--model``, a .gguf file or a known model name
+(default the embedded Q4_1 file; a real shape from scripts/make_real_models.py). A context that
+does not fit the model's with its decode is refused before anything loads. With
+``--llamacpp-batch`` also ``llama-batched-bench -npp 4096 -ntg N -npl 16`` (off by default: its
+65k prompt tokens take ~7 minutes a K/V type on 2 cores).
 
 The defaults take ~15 minutes on a quiet 2-core AVX-512 machine:
 
     python scripts/bench_long_context.py --json bench_results/long_context.json
     python scripts/bench_long_context.py --contexts 1024 --decode 16 --batch 0 --kv float32,int8
+    python scripts/bench_long_context.py --model ~/.cache/asyncengine/models/llama-3.2-1b/\
+llama-3.2-1b-Q4_K_M.gguf --contexts 16384 --batch 0 --kv bfloat16-int8 --llamacpp-kv ''
 """
 
 from __future__ import annotations
@@ -69,11 +73,13 @@ from asyncengine.common.plan import BatchPlan, Segment  # noqa: E402
 from asyncengine.executor.kv_pool import KVPool  # noqa: E402
 from asyncengine.executor.layers.model_config import ModelConfig  # noqa: E402
 from asyncengine.executor.loader import read_gguf  # noqa: E402
-from asyncengine.executor.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, metadata_dir  # noqa: E402
+from asyncengine.executor.loader.default_model import DEFAULT_MODEL, gguf_file, metadata_dir  # noqa: E402
 from asyncengine.executor.runner import ModelRunner  # noqa: E402
 from asyncengine.kernels.quant_formats import GGUF_FORMATS  # noqa: E402
+from asyncengine.script_main import run_main  # noqa: E402
 
 PAGE_SIZE = 16
+WARM_UP_TOKENS = 64  # prefilled, then 2 decoded, before any timing
 # --kv entry -> (the model's dtype, the pool's)
 KV_RUNS = {
     "bfloat16": (torch.bfloat16, torch.bfloat16),
@@ -96,17 +102,48 @@ class Row:
     bound_fraction: float | None = None  # decodes: tok/s over the bandwidth bound's
 
 
+@dataclass(frozen=True, slots=True)
+class Model:
+    """The GGUF timed (ours and llama.cpp alike) and its config."""
+
+    gguf: Path
+    config: ModelConfig
+
+
+def load_model(name_or_path: str) -> Model | None:
+    """``--model``: a .gguf file or a known model name; None for anything else."""
+    found = gguf_file(name_or_path)
+    if found is None:
+        return None
+    gguf, cache_name = found
+    meta = metadata_dir(gguf, cache_name)
+    return Model(gguf, ModelConfig.from_hf_dict(json.loads((meta / "config.json").read_text())))
+
+
+def context_errors(args: argparse.Namespace, limit: int) -> list[str]:
+    """What in ``args`` asks for more positions than the model's context ``limit`` has."""
+    errors = [
+        f"--contexts {n} with --decode {args.decode} reaches {n + args.decode + 1} tokens"
+        for n in args.contexts
+        if n + args.decode + 1 > limit
+    ]
+    if args.batch and args.batch_context + args.batch_decode + 1 > limit:
+        errors.append(
+            f"--batch-context {args.batch_context} with --batch-decode {args.batch_decode} "
+            f"reaches {args.batch_context + args.batch_decode + 1} tokens"
+        )
+    return [f"{e}, past the model's context of {limit}" for e in errors]
+
+
 class Ours:
     """The model over a pool of ``rows`` rows of ``row_tokens`` slots each."""
 
-    def __init__(self, kv: str, rows: int, row_tokens: int) -> None:
-        model = KNOWN_MODELS[DEFAULT_MODEL]
-        gguf = model.gguf_path()
-        meta = metadata_dir(gguf, model.name)
-        self.config = ModelConfig.from_hf_dict(json.loads((meta / "config.json").read_text()))
+    def __init__(self, model: Model, kv: str, rows: int, row_tokens: int) -> None:
+        gguf = model.gguf
+        self.config = model.config
         dtype, kv_dtype = KV_RUNS[kv]
         weights = read_gguf(gguf, dtype, frozenset(GGUF_FORMATS)).weights
-        pages = -(-row_tokens // PAGE_SIZE)
+        pages = -(-max(row_tokens, WARM_UP_TOKENS + 2) // PAGE_SIZE)  # the warm-up's too
         pool = KVPool.for_model(self.config, rows * pages, PAGE_SIZE, kv_dtype)
         table = PageTable.contiguous(rows, pages)
         self.runner = ModelRunner(self.config, weights, pool, table, dtype)
@@ -115,7 +152,8 @@ class Ours:
         self.kv_bytes_per_token = pool.bytes_per_token
         self.step = 0
         # untimed: the kernels' first calls (a build compiled on first use, pages touched)
-        self.decode([0], [self.prefill(0, prompt(64, seed=0), 0, 64)], [64], 2)
+        warm_up = prompt(WARM_UP_TOKENS, 0, self.config.vocab_size)
+        self.decode([0], [self.prefill(0, warm_up, 0, WARM_UP_TOKENS)], [WARM_UP_TOKENS], 2)
 
     def _run(self, plan_segments: dict[str, list[Segment]]) -> torch.Tensor:
         self.step += 1
@@ -157,17 +195,19 @@ def interleaved_seconds(repeats: int, runs: dict[str, Callable[[], Any]]) -> dic
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
-def prompt(n: int, seed: int) -> list[int]:
+def prompt(n: int, seed: int, vocab_size: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, 49000) for _ in range(n)]
+    return [rng.randrange(min(100, vocab_size // 2), min(49000, vocab_size)) for _ in range(n)]
 
 
-def bench_ours(args: argparse.Namespace, kvs: list[str]) -> list[Row]:
+def bench_ours(args: argparse.Namespace, model: Model, kvs: list[str]) -> list[Row]:
     rows: list[Row] = []
-    pools = {kv: Ours(kv, 1, 2 * max(args.contexts) + args.decode + 1) for kv in kvs}
-    limit = pools[kvs[0]].config.max_model_len
+    limit, vocab = model.config.max_model_len, model.config.vocab_size
+    # N more after N only where 2N fits: the pool holds no more than the longest test reaches
+    depth = max(2 * n if 2 * n <= limit else n for n in args.contexts)
+    pools = {kv: Ours(model, kv, 1, depth + args.decode + 1) for kv in kvs}
     for n in args.contexts:
-        tokens, more = prompt(n, seed=n), prompt(n, seed=n + 1)
+        tokens, more = prompt(n, n, vocab), prompt(n, n + 1, vocab)
         prefills = {kv: partial(o.prefill, 0, tokens, 0, args.chunk) for kv, o in pools.items()}
         for kv, seconds in interleaved_seconds(args.prefill_repeats, prefills).items():
             rows.append(Row("asyncengine", kv, "prefill", 0, n, 1, n / seconds))
@@ -189,10 +229,10 @@ def bench_ours(args: argparse.Namespace, kvs: list[str]) -> list[Row]:
     del pools
     if args.batch:
         n, b = args.batch_context, args.batch
-        pools = {kv: Ours(kv, b, n + args.batch_decode + 1) for kv in kvs}
+        pools = {kv: Ours(model, kv, b, n + args.batch_decode + 1) for kv in kvs}
         decodes = {}
         for kv, ours in pools.items():
-            firsts = [ours.prefill(r, prompt(n, seed=1000 + r), 0, args.chunk) for r in range(b)]
+            firsts = [ours.prefill(r, prompt(n, 1000 + r, vocab), 0, args.chunk) for r in range(b)]
             rows_of = list(range(b))
             decodes[kv] = partial(ours.decode, rows_of, firsts, [n] * b, args.batch_decode)
         total = b * args.batch_decode
@@ -202,19 +242,21 @@ def bench_ours(args: argparse.Namespace, kvs: list[str]) -> list[Row]:
 
 
 def ratios(rows: list[Row], kvs: list[str]) -> list[dict[str, Any]]:
-    """Each of our tests' tok/s by pool over the first pool's (the same run, interleaved)."""
+    """Each of our tests' tok/s by pool over the first pool's (the same run, interleaved). A
+    test is its kind, depth and timed tokens: every context's first prefill is at depth 0."""
     ours = [r for r in rows if r.system == "asyncengine"]
-    base = {(r.test, r.context): r.tok_per_s for r in ours if r.kv == kvs[0]}
+    base = {(r.test, r.context, r.tokens): r.tok_per_s for r in ours if r.kv == kvs[0]}
     return [
         {
             "kv": r.kv,
             "over": kvs[0],
             "test": r.test,
             "context": r.context,
-            "ratio": r.tok_per_s / base[(r.test, r.context)],
+            "tokens": r.tokens,
+            "ratio": r.tok_per_s / base[(r.test, r.context, r.tokens)],
         }
         for r in ours
-        if r.kv != kvs[0] and (r.test, r.context) in base
+        if r.kv != kvs[0] and (r.test, r.context, r.tokens) in base
     ]
 
 
@@ -300,13 +342,17 @@ def render(result: dict[str, Any]) -> str:
         )
     for r in result.get("ratios", []):
         lines.append(
-            f"{r['kv']} over {r['over']}, {r['test']} at {r['context']}: {r['ratio']:.2f}x"
+            f"{r['kv']} over {r['over']}, {r['test']} of {r['tokens']} at {r['context']}: "
+            f"{r['ratio']:.2f}x"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="a .gguf file or a known model name (both systems)"
+    )
     parser.add_argument("--contexts", default="1024,4096,7680", help="one-stream contexts")
     parser.add_argument("--decode", type=int, default=64, help="decode steps timed")
     parser.add_argument("--batch", type=int, default=16, help="requests decoding at once (0: off)")
@@ -324,17 +370,35 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     started = time.time()
     args = parser.parse_args()
-    args.contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        args.contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--contexts {args.contexts!r}: a comma-separated list of token counts"
+        ) from None
     args.llamacpp_kv = [k for k in args.llamacpp_kv.split(",") if k]
+    kvs = [kv for kv in args.kv.split(",") if kv]
+    unknown = [kv for kv in kvs if kv not in KV_RUNS]
+    if unknown:
+        raise ValueError(f"--kv {','.join(unknown)}: each must be one of {', '.join(KV_RUNS)}")
+    model = load_model(args.model)
+    if model is None:
+        raise ValueError(f"--model {args.model!r}: neither a .gguf file nor a known model name")
+    errors = context_errors(args, model.config.max_model_len)
+    if errors:
+        raise ValueError("; ".join(errors))
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.bandwidth:
         args.bandwidth = measure_read_bandwidth(1024, 5).gb_per_second
-    kvs = [kv for kv in args.kv.split(",") if kv]
-    rows = bench_ours(args, kvs) if kvs else []
+    rows = bench_ours(args, model, kvs) if kvs else []
     if args.llamacpp_kv:
-        rows += bench_llamacpp(args, peer_llamacpp.model_file(peer_llamacpp.EMBEDDED_KIND))
-    setup = {"threads": torch.get_num_threads(), "args": {**vars(args), "json": str(args.json)}}
+        rows += bench_llamacpp(args, model.gguf)
+    setup = {
+        "threads": torch.get_num_threads(),
+        "model": str(model.gguf),
+        "args": {**vars(args), "json": str(args.json)},
+    }
     result = {
         "setup": setup,
         "bandwidth_gbs": args.bandwidth,
@@ -345,4 +409,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
