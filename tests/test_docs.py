@@ -124,6 +124,19 @@ def test_the_guides_exist_and_the_readme_is_short() -> None:
     assert len((ROOT / "docs" / "BENCHMARKS.md").read_text().splitlines()) <= 400
 
 
+def test_the_serving_guide_gives_each_endpoints_output_length_without_a_limit() -> None:
+    """Only chat runs to the end of the context without ``max_tokens``: a user testing that
+    on a text completion would get the server's default, so the guide says it."""
+    from asyncengine.server.native import NATIVE_DEFAULT_MAX_NEW_TOKENS
+    from asyncengine.server.openai_schema import COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    text = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    completions = COMPLETIONS_DEFAULT_MAX_TOKENS
+    assert "A chat request without `max_tokens`" in text
+    assert f"a text completion without `max_tokens` generates {completions} tokens" in text
+    assert f"`/generate` without `max_new_tokens` {NATIVE_DEFAULT_MAX_NEW_TOKENS}" in text
+
+
 @pytest.mark.parametrize("path", GUIDES, ids=lambda p: p.name)
 def test_links_and_paths_exist(path: Path) -> None:
     text = path.read_text()

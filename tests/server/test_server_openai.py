@@ -15,6 +15,7 @@ from asyncengine.common.sampling_params import InvalidRequestError, SamplingPara
 from asyncengine.server.echo import sum_usage
 from asyncengine.server.errors import from_engine_error
 from asyncengine.server.openai_schema import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     chat_max_tokens,
@@ -385,6 +386,18 @@ async def test_chat_without_max_tokens_runs_to_the_context(
     )
     assert out.usage is not None
     assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
+    assert out.choices[0].finish_reason == "length"
+
+
+async def test_a_completion_without_max_tokens_generates_the_default(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """Unlike chat, a text completion stops at OpenAI's default (docs/serving.md says so)."""
+    out = await client.completions.create(
+        model=server.model, prompt="Hi", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None
+    assert out.usage.completion_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
     assert out.choices[0].finish_reason == "length"
 
 
