@@ -4,8 +4,11 @@ last line, and nothing at all while nothing changes (an idle server stays quiet)
     prefilling=0 running=3 waiting=0 http_requests=5 gen_tok/s=41.0 prompt_tok/s=120.3
     cache_hit=37.5% kv_pages used=12 cached=30 total=2048
 
-``AsyncEngine`` runs it every ``config.log_interval`` seconds; a front end adds its own
-cumulative counters to the line (the HTTP server adds ``http_requests``).
+``prompt_tok/s`` is the prompt tokens the forwards computed over the interval (a long prompt's
+chunks as they run, not its whole length when it is admitted); ``cache_hit`` is the share of
+the prompts admitted over the interval found in the prefix cache. ``AsyncEngine`` runs it every
+``config.log_interval`` seconds; a front end adds its own cumulative counters to the line (the
+HTTP server adds ``http_requests``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # cumulative engine counters the line turns into rates or counts over the interval
-_COUNTERS = ("generated_tokens", "hit_tokens", "miss_tokens", "retractions")
+_COUNTERS = (
+    "generated_tokens",
+    "prefill_computed_tokens",
+    "hit_tokens",
+    "miss_tokens",
+    "retractions",
+)
 # instantaneous values; a line is due when one of them differs from the last line's
 _GAUGES = ("prefilling", "running", "waiting", "pages_used", "pages_cached")
 
@@ -74,11 +83,12 @@ class SummaryLog:
         self._last_logged_gauges = now.gauges
         dt = max(now.time - last.time, 1e-9)
         hit, miss = moved["hit_tokens"], moved["miss_tokens"]
+        prefilled = moved["prefill_computed_tokens"]
         g = {k: int(v) for k, v in now.gauges.items()}
         parts = [f"prefilling={g['prefilling']} running={g['running']} waiting={g['waiting']}"]
         parts += [f"{name}={int(moved[name])}" for name in self._extra]
         parts.append(
-            f"gen_tok/s={moved['generated_tokens'] / dt:.1f} prompt_tok/s={(hit + miss) / dt:.1f} "
+            f"gen_tok/s={moved['generated_tokens'] / dt:.1f} prompt_tok/s={prefilled / dt:.1f} "
             f"cache_hit={(hit / (hit + miss) if hit + miss else 0.0):.1%} "
             f"kv_pages used={g['pages_used']} cached={g['pages_cached']} total={now.total_pages}"
         )

@@ -50,6 +50,7 @@ class Retraction:
         self.swapped: dict[int, SwappedKV] = {}
         self.recompute_until: dict[int, int] = {}
         self.total_computed_tokens = 0
+        self.total_prefill_computed_tokens = 0  # of them, the extends' (prompt chunks)
         self.total_recomputed_tokens = 0
         self.swap_seconds = 0.0
 
@@ -185,6 +186,7 @@ class Retraction:
         """Tokens the step computed, those of them computed before (retracted and recomputed:
         the recompute tax), and the time its swap copies took."""
         self.total_computed_tokens += plan.num_tokens
+        self.total_prefill_computed_tokens += sum(s.num_tokens for s in plan.extends)
         self.swap_seconds += swap_seconds
         debts = self.recompute_until
         if not debts:
@@ -203,6 +205,7 @@ class Retraction:
         computed = self.total_computed_tokens
         return {
             "computed_tokens": computed,
+            "prefill_computed_tokens": self.total_prefill_computed_tokens,
             "recomputed_tokens": self.total_recomputed_tokens,
             "recompute_tax": self.total_recomputed_tokens / computed if computed else 0.0,
             "swap_seconds": self.swap_seconds,

@@ -1,5 +1,6 @@
 """The one periodic summary line: rates over the interval, extra counters of a front end, and
-silence while nothing changes (an idle server does not log every interval forever)."""
+silence while nothing changes (an idle server does not log every interval forever); its prompt
+rate is what the forwards computed, so a long prompt's chunked prefill shows as it runs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ IDLE: dict[str, Any] = {
     "prefilling": 0,
     "waiting": 0,
     "generated_tokens": 0,
+    "prefill_computed_tokens": 0,
     "hit_tokens": 0,
     "miss_tokens": 0,
     "retractions": 0,
@@ -60,6 +62,7 @@ def test_activity_logs_rates_then_one_line_as_it_ends_then_silence() -> None:
     summary.reset()
     summary.add_counter("http_requests", lambda: served[0])
     stats.update(running=2, generated_tokens=50, hit_tokens=30, miss_tokens=90, pages_used=5)
+    stats.update(prefill_computed_tokens=120)
     served[0] = 3
     clock.now += 10
     line = summary.line()
@@ -77,6 +80,37 @@ def test_activity_logs_rates_then_one_line_as_it_ends_then_silence() -> None:
     for _ in range(3):
         clock.now += 10
         assert summary.line() is None
+
+
+def test_a_long_prompts_chunks_count_as_they_are_computed() -> None:
+    """An 8,000-token prompt admitted at once and computed 1,000 tokens a second: each line
+    says 100 tok/s over its 10 s, not 800 for the first and 0 for the rest."""
+    stats = dict(IDLE)
+    clock = Clock()
+    summary = SummaryLog(lambda: stats, clock)
+    summary.reset()
+    stats.update(prefilling=1, miss_tokens=8000, pages_used=64)
+    rates = []
+    for computed in (1000, 2000, 3000):
+        stats["prefill_computed_tokens"] = computed
+        clock.now += 10
+        line = summary.line()
+        assert line is not None and LINE.search(line), line
+        rates.append(line.split("prompt_tok/s=")[1].split()[0])
+    assert rates == ["100.0", "100.0", "100.0"]
+
+
+@pytest.mark.asyncio
+async def test_the_engine_counts_the_prompt_tokens_its_forwards_computed() -> None:
+    """A chunked prompt's every token once; sent again, only what the prefix cache lacks."""
+    async with fake_engine(chunked_prefill_size=8, max_prefill_tokens=8) as engine:
+        prompt = list(range(3, 43))  # 40 tokens: five chunks
+        await engine.generate(prompt, SamplingParams(max_new_tokens=2))
+        first = engine.stats()["prefill_computed_tokens"]
+        assert first == 40
+        await engine.generate(prompt, SamplingParams(max_new_tokens=2))
+        again = engine.stats()["prefill_computed_tokens"] - first
+        assert 0 < again < 40 and again == 40 - engine.stats()["hit_tokens"]
 
 
 def test_a_gauge_that_changes_alone_is_logged_once() -> None:

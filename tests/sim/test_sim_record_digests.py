@@ -70,7 +70,12 @@ def _digest(config: EngineConfig, workload: object, bulk: bool) -> tuple[str, in
     # so did the counts of failed policy hooks, of the policy's idle holds and of admissions
     # refused after their open while they are 0
     later = ("policy_failures", "policy_idle_holds", "policy_idle_seconds", "failed_admissions")
-    stats = {k: v for k, v in result.scheduler_stats.items() if k not in later or v != 0}
+    # and the prompt tokens the forwards computed, counted after them (computed_tokens holds them)
+    stats = {
+        k: v
+        for k, v in result.scheduler_stats.items()
+        if (k not in later or v != 0) and k != "prefill_computed_tokens"
+    }
     blob = json.dumps(
         [records, result.steps, result.virtual_seconds, stats],
         sort_keys=True,
