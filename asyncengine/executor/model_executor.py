@@ -170,7 +170,10 @@ class ModelExecutor:
         mc = self.model_config
         pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.kv_dtype, self.device)
         dense_bytes = self.config.dense_weight_bytes
-        if dense_bytes is None and self.device.type == "cpu":
+        # only quantized (or stored float-row) projections make copies: a dense checkpoint's
+        # are packed once whatever the budget, and a budget line would tell of copies it has not
+        quantized = any(isinstance(w, QuantizedTensor) for w in self._weights.values())
+        if dense_bytes is None and self.device.type == "cpu" and quantized:
             dense_bytes = default_dense_weight_bytes(self.weight_bytes)
         self.runner = ModelRunner(
             mc,

@@ -6,6 +6,7 @@ a CPU by the memory the OS says is available."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from asyncengine.executor.model_executor import ModelExecutor, model_core
 from asyncengine.kernels.quant_formats import I8, float_rows
 from tests.kernels.test_quantized_kernels import random_weight
 from tests.native_support import needs_native
+from tests.server_support import tiny_model_dir
 
 pytestmark = needs_native
 ROWS, COLS = 40, 64
@@ -96,6 +98,21 @@ def test_the_engine_honours_the_key() -> None:
 
     linears = asyncio.run(run())
     assert linears and all(p._dense is None for p in linears)
+
+
+def test_a_dense_checkpoint_has_no_budget_and_logs_none(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A float checkpoint's projections are packed as they load, never copied: the start-up
+    says nothing of dense copies (the embedded GGUF's line says how many it may make)."""
+    caplog.set_level(logging.INFO, logger="asyncengine.executor")
+    model_dir = tiny_model_dir(tmp_path_factory)
+    dense = EngineConfig(model=str(model_dir), device="cpu", kv_cache_tokens=256)
+    core, _ = model_core(dense)
+    assert core.executor.runner.model.dense_budget is None
+    assert "dense copies" not in caplog.text
+    model_core(EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256))
+    assert "dense copies of quantized projections: up to" in caplog.text
 
 
 def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
