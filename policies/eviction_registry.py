@@ -14,7 +14,7 @@ from asyncengine.policies.eviction_arc import AdaptiveReplacement
 from asyncengine.policies.eviction_cost_aware import CostAware
 from asyncengine.policies.eviction_lfu import LeastFrequentlyUsed
 from asyncengine.policies.eviction_queue_aware import QueueAware
-from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, failed_build_key, resolve_plugin
 
 EVICTION_RULES: dict[str, type[EvictionRule]] = {
     cls.name: cls
@@ -44,9 +44,7 @@ def build_eviction_rule(
     try:
         return make_eviction_rule(spec, options)
     except (TypeError, ValueError) as exc:
-        # with no options given the rule itself failed: blame the key that names it
-        where = f"{key!r} = {spec!r}" if not options else f"'{key}_options' = {options!r}"
-        raise ConfigError(f"config key {where}: {exc}") from None
+        raise ConfigError(f"config key {failed_build_key(key, spec, options)}: {exc}") from None
 
 
 def listed_rule(spec: str, allowed: Sequence[str]) -> str:

@@ -13,7 +13,7 @@ from asyncengine.policies.length_predictor import (
     OraclePredictor,
 )
 from asyncengine.policies.length_ranker import RankerPredictor
-from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, failed_build_key, resolve_plugin
 
 PREDICTORS: dict[str, type[LengthPredictor]] = {
     cls.name: cls
@@ -34,4 +34,5 @@ def build_length_predictor(spec: str, options: dict[str, Any] | None = None) -> 
     try:
         return build_plugin(cls, spec, options or {}, PREDICTORS, "length predictor")
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config key 'length_predictor_options' = {options!r}: {exc}") from None
+        where = failed_build_key("length_predictor", spec, options)
+        raise ConfigError(f"config key {where}: {exc}") from None

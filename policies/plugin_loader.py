@@ -114,6 +114,12 @@ def build_plugin(
         ) from exc
 
 
+def failed_build_key(key: str, spec: str, options: Mapping[str, Any] | None) -> str:
+    """The config key to blame when ``spec`` failed to build: with no options given the plug-in
+    itself failed (``key``), else its options (``key + "_options"``), with the value given."""
+    return f"{key!r} = {spec!r}" if not options else f"'{key}_options' = {dict(options)!r}"
+
+
 def _unsafe_number(value: object) -> str | None:
     """What in ``value`` (an option: a number, or lists and tables of them) is not a finite
     number within ``MAX_OPTION_INTEGER``, in words; None when nothing is."""

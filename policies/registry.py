@@ -17,7 +17,7 @@ from asyncengine.policies.fcfs import FCFSPolicy
 from asyncengine.policies.lora_fair import LoraFairPolicy
 from asyncengine.policies.lpm import LPMPolicy
 from asyncengine.policies.ltr import LTRPolicy
-from asyncengine.policies.plugin_loader import build_plugin, resolve_plugin
+from asyncengine.policies.plugin_loader import build_plugin, failed_build_key, resolve_plugin
 from asyncengine.policies.priority import PriorityPolicy
 from asyncengine.policies.sjf import SJFPolicy
 from asyncengine.policies.slo import SLOPolicy
@@ -217,6 +217,4 @@ def build_policy(spec: str, options: dict[str, Any] | None = None, key: str = "p
     try:
         return make_policy(spec, options)
     except (TypeError, ValueError) as exc:
-        # with no options given the policy itself failed: blame the key that names it
-        where = f"{key!r} = {spec!r}" if not options else f"'{key}_options' = {options!r}"
-        raise ConfigError(f"config key {where}: {exc}") from None
+        raise ConfigError(f"config key {failed_build_key(key, spec, options)}: {exc}") from None

@@ -86,6 +86,30 @@ def test_a_bad_predictor_or_option_names_its_config_key(
         build_length_predictor(spec, options)
 
 
+class NeedsAPath(LengthPredictor):
+    """A plug-in whose constructor fails with no options (test plug-in)."""
+
+    name = "needs-a-path"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        raise ValueError("no model file")
+
+    def predict(self, req: Request) -> float:
+        return 0.0
+
+
+def test_a_predictor_that_fails_with_no_options_is_blamed_not_the_options() -> None:
+    spec = "tests.policies.test_length_predictors:NeedsAPath"
+    for options in (None, {}):
+        with pytest.raises(ConfigError) as raised:
+            build_length_predictor(spec, options)
+        assert str(raised.value).startswith(f"config key 'length_predictor' = {spec!r}: ")
+        assert "no model file" in str(raised.value) and "_options" not in str(raised.value)
+    with pytest.raises(ConfigError, match=r"^config key 'length_predictor_options' = \{'a': 1\}"):
+        build_length_predictor(spec, {"a": 1})
+
+
 def test_the_engine_refuses_the_oracle_outside_the_simulator() -> None:
     with pytest.raises(ConfigError, match="oracle"):
         AsyncEngine(EngineConfig(length_predictor="oracle"))
