@@ -29,7 +29,11 @@ split for every API.
   Claude Code sends on every request, is accepted: earlier thinking is dropped anyway, and
   no tool result is cleared (the conversation is read as sent).
 - ``metadata.user_id`` is the tenant (fair-share policies, per-tenant metrics).
-Unknown fields (``cache_control``, ``service_tier``, ...) are accepted and ignored.
+- A top-level field this API does not know (a misspelt ``max_token``, another API's
+  ``ignore_eos``) is a 400 naming it, as in Anthropic's API ("extra inputs are not
+  permitted"): ignored, the client's setting would be lost unawares. Anthropic's fields about
+  its own platform (``cache_control``, ``service_tier``, ``inference_geo``, ``speed``) are
+  accepted and ignored: caching is automatic here, and there is one tier, region and speed.
 """
 
 from __future__ import annotations
@@ -179,8 +183,10 @@ class MessagesMetadata(Struct, kw_only=True):
     user_id: Annotated[str, Meta(max_length=MAX_TENANT_LENGTH)] | None = None  # the tenant
 
 
-class CountTokensRequest(Struct, kw_only=True):
-    """``POST /v1/messages/count_tokens``: what the prompt is made of."""
+class CountTokensRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/messages/count_tokens``: what the prompt is made of. An unknown top-level
+    field is refused (as Anthropic's API does); blocks inside keep unknown fields (Claude Code
+    sends ``cache_control`` on them), as they change nothing served."""
 
     model: str | None = None
     messages: Annotated[list[MessageParam], Meta(min_length=1)]
@@ -193,6 +199,17 @@ class CountTokensRequest(Struct, kw_only=True):
     # Anthropic's server-side features: read only to refuse them (_check_served)
     mcp_servers: Any = None
     container: Any = None
+    # the structured output of /v1/messages; a grammar on the output, so no token counted
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
+    # knowingly ignored: earlier thinking is dropped anyway and no tool result is cleared
+    context_management: Any = None
+    # knowingly ignored, Anthropic's platform: the prefix cache is automatic, and there is one
+    # service tier, one region and one speed
+    cache_control: Any = None
+    service_tier: Any = None
+    inference_geo: Any = None
+    speed: Any = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -205,8 +222,6 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: PositiveInt | None = None
     stop_sequences: list[str] | None = None
     metadata: MessagesMetadata | None = None
-    output_config: OutputConfig | None = None
-    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
 
 
 def _text_of(parts: list[ToolResultPart], param: str) -> str:

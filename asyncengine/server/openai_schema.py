@@ -224,7 +224,7 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "fun
 
 # the field's path: "at `$.a.b`", a dict's key "at `key` in `$.a`", a dict's value "$.a[...]"
 _PATH_RE = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
-_MISSING_RE = re.compile(r"missing required field `([^`]*)`")
+_MISSING_RE = re.compile(r"(?:missing required|unknown) field `([^`]*)`")
 
 RequestT = TypeVar("RequestT", bound=Struct)
 

@@ -460,6 +460,46 @@ async def test_server_side_features_are_refused_as_not_served(
     assert message.stop_reason == "max_tokens"
 
 
+async def test_an_unknown_field_is_refused_by_name_and_platform_fields_are_accepted(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """As in Anthropic's API, a field the API does not know is a 400 naming it: ignored, a
+    misspelt ``max_token`` or another API's ``ignore_eos`` would be lost unawares."""
+    for extra in ({"max_token": 4}, {"ignore_eos": True}, {"metadata_": {}}):
+        (name,) = extra
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(
+                model=server.model, max_tokens=2, messages=_user("hi"), extra_body=extra
+            )
+        error = refused.value.body["error"]  # type: ignore[index]
+        assert error["type"] == "invalid_request_error" and f"`{name}`" in error["message"]
+    with pytest.raises(anthropic.BadRequestError) as refused:  # not a field of count_tokens
+        await claude.messages.count_tokens(
+            model=server.model, messages=_user("hi"), extra_body={"max_tokens": 4}
+        )
+    assert "`max_tokens`" in refused.value.body["error"]["message"]  # type: ignore[index]
+    # Anthropic's platform fields, and cache_control on a block, are accepted
+    tools: Any = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}]
+    message = await claude.messages.create(
+        model=server.model,
+        max_tokens=2,
+        messages=_user("hi"),
+        tools=tools,
+        cache_control={"type": "ephemeral"},
+        service_tier="auto",
+        inference_geo="us",
+        speed="standard",
+    )
+    assert message.stop_reason in ("max_tokens", "tool_use", "end_turn")
+    counted = await claude.messages.count_tokens(
+        model=server.model,
+        messages=_user("hi"),
+        cache_control={"type": "ephemeral"},
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    )
+    assert counted.input_tokens > 0
+
+
 async def test_the_models_list_has_anthropics_fields(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
