@@ -21,10 +21,16 @@ class QueueFullError(EngineError):
     """Too many requests are waiting; try again later."""
 
 
+class EngineUnavailableError(EngineError):
+    """Nothing can take the request for now (every replica of a deployment is down); try again
+    later."""
+
+
 __all__ = [
     "AdapterUnavailableError",
     "EngineError",
     "EngineNotRunningError",
+    "EngineUnavailableError",
     "InvalidRequestError",
     "QueueFullError",
     "RequestFailedError",

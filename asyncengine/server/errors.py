@@ -20,6 +20,7 @@ from aiohttp import web
 from asyncengine.common.errors import (
     AdapterUnavailableError,
     EngineNotRunningError,
+    EngineUnavailableError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
@@ -33,6 +34,8 @@ log = logging.getLogger("asyncengine.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 QUEUE_FULL_RETRY_AFTER_SECONDS = 1
+# no replica is up: Ray Serve restarts one, which loads its model first
+UNAVAILABLE_RETRY_AFTER_SECONDS = 10
 
 
 class ApiError(Exception):
@@ -100,6 +103,14 @@ def from_engine_error(exc: Exception) -> ApiError:
             code="queue_full",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)},
         )
+    if isinstance(exc, EngineUnavailableError):
+        return ApiError(
+            503,
+            f"{exc}; retry later",
+            type="service_unavailable",
+            code="engine_unavailable",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        )
     if isinstance(exc, EngineNotRunningError):
         return ApiError(
             503, "the engine is not running", type="service_unavailable", code="engine_stopped"
@@ -142,7 +153,13 @@ def logged_failure(exc: BaseException) -> str:
     return error_id
 
 
-ENGINE_ERRORS = (InvalidRequestError, QueueFullError, EngineNotRunningError, RequestFailedError)
+ENGINE_ERRORS = (
+    InvalidRequestError,
+    QueueFullError,
+    EngineUnavailableError,
+    EngineNotRunningError,
+    RequestFailedError,
+)
 
 _HTTP_ERROR_TYPES: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),

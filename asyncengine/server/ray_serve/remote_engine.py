@@ -5,7 +5,10 @@ the deployment handle with the prompt as given (the replica tokenizes and valida
 prompt's token ids for the router (tokenized here with the model's tokenizer, no weights
 loaded), keyed as the replica's prefix cache keys them (under the request's salt and adapter).
 A replica's engine errors come back as the same exceptions (so the same HTTP errors); a replica
-that dies fails its requests with RequestFailedError, never a hang.
+that dies fails its requests with RequestFailedError, never a hang. Ray Serve holds a request
+while no replica is up, with no bound: one that has seen no replica up for
+``NO_REPLICA_WAIT_SECONDS`` in a row is cancelled there and fails with
+EngineUnavailableError (a 503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from asyncengine.api.intake import Intake
 from asyncengine.common.cache_salt import salted_ids
 from asyncengine.common.config import EngineConfig
-from asyncengine.common.errors import EngineError, EngineNotRunningError, RequestFailedError
+from asyncengine.common.errors import (
+    EngineError,
+    EngineNotRunningError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from asyncengine.common.outputs import EmbeddingOutput, GenerateOutput, StreamDelta
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams
 from asyncengine.server.errors import ENGINE_ERRORS
@@ -36,6 +45,10 @@ CONTROL_CALL_TIMEOUT_SECONDS = 30.0
 # how often a call for one replica (flush, abort) checks that the router still lists it: Ray
 # Serve holds a call for a replica that died until the call is cancelled
 REPLICA_GONE_POLL_SECONDS = 0.25
+# how long a request waits in Ray Serve while no replica is up (all died, none restarted yet)
+# before it fails, and how often it checks (a replica that is up answers or fails it itself)
+NO_REPLICA_WAIT_SECONDS = 30.0
+NO_REPLICA_POLL_SECONDS = 1.0
 # at stop: how long the requests the replicas aborted get to deliver their final deltas before
 # the calls still open are cancelled (a cancelled call ends as a failure, not an abort)
 ABORT_DELIVERY_SECONDS = 5.0
@@ -80,6 +93,36 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     return []
 
 
+T = TypeVar("T")
+
+
+async def while_a_replica_is_up(
+    answer: Awaitable[T], replica_ids: Callable[[], list[str]], request_id: str
+) -> T:
+    """``answer``'s result; EngineUnavailableError once ``replica_ids`` has listed no replica
+    for ``NO_REPLICA_WAIT_SECONDS`` in a row (the caller cancels its call in Ray Serve)."""
+    waiting = asyncio.ensure_future(answer)
+    loop = asyncio.get_running_loop()
+    none_since: float | None = None
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=NO_REPLICA_POLL_SECONDS)
+            if done:
+                return waiting.result()
+            if replica_ids():
+                none_since = None
+            elif none_since is None:
+                none_since = loop.time()
+            elif loop.time() - none_since >= NO_REPLICA_WAIT_SECONDS:
+                raise EngineUnavailableError(
+                    f"no replica has been up for {NO_REPLICA_WAIT_SECONDS:g} s to serve "
+                    f"request {request_id}"
+                )
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+
+
 class ReplicaGoneError(Exception):
     """The replica a call was for left the deployment (it died) before it answered."""
 
@@ -88,9 +131,17 @@ class RemoteStream:
     """An engine stream whose deltas come from a replica (async iterator with ``aclose``); it
     ends when each of the request's ``choices`` has had its final delta."""
 
-    def __init__(self, call: Any, request_id: str, calls: dict[str, Any], choices: int) -> None:
+    def __init__(
+        self,
+        call: Any,
+        request_id: str,
+        calls: dict[str, Any],
+        choices: int,
+        replica_ids: Callable[[], list[str]],
+    ) -> None:
         self.request_id = request_id
         self._call = call
+        self._replica_ids = replica_ids
         self._calls = calls
         self._open_choices = choices
         self._accepted = False  # the replica's first item (None: accepted) was read
@@ -102,7 +153,13 @@ class RemoteStream:
         """Return once the replica's engine accepted the request; raise its refusal instead."""
         if not self._accepted:
             self._accepted = True
-            marker = await self._item()
+            try:  # until a replica takes it: Ray Serve would hold it while none is up
+                marker = await while_a_replica_is_up(
+                    self._item(), self._replica_ids, self.request_id
+                )
+            except EngineUnavailableError:
+                await self.aclose()
+                raise
             assert marker is None, "a replica's stream opens with None"
 
     async def __anext__(self) -> StreamDelta:
@@ -283,7 +340,8 @@ class RemoteEngine:
             prompt, params, request_id=rid, route_ids=route_ids(self._tokenizer, prompt, params)
         )
         self._calls[rid] = call
-        return RemoteStream(call, rid, self._calls, max(1, getattr(params, "n", 1)))
+        choices = max(1, getattr(params, "n", 1))
+        return RemoteStream(call, rid, self._calls, choices, self._replica_ids)
 
     async def generate(
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -317,8 +375,8 @@ class RemoteEngine:
         )
         self._calls[rid] = call
         try:
-            result = await call
-        except asyncio.CancelledError:
+            result = await while_a_replica_is_up(call, self._replica_ids, rid)
+        except (asyncio.CancelledError, EngineUnavailableError):
             call.cancel()
             raise
         except Exception as exc:
