@@ -47,11 +47,24 @@ def _numbers(stats: dict[str, Any], state: ServerState) -> dict[str, float]:
     }
 
 
+def rank_stats(engine: Any) -> list[dict[str, Any]]:
+    """The engine stats of each data-parallel rank: one per replica that reported under
+    ``--replicas`` (each a whole engine), else the one engine's."""
+    per_replica = getattr(engine, "replica_stats", None)
+    if per_replica is None:
+        return [engine.stats()]
+    return [stats for _, stats in sorted(per_replica().items())]
+
+
 async def server_info(request: web.Request) -> web.Response:
+    """SGLang's figures, with SGLang's meaning under data parallelism: the pool and the running
+    cap are one rank's (a replica's: they share their config), ``dp_size`` counts the ranks and
+    ``internal_states`` holds one entry per rank."""
     state = request.app[STATE]
     engine = state.engine
     config = engine.config
-    stats = engine.stats()
+    ranks = rank_stats(engine)
+    pages = int(ranks[0].get("pages_total", 0)) if ranks else 0
     return json_response(
         {
             "model_path": config.model,
@@ -59,14 +72,14 @@ async def server_info(request: web.Request) -> web.Response:
             "served_model_name": state.model_name,
             "context_length": engine.max_model_len,
             "page_size": config.page_size,
-            "max_total_num_tokens": int(stats.get("pages_total", 0)) * config.page_size,
+            "max_total_num_tokens": pages * config.page_size,
             "max_running_requests": config.max_running_requests,
             "schedule_policy": config.policy,
             "chunked_prefill_size": config.chunked_prefill_size,
-            "dp_size": 1,
+            "dp_size": max(1, len(ranks)),  # one before the first replica reported
             "tp_size": 1,
             "version": f"asyncengine {_version()}",
-            "internal_states": [_numbers(stats, state)],
+            "internal_states": [_numbers(stats, state) for stats in ranks or [{}]],
         }
     )
 
