@@ -331,6 +331,15 @@ def apply_logit_bias(
     )
 
 
+# the bounds a mask byte puts on its 8 tokens' logits: -inf where its bit refuses, none where
+# it allows (bit i of a byte is token 8 k + i, as ``allowed_tokens`` reads them)
+_BYTE_BOUNDS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(np.inf),
+    np.float32(-np.inf),
+)
+
+
 def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> np.ndarray:
     """Bool [n, vocab] from int32 CPU bitmasks [n, words]: bit i of word j allows token
     32 j + i (xgrammar's layout: little-endian words, so the bytes unpack little-endian)."""
@@ -356,12 +365,17 @@ def apply_token_bitmasks(
         xgrammar.apply_token_bitmask_inplace(logits, words.to(logits.device), indices=list(rows))
         finite = torch.isfinite(logits[list(rows)]).any(dim=-1).tolist()
         return [row for row, ok in zip(rows, finite, strict=True) if not ok]
-    allowed = allowed_tokens(words, logits.shape[1])
+    mask_bytes = np.ascontiguousarray(words.numpy()).view(np.uint8)
     array = logits.numpy()
+    bounds = np.empty((mask_bytes.shape[1], 8), dtype=np.float32)
+    row_bounds = bounds.reshape(-1)[: logits.shape[1]]
     dead = []
     for j, row in enumerate(rows):
         values = array[row]
-        np.putmask(values, ~allowed[j], -np.inf)
+        # a minimum with each token's bound, looked up 8 at a time: branch-free, where a
+        # masked store mispredicts on every word mixing allowed and refused tokens (fivefold)
+        _BYTE_BOUNDS.take(mask_bytes[j], axis=0, out=bounds)
+        np.minimum(values, row_bounds, out=values)
         if not np.isfinite(values).any():
             dead.append(row)
     return dead
