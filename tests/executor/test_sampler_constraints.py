@@ -3,8 +3,6 @@ xgrammar's own kernel, leave seeded rows' tokens batch-independent, and win over
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -111,30 +109,23 @@ def test_bad_logit_bias_is_refused(bias: dict, says: str) -> None:
         SamplingParams(logit_bias=bias)
 
 
-def test_mask_cost_does_not_depend_on_how_allowed_tokens_are_spread() -> None:
-    """At a real vocabulary (Qwen2.5's logits), 16 masks whose allowed tokens are scattered
-    (as inside a JSON string) cost about what masks with one run of allowed tokens cost."""
+def test_scattered_masks_at_a_real_vocabulary_refuse_exactly_their_tokens() -> None:
+    """At Qwen2.5's 151,936 logits, 16 masks whose allowed tokens are scattered (as inside a
+    JSON string): refused tokens are -inf, a NaN among them too, and the rest as they were
+    (a NaN that is allowed stays one). The cost of such masks is measured by
+    scripts/bench_structured.py, not here."""
     vocab, rows = 151_936, 16
     words = -(-vocab // 32)
     rng = np.random.default_rng(0)
-    scattered = torch.from_numpy(rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64))
-    one_run = torch.zeros(rows, words, dtype=torch.int64)
-    one_run[:, 100:130] = -1
+    scattered = torch.from_numpy(
+        rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64).astype(np.int32)
+    )
     logits = torch.randn(rows, vocab)
-
-    def seconds(masks: torch.Tensor) -> float:
-        work = logits.clone()
-        row_masks = list(masks.to(torch.int32))
-        start = time.thread_time()  # CPU time: other processes' load does not count
-        apply_token_bitmasks(work, list(range(rows)), row_masks)
-        return time.thread_time() - start
-
-    scattered_s = min(seconds(scattered) for _ in range(9))
-    one_run_s = min(seconds(one_run) for _ in range(9))
-    assert scattered_s < 2 * one_run_s, (scattered_s, one_run_s)
-    # refused tokens -inf, the rest as they were
+    logits[:, ::97] = float("nan")
     work = logits.clone()
-    apply_token_bitmasks(work, list(range(rows)), list(scattered.to(torch.int32)))
-    allowed = torch.from_numpy(allowed_tokens(scattered.to(torch.int32), vocab).copy())
-    assert torch.equal(work[allowed], logits[allowed])
+    apply_token_bitmasks(work, list(range(rows)), list(scattered))
+    allowed = torch.from_numpy(allowed_tokens(scattered, vocab).copy())
+    kept, given = work[allowed], logits[allowed]
+    assert torch.equal(kept.isnan(), given.isnan())
+    assert torch.equal(kept.nan_to_num(0.0), given.nan_to_num(0.0))
     assert bool((work[~allowed] == float("-inf")).all())
