@@ -107,19 +107,20 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             names = list(f.keys())
-            for name in progress(names, f"loading {path.name}", total=len(names)):
+        for name in progress(names, f"loading {path.name}", total=len(names)):
+            # one map of the file per tensor: a map keeps every page read resident until it
+            # closes, so one map for the whole file held its bytes beside their copies (the
+            # peak twice the weights); each copy is made before its map closes
+            with safe_open(str(path), framework="pt", device="cpu") as f:
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 else:
-                    # get_tensor's tensor is a view of the file's memory map, and any one such
-                    # tensor kept (a tied embedding, a norm) keeps the whole map and every page
-                    # read resident: a dense model held its file besides its packed weights
-                    tensor = tensor.clone()
-                if name in weights:
-                    raise ModelFilesError(f"{model_dir}: tensor {name} appears in two files")
-                weights[name] = tensor
-                total_bytes += tensor.numel() * tensor.element_size()
+                    tensor = tensor.clone()  # not a view of the map
+            if name in weights:
+                raise ModelFilesError(f"{model_dir}: tensor {name} appears in two files")
+            weights[name] = tensor
+            total_bytes += tensor.numel() * tensor.element_size()
     index_path = model_dir / WEIGHTS_INDEX_FILE
     if index_path.is_file():
         expected = set(read_json(index_path)["weight_map"])
