@@ -10,6 +10,8 @@ decoding with exact errors (``decode_body``).
 - A body that has not fully arrived after ``ServerState.body_timeout`` seconds (a chunked body
   that never ends, a client that stalls) is answered 408 and its connection closed.
 - Bodies above the app's ``client_max_size`` are answered 413 by aiohttp's reader.
+- Top-level fields the request type does not read are accepted, and named in one warning
+  line per request (server/unknown_fields.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from asyncengine.server.errors import ApiError
 from asyncengine.server.openai_schema import RequestT, decode_body
 from asyncengine.server.state import ServerState
 from asyncengine.server.tenancy import isolate
+from asyncengine.server.unknown_fields import warn_unknown_fields
 
 JSON_TYPE = "application/json"
 
@@ -64,4 +67,6 @@ async def read_json(
             code="request_timeout",
             close_connection=True,
         ) from None
-    return isolate(request, state.cache_isolation, decode_body(body, request_type))
+    decoded = decode_body(body, request_type)
+    warn_unknown_fields(request.path, body, request_type)
+    return isolate(request, state.cache_isolation, decoded)

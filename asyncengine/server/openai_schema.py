@@ -1,6 +1,7 @@
 """OpenAI request bodies: msgspec Structs, decoding with exact error messages, SamplingParams.
 
-Unknown fields are accepted and ignored (OpenAI clients send many we have no use for); the known
+Unknown fields are accepted and ignored (OpenAI clients send many we have no use for), each
+request's named in one warning line (server/unknown_fields.py); the known
 ones are type- and range-checked at decode time, so a bad value is a 400 that names the field.
 Known fields whose meaning we cannot honour (best_of > 1, beam search, vLLM's other extras in
 VLLM_UNSUPPORTED, ...) are refused with a 400 that names them rather than silently ignored.
