@@ -72,10 +72,13 @@ class StructuredOutput:
     """A constraint on the whole output: ``kind`` is one of CONSTRAINT_KINDS; ``spec`` is the
     JSON schema (as JSON text), the regular expression, the EBNF grammar or xgrammar's structural
     tag as JSON text (tool calls: structured/tool_grammar.py; "" for json_object).
-    The grammar is compiled by the engine; a spec it cannot compile is refused there."""
+    The grammar is compiled by the engine; a spec it cannot compile is refused there, the 400
+    naming ``param``: the request field the constraint came from (not part of its identity:
+    equal specs share one compiled grammar whichever field gave them)."""
 
     kind: str
     spec: str = ""
+    param: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:
@@ -102,12 +105,14 @@ class StructuredOutput:
                 raise InvalidRequestError("the JSON schema must be a JSON object")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, object] | bool | str) -> StructuredOutput:
+    def json_schema(
+        cls, schema: dict[str, object] | bool | str, param: str | None = None
+    ) -> StructuredOutput:
         """From a schema object (or its JSON text); keys are sorted so equal schemas share a
         compiled grammar."""
         if isinstance(schema, str):
-            return cls("json_schema", schema)
-        return cls("json_schema", json.dumps(schema))
+            return cls("json_schema", schema, param)
+        return cls("json_schema", json.dumps(schema), param)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import msgspec
 
 from asyncengine.common.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from asyncengine.server.errors import invalid_request
-from asyncengine.server.openai_schema import ChatCompletionRequest, chat_messages
+from asyncengine.server.openai_schema import SCHEMA_PARAM, ChatCompletionRequest, chat_messages
 from asyncengine.server.tool_schema import (
     AssistantToolCall,
     NamedToolChoice,
@@ -162,6 +162,20 @@ def _functions(tools: list[Tool], choice: str | NamedToolChoice) -> list[ToolFun
         if tool.function.name in names and _held(tool, choice):
             _check_enforced(functions[tool.function.name], f"tools[{i}].function.parameters")
     return chosen
+
+
+def _grammar_param(tools: list[Tool], functions: list[ToolFunction], holds_answer: bool) -> str:
+    """The field a tool-call grammar's compile error names: the one schema it holds, where it
+    holds one (a tool's parameters, or the response format's answer), else ``tools``."""
+    held = {function.name for function in functions if isinstance(function.parameters, dict)}
+    schemas = [
+        f"tools[{i}].function.parameters"
+        for i, tool in enumerate(tools)
+        if tool.function.name in held
+    ]
+    if holds_answer:
+        schemas.append(SCHEMA_PARAM)
+    return schemas[0] if len(schemas) == 1 else "tools"
 
 
 def _held(tool: Tool, choice: str | NamedToolChoice) -> bool:
@@ -353,6 +367,9 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             reasoning=starts_inside is not None and not prompt_closes_thinking(prompt),
             starts_inside_thinking=bool(starts_inside),
             answer=answer,
+        )
+        grammar = dataclasses.replace(
+            grammar, param=_grammar_param(req.tools or [], functions, answer is not None)
         )
     output = None
     if functions or starts_inside is not None:

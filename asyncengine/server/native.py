@@ -241,10 +241,11 @@ def _structured(sp: NativeSamplingParams) -> StructuredOutput | None:
     if not given:
         return None
     ((kind, spec),) = given.items()
+    param = f"sampling_params.{kind}"
     if kind == "json_schema":
-        return StructuredOutput.json_schema(spec)
+        return StructuredOutput.json_schema(spec, param)
     assert isinstance(spec, str)
-    return StructuredOutput(kind, spec)
+    return StructuredOutput(kind, spec, param)
 
 
 def _sampling_params(req: GenerateRequest, max_new_tokens: int, max_n: int) -> SamplingParams:

@@ -11,6 +11,7 @@ bounded in-memory store (server/responses_store.py).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -40,6 +41,7 @@ from asyncengine.server.responses_schema import (
     chat_request,
     check_supported,
     input_items,
+    responses_constraint,
     responses_names,
 )
 from asyncengine.server.responses_store import ResponseStore, not_found
@@ -116,6 +118,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         chat = await prepare_chat(state, chat_req, "max_output_tokens")
     except ApiError as error:
         raise responses_names(error) from None
+    chat = dataclasses.replace(chat, params=responses_constraint(chat.params))
     response_id = f"resp_{uuid.uuid4().hex}"
     response = ResponseBody(response_id, chat.model, req, req.store and store.enabled)
     turn = _Turn(state, store, req, items, response, request.get(API_KEY_DIGEST))

@@ -471,6 +471,9 @@ def _short(key: str) -> str:
     return repr(key) if len(key) <= 40 else repr(key[:40]) + f"... ({len(key)} characters)"
 
 
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
 def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
     """The constraint a response_format asks for (None: plain text)."""
     if fmt is None or fmt.type == "text":
@@ -482,16 +485,16 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
         )
     try:
         if fmt.type == "json_object":
-            return StructuredOutput("json_object")
+            return StructuredOutput("json_object", param="response_format")
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
         if not isinstance(schema, (dict, bool)):
             raise invalid_request(
-                "response_format.json_schema.schema must be a JSON schema object",
-                param="response_format.json_schema.schema",
+                f"{SCHEMA_PARAM} must be a JSON schema object",
+                param=SCHEMA_PARAM,
             )
         # its size checked first: the keyword walk is Python, on the event loop
-        structured = StructuredOutput.json_schema(schema)
-        check_enforced(schema, "response_format.json_schema.schema")
+        structured = StructuredOutput.json_schema(schema, param=SCHEMA_PARAM)
+        check_enforced(schema, SCHEMA_PARAM)
         return structured
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), exc.param or "response_format", exc.code) from None
@@ -515,9 +518,9 @@ def _constraint(req: _CommonRequest) -> StructuredOutput | None:
         raise invalid_request(f"give at most one of {', '.join(given)}", param=given[1])
     try:
         if req.regex is not None:
-            return StructuredOutput("regex", req.regex)
+            return StructuredOutput("regex", req.regex, param="regex")
         if req.ebnf is not None:
-            return StructuredOutput("ebnf", req.ebnf)
+            return StructuredOutput("ebnf", req.ebnf, param="ebnf")
     except InvalidRequestError as exc:
         raise invalid_request(str(exc), param=given[0]) from None
     return structured_output(req.response_format)

@@ -28,12 +28,13 @@ translation into the ``ChatCompletionRequest`` that the chat path runs
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-from asyncengine.common.sampling_params import MAX_TENANT_LENGTH
+from asyncengine.common.sampling_params import MAX_TENANT_LENGTH, SamplingParams
 from asyncengine.server.errors import ApiError, invalid_request
 from asyncengine.server.openai_schema import (
     ChatCompletionRequest,
@@ -370,6 +371,15 @@ def responses_names(error: ApiError) -> ApiError:
     if error.param is not None:
         error.param = _responses_name(error.param)
     return error
+
+
+def responses_constraint(params: SamplingParams) -> SamplingParams:
+    """``params`` with its constraint's field (named should it not compile) as this API has it."""
+    structured = params.structured
+    if structured is None or structured.param is None:
+        return params
+    named = dataclasses.replace(structured, param=_responses_name(structured.param))
+    return dataclasses.replace(params, structured=named)
 
 
 def _tool_choice(req: ResponsesRequest) -> ToolChoice | None:

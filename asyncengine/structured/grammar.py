@@ -10,7 +10,7 @@ Compilation runs in the compiler's own worker processes (structured/compile_pool
 long compile neither blocks the event loop nor waits behind forwards, and one past the time
 limit is killed. Requests for a spec that is being compiled wait for the same compile. A spec
 xgrammar cannot compile, or not within the time limit, is an ``InvalidRequestError`` that
-names the problem (specs are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
+names the problem and the request field the spec came from (``StructuredOutput.param``; specs are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
 
 A grammar's work per token can grow with its output (nested repetitions): each mask and token
 of a matcher is timed, and one over ``MAX_STEP_SECONDS`` ends its request; its spec is then
@@ -166,6 +166,9 @@ class GrammarCompiler:
             refused = getattr(error, "code", None) in REFUSED_FROM_NOW_ON
             if not refused and self._cache.get(constraint) is entry:
                 del self._cache[constraint]
+            if isinstance(error, InvalidRequestError) and error.param is None:
+                # the cached error is every requester's: each gets its own field named
+                raise InvalidRequestError(str(error), constraint.param, error.code) from None
             raise
         finally:
             entry.waiters -= 1
