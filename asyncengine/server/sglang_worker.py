@@ -111,15 +111,24 @@ def live_pages(stats: dict[str, Any]) -> int:
     return total - free - tail - evictable
 
 
-async def get_load(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
-    stats = engine.stats()
+def _load(rank: int, stats: dict[str, Any], page_size: int) -> dict[str, int]:
     waiting = int(stats.get("waiting", 0))
     running = int(stats.get("running", 0)) + int(stats.get("prefilling", 0))
-    tokens = live_pages(stats) * engine.config.page_size
-    load = {"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}
-    body = msgspec.json.encode([{**load, "num_tokens": tokens}])  # one entry per data-parallel rank
-    return web.Response(body=body, content_type="application/json")
+    return {
+        "dp_rank": rank,
+        "num_reqs": running + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": live_pages(stats) * page_size,
+    }
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """One entry per data-parallel rank, as SGLang answers: under ``--replicas`` one per
+    replica, in the order (and with the ranks) of /server_info's ``internal_states``."""
+    engine = request.app[STATE].engine
+    ranks = rank_stats(engine) or [{}]  # one idle rank before the first replica reported
+    loads = [_load(rank, stats, engine.config.page_size) for rank, stats in enumerate(ranks)]
+    return web.Response(body=msgspec.json.encode(loads), content_type="application/json")
 
 
 FLUSH_PATH = "/flush_cache"
