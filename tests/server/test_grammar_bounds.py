@@ -12,11 +12,13 @@ import asyncio
 import importlib.util
 import sys
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 import torch
 
 from asyncengine.common.sampling_params import MAX_GRAMMAR_CHARS
@@ -33,6 +35,8 @@ from tests.server_support import (
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "grammar_flood.py"
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 
 def grammar_flood() -> Any:
     spec = importlib.util.spec_from_file_location("grammar_flood", SCRIPT)
@@ -45,6 +49,15 @@ def grammar_flood() -> Any:
 
 async def started(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> RunningServer:
     return await start_server(engine_config(tiny_model_dir(tmp_path_factory), **overrides))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+    """One default server for the tests that neither change its settings nor count its
+    compiles from zero (each starts and ends with the engine idle, and uses its own specs)."""
+    server = await started(tmp_path_factory)
+    yield server
+    await server.stop()
 
 
 async def post(server: RunningServer, body: dict[str, Any]) -> tuple[int, Any]:
@@ -152,84 +165,71 @@ async def test_requests_waiting_for_a_compile_count_as_waiting(
 
 
 async def test_a_grammar_whose_steps_grow_ends_its_request(
-    tmp_path_factory: pytest.TempPathFactory,
+    server: RunningServer,
 ) -> None:
     # compiles in under a second, then each token forced into the nested repetitions multiplies
     # the matcher's work by some tenfold (its 4th mask took 19 s): the request ends once one
     # step is over the limit, with what it has
     bomb = "(([a-z]{0,100}){0,100}){0,100}"
-    server = await started(tmp_path_factory)
-    try:
-        (abc,) = server.engine.tokenizer.encode("abc")
-        body = {"prompt": "x", "max_tokens": 4, "regex": bomb, "logit_bias": {str(abc): 100}}
-        status, out = await post(server, body)
-        assert status == 200, out
-        choice = out["choices"][0]
-        assert choice["finish_reason"] == "abort" and choice["text"].startswith("abc")
-        assert out["usage"]["completion_tokens"] < 4
-        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
-        assert status == 200 and out["choices"][0]["text"].isdigit()
-        assert await wait_until(lambda: engine_idle(server.engine))
-    finally:
-        await server.stop()
+    (abc,) = server.engine.tokenizer.encode("abc")
+    body = {"prompt": "x", "max_tokens": 4, "regex": bomb, "logit_bias": {str(abc): 100}}
+    status, out = await post(server, body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"].startswith("abc")
+    assert out["usage"]["completion_tokens"] < 4
+    status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
+    assert status == 200 and out["choices"][0]["text"].isdigit()
+    assert await wait_until(lambda: engine_idle(server.engine))
 
 
 async def test_a_grammar_too_slow_to_follow_is_refused_at_once_the_next_time(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = await started(tmp_path_factory)
-    try:
-        masks = counted_masks(monkeypatch)
-        monkeypatch.setattr(grammar, "time", SlowSteps())
-        body = {"prompt": "x", "max_tokens": 4, "regex": "[a-z]+"}
+    masks = counted_masks(monkeypatch)
+    monkeypatch.setattr(grammar, "time", SlowSteps())
+    body = {"prompt": "x", "max_tokens": 4, "regex": "[a-z]+"}
+    status, out = await post(server, body)
+    assert status == 200, out
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert out["usage"]["completion_tokens"] == 1  # ended at the first token's landing
+    compiler = server.engine.held.compiler
+    ran, compiles = len(masks), compiler.compiles
+    assert ran >= 1
+    for _ in range(2):
         status, out = await post(server, body)
-        assert status == 200, out
-        assert out["choices"][0]["finish_reason"] == "abort"
-        assert out["usage"]["completion_tokens"] == 1  # ended at the first token's landing
-        compiler = server.engine.held.compiler
-        ran, compiles = len(masks), compiler.compiles
-        assert ran >= 1
-        for _ in range(2):
-            status, out = await post(server, body)
-            assert status == 400, out
-            assert out["error"]["code"] == "grammar_too_complex"
-            assert "regular expression is too slow to follow" in out["error"]["message"]
-        assert len(masks) == ran and compiler.compiles == compiles  # no mask, no compile
-        monkeypatch.undo()
-        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
-        assert status == 200 and out["choices"][0]["text"].isdigit()  # another spec is served
-        assert await wait_until(lambda: engine_idle(server.engine))
-    finally:
-        await server.stop()
+        assert status == 400, out
+        assert out["error"]["code"] == "grammar_too_complex"
+        assert "regular expression is too slow to follow" in out["error"]["message"]
+    assert len(masks) == ran and compiler.compiles == compiles  # no mask, no compile
+    monkeypatch.undo()
+    status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": "[0-9]+"})
+    assert status == 200 and out["choices"][0]["text"].isdigit()  # another spec is served
+    assert await wait_until(lambda: engine_idle(server.engine))
 
 
 async def test_a_grammar_whose_first_mask_is_too_slow_is_refused_at_compile(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # compiles in milliseconds, then its first mask takes over a second of CPU time (five
     # nested repetitions); it was made on the event loop as the request was queued
     nested = "(((([a-z]{0,5}){0,5}){0,5}){0,5}){0,5}"
-    server = await started(tmp_path_factory)
-    try:
-        masks = counted_masks(monkeypatch)
-        compiles = []
-        for _ in range(2):  # probed once in a compile worker, then refused from the cache
-            status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": nested})
-            assert status == 400, out
-            assert out["error"]["code"] == "grammar_too_complex"
-            assert "first token's mask took" in out["error"]["message"]
-            compiles.append(server.engine.held.compiler.compiles)
-        assert compiles[0] == compiles[1]
-        assert masks == []  # nothing of it ran in the engine
-        assert await wait_until(lambda: engine_idle(server.engine))
-    finally:
-        await server.stop()
+    masks = counted_masks(monkeypatch)
+    compiles = []
+    for _ in range(2):  # probed once in a compile worker, then refused from the cache
+        status, out = await post(server, {"prompt": "x", "max_tokens": 2, "regex": nested})
+        assert status == 400, out
+        assert out["error"]["code"] == "grammar_too_complex"
+        assert "first token's mask took" in out["error"]["message"]
+        compiles.append(server.engine.held.compiler.compiles)
+    assert compiles[0] == compiles[1]
+    assert masks == []  # nothing of it ran in the engine
+    assert await wait_until(lambda: engine_idle(server.engine))
 
 
 async def test_the_event_loop_serves_while_a_mask_is_made(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = await started(tmp_path_factory)
     making = threading.Event()  # the first mask has begun
     release = threading.Event()
     blocked: list[bool] = []  # whether the mask was still held when it went on
@@ -262,4 +262,3 @@ async def test_the_event_loop_serves_while_a_mask_is_made(
         assert await wait_until(lambda: engine_idle(server.engine))
     finally:
         release.set()
-        await server.stop()
