@@ -108,8 +108,8 @@ class StructuredOutput:
     def json_schema(
         cls, schema: dict[str, object] | bool | str, param: str | None = None
     ) -> StructuredOutput:
-        """From a schema object (or its JSON text); keys are sorted so equal schemas share a
-        compiled grammar."""
+        """From a schema object (or its JSON text), its keys in the order given: that is the
+        order the grammar writes an object's properties in, so they are not sorted."""
         if isinstance(schema, str):
             return cls("json_schema", schema, param)
         return cls("json_schema", json.dumps(schema), param)
