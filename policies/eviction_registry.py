@@ -38,11 +38,11 @@ def build_eviction_rule(
 ) -> EvictionRule:
     """``make_eviction_rule`` for a config: ConfigError naming the key of what is wrong."""
     try:
-        resolve_eviction_rule(spec)
+        cls = resolve_eviction_rule(spec)
     except ValueError as exc:
         raise ConfigError(f"config key {key!r} = {spec!r}: {exc}") from None
     try:
-        return make_eviction_rule(spec, options)
+        return build_plugin(cls, spec, options or {}, EVICTION_RULES, KIND)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config key {failed_build_key(key, spec, options)}: {exc}") from None
 

@@ -135,21 +135,17 @@ def make_policy(spec: str, options: dict[str, Any] | None = None) -> Policy:
     names = policy_names(spec)
     classes = resolve_policy(spec)
     if len(classes) == 1:
-        return _built(classes[0], names[0], options)
+        return build_plugin(classes[0], names[0], options, BUILTIN, "policy")
     parts = []
     for name, cls in zip(names, classes, strict=True):
         own = options.pop(cls.name, None) or options.pop(name, None) or {}
-        parts.append(_built(cls, name, own))
+        parts.append(build_plugin(cls, name, own, BUILTIN, "policy"))
     if options:
         raise ValueError(f"policy options {sorted(options)} match no part of {spec!r}")
     policy = ComposedPolicy(parts)
     if policy.orderer is None:
         policy.orderer = FCFSPolicy()
     return policy
-
-
-def _built(cls: type[Policy], name: str, options: dict[str, Any]) -> Policy:
-    return build_plugin(cls, name, options, BUILTIN, "policy")
 
 
 def _builtin_key(name: str) -> str:
