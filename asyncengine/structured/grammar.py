@@ -10,7 +10,8 @@ Compilation runs in the compiler's own worker processes (structured/compile_pool
 long compile neither blocks the event loop nor waits behind forwards, and one past the time
 limit is killed. Requests for a spec that is being compiled wait for the same compile. A spec
 xgrammar cannot compile, or not within the time limit, is an ``InvalidRequestError`` that
-names the problem and the request field the spec came from (``StructuredOutput.param``; specs are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
+names the problem and the request field the spec came from (``StructuredOutput.param``; specs
+are capped in length at intake: ``sampling_params.MAX_GRAMMAR_CHARS``).
 
 A grammar's work per token can grow with its output (nested repetitions): each mask and token
 of a matcher is timed, and one over ``MAX_STEP_SECONDS`` ends its request; its spec is then
