@@ -11,10 +11,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
-pytest.importorskip("ray.serve")
-
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve._private.request_router.common import PendingRequest
 
