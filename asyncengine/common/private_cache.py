@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 CACHE_ENV = "ASYNCENGINE_CACHE"
@@ -101,6 +102,19 @@ def make_private(directory: Path) -> None:
         os.chmod(root, DIR_MODE)
         for name in files:
             os.chmod(os.path.join(root, name), FILE_MODE)
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """``data`` as ``path`` (mode 0600), written under a temporary name beside it and renamed
+    into place: a reader, in this process or another, sees the old file or the whole new one."""
+    fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
 
 
 def cache_dir(name: str | None = None) -> Path:

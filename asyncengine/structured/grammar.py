@@ -45,6 +45,7 @@ from asyncengine.structured.compile_pool import (
 )
 from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
 from asyncengine.structured.schema_annotations import grammar_schema
+from asyncengine.structured.tokenizer_info import tokenizer_info
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_WORKERS = 2
@@ -108,8 +109,9 @@ class GrammarCompiler:
     ``vocab_size`` the width of the model's logits (it may exceed the tokenizer's).
 
     Compiles run in ``workers`` worker processes, first come first served, started with the
-    compiler (xgrammar's import and the vocabulary: seconds) and handing back the compiled
-    grammar serialized. The work a client can make is bounded: a compile no waiting request
+    compiler (seconds: each imports xgrammar, and with it torch and transformers) and handing
+    back the compiled grammar serialized. They start from xgrammar's view of the vocabulary,
+    built once per tokenizer and kept in memory and on disk (structured/tokenizer_info.py). The work a client can make is bounded: a compile no waiting request
     wants any more (its clients went away) is cancelled before it starts; one that runs longer
     than ``timeout`` seconds is killed with its process (a fresh one takes its place) and its
     spec refused from then on; ``json_object``, compiled first and here, never waits behind
@@ -255,15 +257,10 @@ class GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
                 xgrammar = _import_xgrammar()
-                from transformers import PreTrainedTokenizerFast
-
-                wrapped = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    wrapped, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
-                )
-                self._tokenizer_info = info
-                self._tokenizer_info_json = info.serialize_json().encode()
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                built = tokenizer_info(self._tokenizer.backend, self.vocab_size, self.eos_token_ids)
+                self._tokenizer_info = built.xgrammar
+                self._tokenizer_info_json = built.serialized
+                self._compiler = xgrammar.GrammarCompiler(built.xgrammar, max_threads=1)
             return self._compiler
 
     def close(self) -> None:
