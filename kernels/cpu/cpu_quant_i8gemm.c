@@ -689,6 +689,14 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
         __m512 facc[MR][NV];
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < nv; v++) facc[r][v] = _mm512_setzero_ps();
+        /* Q4_1, Q5_1: each row's blocks' activation sums times their scales (bx), 8 at once */
+        float bx[MR][8] __attribute__((aligned(32)));
+        if (has_min)
+            for (int r = 0; r < mr; r++)
+                _mm256_store_ps(bx[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                                                         _mm_loadu_si128((const __m128i *)(
+                                                             a[r].b + s * 8)))),
+                                                     _mm256_loadu_ps(a[r].xd + s * 8)));
         for (int j = nb; j < 8; j++) prefetch_part(pf, (s - s0) * 8 + j, (s1 - s0) * 8);
         for (int j = 0; j < nb; j++) {
             prefetch_part(pf, (s - s0) * 8 + j, (s1 - s0) * 8);
@@ -715,14 +723,18 @@ static inline Q_ALWAYS_INLINE void tile_512_q8(const uint8_t *const *w, const in
                 for (int r = 0; r < mr; r++)
                     facc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][v]),
                                                  _mm512_mul_ps(d, xd[r]), facc[r][v]);
-                if (has_min) {
+            }
+        }
+        if (has_min) { /* the min term after the blocks, their loop Q4_0's: 1-7% faster than
+                        * beside each block's scale; its FMAs (one to each 8 vpdpbusd, on the
+                        * same pipes) keep Q4_1's products ~1.1x Q4_0's */
+#pragma GCC unroll 8
+            for (int j = 0; j < nb; j++)
+                for (int v = 0; v < nv; v++) {
                     const __m512 m = _mm512_load_ps((const float *)(blk[v] + Q8_M_AT + 64 * j));
                     for (int r = 0; r < mr; r++)
-                        facc[r][v] = _mm512_fmadd_ps(
-                            m, _mm512_set1_ps((float)a[r].b[s * 8 + j] * a[r].xd[s * 8 + j]),
-                            facc[r][v]);
+                        facc[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(bx[r][j]), facc[r][v]);
                 }
-            }
         }
         for (int v = 0; v < nv; v++)
             for (int r = 0; r < mr; r++) {
