@@ -5,7 +5,9 @@ Q4_K_M model's attn_v is Q6_K) and its LM head, at each of ``--rows``: the two a
 by call, medians of ``--repeats``. Prints each build's GMAC/s, and with ``--peak`` (GMAC/s of a
 bare vpdpbusd loop on one core: 64 x its instructions a second) the fraction of it per thread.
 Each build packs its own panels; the largest difference of their outputs is printed.
-Random blocks: a product's speed does not depend on the values.
+Random blocks: a product's speed does not depend on the values. On a loaded machine
+``--threads 1 --cpu-time`` counts the calling thread's CPU time (the product runs on it alone),
+which other processes disturb far less than wall time.
 
     git show main:kernels/cpu/cpu_quant_i8gemm.c > /tmp/i8_main.c
     cc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -Ikernels/cpu /tmp/i8_main.c \\
@@ -87,7 +89,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peak", type=float, default=0.0, help="bare vpdpbusd GMAC/s, a core")
     parser.add_argument("--out", default=None, help="JSON here")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="with --threads 1: this thread's CPU time, not wall time (a loaded machine)",
+    )
     args = parser.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time needs --threads 1 (other threads' time is not counted)")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     ours_lib = ctypes.CDLL(args.library) if args.library else cpu_native.load("cpu_quant_i8gemm")
     if ours_lib is None:
@@ -100,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.only:
         shapes = [s for s in shapes if s[0] in args.only.split(",")]
     results = []
-    print(f"{args.shape}; threads {args.threads}; GMAC/s (fraction of bare vpdpbusd)")
+    timing = "CPU time" if args.cpu_time else "wall time"
+    print(f"{args.shape}; threads {args.threads}; {timing}; GMAC/s (fraction of bare vpdpbusd)")
     with torch.inference_mode():
         for fmt in args.formats.split(","):
             for name, out_rows, cols in shapes:
@@ -112,10 +123,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     times: dict[str, list[float]] = {p: [] for p in libs}
                     for repeat in range(args.repeats + 1):
                         for p, lib in libs.items():
-                            start = time.perf_counter()
+                            start = clock()
                             linear(lib, weight.format.code, panels[p], x, outs[p], args.threads)
                             if repeat:  # the first round warms up
-                                times[p].append(time.perf_counter() - start)
+                                times[p].append(clock() - start)
                     ref = outs["base"].float()
                     err = float((outs["ours"].float() - ref).abs().max() / ref.abs().max())
                     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
