@@ -1,5 +1,6 @@
-"""The README and the guides in docs/ work as written: every link and repository path they name
-exists, every `make` target is in the Makefile, and every option their commands pass to
+"""The README and the guides in docs/ work as written: every link (and the heading it names) and
+repository path they name exists, every `make` target is in the Makefile, and every option their
+commands pass to
 `asyncengine serve` or to a script is one that command takes (the README's server and policy
 examples are run by tests/server/test_server_cli.py and tests/policies/test_policies.py)."""
 
@@ -153,6 +154,61 @@ def test_links_and_paths_exist(path: Path) -> None:
     assert missing == []
 
 
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$", flags=re.M)
+
+
+def heading_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces made ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """A document's heading ids; a repeated heading gets ``-1``, ``-2``, ... as on GitHub."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in HEADING.findall(FENCE.sub("", path.read_text())):
+        anchor = heading_anchor(heading)
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        found.add(f"{anchor}-{count}" if count else anchor)
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of a Markdown file whose file, or heading after ``#``, is missing."""
+    broken = []
+    for target in LINK.findall(FENCE.sub("", path.read_text())):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file_part, _, fragment = target.partition("#")
+        linked = (path.parent / file_part) if file_part else path
+        if not linked.exists():
+            broken.append(target)
+        elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
+            broken.append(target)
+    return broken
+
+
+def test_a_link_to_a_missing_heading_is_found(tmp_path: Path) -> None:
+    (tmp_path / "guide.md").write_text("# A guide\n\n## Tool calls\n\n## Tool calls\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "[ok](guide.md#tool-calls) [twice](guide.md#tool-calls-1) [self](#a-doc)\n"
+        "[gone](guide.md#tool-call) [none](missing.md) [own](#nothing)\n# A doc\n"
+    )
+    assert broken_links(doc) == ["guide.md#tool-call", "missing.md", "#nothing"]
+    assert heading_anchor("KV memory and the prefix cache") == "kv-memory-and-the-prefix-cache"
+    assert heading_anchor("Scoring prompts: echo, `logprobs`") == "scoring-prompts-echo-logprobs"
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_reach_a_file_and_heading(path: Path) -> None:
+    assert broken_links(path) == []
+
+
 def test_security_options_are_the_servers() -> None:
     """Every option SECURITY.md's table names is a flag of `asyncengine serve`, a config key, a
     request field or a policy option."""
@@ -184,6 +240,17 @@ def test_pip_installs_the_checkout() -> None:
     installs = [c for c in all_commands() if c.words[0] in PIP and "install" in c.words]
     from_index = [c for c in installs if any(w.startswith("asyncengine") for w in c.words)]
     assert installs and from_index == []
+
+
+def test_a_test_module_run_standalone_is_run_as_a_module() -> None:
+    """A test module imports its helpers from the ``tests`` package, which ``python -m`` puts on
+    the path and ``python tests/...py`` does not."""
+    by_path = [
+        " ".join(c.words)
+        for c in all_commands()
+        if c.words[0] in PYTHON and len(c.words) > 1 and re.fullmatch(r"tests/.+\.py", c.words[1])
+    ]
+    assert by_path == []
 
 
 def test_serve_commands_take_their_options() -> None:
