@@ -3,7 +3,7 @@
 (AVX512-VNNI where the CPU has it, AVX2, scalar).
 
 Standalone, on any x86 machine (prints the ISA the native build picked):
-    .venv/bin/python tests/kernels/test_quantized_kernels.py
+    .venv/bin/python -m tests.kernels.test_quantized_kernels
 """
 
 from __future__ import annotations
