@@ -303,6 +303,7 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
             system = "\n".join(block.text for block in system)
         out.append(ChatMessage(role="system", content=system))
     names: dict[str, str] = {}  # tool_use id -> function name
+    used_at: dict[str, str] = {}  # tool_use id -> the block that used it first
     asked: set[str] = set()  # the tool_use ids of the message before, which results answer
     for i, message in enumerate(req.messages):
         called, asked = asked, set()
@@ -326,6 +327,13 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
                     raise invalid_request(
                         f"{param}: a tool_use block belongs in an assistant message", param=param
                     )
+                if block.id in used_at:  # Anthropic's rule: a result must name one call
+                    raise invalid_request(
+                        f"{param}: tool_use ids must be unique; {block.id!r} is also the id "
+                        f"of {used_at[block.id]}",
+                        param=param,
+                    )
+                used_at[block.id] = param
                 names[block.id] = block.name
                 asked.add(block.id)
                 arguments = json.dumps(block.input, ensure_ascii=False)

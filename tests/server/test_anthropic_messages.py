@@ -302,6 +302,34 @@ async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
             assert f"with no tool_result block: {missing};" in message, message
 
 
+async def test_a_tool_use_id_used_twice_is_refused_as_ambiguous(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """As Anthropic's API: ids are unique across the request, else a result could answer
+    either call."""
+    ask = _user(QUESTION)
+    for messages, where, first in (
+        ([*ask, _tool_use("toolu_a", "toolu_a"), _tool_results("toolu_a")], 1, "[1].content[0]"),
+        (
+            [*ask, _tool_use("toolu_a"), _tool_results("toolu_a"), _tool_use("toolu_a"),
+             _tool_results("toolu_a")],
+            3,
+            "[1].content[0]",
+        ),
+    ):  # fmt: skip
+        for send in (claude.messages.create, claude.messages.count_tokens):
+            kwargs: dict[str, Any] = dict(model=server.model, messages=messages, tools=TOOLS)
+            if send == claude.messages.create:
+                kwargs["max_tokens"] = 1
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await send(**kwargs)
+            body = refused.value.body
+            assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+            message = body["error"]["message"]
+            assert message.startswith(f"messages[{where}].content[")
+            assert "tool_use ids must be unique" in message and f"messages{first}" in message
+
+
 async def test_empty_or_blank_text_and_a_prefill_ending_in_whitespace_are_refused(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
