@@ -100,6 +100,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 class ContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part, read as its text
 
 
 # "function": a legacy function result (as "tool", answering the legacy call before it)
@@ -377,17 +378,29 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         if isinstance(content, list):
             texts: list[str] = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                text = _part_text(part, message.role)
+                if text is None:
                     raise invalid_request(
-                        f"{param}.content[{j}] has type {part.type!r}; only text parts are supported",
+                        f"{param}.content[{j}] has type {part.type!r}; only text parts "
+                        "(and an assistant's refusal parts) are supported",
                         param=f"{param}.content[{j}].type",
                         code="unsupported_content",
                     )
-                texts.append(part.text)
+                texts.append(text)
             content = "\n".join(texts)
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
         messages.append({"role": role, "content": content})
     return messages
+
+
+def _part_text(part: ContentPart, role: str) -> str | None:
+    """A content part's text: a text part's, or the refusal an assistant part carries (the
+    OpenAI API takes one in an assistant's content, as vLLM does); None for any other part."""
+    if part.type == "text":
+        return part.text
+    if part.type == "refusal" and role == "assistant":
+        return part.refusal
+    return None
 
 
 # the most prompts one completions request may batch (lm-eval sends tens at a time)

@@ -110,6 +110,13 @@ CASES = [
         says="only text",
     ),
     Bad(
+        "refusal part from the user",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]),
+        param="messages[0].content[0].type",
+        says="only text",
+    ),
+    Bad(
         "prompt too long",
         CHAT,
         chat(messages=[{"role": "user", "content": LONG_TEXT}]),

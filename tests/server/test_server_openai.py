@@ -102,6 +102,27 @@ async def test_max_completion_tokens_wins(
     assert resp.choices[0].finish_reason == "length"
 
 
+async def test_an_assistant_refusal_part_is_read_as_its_text(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """OpenAI's API takes refusal parts in an assistant's content; the prompt holds their
+    text where a text part would."""
+    refusal = "I cannot help with that."
+    answers = []
+    for content in (
+        refusal,
+        [{"type": "refusal", "refusal": refusal}],
+        [{"type": "text", "text": refusal}],
+    ):
+        history: Any = [*CHAT, {"role": "assistant", "content": content}, CHAT[1]]
+        resp = await client.chat.completions.create(
+            model=server.model, messages=history, max_tokens=4, temperature=0
+        )
+        assert resp.usage is not None
+        answers.append((resp.usage.prompt_tokens, resp.choices[0].message.content))
+    assert answers[1] == answers[0] and answers[2] == answers[0]
+
+
 async def test_completion_equals_engine_generate(
     client: openai.AsyncOpenAI, server: RunningServer
 ) -> None:
