@@ -30,6 +30,8 @@ _COUNTERS = (
 )
 # instantaneous values; a line is due when one of them differs from the last line's
 _GAUGES = ("prefilling", "running", "waiting", "pages_used", "pages_cached")
+# the gauges that say work is in flight
+_BUSY = ("prefilling", "running", "waiting")
 
 
 @dataclass(slots=True)
@@ -74,12 +76,17 @@ class SummaryLog:
     def line(self) -> str | None:
         """The summary since the previous call, or None when nothing changed in between."""
         now = self._snapshot()
-        last, self._last = self._last, now
+        last = self._last
         if last is None:
             last = _Snapshot(now.time, dict.fromkeys(now.counters, 0.0))
         moved = {k: v - last.counters.get(k, 0.0) for k, v in now.counters.items()}
         if not any(moved.values()) and now.gauges == self._last_logged_gauges:
+            # A step longer than the interval moves nothing until it ends: its time stays in
+            # the next line's rates. Idle time belongs to no rate.
+            if not any(now.gauges[k] for k in _BUSY):
+                self._last = now
             return None
+        self._last = now
         self._last_logged_gauges = now.gauges
         dt = max(now.time - last.time, 1e-9)
         hit, miss = moved["hit_tokens"], moved["miss_tokens"]

@@ -113,6 +113,27 @@ async def test_the_engine_counts_the_prompt_tokens_its_forwards_computed() -> No
         assert 0 < again < 40 and again == 40 - engine.stats()["hit_tokens"]
 
 
+def test_a_step_longer_than_the_interval_is_averaged_over_its_whole_time() -> None:
+    """A 3,000-token chunk that takes 30 s: the intervals it spans log nothing, and the line
+    after it says 100 tok/s, not 3,000 over the last 10 s alone; idle time counts for none."""
+    stats = dict(IDLE)
+    clock = Clock()
+    summary = SummaryLog(lambda: stats, clock)
+    summary.reset()
+    clock.now += 600  # idle
+    assert summary.line() is None
+    stats.update(prefilling=1, running=1, miss_tokens=3000, pages_used=200)
+    clock.now += 10
+    assert summary.line() is not None  # admitted: the gauges changed
+    for _ in range(2):
+        clock.now += 10
+        assert summary.line() is None  # the step runs on
+    stats.update(prefill_computed_tokens=3000, generated_tokens=3)
+    clock.now += 10
+    line = summary.line()
+    assert line is not None and "gen_tok/s=0.1 prompt_tok/s=100.0 " in line, line
+
+
 def test_a_gauge_that_changes_alone_is_logged_once() -> None:
     """A request waiting with nothing running moves no counter, but the operator must see it."""
     stats = dict(IDLE)
