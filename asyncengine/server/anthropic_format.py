@@ -55,12 +55,25 @@ def anthropic_names(message: str) -> str:
     return message
 
 
+def _naming_the_field(message: str, param: str | None) -> str:
+    """``message``, led by the field it is about when it does not name it (or the object that
+    holds it): Anthropic's shape has no ``param``, and a schema's compile error ("properties
+    must be an object") does not say which tool's it is."""
+    if param is None:
+        return message
+    field = anthropic_names(param)
+    holder = re.sub(r"(\.\w+|\[\d+\])$", "", field)
+    if field in message or holder in message:
+        return message
+    return f"{field}: {message}"
+
+
 def error_body(error: ApiError) -> Json:
     """``{"type": "error", "error": {"type", "message"}, "request_id"}``: the id is the one
     the ``request-id`` header carries (server/request_ids.py)."""
     status = error.status
     fallback = "invalid_request_error" if status < 500 else "api_error"
-    message = anthropic_names(error.message)
+    message = _naming_the_field(anthropic_names(error.message), error.param)
     return {
         "type": "error",
         "error": {"type": _ERROR_TYPES.get(status, fallback), "message": message},

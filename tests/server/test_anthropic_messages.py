@@ -38,6 +38,11 @@ WEATHER_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}]
+UNCLOSED: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "pattern": "(("}},
+    "required": ["a"],
+}
 
 
 def _prompt_tokens(usage: anthropic.types.Usage) -> int:
@@ -239,6 +244,8 @@ async def test_refusals_have_anthropics_error_shape(
     for bad, named in (
         ({"stop_sequences": ["ok", ""]}, "stop_sequences[1]"),
         ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
+        # a schema xgrammar cannot compile: Anthropic's shape has no param, the message names it
+        ({"tools": [{"name": "f", "input_schema": UNCLOSED}]}, "tools[0].input_schema: "),
         ({"output_config": {"format": unique}}, "output_config.format.schema"),
     ):
         status, body = await _raw(
