@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncengine.structured.regex_reading import unreadable_pattern
+
 ANNOTATIONS = frozenset(
     {
         "description",
@@ -33,9 +35,12 @@ _LIST = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
 _MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def grammar_schema(schema: Any) -> Any:
+def grammar_schema(schema: Any, readable_patterns_only: bool = False) -> Any:
     """``schema`` (a JSON schema, or a boolean one) with its annotation keywords removed and
-    ``nullable`` read at every schema position; a new object, ``schema`` left as it is."""
+    ``nullable`` read at every schema position; a new object, ``schema`` left as it is.
+    ``readable_patterns_only``: leave out each ``pattern`` the grammar cannot read (a tool
+    that is only described: its call keeps to what the grammar can hold, as xgrammar drops a
+    lookahead), where a constraint's schema was refused for it (schema_support.py)."""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -43,11 +48,20 @@ def grammar_schema(schema: Any) -> Any:
         if key in ANNOTATIONS or key == "nullable":
             continue
         if key in _LIST and isinstance(value, list):
-            out[key] = [grammar_schema(item) for item in value]
+            out[key] = [grammar_schema(item, readable_patterns_only) for item in value]
         elif key in _ONE:
-            out[key] = grammar_schema(value)
+            out[key] = grammar_schema(value, readable_patterns_only)
         elif key in _MAP and isinstance(value, dict):
-            out[key] = {name: grammar_schema(sub) for name, sub in value.items()}
+            out[key] = {
+                name: grammar_schema(sub, readable_patterns_only) for name, sub in value.items()
+            }
+        elif (
+            key == "pattern"
+            and readable_patterns_only
+            and isinstance(value, str)
+            and unreadable_pattern(value) is not None
+        ):
+            continue
         else:
             out[key] = value  # enum, const, required, type, bounds: as written
     if schema.get("nullable") is True and "type" in out:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.structured.regex_reading import unreadable_pattern
 
 # constraints xgrammar's converter ignores wherever they stand
 IGNORED = {
@@ -226,6 +227,8 @@ def _typed(schema: dict[str, Any], refuse: Refuse) -> Iterator[Unenforced]:
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and ("(?=" in pattern or "(?!" in pattern):
         yield refuse("pattern", "lookahead assertions in a pattern are dropped")
+    elif isinstance(pattern, str) and (problem := unreadable_pattern(pattern)) is not None:
+        yield refuse("pattern", f"the grammar cannot read {problem} in {pattern!r}")
     patterns = schema.get("patternProperties")
     for name in patterns if isinstance(patterns, dict) else {}:
         if "(?=" in name or "(?!" in name:

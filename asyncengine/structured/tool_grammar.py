@@ -36,7 +36,9 @@ class ToolFunction:
 
 
 def _call_tag(fmt: ToolCallFormat, function: ToolFunction) -> dict[str, Any]:
-    schema = grammar_schema(function.parameters)  # descriptions bound nothing
+    # descriptions bound nothing; a pattern the grammar cannot read is left out of a tool
+    # only described (a held tool's schema was refused for it: server/chat_tools.py)
+    schema = grammar_schema(function.parameters, readable_patterns_only=True)
     if schema is True:
         schema = {"type": "object"}
     return {

@@ -348,6 +348,33 @@ async def test_a_held_tool_schema_with_a_keyword_the_grammar_drops_is_a_400(
         assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
+async def test_a_tool_pattern_the_grammar_cannot_read_is_named_or_left_out(
+    client: openai.AsyncOpenAI, server: RunningServer
+) -> None:
+    """xgrammar fails the compile of a pattern with ``\\p{L}`` (or a lookbehind, ``\\b``,
+    ...): a held tool is refused naming it; under "auto" a tool only described is served, its
+    call held to the rest of its schema, rather than every request of the agent failing."""
+    words = {"type": "string", "pattern": "^\\p{L}+$"}
+    schema = {"type": "object", "properties": {"word": words}, "required": ["word"]}
+    tool: Any = {"type": "function", "function": {"name": "spell", "parameters": schema}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model=server.model,
+            messages=QUESTION,
+            tools=[TOOLS[1], tool],
+            tool_choice="required",
+            max_tokens=5,
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "tools[1].function.parameters"
+    assert "'pattern' at #/properties/word" in error["message"], error
+    assert "cannot read a Unicode property class" in error["message"], error
+    out = await client.chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[TOOLS[1], tool], max_tokens=5
+    )
+    assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
 async def test_nothing_leaks_after_the_tool_requests(server: RunningServer) -> None:
     assert await wait_until(lambda: engine_idle(server.engine))
     assert_no_leak(server.engine)

@@ -14,6 +14,7 @@ import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
 from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.structured.schema_annotations import grammar_schema
 from asyncengine.structured.schema_support import check_enforced, unenforced
 
 INT_ARRAY = {"type": "array", "items": {"type": "integer"}}
@@ -57,6 +58,7 @@ REFUSED: list[tuple[dict[str, Any], Any, str, str]] = [
 # (schema, an instance it forbids): held by the grammar, so let through
 HELD: list[tuple[Any, Any]] = [
     ({"type": "string", "pattern": "^[a-z]+$"}, "B"),
+    ({"type": "string", "pattern": r"^\\b(?:\d{1,3})$"}, "b1"),  # an escaped backslash, then b
     ({"type": "string", "maxLength": 2, "description": "short"}, "abc"),
     ({"type": ["string", "null"], "minLength": 3, "title": "T"}, "a"),
     ({"type": "string", "format": "date"}, "x"),
@@ -138,3 +140,33 @@ def test_an_unknown_type_is_refused_before_a_grammar_is_compiled(
         xgrammar.Grammar.from_json_schema(json.dumps(schema))
     with pytest.raises(InvalidRequestError, match=f"'type' at {re.escape(where)} .*Unsupported"):
         check_enforced(schema, "response_format.json_schema.schema")
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"(?<=a)b", r"(a)\1", r"\bword\b", r"^\p{L}+$", r"(?>a)b", r"a{,3}"]
+)
+def test_a_pattern_xgrammar_cannot_read_is_refused_or_left_out(pattern: str) -> None:
+    """Lookbehind, backreferences, word boundaries, Unicode property classes, atomic
+    groups: xgrammar fails the whole grammar's compile. A constraint is refused naming the
+    pattern; a schema that only describes (a tool under "auto") keeps everything else."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "pattern": pattern},
+            "b": {"type": "string", "pattern": "^[a-z]+$"},
+        },
+        "required": ["a", "b"],
+    }
+    with pytest.raises(RuntimeError, match="Regex parsing error"):
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    expected = f"'pattern' at #/properties/a .*cannot read .+ in {re.escape(repr(pattern))}"
+    with pytest.raises(InvalidRequestError, match=expected):
+        check_enforced(schema, "tools[0].function.parameters")
+    described = grammar_schema(schema, readable_patterns_only=True)
+    assert described["properties"] == {
+        "a": {"type": "string"},
+        "b": {"type": "string", "pattern": "^[a-z]+$"},
+    }
+    assert grammar_schema(schema) == schema  # a constraint's schema is never trimmed
+    assert accepts(described, {"a": "anything", "b": "ab"})
+    assert not accepts(described, {"a": "anything", "b": "AB"})
