@@ -14,6 +14,15 @@ rounding differences rarely flip a token):
   with keys padded to fixed blocks (invariant_attention.py).
 Norms, rotary, activations and the greedy sampler work row by row on the CPU: nothing to do.
 
+Nor does the thread count change a row: every CPU kernel of the mode shares its work among
+threads by output rows, columns or (request, head, query block) items, never by cutting a sum,
+so the CPU runner chooses one thread or all for each step as the default mode does
+(executor/cpu/step_threads.py: on busy cores a fixed two-thread team spins at every barrier for
+a descheduled thread). oneDNN picks its own split from the shape and the thread count, so the
+runner checks each kind of product at start-up (``products_match_on_one_thread``) and keeps one
+count where one differs. tests/executor/test_deterministic_threads.py compares whole forwards'
+logits on one thread and on two.
+
 The mode swaps parts of the runner only: the attention backend, the matmuls' row blocks and (on
 CUDA) the norms. The scheduler is untouched: batching, mixed batches, chunking, prefix caching
 and retraction all stay on.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +47,11 @@ from asyncengine.executor.attention.invariant import InvariantTorchBackend
 from asyncengine.executor.attention.invariant_native import NativeInvariantBackend
 from asyncengine.executor.attention.selector import KernelOps, kernel_ops
 from asyncengine.executor.attention.torch_backend import AttentionBackend
-from asyncengine.executor.layers.linear import ROW_BLOCK
+from asyncengine.executor.layers.linear import ROW_BLOCK, Linear, QuantizedLinear
 from asyncengine.kernels.cpu.attention_native import plan_native_extend
+
+if TYPE_CHECKING:
+    from asyncengine.executor.layers.model import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,47 @@ def deterministic_parts(
             fused_add_rms_norm=_row_blocked_pair(ops.fused_add_rms_norm),
         )
     return ForwardParts(InvariantTorchBackend(), ops, ROW_BLOCK)
+
+
+def products_match_on_one_thread(model: LlamaModel, threads: int) -> bool:
+    """Whether each kind of the model's products (dense or quantized, by format and shape) gives
+    a row block the same bits on one thread as on ``threads``. A GEMM library may split a sum
+    across threads where its rows and columns are too few to share out (oneDNN's K-parallel
+    reduction): then a step's count would change its bits, and the runner keeps one count."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    seen: set[tuple[object, ...]] = set()
+    try:
+        for linear in model.linears():
+            width = _in_features(linear)
+            formats = (
+                tuple(p.format.name for p in linear.parts)
+                if isinstance(linear, QuantizedLinear)
+                else "dense"
+            )
+            kind = (formats, linear.out_features, width)
+            if kind in seen:
+                continue
+            seen.add(kind)
+            x = torch.randn(ROW_BLOCK, width, generator=gen).to(model.dtype)
+            results = []
+            for count in (1, threads):
+                torch.set_num_threads(count)
+                with torch.inference_mode():
+                    results.append(linear(x))
+            if not torch.equal(results[0], results[1]):
+                return False
+    finally:
+        torch.set_num_threads(before)
+    return True
+
+
+def _in_features(linear: Linear | QuantizedLinear) -> int:
+    if isinstance(linear, QuantizedLinear):
+        return linear.in_features
+    weight = linear.packed if linear.packed is not None else linear.weight
+    assert weight is not None
+    return int(weight.shape[1])
 
 
 def _native_extend_runs(num_heads: int, k_cache: torch.Tensor, page_size: int) -> bool:

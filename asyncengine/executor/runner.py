@@ -24,7 +24,11 @@ from asyncengine.executor.cpu.malloc_reuse import keep_freed_memory
 from asyncengine.executor.cpu.step_threads import StepThreads, run_on_chosen_threads, step_threads
 from asyncengine.executor.cuda_graph import DecodeGraphs
 from asyncengine.executor.deferred_inputs import LastSampled
-from asyncengine.executor.deterministic import ForwardParts, deterministic_parts
+from asyncengine.executor.deterministic import (
+    ForwardParts,
+    deterministic_parts,
+    products_match_on_one_thread,
+)
 from asyncengine.executor.device import pick_dtype
 from asyncengine.executor.forward_batch import ForwardBatch, HostStaging, build_forward_batch
 from asyncengine.executor.kv_pool import KVPool
@@ -131,10 +135,18 @@ class ModelRunner:
             self.model.build_i8_every_row()  # on every thread, outside the load's one
             keep_freed_memory()  # the steps' large blocks reused, not faulted in each step
         # the CPU step's thread count, all or one, chosen by measuring steps (step_threads.py);
-        # deterministic mode keeps one count (its row blocks are tuned to it)
+        # deterministic mode too where its products' bits do not follow the count
         self.step_threads: StepThreads | None = None
-        if self.device.type == "cpu" and not deterministic:
+        if self.device.type == "cpu":
             self.step_threads = step_threads(torch.get_num_threads())
+        if deterministic and self.step_threads is not None:
+            if not products_match_on_one_thread(self.model, self.step_threads.most):
+                log.warning(
+                    "deterministic mode: a product's bits change with the thread count here; "
+                    "every step runs on %d threads (slow beside other busy processes)",
+                    self.step_threads.most,
+                )
+                self.step_threads = None
         self.k_caches = [kv_pool.k_cache(i) for i in range(model_config.num_layers)]
         self.v_caches = [kv_pool.v_cache(i) for i in range(model_config.num_layers)]
         self.sampler = sampler if sampler is not None else _default_sampler(model_config)

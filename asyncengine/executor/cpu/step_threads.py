@@ -29,7 +29,9 @@ Both counts give bit-identical results, so the choice changes speed only: the pr
 rows and columns across threads, never a sum, and the native sums that are split (split-K
 attention's key ranges, the fused step's LoRA shrinks by input) are cut for ``most`` threads
 whatever the team that runs them (kernels/cpu/plan_threads.py: the runner plans every step for
-``most``). tests/executor/test_step_threads.py checks both.
+``most``). tests/executor/test_step_threads.py checks both. Deterministic mode's steps choose
+too: its row-blocked products and extend attention split no sum by the thread count either
+(executor/deterministic.py; tests/executor/test_deterministic_threads.py).
 
 ``ASYNCENGINE_ADAPTIVE_THREADS=0`` keeps every step on the thread count the process starts with.
 """

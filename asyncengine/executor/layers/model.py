@@ -246,7 +246,7 @@ class LlamaModel:
             budget=self.dense_budget,
         )
 
-    def _linears(self) -> list[Linear | QuantizedLinear]:
+    def linears(self) -> list[Linear | QuantizedLinear]:
         """Every projection, in the order a step reads them: each layer's, then the LM head."""
         return [
             *(
@@ -261,7 +261,7 @@ class LlamaModel:
         """Deterministic mode's int8 panels (linear.py's ``i8_every_row``) built whole now, from
         the written weights: the runner calls it at start-up with every thread (else each
         projection's first call builds its own, in the first request)."""
-        for linear in self._linears():
+        for linear in self.linears():
             if isinstance(linear, QuantizedLinear):
                 linear.build_i8_every_row()
 
@@ -271,7 +271,7 @@ class LlamaModel:
         than whole by each projection's first many-row call; None: none to build. The calls
         and the forwards must come from one thread (the engine's worker: between steps)."""
         deferred = deque(
-            p for p in self._linears() if isinstance(p, QuantizedLinear) and p.defer_i8(self.dtype)
+            p for p in self.linears() if isinstance(p, QuantizedLinear) and p.defer_i8(self.dtype)
         )
         if not deferred:
             return None
