@@ -7,7 +7,10 @@ engines, ``deterministic`` off and on, side by side in one run.
   finish.
 - ``single``: one request alone, decode-dominated (batch 1); output tokens per second.
 Runs alternate between the two engines (off, on, off, on, ...) so that the machine's load
-falls on both alike; the table gives medians of ``--repeats`` and the ratio on/off.
+falls on both alike; the table gives medians of ``--repeats`` and the ratio on/off. Both
+engines share one process, whose libgomp then counts more threads than cores and spins less at
+each barrier than a lone server's: beside busy processes, measure each mode in a process of its
+own (``scripts/bench_neighbours.py --deterministic``).
 
 Batch invariance is checked in the same run: ``--check`` requests are generated one at a time
 (each alone in its batch), then the same requests in the middle of the offline batch; the
