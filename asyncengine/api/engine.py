@@ -530,17 +530,24 @@ class AsyncEngine:
         return previous
 
     async def pin(
-        self, prompt: Prompt, ttl_s: float | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        ttl_s: float | None = None,
+        *,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
     ) -> Pin:
         """Keep ``prompt``'s whole pages (a system prompt, a few-shot block) in the prefix cache,
         out of eviction, until ``unpin(pin.pin_id)`` or ``ttl_s`` seconds; computes them first
         when they are not cached. ``cache_salt``: the pages of the requests with that salt (the
         salts' namespaces share nothing). Raises InvalidRequestError for a prompt shorter than a
         page, PinLimitError (a ValueError) past ``max_pinned_fraction`` of the pool or when the
-        pages it computed were evicted ``PIN_TRIES`` times before it could pin them."""
+        pages it computed were evicted ``PIN_TRIES`` times before it could pin them.
+        ``add_special_tokens``: a text prompt is tokenized as ``generate`` tokenizes it, so
+        that its pages are those a request starting with it keys."""
         core = self._core()
         params = SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt=cache_salt)
-        ids = self.intake.tokenize(prompt)
+        ids = self.intake.tokenize(prompt, add_special_tokens)
         page_size = core.kv.page_size
         whole = len(ids) // page_size * page_size
         if whole == 0:
@@ -604,7 +611,9 @@ class AsyncEngine:
         assert self._intake is not None
         return self._intake
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """The token ids ``stream`` would queue for ``prompt`` (chat messages go through the
-        chat template); ``InvalidRequestError`` for a prompt it would refuse."""
-        return self.intake.tokenize(prompt)
+    def tokenize(self, prompt: Prompt, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids ``stream`` would queue for ``prompt`` under the same
+        ``add_special_tokens`` (a text gets its tokenizer's BOS unless it is False; chat
+        messages go through the chat template); ``InvalidRequestError`` for a prompt it would
+        refuse."""
+        return self.intake.tokenize(prompt, add_special_tokens)

@@ -48,12 +48,14 @@ class Intake:
     # the LoRA adapters served now: name -> its current load's key (api/lora_adapters.py)
     lora_keys: dict[str, str] = field(default_factory=dict)
 
-    def tokenize(self, prompt: Prompt) -> TokenIds:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenIds:
         """The token ids the engine would queue for ``prompt`` (chat messages go through the
-        chat template); ``InvalidRequestError`` for a prompt it would refuse."""
+        chat template); ``InvalidRequestError`` for a prompt it would refuse.
+        ``add_special_tokens``: a text prompt gets those its tokenizer adds (a BOS), as vLLM's."""
         if isinstance(prompt, TokenIds):
             return prompt
-        return TokenIds(prompt_token_ids(self.tokenizer, prompt, self.vocab_size))
+        ids = prompt_token_ids(self.tokenizer, prompt, self.vocab_size, add_special_tokens)
+        return TokenIds(ids)
 
     def truncate(self, ids: IdsT, keep: int | None) -> IdsT:
         """``ids`` cut to their last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``: -1
@@ -128,7 +130,8 @@ class Intake:
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params = self._keyed_lora(params)
-        ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
+        ids = self.tokenize(prompt, params.add_special_tokens)
+        ids = self.truncate(ids, params.truncate_prompt_tokens)
         self._room(len(ids), scoring_only=params.max_new_tokens == 0)
         self._check_limit(params.max_new_tokens, "max_new_tokens")
         vocab = self.vocab_size
@@ -165,8 +168,8 @@ class Intake:
     ) -> tuple[TokenIds, SamplingParams]:
         """An embedding request's token ids (not empty, and within the context: it needs no
         room to generate) and the parameters it runs with: of ``params`` only what schedules
-        it and keys its cache (priority, timeout, tenant, cache_salt), its adapter and its
-        ``truncate_prompt_tokens``."""
+        it and keys its cache (priority, timeout, tenant, cache_salt), its adapter, its
+        ``add_special_tokens`` and its ``truncate_prompt_tokens``."""
         given = params if params is not None else SamplingParams()
         if not isinstance(given, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(given).__name__}")
@@ -181,7 +184,8 @@ class Intake:
             lora=given.lora,
             truncate_prompt_tokens=given.truncate_prompt_tokens,
         )
-        ids = self.truncate(self.tokenize(prompt), given.truncate_prompt_tokens)
+        ids = self.tokenize(prompt, given.add_special_tokens)
+        ids = self.truncate(ids, given.truncate_prompt_tokens)
         if not ids:
             raise InvalidRequestError("input is empty after tokenization", param="input")
         if len(ids) > self.max_model_len:

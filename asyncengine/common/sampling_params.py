@@ -173,6 +173,9 @@ class SamplingParams:
     # the prompt cut to its last k tokens before it runs (-1: as many as the context holds);
     # checked where it is applied (asyncengine/api/intake.py)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: a text prompt gets the special tokens its tokenizer adds (a BOS); token ids and
+    # chat messages (their template writes its own) get none whatever it says
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -210,7 +213,13 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "logprobs",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "add_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):  # "no" would read as true
                 raise bad(name, "must be True or False")
         for name in (

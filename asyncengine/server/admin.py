@@ -221,7 +221,9 @@ async def pin_prefix(request: web.Request) -> web.Response:
     engine = _pinning_engine(request)
     salt = _pin_salt(request, body)
     try:
-        pin = await engine.pin(_pin_prompt(engine, body), body.ttl_s, cache_salt=salt)
+        # a text is pinned as given (no BOS), the route's ids whatever the Python API's default
+        prompt = _pin_prompt(engine, body)
+        pin = await engine.pin(prompt, body.ttl_s, cache_salt=salt, add_special_tokens=False)
     except PinLimitError as exc:
         raise ApiError(409, str(exc), code="pin_limit") from None
     except InvalidRequestError as exc:

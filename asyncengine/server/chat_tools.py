@@ -2,7 +2,7 @@
 grammar decoding runs under, and how the output is read back (server/chat_output.py).
 
     plan = plan_chat(req, tokenizer)      # 400 for a tool choice that cannot be honoured
-    prompt_ids = engine.tokenize(plan.prompt)
+    prompt_ids = engine.tokenize(plan.prompt, add_special_tokens=False)  # the template's own
     params = plan.constrain(params)       # the tool-call grammar, if the choice asks for one
 
 ``tool_choice``: "none" (the default without tools) renders no tools and parses no calls;

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.api.intake import Prompt
-from asyncengine.text.tokenizer import in_vocabulary
 
 T = TypeVar("T")
 
@@ -73,9 +72,6 @@ def tokenize_now(
     engine: EngineClient, prompt: Prompt, add_special_tokens: bool = False
 ) -> list[int]:
     """``engine.tokenize(prompt)``; ``add_special_tokens`` (vLLM's): a text prompt gets the
-    special tokens its tokenizer adds around a text (a BOS, say), as the chat template's do."""
-    if add_special_tokens and isinstance(prompt, str) and prompt:
-        encoded = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
-        # checked as the tokenizer's ids: an id past the model's rows is the tokenizer's doing
-        prompt = in_vocabulary(encoded, engine.intake.vocab_size, encoded=True)
-    return engine.tokenize(prompt)
+    special tokens its tokenizer adds around a text (a BOS, say), as the chat template's do.
+    Given either way: a chat's rendered text must not get the engine's default (True)."""
+    return engine.tokenize(prompt, add_special_tokens=add_special_tokens)

@@ -255,13 +255,18 @@ class Tokenizer:
             ) from error
 
 
-def prompt_token_ids(tok: Any, prompt: object, vocab_size: int) -> list[int]:
+def prompt_token_ids(
+    tok: Any, prompt: object, vocab_size: int, add_special_tokens: bool
+) -> list[int]:
     """The token ids an engine queues for ``prompt``: text, token ids, or chat messages (through
-    the chat template of ``tok``); ``InvalidRequestError`` for a prompt it would refuse."""
+    the chat template of ``tok``); ``InvalidRequestError`` for a prompt it would refuse.
+    ``add_special_tokens`` (vLLM's): a text gets those its tokenizer adds (a BOS, say); chat
+    messages never do, their template writes its own."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
-        return in_vocabulary(list(tok.encode(prompt)), vocab_size, encoded=True)
+        ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
+        return in_vocabulary(list(ids), vocab_size, encoded=True)
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
             "prompt must be a non-empty string, list of token ids, or list of chat messages"

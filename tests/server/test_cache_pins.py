@@ -15,6 +15,7 @@ from asyncengine import PinLimitError
 from tests.api.test_scheduling_e2e import engine, params
 from tests.server.test_server_scheduling import ADMIN, API_KEY, auth, post
 from tests.server_support import (
+    bos_model_dir,
     engine_config,
     engine_idle,
     start_server,
@@ -261,3 +262,26 @@ async def post_json(
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with session.post(url, json=body, headers=headers) as resp:
         return resp.status, await resp.json()
+
+
+async def test_a_text_pinned_over_http_keeps_its_ids_as_given(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The route pins a text without the BOS the Python API's ``pin`` adds by default."""
+    config = engine_config(bos_model_dir(tmp_path_factory), page_size=4)
+    running = await start_server(config, admin_token=ADMIN)
+    prompt = "Answer in one short paragraph, and say so when you are not sure. " * 2
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, pin = await post_json(
+                session, running.base_url + "/v1/cache/pin", {"prompt": prompt}, ADMIN
+            )
+            assert status == 200, pin
+        engine = running.engine
+        given = engine.tokenize(prompt, add_special_tokens=False)
+        assert pin["tokens"] == len(given) // 4 * 4
+        tree = engine.scheduler.kv.tree
+        assert tree.prefix_length(given) == pin["tokens"]
+        assert tree.prefix_length(engine.tokenize(prompt)) == 0  # the BOS-first ids: not pinned
+    finally:
+        await running.stop()

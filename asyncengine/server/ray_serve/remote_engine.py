@@ -75,13 +75,14 @@ def route_ids(tokenizer: Any, prompt: Any, params: SamplingParams) -> list[int]:
     """The prompt's token ids as the replica's prefix cache keys them (under the request's
     ``cache_salt`` and adapter, so tenants' prompts never match each other's pages); [] when the
     prompt is malformed (the replica then refuses it with the precise error)."""
-    return salted_ids(_prompt_ids(tokenizer, prompt), params.cache_salt, params.lora)
+    ids = _prompt_ids(tokenizer, prompt, params.add_special_tokens)
+    return salted_ids(ids, params.cache_salt, params.lora)
 
 
-def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+def _prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool) -> list[int]:
     try:
         if isinstance(prompt, str):
-            return list(tokenizer.encode(prompt))
+            return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, list) and prompt:
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 return list(prompt)
@@ -314,9 +315,10 @@ class RemoteEngine:
         assert self._intake is not None
         return self._intake
 
-    def tokenize(self, prompt: Any) -> list[int]:
-        """The token ids a replica queues for ``prompt`` (``InvalidRequestError`` if refused)."""
-        return self.intake.tokenize(prompt)
+    def tokenize(self, prompt: Any, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids a replica queues for ``prompt`` under the same ``add_special_tokens``
+        (``InvalidRequestError`` if refused)."""
+        return self.intake.tokenize(prompt, add_special_tokens)
 
     # -- requests ---------------------------------------------------------------------------
     def _begin(
