@@ -1,13 +1,27 @@
-"""A grammar compile worker process, started by path (``python .../compile_worker.py``): it
-imports xgrammar and nothing of the package.
+"""The grammar compile processes, started by path (``python .../compile_worker.py``): a template
+that imports xgrammar and nothing of the package, and forks one worker per pool thread.
 
-The parent (structured/compile_pool.py) writes the tokenizer's serialized ``TokenizerInfo``,
-then one frame per compile: JSON ``{"kind": ..., "spec": ..., "max_step_seconds": ...}``. The
-worker answers "ready" once, then a frame per compile: the serialized ``CompiledGrammar``, or
-an error frame (its header's ``"slow": true`` when the grammar's first mask took longer than
-``max_step_seconds``). A frame is a line of JSON header ``{"ok": bool, "bytes": n}`` followed
-by ``n`` bytes. A process, not a thread, so that a compile past its time limit can be killed;
-it reads from stdin until EOF (its parent gone) and runs at a lower priority than the engine.
+Importing xgrammar takes seconds (it imports torch and transformers) and some 200 MB of private
+memory; a fork of a process that did it takes milliseconds and shares those pages. The engine
+cannot be that process (its threads and torch make a fork unsafe), so this one, started fresh,
+does nothing but import, read the tokenizer and fork: it never compiles, and it forks with a
+single thread (its libraries' thread pools kept at one thread, started lazily), so each worker
+starts from the same clean state and nothing a compile does reaches the template or another
+worker. A worker is a plain process of its own: a compile past its time limit is killed with it.
+
+The template's stdin is a Unix socket to the pool (structured/compile_pool.py). The pool writes
+the tokenizer's serialized ``TokenizerInfo`` as a frame; the template answers "ready". Then each
+fork request is one byte carrying a socket (SCM_RIGHTS): the template forks a worker that serves
+on it and answers with the worker's pid as text, carrying a pidfd of it, through which the pool
+kills and watches the worker although it is not its child (no pid reuse race). The template
+reaps its children (SIGCHLD ignored) and exits when the pool closes its socket.
+
+A worker reads one frame per compile: JSON ``{"kind": ..., "spec": ..., "max_step_seconds":
+...}``, and answers a frame per compile: the serialized ``CompiledGrammar``, or an error frame
+(its header's ``"slow": true`` when the grammar's first mask took longer than
+``max_step_seconds``). A frame is a line of JSON header ``{"ok": bool, "bytes": n}`` followed by
+``n`` bytes. It serves until EOF (the pool closed its socket, or is gone), at a lower priority
+than the engine.
 
 Each compiled grammar's first mask is made here too: a grammar can compile in milliseconds and
 then take seconds for that mask (nested repetitions), which the engine would otherwise pay on
@@ -18,15 +32,24 @@ no token can begin any output) is the compile's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
+import signal
+import socket
 import sys
 import time
+import traceback
 from typing import Any, BinaryIO
 
 # json_object's longest run of whitespace: room for a newline and the indent of 3-4 levels
 JSON_OBJECT_WHITESPACE = 16
 COMPILE_NICENESS = 10  # scripts/grammar_flood.py measures what a flood of compiles costs others
+# numpy's BLAS and torch's OpenMP size their thread pools from these as they load: one thread,
+# so that the template forks single-threaded (a thread started at import would be left behind
+# by the fork, its locks held for ever in the worker); a worker's one-row masks need no more
+SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+FORK_REQUEST = b"f"  # the byte that carries a worker's socket to the template
 
 
 def write_frame(out: BinaryIO, ok: bool, payload: bytes, slow: bool = False) -> None:
@@ -37,15 +60,18 @@ def write_frame(out: BinaryIO, ok: bool, payload: bytes, slow: bool = False) -> 
     out.flush()
 
 
-def read_frame(stream: BinaryIO) -> tuple[bool, bytes] | None:
+def read_frame(stream: BinaryIO | socket.SocketIO) -> tuple[bool, bytes] | None:
     """The next frame from a blocking stream; None at EOF."""
     header = stream.readline()
     if not header:
         return None
     fields = json.loads(header)
-    payload = stream.read(fields["bytes"])
-    if len(payload) != fields["bytes"]:
-        return None
+    payload = b""
+    while len(payload) < fields["bytes"]:  # an unbuffered socket reads what has arrived
+        chunk = stream.read(fields["bytes"] - len(payload))
+        if not chunk:
+            return None
+        payload += chunk
     return bool(fields["ok"]), payload
 
 
@@ -89,33 +115,69 @@ def first_step_problem(
     return None
 
 
-def main() -> None:
-    with contextlib.suppress(AttributeError, OSError):
-        os.nice(COMPILE_NICENESS)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a library's print must not corrupt the frames
-    import xgrammar  # seconds (it imports torch): while the parent reads the tokenizer
-
-    first = read_frame(stdin)
-    if first is None:
-        return
-
-    info = xgrammar.TokenizerInfo.deserialize_json(first[1].decode())
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-    write_frame(stdout, True, b"ready")
-    while (frame := read_frame(stdin)) is not None:
+def serve(xgrammar: Any, compiler: Any, connection: socket.socket) -> None:
+    """A worker: a frame back for each job read from ``connection``, until EOF."""
+    jobs, answers = connection.makefile("rb"), connection.makefile("wb")
+    while (frame := read_frame(jobs)) is not None:
         job = json.loads(frame[1])
         try:
             compiled = compile_spec(compiler, job["kind"], job["spec"])
             problem = first_step_problem(xgrammar, compiled, job["max_step_seconds"])
         except (RuntimeError, ValueError, TypeError) as error:  # the spec's fault: a 400
-            write_frame(stdout, False, str(error).encode())
+            write_frame(answers, False, str(error).encode())
             continue
         if problem is not None:
             message, slow = problem
-            write_frame(stdout, False, message.encode(), slow)
+            write_frame(answers, False, message.encode(), slow)
             continue
-        write_frame(stdout, True, compiled.serialize_json().encode())
+        write_frame(answers, True, compiled.serialize_json().encode())
+
+
+def fork_worker(control: socket.socket, xgrammar: Any, compiler: Any, connection_fd: int) -> int:
+    """A worker serving on ``connection_fd``, forked from here; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            control.close()
+            serve(xgrammar, compiler, socket.socket(fileno=connection_fd))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)  # never the template's code past the fork
+    os.close(connection_fd)  # the worker's alone: its EOF is the pool's
+    return pid
+
+
+def main() -> None:
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(COMPILE_NICENESS)  # the workers inherit it
+    os.environ.update(SINGLE_THREADED)
+    control = socket.socket(fileno=sys.stdin.fileno())
+    sys.stdout = sys.stderr  # a library's print, Python's or native, goes to the log
+    os.dup2(sys.stderr.fileno(), 1)
+    import xgrammar  # seconds (it imports torch): while the pool reads the tokenizer
+
+    first = read_frame(control.makefile("rb", buffering=0))  # nothing read past the frame
+    if first is None:
+        return
+    info = xgrammar.TokenizerInfo.deserialize_json(first[1].decode())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # each worker's own copy
+    write_frame(control.makefile("wb"), True, b"ready")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    gc.freeze()  # the workers' collections leave the import's objects, and their pages, shared
+    while True:
+        request, fds, _, _ = socket.recv_fds(control, 1, 1)
+        if request != FORK_REQUEST or len(fds) != 1:  # EOF: the pool closed
+            return
+        pid = fork_worker(control, xgrammar, compiler, fds[0])
+        pidfd = os.pidfd_open(pid)  # its child, not yet reaped: the pid is still its
+        try:
+            socket.send_fds(control, [str(pid).encode()], [pidfd])
+        finally:
+            os.close(pidfd)
 
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ class GrammarCompiler:
     ``vocab_size`` the width of the model's logits (it may exceed the tokenizer's).
 
     Compiles run in ``workers`` worker processes, first come first served, started with the
-    compiler (seconds: each imports xgrammar, and with it torch and transformers) and handing
-    back the compiled grammar serialized. They start from xgrammar's view of the vocabulary,
+    compiler (seconds: forks of one process that imports xgrammar, and with it torch and
+    transformers, once) and handing back the compiled grammar serialized. They start from xgrammar's view of the vocabulary,
     built once per tokenizer and kept in memory and on disk (structured/tokenizer_info.py). The work a client can make is bounded: a compile no waiting request
     wants any more (its clients went away) is cancelled before it starts; one that runs longer
     than ``timeout`` seconds is killed with its process (a fresh one takes its place) and its

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import psutil
 import pytest
+import torch
 
 from asyncengine.api.engine import AsyncEngine
 from asyncengine.common.sampling_params import (
@@ -21,7 +22,8 @@ from asyncengine.common.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
-from asyncengine.structured.grammar import GrammarCompiler, GrammarMatcher
+from asyncengine.structured.compile_worker import compile_spec
+from asyncengine.structured.grammar import GrammarCompiler, GrammarMatcher, _given_spec
 from asyncengine.text.tokenizer import Tokenizer
 from tests.server_support import engine_config, tiny_model_dir, wait_until
 
@@ -38,6 +40,14 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie its parent (this process) has not reaped yet."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @contextlib.asynccontextmanager
@@ -172,3 +182,102 @@ async def test_engine_close_leaves_no_compile_thread_or_process(
     assert compile_children() == []
     if when != "workers ready":
         assert (await pending).finish_reason == "abort"
+
+
+async def test_workers_are_forks_of_one_single_threaded_template(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """xgrammar is imported once per pool: each worker is a fork of the template, which forks
+    with one thread (none left behind holding a lock), and shares its memory."""
+    async with started(tmp_path_factory, workers=2) as compiler:
+        template = compiler.pool.template_pid()
+        assert template is not None
+        assert psutil.Process(template).num_threads() == 1
+        for pid in compiler.pool.live_pids():
+            worker = psutil.Process(pid)
+            assert worker.ppid() == template
+            # a fresh interpreter with xgrammar holds some 200 MB of its own
+            assert worker.memory_full_info().uss < 64 * 2**20
+
+
+async def test_a_killed_worker_is_replaced_within_the_next_compile(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A worker killed while idle (as by the OOM killer) is replaced by a fork: the next
+    compile pays milliseconds, not an interpreter's start with xgrammar's import."""
+    async with started(tmp_path_factory, workers=1) as compiler:
+        [pid] = compiler.pool.live_pids()
+        os.kill(pid, signal.SIGKILL)
+        assert await wait_until(lambda: ended(pid), timeout=10)
+        start = time.monotonic()
+        matcher = GrammarMatcher(await compiler.compile(StructuredOutput("regex", "[x-z]+")))
+        assert time.monotonic() - start < 1.0
+        assert matcher.accept(matcher_token(compiler, "x"))
+        [replacement] = compiler.pool.live_pids()
+        assert replacement != pid
+
+
+async def test_a_killed_template_is_started_afresh(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Workers outlive their template; the next worker needed comes from a fresh template."""
+    async with started(tmp_path_factory, workers=1) as compiler:
+        template = compiler.pool.template_pid()
+        [pid] = compiler.pool.live_pids()
+        assert template is not None
+        os.kill(template, signal.SIGKILL)
+        assert await wait_until(lambda: ended(template), timeout=10)
+        assert GrammarMatcher(await compiler.compile(StructuredOutput("regex", "[0-4]+")))
+        assert compiler.pool.live_pids() == [pid]  # served by the same worker
+        os.kill(pid, signal.SIGKILL)
+        assert await wait_until(lambda: gone(pid), timeout=10)
+        assert GrammarMatcher(await compiler.compile(StructuredOutput("regex", "[5-9]+")))
+        assert compiler.pool.template_pid() not in (None, template)
+        [replacement] = compiler.pool.live_pids()
+        assert psutil.Process(replacement).ppid() == compiler.pool.template_pid()
+
+
+def matcher_token(compiler: GrammarCompiler, text: str) -> int:
+    [token] = compiler._tokenizer.encode(text)
+    return int(token)
+
+
+SAME_MASK_SPECS = [
+    StructuredOutput.json_schema(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "tags": {"type": "array"}},
+            "required": ["name"],
+        }
+    ),
+    StructuredOutput("regex", "(cat|dog)s? [0-9]{2,4}"),
+    StructuredOutput("ebnf", 'root ::= "yes" | "no" | "maybe " [a-z]+'),
+]
+
+
+@pytest.mark.parametrize("constraint", SAME_MASK_SPECS, ids=lambda c: c.kind)
+async def test_a_forked_worker_compiles_the_same_masks_as_this_process(
+    tmp_path_factory: pytest.TempPathFactory, constraint: StructuredOutput
+) -> None:
+    """The grammar a worker compiles gives, token for token, the masks of the same spec
+    compiled here with xgrammar's own compiler."""
+    async with started(tmp_path_factory, workers=1) as compiler:
+        from_worker = GrammarMatcher(await compiler.compile(constraint))
+        here = GrammarMatcher(
+            compile_spec(compiler._xgrammar_compiler(), constraint.kind, _given_spec(constraint))
+        )
+        steps = 0
+        while not here.is_terminated() and steps < 40:
+            mask = here.next_bitmask()
+            assert torch.equal(from_worker.next_bitmask(), mask)
+            allowed = [
+                32 * word + bit
+                for word, value in enumerate(mask.tolist())
+                for bit in range(32)
+                if value >> bit & 1
+            ]
+            token = allowed[(7 * steps + 3) % len(allowed)]  # spread over what each step allows
+            assert from_worker.accept(token) and here.accept(token)
+            steps += 1
+        assert steps > 3
+        assert from_worker.is_terminated() == here.is_terminated()
