@@ -22,7 +22,7 @@ from asyncengine.common.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
-from asyncengine.structured.compile_worker import compile_spec
+from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
 from asyncengine.structured.grammar import GrammarCompiler, GrammarMatcher, _given_spec
 from asyncengine.text.tokenizer import Tokenizer
 from tests.server_support import engine_config, tiny_model_dir, wait_until
@@ -188,7 +188,8 @@ async def test_workers_are_forks_of_one_single_threaded_template(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """xgrammar is imported once per pool: each worker is a fork of the template, which forks
-    with one thread (none left behind holding a lock), and shares its memory."""
+    with one thread (none left behind holding a lock), and shares its memory and its lower
+    priority."""
     async with started(tmp_path_factory, workers=2) as compiler:
         template = compiler.pool.template_pid()
         assert template is not None
@@ -196,6 +197,7 @@ async def test_workers_are_forks_of_one_single_threaded_template(
         for pid in compiler.pool.live_pids():
             worker = psutil.Process(pid)
             assert worker.ppid() == template
+            assert worker.nice() == COMPILE_NICENESS  # the template's, below the engine's
             # a fresh interpreter with xgrammar holds some 200 MB of its own
             assert worker.memory_full_info().uss < 64 * 2**20
 
