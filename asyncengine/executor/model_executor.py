@@ -24,6 +24,7 @@ from asyncengine.core.builder import build_core
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.executor_api import KVLayout, ModelSpec
 from asyncengine.executor.cpu.dense_budget import default_dense_weight_bytes
+from asyncengine.executor.cpu.pool_fit import check_pool_fits
 from asyncengine.executor.device import pick_device, pick_dtype
 from asyncengine.executor.host_kv_buffer import HostKVBuffer
 from asyncengine.executor.kv_dtype import keeps_quantized_weights, pick_kv_dtype
@@ -168,13 +169,16 @@ class ModelExecutor:
         if self._weights is None:
             raise RuntimeError("the executor is bound already")
         mc = self.model_config
+        pool_bytes = self.spec.kv_bytes_per_token * layout.num_pages * layout.page_size
+        if self.device.type == "cpu":
+            check_pool_fits(self.config, pool_bytes, self.weight_bytes)
         pool = KVPool.for_model(mc, layout.num_pages, layout.page_size, self.kv_dtype, self.device)
         dense_bytes = self.config.dense_weight_bytes
         # only quantized (or stored float-row) projections make copies: a dense checkpoint's
         # are packed once whatever the budget, and a budget line would tell of copies it has not
         quantized = any(isinstance(w, QuantizedTensor) for w in self._weights.values())
         if dense_bytes is None and self.device.type == "cpu" and quantized:
-            dense_bytes = default_dense_weight_bytes(self.weight_bytes)
+            dense_bytes = default_dense_weight_bytes(self.weight_bytes, kv_pool_bytes=pool.nbytes)
         self.runner = ModelRunner(
             mc,
             self._weights,

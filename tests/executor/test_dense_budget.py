@@ -122,6 +122,10 @@ def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
     # half of what is left once the weights are packed; none left: no copies
     assert dense_budget.default_dense_weight_bytes(1_000_000 * 1024, meminfo) == 3_500_000 * 1024
     assert dense_budget.default_dense_weight_bytes(9_000_000 * 1024, meminfo) == 0
+    pooled = dense_budget.default_dense_weight_bytes(
+        1_000_000 * 1024, meminfo, kv_pool_bytes=2_000_000 * 1024
+    )
+    assert pooled == 2_500_000 * 1024  # the pool's bytes are not the copies' to take
     meminfo.write_text("MemTotal: 1 kB\n")
     assert dense_budget.available_bytes(meminfo) is None
     assert dense_budget.default_dense_weight_bytes(0, meminfo) is None  # no bound where unknown
@@ -129,12 +133,17 @@ def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
 
 
 def test_without_the_key_the_budget_is_the_memory_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is left beside the weights and the KV pool: the pool is unwritten when the budget is
+    set, so the OS still counts its bytes as available, and copies sized without it would
+    leave a full pool no room."""
     monkeypatch.setattr(dense_budget, "available_bytes", lambda meminfo=None: 3 << 30)
-    unset = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256)
+    unset = EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=8192)
     core, _ = model_core(unset)
     budget = core.executor.runner.model.dense_budget
     weights = ModelExecutor(unset).weight_bytes  # the bytes the bind packed
-    assert budget is not None and budget.left == ((3 << 30) - weights) // 2
+    pool = core.executor.runner.kv_pool.nbytes
+    assert pool > 50 << 20  # large enough to matter
+    assert budget is not None and budget.left == ((3 << 30) - weights - pool) // 2
     given = EngineConfig(
         model=DEFAULT_MODEL, device="cpu", kv_cache_tokens=256, dense_weight_bytes=7
     )
