@@ -104,8 +104,21 @@ def warn_context_cut(config: EngineConfig, spec: ModelSpec, served: int) -> None
         return
     if asked <= served:
         return
-    why = "the model's context" if served == spec.max_model_len else POOL_SIZED_BY
-    log.warning("max_model_len %d is cut to %d tokens, %s", asked, served, why)
+    if served == spec.max_model_len:
+        log.warning("max_model_len %d is cut to %d tokens, the model's context", asked, served)
+        return
+    # what a pool for the asked context would take, so the operator can tell whether it fits
+    wanted = min(asked, spec.max_model_len)
+    wanted_bytes = -(-wanted // config.page_size) * config.page_size * spec.kv_bytes_per_token
+    log.warning(
+        "max_model_len %d is cut to %d tokens, %s; a pool of %d tokens (kv_cache_tokens) "
+        "takes %.1f GB",
+        asked,
+        served,
+        POOL_SIZED_BY,
+        wanted,
+        wanted_bytes / 1e9,
+    )
 
 
 def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:

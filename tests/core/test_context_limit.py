@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,11 +13,15 @@ from asyncengine.core.engine_core import EngineCore
 from tests.fake_executor import FakeExecutor
 
 
-def core_for(asked: int | None, pool_tokens: int, model_len: int) -> EngineCore:
+def core_for(
+    asked: int | None, pool_tokens: int, model_len: int, token_bytes: int = 1
+) -> EngineCore:
     values: dict[str, object] = {"page_size": 4, "kv_cache_tokens": pool_tokens, "log_interval": 0}
     if asked is not None:
         values["max_model_len"] = asked
-    return build_core(EngineConfig.from_dict(values), FakeExecutor(model_len))
+    executor = FakeExecutor(model_len)
+    executor.spec = dataclasses.replace(executor.spec, kv_bytes_per_token=token_bytes)
+    return build_core(EngineConfig.from_dict(values), executor)
 
 
 def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -24,11 +29,19 @@ def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_a_context_past_the_pool_is_cut_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The warning says what a pool for the asked context would take (up to the model's)."""
     with caplog.at_level(logging.WARNING, logger="asyncengine.core.builder"):
-        assert core_for(4096, pool_tokens=256, model_len=8192).max_model_len == 256
+        core = core_for(4096, pool_tokens=256, model_len=8192, token_bytes=1_000_000)
+        assert core.max_model_len == 256
+        core = core_for(9999, pool_tokens=256, model_len=8192, token_bytes=1_000_000)
+        assert core.max_model_len == 256
     assert cut_warnings(caplog) == [
         "max_model_len 4096 is cut to 256 tokens, what the KV pool holds (kv_cache_tokens, "
-        "kv_cache_bytes or, on a GPU, gpu_memory_utilization size it)"
+        "kv_cache_bytes or, on a GPU, gpu_memory_utilization size it); a pool of 4096 tokens "
+        "(kv_cache_tokens) takes 4.1 GB",
+        "max_model_len 9999 is cut to 256 tokens, what the KV pool holds (kv_cache_tokens, "
+        "kv_cache_bytes or, on a GPU, gpu_memory_utilization size it); a pool of 8192 tokens "
+        "(kv_cache_tokens) takes 8.2 GB",
     ]
 
 
