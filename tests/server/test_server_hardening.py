@@ -299,9 +299,9 @@ async def test_a_large_prompt_is_tokenized_off_the_loop(
     threads: list[str] = []
     tokenize = type(engine).tokenize
 
-    def recording(prompt: Any) -> list[int]:
+    def recording(prompt: Any, add_special_tokens: bool = True) -> list[int]:
         threads.append(threading.current_thread().name)
-        return tokenize(engine, prompt)
+        return tokenize(engine, prompt, add_special_tokens=add_special_tokens)
 
     engine.tokenize = recording
     large = "word " * (LARGE_INPUT_CHARS // 5 + 10)
