@@ -27,6 +27,7 @@ from asyncengine.server.body import read_json
 from asyncengine.server.chat_request import planned_chat, prepare_chat
 from asyncengine.server.completion import generate, outcome_of
 from asyncengine.server.errors import ERROR_BODIES
+from asyncengine.server.keep_alive import PING_FRAME
 from asyncengine.server.off_loop import tokenize
 from asyncengine.server.openai_routes import json_response
 from asyncengine.server.output_blocks import BlockReader, read_blocks
@@ -49,7 +50,14 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             message_id, chat.model, len(chat.prompt), BlockReader(chat.output), state.shown_usage
         )
         return await stream_response(
-            request, state, stream, fmt, 1, done_marker=False, error_frame=error_event
+            request,
+            state,
+            stream,
+            fmt,
+            1,
+            done_marker=False,
+            error_frame=error_event,
+            keep_alive=PING_FRAME,
         )
     (output,) = await generate(state.engine, chat.prompt, chat.params, message_id)
     state.metrics.observe_finished(output.metrics)

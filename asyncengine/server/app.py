@@ -20,6 +20,8 @@ its own bearer token, not the API key).
   ``allowed_hosts``) are answered 403 (server/host_check.py); more than ``max_connections``
   requests at once 503 (probes a few later), and a client that reads nothing for
   ``write_timeout`` seconds is dropped (server/connection_limits.py).
+- A stream that has sent nothing for ``stream_keep_alive`` seconds (a long prefill) gets a
+  keep-alive its clients skip, so their read timeouts do not end it (server/keep_alive.py).
 - Every response carries its request's id in ``x-request-id`` and ``request-id``, the id the
   server's log lines about it name (server/request_ids.py).
 - The app does not start or stop the engine; its owner does (see serve.py).
@@ -57,6 +59,7 @@ from asyncengine.server.errors import (
     error_middleware,
 )
 from asyncengine.server.host_check import ALLOWED_HOSTS, allowed_hosts, host_check_middleware
+from asyncengine.server.keep_alive import DEFAULT_KEEP_ALIVE_SECONDS, check_keep_alive
 from asyncengine.server.native import add_native_routes
 from asyncengine.server.openai_responses import add_responses_routes
 from asyncengine.server.openai_routes import add_openai_routes, json_response
@@ -234,6 +237,7 @@ def create_app(
     allowed_host_names: Sequence[str] = (),
     max_connections: int | None = None,
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+    stream_keep_alive: float = DEFAULT_KEEP_ALIVE_SECONDS,
 ) -> web.Application:
     """Build the app around a started (or soon started) ``AsyncEngine``. ``api_key``: one key
     or several; ``cache_isolation`` and ``report_cached_tokens``: see server/tenancy.py.
@@ -245,6 +249,7 @@ def create_app(
         raise ValueError("max_body_bytes must be >= 1")
     if body_timeout <= 0:
         raise ValueError("body_timeout must be > 0")
+    check_keep_alive(stream_keep_alive)
     api_keys = tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k)
     if cache_isolation not in CACHE_ISOLATIONS:
         raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")
@@ -259,6 +264,7 @@ def create_app(
         report_cached_tokens=report_cached_tokens,
         default_chat_max_tokens=default_chat_max_tokens,
         body_timeout=body_timeout,
+        stream_keep_alive=stream_keep_alive,
     )
     _check_adapter_names(state)
     app = web.Application(

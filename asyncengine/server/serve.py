@@ -36,6 +36,7 @@ from asyncengine.server.connection_limits import (
     default_max_open_connections,
     raise_open_files_limit,
 )
+from asyncengine.server.keep_alive import DEFAULT_KEEP_ALIVE_SECONDS, check_keep_alive
 from asyncengine.server.port import PortInUseError, check_port_free
 from asyncengine.server.prometheus import ServerMetrics
 from asyncengine.server.responses_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_SECONDS
@@ -194,6 +195,14 @@ def _add_connection_arguments(group: argparse._ArgumentGroup) -> None:
         f"dropped and its request aborted (default {DEFAULT_WRITE_TIMEOUT_SECONDS:g})",
     )
     group.add_argument(
+        "--stream-keep-alive",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_SECONDS,
+        help="seconds a stream may send nothing (a long prefill) before the server writes a "
+        "keep-alive its clients skip (an SSE comment; Anthropic's route: a ping event), so "
+        f"client and proxy read timeouts do not end it; 0: off (default {DEFAULT_KEEP_ALIVE_SECONDS:g})",
+    )
+    group.add_argument(
         "--idle-timeout",
         type=float,
         default=DEFAULT_IDLE_TIMEOUT_SECONDS,
@@ -327,6 +336,7 @@ async def run_server(
     allowed_hosts: list[str] | None = None,
     max_connections: int | None = None,
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+    stream_keep_alive: float = DEFAULT_KEEP_ALIVE_SECONDS,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS,
     max_open_connections: int | None = None,
 ) -> int:
@@ -350,6 +360,7 @@ async def run_server(
     if log_interval is not None:
         config = config.replace(log_interval=log_interval)
     check_port_free(host, port)  # before the model loads
+    check_keep_alive(stream_keep_alive)
     if engine is None:
         engine = AsyncEngine(config)
     if record_trace and not hasattr(engine, "record_trace"):
@@ -376,6 +387,7 @@ async def run_server(
             allowed_host_names=allowed_hosts or (),
             max_connections=max_connections,
             write_timeout=write_timeout,
+            stream_keep_alive=stream_keep_alive,
         )
         runner, bound_port = await start_http(
             app, host, port, shutdown_grace, idle_timeout, max_open_connections
@@ -430,6 +442,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_connections": args.max_connections,
         "max_open_connections": args.max_open_connections,
         "write_timeout": args.write_timeout,
+        "stream_keep_alive": args.stream_keep_alive,
         "idle_timeout": args.idle_timeout,
     }
 

@@ -3,6 +3,7 @@ or named ones, ``event: <name>\\ndata: <json>\\n\\n``, that end with the stream 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ class SSEWriter:
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        self.last_write = asyncio.get_running_loop().time()  # when a write last began or ended
+        self.writes_waiting = 0  # writes not yet taken by the client's socket
 
     async def open(self) -> None:
         await self.response.prepare(self._request)
@@ -58,8 +61,15 @@ class SSEWriter:
         """End the stream, with ``data: [DONE]`` first unless ``marker`` is false."""
         await self._write(DONE_FRAME if marker else b"", eof=True)
 
+    async def write_raw(self, data: bytes) -> None:
+        """Write bytes that are already SSE (a keep-alive)."""
+        await self._write(data)
+
     async def _write(self, data: bytes, eof: bool = False) -> None:
         limits = self._request.app.get(LIMITS)
+        loop = asyncio.get_running_loop()
+        self.last_write = loop.time()
+        self.writes_waiting += 1
         try:
             if limits is None:
                 await self.response.write(data)
@@ -70,3 +80,6 @@ class SSEWriter:
         except (ConnectionResetError, RuntimeError, WriteTimeoutError) as exc:
             # ConnectionResetError: the transport is closing; RuntimeError: it is already gone.
             raise ClientGone(str(exc)) from exc
+        finally:
+            self.writes_waiting -= 1
+            self.last_write = loop.time()

@@ -12,6 +12,7 @@ from aiohttp import web
 from asyncengine.api.engine_client import EngineClient
 from asyncengine.common.outputs import Usage
 from asyncengine.server.errors import ApiError
+from asyncengine.server.keep_alive import DEFAULT_KEEP_ALIVE_SECONDS
 from asyncengine.server.prometheus import ServerMetrics
 
 
@@ -28,6 +29,8 @@ class ServerState:
     default_chat_max_tokens: int | None = None
     # seconds a client gets to send a request's whole body (else 408)
     body_timeout: float = 30.0
+    # seconds a stream may send nothing before a keep-alive goes out (0: none; keep_alive.py)
+    stream_keep_alive: float = DEFAULT_KEEP_ALIVE_SECONDS
     shutting_down: bool = False
     token_text: Callable[[int], str] = field(init=False)
 

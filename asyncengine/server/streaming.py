@@ -19,6 +19,7 @@ from asyncengine.api.engine_client import DeltaStream
 from asyncengine.common.outputs import StreamDelta
 from asyncengine.server.completion import outcome_of
 from asyncengine.server.errors import ENGINE_ERRORS, ApiError, from_engine_error
+from asyncengine.server.keep_alive import COMMENT_FRAME, keeping_alive
 from asyncengine.server.sse import ClientGone, SSEWriter
 from asyncengine.server.state import OUTCOME, ServerState
 
@@ -58,28 +59,32 @@ async def stream_response(
     *,
     done_marker: bool = True,
     error_frame: Callable[[ApiError], Frame] = ApiError.body,
+    keep_alive: bytes = COMMENT_FRAME,
 ) -> web.StreamResponse:
     """Send ``stream`` (all its ``choices``) as server-sent events formatted by ``fmt``; record
     the outcome. ``done_marker``: end with ``data: [DONE]`` (OpenAI's APIs; Anthropic's ends
-    without); ``error_frame``: the frame that reports an engine failure after the headers."""
+    without); ``error_frame``: the frame that reports an engine failure after the headers;
+    ``keep_alive``: what is written while the stream has been silent for the server's
+    ``stream_keep_alive`` seconds (server/keep_alive.py)."""
     finals: list[StreamDelta] = []  # each choice's last delta; the request ends with all n
     try:
         await stream.accepted()  # a refusal becomes a 4xx before headers go out
         writer = SSEWriter(request)
         await writer.open()
         try:
-            for frame in fmt.opening():
-                await writer.send(frame)
-            delta = await _next(stream)
-            while delta is not None:
-                for frame in fmt.frames(delta):
+            async with keeping_alive(writer, state.stream_keep_alive, keep_alive):
+                for frame in fmt.opening():
                     await writer.send(frame)
-                if delta.finished:
-                    finals.append(delta)
-                    state.metrics.observe_finished(delta.metrics)
-                    if len(finals) == choices:
-                        break
                 delta = await _next(stream)
+                while delta is not None:
+                    for frame in fmt.frames(delta):
+                        await writer.send(frame)
+                    if delta.finished:
+                        finals.append(delta)
+                        state.metrics.observe_finished(delta.metrics)
+                        if len(finals) == choices:
+                            break
+                    delta = await _next(stream)
             if len(finals) == choices:
                 for frame in fmt.closing(sorted(finals, key=lambda d: d.index)):
                     await writer.send(frame)
