@@ -99,8 +99,10 @@ class Policy:
     """
 
     name = "base"  # a subclass that sets none is called by its class name
-    orders = False  # True when the subclass overrides ``order``
-    budgets = False  # True when the subclass overrides ``budget``
+    # True when the subclass overrides ``order`` / ``budget``; a subclass that defines the hook
+    # and sets no flag gets it set, so a composition never drops a hook it was written with
+    orders = False
+    budgets = False
     preempts = False  # True when ``preempt_candidates`` may name requests to retract
     # False when ``observe`` ignores a plan's decode segments and no hook reads a running
     # request's progress (its output, KV length): the simulator may then count decodes in
@@ -111,6 +113,10 @@ class Policy:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             cls.name = cls.__name__
+        if "order" in cls.__dict__ and "orders" not in cls.__dict__:
+            cls.orders = True
+        if "budget" in cls.__dict__ and "budgets" not in cls.__dict__:
+            cls.budgets = True
 
     def __init__(self, **options: Any) -> None:
         if options:

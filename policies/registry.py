@@ -58,6 +58,14 @@ class ComposedPolicy(Policy):
         self.budgeter = budgeters[-1] if budgeters else None
 
     @property
+    def orders(self) -> bool:  # type: ignore[override]
+        return self.orderer is not None
+
+    @property
+    def budgets(self) -> bool:  # type: ignore[override]
+        return self.budgeter is not None
+
+    @property
     def preempts(self) -> bool:  # type: ignore[override]
         return self.orderer is not None and self.orderer.preempts
 
