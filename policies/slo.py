@@ -16,11 +16,13 @@ step longer than the ITL target, new requests wait (reason "policy_hold") rather
 every running one down; a request that has waited ``max_wait_tokens`` is never held.
 
 Until the model has seen ``min_samples`` prefill steps it predicts nothing: the order is by
-deadline alone and the budget is the config's.
+deadline alone and the budget is the config's. With neither target (both default to 0) it
+schedules as fcfs, and says so when it is built.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from asyncengine.common.plan import BatchPlan
@@ -28,6 +30,8 @@ from asyncengine.common.request import Request
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget, take_options
 from asyncengine.policies.latency_model import LatencyModel
 from asyncengine.policies.prefill_rate import PrefillRate
+
+log = logging.getLogger("asyncengine.policies")
 
 
 class SLOPolicy(Policy):
@@ -55,6 +59,11 @@ class SLOPolicy(Policy):
             raise ValueError("policy 'slo': 'min_chunk' and 'max_wait_tokens' must be >= 1")
         self.ttft = opts["ttft_ms"] / 1e3
         self.itl = opts["itl_ms"] / 1e3
+        if not (self.ttft or self.itl):
+            log.warning(
+                "policy 'slo' has no target (ttft_ms and itl_ms are 0): it schedules as fcfs; "
+                "set them in policy_options, as configs/slo.toml does"
+            )
         self.min_chunk = opts["min_chunk"]
         self.hold = opts["hold"]
         self.max_wait_tokens = opts["max_wait_tokens"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from asyncengine.common.plan import BatchPlan, Segment
@@ -169,6 +171,17 @@ def test_slo_holds_new_requests_when_one_more_decode_would_break_itl() -> None:
     context.num_running = 10
     assert rids(policy.order(waiting, context)) == ["a", "b"]
     assert SLOPolicy(itl_ms=50.0, hold=False).order(waiting, context) == waiting
+
+
+def test_slo_without_a_target_says_it_schedules_as_fcfs(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncengine.policies"):
+        SLOPolicy()
+    assert "no target" in caplog.text and "configs/slo.toml" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncengine.policies"):
+        SLOPolicy(itl_ms=100.0)
+        SLOPolicy(ttft_ms=2000.0)
+    assert caplog.text == ""
 
 
 def test_compositions_forward_preemption_and_finished() -> None:
