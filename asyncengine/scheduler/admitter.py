@@ -27,7 +27,12 @@ from asyncengine.scheduler.admission import (
     AdmissionLog,
 )
 from asyncengine.scheduler.lora_slots import LoraSlots
-from asyncengine.scheduler.policy_guard import PolicyFailed, checked_order, victims_named
+from asyncengine.scheduler.policy_guard import (
+    PolicyFailed,
+    candidates_of,
+    ordered_by,
+    victims_named,
+)
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import may_reuse_prefix
 from asyncengine.scheduler.retraction import Retraction
@@ -213,8 +218,7 @@ class Admitter:
             window = policy.candidates(self.waiting, size)
         else:  # a policy that reaches past the oldest ones (waiting requests, each once)
             try:
-                answer = policy.candidates(self.waiting, size)
-                window = checked_order(policy, "candidates", None, answer)
+                window = candidates_of(policy, self.waiting, size)
             except Exception as exc:
                 self.policy_failed("candidates", exc)
                 window = self.waiting.oldest(size)
@@ -225,9 +229,7 @@ class Admitter:
         else:
             self.ctx = self.context(self.num_decodes)
             try:
-                self.ordered = checked_order(
-                    policy, "order", window, policy.order(window, self.ctx)
-                )
+                self.ordered = ordered_by(policy, window, self.ctx)
             except Exception as exc:
                 self.policy_failed("order", exc)
                 self.ordered = window

@@ -160,6 +160,26 @@ def checked_order(
     return ordered
 
 
+# The compiled scheduler calls the hooks through these (this module runs interpreted): a call
+# from compiled code checks the answer's type against the hook's signature first, and would
+# raise its own TypeError before the answer reached the checks here.
+
+
+def ordered_by(policy: Policy, window: list[Request], ctx: PolicyContext) -> list[Request]:
+    """``policy.order``'s answer for ``window``, checked."""
+    return checked_order(policy, "order", window, policy.order(window, ctx))
+
+
+def candidates_of(policy: Policy, waiting: Sequence[Request], size: int) -> list[Request]:
+    """``policy.candidates``' answer (waiting requests, each once), checked."""
+    return checked_order(policy, "candidates", None, policy.candidates(waiting, size))
+
+
+def wake_time_of(policy: Policy, ctx: PolicyContext) -> float | None:
+    """``policy.wake_time``'s answer, checked."""
+    return checked_wake_time(policy, policy.wake_time(ctx))
+
+
 def checked_budget(policy: Policy, budget: object) -> StepBudget:
     """``budget`` (``policy.budget``'s answer) when its fields are whole numbers >= 0."""
     if not isinstance(budget, StepBudget):

@@ -48,8 +48,8 @@ from asyncengine.scheduler.policy_guard import (
     PolicyStall,
     blocked_message,
     checked_budget,
-    checked_wake_time,
     stalled_error,
+    wake_time_of,
 )
 from asyncengine.scheduler.prefill import Prefill
 from asyncengine.scheduler.prompt_scoring import tail_scores
@@ -190,12 +190,17 @@ class Scheduler:
         mid-chunk are the scheduler's, not the policy's, and stay as they are. A swap still
         pending is replaced (it never ran). Returns the name of the policy it replaces: the
         pending one, else the one running (what ``/admin/policy`` showed before)."""
-        pending = self._next_policy
-        previous = pending.config.policy if pending is not None else self.config.policy
+        previous = self.policy_in_charge().policy
         self._next_policy = PendingPolicy(policy, config)
         self.policy_swaps += 1
         log.info("policy %r replaces %r at the next step", config.policy, previous)
         return previous
+
+    def policy_in_charge(self) -> EngineConfig:
+        """The config naming the policy in charge from the next step: a pending swap's (FCFS's
+        once a policy failed), else the running one's."""
+        pending = self._next_policy
+        return pending.config if pending is not None else self.config
 
     def policy_failed(self, hook: str, exc: BaseException) -> None:
         """A hook of the live policy (or of the shadow: ``hook`` "shadow") raised or answered
@@ -375,7 +380,7 @@ class Scheduler:
         if type(policy).wake_time is Policy.wake_time:
             return None
         try:
-            return checked_wake_time(policy, policy.wake_time(self._context(0)))
+            return wake_time_of(policy, self._context(0))
         except Exception as exc:
             self.policy_failed("wake_time", exc)
             return None

@@ -81,10 +81,27 @@ class RaisesInPreempt(Policy):
         raise RuntimeError("boom in preempt_candidates")
 
 
+class OrdersIntoATuple(Policy):
+    name = "orders-into-a-tuple"
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return tuple(waiting)  # type: ignore[return-value]
+
+
+class CandidatesInATuple(Policy):
+    name = "candidates-in-a-tuple"
+
+    def candidates(self, waiting: Sequence[Request], size: int) -> list[Request]:
+        return tuple(waiting[:size])  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize(
     ("policy", "says"),
     [
         ("RaisesInOrder", "boom in order"),
+        # the guard's words, not a type error of the compiled scheduler's call
+        ("OrdersIntoATuple", "order() returned tuple, not a list"),
+        ("CandidatesInATuple", "candidates() returned tuple, not a list"),
         ("NamesAStrangerInOrder", "stranger"),
         ("OrdersTwice", "twice"),
         ("NegativeBudget", "prefill_tokens is -5"),
@@ -212,6 +229,25 @@ async def test_an_arrival_or_a_swap_wakes_a_loop_sleeping_until_a_far_wake_time(
         stats = eng.stats()
     assert out.finish_reason == "length" and stats["policy"] == "fcfs"
     assert stats["policy_idle_holds"] <= 3, stats
+
+
+class WakesAtAWord(Policy):
+    name = "wakes-at-a-word"
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        return []
+
+    def wake_time(self, ctx: PolicyContext) -> float | None:
+        return "soon"  # type: ignore[return-value]
+
+
+def test_a_wake_time_of_the_wrong_type_is_named_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    core, _, clock = short_core(policy=f"{HERE}:WakesAtAWord")
+    submit(core, clock, [([1, 2, 3], 2)])
+    assert core.launch() is None
+    core.held_until()
+    assert core.stats()["policy_failures"] == 1
+    assert "wake_time() returned 'soon', not a time or None" in caplog.text
 
 
 def test_holds_stall_only_while_nothing_runs_and_a_stall_ends_when_the_queue_empties() -> None:
