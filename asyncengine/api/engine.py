@@ -516,6 +516,13 @@ class AsyncEngine:
         self._wake()  # the new policy may admit what the old one held
         return previous
 
+    def policy_in_charge(self) -> tuple[str, dict[str, Any]]:
+        """The policy (spec, options) in charge from the next step: the last ``set_policy``'s,
+        or FCFS's once the policy failed (a hook raised or answered what cannot be, or it
+        stalled: policy_failures in ``stats()``)."""
+        config = self._core().scheduler.policy_in_charge()
+        return config.policy, dict(config.policy_options)
+
     def set_eviction_policy(self, spec: str, options: dict[str, Any] | None = None) -> str:
         """Order the prefix cache's evictions by another rule (``"lfu"``, ``"arc"``,
         ``"queue-aware"``, ``"cost-aware"``, ``"lru"``, a ``"pkg.mod:Class"``, with ``options``

@@ -6,8 +6,8 @@
   so is a policy that is neither built in nor loaded at start-up (``allowed_policies``, and
   the policy the engine started with, named by spec or by its ``name``): a request never names
   a file or module to load.
-- ``GET /admin/policy`` answers the live policy, its shadow's agreement figures and the
-  admission-block counts.
+- ``GET /admin/policy`` answers the policy in charge (FCFS once the policy failed: its
+  ``policy_failures``), its shadow's agreement figures and the admission-block counts.
 - ``POST /admin/eviction-policy`` ``{"policy": "lfu", "options": {...}}`` orders the prefix
   cache's evictions by another rule from now on (built-ins, or ``allowed_eviction_policies``);
   ``GET`` answers the rule and its figures by rule.
@@ -165,13 +165,18 @@ async def get_policy(request: web.Request) -> web.Response:
     check_admin_token(request)
     engine = request.app[STATE].engine
     stats = engine.stats()
+    in_charge = getattr(engine, "policy_in_charge", None)  # FCFS's once a policy failed
+    policy, options = (
+        in_charge() if in_charge else (engine.config.policy, engine.config.policy_options)
+    )
     return _json(
         {
-            "policy": engine.config.policy,
-            "options": engine.config.policy_options,
+            "policy": policy,
+            "options": options,
             "shadow": stats.get("shadow"),
             "admission_blocked": stats.get("admission_blocked"),
             "policy_swaps": stats.get("policy_swaps"),
+            "policy_failures": stats.get("policy_failures"),
         }
     )
 

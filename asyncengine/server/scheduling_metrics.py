@@ -6,6 +6,8 @@ scrape time (the server's metrics collector yields them):
 - ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
 - ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
 - ``asyncengine_policy_swaps_total``: live policy changes;
+- ``asyncengine_policy_failures_total``: policy hooks that raised, answered what cannot be, or
+  stalled the engine (each hands over to FCFS: scheduler/policy_guard.py);
 - ``asyncengine_policy_idle_holds_total`` and ``..._policy_idle_seconds_total``: steps that
   ran nothing because the policy held every waiting request while nothing ran, and the
   seconds the engine so sat idle (scheduler/policy_guard.py);
@@ -38,6 +40,10 @@ SCALAR_COUNTERS: dict[str, tuple[str, str]] = {
     "preemptions": ("preemptions", "Running requests retracted for a better-priority request"),
     "request_timeouts": ("finished_timeout", "Requests ended by their timeout or max_queue_time"),
     "policy_swaps": ("policy_swaps", "Live scheduling policy changes"),
+    "policy_failures": (
+        "policy_failures",
+        "Policy hooks that raised, answered what cannot be or stalled (FCFS took over)",
+    ),
     "policy_idle_holds": (
         "policy_idle_holds",
         "Steps that ran nothing: the policy held every waiting request while nothing ran",

@@ -14,11 +14,14 @@ import aiohttp
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
+from asyncengine.policies.base import Policy, PolicyContext
 from asyncengine.server.scheduling_metrics import tenant_label
 from tests.api.test_scheduling_e2e import engine
 from tests.server_support import RunningServer, assert_no_leak, sse_json, start_server
 
+HERE = "tests.server.test_server_scheduling"
 ADMIN = "s3cret-admin"
 API_KEY = "user-key"
 
@@ -186,6 +189,39 @@ async def test_the_admin_endpoint_swaps_the_policy_behind_its_own_token(
         assert server.engine.stats()["policy"] == "priority+dynamic-chunking"
         async with session.get(server.base_url + "/admin/policy") as resp:
             assert resp.status == 401
+
+
+class FailsToOrder(Policy):
+    name = "fails-to-order"
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        raise RuntimeError("boom")
+
+
+async def test_after_a_policy_fails_the_admin_endpoint_shows_fcfs_in_charge() -> None:
+    """A swapped-in policy that fails hands over to FCFS: GET /admin/policy says so (not the
+    failed policy), with the failure counted there and in /metrics; the request is served."""
+    eng = engine(allowed_policies=[f"{HERE}:FailsToOrder"])
+    await eng.start()
+    running = await start_server(eng.config, engine=eng, admin_token=ADMIN)
+    try:
+        async with aiohttp.ClientSession(headers=auth(ADMIN)) as session:
+            status, out = await post(
+                session, running, "/admin/policy", {"policy": "fails-to-order"}
+            )
+            assert status == 200 and out["previous"] == "fcfs", out
+            body = {"text": "go", "sampling_params": {"max_new_tokens": 3}}
+            status, out = await post(session, running, "/generate", body)
+            assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length", out
+            async with session.get(running.base_url + "/admin/policy") as resp:
+                current = await resp.json()
+            async with session.get(running.base_url + "/metrics") as resp:
+                text = await resp.text()
+        assert current["policy"] == "fcfs" and current["options"] == {}, current
+        assert current["policy_failures"] == 1 and eng.stats()["policy"] == "fcfs"
+        assert "asyncengine_policy_failures_total 1.0" in text
+    finally:
+        await running.stop()
 
 
 async def test_without_an_admin_token_there_is_no_admin_endpoint() -> None:
