@@ -29,6 +29,7 @@ from asyncengine.scheduler.admission import (
 from asyncengine.scheduler.lora_slots import LoraSlots
 from asyncengine.scheduler.policy_guard import (
     PolicyFailed,
+    SlowHooks,
     candidates_of,
     ordered_by,
     victims_named,
@@ -60,6 +61,7 @@ class Admitter:
         max_model_len: int,
         lora_slots: LoraSlots,
         policy_failed: PolicyFailed,
+        slow_hooks: SlowHooks,
     ) -> None:
         """The step's ``plan`` and ``budget``; the scheduler's parts, policy and config; its
         policy context, its admitted requests' future tokens, and the ratio of those that
@@ -82,6 +84,7 @@ class Admitter:
         self.max_model_len = max_model_len
         self.lora_slots = lora_slots
         self.policy_failed = policy_failed  # a hook that fails: FCFS's answer (policy_guard.py)
+        self.slow_hooks = slow_hooks
         chunk = budget.chunk_size
         # With chunking on, the chunk bounds the whole step's prefill, not only one prompt's
         # piece of it (as SGLang's chunked_prefill_size): otherwise a step could carry one
@@ -229,7 +232,7 @@ class Admitter:
         else:
             self.ctx = self.context(self.num_decodes)
             try:
-                self.ordered = ordered_by(policy, window, self.ctx)
+                self.ordered = ordered_by(policy, window, self.ctx, self.slow_hooks)
             except Exception as exc:
                 self.policy_failed("order", exc)
                 self.ordered = window

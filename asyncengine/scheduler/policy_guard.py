@@ -24,7 +24,9 @@ are an ``IdleBlock``, which a live engine logs once, naming the reason, past
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +35,13 @@ from asyncengine.policies.base import Policy, PolicyContext, StepBudget
 
 # (hook name, what it raised): the scheduler's ``policy_failed``
 PolicyFailed = Callable[[str, BaseException], None]
+
+log = logging.getLogger("asyncengine.policies")  # not the scheduler's: reports quiet it
+
+# A per-step hook call (order, budget) this slow is reported, once per policy: the engine runs
+# the hooks on its event loop between steps, so every stream waits as long, while the simulator
+# charges a policy no time at all
+SLOW_HOOK_SECONDS = 0.05
 
 # how often the live engine asks again while requests wait and nothing runs, unless the policy
 # holds them and names a ``wake_time``; the simulator steps its clock by as much
@@ -74,6 +83,27 @@ class PolicyStall:
 
     def seconds_until(self, now: float) -> float:
         return self.seconds + (0.0 if self.since is None else now - self.since)
+
+
+@dataclass(slots=True)
+class SlowHooks:
+    """The policy whose slow hook call was reported (None: none yet)."""
+
+    reported: Policy | None = None
+
+    def took(self, policy: Policy, hook: str, seconds: float) -> None:
+        if seconds < SLOW_HOOK_SECONDS or self.reported is policy:
+            return
+        self.reported = policy
+        log.warning(
+            "policy %r: a call of %s() took %.0f ms; the engine runs it between steps on its "
+            "event loop, so every stream waited as long (a simulated run charges the policy no "
+            "time and does not show it). Keep its work per step small: order only the "
+            "requests it is given, keep answers from step to step",
+            policy.name,
+            hook,
+            seconds * 1e3,
+        )
 
 
 @dataclass(slots=True)
@@ -165,9 +195,22 @@ def checked_order(
 # raise its own TypeError before the answer reached the checks here.
 
 
-def ordered_by(policy: Policy, window: list[Request], ctx: PolicyContext) -> list[Request]:
-    """``policy.order``'s answer for ``window``, checked."""
-    return checked_order(policy, "order", window, policy.order(window, ctx))
+def ordered_by(
+    policy: Policy, window: list[Request], ctx: PolicyContext, slow: SlowHooks
+) -> list[Request]:
+    """``policy.order``'s answer for ``window``, checked (a slow call reported)."""
+    start = time.perf_counter()
+    answer = policy.order(window, ctx)
+    slow.took(policy, "order", time.perf_counter() - start)
+    return checked_order(policy, "order", window, answer)
+
+
+def budget_of(policy: Policy, ctx: PolicyContext, slow: SlowHooks) -> StepBudget:
+    """``policy.budget``'s answer, checked (a slow call reported)."""
+    start = time.perf_counter()
+    answer = policy.budget(ctx)
+    slow.took(policy, "budget", time.perf_counter() - start)
+    return checked_budget(policy, answer)
 
 
 def candidates_of(policy: Policy, waiting: Sequence[Request], size: int) -> list[Request]:

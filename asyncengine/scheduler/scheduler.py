@@ -46,8 +46,9 @@ from asyncengine.scheduler.plan_ahead import (
 from asyncengine.scheduler.policy_guard import (
     IdleBlock,
     PolicyStall,
+    SlowHooks,
     blocked_message,
-    checked_budget,
+    budget_of,
     stalled_error,
     wake_time_of,
 )
@@ -94,6 +95,7 @@ class Scheduler:
         self._failed_policy: Policy | None = None  # the last policy that failed (replaced)
         # steps where the policy held every waiting request while nothing ran (policy_guard.py)
         self.stall = PolicyStall()
+        self.slow_hooks = SlowHooks()  # reports a policy's first slow order() or budget()
         # steps that ran nothing while requests waited, blocked by something else (KV memory)
         self.idle_block = IdleBlock()
         # past max_policy_stall: raise PolicyStalledError (the simulator) instead of FCFS
@@ -466,7 +468,7 @@ class Scheduler:
         policy, config = self.policy, self.config
         if type(policy).budget is not Policy.budget:
             try:
-                return checked_budget(policy, policy.budget(self._context(num_decodes)))
+                return budget_of(policy, self._context(num_decodes), self.slow_hooks)
             except Exception as exc:
                 self.policy_failed("budget", exc)
         return StepBudget(config.max_prefill_tokens, None, config.chunked_prefill_size)
@@ -498,6 +500,7 @@ class Scheduler:
             self.max_model_len,
             self.lora_slots,
             self.policy_failed,
+            self.slow_hooks,
         )
 
     def _prepare_decodes(self) -> list[Request]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -16,7 +17,7 @@ from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import SamplingParams
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.policies.base import Policy, PolicyContext, StepBudget
-from asyncengine.scheduler.policy_guard import PolicyStalledError
+from asyncengine.scheduler.policy_guard import SLOW_HOOK_SECONDS, PolicyStalledError
 from asyncengine.sim.workload_replay import held_retry
 from tests.api.test_scheduling_e2e import engine, params, prompt, until
 from tests.fake_executor import reference_output
@@ -229,6 +230,41 @@ async def test_an_arrival_or_a_swap_wakes_a_loop_sleeping_until_a_far_wake_time(
         stats = eng.stats()
     assert out.finish_reason == "length" and stats["policy"] == "fcfs"
     assert stats["policy_idle_holds"] <= 3, stats
+
+
+class SlowAtFirst(Policy):
+    """Its first order() and budget() calls take longer than SLOW_HOOK_SECONDS."""
+
+    name = "slow-at-first"
+
+    def __init__(self) -> None:
+        self.slow_orders = self.slow_budgets = 1
+
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+        if self.slow_orders:
+            self.slow_orders -= 1
+            time.sleep(SLOW_HOOK_SECONDS * 1.2)
+        return waiting
+
+    def budget(self, ctx: PolicyContext) -> StepBudget:
+        if self.slow_budgets:
+            self.slow_budgets -= 1
+            time.sleep(SLOW_HOOK_SECONDS * 1.2)
+        return Policy.budget(self, ctx)
+
+
+def test_a_slow_hook_is_reported_once_and_the_policy_stays(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    core, runner, clock = short_core(policy=f"{HERE}:SlowAtFirst")
+    reqs = submit(core, clock, workload(seed=7, n=8, max_out=8))
+    drive(core, runner, clock)
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # the budget's slow call, then no other for this policy
+    assert "policy 'slow-at-first': a call of budget() took" in warnings[0]
+    assert "event loop" in warnings[0]
+    assert core.scheduler.policy.name == "slow-at-first" and core.stats()["policy_failures"] == 0
 
 
 class WakesAtAWord(Policy):
