@@ -20,7 +20,8 @@ the shadow's agreement figures). ``--group-by tenant|priority|lora`` adds per-gr
 figure; ``--slo ttft_ms=N tpot_ms=N`` adds SLO attainment and goodput.
 
 DIR receives results.md, summary.json, workload.jsonl, ttft_cdf.png, itl_p99.png,
-hit_rate.png (and ttft_by_GROUP.png, cost_model.json where asked). The table shows each run's
+hit_rate.png where the workload shares a prefix (and ttft_by_GROUP.png, cost_model.json where
+asked). The table shows each run's
 hit rate next to the offline bounds with an infinite pool, with the run's pool, and with the
 run's pool in arrival order (asyncengine/bench/optimal_hit_finite.py; one-replica runs).
 
