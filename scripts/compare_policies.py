@@ -30,10 +30,12 @@ rule and adds a table of each rule's hit tokens next to Belady's bound on the sa
 eviction for the arrival order) and their gain over the same configuration's lru run
 (asyncengine/bench/eviction_table.py); a rule of one's own is named as for --eviction-policy.
 
-``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid;
-KEY is an engine config key, or ``replicas``/``router`` for the simulator's multi-replica mode
-(N simulated engines behind one of the Ray deployment's routers; ``--replicas``/``--router``
-set them for every run). ``--ray [ADDR]`` runs the simulations as Ray tasks, on a local Ray
+``--sweep KEY=V1,V2,...`` (repeatable) runs every configuration at every point of the grid
+(a value is JSON where it parses, a JSON object one value, commas and all:
+``'policy_options={"aging":0.5,"max_wait_tokens":1000},{"aging":1.0}'``); KEY is an engine
+config key, or ``replicas``/``router`` for the simulator's multi-replica mode (N simulated
+engines behind one of the Ray deployment's routers; ``--replicas``/``--router`` set them for
+every run). ``--ray [ADDR]`` runs the simulations as Ray tasks, on a local Ray
 (no ADDR) or a cluster (ADDR, e.g. ``auto``); the results are the same as a local run's.
 """
 

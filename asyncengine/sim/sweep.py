@@ -53,20 +53,37 @@ class SimJobResult:
 
 def parse_sweep(specs: Sequence[str]) -> list[tuple[str, list[Any]]]:
     """``["chunked_prefill_size=256,512", "router=cache-aware,round-robin"]`` -> keys and values
-    (a value is JSON when it parses, else a string)."""
+    (a value is JSON when it parses, else a string; a JSON object or list is one value, commas
+    and all: ``'policy_options={"aging":0.5,"max_wait_tokens":100},{"aging":1.0}'``)."""
     axes = []
     for spec in specs:
         key, sep, values = spec.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"expected KEY=V1,V2,..., got {spec!r}")
-        parsed = []
-        for text in values.split(","):
-            try:
-                parsed.append(json.loads(text))
-            except json.JSONDecodeError:
-                parsed.append(text)
-        axes.append((key.replace("-", "_"), parsed))
+        axes.append((key.replace("-", "_"), _sweep_values(key, values)))
     return axes
+
+
+def _sweep_values(key: str, text: str) -> list[Any]:
+    """The comma-separated values of ``text``: JSON where a value parses, else its string."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    start = 0
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            end = -1
+        if end < 0 or (end < len(text) and text[end] != ","):
+            if text[start : start + 1] in ("{", "["):
+                raise ValueError(f"--sweep {key}: {text[start:]!r} is not a JSON object or list")
+            comma = text.find(",", start)
+            end = len(text) if comma < 0 else comma
+            value = text[start:end]
+        values.append(value)
+        if end == len(text):
+            return values
+        start = end + 1
 
 
 def expand(base: Sequence[SimJob], sweep: Sequence[tuple[str, list[Any]]]) -> list[SimJob]:

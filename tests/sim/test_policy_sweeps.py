@@ -40,6 +40,23 @@ def test_parse_and_expand_a_grid() -> None:
         parse_sweep(["replicas"])
 
 
+def test_a_json_object_with_commas_is_one_sweep_value() -> None:
+    sweep = parse_sweep(
+        ['policy_options={"aging":0.5,"max_wait_tokens":100},{"aging":1.0}', "x=1,a,,[1,2],b"]
+    )
+    assert sweep == [
+        ("policy_options", [{"aging": 0.5, "max_wait_tokens": 100}, {"aging": 1.0}]),
+        ("x", [1, "a", "", [1, 2], "b"]),
+    ]
+    jobs = expand([SimJob("sjf", EngineConfig(policy="sjf"))], sweep[:1])
+    assert [j.config.policy_options for j in jobs] == [
+        {"aging": 0.5, "max_wait_tokens": 100},
+        {"aging": 1.0},
+    ]
+    with pytest.raises(ValueError, match="not a JSON object or list"):
+        parse_sweep(['policy_options={"aging":0.5,},{}'])
+
+
 def test_a_swept_rule_leaves_the_config_rules_options_behind(tmp_path: Path) -> None:
     rule = tmp_path / "rule.py"
     rule.write_text(
