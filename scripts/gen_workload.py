@@ -44,7 +44,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     )
     args = parser.parse_args(argv)
 
-    kwargs: dict[str, object] = {"seed": args.seed, "text": args.text}
+    kwargs: dict[str, object] = {"seed": args.seed}
+    if args.text:  # only some generators write a prompt text
+        kwargs["text"] = True
     if args.vocab_size is not None:
         kwargs["vocab_size"] = args.vocab_size
     if args.arrivals:
