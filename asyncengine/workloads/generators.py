@@ -295,6 +295,12 @@ def make_workload(name: str, **kwargs: object) -> list[WorkloadRequest]:
         ) from None
     known = inspect.signature(generator).parameters
     unknown = sorted(set(kwargs) - set(known))
+    if unknown == ["arrivals"]:
+        rates = [arg for arg in known if "rate" in arg]
+        raise ValueError(
+            f"workload {name!r} draws its own arrival times and takes no 'arrivals' (--arrivals)"
+            + (f": set its {', '.join(rates)} instead" if rates else "")
+        )
     if unknown:
         raise ValueError(
             f"workload {name!r} takes no argument {', '.join(map(repr, unknown))}; "

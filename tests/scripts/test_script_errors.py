@@ -24,6 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
             ["--workload", "shared_prefix", "--workload-arg", "num_requests=9", "--out", "{out}"],
             "takes no argument 'num_requests'; its arguments: num_groups, questions_per_group",
         ),
+        (
+            "compare_policies.py",
+            ["--workload", "slo_mix", "--arrivals", "poisson:0.8", "--out", "{out}"],
+            "workload 'slo_mix' draws its own arrival times and takes no 'arrivals' (--arrivals): "
+            "set its rate instead",
+        ),
         ("bench_replicas.py", ["--setups", "nope", "--out", "{out}"], "unknown setups ['nope']"),
     ],
 )
