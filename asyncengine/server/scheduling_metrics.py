@@ -5,7 +5,8 @@ scrape time (the server's metrics collector yields them):
   (asyncengine/scheduler/admission.py lists the reasons);
 - ``asyncengine_preemptions_total``: running requests retracted for a better-priority one;
 - ``asyncengine_request_timeouts_total``: requests ended by their timeout or max_queue_time;
-- ``asyncengine_policy_swaps_total``: live policy changes;
+- ``asyncengine_policy_swaps_total``: live policy changes (a failed policy's hand-over to FCFS
+  is one);
 - ``asyncengine_policy_failures_total``: policy hooks that raised, answered what cannot be, or
   stalled the engine (each hands over to FCFS: scheduler/policy_guard.py);
 - ``asyncengine_policy_idle_holds_total`` and ``..._policy_idle_seconds_total``: steps that
@@ -39,7 +40,10 @@ PREFIX = "asyncengine"
 SCALAR_COUNTERS: dict[str, tuple[str, str]] = {
     "preemptions": ("preemptions", "Running requests retracted for a better-priority request"),
     "request_timeouts": ("finished_timeout", "Requests ended by their timeout or max_queue_time"),
-    "policy_swaps": ("policy_swaps", "Live scheduling policy changes"),
+    "policy_swaps": (
+        "policy_swaps",
+        "Live scheduling policy changes (a failed policy's hand-over to FCFS is one)",
+    ),
     "policy_failures": (
         "policy_failures",
         "Policy hooks that raised, answered what cannot be or stalled (FCFS took over)",
