@@ -7,8 +7,7 @@ from asyncengine.common.config import EngineConfig
 from asyncengine.common.request import Request
 from asyncengine.policies import PolicyContext, make_policy
 from asyncengine.policies.base import Policy, StepBudget
-from tests.policies.test_policies import ctx
-from tests.scheduler.test_scheduler import drive, make_scheduler, submit
+from tests.policies.test_policies import assert_starts_shortest_first, ctx
 
 HERE = "tests.policies.test_hook_flags"
 
@@ -37,15 +36,7 @@ def test_a_hook_defined_without_its_flag_sets_the_flag() -> None:
 
 
 def test_an_ordering_without_its_flag_orders_inside_a_composition() -> None:
-    spec = f"{HERE}:ShortestNoFlag+token-budget"
-    sched, runner, clock = make_scheduler(
-        policy=spec, chunked_prefill_size=0, max_prefill_tokens=12, max_running_requests=1
-    )
-    lengths = [9, 3, 6, 4]
-    reqs = submit(sched, clock, [([100 * i + 1] * n, 1) for i, n in enumerate(lengths)])
-    plans = drive(sched, runner, clock)
-    started = [s.rid for p in plans for s in p.extends]
-    assert started == [r.rid for r in sorted(reqs, key=lambda r: len(r.prompt_ids))]
+    assert_starts_shortest_first(f"{HERE}:ShortestNoFlag+token-budget")
 
 
 def test_a_budget_without_its_flag_budgets_inside_a_composition() -> None:

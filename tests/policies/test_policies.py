@@ -311,8 +311,6 @@ def test_a_user_policy_from_its_own_file_orders_the_scheduler(
 ) -> None:
     """A policy of one's own is one class in one file (the README's example, as written there),
     named "module:Class" in the config, and composes with a built-in budget."""
-    from tests.scheduler.test_scheduler import drive, make_scheduler, submit
-
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = readme.split("```python\n")[1:]
     (example,) = [b.split("```")[0] for b in blocks if "class ShortestPromptFirst" in b]
@@ -322,13 +320,20 @@ def test_a_user_policy_from_its_own_file_orders_the_scheduler(
         "shortest_first:ShortestPromptFirst",
         "shortest_first:ShortestPromptFirst+token-budget",
     ):
-        config = EngineConfig(policy=spec)
-        assert config.policy == spec
-        sched, runner, clock = make_scheduler(
-            policy=spec, chunked_prefill_size=0, max_prefill_tokens=12, max_running_requests=1
-        )
-        lengths = [9, 3, 6, 4]
-        reqs = submit(sched, clock, [([100 * i + 1] * n, 1) for i, n in enumerate(lengths)])
-        plans = drive(sched, runner, clock)
-        started = [s.rid for p in plans for s in p.extends]
-        assert started == [r.rid for r in sorted(reqs, key=lambda r: len(r.prompt_ids))]
+        assert EngineConfig(policy=spec).policy == spec
+        assert_starts_shortest_first(spec)
+
+
+def assert_starts_shortest_first(spec: str) -> None:
+    """Under ``spec``, one request at a time, prompts of 9, 3, 6 and 4 tokens start shortest
+    first."""
+    from tests.scheduler.test_scheduler import drive, make_scheduler, submit
+
+    sched, runner, clock = make_scheduler(
+        policy=spec, chunked_prefill_size=0, max_prefill_tokens=12, max_running_requests=1
+    )
+    lengths = [9, 3, 6, 4]
+    reqs = submit(sched, clock, [([100 * i + 1] * n, 1) for i, n in enumerate(lengths)])
+    plans = drive(sched, runner, clock)
+    started = [s.rid for p in plans for s in p.extends]
+    assert started == [r.rid for r in sorted(reqs, key=lambda r: len(r.prompt_ids))]
