@@ -23,6 +23,12 @@ class DeltaStream(Protocol):
         go out); raise the engine's refusal (a grammar that did not compile) instead."""
         ...
 
+    async def admitted(self) -> int | None:
+        """Return once the request was first scheduled, with its prompt tokens read from the
+        prefix cache (None: not told, then the first delta's ``cached_tokens`` says it), or
+        once it has a delta or an error to hand out."""
+        ...
+
     async def aclose(self) -> None:
         """Abort the request unless it already ended."""
         ...

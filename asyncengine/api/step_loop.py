@@ -189,6 +189,7 @@ class StepLoop:
         self.streams.publish(core.events())
         if plan is None:
             return None
+        self.streams.admit(plan)
         loop = asyncio.get_running_loop()
         if self.split_launch is None:
             return InFlight(plan, loop.run_in_executor(self.worker, core.execute, plan))

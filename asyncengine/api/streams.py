@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from asyncengine.api.request_group import RequestGroup
 from asyncengine.common.errors import RequestFailedError
+from asyncengine.common.plan import BatchPlan
 from asyncengine.common.request import Request
 from asyncengine.common.sampling_params import InvalidRequestError
 from asyncengine.scheduler.step_events import StepEvents
@@ -45,6 +46,15 @@ class Streams:
             self.states.pop(state.req.rid, None)
             state.done = True
         group.states[0].fail(error)
+
+    def admit(self, plan: BatchPlan) -> None:
+        """Wake the readers of the requests whose prompt chunks ``plan`` computes: one waiting
+        for its request's first scheduling (``RequestStream.admitted``) goes on."""
+        states = self.states
+        for seg in plan.extends:
+            state = states.get(seg.rid)
+            if state is not None:
+                state.queue.wake()
 
     def publish(self, events: StepEvents) -> None:
         """Tokens as deltas, ended requests as final deltas, failed ones as errors (and the

@@ -180,18 +180,24 @@ class MessageStream:
         self.started = False
 
     def opening(self) -> list[NamedEvent]:
-        # message_start comes with the first delta: how much of the prompt the prefix cache
-        # served is known once the request is scheduled, and its usage splits the prompt so
         return []
 
+    def admitted(self, cached_tokens: int | None) -> list[NamedEvent]:
+        """``message_start`` once the request is scheduled, before its prefill ends (its usage
+        splits the prompt by the prefix cache, known then); None: with the first delta."""
+        if cached_tokens is None:
+            return []
+        self.started = True
+        return [self._start(cached_tokens)]
+
     def frames(self, delta: StreamDelta) -> list[NamedEvent]:
-        start = [] if self.started else [self._start(delta)]
+        start = [] if self.started else [self._start(delta.cached_tokens)]
         self.started = True
         events = self.reader.feed(delta.text, delta.finished)
         return [*start, *(self._frame(event) for event in events)]
 
-    def _start(self, first: StreamDelta) -> NamedEvent:
-        usage = usage_body(self.shown_usage(Usage(self.prompt_tokens, 0, first.cached_tokens)))
+    def _start(self, cached_tokens: int) -> NamedEvent:
+        usage = usage_body(self.shown_usage(Usage(self.prompt_tokens, 0, cached_tokens)))
         message = message_body(self.message_id, self.model, [], (None, None), usage)
         return _event("message_start", message=message)
 

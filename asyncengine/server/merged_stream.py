@@ -27,6 +27,10 @@ class MergedStream:
     async def accepted(self) -> None:
         await asyncio.gather(*(stream.accepted() for stream in self.streams))
 
+    async def admitted(self) -> int | None:
+        """None at once: the prompts' deltas say what each read from the prefix cache."""
+        return None
+
     async def __anext__(self) -> StreamDelta:
         for i in self._open - set(self._pending.values()):
             self._pending[asyncio.ensure_future(self.streams[i].__anext__())] = i

@@ -504,6 +504,9 @@ class _StreamFormat:
     def opening(self) -> list[dict[str, Any]]:
         return []
 
+    def admitted(self, cached_tokens: int | None) -> list[dict[str, Any]]:
+        return []
+
     def frames(self, delta: StreamDelta) -> list[dict[str, Any]]:
         i = delta.index
         responder = self.responders[i]

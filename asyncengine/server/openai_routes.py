@@ -328,6 +328,9 @@ class _ChunkFormat:
             for index in range(self.choices)
         ]
 
+    def admitted(self, cached_tokens: int | None) -> list[Json]:
+        return []
+
     def frames(self, delta: StreamDelta) -> list[Json]:
         echoed = self._echo(delta)
         if not (delta.text or delta.finished or delta.logprobs):

@@ -306,6 +306,9 @@ class ResponseStream:
             self._event("response.in_progress", response=body),
         ]
 
+    def admitted(self, cached_tokens: int | None) -> list[NamedEvent]:
+        return []
+
     def frames(self, delta: StreamDelta) -> list[NamedEvent]:
         frames = []
         for event in self.reader.feed(delta.text, delta.finished):

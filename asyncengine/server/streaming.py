@@ -33,6 +33,11 @@ class StreamFormat(Protocol):
         """Frames sent right after the headers, before the first delta's."""
         ...
 
+    def admitted(self, cached_tokens: int | None) -> list[Frame]:
+        """Frames once the request was first scheduled (``DeltaStream.admitted``: its prompt
+        tokens read from the prefix cache, None when not told), before the first delta's."""
+        ...
+
     def frames(self, delta: StreamDelta) -> list[Frame]:
         """Frames for one delta (none when it carries nothing worth sending)."""
         ...
@@ -74,6 +79,8 @@ async def stream_response(
         try:
             async with keeping_alive(writer, state.stream_keep_alive, keep_alive):
                 for frame in fmt.opening():
+                    await writer.send(frame)
+                for frame in fmt.admitted(await stream.admitted()):
                     await writer.send(frame)
                 delta = await _next(stream)
                 while delta is not None:

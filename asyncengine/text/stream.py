@@ -154,6 +154,20 @@ class RequestStream:
         if isinstance(self.state.queue.peek(), BaseException):
             await self.__anext__()  # raises the refusal
 
+    async def admitted(self) -> int | None:
+        """Return once the request was first scheduled (how many of its prompt tokens the
+        prefix cache served is known then: that count is returned) or has something to hand
+        out (a delta, its end, an error), so that a stream's header can go out before a long
+        prefill ends."""
+        state = self.state
+        while state.req.first_scheduled_time is None and state.queue.empty() and not self._ended:
+            try:
+                await state.queue.wait()  # woken by a delta, or by Streams.admit
+            except BaseException:
+                await self.aclose()  # cancelled while waiting: abort the request
+                raise
+        return state.req.cached_tokens
+
     async def __anext__(self) -> StreamDelta:
         if self._ended:
             raise StopAsyncIteration

@@ -5,11 +5,13 @@ not before its grammar compiled (a spec that does not compile is still a 400).""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import anthropic
 import pytest
 import pytest_asyncio
 
@@ -79,6 +81,101 @@ async def test_headers_go_out_before_the_first_token(
         assert raw.rstrip().endswith((b"data: [DONE]", b"}")), raw[-200:]
         assert b'"error":{' not in raw and b"event: error" not in raw, raw[-400:]
     assert forwards_done > 0
+    assert await wait_until(lambda: engine_idle(server.engine))
+
+
+def _held_forwards(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, list[int]]:
+    """Every forward waits for the returned event; the list counts those done."""
+    executor = server.engine.executor
+    real_execute = executor.execute
+    release = threading.Event()
+    done = [0]
+
+    def held_execute(plan: Any) -> Any:
+        assert release.wait(30), "the test never released the forward"
+        done[0] += 1
+        return real_execute(plan)
+
+    monkeypatch.setattr(executor, "execute", held_execute)
+    return release, done
+
+
+async def _first_event(resp: aiohttp.ClientResponse) -> tuple[str | None, Any]:
+    """The first SSE event that is not a keep-alive: its ``event:`` name and its data."""
+    while True:
+        raw = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+        lines = dict(line.split(": ", 1) for line in raw.decode().split("\n") if ": " in line)
+        if "data" in lines and lines.get("event") != "ping":
+            return lines.get("event"), json.loads(lines["data"])
+
+
+async def test_a_streams_header_event_goes_out_before_the_prefill_ends(
+    http: aiohttp.ClientSession, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the hosted APIs and vLLM: Anthropic's ``message_start`` (with the prompt's usage),
+    the chat stream's role chunk and ``response.created`` come once the request is scheduled,
+    not with its first token, so a client's read timeout does not run out in a long prefill."""
+    prompt_tokens = (await (await http.post(
+        server.base_url + "/v1/messages/count_tokens",
+        json={"model": server.model, "messages": [{"role": "user", "content": "Say something."}]},
+    )).json())["input_tokens"]  # fmt: skip
+    release, done = _held_forwards(server, monkeypatch)
+    firsts: dict[str, tuple[str | None, Any]] = {}
+    responses = []
+    try:
+        for path in (MESSAGES, CHAT, RESPONSES):
+            resp = await http.post(server.base_url + path, json=bodies(server.model)[path])
+            responses.append(resp)
+            firsts[path] = await _first_event(resp)
+        assert done[0] == 0, "a header event waited for a forward"
+    finally:
+        release.set()
+    for resp in responses:
+        await resp.read()
+        resp.release()
+    name, start = firsts[MESSAGES]
+    assert name == "message_start" and start["message"]["content"] == []
+    usage = start["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt_tokens
+    _, chunk = firsts[CHAT]
+    assert chunk["choices"][0]["delta"]["role"] == "assistant"
+    assert firsts[RESPONSES][0] == "response.created"
+    assert await wait_until(lambda: engine_idle(server.engine))
+
+
+async def test_the_anthropic_client_reads_message_start_before_the_prefill_ends(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SDK's stream yields ``message_start`` while the prefill runs, and the message it
+    accumulates is the one ``create`` answers."""
+    kwargs: dict[str, Any] = dict(
+        model=server.model,
+        max_tokens=6,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        extra_body={"temperature": 0},
+    )
+    async with anthropic.AsyncAnthropic(
+        base_url=server.base_url, api_key="unused", max_retries=0
+    ) as claude:
+        await claude.messages.create(**kwargs)  # the later two read the same cached part
+        release, done = _held_forwards(server, monkeypatch)
+        try:
+            async with claude.messages.stream(**kwargs) as stream:
+                events = aiter(stream)
+                first = await asyncio.wait_for(anext(events), 10)
+                assert done[0] == 0 and first.type == "message_start"
+                started = first.message.usage.model_dump()  # the SDK updates it as it goes
+                release.set()
+                rest = [event.type async for event in events]
+                final = await stream.get_final_message()
+        finally:
+            release.set()
+        whole = await claude.messages.create(**kwargs)
+    assert started == whole.usage.model_dump() | {"output_tokens": 0}
+    assert rest[-2:] == ["message_delta", "message_stop"] and "message_start" not in rest
+    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
     assert await wait_until(lambda: engine_idle(server.engine))
 
 

@@ -146,6 +146,8 @@ class RemoteStream:
         self._calls = calls
         self._open_choices = choices
         self._accepted = False  # the replica's first item (None: accepted) was read
+        self._admitted = False  # its second (the prompt tokens read from cache) was read
+        self._cached_tokens: int | None = None
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -163,15 +165,26 @@ class RemoteStream:
                 raise
             assert marker is None, "a replica's stream opens with None"
 
-    async def __anext__(self) -> StreamDelta:
+    async def admitted(self) -> int | None:
+        """Return once the replica's engine scheduled the request, with its prompt tokens read
+        from the prefix cache."""
         await self.accepted()
+        if not self._admitted:
+            self._admitted = True
+            cached = await self._item()
+            assert isinstance(cached, int), "a replica's stream goes on with its cached tokens"
+            self._cached_tokens = cached
+        return self._cached_tokens
+
+    async def __anext__(self) -> StreamDelta:
+        await self.admitted()
         delta = await self._item()
-        assert delta is not None
+        assert isinstance(delta, StreamDelta)
         return delta
 
-    async def _item(self) -> StreamDelta | None:
+    async def _item(self) -> StreamDelta | int | None:
         try:
-            delta: StreamDelta | Exception | None = await self._call.__anext__()
+            delta: StreamDelta | Exception | int | None = await self._call.__anext__()
         except StopAsyncIteration:
             self._calls.pop(self.request_id, None)
             raise
@@ -183,7 +196,7 @@ class RemoteStream:
         if isinstance(delta, Exception):  # the engine refused the request
             self._calls.pop(self.request_id, None)
             raise delta
-        if delta is not None and delta.finished:
+        if isinstance(delta, StreamDelta) and delta.finished:
             self._open_choices -= 1
             if self._open_choices == 0:
                 self._calls.pop(self.request_id, None)

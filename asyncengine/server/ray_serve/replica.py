@@ -78,13 +78,15 @@ class EngineReplica:
         params: SamplingParams,
         request_id: str,
         route_ids: list[int] | None = None,
-    ) -> AsyncIterator[StreamDelta | Exception | None]:
-        """None first, once the engine accepted the request (RemoteStream.accepted), then
-        its deltas; or a refusal."""
+    ) -> AsyncIterator[StreamDelta | Exception | int | None]:
+        """None first, once the engine accepted the request (RemoteStream.accepted), then its
+        prompt tokens read from the prefix cache once it is scheduled (RemoteStream.admitted),
+        then its deltas; or a refusal."""
         try:
             stream = self.engine.stream(prompt, params, request_id=request_id)
             await stream.accepted()
             yield None
+            yield await stream.admitted()
             async for delta in stream:
                 yield delta
         except REFUSALS as exc:
