@@ -295,6 +295,10 @@ def _check_text(i: int, message: MessageParam, last: bool) -> None:
         )
 
 
+# Anthropic's API refuses calls and results a request gives no tools for, in these words
+TOOLS_NEEDED = "Requests which include `tool_use` or `tool_result` blocks must define tools."
+
+
 def _messages(req: CountTokensRequest) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     if req.system:
@@ -318,6 +322,8 @@ def _messages(req: CountTokensRequest) -> list[ChatMessage]:
         calls: list[AssistantToolCall] = []
         for j, block in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
+            if isinstance(block, (ToolUseBlockParam, ToolResultBlockParam)) and not req.tools:
+                raise invalid_request(TOOLS_NEEDED, param=param)
             if isinstance(block, TextBlockParam):
                 texts.append(block.text)
             elif isinstance(block, (ImageBlockParam, DocumentBlockParam)):

@@ -309,6 +309,31 @@ async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
             assert f"with no tool_result block: {missing};" in message, message
 
 
+async def test_tool_use_and_tool_result_blocks_need_tools(
+    claude: anthropic.AsyncAnthropic, server: RunningServer
+) -> None:
+    """As Anthropic's API: a conversation with calls and results defines its tools (their
+    schemas are what the calls were made against), or it is a 400."""
+    answered = [*_user(QUESTION), _tool_use("toolu_a"), _tool_results("toolu_a")]
+    for extra in ({}, {"tools": []}, {"tool_choice": {"type": "none"}}):
+        for send in (claude.messages.create, claude.messages.count_tokens):
+            kwargs: dict[str, Any] = dict(model=server.model, messages=answered, **extra)
+            if send == claude.messages.create:
+                kwargs["max_tokens"] = 1
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await send(**kwargs)
+            body = refused.value.body
+            assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["message"] == (
+                "messages[1].content[0]: Requests which include `tool_use` or `tool_result` "
+                "blocks must define tools."
+            )
+    given = await claude.messages.create(
+        model=server.model, max_tokens=1, messages=answered, tools=TOOLS
+    )
+    assert given.stop_reason
+
+
 async def test_a_tool_use_id_used_twice_is_refused_as_ambiguous(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
