@@ -74,11 +74,15 @@ class StructuredOutput:
     tag as JSON text (tool calls: structured/tool_grammar.py; "" for json_object).
     The grammar is compiled by the engine; a spec it cannot compile is refused there, the 400
     naming ``param``: the request field the constraint came from (not part of its identity:
-    equal specs share one compiled grammar whichever field gave them)."""
+    equal specs share one compiled grammar whichever field gave them). ``parts``: the specs
+    of several fields that this one combines (tool calls: each tool's schema), each with its
+    own ``param``; when it does not compile, the first part that does not compile alone is
+    the one named."""
 
     kind: str
     spec: str = ""
     param: str | None = field(default=None, compare=False)
+    parts: tuple[StructuredOutput, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:

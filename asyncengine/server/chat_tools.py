@@ -30,7 +30,12 @@ from asyncengine.server.tool_schema import (
     answers_no_call,
 )
 from asyncengine.structured.schema_support import check_enforced
-from asyncengine.structured.tool_grammar import ToolFunction, tool_call_grammar
+from asyncengine.structured.tool_grammar import (
+    ToolFunction,
+    answer_schema,
+    arguments_schema,
+    tool_call_grammar,
+)
 from asyncengine.text.chat_format import ChatFormat, ChatTurn, chat_format, template_messages
 from asyncengine.text.reasoning import prompt_closes_thinking, prompt_opens_thinking
 from asyncengine.text.tokenizer import ChatTemplateError
@@ -164,18 +169,25 @@ def _functions(tools: list[Tool], choice: str | NamedToolChoice) -> list[ToolFun
     return chosen
 
 
-def _grammar_param(tools: list[Tool], functions: list[ToolFunction], holds_answer: bool) -> str:
+def _grammar_fields(
+    tools: list[Tool], functions: list[ToolFunction], answer: dict[str, Any] | None
+) -> tuple[str, tuple[StructuredOutput, ...]]:
     """The field a tool-call grammar's compile error names: the one schema it holds, where it
-    holds one (a tool's parameters, or the response format's answer), else ``tools``."""
-    held = {function.name for function in functions if isinstance(function.parameters, dict)}
-    schemas = [
-        f"tools[{i}].function.parameters"
+    holds one (a tool's parameters, or the response format's answer), else ``tools``; and then
+    its parts, each schema with its field, so that the compiler names the one at fault."""
+    held = {f.name: f for f in functions if isinstance(f.parameters, dict)}
+    parts = [
+        StructuredOutput.json_schema(
+            arguments_schema(held[tool.function.name]), f"tools[{i}].function.parameters"
+        )
         for i, tool in enumerate(tools)
         if tool.function.name in held
     ]
-    if holds_answer:
-        schemas.append(SCHEMA_PARAM)
-    return schemas[0] if len(schemas) == 1 else "tools"
+    if answer is not None:
+        parts.append(StructuredOutput.json_schema(answer_schema(answer), SCHEMA_PARAM))
+    if len(parts) == 1:
+        return str(parts[0].param), ()
+    return "tools", tuple(parts)
 
 
 def _held(tool: Tool, choice: str | NamedToolChoice) -> bool:
@@ -368,9 +380,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any) -> ChatPlan:
             starts_inside_thinking=bool(starts_inside),
             answer=answer,
         )
-        grammar = dataclasses.replace(
-            grammar, param=_grammar_param(req.tools or [], functions, answer is not None)
-        )
+        param, parts = _grammar_fields(req.tools or [], functions, answer)
+        grammar = dataclasses.replace(grammar, param=param, parts=parts)
     output = None
     if functions or starts_inside is not None:
         output = ChatOutputSpec(

@@ -374,11 +374,16 @@ def responses_names(error: ApiError) -> ApiError:
 
 
 def responses_constraint(params: SamplingParams) -> SamplingParams:
-    """``params`` with its constraint's field (named should it not compile) as this API has it."""
+    """``params`` with its constraint's fields (named should it not compile) as this API has
+    them."""
     structured = params.structured
     if structured is None or structured.param is None:
         return params
-    named = dataclasses.replace(structured, param=_responses_name(structured.param))
+    parts = tuple(
+        dataclasses.replace(part, param=_responses_name(part.param or ""))
+        for part in structured.parts
+    )
+    named = dataclasses.replace(structured, param=_responses_name(structured.param), parts=parts)
     return dataclasses.replace(params, structured=named)
 
 

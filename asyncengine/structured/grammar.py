@@ -170,6 +170,8 @@ class GrammarCompiler:
             if not refused and self._cache.get(constraint) is entry:
                 del self._cache[constraint]
             if isinstance(error, InvalidRequestError) and error.param is None:
+                if constraint.parts and not refused:
+                    await self._name_the_part(constraint.parts)
                 # the cached error is every requester's: each gets its own field named
                 raise InvalidRequestError(str(error), constraint.param, error.code) from None
             raise
@@ -178,6 +180,12 @@ class GrammarCompiler:
             if entry.waiters == 0 and entry is not self._json_object and entry.job.cancel():
                 if self._cache.get(constraint) is entry:  # nobody wants it: it never runs
                     del self._cache[constraint]
+
+    async def _name_the_part(self, parts: tuple[StructuredOutput, ...]) -> None:
+        """Raise the error of the first of ``parts`` that does not compile alone (naming its
+        field); return if they all do (only their combination fails)."""
+        for part in parts:
+            await self.compile(part)
 
     def matcher(self, constraint: StructuredOutput, compiled: Any) -> GrammarMatcher:
         """A fresh matcher of ``compiled``, ``constraint``'s grammar (made on the event loop).
@@ -218,10 +226,9 @@ class GrammarCompiler:
     def _compile_now(self, constraint: StructuredOutput) -> Any:
         """On a pool thread: compiled in the thread's worker process, then read back here."""
         self.compiles += 1
+        spec = _given_spec(constraint)
         try:
-            ok, payload = self.pool.compile(
-                constraint.kind, _given_spec(constraint), self.timeout, MAX_STEP_SECONDS
-            )
+            ok, payload = self.pool.compile(constraint.kind, spec, self.timeout, MAX_STEP_SECONDS)
         except FirstStepTooSlow as slow:
             raise _too_slow(constraint.kind, str(slow)) from None
         except CompileTimeout:

@@ -35,18 +35,21 @@ class ToolFunction:
     parameters: dict[str, Any] | bool  # True: any JSON object
 
 
-def _call_tag(fmt: ToolCallFormat, function: ToolFunction) -> dict[str, Any]:
+def arguments_schema(function: ToolFunction) -> dict[str, Any] | bool:
+    """The schema a call's arguments are held to."""
     # descriptions bound nothing; a pattern the grammar cannot read is left out of a tool
     # only described (a held tool's schema was refused for it: server/chat_tools.py)
     schema = grammar_schema(function.parameters, readable_patterns_only=True)
-    if schema is True:
-        schema = {"type": "object"}
+    return {"type": "object"} if schema is True else schema
+
+
+def _call_tag(fmt: ToolCallFormat, function: ToolFunction) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": fmt.opening(function.name),
         "content": {
             "type": "json_schema",
-            "json_schema": schema,
+            "json_schema": arguments_schema(function),
             "max_whitespace_cnt": ARGUMENT_WHITESPACE,
         },
         "end": fmt.call_end,
@@ -79,7 +82,7 @@ def tool_call_grammar(
     if mode == "auto" and answer is not None:
         text = {
             "type": "json_schema",
-            "json_schema": grammar_schema(answer),
+            "json_schema": answer_schema(answer),
             "max_whitespace_cnt": ARGUMENT_WHITESPACE,
         }
         calls = _calls(fmt, tags, parallel)
@@ -101,6 +104,11 @@ def tool_call_grammar(
     return StructuredOutput(
         "structural_tag", json.dumps({"type": "structural_tag", "format": body})
     )
+
+
+def answer_schema(answer: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """The schema a text answer beside the tools is held to."""
+    return grammar_schema(answer)
 
 
 def _calls(fmt: ToolCallFormat, tags: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

@@ -246,6 +246,14 @@ async def test_refusals_have_anthropics_error_shape(
         ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
         # a schema xgrammar cannot compile: Anthropic's shape has no param, the message names it
         ({"tools": [{"name": "f", "input_schema": UNCLOSED}]}, "tools[0].input_schema: "),
+        # one of several held schemas: the compile error names it, not all the tools
+        (
+            {
+                "tools": [*TOOLS, {"name": "f", "input_schema": UNCLOSED}],
+                "tool_choice": {"type": "any"},
+            },
+            "tools[1].input_schema: ",
+        ),
         ({"output_config": {"format": unique}}, "output_config.format.schema"),
     ):
         status, body = await _raw(

@@ -19,6 +19,7 @@ DANGLING = {
     "required": ["a"],
 }
 USER = [{"role": "user", "content": "hi"}]
+OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -63,6 +64,43 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
         "tools[1].function.parameters",
     ),
     (
+        "chat tool parameters, one of several held",
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "max_tokens": 2,
+            "tools": [_tool("one", OBJECT), _tool("two", OBJECT), _tool("broken", DANGLING)],
+            "tool_choice": "required",
+        },
+        "tools[2].function.parameters",
+    ),
+    (
+        "chat answer schema beside held tools",
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "max_tokens": 2,
+            "tools": [_tool("one", OBJECT), _tool("two", OBJECT)],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": DANGLING}},
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "responses tool parameters, one of several",
+        "/v1/responses",
+        {
+            "input": "hi",
+            "max_output_tokens": 2,
+            "store": False,
+            "tools": [
+                {"type": "function", "name": "one", "parameters": OBJECT},
+                {"type": "function", "name": "broken", "parameters": DANGLING},
+            ],
+            "tool_choice": "required",
+        },
+        "tools[1].parameters",
+    ),
+    (
         "native regex",
         "/generate",
         {"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "[a-"}},
@@ -94,3 +132,4 @@ async def test_a_grammar_that_does_not_compile_names_its_field(
     assert status == 400, answer
     error = answer["error"] if "error" in answer else answer
     assert error["param"] == param, error
+
