@@ -45,6 +45,7 @@ from asyncengine.structured.compile_pool import (
 )
 from asyncengine.structured.compile_worker import COMPILE_NICENESS, compile_spec
 from asyncengine.structured.schema_annotations import grammar_schema
+from asyncengine.structured.schema_bounds import bounds_problem_in_spec
 from asyncengine.structured.tokenizer_info import tokenizer_info
 
 DEFAULT_CACHE_SIZE = 256
@@ -227,6 +228,9 @@ class GrammarCompiler:
         """On a pool thread: compiled in the thread's worker process, then read back here."""
         self.compiles += 1
         spec = _given_spec(constraint)
+        problem = bounds_problem_in_spec(constraint.kind, spec)
+        if problem is not None:  # xgrammar would misread it, or refuse it in its own words
+            raise InvalidRequestError(f"invalid JSON schema: {problem}")
         try:
             ok, payload = self.pool.compile(constraint.kind, spec, self.timeout, MAX_STEP_SECONDS)
         except FirstStepTooSlow as slow:

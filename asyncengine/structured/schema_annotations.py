@@ -27,12 +27,14 @@ ANNOTATIONS = frozenset(
     }
 )
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_ONE = frozenset(
+ONE_SCHEMA = frozenset(
     {"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
      "additionalItems", "unevaluatedItems", "unevaluatedProperties"}
 )  # fmt: skip
-_LIST = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
-_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 def grammar_schema(schema: Any, readable_patterns_only: bool = False) -> Any:
@@ -47,11 +49,11 @@ def grammar_schema(schema: Any, readable_patterns_only: bool = False) -> Any:
     for key, value in schema.items():
         if key in ANNOTATIONS or key == "nullable":
             continue
-        if key in _LIST and isinstance(value, list):
+        if key in SCHEMA_LISTS and isinstance(value, list):
             out[key] = [grammar_schema(item, readable_patterns_only) for item in value]
-        elif key in _ONE:
+        elif key in ONE_SCHEMA:
             out[key] = grammar_schema(value, readable_patterns_only)
-        elif key in _MAP and isinstance(value, dict):
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {
                 name: grammar_schema(sub, readable_patterns_only) for name, sub in value.items()
             }

@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import anthropic
+import openai
 import pytest
 
-from tests.openai_server import server  # noqa: F401  (fixture)
+from tests.openai_server import claude, client, server  # noqa: F401  (fixtures)
 from tests.server_support import RunningServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -133,3 +135,41 @@ async def test_a_grammar_that_does_not_compile_names_its_field(
     error = answer["error"] if "error" in answer else answer
     assert error["param"] == param, error
 
+
+async def test_a_bound_that_breaks_json_schemas_rules_is_a_400_naming_it(
+    server: RunningServer, client: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic
+) -> None:
+    """xgrammar refuses ``minLength: -1`` in words of its own (its grammar's repetition range)
+    and reads ``maxItems: -1`` as no bound: both are a 400 naming the field and the rule."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model=server.model,
+            messages=USER,  # type: ignore[arg-type]
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "response_format.json_schema.schema"
+    assert error["message"] == (
+        "invalid JSON schema: 'minLength' at #/properties/a must be a non-negative integer "
+        "(at most 2147483647), not -1"
+    )
+    listed = {"type": "object", "properties": {"b": {"type": "array", "maxItems": -1}}}
+    with pytest.raises(anthropic.BadRequestError) as refused_too:
+        await claude.messages.create(
+            model=server.model,
+            max_tokens=2,
+            messages=USER,  # type: ignore[arg-type]
+            tools=[
+                {"name": "one", "input_schema": OBJECT},
+                {"name": "two", "input_schema": OBJECT},
+                {"name": "listed", "input_schema": listed},
+            ],
+            tool_choice={"type": "any"},
+        )
+    message = refused_too.value.body["error"]["message"]  # type: ignore[index]
+    assert message == (
+        "tools[2].input_schema: invalid JSON schema: 'maxItems' at #/properties/b must be a "
+        "non-negative integer (at most 2147483647), not -1"
+    )
