@@ -14,6 +14,7 @@ import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
 from asyncengine.common.sampling_params import InvalidRequestError
+from asyncengine.structured.regex_reading import unreadable_pattern
 from asyncengine.structured.schema_annotations import grammar_schema
 from asyncengine.structured.schema_support import check_enforced, unenforced
 
@@ -143,7 +144,8 @@ def test_an_unknown_type_is_refused_before_a_grammar_is_compiled(
 
 
 @pytest.mark.parametrize(
-    "pattern", [r"(?<=a)b", r"(a)\1", r"\bword\b", r"^\p{L}+$", r"(?>a)b", r"a{,3}"]
+    "pattern",
+    [r"(?<=a)b", r"(a)\1", r"\bword\b", r"^\p{L}+$", r"(?>a)b", r"a{,3}", r"[\\]\b", r"[^\b]\B"],
 )
 def test_a_pattern_xgrammar_cannot_read_is_refused_or_left_out(pattern: str) -> None:
     """Lookbehind, backreferences, word boundaries, Unicode property classes, atomic
@@ -170,3 +172,50 @@ def test_a_pattern_xgrammar_cannot_read_is_refused_or_left_out(pattern: str) -> 
     assert grammar_schema(schema) == schema  # a constraint's schema is never trimmed
     assert accepts(described, {"a": "anything", "b": "ab"})
     assert not accepts(described, {"a": "anything", "b": "AB"})
+
+
+# (pattern, a string it holds, one it refuses): escapes and groups inside a class, which
+# xgrammar reads as ECMA-262 does (a backspace for \b, else the characters themselves)
+IN_CLASS: list[tuple[str, str, str]] = [
+    (r"^[\bx]+$", "x", "b"),  # a backspace: no word boundary, no "b"
+    (r"^[\B]+$", "B", "b"),
+    (r"^[\1]+$", "1", "2"),
+    (r"^[\k]+$", "k", "<"),
+    (r"^[(?<=a)]+$", "(?<=", "b"),
+    (r"^[(?>a)]+$", "?>", "b"),
+    (r"^[{,3}]+$", "{,", "4"),
+    (r"^[\]\b]+$", "]", "b"),
+]
+
+
+def _string_pattern(pattern: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}},
+            "required": ["a"]}  # fmt: skip
+
+
+@pytest.mark.parametrize(("pattern", "held", "refused"), IN_CLASS)
+def test_escapes_inside_a_class_that_xgrammar_reads_are_let_through(
+    pattern: str, held: str, refused: str
+) -> None:
+    schema = _string_pattern(pattern)
+    assert accepts(schema, {"a": held}) and not accepts(schema, {"a": refused})
+    assert unreadable_pattern(pattern) is None
+    check_enforced(schema)
+    assert grammar_schema(schema, readable_patterns_only=True) == schema
+
+
+@pytest.mark.parametrize(
+    ("pattern", "letters"), [(r"^[\p{L} ]+$", "p{L}"), (r"^[a\]\P{Lu}]+$", "P{}")]
+)
+def test_a_property_class_inside_a_class_is_refused_as_xgrammar_reads_its_letters(
+    pattern: str, letters: str
+) -> None:
+    """xgrammar compiles it, but as the characters "p", "{", ... where JSON Schema's Unicode
+    reading means a letter: held, the model could write only those."""
+    schema = _string_pattern(pattern)
+    assert accepts(schema, {"a": letters}) and not accepts(schema, {"a": "é"})
+    with pytest.raises(InvalidRequestError, match="inside \\[...\\], which xgrammar reads as"):
+        check_enforced(schema, "tools[0].function.parameters")
+    assert grammar_schema(schema, readable_patterns_only=True)["properties"]["a"] == {
+        "type": "string"
+    }
