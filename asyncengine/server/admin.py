@@ -13,7 +13,9 @@
   ``GET`` answers the rule and its figures by rule.
 - ``POST /v1/cache/pin`` ``{"prompt": "..." | [token ids], "ttl_s": 600}`` (or ``messages``:
   a chat's opening turns, rendered as a chat request begins; ``cache_salt`` and, under cache
-  isolation by key, ``api_key``: whose requests the pages serve) keeps the
+  isolation by key, ``api_key``: whose requests the pages serve; ``add_special_tokens``: as
+  completions and chat requests take it, so that a text keys the ids a completion of it
+  starts with, its BOS included) keeps the
   prompt's whole KV pages out of eviction (computing them first when not cached) and answers
   ``{"pin_id", "tokens", "pages", "expires_in_s"}``; past ``max_pinned_fraction`` of the pool it
   is a 409. ``POST /v1/cache/unpin`` ``{"pin_id": 1}`` releases it (404 for no such pin).
@@ -45,6 +47,7 @@ from asyncengine.policies.registry import check_live_policy
 from asyncengine.server.body import check_content_type
 from asyncengine.server.chat_tools import render_prompt
 from asyncengine.server.errors import ApiError, invalid_request
+from asyncengine.server.off_loop import text_prompt_special_tokens
 from asyncengine.server.openai_schema import decode_body
 from asyncengine.server.state import STATE
 from asyncengine.server.tenancy import matching_key_digest, namespaced_salt
@@ -74,6 +77,9 @@ class PinBody(Struct, kw_only=True, forbid_unknown_fields=True):
     ttl_s: float | None = None
     cache_salt: str | None = None  # the pages of the requests sent with this salt
     api_key: str | None = None  # under cache isolation by key: the pages of this key's requests
+    # tokenized as the requests it serves: a text gets its tokenizer's special tokens (a BOS)
+    # unless false, as a completion's prompt; rendered messages only when true, as a chat's
+    add_special_tokens: bool | None = None
 
 
 class UnpinBody(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -226,9 +232,9 @@ async def pin_prefix(request: web.Request) -> web.Response:
     engine = _pinning_engine(request)
     salt = _pin_salt(request, body)
     try:
-        # a text is pinned as given (no BOS), the route's ids whatever the Python API's default
         prompt = _pin_prompt(engine, body)
-        pin = await engine.pin(prompt, body.ttl_s, cache_salt=salt, add_special_tokens=False)
+        special = isinstance(prompt, str) and text_prompt_special_tokens(body.add_special_tokens)
+        pin = await engine.pin(prompt, body.ttl_s, cache_salt=salt, add_special_tokens=special)
     except PinLimitError as exc:
         raise ApiError(409, str(exc), code="pin_limit") from None
     except InvalidRequestError as exc:
@@ -248,7 +254,7 @@ def _pin_prompt(engine: Any, body: PinBody) -> str | list[int]:
     assert body.messages is not None
     tokenizer = engine.tokenizer
     text = render_prompt(tokenizer, body.messages, None, {}, add_generation_prompt=False)
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
 def _pin_salt(request: web.Request, body: PinBody) -> str | None:

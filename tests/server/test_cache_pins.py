@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from asyncengine import PinLimitError
@@ -264,24 +265,61 @@ async def post_json(
         return resp.status, await resp.json()
 
 
-async def test_a_text_pinned_over_http_keeps_its_ids_as_given(
+async def test_a_text_pinned_over_http_serves_the_completions_of_it(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """The route pins a text without the BOS the Python API's ``pin`` adds by default."""
+    """On a model whose tokenizer adds a BOS, a text is pinned as a completion's prompt is
+    tokenized (its BOS first), so that completions starting with it read it from the cache;
+    ``add_special_tokens: false`` pins it as given, for the requests sent so."""
     config = engine_config(bos_model_dir(tmp_path_factory), page_size=4)
     running = await start_server(config, admin_token=ADMIN)
     prompt = "Answer in one short paragraph, and say so when you are not sure. " * 2
+    engine = running.engine
+    tree = engine.scheduler.kv.tree
+    bos_first = engine.tokenize(prompt)
+    given = engine.tokenize(prompt, add_special_tokens=False)
+    assert bos_first[1:] == given  # the tokenizer adds a BOS
+    pin_url = running.base_url + "/v1/cache/pin"
     try:
-        async with aiohttp.ClientSession() as session:
-            status, pin = await post_json(
-                session, running.base_url + "/v1/cache/pin", {"prompt": prompt}, ADMIN
-            )
+        async with (
+            aiohttp.ClientSession() as session,
+            openai.AsyncOpenAI(base_url=running.base_url + "/v1", api_key="none") as client,
+        ):
+            status, pin = await post_json(session, pin_url, {"prompt": prompt}, ADMIN)
             assert status == 200, pin
-        engine = running.engine
-        given = engine.tokenize(prompt, add_special_tokens=False)
-        assert pin["tokens"] == len(given) // 4 * 4
-        tree = engine.scheduler.kv.tree
-        assert tree.prefix_length(given) == pin["tokens"]
-        assert tree.prefix_length(engine.tokenize(prompt)) == 0  # the BOS-first ids: not pinned
+            assert pin["tokens"] == len(bos_first) // 4 * 4
+            assert tree.prefix_length(bos_first) == pin["tokens"]
+            done = await client.completions.create(
+                model=running.model, prompt=prompt + "Go.", max_tokens=1
+            )
+            assert done.usage is not None and done.usage.prompt_tokens_details is not None
+            shared = _pages_shared(bos_first, engine.tokenize(prompt + "Go."))
+            assert shared >= pin["tokens"] - 4 > 0
+            assert done.usage.prompt_tokens_details.cached_tokens >= shared
+
+            as_given = {"prompt": prompt, "add_special_tokens": False, "cache_salt": "given"}
+            status, pin = await post_json(session, pin_url, as_given, ADMIN)
+            assert status == 200, pin
+            assert pin["tokens"] == len(given) // 4 * 4
+            done = await client.completions.create(
+                model=running.model,
+                prompt=prompt + "Go.",
+                max_tokens=1,
+                extra_body={"add_special_tokens": False, "cache_salt": "given"},
+            )
+            assert done.usage is not None and done.usage.prompt_tokens_details is not None
+            shared = _pages_shared(given, engine.tokenize(prompt + "Go.", add_special_tokens=False))
+            assert shared >= pin["tokens"] - 4 > 0
+            assert done.usage.prompt_tokens_details.cached_tokens >= shared
+        assert await wait_until(lambda: engine_idle(engine))
     finally:
         await running.stop()
+
+
+def _pages_shared(pinned: list[int], request: list[int]) -> int:
+    """The whole pages (of 4) a request's ids share with the pinned ids from the start: what it
+    reads from the cache (the text's last tokens may merge with what follows it)."""
+    same = 0
+    while same < min(len(pinned), len(request)) and pinned[same] == request[same]:
+        same += 1
+    return same // 4 * 4
