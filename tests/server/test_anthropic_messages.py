@@ -317,6 +317,23 @@ async def test_a_tool_result_must_answer_a_tool_use_of_the_turn_before_it(
             assert f"with no tool_result block: {missing};" in message, message
 
 
+async def _refused_by_both(
+    claude: anthropic.AsyncAnthropic, server: RunningServer, **kwargs: Any
+) -> list[str]:
+    """The messages of the 400s ``messages.create`` and ``messages.count_tokens`` answer."""
+    messages = []
+    for send in (claude.messages.create, claude.messages.count_tokens):
+        sent: dict[str, Any] = dict(model=server.model, **kwargs)
+        if send == claude.messages.create:
+            sent["max_tokens"] = 1
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await send(**sent)
+        body = refused.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+        messages.append(body["error"]["message"])
+    return messages
+
+
 async def test_tool_use_and_tool_result_blocks_need_tools(
     claude: anthropic.AsyncAnthropic, server: RunningServer
 ) -> None:
@@ -324,15 +341,8 @@ async def test_tool_use_and_tool_result_blocks_need_tools(
     schemas are what the calls were made against), or it is a 400."""
     answered = [*_user(QUESTION), _tool_use("toolu_a"), _tool_results("toolu_a")]
     for extra in ({}, {"tools": []}, {"tool_choice": {"type": "none"}}):
-        for send in (claude.messages.create, claude.messages.count_tokens):
-            kwargs: dict[str, Any] = dict(model=server.model, messages=answered, **extra)
-            if send == claude.messages.create:
-                kwargs["max_tokens"] = 1
-            with pytest.raises(anthropic.BadRequestError) as refused:
-                await send(**kwargs)
-            body = refused.value.body
-            assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
-            assert body["error"]["message"] == (
+        for message in await _refused_by_both(claude, server, messages=answered, **extra):
+            assert message == (
                 "messages[1].content[0]: Requests which include `tool_use` or `tool_result` "
                 "blocks must define tools."
             )
@@ -357,15 +367,7 @@ async def test_a_tool_use_id_used_twice_is_refused_as_ambiguous(
             "[1].content[0]",
         ),
     ):  # fmt: skip
-        for send in (claude.messages.create, claude.messages.count_tokens):
-            kwargs: dict[str, Any] = dict(model=server.model, messages=messages, tools=TOOLS)
-            if send == claude.messages.create:
-                kwargs["max_tokens"] = 1
-            with pytest.raises(anthropic.BadRequestError) as refused:
-                await send(**kwargs)
-            body = refused.value.body
-            assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
-            message = body["error"]["message"]
+        for message in await _refused_by_both(claude, server, messages=messages, tools=TOOLS):
             assert message.startswith(f"messages[{where}].content[")
             assert "tool_use ids must be unique" in message and f"messages{first}" in message
 
