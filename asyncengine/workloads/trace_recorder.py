@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,9 @@ _DEFAULTS = {f.name: getattr(SamplingParams(), f.name) for f in fields(SamplingP
 
 def params_record(params: SamplingParams) -> dict[str, Any]:
     """The sampling parameters that differ from the defaults (max_new_tokens always)."""
+    if params.structured is not None and params.structured.parts:
+        # the parts repeat what the spec holds (schemas to name on a compile error)
+        params = replace(params, structured=replace(params.structured, parts=()))
     values = asdict(params)
     record = {
         k: v
