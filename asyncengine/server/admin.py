@@ -22,8 +22,8 @@
 
 All need ``Authorization: Bearer <admin token>``: no or a malformed header is 401, a wrong
 token 403; so does ``POST /flush_cache`` (it empties every tenant's cache) when the server has
-an admin token, and under ``cache_isolation = "api-key"`` always (a 403 when there is no admin
-token; sglang_worker.py), and so do the LoRA hot load and unload
+an admin token or API keys (a 403 when there is no admin token; sglang_worker.py), and so do
+the LoRA hot load and unload
 (lora_routes.py). The API key (``--api-key``) does not open them, and those above are not there
 at all (404) without an admin token. They share the server's own
 address (127.0.0.1 unless told otherwise).

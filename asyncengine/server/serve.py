@@ -142,7 +142,7 @@ def _add_access_arguments(group: argparse._ArgumentGroup) -> None:
         help="serve the admin endpoints, guarded by 'Authorization: Bearer <token>': "
         "/admin/policy and /admin/eviction-policy (live swaps), /v1/cache/pin and "
         "/v1/cache/unpin, /v1/load_lora_adapter and /v1/unload_lora_adapter; it alone may "
-        "then empty the prefix cache (/flush_cache) "
+        "empty the prefix cache (/flush_cache) when the server has it or API keys "
         f"(default: ${ADMIN_TOKEN_ENV}; none: no admin endpoints)",
     )
     group.add_argument(

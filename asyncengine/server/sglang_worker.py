@@ -6,7 +6,7 @@ only the figures /metrics shows without a key, tenancy.py), GET /model_info and
 /get_model_info (the model), GET /get_load (requests and tokens in the engine), POST
 /flush_cache (empty the prefix cache; 400 while requests run or wait; a GET is 405: a state
 change is never a GET, which a web page can make a browser send; it needs the admin token when
-the server has one, and always under cache isolation by API key), GET /health_generate
+the server has one or API keys), GET /health_generate
 (/health that also generates one token; a failure's text goes to the log, the client gets an
 error id). /health, /generate and /v1/* are the app's own.
 """
@@ -136,9 +136,11 @@ FLUSH_PATH = "/flush_cache"
 
 def flush_needs_admin_token(app: web.Application) -> bool:
     """Emptying the prefix cache slows every tenant: an operator's act, the admin token's when
-    the server has one; under cache isolation by key always (one key must not empty the others'
-    caches: a 403 without an admin token). Else an API key holder's."""
-    return app.get(ADMIN_TOKEN) is not None or app[STATE].cache_isolation == "api-key"
+    the server has one or API keys (a 403 without an admin token: one key must not empty the
+    others' caches; the pages a key's prompts hold are shared with other keys, or under
+    isolation by key spread over its salts' namespaces, so none can be dropped for one key
+    alone). A server with neither trusts whoever reaches it, as SGLang does."""
+    return app.get(ADMIN_TOKEN) is not None or bool(app[STATE].api_keys)
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -9,9 +9,10 @@
   cached?" or "how much does the cache hold?" (hit/miss and computed-token counters, every
   page gauge but the pool's size, evictions) and the tenant-labelled ones (other clients'
   ``user`` strings); with the key the scrape is whole. Under
-  ``cache_isolation = "api-key"`` only the admin token gets the whole scrape, and only it may
-  flush the prefix cache (one key must learn nothing of, or empty, the others' caches); the
-  engine figures of ``/server_info`` are then those of the open scrape.
+  ``cache_isolation = "api-key"`` only the admin token gets the whole scrape (one key must
+  learn nothing of the others' caches); the engine figures of ``/server_info`` are then those
+  of the open scrape. With API keys only the admin token may flush the prefix cache (one key
+  must not empty the others' caches).
 """
 
 from __future__ import annotations

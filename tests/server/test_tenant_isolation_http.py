@@ -177,21 +177,28 @@ async def test_under_isolation_only_the_admin_token_flushes_or_scrapes_the_whole
             await server.stop()
 
 
-async def test_a_shared_cache_is_flushed_by_the_admin_token_when_the_server_has_one() -> None:
-    """Emptying the shared cache slows every tenant: with an admin token a key alone may not."""
-    for admin_token, by_key in ((None, (200, 200)), ("adm", (401, 403))):
-        server = await started(api_key=["key-a"], admin_token=admin_token)
+async def test_with_api_keys_only_the_admin_token_flushes_the_shared_cache() -> None:
+    """Emptying the shared cache slows every tenant: with API keys no key may, whether or not
+    the server has an admin token (without one, no one may: a 403 that says so)."""
+    for admin_token, by_key, by_nobody in ((None, (403, 403), 403), ("adm", (401, 403), 401)):
+        server = await started(api_key=["key-a", "key-b"], admin_token=admin_token)
         try:
             async with aiohttp.ClientSession() as session:
                 flush = server.base_url + "/flush_cache"
                 status, _ = await complete(session, server, "key-a")
                 assert status == 200
-                async with session.post(flush, headers={"x-api-key": "key-a"}) as r:
+                async with session.post(flush, headers={"x-api-key": "key-b"}) as r:
                     assert r.status == by_key[0], await r.text()
-                async with session.post(flush, headers={"Authorization": "Bearer key-a"}) as r:
+                async with session.post(flush, headers={"Authorization": "Bearer key-b"}) as r:
                     assert r.status == by_key[1], await r.text()
+                    code = (await r.json())["error"]["code"]
+                    assert code == (
+                        "needs_admin_token" if admin_token is None else "invalid_admin_token"
+                    )
+                async with session.post(flush) as r:  # neither key nor token
+                    assert r.status == by_nobody
                 status, out = await complete(session, server, "key-a")
-                assert status == 200 and (cached(out) >= 48) is (admin_token is not None)
+                assert status == 200 and cached(out) >= 48  # key-b emptied nothing
                 if admin_token is not None:
                     async with session.post(
                         flush, headers={"Authorization": f"Bearer {admin_token}"}
@@ -199,11 +206,25 @@ async def test_a_shared_cache_is_flushed_by_the_admin_token_when_the_server_has_
                         assert r.status == 200, await r.text()
                     status, out = await complete(session, server, "key-a")
                     assert status == 200 and cached(out) == 0  # emptied
-                async with session.post(flush) as r:  # neither key nor token
-                    assert r.status == 401
             assert await wait_until(functools.partial(engine_idle, server.engine))
         finally:
             await server.stop()
+
+
+async def test_without_keys_or_admin_token_any_client_flushes() -> None:
+    """A server with neither trusts whoever reaches it (loopback by default), as SGLang does."""
+    server = await started()
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, _ = await complete(session, server)
+            assert status == 200
+            async with session.post(server.base_url + "/flush_cache") as r:
+                assert r.status == 200, await r.text()
+            status, out = await complete(session, server)
+            assert status == 200 and cached(out) == 0
+        assert await wait_until(functools.partial(engine_idle, server.engine))
+    finally:
+        await server.stop()
 
 
 async def test_under_isolation_server_info_shows_a_key_no_cache_figures() -> None:
