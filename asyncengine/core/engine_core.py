@@ -55,6 +55,10 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.lifecycle = Lifecycle(scheduler, executor.spec.eos_token_ids)
+        # the pool's size in bytes (K and V of every layer, as its dtype stores them)
+        self.kv_pool_bytes = (
+            scheduler.kv.num_pages * scheduler.kv.page_size * executor.spec.kv_bytes_per_token
+        )
         self.step_hooks: list[Callable[[BatchPlan], None]] = []  # after every landed step
         self._launched_at = 0.0  # perf_counter at the last launch
         # plan.step -> its structured-output rows, picked at launch on the driver's thread and
@@ -273,6 +277,7 @@ class EngineCore:
         return {
             **sched,
             **self.lifecycle.counters,
+            "kv_pool_bytes": self.kv_pool_bytes,
             "cache_hit_rate": hit / (hit + miss) if hit + miss else 0.0,
             "policy": self.policy.name,
             "planned_ahead_steps": self.scheduler.planned_ahead_steps,  # overlap scheduling

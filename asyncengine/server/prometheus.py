@@ -56,6 +56,7 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "num_requests_waiting": ("waiting", "Requests waiting to be scheduled"),
     "kv_pages_total": ("pages_total", "KV pages in the pool"),
+    "kv_pool_bytes": ("kv_pool_bytes", "Bytes of the KV pool (K and V of every layer)"),
     "kv_pages_free": ("pages_free", "KV pages free"),
     "kv_pages_used": ("pages_used", "KV pages held by live requests"),
     "kv_pages_cached": ("pages_cached", "KV pages owned by the radix prefix cache"),

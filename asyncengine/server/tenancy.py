@@ -40,7 +40,7 @@ API_KEY_DIGEST: Any = (
 # much of the pool the cache holds: free and used pages give the cached ones (total - free -
 # used), evictions and pinned pages happen only to cached pages, the swap seconds count the
 # host tier's copies, and an admission held for a shared prefix in flight tells of two prompts
-# alike. The pool's size (kv_pages_total) is all that stays open.
+# alike. The pool's size (kv_pages_total, kv_pool_bytes) is all that stays open.
 _CACHE_REVEALING = (
     "cache_hit",
     "cache_miss",

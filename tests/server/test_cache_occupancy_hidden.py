@@ -100,6 +100,8 @@ async def test_another_keys_cached_prompts_look_the_same_to_a_key_holder() -> No
     key_a_at_rest = same[2]
     assert key_a_at_rest["/metrics"][0] == key_a_at_rest["/server_info"][0] == 200
     assert "asyncengine_kv_pages_total 32.0" in key_a_at_rest["/metrics"][1]
+    # and so is its size in bytes: 32 pages of 4 tokens, 1 byte each (the fake model's)
+    assert "asyncengine_kv_pool_bytes 128.0" in key_a_at_rest["/metrics"][1]
     # the pool differs, and the operator sees it
     for family in ("kv_pages_free", "kv_pages_used", "cache_hit_tokens", "eviction_evictions"):
         assert f"asyncengine_{family}" in admin_same, family

@@ -143,6 +143,10 @@ async def test_gauges_mirror_engine_stats(server: RunningServer) -> None:
     assert value(samples, "asyncengine_num_requests_waiting") == 0
     assert value(samples, "asyncengine_retractions_total") == stats["retractions"]
     assert value(samples, "asyncengine_kv_pages_total") == stats["pages_total"]
+    # the pool in bytes: what its tensors hold, K and V of every layer
+    pool = server.engine.executor.runner.kv_pool
+    assert value(samples, "asyncengine_kv_pool_bytes") == pool.nbytes > 0
+    assert pool.num_slots == stats["pages_total"] * server.engine.config.page_size
     assert value(samples, "asyncengine_kv_pages_used") >= 1
     assert (
         value(samples, "asyncengine_kv_pages_free")
