@@ -8,6 +8,9 @@ own. Whoever can write there can run code as the server, so:
   a cached file is loaded: owned by this user, a regular file, not group or world writable.
 - Built files are written into a temporary name inside the private directory with mode
   0600/0700 and renamed into place, so no one ever sees a half-written entry.
+- Each generation of a keyed entry (a new source, flags or library version) leaves the old one
+  behind: a use marks its file (``mark_in_use``), and writing a new one sweeps the files of its
+  directory no use has marked for ``STALE_AFTER_S`` (``sweep_stale``).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 CACHE_ENV = "ASYNCENGINE_CACHE"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+# a cached file no process has used for this long is an old generation's (an upgrade's): the
+# next file written beside it deletes it
+STALE_AFTER_S = 30 * 86400
 
 
 class UnsafeCacheError(PermissionError):
@@ -130,3 +138,32 @@ def inside_cache(path: Path) -> bool:
     except ValueError:
         return False
     return True
+
+
+def mark_in_use(path: Path) -> None:
+    """Set ``path``'s modification time to now (the link itself, never its target), so that no
+    sweep deletes it as stale; a file gone meanwhile is left gone."""
+    try:
+        os.utime(path, follow_symlinks=False)
+    except OSError:
+        pass
+
+
+def sweep_stale(
+    directory: Path, patterns: Sequence[str], older_than: float = STALE_AFTER_S
+) -> list[Path]:
+    """Delete the files in ``directory`` (not below it) matching any of ``patterns`` that no
+    ``mark_in_use`` has touched for ``older_than`` seconds; answers those deleted. A process
+    that has one open or mapped keeps it; one deleted by another sweep meanwhile, a directory
+    or a file not ours to delete is skipped."""
+    cutoff = time.time() - older_than
+    deleted: list[Path] = []
+    for pattern in patterns:
+        for path in directory.glob(pattern):
+            try:
+                if path.lstat().st_mtime < cutoff:
+                    path.unlink()
+                    deleted.append(path)
+            except OSError:
+                pass
+    return deleted

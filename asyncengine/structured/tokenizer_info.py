@@ -13,7 +13,9 @@ tokenizer's content (its JSON, not its path), the width of the logits, the stop 
 versions of the libraries that build it. A cache file that cannot be read, does not
 deserialize, does not match its key or is not private to this user (common/private_cache.py)
 is rebuilt and replaced; files are written whole under a temporary name and renamed into
-place, so processes starting together never read half of one.
+place, so processes starting together never read half of one. Each read marks its file in use,
+and each file written deletes those no process has read for 30 days (a tokenizer or library
+version since replaced; ``sweep_stale``), left-over temporary files with them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncengine.common.private_cache import cache_dir, check_private_file, write_private_file
+from asyncengine.common.private_cache import (
+    cache_dir,
+    check_private_file,
+    mark_in_use,
+    sweep_stale,
+    write_private_file,
+)
 
 log = logging.getLogger("asyncengine.structured")
 
@@ -39,6 +47,8 @@ CACHE_DIR = "tokenizer-info"  # under the engine's cache directory
 MEMORY_ENTRIES = 4  # tokenizers kept in process memory (a few MB each)
 # what from_huggingface's output depends on besides its arguments
 LIBRARIES = ("xgrammar", "transformers", "tokenizers")
+# the infos and write_private_file's staging files (".<name>.<random>")
+SWEPT = ("*.json", ".*.json.*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,8 @@ def _from_disk_or_built(backend: Any, key: TokenizerInfoKey) -> BuiltTokenizerIn
             write_private_file(path, built.serialized)
         except OSError as error:
             log.warning("tokenizer info not cached at %s: %s", path, error)
+        else:
+            sweep_stale(path.parent, SWEPT)
     return built
 
 
@@ -143,6 +155,7 @@ def _load(xgrammar: Any, path: Path, key: TokenizerInfoKey) -> BuiltTokenizerInf
     ):
         log.warning("tokenizer info cache %s does not match its key, rebuilding it", path)
         return None
+    mark_in_use(path)  # no sweep deletes it as stale
     return BuiltTokenizerInfo(info, serialized)
 
 

@@ -4,7 +4,8 @@ Each C file is compiled once per machine with the system C compiler (``cc -O3 -m
 -fopenmp``) into ``$ASYNCENGINE_CACHE/kernels/`` (default ``~/.cache/asyncengine``), named by
 the hash of its source, the flags and this CPU's model, so later starts only load it (a second
 at most the first time, nothing after); a compile deletes the libraries no process has loaded
-for ``STALE_AFTER_S`` (30 days: an upgrade's old generation). The directory is private to this
+for ``STALE_AFTER_S`` (30 days: an upgrade's old generation; ``sweep_stale`` in
+asyncengine/common/private_cache.py). The directory is private to this
 user (0700) and a library is loaded only if it is this user's and no one else may write it
 (asyncengine/common/private_cache.py): else ``UnsafeCacheError`` names the file and what is wrong. ctypes releases the GIL while a kernel runs, and the
 library shares torch's OpenMP runtime (torch loads ``libgomp.so.1`` first, and the dynamic
@@ -35,6 +36,8 @@ from asyncengine.common.private_cache import (
     cache_dir,
     cache_root,
     check_private_file,
+    mark_in_use,
+    sweep_stale,
 )
 
 if TYPE_CHECKING:
@@ -46,9 +49,9 @@ SOURCE_DIR = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ENABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
 KERNEL_DIR = "kernels"
-# A library no process has loaded for this long is deleted when another one is compiled: each
-# change of a source or of the compiler's flags (an upgrade) leaves a generation behind.
-STALE_AFTER_S = 30 * 86400
+# the libraries and the compiler's left-over staging files (each change of a source or of the
+# flags, an upgrade, leaves a generation behind: a compile sweeps those unused for 30 days)
+SWEPT = ("*.so",)
 
 
 def _cache_dir() -> Path:
@@ -95,10 +98,7 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
     cache_dir(KERNEL_DIR)  # 0700, ours (else UnsafeCacheError)
     target = library_path(name, extra_flags)
-    try:  # marked in use before anything else, so that no compile deletes it as stale meanwhile
-        os.utime(target, follow_symlinks=False)
-    except OSError:
-        pass
+    mark_in_use(target)  # before anything else, so that no compile deletes it as stale meanwhile
     if not os.path.lexists(target):
         compiler = _compiler()
         if compiler is None:
@@ -122,7 +122,7 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             os.chmod(staging, DIR_MODE)  # the linker may have made it anew with the umask's mode
             os.replace(staging, target)  # atomic: concurrent first starts see a whole file
             log.info("compiled %s in %.1fs: %s", name, time.perf_counter() - started, target)
-            _delete_stale(target.parent)
+            sweep_stale(target.parent, SWEPT)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning(
@@ -138,18 +138,6 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except OSError as exc:
         log.warning("native CPU kernel %s did not load (%s); torch paths instead", name, exc)
         return None
-
-
-def _delete_stale(directory: Path) -> None:
-    """Delete the libraries (and left-over staging files) in ``directory`` that no ``load`` has
-    touched for ``STALE_AFTER_S``. A process that has one loaded keeps its mapping."""
-    cutoff = time.time() - STALE_AFTER_S
-    for path in directory.glob("*.so"):
-        try:
-            if path.lstat().st_mtime < cutoff:
-                path.unlink()
-        except OSError:  # gone already (a concurrent compile) or not ours to delete: keep going
-            pass
 
 
 # The libraries that read or write the K/V pool (they include cpu_kv.h): built once more with

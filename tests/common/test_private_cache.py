@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.common.private_cache import cache_dir, check_private_file, private_dir
+from asyncengine.common.private_cache import (
+    STALE_AFTER_S,
+    cache_dir,
+    check_private_file,
+    mark_in_use,
+    private_dir,
+    sweep_stale,
+)
 from asyncengine.executor.loader import CACHE_ENV, UnsafeCacheError
 from asyncengine.executor.loader import default_model as default_model_module
 from asyncengine.executor.loader.default_model import (
@@ -112,7 +119,7 @@ def test_a_compile_deletes_the_libraries_no_process_has_loaded_for_a_month(cache
     assert cpu_native.load(KERNEL) is not None
     kernels = cache / "kernels"
     built = cpu_native.library_path(KERNEL)
-    month_ago = time.time() - cpu_native.STALE_AFTER_S - 60
+    month_ago = time.time() - STALE_AFTER_S - 60
     stale = kernels / "cpu_gone-0123456789abcdef.so"
     recent = kernels / "cpu_recent-0123456789abcdef.so"
     not_a_library = kernels / "notes.txt"
@@ -127,6 +134,35 @@ def test_a_compile_deletes_the_libraries_no_process_has_loaded_for_a_month(cache
     assert cpu_native.load(KERNEL, ("-DASYNCENGINE_ANOTHER_BUILD",)) is not None
     assert not stale.exists()
     assert recent.exists() and not_a_library.exists() and built.exists()
+
+
+def test_a_sweep_deletes_the_matching_files_unused_for_a_month_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """One sweeper for every keyed cache: files of ``patterns`` whose last use is older than
+    ``STALE_AFTER_S`` go; recent ones, those just marked in use, other names, files below the
+    directory and directories stay."""
+    month_ago = time.time() - STALE_AFTER_S - 60
+    names = ("old.json", ".old.json.x1y2", "used.json", "new.json", "notes.txt", "sub.json")
+    paths = {name: tmp_path / name for name in names}
+    nested = tmp_path / "deeper" / "old.json"
+    nested.parent.mkdir()
+    for name, path in [*paths.items(), ("nested", nested)]:
+        if name == "sub.json":
+            path.mkdir()
+        else:
+            path.write_bytes(b"{}")
+        if name != "new.json":
+            os.utime(path, (month_ago, month_ago))
+    mark_in_use(paths["used.json"])
+    mark_in_use(tmp_path / "gone.json")  # nothing to mark: no error, nothing made
+    deleted = sweep_stale(tmp_path, ("*.json", ".*.json.*"))
+    assert sorted(p.name for p in deleted) == [".old.json.x1y2", "old.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "deeper", "new.json", "notes.txt", "sub.json", "used.json"
+    ]  # fmt: skip
+    assert nested.exists() and not (tmp_path / "gone.json").exists()
+    assert sweep_stale(tmp_path, ("*.json",), older_than=0.0) != []  # the bound is the caller's
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])

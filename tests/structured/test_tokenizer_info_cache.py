@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import xgrammar
 from tokenizers import Tokenizer as Backend
 from transformers import PreTrainedTokenizerFast
 
-from asyncengine.common.private_cache import CACHE_ENV, write_private_file
+from asyncengine.common.private_cache import CACHE_ENV, STALE_AFTER_S, write_private_file
 from asyncengine.common.sampling_params import StructuredOutput
 from asyncengine.structured import tokenizer_info as cache
 from asyncengine.structured.compile_worker import compile_spec
@@ -159,6 +160,35 @@ def test_another_vocab_size_or_stop_ids_is_built_for_them(
     assert sorted(more_stops.xgrammar.stop_token_ids) == sorted({*eos, 0})
     assert cache.tokenizer_info(backend, vocab + 64, eos) is wider
     assert len(builds) == 3
+
+
+def test_a_build_sweeps_the_infos_no_process_read_for_a_month(
+    tokenizer: Tokenizer, builds: list[int]
+) -> None:
+    """Each tokenizer or library version leaves an info behind: a read marks its file in use,
+    and each info written deletes those (and left-over temporary files) unread for
+    ``STALE_AFTER_S``, keeping the ones read since."""
+    backend, vocab, eos = tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_ids
+    cache.tokenizer_info(backend, vocab, eos)
+    kept = cache.cache_file(cache.tokenizer_info_key(backend, vocab, eos))
+    directory = kept.parent
+    month_ago = time.time() - STALE_AFTER_S - 60
+    stale = directory / ("0" * 32 + ".json")  # an older library version's
+    staging = directory / f".{stale.name}.a1b2c3"  # a writer killed before its rename
+    for path in (stale, staging):
+        path.write_bytes(kept.read_bytes())
+    for path in (stale, staging, kept):
+        os.utime(path, (month_ago, month_ago))
+    cache.forget_in_memory()
+    assert cache.tokenizer_info(backend, vocab, eos)  # read from disk (a fresh process)
+    assert kept.stat().st_mtime > month_ago + 60  # marked in use
+    assert builds == [vocab] and stale.exists()  # a read writes nothing, so sweeps nothing
+    cache.tokenizer_info(backend, vocab + 64, eos)  # built and written: sweeps
+    assert builds == [vocab, vocab + 64]
+    assert not stale.exists() and not staging.exists()
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [kept.name, cache.cache_file(cache.tokenizer_info_key(backend, vocab + 64, eos)).name]
+    )
 
 
 def spoil(path: Path, how: str) -> None:
