@@ -3,7 +3,8 @@
 KV memory is sized here: from ``kv_cache_tokens`` or ``kv_cache_bytes`` when the config gives
 one; else from the executor's ``kv_budget_bytes`` (a GPU executor offers what
 ``gpu_memory_utilization`` leaves); else ``DEFAULT_KV_TOKENS``. The context limit is the
-smallest of the config's ``max_model_len``, the model's, and the pool.
+smallest of the config's ``max_model_len``, the model's, and the pool; a ``max_model_len`` the
+config sets past the pool is a ConfigError.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def kv_capacity_pages(config: EngineConfig, spec: ModelSpec, budget_bytes: int |
 
 def kv_layout(config: EngineConfig, spec: ModelSpec, budget_bytes: int | None) -> KVLayout:
     num_pages = kv_capacity_pages(config, spec, budget_bytes)
+    check_context_fits(config, spec, num_pages, budget_bytes)
     max_model_len = context_limit(config, spec, num_pages)
     return KVLayout(
         num_pages=num_pages,
@@ -88,10 +90,43 @@ POOL_SIZED_BY = (
 )
 
 
+def _pool_sized_by(config: EngineConfig, budget_bytes: int | None) -> str:
+    """The config key that sized the pool, as a phrase."""
+    if config.kv_cache_tokens is not None:
+        return f"kv_cache_tokens = {config.kv_cache_tokens}"
+    if config.kv_cache_bytes is not None:
+        return f"kv_cache_bytes = {config.kv_cache_bytes}"
+    if budget_bytes is not None:
+        return f"gpu_memory_utilization = {config.gpu_memory_utilization}"
+    return f"the default of {DEFAULT_KV_TOKENS} tokens: kv_cache_tokens unset"
+
+
+def check_context_fits(
+    config: EngineConfig, spec: ModelSpec, num_pages: int, budget_bytes: int | None
+) -> None:
+    """ConfigError when the operator set ``max_model_len`` and the pool cannot hold one
+    sequence that long (up to the model's context), as vLLM refuses: a server that starts
+    with a shorter context than the one set is found out only by the requests it refuses.
+    A context the config leaves to the model is cut to the pool (``warn_context_cut``)."""
+    asked = config.max_model_len
+    pool_tokens = num_pages * config.page_size
+    if asked is None or min(asked, spec.max_model_len) <= pool_tokens:
+        return
+    wanted = min(asked, spec.max_model_len)
+    wanted_bytes = -(-wanted // config.page_size) * config.page_size * spec.kv_bytes_per_token
+    raise ConfigError(
+        f"config key 'max_model_len' = {asked}: one sequence of {wanted} tokens does not fit "
+        f"the KV pool of {pool_tokens} tokens ({_pool_sized_by(config, budget_bytes)}); set "
+        f"'kv_cache_tokens' to at least {wanted} (a pool of {wanted_bytes / 1e9:.2f} GB) or "
+        f"'max_model_len' to at most {pool_tokens}"
+    )
+
+
 def warn_context_cut(config: EngineConfig, spec: ModelSpec, served: int) -> None:
-    """Say so when the config asks for a longer context than ``served`` (a warning: otherwise
-    the first sign is a request refused for a limit below the one set), and when the pool
-    cuts the model's own (an info line: /v1/models shows a context below the model card's)."""
+    """Say so when the config asks for a longer context than the model's (a warning:
+    otherwise the first sign is a request refused for a limit below the one set), and when the
+    pool cuts the model's own (an info line: /v1/models shows a context below the model
+    card's). A context set past the pool is refused before this (``check_context_fits``)."""
     asked = config.max_model_len
     if asked is None:
         if served < spec.max_model_len:
@@ -102,23 +137,8 @@ def warn_context_cut(config: EngineConfig, spec: ModelSpec, served: int) -> None
                 POOL_SIZED_BY,
             )
         return
-    if asked <= served:
-        return
-    if served == spec.max_model_len:
+    if asked > served:
         log.warning("max_model_len %d is cut to %d tokens, the model's context", asked, served)
-        return
-    # what a pool for the asked context would take, so the operator can tell whether it fits
-    wanted = min(asked, spec.max_model_len)
-    wanted_bytes = -(-wanted // config.page_size) * config.page_size * spec.kv_bytes_per_token
-    log.warning(
-        "max_model_len %d is cut to %d tokens, %s; a pool of %d tokens (kv_cache_tokens) "
-        "takes %.1f GB",
-        asked,
-        served,
-        POOL_SIZED_BY,
-        wanted,
-        wanted_bytes / 1e9,
-    )
 
 
 def make_policies(config: EngineConfig) -> tuple[Policy, ShadowPolicy | None]:

@@ -28,6 +28,9 @@ def request(
 def config(**overrides: object) -> EngineConfig:
     base: dict[str, object] = {"page_size": 4, "kv_cache_tokens": 4096, "max_model_len": 512}
     base.update(overrides)
+    pool = base["kv_cache_tokens"]
+    if isinstance(pool, int) and "max_model_len" not in overrides:
+        base["max_model_len"] = min(512, pool)  # a context set past the pool is refused
     return EngineConfig(**base)  # type: ignore[arg-type]
 
 
@@ -163,7 +166,7 @@ def test_context_limit_like_the_engine() -> None:
 def test_kv_pool_size_follows_the_config() -> None:
     # the same builder as the engine: tokens round up to pages, bytes round down
     assert Simulator(config(kv_cache_tokens=4097)).core.kv.num_pages == 1025
-    by_bytes = config(kv_cache_tokens=None, kv_cache_bytes=4 * 1000)
+    by_bytes = config(kv_cache_tokens=None, kv_cache_bytes=4 * 1000, max_model_len=400)
     assert Simulator(by_bytes, kv_bytes_per_token=10).core.kv.num_pages == 100
     assert Simulator(config()).core.kv.num_pages == 1024
     # the default model's K/V in kv_cache_bytes by the pool's dtype: int8 (or fp8) with its
