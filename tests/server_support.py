@@ -112,6 +112,10 @@ def engine_config(model_dir: Path | str, **overrides: Any) -> EngineConfig:
         "seed": 0,
     }
     values.update(overrides)
+    pool = values["kv_cache_tokens"]
+    if "max_model_len" not in overrides and pool is not None:
+        # a small pool's tests serve the context it holds (one set past it is refused)
+        values["max_model_len"] = min(MAX_MODEL_LEN, pool)
     return EngineConfig(**values)
 
 
