@@ -21,7 +21,9 @@ A worker reads one frame per compile: JSON ``{"kind": ..., "spec": ..., "max_ste
 (its header's ``"slow": true`` when the grammar's first mask took longer than
 ``max_step_seconds``). A frame is a line of JSON header ``{"ok": bool, "bytes": n}`` followed by
 ``n`` bytes. It serves until EOF (the pool closed its socket, or is gone), at a lower priority
-than the engine.
+than the engine. While it compiles (in xgrammar's code, which a Python handler cannot
+interrupt), the socket is armed to send it SIGIO, whose default action ends the process, when
+the pool's end closes: a compile never outlives an engine process that died.
 
 Each compiled grammar's first mask is made here too: a grammar can compile in milliseconds and
 then take seconds for that mask (nested repetitions), which the engine would otherwise pay on
@@ -32,9 +34,11 @@ no token can begin any output) is the compile's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -115,17 +119,38 @@ def first_step_problem(
     return None
 
 
+def end_on_hangup(connection: socket.socket, armed: bool) -> None:
+    """Armed: the kernel sends this process SIGIO (default action: it ends) when anything
+    arrives on ``connection``, which during a compile is only the pool's end closing (the pool
+    sends nothing until it has the answer); one that closed before it was armed ends it here.
+    Disarmed before the answer is written: a full socket's freed space would signal too."""
+    fd = connection.fileno()
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not armed:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_ASYNC)
+        return
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+    poll = select.poll()
+    poll.register(fd, select.POLLIN | select.POLLHUP)
+    if poll.poll(0):
+        os._exit(0)
+
+
 def serve(xgrammar: Any, compiler: Any, connection: socket.socket) -> None:
     """A worker: a frame back for each job read from ``connection``, until EOF."""
     jobs, answers = connection.makefile("rb"), connection.makefile("wb")
     while (frame := read_frame(jobs)) is not None:
         job = json.loads(frame[1])
+        end_on_hangup(connection, True)
         try:
             compiled = compile_spec(compiler, job["kind"], job["spec"])
             problem = first_step_problem(xgrammar, compiled, job["max_step_seconds"])
         except (RuntimeError, ValueError, TypeError) as error:  # the spec's fault: a 400
+            end_on_hangup(connection, False)
             write_frame(answers, False, str(error).encode())
             continue
+        end_on_hangup(connection, False)
         if problem is not None:
             message, slow = problem
             write_frame(answers, False, message.encode(), slow)
@@ -140,6 +165,7 @@ def fork_worker(control: socket.socket, xgrammar: Any, compiler: Any, connection
         code = 0
         try:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGIO, signal.SIG_DFL)  # end_on_hangup's signal ends it
             control.close()
             serve(xgrammar, compiler, socket.socket(fileno=connection_fd))
         except BaseException:

@@ -8,9 +8,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -283,3 +285,78 @@ async def test_a_forked_worker_compiles_the_same_masks_as_this_process(
             steps += 1
         assert steps > 3
         assert from_worker.is_terminated() == here.is_terminated()
+
+
+# a process that starts a runaway compile, says its worker's pid, and waits to be killed
+_DYING_ENGINE = """
+import asyncio, sys
+from asyncengine.structured.grammar import GrammarCompiler
+from asyncengine.text.tokenizer import Tokenizer
+from tests.structured.test_compile_workers import pathological_regex
+
+async def main() -> None:
+    tokenizer = Tokenizer(sys.argv[1])
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, workers=1, timeout=300.0
+    )
+    compiling = asyncio.ensure_future(compiler.compile(pathological_regex()))
+    while not compiler.pool.live_pids():
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the job sent: the worker compiles
+    print(compiler.pool.live_pids()[0], flush=True)
+    await compiling
+
+asyncio.run(main())
+"""
+
+
+async def test_a_compile_ends_with_the_engine_process_that_died(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An engine process killed (SIGKILL, the OOM killer) mid-compile takes the compile with
+    it: the worker, not its child, is gone within seconds, not when xgrammar finishes."""
+    model = tiny_model_dir(tmp_path_factory)
+    engine = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DYING_ENGINE, str(model),
+        stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    try:
+        assert engine.stdout is not None
+        line = await asyncio.wait_for(engine.stdout.readline(), 120)
+        worker = int(line)
+        assert psutil.Process(worker).status() != psutil.STATUS_ZOMBIE  # compiling
+        assert psutil.Process(worker).cpu_times().user > 0
+    finally:
+        engine.kill()
+        await engine.wait()
+    if not await wait_until(lambda: gone(worker), timeout=10):
+        os.kill(worker, signal.SIGKILL)  # a failure leaves no runaway compile behind
+        pytest.fail(f"compile worker {worker} outlived its engine process")
+
+
+async def test_stopping_the_engine_mid_compile_ends_the_worker(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A runaway compile (its limit far off) does not outlive the engine's stop."""
+    config = engine_config(
+        tiny_model_dir(tmp_path_factory), grammar_compile_workers=1, grammar_compile_timeout=300.0
+    )
+    engine = AsyncEngine(config)
+    await engine.start()
+    params = SamplingParams(max_new_tokens=4, structured=pathological_regex())
+    try:
+        pending = asyncio.ensure_future(engine.generate("hello", params))
+        assert await wait_until(
+            lambda: (
+                engine.held.compiler is not None and bool(engine.held.compiler.pool.live_pids())
+            ),
+            timeout=60,
+        )
+        [worker] = engine.held.compiler.pool.live_pids()
+        await asyncio.sleep(0.5)  # compiling
+        assert not gone(worker)
+    finally:
+        await engine.stop()
+    assert await wait_until(lambda: gone(worker), timeout=10)  # killed, and reaped
+    assert compile_children() == []
+    assert (await pending).finish_reason == "abort"
